@@ -1,0 +1,137 @@
+"""The Backend protocol: how smolbench creates, runs, branches and deletes machines.
+
+Small on purpose, like jupyter_client's provisioner ABC: a backend knows how to
+make a machine from a :class:`~smolbench.spec.MachineSpec`, reach the guest
+agent inside it, copy it into live branches, and delete it. Everything else
+(the tree, the ledger, scheduling, timeouts) lives in the Workbench.
+
+Lifecycle of one machine::
+
+    ref = await backend.create(spec, "root")
+    result = await backend.exec_cell(ref, CellRequest(code="x = 1"), on_event)
+    kids = await backend.branch(ref, ["root.0", "root.1"], seeds=[0, 1])
+    await backend.delete(kids[0]); ...; await backend.delete(ref)
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..spec import MachineSpec
+
+
+@dataclass
+class MachineRef:
+    """A live machine this kernel created (a handle, not the machine itself)."""
+
+    name: str
+    backend: str
+    spec: MachineSpec
+    parent: str | None = None
+    created: float = field(default_factory=time.time)
+    info: dict[str, Any] = field(default_factory=dict)  # backend-specific details
+
+
+@dataclass
+class Event:
+    """Something a running cell produced before it finished."""
+
+    kind: str  # "stream" | "display"
+    name: str = ""  # "stdout" | "stderr" for streams
+    text: str = ""
+    data: dict[str, Any] | None = None  # MIME bundle for displays
+
+
+OnEvent = Callable[[Event], None]
+
+
+@dataclass
+class CellRequest:
+    """One cell to run in a machine."""
+
+    code: str
+    push: dict[str, bytes] = field(default_factory=dict)  # name -> pickled value
+    pull: list[str] = field(default_factory=list)
+    cell_name: str = "<cell>"
+
+
+@dataclass
+class CellResult:
+    """What a cell left behind once it finished (or failed)."""
+
+    status: str  # "ok" | "error"
+    result: dict[str, Any] | None = None  # MIME bundle of the last expression
+    error: dict[str, Any] | None = None  # {"ename", "evalue", "traceback"}
+    pulled: dict[str, bytes] = field(default_factory=dict)
+    reward: Any = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    stdout: str = ""
+    stderr: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass
+class CheckpointInfo:
+    """A saved machine on disk."""
+
+    path: str
+    backend: str
+    size: int
+    warnings: list[str] = field(default_factory=list)
+
+
+class Backend(abc.ABC):
+    """Creates and drives machines. One instance per Workbench."""
+
+    name: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def isolation(self) -> str:
+        """Plain words for what separates a machine from the host."""
+
+    @abc.abstractmethod
+    async def create(self, spec: MachineSpec, name: str) -> MachineRef:
+        """Boot a machine from ``spec`` and start its guest agent."""
+
+    @abc.abstractmethod
+    async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
+        """Run one cell in the machine's persistent namespace, streaming events."""
+
+    @abc.abstractmethod
+    async def branch(self, machine: MachineRef, names: list[str], seeds: list[int | None]) -> list[MachineRef]:
+        """Make live copy-on-write children of a warm machine, one per name.
+
+        Each child keeps the parent's state and gets its seed applied
+        (``SEED``, ``random``, ``numpy`` and ``SMOLBENCH_SEED``).
+        """
+
+    @abc.abstractmethod
+    async def interrupt(self, machine: MachineRef) -> None:
+        """Raise KeyboardInterrupt in the cell running in the machine, if any."""
+
+    @abc.abstractmethod
+    async def delete(self, machine: MachineRef) -> None:
+        """Delete the machine; deleting one that is already gone is not an error."""
+
+    @abc.abstractmethod
+    def list(self) -> list[MachineRef]:
+        """Machines this backend created and has not deleted yet."""
+
+    @abc.abstractmethod
+    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
+        """Save the whole machine to ``path``."""
+
+    @abc.abstractmethod
+    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+        """Create a new machine from a checkpoint made by this backend."""
+
+    async def close(self) -> None:
+        """Delete every machine this backend still has."""
+        for ref in reversed(self.list()):
+            await self.delete(ref)

@@ -1,0 +1,83 @@
+"""Errors a user sees: one line naming the problem and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class SmolbenchError(Exception):
+    """A problem the user can fix; its message is one line that says how.
+
+    IPython shows it without a traceback (see ``magics``), because the
+    traceback of our own layers never helps the user.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class SmolfileError(SmolbenchError):
+    """A Smolfile that cannot be used."""
+
+
+class BackendUnavailable(SmolbenchError):
+    """The chosen backend cannot run on this host."""
+
+
+class MachineBusy(SmolbenchError):
+    """The machine is already running a cell."""
+
+
+class RemoteError(Exception):
+    """An exception raised by user code inside a machine.
+
+    Rendered in the notebook like a local exception, with the remote
+    traceback pointing at the cell's own lines.
+    """
+
+    def __init__(self, ename: str, evalue: str, traceback: Sequence[str], node: str = "") -> None:
+        super().__init__(f"{ename}: {evalue}")
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = list(traceback)
+        self.node = node
+
+    def render(self) -> list[str]:
+        """The remote traceback as display lines (with ANSI colour)."""
+        head = f"[{self.node}] " if self.node else ""
+        lines = [f"\x1b[0;31m{head}Traceback (most recent call last) inside the machine:\x1b[0m"]
+        for chunk in self.traceback:
+            lines.extend(chunk.rstrip("\n").split("\n"))
+        lines.append(f"\x1b[0;31m{self.ename}\x1b[0m: {self.evalue}")
+        return lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render()
+
+
+class CompositeError(Exception):
+    """Several branches failed; shows the first few remote tracebacks.
+
+    Like ipyparallel's ``CompositeError``: one failing branch never hides the
+    others, and the full list is in ``.errors`` (and in the ForkResult).
+    """
+
+    shown = 4
+
+    def __init__(self, message: str, errors: Sequence[RemoteError | Any]) -> None:
+        super().__init__(message)
+        self.errors = list(errors)
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31mCompositeError\x1b[0m: {self}"]
+        for err in self.errors[: self.shown]:
+            if isinstance(err, RemoteError):
+                lines.extend(err.render())
+            else:
+                lines.append(str(err))
+            lines.append("")
+        more = len(self.errors) - self.shown
+        if more > 0:
+            lines.append(f"... {more} more")
+        return lines

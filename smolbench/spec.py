@@ -1,0 +1,55 @@
+"""MachineSpec: what a machine is made from, independent of the backend."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A host directory mounted into the machine (only when declared)."""
+
+    host: str
+    guest: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Everything a backend needs to create a machine.
+
+    ``image`` is ``None`` for the backend's default image: the host's own root
+    filesystem read-only on the sandbox backend, the SDK's default on smol.
+    """
+
+    image: str | None = None
+    cpus: int = 1
+    memory: int = 1024  # MiB
+    net: bool = False
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = "/workspace"
+    init: tuple[str, ...] = ()
+    volumes: tuple[Volume, ...] = ()
+    branch: bool = True
+    source: str | None = field(default=None, compare=False)  # Smolfile path, for messages
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        """The environment as a plain dict."""
+        return dict(self.env)
+
+    @property
+    def network_enabled(self) -> bool:
+        """True when the machine may reach any network at all."""
+        return self.net or bool(self.allow_hosts) or bool(self.allow_cidrs)
+
+    def baseline(self) -> str:
+        """A short, stable identifier of this baseline (recorded in the ledger)."""
+        data = asdict(self)
+        data.pop("source", None)
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{self.image or 'host'}@{digest}"
