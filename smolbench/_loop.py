@@ -52,3 +52,44 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
 def in_loop_thread() -> bool:
     """True when called from the smolbench loop's own thread."""
     return _loop is not None and threading.current_thread().name == "smolbench-loop"
+
+
+class Job:
+    """A coroutine running on the smolbench loop that the main thread can cancel and await.
+
+    Unlike a bare ``run_coroutine_threadsafe`` future, ``cancel()`` followed by
+    ``wait_finished()`` waits for the coroutine's own cleanup (deleting
+    machines, writing the ledger) to complete.
+    """
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._finished = threading.Event()
+        self._task: asyncio.Task[Any] | None = None
+        self._task_set = threading.Event()
+        self.future: Future[Any] = submit(self._run(coro))
+
+    async def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        self._task = asyncio.current_task()
+        self._task_set.set()
+        try:
+            return await coro
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        """True once the coroutine finished (including its cleanup)."""
+        return self._finished.is_set()
+
+    def cancel(self) -> None:
+        """Ask the coroutine to stop (it gets CancelledError on the loop)."""
+        self._task_set.wait(5)
+        if self._task is not None:
+            get_loop().call_soon_threadsafe(self._task.cancel)
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until the coroutine's cleanup finished; False on timeout."""
+        return self._finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The coroutine's result (re-raises its exception)."""
+        return self.future.result(timeout)

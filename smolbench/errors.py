@@ -37,7 +37,7 @@ class RemoteError(Exception):
     """
 
     def __init__(self, ename: str, evalue: str, traceback: Sequence[str], node: str = "") -> None:
-        super().__init__(f"{ename}: {evalue}")
+        super().__init__(evalue)
         self.ename = ename
         self.evalue = evalue
         self.traceback = list(traceback)

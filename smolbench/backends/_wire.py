@@ -18,6 +18,7 @@ def exec_message(request: CellRequest) -> dict[str, Any]:
         "cell": request.cell_name,
         "push": {k: P.b64(v) for k, v in request.push.items()},
         "pull": list(request.pull),
+        "seed": request.seed,
     }
 
 

@@ -57,6 +57,7 @@ class CellRequest:
     push: dict[str, bytes] = field(default_factory=dict)  # name -> pickled value
     pull: list[str] = field(default_factory=list)
     cell_name: str = "<cell>"
+    seed: int | None = None  # applied before the cell runs (fresh episodes)
 
 
 @dataclass

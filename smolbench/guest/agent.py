@@ -344,6 +344,8 @@ class Agent:
         sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
         self._running = True
         try:
+            if req.get("seed") is not None:
+                self.apply_seed(req["seed"])
             for name, blob in (req.get("push") or {}).items():
                 self.ns[name] = _loads(P.unb64(blob))
             value = self._execute(code, filename)

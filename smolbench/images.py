@@ -1,0 +1,218 @@
+"""The sandbox backend's cache of root filesystems (built with debootstrap).
+
+An image *name* such as ``debian:bookworm`` lives in
+``cache_dir()/images/debian-bookworm``; an image *path* (``/``, ``./``,
+``../`` or ``~`` first) is a rootfs directory used as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from smolbench.errors import SmolbenchError
+
+DEFAULT_IMAGE = "debian:bookworm"
+
+_PATH_PREFIXES = ("/", "./", "../", "~")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+_PYTHONS = ("usr/bin/python3", "bin/python3")
+
+
+def is_path_image(image: str) -> bool:
+    """True when ``image`` names a rootfs directory rather than an image name."""
+    return image in (".", "..") or image.startswith(_PATH_PREFIXES)
+
+
+def is_valid_image_name(name: str) -> bool:
+    """True when ``name`` is a plausible image name (``debian:bookworm``, an OCI ref)."""
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def has_python(rootfs: str | os.PathLike[str]) -> bool:
+    """True when the directory ``rootfs`` contains ``usr/bin/python3`` or ``bin/python3``.
+
+    Uses ``lexists`` because a rootfs's own symlinks may point at absolute
+    paths that only make sense inside the machine.
+    """
+    root = Path(rootfs)
+    return root.is_dir() and any(os.path.lexists(root / rel) for rel in _PYTHONS)
+
+
+def cache_dir() -> Path:
+    """The cache directory: ``$SMOLBENCH_CACHE`` or ``~/.cache/smolbench``."""
+    env = os.environ.get("SMOLBENCH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "smolbench"
+
+
+def image_dir(name: str) -> Path:
+    """Where the rootfs of image ``name`` lives (``debian:bookworm`` -> ``.../debian-bookworm``)."""
+    if not is_valid_image_name(name):
+        raise SmolbenchError(
+            f"invalid image name {name!r}: use letters, digits and . _ : / @ + - "
+            "(like 'debian:bookworm')"
+        )
+    return cache_dir() / "images" / name.replace(":", "-").replace("/", "-")
+
+
+def _meta_path(dest: Path) -> Path:
+    return dest.parent / f"{dest.name}.json"
+
+
+def build_debian_rootfs(
+    name: str = DEFAULT_IMAGE,
+    suite: str = "bookworm",
+    force: bool = False,
+    log: Callable[[str], object] = print,
+    mirror: str | None = None,
+) -> Path:
+    """Build a minimal Debian rootfs with python3 into the cache; return its path.
+
+    Runs ``debootstrap --variant=minbase --include=python3 SUITE TMPDIR`` in a
+    temporary directory next to the destination and renames it into place
+    only when it succeeded, so a failed build leaves nothing half-made. An
+    image already built is returned as is unless ``force``.
+    """
+    dest = image_dir(name)
+    if has_python(dest) and not force:
+        log(f"image {name!r} already built at {dest}")
+        return dest
+    debootstrap = shutil.which("debootstrap")
+    if debootstrap is None:
+        raise SmolbenchError(
+            "debootstrap is not installed (or not on PATH): "
+            "install it with: apt-get install debootstrap"
+        )
+    if os.geteuid() != 0:
+        raise SmolbenchError(
+            f"building image {name!r} with debootstrap needs root: run "
+            f"`sudo env SMOLBENCH_CACHE={cache_dir()} smolbench image build {name}`"
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-", dir=dest.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700: the rootfs's "/" must be readable
+        cmd = [debootstrap, "--variant=minbase", "--include=python3", suite, str(tmp)]
+        if mirror:
+            cmd.append(mirror)
+        log(f"building image {name!r}: {' '.join(cmd)}")
+        tail: deque[str] = deque(maxlen=20)
+        with subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                if line.strip():
+                    tail.append(line.strip())
+                    log(line)
+            code = proc.wait()
+        if code != 0:
+            last = tail[-1] if tail else "no output"
+            raise SmolbenchError(
+                f"debootstrap failed for image {name!r} (exit {code}): {last}; "
+                "fix the problem above and run the build again"
+            )
+        if not has_python(tmp):
+            raise SmolbenchError(
+                f"debootstrap finished but image {name!r} has no usr/bin/python3; "
+                "run the build again with force=True"
+            )
+        old: Path | None = None
+        if dest.exists() or dest.is_symlink():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meta = {"name": name, "suite": suite, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    _meta_path(dest).write_text(json.dumps(meta) + "\n")
+    log(f"image {name!r} built at {dest}")
+    return dest
+
+
+def resolve_rootfs(image: str | None) -> Path | None:
+    """The root filesystem directory for ``image`` on the sandbox backend.
+
+    ``None`` means the host's own root (returns ``None``); a path is a rootfs
+    directory used as it is; a name must have been built into the cache.
+    """
+    if image is None:
+        return None
+    if is_path_image(image):
+        path = Path(image).expanduser().resolve()
+        if not path.is_dir():
+            raise SmolbenchError(
+                f"rootfs directory {str(path)!r} does not exist: create it or fix the image path"
+            )
+        if not has_python(path):
+            raise SmolbenchError(
+                f"rootfs directory {str(path)!r} has no usr/bin/python3: "
+                "install python3 in it or use a built image like 'debian:bookworm'"
+            )
+        return path
+    path = image_dir(image)
+    if has_python(path):
+        return path
+    if image.startswith("debian:"):
+        raise SmolbenchError(f"image {image!r} is not built: run `smolbench image build {image}`")
+    raise SmolbenchError(
+        f"image {image!r} is not built: the sandbox backend only builds Debian images "
+        f"(run `smolbench image build {DEFAULT_IMAGE}`); OCI images need the smol backend"
+    )
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda _err: None):
+        for entry in (*dirnames, *filenames):
+            try:
+                st = os.lstat(os.path.join(dirpath, entry))
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += st.st_size
+    return total
+
+
+def list_images() -> list[tuple[str, Path, int]]:
+    """The images in the cache as ``(name, path, size in bytes)``, sorted by name."""
+    root = cache_dir() / "images"
+    if not root.is_dir():
+        return []
+    images: list[tuple[str, Path, int]] = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".") or path.is_symlink() or not path.is_dir():
+            continue
+        name = path.name
+        try:
+            meta = json.loads(_meta_path(path).read_text())
+            if isinstance(meta, dict) and isinstance(meta.get("name"), str):
+                name = meta["name"]
+        except (OSError, ValueError):
+            pass
+        images.append((name, path, _tree_size(path)))
+    images.sort(key=lambda item: item[0])
+    return images

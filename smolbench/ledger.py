@@ -1,0 +1,216 @@
+"""The ledger: a durable record of every run, node and checkpoint, outside every machine.
+
+SQLite in WAL mode at ``.smolbench/ledger.db`` beside the notebook. A node's row
+is written when it starts and updated (and committed) the moment it ends, so a
+crash of the kernel loses no finished branch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT_PATH = ".smolbench/ledger.db"
+OUTPUT_LIMIT = 16 * 1024  # characters of a node's output kept in the ledger
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, started REAL, backend TEXT, isolation TEXT, baseline TEXT,
+    host TEXT, cwd TEXT, versions TEXT
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, session_id TEXT, kind TEXT, parent_id TEXT, code TEXT, code_hash TEXT,
+    n INTEGER, options TEXT, started REAL, ended REAL, status TEXT
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    session_id TEXT, id TEXT, run_id TEXT, parent_id TEXT, machine TEXT, backend TEXT,
+    baseline TEXT, seed INTEGER, code TEXT, code_hash TEXT, pushed TEXT, versions TEXT,
+    started REAL, ended REAL, status TEXT, reward REAL, metrics TEXT, output TEXT, error TEXT,
+    alive INTEGER, kept INTEGER, forked_at INTEGER,
+    PRIMARY KEY (session_id, id)
+);
+CREATE TABLE IF NOT EXISTS cells (
+    session_id TEXT, node_id TEXT, seq INTEGER, code TEXT, code_hash TEXT, seed INTEGER,
+    pushed TEXT, status TEXT, ts REAL,
+    PRIMARY KEY (session_id, node_id, seq)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
+    created REAL, size INTEGER, cells INTEGER, warnings TEXT
+);
+"""
+
+NODE_COLUMNS = (
+    "run_id", "parent_id", "machine", "backend", "baseline", "seed", "code", "code_hash",
+    "pushed", "versions", "started", "ended", "status", "reward", "metrics", "output", "error",
+    "alive", "kept", "forked_at",
+)
+JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
+
+
+def code_hash(code: str) -> str:
+    """A short content hash of a cell's code."""
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+class Ledger:
+    """The durable record of a notebook's exploration (safe to use from any thread)."""
+
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._db.close()
+
+    # -- writing -----------------------------------------------------------------
+
+    def _write(self, sql: str, params: Iterable[Any]) -> None:
+        with self._lock:
+            self._db.execute(sql, tuple(params))
+
+    @staticmethod
+    def _enc(key: str, value: Any) -> Any:
+        if key in JSON_COLUMNS and value is not None and not isinstance(value, str):
+            return json.dumps(value, default=repr)
+        if isinstance(value, bool):
+            return int(value)
+        return value
+
+    def start_session(self, session_id: str, **fields: Any) -> None:
+        """Record a kernel session (one ``%smol up``)."""
+        cols = ["id", "started", *fields]
+        vals = [session_id, time.time(), *(self._enc(k, v) for k, v in fields.items())]
+        self._write(f"INSERT OR REPLACE INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def start_run(self, run_id: str, session_id: str, **fields: Any) -> None:
+        """Record a fork, episodes or replay request."""
+        cols = ["id", "session_id", "started", *fields]
+        vals = [run_id, session_id, time.time(), *(self._enc(k, v) for k, v in fields.items())]
+        self._write(f"INSERT OR REPLACE INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def end_run(self, run_id: str, status: str) -> None:
+        """Mark a run finished."""
+        self._write("UPDATE runs SET ended = ?, status = ? WHERE id = ?", (time.time(), status, run_id))
+
+    def upsert_node(self, session_id: str, node_id: str, **fields: Any) -> None:
+        """Insert a node or update the given columns of it (committed at once)."""
+        unknown = set(fields) - set(NODE_COLUMNS)
+        if unknown:
+            raise KeyError(f"unknown node columns: {sorted(unknown)}")
+        if "output" in fields and isinstance(fields["output"], str):
+            fields["output"] = fields["output"][-OUTPUT_LIMIT:]
+        cols = ["session_id", "id", *fields]
+        vals = [session_id, node_id, *(self._enc(k, v) for k, v in fields.items())]
+        updates = ", ".join(f"{k} = excluded.{k}" for k in fields) or "id = id"
+        self._write(
+            f"INSERT INTO nodes ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+            f"ON CONFLICT (session_id, id) DO UPDATE SET {updates}",
+            vals,
+        )
+
+    def add_cell(self, session_id: str, node_id: str, seq: int, code: str, seed: int | None,
+                 pushed: list[str], status: str) -> None:
+        """Record one cell run on a node (what replay re-runs)."""
+        self._write(
+            "INSERT OR REPLACE INTO cells VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (session_id, node_id, seq, code, code_hash(code), seed, json.dumps(pushed), status, time.time()),
+        )
+
+    def add_checkpoint(self, name: str, session_id: str, node_id: str, path: str, backend: str,
+                       size: int, cells: int, warnings: list[str]) -> None:
+        """Record a saved checkpoint."""
+        self._write(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)),
+        )
+
+    def remove_checkpoint(self, name: str) -> None:
+        """Forget a checkpoint."""
+        self._write("DELETE FROM checkpoints WHERE name = ?", (name,))
+
+    # -- reading -------------------------------------------------------------------
+
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            cur = self._db.execute(sql, tuple(params))
+            names = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        out = []
+        for row in rows:
+            rec = dict(zip(names, row))
+            for key in JSON_COLUMNS & rec.keys():
+                if isinstance(rec[key], str):
+                    try:
+                        rec[key] = json.loads(rec[key])
+                    except ValueError:
+                        pass
+            out.append(rec)
+        return out
+
+    def node_rows(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Node records as dicts, oldest first."""
+        if session_id is None:
+            return self._rows("SELECT * FROM nodes ORDER BY started, rowid")
+        return self._rows("SELECT * FROM nodes WHERE session_id = ? ORDER BY started, rowid", (session_id,))
+
+    def node(self, session_id: str, node_id: str) -> dict[str, Any] | None:
+        """One node record."""
+        rows = self._rows("SELECT * FROM nodes WHERE session_id = ? AND id = ?", (session_id, node_id))
+        return rows[0] if rows else None
+
+    def cells(self, session_id: str, node_id: str) -> list[dict[str, Any]]:
+        """The cells run on a node, in order."""
+        return self._rows("SELECT * FROM cells WHERE session_id = ? AND node_id = ? ORDER BY seq", (session_id, node_id))
+
+    def checkpoint_rows(self) -> list[dict[str, Any]]:
+        """Saved checkpoints, newest first."""
+        return self._rows("SELECT * FROM checkpoints ORDER BY created DESC")
+
+    def checkpoint(self, name: str) -> dict[str, Any] | None:
+        """One checkpoint record."""
+        rows = self._rows("SELECT * FROM checkpoints WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    def run_rows(self) -> list[dict[str, Any]]:
+        """Runs (forks, episodes, replays), newest first."""
+        return self._rows("SELECT * FROM runs ORDER BY started DESC")
+
+    def nodes(self, session_id: str | None = None) -> pd.DataFrame:
+        """Every node as a pandas DataFrame (one row per branch, newest last)."""
+        return _frame(self.node_rows(session_id))
+
+    def runs(self) -> pd.DataFrame:
+        """Every fork / episodes / replay run as a DataFrame."""
+        return _frame(self.run_rows())
+
+    def checkpoints(self) -> pd.DataFrame:
+        """Every checkpoint as a DataFrame."""
+        return _frame(self.checkpoint_rows())
+
+    def sessions(self) -> pd.DataFrame:
+        """Every recorded session as a DataFrame."""
+        return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
+
+
+def _frame(rows: list[Mapping[str, Any]]) -> pd.DataFrame:
+    import pandas as pd
+
+    return pd.DataFrame(list(rows))

@@ -1,0 +1,568 @@
+"""``%smol`` and ``%%smol``: parse options, call the Workbench, show what comes back."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import queue
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from . import _loop
+from .backends.base import Event
+from .errors import RemoteError, SmolbenchError
+from .result import ForkResult
+
+HELP = """Run notebook cells inside disposable, forkable machines.
+
+Line magics::
+
+  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+  %smol status                  backend, machine, image, uptime, isolation level
+  %smol down                    delete every machine this kernel created
+  %smol tree                    the fork tree (live widget)
+  %smol use NODE                make a live node (e.g. root.7) the active machine
+  %smol delete NODE             delete a node's machine and everything below it
+  %smol ledger [-n N]           recent runs from the ledger, as a table
+  %smol plot                    reward plots across the whole tree
+  %smol replay NODE             rebuild a branch's path and compare its reward
+  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
+
+Cell magics::
+
+  %%smol [--push a,b] [--pull c] [--timeout S]
+      run the cell in the active machine; its state persists between cells
+  %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
+                [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
+                [--group-outputs order|branch|type] [--push a,b] [--allow-errors]
+      run the cell in N live copy-on-write branches of the active machine, each with its own
+      SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics))
+  %%smol episodes N [same options]
+      run the cell in N fresh machines booted from the baseline, each deleted afterwards
+"""
+
+PUMP_INTERVAL = 0.05
+PROGRESS_INTERVAL = 0.25
+
+
+def _split_names(text: str | None) -> list[str]:
+    if not text:
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if not n.isidentifier():
+            raise UsageError(f"{n!r} is not a variable name: give names separated by commas, e.g. --push data,env")
+    return names
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``3,7,11`` or ``0:16`` (a range) into a list of seeds."""
+    try:
+        if ":" in text:
+            lo, hi = text.split(":", 1)
+            return list(range(int(lo), int(hi)))
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds {text!r} is not a list of whole numbers: use e.g. --seeds 3,7,11 or --seeds 0:16") from None
+
+
+# -- option bundles (magic_arguments parsers) ----------------------------------------------
+
+
+@magic_arguments()
+@argument("--smolfile", default=None, help="Smolfile to build the machine from (default: ./Smolfile if present)")
+@argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"], help="where machines run")
+@argument("--target", default="local", choices=["local", "cloud"], help="smol backend: local engine or smol cloud")
+@argument("--image", default=None, help="override the Smolfile's image")
+@argument("--net", action="store_true", help="give the machine network access")
+@argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
+def _up_args(line: str) -> None:
+    """%smol up options."""
+
+
+@magic_arguments()
+@argument("--push", default=None, help="notebook variables to send in, comma-separated")
+@argument("--pull", default=None, help="machine variables to bring back, comma-separated")
+@argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
+def _cell_args(line: str) -> None:
+    """%%smol options."""
+
+
+@magic_arguments()
+@argument("n", help="how many branches")
+@argument("--seed-base", type=int, default=0, help="seeds are seed-base + 0..N-1")
+@argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
+@argument("--timeout", type=float, default=None, help="per-branch time limit in seconds")
+@argument("--concurrency", type=int, default=None, help="how many branches run at once")
+@argument("--keep", default="best", help="which branches stay alive: best, all or none")
+@argument("--out", default=None, help="store the ForkResult in this notebook variable")
+@argument("--bg", action="store_true", help="return at once; the handle has .wait(), .done(), .progress")
+@argument("--group-outputs", default="order", choices=["order", "branch", "type"], help="how branch output is shown")
+@argument("--push", default=None, help="notebook variables to send to every branch")
+@argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
+@argument("--quiet", action="store_true", help="no per-branch output, just the summary")
+def _fork_args(line: str) -> None:
+    """%%smol fork / episodes options."""
+
+
+@magic_arguments()
+@argument("node", help="node id, e.g. root.7")
+def _node_args(line: str) -> None:
+    """A node id."""
+
+
+@magic_arguments()
+@argument("-n", type=int, default=20, help="how many nodes")
+def _ledger_args(line: str) -> None:
+    """%smol ledger options."""
+
+
+@magic_arguments()
+@argument("action", choices=["save", "restore", "list", "rm"])
+@argument("name", nargs="?", default=None)
+@argument("--node", default=None, help="save this node instead of the active one")
+@argument("--force", action="store_true", help="replace a checkpoint with the same name")
+def _checkpoint_args(line: str) -> None:
+    """%smol checkpoint options."""
+
+
+@magics_class
+class SmolMagics(Magics):
+    """The ``%smol`` / ``%%smol`` magics (one Workbench per kernel)."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.workbench: Any = None
+        self.last_result: ForkResult | None = None
+        atexit.register(self.shutdown)
+
+    # -- entry point ------------------------------------------------------------------
+
+    @line_cell_magic
+    def smol(self, line: str, cell: str | None = None) -> Any:
+        try:
+            if cell is None:
+                return self._line(line)
+            return self._cell(line, cell)
+        except SmolbenchError as exc:
+            # One line, no traceback of our layers (the exception renders itself).
+            raise type(exc)(str(exc)) from None
+
+    smol.__doc__ = HELP
+
+    def _line(self, line: str) -> Any:
+        words = line.strip().split(None, 1)
+        if not words:
+            print(HELP)
+            return None
+        sub, rest = words[0], (words[1] if len(words) > 1 else "")
+        handler = getattr(self, f"_do_{sub}", None)
+        if handler is None:
+            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint (see %smol?)")
+        return handler(rest)
+
+    def _cell(self, line: str, cell: str) -> Any:
+        words = line.strip().split(None, 1)
+        if words and words[0] in ("fork", "episodes"):
+            return self._fanout(words[0], words[1] if len(words) > 1 else "", cell)
+        return self._run_cell(line, cell)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _wb(self) -> Any:
+        if self.workbench is None:
+            raise SmolbenchError("no machine is up: run `%smol up` first")
+        return self.workbench
+
+    def _do_up(self, rest: str) -> None:
+        from .ledger import DEFAULT_PATH, Ledger
+        from .smolfile import load_smolfile
+        from .spec import MachineSpec
+        from .workbench import Workbench
+
+        args = parse_argstring(_up_args, rest)
+        if self.workbench is not None and self.workbench.active is not None:
+            wb = self.workbench
+            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+        path = args.smolfile or ("Smolfile" if os.path.exists("Smolfile") else None)
+        if args.smolfile and not os.path.exists(args.smolfile):
+            raise SmolbenchError(f"no Smolfile at {args.smolfile}: check the path, or drop --smolfile to use the defaults")
+        spec = load_smolfile(path) if path else MachineSpec()
+        if args.image or args.net:
+            from dataclasses import replace
+
+            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net)
+        backend, why = choose_backend(args.backend, args.target)
+        if why:
+            print(why)
+        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH))
+        t0 = time.perf_counter()
+        _loop.run(wb.up())
+        self.workbench = wb
+        st = wb.status()
+        print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
+              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
+        if backend.name != "smol":
+            print(f"isolation: {backend.isolation}")
+
+    def _do_down(self, rest: str) -> None:
+        if self.workbench is None:
+            print("smolbench: nothing is up")
+            return
+        n = _loop.run(self.workbench.down())
+        print(f"smolbench: deleted {n} machine{'s' if n != 1 else ''}")
+        self._close_views()
+
+    def shutdown(self) -> None:
+        """Delete every machine (kernel shutdown / extension unload)."""
+        wb = self.workbench
+        if wb is not None and wb.machines:
+            with contextlib.suppress(Exception):
+                _loop.run(wb.down(), timeout=30)
+
+    def _close_views(self) -> None:
+        pass
+
+    def _do_status(self, rest: str) -> dict[str, Any] | None:
+        if self.workbench is None or self.workbench.active is None:
+            print("smolbench: no machine is up (`%smol up` starts one)")
+            return None
+        st = self.workbench.status()
+        width = max(len(k) for k in st)
+        for k, v in st.items():
+            print(f"{k:<{width}}  {v}")
+        return None
+
+    def _do_use(self, rest: str) -> None:
+        args = parse_argstring(_node_args, rest)
+        node = self._wb().use(args.node)
+        print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward})" if node.seed is not None else ""))
+
+    def _do_delete(self, rest: str) -> None:
+        args = parse_argstring(_node_args, rest)
+        gone = _loop.run(self._wb().delete(args.node))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}")
+
+    def _do_tree(self, rest: str) -> Any:
+        wb = self._wb()
+        print(wb.tree.render(wb.active))
+        return None
+
+    def _do_ledger(self, rest: str) -> Any:
+        args = parse_argstring(_ledger_args, rest)
+        df = self._wb().ledger.nodes()
+        if df.empty:
+            print("smolbench: the ledger is empty")
+            return None
+        cols = [c for c in ("session_id", "id", "parent_id", "seed", "status", "reward", "started", "ended", "alive") if c in df]
+        return df[cols].tail(args.n)
+
+    def _do_checkpoint(self, rest: str) -> Any:
+        args = parse_argstring(_checkpoint_args, rest)
+        wb = self._wb()
+        if args.action == "save":
+            info = _loop.run(wb.checkpoint_save(args.name, args.node, args.force))
+            print(f"smolbench: saved checkpoint {info['name']} of {info['node']} ({info['size'] / 1e6:.2f} MB)")
+            for w in info["warnings"]:
+                print(f"smolbench: warning: {w}", file=sys.stderr)
+            return None
+        if args.action == "restore":
+            if not args.name:
+                raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME")
+            node = _loop.run(wb.checkpoint_restore(args.name))
+            print(f"smolbench: restored {args.name} as {node.id} (now active)")
+            return None
+        if args.action == "rm":
+            if not args.name:
+                raise UsageError("name the checkpoint to remove: %smol checkpoint rm NAME")
+            wb.checkpoint_remove(args.name)
+            print(f"smolbench: removed checkpoint {args.name}")
+            return None
+        df = wb.ledger.checkpoints()
+        if df.empty:
+            print("smolbench: no checkpoints yet (`%smol checkpoint save NAME`)")
+            return None
+        return df[["name", "node_id", "backend", "size", "created", "path"]]
+
+    def _do_replay(self, rest: str) -> Any:
+        args = parse_argstring(_node_args, rest)
+        wb = self._wb()
+        report = self._pump(wb.replay(args.node, self._branch_printer("order", {})), wb)
+        print(report["message"])
+        return None
+
+    def _do_plot(self, rest: str) -> Any:
+        from .widgets.plots import tree_figure
+
+        return tree_figure(self._wb())
+
+    # -- cells ------------------------------------------------------------------------------------
+
+    def _pushed(self, names: list[str]) -> dict[str, bytes]:
+        import cloudpickle
+
+        out = {}
+        for name in names:
+            if name not in self.shell.user_ns:
+                raise SmolbenchError(f"--push {name}: no variable named {name!r} in the notebook")
+            try:
+                out[name] = cloudpickle.dumps(self.shell.user_ns[name])
+            except Exception as exc:
+                raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
+        return out
+
+    def _run_cell(self, line: str, cell: str) -> Any:
+        args = parse_argstring(_cell_args, line)
+        wb = self._wb()
+        push = self._pushed(_split_names(args.push))
+        pull = _split_names(args.pull)
+
+        def show(ev: Event) -> None:
+            _show_event(ev)
+
+        res = self._pump(wb.run_cell(cell, show, push=push, pull=pull, timeout=args.timeout), wb, single=True)
+        if res.status != "ok":
+            err = res.error or {}
+            raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
+        for name, blob in res.pulled.items():
+            # Only ever data from a machine this kernel created and is talking to.
+            self.shell.user_ns[name] = pickle.loads(blob)
+        if res.result is not None:
+            return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
+        return None
+
+    def _fanout(self, kind: str, line: str, cell: str) -> Any:
+        args = parse_argstring(_fork_args, line)
+        try:
+            n = int(args.n)
+        except ValueError:
+            raise SmolbenchError(f"the number of branches must be a whole number, got {args.n!r}: e.g. `%%smol {kind} 16`") from None
+        seeds = parse_seeds(args.seeds) if args.seeds else None
+        if seeds is not None and len(set(seeds[:n])) < len(seeds[:n]):
+            print("smolbench: warning: --seeds repeats a seed; those branches will likely give the same result", file=sys.stderr)
+        wb = self._wb()
+        push = self._pushed(_split_names(args.push))
+        if kind == "fork":
+            result = wb.new_fork(n, seeds, args.seed_base, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep)
+        else:
+            result = wb.new_episodes(n, seeds, args.seed_base, timeout=args.timeout, concurrency=args.concurrency)
+        buffers: dict[str, list[tuple[str, str]]] = {}
+        printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers, result)
+
+        def coro_for(on_event: Callable[[str, Event], None]) -> Any:
+            if kind == "fork":
+                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep, push=push)
+            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push)
+
+        self._show_views(result)
+        if args.bg:
+            job = _loop.Job(coro_for(lambda b, ev: _collect(result, b, ev)))
+            result._attach(job.future, job.cancel)
+            if args.out:
+                self.shell.user_ns[args.out] = result
+            self.last_result = result
+            print(f"smolbench: {kind} of {n} running in the background; the handle has .wait(), .done(), .progress, .cancel()")
+            return result
+        try:
+            self._pump(coro_for(printer), wb, result=result)
+        finally:
+            if args.group_outputs in ("branch", "type") and not args.quiet:
+                _flush_grouped(buffers, args.group_outputs)
+            if args.out:
+                self.shell.user_ns[args.out] = result
+            self.last_result = result
+        display(result)
+        if not args.allow_errors:
+            err = result.composite_error()
+            if err is not None:
+                raise err
+        return None
+
+    def _show_views(self, result: ForkResult) -> None:
+        """Hook for live views of a fan-out (the tree widget)."""
+
+    def _branch_printer(self, mode: str, buffers: dict[str, list[tuple[str, str]]], result: ForkResult | None = None) -> Callable[[str, Event], None]:
+        def on_event(branch: str, ev: Event) -> None:
+            if result is not None:
+                _collect(result, branch, ev)
+            if mode == "quiet":
+                return
+            if ev.kind == "display":
+                if mode == "order":
+                    _PENDING.put(("display", branch, ev))
+                return
+            if mode == "order":
+                _PENDING.put(("stream", branch, ev))
+            else:
+                buffers.setdefault(branch, []).append((ev.name, ev.text))
+
+        return on_event
+
+    def _pump(self, coro: Any, wb: Any, *, single: bool = False, result: ForkResult | None = None) -> Any:
+        """Run ``coro`` on the loop; show its events on this (the kernel's) thread as they come.
+
+        Ctrl-C interrupts the running cell (single) or cancels every branch (fan-out);
+        either way we wait for the cleanup before handing control back.
+        """
+        job = _loop.Job(coro)
+        progress = _Progress(result) if result is not None else None
+        try:
+            while not job.done():
+                _drain(timeout=PUMP_INTERVAL)
+                if progress is not None:
+                    progress.tick()
+            _drain(timeout=0)
+        except KeyboardInterrupt:
+            job.cancel()
+            while not job.wait_finished(PUMP_INTERVAL):
+                _drain(timeout=0)
+            _drain(timeout=0)
+            if progress is not None:
+                progress.tick(final=True)
+            if result is not None:
+                print(f"smolbench: interrupted: {result.summary()}", file=sys.stderr)
+            raise
+        if progress is not None:
+            progress.tick(final=True)
+        return job.result()
+
+
+class RemoteValue:
+    """The last expression of a machine cell, displayed through its MIME bundle."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        return self.data
+
+    def __repr__(self) -> str:
+        return str(self.data.get("text/plain", ""))
+
+
+def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
+    """A RemoteError whose class is named after the remote exception (so Jupyter shows
+    ``ZeroDivisionError``, not ``RemoteError``)."""
+    cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
+    return cls(ename, evalue, traceback, node)
+
+
+# Events produced on the loop thread, shown on the kernel's main thread (so output lands
+# in the cell that is running, whatever thread produced it).
+_PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
+
+
+def _drain(timeout: float) -> None:
+    try:
+        item = _PENDING.get(timeout=timeout) if timeout else _PENDING.get_nowait()
+    except queue.Empty:
+        return
+    while True:
+        kind, branch, ev = item
+        if kind == "stream":
+            stream = sys.stderr if ev.name == "stderr" else sys.stdout
+            if branch:
+                text = "".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True))
+                stream.write(text if text.endswith("\n") else text + "\n")
+            else:
+                stream.write(ev.text)
+            stream.flush()
+        elif kind == "display" and ev.data:
+            if branch:
+                print(f"[{branch}] display:")
+            display(ev.data, raw=True)
+        try:
+            item = _PENDING.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _show_event(ev: Event) -> None:
+    _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
+
+
+def _collect(result: ForkResult, branch: str, ev: Event) -> None:
+    if ev.kind == "stream" and branch in result.rows:
+        row = result.rows[branch]
+        row["live_output"] = row.get("live_output", "") + ev.text
+
+
+def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:
+    if mode == "branch":
+        for branch in sorted(buffers, key=_branch_key):
+            print(f"[{branch}]")
+            for name, text in buffers[branch]:
+                (sys.stderr if name == "stderr" else sys.stdout).write(text)
+        return
+    for want in ("stdout", "stderr"):
+        for branch in sorted(buffers, key=_branch_key):
+            text = "".join(t for n, t in buffers[branch] if n == want)
+            if text:
+                out = sys.stderr if want == "stderr" else sys.stdout
+                out.write("".join(f"[{branch}] {ln}" for ln in text.splitlines(True)))
+                if not text.endswith("\n"):
+                    out.write("\n")
+
+
+def _branch_key(branch: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in branch.replace("-", ".").split(".")]
+
+
+class _Progress:
+    """A one-line progress display, updated in place while branches run."""
+
+    def __init__(self, result: ForkResult) -> None:
+        self.result = result
+        self.handle: Any = None
+        self.last = 0.0
+        self.text = ""
+
+    def tick(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.last < PROGRESS_INTERVAL:
+            return
+        self.last = now
+        done, total = self.result.progress
+        counts = self.result.counts()
+        running = counts.get("running", 0)
+        bits = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()) if k not in ("running", "starting"))
+        text = f"{self.result.kind}: {done}/{total} done" + (f", {running} running" if running else "") + (f" ({bits})" if bits else "")
+        if text == self.text:
+            return
+        self.text = text
+        if self.handle is None:
+            self.handle = display({"text/plain": text}, raw=True, display_id=True)
+        else:
+            self.handle.update({"text/plain": text}, raw=True)
+
+
+def choose_backend(kind: str, target: str) -> tuple[Any, str]:
+    """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
+    from .backends.sandbox import SandboxBackend, bwrap_path
+
+    if kind == "process":
+        return SandboxBackend(use_bwrap=False), ""
+    if kind == "sandbox":
+        return SandboxBackend(), ""
+    from .backends.smol import SmolBackend
+
+    if kind == "smol" or target == "cloud":
+        return SmolBackend(target=target), ""
+    from .backends.probe import probe_smol
+
+    ok, reason = probe_smol()
+    if ok:
+        return SmolBackend(target="local"), ""
+    how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"
+    return SandboxBackend(), f"smolbench: no microVM here ({reason}); using {how} instead"
+
+

@@ -1,0 +1,182 @@
+"""ForkResult: the handle a fork (or a batch of episodes) returns, like ipyparallel's AsyncResult."""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from .errors import CompositeError, RemoteError
+from .tree import TERMINAL
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "error")
+
+
+class ForkResult:
+    """Results of a fan-out, live while it runs.
+
+    One row per branch: ``branch``, ``seed``, ``status`` (ok / error / timeout /
+    cancelled, or running), ``reward``, ``wall`` seconds, ``metrics``,
+    ``output``. Shown as a table; ``.to_pandas()`` for analysis.
+    """
+
+    def __init__(self, kind: str, run_id: str, parent: str | None, branches: list[str], seeds: list[int | None]) -> None:
+        self.kind = kind
+        self.run_id = run_id
+        self.parent = parent
+        self.rows: dict[str, dict[str, Any]] = {
+            b: {"branch": b, "seed": s, "status": "starting", "reward": None, "wall": None,
+                "metrics": {}, "output": "", "error": None}
+            for b, s in zip(branches, seeds)
+        }
+        self.remote_errors: dict[str, RemoteError] = {}
+        self.kept: list[str] = []
+        self.started = time.time()
+        self.ended: float | None = None
+        self._future: Future[Any] | None = None
+        self._cancel: Any = None
+
+    # -- live handle ---------------------------------------------------------------
+
+    def _attach(self, future: Future[Any], cancel: Any) -> None:
+        self._future = future
+        self._cancel = cancel
+
+    def done(self) -> bool:
+        """True once every branch reached a terminal status."""
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> ForkResult:
+        """Block until the fan-out is finished (or ``timeout`` seconds pass)."""
+        if self._future is not None:
+            self._future.result(timeout)
+        return self
+
+    def cancel(self) -> None:
+        """Cancel every running branch (their machines are deleted)."""
+        if self._cancel is not None and not self.done():
+            self._cancel()
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(branches finished, branches in all)."""
+        return sum(r["status"] in TERMINAL for r in self.rows.values()), len(self.rows)
+
+    # -- results ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, branch: str) -> dict[str, Any]:
+        return self.rows[branch]
+
+    def __iter__(self) -> Any:
+        return iter(self.rows.values())
+
+    @property
+    def rewards(self) -> dict[str, float | None]:
+        """Reward per branch."""
+        return {b: r["reward"] for b, r in self.rows.items()}
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The row with the highest reward among branches that finished ok."""
+        ok = [r for r in self.rows.values() if r["status"] == "ok" and r["reward"] is not None]
+        return max(ok, key=lambda r: r["reward"]) if ok else None
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        """Rows of branches that errored, timed out or were cancelled."""
+        return [r for r in self.rows.values() if r["status"] in ("error", "timeout", "cancelled")]
+
+    def counts(self) -> dict[str, int]:
+        """How many branches ended in each status."""
+        out: dict[str, int] = {}
+        for r in self.rows.values():
+            out[r["status"]] = out.get(r["status"], 0) + 1
+        return out
+
+    def summary(self) -> str:
+        """One line: n ok / failed, best reward and its branch."""
+        c = self.counts()
+        parts = [f"{self.kind} of {len(self)}"]
+        parts += [f"{n} {s}" for s, n in sorted(c.items())]
+        best = self.best
+        if best is not None:
+            parts.append(f"best reward {best['reward']:.6g} on {best['branch']} (seed {best['seed']})")
+        if self.ended is not None:
+            parts.append(f"in {self.ended - self.started:.2f} s")
+        if self.kept:
+            parts.append(f"kept alive: {', '.join(self.kept)}")
+        return " · ".join(parts)
+
+    def composite_error(self) -> CompositeError | None:
+        """An aggregated error for every failed branch, or None if all are ok."""
+        failed = self.failed
+        if not failed:
+            return None
+        errors: list[Any] = []
+        for r in failed:
+            errors.append(self.remote_errors.get(r["branch"]) or f"[{r['branch']}] {r['status']}: {r['error'] or ''}")
+        n = len(self)
+        return CompositeError(f"{len(failed)} of {n} branches failed ({', '.join(f'{k} {v}' for k, v in sorted(self.counts().items()))})", errors)
+
+    def raise_for_errors(self) -> None:
+        """Raise a CompositeError if any branch failed."""
+        err = self.composite_error()
+        if err is not None:
+            raise err
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per branch, metrics expanded into their own columns."""
+        import pandas as pd
+
+        rows = []
+        for r in self.rows.values():
+            rec = {k: r[k] for k in COLUMNS if k != "metrics"}
+            for mk, mv in (r["metrics"] or {}).items():
+                rec[f"m.{mk}"] = mv
+            rows.append(rec)
+        return pd.DataFrame(rows, columns=None)
+
+    def plot(self, **kwargs: Any) -> Any:
+        """Reward plots for this fan-out (see ``smolbench.widgets.plots``)."""
+        from .widgets.plots import reward_figure
+
+        return reward_figure(self, **kwargs)
+
+    # -- display ----------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        lines = [self.summary()]
+        for r in self.rows.values():
+            rew = "" if r["reward"] is None else f"{r['reward']:.6g}"
+            wall = "" if r["wall"] is None else f"{r['wall']:.2f}s"
+            lines.append(f"  {r['branch']:<14} seed={r['seed']!s:<6} {r['status']:<9} {rew:>12} {wall:>8}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        best = self.best
+        head = "".join(f"<th>{c}</th>" for c in ("branch", "seed", "status", "reward", "wall (s)", "metrics"))
+        body = []
+        colors = {"ok": "#1a7f37", "error": "#cf222e", "timeout": "#9a6700", "cancelled": "#6e7781"}
+        for r in self.rows.values():
+            style = ' style="font-weight:bold"' if best is not None and r["branch"] == best["branch"] else ""
+            rew = "" if r["reward"] is None or (isinstance(r["reward"], float) and math.isnan(r["reward"])) else f"{r['reward']:.6g}"
+            wall = "" if r["wall"] is None else f"{r['wall']:.2f}"
+            metrics = ", ".join(f"{k}={v}" for k, v in (r["metrics"] or {}).items())
+            color = colors.get(r["status"], "inherit")
+            body.append(
+                f"<tr{style}><td>{html.escape(r['branch'])}</td><td>{r['seed']}</td>"
+                f"<td style='color:{color}'>{r['status']}</td><td>{rew}</td><td>{wall}</td>"
+                f"<td>{html.escape(metrics)}</td></tr>"
+            )
+        return (
+            f"<div class='smolbench-forkresult'><p>{html.escape(self.summary())}</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
+        )

@@ -1,0 +1,583 @@
+"""Parse a Smolfile (TOML) into a :class:`~smolbench.spec.MachineSpec`.
+
+Example::
+
+    image = "debian:bookworm"      # or "./rootfs", or an OCI ref on the smol backend
+    cpus = 2
+    memory = "2G"                  # or an integer number of MiB
+    net = false
+    workdir = "/workspace"
+    init = ["pip install numpy"]
+    volumes = [{ host = "data", guest = "/data", readonly = true }]
+
+    [env]
+    SEED = "0"
+
+    [network]
+    allow_hosts = ["pypi.org", "files.pythonhosted.org:443"]
+    allow_cidrs = ["10.0.0.0/8"]
+
+    [branch]
+    enabled = true
+
+Every problem raises :class:`~smolbench.errors.SmolfileError` with one line
+naming the file, the line, the key, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import posixpath
+import re
+import sys
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, NoReturn
+
+from smolbench.errors import SmolfileError
+from smolbench.images import has_python, is_path_image, is_valid_image_name
+from smolbench.spec import MachineSpec, Volume
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+TOP_KEYS = (
+    "branch",
+    "cpus",
+    "env",
+    "image",
+    "init",
+    "memory",
+    "net",
+    "network",
+    "volumes",
+    "workdir",
+)
+TABLES = ("branch", "env", "network")
+NETWORK_KEYS = ("allow_cidrs", "allow_hosts")
+BRANCH_KEYS = ("enabled",)
+VOLUME_KEYS = ("guest", "host", "readonly")
+
+MAX_CPUS = 64
+MIN_MEMORY = 128  # MiB
+
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+_MEMORY_UNITS = {"": Decimal(1), "K": Decimal(1) / 1024, "M": Decimal(1), "G": Decimal(1024)}
+_MEMORY_UNITS["T"] = Decimal(1024 * 1024)
+_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HEADER_RE = re.compile(r"\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\]?\s*(?:#.*)?$")
+_KEY_RE = re.compile(r"\s*([A-Za-z0-9_.\-\"' ]+?)\s*=")
+_TOML_POS_RE = re.compile(r"\s*\(at line (\d+), column (\d+)\)|\s*\(at end of document\)")
+
+
+def _describe(value: Any) -> str:
+    """A value as a short phrase for messages, spelled the TOML way."""
+    if isinstance(value, bool):
+        return f"boolean {'true' if value else 'false'}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"float {value}"
+    if isinstance(value, str):
+        text = value if len(value) <= 60 else value[:57] + "..."
+        return f"string {text!r}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"
+
+
+def _allowed(key: str, allowed: tuple[str, ...]) -> str:
+    """`` (did you mean 'x'?); allowed keys: ...`` for an unknown key."""
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; allowed keys: {', '.join(allowed)}"
+
+
+def _key_parts(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip().strip("\"'") for part in raw.split("."))
+
+
+class _Lines:
+    """Where keys are in the raw text: a simple line scan, good enough for messages."""
+
+    def __init__(self, text: str) -> None:
+        self.lines = text.splitlines()
+        self.where: dict[tuple[str, ...], int] = {}
+        section: tuple[str, ...] = ()
+        arrays: dict[tuple[str, ...], int] = {}
+        in_multiline = False
+        for number, line in enumerate(self.lines, start=1):
+            if in_multiline:
+                if (line.count('"""') + line.count("'''")) % 2:
+                    in_multiline = False
+                continue
+            header = _HEADER_RE.match(line)
+            if header:
+                path = _key_parts(header.group(2))
+                if header.group(1) == "[[":
+                    index = arrays.get(path, -1) + 1
+                    arrays[path] = index
+                    self.where.setdefault(path, number)
+                    path = (*path, str(index))
+                section = path
+                self.where.setdefault(path, number)
+                continue
+            key = _KEY_RE.match(line)
+            if key:
+                self.where.setdefault((*section, *_key_parts(key.group(1))), number)
+            if (line.count('"""') + line.count("'''")) % 2:
+                in_multiline = True
+
+    def line_of(self, *path: str) -> int | None:
+        """The line of ``path`` (or of its nearest enclosing key/table found)."""
+        for end in range(len(path), 0, -1):
+            number = self.where.get(path[:end])
+            if number is not None:
+                return number
+        return None
+
+    def line_of_value(self, value: str, *path: str) -> int | None:
+        """The line at or after ``path``'s line that contains ``value`` (for array entries)."""
+        start = self.line_of(*path)
+        if start is None:
+            return None
+        for number in range(start, min(start + 200, len(self.lines)) + 1):
+            if value in self.lines[number - 1]:
+                return number
+        return start
+
+
+class _Parser:
+    def __init__(self, text: str, source: str, base_dir: str | None) -> None:
+        self.source = source
+        self.base_dir = Path(base_dir if base_dir is not None else os.getcwd()).expanduser()
+        self.lines = _Lines(text)
+        self.text = text
+
+    def fail(self, message: str, line: int | None = None) -> NoReturn:
+        where = f"{self.source} line {line}" if line is not None else self.source
+        raise SmolfileError(f"{where}: {message}".replace("\n", " "))
+
+    def fail_at(self, message: str, *path: str) -> NoReturn:
+        self.fail(message, self.lines.line_of(*path))
+
+    # -- parsing -------------------------------------------------------------
+
+    def load(self) -> dict[str, Any]:
+        try:
+            return tomllib.loads(self.text)
+        except tomllib.TOMLDecodeError as exc:
+            message = str(exc).replace("\n", " ").strip()
+            line: int | None = None
+            match = _TOML_POS_RE.search(message)
+            if match:
+                if match.group(1):
+                    line = int(match.group(1))
+                    column = match.group(2)
+                    message = _TOML_POS_RE.sub("", message) + f" (column {column})"
+                else:
+                    line = max(len(self.lines.lines), 1)
+                    message = _TOML_POS_RE.sub("", message) + " (at end of file)"
+            fix = "fix the TOML syntax there"
+            if message.startswith("Invalid value"):
+                fix += ' (strings need quotes: image = "debian:bookworm")'
+            self.fail(f"TOML syntax error: {message}; {fix}", line)
+
+    def parse(self) -> MachineSpec:
+        data = self.load()
+        for key, value in data.items():
+            if key in TOP_KEYS:
+                continue
+            if isinstance(value, dict) or (
+                isinstance(value, list) and value and all(isinstance(v, dict) for v in value)
+            ):
+                close = difflib.get_close_matches(key, TABLES + ("volumes",), n=1, cutoff=0.6)
+                hint = f" (did you mean [{close[0]}]?)" if close else ""
+                self.fail_at(
+                    f"unknown table [{key}]{hint}; allowed tables: [branch], [env], [network], "
+                    "[[volumes]]",
+                    key,
+                )
+            self.fail_at(f"unknown key {key!r}{_allowed(key, TOP_KEYS)}", key)
+
+        spec: dict[str, Any] = {"source": self.source}
+        if "image" in data:
+            spec["image"] = self.image(data["image"])
+        if "cpus" in data:
+            spec["cpus"] = self.cpus(data["cpus"])
+        if "memory" in data:
+            spec["memory"] = self.memory(data["memory"])
+        if "net" in data:
+            spec["net"] = self.boolean(data["net"], "net")
+        if "env" in data:
+            spec["env"] = self.env(data["env"])
+        if "workdir" in data:
+            spec["workdir"] = self.abspath(data["workdir"], "'workdir'", "workdir")
+        if "init" in data:
+            spec["init"] = self.init(data["init"])
+        if "volumes" in data:
+            spec["volumes"] = self.volumes(data["volumes"])
+        if "network" in data:
+            network = self.table(data["network"], "network", NETWORK_KEYS)
+            if "allow_hosts" in network:
+                spec["allow_hosts"] = self.allow_hosts(network["allow_hosts"])
+            if "allow_cidrs" in network:
+                spec["allow_cidrs"] = self.allow_cidrs(network["allow_cidrs"])
+        if "branch" in data:
+            branch = self.table(data["branch"], "branch", BRANCH_KEYS)
+            if "enabled" in branch:
+                spec["branch"] = self.boolean(branch["enabled"], "enabled", "branch")
+        return MachineSpec(**spec)
+
+    # -- keys ----------------------------------------------------------------
+
+    def table(self, value: Any, name: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            self.fail_at(
+                f"{name!r} must be a table (a [{name}] section), got {_describe(value)}", name
+            )
+        for key in value:
+            if key not in allowed:
+                self.fail_at(f"unknown key {key!r} in [{name}]{_allowed(key, allowed)}", name, key)
+        return value
+
+    def boolean(self, value: Any, key: str, *section: str) -> bool:
+        if not isinstance(value, bool):
+            where = f"[{section[0]}] " if section else ""
+            self.fail_at(
+                f"{where}{key!r} must be true or false (no quotes), got {_describe(value)}",
+                *section,
+                key,
+            )
+        return value
+
+    def image(self, value: Any) -> str:
+        if not isinstance(value, str):
+            self.fail_at(
+                '\'image\' must be a string like "debian:bookworm" or "./rootfs", '
+                f"got {_describe(value)}",
+                "image",
+            )
+        if not value.strip():
+            self.fail_at("'image' is empty; remove the key to use the backend's default", "image")
+        if "\0" in value:
+            self.fail_at("'image' contains a NUL byte; fix the string", "image")
+        if is_path_image(value):
+            path = Path(value).expanduser()
+            if not path.is_absolute():
+                path = self.base_dir / path
+            path = path.resolve()
+            if not path.is_dir():
+                self.fail_at(
+                    f"'image' rootfs directory {str(path)!r} does not exist; "
+                    "create it or fix the path (relative paths start at the Smolfile's directory)",
+                    "image",
+                )
+            if not has_python(path):
+                self.fail_at(
+                    f"'image' rootfs directory {str(path)!r} has no usr/bin/python3; "
+                    'install python3 in it, or use an image name like "debian:bookworm"',
+                    "image",
+                )
+            return str(path)
+        if not is_valid_image_name(value):
+            self.fail_at(
+                f"'image' {value!r} is neither an image name nor a path; use a name like "
+                '"debian:bookworm" or "python:3.12-slim", or a rootfs directory starting '
+                "with ./, ../, / or ~",
+                "image",
+            )
+        return value
+
+    def cpus(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            hint = ""
+            if isinstance(value, str) and value.strip().isdigit():
+                hint = f" (write cpus = {value.strip()}, without quotes)"
+            self.fail_at(f"'cpus' must be an integer >= 1, got {_describe(value)}{hint}", "cpus")
+        if value < 1:
+            self.fail_at(f"'cpus' must be an integer >= 1, got {value}", "cpus")
+        if value > MAX_CPUS:
+            self.fail_at(f"'cpus' must be an integer <= {MAX_CPUS}, got {value}", "cpus")
+        return value
+
+    def memory(self, value: Any) -> int:
+        example = 'write memory = 2048 (MiB) or memory = "2G"'
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            self.fail_at(
+                f"'memory' must be an integer number of MiB or a string like \"2G\", "
+                f"got {_describe(value)}; {example}",
+                "memory",
+            )
+        if isinstance(value, str):
+            match = _MEMORY_RE.fullmatch(value)
+            if not match:
+                self.fail_at(
+                    f"'memory' {value!r} is not a size; use a number with an optional unit "
+                    f'K, M, G or T (like "512M" or "2G"); {example}',
+                    "memory",
+                )
+            try:
+                mib = Decimal(match.group(1)) * _MEMORY_UNITS[match.group(2).upper()]
+            except InvalidOperation:  # pragma: no cover - the regex admits only numbers
+                self.fail_at(f"'memory' {value!r} is not a size; {example}", "memory")
+            if mib != mib.to_integral_value():
+                self.fail_at(
+                    f"'memory' {value!r} is not a whole number of MiB; {example}", "memory"
+                )
+            memory = int(mib)
+        else:
+            memory = value
+        if memory < MIN_MEMORY:
+            self.fail_at(
+                f"'memory' must be at least {MIN_MEMORY} MiB, got {value!r}"
+                f"{' (' + str(memory) + ' MiB)' if isinstance(value, str) else ''}; "
+                f"write memory = {MIN_MEMORY} or more",
+                "memory",
+            )
+        return memory
+
+    def env(self, value: Any) -> tuple[tuple[str, str], ...]:
+        if not isinstance(value, dict):
+            self.fail_at(
+                f"'env' must be a table of NAME = \"value\" strings (an [env] section), "
+                f"got {_describe(value)}",
+                "env",
+            )
+        pairs: list[tuple[str, str]] = []
+        for name, item in value.items():
+            if not _ENV_NAME_RE.fullmatch(name):
+                self.fail_at(
+                    f"[env] name {name!r} is not a valid variable name; use letters, digits "
+                    "and _ (not starting with a digit)",
+                    "env",
+                    name,
+                )
+            if not isinstance(item, str):
+                message = f"[env] value of {name!r} must be a string, got {_describe(item)}"
+                if isinstance(item, (bool, int, float)):
+                    shown = str(item).lower() if isinstance(item, bool) else str(item)
+                    message += f'; quote it: {name} = "{shown}"'
+                self.fail_at(message, "env", name)
+            if "\0" in item:
+                self.fail_at(f"[env] value of {name!r} contains a NUL byte", "env", name)
+            pairs.append((name, item))
+        return tuple(sorted(pairs))
+
+    def abspath(self, value: Any, what: str, *path: str) -> str:
+        if not isinstance(value, str):
+            self.fail_at(
+                f'{what} must be an absolute path string like "/workspace", got {_describe(value)}',
+                *path,
+            )
+        if not value.startswith("/"):
+            fix = "/" + value.lstrip("./") if value.strip("./") else "/workspace"
+            self.fail_at(
+                f"{what} must be an absolute path inside the machine, got {value!r}; write {fix!r}",
+                *path,
+            )
+        if "\0" in value:
+            self.fail_at(f"{what} contains a NUL byte", *path)
+        return posixpath.normpath(value)
+
+    def init(self, value: Any) -> tuple[str, ...]:
+        commands = [value] if isinstance(value, str) else value
+        if not isinstance(commands, list):
+            self.fail_at(
+                "'init' must be a shell command string or an array of them, "
+                f"got {_describe(value)}",
+                "init",
+            )
+        for index, command in enumerate(commands, start=1):
+            if not isinstance(command, str):
+                self.fail_at(
+                    f"'init' entry {index} must be a shell command string, "
+                    f"got {_describe(command)}",
+                    "init",
+                )
+            if not command.strip():
+                self.fail_at(f"'init' entry {index} is empty; remove it", "init")
+        return tuple(commands)
+
+    def volumes(self, value: Any) -> tuple[Volume, ...]:
+        example = 'volumes = [{ host = "data", guest = "/data" }]'
+        if not isinstance(value, list):
+            self.fail_at(
+                f"'volumes' must be an array of tables like {example}, got {_describe(value)}",
+                "volumes",
+            )
+        volumes: list[Volume] = []
+        guests: set[str] = set()
+        for index, item in enumerate(value):
+            number = index + 1
+            at = ("volumes", str(index))
+            if not isinstance(item, dict):
+                self.fail_at(
+                    f'volume {number} must be a table like {{ host = "data", guest = "/data" '
+                    f"}}, got {_describe(item)}",
+                    *at,
+                )
+            for key in item:
+                if key not in VOLUME_KEYS:
+                    self.fail_at(
+                        f"unknown key {key!r} in volume {number}{_allowed(key, VOLUME_KEYS)}",
+                        *at,
+                        key,
+                    )
+            for key, meaning in (
+                ("host", "a host directory, relative to the Smolfile"),
+                ("guest", "an absolute path inside the machine"),
+            ):
+                if key not in item:
+                    self.fail_at(f"volume {number} is missing {key!r} ({meaning})", *at)
+            host = item["host"]
+            if not isinstance(host, str) or not host.strip() or "\0" in host:
+                self.fail_at(
+                    f"volume {number} 'host' must be a directory path string, "
+                    f"got {_describe(host)}",
+                    *at,
+                    "host",
+                )
+            host_path = Path(host).expanduser()
+            if not host_path.is_absolute():
+                host_path = self.base_dir / host_path
+            host_path = host_path.resolve()
+            if not host_path.is_dir():
+                self.fail_at(
+                    f"volume {number} host directory {str(host_path)!r} does not exist; "
+                    "create it or fix 'host' (relative paths start at the Smolfile's directory)",
+                    *at,
+                    "host",
+                )
+            guest = self.abspath(item["guest"], f"volume {number} 'guest'", *at, "guest")
+            if guest == "/":
+                self.fail_at(
+                    f"volume {number} 'guest' cannot be '/'; mount it at a directory like '/data'",
+                    *at,
+                    "guest",
+                )
+            if guest in guests:
+                self.fail_at(
+                    f"volume {number} 'guest' {guest!r} is already used by another volume; "
+                    "give each volume its own guest path",
+                    *at,
+                    "guest",
+                )
+            guests.add(guest)
+            readonly = item.get("readonly", True)
+            if not isinstance(readonly, bool):
+                self.fail_at(
+                    f"volume {number} 'readonly' must be true or false (no quotes), "
+                    f"got {_describe(readonly)}",
+                    *at,
+                    "readonly",
+                )
+            volumes.append(Volume(host=str(host_path), guest=guest, readonly=readonly))
+        return tuple(volumes)
+
+    def string_list(self, value: Any, key: str) -> list[str]:
+        if not isinstance(value, list):
+            self.fail_at(
+                f"[network] {key!r} must be an array of strings, got {_describe(value)}",
+                "network",
+                key,
+            )
+        for item in value:
+            if not isinstance(item, str):
+                self.fail_at(
+                    f"[network] {key!r} must be an array of strings, found {_describe(item)}",
+                    "network",
+                    key,
+                )
+        return value
+
+    def allow_hosts(self, value: Any) -> tuple[str, ...]:
+        hosts = self.string_list(value, "allow_hosts")
+        result: list[str] = []
+        for host in hosts:
+            problem = _host_problem(host)
+            if problem:
+                line = self.lines.line_of_value(f"{host}", "network", "allow_hosts")
+                self.fail(f"[network] allow_hosts entry {host!r} {problem}", line)
+            if host not in result:
+                result.append(host)
+        return tuple(result)
+
+    def allow_cidrs(self, value: Any) -> tuple[str, ...]:
+        cidrs = self.string_list(value, "allow_cidrs")
+        result: list[str] = []
+        for cidr in cidrs:
+            try:
+                network = ipaddress.ip_network(cidr.strip(), strict=False)
+            except ValueError:
+                line = self.lines.line_of_value(f"{cidr}", "network", "allow_cidrs")
+                self.fail(
+                    f"[network] allow_cidrs entry {cidr!r} is not an IP network; "
+                    'write an address or CIDR like "10.0.0.0/8" or "192.168.1.7"',
+                    line,
+                )
+            if str(network) not in result:
+                result.append(str(network))
+        return tuple(result)
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` is not a valid ``hostname`` or ``hostname:port`` (None when it is)."""
+    fix = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
+    if not host:
+        return f"is empty; {fix}"
+    if "://" in host:
+        bare = host.split("://", 1)[1].split("/", 1)[0]
+        return f'is a URL, not a hostname; write just the host, like "{bare}"'
+    if any(ch.isspace() for ch in host):
+        return f"contains whitespace; {fix}"
+    if "/" in host:
+        return f"contains '/'; {fix} (use allow_cidrs for IP ranges)"
+    name, sep, port = host.rpartition(":") if ":" in host else (host, "", "")
+    if sep:
+        if ":" in name:
+            return "has more than one ':'; IPv6 addresses belong in allow_cidrs"
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            return f"has an invalid port {port!r}; use a number from 1 to 65535"
+    name = name[:-1] if name.endswith(".") else name
+    if not name or len(name) > 253:
+        return f"is not a valid hostname; {fix}"
+    for label in name.split("."):
+        if not _LABEL_RE.fullmatch(label):
+            return (
+                f"is not a valid hostname (bad label {label!r}: use letters, digits and '-', "
+                f"not at either end); {fix}"
+            )
+    return None
+
+
+def parse_smolfile(text: str, source: str = "Smolfile", base_dir: str | None = None) -> MachineSpec:
+    """Parse Smolfile ``text`` into a MachineSpec.
+
+    ``source`` names the file in error messages (and is kept in
+    ``MachineSpec.source``); relative paths (``image``, volume ``host``) start at
+    ``base_dir``, the current directory by default.
+    """
+    return _Parser(text, source, base_dir).parse()
+
+
+def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
+    """Read and parse the Smolfile at ``path`` (relative paths start at its directory)."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SmolfileError(f"{file}: no such Smolfile; create it or fix the path") from None
+    except UnicodeDecodeError:
+        raise SmolfileError(f"{file}: not UTF-8 text; save the Smolfile as UTF-8") from None
+    except OSError as exc:
+        raise SmolfileError(f"{file}: cannot read the Smolfile ({exc.strerror})") from None
+    return parse_smolfile(text, source=str(file), base_dir=str(file.resolve().parent))

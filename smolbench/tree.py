@@ -1,0 +1,140 @@
+"""The fork tree as pure data: nodes with ids like ``root.7.2``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TERMINAL = ("ok", "error", "timeout", "cancelled")
+STATUSES = ("starting", "running", "idle", *TERMINAL)
+
+
+@dataclass
+class Node:
+    """One machine's place in the exploration tree and what it produced."""
+
+    id: str
+    parent: str | None = None
+    seed: int | None = None
+    status: str = "starting"  # one of STATUSES
+    alive: bool = True  # its machine still exists
+    kept: bool = False  # kept alive after its fork finished
+    reward: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    started: float | None = None
+    ended: float | None = None
+    run_id: str | None = None
+    checkpoint: str | None = None
+    error: str | None = None
+    output: str = ""
+    cells: int = 0  # cells run on this machine (including the fork cell)
+    forked_at: int = 0  # parent's cell count when this node was forked
+
+    @property
+    def wall(self) -> float | None:
+        """Seconds the node's cell ran, once it finished."""
+        if self.started is None or self.ended is None:
+            return None
+        return self.ended - self.started
+
+    @property
+    def depth(self) -> int:
+        """0 for a root, 1 for its branches, and so on."""
+        return self.id.count(".")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (for the widget and the ledger)."""
+        data = asdict(self)
+        data["wall"] = self.wall
+        data["depth"] = self.depth
+        return data
+
+
+class Tree:
+    """All nodes of one kernel session, by id."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self.nodes
+
+    def __getitem__(self, node_id: str) -> Node:
+        return self.nodes[node_id]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def add(self, node: Node) -> Node:
+        """Insert a node (its parent, if any, must exist)."""
+        if node.parent is not None and node.parent not in self.nodes:
+            raise KeyError(node.parent)
+        self.nodes[node.id] = node
+        return node
+
+    def children(self, node_id: str) -> list[Node]:
+        """Direct children, in creation order."""
+        return [n for n in self.nodes.values() if n.parent == node_id]
+
+    def next_child_ids(self, node_id: str, count: int) -> list[str]:
+        """Ids for ``count`` new children of ``node_id`` (never reusing one)."""
+        start = len(self.children(node_id))
+        return [f"{node_id}.{i}" for i in range(start, start + count)]
+
+    def path(self, node_id: str) -> list[Node]:
+        """Nodes from the root down to ``node_id``."""
+        out = []
+        cur: str | None = node_id
+        while cur is not None:
+            node = self.nodes[cur]
+            out.append(node)
+            cur = node.parent
+        return out[::-1]
+
+    def subtree(self, node_id: str) -> list[Node]:
+        """``node_id`` and all its descendants, parents before children."""
+        out = [self.nodes[node_id]]
+        for child in self.children(node_id):
+            out.extend(self.subtree(child.id))
+        return out
+
+    def best_path(self) -> list[str]:
+        """Ids on the path to the node with the highest reward (empty if none)."""
+        scored = [n for n in self.nodes.values() if n.reward is not None and n.status == "ok"]
+        if not scored:
+            return []
+        best = max(scored, key=lambda n: n.reward if n.reward is not None else float("-inf"))
+        return [n.id for n in self.path(best.id)]
+
+    def render(self, active: str | None = None) -> str:
+        """The tree as indented text (what ``%smol tree`` prints)."""
+        lines: list[str] = []
+        best = set(self.best_path())
+
+        def walk(node: Node, prefix: str, last: bool, top: bool) -> None:
+            bits = [node.id]
+            if node.seed is not None:
+                bits.append(f"seed={node.seed}")
+            bits.append(node.status)
+            if node.reward is not None:
+                bits.append(f"reward={node.reward:.4g}")
+            if node.alive:
+                bits.append("alive")
+            if node.checkpoint:
+                bits.append(f"checkpoint={node.checkpoint}")
+            mark = " *" if node.id in best else ""
+            here = " <- active" if node.id == active else ""
+            branch = "" if top else ("└─ " if last else "├─ ")
+            lines.append(f"{prefix}{branch}{'  '.join(bits)}{mark}{here}")
+            kids = self.children(node.id)
+            for i, kid in enumerate(kids):
+                ext = "" if top else ("   " if last else "│  ")
+                walk(kid, prefix + ext, i == len(kids) - 1, False)
+
+        for root in [n for n in self.nodes.values() if n.parent is None]:
+            walk(root, "", True, True)
+        return "\n".join(lines)

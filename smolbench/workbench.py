@@ -1,0 +1,607 @@
+"""The Workbench: one per kernel. The active machine, the fork tree, fan-out, checkpoints.
+
+All of its async methods run on smolbench's own loop thread (``_loop``); the
+magics block on them. Widgets observe it through :meth:`Workbench.observe` and
+never call a backend themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
+from .errors import RemoteError, SmolbenchError
+from .ledger import Ledger, code_hash
+from .result import ForkResult
+from .spec import MachineSpec
+from .tree import TERMINAL, Node, Tree
+
+MAX_BRANCHES = 1024
+KEEP_POLICIES = ("best", "all", "none")
+Observer = Callable[["Workbench", list[Node]], None]
+BranchEvent = Callable[[str, Event], None]
+
+
+def _versions(guest_python: str | None) -> dict[str, str | None]:
+    try:
+        import smol
+
+        smolver: str | None = getattr(smol, "__version__", None)
+    except Exception:
+        smolver = None
+    return {"smolbench": __version__, "smolmachines": smolver, "guest_python": guest_python,
+            "host_python": platform.python_version()}
+
+
+class Workbench:
+    """A kernel's machines and their fork tree, recorded in a ledger."""
+
+    def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.ledger = ledger
+        self.session = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.tree = Tree()
+        self.machines: dict[str, MachineRef] = {}
+        self.active: str | None = None
+        self.started = time.time()
+        self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
+        self.guest_info: dict[str, Any] = {}
+        self._observers: list[Observer] = []
+        self._runs = 0
+        self._busy: set[str] = set()
+
+    # -- observers ------------------------------------------------------------------
+
+    def observe(self, fn: Observer) -> None:
+        """Call ``fn(workbench, changed_nodes)`` whenever nodes change."""
+        self._observers.append(fn)
+
+    def unobserve(self, fn: Observer) -> None:
+        """Stop calling ``fn``."""
+        with contextlib.suppress(ValueError):
+            self._observers.remove(fn)
+
+    def _changed(self, *nodes: Node) -> None:
+        for fn in list(self._observers):
+            with contextlib.suppress(Exception):  # a broken view must never break a run
+                fn(self, list(nodes))
+
+    def _record(self, node: Node, **extra: Any) -> None:
+        self.ledger.upsert_node(
+            self.session, node.id, run_id=node.run_id, parent_id=node.parent, machine=node.id,
+            backend=self.backend.name, baseline=self.spec.baseline(), seed=node.seed,
+            started=node.started, ended=node.ended, status=node.status, reward=node.reward,
+            metrics=node.metrics, output=node.output, error=node.error, alive=node.alive,
+            kept=node.kept, forked_at=node.forked_at, **extra,
+        )
+        self._changed(node)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def up(self) -> Node:
+        """Start the root machine from the spec and run its init commands."""
+        if self.active is not None:
+            raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
+        ref = await self.backend.create(self.spec, "root")
+        self.machines["root"] = ref
+        node = self.tree.add(Node("root", status="idle", started=time.time()))
+        self.active = "root"
+        try:
+            for cmd in self.spec.init:
+                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                if res.status != "ok":
+                    err = res.error or {}
+                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+            res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
+            self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
+        except BaseException:
+            await self.down()
+            raise
+        self.ledger.start_session(
+            self.session, backend=self.backend.name, isolation=self.backend.isolation,
+            baseline=self.spec.baseline(), host=socket.gethostname(), cwd=os.getcwd(),
+            versions=_versions(self.guest_info.get("python")),
+        )
+        self._record(node, versions=_versions(self.guest_info.get("python")))
+        return node
+
+    async def down(self) -> int:
+        """Delete every machine this workbench created. Returns how many."""
+        count = 0
+        for name in sorted(self.machines, key=lambda n: -n.count(".")):
+            ref = self.machines.pop(name)
+            with contextlib.suppress(Exception):
+                await self.backend.delete(ref)
+            count += 1
+            if name in self.tree:
+                node = self.tree[name]
+                node.alive = False
+                if node.status in ("idle", "running", "starting"):
+                    node.status = "ok" if node.status == "idle" else "cancelled"
+                self._record(node)
+        with contextlib.suppress(Exception):
+            await self.backend.close()
+        self.active = None
+        return count
+
+    def require_up(self) -> MachineRef:
+        """The active machine, or a clear error when there is none."""
+        if self.active is None or self.active not in self.machines:
+            raise SmolbenchError("no machine is up: run `%smol up` first")
+        return self.machines[self.active]
+
+    def use(self, node_id: str) -> Node:
+        """Make a live node the active machine."""
+        if node_id not in self.tree:
+            known = ", ".join(n.id for n in self.tree if n.alive) or "none"
+            raise SmolbenchError(f"unknown node {node_id!r}: live nodes are {known} (see `%smol tree`)")
+        if node_id not in self.machines:
+            raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
+        self.active = node_id
+        self._changed(self.tree[node_id])
+        return self.tree[node_id]
+
+    async def delete(self, node_id: str) -> list[str]:
+        """Delete a node's machine and every live machine below it."""
+        if node_id not in self.tree:
+            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree`")
+        gone = []
+        for node in reversed(self.tree.subtree(node_id)):
+            ref = self.machines.pop(node.id, None)
+            if ref is None:
+                continue
+            await self.backend.delete(ref)
+            node.alive = False
+            node.kept = False
+            self._record(node)
+            gone.append(node.id)
+        if self.active is not None and self.active not in self.machines:
+            self.active = self.tree[node_id].parent if self.tree[node_id].parent in self.machines else None
+        return gone
+
+    # -- cells --------------------------------------------------------------------------
+
+    def _claim(self, node_id: str) -> None:
+        if node_id in self._busy:
+            raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
+        self._busy.add(node_id)
+
+    async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
+                       pull: list[str] | None = None, timeout: float | None = None) -> CellResult:
+        """Run a cell in the active machine (its state persists)."""
+        ref = self.require_up()
+        node = self.tree[ref.name]
+        self._claim(ref.name)
+        try:
+            node.cells += 1
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=f"<cell-{node.cells}>")
+            task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
+            try:
+                res = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+                await self.backend.interrupt(ref)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(task, 5)
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
+                raise
+            self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
+            if res.reward is not None:
+                node.reward = res.reward
+                self._record(node)
+            return res
+        finally:
+            self._busy.discard(ref.name)
+
+    # -- fan-out -----------------------------------------------------------------------------
+
+    def _check_fanout(self, n: Any, seeds: list[int] | None, timeout: float | None, concurrency: int | None, keep: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol fork 16`")
+        if n < 1:
+            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol fork 16`")
+        if n > MAX_BRANCHES:
+            raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
+        if seeds is not None and len(seeds) < n:
+            raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
+        if timeout is not None and timeout <= 0:
+            raise SmolbenchError(f"--timeout must be more than 0 seconds, got {timeout:g}: e.g. --timeout 30")
+        if concurrency is not None and concurrency < 1:
+            raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
+        if keep not in KEEP_POLICIES:
+            raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
+        return n
+
+    def default_concurrency(self, n: int) -> int:
+        """How many branches run at once when not told: live forks are cheap, so all of them
+        (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
+        cores = os.cpu_count() or 1
+        return max(1, min(n, 4 * cores if self.backend.name == "sandbox" else 2 * cores))
+
+    def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
+                 concurrency: int | None = None, keep: str = "best") -> ForkResult:
+        """Validate a fork request and lay out its branches (run it with :meth:`fork`)."""
+        n = self._check_fanout(n, seeds, timeout, concurrency, keep)
+        parent = self.require_up()
+        if not self.spec.branch:
+            raise SmolbenchError("branching is off for this machine ([branch] enabled = false in the Smolfile): turn it on, or use `%%smol episodes`")
+        seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
+        names = self.tree.next_child_ids(parent.name, n)
+        self._runs += 1
+        return ForkResult("fork", f"{self.session}/run{self._runs}", parent.name, names, list(seeds_))
+
+    def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
+                     concurrency: int | None = None) -> ForkResult:
+        """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
+        n = self._check_fanout(n, seeds, timeout, concurrency, "none")
+        if self.active is None:
+            raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)")
+        seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
+        self._runs += 1
+        names = [f"ep{self._runs}.{i}" for i in range(n)]
+        return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+
+    async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
+                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None) -> ForkResult:
+        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy."""
+        parent_id = result.parent
+        assert parent_id is not None
+        parent = self.machines.get(parent_id)
+        if parent is None:
+            raise SmolbenchError(f"{parent_id} is no longer alive: `%smol use` a live node")
+        pnode = self.tree[parent_id]
+        self._claim(parent_id)
+        names = list(result.rows)
+        seeds = [result.rows[n]["seed"] for n in names]
+        self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
+                              code_hash=code_hash(code), n=len(names),
+                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
+        nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
+                 for name, seed in zip(names, seeds)]
+        for node in nodes:
+            self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        try:
+            try:
+                refs = await self.backend.branch(parent, names, seeds)
+            except BaseException as exc:
+                for node in nodes:
+                    self._finish(result, node, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error",
+                                 error=f"branching failed: {exc}", alive=False)
+                raise
+            for ref in refs:
+                self.machines[ref.name] = ref
+            self._busy.discard(parent_id)  # the parent is free again once its children exist
+            await self._fan_out(result, refs, code, on_event, timeout=timeout,
+                                concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
+            await self._apply_keep(result, nodes, keep)
+        finally:
+            self._busy.discard(parent_id)
+            status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
+            self.ledger.end_run(result.run_id, status)
+            result.ended = time.time()
+        return result
+
+    async def episodes(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
+                       concurrency: int | None = None, push: dict[str, bytes] | None = None) -> ForkResult:
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards."""
+        names = list(result.rows)
+        seeds = [result.rows[n]["seed"] for n in names]
+        self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
+                              code_hash=code_hash(code), n=len(names), options={"seeds": seeds, "timeout": timeout})
+        nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
+        for node in nodes:
+            self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
+
+        async def one(node: Node) -> None:
+            async with sem:
+                ref: MachineRef | None = None
+                try:
+                    ref = await self.backend.create(self.spec, node.id)
+                    self.machines[node.id] = ref
+                    for cmd in self.spec.init:
+                        await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                    await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
+                except asyncio.CancelledError:
+                    self._finish(result, node, "cancelled", error="cancelled")
+                    raise
+                except Exception as exc:
+                    if node.status not in TERMINAL:
+                        self._finish(result, node, "error", error=str(exc))
+                finally:
+                    if ref is not None:  # every terminal path deletes the episode's machine
+                        self.machines.pop(node.id, None)
+                        await asyncio.shield(self.backend.delete(ref))
+                    node.alive = False
+                    self._record(node)
+
+        try:
+            await _gather_cancelling([one(n) for n in nodes])
+        finally:
+            self.ledger.end_run(result.run_id, "cancelled" if any(n.status == "cancelled" for n in nodes) else "done")
+            result.ended = time.time()
+        return result
+
+    async def _fan_out(self, result: ForkResult, refs: list[MachineRef], code: str, on_event: BranchEvent, *,
+                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None) -> None:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(ref: MachineRef) -> None:
+            node = self.tree[ref.name]
+            async with sem:
+                try:
+                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
+                except asyncio.CancelledError:
+                    self._finish(result, node, "cancelled", error="cancelled")
+                    await asyncio.shield(self._drop(node.id))
+                    raise
+                except Exception as exc:
+                    if node.status not in TERMINAL:
+                        self._finish(result, node, "error", error=str(exc))
+                if node.status != "ok":  # a failed branch's machine is of no further use
+                    await asyncio.shield(self._drop(node.id))
+
+        await _gather_cancelling([one(r) for r in refs])
+
+    async def _run_branch(self, result: ForkResult, node: Node, ref: MachineRef, code: str, on_event: BranchEvent,
+                          timeout: float | None, push: dict[str, bytes] | None, seed: int | None = None) -> None:
+        node.status = "running"
+        node.started = time.time()
+        result.rows[node.id]["status"] = "running"
+        self._record(node)
+        node.cells += 1
+        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        try:
+            res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
+        except asyncio.TimeoutError:
+            self._finish(result, node, "timeout", error=f"timed out after {timeout:g} s")
+            return
+        except SmolbenchError as exc:
+            self._finish(result, node, "error", error=str(exc))
+            return
+        self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
+        output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
+        if res.status == "ok" and res.metrics.get("reward_error"):
+            self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)
+        elif res.status == "ok":
+            self._finish(result, node, "ok", output=output, res=res)
+        else:
+            err = res.error or {}
+            result.remote_errors[node.id] = RemoteError(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []), node.id)
+            self._finish(result, node, "error", error=f"{err.get('ename')}: {err.get('evalue')}", output=output, res=res)
+
+    def _finish(self, result: ForkResult, node: Node, status: str, *, error: str | None = None, output: str = "",
+                res: CellResult | None = None, alive: bool | None = None) -> None:
+        node.status = status
+        node.ended = time.time()
+        if node.started is None:
+            node.started = node.ended
+        node.error = error
+        node.output = output
+        if res is not None:
+            node.reward = res.reward
+            node.metrics = {k: v for k, v in res.metrics.items() if k != "reward_error"}
+        if alive is not None:
+            node.alive = alive
+        row = result.rows[node.id]
+        row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error)
+        self._record(node)  # committed now: survives a kernel crash a moment later
+
+    async def _drop(self, node_id: str) -> None:
+        ref = self.machines.pop(node_id, None)
+        if ref is not None:
+            with contextlib.suppress(Exception):
+                await self.backend.delete(ref)
+        node = self.tree[node_id]
+        if node.alive:
+            node.alive = False
+            self._record(node)
+
+    async def _apply_keep(self, result: ForkResult, nodes: list[Node], keep: str) -> None:
+        best = result.best
+        for node in nodes:
+            if not node.alive:
+                continue
+            wanted = keep == "all" or (keep == "best" and best is not None and best["branch"] == node.id)
+            if wanted and node.status == "ok":
+                node.kept = True
+                node.status = "ok"
+                result.kept.append(node.id)
+                self._record(node)
+            else:
+                await self._drop(node.id)
+
+    # -- replay ---------------------------------------------------------------------------
+
+    async def replay(self, node_id: str, on_event: BranchEvent) -> dict[str, Any]:
+        """Rebuild a node's path from its nearest live ancestor (or a checkpoint) and compare rewards.
+
+        Re-runs the recorded cells with the recorded seeds in temporary
+        branches, which are deleted afterwards.
+        """
+        if node_id not in self.tree:
+            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree` (replay works on this session's nodes)")
+        target = self.tree[node_id]
+        path = self.tree.path(node_id)
+        notes: list[str] = []
+        temps: list[MachineRef] = []
+        start_idx = next((i for i in range(len(path) - 2, -1, -1) if path[i].id in self.machines), None)
+        cur: MachineRef | None = None
+        try:
+            if start_idx is None:
+                ck = next(((i, n) for i in range(len(path) - 2, -1, -1) for n in [path[i]] if n.checkpoint), None)
+                if target.parent is None and target.run_id and target.id.startswith("ep"):
+                    start_idx = -1  # an episode: a fresh machine from the baseline
+                    cur = await self.backend.create(self.spec, f"replay-{node_id}")
+                    temps.append(cur)
+                    for cmd in self.spec.init:
+                        await self.backend.exec_cell(cur, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                elif ck is not None:
+                    start_idx, anc = ck
+                    rec = self.ledger.checkpoint(anc.checkpoint or "")
+                    if rec is None or not os.path.exists(rec["path"]):
+                        raise SmolbenchError(f"can't replay {node_id}: the checkpoint of {anc.id} is gone")
+                    cur = await self.backend.restore(rec["path"], f"replay-{anc.id}", self.spec)
+                    temps.append(cur)
+                    notes.append(f"started from checkpoint {anc.checkpoint}")
+                else:
+                    raise SmolbenchError(
+                        f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
+                        "keep a branch (--keep) or checkpoint one (`%smol checkpoint save`) to make replays possible")
+            else:
+                cur = self.machines[path[start_idx].id]
+                start = path[start_idx]
+                if start.cells > path[start_idx + 1].forked_at:
+                    notes.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork, so the replay may differ")
+            steps = path[start_idx + 1:]
+            res: CellResult | None = None
+            for k, step in enumerate(steps):
+                if step.parent is None:  # the episode itself, seeded per cell
+                    seed_now: int | None = step.seed
+                else:
+                    kid = (await self.backend.branch(cur, [f"replay{k}-{step.id}"], [step.seed]))[0]
+                    temps.append(kid)
+                    cur = kid
+                    seed_now = None
+                cells = self.ledger.cells(self.session, step.id)
+                upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
+                for c in cells[:upto]:
+                    if c.get("pushed"):
+                        notes.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), lambda ev, s=step.id: on_event(s, ev))
+                    if res.status != "ok":
+                        err = res.error or {}
+                        raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")
+            reward = res.reward if res is not None else None
+        finally:
+            for ref in reversed(temps):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.backend.delete(ref))
+        match = reward == target.reward
+        msg = (f"replay of {node_id}: reward {reward} vs recorded {target.reward}: "
+               + ("identical" if match else "DIFFERENT") + (f" ({'; '.join(notes)})" if notes else ""))
+        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match, "notes": notes, "message": msg}
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    async def checkpoint_save(self, name: str | None = None, node_id: str | None = None, force: bool = False) -> dict[str, Any]:
+        """Save a live node's whole machine under ``name``."""
+        node_id = node_id or self.active
+        if node_id is None:
+            raise SmolbenchError("no machine is up: run `%smol up` first")
+        if node_id not in self.machines:
+            raise SmolbenchError(f"node {node_id!r} is not alive, so it can't be checkpointed: pick a live node (`%smol tree`)")
+        name = name or f"{node_id}-{time.strftime('%H%M%S')}"
+        _check_name(name)
+        existing = self.ledger.checkpoint(name)
+        if existing is not None and not force:
+            raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it")
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        path = str(self.checkpoint_dir / f"{name}.smolcheckpoint")
+        self._claim(node_id)
+        try:
+            info = await self.backend.checkpoint(self.machines[node_id], path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        finally:
+            self._busy.discard(node_id)
+        node = self.tree[node_id]
+        self.ledger.add_checkpoint(name, self.session, node_id, info.path, info.backend, info.size, node.cells, info.warnings)
+        node.checkpoint = name
+        self._record(node)
+        return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
+
+    async def checkpoint_restore(self, name: str) -> Node:
+        """Create a new machine from a checkpoint and make it active."""
+        rec = self.ledger.checkpoint(name)
+        if rec is None:
+            known = ", ".join(r["name"] for r in self.ledger.checkpoint_rows()) or "none"
+            raise SmolbenchError(f"no checkpoint named {name!r}: saved checkpoints are {known} (`%smol checkpoint list`)")
+        if rec["backend"] != self.backend.name:
+            raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, but this machine uses {self.backend.name}: `%smol up --backend {rec['backend']}` to restore it")
+        if not os.path.exists(rec["path"]):
+            raise SmolbenchError(f"checkpoint {name!r} is missing its file {rec['path']}: remove it with `%smol checkpoint rm {name}`")
+        base = f"r{len([n for n in self.tree if n.parent is None and n.id.startswith('r')]) + 1}"
+        node_id = f"{base}-{name}"
+        ref = await self.backend.restore(rec["path"], node_id, self.spec)
+        self.machines[node_id] = ref
+        node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
+                                  cells=int(rec.get("cells") or 0)))
+        self._record(node)
+        self.active = node_id
+        return node
+
+    def checkpoint_remove(self, name: str) -> None:
+        """Delete a checkpoint's file and its ledger entry."""
+        rec = self.ledger.checkpoint(name)
+        if rec is None:
+            raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
+        with contextlib.suppress(OSError):
+            os.unlink(rec["path"])
+        self.ledger.remove_checkpoint(name)
+        for node in self.tree:
+            if node.checkpoint == name:
+                node.checkpoint = None
+                self._record(node)
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``%smol status`` shows."""
+        ref = self.machines.get(self.active or "")
+        return {
+            "backend": self.backend.name,
+            "isolation": self.backend.isolation,
+            "active": self.active,
+            "machine": ref.name if ref else None,
+            "image": self.spec.image or "(backend default: host system, read-only)" if self.backend.name == "sandbox" else self.spec.image,
+            "baseline": self.spec.baseline(),
+            "network": "on" if self.spec.network_enabled else "off",
+            "uptime_s": round(time.time() - self.started, 1),
+            "live_machines": len(self.machines),
+            "nodes": len(self.tree),
+            "guest_python": self.guest_info.get("python"),
+            "ledger": str(self.ledger.path),
+            "session": self.session,
+        }
+
+
+def _init_code(cmd: str) -> str:
+    return (
+        "import subprocess as _sp\n"
+        f"_r = _sp.run({cmd!r}, shell=True)\n"
+        "if _r.returncode: raise RuntimeError('exit status %d' % _r.returncode)\n"
+        "del _sp, _r"
+    )
+
+
+def _check_name(name: str) -> None:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)")
+
+
+async def _gather_cancelling(coros: list[Any]) -> None:
+    """Run coroutines together; if we are cancelled, cancel them all and wait for their cleanup."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

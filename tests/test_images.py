@@ -1,0 +1,183 @@
+"""Tests of the sandbox rootfs cache (no real debootstrap here)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from smolbench import images
+from smolbench.errors import SmolbenchError
+from smolbench.images import (
+    build_debian_rootfs,
+    cache_dir,
+    image_dir,
+    list_images,
+    resolve_rootfs,
+)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache directory in ``$SMOLBENCH_CACHE``."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(path))
+    return path
+
+
+def _fake_rootfs(path: Path) -> Path:
+    (path / "usr" / "bin").mkdir(parents=True)
+    (path / "usr" / "bin" / "python3").write_text("")
+    return path
+
+
+def _fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str | None) -> None:
+    """Put only a fake ``debootstrap`` (or nothing) on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    if script is not None:
+        exe = bindir / "debootstrap"
+        exe.write_text("#!/bin/sh\nPATH=/usr/bin:/bin\n" + script)
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bindir))
+
+
+def test_cache_dir(cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert cache_dir() == cache
+    monkeypatch.delenv("SMOLBENCH_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "smolbench"
+
+
+def test_image_dir(cache: Path) -> None:
+    assert image_dir("debian:bookworm") == cache / "images" / "debian-bookworm"
+    assert image_dir("ghcr.io/org/img:1.0") == cache / "images" / "ghcr.io-org-img-1.0"
+    for bad in ("", "..", "../x", "a b"):
+        with pytest.raises(SmolbenchError, match="invalid image name"):
+            image_dir(bad)
+
+
+def test_resolve_rootfs_none_and_path(tmp_path: Path) -> None:
+    assert resolve_rootfs(None) is None
+    root = _fake_rootfs(tmp_path / "rootfs")
+    assert resolve_rootfs(str(root)) == root
+    bare = tmp_path / "bare"
+    (bare / "bin").mkdir(parents=True)
+    (bare / "bin" / "python3").symlink_to("/nonexistent/python3.11")  # dangling is fine
+    assert resolve_rootfs(str(bare)) == bare
+
+
+def test_resolve_rootfs_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(SmolbenchError, match="does not exist") as err:
+        resolve_rootfs(str(tmp_path / "missing"))
+    assert "\n" not in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SmolbenchError, match="has no usr/bin/python3"):
+        resolve_rootfs(str(tmp_path / "empty"))
+
+
+def test_resolve_rootfs_built_name(cache: Path) -> None:
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    assert resolve_rootfs("debian:bookworm") == root
+
+
+def test_resolve_rootfs_missing_name(cache: Path) -> None:
+    with pytest.raises(SmolbenchError) as err:
+        resolve_rootfs("debian:bookworm")
+    assert str(err.value) == (
+        "image 'debian:bookworm' is not built: run `smolbench image build debian:bookworm`"
+    )
+    (cache / "images" / "debian-trixie").mkdir(parents=True)  # present but no python3
+    with pytest.raises(SmolbenchError, match=r"^image 'debian:trixie' is not built: run `"):
+        resolve_rootfs("debian:trixie")
+    with pytest.raises(SmolbenchError, match="OCI images need the smol backend"):
+        resolve_rootfs("python:3.12-slim")
+
+
+def test_build_needs_debootstrap(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_bin(tmp_path, monkeypatch, None)
+    with pytest.raises(SmolbenchError) as err:
+        build_debian_rootfs(log=lambda _line: None)
+    message = str(err.value)
+    assert "debootstrap is not installed" in message
+    assert "install it with: apt-get install debootstrap" in message
+    assert "\n" not in message
+    assert not (cache / "images").exists()
+
+
+def test_build_needs_root(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_bin(tmp_path, monkeypatch, "exit 0\n")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SmolbenchError, match="needs root: run `sudo ") as err:
+        build_debian_rootfs(log=lambda _line: None)
+    assert "\n" not in str(err.value)
+
+
+def test_build_returns_existing(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    _fake_bin(tmp_path, monkeypatch, None)  # would fail if it tried to build
+    assert build_debian_rootfs(log=lambda _line: None) == root
+
+
+def test_build_with_fake_debootstrap(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = 'echo "args: $*"\nmkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n'
+    _fake_bin(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    lines: list[str] = []
+    root = build_debian_rootfs(log=lines.append)
+    assert root == cache / "images" / "debian-bookworm"
+    assert (root / "usr" / "bin" / "python3").exists()
+    assert oct(root.stat().st_mode & 0o777) == oct(0o755)
+    assert "args: --variant=minbase --include=python3 bookworm " in "\n".join(lines)
+    assert [p.name for p in (cache / "images").iterdir() if p.name.startswith(".")] == []
+    meta = json.loads((cache / "images" / "debian-bookworm.json").read_text())
+    assert meta["name"] == "debian:bookworm"
+    [(name, path, size)] = list_images()
+    assert (name, path) == ("debian:bookworm", root)
+    assert size >= 0
+    # force rebuilds and replaces the old tree
+    (root / "stale").write_text("x")
+    assert build_debian_rootfs(force=True, log=lines.append) == root
+    assert not (root / "stale").exists()
+    assert [p.name for p in (cache / "images").iterdir() if p.name.startswith(".")] == []
+
+
+def test_failed_build_leaves_nothing(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = 'mkdir -p "$4/usr"\necho "E: Failed getting release file"\nexit 1\n'
+    _fake_bin(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SmolbenchError) as err:
+        build_debian_rootfs(log=lambda _line: None)
+    assert str(err.value).startswith(
+        "debootstrap failed for image 'debian:bookworm' (exit 1): E: Failed getting release file;"
+    )
+    assert list((cache / "images").iterdir()) == []
+    assert list_images() == []
+
+
+def test_list_images(cache: Path) -> None:
+    assert list_images() == []
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    (root / "usr" / "bin" / "python3").write_text("12345")
+    (cache / "images" / ".debian-bookworm.build-xyz").mkdir()  # in-progress builds are hidden
+    [(name, path, size)] = list_images()
+    assert name == "debian-bookworm"  # no metadata: the directory name
+    assert path == root
+    assert size >= 5
+
+
+def test_path_image_detection() -> None:
+    for image in ("/r", "./r", "../r", "~/r", "~", "."):
+        assert images.is_path_image(image)
+    for image in ("debian:bookworm", "python:3.12-slim", "rootfs"):
+        assert not images.is_path_image(image)
