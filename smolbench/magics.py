@@ -30,7 +30,7 @@ Line magics::
   %smol status                  backend, machine, image, uptime, isolation level
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
-  %smol use NODE                make a live node (e.g. root.7) the active machine
+  %smol use NODE|best           make a live node (e.g. root.7) the active machine
   %smol delete NODE             delete a node's machine and everything below it
   %smol ledger [-n N]           recent runs from the ledger, as a table
   %smol plot                    reward plots across the whole tree
@@ -115,7 +115,7 @@ def _fork_args(line: str) -> None:
 
 
 @magic_arguments()
-@argument("node", help="node id, e.g. root.7")
+@argument("node", help="node id, e.g. root.7 (`%smol use best`: the last fork's best branch)")
 def _node_args(line: str) -> None:
     """A node id."""
 
@@ -244,7 +244,13 @@ class SmolMagics(Magics):
 
     def _do_use(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        node = self._wb().use(args.node)
+        target = args.node
+        if target == "best":  # the kept winner of the last fork
+            best = self.last_result.best if self.last_result is not None else None
+            if best is None:
+                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
+            target = best["branch"]
+        node = self._wb().use(target)
         print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:

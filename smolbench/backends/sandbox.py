@@ -137,7 +137,7 @@ class SandboxBackend(Backend):
             python = sys.executable
             agent = str(GUEST_DIR / "agent.py")
             argv = [python, "-u", agent, "--socket", str(run_dir / f"{name}.sock"), "--name", name,
-                    "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready")]
+                    "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready"), "--no-mount-ns"]
             if cp:
                 argv += ["--lib", str(cp.parent)]
             return argv, str(run_dir), str(workspace)

@@ -153,6 +153,7 @@ class Agent:
         self.name = name
         self.workdir = workdir
         self.seed = None
+        self.mount_ns = True
         self.cell_count = 0
         self.children = {}  # pid -> name, for reaping
         self.reported = {}
@@ -487,7 +488,7 @@ class Agent:
         self._running = False
         self.cell_count = 0
         _set_pdeathsig()
-        self.isolation = _private_files(self.workdir, child["name"])
+        self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor()
 
@@ -607,7 +608,7 @@ def _mount(libc, src, target, fstype, flags, data=None):
         raise OSError(err, "mount %s: %s" % (target, os.strerror(err)))
 
 
-def _private_files(workdir, name):
+def _private_files(workdir, name, mount_ns=True):
     """Give this branch its own copy of the workspace and /tmp.
 
     In a private mount namespace the copies are bind-mounted over the shared
@@ -618,6 +619,8 @@ def _private_files(workdir, name):
     libc = _libc()
     safe = name.replace("/", "_")
     try:
+        if not mount_ns:
+            raise OSError("not in a sandbox")
         if libc.unshare(CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
         _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
@@ -654,6 +657,7 @@ def main(argv=None):
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
+    ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
     args = ap.parse_args(argv)
     if args.lib:
         sys.path.append(args.lib)
@@ -665,6 +669,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _set_pdeathsig()
     agent = Agent(args.socket, args.name, args.workdir)
+    agent.mount_ns = not args.no_mount_ns
     if args.ready:
         with open(args.ready, "w") as fh:
             fh.write(str(os.getpid()))

@@ -1,0 +1,147 @@
+"""Issue 2 end to end: a real ipykernel runs `%%smol` cells in a sandboxed machine."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+
+def run(cells: list[str], cwd: Path, allow_errors: bool = True) -> Any:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=allow_errors,
+                   resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def text(cell: Any, name: str = "stdout") -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def result(cell: Any) -> str:
+    outs = [o for o in cell.outputs if o.output_type == "execute_result"]
+    assert outs, f"no result in {cell.outputs}"
+    return str(outs[0]["data"]["text/plain"])
+
+
+def error(cell: Any) -> Any:
+    errs = [o for o in cell.outputs if o.output_type == "error"]
+    assert errs, f"no error in {cell.outputs}"
+    return errs[0]
+
+
+def our_processes(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pull(tmp_path: Path) -> None:
+    nb = run([
+        "%load_ext smolbench",
+        "%smol up --backend sandbox",
+        "%%smol\nimport os, platform\nx = 41\nprint('hello from', platform.node())",
+        "%%smol\nx += 1\nimport sys, time\nprint('first')\nprint('to stderr', file=sys.stderr)\nsys.stderr.flush()\nprint('second')\nx",
+        "%%smol\ncounter = [x]\ncounter.append(x * 2)\ncounter",
+        "%%smol\ny = 1\nz = 2\nraise ValueError('bad value ' + str(y + z))\nw = 4",
+        "data = {'a': [1, 2, 3], 'b': 'text'}\ndef triple(v):\n    return 3 * v",
+        "%%smol --push data,triple --pull got,doubled\ngot = dict(data, c=triple(len(data['a'])))\ndoubled = lambda v: 2 * v",
+        "print(got, doubled(21))",
+        "%smol status",
+        "print(get_ipython().find_line_magic('smol').__doc__)",
+        "%smol down",
+    ], tmp_path)
+    c = nb.cells
+    assert "hello from smol-root" in text(c[2])  # the machine's own hostname
+    # state persisted across cells; last expression displayed like IPython
+    assert result(c[3]) == "42"
+    assert text(c[3]) == "first\nsecond\n"
+    assert text(c[3], "stderr") == "to stderr\n"
+    assert result(c[4]) == "[42, 84]"
+    err = error(c[5])
+    assert err.ename == "ValueError" and err.evalue == "bad value 3"
+    tb = "\n".join(err.traceback)
+    assert 'line 3, in <module>' in tb and "raise ValueError" in tb
+    assert "agent.py" not in tb  # the machine's traceback starts at the cell
+    assert text(c[8]).strip() == "{'a': [1, 2, 3], 'b': 'text', 'c': 9} 42"
+    status = text(c[9])
+    assert "sandbox" in status and "not a VM" in status and "network        off" in status
+    assert "uptime_s" in status and "image" in status
+    # `%smol?` shows this docstring: every command and option bundle is in it
+    help_text = text(c[10])
+    for words in ("%smol up", "%%smol fork N", "--push a,b", "%smol checkpoint save", "%%smol episodes N"):
+        assert words in help_text
+    assert "deleted 1 machine" in text(c[11])
+    assert our_processes(str(tmp_path)) == []
+
+
+def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
+    # The marker file is written by the notebook as soon as the first line is seen,
+    # while the machine is still sleeping: proves output streams live, not at the end.
+    nb = run([
+        "%load_ext smolbench",
+        "%smol up --backend sandbox",
+        "import sys, threading, time\nseen = []\n_w = sys.stdout.write\n"
+        "def spy(s):\n    seen.append((time.monotonic(), s))\n    return _w(s)\nsys.stdout.write = spy",
+        "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
+        "sys.stdout.write = _w\nt_early = next(t for t, s in seen if 'early' in s)\nt_late = next(t for t, s in seen if 'late' in s)\nprint(t_late - t_early > 1.0)",
+        "%smol down",
+    ], tmp_path)
+    assert text(nb.cells[4]).strip().endswith("True")
+
+
+@pytest.mark.parametrize(
+    ("cells", "expected"),
+    [
+        (["%%smol\n1"], "no machine is up: run `%smol up` first"),
+        (["%smol up --backend sandbox", "%%smol --push nope\n1"], "--push nope: no variable named 'nope' in the notebook"),
+        (["%smol up --backend sandbox", "import threading\nlock = threading.Lock()", "%%smol --push lock\n1"], "--push lock: the value can't be pickled"),
+        (["%smol up --backend sandbox", "%%smol --pull missing\n1"], "--pull missing: no variable named 'missing' in the machine"),
+        (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk\n1"], "--pull lk: the value can't be pickled"),
+        (["%smol up --smolfile nowhere/Smolfile"], "no Smolfile at nowhere/Smolfile"),
+        (["%smol frobnicate"], "unknown %smol command 'frobnicate'"),
+    ],
+)
+def test_bad_input_gets_one_line_errors(tmp_path: Path, cells: list[str], expected: str) -> None:
+    nb = run(["%load_ext smolbench", *cells, "%smol down"], tmp_path)
+    errs = [o for cell in nb.cells for o in cell.outputs if o.output_type == "error"]
+    usage = [line for cell in nb.cells for line in text(cell, "stderr").splitlines() if line.startswith("UsageError")]
+    if usage:  # IPython's own channel for option syntax: one line on stderr
+        assert len(usage) == 1 and expected in usage[0]
+        return
+    assert len(errs) == 1, [e.evalue for e in errs]
+    assert expected in errs[0].evalue
+    assert "\n" not in errs[0].evalue
+    assert len(errs[0].traceback) <= 2  # no traceback from our own layers
+
+
+def test_smolfile_in_the_notebook_directory_is_used(tmp_path: Path) -> None:
+    (tmp_path / "Smolfile").write_text('workdir = "/lab"\nenv = { LEVEL = "hard" }\ninit = "echo ready > /lab/init.txt"\n')
+    nb = run([
+        "%load_ext smolbench",
+        "%smol up --backend sandbox",
+        "%%smol\nimport os\n(os.getcwd(), os.environ['LEVEL'], open('init.txt').read().strip())",
+        "%smol down",
+    ], tmp_path, allow_errors=False)
+    assert "Smolfile" in text(nb.cells[1])
+    assert result(nb.cells[2]) == "('/lab', 'hard', 'ready')"
+
+
+def test_a_second_request_while_a_cell_runs_is_refused_not_hung(tmp_path: Path) -> None:
+    nb = run([
+        "%load_ext smolbench",
+        "%smol up --backend sandbox",
+        "from smolbench import _loop\nfrom smolbench.backends.base import CellRequest\nimport smolbench\n"
+        "wb = smolbench._magics.workbench\nref = wb.machines['root']\n"
+        "slow = _loop.submit(wb.backend.exec_cell(ref, CellRequest('import time; time.sleep(2)'), lambda e: None))\n"
+        "import time; time.sleep(0.5)\n"
+        "try:\n    _loop.run(wb.backend.exec_cell(ref, CellRequest('1'), lambda e: None))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
+        "print(slow.result().status)",
+        "%smol down",
+    ], tmp_path, allow_errors=False)
+    out = text(nb.cells[2])
+    assert "MachineBusy" in out and "busy" in out
+    assert out.strip().endswith("ok")

@@ -1,0 +1,164 @@
+"""The sandbox backend's isolation, on the real bubblewrap sandbox (no mocks)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smolbench import _loop
+from smolbench.backends.base import CellRequest, CellResult, MachineRef
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.images import build_debian_rootfs, image_dir
+from smolbench.smolfile import parse_smolfile
+from smolbench.spec import MachineSpec
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+
+@pytest.fixture
+def backend() -> Iterator[SandboxBackend]:
+    b = SandboxBackend()
+    try:
+        yield b
+    finally:
+        _loop.run(b.close())
+        assert b.list() == []
+
+
+def up(b: SandboxBackend, spec: MachineSpec | None = None, name: str = "root") -> MachineRef:
+    return _loop.run(b.create(spec or MachineSpec(), name))
+
+
+def run(b: SandboxBackend, ref: MachineRef, code: str) -> CellResult:
+    res = _loop.run(b.exec_cell(ref, CellRequest(code), lambda e: None))
+    assert res.status == "ok", res.error
+    return res
+
+
+def value(res: CellResult) -> str:
+    assert res.result is not None
+    return str(res.result["text/plain"])
+
+
+NET_PROBE = (
+    "import socket\n"
+    "def reach(host, port):\n"
+    "    try:\n"
+    "        socket.create_connection((host, port), timeout=2).close(); return 'reached'\n"
+    "    except OSError as exc:\n"
+    "        return type(exc).__name__\n"
+)
+
+
+def test_the_network_is_unreachable_unless_asked(backend: SandboxBackend) -> None:
+    import socket
+    import threading
+
+    # A server on the host's loopback: reachable from the host, not from the machine.
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    threading.Thread(target=lambda: srv.accept(), daemon=True).start()
+    try:
+        ref = up(backend)
+        res = run(backend, ref, NET_PROBE + f"(reach('127.0.0.1', {port}), reach('1.1.1.1', 53))")
+        assert "reached" not in value(res)
+        assert "OSError" in value(res) or "ConnectionRefusedError" in value(res)
+        netref = up(backend, MachineSpec(net=True), name="netted")
+        res = run(backend, netref, NET_PROBE + f"reach('127.0.0.1', {port})")
+        assert value(res) == "'reached'"
+    finally:
+        srv.close()
+
+
+def test_the_host_home_and_private_paths_are_hidden(backend: SandboxBackend, tmp_path: Path) -> None:
+    home = Path.home()
+    secret = home / ".smolbench-test-secret"
+    secret.write_text("do not read")
+    try:
+        ref = up(backend)
+        res = run(backend, ref, f"import os\n(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}), os.path.exists('/work'))")
+        assert value(res) == "(False, False, False)"
+        # writing to the system is refused: the host's system is mounted read-only
+        res = _loop.run(backend.exec_cell(ref, CellRequest("open('/usr/smolbench-was-here', 'w')"), lambda e: None))
+        assert res.status == "error" and res.error is not None and res.error["ename"] == "OSError"
+        assert not Path("/usr/smolbench-was-here").exists()
+    finally:
+        secret.unlink()
+
+
+def test_declared_volumes_are_the_only_host_mounts(backend: SandboxBackend, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "level.txt").write_text("level-3")
+    spec = parse_smolfile('[[volumes]]\nhost = "data"\nguest = "/data"\n', base_dir=str(tmp_path))
+    ref = up(backend, spec)
+    assert value(run(backend, ref, "open('/data/level.txt').read()")) == "'level-3'"
+    res = _loop.run(backend.exec_cell(ref, CellRequest("open('/data/new.txt', 'w')"), lambda e: None))
+    assert res.status == "error"  # read-only unless the Smolfile says readonly = false
+
+
+def test_a_branch_write_is_invisible_to_its_siblings_and_parent(backend: SandboxBackend) -> None:
+    ref = up(backend)
+    run(backend, ref, "open('shared.txt', 'w').write('parent')\nopen('/tmp/t.txt', 'w').write('parent')\nwarm = 'state'")
+    kids = _loop.run(backend.branch(ref, ["root.0", "root.1"], [0, 1]))
+    run(backend, kids[0], "open('shared.txt', 'w').write('child0')\nopen('/tmp/t.txt', 'w').write('child0')\nopen('new.txt', 'w').write('x')\nwarm = 'changed'")
+    seen = value(run(backend, kids[1], "import os\n(open('shared.txt').read(), open('/tmp/t.txt').read(), os.path.exists('new.txt'), warm, SEED)"))
+    assert seen == "('parent', 'parent', False, 'state', 1)"
+    seen = value(run(backend, ref, "import os\n(open('shared.txt').read(), open('/tmp/t.txt').read(), os.path.exists('new.txt'), warm)"))
+    assert seen == "('parent', 'parent', False, 'state')"
+    assert value(run(backend, kids[0], "(open('shared.txt').read(), warm, SEED)")) == "('child0', 'changed', 0)"
+
+
+def test_deleting_a_machine_leaves_no_process(backend: SandboxBackend) -> None:
+    ref = up(backend)
+    kids = _loop.run(backend.branch(ref, ["root.0", "root.1"], [0, 1]))
+    pid = ref.info["pid"]
+    _loop.run(backend.delete(kids[0]))
+    assert value(run(backend, kids[1], "1")) == "1"
+    _loop.run(backend.delete(ref))
+    assert not Path(f"/proc/{pid}").exists()
+    assert not Path(ref.info["run_dir"]).exists()
+    assert backend.list() == []
+
+
+def test_without_bwrap_it_is_a_plain_process_with_a_loud_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = SandboxBackend(use_bwrap=False)
+    assert any("NO isolation" in str(w.message) for w in caught)
+    assert b.isolation.startswith("NONE")
+    try:
+        ref = up(b)
+        assert value(run(b, ref, "import os\nos.getpid() > 1")) == "True"
+        kids = _loop.run(b.branch(ref, ["root.0"], [7]))
+        assert value(run(b, kids[0], "SEED")) == "7"
+    finally:
+        _loop.run(b.close())
+
+
+@pytest.fixture(scope="session")
+def debian_rootfs() -> Path:
+    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+        pytest.skip("building a Debian rootfs needs root and debootstrap (apt-get install debootstrap)")
+    return build_debian_rootfs("debian:bookworm", log=lambda *a: None)
+
+
+def test_a_pinned_debian_rootfs_from_the_smolfile(backend: SandboxBackend, debian_rootfs: Path, tmp_path: Path) -> None:
+    assert debian_rootfs == image_dir("debian:bookworm")
+    spec = parse_smolfile('image = "debian:bookworm"\n', base_dir=str(tmp_path))
+    ref = up(backend, spec)
+    res = run(backend, ref, "import sys, platform\n(sys.executable, open('/etc/debian_version').read().strip()[:2])")
+    assert value(res) == "('/usr/bin/python3', '12')"
+    # cloudpickle travels with the agent, so notebook functions can be pushed in
+    import cloudpickle
+
+    fn = cloudpickle.dumps(lambda v: v + 1)
+    res = _loop.run(backend.exec_cell(ref, CellRequest("out = f(41)\nout", push={"f": fn}), lambda e: None))
+    assert res.status == "ok" and res.result is not None and res.result["text/plain"] == "42"
