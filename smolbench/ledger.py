@@ -13,7 +13,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,7 +210,7 @@ class Ledger:
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
 
 
-def _frame(rows: list[Mapping[str, Any]]) -> pd.DataFrame:
+def _frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     import pandas as pd
 
     return pd.DataFrame(list(rows))

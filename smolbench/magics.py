@@ -178,6 +178,11 @@ class SmolMagics(Magics):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None
+        return self.shell.user_ns
+
     def _wb(self) -> Any:
         if self.workbench is None:
             raise SmolbenchError("no machine is up: run `%smol up` first")
@@ -318,10 +323,10 @@ class SmolMagics(Magics):
 
         out = {}
         for name in names:
-            if name not in self.shell.user_ns:
+            if name not in self._user_ns:
                 raise SmolbenchError(f"--push {name}: no variable named {name!r} in the notebook")
             try:
-                out[name] = cloudpickle.dumps(self.shell.user_ns[name])
+                out[name] = cloudpickle.dumps(self._user_ns[name])
             except Exception as exc:
                 raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
         return out
@@ -341,7 +346,7 @@ class SmolMagics(Magics):
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
         for name, blob in res.pulled.items():
             # Only ever data from a machine this kernel created and is talking to.
-            self.shell.user_ns[name] = pickle.loads(blob)
+            self._user_ns[name] = pickle.loads(blob)
         if res.result is not None:
             return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
         return None
@@ -374,7 +379,7 @@ class SmolMagics(Magics):
             job = _loop.Job(coro_for(lambda b, ev: _collect(result, b, ev)))
             result._attach(job.future, job.cancel)
             if args.out:
-                self.shell.user_ns[args.out] = result
+                self._user_ns[args.out] = result
             self.last_result = result
             print(f"smolbench: {kind} of {n} running in the background; the handle has .wait(), .done(), .progress, .cancel()")
             return result
@@ -384,7 +389,7 @@ class SmolMagics(Magics):
             if args.group_outputs in ("branch", "type") and not args.quiet:
                 _flush_grouped(buffers, args.group_outputs)
             if args.out:
-                self.shell.user_ns[args.out] = result
+                self._user_ns[args.out] = result
             self.last_result = result
         display(result)
         if not args.allow_errors:

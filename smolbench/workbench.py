@@ -14,9 +14,9 @@ import platform
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import __version__
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
@@ -30,6 +30,7 @@ MAX_BRANCHES = 1024
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
 BranchEvent = Callable[[str, Event], None]
+T = TypeVar("T")
 
 
 def _versions(guest_python: str | None) -> dict[str, str | None]:
@@ -57,6 +58,7 @@ class Workbench:
         self.started = time.time()
         self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
         self.guest_info: dict[str, Any] = {}
+        self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
@@ -78,6 +80,8 @@ class Workbench:
                 fn(self, list(nodes))
 
     def _record(self, node: Node, **extra: Any) -> None:
+        if self.versions:
+            extra.setdefault("versions", self.versions)
         self.ledger.upsert_node(
             self.session, node.id, run_id=node.run_id, parent_id=node.parent, machine=node.id,
             backend=self.backend.name, baseline=self.spec.baseline(), seed=node.seed,
@@ -108,12 +112,13 @@ class Workbench:
         except BaseException:
             await self.down()
             raise
+        self.versions = _versions(self.guest_info.get("python"))
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.spec.baseline(), host=socket.gethostname(), cwd=os.getcwd(),
-            versions=_versions(self.guest_info.get("python")),
+            versions=self.versions,
         )
-        self._record(node, versions=_versions(self.guest_info.get("python")))
+        self._record(node)
         return node
 
     async def down(self) -> int:
@@ -206,11 +211,12 @@ class Workbench:
 
     # -- fan-out -----------------------------------------------------------------------------
 
-    def _check_fanout(self, n: Any, seeds: list[int] | None, timeout: float | None, concurrency: int | None, keep: str) -> int:
+    def _check_fanout(self, n: Any, seeds: list[int] | None, timeout: float | None, concurrency: int | None, keep: str,
+                      kind: str = "fork") -> int:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol fork 16`")
+            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`")
         if n < 1:
-            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol fork 16`")
+            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`")
         if n > MAX_BRANCHES:
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
@@ -230,21 +236,26 @@ class Workbench:
         return max(1, min(n, 4 * cores if self.backend.name == "sandbox" else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                 concurrency: int | None = None, keep: str = "best") -> ForkResult:
-        """Validate a fork request and lay out its branches (run it with :meth:`fork`)."""
+                 concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
+        """Validate a fork request and lay out its branches (run it with :meth:`fork`).
+
+        Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
+        """
         n = self._check_fanout(n, seeds, timeout, concurrency, keep)
-        parent = self.require_up()
+        if parent is not None and parent not in self.machines:
+            raise SmolbenchError(f"{parent} is not alive, so it can't be forked: pick a live node (`%smol tree`)")
+        ref = self.require_up() if parent is None else self.machines[parent]
         if not self.spec.branch:
             raise SmolbenchError("branching is off for this machine ([branch] enabled = false in the Smolfile): turn it on, or use `%%smol episodes`")
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
-        names = self.tree.next_child_ids(parent.name, n)
+        names = self.tree.next_child_ids(ref.name, n)
         self._runs += 1
-        return ForkResult("fork", f"{self.session}/run{self._runs}", parent.name, names, list(seeds_))
+        return ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                      concurrency: int | None = None) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
-        n = self._check_fanout(n, seeds, timeout, concurrency, "none")
+        n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
             raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)")
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
@@ -282,9 +293,11 @@ class Workbench:
             for ref in refs:
                 self.machines[ref.name] = ref
             self._busy.discard(parent_id)  # the parent is free again once its children exist
-            await self._fan_out(result, refs, code, on_event, timeout=timeout,
-                                concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
-            await self._apply_keep(result, nodes, keep)
+            try:
+                await self._fan_out(result, refs, code, on_event, timeout=timeout,
+                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
+            finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
+                await _to_the_end(self._apply_keep(result, nodes, keep))
         finally:
             self._busy.discard(parent_id)
             status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
@@ -305,26 +318,26 @@ class Workbench:
         sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
 
         async def one(node: Node) -> None:
-            async with sem:
-                ref: MachineRef | None = None
-                try:
+            ref: MachineRef | None = None
+            try:
+                async with sem:  # a cancel while queued here still marks the episode cancelled
                     ref = await self.backend.create(self.spec, node.id)
                     self.machines[node.id] = ref
                     for cmd in self.spec.init:
                         await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
                     await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
-                except asyncio.CancelledError:
-                    self._finish(result, node, "cancelled", error="cancelled")
-                    raise
-                except Exception as exc:
-                    if node.status not in TERMINAL:
-                        self._finish(result, node, "error", error=str(exc))
-                finally:
-                    if ref is not None:  # every terminal path deletes the episode's machine
-                        self.machines.pop(node.id, None)
-                        await asyncio.shield(self.backend.delete(ref))
-                    node.alive = False
-                    self._record(node)
+            except asyncio.CancelledError:
+                self._finish(result, node, "cancelled", error="cancelled")
+                raise
+            except Exception as exc:
+                if node.status not in TERMINAL:
+                    self._finish(result, node, "error", error=str(exc))
+            finally:
+                if ref is not None:  # every terminal path deletes the episode's machine
+                    self.machines.pop(node.id, None)
+                    await _to_the_end(self.backend.delete(ref))
+                node.alive = False
+                self._record(node)
 
         try:
             await _gather_cancelling([one(n) for n in nodes])
@@ -339,18 +352,18 @@ class Workbench:
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
-            async with sem:
-                try:
+            try:
+                async with sem:  # a cancel while queued here still marks the branch cancelled
                     await self._run_branch(result, node, ref, code, on_event, timeout, push)
-                except asyncio.CancelledError:
-                    self._finish(result, node, "cancelled", error="cancelled")
-                    await asyncio.shield(self._drop(node.id))
-                    raise
-                except Exception as exc:
-                    if node.status not in TERMINAL:
-                        self._finish(result, node, "error", error=str(exc))
-                if node.status != "ok":  # a failed branch's machine is of no further use
-                    await asyncio.shield(self._drop(node.id))
+            except asyncio.CancelledError:
+                self._finish(result, node, "cancelled", error="cancelled")
+                await _to_the_end(self._drop(node.id))
+                raise
+            except Exception as exc:
+                if node.status not in TERMINAL:
+                    self._finish(result, node, "error", error=str(exc))
+            if node.status != "ok":  # a failed branch's machine is of no further use
+                await _to_the_end(self._drop(node.id))
 
         await _gather_cancelling([one(r) for r in refs])
 
@@ -425,7 +438,7 @@ class Workbench:
     # -- replay ---------------------------------------------------------------------------
 
     async def replay(self, node_id: str, on_event: BranchEvent) -> dict[str, Any]:
-        """Rebuild a node's path from its nearest live ancestor (or a checkpoint) and compare rewards.
+        """Rebuild a node's path from its nearest ancestor that is alive or checkpointed, and compare rewards.
 
         Re-runs the recorded cells with the recorded seeds in temporary
         branches, which are deleted afterwards.
@@ -436,34 +449,38 @@ class Workbench:
         path = self.tree.path(node_id)
         notes: list[str] = []
         temps: list[MachineRef] = []
-        start_idx = next((i for i in range(len(path) - 2, -1, -1) if path[i].id in self.machines), None)
+        # Start from the nearest ancestor that is alive or has a checkpoint.
+        start_idx = next((i for i in range(len(path) - 2, -1, -1)
+                          if path[i].id in self.machines or path[i].checkpoint), None)
         cur: MachineRef | None = None
         try:
             if start_idx is None:
-                ck = next(((i, n) for i in range(len(path) - 2, -1, -1) for n in [path[i]] if n.checkpoint), None)
                 if target.parent is None and target.run_id and target.id.startswith("ep"):
                     start_idx = -1  # an episode: a fresh machine from the baseline
                     cur = await self.backend.create(self.spec, f"replay-{node_id}")
                     temps.append(cur)
                     for cmd in self.spec.init:
                         await self.backend.exec_cell(cur, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                elif ck is not None:
-                    start_idx, anc = ck
-                    rec = self.ledger.checkpoint(anc.checkpoint or "")
-                    if rec is None or not os.path.exists(rec["path"]):
-                        raise SmolbenchError(f"can't replay {node_id}: the checkpoint of {anc.id} is gone")
-                    cur = await self.backend.restore(rec["path"], f"replay-{anc.id}", self.spec)
-                    temps.append(cur)
-                    notes.append(f"started from checkpoint {anc.checkpoint}")
                 else:
                     raise SmolbenchError(
                         f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
                         "keep a branch (--keep) or checkpoint one (`%smol checkpoint save`) to make replays possible")
-            else:
+            elif path[start_idx].id in self.machines:
                 cur = self.machines[path[start_idx].id]
                 start = path[start_idx]
                 if start.cells > path[start_idx + 1].forked_at:
                     notes.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork, so the replay may differ")
+            else:
+                anc = path[start_idx]
+                rec = self.ledger.checkpoint(anc.checkpoint or "")
+                if rec is None or not os.path.exists(rec["path"]):
+                    raise SmolbenchError(f"can't replay {node_id}: the checkpoint {anc.checkpoint!r} of {anc.id} is gone")
+                cur = await self.backend.restore(rec["path"], f"replay-{anc.id}", self.spec)
+                temps.append(cur)
+                notes.append(f"started from checkpoint {anc.checkpoint}")
+                if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
+                    notes.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
+                                 f"the fork after {path[start_idx + 1].forked_at}, so the replay may differ")
             steps = path[start_idx + 1:]
             res: CellResult | None = None
             for k, step in enumerate(steps):
@@ -479,7 +496,7 @@ class Workbench:
                 for c in cells[:upto]:
                     if c.get("pushed"):
                         notes.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), lambda ev, s=step.id: on_event(s, ev))
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
                         raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")
@@ -487,7 +504,7 @@ class Workbench:
         finally:
             for ref in reversed(temps):
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self.backend.delete(ref))
+                    await _to_the_end(self.backend.delete(ref))
         match = reward == target.reward
         msg = (f"replay of {node_id}: reward {reward} vs recorded {target.reward}: "
                + ("identical" if match else "DIFFERENT") + (f" ({'; '.join(notes)})" if notes else ""))
@@ -579,6 +596,11 @@ class Workbench:
         }
 
 
+def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
+    """An event callback that tags events with the node they came from."""
+    return lambda ev: on_event(node_id, ev)
+
+
 def _init_code(cmd: str) -> str:
     return (
         "import subprocess as _sp\n"
@@ -603,5 +625,27 @@ async def _gather_cancelling(coros: list[Any]) -> None:
     except BaseException:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _to_the_end(asyncio.gather(*tasks, return_exceptions=True))
         raise
+
+
+async def _to_the_end(aw: Awaitable[T]) -> T:
+    """Await ``aw`` to completion even if we are cancelled meanwhile, then re-raise the cancel.
+
+    For cleanup (deleting machines): a bare ``await asyncio.shield(...)`` gives up at a
+    second cancel (gather() cancels its children, and so do we), leaving the shielded
+    task unreferenced; the loop may then drop it half done and leak the machine.
+    """
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            out = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the cleanup itself was cancelled (not just us)
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return out

@@ -16,6 +16,7 @@ Lifecycle of one machine::
 from __future__ import annotations
 
 import abc
+import builtins
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,7 +106,9 @@ class Backend(abc.ABC):
         """Run one cell in the machine's persistent namespace, streaming events."""
 
     @abc.abstractmethod
-    async def branch(self, machine: MachineRef, names: list[str], seeds: list[int | None]) -> list[MachineRef]:
+    async def branch(
+        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
+    ) -> builtins.list[MachineRef]:
         """Make live copy-on-write children of a warm machine, one per name.
 
         Each child keeps the parent's state and gets its seed applied
@@ -121,7 +124,7 @@ class Backend(abc.ABC):
         """Delete the machine; deleting one that is already gone is not an error."""
 
     @abc.abstractmethod
-    def list(self) -> list[MachineRef]:
+    def list(self) -> builtins.list[MachineRef]:
         """Machines this backend created and has not deleted yet."""
 
     @abc.abstractmethod

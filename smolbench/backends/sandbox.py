@@ -13,6 +13,8 @@ warning: then there is no isolation at all.
 
 from __future__ import annotations
 
+import builtins
+
 import asyncio
 import contextlib
 import os
@@ -225,7 +227,7 @@ class SandboxBackend(Backend):
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
 
-    def list(self) -> list[MachineRef]:
+    def list(self) -> builtins.list[MachineRef]:
         return list(self._machines.values())
 
     # -- talking to agents ------------------------------------------------------------
@@ -272,7 +274,9 @@ class SandboxBackend(Backend):
         """What the agent says about itself (python version, pid, cells run, ...)."""
         return dict((await self._request(machine, {"op": "ping"}))["info"])
 
-    async def branch(self, machine: MachineRef, names: list[str], seeds: list[int | None]) -> list[MachineRef]:
+    async def branch(
+        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
+    ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
         run_dir = Path(machine.info["run_dir"])
