@@ -1,41 +1,47 @@
-"""Suite-wide guard: the product must never leave machines or processes behind."""
+"""Suite-wide guard: the product must never leave machines or processes behind.
+
+Every process this pytest run starts (kernels, sandboxes, agents, and so everything
+inside a sandbox, as a descendant) inherits ``SMOLBENCH_SUITE_TAG``; at the end of the
+run, any such process still alive fails the run. Processes of other, concurrent runs
+carry another tag and are left alone.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
+import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
-# What our machines look like in `ps`: the sandbox (bwrap running our agent) and the
-# agent itself, in a sandbox or as a plain process.
-MARKERS = ("/run/smolbench-agent/agent.py", "smolbench/guest/agent.py")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from nbhelpers import tagged_processes, wait_for_no_processes  # noqa: E402
+
+SUITE_VAR = "SMOLBENCH_SUITE_TAG"
 
 
-def leftover_machines() -> list[tuple[int, str]]:
-    """(pid, command line) of every smolbench machine process still running."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    found = []
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if any(m in args for m in MARKERS) and int(pid) != os.getpid():
-            found.append((int(pid), args))
-    return found
+def pytest_configure(config: Any) -> None:
+    """Tag this run's environment before any test starts a process."""
+    os.environ[SUITE_VAR] = uuid.uuid4().hex
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     """Fail the run if any test left a machine running (and then clean it up)."""
-    left = leftover_machines()
+    tag = os.environ[SUITE_VAR]
+    # give kernels that are shutting down a moment to take their machines along
+    left = wait_for_no_processes(tag, timeout=10, var=SUITE_VAR) if tagged_processes(tag, SUITE_VAR) else []
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"\nLEFT BEHIND: {len(left)} smolbench machine process(es) after the suite:", red=True)
-        for pid, args in left[:10]:
-            reporter.write_line(f"  {pid} {args[:160]}")
-    for pid, _ in left:
+        reporter.write_line(f"\nLEFT BEHIND: {len(left)} process(es) started by this test run:", red=True)
+        for p in left[:10]:
+            reporter.write_line(f"  {p.pid} {p.cmdline[:160]}")
+    for p in left:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     session.exitstatus = 1

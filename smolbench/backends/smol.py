@@ -1,0 +1,777 @@
+"""The smol backend: every machine is a microVM with its own guest kernel (smolmachines SDK).
+
+A machine is ``smol.Machine.create(...)`` from an OCI image with python3 in it.
+The guest agent (``smolbench/guest``) and cloudpickle are copied in with
+``write_file`` and the agent is started detached; the host can't reach its
+Unix socket inside the VM, so every request goes through ``client.py``, run
+with ``exec_stream`` and the request line on stdin, whose stdout is the
+agent's reply lines as they arrive.
+
+A live branch is ``Machine.branch_batch``: each child is an independent VM
+whose RAM (the warm agent included) is a copy-on-write copy of the parent's,
+so its agent still listens on the parent's socket path; it is then given its
+own name and seed with a ``seed`` request.
+
+The SDK is synchronous, so every call runs in a worker thread
+(``asyncio.to_thread``), the way ``smol.AsyncMachine`` does it; using the
+plain ``Machine`` keeps one handle type for create, branch and restore, and
+lets a stream's chunks be forwarded to the loop as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import secrets
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from smol import (
+    ConnectOptions,
+    ExecOptions,
+    ExecResult,
+    Machine,
+    MachineConfig,
+    MountSpec,
+    ResourceSpec,
+    SmolError,
+    wrap_native_error,
+)
+
+from ..errors import BackendUnavailable, SmolbenchError
+from ..guest import AGENT_FILES, GUEST_DIR
+from ..guest import protocol as P
+from ..spec import MachineSpec
+from ._wire import exec_message, read_replies, to_result
+from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+
+_PS = ParamSpec("_PS")
+T = TypeVar("T")
+
+DEFAULT_IMAGE = "python:3.12-slim"
+GUEST_HOME = "/opt/smolbench"
+GUEST_LIB = f"{GUEST_HOME}/lib"
+GUEST_RUN = "/run/smolbench"
+CLIENT = f"{GUEST_HOME}/client.py"
+READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
+CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
+STDIN_LIMIT = 256 * 1024  # bytes of request sent as exec stdin; bigger ones go as a file
+# Relays a request written to a file ($2): opened as stdin and removed before the
+# relay starts, so nothing is left behind even when the relay is killed.
+RELAY_FILE = 'exec 0<"$2" && rm -f "$2" && exec python3 "$0" "$1"'
+CLOUD_POINTER = "smolbench-smol-cloud-checkpoint"
+NOT_FOUND = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
+_MAX_NAME = 63  # DNS label: cloud machine names must be DNS-safe
+
+# Starts the agent detached: output to a log (nobody reads the exec's pipes), its
+# own session, and no parent-death signal (the launcher that execs it may exit
+# first, which would kill it). The agent module is dropped from sys.modules so a
+# user's own ``agent.py`` in the workdir still imports. If the agent dies, a
+# ``.failed`` marker beside the log says so at once.
+LAUNCHER = """\
+import os, sys
+home, log = sys.argv[1], sys.argv[2]
+fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+try:
+    os.setsid()
+except OSError:
+    pass
+sys.path.insert(0, home)
+import agent
+sys.path.remove(home)
+del sys.modules["agent"]
+agent._set_pdeathsig = lambda: None
+sys.argv = [agent.__file__] + sys.argv[3:]
+try:
+    agent.main(sys.argv[1:])
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    open(os.path.splitext(log)[0] + ".failed", "w").close()
+    raise
+"""
+
+# Checks python3 and makes the directories the agent needs, in one exec.
+PREPARE = (
+    "import os, sys\n"
+    "for d in sys.argv[1:]:\n"
+    "    os.makedirs(d, exist_ok=True)\n"
+    "print('%d.%d' % sys.version_info[:2])\n"
+)
+
+# -- errors ----------------------------------------------------------------------------
+
+ERROR_HINTS: dict[str, str] = {
+    "KVM_UNAVAILABLE": "no usable KVM here: use --backend sandbox or --target cloud",
+    "HYPERVISOR_UNAVAILABLE": "no usable hypervisor here: use --backend sandbox or --target cloud",
+    "UNSUPPORTED_PLATFORM": (
+        "smol has no local engine for this OS/CPU: use --backend sandbox or --target cloud"
+    ),
+    "RUNTIME_NOT_INSTALLED": (
+        "the smol engine failed to load: pip install --force-reinstall smolmachines, "
+        "or use --backend sandbox"
+    ),
+    "UNAUTHORIZED": (
+        "the smol cloud rejected the token: set a valid SMOL_CLOUD_TOKEN (or run `smol auth login`)"
+    ),
+    "AUTH": "the smol cloud rejected the token: set a valid SMOL_CLOUD_TOKEN (or run `smol auth login`)",
+    "FORBIDDEN": "smol refused this: check the account behind SMOL_CLOUD_TOKEN may do it",
+    "CONNECTION": "could not reach the smol cloud: check the network (and SMOL_CLOUD_URL, if set)",
+    "NETWORK_ERROR": "could not reach the smol cloud: check the network (and SMOL_CLOUD_URL, if set)",
+    "TIMEOUT": "the machine did not answer in time: retry, or give it more memory/cpus in the Smolfile",
+    "NOT_FOUND": "the machine is gone: `%smol up` to make a new one",
+    "VM_NOT_FOUND": "the machine is gone: `%smol up` to make a new one",
+    "MOUNT_ERROR": "a Smolfile volume could not be mounted: check its host directory exists",
+    "STORAGE_ERROR": "smol could not write the machine's disk: free disk space on the host",
+    "INVALID_STATE": "the machine is not running: `%smol down` and `%smol up` again",
+    "INTERRUPTED": "the machine was stopped while a command ran: `%smol up` again",
+    "MACHINE_INTERRUPTED": "the machine went away mid-command: `%smol status`, then `%smol up`",
+    "CANCELLED": "the command was cancelled",
+    "CONFIG_ERROR": "smol rejected the machine's settings: fix the Smolfile",
+    "INVALID_CONFIG": "smol rejected the machine's settings: fix the Smolfile",
+    "NOT_SUPPORTED": "smol can't do this on this target",
+}
+KVM_EACCES = (
+    "no permission to open /dev/kvm: set it to group kvm, mode 0660 "
+    "(sudo chgrp kvm /dev/kvm && sudo chmod 0660 /dev/kvm; smol's helper keeps only the kvm "
+    "group) and add your user to the kvm group, or use --backend sandbox"
+)
+NO_TOKEN = (
+    "no smol cloud token: export SMOL_CLOUD_TOKEN=<your smk_ key> (or run `smol auth login`), "
+    "or use --target local"
+)
+PULL_FAILED = (
+    "the image could not be pulled (smol pulls it from inside the machine): check the image "
+    "name, and allow network (net = true) for its first pull"
+)
+UNAVAILABLE_CODES = frozenset(
+    {
+        "KVM_UNAVAILABLE",
+        "HYPERVISOR_UNAVAILABLE",
+        "UNSUPPORTED_PLATFORM",
+        "RUNTIME_NOT_INSTALLED",
+        "UNAUTHORIZED",
+        "AUTH",
+    }
+)
+
+
+def _kind(code: str, message: str, fallback: str | None = None) -> tuple[str, bool]:
+    """(hint, means-the-backend-is-unavailable) for one SDK error."""
+    low = message.lower()
+    if "kvm" in low and ("permission denied" in low or "eacces" in low):
+        return KVM_EACCES, True
+    if code == "INVALID_CONFIG" and "api_key" in message:
+        return NO_TOKEN, True
+    if "pull" in low and code not in UNAVAILABLE_CODES:
+        return PULL_FAILED, False
+    hint = ERROR_HINTS.get(code)
+    if hint is None:
+        return fallback or f"smol failed ({code}): run `smolbench doctor`", False
+    return hint, code in UNAVAILABLE_CODES
+
+
+def _detail(message: str, limit: int = 160) -> str:
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def explain(code: str, message: str, fallback: str | None = None) -> str:
+    """One line for an SDK error: what to do first, then what smol said.
+
+    ``fallback`` is the advice for a code the table doesn't know.
+    """
+    hint, _ = _kind(code, message, fallback)
+    detail = _detail(message)
+    return f"{hint} [smol {code}: {detail}]" if detail else f"{hint} [smol {code}]"
+
+
+def translate(err: BaseException) -> SmolbenchError:
+    """An SDK exception as the SmolbenchError (or BackendUnavailable) a user sees."""
+    smol_err = wrap_native_error(err)
+    _, unavailable = _kind(smol_err.code, str(smol_err))
+    cls = BackendUnavailable if unavailable else SmolbenchError
+    return cls(explain(smol_err.code, str(smol_err)))
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "m"
+
+
+def _cloudpickle_files() -> list[tuple[str, bytes]]:
+    """(relative path, bytes) of every .py file of the installed cloudpickle package."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return []
+    root = Path(cloudpickle.__file__).resolve().parent
+    return [
+        (path.relative_to(root).as_posix(), path.read_bytes())
+        for path in sorted(root.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    ]
+
+
+def _allow_hosts(hosts: Iterable[str]) -> list[str]:
+    """Smolfile hosts as smol wants them: names only (smol scopes by name, not port)."""
+    out: list[str] = []
+    for host in hosts:
+        name = re.sub(r":\d+$", "", host.strip())
+        if name and name not in out:
+            out.append(name)
+    return out
+
+
+async def _lines_of(lines: Iterable[str]) -> AsyncIterator[bytes]:
+    for line in lines:
+        yield line.encode()
+
+
+class _LineSplitter:
+    """Turns stream chunks (which may split lines anywhere) into whole lines."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: str | bytes) -> list[bytes]:
+        """Add a chunk; return the lines it completed (each ending in a newline)."""
+        self._buf += chunk.encode() if isinstance(chunk, str) else chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        return [line + b"\n" for line in lines]
+
+    def rest(self) -> bytes:
+        """Whatever followed the last newline."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+def _delete_quietly(handle: Machine) -> None:
+    with contextlib.suppress(Exception):
+        handle.delete()
+
+
+# -- the backend -----------------------------------------------------------------------
+
+
+class SmolBackend(Backend):
+    """Machines as smol microVMs, on this host (``local``) or on smol cloud (``cloud``)."""
+
+    name = "smol"
+
+    def __init__(
+        self, target: str = "local", probe: bool = True, *, session: str | None = None
+    ) -> None:
+        if target not in ("local", "cloud"):
+            raise SmolbenchError(
+                f"unknown smol target {target!r}: use --target local or --target cloud"
+            )
+        self.target = target
+        self.conn = (
+            ConnectOptions(target="cloud") if target == "cloud" else ConnectOptions(target="local")
+        )
+        self.session = _slug(session) if session else secrets.token_hex(4)
+        self._probe = probe and target == "local"
+        self._probed = False
+        self._probe_lock: asyncio.Lock | None = None
+        self._machines: dict[str, MachineRef] = {}
+        self._handles: dict[str, Machine] = {}
+        self._serial = itertools.count(1)
+
+    @property
+    def isolation(self) -> str:
+        """Plain words for what separates a machine from the host."""
+        if self.target == "cloud":
+            return "microVM on smol cloud (own guest kernel, hardware virtualisation; not on this host)"
+        return "microVM (own guest kernel, hardware virtualisation via KVM)"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Labels on every machine of this backend (``Machine.list(conn, labels)`` finds them)."""
+        return {"smolbench": "1", "smolbench-session": self.session}
+
+    # -- SDK calls off the loop ----------------------------------------------------------
+
+    @staticmethod
+    async def _sdk(fn: Callable[_PS, T], *args: _PS.args, **kwargs: _PS.kwargs) -> T:
+        """Run one blocking SDK call in a thread; SDK errors become one-line SmolbenchErrors."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except SmolError as exc:
+            raise translate(exc) from exc
+
+    @staticmethod
+    async def _make(fn: Callable[[], T], undo: Callable[[T], None]) -> T:
+        """Like :meth:`_sdk` for a call that makes machines: if we are cancelled while it
+        runs, whatever it made is undone when it finishes, so nothing is left running."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn))
+
+        def cleanup(done: asyncio.Future[T]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                threading.Thread(target=undo, args=(done.result(),), daemon=True).start()
+
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(cleanup)
+            raise
+        except SmolError as exc:
+            raise translate(exc) from exc
+
+    async def _ensure_available(self) -> None:
+        if not self._probe or self._probed:
+            return
+        if self._probe_lock is None:
+            self._probe_lock = asyncio.Lock()
+        async with self._probe_lock:
+            if self._probed:
+                return
+            from .probe import probe_smol
+
+            ok, reason = await asyncio.to_thread(probe_smol)
+            if not ok:
+                raise BackendUnavailable(f"the smol backend is unavailable: {reason}")
+            self._probed = True
+
+    # -- names and config ----------------------------------------------------------------
+
+    def machine_name(self, name: str) -> str:
+        """A fresh, DNS-safe smol machine name for our machine ``name``."""
+        head = f"smolbench-{self.session}-"
+        tail = f"-{next(self._serial)}"
+        return head + _slug(name)[: _MAX_NAME - len(head) - len(tail)].strip("-") + tail
+
+    def machine_config(self, spec: MachineSpec, name: str) -> MachineConfig:
+        """The smol MachineConfig for ``spec``."""
+        from ..images import is_path_image
+
+        if spec.image and is_path_image(spec.image):
+            raise SmolbenchError(
+                f"the smol backend boots OCI images, not rootfs directories ({spec.image}): "
+                f"set image to an image with python3, like {DEFAULT_IMAGE!r}"
+            )
+        if self.target == "cloud" and spec.volumes:
+            raise SmolbenchError(
+                "Smolfile volumes are host directories, which smol cloud machines can't mount: "
+                "remove them, or use --target local"
+            )
+        if spec.allow_hosts or spec.allow_cidrs:  # allow-lists enable networking, scoped to them
+            resources = ResourceSpec(
+                cpus=spec.cpus,
+                memory_mb=spec.memory,
+                allow_hosts=_allow_hosts(spec.allow_hosts) or None,
+                allow_cidrs=list(spec.allow_cidrs) or None,
+            )
+        else:  # explicit False: the cloud opens egress when network is left unset
+            resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory, network=spec.net)
+        mounts = [
+            MountSpec(source=v.host, target=v.guest, read_only=v.readonly) for v in spec.volumes
+        ]
+        return MachineConfig(
+            name=self.machine_name(name),
+            image=spec.image or DEFAULT_IMAGE,
+            labels={**self.labels, "smolbench-node": _slug(name)},
+            resources=resources,
+            mounts=mounts or None,
+            env=spec.env_dict or None,
+            branchable=spec.branch,
+        )
+
+    def _register(self, ref: MachineRef, handle: Machine) -> None:
+        ref.info.update(machine=handle.name, id=handle.id, target=self.target)
+        self._machines[ref.name] = ref
+        self._handles[ref.name] = handle
+
+    def _handle(self, ref: MachineRef) -> Machine:
+        handle = self._handles.get(ref.name)
+        if handle is None:
+            raise SmolbenchError(
+                f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`"
+            )
+        return handle
+
+    def _check_new(self, names: Iterable[str]) -> None:
+        seen: set[str] = set()
+        for name in names:
+            if name in self._machines or name in seen:
+                raise SmolbenchError(
+                    f"a machine named {name!r} already exists: `%smol down` it or pick another name"
+                )
+            seen.add(name)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def create(self, spec: MachineSpec, name: str) -> MachineRef:
+        """Boot a microVM from ``spec``, copy the agent in and start it."""
+        self._check_new([name])
+        config = self.machine_config(spec, name)
+        await self._ensure_available()
+        conn = self.conn
+        handle = await self._make(lambda: Machine.create(config, conn), _delete_quietly)
+        ref = MachineRef(name, self.name, spec)
+        self._register(ref, handle)
+        try:
+            await self._start_agent(ref, handle)
+        except BaseException:
+            await self._delete_after_failure(ref)
+            raise
+        return ref
+
+    async def _start_agent(self, ref: MachineRef, handle: Machine) -> None:
+        spec = ref.spec
+        slug = _slug(ref.name)
+        sock, ready, log = (f"{GUEST_RUN}/{slug}.{ext}" for ext in ("sock", "ready", "log"))
+        ref.info.update(socket=sock, log=log)
+        files = [(f"{GUEST_HOME}/{f}", (GUEST_DIR / f).read_bytes()) for f in AGENT_FILES]
+        files += [(f"{GUEST_LIB}/cloudpickle/{rel}", data) for rel, data in _cloudpickle_files()]
+        dirs = sorted({GUEST_RUN, GUEST_HOME} | {os.path.dirname(path) for path, _ in files})
+        res = await self._sdk(
+            handle.exec, ["python3", "-c", PREPARE, *dirs], ExecOptions(timeout=CONTROL_TIMEOUT)
+        )
+        if res.exit_code != 0:
+            raise SmolbenchError(
+                f"image {spec.image or DEFAULT_IMAGE!r} has no working python3 ({_detail(res.stderr or res.stdout, 80)}): "
+                f"use an image with python3 >= 3.8, like {DEFAULT_IMAGE!r}"
+            )
+        ref.info["python"] = res.stdout.strip()
+        for path, data in files:
+            await self._sdk(handle.write_file, path, data, 0o644)
+        argv = [
+            "python3",
+            "-c",
+            LAUNCHER,
+            GUEST_HOME,
+            log,
+            "--socket",
+            sock,
+            "--name",
+            ref.name,
+            "--workdir",
+            spec.workdir,
+            "--lib",
+            GUEST_LIB,
+            "--ready",
+            ready,
+        ]
+        env = {"SMOLBENCH_MACHINE": ref.name, "PYTHONDONTWRITEBYTECODE": "1", **spec.env_dict}
+        started = await self._sdk(handle.exec, argv, ExecOptions(background=True, env=env))
+        ref.info["agent_pid"] = started.pid
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT
+        while True:
+            listing = await self._sdk(
+                handle.exec, ["ls", "-1", GUEST_RUN], ExecOptions(timeout=CONTROL_TIMEOUT)
+            )
+            present = set(listing.stdout.split())
+            if f"{slug}.ready" in present:
+                return
+            if f"{slug}.failed" in present:
+                raise SmolbenchError(
+                    f"the agent in machine {ref.name!r} failed to start "
+                    f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
+                )
+            if loop.time() > deadline:
+                raise SmolbenchError(
+                    f"the agent in machine {ref.name!r} did not start within {READY_TIMEOUT:.0f} s "
+                    f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
+                )
+            await asyncio.sleep(0.1)
+
+    async def _log_tail(self, handle: Machine, log: str) -> str:
+        try:
+            text = (await asyncio.to_thread(handle.read_file, log)).decode(errors="replace").strip()
+        except Exception:
+            return "no agent log"
+        return _detail(text.splitlines()[-1], 120) if text else "empty agent log"
+
+    async def delete(self, machine: MachineRef) -> None:
+        """Delete the VM (its branches are VMs of their own and stay); gone already is fine."""
+        ref = self._machines.pop(machine.name, None)
+        handle = self._handles.pop(machine.name, None)
+        if ref is None or handle is None:
+            return
+        await asyncio.to_thread(self._delete_sync, handle, str(ref.info.get("id") or handle.id))
+
+    def _delete_sync(self, handle: Machine, machine_id: str) -> None:
+        try:
+            handle.delete()
+        except SmolError as exc:
+            if exc.code in NOT_FOUND:
+                return
+            try:  # the handle may be stale: delete by id, which succeeds when it is gone
+                Machine.delete_by_name(machine_id, self.conn)
+            except SmolError as again:
+                if again.code not in NOT_FOUND:
+                    raise translate(exc) from exc
+
+    async def _delete_after_failure(self, ref: MachineRef) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.delete(ref))
+
+    async def close(self) -> None:
+        """Delete every machine, all of them even when some deletes fail (the first error is raised)."""
+        refs = list(reversed(self.list()))
+        results = await asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    # -- talking to agents ---------------------------------------------------------------
+
+    async def _relay(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        """Send one request through client.py; yield the agent's reply lines as they arrive."""
+        handle = self._handle(ref)
+        where = f"machine {ref.name!r}"
+        line, sock = P.encode(msg), ref.info["socket"]
+        if len(line) <= STDIN_LIMIT:
+            argv, opts = ["python3", CLIENT, sock], ExecOptions(stdin=line)
+        else:  # a big push: too big to carry as exec stdin, so it goes as a file
+            request = f"{GUEST_RUN}/request-{secrets.token_hex(6)}.json"
+            await self._sdk(handle.write_file, request, line, 0o600)
+            argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, sock, request], ExecOptions()
+        stream = await self._sdk(handle.exec_stream, argv, opts)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(item: tuple[str, Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def pump() -> None:
+            try:
+                for event in stream:
+                    put(("event", event))
+            except BaseException as exc:
+                put(("raise", exc))
+            finally:
+                put(("end", None))
+
+        threading.Thread(target=pump, name=f"smolbench-relay-{ref.name}", daemon=True).start()
+        lines = _LineSplitter()
+        stderr: list[str] = []
+        exit_code: int | None = None
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "end":
+                    break
+                if kind == "raise":
+                    if isinstance(item, SmolError):
+                        raise translate(item) from item
+                    raise item
+                event_kind = item.get("kind")
+                if event_kind == "stdout":
+                    for line in lines.feed(item.get("data", "")):
+                        yield line
+                elif event_kind == "stderr":
+                    stderr.append(str(item.get("data", "")))
+                elif event_kind == "exit":
+                    exit_code = item.get("exit_code")
+                elif event_kind == "error":
+                    raise SmolbenchError(
+                        f"{where}: running the agent relay failed ({_detail(str(item.get('message', '')))}): "
+                        "`%smol status`, or `%smol down` and `%smol up`"
+                    )
+            rest = lines.rest()
+            if rest.strip():
+                yield rest
+            if exit_code:  # it ended without a final reply, else we would not be here
+                tail = "".join(stderr).strip().splitlines()
+                raise SmolbenchError(
+                    f"{where}: the agent relay exited with code {exit_code}"
+                    f" ({_detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`"
+                )
+        finally:
+            stream.kill()
+
+    async def _request(
+        self, ref: MachineRef, msg: dict[str, Any], timeout: float = CONTROL_TIMEOUT
+    ) -> dict[str, Any]:
+        """One control request (ping, seed, interrupt) and its final reply; errors raise."""
+        handle = self._handle(ref)
+        where = f"machine {ref.name!r}"
+        res: ExecResult = await self._sdk(
+            handle.exec,
+            ["python3", CLIENT, ref.info["socket"]],
+            ExecOptions(stdin=P.encode(msg), timeout=timeout),
+        )
+        done = await read_replies(_lines_of(res.stdout.splitlines()), None, where)
+        if done.get("status") != "ok":
+            err = done.get("error") or {}
+            raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
+        return done
+
+    async def exec_cell(
+        self, machine: MachineRef, request: CellRequest, on_event: OnEvent
+    ) -> CellResult:
+        """Run one cell through client.py, streaming its output as it arrives."""
+        where = f"machine {machine.name!r}"
+        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as lines:
+            done = await read_replies(lines, on_event, where)
+        return to_result(done)
+
+    async def interrupt(self, machine: MachineRef) -> None:
+        """Raise KeyboardInterrupt in the cell running in the machine, if any."""
+        with contextlib.suppress(SmolbenchError):
+            await self._request(machine, {"op": "interrupt"}, timeout=10.0)
+
+    async def info(self, machine: MachineRef) -> dict[str, Any]:
+        """What the agent says about itself (python version, pid, cells run, ...)."""
+        return dict((await self._request(machine, {"op": "ping"}))["info"])
+
+    # -- branching -----------------------------------------------------------------------
+
+    async def branch(
+        self, machine: MachineRef, names: list[str], seeds: list[int | None]
+    ) -> list[MachineRef]:
+        """Branch live copy-on-write child VMs with ``branch_batch``, then seed each one."""
+        if len(names) != len(seeds):
+            raise ValueError("one seed per branch name")
+        if not names:
+            return []
+        if not machine.spec.branch:
+            raise SmolbenchError(
+                f"machine {machine.name!r} was made with [branch] enabled = false, so it can't branch: "
+                "enable it in the Smolfile and `%smol up` again"
+            )
+        self._check_new(names)
+        parent = self._handle(machine)
+        smol_names = [self.machine_name(n) for n in names]
+
+        def undo(kids: list[Machine]) -> None:
+            for kid in kids:
+                _delete_quietly(kid)
+
+        kids: list[Machine] = await self._make(lambda: parent.branch_batch(names=smol_names), undo)
+        if len(kids) != len(names):
+            await asyncio.to_thread(undo, kids)
+            raise SmolbenchError(
+                f"smol made {len(kids)} branches of {machine.name!r}, not {len(names)}: retry"
+            )
+        refs: list[MachineRef] = []
+        for name, kid in zip(names, kids):
+            # The child's agent is a RAM copy of the parent's: same socket path, inside the child VM.
+            info = {
+                "socket": machine.info["socket"],
+                "log": machine.info.get("log"),
+                "python": machine.info.get("python"),
+            }
+            ref = MachineRef(name, self.name, machine.spec, parent=machine.name, info=info)
+            self._register(ref, kid)
+            refs.append(ref)
+        try:
+            await asyncio.gather(
+                *(
+                    self._request(ref, {"op": "seed", "seed": seed, "name": ref.name})
+                    for ref, seed in zip(refs, seeds)
+                )
+            )
+        except BaseException:
+            for ref in refs:
+                await self._delete_after_failure(ref)
+            raise
+        return refs
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
+        """Save the live VM (RAM and disks) as a ``.smolcheckpoint`` at ``path``."""
+        handle = self._handle(machine)
+        path = os.path.abspath(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if self.target == "cloud":
+            # Cloud checkpoints live in smol cloud; the file at ``path`` points at one.
+            made = await self._sdk(handle.checkpoint)
+            pointer = {
+                "kind": CLOUD_POINTER,
+                "id": made.id,
+                "machine": machine.name,
+                "size": made.size_bytes,
+            }
+            with open(path, "w") as fh:
+                json.dump(pointer, fh)
+            return CheckpointInfo(path, self.name, int(made.size_bytes))
+        store = os.path.join(os.path.dirname(path), "store")
+        os.makedirs(store, exist_ok=True)
+        made = await self._sdk(handle.checkpoint, path, store=store)
+        size = int(made.size_bytes) if made.size_bytes else os.path.getsize(path)
+        return CheckpointInfo(path, self.name, size)
+
+    def _checkpoint_id(self, path: str) -> str:
+        if not os.path.exists(path):
+            raise SmolbenchError(f"no checkpoint at {path}: list them with `%smol checkpoint ls`")
+        if self.target == "local":
+            return os.path.abspath(path)
+        try:
+            with open(path) as fh:
+                pointer = json.load(fh)
+        except (OSError, ValueError, UnicodeDecodeError):
+            pointer = None
+        if not isinstance(pointer, dict) or pointer.get("kind") != CLOUD_POINTER:
+            raise SmolbenchError(
+                f"{path} is not a smol cloud checkpoint: restore it with --target local"
+            )
+        return str(pointer["id"])
+
+    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+        """A new live VM from a checkpoint, its agent renamed to ``name``."""
+        self._check_new([name])
+        checkpoint_id = self._checkpoint_id(path)
+        await self._ensure_available()
+        smol_name = self.machine_name(name)
+        conn = self.conn
+        if self.target == "cloud":
+            network = spec.network_enabled
+
+            def restore() -> Machine:
+                return Machine.restore_checkpoint(
+                    checkpoint_id, smol_name, conn=conn, network=network
+                )
+        else:
+
+            def restore() -> Machine:
+                return Machine.restore_checkpoint(checkpoint_id, smol_name, conn=conn)
+
+        handle = await self._make(restore, _delete_quietly)
+        ref = MachineRef(name, self.name, spec)
+        self._register(ref, handle)
+        try:
+            await self._find_agent(ref, handle)
+            info = (await self._request(ref, {"op": "ping"}))["info"]
+            ref.info["python"] = str(info.get("python", ""))
+            # The agent woke up as the checkpointed machine: give it its new name (as the
+            # sandbox backend's restore does, this re-applies the seed it had).
+            await self._request(ref, {"op": "seed", "seed": info.get("seed"), "name": name})
+        except BaseException:
+            await self._delete_after_failure(ref)
+            raise
+        return ref
+
+    async def _find_agent(self, ref: MachineRef, handle: Machine) -> None:
+        """Point ``ref`` at the agent socket inside a restored machine (one agent per VM)."""
+        res = await self._sdk(
+            handle.exec, ["ls", "-1", GUEST_RUN], ExecOptions(timeout=CONTROL_TIMEOUT)
+        )
+        socks = sorted(n for n in res.stdout.split() if n.endswith(".sock"))
+        if res.exit_code != 0 or not socks:
+            raise SmolbenchError(
+                f"the checkpoint restored as {ref.name!r} has no smolbench agent in it: "
+                "was it made by the smol backend?"
+            )
+        base = socks[0][: -len(".sock")]
+        ref.info.update(socket=f"{GUEST_RUN}/{socks[0]}", log=f"{GUEST_RUN}/{base}.log")
+
+    def list(self) -> list[MachineRef]:  # last: in this class body "list" then means the method
+        """Machines this backend created and has not deleted yet."""
+        return list(self._machines.values())

@@ -1,0 +1,211 @@
+"""Run notebook cells in a real ipykernel (through nbclient) and read what they produced.
+
+Shared by the end-to-end tests. Every kernel gets a unique tag in its environment;
+the machines it starts inherit it (the sandbox's outer ``bwrap`` process, or the
+agent itself without bwrap), and whatever runs inside a sandbox descends from that
+process. So "the processes this kernel left behind" is a precise question:
+
+    with NotebookSession(tmp_path) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.processes()           # the kernel's machines, live right now
+    # leaving the block shuts the kernel down and asserts none of them remain
+
+``run_notebook(cells, cwd)`` is the one-shot form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import nbformat
+from nbclient import NotebookClient
+from nbformat import NotebookNode
+
+TAG_VAR = "SMOLBENCH_TEST_TAG"
+SETTLE_TIMEOUT = 20.0  # seconds for machines to go after their kernel has
+
+
+class Proc:
+    """One host process: pid, parent pid, command line."""
+
+    def __init__(self, pid: int, ppid: int, cmdline: str) -> None:
+        self.pid = pid
+        self.ppid = ppid
+        self.cmdline = cmdline
+
+    def __repr__(self) -> str:
+        return f"Proc({self.pid}, ppid={self.ppid}, {self.cmdline[:120]!r})"
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError:  # gone, or not ours to read
+        return None
+
+
+def tagged_processes(tag: str, var: str = TAG_VAR) -> list[Proc]:
+    """Live processes whose environment carries ``var=tag`` (except kernels), and all their
+    descendants: the machines a tagged kernel started, wherever they were reparented."""
+    procs: dict[int, Proc] = {}
+    marked: set[int] = set()
+    needle = f"{var}={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _read(f"/proc/{entry}/stat")
+        if stat is None:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if fields[0] == b"Z":  # a zombie is dead; its parent just hasn't reaped it yet
+            continue
+        pid = int(entry)
+        cmd = (_read(f"/proc/{entry}/cmdline") or b"").replace(b"\0", b" ").decode(errors="replace").strip()
+        procs[pid] = Proc(pid, int(fields[1]), cmd)
+        env = _read(f"/proc/{entry}/environ") or b""
+        if needle in env.split(b"\0") and "ipykernel" not in cmd:
+            marked.add(pid)
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    found: set[int] = set()
+    todo = list(marked)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, []))
+    return [procs[p] for p in sorted(found)]
+
+
+def wait_for_no_processes(tag: str, timeout: float = SETTLE_TIMEOUT, var: str = TAG_VAR) -> list[Proc]:
+    """Poll until no tagged process remains; returns what is still there at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = tagged_processes(tag, var)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+class NotebookSession(AbstractContextManager["NotebookSession"]):
+    """A real ipykernel started in ``cwd``; ``run()`` executes one cell at a time.
+
+    On exit the kernel is shut down and every machine it started must be gone
+    (an AssertionError names the survivors) unless ``check_processes=False``.
+    """
+
+    def __init__(self, cwd: Path, timeout: float = 120, allow_errors: bool = False, *,
+                 check_processes: bool = True) -> None:
+        self.cwd = Path(cwd)
+        self.tag = uuid.uuid4().hex
+        self.check_processes = check_processes
+        self.nb = nbformat.v4.new_notebook()
+        self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3",
+                                     allow_errors=allow_errors, resources={"metadata": {"path": str(self.cwd)}})
+        self._setup: Any = None
+
+    def __enter__(self) -> NotebookSession:
+        env = {**os.environ, TAG_VAR: self.tag}
+        self._setup = self.client.setup_kernel(env=env, cwd=str(self.cwd))
+        self._setup.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self._setup.__exit__(exc_type, exc, tb)
+        finally:
+            left = wait_for_no_processes(self.tag)
+        if self.check_processes and left and exc_type is None:
+            raise AssertionError(f"processes left behind by the kernel: {left}")
+
+    # -- running cells ------------------------------------------------------------
+
+    def run(self, source: str) -> NotebookNode:
+        """Execute one cell and return it (with its outputs)."""
+        cell = nbformat.v4.new_code_cell(source)
+        self.nb.cells.append(cell)
+        return self.client.execute_cell(cell, len(self.nb.cells) - 1)
+
+    # -- the kernel -----------------------------------------------------------------
+
+    @property
+    def kernel_pid(self) -> int:
+        """The kernel's process id."""
+        km = self.client.km
+        assert km is not None and km.provisioner is not None
+        return int(km.provisioner.process.pid)  # type: ignore[attr-defined]
+
+    def interrupt(self) -> None:
+        """Ctrl-C, the way Jupyter sends it (``KernelManager.interrupt_kernel``); any thread."""
+        km = self.client.km
+        assert km is not None
+        asyncio.run(km.interrupt_kernel())
+
+    def kill(self) -> None:
+        """kill -9 the kernel process."""
+        os.kill(self.kernel_pid, signal.SIGKILL)
+
+    def processes(self) -> list[Proc]:
+        """The machines' processes this kernel started that are alive now."""
+        return tagged_processes(self.tag)
+
+
+def run_notebook(cells: list[str], cwd: Path, timeout: float = 120, allow_errors: bool = False, *,
+                 check_processes: bool = True) -> NotebookNode:
+    """Run ``cells`` in a fresh kernel started in ``cwd``; return the executed notebook.
+
+    The kernel is shut down before this returns, and (unless ``check_processes`` is
+    False) no process it started may remain.
+    """
+    with NotebookSession(cwd, timeout, allow_errors, check_processes=check_processes) as session:
+        for source in cells:
+            session.run(source)
+    return session.nb
+
+
+# -- reading outputs ------------------------------------------------------------------
+
+
+def stream_text(cell: NotebookNode, name: str = "stdout") -> str:
+    """Everything the cell wrote to one stream."""
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def plain_texts(cell: NotebookNode) -> list[str]:
+    """The text/plain of every display and result, in order (updated displays as last shown)."""
+    return [str(o["data"]["text/plain"]) for o in cell.outputs
+            if o.output_type in ("display_data", "execute_result", "update_display_data") and "text/plain" in o.get("data", {})]
+
+
+def result_text(cell: NotebookNode) -> str | None:
+    """The text/plain of the cell's Out[n], if it has one."""
+    outs = [o for o in cell.outputs if o.output_type == "execute_result"]
+    return str(outs[0]["data"]["text/plain"]) if outs else None
+
+
+def error_output(cell: NotebookNode) -> NotebookNode | None:
+    """The cell's error output (ename, evalue, traceback), if it raised."""
+    errs = [o for o in cell.outputs if o.output_type == "error"]
+    return errs[0] if errs else None
+
+
+def error_text(cell: NotebookNode) -> str:
+    """The cell's error traceback as plain text (ANSI colours removed); '' if none."""
+    import re
+
+    err = error_output(cell)
+    if err is None:
+        return ""
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback))

@@ -1,0 +1,997 @@
+"""SmolBackend end to end against doubles of the real smol SDK classes.
+
+The doubles are ``create_autospec`` of ``smol.Machine`` (class and instance), so a
+call that drifts from the SDK's real signatures fails here. Behind them, each
+fake VM is a directory standing in for the guest's root filesystem: commands run
+as real host processes with every absolute path argument mapped into it, so the
+real guest agent, launcher and ``client.py`` do the work, and ``exec_stream``
+returns a real ``smol.ExecStream`` whose stdout chunks split lines on purpose.
+A branch or a checkpoint copies the agent's RAM the only way a process can: the
+fake asks the agent to ``os.fork()`` itself into the copy's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import itertools
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest.mock import MagicMock, create_autospec
+
+import pytest
+import smol
+from smol import (
+    ConnectOptions,
+    ExecOptions,
+    ExecResult,
+    ExecStream,
+    InvalidConfigError,
+    Machine,
+    MachineConfig,
+    MountSpec,
+    PortableCheckpointInfo,
+    SmolError,
+)
+
+from smolbench.backends import probe as probemod
+from smolbench.backends import smol as smolmod
+from smolbench.backends.base import CellRequest, CellResult, Event, MachineRef
+from smolbench.backends.smol import SmolBackend
+from smolbench.errors import BackendUnavailable, SmolbenchError
+from smolbench.guest import protocol as P
+from smolbench.spec import MachineSpec, Volume
+
+CHUNK = 23  # bytes per stdout chunk of the fake exec_stream: splits reply lines mid-line
+
+
+def _ignore_sockets(directory: str, names: list[str]) -> list[str]:
+    return [
+        n
+        for n in names
+        if not os.path.isfile(os.path.join(directory, n))
+        and not os.path.isdir(os.path.join(directory, n))
+    ]
+
+
+class FakeHost:
+    """Plays smol's engine for the tests: makes fake VMs and remembers every call."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.vms: list[FakeVM] = []
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.fork_names: list[str] = []
+        self.checkpoints: dict[str, tuple[Path, int]] = {}
+        self.chunks: list[str] = []
+        self._serial = itertools.count(1)
+        self.cls = create_autospec(Machine)
+        self.cls.create.side_effect = self.create
+        self.cls.restore_checkpoint.side_effect = self.restore_checkpoint
+        self.cls.delete_by_name.side_effect = lambda machine_id, conn=None, drain_secs=None: None
+
+    def new_root(self) -> Path:
+        root = self.base / f"vm{next(self._serial)}"
+        root.mkdir()
+        return root
+
+    def create(
+        self, config: MachineConfig | None = None, conn: ConnectOptions | None = None
+    ) -> Any:
+        assert config is not None and config.name
+        vm = FakeVM(self, config.name, self.new_root())
+        return vm.machine
+
+    def restore_checkpoint(
+        self,
+        checkpoint_id: str,
+        name: str,
+        conn: ConnectOptions | None = None,
+        network: bool | None = None,
+        cache_disk: Any = None,
+    ) -> Any:
+        if checkpoint_id not in self.checkpoints:
+            raise SmolError("NOT_FOUND", f"no checkpoint at {checkpoint_id}")
+        root, pid = self.checkpoints.pop(checkpoint_id)
+        vm = FakeVM(self, name, root)
+        vm.agent_pid, vm.agent_sock = pid, self.sock_of(root)
+        return vm.machine
+
+    @staticmethod
+    def sock_of(root: Path) -> str | None:
+        run = root / "run" / "smolbench"
+        socks = sorted(run.glob("*.sock")) if run.is_dir() else []
+        return str(socks[0]) if socks else None
+
+    def agent_fork(self, parent: FakeVM, root: Path) -> int:
+        """Copy ``parent``'s agent (its "RAM") into ``root``, listening on the same guest path."""
+        assert parent.agent_sock is not None
+        guest_sock = "/" + os.path.relpath(parent.agent_sock, parent.root)
+        shutil.copytree(parent.root, root, ignore=_ignore_sockets, dirs_exist_ok=True)
+        name = f"smolfake{os.getpid()}x{next(self._serial)}"
+        self.fork_names.append(name)
+        msg = {
+            "op": "fork",
+            "children": [{"name": name, "seed": None, "socket": f"{root}{guest_sock}"}],
+        }
+        replies = talk(parent.agent_sock, msg)
+        assert replies[-1]["status"] == "ok", replies
+        return int(replies[-1]["children"][0]["pid"])
+
+    def cleanup(self) -> None:
+        for vm in self.vms:
+            vm.kill()
+        for proc in self.popens:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for name in self.fork_names:  # the agent's private-files base for each fork
+            with contextlib.suppress(OSError):
+                os.rmdir(f"/run/.smolbench-branch-{name}")
+
+
+def talk(sock: str, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send one request straight to an agent socket and read all replies."""
+    import socket as socketlib
+
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock)
+        s.sendall(P.encode(msg))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return [P.decode(line) for line in data.splitlines() if line.strip()]
+
+
+class FakeVM:
+    """One fake machine: an autospec'd ``smol.Machine`` whose methods act on a directory."""
+
+    def __init__(self, host: FakeHost, name: str, root: Path) -> None:
+        self.host, self.name, self.root = host, name, root
+        self.agent_pid: int | None = None
+        self.agent_sock: str | None = None
+        self.deleted = False
+        self.fail_delete: SmolError | None = None
+        m = create_autospec(Machine, instance=True)
+        m.name, m.id = name, name
+        m.exec.side_effect = self.exec
+        m.exec_stream.side_effect = self.exec_stream
+        m.write_file.side_effect = self.write_file
+        m.read_file.side_effect = self.read_file
+        m.branch_batch.side_effect = self.branch_batch
+        m.checkpoint.side_effect = self.checkpoint
+        m.delete.side_effect = self.delete
+        self.machine: MagicMock = m
+        host.vms.append(self)
+
+    def path(self, guest: str) -> str:
+        return f"{self.root}{guest}" if guest.startswith("/") else guest
+
+    def argv(self, command: list[str]) -> list[str]:
+        assert all(isinstance(a, str) for a in command), command
+        head = sys.executable if command[0] == "python3" else command[0]
+        return [head, *(self.path(a) for a in command[1:])]
+
+    def _alive(self) -> None:
+        if self.deleted:
+            raise SmolError("NOT_FOUND", f"machine {self.name} not found")
+
+    def exec(self, command: list[str], opts: ExecOptions | None = None) -> ExecResult:
+        self._alive()
+        opts = opts or ExecOptions()
+        env = {**os.environ, **(opts.env or {})}
+        if opts.background:
+            proc = subprocess.Popen(
+                self.argv(command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            self.host.popens.append(proc)
+            self.agent_pid = proc.pid
+            self.agent_sock = self.path(command[command.index("--socket") + 1])
+            return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
+        stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
+        try:
+            res = subprocess.run(
+                self.argv(command),
+                input=stdin or b"",
+                capture_output=True,
+                env=env,
+                timeout=opts.timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SmolError("TIMEOUT", f"command timed out: {command}") from exc
+        return ExecResult(
+            exit_code=res.returncode, stdout=res.stdout.decode(), stderr=res.stderr.decode()
+        )
+
+    def exec_stream(self, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
+        self._alive()
+        opts = opts or ExecOptions()
+        proc = subprocess.Popen(
+            self.argv(command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else (opts.stdin or b"")
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+        out, err = proc.stdout, proc.stderr
+        chunks = self.host.chunks
+
+        def events() -> Iterator[dict[str, Any]]:
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            try:
+                while data := os.read(out.fileno(), CHUNK):
+                    text = decoder.decode(data)
+                    if text:
+                        chunks.append(text)
+                        yield {"kind": "stdout", "data": text}
+                tail = err.read().decode()
+                if tail:
+                    yield {"kind": "stderr", "data": tail}
+                yield {"kind": "exit", "exit_code": proc.wait()}
+            finally:
+                out.close()
+                err.close()
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+
+        return ExecStream(events(), proc.kill)
+
+    def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        self._alive()
+        host = Path(self.path(path))
+        if not host.parent.is_dir():  # like a guest without the directory
+            raise SmolError("SMOLVM_ERROR", f"write {path}: no such directory")
+        host.write_bytes(data.encode() if isinstance(data, str) else data)
+        if mode is not None:
+            host.chmod(mode)
+
+    def read_file(self, path: str) -> bytes:
+        self._alive()
+        return Path(self.path(path)).read_bytes()
+
+    def branch_batch(
+        self,
+        count: int | None = None,
+        *,
+        names: list[str] | None = None,
+        name_prefix: str | None = None,
+        ports: Any = None,
+        freeze_source: bool = False,
+    ) -> list[Any]:
+        self._alive()
+        assert names, "smolbench names every branch"
+        kids = []
+        for name in names:
+            root = self.host.new_root()
+            pid = self.host.agent_fork(self, root)
+            kid = FakeVM(self.host, name, root)
+            kid.agent_pid, kid.agent_sock = (
+                pid,
+                f"{root}/{os.path.relpath(self.agent_sock or '', self.root)}",
+            )
+            kids.append(kid.machine)
+        return kids
+
+    def checkpoint(
+        self, output: str | None = None, *, store: str | None = None
+    ) -> PortableCheckpointInfo:
+        self._alive()
+        assert output is not None and store is not None
+        root = self.host.new_root()
+        pid = self.host.agent_fork(self, root)  # frozen "RAM": an idle copy of the agent
+        Path(output).write_text(json.dumps({"fake": str(root)}))
+        Path(store, "chunk-0").write_bytes(b"x" * 100)
+        self.host.checkpoints[output] = (root, pid)
+        return PortableCheckpointInfo(
+            id=output,
+            machine_id=self.name,
+            status="available",
+            size_bytes=4242,
+            arch="x86_64",
+            created_at="",
+            download_url="",
+            path=output,
+        )
+
+    def kill(self) -> None:
+        if self.agent_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.agent_pid, signal.SIGKILL)
+
+    def delete(self, include_usage: bool = False, drain_secs: float | None = None) -> None:
+        if self.fail_delete is not None:
+            raise self.fail_delete
+        self._alive()
+        self.deleted = True
+        self.kill()
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
+    """A fake smol engine patched in where smolbench looks Machine up; kills what it started."""
+    base = Path(tempfile.mkdtemp(prefix="sbsm", dir="/tmp"))  # short: Unix socket paths are short
+    fake = FakeHost(base)
+    monkeypatch.setattr(smolmod, "Machine", fake.cls)
+    monkeypatch.setattr(smolmod, "READY_TIMEOUT", 15.0)
+    try:
+        yield fake
+    finally:
+        fake.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+        pids = [vm.agent_pid for vm in fake.vms if vm.agent_pid]
+        assert _all_gone(pids), f"agent processes left running: {pids}"
+
+
+def _all_gone(pids: list[int], wait: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if not [p for p in pids if _running(p)]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def backend(**kw: Any) -> SmolBackend:
+    return SmolBackend(probe=False, session="t", **kw)
+
+
+async def cell(
+    b: SmolBackend, ref: MachineRef, code: str, events: list[Event] | None = None
+) -> CellResult:
+    sink = events if events is not None else []
+    return await b.exec_cell(ref, CellRequest(code=code, cell_name="<cell-1>"), sink.append)
+
+
+def plain(result: CellResult) -> str:
+    assert result.status == "ok", result.error
+    assert result.result is not None
+    return str(result.result["text/plain"])
+
+
+# -- create ------------------------------------------------------------------------------
+
+
+def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost) -> None:
+    b = backend()
+    spec = MachineSpec(
+        cpus=2, memory=2048, env=(("FOO", "bar"),), volumes=(Volume("/srv/data", "/data"),)
+    )
+
+    async def main() -> MachineRef:
+        ref = await b.create(spec, "root")
+        await b.close()
+        return ref
+
+    ref = run(main())
+    host.cls.create.assert_called_once()
+    config, conn = host.cls.create.call_args.args
+    assert conn == ConnectOptions(target="local")
+    assert config.branchable is True and config.forkable is True
+    assert config.image == smolmod.DEFAULT_IMAGE
+    assert config.name.startswith("smolbench-t-root-")
+    assert config.labels == {"smolbench": "1", "smolbench-session": "t", "smolbench-node": "root"}
+    assert config.resources.cpus == 2 and config.resources.memory_mb == 2048
+    assert config.resources.network is False  # explicit: the cloud opens egress when unset
+    assert config.resources.allow_hosts is None and config.resources.allow_cidrs is None
+    assert config.mounts == [MountSpec(source="/srv/data", target="/data", read_only=True)]
+    assert config.env == {"FOO": "bar"}
+    vm = host.vms[0].machine
+    written = {c.args[0] for c in vm.write_file.call_args_list}
+    assert {
+        "/opt/smolbench/agent.py",
+        "/opt/smolbench/protocol.py",
+        "/opt/smolbench/client.py",
+    } <= written
+    assert "/opt/smolbench/lib/cloudpickle/__init__.py" in written
+    assert any(p.startswith("/opt/smolbench/lib/cloudpickle/cloudpickle") for p in written)
+    launch = [c for c in vm.exec.call_args_list if c.args[1] is not None and c.args[1].background]
+    assert len(launch) == 1
+    argv, opts = launch[0].args
+    assert argv[:2] == ["python3", "-c"] and "--socket" in argv and "--ready" in argv
+    assert argv[argv.index("--socket") + 1] == "/run/smolbench/root.sock"
+    assert argv[argv.index("--workdir") + 1] == "/workspace"
+    assert opts.env["FOO"] == "bar" and opts.env["SMOLBENCH_MACHINE"] == "root"
+    assert ref.info["socket"] == "/run/smolbench/root.sock" and ref.info["machine"] == config.name
+    vm.delete.assert_called_once()
+    assert b.list() == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "network", "hosts", "cidrs"),
+    [
+        (MachineSpec(), False, None, None),
+        (MachineSpec(net=True), True, None, None),
+        (
+            MachineSpec(allow_hosts=("pypi.org", "files.pythonhosted.org:443")),
+            None,
+            ["pypi.org", "files.pythonhosted.org"],
+            None,
+        ),
+        (MachineSpec(net=True, allow_cidrs=("10.0.0.0/8",)), None, None, ["10.0.0.0/8"]),
+    ],
+)
+def test_network_follows_the_spec(
+    host: FakeHost,
+    spec: MachineSpec,
+    network: bool | None,
+    hosts: list[str] | None,
+    cidrs: list[str] | None,
+) -> None:
+    b = backend()
+
+    async def main() -> None:
+        await b.create(spec, "n")
+        await b.close()
+
+    run(main())
+    config = host.cls.create.call_args.args[0]
+    assert config.resources.network is network
+    assert config.resources.allow_hosts == hosts
+    assert config.resources.allow_cidrs == cidrs
+
+
+def test_branch_disabled_makes_a_plain_machine() -> None:
+    config = backend().machine_config(MachineSpec(branch=False), "x")
+    assert config.branchable is False and config.forkable is False
+
+
+def test_rootfs_directory_images_are_refused() -> None:
+    with pytest.raises(SmolbenchError, match="OCI images, not rootfs directories"):
+        backend().machine_config(MachineSpec(image="/srv/rootfs"), "x")
+
+
+def test_image_without_python_is_reported_and_deleted(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend()
+    monkeypatch.setattr(smolmod, "PREPARE", "import sys; sys.exit('python3: not found')")
+
+    with pytest.raises(SmolbenchError, match="has no working python3"):
+        run(b.create(MachineSpec(image="debian:bookworm"), "root"))
+    host.vms[0].machine.delete.assert_called_once()
+    assert b.list() == []
+
+
+# -- cells -------------------------------------------------------------------------------
+
+
+def test_cell_streams_stdout_and_keeps_state(host: FakeHost) -> None:
+    b = backend()
+    events: list[Event] = []
+    big_events: list[Event] = []
+
+    async def main() -> tuple[CellResult, CellResult, CellResult]:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            first = await cell(
+                b,
+                ref,
+                "x = 41\nprint('hello from the vm')\nfor i in range(3):\n    print('line', i)",
+                events,
+            )
+            second = await cell(b, ref, "x + 1")
+            big = await cell(b, ref, "print('y' * 100000)\nlen('é' * 3)", big_events)
+            return first, second, big
+        finally:
+            await b.close()
+
+    first, second, big = run(main())
+    assert first.status == "ok" and first.result is None
+    streamed = "".join(e.text for e in events if e.kind == "stream" and e.name == "stdout")
+    assert streamed == "hello from the vm\nline 0\nline 1\nline 2\n"
+    assert first.stdout == streamed
+    assert plain(second) == "42"
+    assert plain(big) == "3"
+    assert "".join(e.text for e in big_events) == "y" * 100000 + "\n"
+    assert any(not c.endswith("\n") for c in host.chunks), "the fake must split lines across chunks"
+    stream_calls = host.vms[0].machine.exec_stream.call_args_list
+    argv, opts = stream_calls[0].args
+    assert argv == ["python3", "/opt/smolbench/client.py", "/run/smolbench/root.sock"]
+    assert P.decode(opts.stdin)["op"] == "exec"
+
+
+def test_a_big_push_travels_as_a_file(host: FakeHost) -> None:
+    b = backend()
+    blob = pickle.dumps(b"x" * (smolmod.STDIN_LIMIT + 1000))
+
+    async def main() -> CellResult:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            request = CellRequest(code="len(blob)", push={"blob": blob}, pull=["blob"])
+            return await b.exec_cell(ref, request, lambda event: None)
+        finally:
+            await b.close()
+
+    res = run(main())
+    assert plain(res) == str(smolmod.STDIN_LIMIT + 1000) and res.pulled["blob"] == blob
+    argv, opts = host.vms[0].machine.exec_stream.call_args.args
+    assert argv[:2] == ["sh", "-c"] and opts.stdin is None
+    assert not list((host.vms[0].root / "run" / "smolbench").glob("request-*")), (
+        "request file removed"
+    )
+
+
+def test_remote_error_comes_back_with_its_traceback(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> CellResult:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            return await cell(b, ref, "def f():\n    raise ValueError('boom')\nf()")
+        finally:
+            await b.close()
+
+    res = run(main())
+    assert res.status == "error" and res.error is not None
+    assert res.error["ename"] == "ValueError" and res.error["evalue"] == "boom"
+    text = "".join(res.error["traceback"])
+    assert "<cell-1>" in text and "raise ValueError('boom')" in text
+
+
+def test_interrupt_stops_a_running_cell(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> CellResult:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            task = asyncio.create_task(
+                cell(b, ref, "import time\nfor _ in range(600):\n    time.sleep(0.05)")
+            )
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if (await b.info(ref))["busy"]:
+                    break
+            await b.interrupt(ref)
+            return await task
+        finally:
+            await b.close()
+
+    res = run(main())
+    assert (
+        res.status == "error"
+        and res.error is not None
+        and res.error["ename"] == "KeyboardInterrupt"
+    )
+
+
+# -- branches ----------------------------------------------------------------------------
+
+
+def test_branch_makes_seeded_children_with_the_parents_state(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> tuple[list[MachineRef], list[str], str]:
+        root = await b.create(MachineSpec(), "root")
+        try:
+            await cell(b, root, "base = 7\nimport random")
+            kids = await b.branch(root, ["root.0", "root.1"], [11, 22])
+            seen = [
+                plain(
+                    await cell(b, k, "import smolbench_guest\n(SEED, base, smolbench_guest.node)")
+                )
+                for k in kids
+            ]
+            await cell(b, kids[0], "base = 100")
+            parent = plain(await cell(b, root, "base"))
+            return kids, seen, parent
+        finally:
+            await b.close()
+
+    kids, seen, parent = run(main())
+    assert seen == ["(11, 7, 'root.0')", "(22, 7, 'root.1')"]
+    assert parent == "7"  # a child's writes stay in the child
+    root_vm = host.vms[0].machine
+    root_vm.branch_batch.assert_called_once()
+    names = root_vm.branch_batch.call_args.kwargs["names"]
+    assert (
+        len(names) == 2
+        and len(set(names)) == 2
+        and all(n.startswith("smolbench-t-root-") for n in names)
+    )
+    assert [k.parent for k in kids] == ["root", "root"]
+    assert all(k.info["socket"] == "/run/smolbench/root.sock" for k in kids)
+    for vm in host.vms:
+        vm.machine.delete.assert_called_once()
+
+
+def test_branch_names_stay_unique_across_batches(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        try:
+            await b.branch(root, ["a.0"], [1])
+            await b.branch(root, ["a_0"], [2])  # slugs to the same text as a.0
+        finally:
+            await b.close()
+
+    run(main())
+    batches = host.vms[0].machine.branch_batch.call_args_list
+    first, second = (c.kwargs["names"][0] for c in batches)
+    assert first != second
+
+
+def test_a_failed_seed_deletes_the_new_branches(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend()
+    real_request = SmolBackend._request
+
+    async def failing(
+        self: SmolBackend, ref: MachineRef, msg: dict[str, Any], timeout: float = 30.0
+    ) -> dict[str, Any]:
+        if msg["op"] == "seed":
+            raise SmolbenchError("seed failed")
+        return await real_request(self, ref, msg, timeout)
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        monkeypatch.setattr(SmolBackend, "_request", failing)
+        try:
+            with pytest.raises(SmolbenchError, match="seed failed"):
+                await b.branch(root, ["root.0", "root.1"], [1, 2])
+            assert [r.name for r in b.list()] == ["root"]
+        finally:
+            await b.close()
+
+    run(main())
+    assert len(host.vms) == 3
+    for vm in host.vms:
+        vm.machine.delete.assert_called_once()
+
+
+# -- deleting ----------------------------------------------------------------------------
+
+
+def test_close_deletes_every_machine_even_when_one_delete_fails(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        await b.branch(root, ["root.0", "root.1"], [0, 1])
+        host.vms[1].fail_delete = SmolError("STORAGE_ERROR", "disk full")
+        host.cls.delete_by_name.side_effect = SmolError("STORAGE_ERROR", "disk full")
+        with pytest.raises(SmolbenchError, match="free disk space"):
+            await b.close()
+        assert b.list() == []
+
+    run(main())
+    for vm in host.vms:
+        vm.machine.delete.assert_called_once()
+    host.cls.delete_by_name.assert_called_once_with(
+        host.vms[1].name, ConnectOptions(target="local")
+    )
+
+
+def test_delete_is_idempotent_and_tolerates_a_vanished_machine(host: FakeHost) -> None:
+    b = backend()
+
+    async def main() -> None:
+        ref = await b.create(MachineSpec(), "root")
+        host.vms[0].deleted = True  # gone behind our back: its delete raises NOT_FOUND
+        await b.delete(ref)
+        await b.delete(ref)
+        assert b.list() == []
+        with pytest.raises(SmolbenchError, match="was deleted"):
+            await cell(b, ref, "1")
+
+    run(main())
+    host.vms[0].machine.delete.assert_called_once()
+
+
+def test_a_failed_agent_start_deletes_the_machine(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend()
+    monkeypatch.setattr(smolmod, "READY_TIMEOUT", 0.5)
+    monkeypatch.setattr(
+        smolmod, "LAUNCHER", "import sys; sys.stderr.write('agent exploded'); sys.exit(1)"
+    )
+
+    with pytest.raises(SmolbenchError, match="did not start within"):
+        run(b.create(MachineSpec(), "root"))
+    host.vms[0].machine.delete.assert_called_once()
+    assert b.list() == []
+
+
+def test_an_agent_that_dies_at_start_is_reported_at_once(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    guest = tmp_path / "guest"
+    shutil.copytree(smolmod.GUEST_DIR, guest)
+    (guest / "agent.py").write_text("def main(argv):\n    raise RuntimeError('agent exploded')\n")
+    monkeypatch.setattr(smolmod, "GUEST_DIR", guest)
+    started = time.monotonic()
+    with pytest.raises(SmolbenchError, match="failed to start .*agent exploded"):
+        run(backend().create(MachineSpec(), "root"))
+    assert time.monotonic() - started < smolmod.READY_TIMEOUT
+    host.vms[0].machine.delete.assert_called_once()
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raised", "cls", "starts"),
+    [
+        (
+            SmolError("KVM_UNAVAILABLE", "KVM not available. Ensure KVM kernel module is loaded."),
+            BackendUnavailable,
+            "no usable KVM here: use --backend sandbox or --target cloud",
+        ),
+        (
+            SmolError(
+                "KVM_UNAVAILABLE", "KVM permission denied: Failed to access /dev/kvm: EACCES"
+            ),
+            BackendUnavailable,
+            "no permission to open /dev/kvm: set it to group kvm, mode 0660",
+        ),
+        (
+            SmolError("HYPERVISOR_UNAVAILABLE", "no hypervisor"),
+            BackendUnavailable,
+            "no usable hypervisor here",
+        ),
+        (
+            SmolError("UNSUPPORTED_PLATFORM", "no prebuilt local engine"),
+            BackendUnavailable,
+            "smol has no local engine for this OS/CPU",
+        ),
+        (
+            InvalidConfigError(
+                "cloud target requires an api_key — pass ConnectOptions(api_key=...)"
+            ),
+            BackendUnavailable,
+            "no smol cloud token: export SMOL_CLOUD_TOKEN=",
+        ),
+        (
+            SmolError("UNAUTHORIZED", "cloud POST /v1/machines → 401"),
+            BackendUnavailable,
+            "the smol cloud rejected the token",
+        ),
+        (
+            SmolError("TIMEOUT", "machine 'x' did not become ready within 120s"),
+            SmolbenchError,
+            "the machine did not answer in time",
+        ),
+        (
+            SmolError("MOUNT_ERROR", "mount failed\nsecond line"),
+            SmolbenchError,
+            "a Smolfile volume could not be mounted",
+        ),
+        (
+            SmolError("SMOLVM_ERROR", "failed to pull image python:3.12-slim: network unreachable"),
+            SmolbenchError,
+            "the image could not be pulled",
+        ),
+        (
+            SmolError("WEIRD_NEW_CODE", "something odd"),
+            SmolbenchError,
+            "smol failed (WEIRD_NEW_CODE)",
+        ),
+    ],
+)
+def test_smol_errors_become_one_line_advice(
+    host: FakeHost, raised: Exception, cls: type[SmolbenchError], starts: str
+) -> None:
+    host.cls.create.side_effect = raised
+    with pytest.raises(SmolbenchError) as info:
+        run(backend().create(MachineSpec(), "root"))
+    assert type(info.value) is cls
+    text = str(info.value)
+    assert text.startswith(starts) and "\n" not in text and "[smol " in text
+
+
+def test_the_error_table_covers_the_host_codes() -> None:
+    for code in (
+        "KVM_UNAVAILABLE",
+        "HYPERVISOR_UNAVAILABLE",
+        "UNSUPPORTED_PLATFORM",
+        "RUNTIME_NOT_INSTALLED",
+    ):
+        assert isinstance(smolmod.translate(SmolError(code, "x")), BackendUnavailable)
+        assert "--backend sandbox" in smolmod.ERROR_HINTS[code]
+    raw = smolmod.translate(
+        RuntimeError("[KVM_UNAVAILABLE] KVM not available")
+    )  # a bare native error
+    assert isinstance(raw, BackendUnavailable) and str(raw).startswith("no usable KVM here")
+
+
+def test_a_failed_probe_stops_create_before_the_sdk(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reason = "a test microVM failed to boot here: use --backend sandbox or --target cloud"
+    monkeypatch.setattr(probemod, "probe_smol", lambda *a, **k: (False, reason))
+    b = SmolBackend(session="t")
+    with pytest.raises(BackendUnavailable, match="use --backend sandbox"):
+        run(b.create(MachineSpec(), "root"))
+    host.cls.create.assert_not_called()
+    assert SmolBackend(target="cloud").isolation.startswith("microVM on smol cloud")
+    assert b.isolation == "microVM (own guest kernel, hardware virtualisation via KVM)"
+
+
+# -- checkpoints and the cloud target --------------------------------------------------
+
+
+def test_checkpoint_and_restore_use_the_sdk(host: FakeHost, tmp_path: Path) -> None:
+    b = backend()
+    path = str(tmp_path / "ckpt" / "root.smolcheckpoint")
+
+    async def main() -> tuple[Any, str, dict[str, Any], MachineRef]:
+        root = await b.create(MachineSpec(), "root")
+        try:
+            await cell(b, root, "x = 5")
+            info = await b.checkpoint(root, path)
+            await cell(b, root, "x = 6")
+            back = await b.restore(path, "back", MachineSpec())
+            x = plain(await cell(b, back, "x"))
+            return info, x, await b.info(back), back
+        finally:
+            await b.close()
+
+    info, x, agent, back = run(main())
+    assert (info.path, info.backend, info.size) == (path, "smol", 4242)
+    host.vms[0].machine.checkpoint.assert_called_once_with(
+        path, store=str(tmp_path / "ckpt" / "store")
+    )
+    host.cls.restore_checkpoint.assert_called_once()
+    args, kwargs = host.cls.restore_checkpoint.call_args
+    assert args[0] == path and args[1].startswith("smolbench-t-back-")
+    assert kwargs == {"conn": ConnectOptions(target="local")}
+    assert x == "5" and agent["name"] == "back"
+    assert back.info["socket"] == "/run/smolbench/root.sock"
+    for vm in host.vms:
+        vm.machine.delete.assert_called_once()
+
+
+def test_the_cloud_target_passes_cloud_connect_options(host: FakeHost, tmp_path: Path) -> None:
+    b = SmolBackend(target="cloud", session="t")  # no probe: the cloud has no host requirements
+    path = str(tmp_path / "c.smolcheckpoint")
+
+    def cloud_checkpoint(
+        output: str | None = None, *, store: str | None = None
+    ) -> PortableCheckpointInfo:
+        assert output is None and store is None  # the cloud refuses both
+        return PortableCheckpointInfo(
+            id="ckpt-123",
+            machine_id="m",
+            status="available",
+            size_bytes=99,
+            arch="x86_64",
+            created_at="",
+            download_url="",
+        )
+
+    def cloud_restore(
+        checkpoint_id: str, name: str, conn: Any = None, network: Any = None, cache_disk: Any = None
+    ) -> Any:
+        raise SmolError("UNAUTHORIZED", "cloud POST /v1/checkpoints → 401")
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(net=True), "root")
+        host.vms[0].machine.checkpoint.side_effect = cloud_checkpoint
+        info = await b.checkpoint(root, path)
+        assert info.size == 99 and json.loads(Path(path).read_text())["id"] == "ckpt-123"
+        host.cls.restore_checkpoint.side_effect = cloud_restore
+        with pytest.raises(BackendUnavailable, match="SMOL_CLOUD_TOKEN"):
+            await b.restore(path, "back", MachineSpec())
+        host.vms[0].fail_delete = SmolError("INVALID_STATE", "stale handle")
+        await b.close()  # falls back to delete_by_name, which succeeds
+
+    run(main())
+    assert host.cls.create.call_args.args[1] == ConnectOptions(target="cloud")
+    host.vms[0].machine.checkpoint.assert_called_once_with()
+    host.cls.restore_checkpoint.assert_called_once_with(
+        "ckpt-123",
+        host.cls.restore_checkpoint.call_args.args[1],
+        conn=ConnectOptions(target="cloud"),
+        network=False,
+    )
+    host.cls.delete_by_name.assert_called_once_with(
+        host.vms[0].name, ConnectOptions(target="cloud")
+    )
+    with pytest.raises(SmolbenchError, match="volumes"):
+        b.machine_config(MachineSpec(volumes=(Volume("/a", "/b"),)), "v")
+
+
+def test_restoring_a_missing_checkpoint_says_so(host: FakeHost, tmp_path: Path) -> None:
+    with pytest.raises(SmolbenchError, match="no checkpoint at"):
+        run(backend().restore(str(tmp_path / "nope.smolcheckpoint"), "x", MachineSpec()))
+    host.cls.restore_checkpoint.assert_not_called()
+
+
+# -- the probe ---------------------------------------------------------------------------
+
+
+def test_probe_skip_env_boots_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOLBENCH_SMOL_PROBE", "skip")
+    monkeypatch.setattr(probemod, "_boot", lambda timeout: pytest.fail("booted"))
+    assert probemod.probe_smol() == (False, "probe skipped by SMOLBENCH_SMOL_PROBE=skip")
+
+
+def test_probe_reports_local_availability_without_booting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SMOLBENCH_SMOL_PROBE", raising=False)
+    monkeypatch.setattr(
+        smol, "local_availability", lambda: (False, "KVM_UNAVAILABLE", "no /dev/kvm")
+    )
+    monkeypatch.setattr(probemod, "_boot", lambda timeout: pytest.fail("booted"))
+    ok, reason = probemod.probe_smol()
+    assert not ok and reason.startswith(
+        "no usable KVM here: use --backend sandbox or --target cloud"
+    )
+
+
+def test_probe_verdict_is_cached_per_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SMOLBENCH_SMOL_PROBE", raising=False)
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(smol, "local_availability", lambda: (True, None, None))
+    boots: list[float] = []
+
+    def boot(timeout: float) -> tuple[bool, str, float]:
+        boots.append(timeout)
+        return False, "a test microVM failed to boot here", 0.1
+
+    monkeypatch.setattr(probemod, "_boot", boot)
+    first = probemod.probe_smol(timeout=7)
+    assert probemod.probe_smol(timeout=7) == first == (False, "a test microVM failed to boot here")
+    assert boots == [7]
+    cached = json.loads((tmp_path / "probe.json").read_text())
+    assert list(cached) == [probemod.cache_key()]
+    probemod.probe_smol(use_cache=False)
+    assert len(boots) == 2
+    monkeypatch.setattr(probemod, "_kvm_stamp", lambda: "0600:0")  # /dev/kvm changed: probe again
+    probemod.probe_smol()
+    assert len(boots) == 3
+
+
+def test_bounded_run_kills_the_whole_process_group(tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    code, _ = probemod._run_bounded([sys.executable, "-c", script], 2.0)
+    assert code is None and time.monotonic() - started < 10
+    assert _all_gone([int(pidfile.read_text())])
+
+
+def test_kvm_diagnosis_speaks_plainly() -> None:
+    lines = probemod.kvm_diagnosis()
+    assert lines and all(isinstance(line, str) and "\n" not in line for line in lines)
+    assert any("/dev/kvm" in line for line in lines)
+    assert any("kvm" in line and "group" in line for line in lines)
