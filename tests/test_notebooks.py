@@ -1,0 +1,245 @@
+"""The notebooks in ``notebooks/`` run end to end in a real ipykernel, on the sandbox backend.
+
+Each notebook is copied into a temporary working directory, its ``%smol up`` line gets
+``--backend sandbox`` (the committed notebooks say plain ``%smol up``: on a KVM host users
+get microVMs), and nbclient executes it. Only cells tagged ``raises-exception`` (the
+errors a notebook shows on purpose) may have an error output; a few key facts are then
+read back from each notebook's outputs, and no machine may outlive the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbformat import NotebookNode
+from nbhelpers import (
+    TAG_VAR,
+    error_output,
+    plain_texts,
+    result_text,
+    stream_text,
+    wait_for_no_processes,
+)
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_episodes.ipynb", "04_checkpoints.ipynb"]
+RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
+TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
+CELL_TIMEOUT_S = 120
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+
+# -- running a notebook -----------------------------------------------------------------
+
+
+def on_sandbox(nb: NotebookNode) -> int:
+    """Point every ``%smol up`` at the sandbox backend; returns how many lines changed."""
+    changed = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.lstrip().startswith("%smol up"):
+            cell.source = cell.source.replace("%smol up", "%smol up --backend sandbox", 1)
+            changed += 1
+    return changed
+
+
+def execute(name: str, workdir: Path) -> tuple[NotebookNode, float]:
+    """Run notebook ``name`` in ``workdir``; return it executed, and how long it took."""
+    path = workdir / name
+    shutil.copy(NOTEBOOKS_DIR / name, path)
+    nb = nbformat.read(path, as_version=4)
+    assert on_sandbox(nb) >= 1, f"{name} has no `%smol up` cell"
+    tag = uuid.uuid4().hex
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(workdir)}})
+    t0 = time.perf_counter()
+    try:
+        client.execute(env={**os.environ, TAG_VAR: tag})
+    finally:
+        left = wait_for_no_processes(tag)
+    took = time.perf_counter() - t0
+    assert not left, f"{name}: processes left behind after the kernel shut down: {left}"
+    return nb, took
+
+
+# -- reading outputs ----------------------------------------------------------------------
+
+
+def cell(nb: NotebookNode, starts: str) -> NotebookNode:
+    """The one code cell whose source starts with ``starts``."""
+    found = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(starts)]
+    assert len(found) == 1, f"{len(found)} cells start with {starts!r}"
+    return found[0]
+
+
+def cells(nb: NotebookNode, starts: str) -> list[NotebookNode]:
+    """Every code cell whose source starts with ``starts``, in order."""
+    return [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(starts)]
+
+
+def text(c: NotebookNode) -> str:
+    """Everything a cell wrote to stdout and every text/plain it displayed."""
+    return stream_text(c) + "\n".join(plain_texts(c))
+
+
+def number(pattern: str, haystack: str) -> float:
+    m = re.search(pattern, haystack)
+    assert m, f"{pattern!r} not in {haystack!r}"
+    return float(m.group(1))
+
+
+# -- what each notebook must show --------------------------------------------------------------
+
+
+def check_quickstart(nb: NotebookNode) -> None:
+    assert "smolbench: up on sandbox" in stream_text(cell(nb, "%smol up"))
+    assert "hello from smol-root working in /workspace" in stream_text(cell(nb, "%%smol\nimport os, platform"))
+    streamed = cell(nb, "%%smol\nimport time")
+    assert [ln for ln in stream_text(streamed).splitlines() if ln.startswith("episode ")] == [
+        f"episode {i}: return {10 - i * i / 4:.2f}" for i in range(5)]
+    assert result_text(streamed) == "[10.0, 9.75, 9.0, 7.75, 6.0]"  # the last expression
+    assert "defined in the notebook kernel? False" in stream_text(cell(nb, 'print("is episode_returns'))
+    # push (a dict and a notebook-defined function) and pull
+    expected = round(sum(0.9 ** t * (10 - t * t / 4) for t in range(5)), 4)
+    assert f"{{'episodes': 5, 'discounted_return': {expected}}}" in stream_text(cell(nb, 'print("pulled back'))
+    status = stream_text(cell(nb, "%smol status"))
+    assert re.search(r"backend\s+sandbox", status) and re.search(r"live_machines\s+1\b", status)
+    err = error_output(cell(nb, "%%smol\ndef mean_return"))
+    assert err is not None and err.ename == "ZeroDivisionError" and err.evalue == "division by zero"
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback))
+    assert "in mean_return" in tb and "return sum(returns) / len(returns)" in tb and "agent.py" not in tb
+    assert "still fine: 5 episodes" in stream_text(cell(nb, '%%smol\nprint("the machine is still fine'))
+    assert "deleted 1 machine" in stream_text(cell(nb, "%smol down"))
+
+
+def check_fork_exploration(nb: NotebookNode) -> None:
+    assert "warm-up took" in stream_text(cell(nb, "%%smol\nimport math"))
+    assert "the starting policy (random moves): reward -1.065, success 0%" in stream_text(cell(nb, "%%smol --pull warmup_s"))
+    summary = stream_text(cell(nb, "print(res.summary())"))
+    assert summary.startswith("fork of 16 · 16 ok · best reward"), summary
+    first = cell(nb, "%%smol fork 16 --seed-base 100 --out res")
+    table = [t for t in plain_texts(first) if t.startswith("fork of 16")]
+    assert table and len(re.findall(r"^\s+root\.\d+\s+seed=1\d\d\s+ok\b", table[-1], re.M)) == 16
+    # forking paid the warm-up once: the whole fork took less than the warm-up itself
+    saved = stream_text(cell(nb, 'print(f"warm-up'))
+    assert number(r"fork of 16 branches: ([\d.]+) s wall", saved) < number(r"warm-up ([\d.]+) s, paid once", saved)
+    for src in ("res.plot()", "%smol plot"):
+        assert cell(nb, src).outputs, f"{src} showed nothing"
+    assert len(cells(nb, "%smol use best")) == 2
+    # the hill climb: the best reward never gets worse from round to round
+    climb = stream_text(cell(nb, 'print("best reward per round'))
+    bests = [float(x) for x in re.findall(r"([+-]\d+\.\d+) \(root", climb)]
+    assert len(bests) == 3 and bests[0] <= bests[1] <= bests[2], climb
+    tree = stream_text(cell(nb, "%smol tree"))
+    assert re.search(r"root\.\d+\.\d+\.\d+ +seed=30\d", tree), tree  # three levels deep
+    ledger = stream_text(cell(nb, 'print(f"ledger:'))
+    assert "ledger: 33 nodes this session, 32 ok, 4 machines alive" in ledger  # root + 16 + 8 + 8
+    assert "deleted 4 machines" in stream_text(cell(nb, "%smol down"))
+    assert "32 branches in 3 rounds" in stream_text(nb.cells[-1])
+
+
+def check_disposable_episodes(nb: NotebookNode) -> None:
+    same = json.loads(stream_text(cell(nb, "%%smol --push run_episode --pull same_process")).split("rewards:")[1])
+    fresh_cell = cell(nb, "%%smol episodes 16 --seed-base 0")
+    assert any(t.startswith("episodes of 16 · 16 ok") for t in plain_texts(fresh_cell))
+    # the drift plot's own data: (a) drifts, (b) doesn't
+    figs = [o for o in cell(nb, "import plotly").outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert figs, "the drift plot is missing"
+    traces = figs[0]["data"]["application/vnd.plotly.v1+json"]["data"]
+    a, b = (list(t["y"]) for t in traces)
+    assert len(a) == len(b) == 16 and a == same
+    assert a[0] == b[0]  # episode 0: nothing has leaked yet
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    assert mean(a[-4:]) < 0.5 * mean(a[:4]), a  # (a) drifting
+    assert abs(mean(b[-4:]) - mean(b[:4])) < 0.1 * mean(b[:4]), b  # (b) level
+    assert all(x < y for x, y in zip(a[1:], b[1:])), (a, b)
+    trends = stream_text(cell(nb, "def trend"))
+    assert number(r"\(a\).*trend ([+-][\d.]+)", trends) < -1 and abs(number(r"\(b\).*trend ([+-][\d.]+)", trends)) < 0.5
+    # a hung episode timed out, a crashing one errored; both were cleaned up
+    rough = stream_text(cell(nb, "print(rough.summary())"))
+    assert rough.startswith("episodes of 6 · 1 error · 4 ok · 1 timeout"), rough
+    assert "(seed 2): timeout" in rough and "(seed 4): error" in rough
+    assert re.search(r"live_machines\s+1\b", stream_text(cell(nb, "%smol status")))
+    assert "22 episodes recorded, 0 of their machines alive" in stream_text(cell(nb, 'print(f"{len(episode_rows)}'))
+    assert "after %smol down: 0 machines alive" in stream_text(nb.cells[-1])
+
+
+def check_checkpoints(nb: NotebookNode) -> None:
+    warm = stream_text(cell(nb, "%%smol\nimport json, os, pathlib"))
+    assert "warm-up took" in warm
+    score = re.search(r"greedy success (\d+%)", warm)
+    assert score
+    assert "saved checkpoint warm of root" in stream_text(cell(nb, "%smol checkpoint save warm"))
+    assert "q defined: False · workspace: []" in stream_text(cell(nb, '%%smol\nimport os\nprint("q defined:'))
+    assert re.search(r"restored warm as r\d+-warm \(now active\)", stream_text(cell(nb, "%smol checkpoint restore warm")))
+    back = stream_text(cell(nb, '%%smol\nprint("q defined:'))
+    assert "q defined: True · 36 states · workspace: ['levels']" in back  # the variable and the file
+    assert 'levels/level0.json: {"size": 6' in back
+    assert f"greedy success now {score.group(1)} (saved: {score.group(1)})" in back  # functions came back too
+    assert stream_text(cell(nb, "print(res.summary())")).startswith("fork of 4 · 4 ok · best reward")
+    replay = stream_text(cell(nb, "%smol replay {kept}"))
+    assert re.search(r"replay of r\d+-warm\.\d: reward [\d.]+ vs recorded [\d.]+: identical\s*$", replay), replay
+    listed = "\n".join(plain_texts(cell(nb, "%smol checkpoint list")))
+    assert re.search(r"^0\s+warm\s+root\s+sandbox", listed, re.M), listed
+    assert "deleted 1 machine" in stream_text(cells(nb, "%smol down")[0])
+    assert "deleted 3 machines" in stream_text(cells(nb, "%smol down")[-1])  # root, r1-warm and its kept branch
+
+
+CHECKS: dict[str, Callable[[NotebookNode], None]] = {
+    "01_quickstart.ipynb": check_quickstart,
+    "02_fork_exploration.ipynb": check_fork_exploration,
+    "03_disposable_episodes.ipynb": check_disposable_episodes,
+    "04_checkpoints.ipynb": check_checkpoints,
+}
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_every_notebook_is_tested() -> None:
+    assert sorted(p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")) == sorted(NOTEBOOKS) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_clean(name: str) -> None:
+    """No stored outputs, minimal metadata, a markdown introduction, and no backend pinned."""
+    nb = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert set(nb.metadata) <= {"kernelspec", "language_info"}
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    for c in nb.cells:
+        assert set(c.metadata) <= {"tags"}, c.metadata
+        if c.cell_type == "code":
+            assert c.outputs == [] and c.execution_count is None, f"stored output in {c.source[:40]!r}"
+    ups = [c.source for c in nb.cells if c.cell_type == "code" and "%smol up" in c.source]
+    assert ups and all(s == "%smol up" for s in ups), ups
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_end_to_end(name: str, tmp_path: Path) -> None:
+    nb, took = execute(name, tmp_path)
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        err = error_output(c)
+        expected = RAISES in c.metadata.get("tags", [])
+        if expected:
+            assert err is not None, f"{name}: cell {c.source[:60]!r} should show an error but didn't"
+        else:
+            assert err is None, f"{name}: unexpected error in {c.source[:60]!r}: {err.ename}: {err.evalue}"
+    CHECKS[name](nb)
+    assert took < TIME_BUDGET_S, f"{name} took {took:.0f} s (budget {TIME_BUDGET_S:.0f} s)"
