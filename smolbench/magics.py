@@ -235,7 +235,11 @@ class SmolMagics(Magics):
                 _loop.run(wb.down(), timeout=30)
 
     def _close_views(self) -> None:
-        pass
+        """Detach the Workbench's widgets; they keep showing its last state."""
+        if self.workbench is not None:
+            from .widgets import close_views
+
+            close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
         if self.workbench is None or self.workbench.active is None:
@@ -256,7 +260,7 @@ class SmolMagics(Magics):
                 raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
             target = best["branch"]
         node = self._wb().use(target)
-        print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward})" if node.seed is not None else ""))
+        print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward if node.reward is None else format(node.reward, '.6g')})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
@@ -266,6 +270,12 @@ class SmolMagics(Magics):
     def _do_tree(self, rest: str) -> Any:
         wb = self._wb()
         print(wb.tree.render(wb.active))
+        try:
+            from .widgets import tree_widget
+
+            display(tree_widget(wb, self.shell))
+        except Exception as exc:  # a broken view must never break the workbench
+            print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
 
     def _do_ledger(self, rest: str) -> Any:
@@ -291,6 +301,8 @@ class SmolMagics(Magics):
                 raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME")
             node = _loop.run(wb.checkpoint_restore(args.name))
             print(f"smolbench: restored {args.name} as {node.id} (now active)")
+            for w in wb.machines[node.id].info.get("restore_warnings", []):
+                print(f"smolbench: warning: {w}", file=sys.stderr)
             return None
         if args.action == "rm":
             if not args.name:
@@ -299,6 +311,9 @@ class SmolMagics(Magics):
             print(f"smolbench: removed checkpoint {args.name}")
             return None
         df = wb.ledger.checkpoints()
+        from .widgets import checkpoint_panel
+
+        display(checkpoint_panel(wb, self.shell))
         if df.empty:
             print("smolbench: no checkpoints yet (`%smol checkpoint save NAME`)")
             return None
@@ -399,7 +414,15 @@ class SmolMagics(Magics):
         return None
 
     def _show_views(self, result: ForkResult) -> None:
-        """Hook for live views of a fan-out (the tree widget)."""
+        """Show the live tree widget (a new view of the Workbench's one model) above the run."""
+        try:
+            from .widgets import tree_widget
+
+            view = tree_widget(self._wb(), self.shell)
+            view.mark_busy()  # cleared when the cell finishes (post_run_cell)
+            display(view)
+        except Exception as exc:  # a broken view must never break a run
+            print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     def _branch_printer(self, mode: str, buffers: dict[str, list[tuple[str, str]]], result: ForkResult | None = None) -> Callable[[str, Event], None]:
         def on_event(branch: str, ev: Event) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import math
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from .errors import CompositeError, RemoteError
@@ -52,9 +52,16 @@ class ForkResult:
         return self._future is None or self._future.done()
 
     def wait(self, timeout: float | None = None) -> ForkResult:
-        """Block until the fan-out is finished (or ``timeout`` seconds pass)."""
+        """Block until the fan-out is finished (or ``timeout`` seconds pass).
+
+        After :meth:`cancel` it returns once every branch is cleaned up (their status
+        says ``cancelled``), rather than raising.
+        """
         if self._future is not None:
-            self._future.result(timeout)
+            try:
+                self._future.result(timeout)
+            except CancelledError:
+                pass
         return self
 
     def cancel(self) -> None:
@@ -123,8 +130,10 @@ class ForkResult:
         errors: list[Any] = []
         for r in failed:
             errors.append(self.remote_errors.get(r["branch"]) or f"[{r['branch']}] {r['status']}: {r['error'] or ''}")
-        n = len(self)
-        return CompositeError(f"{len(failed)} of {n} branches failed ({', '.join(f'{k} {v}' for k, v in sorted(self.counts().items()))})", errors)
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()) if k in ("error", "timeout", "cancelled"))
+        first = failed[0]
+        return CompositeError(f"{len(failed)} of {len(self)} branches failed ({counts}); first: "
+                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}", errors)
 
     def raise_for_errors(self) -> None:
         """Raise a CompositeError if any branch failed."""

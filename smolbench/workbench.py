@@ -283,9 +283,13 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
+            branching = asyncio.ensure_future(self.backend.branch(parent, names, seeds))
             try:
-                refs = await self.backend.branch(parent, names, seeds)
+                refs = await _to_the_end(branching)
             except BaseException as exc:
+                if branching.done() and not branching.cancelled() and branching.exception() is None:
+                    for ref in branching.result():  # cancelled while branching: the copies exist, delete them
+                        await _to_the_end(self.backend.delete(ref))
                 for node in nodes:
                     self._finish(result, node, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error",
                                  error=f"branching failed: {exc}", alive=False)
@@ -333,11 +337,13 @@ class Workbench:
                 if node.status not in TERMINAL:
                     self._finish(result, node, "error", error=str(exc))
             finally:
-                if ref is not None:  # every terminal path deletes the episode's machine
-                    self.machines.pop(node.id, None)
-                    await _to_the_end(self.backend.delete(ref))
-                node.alive = False
-                self._record(node)
+                try:
+                    if ref is not None:  # every terminal path deletes the episode's machine
+                        self.machines.pop(node.id, None)
+                        await _to_the_end(self.backend.delete(ref))
+                finally:  # recorded even when a second cancel arrived during the delete
+                    node.alive = False
+                    self._record(node)
 
         try:
             await _gather_cancelling([one(n) for n in nodes])
@@ -524,15 +530,23 @@ class Workbench:
         existing = self.ledger.checkpoint(name)
         if existing is not None and not force:
             raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it")
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        path = str(self.checkpoint_dir / f"{name}.smolcheckpoint")
+        try:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
+        path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
         self._claim(node_id)
         try:
             info = await self.backend.checkpoint(self.machines[node_id], path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
+        except BaseException as exc:
+            if existing is None:  # a failed --force save must not remove the checkpoint it was replacing
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            if not isinstance(exc, Exception):
+                raise
+            why = str(exc) if isinstance(exc, SmolbenchError) else f"{type(exc).__name__}: {exc}"
+            kept = "" if existing is None else f"; the old {name!r} is unchanged"
+            raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
         finally:
             self._busy.discard(node_id)
         node = self.tree[node_id]
@@ -551,7 +565,8 @@ class Workbench:
             raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, but this machine uses {self.backend.name}: `%smol up --backend {rec['backend']}` to restore it")
         if not os.path.exists(rec["path"]):
             raise SmolbenchError(f"checkpoint {name!r} is missing its file {rec['path']}: remove it with `%smol checkpoint rm {name}`")
-        base = f"r{len([n for n in self.tree if n.parent is None and n.id.startswith('r')]) + 1}"
+        restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
+        base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
         ref = await self.backend.restore(rec["path"], node_id, self.spec)
         self.machines[node_id] = ref

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 import uuid
 from contextlib import AbstractContextManager
@@ -29,6 +31,7 @@ from typing import Any
 import nbformat
 from nbclient import NotebookClient
 from nbformat import NotebookNode
+from traitlets.config import Config
 
 TAG_VAR = "SMOLBENCH_TEST_TAG"
 SETTLE_TIMEOUT = 20.0  # seconds for machines to go after their kernel has
@@ -111,7 +114,10 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         self.tag = uuid.uuid4().hex
         self.check_processes = check_processes
         self.nb = nbformat.v4.new_notebook()
-        self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3",
+        # IPC sockets, not TCP ports: kernels of tests running side by side can't collide.
+        self._ipc_dir = tempfile.mkdtemp(prefix="nbk-")
+        config = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(self._ipc_dir, "k")}})
+        self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3", config=config,
                                      allow_errors=allow_errors, resources={"metadata": {"path": str(self.cwd)}})
         self._setup: Any = None
 
@@ -127,6 +133,7 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
             self._setup.__exit__(exc_type, exc, tb)
         finally:
             left = wait_for_no_processes(self.tag)
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         if self.check_processes and left and exc_type is None:
             raise AssertionError(f"processes left behind by the kernel: {left}")
 

@@ -46,7 +46,10 @@ async def read_replies(lines: AsyncIterator[bytes], on_event: OnEvent | None, wh
             on_event(Event("stream", msg.get("name", "stdout"), msg.get("text", "")))
         elif kind == "display":
             on_event(Event("display", data=msg.get("data") or {}))
-    raise SmolbenchError(f"{where} stopped answering mid-cell (the machine died or was deleted): run `%smol status`")
+    raise SmolbenchError(
+        f"{where} died mid-cell: its process exited before finishing (os._exit, a crash, "
+        "out of memory, or the machine was deleted); its state is gone"
+    )
 
 
 def to_result(done: dict[str, Any]) -> CellResult:

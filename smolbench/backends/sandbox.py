@@ -13,9 +13,8 @@ warning: then there is no isolation at all.
 
 from __future__ import annotations
 
-import builtins
-
 import asyncio
+import builtins
 import contextlib
 import os
 import shutil
@@ -213,11 +212,20 @@ class SandboxBackend(Backend):
             await self.delete(child)
         proc = self._procs.pop(ref.name, None)
         if proc is not None:  # a root: the whole sandbox goes with its process group
+            # bwrap --new-session puts the machine's own processes in another session, so
+            # they are killed by pid, and we wait until they are gone, not just signalled.
+            inside = _descendants(proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            for pid, _ in inside:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             await proc.wait()
+            deadline = time.monotonic() + 10
+            while any(_running(*p) for p in inside) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
         root = self._machines.get(ref.info["root"])
@@ -297,8 +305,8 @@ class SandboxBackend(Backend):
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
         host_stage = Path(machine.info["run_dir"]) / stage
-        done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
-        try:
+        try:  # the stage goes on every path, even when the machine fails to save
+            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
             tmp = path + ".part"
             with tarfile.open(tmp, "w:gz") as tar:
                 tar.add(host_stage / "namespace.pkl", arcname="namespace.pkl")
@@ -326,15 +334,53 @@ class SandboxBackend(Backend):
             host_stage = Path(ref.info["run_dir"]) / "restore"
             shutil.copytree(stage, host_stage)
             try:
-                await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/restore"})
+                done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/restore"})
+            except SmolbenchError as exc:
+                await self.delete(ref)
+                why = str(exc).split(": ", 1)[-1]
+                raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
             except BaseException:
                 await self.delete(ref)
                 raise
             finally:
                 shutil.rmtree(host_stage, ignore_errors=True)
+            if done.get("skipped"):
+                ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
             return ref
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].decode().split()
+
+
+def _descendants(pid: int) -> builtins.list[tuple[int, str]]:
+    """(pid, start time) of every process below ``pid``."""
+    children: dict[int, builtins.list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    out, todo = [], [pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            out.append(kid)
+            todo.append(kid[0])
+    return out
+
+
+def _running(pid: int, started: str) -> bool:
+    """True while that process (not a later one with the same pid) exists and is not a zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[19] == started and fields[0] not in ("Z", "X")
 
 
 def _bind_entry(root: Path, entry: str) -> list[str]:

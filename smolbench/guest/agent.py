@@ -151,6 +151,7 @@ class Agent:
 
     def __init__(self, sock_path, name, workdir, listener=None):
         self.name = name
+        self.started_as = name  # a branch is renamed (see apply_seed); its parent keeps this name
         self.workdir = workdir
         self.seed = None
         self.mount_ns = True
@@ -246,6 +247,7 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            _wait_exited(pid, 10.0)  # answer once the branch is gone, not merely signalled
             self._reply(conn, {"t": "done", "status": "ok"})
         elif op == "shutdown":
             self._reply(conn, {"t": "done", "status": "ok"})
@@ -336,6 +338,10 @@ class Agent:
         """Execute one cell; return the final ``done`` message."""
         self.cell_count += 1
         filename = req.get("cell") or "<cell-%d>" % self.cell_count
+        if self.name != self.started_as:
+            # A branch inherited its ancestors' cells in linecache under the same names
+            # ("<cell-1>"): name its own cells after it, so tracebacks show the right lines.
+            filename = "<%s@%s>" % (filename.strip("<>"), self.name)
         code = req.get("code", "")
         self.reported = {}
         self._out = {"stdout": [], "stderr": []}
@@ -546,6 +552,20 @@ class Agent:
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+
+
+def _wait_exited(pid, timeout):
+    """Wait until process ``pid`` has exited (a zombie no longer runs), at most ``timeout`` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in (b"Z", b"X"):
+            return
+        time.sleep(0.002)
 
 
 def _dumps(value):
