@@ -10,28 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-TOUR = [
-    ("Load the extension", "%load_ext smolbench"),
-    ("Start a warm machine (best backend available)", "%smol up {up_args}"),
-    ("Run a cell inside the machine; state persists", "%%smol\nimport platform, os\nx = 41\nprint('hello from', platform.node(), 'in', os.getcwd())\nx + 1"),
-    ("Send a notebook value in, bring one back", "data = [1, 2, 3]\ndef scale(v):\n    return v * 10"),
-    ("", "%%smol --push data,scale --pull y\ny = scale(sum(data)) + x"),
-    ("", "print('y pulled back into the notebook:', y)"),
-    ("A warm, deliberately slow setup (runs once, in the parent)",
-     "%%smol\nimport random, time\nt0 = time.time()\ntable = [[(i * j) % 7 for j in range(300)] for i in range(300)]\n"
-     "def rollout(seed, steps=200):\n    rng = random.Random(seed)\n    pos, total = 0, 0.0\n    for _ in range(steps):\n"
-     "        pos = (pos + rng.choice((-1, 1))) % 300\n        total += table[pos][seed % 300] / 6\n    return total\n"
-     "print(f'setup took {time.time() - t0:.2f} s')"),
-    ("Fork 16 live branches of the warm machine, one seed each",
-     "%%smol fork 16 --seed-base 100 --out res --quiet\nreward = rollout(SEED)"),
-    ("", "print(res.summary())"),
-    ("Promote the best branch and fork again from it", "%smol use best"),
-    ("", "%%smol fork 4 --quiet --out res2\nreward = rollout(SEED + 1000) + 0.001 * SEED"),
-    ("The tree", "%smol tree"),
-    ("What is running where", "%smol status"),
-    ("Delete every machine", "%smol down"),
-]
-
 
 def _outputs_text(cell: Any) -> str:
     parts = []
@@ -48,59 +26,49 @@ def _outputs_text(cell: Any) -> str:
     return "".join(parts)
 
 
-def run_cells(cells: list[str], cwd: Path, timeout: int = 300) -> Any:
-    """Execute cells in a real, headless ipykernel; return the executed notebook."""
-    import nbformat
+def _client(nb: Any, cwd: Path, timeout: int) -> Any:
+    """A headless notebook client whose kernel talks over local IPC sockets in ``cwd``
+    (no TCP ports: nothing to collide with, nothing reachable from outside)."""
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
-    return nb
+    config = Config({"KernelManager": {"transport": "ipc", "ip": str(cwd / ".kernel")}})
+    return NotebookClient(nb, timeout=timeout, kernel_name="python3", config=config,
+                          resources={"metadata": {"path": str(cwd)}})
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Run the guided tour (or a notebook) headless and print what happened."""
+    """Run the fork-exploration notebook (or another) headless and print what happened."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
     notebook = args.notebook or _default_notebook()
+    if notebook is None:
+        print("smolbench: the demo notebook is missing from this install: pass --notebook PATH", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="smolbench-demo-"))
     up_args = f"--backend {args.backend}" if args.backend != "auto" else ""
     print(f"smolbench demo · working in {work}")
     try:
-        if notebook is not None:
-            print(f"running {notebook} headless through a real Jupyter kernel\n")
-            nb = nbformat.read(notebook, as_version=4)
-            if args.backend != "auto":
-                for cell in nb.cells:
-                    if cell.cell_type == "code" and cell.source.lstrip().startswith("%smol up"):
-                        cell.source = cell.source.replace("%smol up", f"%smol up {up_args}", 1)
-            client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(work)}})
-            try:
-                client.execute()
-            except CellExecutionError as exc:
-                print(str(exc).splitlines()[-1] if str(exc) else "a cell failed", file=sys.stderr)
-                return 1
+        print(f"running {notebook} headless through a real Jupyter kernel\n")
+        nb = nbformat.read(notebook, as_version=4)
+        if args.backend != "auto":
             for cell in nb.cells:
-                if cell.cell_type != "code":
-                    continue
-                text = _outputs_text(cell).rstrip()
-                first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
-                if first.startswith(("%smol", "%%smol", "print(")) and text:
-                    print(f"» {first}\n{_indent(text)}\n")
-            return 0
-        cells = [src.replace("{up_args}", up_args) for _, src in TOUR]
-        t0 = time.perf_counter()
-        nb = run_cells(cells, work)
-        for (title, _), cell in zip(TOUR, nb.cells):
-            if title:
-                print(f"\n# {title}")
-            print(f"» {cell.source.splitlines()[0]}")
+                if cell.cell_type == "code" and cell.source.lstrip().startswith("%smol up"):
+                    cell.source = cell.source.replace("%smol up", f"%smol up {up_args}", 1)
+        client = _client(nb, work, 600)
+        try:
+            client.execute()
+        except CellExecutionError as exc:
+            print(str(exc).splitlines()[-1] if str(exc) else "a cell failed", file=sys.stderr)
+            return 1
+        for cell in nb.cells:
+            if cell.cell_type != "code":
+                continue
             text = _outputs_text(cell).rstrip()
-            if text:
-                print(_indent(text))
-        print(f"\ntour finished in {time.perf_counter() - t0:.1f} s; every machine was deleted.")
+            first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
+            if first.startswith(("%smol", "%%smol", "print(")) and text:
+                print(f"» {first}\n{_indent(text)}\n")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -110,9 +78,16 @@ def _indent(text: str) -> str:
     return "\n".join("   " + line for line in text.splitlines())
 
 
+DEMO_NOTEBOOK = "02_fork_exploration.ipynb"
+
+
 def _default_notebook() -> str | None:
-    here = Path(__file__).resolve().parent.parent / "notebooks" / "02_fork_exploration.ipynb"
-    return str(here) if here.exists() else None
+    pkg = Path(__file__).resolve().parent
+    # a wheel ships the notebooks inside the package; a source checkout has them beside it
+    for candidate in (pkg / "notebooks" / DEMO_NOTEBOOK, pkg.parent / "notebooks" / DEMO_NOTEBOOK):
+        if candidate.exists():
+            return str(candidate)
+    return None
 
 
 def doctor(args: argparse.Namespace) -> int:

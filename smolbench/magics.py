@@ -597,6 +597,7 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     if ok:
         return SmolBackend(target="local"), ""
     how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"
-    return SandboxBackend(), f"smolbench: no microVM here ({reason}); using {how} instead"
+    short = reason.split(":")[0].split(" [")[0]
+    return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using {how} instead"
 
 
