@@ -464,7 +464,8 @@ class SmolMagics(Magics):
                 progress.tick(final=True)
             if result is not None:
                 print(f"smolbench: interrupted: {result.summary()}", file=sys.stderr)
-            raise
+                raise interrupted("every unfinished branch was cancelled and its machine deleted") from None
+            raise interrupted("the cell was interrupted inside the machine; the machine and its state are kept") from None
         if progress is not None:
             progress.tick(final=True)
         return job.result()
@@ -488,6 +489,12 @@ def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") 
     ``ZeroDivisionError``, not ``RemoteError``)."""
     cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
     return cls(ename, evalue, traceback, node)
+
+
+def interrupted(message: str) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that IPython shows as one line (our frames help nobody)."""
+    cls = type("KeyboardInterrupt", (KeyboardInterrupt,), {"_render_traceback_": lambda self: [f"KeyboardInterrupt: {self}"]})
+    return cls(message)
 
 
 # Events produced on the loop thread, shown on the kernel's main thread (so output lands

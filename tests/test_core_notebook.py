@@ -145,3 +145,31 @@ def test_a_second_request_while_a_cell_runs_is_refused_not_hung(tmp_path: Path) 
     out = text(nb.cells[2])
     assert "MachineBusy" in out and "busy" in out
     assert out.strip().endswith("ok")
+
+
+def test_ctrl_c_interrupts_the_cell_inside_the_machine_and_keeps_its_state(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from nbhelpers import NotebookSession, error_output, stream_text
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.run("%%smol\nkept = 'warm'")
+
+        def interrupt_soon() -> None:
+            time.sleep(3)
+            nb.interrupt()
+
+        t = threading.Thread(target=interrupt_soon)
+        t.start()
+        cell = nb.run("%%smol\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('finished')")
+        t.join()
+        err = error_output(cell)
+        assert err is not None and err.ename == "KeyboardInterrupt"
+        assert err.traceback == ["KeyboardInterrupt: the cell was interrupted inside the machine; the machine and its state are kept"]
+        assert "finished" not in stream_text(cell)
+        after = nb.run("%%smol\nkept")
+        assert "'warm'" in str(after.outputs)
+        nb.run("%smol down")
