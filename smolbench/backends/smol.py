@@ -710,7 +710,7 @@ class SmolBackend(Backend):
 
     def _checkpoint_id(self, path: str) -> str:
         if not os.path.exists(path):
-            raise SmolbenchError(f"no checkpoint at {path}: list them with `%smol checkpoint ls`")
+            raise SmolbenchError(f"no checkpoint at {path}: list them with `%smol checkpoint list`")
         if self.target == "local":
             return os.path.abspath(path)
         try:

@@ -1,0 +1,152 @@
+"""Checkpoints end to end in a real kernel (nbclient): save, down, up, restore; the widget
+state the notebook keeps; and one clear line for each kind of bad input."""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from nbhelpers import NotebookSession, error_output, stream_text
+
+from smolbench.ledger import Ledger
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def one_line_error(cell: Any, ename: str = "SmolbenchError") -> str:
+    """The cell's error, which must be a single line with no traceback of our layers."""
+    err = error_output(cell)
+    assert err is not None, f"expected an error, got {cell.outputs}"
+    assert err.ename == ename, err
+    assert len(err.traceback) == 1, err.traceback
+    text = re.sub(r"\x1b\[[0-9;]*m", "", err.traceback[0])
+    assert "\n" not in text
+    return text
+
+
+def models(nb: Any, anywidget_id: str) -> list[dict[str, Any]]:
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+    return [m["state"] for m in state.values() if m["state"].get("_anywidget_id") == anywidget_id]
+
+
+def test_fork_then_checkpoint_round_trip_through_down_and_up(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path) as s:
+        s.run("%load_ext smolbench")
+        s.run("%smol up --backend sandbox")
+        s.run(
+            "%%smol\nimport threading\nx = 41\nlock = threading.Lock()\n"
+            "open('notes.txt', 'w').write('warm state')\ndef f(v):\n    return v + x"
+        )
+        # a module outside the workspace (here /tmp) is not part of a sandbox checkpoint
+        s.run(
+            "%%smol\nimport sys\nopen('/tmp/extmod.py', 'w').write('class Thing: pass')\n"
+            "sys.path.insert(0, '/tmp')\nimport extmod\nthing = extmod.Thing()"
+        )
+        s.run("%%smol fork 8 --seed-base 100\nreward = SEED * 2 + x")
+        save = s.run("%smol checkpoint save warm")
+        listed = s.run("%smol checkpoint list")
+        s.run("%smol down")
+        s.run("%smol up --backend sandbox")
+        restore = s.run("%smol checkpoint restore warm")
+        check = s.run("%%smol\nprint(x, f(1), open('notes.txt').read(), 'lock' in dir())")
+        tree = s.run("%smol tree")
+        s.run("%smol down")
+        s.client.set_widgets_metadata()
+    nb = s.nb
+
+    assert "saved checkpoint warm of root" in stream_text(save)
+    assert "lock (TypeError)" in stream_text(save, "stderr")  # unpicklable: named in a warning
+    shown = [o for o in listed.outputs if o.output_type == "display_data"]
+    assert shown[0]["data"]["text/plain"] == "smolbench checkpoints (sandbox): warm"
+    assert "application/vnd.jupyter.widget-view+json" in shown[0]["data"]  # the panel
+    assert "restored warm as r1-warm (now active)" in stream_text(restore)
+    warning = stream_text(restore, "stderr")
+    assert "warning: not restored: " in warning and "thing (ModuleNotFoundError" in warning
+    # variables, functions and files came back; the unpicklable lock did not
+    assert stream_text(check) == "41 42 warm state False\n"
+    assert "r1-warm" in stream_text(tree)
+
+    # the notebook keeps each tree model's last state (nbclient store_widget_state)
+    trees = models(nb, "smolbench.widgets.tree.TreeWidget")
+    assert len(trees) == 2, trees
+    first = next(t for t in trees if any(n["id"] == "root.7" for n in t["nodes"]))
+    nodes = {n["id"]: n for n in first["nodes"]}
+    assert set(nodes) == {"root"} | {f"root.{i}" for i in range(8)}
+    assert (
+        nodes["root.7"]["reward"] == 255
+        and nodes["root.7"]["seed"] == 107
+        and nodes["root.7"]["status"] == "ok"
+    )
+    assert nodes["root"]["checkpoint"] == "warm"
+    assert first["best_path"] == ["root", "root.7"] and first["busy"] == ""
+    assert not any(n["alive"] for n in first["nodes"])  # after `%smol down`
+    assert "https://" not in first["_esm"] and "export default" in first["_esm"]  # shipped, no CDN
+    second = next(t for t in trees if t is not first)
+    assert [n["id"] for n in second["nodes"]] == ["root", "r1-warm"]
+    [panel] = models(nb, "smolbench.widgets.checkpoints.CheckpointPanel")
+    assert [c["name"] for c in panel["checkpoints"]] == ["warm"]
+
+
+def test_bad_checkpoint_input_gets_one_clear_line_each(tmp_path: Path) -> None:
+    ckdir = tmp_path / ".smolbench" / "checkpoints"
+    with NotebookSession(tmp_path, allow_errors=True) as s:
+        s.run("%load_ext smolbench")
+        s.run("%smol up --backend sandbox")
+        s.run("%%smol\nx = 1")
+
+        missing = one_line_error(s.run("%smol checkpoint restore nope"))
+        assert "no checkpoint named 'nope'" in missing and "%smol checkpoint list" in missing
+
+        s.run("%smol checkpoint save good")
+        exists = one_line_error(s.run("%smol checkpoint save good"))
+        assert "a checkpoint named 'good' exists" in exists and "--force" in exists
+        assert error_output(s.run("%smol checkpoint save good --force")) is None
+
+        # a checkpoint made by a microVM kernel that shares this ledger
+        Ledger(tmp_path / ".smolbench" / "ledger.db").add_checkpoint(
+            "vm", "another-session", "root", str(ckdir / "good.smolcheckpoint"), "smol", 1234, 1, []
+        )
+        other = one_line_error(s.run("%smol checkpoint restore vm"))
+        assert "made by the smol backend" in other and "%smol up --backend smol" in other
+
+        # a failed save (the checkpoint file can't be written) leaves nothing listed
+        (ckdir / "bad.smolcheckpoint.part").mkdir()
+        failed = one_line_error(s.run("%smol checkpoint save bad"))
+        assert "saving checkpoint 'bad' of root failed" in failed and "nothing was saved" in failed
+        assert not (ckdir / "bad.smolcheckpoint").exists()
+        listed = s.run(
+            "import smolbench\n"
+            "print(sorted(smolbench._magics.workbench.ledger.checkpoints()['name']))"
+        )
+        assert stream_text(listed) == "['good', 'vm']\n"
+
+        good = ckdir / "good.smolcheckpoint"
+        data = good.read_bytes()
+        # a corrupt namespace inside an intact archive
+        with tarfile.open(good, "r:gz") as tar:
+            member = tar.extractfile("workspace.tar")
+            assert member is not None
+            workspace = member.read()
+        with tarfile.open(good, "w:gz") as tar:
+            for name, blob in (("namespace.pkl", b"not a pickle"), ("workspace.tar", workspace)):
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+        corrupt = one_line_error(s.run("%smol checkpoint restore good"))
+        assert "is corrupt" in corrupt and "can't be loaded" in corrupt
+
+        good.write_bytes(data[: len(data) // 2])  # truncated
+        truncated = one_line_error(s.run("%smol checkpoint restore good"))
+        assert "corrupt or truncated" in truncated and "%smol checkpoint rm" in truncated
+
+        good.unlink()
+        gone = one_line_error(s.run("%smol checkpoint restore good"))
+        assert "missing its file" in gone and "%smol checkpoint rm good" in gone
+
+        tree = s.run("%smol tree")
+        assert stream_text(tree).splitlines()[0].startswith("root")
+        assert "r1-" not in stream_text(tree)  # failed restores leave no machine behind
+        s.run("%smol down")
