@@ -448,6 +448,8 @@ class SmolMagics(Magics):
         either way we wait for the cleanup before handing control back.
         """
         job = _loop.Job(coro)
+        # Wake the waiting loop below the moment the job ends, instead of at its next poll.
+        job.future.add_done_callback(lambda _: _PENDING.put(("wake", "", Event("wake"))))
         progress = _Progress(result) if result is not None else None
         try:
             while not job.done():
@@ -517,7 +519,7 @@ def _drain(timeout: float) -> None:
             else:
                 stream.write(ev.text)
             stream.flush()
-        elif kind == "display" and ev.data:
+        elif kind == "display" and ev.data:  # ("wake" items only end the wait)
             if branch:
                 print(f"[{branch}] display:")
             display(ev.data, raw=True)

@@ -16,6 +16,7 @@ Usage: python3 agent.py --socket PATH --name NAME [--workdir DIR] [--lib DIR]
 import argparse
 import ast
 import ctypes
+import gc
 import importlib.util
 import io
 import linecache
@@ -457,6 +458,9 @@ class Agent:
     def fork(self, req):
         """Fork one live child per requested branch; answer with their pids."""
         made = []
+        # Move every object to the permanent generation: the branches' garbage collector
+        # then never walks (and so never copies) the warm state's pages.
+        gc.freeze()
         for child in req["children"]:
             listener = self._listen(child["socket"])
             for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
