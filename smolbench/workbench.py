@@ -50,6 +50,7 @@ class Workbench:
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None) -> None:
         self.backend = backend
         self.spec = spec
+        self.baseline = spec.baseline()  # the spec is frozen: hash it once, not on every ledger write
         self.ledger = ledger
         self.session = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.tree = Tree()
@@ -84,7 +85,7 @@ class Workbench:
             extra.setdefault("versions", self.versions)
         self.ledger.upsert_node(
             self.session, node.id, run_id=node.run_id, parent_id=node.parent, machine=node.id,
-            backend=self.backend.name, baseline=self.spec.baseline(), seed=node.seed,
+            backend=self.backend.name, baseline=self.baseline, seed=node.seed,
             started=node.started, ended=node.ended, status=node.status, reward=node.reward,
             metrics=node.metrics, output=node.output, error=node.error, alive=node.alive,
             kept=node.kept, forked_at=node.forked_at, **extra,
@@ -115,7 +116,7 @@ class Workbench:
         self.versions = _versions(self.guest_info.get("python"))
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
-            baseline=self.spec.baseline(), host=socket.gethostname(), cwd=os.getcwd(),
+            baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
             versions=self.versions,
         )
         self._record(node)
@@ -438,8 +439,8 @@ class Workbench:
                 node.status = "ok"
                 result.kept.append(node.id)
                 self._record(node)
-            else:
-                await self._drop(node.id)
+        drop = [n.id for n in nodes if n.alive and n.id not in result.kept]
+        await asyncio.gather(*(self._drop(node_id) for node_id in drop))  # in parallel: one round trip each
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -600,7 +601,7 @@ class Workbench:
             "active": self.active,
             "machine": ref.name if ref else None,
             "image": self.spec.image or "(backend default: host system, read-only)" if self.backend.name == "sandbox" else self.spec.image,
-            "baseline": self.spec.baseline(),
+            "baseline": self.baseline,
             "network": "on" if self.spec.network_enabled else "off",
             "uptime_s": round(time.time() - self.started, 1),
             "live_machines": len(self.machines),

@@ -287,34 +287,39 @@ class Agent:
             except KeyboardInterrupt:  # a late interrupt that missed its cell
                 continue
             self._conn = conn
+            done = None
             try:
                 op = req["op"]
                 if op == "exec":
-                    self.send(self.run_cell(req))
+                    done = self.run_cell(req)
                 elif op == "fork":
-                    if self.fork(req) == "child":
+                    done = self.fork(req)
+                    if done == "child":
                         continue  # we are now a branch; the parent answers the request
                 elif op == "seed":
                     self.apply_seed(req.get("seed"), req.get("name"))
-                    self.send({"t": "done", "status": "ok", "info": self.info()})
+                    done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
-                    self.send(self.save(req["path"]))
+                    done = self.save(req["path"])
                 elif op == "load":
-                    self.send(self.load(req["path"]))
+                    done = self.load(req["path"])
             except KeyboardInterrupt:
-                self.send({"t": "done", "status": "error", "error": _plain_error("KeyboardInterrupt", "")})
+                done = {"t": "done", "status": "error", "error": _plain_error("KeyboardInterrupt", "")}
             except BaseException as exc:  # the agent itself must survive anything a request does
-                self.send({"t": "done", "status": "error", "error": _plain_error(type(exc).__name__, str(exc))})
-            finally:
-                if self._conn is not None:
-                    try:
-                        self._conn.close()
-                    except OSError:
-                        pass
-                self._conn = None
-                self._running = False
-                if self._busy.locked():
-                    self._busy.release()
+                done = {"t": "done", "status": "error", "error": _plain_error(type(exc).__name__, str(exc))}
+            # Free the machine *before* answering: a host that sends its next request the
+            # moment it reads this answer must never be told the machine is busy.
+            self._running = False
+            if self._busy.locked():
+                self._busy.release()
+            if done is not None:
+                self.send(done)
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except OSError:
+                    pass
+            self._conn = None
 
     def send(self, msg):
         """Send one message to the host on the current request's connection."""
@@ -479,8 +484,7 @@ class Agent:
             listener.close()
             self.children[pid] = child["name"]
             made.append({"name": child["name"], "pid": pid})
-        self.send({"t": "done", "status": "ok", "children": made})
-        return "parent"
+        return {"t": "done", "status": "ok", "children": made}
 
     def _become_child(self, child, listener):
         try:
