@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, TypeVar
 
 import anywidget
 import traitlets as t
@@ -248,6 +248,31 @@ class WorkbenchView(anywidget.AnyWidget):
                     self._shell.events.unregister(event, fn)
         with self._lock:
             self.busy = ""
+
+
+V = TypeVar("V", bound="WorkbenchView")
+
+
+def view_for(registry: dict[int, V], cls: type[V], workbench: Any, shell: Any = None) -> tuple[V, bool]:
+    """The Workbench's one ``cls`` view in ``registry`` (made on first use); True when new."""
+    w = registry.get(id(workbench))
+    if w is not None and w.workbench is workbench and not w._closed:
+        return w, False
+    if shell is None:
+        with contextlib.suppress(Exception):
+            from IPython import get_ipython
+
+            shell = get_ipython()
+    w = cls(workbench, shell=shell)
+    registry[id(workbench)] = w
+    return w, True
+
+
+def close_view(registry: dict[int, V], workbench: Any) -> None:
+    """Detach the Workbench's view in ``registry``; it keeps its last state."""
+    w = registry.pop(id(workbench), None)
+    if w is not None:
+        w.detach()
 
 
 def _route_to_frontend_subshell(comm: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import traitlets as t
 
-from ._base import WorkbenchView, clean
+from ._base import WorkbenchView, clean, close_view, view_for
 
 HERE = Path(__file__).parent
 ACTIONS = ("save", "restore", "delete")
@@ -129,22 +128,12 @@ _PANELS: dict[int, CheckpointPanel] = {}
 
 def checkpoint_panel(workbench: Any, shell: Any = None) -> CheckpointPanel:
     """The Workbench's checkpoint panel (made on first use)."""
-    w = _PANELS.get(id(workbench))
-    if w is None or w.workbench is not workbench or w._closed:
-        if shell is None:
-            with contextlib.suppress(Exception):
-                from IPython import get_ipython
-
-                shell = get_ipython()
-        w = CheckpointPanel(workbench, shell=shell)
-        _PANELS[id(workbench)] = w
-    else:
+    w, new = view_for(_PANELS, CheckpointPanel, workbench, shell)
+    if not new:
         w.flush()  # the ledger may have changed without a node changing
     return w
 
 
 def close_panel(workbench: Any) -> None:
     """Detach the Workbench's checkpoint panel (after ``%smol down``)."""
-    w = _PANELS.pop(id(workbench), None)
-    if w is not None:
-        w.detach()
+    close_view(_PANELS, workbench)

@@ -7,13 +7,12 @@ by calling the Workbench on smolbench's loop, and answered with a one-line reply
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import traitlets as t
 
-from ._base import WorkbenchView, clean
+from ._base import WorkbenchView, clean, close_view, view_for
 from .checkpoints import _saved_text
 
 HERE = Path(__file__).parent
@@ -240,20 +239,9 @@ _TREES: dict[int, TreeWidget] = {}
 
 def tree_widget(workbench: Any, shell: Any = None) -> TreeWidget:
     """The Workbench's tree widget (made on first use; display it as often as you like)."""
-    w = _TREES.get(id(workbench))
-    if w is None or w.workbench is not workbench or w._closed:
-        if shell is None:
-            with contextlib.suppress(Exception):
-                from IPython import get_ipython
-
-                shell = get_ipython()
-        w = TreeWidget(workbench, shell=shell)
-        _TREES[id(workbench)] = w
-    return w
+    return view_for(_TREES, TreeWidget, workbench, shell)[0]
 
 
 def close_tree(workbench: Any) -> None:
     """Detach the Workbench's tree widget (after ``%smol down``); it keeps its last state."""
-    w = _TREES.pop(id(workbench), None)
-    if w is not None:
-        w.detach()
+    close_view(_TREES, workbench)
