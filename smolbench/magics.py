@@ -602,7 +602,7 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
         return SmolBackend(target=target), ""
     from .backends.probe import probe_smol
 
-    ok, reason = probe_smol()
+    ok, reason = probe_smol(announce=lambda msg: print(msg, flush=True))
     if ok:
         return SmolBackend(target="local"), ""
     how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"

@@ -173,3 +173,19 @@ def test_ctrl_c_interrupts_the_cell_inside_the_machine_and_keeps_its_state(tmp_p
         after = nb.run("%%smol\nkept")
         assert "'warm'" in str(after.outputs)
         nb.run("%smol down")
+
+
+def test_up_without_a_backend_falls_back_to_the_sandbox_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbhelpers import NotebookSession, stream_text
+
+    # The boot probe's verdict is forced to "no" (as on any host without usable KVM),
+    # so this runs in seconds wherever the suite runs.
+    monkeypatch.setenv("SMOLBENCH_SMOL_PROBE", "skip")
+    with NotebookSession(tmp_path) as nb:
+        nb.run("%load_ext smolbench")
+        out = stream_text(nb.run("%smol up"))
+        assert "no microVM here (probe skipped by SMOLBENCH_SMOL_PROBE=skip" in out
+        assert "using a bubblewrap sandbox instead" in out
+        assert "up on sandbox" in out and "isolation: bubblewrap sandbox" in out
+        assert "'ok'" in str(nb.run("%%smol\n'ok'").outputs)
+        nb.run("%smol down")

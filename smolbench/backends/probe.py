@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,10 +224,13 @@ def _boot(timeout: float) -> tuple[bool, str, float]:
     return False, f"a test microVM failed to boot here: {err}", seconds
 
 
-def probe_smol(timeout: float = 45.0, use_cache: bool = True) -> tuple[bool, str]:
+def probe_smol(
+    timeout: float = 45.0, use_cache: bool = True, announce: Callable[[str], None] | None = None
+) -> tuple[bool, str]:
     """Whether smol microVMs really boot here, and one line saying why (or what to do).
 
-    ``SMOLBENCH_SMOL_PROBE=skip`` answers no without booting anything.
+    ``SMOLBENCH_SMOL_PROBE=skip`` answers no without booting anything. ``announce`` is
+    told, before a real boot probe starts, that the user is about to wait for it.
     """
     if os.environ.get(SKIP_ENV, "").strip().lower() == "skip":
         return False, f"probe skipped by {SKIP_ENV}=skip"
@@ -247,6 +251,8 @@ def probe_smol(timeout: float = 45.0, use_cache: bool = True) -> tuple[bool, str
         hit = _cached(key)
         if hit is not None:
             return hit
+    if announce is not None:
+        announce(f"smolbench: checking once whether microVMs boot on this host (up to {timeout:.0f} s; the answer is remembered)…")
     ok, why, seconds = _boot(timeout)
     _store(key, ok, why, seconds)
     return ok, why
