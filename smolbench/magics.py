@@ -317,6 +317,10 @@ class SmolMagics(Magics):
         if df.empty:
             print("smolbench: no checkpoints yet (`%smol checkpoint save NAME`)")
             return None
+        import pandas as pd
+
+        df = df.assign(created=pd.to_datetime(df["created"], unit="s").dt.strftime("%Y-%m-%d %H:%M:%S"),
+                       size=(df["size"] / 1e6).map(lambda mb: f"{mb:.2f} MB"))
         return df[["name", "node_id", "backend", "size", "created", "path"]]
 
     def _do_replay(self, rest: str) -> Any:
@@ -355,7 +359,9 @@ class SmolMagics(Magics):
         def show(ev: Event) -> None:
             _show_event(ev)
 
-        res = self._pump(wb.run_cell(cell, show, push=push, pull=pull, timeout=args.timeout), wb, single=True)
+        # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
+        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
+        res = self._pump(wb.run_cell(cell, show, push=push, pull=pull, timeout=args.timeout, cell_name=name), wb, single=True)
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))

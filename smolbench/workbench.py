@@ -184,14 +184,18 @@ class Workbench:
         self._busy.add(node_id)
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
-                       pull: list[str] | None = None, timeout: float | None = None) -> CellResult:
-        """Run a cell in the active machine (its state persists)."""
+                       pull: list[str] | None = None, timeout: float | None = None,
+                       cell_name: str | None = None) -> CellResult:
+        """Run a cell in the active machine (its state persists).
+
+        ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        """
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=f"<cell-{node.cells}>")
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)

@@ -64,7 +64,7 @@ def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pu
     err = error(c[5])
     assert err.ename == "ValueError" and err.evalue == "bad value 3"
     tb = "\n".join(err.traceback)
-    assert 'line 3, in <module>' in tb and "raise ValueError" in tb
+    assert 'File "<In [6]>", line 3, in <module>' in tb and "raise ValueError" in tb  # the notebook's own cell
     assert "agent.py" not in tb  # the machine's traceback starts at the cell
     assert text(c[8]).strip() == "{'a': [1, 2, 3], 'b': 'text', 'c': 9} 42"
     status = text(c[9])
