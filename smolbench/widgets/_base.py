@@ -60,6 +60,9 @@ class WorkbenchView(anywidget.AnyWidget):
     message = t.Dict({}, help="the last reply to a click: level, text, seq").tag(sync=True)
     jobs = t.List(t.Unicode(), help="background actions still running").tag(sync=True)
 
+    actions: tuple[str, ...] = ()  # what the buttons may ask for
+    after_down = "these machines were deleted by `%smol down`"  # said to clicks on a closed view
+
     def __init__(self, workbench: Any, *, shell: Any = None, **kwargs: Any) -> None:
         self.workbench = workbench
         self._lock = threading.RLock()
@@ -160,6 +163,12 @@ class WorkbenchView(anywidget.AnyWidget):
             return
         request = str(content.get("id", ""))
         action = str(content.get("action", ""))
+        if action not in self.actions:
+            self.reply(request, "error", f"unknown action {action!r}: one of {', '.join(self.actions)}")
+            return
+        if self._closed:
+            self.reply(request, "error", self.after_down)
+            return
         try:
             self.handle_action(action, content, request)
         except Exception as exc:

@@ -45,6 +45,8 @@ class CheckpointPanel(WorkbenchView):
 
     _esm = HERE / "checkpoints.js"
     _css = HERE / "checkpoints.css"
+    actions = ACTIONS
+    after_down = "these machines were deleted by `%smol down`: `%smol checkpoint list` again after `%smol up`"
 
     checkpoints = t.List(t.Dict(), help="name, node, created, size, backend, exists, warnings").tag(
         sync=True
@@ -77,17 +79,6 @@ class CheckpointPanel(WorkbenchView):
 
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         wb = self.workbench
-        if action not in ACTIONS:
-            self.reply(request, "error", f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
-            return
-        if self._closed:
-            self.reply(
-                request,
-                "error",
-                "these machines were deleted by `%smol down`: "
-                "`%smol checkpoint list` again after `%smol up`",
-            )
-            return
         name = str(content.get("name") or "").strip() or None
         if action == "save":
             node = str(content.get("node") or "").strip() or None

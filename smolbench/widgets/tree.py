@@ -67,6 +67,8 @@ class TreeWidget(WorkbenchView):
 
     _esm = HERE / "tree.js"
     _css = HERE / "tree.css"
+    actions = ACTIONS
+    after_down = "these machines were deleted by `%smol down`: use the tree of the new `%smol up`"
 
     nodes = t.List(
         t.Dict(),
@@ -141,16 +143,6 @@ class TreeWidget(WorkbenchView):
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         wb = self.workbench
         node_id = str(content.get("node") or self.selected or "")
-        if action not in ACTIONS:
-            self.reply(request, "error", f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
-            return
-        if self._closed:
-            self.reply(
-                request,
-                "error",
-                "these machines were deleted by `%smol down`: use the tree of the new `%smol up`",
-            )
-            return
         if node_id not in wb.tree:
             self.reply(
                 request, "error", f"unknown node {node_id!r}: click a node in the tree first"
