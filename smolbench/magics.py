@@ -218,6 +218,10 @@ class SmolMagics(Magics):
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
+            if spec.allow_hosts or spec.allow_cidrs:
+                print("smolbench: warning: the sandbox can't filter by host or CIDR: the Smolfile's "
+                      "[network] allow-lists turn the whole network on here (use the smol backend to enforce them)",
+                      file=sys.stderr)
 
     def _do_down(self, rest: str) -> None:
         if self.workbench is None:
