@@ -49,11 +49,6 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     return submit(coro).result(timeout)
 
 
-def in_loop_thread() -> bool:
-    """True when called from the smolbench loop's own thread."""
-    return _loop is not None and threading.current_thread().name == "smolbench-loop"
-
-
 class Job:
     """A coroutine running on the smolbench loop that the main thread can cancel and await.
 

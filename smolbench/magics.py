@@ -330,7 +330,7 @@ class SmolMagics(Magics):
     def _do_replay(self, rest: str) -> Any:
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
-        report = self._pump(wb.replay(args.node, self._branch_printer("order", {})), wb)
+        report = self._pump(wb.replay(args.node, self._branch_printer("order", {})))
         print(report["message"])
         return None
 
@@ -360,12 +360,9 @@ class SmolMagics(Magics):
         push = self._pushed(_split_names(args.push))
         pull = _split_names(args.pull)
 
-        def show(ev: Event) -> None:
-            _show_event(ev)
-
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
         name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
-        res = self._pump(wb.run_cell(cell, show, push=push, pull=pull, timeout=args.timeout, cell_name=name), wb, single=True)
+        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
@@ -392,7 +389,7 @@ class SmolMagics(Magics):
         else:
             result = wb.new_episodes(n, seeds, args.seed_base, timeout=args.timeout, concurrency=args.concurrency)
         buffers: dict[str, list[tuple[str, str]]] = {}
-        printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers, result)
+        printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers)
 
         def coro_for(on_event: Callable[[str, Event], None]) -> Any:
             if kind == "fork":
@@ -401,7 +398,7 @@ class SmolMagics(Magics):
 
         self._show_views(result)
         if args.bg:
-            job = _loop.Job(coro_for(lambda b, ev: _collect(result, b, ev)))
+            job = _loop.Job(coro_for(lambda b, ev: None))  # each row keeps its output when it ends
             result._attach(job.future, job.cancel)
             if args.out:
                 self._user_ns[args.out] = result
@@ -409,7 +406,7 @@ class SmolMagics(Magics):
             print(f"smolbench: {kind} of {n} running in the background; the handle has .wait(), .done(), .progress, .cancel()")
             return result
         try:
-            self._pump(coro_for(printer), wb, result=result)
+            self._pump(coro_for(printer), result=result)
         finally:
             if args.group_outputs in ("branch", "type") and not args.quiet:
                 _flush_grouped(buffers, args.group_outputs)
@@ -434,10 +431,8 @@ class SmolMagics(Magics):
         except Exception as exc:  # a broken view must never break a run
             print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
 
-    def _branch_printer(self, mode: str, buffers: dict[str, list[tuple[str, str]]], result: ForkResult | None = None) -> Callable[[str, Event], None]:
+    def _branch_printer(self, mode: str, buffers: dict[str, list[tuple[str, str]]]) -> Callable[[str, Event], None]:
         def on_event(branch: str, ev: Event) -> None:
-            if result is not None:
-                _collect(result, branch, ev)
             if mode == "quiet":
                 return
             if ev.kind == "display":
@@ -451,10 +446,10 @@ class SmolMagics(Magics):
 
         return on_event
 
-    def _pump(self, coro: Any, wb: Any, *, single: bool = False, result: ForkResult | None = None) -> Any:
+    def _pump(self, coro: Any, *, result: ForkResult | None = None) -> Any:
         """Run ``coro`` on the loop; show its events on this (the kernel's) thread as they come.
 
-        Ctrl-C interrupts the running cell (single) or cancels every branch (fan-out);
+        Ctrl-C interrupts the running cell, or cancels every branch of a fan-out;
         either way we wait for the cleanup before handing control back.
         """
         job = _loop.Job(coro)
@@ -541,12 +536,6 @@ def _drain(timeout: float) -> None:
 
 def _show_event(ev: Event) -> None:
     _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
-
-
-def _collect(result: ForkResult, branch: str, ev: Event) -> None:
-    if ev.kind == "stream" and branch in result.rows:
-        row = result.rows[branch]
-        row["live_output"] = row.get("live_output", "") + ev.text
 
 
 def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:

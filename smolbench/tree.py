@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 TERMINAL = ("ok", "error", "timeout", "cancelled")
@@ -42,13 +42,6 @@ class Node:
     def depth(self) -> int:
         """0 for a root, 1 for its branches, and so on."""
         return self.id.count(".")
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (for the widget and the ledger)."""
-        data = asdict(self)
-        data["wall"] = self.wall
-        data["depth"] = self.depth
-        return data
 
 
 class Tree:

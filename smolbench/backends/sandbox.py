@@ -86,11 +86,6 @@ class SandboxBackend(Backend):
             return "bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), not a VM; shares the host kernel"
         return "NONE: plain host process (bubblewrap not installed); cells can read and write your files and use the network"
 
-    @property
-    def uses_bwrap(self) -> bool:
-        """True when machines are real bubblewrap sandboxes."""
-        return self._bwrap is not None
-
     # -- lifecycle ------------------------------------------------------------------
 
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
@@ -115,7 +110,7 @@ class SandboxBackend(Backend):
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                env=self._host_env(spec),
+                env=self._host_env(spec, name),
             )
         finally:
             log.close()
@@ -180,10 +175,10 @@ class SandboxBackend(Backend):
         return argv, GUEST_RUN, spec.workdir
 
     @staticmethod
-    def _host_env(spec: MachineSpec) -> dict[str, str]:
+    def _host_env(spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(spec.env_dict)
-        env["SMOLBENCH_MACHINE"] = "1"
+        env["SMOLBENCH_MACHINE"] = name  # as inside a sandbox (--setenv)
         env.pop("PYTHONPATH", None)
         return env
 
