@@ -185,17 +185,19 @@ class Workbench:
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None) -> CellResult:
+                       cell_name: str | None = None, first_line: int = 1) -> CellResult:
         """Run a cell in the active machine (its state persists).
 
-        ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``);
+        ``first_line`` is the editor line the code starts on (2 below a ``%%smol`` line).
         """
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
+            req = CellRequest(_at_line(code, first_line), push=push or {}, pull=pull or [],
+                              cell_name=cell_name or f"<cell-{node.cells}>")
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -269,8 +271,12 @@ class Workbench:
         return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None) -> ForkResult:
-        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy."""
+                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
+                   cell_name: str | None = None, first_line: int = 1) -> ForkResult:
+        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy.
+
+        ``cell_name`` / ``first_line``: what tracebacks call the cell, and its first editor line.
+        """
         parent_id = result.parent
         assert parent_id is not None
         parent = self.machines.get(parent_id)
@@ -304,7 +310,8 @@ class Workbench:
             self._busy.discard(parent_id)  # the parent is free again once its children exist
             try:
                 await self._fan_out(result, refs, code, on_event, timeout=timeout,
-                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
+                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push,
+                                    cell_name=cell_name, first_line=first_line)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
         finally:
@@ -315,7 +322,8 @@ class Workbench:
         return result
 
     async def episodes(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                       concurrency: int | None = None, push: dict[str, bytes] | None = None) -> ForkResult:
+                       concurrency: int | None = None, push: dict[str, bytes] | None = None,
+                       cell_name: str | None = None, first_line: int = 1) -> ForkResult:
         """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards."""
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
@@ -334,7 +342,8 @@ class Workbench:
                     self.machines[node.id] = ref
                     for cmd in self.spec.init:
                         await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
+                    await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed,
+                                           cell_name=cell_name, first_line=first_line)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -358,14 +367,16 @@ class Workbench:
         return result
 
     async def _fan_out(self, result: ForkResult, refs: list[MachineRef], code: str, on_event: BranchEvent, *,
-                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None) -> None:
+                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None,
+                       cell_name: str | None = None, first_line: int = 1) -> None:
         sem = asyncio.Semaphore(concurrency)
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
             try:
                 async with sem:  # a cancel while queued here still marks the branch cancelled
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
+                    await self._run_branch(result, node, ref, code, on_event, timeout, push,
+                                           cell_name=cell_name, first_line=first_line)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 await _to_the_end(self._drop(node.id))
@@ -379,13 +390,15 @@ class Workbench:
         await _gather_cancelling([one(r) for r in refs])
 
     async def _run_branch(self, result: ForkResult, node: Node, ref: MachineRef, code: str, on_event: BranchEvent,
-                          timeout: float | None, push: dict[str, bytes] | None, seed: int | None = None) -> None:
+                          timeout: float | None, push: dict[str, bytes] | None, seed: int | None = None,
+                          cell_name: str | None = None, first_line: int = 1) -> None:
         node.status = "running"
         node.started = time.time()
         result.rows[node.id]["status"] = "running"
         self._record(node)
         node.cells += 1
-        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
+                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed)
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:
@@ -619,6 +632,11 @@ class Workbench:
 def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
     """An event callback that tags events with the node they came from."""
     return lambda ev: on_event(node_id, ev)
+
+
+def _at_line(code: str, first_line: int) -> str:
+    """``code`` padded so its line numbers are the editor's (the ``%%smol`` line is line 1)."""
+    return "\n" * max(0, first_line - 1) + code
 
 
 def _init_code(cmd: str) -> str:

@@ -64,7 +64,8 @@ def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pu
     err = error(c[5])
     assert err.ename == "ValueError" and err.evalue == "bad value 3"
     tb = "\n".join(err.traceback)
-    assert 'File "<In [6]>", line 3, in <module>' in tb and "raise ValueError" in tb  # the notebook's own cell
+    # the notebook's own cell and its editor line (the %%smol line is line 1)
+    assert 'File "<In [6]>", line 4, in <module>' in tb and "raise ValueError" in tb
     assert "agent.py" not in tb  # the machine's traceback starts at the cell
     assert text(c[8]).strip() == "{'a': [1, 2, 3], 'b': 'text', 'c': 9} 42"
     status = text(c[9])
@@ -84,10 +85,15 @@ def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
     nb = run([
         "%load_ext smolbench",
         "%smol up --backend sandbox",
-        "import sys, threading, time\nseen = []\n_w = sys.stdout.write\n"
-        "def spy(s):\n    seen.append((time.monotonic(), s))\n    return _w(s)\nsys.stdout.write = spy",
+        # IPython >= 9 re-patches sys.stdout.write for every cell, so install the spy as each
+        # cell starts (after IPython's own patch) rather than once
+        "import sys, threading, time\nseen = []\n"
+        "def install(info=None):\n    _w = sys.stdout.write\n"
+        "    def spy(s):\n        seen.append((time.monotonic(), s))\n        return _w(s)\n"
+        "    sys.stdout.write = spy\n"
+        "get_ipython().events.register('pre_run_cell', install)",
         "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
-        "sys.stdout.write = _w\nt_early = next(t for t, s in seen if 'early' in s)\nt_late = next(t for t, s in seen if 'late' in s)\nprint(t_late - t_early > 1.0)",
+        "get_ipython().events.unregister('pre_run_cell', install)\nt_early = next(t for t, s in seen if 'early' in s)\nt_late = next(t for t, s in seen if 'late' in s)\nprint(t_late - t_early > 1.0)",
         "%smol down",
     ], tmp_path)
     assert text(nb.cells[4]).strip().endswith("True")

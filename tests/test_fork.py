@@ -283,7 +283,9 @@ def test_failing_branches_are_reported_together_and_the_rest_succeed(session: No
     assert err.evalue == "5 of 8 branches failed (4 error, 1 timeout); first: [root.0] error: ValueError: bad seed 0"
     text = error_text(cell)
     assert "[root.0] Traceback (most recent call last) inside the machine:" in text
-    assert 'File "<cell-1@root.0>", line 3, in <module>' in text  # the branch's own cell, not its parent's
+    # the notebook cell's number with the branch's name, and the editor's line (%%smol is line 1)
+    count = cell.execution_count
+    assert f'File "<In [{count}]@root.0>", line 4, in <module>' in text
     assert "raise ValueError('bad seed %d' % SEED)" in text and "ValueError: bad seed 0" in text
     assert "[root.1] error: machine 'root.1' died mid-cell" in text  # os._exit(3)
     assert "[root.2] timeout: timed out after 2 s" in text

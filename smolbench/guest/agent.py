@@ -172,6 +172,7 @@ class Agent:
         sys.modules["smolbench_guest"] = self.guest
         sys.modules["__main__"] = self.main
         self.ns["display"] = self.guest.display
+        self.ns["smolbench_guest"] = self.guest  # as documented: usable without an import
         self.listener = listener or self._listen(sock_path)
         self._start_acceptor()
 
