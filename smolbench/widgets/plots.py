@@ -1,7 +1,14 @@
 """Reward plots: one fan-out (:func:`reward_figure`) and a whole fork tree (:func:`tree_figure`).
 
-Both return a plotly ``FigureWidget`` in a kernel with widget support, and a static
-``go.Figure`` otherwise (or when asked with ``widget=False``).
+Both return a :class:`SmolFigure`: a plotly figure displayed through plotly's own MIME type
+(interactive in JupyterLab, Notebook 7 and VS Code; the figure travels inside the output, so a
+saved notebook redraws it without a kernel) plus a static SVG copy for nbconvert and GitHub.
+Not a ``FigureWidget``: a widget needs a live comm and a view that measures itself when it
+renders, and on "Run All" JupyterLab renders outputs of cells scrolled out of view into
+detached nodes, which plotly drew as empty plots. ``widget=True`` still gives a FigureWidget.
+
+Colours work on light and dark themes: transparent backgrounds, and the font family starts
+with "smolbench" so the widgets' stylesheet can give the text the theme's colour.
 """
 
 from __future__ import annotations
@@ -20,6 +27,43 @@ STATUS_COLORS = {
     "idle": "#8250df",
 }
 BEST_COLOR = "#d4a72c"
+FONT = "smolbench, 'Open Sans', verdana, arial, sans-serif"  # the marker tree.css looks for
+GRID = "rgba(128,128,128,0.28)"
+THEME = {
+    "template": "plotly_white",
+    "paper_bgcolor": "rgba(0,0,0,0)",
+    "plot_bgcolor": "rgba(0,0,0,0)",
+    "font": {"family": FONT, "color": "#6e7781"},
+    "legend": {"bgcolor": "rgba(0,0,0,0)"},
+}
+MIME = "application/vnd.plotly.v1+json"
+
+
+def _themed(fig: Any) -> None:
+    fig.update_layout(**THEME)
+    fig.update_xaxes(gridcolor=GRID, zerolinecolor=GRID, linecolor=GRID)
+    fig.update_yaxes(gridcolor=GRID, zerolinecolor=GRID, linecolor=GRID)
+
+
+def _figure_class() -> Any:
+    import plotly.graph_objects as go
+
+    class SmolFigure(go.Figure):
+        """A plotly figure shown as plotly JSON plus a static SVG (see the module docstring)."""
+
+        def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kw: Any) -> Any:
+            spec = json.loads(self.to_json())
+            spec["config"] = {"displaylogo": False, "responsive": True}
+            data = {MIME: spec, "text/plain": self._smol_text}
+            svg = getattr(self, "_smol_svg", None)
+            if svg is not None:
+                try:
+                    data["image/svg+xml"] = svg()
+                except Exception:  # a broken static copy must not hide the plot
+                    pass
+            return data
+
+    return SmolFigure
 
 
 def _metrics_text(metrics: Any) -> str:
@@ -42,26 +86,20 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "…"
 
 
-def _in_kernel() -> bool:
-    try:
-        from IPython import get_ipython
+def as_widget(fig: Any, widget: bool | None = None, svg: Any = None, text: str = "") -> Any:
+    """``fig`` as a :class:`SmolFigure` (``svg()`` its static copy), or a ``FigureWidget``
+    when asked with ``widget=True`` and widgets work here."""
+    if widget:
+        try:
+            import plotly.graph_objects as go
 
-        shell = get_ipython()
-    except Exception:
-        return False
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-def as_widget(fig: Any, widget: bool | None = None) -> Any:
-    """``fig`` as a live ``FigureWidget`` when widgets work here, else ``fig`` itself."""
-    if widget is False or (widget is None and not _in_kernel()):
-        return fig
-    try:
-        import plotly.graph_objects as go
-
-        return go.FigureWidget(fig)
-    except Exception:  # no ipywidgets / anywidget, or no comm to the frontend
-        return fig
+            return go.FigureWidget(fig)
+        except Exception:  # no ipywidgets / anywidget, or no comm to the frontend
+            pass
+    out = _figure_class()(fig)
+    out._smol_svg = svg
+    out._smol_text = text or "smolbench plot"
+    return out
 
 
 def reward_figure(result: Any, *, widget: bool | None = None, title: str | None = None) -> Any:
@@ -154,6 +192,7 @@ def reward_figure(result: Any, *, widget: bool | None = None, title: str | None 
     fig.update_xaxes(title_text="branch", type="category", row=1, col=1)
     fig.update_xaxes(title_text="seed", row=1, col=2)
     fig.update_yaxes(title_text="reward", row=1, col=1)
+    _themed(fig)
     fig.update_layout(
         title=title or result.summary(),
         height=380,
@@ -161,7 +200,25 @@ def reward_figure(result: Any, *, widget: bool | None = None, title: str | None 
         margin={"l": 50, "r": 20, "t": 70, "b": 50},
         legend={"title": {"text": "status"}},
     )
-    return as_widget(fig, widget)
+    heading = title or result.summary()
+
+    def svg() -> str:
+        from .svgplot import bars_and_scatter
+
+        bars = [
+            (str(r["branch"]), float(r["reward"]) if r["reward"] is not None else 0.0,
+             STATUS_COLORS.get(r["status"], "#818b98"), best is not None and r["branch"] == best["branch"])
+            for r in ordered
+        ]
+        points = [
+            (float(r["seed"]), float(r["reward"]), STATUS_COLORS.get(r["status"], "#818b98"))
+            for r in scored
+            if isinstance(r["seed"], (int, float))
+        ]
+        mark = (float(best["seed"]), float(best["reward"])) if best is not None and best["seed"] is not None else None
+        return bars_and_scatter(bars, points, mark, heading)
+
+    return as_widget(fig, widget, svg, f"reward plots: {heading}")
 
 
 def tree_figure(workbench: Any, *, widget: bool | None = None, title: str | None = None) -> Any:
@@ -236,13 +293,24 @@ def tree_figure(workbench: Any, *, widget: bool | None = None, title: str | None
         title_text="depth (0 = root)", tickvals=depths, range=[min(depths) - 0.5, max(depths) + 0.5]
     )
     fig.update_yaxes(title_text="reward")
+    _themed(fig)
+    heading = title or f"reward by depth · {scored} of {len(nodes)} nodes rewarded"
     fig.update_layout(
-        title=title or f"reward by depth · {scored} of {len(nodes)} nodes rewarded",
+        title=heading,
         height=420,
         margin={"l": 50, "r": 20, "t": 60, "b": 50},
         legend={"title": {"text": "status"}},
     )
-    return as_widget(fig, widget)
+
+    def svg() -> str:
+        from .svgplot import depth_scatter
+
+        points = [(pos[n.id][0], pos[n.id][1], STATUS_COLORS.get(n.status, "#818b98"), bool(n.alive))
+                  for n in nodes if n.id in pos]
+        edges = [(*pos[n.parent], *pos[n.id]) for n in nodes if n.parent in pos and n.id in pos]
+        return depth_scatter(points, edges, [pos[i] for i in path], heading)
+
+    return as_widget(fig, widget, svg, f"reward plot: {heading}")
 
 
 def _node_hover(n: Any) -> str:
