@@ -18,6 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from . import _loop
+from ._format import size_text, time_text
 from .backends.base import Event
 from .errors import RemoteError, SmolbenchError
 from .result import ForkResult
@@ -213,6 +214,10 @@ class SmolMagics(Magics):
         t0 = time.perf_counter()
         _loop.run(wb.up())
         self.workbench = wb
+        with contextlib.suppress(Exception):  # open checkpoint panels follow the new machine
+            from .widgets import follow_views
+
+            follow_views(wb)
         st = wb.status()
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
@@ -277,7 +282,7 @@ class SmolMagics(Magics):
         try:
             from .widgets import tree_widget
 
-            display(tree_widget(wb, self.shell))
+            tree_widget(wb, self.shell).show()  # the whole session
         except Exception as exc:  # a broken view must never break the workbench
             print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
@@ -289,14 +294,14 @@ class SmolMagics(Magics):
             print("smolbench: the ledger is empty")
             return None
         cols = [c for c in ("session_id", "id", "parent_id", "seed", "status", "reward", "started", "ended", "alive") if c in df]
-        return df[cols].tail(args.n)
+        return ledger_table(df[cols].tail(args.n))
 
     def _do_checkpoint(self, rest: str) -> Any:
         args = parse_argstring(_checkpoint_args, rest)
         wb = self._wb()
         if args.action == "save":
             info = _loop.run(wb.checkpoint_save(args.name, args.node, args.force))
-            print(f"smolbench: saved checkpoint {info['name']} of {info['node']} ({info['size'] / 1e6:.2f} MB)")
+            print(f"smolbench: saved checkpoint {info['name']} of {info['node']} ({size_text(info['size'])})")
             for w in info["warnings"]:
                 print(f"smolbench: warning: {w}", file=sys.stderr)
             return None
@@ -314,18 +319,12 @@ class SmolMagics(Magics):
             wb.checkpoint_remove(args.name)
             print(f"smolbench: removed checkpoint {args.name}")
             return None
-        df = wb.ledger.checkpoints()
+        # The panel is the one view (its saved form is a static table): no second DataFrame.
+        # `smolbench.Ledger(...).checkpoints()` is the DataFrame for analysis.
         from .widgets import checkpoint_panel
 
-        display(checkpoint_panel(wb, self.shell))
-        if df.empty:
-            print("smolbench: no checkpoints yet (`%smol checkpoint save NAME`)")
-            return None
-        import pandas as pd
-
-        df = df.assign(created=pd.to_datetime(df["created"], unit="s").dt.strftime("%Y-%m-%d %H:%M:%S"),
-                       size=(df["size"] / 1e6).map(lambda mb: f"{mb:.2f} MB"))
-        return df[["name", "node_id", "backend", "size", "created", "path"]]
+        checkpoint_panel(wb, self.shell).show()
+        return None
 
     def _do_replay(self, rest: str) -> Any:
         args = parse_argstring(_node_args, rest)
@@ -361,8 +360,8 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
-        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
+        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout,
+                                     cell_name=self._cell_name(), first_line=2))
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
@@ -372,6 +371,19 @@ class SmolMagics(Magics):
         if res.result is not None:
             return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
         return None
+
+    def _cell_name(self) -> str:
+        """What tracebacks call the running cell, like a local one: ``<In [7]>``.
+
+        The running cell's own number: IPython >= 9 already counts the *next* cell in
+        ``shell.execution_count`` while one runs (8.x did not), so read the running cell's
+        result first.
+        """
+        running = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        count = getattr(running, "execution_count", None)
+        if not isinstance(count, int):
+            count = getattr(self.shell, "execution_count", "?")
+        return f"<In [{count}]>"
 
     def _fanout(self, kind: str, line: str, cell: str) -> Any:
         args = parse_argstring(_fork_args, line)
@@ -392,9 +404,11 @@ class SmolMagics(Magics):
         printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers)
 
         def coro_for(on_event: Callable[[str, Event], None]) -> Any:
+            where = {"cell_name": self._cell_name(), "first_line": 2}  # the %%smol line is line 1
             if kind == "fork":
-                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep, push=push)
-            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push)
+                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep,
+                               push=push, **where)
+            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push, **where)
 
         self._show_views(result)
         if args.bg:
@@ -413,21 +427,22 @@ class SmolMagics(Magics):
             if args.out:
                 self._user_ns[args.out] = result
             self.last_result = result
-        display(result)
-        if not args.allow_errors:
-            err = result.composite_error()
-            if err is not None:
-                raise err
-        return None
+        err = None if args.allow_errors else result.composite_error()
+        if err is not None:
+            display(result)  # the table, then the error (a cell that raises has no Out[n])
+            raise err
+        if args.quiet:  # --quiet: one summary line and no Out[n] (loops, scripts); --out keeps the handle
+            print(result.summary())
+            return None
+        return result  # the cell's value: Out[n] and `_`, shown as the table
 
     def _show_views(self, result: ForkResult) -> None:
-        """Show the live tree widget (a new view of the Workbench's one model) above the run."""
+        """Show this fork's live tree view above the run (its static copy is refreshed when
+        the cell ends, so a saved notebook shows the finished fork)."""
         try:
             from .widgets import tree_widget
 
-            view = tree_widget(self._wb(), self.shell)
-            view.mark_busy()  # cleared when the cell finishes (post_run_cell)
-            display(view)
+            tree_widget(self._wb(), self.shell, result=result).show()
         except Exception as exc:  # a broken view must never break a run
             print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
 
@@ -476,6 +491,21 @@ class SmolMagics(Magics):
         if progress is not None:
             progress.tick(final=True)
         return job.result()
+
+
+def ledger_table(df: Any) -> Any:
+    """Ledger rows for people: local times, whole-number seeds, alive as yes/no."""
+    import pandas as pd
+
+    out = df.copy()
+    for col in ("started", "ended"):
+        if col in out:
+            out[col] = [time_text(v) for v in out[col]]
+    if "seed" in out:
+        out["seed"] = pd.array([None if pd.isna(v) else int(v) for v in out["seed"]], dtype="Int64")
+    if "alive" in out:
+        out["alive"] = ["yes" if v == 1 else "no" for v in out["alive"]]
+    return out
 
 
 class RemoteValue:

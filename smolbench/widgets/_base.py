@@ -1,11 +1,17 @@
 """What the tree widget and the checkpoint panel share: observing a Workbench, throttled and
-batched trait updates, the "a cell is running" notice, and replies to clicks.
+batched trait updates, replies to clicks, and a static copy of the view in every output.
+
+One model per display: each view has its own selection, messages and scope. The frontend
+sends nothing to the kernel unless the user acts (a click), so a rendering view never
+flips the kernel's status in the frontend while a cell runs.
 
 Threads: the Workbench calls observers from smolbench's loop thread (and sometimes from
 the kernel's main thread); clicks arrive on the kernel's main thread, or on a kernel
-subshell's thread when the frontend sends comm messages over subshells (JupyterLab >= 4.4
-with ipykernel >= 7). Every trait write goes through one lock, and every Workbench call a
-click makes runs on the smolbench loop.
+subshell's thread when the frontend sends comm messages over subshells (JupyterLab and
+Notebook 7 with ipykernel >= 7). Every trait write goes through one lock, and every
+Workbench call a click makes runs on the smolbench loop. Where clicks reach the kernel only
+on its main shell (classic Notebook, VS Code, subshells off), a click made while a cell runs
+waits in the kernel's queue; the frontend says so, and the kernel applies it when the cell ends.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any, TypeVar
+from typing import Any
 
 import anywidget
 import traitlets as t
@@ -27,7 +33,7 @@ from .. import _loop
 from ..errors import SmolbenchError
 
 THROTTLE_S = 0.1  # at most one trait update per view every 100 ms (plus the final state)
-BUSY_TEXT = "a cell is running: clicks will apply when it finishes"
+BUSY_TEXT = "a cell is running"
 
 
 def clean(value: Any) -> Any:
@@ -54,11 +60,12 @@ def error_text(exc: BaseException) -> str:
 
 
 class WorkbenchView(anywidget.AnyWidget):
-    """Base of smolbench's widgets: one model per Workbench, kept current by observing it."""
+    """Base of smolbench's widgets: kept current by observing a Workbench."""
 
-    busy = t.Unicode("", help="non-empty while a cell blocks the kernel").tag(sync=True)
+    busy = t.Unicode("", help="non-empty while a cell runs (clicks may wait for it)").tag(sync=True)
     message = t.Dict({}, help="the last reply to a click: level, text, seq").tag(sync=True)
     jobs = t.List(t.Unicode(), help="background actions still running").tag(sync=True)
+    live = t.Bool(True, help="still updated from a running Workbench").tag(sync=True)
 
     actions: tuple[str, ...] = ()  # what the buttons may ask for
     after_down = "these machines were deleted by `%smol down`"  # said to clicks on a closed view
@@ -66,22 +73,25 @@ class WorkbenchView(anywidget.AnyWidget):
     def __init__(self, workbench: Any, *, shell: Any = None, **kwargs: Any) -> None:
         self.workbench = workbench
         self._lock = threading.RLock()
+        self._ready = False
         super().__init__(**{**self.snapshot(), **kwargs})  # the comm opens with the full state
-        self.live_clicks = False  # the frontend's messages reach us on a subshell's thread
         self._last_flush = 0.0
         self._timer_pending = False
         self._seq = 0
         self._futures: list[Future[Any]] = []
         self._closed = False
         self._shell = shell
-        self._main = threading.main_thread()
+        self._handles: list[Any] = []  # display handles, refreshed with the static view
+        self._shown_version = -1
+        self._version = 0
         self.on_msg(self._on_custom_msg)
         _route_to_frontend_subshell(self.comm)
-        workbench.observe(self._on_change)
+        if workbench is not None:
+            workbench.observe(self._on_change)
         if shell is not None:
             shell.events.register("pre_run_cell", self._pre_run_cell)
             shell.events.register("post_run_cell", self._post_run_cell)
-        self.flush()
+        self._ready = True
 
     # -- state ---------------------------------------------------------------------------
 
@@ -89,17 +99,31 @@ class WorkbenchView(anywidget.AnyWidget):
         """The synced traits' values for the Workbench as it is now (subclasses)."""
         raise NotImplementedError
 
-    def flush(self) -> None:
-        """Push the current state to the frontend now, in one batched update."""
+    def static_html(self) -> str:
+        """The view as plain HTML, for saved notebooks and viewers without widgets (subclasses)."""
+        raise NotImplementedError
+
+    def flush(self, resend: bool = False) -> None:
+        """Push the current state to the frontend now, in one batched update.
+
+        ``resend``: send it even where unchanged, from this thread. Updates sent from
+        smolbench's loop thread carry whichever cell was current then; a client that files
+        comm messages by cell (nbclient, when it records widget state) needs the final state
+        sent again during a cell.
+        """
         with self._lock:
             self._last_flush = time.monotonic()
             state = self.snapshot()
             with self.hold_sync():
                 for key, value in state.items():
-                    setattr(self, key, value)
+                    if getattr(self, key) != value:
+                        setattr(self, key, value)
+                        self._version += 1
+            if resend:
+                self.send_state(key=[*state, "live", "busy"])
 
     def _on_change(self, workbench: Any, nodes: list[Any]) -> None:
-        if self._closed:
+        if self._closed or not self.concerns(nodes):
             return
         with self._lock:
             if self._timer_pending:
@@ -112,33 +136,62 @@ class WorkbenchView(anywidget.AnyWidget):
                 return
         self.flush()
 
+    def concerns(self, nodes: list[Any]) -> bool:
+        """Whether a change to ``nodes`` can change this view (subclasses narrow it)."""
+        return True
+
     def _timer_flush(self) -> None:
         with self._lock:
             self._timer_pending = False
         if not self._closed:
             self.flush()
 
-    # -- the busy notice -------------------------------------------------------------------
+    # -- display: the live view plus a static copy -------------------------------------------
 
-    def mark_busy(self, text: str = BUSY_TEXT) -> None:
-        """Say in the widget that a cell is running (so clicks wait for it)."""
-        if self._closed or self.live_clicks:
-            return  # clicks reach us through a subshell: no need to warn
-        with self._lock:
-            self.busy = text
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        out = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
+        data = out[0] if isinstance(out, tuple) else out
+        if isinstance(data, dict):
+            with contextlib.suppress(Exception):  # a broken static copy must not hide the view
+                data["text/html"] = self.static_html()
+        return out
 
-    def clear_busy(self) -> None:
-        """The kernel is free again: final state, no notice."""
+    def show(self) -> None:
+        """Display the view, remembering where, so its static copy can be refreshed later."""
+        from IPython.display import display
+
+        handle = display(self, display_id=True)
+        if handle is not None:
+            self._handles.append(handle)
+        self._shown_version = self._version
+
+    def refresh_static(self) -> None:
+        """Re-send the displayed outputs so their static copy matches the live state.
+
+        Called on the kernel's main thread at the end of a cell (the output then belongs to
+        a known cell); a saved notebook keeps this copy.
+        """
+        if self._shown_version == self._version:
+            return
+        self.flush(resend=True)
+        self._shown_version = self._version
+        for handle in self._handles:
+            with contextlib.suppress(Exception):
+                handle.update(self)
+
+    # -- cells running in the kernel -----------------------------------------------------
+
+    def _pre_run_cell(self, info: Any = None) -> None:
+        if not self._closed:
+            with self._lock:
+                self.busy = BUSY_TEXT
+
+    def _post_run_cell(self, result: Any = None) -> None:
         with self._lock:
             self.busy = ""
         if not self._closed:
             self.flush()
-
-    def _pre_run_cell(self, info: Any = None) -> None:
-        self.mark_busy()
-
-    def _post_run_cell(self, result: Any = None) -> None:
-        self.clear_busy()
+        self.refresh_static()
 
     # -- clicks ----------------------------------------------------------------------------
 
@@ -150,18 +203,14 @@ class WorkbenchView(anywidget.AnyWidget):
     def _on_custom_msg(self, widget: Any, content: Any, buffers: Any = None) -> None:
         if not isinstance(content, dict):
             return
-        # A message handled off the main thread came through a kernel subshell: this frontend's
-        # clicks reach us even while a cell runs, so the busy notice would be wrong. Every view
-        # says "hello" when it renders, so we know before the first click.
-        live = threading.current_thread() is not self._main
-        if live != self.live_clicks:
-            self.live_clicks = live
-            if live:
-                with self._lock:
-                    self.busy = ""
+        if content.get("type") == "scope":
+            self.on_scope(content)
+            return
         if content.get("type") != "action":
             return
         request = str(content.get("id", ""))
+        with contextlib.suppress(Exception):  # the frontend stops saying "waiting for the kernel"
+            self.send({"type": "ack", "id": request})
         action = str(content.get("action", ""))
         if action not in self.actions:
             self.reply(request, "error", f"unknown action {action!r}: one of {', '.join(self.actions)}")
@@ -173,6 +222,9 @@ class WorkbenchView(anywidget.AnyWidget):
             self.handle_action(action, content, request)
         except Exception as exc:
             self.reply(request, "error", error_text(exc))
+
+    def on_scope(self, content: dict[str, Any]) -> None:
+        """The frontend asked for a different scope (subclasses)."""
 
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         """Act on one click (subclasses)."""
@@ -208,8 +260,8 @@ class WorkbenchView(anywidget.AnyWidget):
                 text, lvl = done(value), (level(value) if level is not None else "ok")
             except Exception as exc:
                 text, lvl = error_text(exc), "error"
-            self.reply(request, lvl, text)
             self.flush()
+            self.reply(request, lvl, text)
             return value
 
         fut = _loop.submit(wrapped())
@@ -245,54 +297,38 @@ class WorkbenchView(anywidget.AnyWidget):
         """Stop observing (the Workbench went down); the last state stays on screen."""
         if self._closed:
             return
-        self.flush()
         self._closed = True
-        self.workbench.unobserve(self._on_change)
-        if self._shell is not None:
-            for event, fn in (
-                ("pre_run_cell", self._pre_run_cell),
-                ("post_run_cell", self._post_run_cell),
-            ):
-                with contextlib.suppress(ValueError):
-                    self._shell.events.unregister(event, fn)
+        if self.workbench is not None:
+            self.workbench.unobserve(self._on_change)
         with self._lock:
             self.busy = ""
+            self.live = False
+        self.flush(resend=True)
+        self._version += 1
+        if self._shell is not None:
+            for event, fn in (("pre_run_cell", self._pre_run_cell),):
+                with contextlib.suppress(ValueError):
+                    self._shell.events.unregister(event, fn)
+            # post_run_cell stays until the static copy shows the final state once
+            self._shell.events.register("post_run_cell", self._final_refresh)
 
-
-V = TypeVar("V", bound="WorkbenchView")
-
-
-def view_for(registry: dict[int, V], cls: type[V], workbench: Any, shell: Any = None) -> tuple[V, bool]:
-    """The Workbench's one ``cls`` view in ``registry`` (made on first use); True when new."""
-    w = registry.get(id(workbench))
-    if w is not None and w.workbench is workbench and not w._closed:
-        return w, False
-    if shell is None:
-        with contextlib.suppress(Exception):
-            from IPython import get_ipython
-
-            shell = get_ipython()
-    w = cls(workbench, shell=shell)
-    registry[id(workbench)] = w
-    return w, True
-
-
-def close_view(registry: dict[int, V], workbench: Any) -> None:
-    """Detach the Workbench's view in ``registry``; it keeps its last state."""
-    w = registry.pop(id(workbench), None)
-    if w is not None:
-        w.detach()
+    def _final_refresh(self, result: Any = None) -> None:
+        self.refresh_static()
+        if self._shell is not None:
+            for fn in (self._post_run_cell, self._final_refresh):
+                with contextlib.suppress(ValueError):
+                    self._shell.events.unregister("post_run_cell", fn)
 
 
 def _route_to_frontend_subshell(comm: Any) -> None:
     """Let clicks reach us while a cell runs, when the frontend sends comms over a subshell.
 
-    JupyterLab (>= 4.4, setting "Kernel Comms over subshells") sends widget messages on a
-    kernel subshell, so ipykernel (>= 7) can handle them on another thread while the main
-    shell runs a cell. ipykernel 7.4 instead routes a comm's incoming messages to the shell
-    that last *published* on it, which for us is the cell that started a fork, so clicks
-    would queue behind it. Our handlers are thread-safe (one lock; Workbench calls go to
-    the smolbench loop), so for our own comm we take the subshell the frontend asked for.
+    JupyterLab and Notebook 7 (setting "Kernel Comms over subshells") send widget messages
+    on a kernel subshell, so ipykernel (>= 7) can handle them on another thread while the
+    main shell runs a cell. ipykernel 7.4 instead routes a comm's incoming messages to the
+    shell that last *published* on it, which for us is the cell that started a fork, so
+    clicks would queue behind it. Our handlers are thread-safe (one lock; Workbench calls go
+    to the smolbench loop), so for our own comm we take the subshell the frontend asked for.
     """
     if comm is not None and callable(getattr(comm, "_reply_subshell_for", None)):
         comm._reply_subshell_for = lambda data, default: default

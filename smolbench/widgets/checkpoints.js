@@ -7,17 +7,14 @@ function h(tag, cls, text) {
   return el;
 }
 
-function size(bytes) {
-  if (typeof bytes !== "number") return "";
-  if (bytes < 1e3) return `${bytes} B`;
-  if (bytes < 1e6) return `${(bytes / 1e3).toFixed(1)} kB`;
-  if (bytes < 1e9) return `${(bytes / 1e6).toFixed(1)} MB`;
-  return `${(bytes / 1e9).toFixed(2)} GB`;
-}
+const ACK_MS = 800;
+const CONFIRM_MS = 5000;
 
 function render({ model, el }) {
-  let picked = null; // checkpoint name the Restore / Delete buttons act on
+  let picked = null; // checkpoint name the Restore / Delete buttons act on (this view only)
   let seq = 0;
+  let confirm = null; // {name, timer} while Delete waits for its second click
+  const pending = new Map(); // request id -> {label, acked, timer}
   const root = h("div", "sbc");
   el.appendChild(root);
   const head = h("div", "sbc-head");
@@ -51,17 +48,33 @@ function render({ model, el }) {
   const msg = h("div", "sbc-msg");
   root.append(head, table, saveBar, msg);
 
+  function say(level, text) {
+    msg.className = `sbc-msg sbc-msg-${level}`;
+    msg.textContent = text;
+  }
+
   function send(action, extra) {
     const id = `${Date.now().toString(36)}-${++seq}`;
-    msg.className = "sbc-msg sbc-msg-info";
-    msg.textContent = `${action}: sent to the kernel…`;
-    model.send({ type: "action", action, id, ...extra });
+    const label = `${action}${extra.name ? ` ${extra.name}` : ""}`;
+    const p = { label, acked: false, timer: null };
+    pending.set(id, p);
+    say("info", `${label}: sent to the kernel…`);
+    p.timer = setTimeout(() => {
+      if (!p.acked && pending.has(id) && model.get("busy"))
+        say("info", `${label}: queued: the kernel is running a cell and will apply this click when it finishes`);
+    }, ACK_MS);
+    try {
+      model.send({ type: "action", action, id, ...extra });
+    } catch (e) {
+      pending.delete(id);
+      say("error", `${label}: can't reach the kernel (${e}): this is a saved copy; run the notebook`);
+    }
   }
 
   function draw() {
     const rows = model.get("checkpoints") || [];
     const backend = model.get("backend") || "";
-    sub.textContent = `${rows.length} saved · this machine: ${backend}`;
+    sub.textContent = `${rows.length} saved · ${backend ? `this machine: ${backend}` : "no machine up (`%smol up`)"}`;
     if (picked && !rows.some((r) => r.name === picked)) picked = null;
     tbody.replaceChildren();
     if (!rows.length) {
@@ -78,8 +91,8 @@ function render({ model, el }) {
       if (c.blocked && c.blocked.restore) r.classList.add("sbc-blocked");
       const warn = (c.warnings || []).join("; ");
       r.append(h("td", "sbc-n", c.name), h("td", "", c.node), h("td", "", c.created_text),
-        h("td", "sbc-num", size(c.size)), h("td", "", c.backend),
-        h("td", "sbc-note", (c.blocked && c.blocked.restore) || (warn ? `⚠ ${warn}` : "")));
+        h("td", "sbc-num", c.size_text || ""), h("td", "", c.backend),
+        h("td", "sbc-note", (c.blocked && c.blocked.restore) || (warn ? `warning: ${warn}` : "")));
       r.title = [c.blocked && c.blocked.restore, warn].filter(Boolean).join(" · ");
       r.addEventListener("click", () => { picked = c.name; draw(); });
       tbody.appendChild(r);
@@ -101,36 +114,59 @@ function render({ model, el }) {
     restoreBtn.disabled = Boolean(why);
     restoreBtn.title = why ? `disabled because ${why}` : `restore ${picked} as a new machine`;
     deleteBtn.disabled = !c;
-    deleteBtn.title = c ? `delete checkpoint ${picked} (file and ledger entry)` : "pick a checkpoint first";
+    deleteBtn.title = c ? `delete checkpoint ${picked} (file and ledger entry; asks first)` : "pick a checkpoint first";
+    const confirming = confirm && c && confirm.name === picked;
+    deleteBtn.textContent = confirming ? "Confirm delete" : "Delete";
+    deleteBtn.classList.toggle("sbc-confirm", Boolean(confirming));
   }
 
   saveBtn.addEventListener("click", () =>
     send("save", { name: nameIn.value.trim(), node: nodeSel.value, force: force.checked }));
   restoreBtn.addEventListener("click", () => picked && send("restore", { name: picked }));
-  deleteBtn.addEventListener("click", () => picked && send("delete", { name: picked }));
+  deleteBtn.addEventListener("click", () => {
+    if (!picked) return;
+    if (!confirm || confirm.name !== picked) {
+      if (confirm) clearTimeout(confirm.timer);
+      const name = picked;
+      confirm = { name, timer: setTimeout(() => { confirm = null; say("info", `delete ${name}: not confirmed, nothing deleted`); draw(); }, CONFIRM_MS) };
+      say("info", `delete checkpoint ${name} (its file and its ledger entry)? Click "Confirm delete" to go ahead.`);
+      draw();
+      return;
+    }
+    clearTimeout(confirm.timer);
+    confirm = null;
+    send("delete", { name: picked });
+    draw();
+  });
 
   const onMessage = () => {
     const m = model.get("message") || {};
-    msg.className = `sbc-msg sbc-msg-${m.level || "info"}`;
-    msg.textContent = m.text || "";
+    say(m.level || "info", m.text || "");
   };
-  const onBusy = () => {
-    const b = model.get("busy");
-    if (b) { msg.className = "sbc-msg sbc-msg-info"; msg.textContent = `⏳ ${b}`; } else onMessage();
+  const onCustom = (content) => {
+    if (!content) return;
+    const p = pending.get(content.id);
+    if (!p) return;
+    if (content.type === "ack") {
+      p.acked = true;
+      say("info", `${p.label}: working…`);
+    } else if (content.type === "reply") {
+      clearTimeout(p.timer);
+      pending.delete(content.id);
+    }
   };
   const handlers = [
     ["change:checkpoints", draw], ["change:live_nodes", draw], ["change:active", draw],
-    ["change:message", onMessage], ["change:busy", onBusy],
+    ["change:backend", draw], ["change:message", onMessage], ["msg:custom", onCustom],
   ];
   for (const [ev, fn] of handlers) model.on(ev, fn);
-  try {
-    model.send({ type: "hello" }); // tells the kernel whether clicks arrive over a subshell
-  } catch (e) {
-    // no kernel (a saved notebook): the view still shows the saved state
-  }
   draw();
   onMessage();
-  return () => { for (const [ev, fn] of handlers) model.off(ev, fn); };
+  return () => {
+    if (confirm) clearTimeout(confirm.timer);
+    for (const p of pending.values()) clearTimeout(p.timer);
+    for (const [ev, fn] of handlers) model.off(ev, fn);
+  };
 }
 
 export default { render };

@@ -1,25 +1,34 @@
-"""The checkpoint panel: the ledger's checkpoints with Save, Restore and Delete buttons."""
+"""The checkpoint panel: the ledger's checkpoints with Save, Restore and Delete buttons.
+
+A panel follows the kernel's Workbench across ``%smol down`` / ``up``: while nothing is up
+it still lists (and deletes) checkpoints from the ledger; the next ``up`` binds it again.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import traitlets as t
 
-from ._base import WorkbenchView, clean, close_view, view_for
+from .._format import size_text, time_text
+from ._base import WorkbenchView, clean
+from .static import checkpoints_html
 
 HERE = Path(__file__).parent
 ACTIONS = ("save", "restore", "delete")
+DOWN = "no machine is up: `%smol up` first (deleting a checkpoint works without one)"
 
 
 def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     """A ledger checkpoint row as the plain data the panel shows, with why it can't be restored."""
     exists = bool(row.get("path")) and os.path.exists(str(row["path"]))
     why = ""
-    if row.get("backend") != backend:
+    if not backend:
+        why = DOWN.split(" (")[0]
+    elif row.get("backend") != backend:
         other = row.get("backend")
         why = f"made by the {other} backend, not {backend}: `%smol up --backend {other}` first"
     elif not exists:
@@ -29,10 +38,9 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
         "name": row.get("name"),
         "node": row.get("node_id"),
         "created": clean(created),
-        "created_text": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
-        if created
-        else "",
+        "created_text": time_text(created),
         "size": row.get("size"),
+        "size_text": size_text(row.get("size")),
         "backend": row.get("backend"),
         "exists": exists,
         "warnings": clean(row.get("warnings") or []),
@@ -41,12 +49,11 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
 
 
 class CheckpointPanel(WorkbenchView):
-    """The Workbench's checkpoints (from the ledger): list, save, restore, delete."""
+    """The ledger's checkpoints: list, save, restore, delete."""
 
     _esm = HERE / "checkpoints.js"
     _css = HERE / "checkpoints.css"
     actions = ACTIONS
-    after_down = "these machines were deleted by `%smol down`: `%smol checkpoint list` again after `%smol up`"
 
     checkpoints = t.List(t.Dict(), help="name, node, created, size, backend, exists, warnings").tag(
         sync=True
@@ -55,49 +62,94 @@ class CheckpointPanel(WorkbenchView):
     active = t.Unicode(None, allow_none=True, help="the active node (saved by default)").tag(
         sync=True
     )
-    backend = t.Unicode("", help="this Workbench's backend").tag(sync=True)
+    backend = t.Unicode("", help="this Workbench's backend ('' while nothing is up)").tag(sync=True)
+
+    def __init__(self, workbench: Any, *, shell: Any = None) -> None:
+        self.ledger = workbench.ledger
+        super().__init__(workbench, shell=shell)
 
     def snapshot(self) -> dict[str, Any]:
         wb = self.workbench
-        rows = [checkpoint_record(r, wb.backend.name) for r in wb.ledger.checkpoint_rows()]
-        live = [n.id for n in list(wb.tree.nodes.values()) if n.id in wb.machines]
+        backend = wb.backend.name if wb is not None and wb.machines else ""
+        rows = [checkpoint_record(r, backend) for r in self.ledger.checkpoint_rows()]
+        live = [n.id for n in list(wb.tree.nodes.values()) if n.id in wb.machines] if wb else []
         return {
             "checkpoints": rows,
             "live_nodes": live,
-            "active": wb.active,
-            "backend": wb.backend.name,
+            "active": wb.active if wb is not None else None,
+            "backend": backend,
         }
+
+    def static_html(self) -> str:
+        return checkpoints_html(list(self.checkpoints), self.backend or "none up")
 
     def __repr__(self) -> str:
         """What a viewer without widget support shows."""
         names = ", ".join(str(c["name"]) for c in self.checkpoints) or "none"
-        return f"smolbench checkpoints ({self.backend}): {names}"
+        return f"smolbench checkpoints ({self.backend or 'none up'}): {names}"
 
     def reply(self, request: str, level: str, text: str) -> None:
         """As for every view; the panel's "replace" box is its --force."""
         super().reply(request, level, text.replace("add --force", "tick “replace”"))
 
+    # -- following the kernel's Workbench ----------------------------------------------------
+
+    def pause(self) -> None:
+        """The Workbench went down: keep listing from the ledger until the next ``up``."""
+        if self.workbench is not None:
+            self.workbench.unobserve(self._on_change)
+        self.workbench = None
+        self.flush(resend=True)
+
+    def follow(self, workbench: Any) -> None:
+        """Bind to the kernel's new Workbench (after ``%smol up``)."""
+        if self.workbench is workbench:
+            return
+        self.pause()
+        self.workbench = workbench
+        self.ledger = workbench.ledger
+        workbench.observe(self._on_change)
+        self.flush(resend=True)
+
+    # -- clicks ------------------------------------------------------------------------------
+
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         wb = self.workbench
         name = str(content.get("name") or "").strip() or None
+        if action == "delete":
+            if name is None:
+                self.reply(request, "error", "pick a checkpoint to delete first")
+                return
+            self.run_async(request, _remove(wb, self.ledger, name), lambda _: f"deleted checkpoint {name}")
+            return
+        if wb is None or not wb.machines:
+            self.reply(request, "error", DOWN)
+            return
         if action == "save":
             node = str(content.get("node") or "").strip() or None
             force = bool(content.get("force"))
             self.run_async(request, wb.checkpoint_save(name, node, force), _saved_text)
             return
         if name is None:
-            self.reply(request, "error", f"pick a checkpoint to {action} first")
+            self.reply(request, "error", "pick a checkpoint to restore first")
             return
-        if action == "restore":
-            self.run_async(
-                request, wb.checkpoint_restore(name), lambda node: _restored_text(wb, name, node)
-            )
-        else:
-            self.run_async(request, _remove(wb, name), lambda _: f"deleted checkpoint {name}")
+        self.run_async(
+            request, wb.checkpoint_restore(name), lambda node: _restored_text(wb, name, node)
+        )
 
 
-async def _remove(wb: Any, name: str) -> None:
-    wb.checkpoint_remove(name)
+async def _remove(wb: Any, ledger: Any, name: str) -> None:
+    if wb is not None:
+        wb.checkpoint_remove(name)
+        return
+    rec = ledger.checkpoint(name)
+    if rec is None:
+        from ..errors import SmolbenchError
+
+        raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
+    with contextlib.suppress(OSError):
+        os.unlink(rec["path"])
+    ledger.remove_checkpoint(name)
 
 
 def _restored_text(wb: Any, name: str, node: Any) -> str:
@@ -108,23 +160,41 @@ def _restored_text(wb: Any, name: str, node: Any) -> str:
 
 
 def _saved_text(info: dict[str, Any]) -> str:
-    text = f"saved checkpoint {info['name']} of {info['node']} ({info['size'] / 1e6:.2f} MB)"
+    text = f"saved checkpoint {info['name']} of {info['node']} ({size_text(info['size'])})"
     if info.get("warnings"):
         text += " · warning: " + "; ".join(info["warnings"])
     return text
 
 
-_PANELS: dict[int, CheckpointPanel] = {}
+_PANELS: list[CheckpointPanel] = []
 
 
 def checkpoint_panel(workbench: Any, shell: Any = None) -> CheckpointPanel:
-    """The Workbench's checkpoint panel (made on first use)."""
-    w, new = view_for(_PANELS, CheckpointPanel, workbench, shell)
-    if not new:
-        w.flush()  # the ledger may have changed without a node changing
-    return w
+    """A new checkpoint panel (each display its own selection); it follows down / up."""
+    if shell is None:
+        with contextlib.suppress(Exception):
+            from IPython import get_ipython
+
+            shell = get_ipython()
+    p = CheckpointPanel(workbench, shell=shell)
+    _PANELS.append(p)
+    return p
 
 
 def close_panel(workbench: Any) -> None:
-    """Detach the Workbench's checkpoint panel (after ``%smol down``)."""
-    close_view(_PANELS, workbench)
+    """The Workbench went down: its panels keep listing from the ledger."""
+    for p in list(_PANELS):
+        if p.workbench is workbench:
+            try:
+                p.pause()
+            except Exception:
+                _PANELS.remove(p)
+
+
+def follow_panels(workbench: Any) -> None:
+    """A new Workbench is up: every open panel binds to it."""
+    for p in list(_PANELS):
+        try:
+            p.follow(workbench)
+        except Exception:  # a closed view, or one left over from a ledger that was closed
+            _PANELS.remove(p)

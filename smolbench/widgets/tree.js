@@ -1,17 +1,22 @@
 // smolbench fork tree: an indented, collapsible list of nodes with status colours, rewards,
 // the best path highlighted, and actions on the selected node. No dependencies, no CDN.
+// Only characters every Debian font set has (DejaVu): no emoji.
 
-// A node with more children than FAN shows FAN_SHOW of them (the best path, the active one,
-// the selected one, then the highest rewards) and a "show all" row for the rest.
+// A node with more children than FAN shows FAN_SHOW of them (running ones always, then the
+// best path, the active one, the selected one, the highest rewards) and a "show all" row.
 const FAN = 12;
 const FAN_SHOW = 8;
+const ACK_MS = 800; // no acknowledgement by then: the kernel is busy (queued) or unreachable
+const LOST_MS = 15000;
+const CONFIRM_MS = 5000;
 
 const ACTIONS = [
   ["use", "Use", "make this node the active machine"],
-  ["fork", "Fork", "run the last fork's cell in N new branches of this node"],
+  ["fork", "Fork", "run this fork's cell in N new branches of this node"],
   ["checkpoint", "Checkpoint", "save this node's machine as a checkpoint"],
-  ["delete", "Delete", "delete this node's machine and everything below it"],
+  ["delete", "Delete", "delete this node's machine and everything below it (asks first)"],
 ];
+const LABELS = { use: "Use", fork: "Fork ×N", checkpoint: "Checkpoint", delete: "Delete" };
 
 function h(tag, cls, text) {
   const el = document.createElement(tag);
@@ -31,28 +36,28 @@ function render({ model, el }) {
   const view = {
     collapsed: new Set(),
     fanOpen: new Set(), // parents whose large fan shows every child
-    scrolled: false,
     sortBy: "id",
-    pending: new Map(), // request id -> label, until the kernel replies
+    pending: new Map(), // request id -> {label, acked, timers}
     seq: 0,
-    busyTimer: null,
+    confirm: null, // {node, timer} while Delete waits for its second click
   };
   const root = h("div", "sbt");
   el.appendChild(root);
 
   const head = h("div", "sbt-head");
-  const title = h("span", "sbt-title", "fork tree");
+  const title = h("span", "sbt-title");
+  const liveBadge = h("span", "sbt-live");
   const summary = h("span", "sbt-summary");
   const tools = h("span", "sbt-tools");
+  const scopeBtn = h("button", "sbt-link sbt-scope");
   const sortBtn = h("button", "sbt-link", "sort: id");
   sortBtn.title = "order siblings by id or by reward";
   const expandBtn = h("button", "sbt-link", "expand all");
   const collapseBtn = h("button", "sbt-link", "collapse all");
-  tools.append(sortBtn, expandBtn, collapseBtn);
-  head.append(title, summary, tools);
+  tools.append(scopeBtn, sortBtn, expandBtn, collapseBtn);
+  head.append(title, liveBadge, summary, tools);
 
   const info = h("div", "sbt-info");
-  const busy = h("div", "sbt-busy");
   const list = h("div", "sbt-list");
   list.setAttribute("role", "tree");
 
@@ -65,6 +70,9 @@ function render({ model, el }) {
   nInput.max = "256";
   nInput.value = "4";
   nInput.title = "how many branches Fork makes";
+  const seedInput = h("input", "sbt-seed-base");
+  seedInput.type = "number";
+  seedInput.title = "first seed of the new branches (empty: continue after the highest seed used below this node)";
   for (const [action, label, tip] of ACTIONS) {
     const wrap = h("span", "sbt-btnwrap");
     const b = h("button", `sbt-btn sbt-btn-${action}`, label);
@@ -73,15 +81,19 @@ function render({ model, el }) {
     b.addEventListener("click", () => act(action));
     wrap.appendChild(b);
     if (action === "fork") {
-      const x = h("span", "sbt-times", "×");
-      wrap.append(x, nInput);
+      wrap.append(h("span", "sbt-times", "×"), nInput, h("span", "sbt-times", "seeds from"), seedInput);
     }
     buttons[action] = { button: b, wrap };
     bar.appendChild(wrap);
   }
   const msg = h("div", "sbt-msg");
+  msg.setAttribute("role", "status");
   const jobs = h("div", "sbt-jobs");
-  root.append(head, info, busy, list, detail, bar, msg, jobs);
+  const logBox = h("details", "sbt-log");
+  const logSummary = h("summary", "", "log");
+  const logPre = h("pre", "sbt-log-text");
+  logBox.append(logSummary, logPre);
+  root.append(head, info, list, detail, bar, msg, jobs, logBox);
 
   function nodesById() {
     const byId = new Map();
@@ -89,26 +101,77 @@ function render({ model, el }) {
     return byId;
   }
 
-  function act(action) {
-    const node = model.get("selected");
-    if (!node) return;
-    const id = `${Date.now().toString(36)}-${++view.seq}`;
-    const content = { type: "action", action, node, id };
-    if (action === "fork") content.n = parseInt(nInput.value, 10);
-    view.pending.set(id, `${action} ${node}`);
-    showMessage({ level: "info", text: `${action} ${node}: sent to the kernel…` });
-    model.send(content);
-    drawActions();
-  }
-
   function showMessage(m) {
     msg.className = `sbt-msg sbt-msg-${(m && m.level) || "info"}`;
     msg.textContent = (m && m.text) || "";
   }
 
+  function act(action) {
+    const node = model.get("selected");
+    if (!node) return;
+    if (action === "delete") {
+      if (!view.confirm || view.confirm.node !== node) {
+        clearTimeout(view.confirm && view.confirm.timer);
+        const below = (model.get("nodes") || []).filter((n) => n.alive && n.id.startsWith(`${node}.`)).length;
+        view.confirm = {
+          node,
+          timer: setTimeout(() => {
+            view.confirm = null;
+            showMessage({ level: "info", text: `delete ${node}: not confirmed, nothing deleted` });
+            drawActions();
+          }, CONFIRM_MS),
+        };
+        const extra = below ? ` and ${below} live machine${below === 1 ? "" : "s"} below it` : "";
+        showMessage({ level: "info", text: `delete ${node}${extra}? Click "Confirm delete" to go ahead.` });
+        drawActions();
+        return;
+      }
+      clearTimeout(view.confirm.timer);
+      view.confirm = null;
+    }
+    const id = `${Date.now().toString(36)}-${++view.seq}`;
+    const content = { type: "action", action, node, id };
+    const label = `${LABELS[action]} ${node}`;
+    if (action === "fork") {
+      content.n = parseInt(nInput.value, 10);
+      if (seedInput.value !== "") content.seed_base = parseInt(seedInput.value, 10);
+    }
+    const p = { label, acked: false, timers: [] };
+    view.pending.set(id, p);
+    showMessage({ level: "info", text: `${label}: sent to the kernel…` });
+    p.timers.push(
+      setTimeout(() => {
+        if (p.acked || !view.pending.has(id)) return;
+        if (model.get("busy")) {
+          showMessage({
+            level: "info",
+            text: `${label}: queued: the kernel is running a cell and will apply this click when it finishes`,
+          });
+        }
+      }, ACK_MS),
+      setTimeout(() => {
+        if (p.acked || !view.pending.has(id) || model.get("busy")) return;
+        showMessage({
+          level: "error",
+          text: `${label}: no answer from the kernel after ${LOST_MS / 1000} s: is it running? (Kernel menu: restart, then re-run the cells)`,
+        });
+      }, LOST_MS),
+    );
+    try {
+      model.send(content);
+    } catch (e) {
+      view.pending.delete(id);
+      showMessage({ level: "error", text: `${label}: can't reach the kernel (${e}): this is a saved copy; run the notebook` });
+    }
+    drawActions();
+  }
+
   function select(id) {
+    // Kept in this frontend only: each output has its own selection, and selecting never
+    // sends the kernel a message (which would flip its status while a cell runs).
     model.set("selected", id);
-    model.save_changes();
+    seedInput.value = "";
+    drawAll();
   }
 
   function drawRows() {
@@ -127,7 +190,6 @@ function render({ model, el }) {
     const active = model.get("active");
     const selected = model.get("selected");
 
-    // reward scale for the bars: over every rewarded node
     const rewards = nodes.map((n) => n.reward).filter((r) => typeof r === "number");
     const lo = Math.min(0, ...rewards);
     const hi = Math.max(...rewards, lo + 1e-12);
@@ -141,9 +203,14 @@ function render({ model, el }) {
     const activePath = new Set();
     for (let cur = byId.get(active); cur; cur = byId.get(cur.parent)) activePath.add(cur.id);
 
+    const running = (c) => c.status === "running" || c.status === "starting";
     const visibleKids = (n, children) => {
       if (children.length <= FAN || view.fanOpen.has(n.id)) return children;
-      const keep = new Set(children.filter((c) => best.has(c.id) || activePath.has(c.id) || c.id === selected).map((c) => c.id));
+      const keep = new Set(
+        children
+          .filter((c) => running(c) || best.has(c.id) || activePath.has(c.id) || c.id === selected)
+          .map((c) => c.id),
+      );
       const byReward = children.filter((c) => typeof c.reward === "number").sort((a, b) => b.reward - a.reward);
       for (const c of [...byReward, ...children]) {
         if (keep.size >= FAN_SHOW) break;
@@ -162,7 +229,6 @@ function render({ model, el }) {
       return more;
     };
 
-    // depth in the drawn tree (episode ids like ep1.0 are roots despite their dot)
     const walk = (n, depth) => {
       const children = order(kids.get(n.id) || []);
       const row = h("div", "sbt-row");
@@ -171,6 +237,7 @@ function render({ model, el }) {
       row.setAttribute("role", "treeitem");
       row.classList.add(`sbt-s-${n.status}`);
       if (!n.alive) row.classList.add("sbt-dead");
+      if (!n.mine && model.get("scope") === "fork") row.classList.add("sbt-context");
       if (best.has(n.id)) row.classList.add("sbt-best");
       if (n.id === bestId) row.classList.add("sbt-bestnode");
       if (n.id === active) row.classList.add("sbt-active");
@@ -207,7 +274,7 @@ function render({ model, el }) {
       if (n.id === bestId) badges.appendChild(h("span", "sbt-badge sbt-b-best", "★ best"));
       if (n.kept) badges.appendChild(h("span", "sbt-badge sbt-b-kept", "kept"));
       if (n.alive && !n.kept && n.parent) badges.appendChild(h("span", "sbt-badge sbt-b-alive", "alive"));
-      if (n.checkpoint) badges.appendChild(h("span", "sbt-badge sbt-b-ckpt", `⛁ ${n.checkpoint}`));
+      if (n.checkpoint) badges.appendChild(h("span", "sbt-badge sbt-b-ckpt", `ckpt ${n.checkpoint}`));
       if (children.length && view.collapsed.has(n.id))
         badges.appendChild(h("span", "sbt-badge sbt-b-more", `+${children.length}`));
       const lead = h("span", "sbt-lead");
@@ -233,14 +300,7 @@ function render({ model, el }) {
     for (const r of order(roots)) walk(r, 0);
     list.replaceChildren(frag);
     if (!nodes.length) list.appendChild(h("div", "sbt-empty", "no machines yet: `%smol up`"));
-    if (!view.scrolled && nodes.length) {
-      // first draw: bring the active node into view (inside the list, not the page)
-      view.scrolled = true;
-      const row = list.querySelector(".sbt-active");
-      if (row && row.offsetTop > list.clientHeight) list.scrollTop = row.offsetTop - list.clientHeight / 3;
-    }
 
-    // header summary
     const counts = {};
     for (const n of nodes) counts[n.status] = (counts[n.status] || 0) + 1;
     const bits = [`${nodes.length} node${nodes.length === 1 ? "" : "s"}`];
@@ -276,34 +336,28 @@ function render({ model, el }) {
     const byId = nodesById();
     const id = model.get("selected");
     const n = id ? byId.get(id) : null;
-    const waiting = [...view.pending.values()];
+    const waiting = [...view.pending.values()].map((p) => p.label);
     for (const [action] of ACTIONS) {
       const { button, wrap } = buttons[action];
       let why = "";
       if (!n) why = "click a node first";
       else if (n.blocked && n.blocked[action]) why = n.blocked[action];
-      else if (waiting.includes(`${action} ${id}`)) why = "waiting for the kernel";
+      else if (waiting.includes(`${LABELS[action]} ${id}`)) why = "waiting for the kernel";
       button.disabled = Boolean(why);
       const tip = why ? `${button.dataset.tip}: disabled because ${why}` : button.dataset.tip;
       button.title = tip;
       wrap.title = tip; // a disabled button shows no tooltip of its own in some browsers
-      if (action === "fork") nInput.disabled = Boolean(why);
+      if (action === "fork") {
+        nInput.disabled = Boolean(why);
+        seedInput.disabled = Boolean(why);
+        seedInput.placeholder = n && n.next_seed !== undefined ? `auto: ${n.next_seed}` : "auto";
+      }
+      if (action === "delete") {
+        const confirming = view.confirm && view.confirm.node === id;
+        button.textContent = confirming ? "Confirm delete" : "Delete";
+        button.classList.toggle("sbt-confirm", Boolean(confirming));
+      }
     }
-  }
-
-  function drawBusy() {
-    const text = model.get("busy");
-    clearTimeout(view.busyTimer);
-    if (!text) {
-      busy.textContent = "";
-      busy.classList.remove("sbt-on");
-      return;
-    }
-    // only for cells that take a while: no flicker on quick ones
-    view.busyTimer = setTimeout(() => {
-      busy.textContent = `⏳ ${text}`;
-      busy.classList.add("sbt-on");
-    }, 400);
   }
 
   function drawJobs() {
@@ -311,14 +365,45 @@ function render({ model, el }) {
     jobs.textContent = j.length ? `running: ${j.join(", ")}` : "";
   }
 
-  function drawAll() {
+  function drawLog() {
+    const text = model.get("log") || "";
+    logBox.style.display = text ? "" : "none";
+    const lines = text ? text.split("\n").length - 1 : 0;
+    logSummary.textContent = `log of forks started here (${lines} line${lines === 1 ? "" : "s"})`;
+    logPre.textContent = text;
+  }
+
+  function drawHead() {
+    title.textContent = model.get("title") || "fork tree";
+    const live = model.get("live");
+    liveBadge.textContent = live ? "live" : "final";
+    liveBadge.className = `sbt-live ${live ? "sbt-live-on" : "sbt-live-off"}`;
+    liveBadge.title = live
+      ? "updates as the machines change (also after this cell finished)"
+      : "the machines are gone (`%smol down`): this is the last state";
+    const scope = model.get("scope");
+    scopeBtn.style.display = model.get("title") === "fork tree" && scope === "session" ? "none" : "";
+    scopeBtn.textContent = scope === "fork" ? "show whole session" : "show this fork only";
+    scopeBtn.title = scope === "fork" ? "every node of this session" : "the path to this fork and its branches";
     info.textContent = model.get("info") || "";
+  }
+
+  function drawAll() {
+    drawHead();
     sortBtn.textContent = `sort: ${view.sortBy}`;
     drawRows();
     drawDetail();
     drawActions();
   }
 
+  scopeBtn.addEventListener("click", () => {
+    const next = model.get("scope") === "fork" ? "session" : "fork";
+    try {
+      model.send({ type: "scope", scope: next });
+    } catch (e) {
+      showMessage({ level: "error", text: `can't reach the kernel (${e})` });
+    }
+  });
   sortBtn.addEventListener("click", () => {
     view.sortBy = view.sortBy === "id" ? "reward" : "id";
     drawAll();
@@ -337,7 +422,18 @@ function render({ model, el }) {
   });
 
   const onCustom = (content) => {
-    if (!content || content.type !== "reply") return;
+    if (!content) return;
+    const p = view.pending.get(content.id);
+    if (content.type === "ack") {
+      if (p) {
+        p.acked = true;
+        if (msg.textContent.includes("queued") || msg.textContent.includes("sent to the kernel"))
+          showMessage({ level: "info", text: `${p.label}: working…` });
+      }
+      return;
+    }
+    if (content.type !== "reply") return;
+    if (p) for (const t of p.timers) clearTimeout(t);
     view.pending.delete(content.id);
     drawActions();
   };
@@ -347,25 +443,24 @@ function render({ model, el }) {
     ["change:active", drawAll],
     ["change:best_path", drawRows],
     ["change:selected", drawAll],
-    ["change:info", drawAll],
+    ["change:info", drawHead],
+    ["change:title", drawHead],
+    ["change:live", drawHead],
+    ["change:scope", drawAll],
     ["change:can_fork", drawActions],
-    ["change:busy", drawBusy],
     ["change:jobs", drawJobs],
+    ["change:log", drawLog],
     ["change:message", onMessage],
     ["msg:custom", onCustom],
   ];
   for (const [ev, fn] of handlers) model.on(ev, fn);
-  try {
-    model.send({ type: "hello" }); // tells the kernel whether clicks arrive over a subshell
-  } catch (e) {
-    // no kernel (a saved notebook): the view still shows the saved state
-  }
   drawAll();
-  drawBusy();
   drawJobs();
+  drawLog();
   onMessage();
   return () => {
-    clearTimeout(view.busyTimer);
+    clearTimeout(view.confirm && view.confirm.timer);
+    for (const p of view.pending.values()) for (const t of p.timers) clearTimeout(t);
     for (const [ev, fn] of handlers) model.off(ev, fn);
   };
 }

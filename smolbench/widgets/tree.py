@@ -1,8 +1,10 @@
-"""The live fork-tree widget: one anywidget model per Workbench, its ESM shipped beside it.
+"""The fork-tree widget: one anywidget model per display, its ESM shipped beside it.
 
-One synced list holds every node (not one widget per node). Clicks select a node; the
-Use / Fork ×N / Checkpoint / Delete buttons send a custom message that is handled here
-by calling the Workbench on smolbench's loop, and answered with a one-line reply.
+A fork cell's view shows that fork: the path from the root to its parent, its branches and
+whatever was forked from them with this view's Fork ×N button, with the best of *this* fork
+starred. A toggle asks for the whole session (``%smol tree`` starts there). Clicks select a
+node (in the frontend only); the Use / Fork ×N / Checkpoint / Delete buttons send a custom
+message that is handled here by calling the Workbench on smolbench's loop.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from typing import Any
 
 import traitlets as t
 
-from ._base import WorkbenchView, clean, close_view, view_for
+from ..tree import Node
+from ._base import WorkbenchView, clean
 from .checkpoints import _saved_text
+from .static import tree_html
 
 HERE = Path(__file__).parent
 ACTIONS = ("use", "fork", "checkpoint", "delete")
 MAX_FORK = 256  # branches one click may ask for
 ERROR_CHARS = 300
+LOG_CHARS = 32 * 1024  # the Fork ×N log keeps its last 32 kB
 
 
 def node_record(node: Any) -> dict[str, Any]:
@@ -62,8 +67,48 @@ def blocked_actions(node: dict[str, Any], active: str | None, can_fork: bool) ->
     return out
 
 
+def fork_scope(nodes: dict[str, Node], runs: set[str], parent: str | None) -> list[str]:
+    """Ids a fork's view shows: the path from the root to ``parent``, then every node made by
+    one of ``runs`` (the fork and those started from its view), parents before children."""
+    path: list[str] = []
+    cur = parent
+    while cur is not None and cur in nodes:
+        path.append(cur)
+        cur = nodes[cur].parent
+    mine = [n.id for n in nodes.values() if n.run_id in runs]
+    return path[::-1] + [i for i in mine if i not in path]
+
+
+def best_in(nodes: dict[str, Node], ids: list[str]) -> list[str]:
+    """The path from the root to the best-rewarded ok node among ``ids`` ([] if none)."""
+    scored = [nodes[i] for i in ids if nodes[i].status == "ok" and nodes[i].reward is not None]
+    if not scored:
+        return []
+    best = max(scored, key=lambda n: float(n.reward if n.reward is not None else "-inf"))
+    path = []
+    cur: str | None = best.id
+    while cur is not None and cur in nodes:
+        path.append(cur)
+        cur = nodes[cur].parent
+    return path[::-1]
+
+
+def next_seeds(nodes: dict[str, Node]) -> dict[str, int]:
+    """For each node with seeded descendants: one past the highest seed used below it."""
+    out: dict[str, int] = {}
+    for n in nodes.values():
+        if n.seed is None:
+            continue
+        cur = n.parent
+        while cur is not None and cur in nodes:
+            out[cur] = max(out.get(cur, n.seed + 1), n.seed + 1)
+            cur = nodes[cur].parent
+    return out
+
+
 class TreeWidget(WorkbenchView):
-    """The fork tree of a Workbench, live: status colours, rewards, the best path, actions."""
+    """A fork tree of a Workbench, live: one fork (or the whole session), status colours,
+    rewards, the best path, actions."""
 
     _esm = HERE / "tree.js"
     _css = HERE / "tree.css"
@@ -72,37 +117,100 @@ class TreeWidget(WorkbenchView):
 
     nodes = t.List(
         t.Dict(),
-        help="every node: id, parent, seed, status, reward, wall, alive, kept, "
-        "checkpoint, depth, metrics, error, blocked",
+        help="the nodes in scope: id, parent, seed, status, reward, wall, alive, kept, "
+        "checkpoint, depth, metrics, error, blocked, mine, next_seed",
     ).tag(sync=True)
     active = t.Unicode(None, allow_none=True, help="the active node").tag(sync=True)
-    best_path = t.List(t.Unicode(), help="ids from a root to the best-rewarded node").tag(sync=True)
-    selected = t.Unicode("", help="the node the buttons act on (set by clicks)").tag(sync=True)
+    best_path = t.List(t.Unicode(), help="ids from a root to the best node in scope").tag(sync=True)
+    selected = t.Unicode("", help="the selected node (kept in the frontend)").tag(sync=True)
     can_fork = t.Bool(False, help="a fork ran in this session, so Fork ×N has code to run").tag(
         sync=True
     )
     info = t.Unicode("", help="backend and session, shown in the header").tag(sync=True)
+    scope = t.Unicode("session", help="'fork' (this fork) or 'session' (every node)").tag(sync=True)
+    title = t.Unicode("fork tree", help="what the header calls this view").tag(sync=True)
+    log = t.Unicode("", help="output of forks started from this view (last 32 kB)").tag(sync=True)
+
+    def __init__(self, workbench: Any, *, result: Any = None, shell: Any = None) -> None:
+        self.runs: set[str] = set()
+        self.fork_parent: str | None = None
+        self.fork_code: str | None = None
+        if result is not None:
+            self.runs.add(result.run_id)
+            self.fork_parent = result.parent
+        self._scope = "fork" if result is not None else "session"
+        self._scope_ids: set[str] = set()
+        self._log: list[str] = []
+        title = "fork tree"
+        if result is not None:
+            where = f" from {result.parent}" if result.parent else ""
+            title = f"{result.kind} of {len(result)}{where}"
+        super().__init__(workbench, shell=shell, scope=self._scope, title=title)
+
+    # -- what this view shows --------------------------------------------------------------
+
+    def _ids(self) -> list[str]:
+        nodes = self.workbench.tree.nodes
+        if self._scope == "session" or not self.runs:
+            return list(nodes)
+        return fork_scope(nodes, self.runs, self.fork_parent)
 
     def snapshot(self) -> dict[str, Any]:
         wb = self.workbench
-        nodes = [node_record(n) for n in list(wb.tree.nodes.values())]
+        all_nodes = dict(wb.tree.nodes)
+        ids = self._ids()
+        self._scope_ids = set(ids)
         can_fork = self.last_fork() is not None
         busy = set(getattr(wb, "_busy", ()))  # nodes running a cell or being forked right now
-        for rec in nodes:
-            rec["busy"] = rec["id"] in busy
+        seeds = next_seeds(all_nodes)
+        base = self._default_base()
+        records = []
+        for i in ids:
+            rec = node_record(all_nodes[i])
+            rec["busy"] = i in busy
             rec["blocked"] = blocked_actions(rec, wb.active, can_fork)
-        live = sum(1 for n in nodes if n["alive"])
+            rec["mine"] = all_nodes[i].run_id in self.runs
+            rec["next_seed"] = seeds.get(i, base)
+            records.append(rec)
+        if self.runs and self._scope == "fork":
+            best = best_in(all_nodes, [i for i in ids if all_nodes[i].run_id in self.runs])
+        else:
+            best = wb.tree.best_path()
+        live = sum(1 for n in all_nodes.values() if n.alive)
         plural = "s" if live != 1 else ""
         info = f"{wb.backend.name} · session {wb.session} · {live} live machine{plural}"
         if not wb.machines:
             info += " · down: `%smol up` starts a new tree"
         return {
-            "nodes": nodes,
+            "nodes": records,
             "active": wb.active,
-            "best_path": wb.tree.best_path(),
+            "best_path": best,
             "can_fork": can_fork,
             "info": info,
         }
+
+    def concerns(self, nodes: list[Any]) -> bool:
+        if self._scope == "session" or not nodes:
+            return True
+        return any(n.id in self._scope_ids or n.run_id in self.runs for n in nodes)
+
+    def on_scope(self, content: dict[str, Any]) -> None:
+        scope = content.get("scope")
+        if scope in ("fork", "session") and (scope == "session" or self.runs):
+            with self._lock:
+                self._scope = str(scope)
+                self.scope = self._scope
+            self.flush()
+
+    def static_html(self) -> str:
+        return tree_html(
+            list(self.nodes),
+            active=self.active,
+            best_path=list(self.best_path),
+            title=f"smolbench {self.title}",
+            info=self.info,
+            log=self.log,
+        )
 
     def __repr__(self) -> str:
         """What a viewer without widget support shows (also the saved notebook's text)."""
@@ -115,19 +223,24 @@ class TreeWidget(WorkbenchView):
             if rec is not None and rec["reward"] is not None
             else ""
         )
-        return f"smolbench fork tree: {len(nodes)} nodes · {live} live · active {self.active}{tail}"
+        return (
+            f"smolbench {self.title}: {len(nodes)} nodes · {live} live · active {self.active}{tail}"
+        )
 
     def last_fork(self) -> dict[str, Any] | None:
-        """The ledger's record of this session's most recent fork (its code and options)."""
+        """The ledger's record of the fork Fork ×N re-runs: this view's own fork, or else the
+        session's most recent one (its code and options)."""
         wb = self.workbench
-        run_id = next(
-            (
-                n.run_id
-                for n in reversed(list(wb.tree.nodes.values()))
-                if n.parent is not None and n.run_id
-            ),
-            None,
-        )  # fork branches have a parent
+        run_id = next(iter(sorted(self.runs)), None) if self.runs else None
+        if run_id is None:
+            run_id = next(
+                (
+                    n.run_id
+                    for n in reversed(list(wb.tree.nodes.values()))
+                    if n.parent is not None and n.run_id
+                ),
+                None,
+            )  # fork branches have a parent
         if run_id is None:
             return None
         cached: dict[str, Any] | None = getattr(self, "_fork_run", None)
@@ -138,11 +251,18 @@ class TreeWidget(WorkbenchView):
             self._fork_run = cached
         return cached
 
+    def _default_base(self) -> int:
+        """Where a Fork ×N of a node without seeded children starts: the fork's own base."""
+        run = self.last_fork()
+        raw = (run or {}).get("options")
+        seeds = [s for s in (raw.get("seeds") or [] if isinstance(raw, dict) else []) if s is not None]
+        return min(int(s) for s in seeds) if seeds else 0
+
     # -- clicks ------------------------------------------------------------------------------
 
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         wb = self.workbench
-        node_id = str(content.get("node") or self.selected or "")
+        node_id = str(content.get("node") or "")
         if node_id not in wb.tree:
             self.reply(
                 request, "error", f"unknown node {node_id!r}: click a node in the tree first"
@@ -169,9 +289,9 @@ class TreeWidget(WorkbenchView):
         elif action == "checkpoint":
             self.run_async(request, wb.checkpoint_save(None, node_id), _saved_text)
         else:
-            self._fork(node_id, content.get("n"), request)
+            self._fork(node_id, content.get("n"), content.get("seed_base"), request)
 
-    def _fork(self, node_id: str, n_raw: Any, request: str) -> None:
+    def _fork(self, node_id: str, n_raw: Any, base_raw: Any, request: str) -> None:
         wb = self.workbench
         try:
             n = int(n_raw)
@@ -181,6 +301,14 @@ class TreeWidget(WorkbenchView):
         if not 1 <= n <= MAX_FORK:
             self.reply(request, "error", f"Fork ×N takes 1 to {MAX_FORK} branches, got {n}")
             return
+        if base_raw in (None, ""):
+            base = next_seeds(dict(wb.tree.nodes)).get(node_id, self._default_base())
+        else:
+            try:
+                base = int(base_raw)
+            except (TypeError, ValueError):
+                self.reply(request, "error", f"the seed base must be a whole number, got {base_raw!r}")
+                return
         run = self.last_fork()
         if run is None:
             self.reply(
@@ -191,32 +319,40 @@ class TreeWidget(WorkbenchView):
             return
         raw = run.get("options")
         opts: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        seeds = opts.get("seeds") or [0]
-        base = (
-            min(int(s) for s in seeds if s is not None) if any(s is not None for s in seeds) else 0
-        )
         timeout = opts.get("timeout")
         keep = opts.get("keep") or "best"
         code = str(run["code"])
-        label = f"fork {node_id} ×{n}"
+        label = f"fork {node_id} ×{n} (seeds {base}..{base + n - 1})"
+
+        def on_event(branch: str, ev: Any) -> None:
+            if getattr(ev, "kind", "") == "stream" and ev.text:
+                self._append_log("".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True)))
 
         async def fork() -> Any:
             # Laid out and run on the loop, like every Workbench change a click makes (never
             # block on the loop here: the frontend's message handler holds the view's lock).
             result = wb.new_fork(n, None, base, timeout=timeout, keep=keep, parent=node_id)
-            self.reply(
-                request, "info", f"{label}: running the last fork's cell in {len(result)} branches…"
-            )
-            await wb.fork(result, code, lambda branch, ev: None, timeout=timeout, keep=keep)
+            self.runs.add(result.run_id)
+            self._append_log(f"--- {label}\n")
+            self.reply(request, "info", f"{label}: running the fork's cell in {len(result)} branches…")
+            await wb.fork(result, code, on_event, timeout=timeout, keep=keep)
+            self._append_log(f"--- {result.summary()}\n")
             return result
 
         def done(result: Any) -> str:
-            return result.summary()
+            return str(result.summary())
 
         fut = self.run_async(
             request, fork(), done, level=lambda result: "error" if result.failed else "ok"
         )
         self.track(fut, label)
+
+    def _append_log(self, text: str) -> None:
+        with self._lock:
+            self._log.append(text if text.endswith("\n") else text + "\n")
+            joined = "".join(self._log)[-LOG_CHARS:]
+            self._log = [joined]
+            self.log = joined
 
 
 async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -224,16 +360,26 @@ async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-# -- one view model per Workbench ------------------------------------------------------------
+# -- the views of each Workbench (detached together by `%smol down`) -----------------------
 
-_TREES: dict[int, TreeWidget] = {}
+_TREES: dict[int, list[TreeWidget]] = {}
 
 
-def tree_widget(workbench: Any, shell: Any = None) -> TreeWidget:
-    """The Workbench's tree widget (made on first use; display it as often as you like)."""
-    return view_for(_TREES, TreeWidget, workbench, shell)[0]
+def tree_widget(workbench: Any, shell: Any = None, result: Any = None) -> TreeWidget:
+    """A new view of the Workbench's tree: of one fork (``result``) or the whole session."""
+    if shell is None:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except Exception:
+            shell = None
+    w = TreeWidget(workbench, result=result, shell=shell)
+    _TREES.setdefault(id(workbench), []).append(w)
+    return w
 
 
 def close_tree(workbench: Any) -> None:
-    """Detach the Workbench's tree widget (after ``%smol down``); it keeps its last state."""
-    close_view(_TREES, workbench)
+    """Detach the Workbench's tree views (after ``%smol down``); they keep their last state."""
+    for w in _TREES.pop(id(workbench), []):
+        w.detach()

@@ -1,0 +1,227 @@
+"""A real Jupyter server (JupyterLab or Notebook 7) and headless Debian Chromium for the
+browser tests. Everything lives in the test's tmp_path; the server and every process it
+started (kernels, machines) are gone when ``jupyter_server`` exits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+TAG_VAR = "SMOLBENCH_BROWSER_TAG"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tagged(tag: str) -> list[str]:
+    """Every live process (server, kernels, machines) whose environment carries ``tag``."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in env and stat[stat.rfind(b")") + 2 :][:1] != b"Z":
+            found.append(f"{entry} {cmd[:120]}")
+    return found
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
+    nbformat.write(nb, path)
+
+
+def _settings(config: Path, plugin: str, values: dict[str, Any]) -> None:
+    pkg, name = plugin.split(":")
+    d = config / "lab" / "user-settings" / pkg
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
+
+
+@contextlib.contextmanager
+def jupyter_server(
+    root: Path, app: str = "lab", *, dark: bool = False, subshells: bool = True
+) -> Iterator[tuple[str, str]]:
+    """JupyterLab (``app="lab"``) or Notebook 7 (``"notebook"``) serving ``root`` on a free
+    loopback port; yields (base URL, token). Its own config and data dirs: a fresh server
+    that trusts no notebook and remembers nothing."""
+    config = root / ".jupyter"
+    _settings(config, "@jupyterlab/apputils-extension:notification",
+              {"fetchNews": "false", "checkForUpdates": False})
+    _settings(config, "@jupyterlab/notebook-extension:tracker", {"autoStartDefaultKernel": True})
+    _settings(config, "@jupyterlab/apputils-extension:themes",
+              {"theme": "JupyterLab Dark" if dark else "JupyterLab Light"})
+    if not subshells:  # a frontend that sends widget messages on the main shell only
+        _settings(config, "@jupyterlab/apputils-extension:kernels-settings",
+                  {"commsOverSubshells": "disabled"})
+    port, token, tag = free_port(), secrets.token_hex(16), uuid.uuid4().hex
+    env = {
+        **os.environ,
+        TAG_VAR: tag,
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_DATA_DIR": str(root / ".jupyter-data"),
+        "JUPYTER_RUNTIME_DIR": str(root / ".runtime"),
+    }
+    # `python -m jupyter lab` would exec whichever `jupyter-lab` script is first on PATH (and
+    # its kernels that script's python): run the app's module with this interpreter instead
+    module = "jupyterlab" if app == "lab" else "notebook"
+    argv = [
+        sys.executable, "-m", module, "--no-browser", f"--port={port}",
+        f"--ServerApp.token={token}", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={root}",
+        "--ServerApp.open_browser=False", "--expose-app-in-browser",
+    ]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    log_path = root / f"{app}.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{app} did not start"
+                time.sleep(0.1)
+        yield base, token
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down (and their machines)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+        deadline = time.monotonic() + 20
+        while tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = tagged(tag)
+        for line in left:
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        assert not left, f"processes left behind: {left}"
+
+
+def notebook_url(base: str, token: str, app: str, name: str) -> str:
+    path = f"notebooks/{name}" if app == "notebook" else f"lab/tree/{name}"
+    return f"{base}/{path}?token={token}"
+
+
+@contextlib.contextmanager
+def browser_page(width: int = 1400, height: int = 1100) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(30_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def wait_for_kernel(page: Any) -> None:
+    """Until the notebook's kernel is idle, accepting a "Select Kernel" dialog if one asks."""
+    deadline = time.monotonic() + 90
+    idle = ".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-NotebookKernelStatus-idle"
+    while not _kernel_idle(page, idle):
+        assert time.monotonic() < deadline, "the notebook's kernel did not start"
+        accept = page.locator(".jp-Dialog button.jp-mod-accept")
+        if accept.count():
+            with contextlib.suppress(Exception):
+                accept.first.click(timeout=2_000)
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(300)
+    if page.locator(".jp-Dialog button.jp-mod-accept").count():
+        page.locator(".jp-Dialog button.jp-mod-accept").first.click()
+
+
+def _kernel_idle(page: Any, selector: str) -> bool:
+    if page.locator(selector).count():
+        return True
+    status = page.evaluate(
+        "() => { const a = window.jupyterapp; const w = a && a.shell.currentWidget;"
+        " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+        " return k ? k.status : null; }"
+    )
+    return bool(status == "idle")
+
+
+def kernel_status(page: Any) -> str | None:
+    """The kernel status the frontend shows (what its status bar / indicator says)."""
+    return page.evaluate(  # type: ignore[no-any-return]
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " return w && w.sessionContext ? w.sessionContext.kernelDisplayStatus : null; }"
+    )
+
+
+def run_all(page: Any) -> None:
+    """Run → Run All Cells, once the kernel is ready (again if a click landed too early)."""
+    from playwright.sync_api import expect
+
+    first = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
+    for _ in range(3):
+        wait_for_kernel(page)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        try:
+            expect(first).not_to_have_text(re.compile(r"\[ \]"), timeout=15_000)
+            return
+        except AssertionError:
+            continue  # nothing ran (the session was still settling): nothing runs twice
+    raise AssertionError("Run All Cells did not start the notebook")
+
+
+def dump_failure(page: Any, name: str) -> None:
+    """A screenshot and the notebook's stderr outputs, for a failing browser test."""
+    with contextlib.suppress(Exception):
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"failure-{name}.png"))
+        errors = page.locator(".jp-OutputArea-output[data-mime-type*='stderr']").all_inner_texts()
+        print("stderr outputs in the notebook:", *errors, sep="\n")

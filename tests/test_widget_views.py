@@ -1,0 +1,235 @@
+"""What each widget view shows: per-fork scope, the best per fork, seed continuation for
+Fork ×N, static copies for saved notebooks, the checkpoint panel across down / up, ledger
+formatting, colour contrast and glyphs. Real sandbox machines; nothing of ours is mocked."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_widgets import FORK_CODE, by_id, click, until
+
+from smolbench import _loop
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.ledger import Ledger
+from smolbench.magics import ledger_table
+from smolbench.spec import MachineSpec
+from smolbench.tree import Node
+from smolbench.widgets import checkpoint_panel, close_views, follow_views, tree_widget
+from smolbench.widgets.static import STATUS_TEXT
+from smolbench.widgets.tree import best_in, fork_scope, next_seeds
+from smolbench.workbench import Workbench
+
+WIDGETS = Path(__file__).parent.parent / "smolbench" / "widgets"
+
+
+@pytest.fixture
+def wb(tmp_path: Path) -> Iterator[Workbench]:
+    bench = Workbench(SandboxBackend(), MachineSpec(), Ledger(tmp_path / "ledger.db"))
+    _loop.run(bench.up())
+    try:
+        yield bench
+    finally:
+        close_views(bench)
+        _loop.run(bench.down(), timeout=60)
+        bench.ledger.close()
+
+
+def nodes_of(*specs: tuple[str, str | None, int | None, str | None]) -> dict[str, Node]:
+    out = {}
+    for nid, parent, seed, run in specs:
+        out[nid] = Node(nid, parent, seed, status="ok", run_id=run)
+    return out
+
+
+def test_fork_scope_best_and_seed_continuation_as_pure_functions() -> None:
+    nodes = nodes_of(
+        ("root", None, None, None),
+        *((f"root.{i}", "root", 100 + i, "r1") for i in range(4)),
+        *((f"root.2.{i}", "root.2", 7 + i, "r2") for i in range(3)),
+    )
+    for i, n in enumerate(nodes.values()):
+        n.reward = float(i)
+    # the first fork's view: root and its own branches, not the nested fork under root.2
+    assert fork_scope(nodes, {"r1"}, "root") == ["root"] + [f"root.{i}" for i in range(4)]
+    # the nested fork's view: the path to its parent, then its branches
+    assert fork_scope(nodes, {"r2"}, "root.2") == ["root", "root.2"] + [f"root.2.{i}" for i in range(3)]
+    # the best of each fork, not of the session
+    assert best_in(nodes, [f"root.{i}" for i in range(4)]) == ["root", "root.3"]
+    assert best_in(nodes, [f"root.2.{i}" for i in range(3)]) == ["root", "root.2", "root.2.2"]
+    # Fork ×N continues after the highest seed used anywhere below a node
+    seeds = next_seeds(nodes)
+    assert seeds["root"] == 104 and seeds["root.2"] == 10
+    assert "root.3" not in seeds  # nothing below it yet: the view falls back to its fork's base
+
+
+def test_each_fork_view_shows_its_own_fork_and_its_own_best(wb: Workbench) -> None:
+    first = wb.new_fork(8, None, 100)
+    view_a = tree_widget(wb, result=first)
+    _loop.run(wb.fork(first, FORK_CODE, lambda b, ev: None), timeout=120)
+    wb.use("root.7")
+    second = wb.new_fork(3, None, 0)
+    view_b = tree_widget(wb, result=second)
+    _loop.run(wb.fork(second, "reward = 1000 - SEED", lambda b, ev: None), timeout=120)
+    session = tree_widget(wb)
+    until(lambda: len(view_b.nodes) == 5 and by_id(view_b)["root.7.2"]["status"] == "ok", "fork B")
+    until(lambda: by_id(view_a)["root.7"]["kept"], "fork A")
+
+    assert [n["id"] for n in view_a.nodes] == ["root"] + [f"root.{i}" for i in range(8)]
+    assert view_a.best_path == ["root", "root.7"] and view_a.scope == "fork"
+    assert view_a.title == "fork of 8 from root"
+    assert [n["id"] for n in view_b.nodes] == ["root", "root.7", "root.7.0", "root.7.1", "root.7.2"]
+    assert [n["mine"] for n in view_b.nodes] == [False, False, True, True, True]
+    assert view_b.best_path == ["root", "root.7", "root.7.0"]  # B's best (1000), not A's
+    assert len(session.nodes) == 12 and session.best_path == ["root", "root.7", "root.7.0"]
+
+    # the toggle shows the whole session in that view only
+    view_a.on_scope({"scope": "session"})
+    assert len(view_a.nodes) == 12 and len(view_b.nodes) == 5
+    view_a.on_scope({"scope": "fork"})
+    assert len(view_a.nodes) == 9
+
+    # every view has its own messages (a new view does not inherit the last reply)
+    click(view_a, "checkpoint", node="root.7.0")
+    assert view_a.message["text"].startswith("saved checkpoint root.7.0-") and view_b.message == {}
+
+    # the static copy (saved notebooks) shows the same rows, escaped
+    html = view_b.static_html()
+    assert html.count("<tr") == 1 + 5 and 'data-id="root.7.0"' in html and "&#9733; best" in html
+    data, _ = view_b._repr_mimebundle_()
+    assert data["text/html"] == html and "application/vnd.jupyter.widget-view+json" in data
+
+
+def test_fork_button_continues_seeds_takes_a_seed_base_and_logs_its_output(wb: Workbench) -> None:
+    first = wb.new_fork(4, None, 100)
+    view = tree_widget(wb, result=first)
+    _loop.run(wb.fork(first, "reward = SEED\nprint('seed', SEED)", lambda b, ev: None, keep="all"))
+    until(lambda: len(view.nodes) == 5, "the fork")
+    # root.2 has no children yet: the fork's own seed base; then after the highest one used
+    assert by_id(view)["root.2"]["next_seed"] == 100 and by_id(view)["root"]["next_seed"] == 104
+    reply = click(view, "fork", node="root.2", n=2)
+    assert reply["level"] == "ok", reply
+    reply = click(view, "fork", node="root.2", n=2)
+    assert reply["level"] == "ok", reply
+    kids = sorted((n.id, n.seed) for n in wb.tree if n.parent == "root.2")
+    assert kids == [("root.2.0", 100), ("root.2.1", 101), ("root.2.2", 102), ("root.2.3", 103)]
+    reply = click(view, "fork", node="root.2", n=1, seed_base=500)
+    assert reply["level"] == "ok" and wb.tree["root.2.4"].seed == 500
+    reply = click(view, "fork", node="root.2", n=1, seed_base="x")
+    assert reply["level"] == "error" and "whole number" in reply["text"]
+    # the view's own fork and the branches forked from it; their output is in the log
+    until(lambda: "root.2.4" in by_id(view), "the forked branches in the view")
+    assert "[root.2.1] seed 101" in view.log and "[root.2.4] seed 500" in view.log
+    assert "fork root.2 ×2 (seeds 102..103)" in view.log
+
+
+def test_checkpoint_panel_stays_live_across_down_and_up(wb: Workbench, tmp_path: Path) -> None:
+    panel = checkpoint_panel(wb)
+    for name in ("a", "b"):
+        assert click(panel, "save", name=name, node="root")["level"] == "ok"
+    [row_b, row_a] = panel.checkpoints
+    assert re.fullmatch(r"\d+(\.\d)? (B|kB|MB|GB)", row_a["size_text"]), row_a  # one convention
+    _loop.run(wb.down())
+    close_views(wb)
+    assert panel.backend == "" and panel.live_nodes == []
+    assert panel.checkpoints[0]["blocked"]["restore"].startswith("no machine is up")
+    # deleting works without a machine: the file and the ledger entry go
+    path_a = Path(wb.ledger.checkpoint("a")["path"])  # type: ignore[index]
+    assert click(panel, "delete", name="a")["text"] == "deleted checkpoint a"
+    assert not path_a.exists() and [c["name"] for c in panel.checkpoints] == ["b"]
+    assert "no machine is up" in click(panel, "restore", name="b")["text"]
+
+    again = Workbench(SandboxBackend(), MachineSpec(), wb.ledger)
+    _loop.run(again.up())
+    try:
+        follow_views(again)
+        assert panel.backend == "sandbox" and panel.live_nodes == ["root"]
+        reply = click(panel, "restore", name="b")
+        assert reply["text"] == "restored b as r1-b (now active)" and again.active == "r1-b"
+        # a later `up` is a new ledger session: both roots keep their own rows
+        sessions = wb.ledger.sessions()
+        assert list(sessions.id) == [wb.session, again.session]
+        roots = wb.ledger.nodes()
+        assert len(roots[roots.id == "root"]) == 2
+    finally:
+        close_views(again)
+        _loop.run(again.down(), timeout=60)
+
+
+def test_ledger_table_shows_local_times_whole_seeds_and_yes_no() -> None:
+    df = pd.DataFrame(
+        {"id": ["root", "root.0"], "seed": [None, 300.0], "started": [1796049000.5, 1796049001.0],
+         "ended": [None, 1796049002.0], "alive": [1, 0]}
+    )
+    out = ledger_table(df)
+    assert str(out.seed.dtype) == "Int64" and out.seed.isna().tolist() == [True, False]
+    assert "300.0" not in out.to_string() and " 300 " in out.to_string() + " "
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", out.started[0])
+    assert out.ended[0] == "" and list(out.alive) == ["yes", "no"]
+
+
+# -- colours and glyphs ------------------------------------------------------------------------
+
+# JupyterLab 4's backgrounds behind the widgets (--jp-layout-color0 / -color1)
+BACKGROUNDS = {"light": ("#ffffff", "#ffffff"), "dark": ("#111111", "#212121")}
+
+
+def _luminance(hex_colour: str) -> float:
+    h = hex_colour.lstrip("#")
+    rgb = [int(h[i : i + 2], 16) / 255 for i in (0, 2, 4)]
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast(a: str, b: str) -> float:
+    """The WCAG 2 contrast ratio of two colours."""
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _vars(css: str, selector_start: str, prefix: str) -> dict[str, str]:
+    block = css[css.index(selector_start) :]
+    block = block[: block.index("}")]
+    return dict(re.findall(rf"--{prefix}-([a-z]+):\s*(#[0-9a-fA-F]{{6}})", block))
+
+
+def test_status_colours_pass_wcag_aa_on_both_themes() -> None:
+    tree_css = (WIDGETS / "tree.css").read_text()
+    panel_css = (WIDGETS / "checkpoints.css").read_text()
+    themes = {
+        "light": {**_vars(tree_css, ".sbt {", "sbt"), **_vars(panel_css, ".sbc {", "sbc")},
+        "dark": {
+            **_vars(tree_css, 'body[data-jp-theme-light="false"] .sbt', "sbt"),
+            **_vars(panel_css, 'body[data-jp-theme-light="false"] .sbc', "sbc"),
+        },
+    }
+    statuses = {"ok", "error", "timeout", "cancelled", "running", "starting", "idle", "accent", "warn"}
+    for theme, colours in themes.items():
+        assert statuses <= set(colours), (theme, statuses - set(colours))
+        for name, colour in colours.items():
+            for bg in BACKGROUNDS[theme]:
+                ratio = contrast(colour, bg)
+                assert ratio >= 4.5, f"{theme} {name} {colour} on {bg}: {ratio:.2f} < 4.5"
+    for status, colour in STATUS_TEXT.items():  # the static copy, shown on light pages
+        assert contrast(colour, "#ffffff") >= 4.5, status
+
+
+ALLOWED = set("·…×▸▾★“”—")  # all in DejaVu Sans, which Debian installs with any desktop font set
+
+
+def test_widgets_use_no_glyph_that_needs_an_emoji_font() -> None:
+    used: set[str] = set()
+    for path in [*WIDGETS.glob("*.js"), *WIDGETS.glob("*.css"), WIDGETS / "static.py"]:
+        used |= {c for c in path.read_text() if ord(c) > 127}
+    assert used <= ALLOWED, sorted(used - ALLOWED)
+    if shutil.which("fc-list"):
+        for c in used:
+            fonts = subprocess.run(
+                ["fc-list", f":charset={ord(c):x}", "family"], capture_output=True, text=True
+            ).stdout
+            assert "DejaVu Sans" in fonts, f"{c!r} (U+{ord(c):04X}) is not in DejaVu Sans here"
