@@ -61,7 +61,6 @@ GUEST_RUN = "/run/smolbench"
 CLIENT = f"{GUEST_HOME}/client.py"
 READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
 CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
-STDIN_LIMIT = 256 * 1024  # bytes of request sent as exec stdin; bigger ones go as a file
 # Relays a request written to a file ($2): opened as stdin and removed before the
 # relay starts, so nothing is left behind even when the relay is killed.
 RELAY_FILE = 'exec 0<"$2" && rm -f "$2" && exec python3 "$0" "$1"'
@@ -533,13 +532,11 @@ class SmolBackend(Backend):
         """Send one request through client.py; yield the agent's reply lines as they arrive."""
         handle = self._handle(ref)
         where = f"machine {ref.name!r}"
-        line, sock = P.encode(msg), ref.info["socket"]
-        if len(line) <= STDIN_LIMIT:
-            argv, opts = ["python3", CLIENT, sock], ExecOptions(stdin=line)
-        else:  # a big push: too big to carry as exec stdin, so it goes as a file
-            request = f"{GUEST_RUN}/request-{secrets.token_hex(6)}.json"
-            await self._sdk(handle.write_file, request, line, 0o600)
-            argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, sock, request], ExecOptions()
+        # Always as a file: smol's local exec_stream drops ExecOptions.stdin (the relay
+        # would read EOF and wait forever), while write_file and exec deliver bytes.
+        request = f"{GUEST_RUN}/request-{secrets.token_hex(6)}.json"
+        await self._sdk(handle.write_file, request, P.encode(msg), 0o600)
+        argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, ref.info["socket"], request], ExecOptions()
         stream = await self._sdk(handle.exec_stream, argv, opts)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
