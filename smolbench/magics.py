@@ -361,7 +361,7 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
+        name = f"<In [{cell_number(self.shell)}]>"
         res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
         if res.status != "ok":
             err = res.error or {}
@@ -489,6 +489,14 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return str(self.data.get("text/plain", ""))
+
+
+def cell_number(shell: Any) -> Any:
+    """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
+    the running cell's own result first."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if count is not None else getattr(shell, "execution_count", "?")
 
 
 def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
