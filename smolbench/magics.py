@@ -87,6 +87,7 @@ def parse_seeds(text: str) -> list[int]:
 @argument("--net", action="store_true", help="give the machine network access")
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
 @argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
+@argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -112,6 +113,7 @@ def _cell_args(line: str) -> None:
 @argument("--push", default=None, help="notebook variables to send to every branch")
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
 @argument("--quiet", action="store_true", help="no per-branch output, just the summary")
+@argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
 
@@ -214,7 +216,7 @@ class SmolMagics(Magics):
         backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
-        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH))
+        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
         wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
         t0 = time.perf_counter()
         job = _loop.Job(wb.up())
@@ -228,8 +230,10 @@ class SmolMagics(Magics):
         job.result()
         self.workbench = wb
         st = wb.status()
+        tries = wb.machines["root"].info.get("attempts", 1)
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
-              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
+              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
+              + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
             if spec.allow_hosts or spec.allow_cidrs:
@@ -375,7 +379,7 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
+        name = f"<In [{cell_number(self.shell)}]>"
         res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
         if res.status != "ok":
             err = res.error or {}
@@ -407,8 +411,10 @@ class SmolMagics(Magics):
 
         def coro_for(on_event: Callable[[str, Event], None]) -> Any:
             if kind == "fork":
-                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep, push=push)
-            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push)
+                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep,
+                               push=push, retries=args.retries)
+            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push,
+                               retries=args.retries)
 
         self._show_views(result)
         if args.bg:
@@ -503,6 +509,14 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return str(self.data.get("text/plain", ""))
+
+
+def cell_number(shell: Any) -> Any:
+    """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
+    the running cell's own result first."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if count is not None else getattr(shell, "execution_count", "?")
 
 
 def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:

@@ -43,7 +43,7 @@ from smol import (
     SmolError,
 )
 
-from ..errors import BackendUnavailable, SmolbenchError
+from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
@@ -391,7 +391,7 @@ class SmolBackend(Backend):
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
             if loop.time() > deadline:
-                raise SmolbenchError(
+                raise InfraError(
                     f"the agent in machine {ref.name!r} did not start within {READY_TIMEOUT:.0f} s "
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
@@ -486,21 +486,32 @@ class SmolBackend(Backend):
                 elif event_kind == "exit":
                     exit_code = item.get("exit_code")
                 elif event_kind == "error":
-                    raise SmolbenchError(
+                    raise await self._lost(
+                        handle,
                         f"{where}: running the agent relay failed ({detail(str(item.get('message', '')))}): "
-                        "`%smol status`, or `%smol down` and `%smol up`"
+                        "`%smol status`, or `%smol down` and `%smol up`",
                     )
             rest = lines.rest()
             if rest.strip():
                 yield rest
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = "".join(stderr).strip().splitlines()
-                raise SmolbenchError(
+                raise await self._lost(
+                    handle,
                     f"{where}: the agent relay exited with code {exit_code}"
-                    f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`"
+                    f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`",
                 )
         finally:
             stream.kill()
+
+    async def _lost(self, handle: Machine, message: str) -> SmolbenchError:
+        """The error for a relay that ended without an answer: InfraError (retryable) when the
+        VM itself is gone, a plain error when it still runs (the cell took its agent down)."""
+        try:
+            res = await asyncio.to_thread(handle.exec, ["true"], ExecOptions(timeout=CONTROL_TIMEOUT))
+        except SmolError:
+            return InfraError(message)
+        return SmolbenchError(message) if res.exit_code == 0 else InfraError(message)
 
     async def _request(
         self, ref: MachineRef, msg: dict[str, Any], timeout: float = CONTROL_TIMEOUT
@@ -563,7 +574,7 @@ class SmolBackend(Backend):
         kids: list[Machine] = await self._make(lambda: parent.branch_batch(names=smol_names), undo)
         if len(kids) != len(names):
             await asyncio.to_thread(undo, kids)
-            raise SmolbenchError(
+            raise InfraError(
                 f"smol made {len(kids)} branches of {machine.name!r}, not {len(names)}: retry"
             )
         refs: list[MachineRef] = []
