@@ -44,11 +44,12 @@ from smol import (
     wrap_native_error,
 )
 
+from .. import gate
 from ..errors import BackendUnavailable, SmolbenchError
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
-from ._wire import exec_message, read_replies, to_result
+from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 _PS = ParamSpec("_PS")
@@ -233,27 +234,8 @@ def _allow_hosts(hosts: Iterable[str]) -> list[str]:
     return out
 
 
-async def _lines_of(lines: Iterable[str]) -> AsyncIterator[bytes]:
-    for line in lines:
-        yield line.encode()
-
-
-class _LineSplitter:
-    """Turns stream chunks (which may split lines anywhere) into whole lines."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: str | bytes) -> list[bytes]:
-        """Add a chunk; return the lines it completed (each ending in a newline)."""
-        self._buf += chunk.encode() if isinstance(chunk, str) else chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        return [line + b"\n" for line in lines]
-
-    def rest(self) -> bytes:
-        """Whatever followed the last newline."""
-        rest, self._buf = self._buf, b""
-        return rest
+async def _chunks_of(data: str | bytes) -> AsyncIterator[bytes]:
+    yield data.encode() if isinstance(data, str) else data
 
 
 def _delete_quietly(handle: Machine) -> None:
@@ -529,7 +511,7 @@ class SmolBackend(Backend):
     # -- talking to agents ---------------------------------------------------------------
 
     async def _relay(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        """Send one request through client.py; yield the agent's reply lines as they arrive."""
+        """Send one request through client.py; yield the agent's raw reply bytes as they arrive."""
         handle = self._handle(ref)
         where = f"machine {ref.name!r}"
         # Always as a file: smol's local exec_stream drops ExecOptions.stdin (the relay
@@ -555,7 +537,6 @@ class SmolBackend(Backend):
                 put(("end", None))
 
         threading.Thread(target=pump, name=f"smolbench-relay-{ref.name}", daemon=True).start()
-        lines = _LineSplitter()
         stderr: list[str] = []
         exit_code: int | None = None
         try:
@@ -569,8 +550,8 @@ class SmolBackend(Backend):
                     raise item
                 event_kind = item.get("kind")
                 if event_kind == "stdout":
-                    for line in lines.feed(item.get("data", "")):
-                        yield line
+                    data = item.get("data", "")
+                    yield data.encode() if isinstance(data, str) else bytes(data)
                 elif event_kind == "stderr":
                     stderr.append(str(item.get("data", "")))
                 elif event_kind == "exit":
@@ -580,9 +561,6 @@ class SmolBackend(Backend):
                         f"{where}: running the agent relay failed ({_detail(str(item.get('message', '')))}): "
                         "`%smol status`, or `%smol down` and `%smol up`"
                     )
-            rest = lines.rest()
-            if rest.strip():
-                yield rest
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = "".join(stderr).strip().splitlines()
                 raise SmolbenchError(
@@ -603,7 +581,7 @@ class SmolBackend(Backend):
             ["python3", CLIENT, ref.info["socket"]],
             ExecOptions(stdin=P.encode(msg), timeout=timeout),
         )
-        done = await read_replies(_lines_of(res.stdout.splitlines()), None, where)
+        done = await gate.read_control(_chunks_of(res.stdout), ref.name)
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -613,10 +591,8 @@ class SmolBackend(Backend):
         self, machine: MachineRef, request: CellRequest, on_event: OnEvent
     ) -> CellResult:
         """Run one cell through client.py, streaming its output as it arrives."""
-        where = f"machine {machine.name!r}"
-        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as lines:
-            done = await read_replies(lines, on_event, where)
-        return to_result(done)
+        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as chunks:
+            return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
         """Raise KeyboardInterrupt in the cell running in the machine, if any."""
