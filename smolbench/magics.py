@@ -422,7 +422,7 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
+        name = f"<In [{cell_number(self.shell)}]>"
         if args.pull_trusted and pull:
             self._warn_trust()
         res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name,
@@ -561,6 +561,14 @@ class RemoteValue:
         return str(self.data.get("text/plain", ""))
 
 
+def cell_number(shell: Any) -> Any:
+    """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
+    the running cell's own result first."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if count is not None else getattr(shell, "execution_count", "?")
+
+
 def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
     """A RemoteError whose class is named after the remote exception (so Jupyter shows
     ``ZeroDivisionError``, not ``RemoteError``)."""
@@ -694,12 +702,13 @@ class _Progress:
 
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
+    from .backends.process import ProcessBackend
     from .backends.sandbox import SandboxBackend, bwrap_path
 
     if kind == "process":
-        return SandboxBackend(use_bwrap=False), ""
+        return ProcessBackend(), ""
     if kind == "sandbox":
-        return SandboxBackend(), ""
+        return SandboxBackend(), ""  # without bwrap: an error saying how to install it
     from .backends.smol import SmolBackend
 
     if kind == "smol" or target == "cloud":
@@ -709,8 +718,8 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     ok, reason = probe_smol(announce=lambda msg: print(msg, flush=True))
     if ok:
         return SmolBackend(target="local"), ""
-    how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"
     short = reason.split(":")[0].split(" [")[0]
-    return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using {how} instead"
-
-
+    if bwrap_path():
+        return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
+    return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
+                              "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")

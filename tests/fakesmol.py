@@ -233,6 +233,8 @@ class FakeVM:
             self.agent_sock = self.path(command[command.index("--socket") + 1])
             return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
         stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
+        if stdin and command[1:2] == [smolmod.CLIENT]:
+            stdin = self.guest_request(stdin)
         try:
             res = subprocess.run(
                 self.argv(command),
@@ -246,6 +248,13 @@ class FakeVM:
         return ExecResult(
             exit_code=res.returncode, stdout=res.stdout.decode(), stderr=res.stderr.decode()
         )
+
+    def guest_request(self, line: bytes) -> bytes:
+        """A request as the agent in this VM would see it: its guest paths inside the VM."""
+        msg = P.decode(line)
+        if isinstance(msg.get("path"), str):
+            msg["path"] = self.path(msg["path"])
+        return P.encode(msg)
 
     def exec_stream(self, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
         self._alive()

@@ -142,13 +142,13 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
             tar.addfile(info, ws)
 
 
-def check(path: str) -> None:
+def check(path: str, backend: str = "sandbox") -> None:
     """Refuse a checkpoint file that is not exactly two plain files with a safe workspace."""
     with tarfile.open(path, "r:gz") as tar:
         members = tar.getmembers()
         names = sorted(m.name for m in members)
         if names != sorted(FILES) or not all(m.isfile() for m in members):
-            raise SmolbenchError(f"checkpoint {path} is not a sandbox checkpoint (has {names[:5]})")
+            raise SmolbenchError(f"checkpoint {path} is not a {backend} checkpoint (has {names[:5]})")
         blob = tar.extractfile("workspace.tar")
         assert blob is not None
         with tarfile.open(fileobj=blob, mode="r:") as inner:
