@@ -48,6 +48,10 @@ CREATE TABLE IF NOT EXISTS cells (
 CREATE TABLE IF NOT EXISTS trust (
     session_id TEXT, ts REAL, scope TEXT, detail TEXT
 );
+CREATE TABLE IF NOT EXISTS attempts (
+    session_id TEXT, node_id TEXT, attempt INTEGER, stage TEXT, outcome TEXT, error TEXT, ts REAL,
+    PRIMARY KEY (session_id, node_id, attempt)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
@@ -228,6 +232,18 @@ class Ledger:
     def cells(self, session_id: str, node_id: str) -> list[dict[str, Any]]:
         """The cells run on a node, in order."""
         return self._rows("SELECT * FROM cells WHERE session_id = ? AND node_id = ? ORDER BY seq", (session_id, node_id))
+
+    def add_attempt(self, session_id: str, node_id: str, attempt: int, stage: str, outcome: str,
+                    error: str | None = None) -> None:
+        """Record one attempt at a machine that infrastructure failures made retry (boot/run)."""
+        self._write("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (session_id, node_id, attempt, stage, outcome, error, time.time()))
+
+    def attempt_rows(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Attempts of retried machines, oldest first."""
+        if session_id is None:
+            return self._rows("SELECT * FROM attempts ORDER BY ts")
+        return self._rows("SELECT * FROM attempts WHERE session_id = ? ORDER BY ts", (session_id,))
 
     def checkpoint_rows(self) -> list[dict[str, Any]]:
         """Saved checkpoints, newest first."""

@@ -114,6 +114,7 @@ def _timeout(text: str) -> float:
 @argument("--image", default=None, help="override the Smolfile's image")
 @argument("--net", action="store_true", help="give the machine network access")
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
+@argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -140,6 +141,7 @@ def _cell_args(line: str) -> None:
 @argument("--push", default=None, help="notebook variables to send to every branch")
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
 @argument("--quiet", action="store_true", help="no per-branch output, just the summary")
+@argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
 
@@ -240,13 +242,15 @@ class SmolMagics(Magics):
         backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
-        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH))
+        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
         t0 = time.perf_counter()
         _loop.run(wb.up())
         self.workbench = wb
         st = wb.status()
+        tries = wb.machines["root"].info.get("attempts", 1)
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
-              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
+              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
+              + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
         if wb.lost:
             print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
                   "died earlier: marked lost in the ledger")
@@ -457,8 +461,10 @@ class SmolMagics(Magics):
 
         def coro_for(on_event: Callable[[str, Event], None]) -> Any:
             if kind == "fork":
-                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep, push=push)
-            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push)
+                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep,
+                               push=push, retries=args.retries)
+            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push,
+                               retries=args.retries)
 
         self._show_views(result)
         if args.bg:

@@ -28,7 +28,7 @@ from smolbench.backends import probe as probemod
 from smolbench.backends import smol as smolmod
 from smolbench.backends.base import CellRequest, CellResult, Event, MachineRef
 from smolbench.backends.smol import SmolBackend
-from smolbench.errors import BackendUnavailable, SmolbenchError
+from smolbench.errors import BackendUnavailable, InfraError, SmolbenchError
 from smolbench.guest import protocol as P
 from smolbench.spec import MachineSpec, Volume
 
@@ -476,7 +476,7 @@ def test_an_agent_that_dies_at_start_is_reported_at_once(
         ),
         (
             SmolError("TIMEOUT", "machine 'x' did not answer within 30s"),
-            SmolbenchError,
+            InfraError,
             "the machine did not answer in time",
         ),
         (

@@ -44,7 +44,8 @@ from smol import (
 )
 
 from .. import gate
-from ..errors import BackendUnavailable, SmolbenchError
+from ..errors import BackendUnavailable, InfraError, SmolbenchError
+from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
@@ -373,7 +374,7 @@ class SmolBackend(Backend):
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
             if loop.time() > deadline:
-                raise SmolbenchError(
+                raise InfraError(
                     f"the agent in machine {ref.name!r} did not start within {READY_TIMEOUT:.0f} s "
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
@@ -467,18 +468,29 @@ class SmolBackend(Backend):
                 elif event_kind == "exit":
                     exit_code = item.get("exit_code")
                 elif event_kind == "error":
-                    raise SmolbenchError(
+                    raise await self._lost(
+                        handle,
                         f"{where}: running the agent relay failed ({detail(str(item.get('message', '')))}): "
-                        "`%smol status`, or `%smol down` and `%smol up`"
+                        "`%smol status`, or `%smol down` and `%smol up`",
                     )
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = "".join(stderr).strip().splitlines()
-                raise SmolbenchError(
+                raise await self._lost(
+                    handle,
                     f"{where}: the agent relay exited with code {exit_code}"
-                    f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`"
+                    f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`",
                 )
         finally:
             stream.kill()
+
+    async def _lost(self, handle: Machine, message: str) -> SmolbenchError:
+        """The error for a relay that ended without an answer: InfraError (retryable) when the
+        VM itself is gone, a plain error when it still runs (the cell took its agent down)."""
+        try:
+            res = await asyncio.to_thread(handle.exec, ["true"], ExecOptions(timeout=CONTROL_TIMEOUT))
+        except SmolError:
+            return InfraError(message)
+        return SmolbenchError(message) if res.exit_code == 0 else InfraError(message)
 
     async def _request(
         self, ref: MachineRef, msg: dict[str, Any], timeout: float = CONTROL_TIMEOUT
@@ -539,7 +551,7 @@ class SmolBackend(Backend):
         kids: list[Machine] = await self._make(lambda: parent.branch_batch(names=smol_names), undo)
         if len(kids) != len(names):
             await asyncio.to_thread(undo, kids)
-            raise SmolbenchError(
+            raise InfraError(
                 f"smol made {len(kids)} branches of {machine.name!r}, not {len(names)}: retry"
             )
         refs: list[MachineRef] = []
@@ -603,6 +615,7 @@ class SmolBackend(Backend):
         try:
             done = await self._request(machine, {"op": "save", "path": stage}, timeout=STATE_TIMEOUT)
             parts = {n: await self._sdk(handle.read_file, f"{stage}/{n}") for n in STATE_PARTS}
+            archive.check_workspace(parts["workspace.tar"], f"machine {machine.name}'s workspace")
         finally:
             with contextlib.suppress(Exception):
                 await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
@@ -615,6 +628,7 @@ class SmolBackend(Backend):
     async def _restore_state(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
         """A fresh machine from ``spec`` with a state checkpoint's workspace and namespace."""
         parts = await asyncio.to_thread(read_state, path)
+        archive.check_workspace(parts.get("workspace.tar", b""), f"checkpoint {os.path.basename(path)}")
         ref = await self.create(spec, name)
         handle = self._handle(ref)
         stage = f"{GUEST_RUN}/restore-{secrets.token_hex(6)}"

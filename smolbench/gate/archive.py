@@ -114,6 +114,15 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
             raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({m.name})")
 
 
+def check_workspace(blob: bytes, where: str) -> None:
+    """Refuse a workspace archive (bytes a machine sent) with links or paths leading outside it."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            check_members(tar, where)
+    except tarfile.TarError as exc:
+        raise UnsafeCheckpoint(f"{where} is not a readable archive ({exc})") from None
+
+
 def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> None:
     """Write checkpoint ``out`` from the files machine ``where`` saved in ``run_dir/stage``."""
     what = f"the checkpoint machine {where} saved"
