@@ -48,7 +48,7 @@ def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pu
         "%%smol\ncounter = [x]\ncounter.append(x * 2)\ncounter",
         "%%smol\ny = 1\nz = 2\nraise ValueError('bad value ' + str(y + z))\nw = 4",
         "data = {'a': [1, 2, 3], 'b': 'text'}\ndef triple(v):\n    return 3 * v",
-        "%%smol --push data,triple --pull got,doubled\ngot = dict(data, c=triple(len(data['a'])))\ndoubled = lambda v: 2 * v",
+        "%%smol --push data,triple --pull got,doubled --pull-trusted\ngot = dict(data, c=triple(len(data['a'])))\ndoubled = lambda v: 2 * v",
         "print(got, doubled(21))",
         "%smol status",
         "print(get_ipython().find_line_magic('smol').__doc__)",

@@ -9,6 +9,7 @@ own kernel) to show that the check is what stops it.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -385,3 +386,99 @@ def test_rows_left_running_by_a_dead_kernel_are_marked_lost_at_the_next_start(tm
         assert r["status"] == "lost" and not r["alive"], r
         assert r["ended"] == before[r["id"]]["seen"] and "last seen" in r["error"]
     assert {r["status"] for r in ledger.run_rows() if r["session_id"] == rows[0]["session_id"]} == {"lost"}
+
+
+# -- floods -----------------------------------------------------------------------------------------
+
+FLOOD = "%%smol\nfor i in range(200000):\n    print('line %06d ' % i + 'x' * 40)"  # 10.4 MB
+
+
+def test_output_floods_are_cut_to_a_budget_and_the_rest_logged(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%smol config output-limit 100K")
+        nb.run("%smol config log-limit 1M")
+        cell = nb.run(FLOOD)
+        out, err = stream_text(cell), stream_text(cell, "stderr")
+        assert len(out.encode()) <= 100_000 and out.startswith("line 000000 ") and out.endswith("\n")
+        log = tmp_path / ".smolbench" / "outputs" / "root.cell2.log"
+        assert re.search(r"^… 1\d MB more output not shown \(the first 1\.0 MB of it saved to "
+                         + re.escape(str(log.relative_to(tmp_path))) + r"\)$", err, re.MULTILINE), err
+        assert log.stat().st_size == 1_000_000  # the log is bounded too
+        assert log.read_bytes().startswith(b"line 00")
+        still_works(nb)
+
+        # one huge line is cut with a note; no traceback from the transport
+        nb.run("%smol config output-limit 5M")
+        cell = nb.run("%%smol\nprint('x' * 10**8)\nprint('after')")
+        out = stream_text(cell)
+        assert out.startswith("x" * 1000) and "… [line cut: 99,737,856 more characters]\nafter\n" in out
+        assert error_output(cell) is None and "Separator" not in str(cell.outputs)
+
+        # a hostile agent ignores batching and floods raw frames: the host's budget still holds
+        nb.run("%smol config output-limit 100K")
+        cell = nb.run("%%smol\nframe = (json.dumps({'t': 'stream', 'name': 'stdout', 'text': 'z' * 1000 + '\\n'}) + '\\n').encode()\n"
+                      "_ag._conn.sendall(frame * 20000)")
+        assert len(stream_text(cell).encode()) <= 100_000 and "more output not shown" in stream_text(cell, "stderr")
+
+        # Weakened: with no per-cell limit, the whole flood lands in the notebook
+        nb.run("%smol config output-limit 1G")
+        cell = nb.run(FLOOD)
+        assert len(stream_text(cell).encode()) > 10_000_000
+        nb.run("%smol down")
+
+
+def test_ctrl_c_stops_a_flood_of_a_million_lines(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        timer = threading.Timer(3.0, nb.interrupt)
+        timer.start()
+        t0 = time.monotonic()
+        cell = nb.run("%%smol\nfor i in range(10**6):\n    print('y' * 99)")
+        took = time.monotonic() - t0
+        timer.join()
+        err = error_output(cell)
+        assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
+        assert "the machine and its state are kept" in err.evalue
+        print(f"1M-line cell interrupted after 3 s returned at {took:.2f} s")  # numbers: bench/flood.py
+        still_works(nb)
+        nb.run("%smol down")
+
+
+# -- timeouts ---------------------------------------------------------------------------------------
+
+IGNORES_SIGINT = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    time.sleep(0.01)"
+
+
+def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.run("import smolbench\nwb = smolbench._magics.workbench")
+        # a branch: it times out and its machine is deleted
+        nb.run(f"%%smol fork 2 --timeout 2 --allow-errors --keep all\n{IGNORES_SIGINT}")
+        rows = stream_text(nb.run("print([(r['status'], r['error']) for r in smolbench._magics.last_result.rows.values()],"
+                                  " sorted(m.name for m in wb.backend.list()))"))
+        assert rows.count("('timeout', 'timed out after 2 s')") == 2 and rows.endswith("['root']\n")
+        # the active machine: it is killed, and the error says its state is gone and what to do
+        msg = one_line_error(nb.run(f"%%smol --timeout 2\nx = 1\n{IGNORES_SIGINT}"))
+        assert msg == ("the cell ran longer than --timeout 2 s and ignored the interrupt for 3 s, so machine root "
+                       "was killed: its state is lost. `%smol down` then `%smol up` starts a fresh machine "
+                       "(or `%smol checkpoint restore NAME`)")
+        assert nb.processes() == []  # no core is still burning
+        nb.run("%smol down")
+        nb.run("%smol up --backend sandbox")
+        assert result_text(nb.run("%%smol\n6 * 7")) == "42"
+
+        # Weakened: if the host believed the interrupt worked, the machine would still be
+        # burning a core and refuse the next cell as busy
+        nb.run("import smolbench\nwb = smolbench._magics.workbench\n"
+               "async def _believe(ref, task):\n    return True\nwb._stop = _believe")
+        msg = one_line_error(nb.run(f"%%smol --timeout 1\n{IGNORES_SIGINT}"))
+        assert msg == "the cell ran longer than --timeout 1 s and was interrupted"
+        assert "is busy running another cell" in one_line_error(nb.run("%%smol\n1"))
+        assert nb.processes() != []
+        nb.run("%smol down")
