@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, gate
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import InfraError, RemoteError, SmolbenchError
@@ -28,7 +28,7 @@ from .result import ForkResult
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree
 
-MAX_BRANCHES = 1024
+MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
 BranchEvent = Callable[[str, Event], None]
@@ -72,6 +72,8 @@ class Workbench:
         self.max_alive = spec.max_alive
         self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
         self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
+        self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
+        self.outputs_dir = Path(ledger.path).parent / "outputs"
 
     # -- observers ------------------------------------------------------------------
 
@@ -119,6 +121,7 @@ class Workbench:
             await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        self.lost = self.ledger.mark_lost(self.session)
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
@@ -254,28 +257,45 @@ class Workbench:
             raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
         self._busy.add(node_id)
 
+    def set_trust(self, on: bool, scope: str = "session") -> None:
+        """Turn trusted mode on or off; every change is recorded in the ledger."""
+        if scope == "session":
+            self.trusted = on
+        self.ledger.add_trust(self.session, scope, "on" if on else "off")
+
+    def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log")
+
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None) -> CellResult:
+                       cell_name: str | None = None, pull_trusted: bool = False) -> CellResult:
         """Run a cell in the active machine (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        A cell that ignores the interrupt (Ctrl-C or ``timeout``) for ``LIMITS.grace``
+        seconds has its machine killed, and the error says so.
         """
+        timeout = gate.seconds(timeout)
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
         self._touch(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
+            if pull_trusted and pull:
+                self.ledger.add_trust(self.session, "pull", f"{ref.name}: --pull-trusted {','.join(pull)}")
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>",
+                              trust_pull=pull_trusted or self.trusted, trust_display=self.trusted,
+                              output=self._budget(ref.name, f".cell{node.cells}"))
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                await self.backend.interrupt(ref)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(task, 5)
-                if isinstance(exc, asyncio.TimeoutError):
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
+                if not await _to_the_end(self._stop(ref, task)):
+                    raise SmolbenchError(await _to_the_end(self._kill_stuck(ref.name, why))) from None
+                if timed_out:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
@@ -287,6 +307,33 @@ class Workbench:
             return res
         finally:
             self._busy.discard(ref.name)
+
+    async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
+        """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.backend.interrupt(ref), gate.LIMITS.grace)
+        await asyncio.wait({task}, timeout=gate.LIMITS.grace)
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the cell's own end is not news after an interrupt
+            return True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+
+    async def _kill_stuck(self, node_id: str, why: str) -> str:
+        """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
+        await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended = "lost", time.time()
+        node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
+        self._record(node)
+        head = (f"the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} "
+                "was killed: its state is lost")
+        if self.active is not None:
+            return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
+        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -300,8 +347,7 @@ class Workbench:
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
             raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
-        if timeout is not None and timeout <= 0:
-            raise SmolbenchError(f"--timeout must be more than 0 seconds, got {timeout:g}: e.g. --timeout 30")
+        gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
             raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
         if keep not in KEEP_POLICIES:
@@ -521,7 +567,8 @@ class Workbench:
         result.rows[node.id]["status"] = "running"
         self._record(node)
         node.cells += 1
-        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed,
+                          trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:
