@@ -599,12 +599,13 @@ class _Progress:
 
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
+    from .backends.process import ProcessBackend
     from .backends.sandbox import SandboxBackend, bwrap_path
 
     if kind == "process":
-        return SandboxBackend(use_bwrap=False), ""
+        return ProcessBackend(), ""
     if kind == "sandbox":
-        return SandboxBackend(), ""
+        return SandboxBackend(), ""  # without bwrap: an error saying how to install it
     from .backends.smol import SmolBackend
 
     if kind == "smol" or target == "cloud":
@@ -614,8 +615,8 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     ok, reason = probe_smol(announce=lambda msg: print(msg, flush=True))
     if ok:
         return SmolBackend(target="local"), ""
-    how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"
     short = reason.split(":")[0].split(" [")[0]
-    return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using {how} instead"
-
-
+    if bwrap_path():
+        return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
+    return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
+                              "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")

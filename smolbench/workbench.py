@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import __version__
+from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
@@ -207,6 +208,8 @@ class Workbench:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
+            if _out_of_memory(res):
+                raise SmolbenchError(out_of_memory_line(ref.spec))
             if res.reward is not None:
                 node.reward = res.reward
                 self._record(node)
@@ -238,7 +241,7 @@ class Workbench:
         """How many branches run at once when not told: live forks are cheap, so all of them
         (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
-        return max(1, min(n, 4 * cores if self.backend.name == "sandbox" else 2 * cores))
+        return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                  concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
@@ -395,6 +398,8 @@ class Workbench:
             self._finish(result, node, "error", error=str(exc))
             return
         self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
+        if _out_of_memory(res):  # the one line, not a traceback into the allocation
+            res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec), "traceback": []}
         output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
         if res.status == "ok" and res.metrics.get("reward_error"):
             self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)
@@ -596,6 +601,10 @@ class Workbench:
 
     # -- status ----------------------------------------------------------------------------
 
+    def _limits_text(self) -> str:
+        describe = getattr(self.backend, "limits_status", None)
+        return describe(self.spec) if describe is not None else _vm_limits(self.spec)
+
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows."""
         ref = self.machines.get(self.active or "")
@@ -604,9 +613,10 @@ class Workbench:
             "isolation": self.backend.isolation,
             "active": self.active,
             "machine": ref.name if ref else None,
-            "image": self.spec.image or "(backend default: host system, read-only)" if self.backend.name == "sandbox" else self.spec.image,
+            "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": "on" if self.spec.network_enabled else "off",
+            "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),
             "live_machines": len(self.machines),
             "nodes": len(self.tree),
@@ -614,6 +624,18 @@ class Workbench:
             "ledger": str(self.ledger.path),
             "session": self.session,
         }
+
+
+def _vm_limits(spec: MachineSpec) -> str:
+    return f"the microVM's own: memory {spec.memory} MiB, {spec.cpus} cpu{'s' if spec.cpus != 1 else ''}"
+
+
+def _out_of_memory(res: CellResult) -> bool:
+    return res.status != "ok" and (res.error or {}).get("ename") in ("MemoryError", "_ArrayMemoryError")
+
+
+def _default_image(backend: str) -> str | None:
+    return {"sandbox": "(backend default: host system, read-only)", "process": "(none: the host itself)"}.get(backend)
 
 
 def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:

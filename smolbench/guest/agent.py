@@ -677,6 +677,19 @@ def _private_files(workdir, name, mount_ns=True):
         return "copy"
 
 
+# -- limits the host asked for (rlimits; cgroups are the host's business) ----------
+
+
+def _apply_rlimits(rlimits):
+    """Lower this process's rlimits, for good (inherited by everything it starts)."""
+    import resource
+
+    for item in rlimits:
+        name, _, value = item.partition("=")
+        limit = int(value)
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (limit, limit))
+
+
 def main(argv=None):
     """Start the agent and serve until killed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -686,7 +699,9 @@ def main(argv=None):
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
+    ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     args = ap.parse_args(argv)
+    _apply_rlimits(args.rlimit)
     if args.lib:
         sys.path.append(args.lib)
     if args.workdir:
