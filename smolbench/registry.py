@@ -65,17 +65,18 @@ def _connection_file() -> str | None:
         return None
 
 
-def kernel_identity() -> tuple[str, Path]:
-    """This kernel's id and the registry folder its server reads."""
+def kernel_identity() -> tuple[str, Path] | None:
+    """This kernel's id and the registry folder its Jupyter server reads, or None when this
+    is not a kernel a Jupyter server started (its connection file is not kernel-<id>.json):
+    no server would ever list it, so it publishes nothing."""
     conn = _connection_file()
-    if conn:
-        name = Path(conn).name
-        kid = name[len("kernel-"):-len(".json")] if name.startswith("kernel-") and name.endswith(".json") else name
-        if KERNEL_ID.fullmatch(kid):
-            return kid, Path(conn).resolve().parent / DIRNAME
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    return f"pid-{os.getpid()}", Path(jupyter_runtime_dir()) / DIRNAME
+    if not conn:
+        return None
+    name = Path(conn).name
+    kid = name[len("kernel-"):-len(".json")]
+    if not (name.startswith("kernel-") and name.endswith(".json") and KERNEL_ID.fullmatch(kid)):
+        return None
+    return kid, Path(conn).resolve().parent / DIRNAME
 
 
 def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
@@ -123,10 +124,10 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
 class Publisher:
     """A Workbench observer that keeps this kernel's registry file current."""
 
-    def __init__(self, workbench: Any, folder: Path | None = None, kernel_id: str | None = None) -> None:
-        kid, default = kernel_identity()
-        self.kernel_id = kernel_id or kid
-        self.path = (folder or default) / f"kernel-{self.kernel_id}.json"
+    def __init__(self, workbench: Any, folder: Path, kernel_id: str) -> None:
+        self.kernel_id = kernel_id
+        self.path = folder / f"kernel-{kernel_id}.json"
+        _set_aside(self.path)
         self.workbench = workbench
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -170,11 +171,26 @@ class Publisher:
 
 
 def publish(workbench: Any) -> Publisher | None:
-    """Start publishing ``workbench``'s machines (never raises: the registry is optional)."""
+    """Start publishing ``workbench``'s machines, when a Jupyter server started this kernel
+    (never raises: the registry is optional)."""
     try:
-        return Publisher(workbench)
+        who = kernel_identity()
+        return Publisher(workbench, who[1], who[0]) if who else None
     except Exception:
         return None
+
+
+def _set_aside(path: Path) -> None:
+    """Keep an earlier record under this name (a restarted kernel keeps its id) when its
+    process is dead but machines of it may live: renamed, the server still shows them."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    pid = old.get("pid") if isinstance(old, dict) else None
+    if isinstance(pid, int) and pid != os.getpid() and not alive(pid, old.get("pid_start")):
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(f"{path.stem}~{pid}.json"))
 
 
 def read_records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:

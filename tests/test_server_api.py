@@ -355,3 +355,18 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": []}
     finally:
         jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
+
+
+def test_a_restarted_kernel_keeps_its_dead_predecessors_record(tmp_path: Path) -> None:
+    """A kernel restarted by Jupyter keeps its id; the first record of the new process must
+    not overwrite the old one, whose machines may still be alive (they'd vanish from view)."""
+    kpid, kstart = _dead_pid()
+    path = tmp_path / "kernel-k1.json"
+    registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": kpid, "pid_start": kstart, "machines": []})
+    registry._set_aside(path)
+    assert not path.exists() and (tmp_path / f"kernel-k1~{kpid}.json").exists()
+    assert [r["pid"] for _, r in registry.read_records(tmp_path)] == [kpid]
+    # our own record (a second %smol up in the same kernel) is simply replaced later
+    registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": os.getpid(), "machines": []})
+    registry._set_aside(path)
+    assert path.exists()

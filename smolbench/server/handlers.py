@@ -2,6 +2,7 @@
 
     GET    machines                      live machines of every kernel, and orphans
     DELETE machines/KERNEL/NODE          ask the kernel to delete it, or kill an orphan
+                                         (&orphaned=1: the dead process of a restarted kernel)
     GET    checkpoints[?path=DIR]        checkpoints of DIR's ledger (no path: every ledger under the root)
     DELETE checkpoints/NAME?path=DIR     remove a checkpoint's file and its ledger row
     GET    ledger/sessions?path=DIR      \\
@@ -84,8 +85,10 @@ class MachineHandler(_Base):
     @authorized
     async def delete(self, kernel_id: str, node_id: str) -> None:
         folder_ = self.settings["smolbench_registry"]
+        flag = self.get_query_argument("orphaned", None)
+        orphaned = None if flag is None else flag in ("1", "true", "yes")
         try:
-            path, rec, machine = await self.run(machines.find, folder_, kernel_id, node_id)
+            path, rec, machine = await self.run(machines.find, folder_, kernel_id, node_id, orphaned)
         except machines.NotFound as exc:
             raise web.HTTPError(404, str(exc)) from None
         kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))

@@ -79,13 +79,17 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
             "backends": backends}
 
 
-def find(folder: Path, kernel_id: str, node_id: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """The record and machine entry for ``node_id`` of ``kernel_id`` (a live record first)."""
+def find(folder: Path, kernel_id: str, node_id: str,
+         orphaned: bool | None = None) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The record and machine entry for ``node_id`` of ``kernel_id``: of its live process, or
+    of a dead one (a restarted kernel keeps its id) when ``orphaned``; None: live first."""
     if not NODE_ID.fullmatch(node_id):
         raise NotFound(f"{node_id!r} is not a machine id (like root or root.7.2)")
     hits = []
     for path, rec in registry.read_records(folder):
         if rec.get("kernel_id") != kernel_id:
+            continue
+        if orphaned is not None and orphaned == registry.alive(rec.get("pid"), rec.get("pid_start")):
             continue
         for m in rec["machines"]:
             if isinstance(m, dict) and m.get("id") == node_id:
