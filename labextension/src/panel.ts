@@ -169,7 +169,7 @@ export class SmolPanel extends Widget {
     this.say(orphan ? `killing ${id}…` : `asking kernel ${kernel.slice(0, 8)} to delete ${id}…`);
     try {
       const res = await request<{ message: string }>(
-        `machines/${encodeURIComponent(kernel)}/${encodeURIComponent(id)}`, {}, { method: 'DELETE' });
+        `machines/${encodeURIComponent(kernel)}/${encodeURIComponent(id)}`, { orphaned: orphan ? 1 : 0 }, { method: 'DELETE' });
       this.say(res.message);
     } catch (err) {
       this.say(err instanceof Error ? err.message : String(err), 'error');
@@ -233,7 +233,7 @@ export class SmolPanel extends Widget {
       `    get_ipython().run_line_magic("smol", "up --backend ${c.backend}")`,
       `%smol checkpoint restore ${c.name}`
     ].join('\n');
-    this.say(`restoring ${c.name}…`);
+    this.say(`restoring ${c.name} into ${this.host.notebookPath() ?? 'the notebook'}…`);
     try {
       const out = await this.host.runInKernel(code);
       const lines = out.split('\n').filter(l => l.trim());
