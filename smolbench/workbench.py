@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import socket
@@ -18,16 +19,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, gate
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
-from .errors import RemoteError, SmolbenchError
+from .errors import InfraError, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree
 
-MAX_BRANCHES = 1024
+MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
 BranchEvent = Callable[[str, Event], None]
@@ -48,7 +49,11 @@ def _versions(guest_python: str | None) -> dict[str, str | None]:
 class Workbench:
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
-    def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None) -> None:
+    def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
+                 retries: int = 1) -> None:
+        if retries < 0:
+            raise SmolbenchError(f"--retries must be 0 or more, got {retries}")
+        self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error
         self.backend = backend
         self.spec = spec
         self.baseline = spec.baseline()  # the spec is frozen: hash it once, not on every ledger write
@@ -64,6 +69,8 @@ class Workbench:
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
+        self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
+        self.outputs_dir = Path(ledger.path).parent / "outputs"
 
     # -- observers ------------------------------------------------------------------
 
@@ -99,7 +106,7 @@ class Workbench:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
-        ref = await self.backend.create(self.spec, "root")
+        ref = await self._boot(self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
@@ -115,6 +122,7 @@ class Workbench:
             await self.down()
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        self.lost = self.ledger.mark_lost(self.session)
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
@@ -141,6 +149,49 @@ class Workbench:
             await self.backend.close()
         self.active = None
         return count
+
+    # -- retries after infrastructure failures ----------------------------------------------
+
+    def _attempt_failed(self, node_id: str, attempt: int, stage: str, exc: InfraError, retries: int) -> None:
+        outcome = "retried" if attempt <= retries else "gave up"
+        self.ledger.add_attempt(self.session, node_id, attempt, stage, outcome, str(exc))
+
+    async def _boot(self, spec: MachineSpec, name: str, retries: int) -> MachineRef:
+        """``backend.create``, booting again up to ``retries`` times after an InfraError."""
+        attempt = 1
+        while True:
+            try:
+                ref = await self.backend.create(spec, name)
+            except InfraError as exc:
+                self._attempt_failed(name, attempt, "boot", exc, retries)
+                if attempt > retries:
+                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
+                attempt += 1
+                continue
+            if attempt > 1:
+                self.ledger.add_attempt(self.session, name, attempt, "boot", "ok")
+            ref.info["attempts"] = attempt
+            return ref
+
+    async def _branch(self, parent: MachineRef, names: list[str], seeds: list[int | None],
+                      retries: int) -> list[MachineRef]:
+        """``backend.branch``, branching again up to ``retries`` times after an InfraError."""
+        attempt = 1
+        while True:
+            try:
+                refs = await self.backend.branch(parent, names, seeds)
+            except InfraError as exc:
+                for name in names:
+                    self._attempt_failed(name, attempt, "branch", exc, retries)
+                if attempt > retries:
+                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
+                attempt += 1
+                continue
+            for ref in refs:
+                ref.info["attempts"] = attempt
+                if attempt > 1:
+                    self.ledger.add_attempt(self.session, ref.name, attempt, "branch", "ok")
+            return refs
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
@@ -184,27 +235,44 @@ class Workbench:
             raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
         self._busy.add(node_id)
 
+    def set_trust(self, on: bool, scope: str = "session") -> None:
+        """Turn trusted mode on or off; every change is recorded in the ledger."""
+        if scope == "session":
+            self.trusted = on
+        self.ledger.add_trust(self.session, scope, "on" if on else "off")
+
+    def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log")
+
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None) -> CellResult:
+                       cell_name: str | None = None, pull_trusted: bool = False) -> CellResult:
         """Run a cell in the active machine (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        A cell that ignores the interrupt (Ctrl-C or ``timeout``) for ``LIMITS.grace``
+        seconds has its machine killed, and the error says so.
         """
+        timeout = gate.seconds(timeout)
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
+            if pull_trusted and pull:
+                self.ledger.add_trust(self.session, "pull", f"{ref.name}: --pull-trusted {','.join(pull)}")
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>",
+                              trust_pull=pull_trusted or self.trusted, trust_display=self.trusted,
+                              output=self._budget(ref.name, f".cell{node.cells}"))
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                await self.backend.interrupt(ref)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(task, 5)
-                if isinstance(exc, asyncio.TimeoutError):
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
+                if not await _to_the_end(self._stop(ref, task)):
+                    raise SmolbenchError(await _to_the_end(self._kill_stuck(ref.name, why))) from None
+                if timed_out:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
@@ -216,6 +284,33 @@ class Workbench:
             return res
         finally:
             self._busy.discard(ref.name)
+
+    async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
+        """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.backend.interrupt(ref), gate.LIMITS.grace)
+        await asyncio.wait({task}, timeout=gate.LIMITS.grace)
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the cell's own end is not news after an interrupt
+            return True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+
+    async def _kill_stuck(self, node_id: str, why: str) -> str:
+        """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
+        await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended = "lost", time.time()
+        node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
+        self._record(node)
+        head = (f"the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} "
+                "was killed: its state is lost")
+        if self.active is not None:
+            return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
+        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -229,8 +324,7 @@ class Workbench:
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
             raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
-        if timeout is not None and timeout <= 0:
-            raise SmolbenchError(f"--timeout must be more than 0 seconds, got {timeout:g}: e.g. --timeout 30")
+        gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
             raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
         if keep not in KEEP_POLICIES:
@@ -272,8 +366,13 @@ class Workbench:
         return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None) -> ForkResult:
-        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy."""
+                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
+                   retries: int | None = None) -> ForkResult:
+        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy.
+
+        A branch whose machine fails to come up or dies (InfraError) is branched again, up to
+        ``retries`` times (default: the workbench's); a cell's own error never is."""
+        retries = self.retries if retries is None else retries
         parent_id = result.parent
         assert parent_id is not None
         parent = self.machines.get(parent_id)
@@ -291,7 +390,7 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(self.backend.branch(parent, names, seeds))
+            branching = asyncio.ensure_future(self._branch(parent, names, seeds, retries))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -306,8 +405,11 @@ class Workbench:
                 self.machines[ref.name] = ref
             self._busy.discard(parent_id)  # the parent is free again once its children exist
             try:
+                for ref in refs:
+                    result.rows[ref.name]["attempts"] = ref.info.get("attempts", 1)
                 await self._fan_out(result, refs, code, on_event, timeout=timeout,
-                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
+                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push,
+                                    parent=parent, retries=retries)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
         finally:
@@ -318,8 +420,13 @@ class Workbench:
         return result
 
     async def episodes(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                       concurrency: int | None = None, push: dict[str, bytes] | None = None) -> ForkResult:
-        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards."""
+                       concurrency: int | None = None, push: dict[str, bytes] | None = None,
+                       retries: int | None = None) -> ForkResult:
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards.
+
+        An episode whose machine fails to boot or dies (InfraError) gets a new machine, up to
+        ``retries`` times (default: the workbench's); a cell's own error is never retried."""
+        retries = self.retries if retries is None else retries
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
@@ -329,15 +436,39 @@ class Workbench:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
 
+        # An episode is never branched: a plain machine boots without smol's branch-source setup.
+        episode_spec = dataclasses.replace(self.spec, branch=False)
+
+        async def attempt(node: Node, made: list[MachineRef]) -> None:
+            """One try: boot, init, run (``made`` gets the machine at once, for cleanup)."""
+            ref = await self.backend.create(episode_spec, node.id)
+            made.append(ref)
+            self.machines[node.id] = ref
+            for cmd in self.spec.init:
+                await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+            await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
+
         async def one(node: Node) -> None:
-            ref: MachineRef | None = None
+            made: list[MachineRef] = []
             try:
                 async with sem:  # a cancel while queued here still marks the episode cancelled
-                    ref = await self.backend.create(self.spec, node.id)
-                    self.machines[node.id] = ref
-                    for cmd in self.spec.init:
-                        await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
+                    n = 1
+                    while True:
+                        try:
+                            await attempt(node, made)
+                            break
+                        except InfraError as exc:
+                            self._attempt_failed(node.id, n, "episode", exc, retries)
+                            while made:  # the failed machine goes before the next boot
+                                self.machines.pop(node.id, None)
+                                await _to_the_end(self.backend.delete(made.pop()))
+                            if n > retries:
+                                self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
+                                break
+                            n += 1
+                            result.rows[node.id]["attempts"] = n
+                    if n > 1 and node.status == "ok":
+                        self.ledger.add_attempt(self.session, node.id, n, "episode", "ok")
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -346,9 +477,9 @@ class Workbench:
                     self._finish(result, node, "error", error=str(exc))
             finally:
                 try:
-                    if ref is not None:  # every terminal path deletes the episode's machine
+                    if made:  # every terminal path deletes the episode's machine
                         self.machines.pop(node.id, None)
-                        await _to_the_end(self.backend.delete(ref))
+                        await _to_the_end(self.backend.delete(made.pop()))
                 finally:  # recorded even when a second cancel arrived during the delete
                     node.alive = False
                     self._record(node)
@@ -361,14 +492,37 @@ class Workbench:
         return result
 
     async def _fan_out(self, result: ForkResult, refs: list[MachineRef], code: str, on_event: BranchEvent, *,
-                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None) -> None:
+                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None,
+                       parent: MachineRef | None = None, retries: int = 0) -> None:
         sem = asyncio.Semaphore(concurrency)
+
+        async def run_retrying(node: Node, ref: MachineRef) -> None:
+            n = int(ref.info.get("attempts", 1))
+            while True:
+                try:
+                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
+                    if n > 1 and node.status == "ok":
+                        self.ledger.add_attempt(self.session, node.id, n, "run", "ok")
+                    return
+                except InfraError as exc:
+                    self._attempt_failed(node.id, n, "run", exc, retries)
+                    alive = parent is not None and parent.name in self.machines
+                    if n > retries or not alive:
+                        self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
+                        return
+                    assert parent is not None
+                    await _to_the_end(self._drop(node.id))
+                    (ref,) = await self._branch(parent, [node.id], [node.seed], 0)
+                    self.machines[ref.name] = ref
+                    node.alive = True
+                    n += 1
+                    result.rows[node.id]["attempts"] = n
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
             try:
                 async with sem:  # a cancel while queued here still marks the branch cancelled
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
+                    await run_retrying(node, ref)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 await _to_the_end(self._drop(node.id))
@@ -388,12 +542,15 @@ class Workbench:
         result.rows[node.id]["status"] = "running"
         self._record(node)
         node.cells += 1
-        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed,
+                          trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:
             self._finish(result, node, "timeout", error=f"timed out after {timeout:g} s")
             return
+        except InfraError:
+            raise  # the machine failed, not the cell: the caller may retry it
         except SmolbenchError as exc:
             self._finish(result, node, "error", error=str(exc))
             return

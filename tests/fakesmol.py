@@ -96,6 +96,9 @@ class FakeHost:
         self.checkpoints: dict[str, tuple[Path, int]] = {}
         self.chunks: list[str] = []
         self.ready_seconds: Callable[[MachineConfig], float] = lambda config: 0.0
+        # Called before every write_file (the relay writes each cell's request): a test can
+        # make a machine die there, as a VM lost to the host would.
+        self.before_write: Callable[[FakeVM, str], None] = lambda vm, path: None
         self._serial = itertools.count(1)
         self.cls = create_autospec(Machine)
         self.cls.create.side_effect = self.create
@@ -292,6 +295,8 @@ class FakeVM:
 
     def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
         self._alive()
+        self.host.before_write(self, path)
+        self._alive()
         host = Path(self.path(path))
         if not host.parent.is_dir():  # like a guest without the directory
             raise SmolError("SMOLVM_ERROR", f"write {path}: no such directory")
@@ -351,6 +356,11 @@ class FakeVM:
             download_url="",
             path=output,
         )
+
+    def die(self) -> None:
+        """The VM goes away on its own (its engine died): later calls say NOT_FOUND."""
+        self.deleted = True
+        self.kill()
 
     def kill(self) -> None:
         if self.agent_pid:

@@ -28,7 +28,7 @@ from smolbench.backends import probe as probemod
 from smolbench.backends import smol as smolmod
 from smolbench.backends.base import CellRequest, CellResult, Event, MachineRef
 from smolbench.backends.smol import SmolBackend
-from smolbench.errors import BackendUnavailable, SmolbenchError
+from smolbench.errors import BackendUnavailable, InfraError, SmolbenchError
 from smolbench.guest import protocol as P
 from smolbench.spec import MachineSpec, Volume
 
@@ -234,7 +234,7 @@ def test_a_big_push_travels_as_a_file(host: FakeHost) -> None:
             await b.close()
 
     res = run(main())
-    assert plain(res) == str(512 * 1024) and res.pulled["blob"] == blob
+    assert plain(res) == str(512 * 1024) and res.pulled["blob"] == pickle.loads(blob)
 
 
 def test_remote_error_comes_back_with_its_traceback(host: FakeHost) -> None:
@@ -476,7 +476,7 @@ def test_an_agent_that_dies_at_start_is_reported_at_once(
         ),
         (
             SmolError("TIMEOUT", "machine 'x' did not answer within 30s"),
-            SmolbenchError,
+            InfraError,
             "the machine did not answer in time",
         ),
         (

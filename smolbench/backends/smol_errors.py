@@ -9,7 +9,7 @@ import re
 
 from smol import wrap_native_error
 
-from ..errors import BackendUnavailable, SmolbenchError
+from ..errors import BackendUnavailable, InfraError, SmolbenchError
 
 ERROR_HINTS: dict[str, str] = {
     "KVM_UNAVAILABLE": "no usable KVM here: use --backend sandbox or --target cloud",
@@ -116,9 +116,23 @@ def explain(code: str, message: str, fallback: str | None = None) -> str:
     return f"{hint} [smol {code}: {said}]" if said else f"{hint} [smol {code}]"
 
 
+# A machine that did not come up, or went away, for reasons of the host or smol.
+INFRA_CODES = frozenset(
+    {"TIMEOUT", "INTERRUPTED", "MACHINE_INTERRUPTED", "NOT_FOUND", "VM_NOT_FOUND", "SMOLVM_ERROR",
+     "STORAGE_ERROR"}
+)
+
+
 def translate(err: BaseException) -> SmolbenchError:
-    """An SDK exception as the SmolbenchError (or BackendUnavailable) a user sees."""
+    """An SDK exception as the SmolbenchError a user sees: BackendUnavailable when this host
+    can't run smol at all, InfraError when a machine failed to boot or died (retryable)."""
     smol_err = wrap_native_error(err)
-    _, unavailable = _kind(smol_err.code, str(smol_err))
-    cls = BackendUnavailable if unavailable else SmolbenchError
-    return cls(explain(smol_err.code, str(smol_err)))
+    message = str(smol_err)
+    hint, unavailable = _kind(smol_err.code, message)
+    if unavailable:
+        cls: type[SmolbenchError] = BackendUnavailable
+    elif smol_err.code in INFRA_CODES and hint != PULL_FAILED:
+        cls = InfraError
+    else:
+        cls = SmolbenchError
+    return cls(explain(smol_err.code, message))
