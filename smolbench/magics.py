@@ -177,6 +177,7 @@ class SmolMagics(Magics):
         super().__init__(shell)
         self.workbench: Any = None
         self.last_result: ForkResult | None = None
+        self._publisher: Any = None  # smolbench.registry.Publisher of the current workbench
         self.warned_trust = False
         atexit.register(self.shutdown)
 
@@ -249,6 +250,7 @@ class SmolMagics(Magics):
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
         wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
+        self._publish(wb)
         t0 = time.perf_counter()
         job = _loop.Job(wb.up())
         try:
@@ -274,6 +276,14 @@ class SmolMagics(Magics):
                 print("smolbench: warning: the sandbox can't filter by host or CIDR: the Smolfile's "
                       "[network] allow-lists turn the whole network on here (use the smol backend to enforce them)",
                       file=sys.stderr)
+
+    def _publish(self, wb: Any) -> None:
+        """Tell the Jupyter server's smolbench panel about this workbench's machines."""
+        from .registry import publish
+
+        if self._publisher is not None:
+            self._publisher.close()
+        self._publisher = publish(wb)
 
     def _do_down(self, rest: str) -> None:
         if self.workbench is None:
