@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import __version__
+from . import retries as retry
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import InfraError, RemoteError, SmolbenchError
@@ -147,48 +148,17 @@ class Workbench:
         self.active = None
         return count
 
-    # -- retries after infrastructure failures ----------------------------------------------
+    # -- retries after infrastructure failures (see retries.py) -------------------------------
 
     def _attempt_failed(self, node_id: str, attempt: int, stage: str, exc: InfraError, retries: int) -> None:
-        outcome = "retried" if attempt <= retries else "gave up"
-        self.ledger.add_attempt(self.session, node_id, attempt, stage, outcome, str(exc))
+        retry.failed(self.ledger, self.session, node_id, attempt, stage, exc, retries)
 
     async def _boot(self, spec: MachineSpec, name: str, retries: int) -> MachineRef:
-        """``backend.create``, booting again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                ref = await self.backend.create(spec, name)
-            except InfraError as exc:
-                self._attempt_failed(name, attempt, "boot", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            if attempt > 1:
-                self.ledger.add_attempt(self.session, name, attempt, "boot", "ok")
-            ref.info["attempts"] = attempt
-            return ref
+        return await retry.boot(self.backend, self.ledger, self.session, spec, name, retries)
 
     async def _branch(self, parent: MachineRef, names: list[str], seeds: list[int | None],
                       retries: int) -> list[MachineRef]:
-        """``backend.branch``, branching again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                refs = await self.backend.branch(parent, names, seeds)
-            except InfraError as exc:
-                for name in names:
-                    self._attempt_failed(name, attempt, "branch", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            for ref in refs:
-                ref.info["attempts"] = attempt
-                if attempt > 1:
-                    self.ledger.add_attempt(self.session, ref.name, attempt, "branch", "ok")
-            return refs
+        return await retry.branch(self.backend, self.ledger, self.session, parent, names, seeds, retries)
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
