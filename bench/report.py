@@ -444,6 +444,11 @@ def write(quick: bool = False) -> Path:
     if b3:
         lines += b3_section(b3)
     lines += meaning_section(b1, b2, b3, prof)
+    flood = _load("flood", quick)
+    if flood:
+        from .flood import section as flood_section
+
+        lines += flood_section(flood)
     hist = RESULTS / "history.jsonl"
     if hist.exists() and not quick:
         rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import pickle
 import queue
 import sys
 import time
@@ -17,9 +16,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from . import _loop
+from . import _loop, gate
 from .backends.base import Event
 from .errors import RemoteError, SmolbenchError
+from .gate import SafeBundle
 from .result import ForkResult
 
 HELP = """Run notebook cells inside disposable, forkable machines.
@@ -36,11 +36,17 @@ Line magics::
   %smol plot                    reward plots across the whole tree
   %smol replay NODE             rebuild a branch's path and compare its reward
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
+  %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
+                                (code in the machine can then run code here and in your browser)
+  %smol config [KEY VALUE]      limits on what a machine sends: max-frame, output-limit,
+                                log-limit, line-limit (sizes like 10M) and grace (seconds)
 
 Cell magics::
 
-  %%smol [--push a,b] [--pull c] [--timeout S]
-      run the cell in the active machine; its state persists between cells
+  %%smol [--push a,b] [--pull c] [--pull-trusted] [--timeout S]
+      run the cell in the active machine; its state persists between cells. --pull brings
+      values back as data (builtins, numpy arrays, pandas objects); --pull-trusted also
+      unpickles other objects, which runs code from the machine on this host
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
                 [--group-outputs order|branch|type] [--push a,b] [--allow-errors]
@@ -64,15 +70,38 @@ def _split_names(text: str | None) -> list[str]:
     return names
 
 
-def parse_seeds(text: str) -> list[int]:
-    """``3,7,11`` or ``0:16`` (a range) into a list of seeds."""
+def parse_seeds(text: str, cap: int = gate.limits.MAX_BRANCHES) -> list[int]:
+    """``3,7,11`` or ``0:16`` (a range) into a list of seeds, refused above ``cap`` before any is made."""
     try:
         if ":" in text:
             lo, hi = text.split(":", 1)
-            return list(range(int(lo), int(hi)))
-        return [int(s) for s in text.split(",") if s.strip()]
+            seeds: range | list[int] = range(int(lo), int(hi))
+        else:
+            parts = text.split(",")
+            if len(parts) > cap:
+                seeds = range(len(parts))  # only its length matters: refused below
+            else:
+                seeds = [int(s) for s in parts if s.strip()]
     except ValueError:
         raise UsageError(f"--seeds {text!r} is not a list of whole numbers: use e.g. --seeds 3,7,11 or --seeds 0:16") from None
+    if len(seeds) > cap:
+        raise UsageError(f"--seeds {_short(text)} gives {len(seeds):,} seeds, above the cap of {cap} branches: "
+                         "give fewer (e.g. --seeds 0:16)")
+    return list(seeds)
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _timeout(text: str) -> float:
+    """``--timeout`` as a positive finite number of seconds (a one-line error otherwise)."""
+    try:
+        value = gate.seconds(text)
+    except SmolbenchError as exc:
+        raise UsageError(str(exc)) from None
+    assert value is not None
+    return value
 
 
 # -- option bundles (magic_arguments parsers) ----------------------------------------------
@@ -93,7 +122,8 @@ def _up_args(line: str) -> None:
 @magic_arguments()
 @argument("--push", default=None, help="notebook variables to send in, comma-separated")
 @argument("--pull", default=None, help="machine variables to bring back, comma-separated")
-@argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
+@argument("--pull-trusted", action="store_true", help="also unpickle pulled objects that are not plain data (runs machine code here)")
+@argument("--timeout", type=_timeout, default=None, help="interrupt the cell after this many seconds")
 def _cell_args(line: str) -> None:
     """%%smol options."""
 
@@ -102,7 +132,7 @@ def _cell_args(line: str) -> None:
 @argument("n", help="how many branches")
 @argument("--seed-base", type=int, default=0, help="seeds are seed-base + 0..N-1")
 @argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
-@argument("--timeout", type=float, default=None, help="per-branch time limit in seconds")
+@argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
 @argument("--concurrency", type=int, default=None, help="how many branches run at once")
 @argument("--keep", default="best", help="which branches stay alive: best, all or none")
 @argument("--out", default=None, help="store the ForkResult in this notebook variable")
@@ -145,6 +175,7 @@ class SmolMagics(Magics):
         super().__init__(shell)
         self.workbench: Any = None
         self.last_result: ForkResult | None = None
+        self.warned_trust = False
         atexit.register(self.shutdown)
 
     # -- entry point ------------------------------------------------------------------
@@ -169,7 +200,7 @@ class SmolMagics(Magics):
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
-            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint (see %smol?)")
+            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint, trust, config (see %smol?)")
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
@@ -220,6 +251,9 @@ class SmolMagics(Magics):
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
               + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
+        if wb.lost:
+            print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
+                  "died earlier: marked lost in the ledger")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
             if spec.allow_hosts or spec.allow_cidrs:
@@ -338,6 +372,33 @@ class SmolMagics(Magics):
         print(report["message"])
         return None
 
+    def _warn_trust(self) -> None:
+        if not self.warned_trust:
+            self.warned_trust = True
+            print("smolbench: warning: trusted mode: objects pulled from the machine are unpickled here and its "
+                  "output is shown raw, so code in the machine can run code in this kernel and in your browser. "
+                  "Use it only for machines running code you trust; `%smol trust off` ends it", file=sys.stderr)
+
+    def _do_trust(self, rest: str) -> None:
+        word = rest.strip()
+        if word not in ("on", "off"):
+            state = "on" if self.workbench is not None and self.workbench.trusted else "off"
+            raise UsageError(f"trusted mode is {state}: `%smol trust on` or `%smol trust off`")
+        wb = self._wb()
+        wb.set_trust(word == "on")
+        if word == "on":
+            self._warn_trust()
+        print(f"smolbench: trusted mode {word} (recorded in the ledger)")
+
+    def _do_config(self, rest: str) -> None:
+        words = rest.split()
+        if not words:
+            print(gate.limits.describe())
+            return
+        if len(words) != 2:
+            raise UsageError("usage: %smol config KEY VALUE, e.g. %smol config output-limit 20M (`%smol config` lists them)")
+        print(gate.limits.configure(words[0], words[1]))
+
     def _do_plot(self, rest: str) -> Any:
         from .widgets.plots import tree_figure
 
@@ -366,14 +427,17 @@ class SmolMagics(Magics):
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
         name = f"<In [{cell_number(self.shell)}]>"
-        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
+        if args.pull_trusted and pull:
+            self._warn_trust()
+        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name,
+                                     pull_trusted=args.pull_trusted))
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
-        for name, blob in res.pulled.items():
-            # Only ever data from a machine this kernel created and is talking to.
-            self._user_ns[name] = pickle.loads(blob)
-        if res.result is not None:
+        self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
+        if res.pull_error:
+            raise SmolbenchError(res.pull_error)
+        if isinstance(res.result, SafeBundle):
             return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
         return None
 
@@ -470,11 +534,17 @@ class SmolMagics(Magics):
             _drain(timeout=0)
         except KeyboardInterrupt:
             job.cancel()
+            dropped = _discard()  # output still queued: don't make Ctrl-C wait for it to print
             while not job.wait_finished(PUMP_INTERVAL):
-                _drain(timeout=0)
-            _drain(timeout=0)
+                dropped += _discard()
+            dropped += _discard()
+            if dropped:
+                print(f"smolbench: {gate.human(dropped)} of output after Ctrl-C not shown", file=sys.stderr)
             if progress is not None:
                 progress.tick(final=True)
+            failure = job.future.exception() if job.future.done() and not job.future.cancelled() else None
+            if isinstance(failure, SmolbenchError):  # e.g. the machine had to be killed: say that instead
+                raise type(failure)(str(failure)) from None
             if result is not None:
                 print(f"smolbench: interrupted: {result.summary()}", file=sys.stderr)
                 raise interrupted("every unfinished branch was cancelled and its machine deleted") from None
@@ -487,7 +557,7 @@ class SmolMagics(Magics):
 class RemoteValue:
     """The last expression of a machine cell, displayed through its MIME bundle."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: SafeBundle) -> None:
         self.data = data
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
@@ -523,29 +593,64 @@ def interrupted(message: str) -> KeyboardInterrupt:
 _PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
 
 
+DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again
+
+
 def _drain(timeout: float) -> None:
+    """Show queued events on this thread: runs of text to one stream are written (and
+    flushed, one IOPub message) together; a slice of time at most, then back to the caller."""
     try:
         item = _PENDING.get(timeout=timeout) if timeout else _PENDING.get_nowait()
     except queue.Empty:
         return
+    deadline = time.monotonic() + DRAIN_SLICE
+    run: list[str] = []
+    target: Any = None
+
+    def write() -> None:
+        if run:
+            target.write("".join(run))
+            target.flush()
+            run.clear()
+
     while True:
         kind, branch, ev = item
         if kind == "stream":
             stream = sys.stderr if ev.name == "stderr" else sys.stdout
+            if stream is not target:
+                write()
+                target = stream
             if branch:
                 text = "".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True))
-                stream.write(text if text.endswith("\n") else text + "\n")
+                run.append(text if text.endswith("\n") else text + "\n")
             else:
-                stream.write(ev.text)
-            stream.flush()
-        elif kind == "display" and ev.data:  # ("wake" items only end the wait)
+                run.append(ev.text)
+        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:  # ("wake" items only end the wait)
+            write()
             if branch:
                 print(f"[{branch}] display:")
-            display(ev.data, raw=True)
+            display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
+        if time.monotonic() > deadline:
+            break
         try:
             item = _PENDING.get_nowait()
         except queue.Empty:
-            return
+            break
+    write()
+
+
+def _discard() -> int:
+    """Drop queued stream output (after Ctrl-C); returns how many bytes were dropped."""
+    dropped = 0
+    while True:
+        try:
+            kind, _, ev = _PENDING.get_nowait()
+        except queue.Empty:
+            return dropped
+        if kind == "stream":
+            dropped += len(ev.text.encode("utf-8", "replace"))
+        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:
+            display(dict(ev.data), raw=True)
 
 
 def _show_event(ev: Event) -> None:

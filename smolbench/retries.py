@@ -1,60 +1,68 @@
-"""Booting or branching a machine again after an infrastructure failure (InfraError).
+"""Doing a machine's work again after an infrastructure failure (InfraError).
 
-A machine that failed to boot or died under a cell is retried up to ``retries`` times;
-a cell's own exception never reaches here (it comes back as a result). Each attempt of
-a retried machine is a row of the ledger's ``attempts`` table.
+A machine that failed to boot or died under a cell is booted (or branched) again, up to
+``retries`` times; a cell's own exception never reaches here (it comes back as a result).
+Each attempt of a retried machine is a row of the ledger's ``attempts`` table.
 """
 
 from __future__ import annotations
 
-from .backends.base import Backend, MachineRef
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .backends.base import MachineRef
 from .errors import InfraError
-from .ledger import Ledger
 from .spec import MachineSpec
 
-
-def failed(ledger: Ledger, session: str, node_id: str, attempt: int, stage: str, exc: InfraError,
-           retries: int) -> None:
-    """Record a failed attempt: retried, or the last one (gave up)."""
-    outcome = "retried" if attempt <= retries else "gave up"
-    ledger.add_attempt(session, node_id, attempt, stage, outcome, str(exc))
+T = TypeVar("T")
 
 
-async def boot(backend: Backend, ledger: Ledger, session: str, spec: MachineSpec, name: str,
-               retries: int) -> MachineRef:
-    """``backend.create``, booting again up to ``retries`` times after an InfraError."""
-    attempt = 1
+async def again(wb: Any, node_ids: list[str], stage: str, retries: int, once: Callable[[int], Awaitable[T]],
+                before_retry: Callable[[int], Awaitable[None]] | None = None, first: int = 1) -> T:
+    """``await once(attempt)``, again after an InfraError while attempts are left.
+
+    ``wb`` is the Workbench (its ledger and session). ``before_retry(attempt)`` cleans up a
+    failed attempt. When the attempts run out, the last InfraError is raised, saying so.
+    """
+    attempt = first
     while True:
         try:
-            ref = await backend.create(spec, name)
+            out = await once(attempt)
         except InfraError as exc:
-            failed(ledger, session, name, attempt, "boot", exc, retries)
-            if attempt > retries:
+            last = attempt > retries
+            for node_id in node_ids:
+                wb.ledger.add_attempt(wb.session, node_id, attempt, stage, "gave up" if last else "retried", str(exc))
+            if last:
                 raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
+            if before_retry is not None:
+                await before_retry(attempt)
             attempt += 1
             continue
         if attempt > 1:
-            ledger.add_attempt(session, name, attempt, "boot", "ok")
+            for node_id in node_ids:
+                wb.ledger.add_attempt(wb.session, node_id, attempt, stage, "ok")
+        return out
+
+
+async def boot(wb: Any, spec: MachineSpec, name: str, retries: int) -> MachineRef:
+    """``backend.create`` with retries; the machine's ``info["attempts"]`` says how many it took."""
+
+    async def once(attempt: int) -> MachineRef:
+        ref: MachineRef = await wb.backend.create(spec, name)
         ref.info["attempts"] = attempt
         return ref
 
+    return await again(wb, [name], "boot", retries, once)
 
-async def branch(backend: Backend, ledger: Ledger, session: str, parent: MachineRef, names: list[str],
-                 seeds: list[int | None], retries: int) -> list[MachineRef]:
-    """``backend.branch``, branching again up to ``retries`` times after an InfraError."""
-    attempt = 1
-    while True:
-        try:
-            refs = await backend.branch(parent, names, seeds)
-        except InfraError as exc:
-            for name in names:
-                failed(ledger, session, name, attempt, "branch", exc, retries)
-            if attempt > retries:
-                raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-            attempt += 1
-            continue
+
+async def branch(wb: Any, parent: MachineRef, names: list[str], seeds: list[int | None], retries: int,
+                 first: int = 1) -> list[MachineRef]:
+    """``backend.branch`` with retries (of the whole batch)."""
+
+    async def once(attempt: int) -> list[MachineRef]:
+        refs: list[MachineRef] = await wb.backend.branch(parent, names, seeds)
         for ref in refs:
             ref.info["attempts"] = attempt
-            if attempt > 1:
-                ledger.add_attempt(session, ref.name, attempt, "branch", "ok")
         return refs
+
+    return await again(wb, names, "branch", retries, once, first=first)

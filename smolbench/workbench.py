@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, gate
 from . import retries as retry
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
@@ -29,7 +29,7 @@ from .result import ForkResult
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree
 
-MAX_BRANCHES = 1024
+MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
 BranchEvent = Callable[[str, Event], None]
@@ -70,6 +70,8 @@ class Workbench:
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
+        self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
+        self.outputs_dir = Path(ledger.path).parent / "outputs"
 
     # -- observers ------------------------------------------------------------------
 
@@ -105,7 +107,7 @@ class Workbench:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
-        ref = await self._boot(self.spec, "root", self.retries)
+        ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
@@ -121,6 +123,7 @@ class Workbench:
             await self.down()
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        self.lost = self.ledger.mark_lost(self.session)
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
@@ -147,18 +150,6 @@ class Workbench:
             await self.backend.close()
         self.active = None
         return count
-
-    # -- retries after infrastructure failures (see retries.py) -------------------------------
-
-    def _attempt_failed(self, node_id: str, attempt: int, stage: str, exc: InfraError, retries: int) -> None:
-        retry.failed(self.ledger, self.session, node_id, attempt, stage, exc, retries)
-
-    async def _boot(self, spec: MachineSpec, name: str, retries: int) -> MachineRef:
-        return await retry.boot(self.backend, self.ledger, self.session, spec, name, retries)
-
-    async def _branch(self, parent: MachineRef, names: list[str], seeds: list[int | None],
-                      retries: int) -> list[MachineRef]:
-        return await retry.branch(self.backend, self.ledger, self.session, parent, names, seeds, retries)
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
@@ -202,27 +193,44 @@ class Workbench:
             raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
         self._busy.add(node_id)
 
+    def set_trust(self, on: bool, scope: str = "session") -> None:
+        """Turn trusted mode on or off; every change is recorded in the ledger."""
+        if scope == "session":
+            self.trusted = on
+        self.ledger.add_trust(self.session, scope, "on" if on else "off")
+
+    def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log")
+
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None) -> CellResult:
+                       cell_name: str | None = None, pull_trusted: bool = False) -> CellResult:
         """Run a cell in the active machine (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        A cell that ignores the interrupt (Ctrl-C or ``timeout``) for ``LIMITS.grace``
+        seconds has its machine killed, and the error says so.
         """
+        timeout = gate.seconds(timeout)
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
+            if pull_trusted and pull:
+                self.ledger.add_trust(self.session, "pull", f"{ref.name}: --pull-trusted {','.join(pull)}")
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>",
+                              trust_pull=pull_trusted or self.trusted, trust_display=self.trusted,
+                              output=self._budget(ref.name, f".cell{node.cells}"))
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                await self.backend.interrupt(ref)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(task, 5)
-                if isinstance(exc, asyncio.TimeoutError):
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
+                if not await _to_the_end(self._stop(ref, task)):
+                    raise SmolbenchError(await _to_the_end(self._kill_stuck(ref.name, why))) from None
+                if timed_out:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
@@ -234,6 +242,33 @@ class Workbench:
             return res
         finally:
             self._busy.discard(ref.name)
+
+    async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
+        """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.backend.interrupt(ref), gate.LIMITS.grace)
+        await asyncio.wait({task}, timeout=gate.LIMITS.grace)
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the cell's own end is not news after an interrupt
+            return True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+
+    async def _kill_stuck(self, node_id: str, why: str) -> str:
+        """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
+        await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended = "lost", time.time()
+        node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
+        self._record(node)
+        head = (f"the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} "
+                "was killed: its state is lost")
+        if self.active is not None:
+            return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
+        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -247,8 +282,7 @@ class Workbench:
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
             raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
-        if timeout is not None and timeout <= 0:
-            raise SmolbenchError(f"--timeout must be more than 0 seconds, got {timeout:g}: e.g. --timeout 30")
+        gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
             raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
         if keep not in KEEP_POLICIES:
@@ -314,7 +348,7 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(self._branch(parent, names, seeds, retries))
+            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -363,36 +397,25 @@ class Workbench:
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
 
-        async def attempt(node: Node, made: list[MachineRef]) -> None:
-            """One try: boot, init, run (``made`` gets the machine at once, for cleanup)."""
-            ref = await self.backend.create(episode_spec, node.id)
-            made.append(ref)
-            self.machines[node.id] = ref
-            for cmd in self.spec.init:
-                await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-            await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
-
         async def one(node: Node) -> None:
             made: list[MachineRef] = []
+
+            async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
+                result.rows[node.id]["attempts"] = attempt
+                made.append(await self.backend.create(episode_spec, node.id))
+                self.machines[node.id] = made[-1]
+                for cmd in self.spec.init:
+                    await self.backend.exec_cell(made[-1], CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed)
+
+            async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
+                while made:
+                    self.machines.pop(node.id, None)
+                    await _to_the_end(self.backend.delete(made.pop()))
+
             try:
                 async with sem:  # a cancel while queued here still marks the episode cancelled
-                    n = 1
-                    while True:
-                        try:
-                            await attempt(node, made)
-                            break
-                        except InfraError as exc:
-                            self._attempt_failed(node.id, n, "episode", exc, retries)
-                            while made:  # the failed machine goes before the next boot
-                                self.machines.pop(node.id, None)
-                                await _to_the_end(self.backend.delete(made.pop()))
-                            if n > retries:
-                                self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                                break
-                            n += 1
-                            result.rows[node.id]["attempts"] = n
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "episode", "ok")
+                    await retry.again(self, [node.id], "episode", retries, once, drop)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -421,26 +444,19 @@ class Workbench:
         sem = asyncio.Semaphore(concurrency)
 
         async def run_retrying(node: Node, ref: MachineRef) -> None:
-            n = int(ref.info.get("attempts", 1))
-            while True:
-                try:
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "run", "ok")
-                    return
-                except InfraError as exc:
-                    self._attempt_failed(node.id, n, "run", exc, retries)
-                    alive = parent is not None and parent.name in self.machines
-                    if n > retries or not alive:
-                        self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                        return
-                    assert parent is not None
-                    await _to_the_end(self._drop(node.id))
-                    (ref,) = await self._branch(parent, [node.id], [node.seed], 0)
-                    self.machines[ref.name] = ref
-                    node.alive = True
-                    n += 1
-                    result.rows[node.id]["attempts"] = n
+            async def once(attempt: int) -> None:
+                result.rows[node.id]["attempts"] = attempt
+                await self._run_branch(result, node, self.machines[node.id], code, on_event, timeout, push)
+
+            async def rebranch(attempt: int) -> None:  # a new copy of the (still live) parent
+                await _to_the_end(self._drop(node.id))
+                if parent is None or parent.name not in self.machines:
+                    raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
+                (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
+                self.machines[new.name] = new
+                node.alive = True
+
+            await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
@@ -466,7 +482,8 @@ class Workbench:
         result.rows[node.id]["status"] = "running"
         self._record(node)
         node.cells += 1
-        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed,
+                          trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:

@@ -234,7 +234,7 @@ def test_a_big_push_travels_as_a_file(host: FakeHost) -> None:
             await b.close()
 
     res = run(main())
-    assert plain(res) == str(512 * 1024) and res.pulled["blob"] == blob
+    assert plain(res) == str(512 * 1024) and res.pulled["blob"] == pickle.loads(blob)
 
 
 def test_remote_error_comes_back_with_its_traceback(host: FakeHost) -> None:

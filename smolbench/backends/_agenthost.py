@@ -17,18 +17,21 @@ import os
 import shutil
 import tarfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from .. import gate
 from ..errors import BackendUnavailable, SmolbenchError
+from ..gate import archive
 from ..guest import protocol as P
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir
-from ._wire import exec_message, read_replies, to_result
+from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 BOOT_TIMEOUT = 30.0
+CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
 
 
 class AgentHostBackend(Backend):
@@ -170,27 +173,29 @@ class AgentHostBackend(Backend):
         if ref.name not in self._machines:
             raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
         try:
-            return await asyncio.open_unix_connection(ref.info["socket"], limit=2**26)
+            return await asyncio.open_unix_connection(ref.info["socket"])
         except OSError as exc:
             raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
 
-    async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        """Send one request; yield the agent's raw reply bytes (only the gate decodes them)."""
         reader, writer = await self._open(ref)
         try:
             writer.write(P.encode(msg))
             await writer.drain()
             while True:
-                line = await reader.readline()
-                if not line:
+                chunk = await reader.read(CHUNK)
+                if not chunk:
                     return
-                yield line
+                yield chunk
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
     async def _request(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
-        done = await read_replies(self._stream(ref, msg), None, f"machine {ref.name!r}")
+        async with contextlib.aclosing(self._stream(ref, msg)) as chunks:
+            done = await gate.read_control(chunks, ref.name)
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"machine {ref.name!r}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -200,12 +205,12 @@ class AgentHostBackend(Backend):
         limits = self.limiter.get(machine.name)
         ooms = limits.oom_kills() if limits is not None else 0
         try:
-            done = await read_replies(self._stream(machine, exec_message(request)), on_event, f"machine {machine.name!r}")
+            async with contextlib.aclosing(self._stream(machine, exec_message(request))) as chunks:
+                res = await gate.read_cell(chunks, request, on_event, machine.name)
         except SmolbenchError:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
                 raise SmolbenchError(f"{_limits.out_of_memory_line(machine.spec)} (machine {machine.name} was lost)") from None
             raise
-        res = to_result(done)
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
             res.error = {"ename": "MemoryError", "evalue": _limits.out_of_memory_line(machine.spec), "traceback": []}
         return res
@@ -252,49 +257,41 @@ class AgentHostBackend(Backend):
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        host_stage = Path(machine.info["run_dir"]) / stage
+        run_dir = machine.info["run_dir"]
         try:  # the stage goes on every path, even when the machine fails to save
             done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
-            tmp = path + ".part"
-            with tarfile.open(tmp, "w:gz") as tar:
-                tar.add(host_stage / "namespace.pkl", arcname="namespace.pkl")
-                tar.add(host_stage / "workspace.tar", arcname="workspace.tar")
-            os.replace(tmp, path)
+            # The machine made every path in the stage: the gate reads them without following links.
+            archive.pack(run_dir, stage, path + ".part", machine.name)
+            os.replace(path + ".part", path)
         finally:
-            shutil.rmtree(host_stage, ignore_errors=True)
+            shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
             with contextlib.suppress(OSError):
                 os.unlink(path + ".part")
         warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
     async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        stage = _rundir.make(self._runtime_base, prefix=f"{_rundir.PREFIX}restore-")
         try:
-            try:
-                with tarfile.open(path, "r:gz") as tar:
-                    names = set(tar.getnames())
-                    if names != {"namespace.pkl", "workspace.tar"}:
-                        raise SmolbenchError(f"checkpoint {path} is not a {self.name} checkpoint (has {sorted(names)})")
-                    tar.extractall(stage)
-            except (tarfile.TarError, EOFError, OSError) as exc:
-                raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
-            (stage / _rundir.OWNER).unlink()
-            ref = await self.create(spec, name)
-            host_stage = Path(ref.info["run_dir"]) / "restore"
-            shutil.copytree(stage, host_stage)
-            try:
-                done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/restore"})
-            except SmolbenchError as exc:
-                await self.delete(ref)
-                why = str(exc).split(": ", 1)[-1]
-                raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
-            except BaseException:
-                await self.delete(ref)
-                raise
-            finally:
-                shutil.rmtree(host_stage, ignore_errors=True)
-            if done.get("skipped"):
-                ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
-            return ref
+            archive.check(path, self.name)  # checked here, extracted only inside the new machine
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
+        except archive.UnsafeCheckpoint as exc:
+            raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
+        ref = await self.create(spec, name)
+        stage = None
+        try:
+            stage = archive.hand_over(path, ref.info["run_dir"])
+            done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+        except SmolbenchError as exc:
+            await self.delete(ref)
+            why = str(exc).split(": ", 1)[-1]
+            raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
+        except BaseException:
+            await self.delete(ref)
+            raise
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
+            if stage is not None:
+                shutil.rmtree(Path(ref.info["run_dir"]) / stage, ignore_errors=True)
+        if done.get("skipped"):
+            ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
+        return ref

@@ -43,11 +43,13 @@ from smol import (
     SmolError,
 )
 
+from .. import gate
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
+from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
-from ._wire import exec_message, read_replies, to_result
+from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
 from .smol_image import DEFAULT_IMAGE, boot_timeout, is_local, smol_image
@@ -143,27 +145,8 @@ def _allow_hosts(hosts: Iterable[str]) -> list[str]:
     return out
 
 
-async def _lines_of(lines: Iterable[str]) -> AsyncIterator[bytes]:
-    for line in lines:
-        yield line.encode()
-
-
-class _LineSplitter:
-    """Turns stream chunks (which may split lines anywhere) into whole lines."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: str | bytes) -> list[bytes]:
-        """Add a chunk; return the lines it completed (each ending in a newline)."""
-        self._buf += chunk.encode() if isinstance(chunk, str) else chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        return [line + b"\n" for line in lines]
-
-    def rest(self) -> bytes:
-        """Whatever followed the last newline."""
-        rest, self._buf = self._buf, b""
-        return rest
+async def _chunks_of(data: str | bytes) -> AsyncIterator[bytes]:
+    yield data.encode() if isinstance(data, str) else data
 
 
 def _delete_quietly(handle: Machine) -> None:
@@ -439,7 +422,7 @@ class SmolBackend(Backend):
     # -- talking to agents ---------------------------------------------------------------
 
     async def _relay(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        """Send one request through client.py; yield the agent's reply lines as they arrive."""
+        """Send one request through client.py; yield the agent's raw reply bytes as they arrive."""
         handle = self._handle(ref)
         where = f"machine {ref.name!r}"
         # Always as a file: smol's local exec_stream drops ExecOptions.stdin (the relay
@@ -465,7 +448,6 @@ class SmolBackend(Backend):
                 put(("end", None))
 
         threading.Thread(target=pump, name=f"smolbench-relay-{ref.name}", daemon=True).start()
-        lines = _LineSplitter()
         stderr: list[str] = []
         exit_code: int | None = None
         try:
@@ -479,8 +461,8 @@ class SmolBackend(Backend):
                     raise item
                 event_kind = item.get("kind")
                 if event_kind == "stdout":
-                    for line in lines.feed(item.get("data", "")):
-                        yield line
+                    data = item.get("data", "")
+                    yield data.encode() if isinstance(data, str) else bytes(data)
                 elif event_kind == "stderr":
                     stderr.append(str(item.get("data", "")))
                 elif event_kind == "exit":
@@ -491,9 +473,6 @@ class SmolBackend(Backend):
                         f"{where}: running the agent relay failed ({detail(str(item.get('message', '')))}): "
                         "`%smol status`, or `%smol down` and `%smol up`",
                     )
-            rest = lines.rest()
-            if rest.strip():
-                yield rest
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = "".join(stderr).strip().splitlines()
                 raise await self._lost(
@@ -524,7 +503,7 @@ class SmolBackend(Backend):
             ["python3", CLIENT, ref.info["socket"]],
             ExecOptions(stdin=P.encode(msg), timeout=timeout),
         )
-        done = await read_replies(_lines_of(res.stdout.splitlines()), None, where)
+        done = await gate.read_control(_chunks_of(res.stdout), ref.name)
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -534,10 +513,8 @@ class SmolBackend(Backend):
         self, machine: MachineRef, request: CellRequest, on_event: OnEvent
     ) -> CellResult:
         """Run one cell through client.py, streaming its output as it arrives."""
-        where = f"machine {machine.name!r}"
-        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as lines:
-            done = await read_replies(lines, on_event, where)
-        return to_result(done)
+        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as chunks:
+            return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
         """Raise KeyboardInterrupt in the cell running in the machine, if any."""
@@ -638,6 +615,7 @@ class SmolBackend(Backend):
         try:
             done = await self._request(machine, {"op": "save", "path": stage}, timeout=STATE_TIMEOUT)
             parts = {n: await self._sdk(handle.read_file, f"{stage}/{n}") for n in STATE_PARTS}
+            archive.check_workspace(parts["workspace.tar"], f"machine {machine.name}'s workspace")
         finally:
             with contextlib.suppress(Exception):
                 await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
@@ -650,6 +628,7 @@ class SmolBackend(Backend):
     async def _restore_state(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
         """A fresh machine from ``spec`` with a state checkpoint's workspace and namespace."""
         parts = await asyncio.to_thread(read_state, path)
+        archive.check_workspace(parts.get("workspace.tar", b""), f"checkpoint {os.path.basename(path)}")
         ref = await self.create(spec, name)
         handle = self._handle(ref)
         stage = f"{GUEST_RUN}/restore-{secrets.token_hex(6)}"
