@@ -175,6 +175,7 @@ class SmolMagics(Magics):
         super().__init__(shell)
         self.workbench: Any = None
         self.last_result: ForkResult | None = None
+        self._publisher: Any = None  # smolbench.registry.Publisher of the current workbench
         self.warned_trust = False
         atexit.register(self.shutdown)
 
@@ -243,6 +244,7 @@ class SmolMagics(Magics):
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
+        self._publish(wb)
         t0 = time.perf_counter()
         _loop.run(wb.up())
         self.workbench = wb
@@ -260,6 +262,14 @@ class SmolMagics(Magics):
                 print("smolbench: warning: the sandbox can't filter by host or CIDR: the Smolfile's "
                       "[network] allow-lists turn the whole network on here (use the smol backend to enforce them)",
                       file=sys.stderr)
+
+    def _publish(self, wb: Any) -> None:
+        """Tell the Jupyter server's smolbench panel about this workbench's machines."""
+        from .registry import publish
+
+        if self._publisher is not None:
+            self._publisher.close()
+        self._publisher = publish(wb)
 
     def _do_down(self, rest: str) -> None:
         if self.workbench is None:
