@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import __version__, gate
+from . import retries as retry
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import InfraError, RemoteError, SmolbenchError
@@ -109,7 +110,7 @@ class Workbench:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
-        ref = await self._boot(self.spec, "root", self.retries)
+        ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
@@ -170,49 +171,6 @@ class Workbench:
             await self.backend.close()
         self.active = None
         return count
-
-    # -- retries after infrastructure failures ----------------------------------------------
-
-    def _attempt_failed(self, node_id: str, attempt: int, stage: str, exc: InfraError, retries: int) -> None:
-        outcome = "retried" if attempt <= retries else "gave up"
-        self.ledger.add_attempt(self.session, node_id, attempt, stage, outcome, str(exc))
-
-    async def _boot(self, spec: MachineSpec, name: str, retries: int) -> MachineRef:
-        """``backend.create``, booting again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                ref = await self.backend.create(spec, name)
-            except InfraError as exc:
-                self._attempt_failed(name, attempt, "boot", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            if attempt > 1:
-                self.ledger.add_attempt(self.session, name, attempt, "boot", "ok")
-            ref.info["attempts"] = attempt
-            return ref
-
-    async def _branch(self, parent: MachineRef, names: list[str], seeds: list[int | None],
-                      retries: int) -> list[MachineRef]:
-        """``backend.branch``, branching again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                refs = await self.backend.branch(parent, names, seeds)
-            except InfraError as exc:
-                for name in names:
-                    self._attempt_failed(name, attempt, "branch", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            for ref in refs:
-                ref.info["attempts"] = attempt
-                if attempt > 1:
-                    self.ledger.add_attempt(self.session, ref.name, attempt, "branch", "ok")
-            return refs
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
@@ -413,7 +371,7 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(self._branch(parent, names, seeds, retries))
+            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -465,35 +423,24 @@ class Workbench:
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
 
-        async def attempt(node: Node, made: list[MachineRef]) -> None:
-            """One try: boot, init, run (``made`` gets the machine at once, for cleanup)."""
-            ref = await self.backend.create(episode_spec, node.id)
-            made.append(ref)
-            self.machines[node.id] = ref
-            await self._init(ref)
-            await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
-
         async def one(node: Node) -> None:
             made: list[MachineRef] = []
+
+            async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
+                result.rows[node.id]["attempts"] = attempt
+                made.append(await self.backend.create(episode_spec, node.id))
+                self.machines[node.id] = made[-1]
+                await self._init(made[-1])
+                await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed)
+
+            async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
+                while made:
+                    self.machines.pop(node.id, None)
+                    await _to_the_end(self.backend.delete(made.pop()))
+
             try:
                 async with sem:  # a cancel while queued here still marks the episode cancelled
-                    n = 1
-                    while True:
-                        try:
-                            await attempt(node, made)
-                            break
-                        except InfraError as exc:
-                            self._attempt_failed(node.id, n, "episode", exc, retries)
-                            while made:  # the failed machine goes before the next boot
-                                self.machines.pop(node.id, None)
-                                await _to_the_end(self.backend.delete(made.pop()))
-                            if n > retries:
-                                self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                                break
-                            n += 1
-                            result.rows[node.id]["attempts"] = n
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "episode", "ok")
+                    await retry.again(self, [node.id], "episode", retries, once, drop)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -522,26 +469,19 @@ class Workbench:
         sem = asyncio.Semaphore(concurrency)
 
         async def run_retrying(node: Node, ref: MachineRef) -> None:
-            n = int(ref.info.get("attempts", 1))
-            while True:
-                try:
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "run", "ok")
-                    return
-                except InfraError as exc:
-                    self._attempt_failed(node.id, n, "run", exc, retries)
-                    alive = parent is not None and parent.name in self.machines
-                    if n > retries or not alive:
-                        self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                        return
-                    assert parent is not None
-                    await _to_the_end(self._drop(node.id))
-                    (ref,) = await self._branch(parent, [node.id], [node.seed], 0)
-                    self.machines[ref.name] = ref
-                    node.alive = True
-                    n += 1
-                    result.rows[node.id]["attempts"] = n
+            async def once(attempt: int) -> None:
+                result.rows[node.id]["attempts"] = attempt
+                await self._run_branch(result, node, self.machines[node.id], code, on_event, timeout, push)
+
+            async def rebranch(attempt: int) -> None:  # a new copy of the (still live) parent
+                await _to_the_end(self._drop(node.id))
+                if parent is None or parent.name not in self.machines:
+                    raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
+                (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
+                self.machines[new.name] = new
+                node.alive = True
+
+            await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
