@@ -4,7 +4,11 @@ Example::
 
     image = "debian:bookworm"      # or "./rootfs", or an OCI ref on the smol backend
     cpus = 2
-    memory = "2G"                  # or an integer number of MiB
+    memory = "2G"                  # or an integer number of MiB; at most the host's RAM
+    pids = 256                     # processes and threads at once (a fork bomb stops here)
+    disk = "1G"                    # workspace + /tmp budget
+    init_timeout = 300             # seconds all of init may take
+    max_alive = 8                  # kept idle machines alive at once (least recently used go first)
     net = false
     workdir = "/workspace"
     init = ["pip install numpy"]
@@ -37,6 +41,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, NoReturn
 
+from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolfileError
 from smolbench.images import has_python, is_path_image, is_valid_image_name
 from smolbench.spec import MachineSpec, Volume
@@ -49,12 +54,16 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 TOP_KEYS = (
     "branch",
     "cpus",
+    "disk",
     "env",
     "image",
     "init",
+    "init_timeout",
+    "max_alive",
     "memory",
     "net",
     "network",
+    "pids",
     "volumes",
     "workdir",
 )
@@ -65,6 +74,11 @@ VOLUME_KEYS = ("guest", "host", "readonly")
 
 MAX_CPUS = 64
 MIN_MEMORY = 128  # MiB
+MIN_DISK = 16  # MiB
+MIN_PIDS = 16  # the agent itself needs a few threads
+MAX_PIDS = 32768
+MAX_INIT_TIMEOUT = 86400.0
+MAX_ALIVE = 1024
 
 _MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 _MEMORY_UNITS = {"": Decimal(1), "K": Decimal(1) / 1024, "M": Decimal(1), "G": Decimal(1024)}
@@ -215,6 +229,14 @@ class _Parser:
             spec["cpus"] = self.cpus(data["cpus"])
         if "memory" in data:
             spec["memory"] = self.memory(data["memory"])
+        if "pids" in data:
+            spec["pids"] = self.bounded_int(data["pids"], "pids", MIN_PIDS, MAX_PIDS, "processes and threads")
+        if "disk" in data:
+            spec["disk_mib"] = self.size(data["disk"], "disk", MIN_DISK, "RAM (the workspace and /tmp live in memory)")
+        if "init_timeout" in data:
+            spec["init_timeout"] = self.seconds(data["init_timeout"], "init_timeout")
+        if "max_alive" in data:
+            spec["max_alive"] = self.bounded_int(data["max_alive"], "max_alive", 1, MAX_ALIVE, "kept machines")
         if "net" in data:
             spec["net"] = self.boolean(data["net"], "net")
         if "env" in data:
@@ -307,43 +329,84 @@ class _Parser:
             self.fail_at(f"'cpus' must be an integer >= 1, got {value}", "cpus")
         if value > MAX_CPUS:
             self.fail_at(f"'cpus' must be an integer <= {MAX_CPUS}, got {value}", "cpus")
+        cores = host_cpus()
+        if value > cores:
+            self.fail_at(
+                f"'cpus' is more than this host's {cores} cores, got {value}; write cpus = {cores} or less",
+                "cpus",
+            )
         return value
 
     def memory(self, value: Any) -> int:
-        example = 'write memory = 2048 (MiB) or memory = "2G"'
+        return self.size(value, "memory", MIN_MEMORY, "RAM")
+
+    def size(self, value: Any, key: str, minimum: int, of_host: str) -> int:
+        """A size in MiB: an integer, or a string like "512M" / "2G"; at most the host's RAM."""
+        example = f'write {key} = 2048 (MiB) or {key} = "2G"'
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             self.fail_at(
-                f"'memory' must be an integer number of MiB or a string like \"2G\", "
+                f"'{key}' must be an integer number of MiB or a string like \"2G\", "
                 f"got {_describe(value)}; {example}",
-                "memory",
+                key,
             )
         if isinstance(value, str):
             match = _MEMORY_RE.fullmatch(value)
             if not match:
                 self.fail_at(
-                    f"'memory' {value!r} is not a size; use a number with an optional unit "
+                    f"'{key}' {value!r} is not a size; use a number with an optional unit "
                     f'K, M, G or T (like "512M" or "2G"); {example}',
-                    "memory",
+                    key,
                 )
             try:
                 mib = Decimal(match.group(1)) * _MEMORY_UNITS[match.group(2).upper()]
             except InvalidOperation:  # pragma: no cover - the regex admits only numbers
-                self.fail_at(f"'memory' {value!r} is not a size; {example}", "memory")
+                self.fail_at(f"'{key}' {value!r} is not a size; {example}", key)
             if mib != mib.to_integral_value():
-                self.fail_at(
-                    f"'memory' {value!r} is not a whole number of MiB; {example}", "memory"
-                )
-            memory = int(mib)
+                self.fail_at(f"'{key}' {value!r} is not a whole number of MiB; {example}", key)
+            size = int(mib)
         else:
-            memory = value
-        if memory < MIN_MEMORY:
+            size = value
+        shown = f"{value!r}{' (' + str(size) + ' MiB)' if isinstance(value, str) else ''}"
+        if size < minimum:
             self.fail_at(
-                f"'memory' must be at least {MIN_MEMORY} MiB, got {value!r}"
-                f"{' (' + str(memory) + ' MiB)' if isinstance(value, str) else ''}; "
-                f"write memory = {MIN_MEMORY} or more",
-                "memory",
+                f"'{key}' must be at least {minimum} MiB, got {shown}; write {key} = {minimum} or more",
+                key,
             )
-        return memory
+        host = host_memory_mib()
+        if size > host:
+            self.fail_at(
+                f"'{key}' is more than this host's {of_host} ({host} MiB), got {shown}; "
+                f"write {key} = {host} or less",
+                key,
+            )
+        return size
+
+    def bounded_int(self, value: Any, key: str, low: int, high: int, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            hint = ""
+            if isinstance(value, str) and value.strip().isdigit():
+                hint = f" (write {key} = {value.strip()}, without quotes)"
+            self.fail_at(f"'{key}' must be a whole number of {what}, got {_describe(value)}{hint}", key)
+        if not low <= value <= high:
+            fix = low if value < low else high
+            self.fail_at(
+                f"'{key}' must be from {low} to {high} {what}, got {value}; write {key} = {fix}", key
+            )
+        return value
+
+    def seconds(self, value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail_at(
+                f"'{key}' must be a number of seconds, got {_describe(value)}; write {key} = 600",
+                key,
+            )
+        if not 0 < value <= MAX_INIT_TIMEOUT:
+            self.fail_at(
+                f"'{key}' must be more than 0 and at most {MAX_INIT_TIMEOUT:g} seconds, "
+                f"got {value}; write {key} = 600",
+                key,
+            )
+        return float(value)
 
     def env(self, value: Any) -> tuple[tuple[str, str], ...]:
         if not isinstance(value, dict):

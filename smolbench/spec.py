@@ -35,6 +35,10 @@ class MachineSpec:
     init: tuple[str, ...] = ()
     volumes: tuple[Volume, ...] = ()
     branch: bool = True
+    pids: int = 256  # processes and threads the machine may have at once
+    disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default
+    init_timeout: float = 300.0  # seconds all of ``init`` may take
+    max_alive: int = 8  # kept (idle) machines alive at once; more are deleted, least recently used first
     source: str | None = field(default=None, compare=False)  # Smolfile path, for messages
 
     @property
@@ -50,6 +54,7 @@ class MachineSpec:
     def baseline(self) -> str:
         """A short, stable identifier of this baseline (recorded in the ledger)."""
         data = asdict(self)
-        data.pop("source", None)
+        for key in ("source", "init_timeout", "max_alive"):  # policy, not what the machine is
+            data.pop(key, None)
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.image or 'host'}@{digest}"

@@ -1,45 +1,24 @@
-"""SmolBackend end to end against doubles of the real smol SDK classes.
-
-The doubles are ``create_autospec`` of ``smol.Machine`` (class and instance), so a
-call that drifts from the SDK's real signatures fails here. Behind them, each
-fake VM is a directory standing in for the guest's root filesystem: commands run
-as real host processes with every absolute path argument mapped into it, so the
-real guest agent, launcher and ``client.py`` do the work, and ``exec_stream``
-returns a real ``smol.ExecStream`` whose stdout chunks split lines on purpose.
-A branch or a checkpoint copies the agent's RAM the only way a process can: the
-fake asks the agent to ``os.fork()`` itself into the copy's directory.
-"""
+"""SmolBackend end to end against a fake smol engine (``fakesmol.py``) that behaves like the
+real local SDK, including where the real one differs from its docs."""
 
 from __future__ import annotations
 
 import asyncio
-import codecs
-import contextlib
-import itertools
 import json
-import os
 import pickle
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest.mock import MagicMock, create_autospec
 
 import pytest
 import smol
+from fakesmol import FakeHost, all_gone, fake_host
 from smol import (
     ConnectOptions,
-    ExecOptions,
-    ExecResult,
-    ExecStream,
     InvalidConfigError,
-    Machine,
-    MachineConfig,
     MountSpec,
     PortableCheckpointInfo,
     SmolError,
@@ -49,315 +28,14 @@ from smolbench.backends import probe as probemod
 from smolbench.backends import smol as smolmod
 from smolbench.backends.base import CellRequest, CellResult, Event, MachineRef
 from smolbench.backends.smol import SmolBackend
-from smolbench.errors import BackendUnavailable, SmolbenchError
+from smolbench.errors import BackendUnavailable, InfraError, SmolbenchError
 from smolbench.guest import protocol as P
 from smolbench.spec import MachineSpec, Volume
-
-CHUNK = 23  # bytes per stdout chunk of the fake exec_stream: splits reply lines mid-line
-
-
-def _ignore_sockets(directory: str, names: list[str]) -> list[str]:
-    return [
-        n
-        for n in names
-        if not os.path.isfile(os.path.join(directory, n))
-        and not os.path.isdir(os.path.join(directory, n))
-    ]
-
-
-class FakeHost:
-    """Plays smol's engine for the tests: makes fake VMs and remembers every call."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.vms: list[FakeVM] = []
-        self.popens: list[subprocess.Popen[bytes]] = []
-        self.fork_names: list[str] = []
-        self.checkpoints: dict[str, tuple[Path, int]] = {}
-        self.chunks: list[str] = []
-        self._serial = itertools.count(1)
-        self.cls = create_autospec(Machine)
-        self.cls.create.side_effect = self.create
-        self.cls.restore_checkpoint.side_effect = self.restore_checkpoint
-        self.cls.delete_by_name.side_effect = lambda machine_id, conn=None, drain_secs=None: None
-
-    def new_root(self) -> Path:
-        root = self.base / f"vm{next(self._serial)}"
-        root.mkdir()
-        return root
-
-    def create(
-        self, config: MachineConfig | None = None, conn: ConnectOptions | None = None
-    ) -> Any:
-        assert config is not None and config.name
-        vm = FakeVM(self, config.name, self.new_root())
-        return vm.machine
-
-    def restore_checkpoint(
-        self,
-        checkpoint_id: str,
-        name: str,
-        conn: ConnectOptions | None = None,
-        network: bool | None = None,
-        cache_disk: Any = None,
-    ) -> Any:
-        if checkpoint_id not in self.checkpoints:
-            raise SmolError("NOT_FOUND", f"no checkpoint at {checkpoint_id}")
-        root, pid = self.checkpoints.pop(checkpoint_id)
-        vm = FakeVM(self, name, root)
-        vm.agent_pid, vm.agent_sock = pid, self.sock_of(root)
-        return vm.machine
-
-    @staticmethod
-    def sock_of(root: Path) -> str | None:
-        run = root / "run" / "smolbench"
-        socks = sorted(run.glob("*.sock")) if run.is_dir() else []
-        return str(socks[0]) if socks else None
-
-    def agent_fork(self, parent: FakeVM, root: Path) -> int:
-        """Copy ``parent``'s agent (its "RAM") into ``root``, listening on the same guest path."""
-        assert parent.agent_sock is not None
-        guest_sock = "/" + os.path.relpath(parent.agent_sock, parent.root)
-        shutil.copytree(parent.root, root, ignore=_ignore_sockets, dirs_exist_ok=True)
-        name = f"smolfake{os.getpid()}x{next(self._serial)}"
-        self.fork_names.append(name)
-        msg = {
-            "op": "fork",
-            "children": [{"name": name, "seed": None, "socket": f"{root}{guest_sock}"}],
-        }
-        replies = talk(parent.agent_sock, msg)
-        assert replies[-1]["status"] == "ok", replies
-        return int(replies[-1]["children"][0]["pid"])
-
-    def cleanup(self) -> None:
-        for vm in self.vms:
-            vm.kill()
-        for proc in self.popens:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for name in self.fork_names:  # the agent's private-files base for each fork
-            with contextlib.suppress(OSError):
-                os.rmdir(f"/run/.smolbench-branch-{name}")
-
-
-def talk(sock: str, msg: dict[str, Any]) -> list[dict[str, Any]]:
-    """Send one request straight to an agent socket and read all replies."""
-    import socket as socketlib
-
-    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(sock)
-        s.sendall(P.encode(msg))
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return [P.decode(line) for line in data.splitlines() if line.strip()]
-
-
-class FakeVM:
-    """One fake machine: an autospec'd ``smol.Machine`` whose methods act on a directory."""
-
-    def __init__(self, host: FakeHost, name: str, root: Path) -> None:
-        self.host, self.name, self.root = host, name, root
-        self.agent_pid: int | None = None
-        self.agent_sock: str | None = None
-        self.deleted = False
-        self.fail_delete: SmolError | None = None
-        m = create_autospec(Machine, instance=True)
-        m.name, m.id = name, name
-        m.exec.side_effect = self.exec
-        m.exec_stream.side_effect = self.exec_stream
-        m.write_file.side_effect = self.write_file
-        m.read_file.side_effect = self.read_file
-        m.branch_batch.side_effect = self.branch_batch
-        m.checkpoint.side_effect = self.checkpoint
-        m.delete.side_effect = self.delete
-        self.machine: MagicMock = m
-        host.vms.append(self)
-
-    def path(self, guest: str) -> str:
-        return f"{self.root}{guest}" if guest.startswith("/") else guest
-
-    def argv(self, command: list[str]) -> list[str]:
-        assert all(isinstance(a, str) for a in command), command
-        head = sys.executable if command[0] == "python3" else command[0]
-        return [head, *(self.path(a) for a in command[1:])]
-
-    def _alive(self) -> None:
-        if self.deleted:
-            raise SmolError("NOT_FOUND", f"machine {self.name} not found")
-
-    def exec(self, command: list[str], opts: ExecOptions | None = None) -> ExecResult:
-        self._alive()
-        opts = opts or ExecOptions()
-        env = {**os.environ, **(opts.env or {})}
-        if opts.background:
-            proc = subprocess.Popen(
-                self.argv(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            self.host.popens.append(proc)
-            self.agent_pid = proc.pid
-            self.agent_sock = self.path(command[command.index("--socket") + 1])
-            return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
-        stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
-        try:
-            res = subprocess.run(
-                self.argv(command),
-                input=stdin or b"",
-                capture_output=True,
-                env=env,
-                timeout=opts.timeout,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise SmolError("TIMEOUT", f"command timed out: {command}") from exc
-        return ExecResult(
-            exit_code=res.returncode, stdout=res.stdout.decode(), stderr=res.stderr.decode()
-        )
-
-    def exec_stream(self, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
-        self._alive()
-        opts = opts or ExecOptions()
-        proc = subprocess.Popen(
-            self.argv(command),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else (opts.stdin or b"")
-        proc.stdin.write(stdin)
-        proc.stdin.close()
-        out, err = proc.stdout, proc.stderr
-        chunks = self.host.chunks
-
-        def events() -> Iterator[dict[str, Any]]:
-            decoder = codecs.getincrementaldecoder("utf-8")()
-            try:
-                while data := os.read(out.fileno(), CHUNK):
-                    text = decoder.decode(data)
-                    if text:
-                        chunks.append(text)
-                        yield {"kind": "stdout", "data": text}
-                tail = err.read().decode()
-                if tail:
-                    yield {"kind": "stderr", "data": tail}
-                yield {"kind": "exit", "exit_code": proc.wait()}
-            finally:
-                out.close()
-                err.close()
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-
-        return ExecStream(events(), proc.kill)
-
-    def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
-        self._alive()
-        host = Path(self.path(path))
-        if not host.parent.is_dir():  # like a guest without the directory
-            raise SmolError("SMOLVM_ERROR", f"write {path}: no such directory")
-        host.write_bytes(data.encode() if isinstance(data, str) else data)
-        if mode is not None:
-            host.chmod(mode)
-
-    def read_file(self, path: str) -> bytes:
-        self._alive()
-        return Path(self.path(path)).read_bytes()
-
-    def branch_batch(
-        self,
-        count: int | None = None,
-        *,
-        names: list[str] | None = None,
-        name_prefix: str | None = None,
-        ports: Any = None,
-        freeze_source: bool = False,
-    ) -> list[Any]:
-        self._alive()
-        assert names, "smolbench names every branch"
-        kids = []
-        for name in names:
-            root = self.host.new_root()
-            pid = self.host.agent_fork(self, root)
-            kid = FakeVM(self.host, name, root)
-            kid.agent_pid, kid.agent_sock = (
-                pid,
-                f"{root}/{os.path.relpath(self.agent_sock or '', self.root)}",
-            )
-            kids.append(kid.machine)
-        return kids
-
-    def checkpoint(
-        self, output: str | None = None, *, store: str | None = None
-    ) -> PortableCheckpointInfo:
-        self._alive()
-        assert output is not None and store is not None
-        root = self.host.new_root()
-        pid = self.host.agent_fork(self, root)  # frozen "RAM": an idle copy of the agent
-        Path(output).write_text(json.dumps({"fake": str(root)}))
-        Path(store, "chunk-0").write_bytes(b"x" * 100)
-        self.host.checkpoints[output] = (root, pid)
-        return PortableCheckpointInfo(
-            id=output,
-            machine_id=self.name,
-            status="available",
-            size_bytes=4242,
-            arch="x86_64",
-            created_at="",
-            download_url="",
-            path=output,
-        )
-
-    def kill(self) -> None:
-        if self.agent_pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.agent_pid, signal.SIGKILL)
-
-    def delete(self, include_usage: bool = False, drain_secs: float | None = None) -> None:
-        if self.fail_delete is not None:
-            raise self.fail_delete
-        self._alive()
-        self.deleted = True
-        self.kill()
 
 
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
-    """A fake smol engine patched in where smolbench looks Machine up; kills what it started."""
-    base = Path(tempfile.mkdtemp(prefix="sbsm", dir="/tmp"))  # short: Unix socket paths are short
-    fake = FakeHost(base)
-    monkeypatch.setattr(smolmod, "Machine", fake.cls)
-    monkeypatch.setattr(smolmod, "READY_TIMEOUT", 15.0)
-    try:
-        yield fake
-    finally:
-        fake.cleanup()
-        shutil.rmtree(base, ignore_errors=True)
-        pids = [vm.agent_pid for vm in fake.vms if vm.agent_pid]
-        assert _all_gone(pids), f"agent processes left running: {pids}"
-
-
-def _all_gone(pids: list[int], wait: float = 5.0) -> bool:
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if not [p for p in pids if _running(p)]:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    yield from fake_host(monkeypatch)
 
 
 def run(coro: Any) -> Any:
@@ -468,11 +146,6 @@ def test_branch_disabled_makes_a_plain_machine() -> None:
     assert config.branchable is False and config.forkable is False
 
 
-def test_rootfs_directory_images_are_refused() -> None:
-    with pytest.raises(SmolbenchError, match="OCI images, not rootfs directories"):
-        backend().machine_config(MachineSpec(image="/srv/rootfs"), "x")
-
-
 def test_image_without_python_is_reported_and_deleted(
     host: FakeHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -517,15 +190,40 @@ def test_cell_streams_stdout_and_keeps_state(host: FakeHost) -> None:
     assert plain(big) == "3"
     assert "".join(e.text for e in big_events) == "y" * 100000 + "\n"
     assert any(not c.endswith("\n") for c in host.chunks), "the fake must split lines across chunks"
-    stream_calls = host.vms[0].machine.exec_stream.call_args_list
-    argv, opts = stream_calls[0].args
-    assert argv == ["python3", "/opt/smolbench/client.py", "/run/smolbench/root.sock"]
-    assert P.decode(opts.stdin)["op"] == "exec"
+    # Every request reaches the relay as a file: the real local exec_stream drops stdin.
+    for call in host.vms[0].machine.exec_stream.call_args_list:
+        argv, opts = call.args
+        assert argv[:5] == ["sh", "-c", smolmod.RELAY_FILE, smolmod.CLIENT, "/run/smolbench/root.sock"]
+        assert argv[5].startswith("/run/smolbench/request-") and opts.stdin is None
+    written = [c.args for c in host.vms[0].machine.write_file.call_args_list]
+    assert any(P.decode(data)["op"] == "exec" for path, data, _ in written if "request-" in path)
+    assert not list((host.vms[0].root / "run" / "smolbench").glob("request-*")), (
+        "request files are removed"
+    )
+
+
+def test_a_relay_given_no_request_fails_at_once(host: FakeHost) -> None:
+    """If a request ever reaches client.py empty again, the cell fails in one line, not hangs."""
+    b = backend()
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            vm = host.vms[0].machine
+            res = await asyncio.to_thread(
+                vm.exec_stream, ["python3", smolmod.CLIENT, ref.info["socket"]]
+            )
+            return "".join(e.get("data", "") for e in res if e["kind"] == "stdout")
+        finally:
+            await b.close()
+
+    out = P.decode(run(main()).encode())
+    assert out["status"] == "error" and "no request" in out["error"]["evalue"]
 
 
 def test_a_big_push_travels_as_a_file(host: FakeHost) -> None:
     b = backend()
-    blob = pickle.dumps(b"x" * (smolmod.STDIN_LIMIT + 1000))
+    blob = pickle.dumps(b"x" * (512 * 1024))
 
     async def main() -> CellResult:
         ref = await b.create(MachineSpec(), "root")
@@ -536,12 +234,7 @@ def test_a_big_push_travels_as_a_file(host: FakeHost) -> None:
             await b.close()
 
     res = run(main())
-    assert plain(res) == str(smolmod.STDIN_LIMIT + 1000) and res.pulled["blob"] == blob
-    argv, opts = host.vms[0].machine.exec_stream.call_args.args
-    assert argv[:2] == ["sh", "-c"] and opts.stdin is None
-    assert not list((host.vms[0].root / "run" / "smolbench").glob("request-*")), (
-        "request file removed"
-    )
+    assert plain(res) == str(512 * 1024) and res.pulled["blob"] == pickle.loads(blob)
 
 
 def test_remote_error_comes_back_with_its_traceback(host: FakeHost) -> None:
@@ -782,8 +475,8 @@ def test_an_agent_that_dies_at_start_is_reported_at_once(
             "the smol cloud rejected the token",
         ),
         (
-            SmolError("TIMEOUT", "machine 'x' did not become ready within 120s"),
-            SmolbenchError,
+            SmolError("TIMEOUT", "machine 'x' did not answer within 30s"),
+            InfraError,
             "the machine did not answer in time",
         ),
         (
@@ -941,8 +634,11 @@ def test_probe_skip_env_boots_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert probemod.probe_smol() == (False, "probe skipped by SMOLBENCH_SMOL_PROBE=skip")
 
 
-def test_probe_reports_local_availability_without_booting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_reports_local_availability_without_booting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("SMOLBENCH_SMOL_PROBE", raising=False)
+    monkeypatch.setattr(probemod, "KVM_PVM", str(tmp_path / "absent"))
     monkeypatch.setattr(
         smol, "local_availability", lambda: (False, "KVM_UNAVAILABLE", "no /dev/kvm")
     )
@@ -956,6 +652,7 @@ def test_probe_reports_local_availability_without_booting(monkeypatch: pytest.Mo
 def test_probe_verdict_is_cached_per_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SMOLBENCH_SMOL_PROBE", raising=False)
     monkeypatch.setenv("SMOLBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(probemod, "KVM_PVM", str(tmp_path / "absent"))
     monkeypatch.setattr(smol, "local_availability", lambda: (True, None, None))
     boots: list[float] = []
 
@@ -987,7 +684,7 @@ def test_bounded_run_kills_the_whole_process_group(tmp_path: Path) -> None:
     started = time.monotonic()
     code, _ = probemod._run_bounded([sys.executable, "-c", script], 2.0)
     assert code is None and time.monotonic() - started < 10
-    assert _all_gone([int(pidfile.read_text())])
+    assert all_gone([int(pidfile.read_text())])
 
 
 def test_kvm_diagnosis_speaks_plainly() -> None:

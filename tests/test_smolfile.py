@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
+from smolbench import smolfile
 from smolbench.errors import SmolfileError
 from smolbench.smolfile import load_smolfile, parse_smolfile
 from smolbench.spec import MachineSpec, Volume
 
-TOP_ALLOWED = "allowed keys: branch, cpus, env, image, init, memory, net, network, volumes, workdir"
+TOP_ALLOWED = (
+    "allowed keys: branch, cpus, disk, env, image, init, init_timeout, max_alive, memory, net, "
+    "network, pids, volumes, workdir"
+)
 HOST_FIX = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
+
+
+@pytest.fixture(autouse=True)
+def host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed host (8 cores, 16 GiB) so the upper-bound messages don't depend on this machine."""
+    monkeypatch.setattr(smolfile, "host_cpus", lambda: 8)
+    monkeypatch.setattr(smolfile, "host_memory_mib", lambda: 16384)
 
 
 @pytest.fixture
@@ -71,6 +83,26 @@ def test_full_smolfile(base: Path) -> None:
     )
     assert spec.source == "Smolfile"
     assert spec.env_dict == {"ALPHA": "a b", "SEED": "0"}
+
+
+def test_limit_keys() -> None:
+    spec = parse_smolfile('pids = 64\ndisk = "512M"\ninit_timeout = 2.5\nmax_alive = 3\nmemory = "1G"')
+    assert (spec.pids, spec.disk_mib, spec.init_timeout, spec.max_alive, spec.memory) == (64, 512, 2.5, 3, 1024)
+    default = MachineSpec()
+    assert (default.pids, default.disk_mib, default.init_timeout, default.max_alive) == (256, None, 300.0, 8)
+    # policy keys do not change what the machine is; limits do
+    assert spec.baseline() != default.baseline()
+    assert parse_smolfile("max_alive = 2\ninit_timeout = 9").baseline() == default.baseline()
+
+
+def test_real_host_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against this machine's own RAM and cores (no fixed host)."""
+    monkeypatch.undo()
+    with pytest.raises(SmolfileError, match=r"^Smolfile line 1: 'memory' is more than this host's RAM \(\d+ MiB\), got '10000T'"):
+        parse_smolfile('memory = "10000T"')
+    too_many = (os.cpu_count() or 1) + 1
+    with pytest.raises(SmolfileError, match=rf"^Smolfile line 1: 'cpus' is more than this host's \d+ cores, got {too_many}"):
+        parse_smolfile(f"cpus = {too_many}")
 
 
 def test_empty_smolfile_is_the_default() -> None:
@@ -371,6 +403,75 @@ BAD: list[tuple[str, str, str]] = [
         "cpus = 2\nimage = debian:bookworm\n",
         "Smolfile line 2: TOML syntax error: Invalid value (column 9); fix the TOML syntax there "
         '(strings need quotes: image = "debian:bookworm")',
+    ),
+    (
+        "cpus-more-than-host",
+        "cpus = 9",
+        "Smolfile line 1: 'cpus' is more than this host's 8 cores, got 9; write cpus = 8 or less",
+    ),
+    (
+        "memory-more-than-host",
+        'memory = "10000T"',
+        "Smolfile line 1: 'memory' is more than this host's RAM (16384 MiB), got '10000T' "
+        "(10485760000 MiB); write memory = 16384 or less",
+    ),
+    (
+        "memory-int-more-than-host",
+        "\nmemory = 16385",
+        "Smolfile line 2: 'memory' is more than this host's RAM (16384 MiB), got 16385; "
+        "write memory = 16384 or less",
+    ),
+    (
+        "pids-too-few",
+        "pids = 2",
+        "Smolfile line 1: 'pids' must be from 16 to 32768 processes and threads, got 2; "
+        "write pids = 16",
+    ),
+    (
+        "pids-too-many",
+        "pids = 1000000",
+        "Smolfile line 1: 'pids' must be from 16 to 32768 processes and threads, got 1000000; "
+        "write pids = 32768",
+    ),
+    (
+        "pids-string",
+        'pids = "64"',
+        "Smolfile line 1: 'pids' must be a whole number of processes and threads, "
+        "got string '64' (write pids = 64, without quotes)",
+    ),
+    (
+        "disk-too-small",
+        'disk = "1M"',
+        "Smolfile line 1: 'disk' must be at least 16 MiB, got '1M' (1 MiB); write disk = 16 or more",
+    ),
+    (
+        "disk-more-than-host",
+        'disk = "1T"',
+        "Smolfile line 1: 'disk' is more than this host's RAM (the workspace and /tmp live in "
+        "memory) (16384 MiB), got '1T' (1048576 MiB); write disk = 16384 or less",
+    ),
+    (
+        "disk-bad",
+        "disk = 1.5",
+        "Smolfile line 1: 'disk' must be an integer number of MiB or a string like \"2G\", "
+        'got float 1.5; write disk = 2048 (MiB) or disk = "2G"',
+    ),
+    (
+        "init-timeout-zero",
+        "init_timeout = 0",
+        "Smolfile line 1: 'init_timeout' must be more than 0 and at most 86400 seconds, got 0; "
+        "write init_timeout = 600",
+    ),
+    (
+        "init-timeout-string",
+        'init_timeout = "10m"',
+        "Smolfile line 1: 'init_timeout' must be a number of seconds, got string '10m'; "
+        "write init_timeout = 600",
+    ),
+    (
+        "max-alive-zero",
+        "max_alive = 0",
+        "Smolfile line 1: 'max_alive' must be from 1 to 1024 kept machines, got 0; write max_alive = 1",
     ),
     (
         "toml-duplicate-key",

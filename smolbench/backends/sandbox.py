@@ -5,35 +5,25 @@ host's system directories read-only, or a pinned rootfs image), its own /tmp,
 /run and workspace, no network unless asked, and no view of the host's home.
 It shares the host kernel. A live branch is an ``os.fork()`` of the warm agent
 inside the same sandbox, with its own socket and private copies of the
-workspace and /tmp.
+workspace and /tmp. Talking to the agent, branching, limits and deleting are
+shared with the process backend (``_agenthost``); this module is the sandbox.
 
-Without ``bwrap`` on the host the agent runs as a plain process, with a loud
-warning: then there is no isolation at all.
+Without ``bwrap`` on the host this backend refuses to start and says how to
+install it; the ``process`` backend is the no-isolation alternative.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import contextlib
 import os
 import shutil
-import signal
 import sys
-import tarfile
-import tempfile
-import time
-import warnings
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-from ..errors import BackendUnavailable, SmolbenchError
+from ..errors import BackendUnavailable
 from ..guest import AGENT_FILES, GUEST_DIR
-from ..guest import protocol as P
 from ..spec import MachineSpec
-from ._wire import exec_message, read_replies, to_result
-from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+from ._agenthost import AgentHostBackend
 
 # Host root entries a default sandbox sees (read-only); the rest (home, /root,
 # /mnt, /work, /srv, ...) stays hidden unless a Smolfile volume declares it.
@@ -43,7 +33,6 @@ SPECIAL_DIRS = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
 GUEST_RUN = "/run/smolbench"
 GUEST_AGENT = "/run/smolbench-agent"
 GUEST_LIB = "/run/smolbench-lib"
-BOOT_TIMEOUT = 30.0
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
 
 
@@ -60,83 +49,31 @@ def _cloudpickle_dir() -> Path | None:
     return Path(cloudpickle.__file__).resolve().parent
 
 
-class SandboxBackend(Backend):
+class SandboxBackend(AgentHostBackend):
     """Machines as bubblewrap sandboxes on this host; branches by ``os.fork()``."""
 
     name = "sandbox"
 
-    def __init__(self, *, use_bwrap: bool | None = None, runtime_dir: str | None = None) -> None:
-        self._bwrap = bwrap_path() if use_bwrap in (None, True) else None
-        if use_bwrap and not self._bwrap:
-            raise BackendUnavailable("bubblewrap is not installed: apt-get install bubblewrap (or use the plain-process fallback)")
-        self._runtime_base = runtime_dir
-        self._machines: dict[str, MachineRef] = {}
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
-        if not self._bwrap:
-            warnings.warn(
-                "smolbench: bubblewrap (bwrap) is not installed, so machines run as PLAIN PROCESSES "
-                "with NO isolation (full access to your files and network). Install it: apt-get install bubblewrap",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    def __init__(self, *, runtime_dir: str | None = None) -> None:
+        bwrap = bwrap_path()
+        if not bwrap:
+            raise BackendUnavailable(
+                "the sandbox backend needs bubblewrap, which is not installed: "
+                "`apt-get install bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap` (Fedora), "
+                "or use `--backend process` (no isolation)")
+        super().__init__(runtime_dir=runtime_dir)
+        self._bwrap = bwrap
 
     @property
     def isolation(self) -> str:
-        if self._bwrap:
-            return "bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), not a VM; shares the host kernel"
-        return "NONE: plain host process (bubblewrap not installed); cells can read and write your files and use the network"
+        return "bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), not a VM; shares the host kernel"
 
-    # -- lifecycle ------------------------------------------------------------------
-
-    async def create(self, spec: MachineSpec, name: str) -> MachineRef:
-        if name in self._machines:
-            raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` first or pick another name")
-        run_dir = Path(tempfile.mkdtemp(prefix="smolbench-", dir=self._runtime_base))
-        os.chmod(run_dir, 0o700)
-        workspace = run_dir / "workspace"
-        workspace.mkdir()
-        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name})
-        argv, guest_run, workdir = self._command(spec, name, run_dir, workspace)
-        ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(run_dir / f"{name}.sock"))
-        log = open(run_dir / "agent.log", "wb")
-        try:
-            # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not reach
-            # the machine; we deliver interrupts ourselves. This runs on the workbench's loop
-            # thread, which lives as long as the kernel, so --die-with-parent ties the sandbox
-            # to the kernel process.
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                env=self._host_env(spec, name),
-            )
-        finally:
-            log.close()
-        self._procs[name] = proc
-        self._machines[name] = ref
-        ref.info["pid"] = proc.pid
-        try:
-            await self._wait_ready(ref, proc, run_dir / f"{name}.ready")
-        except BaseException:
-            await self.delete(ref)
-            raise
-        return ref
-
-    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path) -> tuple[list[str], str, str]:
+    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
+                 agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
         rootfs = resolve_rootfs(spec.image)
         cp = _cloudpickle_dir()
-        if not self._bwrap:
-            python = sys.executable
-            agent = str(GUEST_DIR / "agent.py")
-            argv = [python, "-u", agent, "--socket", str(run_dir / f"{name}.sock"), "--name", name,
-                    "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready"), "--no-mount-ns"]
-            if cp:
-                argv += ["--lib", str(cp.parent)]
-            return argv, str(run_dir), str(workspace)
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
                 "--cap-add", "CAP_SYS_ADMIN", "--die-with-parent", "--new-session"]
         if spec.network_enabled:
@@ -169,213 +106,10 @@ class SandboxBackend(Backend):
         for key, val in env.items():
             argv += ["--setenv", key, val]
         argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/{name}.sock",
-                 "--name", name, "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/{name}.ready"]
+                 "--name", name, "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/{name}.ready", *agent_args]
         if cp:
             argv += ["--lib", GUEST_LIB]
         return argv, GUEST_RUN, spec.workdir
-
-    @staticmethod
-    def _host_env(spec: MachineSpec, name: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(spec.env_dict)
-        env["SMOLBENCH_MACHINE"] = name  # as inside a sandbox (--setenv)
-        env.pop("PYTHONPATH", None)
-        return env
-
-    async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
-        deadline = time.monotonic() + BOOT_TIMEOUT
-        while not ready.exists():
-            if proc.returncode is not None:
-                raise BackendUnavailable(f"the sandbox for {ref.name!r} exited during start: {self._log_tail(ref)}")
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(f"the sandbox for {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
-            await asyncio.sleep(0.01)
-
-    @staticmethod
-    def _log_tail(ref: MachineRef) -> str:
-        try:
-            text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
-        except OSError:
-            return "(no log)"
-        return text.splitlines()[-1] if text else "(empty log)"
-
-    async def delete(self, machine: MachineRef) -> None:
-        ref = self._machines.pop(machine.name, None)
-        if ref is None:
-            return
-        for child in [m for m in self._machines.values() if m.parent == ref.name]:
-            await self.delete(child)
-        proc = self._procs.pop(ref.name, None)
-        if proc is not None:  # a root: the whole sandbox goes with its process group
-            # bwrap --new-session puts the machine's own processes in another session, so
-            # they are killed by pid, and we wait until they are gone, not just signalled.
-            inside = _descendants(proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            for pid, _ in inside:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            await proc.wait()
-            deadline = time.monotonic() + 10
-            while any(_running(*p) for p in inside) and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
-            shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
-            return
-        root = self._machines.get(ref.info["root"])
-        if root is not None and "guest_pid" in ref.info:
-            with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]})
-        with contextlib.suppress(OSError):
-            os.unlink(ref.info["socket"])
-
-    def list(self) -> builtins.list[MachineRef]:
-        return list(self._machines.values())
-
-    # -- talking to agents ------------------------------------------------------------
-
-    async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if ref.name not in self._machines:
-            raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
-        try:
-            return await asyncio.open_unix_connection(ref.info["socket"], limit=2**26)
-        except OSError as exc:
-            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
-
-    async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncIterator[bytes]:
-        reader, writer = await self._open(ref)
-        try:
-            writer.write(P.encode(msg))
-            await writer.drain()
-            while True:
-                line = await reader.readline()
-                if not line:
-                    return
-                yield line
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    async def _request(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
-        done = await read_replies(self._stream(ref, msg), None, f"machine {ref.name!r}")
-        if done.get("status") != "ok":
-            err = done.get("error") or {}
-            raise SmolbenchError(f"machine {ref.name!r}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
-        return done
-
-    async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
-        done = await read_replies(self._stream(machine, exec_message(request)), on_event, f"machine {machine.name!r}")
-        return to_result(done)
-
-    async def interrupt(self, machine: MachineRef) -> None:
-        with contextlib.suppress(SmolbenchError, OSError):
-            await self._request(machine, {"op": "interrupt"})
-
-    async def info(self, machine: MachineRef) -> dict[str, Any]:
-        """What the agent says about itself (python version, pid, cells run, ...)."""
-        return dict((await self._request(machine, {"op": "ping"}))["info"])
-
-    async def branch(
-        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
-    ) -> builtins.list[MachineRef]:
-        if len(names) != len(seeds):
-            raise ValueError("one seed per branch name")
-        run_dir = Path(machine.info["run_dir"])
-        guest_run = machine.info["guest_run"]
-        children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
-        done = await self._request(machine, {"op": "fork", "children": children})
-        refs = []
-        for made in done["children"]:
-            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
-                    "socket": str(run_dir / f"{made['name']}.sock"), "guest_pid": made["pid"]}
-            ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
-            self._machines[ref.name] = ref
-            refs.append(ref)
-        return refs
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
-        stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        host_stage = Path(machine.info["run_dir"]) / stage
-        try:  # the stage goes on every path, even when the machine fails to save
-            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
-            tmp = path + ".part"
-            with tarfile.open(tmp, "w:gz") as tar:
-                tar.add(host_stage / "namespace.pkl", arcname="namespace.pkl")
-                tar.add(host_stage / "workspace.tar", arcname="workspace.tar")
-            os.replace(tmp, path)
-        finally:
-            shutil.rmtree(host_stage, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.unlink(path + ".part")
-        warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
-        return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
-
-    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        stage = tempfile.mkdtemp(prefix="smolbench-restore-")
-        try:
-            try:
-                with tarfile.open(path, "r:gz") as tar:
-                    names = set(tar.getnames())
-                    if names != {"namespace.pkl", "workspace.tar"}:
-                        raise SmolbenchError(f"checkpoint {path} is not a sandbox checkpoint (has {sorted(names)})")
-                    tar.extractall(stage)
-            except (tarfile.TarError, EOFError, OSError) as exc:
-                raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
-            ref = await self.create(spec, name)
-            host_stage = Path(ref.info["run_dir"]) / "restore"
-            shutil.copytree(stage, host_stage)
-            try:
-                done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/restore"})
-            except SmolbenchError as exc:
-                await self.delete(ref)
-                why = str(exc).split(": ", 1)[-1]
-                raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
-            except BaseException:
-                await self.delete(ref)
-                raise
-            finally:
-                shutil.rmtree(host_stage, ignore_errors=True)
-            if done.get("skipped"):
-                ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
-            return ref
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state first), or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    return data[data.rfind(b")") + 2:].decode().split()
-
-
-def _descendants(pid: int) -> builtins.list[tuple[int, str]]:
-    """(pid, start time) of every process below ``pid``."""
-    children: dict[int, builtins.list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
-    out, todo = [], [pid]
-    while todo:
-        for kid in children.get(todo.pop(), []):
-            out.append(kid)
-            todo.append(kid[0])
-    return out
-
-
-def _running(pid: int, started: str) -> bool:
-    """True while that process (not a later one with the same pid) exists and is not a zombie."""
-    fields = _stat(pid)
-    return fields is not None and fields[19] == started and fields[0] not in ("Z", "X")
 
 
 def _bind_entry(root: Path, entry: str) -> list[str]:

@@ -15,6 +15,10 @@ def main(argv=None):
     argv = sys.argv if argv is None else argv
     path = argv[1]
     request = sys.stdin.buffer.readline()
+    if not request.strip():  # the agent would wait for it forever
+        sys.stdout.write('{"t":"done","status":"error","error":{"ename":"EmptyRequest",'
+                         '"evalue":"the relay got no request on stdin","traceback":[]}}\n')
+        return 4
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)

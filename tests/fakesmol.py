@@ -1,0 +1,411 @@
+"""A fake smol engine behind ``create_autospec`` doubles of the real ``smol.Machine``.
+
+A call that drifts from the SDK's real signatures fails here. Behind the doubles,
+each fake VM is a directory standing in for the guest's root filesystem: commands
+run as real host processes with every absolute path argument mapped into it, so
+the real guest agent, launcher and ``client.py`` do the work, and ``exec_stream``
+returns a real ``smol.ExecStream`` whose stdout chunks split lines on purpose.
+A branch or a checkpoint copies the agent's RAM the only way a process can: the
+fake asks the agent to ``os.fork()`` itself into the copy's directory.
+
+Where the real local SDK (smolmachines 1.32.2, seen on real microVMs) differs
+from its docs, the fake does what the real one does:
+
+- ``exec_stream`` drops ``ExecOptions.stdin``: the command reads EOF (``exec``
+  delivers it);
+- a ``branchable`` machine is started by ``start_forkable()``, which waits a fixed
+  180 s for the guest agent whatever ``ready_timeout_seconds`` says;
+- ``checkpoint()`` refuses a machine booted from a host-backed image (a rootfs
+  directory or a ``docker save`` archive) with CONFIG_ERROR.
+
+The agent runs with ``--no-mount-ns`` (its mode for a plain host process), so a
+branch copies only its own workspace inside the fake VM's directory, never the
+host's /tmp.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest.mock import MagicMock, create_autospec
+
+import pytest
+from smol import (
+    ConnectOptions,
+    ExecOptions,
+    ExecResult,
+    ExecStream,
+    Machine,
+    MachineConfig,
+    PortableCheckpointInfo,
+    SmolError,
+    wrap_native_error,
+)
+
+from smolbench.backends import smol as smolmod
+from smolbench.guest import protocol as P
+
+CHUNK = 23  # bytes per stdout chunk of the fake exec_stream: splits reply lines mid-line
+FORKABLE_AGENT_WAIT = 180.0  # start_forkable()'s fixed wait for the guest agent, in seconds
+AGENT_NOT_READY = (
+    "Agent error (start machine): agent operation failed: wait for ready: "
+    "agent did not become ready within 180 seconds"
+)
+HOST_BACKED = (
+    "[CONFIG_ERROR] Config (checkpoint machine): the initial portable checkpoint profile does "
+    "not support host-backed image layers; stop or detach these resources before capture"
+)
+
+
+def _ignore_sockets(directory: str, names: list[str]) -> list[str]:
+    return [
+        n
+        for n in names
+        if not os.path.isfile(os.path.join(directory, n))
+        and not os.path.isdir(os.path.join(directory, n))
+    ]
+
+
+def _host_backed(image: str | None) -> bool:
+    return bool(image) and str(image).startswith("/")
+
+
+class FakeHost:
+    """Plays smol's engine for the tests: makes fake VMs and remembers every call.
+
+    ``ready_seconds(config)`` is how long the guest agent of a new machine takes to
+    come up (0 by default); past the SDK's limits, create fails as the real one does.
+    """
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.vms: list[FakeVM] = []
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.checkpoints: dict[str, tuple[Path, int]] = {}
+        self.chunks: list[str] = []
+        self.ready_seconds: Callable[[MachineConfig], float] = lambda config: 0.0
+        # Called before every write_file (the relay writes each cell's request): a test can
+        # make a machine die there, as a VM lost to the host would.
+        self.before_write: Callable[[FakeVM, str], None] = lambda vm, path: None
+        self._serial = itertools.count(1)
+        self.cls = create_autospec(Machine)
+        self.cls.create.side_effect = self.create
+        self.cls.restore_checkpoint.side_effect = self.restore_checkpoint
+        self.cls.delete_by_name.side_effect = lambda machine_id, conn=None, drain_secs=None: None
+
+    def new_root(self) -> Path:
+        root = self.base / f"vm{next(self._serial)}"
+        root.mkdir()
+        return root
+
+    def create(
+        self, config: MachineConfig | None = None, conn: ConnectOptions | None = None
+    ) -> Any:
+        assert config is not None and config.name
+        ready = self.ready_seconds(config)
+        if config.branchable and ready > FORKABLE_AGENT_WAIT:
+            raise wrap_native_error(RuntimeError(f"[SMOLVM_ERROR] {AGENT_NOT_READY}"))
+        if not config.branchable and ready > config.ready_timeout_seconds:
+            raise SmolError(
+                "TIMEOUT",
+                f"machine '{config.name}' did not become ready within "
+                f"{config.ready_timeout_seconds:g}s",
+            )
+        vm = FakeVM(self, config.name, self.new_root(), config.image)
+        return vm.machine
+
+    def restore_checkpoint(
+        self,
+        checkpoint_id: str,
+        name: str,
+        conn: ConnectOptions | None = None,
+        network: bool | None = None,
+        cache_disk: Any = None,
+    ) -> Any:
+        if checkpoint_id not in self.checkpoints:
+            raise SmolError("NOT_FOUND", f"no checkpoint at {checkpoint_id}")
+        root, pid = self.checkpoints.pop(checkpoint_id)
+        vm = FakeVM(self, name, root, None)
+        vm.agent_pid, vm.agent_sock = pid, self.sock_of(root)
+        return vm.machine
+
+    @staticmethod
+    def sock_of(root: Path) -> str | None:
+        run = root / "run" / "smolbench"
+        socks = sorted(run.glob("*.sock")) if run.is_dir() else []
+        return str(socks[0]) if socks else None
+
+    def agent_fork(self, parent: FakeVM, root: Path) -> int:
+        """Copy ``parent``'s agent (its "RAM") into ``root``, listening on the same guest path."""
+        assert parent.agent_sock is not None
+        guest_sock = "/" + os.path.relpath(parent.agent_sock, parent.root)
+        shutil.copytree(parent.root, root, ignore=_ignore_sockets, dirs_exist_ok=True)
+        name = f"smolfake{os.getpid()}x{next(self._serial)}"
+        msg = {
+            "op": "fork",
+            "children": [{"name": name, "seed": None, "socket": f"{root}{guest_sock}"}],
+        }
+        replies = talk(parent.agent_sock, msg)
+        assert replies[-1]["status"] == "ok", replies
+        return int(replies[-1]["children"][0]["pid"])
+
+    def cleanup(self) -> None:
+        for vm in self.vms:
+            vm.kill()
+        for proc in self.popens:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def talk(sock: str, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send one request straight to an agent socket and read all replies."""
+    import socket as socketlib
+
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock)
+        s.sendall(P.encode(msg))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return [P.decode(line) for line in data.splitlines() if line.strip()]
+
+
+class FakeVM:
+    """One fake machine: an autospec'd ``smol.Machine`` whose methods act on a directory."""
+
+    def __init__(self, host: FakeHost, name: str, root: Path, image: str | None) -> None:
+        self.host, self.name, self.root, self.image = host, name, root, image
+        self.agent_pid: int | None = None
+        self.agent_sock: str | None = None
+        self.deleted = False
+        self.fail_delete: SmolError | None = None
+        m = create_autospec(Machine, instance=True)
+        m.name, m.id = name, name
+        m.exec.side_effect = self.exec
+        m.exec_stream.side_effect = self.exec_stream
+        m.write_file.side_effect = self.write_file
+        m.read_file.side_effect = self.read_file
+        m.branch_batch.side_effect = self.branch_batch
+        m.checkpoint.side_effect = self.checkpoint
+        m.delete.side_effect = self.delete
+        self.machine: MagicMock = m
+        host.vms.append(self)
+
+    def path(self, guest: str) -> str:
+        return f"{self.root}{guest}" if guest.startswith("/") else guest
+
+    def argv(self, command: list[str]) -> list[str]:
+        assert all(isinstance(a, str) for a in command), command
+        head = sys.executable if command[0] == "python3" else command[0]
+        return [head, *(self.path(a) for a in command[1:])]
+
+    def _alive(self) -> None:
+        if self.deleted:
+            raise SmolError("NOT_FOUND", f"machine {self.name} not found")
+
+    def exec(self, command: list[str], opts: ExecOptions | None = None) -> ExecResult:
+        self._alive()
+        opts = opts or ExecOptions()
+        env = {**os.environ, **(opts.env or {})}
+        if opts.background:
+            # The agent is a plain host process here: its no-mount-namespace mode.
+            proc = subprocess.Popen(
+                [*self.argv(command), "--no-mount-ns"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            self.host.popens.append(proc)
+            self.agent_pid = proc.pid
+            self.agent_sock = self.path(command[command.index("--socket") + 1])
+            return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
+        stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
+        if stdin and command[1:2] == [smolmod.CLIENT]:
+            stdin = self.guest_request(stdin)
+        try:
+            res = subprocess.run(
+                self.argv(command),
+                input=stdin or b"",
+                capture_output=True,
+                env=env,
+                timeout=opts.timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SmolError("TIMEOUT", f"command timed out: {command}") from exc
+        return ExecResult(
+            exit_code=res.returncode, stdout=res.stdout.decode(), stderr=res.stderr.decode()
+        )
+
+    def guest_request(self, line: bytes) -> bytes:
+        """A request as the agent in this VM would see it: its guest paths inside the VM."""
+        msg = P.decode(line)
+        if isinstance(msg.get("path"), str):
+            msg["path"] = self.path(msg["path"])
+        return P.encode(msg)
+
+    def exec_stream(self, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
+        self._alive()
+        # Like smol 1.32.2's local engine: ExecOptions.stdin is silently dropped.
+        proc = subprocess.Popen(
+            self.argv(command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = proc.stdout, proc.stderr
+        chunks = self.host.chunks
+
+        def events() -> Iterator[dict[str, Any]]:
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            try:
+                while data := os.read(out.fileno(), CHUNK):
+                    text = decoder.decode(data)
+                    if text:
+                        chunks.append(text)
+                        yield {"kind": "stdout", "data": text}
+                tail = err.read().decode()
+                if tail:
+                    yield {"kind": "stderr", "data": tail}
+                yield {"kind": "exit", "exit_code": proc.wait()}
+            finally:
+                out.close()
+                err.close()
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+
+        return ExecStream(events(), proc.kill)
+
+    def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        self._alive()
+        self.host.before_write(self, path)
+        self._alive()
+        host = Path(self.path(path))
+        if not host.parent.is_dir():  # like a guest without the directory
+            raise SmolError("SMOLVM_ERROR", f"write {path}: no such directory")
+        host.write_bytes(data.encode() if isinstance(data, str) else data)
+        if mode is not None:
+            host.chmod(mode)
+
+    def read_file(self, path: str) -> bytes:
+        self._alive()
+        try:
+            return Path(self.path(path)).read_bytes()
+        except OSError as exc:
+            raise SmolError("SMOLVM_ERROR", f"read {path}: {exc.strerror}") from None
+
+    def branch_batch(
+        self,
+        count: int | None = None,
+        *,
+        names: list[str] | None = None,
+        name_prefix: str | None = None,
+        ports: Any = None,
+        freeze_source: bool = False,
+    ) -> list[Any]:
+        self._alive()
+        assert names, "smolbench names every branch"
+        kids = []
+        for name in names:
+            root = self.host.new_root()
+            pid = self.host.agent_fork(self, root)
+            kid = FakeVM(self.host, name, root, self.image)
+            kid.agent_pid, kid.agent_sock = (
+                pid,
+                f"{root}/{os.path.relpath(self.agent_sock or '', self.root)}",
+            )
+            kids.append(kid.machine)
+        return kids
+
+    def checkpoint(
+        self, output: str | None = None, *, store: str | None = None
+    ) -> PortableCheckpointInfo:
+        self._alive()
+        assert output is not None and store is not None
+        if _host_backed(self.image):
+            raise wrap_native_error(RuntimeError(HOST_BACKED))
+        root = self.host.new_root()
+        pid = self.host.agent_fork(self, root)  # frozen "RAM": an idle copy of the agent
+        Path(output).write_text(json.dumps({"fake": str(root)}))
+        Path(store, "chunk-0").write_bytes(b"x" * 100)
+        self.host.checkpoints[output] = (root, pid)
+        return PortableCheckpointInfo(
+            id=output,
+            machine_id=self.name,
+            status="available",
+            size_bytes=4242,
+            arch="x86_64",
+            created_at="",
+            download_url="",
+            path=output,
+        )
+
+    def die(self) -> None:
+        """The VM goes away on its own (its engine died): later calls say NOT_FOUND."""
+        self.deleted = True
+        self.kill()
+
+    def kill(self) -> None:
+        if self.agent_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.agent_pid, signal.SIGKILL)
+
+    def delete(self, include_usage: bool = False, drain_secs: float | None = None) -> None:
+        if self.fail_delete is not None:
+            raise self.fail_delete
+        self._alive()
+        self.deleted = True
+        self.kill()
+
+
+def fake_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
+    """For a ``host`` fixture: a fake smol engine patched in where smolbench looks Machine
+    up; kills what it started.
+
+    Its VMs live in one fresh directory of this test's own (short: Unix socket paths are)."""
+    base = Path(tempfile.mkdtemp(prefix="sbsm"))
+    fake = FakeHost(base)
+    monkeypatch.setattr(smolmod, "Machine", fake.cls)
+    monkeypatch.setattr(smolmod, "READY_TIMEOUT", 15.0)
+    try:
+        yield fake
+    finally:
+        fake.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+        pids = [vm.agent_pid for vm in fake.vms if vm.agent_pid]
+        assert all_gone(pids), f"agent processes left running: {pids}"
+
+
+def all_gone(pids: list[int], wait: float = 5.0) -> bool:
+    """True once none of ``pids`` runs (zombies count as gone), waiting up to ``wait`` s."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if not [p for p in pids if _running(p)]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
