@@ -95,6 +95,15 @@ def jupyter_server(
     if not subshells:  # a frontend that sends widget messages on the main shell only
         _settings(config, "@jupyterlab/apputils-extension:kernels-settings",
                   {"commsOverSubshells": "disabled"})
+    # Kernels run this interpreter (the one running the tests, so they import this tree), not
+    # whichever python3 kernelspec the machine has installed elsewhere.
+    spec = root / ".jupyter-data" / "kernels" / "python3"
+    spec.mkdir(parents=True, exist_ok=True)
+    from ipykernel.kernelspec import get_kernel_dict
+
+    kernel = get_kernel_dict()  # ipykernel's own spec (its protocol version: subshells need 5.5)
+    kernel["argv"][0] = sys.executable
+    (spec / "kernel.json").write_text(json.dumps(kernel))
     port, token, tag = free_port(), secrets.token_hex(16), uuid.uuid4().hex
     env = {
         **os.environ,
@@ -110,6 +119,8 @@ def jupyter_server(
         sys.executable, "-m", module, "--no-browser", f"--port={port}",
         f"--ServerApp.token={token}", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={root}",
         "--ServerApp.open_browser=False", "--expose-app-in-browser",
+        # what the installed etc/jupyter/jupyter_server_config.d/smolbench.json enables
+        "--ServerApp.jpserver_extensions=smolbench.server=True",
     ]
     if os.geteuid() == 0:
         argv.append("--allow-root")
@@ -202,10 +213,12 @@ def kernel_status(page: Any) -> str | None:
     )
 
 
-def run_all(page: Any) -> None:
-    """Run → Run All Cells, once the kernel is ready (again if a click landed too early)."""
+def run_all(page: Any, cells: int) -> None:
+    """Run → Run All Cells, once all ``cells`` are loaded (the document arrives in pieces:
+    running earlier runs only what is there) and the kernel is ready."""
     from playwright.sync_api import expect
 
+    expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(cells, timeout=60_000)
     first = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
     for _ in range(3):
         wait_for_kernel(page)

@@ -22,9 +22,12 @@ from browserhelpers import (
 )
 from nbhelpers import NotebookSession
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+    ),
+    pytest.mark.timeout(600),  # a real server and browser on 2 shared cores
+]
 
 CELLS = [
     "%load_ext smolbench",

@@ -233,3 +233,21 @@ def test_widgets_use_no_glyph_that_needs_an_emoji_font() -> None:
                 ["fc-list", f":charset={ord(c):x}", "family"], capture_output=True, text=True
             ).stdout
             assert "DejaVu Sans" in fonts, f"{c!r} (U+{ord(c):04X}) is not in DejaVu Sans here"
+
+
+def test_a_fork_cell_returns_its_result_and_smolbench_guest_needs_no_import(tmp_path: Path) -> None:
+    from nbhelpers import NotebookSession, result_text, stream_text
+
+    with NotebookSession(tmp_path) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        cell = nb.run("%%smol fork 3 --seed-base 7\nsmolbench_guest.report(reward=SEED * 2)")
+        assert (result_text(cell) or "").startswith("fork of 3 · 3 ok · best reward 18 on root.2")
+        same = nb.run("print(type(_).__name__, _.best['branch'], _ is Out[3])")
+        assert stream_text(same) == "ForkResult root.2 True\n"
+        quiet = nb.run("%%smol fork 2 --quiet --out q\nreward = SEED")
+        assert result_text(quiet) is None and stream_text(quiet).startswith("fork of 2 · 2 ok")
+        assert stream_text(nb.run("print(len(q))")) == "2\n"
+        eps = nb.run("%%smol episodes 2\nsmolbench_guest.report(reward=1)")
+        assert (result_text(eps) or "").startswith("episodes of 2 · 2 ok")
+        nb.run("%smol down")
