@@ -218,11 +218,16 @@ def run_all(page: Any, cells: int) -> None:
     running earlier runs only what is there) and the kernel is ready."""
     from playwright.sync_api import expect
 
-    expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(cells, timeout=60_000)
+    page.wait_for_function(  # the model, not the DOM: a long notebook renders lazily
+        "n => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+        " return !!(w && w.content && w.content.model && w.content.model.cells.length === n); }",
+        arg=cells, timeout=60_000,
+    )
     first = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
     for _ in range(3):
         wait_for_kernel(page)
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # not awaited: the command's promise ends only when every cell has finished
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
         try:
             expect(first).not_to_have_text(re.compile(r"\[ \]"), timeout=15_000)
             return

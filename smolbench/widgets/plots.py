@@ -63,6 +63,11 @@ def _figure_class() -> Any:
                     pass
             return data
 
+        def _ipython_display_(self) -> None:  # plotly's own would pick its renderers instead
+            from IPython.display import display
+
+            display(self._repr_mimebundle_(), raw=True)
+
     return SmolFigure
 
 
