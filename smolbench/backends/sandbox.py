@@ -17,6 +17,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -29,20 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailable, SmolbenchError
-from ..guest import AGENT_FILES, GUEST_DIR
+from ..guest import GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
+from ._bwrap import GUEST_RUN, plan, sandbox_ids, weakened
 from ._wire import exec_message, read_replies, to_result
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
-# Host root entries a default sandbox sees (read-only); the rest (home, /root,
-# /mnt, /work, /srv, ...) stays hidden unless a Smolfile volume declares it.
-HOST_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "var")
-# Entries of a rootfs image that are never bound from the image itself.
-SPECIAL_DIRS = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
-GUEST_RUN = "/run/smolbench"
-GUEST_AGENT = "/run/smolbench-agent"
-GUEST_LIB = "/run/smolbench-lib"
 BOOT_TIMEOUT = 30.0
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
 
@@ -72,6 +66,9 @@ class SandboxBackend(Backend):
         self._runtime_base = runtime_dir
         self._machines: dict[str, MachineRef] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._containment: dict[str, Any] | None = None  # what the first machine said about itself
+        self._notes: builtins.list[str] = []
+        self._fd_paths: dict[str, str] = {}
         if not self._bwrap:
             warnings.warn(
                 "smolbench: bubblewrap (bwrap) is not installed, so machines run as PLAIN PROCESSES "
@@ -83,7 +80,16 @@ class SandboxBackend(Backend):
     @property
     def isolation(self) -> str:
         if self._bwrap:
-            return "bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), not a VM; shares the host kernel"
+            line = ("bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), "
+                    "not a VM; shares the host kernel")
+            if "host-root" in weakened():
+                return line + "; WEAKENED FOR A TEST: uid 0 inside is host root"
+            c = self._containment
+            if c:
+                line += (f"; runs as uid {c['uid']} with {'no' if c['cap_eff'] == 0 else 'SOME'} capabilities, "
+                         f"seccomp {c['seccomp']}; files: "
+                         + ("copy-on-write (overlayfs)" if c["files"] == "overlay" else c["files"]))
+            return "; ".join([line, *self._notes])
         return "NONE: plain host process (bubblewrap not installed); cells can read and write your files and use the network"
 
     # -- lifecycle ------------------------------------------------------------------
@@ -92,18 +98,28 @@ class SandboxBackend(Backend):
         if name in self._machines:
             raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` first or pick another name")
         run_dir = Path(tempfile.mkdtemp(prefix="smolbench-", dir=self._runtime_base))
-        os.chmod(run_dir, 0o700)
-        workspace = run_dir / "workspace"
-        workspace.mkdir()
-        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name})
-        argv, guest_run, workdir = self._command(spec, name, run_dir, workspace)
-        ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(run_dir / f"{name}.sock"))
+        # Traversable, not listable: bwrap (as the sandbox uid) resolves the files bound from here.
+        os.chmod(run_dir, 0o711 if self._bwrap else 0o700)
+        host_dir = run_dir / "m"  # the machine's own folder: its socket, its branches' folders
+        host_dir.mkdir(mode=0o700)
+        contained = bool(self._bwrap) and "host-root" not in weakened()
+        if contained and os.geteuid() == 0:
+            os.chown(host_dir, *sandbox_ids())  # the machine writes here, as its own uid
+        ref = MachineRef(name, self.name, spec, info={
+            "run_dir": str(run_dir), "host_dir": str(host_dir), "root": name, "contained": contained,
+            "guest_dir": GUEST_RUN if self._bwrap else str(host_dir), "socket": str(host_dir / "s"),
+            "workdir": spec.workdir if self._bwrap else str(run_dir / "workspace")})
+        argv, fds, self._fd_paths = self._command(spec, name, run_dir)
         log = open(run_dir / "agent.log", "wb")
         try:
             # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not reach
             # the machine; we deliver interrupts ourselves. This runs on the workbench's loop
             # thread, which lives as long as the kernel, so --die-with-parent ties the sandbox
-            # to the kernel process.
+            # to the kernel process. As root, bwrap starts as the unprivileged sandbox uid.
+            uid, gid = sandbox_ids()
+            as_user: dict[str, Any] = {}
+            if self._bwrap and os.geteuid() == 0 and "host-root" not in weakened():
+                as_user = {"user": uid, "group": gid, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -111,68 +127,41 @@ class SandboxBackend(Backend):
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
                 env=self._host_env(spec, name),
+                pass_fds=fds,
+                **as_user,
             )
         finally:
             log.close()
+            for fd in fds:
+                os.close(fd)
         self._procs[name] = proc
         self._machines[name] = ref
         ref.info["pid"] = proc.pid
         try:
-            await self._wait_ready(ref, proc, run_dir / f"{name}.ready")
+            await self._wait_ready(ref, proc, host_dir / "ready")
+            if contained and self._containment is None:
+                self._containment = (await self.info(ref)).get("containment")
         except BaseException:
             await self.delete(ref)
             raise
         return ref
 
-    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path) -> tuple[list[str], str, str]:
+    def _command(self, spec: MachineSpec, name: str, run_dir: Path) -> tuple[list[str], list[int], dict[str, str]]:
         from ..images import resolve_rootfs
 
         rootfs = resolve_rootfs(spec.image)
-        cp = _cloudpickle_dir()
+        host_dir = run_dir / "m"
         if not self._bwrap:
-            python = sys.executable
-            agent = str(GUEST_DIR / "agent.py")
-            argv = [python, "-u", agent, "--socket", str(run_dir / f"{name}.sock"), "--name", name,
-                    "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready"), "--no-mount-ns"]
+            workspace = run_dir / "workspace"
+            workspace.mkdir()
+            argv = [sys.executable, "-u", str(GUEST_DIR / "agent.py"), "--socket", str(host_dir / "s"), "--name", name,
+                    "--workdir", str(workspace), "--ready", str(host_dir / "ready"), "--no-mount-ns"]
+            cp = _cloudpickle_dir()
             if cp:
                 argv += ["--lib", str(cp.parent)]
-            return argv, str(run_dir), str(workspace)
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
-                "--cap-add", "CAP_SYS_ADMIN", "--die-with-parent", "--new-session"]
-        if spec.network_enabled:
-            argv.append("--share-net")
-        if rootfs is None:
-            python = sys.executable
-            for entry in HOST_SYSTEM_DIRS:
-                argv += _bind_entry(Path("/"), entry)
-            # The notebook's own Python may live in a hidden place (a home directory):
-            # expose just its installation, read-only.
-            for prefix in sorted({sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}):
-                if not any(prefix == f"/{d}" or prefix.startswith(f"/{d}/") for d in HOST_SYSTEM_DIRS):
-                    argv += ["--ro-bind", prefix, prefix]
-        else:
-            python = "/usr/bin/python3"
-            for entry in sorted(os.listdir(rootfs)):
-                if entry not in SPECIAL_DIRS:
-                    argv += _bind_entry(rootfs, entry)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-                 "--bind", str(run_dir), GUEST_RUN, "--bind", str(workspace), spec.workdir]
-        for fname in AGENT_FILES:
-            argv += ["--ro-bind", str(GUEST_DIR / fname), f"{GUEST_AGENT}/{fname}"]
-        if cp:
-            argv += ["--ro-bind", str(cp), f"{GUEST_LIB}/cloudpickle"]
-        for vol in spec.volumes:
-            argv += ["--ro-bind" if vol.readonly else "--bind", vol.host, vol.guest]
-        argv += ["--hostname", f"smol-{name}"[:63], "--chdir", spec.workdir, "--clearenv"]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **spec.env_dict}
-        for key, val in env.items():
-            argv += ["--setenv", key, val]
-        argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/{name}.sock",
-                 "--name", name, "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/{name}.ready"]
-        if cp:
-            argv += ["--lib", GUEST_LIB]
-        return argv, GUEST_RUN, spec.workdir
+            return argv, [], {}
+        p = plan(spec, name, self._bwrap, run_dir, rootfs)
+        return p.argv, p.fds, p.paths
 
     @staticmethod
     def _host_env(spec: MachineSpec, name: str) -> dict[str, str]:
@@ -191,13 +180,18 @@ class SandboxBackend(Backend):
                 raise BackendUnavailable(f"the sandbox for {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
             await asyncio.sleep(0.01)
 
-    @staticmethod
-    def _log_tail(ref: MachineRef) -> str:
+    def _log_tail(self, ref: MachineRef) -> str:
         try:
             text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
         except OSError:
             return "(no log)"
-        return text.splitlines()[-1] if text else "(empty log)"
+        last = text.splitlines()[-1] if text else "(empty log)"
+        m = re.search(r"source path (/proc/self/fd/\d+): Permission denied", last)
+        if m and m.group(1) in self._fd_paths:
+            host = self._fd_paths[m.group(1)]
+            return (f"the sandbox uid {sandbox_ids()[0]} can't reach {host} (a folder above it is not "
+                    f"traversable): `chmod o+x` its parent folders, or put it elsewhere")
+        return last
 
     async def delete(self, machine: MachineRef) -> None:
         ref = self._machines.pop(machine.name, None)
@@ -223,10 +217,11 @@ class SandboxBackend(Backend):
                 await asyncio.sleep(0.005)
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
-        root = self._machines.get(ref.info["root"])
-        if root is not None and "guest_pid" in ref.info:
+        # The parent forked the branch: the pid is one of its own pid namespace.
+        parent = self._machines.get(ref.parent or "")
+        if parent is not None and "guest_pid" in ref.info:
             with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]})
+                await self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]})
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
 
@@ -282,14 +277,21 @@ class SandboxBackend(Backend):
     ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
-        run_dir = Path(machine.info["run_dir"])
-        guest_run = machine.info["guest_run"]
-        children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
+        host_dir, guest_dir = Path(machine.info["host_dir"]), machine.info["guest_dir"]
+        dirs = _run_folders(names)
+        children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_dir}/{d}/s"} for n, s, d in zip(names, seeds, dirs)]
         done = await self._request(machine, {"op": "fork", "children": children})
+        if done.get("flattened"):
+            self._notes.append(f"fork of {machine.name}: too many file layers, so "
+                               f"{', '.join(done['flattened'])} were flattened (copied once)")
         refs = []
+        by_name = dict(zip(names, dirs))
         for made in done["children"]:
-            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
-                    "socket": str(run_dir / f"{made['name']}.sock"), "guest_pid": made["pid"]}
+            d = by_name[made["name"]]
+            mine = host_dir / d
+            info = {**{k: machine.info[k] for k in ("run_dir", "root", "workdir", "contained")},
+                    "host_dir": str(mine), "guest_dir": guest_dir if machine.info["contained"] else str(mine),
+                    "socket": str(mine / "s"), "guest_pid": made["pid"]}
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
@@ -299,9 +301,9 @@ class SandboxBackend(Backend):
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        host_stage = Path(machine.info["run_dir"]) / stage
+        host_stage = Path(machine.info["host_dir"]) / stage
         try:  # the stage goes on every path, even when the machine fails to save
-            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
+            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_dir']}/{stage}"})
             tmp = path + ".part"
             with tarfile.open(tmp, "w:gz") as tar:
                 tar.add(host_stage / "namespace.pkl", arcname="namespace.pkl")
@@ -326,10 +328,12 @@ class SandboxBackend(Backend):
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
             ref = await self.create(spec, name)
-            host_stage = Path(ref.info["run_dir"]) / "restore"
+            host_stage = Path(ref.info["host_dir"]) / "restore"
             shutil.copytree(stage, host_stage)
+            if ref.info["contained"] and os.geteuid() == 0:
+                _chown_tree(host_stage, *sandbox_ids())  # the machine reads it as its own uid
             try:
-                done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/restore"})
+                done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_dir']}/restore"})
             except SmolbenchError as exc:
                 await self.delete(ref)
                 why = str(exc).split(": ", 1)[-1]
@@ -344,6 +348,21 @@ class SandboxBackend(Backend):
             return ref
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
+    """Short folder names for branches (a socket path must stay under 108 bytes)."""
+    out = []
+    for i, name in enumerate(names):
+        last = name.rsplit(".", 1)[-1]
+        out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
+    return out
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    for folder, dirs, files in os.walk(root):
+        for entry in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            os.chown(entry, uid, gid, follow_symlinks=False)
 
 
 def _stat(pid: int) -> list[str] | None:
