@@ -115,7 +115,8 @@ def doctor(args: argparse.Namespace) -> int:
         ok, detail = _sandbox_smoke()
         print(f"  {'OK' if ok else 'FAILED'}: {detail}")
     else:
-        print("  bubblewrap is not installed: machines would run as plain processes with NO isolation")
+        print("  bubblewrap is not installed: `--backend sandbox` refuses to start, and `auto` falls back to")
+        print("  the process backend (plain processes, NO isolation)")
         print("  → apt-get install bubblewrap")
     print(f"  debootstrap: {'installed' if shutil.which('debootstrap') else 'missing (apt-get install debootstrap) — needed only for `smolbench image build`'}")
     images = list_images()

@@ -25,6 +25,13 @@ class BackendUnavailable(SmolbenchError):
     """The chosen backend cannot run on this host."""
 
 
+class InfraError(SmolbenchError):
+    """A machine failed to boot or died for reasons of the infrastructure, not of the user's code.
+
+    Fan-outs and ``%smol up`` retry these (``--retries``); a cell's own exception never is one.
+    """
+
+
 class MachineBusy(SmolbenchError):
     """The machine is already running a cell."""
 

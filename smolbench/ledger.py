@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -44,10 +45,20 @@ CREATE TABLE IF NOT EXISTS cells (
     pushed TEXT, status TEXT, ts REAL,
     PRIMARY KEY (session_id, node_id, seq)
 );
+CREATE TABLE IF NOT EXISTS trust (
+    session_id TEXT, ts REAL, scope TEXT, detail TEXT
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    session_id TEXT, node_id TEXT, attempt INTEGER, stage TEXT, outcome TEXT, error TEXT, ts REAL,
+    PRIMARY KEY (session_id, node_id, attempt)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
 );
+-- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
+CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
+CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward);
 """
 
 NODE_COLUMNS = (
@@ -55,6 +66,9 @@ NODE_COLUMNS = (
     "pushed", "versions", "started", "ended", "status", "reward", "metrics", "output", "error",
     "alive", "kept", "forked_at",
 )
+# Columns added after the first release: (table, column, type), added to older ledgers on open.
+ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"))
+UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
 
@@ -74,6 +88,10 @@ class Ledger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        for table, column, kind in ADDED_COLUMNS:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         """Close the database connection."""
@@ -96,6 +114,7 @@ class Ledger:
 
     def start_session(self, session_id: str, **fields: Any) -> None:
         """Record a kernel session (one ``%smol up``)."""
+        fields = {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), **fields}
         cols = ["id", "started", *fields]
         vals = [session_id, time.time(), *(self._enc(k, v) for k, v in fields.items())]
         self._write(f"INSERT OR REPLACE INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
@@ -112,11 +131,12 @@ class Ledger:
 
     def upsert_node(self, session_id: str, node_id: str, **fields: Any) -> None:
         """Insert a node or update the given columns of it (committed at once)."""
-        unknown = set(fields) - set(NODE_COLUMNS)
+        unknown = set(fields) - set(NODE_COLUMNS) - {"seen"}
         if unknown:
             raise KeyError(f"unknown node columns: {sorted(unknown)}")
         if "output" in fields and isinstance(fields["output"], str):
             fields["output"] = fields["output"][-OUTPUT_LIMIT:]
+        fields["seen"] = time.time()  # when a dead kernel's unfinished rows were last seen alive
         cols = ["session_id", "id", *fields]
         vals = [session_id, node_id, *(self._enc(k, v) for k, v in fields.items())]
         updates = ", ".join(f"{k} = excluded.{k}" for k in fields) or "id = id"
@@ -141,6 +161,42 @@ class Ledger:
             "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)),
         )
+
+    def add_trust(self, session_id: str, scope: str, detail: str) -> None:
+        """Record a trusted-mode opt-in (``%smol trust on``, ``--pull-trusted``) or its end."""
+        self._write("INSERT INTO trust VALUES (?, ?, ?, ?)", (session_id, time.time(), scope, detail))
+
+    def trust_rows(self) -> list[dict[str, Any]]:
+        """Every trusted-mode change, oldest first."""
+        return self._rows("SELECT * FROM trust ORDER BY ts")
+
+    def mark_lost(self, current: str) -> int:
+        """Mark unfinished rows of sessions whose kernel died (on this host) ``lost``; how many.
+
+        Their machines died with their kernel; ``ended`` becomes the time the row was
+        last written (``seen``).
+        """
+        host = socket.gethostname()
+        dead = [r["id"] for r in self._rows("SELECT id, host, pid, pid_start FROM sessions WHERE id != ?", (current,))
+                if r["host"] == host and not _alive(r["pid"], r["pid_start"])]
+        count = 0
+        marks = ", ".join("?" * len(UNFINISHED))
+        with self._lock:
+            for sid in dead:
+                rows = self._db.execute(
+                    f"SELECT id, seen, started FROM nodes WHERE session_id = ? AND status IN ({marks})", (sid, *UNFINISHED)
+                ).fetchall()
+                for node_id, seen, started in rows:
+                    last = seen or started or time.time()
+                    self._db.execute(
+                        "UPDATE nodes SET status = 'lost', alive = 0, ended = ?, error = ? WHERE session_id = ? AND id = ?",
+                        (last, "lost: its kernel stopped before it finished (last seen "
+                         + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) + ")", sid, node_id))
+                count += len(rows)
+                self._db.execute("UPDATE nodes SET alive = 0 WHERE session_id = ? AND alive = 1", (sid,))
+                self._db.execute("UPDATE runs SET status = 'lost', ended = COALESCE(ended, ?) "
+                                 "WHERE session_id = ? AND ended IS NULL", (time.time(), sid))
+        return count
 
     def remove_checkpoint(self, name: str) -> None:
         """Forget a checkpoint."""
@@ -180,6 +236,18 @@ class Ledger:
         """The cells run on a node, in order."""
         return self._rows("SELECT * FROM cells WHERE session_id = ? AND node_id = ? ORDER BY seq", (session_id, node_id))
 
+    def add_attempt(self, session_id: str, node_id: str, attempt: int, stage: str, outcome: str,
+                    error: str | None = None) -> None:
+        """Record one attempt at a machine that infrastructure failures made retry (boot/run)."""
+        self._write("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (session_id, node_id, attempt, stage, outcome, error, time.time()))
+
+    def attempt_rows(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Attempts of retried machines, oldest first."""
+        if session_id is None:
+            return self._rows("SELECT * FROM attempts ORDER BY ts")
+        return self._rows("SELECT * FROM attempts WHERE session_id = ? ORDER BY ts", (session_id,))
+
     def checkpoint_rows(self) -> list[dict[str, Any]]:
         """Saved checkpoints, newest first."""
         return self._rows("SELECT * FROM checkpoints ORDER BY created DESC")
@@ -208,6 +276,24 @@ class Ledger:
     def sessions(self) -> pd.DataFrame:
         """Every recorded session as a DataFrame."""
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
+
+
+def _process_start(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot), which tells a pid's reuse apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].split()[19].decode()
+
+
+def _alive(pid: int | None, started: str | None) -> bool:
+    """Whether the kernel that wrote a session row still runs."""
+    if not pid:
+        return False
+    now = _process_start(int(pid))
+    return now is not None and (started is None or now == started)
 
 
 def _frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import pickle
 import queue
 import sys
 import time
@@ -17,9 +16,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from . import _loop
+from . import _loop, gate
 from .backends.base import Event
 from .errors import RemoteError, SmolbenchError
+from .gate import SafeBundle
 from .result import ForkResult
 
 HELP = """Run notebook cells inside disposable, forkable machines.
@@ -27,6 +27,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+          [--max-alive N]
   %smol status                  backend, machine, image, uptime, isolation level
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
@@ -36,11 +37,17 @@ Line magics::
   %smol plot                    reward plots across the whole tree
   %smol replay NODE             rebuild a branch's path and compare its reward
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
+  %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
+                                (code in the machine can then run code here and in your browser)
+  %smol config [KEY VALUE]      limits on what a machine sends: max-frame, output-limit,
+                                log-limit, line-limit (sizes like 10M) and grace (seconds)
 
 Cell magics::
 
-  %%smol [--push a,b] [--pull c] [--timeout S]
-      run the cell in the active machine; its state persists between cells
+  %%smol [--push a,b] [--pull c] [--pull-trusted] [--timeout S]
+      run the cell in the active machine; its state persists between cells. --pull brings
+      values back as data (builtins, numpy arrays, pandas objects); --pull-trusted also
+      unpickles other objects, which runs code from the machine on this host
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
                 [--group-outputs order|branch|type] [--push a,b] [--allow-errors]
@@ -64,15 +71,38 @@ def _split_names(text: str | None) -> list[str]:
     return names
 
 
-def parse_seeds(text: str) -> list[int]:
-    """``3,7,11`` or ``0:16`` (a range) into a list of seeds."""
+def parse_seeds(text: str, cap: int = gate.limits.MAX_BRANCHES) -> list[int]:
+    """``3,7,11`` or ``0:16`` (a range) into a list of seeds, refused above ``cap`` before any is made."""
     try:
         if ":" in text:
             lo, hi = text.split(":", 1)
-            return list(range(int(lo), int(hi)))
-        return [int(s) for s in text.split(",") if s.strip()]
+            seeds: range | list[int] = range(int(lo), int(hi))
+        else:
+            parts = text.split(",")
+            if len(parts) > cap:
+                seeds = range(len(parts))  # only its length matters: refused below
+            else:
+                seeds = [int(s) for s in parts if s.strip()]
     except ValueError:
         raise UsageError(f"--seeds {text!r} is not a list of whole numbers: use e.g. --seeds 3,7,11 or --seeds 0:16") from None
+    if len(seeds) > cap:
+        raise UsageError(f"--seeds {_short(text)} gives {len(seeds):,} seeds, above the cap of {cap} branches: "
+                         "give fewer (e.g. --seeds 0:16)")
+    return list(seeds)
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _timeout(text: str) -> float:
+    """``--timeout`` as a positive finite number of seconds (a one-line error otherwise)."""
+    try:
+        value = gate.seconds(text)
+    except SmolbenchError as exc:
+        raise UsageError(str(exc)) from None
+    assert value is not None
+    return value
 
 
 # -- option bundles (magic_arguments parsers) ----------------------------------------------
@@ -85,6 +115,8 @@ def parse_seeds(text: str) -> list[int]:
 @argument("--image", default=None, help="override the Smolfile's image")
 @argument("--net", action="store_true", help="give the machine network access")
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
+@argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
+@argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -92,7 +124,8 @@ def _up_args(line: str) -> None:
 @magic_arguments()
 @argument("--push", default=None, help="notebook variables to send in, comma-separated")
 @argument("--pull", default=None, help="machine variables to bring back, comma-separated")
-@argument("--timeout", type=float, default=None, help="interrupt the cell after this many seconds")
+@argument("--pull-trusted", action="store_true", help="also unpickle pulled objects that are not plain data (runs machine code here)")
+@argument("--timeout", type=_timeout, default=None, help="interrupt the cell after this many seconds")
 def _cell_args(line: str) -> None:
     """%%smol options."""
 
@@ -101,7 +134,7 @@ def _cell_args(line: str) -> None:
 @argument("n", help="how many branches")
 @argument("--seed-base", type=int, default=0, help="seeds are seed-base + 0..N-1")
 @argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
-@argument("--timeout", type=float, default=None, help="per-branch time limit in seconds")
+@argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
 @argument("--concurrency", type=int, default=None, help="how many branches run at once")
 @argument("--keep", default="best", help="which branches stay alive: best, all or none")
 @argument("--out", default=None, help="store the ForkResult in this notebook variable")
@@ -110,6 +143,7 @@ def _cell_args(line: str) -> None:
 @argument("--push", default=None, help="notebook variables to send to every branch")
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
 @argument("--quiet", action="store_true", help="no per-branch output, just the summary")
+@argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
 
@@ -143,6 +177,8 @@ class SmolMagics(Magics):
         super().__init__(shell)
         self.workbench: Any = None
         self.last_result: ForkResult | None = None
+        self._publisher: Any = None  # smolbench.registry.Publisher of the current workbench
+        self.warned_trust = False
         atexit.register(self.shutdown)
 
     # -- entry point ------------------------------------------------------------------
@@ -167,7 +203,7 @@ class SmolMagics(Magics):
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
-            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint (see %smol?)")
+            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint, trust, config (see %smol?)")
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
@@ -202,26 +238,52 @@ class SmolMagics(Magics):
         if args.smolfile and not os.path.exists(args.smolfile):
             raise SmolbenchError(f"no Smolfile at {args.smolfile}: check the path, or drop --smolfile to use the defaults")
         spec = load_smolfile(path) if path else MachineSpec()
-        if args.image or args.net:
+        if args.max_alive is not None and not 1 <= args.max_alive <= 1024:
+            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
+        if args.image or args.net or args.max_alive is not None:
             from dataclasses import replace
 
-            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net)
+            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net,
+                           max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
         backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
-        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH))
+        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
+        wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
+        self._publish(wb)
         t0 = time.perf_counter()
-        _loop.run(wb.up())
+        job = _loop.Job(wb.up())
+        try:
+            while not job.wait_finished(PUMP_INTERVAL):
+                pass
+        except KeyboardInterrupt:
+            job.cancel()
+            job.wait_finished(60)  # up() deletes its machine (and run folder) before it ends
+            raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
+        job.result()
         self.workbench = wb
         st = wb.status()
+        tries = wb.machines["root"].info.get("attempts", 1)
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
-              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}")
+              f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
+              + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
+        if wb.lost:
+            print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
+                  "died earlier: marked lost in the ledger")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
             if spec.allow_hosts or spec.allow_cidrs:
                 print("smolbench: warning: the sandbox can't filter by host or CIDR: the Smolfile's "
                       "[network] allow-lists turn the whole network on here (use the smol backend to enforce them)",
                       file=sys.stderr)
+
+    def _publish(self, wb: Any) -> None:
+        """Tell the Jupyter server's smolbench panel about this workbench's machines."""
+        from .registry import publish
+
+        if self._publisher is not None:
+            self._publisher.close()
+        self._publisher = publish(wb)
 
     def _do_down(self, rest: str) -> None:
         if self.workbench is None:
@@ -334,6 +396,33 @@ class SmolMagics(Magics):
         print(report["message"])
         return None
 
+    def _warn_trust(self) -> None:
+        if not self.warned_trust:
+            self.warned_trust = True
+            print("smolbench: warning: trusted mode: objects pulled from the machine are unpickled here and its "
+                  "output is shown raw, so code in the machine can run code in this kernel and in your browser. "
+                  "Use it only for machines running code you trust; `%smol trust off` ends it", file=sys.stderr)
+
+    def _do_trust(self, rest: str) -> None:
+        word = rest.strip()
+        if word not in ("on", "off"):
+            state = "on" if self.workbench is not None and self.workbench.trusted else "off"
+            raise UsageError(f"trusted mode is {state}: `%smol trust on` or `%smol trust off`")
+        wb = self._wb()
+        wb.set_trust(word == "on")
+        if word == "on":
+            self._warn_trust()
+        print(f"smolbench: trusted mode {word} (recorded in the ledger)")
+
+    def _do_config(self, rest: str) -> None:
+        words = rest.split()
+        if not words:
+            print(gate.limits.describe())
+            return
+        if len(words) != 2:
+            raise UsageError("usage: %smol config KEY VALUE, e.g. %smol config output-limit 20M (`%smol config` lists them)")
+        print(gate.limits.configure(words[0], words[1]))
+
     def _do_plot(self, rest: str) -> Any:
         from .widgets.plots import tree_figure
 
@@ -361,15 +450,18 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        name = f"<In [{getattr(self.shell, 'execution_count', '?')}]>"
-        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name))
+        name = f"<In [{cell_number(self.shell)}]>"
+        if args.pull_trusted and pull:
+            self._warn_trust()
+        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout, cell_name=name,
+                                     pull_trusted=args.pull_trusted))
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
-        for name, blob in res.pulled.items():
-            # Only ever data from a machine this kernel created and is talking to.
-            self._user_ns[name] = pickle.loads(blob)
-        if res.result is not None:
+        self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
+        if res.pull_error:
+            raise SmolbenchError(res.pull_error)
+        if isinstance(res.result, SafeBundle):
             return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
         return None
 
@@ -393,8 +485,10 @@ class SmolMagics(Magics):
 
         def coro_for(on_event: Callable[[str, Event], None]) -> Any:
             if kind == "fork":
-                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep, push=push)
-            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push)
+                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep,
+                               push=push, retries=args.retries)
+            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push,
+                               retries=args.retries)
 
         self._show_views(result)
         if args.bg:
@@ -464,11 +558,17 @@ class SmolMagics(Magics):
             _drain(timeout=0)
         except KeyboardInterrupt:
             job.cancel()
+            dropped = _discard()  # output still queued: don't make Ctrl-C wait for it to print
             while not job.wait_finished(PUMP_INTERVAL):
-                _drain(timeout=0)
-            _drain(timeout=0)
+                dropped += _discard()
+            dropped += _discard()
+            if dropped:
+                print(f"smolbench: {gate.human(dropped)} of output after Ctrl-C not shown", file=sys.stderr)
             if progress is not None:
                 progress.tick(final=True)
+            failure = job.future.exception() if job.future.done() and not job.future.cancelled() else None
+            if isinstance(failure, SmolbenchError):  # e.g. the machine had to be killed: say that instead
+                raise type(failure)(str(failure)) from None
             if result is not None:
                 print(f"smolbench: interrupted: {result.summary()}", file=sys.stderr)
                 raise interrupted("every unfinished branch was cancelled and its machine deleted") from None
@@ -481,7 +581,7 @@ class SmolMagics(Magics):
 class RemoteValue:
     """The last expression of a machine cell, displayed through its MIME bundle."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: SafeBundle) -> None:
         self.data = data
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
@@ -489,6 +589,14 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return str(self.data.get("text/plain", ""))
+
+
+def cell_number(shell: Any) -> Any:
+    """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
+    the running cell's own result first."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if count is not None else getattr(shell, "execution_count", "?")
 
 
 def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
@@ -509,29 +617,64 @@ def interrupted(message: str) -> KeyboardInterrupt:
 _PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
 
 
+DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again
+
+
 def _drain(timeout: float) -> None:
+    """Show queued events on this thread: runs of text to one stream are written (and
+    flushed, one IOPub message) together; a slice of time at most, then back to the caller."""
     try:
         item = _PENDING.get(timeout=timeout) if timeout else _PENDING.get_nowait()
     except queue.Empty:
         return
+    deadline = time.monotonic() + DRAIN_SLICE
+    run: list[str] = []
+    target: Any = None
+
+    def write() -> None:
+        if run:
+            target.write("".join(run))
+            target.flush()
+            run.clear()
+
     while True:
         kind, branch, ev = item
         if kind == "stream":
             stream = sys.stderr if ev.name == "stderr" else sys.stdout
+            if stream is not target:
+                write()
+                target = stream
             if branch:
                 text = "".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True))
-                stream.write(text if text.endswith("\n") else text + "\n")
+                run.append(text if text.endswith("\n") else text + "\n")
             else:
-                stream.write(ev.text)
-            stream.flush()
-        elif kind == "display" and ev.data:  # ("wake" items only end the wait)
+                run.append(ev.text)
+        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:  # ("wake" items only end the wait)
+            write()
             if branch:
                 print(f"[{branch}] display:")
-            display(ev.data, raw=True)
+            display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
+        if time.monotonic() > deadline:
+            break
         try:
             item = _PENDING.get_nowait()
         except queue.Empty:
-            return
+            break
+    write()
+
+
+def _discard() -> int:
+    """Drop queued stream output (after Ctrl-C); returns how many bytes were dropped."""
+    dropped = 0
+    while True:
+        try:
+            kind, _, ev = _PENDING.get_nowait()
+        except queue.Empty:
+            return dropped
+        if kind == "stream":
+            dropped += len(ev.text.encode("utf-8", "replace"))
+        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:
+            display(dict(ev.data), raw=True)
 
 
 def _show_event(ev: Event) -> None:
@@ -589,12 +732,13 @@ class _Progress:
 
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
+    from .backends.process import ProcessBackend
     from .backends.sandbox import SandboxBackend, bwrap_path
 
     if kind == "process":
-        return SandboxBackend(use_bwrap=False), ""
+        return ProcessBackend(), ""
     if kind == "sandbox":
-        return SandboxBackend(), ""
+        return SandboxBackend(), ""  # without bwrap: an error saying how to install it
     from .backends.smol import SmolBackend
 
     if kind == "smol" or target == "cloud":
@@ -604,8 +748,8 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     ok, reason = probe_smol(announce=lambda msg: print(msg, flush=True))
     if ok:
         return SmolBackend(target="local"), ""
-    how = "a bubblewrap sandbox" if bwrap_path() else "a PLAIN PROCESS (no bwrap: no isolation)"
     short = reason.split(":")[0].split(" [")[0]
-    return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using {how} instead"
-
-
+    if bwrap_path():
+        return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
+    return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
+                              "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")

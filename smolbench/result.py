@@ -14,7 +14,13 @@ from .tree import TERMINAL
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "error")
+COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "error", "attempts")
+
+
+def _status(row: dict[str, Any]) -> str:
+    """A row's status, saying when its machine had to be retried."""
+    tries = row.get("attempts", 1)
+    return f"{row['status']} (retried: attempt {tries})" if tries > 1 else str(row["status"])
 
 
 class ForkResult:
@@ -31,7 +37,7 @@ class ForkResult:
         self.parent = parent
         self.rows: dict[str, dict[str, Any]] = {
             b: {"branch": b, "seed": s, "status": "starting", "reward": None, "wall": None,
-                "metrics": {}, "output": "", "error": None}
+                "metrics": {}, "output": "", "error": None, "attempts": 1}
             for b, s in zip(branches, seeds)
         }
         self.remote_errors: dict[str, RemoteError] = {}
@@ -113,6 +119,9 @@ class ForkResult:
         c = self.counts()
         parts = [f"{self.kind} of {len(self)}"]
         parts += [f"{n} {s}" for s, n in sorted(c.items())]
+        retried = sum(r.get("attempts", 1) > 1 for r in self.rows.values())
+        if retried:
+            parts.append(f"{retried} retried after a machine failure")
         best = self.best
         if best is not None:
             parts.append(f"best reward {best['reward']:.6g} on {best['branch']} (seed {best['seed']})")
@@ -166,7 +175,7 @@ class ForkResult:
         for r in self.rows.values():
             rew = "" if r["reward"] is None else f"{r['reward']:.6g}"
             wall = "" if r["wall"] is None else f"{r['wall']:.2f}s"
-            lines.append(f"  {r['branch']:<14} seed={r['seed']!s:<6} {r['status']:<9} {rew:>12} {wall:>8}")
+            lines.append(f"  {r['branch']:<14} seed={r['seed']!s:<6} {_status(r):<9} {rew:>12} {wall:>8}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -182,7 +191,7 @@ class ForkResult:
             color = colors.get(r["status"], "inherit")
             body.append(
                 f"<tr{style}><td>{html.escape(r['branch'])}</td><td>{r['seed']}</td>"
-                f"<td style='color:{color}'>{r['status']}</td><td>{rew}</td><td>{wall}</td>"
+                f"<td style='color:{color}'>{html.escape(_status(r))}</td><td>{rew}</td><td>{wall}</td>"
                 f"<td>{html.escape(metrics)}</td></tr>"
             )
         return (

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-TERMINAL = ("ok", "error", "timeout", "cancelled")
+TERMINAL = ("ok", "error", "timeout", "cancelled", "lost")  # lost: its machine was killed or its kernel died
 STATUSES = ("starting", "running", "idle", *TERMINAL)
 
 

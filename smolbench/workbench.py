@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import socket
@@ -18,15 +19,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, gate
+from . import retries as retry
+from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
-from .errors import RemoteError, SmolbenchError
+from .errors import InfraError, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree
 
-MAX_BRANCHES = 1024
+MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
 BranchEvent = Callable[[str, Event], None]
@@ -47,7 +50,11 @@ def _versions(guest_python: str | None) -> dict[str, str | None]:
 class Workbench:
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
-    def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None) -> None:
+    def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
+                 retries: int = 1) -> None:
+        if retries < 0:
+            raise SmolbenchError(f"--retries must be 0 or more, got {retries}")
+        self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error
         self.backend = backend
         self.spec = spec
         self.baseline = spec.baseline()  # the spec is frozen: hash it once, not on every ledger write
@@ -63,6 +70,11 @@ class Workbench:
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
+        self.max_alive = spec.max_alive
+        self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
+        self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
+        self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
+        self.outputs_dir = Path(ledger.path).parent / "outputs"
 
     # -- observers ------------------------------------------------------------------
 
@@ -98,22 +110,19 @@ class Workbench:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
-        ref = await self.backend.create(self.spec, "root")
+        ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
         try:
-            for cmd in self.spec.init:
-                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                if res.status != "ok":
-                    err = res.error or {}
-                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+            await self._init(ref)
             res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
             self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
         except BaseException:
-            await self.down()
+            await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        self.lost = self.ledger.mark_lost(self.session)
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
@@ -121,6 +130,28 @@ class Workbench:
         )
         self._record(node)
         return node
+
+    async def _init(self, ref: MachineRef) -> None:
+        """The Smolfile's init commands, all within ``init_timeout`` seconds."""
+        current = ""
+
+        async def run_all() -> None:
+            nonlocal current
+            for cmd in self.spec.init:
+                current = cmd
+                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                if res.status != "ok":
+                    err = res.error or {}
+                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+
+        if not self.spec.init:
+            return
+        try:
+            await asyncio.wait_for(run_all(), self.spec.init_timeout)
+        except asyncio.TimeoutError:
+            raise SmolbenchError(
+                f"Smolfile init did not finish within {self.spec.init_timeout:g} s (still running {current!r}): "
+                "fix the command, or raise init_timeout in the Smolfile") from None
 
     async def down(self) -> int:
         """Delete every machine this workbench created. Returns how many."""
@@ -155,6 +186,7 @@ class Workbench:
         if node_id not in self.machines:
             raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
         self.active = node_id
+        self._touch(node_id)
         self._changed(self.tree[node_id])
         return self.tree[node_id]
 
@@ -183,36 +215,83 @@ class Workbench:
             raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
         self._busy.add(node_id)
 
+    def set_trust(self, on: bool, scope: str = "session") -> None:
+        """Turn trusted mode on or off; every change is recorded in the ledger."""
+        if scope == "session":
+            self.trusted = on
+        self.ledger.add_trust(self.session, scope, "on" if on else "off")
+
+    def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log")
+
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None) -> CellResult:
+                       cell_name: str | None = None, pull_trusted: bool = False) -> CellResult:
         """Run a cell in the active machine (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``).
+        A cell that ignores the interrupt (Ctrl-C or ``timeout``) for ``LIMITS.grace``
+        seconds has its machine killed, and the error says so.
         """
+        timeout = gate.seconds(timeout)
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
+        self._touch(ref.name)
         try:
             node.cells += 1
-            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>")
+            if pull_trusted and pull:
+                self.ledger.add_trust(self.session, "pull", f"{ref.name}: --pull-trusted {','.join(pull)}")
+            req = CellRequest(code, push=push or {}, pull=pull or [], cell_name=cell_name or f"<cell-{node.cells}>",
+                              trust_pull=pull_trusted or self.trusted, trust_display=self.trusted,
+                              output=self._budget(ref.name, f".cell{node.cells}"))
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                await self.backend.interrupt(ref)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(task, 5)
-                if isinstance(exc, asyncio.TimeoutError):
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
+                if not await _to_the_end(self._stop(ref, task)):
+                    raise SmolbenchError(await _to_the_end(self._kill_stuck(ref.name, why))) from None
+                if timed_out:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
+            if _out_of_memory(res):
+                raise SmolbenchError(out_of_memory_line(ref.spec))
             if res.reward is not None:
                 node.reward = res.reward
                 self._record(node)
             return res
         finally:
             self._busy.discard(ref.name)
+
+    async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
+        """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.backend.interrupt(ref), gate.LIMITS.grace)
+        await asyncio.wait({task}, timeout=gate.LIMITS.grace)
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the cell's own end is not news after an interrupt
+            return True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+
+    async def _kill_stuck(self, node_id: str, why: str) -> str:
+        """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
+        await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended = "lost", time.time()
+        node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
+        self._record(node)
+        head = (f"the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} "
+                "was killed: its state is lost")
+        if self.active is not None:
+            return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
+        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -226,8 +305,7 @@ class Workbench:
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
             raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
-        if timeout is not None and timeout <= 0:
-            raise SmolbenchError(f"--timeout must be more than 0 seconds, got {timeout:g}: e.g. --timeout 30")
+        gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
             raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
         if keep not in KEEP_POLICIES:
@@ -238,7 +316,7 @@ class Workbench:
         """How many branches run at once when not told: live forks are cheap, so all of them
         (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
-        return max(1, min(n, 4 * cores if self.backend.name == "sandbox" else 2 * cores))
+        return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                  concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
@@ -269,8 +347,13 @@ class Workbench:
         return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None) -> ForkResult:
-        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy."""
+                   concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
+                   retries: int | None = None) -> ForkResult:
+        """Branch the active machine, run ``code`` in every branch with its seed, keep per policy.
+
+        A branch whose machine fails to come up or dies (InfraError) is branched again, up to
+        ``retries`` times (default: the workbench's); a cell's own error never is."""
+        retries = self.retries if retries is None else retries
         parent_id = result.parent
         assert parent_id is not None
         parent = self.machines.get(parent_id)
@@ -288,7 +371,7 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(self.backend.branch(parent, names, seeds))
+            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -303,10 +386,16 @@ class Workbench:
                 self.machines[ref.name] = ref
             self._busy.discard(parent_id)  # the parent is free again once its children exist
             try:
+                for ref in refs:
+                    result.rows[ref.name]["attempts"] = ref.info.get("attempts", 1)
                 await self._fan_out(result, refs, code, on_event, timeout=timeout,
-                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push)
+                                    concurrency=concurrency or self.default_concurrency(len(refs)), push=push,
+                                    parent=parent, retries=retries)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
+                self._busy.discard(parent_id)
+                self._touch(parent_id)
+                await _to_the_end(self.enforce_max_alive())
         finally:
             self._busy.discard(parent_id)
             status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
@@ -315,8 +404,13 @@ class Workbench:
         return result
 
     async def episodes(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
-                       concurrency: int | None = None, push: dict[str, bytes] | None = None) -> ForkResult:
-        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards."""
+                       concurrency: int | None = None, push: dict[str, bytes] | None = None,
+                       retries: int | None = None) -> ForkResult:
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted afterwards.
+
+        An episode whose machine fails to boot or dies (InfraError) gets a new machine, up to
+        ``retries`` times (default: the workbench's); a cell's own error is never retried."""
+        retries = self.retries if retries is None else retries
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
@@ -326,15 +420,27 @@ class Workbench:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
 
+        # An episode is never branched: a plain machine boots without smol's branch-source setup.
+        episode_spec = dataclasses.replace(self.spec, branch=False)
+
         async def one(node: Node) -> None:
-            ref: MachineRef | None = None
+            made: list[MachineRef] = []
+
+            async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
+                result.rows[node.id]["attempts"] = attempt
+                made.append(await self.backend.create(episode_spec, node.id))
+                self.machines[node.id] = made[-1]
+                await self._init(made[-1])
+                await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed)
+
+            async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
+                while made:
+                    self.machines.pop(node.id, None)
+                    await _to_the_end(self.backend.delete(made.pop()))
+
             try:
                 async with sem:  # a cancel while queued here still marks the episode cancelled
-                    ref = await self.backend.create(self.spec, node.id)
-                    self.machines[node.id] = ref
-                    for cmd in self.spec.init:
-                        await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
+                    await retry.again(self, [node.id], "episode", retries, once, drop)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -343,9 +449,9 @@ class Workbench:
                     self._finish(result, node, "error", error=str(exc))
             finally:
                 try:
-                    if ref is not None:  # every terminal path deletes the episode's machine
+                    if made:  # every terminal path deletes the episode's machine
                         self.machines.pop(node.id, None)
-                        await _to_the_end(self.backend.delete(ref))
+                        await _to_the_end(self.backend.delete(made.pop()))
                 finally:  # recorded even when a second cancel arrived during the delete
                     node.alive = False
                     self._record(node)
@@ -358,14 +464,30 @@ class Workbench:
         return result
 
     async def _fan_out(self, result: ForkResult, refs: list[MachineRef], code: str, on_event: BranchEvent, *,
-                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None) -> None:
+                       timeout: float | None, concurrency: int, push: dict[str, bytes] | None,
+                       parent: MachineRef | None = None, retries: int = 0) -> None:
         sem = asyncio.Semaphore(concurrency)
+
+        async def run_retrying(node: Node, ref: MachineRef) -> None:
+            async def once(attempt: int) -> None:
+                result.rows[node.id]["attempts"] = attempt
+                await self._run_branch(result, node, self.machines[node.id], code, on_event, timeout, push)
+
+            async def rebranch(attempt: int) -> None:  # a new copy of the (still live) parent
+                await _to_the_end(self._drop(node.id))
+                if parent is None or parent.name not in self.machines:
+                    raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
+                (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
+                self.machines[new.name] = new
+                node.alive = True
+
+            await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
             try:
                 async with sem:  # a cancel while queued here still marks the branch cancelled
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
+                    await run_retrying(node, ref)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 await _to_the_end(self._drop(node.id))
@@ -385,16 +507,21 @@ class Workbench:
         result.rows[node.id]["status"] = "running"
         self._record(node)
         node.cells += 1
-        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed)
+        req = CellRequest(code, push=dict(push or {}), cell_name=f"<cell-{node.cells}>", seed=seed,
+                          trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:
             self._finish(result, node, "timeout", error=f"timed out after {timeout:g} s")
             return
+        except InfraError:
+            raise  # the machine failed, not the cell: the caller may retry it
         except SmolbenchError as exc:
             self._finish(result, node, "error", error=str(exc))
             return
         self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
+        if _out_of_memory(res):  # the one line, not a traceback into the allocation
+            res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec), "traceback": []}
         output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
         if res.status == "ok" and res.metrics.get("reward_error"):
             self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)
@@ -432,6 +559,31 @@ class Workbench:
             node.alive = False
             self._record(node)
 
+    def _touch(self, node_id: str) -> None:
+        self._used[node_id] = time.monotonic()
+
+    def kept_alive(self) -> list[str]:
+        """Live kept machines (fork winners), the ones ``max_alive`` caps."""
+        return [n for n in self.machines if n in self.tree and self.tree[n].kept]
+
+    async def enforce_max_alive(self) -> list[str]:
+        """Delete least recently used idle kept machines beyond ``max_alive``; never the active
+        one, a busy one, or one with live children. Their ledger rows (and so replay) stay."""
+        gone: list[str] = []
+        while len(self.kept_alive()) > self.max_alive:
+            parents = {self.tree[n].parent for n in self.machines if n in self.tree}
+            idle = [n for n in self.kept_alive() if n != self.active and n not in self._busy and n not in parents]
+            if not idle:
+                break
+            victim = min(idle, key=lambda n: self._used.get(n, 0.0))
+            await self._drop(victim)
+            self.tree[victim].kept = False
+            self._record(self.tree[victim])
+            gone.append(victim)
+            self.on_notice(f"smolbench: deleted idle kept machine {victim} (least recently used; more than "
+                           f"max_alive = {self.max_alive} kept alive); its ledger row stays, `%smol replay {victim}` rebuilds it")
+        return gone
+
     async def _apply_keep(self, result: ForkResult, nodes: list[Node], keep: str) -> None:
         best = result.best
         for node in nodes:
@@ -440,6 +592,7 @@ class Workbench:
             wanted = keep == "all" or (keep == "best" and best is not None and best["branch"] == node.id)
             if wanted and node.status == "ok":
                 node.kept = True
+                self._touch(node.id)
                 node.status = "ok"
                 result.kept.append(node.id)
                 self._record(node)
@@ -470,8 +623,7 @@ class Workbench:
                     start_idx = -1  # an episode: a fresh machine from the baseline
                     cur = await self.backend.create(self.spec, f"replay-{node_id}")
                     temps.append(cur)
-                    for cmd in self.spec.init:
-                        await self.backend.exec_cell(cur, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                    await self._init(cur)
                 else:
                     raise SmolbenchError(
                         f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
@@ -541,6 +693,7 @@ class Workbench:
             raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
         path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
         self._claim(node_id)
+        self._touch(node_id)
         try:
             info = await self.backend.checkpoint(self.machines[node_id], path)
         except BaseException as exc:
@@ -596,6 +749,17 @@ class Workbench:
 
     # -- status ----------------------------------------------------------------------------
 
+    def _live_text(self) -> str:
+        names = sorted(self.machines, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+        shown = ", ".join(names[:12]) + (f", … {len(names) - 12} more" if len(names) > 12 else "")
+        usage = getattr(self.backend, "host_memory", lambda: None)()
+        mem = f"; host memory RSS {usage[0]:.0f} MiB, PSS {usage[1]:.0f} MiB" if usage else ""
+        return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
+
+    def _limits_text(self) -> str:
+        describe = getattr(self.backend, "limits_status", None)
+        return describe(self.spec) if describe is not None else _vm_limits(self.spec)
+
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows."""
         ref = self.machines.get(self.active or "")
@@ -604,16 +768,29 @@ class Workbench:
             "isolation": self.backend.isolation,
             "active": self.active,
             "machine": ref.name if ref else None,
-            "image": self.spec.image or "(backend default: host system, read-only)" if self.backend.name == "sandbox" else self.spec.image,
+            "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": "on" if self.spec.network_enabled else "off",
+            "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),
-            "live_machines": len(self.machines),
+            "live_machines": self._live_text(),
             "nodes": len(self.tree),
             "guest_python": self.guest_info.get("python"),
             "ledger": str(self.ledger.path),
             "session": self.session,
         }
+
+
+def _vm_limits(spec: MachineSpec) -> str:
+    return f"the microVM's own: memory {spec.memory} MiB, {spec.cpus} cpu{'s' if spec.cpus != 1 else ''}"
+
+
+def _out_of_memory(res: CellResult) -> bool:
+    return res.status != "ok" and (res.error or {}).get("ename") in ("MemoryError", "_ArrayMemoryError")
+
+
+def _default_image(backend: str) -> str | None:
+    return {"sandbox": "(backend default: host system, read-only)", "process": "(none: the host itself)"}.get(backend)
 
 
 def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:

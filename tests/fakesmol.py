@@ -96,6 +96,9 @@ class FakeHost:
         self.checkpoints: dict[str, tuple[Path, int]] = {}
         self.chunks: list[str] = []
         self.ready_seconds: Callable[[MachineConfig], float] = lambda config: 0.0
+        # Called before every write_file (the relay writes each cell's request): a test can
+        # make a machine die there, as a VM lost to the host would.
+        self.before_write: Callable[[FakeVM, str], None] = lambda vm, path: None
         self._serial = itertools.count(1)
         self.cls = create_autospec(Machine)
         self.cls.create.side_effect = self.create
@@ -233,6 +236,8 @@ class FakeVM:
             self.agent_sock = self.path(command[command.index("--socket") + 1])
             return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
         stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
+        if stdin and command[1:2] == [smolmod.CLIENT]:
+            stdin = self.guest_request(stdin)
         try:
             res = subprocess.run(
                 self.argv(command),
@@ -246,6 +251,13 @@ class FakeVM:
         return ExecResult(
             exit_code=res.returncode, stdout=res.stdout.decode(), stderr=res.stderr.decode()
         )
+
+    def guest_request(self, line: bytes) -> bytes:
+        """A request as the agent in this VM would see it: its guest paths inside the VM."""
+        msg = P.decode(line)
+        if isinstance(msg.get("path"), str):
+            msg["path"] = self.path(msg["path"])
+        return P.encode(msg)
 
     def exec_stream(self, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
         self._alive()
@@ -282,6 +294,8 @@ class FakeVM:
         return ExecStream(events(), proc.kill)
 
     def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        self._alive()
+        self.host.before_write(self, path)
         self._alive()
         host = Path(self.path(path))
         if not host.parent.is_dir():  # like a guest without the directory
@@ -342,6 +356,11 @@ class FakeVM:
             download_url="",
             path=output,
         )
+
+    def die(self) -> None:
+        """The VM goes away on its own (its engine died): later calls say NOT_FOUND."""
+        self.deleted = True
+        self.kill()
 
     def kill(self) -> None:
         if self.agent_pid:

@@ -48,7 +48,7 @@ def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pu
         "%%smol\ncounter = [x]\ncounter.append(x * 2)\ncounter",
         "%%smol\ny = 1\nz = 2\nraise ValueError('bad value ' + str(y + z))\nw = 4",
         "data = {'a': [1, 2, 3], 'b': 'text'}\ndef triple(v):\n    return 3 * v",
-        "%%smol --push data,triple --pull got,doubled\ngot = dict(data, c=triple(len(data['a'])))\ndoubled = lambda v: 2 * v",
+        "%%smol --push data,triple --pull got,doubled --pull-trusted\ngot = dict(data, c=triple(len(data['a'])))\ndoubled = lambda v: 2 * v",
         "print(got, doubled(21))",
         "%smol status",
         "print(get_ipython().find_line_magic('smol').__doc__)",
@@ -78,19 +78,30 @@ def test_cells_run_in_a_sandboxed_machine_with_state_streams_results_and_push_pu
     assert our_processes(str(tmp_path)) == []
 
 
+class _TimedClient(NotebookClient):
+    """Records when the kernel sent each stream message (its header's date)."""
+
+    sent: list[tuple[Any, str]]
+
+    def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+        if msg.get("msg_type") == "stream":
+            self.sent.append((msg["header"]["date"], msg["content"]["text"]))
+        return super().process_message(msg, cell, cell_index)
+
+
 def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
-    # The marker file is written by the notebook as soon as the first line is seen,
-    # while the machine is still sleeping: proves output streams live, not at the end.
-    nb = run([
-        "%load_ext smolbench",
-        "%smol up --backend sandbox",
-        "import sys, threading, time\nseen = []\n_w = sys.stdout.write\n"
-        "def spy(s):\n    seen.append((time.monotonic(), s))\n    return _w(s)\nsys.stdout.write = spy",
-        "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
-        "sys.stdout.write = _w\nt_early = next(t for t, s in seen if 'early' in s)\nt_late = next(t for t, s in seen if 'late' in s)\nprint(t_late - t_early > 1.0)",
-        "%smol down",
-    ], tmp_path)
-    assert text(nb.cells[4]).strip().endswith("True")
+    # The kernel must send 'early' while the machine is still sleeping, not at the end:
+    # the kernel's own send times of the two lines are the sleep apart.
+    cells = ["%load_ext smolbench", "%smol up --backend sandbox",
+             "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
+             "%smol down"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = _TimedClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.sent = []
+    client.execute()
+    t_early = next(t for t, s in client.sent if "early" in s)
+    t_late = next(t for t, s in client.sent if "late" in s)
+    assert (t_late - t_early).total_seconds() > 1.0, client.sent
 
 
 @pytest.mark.parametrize(
@@ -100,7 +111,8 @@ def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
         (["%smol up --backend sandbox", "%%smol --push nope\n1"], "--push nope: no variable named 'nope' in the notebook"),
         (["%smol up --backend sandbox", "import threading\nlock = threading.Lock()", "%%smol --push lock\n1"], "--push lock: the value can't be pickled"),
         (["%smol up --backend sandbox", "%%smol --pull missing\n1"], "--pull missing: no variable named 'missing' in the machine"),
-        (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk\n1"], "--pull lk: the value can't be pickled"),
+        (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk\n1"], "--pull lk: a _thread.lock is not plain data"),
+        (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk --pull-trusted\n1"], "--pull lk: the value can't be pickled"),
         (["%smol up --smolfile nowhere/Smolfile"], "no Smolfile at nowhere/Smolfile"),
         (["%smol frobnicate"], "unknown %smol command 'frobnicate'"),
     ],

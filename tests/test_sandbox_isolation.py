@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smolbench import _loop
+from smolbench.backends import sandbox
 from smolbench.backends.base import CellRequest, CellResult, MachineRef
+from smolbench.backends.process import ProcessBackend
 from smolbench.backends.sandbox import SandboxBackend
+from smolbench.errors import BackendUnavailable
 from smolbench.images import build_debian_rootfs, image_dir
 from smolbench.smolfile import parse_smolfile
 from smolbench.spec import MachineSpec
@@ -132,12 +134,9 @@ def test_deleting_a_machine_leaves_no_process(backend: SandboxBackend) -> None:
     assert backend.list() == []
 
 
-def test_without_bwrap_it_is_a_plain_process_with_a_loud_warning() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        b = SandboxBackend(use_bwrap=False)
-    assert any("NO isolation" in str(w.message) for w in caught)
-    assert b.isolation.startswith("NONE")
+def test_the_process_backend_is_a_plain_process_and_says_so() -> None:
+    b = ProcessBackend()
+    assert b.name == "process" and b.isolation.startswith("NONE")
     try:
         ref = up(b)
         assert value(run(b, ref, "import os\nos.getpid() > 1")) == "True"
@@ -145,6 +144,12 @@ def test_without_bwrap_it_is_a_plain_process_with_a_loud_warning() -> None:
         assert value(run(b, kids[0], "SEED")) == "7"
     finally:
         _loop.run(b.close())
+
+
+def test_the_sandbox_backend_without_bwrap_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    with pytest.raises(BackendUnavailable, match="^the sandbox backend needs bubblewrap, which is not installed: `apt-get install bubblewrap`"):
+        SandboxBackend()
 
 
 @pytest.fixture(scope="session")

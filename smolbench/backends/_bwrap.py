@@ -11,6 +11,7 @@ works. The machine's /etc holds only what Python and common libraries read.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,14 @@ class Plan:
         self.paths[f"/proc/self/fd/{fd}"] = host
         self.argv += ["--ro-bind-fd" if readonly else "--bind-fd", str(fd), guest]
 
+    def data(self, content: bytes, guest: str) -> None:
+        """A read-only file made from ``content`` (no host path: nothing to resolve or reach)."""
+        fd = os.memfd_create("smolbench", os.MFD_CLOEXEC)
+        os.write(fd, content)
+        os.lseek(fd, 0, os.SEEK_SET)
+        self.fds.append(fd)
+        self.argv += ["--ro-bind-data", str(fd), guest]
+
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
@@ -88,31 +97,36 @@ def python_prefixes() -> list[str]:
     return sorted(p for p in out if not any(p != q and p.startswith(q + "/") for q in out))
 
 
-def write_etc(folder: Path, name: str, uid: int, gid: int, net: bool) -> list[tuple[Path, str]]:
-    """Files made for this machine: (host file, guest path)."""
-    folder.mkdir(mode=0o755)
-    files = {
+def made_etc(name: str, uid: int, gid: int) -> dict[str, str]:
+    """The /etc files made for this machine (name -> content)."""
+    return {
         "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsmolbench:x:{uid}:{gid}:smolbench machine:/workspace:/bin/sh\n"
                   "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": f"root:x:0:\nsmolbench:x:{gid}:\nnogroup:x:65534:\n",
         "hosts": f"127.0.0.1\tlocalhost {hostname(name)}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
         "hostname": hostname(name) + "\n",
     }
-    out = []
-    for fname, text in files.items():
-        (folder / fname).write_text(text)
-        out.append((folder / fname, f"/etc/{fname}"))
-    if net and os.path.exists("/etc/resolv.conf"):
-        out.append((Path("/etc/resolv.conf"), "/etc/resolv.conf"))
-    return out
 
 
 def hostname(name: str) -> str:
     return f"smol-{name}"[:63]
 
 
-def plan(spec: MachineSpec, name: str, bwrap: str, run_dir: Path, rootfs: Path | None) -> Plan:
-    """The bwrap command for machine ``name`` whose host folder is ``run_dir``."""
+def as_sandbox_uid(argv: list[str]) -> list[str]:
+    """``argv`` run as the sandbox uid/gid with no supplementary groups (the kernel is root).
+    A prefix, not ``subprocess(user=...)``: the limits' cgroup join runs first, as root."""
+    uid, gid = sandbox_ids()
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--", *argv]
+    code = (f"import os, sys; os.setgroups([]); os.setresgid({gid}, {gid}, {gid}); os.setresuid({uid}, {uid}, {uid}); "
+            "os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-I", "-S", "-c", code, *argv]
+
+
+def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
+         agent_args: list[str] = ()) -> Plan:  # type: ignore[assignment]
+    """The bwrap command for machine ``name``."""
     uid, gid = sandbox_ids()
     weak = weakened()
     p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
@@ -134,19 +148,22 @@ def plan(spec: MachineSpec, name: str, bwrap: str, run_dir: Path, rootfs: Path |
                     p.argv += ["--symlink", os.readlink(src), f"/etc/{entry}"]
                 elif src.exists():
                     p.argv += ["--ro-bind", str(src), f"/etc/{entry}"]
-            for host, guest in write_etc(run_dir / "etc", name, uid, gid, spec.network_enabled):
-                p.bind_fd(str(host), guest)
+            for fname, text in made_etc(name, uid, gid).items():
+                p.data(text.encode(), f"/etc/{fname}")
+            if spec.network_enabled and os.path.exists("/etc/resolv.conf"):
+                p.argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
             p.argv += ["--symlink", "/tmp", "/var/tmp"]
     else:
         python = "/usr/bin/python3"
         for entry in sorted(os.listdir(rootfs)):
             if entry not in SPECIAL_DIRS:
                 p.argv += _bind_entry(rootfs, entry)
+    # The machine's run folder (its socket) is a tmpfs of its own: the host reaches it through
+    # /proc/PID/root, so no host folder is writable from inside.
     p.argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-               "--dir", GUEST_RUN, "--dir", GUEST_STORE, "--dir", spec.workdir]
-    p.bind_fd(str(run_dir / "m"), GUEST_RUN, readonly=False)
+               "--dir", GUEST_STORE, "--dir", spec.workdir, "--perms", "0700", "--tmpfs", GUEST_RUN]
     for fname in AGENT_FILES:
-        p.bind_fd(str(GUEST_DIR / fname), f"{GUEST_AGENT}/{fname}")
+        p.data((GUEST_DIR / fname).read_bytes(), f"{GUEST_AGENT}/{fname}")
     cp = _cloudpickle_dir()
     if cp:
         p.bind_fd(str(cp), f"{GUEST_LIB}/cloudpickle")
@@ -171,6 +188,7 @@ def plan(spec: MachineSpec, name: str, bwrap: str, run_dir: Path, rootfs: Path |
                "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/ready"]
     if cp:
         p.argv += ["--lib", GUEST_LIB]
+    p.argv += list(agent_args)
     if "host-root" not in weak:
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
         if spec.disk_mib:

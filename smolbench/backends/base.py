@@ -59,6 +59,9 @@ class CellRequest:
     pull: list[str] = field(default_factory=list)
     cell_name: str = "<cell>"
     seed: int | None = None  # applied before the cell runs (fresh episodes)
+    trust_pull: bool = False  # --pull-trusted / %smol trust on: pulled pickles may be loaded
+    trust_display: bool = False  # %smol trust on: display bundles are shown raw
+    output: Any = None  # the cell's gate.OutputBudget (None: the default limits, no log)
 
 
 @dataclass
@@ -68,13 +71,14 @@ class CellResult:
     status: str  # "ok" | "error"
     result: dict[str, Any] | None = None  # MIME bundle of the last expression
     error: dict[str, Any] | None = None  # {"ename", "evalue", "traceback"}
-    pulled: dict[str, bytes] = field(default_factory=dict)
+    pulled: dict[str, Any] = field(default_factory=dict)  # values rebuilt by the gate
     reward: Any = None
     metrics: dict[str, Any] = field(default_factory=dict)
     stdout: str = ""
     stderr: str = ""
     started: float = 0.0
     ended: float = 0.0
+    pull_error: str | None = None  # a --pull refused by the gate (one line)
 
 
 @dataclass

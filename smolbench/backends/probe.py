@@ -32,7 +32,11 @@ from typing import Any
 KVM = "/dev/kvm"
 CACHE_FILE = "probe.json"
 CACHE_TTL = 7 * 24 * 3600.0  # seconds a verdict is trusted even when the key still matches
-SKIP_ENV = "SMOLBENCH_SMOL_PROBE"
+SKIP_ENV = "SMOLBENCH_SMOL_PROBE"  # "skip": answer no without booting; "force": boot even on kvm-pvm
+TIMEOUT_ENV = "SMOLBENCH_SMOL_PROBE_TIMEOUT"
+DEFAULT_TIMEOUT = 45.0  # seconds; a nested, emulated host needs about 200
+PROBE_MEMORY = 256  # MiB of the test machine
+KVM_PVM = "/sys/module/kvm_pvm"  # nested paravirtual KVM: smol's guest kernel can't run on it
 PROBE_LABEL = "smolbench-probe"
 _MARK = "SMOLBENCH_PROBE "
 
@@ -181,7 +185,7 @@ def _run_bounded(argv: list[str], timeout: float) -> tuple[int | None, str]:
 
 def _boot(timeout: float) -> tuple[bool, str, float]:
     """Boot, exec and delete one tiny machine in a subprocess; (ok, reason, seconds)."""
-    from .smol import explain
+    from .smol_errors import explain
 
     name = f"smolbench-probe-{secrets.token_hex(4)}"
     ready = max(3.0, min(timeout * 0.8, timeout - 5.0))
@@ -193,8 +197,8 @@ def _boot(timeout: float) -> tuple[bool, str, float]:
         _run_bounded([sys.executable, "-c", _DELETE_CODE, name], 20.0)
         return (
             False,
-            f"a test microVM did not boot within {timeout:.0f} s (smol hung): "
-            "use --backend sandbox or --target cloud",
+            f"a {PROBE_MEMORY} MiB test microVM did not boot within the probe's {timeout:.0f} s "
+            f"(a slow, nested host may need {TIMEOUT_ENV}=900): use --backend sandbox or --target cloud",
             seconds,
         )
     verdict: dict[str, Any] | None = None
@@ -213,7 +217,8 @@ def _boot(timeout: float) -> tuple[bool, str, float]:
         took = float(verdict.get("seconds") or seconds)
         return (
             True,
-            f"a test microVM booted, ran a command and was deleted in {took:.1f} s",
+            f"a {PROBE_MEMORY} MiB test microVM booted, ran `true` and was deleted in {took:.1f} s "
+            f"(probe limit {timeout:.0f} s)",
             seconds,
         )
     err = explain(
@@ -224,16 +229,45 @@ def _boot(timeout: float) -> tuple[bool, str, float]:
     return False, f"a test microVM failed to boot here: {err}", seconds
 
 
+def probe_timeout() -> float:
+    """The boot probe's limit in seconds: ``$SMOLBENCH_SMOL_PROBE_TIMEOUT``, else 45."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        value = DEFAULT_TIMEOUT
+    return value if value > 0 else DEFAULT_TIMEOUT
+
+
+def quick_verdict() -> tuple[bool, str] | None:
+    """A no from cheap checks alone (no boot), or None when only a boot can tell."""
+    mode = os.environ.get(SKIP_ENV, "").strip().lower()
+    if mode == "skip":
+        return False, f"probe skipped by {SKIP_ENV}=skip"
+    if mode != "force" and os.path.isdir(KVM_PVM):
+        return False, (
+            "/dev/kvm here is kvm-pvm, a nested paravirtual hypervisor that can't run smol's guest "
+            f"kernel: use --backend sandbox or --target cloud ({SKIP_ENV}=force tries a boot anyway)"
+        )
+    return None
+
+
 def probe_smol(
-    timeout: float = 45.0, use_cache: bool = True, announce: Callable[[str], None] | None = None
+    timeout: float | None = None,
+    use_cache: bool = True,
+    announce: Callable[[str], None] | None = None,
 ) -> tuple[bool, str]:
     """Whether smol microVMs really boot here, and one line saying why (or what to do).
 
-    ``SMOLBENCH_SMOL_PROBE=skip`` answers no without booting anything. ``announce`` is
-    told, before a real boot probe starts, that the user is about to wait for it.
+    ``timeout`` defaults to ``$SMOLBENCH_SMOL_PROBE_TIMEOUT`` (45 s). Cheap checks come
+    first (``SMOLBENCH_SMOL_PROBE=skip``, a kvm-pvm host), so a host that can't boot
+    microVMs answers at once. ``announce`` is told, before a real boot probe starts,
+    that the user is about to wait for it.
     """
-    if os.environ.get(SKIP_ENV, "").strip().lower() == "skip":
-        return False, f"probe skipped by {SKIP_ENV}=skip"
+    quick = quick_verdict()
+    if quick is not None:
+        return quick
+    limit = probe_timeout() if timeout is None else timeout
     try:
         import smol
     except ImportError:
@@ -241,7 +275,7 @@ def probe_smol(
             False,
             "the smol SDK is not installed: pip install smolmachines (or use --backend sandbox)",
         )
-    from .smol import explain
+    from .smol_errors import explain
 
     available, code, reason = smol.local_availability()
     if not available:
@@ -252,8 +286,8 @@ def probe_smol(
         if hit is not None:
             return hit
     if announce is not None:
-        announce(f"smolbench: checking once whether microVMs boot on this host (up to {timeout:.0f} s; the answer is remembered)…")
-    ok, why, seconds = _boot(timeout)
+        announce(f"smolbench: checking once whether microVMs boot on this host (up to {limit:.0f} s; the answer is remembered)…")
+    ok, why, seconds = _boot(limit)
     _store(key, ok, why, seconds)
     return ok, why
 

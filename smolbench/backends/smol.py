@@ -41,26 +41,33 @@ from smol import (
     MountSpec,
     ResourceSpec,
     SmolError,
-    wrap_native_error,
 )
 
-from ..errors import BackendUnavailable, SmolbenchError
+from .. import gate
+from ..errors import BackendUnavailable, InfraError, SmolbenchError
+from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..spec import MachineSpec
-from ._wire import exec_message, read_replies, to_result
+from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
+from .smol_image import DEFAULT_IMAGE, boot_timeout, is_local, smol_image
+from .smol_state import PARTS as STATE_PARTS
+from .smol_state import STATE_ONLY, is_state, read_state, write_state
+
+__all__ = ["DEFAULT_IMAGE", "ERROR_HINTS", "SmolBackend", "explain", "translate"]
 
 _PS = ParamSpec("_PS")
 T = TypeVar("T")
 
-DEFAULT_IMAGE = "python:3.12-slim"
 GUEST_HOME = "/opt/smolbench"
 GUEST_LIB = f"{GUEST_HOME}/lib"
 GUEST_RUN = "/run/smolbench"
 CLIENT = f"{GUEST_HOME}/client.py"
 READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
 CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
+STATE_TIMEOUT = 600.0  # seconds for the agent to save or load a namespace and workspace
 # Relays a request written to a file ($2): opened as stdin and removed before the
 # relay starts, so nothing is left behind even when the relay is killed.
 RELAY_FILE = 'exec 0<"$2" && rm -f "$2" && exec python3 "$0" "$1"'
@@ -107,101 +114,6 @@ PREPARE = (
     "print('%d.%d' % sys.version_info[:2])\n"
 )
 
-# -- errors ----------------------------------------------------------------------------
-
-ERROR_HINTS: dict[str, str] = {
-    "KVM_UNAVAILABLE": "no usable KVM here: use --backend sandbox or --target cloud",
-    "HYPERVISOR_UNAVAILABLE": "no usable hypervisor here: use --backend sandbox or --target cloud",
-    "UNSUPPORTED_PLATFORM": (
-        "smol has no local engine for this OS/CPU: use --backend sandbox or --target cloud"
-    ),
-    "RUNTIME_NOT_INSTALLED": (
-        "the smol engine failed to load: pip install --force-reinstall smolmachines, "
-        "or use --backend sandbox"
-    ),
-    "UNAUTHORIZED": (
-        "the smol cloud rejected the token: set a valid SMOL_CLOUD_TOKEN (or run `smol auth login`)"
-    ),
-    "AUTH": "the smol cloud rejected the token: set a valid SMOL_CLOUD_TOKEN (or run `smol auth login`)",
-    "FORBIDDEN": "smol refused this: check the account behind SMOL_CLOUD_TOKEN may do it",
-    "CONNECTION": "could not reach the smol cloud: check the network (and SMOL_CLOUD_URL, if set)",
-    "NETWORK_ERROR": "could not reach the smol cloud: check the network (and SMOL_CLOUD_URL, if set)",
-    "TIMEOUT": "the machine did not answer in time: retry, or give it more memory/cpus in the Smolfile",
-    "NOT_FOUND": "the machine is gone: `%smol up` to make a new one",
-    "VM_NOT_FOUND": "the machine is gone: `%smol up` to make a new one",
-    "MOUNT_ERROR": "a Smolfile volume could not be mounted: check its host directory exists",
-    "STORAGE_ERROR": "smol could not write the machine's disk: free disk space on the host",
-    "INVALID_STATE": "the machine is not running: `%smol down` and `%smol up` again",
-    "INTERRUPTED": "the machine was stopped while a command ran: `%smol up` again",
-    "MACHINE_INTERRUPTED": "the machine went away mid-command: `%smol status`, then `%smol up`",
-    "CANCELLED": "the command was cancelled",
-    "CONFIG_ERROR": "smol rejected the machine's settings: fix the Smolfile",
-    "INVALID_CONFIG": "smol rejected the machine's settings: fix the Smolfile",
-    "NOT_SUPPORTED": "smol can't do this on this target",
-}
-KVM_EACCES = (
-    "no permission to open /dev/kvm: set it to group kvm, mode 0660 "
-    "(sudo chgrp kvm /dev/kvm && sudo chmod 0660 /dev/kvm; smol's helper keeps only the kvm "
-    "group) and add your user to the kvm group, or use --backend sandbox"
-)
-NO_TOKEN = (
-    "no smol cloud token: export SMOL_CLOUD_TOKEN=<your smk_ key> (or run `smol auth login`), "
-    "or use --target local"
-)
-PULL_FAILED = (
-    "the image could not be pulled (smol pulls it from inside the machine): check the image "
-    "name, and allow network (net = true) for its first pull"
-)
-UNAVAILABLE_CODES = frozenset(
-    {
-        "KVM_UNAVAILABLE",
-        "HYPERVISOR_UNAVAILABLE",
-        "UNSUPPORTED_PLATFORM",
-        "RUNTIME_NOT_INSTALLED",
-        "UNAUTHORIZED",
-        "AUTH",
-    }
-)
-
-
-def _kind(code: str, message: str, fallback: str | None = None) -> tuple[str, bool]:
-    """(hint, means-the-backend-is-unavailable) for one SDK error."""
-    low = message.lower()
-    if "kvm" in low and ("permission denied" in low or "eacces" in low):
-        return KVM_EACCES, True
-    if code == "INVALID_CONFIG" and "api_key" in message:
-        return NO_TOKEN, True
-    if "pull" in low and code not in UNAVAILABLE_CODES:
-        return PULL_FAILED, False
-    hint = ERROR_HINTS.get(code)
-    if hint is None:
-        return fallback or f"smol failed ({code}): run `smolbench doctor`", False
-    return hint, code in UNAVAILABLE_CODES
-
-
-def _detail(message: str, limit: int = 160) -> str:
-    text = " ".join(message.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def explain(code: str, message: str, fallback: str | None = None) -> str:
-    """One line for an SDK error: what to do first, then what smol said.
-
-    ``fallback`` is the advice for a code the table doesn't know.
-    """
-    hint, _ = _kind(code, message, fallback)
-    detail = _detail(message)
-    return f"{hint} [smol {code}: {detail}]" if detail else f"{hint} [smol {code}]"
-
-
-def translate(err: BaseException) -> SmolbenchError:
-    """An SDK exception as the SmolbenchError (or BackendUnavailable) a user sees."""
-    smol_err = wrap_native_error(err)
-    _, unavailable = _kind(smol_err.code, str(smol_err))
-    cls = BackendUnavailable if unavailable else SmolbenchError
-    return cls(explain(smol_err.code, str(smol_err)))
-
-
 # -- helpers ---------------------------------------------------------------------------
 
 
@@ -233,27 +145,8 @@ def _allow_hosts(hosts: Iterable[str]) -> list[str]:
     return out
 
 
-async def _lines_of(lines: Iterable[str]) -> AsyncIterator[bytes]:
-    for line in lines:
-        yield line.encode()
-
-
-class _LineSplitter:
-    """Turns stream chunks (which may split lines anywhere) into whole lines."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: str | bytes) -> list[bytes]:
-        """Add a chunk; return the lines it completed (each ending in a newline)."""
-        self._buf += chunk.encode() if isinstance(chunk, str) else chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        return [line + b"\n" for line in lines]
-
-    def rest(self) -> bytes:
-        """Whatever followed the last newline."""
-        rest, self._buf = self._buf, b""
-        return rest
+async def _chunks_of(data: str | bytes) -> AsyncIterator[bytes]:
+    yield data.encode() if isinstance(data, str) else data
 
 
 def _delete_quietly(handle: Machine) -> None:
@@ -353,12 +246,11 @@ class SmolBackend(Backend):
 
     def machine_config(self, spec: MachineSpec, name: str) -> MachineConfig:
         """The smol MachineConfig for ``spec``."""
-        from ..images import is_path_image
-
-        if spec.image and is_path_image(spec.image):
+        image = smol_image(spec.image)
+        if self.target == "cloud" and is_local(image):
             raise SmolbenchError(
-                f"the smol backend boots OCI images, not rootfs directories ({spec.image}): "
-                f"set image to an image with python3, like {DEFAULT_IMAGE!r}"
+                f"image {spec.image!r} is on this host, which smol cloud machines can't boot: "
+                f"use a registry image like {DEFAULT_IMAGE!r}, or --target local"
             )
         if self.target == "cloud" and spec.volumes:
             raise SmolbenchError(
@@ -379,12 +271,13 @@ class SmolBackend(Backend):
         ]
         return MachineConfig(
             name=self.machine_name(name),
-            image=spec.image or DEFAULT_IMAGE,
+            image=image,
             labels={**self.labels, "smolbench-node": _slug(name)},
             resources=resources,
             mounts=mounts or None,
             env=spec.env_dict or None,
             branchable=spec.branch,
+            ready_timeout_seconds=boot_timeout(),
         )
 
     def _register(self, ref: MachineRef, handle: Machine) -> None:
@@ -440,7 +333,7 @@ class SmolBackend(Backend):
         )
         if res.exit_code != 0:
             raise SmolbenchError(
-                f"image {spec.image or DEFAULT_IMAGE!r} has no working python3 ({_detail(res.stderr or res.stdout, 80)}): "
+                f"image {spec.image or DEFAULT_IMAGE!r} has no working python3 ({detail(res.stderr or res.stdout, 80)}): "
                 f"use an image with python3 >= 3.8, like {DEFAULT_IMAGE!r}"
             )
         ref.info["python"] = res.stdout.strip()
@@ -481,7 +374,7 @@ class SmolBackend(Backend):
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
             if loop.time() > deadline:
-                raise SmolbenchError(
+                raise InfraError(
                     f"the agent in machine {ref.name!r} did not start within {READY_TIMEOUT:.0f} s "
                     f"({await self._log_tail(handle, log)}): `%smol down` and `%smol up` again"
                 )
@@ -492,7 +385,7 @@ class SmolBackend(Backend):
             text = (await asyncio.to_thread(handle.read_file, log)).decode(errors="replace").strip()
         except Exception:
             return "no agent log"
-        return _detail(text.splitlines()[-1], 120) if text else "empty agent log"
+        return detail(text.splitlines()[-1], 120) if text else "empty agent log"
 
     async def delete(self, machine: MachineRef) -> None:
         """Delete the VM (its branches are VMs of their own and stay); gone already is fine."""
@@ -529,7 +422,7 @@ class SmolBackend(Backend):
     # -- talking to agents ---------------------------------------------------------------
 
     async def _relay(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        """Send one request through client.py; yield the agent's reply lines as they arrive."""
+        """Send one request through client.py; yield the agent's raw reply bytes as they arrive."""
         handle = self._handle(ref)
         where = f"machine {ref.name!r}"
         # Always as a file: smol's local exec_stream drops ExecOptions.stdin (the relay
@@ -555,7 +448,6 @@ class SmolBackend(Backend):
                 put(("end", None))
 
         threading.Thread(target=pump, name=f"smolbench-relay-{ref.name}", daemon=True).start()
-        lines = _LineSplitter()
         stderr: list[str] = []
         exit_code: int | None = None
         try:
@@ -569,28 +461,36 @@ class SmolBackend(Backend):
                     raise item
                 event_kind = item.get("kind")
                 if event_kind == "stdout":
-                    for line in lines.feed(item.get("data", "")):
-                        yield line
+                    data = item.get("data", "")
+                    yield data.encode() if isinstance(data, str) else bytes(data)
                 elif event_kind == "stderr":
                     stderr.append(str(item.get("data", "")))
                 elif event_kind == "exit":
                     exit_code = item.get("exit_code")
                 elif event_kind == "error":
-                    raise SmolbenchError(
-                        f"{where}: running the agent relay failed ({_detail(str(item.get('message', '')))}): "
-                        "`%smol status`, or `%smol down` and `%smol up`"
+                    raise await self._lost(
+                        handle,
+                        f"{where}: running the agent relay failed ({detail(str(item.get('message', '')))}): "
+                        "`%smol status`, or `%smol down` and `%smol up`",
                     )
-            rest = lines.rest()
-            if rest.strip():
-                yield rest
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = "".join(stderr).strip().splitlines()
-                raise SmolbenchError(
+                raise await self._lost(
+                    handle,
                     f"{where}: the agent relay exited with code {exit_code}"
-                    f" ({_detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`"
+                    f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`",
                 )
         finally:
             stream.kill()
+
+    async def _lost(self, handle: Machine, message: str) -> SmolbenchError:
+        """The error for a relay that ended without an answer: InfraError (retryable) when the
+        VM itself is gone, a plain error when it still runs (the cell took its agent down)."""
+        try:
+            res = await asyncio.to_thread(handle.exec, ["true"], ExecOptions(timeout=CONTROL_TIMEOUT))
+        except SmolError:
+            return InfraError(message)
+        return SmolbenchError(message) if res.exit_code == 0 else InfraError(message)
 
     async def _request(
         self, ref: MachineRef, msg: dict[str, Any], timeout: float = CONTROL_TIMEOUT
@@ -603,7 +503,7 @@ class SmolBackend(Backend):
             ["python3", CLIENT, ref.info["socket"]],
             ExecOptions(stdin=P.encode(msg), timeout=timeout),
         )
-        done = await read_replies(_lines_of(res.stdout.splitlines()), None, where)
+        done = await gate.read_control(_chunks_of(res.stdout), ref.name)
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -613,10 +513,8 @@ class SmolBackend(Backend):
         self, machine: MachineRef, request: CellRequest, on_event: OnEvent
     ) -> CellResult:
         """Run one cell through client.py, streaming its output as it arrives."""
-        where = f"machine {machine.name!r}"
-        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as lines:
-            done = await read_replies(lines, on_event, where)
-        return to_result(done)
+        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as chunks:
+            return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
         """Raise KeyboardInterrupt in the cell running in the machine, if any."""
@@ -653,7 +551,7 @@ class SmolBackend(Backend):
         kids: list[Machine] = await self._make(lambda: parent.branch_batch(names=smol_names), undo)
         if len(kids) != len(names):
             await asyncio.to_thread(undo, kids)
-            raise SmolbenchError(
+            raise InfraError(
                 f"smol made {len(kids)} branches of {machine.name!r}, not {len(names)}: retry"
             )
         refs: list[MachineRef] = []
@@ -701,9 +599,52 @@ class SmolBackend(Backend):
             return CheckpointInfo(path, self.name, int(made.size_bytes))
         store = os.path.join(os.path.dirname(path), "store")
         os.makedirs(store, exist_ok=True)
-        made = await self._sdk(handle.checkpoint, path, store=store)
+        try:
+            made = await asyncio.to_thread(handle.checkpoint, path, store=store)
+        except SmolError as exc:
+            if HOST_BACKED not in str(exc).lower():
+                raise translate(exc) from exc
+            return await self._save_state(machine, path)
         size = int(made.size_bytes) if made.size_bytes else os.path.getsize(path)
         return CheckpointInfo(path, self.name, size)
+
+    async def _save_state(self, machine: MachineRef, path: str) -> CheckpointInfo:
+        """The workspace and namespace only, for a machine smol can't capture whole."""
+        handle = self._handle(machine)
+        stage = f"{GUEST_RUN}/state-{secrets.token_hex(6)}"
+        try:
+            done = await self._request(machine, {"op": "save", "path": stage}, timeout=STATE_TIMEOUT)
+            parts = {n: await self._sdk(handle.read_file, f"{stage}/{n}") for n in STATE_PARTS}
+            archive.check_workspace(parts["workspace.tar"], f"machine {machine.name}'s workspace")
+        finally:
+            with contextlib.suppress(Exception):
+                await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+        size = await asyncio.to_thread(write_state, path, machine.name, parts)
+        warnings = [STATE_ONLY]
+        if done.get("skipped"):
+            warnings.append(f"not saved (can't be pickled): {', '.join(done['skipped'])}")
+        return CheckpointInfo(path, self.name, size, warnings)
+
+    async def _restore_state(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+        """A fresh machine from ``spec`` with a state checkpoint's workspace and namespace."""
+        parts = await asyncio.to_thread(read_state, path)
+        archive.check_workspace(parts.get("workspace.tar", b""), f"checkpoint {os.path.basename(path)}")
+        ref = await self.create(spec, name)
+        handle = self._handle(ref)
+        stage = f"{GUEST_RUN}/restore-{secrets.token_hex(6)}"
+        try:
+            await self._sdk(handle.exec, ["mkdir", "-p", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+            for part, data in parts.items():
+                await self._sdk(handle.write_file, f"{stage}/{part}", data, 0o600)
+            done = await self._request(ref, {"op": "load", "path": stage}, timeout=STATE_TIMEOUT)
+            await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+        except BaseException:
+            await self._delete_after_failure(ref)
+            raise
+        ref.info["restore_warnings"] = [STATE_ONLY]
+        if done.get("skipped"):
+            ref.info["restore_warnings"].append(f"not restored: {', '.join(done['skipped'])}")
+        return ref
 
     def _checkpoint_id(self, path: str) -> str:
         if not os.path.exists(path):
@@ -725,6 +666,8 @@ class SmolBackend(Backend):
         """A new live VM from a checkpoint, its agent renamed to ``name``."""
         self._check_new([name])
         checkpoint_id = self._checkpoint_id(path)
+        if self.target == "local" and is_state(checkpoint_id):
+            return await self._restore_state(checkpoint_id, name, spec)
         await self._ensure_available()
         smol_name = self.machine_name(name)
         conn = self.conn

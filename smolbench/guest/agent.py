@@ -15,6 +15,7 @@ Usage: python3 agent.py --socket PATH --name NAME [--workdir DIR] [--lib DIR]
 
 import argparse
 import ast
+import collections
 import ctypes
 import gc
 import importlib.util
@@ -59,12 +60,36 @@ MIME_METHODS = (
     ("application/json", "_repr_json_"),
 )
 OUTPUT_KEEP = 64 * 1024  # characters of stdout/stderr kept for the result record
+BATCH_CHARS = 64 * 1024  # stream text sent per message at most
+BATCH_SECONDS = 0.005  # how long output gathers before it is sent
+NUMBER_LIMIT = 1e300  # rewards and metrics: finite numbers within +-1e300
+
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def _plotly_json(value):
+    # A plotly figure as JSON data (its HTML form is a script, which the host won't show).
+    to_json = getattr(value, "to_json", None)
+    if to_json is None or not hasattr(value, "to_plotly_json") or isinstance(value, type):
+        return None
+    try:
+        import json
+
+        return json.loads(to_json())
+    except Exception:
+        return None
 
 
 def mime_bundle(value):
     """A Jupyter MIME bundle for ``value`` (text/plain always present)."""
     data = {}
+    fig = _plotly_json(value)
+    if fig is not None:
+        data[PLOTLY_MIME] = fig
     for mime, meth in MIME_METHODS:
+        if fig is not None and mime == "text/html":
+            continue
         fn = getattr(value, meth, None)
         if fn is None or isinstance(value, type):
             continue
@@ -86,17 +111,68 @@ def mime_bundle(value):
     return data
 
 
-class _Stream(io.TextIOBase):
-    """sys.stdout / sys.stderr replacement that streams writes to the host.
+class _Outbox:
+    """Batches a cell's stream output: one message per ~5 ms or 64 KiB, not one per print.
 
-    Text is sent at each line end (or carriage return, for progress bars) and on
-    flush(), so a print() costs one message, not one per argument.
+    Writers append; a flusher thread sends what has gathered. A writer that gets
+    far ahead of the host (its socket full) sends itself, so it waits for the host
+    instead of buffering without bound.
     """
+
+    def __init__(self, agent):
+        self._agent = agent
+        self._parts = []  # [name, [texts]] in order
+        self._size = 0
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        self._wake = threading.Event()
+        self._pid = None
+
+    def write(self, name, text):
+        if self._pid != os.getpid():  # a new process (a branch): its own flusher thread
+            self._pid = os.getpid()
+            threading.Thread(target=self._flusher, daemon=True).start()
+        with self._lock:
+            if self._parts and self._parts[-1][0] == name:
+                self._parts[-1][1].append(text)
+            else:
+                self._parts.append([name, [text]])
+            self._size += len(text)
+            big = self._size >= BATCH_CHARS
+        if big:
+            self.flush()
+        else:
+            self._wake.set()
+
+    def flush(self):
+        # One flush at a time, whole: whatever a flush took is sent before another (or the
+        # cell's final reply, which follows a flush) can go.
+        with self._sending:
+            with self._lock:
+                parts, self._parts, self._size = self._parts, [], 0
+            for name, texts in parts:
+                text = "".join(texts)
+                for i in range(0, len(text), BATCH_CHARS):  # a huge write goes in bounded frames
+                    self._agent.send({"t": "stream", "name": name, "text": text[i:i + BATCH_CHARS]})
+
+    def _flusher(self):
+        me = os.getpid()
+        while os.getpid() == me:
+            self._wake.wait()
+            time.sleep(BATCH_SECONDS)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # the host went away: the cell goes on
+                pass
+
+
+class _Stream(io.TextIOBase):
+    """sys.stdout / sys.stderr replacement that streams writes to the host (batched)."""
 
     def __init__(self, agent, name):
         self._agent = agent
         self.name = name
-        self._buf = []
 
     def writable(self):
         return True
@@ -105,15 +181,11 @@ class _Stream(io.TextIOBase):
         if not isinstance(text, str):
             raise TypeError("write() argument must be str, not %s" % type(text).__name__)
         if text:
-            self._buf.append(text)
-            if "\n" in text or "\r" in text:
-                self.flush()
+            self._agent.stream(self.name, text)
         return len(text)
 
     def flush(self):
-        if self._buf:
-            text, self._buf = "".join(self._buf), []
-            self._agent.stream(self.name, text)
+        self._agent.outbox.flush()
 
     def isatty(self):
         return False
@@ -135,6 +207,7 @@ class GuestAPI(types.ModuleType):
     def display(self, *objs):
         """Show objects in the notebook, like IPython's display()."""
         for obj in objs:
+            self._agent.outbox.flush()  # text printed before the display shows before it
             self._agent.send({"t": "display", "data": mime_bundle(obj)})
 
     @property
@@ -174,6 +247,9 @@ class Agent:
         sys.modules["smolbench_guest"] = self.guest
         sys.modules["__main__"] = self.main
         self.ns["display"] = self.guest.display
+        self.outbox = _Outbox(self)
+        self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
+        self._out_size = {"stdout": 0, "stderr": 0}
         self.listener = listener or self._listen(sock_path)
         self._start_acceptor()
 
@@ -273,7 +349,7 @@ class Agent:
 
     def info(self):
         """What the host shows in ``%smol status``."""
-        return {
+        info = {
             "name": self.name,
             "pid": os.getpid(),
             "python": sys.version.split()[0],
@@ -283,8 +359,10 @@ class Agent:
             "cells": self.cell_count,
             "workdir": self.workdir,
             "hostname": socket.gethostname(),
-            "containment": contain.info(self.machine) if self.machine is not None else None,
         }
+        if self.machine is not None:
+            info.update(contain.info(self.machine))
+        return info
 
     def serve_forever(self):
         """Run requests on the main thread, one at a time."""
@@ -341,9 +419,12 @@ class Agent:
 
     def stream(self, name, text):
         """Stream text written by the cell; keep the tail for the result record."""
-        buf = self._out[name]
-        buf.append(text)
-        self.send({"t": "stream", "name": name, "text": text})
+        tail = self._out[name]
+        tail.append(text[-OUTPUT_KEEP:])
+        self._out_size[name] += len(tail[-1])
+        while self._out_size[name] - len(tail[0]) >= OUTPUT_KEEP:
+            self._out_size[name] -= len(tail.popleft())
+        self.outbox.write(name, text)
 
     # -- cells ---------------------------------------------------------------
 
@@ -357,7 +438,8 @@ class Agent:
             filename = "<%s@%s>" % (filename.strip("<>"), self.name)
         code = req.get("code", "")
         self.reported = {}
-        self._out = {"stdout": [], "stderr": []}
+        self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
+        self._out_size = {"stdout": 0, "stderr": 0}
         started = time.time()
         msg = {"t": "done", "status": "ok", "result": None, "error": None, "pulled": {}}
         old = sys.stdout, sys.stderr
@@ -395,7 +477,7 @@ class Agent:
                     msg["error"] = _plain_error("NameError", "--pull %s: no variable named %r in the machine" % (name, name))
                     break
                 try:
-                    msg["pulled"][name] = P.b64(_dumps(self.ns[name]))
+                    msg["pulled"][name] = _pull(self.ns[name], bool(req.get("pull_trusted")))
                 except Exception as exc:
                     msg["status"] = "error"
                     msg["error"] = _plain_error(
@@ -426,20 +508,18 @@ class Agent:
         out = {"reward": None, "metrics": {}, "reward_error": None}
         if reward is not None:
             try:
-                r = float(reward)
-                if not math.isfinite(r):
-                    raise ValueError("not finite")
-                out["reward"] = r
-            except (TypeError, ValueError):
-                out["reward_error"] = "reward must be a finite number, got %r" % (reward,)
+                out["reward"] = _finite_number(reward, "reward")
+            except ValueError as exc:
+                out["reward_error"] = str(exc)
         for key, val in (self.reported.get("metrics") or {}).items():
-            if isinstance(val, (int, float, str, bool)) or val is None:
+            key = str(key)[:200]
+            if val is None or (isinstance(val, str) and len(val) <= 1000):
                 out["metrics"][key] = val
-            else:
-                try:
-                    out["metrics"][key] = float(val)
-                except (TypeError, ValueError):
-                    out["metrics"][key] = repr(val)[:200]
+                continue
+            try:
+                out["metrics"][key] = _finite_number(val, "metric %r" % key)
+            except ValueError as exc:
+                out["reward_error"] = out["reward_error"] or str(exc)
         return out
 
     def apply_seed(self, seed, name=None):
@@ -512,6 +592,7 @@ class Agent:
         self.children = {}
         self._busy = threading.Lock()
         self._send_lock = threading.Lock()
+        self.outbox = _Outbox(self)
         self._queue = queue.Queue()
         self._running = False
         self.cell_count = 0
@@ -561,7 +642,10 @@ class Agent:
                 for member in tar.getmembers():
                     if member.name.startswith(("/", "..")) or "/../" in member.name:
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
-                tar.extractall(self.workdir)
+                if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
+                    tar.extractall(self.workdir, filter="data")
+                else:
+                    tar.extractall(self.workdir)
         with open(os.path.join(path, "namespace.pkl"), "rb") as fh:
             data = pickle.loads(fh.read())
         failed = []
@@ -600,6 +684,115 @@ def _wait_exited(pid, timeout):
         if state in (b"Z", b"X"):
             return
         time.sleep(0.002)
+
+
+def _finite_number(value, what):
+    """``value`` as a float, or ValueError with one line (bool, non-finite, beyond +-1e300)."""
+    if isinstance(value, bool):
+        raise ValueError("%s must be a number, not a bool (%r): use 1.0 / 0.0 if you mean it" % (what, value))
+    try:
+        f = float(value)
+    except OverflowError:
+        raise ValueError("%s must be a finite number within +-1e300, got one too large for a float (%s)"
+                         % (what, type(value).__name__)) from None
+    except (TypeError, ValueError):
+        raise ValueError("%s must be a finite number, got %s" % (what, _short_repr(value))) from None
+    if not math.isfinite(f) or abs(f) > NUMBER_LIMIT:
+        raise ValueError("%s must be a finite number within +-1e300, got %s" % (what, _short_repr(value)))
+    return f
+
+
+def _short_repr(value):
+    try:
+        text = repr(value)
+    except Exception:
+        text = "a %s" % type(value).__name__
+    return text if len(text) <= 60 else text[:59] + "..."
+
+
+class _NotData(Exception):
+    """A value that has no data-only form (its type name is the message)."""
+
+
+def _type_name(value):
+    t = type(value)
+    return "%s.%s" % (t.__module__, t.__qualname__) if t.__module__ != "builtins" else t.__qualname__
+
+
+def _npy(arr):
+    np = sys.modules["numpy"]
+    if arr.dtype.hasobject:
+        raise _NotData("numpy array of Python objects")
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return P.b64(buf.getvalue())
+
+
+def _pd_column(values, dtype):
+    np = sys.modules["numpy"]
+    arr = np.asarray(values)
+    if not arr.dtype.hasobject and arr.dtype.kind != "O":
+        return {"dtype": str(dtype), "values": {"$": "npy", "v": _npy(arr)}}
+    pd = sys.modules["pandas"]
+    items = [None if (not isinstance(x, (list, tuple, dict)) and pd.isna(x)) else x for x in list(values)]
+    return {"dtype": str(dtype), "values": [_data(x, 1) for x in items]}
+
+
+def _pd_index(index):
+    pd = sys.modules["pandas"]
+    if type(index) is pd.RangeIndex:
+        return {"$": "range", "start": index.start, "stop": index.stop, "step": index.step, "name": _data(index.name, 1)}
+    if isinstance(index, pd.MultiIndex):
+        raise _NotData("pandas MultiIndex")
+    return {"values": _pd_column(index, index.dtype), "name": _data(index.name, 1)}
+
+
+def _data(value, depth=0):
+    """``value`` as a JSON data tree the host rebuilds without running code (see smolbench/gate/pull.py)."""
+    if depth > 100:
+        raise _NotData("value nested more than 100 levels deep")
+    t = type(value)
+    if value is None or t in (bool, str, int):
+        return value
+    if t is float:
+        return value if math.isfinite(value) else {"$": "float", "v": repr(value)}
+    if t is list:
+        return [_data(v, depth + 1) for v in value]
+    if t in (tuple, set, frozenset):
+        items = list(value)
+        return {"$": t.__name__, "v": [_data(v, depth + 1) for v in items]}
+    if t is dict:
+        return {"$": "dict", "v": [[_data(k, depth + 1), _data(v, depth + 1)] for k, v in value.items()]}
+    if t in (bytes, bytearray):
+        return {"$": "bytes", "v": P.b64(bytes(value))}
+    if t is complex:
+        return {"$": "complex", "v": [value.real, value.imag]}
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray:
+        return {"$": "npy", "v": _npy(value)}
+    if np is not None and isinstance(value, np.generic):
+        return {"$": "npscalar", "v": _npy(np.asarray(value))}
+    pd = sys.modules.get("pandas")
+    if pd is not None and t is pd.Series:
+        return {"$": "series", "values": _pd_column(value.array, value.dtype), "index": _pd_index(value.index),
+                "name": _data(value.name, depth + 1)}
+    if pd is not None and t is pd.DataFrame:
+        if isinstance(value.columns, pd.MultiIndex):
+            raise _NotData("pandas DataFrame with MultiIndex columns")
+        return {"$": "dataframe", "columns": [_data(c, depth + 1) for c in value.columns],
+                "index": _pd_index(value.index),
+                "data": [_pd_column(value.iloc[:, i].array, value.dtypes.iloc[i]) for i in range(value.shape[1])]}
+    raise _NotData(_type_name(value))
+
+
+def _pull(value, trusted):
+    """A ``--pull`` value in its wire form: data if it can be, else a pickle (trusted) or a refusal."""
+    try:
+        return {"format": "data", "data": _data(value)}
+    except _NotData as exc:
+        if trusted:
+            return {"format": "pickle", "data": P.b64(_dumps(value))}
+        return {"format": "refused", "type": str(exc)[:200]}
 
 
 def _dumps(value):
@@ -703,6 +896,19 @@ def _private_files(workdir, name, mount_ns=True):
         return "copy"
 
 
+# -- limits the host asked for (rlimits; cgroups are the host's business) ----------
+
+
+def _apply_rlimits(rlimits):
+    """Lower this process's rlimits, for good (inherited by everything it starts)."""
+    import resource
+
+    for item in rlimits:
+        name, _, value = item.partition("=")
+        limit = int(value)
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (limit, limit))
+
+
 def main(argv=None):
     """Start the agent and serve until killed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -717,7 +923,9 @@ def main(argv=None):
     ap.add_argument("--net", action="store_true", help="keep the network (no own net namespace for branches)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
     ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
+    ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     args = ap.parse_args(argv)
+    _apply_rlimits(args.rlimit)
     if args.lib:
         sys.path.append(args.lib)
     if args.workdir:

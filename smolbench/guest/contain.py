@@ -393,8 +393,7 @@ def _sibling(name):
 
 def info(m):
     """What ``%smol status`` shows about containment."""
-    return {"uid": os.getuid(), "cap_eff": cap_eff(), "files": m.files, "seccomp": m.seccomp,
-            "pid_ns_pid": os.getpid()}
+    return {"uid": os.getuid(), "cap_eff": cap_eff(), "files": m.files, "seccomp": m.seccomp}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,11 @@ Replies (agent -> host), several per request, the last one has ``"t": "done"``::
     {"t": "display", "data": {mime: value}}
     {"t": "done", "status": "ok" | "error", "result": {...} | null,
      "error": {"ename", "evalue", "traceback": [...]} | null,
-     "pulled": {name: b64}, "reward": float | null, "metrics": {...}, ...}
+     "pulled": {name: {"format": "data", "data": tree} | {"format": "refused", "type": "mod.Cls"}
+                      | {"format": "pickle", "data": b64}},   # pickle only when pull_trusted
+     "reward": float | null, "metrics": {...}, ...}
+
+The host decodes replies only through ``smolbench.gate``, which trusts none of this.
 """
 
 import base64
@@ -28,8 +32,22 @@ ENCODING = "utf-8"
 
 
 def encode(msg):
-    """One message as a line of bytes."""
-    return (json.dumps(msg, default=repr, separators=(",", ":")) + "\n").encode(ENCODING)
+    """One message as a line of bytes (strict JSON: non-finite floats become strings)."""
+    try:
+        text = json.dumps(msg, default=repr, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(msg), default=repr, separators=(",", ":"), allow_nan=False)
+    return (text + "\n").encode(ENCODING)
+
+
+def _finite(value):
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def decode(line):

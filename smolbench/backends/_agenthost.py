@@ -1,0 +1,352 @@
+"""Machines that are guest agents started on this host (sandbox and process backends).
+
+What both share: a run folder per machine (socket, log, workspace), the agent's
+Unix socket, branching by the agent's ``os.fork()``, checkpoints as the agent's
+save/load, enforced limits (``_limits``: a cgroup per machine and per branch),
+and deleting a machine so that nothing it started survives. Subclasses say how
+the agent is started (:meth:`AgentHostBackend._command`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import builtins
+import contextlib
+import os
+import shutil
+import tarfile
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from .. import gate
+from ..errors import BackendUnavailable, SmolbenchError
+from ..gate import archive
+from ..guest import protocol as P
+from ..spec import MachineSpec
+from . import _limits, _procs, _rundir
+from ._wire import exec_message
+from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+
+BOOT_TIMEOUT = 30.0
+CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
+
+
+class AgentHostBackend(Backend):
+    """A guest agent per machine, on this host; branches by ``os.fork()`` inside it."""
+
+    def __init__(self, *, runtime_dir: str | None = None) -> None:
+        self._runtime_base = runtime_dir
+        self._machines: dict[str, MachineRef] = {}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._limiter: _limits.Limiter | None = None
+        self.swept: list[Path] = []  # stale run folders removed at the first create
+        self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
+
+    @property
+    def limiter(self) -> _limits.Limiter:
+        """The limits of this backend's machines (probed at first use)."""
+        if self._limiter is None:
+            self._limiter = _limits.Limiter()
+        return self._limiter
+
+    def limits_status(self, spec: MachineSpec) -> str:
+        """One line: which mechanism enforces memory, processes and CPUs, and the values."""
+        return self.limiter.describe(spec, nproc_per_machine=self.nproc_per_machine)
+
+    nproc_per_machine = True  # RLIMIT_NPROC counts only this machine (its own user namespace)
+
+    def _nproc(self, spec: MachineSpec) -> int:
+        """The RLIMIT_NPROC that caps a machine at ``spec.pids`` (used without a pids cgroup)."""
+        return spec.pids
+
+    @abc.abstractmethod
+    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
+                 agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
+        """(argv, the run folder's path inside the machine, the workdir inside) for a new machine."""
+
+    def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
+        """(the machine's own host folder, its socket, its ready file) in a new run folder."""
+        return run_dir, run_dir / f"{name}.sock", run_dir / f"{name}.ready"
+
+    def _spawn_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for starting the machine (file descriptors to pass)."""
+        return {}
+
+    def _spawned(self) -> None:
+        """After the machine's process started (or failed to): release what it was given."""
+
+    def _host_pid(self, ancestor: int, guest_pid: int, branch: bool) -> int | None:
+        """The host pid of the process below ``ancestor`` that its namespace calls ``guest_pid``."""
+        return _procs.host_pid(ancestor, guest_pid)
+
+    def _hand_over(self, path: str, folder: str) -> str:
+        """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
+        return archive.hand_over(path, folder)
+
+    def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(spec.env_dict)
+        env["SMOLBENCH_MACHINE"] = name
+        env.pop("PYTHONPATH", None)
+        return env
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def create(self, spec: MachineSpec, name: str) -> MachineRef:
+        if name in self._machines:
+            raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` first or pick another name")
+        if not self._machines:
+            self.swept += _rundir.sweep(self._runtime_base)
+        run_dir = _rundir.make(self._runtime_base)
+        workspace = run_dir / "workspace"
+        workspace.mkdir()
+        host_dir, socket, ready = self._layout(run_dir, name)
+        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name,
+                                                      "host_dir": str(host_dir), "contained": False})
+        self._machines[name] = ref
+        try:
+            limits = self.limiter.machine(name, spec)
+            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec)))
+            ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
+            try:
+                with open(run_dir / "agent.log", "wb") as log:
+                    # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
+                    # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
+                    # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                    proc = await asyncio.create_subprocess_exec(
+                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
+                        **self._spawn_options())
+            finally:
+                self._spawned()
+            self._procs[name] = proc
+            ref.info["pid"] = proc.pid
+            await self._wait_ready(ref, proc, ready)
+        except BaseException:
+            await self.delete(ref)
+            raise
+        return ref
+
+    async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while not ready.exists():
+            if proc.returncode is not None:
+                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
+            await asyncio.sleep(0.01)
+        with contextlib.suppress(OSError, ValueError):
+            guest = int(ready.read_text().strip() or 0)
+            ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else self._host_pid(proc.pid, guest, False)
+
+    @staticmethod
+    def _log_tail(ref: MachineRef) -> str:
+        try:
+            text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
+        except OSError:
+            return "(no log)"
+        return text.splitlines()[-1] if text else "(empty log)"
+
+    async def delete(self, machine: MachineRef) -> None:
+        ref = self._machines.pop(machine.name, None)
+        if ref is None:
+            return
+        for child in [m for m in self._machines.values() if m.parent == ref.name]:
+            await self.delete(child)
+        proc = self._procs.pop(ref.name, None)
+        if ref.parent is None:  # a root: everything it started goes, then its folder
+            await asyncio.to_thread(self._kill_root, ref, proc)
+            if proc is not None:
+                await proc.wait()
+            shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
+            return
+        await asyncio.to_thread(self._kill_branch_tree, ref)
+        # The parent forked the branch: the pid is one of the parent's own pid namespace.
+        parent = self._machines.get(ref.parent)
+        if parent is not None and "guest_pid" in ref.info:
+            with contextlib.suppress(OSError, SmolbenchError):
+                await self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]})
+        await asyncio.to_thread(self.limiter.release, ref.name)
+        with contextlib.suppress(OSError):
+            os.unlink(ref.info["socket"])
+
+    def _kill_root(self, ref: MachineRef, proc: asyncio.subprocess.Process | None) -> None:
+        """Kill the machine's whole process tree and its cgroup's contents, and verify."""
+        if proc is not None:
+            _procs.kill_tree(proc.pid)
+        self.limiter.release(ref.name)
+
+    def _kill_branch_tree(self, ref: MachineRef) -> None:
+        """What a branch started (its daemons included), before the branch itself goes."""
+        pid = ref.info.get("host_pid")
+        if pid is not None and _procs.start_time(pid) == ref.info.get("host_started"):
+            below = [p for p in _procs.descendants(pid) if _procs.running(*p)]
+            _procs.kill_all(below)
+
+    def list(self) -> builtins.list[MachineRef]:
+        return list(self._machines.values())
+
+    def host_memory(self) -> tuple[float, float]:
+        """(RSS, PSS) in MiB of every process of every live machine (branches included)."""
+        pids = [p for proc in self._procs.values() for p in (proc.pid, *(d for d, _ in _procs.descendants(proc.pid)))]
+        return _procs.memory_mib(pids)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._limiter is not None:
+            await asyncio.to_thread(self._limiter.close)
+
+    # -- talking to agents ------------------------------------------------------------
+
+    async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if ref.name not in self._machines:
+            raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
+        try:
+            return await asyncio.open_unix_connection(ref.info["socket"])
+        except OSError as exc:
+            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
+
+    async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        """Send one request; yield the agent's raw reply bytes (only the gate decodes them)."""
+        reader, writer = await self._open(ref)
+        try:
+            writer.write(P.encode(msg))
+            await writer.drain()
+            while True:
+                try:
+                    chunk = await reader.read(CHUNK)
+                except ConnectionError:  # the agent dropped us: it could not even start a thread
+                    raise SmolbenchError(
+                        f"machine {ref.name!r} dropped the connection: it may be out of processes (pids = "
+                        f"{ref.spec.pids}) or memory; `%smol delete {ref.name}` or raise the limit in the Smolfile") from None
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _request(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
+        async with contextlib.aclosing(self._stream(ref, msg)) as chunks:
+            done = await gate.read_control(chunks, ref.name)
+        if done.get("status") != "ok":
+            err = done.get("error") or {}
+            raise SmolbenchError(f"machine {ref.name!r}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
+        return done
+
+    async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
+        limits = self.limiter.get(machine.name)
+        ooms = limits.oom_kills() if limits is not None else 0
+        try:
+            async with contextlib.aclosing(self._stream(machine, exec_message(request))) as chunks:
+                res = await gate.read_cell(chunks, request, on_event, machine.name)
+        except SmolbenchError:
+            if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
+                raise SmolbenchError(f"{_limits.out_of_memory_line(machine.spec)} (machine {machine.name} was lost)") from None
+            raise
+        if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
+            res.error = {"ename": "MemoryError", "evalue": _limits.out_of_memory_line(machine.spec), "traceback": []}
+        return res
+
+    async def interrupt(self, machine: MachineRef) -> None:
+        with contextlib.suppress(SmolbenchError, OSError):
+            await self._request(machine, {"op": "interrupt"})
+
+    async def info(self, machine: MachineRef) -> dict[str, Any]:
+        """What the agent says about itself (python version, pid, cells run, ...)."""
+        return dict((await self._request(machine, {"op": "ping"}))["info"])
+
+    async def branch(
+        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
+    ) -> builtins.list[MachineRef]:
+        if len(names) != len(seeds):
+            raise ValueError("one seed per branch name")
+        host_dir, guest_run = Path(machine.info["host_dir"]), machine.info["guest_run"]
+        # A contained branch gets a folder of its own (it sees only that one as its run folder).
+        nested = bool(machine.info.get("contained"))
+        dirs = _run_folders(names)
+        children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
+                    for n, s, d in zip(names, seeds, dirs)]
+        done = await self._request(machine, {"op": "fork", "children": children})
+        if done.get("flattened"):
+            self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
+                              "past 48 layers a fork copies them into one")
+        refs = []
+        folder = dict(zip(names, dirs))
+        for made in done["children"]:
+            mine = host_dir / folder[made["name"]] if nested else host_dir
+            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir", "contained")},
+                    "host_dir": str(mine), "guest_pid": made["pid"],
+                    "socket": str(mine / "s") if nested else str(host_dir / f"{made['name']}.sock")}
+            ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
+            self._machines[ref.name] = ref
+            refs.append(ref)
+        await asyncio.to_thread(self._limit_branches, machine, refs)
+        return refs
+
+    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef]) -> None:
+        """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
+        ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
+        for ref in refs:
+            pid = self._host_pid(ancestor, ref.info["guest_pid"], True) if ancestor else None
+            if pid is None:
+                continue
+            ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
+            if self.limiter.mechanism.bases:
+                self.limiter.machine(ref.name, ref.spec).adopt([pid, *(p for p, _ in _procs.descendants(pid))])
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
+        stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
+        run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
+        try:  # the stage goes on every path, even when the machine fails to save
+            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
+            # The machine made every path in the stage: the gate reads them without following links.
+            archive.pack(run_dir, stage, path + ".part", machine.name)
+            os.replace(path + ".part", path)
+        finally:
+            shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".part")
+        warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
+        return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
+
+    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+        try:
+            archive.check(path, self.name)  # checked here, extracted only inside the new machine
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
+        except archive.UnsafeCheckpoint as exc:
+            raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
+        ref = await self.create(spec, name)
+        stage = None
+        try:
+            stage = self._hand_over(path, ref.info["host_dir"])
+            done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+        except SmolbenchError as exc:
+            await self.delete(ref)
+            why = str(exc).split(": ", 1)[-1]
+            raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
+        except BaseException:
+            await self.delete(ref)
+            raise
+        finally:
+            if stage is not None:
+                shutil.rmtree(Path(ref.info["host_dir"]) / stage, ignore_errors=True)
+        if done.get("skipped"):
+            ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
+        return ref
+
+
+def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
+    """Short folder names for branches (a socket path must stay under 108 bytes)."""
+    out: builtins.list[str] = []
+    for i, name in enumerate(names):
+        last = name.rsplit(".", 1)[-1]
+        out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
+    return out

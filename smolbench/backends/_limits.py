@@ -1,0 +1,382 @@
+"""Enforced machine limits: memory, processes and CPUs, one cgroup per machine.
+
+Mechanisms, best first (chosen once per kernel, shown by ``%smol status``):
+
+* ``cgroup v2`` where the kernel's own cgroup delegates ``memory`` and ``pids``
+  (we can create children there and enable the controllers);
+* ``cgroup v1`` where the ``memory`` and ``pids`` hierarchies are writable
+  (root on hosts that mount the v1 controllers);
+* ``rlimits`` otherwise: ``RLIMIT_DATA`` per process and ``RLIMIT_NPROC``, which
+  new kernels count per user namespace, so inside a sandbox it caps the machine.
+
+Every machine (and every live branch, so one branch's runaway cell can't take
+its siblings or its parent down) gets its own cgroup under a group directory
+named after the kernel (pid and start time). A machine joins its cgroup before
+its first instruction (a ``sh`` prefix writes its pid to ``cgroup.procs`` and
+execs), so nothing it starts can escape; deleting the machine kills everything
+in the cgroup, waits until it is empty and removes it. Groups of kernels that
+died (``kill -9``) are swept at the next start.
+
+``RLIMIT_DATA`` (the memory limit) is applied inside the agent on every
+mechanism: a cell that allocates past it gets ``MemoryError`` and the machine
+lives on; the cgroup is the hard cap on the whole machine (subprocesses, tmpfs).
+
+Why no library: the cgroup packages on PyPI are either v1-only and unmaintained
+(cgroupspy, cgroup-utils, libcgroup bindings) or monitoring-only; what we need
+is a few file writes, done here for both versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..spec import MachineSpec
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+GROUP_PREFIX = "smolbench-"
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+V2_CONTROLLERS = ("memory", "pids", "cpu")
+CFS_PERIOD = 100_000  # µs
+KILL_TIMEOUT = 10.0
+# A test switch (set it in the kernel before `%smol up`): machines then run unlimited, which
+# the limit tests use to show their probes do detect an overrun.
+ENFORCE = True
+
+
+def format_mib(mib: int) -> str:
+    """2048 -> '2G', 1536 -> '1536M' (the Smolfile's own spelling)."""
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def out_of_memory_line(spec: MachineSpec) -> str:
+    """The one line a cell that ran out of memory gets."""
+    return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
+
+
+# -- finding a writable hierarchy ----------------------------------------------------------
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller (or '' for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _mounts() -> dict[str, Path]:
+    """controller (or '' for the v2 hierarchy) -> its mount point, from /proc/self/mountinfo."""
+    out: dict[str, Path] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            left, _, right = line.partition(" - ")
+            fstype, _, options = (right.split() + ["", "", ""])[:3]
+            point = Path(left.split()[4])
+            if fstype == "cgroup2":
+                out.setdefault("", point)
+            elif fstype == "cgroup":
+                for opt in options.split(","):
+                    if opt in V1_CONTROLLERS:
+                        out.setdefault(opt, point)
+    return out
+
+
+def _probe_dir(base: Path) -> bool:
+    probe = base / f"{GROUP_PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        probe.rmdir()
+    return True
+
+
+def _v2_base() -> Path | None:
+    mounts, own = _mounts(), _own_cgroups()
+    if "" not in mounts or "" not in own:
+        return None
+    base = mounts[""] / own[""].lstrip("/")
+    try:
+        available = set((base / "cgroup.controllers").read_text().split())
+    except OSError:
+        return None
+    if not {"memory", "pids"} <= available or not _probe_dir(base):
+        return None
+    try:
+        enabled = set((base / "cgroup.subtree_control").read_text().split())
+        missing = [c for c in V2_CONTROLLERS if c in available and c not in enabled]
+        if missing:  # refused (EBUSY) when our own cgroup holds processes: not delegated to us
+            (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
+    except OSError:
+        return None
+    return base
+
+
+def _v1_bases() -> dict[str, Path] | None:
+    mounts, own = _mounts(), _own_cgroups()
+    bases = {c: mounts[c] / own.get(c, "/").lstrip("/") for c in V1_CONTROLLERS if c in mounts}
+    if "memory" not in bases or "pids" not in bases:
+        return None
+    if not all(_probe_dir(b) for b in bases.values()):
+        bases.pop("cpu", None)  # cpu is a bonus; memory and pids are the point
+        if not all(_probe_dir(b) for b in bases.values()):
+            return None
+    return bases
+
+
+@dataclass
+class Mechanism:
+    """Which mechanism applies here, and where its cgroups live."""
+
+    name: str  # "cgroup v2" | "cgroup v1" | "rlimits" | "none"
+    bases: dict[str, Path] = field(default_factory=dict)  # controller ('' for v2) -> parent dir
+
+
+_MECHANISM: Mechanism | None = None
+
+
+def detect() -> Mechanism:
+    """The best mechanism this process can use (probed once)."""
+    global _MECHANISM
+    if _MECHANISM is None:
+        v2 = _v2_base()
+        if v2 is not None:
+            _MECHANISM = Mechanism("cgroup v2", {"": v2})
+        else:
+            v1 = _v1_bases()
+            _MECHANISM = Mechanism("cgroup v1", v1) if v1 else Mechanism("rlimits")
+    return _MECHANISM
+
+
+# -- one machine's cgroup ----------------------------------------------------------------------
+
+
+@dataclass
+class MachineLimits:
+    """The limits of one machine: its cgroup directories (none under rlimits)."""
+
+    spec: MachineSpec
+    dirs: list[Path]
+    version: int  # 2, 1, or 0 for rlimits only
+    enforce: bool = True
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` prefixed so the process joins this machine's cgroups before it runs."""
+        if not self.dirs:
+            return argv
+        join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+        return ["/bin/sh", "-c", join, "smolbench-limits", *[str(d / "cgroup.procs") for d in self.dirs], "--", *argv]
+
+    def agent_args(self, nproc: int) -> list[str]:
+        """Arguments for the guest agent: the rlimits it applies to itself before serving
+        (``nproc``: the RLIMIT_NPROC to use when there is no pids cgroup)."""
+        if not self.enforce:
+            return []
+        args = ["--rlimit", f"DATA={self.spec.memory * 1024 * 1024}"]
+        if not self.dirs:  # no pids cgroup: the process cap falls to RLIMIT_NPROC
+            args += ["--rlimit", f"NPROC={nproc}"]
+        return args
+
+    def adopt(self, pids: list[int]) -> None:
+        """Move processes into this machine's cgroups (a new branch, before it runs anything)."""
+        for d in self.dirs:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    (d / "cgroup.procs").write_text(str(pid))
+
+    def pids(self) -> set[int]:
+        """Every process in this machine's cgroups."""
+        found: set[int] = set()
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+        return found
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed here for running out of memory."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):
+                with contextlib.suppress(OSError):
+                    for line in (d / name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value)
+        return 0
+
+    def kill(self) -> bool:
+        """SIGKILL everything in the cgroups until they are empty; True if they are."""
+        deadline = time.monotonic() + KILL_TIMEOUT
+        while True:
+            left = self.pids()
+            if not left:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            if self.version == 2:
+                for d in self.dirs:
+                    with contextlib.suppress(OSError):
+                        (d / "cgroup.kill").write_text("1")
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        """Kill what is left and remove the directories."""
+        self.kill()
+        for d in self.dirs:
+            _rmdir(d)
+        self.dirs = []
+
+
+def _rmdir(d: Path) -> None:
+    deadline = time.monotonic() + KILL_TIMEOUT
+    while True:
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY for a moment after the last process exits
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
+def _write(path: Path, value: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # a knob this kernel doesn't have
+        path.write_text(value)
+
+
+class Limiter:
+    """One per backend: a group directory per controller, a cgroup per machine inside it."""
+
+    def __init__(self) -> None:
+        self.enforce = ENFORCE
+        self.mechanism = detect() if self.enforce else Mechanism("none")
+        self._machines: dict[str, MachineLimits] = {}
+        self._groups: dict[str, Path] = {}
+        if self.mechanism.bases:
+            sweep_stale_groups(self.mechanism)
+
+    @property
+    def version(self) -> int:
+        return {"cgroup v2": 2, "cgroup v1": 1}.get(self.mechanism.name, 0)
+
+    def describe(self, spec: MachineSpec, *, nproc_per_machine: bool) -> str:
+        """One line for ``%smol status``: what is enforced, and how."""
+        mem, cpus = format_mib(spec.memory), spec.cpus
+        if self.mechanism.name == "none":
+            return "none: limits are switched off (smolbench.backends._limits.ENFORCE = False)"
+        if self.version:
+            cpu = f", {cpus} cpu{'s' if cpus != 1 else ''}" if "cpu" in self.mechanism.bases or self.version == 2 else ""
+            return (f"{self.mechanism.name}: memory {mem}, {spec.pids} processes{cpu} per machine and per branch "
+                    f"(a cell past the memory limit gets MemoryError)")
+        procs = (f"{spec.pids} processes per machine (RLIMIT_NPROC, counted in its user namespace)"
+                 if nproc_per_machine else
+                 f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
+        return f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}; cpus not enforced"
+
+    def _group(self, controller: str) -> Path:
+        group = self._groups.get(controller)
+        if group is None:
+            group = self.mechanism.bases[controller] / f"{GROUP_PREFIX}{os.getpid()}-{_start_time(os.getpid())}-{uuid.uuid4().hex[:6]}"
+            group.mkdir()
+            if self.version == 2:
+                available = set((group / "cgroup.controllers").read_text().split())
+                _write(group / "cgroup.subtree_control", " ".join(f"+{c}" for c in V2_CONTROLLERS if c in available))
+            self._groups[controller] = group
+        return group
+
+    def machine(self, name: str, spec: MachineSpec) -> MachineLimits:
+        """Create the cgroups of a new machine (or branch) named ``name``."""
+        self.release(name)
+        dirs: list[Path] = []
+        safe = name.replace("/", "_")
+        try:
+            for controller in self.mechanism.bases:
+                d = self._group(controller) / safe
+                d.mkdir()
+                dirs.append(d)
+                self._configure(controller, d, spec)
+        except OSError:
+            for d in dirs:
+                _rmdir(d)
+            raise
+        limits = MachineLimits(spec, dirs, self.version, self.enforce)
+        self._machines[name] = limits
+        return limits
+
+    def _configure(self, controller: str, d: Path, spec: MachineSpec) -> None:
+        mem = spec.memory * 1024 * 1024
+        quota = spec.cpus * CFS_PERIOD
+        if controller == "":  # v2: one directory, every controller
+            _write(d / "memory.max", str(mem))
+            _write(d / "memory.swap.max", "0")
+            _write(d / "pids.max", str(spec.pids))
+            _write(d / "cpu.max", f"{quota} {CFS_PERIOD}")
+        elif controller == "memory":
+            (d / "memory.limit_in_bytes").write_text(str(mem))
+            with contextlib.suppress(OSError):  # absent without swap accounting
+                (d / "memory.memsw.limit_in_bytes").write_text(str(mem))
+        elif controller == "pids":
+            (d / "pids.max").write_text(str(spec.pids))
+        elif controller == "cpu":
+            _write(d / "cpu.cfs_period_us", str(CFS_PERIOD))
+            _write(d / "cpu.cfs_quota_us", str(quota))
+
+    def get(self, name: str) -> MachineLimits | None:
+        """The limits of a live machine, if it has any."""
+        return self._machines.get(name)
+
+    def release(self, name: str) -> None:
+        """Kill everything left in a machine's cgroups and remove them."""
+        limits = self._machines.pop(name, None)
+        if limits is not None:
+            limits.remove()
+
+    def close(self) -> None:
+        """Release every machine and remove the group directories."""
+        for name in list(self._machines):
+            self.release(name)
+        for group in self._groups.values():
+            _rmdir(group)
+        self._groups.clear()
+
+
+def _start_time(pid: int) -> str:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return ""
+    return data[data.rfind(b")") + 2:].split()[19].decode()
+
+
+def sweep_stale_groups(mechanism: Mechanism) -> list[Path]:
+    """Remove group directories of kernels that are gone (killing what is left inside)."""
+    removed = []
+    version = 2 if mechanism.name == "cgroup v2" else 1
+    for base in mechanism.bases.values():
+        with contextlib.suppress(OSError):
+            for group in base.iterdir():
+                parts = group.name[len(GROUP_PREFIX):].split("-")
+                if not group.name.startswith(GROUP_PREFIX) or len(parts) != 3 or not parts[0].isdigit():
+                    continue
+                pid, started = int(parts[0]), parts[1]
+                if _start_time(pid) == started:
+                    continue  # its kernel is alive: never touch a live owner's machines
+                for d in [p for p in group.iterdir() if p.is_dir()]:
+                    MachineLimits(MachineSpec(), [d], version).remove()
+                _rmdir(group)
+                removed.append(group)
+    return removed

@@ -1,0 +1,127 @@
+"""Host process bookkeeping from /proc: trees, start times, namespace pids, killing for sure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+
+def stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].decode().split()
+
+
+def start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' if gone): pid + this is unique."""
+    fields = stat(pid)
+    return fields[19] if fields else ""
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below ``pid``, nearest first."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    out, todo = [], [pid]
+    while todo:
+        for kid in children.get(todo.pop(0), []):
+            out.append(kid)
+            todo.append(kid[0])
+    return out
+
+
+def running(pid: int, started: str) -> bool:
+    """True while that process (not a later one with the same pid) exists and is not a zombie."""
+    fields = stat(pid)
+    return fields is not None and fields[19] == started and fields[0] not in ("Z", "X")
+
+
+def ns_pids(pid: int) -> list[int]:
+    """The process's pid in each pid namespace, outermost first (the NSpid line)."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return [int(p) for p in line.split()[1:]]
+    return []
+
+
+def host_pid(ancestor: int, guest_pid: int) -> int | None:
+    """The host pid of the process below ``ancestor`` that its own namespace calls ``guest_pid``."""
+    for pid, _ in descendants(ancestor):
+        nspids = ns_pids(pid)
+        if guest_pid in (nspids[1:] or nspids):
+            return pid
+    return None
+
+
+def with_env(var: str, value: str) -> list[tuple[int, str]]:
+    """(pid, start time) of live processes whose environment holds ``var=value``."""
+    needle = f"{var}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            fields = stat(int(entry))
+            if fields is not None and fields[0] not in ("Z", "X"):
+                found.append((int(entry), fields[19]))
+    return found
+
+
+def kill_all(procs: list[tuple[int, str]]) -> None:
+    """SIGKILL each (pid, start time) that is still that process."""
+    for pid, started in procs:
+        if start_time(pid) == started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> bool:
+    """Kill every process below ``pid`` (again and again, so a forking one can't outrun us),
+    then ``pid`` itself; True once all are gone."""
+    me = (pid, start_time(pid))
+    deadline = time.monotonic() + timeout
+    seen: list[tuple[int, str]] = []
+    while time.monotonic() < deadline:
+        below = [p for p in descendants(pid) if running(*p)]  # zombies are dead already
+        if not below:
+            break
+        seen += below
+        kill_all(below)
+        time.sleep(0.002)
+    kill_all([me])
+    while time.monotonic() < deadline:
+        if not any(running(*p) for p in [*seen, me]):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def memory_mib(pids: list[int]) -> tuple[float, float]:
+    """(RSS, PSS) of these processes together, in MiB (PSS shares forked pages fairly)."""
+    rss = pss = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+    return rss / 1024, pss / 1024

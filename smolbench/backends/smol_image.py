@@ -1,0 +1,71 @@
+"""What a smol machine boots for a Smolfile ``image``: a registry image, or a local one.
+
+smol boots an OCI image reference (pulled from inside the machine), an unpacked
+rootfs directory, or a ``docker save`` archive. A name that ``smolbench image
+build`` built into the local cache (``debian:bookworm``) boots from that rootfs
+directory, so one Smolfile works on both backends without a registry.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+from ..errors import SmolbenchError
+from ..images import has_python, image_dir, is_path_image, is_valid_image_name
+
+DEFAULT_IMAGE = "python:3.12-slim"
+BOOT_TIMEOUT_ENV = "SMOLBENCH_SMOL_BOOT_TIMEOUT"
+DEFAULT_BOOT_TIMEOUT = 120.0  # the SDK's own default
+
+
+def boot_timeout() -> float:
+    """Seconds a new (non-branchable) machine may take to boot: ``$SMOLBENCH_SMOL_BOOT_TIMEOUT``."""
+    raw = os.environ.get(BOOT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BOOT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise SmolbenchError(f"{BOOT_TIMEOUT_ENV}={raw!r} is not a number of seconds > 0: fix or unset it")
+    return value
+
+
+def smol_image(image: str | None) -> str:
+    """The ``MachineConfig.image`` for a Smolfile image (one-line errors for bad local ones)."""
+    if not image:
+        return DEFAULT_IMAGE
+    if is_path_image(image):
+        return _local(Path(image).expanduser().resolve())
+    if is_valid_image_name(image) and has_python(image_dir(image)):
+        return str(image_dir(image))  # built by `smolbench image build`
+    return image
+
+
+def is_local(image: str) -> bool:
+    """True when smol would boot ``image`` from this host's files (host-backed layers)."""
+    return image.startswith("/")
+
+
+def _local(path: Path) -> str:
+    if path.is_dir():
+        if not has_python(path):
+            raise SmolbenchError(
+                f"rootfs directory {str(path)!r} has no usr/bin/python3: install python3 in it, "
+                f"or use an image with python3 like {DEFAULT_IMAGE!r}"
+            )
+        return str(path)
+    if path.is_file():
+        if not tarfile.is_tarfile(path):
+            raise SmolbenchError(
+                f"image {str(path)!r} is neither a rootfs directory nor a `docker save` archive: "
+                "point image at one of those"
+            )
+        return str(path)
+    raise SmolbenchError(
+        f"image path {str(path)!r} does not exist: point image at a rootfs directory or a "
+        f"`docker save` archive, or use a registry image like {DEFAULT_IMAGE!r}"
+    )

@@ -1,0 +1,76 @@
+"""The honest fallback when smol can't checkpoint a whole machine: its workspace and namespace.
+
+smol 1.32 refuses ``checkpoint()`` for a machine booted from a local image (a
+rootfs directory or a ``docker save`` archive: "host-backed image layers").
+Then the agent saves what the sandbox backend saves (the picklable namespace
+and the workspace files) and the host keeps them in a ``.smolcheckpoint`` that
+is a gzip tar with a marker; restoring boots a fresh machine and loads them.
+The bytes came from the machine: the host only stores them and hands them back
+to a machine; it never unpacks them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+from ..errors import SmolbenchError
+
+MARKER = "smolbench-state.json"
+KIND = "smolbench-smol-state"
+PARTS = ("namespace.pkl", "workspace.tar")
+STATE_ONLY = (
+    "smol can't checkpoint a machine booted from a local image (host-backed image layers), so this "
+    "checkpoint holds the workspace and namespace only, as on the sandbox: processes and RAM are not saved"
+)
+
+
+def write_state(path: str, machine: str, parts: dict[str, bytes]) -> int:
+    """Write ``parts`` (agent save files) as a state checkpoint at ``path``; its size."""
+    tmp = path + ".part"
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for name, data in [(MARKER, json.dumps({"kind": KIND, "machine": machine}).encode()),
+                               *((n, parts[n]) for n in PARTS)]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return os.path.getsize(path)
+
+
+def is_state(path: str) -> bool:
+    """True when ``path`` is a state checkpoint (a gzip tar), not a smol machine checkpoint."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
+
+
+def read_state(path: str) -> dict[str, bytes]:
+    """The agent save files of the state checkpoint at ``path`` (one-line errors if damaged)."""
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            out: dict[str, bytes] = {}
+            for member in tar.getmembers():
+                if member.name in (MARKER, *PARTS) and member.isfile():
+                    fh = tar.extractfile(member)
+                    if fh is not None:
+                        out[member.name] = fh.read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise SmolbenchError(
+            f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`"
+        ) from None
+    try:
+        kind = json.loads(out.get(MARKER, b"{}")).get("kind")
+    except (ValueError, AttributeError):
+        kind = None
+    if kind != KIND or any(part not in out for part in PARTS):
+        raise SmolbenchError(f"{path} is not a smol checkpoint: restore it with the backend that made it")
+    return {part: out[part] for part in PARTS}

@@ -1,0 +1,246 @@
+"""The trust gate: the only host code that decodes what a machine sends.
+
+Code in a machine can rewrite its guest agent, so every byte from a machine is
+attacker data. Backends only move bytes; they hand the raw reply stream to
+:func:`read_cell` or :func:`read_control`, which split it into bounded frames,
+decode each as JSON, check every field (known names, types, sizes, finite numbers
+within ±1e300), sanitise display bundles, rebuild pulled values from data without
+running code, and cut floods down to a per-cell budget. Anything else is refused
+with one line: ``machine root.3 sent a malformed reply: ...``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..backends.base import CellRequest, CellResult, Event, OnEvent
+from ..errors import MachineBusy, SmolbenchError
+from . import display, pull
+from .display import SafeBundle
+from .frames import (
+    Bad,
+    MalformedReply,
+    boolean,
+    decode,
+    each,
+    integer,
+    mapping,
+    name,
+    number,
+    opt_string,
+    scalar,
+    shown,
+    split_frames,
+    string,
+    string_list,
+)
+from .limits import LIMITS, Limits, human, seconds
+from .output import OutputBudget
+
+__all__ = ["LIMITS", "Limits", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
+           "read_control", "seconds"]
+
+TEXT = 1024 * 1024
+STREAMS = ("stdout", "stderr")
+STATUSES = ("ok", "error", "busy")
+
+
+def malformed(where: str, why: object) -> MalformedReply:
+    """The one line for a reply the host refuses."""
+    return MalformedReply(f"machine {where} sent a malformed reply: {why}")
+
+
+def died(where: str) -> SmolbenchError:
+    return SmolbenchError(
+        f"machine {where} died mid-cell: its process exited before finishing (os._exit, a crash, "
+        "out of memory, or the machine was deleted); its state is gone")
+
+
+async def _messages(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    async for frame in split_frames(chunks):
+        yield decode(frame)
+
+
+def _error(value: Any, key: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    err = mapping(value, "the error", 3)
+    checks: dict[str, Callable[[Any, str], Any]] = {
+        "ename": lambda v, k: string(v, "the error name", 200),
+        "evalue": lambda v, k: string(v, "the error message", TEXT),
+        "traceback": lambda v, k: string_list(v, "the traceback", 1000, 64 * 1024),
+    }
+    out = dict(each(checks, err, "the error"))
+    out.setdefault("ename", "Error")
+    out.setdefault("evalue", "")
+    out.setdefault("traceback", [])
+    return out
+
+
+def _metrics(value: Any, key: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in mapping(value, "the metrics", 1000).items():
+        string(k, "a metric name", 200)
+        if v is None:
+            out[k] = None
+        elif isinstance(v, str):
+            out[k] = string(v, f"metric {shown(k)}", 1000)
+        else:
+            out[k] = number(v, f"metric {shown(k)}")
+    return out
+
+
+def _status(value: Any, key: str) -> str:
+    if value not in STATUSES:
+        raise Bad(f"status should be one of {', '.join(STATUSES)}, got {shown(value)}")
+    return str(value)
+
+
+def _kind(value: Any, key: str) -> str:
+    return string(value, "the message type", 20)
+
+
+class _Cell:
+    """One exec request's replies: streams and displays go out as events, ``done`` is checked."""
+
+    def __init__(self, request: CellRequest, on_event: OnEvent | None, where: str) -> None:
+        self.request = request
+        self.on_event = on_event
+        self.where = where
+        self.budget = request.output if request.output is not None else OutputBudget(None)
+        self.noted: set[str] = set()
+
+    def emit(self, ev: Event) -> None:
+        if self.on_event is not None:
+            self.on_event(ev)
+
+    def note_dropped(self, dropped: list[str]) -> None:
+        for mime in dropped:
+            if mime in self.noted:
+                continue
+            self.noted.add(mime)
+            self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime} output, which was not shown "
+                            "(it could run in your browser); `%smol trust on` shows machine output raw\n"))
+
+    def stream(self, msg: dict[str, Any]) -> None:
+        fields = dict(each({"t": _kind, "name": lambda v, k: string(v, "the stream name", 10),
+                            "text": lambda v, k: string(v, "the stream text", LIMITS.max_frame)}, msg, "a stream message"))
+        if fields.get("name") not in STREAMS:
+            raise Bad(f"a stream named {shown(fields.get('name'))} (stdout or stderr)")
+        text = self.budget.take(fields["name"], fields.get("text", ""))
+        if text:
+            self.emit(Event("stream", fields["name"], text))
+
+    def display(self, msg: dict[str, Any]) -> None:
+        known = dict(each({"t": _kind, "data": lambda v, k: v}, msg, "a display message"))
+        data, dropped = display.bundle(known.get("data"), self.request.trust_display)
+        self.note_dropped(dropped)
+        if data and self.budget.take_display(sum(len(str(v)) for v in data.values())):
+            self.emit(Event("display", data=SafeBundle(data)))
+
+    def done(self, msg: dict[str, Any]) -> CellResult:
+        checks: dict[str, Callable[[Any, str], Any]] = {
+            "t": _kind, "status": _status, "error": _error, "metrics": _metrics,
+            "result": lambda v, k: v,
+            "pulled": lambda v, k: mapping(v, "the pulled values", 1000),
+            "reward": lambda v, k: None if v is None else number(v, "the reward"),
+            "reward_error": lambda v, k: opt_string(v, "the reward error", 2000),
+            "stdout": lambda v, k: string(v, "the stdout record", TEXT),
+            "stderr": lambda v, k: string(v, "the stderr record", TEXT),
+            "started": lambda v, k: number(v, "the start time"),
+            "ended": lambda v, k: number(v, "the end time"),
+        }
+        f = dict(each(checks, msg, "the final reply"))
+        if f.get("status") == "busy":
+            raise MachineBusy(f"machine {self.where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
+        result = None
+        if f.get("result") is not None:
+            data, dropped = display.bundle(f["result"], self.request.trust_display)
+            self.note_dropped(dropped)
+            result = SafeBundle(data) if data else None
+        values, pull_error = {}, None
+        wanted = set(self.request.pull)
+        for key, enc in (f.get("pulled") or {}).items():
+            if key not in wanted:
+                raise Bad(f"a pulled value {shown(key)} that was not asked for")
+            try:
+                values[key] = pull.pulled(key, enc, self.request.trust_pull)
+            except Bad:
+                raise
+            except SmolbenchError as exc:
+                pull_error = pull_error or str(exc)
+        metrics = dict(f.get("metrics") or {})
+        if f.get("reward_error"):
+            metrics["reward_error"] = f["reward_error"]
+        return CellResult(status=f.get("status", "error"), result=result, error=f.get("error"), pulled=values,
+                          reward=f.get("reward"), metrics=metrics, stdout=f.get("stdout", ""),
+                          stderr=f.get("stderr", ""), started=f.get("started", 0.0), ended=f.get("ended", 0.0),
+                          pull_error=pull_error)
+
+
+async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event: OnEvent | None,
+                    where: str) -> CellResult:
+    """Read one exec request's raw reply stream: events out, the checked result back."""
+    cell = _Cell(request, on_event, where)
+    try:
+        async for msg in _messages(chunks):
+            kind = msg.get("t")
+            if kind == "stream":
+                cell.stream(msg)
+            elif kind == "display":
+                cell.display(msg)
+            elif kind == "done":
+                return cell.done(msg)
+            else:
+                raise Bad(f"a message of unknown type {shown(kind)}")
+    except Bad as exc:
+        raise malformed(where, exc) from None
+    finally:
+        note = cell.budget.finish()
+        if note:
+            cell.emit(Event("stream", "stderr", note))
+    raise died(where)
+
+
+def _children(value: Any, key: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise Bad("children should be a list of at most 4096 branches")
+    out = []
+    for kid in value:
+        kid = dict(each({"name": lambda v, k: name(v, "a branch name"),
+                         "pid": lambda v, k: integer(v, "a branch pid", 1, 2**31)}, mapping(kid, "a branch", 2), "a branch"))
+        if set(kid) != {"name", "pid"}:
+            raise Bad("a branch without its name and pid")
+        out.append(kid)
+    return out
+
+
+def _info(value: Any, key: str) -> dict[str, Any]:
+    return {string(k, "an info key", 64): scalar(v, f"info {shown(k)}") for k, v in mapping(value, "the info", 64).items()}
+
+
+CONTROL: dict[str, Callable[[Any, str], Any]] = {
+    "t": _kind, "status": _status, "error": _error, "info": _info,
+    "interrupted": lambda v, k: boolean(v, "interrupted"),
+    "children": _children,
+    "skipped": lambda v, k: string_list(v, "the skipped list", 100_000, 4096),
+    "saved": lambda v, k: string_list(v, "the saved list", 100_000, 4096),
+    "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
+}
+
+
+async def read_control(chunks: AsyncIterator[bytes], where: str) -> dict[str, Any]:
+    """Read a control request's raw reply stream (ping, fork, seed, save, ...): its checked ``done``."""
+    try:
+        async for msg in _messages(chunks):
+            if msg.get("t") != "done":
+                raise Bad(f"a {shown(msg.get('t'))} message in reply to a control request")
+            reply = dict(each(CONTROL, msg, "the reply"))
+            if reply.get("status") == "busy":
+                raise MachineBusy(f"machine {where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
+            return reply
+    except Bad as exc:
+        raise malformed(where, exc) from None
+    raise SmolbenchError(f"machine {where} closed the connection without answering: it may have died; "
+                         "`%smol down` and `%smol up`")

@@ -1,0 +1,184 @@
+"""Checkpoint archives without following a machine's links.
+
+A machine saves its checkpoint into a folder the host can see; the machine made
+every path in it, so the host opens them only through directory descriptors with
+``O_NOFOLLOW`` (a link, fifo or device there is refused, never read through). The
+workspace archive inside is checked member by member, resolving its own links the way
+extraction would: a link that leads outside the archive (``/``, ``/etc/shadow``,
+``..``), an absolute or ``..`` path, or a device is refused with one line. The host
+never extracts an archive: restoring hands the checked files to the new machine,
+whose agent extracts them itself (with tarfile's ``data`` filter where it has one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import secrets
+import stat
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from ..errors import SmolbenchError
+
+FILES = ("namespace.pkl", "workspace.tar")
+LINK_HOPS = 40  # like the kernel's limit on symlinks followed in one lookup
+OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Tests weaken the checks here to show what they stop (never set outside tests).
+TEST_WEAKEN: set[str] = set()
+
+
+class UnsafeCheckpoint(SmolbenchError):
+    """A checkpoint (or a machine's saved files) the host refuses to use."""
+
+
+@contextlib.contextmanager
+def _dirfd(path: str | os.PathLike[str], name: str | None = None, parent: int | None = None) -> Iterator[int]:
+    try:
+        fd = os.open(name if name is not None else path, OPEN_DIR, dir_fd=parent)
+    except OSError as exc:
+        raise UnsafeCheckpoint(f"{name or path} is not a plain folder ({exc.strerror})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
+    """(fd, size) of a regular file ``name`` in ``dir_fd``, not through a link."""
+    flags = OPEN_FILE & ~os.O_NOFOLLOW if "follow" in TEST_WEAKEN else OPEN_FILE
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file")
+    return fd, st.st_size
+
+
+def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
+    left = size
+    while left:
+        block = src.read(min(left, 1 << 20))
+        if not block:
+            raise UnsafeCheckpoint(f"{what} changed while it was being read")
+        dst.write(block)
+        left -= len(block)
+
+
+def _resolve(path: PurePosixPath, links: dict[str, str], hops: int = 0) -> list[str] | None:
+    """``path``'s components after following the archive's own links; None if it leaves the archive."""
+    parts: list[str] = []
+    for i, part in enumerate(path.parts):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                return None
+            parts.pop()
+            continue
+        parts.append(part)
+        target = links.get("/".join(parts))
+        if target is not None:
+            if hops >= LINK_HOPS or target.startswith("/"):
+                return None
+            rest = PurePosixPath(*path.parts[i + 1:]) if i + 1 < len(path.parts) else PurePosixPath(".")
+            return _resolve(PurePosixPath(*parts[:-1], target, rest), links, hops + 1)
+    return parts
+
+
+def check_members(tar: tarfile.TarFile, where: str) -> None:
+    """Refuse a workspace archive whose members could land or point outside it."""
+    members = tar.getmembers()
+    links = {m.name.strip("/"): m.linkname for m in members if m.issym()}
+    for m in members:
+        name = PurePosixPath(m.name)
+        if m.name.startswith("/") or ".." in name.parts:
+            raise UnsafeCheckpoint(f"{where} has a file outside its workspace ({m.name})")
+        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+            raise UnsafeCheckpoint(f"{where} has a device or fifo ({m.name})")
+        if m.issym() or m.islnk():
+            target = PurePosixPath(m.linkname) if m.islnk() else name.parent / m.linkname
+            if m.linkname.startswith("/") or _resolve(target, links) is None:
+                kind = "hard link" if m.islnk() else "link"
+                raise UnsafeCheckpoint(f"{where} has a {kind} that points outside it ({m.name} -> {m.linkname})")
+        # a path that goes through one of the archive's links must stay inside too
+        if _resolve(name, links) is None:
+            raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({m.name})")
+
+
+def check_workspace(blob: bytes, where: str) -> None:
+    """Refuse a workspace archive (bytes a machine sent) with links or paths leading outside it."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            check_members(tar, where)
+    except tarfile.TarError as exc:
+        raise UnsafeCheckpoint(f"{where} is not a readable archive ({exc})") from None
+
+
+def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> None:
+    """Write checkpoint ``out`` from the files machine ``where`` saved in ``run_dir/stage``."""
+    what = f"the checkpoint machine {where} saved"
+    with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, tempfile.TemporaryFile() as ws:
+        fd, size = _open_plain("workspace.tar", folder, what)
+        with os.fdopen(fd, "rb") as src:
+            _copy_exact(src, ws, size, what)
+        ws.seek(0)
+        try:
+            with tarfile.open(fileobj=ws, mode="r:") as inner:
+                check_members(inner, f"machine {where}'s workspace")
+        except tarfile.TarError as exc:
+            raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
+        ws.seek(0)
+        with tarfile.open(out, "w:gz") as tar:
+            fd, nsize = _open_plain("namespace.pkl", folder, what)
+            with os.fdopen(fd, "rb") as src:
+                spool = io.BytesIO()
+                _copy_exact(src, spool, nsize, what)
+            spool.seek(0)
+            info = tarfile.TarInfo("namespace.pkl")
+            info.size = nsize
+            tar.addfile(info, spool)
+            info = tarfile.TarInfo("workspace.tar")
+            info.size = size
+            tar.addfile(info, ws)
+
+
+def check(path: str, backend: str = "sandbox") -> None:
+    """Refuse a checkpoint file that is not exactly two plain files with a safe workspace."""
+    with tarfile.open(path, "r:gz") as tar:
+        members = tar.getmembers()
+        names = sorted(m.name for m in members)
+        if names != sorted(FILES) or not all(m.isfile() for m in members):
+            raise SmolbenchError(f"checkpoint {path} is not a {backend} checkpoint (has {names[:5]})")
+        blob = tar.extractfile("workspace.tar")
+        assert blob is not None
+        with tarfile.open(fileobj=blob, mode="r:") as inner:
+            check_members(inner, f"checkpoint {Path(path).name}")
+
+
+def hand_over(path: str, run_dir: str | os.PathLike[str]) -> str:
+    """Copy a checked checkpoint's two files into a new folder of ``run_dir``; the folder's name.
+
+    The folder is made here (never an existing path) and the files are created with
+    ``O_EXCL | O_NOFOLLOW``, so nothing the machine placed there is written through.
+    """
+    stage = f"restore-{secrets.token_hex(6)}"
+    with _dirfd(run_dir) as root:
+        os.mkdir(stage, 0o700, dir_fd=root)
+        with _dirfd(run_dir, stage, root) as folder, tarfile.open(path, "r:gz") as tar:
+            for name in FILES:
+                src = tar.extractfile(name)
+                assert src is not None
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=folder)
+                with os.fdopen(fd, "wb") as dst:
+                    _copy_exact(src, dst, tar.getmember(name).size, f"checkpoint {path}")
+    return stage

@@ -1,0 +1,93 @@
+"""The gate's limits: sizes and times, per kernel, changed with ``%smol config``."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+from ..errors import SmolbenchError
+
+KB, MB, GB = 1000, 1000**2, 1000**3
+NUMBER_LIMIT = 1e300  # rewards and metrics must be finite and within +-NUMBER_LIMIT
+MAX_BRANCHES = 1024
+
+
+@dataclass
+class Limits:
+    """What the host accepts from a machine (sizes in bytes, times in seconds)."""
+
+    max_frame: int = 256 * 1024 * 1024  # one reply line, including pulled values
+    output: int = 5 * MB  # output shown per cell (per branch); the rest goes to a log
+    log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/
+    line: int = 256 * 1024  # characters of one line shown; longer lines are cut
+    grace: float = 3.0  # after an interrupt, seconds before a cell's machine is killed
+
+
+LIMITS = Limits()
+NAMES = {"max-frame": "max_frame", "output-limit": "output", "log-limit": "log", "line-limit": "line", "grace": "grace"}
+
+
+def parse_size(text: str) -> int:
+    """``10M``, ``512K``, ``2G``, ``1000`` -> bytes (decimal units, like ``ls -h --si``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise SmolbenchError(f"{text!r} is not a size: use e.g. 512K, 10M or 2G")
+    unit = (m.group(2) or "").upper()
+    base = 1024 if "I" in unit else 1000
+    mult = {"K": base, "M": base**2, "G": base**3}.get(unit[:1], 1)
+    value = int(float(m.group(1)) * mult)
+    if value < 1:
+        raise SmolbenchError(f"{text!r} is too small: give at least 1 byte")
+    return value
+
+
+def human(n: float) -> str:
+    """Bytes as a short decimal size: 812 MB, 4.1 KB, 17 bytes."""
+    if n < KB:
+        return f"{int(n)} bytes"
+    for unit, size in (("GB", GB), ("MB", MB), ("KB", KB)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 10 else f"{v:.1f} {unit}"
+    return f"{int(n)} bytes"  # pragma: no cover
+
+
+def seconds(text: str | float | None, option: str = "--timeout") -> float | None:
+    """A positive finite number of seconds, or a one-line error naming ``option``."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(text, bool) or not math.isfinite(value) or value <= 0:
+        raise SmolbenchError(f"{option} must be a positive number of seconds, got {text!r}: e.g. {option} 30")
+    return value
+
+
+def configure(key: str, value: str) -> str:
+    """Set one limit from ``%smol config KEY VALUE``; returns how it now reads."""
+    attr = NAMES.get(key)
+    if attr is None:
+        raise SmolbenchError(f"unknown setting {key!r}: one of {', '.join(NAMES)}")
+    if attr == "grace":
+        setattr(LIMITS, attr, seconds(value, key))
+    else:
+        setattr(LIMITS, attr, parse_size(value))
+    return describe()
+
+
+def describe() -> str:
+    """The current limits, one per line."""
+    out = []
+    for key, attr in NAMES.items():
+        v = getattr(LIMITS, attr)
+        out.append(f"{key:<13} {v:g} s" if attr == "grace" else f"{key:<13} {human(v)}")
+    return "\n".join(out)
+
+
+def reset() -> None:
+    """Back to the defaults (tests)."""
+    for f in fields(Limits):
+        setattr(LIMITS, f.name, f.default)

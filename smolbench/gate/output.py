@@ -1,0 +1,113 @@
+"""A cell's output budget: long lines cut, output past a limit saved to a bounded log.
+
+A machine can print without end; the notebook (and the browser behind it) must not
+have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
+lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
+rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) and the
+cell ends with one line saying how much was not shown and where it went.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO
+
+from .limits import LIMITS, human
+
+
+class OutputBudget:
+    """How much of one cell's output is shown; the rest is counted and logged."""
+
+    def __init__(self, log_path: str | os.PathLike[str] | None, *, limit: int | None = None,
+                 line: int | None = None, log_limit: int | None = None) -> None:
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.limit = LIMITS.output if limit is None else limit
+        self.line = LIMITS.line if line is None else line
+        self.log_limit = LIMITS.log if log_limit is None else log_limit
+        self.shown = 0
+        self.hidden = 0  # bytes not shown (past the limit)
+        self.logged = 0
+        self._col: dict[str, int] = {}  # characters since the last line end, per stream
+        self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
+        self._log: IO[bytes] | None = None
+
+    def take(self, name: str, text: str) -> str:
+        """The part of ``text`` (written to stream ``name``) that should be shown."""
+        if self.shown >= self.limit:
+            self._spill(text)
+            return ""
+        text = self._cut_lines(name, text)
+        size = len(text.encode("utf-8", "replace"))
+        if self.shown + size <= self.limit:
+            self.shown += size
+            return text
+        room = self.limit - self.shown
+        head = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
+        nl = head.rfind("\n")
+        head = head[: nl + 1] if nl >= 0 else head  # stop at a line end when there is one
+        self.shown = self.limit
+        self._spill(text[len(head):])
+        return head
+
+    def take_display(self, size: int) -> bool:
+        """Whether a display of ``size`` bytes still fits (it counts against the same budget)."""
+        if self.shown + size > self.limit:
+            self.hidden += size
+            return False
+        self.shown += size
+        return True
+
+    def _cut_lines(self, name: str, text: str) -> str:
+        col, cut = self._col.get(name, 0), self._cut.get(name, 0)
+        if col + len(text) <= self.line and "\n" not in text and not cut:
+            self._col[name] = col + len(text)
+            return text
+        out = []
+        for piece in text.splitlines(True):
+            ends = piece.endswith(("\n", "\r"))
+            body = piece[:-1] if ends else piece
+            keep = max(0, self.line - col)
+            if len(body) > keep:
+                cut += len(body) - keep
+                body = body[:keep]
+            col += len(body)
+            out.append(body)
+            if ends:
+                if cut:
+                    out.append(f" … [line cut: {cut:,} more characters]")
+                out.append(piece[-1])
+                col, cut = 0, 0
+        self._col[name], self._cut[name] = col, cut
+        return "".join(out)
+
+    def _spill(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")
+        self.hidden += len(data)
+        if self.log_path is None or self.logged >= self.log_limit:
+            return
+        if self._log is None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
+        part = data[: self.log_limit - self.logged]
+        self._log.write(part)
+        self.logged += len(part)
+
+    def finish(self) -> str | None:
+        """The closing note when something was not shown (else None); closes the log."""
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if not self.hidden:
+            return None
+        if self.log_path is None:
+            return f"… {human(self.hidden)} more output not shown\n"
+        where = str(self.log_path)
+        try:
+            where = os.path.relpath(self.log_path)
+        except ValueError:
+            pass
+        if self.logged < self.hidden:
+            return (f"… {human(self.hidden)} more output not shown (the first {human(self.logged)} of it "
+                    f"saved to {where})\n")
+        return f"… {human(self.hidden)} more output not shown (saved to {where})\n"

@@ -1,0 +1,484 @@
+"""Issue 9: everything a machine sends is attacker data (tests through a real kernel).
+
+A cell inside the machine rewrites its own guest agent (its reply function, or raw
+bytes on its socket) and attacks the host: a pickle bomb on --pull, malformed frames,
+non-finite rewards, script in display output. Each attack is also run against a
+deliberately weakened host (trusted mode, or a gate check switched off in the test's
+own kernel) to show that the check is what stops it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from nbhelpers import NotebookSession, error_output, plain_texts, result_text, stream_text  # noqa: E402
+
+# Runs inside the machine: a handle on the agent that serves it, and its module globals.
+HIJACK = (
+    "%%smol\nimport sys, json, base64, pickle, socket\n"
+    "_ag = sys.modules['smolbench_guest']._agent\n"
+    "_G = type(_ag).run_cell.__globals__\n"
+)
+
+
+def up(nb: NotebookSession) -> None:
+    nb.run("%load_ext smolbench")
+    nb.run("%smol up --backend sandbox")
+    nb.run(HIJACK)
+
+
+def one_line_error(cell: object) -> str:
+    """The cell's error message, which must be one line with no traceback of our layers."""
+    err = error_output(cell)  # type: ignore[arg-type]
+    assert err is not None, f"no error in {cell}"
+    assert "\n" not in err.evalue and len(err.traceback) <= 2, err.traceback
+    return str(err.evalue)
+
+
+def still_works(nb: NotebookSession) -> None:
+    nb.run("import time; time.sleep(0.3)")  # the hijacked cell's own end reaches the agent
+    assert result_text(nb.run("%%smol\n6 * 7")) == "42"
+
+
+# -- --pull: data, never code ------------------------------------------------------------------
+
+BOMB = (
+    "%%smol\nimport os\nclass Bomb:\n"
+    "    def __reduce__(self):\n"
+    "        return (os.system, ('touch {marker}',))\n"
+    "bomb = Bomb()\n"
+)
+# The agent, rewritten: every pulled value goes back as a pickle, trusted or not.
+SEND_PICKLES = (
+    "%%smol\n_G['_pull'] = lambda value, trusted: {'format': 'pickle', "
+    "'data': base64.b64encode(pickle.dumps(value)).decode()}\n"
+)
+
+
+def test_pull_brings_data_back_and_never_unpickles_a_bomb(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"  # the machine can't see the host's tmp dir: only the host can touch it
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        # data of every supported form comes back equal
+        nb.run("%%smol\nimport numpy as np, pandas as pd\n"
+               "d = {'a': [1, 2.5, None, True], (1, 2): {'s', 't'}, 'b': b'\\x00\\xff', 'c': 1+2j, 'n': float('nan')}\n"
+               "arr = np.arange(12, dtype=np.int32).reshape(3, 4)\n"
+               "df = pd.DataFrame({'x': [1.5, 2.5], 'y': ['p', 'q'], 't': pd.to_datetime(['2020-01-01', '2021-02-03'])}, index=['r1', 'r2'])\n"
+               "s = pd.Series([1, 2, 3], name='s')\nscalar = np.float32(1.25)")
+        assert error_output(nb.run("%%smol --pull d,arr,df,s,scalar\npass")) is None
+        check = nb.run(
+            "import math, numpy as np, pandas as pd\n"
+            "assert d['a'] == [1, 2.5, None, True] and d[(1, 2)] == {'s', 't'} and d['b'] == b'\\x00\\xff'\n"
+            "assert d['c'] == 1+2j and math.isnan(d['n'])\n"
+            "assert arr.dtype == np.int32 and arr.tolist() == np.arange(12).reshape(3, 4).tolist()\n"
+            "assert df.loc['r2', 'y'] == 'q' and df['x'].tolist() == [1.5, 2.5] and str(df['t'].dtype).startswith('datetime64')\n"
+            "assert s.name == 's' and s.tolist() == [1, 2, 3] and type(scalar) is np.float32\n"
+            "print('all equal')")
+        assert "all equal" in stream_text(check), check.outputs
+
+        nb.run(BOMB.format(marker=marker))
+        # 1. the real agent refuses: not plain data, and says the way out
+        msg = one_line_error(nb.run("%%smol --pull bomb\npass"))
+        assert "--pull bomb: a __main__.Bomb is not plain data" in msg and "--pull-trusted" in msg
+        # 2. a rewritten agent sends the pickle anyway: the gate refuses it
+        nb.run(SEND_PICKLES)
+        msg = one_line_error(nb.run("%%smol --pull bomb\npass"))
+        assert msg.startswith("machine root sent a malformed reply: --pull bomb came back as a pickle")
+        # 3. ... or hides it in an .npy of Python objects: numpy reads it with allow_pickle=False
+        nb.run("%%smol\nimport io, numpy as np\n"
+               "def _npy_bomb(value, trusted):\n"
+               "    buf = io.BytesIO(); np.save(buf, np.array([value, 1], dtype=object), allow_pickle=True)\n"
+               "    return {'format': 'data', 'data': {'$': 'npy', 'v': base64.b64encode(buf.getvalue()).decode()}}\n"
+               "_G['_pull'] = _npy_bomb")
+        msg = one_line_error(nb.run("%%smol --pull bomb\npass"))
+        assert "machine root sent a malformed reply: an array that is not plain .npy data" in msg
+        assert not marker.exists(), "the pickle bomb ran on the host"
+        assert "bomb" not in nb.run("print(sorted(globals()))").outputs[0]["text"]
+
+        # Weakened: the user opts in to trusted pulls; the same probe now runs on the host.
+        nb.run(SEND_PICKLES)
+        cell = nb.run("%%smol --pull bomb --pull-trusted\npass")
+        assert "trusted mode" in stream_text(cell, "stderr")  # the opt-in warns
+        assert marker.exists(), "with --pull-trusted the pickle is loaded (the escape the gate prevents)"
+        rows = nb.run("import smolbench\nprint(smolbench._magics.workbench.ledger.trust_rows())")
+        assert "--pull-trusted bomb" in stream_text(rows)  # ... and is on the record
+        nb.run("%smol down")
+
+
+# -- frames: oversized, truncated, ill-typed ---------------------------------------------------
+
+FRAMES = [
+    # (raw bytes the hijacked cell writes on its reply socket, what the one line says)
+    ("b'\\xff\\xfenot json\\n'", "not a JSON line"),
+    ("b'[1, 2]\\n'", "a JSON list where an object belongs"),
+    ("b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 123}\\n'", "the stream text should be text, got a int"),
+    ("b'{\"t\": \"stream\", \"name\": \"tty\", \"text\": \"x\"}\\n'", "a stream named 'tty'"),
+    ("b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"x\", \"evil\": 1}\\n'", "unknown field 'evil'"),
+    ("b'{\"t\": \"shell\", \"cmd\": \"id\"}\\n'", "a message of unknown type 'shell'"),
+    ("b'{\"t\": \"display\", \"data\": {\"image/png\": \"!!!notbase64\"}}\\n'", "the image/png output is not base64"),
+    ("b'{\"t\": \"done\", \"status\": \"ok\", \"error\": {\"ename\": 7}}\\n'", "the error name should be text"),
+    ("b'{\"t\": \"done\", \"status\": \"ok\", \"reward\": 1' + b'0' * 5000 + b'}\\n'", "not a JSON line"),
+    ("b'[' * 200000 + b'\\n'", "JSON nested too deeply"),
+    ("b'{\"t\": \"done\", \"status\": \"ok\", \"pulled\": {\"other\": {\"format\": \"data\", \"data\": 1}}}\\n'",
+     "a pulled value 'other' that was not asked for"),
+]
+
+
+def test_malformed_frames_give_one_line_and_the_kernel_carries_on(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        for raw, expected in FRAMES:
+            msg = one_line_error(nb.run(f"%%smol\n_ag._conn.sendall({raw})"))
+            assert msg.startswith("machine root sent a malformed reply: ") and expected in msg, (raw, msg)
+            still_works(nb)
+        # oversized: a frame past the limit is refused as soon as it passes it
+        nb.run("%smol config max-frame 1M")
+        msg = one_line_error(nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"' + b'x' * 3000000)"))
+        assert "a frame longer than 1.0 MB" in msg and "%smol config max-frame" in msg
+        still_works(nb)
+        nb.run("%smol config max-frame 256M")
+        # truncated: the machine closes its reply mid-frame
+        msg = one_line_error(nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"na')\n"
+                                    "_ag._conn.shutdown(socket.SHUT_WR); _ag._conn = None"))
+        assert "a truncated frame" in msg
+        still_works(nb)
+
+        # Weakened: with the gate's type check switched off in this kernel, the same
+        # ill-typed frame gets past the gate and breaks the kernel's own output code.
+        nb.run("import smolbench.gate as g, smolbench.gate.frames as f\n_orig = f.string\n"
+               "f.string = g.string = lambda v, what, limit: v")
+        cell = nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 123}\\n')\n"
+                      "import time; time.sleep(0.5)")
+        err = error_output(cell)
+        assert err is not None and err.ename == "TypeError", cell.outputs  # a raw crash deep in the host
+        nb.run("f.string = g.string = _orig")
+        nb.run("%smol down")
+
+
+# -- numbers ------------------------------------------------------------------------------------
+
+
+def test_rewards_must_be_finite_numbers_from_the_agent_and_from_a_hostile_one(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        # the real agent refuses them, one line each
+        cell = nb.run("%%smol fork 4 --allow-errors --keep none\n"
+                      "reward = [10**400, True, float('nan'), 2.5][SEED]")
+        errors = stream_text(nb.run("import smolbench\nres = smolbench._magics.last_result\n"
+                                    "print(*(str(r['error']) for r in res.rows.values()), sep='\\n')"))
+        lines = errors.splitlines()
+        assert "reward must be a finite number within +-1e300, got one too large for a float (int)" in lines[0]
+        assert "reward must be a number, not a bool (True)" in lines[1]
+        assert "reward must be a finite number within +-1e300, got nan" in lines[2]
+        assert lines[3] == "None"
+        assert "OverflowError" not in str(cell.outputs) and "Traceback" not in str(cell.outputs)
+        # a rewritten agent sends them anyway, as raw JSON (NaN, 1e999 = inf, true, a 400-digit int)
+        nb.run("%%smol\n_G['P'].encode = lambda msg: (json.dumps(msg) + '\\n').encode()\n"
+               "_vals = [float('nan'), 1e999, True, 10**400, -1e301, 2.5]\n"
+               "_ag._reward_and_metrics = lambda: {'reward': _vals[SEED] if SEED is not None else None, "
+               "'metrics': {}, 'reward_error': None}")
+        nb.run("%%smol fork 6 --allow-errors --keep none\npass")
+        out = stream_text(nb.run("res = smolbench._magics.last_result\n"
+                                 "print(*(f\"{r['status']}|{r['reward']}|{r['error']}\" for r in res.rows.values()), sep='\\n')"))
+        rows = out.splitlines()
+        for row in rows[:5]:
+            status, reward, error = row.split("|")
+            assert status == "error" and reward == "None", row
+            assert error.startswith("machine root.") and "sent a malformed reply: " in error, error
+            assert "the reward must be" in error or "a non-finite number" in error, error
+        assert rows[5].startswith("ok|2.5|")
+
+        # Weakened: without the number check, NaN becomes a recorded reward.
+        nb.run("import smolbench.gate as g, smolbench.gate.frames as f\n_num, _nc = g.number, f._no_constant\n"
+               "g.number = lambda v, what: v\nf._no_constant = float")
+        nb.run("%%smol fork 1 --allow-errors --keep none\npass")
+        out = stream_text(nb.run("res = smolbench._magics.last_result\nprint([r['reward'] for r in res.rows.values()])"))
+        assert "nan" in out
+        nb.run("g.number, f._no_constant = _num, _nc")
+        nb.run("%smol down")
+
+
+def test_bad_numbers_in_options_are_one_line_errors(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        for line, expected in [
+            ("%%smol --timeout nan\n1", "--timeout must be a positive number of seconds, got 'nan'"),
+            ("%%smol --timeout -5\n1", "--timeout must be a positive number of seconds, got '-5'"),
+            ("%%smol --timeout inf\n1", "--timeout must be a positive number of seconds, got 'inf'"),
+            ("%%smol fork 2 --timeout nan\n1", "--timeout must be a positive number of seconds, got 'nan'"),
+            ("%%smol fork 2 --seeds 0:99999999999\n1", "--seeds 0:99999999999 gives 99,999,999,999 seeds, above the cap of 1024"),
+        ]:
+            cell = nb.run(line)
+            usage = [ln for ln in stream_text(cell, "stderr").splitlines() if ln.startswith("UsageError")]
+            assert len(usage) == 1 and expected in usage[0], cell.outputs
+            assert error_output(cell) is None and "Traceback" not in str(cell.outputs)
+        nb.run("%smol down")
+
+
+# -- display ------------------------------------------------------------------------------------
+
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+SHOW = (
+    "%%smol\nimport base64\nclass B:\n    def __init__(self, **d): self.d = d\n"
+    "    def _repr_html_(self): return self.d.get('html')\n"
+    "    def _repr_svg_(self): return self.d.get('svg')\n"
+    "    def _repr_markdown_(self): return self.d.get('md')\n"
+    "    def _repr_png_(self): return self.d.get('png')\n"
+    "    def __repr__(self): return 'B'\n"
+)
+
+
+def test_display_output_is_sanitised_and_data_still_renders(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run(SHOW)
+        cell = nb.run(
+            "%%smol\nimport pandas as pd\n"
+            "display(B(html='<b>hi</b><script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">'"
+            "'<a href=\"javascript:window.__pwned=3\">link</a>'))\n"
+            "display(B(svg='<svg xmlns=\"http://www.w3.org/2000/svg\" onload=\"window.__pwned=4\"><rect width=\"2\" height=\"2\"/></svg>'))\n"
+            "display(B(md='**bold** [x](javascript:window.__pwned=5) <img src=x onerror=alert(1)>'))\n"
+            "display(B(png=base64.b64decode('" + PNG + "')))\n"
+            "display(pd.DataFrame({'a': [1, 2]}))\n"
+            "_ag.send({'t': 'display', 'data': {'application/javascript': 'window.__pwned=6', 'text/plain': 'js'}})\n"
+            "_ag.send({'t': 'display', 'data': {'text/x-unknown-exec': 'x', 'text/plain': 'unk'}})")
+        shown = [o for o in cell.outputs if o.output_type == "display_data"]
+        raw = str([o["data"] for o in shown])
+        for bad in ("<script", "onerror", "onload", "javascript:", "__pwned", "application/javascript", "x-unknown"):
+            assert bad not in raw, (bad, raw)
+        assert "<b>hi</b>" in raw and "<strong>bold</strong>" in raw and "<rect" in raw
+        assert any(o["data"].get("image/png") == PNG for o in shown)
+        assert any("<table" in o["data"].get("text/html", "") and "dataframe" in o["data"]["text/html"] for o in shown)
+        notes = stream_text(cell, "stderr")
+        assert "sent application/javascript output, which was not shown" in notes
+        assert "sent text/x-unknown-exec output, which was not shown" in notes
+        # the last expression's bundle goes through the gate too
+        out = nb.run("%%smol\nB(html='<i>x</i><script>window.__pwned=7</script>')")
+        res = [o for o in out.outputs if o.output_type == "execute_result"][0]
+        assert "<i>x</i>" in res["data"]["text/html"] and "<script" not in res["data"]["text/html"]
+
+        # Weakened: trusted mode shows the machine's output raw, script and all.
+        trust = nb.run("%smol trust on")
+        assert "trusted mode" in stream_text(trust, "stderr")
+        cell = nb.run("%%smol\ndisplay(B(html='<script>window.__pwned=1</script>'))\n"
+                      "_ag.send({'t': 'display', 'data': {'application/javascript': 'window.__pwned=6'}})")
+        raw = str([o["data"] for o in cell.outputs if o.output_type == "display_data"])
+        assert "<script>window.__pwned=1</script>" in raw and "application/javascript" in raw
+        nb.run("%smol trust off")
+        assert plain_texts(nb.run("%%smol\nB(html='<script>1</script>')")) == ["B"]
+        nb.run("%smol down")
+
+
+@pytest.mark.parametrize("html", ["<style>.x{background:url(http://127.0.0.1:1/x)}</style>",
+                                  "<p style=\"background-image:url(http://127.0.0.1:1/x)\">p</p>",
+                                  "<img src=\"http://127.0.0.1:1/x\">",
+                                  "<svg><image href=\"http://127.0.0.1:1/x\"/></svg>",
+                                  "<iframe src=\"http://127.0.0.1:1/x\"></iframe>",
+                                  "<form action=\"javascript:1\"><button formaction=\"javascript:2\">b</button></form>"])
+def test_markup_that_would_fetch_or_run_something_is_cleaned(html: str) -> None:
+    from smolbench.gate.display import clean_html
+
+    out = clean_html(html)
+    assert "127.0.0.1" not in out and "javascript" not in out and "<iframe" not in out, out
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret.txt"  # stands in for /etc/shadow: a host file the machine must not get
+    secret.write_text("host only")
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%%smol\nopen('notes.txt', 'w').write('mine')\nx = 5")
+        assert error_output(nb.run("%smol checkpoint save clean")) is None
+        # links to /, /etc/shadow and .. in the workspace: the save is refused, one line each
+        for target in ("/", "/etc/shadow", "..", str(secret)):
+            nb.run(f"%%smol\nimport os\nos.symlink({target!r}, 'evil')")
+            msg = one_line_error(nb.run("%smol checkpoint save bad"))
+            assert f"has a link that points outside it (evil -> {target})" in msg and "nothing was saved" in msg
+            nb.run("%%smol\nos.unlink('evil')")
+        # the machine swaps its saved files for links while the host packs them: refused, not read through
+        nb.run("%%smol\n_save = _ag.save\n"
+               "def _swap(path):\n"
+               "    done = _save(path)\n"
+               "    os.unlink(os.path.join(path, 'namespace.pkl'))\n"
+               f"    os.symlink({str(secret)!r}, os.path.join(path, 'namespace.pkl'))\n"
+               "    return done\n"
+               "_ag.save = _swap")
+        msg = one_line_error(nb.run("%smol checkpoint save swapped"))
+        assert "namespace.pkl is not a plain file" in msg
+        nb.run("%%smol\n_ag.save = _save")
+
+        # a tampered checkpoint file (links added after the save) is refused at restore
+        ckpt = tmp_path / ".smolbench" / "checkpoints" / "clean.smolcheckpoint"
+        _add_links(ckpt, [("root", "/"), ("shadow", "/etc/shadow"), ("up", ".."), ("secret", str(secret))])
+        msg = one_line_error(nb.run("%smol checkpoint restore clean"))
+        assert "has a link that points outside it (root -> /)" in msg and "refused" in msg
+        assert stream_text(nb.run("%smol tree")).count("r1-") == 0  # no machine was made
+
+        # Weakened: if the host opened the machine's files the ordinary way (following links),
+        # the swapped link would carry the host's file into the checkpoint.
+        nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('follow')")
+        nb.run("%%smol\n_ag.save = _swap")
+        assert error_output(nb.run("%smol checkpoint save leaked")) is None
+        import tarfile
+
+        with tarfile.open(tmp_path / ".smolbench" / "checkpoints" / "leaked.smolcheckpoint", "r:gz") as tar:
+            assert tar.extractfile("namespace.pkl").read() == b"host only"  # type: ignore[union-attr]
+        nb.run("archive.TEST_WEAKEN.clear()")
+        nb.run("%smol down")
+
+
+def _add_links(ckpt: Path, links: list[tuple[str, str]]) -> None:
+    """Rewrite a checkpoint file with symlinks added to its workspace archive."""
+    import io
+    import tarfile
+
+    with tarfile.open(ckpt, "r:gz") as tar:
+        blobs = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    inner = io.BytesIO(blobs["workspace.tar"])
+    out = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="r:") as src, tarfile.open(fileobj=out, mode="w:") as dst:
+        for m in src.getmembers():
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+        for name, target in links:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            dst.addfile(info)
+    blobs["workspace.tar"] = out.getvalue()
+    with tarfile.open(ckpt, "w:gz") as tar:
+        for name, blob in blobs.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+
+
+# -- ledger -----------------------------------------------------------------------------------------
+
+
+def test_rows_left_running_by_a_dead_kernel_are_marked_lost_at_the_next_start(tmp_path: Path) -> None:
+    from smolbench.ledger import Ledger
+
+    with NotebookSession(tmp_path, allow_errors=True, check_processes=False) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.run("%%smol fork 3 --bg\nimport time\ntime.sleep(60)")
+        nb.run("import time; time.sleep(1)")
+        nb.kill()  # kill -9: nothing of ours runs to tidy up
+    ledger = Ledger(tmp_path / ".smolbench" / "ledger.db")
+    before = {r["id"]: r for r in ledger.node_rows()}
+    assert {before[f"root.{i}"]["status"] for i in range(3)} == {"running"}
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        cell = nb.run("%smol up --backend sandbox")
+        assert "4 nodes were left unfinished by a kernel that died earlier: marked lost" in stream_text(cell)
+        nb.run("%smol down")
+    rows = [r for r in ledger.node_rows() if r["session_id"] == before["root.0"]["session_id"]]
+    for r in rows:
+        assert r["status"] == "lost" and not r["alive"], r
+        assert r["ended"] == before[r["id"]]["seen"] and "last seen" in r["error"]
+    assert {r["status"] for r in ledger.run_rows() if r["session_id"] == rows[0]["session_id"]} == {"lost"}
+
+
+# -- floods -----------------------------------------------------------------------------------------
+
+FLOOD = "%%smol\nfor i in range(200000):\n    print('line %06d ' % i + 'x' * 40)"  # 10.4 MB
+
+
+def test_output_floods_are_cut_to_a_budget_and_the_rest_logged(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%smol config output-limit 100K")
+        nb.run("%smol config log-limit 1M")
+        cell = nb.run(FLOOD)
+        out, err = stream_text(cell), stream_text(cell, "stderr")
+        assert len(out.encode()) <= 100_000 and out.startswith("line 000000 ") and out.endswith("\n")
+        log = tmp_path / ".smolbench" / "outputs" / "root.cell2.log"
+        assert re.search(r"^… 1\d MB more output not shown \(the first 1\.0 MB of it saved to "
+                         + re.escape(str(log.relative_to(tmp_path))) + r"\)$", err, re.MULTILINE), err
+        assert log.stat().st_size == 1_000_000  # the log is bounded too
+        assert log.read_bytes().startswith(b"line 00")
+        still_works(nb)
+
+        # one huge line is cut with a note; no traceback from the transport
+        nb.run("%smol config output-limit 5M")
+        cell = nb.run("%%smol\nprint('x' * 10**8)\nprint('after')")
+        out = stream_text(cell)
+        assert out.startswith("x" * 1000) and "… [line cut: 99,737,856 more characters]\nafter\n" in out
+        assert error_output(cell) is None and "Separator" not in str(cell.outputs)
+
+        # a hostile agent ignores batching and floods raw frames: the host's budget still holds
+        nb.run("%smol config output-limit 100K")
+        cell = nb.run("%%smol\nframe = (json.dumps({'t': 'stream', 'name': 'stdout', 'text': 'z' * 1000 + '\\n'}) + '\\n').encode()\n"
+                      "_ag._conn.sendall(frame * 20000)")
+        assert len(stream_text(cell).encode()) <= 100_000 and "more output not shown" in stream_text(cell, "stderr")
+
+        # Weakened: with no per-cell limit, the whole flood lands in the notebook
+        nb.run("%smol config output-limit 1G")
+        cell = nb.run(FLOOD)
+        assert len(stream_text(cell).encode()) > 10_000_000
+        nb.run("%smol down")
+
+
+def test_ctrl_c_stops_a_flood_of_a_million_lines(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        timer = threading.Timer(3.0, nb.interrupt)
+        timer.start()
+        t0 = time.monotonic()
+        cell = nb.run("%%smol\nfor i in range(10**6):\n    print('y' * 99)")
+        took = time.monotonic() - t0
+        timer.join()
+        err = error_output(cell)
+        assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
+        assert "the machine and its state are kept" in err.evalue
+        print(f"1M-line cell interrupted after 3 s returned at {took:.2f} s")  # numbers: bench/flood.py
+        still_works(nb)
+        nb.run("%smol down")
+
+
+# -- timeouts ---------------------------------------------------------------------------------------
+
+IGNORES_SIGINT = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    time.sleep(0.01)"
+
+
+def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.run("import smolbench\nwb = smolbench._magics.workbench")
+        # a branch: it times out and its machine is deleted
+        nb.run(f"%%smol fork 2 --timeout 2 --allow-errors --keep all\n{IGNORES_SIGINT}")
+        rows = stream_text(nb.run("print([(r['status'], r['error']) for r in smolbench._magics.last_result.rows.values()],"
+                                  " sorted(m.name for m in wb.backend.list()))"))
+        assert rows.count("('timeout', 'timed out after 2 s')") == 2 and rows.endswith("['root']\n")
+        # the active machine: it is killed, and the error says its state is gone and what to do
+        msg = one_line_error(nb.run(f"%%smol --timeout 2\nx = 1\n{IGNORES_SIGINT}"))
+        assert msg == ("the cell ran longer than --timeout 2 s and ignored the interrupt for 3 s, so machine root "
+                       "was killed: its state is lost. `%smol down` then `%smol up` starts a fresh machine "
+                       "(or `%smol checkpoint restore NAME`)")
+        assert nb.processes() == []  # no core is still burning
+        nb.run("%smol down")
+        nb.run("%smol up --backend sandbox")
+        assert result_text(nb.run("%%smol\n6 * 7")) == "42"
+
+        # Weakened: if the host believed the interrupt worked, the machine would still be
+        # burning a core and refuse the next cell as busy
+        nb.run("import smolbench\nwb = smolbench._magics.workbench\n"
+               "async def _believe(ref, task):\n    return True\nwb._stop = _believe")
+        msg = one_line_error(nb.run(f"%%smol --timeout 1\n{IGNORES_SIGINT}"))
+        assert msg == "the cell ran longer than --timeout 1 s and was interrupted"
+        assert "is busy running another cell" in one_line_error(nb.run("%%smol\n1"))
+        assert nb.processes() != []
+        nb.run("%smol down")
