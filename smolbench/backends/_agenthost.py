@@ -232,6 +232,8 @@ class AgentHostBackend(Backend):
         guest_run = machine.info["guest_run"]
         children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
         done = await self._request(machine, {"op": "fork", "children": children})
+        if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
+            raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
         refs = []
         for made in done["children"]:
             info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
