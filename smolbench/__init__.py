@@ -20,6 +20,11 @@ __all__ = ["CompositeError", "Ledger", "RemoteError", "SmolbenchError", "__versi
 _magics: Any = None
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where the prebuilt JupyterLab extension lives (``jupyter labextension develop``)."""
+    return [{"src": "labextension", "dest": "smolbench"}]
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext smolbench``: register the ``%smol`` / ``%%smol`` magics."""
     global _magics

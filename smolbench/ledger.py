@@ -56,6 +56,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
 );
+-- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
+CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
+CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward);
 """
 
 NODE_COLUMNS = (

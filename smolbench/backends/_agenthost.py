@@ -162,6 +162,11 @@ class AgentHostBackend(Backend):
     def list(self) -> builtins.list[MachineRef]:
         return list(self._machines.values())
 
+    def host_memory(self) -> tuple[float, float]:
+        """(RSS, PSS) in MiB of every process of every live machine (branches included)."""
+        pids = [p for proc in self._procs.values() for p in (proc.pid, *(d for d, _ in _procs.descendants(proc.pid)))]
+        return _procs.memory_mib(pids)
+
     async def close(self) -> None:
         await super().close()
         if self._limiter is not None:
@@ -184,7 +189,12 @@ class AgentHostBackend(Backend):
             writer.write(P.encode(msg))
             await writer.drain()
             while True:
-                chunk = await reader.read(CHUNK)
+                try:
+                    chunk = await reader.read(CHUNK)
+                except ConnectionError:  # the agent dropped us: it could not even start a thread
+                    raise SmolbenchError(
+                        f"machine {ref.name!r} dropped the connection: it may be out of processes (pids = "
+                        f"{ref.spec.pids}) or memory; `%smol delete {ref.name}` or raise the limit in the Smolfile") from None
                 if not chunk:
                     return
                 yield chunk

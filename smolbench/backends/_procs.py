@@ -111,3 +111,17 @@ def kill_tree(pid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+def memory_mib(pids: list[int]) -> tuple[float, float]:
+    """(RSS, PSS) of these processes together, in MiB (PSS shares forked pages fairly)."""
+    rss = pss = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+    return rss / 1024, pss / 1024

@@ -1,0 +1,212 @@
+"""The machine registry: each kernel publishes its live machines for the Jupyter server.
+
+One JSON file per kernel, ``<runtime dir>/smolbench/kernel-<kernel id>.json``, where the
+runtime dir is the folder holding the kernel's connection file (so it is the runtime dir of
+the server that started the kernel). A Workbench observer rewrites it atomically (temp file +
+``os.replace``) whenever nodes change, at most every ``WRITE_EVERY`` seconds, and at once when
+the last machine goes. Files, not a socket or a port: they need no server to be up, they
+outlive a dead kernel (so its machines can be shown as orphaned), and a reader never sees half
+a file. The record holds the kernel's pid and start time so readers can tell a dead kernel (or
+a reused pid) from a live one.
+
+Only the kernel writes here; the server (``smolbench.server``) reads and may remove a
+record whose kernel and machines are all gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+WRITE_EVERY = 0.2  # seconds: a 64-branch fork rewrites the file a handful of times, not 200
+FORMAT = 1
+DIRNAME = "smolbench"
+MAX_RECORD_BYTES = 4 << 20
+KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def proc_start(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot), or None when it is gone.
+
+    With the pid it names one process for good: a reused pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if not fields or fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+def alive(pid: Any, start: Any) -> bool:
+    """True when ``pid`` runs and is the process that started at ``start``."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return False
+    now = proc_start(pid)
+    return now is not None and (start is None or now == start)
+
+
+def _connection_file() -> str | None:
+    try:
+        from ipykernel.connect import get_connection_file
+
+        return str(get_connection_file())
+    except Exception:  # not in a kernel (plain IPython, a script)
+        return None
+
+
+def kernel_identity() -> tuple[str, Path] | None:
+    """This kernel's id and the registry folder its Jupyter server reads, or None when this
+    is not a kernel a Jupyter server started (its connection file is not kernel-<id>.json):
+    no server would ever list it, so it publishes nothing."""
+    conn = _connection_file()
+    if not conn:
+        return None
+    name = Path(conn).name
+    kid = name[len("kernel-"):-len(".json")]
+    if not (name.startswith("kernel-") and name.endswith(".json") and KERNEL_ID.fullmatch(kid)):
+        return None
+    return kid, Path(conn).resolve().parent / DIRNAME
+
+
+def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
+    """What a kernel publishes about its workbench (plain JSON)."""
+    machines = []
+    pids: dict[int, Any] = {}
+    for name, ref in list(workbench.machines.items()):
+        pid = ref.info.get("pid")
+        if not isinstance(pid, int):  # a branch lives inside its root machine's process
+            root = workbench.machines.get(ref.info.get("root", ""))
+            pid = root.info.get("pid") if root is not None else None
+        if isinstance(pid, int) and pid not in pids:
+            pids[pid] = proc_start(pid)
+        node = workbench.tree[name] if name in workbench.tree else None
+        machines.append({
+            "id": name, "parent": ref.parent, "backend": ref.backend, "created": ref.created,
+            "memory_mib": ref.spec.memory, "cpus": ref.spec.cpus,
+            "pid": pid if isinstance(pid, int) else None, "pid_start": pids.get(pid),
+            "status": node.status if node is not None else None,
+            "reward": node.reward if node is not None and isinstance(node.reward, (int, float)) else None,
+        })
+    return {
+        "format": FORMAT, "kernel_id": kernel_id, "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
+        "cwd": os.getcwd(), "notebook": os.environ.get("JPY_SESSION_NAME"),
+        "backend": workbench.backend.name, "session": workbench.session,
+        "ledger": str(Path(workbench.ledger.path).resolve()), "active": workbench.active,
+        "updated": time.time(), "machines": machines,
+    }
+
+
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Replace ``path`` with ``data`` as JSON; readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class Publisher:
+    """A Workbench observer that keeps this kernel's registry file current."""
+
+    def __init__(self, workbench: Any, folder: Path, kernel_id: str) -> None:
+        self.kernel_id = kernel_id
+        self.path = folder / f"kernel-{kernel_id}.json"
+        _set_aside(self.path)
+        self.workbench = workbench
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        workbench.observe(self._on_change)
+
+    def _on_change(self, workbench: Any, nodes: Any) -> None:
+        if not workbench.machines:  # the last machine went (%smol down, a delete): say so now
+            self.flush()
+            return
+        with self._lock:
+            if self._timer is not None:
+                return
+            self._timer = threading.Timer(WRITE_EVERY, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def flush(self) -> None:
+        """Write the record now (or remove it when no machine is left)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            try:
+                if self.workbench.machines:
+                    write_atomic(self.path, record(self.workbench, self.kernel_id))
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
+            except OSError:
+                pass  # the registry is a convenience: a full disk must never break a run
+
+    def close(self) -> None:
+        """Stop observing and remove the record."""
+        self.workbench.unobserve(self._on_change)
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def publish(workbench: Any) -> Publisher | None:
+    """Start publishing ``workbench``'s machines, when a Jupyter server started this kernel
+    (never raises: the registry is optional)."""
+    try:
+        who = kernel_identity()
+        return Publisher(workbench, who[1], who[0]) if who else None
+    except Exception:
+        return None
+
+
+def _set_aside(path: Path) -> None:
+    """Keep an earlier record under this name (a restarted kernel keeps its id) when its
+    process is dead but machines of it may live: renamed, the server still shows them."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    pid = old.get("pid") if isinstance(old, dict) else None
+    if isinstance(pid, int) and pid != os.getpid() and not alive(pid, old.get("pid_start")):
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(f"{path.stem}~{pid}.json"))
+
+
+def read_records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every well-formed record in ``folder`` (malformed or oversized files are skipped)."""
+    out: list[tuple[Path, dict[str, Any]]] = []
+    try:
+        entries = sorted(folder.glob("kernel-*.json"))
+    except OSError:
+        return out
+    for path in entries:
+        try:
+            if path.stat().st_size > MAX_RECORD_BYTES:
+                continue
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("machines"), list):
+            out.append((path, data))
+    return out

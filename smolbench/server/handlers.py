@@ -1,0 +1,221 @@
+"""The REST API under ``{base_url}smolbench/api/``, behind the server's own auth and XSRF.
+
+    GET    machines                      live machines of every kernel, and orphans
+    DELETE machines/KERNEL/NODE          ask the kernel to delete it, or kill an orphan
+                                         (&orphaned=1: the dead process of a restarted kernel)
+    GET    checkpoints[?path=DIR]        checkpoints of DIR's ledger (no path: every ledger under the root)
+    DELETE checkpoints/NAME?path=DIR     remove a checkpoint's file and its ledger row
+    GET    ledger/sessions?path=DIR      \\
+    GET    ledger/runs?path=DIR           > read-only, paginated (&limit=&offset=)
+    GET    ledger/nodes?path=DIR&run=ID  /  (or &session=ID)
+
+Errors are JSON ``{"message": "..."}``: one line saying what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from .. import registry
+from . import ledgerview, machines
+from .paths import LEDGER, PathRefused, find_ledgers, folder, relative
+
+LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
+
+
+class _Base(APIHandler):
+    auth_resource = "contents"
+
+    @property
+    def root(self) -> str:
+        return str(self.settings["smolbench_root"])
+
+    def folder(self) -> Path:
+        try:
+            return folder(self.root, self.get_query_argument("path", ""))
+        except PathRefused as exc:
+            raise web.HTTPError(403, str(exc)) from None
+
+    def int_arg(self, name: str, default: int) -> int:
+        raw = self.get_query_argument(name, str(default))
+        try:
+            return int(raw)
+        except ValueError:
+            raise web.HTTPError(400, f"{name}={raw!r} is not a whole number") from None
+
+    def ledger(self) -> tuple[Path, str]:
+        where = self.folder()
+        return where / LEDGER, relative(self.root, where) or ""
+
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A blocking read, off the server's event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+
+class MachinesHandler(_Base):
+    auth_resource = "kernels"
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        known = set(self.kernel_manager.list_kernel_ids())
+        notebooks: dict[str, str] = {}
+        with contextlib.suppress(Exception):
+            for s in await self.session_manager.list_sessions():
+                notebooks[s["kernel"]["id"]] = s.get("path") or s.get("name") or ""
+        snap = await self.run(machines.snapshot, self.settings["smolbench_registry"], known, notebooks)
+        self.finish(snap)
+
+
+class MachineHandler(_Base):
+    auth_resource = "kernels"
+
+    @web.authenticated
+    @authorized
+    async def delete(self, kernel_id: str, node_id: str) -> None:
+        folder_ = self.settings["smolbench_registry"]
+        flag = self.get_query_argument("orphaned", None)
+        orphaned = None if flag is None else flag in ("1", "true", "yes")
+        try:
+            path, rec, machine = await self.run(machines.find, folder_, kernel_id, node_id, orphaned)
+        except machines.NotFound as exc:
+            raise web.HTTPError(404, str(exc)) from None
+        kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
+        if kernel_alive and kernel_id in self.kernel_manager:
+            result = await machines.ask_kernel(self.kernel_manager, kernel_id, node_id)
+            if not result["ok"] and not result.get("queued"):
+                raise web.HTTPError(409, result["message"])
+            self.set_status(202 if result.get("queued") else 200)
+        elif kernel_alive:
+            raise web.HTTPError(403, f"kernel {kernel_id[:8]} is alive but not run by this server: delete its machines from its own notebook")
+        else:
+            result = await machines.kill_orphan(path, rec, machine)
+        self.finish(result)
+
+
+class CheckpointsHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        if self.get_query_argument("path", None) is not None:
+            where = self.folder()
+            dirs = [where] if (where / LEDGER).is_file() else []
+        else:
+            dirs = await self.run(self._ledgers)
+        out, problems = [], []
+        for d in dirs:
+            rel = relative(self.root, d) or ""
+            try:
+                rows = await self.run(ledgerview.checkpoints, d / LEDGER)
+            except ledgerview.LedgerUnreadable as exc:
+                problems.append(f"{rel or '.'}: {exc}")
+                continue
+            for r in rows:
+                p = Path(str(r.get("path") or ""))
+                r["dir"] = rel
+                r["exists"] = p.exists()
+                r["path"] = relative(self.root, p) or p.name  # never show paths outside the root
+                out.append(r)
+        out.sort(key=lambda r: -(r.get("created") or 0))
+        self.finish({"checkpoints": out, "problems": problems})
+
+    def _ledgers(self) -> list[Path]:
+        cache = self.settings.setdefault("smolbench_ledger_scan", {})
+        if cache.get("at", 0) > time.monotonic() - LEDGER_SCAN_TTL:
+            return list(cache["dirs"])
+        dirs = find_ledgers(self.root)
+        cache.update(at=time.monotonic(), dirs=dirs)
+        return dirs
+
+
+class CheckpointHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def delete(self, name: str) -> None:
+        db, rel = self.ledger()
+        if not db.is_file():
+            raise web.HTTPError(404, f"no ledger in {rel or 'the root folder'}: nothing to delete")
+        message = await self.run(_delete_checkpoint, db, name, self.root)
+        self.finish({"ok": True, "message": message})
+
+
+def _delete_checkpoint(db: Path, name: str, root: str) -> str:
+    """Remove one checkpoint: its ledger row, and its file when that lies inside the root
+    (a ledger is data a kernel wrote; its path must not steer a delete outside)."""
+    try:
+        conn = sqlite3.connect(str(db), timeout=10)
+    except sqlite3.Error as exc:
+        raise web.HTTPError(422, f"can't open the ledger {db.name} ({exc})") from None
+    try:
+        row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise web.HTTPError(404, f"no checkpoint named {name!r} here: refresh the list")
+        target = Path(str(row[0] or ""))
+        removed = ""
+        if target.name.endswith(".smolcheckpoint") and relative(root, target) is not None and target.exists():
+            if target.is_dir() and not target.is_symlink():
+                import shutil
+
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+            removed = " and its file"
+        with conn:
+            conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
+    except sqlite3.DatabaseError as exc:
+        raise web.HTTPError(422, f"the ledger {db} is not a readable smolbench ledger ({exc})") from None
+    finally:
+        conn.close()
+    return f"deleted checkpoint {name}{removed}"
+
+
+class LedgerHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def get(self, what: str) -> None:
+        db, rel = self.ledger()
+        if not db.is_file():
+            self.finish({"total": 0, what: [], "note": f"no ledger in {rel or 'the root folder'} yet: "
+                         "it appears after `%smol up` in a notebook there"})
+            return
+        limit, offset = self.int_arg("limit", 50), self.int_arg("offset", 0)
+        try:
+            if what == "runs":
+                data = await self.run(ledgerview.runs, db, limit, offset)
+            elif what == "sessions":
+                data = await self.run(ledgerview.sessions, db, limit, offset)
+            else:
+                data = await self.run(ledgerview.nodes, db, self.get_query_argument("run", None),
+                                      self.get_query_argument("session", None), limit, offset)
+        except ledgerview.LedgerUnreadable as exc:
+            raise web.HTTPError(422, f"{exc}: move it aside; `%smol up` starts a new one") from None
+        except KeyError as exc:
+            raise web.HTTPError(404, str(exc.args[0])) from None
+        data["dir"] = rel
+        self.finish(data)
+
+
+def setup_handlers(web_app: Any, root_dir: str, runtime_dir: str) -> None:
+    """Add the API to the server's web app."""
+    web_app.settings["smolbench_root"] = os.path.realpath(root_dir)
+    web_app.settings["smolbench_registry"] = Path(runtime_dir) / registry.DIRNAME
+    base = url_path_join(web_app.settings["base_url"], "smolbench", "api")
+    node = r"(?P<node_id>[A-Za-z0-9][A-Za-z0-9._-]{0,127})"
+    web_app.add_handlers(".*$", [
+        (url_path_join(base, "machines"), MachinesHandler),
+        (url_path_join(base, "machines", r"(?P<kernel_id>[A-Za-z0-9_.-]{1,128})", node), MachineHandler),
+        (url_path_join(base, "checkpoints"), CheckpointsHandler),
+        (url_path_join(base, "checkpoints", r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})"), CheckpointHandler),
+        (url_path_join(base, "ledger", r"(?P<what>sessions|runs|nodes)"), LedgerHandler),
+    ])

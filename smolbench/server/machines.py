@@ -1,0 +1,183 @@
+"""Live machines of this server's kernels, read from the registry; deleting one.
+
+A live kernel is asked to delete its own machine (the server runs ``%smol delete NODE``
+in it, silently, through the kernel manager), so its Workbench, tree and ledger stay
+true. A machine whose kernel is dead has no Workbench left to ask: the server kills the
+host process the kernel published for it (after checking, by start time, that the pid
+still names that process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import registry
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+ASK_TIMEOUT = 20.0  # seconds to wait for a kernel to answer `%smol delete`
+
+
+class NotFound(LookupError):
+    """No such kernel record or machine."""
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[str, Any]:
+    """Every machine of this server's live kernels, plus orphans of dead kernels.
+
+    ``known`` is the kernel ids the server runs, ``notebooks`` maps kernel id to the path
+    of the notebook its session belongs to. Records of dead kernels whose machines are
+    all gone are removed.
+    """
+    now = time.time()
+    groups: list[dict[str, Any]] = []
+    for path, rec in registry.read_records(folder):
+        kid = str(rec.get("kernel_id", ""))[:128]
+        kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
+        if kernel_alive and kid not in known:
+            continue  # another server's kernel (or a kernel outside Jupyter): not ours to show
+        orphaned = not kernel_alive
+        machines = []
+        for m in rec["machines"]:
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+                continue
+            if orphaned and not registry.alive(m.get("pid"), m.get("pid_start")):
+                continue
+            created = _num(m.get("created"))
+            machines.append({
+                "id": m["id"][:128], "parent": m.get("parent") if isinstance(m.get("parent"), str) else None,
+                "backend": str(m.get("backend", ""))[:32], "uptime_s": round(now - created, 1) if created else None,
+                "memory_mib": _num(m.get("memory_mib")), "cpus": _num(m.get("cpus")),
+                "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
+                "active": m["id"] == rec.get("active"), "orphaned": orphaned,
+                "killable": orphaned and isinstance(m.get("pid"), int),
+            })
+        if orphaned and not machines:
+            with contextlib.suppress(OSError):
+                path.unlink()  # its kernel and every machine are gone: nothing left to show
+            continue
+        groups.append({
+            "kernel_id": kid, "record": path.name, "notebook": notebooks.get(kid) if kernel_alive else None,
+            "cwd": str(rec.get("cwd", ""))[:1000], "backend": str(rec.get("backend", ""))[:32],
+            "session": str(rec.get("session", ""))[:64], "kernel_alive": kernel_alive,
+            "orphaned": orphaned, "updated": _num(rec.get("updated")), "machines": machines,
+        })
+    groups.sort(key=lambda g: (g["orphaned"], g["notebook"] or g["cwd"], g["kernel_id"]))
+    live = [m for g in groups if not g["orphaned"] for m in g["machines"]]
+    backends = sorted({g["backend"] for g in groups if not g["orphaned"] and g["machines"]})
+    return {"kernels": groups, "machines": len(live), "orphaned": sum(len(g["machines"]) for g in groups if g["orphaned"]),
+            "backends": backends}
+
+
+def find(folder: Path, kernel_id: str, node_id: str,
+         orphaned: bool | None = None) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The record and machine entry for ``node_id`` of ``kernel_id``: of its live process, or
+    of a dead one (a restarted kernel keeps its id) when ``orphaned``; None: live first."""
+    if not NODE_ID.fullmatch(node_id):
+        raise NotFound(f"{node_id!r} is not a machine id (like root or root.7.2)")
+    hits = []
+    for path, rec in registry.read_records(folder):
+        if rec.get("kernel_id") != kernel_id:
+            continue
+        if orphaned is not None and orphaned == registry.alive(rec.get("pid"), rec.get("pid_start")):
+            continue
+        for m in rec["machines"]:
+            if isinstance(m, dict) and m.get("id") == node_id:
+                hits.append((path, rec, m))
+    if not hits:
+        raise NotFound(f"kernel {kernel_id} has no machine {node_id!r} (it may be gone already: refresh)")
+    hits.sort(key=lambda h: not registry.alive(h[1].get("pid"), h[1].get("pid_start")))
+    return hits[0]
+
+
+async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[str, Any]:
+    """Run ``%smol delete NODE`` in the live kernel; what it printed or raised."""
+    km = kernel_manager.get_kernel(kernel_id)
+    client = km.client()
+    client.start_channels()
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["header"]["msg_type"] == "stream":
+            out.append(msg["content"].get("text", ""))
+
+    try:
+        reply = await client.execute_interactive(
+            f"%smol delete {node_id}", silent=True, store_history=False, allow_stdin=False,
+            timeout=ASK_TIMEOUT, output_hook=hook)
+    except TimeoutError:
+        return {"action": "asked-kernel", "ok": False, "queued": True,
+                "message": f"asked kernel {kernel_id[:8]} to delete {node_id}; it is busy, so the delete runs "
+                           "when its current cell finishes"}
+    finally:
+        client.stop_channels()
+    content = reply.get("content", {})
+    if content.get("status") != "ok":
+        why = f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
+        return {"action": "asked-kernel", "ok": False, "message": f"kernel {kernel_id[:8]} could not delete {node_id}: {why}"}
+    said = " ".join(line.strip() for line in "".join(out).splitlines() if line.strip())
+    return {"action": "asked-kernel", "ok": True,
+            "message": f"asked kernel {kernel_id[:8]} to delete {node_id}: {said or 'done'}"}
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+async def kill_orphan(path: Path, rec: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any]:
+    """Kill the host process holding an orphaned machine (and so every machine inside it)."""
+    pid, start = machine.get("pid"), machine.get("pid_start")
+    if not isinstance(pid, int):
+        return {"action": "none", "ok": False,
+                "message": f"{machine['id']}'s backend published no host process, so it can't be killed from here"}
+    if pid in (os.getpid(), 1) or not registry.alive(pid, start):
+        gone = True
+    else:
+        gone = False
+        inside = _descendants(pid)
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        for p in [pid, *inside]:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while registry.alive(pid, start) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    held = [m["id"] for m in rec["machines"] if isinstance(m, dict) and m.get("pid") == pid]
+    rest = [m for m in rec["machines"] if not (isinstance(m, dict) and m.get("pid") == pid)]
+    with contextlib.suppress(OSError):
+        if rest:
+            registry.write_atomic(path, {**rec, "machines": rest})
+        else:
+            path.unlink()
+    if gone:
+        return {"action": "none", "ok": True, "message": f"{machine['id']} was already gone"}
+    return {"action": "killed", "ok": True,
+            "message": f"killed orphaned {', '.join(held)} (host process {pid}; kernel {str(rec.get('kernel_id'))[:8]} is dead)"}

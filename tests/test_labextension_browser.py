@@ -1,0 +1,352 @@
+"""The smolbench sidebar in a real JupyterLab (headless Debian Chromium, Playwright).
+
+One JupyterLab, two notebooks: machines appear in the sidebar after ``%smol up`` and a
+fork, and go after ``%smol down``; a checkpoint is listed and restored from the sidebar
+into a fresh kernel (its variable comes back); a past run's tree opens from the ledger;
+a killed kernel's machines leave the list; an orphan (a machine whose kernel is dead) is
+shown and killed. Screenshots, light and dark, go to tests/artifacts/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+
+from smolbench import registry
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+TAG_VAR = "SMOLBENCH_LABEXT_TAG"
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+)
+
+NOTEBOOK_A = [
+    "%load_ext smolbench",
+    "%smol up --backend sandbox",
+    "%%smol\nx = 41",
+    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x",
+    "%smol checkpoint save warm",
+]
+NOTEBOOK_B = ["%%smol\nprint('x came back:', x)"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tagged(tag: str) -> list[int]:
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and registry.proc_start(int(entry)) is not None:
+            found.append(int(entry))
+    return found
+
+
+def _notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """JupyterLab (this venv's Python, so kernels import this tree) on a free loopback port."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _notebook(root / "a.ipynb", NOTEBOOK_A)
+    _notebook(root / "b.ipynb", NOTEBOOK_B)
+    settings = tmp_path / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}')
+    (settings / "notebook-extension").mkdir(parents=True)
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"autoStartDefaultKernel": true}')
+    port, token, tag = _free_port(), secrets.token_hex(16), uuid.uuid4().hex
+    runtime = tmp_path / ".runtime"
+    env = {**os.environ, TAG_VAR: tag, "JUPYTER_CONFIG_DIR": str(tmp_path / ".jupyter"),
+           "JUPYTER_RUNTIME_DIR": str(runtime)}
+    argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+            f"--IdentityProvider.token={token}", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={root}"]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    log = open(tmp_path / "lab.log", "wb")
+    proc = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "lab.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not start"
+                time.sleep(0.1)
+        yield {"base": base, "token": token, "root": root, "runtime": runtime, "log": tmp_path / "lab.log"}
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down, which delete their machines
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+        deadline = time.monotonic() + 20
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _tagged(tag)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left behind: {left}"
+
+
+def _wait_for_kernel(page: Any) -> None:
+    deadline = time.monotonic() + 90
+    while not page.locator(".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']").count():
+        assert time.monotonic() < deadline, "the notebook's kernel did not start"
+        accept = page.locator(".jp-Dialog button.jp-mod-accept")
+        if accept.count():
+            with contextlib.suppress(Exception):
+                accept.first.click(timeout=2_000)
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(300)
+
+
+def _run_all(page: Any) -> None:
+    from playwright.sync_api import expect
+
+    first = page.locator(".jp-NotebookPanel:visible .jp-Cell").first.locator(".jp-InputPrompt")
+    for _ in range(3):
+        _wait_for_kernel(page)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        try:
+            expect(first).not_to_have_text(re.compile(r"\[ \]"), timeout=15_000)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError("Run All Cells did not start the notebook")
+
+
+def _wait_idle(page: Any, cells: int, timeout: float = 180) -> None:
+    """Until the visible notebook's last of ``cells`` cells has an execution count."""
+    last = page.locator(".jp-NotebookPanel:visible .jp-Cell").nth(cells - 1).locator(".jp-InputPrompt")
+    from playwright.sync_api import expect
+
+    expect(last).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout * 1000)
+
+
+def _open(page: Any, lab: dict[str, Any], name: str) -> None:
+    """Open ``name`` alone (``reset``: the other notebooks' tabs close; their kernels stay)."""
+    page.goto(f"{lab['base']}/lab/tree/{name}?reset&token={lab['token']}")
+    page.wait_for_selector(".jp-NotebookPanel:visible .jp-Cell", timeout=60_000)
+
+
+def _append_and_run(page: Any, source: str) -> Any:
+    """Add a cell at the end of the visible notebook, run it, return its output area."""
+    nb = page.locator(".jp-NotebookPanel:visible")
+    nb.locator(".jp-Cell").last.click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    editor = nb.locator(".jp-Cell").last.locator(".cm-content")
+    editor.click()
+    page.keyboard.insert_text(source)
+    page.keyboard.press("Shift+Enter")
+    cell = nb.locator(".jp-Cell").nth(nb.locator(".jp-Cell").count() - 2)
+    from playwright.sync_api import expect
+
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=120_000)
+    return cell.locator(".jp-OutputArea")
+
+
+def _machine_ids(page: Any) -> list[str]:
+    return list(page.locator("#smolbench-panel .sb-machine").evaluate_all("rows => rows.map(r => r.dataset.id)"))
+
+
+def _theme(page: Any, name: str) -> None:
+    page.get_by_role("menuitem", name="Settings", exact=True).click()
+    page.get_by_text("Theme", exact=True).click()
+    page.get_by_text(name, exact=True).click()
+    page.wait_for_function(
+        f"document.body.dataset.jpThemeName === {json.dumps(name)}", timeout=30_000)
+    page.wait_for_timeout(500)
+
+
+def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    timings: dict[str, float] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        console_errors: list[str] = []
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+        try:
+            _open(page, lab, "a.ipynb")
+            status = page.locator(".jp-smolbench-status")
+            expect(status).to_have_text("smol: idle · 0 machines", timeout=30_000)
+            status.click()  # the status-bar item opens the sidebar
+            panel = page.locator("#smolbench-panel")
+            expect(panel).to_be_visible()
+            expect(panel.locator(".sb-machines .sb-empty")).to_contain_text("No machines")
+            expect(panel.locator(".sb-runs .sb-empty")).to_contain_text("no ledger in the root folder yet")
+
+            # %smol up, a fork (kept), a checkpoint: the machines appear
+            _run_all(page)
+            _wait_idle(page, len(NOTEBOOK_A))
+            t0 = time.monotonic()
+            expect(panel.locator(".sb-machine")).to_have_count(4, timeout=10_000)
+            timings["fork_to_sidebar_s"] = time.monotonic() - t0
+            assert sorted(_machine_ids(page)) == ["root", "root.0", "root.1", "root.2"]
+            group = panel.locator(".sb-group").first
+            expect(group.locator(".sb-group-title")).to_contain_text("a.ipynb")
+            expect(group.locator(".sb-group-title")).to_contain_text("sandbox")
+            expect(panel.locator(".sb-machine.sb-active")).to_have_attribute("data-id", "root")
+            expect(status).to_have_text("smol: sandbox · 4 machines")
+
+            # the checkpoint and the run are listed
+            ck = panel.locator(".sb-checkpoint[data-name='warm']")
+            expect(ck).to_be_visible(timeout=10_000)
+            expect(ck.locator(".sb-node")).to_have_text("root")
+            expect(ck.locator(".sb-backend")).to_have_text("sandbox")
+            run = panel.locator(".sb-run").first
+            expect(run.locator(".sb-cell")).to_have_text("reward = SEED + x")
+            expect(run.locator(".sb-n")).to_have_text("×3")
+            expect(run.locator(".sb-best")).to_have_text("53")  # seed 12 + 41
+            expect(run.locator(".sb-spark polyline")).to_have_count(1)
+            panel.screenshot(path=str(ARTIFACTS / "labext_sidebar_light.png"))
+
+            # Delete from the sidebar asks the owning kernel
+            panel.locator(".sb-machine[data-id='root.1'] .sb-delete").click()
+            expect(panel.locator(".sb-msg")).to_contain_text("deleted root.1", timeout=30_000)
+            expect(panel.locator(".sb-machine")).to_have_count(3, timeout=10_000)
+
+            # a past run's tree, read-only, from the ledger
+            run.click()
+            tree = page.locator(".jp-smolbench-tree")
+            expect(tree).to_be_visible(timeout=10_000)
+            expect(tree.locator(".sb-tree-row")).to_have_count(4)
+            expect(tree.locator(".sb-tree-row[data-id='root.2'] .sb-reward")).to_have_text("53")
+            expect(tree.locator(".sb-tree-row.sb-best")).to_have_count(2)  # root and root.2
+            tree.locator(".sb-tree-row[data-id='root.0']").click()
+            expect(tree.locator(".sb-tree-detail")).to_contain_text("root.0 · ok · reward 51 · seed 10")
+            page.screenshot(path=str(ARTIFACTS / "labext_run_tree_light.png"))
+            page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabCloseIcon").last.click()
+
+            # %smol down in the notebook: they go
+            page.locator(".jp-NotebookPanel:visible .jp-Cell").first.click()
+            out = _append_and_run(page, "%smol down")
+            t0 = time.monotonic()
+            expect(out).to_contain_text("deleted 3 machines")
+            expect(panel.locator(".sb-machine")).to_have_count(0, timeout=10_000)
+            timings["down_to_sidebar_s"] = time.monotonic() - t0
+            expect(status).to_have_text("smol: idle · 0 machines")
+
+            # restore the checkpoint from the sidebar into a fresh kernel (notebook b)
+            _open(page, lab, "b.ipynb")
+            _wait_for_kernel(page)
+            panel = page.locator("#smolbench-panel")
+            if not panel.is_visible():
+                page.locator(".jp-smolbench-status").click()
+            restore = panel.locator(".sb-checkpoint[data-name='warm'] .sb-restore")
+            expect(restore).to_be_enabled(timeout=10_000)
+            restore.click()
+            expect(panel.locator(".sb-msg")).to_contain_text("restored warm as r1-warm (now active)", timeout=60_000)
+            expect(panel.locator(".sb-machine")).to_have_count(2, timeout=10_000)  # root and r1-warm
+            expect(panel.locator(".sb-group-title").first).to_contain_text("b.ipynb")
+            page.locator(".jp-NotebookPanel:visible .jp-Cell").first.click()
+            page.keyboard.press("Shift+Enter")
+            expect(page.locator(".jp-NotebookPanel:visible .jp-OutputArea-output").first).to_have_text(
+                "x came back: 41", timeout=60_000)
+
+            # Replay inserts a cell into the active notebook
+            panel.locator(".sb-run").first.locator(".sb-replay").click()
+            expect(page.locator(".jp-NotebookPanel:visible .jp-Cell .cm-content", has_text="%smol replay root.2")).to_have_count(1)
+
+            # dark theme
+            _theme(page, "JupyterLab Dark")
+            panel.screenshot(path=str(ARTIFACTS / "labext_sidebar_dark.png"))
+            page.screenshot(path=str(ARTIFACTS / "labext_lab_dark.png"))
+
+            # kill -9 notebook b's kernel: its machines die with it (pdeathsig) and leave the list
+            recs = registry.read_records(lab["runtime"] / registry.DIRNAME)
+            assert len(recs) == 1, recs
+            kernel_pid = recs[0][1]["pid"]
+            machine_pids = {m["pid"] for m in recs[0][1]["machines"]}
+            os.kill(kernel_pid, signal.SIGKILL)
+            expect(panel.locator(".sb-machine")).to_have_count(0, timeout=15_000)
+            died = page.locator(".jp-Dialog", has_text="appears to have died")
+            died.wait_for(timeout=30_000)  # JupyterLab says so, and restarts the kernel
+            died.locator("button").last.click()
+            assert not [pid for pid in machine_pids if registry.proc_start(pid)]
+
+            # an orphan: a machine whose host process outlived its dead kernel (as a microVM
+            # run by its own engine can). A real process stands in for it.
+            orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+            try:
+                dead = subprocess.Popen([sys.executable, "-c", "pass"])
+                dead_start = registry.proc_start(dead.pid)
+                dead.wait()
+                registry.write_atomic(lab["runtime"] / registry.DIRNAME / "kernel-0rphan.json", {
+                    "format": 1, "kernel_id": "0rphan", "pid": dead.pid, "pid_start": dead_start,
+                    "cwd": str(lab["root"]), "backend": "process", "session": "s", "active": "root",
+                    "machines": [{"id": "root", "backend": "process", "created": time.time() - 60,
+                                  "memory_mib": 512, "pid": orphan.pid,
+                                  "pid_start": registry.proc_start(orphan.pid)}]})
+                row = panel.locator(".sb-orphaned .sb-machine[data-id='root']")
+                expect(row).to_be_visible(timeout=10_000)
+                expect(row.locator(".sb-status")).to_have_text("orphaned")
+                expect(panel.locator(".sb-orphaned .sb-group-title")).to_contain_text("kernel 0rphan is dead")
+                expect(page.locator(".jp-smolbench-status")).to_contain_text("1 orphaned")
+                panel.screenshot(path=str(ARTIFACTS / "labext_orphan_dark.png"))
+                _theme(page, "JupyterLab Light")
+                panel.screenshot(path=str(ARTIFACTS / "labext_orphan_light.png"))
+                row.locator(".sb-kill").click()
+                expect(panel.locator(".sb-msg")).to_contain_text("killed orphaned root (host process", timeout=15_000)
+                assert orphan.wait(10) == -signal.SIGKILL
+                expect(panel.locator(".sb-orphaned")).to_have_count(0, timeout=10_000)
+            finally:
+                orphan.kill()
+                orphan.wait()
+            bad = [e for e in console_errors if "smolbench" in e.lower()]
+            assert not bad, bad
+        except BaseException:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(ARTIFACTS / "labext_failure.png"))
+                print(lab["log"].read_text()[-3000:])
+            raise
+        finally:
+            browser.close()
+            (ARTIFACTS / "labext_timings.json").write_text(json.dumps(timings, indent=1))

@@ -1,0 +1,372 @@
+"""The jupyter_server extension's REST API (smolbench.server), through pytest-jupyter's
+real server (``jp_fetch``): every endpoint, auth, a corrupt ledger, paths outside the root,
+live machines of a real kernel, and orphans of a dead one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytest_jupyter.jupyter_server import *  # noqa: F403  (fixtures, scoped to this module)
+from tornado.httpclient import HTTPClientError
+
+from smolbench import registry
+from smolbench.ledger import Ledger
+
+API = ("smolbench", "api")
+
+
+@pytest.fixture
+def jp_server_config() -> dict[str, Any]:
+    return {"ServerApp": {"jpserver_extensions": {"smolbench.server": True}}}
+
+
+@pytest.fixture
+def call(jp_fetch: Any, jp_asyncio_loop: Any) -> Any:
+    """``call("machines", method=..., params=...)`` -> (status, JSON body); errors too."""
+
+    def go(*parts: str, method: str = "GET", params: dict[str, Any] | None = None, **kw: Any) -> tuple[int, Any]:
+        try:
+            resp = jp_asyncio_loop.run_until_complete(
+                jp_fetch(*API, *parts, method=method, params=params, allow_nonstandard_methods=True, **kw))
+        except HTTPClientError as exc:
+            assert exc.response is not None
+            return exc.code, json.loads(exc.response.body or b"{}")
+        return resp.code, json.loads(resp.body or b"{}")
+
+    return go
+
+
+def _ledger(folder: Path, runs: int = 3, per_run: int = 5) -> Ledger:
+    led = Ledger(folder / ".smolbench" / "ledger.db")
+    led.start_session("s1", backend="sandbox", isolation="test", baseline="host@x", host="h", cwd=str(folder))
+    led.upsert_node("s1", "root", status="idle", started=1.0, alive=True)
+    for r in range(runs):
+        rid = f"s1/run{r + 1}"
+        parent = "root" if r == 0 else "root.0"
+        led.start_run(rid, "s1", kind="fork", parent_id=parent, code=f"reward = SEED * {r + 1}", n=per_run)
+        for i in range(per_run):
+            nid = f"{parent}.{i + (per_run if r == 2 else 0)}"
+            led.upsert_node("s1", nid, run_id=rid, parent_id=parent, seed=i, status="ok", reward=float(i * (r + 1)),
+                            started=10.0 * (r + 1) + i, ended=10.0 * (r + 1) + i + 1, alive=False,
+                            output="<img src=x onerror=alert(1)>")
+        led.end_run(rid, "done")
+    return led
+
+
+# -- ledger ------------------------------------------------------------------------------
+
+
+def test_ledger_runs_sessions_nodes_paginated(call: Any, jp_root_dir: Path) -> None:
+    _ledger(jp_root_dir / "proj").close()
+    code, body = call("ledger", "runs", params={"path": "proj", "limit": 2})
+    assert code == 200, body
+    assert body["total"] == 3 and [r["id"] for r in body["runs"]] == ["s1/run3", "s1/run2"]  # newest first
+    top = body["runs"][0]
+    assert top["n"] == 5 and top["best_reward"] == 12.0 and top["spark"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+    assert top["code"] == "reward = SEED * 3"
+    code, body = call("ledger", "runs", params={"path": "proj", "limit": 2, "offset": 2})
+    assert [r["id"] for r in body["runs"]] == ["s1/run1"]
+
+    code, body = call("ledger", "sessions", params={"path": "proj"})
+    assert code == 200 and body["total"] == 1 and body["sessions"][0]["backend"] == "sandbox"
+
+    # run1 forked root; run2 and run3 forked root.0 (a branch of run1): its tree holds all
+    code, body = call("ledger", "nodes", params={"path": "proj", "run": "s1/run1", "limit": 100})
+    assert code == 200, body
+    assert body["total"] == 1 + 5 + 10 and body["run"]["parent_id"] == "root"
+    assert {n["id"] for n in body["nodes"]} >= {"root", "root.0", "root.0.0", "root.0.9"}
+    code, body = call("ledger", "nodes", params={"path": "proj", "run": "s1/run2", "limit": 3})
+    assert body["total"] == 6 and len(body["nodes"]) == 3  # root.0 and run2's five
+    # machine output comes back as data (the panel shows it as text)
+    assert body["nodes"][1]["output"] == "<img src=x onerror=alert(1)>"
+    code, body = call("ledger", "nodes", params={"path": "proj", "session": "s1", "limit": 500})
+    assert body["total"] == 16
+    code, body = call("ledger", "nodes", params={"path": "proj", "run": "nope"})
+    assert code == 404 and "no run 'nope'" in body["message"]
+    code, body = call("ledger", "runs", params={"path": "proj", "limit": "ten"})
+    assert code == 400 and "limit='ten' is not a whole number" in body["message"]
+
+
+def test_missing_and_corrupt_ledger_are_one_line(call: Any, jp_root_dir: Path) -> None:
+    code, body = call("ledger", "runs", params={"path": ""})
+    assert code == 200 and body["runs"] == [] and "no ledger in the root folder yet" in body["note"]
+    bad = jp_root_dir / "broken" / ".smolbench"
+    bad.mkdir(parents=True)
+    (bad / "ledger.db").write_bytes(b"this is not sqlite at all" * 100)
+    for what in ("runs", "sessions", "nodes"):
+        code, body = call("ledger", what, params={"path": "broken", "run": "x"})
+        assert code == 422, body
+        assert "is not a readable smolbench ledger" in body["message"] and "\n" not in body["message"]
+        assert "move it aside" in body["message"]
+    code, body = call("checkpoints")
+    assert code == 200 and len(body["problems"]) == 1 and body["problems"][0].startswith("broken:")
+
+
+def test_the_server_never_writes_a_ledger_it_reads(call: Any, jp_root_dir: Path) -> None:
+    _ledger(jp_root_dir).close()
+    db = jp_root_dir / ".smolbench" / "ledger.db"
+    os.chmod(db, 0o444)
+    before = db.read_bytes()
+    for what in ("runs", "sessions"):
+        assert call("ledger", what)[0] == 200
+    assert call("ledger", "nodes", params={"session": "s1"})[0] == 200
+    assert db.read_bytes() == before
+
+
+# -- paths -------------------------------------------------------------------------------
+
+
+def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    _ledger(outside).close()
+    (jp_root_dir / "link").symlink_to(outside)
+    for path in ("..", "../elsewhere", "/../elsewhere", "link", "a/../../elsewhere", "link/.."):
+        code, body = call("ledger", "runs", params={"path": path})
+        assert code == 403, (path, body)
+        assert "outside the server's root directory" in body["message"]
+    assert call("checkpoints", params={"path": "link"})[0] == 403
+    assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def test_checkpoints_listed_under_the_root_and_deleted(call: Any, jp_root_dir: Path, tmp_path: Path) -> None:
+    led = _ledger(jp_root_dir / "a" / "b")
+    cdir = jp_root_dir / "a" / "b" / ".smolbench" / "checkpoints"
+    cdir.mkdir()
+    (cdir / "warm.smolcheckpoint").write_bytes(b"x" * 1234)
+    led.add_checkpoint("warm", "s1", "root.0", str(cdir / "warm.smolcheckpoint"), "sandbox", 1234, 2, [])
+    # a ledger row pointing outside the root: listed without the outside path, never deleted
+    victim = tmp_path / "precious.smolcheckpoint"
+    victim.write_text("keep me")
+    led.add_checkpoint("evil", "s1", "root", str(victim), "sandbox", 7, 1, [])
+    led.close()
+
+    code, body = call("checkpoints")
+    assert code == 200, body
+    by_name = {c["name"]: c for c in body["checkpoints"]}
+    assert by_name["warm"]["dir"] == "a/b" and by_name["warm"]["node_id"] == "root.0"
+    assert by_name["warm"]["size"] == 1234 and by_name["warm"]["exists"] is True
+    assert by_name["warm"]["path"] == "a/b/.smolbench/checkpoints/warm.smolcheckpoint"
+    assert by_name["evil"]["path"] == "precious.smolcheckpoint"  # no host path leaks out
+    assert call("checkpoints", params={"path": "a/b"})[1]["checkpoints"][0]["dir"] == "a/b"
+    assert call("checkpoints", params={"path": "a"})[1]["checkpoints"] == []
+
+    code, body = call("checkpoints", "warm", method="DELETE", params={"path": "a/b"})
+    assert code == 200 and body["message"] == "deleted checkpoint warm and its file"
+    assert not (cdir / "warm.smolcheckpoint").exists()
+    code, body = call("checkpoints", "evil", method="DELETE", params={"path": "a/b"})
+    assert code == 200 and body["message"] == "deleted checkpoint evil"
+    assert victim.read_text() == "keep me"
+    code, body = call("checkpoints", "warm", method="DELETE", params={"path": "a/b"})
+    assert code == 404 and "no checkpoint named 'warm'" in body["message"]
+
+
+# -- auth --------------------------------------------------------------------------------
+
+
+ENDPOINTS = [("GET", "machines"), ("DELETE", "machines/k1/root"), ("GET", "checkpoints"),
+             ("DELETE", "checkpoints/warm"), ("GET", "ledger/runs"), ("GET", "ledger/sessions"),
+             ("GET", "ledger/nodes")]
+
+
+@pytest.mark.parametrize(("method", "path"), ENDPOINTS)
+def test_every_endpoint_needs_auth(method: str, path: str, http_server_client: Any, jp_base_url: str,
+                                   jp_serverapp: Any, jp_asyncio_loop: Any, jp_root_dir: Path) -> None:
+    _ledger(jp_root_dir).close()
+    url = f"{jp_base_url}smolbench/api/{path}"
+    with pytest.raises(HTTPClientError) as err:
+        jp_asyncio_loop.run_until_complete(http_server_client.fetch(url, method=method, allow_nonstandard_methods=True))
+    assert err.value.code == 403
+    # a wrong token is no better than none
+    with pytest.raises(HTTPClientError) as err:
+        jp_asyncio_loop.run_until_complete(http_server_client.fetch(
+            url, method=method, headers={"Authorization": "token wrong"}, allow_nonstandard_methods=True))
+    assert err.value.code == 403
+    assert (jp_root_dir / ".smolbench" / "ledger.db").exists()
+
+
+def test_a_cookie_session_needs_the_xsrf_token_to_delete(call: Any, jp_fetch: Any, jp_asyncio_loop: Any,
+                                                          jp_root_dir: Path, jp_serverapp: Any) -> None:
+    """A browser request (cookie auth, no token) must carry _xsrf: a page on another site
+    can't make the user's browser delete things."""
+    _ledger(jp_root_dir).close()
+    resp = jp_asyncio_loop.run_until_complete(jp_fetch("api", "contents"))
+    login = "; ".join(c.split(";")[0] for c in resp.headers.get_list("Set-Cookie"))
+    assert login.startswith("username-")
+    browser = {"Authorization": "", "Cookie": login}
+    resp = jp_asyncio_loop.run_until_complete(jp_fetch(*API, "ledger", "runs", headers=dict(browser)))
+    assert resp.code == 200  # the cookie alone is a valid login for reading
+    with pytest.raises(HTTPClientError) as err:
+        jp_asyncio_loop.run_until_complete(jp_fetch(*API, "checkpoints", "warm", method="DELETE", headers=dict(browser)))
+    assert err.value.code == 403 and b"_xsrf" in (err.value.response.body if err.value.response else b"")
+    # with the token JupyterLab sends (cookie + header), the request gets through to the handler
+    with_xsrf = {"Authorization": "", "Cookie": f"{login}; _xsrf=feedface", "X-XSRFToken": "feedface"}
+    with pytest.raises(HTTPClientError) as err:
+        jp_asyncio_loop.run_until_complete(jp_fetch(*API, "checkpoints", "warm", method="DELETE", headers=with_xsrf))
+    assert err.value.code == 404  # no such checkpoint: the handler ran
+
+
+# -- machines ----------------------------------------------------------------------------
+
+
+def _dead_pid() -> tuple[int, int | None]:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = registry.proc_start(proc.pid)
+    proc.wait()
+    return proc.pid, start
+
+
+def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: Any, tmp_path: Path) -> None:
+    folder = Path(jp_serverapp.kernel_manager.connection_dir) / registry.DIRNAME
+    machine = subprocess.Popen(["sleep", "300"], start_new_session=True)  # stands in for a sandbox
+    child = subprocess.Popen(["sleep", "301"], start_new_session=False)
+    try:
+        kpid, kstart = _dead_pid()
+        mstart = registry.proc_start(machine.pid)
+        rec = {"format": 1, "kernel_id": "deadbeef-0000", "pid": kpid, "pid_start": kstart, "cwd": "/x",
+               "backend": "process", "session": "s9", "active": "root", "updated": time.time(),
+               "machines": [
+                   {"id": "root", "parent": None, "backend": "process", "created": time.time() - 5,
+                    "memory_mib": 1024, "cpus": 1, "pid": machine.pid, "pid_start": mstart},
+                   {"id": "root.0", "parent": "root", "backend": "process", "created": time.time(),
+                    "memory_mib": 1024, "cpus": 1, "pid": machine.pid, "pid_start": mstart},
+                   # a machine whose process is already gone is not shown
+                   {"id": "ghost", "backend": "process", "pid": kpid, "pid_start": kstart}]}
+        registry.write_atomic(folder / "kernel-deadbeef-0000.json", rec)
+        # a live kernel that is not this server's is none of its business
+        registry.write_atomic(folder / "kernel-other.json", {**rec, "kernel_id": "other", "pid": os.getpid(),
+                                                              "pid_start": registry.proc_start(os.getpid())})
+        (folder / "kernel-garbage.json").write_text("{not json")
+
+        code, body = call("machines")
+        assert code == 200, body
+        assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000"]
+        group = body["kernels"][0]
+        assert group["orphaned"] and not group["kernel_alive"]
+        assert [m["id"] for m in group["machines"]] == ["root", "root.0"]
+        assert all(m["orphaned"] and m["killable"] for m in group["machines"])
+        assert group["machines"][0]["uptime_s"] >= 5 and group["machines"][0]["memory_mib"] == 1024
+        assert body["machines"] == 0 and body["orphaned"] == 2
+
+        code, body = call("machines", "deadbeef-0000", "root.0", method="DELETE")
+        assert code == 200 and body["action"] == "killed", body
+        assert "killed orphaned root, root.0" in body["message"] and "is dead" in body["message"]
+        assert machine.wait(10) == -signal.SIGKILL
+        assert child.poll() is None  # only the machine's process group, nothing else
+        assert call("machines")[1]["kernels"] == []
+        assert not (folder / "kernel-deadbeef-0000.json").exists()
+        code, body = call("machines", "deadbeef-0000", "root", method="DELETE")
+        assert code == 404 and "has no machine 'root'" in body["message"]
+    finally:
+        for p in (machine, child):
+            p.kill()
+            p.wait()
+
+
+def test_a_reused_pid_is_never_killed(call: Any, jp_serverapp: Any) -> None:
+    """A record's pid that now names another process (start time differs) is left alone."""
+    folder = Path(jp_serverapp.kernel_manager.connection_dir) / registry.DIRNAME
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        kpid, kstart = _dead_pid()
+        rec = {"format": 1, "kernel_id": "k2", "pid": kpid, "pid_start": kstart, "machines": [
+            {"id": "root", "backend": "process", "pid": bystander.pid,
+             "pid_start": (registry.proc_start(bystander.pid) or 0) - 1}]}
+        registry.write_atomic(folder / "kernel-k2.json", rec)
+        assert call("machines")[1]["kernels"] == []  # not alive as far as the record goes
+        registry.write_atomic(folder / "kernel-k2.json", rec)
+        code, body = call("machines", "k2", "root", method="DELETE")
+        assert code == 200 and body["message"] == "root was already gone"
+        time.sleep(0.2)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def _execute(km: Any, loop: Any, code: str) -> str:
+    client = km.client()
+    client.start_channels()
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["header"]["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        if msg["header"]["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+
+    try:
+        reply = loop.run_until_complete(client.execute_interactive(code, timeout=120, output_hook=hook))
+    finally:
+        client.stop_channels()
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)
+
+
+def _wait_for_machines(call: Any, want: list[str]) -> Any:
+    """The machines listing once it shows ``want`` (kernels rewrite their record at most
+    every 0.2 s), or the last one seen."""
+    deadline = time.monotonic() + 5
+    while True:
+        code, body = call("machines")
+        assert code == 200, body
+        ids = sorted(m["id"] for g in body["kernels"] for m in g["machines"])
+        if ids == want or time.monotonic() > deadline:
+            assert ids == want, body
+            return body
+        time.sleep(0.05)
+
+
+def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serverapp: Any,
+                                                              jp_asyncio_loop: Any, jp_root_dir: Path) -> None:
+    mkm = jp_serverapp.kernel_manager
+    kid = jp_asyncio_loop.run_until_complete(mkm.start_kernel(kernel_name="python3", path=""))
+    try:
+        km = mkm.get_kernel(kid)
+        _execute(km, jp_asyncio_loop, "%load_ext smolbench\n%smol up --backend sandbox")
+        _execute(km, jp_asyncio_loop, "%%smol fork 3 --keep all --quiet\nreward = SEED")
+        body = _wait_for_machines(call, ["root", "root.0", "root.1", "root.2"])
+        group = body["kernels"][0]
+        assert group["kernel_id"] == kid and group["kernel_alive"] and not group["orphaned"]
+        assert group["backend"] == "sandbox" and body["backends"] == ["sandbox"] and body["machines"] == 4
+        assert Path(group["cwd"]).resolve() == jp_root_dir.resolve()
+        root = next(m for m in group["machines"] if m["id"] == "root")
+        assert root["active"] and root["memory_mib"] == 1024 and root["uptime_s"] >= 0
+
+        code, body = call("machines", kid, "root.1", method="DELETE")
+        assert code == 200, body
+        assert body["action"] == "asked-kernel" and body["message"].endswith("smolbench: deleted root.1")
+        _wait_for_machines(call, ["root", "root.0", "root.2"])
+        code, body = call("machines", kid, "root.1", method="DELETE")
+        assert code == 404
+
+        _execute(km, jp_asyncio_loop, "%smol down")
+        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": []}
+    finally:
+        jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
+
+
+def test_a_restarted_kernel_keeps_its_dead_predecessors_record(tmp_path: Path) -> None:
+    """A kernel restarted by Jupyter keeps its id; the first record of the new process must
+    not overwrite the old one, whose machines may still be alive (they'd vanish from view)."""
+    kpid, kstart = _dead_pid()
+    path = tmp_path / "kernel-k1.json"
+    registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": kpid, "pid_start": kstart, "machines": []})
+    registry._set_aside(path)
+    assert not path.exists() and (tmp_path / f"kernel-k1~{kpid}.json").exists()
+    assert [r["pid"] for _, r in registry.read_records(tmp_path)] == [kpid]
+    # our own record (a second %smol up in the same kernel) is simply replaced later
+    registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": os.getpid(), "machines": []})
+    registry._set_aside(path)
+    assert path.exists()
