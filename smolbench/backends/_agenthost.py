@@ -245,8 +245,13 @@ class AgentHostBackend(Backend):
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         try:
             done = await self._request(machine, {"op": "fork", "children": children})
-        finally:
-            limits = await cgroups
+            if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
+                raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+        except BaseException:
+            unused = await cgroups
+            await asyncio.to_thread(lambda: [self.limiter.release(n) for n in unused])
+            raise
+        limits = await cgroups
         refs = []
         for made in done["children"]:
             info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
