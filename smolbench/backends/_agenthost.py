@@ -249,7 +249,8 @@ class AgentHostBackend(Backend):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
         except BaseException:
             unused = await cgroups
-            await asyncio.to_thread(lambda: [self.limiter.release(n) for n in unused])
+            for name in unused:
+                await asyncio.to_thread(self.limiter.release, name)
             raise
         limits = await cgroups
         refs = []
