@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text
+from nbhelpers import (
+    NotebookSession,
+    error_output,
+    error_text,
+    result_text,
+    stream_text,
+    wait_for_no_processes,
+)
 
 from smolbench import Ledger
 from smolbench.backends import _limits
@@ -230,6 +237,21 @@ def test_down_kills_double_forked_setsid_daemons(tmp_path: Path, tmpdir_env: Pat
         assert alive == []
 
 
+def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smolbench.backends import probe, sandbox
+    from smolbench.errors import BackendUnavailable
+    from smolbench.magics import choose_backend
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    monkeypatch.setattr(probe, "probe_smol", lambda announce=None: (False, "no usable KVM here: /dev/kvm is missing"))
+    backend, why = choose_backend("auto", "local")
+    assert backend.name == "process" and "\n" not in why
+    assert why.startswith("smolbench: WARNING: no microVM here (no usable KVM here) and no bubblewrap, so machines are "
+                          "PLAIN PROCESSES with NO isolation (backend `process`)")
+    with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
+        choose_backend("sandbox", "local")
+
+
 # -- init ---------------------------------------------------------------------------------------------
 
 
@@ -293,6 +315,7 @@ def test_stale_run_folders_of_dead_owners_are_swept_never_a_live_ones(tmp_path: 
         assert len(left) == 1
         killed_pid = nb.kernel_pid
         nb.kill()
+    assert wait_for_no_processes(killed.tag) == []  # the keeper took the machine down with the kernel
     assert left <= set(run_folders(tmpdir_env))
     assert bool(kernel_cgroups(killed_pid)) == bool(_limits.detect().bases)
     # ... and the next `%smol up` sweeps it, with the other dead owner's; never a live owner's
