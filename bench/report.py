@@ -374,6 +374,26 @@ def meaning_section(b1: Any, b2: Any, b3: Any, prof: Any) -> list[str]:
     return out
 
 
+def vm_emulated_section(d: dict[str, Any]) -> list[str]:
+    """Real smol microVMs, nested in QEMU software emulation (the lane's bench/vm_emulated.py)."""
+    m = d.get("machine", {})
+    trip = d.get("exec_roundtrip_s", {})
+    return [
+        "## Real microVM, emulated (not comparable to hardware KVM)", "",
+        "Measured by `bench/vm_emulated.py` inside the real-microVM lane (`VMLANE_BENCH=1 bash tests/vm/run.sh`): "
+        f"smolbench's smol backend on real smol microVMs, nested in {m.get('what', 'QEMU software emulation')}. "
+        "Every instruction of the microVM and of its host is emulated in software, so these numbers are tens of times "
+        "slower than on a KVM host and say nothing about smolbench on hardware; they show what works and what the lane costs. "
+        f"Machine: {m.get('memory_mib')} MiB, image `{m.get('image')}` (a rootfs directory), {m.get('date', '')}.", "",
+        "| step | seconds |", "|---|---:|",
+        f"| create (boot + copy in and start the agent) | {_f(d.get('create_s'), 1)} |",
+        f"| trivial cell round trip (median of {trip.get('n')}; min {_f(trip.get('min'), 2)}) | {_f(trip.get('median'), 2)} |",
+        f"| branch ×4 (one `branch_batch` + a seed request each) | {_f(d.get('branch4_s'), 1)} |",
+        f"| first cell in all 4 branches | {_f(d.get('branch4_first_cell_s'), 1)} |",
+        f"| delete all 5 machines | {_f(d.get('delete_all_s'), 1)} |", "",
+    ]
+
+
 def write(quick: bool = False) -> Path:
     b1, b2, b3 = _load("b1_overhead", quick), _load("b2_fanout", quick), _load("b3_fork", quick)
     prof = _load("profile", quick)
@@ -450,6 +470,9 @@ def write(quick: bool = False) -> Path:
                          f"{_f(h['b2_fork_vs_cpu_ideal'], 3)} ({h.get('b2_judged_on', '')}) | {_f(h['b3_fork16_all_running_ms'], 1)} | "
                          f"{_f(h['b3_extra_pss_per_branch_mib'], 2)} | {note} |")
         lines.append("")
+    vm = None if quick else _load("vm_emulated", False)
+    if vm:
+        lines += vm_emulated_section(vm)
     lines += ["## Files", "",
               "* `bench/results/b1_overhead.json`, `b2_fanout.json`, `b3_fork.json`, `profile.json`: every number above, with machine info "
               "(cores, CPU, Python, backend, date, commit) and per-stage host load; B1 keeps its raw samples.",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import __version__, gate
+from . import retries as retry
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import InfraError, RemoteError, SmolbenchError
@@ -69,6 +70,9 @@ class Workbench:
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
+        self.max_alive = spec.max_alive
+        self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
+        self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.outputs_dir = Path(ledger.path).parent / "outputs"
 
@@ -106,20 +110,16 @@ class Workbench:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
-        ref = await self._boot(self.spec, "root", self.retries)
+        ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
         try:
-            for cmd in self.spec.init:
-                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                if res.status != "ok":
-                    err = res.error or {}
-                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+            await self._init(ref)
             res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
             self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
         except BaseException:
-            await self.down()
+            await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
         self.lost = self.ledger.mark_lost(self.session)
@@ -130,6 +130,28 @@ class Workbench:
         )
         self._record(node)
         return node
+
+    async def _init(self, ref: MachineRef) -> None:
+        """The Smolfile's init commands, all within ``init_timeout`` seconds."""
+        current = ""
+
+        async def run_all() -> None:
+            nonlocal current
+            for cmd in self.spec.init:
+                current = cmd
+                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                if res.status != "ok":
+                    err = res.error or {}
+                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+
+        if not self.spec.init:
+            return
+        try:
+            await asyncio.wait_for(run_all(), self.spec.init_timeout)
+        except asyncio.TimeoutError:
+            raise SmolbenchError(
+                f"Smolfile init did not finish within {self.spec.init_timeout:g} s (still running {current!r}): "
+                "fix the command, or raise init_timeout in the Smolfile") from None
 
     async def down(self) -> int:
         """Delete every machine this workbench created. Returns how many."""
@@ -150,49 +172,6 @@ class Workbench:
         self.active = None
         return count
 
-    # -- retries after infrastructure failures ----------------------------------------------
-
-    def _attempt_failed(self, node_id: str, attempt: int, stage: str, exc: InfraError, retries: int) -> None:
-        outcome = "retried" if attempt <= retries else "gave up"
-        self.ledger.add_attempt(self.session, node_id, attempt, stage, outcome, str(exc))
-
-    async def _boot(self, spec: MachineSpec, name: str, retries: int) -> MachineRef:
-        """``backend.create``, booting again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                ref = await self.backend.create(spec, name)
-            except InfraError as exc:
-                self._attempt_failed(name, attempt, "boot", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            if attempt > 1:
-                self.ledger.add_attempt(self.session, name, attempt, "boot", "ok")
-            ref.info["attempts"] = attempt
-            return ref
-
-    async def _branch(self, parent: MachineRef, names: list[str], seeds: list[int | None],
-                      retries: int) -> list[MachineRef]:
-        """``backend.branch``, branching again up to ``retries`` times after an InfraError."""
-        attempt = 1
-        while True:
-            try:
-                refs = await self.backend.branch(parent, names, seeds)
-            except InfraError as exc:
-                for name in names:
-                    self._attempt_failed(name, attempt, "branch", exc, retries)
-                if attempt > retries:
-                    raise InfraError(f"{exc} (gave up after {attempt} attempts)") from None
-                attempt += 1
-                continue
-            for ref in refs:
-                ref.info["attempts"] = attempt
-                if attempt > 1:
-                    self.ledger.add_attempt(self.session, ref.name, attempt, "branch", "ok")
-            return refs
-
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
         if self.active is None or self.active not in self.machines:
@@ -207,6 +186,7 @@ class Workbench:
         if node_id not in self.machines:
             raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
         self.active = node_id
+        self._touch(node_id)
         self._changed(self.tree[node_id])
         return self.tree[node_id]
 
@@ -257,6 +237,7 @@ class Workbench:
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
+        self._touch(ref.name)
         try:
             node.cells += 1
             if pull_trusted and pull:
@@ -390,7 +371,7 @@ class Workbench:
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(self._branch(parent, names, seeds, retries))
+            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -412,6 +393,9 @@ class Workbench:
                                     parent=parent, retries=retries)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
+                self._busy.discard(parent_id)
+                self._touch(parent_id)
+                await _to_the_end(self.enforce_max_alive())
         finally:
             self._busy.discard(parent_id)
             status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
@@ -439,36 +423,24 @@ class Workbench:
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
 
-        async def attempt(node: Node, made: list[MachineRef]) -> None:
-            """One try: boot, init, run (``made`` gets the machine at once, for cleanup)."""
-            ref = await self.backend.create(episode_spec, node.id)
-            made.append(ref)
-            self.machines[node.id] = ref
-            for cmd in self.spec.init:
-                await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-            await self._run_branch(result, node, ref, code, on_event, timeout, push, seed=node.seed)
-
         async def one(node: Node) -> None:
             made: list[MachineRef] = []
+
+            async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
+                result.rows[node.id]["attempts"] = attempt
+                made.append(await self.backend.create(episode_spec, node.id))
+                self.machines[node.id] = made[-1]
+                await self._init(made[-1])
+                await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed)
+
+            async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
+                while made:
+                    self.machines.pop(node.id, None)
+                    await _to_the_end(self.backend.delete(made.pop()))
+
             try:
                 async with sem:  # a cancel while queued here still marks the episode cancelled
-                    n = 1
-                    while True:
-                        try:
-                            await attempt(node, made)
-                            break
-                        except InfraError as exc:
-                            self._attempt_failed(node.id, n, "episode", exc, retries)
-                            while made:  # the failed machine goes before the next boot
-                                self.machines.pop(node.id, None)
-                                await _to_the_end(self.backend.delete(made.pop()))
-                            if n > retries:
-                                self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                                break
-                            n += 1
-                            result.rows[node.id]["attempts"] = n
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "episode", "ok")
+                    await retry.again(self, [node.id], "episode", retries, once, drop)
             except asyncio.CancelledError:
                 self._finish(result, node, "cancelled", error="cancelled")
                 raise
@@ -497,26 +469,19 @@ class Workbench:
         sem = asyncio.Semaphore(concurrency)
 
         async def run_retrying(node: Node, ref: MachineRef) -> None:
-            n = int(ref.info.get("attempts", 1))
-            while True:
-                try:
-                    await self._run_branch(result, node, ref, code, on_event, timeout, push)
-                    if n > 1 and node.status == "ok":
-                        self.ledger.add_attempt(self.session, node.id, n, "run", "ok")
-                    return
-                except InfraError as exc:
-                    self._attempt_failed(node.id, n, "run", exc, retries)
-                    alive = parent is not None and parent.name in self.machines
-                    if n > retries or not alive:
-                        self._finish(result, node, "error", error=f"{exc} (gave up after {n} attempts)")
-                        return
-                    assert parent is not None
-                    await _to_the_end(self._drop(node.id))
-                    (ref,) = await self._branch(parent, [node.id], [node.seed], 0)
-                    self.machines[ref.name] = ref
-                    node.alive = True
-                    n += 1
-                    result.rows[node.id]["attempts"] = n
+            async def once(attempt: int) -> None:
+                result.rows[node.id]["attempts"] = attempt
+                await self._run_branch(result, node, self.machines[node.id], code, on_event, timeout, push)
+
+            async def rebranch(attempt: int) -> None:  # a new copy of the (still live) parent
+                await _to_the_end(self._drop(node.id))
+                if parent is None or parent.name not in self.machines:
+                    raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
+                (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
+                self.machines[new.name] = new
+                node.alive = True
+
+            await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
 
         async def one(ref: MachineRef) -> None:
             node = self.tree[ref.name]
@@ -594,6 +559,31 @@ class Workbench:
             node.alive = False
             self._record(node)
 
+    def _touch(self, node_id: str) -> None:
+        self._used[node_id] = time.monotonic()
+
+    def kept_alive(self) -> list[str]:
+        """Live kept machines (fork winners), the ones ``max_alive`` caps."""
+        return [n for n in self.machines if n in self.tree and self.tree[n].kept]
+
+    async def enforce_max_alive(self) -> list[str]:
+        """Delete least recently used idle kept machines beyond ``max_alive``; never the active
+        one, a busy one, or one with live children. Their ledger rows (and so replay) stay."""
+        gone: list[str] = []
+        while len(self.kept_alive()) > self.max_alive:
+            parents = {self.tree[n].parent for n in self.machines if n in self.tree}
+            idle = [n for n in self.kept_alive() if n != self.active and n not in self._busy and n not in parents]
+            if not idle:
+                break
+            victim = min(idle, key=lambda n: self._used.get(n, 0.0))
+            await self._drop(victim)
+            self.tree[victim].kept = False
+            self._record(self.tree[victim])
+            gone.append(victim)
+            self.on_notice(f"smolbench: deleted idle kept machine {victim} (least recently used; more than "
+                           f"max_alive = {self.max_alive} kept alive); its ledger row stays, `%smol replay {victim}` rebuilds it")
+        return gone
+
     async def _apply_keep(self, result: ForkResult, nodes: list[Node], keep: str) -> None:
         best = result.best
         for node in nodes:
@@ -602,6 +592,7 @@ class Workbench:
             wanted = keep == "all" or (keep == "best" and best is not None and best["branch"] == node.id)
             if wanted and node.status == "ok":
                 node.kept = True
+                self._touch(node.id)
                 node.status = "ok"
                 result.kept.append(node.id)
                 self._record(node)
@@ -632,8 +623,7 @@ class Workbench:
                     start_idx = -1  # an episode: a fresh machine from the baseline
                     cur = await self.backend.create(self.spec, f"replay-{node_id}")
                     temps.append(cur)
-                    for cmd in self.spec.init:
-                        await self.backend.exec_cell(cur, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                    await self._init(cur)
                 else:
                     raise SmolbenchError(
                         f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
@@ -703,6 +693,7 @@ class Workbench:
             raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
         path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
         self._claim(node_id)
+        self._touch(node_id)
         try:
             info = await self.backend.checkpoint(self.machines[node_id], path)
         except BaseException as exc:
@@ -758,6 +749,13 @@ class Workbench:
 
     # -- status ----------------------------------------------------------------------------
 
+    def _live_text(self) -> str:
+        names = sorted(self.machines, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+        shown = ", ".join(names[:12]) + (f", … {len(names) - 12} more" if len(names) > 12 else "")
+        usage = getattr(self.backend, "host_memory", lambda: None)()
+        mem = f"; host memory RSS {usage[0]:.0f} MiB, PSS {usage[1]:.0f} MiB" if usage else ""
+        return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
+
     def _limits_text(self) -> str:
         describe = getattr(self.backend, "limits_status", None)
         return describe(self.spec) if describe is not None else _vm_limits(self.spec)
@@ -775,7 +773,7 @@ class Workbench:
             "network": "on" if self.spec.network_enabled else "off",
             "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),
-            "live_machines": len(self.machines),
+            "live_machines": self._live_text(),
             "nodes": len(self.tree),
             "guest_python": self.guest_info.get("python"),
             "ledger": str(self.ledger.path),

@@ -259,6 +259,11 @@ def test_display_output_is_sanitised_and_data_still_renders(tmp_path: Path) -> N
         notes = stream_text(cell, "stderr")
         assert "sent application/javascript output, which was not shown" in notes
         assert "sent text/x-unknown-exec output, which was not shown" in notes
+        # a plotly figure comes as JSON data (its HTML form would be a script)
+        fig = nb.run("%%smol\nimport plotly.graph_objects as go\ngo.Figure(go.Bar(x=['a'], y=[1]))")
+        res = [o for o in fig.outputs if o.output_type == "execute_result"][0]
+        assert res["data"]["application/vnd.plotly.v1+json"]["data"][0]["type"] == "bar"
+        assert "text/html" not in res["data"]
         # the last expression's bundle goes through the gate too
         out = nb.run("%%smol\nB(html='<i>x</i><script>window.__pwned=7</script>')")
         res = [o for o in out.outputs if o.output_type == "execute_result"][0]

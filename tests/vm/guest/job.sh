@@ -1,0 +1,50 @@
+#!/bin/bash
+# Runs inside the L1 guest (started by vmlane-init): nested KVM for smol, this checkout,
+# then the real-microVM suite. Writes results/ and status into the 9p share.
+S=/mnt/share
+R=$S/results
+mkdir -p "$R"
+say() { printf '[L1 %6ss] %s\n' "$(cut -d' ' -f1 /proc/uptime | cut -d. -f1)" "$*"; }
+status() { echo "$*" > "$S/status"; say "status: $*"; }
+
+if grep -qw svm /proc/cpuinfo; then km=kvm_amd; else km=kvm_intel; fi
+modprobe "$km" || { status "infra: modprobe $km failed (no nested virtualisation in L1)"; exit 1; }
+groupadd -r kvm 2>/dev/null; chgrp kvm /dev/kvm && chmod 0660 /dev/kvm   # as udev would
+say "/dev/kvm ready ($km); L1 has $(nproc) cpu, $(free -m | awk '/Mem:/{print $2}') MiB"
+
+# The checkout, on L1's own disk (9p is slow for imports); importable by every python.
+cp -a "$S/src" /root/smolbench
+echo /root/smolbench > /opt/venv/lib/python3.11/site-packages/smolbench-checkout.pth
+cp "$S/vm/guest/vmlane_hooks.py" /opt/venv/lib/python3.11/site-packages/
+echo "import vmlane_hooks" > /opt/venv/lib/python3.11/site-packages/vmlane-hooks.pth
+mkdir -p /run/vmlane
+
+cd /root/smolbench
+export SMOLBENCH_CACHE=/root/.cache/smolbench
+export SMOLBENCH_SMOL_PROBE_TIMEOUT=${SMOLBENCH_SMOL_PROBE_TIMEOUT:-900}
+export SMOLBENCH_SMOL_BOOT_TIMEOUT=${SMOLBENCH_SMOL_BOOT_TIMEOUT:-900}
+export SMOLBENCH_TEST_SMOL_IMAGE=${SMOLBENCH_TEST_SMOL_IMAGE:-/srv/pyimg}
+export SMOLBENCH_TEST_VM_CELL_TIMEOUT=${SMOLBENCH_TEST_VM_CELL_TIMEOUT:-1200}
+. "$S/env.sh" 2>/dev/null   # overrides from the host (VMLANE_*)
+
+if [ "${VMLANE_SIMULATE_STALL:-0}" = 1 ] && [ "${VMLANE_ATTEMPT:-1}" = 1 ]; then
+  status "stall: simulated by VMLANE_SIMULATE_STALL=1 (to exercise the retry)"; exit 0
+fi
+bash "$S/vm/guest/watchdog.sh" &
+say "pytest tests/test_smol_real_vm.py"
+python -m pytest tests/test_smol_real_vm.py -v -rs -p no:cacheprovider -o timeout=2400 \
+  --junitxml="$R/junit.xml" --durations=0 > "$R/pytest.log" 2>&1
+rc=$?
+if [ -f /run/vmlane/verdict ]; then
+  status "$(cat /run/vmlane/verdict)"
+else
+  status "pytest rc=$rc"
+fi
+tail -5 "$R/pytest.log"
+if [ "${VMLANE_BENCH:-0}" = 1 ] && [ "$rc" = 0 ]; then
+  say "bench: real microVM, emulated"
+  timeout 1200 python bench/vm_emulated.py "$R/vm_emulated.json" > "$R/bench.log" 2>&1
+  say "bench rc=$?"
+fi
+cp -r /root/.local/share/smolvm/logs "$R/smolvm-logs" 2>/dev/null
+exit 0
