@@ -136,6 +136,28 @@ def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Pat
     assert sibling == "1"  # and so does the sibling branch
 
 
+SHARED_400M = ("%%smol\nimport mmap\nm = mmap.mmap(-1, 400 << 20)  # shared memory: no rlimit counts it\n"
+               "for i in range(0, 400 << 20, 1 << 20):\n    m[i:i + (1 << 20)] = b'x' * (1 << 20)\nlen(m)")
+
+
+@needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="needs a writable cgroup: rlimits can't count shared memory")
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_on(
+        tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    with machine(tmp_path, "sandbox", 'memory = "256M"\n', weakened) as nb:
+        nb.run("%%smol fork 1 --keep all\nreward = 1")
+        nb.run("%smol use root.0")
+        cell = nb.run(SHARED_400M)
+        nb.run("%smol use root")
+        parent = value(nb.run("%%smol\n1 + 1"))
+    assert parent == "2"
+    if weakened:
+        assert value(cell) == str(400 << 20)
+    else:
+        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost)")
+
+
 # -- processes --------------------------------------------------------------------------------
 
 
