@@ -162,6 +162,13 @@ def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_o
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_numeric_thread_pools_follow_cpus(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    with machine(tmp_path, backend, 'cpus = 1\n[env]\nMKL_NUM_THREADS = "3"\n') as nb:
+        seen = value(nb.run("%%smol\nimport os\n[os.environ.get(v) for v in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')]"))
+    assert seen == "['1', '1', '3']"  # the Smolfile's own env wins
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
 def test_processes_are_capped_per_machine(tmp_path: Path, tmpdir_env: Path, backend: str, weakened: bool) -> None:
     with machine(tmp_path, backend, "pids = 32\n", weakened) as nb:
