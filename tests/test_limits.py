@@ -309,7 +309,9 @@ def test_ctrl_c_during_init_prints_one_line_and_leaves_nothing(tmp_path: Path, t
         while not any("sleep 600" in p.cmdline for p in nb.processes()):
             assert time.monotonic() < deadline, "init never started"
             time.sleep(0.05)
-        nb.interrupt()
+        interrupter = threading.Thread(target=nb.interrupt)  # asyncio.run here would unset this thread's loop
+        interrupter.start()
+        interrupter.join(30)
         runner.join(60)
         line = one_line_error(cell[0])
         assert "`%smol up` was interrupted: its machine was deleted and nothing is left behind" in line
