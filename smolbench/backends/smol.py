@@ -503,7 +503,15 @@ class SmolBackend(Backend):
             ["python3", CLIENT, ref.info["socket"]],
             ExecOptions(stdin=P.encode(msg), timeout=timeout),
         )
-        done = await gate.read_control(_chunks_of(res.stdout), ref.name)
+        try:
+            done = await gate.read_control(_chunks_of(res.stdout), ref.name)
+        except SmolbenchError:
+            if res.exit_code == 0:
+                raise
+            raise InfraError(
+                f"{where} gave no answer to its {msg.get('op')} request within {timeout:g} s "
+                f"(relay exit {res.exit_code}): the machine is overloaded or gone; `%smol status`"
+            ) from None
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -568,7 +576,8 @@ class SmolBackend(Backend):
         try:
             await asyncio.gather(
                 *(
-                    self._request(ref, {"op": "seed", "seed": seed, "name": ref.name})
+                    # A new branch's first answer: as slow as a boot on a slow host.
+                    self._request(ref, {"op": "seed", "seed": seed, "name": ref.name}, boot_timeout())
                     for ref, seed in zip(refs, seeds)
                 )
             )
