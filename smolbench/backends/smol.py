@@ -412,10 +412,21 @@ class SmolBackend(Backend):
             await asyncio.shield(self.delete(ref))
 
     async def close(self) -> None:
-        """Delete every machine, all of them even when some deletes fail (the first error is raised)."""
-        refs = list(reversed(self.list()))
-        results = await asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        """Delete every machine, branches before their parents (smol refuses to delete a VM
+        with live branches), each level in parallel; all of them even when some deletes fail
+        (the first error is raised)."""
+
+        def depth(ref: MachineRef) -> int:
+            up = self._machines.get(ref.parent or "")
+            return 0 if up is None else 1 + depth(up)
+
+        errors: list[BaseException] = []
+        levels: dict[int, list[MachineRef]] = {}
+        for ref in self.list():
+            levels.setdefault(depth(ref), []).append(ref)
+        for level in sorted(levels, reverse=True):
+            results = await asyncio.gather(*(self.delete(r) for r in levels[level]), return_exceptions=True)
+            errors += [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
