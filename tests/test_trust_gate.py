@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,9 @@ def test_rewards_must_be_finite_numbers_from_the_agent_and_from_a_hostile_one(tm
         assert "reward must be a finite number within +-1e300, got nan" in lines[2]
         assert lines[3] == "None"
         assert "OverflowError" not in str(cell.outputs) and "Traceback" not in str(cell.outputs)
+        for value, said in (("10**400", "got one too large for a float (int)"), ("True", "not a bool (True)")):
+            cell = nb.run(f"%%smol\nreward = {value}")  # a plain cell: said in one line, not recorded
+            assert said in stream_text(cell, "stderr") and error_output(cell) is None, cell.outputs
         # a rewritten agent sends them anyway, as raw JSON (NaN, 1e999 = inf, true, a 400-digit int)
         nb.run("%%smol\n_G['P'].encode = lambda msg: (json.dumps(msg) + '\\n').encode()\n"
                "_vals = [float('nan'), 1e999, True, 10**400, -1e301, 2.5]\n"
@@ -487,3 +491,54 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path:
         assert "is busy running another cell" in one_line_error(nb.run("%%smol\n1"))
         assert nb.processes() != []
         nb.run("%smol down")
+
+
+# -- the smol backend's relay feeds the same gate ---------------------------------------------------
+
+
+@pytest.fixture
+def smol_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    # the SDK double of tests/test_smol_backend.py: the real agent and relay behind it
+    from fakesmol import fake_host
+
+    yield from fake_host(monkeypatch)
+
+
+def test_the_smol_relay_is_gated_too(smol_host: object) -> None:
+    """On a microVM the agent's replies come back as client.py's stdout through exec_stream:
+    the same hostile frames and pulls are refused there."""
+    import asyncio
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.smol import SmolBackend
+    from smolbench.gate import MalformedReply
+    from smolbench.spec import MachineSpec
+
+    hijack = "import sys, base64, pickle\n_ag = sys.modules['smolbench_guest']._agent\n"
+    b = SmolBackend(probe=False, session="t")
+
+    async def main() -> list[str]:
+        ref = await b.create(MachineSpec(), "root")
+        seen = []
+        try:
+            for code, pull in [
+                ("_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 1}\\n')", []),
+                ("_ag._conn.sendall(b'{\"t\": \"done\", \"status\": \"ok\", \"reward\": NaN}\\n')", []),
+                ("x = 1\ntype(_ag).run_cell.__globals__['_pull'] = lambda v, t: {'format': 'pickle', "
+                 "'data': base64.b64encode(pickle.dumps(v)).decode()}", ["x"]),
+            ]:
+                try:
+                    await b.exec_cell(ref, CellRequest(hijack + code, pull=pull), lambda e: None)
+                except MalformedReply as exc:
+                    seen.append(str(exc))
+                await asyncio.sleep(0.3)
+        finally:
+            await b.close()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 120))
+    assert seen == [
+        "machine root sent a malformed reply: the stream text should be text, got a int",
+        "machine root sent a malformed reply: a non-finite number (NaN)",
+        "machine root sent a malformed reply: --pull x came back as a pickle, but pulls are data-only (no --pull-trusted)",
+    ]
