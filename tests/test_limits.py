@@ -20,9 +20,17 @@ from pathlib import Path
 
 import pytest
 from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text
+from nbhelpers import (
+    NotebookSession,
+    error_output,
+    error_text,
+    result_text,
+    stream_text,
+    wait_for_no_processes,
+)
 
 from smolbench import Ledger
+from smolbench.backends import _limits
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -81,6 +89,12 @@ def one_line_error(cell: NotebookNode) -> str:
     return text.strip()
 
 
+def kernel_cgroups(kernel_pid: int) -> list[Path]:
+    """The cgroup directories (group and machines) a kernel made, in every hierarchy."""
+    return [d for base in _limits.detect().bases.values() for g in base.glob(f"smolbench-{kernel_pid}-*")
+            for d in (g, *g.iterdir()) if d.is_dir()]
+
+
 def run_folders(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("smolbench-"))
 
@@ -109,10 +123,11 @@ def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Pat
         assert value(procs) == "[0, 0, 0, 0]"
         assert nodes.loc["root.0", "status"] == "ok"
         return
-    assert "cgroup" in status or "rlimits" in status
-    assert "memory 256M" in status
+    limits = next(ln for ln in status.splitlines() if ln.startswith("limits"))
+    assert "cgroup v" in limits or "rlimits" in limits
+    assert "memory 256M" in limits
     assert one_line_error(big).endswith(OOM)
-    if "cgroup" in status:  # the kernel killed one of them; the machine itself lived on
+    if "cgroup v" in limits:  # the kernel killed one of them; the machine itself lived on
         assert value(procs).startswith("[-9")
     assert error_output(fork) is None
     assert nodes.loc["root.0", "status"] == "error" and OOM in nodes.loc["root.0", "error"]
@@ -146,9 +161,11 @@ def test_a_fork_bomb_is_capped_and_the_kernel_survives(tmp_path: Path, tmpdir_en
         assert value(nb.run("sum(range(10))")) == "45"  # the kernel is fine
         assert "deleted" in stream_text(nb.run("%smol down"))
         assert nb.processes() == []
+        assert kernel_cgroups(nb.kernel_pid) == []
 
 
 @needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="no writable cgroup here: under rlimits a machine's branches share its process count")
 def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -> None:
     with machine(tmp_path, "sandbox", "pids = 32\n") as nb:
         # branch 0 takes every process it may have and keeps them; branch 1 can still start its own
@@ -220,6 +237,21 @@ def test_down_kills_double_forked_setsid_daemons(tmp_path: Path, tmpdir_env: Pat
         assert alive == []
 
 
+def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smolbench.backends import probe, sandbox
+    from smolbench.errors import BackendUnavailable
+    from smolbench.magics import choose_backend
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    monkeypatch.setattr(probe, "probe_smol", lambda announce=None: (False, "no usable KVM here: /dev/kvm is missing"))
+    backend, why = choose_backend("auto", "local")
+    assert backend.name == "process" and "\n" not in why
+    assert why.startswith("smolbench: WARNING: no microVM here (no usable KVM here) and no bubblewrap, so machines are "
+                          "PLAIN PROCESSES with NO isolation (backend `process`)")
+    with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
+        choose_backend("sandbox", "local")
+
+
 # -- init ---------------------------------------------------------------------------------------------
 
 
@@ -233,6 +265,7 @@ def test_a_hung_init_fails_up_in_one_line_and_leaves_nothing(tmp_path: Path, tmp
                              "fix the command, or raise init_timeout in the Smolfile")
         assert nb.processes() == []
         assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -253,6 +286,7 @@ def test_ctrl_c_during_init_prints_one_line_and_leaves_nothing(tmp_path: Path, t
         assert "`%smol up` was interrupted: its machine was deleted and nothing is left behind" in line
         assert nb.processes() == []
         assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
         # and the kernel can start a machine afterwards
         (tmp_path / "Smolfile").write_text("")
         assert error_output(nb.run(f"%smol up --backend {backend}")) is None
@@ -279,13 +313,17 @@ def test_stale_run_folders_of_dead_owners_are_swept_never_a_live_ones(tmp_path: 
         nb.run("%smol up --backend process")
         left = set(run_folders(tmpdir_env)) - {"smolbench-dead", "smolbench-live", "smolbench-unowned"}
         assert len(left) == 1
+        killed_pid = nb.kernel_pid
         nb.kill()
+    assert wait_for_no_processes(killed.tag) == []  # the keeper took the machine down with the kernel
     assert left <= set(run_folders(tmpdir_env))
+    assert bool(kernel_cgroups(killed_pid)) == bool(_limits.detect().bases)
     # ... and the next `%smol up` sweeps it, with the other dead owner's; never a live owner's
     with machine(tmp_path, "process") as nb:
         now = set(run_folders(tmpdir_env))
         nb.run("%smol down")
     assert "smolbench-dead" not in now and not (left & now)
+    assert kernel_cgroups(killed_pid) == []  # the dead kernel's cgroups went with its folders
     assert {"smolbench-live", "smolbench-unowned"} <= now
     assert set(run_folders(tmpdir_env)) == {"smolbench-live", "smolbench-unowned"}
 
