@@ -473,14 +473,16 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path:
                                   " sorted(m.name for m in wb.backend.list()))"))
         assert rows.count("('timeout', 'timed out after 2 s')") == 2 and rows.endswith("['root']\n")
         # the active machine: it is killed, and the error says its state is gone and what to do
+        before = {p.pid for p in nb.processes()}
         msg = one_line_error(nb.run(f"%%smol --timeout 2\nx = 1\n{IGNORES_SIGINT}"))
         assert msg == ("the cell ran longer than --timeout 2 s and ignored the interrupt for 3 s, so machine root "
-                       "was killed: its state is lost. `%smol down` then `%smol up` starts a fresh machine "
-                       "(or `%smol checkpoint restore NAME`)")
-        assert nb.processes() == []  # no core is still burning
+                       "was killed: its state is lost; a fresh machine fresh1 from the Smolfile is up and active "
+                       "(its variables start empty)")
+        assert not before & {p.pid for p in nb.processes()}  # the old machine is gone: no core still burning
+        assert stream_text(nb.run("print(sorted(m.name for m in wb.backend.list()), wb.active)")) == "['fresh1'] fresh1\n"
+        assert result_text(nb.run("%%smol\n'x' in globals(), 6 * 7")) == "(False, 42)"
         nb.run("%smol down")
         nb.run("%smol up --backend sandbox")
-        assert result_text(nb.run("%%smol\n6 * 7")) == "42"
 
         # Weakened: if the host believed the interrupt worked, the machine would still be
         # burning a core and refuse the next cell as busy
@@ -542,3 +544,53 @@ def test_the_smol_relay_is_gated_too(smol_host: object) -> None:
         "machine root sent a malformed reply: a non-finite number (NaN)",
         "machine root sent a malformed reply: --pull x came back as a pickle, but pulls are data-only (no --pull-trusted)",
     ]
+
+
+# -- fuzz: whatever the bytes, the gate answers with a result or one line -------------------------
+
+
+def test_mutated_replies_never_escape_the_gate_as_anything_but_one_line() -> None:
+    import asyncio
+    import json
+    import random
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.errors import SmolbenchError
+    from smolbench.gate import read_cell
+
+    good = [
+        {"t": "stream", "name": "stdout", "text": "hello\n"},
+        {"t": "display", "data": {"text/html": "<b>x</b>", "text/plain": "x", "image/png": PNG}},
+        {"t": "done", "status": "ok", "result": {"text/plain": "1"}, "error": None,
+         "pulled": {"v": {"format": "data", "data": {"$": "dataframe", "columns": ["a"], "index": {"$": "range", "start": 0, "stop": 2, "step": 1, "name": None},
+                                                      "data": [{"dtype": "int64", "values": [1, 2]}]}}},
+         "reward": 1.5, "metrics": {"m": 2}, "reward_error": None, "stdout": "", "stderr": "", "started": 1.0, "ended": 2.0},
+    ]
+    base = b"".join(json.dumps(m).encode() + b"\n" for m in good)
+    rng = random.Random(9)
+    atoms = [b"NaN", b"1e999", b"true", b"[]", b"{}", b"\"\"", b"-1", b"null", b"\n", b"\xff", b"{\"$\":\"npy\",\"v\":\"AA==\"}",
+             b"{\"$\":\"series\"}", b"{\"$\":\"dict\",\"v\":[[[1],2]]}", b"9" * 400]
+
+    async def feed(data: bytes) -> None:
+        async def chunks():  # type: ignore[no-untyped-def]
+            for i in range(0, len(data), 97):
+                yield data[i:i + 97]
+
+        await read_cell(chunks(), CellRequest("x", pull=["v"]), lambda ev: None, "root.3")
+
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(600):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(data))
+            if rng.random() < 0.5:
+                data[at:at + rng.randint(1, 12)] = rng.choice(atoms)
+            else:
+                data[at] = rng.randrange(256)
+        try:
+            asyncio.run(feed(bytes(data)))
+            outcomes["ok"] += 1
+        except SmolbenchError as exc:  # anything else is a crash of the host's own code
+            assert "\n" not in str(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 300, outcomes
