@@ -472,7 +472,13 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path:
         rows = stream_text(nb.run("print([(r['status'], r['error']) for r in smolbench._magics.last_result.rows.values()],"
                                   " sorted(m.name for m in wb.backend.list()))"))
         assert rows.count("('timeout', 'timed out after 2 s')") == 2 and rows.endswith("['root']\n")
-        # the active machine: it is killed, and the error says its state is gone and what to do
+        # an active kept branch: killed, and its parent takes over
+        nb.run("%%smol fork 1 --keep all\nreward = 1")
+        nb.run("%smol use root.2")
+        msg = one_line_error(nb.run(f"%%smol --timeout 1\n{IGNORES_SIGINT}"))
+        assert msg.endswith("so machine root.2 was killed: its state is lost; the active machine is now root "
+                            "(its state from when root.2 was forked)"), msg
+        # the active root: it is killed, the error says its state is gone, and a fresh machine takes over
         before = {p.pid for p in nb.processes()}
         msg = one_line_error(nb.run(f"%%smol --timeout 2\nx = 1\n{IGNORES_SIGINT}"))
         assert msg == ("the cell ran longer than --timeout 2 s and ignored the interrupt for 3 s, so machine root "
