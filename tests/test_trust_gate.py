@@ -150,15 +150,15 @@ def test_malformed_frames_give_one_line_and_the_kernel_carries_on(tmp_path: Path
         assert "a truncated frame" in msg
         still_works(nb)
 
-        # Weakened: with the gate's type check switched off in this kernel, the same
-        # ill-typed frame gets past the gate and breaks the kernel's own output code.
-        nb.run("import smolbench.gate as g, smolbench.gate.frames as f\n_orig = f.string\n"
-               "f.string = g.string = lambda v, what, limit: v")
+        # Weakened: a gate that forwards stream messages unchecked (as the host did before):
+        # the same ill-typed frame gets through and breaks the kernel's own output code.
+        nb.run("import smolbench.gate as g\nfrom smolbench.backends.base import Event\n_orig = g._Cell.stream\n"
+               "g._Cell.stream = lambda self, msg: self.emit(Event('stream', msg['name'], msg['text']))")
         cell = nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 123}\\n')\n"
                       "import time; time.sleep(0.5)")
         err = error_output(cell)
         assert err is not None and err.ename == "TypeError", cell.outputs  # a raw crash deep in the host
-        nb.run("f.string = g.string = _orig")
+        nb.run("g._Cell.stream = _orig")
         nb.run("%smol down")
 
 
