@@ -27,6 +27,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+          [--max-alive N]
   %smol status                  backend, machine, image, uptime, isolation level
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
@@ -114,6 +115,7 @@ def _timeout(text: str) -> float:
 @argument("--image", default=None, help="override the Smolfile's image")
 @argument("--net", action="store_true", help="give the machine network access")
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
+@argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
 @argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
 def _up_args(line: str) -> None:
     """%smol up options."""
@@ -236,17 +238,29 @@ class SmolMagics(Magics):
         if args.smolfile and not os.path.exists(args.smolfile):
             raise SmolbenchError(f"no Smolfile at {args.smolfile}: check the path, or drop --smolfile to use the defaults")
         spec = load_smolfile(path) if path else MachineSpec()
-        if args.image or args.net:
+        if args.max_alive is not None and not 1 <= args.max_alive <= 1024:
+            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
+        if args.image or args.net or args.max_alive is not None:
             from dataclasses import replace
 
-            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net)
+            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net,
+                           max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
         backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
+        wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
         self._publish(wb)
         t0 = time.perf_counter()
-        _loop.run(wb.up())
+        job = _loop.Job(wb.up())
+        try:
+            while not job.wait_finished(PUMP_INTERVAL):
+                pass
+        except KeyboardInterrupt:
+            job.cancel()
+            job.wait_finished(60)  # up() deletes its machine (and run folder) before it ends
+            raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
+        job.result()
         self.workbench = wb
         st = wb.status()
         tries = wb.machines["root"].info.get("attempts", 1)
@@ -444,6 +458,8 @@ class SmolMagics(Magics):
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
+        if res.metrics.get("reward_error"):  # e.g. reward = True or 10**400: said, not recorded
+            print(f"smolbench: {res.metrics['reward_error']}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
         if res.pull_error:
             raise SmolbenchError(res.pull_error)

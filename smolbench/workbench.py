@@ -70,6 +70,9 @@ class Workbench:
         self._observers: list[Observer] = []
         self._runs = 0
         self._busy: set[str] = set()
+        self.max_alive = spec.max_alive
+        self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
+        self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.outputs_dir = Path(ledger.path).parent / "outputs"
 
@@ -112,15 +115,11 @@ class Workbench:
         node = self.tree.add(Node("root", status="idle", started=time.time()))
         self.active = "root"
         try:
-            for cmd in self.spec.init:
-                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
-                if res.status != "ok":
-                    err = res.error or {}
-                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+            await self._init(ref)
             res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
             self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
         except BaseException:
-            await self.down()
+            await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
         self.lost = self.ledger.mark_lost(self.session)
@@ -131,6 +130,28 @@ class Workbench:
         )
         self._record(node)
         return node
+
+    async def _init(self, ref: MachineRef) -> None:
+        """The Smolfile's init commands, all within ``init_timeout`` seconds."""
+        current = ""
+
+        async def run_all() -> None:
+            nonlocal current
+            for cmd in self.spec.init:
+                current = cmd
+                res = await self.backend.exec_cell(ref, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                if res.status != "ok":
+                    err = res.error or {}
+                    raise SmolbenchError(f"Smolfile init command failed: {cmd!r}: {err.get('evalue', '')}: fix the command or the image")
+
+        if not self.spec.init:
+            return
+        try:
+            await asyncio.wait_for(run_all(), self.spec.init_timeout)
+        except asyncio.TimeoutError:
+            raise SmolbenchError(
+                f"Smolfile init did not finish within {self.spec.init_timeout:g} s (still running {current!r}): "
+                "fix the command, or raise init_timeout in the Smolfile") from None
 
     async def down(self) -> int:
         """Delete every machine this workbench created. Returns how many."""
@@ -165,6 +186,7 @@ class Workbench:
         if node_id not in self.machines:
             raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
         self.active = node_id
+        self._touch(node_id)
         self._changed(self.tree[node_id])
         return self.tree[node_id]
 
@@ -215,6 +237,7 @@ class Workbench:
         ref = self.require_up()
         node = self.tree[ref.name]
         self._claim(ref.name)
+        self._touch(ref.name)
         try:
             node.cells += 1
             if pull_trusted and pull:
@@ -268,7 +291,27 @@ class Workbench:
                 "was killed: its state is lost")
         if self.active is not None:
             return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
-        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
+        try:
+            fresh = await self._fresh()
+        except Exception as exc:
+            return (f"{head}, and a fresh machine did not start ({exc}). `%smol down` then `%smol up` starts "
+                    "one (or `%smol checkpoint restore NAME`)")
+        return f"{head}; a fresh machine {fresh} from the Smolfile is up and active (its variables start empty)"
+
+    async def _fresh(self) -> str:
+        """A new machine from the spec, made active (after the active one had to be killed)."""
+        node_id = f"fresh{sum(1 for n in self.tree if n.id.startswith('fresh') and '.' not in n.id) + 1}"
+        ref = await retry.boot(self, self.spec, node_id, self.retries)
+        self.machines[node_id] = ref
+        node = self.tree.add(Node(node_id, status="idle", started=time.time()))
+        try:
+            await self._init(ref)
+        except BaseException:
+            await _to_the_end(self._drop(node_id))
+            raise
+        self.active = node_id
+        self._record(node)
+        return node_id
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -370,6 +413,9 @@ class Workbench:
                                     parent=parent, retries=retries)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
+                self._busy.discard(parent_id)
+                self._touch(parent_id)
+                await _to_the_end(self.enforce_max_alive())
         finally:
             self._busy.discard(parent_id)
             status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
@@ -404,8 +450,7 @@ class Workbench:
                 result.rows[node.id]["attempts"] = attempt
                 made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
-                for cmd in self.spec.init:
-                    await self.backend.exec_cell(made[-1], CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                await self._init(made[-1])
                 await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed)
 
             async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
@@ -534,6 +579,31 @@ class Workbench:
             node.alive = False
             self._record(node)
 
+    def _touch(self, node_id: str) -> None:
+        self._used[node_id] = time.monotonic()
+
+    def kept_alive(self) -> list[str]:
+        """Live kept machines (fork winners), the ones ``max_alive`` caps."""
+        return [n for n in self.machines if n in self.tree and self.tree[n].kept]
+
+    async def enforce_max_alive(self) -> list[str]:
+        """Delete least recently used idle kept machines beyond ``max_alive``; never the active
+        one, a busy one, or one with live children. Their ledger rows (and so replay) stay."""
+        gone: list[str] = []
+        while len(self.kept_alive()) > self.max_alive:
+            parents = {self.tree[n].parent for n in self.machines if n in self.tree}
+            idle = [n for n in self.kept_alive() if n != self.active and n not in self._busy and n not in parents]
+            if not idle:
+                break
+            victim = min(idle, key=lambda n: self._used.get(n, 0.0))
+            await self._drop(victim)
+            self.tree[victim].kept = False
+            self._record(self.tree[victim])
+            gone.append(victim)
+            self.on_notice(f"smolbench: deleted idle kept machine {victim} (least recently used; more than "
+                           f"max_alive = {self.max_alive} kept alive); its ledger row stays, `%smol replay {victim}` rebuilds it")
+        return gone
+
     async def _apply_keep(self, result: ForkResult, nodes: list[Node], keep: str) -> None:
         best = result.best
         for node in nodes:
@@ -542,6 +612,7 @@ class Workbench:
             wanted = keep == "all" or (keep == "best" and best is not None and best["branch"] == node.id)
             if wanted and node.status == "ok":
                 node.kept = True
+                self._touch(node.id)
                 node.status = "ok"
                 result.kept.append(node.id)
                 self._record(node)
@@ -572,8 +643,7 @@ class Workbench:
                     start_idx = -1  # an episode: a fresh machine from the baseline
                     cur = await self.backend.create(self.spec, f"replay-{node_id}")
                     temps.append(cur)
-                    for cmd in self.spec.init:
-                        await self.backend.exec_cell(cur, CellRequest(_init_code(cmd), cell_name="<init>"), lambda e: None)
+                    await self._init(cur)
                 else:
                     raise SmolbenchError(
                         f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
@@ -643,6 +713,7 @@ class Workbench:
             raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
         path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
         self._claim(node_id)
+        self._touch(node_id)
         try:
             info = await self.backend.checkpoint(self.machines[node_id], path)
         except BaseException as exc:
@@ -698,6 +769,13 @@ class Workbench:
 
     # -- status ----------------------------------------------------------------------------
 
+    def _live_text(self) -> str:
+        names = sorted(self.machines, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+        shown = ", ".join(names[:12]) + (f", … {len(names) - 12} more" if len(names) > 12 else "")
+        usage = getattr(self.backend, "host_memory", lambda: None)()
+        mem = f"; host memory RSS {usage[0]:.0f} MiB, PSS {usage[1]:.0f} MiB" if usage else ""
+        return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
+
     def _limits_text(self) -> str:
         describe = getattr(self.backend, "limits_status", None)
         return describe(self.spec) if describe is not None else _vm_limits(self.spec)
@@ -713,9 +791,10 @@ class Workbench:
             "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": "on" if self.spec.network_enabled else "off",
+            "trusted": "ON: pulls unpickled, output raw (`%smol trust off`)" if self.trusted else "off",
             "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),
-            "live_machines": len(self.machines),
+            "live_machines": self._live_text(),
             "nodes": len(self.tree),
             "guest_python": self.guest_info.get("python"),
             "ledger": str(self.ledger.path),

@@ -42,7 +42,8 @@ NOTEBOOK_A = [
     "%load_ext smolbench",
     "%smol up --backend sandbox",
     "%%smol\nx = 41",
-    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x",
+    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x\n"
+    "print('<img src=x onerror=\"document.title=`pwned`\">')",  # machine output: attacker data
     "%smol checkpoint save warm",
 ]
 NOTEBOOK_B = ["%%smol\nprint('x came back:', x)"]
@@ -262,6 +263,9 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(tree.locator(".sb-tree-row.sb-best")).to_have_count(2)  # root and root.2
             tree.locator(".sb-tree-row[data-id='root.0']").click()
             expect(tree.locator(".sb-tree-detail")).to_contain_text("root.0 · ok · reward 51 · seed 10")
+            # a machine's output is shown as text, never as markup
+            expect(tree.locator(".sb-tree-output")).to_contain_text('<img src=x onerror="document.title=`pwned`">')
+            assert tree.locator("img").count() == 0 and page.title() != "pwned"
             page.screenshot(path=str(ARTIFACTS / "labext_run_tree_light.png"))
             page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabCloseIcon").last.click()
 

@@ -370,3 +370,16 @@ def test_a_restarted_kernel_keeps_its_dead_predecessors_record(tmp_path: Path) -
     registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": os.getpid(), "machines": []})
     registry._set_aside(path)
     assert path.exists()
+
+
+def test_the_path_probe_catches_a_weakened_check(call: Any, jp_root_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack above, against a deliberately weakened server (paths joined without the
+    containment check): it now reads a ledger outside the root, so the probe is real."""
+    import smolbench.server.handlers as handlers
+
+    _ledger(tmp_path / "elsewhere").close()
+    assert call("ledger", "runs", params={"path": "../elsewhere"})[0] == 403
+    monkeypatch.setattr(handlers, "folder", lambda root, rel: Path(root) / (rel or ""))
+    code, body = call("ledger", "runs", params={"path": "../elsewhere"})
+    assert code == 200 and body["total"] == 3  # leaked: exactly what the real check refuses

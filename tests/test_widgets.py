@@ -91,7 +91,8 @@ def test_tree_state_after_a_fork_of_8_and_a_nested_fork(wb: Workbench) -> None:
     assert not w.can_fork and "no fork has run" in by_id(w)["root"]["blocked"]["fork"]
 
     fork(wb, 8, FORK_CODE, seed_base=100)
-    until(lambda: len(w.nodes) == 9 and by_id(w)["root.7"]["kept"], "the fork of 8")
+    # the final batch: the winner kept and the others deleted (they may arrive in two updates)
+    until(lambda: len(w.nodes) == 9 and by_id(w)["root.7"]["kept"] and not by_id(w)["root.3"]["alive"], "the fork of 8")
     nodes = by_id(w)
     assert set(nodes) == {"root"} | {f"root.{i}" for i in range(8)}
     for i in range(8):

@@ -31,6 +31,7 @@ from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 BOOT_TIMEOUT = 30.0
+KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
 
 
@@ -140,8 +141,9 @@ class AgentHostBackend(Backend):
         await asyncio.to_thread(self._kill_branch_tree, ref)
         root = self._machines.get(ref.info["root"])
         if root is not None and "guest_pid" in ref.info:
-            with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]})
+            # bounded: a root whose agent a cell rewrote may never answer
+            with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
@@ -161,6 +163,11 @@ class AgentHostBackend(Backend):
 
     def list(self) -> builtins.list[MachineRef]:
         return list(self._machines.values())
+
+    def host_memory(self) -> tuple[float, float]:
+        """(RSS, PSS) in MiB of every process of every live machine (branches included)."""
+        pids = [p for proc in self._procs.values() for p in (proc.pid, *(d for d, _ in _procs.descendants(proc.pid)))]
+        return _procs.memory_mib(pids)
 
     async def close(self) -> None:
         await super().close()
@@ -184,7 +191,12 @@ class AgentHostBackend(Backend):
             writer.write(P.encode(msg))
             await writer.drain()
             while True:
-                chunk = await reader.read(CHUNK)
+                try:
+                    chunk = await reader.read(CHUNK)
+                except ConnectionError:  # the agent dropped us: it could not even start a thread
+                    raise SmolbenchError(
+                        f"machine {ref.name!r} dropped the connection: it may be out of processes (pids = "
+                        f"{ref.spec.pids}) or memory; `%smol delete {ref.name}` or raise the limit in the Smolfile") from None
                 if not chunk:
                     return
                 yield chunk
@@ -231,7 +243,18 @@ class AgentHostBackend(Backend):
         run_dir = Path(machine.info["run_dir"])
         guest_run = machine.info["guest_run"]
         children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
-        done = await self._request(machine, {"op": "fork", "children": children})
+        # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
+        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        try:
+            done = await self._request(machine, {"op": "fork", "children": children})
+            if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
+                raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+        except BaseException:
+            unused = await cgroups
+            for name in unused:
+                await asyncio.to_thread(self.limiter.release, name)
+            raise
+        limits = await cgroups
         refs = []
         for made in done["children"]:
             info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
@@ -239,19 +262,29 @@ class AgentHostBackend(Backend):
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
-        await asyncio.to_thread(self._limit_branches, machine, refs)
+        await asyncio.to_thread(self._limit_branches, machine, refs, limits)
         return refs
 
-    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef]) -> None:
+    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:
+        if not self.limiter.mechanism.bases:
+            return {}
+        return {name: self.limiter.machine(name, spec) for name in names}
+
+    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
+                        limits: dict[str, _limits.MachineLimits]) -> None:
         """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
+        tree = _procs.children_map()
+        found = _procs.host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
         for ref in refs:
-            pid = _procs.host_pid(ancestor, ref.info["guest_pid"]) if ancestor else None
+            pid = found.get(ref.info["guest_pid"])
             if pid is None:
                 continue
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
-            if self.limiter.mechanism.bases:
-                self.limiter.machine(ref.name, ref.spec).adopt([pid, *(p for p, _ in _procs.descendants(pid))])
+            if ref.name in limits:
+                limits[ref.name].adopt([pid, *(p for p, _ in _procs.descendants(pid, tree))])
+        for name in set(limits) - {r.name for r in refs}:  # asked for, never made
+            self.limiter.release(name)
 
     # -- checkpoints ----------------------------------------------------------------------
 

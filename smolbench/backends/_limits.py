@@ -281,8 +281,8 @@ class Limiter:
         if self.version:
             cpu = f", {cpus} cpu{'s' if cpus != 1 else ''}" if "cpu" in self.mechanism.bases or self.version == 2 else ""
             return (f"{self.mechanism.name}: memory {mem}, {spec.pids} processes{cpu} per machine and per branch "
-                    f"(a cell past the memory limit gets MemoryError)")
-        procs = (f"{spec.pids} processes per machine (RLIMIT_NPROC, counted in its user namespace)"
+                    f"(a cell past the memory limit fails in one line; the machine lives on)")
+        procs = (f"{spec.pids} processes per machine, its branches included (RLIMIT_NPROC, counted in its user namespace)"
                  if nproc_per_machine else
                  f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
         return f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}; cpus not enforced"

@@ -5,10 +5,11 @@ user, files and network. It is labelled ``process`` everywhere (up line, status,
 ledger, widget) and ``%smol up`` says loudly what that means. Limits still
 apply (a cgroup per machine where one is writable, else rlimits), and
 ``%smol down`` still kills everything a machine started, double-forked
-``setsid`` daemons included: its cgroup, where there is one, is emptied before it
-is removed; and every process it starts carries a per-machine marker in its
-environment, swept from /proc (a daemon that also scrubs its environment
-escapes this last net: only a cgroup or a sandbox holds it).
+``setsid`` daemons included: the agent runs under a small keeper (``_reaper``,
+a child subreaper) that every orphan is reparented to, so the whole machine
+stays one process tree, which is killed until empty (the keeper also does this
+itself if the kernel dies); the machine's cgroup, where there is one, is emptied
+too; and a per-machine marker in the environment is a last net.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ProcessBackend(AgentHostBackend):
 
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
-        argv = [sys.executable, "-u", str(GUEST_DIR / "agent.py"), "--socket", str(run_dir / f"{name}.sock"),
+        argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("_reaper.py")), str(os.getpid()), "--",
+                sys.executable, "-u", str(GUEST_DIR / "agent.py"), "--socket", str(run_dir / f"{name}.sock"),
                 "--name", name, "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready"),
                 "--no-mount-ns", *agent_args]
         cp = _cloudpickle_dir()

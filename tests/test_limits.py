@@ -1,0 +1,357 @@
+"""Issue 8 limits, the process backend, init timeouts and run folders; issue 12's max_alive.
+
+Every test drives a real ipykernel through nbclient. Each limit probe also runs
+against a weakened set-up (``_limits.ENFORCE = False`` in the kernel, or the old
+kill-only-the-agent delete), to show the probe does see an overrun when the limit
+is not there. Kernels get their own ``TMPDIR`` (the test's tmp dir), so run folders
+and sweeps never touch the host's /tmp.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from nbformat import NotebookNode
+from nbhelpers import (
+    NotebookSession,
+    error_output,
+    error_text,
+    result_text,
+    stream_text,
+    wait_for_no_processes,
+)
+
+from smolbench import Ledger
+from smolbench.backends import _limits
+
+HAVE_BWRAP = shutil.which("bwrap") is not None
+needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+BACKENDS = [pytest.param("sandbox", marks=needs_bwrap), "process"]
+WEAKEN = "from smolbench.backends import _limits\n_limits.ENFORCE = False"
+OOM = "machine ran out of memory (limit 256M): raise memory in the Smolfile"
+
+# Inside a machine: fork up to 100 sleeping children, count how many the kernel allowed.
+FORK_PROBE = """
+import os, time
+kids = []
+for _ in range(100):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    kids.append(pid)
+"""
+REAP = "for k in kids:\n    os.kill(k, 9)\n    os.waitpid(k, 0)\nlen(kids)"
+
+
+@pytest.fixture
+def tmpdir_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The kernels' own TMPDIR (run folders go there)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+@contextmanager
+def machine(cwd: Path, backend: str, smolfile: str = "", weakened: bool = False, up_args: str = "") -> Iterator[NotebookSession]:
+    (cwd / "Smolfile").write_text(smolfile)
+    with NotebookSession(cwd, timeout=120, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        if weakened:
+            nb.run(WEAKEN)
+        up = nb.run(f"%smol up --backend {backend} {up_args}")
+        assert error_output(up) is None, error_text(up)
+        yield nb
+
+
+def value(cell: NotebookNode) -> str:
+    assert error_output(cell) is None, error_text(cell)
+    return str(result_text(cell))
+
+
+def one_line_error(cell: NotebookNode) -> str:
+    err = error_output(cell)
+    assert err is not None, "the cell did not fail"
+    text = error_text(cell)
+    assert len(text.strip().splitlines()) == 1, text
+    return text.strip()
+
+
+def kernel_cgroups(kernel_pid: int) -> list[Path]:
+    """The cgroup directories (group and machines) a kernel made, in every hierarchy."""
+    return [d for base in _limits.detect().bases.values() for g in base.glob(f"smolbench-{kernel_pid}-*")
+            for d in (g, *g.iterdir()) if d.is_dir()]
+
+
+def run_folders(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("smolbench-"))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+@needs_bwrap
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    with machine(tmp_path, "sandbox", 'memory = "256M"\n', weakened) as nb:
+        status = stream_text(nb.run("%smol status"))
+        big = nb.run('%%smol\nx = b"x" * (400 << 20)\nlen(x)')
+        # the whole machine (4 processes of 100 MiB each) is capped too, not only one process
+        procs = nb.run("%%smol\nimport subprocess, sys\nps = [subprocess.Popen([sys.executable, '-c', "
+                       "'import time; a = b\"x\" * (100 << 20); time.sleep(2)']) for _ in range(4)]\n"
+                       "sorted(p.wait() for p in ps)")
+        fork = nb.run('%%smol fork 2 --keep all --allow-errors\nif SEED == 0:\n    x = b"x" * (400 << 20)\nreward = SEED')
+        after = [value(nb.run("%%smol\n1 + 1")), value(nb.run("2 + 2"))]
+        nb.run("%smol use root.1")
+        sibling = value(nb.run("%%smol\nSEED"))
+        nodes = Ledger(tmp_path / ".smolbench" / "ledger.db").nodes().set_index("id")
+    if weakened:  # the same probes, no limits: they see the overrun
+        assert "limits" in status and "none: limits are switched off" in status
+        assert value(big) == "419430400"
+        assert value(procs) == "[0, 0, 0, 0]"
+        assert nodes.loc["root.0", "status"] == "ok"
+        return
+    limits = next(ln for ln in status.splitlines() if ln.startswith("limits"))
+    assert "cgroup v" in limits or "rlimits" in limits
+    assert "memory 256M" in limits
+    assert one_line_error(big).endswith(OOM)
+    if "cgroup v" in limits:  # the kernel killed one of them; the machine itself lived on
+        assert value(procs).startswith("[-9")
+    assert error_output(fork) is None
+    assert nodes.loc["root.0", "status"] == "error" and OOM in nodes.loc["root.0", "error"]
+    assert nodes.loc["root.1", "status"] == "ok"
+    assert after == ["2", "4"]  # the parent machine and the kernel carry on
+    assert sibling == "1"  # and so does the sibling branch
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_processes_are_capped_per_machine(tmp_path: Path, tmpdir_env: Path, backend: str, weakened: bool) -> None:
+    with machine(tmp_path, backend, "pids = 32\n", weakened) as nb:
+        count = int(value(nb.run("%%smol\n" + FORK_PROBE + REAP)))
+        assert value(nb.run("%%smol\n'still here'")) == "'still here'"
+    if weakened:
+        assert count == 100  # nothing stopped the probe
+    else:
+        assert 1 <= count < 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fork_bomb_is_capped_and_the_kernel_survives(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    with machine(tmp_path, backend, "pids = 32\n") as nb:
+        # first the bounded probe: only run a real bomb where the cap is shown to hold
+        assert 1 <= int(value(nb.run("%%smol\n" + FORK_PROBE + REAP))) < 32
+        nb.run("%%smol\nimport subprocess\nsubprocess.Popen(['sh', '-c', 'b() { b | b & }; b'])\nimport time; time.sleep(2)")
+        assert len(nb.processes()) <= 40  # 32 in the machine, plus bwrap/sh around it
+        assert value(nb.run("sum(range(10))")) == "45"  # the kernel is fine
+        assert "deleted" in stream_text(nb.run("%smol down"))
+        assert nb.processes() == []
+        assert kernel_cgroups(nb.kernel_pid) == []
+
+
+@needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="no writable cgroup here: under rlimits a machine's branches share its process count")
+def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -> None:
+    with machine(tmp_path, "sandbox", "pids = 32\n") as nb:
+        # branch 0 takes every process it may have and keeps them; branch 1 can still start its own
+        nb.run("%%smol fork 2 --keep all\nif SEED == 0:\n" + "\n".join("    " + ln for ln in FORK_PROBE.splitlines())
+               + "\n    reward = len(kids)\nelse:\n    reward = -1")
+        nb.run("%smol use root.1")
+        assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
+        nodes = Ledger(tmp_path / ".smolbench" / "ledger.db").nodes().set_index("id")
+        assert 1 <= nodes.loc["root.0", "reward"] < 32
+        nb.run("%smol down")
+
+
+# -- the process backend -------------------------------------------------------------------------
+
+
+def test_the_process_backend_is_labelled_process_everywhere(tmp_path: Path, tmpdir_env: Path) -> None:
+    with machine(tmp_path, "process") as nb:
+        up = stream_text(nb.nb.cells[-1])
+        status = stream_text(nb.run("%smol status"))
+        nb.run("%%smol fork 1\nreward = 1")
+        panel = value(nb.run("from smolbench.widgets import checkpoint_panel\n"
+                             "checkpoint_panel(get_ipython().find_magic('smol').__self__.workbench).backend"))
+        nb.run("%smol down")
+    assert "up on process" in up and "isolation: NONE" in up
+    assert "backend" in status and "process" in status.split("backend", 1)[1].splitlines()[0]
+    ledger = Ledger(tmp_path / ".smolbench" / "ledger.db")
+    assert set(ledger.nodes()["backend"]) == {"process"}
+    assert set(ledger.sessions()["backend"]) == {"process"}
+    assert panel == "'process'"
+
+
+DAEMONS = """
+import os, subprocess, time
+# double-forked, own session: sh exits at once, sleep is adopted by init
+subprocess.run(['setsid', 'sh', '-c', 'sleep 300 & echo $! > plain.pid'], check=True)
+# the same, with its environment scrubbed (no marker left to find it by)
+subprocess.run(['env', '-i', 'setsid', 'sh', '-c', 'sleep 301 & echo $! > scrubbed.pid'], check=True)
+time.sleep(0.3)
+[int(open(f).read()) for f in ('plain.pid', 'scrubbed.pid')]
+"""
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_down_kills_double_forked_setsid_daemons(tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    old_delete = "from smolbench.backends.process import ProcessBackend\nProcessBackend._kill_root = lambda self, ref, proc: proc.kill()"
+    with machine(tmp_path, "process", weakened=weakened) as nb:
+        if weakened:  # no cgroup, and delete kills just the top process, as before
+            nb.run(old_delete)
+        pids = [int(p) for p in value(nb.run("%%smol\n" + DAEMONS)).strip("[]").split(", ")]
+        started = {p: start_time(p) for p in pids}
+        assert all(started.values())
+        nb.run("%smol down")
+        time.sleep(0.2)
+        alive = [p for p in pids if start_time(p) == started[p]]
+        for p in alive:  # the weakened run leaves them: clean up before the kernel's check
+            os.kill(p, 9)
+    if weakened:
+        assert alive == pids
+    else:
+        assert alive == []
+
+
+def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smolbench.backends import probe, sandbox
+    from smolbench.errors import BackendUnavailable
+    from smolbench.magics import choose_backend
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    monkeypatch.setattr(probe, "probe_smol", lambda announce=None: (False, "no usable KVM here: /dev/kvm is missing"))
+    backend, why = choose_backend("auto", "local")
+    assert backend.name == "process" and "\n" not in why
+    assert why.startswith("smolbench: WARNING: no microVM here (no usable KVM here) and no bubblewrap, so machines are "
+                          "PLAIN PROCESSES with NO isolation (backend `process`)")
+    with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
+        choose_backend("sandbox", "local")
+
+
+# -- init ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hung_init_fails_up_in_one_line_and_leaves_nothing(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    (tmp_path / "Smolfile").write_text('init = ["sleep 600"]\ninit_timeout = 1.5\n')
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        line = one_line_error(nb.run(f"%smol up --backend {backend}"))
+        assert line.endswith("Smolfile init did not finish within 1.5 s (still running 'sleep 600'): "
+                             "fix the command, or raise init_timeout in the Smolfile")
+        assert nb.processes() == []
+        assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_during_init_prints_one_line_and_leaves_nothing(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    (tmp_path / "Smolfile").write_text('init = ["sleep 600"]\n')
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        cell: list[NotebookNode] = []
+        runner = threading.Thread(target=lambda: cell.append(nb.run(f"%smol up --backend {backend}")))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while not any("sleep 600" in p.cmdline for p in nb.processes()):
+            assert time.monotonic() < deadline, "init never started"
+            time.sleep(0.05)
+        nb.interrupt()
+        runner.join(60)
+        line = one_line_error(cell[0])
+        assert "`%smol up` was interrupted: its machine was deleted and nothing is left behind" in line
+        assert nb.processes() == []
+        assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
+        # and the kernel can start a machine afterwards
+        (tmp_path / "Smolfile").write_text("")
+        assert error_output(nb.run(f"%smol up --backend {backend}")) is None
+        nb.run("%smol down")
+
+
+# -- run folders ----------------------------------------------------------------------------------
+
+
+def test_stale_run_folders_of_dead_owners_are_swept_never_a_live_ones(tmp_path: Path, tmpdir_env: Path) -> None:
+    dead = subprocess.Popen(["sleep", "0"])
+    dead_started = start_time(dead.pid) or "1"
+    dead.wait()
+    for name, owner in (("smolbench-dead", f"{dead.pid} {dead_started}\n"),
+                        ("smolbench-live", f"{os.getpid()} {start_time(os.getpid())}\n"),
+                        ("smolbench-unowned", None)):
+        (tmpdir_env / name / "workspace").mkdir(parents=True)
+        if owner is not None:
+            (tmpdir_env / name / "owner").write_text(owner)
+    # a kernel killed with kill -9 leaves its folder ...
+    killed = NotebookSession(tmp_path, check_processes=False)
+    with killed as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend process")
+        left = set(run_folders(tmpdir_env)) - {"smolbench-dead", "smolbench-live", "smolbench-unowned"}
+        assert len(left) == 1
+        killed_pid = nb.kernel_pid
+        nb.kill()
+    assert wait_for_no_processes(killed.tag) == []  # the keeper took the machine down with the kernel
+    assert left <= set(run_folders(tmpdir_env))
+    assert bool(kernel_cgroups(killed_pid)) == bool(_limits.detect().bases)
+    # ... and the next `%smol up` sweeps it, with the other dead owner's; never a live owner's
+    with machine(tmp_path, "process") as nb:
+        now = set(run_folders(tmpdir_env))
+        nb.run("%smol down")
+    assert "smolbench-dead" not in now and not (left & now)
+    assert kernel_cgroups(killed_pid) == []  # the dead kernel's cgroups went with its folders
+    assert {"smolbench-live", "smolbench-unowned"} <= now
+    assert set(run_folders(tmpdir_env)) == {"smolbench-live", "smolbench-unowned"}
+
+
+# -- max_alive ------------------------------------------------------------------------------------------
+
+
+FIFTY = ("ip = get_ipython()\nfor i in range(50):\n"
+         "    ip.run_cell_magic('smol', 'fork 1 --quiet --seed-base ' + str(i), 'reward = SEED')")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("weakened", [False, True], ids=["default-cap", "no-cap"])
+def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    with machine(tmp_path, "sandbox", up_args="--max-alive 1024" if weakened else "") as nb:
+        cell = nb.run(FIFTY)
+        live = len(nb.processes())
+        status = stream_text(nb.run("%smol status"))
+        replay = stream_text(nb.run("%smol replay root.0")) if not weakened else ""
+        nb.run("%smol down")
+    nodes = Ledger(tmp_path / ".smolbench" / "ledger.db").nodes()
+    assert len(nodes) == 51  # every row stays
+    if weakened:
+        assert "live_machines  51 (" in status
+        return
+    assert "live_machines  9 (root, root.42, root.43" in status and "kept 8 of max_alive 8" in status
+    assert "host memory RSS" in status and "PSS" in status
+    notices = [ln for ln in stream_text(cell, "stderr").splitlines() if "deleted idle kept machine" in ln]
+    assert len(notices) == 42 and notices[0].startswith("smolbench: deleted idle kept machine root.0 ")
+    assert "identical" in replay
+    assert live > 0
