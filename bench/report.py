@@ -458,6 +458,11 @@ def write(quick: bool = False) -> Path:
         from .flood import section as flood_section
 
         lines += flood_section(flood)
+    limits = _load("limits", quick)
+    if limits:
+        from .limits import section as limits_section
+
+        lines += limits_section(limits)
     hist = RESULTS / "history.jsonl"
     if hist.exists() and not quick:
         rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()]
