@@ -25,6 +25,14 @@ from smolbench.ledger import Ledger
 API = ("smolbench", "api")
 
 
+@pytest.fixture(autouse=True)
+def _current_loop(jp_asyncio_loop: Any) -> Any:
+    """pytest-jupyter caches its loop; a test elsewhere that ran asyncio.run() leaves no
+    current loop behind, and tornado's client looks for the current one."""
+    asyncio.set_event_loop(jp_asyncio_loop)
+    return jp_asyncio_loop
+
+
 @pytest.fixture
 def jp_server_config() -> dict[str, Any]:
     return {"ServerApp": {"jpserver_extensions": {"smolbench.server": True}}}
@@ -136,6 +144,12 @@ def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_pa
         assert code == 403, (path, body)
         assert "outside the server's root directory" in body["message"]
     assert call("checkpoints", params={"path": "link"})[0] == 403
+    # a ledger.db inside the root that is a symlink to one outside
+    (jp_root_dir / "sneaky" / ".smolbench").mkdir(parents=True)
+    (jp_root_dir / "sneaky" / ".smolbench" / "ledger.db").symlink_to(outside / ".smolbench" / "ledger.db")
+    code, body = call("ledger", "runs", params={"path": "sneaky"})
+    assert code == 403 and "links outside the server's root directory" in body["message"]
+    assert call("checkpoints")[1]["problems"] == ["sneaky: the ledger links outside the server's root directory"]
     assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
 
 
@@ -396,6 +410,7 @@ def test_the_path_probe_catches_a_weakened_check(call: Any, jp_root_dir: Path, t
 
     _ledger(tmp_path / "elsewhere").close()
     assert call("ledger", "runs", params={"path": "../elsewhere"})[0] == 403
-    monkeypatch.setattr(handlers, "folder", lambda root, rel: Path(root) / (rel or ""))
+    monkeypatch.setattr(handlers._Base, "ledger", lambda self: (
+        Path(self.root) / self.get_query_argument("path", "") / ".smolbench" / "ledger.db", ""))
     code, body = call("ledger", "runs", params={"path": "../elsewhere"})
     assert code == 200 and body["total"] == 3  # leaked: exactly what the real check refuses

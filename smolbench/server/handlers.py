@@ -71,7 +71,10 @@ class _Base(APIHandler):
 
     def ledger(self) -> tuple[Path, str]:
         where = self.folder()
-        return where / LEDGER, relative(self.root, where) or ""
+        db = where / LEDGER
+        if db.exists() and relative(self.root, db) is None:  # a symlinked ledger.db leading out
+            raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} links outside the server's root directory")
+        return db, relative(self.root, where) or ""
 
     async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking read, off the server's event loop."""
@@ -131,6 +134,9 @@ class CheckpointsHandler(_Base):
         out, problems = [], []
         for d in dirs:
             rel = relative(self.root, d) or ""
+            if relative(self.root, d / LEDGER) is None:
+                problems.append(f"{rel or '.'}: the ledger links outside the server's root directory")
+                continue
             try:
                 rows = await self.run(ledgerview.checkpoints, d / LEDGER)
             except ledgerview.LedgerUnreadable as exc:
