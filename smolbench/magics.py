@@ -458,6 +458,8 @@ class SmolMagics(Magics):
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
+        if res.metrics.get("reward_error"):  # e.g. reward = True or 10**400: said, not recorded
+            print(f"smolbench: {res.metrics['reward_error']}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
         if res.pull_error:
             raise SmolbenchError(res.pull_error)

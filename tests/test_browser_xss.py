@@ -105,7 +105,8 @@ def watched() -> Iterator[tuple[int, list[str]]]:
 @pytest.fixture
 def lab(tmp_path: Path, watched: tuple[int, list[str]]) -> Iterator[tuple[str, list[str]]]:
     port_w, hits = watched
-    cells = ["%load_ext smolbench", "%smol up --backend sandbox", SETUP.replace("{port}", str(port_w)),
+    # every cell can run twice (Run All is retried when a loaded host made JupyterLab drop it)
+    cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", SETUP.replace("{port}", str(port_w)),
              VECTORS, "%smol trust on", TRUSTED, "print('ALL' + ' DONE')"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -172,8 +173,14 @@ def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str
         try:
             page.goto(url)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            _run_all(page)
-            expect(page.locator(".jp-OutputArea-output", has_text="ALL DONE")).to_be_visible(timeout=120_000)
+            for attempt in range(3):
+                _run_all(page)
+                try:
+                    expect(page.locator(".jp-OutputArea-output", has_text="ALL DONE")).to_be_visible(timeout=90_000)
+                    break
+                except AssertionError:
+                    if attempt == 2:
+                        raise
             vectors = page.locator(".jp-Notebook .jp-Cell").nth(3)
             # what must still render: the pandas table, the PNG, the harmless markup
             table = vectors.locator("table.dataframe")
@@ -200,7 +207,7 @@ def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str
             deadline = time.monotonic() + 10
             while "/trusted-img" not in hits and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert hits == ["/trusted-img"], hits
+            assert set(hits) == {"/trusted-img"}, hits
             page.screenshot(path=str(ARTIFACTS / "xss_notebook.png"), full_page=True)
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "xss_failure.png"), full_page=True)

@@ -31,6 +31,7 @@ from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 BOOT_TIMEOUT = 30.0
+KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
 
 
@@ -140,8 +141,9 @@ class AgentHostBackend(Backend):
         await asyncio.to_thread(self._kill_branch_tree, ref)
         root = self._machines.get(ref.info["root"])
         if root is not None and "guest_pid" in ref.info:
-            with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]})
+            # bounded: a root whose agent a cell rewrote may never answer
+            with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
