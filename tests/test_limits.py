@@ -204,6 +204,14 @@ def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -
         assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
         nodes = Ledger(tmp_path / ".smolbench" / "ledger.db").nodes().set_index("id")
         assert 1 <= nodes.loc["root.0", "reward"] < 32
+        # the full branch still answers (its agent serves without a new thread), forks are
+        # refused in one line, and it recovers once its own processes end
+        nb.run("%smol use root.0")
+        refused = one_line_error(nb.run("%%smol fork 1\n1"))
+        assert refused.endswith("machine 'root.0' is at its process limit (pids = 32) and can't fork: "
+                                "end some of its processes, or raise pids in the Smolfile")
+        assert int(value(nb.run("%%smol\n" + REAP))) < 32
+        assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
         nb.run("%smol down")
 
 
