@@ -249,10 +249,11 @@ def section(d: dict[str, Any]) -> list[str]:
               f"cold p95 {g['cold_p95_ms']} ms ({'met' if g['met'] else 'NOT met'}; judged on the HTTP p95 and the cold median). "
               f"Host load average during the run: {', '.join(f'{x:.1f}' for x in d.get('load_average', []))} on "
               f"{d['machine'].get('cores', '?')} cores, so the cold tail is mostly waiting for a CPU. Without the indexes a "
-              "cold page costs about a second: a kernel adds them the next time it opens the ledger.", ""]
+              "cold page costs 0.3 to 1 s: a kernel adds them the next time it opens the ledger.", ""]
     r = d["refresh_latency"]
     lines += ["Refresh: from a kernel's reply to `%smol up` / a fork of 4 / `%smol down` until `GET machines` "
-              "shows the change (the kernel rewrites its registry file at most every 0.2 s; the sidebar polls every "
+              "shows the change (the kernel rewrites its registry file the moment machines come or go, status-only "
+              "changes at most every 0.2 s; the sidebar polls every "
               f"{d['poll_interval_ms']} ms, so what a person sees is this plus up to one poll):", "",
               "| after | API shows it, median ms | max ms | rounds |", "|---|---:|---:|---:|"]
     for k, v in r.items():

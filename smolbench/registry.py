@@ -50,11 +50,11 @@ def proc_start(pid: int) -> int | None:
 
 
 def alive(pid: Any, start: Any) -> bool:
-    """True when ``pid`` runs and is the process that started at ``start``."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+    """True when ``pid`` runs and is the process that started at ``start`` (without a start
+    time there is no telling a reused pid from the original: not alive, never killed)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or not isinstance(start, int):
         return False
-    now = proc_start(pid)
-    return now is not None and (start is None or now == start)
+    return proc_start(pid) == start
 
 
 def _connection_file() -> str | None:

@@ -136,7 +136,36 @@ def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Pat
     assert sibling == "1"  # and so does the sibling branch
 
 
+SHARED_400M = ("%%smol\nimport mmap\nm = mmap.mmap(-1, 400 << 20)  # shared memory: no rlimit counts it\n"
+               "for i in range(0, 400 << 20, 1 << 20):\n    m[i:i + (1 << 20)] = b'x' * (1 << 20)\nlen(m)")
+
+
+@needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="needs a writable cgroup: rlimits can't count shared memory")
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_on(
+        tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    with machine(tmp_path, "sandbox", 'memory = "256M"\n', weakened) as nb:
+        nb.run("%%smol fork 1 --keep all\nreward = 1")
+        nb.run("%smol use root.0")
+        cell = nb.run(SHARED_400M)
+        nb.run("%smol use root")
+        parent = value(nb.run("%%smol\n1 + 1"))
+    assert parent == "2"
+    if weakened:
+        assert value(cell) == str(400 << 20)
+    else:
+        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost)")
+
+
 # -- processes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numeric_thread_pools_follow_cpus(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    with machine(tmp_path, backend, 'cpus = 1\n[env]\nMKL_NUM_THREADS = "3"\n') as nb:
+        seen = value(nb.run("%%smol\nimport os\n[os.environ.get(v) for v in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')]"))
+    assert seen == "['1', '1', '3']"  # the Smolfile's own env wins
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -280,7 +309,9 @@ def test_ctrl_c_during_init_prints_one_line_and_leaves_nothing(tmp_path: Path, t
         while not any("sleep 600" in p.cmdline for p in nb.processes()):
             assert time.monotonic() < deadline, "init never started"
             time.sleep(0.05)
-        nb.interrupt()
+        interrupter = threading.Thread(target=nb.interrupt)  # asyncio.run here would unset this thread's loop
+        interrupter.start()
+        interrupter.join(30)
         runner.join(60)
         line = one_line_error(cell[0])
         assert "`%smol up` was interrupted: its machine was deleted and nothing is left behind" in line

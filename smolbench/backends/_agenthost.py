@@ -69,6 +69,7 @@ class AgentHostBackend(Backend):
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(_limits.thread_env(spec))
         env.update(spec.env_dict)
         env["SMOLBENCH_MACHINE"] = name
         env.pop("PYTHONPATH", None)

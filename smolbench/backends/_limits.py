@@ -54,6 +54,15 @@ def format_mib(mib: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def thread_env(spec: MachineSpec) -> dict[str, str]:
+    """Numeric libraries size their thread pools (and OpenBLAS its per-thread buffers, which
+    count against the memory limit) by the host's cores, not the machine's ``cpus``: tell them."""
+    return {var: str(spec.cpus) for var in THREAD_VARS}
+
+
 def out_of_memory_line(spec: MachineSpec) -> str:
     """The one line a cell that ran out of memory gets."""
     return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import BackendUnavailable
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..spec import MachineSpec
+from . import _limits
 from ._agenthost import AgentHostBackend
 
 # Host root entries a default sandbox sees (read-only); the rest (home, /root,
@@ -102,7 +103,8 @@ class SandboxBackend(AgentHostBackend):
             argv += ["--ro-bind" if vol.readonly else "--bind", vol.host, vol.guest]
         argv += ["--hostname", f"smol-{name}"[:63], "--chdir", spec.workdir, "--clearenv"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **spec.env_dict}
+               "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **_limits.thread_env(spec),
+               **spec.env_dict}
         for key, val in env.items():
             argv += ["--setenv", key, val]
         argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/{name}.sock",

@@ -23,7 +23,8 @@ MAX_LIMIT = 500
 
 
 class LedgerUnreadable(Exception):
-    """A ledger that exists but can't be read as one (corrupt, not SQLite, wrong tables)."""
+    """A ledger that exists but can't be read as one (corrupt, not SQLite, wrong tables);
+    the message continues "<the ledger> ..." (callers name it, relative to the root)."""
 
 
 @contextlib.contextmanager
@@ -33,11 +34,11 @@ def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
     except sqlite3.Error as exc:
-        raise LedgerUnreadable(f"can't open {db} ({exc})") from None
+        raise LedgerUnreadable(f"can't be opened ({exc})") from None
     try:
         yield conn
     except sqlite3.DatabaseError as exc:
-        raise LedgerUnreadable(f"{db} is not a readable smolbench ledger ({exc})") from None
+        raise LedgerUnreadable(f"is not a readable smolbench ledger ({exc})") from None
     finally:
         conn.close()
 
