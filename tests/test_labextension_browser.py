@@ -42,7 +42,8 @@ NOTEBOOK_A = [
     "%load_ext smolbench",
     "%smol up --backend sandbox",
     "%%smol\nx = 41",
-    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x",
+    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x\n"
+    "print('<img src=x onerror=\"document.title=`pwned`\">')",  # machine output: attacker data
     "%smol checkpoint save warm",
 ]
 NOTEBOOK_B = ["%%smol\nprint('x came back:', x)"]
@@ -83,6 +84,9 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     root.mkdir()
     _notebook(root / "a.ipynb", NOTEBOOK_A)
     _notebook(root / "b.ipynb", NOTEBOOK_B)
+    (root / "broken" / ".smolbench").mkdir(parents=True)  # a corrupt ledger beside a notebook
+    (root / "broken" / ".smolbench" / "ledger.db").write_bytes(b"not a database, just bytes " * 64)
+    _notebook(root / "broken" / "c.ipynb", ["1 + 1"])
     settings = tmp_path / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
@@ -262,6 +266,9 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(tree.locator(".sb-tree-row.sb-best")).to_have_count(2)  # root and root.2
             tree.locator(".sb-tree-row[data-id='root.0']").click()
             expect(tree.locator(".sb-tree-detail")).to_contain_text("root.0 · ok · reward 51 · seed 10")
+            # a machine's output is shown as text, never as markup
+            expect(tree.locator(".sb-tree-output")).to_contain_text('<img src=x onerror="document.title=`pwned`">')
+            assert tree.locator("img").count() == 0 and page.title() != "pwned"
             page.screenshot(path=str(ARTIFACTS / "labext_run_tree_light.png"))
             page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabCloseIcon").last.click()
 
@@ -340,6 +347,23 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             finally:
                 orphan.kill()
                 orphan.wait()
+
+            # a corrupt ledger: one line in the panel, nothing blank
+            _open(page, lab, "broken/c.ipynb")
+            panel = page.locator("#smolbench-panel")
+            if not panel.is_visible():
+                page.locator(".jp-smolbench-status").click()
+            expect(panel.locator(".sb-runs .sb-section-title")).to_have_text("Runs in broken/", timeout=15_000)
+            problem = panel.locator(".sb-runs .sb-problem")
+            expect(problem).to_have_text("broken/.smolbench/ledger.db is not a readable smolbench ledger (file is not "
+                                         "a database): move it aside; `%smol up` starts a new one (HTTP 422)")
+            assert "\n" not in problem.inner_text()
+            expect(panel.locator(".sb-checkpoints .sb-problem")).to_contain_text("broken:")
+            # warm lives in the root folder's ledger: this notebook's kernel couldn't find it by name
+            restore = panel.locator(".sb-checkpoint[data-name='warm'] .sb-restore")
+            expect(restore).to_be_disabled()
+            expect(restore).to_have_attribute("title", re.compile("open a notebook there to restore it"))
+            panel.screenshot(path=str(ARTIFACTS / "labext_corrupt_ledger_light.png"))
             bad = [e for e in console_errors if "smolbench" in e.lower()]
             assert not bad, bad
         except BaseException:

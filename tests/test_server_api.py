@@ -5,6 +5,7 @@ live machines of a real kernel, and orphans of a dead one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,14 @@ from smolbench import registry
 from smolbench.ledger import Ledger
 
 API = ("smolbench", "api")
+
+
+@pytest.fixture(autouse=True)
+def _current_loop(jp_asyncio_loop: Any) -> Any:
+    """pytest-jupyter caches its loop; a test elsewhere that ran asyncio.run() leaves no
+    current loop behind, and tornado's client looks for the current one."""
+    asyncio.set_event_loop(jp_asyncio_loop)
+    return jp_asyncio_loop
 
 
 @pytest.fixture
@@ -105,10 +114,11 @@ def test_missing_and_corrupt_ledger_are_one_line(call: Any, jp_root_dir: Path) -
     for what in ("runs", "sessions", "nodes"):
         code, body = call("ledger", what, params={"path": "broken", "run": "x"})
         assert code == 422, body
-        assert "is not a readable smolbench ledger" in body["message"] and "\n" not in body["message"]
-        assert "move it aside" in body["message"]
+        assert body["message"] == ("broken/.smolbench/ledger.db is not a readable smolbench ledger "
+                                   "(file is not a database): move it aside; `%smol up` starts a new one")
+        assert str(jp_root_dir) not in body["message"]  # no host paths in messages
     code, body = call("checkpoints")
-    assert code == 200 and len(body["problems"]) == 1 and body["problems"][0].startswith("broken:")
+    assert code == 200 and body["problems"] == ["broken: the ledger is not a readable smolbench ledger (file is not a database)"]
 
 
 def test_the_server_never_writes_a_ledger_it_reads(call: Any, jp_root_dir: Path) -> None:
@@ -134,6 +144,12 @@ def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_pa
         assert code == 403, (path, body)
         assert "outside the server's root directory" in body["message"]
     assert call("checkpoints", params={"path": "link"})[0] == 403
+    # a ledger.db inside the root that is a symlink to one outside
+    (jp_root_dir / "sneaky" / ".smolbench").mkdir(parents=True)
+    (jp_root_dir / "sneaky" / ".smolbench" / "ledger.db").symlink_to(outside / ".smolbench" / "ledger.db")
+    code, body = call("ledger", "runs", params={"path": "sneaky"})
+    assert code == 403 and "links outside the server's root directory" in body["message"]
+    assert call("checkpoints")[1]["problems"] == ["sneaky: the ledger links outside the server's root directory"]
     assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
 
 
@@ -314,10 +330,10 @@ def _execute(km: Any, loop: Any, code: str) -> str:
     return "".join(out)
 
 
-def _wait_for_machines(call: Any, want: list[str]) -> Any:
+def _wait_for_machines(call: Any, want: list[str], timeout: float = 5) -> Any:
     """The machines listing once it shows ``want`` (kernels rewrite their record at most
     every 0.2 s), or the last one seen."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + timeout
     while True:
         code, body = call("machines")
         assert code == 200, body
@@ -351,6 +367,20 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         code, body = call("machines", kid, "root.1", method="DELETE")
         assert code == 404
 
+        # a busy kernel: the server doesn't hang; the delete runs when the cell ends
+        busy = km.client()
+        busy.start_channels()
+        busy.execute("import time; time.sleep(4)")
+        deadline = time.monotonic() + 10
+        while km.execution_state != "busy" and time.monotonic() < deadline:
+            jp_asyncio_loop.run_until_complete(asyncio.sleep(0.05))
+        t0 = time.monotonic()
+        code, body = call("machines", kid, "root.2", method="DELETE")
+        assert code == 202 and body["queued"] and "it is busy" in body["message"], body
+        assert time.monotonic() - t0 < 10
+        _wait_for_machines(call, ["root", "root.0"], timeout=20)
+        busy.stop_channels()
+
         _execute(km, jp_asyncio_loop, "%smol down")
         assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": []}
     finally:
@@ -370,3 +400,17 @@ def test_a_restarted_kernel_keeps_its_dead_predecessors_record(tmp_path: Path) -
     registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": os.getpid(), "machines": []})
     registry._set_aside(path)
     assert path.exists()
+
+
+def test_the_path_probe_catches_a_weakened_check(call: Any, jp_root_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack above, against a deliberately weakened server (paths joined without the
+    containment check): it now reads a ledger outside the root, so the probe is real."""
+    import smolbench.server.handlers as handlers
+
+    _ledger(tmp_path / "elsewhere").close()
+    assert call("ledger", "runs", params={"path": "../elsewhere"})[0] == 403
+    monkeypatch.setattr(handlers._Base, "ledger", lambda self: (
+        Path(self.root) / self.get_query_argument("path", "") / ".smolbench" / "ledger.db", ""))
+    code, body = call("ledger", "runs", params={"path": "../elsewhere"})
+    assert code == 200 and body["total"] == 3  # leaked: exactly what the real check refuses

@@ -31,6 +31,7 @@ from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 BOOT_TIMEOUT = 30.0
+KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
 
 
@@ -78,9 +79,10 @@ class AgentHostBackend(Backend):
     def _spawned(self) -> None:
         """After the machine's process started (or failed to): release what it was given."""
 
-    def _host_pid(self, ancestor: int, guest_pid: int, branch: bool) -> int | None:
-        """The host pid of the process below ``ancestor`` that its namespace calls ``guest_pid``."""
-        return _procs.host_pid(ancestor, guest_pid)
+    def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
+                   tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
+        """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
+        return _procs.host_pids(ancestor, guest_pids, tree)
 
     def _hand_over(self, path: str, folder: str) -> str:
         """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
@@ -88,6 +90,7 @@ class AgentHostBackend(Backend):
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(_limits.thread_env(spec))
         env.update(spec.env_dict)
         env["SMOLBENCH_MACHINE"] = name
         env.pop("PYTHONPATH", None)
@@ -139,16 +142,16 @@ class AgentHostBackend(Backend):
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
             await asyncio.sleep(0.01)
         with contextlib.suppress(OSError, ValueError):
-            guest = int(ready.read_text().strip() or 0)
-            ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else self._host_pid(proc.pid, guest, False)
+            guest = int((archive.read_small(ready, 64) or "").strip() or 0)
+            ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else _procs.host_pid(proc.pid, guest)
 
     @staticmethod
     def _log_tail(ref: MachineRef) -> str:
-        try:
-            text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
-        except OSError:
+        text = archive.read_small(Path(ref.info["run_dir"]) / "agent.log")  # machine-writable: no links
+        if text is None:
             return "(no log)"
-        return text.splitlines()[-1] if text else "(empty log)"
+        text = text.strip()
+        return text.splitlines()[-1][:300] if text else "(empty log)"
 
     async def delete(self, machine: MachineRef) -> None:
         ref = self._machines.pop(machine.name, None)
@@ -167,8 +170,9 @@ class AgentHostBackend(Backend):
         # The parent forked the branch: the pid is one of the parent's own pid namespace.
         parent = self._machines.get(ref.parent)
         if parent is not None and "guest_pid" in ref.info:
-            with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]})
+            # bounded: a parent whose agent a cell rewrote may never answer
+            with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
@@ -271,7 +275,25 @@ class AgentHostBackend(Backend):
         dirs = _run_folders(names)
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]
-        done = await self._request(machine, {"op": "fork", "children": children})
+        # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
+        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        try:
+            try:
+                done = await self._request(machine, {"op": "fork", "children": children})
+            except SmolbenchError as exc:
+                if "BlockingIOError" not in str(exc):
+                    raise
+                raise SmolbenchError(
+                    f"machine {machine.name!r} is at its process limit (pids = {machine.spec.pids}) and can't fork: "
+                    "end some of its processes, or raise pids in the Smolfile") from None
+            if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
+                raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+        except BaseException:
+            unused = await cgroups
+            for name in unused:
+                await asyncio.to_thread(self.limiter.release, name)
+            raise
+        limits = await cgroups
         if done.get("flattened"):
             self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
                               "past 48 layers a fork copies them into one")
@@ -285,19 +307,32 @@ class AgentHostBackend(Backend):
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
-        await asyncio.to_thread(self._limit_branches, machine, refs)
+        await asyncio.to_thread(self._limit_branches, machine, refs, limits)
         return refs
 
-    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef]) -> None:
+    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:
+        if not self.limiter.mechanism.bases:
+            return {}
+        return {name: self.limiter.machine(name, spec) for name in names}
+
+    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
+                        limits: dict[str, _limits.MachineLimits]) -> None:
         """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
+        tree = _procs.children_map()
+        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
         for ref in refs:
-            pid = self._host_pid(ancestor, ref.info["guest_pid"], True) if ancestor else None
+            pid = found.get(ref.info["guest_pid"])
             if pid is None:
                 continue
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
-            if self.limiter.mechanism.bases:
-                self.limiter.machine(ref.name, ref.spec).adopt([pid, *(p for p, _ in _procs.descendants(pid))])
+            if ref.name in limits:
+                limits[ref.name].adopt([pid])
+                # then what it started meanwhile (a sandbox branch's agent is forked by its
+                # keeper): looked up after the move, so nothing falls between the two
+                limits[ref.name].adopt([p for p, _ in _procs.descendants(pid)])
+        for name in set(limits) - {r.name for r in refs}:  # asked for, never made
+            self.limiter.release(name)
 
     # -- checkpoints ----------------------------------------------------------------------
 

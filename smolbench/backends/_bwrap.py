@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..spec import MachineSpec
+from ._limits import thread_env
 
 # Host root entries a default sandbox sees read-only; home, /root, /etc, /var, /opt, /srv,
 # /mnt and the rest stay hidden unless a Smolfile volume declares them.
@@ -181,7 +182,7 @@ def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
         p.argv += ["--remount-ro", "/run", "--remount-ro", "/"]
     p.argv += ["--hostname", hostname(name), "--chdir", "/", "--clearenv"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "USER": "smolbench", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **spec.env_dict}
+           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec), **spec.env_dict}
     for key, val in env.items():
         p.argv += ["--setenv", key, val]
     p.argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/s", "--name", name,

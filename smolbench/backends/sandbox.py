@@ -135,16 +135,18 @@ class SandboxBackend(AgentHostBackend):
             os.close(fd)
         self._fds = []
 
-    def _host_pid(self, ancestor: int, guest_pid: int, branch: bool) -> int | None:
-        # Pid namespaces nest here, so "the process called N" is ambiguous below an ancestor:
-        # a branch's keeper is a direct child of its parent's agent, with pid N in the parent's
-        # namespace; a root's agent is the deepest process that is pid 1 of its namespace.
+    def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
+                   tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
+        # Pid namespaces nest here, so a number is ambiguous below an ancestor: a new branch's
+        # keeper is a direct child of its parent's agent, with that pid in the parent's namespace.
         if not self._contained:
-            return _procs.host_pid(ancestor, guest_pid)
-        found = [(len(ns), pid) for pid, _ in _procs.descendants(ancestor)
-                 if (ns := _procs.ns_pids(pid))[-1:] == [guest_pid]
-                 and (not branch or (_procs.stat(pid) or ["", "0"])[1] == str(ancestor))]
-        return max(found)[1] if found else None
+            return super()._host_pids(ancestor, guest_pids, tree)
+        wanted, found = set(guest_pids), {}
+        for pid, _ in (tree if tree is not None else _procs.children_map()).get(ancestor, []):
+            last = _procs.ns_pids(pid)[-1:]
+            if last and last[0] in wanted:
+                found[last[0]] = pid
+        return found
 
     async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         # /proc/PID/root is only that machine while PID is still the root agent we found.

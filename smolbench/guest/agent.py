@@ -282,7 +282,10 @@ class Agent:
             if listener is not self.listener:  # we are a fork child holding the parent's socket
                 conn.close()
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
+                self._handle(conn)
 
     def _reap_loop(self):
         me = os.getpid()
@@ -411,11 +414,21 @@ class Agent:
         conn = self._conn
         if conn is None:
             return
-        with self._send_lock:
-            try:
-                conn.sendall(P.encode(msg))
-            except OSError:
-                self._conn = None  # host went away; keep running the cell
+        data = P.encode(msg)
+        # An interrupt (SIGINT -> KeyboardInterrupt) must not cut a message in half: the
+        # host would rightly refuse the rest of the reply. Held off until it is sent.
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        try:
+            with self._send_lock:
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    self._conn = None  # host went away; keep running the cell
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
     def stream(self, name, text):
         """Stream text written by the cell; keep the tail for the result record."""

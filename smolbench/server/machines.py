@@ -21,7 +21,8 @@ from typing import Any
 from .. import registry
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-ASK_TIMEOUT = 20.0  # seconds to wait for a kernel to answer `%smol delete`
+ASK_TIMEOUT = 20.0  # seconds to wait for an idle kernel to answer `%smol delete`
+BUSY_TIMEOUT = 2.0  # a busy kernel runs it after its current cell: don't hold the request that long
 
 
 class NotFound(LookupError):
@@ -103,6 +104,7 @@ def find(folder: Path, kernel_id: str, node_id: str,
 async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[str, Any]:
     """Run ``%smol delete NODE`` in the live kernel; what it printed or raised."""
     km = kernel_manager.get_kernel(kernel_id)
+    busy = getattr(km, "execution_state", "") == "busy"
     client = km.client()
     client.start_channels()
     out: list[str] = []
@@ -114,7 +116,7 @@ async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[
     try:
         reply = await client.execute_interactive(
             f"%smol delete {node_id}", silent=True, store_history=False, allow_stdin=False,
-            timeout=ASK_TIMEOUT, output_hook=hook)
+            timeout=BUSY_TIMEOUT if busy else ASK_TIMEOUT, output_hook=hook)
     except TimeoutError:
         return {"action": "asked-kernel", "ok": False, "queued": True,
                 "message": f"asked kernel {kernel_id[:8]} to delete {node_id}; it is busy, so the delete runs "
