@@ -28,7 +28,7 @@ Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
           [--max-alive N]
-  %smol status                  backend, machine, image, uptime, isolation level
+  %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
   %smol use NODE|best           make a live node (e.g. root.7) the active machine

@@ -600,3 +600,32 @@ def test_mutated_replies_never_escape_the_gate_as_anything_but_one_line() -> Non
             assert "\n" not in str(exc)
             outcomes["refused"] += 1
     assert outcomes["refused"] > 300, outcomes
+
+
+def test_run_folder_files_are_read_without_following_links_or_blocking_on_fifos(tmp_path: Path) -> None:
+    """A machine can write in its run folder (its socket, ready file, log and owner record
+    live there): a fifo or a link planted there must neither hang nor leak to the host."""
+    import os
+    import threading
+
+    from smolbench.backends._rundir import OWNER, owner_alive
+    from smolbench.gate.archive import read_small
+
+    secret = tmp_path / "secret"
+    secret.write_text(f"{os.getpid()} x\n")
+    run = tmp_path / "smolbench-run"
+    run.mkdir()
+    os.mkfifo(run / OWNER)
+    assert owner_alive(run) is None  # at once: not a plain file
+    # Weakened: an ordinary read of the same fifo blocks until someone writes to it
+    blocked = threading.Thread(target=(run / OWNER).read_text, daemon=True)
+    blocked.start()
+    blocked.join(1.0)
+    assert blocked.is_alive()
+    with open(run / OWNER, "w") as fh:  # release it
+        fh.write("")
+    blocked.join(5)
+    (run / OWNER).unlink()
+    (run / OWNER).symlink_to(secret)
+    assert owner_alive(run) is None and read_small(run / OWNER) is None
+    assert (run / OWNER).read_text() == secret.read_text()  # what following the link would have read

@@ -115,16 +115,16 @@ class AgentHostBackend(Backend):
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
             await asyncio.sleep(0.01)
         with contextlib.suppress(OSError, ValueError):
-            guest = int(ready.read_text().strip() or 0)
+            guest = int((archive.read_small(ready, 64) or "").strip() or 0)
             ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else _procs.host_pid(proc.pid, guest)
 
     @staticmethod
     def _log_tail(ref: MachineRef) -> str:
-        try:
-            text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
-        except OSError:
+        text = archive.read_small(Path(ref.info["run_dir"]) / "agent.log")  # machine-writable: no links
+        if text is None:
             return "(no log)"
-        return text.splitlines()[-1] if text else "(empty log)"
+        text = text.strip()
+        return text.splitlines()[-1][:300] if text else "(empty log)"
 
     async def delete(self, machine: MachineRef) -> None:
         ref = self._machines.pop(machine.name, None)
