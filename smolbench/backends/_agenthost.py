@@ -247,7 +247,14 @@ class AgentHostBackend(Backend):
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         try:
-            done = await self._request(machine, {"op": "fork", "children": children})
+            try:
+                done = await self._request(machine, {"op": "fork", "children": children})
+            except SmolbenchError as exc:
+                if "BlockingIOError" not in str(exc):
+                    raise
+                raise SmolbenchError(
+                    f"machine {machine.name!r} is at its process limit (pids = {machine.spec.pids}) and can't fork: "
+                    "end some of its processes, or raise pids in the Smolfile") from None
             if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
         except BaseException:

@@ -280,7 +280,10 @@ class Agent:
             if listener is not self.listener:  # we are a fork child holding the parent's socket
                 conn.close()
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
+                self._handle(conn)
 
     def _reap_loop(self):
         me = os.getpid()
