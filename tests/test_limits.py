@@ -394,3 +394,31 @@ def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weak
     assert len(notices) == 42 and notices[0].startswith("smolbench: deleted idle kept machine root.0 ")
     assert "identical" in replay
     assert live > 0
+
+
+def test_max_alive_from_the_smolfile_and_a_bad_flag(tmp_path: Path, tmpdir_env: Path) -> None:
+    (tmp_path / "Smolfile").write_text("max_alive = 2\n")
+
+    def live(nb: NotebookSession) -> str:
+        status = stream_text(nb.run("%smol status"))
+        return next(ln for ln in status.splitlines() if ln.startswith("live_machines"))
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        bad = one_line_error(nb.run("%smol up --backend process --max-alive 0"))
+        assert bad.endswith("--max-alive must be from 1 to 1024 kept machines, got 0: e.g. --max-alive 8")
+        assert error_output(nb.run("%smol up --backend process")) is None
+        fork = "%%smol fork 1 --quiet\nreward = 1"
+        nb.run(fork)
+        nb.run("%smol use root.0")
+        for _ in range(3):  # root.0 is active: never deleted; its older kept children go
+            nb.run(fork)
+        assert "(root, root.0, root.0.2); kept 2 of max_alive 2" in live(nb)
+        nb.run("%smol use root.0.2")
+        nb.run("%%smol\n1")  # root.0 is now the least recently used, but it has a live child
+        nb.run("%smol use root")
+        nb.run(fork)
+        assert "(root, root.0, root.1); kept 2 of max_alive 2" in live(nb)
+        nb.run(fork)  # root.0 has no live child any more: now it goes
+        assert "(root, root.1, root.2); kept 2 of max_alive 2" in live(nb)
+        nb.run("%smol down")

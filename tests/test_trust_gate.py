@@ -437,7 +437,7 @@ def test_output_floods_are_cut_to_a_budget_and_the_rest_logged(tmp_path: Path) -
         nb.run("%smol down")
 
 
-def test_ctrl_c_stops_a_flood_of_a_million_lines(tmp_path: Path) -> None:
+def test_ctrl_c_stops_a_flood_of_lines(tmp_path: Path) -> None:
     import threading
     import time
 
@@ -446,13 +446,14 @@ def test_ctrl_c_stops_a_flood_of_a_million_lines(tmp_path: Path) -> None:
         timer = threading.Timer(3.0, nb.interrupt)
         timer.start()
         t0 = time.monotonic()
-        cell = nb.run("%%smol\nfor i in range(10**6):\n    print('y' * 99)")
+        # 10**8 lines of 100 bytes: still pouring out when Ctrl-C comes, however fast the host
+        cell = nb.run("%%smol\nfor i in range(10**8):\n    print('y' * 99)")
         took = time.monotonic() - t0
         timer.join()
         err = error_output(cell)
         assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
         assert "the machine and its state are kept" in err.evalue
-        print(f"1M-line cell interrupted after 3 s returned at {took:.2f} s")  # numbers: bench/flood.py
+        print(f"flooding cell interrupted after 3 s returned at {took:.2f} s")  # numbers: bench/flood.py
         still_works(nb)
         nb.run("%smol down")
 
