@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from .b1_overhead import close_raw, raw_backend
@@ -279,6 +280,117 @@ def run(backend: str, quick: bool) -> dict[str, Any]:
     return data
 
 
+# -- the workspace-size axis (issue 12): does a fork's cost depend on the files? ------------------
+
+WS_SIZES_MIB = (0, 200, 1024)
+WS_FILL = ("import os\nwith open('data.bin', 'wb') as fh:\n    for _ in range({mib}):\n"
+           "        fh.write(os.urandom(1 << 20))\nos.path.getsize('data.bin') if {mib} else 0")
+
+
+def _shmem_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _store_used_mib(ref: Any) -> float | None:
+    """What a branch holds in its own file layers (its tmpfs store, or the old copy's tmpfs)."""
+    pid = ref.info.get("host_pid")
+    for inside in ("/run/smolbench-layers", f"/run/.smolbench-branch-{ref.name}"):
+        with contextlib.suppress(OSError):
+            st = os.statvfs(f"/proc/{pid}/root{inside}")
+            return (st.f_blocks - st.f_bfree) * st.f_frsize / 2**20
+    return None
+
+
+def _ws_machine(mib: int) -> tuple[Any, Any]:
+    """A sandbox machine whose memory limit has room for ``mib`` of files (they live in RAM)."""
+    from smolbench import _loop
+    from smolbench.magics import choose_backend
+    from smolbench.spec import MachineSpec
+
+    be, _why = choose_backend("sandbox", "local")
+    ref = _loop.run(be.create(MachineSpec(memory=1024 + 2 * mib), "bench-ws"), timeout=120)
+    return be, ref
+
+
+def workspace_axis(n: int = 16, reps: int = 3, sizes: tuple[int, ...] = WS_SIZES_MIB,
+                   label: str = "after") -> dict[str, Any]:
+    """Fork ``n`` of a machine whose workspace holds 0 / 200 MiB / 1 GiB of random data: time to
+    all running, and extra host memory per branch (process PSS + what its file layers hold +
+    the host's Shmem, which counts tmpfs pages wherever they are)."""
+    from smolbench import _loop
+    from smolbench.backends.base import CellRequest
+
+    out: dict[str, Any] = {}
+    for mib in sizes:
+        be, ref = _ws_machine(mib)
+        try:
+            res = _loop.run(be.exec_cell(ref, CellRequest(WS_FILL.format(mib=mib)), lambda e: None), timeout=600)
+            if res.status != "ok":
+                raise RuntimeError(f"could not fill the workspace: {res.error}")
+            root_pid = _host_root_pid(ref)
+            base = tree_memory(root_pid) if root_pid else None
+            times, mem = [], {}
+            for rep in range(reps):
+                shm0 = _shmem_kib()
+                names = [f"ws{mib}r{rep}.{i}" for i in range(n)]
+                kids, _t_req, t_ready, results = _loop.run(_branch_and_run(be, ref, names, list(range(n))), timeout=600)
+                if any(r.status != "ok" for r in results):
+                    raise RuntimeError(f"a branch failed: {next(r.error for r in results if r.status != 'ok')}")
+                times.append(t_ready)
+                if rep == 0 and base is not None and root_pid:
+                    after = tree_memory(root_pid)
+                    stores = [u for u in (_store_used_mib(k) for k in kids) if u is not None]
+                    mem = {"extra_pss_per_branch_mib": (after["pss_mib"] - base["pss_mib"]) / n,
+                           "files_per_branch_mib": statistics.mean(stores) if stores else None,
+                           "host_shmem_per_branch_mib": (_shmem_kib() - shm0) / 1024 / n}
+                _loop.run(_delete_all(be, kids), timeout=300)
+            out[str(mib)] = {"all_running_ms": summary(times), "memory": mem}
+            log(f"B3 workspace [{label}] {mib} MiB: fork {n} all running {statistics.median(times) * 1e3:.1f} ms, "
+                f"per branch PSS {mem.get('extra_pss_per_branch_mib', float('nan')):.2f} MiB, files "
+                f"{mem.get('files_per_branch_mib') or 0:.2f} MiB, host Shmem {mem.get('host_shmem_per_branch_mib', 0):.2f} MiB")
+        finally:
+            close_raw(be, ref)
+    return out
+
+
+def run_workspace_axis(quick: bool) -> dict[str, Any]:
+    """After (overlay layers) on 0 / 200 MiB / 1 GiB; before (the old copying set-up, via the
+    test-only SMOLBENCH_TEST_WEAKEN=host-root) on 0 and 200 MiB only: 16 copies of 1 GiB would
+    take 16 GiB of this shared host's RAM."""
+    reps = 2 if quick else 3
+    data: dict[str, Any] = {"benchmark": "B3 workspace-size axis", "machine": machine_info("sandbox"),
+                            "params": {"n": 16, "reps": reps, "sizes_mib": list(WS_SIZES_MIB)},
+                            "after": workspace_axis(16, reps, WS_SIZES_MIB, "after")}
+    old = os.environ.get("SMOLBENCH_TEST_WEAKEN")
+    os.environ["SMOLBENCH_TEST_WEAKEN"] = "host-root"
+    try:
+        data["before"] = workspace_axis(16, 1, (0, 200), "before")
+    finally:
+        if old is None:
+            os.environ.pop("SMOLBENCH_TEST_WEAKEN", None)
+        else:
+            os.environ["SMOLBENCH_TEST_WEAKEN"] = old
+    a0, a1g = (data["after"].get(k, {}).get("all_running_ms", {}).get("median") for k in ("0", "1024"))
+    data["goal"] = {"text": "fork 16 with 1 GiB within 1.3x of the empty workspace; <= 5 MiB extra per branch "
+                            "plus what it writes", "ratio_1g_to_empty": None if not (a0 and a1g) else a1g / a0}
+    write_json("b3_workspace", data, quick)
+    return data
+
+
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.b3_fork", description=__doc__.splitlines()[0])
+    ap.add_argument("backend", nargs="?", default="sandbox")
+    ap.add_argument("--workspace-axis", action="store_true",
+                    help="only the workspace-size axis (0 / 200 MiB / 1 GiB in the workspace, fork 16)")
+    ap.add_argument("--full", action="store_true", help="more repetitions (default: quick)")
+    cli = ap.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "sandbox", True)["results"], indent=1))
+        if cli.workspace_axis:
+            print(json.dumps(run_workspace_axis(not cli.full), indent=1))
+        else:
+            print(json.dumps(run(cli.backend, not cli.full)["results"], indent=1))

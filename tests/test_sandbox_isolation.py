@@ -171,3 +171,39 @@ def test_a_pinned_debian_rootfs_from_the_smolfile(backend: SandboxBackend, debia
     fn = cloudpickle.dumps(lambda v: v + 1)
     res = _loop.run(backend.exec_cell(ref, CellRequest("out = f(41)\nout", push={"f": fn}), lambda e: None))
     assert res.status == "ok" and res.result is not None and res.result["text/plain"] == "42"
+
+
+VENV_PROBE = """
+import json, sys
+from smolbench import _loop
+from smolbench.backends.base import CellRequest
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.spec import MachineSpec
+b = SandboxBackend()
+try:
+    ref = _loop.run(b.create(MachineSpec(), "root"))
+    code = "import sys, os\\nopen('/tmp/mine.txt', 'w').write('x')\\n(sys.prefix, os.path.exists('/tmp/mine.txt'))"
+    root = _loop.run(b.exec_cell(ref, CellRequest(code), lambda e: None)).result
+    kid = _loop.run(b.branch(ref, ["root.0"], [1]))[0]
+    branch = _loop.run(b.exec_cell(kid, CellRequest("import sys, os\\n(sys.prefix, os.path.exists('/tmp/mine.txt'))"), lambda e: None)).result
+    print(json.dumps([root["text/plain"], branch["text/plain"]]))
+finally:
+    _loop.run(b.close())
+"""
+
+
+def test_a_notebook_python_under_tmp_is_not_hidden_by_the_machines_tmp(open_tmp: Path) -> None:
+    """CI and Binder often keep the kernel's venv under /tmp, which the machine's own /tmp covers."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+
+    venv = open_tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    here = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{sysconfig.get_paths()['purelib']}"}
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", VENV_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    root, branch = json.loads(out.stdout.strip().splitlines()[-1])
+    assert root == f"({str(venv)!r}, True)" and branch == f"({str(venv)!r}, True)"

@@ -169,9 +169,9 @@ class Layers:
         os.mkdir(self.work, 0o700)
         opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (":".join(self.lowers), self.upper, self.work)
         mount("overlay", self.target, "overlay", MS_NOSUID | MS_NODEV, opts)
-        for path, fd in keep:  # host paths that live below this mount point (a venv under /tmp)
+        for path, source in keep:  # host paths that live below this mount point (a venv under /tmp)
             os.makedirs(path, exist_ok=True)
-            mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
+            mount(source, path, None, MS_BIND | MS_REC)
 
     def freeze(self, keep=()):
         """Make the current upper layer a read-only lower one; continue on a fresh upper.
@@ -202,8 +202,8 @@ def copy_into(layers, keep):
     merged = os.path.join(STORE, layers.key, "copy")
     shutil.copytree(layers.target, merged, symlinks=True, ignore=_skip_mounts(keep))
     mount(merged, layers.target, None, MS_BIND)
-    for path, fd in keep:
-        mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
+    for path, source in keep:
+        mount(source, path, None, MS_BIND | MS_REC)
 
 
 # -- one machine --------------------------------------------------------------------------
@@ -235,6 +235,14 @@ class Machine:
         run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
         size = ",size=%dm" % self.disk_mib if self.disk_mib else ""
         mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700" + size)
+        # Keep the kept paths' mounts nameable in the store: the keeper re-binds them at each
+        # fork, when /proc (the agent's) no longer shows the keeper's own /proc/self.
+        for i, (path, fd) in enumerate(keep):
+            held = os.path.join(STORE, "keep", str(i))
+            os.makedirs(held)
+            mount(_fd_path(fd), held, None, MS_BIND | MS_REC)
+            os.close(fd)
+            keep[i] = (path, held)
         n = 0
         for key, target in sets:
             layer = Layers(key, target, [])
