@@ -458,6 +458,11 @@ def write(quick: bool = False) -> Path:
         from .flood import section as flood_section
 
         lines += flood_section(flood)
+    ws = _load("b3_workspace", quick)
+    if ws:
+        from .b3_fork import section as ws_section
+
+        lines += ws_section(ws)
     limits = _load("limits", quick)
     if limits:
         from .limits import section as limits_section
