@@ -20,9 +20,11 @@ import asyncio
 import builtins
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -154,7 +156,22 @@ class SandboxBackend(AgentHostBackend):
         pid = root.info.get("host_pid") if root is not None else None
         if root is not None and pid is not None and _procs.start_time(pid) != root.info.get("host_started"):
             raise SmolbenchError(f"machine {ref.name!r} is not answering (it died): `%smol down` and `%smol up`")
-        return await super()._open(ref)
+        if ref.name not in self._machines or not self._contained:
+            return await super()._open(ref)
+        # The folders below the machine's run folder are the machine's to change: find the
+        # socket without following a link it planted (it must not send us to a host socket).
+        try:
+            fd = _socket_fd(ref.info["socket"])
+        except OSError as exc:
+            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
+                                 "`%smol down` and `%smol up`") from None
+        try:
+            return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}")
+        except OSError as exc:
+            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
+                                 "`%smol down` and `%smol up`") from None
+        finally:
+            os.close(fd)
 
     def _hand_over(self, path: str, folder: str) -> str:
         # The machine's folder is a tmpfs of its user namespace, where host root has no uid:
@@ -216,3 +233,24 @@ def _fs_ids(uid: int, gid: int) -> Iterator[None]:
     finally:
         libc.setfsuid(old_uid)
         libc.setfsgid(old_gid)
+
+
+def _socket_fd(path: str) -> int:
+    """An O_PATH descriptor of the agent socket at ``/proc/PID/root/run/smolbench/...``: each
+    component below the run folder (a mount point the machine can't replace) opened without
+    following links, the last one checked to be a socket."""
+    top, _, rest = path.partition(GUEST_RUN + "/")
+    fd = os.open(top + GUEST_RUN, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parts = rest.split("/")
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        sock = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISSOCK(os.fstat(sock).st_mode):
+        os.close(sock)
+        raise OSError(errno.ENOTSOCK, "not a socket")
+    return sock
