@@ -277,6 +277,9 @@ class AgentHostBackend(Backend):
                     for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        held = self.limiter.get(machine.name)
+        if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
+            held.fork_headroom(8 * len(names))
         try:
             try:
                 done = await self._request(machine, {"op": "fork", "children": children})
@@ -289,6 +292,8 @@ class AgentHostBackend(Backend):
             if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
         except BaseException:
+            if held is not None:
+                held.fork_headroom(0)
             unused = await cgroups
             for name in unused:
                 await asyncio.to_thread(self.limiter.release, name)
@@ -307,7 +312,11 @@ class AgentHostBackend(Backend):
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
-        await asyncio.to_thread(self._limit_branches, machine, refs, limits)
+        try:
+            await asyncio.to_thread(self._limit_branches, machine, refs, limits)
+        finally:
+            if held is not None:
+                held.fork_headroom(0)
         return refs
 
     def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:

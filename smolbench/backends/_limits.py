@@ -203,6 +203,16 @@ class MachineLimits:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     (d / "cgroup.procs").write_text(str(pid))
 
+    def fork_headroom(self, extra: int) -> None:
+        """Let the machine briefly hold ``extra`` more tasks (0: back to its limit): branches it
+        forks count here until they are moved into their own cgroups."""
+        for d in self.dirs:
+            if (d / "pids.max").exists():
+                with contextlib.suppress(OSError, ValueError):
+                    if extra and int((d / "pids.current").read_text()) >= self.spec.pids:
+                        continue  # a machine at its limit can't fork: no headroom for it
+                    (d / "pids.max").write_text(str(self.spec.pids + extra))
+
     def pids(self) -> set[int]:
         """Every process in this machine's cgroups."""
         found: set[int] = set()
