@@ -57,6 +57,23 @@ def alive(pid: Any, start: Any) -> bool:
     return proc_start(pid) == start
 
 
+def memory_mib(pid: Any, start: Any) -> tuple[float | None, str]:
+    """How much memory the process ``pid`` holds, in MiB, and what was measured: its PSS
+    (shared copy-on-write pages split between the branches sharing them) where /proc lets
+    us read it, else its RSS (which counts shared pages in full)."""
+    if not alive(pid, start):
+        return None, ""
+    for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
+        try:
+            with open(f"/proc/{pid}/{name}") as fh:
+                for line in fh:
+                    if line.startswith(key):
+                        return round(int(line.split()[1]) / 1024, 1), "PSS" if key == "Pss:" else "RSS"
+        except OSError:
+            continue
+    return None, ""
+
+
 def _connection_file() -> str | None:
     try:
         from ipykernel.connect import get_connection_file
@@ -92,10 +109,13 @@ def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
         if isinstance(pid, int) and pid not in pids:
             pids[pid] = proc_start(pid)
         node = workbench.tree[name] if name in workbench.tree else None
+        agent = ref.info.get("host_pid")  # the machine's own agent process, as the host sees it
         machines.append({
             "id": name, "parent": ref.parent, "backend": ref.backend, "created": ref.created,
             "memory_mib": ref.spec.memory, "cpus": ref.spec.cpus,
             "pid": pid if isinstance(pid, int) else None, "pid_start": pids.get(pid),
+            "agent_pid": agent if isinstance(agent, int) else None,
+            "agent_start": proc_start(agent) if isinstance(agent, int) else None,
             "status": node.status if node is not None else None,
             "reward": node.reward if node is not None and isinstance(node.reward, (int, float)) else None,
         })

@@ -238,6 +238,7 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(group.locator(".sb-group-title")).to_contain_text("a.ipynb")
             expect(group.locator(".sb-group-title")).to_contain_text("sandbox")
             expect(panel.locator(".sb-machine.sb-active")).to_have_attribute("data-id", "root")
+            expect(panel.locator(".sb-machine[data-id='root'] .sb-mem")).to_have_text(re.compile(r"^\d+ MiB/1 GiB$"))
             expect(status).to_have_text("smol: sandbox · 4 machines")
 
             # the checkpoint and the run are listed

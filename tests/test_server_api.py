@@ -359,6 +359,8 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         assert Path(group["cwd"]).resolve() == jp_root_dir.resolve()
         root = next(m for m in group["machines"] if m["id"] == "root")
         assert root["active"] and root["memory_mib"] == 1024 and root["uptime_s"] >= 0
+        # measured: the agent's PSS (readable here), a few MiB of a Python process, well under the limit
+        assert root["memory_measure"] in ("PSS", "RSS") and 1 < root["memory_used_mib"] < 1024, root
 
         code, body = call("machines", kid, "root.1", method="DELETE")
         assert code == 200, body

@@ -149,7 +149,13 @@ export class SmolPanel extends Widget {
         row.appendChild(name);
         row.appendChild(el('span', `sb-status sb-st-${m.orphaned ? 'orphaned' : m.status || 'idle'}`, m.orphaned ? 'orphaned' : m.status || 'idle'));
         row.appendChild(el('span', 'sb-num', duration(m.uptime_s), { title: 'uptime' }));
-        row.appendChild(el('span', 'sb-num', memory(m.memory_mib), { title: 'memory limit' }));
+        const used = m.memory_used_mib === null ? '' : `${memory(Math.round(m.memory_used_mib))}/`;
+        row.appendChild(el('span', 'sb-num sb-mem', `${used}${memory(m.memory_mib)}`, {
+          title: m.memory_used_mib === null
+            ? 'memory limit (Smolfile)'
+            : `${m.memory_measure} of the machine's agent process / memory limit (Smolfile)` +
+              (m.memory_measure === 'RSS' ? '; RSS counts pages shared with forks in full' : '')
+        }));
         if (m.orphaned) {
           const kill = button('Kill', 'jp-mod-warn sb-kill', () => void this.deleteMachine(group.kernel_id, m.id, true),
             'Its kernel is dead: kill the host process holding this machine');

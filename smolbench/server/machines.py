@@ -55,10 +55,12 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
             if orphaned and not registry.alive(m.get("pid"), m.get("pid_start")):
                 continue
             created = _num(m.get("created"))
+            used, how = registry.memory_mib(m.get("agent_pid"), m.get("agent_start"))
             machines.append({
                 "id": m["id"][:128], "parent": m.get("parent") if isinstance(m.get("parent"), str) else None,
                 "backend": str(m.get("backend", ""))[:32], "uptime_s": round(now - created, 1) if created else None,
                 "memory_mib": _num(m.get("memory_mib")), "cpus": _num(m.get("cpus")),
+                "memory_used_mib": used, "memory_measure": how,
                 "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
                 "active": m["id"] == rec.get("active"), "orphaned": orphaned,
                 "killable": orphaned and isinstance(m.get("pid"), int),
