@@ -85,10 +85,11 @@ def test_the_host_home_and_private_paths_are_hidden(backend: SandboxBackend, tmp
     secret.write_text("do not read")
     try:
         ref = up(backend)
-        res = run(backend, ref, f"import os\n(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}), os.path.exists({str(Path(__file__).parent)!r}))")
-        # (the folders leading to the notebook's Python exist, holding only that path:
-        # the checkout's own sources beside a ./.venv stay hidden)
-        assert value(res) == "(False, False, False)"
+        # The notebook's own Python is bound in (it may live in a project folder); the project isn't.
+        project = Path(__file__).resolve().parent.parent
+        res = run(backend, ref, f"import os\n(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}), "
+                                f"os.path.exists({str(project / 'smolbench')!r}), os.path.exists('/etc/shadow'))")
+        assert value(res) == "(False, False, False, False)"
         # writing to the system is refused: the host's system is mounted read-only
         res = _loop.run(backend.exec_cell(ref, CellRequest("open('/usr/smolbench-was-here', 'w')"), lambda e: None))
         assert res.status == "error" and res.error is not None and res.error["ename"] == "OSError"
@@ -97,7 +98,8 @@ def test_the_host_home_and_private_paths_are_hidden(backend: SandboxBackend, tmp
         secret.unlink()
 
 
-def test_declared_volumes_are_the_only_host_mounts(backend: SandboxBackend, tmp_path: Path) -> None:
+def test_declared_volumes_are_the_only_host_mounts(backend: SandboxBackend, open_tmp: Path) -> None:
+    tmp_path = open_tmp
     data = tmp_path / "data"
     data.mkdir()
     (data / "level.txt").write_text("level-3")

@@ -44,6 +44,7 @@ class AgentHostBackend(Backend):
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._limiter: _limits.Limiter | None = None
         self.swept: list[Path] = []  # stale run folders removed at the first create
+        self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
 
     @property
     def limiter(self) -> _limits.Limiter:
@@ -67,6 +68,26 @@ class AgentHostBackend(Backend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         """(argv, the run folder's path inside the machine, the workdir inside) for a new machine."""
 
+    def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
+        """(the machine's own host folder, its socket, its ready file) in a new run folder."""
+        return run_dir, run_dir / f"{name}.sock", run_dir / f"{name}.ready"
+
+    def _spawn_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for starting the machine (file descriptors to pass)."""
+        return {}
+
+    def _spawned(self) -> None:
+        """After the machine's process started (or failed to): release what it was given."""
+
+    def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
+                   tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
+        """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
+        return _procs.host_pids(ancestor, guest_pids, tree)
+
+    def _hand_over(self, path: str, folder: str) -> str:
+        """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
+        return archive.hand_over(path, folder)
+
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(_limits.thread_env(spec))
@@ -85,22 +106,28 @@ class AgentHostBackend(Backend):
         run_dir = _rundir.make(self._runtime_base)
         workspace = run_dir / "workspace"
         workspace.mkdir()
-        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name})
+        host_dir, socket, ready = self._layout(run_dir, name)
+        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name,
+                                                      "host_dir": str(host_dir), "contained": False})
         self._machines[name] = ref
         try:
             limits = self.limiter.machine(name, spec)
             argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec)))
-            ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(run_dir / f"{name}.sock"))
-            with open(run_dir / "agent.log", "wb") as log:
-                # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
-                # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
-                # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
-                proc = await asyncio.create_subprocess_exec(
-                    *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name))
+            ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
+            try:
+                with open(run_dir / "agent.log", "wb") as log:
+                    # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
+                    # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
+                    # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                    proc = await asyncio.create_subprocess_exec(
+                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
+                        **self._spawn_options())
+            finally:
+                self._spawned()
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
-            await self._wait_ready(ref, proc, run_dir / f"{name}.ready")
+            await self._wait_ready(ref, proc, ready)
         except BaseException:
             await self.delete(ref)
             raise
@@ -140,11 +167,12 @@ class AgentHostBackend(Backend):
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
         await asyncio.to_thread(self._kill_branch_tree, ref)
-        root = self._machines.get(ref.info["root"])
-        if root is not None and "guest_pid" in ref.info:
-            # bounded: a root whose agent a cell rewrote may never answer
+        # The parent forked the branch: the pid is one of the parent's own pid namespace.
+        parent = self._machines.get(ref.parent)
+        if parent is not None and "guest_pid" in ref.info:
+            # bounded: a parent whose agent a cell rewrote may never answer
             with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
+                await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
@@ -241,9 +269,12 @@ class AgentHostBackend(Backend):
     ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
-        run_dir = Path(machine.info["run_dir"])
-        guest_run = machine.info["guest_run"]
-        children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
+        host_dir, guest_run = Path(machine.info["host_dir"]), machine.info["guest_run"]
+        # A contained branch gets a folder of its own (it sees only that one as its run folder).
+        nested = bool(machine.info.get("contained"))
+        dirs = _run_folders(names)
+        children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
+                    for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         try:
@@ -263,10 +294,16 @@ class AgentHostBackend(Backend):
                 await asyncio.to_thread(self.limiter.release, name)
             raise
         limits = await cgroups
+        if done.get("flattened"):
+            self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
+                              "past 48 layers a fork copies them into one")
         refs = []
+        folder = dict(zip(names, dirs))
         for made in done["children"]:
-            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
-                    "socket": str(run_dir / f"{made['name']}.sock"), "guest_pid": made["pid"]}
+            mine = host_dir / folder[made["name"]] if nested else host_dir
+            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir", "contained")},
+                    "host_dir": str(mine), "guest_pid": made["pid"],
+                    "socket": str(mine / "s") if nested else str(host_dir / f"{made['name']}.sock")}
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
@@ -283,14 +320,17 @@ class AgentHostBackend(Backend):
         """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
         tree = _procs.children_map()
-        found = _procs.host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
+        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
         for ref in refs:
             pid = found.get(ref.info["guest_pid"])
             if pid is None:
                 continue
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
             if ref.name in limits:
-                limits[ref.name].adopt([pid, *(p for p, _ in _procs.descendants(pid, tree))])
+                limits[ref.name].adopt([pid])
+                # then what it started meanwhile (a sandbox branch's agent is forked by its
+                # keeper): looked up after the move, so nothing falls between the two
+                limits[ref.name].adopt([p for p, _ in _procs.descendants(pid)])
         for name in set(limits) - {r.name for r in refs}:  # asked for, never made
             self.limiter.release(name)
 
@@ -298,7 +338,7 @@ class AgentHostBackend(Backend):
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        run_dir = machine.info["run_dir"]
+        run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         try:  # the stage goes on every path, even when the machine fails to save
             done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
             # The machine made every path in the stage: the gate reads them without following links.
@@ -321,7 +361,7 @@ class AgentHostBackend(Backend):
         ref = await self.create(spec, name)
         stage = None
         try:
-            stage = archive.hand_over(path, ref.info["run_dir"])
+            stage = self._hand_over(path, ref.info["host_dir"])
             done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
         except SmolbenchError as exc:
             await self.delete(ref)
@@ -332,7 +372,16 @@ class AgentHostBackend(Backend):
             raise
         finally:
             if stage is not None:
-                shutil.rmtree(Path(ref.info["run_dir"]) / stage, ignore_errors=True)
+                shutil.rmtree(Path(ref.info["host_dir"]) / stage, ignore_errors=True)
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
         return ref
+
+
+def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
+    """Short folder names for branches (a socket path must stay under 108 bytes)."""
+    out: builtins.list[str] = []
+    for i, name in enumerate(names):
+        last = name.rsplit(".", 1)[-1]
+        out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
+    return out

@@ -231,6 +231,7 @@ CONTROL: dict[str, Callable[[Any, str], Any]] = {
     "children": _children,
     "skipped": lambda v, k: string_list(v, "the skipped list", 100_000, 4096),
     "saved": lambda v, k: string_list(v, "the saved list", 100_000, 4096),
+    "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
 }
 
 

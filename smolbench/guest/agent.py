@@ -38,15 +38,16 @@ import types
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_protocol():
+def _load_protocol(name="protocol"):
     # Loaded under a private name so user code can still have a module called "protocol".
-    spec = importlib.util.spec_from_file_location("_smolbench_protocol", os.path.join(_HERE, "protocol.py"))
+    spec = importlib.util.spec_from_file_location("_smolbench_" + name, os.path.join(_HERE, name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 P = _load_protocol()
+contain = None  # guest/contain.py, loaded by main() when the host asks for containment
 
 BUSY = "machine busy: a cell is already running in this machine; wait for it or interrupt it"
 MIME_METHODS = (
@@ -229,6 +230,7 @@ class Agent:
         self.workdir = workdir
         self.seed = None
         self.mount_ns = True
+        self.machine = None  # contain.Machine when contained (sandbox backend)
         self.cell_count = 0
         self.children = {}  # pid -> name, for reaping
         self.reported = {}
@@ -287,7 +289,11 @@ class Agent:
 
     def _reap_loop(self):
         me = os.getpid()
+        rounds = 0
         while os.getpid() == me:
+            rounds += 1
+            if self.machine is not None and rounds % 5 == 0:
+                contain.reap_orphaned_branches()
             for pid in list(self.children):
                 try:
                     done, _ = os.waitpid(pid, os.WNOHANG)
@@ -346,7 +352,7 @@ class Agent:
 
     def info(self):
         """What the host shows in ``%smol status``."""
-        return {
+        info = {
             "name": self.name,
             "pid": os.getpid(),
             "python": sys.version.split()[0],
@@ -357,6 +363,9 @@ class Agent:
             "workdir": self.workdir,
             "hostname": socket.gethostname(),
         }
+        if self.machine is not None:
+            info.update(contain.info(self.machine))
+        return info
 
     def serve_forever(self):
         """Run requests on the main thread, one at a time."""
@@ -554,10 +563,14 @@ class Agent:
     def fork(self, req):
         """Fork one live child per requested branch; answer with their pids."""
         made = []
+        frozen = contain.ask_freeze(self.machine.chan) if self.machine is not None else None
+        if frozen is not None and self.workdir:
+            os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
         gc.freeze()
         for child in req["children"]:
+            os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
             listener = self._listen(child["socket"])
             for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
                 try:
@@ -567,7 +580,7 @@ class Agent:
             pid = os.fork()
             if pid == 0:
                 try:
-                    self._become_child(child, listener)
+                    self._become_child(child, listener, frozen)
                 except BaseException as exc:
                     sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
                     os._exit(70)
@@ -575,9 +588,12 @@ class Agent:
             listener.close()
             self.children[pid] = child["name"]
             made.append({"name": child["name"], "pid": pid})
-        return {"t": "done", "status": "ok", "children": made}
+        done = {"t": "done", "status": "ok", "children": made}
+        if frozen is not None and frozen["flattened"]:
+            done["flattened"] = frozen["flattened"]
+        return done
 
-    def _become_child(self, child, listener):
+    def _become_child(self, child, listener, frozen=None):
         try:
             self._conn.close()  # the parent answers the fork request
         except OSError:
@@ -594,7 +610,11 @@ class Agent:
         self._running = False
         self.cell_count = 0
         _set_pdeathsig()
-        self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
+        if frozen is not None:
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]))
+            self.sock_path = os.path.join(contain.RUN, "s")
+        else:
+            self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor()
 
@@ -655,6 +675,14 @@ class Agent:
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+
+
+def _plain_name(name):
+    """A branch's run folder name: one plain path component (the host chooses it)."""
+    name = str(name)
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ValueError("bad run folder name %r" % name)
+    return name
 
 
 def _wait_exited(pid, timeout):
@@ -903,6 +931,11 @@ def main(argv=None):
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
+    ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
+    ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
+    ap.add_argument("--net", action="store_true", help="keep the network (no own net namespace for branches)")
+    ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     args = ap.parse_args(argv)
     _apply_rlimits(args.rlimit)
@@ -915,8 +948,15 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _set_pdeathsig()
+    machine = None
+    if args.contain:
+        global contain
+        contain = _load_protocol("contain")
+        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
+                                     seccomp_filter="seccomp" not in args.weaken)
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
+    agent.machine = machine
     if args.ready:
         with open(args.ready, "w") as fh:
             fh.write(str(os.getpid()))
