@@ -134,13 +134,22 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _wait_for_kernel(page: Any) -> None:
+    """Until the visible notebook's kernel is idle; accepts JupyterLab's "Select Kernel" dialog,
+    and asks for a kernel when the notebook settled with "No Kernel" (a start-up race)."""
     deadline = time.monotonic() + 90
+    nudge = time.monotonic() + 15
     while not page.locator(".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']").count():
         assert time.monotonic() < deadline, "the notebook's kernel did not start"
         accept = page.locator(".jp-Dialog button.jp-mod-accept")
         if accept.count():
             with contextlib.suppress(Exception):
                 accept.first.click(timeout=2_000)
+        elif time.monotonic() > nudge:
+            nudge = time.monotonic() + 15
+            name = page.locator(".jp-NotebookPanel:visible .jp-KernelName")
+            if name.count() and "No Kernel" in name.first.inner_text():
+                with contextlib.suppress(Exception):
+                    name.first.click(timeout=2_000)  # opens the kernel dialog, accepted above
         page.wait_for_timeout(100)
     page.wait_for_timeout(300)
 

@@ -259,6 +259,9 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
                     "memory_mib": 1024, "cpus": 1, "pid": machine.pid, "pid_start": mstart},
                    # a machine whose process is already gone is not shown
                    {"id": "ghost", "backend": "process", "pid": kpid, "pid_start": kstart}]}
+        # a microVM (no host process to check): listed as unverified, not killable
+        registry.write_atomic(folder / "kernel-vm.json", {**rec, "kernel_id": "vm", "backend": "smol", "machines": [
+            {"id": "root", "backend": "smol", "created": time.time(), "memory_mib": 2048, "pid": None}]})
         registry.write_atomic(folder / "kernel-deadbeef-0000.json", rec)
         # a live kernel that is not this server's is none of its business
         registry.write_atomic(folder / "kernel-other.json", {**rec, "kernel_id": "other", "pid": os.getpid(),
@@ -267,7 +270,14 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
 
         code, body = call("machines")
         assert code == 200, body
-        assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000"]
+        assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000", "vm"]
+        vm = body["kernels"][1]["machines"][0]
+        assert vm["orphaned"] and vm["unverified"] and not vm["killable"]
+        code, reply = call("machines", "vm", "root", method="DELETE")
+        assert code == 409 and reply["message"] == "root's backend published no host process, so it can't be killed from here"
+        (folder / "kernel-vm.json").unlink()
+        body["kernels"] = body["kernels"][:1]
+        body["orphaned"] -= 1
         group = body["kernels"][0]
         assert group["orphaned"] and not group["kernel_alive"]
         assert [m["id"] for m in group["machines"]] == ["root", "root.0"]

@@ -630,3 +630,33 @@ def test_run_folder_files_are_read_without_following_links_or_blocking_on_fifos(
     (run / OWNER).symlink_to(secret)
     assert owner_alive(run) is None and read_small(run / OWNER) is None
     assert (run / OWNER).read_text() == secret.read_text()  # what following the link would have read
+
+
+XSS_VECTORS = [
+    "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "<svg onload=alert(1)>",
+    "<svg><a xlink:href=\"javascript:alert(1)\"><text>x</text></a></svg>",
+    "<svg><animate onbegin=alert(1) attributeName=x dur=1s>", "<svg><set attributeName=href to=javascript:alert(1)>",
+    "<math><mtext><table><mglyph><style><img src=x onerror=alert(1)>", "<iframe srcdoc=\"<script>alert(1)</script>\">",
+    "<object data=\"javascript:alert(1)\">", "<embed src=\"javascript:alert(1)\">", "<base href=\"javascript:/\">",
+    "<meta http-equiv=\"refresh\" content=\"0;url=javascript:alert(1)\">", "<details open ontoggle=alert(1)>",
+    "<a href=\"jAvAsCrIpT:alert(1)\">x</a>", "<a href=\"java&#x09;script:alert(1)\">x</a>",
+    "<a href=\" javascript:alert(1)\">x</a>", "<img srcset=\"x 1x\" onerror=alert(1)>",
+    "<link rel=stylesheet href=\"http://127.0.0.1:1/x.css\">", "<style>@import 'http://127.0.0.1:1/x.css';</style>",
+    "<div style=\"background:url(javascript:alert(1))\">x</div>", "<body onload=alert(1)>",
+    "<noscript><p title=\"</noscript><img src=x onerror=alert(1)>\">", "<template><script>alert(1)</script></template>",
+    "<input autofocus onfocus=alert(1)>", "<video><source onerror=alert(1)></video>",
+    "<a href=\"data:text/html,<script>alert(1)</script>\">x</a>", "<img src=\"data:text/html,<script>alert(1)</script>\">",
+]
+
+
+@pytest.mark.parametrize("vector", XSS_VECTORS)
+def test_known_xss_vectors_are_cleaned_from_html_and_svg(vector: str) -> None:
+    from smolbench.gate.display import clean_html, clean_svg, markdown_to_html
+
+    for out in (clean_html(vector), clean_svg(vector), markdown_to_html(vector)):
+        low = out.lower()
+        assert "<script" not in low and "javascript:" not in low and "127.0.0.1" not in low, out
+        assert not re.search(r"<[^>]*\son[a-z]+\s*=", low), out  # no event handler survives
+        for tag in ("<iframe", "<object", "<embed", "<base", "<meta", "<link", "<animate", "<set", "<input"):
+            assert tag not in low, out
+        assert "data:text/html" not in low, out

@@ -18,6 +18,7 @@ export interface IMachine {
   reward: number | null;
   active: boolean;
   orphaned: boolean;
+  unverified: boolean;
   killable: boolean;
 }
 

@@ -119,6 +119,8 @@ class MachineHandler(_Base):
             raise _fail(403, f"kernel {kernel_id[:8]} is alive but not run by this server: delete its machines from its own notebook")
         else:
             result = await machines.kill_orphan(path, rec, machine)
+            if not result["ok"]:
+                raise _fail(409, result["message"])
         self.finish(result)
 
 
