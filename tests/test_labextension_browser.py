@@ -374,6 +374,20 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(restore).to_be_disabled()
             expect(restore).to_have_attribute("title", re.compile("open a notebook there to restore it"))
             panel.screenshot(path=str(ARTIFACTS / "labext_corrupt_ledger_light.png"))
+
+            # Delete a checkpoint: it asks first; Cancel keeps it, Delete removes it and its file
+            ck_file = lab["root"] / ".smolbench" / "checkpoints" / "warm.smolcheckpoint"
+            assert ck_file.exists()
+            panel.locator(".sb-checkpoint[data-name='warm'] .sb-delete").click()
+            dialog = page.locator(".jp-Dialog")
+            expect(dialog).to_contain_text('Delete checkpoint "warm"')
+            dialog.locator("button", has_text="Cancel").click()
+            expect(panel.locator(".sb-checkpoint[data-name='warm']")).to_be_visible()
+            panel.locator(".sb-checkpoint[data-name='warm'] .sb-delete").click()
+            page.locator(".jp-Dialog button.jp-mod-warn").click()
+            expect(panel.locator(".sb-msg")).to_have_text("deleted checkpoint warm and its file")
+            expect(panel.locator(".sb-checkpoint[data-name='warm']")).to_have_count(0)
+            assert not ck_file.exists()
             bad = [e for e in console_errors if "smolbench" in e.lower()]
             assert not bad, bad
         except BaseException:
