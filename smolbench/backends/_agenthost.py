@@ -330,6 +330,7 @@ class AgentHostBackend(Backend):
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
         tree = _procs.children_map()
         found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
+        moved = []
         for ref in refs:
             pid = found.get(ref.info["guest_pid"])
             if pid is None:
@@ -337,9 +338,13 @@ class AgentHostBackend(Backend):
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
             if ref.name in limits:
                 limits[ref.name].adopt([pid])
-                # then what it started meanwhile (a sandbox branch's agent is forked by its
-                # keeper): looked up after the move, so nothing falls between the two
-                limits[ref.name].adopt([p for p, _ in _procs.descendants(pid)])
+                moved.append((ref.name, pid))
+        if moved:
+            # then what they started meanwhile (a sandbox branch's agent is forked by its keeper):
+            # looked up after the move, so nothing falls between the two
+            tree = _procs.children_map()
+            for name, pid in moved:
+                limits[name].adopt([p for p, _ in _procs.descendants(pid, tree)])
         for name in set(limits) - {r.name for r in refs}:  # asked for, never made
             self.limiter.release(name)
 
