@@ -380,6 +380,45 @@ def run_workspace_axis(quick: bool) -> dict[str, Any]:
     return data
 
 
+# Measured on 2026-11-29 before containment (issue 8): bwrap as host root, one process per branch.
+BEFORE_CONTAINMENT = {"b1_ms": 0.81, "fork16_ms": 90.2, "pss_mib": 2.45, "floor16_ms": 41.6, "thp16_ms": 54.4}
+
+
+def containment_note(b1: dict[str, Any] | None, b3: dict[str, Any] | None) -> list[str]:
+    """Before/after containment for B1 and B3, normalised by the plain-fork floor of each run."""
+    if not (b1 and b3):
+        return []
+    r = b3["results"]
+    now16 = r["backend"]["per_n"]["16"]
+    floor16 = r["os_fork_floor_ms"]["16"]["median"]
+    thp16 = (_get(r, "whatif_thp", "backend", "per_n", "16", "all_running_ms", "median"))
+    b = BEFORE_CONTAINMENT
+    t16 = now16["all_running_ms"]["median"]
+    return ["## Containment (issue 8): before / after", "",
+            "| | before (bwrap as host root, 1 process per branch) | after (unprivileged uid, keeper + agent per machine, "
+            "nested namespaces, seccomp, overlay files) |", "|---|---:|---:|",
+            f"| B1 `%%smol` over raw exec | {b['b1_ms']} ms | {b1['derived_ms']['smol_over_raw_median']:.2f} ms |",
+            f"| B3 fork 16, all running | {b['fork16_ms']} ms | {t16:.1f} ms |",
+            f"| plain `os.fork()`×16 of 200 MiB at the same time (host speed) | {b['floor16_ms']} ms | {floor16:.1f} ms |",
+            f"| B3 fork 16 / that floor | {b['fork16_ms'] / b['floor16_ms']:.2f}× | {t16 / floor16:.2f}× |",
+            f"| B3 fork 16, heap in THP (what-if) | {b['thp16_ms']} ms | {'–' if thp16 is None else f'{thp16:.1f} ms'} |",
+            f"| extra PSS per branch | {b['pss_mib']} MiB | {now16['memory'].get('extra_pss_per_branch_mib', 0):.2f} MiB |", "",
+            "Each branch is now two processes: its keeper (made the branch's user, mount, pid, IPC and net "
+            "namespaces; keeps the capabilities there) forks the agent as pid 1 of the new pid namespace, so a fork "
+            "copies the warm heap's page tables twice (once in the parent, once in the keeper, in parallel across "
+            "branches). That is the extra time and the ~1.6 MiB extra PSS per branch (the keeper's page tables and "
+            "touched pages). Read the absolute times against the floor row: the shared host ran "
+            f"{floor16 / b['floor16_ms']:.1f}× slower than on 2026-11-29 during this run.", ""]
+
+
+def _get(d: Any, *path: Any) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
 def section(d: dict[str, Any]) -> list[str]:
     """The RESULTS.md section of the workspace-size axis."""
     def f(x: Any, nd: int = 1) -> str:

@@ -458,6 +458,9 @@ def write(quick: bool = False) -> Path:
         from .flood import section as flood_section
 
         lines += flood_section(flood)
+    from .b3_fork import containment_note
+
+    lines += containment_note(b1, b3)
     ws = _load("b3_workspace", quick)
     if ws:
         from .b3_fork import section as ws_section
