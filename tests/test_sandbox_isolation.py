@@ -207,3 +207,17 @@ def test_a_notebook_python_under_tmp_is_not_hidden_by_the_machines_tmp(open_tmp:
     assert out.returncode == 0, out.stderr[-2000:]
     root, branch = json.loads(out.stdout.strip().splitlines()[-1])
     assert root == f"({str(venv)!r}, True)" and branch == f"({str(venv)!r}, True)"
+
+
+def test_many_forks_with_writes_flatten_the_layers_once_and_say_so(backend: SandboxBackend) -> None:
+    """Each fork after a write stacks a layer; past overlayfs' comfortable depth a fork copies
+    them into one, and `%smol status` (the backend's isolation line) says so."""
+    ref = up(backend)
+    for i in range(52):
+        run(backend, ref, f"open('f{i}.txt', 'w').write('{i}')")
+        kid = _loop.run(backend.branch(ref, [f"root.{i}"], [i]))[0]
+        if i in (0, 51):
+            assert value(run(backend, kid, "import os\nlen([f for f in os.listdir() if f.endswith('.txt')])")) == str(i + 1)
+        _loop.run(backend.delete(kid))
+    assert "flattened" in backend.isolation
+    assert value(run(backend, ref, "import os\nsorted(os.listdir()) == sorted(f'f{i}.txt' for i in range(52))")) == "True"
