@@ -240,11 +240,13 @@ class Lab:
 def _lab(weaken: str, net: bool = False) -> Iterator[Lab]:
     base = Path(tempfile.mkdtemp(prefix="smolbench-contain-"))
     base.chmod(0o711)
-    lab = Lab(base, weaken, net)
     try:
-        yield lab
+        lab = Lab(base, weaken, net)
+        try:
+            yield lab
+        finally:
+            lab.close()
     finally:
-        lab.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
