@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from .b1_overhead import close_raw, raw_backend
@@ -279,6 +280,194 @@ def run(backend: str, quick: bool) -> dict[str, Any]:
     return data
 
 
+# -- the workspace-size axis (issue 12): does a fork's cost depend on the files? ------------------
+
+WS_SIZES_MIB = (0, 200, 1024)
+WS_FILL = ("import os\nwith open('data.bin', 'wb') as fh:\n    for _ in range({mib}):\n"
+           "        fh.write(os.urandom(1 << 20))\nos.path.getsize('data.bin') if {mib} else 0")
+
+
+def _shmem_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _store_used_mib(ref: Any) -> float | None:
+    """What a branch holds in its own file layers (its tmpfs store, or the old copy's tmpfs)."""
+    pid = ref.info.get("host_pid")
+    for inside in (f"/run/.smolbench-branch-{ref.name}", "/run/smolbench-layers"):
+        with contextlib.suppress(OSError):
+            st = os.statvfs(f"/proc/{pid}/root{inside}")
+            return (st.f_blocks - st.f_bfree) * st.f_frsize / 2**20
+    return None
+
+
+def _ws_machine(mib: int) -> tuple[Any, Any]:
+    """A sandbox machine whose memory limit has room for ``mib`` of files (they live in RAM)."""
+    from smolbench import _loop
+    from smolbench.magics import choose_backend
+    from smolbench.spec import MachineSpec
+
+    be, _why = choose_backend("sandbox", "local")
+    # Before containment each of the 16 branches copied the files, and the copies count against
+    # the parent's memory until the branches move to their own cgroups.
+    copies = 17 if os.environ.get("SMOLBENCH_TEST_WEAKEN") == "host-root" else 2
+    ref = _loop.run(be.create(MachineSpec(memory=1024 + copies * mib), "bench-ws"), timeout=120)
+    return be, ref
+
+
+def workspace_axis(n: int = 16, reps: int = 3, sizes: tuple[int, ...] = WS_SIZES_MIB,
+                   label: str = "after") -> dict[str, Any]:
+    """Fork ``n`` of a machine whose workspace holds 0 / 200 MiB / 1 GiB of random data: time to
+    all running, and extra host memory per branch (process PSS + what its file layers hold +
+    the host's Shmem, which counts tmpfs pages wherever they are)."""
+    from smolbench import _loop
+    from smolbench.backends.base import CellRequest
+
+    out: dict[str, Any] = {}
+    for mib in sizes:
+        be, ref = _ws_machine(mib)
+        try:
+            res = _loop.run(be.exec_cell(ref, CellRequest(WS_FILL.format(mib=mib)), lambda e: None), timeout=600)
+            if res.status != "ok":
+                raise RuntimeError(f"could not fill the workspace: {res.error}")
+            root_pid = _host_root_pid(ref)
+            base = tree_memory(root_pid) if root_pid else None
+            times, mem = [], {}
+            for rep in range(reps):
+                shm0 = _shmem_kib()
+                names = [f"ws{mib}r{rep}.{i}" for i in range(n)]
+                kids, _t_req, t_ready, results = _loop.run(_branch_and_run(be, ref, names, list(range(n))), timeout=600)
+                if any(r.status != "ok" for r in results):
+                    raise RuntimeError(f"a branch failed: {next(r.error for r in results if r.status != 'ok')}")
+                times.append(t_ready)
+                if rep == 0 and base is not None and root_pid:
+                    after = tree_memory(root_pid)
+                    stores = [u for u in (_store_used_mib(k) for k in kids) if u is not None]
+                    mem = {"extra_pss_per_branch_mib": (after["pss_mib"] - base["pss_mib"]) / n,
+                           "files_per_branch_mib": statistics.mean(stores) if stores else None,
+                           "host_shmem_per_branch_mib": (_shmem_kib() - shm0) / 1024 / n}
+                _loop.run(_delete_all(be, kids), timeout=300)
+            out[str(mib)] = {"all_running_ms": summary(times), "memory": mem}
+            log(f"B3 workspace [{label}] {mib} MiB: fork {n} all running {statistics.median(times) * 1e3:.1f} ms, "
+                f"per branch PSS {mem.get('extra_pss_per_branch_mib', float('nan')):.2f} MiB, files "
+                f"{mem.get('files_per_branch_mib') or 0:.2f} MiB, host Shmem {mem.get('host_shmem_per_branch_mib', 0):.2f} MiB")
+        finally:
+            close_raw(be, ref)
+    return out
+
+
+def run_workspace_axis(quick: bool) -> dict[str, Any]:
+    """After (overlay layers) on 0 / 200 MiB / 1 GiB; before (the old copying set-up, via the
+    test-only SMOLBENCH_TEST_WEAKEN=host-root) on 0 and 200 MiB only: 16 copies of 1 GiB would
+    take 16 GiB of this shared host's RAM."""
+    reps = 2 if quick else 3
+    data: dict[str, Any] = {"benchmark": "B3 workspace-size axis", "machine": machine_info("sandbox"),
+                            "params": {"n": 16, "reps": reps, "sizes_mib": list(WS_SIZES_MIB)},
+                            "after": workspace_axis(16, reps, WS_SIZES_MIB, "after")}
+    old = os.environ.get("SMOLBENCH_TEST_WEAKEN")
+    os.environ["SMOLBENCH_TEST_WEAKEN"] = "host-root"
+    try:
+        data["before"] = workspace_axis(16, 1, (0, 200), "before")
+    finally:
+        if old is None:
+            os.environ.pop("SMOLBENCH_TEST_WEAKEN", None)
+        else:
+            os.environ["SMOLBENCH_TEST_WEAKEN"] = old
+    a0, a1g = (data["after"].get(k, {}).get("all_running_ms", {}).get("median") for k in ("0", "1024"))
+    data["goal"] = {"text": "fork 16 with 1 GiB within 1.3x of the empty workspace; <= 5 MiB extra per branch "
+                            "plus what it writes", "ratio_1g_to_empty": None if not (a0 and a1g) else a1g / a0}
+    write_json("b3_workspace", data, quick)
+    return data
+
+
+# Measured on 2026-11-29 before containment (issue 8): bwrap as host root, one process per branch.
+BEFORE_CONTAINMENT = {"b1_ms": 0.81, "fork16_ms": 90.2, "pss_mib": 2.45, "floor16_ms": 41.6, "thp16_ms": 54.4}
+
+
+def containment_note(b1: dict[str, Any] | None, b3: dict[str, Any] | None) -> list[str]:
+    """Before/after containment for B1 and B3, normalised by the plain-fork floor of each run."""
+    if not (b1 and b3):
+        return []
+    r = b3["results"]
+    now16 = r["backend"]["per_n"]["16"]
+    floor16 = r["os_fork_floor_ms"]["16"]["median"]
+    thp16 = (_get(r, "whatif_thp", "backend", "per_n", "16", "all_running_ms", "median"))
+    b = BEFORE_CONTAINMENT
+    t16 = now16["all_running_ms"]["median"]
+    return ["## Containment (issue 8): before / after", "",
+            "| | before (bwrap as host root, 1 process per branch) | after (unprivileged uid, keeper + agent per machine, "
+            "nested namespaces, seccomp, overlay files) |", "|---|---:|---:|",
+            f"| B1 `%%smol` over raw exec | {b['b1_ms']} ms | {b1['derived_ms']['smol_over_raw_median']:.2f} ms |",
+            f"| B3 fork 16, all running | {b['fork16_ms']} ms | {t16:.1f} ms |",
+            f"| plain `os.fork()`×16 of 200 MiB at the same time (host speed) | {b['floor16_ms']} ms | {floor16:.1f} ms |",
+            f"| B3 fork 16 / that floor | {b['fork16_ms'] / b['floor16_ms']:.2f}× | {t16 / floor16:.2f}× |",
+            f"| B3 fork 16, heap in THP (what-if before; the default after) | {b['thp16_ms']} ms | "
+            f"{'–' if thp16 is None else f'{thp16:.1f} ms'} |",
+            f"| extra PSS per branch | {b['pss_mib']} MiB | {now16['memory'].get('extra_pss_per_branch_mib', 0):.2f} MiB |", "",
+            "Each branch is now two processes: its keeper (made the branch's user, mount, pid, IPC and net "
+            "namespaces; keeps the capabilities there) forks the agent as pid 1 of the new pid namespace, so a fork "
+            "copies the warm heap's page tables twice (once in the parent, once in the keeper, in parallel across "
+            "branches); that is the ~1.6 MiB extra PSS per branch (the keeper's page tables and touched pages). "
+            "To pay for it, sandbox machines now keep their heap in transparent huge pages by default "
+            "(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, the THP settings folder bound read-only; a Smolfile "
+            "`GLIBC_TUNABLES` wins), the what-if of the run before: a fork copies ~100 PMD entries per 200 MiB "
+            "instead of ~51,200 PTEs, so the B3 what-if machine is now the same as the default one. The floor "
+            "row is the host's speed: the shared host ran "
+            f"{floor16 / b['floor16_ms']:.1f}× slower than on 2026-11-29 during this run.", ""]
+
+
+def _get(d: Any, *path: Any) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def section(d: dict[str, Any]) -> list[str]:
+    """The RESULTS.md section of the workspace-size axis."""
+    def f(x: Any, nd: int = 1) -> str:
+        return "–" if x is None else f"{x:.{nd}f}"
+
+    out = ["## B3 · fork 16 vs workspace size (copy-on-write files, issue 12)", "",
+           "`python -m bench.b3_fork --workspace-axis [--full]`. The parent's workspace holds 0 / 200 MiB / 1 GiB of "
+           "random data (written by a cell), then `fork 16` to all branches running (median of "
+           f"{d['params']['reps']}). Extra host memory per branch: ΔPSS of the sandbox's processes / 16, plus what the "
+           "branch's own file layers hold (its tmpfs store; the old copy's tmpfs before), plus the host's `Shmem` "
+           "growth / 16 (tmpfs pages wherever they are). *Before* is the old set-up (each branch copies the "
+           "workspace and /tmp), run through the test-only `SMOLBENCH_TEST_WEAKEN=host-root`; not at 1 GiB, which "
+           "would take 16 GiB of this shared host's RAM (issue 12 measured 0.80 s / 5.2 s / 15.4 s for 1 / 200 / 500 MB).", "",
+           "| workspace | | fork 16, all running ms (median / p95) | extra PSS / branch MiB | files / branch MiB | host Shmem / branch MiB |",
+           "|---:|---|---:|---:|---:|---:|"]
+    for label in ("before", "after"):
+        for mib, v in d.get(label, {}).items():
+            m = v.get("memory", {})
+            out.append(f"| {mib} MiB | {label} | **{f(v['all_running_ms']['median'])}** / {f(v['all_running_ms']['p95'])} | "
+                       f"{f(m.get('extra_pss_per_branch_mib'), 2)} | {f(m.get('files_per_branch_mib'), 2)} | "
+                       f"{f(m.get('host_shmem_per_branch_mib'), 2)} |")
+    g = d.get("goal", {})
+    out += ["", f"Goal: 1 GiB within 1.3× of empty — measured {f(g.get('ratio_1g_to_empty'), 2)}×; ≤ 5 MiB per branch "
+                "plus what it writes. A fork freezes the parent's upper layer (one unmount and mount, ~0.5 ms, whatever "
+                "it holds); branches stack it under their own upper layer, so nothing is copied. The remaining spread "
+                "between sizes is the shared host's noise: the child's set-up is dominated by creating its namespaces "
+                "(1–25 ms per branch under load, net namespace included), which does not depend on the files.", ""]
+    return out
+
+
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.b3_fork", description=__doc__.splitlines()[0])
+    ap.add_argument("backend", nargs="?", default="sandbox")
+    ap.add_argument("--workspace-axis", action="store_true",
+                    help="only the workspace-size axis (0 / 200 MiB / 1 GiB in the workspace, fork 16)")
+    ap.add_argument("--full", action="store_true", help="more repetitions (default: quick)")
+    cli = ap.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "sandbox", True)["results"], indent=1))
+        if cli.workspace_axis:
+            print(json.dumps(run_workspace_axis(not cli.full), indent=1))
+        else:
+            print(json.dumps(run(cli.backend, not cli.full)["results"], indent=1))

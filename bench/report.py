@@ -436,6 +436,10 @@ def write(quick: bool = False) -> Path:
         lines.append(f"| B3 fork cost | fork 16 ≤ 150 ms, ≤ 25 MiB/branch | {_f(g['fork16_all_running_ms'])} ms, "
                      f"{_f(g['extra_pss_per_branch_mib'], 2)} MiB/branch | {_ok(g['met'])}"
                      + (f" (time gap {_f(g['time_gap_ms'])} ms; memory met)" if not g["met"] and not g.get("memory_gap_mib") else "") + " |")
+    b4g = (_load("b4_labext", quick) or {}).get("goal")
+    if b4g:
+        lines.append(f"| B4 sidebar runs endpoint | well under 100 ms on a 100,000-node ledger | HTTP p95 {_f(b4g['runs_endpoint_p95_ms'], 1)} ms, "
+                     f"uncached median {_f(b4g.get('cold_median_ms'), 1)} ms (p95 {_f(b4g.get('cold_p95_ms'), 1)} ms) | {_ok(b4g['met'])} |")
     lines.append("")
     if b1:
         lines += b1_section(b1)
@@ -444,11 +448,29 @@ def write(quick: bool = False) -> Path:
     if b3:
         lines += b3_section(b3)
     lines += meaning_section(b1, b2, b3, prof)
+    b4 = _load("b4_labext", quick)
+    if b4:
+        from .b4_labext import section as b4_section
+
+        lines += b4_section(b4)
     flood = _load("flood", quick)
     if flood:
         from .flood import section as flood_section
 
         lines += flood_section(flood)
+    from .b3_fork import containment_note
+
+    lines += containment_note(b1, b3)
+    ws = _load("b3_workspace", quick)
+    if ws:
+        from .b3_fork import section as ws_section
+
+        lines += ws_section(ws)
+    limits = _load("limits", quick)
+    if limits:
+        from .limits import section as limits_section
+
+        lines += limits_section(limits)
     hist = RESULTS / "history.jsonl"
     if hist.exists() and not quick:
         rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()]

@@ -25,7 +25,7 @@ import json  # noqa: E402
 
 from bench.common import RESULTS, code_state, log, reap_leftovers, write_json  # noqa: E402
 
-ALL = ("b1", "b2", "b3", "profile")
+ALL = ("b1", "b2", "b3", "profile", "b4")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "b3":
                     from bench import b3_fork
                     b3_fork.run(args.backend, args.quick)
+                elif name == "b4":
+                    from bench import b4_labext
+                    b4_labext.run(args.backend, args.quick)
                 elif name == "profile":
                     from bench import profile_stages
                     profile_stages.run(args.backend, args.quick)

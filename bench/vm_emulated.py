@@ -59,7 +59,7 @@ def main() -> None:
     result = asyncio.run(measure())
     result["machine"] = {
         "what": "QEMU TCG (software emulation), -cpu EPYC-Rome,+svm,+npt, -smp 1; smol microVM nested in it",
-        "guest_kernel": platform.release(),
+        "l1_kernel": platform.release(),  # the emulated host's; the microVMs run smol's own 6.18
         "cpus": os.cpu_count(),
         "image": IMAGE,
         "memory_mib": 512,

@@ -58,7 +58,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 );
 -- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
 CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
-CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward);
+CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward, id);
 """
 
 NODE_COLUMNS = (

@@ -29,7 +29,7 @@ Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
           [--max-alive N]
-  %smol status                  backend, machine, image, uptime, isolation level
+  %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
   %smol use NODE|best           make a live node (e.g. root.7) the active machine
@@ -456,6 +456,8 @@ class SmolMagics(Magics):
         if res.status != "ok":
             err = res.error or {}
             raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
+        if res.metrics.get("reward_error"):  # e.g. reward = True or 10**400: said, not recorded
+            print(f"smolbench: {res.metrics['reward_error']}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
         if res.pull_error:
             raise SmolbenchError(res.pull_error)

@@ -3,8 +3,8 @@
 One JSON file per kernel, ``<runtime dir>/smolbench/kernel-<kernel id>.json``, where the
 runtime dir is the folder holding the kernel's connection file (so it is the runtime dir of
 the server that started the kernel). A Workbench observer rewrites it atomically (temp file +
-``os.replace``) whenever nodes change, at most every ``WRITE_EVERY`` seconds, and at once when
-the last machine goes. Files, not a socket or a port: they need no server to be up, they
+``os.replace``): at once when machines come or go, at most every ``WRITE_EVERY`` seconds for
+status changes. Files, not a socket or a port: they need no server to be up, they
 outlive a dead kernel (so its machines can be shown as orphaned), and a reader never sees half
 a file. The record holds the kernel's pid and start time so readers can tell a dead kernel (or
 a reused pid) from a live one.
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-WRITE_EVERY = 0.2  # seconds: a 64-branch fork rewrites the file a handful of times, not 200
+WRITE_EVERY = 0.2  # seconds between rewrites for status changes (a 64-branch fork: a handful, not 200)
+SOON = 0.05  # a machine came or went: write now, unless the last write was this recent
 FORMAT = 1
 DIRNAME = "smolbench"
 MAX_RECORD_BYTES = 4 << 20
@@ -49,11 +50,28 @@ def proc_start(pid: int) -> int | None:
 
 
 def alive(pid: Any, start: Any) -> bool:
-    """True when ``pid`` runs and is the process that started at ``start``."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+    """True when ``pid`` runs and is the process that started at ``start`` (without a start
+    time there is no telling a reused pid from the original: not alive, never killed)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or not isinstance(start, int):
         return False
-    now = proc_start(pid)
-    return now is not None and (start is None or now == start)
+    return proc_start(pid) == start
+
+
+def memory_mib(pid: Any, start: Any) -> tuple[float | None, str]:
+    """How much memory the process ``pid`` holds, in MiB, and what was measured: its PSS
+    (shared copy-on-write pages split between the branches sharing them) where /proc lets
+    us read it, else its RSS (which counts shared pages in full)."""
+    if not alive(pid, start):
+        return None, ""
+    for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
+        try:
+            with open(f"/proc/{pid}/{name}") as fh:
+                for line in fh:
+                    if line.startswith(key):
+                        return round(int(line.split()[1]) / 1024, 1), "PSS" if key == "Pss:" else "RSS"
+        except OSError:
+            continue
+    return None, ""
 
 
 def _connection_file() -> str | None:
@@ -91,10 +109,13 @@ def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
         if isinstance(pid, int) and pid not in pids:
             pids[pid] = proc_start(pid)
         node = workbench.tree[name] if name in workbench.tree else None
+        agent = ref.info.get("host_pid")  # the machine's own agent process, as the host sees it
         machines.append({
             "id": name, "parent": ref.parent, "backend": ref.backend, "created": ref.created,
             "memory_mib": ref.spec.memory, "cpus": ref.spec.cpus,
             "pid": pid if isinstance(pid, int) else None, "pid_start": pids.get(pid),
+            "agent_pid": agent if isinstance(agent, int) else None,
+            "agent_start": proc_start(agent) if isinstance(agent, int) else None,
             "status": node.status if node is not None else None,
             "reward": node.reward if node is not None and isinstance(node.reward, (int, float)) else None,
         })
@@ -131,10 +152,13 @@ class Publisher:
         self.workbench = workbench
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._written: set[str] = set()
+        self._at = 0.0
         workbench.observe(self._on_change)
 
     def _on_change(self, workbench: Any, nodes: Any) -> None:
-        if not workbench.machines:  # the last machine went (%smol down, a delete): say so now
+        # machines came or went (up, fork, delete, down): the sidebar should know at once
+        if not workbench.machines or (set(workbench.machines) != self._written and time.monotonic() - self._at > SOON):
             self.flush()
             return
         with self._lock:
@@ -150,6 +174,7 @@ class Publisher:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            self._written, self._at = set(self.workbench.machines), time.monotonic()
             try:
                 if self.workbench.machines:
                     write_atomic(self.path, record(self.workbench, self.kernel_id))

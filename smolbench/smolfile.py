@@ -232,7 +232,7 @@ class _Parser:
         if "pids" in data:
             spec["pids"] = self.bounded_int(data["pids"], "pids", MIN_PIDS, MAX_PIDS, "processes and threads")
         if "disk" in data:
-            spec["disk_mib"] = self.size(data["disk"], "disk", MIN_DISK, "RAM (the workspace and /tmp live in memory)")
+            spec["disk_mib"] = self.size(data["disk"], "disk", MIN_DISK, "; the workspace and /tmp live in memory")
         if "init_timeout" in data:
             spec["init_timeout"] = self.seconds(data["init_timeout"], "init_timeout")
         if "max_alive" in data:
@@ -338,9 +338,9 @@ class _Parser:
         return value
 
     def memory(self, value: Any) -> int:
-        return self.size(value, "memory", MIN_MEMORY, "RAM")
+        return self.size(value, "memory", MIN_MEMORY)
 
-    def size(self, value: Any, key: str, minimum: int, of_host: str) -> int:
+    def size(self, value: Any, key: str, minimum: int, why: str = "") -> int:
         """A size in MiB: an integer, or a string like "512M" / "2G"; at most the host's RAM."""
         example = f'write {key} = 2048 (MiB) or {key} = "2G"'
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -375,7 +375,7 @@ class _Parser:
         host = host_memory_mib()
         if size > host:
             self.fail_at(
-                f"'{key}' is more than this host's {of_host} ({host} MiB), got {shown}; "
+                f"'{key}' is more than this host's RAM ({host} MiB{why}), got {shown}; "
                 f"write {key} = {host} or less",
                 key,
             )

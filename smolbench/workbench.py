@@ -292,7 +292,27 @@ class Workbench:
                 "was killed: its state is lost")
         if self.active is not None:
             return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
-        return f"{head}. `%smol down` then `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
+        try:
+            fresh = await self._fresh()
+        except Exception as exc:
+            return (f"{head}, and a fresh machine did not start ({exc}). `%smol down` then `%smol up` starts "
+                    "one (or `%smol checkpoint restore NAME`)")
+        return f"{head}; a fresh machine {fresh} from the Smolfile is up and active (its variables start empty)"
+
+    async def _fresh(self) -> str:
+        """A new machine from the spec, made active (after the active one had to be killed)."""
+        node_id = f"fresh{sum(1 for n in self.tree if n.id.startswith('fresh') and '.' not in n.id) + 1}"
+        ref = await retry.boot(self, self.spec, node_id, self.retries)
+        self.machines[node_id] = ref
+        node = self.tree.add(Node(node_id, status="idle", started=time.time()))
+        try:
+            await self._init(ref)
+        except BaseException:
+            await _to_the_end(self._drop(node_id))
+            raise
+        self.active = node_id
+        self._record(node)
+        return node_id
 
     # -- fan-out -----------------------------------------------------------------------------
 
@@ -778,6 +798,7 @@ class Workbench:
             "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": "on" if self.spec.network_enabled else "off",
+            "trusted": "ON: pulls unpickled, output raw (`%smol trust off`)" if self.trusted else "off",
             "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),
             "live_machines": self._live_text(),

@@ -9,11 +9,16 @@ carry another tag and are left alone.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -45,3 +50,16 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         except ProcessLookupError:
             pass
     session.exitstatus = 1
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A fresh folder (removed after the test) that a sandbox's unprivileged uid can reach:
+    pytest's ``tmp_path`` sits below a 0700 folder, and a kernel running as root starts its
+    sandboxes as another uid, so Smolfile volumes there would be out of reach."""
+    path = Path(tempfile.mkdtemp(prefix="smolbench-test-"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

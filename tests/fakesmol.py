@@ -16,7 +16,8 @@ from its docs, the fake does what the real one does:
 - a ``branchable`` machine is started by ``start_forkable()``, which waits a fixed
   180 s for the guest agent whatever ``ready_timeout_seconds`` says;
 - ``checkpoint()`` refuses a machine booted from a host-backed image (a rootfs
-  directory or a ``docker save`` archive) with CONFIG_ERROR.
+  directory or a ``docker save`` archive) with CONFIG_ERROR;
+- ``delete()`` refuses a machine whose branches still exist ("delete descendants first").
 
 The agent runs with ``--no-mount-ns`` (its mode for a plain host process), so a
 branch copies only its own workspace inside the fake VM's directory, never the
@@ -191,6 +192,7 @@ class FakeVM:
         self.host, self.name, self.root, self.image = host, name, root, image
         self.agent_pid: int | None = None
         self.agent_sock: str | None = None
+        self.source: FakeVM | None = None  # the VM this one was branched from
         self.deleted = False
         self.fail_delete: SmolError | None = None
         m = create_autospec(Machine, instance=True)
@@ -327,6 +329,7 @@ class FakeVM:
             root = self.host.new_root()
             pid = self.host.agent_fork(self, root)
             kid = FakeVM(self.host, name, root, self.image)
+            kid.source = self
             kid.agent_pid, kid.agent_sock = (
                 pid,
                 f"{root}/{os.path.relpath(self.agent_sock or '', self.root)}",
@@ -371,6 +374,12 @@ class FakeVM:
         if self.fail_delete is not None:
             raise self.fail_delete
         self._alive()
+        kids = [vm.name for vm in self.host.vms if vm.source is self and not vm.deleted]
+        if kids:
+            raise wrap_native_error(RuntimeError(
+                f"[SMOLVM_ERROR] Agent error (delete machine): machine '{self.name}' has dependent "
+                f"fork(s) ({', '.join(kids)}); delete descendants first"
+            ))
         self.deleted = True
         self.kill()
 

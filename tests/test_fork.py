@@ -58,16 +58,18 @@ def barrier(prefix, n, name):
 
 
 def workdir(tmp_path: Path) -> Path:
-    """A notebook directory with a Smolfile that shares ./gate with its machines."""
+    """A notebook directory with a Smolfile that shares ./gate with its machines
+    (``tmp_path`` must be reachable by the sandbox uid: the ``open_tmp`` fixture)."""
     (tmp_path / "gate").mkdir()
+    (tmp_path / "gate").chmod(0o777)  # machines run as their own unprivileged uid
     (tmp_path / "Smolfile").write_text(SMOLFILE)
     return tmp_path
 
 
 @pytest.fixture
-def session(tmp_path: Path) -> Iterator[NotebookSession]:
+def session(open_tmp: Path) -> Iterator[NotebookSession]:
     """A kernel in a fresh notebook directory with a machine up (allow_errors: tests read the errors)."""
-    with NotebookSession(workdir(tmp_path), allow_errors=True) as nb:
+    with NotebookSession(workdir(open_tmp), allow_errors=True) as nb:
         for source in UP:
             ok(nb.run(source))
         yield nb
@@ -130,8 +132,20 @@ def branch_lines(text: str) -> list[str]:
 
 
 def agents(nb: NotebookSession) -> int:
-    """How many guest agents (machines and branches) this kernel has running."""
-    return sum(AGENT in p.cmdline and not p.cmdline.split()[0].endswith("bwrap") for p in nb.processes())
+    """How many guest agents (machines and branches) this kernel has running. A contained
+    machine is two processes with the agent's command line: its keeper and its agent,
+    which is pid 1 of the machine's own pid namespace."""
+    return sum(AGENT in p.cmdline and not p.cmdline.split()[0].endswith("bwrap") and _pid_ns_init(p.pid)
+               for p in nb.processes())
+
+
+def _pid_ns_init(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+    return bool(nspid) and nspid[-1] == "1"
 
 
 # -- fork: seeds, warm state, isolation, rewards, ledger ----------------------------------------
@@ -351,8 +365,8 @@ def test_ctrl_c_cancels_every_branch_and_episode_and_cleans_up(session: Notebook
 # -- kill -9 of the kernel ------------------------------------------------------------------------
 
 
-def test_kill_9_of_the_kernel_keeps_finished_branches_and_takes_the_machines_along(tmp_path: Path) -> None:
-    cwd = workdir(tmp_path)
+def test_kill_9_of_the_kernel_keeps_finished_branches_and_takes_the_machines_along(open_tmp: Path) -> None:
+    cwd = workdir(open_tmp)
     with NotebookSession(cwd, allow_errors=True) as nb:
         for source in UP:
             ok(nb.run(source))

@@ -70,3 +70,27 @@ def test_a_wheel_alone_installs_the_extension(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=True, cwd=tmp_path)
     assert "smolbench.server enabled" in " ".join((out.stdout + out.stderr).replace("\x1b[32m", "").replace("\x1b[0m", "").split())
     shutil.rmtree(venv)
+
+
+@pytest.mark.slow
+def test_an_editable_install_enables_both_extensions(tmp_path: Path) -> None:
+    """`pip install -e .` (hatch editable + shared-data): `jupyter labextension list` shows
+    smolbench enabled and the server extension is on, in a venv that sees this repo's deps."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "JUPYTER_PATH")}
+    env["HOME"] = str(tmp_path / "home")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    out = subprocess.run([str(py), "-m", "jupyterlab.labextensions", "list"], env=env, capture_output=True,
+                         text=True, check=True, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert str(venv / "share" / "jupyter" / "labextensions") in text
+    line = next(ln for ln in text.splitlines() if "smolbench" in ln)
+    assert "enabled" in line and "OK" in line
+    assert (venv / "etc" / "jupyter" / "jupyter_server_config.d" / "smolbench.json").is_file()
+    code = "import smolbench; print(smolbench.__file__)"
+    where = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert where.stdout.strip() == str(ROOT / "smolbench" / "__init__.py")  # editable: this tree
+    shutil.rmtree(venv)

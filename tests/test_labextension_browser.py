@@ -42,7 +42,8 @@ NOTEBOOK_A = [
     "%load_ext smolbench",
     "%smol up --backend sandbox",
     "%%smol\nx = 41",
-    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x",
+    "%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED + x\n"
+    "print('<img src=x onerror=\"document.title=`pwned`\">')",  # machine output: attacker data
     "%smol checkpoint save warm",
 ]
 NOTEBOOK_B = ["%%smol\nprint('x came back:', x)"]
@@ -83,6 +84,9 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     root.mkdir()
     _notebook(root / "a.ipynb", NOTEBOOK_A)
     _notebook(root / "b.ipynb", NOTEBOOK_B)
+    (root / "broken" / ".smolbench").mkdir(parents=True)  # a corrupt ledger beside a notebook
+    (root / "broken" / ".smolbench" / "ledger.db").write_bytes(b"not a database, just bytes " * 64)
+    _notebook(root / "broken" / "c.ipynb", ["1 + 1"])
     settings = tmp_path / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
@@ -130,13 +134,22 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _wait_for_kernel(page: Any) -> None:
+    """Until the visible notebook's kernel is idle; accepts JupyterLab's "Select Kernel" dialog,
+    and asks for a kernel when the notebook settled with "No Kernel" (a start-up race)."""
     deadline = time.monotonic() + 90
+    nudge = time.monotonic() + 15
     while not page.locator(".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']").count():
         assert time.monotonic() < deadline, "the notebook's kernel did not start"
         accept = page.locator(".jp-Dialog button.jp-mod-accept")
         if accept.count():
             with contextlib.suppress(Exception):
                 accept.first.click(timeout=2_000)
+        elif time.monotonic() > nudge:
+            nudge = time.monotonic() + 15
+            name = page.locator(".jp-NotebookPanel:visible .jp-KernelName")
+            if name.count() and "No Kernel" in name.first.inner_text():
+                with contextlib.suppress(Exception):
+                    name.first.click(timeout=2_000)  # opens the kernel dialog, accepted above
         page.wait_for_timeout(100)
     page.wait_for_timeout(300)
 
@@ -234,6 +247,7 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(group.locator(".sb-group-title")).to_contain_text("a.ipynb")
             expect(group.locator(".sb-group-title")).to_contain_text("sandbox")
             expect(panel.locator(".sb-machine.sb-active")).to_have_attribute("data-id", "root")
+            expect(panel.locator(".sb-machine[data-id='root'] .sb-mem")).to_have_text(re.compile(r"^\d+ MiB/1 GiB$"))
             expect(status).to_have_text("smol: sandbox · 4 machines")
 
             # the checkpoint and the run are listed
@@ -262,6 +276,9 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(tree.locator(".sb-tree-row.sb-best")).to_have_count(2)  # root and root.2
             tree.locator(".sb-tree-row[data-id='root.0']").click()
             expect(tree.locator(".sb-tree-detail")).to_contain_text("root.0 · ok · reward 51 · seed 10")
+            # a machine's output is shown as text, never as markup
+            expect(tree.locator(".sb-tree-output")).to_contain_text('<img src=x onerror="document.title=`pwned`">')
+            assert tree.locator("img").count() == 0 and page.title() != "pwned"
             page.screenshot(path=str(ARTIFACTS / "labext_run_tree_light.png"))
             page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabCloseIcon").last.click()
 
@@ -340,6 +357,37 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             finally:
                 orphan.kill()
                 orphan.wait()
+
+            # a corrupt ledger: one line in the panel, nothing blank
+            _open(page, lab, "broken/c.ipynb")
+            panel = page.locator("#smolbench-panel")
+            if not panel.is_visible():
+                page.locator(".jp-smolbench-status").click()
+            expect(panel.locator(".sb-runs .sb-section-title")).to_have_text("Runs in broken/", timeout=15_000)
+            problem = panel.locator(".sb-runs .sb-problem")
+            expect(problem).to_have_text("broken/.smolbench/ledger.db is not a readable smolbench ledger (file is not "
+                                         "a database): move it aside; `%smol up` starts a new one (HTTP 422)")
+            assert "\n" not in problem.inner_text()
+            expect(panel.locator(".sb-checkpoints .sb-problem")).to_contain_text("broken:")
+            # warm lives in the root folder's ledger: this notebook's kernel couldn't find it by name
+            restore = panel.locator(".sb-checkpoint[data-name='warm'] .sb-restore")
+            expect(restore).to_be_disabled()
+            expect(restore).to_have_attribute("title", re.compile("open a notebook there to restore it"))
+            panel.screenshot(path=str(ARTIFACTS / "labext_corrupt_ledger_light.png"))
+
+            # Delete a checkpoint: it asks first; Cancel keeps it, Delete removes it and its file
+            ck_file = lab["root"] / ".smolbench" / "checkpoints" / "warm.smolcheckpoint"
+            assert ck_file.exists()
+            panel.locator(".sb-checkpoint[data-name='warm'] .sb-delete").click()
+            dialog = page.locator(".jp-Dialog")
+            expect(dialog).to_contain_text('Delete checkpoint "warm"')
+            dialog.locator("button", has_text="Cancel").click()
+            expect(panel.locator(".sb-checkpoint[data-name='warm']")).to_be_visible()
+            panel.locator(".sb-checkpoint[data-name='warm'] .sb-delete").click()
+            page.locator(".jp-Dialog button.jp-mod-warn").click()
+            expect(panel.locator(".sb-msg")).to_have_text("deleted checkpoint warm and its file")
+            expect(panel.locator(".sb-checkpoint[data-name='warm']")).to_have_count(0)
+            assert not ck_file.exists()
             bad = [e for e in console_errors if "smolbench" in e.lower()]
             assert not bad, bad
         except BaseException:

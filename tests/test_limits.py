@@ -20,9 +20,17 @@ from pathlib import Path
 
 import pytest
 from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text
+from nbhelpers import (
+    NotebookSession,
+    error_output,
+    error_text,
+    result_text,
+    stream_text,
+    wait_for_no_processes,
+)
 
 from smolbench import Ledger
+from smolbench.backends import _limits
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -81,6 +89,12 @@ def one_line_error(cell: NotebookNode) -> str:
     return text.strip()
 
 
+def kernel_cgroups(kernel_pid: int) -> list[Path]:
+    """The cgroup directories (group and machines) a kernel made, in every hierarchy."""
+    return [d for base in _limits.detect().bases.values() for g in base.glob(f"smolbench-{kernel_pid}-*")
+            for d in (g, *g.iterdir()) if d.is_dir()]
+
+
 def run_folders(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("smolbench-"))
 
@@ -109,10 +123,11 @@ def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Pat
         assert value(procs) == "[0, 0, 0, 0]"
         assert nodes.loc["root.0", "status"] == "ok"
         return
-    assert "cgroup" in status or "rlimits" in status
-    assert "memory 256M" in status
+    limits = next(ln for ln in status.splitlines() if ln.startswith("limits"))
+    assert "cgroup v" in limits or "rlimits" in limits
+    assert "memory 256M" in limits
     assert one_line_error(big).endswith(OOM)
-    if "cgroup" in status:  # the kernel killed one of them; the machine itself lived on
+    if "cgroup v" in limits:  # the kernel killed one of them; the machine itself lived on
         assert value(procs).startswith("[-9")
     assert error_output(fork) is None
     assert nodes.loc["root.0", "status"] == "error" and OOM in nodes.loc["root.0", "error"]
@@ -121,7 +136,36 @@ def test_memory_past_the_limit_is_one_line_and_everyone_carries_on(tmp_path: Pat
     assert sibling == "1"  # and so does the sibling branch
 
 
+SHARED_400M = ("%%smol\nimport mmap\nm = mmap.mmap(-1, 400 << 20)  # shared memory: no rlimit counts it\n"
+               "for i in range(0, 400 << 20, 1 << 20):\n    m[i:i + (1 << 20)] = b'x' * (1 << 20)\nlen(m)")
+
+
+@needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="needs a writable cgroup: rlimits can't count shared memory")
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_on(
+        tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    with machine(tmp_path, "sandbox", 'memory = "256M"\n', weakened) as nb:
+        nb.run("%%smol fork 1 --keep all\nreward = 1")
+        nb.run("%smol use root.0")
+        cell = nb.run(SHARED_400M)
+        nb.run("%smol use root")
+        parent = value(nb.run("%%smol\n1 + 1"))
+    assert parent == "2"
+    if weakened:
+        assert value(cell) == str(400 << 20)
+    else:
+        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost)")
+
+
 # -- processes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numeric_thread_pools_follow_cpus(tmp_path: Path, tmpdir_env: Path, backend: str) -> None:
+    with machine(tmp_path, backend, 'cpus = 1\n[env]\nMKL_NUM_THREADS = "3"\n') as nb:
+        seen = value(nb.run("%%smol\nimport os\n[os.environ.get(v) for v in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')]"))
+    assert seen == "['1', '1', '3']"  # the Smolfile's own env wins
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -146,9 +190,11 @@ def test_a_fork_bomb_is_capped_and_the_kernel_survives(tmp_path: Path, tmpdir_en
         assert value(nb.run("sum(range(10))")) == "45"  # the kernel is fine
         assert "deleted" in stream_text(nb.run("%smol down"))
         assert nb.processes() == []
+        assert kernel_cgroups(nb.kernel_pid) == []
 
 
 @needs_bwrap
+@pytest.mark.skipif(not _limits.detect().bases, reason="no writable cgroup here: under rlimits a machine's branches share its process count")
 def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -> None:
     with machine(tmp_path, "sandbox", "pids = 32\n") as nb:
         # branch 0 takes every process it may have and keeps them; branch 1 can still start its own
@@ -158,6 +204,14 @@ def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -
         assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
         nodes = Ledger(tmp_path / ".smolbench" / "ledger.db").nodes().set_index("id")
         assert 1 <= nodes.loc["root.0", "reward"] < 32
+        # the full branch still answers (its agent serves without a new thread), forks are
+        # refused in one line, and it recovers once its own processes end
+        nb.run("%smol use root.0")
+        refused = one_line_error(nb.run("%%smol fork 1\n1"))
+        assert refused.endswith("machine 'root.0' is at its process limit (pids = 32) and can't fork: "
+                                "end some of its processes, or raise pids in the Smolfile")
+        assert int(value(nb.run("%%smol\n" + REAP))) < 32
+        assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
         nb.run("%smol down")
 
 
@@ -220,6 +274,21 @@ def test_down_kills_double_forked_setsid_daemons(tmp_path: Path, tmpdir_env: Pat
         assert alive == []
 
 
+def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smolbench.backends import probe, sandbox
+    from smolbench.errors import BackendUnavailable
+    from smolbench.magics import choose_backend
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    monkeypatch.setattr(probe, "probe_smol", lambda announce=None: (False, "no usable KVM here: /dev/kvm is missing"))
+    backend, why = choose_backend("auto", "local")
+    assert backend.name == "process" and "\n" not in why
+    assert why.startswith("smolbench: WARNING: no microVM here (no usable KVM here) and no bubblewrap, so machines are "
+                          "PLAIN PROCESSES with NO isolation (backend `process`)")
+    with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
+        choose_backend("sandbox", "local")
+
+
 # -- init ---------------------------------------------------------------------------------------------
 
 
@@ -233,6 +302,7 @@ def test_a_hung_init_fails_up_in_one_line_and_leaves_nothing(tmp_path: Path, tmp
                              "fix the command, or raise init_timeout in the Smolfile")
         assert nb.processes() == []
         assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -247,12 +317,15 @@ def test_ctrl_c_during_init_prints_one_line_and_leaves_nothing(tmp_path: Path, t
         while not any("sleep 600" in p.cmdline for p in nb.processes()):
             assert time.monotonic() < deadline, "init never started"
             time.sleep(0.05)
-        nb.interrupt()
+        interrupter = threading.Thread(target=nb.interrupt)  # asyncio.run here would unset this thread's loop
+        interrupter.start()
+        interrupter.join(30)
         runner.join(60)
         line = one_line_error(cell[0])
         assert "`%smol up` was interrupted: its machine was deleted and nothing is left behind" in line
         assert nb.processes() == []
         assert run_folders(tmpdir_env) == []
+        assert kernel_cgroups(nb.kernel_pid) == []
         # and the kernel can start a machine afterwards
         (tmp_path / "Smolfile").write_text("")
         assert error_output(nb.run(f"%smol up --backend {backend}")) is None
@@ -279,13 +352,17 @@ def test_stale_run_folders_of_dead_owners_are_swept_never_a_live_ones(tmp_path: 
         nb.run("%smol up --backend process")
         left = set(run_folders(tmpdir_env)) - {"smolbench-dead", "smolbench-live", "smolbench-unowned"}
         assert len(left) == 1
+        killed_pid = nb.kernel_pid
         nb.kill()
+    assert wait_for_no_processes(killed.tag) == []  # the keeper took the machine down with the kernel
     assert left <= set(run_folders(tmpdir_env))
+    assert bool(kernel_cgroups(killed_pid)) == bool(_limits.detect().bases)
     # ... and the next `%smol up` sweeps it, with the other dead owner's; never a live owner's
     with machine(tmp_path, "process") as nb:
         now = set(run_folders(tmpdir_env))
         nb.run("%smol down")
     assert "smolbench-dead" not in now and not (left & now)
+    assert kernel_cgroups(killed_pid) == []  # the dead kernel's cgroups went with its folders
     assert {"smolbench-live", "smolbench-unowned"} <= now
     assert set(run_folders(tmpdir_env)) == {"smolbench-live", "smolbench-unowned"}
 
@@ -317,3 +394,31 @@ def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weak
     assert len(notices) == 42 and notices[0].startswith("smolbench: deleted idle kept machine root.0 ")
     assert "identical" in replay
     assert live > 0
+
+
+def test_max_alive_from_the_smolfile_and_a_bad_flag(tmp_path: Path, tmpdir_env: Path) -> None:
+    (tmp_path / "Smolfile").write_text("max_alive = 2\n")
+
+    def live(nb: NotebookSession) -> str:
+        status = stream_text(nb.run("%smol status"))
+        return next(ln for ln in status.splitlines() if ln.startswith("live_machines"))
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        bad = one_line_error(nb.run("%smol up --backend process --max-alive 0"))
+        assert bad.endswith("--max-alive must be from 1 to 1024 kept machines, got 0: e.g. --max-alive 8")
+        assert error_output(nb.run("%smol up --backend process")) is None
+        fork = "%%smol fork 1 --quiet\nreward = 1"
+        nb.run(fork)
+        nb.run("%smol use root.0")
+        for _ in range(3):  # root.0 is active: never deleted; its older kept children go
+            nb.run(fork)
+        assert "(root, root.0, root.0.2); kept 2 of max_alive 2" in live(nb)
+        nb.run("%smol use root.0.2")
+        nb.run("%%smol\n1")  # root.0 is now the least recently used, but it has a live child
+        nb.run("%smol use root")
+        nb.run(fork)
+        assert "(root, root.0, root.1); kept 2 of max_alive 2" in live(nb)
+        nb.run(fork)  # root.0 has no live child any more: now it goes
+        assert "(root, root.1, root.2); kept 2 of max_alive 2" in live(nb)
+        nb.run("%smol down")

@@ -85,10 +85,11 @@ def test_the_host_home_and_private_paths_are_hidden(backend: SandboxBackend, tmp
     secret.write_text("do not read")
     try:
         ref = up(backend)
-        res = run(backend, ref, f"import os\n(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}), os.path.exists({str(Path(__file__).parent)!r}))")
-        # (the folders leading to the notebook's Python exist, holding only that path:
-        # the checkout's own sources beside a ./.venv stay hidden)
-        assert value(res) == "(False, False, False)"
+        # The notebook's own Python is bound in (it may live in a project folder); the project isn't.
+        project = Path(__file__).resolve().parent.parent
+        res = run(backend, ref, f"import os\n(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}), "
+                                f"os.path.exists({str(project / 'smolbench')!r}), os.path.exists('/etc/shadow'))")
+        assert value(res) == "(False, False, False, False)"
         # writing to the system is refused: the host's system is mounted read-only
         res = _loop.run(backend.exec_cell(ref, CellRequest("open('/usr/smolbench-was-here', 'w')"), lambda e: None))
         assert res.status == "error" and res.error is not None and res.error["ename"] == "OSError"
@@ -97,7 +98,8 @@ def test_the_host_home_and_private_paths_are_hidden(backend: SandboxBackend, tmp
         secret.unlink()
 
 
-def test_declared_volumes_are_the_only_host_mounts(backend: SandboxBackend, tmp_path: Path) -> None:
+def test_declared_volumes_are_the_only_host_mounts(backend: SandboxBackend, open_tmp: Path) -> None:
+    tmp_path = open_tmp
     data = tmp_path / "data"
     data.mkdir()
     (data / "level.txt").write_text("level-3")
@@ -169,3 +171,53 @@ def test_a_pinned_debian_rootfs_from_the_smolfile(backend: SandboxBackend, debia
     fn = cloudpickle.dumps(lambda v: v + 1)
     res = _loop.run(backend.exec_cell(ref, CellRequest("out = f(41)\nout", push={"f": fn}), lambda e: None))
     assert res.status == "ok" and res.result is not None and res.result["text/plain"] == "42"
+
+
+VENV_PROBE = """
+import json, sys
+from smolbench import _loop
+from smolbench.backends.base import CellRequest
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.spec import MachineSpec
+b = SandboxBackend()
+try:
+    ref = _loop.run(b.create(MachineSpec(), "root"))
+    code = "import sys, os\\nopen('/tmp/mine.txt', 'w').write('x')\\n(sys.prefix, os.path.exists('/tmp/mine.txt'))"
+    root = _loop.run(b.exec_cell(ref, CellRequest(code), lambda e: None)).result
+    kid = _loop.run(b.branch(ref, ["root.0"], [1]))[0]
+    branch = _loop.run(b.exec_cell(kid, CellRequest("import sys, os\\n(sys.prefix, os.path.exists('/tmp/mine.txt'))"), lambda e: None)).result
+    print(json.dumps([root["text/plain"], branch["text/plain"]]))
+finally:
+    _loop.run(b.close())
+"""
+
+
+def test_a_notebook_python_under_tmp_is_not_hidden_by_the_machines_tmp(open_tmp: Path) -> None:
+    """CI and Binder often keep the kernel's venv under /tmp, which the machine's own /tmp covers."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+
+    venv = open_tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    here = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{sysconfig.get_paths()['purelib']}"}
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", VENV_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    root, branch = json.loads(out.stdout.strip().splitlines()[-1])
+    assert root == f"({str(venv)!r}, True)" and branch == f"({str(venv)!r}, True)"
+
+
+def test_many_forks_with_writes_flatten_the_layers_once_and_say_so(backend: SandboxBackend) -> None:
+    """Each fork after a write stacks a layer; past overlayfs' comfortable depth a fork copies
+    them into one, and `%smol status` (the backend's isolation line) says so."""
+    ref = up(backend)
+    for i in range(52):
+        run(backend, ref, f"open('f{i}.txt', 'w').write('{i}')")
+        kid = _loop.run(backend.branch(ref, [f"root.{i}"], [i]))[0]
+        if i in (0, 51):
+            assert value(run(backend, kid, "import os\nlen([f for f in os.listdir() if f.endswith('.txt')])")) == str(i + 1)
+        _loop.run(backend.delete(kid))
+    assert "flattened" in backend.isolation
+    assert value(run(backend, ref, "import os\nsorted(os.listdir()) == sorted(f'f{i}.txt' for i in range(52))")) == "True"

@@ -5,6 +5,7 @@ live machines of a real kernel, and orphans of a dead one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,14 @@ from smolbench import registry
 from smolbench.ledger import Ledger
 
 API = ("smolbench", "api")
+
+
+@pytest.fixture(autouse=True)
+def _current_loop(jp_asyncio_loop: Any) -> Any:
+    """pytest-jupyter caches its loop; a test elsewhere that ran asyncio.run() leaves no
+    current loop behind, and tornado's client looks for the current one."""
+    asyncio.set_event_loop(jp_asyncio_loop)
+    return jp_asyncio_loop
 
 
 @pytest.fixture
@@ -105,10 +114,11 @@ def test_missing_and_corrupt_ledger_are_one_line(call: Any, jp_root_dir: Path) -
     for what in ("runs", "sessions", "nodes"):
         code, body = call("ledger", what, params={"path": "broken", "run": "x"})
         assert code == 422, body
-        assert "is not a readable smolbench ledger" in body["message"] and "\n" not in body["message"]
-        assert "move it aside" in body["message"]
+        assert body["message"] == ("broken/.smolbench/ledger.db is not a readable smolbench ledger "
+                                   "(file is not a database): move it aside; `%smol up` starts a new one")
+        assert str(jp_root_dir) not in body["message"]  # no host paths in messages
     code, body = call("checkpoints")
-    assert code == 200 and len(body["problems"]) == 1 and body["problems"][0].startswith("broken:")
+    assert code == 200 and body["problems"] == ["broken: the ledger is not a readable smolbench ledger (file is not a database)"]
 
 
 def test_the_server_never_writes_a_ledger_it_reads(call: Any, jp_root_dir: Path) -> None:
@@ -134,6 +144,12 @@ def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_pa
         assert code == 403, (path, body)
         assert "outside the server's root directory" in body["message"]
     assert call("checkpoints", params={"path": "link"})[0] == 403
+    # a ledger.db inside the root that is a symlink to one outside
+    (jp_root_dir / "sneaky" / ".smolbench").mkdir(parents=True)
+    (jp_root_dir / "sneaky" / ".smolbench" / "ledger.db").symlink_to(outside / ".smolbench" / "ledger.db")
+    code, body = call("ledger", "runs", params={"path": "sneaky"})
+    assert code == 403 and "links outside the server's root directory" in body["message"]
+    assert call("checkpoints")[1]["problems"] == ["sneaky: the ledger links outside the server's root directory"]
     assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
 
 
@@ -243,6 +259,9 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
                     "memory_mib": 1024, "cpus": 1, "pid": machine.pid, "pid_start": mstart},
                    # a machine whose process is already gone is not shown
                    {"id": "ghost", "backend": "process", "pid": kpid, "pid_start": kstart}]}
+        # a microVM (no host process to check): listed as unverified, not killable
+        registry.write_atomic(folder / "kernel-vm.json", {**rec, "kernel_id": "vm", "backend": "smol", "machines": [
+            {"id": "root", "backend": "smol", "created": time.time(), "memory_mib": 2048, "pid": None}]})
         registry.write_atomic(folder / "kernel-deadbeef-0000.json", rec)
         # a live kernel that is not this server's is none of its business
         registry.write_atomic(folder / "kernel-other.json", {**rec, "kernel_id": "other", "pid": os.getpid(),
@@ -251,7 +270,14 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
 
         code, body = call("machines")
         assert code == 200, body
-        assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000"]
+        assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000", "vm"]
+        vm = body["kernels"][1]["machines"][0]
+        assert vm["orphaned"] and vm["unverified"] and not vm["killable"]
+        code, reply = call("machines", "vm", "root", method="DELETE")
+        assert code == 409 and reply["message"] == "root's backend published no host process, so it can't be killed from here"
+        (folder / "kernel-vm.json").unlink()
+        body["kernels"] = body["kernels"][:1]
+        body["orphaned"] -= 1
         group = body["kernels"][0]
         assert group["orphaned"] and not group["kernel_alive"]
         assert [m["id"] for m in group["machines"]] == ["root", "root.0"]
@@ -314,10 +340,10 @@ def _execute(km: Any, loop: Any, code: str) -> str:
     return "".join(out)
 
 
-def _wait_for_machines(call: Any, want: list[str]) -> Any:
+def _wait_for_machines(call: Any, want: list[str], timeout: float = 5) -> Any:
     """The machines listing once it shows ``want`` (kernels rewrite their record at most
     every 0.2 s), or the last one seen."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + timeout
     while True:
         code, body = call("machines")
         assert code == 200, body
@@ -343,6 +369,8 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         assert Path(group["cwd"]).resolve() == jp_root_dir.resolve()
         root = next(m for m in group["machines"] if m["id"] == "root")
         assert root["active"] and root["memory_mib"] == 1024 and root["uptime_s"] >= 0
+        # measured: the agent's PSS (readable here), a few MiB of a Python process, well under the limit
+        assert root["memory_measure"] in ("PSS", "RSS") and 1 < root["memory_used_mib"] < 1024, root
 
         code, body = call("machines", kid, "root.1", method="DELETE")
         assert code == 200, body
@@ -350,6 +378,20 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         _wait_for_machines(call, ["root", "root.0", "root.2"])
         code, body = call("machines", kid, "root.1", method="DELETE")
         assert code == 404
+
+        # a busy kernel: the server doesn't hang; the delete runs when the cell ends
+        busy = km.client()
+        busy.start_channels()
+        busy.execute("import time; time.sleep(4)")
+        deadline = time.monotonic() + 10
+        while km.execution_state != "busy" and time.monotonic() < deadline:
+            jp_asyncio_loop.run_until_complete(asyncio.sleep(0.05))
+        t0 = time.monotonic()
+        code, body = call("machines", kid, "root.2", method="DELETE")
+        assert code == 202 and body["queued"] and "it is busy" in body["message"], body
+        assert time.monotonic() - t0 < 10
+        _wait_for_machines(call, ["root", "root.0"], timeout=20)
+        busy.stop_channels()
 
         _execute(km, jp_asyncio_loop, "%smol down")
         assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": []}
@@ -370,3 +412,17 @@ def test_a_restarted_kernel_keeps_its_dead_predecessors_record(tmp_path: Path) -
     registry.write_atomic(path, {"format": 1, "kernel_id": "k1", "pid": os.getpid(), "machines": []})
     registry._set_aside(path)
     assert path.exists()
+
+
+def test_the_path_probe_catches_a_weakened_check(call: Any, jp_root_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack above, against a deliberately weakened server (paths joined without the
+    containment check): it now reads a ledger outside the root, so the probe is real."""
+    import smolbench.server.handlers as handlers
+
+    _ledger(tmp_path / "elsewhere").close()
+    assert call("ledger", "runs", params={"path": "../elsewhere"})[0] == 403
+    monkeypatch.setattr(handlers._Base, "ledger", lambda self: (
+        Path(self.root) / self.get_query_argument("path", "") / ".smolbench" / "ledger.db", ""))
+    code, body = call("ledger", "runs", params={"path": "../elsewhere"})
+    assert code == 200 and body["total"] == 3  # leaked: exactly what the real check refuses

@@ -384,9 +384,27 @@ def test_close_deletes_every_machine_even_when_one_delete_fails(host: FakeHost) 
     run(main())
     for vm in host.vms:
         vm.machine.delete.assert_called_once()
-    host.cls.delete_by_name.assert_called_once_with(
-        host.vms[1].name, ConnectOptions(target="local")
-    )
+    # Branches go first; root.0 survived its failed delete, so smol refuses root's too.
+    called = [c.args for c in host.cls.delete_by_name.call_args_list]
+    local = ConnectOptions(target="local")
+    assert called == [(host.vms[1].name, local), (host.vms[0].name, local)]
+    assert not host.vms[0].deleted and host.vms[2].deleted
+
+
+def test_close_deletes_branches_before_their_parents(host: FakeHost) -> None:
+    """smol refuses to delete a VM whose branches still exist: close() goes bottom-up."""
+    b = backend()
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        kids = await b.branch(root, ["root.0", "root.1"], [0, 1])
+        await b.branch(kids[1], ["root.1.0"], [5])
+        await b.close()
+        assert b.list() == []
+
+    run(main())
+    assert all(vm.deleted for vm in host.vms)
+    host.cls.delete_by_name.assert_not_called()
 
 
 def test_delete_is_idempotent_and_tolerates_a_vanished_machine(host: FakeHost) -> None:

@@ -248,3 +248,38 @@ def test_the_fake_checkpoint_refusal_is_the_real_text() -> None:
     from smolbench.backends.smol_errors import HOST_BACKED as TRIGGER
 
     assert TRIGGER in HOST_BACKED.lower()
+
+
+def test_a_branch_that_never_answers_its_seed_is_an_infra_error(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smol kills a control exec at its timeout and returns no output: that is a machine
+    that didn't answer (retryable), not a cell that died."""
+    from fakesmol import FakeVM
+    from smol import ExecOptions, ExecResult
+
+    from smolbench.backends import smol as smolmod
+    from smolbench.errors import InfraError
+
+    real_exec = FakeVM.exec
+
+    def silent_seed(self: FakeVM, command: list[str], opts: ExecOptions | None = None) -> ExecResult:
+        stdin = opts.stdin if opts is not None else None
+        text = stdin.decode() if isinstance(stdin, bytes) else (stdin or "")
+        if command[1:2] == [smolmod.CLIENT] and '"seed"' in text:
+            return ExecResult(exit_code=137, stdout="", stderr="")
+        return real_exec(self, command, opts)
+
+    monkeypatch.setattr(FakeVM, "exec", silent_seed)
+    b = backend()
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        try:
+            with pytest.raises(InfraError, match="gave no answer to its seed request within 120 s"):
+                await b.branch(root, ["root.0"], [1])
+            assert [r.name for r in b.list()] == ["root"]  # the silent branch was deleted
+        finally:
+            await b.close()
+
+    run(main())

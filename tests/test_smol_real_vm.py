@@ -236,3 +236,26 @@ def test_a_machine_too_big_to_boot_is_one_line(nb: NotebookSession) -> None:
     assert "\n" not in err.evalue and len(err.traceback) == 1
     assert "'memory' is more than this host's RAM" in err.evalue and "write memory =" in err.evalue
     assert local_machines() == [] and smol_vmm_processes() == []
+
+
+def test_a_registry_image_is_checkpointed_whole(nb: NotebookSession) -> None:
+    """smol captures a whole machine (RAM too) when its image was pulled from a registry: the
+    lane serves its image from a loopback registry. A generator can't be pickled, so only a
+    full-machine checkpoint brings it back mid-way."""
+    image = os.environ.get("SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE")
+    if not image:
+        pytest.skip("no registry image here (SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE; the lane sets it)")
+    smolfile = Path(nb.cwd) / "Registry.smolfile"
+    smolfile.write_text(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.0/8"]\n')
+    ok(nb.run(f"%smol up --backend smol --smolfile {smolfile}"))
+    assert last_line(nb.run("%%smol\nsquares = (i * i for i in range(10))\nprint(next(squares), next(squares))")) == "0 1"
+    save = ok(nb.run("%smol checkpoint save whole"))
+    assert "saved checkpoint whole" in stream_text(save) and stream_text(save, "stderr") == ""
+    assert last_line(nb.run("%%smol\nprint(next(squares))")) == "4"
+    ok(nb.run("%smol checkpoint restore whole"))
+    assert last_line(nb.run("%%smol\nprint(next(squares))")) == "4"  # the generator came back mid-way
+    ok(nb.run("%smol down"))
+    deadline = time.monotonic() + 60
+    while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert local_machines() == [] and smol_vmm_processes() == []

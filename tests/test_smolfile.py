@@ -447,8 +447,8 @@ BAD: list[tuple[str, str, str]] = [
     (
         "disk-more-than-host",
         'disk = "1T"',
-        "Smolfile line 1: 'disk' is more than this host's RAM (the workspace and /tmp live in "
-        "memory) (16384 MiB), got '1T' (1048576 MiB); write disk = 16384 or less",
+        "Smolfile line 1: 'disk' is more than this host's RAM (16384 MiB; the workspace and /tmp "
+        "live in memory), got '1T' (1048576 MiB); write disk = 16384 or less",
     ),
     (
         "disk-bad",

@@ -11,11 +11,14 @@ export interface IMachine {
   backend: string;
   uptime_s: number | null;
   memory_mib: number | null;
+  memory_used_mib: number | null;
+  memory_measure: string;
   cpus: number | null;
   status: string;
   reward: number | null;
   active: boolean;
   orphaned: boolean;
+  unverified: boolean;
   killable: boolean;
 }
 

@@ -147,12 +147,22 @@ export class SmolPanel extends Widget {
         const name = el('span', 'sb-id', m.id);
         name.style.paddingLeft = `${Math.min(depth, 8) * 10}px`;
         row.appendChild(name);
-        row.appendChild(el('span', `sb-status sb-st-${m.orphaned ? 'orphaned' : m.status || 'idle'}`, m.orphaned ? 'orphaned' : m.status || 'idle'));
+        const state = m.unverified ? 'unverified' : m.orphaned ? 'orphaned' : m.status || 'idle';
+        row.appendChild(el('span', `sb-status sb-st-${m.orphaned ? 'orphaned' : state}`, state));
         row.appendChild(el('span', 'sb-num', duration(m.uptime_s), { title: 'uptime' }));
-        row.appendChild(el('span', 'sb-num', memory(m.memory_mib), { title: 'memory limit' }));
+        const used = m.memory_used_mib === null ? '' : `${memory(Math.round(m.memory_used_mib))}/`;
+        row.appendChild(el('span', 'sb-num sb-mem', `${used}${memory(m.memory_mib)}`, {
+          title: m.memory_used_mib === null
+            ? 'memory limit (Smolfile)'
+            : `${m.memory_measure} of the machine's agent process / memory limit (Smolfile)` +
+              (m.memory_measure === 'RSS' ? '; RSS counts pages shared with forks in full' : '')
+        }));
         if (m.orphaned) {
           const kill = button('Kill', 'jp-mod-warn sb-kill', () => void this.deleteMachine(group.kernel_id, m.id, true),
-            'Its kernel is dead: kill the host process holding this machine');
+            m.killable
+              ? 'Its kernel is dead: kill the host process holding this machine'
+              : `Its kernel is dead and its ${m.backend} machine has no host process to check or kill from here: ` +
+                'it may still run; delete it with its backend\'s own tools');
           kill.disabled = !m.killable;
           row.appendChild(kill);
         } else {

@@ -31,6 +31,7 @@ from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 BOOT_TIMEOUT = 30.0
+KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
 
 
@@ -43,6 +44,7 @@ class AgentHostBackend(Backend):
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._limiter: _limits.Limiter | None = None
         self.swept: list[Path] = []  # stale run folders removed at the first create
+        self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
 
     @property
     def limiter(self) -> _limits.Limiter:
@@ -66,8 +68,29 @@ class AgentHostBackend(Backend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         """(argv, the run folder's path inside the machine, the workdir inside) for a new machine."""
 
+    def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
+        """(the machine's own host folder, its socket, its ready file) in a new run folder."""
+        return run_dir, run_dir / f"{name}.sock", run_dir / f"{name}.ready"
+
+    def _spawn_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for starting the machine (file descriptors to pass)."""
+        return {}
+
+    def _spawned(self) -> None:
+        """After the machine's process started (or failed to): release what it was given."""
+
+    def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
+                   tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
+        """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
+        return _procs.host_pids(ancestor, guest_pids, tree)
+
+    def _hand_over(self, path: str, folder: str) -> str:
+        """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
+        return archive.hand_over(path, folder)
+
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(_limits.thread_env(spec))
         env.update(spec.env_dict)
         env["SMOLBENCH_MACHINE"] = name
         env.pop("PYTHONPATH", None)
@@ -83,22 +106,28 @@ class AgentHostBackend(Backend):
         run_dir = _rundir.make(self._runtime_base)
         workspace = run_dir / "workspace"
         workspace.mkdir()
-        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name})
+        host_dir, socket, ready = self._layout(run_dir, name)
+        ref = MachineRef(name, self.name, spec, info={"run_dir": str(run_dir), "workspace": str(workspace), "root": name,
+                                                      "host_dir": str(host_dir), "contained": False})
         self._machines[name] = ref
         try:
             limits = self.limiter.machine(name, spec)
             argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec)))
-            ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(run_dir / f"{name}.sock"))
-            with open(run_dir / "agent.log", "wb") as log:
-                # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
-                # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
-                # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
-                proc = await asyncio.create_subprocess_exec(
-                    *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name))
+            ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
+            try:
+                with open(run_dir / "agent.log", "wb") as log:
+                    # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
+                    # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
+                    # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                    proc = await asyncio.create_subprocess_exec(
+                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
+                        **self._spawn_options())
+            finally:
+                self._spawned()
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
-            await self._wait_ready(ref, proc, run_dir / f"{name}.ready")
+            await self._wait_ready(ref, proc, ready)
         except BaseException:
             await self.delete(ref)
             raise
@@ -113,16 +142,16 @@ class AgentHostBackend(Backend):
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
             await asyncio.sleep(0.01)
         with contextlib.suppress(OSError, ValueError):
-            guest = int(ready.read_text().strip() or 0)
+            guest = int((archive.read_small(ready, 64) or "").strip() or 0)
             ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else _procs.host_pid(proc.pid, guest)
 
     @staticmethod
     def _log_tail(ref: MachineRef) -> str:
-        try:
-            text = (Path(ref.info["run_dir"]) / "agent.log").read_text(errors="replace").strip()
-        except OSError:
+        text = archive.read_small(Path(ref.info["run_dir"]) / "agent.log")  # machine-writable: no links
+        if text is None:
             return "(no log)"
-        return text.splitlines()[-1] if text else "(empty log)"
+        text = text.strip()
+        return text.splitlines()[-1][:300] if text else "(empty log)"
 
     async def delete(self, machine: MachineRef) -> None:
         ref = self._machines.pop(machine.name, None)
@@ -138,10 +167,12 @@ class AgentHostBackend(Backend):
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
         await asyncio.to_thread(self._kill_branch_tree, ref)
-        root = self._machines.get(ref.info["root"])
-        if root is not None and "guest_pid" in ref.info:
-            with contextlib.suppress(OSError, SmolbenchError):
-                await self._request(root, {"op": "kill", "pid": ref.info["guest_pid"]})
+        # The parent forked the branch: the pid is one of the parent's own pid namespace.
+        parent = self._machines.get(ref.parent)
+        if parent is not None and "guest_pid" in ref.info:
+            # bounded: a parent whose agent a cell rewrote may never answer
+            with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
@@ -238,36 +269,90 @@ class AgentHostBackend(Backend):
     ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
-        run_dir = Path(machine.info["run_dir"])
-        guest_run = machine.info["guest_run"]
-        children = [{"name": n, "seed": s, "socket": f"{guest_run}/{n}.sock"} for n, s in zip(names, seeds)]
-        done = await self._request(machine, {"op": "fork", "children": children})
+        host_dir, guest_run = Path(machine.info["host_dir"]), machine.info["guest_run"]
+        # A contained branch gets a folder of its own (it sees only that one as its run folder).
+        nested = bool(machine.info.get("contained"))
+        dirs = _run_folders(names)
+        children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
+                    for n, s, d in zip(names, seeds, dirs)]
+        # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
+        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        held = self.limiter.get(machine.name)
+        if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
+            held.fork_headroom(8 * len(names))
+        try:
+            try:
+                done = await self._request(machine, {"op": "fork", "children": children})
+            except SmolbenchError as exc:
+                if "BlockingIOError" not in str(exc):
+                    raise
+                raise SmolbenchError(
+                    f"machine {machine.name!r} is at its process limit (pids = {machine.spec.pids}) and can't fork: "
+                    "end some of its processes, or raise pids in the Smolfile") from None
+            if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
+                raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+        except BaseException:
+            if held is not None:
+                held.fork_headroom(0)
+            unused = await cgroups
+            for name in unused:
+                await asyncio.to_thread(self.limiter.release, name)
+            raise
+        limits = await cgroups
+        if done.get("flattened"):
+            self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
+                              "past 48 layers a fork copies them into one")
         refs = []
+        folder = dict(zip(names, dirs))
         for made in done["children"]:
-            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir")},
-                    "socket": str(run_dir / f"{made['name']}.sock"), "guest_pid": made["pid"]}
+            mine = host_dir / folder[made["name"]] if nested else host_dir
+            info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir", "contained")},
+                    "host_dir": str(mine), "guest_pid": made["pid"],
+                    "socket": str(mine / "s") if nested else str(host_dir / f"{made['name']}.sock")}
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
-        await asyncio.to_thread(self._limit_branches, machine, refs)
+        try:
+            await asyncio.to_thread(self._limit_branches, machine, refs, limits)
+        finally:
+            if held is not None:
+                held.fork_headroom(0)
         return refs
 
-    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef]) -> None:
+    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:
+        if not self.limiter.mechanism.bases:
+            return {}
+        return {name: self.limiter.machine(name, spec) for name in names}
+
+    def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
+                        limits: dict[str, _limits.MachineLimits]) -> None:
         """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
+        tree = _procs.children_map()
+        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
+        moved = []
         for ref in refs:
-            pid = _procs.host_pid(ancestor, ref.info["guest_pid"]) if ancestor else None
+            pid = found.get(ref.info["guest_pid"])
             if pid is None:
                 continue
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
-            if self.limiter.mechanism.bases:
-                self.limiter.machine(ref.name, ref.spec).adopt([pid, *(p for p, _ in _procs.descendants(pid))])
+            if ref.name in limits:
+                limits[ref.name].adopt([pid])
+                moved.append((ref.name, pid))
+        if moved:
+            # then what they started meanwhile (a sandbox branch's agent is forked by its keeper):
+            # looked up after the move, so nothing falls between the two
+            tree = _procs.children_map()
+            for name, pid in moved:
+                limits[name].adopt([p for p, _ in _procs.descendants(pid, tree)])
+        for name in set(limits) - {r.name for r in refs}:  # asked for, never made
+            self.limiter.release(name)
 
     # -- checkpoints ----------------------------------------------------------------------
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        run_dir = machine.info["run_dir"]
+        run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         try:  # the stage goes on every path, even when the machine fails to save
             done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
             # The machine made every path in the stage: the gate reads them without following links.
@@ -290,7 +375,7 @@ class AgentHostBackend(Backend):
         ref = await self.create(spec, name)
         stage = None
         try:
-            stage = archive.hand_over(path, ref.info["run_dir"])
+            stage = self._hand_over(path, ref.info["host_dir"])
             done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
         except SmolbenchError as exc:
             await self.delete(ref)
@@ -301,7 +386,16 @@ class AgentHostBackend(Backend):
             raise
         finally:
             if stage is not None:
-                shutil.rmtree(Path(ref.info["run_dir"]) / stage, ignore_errors=True)
+                shutil.rmtree(Path(ref.info["host_dir"]) / stage, ignore_errors=True)
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
         return ref
+
+
+def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
+    """Short folder names for branches (a socket path must stay under 108 bytes)."""
+    out: builtins.list[str] = []
+    for i, name in enumerate(names):
+        last = name.rsplit(".", 1)[-1]
+        out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
+    return out

@@ -54,6 +54,15 @@ def format_mib(mib: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def thread_env(spec: MachineSpec) -> dict[str, str]:
+    """Numeric libraries size their thread pools (and OpenBLAS its per-thread buffers, which
+    count against the memory limit) by the host's cores, not the machine's ``cpus``: tell them."""
+    return {var: str(spec.cpus) for var in THREAD_VARS}
+
+
 def out_of_memory_line(spec: MachineSpec) -> str:
     """The one line a cell that ran out of memory gets."""
     return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
@@ -194,6 +203,16 @@ class MachineLimits:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     (d / "cgroup.procs").write_text(str(pid))
 
+    def fork_headroom(self, extra: int) -> None:
+        """Let the machine briefly hold ``extra`` more tasks (0: back to its limit): branches it
+        forks count here until they are moved into their own cgroups."""
+        for d in self.dirs:
+            if (d / "pids.max").exists():
+                with contextlib.suppress(OSError, ValueError):
+                    if extra and int((d / "pids.current").read_text()) >= self.spec.pids:
+                        continue  # a machine at its limit can't fork: no headroom for it
+                    (d / "pids.max").write_text(str(self.spec.pids + extra))
+
     def pids(self) -> set[int]:
         """Every process in this machine's cgroups."""
         found: set[int] = set()
@@ -281,8 +300,8 @@ class Limiter:
         if self.version:
             cpu = f", {cpus} cpu{'s' if cpus != 1 else ''}" if "cpu" in self.mechanism.bases or self.version == 2 else ""
             return (f"{self.mechanism.name}: memory {mem}, {spec.pids} processes{cpu} per machine and per branch "
-                    f"(a cell past the memory limit gets MemoryError)")
-        procs = (f"{spec.pids} processes per machine (RLIMIT_NPROC, counted in its user namespace)"
+                    f"(a cell past the memory limit fails in one line; the machine lives on)")
+        procs = (f"{spec.pids} processes per machine, its branches included (RLIMIT_NPROC, counted in its user namespace)"
                  if nproc_per_machine else
                  f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
         return f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}; cpus not enforced"

@@ -24,14 +24,20 @@ def start_time(pid: int) -> str:
     return fields[19] if fields else ""
 
 
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, start time) of every process below ``pid``, nearest first."""
+def children_map() -> dict[int, list[tuple[int, str]]]:
+    """parent pid -> [(pid, start time)] of every process now (one scan of /proc)."""
     children: dict[int, list[tuple[int, str]]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = stat(int(entry))
             if fields is not None:
                 children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    return children
+
+
+def descendants(pid: int, children: dict[int, list[tuple[int, str]]] | None = None) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below ``pid``, nearest first."""
+    children = children_map() if children is None else children
     out, todo = [], [pid]
     while todo:
         for kid in children.get(todo.pop(0), []):
@@ -58,11 +64,22 @@ def ns_pids(pid: int) -> list[int]:
 
 def host_pid(ancestor: int, guest_pid: int) -> int | None:
     """The host pid of the process below ``ancestor`` that its own namespace calls ``guest_pid``."""
-    for pid, _ in descendants(ancestor):
+    return host_pids(ancestor, [guest_pid]).get(guest_pid)
+
+
+def host_pids(ancestor: int, guest_pids: list[int],
+              children: dict[int, list[tuple[int, str]]] | None = None) -> dict[int, int]:
+    """guest pid -> host pid for processes below ``ancestor`` (one scan of /proc for all),
+    the nearest one winning when nested namespaces reuse a number."""
+    found: dict[int, int] = {}
+    wanted = set(guest_pids)
+    for pid, _ in descendants(ancestor, children):
         nspids = ns_pids(pid)
-        if guest_pid in (nspids[1:] or nspids):
-            return pid
-    return None
+        for guest in wanted.intersection(nspids[1:] or nspids):
+            found.setdefault(guest, pid)
+        if len(found) == len(wanted):
+            break
+    return found
 
 
 def with_env(var: str, value: str) -> list[tuple[int, str]]:

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..gate.archive import read_small
 from ._procs import start_time
 
 PREFIX = "smolbench-"
@@ -31,11 +32,11 @@ def make(base: str | None = None, prefix: str = PREFIX) -> Path:
 
 def owner_alive(path: Path) -> bool | None:
     """True/False for a folder's owner; None when the folder has no owner record."""
-    try:
-        pid, started = (path / OWNER).read_text().split()
-    except (OSError, ValueError):
+    try:  # the machine can write in its run folder: read_small follows no link, opens no fifo
+        pid, started = (read_small(path / OWNER, 256) or "").split()
+        return start_time(int(pid)) == started
+    except ValueError:
         return None
-    return start_time(int(pid)) == started
 
 
 def sweep(base: str | None = None) -> list[Path]:

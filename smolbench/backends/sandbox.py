@@ -1,12 +1,14 @@
 """The sandbox backend: the guest agent in a bubblewrap sandbox (no KVM needed).
 
-Namespace isolation, not a VM: the machine has its own root filesystem (the
-host's system directories read-only, or a pinned rootfs image), its own /tmp,
-/run and workspace, no network unless asked, and no view of the host's home.
-It shares the host kernel. A live branch is an ``os.fork()`` of the warm agent
-inside the same sandbox, with its own socket and private copies of the
-workspace and /tmp. Talking to the agent, branching, limits and deleting are
-shared with the process backend (``_agenthost``); this module is the sandbox.
+Namespace isolation, not a VM (see docs/security.md): bwrap runs as an
+unprivileged uid even when the kernel is root, with the host's system
+directories read-only (or a pinned rootfs image), a minimal /etc, its own /tmp,
+/run and workspace, no network unless asked, no capabilities and a seccomp
+filter. It shares the host kernel. Every machine (and every live branch, an
+``os.fork()`` of the warm agent) has its own user, mount, pid and IPC namespaces,
+its own run folder and copy-on-write workspace and /tmp (``guest/contain.py``).
+Talking to the agent, branching, limits and deleting are shared with the process
+backend (``_agenthost``); the command line is ``_bwrap``.
 
 Without ``bwrap`` on the host this backend refuses to start and says how to
 install it; the ``process`` backend is the no-isolation alternative.
@@ -14,25 +16,29 @@ install it; the ``process`` backend is the no-isolation alternative.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import contextlib
+import ctypes
+import errno
 import os
+import re
 import shutil
-import sys
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from ..errors import BackendUnavailable
-from ..guest import AGENT_FILES, GUEST_DIR
+from ..errors import BackendUnavailable, SmolbenchError
+from ..gate import archive
 from ..spec import MachineSpec
-from ._agenthost import AgentHostBackend
+from . import _procs
+from ._agenthost import BOOT_TIMEOUT, AgentHostBackend
+from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
+from .base import MachineRef
 
-# Host root entries a default sandbox sees (read-only); the rest (home, /root,
-# /mnt, /work, /srv, ...) stays hidden unless a Smolfile volume declares it.
-HOST_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "var")
-# Entries of a rootfs image that are never bound from the image itself.
-SPECIAL_DIRS = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
-GUEST_RUN = "/run/smolbench"
-GUEST_AGENT = "/run/smolbench-agent"
-GUEST_LIB = "/run/smolbench-lib"
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
 
 
@@ -63,59 +69,188 @@ class SandboxBackend(AgentHostBackend):
                 "or use `--backend process` (no isolation)")
         super().__init__(runtime_dir=runtime_dir)
         self._bwrap = bwrap
+        self._weak = weakened()
+        self._contained = "host-root" not in self._weak
+        self._fds: builtins.list[int] = []
+        self._fd_paths: dict[str, str] = {}
+        self._containment: dict[str, Any] | None = None  # what the first machine said about itself
 
     @property
     def isolation(self) -> str:
-        return "bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), not a VM; shares the host kernel"
+        line = ("bubblewrap sandbox: namespace isolation (own rootfs, /tmp, pid and network namespaces), "
+                "not a VM; shares the host kernel")
+        if not self._contained:
+            return line + "; WEAKENED FOR A TEST: uid 0 inside is host root"
+        c = self._containment
+        if c and "cap_eff" in c:
+            line += (f"; runs as uid {c['uid']} with {'no' if c['cap_eff'] == 0 else 'SOME'} capabilities, "
+                     f"seccomp {c['seccomp']}; files: "
+                     + ("copy-on-write (overlayfs)" if c["files"] == "overlay" else c["files"]))
+        return "; ".join([line, *self.notes])
+
+    async def create(self, spec: MachineSpec, name: str) -> MachineRef:
+        ref = await super().create(spec, name)
+        ref.info["contained"] = self._contained
+        if self._contained and self._containment is None:
+            self._containment = await self.info(ref)
+        return ref
+
+    # -- how a machine starts -------------------------------------------------------
+
+    # The machine's run folder is a tmpfs inside it; the host reaches it (socket, ready file,
+    # checkpoint stages) through /proc/PID/root of a process in the machine's mount namespace.
+
+    async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while True:
+            if proc.returncode is not None:
+                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
+            pid = _agent_below(proc.pid)
+            if pid is not None:
+                self._reach(ref, pid, f"{GUEST_RUN}/s")
+                return
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
+            await asyncio.sleep(0.01)
+
+    @staticmethod
+    def _reach(ref: MachineRef, pid: int, guest_socket: str) -> None:
+        """Point ``ref`` at its agent's run folder through host process ``pid`` (the root's agent:
+        every branch's folder is inside the root's, so the path exists before the branch runs)."""
+        ref.info.update(host_pid=pid, host_started=_procs.start_time(pid),
+                        host_dir=f"/proc/{pid}/root{os.path.dirname(guest_socket)}", socket=f"/proc/{pid}/root{guest_socket}")
 
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
-        rootfs = resolve_rootfs(spec.image)
-        cp = _cloudpickle_dir()
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
-                "--cap-add", "CAP_SYS_ADMIN", "--die-with-parent", "--new-session"]
-        if spec.network_enabled:
-            argv.append("--share-net")
-        if rootfs is None:
-            python = sys.executable
-            for entry in HOST_SYSTEM_DIRS:
-                argv += _bind_entry(Path("/"), entry)
-            # The notebook's own Python may live in a hidden place (a home directory):
-            # expose just its installation, read-only.
-            for prefix in sorted({sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}):
-                if not any(prefix == f"/{d}" or prefix.startswith(f"/{d}/") for d in HOST_SYSTEM_DIRS):
-                    argv += ["--ro-bind", prefix, prefix]
-        else:
-            python = "/usr/bin/python3"
-            for entry in sorted(os.listdir(rootfs)):
-                if entry not in SPECIAL_DIRS:
-                    argv += _bind_entry(rootfs, entry)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-                 "--bind", str(run_dir), GUEST_RUN, "--bind", str(workspace), spec.workdir]
-        for fname in AGENT_FILES:
-            argv += ["--ro-bind", str(GUEST_DIR / fname), f"{GUEST_AGENT}/{fname}"]
-        if cp:
-            argv += ["--ro-bind", str(cp), f"{GUEST_LIB}/cloudpickle"]
-        for vol in spec.volumes:
-            argv += ["--ro-bind" if vol.readonly else "--bind", vol.host, vol.guest]
-        argv += ["--hostname", f"smol-{name}"[:63], "--chdir", spec.workdir, "--clearenv"]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **spec.env_dict}
-        for key, val in env.items():
-            argv += ["--setenv", key, val]
-        argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/{name}.sock",
-                 "--name", name, "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/{name}.ready", *agent_args]
-        if cp:
-            argv += ["--lib", GUEST_LIB]
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
+        self._fds, self._fd_paths = p.fds, p.paths
+        argv = p.argv if not self._contained or os.geteuid() != 0 else as_sandbox_uid(p.argv)
         return argv, GUEST_RUN, spec.workdir
 
+    def _spawn_options(self) -> dict[str, Any]:
+        return {"pass_fds": self._fds}
 
-def _bind_entry(root: Path, entry: str) -> list[str]:
-    src = root / entry
-    if src.is_symlink():
-        return ["--symlink", os.readlink(src), f"/{entry}"]
-    if src.is_dir():
-        return ["--ro-bind", str(src), f"/{entry}"]
-    return []
+    def _spawned(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
+                   tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
+        # Pid namespaces nest here, so a number is ambiguous below an ancestor: a new branch's
+        # keeper is a direct child of its parent's agent, with that pid in the parent's namespace.
+        if not self._contained:
+            return super()._host_pids(ancestor, guest_pids, tree)
+        wanted, found = set(guest_pids), {}
+        for pid, _ in (tree if tree is not None else _procs.children_map()).get(ancestor, []):
+            last = _procs.ns_pids(pid)[-1:]
+            if last and last[0] in wanted:
+                found[last[0]] = pid
+        return found
+
+    async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # /proc/PID/root is only that machine while PID is still the root agent we found.
+        root = self._machines.get(ref.info["root"])
+        pid = root.info.get("host_pid") if root is not None else None
+        if root is not None and pid is not None and _procs.start_time(pid) != root.info.get("host_started"):
+            raise SmolbenchError(f"machine {ref.name!r} is not answering (it died): `%smol down` and `%smol up`")
+        if ref.name not in self._machines or not self._contained:
+            return await super()._open(ref)
+        # The folders below the machine's run folder are the machine's to change: find the
+        # socket without following a link it planted (it must not send us to a host socket).
+        try:
+            fd = _socket_fd(ref.info["socket"])
+        except OSError as exc:
+            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
+                                 "`%smol down` and `%smol up`") from None
+        try:
+            return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}")
+        except OSError as exc:
+            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
+                                 "`%smol down` and `%smol up`") from None
+        finally:
+            os.close(fd)
+
+    def _hand_over(self, path: str, folder: str) -> str:
+        # The machine's folder is a tmpfs of its user namespace, where host root has no uid:
+        # the files are unpacked here, then written into it as the machine's uid (fsuid).
+        if not (self._contained and os.geteuid() == 0):
+            return super()._hand_over(path, folder)
+        with tempfile.TemporaryDirectory(prefix="smolbench-restore-") as tmp:
+            stage = archive.hand_over(path, tmp)
+            names = sorted(os.listdir(Path(tmp) / stage))
+            sources = [open(Path(tmp) / stage / n, "rb") for n in names]  # opened as root
+            try:
+                with _fs_ids(*sandbox_ids()):
+                    top = os.open(folder, os.O_DIRECTORY | os.O_CLOEXEC)
+                    try:
+                        os.mkdir(stage, 0o700, dir_fd=top)
+                        into = os.open(stage, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+                    finally:
+                        os.close(top)
+                    try:
+                        for name, src in zip(names, sources):
+                            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                         0o600, dir_fd=into)
+                            with os.fdopen(fd, "wb") as dst:
+                                shutil.copyfileobj(src, dst, 1 << 20)
+                    finally:
+                        os.close(into)
+            finally:
+                for src in sources:
+                    src.close()
+        return stage
+
+    def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
+        last = super()._log_tail(ref)
+        m = re.search(r"source path (/proc/self/fd/\d+): Permission denied", last)
+        if m and m.group(1) in self._fd_paths:
+            return (f"the sandbox uid {sandbox_ids()[0]} can't reach {self._fd_paths[m.group(1)]} (a folder above "
+                    f"it is not traversable): `chmod o+x` its parent folders, or put it elsewhere")
+        return last
+
+
+def _agent_below(pid: int) -> int | None:
+    """The host pid of the machine's agent once it is serving: the deepest process below
+    ``pid`` whose root holds the ready file (its keeper shares the mount namespace, so the
+    agent, pid 1 of the innermost pid namespace, is the deeper one)."""
+    found = []
+    for kid, _ in _procs.descendants(pid):
+        if os.path.exists(f"/proc/{kid}/root{GUEST_RUN}/ready"):
+            found.append((len(_procs.ns_pids(kid)), kid))
+    return max(found)[1] if found else None
+
+
+@contextlib.contextmanager
+def _fs_ids(uid: int, gid: int) -> Iterator[None]:
+    """File access as ``uid``/``gid`` for this thread only (setfsuid), then back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    old_gid, old_uid = libc.setfsgid(gid), libc.setfsuid(uid)
+    try:
+        yield
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
+
+
+def _socket_fd(path: str) -> int:
+    """An O_PATH descriptor of the agent socket at ``/proc/PID/root/run/smolbench/...``: each
+    component below the run folder (a mount point the machine can't replace) opened without
+    following links, the last one checked to be a socket."""
+    top, _, rest = path.partition(GUEST_RUN + "/")
+    fd = os.open(top + GUEST_RUN, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parts = rest.split("/")
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        sock = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISSOCK(os.fstat(sock).st_mode):
+        os.close(sock)
+        raise OSError(errno.ENOTSOCK, "not a socket")
+    return sock

@@ -412,10 +412,21 @@ class SmolBackend(Backend):
             await asyncio.shield(self.delete(ref))
 
     async def close(self) -> None:
-        """Delete every machine, all of them even when some deletes fail (the first error is raised)."""
-        refs = list(reversed(self.list()))
-        results = await asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        """Delete every machine, branches before their parents (smol refuses to delete a VM
+        with live branches), each level in parallel; all of them even when some deletes fail
+        (the first error is raised)."""
+
+        def depth(ref: MachineRef) -> int:
+            up = self._machines.get(ref.parent or "")
+            return 0 if up is None else 1 + depth(up)
+
+        errors: list[BaseException] = []
+        levels: dict[int, list[MachineRef]] = {}
+        for ref in self.list():
+            levels.setdefault(depth(ref), []).append(ref)
+        for level in sorted(levels, reverse=True):
+            results = await asyncio.gather(*(self.delete(r) for r in levels[level]), return_exceptions=True)
+            errors += [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
@@ -503,7 +514,15 @@ class SmolBackend(Backend):
             ["python3", CLIENT, ref.info["socket"]],
             ExecOptions(stdin=P.encode(msg), timeout=timeout),
         )
-        done = await gate.read_control(_chunks_of(res.stdout), ref.name)
+        try:
+            done = await gate.read_control(_chunks_of(res.stdout), ref.name)
+        except SmolbenchError:
+            if res.exit_code == 0:
+                raise
+            raise InfraError(
+                f"{where} gave no answer to its {msg.get('op')} request within {timeout:g} s "
+                f"(relay exit {res.exit_code}): the machine is overloaded or gone; `%smol status`"
+            ) from None
         if done.get("status") != "ok":
             err = done.get("error") or {}
             raise SmolbenchError(f"{where}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
@@ -568,7 +587,8 @@ class SmolBackend(Backend):
         try:
             await asyncio.gather(
                 *(
-                    self._request(ref, {"op": "seed", "seed": seed, "name": ref.name})
+                    # A new branch's first answer: as slow as a boot on a slow host.
+                    self._request(ref, {"op": "seed", "seed": seed, "name": ref.name}, boot_timeout())
                     for ref, seed in zip(refs, seeds)
                 )
             )

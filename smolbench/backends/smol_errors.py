@@ -84,6 +84,8 @@ def _kind(code: str, message: str, fallback: str | None = None) -> tuple[str, bo
     if waited:
         limit = f"{float(waited.group(1)):g} s"
         return (NOT_READY if "agent" in low else BOOT_SLOW).format(limit=limit), False
+    if "dependent fork" in low:
+        return "the machine still has live branches: delete them first (`%smol delete NODE` takes the branches too)", False
     if HOST_BACKED in low:
         return (
             "smol can't checkpoint a machine booted from a local image (a rootfs directory or an "
@@ -131,7 +133,7 @@ def translate(err: BaseException) -> SmolbenchError:
     hint, unavailable = _kind(smol_err.code, message)
     if unavailable:
         cls: type[SmolbenchError] = BackendUnavailable
-    elif smol_err.code in INFRA_CODES and hint != PULL_FAILED:
+    elif smol_err.code in INFRA_CODES and hint != PULL_FAILED and "dependent fork" not in message.lower():
         cls = InfraError
     else:
         cls = SmolbenchError

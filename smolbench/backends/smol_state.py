@@ -23,7 +23,8 @@ KIND = "smolbench-smol-state"
 PARTS = ("namespace.pkl", "workspace.tar")
 STATE_ONLY = (
     "smol can't checkpoint a machine booted from a local image (host-backed image layers), so this "
-    "checkpoint holds the workspace and namespace only, as on the sandbox: processes and RAM are not saved"
+    "checkpoint holds the workspace and namespace only, as on the sandbox: processes and RAM are not saved "
+    "(a machine from a registry image is captured whole)"
 )
 
 

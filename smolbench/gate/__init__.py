@@ -186,14 +186,19 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
     try:
         async for msg in _messages(chunks):
             kind = msg.get("t")
-            if kind == "stream":
-                cell.stream(msg)
-            elif kind == "display":
-                cell.display(msg)
-            elif kind == "done":
-                return cell.done(msg)
-            else:
-                raise Bad(f"a message of unknown type {shown(kind)}")
+            try:
+                if kind == "stream":
+                    cell.stream(msg)
+                elif kind == "display":
+                    cell.display(msg)
+                elif kind == "done":
+                    return cell.done(msg)
+                else:
+                    raise Bad(f"a message of unknown type {shown(kind)}")
+            except (Bad, SmolbenchError):
+                raise
+            except Exception as exc:  # e.g. pandas refusing a hostile column: still one line
+                raise Bad(f"a {shown(kind)} message that can't be used ({type(exc).__name__})") from None
     except Bad as exc:
         raise malformed(where, exc) from None
     finally:
@@ -226,6 +231,7 @@ CONTROL: dict[str, Callable[[Any, str], Any]] = {
     "children": _children,
     "skipped": lambda v, k: string_list(v, "the skipped list", 100_000, 4096),
     "saved": lambda v, k: string_list(v, "the saved list", 100_000, 4096),
+    "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
 }
 
 
@@ -235,7 +241,12 @@ async def read_control(chunks: AsyncIterator[bytes], where: str) -> dict[str, An
         async for msg in _messages(chunks):
             if msg.get("t") != "done":
                 raise Bad(f"a {shown(msg.get('t'))} message in reply to a control request")
-            reply = dict(each(CONTROL, msg, "the reply"))
+            try:
+                reply = dict(each(CONTROL, msg, "the reply"))
+            except Bad:
+                raise
+            except Exception as exc:
+                raise Bad(f"a reply that can't be used ({type(exc).__name__})") from None
             if reply.get("status") == "busy":
                 raise MachineBusy(f"machine {where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
             return reply

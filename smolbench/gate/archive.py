@@ -63,6 +63,25 @@ def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def read_small(path: str | os.PathLike[str], limit: int = 64 * 1024) -> str | None:
+    """The text of a small file a machine may have made (its last ``limit`` bytes), or None.
+
+    Never through a link, never blocking on a fifo: a run folder is writable from inside
+    the machine, so its ``owner``, ``ready`` and log files are machine-made too.
+    """
+    try:
+        fd = os.open(path, OPEN_FILE)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if st.st_size > limit:
+            fh.seek(st.st_size - limit)
+        return fh.read(limit).decode("utf-8", "replace")
+
+
 def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
     left = size
     while left:

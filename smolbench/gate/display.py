@@ -4,7 +4,9 @@ JupyterLab treats output of a cell the user ran as trusted, so script in it woul
 next to the Jupyter server's token. Only data types pass as they are; markup goes
 through nh3 (the ammonia sanitiser), keeping tables, inline styles and inline images
 but no script, event handlers, ``javascript:`` links or resources fetched from elsewhere;
-anything else is dropped with a note. ``%smol trust on`` shows bundles raw.
+anything else is dropped with a note (``text/latex`` too: MathJax macros can make links).
+Markdown is rendered to HTML here (mistune) and cleaned like HTML, because the frontend
+would render its raw HTML and links unchecked. ``%smol trust on`` shows bundles raw.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ MAX_BRANCHES = 1024
 class Limits:
     """What the host accepts from a machine (sizes in bytes, times in seconds)."""
 
-    max_frame: int = 256 * 1024 * 1024  # one reply line, including pulled values
+    max_frame: int = 256 * MB  # one reply line, including pulled values
     output: int = 5 * MB  # output shown per cell (per branch); the rest goes to a log
     log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/
     line: int = 256 * 1024  # characters of one line shown; longer lines are cut
@@ -83,7 +83,12 @@ def describe() -> str:
     out = []
     for key, attr in NAMES.items():
         v = getattr(LIMITS, attr)
-        out.append(f"{key:<13} {v:g} s" if attr == "grace" else f"{key:<13} {human(v)}")
+        if attr == "grace":
+            out.append(f"{key:<13} {v:g} s")
+        elif attr == "line":
+            out.append(f"{key:<13} {v:,} characters")
+        else:
+            out.append(f"{key:<13} {human(v)}")
     return "\n".join(out)
 
 

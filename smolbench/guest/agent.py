@@ -38,15 +38,16 @@ import types
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_protocol():
+def _load_protocol(name="protocol"):
     # Loaded under a private name so user code can still have a module called "protocol".
-    spec = importlib.util.spec_from_file_location("_smolbench_protocol", os.path.join(_HERE, "protocol.py"))
+    spec = importlib.util.spec_from_file_location("_smolbench_" + name, os.path.join(_HERE, name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 P = _load_protocol()
+contain = None  # guest/contain.py, loaded by main() when the host asks for containment
 
 BUSY = "machine busy: a cell is already running in this machine; wait for it or interrupt it"
 MIME_METHODS = (
@@ -229,6 +230,7 @@ class Agent:
         self.workdir = workdir
         self.seed = None
         self.mount_ns = True
+        self.machine = None  # contain.Machine when contained (sandbox backend)
         self.cell_count = 0
         self.children = {}  # pid -> name, for reaping
         self.reported = {}
@@ -281,11 +283,18 @@ class Agent:
             if listener is not self.listener:  # we are a fork child holding the parent's socket
                 conn.close()
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
+                self._handle(conn)
 
     def _reap_loop(self):
         me = os.getpid()
+        rounds = 0
         while os.getpid() == me:
+            rounds += 1
+            if self.machine is not None and rounds % 5 == 0:
+                contain.reap_orphaned_branches()
             for pid in list(self.children):
                 try:
                     done, _ = os.waitpid(pid, os.WNOHANG)
@@ -344,7 +353,7 @@ class Agent:
 
     def info(self):
         """What the host shows in ``%smol status``."""
-        return {
+        info = {
             "name": self.name,
             "pid": os.getpid(),
             "python": sys.version.split()[0],
@@ -355,6 +364,9 @@ class Agent:
             "workdir": self.workdir,
             "hostname": socket.gethostname(),
         }
+        if self.machine is not None:
+            info.update(contain.info(self.machine))
+        return info
 
     def serve_forever(self):
         """Run requests on the main thread, one at a time."""
@@ -403,11 +415,21 @@ class Agent:
         conn = self._conn
         if conn is None:
             return
-        with self._send_lock:
-            try:
-                conn.sendall(P.encode(msg))
-            except OSError:
-                self._conn = None  # host went away; keep running the cell
+        data = P.encode(msg)
+        # An interrupt (SIGINT -> KeyboardInterrupt) must not cut a message in half: the
+        # host would rightly refuse the rest of the reply. Held off until it is sent.
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        try:
+            with self._send_lock:
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    self._conn = None  # host went away; keep running the cell
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
     def stream(self, name, text):
         """Stream text written by the cell; keep the tail for the result record."""
@@ -542,10 +564,14 @@ class Agent:
     def fork(self, req):
         """Fork one live child per requested branch; answer with their pids."""
         made = []
+        frozen = contain.ask_freeze(self.machine.chan) if self.machine is not None else None
+        if frozen is not None and self.workdir:
+            os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
         gc.freeze()
         for child in req["children"]:
+            os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
             listener = self._listen(child["socket"])
             for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
                 try:
@@ -555,7 +581,7 @@ class Agent:
             pid = os.fork()
             if pid == 0:
                 try:
-                    self._become_child(child, listener)
+                    self._become_child(child, listener, frozen)
                 except BaseException as exc:
                     sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
                     os._exit(70)
@@ -563,9 +589,12 @@ class Agent:
             listener.close()
             self.children[pid] = child["name"]
             made.append({"name": child["name"], "pid": pid})
-        return {"t": "done", "status": "ok", "children": made}
+        done = {"t": "done", "status": "ok", "children": made}
+        if frozen is not None and frozen["flattened"]:
+            done["flattened"] = frozen["flattened"]
+        return done
 
-    def _become_child(self, child, listener):
+    def _become_child(self, child, listener, frozen=None):
         try:
             self._conn.close()  # the parent answers the fork request
         except OSError:
@@ -582,7 +611,11 @@ class Agent:
         self._running = False
         self.cell_count = 0
         _set_pdeathsig()
-        self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
+        if frozen is not None:
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]))
+            self.sock_path = os.path.join(contain.RUN, "s")
+        else:
+            self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor()
 
@@ -643,6 +676,14 @@ class Agent:
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+
+
+def _plain_name(name):
+    """A branch's run folder name: one plain path component (the host chooses it)."""
+    name = str(name)
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ValueError("bad run folder name %r" % name)
+    return name
 
 
 def _wait_exited(pid, timeout):
@@ -891,6 +932,11 @@ def main(argv=None):
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
+    ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
+    ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
+    ap.add_argument("--net", action="store_true", help="keep the network (no own net namespace for branches)")
+    ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     args = ap.parse_args(argv)
     _apply_rlimits(args.rlimit)
@@ -903,8 +949,15 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _set_pdeathsig()
+    machine = None
+    if args.contain:
+        global contain
+        contain = _load_protocol("contain")
+        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
+                                     seccomp_filter="seccomp" not in args.weaken)
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
+    agent.machine = machine
     if args.ready:
         with open(args.ready, "w") as fh:
             fh.write(str(os.getpid()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sqlite3
 import time
@@ -34,8 +35,22 @@ from .paths import LEDGER, PathRefused, find_ledgers, folder, relative
 LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
 
 
+def _fail(code: int, message: str) -> web.HTTPError:
+    """An HTTP error whose message is shown as is (it may hold a literal `%smol`)."""
+    return web.HTTPError(code, "%s", message)
+
+
 class _Base(APIHandler):
     auth_resource = "contents"
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = (kwargs.get("exc_info") or (None, None))[1]
+        if isinstance(exc, web.HTTPError) and exc.log_message:
+            self.set_header("Content-Type", "application/json")
+            text = exc.log_message % exc.args if exc.args else exc.log_message
+            self.finish(json.dumps({"message": text, "reason": exc.reason}))
+            return
+        super().write_error(status_code, **kwargs)
 
     @property
     def root(self) -> str:
@@ -45,18 +60,21 @@ class _Base(APIHandler):
         try:
             return folder(self.root, self.get_query_argument("path", ""))
         except PathRefused as exc:
-            raise web.HTTPError(403, str(exc)) from None
+            raise _fail(403, str(exc)) from None
 
     def int_arg(self, name: str, default: int) -> int:
         raw = self.get_query_argument(name, str(default))
         try:
             return int(raw)
         except ValueError:
-            raise web.HTTPError(400, f"{name}={raw!r} is not a whole number") from None
+            raise _fail(400, f"{name}={raw!r} is not a whole number") from None
 
     def ledger(self) -> tuple[Path, str]:
         where = self.folder()
-        return where / LEDGER, relative(self.root, where) or ""
+        db = where / LEDGER
+        if db.exists() and relative(self.root, db) is None:  # a symlinked ledger.db leading out
+            raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} links outside the server's root directory")
+        return db, relative(self.root, where) or ""
 
     async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking read, off the server's event loop."""
@@ -90,17 +108,19 @@ class MachineHandler(_Base):
         try:
             path, rec, machine = await self.run(machines.find, folder_, kernel_id, node_id, orphaned)
         except machines.NotFound as exc:
-            raise web.HTTPError(404, str(exc)) from None
+            raise _fail(404, str(exc)) from None
         kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
         if kernel_alive and kernel_id in self.kernel_manager:
             result = await machines.ask_kernel(self.kernel_manager, kernel_id, node_id)
             if not result["ok"] and not result.get("queued"):
-                raise web.HTTPError(409, result["message"])
+                raise _fail(409, result["message"])
             self.set_status(202 if result.get("queued") else 200)
         elif kernel_alive:
-            raise web.HTTPError(403, f"kernel {kernel_id[:8]} is alive but not run by this server: delete its machines from its own notebook")
+            raise _fail(403, f"kernel {kernel_id[:8]} is alive but not run by this server: delete its machines from its own notebook")
         else:
             result = await machines.kill_orphan(path, rec, machine)
+            if not result["ok"]:
+                raise _fail(409, result["message"])
         self.finish(result)
 
 
@@ -116,10 +136,13 @@ class CheckpointsHandler(_Base):
         out, problems = [], []
         for d in dirs:
             rel = relative(self.root, d) or ""
+            if relative(self.root, d / LEDGER) is None:
+                problems.append(f"{rel or '.'}: the ledger links outside the server's root directory")
+                continue
             try:
                 rows = await self.run(ledgerview.checkpoints, d / LEDGER)
             except ledgerview.LedgerUnreadable as exc:
-                problems.append(f"{rel or '.'}: {exc}")
+                problems.append(f"{rel or '.'}: the ledger {exc}")
                 continue
             for r in rows:
                 p = Path(str(r.get("path") or ""))
@@ -145,7 +168,7 @@ class CheckpointHandler(_Base):
     async def delete(self, name: str) -> None:
         db, rel = self.ledger()
         if not db.is_file():
-            raise web.HTTPError(404, f"no ledger in {rel or 'the root folder'}: nothing to delete")
+            raise _fail(404, f"no ledger in {rel or 'the root folder'}: nothing to delete")
         message = await self.run(_delete_checkpoint, db, name, self.root)
         self.finish({"ok": True, "message": message})
 
@@ -156,11 +179,11 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
     try:
         conn = sqlite3.connect(str(db), timeout=10)
     except sqlite3.Error as exc:
-        raise web.HTTPError(422, f"can't open the ledger {db.name} ({exc})") from None
+        raise _fail(422, f"can't open this folder's ledger ({exc})") from None
     try:
         row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise web.HTTPError(404, f"no checkpoint named {name!r} here: refresh the list")
+            raise _fail(404, f"no checkpoint named {name!r} here: refresh the list")
         target = Path(str(row[0] or ""))
         removed = ""
         if target.name.endswith(".smolcheckpoint") and relative(root, target) is not None and target.exists():
@@ -174,7 +197,7 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
         with conn:
             conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
     except sqlite3.DatabaseError as exc:
-        raise web.HTTPError(422, f"the ledger {db} is not a readable smolbench ledger ({exc})") from None
+        raise _fail(422, f"this folder's ledger is not a readable smolbench ledger ({exc})") from None
     finally:
         conn.close()
     return f"deleted checkpoint {name}{removed}"
@@ -199,9 +222,10 @@ class LedgerHandler(_Base):
                 data = await self.run(ledgerview.nodes, db, self.get_query_argument("run", None),
                                       self.get_query_argument("session", None), limit, offset)
         except ledgerview.LedgerUnreadable as exc:
-            raise web.HTTPError(422, f"{exc}: move it aside; `%smol up` starts a new one") from None
+            where = f"{rel}/{LEDGER}" if rel else str(LEDGER)
+            raise _fail(422, f"{where} {exc}: move it aside; `%smol up` starts a new one") from None
         except KeyError as exc:
-            raise web.HTTPError(404, str(exc.args[0])) from None
+            raise _fail(404, str(exc.args[0])) from None
         data["dir"] = rel
         self.finish(data)
 

@@ -23,7 +23,8 @@ MAX_LIMIT = 500
 
 
 class LedgerUnreadable(Exception):
-    """A ledger that exists but can't be read as one (corrupt, not SQLite, wrong tables)."""
+    """A ledger that exists but can't be read as one (corrupt, not SQLite, wrong tables);
+    the message continues "<the ledger> ..." (callers name it, relative to the root)."""
 
 
 @contextlib.contextmanager
@@ -33,11 +34,11 @@ def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
     except sqlite3.Error as exc:
-        raise LedgerUnreadable(f"can't open {db} ({exc})") from None
+        raise LedgerUnreadable(f"can't be opened ({exc})") from None
     try:
         yield conn
     except sqlite3.DatabaseError as exc:
-        raise LedgerUnreadable(f"{db} is not a readable smolbench ledger ({exc})") from None
+        raise LedgerUnreadable(f"is not a readable smolbench ledger ({exc})") from None
     finally:
         conn.close()
 
@@ -59,12 +60,45 @@ def _page(limit: int, offset: int) -> tuple[int, int]:
     return max(1, min(int(limit), MAX_LIMIT)), max(0, int(offset))
 
 
-def spark(sorted_rewards: list[float], points: int = SPARK_POINTS) -> list[float]:
-    """At most ``points`` evenly spaced values of a sorted list (its shape, cheaply)."""
-    n = len(sorted_rewards)
-    if n <= points:
-        return sorted_rewards
-    return [sorted_rewards[round(i * (n - 1) / (points - 1))] for i in range(points)]
+FINITE = "reward BETWEEN -1.7e308 AND 1.7e308"  # finite rewards only (and it keeps the index range)
+
+
+def spark_ranks(count: int, points: int = SPARK_POINTS) -> list[int]:
+    """Which ranks (0-based, in sorted order) a sparkline of ``count`` sorted values shows."""
+    if count <= points:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (points - 1)) for i in range(points)})
+
+
+_SUMMARIES: dict[tuple[str, str, float], dict[str, Any]] = {}  # finished runs never change their rewards
+_SUMMARY_CACHE = 20_000
+
+
+def _summary(conn: sqlite3.Connection, db: str, run_id: str, ended: Any) -> dict[str, Any]:
+    """A run's best reward and node, how many branches have one, and a sparkline of the sorted
+    rewards (at most SPARK_POINTS evenly spaced values).
+
+    A finished run's summary is remembered.
+    """
+    key = (db, run_id, ended) if isinstance(ended, (int, float)) else None
+    if key is not None and key in _SUMMARIES:
+        return _SUMMARIES[key]
+    # sorted straight off the (run_id, reward, id) index; only SPARK_POINTS values touch Python
+    # (measured faster than SPARK_POINTS single-row OFFSET reads, which each re-walk the index)
+    values = conn.execute(f"SELECT reward FROM nodes WHERE run_id = ? AND {FINITE} ORDER BY reward",
+                          (run_id,)).fetchall()
+    count = len(values)
+    best = conn.execute(f"SELECT id FROM nodes WHERE run_id = ? AND {FINITE} ORDER BY reward DESC LIMIT 1",
+                        (run_id,)).fetchone() if count else None
+    picked = [values[k][0] for k in spark_ranks(count)]
+    spark = [v for r in picked if (v := _finite(r)) is not None]
+    out = {"best_reward": spark[-1] if spark else None, "best_node": best[0] if best else None,
+           "rewarded": count, "spark": spark}
+    if key is not None:
+        if len(_SUMMARIES) >= _SUMMARY_CACHE:
+            _SUMMARIES.clear()
+        _SUMMARIES[key] = out
+    return out
 
 
 def sessions(db: Path, limit: int = 50, offset: int = 0) -> dict[str, Any]:
@@ -90,18 +124,10 @@ def runs(db: Path, limit: int = 20, offset: int = 0) -> dict[str, Any]:
             "FROM runs ORDER BY started DESC LIMIT ? OFFSET ?", (CODE_CHARS, limit, offset)).fetchall()
         out = []
         for rid, sid, kind, parent, code, n, started, ended, status in rows:
-            # (run_id, reward) is indexed: this reads the run's rewards already sorted
-            rewards = [r for (v,) in conn.execute(
-                "SELECT reward FROM nodes WHERE run_id = ? AND reward IS NOT NULL ORDER BY reward", (rid,))
-                if (r := _finite(v)) is not None]
-            best = conn.execute("SELECT id FROM nodes WHERE run_id = ? AND reward IS NOT NULL "
-                                "ORDER BY reward DESC LIMIT 1", (rid,)).fetchone() if rewards else None
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
                 "n": n, "started": started, "ended": ended, "status": status,
-                "best_reward": rewards[-1] if rewards else None, "best_node": best[0] if best else None,
-                "rewarded": len(rewards),
-                "spark": spark(rewards),
+                **_summary(conn, str(db), rid, ended),
             })
     return {"total": total, "offset": offset, "limit": limit, "runs": out}
 
@@ -113,10 +139,13 @@ NODE_KEYS = ("id", "parent_id", "run_id", "seed", "status", "reward", "started",
 def nodes(db: Path, run: str | None = None, session: str | None = None, limit: int = 200,
           offset: int = 0) -> dict[str, Any]:
     """A run's tree (its parent, its branches and every fork nested under them), or a
-    whole session's nodes; oldest first."""
+    whole session's nodes; in the order they were recorded."""
     limit, offset = _page(limit, offset)
     with open_ro(db) as conn:
         head: dict[str, Any] | None = None
+        cols = (f"id, parent_id, run_id, seed, status, reward, started, ended, alive, kept, "
+                f"substr(error, 1, {TEXT_CHARS}), substr(output, -{TEXT_CHARS}), metrics")
+        rows: list[Any] = []
         if run is not None:
             row = conn.execute("SELECT session_id, parent_id, kind, substr(code, 1, ?), n, started, ended, status "
                                "FROM runs WHERE id = ?", (CODE_CHARS, run)).fetchone()
@@ -125,21 +154,29 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
             session, parent = row[0], row[1]
             head = dict(zip(("session_id", "parent_id", "kind", "code", "n", "started", "ended", "status"), row))
             head["id"] = run
-            where = ("session_id = :s AND (run_id IN sub OR id = :parent)")
-            prefix = ("WITH RECURSIVE sub(rid) AS (SELECT :run UNION SELECT r.id FROM sub "
-                      "JOIN nodes n ON n.session_id = :s AND n.run_id = sub.rid "
-                      "JOIN runs r ON r.session_id = :s AND r.parent_id = n.id) ")
-            params: dict[str, Any] = {"s": session, "run": run, "parent": parent}
+            # the run, and every run forked (at any depth) from one of its branches
+            sub = [r for (r,) in conn.execute(
+                "WITH RECURSIVE sub(rid) AS (SELECT :run UNION SELECT r.id FROM sub JOIN runs r ON r.session_id = :s "
+                "JOIN nodes n ON n.session_id = :s AND n.id = r.parent_id AND n.run_id = sub.rid) SELECT rid FROM sub",
+                {"run": run, "s": session})]
+            marks = ", ".join("?" * len(sub))
+            top = conn.execute(f"SELECT {cols} FROM nodes WHERE session_id = ? AND id = ?", (session, parent)).fetchall() \
+                if parent is not None else []
+            # run ids are the runs table's primary key, so run_id alone picks the nodes (index only)
+            total = len(top) + conn.execute(f"SELECT count(*) FROM nodes WHERE run_id IN ({marks})", sub).fetchone()[0]
+            rows = top[offset:offset + limit]
+            if len(rows) < limit:
+                # a page of rowids off the run_id index (insertion order: when each branch was laid out)
+                rows += conn.execute(
+                    f"SELECT {cols} FROM nodes WHERE rowid IN (SELECT rowid FROM nodes WHERE run_id IN ({marks}) "
+                    "ORDER BY rowid LIMIT ? OFFSET ?) ORDER BY rowid",
+                    (*sub, limit - len(rows), max(0, offset - len(top)))).fetchall()
         elif session is not None:
-            where, prefix, params = "session_id = :s", "", {"s": session}
+            total = conn.execute("SELECT count(*) FROM nodes WHERE session_id = ?", (session,)).fetchone()[0]
+            rows = conn.execute(f"SELECT {cols} FROM nodes WHERE session_id = ? ORDER BY rowid LIMIT ? OFFSET ?",
+                                (session, limit, offset)).fetchall()
         else:
             raise KeyError("name a run (?run=ID) or a session (?session=ID)")
-        total = conn.execute(f"{prefix}SELECT count(*) FROM nodes WHERE {where}", params).fetchone()[0]
-        rows = conn.execute(
-            f"{prefix}SELECT id, parent_id, run_id, seed, status, reward, started, ended, alive, kept, "
-            f"substr(error, 1, {TEXT_CHARS}), substr(output, -{TEXT_CHARS}), metrics FROM nodes WHERE {where} "
-            "ORDER BY started, rowid LIMIT :limit OFFSET :offset", {**params, "limit": limit, "offset": offset},
-        ).fetchall()
     out = []
     for r in rows:
         rec = dict(zip(NODE_KEYS, r))

@@ -21,7 +21,9 @@ from typing import Any
 from .. import registry
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-ASK_TIMEOUT = 20.0  # seconds to wait for a kernel to answer `%smol delete`
+UNVERIFIED_KEEP_S = 24 * 3600  # how long a dead kernel's pid-less machines stay listed
+ASK_TIMEOUT = 20.0  # seconds to wait for an idle kernel to answer `%smol delete`
+BUSY_TIMEOUT = 2.0  # a busy kernel runs it after its current cell: don't hold the request that long
 
 
 class NotFound(LookupError):
@@ -51,16 +53,23 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
         for m in rec["machines"]:
             if not isinstance(m, dict) or not isinstance(m.get("id"), str):
                 continue
-            if orphaned and not registry.alive(m.get("pid"), m.get("pid_start")):
+            # A machine with no host process of its own (a microVM run by smol's engine) can't be
+            # checked from here: listed as "unverified" for a day after its kernel died, not killable.
+            unverified = orphaned and not isinstance(m.get("pid"), int)
+            if unverified and now - (_num(rec.get("updated")) or 0) > UNVERIFIED_KEEP_S:
+                continue
+            if orphaned and not unverified and not registry.alive(m.get("pid"), m.get("pid_start")):
                 continue
             created = _num(m.get("created"))
+            used, how = registry.memory_mib(m.get("agent_pid"), m.get("agent_start"))
             machines.append({
                 "id": m["id"][:128], "parent": m.get("parent") if isinstance(m.get("parent"), str) else None,
                 "backend": str(m.get("backend", ""))[:32], "uptime_s": round(now - created, 1) if created else None,
                 "memory_mib": _num(m.get("memory_mib")), "cpus": _num(m.get("cpus")),
+                "memory_used_mib": used, "memory_measure": how,
                 "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
-                "active": m["id"] == rec.get("active"), "orphaned": orphaned,
-                "killable": orphaned and isinstance(m.get("pid"), int),
+                "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
+                "killable": orphaned and not unverified,
             })
         if orphaned and not machines:
             with contextlib.suppress(OSError):
@@ -103,6 +112,7 @@ def find(folder: Path, kernel_id: str, node_id: str,
 async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[str, Any]:
     """Run ``%smol delete NODE`` in the live kernel; what it printed or raised."""
     km = kernel_manager.get_kernel(kernel_id)
+    busy = getattr(km, "execution_state", "") == "busy"
     client = km.client()
     client.start_channels()
     out: list[str] = []
@@ -114,7 +124,7 @@ async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[
     try:
         reply = await client.execute_interactive(
             f"%smol delete {node_id}", silent=True, store_history=False, allow_stdin=False,
-            timeout=ASK_TIMEOUT, output_hook=hook)
+            timeout=BUSY_TIMEOUT if busy else ASK_TIMEOUT, output_hook=hook)
     except TimeoutError:
         return {"action": "asked-kernel", "ok": False, "queued": True,
                 "message": f"asked kernel {kernel_id[:8]} to delete {node_id}; it is busy, so the delete runs "

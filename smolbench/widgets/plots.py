@@ -13,6 +13,7 @@ with "smolbench" so the widgets' stylesheet can give the text the theme's colour
 
 from __future__ import annotations
 
+import html
 import json
 import random
 from typing import Any
@@ -78,17 +79,18 @@ def _metrics_text(metrics: Any) -> str:
         try:
             metrics = json.loads(metrics)
         except ValueError:
-            return metrics
+            return _short(metrics)
     if not isinstance(metrics, dict):
-        return str(metrics)
-    return "<br>".join(f"{k}: {_short(v)}" for k, v in list(metrics.items())[:12])
+        return _short(metrics)
+    return "<br>".join(f"{_short(k)}: {_short(v)}" for k, v in list(metrics.items())[:12])
 
 
 def _short(v: Any) -> str:
+    """A value for hover text, cut short and HTML-escaped (metrics and errors come from machines)."""
     if isinstance(v, float):
         return f"{v:.6g}"
     text = str(v)
-    return text if len(text) <= 60 else text[:57] + "…"
+    return html.escape(text if len(text) <= 60 else text[:57] + "…")
 
 
 def as_widget(fig: Any, widget: bool | None = None, svg: Any = None, text: str = "") -> Any:

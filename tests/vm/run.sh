@@ -15,7 +15,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 LANE=${VMLANE_DIR:-$HOME/.cache/smolbench-vmlane}
 C=$LANE/cache
-OUT=$HERE/results
+OUT=${VMLANE_RESULTS:-$HERE/results}
 MEM=${VMLANE_MEM:-6G}
 BUDGET=${VMLANE_BUDGET:-3600}          # seconds for the whole lane, build included
 ATTEMPT=${VMLANE_ATTEMPT_TIMEOUT:-2400} # seconds one boot of L1 may take
@@ -36,7 +36,7 @@ attempt() {
          case $f in tests/vm/results/*) ;; *) [ -f "$f" ] && printf '%s\0' "$f" ;; esac
        done | xargs -0 cp --parents -a -t "$share/src") || die "cannot copy the checkout (is it a git clone?)"
   cp -a "$HERE/guest" "$share/vm/"
-  cp "$HERE/guest/job.sh" "$share/job.sh"
+  cp "${VMLANE_JOB:-$HERE/guest/job.sh}" "$share/job.sh"   # VMLANE_JOB: an experiment of your own in L1
   env | grep -E '^(VMLANE_[A-Z_]+|SMOLBENCH_(TEST|SMOL)_[A-Z_]+)=' | grep -v '^VMLANE_DIR=' \
     | while IFS='=' read -r k v; do printf 'export %s=%q\n' "$k" "$v"; done > "$share/env.sh" || true
   echo "export VMLANE_ATTEMPT=$n" >> "$share/env.sh"

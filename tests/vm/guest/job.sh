@@ -18,6 +18,11 @@ echo /root/smolbench > /opt/venv/lib/python3.11/site-packages/smolbench-checkout
 cp "$S/vm/guest/vmlane_hooks.py" /opt/venv/lib/python3.11/site-packages/
 echo "import vmlane_hooks" > /opt/venv/lib/python3.11/site-packages/vmlane-hooks.pth
 mkdir -p /run/vmlane
+# smol 1.32.2's first capture on a fresh host failed with EACCES creating its staging under
+# /dev/shm/smolvm-capture (its helper runs unprivileged); made world-writable like /dev/shm.
+mkdir -p -m 1777 /dev/shm/smolvm-capture
+# A loopback registry serving the lane's image: machines pulled from it can be captured whole.
+python3 "$S/vm/guest/registry.py" /srv/pyimg.tar pyimg 5000 > "$R/registry.log" 2>&1 &
 
 cd /root/smolbench
 export SMOLBENCH_CACHE=/root/.cache/smolbench
@@ -25,6 +30,7 @@ export SMOLBENCH_SMOL_PROBE_TIMEOUT=${SMOLBENCH_SMOL_PROBE_TIMEOUT:-900}
 export SMOLBENCH_SMOL_BOOT_TIMEOUT=${SMOLBENCH_SMOL_BOOT_TIMEOUT:-900}
 export SMOLBENCH_TEST_SMOL_IMAGE=${SMOLBENCH_TEST_SMOL_IMAGE:-/srv/pyimg}
 export SMOLBENCH_TEST_VM_CELL_TIMEOUT=${SMOLBENCH_TEST_VM_CELL_TIMEOUT:-1200}
+export SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE=${SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE:-127.0.0.1:5000/pyimg:latest}
 . "$S/env.sh" 2>/dev/null   # overrides from the host (VMLANE_*)
 
 if [ "${VMLANE_SIMULATE_STALL:-0}" = 1 ] && [ "${VMLANE_ATTEMPT:-1}" = 1 ]; then

@@ -1,0 +1,218 @@
+"""The bubblewrap command line of a sandbox machine: what it sees, and as whom it runs.
+
+The sandbox never holds host root. When the kernel runs as root, bwrap is started
+as a dedicated unprivileged host uid (``SANDBOX_UID``, owning no host files), so
+uid 0 inside means nothing on the host; otherwise it runs as the kernel's own uid.
+Host paths are opened here, by the kernel, and handed to bwrap as file
+descriptors (``--ro-bind-fd``), so a Python under a root-only directory still
+works. The machine's /etc holds only what Python and common libraries read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..guest import AGENT_FILES, GUEST_DIR
+from ..spec import MachineSpec
+from ._limits import thread_env
+
+# Host root entries a default sandbox sees read-only; home, /root, /etc, /var, /opt, /srv,
+# /mnt and the rest stay hidden unless a Smolfile volume declares them.
+HOST_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# The host /etc entries a machine gets (when present): loader, time zone, TLS roots,
+# name service and MIME tables. Never passwd/shadow/sudoers/ssh/pip credentials.
+ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf",
+               "host.conf", "gai.conf", "protocols", "services", "mime.types", "os-release",
+               "debian_version", "alternatives", "ssl/certs", "ssl/openssl.cnf", "ca-certificates",
+               "ca-certificates.conf", "fonts", "locale.alias", "magic", "magic.mime", "matplotlibrc")
+# Entries of a rootfs image that are never bound from the image itself.
+SPECIAL_DIRS = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
+GUEST_RUN = "/run/smolbench"  # the machine's own run folder (guest/contain.py RUN)
+GUEST_STORE = "/run/smolbench-layers"  # its copy-on-write layers (guest/contain.py STORE)
+GUEST_AGENT = "/run/smolbench-agent"
+GUEST_LIB = "/run/smolbench-lib"
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
+SANDBOX_UID = int(os.environ.get("SMOLBENCH_SANDBOX_UID", "1999999999"))
+# Test-only: containment steps to leave out, to show a probe catches the escape.
+WEAKEN_VAR = "SMOLBENCH_TEST_WEAKEN"
+
+
+def sandbox_ids() -> tuple[int, int]:
+    """The host uid and gid a sandbox runs as: never root."""
+    if os.geteuid() == 0:
+        return SANDBOX_UID, SANDBOX_UID
+    return os.geteuid(), os.getegid()
+
+
+def weakened() -> frozenset[str]:
+    """Containment steps a test asked to skip (never set outside tests)."""
+    return frozenset(w for w in os.environ.get(WEAKEN_VAR, "").split(",") if w)
+
+
+@dataclass
+class Plan:
+    """A bwrap command line and the host file descriptors it refers to."""
+
+    argv: list[str] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)  # "/proc/self/fd/N" -> host path, for messages
+
+    def bind_fd(self, host: str, guest: str, readonly: bool = True) -> None:
+        fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
+        self.fds.append(fd)
+        self.paths[f"/proc/self/fd/{fd}"] = host
+        self.argv += ["--ro-bind-fd" if readonly else "--bind-fd", str(fd), guest]
+
+    def data(self, content: bytes, guest: str) -> None:
+        """A read-only file made from ``content`` (no host path: nothing to resolve or reach)."""
+        fd = os.memfd_create("smolbench", os.MFD_CLOEXEC)
+        os.write(fd, content)
+        os.lseek(fd, 0, os.SEEK_SET)
+        self.fds.append(fd)
+        self.argv += ["--ro-bind-data", str(fd), guest]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _cloudpickle_dir() -> Path | None:
+    try:
+        import cloudpickle
+    except ImportError:
+        return None
+    return Path(cloudpickle.__file__).resolve().parent
+
+
+def python_prefixes() -> list[str]:
+    """The notebook's Python installation(s) outside the system directories."""
+    out = set()
+    for prefix in (sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)):
+        if not any(prefix == f"/{d}" or prefix.startswith(f"/{d}/") for d in HOST_SYSTEM_DIRS):
+            out.add(prefix)
+    # A prefix inside another is bound with it.
+    return sorted(p for p in out if not any(p != q and p.startswith(q + "/") for q in out))
+
+
+def made_etc(name: str, uid: int, gid: int) -> dict[str, str]:
+    """The /etc files made for this machine (name -> content)."""
+    return {
+        "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsmolbench:x:{uid}:{gid}:smolbench machine:/workspace:/bin/sh\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nsmolbench:x:{gid}:\nnogroup:x:65534:\n",
+        "hosts": f"127.0.0.1\tlocalhost {hostname(name)}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        "hostname": hostname(name) + "\n",
+    }
+
+
+def hostname(name: str) -> str:
+    return f"smol-{name}"[:63]
+
+
+def as_sandbox_uid(argv: list[str]) -> list[str]:
+    """``argv`` run as the sandbox uid/gid with no supplementary groups (the kernel is root).
+    A prefix, not ``subprocess(user=...)``: the limits' cgroup join runs first, as root."""
+    uid, gid = sandbox_ids()
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--", *argv]
+    code = (f"import os, sys; os.setgroups([]); os.setresgid({gid}, {gid}, {gid}); os.setresuid({uid}, {uid}, {uid}); "
+            "os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-I", "-S", "-c", code, *argv]
+
+
+def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
+         agent_args: list[str] = ()) -> Plan:  # type: ignore[assignment]
+    """The bwrap command for machine ``name``."""
+    uid, gid = sandbox_ids()
+    weak = weakened()
+    p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
+    if "host-root" in weak:  # the old, broken configuration: uid 0 inside is host root
+        p.argv += ["--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
+    else:
+        p.argv += ["--cap-drop", "ALL"]
+    if spec.network_enabled:
+        p.argv.append("--share-net")
+    if rootfs is None:
+        python = sys.executable
+        system = HOST_SYSTEM_DIRS + (("etc", "var", "opt") if "host-root" in weak else ())
+        for entry in system:
+            p.argv += _bind_entry(Path("/"), entry)
+        if "host-root" not in weak:
+            for entry in ETC_ENTRIES:
+                src = Path("/etc") / entry
+                if src.is_symlink() and not entry.startswith("ssl/"):
+                    p.argv += ["--symlink", os.readlink(src), f"/etc/{entry}"]
+                elif src.exists():
+                    p.argv += ["--ro-bind", str(src), f"/etc/{entry}"]
+            for fname, text in made_etc(name, uid, gid).items():
+                p.data(text.encode(), f"/etc/{fname}")
+            if spec.network_enabled and os.path.exists("/etc/resolv.conf"):
+                p.argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+            p.argv += ["--symlink", "/tmp", "/var/tmp"]
+    else:
+        python = "/usr/bin/python3"
+        for entry in sorted(os.listdir(rootfs)):
+            if entry not in SPECIAL_DIRS:
+                p.argv += _bind_entry(rootfs, entry)
+    # The machine's run folder (its socket) is a tmpfs of its own: the host reaches it through
+    # /proc/PID/root, so no host folder is writable from inside.
+    p.argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
+               "--dir", GUEST_STORE, "--dir", spec.workdir, "--perms", "0700", "--tmpfs", GUEST_RUN]
+    for fname in AGENT_FILES:
+        p.data((GUEST_DIR / fname).read_bytes(), f"{GUEST_AGENT}/{fname}")
+    cp = _cloudpickle_dir()
+    if cp:
+        p.bind_fd(str(cp), f"{GUEST_LIB}/cloudpickle")
+    keep = []
+    if rootfs is None:
+        # The notebook's own Python may live in a hidden place (a home, /root, /tmp):
+        # bind just its installation, read-only, at the same path.
+        for prefix in python_prefixes():
+            p.bind_fd(prefix, prefix)
+            if prefix == "/tmp" or prefix.startswith("/tmp/"):
+                keep.append(prefix)
+    for vol in spec.volumes:
+        p.bind_fd(vol.host, vol.guest, readonly=vol.readonly)
+    # The warm heap in transparent huge pages: a fork copies ~100 PMD entries per 200 MiB
+    # instead of ~51,200 PTEs, and a branch forks twice (keeper, then agent). glibc reads the
+    # THP mode from sysfs, so that folder (settings only) is bound read-only.
+    if os.path.isdir(THP_SYSFS):
+        p.argv += ["--ro-bind", THP_SYSFS, THP_SYSFS]
+    if "host-root" not in weak:
+        p.argv += ["--remount-ro", "/run", "--remount-ro", "/"]
+    p.argv += ["--hostname", hostname(name), "--chdir", "/", "--clearenv"]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "USER": "smolbench", "LANG": "C.UTF-8",
+           "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec), **spec.env_dict}
+    for key, val in env.items():
+        p.argv += ["--setenv", key, val]
+    p.argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/s", "--name", name,
+               "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/ready"]
+    if cp:
+        p.argv += ["--lib", GUEST_LIB]
+    p.argv += list(agent_args)
+    if "host-root" not in weak:
+        p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
+        if spec.disk_mib:
+            p.argv += ["--disk-mib", str(spec.disk_mib)]
+        if spec.network_enabled:
+            p.argv.append("--net")
+        if weak:
+            p.argv.append("--weaken=" + ",".join(sorted(weak)))
+    return p
+
+
+def _bind_entry(root: Path, entry: str) -> list[str]:
+    src = root / entry
+    if src.is_symlink():
+        return ["--symlink", os.readlink(src), f"/{entry}"]
+    if src.is_dir():
+        return ["--ro-bind", str(src), f"/{entry}"]
+    return []
+

@@ -1,0 +1,408 @@
+"""Containment inside the bubblewrap sandbox: namespaces, copy-on-write files, no privileges.
+
+Stdlib only (runs on the machine's python3, Linux). The agent uses it when the host
+asks (``--contain``). Every machine, the root and each branch, is two processes:
+
+* the *keeper* made the machine's user, mount, pid and IPC namespaces (and, without
+  network, its net namespace). It alone keeps capabilities there. It mounts the
+  machine's copy-on-write layers and, at each fork, freezes the machine's upper
+  layers and gives it fresh ones. It lives outside the machine's pid namespace, so
+  cells can't see it, and it answers one command on a socketpair.
+* the *agent*, pid 1 of the machine's pid namespace, runs cells with no
+  capabilities, no_new_privs and the seccomp filter of ``seccomp.py``.
+
+Files: the workspace and /tmp are overlayfs mounts. Their layers live on the
+machine's own tmpfs (sized by the Smolfile's ``disk``) mounted at ``STORE``; a
+branch binds its parent's frozen layers (read-only lower layers) into its own store
+and writes to its own upper layers. Fork cost does not depend on how much is stored.
+Where overlayfs can't be mounted, a branch copies its parent's files instead, and
+says so in ``info()``.
+"""
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+
+STORE = "/run/smolbench-layers"  # the machine's layer tmpfs (bwrap makes the mount point)
+RUN = "/run/smolbench"  # the machine's own run directory (its socket; its branches' folders)
+MAX_LOWERS = 48  # frozen layers per mount before a fork flattens them (overlayfs allows ~500)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
+PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+O_PATH = getattr(os, "O_PATH", 0o10000000)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class ContainError(OSError):
+    """A containment step failed (the machine must not start without it)."""
+
+
+def _check(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise ContainError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def mount(src, target, fstype, flags, data=None):
+    """mount(2), raising ContainError."""
+    _check(_libc.mount(src.encode() if src else None, target.encode(), fstype.encode() if fstype else None,
+                       ctypes.c_ulong(flags), data.encode() if data else None), "mount %s" % target)
+
+
+def umount(target):
+    _check(_libc.umount2(target.encode(), MNT_DETACH | UMOUNT_NOFOLLOW), "umount %s" % target)
+
+
+def _fd_path(fd):
+    return "/proc/self/fd/%d" % fd
+
+
+def _write(path, text):
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def set_pdeathsig():
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+# -- namespaces and privileges ------------------------------------------------------
+
+
+def new_namespaces(net):
+    """Enter a new user, mount, pid and IPC namespace (and net unless ``net``), mapping
+    this uid and gid to themselves: not root inside, so an exec never regains
+    capabilities. The caller keeps every capability in the new user namespace."""
+    uid, gid = os.geteuid(), os.getegid()
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if net else CLONE_NEWNET)
+    _check(_libc.unshare(flags), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
+    _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if not net:
+        _loopback_up()
+
+
+def _loopback_up():
+    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
+    import fcntl
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        req = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, req + b"\0" * 14)[:18])[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP) + b"\0" * 14)
+    finally:
+        s.close()
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges():
+    """No capabilities at all (bounding, ambient, effective, permitted), and no_new_privs."""
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: past the last cap
+            break
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    head = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(head), data), "capset")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def cap_eff():
+    """This process's effective capability mask (0 when contained)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return -1
+
+
+# -- copy-on-write layers -------------------------------------------------------------
+
+
+class Layers:
+    """The overlay layers of one mount point (the workspace, or /tmp) of one machine."""
+
+    def __init__(self, key, target, lowers):
+        self.key, self.target, self.lowers = key, target, list(lowers)
+        self.gen = 0
+        self.upper = self.work = None
+
+    def mount(self, keep=()):
+        self.gen += 1
+        base = os.path.join(STORE, self.key)
+        os.makedirs(base, exist_ok=True)
+        self.upper = os.path.join(base, "u%d" % self.gen)
+        self.work = os.path.join(base, "w%d" % self.gen)
+        os.mkdir(self.upper, 0o755)
+        os.mkdir(self.work, 0o700)
+        opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (":".join(self.lowers), self.upper, self.work)
+        mount("overlay", self.target, "overlay", MS_NOSUID | MS_NODEV, opts)
+        for path, source in keep:  # host paths that live below this mount point (a venv under /tmp)
+            os.makedirs(path, exist_ok=True)
+            mount(source, path, None, MS_BIND | MS_REC)
+
+    def freeze(self, keep=()):
+        """Make the current upper layer a read-only lower one; continue on a fresh upper.
+        Returns True when a fork had to flatten the layers (copying)."""
+        if not os.listdir(self.upper):
+            return False  # nothing written since the last fork: no new layer
+        flat = len(self.lowers) + 1 > MAX_LOWERS
+        if flat:
+            merged = os.path.join(STORE, self.key, "f%d" % self.gen)
+            shutil.copytree(self.target, merged, symlinks=True, ignore=_skip_mounts(keep))
+        umount(self.target)
+        self.lowers = [merged] if flat else [self.upper] + self.lowers
+        self.mount(keep)
+        return flat
+
+
+def _skip_mounts(keep):
+    paths = {p for p, _ in keep}
+
+    def ignore(folder, names):
+        return [n for n in names if os.path.join(folder, n) in paths]
+
+    return ignore
+
+
+def copy_into(layers, keep):
+    """No overlayfs: the layers' mount point becomes a private copy on the store."""
+    merged = os.path.join(STORE, layers.key, "copy")
+    shutil.copytree(layers.target, merged, symlinks=True, ignore=_skip_mounts(keep))
+    mount(merged, layers.target, None, MS_BIND)
+    for path, source in keep:
+        mount(source, path, None, MS_BIND | MS_REC)
+
+
+# -- one machine --------------------------------------------------------------------------
+
+
+class Machine:
+    """Sets up this machine's namespaces and files, then splits into keeper and agent."""
+
+    def __init__(self, workdir, disk_mib, net, keep):
+        self.workdir, self.disk_mib, self.net = workdir, disk_mib, net
+        self.keep_paths = [p for p in keep if p.startswith("/tmp/") or p == "/tmp"]
+        self.files = "overlay"
+        self.layers = []
+        self.chan = None
+        self.keeper_pid = None
+
+    def _open_dirs(self, paths):
+        return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
+
+    def setup(self, lowers=None, run_sub=None):
+        """Root (``lowers`` None) or a branch whose parent froze ``lowers`` for it."""
+        sets = (("ws", self.workdir), ("tmp", "/tmp"))
+        cow = self.files == "overlay"
+        new_namespaces(self.net)
+        # Opened in the new mount namespace (a copy of the parent's), before covering them:
+        # a bind mount's source must be a mount of the caller's own namespace.
+        lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
+        keep = [(p, fd) for p, fd in zip(self.keep_paths, self._open_dirs(self.keep_paths))]
+        run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
+        size = ",size=%dm" % self.disk_mib if self.disk_mib else ""
+        mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700" + size)
+        # Keep the kept paths' mounts nameable in the store: the keeper re-binds them at each
+        # fork, when /proc (the agent's) no longer shows the keeper's own /proc/self.
+        for i, (path, fd) in enumerate(keep):
+            held = os.path.join(STORE, "keep", str(i))
+            os.makedirs(held)
+            mount(_fd_path(fd), held, None, MS_BIND | MS_REC)
+            os.close(fd)
+            keep[i] = (path, held)
+        n = 0
+        for key, target in sets:
+            layer = Layers(key, target, [])
+            sub = keep if target == "/tmp" else ()
+            if cow:
+                for fd in lower_fds.get(key, []):
+                    path = os.path.join(STORE, "l", str(n))
+                    n += 1
+                    os.makedirs(path)
+                    mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
+                    os.close(fd)
+                    layer.lowers.append(path)
+                if not layer.lowers:
+                    layer.lowers = [os.path.join(STORE, "empty")]
+                    os.makedirs(layer.lowers[0], exist_ok=True)
+                try:
+                    layer.mount(sub)
+                except OSError as exc:
+                    if lowers:
+                        raise  # the root could mount overlays: a branch must too
+                    self.files = "copy (overlayfs can't be mounted here: %s)" % exc.strerror
+                    cow = False
+            if not cow:
+                copy_into(layer, sub)
+            self.layers.append(layer)
+        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
+        if run_fd is not None:
+            mount(_fd_path(run_fd), RUN, None, MS_BIND)
+            os.close(run_fd)
+        self.keep = keep
+        os.chdir(self.workdir)
+
+    def split(self):
+        """Fork: the child becomes the agent (pid 1 here, no privileges) and returns; this
+        process stays the keeper and never returns."""
+        keeper_end, agent_end = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            keeper_end.close()
+            set_pdeathsig()
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8)  # 8: MS_NOEXEC
+            drop_privileges()
+            self.chan = agent_end
+            return
+        agent_end.close()
+        self._keep(keeper_end, pid)
+
+    def _keep(self, chan, agent_pid):
+        """The keeper's loop: answer ``freeze`` until the agent is gone, then exit like it."""
+        f = chan.makefile("rb")
+        while True:
+            line = f.readline(256)
+            if not line:
+                break
+            if line.strip() != b"freeze":
+                chan.sendall(b'{"error": "unknown request"}\n')
+                continue
+            try:
+                reply = self.freeze()
+            except OSError as exc:
+                reply = {"error": str(exc)}
+            chan.sendall(json.dumps(reply).encode() + b"\n")
+        _, status = os.waitpid(agent_pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF if hasattr(os, "waitstatus_to_exitcode") else 0)
+
+    def freeze(self):
+        flattened = []
+        if self.files == "overlay":
+            for layer in self.layers:
+                if layer.freeze(self.keep if layer.target == "/tmp" else ()):
+                    flattened.append(layer.target)
+        lowers = {layer.key: list(layer.lowers) for layer in self.layers} if self.files == "overlay" else {}
+        return {"lowers": lowers, "flattened": flattened}
+
+
+# -- the agent's side -------------------------------------------------------------------------
+
+
+def ask_freeze(chan):
+    """Agent: have the keeper freeze this machine's layers; the lower layers a branch gets."""
+    chan.sendall(b"freeze\n")
+    buf = b""
+    while not buf.endswith(b"\n"):
+        part = chan.recv(65536)
+        if not part:
+            raise ContainError(0, "the machine's keeper is gone")
+        buf += part
+    reply = json.loads(buf)
+    if "error" in reply:
+        raise ContainError(0, "freezing the files failed: %s" % reply["error"])
+    return reply
+
+
+def start_root(workdir, disk_mib, net, keep, seccomp_filter=True):
+    """Contain the root machine; returns the Machine (we are now its agent)."""
+    m = Machine(workdir, disk_mib, net, keep)
+    m.setup()
+    m.split()
+    if seccomp_filter:
+        m.seccomp = _sibling("seccomp").install()
+    else:
+        m.seccomp = "off (test knob)"
+    return m
+
+
+def start_branch(parent, lowers, run_sub):
+    """In a freshly forked child of ``parent``'s agent: become a contained branch."""
+    try:
+        parent.chan.close()
+    except OSError:
+        pass
+    m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths)
+    m.seccomp, m.files = parent.seccomp, parent.files
+    m.setup(lowers, run_sub)
+    m.split()
+    return m
+
+
+def _nspid_depth(pid):
+    with open("/proc/%d/status" % pid) as fh:
+        for line in fh:
+            if line.startswith("NSpid:"):
+                return len(line.split()) - 1
+    return 0
+
+
+def reap_orphaned_branches():
+    """Agent (pid 1 here): reap branch agents whose keeper died before them. They are
+    reparented to us, and no one else waits for them. A cell's own children are left to it."""
+    me = os.getpid()
+    try:
+        mine = _nspid_depth(me)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % entry, "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+                if fields[0] == b"Z" and int(fields[1]) == me and _nspid_depth(int(entry)) > mine:
+                    os.waitpid(int(entry), os.WNOHANG)
+            except (OSError, IndexError, ValueError):
+                continue
+    except OSError:
+        pass
+
+
+def _sibling(name):
+    # Loaded by file under a private name: a user's own module of that name must still import.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_smolbench_" + name, os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def info(m):
+    """What ``%smol status`` shows about containment."""
+    return {"uid": os.getuid(), "cap_eff": cap_eff(), "files": m.files, "seccomp": m.seccomp}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("contain.py is a library for the agent")

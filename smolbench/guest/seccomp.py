@@ -1,0 +1,106 @@
+"""The machine's seccomp filter: a classic BPF program built in stdlib Python.
+
+Refused with EPERM: debugging other processes (ptrace, process_vm_*), kernel keyrings,
+bpf, perf, module loading and kexec, userfaultfd, handle-based opens, setns,
+pivot_root/chroot, swap, reboot, accounting, quotas, the fd-based mount API, io_uring
+(it bypasses seccomp), clocks, kernel logs, and namespace flags other than the ones
+branching uses (user, mount, pid, IPC, net: cgroup, UTS and time are refused).
+clone3 answers ENOSYS, so libc falls back to clone, whose flags the filter can read.
+Foreign syscall ABIs (x32, 32-bit) are refused.
+
+Why mount and unshare(user|mount|pid) stay allowed: a branch is a live fork of a
+machine that has run cells, so whatever the filter forbids, a branch can't do to
+set itself up. In a fresh user namespace those calls only give power over the
+caller's own private view: inherited mounts are locked (can't be made writable or
+unmounted), the machine's uid owns no host files, and /proc can't be remounted
+(see docs/security.md).
+"""
+
+import ctypes
+import errno
+import platform
+import struct
+
+ARCH_X86_64 = 0xC000003E
+X32_BIT = 0x40000000
+CLONE_NEWTIME = 0x00000080
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+
+# x86_64 syscall numbers refused with EPERM.
+DENY_X86_64 = {
+    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+    "keyctl": 250, "add_key": 248, "request_key": 249,
+    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
+    "delete_module": 176, "create_module": 174, "get_kernel_syms": 177, "query_module": 178,
+    "open_by_handle_at": 304, "name_to_handle_at": 303, "setns": 308,
+    "pivot_root": 155, "chroot": 161, "swapon": 167, "swapoff": 168, "reboot": 169,
+    "acct": 163, "quotactl": 179, "quotactl_fd": 443,
+    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "move_mount": 429,
+    "open_tree": 428, "mount_setattr": 442,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "iopl": 172, "ioperm": 173, "syslog": 103, "settimeofday": 164, "clock_settime": 227,
+    "clock_adjtime": 305, "adjtimex": 159, "lookup_dcookie": 212, "uselib": 134,
+    "vhangup": 153, "nfsservctl": 180, "_sysctl": 156,
+}
+NR_CLONE, NR_UNSHARE, NR_CLONE3 = 56, 272, 435
+
+LD_ABS_W, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+RET_ALLOW = 0x7FFF0000
+RET_ERRNO = 0x00050000
+
+
+def _ins(code, k, jt=0, jf=0):
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def program(deny=None):
+    """The filter as a list of 8-byte sock_filter instructions (x86_64)."""
+    deny = sorted(set((deny or DENY_X86_64).values()))
+    eperm, enosys = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS
+    head = [_ins(LD_ABS_W, 4), _ins(JEQ, ARCH_X86_64, 1, 0), _ins(RET, enosys), _ins(LD_ABS_W, 0)]
+    # Tail, laid out after the checks: [0] EPERM, [1] unshare flags, [2..] clone flags.
+    tail = [
+        _ins(RET, eperm),
+        _ins(LD_ABS_W, 16), _ins(JSET, CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWTIME, 0, 1),
+        _ins(RET, eperm), _ins(RET, RET_ALLOW),
+        _ins(LD_ABS_W, 16), _ins(JSET, CLONE_NEWCGROUP | CLONE_NEWUTS, 0, 1),
+        _ins(RET, eperm), _ins(RET, RET_ALLOW),
+    ]
+    checks = [("ge", X32_BIT, 0)] + [("eq", nr, 0) for nr in deny]
+    checks += [("eq", NR_UNSHARE, 1), ("eq", NR_CLONE, 5)]
+    return _relayout(head, checks, tail)
+
+
+def _relayout(head, checks, tail):
+    n = len(checks)
+    # After the checks: [a] JEQ clone3 -> enosys (+1) else allow (+0); [b] RET allow; [c] RET enosys.
+    fixed = [_ins(JEQ, NR_CLONE3, 1, 0), _ins(RET, RET_ALLOW), _ins(RET, RET_ERRNO | errno.ENOSYS)]
+    body = []
+    for i, (op, k, target) in enumerate(checks):
+        dist = (n - i - 1) + len(fixed) + target
+        if dist > 255:
+            raise ValueError("seccomp program too long for short jumps")
+        body.append(_ins(JGE if op == "ge" else JEQ, k, dist, 0))
+    return head + body + fixed + tail
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install():
+    """Load the filter for every thread of this process; returns a line for ``%smol status``."""
+    if platform.machine() != "x86_64":
+        return "off: no filter for this CPU architecture (%s)" % platform.machine()
+    code = b"".join(program())
+    buf = ctypes.create_string_buffer(code, len(code))
+    prog = _Fprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "no_new_privs")
+    SYS_SECCOMP, SET_MODE_FILTER, FLAG_TSYNC = 317, 1, 1
+    if libc.syscall(SYS_SECCOMP, SET_MODE_FILTER, FLAG_TSYNC, ctypes.byref(prog)) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp")
+    return "on (%d refused syscalls, namespace flags checked)" % len(DENY_X86_64)

@@ -1,0 +1,97 @@
+"""The cgroup layer on its own: v2 file formats on a stand-in hierarchy (this host mounts the
+v1 controllers, so v2 can't run for real here), and v1 for real where it is writable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from smolbench.backends import _limits
+from smolbench.spec import MachineSpec
+
+
+@pytest.fixture
+def fake_v2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A delegated v2 cgroup (the kernel's own) as plain files: what the probe and writes see."""
+    root = tmp_path / "cgroup2"
+    own = root / "user.slice" / "kernel.scope"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("cpu memory pids io\n")
+    (own / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(_limits, "_mounts", lambda: {"": root})
+    monkeypatch.setattr(_limits, "_own_cgroups", lambda: {"": "/user.slice/kernel.scope"})
+    monkeypatch.setattr(_limits, "_MECHANISM", None)
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, *args: object, **kwargs: object) -> None:  # cgroupfs fills a new group in
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+        if str(self).startswith(str(root)):
+            (self / "cgroup.controllers").write_text("cpu memory pids io\n")
+            (self / "cgroup.procs").write_text("")
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    return own
+
+
+def test_v2_is_chosen_and_writes_its_limits(fake_v2: Path) -> None:
+    mech = _limits.detect()
+    assert mech.name == "cgroup v2" and mech.bases == {"": fake_v2}
+    assert (fake_v2 / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    limiter = _limits.Limiter()
+    m = limiter.machine("root.3", MachineSpec(memory=512, pids=40, cpus=2))
+    (d,) = m.dirs
+    assert d.parent.name.startswith(f"smolbench-{os.getpid()}-") and d.name == "root.3"
+    assert (d / "memory.max").read_text() == str(512 << 20)
+    assert (d / "memory.swap.max").read_text() == "0"
+    assert (d / "pids.max").read_text() == "40"
+    assert (d / "cpu.max").read_text() == "200000 100000"
+    assert (d.parent / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert m.wrap(["agent"])[-2:] == ["--", "agent"] and str(d / "cgroup.procs") in m.wrap(["agent"])
+    assert m.agent_args(99) == ["--rlimit", f"DATA={512 << 20}"]  # the pids cgroup caps processes
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
+    assert m.oom_kills() == 2
+    assert "cgroup v2: memory 512M, 40 processes, 2 cpus" in limiter.describe(m.spec, nproc_per_machine=True)
+
+
+def test_v2_not_delegated_falls_back(fake_v2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write = Path.write_text
+
+    def write_text(self: Path, data: str, *args: object, **kwargs: object) -> int:
+        if self.name == "cgroup.subtree_control":  # our own cgroup holds processes: EBUSY
+            raise OSError(16, "Device or resource busy")
+        return real_write(self, data, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(_limits, "_v1_bases", lambda: None)
+    assert _limits.detect().name == "rlimits"
+
+
+def test_rlimits_only_name_the_fallbacks() -> None:
+    m = _limits.MachineLimits(MachineSpec(memory=256, pids=32), [], 0)
+    assert m.wrap(["agent", "x"]) == ["agent", "x"]
+    assert m.agent_args(32) == ["--rlimit", f"DATA={256 << 20}", "--rlimit", "NPROC=32"]
+    assert _limits.MachineLimits(MachineSpec(), [], 0, enforce=False).agent_args(32) == []
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
+def test_v1_for_real_a_process_joins_and_is_killed_and_the_group_goes() -> None:
+    limiter = _limits.Limiter()
+    m = limiter.machine("root", MachineSpec(memory=128, pids=20))
+    proc = subprocess.Popen(m.wrap(["sh", "-c", "sleep 60 & sleep 60 & wait"]))
+    try:
+        deadline = 50
+        while len(m.pids()) < 3 and deadline:
+            deadline -= 1
+            subprocess.run(["sleep", "0.05"])
+        assert proc.pid in m.pids() and len(m.pids()) == 3  # sh and both sleeps, none escaped
+        assert (m.dirs[0] / "memory.limit_in_bytes").read_text().strip() == str(128 << 20)
+        groups = {d.parent for d in m.dirs}
+        limiter.close()
+        assert proc.wait(10) == -9
+        assert not any(g.exists() for g in groups)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
