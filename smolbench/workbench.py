@@ -1,4 +1,4 @@
-"""The Workbench: one per kernel. The active machine, the fork tree, fan-out, checkpoints.
+"""The Workbench: one per kernel. The active machine, the fork tree, fan-out (checkpoints: checkpoints.py).
 
 All of its async methods run on smolbench's own loop thread (``_loop``); the
 magics block on them. Widgets observe it through :meth:`Workbench.observe` and
@@ -15,14 +15,16 @@ import platform
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from . import __version__, gate
 from . import retries as retry
+from ._aio import _gather_cancelling, _to_the_end
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
+from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
@@ -32,8 +34,6 @@ from .tree import TERMINAL, Node, Tree
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 Observer = Callable[["Workbench", list[Node]], None]
-BranchEvent = Callable[[str, Event], None]
-T = TypeVar("T")
 
 
 def _versions(guest_python: str | None) -> dict[str, str | None]:
@@ -47,7 +47,7 @@ def _versions(guest_python: str | None) -> dict[str, str | None]:
             "host_python": platform.python_version()}
 
 
-class Workbench:
+class Workbench(CheckpointsMixin):
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
@@ -626,154 +626,6 @@ class Workbench:
         drop = [n.id for n in nodes if n.alive and n.id not in result.kept]
         await asyncio.gather(*(self._drop(node_id) for node_id in drop))  # in parallel: one round trip each
 
-    # -- replay ---------------------------------------------------------------------------
-
-    async def replay(self, node_id: str, on_event: BranchEvent) -> dict[str, Any]:
-        """Rebuild a node's path from its nearest ancestor that is alive or checkpointed, and compare rewards.
-
-        Re-runs the recorded cells with the recorded seeds in temporary
-        branches, which are deleted afterwards.
-        """
-        if node_id not in self.tree:
-            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree` (replay works on this session's nodes)")
-        target = self.tree[node_id]
-        path = self.tree.path(node_id)
-        notes: list[str] = []
-        temps: list[MachineRef] = []
-        # Start from the nearest ancestor that is alive or has a checkpoint.
-        start_idx = next((i for i in range(len(path) - 2, -1, -1)
-                          if path[i].id in self.machines or path[i].checkpoint), None)
-        cur: MachineRef | None = None
-        try:
-            if start_idx is None:
-                if target.parent is None and target.run_id and target.id.startswith("ep"):
-                    start_idx = -1  # an episode: a fresh machine from the baseline
-                    cur = await self.backend.create(self.spec, f"replay-{node_id}")
-                    temps.append(cur)
-                    await self._init(cur)
-                else:
-                    raise SmolbenchError(
-                        f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
-                        "keep a branch (--keep) or checkpoint one (`%smol checkpoint save`) to make replays possible")
-            elif path[start_idx].id in self.machines:
-                cur = self.machines[path[start_idx].id]
-                start = path[start_idx]
-                if start.cells > path[start_idx + 1].forked_at:
-                    notes.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork, so the replay may differ")
-            else:
-                anc = path[start_idx]
-                rec = self.ledger.checkpoint(anc.checkpoint or "")
-                if rec is None or not os.path.exists(rec["path"]):
-                    raise SmolbenchError(f"can't replay {node_id}: the checkpoint {anc.checkpoint!r} of {anc.id} is gone")
-                cur = await self.backend.restore(rec["path"], f"replay-{anc.id}", self.spec)
-                temps.append(cur)
-                notes.append(f"started from checkpoint {anc.checkpoint}")
-                if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
-                    notes.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
-                                 f"the fork after {path[start_idx + 1].forked_at}, so the replay may differ")
-            steps = path[start_idx + 1:]
-            res: CellResult | None = None
-            for k, step in enumerate(steps):
-                if step.parent is None:  # the episode itself, seeded per cell
-                    seed_now: int | None = step.seed
-                else:
-                    kid = (await self.backend.branch(cur, [f"replay{k}-{step.id}"], [step.seed]))[0]
-                    temps.append(kid)
-                    cur = kid
-                    seed_now = None
-                cells = self.ledger.cells(self.session, step.id)
-                upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
-                for c in cells[:upto]:
-                    if c.get("pushed"):
-                        notes.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
-                    if res.status != "ok":
-                        err = res.error or {}
-                        raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")
-            reward = res.reward if res is not None else None
-        finally:
-            for ref in reversed(temps):
-                with contextlib.suppress(Exception):
-                    await _to_the_end(self.backend.delete(ref))
-        match = reward == target.reward
-        msg = (f"replay of {node_id}: reward {reward} vs recorded {target.reward}: "
-               + ("identical" if match else "DIFFERENT") + (f" ({'; '.join(notes)})" if notes else ""))
-        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match, "notes": notes, "message": msg}
-
-    # -- checkpoints ---------------------------------------------------------------------
-
-    async def checkpoint_save(self, name: str | None = None, node_id: str | None = None, force: bool = False) -> dict[str, Any]:
-        """Save a live node's whole machine under ``name``."""
-        node_id = node_id or self.active
-        if node_id is None:
-            raise SmolbenchError("no machine is up: run `%smol up` first")
-        if node_id not in self.machines:
-            raise SmolbenchError(f"node {node_id!r} is not alive, so it can't be checkpointed: pick a live node (`%smol tree`)")
-        name = name or f"{node_id}-{time.strftime('%H%M%S')}"
-        _check_name(name)
-        existing = self.ledger.checkpoint(name)
-        if existing is not None and not force:
-            raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it")
-        try:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
-        path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
-        self._claim(node_id)
-        self._touch(node_id)
-        try:
-            info = await self.backend.checkpoint(self.machines[node_id], path)
-        except BaseException as exc:
-            if existing is None:  # a failed --force save must not remove the checkpoint it was replacing
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            if not isinstance(exc, Exception):
-                raise
-            why = str(exc) if isinstance(exc, SmolbenchError) else f"{type(exc).__name__}: {exc}"
-            kept = "" if existing is None else f"; the old {name!r} is unchanged"
-            raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
-        finally:
-            self._busy.discard(node_id)
-        node = self.tree[node_id]
-        self.ledger.add_checkpoint(name, self.session, node_id, info.path, info.backend, info.size, node.cells, info.warnings)
-        node.checkpoint = name
-        self._record(node)
-        return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
-
-    async def checkpoint_restore(self, name: str) -> Node:
-        """Create a new machine from a checkpoint and make it active."""
-        rec = self.ledger.checkpoint(name)
-        if rec is None:
-            known = ", ".join(r["name"] for r in self.ledger.checkpoint_rows()) or "none"
-            raise SmolbenchError(f"no checkpoint named {name!r}: saved checkpoints are {known} (`%smol checkpoint list`)")
-        if rec["backend"] != self.backend.name:
-            raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, but this machine uses {self.backend.name}: `%smol up --backend {rec['backend']}` to restore it")
-        if not os.path.exists(rec["path"]):
-            raise SmolbenchError(f"checkpoint {name!r} is missing its file {rec['path']}: remove it with `%smol checkpoint rm {name}`")
-        restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
-        base = f"r{len(restored) + 1}"
-        node_id = f"{base}-{name}"
-        ref = await self.backend.restore(rec["path"], node_id, self.spec)
-        self.machines[node_id] = ref
-        node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
-                                  cells=int(rec.get("cells") or 0)))
-        self._record(node)
-        self.active = node_id
-        return node
-
-    def checkpoint_remove(self, name: str) -> None:
-        """Delete a checkpoint's file and its ledger entry."""
-        rec = self.ledger.checkpoint(name)
-        if rec is None:
-            raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
-        with contextlib.suppress(OSError):
-            os.unlink(rec["path"])
-        self.ledger.remove_checkpoint(name)
-        for node in self.tree:
-            if node.checkpoint == name:
-                node.checkpoint = None
-                self._record(node)
-
     # -- status ----------------------------------------------------------------------------
 
     def _live_text(self) -> str:
@@ -821,11 +673,6 @@ def _default_image(backend: str) -> str | None:
     return {"sandbox": "(backend default: host system, read-only)", "process": "(none: the host itself)"}.get(backend)
 
 
-def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
-    """An event callback that tags events with the node they came from."""
-    return lambda ev: on_event(node_id, ev)
-
-
 def _at_line(code: str, first_line: int) -> str:
     """``code`` padded so its line numbers are the editor's (the ``%%smol`` line is line 1)."""
     return "\n" * max(0, first_line - 1) + code
@@ -838,44 +685,3 @@ def _init_code(cmd: str) -> str:
         "if _r.returncode: raise RuntimeError('exit status %d' % _r.returncode)\n"
         "del _sp, _r"
     )
-
-
-def _check_name(name: str) -> None:
-    import re
-
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
-        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)")
-
-
-async def _gather_cancelling(coros: list[Any]) -> None:
-    """Run coroutines together; if we are cancelled, cancel them all and wait for their cleanup."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await _to_the_end(asyncio.gather(*tasks, return_exceptions=True))
-        raise
-
-
-async def _to_the_end(aw: Awaitable[T]) -> T:
-    """Await ``aw`` to completion even if we are cancelled meanwhile, then re-raise the cancel.
-
-    For cleanup (deleting machines): a bare ``await asyncio.shield(...)`` gives up at a
-    second cancel (gather() cancels its children, and so do we), leaving the shielded
-    task unreferenced; the loop may then drop it half done and leak the machine.
-    """
-    task = asyncio.ensure_future(aw)
-    cancelled = False
-    while True:
-        try:
-            out = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():  # the cleanup itself was cancelled (not just us)
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return out
