@@ -111,6 +111,11 @@ def jupyter_server(
         "JUPYTER_CONFIG_DIR": str(config),
         "JUPYTER_DATA_DIR": str(root / ".jupyter-data"),
         "JUPYTER_RUNTIME_DIR": str(root / ".runtime"),
+        # In a venv made with --system-site-packages, frontend extensions (plotly's renderer,
+        # anywidget) live under the base interpreter's prefix: make them visible.
+        "JUPYTER_PATH": os.pathsep.join(
+            p for p in (os.environ.get("JUPYTER_PATH"), os.path.join(sys.base_prefix, "share", "jupyter")) if p
+        ),
     }
     # `python -m jupyter lab` would exec whichever `jupyter-lab` script is first on PATH (and
     # its kernels that script's python): run the app's module with this interpreter instead
@@ -131,15 +136,7 @@ def jupyter_server(
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-2000:]
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"{app} did not start"
-                time.sleep(0.1)
+        wait_for_url(f"{base}/api/status?token={token}", proc, log_path, f"{app} did not start")
         yield base, token
     finally:
         proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down (and their machines)
@@ -157,6 +154,19 @@ def jupyter_server(
             with contextlib.suppress(OSError):
                 os.kill(int(line.split()[0]), signal.SIGKILL)
         assert not left, f"processes left behind: {left}"
+
+
+def wait_for_url(url: str, proc: subprocess.Popen[bytes], log_path: Path, what: str, timeout: float = 90) -> None:
+    """Until ``url`` answers; fails with the tail of ``log_path`` if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-2000:]
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
 
 
 def notebook_url(base: str, token: str, app: str, name: str) -> str:

@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import http.server
 import os
-import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import nbformat
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from test_browser import ARTIFACTS, CHROMIUM, _free_port, _run_all, _tagged  # noqa: E402
-
-TAG_VAR = "SMOLBENCH_BROWSER_TAG"
+from browserhelpers import (
+    ARTIFACTS,
+    CHROMIUM,
+    browser_page,
+    jupyter_server,
+    notebook_url,
+    run_all,
+    write_notebook,
+)
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
@@ -103,78 +99,27 @@ def watched() -> Iterator[tuple[int, list[str]]]:
 
 
 @pytest.fixture
-def lab(tmp_path: Path, watched: tuple[int, list[str]]) -> Iterator[tuple[str, list[str]]]:
+def lab(tmp_path: Path, watched: tuple[int, list[str]]) -> Iterator[tuple[str, list[str], int]]:
     port_w, hits = watched
     # every cell can run twice (Run All is retried when a loaded host made JupyterLab drop it)
     cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", SETUP.replace("{port}", str(port_w)),
              VECTORS, "%smol trust on", TRUSTED, "print('ALL' + ' DONE')"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nbformat.write(nb, tmp_path / "xss.ipynb")
-    base_settings = tmp_path / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
-    (base_settings / "apputils-extension").mkdir(parents=True)
-    (base_settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
-        '{"fetchNews": "false", "checkForUpdates": false}')
-    (base_settings / "notebook-extension").mkdir(parents=True)
-    (base_settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"autoStartDefaultKernel": true}')
-    port, token, tag = _free_port(), secrets.token_hex(16), uuid.uuid4().hex
-    # In a venv made with --system-site-packages, the frontend extensions (plotly's renderer)
-    # live under the base interpreter's prefix: make them visible.
-    data_path = os.pathsep.join(p for p in (os.environ.get("JUPYTER_PATH"), os.path.join(sys.base_prefix, "share", "jupyter")) if p)
-    env = {**os.environ, TAG_VAR: tag, "JUPYTER_CONFIG_DIR": str(tmp_path / ".jupyter"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / ".runtime"), "JUPYTER_PATH": data_path}
-    argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", f"--ServerApp.token={token}",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={tmp_path}", "--ServerApp.open_browser=False"]
-    if os.geteuid() == 0:
-        argv.append("--allow-root")
-    # `python -m jupyterlab`, not `jupyter lab`: the latter execs whichever jupyter-lab is first
-    # on PATH, whose interpreter (and so the kernel's smolbench) may not be this one.
-    log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "lab.log").read_text()[-2000:]
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not start"
-                time.sleep(0.1)
-        yield f"{base}/lab/tree/xss.ipynb?token={token}", hits
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down, which delete their machines
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-        deadline = time.monotonic() + 20
-        while _tagged(tag) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = _tagged(tag)
-        for line in left:
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-        assert not left, f"processes left behind: {left}"
+    write_notebook(tmp_path / "xss.ipynb", cells)
+    with jupyter_server(tmp_path, "lab") as (base, token):
+        yield notebook_url(base, token, "lab", "xss.ipynb"), hits, len(cells)
 
 
-def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str]]) -> None:
-    from playwright.sync_api import expect, sync_playwright
+def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str], int]) -> None:
+    from playwright.sync_api import expect
 
-    url, hits = lab
+    url, hits, cells = lab
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                          "--disable-component-update", "--disable-sync", "--no-first-run"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+    with browser_page(1400, 1600) as page:
         try:
             page.goto(url)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             for attempt in range(3):
-                _run_all(page)
+                run_all(page, cells)
                 try:
                     expect(page.locator(".jp-OutputArea-output", has_text="ALL DONE")).to_be_visible(timeout=90_000)
                     break
@@ -212,5 +157,3 @@ def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "xss_failure.png"), full_page=True)
             raise
-        finally:
-            browser.close()

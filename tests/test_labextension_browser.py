@@ -13,26 +13,18 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
+from browserhelpers import ARTIFACTS, CHROMIUM, browser_page, jupyter_server, write_notebook
 
 from smolbench import registry
-
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).parent / "artifacts"
-TAG_VAR = "SMOLBENCH_LABEXT_TAG"
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
@@ -49,88 +41,18 @@ NOTEBOOK_A = [
 NOTEBOOK_B = ["%%smol\nprint('x came back:', x)"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tagged(tag: str) -> list[int]:
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in env and registry.proc_start(int(entry)) is not None:
-            found.append(int(entry))
-    return found
-
-
-def _notebook(path: Path, cells: list[str]) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nbformat.write(nb, path)
-
-
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """JupyterLab (this venv's Python, so kernels import this tree) on a free loopback port."""
     root = tmp_path / "root"
     root.mkdir()
-    _notebook(root / "a.ipynb", NOTEBOOK_A)
-    _notebook(root / "b.ipynb", NOTEBOOK_B)
+    write_notebook(root / "a.ipynb", NOTEBOOK_A)
+    write_notebook(root / "b.ipynb", NOTEBOOK_B)
     (root / "broken" / ".smolbench").mkdir(parents=True)  # a corrupt ledger beside a notebook
     (root / "broken" / ".smolbench" / "ledger.db").write_bytes(b"not a database, just bytes " * 64)
-    _notebook(root / "broken" / "c.ipynb", ["1 + 1"])
-    settings = tmp_path / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
-    (settings / "apputils-extension").mkdir(parents=True)
-    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
-        '{"fetchNews": "false", "checkForUpdates": false}')
-    (settings / "notebook-extension").mkdir(parents=True)
-    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"autoStartDefaultKernel": true}')
-    port, token, tag = _free_port(), secrets.token_hex(16), uuid.uuid4().hex
-    runtime = tmp_path / ".runtime"
-    env = {**os.environ, TAG_VAR: tag, "JUPYTER_CONFIG_DIR": str(tmp_path / ".jupyter"),
-           "JUPYTER_RUNTIME_DIR": str(runtime)}
-    argv = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-            f"--IdentityProvider.token={token}", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={root}"]
-    if os.geteuid() == 0:
-        argv.append("--allow-root")
-    log = open(tmp_path / "lab.log", "wb")
-    proc = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "lab.log").read_text()[-2000:]
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not start"
-                time.sleep(0.1)
-        yield {"base": base, "token": token, "root": root, "runtime": runtime, "log": tmp_path / "lab.log"}
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down, which delete their machines
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-        deadline = time.monotonic() + 20
-        while _tagged(tag) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = _tagged(tag)
-        for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        assert not left, f"processes left behind: {left}"
+    write_notebook(root / "broken" / "c.ipynb", ["1 + 1"])
+    with jupyter_server(root, "lab") as (base, token):
+        yield {"base": base, "token": token, "root": root, "runtime": root / ".runtime", "log": root / "lab.log"}
 
 
 def _wait_for_kernel(page: Any) -> None:
@@ -215,15 +137,11 @@ def _theme(page: Any, name: str) -> None:
 
 
 def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(exist_ok=True)
     timings: dict[str, float] = {}
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+    with browser_page(1500, 1000) as page:
         console_errors: list[str] = []
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
         try:
@@ -396,5 +314,4 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
                 print(lab["log"].read_text()[-3000:])
             raise
         finally:
-            browser.close()
             (ARTIFACTS / "labext_timings.json").write_text(json.dumps(timings, indent=1))
