@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -23,13 +24,16 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_browser import ARTIFACTS, CHROMIUM, _free_port, _run_all, _tagged  # noqa: E402
+from browserhelpers import ARTIFACTS, CHROMIUM, wait_for_kernel  # noqa: E402
+from browserhelpers import free_port as _free_port  # noqa: E402
+from browserhelpers import tagged as _tagged  # noqa: E402
 
 TAG_VAR = "SMOLBENCH_BROWSER_TAG"
 
@@ -100,6 +104,24 @@ def watched() -> Iterator[tuple[int, list[str]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _run_all(page: Any) -> None:
+    """Run → Run All Cells from the menu, once the kernel is ready (again if a click landed
+    too early); this server does not expose ``window.jupyterapp`` to the page."""
+    from playwright.sync_api import expect
+
+    first = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
+    for _ in range(3):
+        wait_for_kernel(page)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        try:
+            expect(first).not_to_have_text(re.compile(r"\[ \]"), timeout=15_000)
+            return
+        except AssertionError:
+            continue  # nothing ran (the session was still settling): nothing runs twice
+    raise AssertionError("Run All Cells did not start the notebook")
 
 
 @pytest.fixture
