@@ -21,9 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts"
+# Every browser test module: skipped without Debian's chromium; a real server and browser
+# on 2 shared cores get a generous limit.
+BROWSER_TEST_MARKS = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"),
+    pytest.mark.timeout(600),
+]
 TAG_VAR = "SMOLBENCH_BROWSER_TAG"
 CHROMIUM_ARGS = [
     "--no-sandbox",

@@ -9,16 +9,14 @@ line, and saves screenshots to tests/artifacts/.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     dump_failure,
     jupyter_server,
@@ -28,12 +26,7 @@ from browserhelpers import (
     write_notebook,
 )
 
-pytestmark = [
-    pytest.mark.skipif(
-        not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-    ),
-    pytest.mark.timeout(600),  # a real server and browser on 2 shared cores
-]
+pytestmark = BROWSER_TEST_MARKS
 
 def until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout

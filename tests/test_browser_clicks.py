@@ -10,7 +10,6 @@ case runs in JupyterLab: Notebook 7.6 kept using subshells with the same setting
 
 from __future__ import annotations
 
-import os
 import re
 import sqlite3
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     dump_failure,
     jupyter_server,
@@ -31,12 +30,7 @@ from browserhelpers import (
     write_notebook,
 )
 
-pytestmark = [
-    pytest.mark.skipif(
-        not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-    ),
-    pytest.mark.timeout(600),  # a real server and browser on 2 shared cores
-]
+pytestmark = BROWSER_TEST_MARKS
 
 CELLS = [
     "%load_ext smolbench",

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     dump_failure,
     jupyter_server,
@@ -22,12 +21,7 @@ from browserhelpers import (
 )
 from nbhelpers import NotebookSession
 
-pytestmark = [
-    pytest.mark.skipif(
-        not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-    ),
-    pytest.mark.timeout(600),  # a real server and browser on 2 shared cores
-]
+pytestmark = BROWSER_TEST_MARKS
 
 CELLS = [
     "%load_ext smolbench",
