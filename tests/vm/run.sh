@@ -25,8 +25,9 @@ RETRY_MIN=${VMLANE_RETRY_MIN:-600}      # seconds of budget a retry needs
 CPU=EPYC-Rome,+svm,+npt,+nrip-save      # -smp 1: -smp 2 panics L1 (QEMU 7.2 nested SVM)
 # L1's clock follows its own progress (icount), not the host's: smol's fixed waits inside L1
 # (30 s without boot progress, 180 s for the agent) then measure emulated work, whatever the
-# host's load; sleep=off skips L1's idle time. icount needs one TCG thread (-smp 1 anyway).
-ICOUNT=${VMLANE_ICOUNT-shift=0,sleep=off}
+# host's load. sleep=on: an idle L1 waits in real time (with sleep=off every wait for I/O
+# jumped L1's clock to its next timer, smol's deadlines included). One TCG thread (-smp 1).
+ICOUNT=${VMLANE_ICOUNT-shift=0,sleep=on}
 if [ -n "$ICOUNT" ]; then ACCEL=${VMLANE_ACCEL:-tcg,thread=single,tb-size=1024}; else ACCEL=${VMLANE_ACCEL:-tcg,thread=multi,tb-size=1024}; fi
 HZ=$(getconf CLK_TCK)
 APPEND="console=ttyS0 panic=-1 mitigations=off loglevel=4 ${VMLANE_APPEND:-}"
