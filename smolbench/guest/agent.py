@@ -934,7 +934,7 @@ def main(argv=None):
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
     ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
-    ap.add_argument("--net", action="store_true", help="keep the network (no own net namespace for branches)")
+    ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
     ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
