@@ -953,6 +953,8 @@ def main(argv=None):
     if args.contain:
         global contain
         contain = _load_protocol("contain")
+        if "net-caps" in args.weaken:  # tests only: keep CAP_NET_ADMIN and CAP_NET_RAW in the machine's netns
+            contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
                                      seccomp_filter="seccomp" not in args.weaken)
     agent = Agent(args.socket, args.name, args.workdir)
