@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import BackendUnavailable, SmolbenchError
 from ..gate import archive
 from ..spec import MachineSpec
-from . import _procs
+from . import _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
 from .base import MachineRef
@@ -126,8 +126,13 @@ class SandboxBackend(AgentHostBackend):
 
         p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
         self._fds, self._fd_paths = p.fds, p.paths
-        argv = p.argv if not self._contained or os.geteuid() != 0 else as_sandbox_uid(p.argv)
-        return argv, GUEST_RUN, spec.workdir
+        if not self._contained or os.geteuid() != 0:
+            return p.argv, GUEST_RUN, spec.workdir
+        # A root kernel's folders under a 0700 home (pyenv's Python, a venv in a private
+        # checkout, the image cache) are staged where the sandbox uid finds them.
+        covers, staged = _stage.plan(p.sources, *sandbox_ids()) if "no-stage" not in self._weak else ([], [])
+        stage = _stage.command(covers, staged) if staged else []
+        return [*stage, *as_sandbox_uid(p.argv)], GUEST_RUN, spec.workdir
 
     def _spawn_options(self) -> dict[str, Any]:
         return {"pass_fds": self._fds}
