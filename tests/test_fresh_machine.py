@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from nbhelpers import NotebookSession, error_text, result_text, stream_text
 
+from smolbench.backends._bwrap import SANDBOX_UID
 from smolbench.images import build_debian_rootfs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,3 +143,26 @@ def test_ci_refuses_a_root_home_opened_up_by_hand(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert out.stderr.strip() == (f"CI: {home} is mode 755, not 700 as on a fresh machine: this machine was "
                                   f"changed by hand; `chmod 700 {home}` and rerun")
+
+
+def test_a_volume_the_sandbox_uid_cannot_read_is_named_in_one_line(open_tmp: Path) -> None:
+    """Staging opens the way to a folder, never into one: another user's private folder stays shut."""
+    from smolbench import _loop
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.errors import SmolbenchError
+    from smolbench.smolfile import parse_smolfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a folder owned by another user")
+    private = open_tmp / "theirs"
+    private.mkdir(mode=0o700)
+    os.chown(private, 12345, 12345)
+    spec = parse_smolfile('[[volumes]]\nhost = "theirs"\nguest = "/data"\n', base_dir=str(open_tmp))
+    b = SandboxBackend()
+    try:
+        with pytest.raises(SmolbenchError) as err:
+            _loop.run(b.create(spec, "root"))
+    finally:
+        _loop.run(b.close())
+    assert str(err.value) == (f"the sandbox uid {SANDBOX_UID} can't read {private} (owner uid 12345, mode 0700): "
+                              "make it readable to others (`chmod o+rX`), or put it elsewhere")
