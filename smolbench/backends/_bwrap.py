@@ -23,6 +23,7 @@ from ..guest import AGENT_FILES, GUEST_DIR
 from ..spec import MachineSpec
 from . import _stage
 from ._limits import thread_env
+from ._netproxy import proxy_env
 
 # Host root entries a default sandbox sees read-only; home, /root, /etc, /var, /opt, /srv,
 # /mnt and the rest stay hidden unless a Smolfile volume declares them.
@@ -167,7 +168,7 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
         p.argv += ["--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
     else:
         p.argv += ["--cap-drop", "ALL"]
-    if spec.network_enabled:
+    if "net-share" in weak:  # the old, broken configuration: the host's network, loopback and all
         p.argv.append("--share-net")
     if rootfs is None:
         python = sys.executable
@@ -183,7 +184,7 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
                     p.argv += ["--ro-bind", str(src), f"/etc/{entry}"]
             for fname, text in made_etc(name, uid, gid).items():
                 p.data(text.encode(), f"/etc/{fname}")
-            if spec.network_enabled and os.path.exists("/etc/resolv.conf"):
+            if "net-share" in weak and os.path.exists("/etc/resolv.conf"):
                 p.argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
             p.argv += ["--symlink", "/tmp", "/var/tmp"]
     else:
@@ -221,7 +222,10 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     p.argv += ["--hostname", hostname(name), "--chdir", "/", "--clearenv"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "USER": "smolbench", "LANG": "C.UTF-8",
            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
-           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec), **spec.env_dict}
+           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec)}
+    if spec.policy.enabled and "net-share" not in weak:  # the only way out: the egress proxy (_netproxy)
+        env.update(proxy_env())
+    env.update(SMOLBENCH_NET_POLICY=spec.policy.describe(), **spec.env_dict)
     for key, val in env.items():
         p.argv += ["--setenv", key, val]
     p.argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/s", "--name", name,
@@ -233,7 +237,7 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
         if spec.disk_mib:
             p.argv += ["--disk-mib", str(spec.disk_mib)]
-        if spec.network_enabled:
+        if "net-share" in weak:
             p.argv.append("--net")
         if weak:
             p.argv.append("--weaken=" + ",".join(sorted(weak)))
