@@ -44,7 +44,9 @@ PROPERTY = re.compile(r"-?[a-z][a-z-]*")
 
 def _split(style: str) -> list[str]:
     """Declarations separated by ``;`` outside quotes and parentheses."""
-    out, cur, depth, quote = [], [], 0, ""
+    out: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, ""
     for ch in style:
         if quote:
             quote = "" if ch == quote else quote
