@@ -33,12 +33,17 @@ def _no_constant(name: str) -> Any:
 
 
 def values_in(frame: bytes) -> int:
-    """How many JSON values ``frame`` holds, at most (each costs the kernel tens of bytes)."""
+    """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded).
+
+    Every value but the outermost follows a ``[``/``{`` or a comma, so there are 1 + commas +
+    non-empty containers of them; text inside strings is skipped when that matters.
+    """
     rough = frame.count(b",") + frame.count(b"[") + frame.count(b"{") + 1
     if rough <= LIMITS.max_items:
-        return rough
+        return rough  # an upper bound, already within the limit
     bare = JSON_STRING.sub(b'""', frame)
-    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+    containers = bare.count(b"[") + bare.count(b"{") - bare.count(b"[]") - bare.count(b"{}")
+    return 1 + bare.count(b",") + containers
 
 
 def _valid_text(msg: Any) -> None:
