@@ -64,7 +64,7 @@ def test_a_stall_keeps_what_passed_and_the_retry_runs_only_the_rest(tmp_path: Pa
     assert line.returncode == 0, line.stdout
     assert line.stdout.startswith("vm lane: 5 passed, 0 failed, 0 skipped, 0 not run in 900 s")
     assert "2 boots, 1 stall;" in line.stdout
-    assert "boot 1: 3 tests then stall: L1 idle; boot 2: 2 tests then pytest rc=0" in line.stdout
+    assert "boot 1: 3 tests then stall: L1 idle; boot 2 (retry): 2 tests then pytest rc=0" in line.stdout
 
 
 def test_a_stall_inside_a_chain_reruns_the_chain_from_its_start(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ MEM=${VMLANE_MEM:-6G}
 BUDGET=${VMLANE_BUDGET:-3600}          # seconds for the whole lane, build included
 ATTEMPT=${VMLANE_ATTEMPT_TIMEOUT:-2400} # seconds one boot of L1 may take
 SILENT=${VMLANE_SILENT_SECS:-300}       # no heartbeat from L1 for this long: L1 hung
+PROGRESS=${VMLANE_PROGRESS_SECS:-900}   # no test finished for this long: a busy stall
 BOOTS=${VMLANE_BOOTS:-3}                # boots of L1 at most (a stall's retries included)
 RETRY_MIN=${VMLANE_RETRY_MIN:-600}      # seconds of budget a retry needs
 CPU=EPYC-Rome,+svm,+npt,+nrip-save      # -smp 1: -smp 2 panics L1 (QEMU 7.2 nested SVM)
@@ -60,13 +61,21 @@ attempt() {
     -nographic -no-reboot -serial stdio -nic none < /dev/null > "$share/console.log" 2>&1 &
   qpid=$!
   VERDICT=""
-  last=$SECONDS; prev=""; cpu_then=$(cpu_ticks "$qpid")
+  last=$SECONDS; prev=""; cpu_then=$(cpu_ticks "$qpid"); done_n=0; done_t=$SECONDS
   while kill -0 "$qpid" 2>/dev/null; do
     sleep 5
+    kill -0 "$qpid" 2>/dev/null || break   # QEMU ended: judge by L1's status, not by its absence
     now=$SECONDS
     beat=$(cat "$share/heartbeat" 2>/dev/null || true)
     cpu=$(cpu_ticks "$qpid")
     if [ -n "$beat" ] && [ "$beat" != "$prev" ]; then prev=$beat; last=$now; cpu_then=$cpu; fi
+    n_now=$(cat "$share/results/collected.txt" "$share/results/outcomes.txt" 2>/dev/null | wc -l)
+    if [ "$n_now" != "$done_n" ]; then done_n=$n_now; done_t=$now; fi
+    # The suite's own job only: no test finished for this long though L1 is busy (seen once:
+    # a forked microVM's vCPU spinning with interrupts off for 15+ minutes).
+    if [ -z "${VMLANE_JOB:-}" ] && [ ! -f "$share/status" ] && [ $(( now - done_t )) -ge "$PROGRESS" ]; then
+      VERDICT="stall: no test finished for $(( now - done_t )) s"; break
+    fi
     if [ $(( now - t0 )) -ge "$limit" ]; then
       VERDICT="timeout: L1 ran past its $limit s limit"; break
     fi

@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     skipped = sum(r == "skipped" for r in results.values())
     not_run = len([t for t in collected if t not in results])
     stalls = sum(v.startswith("stall") for _, _, v in boots)
-    parts = [f"boot {n}: {ran} test{'s' * (ran != 1)} then {v}" for n, ran, v in boots]
+    parts = [f"boot {n}{' (retry)' * (n != '1')}: {ran} test{'s' * (ran != 1)} then {v}"
+             for n, ran, v in boots]
     note = (out / "no-retry.txt").read_text().strip() if (out / "no-retry.txt").exists() else ""
     if note:
         parts.append(f"no retry: {note}")
