@@ -41,7 +41,8 @@ Line magics::
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, output-limit,
-                                log-limit, line-limit (sizes like 10M) and grace (seconds)
+                                log-limit, line-limit, checkpoint-limit (sizes like 10M)
+                                and grace (seconds)
 
 Cell magics::
 
