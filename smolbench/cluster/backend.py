@@ -77,38 +77,62 @@ class ClusterBackend(Backend):
         self.on_replica: Callable[[str, str, Replica], None] = lambda parent, node, rep: None
         self.notes: list[str] = []
         self.bytes_in = 0
+        self._looked = 0.0
 
     # -- joining ----------------------------------------------------------------------
 
     def start(self) -> None:
         """Join the cluster and start one agent per node that offers machine slots."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.address = address.connect(self.address)
-        found = address.nodes()
-        if not found:
+        new = self._new_agents()
+        if not new:
             raise SmolbenchError(f"the Ray cluster at {self.address} has no node with `{SLOTS}`: start nodes with "
                                  f"`ray start --address ... --resources '{{\"{SLOTS}\": 8}}'` (or `smolbench cluster local`)")
+        for d in ray.get([n.agent.describe.remote() for n in new], timeout=300):
+            self._described(d)
+
+    def _new_agents(self) -> builtins.list[Node]:
+        """An agent on every live node with slots that has none yet (pinned there: hard node affinity)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._looked = time.monotonic()
         actor = ray.remote(NodeAgent)
-        for n in found:
+        new = []
+        for n in address.nodes():
             nid = n["NodeID"]
-            if nid in self.nodes and not self.nodes[nid].lost:
+            if nid in self.nodes:
                 continue
             handle = actor.options(
                 num_cpus=0, max_restarts=0, name=f"smolbench-{self.session}-{_short(nid)}",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts)
-            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]))
-        described = ray.get([node.agent.describe.remote() for node in self.nodes.values() if not node.lost], timeout=120)
-        for d in described:
-            node = self.nodes[d["node"]]
-            node.backend, node.host = d["backend"], d["host"]
-            if d["swept"]:
-                self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
+            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting")
+            new.append(self.nodes[nid])
+        return new
+
+    def _described(self, d: dict[str, Any]) -> None:
+        node = self.nodes[d["node"]]
+        node.backend, node.host = d["backend"], d["host"]
+        if d["swept"]:
+            self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
+
+    async def refresh(self, every: float = 5.0) -> None:
+        """Nodes that joined since we looked get an agent (at most every ``every`` seconds)."""
+        if time.monotonic() - self._looked < every:
+            return
+        new = await asyncio.to_thread(self._new_agents)
+        for node in new:
+            try:
+                self._described(await self._call(node, node.agent.describe.remote()))
+            except SmolbenchError as exc:
+                self._lose(node)
+                self.notes.append(f"node {_short(node.id)} has no agent: {exc}")
 
     def _alive(self) -> list[Node]:
-        return [n for n in self.nodes.values() if not n.lost]
+        return [n for n in self.nodes.values() if not n.lost and n.backend != "starting"]
 
     def free(self) -> dict[str, int]:
         """Free machine slots per live node."""
@@ -166,6 +190,8 @@ class ClusterBackend(Backend):
     # -- the Backend protocol -------------------------------------------------------------
 
     async def create(self, spec: MachineSpec, name: str, node_id: str | None = None) -> MachineRef:
+        if node_id is None:
+            await self.refresh()
         free = self.free()
         if not free:
             raise InfraError("no live Ray node offers machine slots")
@@ -181,8 +207,13 @@ class ClusterBackend(Backend):
     async def _chunks(self, node: Node, gen: Any) -> AsyncGenerator[bytes, None]:
         import ray
 
+        it = gen.__aiter__()
         try:
-            async for ref in gen:
+            while True:
+                try:
+                    ref = await self._call(node, it.__anext__())
+                except StopAsyncIteration:
+                    return
                 chunk = await self._call(node, ref)
                 if not isinstance(chunk, bytes):
                     raise SmolbenchError(f"node {_short(node.id)}'s agent sent {type(chunk).__name__}, not bytes")
@@ -245,6 +276,7 @@ class ClusterBackend(Backend):
                      seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
         """One batch per node: the parent's node branches the parent, the others a replica of it."""
         home = self._node_of(machine)
+        await self.refresh()
         free = self.free()
         plan = placement.split(len(names), free, prefer=home.id)
         made: builtins.list[MachineRef] = []
