@@ -258,10 +258,16 @@ class ClusterBackend(Backend):
         return [m for m in self._machines.values() if not m.info.get("replica")]
 
     async def close(self) -> None:
+        import ray
+
         for ref in reversed(builtins.list(self._machines.values())):
             with contextlib.suppress(Exception):
                 await self.delete(ref)
         self.replicas.clear()
+        for node in self.nodes.values():  # the agents go too: a later `%smol up --ray` starts its own
+            with contextlib.suppress(Exception):
+                ray.kill(node.agent)
+        self.nodes.clear()
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         raise SmolbenchError("checkpoints of cluster machines are not supported yet: a cluster fork's replica is "
