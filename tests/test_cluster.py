@@ -209,6 +209,20 @@ def test_a_nested_fork_of_a_cluster_branch(nb: NotebookSession) -> None:
     ok(nb.run("%smol use root"))
 
 
+def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, cluster: object) -> None:
+    host, port = cluster.address.rsplit(":", 1)  # type: ignore[attr-defined]
+    probe = ("import socket\ntry:\n"
+             f"    socket.create_connection(({host!r}, {port}), timeout=3).close(); reached = 1\n"
+             "except OSError as exc:\n    reached = 0; print('refused:', type(exc).__name__)\nreward = reached")
+    first = len(children(ledger(nb.cwd), "root"))
+    ok(nb.run(f"%%smol fork 12 --keep none\n{probe}"))
+    run = ledger(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
+    status = stream_text(ok(nb.run("%smol status")))
+    sandboxed = [ln.split()[0] for ln in status.splitlines() if " sandbox: up" in ln]
+    on_sandbox = run[run.host_node.str[:8].isin(sandboxed)]
+    assert len(on_sandbox) >= 4 and (on_sandbox.reward == 0).all()  # the GCS (which runs code) is out of reach
+
+
 # -- cancellation and node loss -------------------------------------------------------------
 
 
@@ -290,6 +304,8 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
     before = machine_pids(cluster)
     with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
         ok(k.run("%load_ext smolbench"))
+        refused = error_output(k.run("%smol up --ray ray://head:10001"))
+        assert refused is not None and "Ray Client, which can't stream generators" in refused.evalue
         ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
         ok(k.run("%%smol\nx = 1"))
         ok(k.run("%%smol fork 6 --keep all\nreward = SEED"))

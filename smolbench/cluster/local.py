@@ -99,6 +99,11 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every Ray process this cluster started and remove its folder."""
         if self._cluster is not None:
+            with contextlib.suppress(Exception):  # a driver in this process (a notebook's %smol up) leaves first
+                import ray
+
+                if ray.is_initialized() and ray.get_runtime_context().gcs_address == self.address:
+                    ray.shutdown()
             with contextlib.suppress(Exception):
                 self._cluster.shutdown()
             self._cluster = None
