@@ -68,7 +68,7 @@ NODE_COLUMNS = (
 )
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
 ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"),
-                 ("runs", "notebook", "TEXT"), ("runs", "cell", "INTEGER"))
+                 ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"), ("runs", "cell", "INTEGER"))
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
