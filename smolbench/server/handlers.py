@@ -118,7 +118,8 @@ class MachinesHandler(_Base):
         with contextlib.suppress(Exception):
             for s in await self.session_manager.list_sessions():
                 notebooks[s["kernel"]["id"]] = s.get("path") or s.get("name") or ""
-        snap = await self.run(machines.snapshot, self.settings["smolbench_registry"], known, notebooks)
+        snap = await self.run(machines.snapshot, self.settings["smolbench_registry"], known, notebooks,
+                              self.settings.setdefault("smolbench_dead", {}))
         self.finish(snap)
 
 

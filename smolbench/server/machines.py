@@ -25,7 +25,6 @@ UNVERIFIED_KEEP_S = 24 * 3600  # how long a dead kernel's pid-less machines stay
 ASK_TIMEOUT = 20.0  # seconds to wait for an idle kernel to answer `%smol delete`
 BUSY_TIMEOUT = 2.0  # a busy kernel runs it after its current cell: don't hold the request that long
 DEAD_KEEP_S = 60.0  # how long a kernel that died with all its machines is reported (the sidebar says so once)
-_DEAD: dict[str, dict[str, Any]] = {}  # record name -> the dead kernel, as reported
 
 
 class NotFound(LookupError):
@@ -36,13 +35,16 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[str, Any]:
+def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
+             dead: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every machine of this server's live kernels, plus orphans of dead kernels.
 
     ``known`` is the kernel ids the server runs, ``notebooks`` maps kernel id to the path
     of the notebook its session belongs to. Records of dead kernels whose machines are
-    all gone are removed.
+    all gone are removed, and remembered in ``dead`` (the server's own dict, kept between
+    calls) for DEAD_KEEP_S, so the sidebar can say that kernel died.
     """
+    dead = {} if dead is None else dead
     now = time.time()
     groups: list[dict[str, Any]] = []
     for path, rec in registry.read_records(folder):
@@ -77,7 +79,7 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
         if orphaned and not machines:
             with contextlib.suppress(OSError):
                 path.unlink()  # its kernel and every machine are gone: nothing left to show
-                _DEAD[path.name] = {"kernel_id": kid, "notebook": recorded_nb, "cwd": str(rec.get("cwd", ""))[:1000],
+                dead[path.name] = {"kernel_id": kid, "notebook": recorded_nb, "cwd": str(rec.get("cwd", ""))[:1000],
                                     "machines": len(rec["machines"]), "at": now}
             continue
         active = rec.get("active") if isinstance(rec.get("active"), str) else None
@@ -91,10 +93,10 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
     groups.sort(key=lambda g: (g["orphaned"], g["notebook"] or g["cwd"], g["kernel_id"]))
     live = [m for g in groups if not g["orphaned"] for m in g["machines"]]
     backends = sorted({g["backend"] for g in groups if not g["orphaned"] and g["machines"]})
-    for name in [n for n, d in _DEAD.items() if now - d["at"] > DEAD_KEEP_S]:
-        del _DEAD[name]
+    for name in [n for n, d in dead.items() if now - d["at"] > DEAD_KEEP_S]:
+        del dead[name]
     return {"kernels": groups, "machines": len(live), "orphaned": sum(len(g["machines"]) for g in groups if g["orphaned"]),
-            "backends": backends, "dead": sorted(_DEAD.values(), key=lambda d: d["at"])}
+            "backends": backends, "dead": sorted(dead.values(), key=lambda d: d["at"])}
 
 
 def find(folder: Path, kernel_id: str, node_id: str,
