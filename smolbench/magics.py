@@ -122,6 +122,8 @@ def _timeout(text: str) -> float:
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
 @argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
 @argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
+@argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+          help="run machines on a Ray cluster's nodes (ADDRESS: HOST:PORT or auto; default RAY_ADDRESS, else auto)")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -253,7 +255,13 @@ class SmolMagics(Magics):
 
             spec = replace(spec, image=args.image or spec.image,
                            max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
-        backend, why = choose_backend(args.backend, args.target)
+        if args.ray is not None or cluster_table(path):
+            from .cluster.backend import ClusterBackend
+
+            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None), ""
+            backend.start()
+        else:
+            backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
@@ -285,6 +293,9 @@ class SmolMagics(Magics):
                   "died earlier: marked lost in the ledger")
         if net_note:
             print(f"smolbench: {net_note}")
+        if backend.name == "cluster":
+            print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
+                  f"root on node {str(wb.machines['root'].info.get('node'))[:8]}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
 
@@ -328,7 +339,7 @@ class SmolMagics(Magics):
             st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
         for k, v in st.items():
-            print(f"{k:<{width}}  {v}")
+            print(f"{k:<{width}}  {v}")  # the cluster's nodes come one per line
         return None
 
     def _do_use(self, rest: str) -> None:
@@ -781,6 +792,15 @@ class _Progress:
             self.handle = display({"text/plain": text}, raw=True, display_id=True)
         else:
             self.handle.update({"text/plain": text}, raw=True)
+
+
+def cluster_table(path: str | None) -> dict[str, Any]:
+    """The Smolfile's ``[cluster]`` table (``address = "auto"``), or {} without one."""
+    if not path:
+        return {}
+    from .smolfile import load_cluster
+
+    return load_cluster(path)
 
 
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:

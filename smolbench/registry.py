@@ -115,6 +115,7 @@ def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
             "memory_mib": ref.spec.memory, "cpus": ref.spec.cpus,
             "pid": pid if isinstance(pid, int) else None, "pid_start": pids.get(pid),
             "agent_pid": agent if isinstance(agent, int) else None,
+            "node": ref.info.get("node"),  # the Ray node (cluster backend), else None
             "agent_start": proc_start(agent) if isinstance(agent, int) else None,
             "status": node.status if node is not None else None,
             "reward": node.reward if node is not None and isinstance(node.reward, (int, float)) else None,

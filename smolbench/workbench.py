@@ -78,6 +78,21 @@ class Workbench(CheckpointsMixin):
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = Path(ledger.path).parent / "outputs"
+        if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
+            from .cluster.replica import recipe
+
+            setattr(backend, "recipe_for", lambda node_id: recipe(self, node_id))  # noqa: B010
+            setattr(backend, "on_replica", self._replicated)  # noqa: B010
+
+    def _replicated(self, parent: str, host_node: str, rep: Any) -> None:
+        self.ledger.add_replica(self.session, parent, host_node, rep.key[1], rep.fingerprint, rep.bytes_shipped, rep.seconds)
+        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} by replaying its recorded path "
+                       f"({rep.bytes_shipped} B shipped, {rep.seconds:.2f} s, state fingerprint {rep.fingerprint})")
+
+    def _placed(self, ref: MachineRef) -> None:
+        """Note which cluster node a machine runs on (None off a cluster)."""
+        if ref.name in self.tree:
+            self.tree[ref.name].where = ref.info.get("node")
 
     # -- observers ------------------------------------------------------------------
 
@@ -115,7 +130,7 @@ class Workbench(CheckpointsMixin):
             backend=self.backend.name, baseline=self.baseline, seed=node.seed,
             started=node.started, ended=node.ended, status=node.status, reward=node.reward,
             metrics=node.metrics, output=node.output, error=node.error, alive=node.alive,
-            kept=node.kept, forked_at=node.forked_at, **extra,
+            kept=node.kept, forked_at=node.forked_at, host_node=node.where, **extra,
         )
         self._changed(node)
 
@@ -128,6 +143,7 @@ class Workbench(CheckpointsMixin):
         ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
+        self._placed(ref)
         self.active = "root"
         try:
             await self._init(ref)
@@ -320,6 +336,7 @@ class Workbench(CheckpointsMixin):
         ref = await retry.boot(self, self.spec, node_id, self.retries)
         self.machines[node_id] = ref
         node = self.tree.add(Node(node_id, status="idle", started=time.time()))
+        self._placed(ref)
         try:
             await self._init(ref)
         except BaseException:
@@ -352,6 +369,9 @@ class Workbench(CheckpointsMixin):
         """How many branches run at once when not told: live forks are cheap, so all of them
         (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
+        slots = getattr(self.backend, "slots", None)
+        if slots is not None:  # a cluster: every node's machine slots
+            return max(1, min(n, slots()))
         return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
@@ -421,6 +441,8 @@ class Workbench(CheckpointsMixin):
                 raise
             for ref in refs:
                 self.machines[ref.name] = ref
+                self._placed(ref)
+                self._record(self.tree[ref.name])
             self._busy.discard(parent_id)  # the parent is free again once its children exist
             try:
                 for ref in refs:
@@ -467,6 +489,7 @@ class Workbench(CheckpointsMixin):
                 result.rows[node.id]["attempts"] = attempt
                 made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
+                self._placed(made[-1])
                 await self._init(made[-1])
                 await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
                                        cell_name=cell_name, first_line=first_line)
@@ -519,6 +542,7 @@ class Workbench(CheckpointsMixin):
                     raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
                 (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
                 self.machines[new.name] = new
+                self._placed(new)
                 node.alive = True
 
             await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
@@ -681,6 +705,13 @@ class Workbench(CheckpointsMixin):
         describe = getattr(self.backend, "limits_status", None)
         return describe(self.spec) if describe is not None else _vm_limits(self.spec)
 
+    def _cluster_text(self) -> dict[str, str]:
+        """The cluster's nodes, one per line (cluster backend only)."""
+        describe = getattr(self.backend, "describe", None)
+        if describe is None:
+            return {}
+        return {"cluster": "\n  ".join(["", *describe(), *getattr(self.backend, "notes", [])[-5:]])}
+
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows."""
         ref = self.machines.get(self.active or "")
@@ -700,6 +731,7 @@ class Workbench(CheckpointsMixin):
             "guest_python": self.guest_info.get("python"),
             "ledger": str(self.ledger.path),
             "session": self.session,
+            **self._cluster_text(),
         }
 
 

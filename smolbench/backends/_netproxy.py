@@ -36,7 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..gate import netreq
-from ..netpolicy import IPAddress, NetPolicy, literal, own_addresses, test_internet, test_resolve
+from ..netpolicy import (
+    IPAddress,
+    NetPolicy,
+    literal,
+    own_addresses,
+    stand_in_internet,
+    stand_in_resolve,
+    unmapped,
+)
 
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
@@ -44,6 +52,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
+MAX_CONNECTIONS = 256  # per machine at once: one machine can't starve the others' proxy
 CONNECT_TIMEOUT = 30.0
 
 
@@ -202,8 +211,8 @@ class Proxy:
     def __init__(self, open_all: bool = False) -> None:
         self.nodes: dict[str, Node] = {}
         self.open_all = open_all  # test-only weakening: admit every destination
-        self.internet = test_internet()
-        self.resolve_map = test_resolve()
+        self.internet = stand_in_internet()
+        self.resolve_map = stand_in_resolve()
         self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
 
     def own(self) -> frozenset[IPAddress]:
@@ -243,17 +252,21 @@ class Proxy:
     async def serve(self, name: str, policy: NetPolicy, socks: list[socket.socket], addrs: list[tuple[str, int]]) -> None:
         node = Node(name, policy)
         self.nodes[name] = node
-        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w)),
+        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w), w),
                                                        sock=socks[0], limit=CHUNK))
         for sock, (host, port) in zip(socks[1:], addrs[1:]):
             target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
-                self._spawn(node, self.forwarded(node, t, p, r, w))
+                self._spawn(node, self.forwarded(node, t, p, r, w), w)
 
             node.servers.append(await asyncio.start_server(handler, sock=sock, limit=CHUNK))
 
-    def _spawn(self, node: Node, coro: Any) -> None:
+    def _spawn(self, node: Node, coro: Any, writer: asyncio.StreamWriter) -> None:
+        if len(node.tasks) >= MAX_CONNECTIONS:
+            coro.close()
+            writer.transport.abort()
+            return
         task = asyncio.ensure_future(coro)
         node.tasks.add(task)
         task.add_done_callback(node.tasks.discard)
@@ -274,13 +287,13 @@ class Proxy:
         if lit is not None:
             candidates = [lit]
         elif host in self.resolve_map:
-            candidates = [ipaddress.ip_address(self.resolve_map[host])]
+            candidates = [unmapped(ipaddress.ip_address(self.resolve_map[host]))]
         elif node.policy.may_resolve(host, port) or self.open_all:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError:
                 return None
-            candidates = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
+            candidates = [unmapped(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos]
         else:
             candidates = []
         own = self.own()
