@@ -190,9 +190,14 @@ class CheckpointsMixin:
         with contextlib.suppress(OSError):
             os.unlink(rec["path"])
         self.ledger.remove_checkpoint(name)
+        # a node's badge names its newest checkpoint that still exists (another may be left)
+        left: dict[str, str] = {}
+        for row in self.ledger.checkpoint_rows():  # newest first
+            if row.get("session_id") == self.session:
+                left.setdefault(str(row.get("node_id")), str(row.get("name")))
         for node in self.tree:
             if node.checkpoint == name:
-                node.checkpoint = None
+                node.checkpoint = left.get(node.id)
                 self._record(node)
 
 

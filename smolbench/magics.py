@@ -330,11 +330,13 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or self.workbench.active is None:
+        if self.workbench is None or not self.workbench.machines:
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
         _loop.run(self.workbench.refresh_network())
         st = self.workbench.status()
+        if st["active"] is None:  # its active machine was deleted, others live
+            st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
         for k, v in st.items():
             print(f"{k:<{width}}  {v}")  # the cluster's nodes come one per line
@@ -353,8 +355,10 @@ class SmolMagics(Magics):
 
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        gone = _loop.run(self._wb().delete(args.node))
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}")
+        wb = self._wb()
+        was = wb.active
+        gone = _loop.run(wb.delete(args.node))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
         wb = self._wb()
@@ -629,6 +633,15 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return str(self.data.get("text/plain", ""))
+
+
+def moved_text(was: str | None, now: str | None) -> str:
+    """What a delete did to the active machine ("" when it stayed)."""
+    if was == now or was is None:
+        return ""
+    if now is None:
+        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"; {was} was active: the active machine is now {now}"
 
 
 def cell_number(shell: Any) -> Any:
