@@ -41,8 +41,8 @@ Line magics::
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
-                                output-limit, log-limit (sizes like 10M), max-items,
-                                displays, line-limit (counts) and grace (seconds)
+                                output-limit, log-limit, checkpoint-limit (sizes like 10M),
+                                max-items, displays, line-limit (counts) and grace (seconds)
 
 Cell magics::
 

@@ -26,7 +26,7 @@ from ._aio import _gather_cancelling, _to_the_end
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import BranchEvent, CheckpointsMixin
-from .errors import InfraError, RemoteError, SmolbenchError
+from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
@@ -280,6 +280,8 @@ class Workbench(CheckpointsMixin):
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except MachineLost as exc:
+                raise SmolbenchError(await _to_the_end(self._lost(ref.name, str(exc)))) from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
@@ -311,6 +313,18 @@ class Workbench(CheckpointsMixin):
         with contextlib.suppress(BaseException):
             await task
         return False
+
+    async def _lost(self, node_id: str, why: str) -> str:
+        """A machine that died under a request (killed for memory): drop it and what was forked
+        from it, mark it lost, and say what is active now; the one line."""
+        with contextlib.suppress(Exception):
+            await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended, node.error, node.alive = "lost", time.time(), why, False
+        self._record(node)
+        if self.active is not None:
+            return f"{why}; the active machine is now {self.active}"
+        return f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     async def _kill_stuck(self, node_id: str, why: str) -> str:
         """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
