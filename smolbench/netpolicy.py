@@ -220,6 +220,7 @@ class NetPolicy:
     def admits(self, name: str, port: int, addr: IPAddress, own: frozenset[IPAddress],
                internet: tuple[IPNetwork, ...] = ()) -> bool:
         """May a connection asked for as ``name:port``, resolved to ``addr``, go there?"""
+        addr = unmapped(addr)
         if self.mode == "off":
             return False
         if self.mode == "on":
@@ -240,20 +241,27 @@ class NetPolicy:
         return self.mode == "on" or self.listed_host(name, port) is not None
 
 
+def unmapped(addr: IPAddress) -> IPAddress:
+    """``::ffff:127.0.0.1`` is 127.0.0.1: decided (and connected to) as IPv4."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
 def literal(name: str) -> IPAddress | None:
     try:
-        return ipaddress.ip_address(name.strip("[]"))
+        return unmapped(ipaddress.ip_address(name.strip("[]")))
     except ValueError:
         return None
 
 
-def test_internet() -> tuple[IPNetwork, ...]:
+def stand_in_internet() -> tuple[IPNetwork, ...]:
     """Test stand-ins for the internet (never set outside tests)."""
     raw = os.environ.get(TEST_INTERNET_VAR, "")
     return tuple(ipaddress.ip_network(w.strip(), strict=False) for w in raw.split(",") if w.strip())
 
 
-def test_resolve() -> dict[str, str]:
+def stand_in_resolve() -> dict[str, str]:
     """Test stand-ins for DNS: name -> address (never set outside tests)."""
     raw = os.environ.get(TEST_RESOLVE_VAR, "")
     pairs = (w.split("=", 1) for w in raw.split(",") if "=" in w)

@@ -97,7 +97,9 @@ class SandboxBackend(AgentHostBackend):
             self._containment = await self.info(ref)
         if self._net_proxied(spec):
             try:
-                await self.proxy.attach(name, ref.info["host_pid"], spec.policy)
+                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
+                if failed:
+                    raise OSError(failed[name])
             except (OSError, asyncio.TimeoutError) as exc:
                 await self.delete(ref)
                 raise BackendUnavailable(f"the sandbox machine {name!r} can't get its network ({exc}): "
@@ -135,17 +137,30 @@ class SandboxBackend(AgentHostBackend):
         refs = await super().branch(machine, names, seeds)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
-            for ref in refs:
+            async def ready(ref: MachineRef) -> tuple[str, int] | None:
                 pid = ref.info.get("host_pid")
                 try:
                     if pid is None:
                         raise OSError("its host process is not known")
                     await _own_netns(pid, machine.info["host_pid"])
-                    await self.proxy.attach(ref.name, pid, machine.spec.policy)
-                except (OSError, asyncio.TimeoutError) as exc:
-                    ref.info["net_error"] = str(exc)
-                    self.notes.append(f"branch {ref.name} has no network: {exc}")
+                except OSError as exc:
+                    self._no_net(ref, str(exc))
+                    return None
+                return ref.name, pid
+
+            waiting = await asyncio.gather(*(ready(ref) for ref in refs))
+            try:
+                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy)
+            except (OSError, asyncio.TimeoutError) as exc:
+                failed = {ref.name: str(exc) for ref in refs}
+            for ref in refs:
+                if ref.name in failed:
+                    self._no_net(ref, failed[ref.name])
         return refs
+
+    def _no_net(self, ref: MachineRef, why: str) -> None:
+        ref.info["net_error"] = why
+        self.notes.append(f"branch {ref.name} has no network: {why}")
 
     async def delete(self, machine: MachineRef) -> None:
         await super().delete(machine)
