@@ -41,8 +41,8 @@ Line magics::
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
-                                output-limit, log-limit (sizes like 10M), max-items,
-                                displays, line-limit (counts) and grace (seconds)
+                                output-limit, log-limit, checkpoint-limit (sizes like 10M),
+                                max-items, displays, line-limit (counts) and grace (seconds)
 
 Cell magics::
 
@@ -122,6 +122,8 @@ def _timeout(text: str) -> float:
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
 @argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
 @argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
+@argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+          help="run machines on a Ray cluster's nodes (ADDRESS: HOST:PORT or auto; default RAY_ADDRESS, else auto)")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -253,7 +255,13 @@ class SmolMagics(Magics):
 
             spec = replace(spec, image=args.image or spec.image,
                            max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
-        backend, why = choose_backend(args.backend, args.target)
+        if args.ray is not None or cluster_table(path):
+            from .cluster.backend import ClusterBackend
+
+            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None), ""
+            backend.start()
+        else:
+            backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
@@ -285,6 +293,9 @@ class SmolMagics(Magics):
                   "died earlier: marked lost in the ledger")
         if net_note:
             print(f"smolbench: {net_note}")
+        if backend.name == "cluster":
+            print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
+                  f"root on node {str(wb.machines['root'].info.get('node'))[:8]}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
 
@@ -319,14 +330,16 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or self.workbench.active is None:
+        if self.workbench is None or not self.workbench.machines:
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
         _loop.run(self.workbench.refresh_network())
         st = self.workbench.status()
+        if st["active"] is None:  # its active machine was deleted, others live
+            st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
         for k, v in st.items():
-            print(f"{k:<{width}}  {v}")
+            print(f"{k:<{width}}  {v}")  # the cluster's nodes come one per line
         return None
 
     def _do_use(self, rest: str) -> None:
@@ -342,8 +355,10 @@ class SmolMagics(Magics):
 
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        gone = _loop.run(self._wb().delete(args.node))
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}")
+        wb = self._wb()
+        was = wb.active
+        gone = _loop.run(wb.delete(args.node))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
         wb = self._wb()
@@ -620,6 +635,15 @@ class RemoteValue:
         return str(self.data.get("text/plain", ""))
 
 
+def moved_text(was: str | None, now: str | None) -> str:
+    """What a delete did to the active machine ("" when it stayed)."""
+    if was == now or was is None:
+        return ""
+    if now is None:
+        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"; {was} was active: the active machine is now {now}"
+
+
 def cell_number(shell: Any) -> Any:
     """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
     the running cell's own result first."""
@@ -768,6 +792,15 @@ class _Progress:
             self.handle = display({"text/plain": text}, raw=True, display_id=True)
         else:
             self.handle.update({"text/plain": text}, raw=True)
+
+
+def cluster_table(path: str | None) -> dict[str, Any]:
+    """The Smolfile's ``[cluster]`` table (``address = "auto"``), or {} without one."""
+    if not path:
+        return {}
+    from .smolfile import load_cluster
+
+    return load_cluster(path)
 
 
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:

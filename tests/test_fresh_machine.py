@@ -116,6 +116,8 @@ def test_a_kernel_on_a_python_in_a_private_folder_runs_cells_forks_and_images(
             assert f"can't reach {top / 'base'}" in error_text(up) + stream_text(up) + stream_text(up, "stderr")
             return
         assert not error_text(up), error_text(up)
+        # the staging mounts live in the machine's own mount namespace, never the host's
+        assert not [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if str(top) in ln]
         cell = nb.run("%%smol\nimport sys, os\n(sys.base_prefix, sys.prefix, os.getuid() != 0)")
         assert result_text(cell) == repr((str(top / "base"), str(top / "venv"), True)), error_text(cell)
         base = str(top / "base")

@@ -149,13 +149,15 @@ def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_o
         nb.run("%%smol fork 1 --keep all\nreward = 1")
         nb.run("%smol use root.0")
         cell = nb.run(SHARED_400M)
+        tree = stream_text(nb.run("%smol tree"))
         nb.run("%smol use root")
         parent = value(nb.run("%%smol\n1 + 1"))
     assert parent == "2"
     if weakened:
         assert value(cell) == str(400 << 20)
     else:
-        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost)")
+        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost); the active machine is now root")
+        assert "root.0" in tree and not any("root.0" in ln and "alive" in ln for ln in tree.splitlines()), tree
 
 
 # -- processes --------------------------------------------------------------------------------

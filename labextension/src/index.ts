@@ -1,12 +1,9 @@
 /**
  * smolbench's JupyterLab extension: the "smolbench" left sidebar and a status-bar item
- * (`smol: sandbox · 3 machines`) that opens it.
+ * (`smol: sandbox · 3 machines`) that opens it. It asks only for the application's shell
+ * (not JupyterLab's own), so Notebook 7 shows the same sidebar on its notebook page.
  */
-import {
-  ILabShell,
-  JupyterFrontEnd,
-  JupyterFrontEndPlugin
-} from '@jupyterlab/application';
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { MainAreaWidget } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -44,9 +41,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'smolbench:plugin',
   description: 'A sidebar for smolbench machines, checkpoints and past runs.',
   autoStart: true,
-  requires: [ILabShell, INotebookTracker],
+  requires: [INotebookTracker],
   optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, shell: ILabShell, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+    const shell = app.shell;
     let panel: SmolPanel;
     const host: IHost = {
       notebookPath: () => tracker.currentWidget?.context.path ?? null,

@@ -665,7 +665,7 @@ class Agent:
         if self.workdir and os.path.exists(ws):
             with tarfile.open(ws) as tar:
                 for member in tar.getmembers():
-                    if member.name.startswith(("/", "..")) or "/../" in member.name:
+                    if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
                 if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
                     tar.extractall(self.workdir, filter="data")
