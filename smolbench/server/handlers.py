@@ -83,7 +83,8 @@ class _Base(APIHandler):
         if rel is None or rel == "":
             return None if rel is None else [""]
         rel = rel.strip("/")
-        return sorted({rel, os.path.join(self.root, rel), os.path.realpath(os.path.join(self.root, rel))})
+        roots = {self.root, str(self.settings.get("server_root_dir") or self.root)}  # as configured: may hold a symlink
+        return sorted({rel, os.path.realpath(os.path.join(self.root, rel))} | {os.path.join(r, rel) for r in roots})
 
     def relative_notebooks(self, data: dict[str, Any]) -> None:
         """Runs' notebook paths as API paths (a notebook outside the root: its name only)."""
