@@ -27,7 +27,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 
 Line magics::
 
-  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
           [--max-alive N]
   %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
