@@ -665,7 +665,7 @@ class Agent:
         if self.workdir and os.path.exists(ws):
             with tarfile.open(ws) as tar:
                 for member in tar.getmembers():
-                    if member.name.startswith(("/", "..")) or "/../" in member.name:
+                    if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
                 if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
                     tar.extractall(self.workdir, filter="data")
@@ -844,7 +844,40 @@ def _error_from_exc(filename):
     frames = traceback.format_tb(tb) if tb is not None else []
     if etype is not None and issubclass(etype, SyntaxError):
         frames = traceback.format_exception_only(etype, evalue)[:-1]
-    return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue), "traceback": frames}
+    return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue) + _net_note(evalue), "traceback": frames}
+
+
+# -- the network policy, said where a connection fails ------------------------------------
+
+_NET_ERRNOS = (111, 101, 113, 99)  # ECONNREFUSED, ENETUNREACH, EHOSTUNREACH, EADDRNOTAVAIL
+_last_connect = threading.local()
+
+
+def _audit(event, args):
+    if event == "socket.connect":
+        _last_connect.addr = args[1]
+
+
+def watch_connects():
+    """Remember each thread's last connect() target (an audit hook): a refused connection's
+    error can then name the host, next to the machine's network policy."""
+    if os.environ.get("SMOLBENCH_NET_POLICY"):
+        sys.addaudithook(_audit)
+
+
+def _net_note(exc):
+    policy = os.environ.get("SMOLBENCH_NET_POLICY")
+    seen = 0
+    while exc is not None and policy and seen < 8:
+        seen += 1
+        if isinstance(exc, OSError) and exc.errno in _NET_ERRNOS:
+            addr = getattr(_last_connect, "addr", None)
+            where = "%s:%s" % addr[:2] if isinstance(addr, tuple) and len(addr) >= 2 else "that host"
+            return ("\n(smolbench: %s is not reachable from this machine; its network policy is %s: "
+                    "this host's own services and anything not listed are out of reach)" % (where, policy))
+        exc = getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), BaseException) else (
+            exc.__cause__ or exc.__context__)
+    return ""
 
 
 # -- per-branch private files (Linux) --------------------------------------------
@@ -968,6 +1001,7 @@ def main(argv=None):
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
                                      weak=[w for w in args.weaken.split(",") if w])
+    watch_connects()
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
     agent.machine = machine
