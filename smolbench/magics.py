@@ -249,7 +249,12 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
         net_note = None
         if args.net is not None or args.allow:
-            spec, net_note = _net_override(spec, args.net, args.allow, path or "the default spec")
+            from .netpolicy import PolicyError, session_override
+
+            try:
+                spec, net_note = session_override(spec, args.net, args.allow, path or "the default spec")
+            except PolicyError as exc:
+                raise SmolbenchError(str(exc)) from None
         if args.image or args.max_alive is not None:
             from dataclasses import replace
 
@@ -826,21 +831,3 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
         return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
     return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
                               "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")
-
-
-def _net_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
-    """``%smol up --net on|off`` / ``--allow ...``: the session's policy instead of the Smolfile's."""
-    from dataclasses import replace
-
-    from .netpolicy import NetPolicy, PolicyError
-
-    if net == "off" and allow:
-        raise SmolbenchError("--net off and --allow contradict each other: drop one")
-    try:
-        policy = NetPolicy.from_words(net or "on", allow)
-    except PolicyError as exc:
-        raise SmolbenchError(str(exc)) from None
-    before = spec.policy
-    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
-                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
-    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"

@@ -103,6 +103,7 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
     assert argv[argv.index("--socket") + 1] == "/run/smolbench/root.sock"
     assert argv[argv.index("--workdir") + 1] == "/workspace"
     assert opts.env["FOO"] == "bar" and opts.env["SMOLBENCH_MACHINE"] == "root"
+    assert opts.env["SMOLBENCH_NET_POLICY"] == "off (no network)"  # named inside when a connection fails
     assert ref.info["socket"] == "/run/smolbench/root.sock" and ref.info["machine"] == config.name
     vm.delete.assert_called_once()
     assert b.list() == []

@@ -4,7 +4,8 @@
  * (not JupyterLab's own), so Notebook 7 shows the same sidebar on its notebook page.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { MainAreaWidget } from '@jupyterlab/apputils';
+import { ICommandPalette, MainAreaWidget } from '@jupyterlab/apputils';
+import { IMainMenu } from '@jupyterlab/mainmenu';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -42,8 +43,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'A sidebar for smolbench machines, checkpoints and past runs.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  optional: [IStatusBar, ICommandPalette, IMainMenu],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null,
+    mainMenu: IMainMenu | null
+  ) => {
     const shell = app.shell;
     let panel: SmolPanel;
     const host: IHost = {
@@ -113,6 +120,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       label: 'Show the smolbench sidebar',
       execute: () => shell.activateById(panel.id)
     });
+    // Notebook 7 has no status bar: the View menu and the palette open the sidebar there
+    palette?.addItem({ command: 'smolbench:open', category: 'smolbench' });
+    mainMenu?.viewMenu.addGroup([{ command: 'smolbench:open' }], 100);
 
     if (statusBar) {
       const item = new Widget();

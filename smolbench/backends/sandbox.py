@@ -211,7 +211,7 @@ class SandboxBackend(AgentHostBackend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
         self._fds, self._fd_paths = p.fds, p.paths
         if not self._contained or os.geteuid() != 0:
             return p.argv, GUEST_RUN, spec.workdir
