@@ -382,14 +382,16 @@ def test_an_allow_list_reaches_only_what_it_lists(allow: NetLab, open_proxy: Net
 # -- a branch can't widen its policy ----------------------------------------------------------------
 
 
-def test_a_branch_cannot_widen_its_policy(allow: NetLab, shared: NetLab, caps: NetLab, hosts: Hosts) -> None:
+def test_a_branch_cannot_widen_its_policy(off: NetLab, on: NetLab, allow: NetLab, shared: NetLab, caps: NetLab,
+                                          hosts: Hosts) -> None:
     attacks = (f"{{'userns': in_new_userns('127.0.0.1', {hosts.bait}, False), "
                f"'userns+netns': in_new_userns('127.0.0.1', {hosts.bait}, True), "
                f"'raw socket': raw_socket(), 'interface': net_admin(), 'ip route': ip_route(), "
                f"'proxy to its host side': tunnel('127.0.0.1', {hosts.bait}) or tunnel('127.0.0.1', 3128)}}")
-    for node in ("root.0", "root.1"):
-        got = allow.probe(attacks, node)
-        assert not any(got.values()), (node, got)
+    for lab in (off, on, allow):
+        for node in ("root.0", "root.1"):
+            got = lab.probe(attacks, node)
+            assert not any(got.values()), (lab.up_text, node, got)
     # weakened set-ups, where the same attacks get through
     assert shared.probe(attacks, "root.0")["userns"] is True
     leaked = caps.probe(attacks, "root.0")

@@ -51,6 +51,7 @@ def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_hos
     assert not p.admits("internal.corp", 22, A("192.168.3.4"), OWN)  # wrong port
     assert not p.admits("pypi.org", 443, A("127.0.0.1"), OWN)  # DNS rebinding to this host
     assert not p.admits("pypi.org", 443, A("172.17.0.5"), OWN)  # ... or to its own address
+    assert not p.admits("pypi.org", 443, A("::ffff:127.0.0.1"), OWN)  # ... also spelled as IPv6
     assert p.admits("127.0.0.2", 9000, A("127.0.0.2"), OWN)  # listed by address
     assert not p.admits("127.0.0.2", 9001, A("127.0.0.2"), OWN)
     assert p.admits("10.9.8.7", 5432, A("10.9.8.7"), OWN) and not p.admits("10.9.8.7", 80, A("10.9.8.7"), OWN)
@@ -96,3 +97,70 @@ def test_proxy_requests_are_parsed_strictly() -> None:
                 b"GET http://user@a.org/ HTTP/1.1\r\n\r\n", b"CONNECT a.org:443 HTTP/1.1\r\n" + b"X: y\r\n" * 5000 + b"\r\n"):
         with pytest.raises(netreq.BadRequest):
             netreq.parse(bad)
+
+
+def test_the_proxy_admits_refuses_in_one_line_and_caps_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's host side, in-process (a machine's listener replaced by one on the host)."""
+    import asyncio
+    import socket
+
+    from smolbench.backends import _netproxy
+
+    monkeypatch.setattr(_netproxy, "MAX_CONNECTIONS", 3)
+
+    async def main() -> None:
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(b"hi " + await r.readline())
+            await w.drain()
+            w.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.2", 0)
+        tport = target.sockets[0].getsockname()[1]
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proxy = _netproxy.Proxy()
+        policy = NetPolicy.from_lists(False, [], [f"127.0.0.2/32:{tport}"])
+        await proxy.serve("m", policy, [listener], [("127.0.0.1", port)])
+
+        async def ask(head: bytes) -> bytes:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(head)
+            try:
+                data = await asyncio.wait_for(r.read(), 10)  # until the proxy closes
+            except ConnectionResetError:
+                data = b""
+            w.close()
+            return data
+
+        assert await ask(f"CONNECT 127.0.0.2:{tport} HTTP/1.1\r\n\r\nping\n".encode()) == (
+            b"HTTP/1.1 200 Connection established\r\n\r\n" + b"hi ping\n")
+        refused = await ask(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 403 smolbench: 127.0.0.1:22 is not allowed by this machine's network "
+                                  b"policy (allow-list: 127.0.0.2/32:")
+        assert (await ask(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 400 smolbench proxy: bad request")
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
+        assert stats["refused"] == 1 and stats["last_refused"] == "127.0.0.1:22" and stats["allowed"] == 1
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert await ask(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n") == b""  # the 4th at once: dropped
+        for _, w in idle:
+            w.close()
+        await proxy.detach("m")
+        target.close()
+
+    asyncio.run(main())
+
+
+def test_up_overrides_the_smolfile_for_a_session_and_says_so() -> None:
+    from smolbench.netpolicy import session_override
+    from smolbench.spec import MachineSpec
+
+    spec, line = session_override(MachineSpec(net=True), None, "127.0.0.2/32:8080,pypi.org", "Smolfile")
+    assert spec.policy.describe() == "allow-list: pypi.org, 127.0.0.2/32:8080"
+    assert line == ("network for this session: allow-list: pypi.org, 127.0.0.2/32:8080 (set by %smol up, "
+                    "overriding Smolfile: on (the internet; not this host or private networks))")
+    assert session_override(spec, "off", None, "Smolfile")[0].policy.mode == "off"
+    with pytest.raises(PolicyError, match="contradict"):
+        session_override(spec, "off", "pypi.org", "Smolfile")

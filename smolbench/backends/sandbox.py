@@ -91,12 +91,22 @@ class SandboxBackend(AgentHostBackend):
         return "; ".join([line, *self.notes])
 
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
-        ref = await super().create(spec, name)
+        # the egress proxy (once per kernel) starts while the machine boots
+        starting = asyncio.ensure_future(self.proxy.start()) if self._net_proxied(spec) else None
+        try:
+            ref = await super().create(spec, name)
+        except BaseException:
+            if starting is not None:
+                with contextlib.suppress(BaseException):
+                    await starting
+            raise
         ref.info["contained"] = self._contained
         if self._contained and self._containment is None:
             self._containment = await self.info(ref)
         if self._net_proxied(spec):
             try:
+                assert starting is not None
+                await starting
                 failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
                 if failed:
                     raise OSError(failed[name])
@@ -201,7 +211,7 @@ class SandboxBackend(AgentHostBackend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
         self._fds, self._fd_paths = p.fds, p.paths
         if not self._contained or os.geteuid() != 0:
             return p.argv, GUEST_RUN, spec.workdir
