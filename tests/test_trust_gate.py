@@ -126,6 +126,11 @@ FRAMES = [
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"error\": {\"ename\": 7}}\\n'", "the error name should be text"),
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"reward\": 1' + b'0' * 5000 + b'}\\n'", "not a JSON line"),
     ("b'[' * 200000 + b'\\n'", "JSON nested too deeply"),
+    # deep enough to break nbformat (and so saving the notebook), not the kernel's JSON
+    ("b'{\"t\": \"display\", \"data\": {\"application/json\": ' + b'[' * 500 + b']' * 500 + b'}}\\n'",
+     "the application/json output is nested deeper than 64 levels"),
+    ("b'{\"t\": \"display\", \"data\": {\"application/vnd.plotly.v1+json\": {\"data\": ' + b'[' * 100 + b']' * 100 + b'}}}\\n'",
+     "a plotly figure nested too deeply"),
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"pulled\": {\"other\": {\"format\": \"data\", \"data\": 1}}}\\n'",
      "a pulled value 'other' that was not asked for"),
 ]
