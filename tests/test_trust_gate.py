@@ -813,6 +813,9 @@ def test_a_lone_surrogate_from_a_machine_is_one_line_and_the_session_carries_on(
             still_works(nb)
         for line in ("%smol tree", "%smol status"):
             assert error_output(nb.run(line)) is None
+        # an honest cell printing one (a non-UTF-8 file name, say) sees it escaped, as Python's stderr would
+        cell = nb.run("%%smol\nprint('name-\\udc80.txt')")
+        assert stream_text(cell) == "name-\\udc80.txt\n" and error_output(cell) is None, cell.outputs
         nb.run("%smol down")
         nb.run("%smol up --backend sandbox")
         assert result_text(nb.run("%%smol\n6 * 7")) == "42"
