@@ -2,7 +2,7 @@
 share the moment it is known, so a boot that stalls or hangs later keeps what already ran;
 and a retry boot skips what passed before (``VMLANE_PASSED``), except the earlier steps of a
 chain (``@pytest.mark.chain``) whose later steps still have to run: those share one
-machine's state, so the chain runs again from its start."""
+machine's state, so the chain runs again from its start, after the tests outside chains."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if rerun else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    # A retry runs the tests outside any chain first: a chain that stalls again can't keep
+    # them from running.
+    items[:] = sorted(keep, key=lambda i: _chain(i) is not None)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
