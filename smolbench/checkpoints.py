@@ -56,6 +56,7 @@ class CheckpointsMixin:
         target = self.tree[node_id]
         path = self.tree.path(node_id)
         notes: list[str] = []
+        risks: list[str] = []  # what could make the replay differ
         temps: list[MachineRef] = []
         # Start from the nearest ancestor that is alive or has a checkpoint.
         start_idx = next((i for i in range(len(path) - 2, -1, -1)
@@ -76,7 +77,7 @@ class CheckpointsMixin:
                 cur = self.machines[path[start_idx].id]
                 start = path[start_idx]
                 if start.cells > path[start_idx + 1].forked_at:
-                    notes.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork, so the replay may differ")
+                    risks.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork")
             else:
                 anc = path[start_idx]
                 rec = self.ledger.checkpoint(anc.checkpoint or "")
@@ -86,8 +87,8 @@ class CheckpointsMixin:
                 temps.append(cur)
                 notes.append(f"started from checkpoint {anc.checkpoint}")
                 if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
-                    notes.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
-                                 f"the fork after {path[start_idx + 1].forked_at}, so the replay may differ")
+                    risks.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
+                                 f"the fork after {path[start_idx + 1].forked_at}")
             steps = path[start_idx + 1:]
             res: CellResult | None = None
             for k, step in enumerate(steps):
@@ -102,7 +103,7 @@ class CheckpointsMixin:
                 upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
                 for c in cells[:upto]:
                     if c.get("pushed"):
-                        notes.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
+                        risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
                     res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
@@ -113,9 +114,15 @@ class CheckpointsMixin:
                 with contextlib.suppress(Exception):
                     await _to_the_end(self.backend.delete(ref))
         match = reward == target.reward
-        msg = (f"replay of {node_id}: reward {reward} vs recorded {target.reward}: "
-               + ("identical" if match else "DIFFERENT") + (f" ({'; '.join(notes)})" if notes else ""))
-        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match, "notes": notes, "message": msg}
+        # risks: what could make a replay differ; said as a caveat only when it did differ
+        if match:
+            verdict = "identical" + (f" ({'; '.join(notes + risks)})" if notes or risks else "")
+        else:
+            why = f"; it may differ because {'; '.join(risks)}" if risks else ""
+            verdict = "DIFFERENT" + (f" ({'; '.join(notes)}{why})" if notes else (f" ({why[2:]})" if why else ""))
+        msg = f"replay of {node_id}: reward {reward} vs recorded {target.reward}: {verdict}"
+        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match,
+                "notes": notes + risks, "message": msg}
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -354,7 +354,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         names = self.tree.next_child_ids(ref.name, n)
         self._runs += 1
-        return ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
+        result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
+        result.keep = keep
+        return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                      concurrency: int | None = None) -> ForkResult:

@@ -193,8 +193,8 @@ def check_checkpoints(nb: NotebookNode) -> None:
     replay = stream_text(cell(nb, "%smol replay {kept}"))
     assert re.search(r"replay of r\d+-warm\.\d: reward [\d.]+ vs recorded [\d.]+: identical\s*$", replay), replay
     listed = cell(nb, "%smol checkpoint list").outputs
-    assert len(listed) == 1, listed  # the panel only, no second DataFrame
-    assert 'data-name="warm"' in listed[0]["data"]["text/html"]
+    assert len(listed) == 2, listed  # the panel and its static copy, no DataFrame
+    assert 'data-name="warm"' in listed[1]["data"]["text/html"]
     assert "deleted 1 machine" in stream_text(cells(nb, "%smol down")[0])
     assert "deleted 3 machines" in stream_text(cells(nb, "%smol down")[-1])  # root, r1-warm and its kept branch
 

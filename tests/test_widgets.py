@@ -188,8 +188,9 @@ def test_fork_button_reruns_the_last_fork_cell_below_the_selected_node_in_the_ba
     until(lambda: not w.jobs, "the fork job to leave the jobs list")
     assert wb.active == "root"  # forking the selected node does not change the active one
     kids = [n for n in wb.tree if n.parent == "root.7"]
+    # automatic seeds continue after the session's highest (107): never a repeat of root.0..7
     assert [(k.id, k.seed, k.reward) for k in kids] == [
-        (f"root.7.{i}", 100 + i, 2.0 * (100 + i)) for i in range(4)
+        (f"root.7.{i}", 108 + i, 2.0 * (108 + i)) for i in range(4)
     ]
     until(lambda: {"root.7.0", "root.7.3"} <= set(by_id(w)), "the new branches in the widget")
     run = w.last_fork()
