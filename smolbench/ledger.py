@@ -67,7 +67,8 @@ NODE_COLUMNS = (
     "alive", "kept", "forked_at",
 )
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
-ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"))
+ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"),
+                 ("sessions", "network", "TEXT"))
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 

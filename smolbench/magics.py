@@ -132,7 +132,10 @@ def _timeout(text: str) -> float:
 @argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"], help="where machines run")
 @argument("--target", default="local", choices=["local", "cloud"], help="smol backend: local engine or smol cloud")
 @argument("--image", default=None, help="override the Smolfile's image")
-@argument("--net", action="store_true", help="give the machine network access")
+@argument("--net", nargs="?", const="on", default=None, choices=["on", "off"],
+          help="network for this session, overriding the Smolfile: on (the internet, not this host) or off")
+@argument("--allow", default=None, help="network allow-list for this session, overriding the Smolfile: hosts and CIDRs, "
+          "each optionally with a port, e.g. pypi.org,127.0.0.2/32:8080")
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
 @argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
 @argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
@@ -260,15 +263,19 @@ class SmolMagics(Magics):
         spec = load_smolfile(path) if path else MachineSpec()
         if args.max_alive is not None and not 1 <= args.max_alive <= 1024:
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
-        if args.image or args.net or args.max_alive is not None:
+        net_note = None
+        if args.net is not None or args.allow:
+            spec, net_note = _net_override(spec, args.net, args.allow, path or "the default spec")
+        if args.image or args.max_alive is not None:
             from dataclasses import replace
 
-            spec = replace(spec, image=args.image or spec.image, net=spec.net or args.net,
+            spec = replace(spec, image=args.image or spec.image,
                            max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
         backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
+        wb.net_note = net_note
         wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
         self._publish(wb)
         t0 = time.perf_counter()
@@ -294,12 +301,10 @@ class SmolMagics(Magics):
         if wb.lost:
             print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
                   "died earlier: marked lost in the ledger")
+        if net_note:
+            print(f"smolbench: {net_note}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
-            if spec.allow_hosts or spec.allow_cidrs:
-                print("smolbench: warning: the sandbox can't filter by host or CIDR: the Smolfile's "
-                      "[network] allow-lists turn the whole network on here (use the smol backend to enforce them)",
-                      file=sys.stderr)
 
     def _publish(self, wb: Any) -> None:
         """Tell the Jupyter server's smolbench panel about this workbench's machines."""
@@ -335,6 +340,7 @@ class SmolMagics(Magics):
         if self.workbench is None or self.workbench.active is None:
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
+        _loop.run(self.workbench.refresh_network())
         st = self.workbench.status()
         width = max(len(k) for k in st)
         for k, v in st.items():
@@ -798,3 +804,21 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
         return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
     return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
                               "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")
+
+
+def _net_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
+    """``%smol up --net on|off`` / ``--allow ...``: the session's policy instead of the Smolfile's."""
+    from dataclasses import replace
+
+    from .netpolicy import NetPolicy, PolicyError
+
+    if net == "off" and allow:
+        raise SmolbenchError("--net off and --allow contradict each other: drop one")
+    try:
+        policy = NetPolicy.from_words(net or "on", allow)
+    except PolicyError as exc:
+        raise SmolbenchError(str(exc)) from None
+    before = spec.policy
+    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
+                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
+    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"

@@ -19,7 +19,7 @@ Example::
 
     [network]
     allow_hosts = ["pypi.org", "files.pythonhosted.org:443"]
-    allow_cidrs = ["10.0.0.0/8"]
+    allow_cidrs = ["10.0.0.0/8", "127.0.0.2/32:8080"]   # a port is optional
 
     [branch]
     enabled = true
@@ -31,7 +31,6 @@ naming the file, the line, the key, the problem and the fix.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import os
 import posixpath
 import re
@@ -44,6 +43,7 @@ from typing import Any, NoReturn
 from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolfileError
 from smolbench.images import has_python, is_path_image, is_valid_image_name
+from smolbench.netpolicy import PolicyError, host_problem, parse_cidr
 from smolbench.spec import MachineSpec, Volume
 
 if sys.version_info >= (3, 11):
@@ -83,7 +83,6 @@ MAX_ALIVE = 1024
 _MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 _MEMORY_UNITS = {"": Decimal(1), "K": Decimal(1) / 1024, "M": Decimal(1), "G": Decimal(1024)}
 _MEMORY_UNITS["T"] = Decimal(1024 * 1024)
-_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER_RE = re.compile(r"\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\]?\s*(?:#.*)?$")
 _KEY_RE = re.compile(r"\s*([A-Za-z0-9_.\-\"' ]+?)\s*=")
@@ -566,7 +565,7 @@ class _Parser:
         hosts = self.string_list(value, "allow_hosts")
         result: list[str] = []
         for host in hosts:
-            problem = _host_problem(host)
+            problem = host_problem(host)
             if problem:
                 line = self.lines.line_of_value(f"{host}", "network", "allow_hosts")
                 self.fail(f"[network] allow_hosts entry {host!r} {problem}", line)
@@ -579,47 +578,13 @@ class _Parser:
         result: list[str] = []
         for cidr in cidrs:
             try:
-                network = ipaddress.ip_network(cidr.strip(), strict=False)
-            except ValueError:
+                rule = parse_cidr(cidr)
+            except PolicyError as exc:
                 line = self.lines.line_of_value(f"{cidr}", "network", "allow_cidrs")
-                self.fail(
-                    f"[network] allow_cidrs entry {cidr!r} is not an IP network; "
-                    'write an address or CIDR like "10.0.0.0/8" or "192.168.1.7"',
-                    line,
-                )
-            if str(network) not in result:
-                result.append(str(network))
+                self.fail(f"[network] allow_cidrs entry {cidr!r} {exc}", line)
+            if str(rule) not in result:
+                result.append(str(rule))
         return tuple(result)
-
-
-def _host_problem(host: str) -> str | None:
-    """Why ``host`` is not a valid ``hostname`` or ``hostname:port`` (None when it is)."""
-    fix = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
-    if not host:
-        return f"is empty; {fix}"
-    if "://" in host:
-        bare = host.split("://", 1)[1].split("/", 1)[0]
-        return f'is a URL, not a hostname; write just the host, like "{bare}"'
-    if any(ch.isspace() for ch in host):
-        return f"contains whitespace; {fix}"
-    if "/" in host:
-        return f"contains '/'; {fix} (use allow_cidrs for IP ranges)"
-    name, sep, port = host.rpartition(":") if ":" in host else (host, "", "")
-    if sep:
-        if ":" in name:
-            return "has more than one ':'; IPv6 addresses belong in allow_cidrs"
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
-            return f"has an invalid port {port!r}; use a number from 1 to 65535"
-    name = name[:-1] if name.endswith(".") else name
-    if not name or len(name) > 253:
-        return f"is not a valid hostname; {fix}"
-    for label in name.split("."):
-        if not _LABEL_RE.fullmatch(label):
-            return (
-                f"is not a valid hostname (bad label {label!r}: use letters, digits and '-', "
-                f"not at either end); {fix}"
-            )
-    return None
 
 
 def parse_smolfile(text: str, source: str = "Smolfile", base_dir: str | None = None) -> MachineSpec:

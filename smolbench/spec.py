@@ -6,6 +6,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from .netpolicy import NetPolicy
+
 
 @dataclass(frozen=True)
 class Volume:
@@ -50,6 +52,11 @@ class MachineSpec:
     def network_enabled(self) -> bool:
         """True when the machine may reach any network at all."""
         return self.net or bool(self.allow_hosts) or bool(self.allow_cidrs)
+
+    @property
+    def policy(self) -> NetPolicy:
+        """The network policy (off / on / allow-list), the same on every backend."""
+        return NetPolicy.from_lists(self.net, self.allow_hosts, self.allow_cidrs)
 
     def baseline(self) -> str:
         """A short, stable identifier of this baseline (recorded in the ledger)."""

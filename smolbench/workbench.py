@@ -74,6 +74,8 @@ class Workbench(CheckpointsMixin):
         self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
         self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
+        self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
+        self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = Path(ledger.path).parent / "outputs"
 
     # -- observers ------------------------------------------------------------------
@@ -126,7 +128,7 @@ class Workbench(CheckpointsMixin):
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),
-            versions=self.versions,
+            versions=self.versions, network=self.spec.policy.describe() + (f"; {self.net_note}" if self.net_note else ""),
         )
         self._record(node)
         return node
@@ -637,6 +639,33 @@ class Workbench(CheckpointsMixin):
         mem = f"; host memory RSS {usage[0]:.0f} MiB, PSS {usage[1]:.0f} MiB" if usage else ""
         return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
 
+    async def refresh_network(self) -> None:
+        """Fetch the backend's per-machine connection counters (shown by ``status``)."""
+        stats = getattr(self.backend, "network_stats", None)
+        if stats is not None:
+            self.net_stats = await stats()
+
+    def _network_text(self) -> str:
+        policy = self.spec.policy
+        line = policy.describe()
+        if self.net_note:
+            line += " (set by %smol up for this session)"
+        enforced = getattr(self.backend, "network_enforced", None)
+        if enforced is not None and policy.enabled:
+            line += f"; {enforced()}"
+        if self.backend.name == "smol" and (any(h.port for h in policy.hosts) or any(c.port for c in policy.cidrs)):
+            line += "; ports are not enforced by smol (it scopes by host and CIDR)"
+        if self.backend.name == "process" and policy.enabled:
+            line += "; NOT enforced: the process backend shares the host's network"
+        if self.net_stats:
+            refused = sum(s.get("refused", 0) for s in self.net_stats.values())
+            allowed = sum(s.get("allowed", 0) for s in self.net_stats.values())
+            last = [s["last_refused"] for s in self.net_stats.values() if s.get("last_refused")]
+            line += f"; {allowed} connection{'s' if allowed != 1 else ''} let out, {refused} refused"
+            if last:
+                line += f" (last refused: {last[-1]})"
+        return line
+
     def _limits_text(self) -> str:
         describe = getattr(self.backend, "limits_status", None)
         return describe(self.spec) if describe is not None else _vm_limits(self.spec)
@@ -651,7 +680,7 @@ class Workbench(CheckpointsMixin):
             "machine": ref.name if ref else None,
             "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
-            "network": "on" if self.spec.network_enabled else "off",
+            "network": self._network_text(),
             "trusted": "ON: pulls unpickled, output raw (`%smol trust off`)" if self.trusted else "off",
             "limits": self._limits_text(),
             "uptime_s": round(time.time() - self.started, 1),

@@ -109,14 +109,16 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
     """
 
     def __init__(self, cwd: Path, timeout: float = 120, allow_errors: bool = False, *,
-                 check_processes: bool = True) -> None:
+                 check_processes: bool = True, transport: str = "ipc") -> None:
         self.cwd = Path(cwd)
         self.tag = uuid.uuid4().hex
         self.check_processes = check_processes
         self.nb = nbformat.v4.new_notebook()
         # IPC sockets, not TCP ports: kernels of tests running side by side can't collide.
         self._ipc_dir = tempfile.mkdtemp(prefix="nbk-")
-        config = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(self._ipc_dir, "k")}})
+        # (``transport="tcp"``: Jupyter's default, ports on 127.0.0.1, for tests that attack them)
+        ip = os.path.join(self._ipc_dir, "k") if transport == "ipc" else "127.0.0.1"
+        config = Config({"KernelManager": {"transport": transport, "ip": ip}})
         self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3", config=config,
                                      allow_errors=allow_errors, resources={"metadata": {"path": str(self.cwd)}})
         self._setup: Any = None
@@ -153,6 +155,13 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         km = self.client.km
         assert km is not None and km.provisioner is not None
         return int(km.provisioner.process.pid)  # type: ignore[attr-defined]
+
+    def kernel_ports(self) -> list[int]:
+        """The kernel's TCP ports (shell, iopub, stdin, control, heartbeat) on 127.0.0.1."""
+        km = self.client.km
+        assert km is not None
+        info = km.get_connection_info()
+        return [int(info[k]) for k in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")]
 
     def interrupt(self) -> None:
         """Ctrl-C, the way Jupyter sends it (``KernelManager.interrupt_kernel``); any thread."""

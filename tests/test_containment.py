@@ -323,9 +323,10 @@ def test_host_processes_are_invisible_and_ptrace_is_refused(real: Lab, no_seccom
 
 
 def test_host_loopback_is_unreachable_without_network(real: Lab, tmp_path: Path) -> None:
+    """(With the network on too: tests/test_netpolicy.py.)"""
     for node in ("root", "root.0"):
         assert real.probe(f"reach({real.port})", node) is False
-    netted = _lab("", net=True)
+    netted = _lab("net-share", net=True)  # the old set-up: a machine with network shared the host's
     lab = next(netted)
     try:
         assert lab.probe(f"reach({lab.port})") is True  # the probe does see a reachable host server

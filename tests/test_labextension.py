@@ -76,9 +76,17 @@ def test_a_wheel_alone_installs_the_extension(tmp_path: Path) -> None:
 def test_an_editable_install_enables_both_extensions(tmp_path: Path) -> None:
     """`pip install -e .` (hatch editable + shared-data): `jupyter labextension list` shows
     smolbench enabled and the server extension is on, in a venv that sees this repo's deps."""
+    import sysconfig
+
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    # This venv's packages (jupyterlab...), not the base interpreter's: nothing was installed
+    # there by hand on a fresh machine. A path line in a .pth adds them after the new venv's own.
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    here = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(site) / "smolbench-test-deps.pth").write_text("".join(f"{d}\n" for d in here))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "JUPYTER_PATH")}
     env["HOME"] = str(tmp_path / "home")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], check=True, env=env,

@@ -72,8 +72,13 @@ def test_the_network_is_unreachable_unless_asked(backend: SandboxBackend) -> Non
         res = run(backend, ref, NET_PROBE + f"(reach('127.0.0.1', {port}), reach('1.1.1.1', 53))")
         assert "reached" not in value(res)
         assert "OSError" in value(res) or "ConnectionRefusedError" in value(res)
+        # network on: still never the host's own loopback (tests/test_netpolicy.py has the rest) ...
         netref = up(backend, MachineSpec(net=True), name="netted")
         res = run(backend, netref, NET_PROBE + f"reach('127.0.0.1', {port})")
+        assert "reached" not in value(res)
+        # ... unless it is listed by address and port
+        listed = up(backend, MachineSpec(allow_cidrs=(f"127.0.0.1/32:{port}",)), name="listed")
+        res = run(backend, listed, NET_PROBE + f"reach('127.0.0.1', {port})")
         assert value(res) == "'reached'"
     finally:
         srv.close()

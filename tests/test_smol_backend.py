@@ -4,6 +4,7 @@ real local SDK, including where the real one differs from its docs."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import pickle
 import shutil
@@ -111,7 +112,7 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
     ("spec", "network", "hosts", "cidrs"),
     [
         (MachineSpec(), False, None, None),
-        (MachineSpec(net=True), True, None, None),
+        (MachineSpec(net=True), None, None, "internet"),
         (
             MachineSpec(allow_hosts=("pypi.org", "files.pythonhosted.org:443")),
             None,
@@ -119,6 +120,7 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
             None,
         ),
         (MachineSpec(net=True, allow_cidrs=("10.0.0.0/8",)), None, None, ["10.0.0.0/8"]),
+        (MachineSpec(allow_cidrs=("127.0.0.2/32:8080", "127.0.0.2/32:8081")), None, None, ["127.0.0.2/32"]),
     ],
 )
 def test_network_follows_the_spec(
@@ -126,7 +128,7 @@ def test_network_follows_the_spec(
     spec: MachineSpec,
     network: bool | None,
     hosts: list[str] | None,
-    cidrs: list[str] | None,
+    cidrs: list[str] | str | None,
 ) -> None:
     b = backend()
 
@@ -138,7 +140,13 @@ def test_network_follows_the_spec(
     config = host.cls.create.call_args.args[0]
     assert config.resources.network is network
     assert config.resources.allow_hosts == hosts
-    assert config.resources.allow_cidrs == cidrs
+    if cidrs == "internet":  # net = true: everything but this host and private networks
+        got = [ipaddress.ip_network(c) for c in config.resources.allow_cidrs]
+        assert ipaddress.ip_network("8.8.8.0/24").subnet_of(next(n for n in got if n.version == 4 and n.overlaps(ipaddress.ip_network("8.8.8.0/24"))))
+        for inside in ("127.0.0.1/32", "10.1.2.3/32", "192.168.1.1/32", "172.16.0.1/32", "169.254.169.254/32"):
+            assert not any(n.overlaps(ipaddress.ip_network(inside)) for n in got), inside
+    else:
+        assert config.resources.allow_cidrs == cidrs
 
 
 def test_branch_disabled_makes_a_plain_machine() -> None:

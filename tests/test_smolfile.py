@@ -342,7 +342,14 @@ BAD: list[tuple[str, str, str]] = [
         "allow-cidrs-bad",
         '[network]\nallow_hosts = []\nallow_cidrs = ["10.0.0.0/33"]',
         "Smolfile line 3: [network] allow_cidrs entry '10.0.0.0/33' is not an IP network; "
-        'write an address or CIDR like "10.0.0.0/8" or "192.168.1.7"',
+        'write an address or CIDR like "10.0.0.0/8" or "192.168.1.7", optionally with a port '
+        'like "127.0.0.2/32:8080" ("[2001:db8::/32]:443" for IPv6)',
+    ),
+    (
+        "allow-cidrs-bad-port",
+        '[network]\nallow_cidrs = ["127.0.0.2/32:99999"]',
+        "Smolfile line 2: [network] allow_cidrs entry '127.0.0.2/32:99999' has an invalid port '99999'; "
+        "use a number from 1 to 65535",
     ),
     (
         "env-value-not-string",

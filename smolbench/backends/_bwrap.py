@@ -4,21 +4,26 @@ The sandbox never holds host root. When the kernel runs as root, bwrap is starte
 as a dedicated unprivileged host uid (``SANDBOX_UID``, owning no host files), so
 uid 0 inside means nothing on the host; otherwise it runs as the kernel's own uid.
 Host paths are opened here, by the kernel, and handed to bwrap as file
-descriptors (``--ro-bind-fd``), so a Python under a root-only directory still
-works. The machine's /etc holds only what Python and common libraries read.
+descriptors (``--ro-bind-fd``); bwrap still resolves them by path as the sandbox
+uid, so a root kernel stages the folders that uid can't pass (``_stage``). The
+machine's /etc holds only what Python and common libraries read.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import SmolbenchError
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..spec import MachineSpec
+from . import _stage
 from ._limits import thread_env
+from ._netproxy import proxy_env
 
 # Host root entries a default sandbox sees read-only; home, /root, /etc, /var, /opt, /srv,
 # /mnt and the rest stay hidden unless a Smolfile volume declares them.
@@ -60,12 +65,29 @@ class Plan:
     argv: list[str] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
     paths: dict[str, str] = field(default_factory=dict)  # "/proc/self/fd/N" -> host path, for messages
+    sources: list[str] = field(default_factory=list)  # host paths bwrap resolves (resolved), to stage
 
     def bind_fd(self, host: str, guest: str, readonly: bool = True) -> None:
-        fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
+        try:
+            fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
+        except PermissionError:
+            raise SmolbenchError(f"this kernel (uid {os.geteuid()}) can't reach {host} (a folder above it is not "
+                                 "traversable): make its parent folders traversable (`chmod o+x`), or put it elsewhere") from None
         self.fds.append(fd)
+        self.source(host)
         self.paths[f"/proc/self/fd/{fd}"] = host
         self.argv += ["--ro-bind-fd" if readonly else "--bind-fd", str(fd), guest]
+
+    def source(self, host: str | Path) -> None:
+        """A host path the sandbox uid must read: staged for a root kernel, checked here."""
+        real = os.path.realpath(host)
+        uid, gid = sandbox_ids()
+        if not _stage.readable(real, uid, gid):
+            st = os.stat(real)
+            raise SmolbenchError(f"the sandbox uid {uid} can't read {host} (owner uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}): make it readable to others (`chmod o+rX`), "
+                                 "or put it elsewhere")
+        self.sources.append(real)
 
     def data(self, content: bytes, guest: str) -> None:
         """A read-only file made from ``content`` (no host path: nothing to resolve or reach)."""
@@ -129,14 +151,23 @@ def as_sandbox_uid(argv: list[str]) -> list[str]:
 def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
          agent_args: list[str] = ()) -> Plan:  # type: ignore[assignment]
     """The bwrap command for machine ``name``."""
+    p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
+    try:
+        _fill(p, spec, name, rootfs, agent_args)
+    except BaseException:
+        p.close()
+        raise
+    return p
+
+
+def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str]) -> None:
     uid, gid = sandbox_ids()
     weak = weakened()
-    p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
     if "host-root" in weak:  # the old, broken configuration: uid 0 inside is host root
         p.argv += ["--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
     else:
         p.argv += ["--cap-drop", "ALL"]
-    if spec.network_enabled:
+    if "net-share" in weak:  # the old, broken configuration: the host's network, loopback and all
         p.argv.append("--share-net")
     if rootfs is None:
         python = sys.executable
@@ -152,11 +183,12 @@ def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
                     p.argv += ["--ro-bind", str(src), f"/etc/{entry}"]
             for fname, text in made_etc(name, uid, gid).items():
                 p.data(text.encode(), f"/etc/{fname}")
-            if spec.network_enabled and os.path.exists("/etc/resolv.conf"):
+            if "net-share" in weak and os.path.exists("/etc/resolv.conf"):
                 p.argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
             p.argv += ["--symlink", "/tmp", "/var/tmp"]
     else:
         python = "/usr/bin/python3"
+        p.source(rootfs)
         for entry in sorted(os.listdir(rootfs)):
             if entry not in SPECIAL_DIRS:
                 p.argv += _bind_entry(rootfs, entry)
@@ -189,7 +221,10 @@ def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
     p.argv += ["--hostname", hostname(name), "--chdir", "/", "--clearenv"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "USER": "smolbench", "LANG": "C.UTF-8",
            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
-           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec), **spec.env_dict}
+           "PYTHONDONTWRITEBYTECODE": "1", "SMOLBENCH_MACHINE": name, **thread_env(spec)}
+    if spec.policy.enabled and "net-share" not in weak:  # the only way out: the egress proxy (_netproxy)
+        env.update(proxy_env())
+    env.update(SMOLBENCH_NET_POLICY=spec.policy.describe(), **spec.env_dict)
     for key, val in env.items():
         p.argv += ["--setenv", key, val]
     p.argv += [python, "-u", f"{GUEST_AGENT}/agent.py", "--socket", f"{GUEST_RUN}/s", "--name", name,
@@ -201,11 +236,10 @@ def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
         if spec.disk_mib:
             p.argv += ["--disk-mib", str(spec.disk_mib)]
-        if spec.network_enabled:
+        if "net-share" in weak:
             p.argv.append("--net")
         if weak:
             p.argv.append("--weaken=" + ",".join(sorted(weak)))
-    return p
 
 
 def _bind_entry(root: Path, entry: str) -> list[str]:

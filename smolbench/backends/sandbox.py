@@ -34,9 +34,10 @@ from typing import Any
 from ..errors import BackendUnavailable, SmolbenchError
 from ..gate import archive
 from ..spec import MachineSpec
-from . import _procs
+from . import _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
+from ._netproxy import ProxyClient
 from .base import MachineRef
 
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
@@ -74,6 +75,7 @@ class SandboxBackend(AgentHostBackend):
         self._fds: builtins.list[int] = []
         self._fd_paths: dict[str, str] = {}
         self._containment: dict[str, Any] | None = None  # what the first machine said about itself
+        self._proxy: ProxyClient | None = None  # the egress proxy, started for the first machine with a network
 
     @property
     def isolation(self) -> str:
@@ -93,7 +95,67 @@ class SandboxBackend(AgentHostBackend):
         ref.info["contained"] = self._contained
         if self._contained and self._containment is None:
             self._containment = await self.info(ref)
+        if self._net_proxied(spec):
+            try:
+                await self.proxy.attach(name, ref.info["host_pid"], spec.policy)
+            except (OSError, asyncio.TimeoutError) as exc:
+                await self.delete(ref)
+                raise BackendUnavailable(f"the sandbox machine {name!r} can't get its network ({exc}): "
+                                         "`%smol up --net off` runs it without one") from None
         return ref
+
+    # -- the network: an own namespace always; out only through the egress proxy -----------------
+
+    @property
+    def proxy(self) -> ProxyClient:
+        if self._proxy is None:
+            uid, gid = sandbox_ids() if self._contained and os.geteuid() == 0 else (None, None)
+            self._proxy = ProxyClient(uid, gid, open_all="net-open" in self._weak)
+        return self._proxy
+
+    def _net_proxied(self, spec: MachineSpec) -> bool:
+        return spec.policy.enabled and self._contained and "net-share" not in self._weak
+
+    def network_enforced(self) -> str:
+        """How the policy is enforced here (for `%smol status`)."""
+        if "net-share" in self._weak or not self._contained:
+            return "NOT enforced (weakened for a test: the machine shares the host's network)"
+        return "own network namespace; out only through the host-side egress proxy"
+
+    async def network_stats(self) -> dict[str, dict[str, Any]]:
+        """Per machine: connections the proxy let out and refused (the last refused target)."""
+        if self._proxy is None:
+            return {}
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            return await self._proxy.stats()
+        return {}
+
+    async def branch(self, machine: MachineRef, names: builtins.list[str],
+                     seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
+        refs = await super().branch(machine, names, seeds)
+        if self._net_proxied(machine.spec):
+            # a branch has its own network namespace too (made by its keeper): listeners go there
+            for ref in refs:
+                pid = ref.info.get("host_pid")
+                try:
+                    if pid is None:
+                        raise OSError("its host process is not known")
+                    await _own_netns(pid, machine.info["host_pid"])
+                    await self.proxy.attach(ref.name, pid, machine.spec.policy)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    ref.info["net_error"] = str(exc)
+                    self.notes.append(f"branch {ref.name} has no network: {exc}")
+        return refs
+
+    async def delete(self, machine: MachineRef) -> None:
+        await super().delete(machine)
+        if self._proxy is not None:
+            await self._proxy.detach([machine.name])
+
+    async def close(self) -> None:
+        await super().close()
+        if self._proxy is not None:
+            await self._proxy.close()
 
     # -- how a machine starts -------------------------------------------------------
 
@@ -126,8 +188,13 @@ class SandboxBackend(AgentHostBackend):
 
         p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
         self._fds, self._fd_paths = p.fds, p.paths
-        argv = p.argv if not self._contained or os.geteuid() != 0 else as_sandbox_uid(p.argv)
-        return argv, GUEST_RUN, spec.workdir
+        if not self._contained or os.geteuid() != 0:
+            return p.argv, GUEST_RUN, spec.workdir
+        # A root kernel's folders under a 0700 home (pyenv's Python, a venv in a private
+        # checkout, the image cache) are staged where the sandbox uid finds them.
+        covers, staged = _stage.plan(p.sources, *sandbox_ids()) if "no-stage" not in self._weak else ([], [])
+        stage = _stage.command(covers, staged) if staged else []
+        return [*stage, *as_sandbox_uid(p.argv)], GUEST_RUN, spec.workdir
 
     def _spawn_options(self) -> dict[str, Any]:
         return {"pass_fds": self._fds}
@@ -210,6 +277,17 @@ class SandboxBackend(AgentHostBackend):
             return (f"the sandbox uid {sandbox_ids()[0]} can't reach {self._fd_paths[m.group(1)]} (a folder above "
                     f"it is not traversable): `chmod o+x` its parent folders, or put it elsewhere")
         return last
+
+
+async def _own_netns(pid: int, parent: int, timeout: float = 10.0) -> None:
+    """Wait until branch process ``pid`` left its parent's network namespace (its keeper
+    unshares it right after the fork, and the fork's reply doesn't wait for that)."""
+    theirs = os.readlink(f"/proc/{parent}/ns/net")
+    deadline = time.monotonic() + timeout
+    while os.readlink(f"/proc/{pid}/ns/net") == theirs:
+        if time.monotonic() > deadline:
+            raise OSError("it never got a network namespace of its own")
+        await asyncio.sleep(0.002)
 
 
 def _agent_below(pid: int) -> int | None:

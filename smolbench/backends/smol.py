@@ -48,6 +48,7 @@ from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
+from ..netpolicy import internet_cidrs, own_addresses
 from ..spec import MachineSpec
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
@@ -257,15 +258,19 @@ class SmolBackend(Backend):
                 "Smolfile volumes are host directories, which smol cloud machines can't mount: "
                 "remove them, or use --target local"
             )
-        if spec.allow_hosts or spec.allow_cidrs:  # allow-lists enable networking, scoped to them
+        policy = spec.policy
+        if policy.mode == "allow":  # allow-lists enable networking, scoped to them
             resources = ResourceSpec(
                 cpus=spec.cpus,
                 memory_mb=spec.memory,
                 allow_hosts=_allow_hosts(spec.allow_hosts) or None,
-                allow_cidrs=list(spec.allow_cidrs) or None,
+                allow_cidrs=list(dict.fromkeys(str(r.network) for r in policy.cidrs)) or None,
             )
+        elif policy.mode == "on":  # the internet, never this host or private networks: as CIDRs
+            resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory,
+                                     allow_cidrs=internet_cidrs(own_addresses() if self.target == "local" else frozenset()))
         else:  # explicit False: the cloud opens egress when network is left unset
-            resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory, network=spec.net)
+            resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory, network=False)
         mounts = [
             MountSpec(source=v.host, target=v.guest, read_only=v.readonly) for v in spec.volumes
         ]

@@ -934,7 +934,7 @@ def main(argv=None):
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
     ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
-    ap.add_argument("--net", action="store_true", help="keep the network (no own net namespace for branches)")
+    ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
     ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
@@ -953,6 +953,8 @@ def main(argv=None):
     if args.contain:
         global contain
         contain = _load_protocol("contain")
+        if "net-caps" in args.weaken:  # tests only: keep CAP_NET_ADMIN and CAP_NET_RAW in the machine's netns
+            contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
                                      seccomp_filter="seccomp" not in args.weaken)
     agent = Agent(args.socket, args.name, args.workdir)

@@ -3,8 +3,9 @@
 Stdlib only (runs on the machine's python3, Linux). The agent uses it when the host
 asks (``--contain``). Every machine, the root and each branch, is two processes:
 
-* the *keeper* made the machine's user, mount, pid and IPC namespaces (and, without
-  network, its net namespace). It alone keeps capabilities there. It mounts the
+* the *keeper* made the machine's user, mount, pid, IPC and network namespaces (the
+  network one holds only a loopback; the host's egress proxy puts its listeners there
+  when the policy lets the machine out). It alone keeps capabilities there. It mounts the
   machine's copy-on-write layers and, at each fork, freezes the machine's upper
   layers and gives it fresh ones. It lives outside the machine's pid namespace, so
   cells can't see it, and it answers one command on a socketpair.
@@ -51,6 +52,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 O_PATH = getattr(os, "O_PATH", 0o10000000)
+KEEP_CAPS = 0  # tests only (SMOLBENCH_TEST_WEAKEN=net-caps): capabilities the agent keeps
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -130,11 +132,14 @@ class _CapData(ctypes.Structure):
 def drop_privileges():
     """No capabilities at all (bounding, ambient, effective, permitted), and no_new_privs."""
     for cap in range(64):
+        if KEEP_CAPS & (1 << cap):
+            continue
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: past the last cap
             break
     _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     head = _CapHeader(0x20080522, 0)
     data = (_CapData * 2)()
+    data[0].effective = data[0].permitted = KEEP_CAPS
     _check(_libc.capset(ctypes.byref(head), data), "capset")
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 

@@ -1,0 +1,405 @@
+"""The sandbox's egress proxy: the only way out of a sandbox machine's network namespace.
+
+Every sandbox machine (and every branch) has a network namespace of its own with only a
+loopback. When its policy lets it out, this process (one per kernel, started by the
+sandbox backend, running as the sandbox uid) puts listening sockets *inside* that
+namespace: it forks a child that joins the machine's user and network namespaces, binds
+them and hands them back over a socketpair. Cells then reach the outside only through
+those sockets, and this process decides on the host side, where no cell can change
+anything:
+
+* ``127.0.0.1:3128`` is an HTTP proxy (``HTTP_PROXY``/``HTTPS_PROXY`` point there, so pip
+  and requests work unchanged): ``CONNECT host:port`` and ``http://`` URLs are admitted
+  by host name and resolved address (``netpolicy.NetPolicy.admits``);
+* every listed single address with a port (``127.0.0.2/32:8080``) gets a listener at
+  that address and port inside, relayed to the same address outside (raw TCP).
+
+A refusal is a ``403`` naming the host and the policy, counted per machine. Nothing
+else of a machine's network exists: no route, no DNS, no host loopback. The kernel
+talks to this process only over its stdin/stdout (JSON lines), which no machine can
+reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..gate import netreq
+from ..netpolicy import IPAddress, NetPolicy, literal, own_addresses, test_internet, test_resolve
+
+PROXY_PORT = 3128
+PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+CHUNK = 256 * 1024
+HEAD_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 30.0
+
+
+def proxy_env() -> dict[str, str]:
+    """What a machine with the network on gets, so pip, requests and curl use the proxy."""
+    env = {}
+    for key in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        env[key] = PROXY_URL
+    return env
+
+
+class ProxyClient:
+    """The kernel's side: starts the proxy process and asks it to attach or detach machines."""
+
+    def __init__(self, uid: int | None, gid: int | None, open_all: bool = False) -> None:
+        self.uid, self.gid, self.open_all = uid, gid, open_all
+        self.proc: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+
+    async def _start(self) -> asyncio.subprocess.Process:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": root}
+        argv = [sys.executable, "-m", "smolbench.backends._netproxy"]
+        if self.uid is not None:
+            argv += ["--uid", str(self.uid), "--gid", str(self.gid)]
+        if self.open_all:
+            argv.append("--open")
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                    start_new_session=True, env=env, limit=1 << 20)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if not line.startswith(b'{"ready"'):
+            proc.kill()
+            await proc.wait()
+            raise OSError("the egress proxy did not start")
+        return proc
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            if self.proc is None or self.proc.returncode is not None:
+                self.proc = await self._start()
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        reply = json.loads(line or b'{"error": "the egress proxy exited"}')
+        if "error" in reply:
+            raise OSError(str(reply["error"]))
+        return dict(reply)
+
+    async def attach(self, node: str, pid: int, policy: NetPolicy) -> None:
+        await self.call({"op": "attach", "node": node, "pid": pid, "policy": policy.as_dict()})
+
+    async def detach(self, nodes: list[str]) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await self.call({"op": "detach", "nodes": nodes})
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        if self.proc is None or self.proc.returncode is not None:
+            return {}
+        return dict((await self.call({"op": "stats"}))["nodes"])
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+# -- the proxy process ------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    name: str
+    policy: NetPolicy
+    servers: list[asyncio.AbstractServer] = field(default_factory=list)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    allowed: int = 0
+    refused: int = 0
+    last_refused: str = ""
+
+    def stats(self) -> dict[str, Any]:
+        return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused}
+
+
+def _setns(fd: int, kind: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, kind) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def listeners_in(pid: int, addrs: list[tuple[str, int]]) -> list[socket.socket]:
+    """Listening sockets bound to ``addrs`` inside the network namespace of host process
+    ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
+    capability) and network namespace, binds, and sends the descriptors back."""
+    ours, theirs = socket.socketpair()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        code = 0
+        try:
+            ours.close()
+            userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+                _setns(userfd, CLONE_NEWUSER)
+            _setns(netfd, CLONE_NEWNET)
+            fds = []
+            for host, port in addrs:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                s = socket.socket(family, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, port))
+                s.listen(256)
+                fds.append(s.detach())
+            socket.send_fds(theirs, [b"ok"], fds)
+        except BaseException as exc:  # noqa: BLE001 - the parent gets one line
+            with contextlib.suppress(OSError):
+                theirs.sendall(f"{type(exc).__name__}: {exc}".encode()[:500])
+            code = 1
+        os._exit(code)
+    theirs.close()
+    try:
+        msg, fds, _, _ = socket.recv_fds(ours, 1024, 64)
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    if msg != b"ok":
+        for fd in fds:
+            os.close(fd)
+        raise OSError(msg.decode(errors="replace") or "the namespace helper died")
+    return [socket.socket(fileno=fd) for fd in fds]
+
+
+class Proxy:
+    """The proxy's state: machines (nodes), their listeners and counters."""
+
+    def __init__(self, open_all: bool = False) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.open_all = open_all  # test-only weakening: admit every destination
+        self.internet = test_internet()
+        self.resolve_map = test_resolve()
+        self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
+
+    def own(self) -> frozenset[IPAddress]:
+        if time.monotonic() - self._own[0] > 2.0:
+            self._own = (time.monotonic(), own_addresses())
+        return self._own[1]
+
+    async def attach(self, name: str, pid: int, policy: NetPolicy) -> None:
+        await self.detach(name)
+        node = Node(name, policy)
+        addrs = [("127.0.0.1", PROXY_PORT)]
+        fwd: dict[tuple[str, int], IPAddress] = {}
+        for addr, port in [(r.single(), r.port) for r in policy.cidrs] + [(literal(h.name), h.port) for h in policy.hosts]:
+            # loopback addresses exist in every namespace: a listener there needs no route
+            if addr is not None and port is not None and addr.is_loopback:
+                fwd[(str(addr), port)] = addr
+        fwd.pop(addrs[0], None)
+        socks = listeners_in(pid, addrs + list(fwd))
+        self.nodes[name] = node
+        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w)),
+                                                       sock=socks[0], limit=CHUNK))
+        for sock, (host, port) in zip(socks[1:], fwd):
+            target = fwd[(host, port)]
+
+            def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
+                self._spawn(node, self.forwarded(node, t, p, r, w))
+
+            node.servers.append(await asyncio.start_server(handler, sock=sock, limit=CHUNK))
+
+    def _spawn(self, node: Node, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        node.tasks.add(task)
+        task.add_done_callback(node.tasks.discard)
+
+    async def detach(self, name: str) -> None:
+        node = self.nodes.pop(name, None)
+        if node is None:
+            return
+        for server in node.servers:
+            server.close()
+        for task in list(node.tasks):
+            task.cancel()
+
+    # -- one connection ---------------------------------------------------------------------
+
+    async def decide(self, node: Node, host: str, port: int) -> IPAddress | None:
+        lit = literal(host)
+        if lit is not None:
+            candidates = [lit]
+        elif host in self.resolve_map:
+            candidates = [ipaddress.ip_address(self.resolve_map[host])]
+        elif node.policy.may_resolve(host, port) or self.open_all:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError:
+                return None
+            candidates = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
+        else:
+            candidates = []
+        own = self.own()
+        for addr in candidates:
+            if self.open_all or node.policy.admits(host, port, addr, own, self.internet):
+                return addr
+        return None
+
+    def refuse(self, node: Node, target: str) -> bytes:
+        node.refused += 1
+        node.last_refused = target
+        why = f"smolbench: {target} is not allowed by this machine's network policy ({node.policy.describe()})"
+        return (f"HTTP/1.1 403 {why}\r\nContent-Type: text/plain\r\nContent-Length: {len(why) + 1}\r\n"
+                f"Connection: close\r\n\r\n{why}\n").encode("ascii", "replace")
+
+    async def proxied(self, node: Node, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+                req = netreq.parse(head)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+                return
+            except netreq.BadRequest as exc:
+                line = f"smolbench proxy: bad request: {exc}"
+                writer.write(f"HTTP/1.1 400 {line}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
+                return
+            addr = await self.decide(node, req.host, req.port)
+            if addr is None:
+                writer.write(self.refuse(node, req.target))
+                return
+            up = await self._connect(node, addr, req.port, writer)
+            if up is None:
+                return
+            node.allowed += 1
+            if req.tunnel:
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                up[1].write(req.forward)
+            await _relay(reader, writer, *up)
+        finally:
+            await _close(writer)
+
+    async def forwarded(self, node: Node, addr: IPAddress, port: int, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
+        try:
+            if not (self.open_all or node.policy.admits(str(addr), port, addr, self.own(), self.internet)):
+                node.refused += 1
+                node.last_refused = f"{addr}:{port}"
+                return
+            up = await self._connect(node, addr, port, None)
+            if up is not None:
+                node.allowed += 1
+                await _relay(reader, writer, *up)
+        finally:
+            await _close(writer)
+
+    async def _connect(self, node: Node, addr: IPAddress, port: int,
+                       writer: asyncio.StreamWriter | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(str(addr), port, limit=CHUNK), CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            if writer is not None:
+                why = f"smolbench proxy: can't reach {addr}:{port} ({getattr(exc, 'strerror', None) or 'timed out'})"
+                writer.write(f"HTTP/1.1 502 {why}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
+            return None
+
+    # -- the control channel (the kernel, over stdin/stdout) -------------------------------------
+
+    async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "attach":
+            await self.attach(str(msg["node"]), int(msg["pid"]), NetPolicy.from_dict(msg["policy"]))
+            return {"ok": True}
+        if op == "detach":
+            for name in msg.get("nodes", []):
+                await self.detach(str(name))
+            return {"ok": True}
+        if op == "stats":
+            return {"ok": True, "nodes": {n: node.stats() for n, node in self.nodes.items()}}
+        return {"error": f"unknown op {op!r}"}
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await src.read(CHUNK)
+            if not data:
+                break
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except (ConnectionError, OSError):
+        dst.transport.abort()
+
+
+async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
+    try:
+        await asyncio.gather(_pipe(r1, w2), _pipe(r2, w1))
+    finally:
+        await _close(w2)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
+def _drop(uid: int, gid: int) -> None:
+    """Root starts us (its Python may be under /root); we run as the sandbox uid."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+async def _serve(proxy: Proxy) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout
+    out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    out.flush()
+    while True:
+        line = await reader.readline()
+        if not line:
+            return  # the kernel is gone
+        try:
+            reply = await proxy.handle(json.loads(line))
+        except Exception as exc:  # noqa: BLE001 - one line back to the kernel
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="smolbench-netproxy")
+    ap.add_argument("--uid", type=int, default=None)
+    ap.add_argument("--gid", type=int, default=None)
+    ap.add_argument("--open", action="store_true", help="tests only: admit every destination (a weakened set-up)")
+    args = ap.parse_args(argv)
+    if args.uid is not None and os.geteuid() == 0:
+        _drop(args.uid, args.gid if args.gid is not None else args.uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: after the uid change, which clears it
+    asyncio.run(_serve(Proxy(open_all=args.open)))
+
+
+if __name__ == "__main__":
+    main()
