@@ -6,6 +6,7 @@ which provides the machines, the fork tree and the ledger it works on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -38,6 +39,8 @@ class CheckpointsMixin:
     _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
+        def _release(self, node_id: str) -> None: ...
+        def _changed(self, *nodes: Node) -> None: ...
         async def _init(self, ref: MachineRef) -> None: ...
         def _claim(self, node_id: str) -> None: ...
         def _touch(self, node_id: str) -> None: ...
@@ -157,7 +160,7 @@ class CheckpointsMixin:
             kept = "" if existing is None else f"; the old {name!r} is unchanged"
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
         finally:
-            self._busy.discard(node_id)
+            self._release(node_id)
         node = self.tree[node_id]
         self.ledger.add_checkpoint(name, self.session, node_id, info.path, info.backend, info.size, node.cells, info.warnings)
         node.checkpoint = name
@@ -193,10 +196,38 @@ class CheckpointsMixin:
         with contextlib.suppress(OSError):
             os.unlink(rec["path"])
         self.ledger.remove_checkpoint(name)
-        for node in self.tree:
-            if node.checkpoint == name:
-                node.checkpoint = None
-                self._record(node)
+        self.sync_checkpoints()
+
+    async def watch_checkpoints(self, every: float = 1.0) -> None:
+        """Keep checkpoint badges true while up: once a second, look whether the checkpoints
+        changed (the folder's mtime, the ledger's names) and, if so, sync them and tell the views."""
+        seen = None
+        while True:
+            try:
+                folder = self.checkpoint_dir.stat().st_mtime_ns if self.checkpoint_dir.exists() else None
+                now = (folder, tuple(sorted(str(r.get("name")) for r in self.ledger.checkpoint_rows())))
+                if seen is not None and now != seen:
+                    self.sync_checkpoints()
+                    self._changed()  # the checkpoint panels list them again
+                seen = now
+            except Exception:  # a watcher must never break the workbench
+                pass
+            await asyncio.sleep(every)
+
+    def sync_checkpoints(self) -> list[Node]:
+        """Each node's checkpoint badge from what exists now (the ledger's rows of this session
+        whose file is there): its newest checkpoint, or none. Checkpoints deleted elsewhere (the
+        sidebar, another kernel) drop their badge; another checkpoint of the node keeps one.
+        Returns the nodes whose badge changed (their views hear of it)."""
+        newest: dict[str, str] = {}
+        for row in reversed(self.ledger.checkpoint_rows()):  # oldest first: the newest wins
+            if row.get("session_id") == self.session and os.path.exists(str(row.get("path") or "")):
+                newest[str(row.get("node_id"))] = str(row.get("name"))
+        changed = [node for node in self.tree if node.checkpoint != newest.get(node.id)]
+        for node in changed:
+            node.checkpoint = newest.get(node.id)
+            self._record(node)
+        return changed
 
 
 def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:

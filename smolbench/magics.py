@@ -360,8 +360,10 @@ class SmolMagics(Magics):
 
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        gone = _loop.run(self._wb().delete(args.node))
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}")
+        wb = self._wb()
+        gone = _loop.run(wb.delete(args.node))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}"
+              + (f"; {wb.moved}" if wb.moved else ""))
 
     def _do_tree(self, rest: str) -> Any:
         """One tree: the live view (its static copy is what a saved notebook shows); the text

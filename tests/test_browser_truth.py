@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +128,28 @@ def test_a_notebook_saved_in_jupyterlab_reopens_with_its_trees(tmp_path: Path) -
                 raise
 
 
+def delete_checkpoint(base: str, token: str, name: str) -> None:
+    """What the sidebar's checkpoint Delete does: the server removes the file and ledger row."""
+    req = urllib.request.Request(f"{base}/smolbench/api/checkpoints/{name}?path=", method="DELETE",
+                                 headers={"Authorization": f"token {token}"})
+    urllib.request.urlopen(req, timeout=30).read()
+
+
+def seeds(root: Path) -> dict[str, int]:
+    db = sqlite3.connect(f"file:{root / '.smolbench' / 'ledger.db'}?mode=ro", uri=True)
+    try:
+        return {i: s for i, s in db.execute("SELECT id, seed FROM nodes WHERE seed IS NOT NULL")}
+    finally:
+        db.close()
+
+
 @pytest.mark.parametrize("app", ["lab", "notebook"])
-def test_views_say_the_kernel_is_gone_after_kill_9(app: str, tmp_path: Path) -> None:
+def test_views_stay_true_then_say_the_kernel_is_gone_after_kill_9(app: str, tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
     cells = [CELLS[0], CELLS[1], "%%smol fork 3 --seed-base 100 --keep all\nreward = SEED",
+             "%%smol\nimport time\ntime.sleep(1)\nprint('slept in root')",
+             "%smol checkpoint save a --node root.2", "%smol checkpoint save b --node root.2",
              "%smol checkpoint list", CELLS[-1]]
     write_notebook(tmp_path / "dies.ipynb", cells)
     with jupyter_server(tmp_path, app) as (base, token), browser_page() as page:
@@ -141,8 +160,49 @@ def test_views_say_the_kernel_is_gone_after_kill_9(app: str, tmp_path: Path) -> 
             expect(last.locator(".jp-OutputArea-output")).to_contain_text("KERNEL", timeout=120_000)
             pid = int(re.search(r"KERNEL (\d+)", last.inner_text()).group(1))  # type: ignore[union-attr]
             tree = page.locator(".sbt").first
+            msg = tree.locator(".sbt-msg")
             expect(tree.locator(".sbt-live")).to_have_text("live")
             expect(tree.locator(".sbt-info")).to_contain_text("4 live machines")
+
+            # the cell that ran in root has ended: root is not "busy" any more
+            tree.locator(".sbt-row[data-id='root']").click()
+            expect(tree.locator("button.sbt-btn-fork")).to_be_enabled()
+            assert "running in root" not in (tree.locator("button.sbt-btn-fork").get_attribute("title") or "")
+
+            # checkpoint badges follow deletes made elsewhere (the sidebar's Delete)
+            badge = tree.locator(".sbt-row[data-id='root.2'] .sbt-b-ckpt")
+            expect(badge).to_have_text("ckpt b")
+            delete_checkpoint(base, token, "b")
+            expect(badge).to_have_text("ckpt a", timeout=10_000)  # its other checkpoint is still there
+            delete_checkpoint(base, token, "a")
+            expect(badge).to_have_count(0, timeout=10_000)
+
+            # a background Fork ×N (automatic seeds) and a Use: both answers stay on screen
+            tree.locator(".sbt-row[data-id='root.0']").click()
+            tree.locator("input.sbt-n").fill("2")
+            tree.locator("button.sbt-btn-fork").click()
+            tree.locator(".sbt-row[data-id='root.1']").click()
+            tree.locator("button.sbt-btn-use").click()
+            expect(msg).to_contain_text("root.1 is now the active machine", timeout=60_000)
+            expect(msg).to_contain_text("fork of 2 · 2 ok", timeout=60_000)
+            expect(msg).to_contain_text("root.1 is now the active machine")
+            on_disk = seeds(tmp_path)
+            assert (on_disk["root.0.0"], on_disk["root.0.1"]) == (103, 104)  # never 100..101 again
+
+            # deleting the parent of the active machine says where the active machine went
+            tree.locator(".sbt-row[data-id='root.0.0']").click()
+            tree.locator("button.sbt-btn-use").click()
+            expect(msg).to_contain_text("root.0.0 is now the active machine", timeout=30_000)
+            tree.locator(".sbt-row[data-id='root.0']").click()
+            tree.locator("button.sbt-btn-delete").click()
+            tree.locator("button.sbt-btn-delete").click()  # Confirm delete
+            expect(msg).to_contain_text(
+                "root.0.0 was the active machine: the active machine is now root", timeout=30_000
+            )
+            expect(tree.locator(".sbt-row.sbt-active")).to_have_attribute("data-id", "root")
+            ARTIFACTS.mkdir(exist_ok=True)
+            tree.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / f"views_true_{app}.png"))
 
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
@@ -150,6 +210,10 @@ def test_views_say_the_kernel_is_gone_after_kill_9(app: str, tmp_path: Path) -> 
             expect(tree.locator(".sbt-live")).to_have_text("kernel gone", timeout=20_000)
             print(f"views said 'kernel gone' {time.monotonic() - t0:.1f} s after kill -9")
             expect(tree.locator(".sbt-info")).to_contain_text("the kernel is gone")
+            dialog = page.locator(".jp-Dialog button.jp-mod-accept")  # "Kernel Restarting": OK
+            if dialog.count():
+                dialog.first.click()
+            expect(page.locator(".jp-Dialog")).to_have_count(0)
             tree.locator(".sbt-row[data-id='root.1']").click()
             for action in ("use", "fork", "checkpoint", "delete"):
                 button = tree.locator(f"button.sbt-btn-{action}")

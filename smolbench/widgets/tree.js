@@ -9,6 +9,7 @@ const FAN_SHOW = 8;
 const ACK_MS = 800; // no acknowledgement by then: the kernel is busy (queued) or unreachable
 const LOST_MS = 15000;
 const CONFIRM_MS = 5000;
+const MESSAGES = 3; // lines of messages a view keeps
 
 const ACTIONS = [
   ["use", "Use", "make this node the active machine"],
@@ -79,6 +80,7 @@ function render({ model, el }) {
     seq: 0,
     confirm: null, // {node, timer} while Delete waits for its second click
     kernelGone: false, // the kernel died, restarted or was shut down: nothing here is live
+    recent: [], // the last MESSAGES messages: {key, level, text}
   };
   const root = h("div", "sbt");
   el.appendChild(root);
@@ -140,9 +142,21 @@ function render({ model, el }) {
     return byId;
   }
 
-  function showMessage(m) {
-    msg.className = `sbt-msg sbt-msg-${(m && m.level) || "info"}`;
-    msg.textContent = (m && m.text) || "";
+  // The last few messages, one line per click (keyed by its request), so the answer to one
+  // click (a Use) is not overwritten by a later one (a background Fork finishing).
+  function showMessage(m, key = "local") {
+    if (!m || !m.text) return;
+    view.recent = view.recent.filter((r) => r.key !== key);
+    view.recent.push({ key, level: m.level || "info", text: m.text });
+    view.recent = view.recent.slice(-MESSAGES);
+    const newest = view.recent[view.recent.length - 1];
+    msg.className = `sbt-msg sbt-msg-${newest.level}`;
+    msg.replaceChildren(...view.recent.map((r) => h("div", `sbt-msg-line sbt-msg-${r.level}`, r.text)));
+  }
+
+  function messageOf(key) {
+    const r = view.recent.find((x) => x.key === key);
+    return r ? r.text : "";
   }
 
   function act(action) {
@@ -181,30 +195,37 @@ function render({ model, el }) {
     }
     const p = { label, acked: false, timers: [] };
     view.pending.set(id, p);
-    showMessage({ level: "info", text: `${label}: sent to the kernel…` });
+    view.recent = view.recent.filter((r) => r.key !== "local"); // e.g. the delete question
+    showMessage({ level: "info", text: `${label}: sent to the kernel…` }, id);
     p.timers.push(
       setTimeout(() => {
         if (p.acked || !view.pending.has(id)) return;
         if (model.get("busy")) {
-          showMessage({
-            level: "info",
-            text: `${label}: queued: the kernel is running a cell and will apply this click when it finishes`,
-          });
+          showMessage(
+            {
+              level: "info",
+              text: `${label}: queued: the kernel is running a cell and will apply this click when it finishes`,
+            },
+            id,
+          );
         }
       }, ACK_MS),
       setTimeout(() => {
         if (p.acked || !view.pending.has(id) || model.get("busy")) return;
-        showMessage({
-          level: "error",
-          text: `${label}: no answer from the kernel after ${LOST_MS / 1000} s: is it running? (Kernel menu: restart, then re-run the cells)`,
-        });
+        showMessage(
+          {
+            level: "error",
+            text: `${label}: no answer from the kernel after ${LOST_MS / 1000} s: is it running? (Kernel menu: restart, then re-run the cells)`,
+          },
+          id,
+        );
       }, LOST_MS),
     );
     try {
       model.send(content);
     } catch (e) {
       view.pending.delete(id);
-      showMessage({ level: "error", text: `${label}: can't reach the kernel (${e}): ${GONE_TEXT}` });
+      showMessage({ level: "error", text: `${label}: can't reach the kernel (${e}): ${GONE_TEXT}` }, id);
     }
     drawActions();
   }
@@ -474,8 +495,9 @@ function render({ model, el }) {
     if (content.type === "ack") {
       if (p) {
         p.acked = true;
-        if (msg.textContent.includes("queued") || msg.textContent.includes("sent to the kernel"))
-          showMessage({ level: "info", text: `${p.label}: working…` });
+        const now = messageOf(content.id);
+        if (now.includes("queued") || now.includes("sent to the kernel"))
+          showMessage({ level: "info", text: `${p.label}: working…` }, content.id);
       }
       return;
     }
@@ -484,7 +506,10 @@ function render({ model, el }) {
     view.pending.delete(content.id);
     drawActions();
   };
-  const onMessage = () => showMessage(model.get("message"));
+  const onMessage = () => {
+    const m = model.get("message");
+    if (m && m.text) showMessage(m, m.request || "kernel");
+  };
   const handlers = [
     ["change:nodes", drawAll],
     ["change:active", drawAll],

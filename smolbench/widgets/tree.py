@@ -283,7 +283,9 @@ class TreeWidget(WorkbenchView):
                 request,
                 wb.delete(node_id),
                 lambda gone: (
-                    f"deleted {', '.join(gone)}" if gone else f"{node_id}: nothing to delete"
+                    (f"deleted {', '.join(gone)}" + (f"; {wb.moved}" if wb.moved else ""))
+                    if gone
+                    else f"{node_id}: nothing to delete"
                 ),
             )
         elif action == "checkpoint":
