@@ -40,8 +40,9 @@ Line magics::
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
-  %smol config [KEY VALUE]      limits on what a machine sends: max-frame, output-limit,
-                                log-limit, line-limit (sizes like 10M) and grace (seconds)
+  %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
+                                output-limit, log-limit (sizes like 10M), max-items,
+                                displays, line-limit (counts) and grace (seconds)
 
 Cell magics::
 
@@ -593,15 +594,16 @@ class SmolMagics(Magics):
                 _drain(timeout=PUMP_INTERVAL)
                 if progress is not None:
                     progress.tick()
-            _drain(timeout=0)
+            while not _PENDING.empty():  # all of this cell's output shows in this cell, none later
+                _drain(timeout=0)
         except KeyboardInterrupt:
             job.cancel()
-            dropped = _discard()  # output still queued: don't make Ctrl-C wait for it to print
+            dropped = _Dropped()  # output still queued: don't make Ctrl-C wait for it to print
+            dropped.discard()
             while not job.wait_finished(PUMP_INTERVAL):
-                dropped += _discard()
-            dropped += _discard()
-            if dropped:
-                print(f"smolbench: {gate.human(dropped)} of output after Ctrl-C not shown", file=sys.stderr)
+                dropped.discard()
+            dropped.discard()
+            dropped.say()
             if progress is not None:
                 progress.tick(final=True)
             failure = job.future.exception() if job.future.done() and not job.future.cancelled() else None
@@ -716,18 +718,29 @@ def _drain(timeout: float) -> None:
     write()
 
 
-def _discard() -> int:
-    """Drop queued stream output (after Ctrl-C); returns how many bytes were dropped."""
-    dropped = 0
-    while True:
-        try:
-            kind, _, ev = _PENDING.get_nowait()
-        except queue.Empty:
-            return dropped
-        if kind == "stream":
-            dropped += len(ev.text.encode("utf-8", "replace"))
-        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:
-            display(dict(ev.data), raw=True)
+class _Dropped:
+    """Output still queued when Ctrl-C came: dropped (not shown) and counted."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.displays = 0
+
+    def discard(self) -> None:
+        while True:
+            try:
+                kind, _, ev = _PENDING.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "stream":
+                self.bytes += len(ev.text.encode("utf-8", "replace"))
+            elif kind == "display":
+                self.displays += 1
+
+    def say(self) -> None:
+        parts = [f"{gate.human(self.bytes)} of output"] if self.bytes else []
+        parts += [f"{self.displays:,} displays"] if self.displays else []
+        if parts:
+            print(f"smolbench: {' and '.join(parts)} after Ctrl-C not shown", file=sys.stderr)
 
 
 def _show_event(ev: Event) -> None:

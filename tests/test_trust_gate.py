@@ -660,3 +660,277 @@ def test_known_xss_vectors_are_cleaned_from_html_and_svg(vector: str) -> None:
         for tag in ("<iframe", "<object", "<embed", "<base", "<meta", "<link", "<animate", "<set", "<input"):
             assert tag not in low, out
         assert "data:text/html" not in low, out
+
+
+# -- issue 17: output that fetches, CSS that escapes its output ----------------------------------
+
+WATCHED = "http://127.0.0.1:1"  # stands in for the attacker's server; page-relative URLs read Jupyter's
+FETCHING = (
+    "%%smol\nW = " + repr(WATCHED) + "\n"
+    "LEAK = {'data': {'url': '/api/contents/secret.ipynb'}, 'mark': 'image',\n"
+    "        'encoding': {'url': {'value': W + '/vega-image'}}}\n"
+    "bundles = [\n"
+    "  {'application/vnd.vegalite.v5+json': LEAK, 'text/plain': 'vl5'},\n"
+    "  {'application/vnd.vegalite.v4+json': LEAK, 'application/vnd.vegalite.v3+json': LEAK, 'text/plain': 'vl'},\n"
+    "  {'application/vnd.vega.v5+json': {'data': [{'name': 't', 'url': '/api/sessions'}]}, 'text/plain': 'vega'},\n"
+    "  {'application/geo+json': {'type': 'Point', 'coordinates': [0, 0]}, 'text/plain': 'geo'},\n"
+    "  {'application/pdf': 'JVBERi0=', 'text/latex': '$\\\\href{' + W + '/tex}{x}$',\n"
+    "   'application/vdom.v1+json': {'tagName': 'img', 'attributes': {'src': W + '/vdom'}},\n"
+    "   'application/vnd.jupyter.widget-view+json': {'model_id': 'x', 'version_major': 2}, 'text/plain': 'misc'},\n"
+    "  {'text/html': '<p class=\"css\" style=\"background-image: image-set(url(' + W + '/img-set) 1x); color: red\">a</p>'\n"
+    "     '<p style=\"cursor: -webkit-image-set(url(' + W + '/cursor) 1x), auto\">b</p>'\n"
+    "     '<ul style=\"list-style: url(' + W + '/list)\"><li>c</li></ul>'\n"
+    "     '<p style=\"background: u\\\\72l(' + W + '/escaped)\">d</p>'\n"
+    "     '<style>.x { background: image-set(\"' + W + '/style-block\" 1x) } .jp-Toolbar { display: none }</style>'\n"
+    "     '<a style=\"position: fixed; inset: 0; z-index: 99999\" href=\"' + W + '/expired\">session expired</a>'\n"
+    "     '<div class=\"jp-Dialog lm-Widget mine\" id=\"jp-main-dock-panel\">e</div>'\n"
+    "     '<table background=\"' + W + '/table\"><tr><td>t</td></tr></table>'\n"
+    "     '<a href=\"/api/contents/secret.ipynb\">rel</a><img src=\"files/secret.png\">'},\n"
+    "  {'image/svg+xml': '<svg xmlns=\"http://www.w3.org/2000/svg\"><style>rect{fill:url(' + W + '/svg-style)}</style>'\n"
+    "     '<image href=\"' + W + '/svg-image\"/><use href=\"' + W + '/svg-use#a\"/>'\n"
+    "     '<rect width=\"5\" height=\"5\" style=\"fill: url(' + W + '/svg-attr)\"/><circle r=\"2\" fill=\"blue\"/></svg>'},\n"
+    "  {'text/markdown': '![i](/api/contents/secret.ipynb) [l](/files/secret.txt) ![j](' + W + '/md-image) [ok](https://example.org/)'},\n"
+    "  {'application/vnd.plotly.v1+json': {\n"
+    "     'data': [{'type': 'bar', 'x': ['a'], 'y': [1], 'text': ['<span style=\"cursor: url(' + W + '/plotly-text)\">t</span>']},\n"
+    "              {'type': 'image', 'source': W + '/plotly-trace'}, {'type': 'choropleth', 'geojson': '/api/contents/x'}],\n"
+    "     'layout': {'images': [{'source': W + '/plotly-image'}], 'mapbox': {'style': W + '/plotly-style'},\n"
+    "                'template': {'layout': {'images': [{'source': '/files/secret.png'}]}}},\n"
+    "     'frames': [{'layout': {'images': [{'source': W + '/plotly-frame'}]}}],\n"
+    "     'config': {'topojsonURL': W + '/topojson/', 'responsive': True}}},\n"
+    "]\n"
+    "for b in bundles:\n    _ag.send({'t': 'display', 'data': b})"
+)
+
+
+def _shown(cell: object) -> str:
+    import json
+
+    outs = [o for o in cell.outputs if o.output_type in ("display_data", "execute_result")]  # type: ignore[attr-defined]
+    return json.dumps([o["data"] for o in outs])
+
+
+def test_output_that_could_fetch_is_refused_or_stripped_and_css_stays_in_its_output(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        cell = nb.run(FETCHING)
+        raw = _shown(cell)
+        link = f'href=\\"{WATCHED}/expired\\"'  # an absolute link stays: only a click follows it
+        assert link in raw
+        raw = raw.replace(link, "")
+        # nothing that names a URL to fetch, or the Jupyter server's own paths, reaches the browser
+        for bad in ("127.0.0.1", "/api/", "/files/", "url(", "image-set", "<style", "position", "jp-Dialog",
+                    "lm-Widget", "\"jp-main-dock-panel\"", "topojsonURL"):
+            assert bad not in raw, (bad, raw)
+        notes = stream_text(cell, "stderr")
+        for mime in ("application/vnd.vegalite.v5+json", "application/vnd.vegalite.v4+json",
+                     "application/vnd.vegalite.v3+json", "application/vnd.vega.v5+json", "application/geo+json",
+                     "application/pdf", "text/latex", "application/vdom.v1+json",
+                     "application/vnd.jupyter.widget-view+json"):
+            assert f"sent {mime} output, which was not shown" in notes, (mime, notes)
+        # ... while what is harmless still shows: the fallbacks, the colour, the shapes, the data
+        for good in ('"vl5"', '"vega"', '"geo"', "color: red", "session expired", "mine", "<circle",
+                     "https://example.org/", '"type": "bar"', '"responsive": true'):
+            assert good in raw, (good, raw)
+        still_works(nb)
+
+        # Weakened: trusted mode shows the same bundles raw, URLs and all (what the gate stops)
+        nb.run("%smol trust on")
+        raw = _shown(nb.run(FETCHING))
+        assert "application/vnd.vegalite.v5+json" in raw and "/api/contents/secret.ipynb" in raw
+        assert f"{WATCHED}/plotly-image" in raw and "image-set" in raw and "<style" in raw
+        nb.run("%smol trust off")
+        nb.run("%smol down")
+
+
+CSS_VECTORS = [
+    "<p style=\"background-image: image-set('http://127.0.0.1:1/a' 1x)\">x</p>",
+    "<p style=\"background: -webkit-image-set(url(http://127.0.0.1:1/a) 1x)\">x</p>",
+    "<p style=\"cursor: url(http://127.0.0.1:1/a), auto\">x</p>",
+    "<ul style=\"list-style-image: url(http://127.0.0.1:1/a)\"><li>x</li></ul>",
+    "<p style=\"border-image: url(http://127.0.0.1:1/a) 30\">x</p>",
+    "<p style=\"mask: url(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"background: URL ( http://127.0.0.1:1/a )\">x</p>",
+    "<p style=\"background: u\\rl(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"color: red; background: &#117;rl(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"background: image(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"content: url(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"color:red;/**/background:url(http://127.0.0.1:1/a)\">x</p>",
+    "<p style=\"position: fixed; top: 0\">x</p>", "<p style=\"position:absolute\">x</p>",
+    "<p style=\"transform: translate(-900px, -900px) scale(40)\">x</p>", "<p style=\"margin-top: -5000px\">x</p>",
+    "<p style=\"z-index: 100000\">x</p>", "<p style=\"inset: 0\">x</p>",
+    "<style>@import 'http://127.0.0.1:1/a';</style>", "<style>body { display: none }</style>",
+    "<svg><style>*{fill:url(http://127.0.0.1:1/a)}</style></svg>",
+    "<div class=\"jp-Dialog\">x</div>", "<div class=\"lm-Menu p-Widget\">x</div>",
+    "<a href=\"/api/contents/x\">x</a>", "<a href=\"//127.0.0.1:1/a\">x</a>", "<a href=\"api/sessions\">x</a>",
+    "<img src=\"/files/secret.png\">", "<img src=\"data:image/png;base64,AA== 1x, http://127.0.0.1:1/a\">",
+    "<img srcset=\"http://127.0.0.1:1/a 1x\">", "<table background=\"http://127.0.0.1:1/a\"><tr><td>x</td></tr></table>",
+]
+
+
+@pytest.mark.parametrize("html", CSS_VECTORS)
+def test_css_and_links_in_markup_can_neither_fetch_nor_leave_the_output(html: str) -> None:
+    from smolbench.gate.display import clean_html, clean_svg, markdown_to_html
+
+    for out in (clean_html(html), clean_svg(html), markdown_to_html(html)):
+        low = out.lower()
+        for bad in ("127.0.0.1", "url", "image-set", "image(", "<style", "position", "transform", "z-index",
+                    "inset", "-5000", "jp-", "lm-", "p-widget", "/api/", "/files/", "api/sessions", "srcset",
+                    "background="):
+            assert bad not in low, (bad, out)
+
+
+# -- issue 17: one lone surrogate must not break the session ---------------------------------------
+
+SURROGATES = [
+    # (what the machine does, where the lone surrogate hides)
+    "import smolbench_guest\nsmolbench_guest.report(reward=1, **{'\\ud800': 1.0})",  # a metric's name
+    "import smolbench_guest\nsmolbench_guest.report(reward=1, note='a\\udfffb')",  # a metric's value
+    "_ag.send({'t': 'stream', 'name': 'stdout', 'text': 'a\\ud800b'})",
+    "_ag.send({'t': 'display', 'data': {'text/plain': 'a\\udc00b'}})",
+    "_ag.send({'t': 'display', 'data': {'application/json': {'k\\ud801': [1]}, 'text/plain': 'j'}})",
+    "_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"raw \\xed\\xa0\\x80 bytes\"}\\n')",
+    "raise ValueError('bad \\ud800 text')",  # an error message
+]
+
+
+def test_a_lone_surrogate_from_a_machine_is_one_line_and_the_session_carries_on(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        for code in SURROGATES:
+            cell = nb.run(f"%%smol fork 1 --allow-errors --keep none\n{HIJACK.split(chr(10), 1)[1]}{code}")
+            assert "UnicodeEncodeError" not in str(cell.outputs) and "Traceback" not in str(cell.outputs), cell.outputs
+            rows = stream_text(nb.run("import smolbench\nprint([r['error'] for r in smolbench._magics.last_result.rows.values()])"))
+            assert "malformed reply: text that is not valid Unicode (a lone surrogate" in rows, (code, rows)
+            msg = one_line_error(nb.run(f"%%smol\n{code}"))  # the same in a plain cell: one line
+            assert "malformed reply: text that is not valid Unicode (a lone surrogate" in msg, (code, msg)
+            # every later cell works, on the host and in machines, tree and status included
+            assert result_text(nb.run("1 + 1")) == "2"
+            still_works(nb)
+        for line in ("%smol tree", "%smol status"):
+            assert error_output(nb.run(line)) is None
+        nb.run("%smol down")
+        nb.run("%smol up --backend sandbox")
+        assert result_text(nb.run("%%smol\n6 * 7")) == "42"
+
+        # Weakened: a gate that lets the surrogate through breaks the kernel's own messages
+        nb.run("import smolbench.gate.frames as f\n_vt = f._valid_text\nf._valid_text = lambda msg: None")
+        cell = nb.run(f"%%smol\nimport sys\n_ag = sys.modules['smolbench_guest']._agent\n{SURROGATES[2]}")
+        assert "UnicodeEncodeError" in str(cell.outputs), cell.outputs
+        nb.run("f._valid_text = _vt")
+        nb.run("%smol down")
+
+
+# -- issue 17: display floods stay in their cell, and Ctrl-C answers ------------------------------
+
+DISPLAY_FLOOD = "%%smol\nfor i in range(100_000):\n    display(i)"
+
+
+def test_a_display_flood_is_bounded_stays_in_its_cell_and_ctrl_c_answers(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    def displays(cell: object) -> list[str]:
+        return [o["data"]["text/plain"] for o in cell.outputs if o.output_type == "display_data"]  # type: ignore[attr-defined]
+
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%%smol fork 1 --keep all\npass")  # a second machine: later cells run there
+        cell = nb.run(DISPLAY_FLOOD)
+        shown = displays(cell)
+        assert shown == [str(i) for i in range(200)], shown[-3:]
+        assert "… 99,800 more displays not shown (past 200 displays in one cell; `%smol config displays N`" in \
+            stream_text(cell, "stderr")
+        nb.run("%smol use root.0")
+        after = nb.run("%%smol\nprint('mine')")
+        assert displays(after) == [] and stream_text(after) == "mine\n", after.outputs  # nothing spilled
+
+        # Ctrl-C during a flood (of displays and text): one line, and the next cell shows only its own output
+        nb.run("%smol use root")
+        nb.run("%smol config displays 1000000")  # as many as a user may ask for
+        timer = threading.Timer(1.0, nb.interrupt)
+        timer.start()
+        t0 = time.monotonic()
+        cell = nb.run("%%smol\nfor i in range(10**7):\n    display(i)\n    print('line', i)")
+        took = time.monotonic() - t0
+        timer.join()
+        err = error_output(cell)
+        assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
+        print(f"display flood interrupted after 1 s returned at {took:.2f} s")  # numbers: bench/flood.py
+        after = nb.run("%%smol\nprint('mine')")
+        assert displays(after) == [] and stream_text(after) == "mine\n", after.outputs
+        nb.run("%smol config displays 200")
+
+        # Weakened: a cell that hands back control before showing all it queued (as before)
+        nb.run("import smolbench.magics as m\n_q = m._PENDING\n"
+               "class _Leaky(type(_q)):\n    def empty(self): return True\n"
+               "_q.__class__ = _Leaky")
+        nb.run("%smol config displays 100000")
+        nb.run(DISPLAY_FLOOD)
+        after = nb.run("%%smol\nprint('mine')")
+        assert len(displays(after)) > 0, "the weakened host should spill the flood into the next cell"
+        nb.run("_q.__class__ = type(_q).__mro__[1]")
+        nb.run("%smol down")
+
+
+# -- issue 17: what a reply costs the kernel stays near its size -----------------------------------
+
+def _peak_growth(nb: NotebookSession, code: str) -> tuple[object, float]:
+    """Run ``code``; the kernel's peak resident memory during it, above where it started (MB)."""
+    pid = nb.kernel_pid
+
+    def rss(field: str) -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(field)
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts again from now
+    before = rss("VmRSS")
+    cell = nb.run(code)
+    return cell, (rss("VmHWM") - before) / 1e6
+
+
+NESTED = ("%%smol --pull v\nv = 1\n"
+          "_G['_pull'] = lambda value, trusted: {'format': 'data', 'data': [[] for _ in range(3_000_000)]}")
+
+
+def test_replies_cost_the_kernel_a_small_multiple_of_their_size(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%%smol\npass")
+        # a 9 MB pull of 3,000,000 empty lists: refused by count before it is built
+        cell, grew = _peak_growth(nb, NESTED)
+        msg = one_line_error(cell)
+        assert "a reply of 3,000,0" in msg and "JSON values, above the limit of 1,000,000" in msg, msg
+        assert "%smol config max-items" in msg
+        print(f"a refused 9 MB reply: kernel peak +{grew:.0f} MB")
+        assert grew < 80, f"the kernel grew {grew:.0f} MB for a 9 MB reply"
+        still_works(nb)
+        # a 32 MB application/json display: past the cell's output limit, so dropped unbuilt
+        cell, grew = _peak_growth(nb, "%%smol\n_ag.send({'t': 'display', 'data': {'application/json': "
+                                      "['x' * 100 for _ in range(320_000)], 'text/plain': 'big'}})")
+        assert "1 more displays not shown" in stream_text(cell, "stderr"), cell.outputs
+        print(f"a dropped 32 MB display: kernel peak +{grew:.0f} MB")
+        assert grew < 200, f"the kernel grew {grew:.0f} MB for a 32 MB display"
+        # unfinished lines from several branches at once: bounded all together, one line
+        nb.run("%smol config max-frame 40M")
+        nb.run("%smol config in-flight 100M")
+        cell, grew = _peak_growth(nb, "%%smol fork 4 --allow-errors --keep none\nimport sys, time\n"
+                                      "_ag = sys.modules['smolbench_guest']._agent\n"
+                                      "_ag._conn.sendall(b'{\"t\": \"stream\", \"text\": \"' + b'x' * 39_000_000)\n"
+                                      "time.sleep(3)")
+        errors = stream_text(nb.run("import smolbench\n"
+                                    "print([r['error'] for r in smolbench._magics.last_result.rows.values()])"))
+        assert "still without their line end, from all machines together, above the limit of 100 MB" in errors, errors
+        print(f"4 unfinished replies: kernel peak +{grew:.0f} MB")
+        assert grew < 300, f"the kernel grew {grew:.0f} MB for 4 unfinished replies"
+        nb.run("%smol config max-frame 64M")
+        nb.run("%smol config in-flight 256M")
+
+        # Weakened: with no count limit the same 9 MB reply costs the kernel hundreds of MB
+        nb.run("%smol config max-items 100M")
+        cell, grew = _peak_growth(nb, NESTED)
+        print(f"weakened: kernel peak +{grew:.0f} MB")
+        assert grew > 150, f"the weakened gate only grew {grew:.0f} MB"
+        nb.run("%smol config max-items 1M")
+        nb.run("%smol down")

@@ -74,18 +74,19 @@ class Plan:
             raise SmolbenchError(f"this kernel (uid {os.geteuid()}) can't reach {host} (a folder above it is not "
                                  "traversable): make its parent folders traversable (`chmod o+x`), or put it elsewhere") from None
         self.fds.append(fd)
-        self.source(host)
+        self.source(host, write=not readonly)
         self.paths[f"/proc/self/fd/{fd}"] = host
         self.argv += ["--ro-bind-fd" if readonly else "--bind-fd", str(fd), guest]
 
-    def source(self, host: str | Path) -> None:
-        """A host path the sandbox uid must read: staged for a root kernel, checked here."""
+    def source(self, host: str | Path, write: bool = False) -> None:
+        """A host path the sandbox uid must read (or write): staged for a root kernel, checked here."""
         real = os.path.realpath(host)
         uid, gid = sandbox_ids()
-        if not _stage.readable(real, uid, gid):
+        if not _stage.readable(real, uid, gid, write):
             st = os.stat(real)
-            raise SmolbenchError(f"the sandbox uid {uid} can't read {host} (owner uid {st.st_uid}, mode "
-                                 f"{stat.S_IMODE(st.st_mode):04o}): make it readable to others (`chmod o+rX`), "
+            what, able, fix = ("write", "writable", "o+rwX") if write else ("read", "readable", "o+rX")
+            raise SmolbenchError(f"the sandbox uid {uid} can't {what} {host} (owner uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}): make it {able} to others (`chmod {fix}`), "
                                  "or put it elsewhere")
         self.sources.append(real)
 

@@ -44,10 +44,10 @@ def blocker(path: str, uid: int, gid: int) -> str | None:
     return "/" if not _allows(os.stat("/"), uid, gid, 1) else None
 
 
-def readable(path: str, uid: int, gid: int) -> bool:
-    """Whether ``uid`` can read ``path`` itself (a folder: list and enter it)."""
+def readable(path: str, uid: int, gid: int, write: bool = False) -> bool:
+    """Whether ``uid`` can read ``path`` itself (a folder: list and enter it), and write it if asked."""
     st = os.stat(path)
-    return _allows(st, uid, gid, 5 if stat.S_ISDIR(st.st_mode) else 4)
+    return _allows(st, uid, gid, (5 if stat.S_ISDIR(st.st_mode) else 4) | (2 if write else 0))
 
 
 def plan(paths: list[str], uid: int, gid: int) -> tuple[list[str], list[str]]:

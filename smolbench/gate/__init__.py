@@ -57,9 +57,10 @@ def died(where: str) -> SmolbenchError:
         "out of memory, or the machine was deleted); its state is gone")
 
 
-async def _messages(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+async def _messages(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[dict[str, Any], int]]:
+    """Each frame decoded, with its size in bytes (what a display costs the cell's budget)."""
     async for frame in split_frames(chunks):
-        yield decode(frame)
+        yield decode(frame), len(frame)
 
 
 def _error(value: Any, key: str) -> dict[str, Any] | None:
@@ -132,12 +133,16 @@ class _Cell:
         if text:
             self.emit(Event("stream", fields["name"], text))
 
-    def display(self, msg: dict[str, Any]) -> None:
+    def display(self, msg: dict[str, Any], size: int) -> None:
         known = dict(each({"t": _kind, "data": lambda v, k: v}, msg, "a display message"))
+        if not self.budget.take_display(size):
+            return  # counted, not shown (and not worth cleaning)
         data, dropped = display.bundle(known.get("data"), self.request.trust_display)
         self.note_dropped(dropped)
-        if data and self.budget.take_display(sum(len(str(v)) for v in data.values())):
+        if data:
             self.emit(Event("display", data=SafeBundle(data)))
+        else:
+            self.budget.give_back(size)
 
     def done(self, msg: dict[str, Any]) -> CellResult:
         checks: dict[str, Callable[[Any, str], Any]] = {
@@ -184,13 +189,13 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
     """Read one exec request's raw reply stream: events out, the checked result back."""
     cell = _Cell(request, on_event, where)
     try:
-        async for msg in _messages(chunks):
+        async for msg, size in _messages(chunks):
             kind = msg.get("t")
             try:
                 if kind == "stream":
                     cell.stream(msg)
                 elif kind == "display":
-                    cell.display(msg)
+                    cell.display(msg, size)
                 elif kind == "done":
                     return cell.done(msg)
                 else:
@@ -238,7 +243,7 @@ CONTROL: dict[str, Callable[[Any, str], Any]] = {
 async def read_control(chunks: AsyncIterator[bytes], where: str) -> dict[str, Any]:
     """Read a control request's raw reply stream (ping, fork, seed, save, ...): its checked ``done``."""
     try:
-        async for msg in _messages(chunks):
+        async for msg, _ in _messages(chunks):
             if msg.get("t") != "done":
                 raise Bad(f"a {shown(msg.get('t'))} message in reply to a control request")
             try:

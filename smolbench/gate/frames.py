@@ -12,6 +12,12 @@ from ..errors import SmolbenchError
 from .limits import LIMITS, NUMBER_LIMIT, human
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-~@]{1,128}")
+# A lone surrogate arrives as a JSON escape, or as raw bytes (json.loads decodes bytes with
+# surrogatepass): look for either first (cheap), and walk the decoded message only then.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+SURROGATE = re.compile("[\ud800-\udfff]")
+# JSON strings, skipped when counting a frame's values (their commas are text, not values).
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 class MalformedReply(SmolbenchError):
@@ -26,8 +32,44 @@ def _no_constant(name: str) -> Any:
     raise Bad(f"a non-finite number ({name})")
 
 
+def values_in(frame: bytes) -> int:
+    """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded).
+
+    Every value but the outermost follows a ``[``/``{`` or a comma, so there are 1 + commas +
+    non-empty containers of them; text inside strings is skipped when that matters.
+    """
+    rough = frame.count(b",") + frame.count(b"[") + frame.count(b"{") + 1
+    if rough <= LIMITS.max_items:
+        return rough  # an upper bound, already within the limit
+    bare = JSON_STRING.sub(b'""', frame)
+    containers = bare.count(b"[") + bare.count(b"{") - bare.count(b"[]") - bare.count(b"{}")
+    return 1 + bare.count(b",") + containers
+
+
+def _valid_text(msg: Any) -> None:
+    """Refuse a message holding a string that is not valid text (a lone surrogate): the
+    kernel's own messages to the browser would fail on it, for every later cell."""
+    todo = [msg]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            m = SURROGATE.search(v)
+            if m:
+                raise Bad(f"text that is not valid Unicode (a lone surrogate {m.group()!r})")
+        elif isinstance(v, dict):
+            todo.extend(v)
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+
+
 def decode(frame: bytes) -> dict[str, Any]:
-    """One frame as a JSON object (no NaN/Infinity, bounded nesting), or Bad."""
+    """One frame as a JSON object (no NaN/Infinity, bounded nesting and value count, valid
+    text only), or Bad."""
+    count = values_in(frame)
+    if count > LIMITS.max_items:
+        raise Bad(f"a reply of {count:,} JSON values, above the limit of {LIMITS.max_items:,} "
+                  "(`%smol config max-items N` raises it)")
     try:
         msg = json.loads(frame, parse_constant=_no_constant)
     except Bad:
@@ -38,7 +80,22 @@ def decode(frame: bytes) -> dict[str, Any]:
         raise Bad(f"not a JSON line ({_short(str(exc), 80)})") from None
     if not isinstance(msg, dict):
         raise Bad(f"a JSON {type(msg).__name__} where an object belongs")
+    if SURROGATE_ESCAPE.search(frame):
+        _valid_text(msg)
     return msg
+
+
+class _InFlight:
+    """Bytes of unfinished frames held for every machine at once (one event loop: no lock)."""
+
+    held = 0
+
+
+def _hold(before: int, after: int) -> None:
+    _InFlight.held += after - before
+    if after > before and _InFlight.held > LIMITS.in_flight:
+        raise Bad(f"replies of {human(_InFlight.held)} still without their line end, from all machines together, "
+                  f"above the limit of {human(LIMITS.in_flight)} (`%smol config in-flight SIZE` raises it)")
 
 
 async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -49,30 +106,36 @@ async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """
     limit = LIMITS.max_frame
     buf = bytearray()
-    async for chunk in chunks:
-        if not chunk:
-            continue
-        start = 0
-        while True:
-            nl = chunk.find(b"\n", start)
-            if nl < 0:
-                break
-            if len(buf) + nl - start > limit:
+    try:
+        async for chunk in chunks:
+            if not chunk:
+                continue
+            start = 0
+            while True:
+                nl = chunk.find(b"\n", start)
+                if nl < 0:
+                    break
+                if len(buf) + nl - start > limit:
+                    raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+                if buf:
+                    buf += chunk[start:nl]
+                    frame = bytes(buf)
+                    _hold(len(buf), 0)
+                    buf.clear()
+                else:
+                    frame = chunk[start:nl]
+                start = nl + 1
+                if frame.strip():
+                    yield frame
+                del frame  # not held while the next chunk is awaited
+            if len(buf) + len(chunk) - start > limit:
                 raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
-            if buf:
-                buf += chunk[start:nl]
-                frame = bytes(buf)
-                buf.clear()
-            else:
-                frame = chunk[start:nl]
-            start = nl + 1
-            if frame.strip():
-                yield frame
-        buf += chunk[start:]
-        if len(buf) > limit:
-            raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
-    if buf.strip():
-        raise Bad(f"a truncated frame ({human(len(buf))} with no line end before the stream closed)")
+            _hold(len(buf), len(buf) + len(chunk) - start)
+            buf += chunk[start:]
+        if buf.strip():
+            raise Bad(f"a truncated frame ({human(len(buf))} with no line end before the stream closed)")
+    finally:
+        _hold(len(buf), 0)
 
 
 # -- field checks -----------------------------------------------------------------------------

@@ -1,4 +1,11 @@
-"""The gate's limits: sizes and times, per kernel, changed with ``%smol config``."""
+"""The gate's limits: sizes, counts and times, per kernel, changed with ``%smol config``.
+
+The defaults keep what one kernel holds for machines' replies to a few hundred MB at
+most (a laptop with 16 GB can't run out by accident): one reply line is at most
+``max-frame`` bytes and ``max-items`` JSON values (each value costs the kernel ~50-250
+bytes once decoded); unfinished lines of all machines together hold at most
+``in-flight`` bytes; a cell shows at most ``output-limit`` bytes and ``displays`` displays.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +24,20 @@ MAX_BRANCHES = 1024
 class Limits:
     """What the host accepts from a machine (sizes in bytes, times in seconds)."""
 
-    max_frame: int = 256 * MB  # one reply line, including pulled values
+    max_frame: int = 64 * MB  # one reply line, including pulled values
+    max_items: int = 1_000_000  # JSON values in one reply line (numbers, strings, lists, ...)
+    in_flight: int = 256 * MB  # unfinished reply lines held for all machines together
     output: int = 5 * MB  # output shown per cell (per branch); the rest goes to a log
+    displays: int = 200  # displays shown per cell (per branch); the rest are counted
     log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/
     line: int = 256 * 1024  # characters of one line shown; longer lines are cut
     grace: float = 3.0  # after an interrupt, seconds before a cell's machine is killed
 
 
 LIMITS = Limits()
-NAMES = {"max-frame": "max_frame", "output-limit": "output", "log-limit": "log", "line-limit": "line", "grace": "grace"}
+NAMES = {"max-frame": "max_frame", "max-items": "max_items", "in-flight": "in_flight", "output-limit": "output",
+         "displays": "displays", "log-limit": "log", "line-limit": "line", "grace": "grace"}
+COUNTS = {"max_items": "JSON values", "displays": "displays per cell", "line": "characters"}
 
 
 def parse_size(text: str) -> int:
@@ -40,6 +52,14 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise SmolbenchError(f"{text!r} is too small: give at least 1 byte")
     return value
+
+
+def parse_count(text: str, key: str) -> int:
+    """A whole number of at least 1 (``1000``, ``1_000_000``, ``2M`` = 2,000,000)."""
+    m = re.fullmatch(r"\s*(\d[\d_,]*)\s*([KM]?)\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1).replace("_", "").replace(",", "")) < 1:
+        raise SmolbenchError(f"{key} must be a whole number of at least 1, got {text!r}: e.g. %smol config {key} 1000")
+    return int(m.group(1).replace("_", "").replace(",", "")) * {"": 1, "K": 1000, "M": 1000**2}[m.group(2).upper()]
 
 
 def human(n: float) -> str:
@@ -73,6 +93,8 @@ def configure(key: str, value: str) -> str:
         raise SmolbenchError(f"unknown setting {key!r}: one of {', '.join(NAMES)}")
     if attr == "grace":
         setattr(LIMITS, attr, seconds(value, key))
+    elif attr in COUNTS:
+        setattr(LIMITS, attr, parse_count(value, key))
     else:
         setattr(LIMITS, attr, parse_size(value))
     return describe()
@@ -85,8 +107,8 @@ def describe() -> str:
         v = getattr(LIMITS, attr)
         if attr == "grace":
             out.append(f"{key:<13} {v:g} s")
-        elif attr == "line":
-            out.append(f"{key:<13} {v:,} characters")
+        elif attr in COUNTS:
+            out.append(f"{key:<13} {v:,} {COUNTS[attr]}")
         else:
             out.append(f"{key:<13} {human(v)}")
     return "\n".join(out)

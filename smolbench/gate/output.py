@@ -4,7 +4,9 @@ A machine can print without end; the notebook (and the browser behind it) must n
 have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
 lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
 rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) and the
-cell ends with one line saying how much was not shown and where it went.
+cell ends with one line saying how much was not shown and where it went. Displays count
+against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
+counted (never queued for the notebook, so none can land in a later cell).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ class OutputBudget:
     """How much of one cell's output is shown; the rest is counted and logged."""
 
     def __init__(self, log_path: str | os.PathLike[str] | None, *, limit: int | None = None,
-                 line: int | None = None, log_limit: int | None = None) -> None:
+                 line: int | None = None, log_limit: int | None = None, displays: int | None = None) -> None:
         self.log_path = Path(log_path) if log_path is not None else None
         self.limit = LIMITS.output if limit is None else limit
         self.line = LIMITS.line if line is None else line
         self.log_limit = LIMITS.log if log_limit is None else log_limit
+        self.displays = LIMITS.displays if displays is None else displays
         self.shown = 0
+        self.shown_displays = 0
+        self.hidden_displays = 0
         self.hidden = 0  # bytes not shown (past the limit)
         self.logged = 0
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
@@ -51,12 +56,19 @@ class OutputBudget:
         return head
 
     def take_display(self, size: int) -> bool:
-        """Whether a display of ``size`` bytes still fits (it counts against the same budget)."""
-        if self.shown + size > self.limit:
-            self.hidden += size
+        """Whether a display of ``size`` bytes (its reply line) still fits: it counts against
+        the same bytes as text, and against the cell's number of displays."""
+        if self.shown_displays >= self.displays or self.shown + size > self.limit:
+            self.hidden_displays += 1
             return False
         self.shown += size
+        self.shown_displays += 1
         return True
+
+    def give_back(self, size: int) -> None:
+        """A display that took its room but was not shown after all (nothing in it passed)."""
+        self.shown -= size
+        self.shown_displays -= 1
 
     def _cut_lines(self, name: str, text: str) -> str:
         col, cut = self._col.get(name, 0), self._cut.get(name, 0)
@@ -98,6 +110,16 @@ class OutputBudget:
         if self._log is not None:
             self._log.close()
             self._log = None
+        note = ""
+        if self.hidden_displays:
+            why = (f"past {self.displays:,} displays in one cell" if self.shown_displays >= self.displays
+                   else f"past {human(self.limit)} of output")
+            note = (f"… {self.hidden_displays:,} more displays not shown ({why}; `%smol config displays N` "
+                    "or `output-limit SIZE` raises the limit)\n")
+        text = self._text_note()
+        return (note + (text or "")) or None
+
+    def _text_note(self) -> str | None:
         if not self.hidden:
             return None
         if self.log_path is None:

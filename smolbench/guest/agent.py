@@ -563,10 +563,20 @@ class Agent:
 
     def fork(self, req):
         """Fork one live child per requested branch; answer with their pids."""
+        frozen = None
+        if self.machine is not None:
+            os.chdir("/")  # hold nothing of the overlay that the keeper swaps
+            frozen = contain.ask_freeze(self.machine.chan)
+            if self.workdir:
+                os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
+        try:
+            return self._fork_children(req, frozen)
+        finally:
+            if frozen is not None and frozen.get("view") is not None:  # a branch closed its own
+                os.close(frozen["view"])
+
+    def _fork_children(self, req, frozen):
         made = []
-        frozen = contain.ask_freeze(self.machine.chan) if self.machine is not None else None
-        if frozen is not None and self.workdir:
-            os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
         gc.freeze()
@@ -612,7 +622,8 @@ class Agent:
         self.cell_count = 0
         _set_pdeathsig()
         if frozen is not None:
-            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]))
+            view, frozen["view"] = frozen["view"], None
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view)
             self.sock_path = os.path.join(contain.RUN, "s")
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
@@ -936,7 +947,7 @@ def main(argv=None):
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
     ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
-    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp)")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     args = ap.parse_args(argv)
     _apply_rlimits(args.rlimit)
@@ -956,7 +967,7 @@ def main(argv=None):
         if "net-caps" in args.weaken:  # tests only: keep CAP_NET_ADMIN and CAP_NET_RAW in the machine's netns
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
-                                     seccomp_filter="seccomp" not in args.weaken)
+                                     weak=[w for w in args.weaken.split(",") if w])
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
     agent.machine = machine

@@ -20,6 +20,7 @@ Where overlayfs can't be mounted, a branch copies its parent's files instead, an
 says so in ``info()``.
 """
 
+import array
 import ctypes
 import json
 import os
@@ -41,6 +42,8 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -157,19 +160,22 @@ def cap_eff():
 
 
 class Layers:
-    """The overlay layers of one mount point (the workspace, or /tmp) of one machine."""
+    """The overlay layers of one mount point (the workspace, or /tmp) of one machine.
 
-    def __init__(self, key, target, lowers):
+    Layer paths are relative to the keeper's working directory, the machine's own store
+    (hidden from the agent by a cover: the keeper reaches it through its cwd only)."""
+
+    def __init__(self, key, target, lowers, weak=()):
         self.key, self.target, self.lowers = key, target, list(lowers)
+        self.weak = weak
         self.gen = 0
         self.upper = self.work = None
 
     def mount(self, keep=()):
         self.gen += 1
-        base = os.path.join(STORE, self.key)
-        os.makedirs(base, exist_ok=True)
-        self.upper = os.path.join(base, "u%d" % self.gen)
-        self.work = os.path.join(base, "w%d" % self.gen)
+        os.makedirs(self.key, exist_ok=True)
+        self.upper = os.path.join(self.key, "u%d" % self.gen)
+        self.work = os.path.join(self.key, "w%d" % self.gen)
         os.mkdir(self.upper, 0o755)
         os.mkdir(self.work, 0o700)
         opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (":".join(self.lowers), self.upper, self.work)
@@ -179,18 +185,42 @@ class Layers:
             mount(source, path, None, MS_BIND | MS_REC)
 
     def freeze(self, keep=()):
-        """Make the current upper layer a read-only lower one; continue on a fresh upper.
-        Returns True when a fork had to flatten the layers (copying)."""
+        """Make what was written since the last fork a read-only lower layer; continue on a
+        fresh upper. Returns True when a fork had to flatten the layers (copying).
+
+        The frozen layer is a fresh directory the written entries are moved into, never the
+        old upper itself: that one stays the upper of the old overlay, which lives on while
+        anything still holds it (a branch's copy of this mount namespace, a cell's open file),
+        and overlayfs must not get a lower that is another mount's upper."""
         if not os.listdir(self.upper):
             return False  # nothing written since the last fork: no new layer
         flat = len(self.lowers) + 1 > MAX_LOWERS
+        frozen = os.path.join(self.key, "f%d" % self.gen)
         if flat:
-            merged = os.path.join(STORE, self.key, "f%d" % self.gen)
-            shutil.copytree(self.target, merged, symlinks=True, ignore=_skip_mounts(keep))
-        umount(self.target)
-        self.lowers = [merged] if flat else [self.upper] + self.lowers
+            shutil.copytree(self.target, frozen, symlinks=True, ignore=_skip_mounts(keep))
+        umount(self.target)  # until the new overlay is up, the target shows an empty read-only cover
+        if "layers" in self.weak and not flat:  # the old way: the upper itself becomes a lower
+            frozen = self.upper
+        elif not flat:
+            os.mkdir(frozen, 0o755)
+            for name in os.listdir(self.upper):
+                os.rename(os.path.join(self.upper, name), os.path.join(frozen, name))
+        self.lowers = [frozen] if flat else [frozen] + self.lowers
         self.mount(keep)
         return flat
+
+
+def read_only(path):
+    """Make the bind mount at ``path`` read-only, and check it is. Inherited into a cell's own
+    user namespace, the flag is locked: it can't be remounted read-write there."""
+    mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if not os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise ContainError(0, "%s is still writable after a read-only remount" % path)
+
+
+def cover(path):
+    """An empty read-only tmpfs over ``path``: what was below can't be seen or reached."""
+    mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k,nr_inodes=4")
 
 
 def _skip_mounts(keep):
@@ -204,7 +234,7 @@ def _skip_mounts(keep):
 
 def copy_into(layers, keep):
     """No overlayfs: the layers' mount point becomes a private copy on the store."""
-    merged = os.path.join(STORE, layers.key, "copy")
+    merged = os.path.join(layers.key, "copy")
     shutil.copytree(layers.target, merged, symlinks=True, ignore=_skip_mounts(keep))
     mount(merged, layers.target, None, MS_BIND)
     for path, source in keep:
@@ -224,45 +254,56 @@ class Machine:
         self.layers = []
         self.chan = None
         self.keeper_pid = None
+        self.weak = ()
+        self.view = None
 
     def _open_dirs(self, paths):
         return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
 
-    def setup(self, lowers=None, run_sub=None):
-        """Root (``lowers`` None) or a branch whose parent froze ``lowers`` for it."""
+    def setup(self, lowers=None, run_sub=None, view_fd=None):
+        """Root (``lowers`` None) or a branch whose parent froze ``lowers`` for it; ``view_fd``
+        is the parent's read-only view of its store, where those layer paths resolve."""
         sets = (("ws", self.workdir), ("tmp", "/tmp"))
         cow = self.files == "overlay"
+        if view_fd is not None:
+            os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
+            os.close(view_fd)
         new_namespaces(self.net)
-        # Opened in the new mount namespace (a copy of the parent's), before covering them:
-        # a bind mount's source must be a mount of the caller's own namespace.
+        # Opened in the new mount namespace (a copy of the parent's), relative to the parent's
+        # view, before covering them: a bind mount's source must be in the caller's namespace.
         lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
         keep = [(p, fd) for p, fd in zip(self.keep_paths, self._open_dirs(self.keep_paths))]
         run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
         size = ",size=%dm" % self.disk_mib if self.disk_mib else ""
         mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700" + size)
-        # Keep the kept paths' mounts nameable in the store: the keeper re-binds them at each
-        # fork, when /proc (the agent's) no longer shows the keeper's own /proc/self.
+        # From here the keeper names everything in its store relative to its cwd: the store's
+        # path is covered before cells run, so they never see a layer.
+        os.chdir(STORE)
         for i, (path, fd) in enumerate(keep):
-            held = os.path.join(STORE, "keep", str(i))
+            held = os.path.join("keep", str(i))
             os.makedirs(held)
             mount(_fd_path(fd), held, None, MS_BIND | MS_REC)
             os.close(fd)
             keep[i] = (path, held)
         n = 0
         for key, target in sets:
-            layer = Layers(key, target, [])
+            layer = Layers(key, target, [], self.weak)
             sub = keep if target == "/tmp" else ()
             if cow:
                 for fd in lower_fds.get(key, []):
-                    path = os.path.join(STORE, "l", str(n))
+                    path = os.path.join("l", str(n))
                     n += 1
                     os.makedirs(path)
                     mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
                     os.close(fd)
+                    if "layers" not in self.weak:
+                        read_only(path)
                     layer.lowers.append(path)
                 if not layer.lowers:
-                    layer.lowers = [os.path.join(STORE, "empty")]
-                    os.makedirs(layer.lowers[0], exist_ok=True)
+                    layer.lowers = ["empty"]
+                    os.makedirs("empty", exist_ok=True)
+                if "layers" not in self.weak:
+                    cover(target)  # what shows while a fork swaps the overlay: never the parent's
                 try:
                     layer.mount(sub)
                 except OSError as exc:
@@ -270,6 +311,8 @@ class Machine:
                         raise  # the root could mount overlays: a branch must too
                     self.files = "copy (overlayfs can't be mounted here: %s)" % exc.strerror
                     cow = False
+                    if "layers" not in self.weak:
+                        umount(target)
             if not cow:
                 copy_into(layer, sub)
             self.layers.append(layer)
@@ -278,7 +321,14 @@ class Machine:
             mount(_fd_path(run_fd), RUN, None, MS_BIND)
             os.close(run_fd)
         self.keep = keep
-        os.chdir(self.workdir)
+        # The store as branches get it: a read-only view (the keeper hands a forking agent a
+        # descriptor of it), then covered, so cells see no layer at all.
+        mount(".", STORE, None, MS_BIND | MS_REC)
+        if "layers" not in self.weak:
+            read_only(STORE)
+        self.view = os.open(STORE, O_PATH | os.O_DIRECTORY)
+        if "layers" not in self.weak:
+            cover(STORE)
 
     def split(self):
         """Fork: the child becomes the agent (pid 1 here, no privileges) and returns; this
@@ -287,9 +337,12 @@ class Machine:
         pid = os.fork()
         if pid == 0:
             keeper_end.close()
+            os.close(self.view)
+            self.view = None
             set_pdeathsig()
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8)  # 8: MS_NOEXEC
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             drop_privileges()
+            os.chdir(self.workdir)
             self.chan = agent_end
             return
         agent_end.close()
@@ -309,7 +362,11 @@ class Machine:
                 reply = self.freeze()
             except OSError as exc:
                 reply = {"error": str(exc)}
-            chan.sendall(json.dumps(reply).encode() + b"\n")
+            data = json.dumps(reply).encode() + b"\n"
+            # The store's read-only view goes along: the branches resolve their layers in it.
+            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.view]))] if "error" not in reply else []
+            sent = chan.sendmsg([data], fds)
+            chan.sendall(data[sent:])
         _, status = os.waitpid(agent_pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF if hasattr(os, "waitstatus_to_exitcode") else 0)
 
@@ -327,41 +384,51 @@ class Machine:
 
 
 def ask_freeze(chan):
-    """Agent: have the keeper freeze this machine's layers; the lower layers a branch gets."""
+    """Agent: have the keeper freeze this machine's layers; the lower layers a branch gets
+    (paths relative to ``reply["view"]``, a descriptor of the store's read-only view that the
+    caller closes once its branches are forked)."""
     chan.sendall(b"freeze\n")
-    buf = b""
+    buf, fds = b"", []
     while not buf.endswith(b"\n"):
-        part = chan.recv(65536)
+        part, anc, _, _ = chan.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
         if not part:
             raise ContainError(0, "the machine's keeper is gone")
         buf += part
     reply = json.loads(buf)
-    if "error" in reply:
-        raise ContainError(0, "freezing the files failed: %s" % reply["error"])
+    if "error" in reply or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ContainError(0, "freezing the files failed: %s" % reply.get("error", "no view of the layers"))
+    reply["view"] = fds[0]
     return reply
 
 
-def start_root(workdir, disk_mib, net, keep, seccomp_filter=True):
-    """Contain the root machine; returns the Machine (we are now its agent)."""
+def start_root(workdir, disk_mib, net, keep, weak=()):
+    """Contain the root machine; returns the Machine (we are now its agent). ``weak``: test
+    knobs that leave a step out (``seccomp``, ``layers``)."""
     m = Machine(workdir, disk_mib, net, keep)
+    m.weak = tuple(weak)
     m.setup()
     m.split()
-    if seccomp_filter:
+    if "seccomp" not in m.weak:
         m.seccomp = _sibling("seccomp").install()
     else:
         m.seccomp = "off (test knob)"
     return m
 
 
-def start_branch(parent, lowers, run_sub):
+def start_branch(parent, lowers, run_sub, view_fd):
     """In a freshly forked child of ``parent``'s agent: become a contained branch."""
     try:
         parent.chan.close()
     except OSError:
         pass
     m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths)
-    m.seccomp, m.files = parent.seccomp, parent.files
-    m.setup(lowers, run_sub)
+    m.seccomp, m.files, m.weak = parent.seccomp, parent.files, parent.weak
+    m.setup(lowers, run_sub, view_fd)
     m.split()
     return m
 
