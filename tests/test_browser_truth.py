@@ -96,10 +96,11 @@ def check_reopened(page: Any) -> None:
     expect(copies.first.locator("tr.sb-node")).to_have_count(7)  # root + 6
     expect(copies.nth(1).locator("tr.sb-node")).to_have_count(2 + 3)  # the path, then 3
     expect(page.locator(".smolbench-static-copy tr.sb-checkpoint")).to_have_text(re.compile("^warm"))
-    plotted = page.locator(".jp-RenderedPlotly")
+    # the plot: plotly's renderer (its saved snapshot image until it redraws), or the static SVG
+    plotted = page.locator(".jp-RenderedPlotly, .jp-OutputArea-output[data-mime-type='image/svg+xml']")
     expect(plotted).to_have_count(1)
     plotted.first.scroll_into_view_if_needed()
-    expect(plotted.first.locator(".trace").first).to_be_visible()
+    expect(plotted.first.locator("svg, img").first).to_be_visible(timeout=30_000)
     page.wait_for_timeout(1000)  # a late "model not found" would show by now
     assert visible_text(page, "model not found") == 0
     assert visible_text(page, "Error displaying widget") == 0
@@ -279,9 +280,16 @@ def test_the_shipped_notebooks_open_unmodified(app: str, tmp_path: Path) -> None
         for nb in shipped:
             try:
                 page.goto(notebook_url(base, token, app, nb.name))
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+                page.wait_for_function(  # this notebook (earlier ones stay open in hidden tabs)
+                    "n => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+                    " return !!(w && w.context && w.context.path.endsWith(n) && w.content.model"
+                    " && w.content.model.cells.length > 0); }",
+                    arg=nb.name, timeout=90_000,
+                )
                 wait_for_kernel(page)
-                page.wait_for_timeout(1500)  # kernel info and metadata updates have arrived
+                # a moment while the document loads is not "modified"; staying so is
+                page.wait_for_function(f"{dirty.replace('return w', 'return !w')}", timeout=10_000)
+                page.wait_for_timeout(2000)
                 assert page.evaluate(dirty) is False, f"{nb.name} is marked modified on open"
             except BaseException:
                 dump_failure(page, f"dirty-{app}-{nb.stem}")
