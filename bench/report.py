@@ -471,6 +471,11 @@ def write(quick: bool = False) -> Path:
         from .limits import section as limits_section
 
         lines += limits_section(limits)
+    net = _load("netpolicy", quick)
+    if net:
+        from .netpolicy import section as net_section
+
+        lines += net_section(net)
     hist = RESULTS / "history.jsonl"
     if hist.exists() and not quick:
         rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
-from .errors import SmolbenchError
+from .errors import MachineLost, SmolbenchError
 from .ledger import Ledger
 from .spec import MachineSpec
 from .tree import Node, Tree
@@ -45,6 +45,7 @@ class CheckpointsMixin:
         def _claim(self, node_id: str) -> None: ...
         def _touch(self, node_id: str) -> None: ...
         def _record(self, node: Node, **extra: Any) -> None: ...
+        async def _lost(self, node_id: str, why: str) -> str: ...
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -157,6 +158,9 @@ class CheckpointsMixin:
             if not isinstance(exc, Exception):
                 raise
             why = str(exc) if isinstance(exc, SmolbenchError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, MachineLost):
+                self._busy.discard(node_id)
+                why = await self._lost(node_id, why)
             kept = "" if existing is None else f"; the old {name!r} is unchanged"
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
         finally:

@@ -1,4 +1,4 @@
-"""The ``smolbench`` command: ``demo``, ``doctor`` and ``image build``."""
+"""The ``smolbench`` command: ``demo``, ``doctor``, ``image build`` and ``cluster local``."""
 
 from __future__ import annotations
 
@@ -182,6 +182,34 @@ def image_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cluster_local(args: argparse.Namespace) -> int:
+    """A throwaway multi-node Ray cluster on this machine, until Ctrl-C (or SIGTERM)."""
+    import signal
+    import threading
+
+    from .cluster.local import LocalCluster
+    from .errors import SmolbenchError
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster = LocalCluster(args.nodes, slots=args.slots, backends=args.backend.split(","))
+    except SmolbenchError as exc:
+        print(f"smolbench: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"smolbench: a local Ray cluster with {args.nodes} node(s), {args.slots} machine slots each\n"
+              f"RAY_ADDRESS={cluster.address}\n"
+              f"in a notebook on this machine:  %smol up --ray {cluster.address}\n"
+              "Ctrl-C stops it and removes everything it made", flush=True)
+        stop.wait()
+    finally:
+        cluster.stop()
+        print("smolbench: the local Ray cluster is stopped", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``smolbench`` command."""
     ap = argparse.ArgumentParser(prog="smolbench", description="A Jupyter workbench for RL environments in forkable machines.")
@@ -202,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=image_build)
     ls = isub.add_parser("list", help="list cached images")
     ls.set_defaults(fn=image_list)
+    cl = sub.add_parser("cluster", help="Ray clusters for %%smol up --ray")
+    csub = cl.add_subparsers(dest="action", required=True)
+    loc = csub.add_parser("local", help="a throwaway multi-node Ray cluster on this machine (until Ctrl-C)")
+    loc.add_argument("--nodes", type=int, default=3, help="worker nodes (the head runs no machines)")
+    loc.add_argument("--slots", type=int, default=8, help="machine slots per node")
+    loc.add_argument("--backend", default="auto", help="node backends, cycled over the nodes: auto, sandbox, process")
+    loc.set_defaults(fn=cluster_local)
     args = ap.parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -52,6 +52,10 @@ CREATE TABLE IF NOT EXISTS attempts (
     session_id TEXT, node_id TEXT, attempt INTEGER, stage TEXT, outcome TEXT, error TEXT, ts REAL,
     PRIMARY KEY (session_id, node_id, attempt)
 );
+CREATE TABLE IF NOT EXISTS replicas (
+    session_id TEXT, parent_id TEXT, host_node TEXT, cells INTEGER, fingerprint TEXT,
+    bytes_shipped INTEGER, seconds REAL, ts REAL
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
@@ -64,11 +68,12 @@ CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward, id);
 NODE_COLUMNS = (
     "run_id", "parent_id", "machine", "backend", "baseline", "seed", "code", "code_hash",
     "pushed", "versions", "started", "ended", "status", "reward", "metrics", "output", "error",
-    "alive", "kept", "forked_at",
+    "alive", "kept", "forked_at", "host_node",
 )
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
-ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"),
-                 ("sessions", "network", "TEXT"))
+ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
+                 ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
+                 ("runs", "cell", "INTEGER"))
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
@@ -154,6 +159,18 @@ class Ledger:
             "INSERT OR REPLACE INTO cells VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (session_id, node_id, seq, code, code_hash(code), seed, json.dumps(pushed), status, time.time()),
         )
+
+    def add_replica(self, session_id: str, parent_id: str, host_node: str, cells: int, fingerprint: str,
+                    bytes_shipped: int, seconds: float) -> None:
+        """Record a warm parent copied to another cluster node (what it cost)."""
+        self._write("INSERT INTO replicas VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (session_id, parent_id, host_node, cells, fingerprint, bytes_shipped, seconds, time.time()))
+
+    def replica_rows(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Replicas made (by session, oldest first)."""
+        if session_id is None:
+            return self._rows("SELECT * FROM replicas ORDER BY ts")
+        return self._rows("SELECT * FROM replicas WHERE session_id = ? ORDER BY ts", (session_id,))
 
     def add_checkpoint(self, name: str, session_id: str, node_id: str, path: str, backend: str,
                        size: int, cells: int, warnings: list[str]) -> None:

@@ -27,7 +27,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 
 Line magics::
 
-  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
           [--max-alive N] [--retries K]
   %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
@@ -41,8 +41,8 @@ Line magics::
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
-                                output-limit, log-limit (sizes like 10M), max-items,
-                                displays, line-limit (counts) and grace (seconds)
+                                output-limit, log-limit, checkpoint-limit (sizes like 10M),
+                                max-items, displays, line-limit (counts) and grace (seconds)
 
 Cell magics::
 
@@ -140,6 +140,8 @@ def _timeout(text: str) -> float:
 @argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
 @argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
 @argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
+@argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+          help="run machines on a Ray cluster's nodes (ADDRESS: HOST:PORT or auto; default RAY_ADDRESS, else auto)")
 def _up_args(line: str) -> None:
     """%smol up options."""
 
@@ -266,13 +268,24 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
         net_note = None
         if args.net is not None or args.allow:
-            spec, net_note = _net_override(spec, args.net, args.allow, path or "the default spec")
+            from .netpolicy import PolicyError, session_override
+
+            try:
+                spec, net_note = session_override(spec, args.net, args.allow, path or "the default spec")
+            except PolicyError as exc:
+                raise SmolbenchError(str(exc)) from None
         if args.image or args.max_alive is not None:
             from dataclasses import replace
 
             spec = replace(spec, image=args.image or spec.image,
                            max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
-        backend, why = choose_backend(args.backend, args.target)
+        if args.ray is not None or cluster_table(path):
+            from .cluster.backend import ClusterBackend
+
+            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None), ""
+            backend.start()
+        else:
+            backend, why = choose_backend(args.backend, args.target)
         if why:
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
@@ -304,6 +317,9 @@ class SmolMagics(Magics):
                   "died earlier: marked lost in the ledger")
         if net_note:
             print(f"smolbench: {net_note}")
+        if backend.name == "cluster":
+            print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
+                  f"root on node {str(wb.machines['root'].info.get('node'))[:8]}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
 
@@ -338,14 +354,16 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or self.workbench.active is None:
+        if self.workbench is None or not self.workbench.machines:
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
         _loop.run(self.workbench.refresh_network())
         st = self.workbench.status()
+        if st["active"] is None:  # its active machine was deleted, others live
+            st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
         for k, v in st.items():
-            print(f"{k:<{width}}  {v}")
+            print(f"{k:<{width}}  {v}")  # the cluster's nodes come one per line
         return None
 
     def _do_use(self, rest: str) -> None:
@@ -362,9 +380,9 @@ class SmolMagics(Magics):
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
+        was = wb.active
         gone = _loop.run(wb.delete(args.node))
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}"
-              + (f"; {wb.moved}" if wb.moved else ""))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
         """One tree: the live view (its static copy is what a saved notebook shows); the text
@@ -646,6 +664,15 @@ class RemoteValue:
         return str(self.data.get("text/plain", ""))
 
 
+def moved_text(was: str | None, now: str | None) -> str:
+    """What a delete did to the active machine ("" when it stayed)."""
+    if was == now or was is None:
+        return ""
+    if now is None:
+        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"; {was} was active: the active machine is now {now}"
+
+
 def cell_number(shell: Any) -> Any:
     """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
     the running cell's own result first."""
@@ -796,6 +823,15 @@ class _Progress:
             self.handle.update({"text/plain": text}, raw=True)
 
 
+def cluster_table(path: str | None) -> dict[str, Any]:
+    """The Smolfile's ``[cluster]`` table (``address = "auto"``), or {} without one."""
+    if not path:
+        return {}
+    from .smolfile import load_cluster
+
+    return load_cluster(path)
+
+
 def choose_backend(kind: str, target: str) -> tuple[Any, str]:
     """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
     from .backends.process import ProcessBackend
@@ -819,21 +855,3 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
         return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
     return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
                               "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")
-
-
-def _net_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
-    """``%smol up --net on|off`` / ``--allow ...``: the session's policy instead of the Smolfile's."""
-    from dataclasses import replace
-
-    from .netpolicy import NetPolicy, PolicyError
-
-    if net == "off" and allow:
-        raise SmolbenchError("--net off and --allow contradict each other: drop one")
-    try:
-        policy = NetPolicy.from_words(net or "on", allow)
-    except PolicyError as exc:
-        raise SmolbenchError(str(exc)) from None
-    before = spec.policy
-    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
-                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
-    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -220,6 +221,7 @@ class NetPolicy:
     def admits(self, name: str, port: int, addr: IPAddress, own: frozenset[IPAddress],
                internet: tuple[IPNetwork, ...] = ()) -> bool:
         """May a connection asked for as ``name:port``, resolved to ``addr``, go there?"""
+        addr = unmapped(addr)
         if self.mode == "off":
             return False
         if self.mode == "on":
@@ -240,20 +242,39 @@ class NetPolicy:
         return self.mode == "on" or self.listed_host(name, port) is not None
 
 
+def unmapped(addr: IPAddress) -> IPAddress:
+    """``::ffff:127.0.0.1`` is 127.0.0.1: decided (and connected to) as IPv4."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def session_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
+    """``%smol up --net on|off`` / ``--allow ...``: ``spec`` (a MachineSpec) with this session's
+    policy instead of the Smolfile's, and the line that says so."""
+    if net == "off" and allow:
+        raise PolicyError("--net off and --allow contradict each other: drop one")
+    policy = NetPolicy.from_words(net or "on", allow)
+    before = spec.policy
+    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
+                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
+    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"
+
+
 def literal(name: str) -> IPAddress | None:
     try:
-        return ipaddress.ip_address(name.strip("[]"))
+        return unmapped(ipaddress.ip_address(name.strip("[]")))
     except ValueError:
         return None
 
 
-def test_internet() -> tuple[IPNetwork, ...]:
+def stand_in_internet() -> tuple[IPNetwork, ...]:
     """Test stand-ins for the internet (never set outside tests)."""
     raw = os.environ.get(TEST_INTERNET_VAR, "")
     return tuple(ipaddress.ip_network(w.strip(), strict=False) for w in raw.split(",") if w.strip())
 
 
-def test_resolve() -> dict[str, str]:
+def stand_in_resolve() -> dict[str, str]:
     """Test stand-ins for DNS: name -> address (never set outside tests)."""
     raw = os.environ.get(TEST_RESOLVE_VAR, "")
     pairs = (w.split("=", 1) for w in raw.split(",") if "=" in w)

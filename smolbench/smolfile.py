@@ -53,6 +53,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 TOP_KEYS = (
     "branch",
+    "cluster",
     "cpus",
     "disk",
     "env",
@@ -67,7 +68,8 @@ TOP_KEYS = (
     "volumes",
     "workdir",
 )
-TABLES = ("branch", "env", "network")
+TABLES = ("branch", "cluster", "env", "network")
+CLUSTER_KEYS = ("address",)  # [cluster] address = "auto": machines run on a Ray cluster (smolbench.cluster)
 NETWORK_KEYS = ("allow_cidrs", "allow_hosts")
 BRANCH_KEYS = ("enabled",)
 VOLUME_KEYS = ("guest", "host", "readonly")
@@ -215,7 +217,7 @@ class _Parser:
                 close = difflib.get_close_matches(key, TABLES + ("volumes",), n=1, cutoff=0.6)
                 hint = f" (did you mean [{close[0]}]?)" if close else ""
                 self.fail_at(
-                    f"unknown table [{key}]{hint}; allowed tables: [branch], [env], [network], "
+                    f"unknown table [{key}]{hint}; allowed tables: [branch], [cluster], [env], [network], "
                     "[[volumes]]",
                     key,
                 )
@@ -252,6 +254,8 @@ class _Parser:
                 spec["allow_hosts"] = self.allow_hosts(network["allow_hosts"])
             if "allow_cidrs" in network:
                 spec["allow_cidrs"] = self.allow_cidrs(network["allow_cidrs"])
+        if "cluster" in data:  # where machines run, not what they are: not part of the spec (or its baseline)
+            self.cluster(data["cluster"])
         if "branch" in data:
             branch = self.table(data["branch"], "branch", BRANCH_KEYS)
             if "enabled" in branch:
@@ -259,6 +263,18 @@ class _Parser:
         return MachineSpec(**spec)
 
     # -- keys ----------------------------------------------------------------
+
+    def cluster(self, value: Any) -> dict[str, Any]:
+        table = self.table(value, "cluster", CLUSTER_KEYS)
+        addr = table.get("address", "auto")
+        if not isinstance(addr, str) or not addr.strip():
+            self.fail_at(f"[cluster] address must be a string like \"auto\" or \"10.0.0.5:6379\", got {_describe(addr)}",
+                         "cluster", "address")
+        if addr.startswith("ray://"):
+            from .cluster.address import RAY_CLIENT_LINE
+
+            self.fail_at(f"[cluster] address {addr!r}: {RAY_CLIENT_LINE}", "cluster", "address")
+        return {"address": addr.strip()}
 
     def table(self, value: Any, name: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
         if not isinstance(value, dict):
@@ -595,6 +611,14 @@ def parse_smolfile(text: str, source: str = "Smolfile", base_dir: str | None = N
     ``base_dir``, the current directory by default.
     """
     return _Parser(text, source, base_dir).parse()
+
+
+def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Smolfile's ``[cluster]`` table, checked ({} when it has none)."""
+    file = Path(path).expanduser()
+    parser = _Parser(file.read_text(encoding="utf-8"), str(file), str(file.resolve().parent))
+    data = parser.load()
+    return parser.cluster(data["cluster"]) if "cluster" in data else {}
 
 
 def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:

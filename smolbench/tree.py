@@ -30,6 +30,7 @@ class Node:
     output: str = ""
     cells: int = 0  # cells run on this machine (including the fork cell)
     forked_at: int = 0  # parent's cell count when this node was forked
+    where: str | None = None  # the Ray node its machine runs on (cluster backend), else None
 
     @property
     def wall(self) -> float | None:
@@ -117,6 +118,8 @@ class Tree:
                 bits.append(f"reward={node.reward:.4g}")
             if node.alive:
                 bits.append("alive")
+            if node.where:
+                bits.append(f"@{node.where[:8]}")
             if node.checkpoint:
                 bits.append(f"checkpoint={node.checkpoint}")
             mark = " *" if node.id in best else ""

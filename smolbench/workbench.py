@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import re
 import socket
 import time
 import uuid
@@ -25,7 +26,7 @@ from ._aio import _gather_cancelling, _to_the_end
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import BranchEvent, CheckpointsMixin
-from .errors import InfraError, RemoteError, SmolbenchError
+from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
@@ -62,7 +63,7 @@ class Workbench(CheckpointsMixin):
         self.session = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.tree = Tree()
         self.machines: dict[str, MachineRef] = {}
-        self.active: str | None = None
+        self._active: str | None = None
         self.started = time.time()
         self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
         self.guest_info: dict[str, Any] = {}
@@ -79,8 +80,35 @@ class Workbench(CheckpointsMixin):
         self.outputs_dir = Path(ledger.path).parent / "outputs"
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
+        if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
+            from .cluster.replica import recipe
+
+            setattr(backend, "recipe_for", lambda node_id: recipe(self, node_id))  # noqa: B010
+            setattr(backend, "on_replica", self._replicated)  # noqa: B010
+
+    def _replicated(self, parent: str, host_node: str, rep: Any) -> None:
+        self.ledger.add_replica(self.session, parent, host_node, rep.key[1], rep.fingerprint, rep.bytes_shipped, rep.seconds)
+        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} by replaying its recorded path "
+                       f"({rep.bytes_shipped} B shipped, {rep.seconds:.2f} s, state fingerprint {rep.fingerprint})")
+
+    def _placed(self, ref: MachineRef) -> None:
+        """Note which cluster node a machine runs on (None off a cluster)."""
+        if ref.name in self.tree:
+            self.tree[ref.name].where = ref.info.get("node")
 
     # -- observers ------------------------------------------------------------------
+
+    @property
+    def active(self) -> str | None:
+        """The node cells run in (None: no machine is up, or the active one was deleted)."""
+        return self._active
+
+    @active.setter
+    def active(self, node_id: str | None) -> None:
+        # observers (the registry the sidebar reads, the views) learn of every move
+        old, self._active = self._active, node_id
+        if old != node_id:
+            self._changed(*(self.tree[n] for n in (old, node_id) if n is not None and n in self.tree))
 
     def observe(self, fn: Observer) -> None:
         """Call ``fn(workbench, changed_nodes)`` whenever nodes change."""
@@ -104,7 +132,7 @@ class Workbench(CheckpointsMixin):
             backend=self.backend.name, baseline=self.baseline, seed=node.seed,
             started=node.started, ended=node.ended, status=node.status, reward=node.reward,
             metrics=node.metrics, output=node.output, error=node.error, alive=node.alive,
-            kept=node.kept, forked_at=node.forked_at, **extra,
+            kept=node.kept, forked_at=node.forked_at, host_node=node.where, **extra,
         )
         self._changed(node)
 
@@ -117,6 +145,7 @@ class Workbench(CheckpointsMixin):
         ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
+        self._placed(ref)
         self.active = "root"
         try:
             await self._init(ref)
@@ -273,6 +302,8 @@ class Workbench(CheckpointsMixin):
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except MachineLost as exc:
+                raise SmolbenchError(await _to_the_end(self._lost(ref.name, str(exc)))) from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
@@ -305,6 +336,18 @@ class Workbench(CheckpointsMixin):
             await task
         return False
 
+    async def _lost(self, node_id: str, why: str) -> str:
+        """A machine that died under a request (killed for memory): drop it and what was forked
+        from it, mark it lost, and say what is active now; the one line."""
+        with contextlib.suppress(Exception):
+            await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended, node.error, node.alive = "lost", time.time(), why, False
+        self._record(node)
+        if self.active is not None:
+            return f"{why}; the active machine is now {self.active}"
+        return f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
+
     async def _kill_stuck(self, node_id: str, why: str) -> str:
         """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
         await self.delete(node_id)
@@ -329,6 +372,7 @@ class Workbench(CheckpointsMixin):
         ref = await retry.boot(self, self.spec, node_id, self.retries)
         self.machines[node_id] = ref
         node = self.tree.add(Node(node_id, status="idle", started=time.time()))
+        self._placed(ref)
         try:
             await self._init(ref)
         except BaseException:
@@ -361,6 +405,9 @@ class Workbench(CheckpointsMixin):
         """How many branches run at once when not told: live forks are cheap, so all of them
         (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
+        slots = getattr(self.backend, "slots", None)
+        if slots is not None:  # a cluster: every node's machine slots
+            return max(1, min(n, slots()))
         return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
@@ -412,7 +459,7 @@ class Workbench(CheckpointsMixin):
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
-                              code_hash=code_hash(code), n=len(names),
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
                               options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
@@ -432,6 +479,8 @@ class Workbench(CheckpointsMixin):
                 raise
             for ref in refs:
                 self.machines[ref.name] = ref
+                self._placed(ref)
+                self._record(self.tree[ref.name])
             self._release(parent_id)  # the parent is free again once its children exist
             try:
                 for ref in refs:
@@ -462,7 +511,7 @@ class Workbench(CheckpointsMixin):
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
-                              code_hash=code_hash(code), n=len(names), options={"seeds": seeds, "timeout": timeout})
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name), options={"seeds": seeds, "timeout": timeout})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
@@ -478,6 +527,7 @@ class Workbench(CheckpointsMixin):
                 result.rows[node.id]["attempts"] = attempt
                 made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
+                self._placed(made[-1])
                 await self._init(made[-1])
                 await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
                                        cell_name=cell_name, first_line=first_line)
@@ -530,6 +580,7 @@ class Workbench(CheckpointsMixin):
                     raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
                 (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
                 self.machines[new.name] = new
+                self._placed(new)
                 node.alive = True
 
             await retry.again(self, [node.id], "run", retries, once, rebranch, first=int(ref.info.get("attempts", 1)))
@@ -692,6 +743,13 @@ class Workbench(CheckpointsMixin):
         describe = getattr(self.backend, "limits_status", None)
         return describe(self.spec) if describe is not None else _vm_limits(self.spec)
 
+    def _cluster_text(self) -> dict[str, str]:
+        """The cluster's nodes, one per line (cluster backend only)."""
+        describe = getattr(self.backend, "describe", None)
+        if describe is None:
+            return {}
+        return {"cluster": "\n  ".join(["", *describe(), *getattr(self.backend, "notes", [])[-5:]])}
+
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows."""
         ref = self.machines.get(self.active or "")
@@ -711,6 +769,7 @@ class Workbench(CheckpointsMixin):
             "guest_python": self.guest_info.get("python"),
             "ledger": str(self.ledger.path),
             "session": self.session,
+            **self._cluster_text(),
         }
 
 
@@ -741,7 +800,14 @@ def _init_code(cmd: str) -> str:
 
 
 def active_moved(was: str, now: str | None) -> str:
-    """What to say when deleting took the active machine ``was``."""
+    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it)."""
     if now is None:
-        return f"{was} was the active machine: no machine is active now (`%smol use NODE`)"
-    return f"{was} was the active machine: the active machine is now {now}"
+        return f"{was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"{was} was active: the active machine is now {now}"
+
+
+def _where(cell_name: str | None) -> dict[str, Any]:
+    """Which notebook (the Jupyter server's path, when it started this kernel) and cell
+    number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
+    m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
+    return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}

@@ -226,7 +226,7 @@ def test_views_stay_true_then_say_the_kernel_is_gone_after_kill_9(app: str, tmp_
             tree.locator("button.sbt-btn-delete").click()
             tree.locator("button.sbt-btn-delete").click()  # Confirm delete
             expect(msg).to_contain_text(
-                "root.0.0 was the active machine: the active machine is now root", timeout=30_000
+                "root.0.0 was active: the active machine is now root", timeout=30_000
             )
             expect(tree.locator(".sbt-row.sbt-active")).to_have_attribute("data-id", "root")
             ARTIFACTS.mkdir(exist_ok=True)

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import tempfile
 import threading
 import zipfile
@@ -178,7 +179,10 @@ def net_admin():
         s.close()
 
 def ip_route():
-    r = subprocess.run(["ip", "route", "add", "unreachable", "127.99.0.0/16"], capture_output=True)
+    try:
+        r = subprocess.run(["ip", "route", "add", "unreachable", "127.99.0.0/16"], capture_output=True)
+    except OSError:  # no iproute2 here: the ioctl probe (net_admin) covers the same capability
+        return False
     return r.returncode == 0
 
 _held = []
@@ -196,7 +200,7 @@ class NetLab:
 
     def __init__(self, base: Path, hosts: Hosts, smolfile: str, weaken: str = "", up: str = "",
                  env: dict[str, str] | None = None) -> None:
-        self.hosts = hosts
+        self.hosts, self.base = hosts, base
         (base / "Smolfile").write_text(smolfile)
         saved = {k: os.environ.get(k) for k in ("SMOLBENCH_TEST_WEAKEN", *(env or {}))}
         os.environ.update({"SMOLBENCH_TEST_WEAKEN": weaken, **(env or {})})
@@ -335,6 +339,9 @@ def test_on_reaches_the_internet_but_not_the_host(on: NetLab, open_proxy: NetLab
         assert not any(on.host_services(node).values()), node
         pip = on.probe(f"pip_download('http://127.0.0.3:{hosts.other}/simple')", node)
         assert pip["ok"], pip["err"]
+    with contextlib.closing(sqlite3.connect(on.base / ".smolbench" / "ledger.db")) as db:
+        (recorded,) = db.execute("SELECT network FROM sessions").fetchone()
+    assert recorded.startswith("on (the internet") and "set by %smol up, overriding" in recorded
     # an egress proxy that admits everything: the same probes reach the host
     assert open_proxy.probe(f"http('http://127.0.0.3:{hosts.other}/')") == "hello from 127.0.0.3"
     assert all(open_proxy.host_services("root").values())
@@ -357,6 +364,11 @@ def test_an_allow_list_reaches_only_what_it_lists(allow: NetLab, open_proxy: Net
         pip = allow.probe(f"pip_download('http://index.test:{hosts.allowed}/simple', 'index.test')", node)
         assert pip["ok"], pip["err"]
         assert allow.probe(f"pip_download('http://127.0.0.3:{hosts.other}/simple')", node)["ok"] is False
+    # a refused raw connection: one line inside names the host and the policy
+    allow.ok("%smol use root")
+    err = error_text(allow.nb.run(f"%%smol\nsocket.create_connection(('127.0.0.3', {hosts.other}), timeout=3)"))
+    assert "ConnectionRefusedError" in err and f"smolbench: 127.0.0.3:{hosts.other} is not reachable" in err
+    assert "network policy is allow-list: index.test" in err
     status = allow.status()
     assert "allow-list: index.test" in status and "egress proxy" in status
     assert re.search(r" [1-9][0-9]* refused \(last refused: 127\.0\.0\.\d:\d+\)", status), status
@@ -370,14 +382,16 @@ def test_an_allow_list_reaches_only_what_it_lists(allow: NetLab, open_proxy: Net
 # -- a branch can't widen its policy ----------------------------------------------------------------
 
 
-def test_a_branch_cannot_widen_its_policy(allow: NetLab, shared: NetLab, caps: NetLab, hosts: Hosts) -> None:
+def test_a_branch_cannot_widen_its_policy(off: NetLab, on: NetLab, allow: NetLab, shared: NetLab, caps: NetLab,
+                                          hosts: Hosts) -> None:
     attacks = (f"{{'userns': in_new_userns('127.0.0.1', {hosts.bait}, False), "
                f"'userns+netns': in_new_userns('127.0.0.1', {hosts.bait}, True), "
                f"'raw socket': raw_socket(), 'interface': net_admin(), 'ip route': ip_route(), "
                f"'proxy to its host side': tunnel('127.0.0.1', {hosts.bait}) or tunnel('127.0.0.1', 3128)}}")
-    for node in ("root.0", "root.1"):
-        got = allow.probe(attacks, node)
-        assert not any(got.values()), (node, got)
+    for lab in (off, on, allow):
+        for node in ("root.0", "root.1"):
+            got = lab.probe(attacks, node)
+            assert not any(got.values()), (lab.up_text, node, got)
     # weakened set-ups, where the same attacks get through
     assert shared.probe(attacks, "root.0")["userns"] is True
     leaked = caps.probe(attacks, "root.0")

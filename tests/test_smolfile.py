@@ -14,7 +14,7 @@ from smolbench.smolfile import load_smolfile, parse_smolfile
 from smolbench.spec import MachineSpec, Volume
 
 TOP_ALLOWED = (
-    "allowed keys: branch, cpus, disk, env, image, init, init_timeout, max_alive, memory, net, "
+    "allowed keys: branch, cluster, cpus, disk, env, image, init, init_timeout, max_alive, memory, net, "
     "network, pids, volumes, workdir"
 )
 HOST_FIX = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
@@ -214,7 +214,7 @@ BAD: list[tuple[str, str, str]] = [
         "unknown-table",
         "cpus = 1\n\n[netwrk]\nallow_hosts = []",
         "Smolfile line 3: unknown table [netwrk] (did you mean [network]?); "
-        "allowed tables: [branch], [env], [network], [[volumes]]",
+        "allowed tables: [branch], [cluster], [env], [network], [[volumes]]",
     ),
     (
         "unknown-branch-key",
@@ -497,3 +497,20 @@ def test_bad_smolfile(base: Path, text: str, expected: str) -> None:
     with pytest.raises(SmolfileError, match=pattern) as err:
         parse_smolfile(text, base_dir=str(base))
     assert "\n" not in str(err.value)
+
+
+def test_cluster_table_says_where_machines_run_and_refuses_ray_client(tmp_path: Path) -> None:
+    from smolbench.smolfile import load_cluster
+
+    good = tmp_path / "Smolfile"
+    good.write_text('[cluster]\naddress = "10.0.0.5:6379"\n')
+    assert load_cluster(good) == {"address": "10.0.0.5:6379"}
+    assert load_smolfile(good).baseline() == parse_smolfile("").baseline()  # where, not what: same baseline
+    bad = tmp_path / "Client"
+    bad.write_text('[cluster]\naddress = "ray://head:10001"\n')
+    with pytest.raises(SmolfileError, match="Ray Client, which can't stream generators"):
+        load_smolfile(bad)
+    typo = tmp_path / "Typo"
+    typo.write_text('[cluster]\nadress = "auto"\n')
+    with pytest.raises(SmolfileError, match="unknown key 'adress' in \\[cluster\\]"):
+        load_smolfile(typo)

@@ -148,7 +148,7 @@ def test_use_checkpoint_and_delete_clicks_change_the_workbench_the_ledger_and_th
     reply = click(w, "delete", node="root.7")
     assert reply == {
         "level": "ok",
-        "text": "deleted root.7; root.7 was the active machine: the active machine is now root",
+        "text": "deleted root.7; root.7 was active: the active machine is now root",
         "seq": reply["seq"],
         "request": "req-delete",
     }

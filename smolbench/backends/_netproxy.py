@@ -36,7 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..gate import netreq
-from ..netpolicy import IPAddress, NetPolicy, literal, own_addresses, test_internet, test_resolve
+from ..netpolicy import (
+    IPAddress,
+    NetPolicy,
+    literal,
+    own_addresses,
+    stand_in_internet,
+    stand_in_resolve,
+    unmapped,
+)
 
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
@@ -44,6 +52,8 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
+LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
+MAX_CONNECTIONS = 256  # per machine at once: one machine can't starve the others' proxy
 CONNECT_TIMEOUT = 30.0
 
 
@@ -81,11 +91,17 @@ class ProxyClient:
             raise OSError("the egress proxy did not start")
         return proc
 
-    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def start(self) -> None:
+        """Start the proxy process unless it runs (the sandbox does this while a machine boots)."""
         async with self._lock:
             if self.proc is None or self.proc.returncode is not None:
                 self.proc = await self._start()
-            assert self.proc.stdin is not None and self.proc.stdout is not None
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        await self.start()
+        async with self._lock:
+            if self.proc is None or self.proc.stdin is None or self.proc.stdout is None or self.proc.returncode is not None:
+                raise OSError("the egress proxy exited")
             self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
             await self.proc.stdin.drain()
             line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
@@ -94,8 +110,11 @@ class ProxyClient:
             raise OSError(str(reply["error"]))
         return dict(reply)
 
-    async def attach(self, node: str, pid: int, policy: NetPolicy) -> None:
-        await self.call({"op": "attach", "node": node, "pid": pid, "policy": policy.as_dict()})
+    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy) -> dict[str, str]:
+        """Give each (name, host pid) its listeners; the ones that failed, with why."""
+        reply = await self.call({"op": "attach", "machines": [{"node": n, "pid": p} for n, p in machines],
+                                 "policy": policy.as_dict()})
+        return dict(reply.get("errors") or {})
 
     async def detach(self, nodes: list[str]) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -143,10 +162,10 @@ def _setns(fd: int, kind: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def listeners_in(pid: int, addrs: list[tuple[str, int]]) -> list[socket.socket]:
-    """Listening sockets bound to ``addrs`` inside the network namespace of host process
+def _bind_in(pid: int, addrs: list[tuple[str, int]]) -> tuple[int, socket.socket]:
+    """Start binding listening sockets to ``addrs`` inside the network namespace of host process
     ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
-    capability) and network namespace, binds, and sends the descriptors back."""
+    capability) and network namespace, binds, and sends the descriptors back (``_collect``)."""
     ours, theirs = socket.socketpair()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked child
@@ -173,6 +192,10 @@ def listeners_in(pid: int, addrs: list[tuple[str, int]]) -> list[socket.socket]:
             code = 1
         os._exit(code)
     theirs.close()
+    return child, ours
+
+
+def _collect(child: int, ours: socket.socket) -> list[socket.socket]:
     try:
         msg, fds, _, _ = socket.recv_fds(ours, 1024, 64)
     finally:
@@ -191,8 +214,8 @@ class Proxy:
     def __init__(self, open_all: bool = False) -> None:
         self.nodes: dict[str, Node] = {}
         self.open_all = open_all  # test-only weakening: admit every destination
-        self.internet = test_internet()
-        self.resolve_map = test_resolve()
+        self.internet = stand_in_internet()
+        self.resolve_map = stand_in_resolve()
         self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
 
     def own(self) -> frozenset[IPAddress]:
@@ -200,9 +223,26 @@ class Proxy:
             self._own = (time.monotonic(), own_addresses())
         return self._own[1]
 
-    async def attach(self, name: str, pid: int, policy: NetPolicy) -> None:
-        await self.detach(name)
-        node = Node(name, policy)
+    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy) -> dict[str, str]:
+        """Listeners for each (name, host pid): the helpers bind in parallel. Errors by name."""
+        addrs = self.addresses(policy)
+        started = []
+        for name, pid in machines:
+            await self.detach(name)
+            started.append((name, _bind_in(pid, addrs)))
+        errors = {}
+        for name, helper in started:
+            try:
+                socks = _collect(*helper)
+            except OSError as exc:
+                errors[name] = str(exc)
+                continue
+            await self.serve(name, policy, socks, addrs)
+        return errors
+
+    @staticmethod
+    def addresses(policy: NetPolicy) -> list[tuple[str, int]]:
+        """Where a machine's listeners go: the proxy port, then each listed loopback address:port."""
         addrs = [("127.0.0.1", PROXY_PORT)]
         fwd: dict[tuple[str, int], IPAddress] = {}
         for addr, port in [(r.single(), r.port) for r in policy.cidrs] + [(literal(h.name), h.port) for h in policy.hosts]:
@@ -210,19 +250,26 @@ class Proxy:
             if addr is not None and port is not None and addr.is_loopback:
                 fwd[(str(addr), port)] = addr
         fwd.pop(addrs[0], None)
-        socks = listeners_in(pid, addrs + list(fwd))
+        return addrs + list(fwd)
+
+    async def serve(self, name: str, policy: NetPolicy, socks: list[socket.socket], addrs: list[tuple[str, int]]) -> None:
+        node = Node(name, policy)
         self.nodes[name] = node
-        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w)),
+        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w), w),
                                                        sock=socks[0], limit=CHUNK))
-        for sock, (host, port) in zip(socks[1:], fwd):
-            target = fwd[(host, port)]
+        for sock, (host, port) in zip(socks[1:], addrs[1:]):
+            target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
-                self._spawn(node, self.forwarded(node, t, p, r, w))
+                self._spawn(node, self.forwarded(node, t, p, r, w), w)
 
             node.servers.append(await asyncio.start_server(handler, sock=sock, limit=CHUNK))
 
-    def _spawn(self, node: Node, coro: Any) -> None:
+    def _spawn(self, node: Node, coro: Any, writer: asyncio.StreamWriter) -> None:
+        if len(node.tasks) >= MAX_CONNECTIONS:
+            coro.close()
+            writer.transport.abort()
+            return
         task = asyncio.ensure_future(coro)
         node.tasks.add(task)
         task.add_done_callback(node.tasks.discard)
@@ -243,13 +290,13 @@ class Proxy:
         if lit is not None:
             candidates = [lit]
         elif host in self.resolve_map:
-            candidates = [ipaddress.ip_address(self.resolve_map[host])]
+            candidates = [unmapped(ipaddress.ip_address(self.resolve_map[host]))]
         elif node.policy.may_resolve(host, port) or self.open_all:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError:
                 return None
-            candidates = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
+            candidates = [unmapped(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos]
         else:
             candidates = []
         own = self.own()
@@ -321,8 +368,8 @@ class Proxy:
     async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "attach":
-            await self.attach(str(msg["node"]), int(msg["pid"]), NetPolicy.from_dict(msg["policy"]))
-            return {"ok": True}
+            machines = [(str(m["node"]), int(m["pid"])) for m in msg["machines"]]
+            return {"ok": True, "errors": await self.attach(machines, NetPolicy.from_dict(msg["policy"]))}
         if op == "detach":
             for name in msg.get("nodes", []):
                 await self.detach(str(name))
@@ -347,9 +394,17 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 
 async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
+    """Both ways until the far end is done; then the machine's side gets a few seconds to
+    finish (an idle client that never closes must not hold a connection slot forever)."""
+    to_far = asyncio.ensure_future(_pipe(r1, w2))
+    to_machine = asyncio.ensure_future(_pipe(r2, w1))
     try:
-        await asyncio.gather(_pipe(r1, w2), _pipe(r2, w1))
+        await to_machine
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(to_far), LINGER)
     finally:
+        to_far.cancel()
+        to_machine.cancel()
         await _close(w2)
 
 

@@ -91,13 +91,25 @@ class SandboxBackend(AgentHostBackend):
         return "; ".join([line, *self.notes])
 
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
-        ref = await super().create(spec, name)
+        # the egress proxy (once per kernel) starts while the machine boots
+        starting = asyncio.ensure_future(self.proxy.start()) if self._net_proxied(spec) else None
+        try:
+            ref = await super().create(spec, name)
+        except BaseException:
+            if starting is not None:
+                with contextlib.suppress(BaseException):
+                    await starting
+            raise
         ref.info["contained"] = self._contained
         if self._contained and self._containment is None:
             self._containment = await self.info(ref)
         if self._net_proxied(spec):
             try:
-                await self.proxy.attach(name, ref.info["host_pid"], spec.policy)
+                assert starting is not None
+                await starting
+                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
+                if failed:
+                    raise OSError(failed[name])
             except (OSError, asyncio.TimeoutError) as exc:
                 await self.delete(ref)
                 raise BackendUnavailable(f"the sandbox machine {name!r} can't get its network ({exc}): "
@@ -135,17 +147,30 @@ class SandboxBackend(AgentHostBackend):
         refs = await super().branch(machine, names, seeds)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
-            for ref in refs:
+            async def ready(ref: MachineRef) -> tuple[str, int] | None:
                 pid = ref.info.get("host_pid")
                 try:
                     if pid is None:
                         raise OSError("its host process is not known")
                     await _own_netns(pid, machine.info["host_pid"])
-                    await self.proxy.attach(ref.name, pid, machine.spec.policy)
-                except (OSError, asyncio.TimeoutError) as exc:
-                    ref.info["net_error"] = str(exc)
-                    self.notes.append(f"branch {ref.name} has no network: {exc}")
+                except OSError as exc:
+                    self._no_net(ref, str(exc))
+                    return None
+                return ref.name, pid
+
+            waiting = await asyncio.gather(*(ready(ref) for ref in refs))
+            try:
+                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy)
+            except (OSError, asyncio.TimeoutError) as exc:
+                failed = {ref.name: str(exc) for ref in refs}
+            for ref in refs:
+                if ref.name in failed:
+                    self._no_net(ref, failed[ref.name])
         return refs
+
+    def _no_net(self, ref: MachineRef, why: str) -> None:
+        ref.info["net_error"] = why
+        self.notes.append(f"branch {ref.name} has no network: {why}")
 
     async def delete(self, machine: MachineRef) -> None:
         await super().delete(machine)
@@ -186,7 +211,7 @@ class SandboxBackend(AgentHostBackend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
         self._fds, self._fd_paths = p.fds, p.paths
         if not self._contained or os.geteuid() != 0:
             return p.argv, GUEST_RUN, spec.workdir

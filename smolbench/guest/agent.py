@@ -565,10 +565,14 @@ class Agent:
         """Fork one live child per requested branch; answer with their pids."""
         frozen = None
         if self.machine is not None:
+            old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])  # the overlays about to be swapped
             os.chdir("/")  # hold nothing of the overlay that the keeper swaps
             frozen = contain.ask_freeze(self.machine.chan)
+            frozen["old_mounts"] = old
             if self.workdir:
                 os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
+            if "layers" not in self.machine.weak:  # files kept open for writing: onto the fresh upper
+                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, writers_only=True))
         try:
             return self._fork_children(req, frozen)
         finally:
@@ -623,7 +627,8 @@ class Agent:
         _set_pdeathsig()
         if frozen is not None:
             view, frozen["view"] = frozen["view"], None
-            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view)
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view,
+                                                frozen.get("old_mounts"))
             self.sock_path = os.path.join(contain.RUN, "s")
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
@@ -665,7 +670,7 @@ class Agent:
         if self.workdir and os.path.exists(ws):
             with tarfile.open(ws) as tar:
                 for member in tar.getmembers():
-                    if member.name.startswith(("/", "..")) or "/../" in member.name:
+                    if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
                 if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
                     tar.extractall(self.workdir, filter="data")
@@ -844,7 +849,40 @@ def _error_from_exc(filename):
     frames = traceback.format_tb(tb) if tb is not None else []
     if etype is not None and issubclass(etype, SyntaxError):
         frames = traceback.format_exception_only(etype, evalue)[:-1]
-    return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue), "traceback": frames}
+    return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue) + _net_note(evalue), "traceback": frames}
+
+
+# -- the network policy, said where a connection fails ------------------------------------
+
+_NET_ERRNOS = (111, 101, 113, 99)  # ECONNREFUSED, ENETUNREACH, EHOSTUNREACH, EADDRNOTAVAIL
+_last_connect = threading.local()
+
+
+def _audit(event, args):
+    if event == "socket.connect":
+        _last_connect.addr = args[1]
+
+
+def watch_connects():
+    """Remember each thread's last connect() target (an audit hook): a refused connection's
+    error can then name the host, next to the machine's network policy."""
+    if os.environ.get("SMOLBENCH_NET_POLICY"):
+        sys.addaudithook(_audit)
+
+
+def _net_note(exc):
+    policy = os.environ.get("SMOLBENCH_NET_POLICY")
+    seen = 0
+    while exc is not None and policy and seen < 8:
+        seen += 1
+        if isinstance(exc, OSError) and exc.errno in _NET_ERRNOS:
+            addr = getattr(_last_connect, "addr", None)
+            where = "%s:%s" % addr[:2] if isinstance(addr, tuple) and len(addr) >= 2 else "that host"
+            return ("\n(smolbench: %s is not reachable from this machine; its network policy is %s: "
+                    "this host's own services and anything not listed are out of reach)" % (where, policy))
+        exc = getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), BaseException) else (
+            exc.__cause__ or exc.__context__)
+    return ""
 
 
 # -- per-branch private files (Linux) --------------------------------------------
@@ -968,6 +1006,7 @@ def main(argv=None):
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
                                      weak=[w for w in args.weaken.split(",") if w])
+    watch_connects()
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
     agent.machine = machine

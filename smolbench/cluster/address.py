@@ -1,0 +1,60 @@
+"""Joining a Ray cluster as a normal driver (the kernel's host joins it itself)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..errors import SmolbenchError
+
+RAY_CLIENT_LINE = ("`ray://` addresses use Ray Client, which can't stream generators (live branch output): "
+                   "join the cluster from its own network instead, e.g. `%smol up --ray auto` on a node, "
+                   "or `--ray HEAD_IP:6379`")
+
+
+def resolve(address: str | None) -> str:
+    """The address to join: ``auto``, ``HOST:PORT``, or RAY_ADDRESS when none is given."""
+    addr = (address or os.environ.get("RAY_ADDRESS") or "auto").strip()
+    if addr.startswith("ray://"):
+        raise SmolbenchError(RAY_CLIENT_LINE)
+    if addr != "auto" and (":" not in addr or not addr.rsplit(":", 1)[1].isdigit()):
+        raise SmolbenchError(f"bad Ray address {addr!r}: give HOST:PORT of the head's GCS (e.g. 10.0.0.5:6379), "
+                             "`auto`, or set RAY_ADDRESS")
+    return addr
+
+
+def connect(address: str | None) -> str:
+    """Join the cluster (once per kernel); returns the address joined."""
+    try:
+        import ray
+    except ImportError:
+        raise SmolbenchError("Ray is not installed: `pip install 'smolbench[ray]'`") from None
+    addr = resolve(address)
+    if ray.is_initialized():
+        return addr
+    try:
+        # log_to_driver off: Ray's forwarding folds repeated lines; output comes back through the gate
+        ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False)
+    except ConnectionError as exc:
+        raise SmolbenchError(f"can't join the Ray cluster at {addr}: {exc}; start one (`smolbench cluster local "
+                             "--nodes 3`, or `ray start --head`) or fix the address") from None
+    return addr
+
+
+def disconnect() -> None:
+    """Leave the cluster (the node agents this driver owns go with it)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def nodes() -> list[dict[str, Any]]:
+    """Live nodes that offer machine slots."""
+    import ray
+
+    from . import SLOTS
+
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(SLOTS, 0) > 0]

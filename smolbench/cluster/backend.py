@@ -1,0 +1,400 @@
+"""ClusterBackend: the Backend protocol on the driver, machines on Ray nodes.
+
+Each machine lives on one node and is driven by that node's agent (agent.py). A fork
+is split into one contiguous batch per node (placement.py); nodes other than the warm
+parent's get a replica of it first (replica.py), cached until the parent runs another
+cell. A cell's reply arrives as raw byte chunks of a Ray streaming generator and goes to
+:func:`smolbench.gate.read_cell` here, so output streams live and nothing a machine made
+is unpickled on the driver. A node that is lost raises InfraError, so the Workbench
+re-runs its branches elsewhere under ``--retries``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import gate
+from ..backends._wire import exec_message
+from ..backends.base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+from ..errors import InfraError, SmolbenchError
+from ..spec import MachineSpec
+from . import SLOTS, address, placement
+from .agent import NodeAgent, node_kind
+from .replica import FINGERPRINT_CODE, Recipe
+
+
+@dataclass
+class Replica:
+    """A copy of a warm parent's state on another node."""
+
+    ref: MachineRef
+    key: tuple[str, int]
+    fingerprint: str
+    bytes_shipped: int
+    seconds: float
+    children: set[str] = field(default_factory=set)
+    stale: bool = False
+
+
+@dataclass
+class Node:
+    """One Ray node with an agent."""
+
+    id: str
+    agent: Any
+    slots: int
+    backend: str = "?"
+    host: str = ""
+    live: set[str] = field(default_factory=set)
+    lost: bool = False
+
+
+def _short(node_id: str) -> str:
+    return node_id[:8]
+
+
+class ClusterBackend(Backend):
+    """Machines on the nodes of a Ray cluster, one node agent each."""
+
+    name = "cluster"
+
+    def __init__(self, ray_address: str | None = None, *, session: str | None = None, max_starts: int = 2) -> None:
+        self.address = address.resolve(ray_address)
+        self.session = session or uuid.uuid4().hex[:8]
+        self.max_starts = max_starts
+        self.nodes: dict[str, Node] = {}
+        self._machines: dict[str, MachineRef] = {}
+        self.replicas: dict[tuple[str, str], Replica] = {}  # (parent, node) -> replica
+        self._fingerprints: dict[tuple[str, int], str] = {}
+        self.recipe_for: Callable[[str], Recipe] | None = None  # set by the Workbench: a node's recorded path
+        self.on_replica: Callable[[str, str, Replica], None] = lambda parent, node, rep: None
+        self.notes: list[str] = []
+        self.bytes_in = 0
+        self._looked = 0.0
+
+    # -- joining ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the cluster and start one agent per node that offers machine slots."""
+        import ray
+
+        self.address = address.connect(self.address)
+        new = self._new_agents()
+        if not new:
+            raise SmolbenchError(f"the Ray cluster at {self.address} has no node with `{SLOTS}`: start nodes with "
+                                 f"`ray start --address ... --resources '{{\"{SLOTS}\": 8}}'` (or `smolbench cluster local`)")
+        for d in ray.get([n.agent.describe.remote() for n in new], timeout=300):
+            self._described(d)
+
+    def _new_agents(self) -> builtins.list[Node]:
+        """An agent on every live node with slots that has none yet (pinned there: hard node affinity)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._looked = time.monotonic()
+        actor = ray.remote(NodeAgent)
+        new = []
+        for n in address.nodes():
+            nid = n["NodeID"]
+            if nid in self.nodes:
+                continue
+            handle = actor.options(
+                num_cpus=0, max_restarts=0, name=f"smolbench-{self.session}-{_short(nid)}",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+            ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts)
+            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting")
+            new.append(self.nodes[nid])
+        return new
+
+    def _described(self, d: dict[str, Any]) -> None:
+        node = self.nodes[d["node"]]
+        node.backend, node.host = d["backend"], d["host"]
+        if d["swept"]:
+            self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
+
+    async def refresh(self, every: float = 5.0) -> None:
+        """Nodes that joined since we looked get an agent (at most every ``every`` seconds)."""
+        if time.monotonic() - self._looked < every:
+            return
+        new = await asyncio.to_thread(self._new_agents)
+        for node in new:
+            try:
+                self._described(await self._call(node, node.agent.describe.remote()))
+            except SmolbenchError as exc:
+                self._lose(node)
+                self.notes.append(f"node {_short(node.id)} has no agent: {exc}")
+
+    def _alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if not n.lost and n.backend != "starting"]
+
+    def free(self) -> dict[str, int]:
+        """Free machine slots per live node."""
+        return {n.id: n.slots - len(n.live) for n in self._alive()}
+
+    def slots(self) -> int:
+        """Machine slots of the live nodes together (how many branches run at once by default)."""
+        return sum(n.slots for n in self._alive())
+
+    @property
+    def isolation(self) -> str:
+        kinds = sorted({n.backend for n in self._alive()})
+        return f"per node: {', '.join(kinds) or 'none'} (see `%smol status`)"
+
+    # -- calling agents -----------------------------------------------------------------
+
+    async def _call(self, node: Node, ref: Any) -> Any:
+        import ray
+
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
+            if isinstance(cause, SmolbenchError):
+                raise type(cause)(str(cause)) from None
+            raise SmolbenchError(f"node {_short(node.id)}: {cause or exc}") from None
+        except ray.exceptions.RayError as exc:
+            self._lose(node)
+            raise InfraError(f"node {_short(node.id)} was lost ({type(exc).__name__})") from None
+
+    def _lose(self, node: Node) -> None:
+        if not node.lost:
+            node.lost = True
+            self.notes.append(f"node {_short(node.id)} ({node.backend}) was lost; its machines are gone")
+            for ref in [m for m in self._machines.values() if m.info.get("node") == node.id]:
+                self._machines.pop(ref.name, None)
+            for key in [k for k in self.replicas if k[1] == node.id]:
+                self.replicas.pop(key, None)
+            node.live.clear()
+
+    def _node_of(self, machine: MachineRef) -> Node:
+        node = self.nodes.get(machine.info.get("node", ""))
+        if node is None or node.lost or machine.name not in self._machines:
+            raise InfraError(f"machine {machine.name} is gone with its node "
+                             f"{_short(machine.info.get('node', '?'))}")
+        return node
+
+    def _adopt(self, node: Node, name: str, spec: MachineSpec, parent: str | None, **info: Any) -> MachineRef:
+        ref = MachineRef(name, self.name, spec, parent=parent,
+                         info={"node": node.id, "node_backend": node.backend, "root": name if parent is None else None, **info})
+        self._machines[name] = ref
+        node.live.add(name)
+        return ref
+
+    # -- the Backend protocol -------------------------------------------------------------
+
+    async def create(self, spec: MachineSpec, name: str, node_id: str | None = None) -> MachineRef:
+        if node_id is None:
+            await self.refresh()
+        free = self.free()
+        if not free:
+            raise InfraError("no live Ray node offers machine slots")
+        node = self.nodes[node_id or placement.least_loaded(free)]
+        node.live.add(name)  # counted while it boots
+        try:
+            await self._call(node, node.agent.create.remote(spec, name))
+        except BaseException:
+            node.live.discard(name)
+            raise
+        return self._adopt(node, name, spec, None)
+
+    async def _chunks(self, node: Node, gen: Any) -> AsyncGenerator[bytes, None]:
+        import ray
+
+        it = gen.__aiter__()
+        try:
+            while True:
+                try:
+                    ref = await self._call(node, it.__anext__())
+                except StopAsyncIteration:
+                    return
+                chunk = await self._call(node, ref)
+                if not isinstance(chunk, bytes):
+                    raise SmolbenchError(f"node {_short(node.id)}'s agent sent {type(chunk).__name__}, not bytes")
+                self.bytes_in += len(chunk)
+                yield chunk
+        finally:
+            with contextlib.suppress(Exception):
+                ray.cancel(gen)
+
+    async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
+        node = self._node_of(machine)
+        gen = node.agent.stream.remote(machine.name, exec_message(request))
+        async with contextlib.aclosing(self._chunks(node, gen)) as chunks:
+            return await gate.read_cell(chunks, request, on_event, machine.name)
+
+    async def interrupt(self, machine: MachineRef) -> None:
+        with contextlib.suppress(SmolbenchError):
+            node = self._node_of(machine)
+            await self._call(node, node.agent.control.remote(machine.name, {"op": "interrupt"}))
+
+    async def delete(self, machine: MachineRef) -> None:
+        ref = self._machines.pop(machine.name, None)
+        if ref is None:
+            return
+        node = self.nodes.get(ref.info.get("node", ""))
+        for child in [m for m in self._machines.values() if m.parent == ref.name]:
+            await self.delete(child)
+        if node is not None:
+            node.live.discard(ref.name)
+            if not node.lost:
+                with contextlib.suppress(SmolbenchError):
+                    await self._call(node, node.agent.delete.remote([ref.name]))
+        for key, rep in list(self.replicas.items()):
+            rep.children.discard(ref.name)
+            if key[0] == ref.name:  # the parent went: so does every replica of it
+                rep.stale = True
+            if rep.stale and not rep.children:
+                self.replicas.pop(key, None)
+                await self.delete(rep.ref)
+
+    def list(self) -> builtins.list[MachineRef]:
+        return [m for m in self._machines.values() if not m.info.get("replica")]
+
+    async def close(self) -> None:
+        import ray
+
+        for ref in reversed(builtins.list(self._machines.values())):
+            with contextlib.suppress(Exception):
+                await self.delete(ref)
+        self.replicas.clear()
+        for node in self.nodes.values():  # the agents go too: a later `%smol up --ray` starts its own
+            with contextlib.suppress(Exception):
+                ray.kill(node.agent)
+        self.nodes.clear()
+
+    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
+        raise SmolbenchError("checkpoints of cluster machines are not supported yet: a cluster fork's replica is "
+                             "its recorded path; `%smol up` without --ray to save checkpoints")
+
+    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+        raise SmolbenchError("restoring a checkpoint onto a cluster is not supported yet: `%smol up` without --ray")
+
+    # -- forks across nodes ---------------------------------------------------------------
+
+    async def branch(self, machine: MachineRef, names: builtins.list[str],
+                     seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
+        """One batch per node: the parent's node branches the parent, the others a replica of it."""
+        home = self._node_of(machine)
+        await self.refresh()
+        free = self.free()
+        plan = placement.split(len(names), free, prefer=home.id)
+        made: builtins.list[MachineRef] = []
+        if any(n != home.id for n in plan):
+            try:  # before the parent forks: one request at a time reaches a machine
+                await self._parent_fingerprint(machine)
+            except SmolbenchError as exc:
+                self.notes.append(f"all {len(names)} branches ran on {_short(home.id)}: {exc}")
+                plan = {home.id: range(len(names))}
+
+        async def on(node_id: str, idx: range) -> builtins.list[MachineRef]:
+            node = self.nodes[node_id]
+            batch, bseeds = [names[i] for i in idx], [seeds[i] for i in idx]
+            source = machine if node_id == home.id else (await self._replica(machine, node)).ref
+            for n in batch:
+                node.live.add(n)
+            try:
+                got = await self._call(node, node.agent.branch.remote(source.name, batch, bseeds))
+            except BaseException:
+                for n in batch:
+                    node.live.discard(n)
+                raise
+            refs = [self._adopt(node, n, machine.spec, machine.name, source=source.name) for n in got]
+            if source is not machine:
+                self.replicas[(machine.name, node_id)].children.update(got)
+            made.extend(refs)
+            return refs
+
+        results = await asyncio.gather(*(on(n, idx) for n, idx in plan.items()), return_exceptions=True)
+        failed = [(n, idx, r) for (n, idx), r in zip(plan.items(), results) if isinstance(r, BaseException)]
+        for node_id, idx, why in failed:  # that node's batch goes home (its replica didn't work out)
+            if isinstance(why, asyncio.CancelledError) or home.lost:
+                for ref in made:
+                    await self.delete(ref)
+                raise why
+            self.notes.append(f"{len(idx)} branch(es) meant for node {_short(node_id)} ran on {_short(home.id)}: {why}")
+            try:
+                await on(home.id, idx)
+            except BaseException:
+                for ref in made:
+                    await self.delete(ref)
+                raise
+        order = {n: i for i, n in enumerate(names)}
+        return sorted(made, key=lambda r: order[r.name])
+
+    async def fingerprint(self, machine: MachineRef) -> str:
+        """The state fingerprint of a machine (replica.FINGERPRINT_CODE), through the gate."""
+        res = await self.exec_cell(machine, CellRequest(FINGERPRINT_CODE, cell_name="<fingerprint>"), lambda ev: None)
+        if res.status != "ok":
+            raise SmolbenchError(f"the state fingerprint of {machine.name} failed: {(res.error or {}).get('evalue', '')}")
+        return str((res.result or {}).get("text/plain", "")).strip("'\"")
+
+    async def _parent_fingerprint(self, parent: MachineRef) -> str:
+        """The warm parent's fingerprint, once per state (recipe key)."""
+        if self.recipe_for is None:
+            raise SmolbenchError("no recorded path to replay (this backend is driven without a Workbench)")
+        key = self.recipe_for(parent.name).key
+        if key not in self._fingerprints:
+            self._fingerprints[key] = await self.fingerprint(parent)
+        return self._fingerprints[key]
+
+    async def _replica(self, parent: MachineRef, node: Node) -> Replica:
+        """The warm parent on ``node``: cached while the parent's state is unchanged, else replayed."""
+        if self.recipe_for is None:
+            raise SmolbenchError("no recorded path to replay (this backend is driven without a Workbench)")
+        recipe = self.recipe_for(parent.name)
+        have = self.replicas.get((parent.name, node.id))
+        if have is not None and have.key == recipe.key and not node.lost:
+            return have
+        if have is not None:  # the parent ran another cell: the old copy is no good for new branches
+            have.stale = True
+            if not have.children:
+                self.replicas.pop((parent.name, node.id), None)
+                await self.delete(have.ref)
+        if recipe.pushed:
+            raise SmolbenchError(f"cells of {', '.join(sorted(set(recipe.pushed)))} used --push, whose values are "
+                                 "not recorded, so the parent can't be replayed on another node")
+        want = await self._parent_fingerprint(parent)
+        t0 = time.perf_counter()
+        name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
+        ref = await self.create(parent.spec, name, node_id=node.id)
+        ref.info["replica"] = True
+        try:
+            for step in recipe.steps:
+                if step[0] == "seed":
+                    await self._call(node, node.agent.control.remote(name, {"op": "seed", "seed": step[1], "name": name}))
+                    continue
+                await self.exec_cell(ref, CellRequest(step[1], seed=step[2], cell_name="<replay>"), lambda ev: None)
+            got = await self.fingerprint(ref)
+            if got != want:
+                raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
+                                     f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
+                                     "files from outside, --push)")
+        except BaseException:
+            await self.delete(ref)
+            raise
+        rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
+        self.replicas[(parent.name, node.id)] = rep
+        self.on_replica(parent.name, node.id, rep)
+        return rep
+
+    # -- status ---------------------------------------------------------------------------
+
+    def describe(self) -> builtins.list[str]:
+        """One line per node (what ``%smol status`` lists)."""
+        lines = []
+        for n in self.nodes.values():
+            live = sorted(m for m in n.live if not self._machines.get(m, MachineRef(m, "", MachineSpec())).info.get("replica"))
+            reps = [(k[0], r) for k, r in self.replicas.items() if k[1] == n.id]
+            rep_text = "; ".join(f"replica of {p} ({r.bytes_shipped} B shipped, {r.seconds:.2f} s, fingerprint "
+                                 f"{r.fingerprint}{', stale' if r.stale else ''})" for p, r in reps)
+            shown = ", ".join(live[:8]) + (f", … {len(live) - 8} more" if len(live) > 8 else "")
+            lines.append(f"{_short(n.id)} {n.host} {n.backend}: {'LOST' if n.lost else 'up'}, {n.slots} slots, "
+                         f"{len(live)} live ({shown or 'none'})" + (f"; {rep_text}" if rep_text else ""))
+        return lines

@@ -1,0 +1,131 @@
+"""A throwaway multi-node Ray cluster on this machine, for trying things out and for class demos.
+
+A head with no CPUs (it schedules no work) plus ``nodes`` worker nodes, each with its own
+data folder (``SMOLBENCH_NODE_DIR``), ``slots`` machine slots and a small object store.
+Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or leaving the
+``with`` block) stops every Ray process it started and removes the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import SmolbenchError
+from . import SLOTS
+
+OBJECT_STORE = 100 * 1024 * 1024  # per node: this is a demo on one host, not a data pipeline
+BACKENDS = ("auto", "sandbox", "process", "smol")
+T = TypeVar("T")
+
+
+def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:
+    """Ray gives a node 30 s to register; on a busy host that can run out: try again."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == tries - 1:
+                raise
+            if cleanup is not None:
+                cleanup()
+    raise AssertionError("unreachable")
+
+
+class LocalCluster:
+    """``nodes`` Ray nodes on this host; ``address`` is what ``%smol up --ray`` takes."""
+
+    def __init__(self, nodes: int = 3, *, slots: int = 8, cpus: int = 1, backends: list[str] | None = None,
+                 base: str | None = None) -> None:
+        if not 1 <= nodes <= 16:
+            raise SmolbenchError(f"--nodes must be from 1 to 16 on one host, got {nodes}")
+        if not 1 <= slots <= 256:
+            raise SmolbenchError(f"--slots must be from 1 to 256 machines per node, got {slots}")
+        backends = list(backends or ["auto"])
+        bad = [b for b in backends if b not in BACKENDS]
+        if bad:
+            raise SmolbenchError(f"unknown node backend {bad[0]!r}: use one of {', '.join(BACKENDS)}")
+        try:
+            from ray.cluster_utils import Cluster
+        except ImportError:
+            raise SmolbenchError("Ray is not installed: `pip install 'smolbench[ray]'`") from None
+        # short: Ray's Unix socket paths live below it and must stay under 108 characters
+        self.dir = Path(tempfile.mkdtemp(prefix="sbray-", dir=base or ("/tmp" if os.path.isdir("/tmp") else None)))
+        self._old_tmp = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = str(self.dir)  # Ray's `auto` address file goes here, not to a shared /tmp/ray
+        (self.dir / "ray").mkdir()
+        self.node_dirs: list[Path] = []
+        self.nodes: list[Any] = []
+        self._cluster: Any = None
+        try:
+            self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
+                "include_dashboard": False, "resources": {}}), self._kill_strays)
+            for i in range(nodes):
+                self.add_node(slots=slots, cpus=cpus, backend=backends[i % len(backends)])
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        """The head's GCS address (HOST:PORT)."""
+        return str(self._cluster.address)
+
+    def add_node(self, *, slots: int = 8, cpus: int = 1, backend: str = "auto") -> Any:
+        """One more worker node with its own data folder; returns Ray's node handle."""
+        folder = self.dir / f"node{len(self.node_dirs)}"
+        folder.mkdir(mode=0o700)
+        resources: dict[str, float] = {SLOTS: float(slots)}
+        if backend != "auto":
+            resources[f"smolbench_backend_{backend}"] = 1.0
+        node = _again(lambda: self._cluster.add_node(num_cpus=cpus, resources=resources, object_store_memory=OBJECT_STORE,
+                                                     env_vars={"SMOLBENCH_NODE_DIR": str(folder)}))
+        self.node_dirs.append(folder)
+        self.nodes.append(node)
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        """Take a node away, as if its host was lost (its processes are killed)."""
+        self._cluster.remove_node(node, allow_graceful=False)
+        self.nodes.remove(node)
+
+    def stop(self) -> None:
+        """Stop every Ray process this cluster started and remove its folder."""
+        if self._cluster is not None:
+            with contextlib.suppress(Exception):  # a driver in this process (a notebook's %smol up) leaves first
+                import ray
+
+                if ray.is_initialized() and ray.get_runtime_context().gcs_address == self.address:
+                    ray.shutdown()
+            with contextlib.suppress(Exception):
+                self._cluster.shutdown()
+            self._cluster = None
+        self._kill_strays()
+        if self._old_tmp is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = self._old_tmp
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_strays(self) -> None:
+        """Ray processes of this cluster that outlived it (a node that timed out while starting)."""
+        mark = str(self.dir).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if mark in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

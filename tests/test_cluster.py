@@ -1,0 +1,322 @@
+"""Issue 20: `%%smol fork` and `%%smol episodes` across the nodes of a Ray cluster.
+
+One throwaway cluster for the whole module (``smolbench.cluster.local.LocalCluster``:
+``ray.cluster_utils.Cluster``, a head with 0 CPUs plus three nodes with 8 machine slots
+each, two on the sandbox backend and one on the process backend, each with its own data
+folder). One real kernel joins it with ``%smol up --ray ADDRESS`` and is shared by the
+tests that run in order below; the kill -9 test has a kernel of its own.
+
+"No machine left on a node" is checked on the host: a machine's processes carry its
+run folder, which lives in its node's data folder, on their command line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from nbformat import NotebookNode
+from nbhelpers import NotebookSession, error_output, error_text, plain_texts, stream_text
+
+from smolbench import Ledger
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
+    pytest.mark.timeout(600),
+]
+
+CELL = "import random\nprint('seed', SEED, flush=True)\nreward = x + random.random()"
+
+
+def expected(seed: int, base: float = 41) -> float:
+    """What a branch with ``seed`` reports: its seed is applied before the cell runs."""
+    return base + random.Random(seed).random()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    from smolbench.cluster.local import LocalCluster
+
+    t0 = time.monotonic()
+    with LocalCluster(3, slots=8, backends=["sandbox", "sandbox", "process"]) as c:
+        print(f"\ncluster up in {time.monotonic() - t0:.1f} s")
+        yield c
+    assert machine_processes(c) == []
+
+
+def machine_processes(c: object) -> list[str]:
+    """Processes of any machine on any node of ``c`` (their run folder is on their command line)."""
+    marks = [str(d).encode() for d in c.node_dirs]  # type: ignore[attr-defined]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(m in cmd for m in marks):
+            found.append(cmd.replace(b"\0", b" ").decode(errors="replace")[:200])
+    return found
+
+
+def wait_no_machines(c: object, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := machine_processes(c)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="smolbench-cluster-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def nb(cluster: object, workdir: Path) -> Iterator[NotebookSession]:
+    with NotebookSession(workdir, timeout=300, allow_errors=True) as session:
+        ok(session.run("%load_ext smolbench"))
+        up = ok(session.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
+        assert "cluster: 3 nodes, 24 machine slots" in stream_text(up)
+        ok(session.run("%%smol\nx = 41"))
+        yield session
+
+
+def ok(cell: NotebookNode) -> NotebookNode:
+    err = error_output(cell)
+    assert err is None, f"{cell.source!r} raised {err.ename}: {err.evalue}\n{error_text(cell)}"
+    return cell
+
+
+def ledger(cwd: Path) -> pd.DataFrame:
+    led = Ledger(cwd / ".smolbench" / "ledger.db")
+    try:
+        return led.nodes().set_index("id")
+    finally:
+        led.close()
+
+
+def replicas(cwd: Path) -> list[dict[str, object]]:
+    led = Ledger(cwd / ".smolbench" / "ledger.db")
+    try:
+        return led.replica_rows()
+    finally:
+        led.close()
+
+
+def wait_for(cwd: Path, ready: Callable[[pd.DataFrame], bool], timeout: float = 120) -> pd.DataFrame:
+    deadline = time.monotonic() + timeout
+    while True:
+        if (cwd / ".smolbench" / "ledger.db").exists():
+            df = ledger(cwd)
+            if not df.empty and ready(df):
+                return df
+        assert time.monotonic() < deadline, "the ledger never reached the expected state"
+        time.sleep(0.1)
+
+
+def children(df: pd.DataFrame, parent: str) -> list[str]:
+    return [n for n in df.index if n.startswith(parent + ".") and n.count(".") == parent.count(".") + 1]
+
+
+# -- fork and episodes --------------------------------------------------------------------
+
+
+def test_fork_12_spreads_over_the_three_nodes_with_a_local_forks_seeds_and_rewards(
+        nb: NotebookSession, cluster: object, open_tmp: Path) -> None:
+    cell = ok(nb.run(f"%%smol fork 12 --keep all --out r\n{CELL}"))
+    text = stream_text(cell)
+    for k in range(12):  # streamed live into the cell, prefixed by branch, not folded by Ray
+        assert f"[root.{k}] seed {k}" in text
+    df = ledger(nb.cwd).loc[[f"root.{k}" for k in range(12)]]
+    assert list(df.status) == ["ok"] * 12
+    assert df.host_node.nunique() == 3  # node ids in the ledger: every node ran a batch
+    assert df.groupby("host_node").size().tolist() == [4, 4, 4]
+    cluster_rewards = {k: df.loc[f"root.{k}"].reward for k in range(12)}
+    assert cluster_rewards == pytest.approx({k: expected(k) for k in range(12)})
+
+    # the same fork on this host's own sandbox gives the same seeds and rewards
+    with NotebookSession(open_tmp, allow_errors=True) as local:
+        ok(local.run("%load_ext smolbench"))
+        ok(local.run("%smol up --backend sandbox"))
+        ok(local.run("%%smol\nx = 41"))
+        ok(local.run(f"%%smol fork 12\n{CELL}"))
+        here = ledger(open_tmp).loc[[f"root.{k}" for k in range(12)]]
+    assert list(here.seed) == list(df.seed)
+    assert here.reward.tolist() == pytest.approx(df.reward.tolist())
+    assert here.host_node.isna().all()
+
+    # two other nodes got the parent by replaying its path: what it cost is recorded and shown
+    reps = replicas(nb.cwd)
+    assert len(reps) == 2 and {r["parent_id"] for r in reps} == {"root"}
+    assert all(r["bytes_shipped"] > 0 and r["seconds"] > 0 and r["fingerprint"] for r in reps)
+    status = stream_text(ok(nb.run("%smol status")))
+    assert status.count(" sandbox: up, 8 slots") == 2 and status.count(" process: up, 8 slots") == 1
+    assert f"replica of root ({reps[0]['bytes_shipped']} B shipped" in status
+    assert f"fingerprint {reps[0]['fingerprint']}" in status
+    tree = stream_text(ok(nb.run("%smol tree")))
+    assert all(f"@{h[:8]}" in tree for h in df.host_node.unique())
+
+
+def test_a_second_fork_reuses_the_replicas_until_the_parent_runs_a_cell(nb: NotebookSession) -> None:
+    ok(nb.run(f"%%smol fork 6 --keep none\n{CELL}"))
+    assert len(replicas(nb.cwd)) == 2  # cached: nothing shipped again
+    ok(nb.run("%%smol\nx = 100"))
+    cell = ok(nb.run(f"%%smol fork 12 --keep none\n{CELL}"))
+    reps = replicas(nb.cwd)
+    assert len(reps) == 4 and reps[-1]["cells"] == reps[0]["cells"] + 1
+    assert "replicated to node" in stream_text(cell, "stderr")
+    df = ledger(nb.cwd).loc[[f"root.{k}" for k in range(18, 30)]]
+    assert df.reward.tolist() == pytest.approx([expected(k, 100) for k in range(12)])
+    ok(nb.run("%%smol\nx = 41"))
+
+
+def test_episodes_30_across_the_nodes(nb: NotebookSession) -> None:
+    cell = ok(nb.run("%%smol episodes 30 --seeds 0:30\nimport random\nprint('episode', SEED)\nreward = random.random()"))
+    assert "episodes of 30 · 30 ok" in plain_texts(cell)[-1]
+    df = ledger(nb.cwd)
+    eps = df[df.index.str.startswith("ep")]
+    assert len(eps) == 30 and (eps.status == "ok").all() and not eps.alive.any()
+    assert eps.host_node.nunique() == 3
+    assert sorted(eps.reward) == pytest.approx(sorted(random.Random(s).random() for s in range(30)))
+
+
+def test_a_nested_fork_of_a_cluster_branch(nb: NotebookSession) -> None:
+    df = ledger(nb.cwd)
+    home = df.loc["root"].host_node
+    away = next(f"root.{k}" for k in range(12) if df.loc[f"root.{k}"].host_node != home and df.loc[f"root.{k}"].alive)
+    ok(nb.run(f"%smol use {away}"))
+    ok(nb.run("%%smol\ny = reward * 2"))
+    cell = ok(nb.run("%%smol fork 6 --keep none\nimport random\nreward = y + random.random()"))
+    assert "fork of 6 · 6 ok" in plain_texts(cell)[-1]
+    kids = ledger(nb.cwd).loc[[f"{away}.{k}" for k in range(6)]]
+    y = 2 * expected(int(away.split(".")[1]))
+    assert kids.reward.tolist() == pytest.approx([y + random.Random(k).random() for k in range(6)])
+    assert kids.host_node.nunique() >= 2  # replayed onto other nodes: the root's cells, its seed, its cell
+    assert any(r["parent_id"] == away for r in replicas(nb.cwd))
+    ok(nb.run("%smol use root"))
+
+
+def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, cluster: object) -> None:
+    host, port = cluster.address.rsplit(":", 1)  # type: ignore[attr-defined]
+    probe = ("import socket\ntry:\n"
+             f"    socket.create_connection(({host!r}, {port}), timeout=3).close(); reached = 1\n"
+             "except OSError as exc:\n    reached = 0; print('refused:', type(exc).__name__)\nreward = reached")
+    first = len(children(ledger(nb.cwd), "root"))
+    ok(nb.run(f"%%smol fork 12 --keep none\n{probe}"))
+    run = ledger(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
+    status = stream_text(ok(nb.run("%smol status")))
+    sandboxed = [ln.split()[0] for ln in status.splitlines() if " sandbox: up" in ln]
+    on_sandbox = run[run.host_node.str[:8].isin(sandboxed)]
+    assert len(on_sandbox) >= 4 and (on_sandbox.reward == 0).all()  # the GCS (which runs code) is out of reach
+
+
+# -- cancellation and node loss -------------------------------------------------------------
+
+
+def test_ctrl_c_cancels_every_branch_on_every_node_and_deletes_its_machine(
+        nb: NotebookSession, cluster: object) -> None:
+    before = len(machine_processes(cluster))
+    first = len(children(ledger(nb.cwd), "root"))
+    names = [f"root.{k}" for k in range(first, first + 12)]
+
+    def go() -> None:
+        try:
+            wait_for(nb.cwd, lambda df: names[-1] in df.index and (df.loc[df.index.isin(names), "status"] == "running").sum() == 12)
+        finally:
+            nb.interrupt()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    cell = nb.run("%%smol fork 12 --keep all\nimport time\nprint('started', flush=True)\ntime.sleep(120)")
+    t.join()
+    assert error_output(cell) is not None and error_output(cell).ename == "KeyboardInterrupt"
+    ran = ledger(nb.cwd).loc[names]
+    assert len(ran) == 12 and (ran.status == "cancelled").all() and not ran.alive.any()
+    assert ran.host_node.nunique() == 3
+    deadline = time.monotonic() + 30
+    while len(machine_processes(cluster)) > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(machine_processes(cluster)) <= before  # nothing of the fork is left on any node
+    ok(nb.run("%%smol\n'still here'"))
+
+
+def test_a_node_removed_mid_fork_has_its_branches_rerun_elsewhere(nb: NotebookSession, cluster: object) -> None:
+    extra = cluster.add_node(slots=8, backend="sandbox")  # type: ignore[attr-defined]
+    first = len(children(ledger(nb.cwd), "root"))
+    names = [f"root.{k}" for k in range(first, first + 16)]
+    removed: list[str] = []
+
+    def go() -> None:  # the driver finds the new node at the fork; once it runs branches, it goes
+        df = wait_for(nb.cwd, lambda df: names[0] in df.index and (df.loc[df.index.isin(names), "status"] == "running").sum() == 16)
+        run = df.loc[names]
+        on_new = [n for n in run.host_node.unique() if n not in seen]
+        removed.extend(on_new)
+        cluster.remove_node(extra)  # type: ignore[attr-defined]
+
+    seen = set(ledger(nb.cwd).host_node.dropna())
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    cell = nb.run("%%smol fork 16 --keep none --retries 2\nimport time\ntime.sleep(5)\nimport random\nreward = x + random.random()")
+    t.join()
+    ok(cell)
+    assert len(removed) == 1  # the new node ran some of the branches before it was removed
+    run = ledger(nb.cwd).loc[names]
+    assert len(run) == 16 and (run.status == "ok").all()  # the table is complete
+    assert sorted(run.reward) == pytest.approx(sorted(expected(s) for s in run.seed))
+    led = Ledger(nb.cwd / ".smolbench" / "ledger.db")
+    try:
+        attempts = [a for a in led.attempt_rows() if a["node_id"] in run.index]
+    finally:
+        led.close()
+    lost = {a["node_id"] for a in attempts if a["outcome"] == "retried"}
+    assert lost and all(run.loc[n].host_node != removed[0] for n in lost)  # re-run elsewhere, recorded as attempts
+    assert all("was lost" in (a["error"] or "") for a in attempts if a["outcome"] == "retried")
+    assert not (run.reward == 0).any()  # an infrastructure failure is never a reward of 0
+
+
+def machine_pids(c: object) -> set[int]:
+    marks = [str(d).encode() for d in c.node_dirs]  # type: ignore[attr-defined]
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if any(m in Path(f"/proc/{entry}/cmdline").read_bytes() for m in marks):
+                    out.add(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: object, open_tmp: Path) -> None:
+    before = machine_pids(cluster)
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
+        ok(k.run("%load_ext smolbench"))
+        refused = error_output(k.run("%smol up --ray ray://head:10001"))
+        assert refused is not None and "Ray Client, which can't stream generators" in refused.evalue
+        ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
+        ok(k.run("%%smol\nx = 1"))
+        ok(k.run("%%smol fork 6 --keep all\nreward = SEED"))
+        kept = ledger(open_tmp)
+        assert kept.alive.sum() == 7 and kept.host_node.nunique() >= 2  # root and 6 branches, on several nodes
+        mine = machine_pids(cluster) - before
+        assert mine
+        k.kill()
+        t0 = time.monotonic()
+        deadline = t0 + 90  # Ray ends a dead driver's actors; their machines die with them
+        while (machine_pids(cluster) & mine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not machine_pids(cluster) & mine, "machines of the killed kernel are still running"
+        print(f"\nthe killed kernel's machines were gone {time.monotonic() - t0:.1f} s after kill -9")

@@ -1,0 +1,166 @@
+"""The network policy's rules and the proxy's request parser, without machines (issue 19).
+
+What a machine reaches is shown through real kernels in tests/test_netpolicy.py; these pin
+the decisions behind it: what `on` never reaches, what a listed name may resolve to, and
+how the one place that reads a machine's proxy requests treats bad ones.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from smolbench.gate import netreq
+from smolbench.netpolicy import NetPolicy, PolicyError, internet_cidrs, parse_cidr, parse_host
+
+A = ipaddress.ip_address
+OWN = frozenset({A("172.17.0.5")})
+
+
+def test_cidrs_and_hosts_take_an_optional_port() -> None:
+    assert str(parse_cidr("127.0.0.2/32:8080")) == "127.0.0.2/32:8080"
+    assert str(parse_cidr("10.1.2.3/8")) == "10.0.0.0/8"
+    assert str(parse_cidr("[2001:db8::/32]:443")) == "[2001:db8::/32]:443"
+    assert str(parse_cidr("2001:db8::/32")) == "2001:db8::/32"
+    assert parse_cidr("127.0.0.2:8080").single() == A("127.0.0.2")
+    assert parse_cidr("10.0.0.0/8:443").single() is None
+    assert str(parse_host("PyPI.org.:443")) == "pypi.org:443"
+    with pytest.raises(PolicyError, match="invalid port '0'"):
+        parse_cidr("127.0.0.2/32:0")
+    with pytest.raises(PolicyError, match="not an IP network"):
+        parse_cidr("pypi.org")
+
+
+def test_off_admits_nothing_and_on_never_the_host_or_private_networks() -> None:
+    off, on = NetPolicy(), NetPolicy("on")
+    assert not off.admits("1.1.1.1", 443, A("1.1.1.1"), OWN)
+    assert on.admits("example.org", 443, A("93.184.215.14"), OWN)
+    for addr in ("127.0.0.1", "127.0.0.2", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+                 "0.0.0.0", "172.17.0.5", "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "224.0.0.1"):
+        assert not on.admits("x.org", 443, A(addr), OWN), addr
+    # the test-only stand-in for the internet
+    assert on.admits("x", 80, A("127.0.0.3"), OWN, (ipaddress.ip_network("127.0.0.3/32"),))
+
+
+def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_host() -> None:
+    p = NetPolicy.from_lists(False, ["pypi.org", "internal.corp:8443", "127.0.0.2:9000"], ["10.0.0.0/8:5432"])
+    assert p.mode == "allow"
+    assert p.admits("pypi.org", 443, A("151.101.0.223"), OWN)
+    assert p.admits("internal.corp", 8443, A("192.168.3.4"), OWN)  # a private address of a listed name: fine
+    assert not p.admits("internal.corp", 22, A("192.168.3.4"), OWN)  # wrong port
+    assert not p.admits("pypi.org", 443, A("127.0.0.1"), OWN)  # DNS rebinding to this host
+    assert not p.admits("pypi.org", 443, A("172.17.0.5"), OWN)  # ... or to its own address
+    assert not p.admits("pypi.org", 443, A("::ffff:127.0.0.1"), OWN)  # ... also spelled as IPv6
+    assert p.admits("127.0.0.2", 9000, A("127.0.0.2"), OWN)  # listed by address
+    assert not p.admits("127.0.0.2", 9001, A("127.0.0.2"), OWN)
+    assert p.admits("10.9.8.7", 5432, A("10.9.8.7"), OWN) and not p.admits("10.9.8.7", 80, A("10.9.8.7"), OWN)
+    assert not p.admits("example.org", 443, A("93.184.215.14"), OWN)
+    assert not p.may_resolve("example.org", 443)  # an unlisted name is never even looked up
+    assert p.may_resolve("pypi.org", 443)
+
+
+def test_a_branch_policy_is_never_wider_than_its_parents() -> None:
+    allow = NetPolicy.from_lists(False, ["pypi.org"], [])
+    assert NetPolicy().within(allow) and allow.within(allow) and allow.within(NetPolicy("on"))
+    assert not NetPolicy("on").within(allow)
+    assert not NetPolicy.from_lists(False, ["pypi.org", "evil.org"], []).within(allow)
+
+
+def test_up_options_make_a_policy() -> None:
+    p = NetPolicy.from_words("on", "pypi.org:443,127.0.0.2/32:8080")
+    assert p.describe() == "allow-list: pypi.org:443, 127.0.0.2/32:8080"
+    assert NetPolicy.from_words("off", None).describe() == "off (no network)"
+    with pytest.raises(PolicyError, match="--allow entry 'http://x' is a URL"):
+        NetPolicy.from_words(None, "http://x")
+
+
+def test_on_for_smol_is_the_internet_as_cidrs() -> None:
+    nets = [ipaddress.ip_network(c) for c in internet_cidrs(frozenset({A("203.0.114.9")}))]
+    for inside in ("127.0.0.0/8", "10.0.0.0/8", "192.168.0.0/16", "169.254.169.254/32", "203.0.114.9/32"):
+        assert not any(n.overlaps(ipaddress.ip_network(inside)) for n in nets), inside
+    assert any(A("1.1.1.1") in n for n in nets if n.version == 4)
+
+
+def test_proxy_requests_are_parsed_strictly() -> None:
+    req = netreq.parse(b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\n\r\n")
+    assert (req.host, req.port, req.tunnel) == ("pypi.org", 443, True)
+    req = netreq.parse(b"GET http://Index.Test:8080/simple/x/ HTTP/1.1\r\nHost: other\r\nProxy-Authorization: x\r\n"
+                       b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nAccept: */*\r\n\r\n")
+    assert (req.host, req.port, req.tunnel) == ("index.test", 8080, False)
+    assert req.forward == (b"GET /simple/x/ HTTP/1.1\r\nHost: Index.Test:8080\r\nAccept: */*\r\nConnection: close\r\n\r\n")
+    assert netreq.parse(b"CONNECT [::1]:80 HTTP/1.1\r\n\r\n").host == "::1"
+    for bad in (b"CONNECT pypi.org HTTP/1.1\r\n\r\n", b"GET https://pypi.org/ HTTP/1.1\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: pypi.org\r\n\r\n", b"CONNECT pypi.org:99999 HTTP/1.1\r\n\r\n",
+                b"GET http://p\xc3\xa9.org/ HTTP/1.1\r\n\r\n", b"GET http://a.org/ HTTP/2\r\n\r\n",
+                b"CONNECT a.org:443 HTTP/1.1\r\nbad header\r\n\r\n", b"CONNECT a_b.org:443 HTTP/1.1\r\n\r\n",
+                b"GET http://user@a.org/ HTTP/1.1\r\n\r\n", b"CONNECT a.org:443 HTTP/1.1\r\n" + b"X: y\r\n" * 5000 + b"\r\n"):
+        with pytest.raises(netreq.BadRequest):
+            netreq.parse(bad)
+
+
+def test_the_proxy_admits_refuses_in_one_line_and_caps_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's host side, in-process (a machine's listener replaced by one on the host)."""
+    import asyncio
+    import socket
+
+    from smolbench.backends import _netproxy
+
+    monkeypatch.setattr(_netproxy, "MAX_CONNECTIONS", 3)
+
+    async def main() -> None:
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(b"hi " + await r.readline())
+            await w.drain()
+            w.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.2", 0)
+        tport = target.sockets[0].getsockname()[1]
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proxy = _netproxy.Proxy()
+        policy = NetPolicy.from_lists(False, [], [f"127.0.0.2/32:{tport}"])
+        await proxy.serve("m", policy, [listener], [("127.0.0.1", port)])
+
+        async def ask(head: bytes) -> bytes:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(head)
+            try:
+                data = await asyncio.wait_for(r.read(), 10)  # until the proxy closes
+            except ConnectionResetError:
+                data = b""
+            w.close()
+            return data
+
+        assert await ask(f"CONNECT 127.0.0.2:{tport} HTTP/1.1\r\n\r\nping\n".encode()) == (
+            b"HTTP/1.1 200 Connection established\r\n\r\n" + b"hi ping\n")
+        refused = await ask(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 403 smolbench: 127.0.0.1:22 is not allowed by this machine's network "
+                                  b"policy (allow-list: 127.0.0.2/32:")
+        assert (await ask(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 400 smolbench proxy: bad request")
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
+        assert stats["refused"] == 1 and stats["last_refused"] == "127.0.0.1:22" and stats["allowed"] == 1
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert await ask(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n") == b""  # the 4th at once: dropped
+        for _, w in idle:
+            w.close()
+        await proxy.detach("m")
+        target.close()
+
+    asyncio.run(main())
+
+
+def test_up_overrides_the_smolfile_for_a_session_and_says_so() -> None:
+    from smolbench.netpolicy import session_override
+    from smolbench.spec import MachineSpec
+
+    spec, line = session_override(MachineSpec(net=True), None, "127.0.0.2/32:8080,pypi.org", "Smolfile")
+    assert spec.policy.describe() == "allow-list: pypi.org, 127.0.0.2/32:8080"
+    assert line == ("network for this session: allow-list: pypi.org, 127.0.0.2/32:8080 (set by %smol up, "
+                    "overriding Smolfile: on (the internet; not this host or private networks))")
+    assert session_override(spec, "off", None, "Smolfile")[0].policy.mode == "off"
+    with pytest.raises(PolicyError, match="contradict"):
+        session_override(spec, "off", "pypi.org", "Smolfile")
