@@ -61,7 +61,7 @@ def test_saved_notebook_shows_the_tree_and_the_plots_in_a_fresh_server(tmp_path:
     assert len(plots) == 2 and all(o["data"]["image/svg+xml"].startswith("<svg") for o in plots)
     # the first fork's copy was refreshed when its cell ended: 8 finished branches
     first = copies[0]["data"]["text/html"]
-    assert first.count('data-id="root.') == 8 and "running" not in first
+    assert first.count('data-id="root.') == 8 and 'class="sb-st-running"' not in first
 
     # nbconvert's HTML of the notebook without its widget state (with it, nbconvert embeds the
     # widgets and loads their JS from a CDN; GitHub ignores the state): the tables and SVGs
