@@ -320,3 +320,20 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
             time.sleep(0.2)
         assert not machine_pids(cluster) & mine, "machines of the killed kernel are still running"
         print(f"\nthe killed kernel's machines were gone {time.monotonic() - t0:.1f} s after kill -9")
+    # its run folders are still on the nodes: the next session's node agents find them by their
+    # owner record (a dead agent) and delete them when they start
+    stale = {p for d in cluster.node_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}  # type: ignore[attr-defined]
+    assert stale
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
+        ok(k.run("%load_ext smolbench"))
+        ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
+        status = stream_text(ok(k.run("%smol status")))
+        assert "leftover run folder(s) of dead sessions" in status
+        assert not [p for p in stale if p.exists()]
+        ok(k.run("%smol down"))
+
+
+def _owner_alive(path: Path) -> bool:
+    from smolbench.backends._rundir import owner_alive
+
+    return owner_alive(path) is not False

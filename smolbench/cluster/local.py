@@ -25,7 +25,7 @@ BACKENDS = ("auto", "sandbox", "process", "smol")
 T = TypeVar("T")
 
 
-def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:
+def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 5) -> T:
     """Ray gives a node 30 s to register; on a busy host that can run out: try again."""
     for attempt in range(tries):
         try:
