@@ -31,7 +31,7 @@ from smolbench import Ledger
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(900),  # the first test includes starting the cluster: minutes on a busy 2-core host
 ]
 
 CELL = "import random\nprint('seed', SEED, flush=True)\nreward = x + random.random()"
@@ -322,7 +322,8 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
         print(f"\nthe killed kernel's machines were gone {time.monotonic() - t0:.1f} s after kill -9")
     # its run folders are still on the nodes: the next session's node agents find them by their
     # owner record (a dead agent) and delete them when they start
-    stale = {p for d in cluster.node_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}  # type: ignore[attr-defined]
+    live_dirs = cluster.node_dirs[:3]  # type: ignore[attr-defined]  # not the node removed above: it has no agent
+    stale = {p for d in live_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}
     assert stale
     with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
         ok(k.run("%load_ext smolbench"))
