@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
-from .errors import SmolbenchError
+from .errors import MachineLost, SmolbenchError
 from .ledger import Ledger
 from .spec import MachineSpec
 from .tree import Node, Tree
@@ -42,6 +42,7 @@ class CheckpointsMixin:
         def _claim(self, node_id: str) -> None: ...
         def _touch(self, node_id: str) -> None: ...
         def _record(self, node: Node, **extra: Any) -> None: ...
+        async def _lost(self, node_id: str, why: str) -> str: ...
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -147,6 +148,9 @@ class CheckpointsMixin:
             if not isinstance(exc, Exception):
                 raise
             why = str(exc) if isinstance(exc, SmolbenchError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, MachineLost):
+                self._busy.discard(node_id)
+                why = await self._lost(node_id, why)
             kept = "" if existing is None else f"; the old {name!r} is unchanged"
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
         finally:
@@ -186,9 +190,14 @@ class CheckpointsMixin:
         with contextlib.suppress(OSError):
             os.unlink(rec["path"])
         self.ledger.remove_checkpoint(name)
+        # a node's badge names its newest checkpoint that still exists (another may be left)
+        left: dict[str, str] = {}
+        for row in self.ledger.checkpoint_rows():  # newest first
+            if row.get("session_id") == self.session:
+                left.setdefault(str(row.get("node_id")), str(row.get("name")))
         for node in self.tree:
             if node.checkpoint == name:
-                node.checkpoint = None
+                node.checkpoint = left.get(node.id)
                 self._record(node)
 
 

@@ -32,6 +32,10 @@ class InfraError(SmolbenchError):
     """
 
 
+class MachineLost(SmolbenchError):
+    """The machine died under a request (the kernel killed it for memory): its state is gone."""
+
+
 class MachineBusy(SmolbenchError):
     """The machine is already running a cell."""
 

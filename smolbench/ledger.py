@@ -71,8 +71,9 @@ NODE_COLUMNS = (
     "alive", "kept", "forked_at", "host_node",
 )
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
-ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"), ("sessions", "pid_start", "TEXT"),
-                 ("sessions", "network", "TEXT"))
+ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
+                 ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
+                 ("runs", "cell", "INTEGER"))
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 

@@ -27,7 +27,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 
 Line magics::
 
-  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net] [--ledger PATH]
+  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
           [--max-alive N]
   %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
@@ -41,8 +41,8 @@ Line magics::
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
-                                output-limit, log-limit (sizes like 10M), max-items,
-                                displays, line-limit (counts) and grace (seconds)
+                                output-limit, log-limit, checkpoint-limit (sizes like 10M),
+                                max-items, displays, line-limit (counts) and grace (seconds)
 
 Cell magics::
 
@@ -249,7 +249,12 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
         net_note = None
         if args.net is not None or args.allow:
-            spec, net_note = _net_override(spec, args.net, args.allow, path or "the default spec")
+            from .netpolicy import PolicyError, session_override
+
+            try:
+                spec, net_note = session_override(spec, args.net, args.allow, path or "the default spec")
+            except PolicyError as exc:
+                raise SmolbenchError(str(exc)) from None
         if args.image or args.max_alive is not None:
             from dataclasses import replace
 
@@ -330,11 +335,13 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or self.workbench.active is None:
+        if self.workbench is None or not self.workbench.machines:
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
         _loop.run(self.workbench.refresh_network())
         st = self.workbench.status()
+        if st["active"] is None:  # its active machine was deleted, others live
+            st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
         for k, v in st.items():
             print(f"{k:<{width}}  {v}")  # the cluster's nodes come one per line
@@ -353,8 +360,10 @@ class SmolMagics(Magics):
 
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        gone = _loop.run(self._wb().delete(args.node))
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}")
+        wb = self._wb()
+        was = wb.active
+        gone = _loop.run(wb.delete(args.node))
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
         wb = self._wb()
@@ -631,6 +640,15 @@ class RemoteValue:
         return str(self.data.get("text/plain", ""))
 
 
+def moved_text(was: str | None, now: str | None) -> str:
+    """What a delete did to the active machine ("" when it stayed)."""
+    if was == now or was is None:
+        return ""
+    if now is None:
+        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"; {was} was active: the active machine is now {now}"
+
+
 def cell_number(shell: Any) -> Any:
     """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
     the running cell's own result first."""
@@ -813,21 +831,3 @@ def choose_backend(kind: str, target: str) -> tuple[Any, str]:
         return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
     return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
                               "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")
-
-
-def _net_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
-    """``%smol up --net on|off`` / ``--allow ...``: the session's policy instead of the Smolfile's."""
-    from dataclasses import replace
-
-    from .netpolicy import NetPolicy, PolicyError
-
-    if net == "off" and allow:
-        raise SmolbenchError("--net off and --allow contradict each other: drop one")
-    try:
-        policy = NetPolicy.from_words(net or "on", allow)
-    except PolicyError as exc:
-        raise SmolbenchError(str(exc)) from None
-    before = spec.policy
-    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
-                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
-    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -246,6 +247,18 @@ def unmapped(addr: IPAddress) -> IPAddress:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
+
+
+def session_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
+    """``%smol up --net on|off`` / ``--allow ...``: ``spec`` (a MachineSpec) with this session's
+    policy instead of the Smolfile's, and the line that says so."""
+    if net == "off" and allow:
+        raise PolicyError("--net off and --allow contradict each other: drop one")
+    policy = NetPolicy.from_words(net or "on", allow)
+    before = spec.policy
+    spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),
+                   allow_cidrs=tuple(str(c) for c in policy.cidrs))
+    return spec, f"network for this session: {policy.describe()} (set by %smol up, overriding {source}: {before.describe()})"
 
 
 def literal(name: str) -> IPAddress | None:

@@ -154,12 +154,15 @@ class Publisher:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._written: set[str] = set()
+        self._written_active: str | None = None
         self._at = 0.0
         workbench.observe(self._on_change)
 
     def _on_change(self, workbench: Any, nodes: Any) -> None:
-        # machines came or went (up, fork, delete, down): the sidebar should know at once
-        if not workbench.machines or (set(workbench.machines) != self._written and time.monotonic() - self._at > SOON):
+        # machines came or went (up, fork, delete, down) or the active one moved (use, restore,
+        # a deleted parent): the sidebar should know at once
+        came_or_went = set(workbench.machines) != self._written and time.monotonic() - self._at > SOON
+        if not workbench.machines or came_or_went or workbench.active != self._written_active:
             self.flush()
             return
         with self._lock:
@@ -176,6 +179,7 @@ class Publisher:
                 self._timer.cancel()
                 self._timer = None
             self._written, self._at = set(self.workbench.machines), time.monotonic()
+            self._written_active = self.workbench.active
             try:
                 if self.workbench.machines:
                     write_atomic(self.path, record(self.workbench, self.kernel_id))

@@ -38,7 +38,7 @@ class MachineSpec:
     volumes: tuple[Volume, ...] = ()
     branch: bool = True
     pids: int = 256  # processes and threads the machine may have at once
-    disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default
+    disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default (sandbox: memory)
     init_timeout: float = 300.0  # seconds all of ``init`` may take
     max_alive: int = 8  # kept (idle) machines alive at once; more are deleted, least recently used first
     source: str | None = field(default=None, compare=False)  # Smolfile path, for messages

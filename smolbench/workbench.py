@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import re
 import socket
 import time
 import uuid
@@ -25,7 +26,7 @@ from ._aio import _gather_cancelling, _to_the_end
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import BranchEvent, CheckpointsMixin
-from .errors import InfraError, RemoteError, SmolbenchError
+from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
@@ -62,7 +63,7 @@ class Workbench(CheckpointsMixin):
         self.session = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.tree = Tree()
         self.machines: dict[str, MachineRef] = {}
-        self.active: str | None = None
+        self._active: str | None = None
         self.started = time.time()
         self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
         self.guest_info: dict[str, Any] = {}
@@ -94,6 +95,18 @@ class Workbench(CheckpointsMixin):
             self.tree[ref.name].where = ref.info.get("node")
 
     # -- observers ------------------------------------------------------------------
+
+    @property
+    def active(self) -> str | None:
+        """The node cells run in (None: no machine is up, or the active one was deleted)."""
+        return self._active
+
+    @active.setter
+    def active(self, node_id: str | None) -> None:
+        # observers (the registry the sidebar reads, the views) learn of every move
+        old, self._active = self._active, node_id
+        if old != node_id:
+            self._changed(*(self.tree[n] for n in (old, node_id) if n is not None and n in self.tree))
 
     def observe(self, fn: Observer) -> None:
         """Call ``fn(workbench, changed_nodes)`` whenever nodes change."""
@@ -267,6 +280,8 @@ class Workbench(CheckpointsMixin):
             task = asyncio.ensure_future(self.backend.exec_cell(ref, req, on_event))
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
+            except MachineLost as exc:
+                raise SmolbenchError(await _to_the_end(self._lost(ref.name, str(exc)))) from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
@@ -298,6 +313,18 @@ class Workbench(CheckpointsMixin):
         with contextlib.suppress(BaseException):
             await task
         return False
+
+    async def _lost(self, node_id: str, why: str) -> str:
+        """A machine that died under a request (killed for memory): drop it and what was forked
+        from it, mark it lost, and say what is active now; the one line."""
+        with contextlib.suppress(Exception):
+            await self.delete(node_id)
+        node = self.tree[node_id]
+        node.status, node.ended, node.error, node.alive = "lost", time.time(), why, False
+        self._record(node)
+        if self.active is not None:
+            return f"{why}; the active machine is now {self.active}"
+        return f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
 
     async def _kill_stuck(self, node_id: str, why: str) -> str:
         """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
@@ -408,7 +435,7 @@ class Workbench(CheckpointsMixin):
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
-                              code_hash=code_hash(code), n=len(names),
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
                               options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
@@ -460,7 +487,7 @@ class Workbench(CheckpointsMixin):
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
-                              code_hash=code_hash(code), n=len(names), options={"seeds": seeds, "timeout": timeout})
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name), options={"seeds": seeds, "timeout": timeout})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
@@ -746,3 +773,10 @@ def _init_code(cmd: str) -> str:
         "if _r.returncode: raise RuntimeError('exit status %d' % _r.returncode)\n"
         "del _sp, _r"
     )
+
+
+def _where(cell_name: str | None) -> dict[str, Any]:
+    """Which notebook (the Jupyter server's path, when it started this kernel) and cell
+    number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
+    m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
+    return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}

@@ -299,3 +299,21 @@ def test_a_fork_never_lets_a_branch_write_its_parents_files(attack: tuple[Sessio
             break
     got = s.on("root", "planted('raced')")
     assert (got != "[]") if weak else (got == "[]"), got
+
+
+def test_a_file_kept_open_across_a_fork_is_each_machines_own(attack: tuple[Session, bool]) -> None:
+    """A warm state that keeps a log (or a database) open: each branch writes its own copy."""
+    s, weak = attack
+    s.on("root", "log = open('/workspace/log.txt', 'a')\nlog.write('parent\\n')\nlog.flush()\n"
+                 "tmp = open('/tmp/t.txt', 'w+')\ntmp.write('p')\ntmp.flush()\n1")
+    ok(s.nb.run("%%smol fork 2 --keep all --quiet\npass"))  # root.2, root.3
+    s.on("root.2", "log.write('branch2\\n')\nlog.flush()\ntmp.write('2')\ntmp.flush()\n1")
+    s.on("root", "log.write('parent again\\n')\nlog.flush()\n1")
+    seen = {node: s.on(node, "open('/workspace/log.txt').read(), open('/tmp/t.txt').read()")
+            for node in ("root", "root.2", "root.3")}
+    if weak:  # the old set-up: one file shared through the descriptor
+        assert "branch2" in seen["root"] or "branch2" in seen["root.3"], seen
+        return
+    assert seen == {"root": repr(("parent\nparent again\n", "p")),
+                    "root.2": repr(("parent\nbranch2\n", "p2")),
+                    "root.3": repr(("parent\n", "p"))}, seen

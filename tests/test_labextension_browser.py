@@ -175,13 +175,16 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(ck.locator(".sb-backend")).to_have_text("sandbox")
             run = panel.locator(".sb-run").first
             expect(run.locator(".sb-cell")).to_have_text("reward = SEED + x")
-            expect(run.locator(".sb-n")).to_have_text("×3")
+            expect(run.locator(".sb-kind")).to_have_text("fork ×3")
+            expect(run.locator(".sb-run-cellno")).to_have_text("[4]")
             expect(run.locator(".sb-best")).to_have_text("53")  # seed 12 + 41
             expect(run.locator(".sb-spark polyline")).to_have_count(1)
             panel.screenshot(path=str(ARTIFACTS / "labext_sidebar_light.png"))
 
-            # Delete from the sidebar asks the owning kernel
+            # Delete from the sidebar asks first, then asks the owning kernel
             panel.locator(".sb-machine[data-id='root.1'] .sb-delete").click()
+            expect(page.locator(".jp-Dialog")).to_contain_text("Delete machine root.1 of a.ipynb?")
+            page.locator(".jp-Dialog button.jp-mod-warn").click()
             expect(panel.locator(".sb-msg")).to_contain_text("deleted root.1", timeout=30_000)
             expect(panel.locator(".sb-machine")).to_have_count(3, timeout=10_000)
 
@@ -226,7 +229,10 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             expect(page.locator(".jp-NotebookPanel:visible .jp-OutputArea-output").first).to_have_text(
                 "x came back: 41", timeout=60_000)
 
-            # Replay inserts a cell into the active notebook
+            # Replay inserts a cell into the active notebook (a.ipynb's run: b has none)
+            expect(panel.locator(".sb-runs .sb-empty")).to_contain_text("No runs of this notebook yet")
+            panel.locator(".sb-runs-filter").select_option(label="a.ipynb · 1")
+            expect(panel.locator(".sb-run .sb-run-nb")).to_have_text("a.ipynb")
             panel.locator(".sb-run").first.locator(".sb-replay").click()
             expect(page.locator(".jp-NotebookPanel:visible .jp-Cell .cm-content", has_text="%smol replay root.2")).to_have_count(1)
 
@@ -242,6 +248,8 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             machine_pids = {m["pid"] for m in recs[0][1]["machines"]}
             os.kill(kernel_pid, signal.SIGKILL)
             expect(panel.locator(".sb-machine")).to_have_count(0, timeout=15_000)
+            expect(panel.locator(".sb-msg")).to_contain_text(
+                re.compile(r"b\.ipynb: kernel \w{8} died; its 2 machines died with it"))
             died = page.locator(".jp-Dialog", has_text="appears to have died")
             died.wait_for(timeout=30_000)  # JupyterLab says so, and restarts the kernel
             died.locator("button").last.click()

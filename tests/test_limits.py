@@ -149,13 +149,66 @@ def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_o
         nb.run("%%smol fork 1 --keep all\nreward = 1")
         nb.run("%smol use root.0")
         cell = nb.run(SHARED_400M)
+        tree = stream_text(nb.run("%smol tree"))
         nb.run("%smol use root")
         parent = value(nb.run("%%smol\n1 + 1"))
     assert parent == "2"
     if weakened:
         assert value(cell) == str(400 << 20)
     else:
-        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost)")
+        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost); the active machine is now root")
+        assert "root.0" in tree and not any("root.0" in ln and "alive" in ln for ln in tree.splitlines()), tree
+
+
+# Inside a machine: write up to ``mib`` MiB into ``path`` (1 MiB at a time); what got in, and why it stopped.
+FILL = r"""
+import errno, os
+def fill(path, mib):
+    n = 0
+    try:
+        with open(path, "wb") as fh:
+            for _ in range(mib):
+                fh.write(b"x" * (1 << 20))
+                fh.flush()
+                n += 1
+    except OSError as exc:
+        return [n, errno.errorcode.get(exc.errno)]
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return [n, None]
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_every_filesystem_in_memory_a_machine_can_write_is_bounded(tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
+    """Issue 17: with memory 256M and disk 32M, a cell put gigabytes in host RAM through its run
+    folder, bwrap's /dev and its own tmpfs. Now each is sized (or read-only); under a cgroup the
+    tmpfs pages also count as the machine's memory."""
+    with machine(tmp_path, "sandbox", 'memory = "256M"\ndisk = "32M"\n', weakened) as nb:
+        nb.run("%%smol\n" + FILL)
+        small = {p: nb.run(f"%%smol\nfill({p!r}, 48)") for p in ("/dev/fill", "/dev/shm/fill", "/workspace/fill")}
+        nb.run("%%smol fork 1 --keep all\npass")
+        nb.run("%smol use root.0")
+        run = nb.run("%%smol\nfill('/run/smolbench/fill', 400)")  # a branch, into the run folder it shares
+        status = stream_text(nb.run("%smol status"))
+    if weakened:  # the old set-up: /dev and the run folder had no size
+        assert value(small["/dev/fill"]) == "[48, None]"
+        assert value(run) == "[400, None]"
+        return
+    assert value(small["/dev/fill"]) == "[0, 'EROFS']"
+    for path in ("/dev/shm/fill", "/workspace/fill"):
+        assert value(small[path]).endswith("'ENOSPC']") and int(value(small[path])[1:].split(",")[0]) <= 32
+    if error_output(run) is not None:  # a cgroup counted the run folder as the machine's memory
+        assert OOM in one_line_error(run)
+    else:
+        got = value(run)  # rlimits: the run folder's own size (memory + disk + 16 MiB) stopped it
+        assert got.endswith("'ENOSPC']") and int(got[1:].split(",")[0]) <= 256 + 32 + 16, got
+    if "rlimits" in status:  # no cgroup: status says what is not counted
+        assert "not counted as memory" in status and "a branch's fork bomb" in status, status
 
 
 # -- processes --------------------------------------------------------------------------------

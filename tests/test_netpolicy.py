@@ -382,14 +382,16 @@ def test_an_allow_list_reaches_only_what_it_lists(allow: NetLab, open_proxy: Net
 # -- a branch can't widen its policy ----------------------------------------------------------------
 
 
-def test_a_branch_cannot_widen_its_policy(allow: NetLab, shared: NetLab, caps: NetLab, hosts: Hosts) -> None:
+def test_a_branch_cannot_widen_its_policy(off: NetLab, on: NetLab, allow: NetLab, shared: NetLab, caps: NetLab,
+                                          hosts: Hosts) -> None:
     attacks = (f"{{'userns': in_new_userns('127.0.0.1', {hosts.bait}, False), "
                f"'userns+netns': in_new_userns('127.0.0.1', {hosts.bait}, True), "
                f"'raw socket': raw_socket(), 'interface': net_admin(), 'ip route': ip_route(), "
                f"'proxy to its host side': tunnel('127.0.0.1', {hosts.bait}) or tunnel('127.0.0.1', 3128)}}")
-    for node in ("root.0", "root.1"):
-        got = allow.probe(attacks, node)
-        assert not any(got.values()), (node, got)
+    for lab in (off, on, allow):
+        for node in ("root.0", "root.1"):
+            got = lab.probe(attacks, node)
+            assert not any(got.values()), (lab.up_text, node, got)
     # weakened set-ups, where the same attacks get through
     assert shared.probe(attacks, "root.0")["userns"] is True
     leaked = caps.probe(attacks, "root.0")
@@ -402,3 +404,11 @@ def test_a_branch_cannot_reach_or_pose_as_another_machine(allow: NetLab, shared:
     assert allow.probe(f"[raw('127.0.0.1', {port}), tunnel('127.0.0.1', {port})]", "root.1") == [False, False]
     port = shared.probe("listen()", "root.0")
     assert shared.probe(f"raw('127.0.0.1', {port})", "root.1") is True  # one shared network: it's there
+
+
+def test_a_branch_of_a_branch_keeps_the_policy(allow: NetLab, hosts: Hosts) -> None:
+    allow.ok("%smol use root.0")
+    allow.ok("%%smol fork 1 --keep all --quiet\ny = 2")
+    got = allow.probe(f"[http('http://index.test:{hosts.allowed}/'), http('http://127.0.0.3:{hosts.other}/')[:8], "
+                      f"raw('127.0.0.1', {hosts.bait})]", "root.0.0")
+    assert got == ["hello from 127.0.0.2", "HTTP 403", False]

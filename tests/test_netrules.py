@@ -151,3 +151,16 @@ def test_the_proxy_admits_refuses_in_one_line_and_caps_connections(monkeypatch: 
         target.close()
 
     asyncio.run(main())
+
+
+def test_up_overrides_the_smolfile_for_a_session_and_says_so() -> None:
+    from smolbench.netpolicy import session_override
+    from smolbench.spec import MachineSpec
+
+    spec, line = session_override(MachineSpec(net=True), None, "127.0.0.2/32:8080,pypi.org", "Smolfile")
+    assert spec.policy.describe() == "allow-list: pypi.org, 127.0.0.2/32:8080"
+    assert line == ("network for this session: allow-list: pypi.org, 127.0.0.2/32:8080 (set by %smol up, "
+                    "overriding Smolfile: on (the internet; not this host or private networks))")
+    assert session_override(spec, "off", None, "Smolfile")[0].policy.mode == "off"
+    with pytest.raises(PolicyError, match="contradict"):
+        session_override(spec, "off", "pypi.org", "Smolfile")

@@ -132,6 +132,47 @@ def test_the_server_never_writes_a_ledger_it_reads(call: Any, jp_root_dir: Path)
     assert db.read_bytes() == before
 
 
+def test_runs_name_their_notebook_and_cell_and_filter_by_notebook(call: Any, jp_root_dir: Path) -> None:
+    """A kernel records its notebook as an absolute path (JPY_SESSION_NAME); the API gives
+    it back relative to the root, filters by it, and counts the runs of each notebook."""
+    led = _ledger(jp_root_dir / "proj", runs=0)
+    for i, (nb, cell) in enumerate([("proj/a.ipynb", 4), ("proj/b.ipynb", 2), ("proj/a.ipynb", 7)]):
+        led.start_run(f"s1/r{i}", "s1", kind="fork", code="reward = SEED", n=2,
+                      notebook=str(jp_root_dir / nb), cell=cell)
+    led.start_run("s1/old", "s1", kind="episodes", code="reward = 1", n=3)  # before notebooks were recorded
+    led.close()
+    code, body = call("ledger", "runs", params={"path": "proj", "notebook": "proj/a.ipynb"})
+    assert code == 200, body
+    assert [(r["notebook"], r["cell"]) for r in body["runs"]] == [("proj/a.ipynb", 7), ("proj/a.ipynb", 4)]
+    assert body["total"] == 2
+    assert sorted(body["notebooks"], key=lambda n: n["notebook"] or "") == [
+        {"notebook": None, "runs": 1}, {"notebook": "proj/a.ipynb", "runs": 2}, {"notebook": "proj/b.ipynb", "runs": 1}]
+    code, body = call("ledger", "runs", params={"path": "proj", "notebook": ""})
+    assert [r["id"] for r in body["runs"]] == ["s1/old"] and body["runs"][0]["notebook"] is None
+    assert call("ledger", "runs", params={"path": "proj"})[1]["total"] == 4
+
+
+def test_an_old_ledger_without_notebook_columns_is_read_and_migrated(call: Any, jp_root_dir: Path) -> None:
+    import sqlite3
+
+    db = jp_root_dir / ".smolbench" / "ledger.db"
+    db.parent.mkdir()
+    conn = sqlite3.connect(db)
+    conn.executescript("CREATE TABLE runs (id TEXT PRIMARY KEY, session_id TEXT, kind TEXT, parent_id TEXT, code TEXT, "
+                       "code_hash TEXT, n INTEGER, options TEXT, started REAL, ended REAL, status TEXT);"
+                       "CREATE TABLE nodes (session_id TEXT, id TEXT, run_id TEXT, reward REAL);"
+                       "INSERT INTO runs (id, kind, code, n, started) VALUES ('r1', 'fork', 'reward = SEED', 2, 1.0);")
+    conn.close()
+    code, body = call("ledger", "runs", params={"notebook": "a.ipynb"})
+    assert code == 200 and body["runs"] == [], body  # read-only: no column, so no run of a.ipynb
+    code, body = call("ledger", "runs")
+    assert body["runs"][0]["notebook"] is None and body["notebooks"] == [{"notebook": None, "runs": 1}]
+    Ledger(db).close()  # a kernel opening it adds the columns
+    conn = sqlite3.connect(db)
+    assert {"notebook", "cell"} <= {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+    conn.close()
+
+
 # -- paths -------------------------------------------------------------------------------
 
 
@@ -394,7 +435,7 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         busy.stop_channels()
 
         _execute(km, jp_asyncio_loop, "%smol down")
-        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": []}
+        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": [], "dead": []}
     finally:
         jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
 

@@ -103,6 +103,7 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
     assert argv[argv.index("--socket") + 1] == "/run/smolbench/root.sock"
     assert argv[argv.index("--workdir") + 1] == "/workspace"
     assert opts.env["FOO"] == "bar" and opts.env["SMOLBENCH_MACHINE"] == "root"
+    assert opts.env["SMOLBENCH_NET_POLICY"] == "off (no network)"  # named inside when a connection fails
     assert ref.info["socket"] == "/run/smolbench/root.sock" and ref.info["machine"] == config.name
     vm.delete.assert_called_once()
     assert b.list() == []
@@ -718,3 +719,15 @@ def test_kvm_diagnosis_speaks_plainly() -> None:
     assert lines and all(isinstance(line, str) and "\n" not in line for line in lines)
     assert any("/dev/kvm" in line for line in lines)
     assert any("kvm" in line and "group" in line for line in lines)
+
+
+def test_status_shows_the_network_policy_and_what_smol_cannot_enforce(tmp_path: Path) -> None:
+    from smolbench.ledger import Ledger
+    from smolbench.workbench import Workbench
+
+    spec = MachineSpec(allow_hosts=("pypi.org:443",), allow_cidrs=("127.0.0.2/32:8080",))
+    wb = Workbench(backend(), spec, Ledger(tmp_path / "ledger.db"))
+    assert wb.status()["network"] == ("allow-list: pypi.org:443, 127.0.0.2/32:8080; "
+                                      "ports are not enforced by smol (it scopes by host and CIDR)")
+    wb = Workbench(backend(), MachineSpec(net=True), Ledger(tmp_path / "ledger2.db"))
+    assert wb.status()["network"] == "on (the internet; not this host or private networks)"

@@ -30,7 +30,17 @@ export interface IKernelGroup {
   session: string;
   kernel_alive: boolean;
   orphaned: boolean;
+  active: string | null;
   machines: IMachine[];
+}
+
+/** A kernel that died with all its machines (reported for a minute). */
+export interface IDeadKernel {
+  kernel_id: string;
+  notebook: string | null;
+  cwd: string;
+  machines: number;
+  at: number;
 }
 
 export interface IMachines {
@@ -38,6 +48,7 @@ export interface IMachines {
   machines: number;
   orphaned: number;
   backends: string[];
+  dead?: IDeadKernel[];
 }
 
 export interface ICheckpoint {
@@ -64,11 +75,14 @@ export interface IRun {
   best_reward: number | null;
   best_node: string | null;
   spark: number[];
+  notebook?: string | null;
+  cell?: number | null;
 }
 
 export interface IRuns {
   total: number;
   runs: IRun[];
+  notebooks?: { notebook: string | null; runs: number }[];
   note?: string;
   dir?: string;
 }

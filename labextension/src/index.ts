@@ -1,13 +1,11 @@
 /**
  * smolbench's JupyterLab extension: the "smolbench" left sidebar and a status-bar item
- * (`smol: sandbox · 3 machines`) that opens it.
+ * (`smol: sandbox · 3 machines`) that opens it. It asks only for the application's shell
+ * (not JupyterLab's own), so Notebook 7 shows the same sidebar on its notebook page.
  */
-import {
-  ILabShell,
-  JupyterFrontEnd,
-  JupyterFrontEndPlugin
-} from '@jupyterlab/application';
-import { MainAreaWidget } from '@jupyterlab/apputils';
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette, MainAreaWidget } from '@jupyterlab/apputils';
+import { IMainMenu } from '@jupyterlab/mainmenu';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -44,9 +42,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'smolbench:plugin',
   description: 'A sidebar for smolbench machines, checkpoints and past runs.',
   autoStart: true,
-  requires: [ILabShell, INotebookTracker],
-  optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, shell: ILabShell, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  requires: [INotebookTracker],
+  optional: [IStatusBar, ICommandPalette, IMainMenu],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null,
+    mainMenu: IMainMenu | null
+  ) => {
+    const shell = app.shell;
     let panel: SmolPanel;
     const host: IHost = {
       notebookPath: () => tracker.currentWidget?.context.path ?? null,
@@ -115,6 +120,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       label: 'Show the smolbench sidebar',
       execute: () => shell.activateById(panel.id)
     });
+    // Notebook 7 has no status bar: the View menu and the palette open the sidebar there
+    palette?.addItem({ command: 'smolbench:open', category: 'smolbench' });
+    mainMenu?.viewMenu.addGroup([{ command: 'smolbench:open' }], 100);
 
     if (statusBar) {
       const item = new Widget();

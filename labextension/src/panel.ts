@@ -1,7 +1,9 @@
 /**
- * The "smolbench" sidebar: Machines (live, grouped by notebook/kernel; orphans of dead
- * kernels with Kill), Checkpoints (restore into the active notebook, delete), and Runs
- * (the ledger beside the active notebook, newest first).
+ * The "smolbench" sidebar: Machines (live, grouped by notebook/kernel, the active one
+ * marked; orphans of dead kernels with Kill), Checkpoints (restore into the active notebook,
+ * delete), and Runs (the ledger beside the active notebook, newest first, of that notebook
+ * unless another is picked). What changed between polls (the active machine moved, a
+ * kernel died) is said in words.
  *
  * Refresh is a poll: machines every POLL_MS (a few small JSON files on the server), the
  * ledger and checkpoints when the machines change, when the notebook changes, or every
@@ -12,25 +14,15 @@ import { refreshIcon } from '@jupyterlab/ui-components';
 import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
-import { APIError, ICheckpoint, IMachines, IRun, IRuns, request } from './api';
-import {
-  NAME_RE,
-  NODE_RE,
-  button,
-  duration,
-  el,
-  firstLine,
-  memory,
-  reward,
-  size,
-  sparkline,
-  stamp,
-  when
-} from './format';
+import { APIError, ICheckpoint, IKernelGroup, IMachine, IMachines, IRun, IRuns, request } from './api';
+import { NAME_RE, NODE_RE, button, el, size, stamp, when } from './format';
+import { changes, deleteQuestion, renderMachines } from './machines';
+import { ALL, renderFilter, renderRun } from './runs';
 
 export const POLL_MS = 1000;
 const LEDGER_EVERY = 5;
 const RUNS_PAGE = 20;
+const NOTE_AFTER_MS = 1500;
 
 /** What the panel needs from JupyterLab (the active notebook and its kernel). */
 export interface IHost {
@@ -86,18 +78,29 @@ export class SmolPanel extends Widget {
     let changed = false;
     try {
       const snap = await request<IMachines>('machines');
-      const sig = JSON.stringify(snap.kernels.map(k => [k.kernel_id, k.orphaned, k.machines.map(m => [m.id, m.active, m.status])]));
+      const sig = JSON.stringify(snap.kernels.map(k => [k.kernel_id, k.orphaned, k.active, k.machines.map(m => [m.id, m.active, m.status])]));
       changed = sig !== this.machineSig;
       this.machineSig = sig;
+      const { moves, deaths } = changes(this._machines, snap);
+      // an action's own answer already says where the active machine went; a death is
+      // always said (below that answer, when it is recent)
+      const recent = Date.now() - this.saidAt < NOTE_AFTER_MS;
+      const notes = [...(recent ? [] : moves), ...deaths];
+      if (notes.length) {
+        const text = recent && this.msgNode.textContent ? [this.msgNode.textContent, ...notes] : notes;
+        this.say(text.join('\n'), 'info', false);
+      }
       this._machines = snap;
       this.setError('machines', null);
-      this.renderMachines(snap);
+      renderMachines(this.machinesNode, snap, (g, m, orphan) => void this.deleteMachine(g, m, orphan));
       this._machinesChanged.emit(snap);
     } catch (err) {
       this.setError('machines', err);
     }
-    if (all || changed || dir !== this.dir || this.ticks % LEDGER_EVERY === 0) {
+    const nb = this.host.notebookPath();
+    if (all || changed || dir !== this.dir || nb !== this.notebook || this.ticks % LEDGER_EVERY === 0) {
       this.dir = dir;
+      this.notebook = nb;
       await Promise.all([this.refreshRuns(), this.refreshCheckpoints()]);
     }
   }
@@ -114,7 +117,10 @@ export class SmolPanel extends Widget {
     this.errorNode.style.display = this.errors.size ? '' : 'none';
   }
 
-  private say(text: string, level: 'info' | 'error' = 'info'): void {
+  private say(text: string, level: 'info' | 'error' = 'info', action = true): void {
+    if (action) {
+      this.saidAt = Date.now();
+    }
     this.msgNode.textContent = text;
     this.msgNode.dataset.level = level;
     this.msgNode.style.display = text ? '' : 'none';
@@ -122,64 +128,22 @@ export class SmolPanel extends Widget {
 
   // -- machines --------------------------------------------------------------------
 
-  private renderMachines(snap: IMachines): void {
-    const body = this.machinesNode;
-    body.replaceChildren();
-    if (!snap.kernels.length) {
-      body.appendChild(el('div', 'sb-empty', 'No machines: `%smol up` in a notebook starts one.'));
-      return;
-    }
-    for (const group of snap.kernels) {
-      const box = el('div', `sb-group${group.orphaned ? ' sb-orphaned' : ''}`, null, {
-        'data-kernel': group.kernel_id
+  private async deleteMachine(group: IKernelGroup, m: IMachine, orphan: boolean): Promise<void> {
+    const kernel = group.kernel_id;
+    if (!orphan) {
+      const answer = await showDialog({
+        title: 'Delete machine',
+        body: deleteQuestion(group, m),
+        buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Delete' })]
       });
-      const where = group.notebook || group.cwd || 'unknown notebook';
-      const label = group.orphaned
-        ? `orphaned · kernel ${group.kernel_id.slice(0, 8)} is dead · ${group.backend}`
-        : `${where} · kernel ${group.kernel_id.slice(0, 8)} · ${group.backend}`;
-      box.appendChild(el('div', 'sb-group-title', label, { title: `${where}\nkernel ${group.kernel_id}` }));
-      for (const m of group.machines) {
-        const row = el('div', `sb-row sb-machine${m.active ? ' sb-active' : ''}`, null, {
-          'data-id': m.id,
-          'data-orphaned': String(m.orphaned)
-        });
-        const depth = m.id.split('.').length - 1;
-        const name = el('span', 'sb-id', m.id);
-        name.style.paddingLeft = `${Math.min(depth, 8) * 10}px`;
-        row.appendChild(name);
-        const state = m.unverified ? 'unverified' : m.orphaned ? 'orphaned' : m.status || 'idle';
-        row.appendChild(el('span', `sb-status sb-st-${m.orphaned ? 'orphaned' : state}`, state));
-        row.appendChild(el('span', 'sb-num', duration(m.uptime_s), { title: 'uptime' }));
-        const used = m.memory_used_mib === null ? '' : `${memory(Math.round(m.memory_used_mib))}/`;
-        row.appendChild(el('span', 'sb-num sb-mem', `${used}${memory(m.memory_mib)}`, {
-          title: m.memory_used_mib === null
-            ? 'memory limit (Smolfile)'
-            : `${m.memory_measure} of the machine's agent process / memory limit (Smolfile)` +
-              (m.memory_measure === 'RSS' ? '; RSS counts pages shared with forks in full' : '')
-        }));
-        if (m.orphaned) {
-          const kill = button('Kill', 'jp-mod-warn sb-kill', () => void this.deleteMachine(group.kernel_id, m.id, true),
-            m.killable
-              ? 'Its kernel is dead: kill the host process holding this machine'
-              : `Its kernel is dead and its ${m.backend} machine has no host process to check or kill from here: ` +
-                'it may still run; delete it with its backend\'s own tools');
-          kill.disabled = !m.killable;
-          row.appendChild(kill);
-        } else {
-          row.appendChild(button('Delete', 'sb-delete', () => void this.deleteMachine(group.kernel_id, m.id, false),
-            `Ask kernel ${group.kernel_id.slice(0, 8)} to delete ${m.id} and everything below it`));
-        }
-        box.appendChild(row);
+      if (!answer.button.accept) {
+        return;
       }
-      body.appendChild(box);
     }
-  }
-
-  private async deleteMachine(kernel: string, id: string, orphan: boolean): Promise<void> {
-    this.say(orphan ? `killing ${id}…` : `asking kernel ${kernel.slice(0, 8)} to delete ${id}…`);
+    this.say(orphan ? `killing ${m.id}…` : `asking kernel ${kernel.slice(0, 8)} to delete ${m.id}…`);
     try {
       const res = await request<{ message: string }>(
-        `machines/${encodeURIComponent(kernel)}/${encodeURIComponent(id)}`, { orphaned: orphan ? 1 : 0 }, { method: 'DELETE' });
+        `machines/${encodeURIComponent(kernel)}/${encodeURIComponent(m.id)}`, { orphaned: orphan ? 1 : 0 }, { method: 'DELETE' });
       this.say(res.message);
     } catch (err) {
       this.say(err instanceof Error ? err.message : String(err), 'error');
@@ -269,10 +233,20 @@ export class SmolPanel extends Widget {
     } catch (err) {
       this.say(err instanceof Error ? err.message : String(err), 'error');
     }
-    await this.refreshCheckpoints();
+    await this.refresh(true);
   }
 
   // -- runs --------------------------------------------------------------------------
+
+  /** Which notebook's runs are shown: the one picked, while its notebook stays current;
+   * else the current notebook's (every notebook's when none is open). */
+  private runsFilter(): string {
+    if (this.picked !== null && this.pickedWith === this.notebook) {
+      return this.picked;
+    }
+    this.picked = null;
+    return this.notebook ?? ALL;
+  }
 
   private async refreshRuns(): Promise<void> {
     const dir = this.dir;
@@ -280,41 +254,41 @@ export class SmolPanel extends Widget {
     if (title) {
       title.textContent = `Runs in ${dir ? dir + '/' : 'the root folder'}`;
     }
+    const filter = this.runsFilter();
     try {
-      const data = await request<IRuns>('ledger/runs', { path: dir, limit: this.runsShown });
+      const data = await request<IRuns>('ledger/runs', {
+        path: dir, limit: this.runsShown, notebook: filter === ALL ? undefined : filter
+      });
       this.setError('runs', null);
-      this.renderRuns(data);
+      this.renderRuns(data, filter);
     } catch (err) {
       this.setError('runs', null);
       this.runsNode.replaceChildren(el('div', 'sb-problem', err instanceof Error ? err.message : String(err)));
     }
   }
 
-  private renderRuns(data: IRuns): void {
+  private renderRuns(data: IRuns, filter: string): void {
     const body = this.runsNode;
     body.replaceChildren();
     if (data.note) {
       body.appendChild(el('div', 'sb-empty', data.note));
       return;
     }
+    body.appendChild(renderFilter(data, this.notebook, filter, value => {
+      this.picked = value;
+      this.pickedWith = this.notebook;
+      this.runsShown = RUNS_PAGE;
+      void this.refreshRuns();
+    }));
     if (!data.runs.length) {
-      body.appendChild(el('div', 'sb-empty', 'No runs yet: `%%smol fork N` records one.'));
+      body.appendChild(el('div', 'sb-empty', filter === ALL
+        ? 'No runs yet: `%%smol fork N` records one.'
+        : 'No runs of this notebook yet: `%%smol fork N` records one (pick another notebook above).'));
       return;
     }
     for (const run of data.runs) {
-      const row = el('div', 'sb-row sb-run', null, { 'data-run': run.id, title: `${run.code || ''}\n\nclick: open the tree` });
-      row.appendChild(el('span', 'sb-cell', firstLine(run.code) || `(${run.kind})`));
-      row.appendChild(el('span', 'sb-num sb-n', `${run.kind === 'episodes' ? 'ep ' : '×'}${run.n ?? '?'}`));
-      row.appendChild(el('span', 'sb-num sb-best', reward(run.best_reward), { title: 'best reward' }));
-      row.appendChild(sparkline(run.spark));
-      row.appendChild(el('span', 'sb-when', when(run.started), { title: stamp(run.started) }));
-      const best = run.best_node;
-      const replay = button('Replay', 'sb-replay', () => this.replay(best ?? ''),
-        best ? `Insert a %smol replay ${best} cell (the run's best branch) in the notebook` : 'no rewarded branch to replay');
-      replay.disabled = !best || !NODE_RE.test(best);
-      row.appendChild(replay);
-      row.addEventListener('click', () => this.host.openRun(this.dir, run));
-      body.appendChild(row);
+      body.appendChild(renderRun(run, filter === ALL || filter !== this.notebook,
+        () => this.host.openRun(this.dir, run), node => this.replay(node)));
     }
     if (data.total > data.runs.length) {
       body.appendChild(button(`Show more (${data.total - data.runs.length} older)`, 'sb-more', () => {
@@ -343,7 +317,11 @@ export class SmolPanel extends Widget {
   private runsNode: HTMLElement;
   private machineSig = '';
   private dir = "\u0000"; // no folder yet: the first refresh loads the ledger
+  private notebook: string | null = null;
+  private picked: string | null = null; // the notebook filter picked by hand ...
+  private pickedWith: string | null = null; // ... while this notebook was current
   private ticks = 0;
+  private saidAt = 0;
   private runsShown = RUNS_PAGE;
   private _machines: IMachines | null = null;
   private _machinesChanged = new Signal<this, IMachines>(this);

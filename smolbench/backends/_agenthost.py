@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import gate
-from ..errors import BackendUnavailable, SmolbenchError
+from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
 from ..guest import protocol as P
 from ..spec import MachineSpec
@@ -250,7 +250,7 @@ class AgentHostBackend(Backend):
                 res = await gate.read_cell(chunks, request, on_event, machine.name)
         except SmolbenchError:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
-                raise SmolbenchError(f"{_limits.out_of_memory_line(machine.spec)} (machine {machine.name} was lost)") from None
+                raise MachineLost(f"{_limits.out_of_memory_line(machine.spec)} (machine {machine.name} was lost)") from None
             raise
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
             res.error = {"ename": "MemoryError", "evalue": _limits.out_of_memory_line(machine.spec), "traceback": []}
@@ -354,9 +354,10 @@ class AgentHostBackend(Backend):
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
         run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         try:  # the stage goes on every path, even when the machine fails to save
-            done = await self._request(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
-            # The machine made every path in the stage: the gate reads them without following links.
-            archive.pack(run_dir, stage, path + ".part", machine.name)
+            done = await self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
+            # The machine made every path in the stage: the gate reads them without following links
+            # (in a thread: a big stage must not stall the kernel).
+            await asyncio.to_thread(archive.pack, run_dir, stage, path + ".part", machine.name)
             os.replace(path + ".part", path)
         finally:
             shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
@@ -365,9 +366,22 @@ class AgentHostBackend(Backend):
         warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
+    async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
+        """``_request``, but a machine the kernel killed for memory meanwhile says so (MachineLost)."""
+        limits = self.limiter.get(ref.name)
+        ooms = limits.oom_kills() if limits is not None else 0
+        try:
+            return await self._request(ref, msg)
+        except SmolbenchError as exc:
+            if limits is not None and limits.oom_kills() > ooms:
+                raise MachineLost(f"{_limits.out_of_memory_line(ref.spec)} (machine {ref.name} was lost)") from None
+            if ": MemoryError:" in str(exc):  # past its rlimit: the machine lives on
+                raise SmolbenchError(_limits.out_of_memory_line(ref.spec)) from None
+            raise
+
     async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
         try:
-            archive.check(path, self.name)  # checked here, extracted only inside the new machine
+            await asyncio.to_thread(archive.check, path, self.name)  # checked here, extracted only inside the new machine
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
         except archive.UnsafeCheckpoint as exc:
@@ -375,10 +389,16 @@ class AgentHostBackend(Backend):
         ref = await self.create(spec, name)
         stage = None
         try:
-            stage = self._hand_over(path, ref.info["host_dir"])
-            done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+            try:
+                stage = await asyncio.to_thread(self._hand_over, path, ref.info["host_dir"])
+            except OSError as exc:  # the new machine's run folder is sized by its memory and disk
+                raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
+                              "disk in the Smolfile") from None
+            done = await self._request_explained(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
         except SmolbenchError as exc:
             await self.delete(ref)
+            if isinstance(exc, (_NoRoom, MachineLost)) or str(exc) == _limits.out_of_memory_line(spec):
+                raise SmolbenchError(str(exc) if isinstance(exc, _NoRoom) else f"restoring checkpoint {path}: {exc}") from None
             why = str(exc).split(": ", 1)[-1]
             raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
         except BaseException:
@@ -390,6 +410,10 @@ class AgentHostBackend(Backend):
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
         return ref
+
+
+class _NoRoom(SmolbenchError):
+    """A checkpoint's files don't fit in the new machine."""
 
 
 def _run_folders(names: builtins.list[str]) -> builtins.list[str]:

@@ -149,19 +149,30 @@ def as_sandbox_uid(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", code, *argv]
 
 
+def disk_mib(spec: MachineSpec) -> int:
+    """The machine's files budget: the Smolfile's ``disk``, else its memory (files live in memory)."""
+    return spec.disk_mib or spec.memory
+
+
+def run_folder_mib(spec: MachineSpec) -> int:
+    """The run folder's size: a save stage (namespace <= memory, workspace <= disk) and sockets."""
+    return spec.memory + disk_mib(spec) + 16
+
+
 def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
-         agent_args: list[str] = ()) -> Plan:  # type: ignore[assignment]
-    """The bwrap command for machine ``name``."""
+         agent_args: list[str] = (), sized: bool = True) -> Plan:  # type: ignore[assignment]
+    """The bwrap command for machine ``name``. ``sized``: every filesystem in memory a machine
+    can write gets a size (off only when a test switches the limits off)."""
     p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
     try:
-        _fill(p, spec, name, rootfs, agent_args)
+        _fill(p, spec, name, rootfs, agent_args, sized)
     except BaseException:
         p.close()
         raise
     return p
 
 
-def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str]) -> None:
+def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str], sized: bool) -> None:
     uid, gid = sandbox_ids()
     weak = weakened()
     if "host-root" in weak:  # the old, broken configuration: uid 0 inside is host root
@@ -196,7 +207,10 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     # The machine's run folder (its socket) is a tmpfs of its own: the host reaches it through
     # /proc/PID/root, so no host folder is writable from inside.
     p.argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-               "--dir", GUEST_STORE, "--dir", spec.workdir, "--perms", "0700", "--tmpfs", GUEST_RUN]
+               "--dir", GUEST_STORE, "--dir", spec.workdir, "--perms", "0700"]
+    if sized:
+        p.argv += ["--size", str(run_folder_mib(spec) << 20)]
+    p.argv += ["--tmpfs", GUEST_RUN]
     for fname in AGENT_FILES:
         p.data((GUEST_DIR / fname).read_bytes(), f"{GUEST_AGENT}/{fname}")
     cp = _cloudpickle_dir()
@@ -219,6 +233,8 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
         p.argv += ["--ro-bind", THP_SYSFS, THP_SYSFS]
     if "host-root" not in weak:
         p.argv += ["--remount-ro", "/run", "--remount-ro", "/"]
+        if sized:  # bwrap's /dev is a tmpfs of no size; its devices and /dev/shm are mounts of their own
+            p.argv += ["--remount-ro", "/dev"]
     p.argv += ["--hostname", hostname(name), "--chdir", "/", "--clearenv"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec.workdir, "USER": "smolbench", "LANG": "C.UTF-8",
            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
@@ -235,8 +251,8 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     p.argv += list(agent_args)
     if "host-root" not in weak:
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
-        if spec.disk_mib:
-            p.argv += ["--disk-mib", str(spec.disk_mib)]
+        if sized or spec.disk_mib:
+            p.argv += ["--disk-mib", str(disk_mib(spec) if sized else spec.disk_mib)]
         if "net-share" in weak:
             p.argv.append("--net")
         if weak:

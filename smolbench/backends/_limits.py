@@ -44,6 +44,8 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 CFS_PERIOD = 100_000  # µs
 KILL_TIMEOUT = 10.0
+# What gives a machine and each branch their own count of memory, files in memory and processes.
+DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
 # A test switch (set it in the kernel before `%smol up`): machines then run unlimited, which
 # the limit tests use to show their probes do detect an overrun.
 ENFORCE = True
@@ -301,10 +303,14 @@ class Limiter:
             cpu = f", {cpus} cpu{'s' if cpus != 1 else ''}" if "cpu" in self.mechanism.bases or self.version == 2 else ""
             return (f"{self.mechanism.name}: memory {mem}, {spec.pids} processes{cpu} per machine and per branch "
                     f"(a cell past the memory limit fails in one line; the machine lives on)")
-        procs = (f"{spec.pids} processes per machine, its branches included (RLIMIT_NPROC, counted in its user namespace)"
+        procs = (f"{spec.pids} processes per machine, its branches included (RLIMIT_NPROC counts a branch in its "
+                 "parent's user namespace too: a branch's fork bomb can stop its parent's and siblings' cells)"
                  if nproc_per_machine else
                  f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
-        return f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}; cpus not enforced"
+        files = ("; files in memory (tmpfs) are bounded by disk but not counted as memory, and a cell's own "
+                 "tmpfs/ramfs mounts not at all" if nproc_per_machine else "")
+        return (f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}{files}; cpus not "
+                f"enforced. For a cgroup: {DELEGATE_HINT}")
 
     def _group(self, controller: str) -> Path:
         group = self._groups.get(controller)

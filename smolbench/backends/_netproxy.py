@@ -52,6 +52,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
+LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
 MAX_CONNECTIONS = 256  # per machine at once: one machine can't starve the others' proxy
 CONNECT_TIMEOUT = 30.0
 
@@ -90,11 +91,17 @@ class ProxyClient:
             raise OSError("the egress proxy did not start")
         return proc
 
-    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def start(self) -> None:
+        """Start the proxy process unless it runs (the sandbox does this while a machine boots)."""
         async with self._lock:
             if self.proc is None or self.proc.returncode is not None:
                 self.proc = await self._start()
-            assert self.proc.stdin is not None and self.proc.stdout is not None
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        await self.start()
+        async with self._lock:
+            if self.proc is None or self.proc.stdin is None or self.proc.stdout is None or self.proc.returncode is not None:
+                raise OSError("the egress proxy exited")
             self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
             await self.proc.stdin.drain()
             line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
@@ -155,14 +162,10 @@ def _setns(fd: int, kind: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def listeners_in(pid: int, addrs: list[tuple[str, int]]) -> list[socket.socket]:
-    """Listening sockets bound to ``addrs`` inside the network namespace of host process
-    ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
-    capability) and network namespace, binds, and sends the descriptors back."""
-    return _collect(*_bind_in(pid, addrs))
-
-
 def _bind_in(pid: int, addrs: list[tuple[str, int]]) -> tuple[int, socket.socket]:
+    """Start binding listening sockets to ``addrs`` inside the network namespace of host process
+    ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
+    capability) and network namespace, binds, and sends the descriptors back (``_collect``)."""
     ours, theirs = socket.socketpair()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked child
@@ -391,9 +394,17 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 
 async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
+    """Both ways until the far end is done; then the machine's side gets a few seconds to
+    finish (an idle client that never closes must not hold a connection slot forever)."""
+    to_far = asyncio.ensure_future(_pipe(r1, w2))
+    to_machine = asyncio.ensure_future(_pipe(r2, w1))
     try:
-        await asyncio.gather(_pipe(r1, w2), _pipe(r2, w1))
+        await to_machine
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(to_far), LINGER)
     finally:
+        to_far.cancel()
+        to_machine.cancel()
         await _close(w2)
 
 

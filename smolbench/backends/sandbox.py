@@ -91,12 +91,22 @@ class SandboxBackend(AgentHostBackend):
         return "; ".join([line, *self.notes])
 
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
-        ref = await super().create(spec, name)
+        # the egress proxy (once per kernel) starts while the machine boots
+        starting = asyncio.ensure_future(self.proxy.start()) if self._net_proxied(spec) else None
+        try:
+            ref = await super().create(spec, name)
+        except BaseException:
+            if starting is not None:
+                with contextlib.suppress(BaseException):
+                    await starting
+            raise
         ref.info["contained"] = self._contained
         if self._contained and self._containment is None:
             self._containment = await self.info(ref)
         if self._net_proxied(spec):
             try:
+                assert starting is not None
+                await starting
                 failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
                 if failed:
                     raise OSError(failed[name])
@@ -201,7 +211,7 @@ class SandboxBackend(AgentHostBackend):
                  agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
         from ..images import resolve_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args)
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
         self._fds, self._fd_paths = p.fds, p.paths
         if not self._contained or os.geteuid() != 0:
             return p.argv, GUEST_RUN, spec.workdir
@@ -225,11 +235,17 @@ class SandboxBackend(AgentHostBackend):
         # keeper is a direct child of its parent's agent, with that pid in the parent's namespace.
         if not self._contained:
             return super()._host_pids(ancestor, guest_pids, tree)
-        wanted, found = set(guest_pids), {}
-        for pid, _ in (tree if tree is not None else _procs.children_map()).get(ancestor, []):
-            last = _procs.ns_pids(pid)[-1:]
-            if last and last[0] in wanted:
-                found[last[0]] = pid
+        # The ancestor is a root's agent, or a branch's keeper (its host pid), whose agent is its
+        # child: the new keepers are then one level further down.
+        tree = tree if tree is not None else _procs.children_map()
+        wanted, found = set(guest_pids), dict[int, int]()
+        for parent in [ancestor, *(pid for pid, _ in tree.get(ancestor, []))]:
+            for pid, _ in tree.get(parent, []):
+                last = _procs.ns_pids(pid)[-1:]
+                if last and last[0] in wanted:
+                    found.setdefault(last[0], pid)
+            if len(found) == len(wanted):
+                break
         return found
 
     async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

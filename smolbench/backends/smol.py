@@ -361,7 +361,8 @@ class SmolBackend(Backend):
             "--ready",
             ready,
         ]
-        env = {"SMOLBENCH_MACHINE": ref.name, "PYTHONDONTWRITEBYTECODE": "1", **spec.env_dict}
+        env = {"SMOLBENCH_MACHINE": ref.name, "PYTHONDONTWRITEBYTECODE": "1",
+               "SMOLBENCH_NET_POLICY": spec.policy.describe(), **spec.env_dict}
         started = await self._sdk(handle.exec, argv, ExecOptions(background=True, env=env))
         ref.info["agent_pid"] = started.pid
         loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from ..errors import SmolbenchError
+from .limits import LIMITS, human
 
 FILES = ("namespace.pkl", "workspace.tar")
 LINK_HOPS = 40  # like the kernel's limit on symlinks followed in one lookup
@@ -50,7 +51,8 @@ def _dirfd(path: str | os.PathLike[str], name: str | None = None, parent: int | 
 
 
 def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
-    """(fd, size) of a regular file ``name`` in ``dir_fd``, not through a link."""
+    """(fd, size) of a regular file ``name`` in ``dir_fd``, not through a link, and with no
+    holes: a machine's sparse file would cost the host its whole claimed size in zeros."""
     flags = OPEN_FILE & ~os.O_NOFOLLOW if "follow" in TEST_WEAKEN else OPEN_FILE
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -60,7 +62,30 @@ def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise UnsafeCheckpoint(f"{what}: {name} is not a plain file")
+    if "sparse" not in TEST_WEAKEN and st.st_size and _has_holes(fd, st.st_size):
+        os.close(fd)
+        raise UnsafeCheckpoint(f"{what}: {name} is a sparse file ({human(st.st_size)} claimed, with holes); "
+                               "a machine's save never makes one")
     return fd, st.st_size
+
+
+def _has_holes(fd: int, size: int) -> bool:
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:  # no SEEK_HOLE here: a file system without holes
+        return False
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
+
+
+def _within_limit(sizes: dict[str, int], what: str) -> None:
+    """One line if ``sizes`` (name -> bytes) add up to more than the checkpoint limit."""
+    total = sum(sizes.values())
+    if total > LIMITS.checkpoint and "size" not in TEST_WEAKEN:
+        parts = ", ".join(f"{n} {human(v)}" for n, v in sizes.items())
+        raise UnsafeCheckpoint(f"{what} holds {human(total)} ({parts}), over the checkpoint limit of "
+                               f"{human(LIMITS.checkpoint)}: keep less in the machine, or raise it with "
+                               "`%smol config checkpoint-limit 4G`")
 
 
 def read_small(path: str | os.PathLike[str], limit: int = 64 * 1024) -> str | None:
@@ -143,12 +168,21 @@ def check_workspace(blob: bytes, where: str) -> None:
 
 
 def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> None:
-    """Write checkpoint ``out`` from the files machine ``where`` saved in ``run_dir/stage``."""
+    """Write checkpoint ``out`` from the files machine ``where`` saved in ``run_dir/stage``.
+
+    Each file is read by its real size, at most the checkpoint limit, and never held in
+    memory: the workspace archive is checked in a copy next to ``out`` (never the host's
+    /tmp) so the machine can't change it after the check, the namespace goes straight in."""
     what = f"the checkpoint machine {where} saved"
-    with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, tempfile.TemporaryFile() as ws:
-        fd, size = _open_plain("workspace.tar", folder, what)
-        with os.fdopen(fd, "rb") as src:
-            _copy_exact(src, ws, size, what)
+    with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, contextlib.ExitStack() as stack:
+        opened = {}
+        for name in FILES:
+            fd, size = _open_plain(name, folder, what)
+            opened[name] = (stack.enter_context(os.fdopen(fd, "rb")), size)
+        _within_limit({name: size for name, (_, size) in opened.items()}, what)
+        ws = stack.enter_context(tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))))
+        src, size = opened["workspace.tar"]
+        _copy_exact(src, ws, size, what)
         ws.seek(0)
         try:
             with tarfile.open(fileobj=ws, mode="r:") as inner:
@@ -157,23 +191,33 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
             raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
         ws.seek(0)
         with tarfile.open(out, "w:gz") as tar:
-            fd, nsize = _open_plain("namespace.pkl", folder, what)
-            with os.fdopen(fd, "rb") as src:
-                spool = io.BytesIO()
-                _copy_exact(src, spool, nsize, what)
-            spool.seek(0)
+            src, nsize = opened["namespace.pkl"]
             info = tarfile.TarInfo("namespace.pkl")
             info.size = nsize
-            tar.addfile(info, spool)
+            try:
+                tar.addfile(info, src)
+            except OSError as exc:  # tarfile: "unexpected end of data"
+                raise UnsafeCheckpoint(f"{what} changed while it was being read ({exc})") from None
             info = tarfile.TarInfo("workspace.tar")
             info.size = size
             tar.addfile(info, ws)
 
 
 def check(path: str, backend: str = "sandbox") -> None:
-    """Refuse a checkpoint file that is not exactly two plain files with a safe workspace."""
+    """Refuse a checkpoint file that is not exactly two plain files with a safe workspace,
+    or that claims more than the checkpoint limit (refused before any of it is unpacked)."""
     with tarfile.open(path, "r:gz") as tar:
-        members = tar.getmembers()
+        members, sizes = [], {}
+        while True:
+            m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
+            if m is None:
+                break
+            members.append(m)
+            if m.name in FILES and m.isfile():
+                sizes[m.name] = m.size
+                _within_limit(sizes, f"checkpoint {Path(path).name}")
+            if len(members) > len(FILES):
+                break
         names = sorted(m.name for m in members)
         if names != sorted(FILES) or not all(m.isfile() for m in members):
             raise SmolbenchError(f"checkpoint {path} is not a {backend} checkpoint (has {names[:5]})")

@@ -32,11 +32,13 @@ class Limits:
     log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/
     line: int = 256 * 1024  # characters of one line shown; longer lines are cut
     grace: float = 3.0  # after an interrupt, seconds before a cell's machine is killed
+    checkpoint: int = 2 * GB  # what a checkpoint may hold (namespace + workspace), read by real size
 
 
 LIMITS = Limits()
 NAMES = {"max-frame": "max_frame", "max-items": "max_items", "in-flight": "in_flight", "output-limit": "output",
-         "displays": "displays", "log-limit": "log", "line-limit": "line", "grace": "grace"}
+         "displays": "displays", "log-limit": "log", "line-limit": "line", "grace": "grace",
+         "checkpoint-limit": "checkpoint"}
 COUNTS = {"max_items": "JSON values", "displays": "displays per cell", "line": "characters"}
 
 

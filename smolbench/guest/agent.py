@@ -180,9 +180,15 @@ class _Stream(io.TextIOBase):
     def write(self, text):
         if not isinstance(text, str):
             raise TypeError("write() argument must be str, not %s" % type(text).__name__)
+        n = len(text)
+        if text and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (e.g. a non-UTF-8 file name): shown escaped,
+                text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # as Python's stderr does
         if text:
             self._agent.stream(self.name, text)
-        return len(text)
+        return n
 
     def flush(self):
         self._agent.outbox.flush()
@@ -565,10 +571,14 @@ class Agent:
         """Fork one live child per requested branch; answer with their pids."""
         frozen = None
         if self.machine is not None:
+            old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])  # the overlays about to be swapped
             os.chdir("/")  # hold nothing of the overlay that the keeper swaps
             frozen = contain.ask_freeze(self.machine.chan)
+            frozen["old_mounts"] = old
             if self.workdir:
                 os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
+            if "layers" not in self.machine.weak:  # files kept open for writing: onto the fresh upper
+                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, writers_only=True))
         try:
             return self._fork_children(req, frozen)
         finally:
@@ -623,7 +633,8 @@ class Agent:
         _set_pdeathsig()
         if frozen is not None:
             view, frozen["view"] = frozen["view"], None
-            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view)
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view,
+                                                frozen.get("old_mounts"))
             self.sock_path = os.path.join(contain.RUN, "s")
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
@@ -665,7 +676,7 @@ class Agent:
         if self.workdir and os.path.exists(ws):
             with tarfile.open(ws) as tar:
                 for member in tar.getmembers():
-                    if member.name.startswith(("/", "..")) or "/../" in member.name:
+                    if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
                 if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
                     tar.extractall(self.workdir, filter="data")

@@ -14,8 +14,10 @@ asks (``--contain``). Every machine, the root and each branch, is two processes:
 
 Files: the workspace and /tmp are overlayfs mounts. Their layers live on the
 machine's own tmpfs (sized by the Smolfile's ``disk``) mounted at ``STORE``; a
-branch binds its parent's frozen layers (read-only lower layers) into its own store
-and writes to its own upper layers. Fork cost does not depend on how much is stored.
+branch binds its parent's frozen layers read-only into its own store and writes to
+its own upper layers. The keeper reaches its store through its cwd only: ``STORE`` and
+what lies under each overlay are covered by empty read-only mounts, so cells never
+see a layer (issue 17). Fork cost does not depend on how much is stored.
 Where overlayfs can't be mounted, a branch copies its parent's files instead, and
 says so in ``info()``.
 """
@@ -55,6 +57,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 O_PATH = getattr(os, "O_PATH", 0o10000000)
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 KEEP_CAPS = 0  # tests only (SMOLBENCH_TEST_WEAKEN=net-caps): capabilities the agent keeps
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -241,6 +244,70 @@ def copy_into(layers, keep):
         mount(source, path, None, MS_BIND | MS_REC)
 
 
+def _fdinfo(fd):
+    with open("/proc/self/fdinfo/%d" % fd) as fh:
+        return dict((k.strip(), v.strip()) for k, v in (line.split(":", 1) for line in fh if ":" in line))
+
+
+def mount_ids(paths):
+    """The mount id of what is mounted at each of ``paths`` (in this mount namespace)."""
+    out = {}
+    for path in paths:
+        fd = os.open(path, O_PATH | os.O_DIRECTORY)
+        try:
+            out[int(_fdinfo(fd)["mnt_id"])] = path
+        finally:
+            os.close(fd)
+    return out
+
+
+def open_files(mounts, writers_only=False):
+    """This process's descriptors of regular files on the overlay mounts ``mounts`` ({mount
+    id: (mount point, still attached here)}), as (fd, path, flags, offset) for
+    :func:`reopen`. ``writers_only``: leave read-only ones (reading a frozen file changes nothing)."""
+    import stat as _stat
+
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not _stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            info = _fdinfo(fd)
+            where = mounts.get(int(info["mnt_id"]))
+            if where is None:
+                continue
+            path = os.readlink("/proc/self/fd/%d" % fd)
+            flags, pos = int(info["flags"], 8), int(info["pos"])
+        except (OSError, KeyError, ValueError):
+            continue
+        if not path.startswith("/") or path.endswith(" (deleted)") or flags & O_PATH:
+            continue  # unlinked: no path to reopen it by
+        if writers_only and not flags & (os.O_WRONLY | os.O_RDWR):
+            continue
+        target, attached = where
+        if not attached:  # a swapped-out overlay: the path is from its own root
+            path = target.rstrip("/") + path
+        found.append((fd, path, flags, pos))
+    return found
+
+
+def reopen(files):
+    """Point each descriptor of ``open_files`` at its path again (through this machine's own
+    overlay now), same flags and offset: a file kept open across a fork then writes to this
+    machine's own layer, never to the frozen one its parent and siblings share."""
+    for fd, path, flags, pos in files:
+        try:
+            new = os.open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | O_CLOEXEC))
+        except OSError:
+            continue
+        try:
+            os.lseek(new, pos, os.SEEK_SET)
+            os.dup2(new, fd, inheritable=not flags & O_CLOEXEC)
+        finally:
+            os.close(new)
+
+
 # -- one machine --------------------------------------------------------------------------
 
 
@@ -260,11 +327,17 @@ class Machine:
     def _open_dirs(self, paths):
         return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
 
-    def setup(self, lowers=None, run_sub=None, view_fd=None):
+    def setup(self, lowers=None, run_sub=None, view_fd=None, old_mounts=None):
         """Root (``lowers`` None) or a branch whose parent froze ``lowers`` for it; ``view_fd``
         is the parent's read-only view of its store, where those layer paths resolve."""
         sets = (("ws", self.workdir), ("tmp", "/tmp"))
         cow = self.files == "overlay"
+        inherited = []
+        if cow and lowers and "layers" not in self.weak:
+            # Files the parent kept open, on its overlays (seen from its namespace, still ours here).
+            mounts = {int(i): (t, False) for i, t in (old_mounts or {}).items()}
+            mounts.update((i, (t, True)) for i, t in mount_ids([t for _, t in sets]).items())
+            inherited = open_files(mounts)
         if view_fd is not None:
             os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
             os.close(view_fd)
@@ -275,6 +348,7 @@ class Machine:
         keep = [(p, fd) for p, fd in zip(self.keep_paths, self._open_dirs(self.keep_paths))]
         run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
         size = ",size=%dm" % self.disk_mib if self.disk_mib else ""
+
         mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700" + size)
         # From here the keeper names everything in its store relative to its cwd: the store's
         # path is covered before cells run, so they never see a layer.
@@ -316,6 +390,7 @@ class Machine:
             if not cow:
                 copy_into(layer, sub)
             self.layers.append(layer)
+        reopen(inherited)
         mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
         if run_fd is not None:
             mount(_fd_path(run_fd), RUN, None, MS_BIND)
@@ -420,7 +495,7 @@ def start_root(workdir, disk_mib, net, keep, weak=()):
     return m
 
 
-def start_branch(parent, lowers, run_sub, view_fd):
+def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
     """In a freshly forked child of ``parent``'s agent: become a contained branch."""
     try:
         parent.chan.close()
@@ -428,7 +503,7 @@ def start_branch(parent, lowers, run_sub, view_fd):
         pass
     m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths)
     m.seccomp, m.files, m.weak = parent.seccomp, parent.files, parent.weak
-    m.setup(lowers, run_sub, view_fd)
+    m.setup(lowers, run_sub, view_fd, old_mounts)
     m.split()
     return m
 

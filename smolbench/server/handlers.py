@@ -6,7 +6,7 @@
     GET    checkpoints[?path=DIR]        checkpoints of DIR's ledger (no path: every ledger under the root)
     DELETE checkpoints/NAME?path=DIR     remove a checkpoint's file and its ledger row
     GET    ledger/sessions?path=DIR      \\
-    GET    ledger/runs?path=DIR           > read-only, paginated (&limit=&offset=)
+    GET    ledger/runs?path=DIR           > read-only, paginated (&limit=&offset=; runs: &notebook=PATH)
     GET    ledger/nodes?path=DIR&run=ID  /  (or &session=ID)
 
 Errors are JSON ``{"message": "..."}``: one line saying what is wrong and what to do.
@@ -76,6 +76,33 @@ class _Base(APIHandler):
             raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} links outside the server's root directory")
         return db, relative(self.root, where) or ""
 
+    def notebook_paths(self) -> list[str] | None:
+        """The ``notebook`` filter (an API path) as the paths a kernel records for it: its
+        absolute path (the kernel's JPY_SESSION_NAME), real or not, or the API path itself."""
+        rel = self.get_query_argument("notebook", None)
+        if rel is None or rel == "":
+            return None if rel is None else [""]
+        rel = rel.strip("/")
+        roots = {self.root, str(self.settings.get("server_root_dir") or self.root)}  # as configured: may hold a symlink
+        return sorted({rel, os.path.realpath(os.path.join(self.root, rel))} | {os.path.join(r, rel) for r in roots})
+
+    def relative_notebooks(self, data: dict[str, Any]) -> None:
+        """Runs' notebook paths as API paths (a notebook outside the root: its name only)."""
+        def rel(path: Any) -> str | None:
+            if not isinstance(path, str) or not path:
+                return None
+            if not os.path.isabs(path):
+                return path
+            return relative(self.root, path) or os.path.basename(path)
+
+        for r in data["runs"]:
+            r["notebook"] = rel(r.get("notebook"))
+        counts: dict[str | None, int] = {}
+        for n in data.get("notebooks", []):
+            key = rel(n["notebook"])
+            counts[key] = counts.get(key, 0) + n["runs"]
+        data["notebooks"] = [{"notebook": k, "runs": v} for k, v in counts.items()]
+
     async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking read, off the server's event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
@@ -92,7 +119,8 @@ class MachinesHandler(_Base):
         with contextlib.suppress(Exception):
             for s in await self.session_manager.list_sessions():
                 notebooks[s["kernel"]["id"]] = s.get("path") or s.get("name") or ""
-        snap = await self.run(machines.snapshot, self.settings["smolbench_registry"], known, notebooks)
+        snap = await self.run(machines.snapshot, self.settings["smolbench_registry"], known, notebooks,
+                              self.settings.setdefault("smolbench_dead", {}))
         self.finish(snap)
 
 
@@ -169,6 +197,16 @@ class CheckpointHandler(_Base):
         db, rel = self.ledger()
         if not db.is_file():
             raise _fail(404, f"no ledger in {rel or 'the root folder'}: nothing to delete")
+        # a live kernel writing this ledger removes it itself, so its tree's badges follow
+        known = set(self.kernel_manager.list_kernel_ids())
+        owner = await self.run(machines.ledger_owner, self.settings["smolbench_registry"], known, db)
+        if owner is not None:
+            result = await machines.ask_kernel(self.kernel_manager, owner, name, f"%smol checkpoint rm {name}")
+            if not result["ok"] and not result.get("queued"):
+                raise _fail(409, result["message"])
+            self.set_status(202 if result.get("queued") else 200)
+            self.finish(result)
+            return
         message = await self.run(_delete_checkpoint, db, name, self.root)
         self.finish({"ok": True, "message": message})
 
@@ -215,7 +253,8 @@ class LedgerHandler(_Base):
         limit, offset = self.int_arg("limit", 50), self.int_arg("offset", 0)
         try:
             if what == "runs":
-                data = await self.run(ledgerview.runs, db, limit, offset)
+                data = await self.run(ledgerview.runs, db, limit, offset, self.notebook_paths())
+                self.relative_notebooks(data)
             elif what == "sessions":
                 data = await self.run(ledgerview.sessions, db, limit, offset)
             else:

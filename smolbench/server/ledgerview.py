@@ -114,22 +114,38 @@ def sessions(db: Path, limit: int = 50, offset: int = 0) -> dict[str, Any]:
             "sessions": [{k: (_text(v, 300) if isinstance(v, str) else v) for k, v in zip(keys, r)} for r in rows]}
 
 
-def runs(db: Path, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-    """Forks and episodes, newest first: cell, N, best reward, a reward sparkline, times."""
+def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None = None) -> dict[str, Any]:
+    """Forks and episodes, newest first: notebook, cell, N, best reward, a reward sparkline,
+    times. ``notebook``: only runs of one of these notebook paths ([""]: runs that name none,
+    as in ledgers older than the notebook column); ``notebooks`` counts the runs of each."""
     limit, offset = _page(limit, offset)
     with open_ro(db) as conn:
-        total = conn.execute("SELECT count(*) FROM runs").fetchone()[0]
+        have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        where_cols = "notebook, cell" if {"notebook", "cell"} <= have else "NULL, NULL"
+        counts = conn.execute(f"SELECT {where_cols.split(',')[0]}, count(*) FROM runs GROUP BY 1 ORDER BY 1").fetchall()
+        args: tuple[str, ...] = ()
+        if notebook is None:
+            cond = "1"
+        elif notebook == [""]:
+            cond = "notebook IS NULL" if "notebook" in have else "1"
+        elif "notebook" in have:
+            cond, args = f"notebook IN ({', '.join('?' * len(notebook))})", tuple(notebook)
+        else:
+            cond = "0"
+        total = conn.execute(f"SELECT count(*) FROM runs WHERE {cond}", args).fetchone()[0]
         rows = conn.execute(
-            "SELECT id, session_id, kind, parent_id, substr(code, 1, ?), n, started, ended, status "
-            "FROM runs ORDER BY started DESC LIMIT ? OFFSET ?", (CODE_CHARS, limit, offset)).fetchall()
+            f"SELECT id, session_id, kind, parent_id, substr(code, 1, ?), n, started, ended, status, {where_cols} "
+            f"FROM runs WHERE {cond} ORDER BY started DESC LIMIT ? OFFSET ?", (CODE_CHARS, *args, limit, offset)).fetchall()
         out = []
-        for rid, sid, kind, parent, code, n, started, ended, status in rows:
+        for rid, sid, kind, parent, code, n, started, ended, status, nb, cell in rows:
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
                 "n": n, "started": started, "ended": ended, "status": status,
+                "notebook": _text(nb, 1000), "cell": cell if isinstance(cell, int) else None,
                 **_summary(conn, str(db), rid, ended),
             })
-    return {"total": total, "offset": offset, "limit": limit, "runs": out}
+    return {"total": total, "offset": offset, "limit": limit, "runs": out,
+            "notebooks": [{"notebook": _text(nb, 1000), "runs": k} for nb, k in counts]}
 
 
 NODE_KEYS = ("id", "parent_id", "run_id", "seed", "status", "reward", "started", "ended",

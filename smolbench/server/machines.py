@@ -24,6 +24,7 @@ NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 UNVERIFIED_KEEP_S = 24 * 3600  # how long a dead kernel's pid-less machines stay listed
 ASK_TIMEOUT = 20.0  # seconds to wait for an idle kernel to answer `%smol delete`
 BUSY_TIMEOUT = 2.0  # a busy kernel runs it after its current cell: don't hold the request that long
+DEAD_KEEP_S = 60.0  # how long a kernel that died with all its machines is reported (the sidebar says so once)
 
 
 class NotFound(LookupError):
@@ -34,13 +35,16 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[str, Any]:
+def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
+             dead: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every machine of this server's live kernels, plus orphans of dead kernels.
 
     ``known`` is the kernel ids the server runs, ``notebooks`` maps kernel id to the path
     of the notebook its session belongs to. Records of dead kernels whose machines are
-    all gone are removed.
+    all gone are removed, and remembered in ``dead`` (the server's own dict, kept between
+    calls) for DEAD_KEEP_S, so the sidebar can say that kernel died.
     """
+    dead = {} if dead is None else dead
     now = time.time()
     groups: list[dict[str, Any]] = []
     for path, rec in registry.read_records(folder):
@@ -71,12 +75,17 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
                 "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
                 "killable": orphaned and not unverified,
             })
+        recorded_nb = rec.get("notebook") if isinstance(rec.get("notebook"), str) else None
         if orphaned and not machines:
             with contextlib.suppress(OSError):
                 path.unlink()  # its kernel and every machine are gone: nothing left to show
+                dead[path.name] = {"kernel_id": kid, "notebook": recorded_nb, "cwd": str(rec.get("cwd", ""))[:1000],
+                                    "machines": len(rec["machines"]), "at": now}
             continue
+        active = rec.get("active") if isinstance(rec.get("active"), str) else None
         groups.append({
-            "kernel_id": kid, "record": path.name, "notebook": notebooks.get(kid) if kernel_alive else None,
+            "kernel_id": kid, "record": path.name, "notebook": notebooks.get(kid) if kernel_alive else recorded_nb,
+            "active": active if any(m["id"] == active for m in machines) else None,
             "cwd": str(rec.get("cwd", ""))[:1000], "backend": str(rec.get("backend", ""))[:32],
             "session": str(rec.get("session", ""))[:64], "kernel_alive": kernel_alive,
             "orphaned": orphaned, "updated": _num(rec.get("updated")), "machines": machines,
@@ -84,8 +93,10 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str]) -> dict[s
     groups.sort(key=lambda g: (g["orphaned"], g["notebook"] or g["cwd"], g["kernel_id"]))
     live = [m for g in groups if not g["orphaned"] for m in g["machines"]]
     backends = sorted({g["backend"] for g in groups if not g["orphaned"] and g["machines"]})
+    for name in [n for n, d in dead.items() if now - d["at"] > DEAD_KEEP_S]:
+        del dead[name]
     return {"kernels": groups, "machines": len(live), "orphaned": sum(len(g["machines"]) for g in groups if g["orphaned"]),
-            "backends": backends}
+            "backends": backends, "dead": sorted(dead.values(), key=lambda d: d["at"])}
 
 
 def find(folder: Path, kernel_id: str, node_id: str,
@@ -109,8 +120,21 @@ def find(folder: Path, kernel_id: str, node_id: str,
     return hits[0]
 
 
-async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[str, Any]:
-    """Run ``%smol delete NODE`` in the live kernel; what it printed or raised."""
+def ledger_owner(folder: Path, known: set[str], ledger: Path) -> str | None:
+    """The live kernel of this server whose Workbench writes ``ledger`` (None: no such kernel)."""
+    want = str(ledger.resolve())
+    for _path, rec in registry.read_records(folder):
+        kid = str(rec.get("kernel_id", ""))
+        if kid in known and rec.get("ledger") == want and registry.alive(rec.get("pid"), rec.get("pid_start")):
+            return kid
+    return None
+
+
+async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str, command: str | None = None) -> dict[str, Any]:
+    """Run ``%smol delete NODE`` (or ``command``, a ``%smol`` line naming ``node_id``) in the
+    live kernel; what it printed or raised."""
+    command = command or f"%smol delete {node_id}"
+    verb = "remove checkpoint" if command.startswith("%smol checkpoint rm") else "delete"
     km = kernel_manager.get_kernel(kernel_id)
     busy = getattr(km, "execution_state", "") == "busy"
     client = km.client()
@@ -123,21 +147,21 @@ async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str) -> dict[
 
     try:
         reply = await client.execute_interactive(
-            f"%smol delete {node_id}", silent=True, store_history=False, allow_stdin=False,
+            command, silent=True, store_history=False, allow_stdin=False,
             timeout=BUSY_TIMEOUT if busy else ASK_TIMEOUT, output_hook=hook)
     except TimeoutError:
         return {"action": "asked-kernel", "ok": False, "queued": True,
-                "message": f"asked kernel {kernel_id[:8]} to delete {node_id}; it is busy, so the delete runs "
+                "message": f"asked kernel {kernel_id[:8]} to {verb} {node_id}; it is busy, so it happens "
                            "when its current cell finishes"}
     finally:
         client.stop_channels()
     content = reply.get("content", {})
     if content.get("status") != "ok":
         why = f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
-        return {"action": "asked-kernel", "ok": False, "message": f"kernel {kernel_id[:8]} could not delete {node_id}: {why}"}
+        return {"action": "asked-kernel", "ok": False, "message": f"kernel {kernel_id[:8]} could not {verb} {node_id}: {why}"}
     said = " ".join(line.strip() for line in "".join(out).splitlines() if line.strip())
     return {"action": "asked-kernel", "ok": True,
-            "message": f"asked kernel {kernel_id[:8]} to delete {node_id}: {said or 'done'}"}
+            "message": f"asked kernel {kernel_id[:8]} to {verb} {node_id}: {said or 'done'}"}
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,144 @@
+"""A machine's save stage can't blow up the host (issue 17), through a real kernel.
+
+The machine writes its checkpoint files itself, so a cell can make them anything: here a
+cell wraps its own agent's ``save`` to leave sparse or oversized files in the stage. The
+host reads a stage by its real size, within ``%smol config checkpoint-limit``, never into
+memory or the host's /tmp, and refuses a checkpoint file claiming more before unpacking
+it. Each refusal also runs with the check switched off (``archive.TEST_WEAKEN`` in the
+kernel), where the same probe gets through. Also: a file named ``...`` restores, and a
+machine killed for memory (during a save, or a cell) says so and leaves the tree.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text
+
+from smolbench.backends import _limits
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+# In the machine: after the agent's own save, grow one of its files in place (a hole) or pad it.
+SPOIL = r'''
+import os, smolbench_guest
+_agent = smolbench_guest._agent
+_real_save = type(_agent).save
+def spoil(target, size, sparse=True):
+    def save(path):
+        done = _real_save(_agent, path)
+        with open(os.path.join(path, target), "r+b") as fh:
+            if sparse:
+                fh.truncate(size)  # a hole: no memory, any claimed size
+            else:
+                fh.seek(0, 2)
+                fh.write(b"\0" * (size - fh.tell()))
+        return done
+    _agent.save = save
+'''
+
+
+def one_line(cell: Any) -> str:
+    err = error_output(cell)
+    assert err is not None, f"expected an error, got {cell.outputs}"
+    assert len(err.traceback) == 1, err.traceback
+    text = re.sub(r"\x1b\[[0-9;]*m", "", err.traceback[0])
+    assert "\n" not in text
+    return text
+
+
+def ok(cell: Any) -> Any:
+    assert error_output(cell) is None, error_text(cell)
+    return cell
+
+
+@pytest.fixture
+def nb(open_tmp: Path) -> Iterator[NotebookSession]:
+    (open_tmp / "Smolfile").write_text('memory = "512M"\ndisk = "128M"\n')
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        ok(s.run("%%smol\n" + SPOIL))
+        yield s
+
+
+def _big_files(folder: Path, over: int) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if p.is_file() and p.stat().st_size > over]
+
+
+@pytest.mark.parametrize("target", ["namespace.pkl", "workspace.tar"])
+def test_a_sparse_file_in_the_save_stage_is_refused_in_one_line(nb: NotebookSession, open_tmp: Path, target: str) -> None:
+    ok(nb.run(f"%%smol\nspoil({target!r}, 2 << 30)"))
+    line = one_line(nb.run("%smol checkpoint save sparse"))
+    assert f"{target} is a sparse file (2.1 GB claimed, with holes)" in line and "nothing was saved" in line, line
+    assert _big_files(open_tmp, 1 << 20) == []
+    assert result_text(ok(nb.run("%%smol\n1 + 1"))) == "2"  # the machine and the kernel carry on
+    # Switched off, the same stage is read in full: the host takes every claimed byte.
+    ok(nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('sparse')"))
+    ok(nb.run(f"%%smol\nspoil({target!r}, 200 << 20)"))
+    assert "saved checkpoint sparse" in stream_text(ok(nb.run("%smol checkpoint save sparse")))
+    import tarfile
+    with tarfile.open(next(open_tmp.rglob("sparse.smolcheckpoint"))) as tar:
+        assert tar.getmember(target).size == 200 << 20
+
+
+def test_a_stage_over_the_checkpoint_limit_is_refused_and_so_is_such_a_checkpoint(nb: NotebookSession, open_tmp: Path) -> None:
+    ok(nb.run("%%smol\nopen('data.bin', 'wb').write(os.urandom(30 << 20))"))
+    assert "saved checkpoint big" in stream_text(ok(nb.run("%smol checkpoint save big")))
+    ok(nb.run("%smol config checkpoint-limit 20M"))
+    line = one_line(nb.run("%smol checkpoint save big2"))
+    assert "holds 31 MB" in line and "over the checkpoint limit of 20 MB" in line and "checkpoint-limit 4G" in line, line
+    # real bytes padded past the limit by the machine itself: refused the same way
+    ok(nb.run("%%smol\nimport os\nos.remove('data.bin')\nspoil('namespace.pkl', 40 << 20, sparse=False)"))
+    assert "over the checkpoint limit of 20 MB" in one_line(nb.run("%smol checkpoint save big3"))
+    # a checkpoint file that claims more than the limit is refused before it is unpacked
+    line = one_line(nb.run("%smol checkpoint restore big"))
+    assert "over the checkpoint limit of 20 MB" in line and "refused" in line, line
+    ok(nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('size')"))
+    assert "restored big" in stream_text(ok(nb.run("%smol checkpoint restore big")))
+
+
+def test_a_file_named_three_dots_restores(nb: NotebookSession) -> None:
+    ok(nb.run("%%smol\nopen('...', 'w').write('dots')\nos.makedirs('d/...', exist_ok=True)\nopen('d/.../x', 'w').write('x')"))
+    assert "saved checkpoint dots" in stream_text(ok(nb.run("%smol checkpoint save dots")))
+    assert "restored dots" in stream_text(ok(nb.run("%smol checkpoint restore dots")))
+    assert result_text(ok(nb.run("%%smol\nopen('...').read() + open('d/.../x').read()"))) == "'dotsx'"
+
+
+SHARED = "import mmap  # shared memory: no rlimit counts it, the cgroup does\nm = mmap.mmap(-1, 800 << 20)\nfor i in range(0, 800 << 20, 1 << 20):\n    m[i:i + (1 << 20)] = b'x' * (1 << 20)\n"
+
+
+@pytest.mark.skipif(not _limits.detect().bases, reason="needs a writable cgroup: only a cgroup kills a machine for memory")
+def test_a_machine_killed_for_memory_says_so_and_leaves_the_tree(nb: NotebookSession) -> None:
+    # during a save: the agent's save itself runs out of memory
+    ok(nb.run("%%smol\ndef greedy(path):\n" + "".join("    " + ln + "\n" for ln in SHARED.splitlines()) + "_agent.save = greedy"))
+    line = one_line(nb.run("%smol checkpoint save oom"))
+    assert "machine ran out of memory (limit 512M)" in line and "machine root was lost" in line, line
+    assert "closed the connection" not in line
+    tree = stream_text(ok(nb.run("%smol tree")))
+    assert "alive" not in tree and "active" not in tree and "lost" in tree, tree
+    # and in a cell, on a fresh machine
+    ok(nb.run("%smol up --backend sandbox"))
+    line = one_line(nb.run("%%smol\n" + SHARED))
+    assert "machine ran out of memory (limit 512M)" in line and "`%smol up` starts a fresh machine" in line, line
+    assert one_line(nb.run("%%smol\n1")).endswith("no machine is up: run `%smol up` first")
+
+
+def test_a_checkpoint_too_big_for_the_new_machine_says_so(open_tmp: Path) -> None:
+    (open_tmp / "Smolfile").write_text('memory = "512M"\ndisk = "200M"\n')
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        ok(s.run("%%smol\nimport os\nwith open('data.bin', 'wb') as fh:\n    for _ in range(170):\n        fh.write(os.urandom(1 << 20))"))
+        assert "saved checkpoint big" in stream_text(ok(s.run("%smol checkpoint save big")))
+        ok(s.run("%smol down"))
+        (open_tmp / "Smolfile").write_text('memory = "128M"\ndisk = "16M"\n')  # run folder: 160 MiB
+        ok(s.run("%smol up --backend sandbox"))
+        line = one_line(s.run("%smol checkpoint restore big"))
+    assert "doesn't fit in a new machine (No space left on device): raise memory or disk in the Smolfile" in line, line
+    assert "corrupt" not in line
