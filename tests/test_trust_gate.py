@@ -126,6 +126,11 @@ FRAMES = [
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"error\": {\"ename\": 7}}\\n'", "the error name should be text"),
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"reward\": 1' + b'0' * 5000 + b'}\\n'", "not a JSON line"),
     ("b'[' * 200000 + b'\\n'", "JSON nested too deeply"),
+    # deep enough to break nbformat (and so saving the notebook), not the kernel's JSON
+    ("b'{\"t\": \"display\", \"data\": {\"application/json\": ' + b'[' * 500 + b']' * 500 + b'}}\\n'",
+     "the application/json output is nested deeper than 64 levels"),
+    ("b'{\"t\": \"display\", \"data\": {\"application/vnd.plotly.v1+json\": {\"data\": ' + b'[' * 100 + b']' * 100 + b'}}}\\n'",
+     "a plotly figure nested too deeply"),
     ("b'{\"t\": \"done\", \"status\": \"ok\", \"pulled\": {\"other\": {\"format\": \"data\", \"data\": 1}}}\\n'",
      "a pulled value 'other' that was not asked for"),
 ]
@@ -808,6 +813,9 @@ def test_a_lone_surrogate_from_a_machine_is_one_line_and_the_session_carries_on(
             still_works(nb)
         for line in ("%smol tree", "%smol status"):
             assert error_output(nb.run(line)) is None
+        # an honest cell printing one (a non-UTF-8 file name, say) sees it escaped, as Python's stderr would
+        cell = nb.run("%%smol\nprint('name-\\udc80.txt')")
+        assert stream_text(cell) == "name-\\udc80.txt\n" and error_output(cell) is None, cell.outputs
         nb.run("%smol down")
         nb.run("%smol up --backend sandbox")
         assert result_text(nb.run("%%smol\n6 * 7")) == "42"

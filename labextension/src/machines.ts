@@ -81,7 +81,9 @@ export function changes(before: IMachines | null, after: IMachines): { moves: st
     const where = basename(groupWhere(g));
     if (g.orphaned) {
       if (!old.has(g.kernel_id + '~') && old.get(g.kernel_id)?.kernel_alive) {
-        deaths.push(`${where}: kernel ${g.kernel_id.slice(0, 8)} died; its machines are listed as orphaned (Kill ends them)`);
+        deaths.push(`${where}: kernel ${g.kernel_id.slice(0, 8)} died; ` + (g.machines.every(m => m.unverified)
+          ? 'its machines are listed as unverified (they may still run: delete them with their backend\'s own tools)'
+          : 'its machines are listed as orphaned (Kill ends them)'));
       }
       continue;
     }

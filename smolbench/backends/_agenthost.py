@@ -389,10 +389,16 @@ class AgentHostBackend(Backend):
         ref = await self.create(spec, name)
         stage = None
         try:
-            stage = await asyncio.to_thread(self._hand_over, path, ref.info["host_dir"])
-            done = await self._request(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+            try:
+                stage = await asyncio.to_thread(self._hand_over, path, ref.info["host_dir"])
+            except OSError as exc:  # the new machine's run folder is sized by its memory and disk
+                raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
+                              "disk in the Smolfile") from None
+            done = await self._request_explained(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
         except SmolbenchError as exc:
             await self.delete(ref)
+            if isinstance(exc, (_NoRoom, MachineLost)) or str(exc) == _limits.out_of_memory_line(spec):
+                raise SmolbenchError(str(exc) if isinstance(exc, _NoRoom) else f"restoring checkpoint {path}: {exc}") from None
             why = str(exc).split(": ", 1)[-1]
             raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
         except BaseException:
@@ -404,6 +410,10 @@ class AgentHostBackend(Backend):
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
         return ref
+
+
+class _NoRoom(SmolbenchError):
+    """A checkpoint's files don't fit in the new machine."""
 
 
 def _run_folders(names: builtins.list[str]) -> builtins.list[str]:

@@ -235,11 +235,17 @@ class SandboxBackend(AgentHostBackend):
         # keeper is a direct child of its parent's agent, with that pid in the parent's namespace.
         if not self._contained:
             return super()._host_pids(ancestor, guest_pids, tree)
-        wanted, found = set(guest_pids), {}
-        for pid, _ in (tree if tree is not None else _procs.children_map()).get(ancestor, []):
-            last = _procs.ns_pids(pid)[-1:]
-            if last and last[0] in wanted:
-                found[last[0]] = pid
+        # The ancestor is a root's agent, or a branch's keeper (its host pid), whose agent is its
+        # child: the new keepers are then one level further down.
+        tree = tree if tree is not None else _procs.children_map()
+        wanted, found = set(guest_pids), dict[int, int]()
+        for parent in [ancestor, *(pid for pid, _ in tree.get(ancestor, []))]:
+            for pid, _ in tree.get(parent, []):
+                last = _procs.ns_pids(pid)[-1:]
+                if last and last[0] in wanted:
+                    found.setdefault(last[0], pid)
+            if len(found) == len(wanted):
+                break
         return found
 
     async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

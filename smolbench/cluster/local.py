@@ -13,7 +13,8 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,11 +26,41 @@ BACKENDS = ("auto", "sandbox", "process", "smol")
 T = TypeVar("T")
 
 
+@contextlib.contextmanager
+def _patient(seconds: float = 180.0) -> Iterator[None]:
+    """Give a starting node ``seconds`` to register, not Ray's fixed 30 s.
+
+    ``ray._private.node.Node`` polls ``services.get_node`` and gives up after 30 s, which a
+    busy 2-core host can miss while the GCS is still starting. Here each poll keeps trying
+    until the node is known or ``seconds`` passed. Only while this throwaway cluster starts.
+    """
+    import ray._private.services as services
+
+    original = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
 def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:
-    """Ray gives a node 30 s to register; on a busy host that can run out: try again."""
+    """Start a node, again if it still timed out (see :func:`_patient`)."""
     for attempt in range(tries):
         try:
-            return start()
+            with _patient():
+                return start()
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == tries - 1:
                 raise

@@ -28,6 +28,8 @@ from .css import clean_style
 from .frames import Bad, mapping, shown, string
 
 TEXT_LIMIT = 64 * 1024 * 1024
+# JSON deeper than this breaks the tools that read the notebook (nbformat recurses per level).
+MAX_DEPTH = 64
 MIME_RE = re.compile(r"[a-z]+/[A-Za-z0-9.+\-]{1,100}")
 IMAGES = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff", "image/gif": b"GIF8"}
 PLOTLY = "application/vnd.plotly.v1+json"
@@ -125,6 +127,20 @@ def _image(mime: str, value: Any) -> str:
     return text
 
 
+def _shallow(value: Any, mime: str) -> Any:
+    """``value`` if it nests at most MAX_DEPTH levels, else Bad."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise Bad(f"the {mime} output is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            todo.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            todo.extend((x, depth + 1) for x in v)
+    return value
+
+
 def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
     """Check a MIME bundle and make it safe; returns (bundle, MIME types dropped)."""
     data = mapping(data, "a display bundle", 64)
@@ -142,7 +158,7 @@ def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
         elif mime == "text/plain":
             out[mime] = string(value, "the text/plain output", TEXT_LIMIT)
         elif mime == "application/json":
-            out[mime] = value  # shown as a JSON tree: text only (decoded fresh, bounded by the frame)
+            out[mime] = _shallow(value, mime)  # a JSON tree: text only (decoded fresh, bounded by the frame)
         elif mime == PLOTLY:
             out[mime] = figures.figure(value)
         elif mime == "text/html":

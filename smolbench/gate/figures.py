@@ -25,7 +25,7 @@ CONFIG = frozenset({"responsive", "displayModeBar", "displaylogo", "scrollZoom",
 ATTR = re.compile(r"""(\s)(style|href|target)\s*=\s*("[^"]*"|'[^']*'|[^\s>]*)""", re.IGNORECASE)
 ABSOLUTE_LINK = re.compile(r"(https?://[^\s\"'<>]+|mailto:[^\s\"'<>]+)", re.IGNORECASE)
 NAMED_STYLE = re.compile(r"[a-z][a-z0-9-]{0,40}")
-MAX_DEPTH = 64
+MAX_DEPTH = 64  # as for application/json: deeper breaks the tools that read the notebook
 
 
 def _attr(m: re.Match[str]) -> str:

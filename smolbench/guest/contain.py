@@ -14,8 +14,10 @@ asks (``--contain``). Every machine, the root and each branch, is two processes:
 
 Files: the workspace and /tmp are overlayfs mounts. Their layers live on the
 machine's own tmpfs (sized by the Smolfile's ``disk``) mounted at ``STORE``; a
-branch binds its parent's frozen layers (read-only lower layers) into its own store
-and writes to its own upper layers. Fork cost does not depend on how much is stored.
+branch binds its parent's frozen layers read-only into its own store and writes to
+its own upper layers. The keeper reaches its store through its cwd only: ``STORE`` and
+what lies under each overlay are covered by empty read-only mounts, so cells never
+see a layer (issue 17). Fork cost does not depend on how much is stored.
 Where overlayfs can't be mounted, a branch copies its parent's files instead, and
 says so in ``info()``.
 """

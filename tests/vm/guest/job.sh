@@ -17,6 +17,7 @@ cp -a "$S/src" /root/smolbench
 echo /root/smolbench > /opt/venv/lib/python3.11/site-packages/smolbench-checkout.pth
 cp "$S/vm/guest/vmlane_hooks.py" /opt/venv/lib/python3.11/site-packages/
 echo "import vmlane_hooks" > /opt/venv/lib/python3.11/site-packages/vmlane-hooks.pth
+cp "$S/vm/guest/vmlane_results.py" /opt/venv/lib/python3.11/site-packages/
 mkdir -p /run/vmlane
 # smol 1.32.2's first capture on a fresh host failed with EACCES creating its staging under
 # /dev/shm/smolvm-capture (its helper runs unprivileged); made world-writable like /dev/shm.
@@ -38,7 +39,9 @@ if [ "${VMLANE_SIMULATE_STALL:-0}" = 1 ] && [ "${VMLANE_ATTEMPT:-1}" = 1 ]; then
 fi
 bash "$S/vm/guest/watchdog.sh" &
 say "pytest tests/test_smol_real_vm.py"
-python -m pytest tests/test_smol_real_vm.py -v -rs -p no:cacheprovider -o timeout=2400 \
+# Outcomes go to the share test by test; a retry boot skips what passed (vmlane_results.py).
+export VMLANE_OUTCOMES=$R VMLANE_PASSED=$S/passed.txt
+python -m pytest tests/test_smol_real_vm.py -v -rs -p no:cacheprovider -p vmlane_results -o timeout=2400 \
   --junitxml="$R/junit.xml" --durations=0 > "$R/pytest.log" 2>&1
 rc=$?
 if [ -f /run/vmlane/verdict ]; then

@@ -1,0 +1,64 @@
+"""Lane-only pytest plugin (``-p vmlane_results`` in L1): every test's outcome goes to the 9p
+share the moment it is known, so a boot that stalls or hangs later keeps what already ran;
+and a retry boot skips what passed before (``VMLANE_PASSED``), except the earlier steps of a
+chain (``@pytest.mark.chain``) whose later steps still have to run: those share one
+machine's state, so the chain runs again from its start."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_OUT = os.environ.get("VMLANE_OUTCOMES", "")
+_PASSED = os.environ.get("VMLANE_PASSED", "")
+_seen: dict[str, str] = {}
+
+
+def _write(name: str, line: str) -> None:
+    if not _OUT:
+        return
+    with open(os.path.join(_OUT, name), "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _chain(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("chain")
+    return str(mark.args[0]) if mark and mark.args else None
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and report.nodeid.endswith(".py"):
+        _write("outcomes.txt", f"{report.nodeid} skipped")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        _write("collected.txt", item.nodeid)
+    try:
+        passed = set(open(_PASSED).read().split()) if _PASSED else set()
+    except OSError:
+        passed = set()
+    if not passed:
+        return
+    pending_chains = {_chain(i) for i in items if i.nodeid not in passed} - {None}
+    keep, drop = [], []
+    for item in items:
+        rerun = item.nodeid not in passed or _chain(item) in pending_chains
+        (keep if rerun else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "setup":
+        _seen[report.nodeid] = "passed"
+    if report.failed:
+        _seen[report.nodeid] = "failed" if report.when == "call" else "error"
+    elif report.skipped and _seen.get(report.nodeid) == "passed":
+        _seen[report.nodeid] = "skipped"
+    if report.when == "teardown":
+        _write("outcomes.txt", f"{report.nodeid} {_seen.pop(report.nodeid, 'error')}")
