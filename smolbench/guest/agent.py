@@ -180,9 +180,15 @@ class _Stream(io.TextIOBase):
     def write(self, text):
         if not isinstance(text, str):
             raise TypeError("write() argument must be str, not %s" % type(text).__name__)
+        n = len(text)
+        if text and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (e.g. a non-UTF-8 file name): shown escaped,
+                text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # as Python's stderr does
         if text:
             self._agent.stream(self.name, text)
-        return len(text)
+        return n
 
     def flush(self):
         self._agent.outbox.flush()

@@ -69,7 +69,7 @@ attempt() {
     beat=$(cat "$share/heartbeat" 2>/dev/null || true)
     cpu=$(cpu_ticks "$qpid")
     if [ -n "$beat" ] && [ "$beat" != "$prev" ]; then prev=$beat; last=$now; cpu_then=$cpu; fi
-    n_now=$(cat "$share/results/collected.txt" "$share/results/outcomes.txt" 2>/dev/null | wc -l)
+    n_now=$(cat "$share/results/collected.txt" "$share/results/outcomes.txt" 2>/dev/null | wc -l || true)
     if [ "$n_now" != "$done_n" ]; then done_n=$n_now; done_t=$now; fi
     # The suite's own job only: no test finished for this long though L1 is busy (seen once:
     # a forked microVM's vCPU spinning with interrupts off for 15+ minutes).
