@@ -174,6 +174,9 @@ def nft_tamper():
     ctx = lib.nft_ctx_new(0)
     done = [lib.nft_run_cmd_from_buffer(ctx, cmd) == 0 for cmd in (
         b"add table ip mine", b"delete table ip smolbench", b"flush ruleset")]
+    nft = [p for p in ("/usr/sbin/nft", "/sbin/nft") if os.path.exists(p)]
+    if nft:  # as root of a user namespace of its own, over the machine's network namespace
+        done.append(subprocess.run(["unshare", "-r", nft[0], "flush", "ruleset"], capture_output=True).returncode == 0)
     return any(done)
 
 def answers(host, port):
