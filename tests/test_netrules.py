@@ -57,6 +57,30 @@ def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_hos
     assert p.admits("10.9.8.7", 5432, A("10.9.8.7"), OWN) and not p.admits("10.9.8.7", 80, A("10.9.8.7"), OWN)
     assert not p.admits("example.org", 443, A("93.184.215.14"), OWN)
     assert not p.may_resolve("example.org", 443)  # an unlisted name is never even looked up
+    # a range never reaches this host's own addresses; only that address with a port does
+    r, own = NetPolicy.from_lists(False, [], ["127.0.0.0/8", "10.0.0.0/8", "127.0.0.1/32:8888"]), OWN | {A("127.0.0.1")}
+    assert r.admits("127.0.0.17", 22, A("127.0.0.17"), own) and r.admits("10.1.2.3", 1, A("10.1.2.3"), own)
+    assert not r.admits("127.0.0.1", 22, A("127.0.0.1"), own) and r.admits("127.0.0.1", 8888, A("127.0.0.1"), own)
+    assert not r.admits("172.17.0.5", 22, A("172.17.0.5"), frozenset({A("172.17.0.5")}))
+
+
+def test_plain_tcp_is_funnelled_to_the_proxy_by_network_only() -> None:
+    """The machine's nftables rule only redirects (every port of a listed network): the
+    host-side proxy decides. 127.0.0.1 stays the machine's own."""
+    from smolbench.backends import _netproxy, _netredirect
+
+    p = NetPolicy.from_lists(False, ["pypi.org", "127.0.0.5:80"], ["127.0.0.16/28", "10.0.0.0/8:5432", "[2001:db8::/32]:443"])
+    nets = _netredirect.networks(p)
+    assert [str(n) for n in nets or []] == ["127.0.0.16/28", "10.0.0.0/8", "127.0.0.5/32"]
+    rules = _netredirect.ruleset(nets)
+    assert rules.index("ip daddr 127.0.0.1 return") < rules.index("ip daddr 127.0.0.16/28 meta l4proto tcp redirect to :3129")
+    assert "dport" not in rules
+    assert _netredirect.routes(nets) == [["route", "replace", "local", "10.0.0.0/8", "dev", "lo"]]
+    on = _netredirect.ruleset(None, (ipaddress.ip_network("127.0.0.3/32"),))
+    assert on.index("127.0.0.3/32") < on.index("ip daddr 127.0.0.0/8 return") < on.index("redirect to :3129\n  }")
+    assert _netredirect.routes(None) == [["route", "replace", "local", "default", "dev", "lo"]]
+    assert _netredirect.networks(NetPolicy()) == [] and _netproxy.Proxy.addresses(NetPolicy("off")) == [("127.0.0.1", 3128)]
+    assert _netproxy.Proxy.addresses(p) == [("127.0.0.1", 3128), ("127.0.0.1", 3129)]
     assert p.may_resolve("pypi.org", 443)
 
 

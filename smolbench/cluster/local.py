@@ -8,6 +8,7 @@ Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -94,6 +95,7 @@ class LocalCluster:
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
         self._cluster: Any = None
+        atexit.register(self.stop)  # a kernel that exits (or is shut down) mid-notebook still cleans up
         try:
             self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
@@ -144,6 +146,7 @@ class LocalCluster:
         else:
             os.environ["RAY_TMPDIR"] = self._old_tmp
         shutil.rmtree(self.dir, ignore_errors=True)
+        atexit.unregister(self.stop)
 
     def _kill_strays(self) -> None:
         """Ray processes of this cluster that outlived it (a node that timed out while starting)."""
