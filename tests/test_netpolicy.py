@@ -392,6 +392,20 @@ def test_on_reaches_the_internet_but_not_the_host(on: NetLab, open_proxy: NetLab
     assert all(open_proxy.host_services("root").values())
 
 
+def _refused(status: str) -> int:
+    found = re.search(r" ([0-9]+) refused", status)
+    assert found, status
+    return int(found.group(1))
+
+
+def test_on_a_refused_plain_connection_names_the_host_and_the_policy(on: NetLab, hosts: Hosts) -> None:
+    """Under `on` this host's loopback is the machine's own: nothing answers there, at once."""
+    on.ok("%smol use root")
+    err = error_text(on.nb.run(f"%%smol\nsocket.create_connection(('127.0.0.2', {hosts.allowed}), timeout=30)"))
+    assert "ConnectionRefusedError" in err and f"smolbench: 127.0.0.2:{hosts.allowed} is not reachable" in err, err
+    assert "network policy is on (the internet; not this host or private networks)" in err
+
+
 # -- allow-lists ----------------------------------------------------------------------------------
 
 
@@ -438,6 +452,14 @@ def test_plain_tcp_reaches_listed_networks_on_listed_ports_only(allow: NetLab, o
                               f"talk('127.0.0.1', {kernel}), tunnel('127.0.0.1', {h.bait}), talk('127.0.0.3', {h.other})]", node)
         assert refused == [False] * 5, (node, refused)
     assert re.search(r"last refused: 127\.0\.0\.\d+:\d+", allow.status())
+    # a refused raw connection fails in connect() itself (the machine's rules refuse it at once,
+    # not a reset after the relay accepted), in one line naming the host and the policy; counted
+    before = _refused(allow.status())
+    allow.ok("%smol use root")
+    err = error_text(allow.nb.run(f"%%smol\nsocket.create_connection(('127.0.0.33', {h.port_no}), timeout=30)"))
+    assert "No route to host" in err and f"smolbench: 127.0.0.33:{h.port_no} is not reachable" in err, err
+    assert "network policy is allow-list: index.test" in err
+    assert _refused(allow.status()) == before + 1
     # weakened: a proxy that admits everything lets the unlisted port through the same redirect
     assert open_proxy.probe(f"talk('127.0.0.33', {h.port_no})") == "hello from 127.0.0.33"
     assert open_proxy.probe(f"tunnel('127.0.0.1', {h.bait})") is True

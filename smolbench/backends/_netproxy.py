@@ -151,6 +151,7 @@ class ProxyClient:
 class Node:
     name: str
     policy: NetPolicy
+    pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
     servers: list[asyncio.AbstractServer] = field(default_factory=list)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     allowed: int = 0
@@ -179,11 +180,7 @@ def _bind_in(pid: int, addrs: list[tuple[str, int]], redirect: tuple[Any, ...] |
         code = 0
         try:
             ours.close()
-            userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-            netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
-                _setns(userfd, CLONE_NEWUSER)
-            _setns(netfd, CLONE_NEWNET)
+            _enter(pid)
             fds = []
             for host, port in addrs:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -202,6 +199,39 @@ def _bind_in(pid: int, addrs: list[tuple[str, int]], redirect: tuple[Any, ...] |
         os._exit(code)
     theirs.close()
     return child, ours
+
+
+def _enter(pid: int) -> None:  # pragma: no cover - runs in a forked child
+    userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+        _setns(userfd, CLONE_NEWUSER)
+    _setns(netfd, CLONE_NEWNET)
+
+
+def _refused_in(pid: int) -> int:
+    """How many connections the machine's ``refuse`` chain turned away at once (its nft
+    counters, read by a forked child in the machine's namespaces); 0 when they can't be read."""
+    ours, theirs = socket.socketpair()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            ours.close()
+            _enter(pid)
+            theirs.sendall(str(_netredirect.refused_count()).encode())
+        except BaseException:  # noqa: BLE001 - the parent reads nothing: 0
+            pass
+        os._exit(0)
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        data = ours.recv(32)
+    except OSError:
+        data = b""
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    return int(data) if data.isdigit() else 0
 
 
 def _collect(child: int, ours: socket.socket) -> list[socket.socket]:
@@ -236,7 +266,9 @@ class Proxy:
         """Listeners for each (name, host pid): the helpers bind in parallel. Errors by name."""
         addrs = self.addresses(policy)
         nets = _netredirect.networks(policy)
-        redirect = (nets, self.internet) if nets != [] else None
+        # the at-once refusals only narrow; a proxy weakened to admit everything has none
+        refuse = [] if self.open_all else _netredirect.refusals(policy, self.own(), self.internet)
+        redirect = (nets, self.internet, refuse) if nets != [] else None
         started = []
         for name, pid in machines:
             await self.detach(name)
@@ -249,6 +281,8 @@ class Proxy:
                 errors[name] = str(exc)
                 continue
             await self.serve(name, policy, socks, addrs)
+            if refuse and redirect is not None:
+                self.nodes[name].pid = dict(machines)[name]
         return errors
 
     @staticmethod
@@ -401,7 +435,11 @@ class Proxy:
                 await self.detach(str(name))
             return {"ok": True}
         if op == "stats":
-            return {"ok": True, "nodes": {n: node.stats() for n, node in self.nodes.items()}}
+            nodes = {n: node.stats() for n, node in self.nodes.items()}
+            for n, node in self.nodes.items():
+                if node.pid:  # plus the ones the machine's own rules refused at once
+                    nodes[n]["refused"] += _refused_in(node.pid)
+            return {"ok": True, "nodes": nodes}
         return {"error": f"unknown op {op!r}"}
 
 
