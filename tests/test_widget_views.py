@@ -254,3 +254,26 @@ def test_a_fork_cell_returns_its_result_and_smolbench_guest_needs_no_import(tmp_
         eps = nb.run("%%smol episodes 2\nsmolbench_guest.report(reward=1)")
         assert (result_text(eps) or "").startswith("episodes of 2 · 2 ok")
         nb.run("%smol down")
+
+
+def test_a_node_is_not_shown_busy_once_its_cell_ended(wb: Workbench) -> None:
+    """A cell that reports a reward updates the view while it runs (busy); its end must
+    update it again, even with no `post_run_cell` to flush the view (a background cell)."""
+    view = tree_widget(wb)
+    res = _loop.run(wb.run_cell("import time\nreward = 1\ntime.sleep(0.3)", lambda ev: None))
+    assert res.status == "ok"
+    until(lambda: not by_id(view)["root"]["busy"], "root to be shown free again")
+    assert "running in root" not in str(by_id(view)["root"]["blocked"])
+
+
+def test_checkpoint_badges_follow_deletes_made_elsewhere(wb: Workbench) -> None:
+    view = tree_widget(wb)
+    for name in ("a", "b"):
+        _loop.run(wb.checkpoint_save(name, "root"))
+    until(lambda: by_id(view)["root"]["checkpoint"] == "b", "the newest checkpoint's badge")
+    # the sidebar's Delete (the server removes the file and the ledger row, not this kernel)
+    Path(wb.ledger.checkpoint("b")["path"]).unlink()  # type: ignore[index]
+    wb.ledger.remove_checkpoint("b")
+    until(lambda: by_id(view)["root"]["checkpoint"] == "a", "the badge of the checkpoint left", 10)
+    wb.checkpoint_remove("a")
+    until(lambda: by_id(view)["root"]["checkpoint"] is None, "no badge", 10)
