@@ -6,6 +6,7 @@ which provides the machines, the fork tree and the ledger it works on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -38,6 +39,8 @@ class CheckpointsMixin:
     _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
+        def _release(self, node_id: str) -> None: ...
+        def _changed(self, *nodes: Node) -> None: ...
         async def _init(self, ref: MachineRef) -> None: ...
         def _claim(self, node_id: str) -> None: ...
         def _touch(self, node_id: str) -> None: ...
@@ -57,6 +60,7 @@ class CheckpointsMixin:
         target = self.tree[node_id]
         path = self.tree.path(node_id)
         notes: list[str] = []
+        risks: list[str] = []  # what could make the replay differ
         temps: list[MachineRef] = []
         # Start from the nearest ancestor that is alive or has a checkpoint.
         start_idx = next((i for i in range(len(path) - 2, -1, -1)
@@ -77,7 +81,7 @@ class CheckpointsMixin:
                 cur = self.machines[path[start_idx].id]
                 start = path[start_idx]
                 if start.cells > path[start_idx + 1].forked_at:
-                    notes.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork, so the replay may differ")
+                    risks.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork")
             else:
                 anc = path[start_idx]
                 rec = self.ledger.checkpoint(anc.checkpoint or "")
@@ -87,8 +91,8 @@ class CheckpointsMixin:
                 temps.append(cur)
                 notes.append(f"started from checkpoint {anc.checkpoint}")
                 if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
-                    notes.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
-                                 f"the fork after {path[start_idx + 1].forked_at}, so the replay may differ")
+                    risks.append(f"checkpoint {anc.checkpoint} was saved after {rec.get('cells')} cell(s) of {anc.id}, "
+                                 f"the fork after {path[start_idx + 1].forked_at}")
             steps = path[start_idx + 1:]
             res: CellResult | None = None
             for k, step in enumerate(steps):
@@ -103,7 +107,7 @@ class CheckpointsMixin:
                 upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
                 for c in cells[:upto]:
                     if c.get("pushed"):
-                        notes.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
+                        risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
                     res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
@@ -114,9 +118,15 @@ class CheckpointsMixin:
                 with contextlib.suppress(Exception):
                     await _to_the_end(self.backend.delete(ref))
         match = reward == target.reward
-        msg = (f"replay of {node_id}: reward {reward} vs recorded {target.reward}: "
-               + ("identical" if match else "DIFFERENT") + (f" ({'; '.join(notes)})" if notes else ""))
-        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match, "notes": notes, "message": msg}
+        # risks: what could make a replay differ; said as a caveat only when it did differ
+        if match:
+            verdict = "identical" + (f" ({'; '.join(notes + risks)})" if notes or risks else "")
+        else:
+            why = f"; it may differ because {'; '.join(risks)}" if risks else ""
+            verdict = "DIFFERENT" + (f" ({'; '.join(notes)}{why})" if notes else (f" ({why[2:]})" if why else ""))
+        msg = f"replay of {node_id}: reward {reward} vs recorded {target.reward}: {verdict}"
+        return {"node": node_id, "reward": reward, "recorded": target.reward, "match": match,
+                "notes": notes + risks, "message": msg}
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -154,7 +164,7 @@ class CheckpointsMixin:
             kept = "" if existing is None else f"; the old {name!r} is unchanged"
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
         finally:
-            self._busy.discard(node_id)
+            self._release(node_id)
         node = self.tree[node_id]
         self.ledger.add_checkpoint(name, self.session, node_id, info.path, info.backend, info.size, node.cells, info.warnings)
         node.checkpoint = name
@@ -190,15 +200,38 @@ class CheckpointsMixin:
         with contextlib.suppress(OSError):
             os.unlink(rec["path"])
         self.ledger.remove_checkpoint(name)
-        # a node's badge names its newest checkpoint that still exists (another may be left)
-        left: dict[str, str] = {}
-        for row in self.ledger.checkpoint_rows():  # newest first
-            if row.get("session_id") == self.session:
-                left.setdefault(str(row.get("node_id")), str(row.get("name")))
-        for node in self.tree:
-            if node.checkpoint == name:
-                node.checkpoint = left.get(node.id)
-                self._record(node)
+        self.sync_checkpoints()
+
+    async def watch_checkpoints(self, every: float = 1.0) -> None:
+        """Keep checkpoint badges true while up: once a second, look whether the checkpoints
+        changed (the folder's mtime, the ledger's names) and, if so, sync them and tell the views."""
+        seen = None
+        while True:
+            try:
+                folder = self.checkpoint_dir.stat().st_mtime_ns if self.checkpoint_dir.exists() else None
+                now = (folder, tuple(sorted(str(r.get("name")) for r in self.ledger.checkpoint_rows())))
+                if seen is not None and now != seen:
+                    self.sync_checkpoints()
+                    self._changed()  # the checkpoint panels list them again
+                seen = now
+            except Exception:  # a watcher must never break the workbench
+                pass
+            await asyncio.sleep(every)
+
+    def sync_checkpoints(self) -> list[Node]:
+        """Each node's checkpoint badge from what exists now (the ledger's rows of this session
+        whose file is there): its newest checkpoint, or none. Checkpoints deleted elsewhere (the
+        sidebar, another kernel) drop their badge; another checkpoint of the node keeps one.
+        Returns the nodes whose badge changed (their views hear of it)."""
+        newest: dict[str, str] = {}
+        for row in reversed(self.ledger.checkpoint_rows()):  # oldest first: the newest wins
+            if row.get("session_id") == self.session and os.path.exists(str(row.get("path") or "")):
+                newest[str(row.get("node_id"))] = str(row.get("name"))
+        changed = [node for node in self.tree if node.checkpoint != newest.get(node.id)]
+        for node in changed:
+            node.checkpoint = newest.get(node.id)
+            self._record(node)
+        return changed
 
 
 def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:

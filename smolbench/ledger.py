@@ -315,6 +315,10 @@ def _alive(pid: int | None, started: str | None) -> bool:
 
 
 def _frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Rows as a DataFrame; seeds stay whole numbers (pandas' nullable Int64, not 100.0)."""
     import pandas as pd
 
-    return pd.DataFrame(list(rows))
+    df = pd.DataFrame(list(rows))
+    if "seed" in df:
+        df["seed"] = pd.array([None if pd.isna(v) else int(v) for v in df["seed"]], dtype="Int64")
+    return df

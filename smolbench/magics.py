@@ -28,7 +28,7 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
-          [--max-alive N]
+          [--max-alive N] [--retries K]
   %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
@@ -52,9 +52,12 @@ Cell magics::
       unpickles other objects, which runs code from the machine on this host
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
-                [--group-outputs order|branch|type] [--push a,b] [--allow-errors]
+                [--group-outputs order|branch|type] [--push a,b] [--allow-errors] [--quiet]
+                [--retries K]
       run the cell in N live copy-on-write branches of the active machine, each with its own
-      SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics))
+      SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics)).
+      --quiet: one summary line, no tree, progress or Out[n]; --retries K: branch again a
+      machine that failed to boot or died (never a cell's own error), up to K times (default 1)
   %%smol episodes N [same options]
       run the cell in N fresh machines booted from the baseline, each deleted afterwards
 """
@@ -91,6 +94,21 @@ def parse_seeds(text: str, cap: int = gate.limits.MAX_BRANCHES) -> list[int]:
         raise UsageError(f"--seeds {_short(text)} gives {len(seeds):,} seeds, above the cap of {cap} branches: "
                          "give fewer (e.g. --seeds 0:16)")
     return list(seeds)
+
+
+def strip_comment(line: str) -> str:
+    """``line`` without a trailing ``# comment`` (IPython hands it to a magic as arguments):
+    a ``#`` at the start or after a space, outside quotes."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].strip()
+    return line.strip()
 
 
 def _short(text: str, n: int = 40) -> str:
@@ -149,7 +167,7 @@ def _cell_args(line: str) -> None:
 @argument("--group-outputs", default="order", choices=["order", "branch", "type"], help="how branch output is shown")
 @argument("--push", default=None, help="notebook variables to send to every branch")
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
-@argument("--quiet", action="store_true", help="no per-branch output, just the summary")
+@argument("--quiet", action="store_true", help="one summary line: no tree, progress, branch output or Out[n]")
 @argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
@@ -203,7 +221,7 @@ class SmolMagics(Magics):
     smol.__doc__ = HELP
 
     def _line(self, line: str) -> Any:
-        words = line.strip().split(None, 1)
+        words = strip_comment(line).split(None, 1)
         if not words:
             print(HELP)
             return None
@@ -214,7 +232,8 @@ class SmolMagics(Magics):
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
-        words = line.strip().split(None, 1)
+        line = strip_comment(line)
+        words = line.split(None, 1)
         if words and words[0] in ("fork", "episodes"):
             return self._fanout(words[0], words[1] if len(words) > 1 else "", cell)
         return self._run_cell(line, cell)
@@ -366,13 +385,15 @@ class SmolMagics(Magics):
         print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
+        """One tree: the live view (its static copy is what a saved notebook shows); the text
+        tree only where the widget can't be made."""
         wb = self._wb()
-        print(wb.tree.render(wb.active))
         try:
             from .widgets import tree_widget
 
             tree_widget(wb, self.shell).show()  # the whole session
         except Exception as exc:  # a broken view must never break the workbench
+            print(wb.tree.render(wb.active))
             print(f"smolbench: the tree widget is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
 
@@ -522,7 +543,8 @@ class SmolMagics(Magics):
             return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push,
                                retries=args.retries, **where)
 
-        self._show_views(result)
+        if not args.quiet:
+            self._show_views(result)
         if args.bg:
             job = _loop.Job(coro_for(lambda b, ev: None))  # each row keeps its output when it ends
             result._attach(job.future, job.cancel)
@@ -532,13 +554,15 @@ class SmolMagics(Magics):
             print(f"smolbench: {kind} of {n} running in the background; the handle has .wait(), .done(), .progress, .cancel()")
             return result
         try:
-            self._pump(coro_for(printer), result=result)
+            self._pump(coro_for(printer), result=result, show_progress=not args.quiet)
         finally:
             if args.group_outputs in ("branch", "type") and not args.quiet:
                 _flush_grouped(buffers, args.group_outputs)
             if args.out:
                 self._user_ns[args.out] = result
             self.last_result = result
+        if result.unrewarded:  # said on every path, also with --quiet
+            print(f"smolbench: warning: {result.unrewarded}", file=sys.stderr)
         err = None if args.allow_errors else result.composite_error()
         if err is not None:
             display(result)  # the table, then the error (a cell that raises has no Out[n])
@@ -573,7 +597,7 @@ class SmolMagics(Magics):
 
         return on_event
 
-    def _pump(self, coro: Any, *, result: ForkResult | None = None) -> Any:
+    def _pump(self, coro: Any, *, result: ForkResult | None = None, show_progress: bool = True) -> Any:
         """Run ``coro`` on the loop; show its events on this (the kernel's) thread as they come.
 
         Ctrl-C interrupts the running cell, or cancels every branch of a fan-out;
@@ -582,7 +606,7 @@ class SmolMagics(Magics):
         job = _loop.Job(coro)
         # Wake the waiting loop below the moment the job ends, instead of at its next poll.
         job.future.add_done_callback(lambda _: _PENDING.put(("wake", "", Event("wake"))))
-        progress = _Progress(result) if result is not None else None
+        progress = _Progress(result) if result is not None and show_progress else None
         try:
             while not job.done():
                 _drain(timeout=PUMP_INTERVAL)

@@ -212,10 +212,13 @@ class NetPolicy:
                 return rule
         return None
 
-    def listed_address(self, addr: IPAddress, port: int) -> CidrRule | None:
+    def listed_address(self, addr: IPAddress, port: int, own: frozenset[IPAddress] = frozenset()) -> CidrRule | None:
+        """The rule listing ``addr:port``. This host's own addresses (``own``) count as listed
+        only by a rule naming that one address and port: a range never reaches them."""
         for rule in self.cidrs:
             if addr.version == rule.network.version and addr in rule.network and rule.port in (None, port):
-                return rule
+                if addr not in own or rule.single() == addr:
+                    return rule
         return None
 
     def admits(self, name: str, port: int, addr: IPAddress, own: frozenset[IPAddress],
@@ -228,8 +231,8 @@ class NetPolicy:
             if any(addr in n for n in internet if n.version == addr.version):
                 return True
             return addr not in own and not any(addr in n for n in INTERNAL if n.version == addr.version)
-        if self.listed_address(addr, port):
-            return True  # listed by address: reachable even on this host
+        if self.listed_address(addr, port, own):
+            return True  # listed by address (this host's own only by address and port)
         rule = self.listed_host(name, port)
         if rule is None:
             return False

@@ -42,6 +42,7 @@ class ForkResult:
         }
         self.remote_errors: dict[str, RemoteError] = {}
         self.kept: list[str] = []
+        self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
         self.started = time.time()
         self.ended: float | None = None
         self._future: Future[Any] | None = None
@@ -129,7 +130,19 @@ class ForkResult:
             parts.append(f"in {self.ended - self.started:.2f} s")
         if self.kept:
             parts.append(f"kept alive: {', '.join(self.kept)}")
+        if self.unrewarded:
+            parts.append(self.unrewarded)
         return " · ".join(parts)
+
+    @property
+    def unrewarded(self) -> str:
+        """What to say when branches finished ok but none reported a reward ("" otherwise)."""
+        if self.best is not None or not self.counts().get("ok"):
+            return ""
+        text = "no branch reported a reward (set `reward = ...` or call `smolbench_guest.report(reward=...)`)"
+        if self.kind == "fork" and self.keep == "best" and self.ended is not None:
+            text += ", so `--keep best` kept none: every branch was deleted (`--keep all` keeps them)"
+        return text
 
     def composite_error(self) -> CompositeError | None:
         """An aggregated error for every failed branch, or None if all are ok."""

@@ -78,6 +78,8 @@ class Workbench(CheckpointsMixin):
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = Path(ledger.path).parent / "outputs"
+        self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
+        self.moved = ""  # the last delete's line about the active machine moving
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
 
@@ -160,6 +162,7 @@ class Workbench(CheckpointsMixin):
             versions=self.versions, network=self.spec.policy.describe() + (f"; {self.net_note}" if self.net_note else ""),
         )
         self._record(node)
+        self._watcher = asyncio.ensure_future(self.watch_checkpoints())
         return node
 
     async def _init(self, ref: MachineRef) -> None:
@@ -186,6 +189,9 @@ class Workbench(CheckpointsMixin):
 
     async def down(self) -> int:
         """Delete every machine this workbench created. Returns how many."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         count = 0
         for name in sorted(self.machines, key=lambda n: -n.count(".")):
             ref = self.machines.pop(name)
@@ -222,9 +228,11 @@ class Workbench(CheckpointsMixin):
         return self.tree[node_id]
 
     async def delete(self, node_id: str) -> list[str]:
-        """Delete a node's machine and every live machine below it."""
+        """Delete a node's machine and every live machine below it. When that took the active
+        machine, ``moved`` says where the active machine went ("" otherwise)."""
         if node_id not in self.tree:
             raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree`")
+        self.moved = ""
         gone = []
         for node in reversed(self.tree.subtree(node_id)):
             ref = self.machines.pop(node.id, None)
@@ -236,7 +244,10 @@ class Workbench(CheckpointsMixin):
             self._record(node)
             gone.append(node.id)
         if self.active is not None and self.active not in self.machines:
+            was = self.active
             self.active = self.tree[node_id].parent if self.tree[node_id].parent in self.machines else None
+            self.moved = active_moved(was, self.active)
+            self._changed(*(self.tree[n] for n in (was, self.active) if n is not None and n in self.tree))
         return gone
 
     # -- cells --------------------------------------------------------------------------
@@ -245,6 +256,17 @@ class Workbench(CheckpointsMixin):
         if node_id in self._busy:
             raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
         self._busy.add(node_id)
+        self._busy_changed(node_id)
+
+    def _release(self, node_id: str) -> None:
+        """The node is free again; views stop saying it is busy (observers hear of it)."""
+        if node_id in self._busy:
+            self._busy.discard(node_id)
+            self._busy_changed(node_id)
+
+    def _busy_changed(self, node_id: str) -> None:
+        if node_id in self.tree:
+            self._changed(self.tree[node_id])
 
     def set_trust(self, on: bool, scope: str = "session") -> None:
         """Turn trusted mode on or off; every change is recorded in the ledger."""
@@ -298,7 +320,7 @@ class Workbench(CheckpointsMixin):
                 self._record(node)
             return res
         finally:
-            self._busy.discard(ref.name)
+            self._release(ref.name)
 
     async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
         """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
@@ -403,7 +425,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         names = self.tree.next_child_ids(ref.name, n)
         self._runs += 1
-        return ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
+        result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
+        result.keep = keep
+        return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                      concurrency: int | None = None) -> ForkResult:
@@ -457,7 +481,7 @@ class Workbench(CheckpointsMixin):
                 self.machines[ref.name] = ref
                 self._placed(ref)
                 self._record(self.tree[ref.name])
-            self._busy.discard(parent_id)  # the parent is free again once its children exist
+            self._release(parent_id)  # the parent is free again once its children exist
             try:
                 for ref in refs:
                     result.rows[ref.name]["attempts"] = ref.info.get("attempts", 1)
@@ -466,11 +490,11 @@ class Workbench(CheckpointsMixin):
                                     parent=parent, retries=retries, cell_name=cell_name, first_line=first_line)
             finally:  # also after Ctrl-C: branches that finished ok follow the keep policy
                 await _to_the_end(self._apply_keep(result, nodes, keep))
-                self._busy.discard(parent_id)
+                self._release(parent_id)
                 self._touch(parent_id)
                 await _to_the_end(self.enforce_max_alive())
         finally:
-            self._busy.discard(parent_id)
+            self._release(parent_id)
             status = "cancelled" if any(n.status == "cancelled" for n in nodes) else "done"
             self.ledger.end_run(result.run_id, status)
             result.ended = time.time()
@@ -773,6 +797,13 @@ def _init_code(cmd: str) -> str:
         "if _r.returncode: raise RuntimeError('exit status %d' % _r.returncode)\n"
         "del _sp, _r"
     )
+
+
+def active_moved(was: str, now: str | None) -> str:
+    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it)."""
+    if now is None:
+        return f"{was} was active: no machine is active now (`%smol use NODE` picks one)"
+    return f"{was} was active: the active machine is now {now}"
 
 
 def _where(cell_name: str | None) -> dict[str, Any]:

@@ -122,8 +122,8 @@ def test_widget_clicks_complete_while_a_cell_runs_and_when_idle(case: str, tmp_p
                 if subshells:
                     assert on_disk["alive"] == {"root", "root.1", "root.2", "root.3", "root.3.0", "root.3.1"}
                     assert list(on_disk["checkpoints"].values()) == ["root.2"]
-                    # no seed reuse: the new branches continue after the highest seed below root.3
-                    assert (on_disk["seeds"]["root.3.0"], on_disk["seeds"]["root.3.1"]) == (100, 101)
+                    # automatic seeds never repeat in a session: after the highest so far (103)
+                    assert (on_disk["seeds"]["root.3.0"], on_disk["seeds"]["root.3.1"]) == (104, 105)
                     # the status bar still says busy: clicks did not flip the kernel's status
                     assert kernel_status(page) == "busy"
                 else:  # nothing applied yet: the clicks wait in the kernel's queue

@@ -5,7 +5,9 @@ Stand-in hosts are loopback addresses of this host only: ``127.0.0.2`` (a listed
 tiny package index), ``127.0.0.3`` (unlisted; the internet's stand-in for ``net = true``,
 through the test-only ``SMOLBENCH_TEST_INTERNET``), and the host's own services on
 ``127.0.0.1``: the kernel's ZMQ ports (Jupyter's default TCP transport, what the audit read
-IOPub from) and a bait listener. No other address is ever contacted.
+IOPub from) and a bait listener; listed ranges ``127.0.0.16/28`` (listeners on ``.17`` and
+``.18``) and ``127.0.0.32/28:port`` (``.33``), for plain sockets. No other address is ever
+contacted.
 
 Every refusal is checked again against a deliberately weakened set-up
 (``SMOLBENCH_TEST_WEAKEN``): ``net-share`` (the machine shares the host's network, as
@@ -84,7 +86,8 @@ class Hosts:
     def __init__(self) -> None:
         self.servers = []
         for name, addr in (("bait", "127.0.0.1"), ("listed_bait", "127.0.0.1"), ("allowed", "127.0.0.2"),
-                           ("other", "127.0.0.3")):
+                           ("other", "127.0.0.3"), ("range_a", "127.0.0.17"), ("range_b", "127.0.0.17"),
+                           ("range_c", "127.0.0.18"), ("port_ok", "127.0.0.33"), ("port_no", "127.0.0.33")):
             server = http.server.ThreadingHTTPServer((addr, 0), _Handler)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             self.servers.append(server)
@@ -94,6 +97,11 @@ class Hosts:
     listed_bait: int
     allowed: int
     other: int
+    range_a: int  # 127.0.0.16/28 is listed without a port: any port of .17 and .18
+    range_b: int
+    range_c: int
+    port_ok: int  # 127.0.0.32/28 is listed with this port only
+    port_no: int
 
     def close(self) -> None:
         for server in self.servers:
@@ -138,6 +146,38 @@ def tunnel(host, port):
     with s:
         s.sendall(b"CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (host.encode(), port, host.encode(), port))
         return s.recv(200).startswith(b"HTTP/1.1 200")
+
+def talk(host, port):
+    """A plain socket (no proxy) asks for "/": what answered, or False."""
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.settimeout(10)
+            s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    return data.split(b"\r\n\r\n", 1)[-1].decode() if data.startswith(b"HTTP/") else False
+
+def nft_tamper():
+    """Rewrite the machine's redirect (in-process, with whatever capabilities the cell has)."""
+    try:
+        lib = ctypes.CDLL("libnftables.so.1")
+    except OSError:
+        return "no libnftables"
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ctx = lib.nft_ctx_new(0)
+    done = [lib.nft_run_cmd_from_buffer(ctx, cmd) == 0 for cmd in (
+        b"add table ip mine", b"delete table ip smolbench", b"flush ruleset")]
+    nft = [p for p in ("/usr/sbin/nft", "/sbin/nft") if os.path.exists(p)]
+    if nft:  # as root of a user namespace of its own, over the machine's network namespace
+        done.append(subprocess.run(["unshare", "-r", nft[0], "flush", "ruleset"], capture_output=True).returncode == 0)
+    return any(done)
 
 def answers(host, port):
     return raw(host, port) or tunnel(host, port)
@@ -259,8 +299,10 @@ def _lab(hosts: Hosts, smolfile: str, **kw: Any) -> Iterator[NetLab]:
 
 
 def _allow_smolfile(h: Hosts) -> str:
+    """127.0.0.0/31 lists 127.0.0.1 by a range: this host's own address, so still unreachable."""
     return (f'[network]\nallow_hosts = ["index.test:{h.allowed}"]\n'
-            f'allow_cidrs = ["127.0.0.2/32:{h.allowed}", "127.0.0.1/32:{h.listed_bait}"]\n')
+            f'allow_cidrs = ["127.0.0.2/32:{h.allowed}", "127.0.0.1/32:{h.listed_bait}", "127.0.0.16/28", '
+            f'"127.0.0.32/28:{h.port_ok}", "127.0.0.0/31"]\n')
 
 
 RESOLVE = {"SMOLBENCH_TEST_RESOLVE": "index.test=127.0.0.2,other.test=127.0.0.3"}
@@ -339,12 +381,29 @@ def test_on_reaches_the_internet_but_not_the_host(on: NetLab, open_proxy: NetLab
         assert not any(on.host_services(node).values()), node
         pip = on.probe(f"pip_download('http://127.0.0.3:{hosts.other}/simple')", node)
         assert pip["ok"], pip["err"]
+        # plain sockets too: to the internet (its stand-in), never to this host
+        assert on.probe(f"[talk('127.0.0.3', {hosts.other}), talk('127.0.0.2', {hosts.allowed})]", node) == [
+            "hello from 127.0.0.3", False]
     with contextlib.closing(sqlite3.connect(on.base / ".smolbench" / "ledger.db")) as db:
         (recorded,) = db.execute("SELECT network FROM sessions").fetchone()
     assert recorded.startswith("on (the internet") and "set by %smol up, overriding" in recorded
     # an egress proxy that admits everything: the same probes reach the host
     assert open_proxy.probe(f"http('http://127.0.0.3:{hosts.other}/')") == "hello from 127.0.0.3"
     assert all(open_proxy.host_services("root").values())
+
+
+def _refused(status: str) -> int:
+    found = re.search(r" ([0-9]+) refused", status)
+    assert found, status
+    return int(found.group(1))
+
+
+def test_on_a_refused_plain_connection_names_the_host_and_the_policy(on: NetLab, hosts: Hosts) -> None:
+    """Under `on` this host's loopback is the machine's own: nothing answers there, at once."""
+    on.ok("%smol use root")
+    err = error_text(on.nb.run(f"%%smol\nsocket.create_connection(('127.0.0.2', {hosts.allowed}), timeout=30)"))
+    assert "ConnectionRefusedError" in err and f"smolbench: 127.0.0.2:{hosts.allowed} is not reachable" in err, err
+    assert "network policy is on (the internet; not this host or private networks)" in err
 
 
 # -- allow-lists ----------------------------------------------------------------------------------
@@ -377,6 +436,43 @@ def test_an_allow_list_reaches_only_what_it_lists(allow: NetLab, open_proxy: Net
     assert open_proxy.probe(f"pip_download('http://127.0.0.3:{hosts.other}/simple')")["ok"] is True
     assert shared.probe(f"raw('127.0.0.3', {hosts.other})") is True
     assert all(shared.host_services("root.0").values())
+
+
+def test_plain_tcp_reaches_listed_networks_on_listed_ports_only(allow: NetLab, open_proxy: NetLab, hosts: Hosts) -> None:
+    """Raw TCP to a listed range is redirected inside the machine to the host-side proxy, which
+    decides: a range without a port on any port, a range with a port on that port only, and
+    127.0.0.1 (this host's own, listed only by the range 127.0.0.0/31) never."""
+    h = hosts
+    for node in NODES:
+        got = allow.probe(f"[talk('127.0.0.17', {h.range_a}), talk('127.0.0.17', {h.range_b}), "
+                          f"talk('127.0.0.18', {h.range_c}), talk('127.0.0.33', {h.port_ok})]", node)
+        assert got == ["hello from 127.0.0.17"] * 2 + ["hello from 127.0.0.18", "hello from 127.0.0.33"], (node, got)
+        kernel = allow.nb.kernel_ports()[0]
+        refused = allow.probe(f"[talk('127.0.0.33', {h.port_no}), talk('127.0.0.1', {h.bait}), "
+                              f"talk('127.0.0.1', {kernel}), tunnel('127.0.0.1', {h.bait}), talk('127.0.0.3', {h.other})]", node)
+        assert refused == [False] * 5, (node, refused)
+    assert re.search(r"last refused: 127\.0\.0\.\d+:\d+", allow.status())
+    # a refused raw connection fails in connect() itself (the machine's rules refuse it at once,
+    # not a reset after the relay accepted), in one line naming the host and the policy; counted
+    before = _refused(allow.status())
+    allow.ok("%smol use root")
+    err = error_text(allow.nb.run(f"%%smol\nsocket.create_connection(('127.0.0.33', {h.port_no}), timeout=30)"))
+    assert "No route to host" in err and f"smolbench: 127.0.0.33:{h.port_no} is not reachable" in err, err
+    assert "network policy is allow-list: index.test" in err
+    assert _refused(allow.status()) == before + 1
+    # weakened: a proxy that admits everything lets the unlisted port through the same redirect
+    assert open_proxy.probe(f"talk('127.0.0.33', {h.port_no})") == "hello from 127.0.0.33"
+    assert open_proxy.probe(f"tunnel('127.0.0.1', {h.bait})") is True
+
+
+def test_a_branch_cannot_change_the_redirect(allow: NetLab, caps: NetLab, hosts: Hosts) -> None:
+    for node in ("root.0", "root.1"):
+        assert allow.probe("nft_tamper()", node) is False, node
+        assert allow.probe(f"talk('127.0.0.17', {hosts.range_a})", node) == "hello from 127.0.0.17"  # still there
+    # weakened: a cell with CAP_NET_ADMIN in its namespace rewrites the rules
+    assert caps.probe(f"talk('127.0.0.17', {hosts.range_a})", "root.1") == "hello from 127.0.0.17"
+    assert caps.probe("nft_tamper()", "root.1") is True
+    assert caps.probe(f"talk('127.0.0.17', {hosts.range_a})", "root.1") is False
 
 
 # -- a branch can't widen its policy ----------------------------------------------------------------

@@ -57,7 +57,66 @@ def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_hos
     assert p.admits("10.9.8.7", 5432, A("10.9.8.7"), OWN) and not p.admits("10.9.8.7", 80, A("10.9.8.7"), OWN)
     assert not p.admits("example.org", 443, A("93.184.215.14"), OWN)
     assert not p.may_resolve("example.org", 443)  # an unlisted name is never even looked up
+    # a range never reaches this host's own addresses; only that address with a port does
+    r, own = NetPolicy.from_lists(False, [], ["127.0.0.0/8", "10.0.0.0/8", "127.0.0.1/32:8888"]), OWN | {A("127.0.0.1")}
+    assert r.admits("127.0.0.17", 22, A("127.0.0.17"), own) and r.admits("10.1.2.3", 1, A("10.1.2.3"), own)
+    assert not r.admits("127.0.0.1", 22, A("127.0.0.1"), own) and r.admits("127.0.0.1", 8888, A("127.0.0.1"), own)
+    assert not r.admits("172.17.0.5", 22, A("172.17.0.5"), frozenset({A("172.17.0.5")}))
+
+
+def test_plain_tcp_is_funnelled_to_the_proxy_by_network_only() -> None:
+    """The machine's nftables rule only redirects (every port of a listed network): the
+    host-side proxy decides. 127.0.0.1 stays the machine's own."""
+    from smolbench.backends import _netproxy, _netredirect
+
+    p = NetPolicy.from_lists(False, ["pypi.org", "127.0.0.5:80"], ["127.0.0.16/28", "10.0.0.0/8:5432", "[2001:db8::/32]:443"])
+    nets = _netredirect.networks(p)
+    assert [str(n) for n in nets or []] == ["127.0.0.16/28", "10.0.0.0/8", "127.0.0.5/32"]
+    rules = _netredirect.ruleset(nets)
+    assert rules.index("ip daddr 127.0.0.1 return") < rules.index("ip daddr 127.0.0.16/28 meta l4proto tcp redirect to :3129")
+    assert "dport" not in rules
+    assert _netredirect.routes(nets) == [["route", "replace", "local", "10.0.0.0/8", "dev", "lo"]]
+    on = _netredirect.ruleset(None, (ipaddress.ip_network("127.0.0.3/32"),))
+    assert on.index("127.0.0.3/32") < on.index("ip daddr 127.0.0.0/8 return") < on.index("redirect to :3129\n  }")
+    assert _netredirect.routes(None) == [["route", "replace", "local", "default", "dev", "lo"]]
+    assert _netredirect.networks(NetPolicy()) == [] and _netproxy.Proxy.addresses(NetPolicy("off")) == [("127.0.0.1", 3128)]
+    assert "chain refuse" not in rules and "reject" not in on
+    assert _netproxy.Proxy.addresses(p) == [("127.0.0.1", 3128), ("127.0.0.1", 3129)]
     assert p.may_resolve("pypi.org", 443)
+
+
+def test_what_the_host_side_refuses_by_address_and_port_is_refused_at_once() -> None:
+    """A chain before the redirect rejects (connect() fails at once) what ``admits`` would
+    refuse for that address and port; everything it lets through the host side still decides."""
+    from smolbench.backends import _netredirect
+
+    reject = "meta l4proto tcp counter reject with icmp type admin-prohibited"
+    p = NetPolicy.from_lists(False, ["pypi.org", "127.0.0.5:80", "172.17.0.5:22"],
+                             ["127.0.0.16/28", "10.0.0.0/8:5432", "127.0.0.0/31", "172.16.0.0/12"])
+    own = OWN | {A("127.0.0.1"), A("10.1.1.1"), A("8.8.4.4")}
+    refuse = _netredirect.refusals(p, own)
+    assert refuse == [
+        "ip daddr 10.1.1.1 " + reject,  # this host's own, in a listed range: only by address and port
+        "ip daddr 172.17.0.5 tcp dport { 22 } return", "ip daddr 172.17.0.5 " + reject,
+        "ip daddr 127.0.0.16/28 return", "ip daddr 10.0.0.0/8 tcp dport 5432 return", "ip daddr 127.0.0.0/31 return",
+        "ip daddr 172.16.0.0/12 return", "ip daddr 127.0.0.5/32 tcp dport 80 return",
+        "ip daddr 172.17.0.5/32 tcp dport 22 return",
+        "ip daddr { 10.0.0.0/8, 127.0.0.0/31, 127.0.0.5/32, 127.0.0.16/28, 172.16.0.0/12 } " + reject]
+    # every (address, port) the rules let through or refuse agrees with the host side's decision
+    for addr, port, ok in (("10.1.1.1", 5432, False), ("10.2.3.4", 5432, True), ("10.2.3.4", 22, False),
+                           ("172.17.0.5", 22, True), ("172.17.0.5", 80, False), ("127.0.0.5", 80, True),
+                           ("127.0.0.5", 81, False), ("127.0.0.17", 9, True), ("172.20.0.1", 9, True)):
+        assert p.admits(addr, port, A(addr), own) is ok, (addr, port)
+    text = _netredirect.ruleset(_netredirect.networks(p), (), refuse)
+    assert text.index("chain refuse") < text.index("ip daddr 127.0.0.1 return") < text.index("10.1.1.1") < text.index(
+        "chain out")
+    # `on`: private and special networks and this host's addresses, not its loopback (the machine's own)
+    stand_in = (ipaddress.ip_network("127.0.0.3/32"),)
+    on = _netredirect.refusals(NetPolicy("on"), own, stand_in)
+    assert on[0] == "ip daddr 127.0.0.3/32 return" and len(on) == 2
+    assert "8.8.4.4/32" in on[1] and "10.0.0.0/8" in on[1] and "169.254.0.0/16" in on[1] and "127." not in on[1]
+    assert _netredirect.refusals(NetPolicy(), own) == [] and _netredirect.refusals(
+        NetPolicy.from_lists(False, ["pypi.org"], []), own) == []
 
 
 def test_a_branch_policy_is_never_wider_than_its_parents() -> None:

@@ -55,12 +55,13 @@ def test_saved_notebook_shows_the_tree_and_the_plots_in_a_fresh_server(tmp_path:
     # every widget output carries a static copy, every plot a static SVG
     outputs = [o for c in nb.cells for o in c.get("outputs", []) if "data" in o]
     views = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o["data"]]
-    assert len(views) == 4 and all("<table>" in o["data"]["text/html"] for o in views)
+    copies = [o for o in outputs if "smolbench-static-copy" in o["data"].get("text/html", "")]
+    assert len(views) == 4 and len(copies) == 4 and all("<table>" in o["data"]["text/html"] for o in copies)
     plots = [o for o in outputs if "application/vnd.plotly.v1+json" in o["data"]]
     assert len(plots) == 2 and all(o["data"]["image/svg+xml"].startswith("<svg") for o in plots)
     # the first fork's copy was refreshed when its cell ended: 8 finished branches
-    first = views[0]["data"]["text/html"]
-    assert first.count('data-id="root.') == 8 and "running" not in first
+    first = copies[0]["data"]["text/html"]
+    assert first.count('data-id="root.') == 8 and 'class="sb-st-running"' not in first
 
     # nbconvert's HTML of the notebook without its widget state (with it, nbconvert embeds the
     # widgets and loads their JS from a CDN; GitHub ignores the state): the tables and SVGs

@@ -336,7 +336,7 @@ def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path:
         _add_links(ckpt, [("root", "/"), ("shadow", "/etc/shadow"), ("up", ".."), ("secret", str(secret))])
         msg = one_line_error(nb.run("%smol checkpoint restore clean"))
         assert "has a link that points outside it (root -> /)" in msg and "refused" in msg
-        assert stream_text(nb.run("%smol tree")).count("r1-") == 0  # no machine was made
+        assert plain_texts(nb.run("%smol tree"))[-1].count("r1-") == 0  # no machine was made
 
         # Weakened: if the host opened the machine's files the ordinary way (following links),
         # the swapped link would carry the host's file into the checkpoint.

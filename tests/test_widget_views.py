@@ -22,7 +22,7 @@ from smolbench.spec import MachineSpec
 from smolbench.tree import Node
 from smolbench.widgets import checkpoint_panel, close_views, follow_views, tree_widget
 from smolbench.widgets.static import STATUS_TEXT
-from smolbench.widgets.tree import best_in, fork_scope, next_seeds
+from smolbench.widgets.tree import best_in, fork_scope, next_seed
 from smolbench.workbench import Workbench
 
 WIDGETS = Path(__file__).parent.parent / "smolbench" / "widgets"
@@ -62,10 +62,9 @@ def test_fork_scope_best_and_seed_continuation_as_pure_functions() -> None:
     # the best of each fork, not of the session
     assert best_in(nodes, [f"root.{i}" for i in range(4)]) == ["root", "root.3"]
     assert best_in(nodes, [f"root.2.{i}" for i in range(3)]) == ["root", "root.2", "root.2.2"]
-    # Fork ×N continues after the highest seed used anywhere below a node
-    seeds = next_seeds(nodes)
-    assert seeds["root"] == 104 and seeds["root.2"] == 10
-    assert "root.3" not in seeds  # nothing below it yet: the view falls back to its fork's base
+    # Fork ×N's automatic seeds continue after the highest seed of the session, on any node
+    assert next_seed(nodes) == 104
+    assert next_seed({"root": nodes["root"]}) is None  # no seed yet: the view uses its fork's base
 
 
 def test_each_fork_view_shows_its_own_fork_and_its_own_best(wb: Workbench) -> None:
@@ -110,22 +109,26 @@ def test_fork_button_continues_seeds_takes_a_seed_base_and_logs_its_output(wb: W
     view = tree_widget(wb, result=first)
     _loop.run(wb.fork(first, "reward = SEED\nprint('seed', SEED)", lambda b, ev: None, keep="all"))
     until(lambda: len(view.nodes) == 5, "the fork")
-    # root.2 has no children yet: the fork's own seed base; then after the highest one used
-    assert by_id(view)["root.2"]["next_seed"] == 100 and by_id(view)["root"]["next_seed"] == 104
+    # automatic seeds continue after the highest seed of the session, on every node
+    assert by_id(view)["root.2"]["next_seed"] == 104 and by_id(view)["root"]["next_seed"] == 104
     reply = click(view, "fork", node="root.2", n=2)
     assert reply["level"] == "ok", reply
     reply = click(view, "fork", node="root.2", n=2)
     assert reply["level"] == "ok", reply
     kids = sorted((n.id, n.seed) for n in wb.tree if n.parent == "root.2")
-    assert kids == [("root.2.0", 100), ("root.2.1", 101), ("root.2.2", 102), ("root.2.3", 103)]
+    assert kids == [("root.2.0", 104), ("root.2.1", 105), ("root.2.2", 106), ("root.2.3", 107)]
+    # a sibling forked on "auto" never repeats a seed of the session
+    reply = click(view, "fork", node="root.1", n=2)
+    assert reply["level"] == "ok" and [wb.tree[f"root.1.{i}"].seed for i in (0, 1)] == [108, 109]
     reply = click(view, "fork", node="root.2", n=1, seed_base=500)
     assert reply["level"] == "ok" and wb.tree["root.2.4"].seed == 500
+    assert by_id(view)["root"]["next_seed"] == 501
     reply = click(view, "fork", node="root.2", n=1, seed_base="x")
     assert reply["level"] == "error" and "whole number" in reply["text"]
     # the view's own fork and the branches forked from it; their output is in the log
     until(lambda: "root.2.4" in by_id(view), "the forked branches in the view")
-    assert "[root.2.1] seed 101" in view.log and "[root.2.4] seed 500" in view.log
-    assert "fork root.2 ×2 (seeds 102..103)" in view.log
+    assert "[root.2.1] seed 105" in view.log and "[root.2.4] seed 500" in view.log
+    assert "fork root.2 ×2 (seeds 106..107)" in view.log
 
 
 def test_checkpoint_panel_stays_live_across_down_and_up(wb: Workbench, tmp_path: Path) -> None:
@@ -251,3 +254,26 @@ def test_a_fork_cell_returns_its_result_and_smolbench_guest_needs_no_import(tmp_
         eps = nb.run("%%smol episodes 2\nsmolbench_guest.report(reward=1)")
         assert (result_text(eps) or "").startswith("episodes of 2 · 2 ok")
         nb.run("%smol down")
+
+
+def test_a_node_is_not_shown_busy_once_its_cell_ended(wb: Workbench) -> None:
+    """A cell that reports a reward updates the view while it runs (busy); its end must
+    update it again, even with no `post_run_cell` to flush the view (a background cell)."""
+    view = tree_widget(wb)
+    res = _loop.run(wb.run_cell("import time\nreward = 1\ntime.sleep(0.3)", lambda ev: None))
+    assert res.status == "ok"
+    until(lambda: not by_id(view)["root"]["busy"], "root to be shown free again")
+    assert "running in root" not in str(by_id(view)["root"]["blocked"])
+
+
+def test_checkpoint_badges_follow_deletes_made_elsewhere(wb: Workbench) -> None:
+    view = tree_widget(wb)
+    for name in ("a", "b"):
+        _loop.run(wb.checkpoint_save(name, "root"))
+    until(lambda: by_id(view)["root"]["checkpoint"] == "b", "the newest checkpoint's badge")
+    # the sidebar's Delete (the server removes the file and the ledger row, not this kernel)
+    Path(wb.ledger.checkpoint("b")["path"]).unlink()  # type: ignore[index]
+    wb.ledger.remove_checkpoint("b")
+    until(lambda: by_id(view)["root"]["checkpoint"] == "a", "the badge of the checkpoint left", 10)
+    wb.checkpoint_remove("a")
+    until(lambda: by_id(view)["root"]["checkpoint"] is None, "no badge", 10)

@@ -148,7 +148,7 @@ def test_use_checkpoint_and_delete_clicks_change_the_workbench_the_ledger_and_th
     reply = click(w, "delete", node="root.7")
     assert reply == {
         "level": "ok",
-        "text": "deleted root.7",
+        "text": "deleted root.7; root.7 was active: the active machine is now root",
         "seq": reply["seq"],
         "request": "req-delete",
     }
@@ -188,8 +188,9 @@ def test_fork_button_reruns_the_last_fork_cell_below_the_selected_node_in_the_ba
     until(lambda: not w.jobs, "the fork job to leave the jobs list")
     assert wb.active == "root"  # forking the selected node does not change the active one
     kids = [n for n in wb.tree if n.parent == "root.7"]
+    # automatic seeds continue after the session's highest (107): never a repeat of root.0..7
     assert [(k.id, k.seed, k.reward) for k in kids] == [
-        (f"root.7.{i}", 100 + i, 2.0 * (100 + i)) for i in range(4)
+        (f"root.7.{i}", 108 + i, 2.0 * (108 + i)) for i in range(4)
     ]
     until(lambda: {"root.7.0", "root.7.3"} <= set(by_id(w)), "the new branches in the widget")
     run = w.last_fork()

@@ -11,8 +11,12 @@ anything:
 * ``127.0.0.1:3128`` is an HTTP proxy (``HTTP_PROXY``/``HTTPS_PROXY`` point there, so pip
   and requests work unchanged): ``CONNECT host:port`` and ``http://`` URLs are admitted
   by host name and resolved address (``netpolicy.NetPolicy.admits``);
-* every listed single address with a port (``127.0.0.2/32:8080``) gets a listener at
-  that address and port inside, relayed to the same address outside (raw TCP).
+* plain TCP to a listed network (``127.0.0.16/28``, ``10.0.0.0/8:5432``; for ``net =
+  true``, anything off the machine's loopback) is redirected inside to ``127.0.0.1:3129``
+  (``_netredirect``), whose other side here reads the original destination and decides
+  the same way;
+* a listed ``127.0.0.1/32:port`` gets a listener at that port inside, relayed to the
+  same port outside (127.0.0.1 stays the machine's own otherwise).
 
 A refusal is a ``403`` naming the host and the policy, counted per machine. Nothing
 else of a machine's network exists: no route, no DNS, no host loopback. The kernel
@@ -30,6 +34,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,6 +50,7 @@ from ..netpolicy import (
     stand_in_resolve,
     unmapped,
 )
+from . import _netredirect
 
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
@@ -145,6 +151,7 @@ class ProxyClient:
 class Node:
     name: str
     policy: NetPolicy
+    pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
     servers: list[asyncio.AbstractServer] = field(default_factory=list)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     allowed: int = 0
@@ -162,21 +169,18 @@ def _setns(fd: int, kind: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def _bind_in(pid: int, addrs: list[tuple[str, int]]) -> tuple[int, socket.socket]:
+def _bind_in(pid: int, addrs: list[tuple[str, int]], redirect: tuple[Any, ...] | None = None) -> tuple[int, socket.socket]:
     """Start binding listening sockets to ``addrs`` inside the network namespace of host process
     ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
-    capability) and network namespace, binds, and sends the descriptors back (``_collect``)."""
+    capability) and network namespace, binds, installs the ``redirect`` (``_netredirect.install``
+    arguments) and sends the descriptors back (``_collect``)."""
     ours, theirs = socket.socketpair()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked child
         code = 0
         try:
             ours.close()
-            userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-            netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
-                _setns(userfd, CLONE_NEWUSER)
-            _setns(netfd, CLONE_NEWNET)
+            _enter(pid)
             fds = []
             for host, port in addrs:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -185,6 +189,8 @@ def _bind_in(pid: int, addrs: list[tuple[str, int]]) -> tuple[int, socket.socket
                 s.bind((host, port))
                 s.listen(256)
                 fds.append(s.detach())
+            if redirect is not None:
+                _netredirect.install(*redirect)
             socket.send_fds(theirs, [b"ok"], fds)
         except BaseException as exc:  # noqa: BLE001 - the parent gets one line
             with contextlib.suppress(OSError):
@@ -193,6 +199,39 @@ def _bind_in(pid: int, addrs: list[tuple[str, int]]) -> tuple[int, socket.socket
         os._exit(code)
     theirs.close()
     return child, ours
+
+
+def _enter(pid: int) -> None:  # pragma: no cover - runs in a forked child
+    userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+        _setns(userfd, CLONE_NEWUSER)
+    _setns(netfd, CLONE_NEWNET)
+
+
+def _refused_in(pid: int) -> int:
+    """How many connections the machine's ``refuse`` chain turned away at once (its nft
+    counters, read by a forked child in the machine's namespaces); 0 when they can't be read."""
+    ours, theirs = socket.socketpair()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            ours.close()
+            _enter(pid)
+            theirs.sendall(str(_netredirect.refused_count()).encode())
+        except BaseException:  # noqa: BLE001 - the parent reads nothing: 0
+            pass
+        os._exit(0)
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        data = ours.recv(32)
+    except OSError:
+        data = b""
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    return int(data) if data.isdigit() else 0
 
 
 def _collect(child: int, ours: socket.socket) -> list[socket.socket]:
@@ -226,10 +265,14 @@ class Proxy:
     async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy) -> dict[str, str]:
         """Listeners for each (name, host pid): the helpers bind in parallel. Errors by name."""
         addrs = self.addresses(policy)
+        nets = _netredirect.networks(policy)
+        # the at-once refusals only narrow; a proxy weakened to admit everything has none
+        refuse = [] if self.open_all else _netredirect.refusals(policy, self.own(), self.internet)
+        redirect = (nets, self.internet, refuse) if nets != [] else None
         started = []
         for name, pid in machines:
             await self.detach(name)
-            started.append((name, _bind_in(pid, addrs)))
+            started.append((name, _bind_in(pid, addrs, redirect)))
         errors = {}
         for name, helper in started:
             try:
@@ -238,18 +281,21 @@ class Proxy:
                 errors[name] = str(exc)
                 continue
             await self.serve(name, policy, socks, addrs)
+            if refuse and redirect is not None:
+                self.nodes[name].pid = dict(machines)[name]
         return errors
 
     @staticmethod
     def addresses(policy: NetPolicy) -> list[tuple[str, int]]:
-        """Where a machine's listeners go: the proxy port, then each listed loopback address:port."""
+        """Where a machine's listeners go: the proxy port, the redirect's relay (when it has one),
+        then each listed ``127.0.0.1:port`` (the redirect leaves 127.0.0.1 to the machine)."""
         addrs = [("127.0.0.1", PROXY_PORT)]
+        if _netredirect.networks(policy) != []:
+            addrs.append(("127.0.0.1", _netredirect.RELAY_PORT))
         fwd: dict[tuple[str, int], IPAddress] = {}
         for addr, port in [(r.single(), r.port) for r in policy.cidrs] + [(literal(h.name), h.port) for h in policy.hosts]:
-            # loopback addresses exist in every namespace: a listener there needs no route
-            if addr is not None and port is not None and addr.is_loopback:
+            if addr is not None and port is not None and str(addr) == "127.0.0.1" and (str(addr), port) not in addrs:
                 fwd[(str(addr), port)] = addr
-        fwd.pop(addrs[0], None)
         return addrs + list(fwd)
 
     async def serve(self, name: str, policy: NetPolicy, socks: list[socket.socket], addrs: list[tuple[str, int]]) -> None:
@@ -258,6 +304,10 @@ class Proxy:
         node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w), w),
                                                        sock=socks[0], limit=CHUNK))
         for sock, (host, port) in zip(socks[1:], addrs[1:]):
+            if (host, port) == addrs[1] and port == _netredirect.RELAY_PORT:
+                node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.redirected(node, r, w), w),
+                                                               sock=sock, limit=CHUNK))
+                continue
             target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
@@ -339,12 +389,22 @@ class Proxy:
         finally:
             await _close(writer)
 
+    async def redirected(self, node: Node, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A plain connection the machine's redirect sent here: decided by where it was headed."""
+        try:
+            addr, port = _netredirect.original_destination(writer.get_extra_info("socket"))
+        except (OSError, struct.error):
+            await _close(writer)
+            return
+        await self.forwarded(node, addr, port, reader, writer)
+
     async def forwarded(self, node: Node, addr: IPAddress, port: int, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
         try:
             if not (self.open_all or node.policy.admits(str(addr), port, addr, self.own(), self.internet)):
                 node.refused += 1
                 node.last_refused = f"{addr}:{port}"
+                _reset(writer)
                 return
             up = await self._connect(node, addr, port, None)
             if up is not None:
@@ -375,7 +435,11 @@ class Proxy:
                 await self.detach(str(name))
             return {"ok": True}
         if op == "stats":
-            return {"ok": True, "nodes": {n: node.stats() for n, node in self.nodes.items()}}
+            nodes = {n: node.stats() for n, node in self.nodes.items()}
+            for n, node in self.nodes.items():
+                if node.pid:  # plus the ones the machine's own rules refused at once
+                    nodes[n]["refused"] += _refused_in(node.pid)
+            return {"ok": True, "nodes": nodes}
         return {"error": f"unknown op {op!r}"}
 
 
@@ -406,6 +470,13 @@ async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio
         to_far.cancel()
         to_machine.cancel()
         await _close(w2)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """A refusal the machine sees at once: the connection is reset, not just closed."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:

@@ -8,12 +8,14 @@ Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,11 +27,41 @@ BACKENDS = ("auto", "sandbox", "process", "smol")
 T = TypeVar("T")
 
 
+@contextlib.contextmanager
+def _patient(seconds: float = 180.0) -> Iterator[None]:
+    """Give a starting node ``seconds`` to register, not Ray's fixed 30 s.
+
+    ``ray._private.node.Node`` polls ``services.get_node`` and gives up after 30 s, which a
+    busy 2-core host can miss while the GCS is still starting. Here each poll keeps trying
+    until the node is known or ``seconds`` passed. Only while this throwaway cluster starts.
+    """
+    import ray._private.services as services
+
+    original = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
 def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:
-    """Ray gives a node 30 s to register; on a busy host that can run out: try again."""
+    """Start a node, again if it still timed out (see :func:`_patient`)."""
     for attempt in range(tries):
         try:
-            return start()
+            with _patient():
+                return start()
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == tries - 1:
                 raise
@@ -63,6 +95,7 @@ class LocalCluster:
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
         self._cluster: Any = None
+        atexit.register(self.stop)  # a kernel that exits (or is shut down) mid-notebook still cleans up
         try:
             self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
@@ -113,6 +146,7 @@ class LocalCluster:
         else:
             os.environ["RAY_TMPDIR"] = self._old_tmp
         shutil.rmtree(self.dir, ignore_errors=True)
+        atexit.unregister(self.stop)
 
     def _kill_strays(self) -> None:
         """Ray processes of this cluster that outlived it (a node that timed out while starting)."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -31,6 +33,7 @@ import traitlets as t
 
 from .. import _loop
 from ..errors import SmolbenchError
+from .static import static_output
 
 THROTTLE_S = 0.1  # at most one trait update per view every 100 ms (plus the final state)
 BUSY_TEXT = "a cell is running"
@@ -66,6 +69,9 @@ class WorkbenchView(anywidget.AnyWidget):
     message = t.Dict({}, help="the last reply to a click: level, text, seq").tag(sync=True)
     jobs = t.List(t.Unicode(), help="background actions still running").tag(sync=True)
     live = t.Bool(True, help="still updated from a running Workbench").tag(sync=True)
+    static_id = t.Unicode("", help="names this view's static copy (the output after it)").tag(
+        sync=True
+    )
 
     actions: tuple[str, ...] = ()  # what the buttons may ask for
     after_down = "these machines were deleted by `%smol down`"  # said to clicks on a closed view
@@ -74,6 +80,7 @@ class WorkbenchView(anywidget.AnyWidget):
         self.workbench = workbench
         self._lock = threading.RLock()
         self._ready = False
+        kwargs.setdefault("static_id", uuid.uuid4().hex[:16])
         super().__init__(**{**self.snapshot(), **kwargs})  # the comm opens with the full state
         self._last_flush = 0.0
         self._timer_pending = False
@@ -81,7 +88,7 @@ class WorkbenchView(anywidget.AnyWidget):
         self._futures: list[Future[Any]] = []
         self._closed = False
         self._shell = shell
-        self._handles: list[Any] = []  # display handles, refreshed with the static view
+        self._handles: list[Any] = []  # display handles of the static copies
         self._shown_version = -1
         self._version = 0
         self.on_msg(self._on_custom_msg)
@@ -149,24 +156,56 @@ class WorkbenchView(anywidget.AnyWidget):
     # -- display: the live view plus a static copy -------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """The live view; displayed by hand (not through ``show``) it also carries the static
+        copy as text/html, which viewers without widgets show."""
         out = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
         data = out[0] if isinstance(out, tuple) else out
         if isinstance(data, dict):
-            with contextlib.suppress(Exception):  # a broken static copy must not hide the view
-                data["text/html"] = self.static_html()
+            data["text/plain"] = repr(self)
+            if not getattr(self, "_showing", False):
+                with contextlib.suppress(Exception):  # a broken static copy must not hide the view
+                    data["text/html"] = self.static_html()
         return out
 
     def show(self) -> None:
-        """Display the view, remembering where, so its static copy can be refreshed later."""
+        """Display the live view, then its static copy as an output of its own.
+
+        A saved notebook keeps both outputs. JupyterLab and Notebook 7 render a widget output
+        whose model is gone as "model not found" (they never fall back to another type in its
+        bundle, and don't save widget state by default), so the static copy is a separate
+        output whose own CSS shows exactly one of the two: the live view while its model lives
+        (it marks itself with ``static_id``), else the static table, hiding the widget
+        output just before it. Viewers without that CSS (nbconvert, GitHub) show the table.
+        """
         from IPython.display import display
 
-        handle = display(self, display_id=True)
+        self._showing = True
+        try:
+            display(self)
+        finally:
+            self._showing = False
+        handle = display(self._static_bundle(), raw=True, display_id=True)
         if handle is not None:
             self._handles.append(handle)
         self._shown_version = self._version
 
+    def _static_bundle(self) -> dict[str, Any]:
+        try:
+            body = self.static_html()
+        except Exception as exc:  # a broken static copy must not hide the view
+            body = f"<p>static copy unavailable: {html.escape(error_text(exc))}</p>"
+        try:
+            text = self.static_text()
+        except Exception:
+            text = repr(self)
+        return {"text/html": static_output(self.static_id, body), "text/plain": text}
+
+    def static_text(self) -> str:
+        """The static copy as text (viewers that show text only); subclasses may say more."""
+        return repr(self)
+
     def refresh_static(self) -> None:
-        """Re-send the displayed outputs so their static copy matches the live state.
+        """Re-send the displayed static copies so they match the live state.
 
         Called on the kernel's main thread at the end of a cell (the output then belongs to
         a known cell); a saved notebook keeps this copy.
@@ -175,9 +214,10 @@ class WorkbenchView(anywidget.AnyWidget):
             return
         self.flush(resend=True)
         self._shown_version = self._version
+        bundle = self._static_bundle()
         for handle in self._handles:
             with contextlib.suppress(Exception):
-                handle.update(self)
+                handle.update(bundle, raw=True)
 
     # -- cells running in the kernel -----------------------------------------------------
 

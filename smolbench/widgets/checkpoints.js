@@ -7,10 +7,48 @@ function h(tag, cls, text) {
   return el;
 }
 
+// The views follow their kernel: once it dies, restarts or shuts down, its machines are gone
+// (sandboxes die with their kernel) and no click can reach them.
+const GONE = new Set(["dead", "autorestarting", "restarting", "terminating"]);
+const GONE_TEXT =
+  "the kernel is gone (it died, restarted or was shut down) and these machines with it: run the notebook again";
+
+function watchKernel(model, onGone) {
+  const manager = model.widget_manager;
+  let kernel = null;
+  try {
+    kernel = manager && manager.kernel;
+  } catch (e) {
+    kernel = null;
+  }
+  if (!kernel || !kernel.statusChanged) return () => {};
+  let gone = false;
+  const check = (status) => {
+    if (!gone && GONE.has(status)) {
+      gone = true;
+      onGone(status);
+    }
+  };
+  const onStatus = (_, status) => check(status);
+  kernel.statusChanged.connect(onStatus);
+  const onConnection = (_, status) => {
+    if (status === "disconnected") check(kernel.status === "dead" ? "dead" : "");
+  };
+  if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.connect(onConnection);
+  check(kernel.status);
+  return () => {
+    kernel.statusChanged.disconnect(onStatus);
+    if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.disconnect(onConnection);
+  };
+}
+
 const ACK_MS = 800;
 const CONFIRM_MS = 5000;
 
 function render({ model, el }) {
+  // Marks the live view, so the static copy after it (an output of its own) hides itself.
+  const staticId = String(model.get("static_id") || "").replace(/[^0-9a-zA-Z]/g, "");
+  if (staticId) el.classList.add(`sbl-${staticId}`);
   let picked = null; // checkpoint name the Restore / Delete buttons act on (this view only)
   let seq = 0;
   let confirm = null; // {name, timer} while Delete waits for its second click
@@ -53,7 +91,13 @@ function render({ model, el }) {
     msg.textContent = text;
   }
 
+  let kernelGone = false;
+
   function send(action, extra) {
+    if (kernelGone) {
+      say("error", GONE_TEXT);
+      return;
+    }
     const id = `${Date.now().toString(36)}-${++seq}`;
     const label = `${action}${extra.name ? ` ${extra.name}` : ""}`;
     const p = { label, acked: false, timer: null };
@@ -67,7 +111,7 @@ function render({ model, el }) {
       model.send({ type: "action", action, id, ...extra });
     } catch (e) {
       pending.delete(id);
-      say("error", `${label}: can't reach the kernel (${e}): this is a saved copy; run the notebook`);
+      say("error", `${label}: can't reach the kernel (${e}): ${GONE_TEXT}`);
     }
   }
 
@@ -112,12 +156,19 @@ function render({ model, el }) {
     const c = rows.find((x) => x.name === picked);
     const why = !c ? "pick a checkpoint first" : (c.blocked && c.blocked.restore) || "";
     restoreBtn.disabled = Boolean(why);
-    restoreBtn.title = why ? `disabled because ${why}` : `restore ${picked} as a new machine`;
+    restoreBtn.title = why ? `Restore is off: ${why}` : `restore ${picked} as a new machine`;
     deleteBtn.disabled = !c;
     deleteBtn.title = c ? `delete checkpoint ${picked} (file and ledger entry; asks first)` : "pick a checkpoint first";
     const confirming = confirm && c && confirm.name === picked;
     deleteBtn.textContent = confirming ? "Confirm delete" : "Delete";
     deleteBtn.classList.toggle("sbc-confirm", Boolean(confirming));
+    if (kernelGone) {
+      for (const b of [saveBtn, restoreBtn, deleteBtn]) {
+        b.disabled = true;
+        b.title = `${b.textContent} is off: ${GONE_TEXT}`;
+      }
+      sub.textContent = `${rows.length} saved · kernel gone`;
+    }
   }
 
   saveBtn.addEventListener("click", () =>
@@ -160,9 +211,19 @@ function render({ model, el }) {
     ["change:backend", draw], ["change:message", onMessage], ["msg:custom", onCustom],
   ];
   for (const [ev, fn] of handlers) model.on(ev, fn);
+  const unwatch = watchKernel(model, () => {
+    kernelGone = true;
+    if (confirm) clearTimeout(confirm.timer);
+    confirm = null;
+    for (const p of pending.values()) clearTimeout(p.timer);
+    pending.clear();
+    say("error", GONE_TEXT);
+    draw();
+  });
   draw();
   onMessage();
   return () => {
+    unwatch();
     if (confirm) clearTimeout(confirm.timer);
     for (const p of pending.values()) clearTimeout(p.timer);
     for (const [ev, fn] of handlers) model.off(ev, fn);

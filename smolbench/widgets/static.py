@@ -22,6 +22,16 @@ STATUS_TEXT = {
     "starting": "#0969da",
     "idle": "#8250df",
 }
+# The same statuses on the dark theme (JupyterLab marks it on <body>), as in tree.css.
+STATUS_TEXT_DARK = {
+    "ok": "#3fb950",
+    "error": "#f85149",
+    "timeout": "#d29922",
+    "cancelled": "#9198a1",
+    "running": "#4493f8",
+    "starting": "#79c0ff",
+    "idle": "#ab7df8",
+}
 FAN = 12  # a parent with more children than this shows FAN_SHOW of them
 FAN_SHOW = 8
 CELL = "padding:1px 8px;text-align:left;white-space:nowrap"
@@ -101,7 +111,7 @@ def tree_html(
             f'<td style="{CELL};padding-left:{8 + 16 * depth}px;font-family:monospace;{weight}">'
             f"{_e(n['id'])}</td>"
             f'<td style="{CELL}">{seed}</td>'
-            f'<td style="{CELL};color:{color}">{_e(status)}{dead}</td>'
+            f'<td class="sb-st-{_e(status)}" style="{CELL};color:{color}">{_e(status)}{dead}</td>'
             f'<td style="{CELL};text-align:right">{_num(n.get("reward"))}</td>'
             f'<td style="{CELL};text-align:right">{wall}</td>'
             f'<td style="{CELL}">{" · ".join(badges)}</td></tr>'
@@ -161,3 +171,28 @@ def checkpoints_html(rows: list[dict[str, Any]], backend: str) -> str:
         f"<p><b>smolbench checkpoints</b> · {len(rows)} saved · this machine: {_e(backend)}</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
+
+
+def static_output(uid: str, body: str) -> str:
+    """The static copy of the view ``uid`` as the output shown after its live view.
+
+    Its CSS (JupyterLab and Notebook 7 keep ``<style>`` in the trusted output of a cell the
+    user ran) shows one of the two outputs: this copy is hidden while the live view (marked
+    ``sbl-<uid>``) is on the page; otherwise the widget output just before it ("model not
+    found" once the kernel is gone) is hidden. Untrusted and other viewers drop or ignore the
+    CSS and show the copy.
+    """
+    u = "".join(ch for ch in uid if ch.isalnum())
+    child = ".jp-OutputArea-child"
+    dark = "".join(
+        f'body[data-jp-theme-light="false"] #sbs-{u} .sb-st-{k}{{color:{v} !important}}'
+        for k, v in STATUS_TEXT_DARK.items()
+    )
+    css = (
+        f"{child}:has(.sbl-{u}) + {child}:has(#sbs-{u}){{display:none}}"
+        # the widget renderer is a lumino Panel (text and HTML outputs are not)
+        f"{child}:has(+ {child} #sbs-{u}):has(> .jp-OutputArea-output.lm-Panel)"
+        f":not(:has(.sbl-{u})){{display:none}}"
+        f"{dark}"
+    )
+    return f'<div class="smolbench-static-copy" id="sbs-{u}"><style>{css}</style>{body}</div>'

@@ -39,6 +39,9 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return out
 
 
+CHAR_W = 6.5  # width of one tick-label character at font-size 11 (DejaVu Sans digits)
+
+
 def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
@@ -51,7 +54,9 @@ class Panel:
         self.parts: list[str] = []
 
     def frame(self, xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: str,
-              xticks: bool = True) -> None:
+              xticks: bool = True, below: float = 0.0) -> None:
+        """Axes, grid and titles; ``below``: how far labels drawn under the axis reach down, so
+        the x title goes under them."""
         yt = _ticks(ylo, yhi)
         self.ylo, self.yhi = min(ylo, yt[0]), max(yhi, yt[-1])
         pad = (xhi - xlo) * 0.05 or 0.5
@@ -70,9 +75,11 @@ class Panel:
                     xx = self.px(v)
                     p.append(f'<text x="{xx:.1f}" y="{self.y + self.h + 14:.1f}" text-anchor="middle">'
                              f'{_fmt(v)}</text>')
-        p.append(f'<text x="{self.x + self.w / 2:.1f}" y="{self.y + self.h + 32:.1f}" '
+        p.append(f'<text x="{self.x + self.w / 2:.1f}" y="{self.y + self.h + max(32.0, below + 14):.1f}" '
                  f'text-anchor="middle">{_e(xlabel)}</text>')
-        p.append(f'<text transform="translate({self.x - 42:.1f},{self.y + self.h / 2:.1f}) rotate(-90)" '
+        # the y title clears the widest tick label (about 6.5 px a character at 11 px)
+        tick_w = max((len(_fmt(v)) for v in yt), default=1) * CHAR_W
+        p.append(f'<text transform="translate({self.x - 6 - tick_w - 8:.1f},{self.y + self.h / 2:.1f}) rotate(-90)" '
                  f'text-anchor="middle">{_e(ylabel)}</text>')
 
     def px(self, v: float) -> float:
@@ -102,8 +109,10 @@ def bars_and_scatter(
     left = Panel(70, 60, 470, 230, "reward per branch (best first)")
     right = Panel(610, 60, 270, 230, "reward vs seed")
     values = [b[1] for b in bars] or [0.0]
+    # branch labels hang under the bars at 45 degrees (9 px font: about 5.3 px a character)
+    longest = max((len(b[0]) for b in bars), default=0) if len(bars) <= 24 else 0
     left.frame(0, max(len(bars) - 1, 1), min(0.0, *values), max(0.0, *values), "branch", "reward",
-               xticks=False)
+               xticks=False, below=8 + longest * 5.3 * 0.71 + 9)
     bw = left.w / max(len(bars), 1) * 0.8
     for i, (label, value, color, best) in enumerate(bars):
         cx = left.x + (i + 0.5) * left.w / max(len(bars), 1)

@@ -9,6 +9,7 @@ const FAN_SHOW = 8;
 const ACK_MS = 800; // no acknowledgement by then: the kernel is busy (queued) or unreachable
 const LOST_MS = 15000;
 const CONFIRM_MS = 5000;
+const MESSAGES = 3; // lines of messages a view keeps
 
 const ACTIONS = [
   ["use", "Use", "make this node the active machine"],
@@ -25,6 +26,41 @@ function h(tag, cls, text) {
   return el;
 }
 
+// The views follow their kernel: once it dies, restarts or shuts down, its machines are gone
+// (sandboxes die with their kernel) and no click can reach them.
+const GONE = new Set(["dead", "autorestarting", "restarting", "terminating"]);
+const GONE_TEXT =
+  "the kernel is gone (it died, restarted or was shut down) and these machines with it: run the notebook again";
+
+function watchKernel(model, onGone) {
+  const manager = model.widget_manager;
+  let kernel = null;
+  try {
+    kernel = manager && manager.kernel;
+  } catch (e) {
+    kernel = null;
+  }
+  if (!kernel || !kernel.statusChanged) return () => {};
+  let gone = false;
+  const check = (status) => {
+    if (!gone && GONE.has(status)) {
+      gone = true;
+      onGone(status);
+    }
+  };
+  const onStatus = (_, status) => check(status);
+  kernel.statusChanged.connect(onStatus);
+  const onConnection = (_, status) => {
+    if (status === "disconnected") check(kernel.status === "dead" ? "dead" : "");
+  };
+  if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.connect(onConnection);
+  check(kernel.status);
+  return () => {
+    kernel.statusChanged.disconnect(onStatus);
+    if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.disconnect(onConnection);
+  };
+}
+
 function fmt(x, digits = 4) {
   if (x === null || x === undefined) return "";
   if (typeof x !== "number") return String(x);
@@ -33,6 +69,9 @@ function fmt(x, digits = 4) {
 }
 
 function render({ model, el }) {
+  // Marks the live view, so the static copy after it (an output of its own) hides itself.
+  const staticId = String(model.get("static_id") || "").replace(/[^0-9a-zA-Z]/g, "");
+  if (staticId) el.classList.add(`sbl-${staticId}`);
   const view = {
     collapsed: new Set(),
     fanOpen: new Set(), // parents whose large fan shows every child
@@ -40,6 +79,8 @@ function render({ model, el }) {
     pending: new Map(), // request id -> {label, acked, timers}
     seq: 0,
     confirm: null, // {node, timer} while Delete waits for its second click
+    kernelGone: false, // the kernel died, restarted or was shut down: nothing here is live
+    recent: [], // the last MESSAGES messages: {key, level, text}
   };
   const root = h("div", "sbt");
   el.appendChild(root);
@@ -72,7 +113,7 @@ function render({ model, el }) {
   nInput.title = "how many branches Fork makes";
   const seedInput = h("input", "sbt-seed-base");
   seedInput.type = "number";
-  seedInput.title = "first seed of the new branches (empty: continue after the highest seed used below this node)";
+  seedInput.title = "first seed of the new branches (empty: after the highest seed used in this session, so seeds never repeat)";
   for (const [action, label, tip] of ACTIONS) {
     const wrap = h("span", "sbt-btnwrap");
     const b = h("button", `sbt-btn sbt-btn-${action}`, label);
@@ -101,14 +142,30 @@ function render({ model, el }) {
     return byId;
   }
 
-  function showMessage(m) {
-    msg.className = `sbt-msg sbt-msg-${(m && m.level) || "info"}`;
-    msg.textContent = (m && m.text) || "";
+  // The last few messages, one line per click (keyed by its request), so the answer to one
+  // click (a Use) is not overwritten by a later one (a background Fork finishing).
+  function showMessage(m, key = "local") {
+    if (!m || !m.text) return;
+    view.recent = view.recent.filter((r) => r.key !== key);
+    view.recent.push({ key, level: m.level || "info", text: m.text });
+    view.recent = view.recent.slice(-MESSAGES);
+    const newest = view.recent[view.recent.length - 1];
+    msg.className = `sbt-msg sbt-msg-${newest.level}`;
+    msg.replaceChildren(...view.recent.map((r) => h("div", `sbt-msg-line sbt-msg-${r.level}`, r.text)));
+  }
+
+  function messageOf(key) {
+    const r = view.recent.find((x) => x.key === key);
+    return r ? r.text : "";
   }
 
   function act(action) {
     const node = model.get("selected");
     if (!node) return;
+    if (view.kernelGone) {
+      showMessage({ level: "error", text: GONE_TEXT });
+      return;
+    }
     if (action === "delete") {
       if (!view.confirm || view.confirm.node !== node) {
         clearTimeout(view.confirm && view.confirm.timer);
@@ -138,30 +195,37 @@ function render({ model, el }) {
     }
     const p = { label, acked: false, timers: [] };
     view.pending.set(id, p);
-    showMessage({ level: "info", text: `${label}: sent to the kernel…` });
+    view.recent = view.recent.filter((r) => r.key !== "local"); // e.g. the delete question
+    showMessage({ level: "info", text: `${label}: sent to the kernel…` }, id);
     p.timers.push(
       setTimeout(() => {
         if (p.acked || !view.pending.has(id)) return;
         if (model.get("busy")) {
-          showMessage({
-            level: "info",
-            text: `${label}: queued: the kernel is running a cell and will apply this click when it finishes`,
-          });
+          showMessage(
+            {
+              level: "info",
+              text: `${label}: queued: the kernel is running a cell and will apply this click when it finishes`,
+            },
+            id,
+          );
         }
       }, ACK_MS),
       setTimeout(() => {
         if (p.acked || !view.pending.has(id) || model.get("busy")) return;
-        showMessage({
-          level: "error",
-          text: `${label}: no answer from the kernel after ${LOST_MS / 1000} s: is it running? (Kernel menu: restart, then re-run the cells)`,
-        });
+        showMessage(
+          {
+            level: "error",
+            text: `${label}: no answer from the kernel after ${LOST_MS / 1000} s: is it running? (Kernel menu: restart, then re-run the cells)`,
+          },
+          id,
+        );
       }, LOST_MS),
     );
     try {
       model.send(content);
     } catch (e) {
       view.pending.delete(id);
-      showMessage({ level: "error", text: `${label}: can't reach the kernel (${e}): this is a saved copy; run the notebook` });
+      showMessage({ level: "error", text: `${label}: can't reach the kernel (${e}): ${GONE_TEXT}` }, id);
     }
     drawActions();
   }
@@ -340,11 +404,12 @@ function render({ model, el }) {
     for (const [action] of ACTIONS) {
       const { button, wrap } = buttons[action];
       let why = "";
-      if (!n) why = "click a node first";
+      if (view.kernelGone) why = GONE_TEXT;
+      else if (!n) why = "click a node first";
       else if (n.blocked && n.blocked[action]) why = n.blocked[action];
       else if (waiting.includes(`${LABELS[action]} ${id}`)) why = "waiting for the kernel";
       button.disabled = Boolean(why);
-      const tip = why ? `${button.dataset.tip}: disabled because ${why}` : button.dataset.tip;
+      const tip = why ? `${LABELS[action]} is off: ${why}` : button.dataset.tip;
       button.title = tip;
       wrap.title = tip; // a disabled button shows no tooltip of its own in some browsers
       if (action === "fork") {
@@ -375,17 +440,20 @@ function render({ model, el }) {
 
   function drawHead() {
     title.textContent = model.get("title") || "fork tree";
-    const live = model.get("live");
-    liveBadge.textContent = live ? "live" : "final";
+    const live = model.get("live") && !view.kernelGone;
+    liveBadge.textContent = view.kernelGone ? "kernel gone" : live ? "live" : "final";
     liveBadge.className = `sbt-live ${live ? "sbt-live-on" : "sbt-live-off"}`;
-    liveBadge.title = live
-      ? "updates as the machines change (also after this cell finished)"
-      : "the machines are gone (`%smol down`): this is the last state";
+    liveBadge.title = view.kernelGone
+      ? GONE_TEXT
+      : live
+        ? "updates as the machines change (also after this cell finished)"
+        : "the machines are gone (`%smol down`): this is the last state";
     const scope = model.get("scope");
     scopeBtn.style.display = model.get("title") === "fork tree" && scope === "session" ? "none" : "";
     scopeBtn.textContent = scope === "fork" ? "show whole session" : "show this fork only";
     scopeBtn.title = scope === "fork" ? "every node of this session" : "the path to this fork and its branches";
-    info.textContent = model.get("info") || "";
+    info.textContent = view.kernelGone ? `${GONE_TEXT} · last seen: ${model.get("info") || ""}` : model.get("info") || "";
+    scopeBtn.disabled = view.kernelGone;
   }
 
   function drawAll() {
@@ -427,8 +495,9 @@ function render({ model, el }) {
     if (content.type === "ack") {
       if (p) {
         p.acked = true;
-        if (msg.textContent.includes("queued") || msg.textContent.includes("sent to the kernel"))
-          showMessage({ level: "info", text: `${p.label}: working…` });
+        const now = messageOf(content.id);
+        if (now.includes("queued") || now.includes("sent to the kernel"))
+          showMessage({ level: "info", text: `${p.label}: working…` }, content.id);
       }
       return;
     }
@@ -437,7 +506,10 @@ function render({ model, el }) {
     view.pending.delete(content.id);
     drawActions();
   };
-  const onMessage = () => showMessage(model.get("message"));
+  const onMessage = () => {
+    const m = model.get("message");
+    if (m && m.text) showMessage(m, m.request || "kernel");
+  };
   const handlers = [
     ["change:nodes", drawAll],
     ["change:active", drawAll],
@@ -454,11 +526,23 @@ function render({ model, el }) {
     ["msg:custom", onCustom],
   ];
   for (const [ev, fn] of handlers) model.on(ev, fn);
+  const unwatch = watchKernel(model, () => {
+    view.kernelGone = true;
+    for (const p of view.pending.values()) for (const t of p.timers) clearTimeout(t);
+    view.pending.clear();
+    clearTimeout(view.confirm && view.confirm.timer);
+    view.confirm = null;
+    root.classList.add("sbt-gone");
+    showMessage({ level: "error", text: GONE_TEXT });
+    drawAll();
+    jobs.textContent = "";
+  });
   drawAll();
   drawJobs();
   drawLog();
   onMessage();
   return () => {
+    unwatch();
     clearTimeout(view.confirm && view.confirm.timer);
     for (const p of view.pending.values()) for (const t of p.timers) clearTimeout(t);
     for (const [ev, fn] of handlers) model.off(ev, fn);

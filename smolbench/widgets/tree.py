@@ -93,17 +93,11 @@ def best_in(nodes: dict[str, Node], ids: list[str]) -> list[str]:
     return path[::-1]
 
 
-def next_seeds(nodes: dict[str, Node]) -> dict[str, int]:
-    """For each node with seeded descendants: one past the highest seed used below it."""
-    out: dict[str, int] = {}
-    for n in nodes.values():
-        if n.seed is None:
-            continue
-        cur = n.parent
-        while cur is not None and cur in nodes:
-            out[cur] = max(out.get(cur, n.seed + 1), n.seed + 1)
-            cur = nodes[cur].parent
-    return out
+def next_seed(nodes: dict[str, Node]) -> int | None:
+    """Where Fork ×N's automatic seeds start: one past the highest seed used in the session
+    (on any node, deleted ones too), so automatic seeds never repeat; None before any seed."""
+    seeds = [n.seed for n in nodes.values() if n.seed is not None]
+    return max(seeds) + 1 if seeds else None
 
 
 class TreeWidget(WorkbenchView):
@@ -162,15 +156,15 @@ class TreeWidget(WorkbenchView):
         self._scope_ids = set(ids)
         can_fork = self.last_fork() is not None
         busy = set(getattr(wb, "_busy", ()))  # nodes running a cell or being forked right now
-        seeds = next_seeds(all_nodes)
-        base = self._default_base()
+        auto = next_seed(all_nodes)
+        base = self._default_base() if auto is None else auto
         records = []
         for i in ids:
             rec = node_record(all_nodes[i])
             rec["busy"] = i in busy
             rec["blocked"] = blocked_actions(rec, wb.active, can_fork)
             rec["mine"] = all_nodes[i].run_id in self.runs
-            rec["next_seed"] = seeds.get(i, base)
+            rec["next_seed"] = base
             records.append(rec)
         if self.runs and self._scope == "fork":
             best = best_in(all_nodes, [i for i in ids if all_nodes[i].run_id in self.runs])
@@ -211,6 +205,12 @@ class TreeWidget(WorkbenchView):
             info=self.info,
             log=self.log,
         )
+
+    def static_text(self) -> str:
+        """The whole-session view as an indented text tree; a fork's view as its summary."""
+        if self._scope == "session":
+            return f"{self!r}\n{self.workbench.tree.render(self.active)}"
+        return repr(self)
 
     def __repr__(self) -> str:
         """What a viewer without widget support shows (also the saved notebook's text)."""
@@ -283,7 +283,9 @@ class TreeWidget(WorkbenchView):
                 request,
                 wb.delete(node_id),
                 lambda gone: (
-                    f"deleted {', '.join(gone)}" if gone else f"{node_id}: nothing to delete"
+                    (f"deleted {', '.join(gone)}" + (f"; {wb.moved}" if wb.moved else ""))
+                    if gone
+                    else f"{node_id}: nothing to delete"
                 ),
             )
         elif action == "checkpoint":
@@ -302,7 +304,8 @@ class TreeWidget(WorkbenchView):
             self.reply(request, "error", f"Fork ×N takes 1 to {MAX_FORK} branches, got {n}")
             return
         if base_raw in (None, ""):
-            base = next_seeds(dict(wb.tree.nodes)).get(node_id, self._default_base())
+            auto = next_seed(dict(wb.tree.nodes))
+            base = self._default_base() if auto is None else auto
         else:
             try:
                 base = int(base_raw)
