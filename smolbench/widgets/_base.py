@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
 from typing import Any
 
 import anywidget
@@ -34,6 +35,14 @@ import traitlets as t
 from .. import _loop
 from ..errors import SmolbenchError
 from .static import static_output
+
+
+def view_module(name: str) -> str:
+    """A view's ESM: the shared ``viewkit.js`` (element helper, kernel watch), then the view's
+    own file. anywidget loads one module per widget, so the shared part is prepended."""
+    here = Path(__file__).parent
+    return (here / "viewkit.js").read_text() + "\n" + (here / name).read_text()
+
 
 THROTTLE_S = 0.1  # at most one trait update per view every 100 ms (plus the final state)
 BUSY_TEXT = "a cell is running"

@@ -14,7 +14,7 @@ from typing import Any
 import traitlets as t
 
 from .._format import size_text, time_text
-from ._base import WorkbenchView, clean
+from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
 HERE = Path(__file__).parent
@@ -51,7 +51,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
 class CheckpointPanel(WorkbenchView):
     """The ledger's checkpoints: list, save, restore, delete."""
 
-    _esm = HERE / "checkpoints.js"
+    _esm = view_module("checkpoints.js")
     _css = HERE / "checkpoints.css"
     actions = ACTIONS
 

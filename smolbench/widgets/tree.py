@@ -15,7 +15,7 @@ from typing import Any
 import traitlets as t
 
 from ..tree import Node
-from ._base import WorkbenchView, clean
+from ._base import WorkbenchView, clean, view_module
 from .checkpoints import _saved_text
 from .static import tree_html
 
@@ -104,7 +104,7 @@ class TreeWidget(WorkbenchView):
     """A fork tree of a Workbench, live: one fork (or the whole session), status colours,
     rewards, the best path, actions."""
 
-    _esm = HERE / "tree.js"
+    _esm = view_module("tree.js")
     _css = HERE / "tree.css"
     actions = ACTIONS
     after_down = "these machines were deleted by `%smol down`: use the tree of the new `%smol up`"

@@ -1,0 +1,44 @@
+// Shared by every smolbench widget view (prepended to each view's module by _base.view_module):
+// the element helper and the kernel watch.
+
+function h(tag, cls, text) {
+  const el = document.createElement(tag);
+  if (cls) el.className = cls;
+  if (text !== undefined && text !== null) el.textContent = String(text);
+  return el;
+}
+
+// The views follow their kernel: once it dies, restarts or shuts down, its machines are gone
+// (sandboxes die with their kernel) and no click can reach them.
+const GONE = new Set(["dead", "autorestarting", "restarting", "terminating"]);
+const GONE_TEXT =
+  "the kernel is gone (it died, restarted or was shut down) and these machines with it: run the notebook again";
+
+function watchKernel(model, onGone) {
+  const manager = model.widget_manager;
+  let kernel = null;
+  try {
+    kernel = manager && manager.kernel;
+  } catch (e) {
+    kernel = null;
+  }
+  if (!kernel || !kernel.statusChanged) return () => {};
+  let gone = false;
+  const check = (status) => {
+    if (!gone && GONE.has(status)) {
+      gone = true;
+      onGone(status);
+    }
+  };
+  const onStatus = (_, status) => check(status);
+  kernel.statusChanged.connect(onStatus);
+  const onConnection = (_, status) => {
+    if (status === "disconnected") check(kernel.status === "dead" ? "dead" : "");
+  };
+  if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.connect(onConnection);
+  check(kernel.status);
+  return () => {
+    kernel.statusChanged.disconnect(onStatus);
+    if (kernel.connectionStatusChanged) kernel.connectionStatusChanged.disconnect(onConnection);
+  };
+}
