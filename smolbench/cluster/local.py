@@ -71,10 +71,10 @@ def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tr
 
 
 # The head's GCS declares a node dead after `health_check_failure_threshold` failed checks in a
-# row (Ray's defaults: 10 s per check, 5 misses). On a loaded host a healthy raylet can miss that
-# many and its actors die mid-`%smol up`. A check may take 30 s and 10 may fail, yet a node whose
-# raylet is gone (connection refused at once) is still declared dead within ~10 x 2 s.
-HEALTH_CHECK = {"health_check_period_ms": 2000, "health_check_timeout_ms": 30_000, "health_check_failure_threshold": 10}
+# row (Ray's defaults: 3 s apart, 10 s each, 5 misses). On a loaded host a healthy raylet can
+# miss that many. Here a check may take 30 s and 10 in a row must fail, yet a node whose raylet
+# is gone (refused at once) is still declared dead in ~10 x 1 s.
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_timeout_ms": 30_000, "health_check_failure_threshold": 10}
 
 
 class LocalCluster:
@@ -135,6 +135,9 @@ class LocalCluster:
         """Take a node away, as if its host was lost (its processes are killed)."""
         self._cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
+        # until the head has declared it dead: a driver that joins before then would still
+        # place an agent on it (which then dies with "missing too many heartbeats")
+        self._cluster.wait_for_nodes(timeout=120)
 
     def stop(self) -> None:
         """Stop every Ray process this cluster started and remove its folder."""
