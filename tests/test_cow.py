@@ -173,6 +173,8 @@ def find_text(marker):
     for folder, _, files in os.walk(STORE):
         for f in files:
             try:
+                if os.path.getsize(os.path.join(folder, f)) > 1 << 20:
+                    continue  # not a file a cell wrote here (a venv's library, bound in from the host)
                 if marker in open(os.path.join(folder, f), errors="replace").read():
                     hits.append(os.path.join(folder, f))
             except OSError:
