@@ -169,12 +169,19 @@ def plant_as_userns_root(name):
 
 def find_text(marker):
     """Files below the layer store (uncovered if this view can) whose text holds ``marker``."""
-    hits = []
+    hits, needle = [], marker.encode()
     for folder, _, files in os.walk(STORE):
         for f in files:
+            path = os.path.join(folder, f)
             try:
-                if marker in open(os.path.join(folder, f), errors="replace").read():
-                    hits.append(os.path.join(folder, f))
+                # in chunks: a layer may hold large binaries (a venv's), and the machine has 1G
+                with open(path, "rb") as fh:
+                    tail = b""
+                    while chunk := fh.read(1 << 20):
+                        if needle in tail + chunk:
+                            hits.append(path)
+                            break
+                        tail = chunk[-len(needle):]
             except OSError:
                 pass
     return hits

@@ -94,3 +94,15 @@ def test_a_failing_test_fails_the_lane_and_is_not_hidden_by_a_retry(tmp_path: Pa
     line = summary("line", tmp_path / "out", 600, 3)
     assert line.returncode == 1
     assert line.stdout.startswith("vm lane: 4 passed, 1 failed, 0 skipped, 0 not run")
+
+
+def test_a_retry_that_runs_out_of_time_after_a_stall_is_infrastructure(tmp_path: Path) -> None:
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    boot(tmp_path, 1, die_at="c")
+    second = tmp_path / "out" / "attempt-2"  # the retry boot ran out of time before any test ended
+    second.mkdir()
+    (second / "collected.txt").write_text((tmp_path / "out" / "attempt-1" / "collected.txt").read_text())
+    (second / "verdict").write_text("timeout: L1 ran past its 600 s limit")
+    line = summary("line", tmp_path / "out", 3500, 3)
+    assert line.returncode == 75, line.stdout
+    assert "1 not run" in line.stdout and "boot 2 (retry):" in line.stdout

@@ -72,6 +72,9 @@ def main(argv: list[str]) -> int:
         return 0
     if last.startswith("stall"):
         return 75
+    if stalls and last.startswith(("timeout", "broken")):
+        # a retry after a stall that ran out of budget or lost L1: still the nested stack
+        return 75
     if last.startswith(("hang", "pytest", "timeout")) or skipped:
         return 1
     return 2
