@@ -62,7 +62,8 @@ def private_python() -> Iterator[Path]:
     if found is None:
         pytest.skip(f"no {VERSION} here links only system libraries with its stdlib in /usr (Debian's does)")
     binary, stdlib = found
-    top = Path(tempfile.mkdtemp(prefix="smolbench-private-"))  # 0700, like a home or `mktemp -d`
+    # 0700, like a home or `mktemp -d`; under /tmp, which is the machine's own too (as in CI)
+    top = Path(tempfile.mkdtemp(prefix="smolbench-private-", dir="/tmp"))
     try:
         (top / "base" / "bin").mkdir(parents=True)
         (top / "base" / "lib").mkdir()
@@ -133,6 +134,31 @@ def test_a_kernel_on_a_python_in_a_private_folder_runs_cells_forks_and_images(
             assert not error_text(up), error_text(up)
             cell = nb.run("%%smol\nimport sys\n(sys.executable, open('/etc/debian_version').read()[:2])")
             assert result_text(cell) == "('/usr/bin/python3', '12')", error_text(cell)
+        nb.run("%smol down")
+
+
+def test_a_venv_under_tmp_bigger_than_memory_is_not_copied_into_a_branch(
+        private_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A branch of an uncontained machine (the host-root set-up the containment tests compare
+    against) gets private copies of the workspace and /tmp: a venv bound below /tmp stays a
+    mount, never copied into the branch's memory (CI's checkout under `mktemp -d` ran every
+    such branch out of memory)."""
+    if os.geteuid() != 0:
+        pytest.skip("the host-root set-up needs a root kernel")
+    top = private_python
+    with open(top / "venv" / "big.bin", "wb") as fh:  # sparse on disk, 384 MiB once copied
+        fh.truncate(384 << 20)
+    (top / "work" / "Smolfile").write_text('memory = "256M"\n')
+    monkeypatch.setenv("JUPYTER_PATH", str(top / "share" / "jupyter"))
+    monkeypatch.setenv("SMOLBENCH_TEST_WEAKEN", "host-root")
+    with NotebookSession(top / "work", timeout=180, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        up = nb.run("%smol up --backend sandbox")
+        assert not error_text(up), error_text(up)
+        venv = str(top / "venv")
+        forked = nb.run(f"%%smol fork 2 --quiet --out res\nimport sys, json\nreward = float(sys.prefix == {venv!r})")
+        assert not error_text(forked), error_text(forked)
+        assert result_text(nb.run("sorted(res.rewards.values())")) == "[1.0, 1.0]"
         nb.run("%smol down")
 
 

@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browserhelpers import ARTIFACTS, CHROMIUM, browser_page, jupyter_server, write_notebook
+from browserhelpers import (
+    ARTIFACTS,
+    CHROMIUM,
+    browser_page,
+    finish_run_all,
+    jupyter_server,
+    write_notebook,
+)
 
 from smolbench import registry
 
@@ -86,9 +93,10 @@ def _run_all(page: Any) -> None:
         page.get_by_text("Run All Cells", exact=True).click()
         try:
             expect(first).not_to_have_text(re.compile(r"\[ \]"), timeout=15_000)
-            return
         except AssertionError:
             continue
+        finish_run_all(page)  # the rest of the notebook too, even after a frontend race
+        return
     raise AssertionError("Run All Cells did not start the notebook")
 
 

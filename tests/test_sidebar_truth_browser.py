@@ -29,7 +29,6 @@ from browserhelpers import (
     browser_page,
     dump_failure,
     jupyter_server,
-    kernel_status,
     notebook_url,
     run_all,
     wait_for_kernel,
@@ -104,17 +103,10 @@ def _open(page: Any, srv: dict[str, Any], name: str, cells: int) -> None:
     page.goto(url.replace("?", "?reset&") if srv["app"] == "lab" else url)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     run_all(page, cells)
-    prompts = page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt")
-    deadline, stalled = time.monotonic() + 240, 0
-    while not re.fullmatch(r"\[\d+\]:?", prompts.nth(cells - 1).inner_text().strip()):
-        assert time.monotonic() < deadline, prompts.all_inner_texts()
-        ran = sum(bool(re.fullmatch(r"\[\d+\]:?", p.strip())) for p in prompts.all_inner_texts())
-        # a frontend race seen on a loaded host: Run All ran the first cell only and stopped
-        stalled = stalled + 1 if ran == 1 and kernel_status(page) == "idle" else 0
-        if stalled > 50:
-            run_all(page, cells)  # nothing but `%load_ext` has run: running it again is harmless
-            stalled = 0
-        page.wait_for_timeout(100)
+    from playwright.sync_api import expect
+
+    last = page.locator(".jp-Notebook .jp-Cell").nth(cells - 1).locator(".jp-InputPrompt")
+    expect(last).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
     wait_for_kernel(page)
 
 

@@ -70,6 +70,13 @@ def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tr
     raise AssertionError("unreachable")
 
 
+# The head's GCS declares a node dead after `health_check_failure_threshold` failed checks in a
+# row (Ray's defaults: 3 s apart, 10 s each, 5 misses). On a loaded host a healthy raylet can
+# miss that many. Here a check may take 30 s and 10 in a row must fail, yet a node whose raylet
+# is gone (refused at once) is still declared dead in ~10 x 1 s.
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_timeout_ms": 30_000, "health_check_failure_threshold": 10}
+
+
 class LocalCluster:
     """``nodes`` Ray nodes on this host; ``address`` is what ``%smol up --ray`` takes."""
 
@@ -99,7 +106,7 @@ class LocalCluster:
         try:
             self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
-                "include_dashboard": False, "resources": {}}), self._kill_strays)
+                "include_dashboard": False, "resources": {}, "_system_config": HEALTH_CHECK}), self._kill_strays)
             for i in range(nodes):
                 self.add_node(slots=slots, cpus=cpus, backend=backends[i % len(backends)])
         except BaseException:
@@ -128,6 +135,9 @@ class LocalCluster:
         """Take a node away, as if its host was lost (its processes are killed)."""
         self._cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
+        # until the head has declared it dead: a driver that joins before then would still
+        # place an agent on it (which then dies with "missing too many heartbeats")
+        self._cluster.wait_for_nodes(timeout=120)
 
     def stop(self) -> None:
         """Stop every Ray process this cluster started and remove its folder."""

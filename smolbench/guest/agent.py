@@ -924,6 +924,31 @@ def _mount(libc, src, target, fstype, flags, data=None):
         raise OSError(err, "mount %s: %s" % (target, os.strerror(err)))
 
 
+O_PATH_FLAG = getattr(os, "O_PATH", 0o10000000) | os.O_CLOEXEC
+
+
+def _mounts_below(path):
+    """The topmost mount points strictly below ``path`` (from /proc/self/mountinfo)."""
+    prefix = path.rstrip("/") + "/"
+    points = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                point = line.split()[4].replace("\\040", " ")
+                if point.startswith(prefix) and point not in points:
+                    points.append(point)
+    except OSError:
+        return []
+    return [p for p in points if not any(p.startswith(q + "/") for q in points)]
+
+
+def _skip(points):
+    def ignore(folder, names):
+        return [n for n in names if os.path.join(folder, n) in points]
+
+    return ignore
+
+
 def _private_files(workdir, name, mount_ns=True):
     """Give this branch its own copy of the workspace and /tmp.
 
@@ -947,8 +972,24 @@ def _private_files(workdir, name, mount_ns=True):
             if not path or not os.path.isdir(path):
                 continue
             copy = os.path.join(base, path.strip("/").replace("/", "_") or "root")
-            shutil.copytree(path, copy, symlinks=True)
-            _mount(libc, copy, path, None, MS_BIND | MS_REC)
+            # Mounts below (a venv bound under /tmp) are not copied, which could take more than
+            # the machine's memory: they are bound again on top of the copy.
+            below = _mounts_below(path)
+            held = [(p, os.open(p, O_PATH_FLAG)) for p in below]
+            try:
+                shutil.copytree(path, copy, symlinks=True, ignore=_skip(below))
+                _mount(libc, copy, path, None, MS_BIND)
+                for point, fd in held:
+                    if not os.path.lexists(point):
+                        if os.path.isdir("/proc/self/fd/%d" % fd):
+                            os.makedirs(point)
+                        else:
+                            os.makedirs(os.path.dirname(point), exist_ok=True)
+                            open(point, "a").close()
+                    _mount(libc, "/proc/self/fd/%d" % fd, point, None, MS_BIND | MS_REC)
+            finally:
+                for _, fd in held:
+                    os.close(fd)
         if workdir and os.path.isdir(workdir):
             os.chdir(workdir)  # re-enter the directory through the new mount
         return "mount-namespace"
