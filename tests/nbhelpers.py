@@ -205,6 +205,13 @@ def plain_texts(cell: NotebookNode) -> list[str]:
             if o.output_type in ("display_data", "execute_result", "update_display_data") and "text/plain" in o.get("data", {})]
 
 
+def tree_text(cell: NotebookNode) -> str:
+    """The node lines of ``%smol tree``'s text copy (its static copy's text/plain, less the
+    summary line on top)."""
+    texts = plain_texts(cell)
+    return texts[-1].split("\n", 1)[1] if texts and "\n" in texts[-1] else ""
+
+
 def result_text(cell: NotebookNode) -> str | None:
     """The text/plain of the cell's Out[n], if it has one."""
     outs = [o for o in cell.outputs if o.output_type == "execute_result"]

@@ -26,6 +26,7 @@ from nbhelpers import (
     error_text,
     result_text,
     stream_text,
+    tree_text,
     wait_for_no_processes,
 )
 
@@ -149,7 +150,7 @@ def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_o
         nb.run("%%smol fork 1 --keep all\nreward = 1")
         nb.run("%smol use root.0")
         cell = nb.run(SHARED_400M)
-        tree = stream_text(nb.run("%smol tree"))
+        tree = tree_text(nb.run("%smol tree"))
         nb.run("%smol use root")
         parent = value(nb.run("%%smol\n1 + 1"))
     assert parent == "2"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text
+from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text, tree_text
 
 from smolbench.backends import _limits
 
@@ -120,7 +120,7 @@ def test_a_machine_killed_for_memory_says_so_and_leaves_the_tree(nb: NotebookSes
     line = one_line(nb.run("%smol checkpoint save oom"))
     assert "machine ran out of memory (limit 512M)" in line and "machine root was lost" in line, line
     assert "closed the connection" not in line
-    tree = stream_text(ok(nb.run("%smol tree")))
+    tree = tree_text(ok(nb.run("%smol tree")))
     assert "alive" not in tree and "active" not in tree and "lost" in tree, tree
     # and in a cell, on a fresh machine
     ok(nb.run("%smol up --backend sandbox"))
