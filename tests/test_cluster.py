@@ -220,7 +220,9 @@ def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, clus
     status = stream_text(ok(nb.run("%smol status")))
     sandboxed = [ln.split()[0] for ln in status.splitlines() if " sandbox: up" in ln]
     on_sandbox = run[run.host_node.str[:8].isin(sandboxed)]
-    assert len(on_sandbox) >= 4 and (on_sandbox.reward == 0).all()  # the GCS (which runs code) is out of reach
+    # how many land on sandbox nodes depends on free slots left by earlier tests; every one
+    # that did must find the GCS (which runs code) out of reach
+    assert len(on_sandbox) >= 1 and (on_sandbox.reward == 0).all(), run[["host_node", "reward"]]
 
 
 # -- cancellation and node loss -------------------------------------------------------------
