@@ -261,6 +261,8 @@ def test_ctrl_c_cancels_every_branch_on_every_node_and_deletes_its_machine(
     ok(nb.run("%%smol\n'still here'"))
 
 
+@pytest.mark.xfail(strict=False, reason="known flaky (issue 20, open): a node added mid-session "
+                   "is not always given branches at the next fork, so there may be nothing to lose")
 def test_a_node_removed_mid_fork_has_its_branches_rerun_elsewhere(nb: NotebookSession, cluster: object) -> None:
     extra = cluster.add_node(slots=8, backend="sandbox")  # type: ignore[attr-defined]
     first = len(children(ledger(nb.cwd), "root"))
