@@ -38,10 +38,10 @@ if [ "${VMLANE_SIMULATE_STALL:-0}" = 1 ] && [ "${VMLANE_ATTEMPT:-1}" = 1 ]; then
   status "stall: simulated by VMLANE_SIMULATE_STALL=1 (to exercise the retry)"; exit 0
 fi
 bash "$S/vm/guest/watchdog.sh" &
-say "pytest tests/test_smol_real_vm.py"
+say "pytest tests/test_smol_real_vm.py${VMLANE_SELECT:+ -k $VMLANE_SELECT}"
 # Outcomes go to the share test by test; a retry boot skips what passed (vmlane_results.py).
 export VMLANE_OUTCOMES=$R VMLANE_PASSED=$S/passed.txt
-python -m pytest tests/test_smol_real_vm.py -v -rs -p no:cacheprovider -p vmlane_results -o timeout=2400 \
+python -m pytest tests/test_smol_real_vm.py ${VMLANE_SELECT:+-k "$VMLANE_SELECT"} -v -rs -p no:cacheprovider -p vmlane_results -o timeout=2400 \
   --junitxml="$R/junit.xml" --durations=0 > "$R/pytest.log" 2>&1
 rc=$?
 if [ -f /run/vmlane/verdict ]; then
