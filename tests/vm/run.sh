@@ -34,6 +34,19 @@ ICOUNT_FIRST=${VMLANE_ICOUNT-}
 ICOUNT_RETRY=${VMLANE_ICOUNT_RETRY-shift=0,sleep=on}
 HZ=$(getconf CLK_TCK)
 APPEND="console=ttyS0 panic=-1 mitigations=off loglevel=4 ${VMLANE_APPEND:-}"
+# Time dilation (a boot without icount): L1's kernel is told its TSC runs DILATE times faster
+# than it does and keeps the TSC as its clock, so L1's clock, and L2's (kvm-clock derives from
+# L1's TSC rate), run DILATE times slower than the host's: smol's fixed waits inside L1 then
+# allow DILATE times the host's time. The host's TSC rate: /proc/cpuinfo (a few % off is fine).
+DILATE=${VMLANE_DILATE:-1}
+DILATE_APPEND=""
+dilation() {
+  [ "$DILATE" != 1 ] || return 0
+  local khz
+  khz=$(awk -v k="$DILATE" '/^cpu MHz/ { printf "%d", $4 * 1000 * k; exit }' /proc/cpuinfo)
+  [ -n "$khz" ] && [ "$khz" -gt 0 ] || die "VMLANE_DILATE=$DILATE: no 'cpu MHz' in /proc/cpuinfo to scale"
+  DILATE_APPEND="tsc_early_khz=$khz clocksource=tsc tsc=reliable"
+}
 export DEBIAN_FRONTEND=noninteractive
 START=$SECONDS
 
@@ -41,8 +54,9 @@ log() { printf '[%(%H:%M:%S)T] vmlane: %s\n' -1 "$*" >&2; }
 die() { log "$*"; echo "vm lane: BROKEN ($*)" | tee "$OUT/summary.txt" >&2 || true; exit 2; }
 # One boot of L1 with this checkout in its 9p share; sets VERDICT and leaves attempt-N/.
 attempt() {
-  local n=$1 limit=$2 share=$LANE/share qpid t0=$SECONDS last now beat icount accel
+  local n=$1 limit=$2 share=$LANE/share qpid t0=$SECONDS last now beat icount accel append=$APPEND
   if [ "$n" = 1 ]; then icount=$ICOUNT_FIRST; else icount=$ICOUNT_RETRY; fi
+  [ -n "$icount" ] || append="$append $DILATE_APPEND"   # icount has its own clock
   if [ -n "$icount" ]; then accel=${VMLANE_ACCEL:-tcg,thread=single,tb-size=1024}; else accel=${VMLANE_ACCEL:-tcg,thread=multi,tb-size=1024}; fi
   rm -rf "$share"; mkdir -p "$share/results" "$share/vm"
   mkdir -p "$share/src"
@@ -55,11 +69,12 @@ attempt() {
   env | grep -E '^(VMLANE_[A-Z_]+|SMOLBENCH_(TEST|SMOL)_[A-Z_]+)=' | grep -v '^VMLANE_DIR=' \
     | while IFS='=' read -r k v; do printf 'export %s=%q\n' "$k" "$v"; done > "$share/env.sh" || true
   echo "export VMLANE_ATTEMPT=$n" >> "$share/env.sh"
+  [ -n "$icount" ] || echo "export VMLANE_DILATION=$DILATE" >> "$share/env.sh"
   cp "$OUT/passed.txt" "$share/passed.txt" 2>/dev/null || true
-  log "attempt $n: boot L1 (TCG${icount:+ icount $icount}, -smp 1, $MEM; at most $limit s)"
+  log "attempt $n: boot L1 (TCG${icount:+ icount $icount}, -smp 1, $MEM; at most $limit s): $append"
   nice -n "${VMLANE_NICE:-0}" qemu-system-x86_64 -accel "$accel" -machine q35 -cpu "$CPU" \
     -smp 1 -m "$MEM" -kernel "$C/kernel/x/boot/vmlinuz-$KVER" -initrd "$C/initrd.img" \
-    ${icount:+-icount "$icount"} -append "$APPEND" -monitor unix:"$LANE/monitor.sock",server=on,wait=off ${VMLANE_QEMU_EXTRA:-} \
+    ${icount:+-icount "$icount"} -append "$append" -monitor unix:"$LANE/monitor.sock",server=on,wait=off ${VMLANE_QEMU_EXTRA:-} \
     -drive file="$C/disk.img",format=raw,if=virtio,snapshot=on \
     -virtfs local,path="$share",mount_tag=share,security_model=none,id=share \
     -nographic -no-reboot -serial stdio -nic none < /dev/null > "$share/console.log" 2>&1 &
@@ -72,7 +87,10 @@ attempt() {
     now=$SECONDS
     beat=$(cat "$share/heartbeat" 2>/dev/null || true)
     cpu=$(cpu_ticks "$qpid")
-    if [ -n "$beat" ] && [ "$beat" != "$prev" ]; then prev=$beat; last=$now; cpu_then=$cpu; fi
+    if [ -n "$beat" ] && [ "$beat" != "$prev" ]; then
+      prev=$beat; last=$now; cpu_then=$cpu
+      echo "$(date +%s) $beat" >> "$share/results/heartbeats.txt"   # host's clock, then L1's
+    fi
     n_now=$(cat "$share/results/collected.txt" "$share/results/outcomes.txt" 2>/dev/null | wc -l || true)
     if [ "$n_now" != "$done_n" ]; then done_n=$n_now; done_t=$now; fi
     # The suite's own job only: no test finished for this long though L1 is busy (seen once:
@@ -141,6 +159,7 @@ main() {
     sudo chown "$(id -u):$(id -g)" "$LANE"   # for the share; the cache stays root-owned (QEMU only reads it)
   fi
   BUILD_S=$((SECONDS - t0))
+  dilation
 
   n=1
   while :; do
