@@ -88,7 +88,9 @@ class Workbench(CheckpointsMixin):
 
     def _replicated(self, parent: str, host_node: str, rep: Any) -> None:
         self.ledger.add_replica(self.session, parent, host_node, rep.key[1], rep.fingerprint, rep.bytes_shipped, rep.seconds)
-        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} by replaying its recorded path "
+        how = ("from its portable checkpoint" if getattr(rep, "how", "") == "checkpoint"
+               else "by replaying its recorded path")
+        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} {how} "
                        f"({rep.bytes_shipped} B shipped, {rep.seconds:.2f} s, state fingerprint {rep.fingerprint})")
 
     def _placed(self, ref: MachineRef) -> None:

@@ -25,7 +25,7 @@ from ..backends._wire import exec_message
 from ..backends.base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from ..errors import InfraError, SmolbenchError
 from ..spec import MachineSpec
-from . import SLOTS, address, placement
+from . import SLOTS, address, placement, shipping
 from .agent import NodeAgent, node_kind
 from .replica import FINGERPRINT_CODE, Recipe
 
@@ -41,6 +41,8 @@ class Replica:
     seconds: float
     children: set[str] = field(default_factory=set)
     stale: bool = False
+    how: str = "replay"  # or "checkpoint": a smol parent's portable checkpoint, restored there
+    digest: str = ""  # the checkpoint's content address (how == "checkpoint")
 
 
 @dataclass
@@ -118,6 +120,9 @@ class ClusterBackend(Backend):
         node.backend, node.host = d["backend"], d["host"]
         if d["swept"]:
             self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
+        if d.get("swept_machines"):
+            self.notes.append(f"node {_short(node.id)} deleted {len(d['swept_machines'])} leftover microVM(s) of "
+                              "dead sessions")
 
     async def refresh(self, every: float = 5.0) -> None:
         """Nodes that joined since we looked get an agent (at most every ``every`` seconds)."""
@@ -253,6 +258,10 @@ class ClusterBackend(Backend):
             if rep.stale and not rep.children:
                 self.replicas.pop(key, None)
                 await self.delete(rep.ref)
+                where = self.nodes.get(key[1])
+                if rep.digest and where is not None and not where.lost:
+                    with contextlib.suppress(SmolbenchError):
+                        await self._call(where, where.agent.forget.remote(rep.digest))
 
     def list(self) -> builtins.list[MachineRef]:
         return [m for m in self._machines.values() if not m.info.get("replica")]
@@ -265,16 +274,22 @@ class ClusterBackend(Backend):
                 await self.delete(ref)
         self.replicas.clear()
         for node in self.nodes.values():  # the agents go too: a later `%smol up --ray` starts its own
+            if not node.lost:
+                with contextlib.suppress(Exception):  # its own folder (artifacts) goes with it
+                    await asyncio.wait_for(self._call(node, node.agent.close.remote()), 60)
             with contextlib.suppress(Exception):
                 ray.kill(node.agent)
         self.nodes.clear()
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
-        raise SmolbenchError("checkpoints of cluster machines are not supported yet: a cluster fork's replica is "
-                             "its recorded path; `%smol up` without --ray to save checkpoints")
+        """Saved on the machine's node, brought here as data and checked (shipping.save)."""
+        return await shipping.save(self, machine, path)
 
     async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        raise SmolbenchError("restoring a checkpoint onto a cluster is not supported yet: `%smol up` without --ray")
+        """Checked here, sent to a node whose backend restores it (shipping.restore)."""
+        if name in self._machines:
+            raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` it or pick another name")
+        return await shipping.restore(self, path, name, spec)
 
     # -- forks across nodes ---------------------------------------------------------------
 
@@ -289,6 +304,7 @@ class ClusterBackend(Backend):
         if any(n != home.id for n in plan):
             try:  # before the parent forks: one request at a time reaches a machine
                 await self._parent_fingerprint(machine)
+                await self._parent_export(machine, home, [self.nodes[n] for n in plan if n != home.id])
             except SmolbenchError as exc:
                 self.notes.append(f"all {len(names)} branches ran on {_short(home.id)}: {exc}")
                 plan = {home.id: range(len(names))}
@@ -344,6 +360,13 @@ class ClusterBackend(Backend):
             self._fingerprints[key] = await self.fingerprint(parent)
         return self._fingerprints[key]
 
+    async def _parent_export(self, parent: MachineRef, home: Node, nodes: builtins.list[Node]) -> None:
+        """A smol parent's portable checkpoint, once per state, if a smol node needs a new replica."""
+        key = self.recipe_for(parent.name).key if self.recipe_for is not None else None
+        if key is not None and any(shipping.by_checkpoint(home, n) and getattr(
+                self.replicas.get((parent.name, n.id)), "key", None) != key for n in nodes):
+            await shipping.export(self, parent, key)
+
     async def _replica(self, parent: MachineRef, node: Node) -> Replica:
         """The warm parent on ``node``: cached while the parent's state is unchanged, else replayed."""
         if self.recipe_for is None:
@@ -357,6 +380,15 @@ class ClusterBackend(Backend):
             if not have.children:
                 self.replicas.pop((parent.name, node.id), None)
                 await self.delete(have.ref)
+                if have.digest and not node.lost:  # a restored microVM may still read its checkpoint
+                    with contextlib.suppress(SmolbenchError):
+                        await self._call(node, node.agent.forget.remote(have.digest))
+        if shipping.by_checkpoint(self._node_of(parent), node):
+            made = await shipping.smol_replica(self, parent, node, recipe.key, await self._parent_fingerprint(parent))
+            rep = Replica(key=recipe.key, how="checkpoint", **made)
+            self.replicas[(parent.name, node.id)] = rep
+            self.on_replica(parent.name, node.id, rep)
+            return rep
         if recipe.pushed:
             raise SmolbenchError(f"cells of {', '.join(sorted(set(recipe.pushed)))} used --push, whose values are "
                                  "not recorded, so the parent can't be replayed on another node")
@@ -392,7 +424,8 @@ class ClusterBackend(Backend):
         for n in self.nodes.values():
             live = sorted(m for m in n.live if not self._machines.get(m, MachineRef(m, "", MachineSpec())).info.get("replica"))
             reps = [(k[0], r) for k, r in self.replicas.items() if k[1] == n.id]
-            rep_text = "; ".join(f"replica of {p} ({r.bytes_shipped} B shipped, {r.seconds:.2f} s, fingerprint "
+            rep_text = "; ".join(f"replica of {p} ({r.bytes_shipped} B shipped"
+                                 f"{' as a portable checkpoint' if r.how == 'checkpoint' else ''}, {r.seconds:.2f} s, fingerprint "
                                  f"{r.fingerprint}{', stale' if r.stale else ''})" for p, r in reps)
             shown = ", ".join(live[:8]) + (f", … {len(live) - 8} more" if len(live) > 8 else "")
             lines.append(f"{_short(n.id)} {n.host} {n.backend}: {'LOST' if n.lost else 'up'}, {n.slots} slots, "
