@@ -57,7 +57,8 @@ def recipe(wb: Any, node_id: str) -> Recipe:
 
     path = wb.tree.path(node_id)
     root = path[0]
-    if root.checkpoint or not (root.id == "root" or root.id.startswith(("fresh", "ep"))):
+    # a restored root (r1-NAME) has no recorded path; a root that was only checkpointed still has one
+    if not (root.id == "root" or root.id.startswith(("fresh", "ep"))):
         raise SmolbenchError(f"{node_id} starts from {root.id}, which has no recorded path (a restored checkpoint): "
                              "it can only be forked on its own node")
     out = Recipe(node_id, (node_id, wb.tree[node_id].cells))
