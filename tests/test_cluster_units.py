@@ -28,3 +28,22 @@ def test_ray_address_auto_env_and_ray_client_refused(monkeypatch: pytest.MonkeyP
         address.resolve("ray://head:10001")
     with pytest.raises(SmolbenchError, match="bad Ray address 'head'"):
         address.resolve("head")
+
+
+def test_where_a_machine_runs_is_said_short_and_a_host_name_is_escaped_in_html() -> None:
+    from smolbench.tree import Node, Tree, where_text
+    from smolbench.widgets.static import tree_html
+    from smolbench.widgets.tree import node_record
+
+    nid = "3f2a9c1b" + "0" * 48
+    assert where_text(nid, "sandbox", "h1") == "3f2a9c1b (sandbox on h1)"
+    assert where_text(nid, "process", None, "0a1b2c3d" + "f" * 48) == "3f2a9c1b (process; moved from 0a1b2c3d)"
+    assert where_text(nid) == "3f2a9c1b"
+    tree = Tree()
+    tree.add(Node("root", status="idle", where=nid, where_kind="sandbox", where_host="<b>h</b>", moved_from="0a1b2c3d"))
+    tree.add(Node("root.0", "root", seed=0, status="ok"))  # a local machine: no node
+    lines = tree.render("root").splitlines()
+    assert "@3f2a9c1b (sandbox on <b>h</b>; moved from 0a1b2c3d)" in lines[0] and "@" not in lines[1]
+    html = tree_html([node_record(n) for n in tree], active="root", best_path=[], title="t")
+    assert "node 3f2a9c1b (sandbox on &lt;b&gt;h&lt;/b&gt;; moved from 0a1b2c3d)" in html and "<b>h</b>" not in html
+    assert node_record(tree["root.0"])["where"] is None

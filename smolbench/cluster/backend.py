@@ -350,7 +350,7 @@ class ClusterBackend(Backend):
             raise SmolbenchError("no recorded path to replay (this backend is driven without a Workbench)")
         recipe = self.recipe_for(parent.name)
         have = self.replicas.get((parent.name, node.id))
-        if have is not None and have.key == recipe.key and not node.lost:
+        if have is not None and have.key == recipe.key and not have.stale and not node.lost:
             return have
         if have is not None:  # the parent ran another cell: the old copy is no good for new branches
             have.stale = True
@@ -363,26 +363,64 @@ class ClusterBackend(Backend):
         want = await self._parent_fingerprint(parent)
         t0 = time.perf_counter()
         name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
-        ref = await self.create(parent.spec, name, node_id=node.id)
-        ref.info["replica"] = True
+        ref, got = await self.replay(recipe, parent.spec, name, node.id, replica=True)
+        if got != want:
+            await self.delete(ref)
+            raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
+                                 f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
+                                 "files from outside, --push)")
+        rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
+        self.replicas[(parent.name, node.id)] = rep
+        self.on_replica(parent.name, node.id, rep)
+        return rep
+
+    async def replay(self, recipe: Recipe, spec: MachineSpec, name: str, node_id: str | None = None,
+                     **info: Any) -> tuple[MachineRef, str]:
+        """A new machine ``name`` rebuilt from ``recipe`` (on ``node_id``, else the least loaded
+        live node) and its state fingerprint; nothing is left behind when it fails."""
+        ref = await self.create(spec, name, node_id=node_id)
+        ref.info.update(info)
+        node = self.nodes[ref.info["node"]]
         try:
             for step in recipe.steps:
                 if step[0] == "seed":
                     await self._call(node, node.agent.control.remote(name, {"op": "seed", "seed": step[1], "name": name}))
                     continue
                 await self.exec_cell(ref, CellRequest(step[1], seed=step[2], cell_name="<replay>"), lambda ev: None)
-            got = await self.fingerprint(ref)
-            if got != want:
-                raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
-                                     f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
-                                     "files from outside, --push)")
+            return ref, await self.fingerprint(ref)
         except BaseException:
             await self.delete(ref)
             raise
-        rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
-        self.replicas[(parent.name, node.id)] = rep
-        self.on_replica(parent.name, node.id, rep)
-        return rep
+
+    # -- a machine lost with its node (recover.py rebuilds it) -------------------------------
+
+    async def lost_node(self, machine: MachineRef) -> str | None:
+        """The node ``machine`` was lost with, or None while it lives (asks the node's agent)."""
+        node = self.nodes.get(machine.info.get("node", ""))
+        if node is None:
+            return None
+        if not node.lost:
+            with contextlib.suppress(SmolbenchError):  # a lost node raises InfraError and is marked lost
+                await self._call(node, node.agent.describe.remote())
+        return node.id if node.lost else None
+
+    async def remember_state(self, machine: MachineRef) -> str:
+        """Take (once per state) the fingerprint a rebuild of ``machine`` is checked against."""
+        return await self._parent_fingerprint(machine)
+
+    def known_fingerprint(self, key: tuple[str, int]) -> str | None:
+        """The fingerprint taken of a machine's state ``key`` (node, cells run), if any was."""
+        return self._fingerprints.get(key)
+
+    async def restate(self, name: str, key: tuple[str, int], fingerprint: str) -> None:
+        """``name`` was rebuilt with state ``fingerprint``: replicas of another state go."""
+        self._fingerprints[key] = fingerprint
+        for (parent, node_id), rep in list(self.replicas.items()):
+            if parent == name and rep.fingerprint != fingerprint:
+                rep.stale = True
+                if not rep.children:
+                    self.replicas.pop((parent, node_id), None)
+                    await self.delete(rep.ref)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -398,3 +436,10 @@ class ClusterBackend(Backend):
             lines.append(f"{_short(n.id)} {n.host} {n.backend}: {'LOST' if n.lost else 'up'}, {n.slots} slots, "
                          f"{len(live)} live ({shown or 'none'})" + (f"; {rep_text}" if rep_text else ""))
         return lines
+
+    def where(self, node_id: str | None) -> dict[str, Any] | None:
+        """The node a machine runs on, for views: id, host, backend kind, lost (None: unknown)."""
+        n = self.nodes.get(node_id or "")
+        if n is None:
+            return None
+        return {"node": n.id, "host": n.host, "backend": n.backend, "lost": n.lost}
