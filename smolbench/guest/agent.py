@@ -324,7 +324,7 @@ class Agent:
             return
         with self._nproc_lock:
             self._forking += forking
-            contain.share_nproc(nproc, len(self.children) + self._forking)
+            contain.share_nproc(nproc, max(0, len(self.children) + self._forking))
 
     def _handle(self, conn):
         try:
@@ -602,12 +602,13 @@ class Agent:
                 os.close(frozen["view"])
 
     def _fork_children(self, req, frozen):
-        me, n = os.getpid(), len(req["children"])
+        n, done = len(req["children"]), None
         self._nproc_room(n)
         try:
-            return self._fork_each(req, frozen)
+            done = self._fork_each(req, frozen)
+            return done
         finally:
-            if os.getpid() == me:  # not in a branch (it returns through here too)
+            if done != "child":  # a new branch returns through here too, with a count of its own
                 self._nproc_room(-n)
 
     def _fork_each(self, req, frozen):
