@@ -713,7 +713,11 @@ class Workbench(CheckpointsMixin):
         return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
 
     async def refresh_network(self) -> None:
-        """Fetch the backend's per-machine connection counters (shown by ``status``)."""
+        """Fetch the backend's per-machine connection counters (shown by ``status``); a cluster
+        also looks for new nodes and asks each node agent for its counts."""
+        poll = getattr(self.backend, "poll", None)
+        if poll is not None:
+            await poll()
         stats = getattr(self.backend, "network_stats", None)
         if stats is not None:
             self.net_stats = await stats()
