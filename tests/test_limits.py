@@ -338,10 +338,12 @@ def test_a_branch_fork_bomb_leaves_its_siblings_and_its_parent_their_processes(
         value(nb.run("%%smol\n" + BOMB + "'ready'"))
         value(nb.run("%%smol fork 3 --keep all --quiet\npass"))
         got: dict[str, str] = {}
+        nproc = "import resource\nresource.getrlimit(resource.RLIMIT_NPROC)"
         for name, cell in (("root.0", "bomb('processes')"), ("root.1", "bomb('threads')"),
                            ("root.2", "work()"), ("root", "work()")):
             assert error_output(nb.run(f"%smol use {name}")) is None
             got[name] = value(nb.run("%%smol\n" + cell))
+            got[name + " limit"] = value(nb.run("%%smol\n" + nproc))  # (soft, hard): what a cell may raise to
         for name in ("root.0", "root.1"):
             nb.run(f"%smol use {name}")
             value(nb.run("%%smol\nreap()"))
@@ -349,6 +351,9 @@ def test_a_branch_fork_bomb_leaves_its_siblings_and_its_parent_their_processes(
         assert nb.processes() == []
     if "rlimits" in status:
         assert f"a branch's fork bomb stops at {PIDS}" in status, status
+        ceiling = _limits.nproc_ceiling(PIDS) if setup != "weakened" else PIDS
+        assert got["root.2 limit"] == f"({PIDS}, {PIDS})", got  # a branch's cell can't raise it
+        assert got["root limit"] == f"({min(PIDS * 4, ceiling)}, {ceiling})", got  # itself and 3 live branches
     processes, threads = int(got["root.0"]), int(got["root.1"])
     if setup == "weakened":  # the old set-up: the first bomb took the whole tree's count
         assert threads < 8, got
