@@ -1,5 +1,5 @@
-"""Issue 20 without a cluster: placement of fork batches, which addresses `%smol up --ray` takes, and
-the checks on artifacts (checkpoints) that cross the cluster."""
+"""Issue 20 without a cluster: placement of fork batches, batched agent calls, which addresses
+`%smol up --ray` takes, and the checks on artifacts (checkpoints) that cross the cluster."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import io
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,83 @@ def test_a_checkpoint_brought_from_a_node_is_checked_by_the_gate_before_any_back
     whole = tmp_path / "whole.smolcheckpoint"
     whole.write_bytes(b"smol's own layout")
     assert shipping.check(str(whole), "test") == "smol"  # smol's restore verifies its own checksums
+
+
+def test_where_a_machine_runs_is_said_short_and_a_host_name_is_escaped_in_html() -> None:
+    from smolbench.tree import Node, Tree, where_text
+    from smolbench.widgets.static import tree_html
+    from smolbench.widgets.tree import node_record
+
+    nid = "3f2a9c1b" + "0" * 48
+    assert where_text(nid, "sandbox", "h1") == "3f2a9c1b (sandbox on h1)"
+    assert where_text(nid, "process", None, "0a1b2c3d" + "f" * 48) == "3f2a9c1b (process; moved from 0a1b2c3d)"
+    assert where_text(nid) == "3f2a9c1b"
+    tree = Tree()
+    tree.add(Node("root", status="idle", where=nid, where_kind="sandbox", where_host="<b>h</b>", moved_from="0a1b2c3d"))
+    tree.add(Node("root.0", "root", seed=0, status="ok"))  # a local machine: no node
+    lines = tree.render("root").splitlines()
+    assert "@3f2a9c1b (sandbox on <b>h</b>; moved from 0a1b2c3d)" in lines[0] and "@" not in lines[1]
+    html = tree_html([node_record(n) for n in tree], active="root", best_path=[], title="t")
+    assert "node 3f2a9c1b (sandbox on &lt;b&gt;h&lt;/b&gt;; moved from 0a1b2c3d)" in html and "<b>h</b>" not in html
+    assert node_record(tree["root.0"])["where"] is None
+
+
+def test_batch_frames_round_trip_and_a_bad_frame_is_refused() -> None:
+    from smolbench.cluster.batch import DATA, END, FAIL, error_of, failure, frame, frames
+    from smolbench.errors import InfraError
+
+    msg = frame(0, DATA, b"abc") + frame(1, END) + frame(0, FAIL, failure(InfraError("node 1234 was lost")))
+    got = frames(msg, 2)
+    assert got[:2] == [(0, DATA, b"abc"), (1, END, b"")]
+    err = error_of(got[2][2])
+    assert type(err) is InfraError and str(err) == "node 1234 was lost"  # retried by the Workbench, as before
+    assert str(error_of(failure(ValueError("x")))) == "ValueError: x"
+    with pytest.raises(SmolbenchError, match="bad frame"):
+        frames(frame(5, DATA, b"x"), 2)
+    with pytest.raises(SmolbenchError, match="cut frame header"):
+        frames(msg[:5], 2)
+
+
+def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -> None:
+    """The driver's side of batch.py, with the agent's stream stood in by a generator of the
+    same frames (the real agent over Ray: tests/test_cluster.py)."""
+    import asyncio
+
+    from smolbench.cluster.batch import DATA, END, FAIL, Batcher, failure, frame
+
+    calls: list[list[str]] = []
+
+    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
+        calls.append([name for name, _ in items])
+
+        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+            for i, (name, _) in enumerate(items):
+                msg = frame(i, DATA, f"{name} says hi\n".encode())
+                msg += frame(i, FAIL, failure(SmolbenchError(f"{name} broke"))) if name == "b" else frame(i, END)
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(msg)
+                yield fut
+
+        return gen()
+
+    async def call(aw: Any) -> Any:
+        return await aw
+
+    async def one(batcher: Batcher, name: str) -> str:
+        out = b""
+        try:
+            async for chunk in batcher.submit(name, None).chunks():
+                out += chunk
+        except SmolbenchError as exc:
+            return f"{out.decode()}error: {exc}"
+        return out.decode()
+
+    async def main(batching: bool) -> list[str]:
+        batcher = Batcher(start, call, lambda b, i: None, batching=batching)
+        return list(await asyncio.gather(*(one(batcher, n) for n in "abcde")))
+
+    got = asyncio.run(main(True))
+    assert calls == [list("abcde")]  # one call for the five
+    assert got == ["a says hi\n", "b says hi\nerror: b broke", "c says hi\n", "d says hi\n", "e says hi\n"]
+    calls.clear()
+    assert asyncio.run(main(False)) == got and len(calls) == 5  # batching off: one call each

@@ -36,8 +36,9 @@ def test_c(): die_at("c")
 '''
 
 
-def boot(tmp: Path, n: int, die_at: str = "") -> list[str]:
-    """One lane 'boot': the suite with the plugin; returns the tests it ran."""
+def boot(tmp: Path, n: int, die_at: str = "", select: str = "") -> list[str]:
+    """One lane 'boot': the suite with the plugin (``select``: VMLANE_SELECT, a -k); returns
+    the tests it ran."""
     attempt = tmp / "out" / f"attempt-{n}"
     attempt.mkdir(parents=True)
     passed = tmp / "passed.txt"
@@ -45,15 +46,17 @@ def boot(tmp: Path, n: int, die_at: str = "") -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(VM / "guest"), DIE_AT=die_at,
                VMLANE_OUTCOMES=str(attempt), VMLANE_PASSED=str(passed))
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "vmlane_results", "-q",
-                          "-p", "no:cacheprovider", "-o", "markers=chain", "test_suite.py"],
+                          "-p", "no:cacheprovider", "-o", "markers=chain", "test_suite.py",
+                          *(["-k", select] if select else [])],
                          cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
     (attempt / "verdict").write_text("stall: L1 idle" if die_at else f"pytest rc={run.returncode}")
     return [x.split()[0].split("::")[1] for x in (attempt / "outcomes.txt").read_text().splitlines()]
 
 
-def summary(*args: object) -> subprocess.CompletedProcess[str]:
+def summary(*args: object, select: str = "") -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, VMLANE_SELECT=select)
     return subprocess.run([sys.executable, str(VM / "summary.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_a_stall_keeps_what_passed_and_the_retry_runs_only_the_rest(tmp_path: Path) -> None:
@@ -106,3 +109,26 @@ def test_a_retry_that_runs_out_of_time_after_a_stall_is_infrastructure(tmp_path:
     line = summary("line", tmp_path / "out", 3500, 3)
     assert line.returncode == 75, line.stdout
     assert "1 not run" in line.stdout and "boot 2 (retry):" in line.stdout
+
+
+def test_tests_left_out_by_vmlane_select_are_deselected_not_unrun(tmp_path: Path) -> None:
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    assert boot(tmp_path, 1, select="test_b or test_c") == ["test_b", "test_c"]
+    line = summary("line", tmp_path / "out", 200, 3, select="test_b or test_c")
+    assert line.returncode == 0, line.stdout
+    assert line.stdout.startswith(
+        "vm lane: 2 passed, 0 failed, 0 skipped, 0 not run, 3 deselected (VMLANE_SELECT=test_b or test_c)"
+        " in 200 s"), line.stdout
+
+
+def test_a_stall_in_a_selection_retries_only_the_selection(tmp_path: Path) -> None:
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    select = "test_a1 or test_a2 or test_a3 or test_b"
+    assert boot(tmp_path, 1, die_at="b", select=select) == ["test_a1", "test_a2", "test_a3"]
+    stalled = summary("line", tmp_path / "out", 900, 3, select=select)
+    assert stalled.returncode == 75, stalled.stdout  # test_b did not run; test_c was never meant to
+    assert stalled.stdout.startswith("vm lane: 3 passed, 0 failed, 0 skipped, 1 not run, 1 deselected")
+    assert boot(tmp_path, 2, select=select) == ["test_b"]
+    line = summary("line", tmp_path / "out", 900, 3, select=select)
+    assert line.returncode == 0, line.stdout
+    assert line.stdout.startswith("vm lane: 4 passed, 0 failed, 0 skipped, 0 not run, 1 deselected")

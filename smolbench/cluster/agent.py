@@ -19,6 +19,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
 from ..spec import MachineSpec
 from . import artifact
+from .batch import DATA, END, FAIL, failure, frame, kind_of
 
 KINDS = ("sandbox", "process", "smol")
+BATCH_OPS = ("exec", "create", "delete")
+MESSAGE = 1024 * 1024  # frames ready together go back as one message of about this much at most
 
 
 def node_kind(resources: dict[str, float]) -> str:
@@ -124,6 +128,14 @@ class NodeAgent:
         self.refs: dict[str, MachineRef] = {}
         self.max_starts = max_starts
         self._starts: asyncio.Semaphore | None = None
+        # what `%smol status` shows: agent calls by kind, and how many machine requests they carried
+        self.calls: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()
+        self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+
+    def _count(self, op: str, requests: int = 1) -> None:
+        self.calls[op] += 1
+        self.requests[op] += requests
 
     def _gate(self) -> asyncio.Semaphore:
         if self._starts is None:  # made on the actor's own event loop
@@ -140,9 +152,69 @@ class NodeAgent:
         """What ``%smol status`` shows about this node."""
         return {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
                 "isolation": self.backend.isolation, "data_dir": str(self.data_dir), "live": sorted(self.refs),
-                "swept": list(self.swept), "swept_machines": list(self.swept_machines)}
+                "swept": list(self.swept), "swept_machines": list(self.swept_machines), "calls": dict(self.calls),
+                "requests": dict(self.requests)}
+
+    async def run_batch(self, batch_id: str, op: str, items: list[tuple[str, Any]]) -> AsyncIterator[bytes]:
+        """Requests for many machines in one call (see batch.py): run side by side, their replies
+        framed by index and sent as they come; ``cancel_requests`` stops some of them."""
+        if op not in BATCH_OPS:
+            raise SmolbenchError(f"unknown batch request {op!r}: one of {', '.join(BATCH_OPS)}")
+        self._count(op, len(items))
+        out: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def one(i: int, name: str, arg: Any) -> None:
+            end = frame(i, END)
+            try:
+                if op == "exec":
+                    stream = self._transport()
+                    async with contextlib.aclosing(stream(self._ref(name), arg)) as chunks:
+                        async for chunk in chunks:
+                            out.put_nowait(frame(i, DATA, bytes(chunk)))
+                elif op == "create":
+                    await self._create(arg, name)
+                else:
+                    await self._delete([name])
+            except BaseException as exc:
+                end = frame(i, FAIL, failure(exc))
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                out.put_nowait(end)
+
+        tasks: dict[int, asyncio.Future[None]] = {i: asyncio.ensure_future(one(i, name, arg)) for i, (name, arg) in enumerate(items)}
+        self._batches[batch_id] = tasks
+        try:
+            left = len(items)
+            while left:
+                ready = [await out.get()]
+                while not out.empty() and sum(map(len, ready)) < MESSAGE:
+                    ready.append(out.get_nowait())
+                left -= sum(1 for f in ready if kind_of(f) != DATA)
+                yield b"".join(ready)
+        finally:
+            self._batches.pop(batch_id, None)
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    async def cancel_requests(self, batch_id: str, indices: list[int]) -> None:
+        """Stop some requests of a running batch (their callers left: Ctrl-C, a timeout)."""
+        tasks = self._batches.get(batch_id, {})
+        for i in indices:
+            if i in tasks:
+                tasks[i].cancel()
+
+    def _transport(self) -> Any:
+        """The backend's raw request transport: agent-host backends' socket, smol's relay through client.py."""
+        return getattr(self.backend, "_stream", None) or getattr(self.backend, "_relay")  # noqa: B009
 
     async def create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
+        """Boot one machine."""
+        self._count("create")
+        return await self._create(spec, name)
+
+    async def _create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
         """Boot one machine (at most ``max_starts`` boot at once on this node)."""
         async with self._gate():
             ref = await self.backend.create(spec, name)
@@ -151,6 +223,7 @@ class NodeAgent:
 
     async def branch(self, parent: str, names: list[str], seeds: list[int | None]) -> list[str]:
         """Live copy-on-write branches of a machine on this node: one batch, one fork."""
+        self._count("branch", len(names))
         async with self._gate():
             refs = await self.backend.branch(self._ref(parent), names, seeds)
         for ref in refs:
@@ -159,14 +232,15 @@ class NodeAgent:
 
     async def stream(self, name: str, msg: dict[str, Any]) -> AsyncIterator[bytes]:
         """One request to a machine; its raw reply bytes, as they come (the driver's gate decodes them)."""
+        self._count("exec")
         ref = self._ref(name)
-        # the raw transport: agent-host backends' socket, smol's relay through client.py
-        stream = getattr(self.backend, "_stream", None) or getattr(self.backend, "_relay")  # noqa: B009
+        stream = self._transport()
         async for chunk in stream(ref, msg):
             yield bytes(chunk)
 
     async def control(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
         """A control request (seed, interrupt), checked by the gate on this node; plain data back."""
+        self._count("control")
         if msg.get("op") == "interrupt":
             await self.backend.interrupt(self._ref(name))
             return {"status": "ok"}
@@ -176,6 +250,10 @@ class NodeAgent:
 
     async def delete(self, names: list[str]) -> int:
         """Delete machines (and their branches); unknown names are not an error."""
+        self._count("delete", len(names))
+        return await self._delete(names)
+
+    async def _delete(self, names: list[str]) -> int:
         count = 0
         for name in names:
             ref = self.refs.pop(name, None)

@@ -20,6 +20,7 @@ import os
 import tarfile
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import CheckpointInfo, MachineRef
@@ -102,7 +103,7 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
     where = f"node {_short(node.id)}"
     part = path + ".part"
     try:
-        async with contextlib.aclosing(cb._chunks(node, node.agent.chunks.remote(art["digest"]))) as chunks:
+        async with contextlib.aclosing(_pull(cb, node, node.agent.chunks.remote(art["digest"]))) as chunks:
             got = await artifact.receive_file(part, art["digest"], art["size"], chunks, where)
         fmt = await asyncio.to_thread(check, part, f"the checkpoint of {machine.name} sent from {where}")
         if fmt != art["format"]:
@@ -115,6 +116,23 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
         with contextlib.suppress(SmolbenchError):
             await cb._call(node, node.agent.forget.remote(art["digest"]))
     return CheckpointInfo(path, cb.name, got, list(art["warnings"]))
+
+
+async def _pull(cb: ClusterBackend, node: Node, gen: Any) -> AsyncGenerator[object, None]:
+    """The items of an agent's streaming generator, as they come (node loss raises InfraError)."""
+    import ray
+
+    it = gen.__aiter__()
+    try:
+        while True:
+            try:
+                ref = await cb._call(node, it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield await cb._call(node, ref)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.cancel(gen)
 
 
 def check(path: str, what: str) -> str:

@@ -4,12 +4,14 @@
   summary.py line OUT SECS BUILD  the summary line; its exit status is the lane's
 
 Each boot leaves OUT/attempt-N/ with collected.txt and outcomes.txt (written test by test by
-guest/vmlane_results.py, so a boot that stalled keeps what ran) and verdict (the host's word
-on how the boot ended). A test's result is the one from the last boot that ran it.
+guest/vmlane_results.py, so a boot that stalled keeps what ran), deselected.txt (tests the
+boot's selection, VMLANE_SELECT, left out: counted apart, never "not run") and verdict (the
+host's word on how the boot ended). A test's result is the one from the last boot that ran it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,12 +28,14 @@ def lines(path: Path) -> list[str]:
         return []
 
 
-def merge(out: Path) -> tuple[list[str], dict[str, str], list[tuple[str, int, str]]]:
+def merge(out: Path) -> tuple[list[str], set[str], dict[str, str], list[tuple[str, int, str]]]:
     collected: list[str] = []
+    deselected: set[str] = set()
     results: dict[str, str] = {}
     boots = []
     for a in attempts(out):
-        for t in lines(a / "collected.txt"):
+        deselected.update(lines(a / "deselected.txt"))
+        for t in lines(a / "collected.txt") + lines(a / "deselected.txt"):
             if t not in collected:
                 collected.append(t)
         ran = 0
@@ -41,12 +45,12 @@ def merge(out: Path) -> tuple[list[str], dict[str, str], list[tuple[str, int, st
             ran += 1
         verdict = (lines(a / "verdict") or ["broken: no verdict"])[0]
         boots.append((a.name.split("-")[1], ran, verdict))
-    return collected, results, boots
+    return collected, deselected - results.keys(), results, boots
 
 
 def main(argv: list[str]) -> int:
     out = Path(argv[2])
-    collected, results, boots = merge(out)
+    collected, deselected, results, boots = merge(out)
     if argv[1] == "passed":
         print("\n".join(t for t, r in results.items() if r == "passed"))
         return 0
@@ -54,21 +58,24 @@ def main(argv: list[str]) -> int:
     passed = sum(r == "passed" for r in results.values())
     failed = sum(r in ("failed", "error") for r in results.values())
     skipped = sum(r == "skipped" for r in results.values())
-    not_run = len([t for t in collected if t not in results])
+    selected = [t for t in collected if t not in deselected]
+    not_run = len([t for t in selected if t not in results])
     stalls = sum(v.startswith("stall") for _, _, v in boots)
     parts = [f"boot {n}{' (retry)' * (n != '1')}: {ran} test{'s' * (ran != 1)} then {v}"
              for n, ran, v in boots]
     note = (out / "no-retry.txt").read_text().strip() if (out / "no-retry.txt").exists() else ""
     if note:
         parts.append(f"no retry: {note}")
-    line = (f"vm lane: {passed} passed, {failed} failed, {skipped} skipped, {not_run} not run"
+    chosen = (f", {len(deselected)} deselected (VMLANE_SELECT={os.environ.get('VMLANE_SELECT', '')})"
+              if deselected else "")
+    line = (f"vm lane: {passed} passed, {failed} failed, {skipped} skipped, {not_run} not run{chosen}"
             f" in {secs} s (build {build} s; {len(boots)} boot{'s' * (len(boots) != 1)},"
             f" {stalls} stall{'s' * (stalls != 1)}; " + "; ".join(parts) + ")")
     print(line)
     last = boots[-1][2] if boots else "broken: no boot"
     if failed:
         return 1
-    if collected and passed == len(collected) and not skipped:
+    if selected and passed == len(selected) and not skipped:
         return 0
     if last.startswith("stall"):
         return 75

@@ -2,7 +2,9 @@
 share the moment it is known, so a boot that stalls or hangs later keeps what already ran;
 and a retry boot skips what passed before (``VMLANE_PASSED``), except the earlier steps of a
 chain (``@pytest.mark.chain``) whose later steps still have to run: those share one
-machine's state, so the chain runs again from its start, after the tests outside chains."""
+machine's state, so the chain runs again from its start, after the tests outside chains.
+Tests left out by the boot's own selection (``VMLANE_SELECT``, a ``-k``) go to deselected.txt:
+they were not meant to run, so the summary does not count them as "not run"."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 _OUT = os.environ.get("VMLANE_OUTCOMES", "")
 _PASSED = os.environ.get("VMLANE_PASSED", "")
 _seen: dict[str, str] = {}
+_dropped: set[str] = set()  # what passed in an earlier boot: not the selection's doing
 
 
 def _write(name: str, line: str) -> None:
@@ -34,6 +37,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
         _write("outcomes.txt", f"{report.nodeid} skipped")
 
 
+@pytest.hookimpl(trylast=True)  # after the -k selection: the retry logic sees only its tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         _write("collected.txt", item.nodeid)
@@ -49,10 +53,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rerun = item.nodeid not in passed or _chain(item) in pending_chains
         (keep if rerun else drop).append(item)
     if drop:
+        _dropped.update(i.nodeid for i in drop)
         config.hook.pytest_deselected(items=drop)
     # A retry runs the tests outside any chain first: a chain that stalls again can't keep
     # them from running.
     items[:] = sorted(keep, key=lambda i: _chain(i) is not None)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid not in _dropped:
+            _write("deselected.txt", item.nodeid)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -4,13 +4,19 @@
 # leave /run/vmlane/create-* markers); idle for that long with no create in flight is
 # a hang of smolbench or a test, which is a real failure. Either way pytest is stopped.
 S=/mnt/share
-LIMIT=${VMLANE_STALL_SECS:-420}
-EVERY=15
+# Under VMLANE_DILATE=k, L1's clock runs k times slower than the host's: LIMIT and EVERY are
+# meant in host seconds, so both shrink by k in L1's.
+k=${VMLANE_DILATION:-1}
+LIMIT=$(awk -v l="${VMLANE_STALL_SECS:-420}" -v k="$k" 'BEGIN { printf "%d", l / k }')
+EVERY=$(awk -v k="$k" 'BEGIN { printf "%.2f", 15 / k }')
 idle_since=$(date +%s)
+# A beat on the console too, apart from the 9p one: tells a stuck 9p from a stuck L1.
+( while sleep "$EVERY"; do echo "VMLANE beat $(cut -d' ' -f1 /proc/uptime) s" > /dev/ttyS0; done ) &
 prev=($(awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat))
 while sleep $EVERY; do
   now=$(date +%s)
-  echo "$now $(cut -d' ' -f1 /proc/uptime) $(cut -d' ' -f1-3 /proc/loadavg)" > "$S/heartbeat"
+  beat="$now $(cut -d' ' -f1 /proc/uptime) $(cut -d' ' -f1-3 /proc/loadavg) $(awk '/^MemAvailable/ { print int($2 / 1024) "MiB" }' /proc/meminfo)"
+  echo "$beat" > "$S/heartbeat"
   cur=($(awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat))
   busy=$(( cur[0] - prev[0] )); idle=$(( cur[1] - prev[1] )); prev=("${cur[@]}")
   # busy below 3% of the interval counts as idle
