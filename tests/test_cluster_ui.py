@@ -292,3 +292,46 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
         assert conn.execute("SELECT count(*) FROM nodes WHERE reward = 0").fetchone()[0] == 0
     finally:
         conn.close()
+
+
+def test_branches_lost_with_their_parents_node_mid_fork_rerun_from_the_rebuilt_parent(
+        cluster: Any, open_tmp: Path) -> None:
+    import threading
+
+    while len(cluster.nodes) < 3:  # the test above took two away
+        cluster.add_node(slots=4, backend="sandbox")
+    names = [f"root.{k}" for k in range(8)]
+    lost: list[str] = []
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run(f"%smol up --ray {cluster.address}"))
+        ok(nb.run("%%smol\nx = 41"))
+
+        def go() -> None:  # once every branch runs, the parent's node goes
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                if (open_tmp / ".smolbench" / "ledger.db").exists():
+                    df = nodes_of(open_tmp)
+                    if set(names) <= set(df.index) and (df.loc[names, "status"] == "running").all():
+                        lost.append(str(df.loc["root"].host_node))
+                        remove_node_of(cluster, lost[0])
+                        return
+                time.sleep(0.1)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        cell = nb.run("%%smol fork 8 --keep none --retries 2\nimport time\ntime.sleep(15)\nreward = x + SEED")
+        t.join()
+        ok(cell)
+        assert lost, "the branches never all ran"
+        run = nodes_of(open_tmp).loc[names]
+        assert (run.status == "ok").all() and run.reward.tolist() == [41 + k for k in range(8)]
+        assert lost[0] not in set(run.host_node)  # none finished on the lost node
+        note = [ln for ln in stream_text(cell, "stderr").splitlines() if "was lost with" in ln]
+        assert len(note) == 1 and f"root was lost with node {lost[0][:8]}" in note[0], stream_text(cell, "stderr")
+        attempts = [a for n in names for a in attempts_of(open_tmp, n)]
+        rerun = {a["node_id"] for a in attempts if a["outcome"] == "retried"}
+        assert rerun and all("lost" in (a["error"] or "") for a in attempts if a["outcome"] == "retried")
+        assert [a["outcome"] for a in attempts_of(open_tmp, "root") if a["stage"] == "move"] == ["moved"]
+        assert str(nodes_of(open_tmp).loc["root"].host_node) != lost[0]
+        ok(nb.run("%smol down"))
