@@ -256,6 +256,48 @@ def test_a_nested_fork_of_a_cluster_branch(nb: NotebookSession) -> None:
     ok(nb.run("%smol use root"))
 
 
+def test_a_checkpoint_of_a_cluster_machine_is_saved_through_its_node_and_restored_onto_a_node(
+        nb: NotebookSession) -> None:
+    """`%smol checkpoint save` of a cluster machine: its node saves it, the file comes to this
+    kernel's checkpoint folder as data (size and hash, then the gate's archive checks), and restore
+    sends it to a sandbox or process node. The attack: a checkpoint whose workspace links to the
+    host's /etc/shadow, refused in one line before any node sees it."""
+    ok(nb.run("%%smol\nnote = 'before'\nopen('note.txt', 'w').write('kept')"))
+    assert "saved checkpoint c1 of root" in stream_text(ok(nb.run("%smol checkpoint save c1")))
+    saved = nb.cwd / ".smolbench" / "checkpoints" / "c1.smolcheckpoint"
+    assert saved.is_file()  # on the driver, as a file
+    ok(nb.run("%%smol\nnote = 'after'"))
+    assert "restored c1 as r1-c1" in stream_text(ok(nb.run("%smol checkpoint restore c1")))
+    assert stream_text(ok(nb.run("%%smol\nprint(note, open('note.txt').read())"))).strip() == "before kept"
+    assert ledger(nb.cwd).loc["r1-c1"].host_node  # restored onto a node, recorded as such
+    ok(nb.run("%smol use root"))
+    ok(nb.run("%smol delete r1-c1"))
+
+    import io
+    import tarfile
+
+    ws = io.BytesIO()
+    with tarfile.open(fileobj=ws, mode="w") as tar:
+        link = tarfile.TarInfo("shadow")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/shadow"
+        tar.addfile(link)
+    evil = nb.cwd / ".smolbench" / "checkpoints" / "evil.smolcheckpoint"
+    with tarfile.open(evil, "w:gz") as tar:
+        for name, data in (("namespace.pkl", b"x"), ("workspace.tar", ws.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    led = Ledger(nb.cwd / ".smolbench" / "ledger.db")
+    try:
+        led.add_checkpoint("evil", "elsewhere", "root", str(evil), "sandbox", evil.stat().st_size, 1, [])
+    finally:
+        led.close()
+    err = error_output(nb.run("%smol checkpoint restore evil"))
+    assert err is not None and "\n" not in err.evalue, err
+    assert "has a link that points outside it (shadow -> /etc/shadow)" in err.evalue and "refused" in err.evalue
+    assert "r2-evil" not in ledger(nb.cwd).index
+
+
 def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, cluster: object) -> None:
     host, port = cluster.address.rsplit(":", 1)  # type: ignore[attr-defined]
     probe = ("import socket\ntry:\n"
