@@ -177,7 +177,7 @@ class CheckpointsMixin:
         if rec is None:
             known = ", ".join(r["name"] for r in self.ledger.checkpoint_rows()) or "none"
             raise SmolbenchError(f"no checkpoint named {name!r}: saved checkpoints are {known} (`%smol checkpoint list`)")
-        if rec["backend"] != self.backend.name:
+        if rec["backend"] != self.backend.name and not (self.backend.name == "cluster" and rec["backend"] in ("sandbox", "process", "smol")):
             raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, but this machine uses {self.backend.name}: `%smol up --backend {rec['backend']}` to restore it")
         if not os.path.exists(rec["path"]):
             raise SmolbenchError(f"checkpoint {name!r} is missing its file {rec['path']}: remove it with `%smol checkpoint rm {name}`")
@@ -188,6 +188,7 @@ class CheckpointsMixin:
         self.machines[node_id] = ref
         node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
                                   cells=int(rec.get("cells") or 0)))
+        node.where = ref.info.get("node")  # the cluster node it was restored on (None off a cluster)
         self._record(node)
         self.active = node_id
         return node

@@ -97,6 +97,16 @@ def kernel_identity() -> tuple[str, Path] | None:
     return kid, Path(conn).resolve().parent / DIRNAME
 
 
+def _where(workbench: Any, ref: Any) -> dict[str, Any]:
+    """The cluster node of a machine (id, host, backend kind, lost); all None off a cluster."""
+    node = ref.info.get("node")
+    find = getattr(workbench.backend, "where", None)
+    where = find(node) if node and find is not None else None
+    return {"node": node, "node_host": (where or {}).get("host"),
+            "node_backend": (where or {}).get("backend") or ref.info.get("node_backend"),
+            "node_lost": bool((where or {}).get("lost"))}
+
+
 def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
     """What a kernel publishes about its workbench (plain JSON)."""
     machines = []
@@ -115,7 +125,7 @@ def record(workbench: Any, kernel_id: str) -> dict[str, Any]:
             "memory_mib": ref.spec.memory, "cpus": ref.spec.cpus,
             "pid": pid if isinstance(pid, int) else None, "pid_start": pids.get(pid),
             "agent_pid": agent if isinstance(agent, int) else None,
-            "node": ref.info.get("node"),  # the Ray node (cluster backend), else None
+            **_where(workbench, ref),  # its Ray node (cluster backend), else None
             "agent_start": proc_start(agent) if isinstance(agent, int) else None,
             "status": node.status if node is not None else None,
             "reward": node.reward if node is not None and isinstance(node.reward, (int, float)) else None,

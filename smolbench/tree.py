@@ -31,6 +31,9 @@ class Node:
     cells: int = 0  # cells run on this machine (including the fork cell)
     forked_at: int = 0  # parent's cell count when this node was forked
     where: str | None = None  # the Ray node its machine runs on (cluster backend), else None
+    where_kind: str | None = None  # that node's backend (sandbox, process, smol)
+    where_host: str | None = None  # that node's host name
+    moved_from: str | None = None  # the Ray node it was lost with, before it was rebuilt on ``where``
 
     @property
     def wall(self) -> float | None:
@@ -119,7 +122,7 @@ class Tree:
             if node.alive:
                 bits.append("alive")
             if node.where:
-                bits.append(f"@{node.where[:8]}")
+                bits.append("@" + where_text(node.where, node.where_kind, node.where_host, node.moved_from))
             if node.checkpoint:
                 bits.append(f"checkpoint={node.checkpoint}")
             mark = " *" if node.id in best else ""
@@ -134,3 +137,12 @@ class Tree:
         for root in [n for n in self.nodes.values() if n.parent is None]:
             walk(root, "", True, True)
         return "\n".join(lines)
+
+
+def where_text(where: str | None, kind: str | None = None, host: str | None = None,
+               moved_from: str | None = None) -> str:
+    """Where a cluster machine runs, short: ``3f2a9c1b (sandbox on host; moved from 0a1b2c3d)``."""
+    about = " on ".join(str(x) for x in (kind, host) if x)
+    if moved_from:
+        about += f"{'; ' if about else ''}moved from {str(moved_from)[:8]}"
+    return str(where or "?")[:8] + (f" ({about})" if about else "")

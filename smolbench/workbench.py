@@ -30,7 +30,7 @@ from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
 from .spec import MachineSpec
-from .tree import TERMINAL, Node, Tree
+from .tree import TERMINAL, Node, Tree, where_text
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
@@ -88,13 +88,36 @@ class Workbench(CheckpointsMixin):
 
     def _replicated(self, parent: str, host_node: str, rep: Any) -> None:
         self.ledger.add_replica(self.session, parent, host_node, rep.key[1], rep.fingerprint, rep.bytes_shipped, rep.seconds)
-        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} by replaying its recorded path "
+        how = ("from its portable checkpoint" if getattr(rep, "how", "") == "checkpoint"
+               else "by replaying its recorded path")
+        self.on_notice(f"smolbench: {parent} replicated to node {host_node[:8]} {how} "
                        f"({rep.bytes_shipped} B shipped, {rep.seconds:.2f} s, state fingerprint {rep.fingerprint})")
+
+    async def _rebuilt_if_lost(self, node_id: str) -> MachineRef | None:
+        """The machine ``node_id`` as it is now: on a cluster, rebuilt on another node from its
+        recorded path first if its node was lost (cluster/recover.py); None off a cluster."""
+        if not hasattr(self.backend, "lost_node"):
+            return None
+        from .cluster.recover import ensure
+
+        return await ensure(self, node_id)
+
+    async def _remember_state(self, ref: MachineRef) -> None:
+        """On a cluster: the state fingerprint a rebuild of ``ref`` is checked against."""
+        remember = getattr(self.backend, "remember_state", None)
+        if remember is not None:
+            with contextlib.suppress(SmolbenchError):  # no recorded path (a restored checkpoint): nothing to check
+                await remember(ref)
 
     def _placed(self, ref: MachineRef) -> None:
         """Note which cluster node a machine runs on (None off a cluster)."""
         if ref.name in self.tree:
-            self.tree[ref.name].where = ref.info.get("node")
+            node = self.tree[ref.name]
+            node.where = ref.info.get("node")
+            find = getattr(self.backend, "where", None)
+            at = (find(node.where) if find is not None and node.where else None) or {}
+            node.where_kind = at.get("backend") or ref.info.get("node_backend")
+            node.where_host = at.get("host")
 
     # -- observers ------------------------------------------------------------------
 
@@ -155,6 +178,7 @@ class Workbench(CheckpointsMixin):
             await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        await self._remember_state(ref)
         self.lost = self.ledger.mark_lost(self.session)
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
@@ -293,6 +317,7 @@ class Workbench(CheckpointsMixin):
         self._claim(ref.name)
         self._touch(ref.name)
         try:
+            ref = await self._rebuilt_if_lost(ref.name) or ref
             node.cells += 1
             if pull_trusted and pull:
                 self.ledger.add_trust(self.session, "pull", f"{ref.name}: --pull-trusted {','.join(pull)}")
@@ -315,6 +340,7 @@ class Workbench(CheckpointsMixin):
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
             if _out_of_memory(res):
                 raise SmolbenchError(out_of_memory_line(ref.spec))
+            await self._remember_state(ref)
             if res.reward is not None:
                 node.reward = res.reward
                 self._record(node)
@@ -456,6 +482,11 @@ class Workbench(CheckpointsMixin):
             raise SmolbenchError(f"{parent_id} is no longer alive: `%smol use` a live node")
         pnode = self.tree[parent_id]
         self._claim(parent_id)
+        try:
+            parent = await self._rebuilt_if_lost(parent_id) or parent
+        except BaseException:
+            self._release(parent_id)
+            raise
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
@@ -578,7 +609,8 @@ class Workbench(CheckpointsMixin):
                 await _to_the_end(self._drop(node.id))
                 if parent is None or parent.name not in self.machines:
                     raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
-                (new,) = await retry.branch(self, parent, [node.id], [node.seed], 0)
+                source = await self._rebuilt_if_lost(parent.name) or self.machines[parent.name]  # lost with the branch
+                (new,) = await retry.branch(self, source, [node.id], [node.seed], 0)
                 self.machines[new.name] = new
                 self._placed(new)
                 node.alive = True
@@ -713,7 +745,11 @@ class Workbench(CheckpointsMixin):
         return (f"{len(names)} ({shown}); kept {len(self.kept_alive())} of max_alive {self.max_alive}{mem}")
 
     async def refresh_network(self) -> None:
-        """Fetch the backend's per-machine connection counters (shown by ``status``)."""
+        """Fetch the backend's per-machine connection counters (shown by ``status``); a cluster
+        also looks for new nodes and asks each node agent for its counts."""
+        poll = getattr(self.backend, "poll", None)
+        if poll is not None:
+            await poll()
         stats = getattr(self.backend, "network_stats", None)
         if stats is not None:
             self.net_stats = await stats()
@@ -757,7 +793,7 @@ class Workbench(CheckpointsMixin):
             "backend": self.backend.name,
             "isolation": self.backend.isolation,
             "active": self.active,
-            "machine": ref.name if ref else None,
+            "machine": _machine_text(self.tree[ref.name] if ref and ref.name in self.tree else None, ref),
             "image": self.spec.image or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": self._network_text(),
@@ -771,6 +807,15 @@ class Workbench(CheckpointsMixin):
             "session": self.session,
             **self._cluster_text(),
         }
+
+
+def _machine_text(node: Node | None, ref: MachineRef | None) -> str | None:
+    """The active machine, and on a cluster the node it runs on."""
+    if ref is None:
+        return None
+    if node is None or not node.where:
+        return ref.name
+    return f"{ref.name} on node {where_text(node.where, node.where_kind, node.where_host, node.moved_from)}"
 
 
 def _vm_limits(spec: MachineSpec) -> str:

@@ -19,6 +19,10 @@ from its docs, the fake does what the real one does:
   directory or a ``docker save`` archive) with CONFIG_ERROR;
 - ``delete()`` refuses a machine whose branches still exist ("delete descendants first").
 
+``Machine.export_checkpoint`` makes a portable file that a fake engine in another process
+(another Ray node's agent) restores: the VM's directory plus its agent's saved namespace,
+loaded into a freshly started agent (a process's RAM can't travel; what pickles does).
+
 The agent runs with ``--no-mount-ns`` (its mode for a plain host process), so a
 branch copies only its own workspace inside the fake VM's directory, never the
 host's /tmp.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -35,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +56,7 @@ from smol import (
     ExecStream,
     Machine,
     MachineConfig,
+    MachineSummary,
     PortableCheckpointInfo,
     SmolError,
     wrap_native_error,
@@ -104,6 +111,10 @@ class FakeHost:
         self.cls = create_autospec(Machine)
         self.cls.create.side_effect = self.create
         self.cls.restore_checkpoint.side_effect = self.restore_checkpoint
+        self.cls.export_checkpoint.side_effect = self.export_checkpoint
+        self.cls.prune_checkpoint_store.side_effect = lambda store: 0
+        self.cls.list.side_effect = self.list
+        self.launches: dict[str, tuple[list[str], dict[str, str], str | None]] = {}  # stored checkpoint -> agent
         self.cls.delete_by_name.side_effect = lambda machine_id, conn=None, drain_secs=None: None
 
     def new_root(self) -> Path:
@@ -125,6 +136,7 @@ class FakeHost:
                 f"{config.ready_timeout_seconds:g}s",
             )
         vm = FakeVM(self, config.name, self.new_root(), config.image)
+        vm.labels = dict(config.labels or {})
         return vm.machine
 
     def restore_checkpoint(
@@ -135,11 +147,72 @@ class FakeHost:
         network: bool | None = None,
         cache_disk: Any = None,
     ) -> Any:
+        if checkpoint_id not in self.checkpoints and os.path.isfile(checkpoint_id):
+            return self.restore_portable(checkpoint_id, name)
         if checkpoint_id not in self.checkpoints:
             raise SmolError("NOT_FOUND", f"no checkpoint at {checkpoint_id}")
         root, pid = self.checkpoints.pop(checkpoint_id)
         vm = FakeVM(self, name, root, None)
         vm.agent_pid, vm.agent_sock = pid, self.sock_of(root)
+        vm.launch = self.launches.get(checkpoint_id)
+        return vm.machine
+
+    def list(self, conn: ConnectOptions | None = None, labels: dict[str, str] | None = None) -> list[MachineSummary]:
+        """Live fake VMs carrying every one of ``labels``, as ``Machine.list`` reports them."""
+        want = (labels or {}).items()
+        return [MachineSummary(id=vm.name, name=vm.name, state="running", labels=dict(vm.labels))
+                for vm in self.vms if not vm.deleted and want <= vm.labels.items()]
+
+    def delete_named(self, machine_id: str, conn: ConnectOptions | None = None, drain_secs: float | None = None) -> None:
+        """``Machine.delete_by_name`` that deletes (a test wires it in where it needs that)."""
+        for vm in self.vms:
+            if vm.name == machine_id and not vm.deleted:
+                vm.delete()
+
+    def export_checkpoint(self, source: str, output: str) -> int:
+        """One portable file: the frozen VM's directory and its agent's saved namespace."""
+        if source not in self.checkpoints:
+            raise SmolError("NOT_FOUND", f"no stored checkpoint at {source}")
+        root, _ = self.checkpoints[source]
+        launch = self.launches[source]
+        sock = self.sock_of(root)
+        assert sock is not None
+        replies = talk(sock, {"op": "save", "path": f"{root}/.fakestate"})
+        assert replies[-1]["status"] == "ok", replies
+        meta = {"argv": launch[0], "env": launch[1], "image": launch[2]}
+        with tarfile.open(output, "w") as tar:  # not gzip: that is smolbench's own state checkpoint
+            blob = json.dumps(meta).encode()
+            info = tarfile.TarInfo("fakevm.json")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+            tar.add(root, arcname="root", filter=lambda m: m if m.isfile() or m.isdir() else None)
+        return os.path.getsize(output)
+
+    def restore_portable(self, path: str, name: str) -> Any:
+        """A fresh agent in a new fake VM, loaded with an exported checkpoint's namespace."""
+        try:
+            with tarfile.open(path, "r:") as tar:
+                meta = json.loads(tar.extractfile("fakevm.json").read())  # type: ignore[union-attr]
+                stage = Path(tempfile.mkdtemp(dir=self.base))
+                tar.extractall(stage, filter="data")
+        except (tarfile.TarError, KeyError, OSError, ValueError) as exc:
+            raise SmolError("INVALID_CONFIG", f"restore checkpoint: not a checkpoint layout ({exc})") from None
+        root = self.new_root()
+        root.rmdir()
+        (stage / "root").rename(root)
+        shutil.rmtree(stage)
+        argv = list(meta["argv"])
+        ready = Path(f"{root}{argv[argv.index('--ready') + 1]}")
+        for stale in ready.parent.glob("*.ready"):
+            stale.unlink()
+        vm = FakeVM(self, name, root, meta["image"])
+        vm.exec(argv, ExecOptions(background=True, env=meta["env"]))
+        deadline = time.monotonic() + 15
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the restored agent never got ready"
+            time.sleep(0.05)
+        replies = talk(vm.agent_sock or "", {"op": "load", "path": f"{root}/.fakestate"})
+        assert replies[-1]["status"] == "ok", replies
         return vm.machine
 
     @staticmethod
@@ -165,6 +238,9 @@ class FakeHost:
     def cleanup(self) -> None:
         for vm in self.vms:
             vm.kill()
+        for _, pid in self.checkpoints.values():  # frozen copies never restored
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for proc in self.popens:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -193,6 +269,8 @@ class FakeVM:
         self.agent_pid: int | None = None
         self.agent_sock: str | None = None
         self.source: FakeVM | None = None  # the VM this one was branched from
+        self.launch: tuple[list[str], dict[str, str], str | None] | None = None  # how its agent was started
+        self.labels: dict[str, str] = {}
         self.deleted = False
         self.fail_delete: SmolError | None = None
         m = create_autospec(Machine, instance=True)
@@ -236,6 +314,7 @@ class FakeVM:
             self.host.popens.append(proc)
             self.agent_pid = proc.pid
             self.agent_sock = self.path(command[command.index("--socket") + 1])
+            self.launch = (list(command), dict(opts.env or {}), self.image)
             return ExecResult(exit_code=0, stdout=f"pid={proc.pid}\n", stderr="", pid=proc.pid)
         stdin = opts.stdin.encode() if isinstance(opts.stdin, str) else opts.stdin
         if stdin and command[1:2] == [smolmod.CLIENT]:
@@ -330,6 +409,7 @@ class FakeVM:
             pid = self.host.agent_fork(self, root)
             kid = FakeVM(self.host, name, root, self.image)
             kid.source = self
+            kid.launch, kid.labels = self.launch, dict(self.labels)
             kid.agent_pid, kid.agent_sock = (
                 pid,
                 f"{root}/{os.path.relpath(self.agent_sock or '', self.root)}",
@@ -349,6 +429,8 @@ class FakeVM:
         Path(output).write_text(json.dumps({"fake": str(root)}))
         Path(store, "chunk-0").write_bytes(b"x" * 100)
         self.host.checkpoints[output] = (root, pid)
+        assert self.launch is not None
+        self.host.launches[output] = self.launch
         return PortableCheckpointInfo(
             id=output,
             machine_id=self.name,

@@ -1,11 +1,21 @@
-"""Issue 20 without a cluster: placement of fork batches, and which addresses `%smol up --ray` takes."""
+"""Issue 20 without a cluster: placement of fork batches, batched agent calls, which addresses
+`%smol up --ray` takes, and the checks on artifacts (checkpoints) that cross the cluster."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from smolbench.cluster import address, placement
+from smolbench.cluster import address, artifact, placement, shipping
 from smolbench.errors import SmolbenchError
+from smolbench.gate import archive
+from smolbench.gate.limits import LIMITS
 
 
 def test_a_fork_is_one_contiguous_batch_per_node_by_free_slots_parent_node_first() -> None:
@@ -28,3 +38,175 @@ def test_ray_address_auto_env_and_ray_client_refused(monkeypatch: pytest.MonkeyP
         address.resolve("ray://head:10001")
     with pytest.raises(SmolbenchError, match="bad Ray address 'head'"):
         address.resolve("head")
+
+
+# -- artifacts: bytes that cross the cluster as data -----------------------------------------
+
+
+def _feed(blocks: list[bytes]) -> AsyncIterator[object]:
+    async def gen() -> AsyncIterator[object]:
+        for b in blocks:
+            yield b
+
+    return gen()
+
+
+def test_an_artifact_is_kept_only_with_the_size_and_hash_it_was_asked_for(tmp_path: Path) -> None:
+    """A node's artifact (a smol parent's portable checkpoint) reaches another node as chunks: the
+    receiver keeps it only if it hashes to its content address. The attack: bytes changed at rest
+    or on the way (a flipped byte, a longer file)."""
+    src, dst = artifact.Store(tmp_path / "a"), artifact.Store(tmp_path / "b")
+    made = tmp_path / "a" / "made"
+    made.write_bytes(b"warm parent " * 100_000)
+    digest, size = src.add(made)
+    assert src.has(digest) and size == 1_200_000
+    good = list(src.chunks(digest))
+    assert asyncio.run(dst.receive(digest, size, _feed(good), "node a")) == size
+    assert asyncio.run(dst.receive(digest, size, _feed(good), "node a")) == 0  # fetched once: it has it
+
+    other = artifact.Store(tmp_path / "c")
+    tampered = [good[0][:-1] + b"X", *good[1:]]
+    with pytest.raises(artifact.Refused) as refused:
+        asyncio.run(other.receive(digest, size, _feed(tampered), "node a"))
+    assert "doesn't match its content address" in str(refused.value) and "\n" not in str(refused.value)
+    assert not other.has(digest) and list(other.dir.iterdir()) == []  # nothing kept, not even a part
+    with pytest.raises(artifact.Refused, match="longer than the 1200000 bytes it claimed"):
+        asyncio.run(other.receive(digest, size, _feed([*good, b"more"]), "node a"))
+    with pytest.raises(artifact.Refused, match="ended at"):
+        asyncio.run(other.receive(digest, size, _feed(good[:-1] or [b""]), "node a"))
+    old = LIMITS.checkpoint
+    LIMITS.checkpoint = 1000
+    try:
+        with pytest.raises(artifact.Refused, match="over the checkpoint limit of 1.0 KB"):
+            asyncio.run(other.receive(digest, size, _feed(good), "node a"))
+    finally:
+        LIMITS.checkpoint = old
+    # the check is what stops it: switched off, the tampered bytes are kept under the good address
+    archive.TEST_WEAKEN.add("digest")
+    try:
+        asyncio.run(other.receive(digest, size, _feed(tampered), "node a"))
+    finally:
+        archive.TEST_WEAKEN.discard("digest")
+    assert other.has(digest) and artifact.hash_file(other.path(digest))[0] != digest
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _workspace(links: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, target in links.items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def test_a_checkpoint_brought_from_a_node_is_checked_by_the_gate_before_any_backend_sees_it(tmp_path: Path) -> None:
+    """The driver names a received checkpoint's format with the gate's own checks. The attack: a
+    machine's workspace with a link to the host's /etc/shadow, in either checkpoint format."""
+    from smolbench.backends import smol_state
+
+    ok = tmp_path / "ok.smolcheckpoint"
+    _tar(ok, {"namespace.pkl": b"x", "workspace.tar": _workspace({"here": "there"})})
+    assert shipping.check(str(ok), "test") == "agenthost"
+    evil = tmp_path / "evil.smolcheckpoint"
+    _tar(evil, {"namespace.pkl": b"x", "workspace.tar": _workspace({"shadow": "/etc/shadow"})})
+    with pytest.raises(archive.UnsafeCheckpoint, match=r"has a link that points outside it \(shadow -> /etc/shadow\)"):
+        shipping.check(str(evil), "test")
+    state = tmp_path / "state.smolcheckpoint"
+    smol_state.write_state(str(state), "root", {"namespace.pkl": b"x", "workspace.tar": _workspace({})})
+    assert shipping.check(str(state), "test") == "smol-state"
+    evil_state = tmp_path / "evil-state.smolcheckpoint"
+    smol_state.write_state(str(evil_state), "root", {"namespace.pkl": b"x", "workspace.tar": _workspace({"s": "/etc/shadow"})})
+    with pytest.raises(archive.UnsafeCheckpoint, match="points outside it"):
+        shipping.check(str(evil_state), "test")
+    whole = tmp_path / "whole.smolcheckpoint"
+    whole.write_bytes(b"smol's own layout")
+    assert shipping.check(str(whole), "test") == "smol"  # smol's restore verifies its own checksums
+
+
+def test_where_a_machine_runs_is_said_short_and_a_host_name_is_escaped_in_html() -> None:
+    from smolbench.tree import Node, Tree, where_text
+    from smolbench.widgets.static import tree_html
+    from smolbench.widgets.tree import node_record
+
+    nid = "3f2a9c1b" + "0" * 48
+    assert where_text(nid, "sandbox", "h1") == "3f2a9c1b (sandbox on h1)"
+    assert where_text(nid, "process", None, "0a1b2c3d" + "f" * 48) == "3f2a9c1b (process; moved from 0a1b2c3d)"
+    assert where_text(nid) == "3f2a9c1b"
+    tree = Tree()
+    tree.add(Node("root", status="idle", where=nid, where_kind="sandbox", where_host="<b>h</b>", moved_from="0a1b2c3d"))
+    tree.add(Node("root.0", "root", seed=0, status="ok"))  # a local machine: no node
+    lines = tree.render("root").splitlines()
+    assert "@3f2a9c1b (sandbox on <b>h</b>; moved from 0a1b2c3d)" in lines[0] and "@" not in lines[1]
+    html = tree_html([node_record(n) for n in tree], active="root", best_path=[], title="t")
+    assert "node 3f2a9c1b (sandbox on &lt;b&gt;h&lt;/b&gt;; moved from 0a1b2c3d)" in html and "<b>h</b>" not in html
+    assert node_record(tree["root.0"])["where"] is None
+
+
+def test_batch_frames_round_trip_and_a_bad_frame_is_refused() -> None:
+    from smolbench.cluster.batch import DATA, END, FAIL, error_of, failure, frame, frames
+    from smolbench.errors import InfraError
+
+    msg = frame(0, DATA, b"abc") + frame(1, END) + frame(0, FAIL, failure(InfraError("node 1234 was lost")))
+    got = frames(msg, 2)
+    assert got[:2] == [(0, DATA, b"abc"), (1, END, b"")]
+    err = error_of(got[2][2])
+    assert type(err) is InfraError and str(err) == "node 1234 was lost"  # retried by the Workbench, as before
+    assert str(error_of(failure(ValueError("x")))) == "ValueError: x"
+    with pytest.raises(SmolbenchError, match="bad frame"):
+        frames(frame(5, DATA, b"x"), 2)
+    with pytest.raises(SmolbenchError, match="cut frame header"):
+        frames(msg[:5], 2)
+
+
+def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -> None:
+    """The driver's side of batch.py, with the agent's stream stood in by a generator of the
+    same frames (the real agent over Ray: tests/test_cluster.py)."""
+    import asyncio
+
+    from smolbench.cluster.batch import DATA, END, FAIL, Batcher, failure, frame
+
+    calls: list[list[str]] = []
+
+    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
+        calls.append([name for name, _ in items])
+
+        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+            for i, (name, _) in enumerate(items):
+                msg = frame(i, DATA, f"{name} says hi\n".encode())
+                msg += frame(i, FAIL, failure(SmolbenchError(f"{name} broke"))) if name == "b" else frame(i, END)
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(msg)
+                yield fut
+
+        return gen()
+
+    async def call(aw: Any) -> Any:
+        return await aw
+
+    async def one(batcher: Batcher, name: str) -> str:
+        out = b""
+        try:
+            async for chunk in batcher.submit(name, None).chunks():
+                out += chunk
+        except SmolbenchError as exc:
+            return f"{out.decode()}error: {exc}"
+        return out.decode()
+
+    async def main(batching: bool) -> list[str]:
+        batcher = Batcher(start, call, lambda b, i: None, batching=batching)
+        return list(await asyncio.gather(*(one(batcher, n) for n in "abcde")))
+
+    got = asyncio.run(main(True))
+    assert calls == [list("abcde")]  # one call for the five
+    assert got == ["a says hi\n", "b says hi\nerror: b broke", "c says hi\n", "d says hi\n", "e says hi\n"]
+    calls.clear()
+    assert asyncio.run(main(False)) == got and len(calls) == 5  # batching off: one call each

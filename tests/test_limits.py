@@ -66,12 +66,15 @@ def tmpdir_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @contextmanager
-def machine(cwd: Path, backend: str, smolfile: str = "", weakened: bool = False, up_args: str = "") -> Iterator[NotebookSession]:
+def machine(cwd: Path, backend: str, smolfile: str = "", weakened: bool = False, up_args: str = "",
+            before: str = "") -> Iterator[NotebookSession]:
     (cwd / "Smolfile").write_text(smolfile)
     with NotebookSession(cwd, timeout=120, allow_errors=True) as nb:
         nb.run("%load_ext smolbench")
         if weakened:
             nb.run(WEAKEN)
+        if before:
+            assert error_output(nb.run(before)) is None
         up = nb.run(f"%smol up --backend {backend} {up_args}")
         assert error_output(up) is None, error_text(up)
         yield nb
@@ -248,7 +251,6 @@ def test_a_fork_bomb_is_capped_and_the_kernel_survives(tmp_path: Path, tmpdir_en
 
 
 @needs_bwrap
-@pytest.mark.skipif(not _limits.detect().bases, reason="no writable cgroup here: under rlimits a machine's branches share its process count")
 def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -> None:
     with machine(tmp_path, "sandbox", "pids = 32\n") as nb:
         # branch 0 takes every process it may have and keeps them; branch 1 can still start its own
@@ -267,6 +269,98 @@ def test_each_branch_has_its_own_process_cap(tmp_path: Path, tmpdir_env: Path) -
         assert int(value(nb.run("%%smol\n" + REAP))) < 32
         assert value(nb.run("%%smol\nimport subprocess\nsubprocess.run(['true']).returncode")) == "0"
         nb.run("%smol down")
+
+
+# Issue 17: with the kernel as a user (rlimits), a branch's fork bomb made its parent's and its
+# siblings' cells fail with "can't start new thread": RLIMIT_NPROC counts a branch in its
+# parent's user namespace too, against the limit its creator had. In a machine: bombs of
+# sleeping processes or of threads (100 at most, so a broken cap can't hurt the host), an
+# ordinary cell's work (4 subprocesses, 4 threads), and the clean-up.
+BOMB = """
+import os, subprocess, threading, time
+hold = threading.Event()
+kids, threads = [], []
+def bomb(kind):
+    threading.stack_size(1 << 18)  # the threads' count, not memory, is what must run out
+    for _ in range(100):
+        try:
+            if kind == "threads":
+                t = threading.Thread(target=hold.wait, args=(120,), daemon=True)
+                t.start()
+                threads.append(t)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+            kids.append(pid)
+        except (OSError, RuntimeError):
+            break
+    return len(kids) + len(threads)
+def work():
+    try:
+        ts = [threading.Thread(target=time.sleep, args=(0.01,)) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for p in [subprocess.Popen(["true"]) for _ in range(4)]:
+            p.wait()
+    except (OSError, RuntimeError) as exc:
+        return type(exc).__name__ + ": " + str(exc)
+    return "ok"
+def reap():
+    hold.set()
+    for k in kids:
+        os.kill(k, 9)
+        os.waitpid(k, 0)
+    for t in threads:
+        t.join()
+    return len(kids) + len(threads)
+"""
+RLIMITS = "from smolbench.backends import _limits\n_limits._MECHANISM = _limits.Mechanism('rlimits')"
+PIDS = 64
+
+
+@needs_bwrap
+@pytest.mark.parametrize("setup", ["detected", "rlimits", "weakened"])
+def test_a_branch_fork_bomb_leaves_its_siblings_and_its_parent_their_processes(
+        tmp_path: Path, tmpdir_env: Path, monkeypatch: pytest.MonkeyPatch, setup: str) -> None:
+    """``detected``: this kernel's own mechanism (a pids cgroup as root here, rlimits as a user);
+    ``rlimits`` forces them on a root kernel; ``weakened`` is the old rlimits set-up
+    (``SMOLBENCH_TEST_WEAKEN=branch-nproc``: every user namespace recorded at ``pids``)."""
+    if setup == "rlimits" and _limits.detect().name == "rlimits":
+        pytest.skip("this kernel's own mechanism is rlimits: the 'detected' run is this one")
+    if setup == "weakened":
+        monkeypatch.setenv("SMOLBENCH_TEST_WEAKEN", "branch-nproc")
+    with machine(tmp_path, "sandbox", f"pids = {PIDS}\n", before=RLIMITS if setup != "detected" else "") as nb:
+        status = stream_text(nb.run("%smol status"))
+        value(nb.run("%%smol\n" + BOMB + "'ready'"))
+        value(nb.run("%%smol fork 3 --keep all --quiet\npass"))
+        got: dict[str, str] = {}
+        nproc = "import resource\nresource.getrlimit(resource.RLIMIT_NPROC)"
+        for name, cell in (("root.0", "bomb('processes')"), ("root.1", "bomb('threads')"),
+                           ("root.2", "work()"), ("root", "work()")):
+            assert error_output(nb.run(f"%smol use {name}")) is None
+            got[name] = value(nb.run("%%smol\n" + cell))
+            got[name + " limit"] = value(nb.run("%%smol\n" + nproc))  # (soft, hard): what a cell may raise to
+        for name in ("root.0", "root.1"):
+            nb.run(f"%smol use {name}")
+            value(nb.run("%%smol\nreap()"))
+        assert "deleted" in stream_text(nb.run("%smol down"))
+        assert nb.processes() == []
+    if "rlimits" in status:
+        assert f"a branch's fork bomb stops at {PIDS}" in status, status
+        ceiling = _limits.nproc_ceiling(PIDS) if setup != "weakened" else PIDS
+        assert got["root.2 limit"] == f"({PIDS}, {PIDS})", got  # a branch's cell can't raise it
+        assert got["root limit"] == f"({min(PIDS * 4, ceiling)}, {ceiling})", got  # itself and 3 live branches
+    processes, threads = int(got["root.0"]), int(got["root.1"])
+    if setup == "weakened":  # the old set-up: the first bomb took the whole tree's count
+        assert threads < 8, got
+        assert "can't start new thread" in got["root.2"] and "can't start new thread" in got["root"], got
+        return
+    assert 40 <= processes < PIDS and 40 <= threads < PIDS, got  # each its own count, no more
+    assert got["root.2"] == "'ok'" and got["root"] == "'ok'", got
 
 
 # -- the process backend -------------------------------------------------------------------------

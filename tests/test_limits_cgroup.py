@@ -76,6 +76,19 @@ def test_rlimits_only_name_the_fallbacks() -> None:
     assert _limits.MachineLimits(MachineSpec(), [], 0, enforce=False).agent_args(32) == []
 
 
+def test_rlimits_give_a_sandbox_root_room_for_its_branches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: the kernel counts a branch's processes in its parent's user namespace too, so a
+    root machine's RLIMIT_NPROC has room for BRANCH_ROOM full branches; each branch gets pids."""
+    m = _limits.MachineLimits(MachineSpec(memory=256, pids=32), [], 0)
+    monkeypatch.setattr(_limits.resource, "getrlimit", lambda _: (_limits.resource.RLIM_INFINITY,) * 2)
+    assert _limits.nproc_ceiling(32) == 32 * (1 + _limits.BRANCH_ROOM)
+    assert m.agent_args(_limits.nproc_ceiling(32), 32)[2:] == ["--rlimit", f"NPROC={32 * 33}", "--pids", "32"]
+    monkeypatch.setattr(_limits.resource, "getrlimit", lambda _: (500, 1000))
+    assert _limits.nproc_ceiling(32) == 500  # within the kernel's own limit, which counts the sandbox
+    assert m.agent_args(_limits.nproc_ceiling(400), 400)[2:] == ["--rlimit", "NPROC=500", "--pids", "400"]
+    assert m.agent_args(_limits.nproc_ceiling(600), 600)[2:] == ["--rlimit", "NPROC=500", "--pids", "500"]
+
+
 @pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
 def test_v1_for_real_a_process_joins_and_is_killed_and_the_group_goes() -> None:
     limiter = _limits.Limiter()

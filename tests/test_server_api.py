@@ -302,7 +302,9 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
                    {"id": "ghost", "backend": "process", "pid": kpid, "pid_start": kstart}]}
         # a microVM (no host process to check): listed as unverified, not killable
         registry.write_atomic(folder / "kernel-vm.json", {**rec, "kernel_id": "vm", "backend": "smol", "machines": [
-            {"id": "root", "backend": "smol", "created": time.time(), "memory_mib": 2048, "pid": None}]})
+            {"id": "root", "backend": "smol", "created": time.time(), "memory_mib": 2048, "pid": None,
+             # a cluster machine's node, as data: capped, strings only, markup passed as text
+             "node": "f" * 200, "node_host": "<img src=x onerror=alert(1)>", "node_backend": 5, "node_lost": "yes"}]})
         registry.write_atomic(folder / "kernel-deadbeef-0000.json", rec)
         # a live kernel that is not this server's is none of its business
         registry.write_atomic(folder / "kernel-other.json", {**rec, "kernel_id": "other", "pid": os.getpid(),
@@ -314,6 +316,8 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
         assert [g["kernel_id"] for g in body["kernels"]] == ["deadbeef-0000", "vm"]
         vm = body["kernels"][1]["machines"][0]
         assert vm["orphaned"] and vm["unverified"] and not vm["killable"]
+        assert (vm["node"], vm["node_host"], vm["node_backend"], vm["node_lost"]) == (
+            "f" * 128, "<img src=x onerror=alert(1)>", None, False)
         code, reply = call("machines", "vm", "root", method="DELETE")
         assert code == 409 and reply["message"] == "root's backend published no host process, so it can't be killed from here"
         (folder / "kernel-vm.json").unlink()
@@ -323,6 +327,7 @@ def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: 
         assert group["orphaned"] and not group["kernel_alive"]
         assert [m["id"] for m in group["machines"]] == ["root", "root.0"]
         assert all(m["orphaned"] and m["killable"] for m in group["machines"])
+        assert all(m["node"] is None and m["node_host"] is None and not m["node_lost"] for m in group["machines"])
         assert group["machines"][0]["uptime_s"] >= 5 and group["machines"][0]["memory_mib"] == 1024
         assert body["machines"] == 0 and body["orphaned"] == 2
 

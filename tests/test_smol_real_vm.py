@@ -273,3 +273,73 @@ def test_a_registry_image_is_checkpointed_whole(nb: NotebookSession) -> None:
     while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
         time.sleep(1)
     assert local_machines() == [] and smol_vmm_processes() == []
+
+
+def test_a_portable_checkpoint_crosses_as_bytes_and_restores_as_a_branch_source(tmp_path: Path) -> None:
+    """The real SDK round trip a smol node's replica depends on (smolbench/cluster/agent.py, save /
+    fetch / restore): ``Machine.checkpoint`` into a chunk store, ``Machine.export_checkpoint`` to one
+    portable file, its bytes received elsewhere by content address (artifact.Store), restored with
+    ``Machine.restore_checkpoint`` and branched there with ``branch_batch``, each branch seeded and
+    still holding the parent's state. No Ray here: the same calls the node agents make, on one host."""
+    import asyncio
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.smol import SmolBackend
+    from smolbench.cluster import artifact
+    from smolbench.smolfile import parse_smolfile
+
+    image = os.environ.get("SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE")
+    if not image:
+        pytest.skip("no registry image here (SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE; the lane sets it): "
+                    "smol checkpoints only machines whose image came from a registry")
+    spec = parse_smolfile(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.0/8"]\n')
+
+    async def cell(backend: SmolBackend, ref: Any, code: str) -> str:
+        res = await backend.exec_cell(ref, CellRequest(code), lambda ev: None)
+        assert res.status == "ok", res.error
+        return res.stdout.strip()
+
+    async def go() -> dict[str, Any]:
+        backend = SmolBackend(probe=False, session="ship")
+        out: dict[str, Any] = {}
+        try:
+            t0 = time.monotonic()
+            parent = await backend.create(spec, "root")
+            await cell(backend, parent, "x = 40\nsquares = (i * i for i in range(10))\nnext(squares)")
+            out["boot"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            stored = tmp_path / "node-a" / "root.smolcheckpoint"
+            info = await backend.checkpoint(parent, str(stored))
+            assert not info.warnings, info.warnings  # a whole machine, not the workspace-only fallback
+            portable = tmp_path / "node-a" / "portable.smolcheckpoint"
+            Machine.export_checkpoint(str(stored), str(portable))
+            digest, size = artifact.Store(tmp_path / "node-a").add(portable)
+            out["capture"], out["size"] = time.monotonic() - t0, size
+            there = artifact.Store(tmp_path / "node-b")
+
+            async def chunks() -> Any:
+                for block in artifact.Store(tmp_path / "node-a").chunks(digest):
+                    yield block
+
+            assert await there.receive(digest, size, chunks(), "node a") == size
+            t0 = time.monotonic()
+            replica = await backend.restore(str(there.path(digest)), "replica", spec)
+            out["restore"] = time.monotonic() - t0
+            assert await cell(backend, replica, "print(x, next(squares))") == "40 1"  # RAM came along
+            t0 = time.monotonic()
+            kids = await backend.branch(replica, ["root.0", "root.1"], [5, 6])
+            out["branch"] = time.monotonic() - t0
+            out["kids"] = [await cell(backend, k, "import smolbench_guest\nprint(smolbench_guest.node, SEED, x, next(squares))")
+                           for k in kids]
+        finally:
+            await backend.close()
+        return out
+
+    got = asyncio.run(go())
+    print(f"\nportable checkpoint: {got['size']} bytes; boot {got['boot']:.1f} s, capture+export "
+          f"{got['capture']:.1f} s, restore {got['restore']:.1f} s, branch x2 {got['branch']:.1f} s")
+    assert got["kids"] == ["root.0 5 40 4", "root.1 6 40 4"]
+    deadline = time.monotonic() + 60
+    while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert local_machines() == [] and smol_vmm_processes() == []

@@ -20,6 +20,11 @@ export interface IMachine {
   orphaned: boolean;
   unverified: boolean;
   killable: boolean;
+  /** The Ray node of a cluster machine (null for a machine on the kernel's own host). */
+  node?: string | null;
+  node_host?: string | null;
+  node_backend?: string | null;
+  node_lost?: boolean;
 }
 
 export interface IKernelGroup {
@@ -101,6 +106,8 @@ export interface INode {
   error: string | null;
   output: string | null;
   metrics: Record<string, unknown>;
+  /** The Ray node it ran on (cluster runs), else null. */
+  host_node?: string | null;
 }
 
 export interface INodes {

@@ -1,6 +1,7 @@
 /**
  * The Machines section: one group per kernel (its notebook, kernel and backend on two
- * wrapped lines), one two-line row per machine (name, state; uptime, memory, Delete or Kill),
+ * wrapped lines), one two-line row per machine (name, state; uptime, memory, Delete or Kill;
+ * a third line on a cluster: its Ray node, that node's backend and host),
  * and the words for what changed between two snapshots (the active machine moved, a kernel
  * died) and for what a Delete takes with it.
  */
@@ -186,5 +187,27 @@ function renderMachine(group: IKernelGroup, m: IMachine, onDelete: DeleteMachine
     line2.appendChild(del);
   }
   row.appendChild(line2);
+  if (m.node) {
+    row.appendChild(whereLine(m));
+  }
   return row;
+}
+
+/** A cluster machine's node: its short id, backend kind and host (all text: a host name is data). */
+export function whereLine(m: IMachine): HTMLElement {
+  const node = m.node || '';
+  const kind = m.node_backend || '?';
+  const line = el('div', `sb-line sb-where${m.node_lost ? ' sb-where-lost' : ''}`, null, {
+    title: `Ray node ${node}\n${kind} backend` + (m.node_host ? `\nhost ${m.node_host}` : '') +
+      (m.node_lost ? '\nthis node was lost: the next cell or fork rebuilds the machine on another node' : '')
+  });
+  line.appendChild(el('span', 'sb-where-node', `node ${node.slice(0, 8)}`));
+  line.appendChild(el('span', 'sb-where-kind', kind));
+  if (m.node_lost) {
+    line.appendChild(el('span', 'sb-where-state', 'lost'));
+  }
+  if (m.node_host) {
+    line.appendChild(el('span', 'sb-where-host', m.node_host));
+  }
+  return line;
 }

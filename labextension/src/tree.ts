@@ -76,6 +76,9 @@ export class RunTree extends Widget {
       row.appendChild(el('span', `sb-status sb-st-${n.status ?? 'unknown'}`, n.status ?? '?'));
       row.appendChild(el('span', 'sb-num sb-reward', reward(n.reward)));
       row.appendChild(el('span', 'sb-alive', n.alive ? 'alive' : n.kept ? 'kept' : ''));
+      if (n.host_node) {
+        row.appendChild(el('span', 'sb-where-node', `@${n.host_node.slice(0, 8)}`, { title: `Ray node ${n.host_node}` }));
+      }
       row.addEventListener('click', () => {
         this.selected = n.id;
         this.render();
@@ -116,7 +119,8 @@ export class RunTree extends Widget {
       return;
     }
     const parts: HTMLElement[] = [
-      el('div', 'sb-tree-title', `${n.id} · ${n.status ?? '?'} · reward ${reward(n.reward)}${n.seed !== null ? ` · seed ${n.seed}` : ''}${n.started && n.ended ? ` · ${duration(n.ended - n.started)}` : ''}`)
+      el('div', 'sb-tree-title', `${n.id} · ${n.status ?? '?'} · reward ${reward(n.reward)}${n.seed !== null ? ` · seed ${n.seed}` : ''}${n.started && n.ended ? ` · ${duration(n.ended - n.started)}` : ''}` +
+        (n.host_node ? ` · node ${n.host_node.slice(0, 8)}` : ''))
     ];
     const metrics = Object.entries(n.metrics || {});
     if (metrics.length) {

@@ -60,8 +60,9 @@ class AgentHostBackend(Backend):
     nproc_per_machine = True  # RLIMIT_NPROC counts only this machine (its own user namespace)
 
     def _nproc(self, spec: MachineSpec) -> int:
-        """The RLIMIT_NPROC that caps a machine at ``spec.pids`` (used without a pids cgroup)."""
-        return spec.pids
+        """The RLIMIT_NPROC of a machine without a pids cgroup: ``spec.pids`` for itself and
+        room for its branches, which count in its user namespace too (``_limits.nproc_ceiling``)."""
+        return _limits.nproc_ceiling(spec.pids)
 
     @abc.abstractmethod
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
@@ -112,7 +113,7 @@ class AgentHostBackend(Backend):
         self._machines[name] = ref
         try:
             limits = self.limiter.machine(name, spec)
-            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec)))
+            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None))
             ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
             try:
                 with open(run_dir / "agent.log", "wb") as log:

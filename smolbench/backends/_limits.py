@@ -7,7 +7,11 @@ Mechanisms, best first (chosen once per kernel, shown by ``%smol status``):
 * ``cgroup v1`` where the ``memory`` and ``pids`` hierarchies are writable
   (root on hosts that mount the v1 controllers);
 * ``rlimits`` otherwise: ``RLIMIT_DATA`` per process and ``RLIMIT_NPROC``, which
-  new kernels count per user namespace, so inside a sandbox it caps the machine.
+  new kernels (5.14+) count per user namespace, so inside a sandbox it caps the machine.
+  They count a branch's processes in its parent's namespace too, against the limit the
+  branch's creator had at its unshare: a sandbox branch sets that to its parent's hard
+  limit, then its own to ``pids`` (``guest/contain.py``). So a root machine's hard limit
+  is ``nproc_ceiling``: its ``pids`` and room for ``BRANCH_ROOM`` full branches.
 
 Every machine (and every live branch, so one branch's runaway cell can't take
 its siblings or its parent down) gets its own cgroup under a group directory
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import time
 import uuid
@@ -46,6 +51,9 @@ CFS_PERIOD = 100_000  # µs
 KILL_TIMEOUT = 10.0
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
+# Under rlimits, how many full branches (each at its pids) a sandbox root machine's process
+# count has room for: past that many at once, they can stop each other and the root.
+BRANCH_ROOM = 32
 # A test switch (set it in the kernel before `%smol up`): machines then run unlimited, which
 # the limit tests use to show their probes do detect an overrun.
 ENFORCE = True
@@ -57,6 +65,17 @@ def format_mib(mib: int) -> str:
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def nproc_ceiling(pids: int) -> int:
+    """The hard RLIMIT_NPROC of a sandbox root machine under rlimits: its own ``pids`` and
+    ``pids`` for each of ``BRANCH_ROOM`` branches (the kernel counts theirs in the root's user
+    namespace too), within this kernel's own limit (the sandbox's count is checked against it)."""
+    cap = pids * (1 + BRANCH_ROOM)
+    for lim in resource.getrlimit(resource.RLIMIT_NPROC):
+        if lim != resource.RLIM_INFINITY:
+            cap = min(cap, lim)
+    return cap
 
 
 def thread_env(spec: MachineSpec) -> dict[str, str]:
@@ -188,14 +207,17 @@ class MachineLimits:
         join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
         return ["/bin/sh", "-c", join, "smolbench-limits", *[str(d / "cgroup.procs") for d in self.dirs], "--", *argv]
 
-    def agent_args(self, nproc: int) -> list[str]:
+    def agent_args(self, nproc: int, pids: int | None = None) -> list[str]:
         """Arguments for the guest agent: the rlimits it applies to itself before serving
-        (``nproc``: the RLIMIT_NPROC to use when there is no pids cgroup)."""
+        (``nproc``: the RLIMIT_NPROC to use when there is no pids cgroup; ``pids``: a contained
+        machine's own count below it, and each branch's)."""
         if not self.enforce:
             return []
         args = ["--rlimit", f"DATA={self.spec.memory * 1024 * 1024}"]
         if not self.dirs:  # no pids cgroup: the process cap falls to RLIMIT_NPROC
             args += ["--rlimit", f"NPROC={nproc}"]
+            if pids is not None:
+                args += ["--pids", str(min(pids, nproc))]
         return args
 
     def adopt(self, pids: list[int]) -> None:
@@ -303,9 +325,13 @@ class Limiter:
             cpu = f", {cpus} cpu{'s' if cpus != 1 else ''}" if "cpu" in self.mechanism.bases or self.version == 2 else ""
             return (f"{self.mechanism.name}: memory {mem}, {spec.pids} processes{cpu} per machine and per branch "
                     f"(a cell past the memory limit fails in one line; the machine lives on)")
-        procs = (f"{spec.pids} processes per machine, its branches included (RLIMIT_NPROC counts a branch in its "
-                 "parent's user namespace too: a branch's fork bomb can stop its parent's and siblings' cells)"
-                 if nproc_per_machine else
+        ceiling = nproc_ceiling(spec.pids)
+        own = min(spec.pids, ceiling)
+        procs = (f"{own} processes per branch, its own branches included; per root machine {own} plus {own} per live "
+                 f"branch, at most {ceiling} (RLIMIT_NPROC counts a branch in its parent too): a branch's fork bomb "
+                 f"stops at {own} and leaves its parent and siblings theirs, up to {(ceiling - own) // max(own, 1)} "
+                 f"full branches at once; a root cell that raises its own limit can take all {ceiling}, its branches' "
+                 f"room included" if nproc_per_machine else
                  f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
         files = ("; files in memory (tmpfs) are bounded by disk but not counted as memory, and a cell's own "
                  "tmpfs/ramfs mounts not at all" if nproc_per_machine else "")

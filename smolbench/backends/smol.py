@@ -181,6 +181,7 @@ class SmolBackend(Backend):
         self._machines: dict[str, MachineRef] = {}
         self._handles: dict[str, Machine] = {}
         self._serial = itertools.count(1)
+        self.extra_labels: dict[str, str] = {}  # a cluster node agent's folder (its leftovers are found by it)
 
     @property
     def isolation(self) -> str:
@@ -192,7 +193,7 @@ class SmolBackend(Backend):
     @property
     def labels(self) -> dict[str, str]:
         """Labels on every machine of this backend (``Machine.list(conn, labels)`` finds them)."""
-        return {"smolbench": "1", "smolbench-session": self.session}
+        return {"smolbench": "1", "smolbench-session": self.session, **self.extra_labels}
 
     # -- SDK calls off the loop ----------------------------------------------------------
 

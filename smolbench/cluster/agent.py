@@ -2,8 +2,10 @@
 
 It runs the node's own backend (sandbox or process here; smol where a node has working
 KVM) and only moves bytes: a cell's reply stream is yielded raw, chunk by chunk, to the
-driver, whose gate decodes it. Control replies (fork, seed) are checked by the same gate
-here, on trusted host code, and only plain names cross back. At start it sweeps run
+driver, whose gate decodes it. Checkpoints and smol parents' portable checkpoints are
+artifacts (artifact.py): kept by content address, fetched by another node or the driver
+as data, and kept there only when their size and hash are right. Control replies (fork,
+seed) are checked by the same gate here, on trusted host code, and only plain names cross back. At start it sweeps run
 folders of dead owners from its data folder (``SMOLBENCH_NODE_DIR``); its machines die
 with it (``--die-with-parent``), and Ray ends it when the driver (the kernel) dies.
 """
@@ -11,9 +13,13 @@ with it (``--die-with-parent``), and Ray ends it when the driver (the kernel) di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import sys
 import tempfile
+import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +28,12 @@ from ..backends import _rundir
 from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
 from ..spec import MachineSpec
+from . import artifact
+from .batch import DATA, END, FAIL, failure, frame, kind_of
 
 KINDS = ("sandbox", "process", "smol")
+BATCH_OPS = ("exec", "create", "delete")
+MESSAGE = 1024 * 1024  # frames ready together go back as one message of about this much at most
 
 
 def node_kind(resources: dict[str, float]) -> str:
@@ -34,18 +44,63 @@ def node_kind(resources: dict[str, float]) -> str:
     return "auto"
 
 
-def _make_backend(kind: str, data_dir: Path) -> Backend:
+FAKE_SMOL = "SMOLBENCH_TEST_FAKE_SMOL"  # tests only: the folder of tests/fakesmol.py, used in place of smol's engine
+
+
+def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[Backend, Any]:
+    """The node's backend, and (tests only) the fake smol engine behind it."""
     from ..backends.process import ProcessBackend
     from ..backends.sandbox import SandboxBackend, bwrap_path
 
     if kind == "auto":
         kind = "sandbox" if bwrap_path() else "process"
     if kind == "sandbox":
-        return SandboxBackend(runtime_dir=str(data_dir))
+        return SandboxBackend(runtime_dir=str(data_dir)), None
     if kind == "process":
-        return ProcessBackend(runtime_dir=str(data_dir))
-    raise SmolbenchError("smol nodes are not supported by this node agent yet: declare the node "
-                         "`smolbench_backend_sandbox` (or leave it auto)")
+        return ProcessBackend(runtime_dir=str(data_dir)), None
+    from ..backends import smol as smolmod
+
+    fake = None
+    if os.environ.get(FAKE_SMOL):  # a Ray worker can't be monkeypatched by the test that started it
+        sys.path.insert(0, os.environ[FAKE_SMOL])
+        import fakesmol
+
+        (own / "f").mkdir()
+        fake = fakesmol.FakeHost(own / "f")
+        smolmod.Machine = fake.cls  # type: ignore[misc]
+        smolmod.READY_TIMEOUT = 15.0
+    backend = smolmod.SmolBackend(target="local", probe=fake is None, session=f"{session}-{uuid.uuid4().hex[:4]}")
+    backend.extra_labels = {AGENT_LABEL: str(own)}
+    return backend, fake
+
+
+AGENT_LABEL = "smolbench-agent"  # on a smol node's machines: the folder of the agent that owns them
+
+
+def sweep_smol() -> list[str]:
+    """Delete smol machines whose node agent is gone (its folder's owner died), found by label;
+    branches before their parents. Returns their names."""
+    from ..backends import smol as smolmod
+
+    conn = smolmod.ConnectOptions(target="local")
+    try:
+        found = list(smolmod.Machine.list(conn, {"smolbench": "1"}))
+    except Exception:  # no engine here (yet): nothing of ours can be left
+        return []
+    # owner_alive is None for a folder this host doesn't have (a machine restored from another node's
+    # checkpoint may carry that node's label): only a recorded owner that is gone counts
+    left = [m.name for m in found
+            if AGENT_LABEL in (m.labels or {}) and _rundir.owner_alive(Path(m.labels[AGENT_LABEL])) is False]
+    gone: list[str] = []
+    for _ in range(8):  # smol refuses to delete a machine whose branches still exist: they go first
+        for name in list(left):
+            with contextlib.suppress(Exception):
+                smolmod.Machine.delete_by_name(name, conn)
+                gone.append(name)
+                left.remove(name)
+        if not left:
+            break
+    return gone
 
 
 class NodeAgent:
@@ -59,12 +114,28 @@ class NodeAgent:
         base = os.environ.get("SMOLBENCH_NODE_DIR") or str(Path(tempfile.gettempdir()) / f"smolbench-node-{self.node_id[:12]}")
         self.data_dir = Path(base)
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # leftovers of sessions whose agent died (kernel killed, node restarted): their run folders
+        # this agent's own folder (artifacts, smol captures), swept like a run folder once it is gone
+        self.own = _rundir.make(str(self.data_dir), prefix="smolbench-agent-")
+        self.backend, self._fake = _make_backend(kind, self.data_dir, session, self.own)
+        # leftovers of sessions whose agent died (kernel killed, node restarted): their microVMs (found
+        # by their agent's folder, so before those go), then their run folders
+        self.swept_machines = sweep_smol() if self.backend.name == "smol" else []
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
-        self.backend = _make_backend(kind, self.data_dir)
+        self.store = artifact.Store(self.own)
+        self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
+        self._captures: dict[str, str] = {}  # machine -> its last stored smol capture (chunks reused)
+        self._save_lock: asyncio.Lock | None = None
         self.refs: dict[str, MachineRef] = {}
         self.max_starts = max_starts
         self._starts: asyncio.Semaphore | None = None
+        # what `%smol status` shows: agent calls by kind, and how many machine requests they carried
+        self.calls: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()
+        self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+
+    def _count(self, op: str, requests: int = 1) -> None:
+        self.calls[op] += 1
+        self.requests[op] += requests
 
     def _gate(self) -> asyncio.Semaphore:
         if self._starts is None:  # made on the actor's own event loop
@@ -81,9 +152,69 @@ class NodeAgent:
         """What ``%smol status`` shows about this node."""
         return {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
                 "isolation": self.backend.isolation, "data_dir": str(self.data_dir), "live": sorted(self.refs),
-                "swept": list(self.swept)}
+                "swept": list(self.swept), "swept_machines": list(self.swept_machines), "calls": dict(self.calls),
+                "requests": dict(self.requests)}
+
+    async def run_batch(self, batch_id: str, op: str, items: list[tuple[str, Any]]) -> AsyncIterator[bytes]:
+        """Requests for many machines in one call (see batch.py): run side by side, their replies
+        framed by index and sent as they come; ``cancel_requests`` stops some of them."""
+        if op not in BATCH_OPS:
+            raise SmolbenchError(f"unknown batch request {op!r}: one of {', '.join(BATCH_OPS)}")
+        self._count(op, len(items))
+        out: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def one(i: int, name: str, arg: Any) -> None:
+            end = frame(i, END)
+            try:
+                if op == "exec":
+                    stream = self._transport()
+                    async with contextlib.aclosing(stream(self._ref(name), arg)) as chunks:
+                        async for chunk in chunks:
+                            out.put_nowait(frame(i, DATA, bytes(chunk)))
+                elif op == "create":
+                    await self._create(arg, name)
+                else:
+                    await self._delete([name])
+            except BaseException as exc:
+                end = frame(i, FAIL, failure(exc))
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                out.put_nowait(end)
+
+        tasks: dict[int, asyncio.Future[None]] = {i: asyncio.ensure_future(one(i, name, arg)) for i, (name, arg) in enumerate(items)}
+        self._batches[batch_id] = tasks
+        try:
+            left = len(items)
+            while left:
+                ready = [await out.get()]
+                while not out.empty() and sum(map(len, ready)) < MESSAGE:
+                    ready.append(out.get_nowait())
+                left -= sum(1 for f in ready if kind_of(f) != DATA)
+                yield b"".join(ready)
+        finally:
+            self._batches.pop(batch_id, None)
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    async def cancel_requests(self, batch_id: str, indices: list[int]) -> None:
+        """Stop some requests of a running batch (their callers left: Ctrl-C, a timeout)."""
+        tasks = self._batches.get(batch_id, {})
+        for i in indices:
+            if i in tasks:
+                tasks[i].cancel()
+
+    def _transport(self) -> Any:
+        """The backend's raw request transport: agent-host backends' socket, smol's relay through client.py."""
+        return getattr(self.backend, "_stream", None) or getattr(self.backend, "_relay")  # noqa: B009
 
     async def create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
+        """Boot one machine."""
+        self._count("create")
+        return await self._create(spec, name)
+
+    async def _create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
         """Boot one machine (at most ``max_starts`` boot at once on this node)."""
         async with self._gate():
             ref = await self.backend.create(spec, name)
@@ -92,6 +223,7 @@ class NodeAgent:
 
     async def branch(self, parent: str, names: list[str], seeds: list[int | None]) -> list[str]:
         """Live copy-on-write branches of a machine on this node: one batch, one fork."""
+        self._count("branch", len(names))
         async with self._gate():
             refs = await self.backend.branch(self._ref(parent), names, seeds)
         for ref in refs:
@@ -100,13 +232,15 @@ class NodeAgent:
 
     async def stream(self, name: str, msg: dict[str, Any]) -> AsyncIterator[bytes]:
         """One request to a machine; its raw reply bytes, as they come (the driver's gate decodes them)."""
+        self._count("exec")
         ref = self._ref(name)
-        stream = getattr(self.backend, "_stream")  # noqa: B009 - the agent-host backends' raw transport
+        stream = self._transport()
         async for chunk in stream(ref, msg):
             yield bytes(chunk)
 
     async def control(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
         """A control request (seed, interrupt), checked by the gate on this node; plain data back."""
+        self._count("control")
         if msg.get("op") == "interrupt":
             await self.backend.interrupt(self._ref(name))
             return {"status": "ok"}
@@ -116,6 +250,10 @@ class NodeAgent:
 
     async def delete(self, names: list[str]) -> int:
         """Delete machines (and their branches); unknown names are not an error."""
+        self._count("delete", len(names))
+        return await self._delete(names)
+
+    async def _delete(self, names: list[str]) -> int:
         count = 0
         for name in names:
             ref = self.refs.pop(name, None)
@@ -129,6 +267,123 @@ class NodeAgent:
     async def close(self) -> int:
         """Delete every machine on this node."""
         n = len(self.refs)
-        await self.backend.close()
-        self.refs.clear()
+        try:
+            await self.backend.close()
+        finally:
+            self.refs.clear()
+            if self._fake is not None:
+                self._fake.cleanup()
+            _rmtree(self.own)
         return n
+
+    # -- artifacts: checkpoints that cross the cluster as data ---------------------------
+
+    async def save(self, name: str) -> dict[str, Any]:
+        """Checkpoint a machine here into the store: its content address, size, format and warnings.
+
+        A smol checkpoint is captured into this node's chunk store (``Machine.checkpoint``: a
+        machine's next capture reuses its unchanged chunks), then exported as one portable file
+        (``Machine.export_checkpoint``) that any smol node restores."""
+        ref = self._ref(name)
+        captures = self.own / "captures"  # the smol chunk store lives here too (captures/store)
+        captures.mkdir(mode=0o700, exist_ok=True)
+        async with self._saving():
+            path = str(captures / f"{uuid.uuid4().hex[:12]}.smolcheckpoint")
+            out = path[: -len(".smolcheckpoint")] + ".portable.smolcheckpoint"
+            try:
+                info = await self.backend.checkpoint(ref, path)
+                fmt = _format(self.backend.name, path)
+                if fmt == "smol":
+                    from ..backends import smol as smolmod
+
+                    sdk = getattr(self.backend, "_sdk")  # noqa: B009 - SDK errors as one line
+                    await sdk(smolmod.Machine.export_checkpoint, path, out)
+                    old, self._captures[name] = self._captures.get(name), path
+                    if old:  # the chunks the new capture shares stay; the rest go
+                        _unlink(old)
+                        await sdk(smolmod.Machine.prune_checkpoint_store, str(captures / "store"))
+                    path = out
+                digest, size = await asyncio.to_thread(self.store.add, path)
+            except BaseException:
+                if self._captures.get(name) != path:
+                    _unlink(path)
+                _unlink(out)
+                raise
+        return {"digest": digest, "size": size, "format": fmt, "warnings": list(info.warnings),
+                "backend": self.backend.name}
+
+    def _saving(self) -> asyncio.Lock:
+        if self._save_lock is None:  # one capture at a time: pruning must not race a capture
+            self._save_lock = asyncio.Lock()
+        return self._save_lock
+
+    async def export(self, name: str, state: str) -> dict[str, Any]:
+        """A portable checkpoint of a warm parent, made once per parent state (``state``)."""
+        key = (name, state)
+        if key not in self.exports or not self.store.has(self.exports[key]["digest"]):
+            for old in [k for k in self.exports if k[0] == name]:
+                self.store.drop(self.exports.pop(old)["digest"])
+            self.exports[key] = await self.save(name)
+        return self.exports[key]
+
+    async def chunks(self, digest: str) -> AsyncIterator[bytes]:
+        """An artifact's bytes (a Ray streaming generator: another node or the driver fetches it)."""
+        if not self.store.has(digest):
+            raise SmolbenchError(f"node {self.node_id[:8]} no longer has artifact {digest[:12]}…")
+        for block in self.store.chunks(digest):
+            yield block
+
+    async def fetch(self, source: Any, digest: str, size: int, where: str) -> int:
+        """Fetch an artifact from another node's agent once; the bytes received (0: had it)."""
+        async def stream() -> AsyncIterator[object]:
+            async for ref in source.chunks.remote(digest):
+                yield await ref
+
+        return await self.store.receive(digest, size, stream(), where)
+
+    async def receive(self, digest: str, size: int, blocks: list[Any]) -> int:
+        """An artifact the driver put in the object store (a checkpoint to restore here), one
+        object per chunk; kept if its size and hash are right."""
+        async def stream() -> AsyncIterator[object]:
+            for ref in blocks:
+                yield await ref
+
+        return await self.store.receive(digest, size, stream(), "the driver")
+
+    async def restore(self, digest: str, name: str, spec: MachineSpec) -> dict[str, Any]:
+        """A machine from an artifact in the store (checked by this node's backend's restore)."""
+        path = str(self.store.path(digest))
+        if not self.store.has(digest):
+            raise SmolbenchError(f"node {self.node_id[:8]} has no artifact {digest[:12]}…: fetch it first")
+        async with self._gate():
+            ref = await self.backend.restore(path, name, spec)
+        self.refs[name] = ref
+        return {"node": self.node_id, "backend": self.backend.name,
+                "warnings": list(ref.info.get("restore_warnings") or [])}
+
+    async def forget(self, digest: str) -> None:
+        """Drop an artifact this node no longer needs."""
+        self.store.drop(digest)
+        for key in [k for k, v in self.exports.items() if v["digest"] == digest]:
+            self.exports.pop(key, None)
+
+
+def _format(backend: str, path: str) -> str:
+    """What kind of checkpoint a backend wrote: ``agenthost`` (sandbox, process), ``smol-state``
+    (a smol machine's workspace and namespace) or ``smol`` (a whole microVM)."""
+    if backend != "smol":
+        return "agenthost"
+    from ..backends.smol_state import is_state
+
+    return "smol-state" if is_state(path) else "smol"
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -16,7 +16,7 @@ import builtins
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,9 @@ from ..backends._wire import exec_message
 from ..backends.base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from ..errors import InfraError, SmolbenchError
 from ..spec import MachineSpec
-from . import SLOTS, address, placement
+from . import SLOTS, address, placement, shipping
 from .agent import NodeAgent, node_kind
+from .batch import Batcher
 from .replica import FINGERPRINT_CODE, Recipe
 
 
@@ -41,6 +42,8 @@ class Replica:
     seconds: float
     children: set[str] = field(default_factory=set)
     stale: bool = False
+    how: str = "replay"  # or "checkpoint": a smol parent's portable checkpoint, restored there
+    digest: str = ""  # the checkpoint's content address (how == "checkpoint")
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Node:
     host: str = ""
     live: set[str] = field(default_factory=set)
     lost: bool = False
+    calls: dict[str, int] = field(default_factory=dict)  # the agent's calls by kind (as of the last status)
+    requests: dict[str, int] = field(default_factory=dict)  # ... and the machine requests they carried
 
 
 def _short(node_id: str) -> str:
@@ -65,7 +70,8 @@ class ClusterBackend(Backend):
 
     name = "cluster"
 
-    def __init__(self, ray_address: str | None = None, *, session: str | None = None, max_starts: int = 2) -> None:
+    def __init__(self, ray_address: str | None = None, *, session: str | None = None, max_starts: int = 2,
+                 batching: bool = True) -> None:
         self.address = address.resolve(ray_address)
         self.session = session or uuid.uuid4().hex[:8]
         self.max_starts = max_starts
@@ -78,6 +84,8 @@ class ClusterBackend(Backend):
         self.notes: list[str] = []
         self.bytes_in = 0
         self._looked = 0.0
+        self._batchers: dict[tuple[str, str], Batcher] = {}
+        self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
     # -- joining ----------------------------------------------------------------------
 
@@ -116,20 +124,34 @@ class ClusterBackend(Backend):
     def _described(self, d: dict[str, Any]) -> None:
         node = self.nodes[d["node"]]
         node.backend, node.host = d["backend"], d["host"]
+        node.calls, node.requests = dict(d.get("calls", {})), dict(d.get("requests", {}))
         if d["swept"]:
             self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
+        if d.get("swept_machines"):
+            self.notes.append(f"node {_short(node.id)} deleted {len(d['swept_machines'])} leftover microVM(s) of "
+                              "dead sessions")
 
     async def refresh(self, every: float = 5.0) -> None:
-        """Nodes that joined since we looked get an agent (at most every ``every`` seconds)."""
+        """Nodes that joined since we looked get an agent (at most every ``every`` seconds; a fork
+        and ``%smol status`` look every time, so a node added by then is used and listed)."""
         if time.monotonic() - self._looked < every:
             return
         new = await asyncio.to_thread(self._new_agents)
-        for node in new:
-            try:
-                self._described(await self._call(node, node.agent.describe.remote()))
-            except SmolbenchError as exc:
+        await asyncio.gather(*(self._describe(node, joined=True) for node in new))
+
+    async def _describe(self, node: Node, joined: bool = False) -> None:
+        try:
+            self._described(await self._call(node, node.agent.describe.remote()))
+        except SmolbenchError as exc:  # a lost node is marked lost by _call
+            if joined:
                 self._lose(node)
                 self.notes.append(f"node {_short(node.id)} has no agent: {exc}")
+
+    async def poll(self, timeout: float = 30.0) -> None:
+        """Before ``%smol status``: agents for new nodes, every agent's counts, lost nodes found."""
+        await self.refresh(every=0)
+        with contextlib.suppress(asyncio.TimeoutError):  # a node that doesn't answer is shown as it was
+            await asyncio.wait_for(asyncio.gather(*(self._describe(n) for n in self._alive())), timeout)
 
     def _alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if not n.lost and n.backend != "starting"]
@@ -187,6 +209,25 @@ class ClusterBackend(Backend):
         node.live.add(name)
         return ref
 
+    def _batcher(self, node: Node, op: str) -> Batcher:
+        """Requests of kind ``op`` to ``node`` made in the same moment go as one agent call (batch.py)."""
+        key = (node.id, op)
+        if key not in self._batchers:
+            def start(batch_id: str, items: builtins.list[tuple[str, Any]]) -> Any:
+                return node.agent.run_batch.remote(batch_id, op, items)
+
+            def cancel(batch_id: str, indices: builtins.list[int]) -> None:
+                node.agent.cancel_requests.remote(batch_id, indices)
+
+            async def call(ref: Any) -> Any:
+                return await self._call(node, ref)
+
+            def count(n: int) -> None:
+                self.bytes_in += n
+
+            self._batchers[key] = Batcher(start, call, cancel, count, batching=self.batching)
+        return self._batchers[key]
+
     # -- the Backend protocol -------------------------------------------------------------
 
     async def create(self, spec: MachineSpec, name: str, node_id: str | None = None) -> MachineRef:
@@ -198,35 +239,16 @@ class ClusterBackend(Backend):
         node = self.nodes[node_id or placement.least_loaded(free)]
         node.live.add(name)  # counted while it boots
         try:
-            await self._call(node, node.agent.create.remote(spec, name))
+            await self._batcher(node, "create").submit(name, spec).result()
         except BaseException:
             node.live.discard(name)
             raise
         return self._adopt(node, name, spec, None)
 
-    async def _chunks(self, node: Node, gen: Any) -> AsyncGenerator[bytes, None]:
-        import ray
-
-        it = gen.__aiter__()
-        try:
-            while True:
-                try:
-                    ref = await self._call(node, it.__anext__())
-                except StopAsyncIteration:
-                    return
-                chunk = await self._call(node, ref)
-                if not isinstance(chunk, bytes):
-                    raise SmolbenchError(f"node {_short(node.id)}'s agent sent {type(chunk).__name__}, not bytes")
-                self.bytes_in += len(chunk)
-                yield chunk
-        finally:
-            with contextlib.suppress(Exception):
-                ray.cancel(gen)
-
     async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
         node = self._node_of(machine)
-        gen = node.agent.stream.remote(machine.name, exec_message(request))
-        async with contextlib.aclosing(self._chunks(node, gen)) as chunks:
+        item = self._batcher(node, "exec").submit(machine.name, exec_message(request))
+        async with contextlib.aclosing(item.chunks()) as chunks:
             return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
@@ -245,7 +267,7 @@ class ClusterBackend(Backend):
             node.live.discard(ref.name)
             if not node.lost:
                 with contextlib.suppress(SmolbenchError):
-                    await self._call(node, node.agent.delete.remote([ref.name]))
+                    await self._batcher(node, "delete").submit(ref.name, None).result()
         for key, rep in list(self.replicas.items()):
             rep.children.discard(ref.name)
             if key[0] == ref.name:  # the parent went: so does every replica of it
@@ -253,6 +275,10 @@ class ClusterBackend(Backend):
             if rep.stale and not rep.children:
                 self.replicas.pop(key, None)
                 await self.delete(rep.ref)
+                where = self.nodes.get(key[1])
+                if rep.digest and where is not None and not where.lost:
+                    with contextlib.suppress(SmolbenchError):
+                        await self._call(where, where.agent.forget.remote(rep.digest))
 
     def list(self) -> builtins.list[MachineRef]:
         return [m for m in self._machines.values() if not m.info.get("replica")]
@@ -265,16 +291,23 @@ class ClusterBackend(Backend):
                 await self.delete(ref)
         self.replicas.clear()
         for node in self.nodes.values():  # the agents go too: a later `%smol up --ray` starts its own
+            if not node.lost:
+                with contextlib.suppress(Exception):  # its own folder (artifacts) goes with it
+                    await asyncio.wait_for(self._call(node, node.agent.close.remote()), 60)
             with contextlib.suppress(Exception):
                 ray.kill(node.agent)
         self.nodes.clear()
+        self._batchers.clear()
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
-        raise SmolbenchError("checkpoints of cluster machines are not supported yet: a cluster fork's replica is "
-                             "its recorded path; `%smol up` without --ray to save checkpoints")
+        """Saved on the machine's node, brought here as data and checked (shipping.save)."""
+        return await shipping.save(self, machine, path)
 
     async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        raise SmolbenchError("restoring a checkpoint onto a cluster is not supported yet: `%smol up` without --ray")
+        """Checked here, sent to a node whose backend restores it (shipping.restore)."""
+        if name in self._machines:
+            raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` it or pick another name")
+        return await shipping.restore(self, path, name, spec)
 
     # -- forks across nodes ---------------------------------------------------------------
 
@@ -282,13 +315,14 @@ class ClusterBackend(Backend):
                      seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
         """One batch per node: the parent's node branches the parent, the others a replica of it."""
         home = self._node_of(machine)
-        await self.refresh()
+        await self.refresh(every=0)  # a node added since the last fork takes part in this one
         free = self.free()
         plan = placement.split(len(names), free, prefer=home.id)
         made: builtins.list[MachineRef] = []
         if any(n != home.id for n in plan):
             try:  # before the parent forks: one request at a time reaches a machine
                 await self._parent_fingerprint(machine)
+                await self._parent_export(machine, home, [self.nodes[n] for n in plan if n != home.id])
             except SmolbenchError as exc:
                 self.notes.append(f"all {len(names)} branches ran on {_short(home.id)}: {exc}")
                 plan = {home.id: range(len(names))}
@@ -344,45 +378,98 @@ class ClusterBackend(Backend):
             self._fingerprints[key] = await self.fingerprint(parent)
         return self._fingerprints[key]
 
+    async def _parent_export(self, parent: MachineRef, home: Node, nodes: builtins.list[Node]) -> None:
+        """A smol parent's portable checkpoint, once per state, if a smol node needs a new replica."""
+        key = self.recipe_for(parent.name).key if self.recipe_for is not None else None
+        if key is not None and any(shipping.by_checkpoint(home, n) and getattr(
+                self.replicas.get((parent.name, n.id)), "key", None) != key for n in nodes):
+            await shipping.export(self, parent, key)
+
     async def _replica(self, parent: MachineRef, node: Node) -> Replica:
         """The warm parent on ``node``: cached while the parent's state is unchanged, else replayed."""
         if self.recipe_for is None:
             raise SmolbenchError("no recorded path to replay (this backend is driven without a Workbench)")
         recipe = self.recipe_for(parent.name)
         have = self.replicas.get((parent.name, node.id))
-        if have is not None and have.key == recipe.key and not node.lost:
+        if have is not None and have.key == recipe.key and not have.stale and not node.lost:
             return have
         if have is not None:  # the parent ran another cell: the old copy is no good for new branches
             have.stale = True
             if not have.children:
                 self.replicas.pop((parent.name, node.id), None)
                 await self.delete(have.ref)
+                if have.digest and not node.lost:  # a restored microVM may still read its checkpoint
+                    with contextlib.suppress(SmolbenchError):
+                        await self._call(node, node.agent.forget.remote(have.digest))
+        if shipping.by_checkpoint(self._node_of(parent), node):
+            made = await shipping.smol_replica(self, parent, node, recipe.key, await self._parent_fingerprint(parent))
+            rep = Replica(key=recipe.key, how="checkpoint", **made)
+            self.replicas[(parent.name, node.id)] = rep
+            self.on_replica(parent.name, node.id, rep)
+            return rep
         if recipe.pushed:
             raise SmolbenchError(f"cells of {', '.join(sorted(set(recipe.pushed)))} used --push, whose values are "
                                  "not recorded, so the parent can't be replayed on another node")
         want = await self._parent_fingerprint(parent)
         t0 = time.perf_counter()
         name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
-        ref = await self.create(parent.spec, name, node_id=node.id)
-        ref.info["replica"] = True
+        ref, got = await self.replay(recipe, parent.spec, name, node.id, replica=True)
+        if got != want:
+            await self.delete(ref)
+            raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
+                                 f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
+                                 "files from outside, --push)")
+        rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
+        self.replicas[(parent.name, node.id)] = rep
+        self.on_replica(parent.name, node.id, rep)
+        return rep
+
+    async def replay(self, recipe: Recipe, spec: MachineSpec, name: str, node_id: str | None = None,
+                     **info: Any) -> tuple[MachineRef, str]:
+        """A new machine ``name`` rebuilt from ``recipe`` (on ``node_id``, else the least loaded
+        live node) and its state fingerprint; nothing is left behind when it fails."""
+        ref = await self.create(spec, name, node_id=node_id)
+        ref.info.update(info)
+        node = self.nodes[ref.info["node"]]
         try:
             for step in recipe.steps:
                 if step[0] == "seed":
                     await self._call(node, node.agent.control.remote(name, {"op": "seed", "seed": step[1], "name": name}))
                     continue
                 await self.exec_cell(ref, CellRequest(step[1], seed=step[2], cell_name="<replay>"), lambda ev: None)
-            got = await self.fingerprint(ref)
-            if got != want:
-                raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
-                                     f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
-                                     "files from outside, --push)")
+            return ref, await self.fingerprint(ref)
         except BaseException:
             await self.delete(ref)
             raise
-        rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
-        self.replicas[(parent.name, node.id)] = rep
-        self.on_replica(parent.name, node.id, rep)
-        return rep
+
+    # -- a machine lost with its node (recover.py rebuilds it) -------------------------------
+
+    async def lost_node(self, machine: MachineRef) -> str | None:
+        """The node ``machine`` was lost with, or None while it lives (asks the node's agent)."""
+        node = self.nodes.get(machine.info.get("node", ""))
+        if node is None:
+            return None
+        if not node.lost:
+            await self._describe(node)  # a lost node is marked lost
+        return node.id if node.lost else None
+
+    async def remember_state(self, machine: MachineRef) -> str:
+        """Take (once per state) the fingerprint a rebuild of ``machine`` is checked against."""
+        return await self._parent_fingerprint(machine)
+
+    def known_fingerprint(self, key: tuple[str, int]) -> str | None:
+        """The fingerprint taken of a machine's state ``key`` (node, cells run), if any was."""
+        return self._fingerprints.get(key)
+
+    async def restate(self, name: str, key: tuple[str, int], fingerprint: str) -> None:
+        """``name`` was rebuilt with state ``fingerprint``: replicas of another state go."""
+        self._fingerprints[key] = fingerprint
+        for (parent, node_id), rep in list(self.replicas.items()):
+            if parent == name and rep.fingerprint != fingerprint:
+                rep.stale = True
+                if not rep.children:
+                    self.replicas.pop((parent, node_id), None)
+                    await self.delete(rep.ref)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -392,9 +479,31 @@ class ClusterBackend(Backend):
         for n in self.nodes.values():
             live = sorted(m for m in n.live if not self._machines.get(m, MachineRef(m, "", MachineSpec())).info.get("replica"))
             reps = [(k[0], r) for k, r in self.replicas.items() if k[1] == n.id]
-            rep_text = "; ".join(f"replica of {p} ({r.bytes_shipped} B shipped, {r.seconds:.2f} s, fingerprint "
+            rep_text = "; ".join(f"replica of {p} ({r.bytes_shipped} B shipped"
+                                 f"{' as a portable checkpoint' if r.how == 'checkpoint' else ''}, {r.seconds:.2f} s, fingerprint "
                                  f"{r.fingerprint}{', stale' if r.stale else ''})" for p, r in reps)
             shown = ", ".join(live[:8]) + (f", … {len(live) - 8} more" if len(live) > 8 else "")
             lines.append(f"{_short(n.id)} {n.host} {n.backend}: {'LOST' if n.lost else 'up'}, {n.slots} slots, "
-                         f"{len(live)} live ({shown or 'none'})" + (f"; {rep_text}" if rep_text else ""))
+                         f"{len(live)} live ({shown or 'none'})" + (f"; {rep_text}" if rep_text else "")
+                         + (f"; agent {_calls_text(n)}" if n.calls else ""))
         return lines
+
+
+    def where(self, node_id: str | None) -> dict[str, Any] | None:
+        """The node a machine runs on, for views: id, host, backend kind, lost (None: unknown)."""
+        n = self.nodes.get(node_id or "")
+        if n is None:
+            return None
+        return {"node": n.id, "host": n.host, "backend": n.backend, "lost": n.lost}
+
+CALL_KINDS = {"exec": "cells", "branch": "branches", "create": "boots", "delete": "deletes"}
+
+
+def _calls_text(node: Node) -> str:
+    """How many machine requests the node's agent took in how many calls (batching, visible)."""
+    parts = []
+    for kind, label in CALL_KINDS.items():
+        calls = node.calls.get(kind, 0)
+        if calls:
+            parts.append(f"{node.requests.get(kind, 0)} {label} in {calls} call{'s' if calls != 1 else ''}")
+    return ", ".join(parts) or "idle"

@@ -81,7 +81,7 @@ class LocalCluster:
     """``nodes`` Ray nodes on this host; ``address`` is what ``%smol up --ray`` takes."""
 
     def __init__(self, nodes: int = 3, *, slots: int = 8, cpus: int = 1, backends: list[str] | None = None,
-                 base: str | None = None) -> None:
+                 base: str | None = None, env: dict[str, str] | None = None) -> None:
         if not 1 <= nodes <= 16:
             raise SmolbenchError(f"--nodes must be from 1 to 16 on one host, got {nodes}")
         if not 1 <= slots <= 256:
@@ -101,6 +101,7 @@ class LocalCluster:
         (self.dir / "ray").mkdir()
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
+        self.env = dict(env or {})  # more environment for every node's processes (tests: a fake smol engine)
         self._cluster: Any = None
         atexit.register(self.stop)  # a kernel that exits (or is shut down) mid-notebook still cleans up
         try:
@@ -126,7 +127,7 @@ class LocalCluster:
         if backend != "auto":
             resources[f"smolbench_backend_{backend}"] = 1.0
         node = _again(lambda: self._cluster.add_node(num_cpus=cpus, resources=resources, object_store_memory=OBJECT_STORE,
-                                                     env_vars={"SMOLBENCH_NODE_DIR": str(folder)}))
+                                                     env_vars={**self.env, "SMOLBENCH_NODE_DIR": str(folder)}))
         self.node_dirs.append(folder)
         self.nodes.append(node)
         return node

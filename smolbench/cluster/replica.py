@@ -3,7 +3,7 @@
 The path is what the ledger recorded: the Smolfile's init commands, then each machine's
 cells from the root down (a branch's seed applied where it was forked). The fingerprint
 hashes the names, types and reprs of a namespace's public variables (memory addresses
-blanked; not ``random``'s state, which every branch seeds anew); parent and replica must agree,
+blanked; not ``random``'s state nor ``SEED``, which every branch sets anew); parent and replica must agree,
 or the replica is not used and its branches run on the parent's node.
 """
 
@@ -20,7 +20,7 @@ def _smolbench_fingerprint():
     h = hashlib.sha256()
     g = globals()
     for k in sorted(g):
-        if k.startswith('_') or k in ('In', 'Out', 'exit', 'quit', 'get_ipython'):
+        if k.startswith('_') or k in ('In', 'Out', 'exit', 'quit', 'get_ipython', 'SEED'):
             continue
         v = g[k]
         if isinstance(v, (types.ModuleType, types.FunctionType, type)):
@@ -57,7 +57,8 @@ def recipe(wb: Any, node_id: str) -> Recipe:
 
     path = wb.tree.path(node_id)
     root = path[0]
-    if root.checkpoint or not (root.id == "root" or root.id.startswith(("fresh", "ep"))):
+    # a restored root (r1-NAME) has no recorded path; a root that was only checkpointed still has one
+    if not (root.id == "root" or root.id.startswith(("fresh", "ep"))):
         raise SmolbenchError(f"{node_id} starts from {root.id}, which has no recorded path (a restored checkpoint): "
                              "it can only be forked on its own node")
     out = Recipe(node_id, (node_id, wb.tree[node_id].cells))

@@ -239,6 +239,8 @@ class Agent:
         self.machine = None  # contain.Machine when contained (sandbox backend)
         self.cell_count = 0
         self.children = {}  # pid -> name, for reaping
+        self._forking = 0  # branches being forked now (they count in our RLIMIT_NPROC already)
+        self._nproc_lock = threading.Lock()
         self.reported = {}
         self._conn = None  # connection of the running request
         self._send_lock = threading.Lock()
@@ -301,6 +303,7 @@ class Agent:
             rounds += 1
             if self.machine is not None and rounds % 5 == 0:
                 contain.reap_orphaned_branches()
+            gone = False
             for pid in list(self.children):
                 try:
                     done, _ = os.waitpid(pid, os.WNOHANG)
@@ -308,7 +311,20 @@ class Agent:
                     done = pid
                 if done:
                     self.children.pop(pid, None)
+                    gone = True
+            if gone:
+                self._nproc_room(0)
             time.sleep(0.2)
+
+    def _nproc_room(self, forking):
+        """Under RLIMIT_NPROC (no pids cgroup), our soft limit has room for our own processes
+        and for each live branch's, which the kernel counts here too (``contain.share_nproc``)."""
+        nproc = getattr(self.machine, "nproc", None)
+        if not nproc:
+            return
+        with self._nproc_lock:
+            self._forking += forking
+            contain.share_nproc(nproc, max(0, len(self.children) + self._forking))
 
     def _handle(self, conn):
         try:
@@ -586,6 +602,16 @@ class Agent:
                 os.close(frozen["view"])
 
     def _fork_children(self, req, frozen):
+        n, done = len(req["children"]), None
+        self._nproc_room(n)
+        try:
+            done = self._fork_each(req, frozen)
+            return done
+        finally:
+            if done != "child":  # a new branch returns through here too, with a count of its own
+                self._nproc_room(-n)
+
+    def _fork_each(self, req, frozen):
         made = []
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
@@ -624,6 +650,7 @@ class Agent:
         self.listener = listener
         self.sock_path = child["socket"]
         self.children = {}
+        self._forking, self._nproc_lock = 0, threading.Lock()  # the parent's may be held right now
         self._busy = threading.Lock()
         self._send_lock = threading.Lock()
         self.outbox = _Outbox(self)
@@ -1032,10 +1059,16 @@ def main(argv=None):
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
     ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
-    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers)")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
+    ap.add_argument("--pids", type=int, default=None,
+                    help="contained, with RLIMIT_NPROC as the process cap: the machine's own count (and each branch's)")
     args = ap.parse_args(argv)
-    _apply_rlimits(args.rlimit)
+    weak = [w for w in args.weaken.split(",") if w]
+    rlimits = list(args.rlimit)
+    if args.pids and ("branch-nproc" in weak or not args.contain):  # no room for branches (tests: the old set-up)
+        rlimits = [r for r in rlimits if not r.startswith("NPROC=")] + ["NPROC=%d" % args.pids]
+    _apply_rlimits(rlimits)
     if args.lib:
         sys.path.append(args.lib)
     if args.workdir:
@@ -1051,12 +1084,12 @@ def main(argv=None):
         contain = _load_protocol("contain")
         if "net-caps" in args.weaken:  # tests only: keep CAP_NET_ADMIN and CAP_NET_RAW in the machine's netns
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
-        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep,
-                                     weak=[w for w in args.weaken.split(",") if w])
+        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids)
     watch_connects()
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
     agent.machine = machine
+    agent._nproc_room(0)  # the root's hard limit has room for its branches; its soft, for itself
     if args.ready:
         with open(args.ready, "w") as fh:
             fh.write(str(os.getpid()))

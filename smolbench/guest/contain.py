@@ -20,12 +20,23 @@ what lies under each overlay are covered by empty read-only mounts, so cells nev
 see a layer (issue 17). Fork cost does not depend on how much is stored.
 Where overlayfs can't be mounted, a branch copies its parent's files instead, and
 says so in ``info()``.
+
+Processes, where no pids cgroup counts them (a user kernel): ``RLIMIT_NPROC``. The kernel
+counts a task in its own user namespace and again in every one above it, and checks each
+ancestor's count against the soft limit the namespace's creator had when it called
+unshare. A branch counts in its parent's machine, so it raises its soft limit to the hard
+one just before its unshare (its parent's count keeps room above it for the parent and
+its siblings) and lowers both to its own ``pids`` right after, before anything else runs
+in it: its fork bomb stops at ``pids``, all it can add to its parent's count. The root's
+hard limit is that room (``_limits.nproc_ceiling``); its soft limit is its ``pids`` plus
+``pids`` per live branch (:func:`share_nproc`).
 """
 
 import array
 import ctypes
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -99,19 +110,36 @@ def set_pdeathsig():
 # -- namespaces and privileges ------------------------------------------------------
 
 
-def new_namespaces(net):
+def new_namespaces(net, nproc=None):
     """Enter a new user, mount, pid and IPC namespace (and net unless ``net``), mapping
     this uid and gid to themselves: not root inside, so an exec never regains
-    capabilities. The caller keeps every capability in the new user namespace."""
+    capabilities. The caller keeps every capability in the new user namespace.
+    ``nproc``: a branch's own process count (see the module's docstring)."""
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if net else CLONE_NEWNET)
+    if nproc:  # the kernel records this soft limit as the room the parent's count has for us
+        hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
     _check(_libc.unshare(flags), "unshare")
+    if nproc:  # and ours is our own pids, soft and hard, before anything runs here
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
     _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     if not net:
         _loopback_up()
+
+
+def share_nproc(pids, branches):
+    """A machine's soft ``RLIMIT_NPROC``: its own ``pids`` plus ``pids`` per live (or forking)
+    branch, whose processes count here too, up to its hard limit (a branch's is its ``pids``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    want = pids * (1 + branches)
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if want != soft:
+        resource.setrlimit(resource.RLIMIT_NPROC, (want, hard))
 
 
 def _loopback_up():
@@ -314,8 +342,9 @@ def reopen(files):
 class Machine:
     """Sets up this machine's namespaces and files, then splits into keeper and agent."""
 
-    def __init__(self, workdir, disk_mib, net, keep):
+    def __init__(self, workdir, disk_mib, net, keep, nproc=None):
         self.workdir, self.disk_mib, self.net = workdir, disk_mib, net
+        self.nproc = nproc  # its own process count under RLIMIT_NPROC (None: a pids cgroup counts)
         self.keep_paths = [p for p in keep if p.startswith("/tmp/") or p == "/tmp"]
         self.files = "overlay"
         self.layers = []
@@ -327,9 +356,9 @@ class Machine:
     def _open_dirs(self, paths):
         return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
 
-    def setup(self, lowers=None, run_sub=None, view_fd=None, old_mounts=None):
-        """Root (``lowers`` None) or a branch whose parent froze ``lowers`` for it; ``view_fd``
-        is the parent's read-only view of its store, where those layer paths resolve."""
+    def setup(self, lowers=None, run_sub=None, view_fd=None, old_mounts=None, branch=False):
+        """Root, or a ``branch`` whose parent froze ``lowers`` for it; ``view_fd`` is the
+        parent's read-only view of its store, where those layer paths resolve."""
         sets = (("ws", self.workdir), ("tmp", "/tmp"))
         cow = self.files == "overlay"
         inherited = []
@@ -341,7 +370,7 @@ class Machine:
         if view_fd is not None:
             os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
             os.close(view_fd)
-        new_namespaces(self.net)
+        new_namespaces(self.net, self.nproc if branch and "branch-nproc" not in self.weak else None)
         # Opened in the new mount namespace (a copy of the parent's), relative to the parent's
         # view, before covering them: a bind mount's source must be in the caller's namespace.
         lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
@@ -481,10 +510,11 @@ def ask_freeze(chan):
     return reply
 
 
-def start_root(workdir, disk_mib, net, keep, weak=()):
+def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None):
     """Contain the root machine; returns the Machine (we are now its agent). ``weak``: test
-    knobs that leave a step out (``seccomp``, ``layers``)."""
-    m = Machine(workdir, disk_mib, net, keep)
+    knobs that leave a step out (``seccomp``, ``layers``, ``branch-nproc``); ``nproc``: its
+    own process count when RLIMIT_NPROC is what counts (the caller set the hard limit)."""
+    m = Machine(workdir, disk_mib, net, keep, nproc)
     m.weak = tuple(weak)
     m.setup()
     m.split()
@@ -501,9 +531,9 @@ def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
         parent.chan.close()
     except OSError:
         pass
-    m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths)
+    m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths, parent.nproc)
     m.seccomp, m.files, m.weak = parent.seccomp, parent.files, parent.weak
-    m.setup(lowers, run_sub, view_fd, old_mounts)
+    m.setup(lowers, run_sub, view_fd, old_mounts, branch=True)
     m.split()
     return m
 

@@ -149,7 +149,7 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
 
 
 NODE_KEYS = ("id", "parent_id", "run_id", "seed", "status", "reward", "started", "ended",
-             "alive", "kept", "error", "output", "metrics")
+             "alive", "kept", "error", "output", "metrics", "host_node")
 
 
 def nodes(db: Path, run: str | None = None, session: str | None = None, limit: int = 200,
@@ -159,8 +159,10 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
     limit, offset = _page(limit, offset)
     with open_ro(db) as conn:
         head: dict[str, Any] | None = None
+        host = "host_node" in {row[1] for row in conn.execute("PRAGMA table_info(nodes)")}  # older ledgers lack it
         cols = (f"id, parent_id, run_id, seed, status, reward, started, ended, alive, kept, "
-                f"substr(error, 1, {TEXT_CHARS}), substr(output, -{TEXT_CHARS}), metrics")
+                f"substr(error, 1, {TEXT_CHARS}), substr(output, -{TEXT_CHARS}), metrics, "
+                f"{'substr(host_node, 1, 128)' if host else 'NULL'}")
         rows: list[Any] = []
         if run is not None:
             row = conn.execute("SELECT session_id, parent_id, kind, substr(code, 1, ?), n, started, ended, status "

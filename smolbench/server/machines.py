@@ -35,6 +35,18 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _node(m: dict[str, Any]) -> dict[str, Any]:
+    """A cluster machine's node (id, host, backend kind, lost) as the record says; None off a cluster."""
+    def text(key: str, limit: int) -> str | None:
+        value = m.get(key)
+        return value[:limit] if isinstance(value, str) and value else None
+
+    node = text("node", 128)
+    return {"node": node, "node_host": text("node_host", 255) if node else None,
+            "node_backend": text("node_backend", 32) if node else None,
+            "node_lost": bool(node and m.get("node_lost") is True)}
+
+
 def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
              dead: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every machine of this server's live kernels, plus orphans of dead kernels.
@@ -73,7 +85,7 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
                 "memory_used_mib": used, "memory_measure": how,
                 "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
                 "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
-                "killable": orphaned and not unverified,
+                "killable": orphaned and not unverified, **_node(m),
             })
         recorded_nb = rec.get("notebook") if isinstance(rec.get("notebook"), str) else None
         if orphaned and not machines:

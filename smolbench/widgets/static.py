@@ -11,6 +11,7 @@ import html
 from typing import Any
 
 from .._format import size_text
+from ..tree import where_text
 
 # Text colours with at least 4.5:1 contrast on white (static copies are shown on light pages).
 STATUS_TEXT = {
@@ -98,6 +99,8 @@ def tree_html(
             badges.append("alive")
         if n.get("checkpoint"):
             badges.append(f"checkpoint {_e(n['checkpoint'])}")
+        if n.get("where"):
+            badges.append("node " + _e(where_text(n["where"], n.get("where_kind"), n.get("where_host"), n.get("moved_from"))))
         status = str(n.get("status", ""))
         color = STATUS_TEXT.get(status, "#59636e")
         style = "background:rgba(212,167,44,0.16);" if n["id"] in best else ""

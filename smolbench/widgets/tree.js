@@ -26,6 +26,14 @@ function fmt(x, digits = 4) {
   return Number(x.toPrecision(digits)).toString();
 }
 
+// Where a cluster machine runs (text only: a node's host name is data): "3f2a9c1b (sandbox on host)".
+function whereText(n) {
+  const about = [n.where_kind, n.where_host].filter((x) => x).join(" on ");
+  const moved = n.moved_from ? `moved from ${String(n.moved_from).slice(0, 8)}` : "";
+  const tail = [about, moved].filter((x) => x).join("; ");
+  return String(n.where).slice(0, 8) + (tail ? ` (${tail})` : "");
+}
+
 function render({ model, el }) {
   // Marks the live view, so the static copy after it (an output of its own) hides itself.
   const staticId = String(model.get("static_id") || "").replace(/[^0-9a-zA-Z]/g, "");
@@ -297,12 +305,19 @@ function render({ model, el }) {
       if (n.kept) badges.appendChild(h("span", "sbt-badge sbt-b-kept", "kept"));
       if (n.alive && !n.kept && n.parent) badges.appendChild(h("span", "sbt-badge sbt-b-alive", "alive"));
       if (n.checkpoint) badges.appendChild(h("span", "sbt-badge sbt-b-ckpt", `ckpt ${n.checkpoint}`));
+      if (n.where) {
+        const at = h("span", `sbt-badge sbt-b-node${n.moved_from ? " sbt-b-moved" : ""}`, `@${String(n.where).slice(0, 8)}`);
+        at.title = `Ray node ${n.where}${n.where_kind ? ` · ${n.where_kind} backend` : ""}${n.where_host ? ` · host ${n.where_host}` : ""}` +
+          (n.moved_from ? ` · rebuilt here after node ${n.moved_from} was lost` : "");
+        badges.appendChild(at);
+      }
       if (children.length && view.collapsed.has(n.id))
         badges.appendChild(h("span", "sbt-badge sbt-b-more", `+${children.length}`));
       const lead = h("span", "sbt-lead");
       lead.append(tog, dot, id);
       row.append(lead, seed, status, reward, barCell, wall, badges);
       const tip = [n.id, n.status];
+      if (n.where) tip.push(`node ${whereText(n)}`);
       if (n.error) tip.push(n.error);
       const metrics = Object.entries(n.metrics || {});
       if (metrics.length) tip.push(metrics.map(([k, v]) => `${k}=${fmt(v)}`).join(", "));
@@ -348,6 +363,7 @@ function render({ model, el }) {
     if (n.wall !== null && n.wall !== undefined) parts.push(`${fmt(n.wall, 3)} s`);
     parts.push(n.alive ? (n.kept ? "alive (kept)" : "alive") : "deleted");
     if (n.checkpoint) parts.push(`checkpoint ${n.checkpoint}`);
+    if (n.where) parts.push(`node ${whereText(n)}`);
     const metrics = Object.entries(n.metrics || {});
     if (metrics.length) parts.push(metrics.map(([k, v]) => `${k}=${fmt(v)}`).join(", "));
     detail.appendChild(h("span", "sbt-d-text", ` · ${parts.join(" · ")}`));

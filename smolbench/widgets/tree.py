@@ -42,6 +42,11 @@ def node_record(node: Any) -> dict[str, Any]:
         "depth": node.depth,
         "metrics": clean(node.metrics or {}),
         "error": (node.error or "")[:ERROR_CHARS] or None,
+        # the Ray node of a cluster machine (None elsewhere): id, backend kind, host, and where it was lost
+        "where": getattr(node, "where", None),
+        "where_kind": getattr(node, "where_kind", None),
+        "where_host": getattr(node, "where_host", None),
+        "moved_from": getattr(node, "moved_from", None),
     }
 
 
@@ -112,7 +117,8 @@ class TreeWidget(WorkbenchView):
     nodes = t.List(
         t.Dict(),
         help="the nodes in scope: id, parent, seed, status, reward, wall, alive, kept, "
-        "checkpoint, depth, metrics, error, blocked, mine, next_seed",
+        "checkpoint, depth, metrics, error, where (cluster node), where_kind, where_host, moved_from, "
+        "blocked, mine, next_seed",
     ).tag(sync=True)
     active = t.Unicode(None, allow_none=True, help="the active node").tag(sync=True)
     best_path = t.List(t.Unicode(), help="ids from a root to the best node in scope").tag(sync=True)

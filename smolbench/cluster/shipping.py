@@ -1,0 +1,184 @@
+"""Machine state that crosses nodes as an artifact: smol replicas and checkpoints of cluster machines.
+
+- A warm smol parent reaches another smol node as a portable checkpoint: its node captures
+  it once per parent state (``Machine.checkpoint`` into the node's chunk store, then
+  ``Machine.export_checkpoint``), the other node's agent fetches it once by content address,
+  restores it as the replica (a branch source) and branches it locally.
+- ``%smol checkpoint save`` of a cluster machine saves it on its node and brings the file to
+  the driver's checkpoint folder as data; ``restore`` sends it to a node of the right backend.
+
+Every receiver checks size and hash (artifact.py), then the format with the gate's own checks
+(``gate.archive`` for sandbox and process checkpoints, ``smol_state`` for a smol machine's
+workspace and namespace) before any backend sees it. Nothing here unpickles or extracts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tarfile
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import CheckpointInfo, MachineRef
+from ..errors import SmolbenchError
+from ..gate import archive
+from ..spec import MachineSpec
+from . import artifact, placement
+
+if TYPE_CHECKING:
+    from .backend import ClusterBackend, Node
+
+FITS = {"agenthost": ("sandbox", "process"), "smol-state": ("smol",), "smol": ("smol",)}
+
+
+def _short(node_id: str) -> str:
+    return node_id[:8]
+
+
+# -- smol replicas ----------------------------------------------------------------------------
+
+
+def by_checkpoint(home: Node, node: Node) -> bool:
+    """True when a replica on ``node`` of a parent on ``home`` ships a portable checkpoint."""
+    return home.backend == "smol" and node.backend == "smol"
+
+
+async def export(cb: ClusterBackend, parent: MachineRef, key: tuple[str, int]) -> dict[str, Any]:
+    """The parent's portable checkpoint on its own node, made once per parent state (before it forks:
+    a machine serves one request at a time)."""
+    home = cb._node_of(parent)
+    return dict(await cb._call(home, home.agent.export.remote(parent.name, f"{key[0]}@{key[1]}")))
+
+
+async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: tuple[str, int],
+                       want: str) -> dict[str, Any]:
+    """The parent restored on ``node`` from its portable checkpoint, checked by state fingerprint:
+    the replica's ref, fingerprint, bytes shipped, seconds and content address."""
+    home = cb._node_of(parent)
+    t0 = time.perf_counter()
+    art = await export(cb, parent, key)
+    shipped = await cb._call(node, node.agent.fetch.remote(home.agent, art["digest"], art["size"],
+                                                           f"node {_short(home.id)}"))
+    name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
+    ref = await _restore_on(cb, node, art["digest"], name, parent.spec, replica=True)
+    try:
+        got = await cb.fingerprint(ref)
+        if got != want:
+            why = ("smol saved only the variables that pickle: a machine booted from a local image"
+                   if art["format"] == "smol-state" else "a variable's repr depends on where it runs")
+            raise SmolbenchError(f"the checkpoint of {parent.name} restored on node {_short(node.id)} doesn't match: "
+                                 f"state fingerprint {got} vs {want} ({why})")
+    except BaseException:
+        await cb.delete(ref)
+        raise
+    return {"ref": ref, "fingerprint": got, "bytes_shipped": int(shipped), "seconds": time.perf_counter() - t0,
+            "digest": art["digest"]}
+
+
+async def _restore_on(cb: ClusterBackend, node: Node, digest: str, name: str, spec: MachineSpec,
+                      replica: bool = False) -> MachineRef:
+    node.live.add(name)  # counted while it boots
+    try:
+        done = await cb._call(node, node.agent.restore.remote(digest, name, spec))
+    except BaseException:
+        node.live.discard(name)
+        raise
+    ref = cb._adopt(node, name, spec, None, **({"replica": True} if replica else {}))
+    if done.get("warnings"):
+        ref.info["restore_warnings"] = list(done["warnings"])
+    return ref
+
+
+# -- checkpoints of cluster machines -----------------------------------------------------------
+
+
+async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> CheckpointInfo:
+    """Save ``machine`` on its node and bring the file to ``path`` as data, checked on arrival."""
+    node = cb._node_of(machine)
+    art = await cb._call(node, node.agent.save.remote(machine.name))
+    where = f"node {_short(node.id)}"
+    part = path + ".part"
+    try:
+        async with contextlib.aclosing(_pull(cb, node, node.agent.chunks.remote(art["digest"]))) as chunks:
+            got = await artifact.receive_file(part, art["digest"], art["size"], chunks, where)
+        fmt = await asyncio.to_thread(check, part, f"the checkpoint of {machine.name} sent from {where}")
+        if fmt != art["format"]:
+            raise artifact.Refused(f"the checkpoint from {where} is a {fmt} checkpoint, not the {art['format']} one "
+                                   "its node made: refused")
+        os.replace(part, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        with contextlib.suppress(SmolbenchError):
+            await cb._call(node, node.agent.forget.remote(art["digest"]))
+    return CheckpointInfo(path, cb.name, got, list(art["warnings"]))
+
+
+async def _pull(cb: ClusterBackend, node: Node, gen: Any) -> AsyncGenerator[object, None]:
+    """The items of an agent's streaming generator, as they come (node loss raises InfraError)."""
+    import ray
+
+    it = gen.__aiter__()
+    try:
+        while True:
+            try:
+                ref = await cb._call(node, it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield await cb._call(node, ref)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.cancel(gen)
+
+
+def check(path: str, what: str) -> str:
+    """The format of a checkpoint file (a key of FITS), refused in one line if it is unsafe."""
+    from ..backends import smol_state
+
+    artifact.within_limit(os.path.getsize(path), what)
+    if smol_state.is_state(path):
+        try:
+            archive.check(path)
+            return "agenthost"
+        except archive.UnsafeCheckpoint:
+            raise
+        except (SmolbenchError, tarfile.TarError, EOFError, OSError):
+            pass
+        parts = smol_state.read_state(path)  # one line if it is neither
+        archive.check_workspace(parts["workspace.tar"], what)
+        return "smol-state"
+    return "smol"  # a whole microVM: smol's restore verifies its own checksums and layout
+
+
+async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec) -> MachineRef:
+    """A machine from a checkpoint file here, on a live node whose backend restores its format."""
+    try:
+        fmt = await asyncio.to_thread(check, path, f"checkpoint {os.path.basename(path)}")
+    except archive.UnsafeCheckpoint as exc:
+        raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
+    free = {n.id: n.slots - len(n.live) for n in cb._alive() if n.backend in FITS[fmt]}
+    if not free:
+        kinds = " or ".join(FITS[fmt])
+        raise SmolbenchError(f"checkpoint {os.path.basename(path)} needs a {kinds} node and this cluster has none "
+                             "up: add one, or restore it without --ray")
+    node = cb.nodes[placement.least_loaded(free)]
+    digest, size = await asyncio.to_thread(artifact.hash_file, path)
+    await send(cb, node, path, digest, size)
+    try:
+        return await _restore_on(cb, node, digest, name, spec)
+    finally:
+        if fmt != "smol":  # a restored microVM may still read its checkpoint: that one stays with the agent
+            with contextlib.suppress(SmolbenchError):
+                await cb._call(node, node.agent.forget.remote(digest))
+
+
+async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int) -> int:
+    """Put a file's bytes in the object store, chunk by chunk; the node keeps them if size and hash match."""
+    import ray
+
+    refs = [ray.put(block) for block in artifact.read_chunks(path)]
+    return int(await cb._call(node, node.agent.receive.remote(digest, size, refs)))
