@@ -424,7 +424,7 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
     # owner record (a dead agent) and delete them when they start
     live_dirs = cluster.node_dirs[:3]  # type: ignore[attr-defined]  # not the node removed above: it has no agent
     stale = {p for d in live_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}
-    assert stale
+    assert stale, {p.name: _owner_alive(p) for d in cluster.node_dirs for p in d.glob("smolbench-*")}  # type: ignore[attr-defined]
     with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
         ok(k.run("%load_ext smolbench"))
         ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]

@@ -132,6 +132,7 @@ class NodeAgent:
         self.calls: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._forking: dict[str, asyncio.Lock] = {}
 
     def _count(self, op: str, requests: int = 1) -> None:
         self.calls[op] += 1
@@ -224,7 +225,10 @@ class NodeAgent:
     async def branch(self, parent: str, names: list[str], seeds: list[int | None]) -> list[str]:
         """Live copy-on-write branches of a machine on this node: one batch, one fork."""
         self._count("branch", len(names))
-        async with self._gate():
+        # one fork at a time per parent (a machine serves one request at a time): branches lost
+        # with another node are branched again from here concurrently, one request each
+        lock = self._forking.setdefault(parent, asyncio.Lock())
+        async with lock, self._gate():
             refs = await self.backend.branch(self._ref(parent), names, seeds)
         for ref in refs:
             self.refs[ref.name] = ref
@@ -257,6 +261,7 @@ class NodeAgent:
         count = 0
         for name in names:
             ref = self.refs.pop(name, None)
+            self._forking.pop(name, None)
             if ref is not None:
                 await self.backend.delete(ref)
                 count += 1
