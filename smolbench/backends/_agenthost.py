@@ -167,13 +167,14 @@ class AgentHostBackend(Backend):
                 await proc.wait()
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
-        await asyncio.to_thread(self._kill_branch_tree, ref)
+        procs = await asyncio.to_thread(self._kill_branch_tree, ref)
         # The parent forked the branch: the pid is one of the parent's own pid namespace.
         parent = self._machines.get(ref.parent)
         if parent is not None and "guest_pid" in ref.info:
             # bounded: a parent whose agent a cell rewrote may never answer
             with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
+        await asyncio.to_thread(_wait_gone, procs)
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
@@ -184,12 +185,15 @@ class AgentHostBackend(Backend):
             _procs.kill_tree(proc.pid)
         self.limiter.release(ref.name)
 
-    def _kill_branch_tree(self, ref: MachineRef) -> None:
-        """What a branch started (its daemons included), before the branch itself goes."""
+    def _kill_branch_tree(self, ref: MachineRef) -> builtins.list[tuple[int, str]]:
+        """Kill what a branch started (its daemons included), before the branch itself goes;
+        returns the branch's processes, itself included, to wait for."""
         pid = ref.info.get("host_pid")
-        if pid is not None and _procs.start_time(pid) == ref.info.get("host_started"):
-            below = [p for p in _procs.descendants(pid) if _procs.running(*p)]
-            _procs.kill_all(below)
+        if pid is None or _procs.start_time(pid) != ref.info.get("host_started"):
+            return []
+        below = [p for p in _procs.descendants(pid) if _procs.running(*p)]
+        _procs.kill_all(below)
+        return [(pid, ref.info["host_started"]), *below]
 
     def list(self) -> builtins.list[MachineRef]:
         return list(self._machines.values())
@@ -424,3 +428,16 @@ def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
         last = name.rsplit(".", 1)[-1]
         out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
     return out
+
+
+def _wait_gone(procs: list[tuple[int, str]]) -> None:
+    """Return once these processes are gone (a zombie counts as gone), killing any still
+    there: a killed process can take a while to exit on a loaded host, and a parent whose
+    agent a cell rewrote need not kill anything. Bounded by ``KILL_TIMEOUT``."""
+    deadline = time.monotonic() + KILL_TIMEOUT
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if _procs.running(*p)]
+        if not alive:
+            return
+        _procs.kill_all(alive)
+        time.sleep(0.01)
