@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from clusterhelpers import machine_processes
 from nbformat import NotebookNode
 from nbhelpers import NotebookSession, error_output, error_text, plain_texts, stream_text
 
@@ -54,20 +55,6 @@ def cluster() -> Iterator[object]:
     assert machine_processes(c) == []
 
 
-def machine_processes(c: object) -> list[str]:
-    """Processes of any machine on any node of ``c`` (their run folder is on their command line)."""
-    marks = [str(d).encode() for d in c.node_dirs]  # type: ignore[attr-defined]
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if any(m in cmd for m in marks):
-            found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
-    return found
 
 
 def branch_processes(c: object) -> list[str]:

@@ -14,7 +14,6 @@ The real SDK's round trip is checked by tests/test_smol_real_vm.py on real micro
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from clusterhelpers import machine_processes
 from nbformat import NotebookNode
 from nbhelpers import NotebookSession, error_output, error_text, stream_text
 
@@ -53,19 +53,6 @@ def cluster() -> Iterator[object]:
     assert machine_processes(c) == []
 
 
-def machine_processes(c: object) -> list[str]:
-    """Processes of any (fake) microVM on any node of ``c``: their folder is on their command line."""
-    marks = [str(d).encode() for d in c.node_dirs]  # type: ignore[attr-defined]
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if any(m in cmd for m in marks):
-                found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
-    return found
 
 
 def artifacts(c: object) -> list[list[Path]]:

@@ -20,7 +20,6 @@ Every wait is on a state (the node declared dead, the sidebar's rows), never a f
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import sqlite3
@@ -42,6 +41,7 @@ from browserhelpers import (
     wait_for_kernel,
     write_notebook,
 )
+from clusterhelpers import machine_processes
 from nbformat import NotebookNode
 from nbhelpers import NotebookSession, error_output, error_text, stream_text, tree_text
 
@@ -65,18 +65,6 @@ def cluster() -> Iterator[Any]:
     assert not machine_processes(c)
 
 
-def machine_processes(c: Any) -> list[str]:
-    """Processes of any machine on any node of ``c`` (their run folder is on their command line)."""
-    marks = [str(d).encode() for d in c.node_dirs]
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if any(m in cmd for m in marks):
-            found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
-    return found
 
 
 def ok(cell: NotebookNode) -> NotebookNode:
