@@ -407,18 +407,22 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
             time.sleep(0.2)
         assert not machine_pids(cluster) & mine, "machines of the killed kernel are still running"
         print(f"\nthe killed kernel's machines were gone {time.monotonic() - t0:.1f} s after kill -9")
-    # its run folders are still on the nodes: the next session's node agents find them by their
-    # owner record (a dead agent) and delete them when they start
+    # Its run folders: usually still on the nodes, where the next session's node agents find them
+    # by their owner record (a dead agent) and delete them when they start; but an agent Ray ends
+    # may get to delete its own first (seen once in 4 runs). Either way none may stay behind.
     live_dirs = cluster.node_dirs[:3]  # type: ignore[attr-defined]  # not the node removed above: it has no agent
     stale = {p for d in live_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}
-    assert stale, {p.name: _owner_alive(p) for d in cluster.node_dirs for p in d.glob("smolbench-*")}  # type: ignore[attr-defined]
     with NotebookSession(open_tmp, timeout=300, allow_errors=True) as k:
         ok(k.run("%load_ext smolbench"))
         ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
         status = stream_text(ok(k.run("%smol status")))
-        assert "leftover run folder(s) of dead sessions" in status
+        if stale:
+            assert "leftover run folder(s) of dead sessions" in status
+        else:
+            print("the killed kernel's node agents had deleted their run folders themselves")
         assert not [p for p in stale if p.exists()]
         ok(k.run("%smol down"))
+    assert not {p for d in live_dirs for p in d.glob("smolbench-*") if not _owner_alive(p)}
 
 
 def _owner_alive(path: Path) -> bool:
