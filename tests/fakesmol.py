@@ -194,7 +194,8 @@ class FakeHost:
             with tarfile.open(path, "r:") as tar:
                 meta = json.loads(tar.extractfile("fakevm.json").read())  # type: ignore[union-attr]
                 stage = Path(tempfile.mkdtemp(dir=self.base))
-                tar.extractall(stage, filter="data")
+                # Debian 12's Python 3.11.2 has no extraction filters (3.11.4+ has)
+                tar.extractall(stage, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         except (tarfile.TarError, KeyError, OSError, ValueError) as exc:
             raise SmolError("INVALID_CONFIG", f"restore checkpoint: not a checkpoint layout ({exc})") from None
         root = self.new_root()
