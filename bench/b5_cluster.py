@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_section
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 ROLLOUT = ("import random, time\nt = time.process_time()\nacc = 0\n"
@@ -215,14 +217,7 @@ def section(out: dict[str, Any]) -> str:
 def write(out: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "b5_cluster.json").write_text(json.dumps(out, indent=1))
-    md = ROOT / "RESULTS.md"
-    text = md.read_text() if md.exists() else ""
-    new = section(out)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + new + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + new + "\n"
-    md.write_text(text)
+    write_section(ROOT / "RESULTS.md", section(out), BEGIN, END)
 
 
 def main() -> None:

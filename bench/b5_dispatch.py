@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.b5_cluster import _cell, _fork, _wb
+from bench.common import write_section
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -109,17 +110,7 @@ def section(out: dict[str, Any]) -> str:
 def write(out: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "b5_dispatch.json").write_text(json.dumps(out, indent=1))
-    md = ROOT / "RESULTS.md"
-    text = md.read_text() if md.exists() else ""
-    new = section(out)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + new + text[text.index(END) + len(END):]
-    elif "<!-- b5:end -->" in text:  # right after B5
-        at = text.index("<!-- b5:end -->") + len("<!-- b5:end -->")
-        text = text[:at] + "\n\n" + new + text[at:]
-    else:
-        text = text.rstrip() + "\n\n" + new + "\n"
-    md.write_text(text)
+    write_section(ROOT / "RESULTS.md", section(out), BEGIN, END, after="<!-- b5:end -->")  # right after B5
 
 
 def main() -> None:

@@ -131,6 +131,20 @@ def write_json(name: str, data: dict[str, Any], quick: bool) -> Path:
     return path
 
 
+def write_section(md: Path, new: str, begin: str, end: str, after: str | None = None) -> None:
+    """Put ``new`` (a section that starts with ``begin`` and ends with ``end``) into the markdown
+    file ``md``: in place of the old one, else right after the marker ``after``, else at the end."""
+    text = md.read_text() if md.exists() else ""
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + new + text[text.index(end) + len(end):]
+    elif after is not None and after in text:
+        at = text.index(after) + len(after)
+        text = text[:at] + "\n\n" + new + text[at:]
+    else:
+        text = text.rstrip() + "\n\n" + new + "\n"
+    md.write_text(text)
+
+
 def log(*args: Any) -> None:
     print(time.strftime("[%H:%M:%S]"), *args, file=sys.stderr, flush=True)
 

@@ -290,3 +290,19 @@ def dump_failure(page: Any, name: str) -> None:
         page.screenshot(path=str(ARTIFACTS / f"failure-{name}.png"))
         errors = page.locator(".jp-OutputArea-output[data-mime-type*='stderr']").all_inner_texts()
         print("stderr outputs in the notebook:", *errors, sep="\n")
+
+
+# Run code in the open notebook's kernel from the page, as the frontend does; returns its
+# stream text and error lines (``page.evaluate(KERNEL_EXEC, code)``).
+KERNEL_EXEC = """async (code) => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const k = w.sessionContext.session.kernel;
+  const out = [];
+  const f = k.requestExecute({ code, store_history: false, allow_stdin: false });
+  f.onIOPub = m => {
+    if (m.header.msg_type === 'stream') out.push(m.content.text);
+    if (m.header.msg_type === 'error') out.push(m.content.ename + ': ' + m.content.evalue);
+  };
+  await f.done;
+  return out.join('');
+}"""

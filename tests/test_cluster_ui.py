@@ -33,6 +33,7 @@ import pytest
 from browserhelpers import (
     ARTIFACTS,
     BROWSER_TEST_MARKS,
+    KERNEL_EXEC,
     browser_page,
     dump_failure,
     jupyter_server,
@@ -98,20 +99,6 @@ def status_nodes(text: str) -> dict[str, tuple[str, str]]:
 
 
 # -- where each machine runs: sidebar, fork tree, status, tree text -----------------------------
-
-KERNEL_EXEC = """async (code) => {
-  const w = window.jupyterapp.shell.currentWidget;
-  const k = w.sessionContext.session.kernel;
-  const out = [];
-  const f = k.requestExecute({ code, store_history: false, allow_stdin: false });
-  f.onIOPub = m => {
-    if (m.header.msg_type === 'stream') out.push(m.content.text);
-    if (m.header.msg_type === 'error') out.push(m.content.ename + ': ' + m.content.evalue);
-  };
-  await f.done;
-  return out.join('');
-}"""
-
 
 def _open(page: Any, base: str, token: str, name: str, cells: int) -> None:
     from playwright.sync_api import expect

@@ -26,6 +26,7 @@ import pytest
 from browserhelpers import (
     ARTIFACTS,
     BROWSER_TEST_MARKS,
+    KERNEL_EXEC,
     browser_page,
     dump_failure,
     jupyter_server,
@@ -58,19 +59,6 @@ NOTEBOOK_B = [
     "%%smol fork 2 --keep none\nreward = SEED",
     "%smol down",
 ]
-
-KERNEL_EXEC = """async (code) => {
-  const w = window.jupyterapp.shell.currentWidget;
-  const k = w.sessionContext.session.kernel;
-  const out = [];
-  const f = k.requestExecute({ code, store_history: false, allow_stdin: false });
-  f.onIOPub = m => {
-    if (m.header.msg_type === 'stream') out.push(m.content.text);
-    if (m.header.msg_type === 'error') out.push(m.content.ename + ': ' + m.content.evalue);
-  };
-  await f.done;
-  return out.join('');
-}"""
 
 # elements whose text is wider than their box (clipped), or that stick out of the panel
 CLIPPED = """panel => {
