@@ -18,7 +18,9 @@ of ``bench/RESULTS.md`` (between its markers). Needs the ``ray`` extra and bubbl
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -97,6 +99,7 @@ def measure(rounds: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"rounds": rounds, "n": N, "rollout_cpu_s": 0.05, "load_before": os.getloadavg()}
     folder = tempfile.mkdtemp(prefix="b5-")
+    atexit.register(shutil.rmtree, folder, True)  # its ledgers and run folders go on every exit
     t0 = time.perf_counter()
     with LocalCluster(2, slots=8, backends=["sandbox"]) as cluster:
         out["cluster_start_s"] = time.perf_counter() - t0

@@ -15,8 +15,10 @@ between its markers in ``bench/RESULTS.md``. Needs the ``ray`` extra and bubblew
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -52,6 +54,7 @@ def measure(rounds: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"rounds": rounds, "sizes": list(SIZES), "load_before": os.getloadavg()}
     folder = tempfile.mkdtemp(prefix="b5d-")
+    atexit.register(shutil.rmtree, folder, True)  # its ledgers and run folders go on every exit
     with LocalCluster(2, slots=max(SIZES), backends=["sandbox"]) as cluster:
         wbs = {"local": _wb(SandboxBackend(), folder + "/local")}
         for mode, batching in (("batched", True), ("per_request", False)):
