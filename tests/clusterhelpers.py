@@ -1,10 +1,17 @@
-"""What the cluster tests share: finding a local Ray cluster's machines among the host's processes."""
+"""What the cluster tests share: checking cells, reading the ledger, and finding a local Ray
+cluster's machines among the host's processes."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
+from nbformat import NotebookNode
+from nbhelpers import error_output, error_text
+
+from smolbench import Ledger
 
 
 def machine_processes(c: Any) -> list[str]:
@@ -20,3 +27,19 @@ def machine_processes(c: Any) -> list[str]:
         if any(m in cmd for m in marks):
             found.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
     return found
+
+
+def ok(cell: NotebookNode) -> NotebookNode:
+    """The cell, after checking it raised nothing."""
+    err = error_output(cell)
+    assert err is None, f"{cell.source!r} raised {err.ename}: {err.evalue}\n{error_text(cell)}"
+    return cell
+
+
+def ledger_nodes(cwd: Path) -> pd.DataFrame:
+    """The nodes table of the ledger beside the notebook in ``cwd``, by id."""
+    led = Ledger(cwd / ".smolbench" / "ledger.db")
+    try:
+        return led.nodes().set_index("id")
+    finally:
+        led.close()

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from clusterhelpers import machine_processes
-from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, plain_texts, stream_text
+from clusterhelpers import ledger_nodes, machine_processes, ok
+from nbhelpers import NotebookSession, error_output, plain_texts, stream_text
 
 from smolbench import Ledger
 
@@ -88,18 +87,6 @@ def nb(cluster: object, workdir: Path) -> Iterator[NotebookSession]:
         yield session
 
 
-def ok(cell: NotebookNode) -> NotebookNode:
-    err = error_output(cell)
-    assert err is None, f"{cell.source!r} raised {err.ename}: {err.evalue}\n{error_text(cell)}"
-    return cell
-
-
-def ledger(cwd: Path) -> pd.DataFrame:
-    led = Ledger(cwd / ".smolbench" / "ledger.db")
-    try:
-        return led.nodes().set_index("id")
-    finally:
-        led.close()
 
 
 def replicas(cwd: Path) -> list[dict[str, object]]:
@@ -114,7 +101,7 @@ def wait_for(cwd: Path, ready: Callable[[pd.DataFrame], bool], timeout: float = 
     deadline = time.monotonic() + timeout
     while True:
         if (cwd / ".smolbench" / "ledger.db").exists():
-            df = ledger(cwd)
+            df = ledger_nodes(cwd)
             if not df.empty and ready(df):
                 return df
         assert time.monotonic() < deadline, "the ledger never reached the expected state"
@@ -153,7 +140,7 @@ def test_fork_12_spreads_over_the_three_nodes_with_a_local_forks_seeds_and_rewar
     text = stream_text(cell)
     for k in range(12):  # streamed live into the cell, prefixed by branch, not folded by Ray
         assert f"[root.{k}] seed {k}" in text
-    df = ledger(nb.cwd).loc[[f"root.{k}" for k in range(12)]]
+    df = ledger_nodes(nb.cwd).loc[[f"root.{k}" for k in range(12)]]
     assert list(df.status) == ["ok"] * 12
     assert df.host_node.nunique() == 3  # node ids in the ledger: every node ran a batch
     assert df.groupby("host_node").size().tolist() == [4, 4, 4]
@@ -166,7 +153,7 @@ def test_fork_12_spreads_over_the_three_nodes_with_a_local_forks_seeds_and_rewar
         ok(local.run("%smol up --backend sandbox"))
         ok(local.run("%%smol\nx = 41"))
         ok(local.run(f"%%smol fork 12\n{CELL}"))
-        here = ledger(open_tmp).loc[[f"root.{k}" for k in range(12)]]
+        here = ledger_nodes(open_tmp).loc[[f"root.{k}" for k in range(12)]]
     assert list(here.seed) == list(df.seed)
     assert here.reward.tolist() == pytest.approx(df.reward.tolist())
     assert here.host_node.isna().all()
@@ -185,12 +172,12 @@ def test_fork_12_spreads_over_the_three_nodes_with_a_local_forks_seeds_and_rewar
 
 def test_a_fork_sends_each_node_one_call_for_its_cells_and_one_for_its_deletes(nb: NotebookSession) -> None:
     before = agent_counts(nb)
-    first = len(children(ledger(nb.cwd), "root"))
+    first = len(children(ledger_nodes(nb.cwd), "root"))
     cell = ok(nb.run(f"%%smol fork 12 --keep none\n{CELL}"))
     text = stream_text(cell)
     for k in range(first, first + 12):  # still live, still prefixed by branch
         assert f"[root.{k}] seed {k - first}" in text
-    run = ledger(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
+    run = ledger_nodes(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
     assert (run.status == "ok").all()
     assert run.reward.tolist() == pytest.approx([expected(k) for k in range(12)])
     per_node = run.groupby(run.host_node.str[:8]).size().to_dict()
@@ -207,12 +194,12 @@ def test_a_second_fork_reuses_the_replicas_until_the_parent_runs_a_cell(nb: Note
     ok(nb.run(f"%%smol fork 6 --keep none\n{CELL}"))
     assert len(replicas(nb.cwd)) == 2  # cached: nothing shipped again
     ok(nb.run("%%smol\nx = 100"))
-    first = len(children(ledger(nb.cwd), "root"))
+    first = len(children(ledger_nodes(nb.cwd), "root"))
     cell = ok(nb.run(f"%%smol fork 12 --keep none\n{CELL}"))
     reps = replicas(nb.cwd)
     assert len(reps) == 4 and reps[-1]["cells"] == reps[0]["cells"] + 1
     assert "replicated to node" in stream_text(cell, "stderr")
-    df = ledger(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
+    df = ledger_nodes(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
     assert df.reward.tolist() == pytest.approx([expected(k, 100) for k in range(12)])
     ok(nb.run("%%smol\nx = 41"))
 
@@ -220,7 +207,7 @@ def test_a_second_fork_reuses_the_replicas_until_the_parent_runs_a_cell(nb: Note
 def test_episodes_30_across_the_nodes(nb: NotebookSession) -> None:
     cell = ok(nb.run("%%smol episodes 30 --seeds 0:30\nimport random\nprint('episode', SEED)\nreward = random.random()"))
     assert "episodes of 30 · 30 ok" in plain_texts(cell)[-1]
-    df = ledger(nb.cwd)
+    df = ledger_nodes(nb.cwd)
     eps = df[df.index.str.startswith("ep")]
     assert len(eps) == 30 and (eps.status == "ok").all() and not eps.alive.any()
     assert eps.host_node.nunique() == 3
@@ -228,14 +215,14 @@ def test_episodes_30_across_the_nodes(nb: NotebookSession) -> None:
 
 
 def test_a_nested_fork_of_a_cluster_branch(nb: NotebookSession) -> None:
-    df = ledger(nb.cwd)
+    df = ledger_nodes(nb.cwd)
     home = df.loc["root"].host_node
     away = next(f"root.{k}" for k in range(12) if df.loc[f"root.{k}"].host_node != home and df.loc[f"root.{k}"].alive)
     ok(nb.run(f"%smol use {away}"))
     ok(nb.run("%%smol\ny = reward * 2"))
     cell = ok(nb.run("%%smol fork 6 --keep none\nimport random\nreward = y + random.random()"))
     assert "fork of 6 · 6 ok" in plain_texts(cell)[-1]
-    kids = ledger(nb.cwd).loc[[f"{away}.{k}" for k in range(6)]]
+    kids = ledger_nodes(nb.cwd).loc[[f"{away}.{k}" for k in range(6)]]
     y = 2 * expected(int(away.split(".")[1]))
     assert kids.reward.tolist() == pytest.approx([y + random.Random(k).random() for k in range(6)])
     assert kids.host_node.nunique() >= 2  # replayed onto other nodes: the root's cells, its seed, its cell
@@ -256,7 +243,7 @@ def test_a_checkpoint_of_a_cluster_machine_is_saved_through_its_node_and_restore
     ok(nb.run("%%smol\nnote = 'after'"))
     assert "restored c1 as r1-c1" in stream_text(ok(nb.run("%smol checkpoint restore c1")))
     assert stream_text(ok(nb.run("%%smol\nprint(note, open('note.txt').read())"))).strip() == "before kept"
-    assert ledger(nb.cwd).loc["r1-c1"].host_node  # restored onto a node, recorded as such
+    assert ledger_nodes(nb.cwd).loc["r1-c1"].host_node  # restored onto a node, recorded as such
     ok(nb.run("%smol use root"))
     ok(nb.run("%smol delete r1-c1"))
 
@@ -282,7 +269,7 @@ def test_a_checkpoint_of_a_cluster_machine_is_saved_through_its_node_and_restore
     err = error_output(nb.run("%smol checkpoint restore evil"))
     assert err is not None and "\n" not in err.evalue, err
     assert "has a link that points outside it (shadow -> /etc/shadow)" in err.evalue and "refused" in err.evalue
-    assert "r2-evil" not in ledger(nb.cwd).index
+    assert "r2-evil" not in ledger_nodes(nb.cwd).index
 
 
 def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, cluster: object) -> None:
@@ -290,9 +277,9 @@ def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, clus
     probe = ("import socket\ntry:\n"
              f"    socket.create_connection(({host!r}, {port}), timeout=3).close(); reached = 1\n"
              "except OSError as exc:\n    reached = 0; print('refused:', type(exc).__name__)\nreward = reached")
-    first = len(children(ledger(nb.cwd), "root"))
+    first = len(children(ledger_nodes(nb.cwd), "root"))
     ok(nb.run(f"%%smol fork 12 --keep none\n{probe}"))
-    run = ledger(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
+    run = ledger_nodes(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
     status = stream_text(ok(nb.run("%smol status")))
     sandboxed = [ln.split()[0] for ln in status.splitlines() if " sandbox: up" in ln]
     on_sandbox = run[run.host_node.str[:8].isin(sandboxed)]
@@ -307,7 +294,7 @@ def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, clus
 def test_ctrl_c_cancels_every_branch_on_every_node_and_deletes_its_machine(
         nb: NotebookSession, cluster: object) -> None:
     before = len(branch_processes(cluster))
-    first = len(children(ledger(nb.cwd), "root"))
+    first = len(children(ledger_nodes(nb.cwd), "root"))
     names = [f"root.{k}" for k in range(first, first + 12)]
 
     def go() -> None:
@@ -321,7 +308,7 @@ def test_ctrl_c_cancels_every_branch_on_every_node_and_deletes_its_machine(
     cell = nb.run("%%smol fork 12 --keep all\nimport time\nprint('started', flush=True)\ntime.sleep(120)")
     t.join()
     assert error_output(cell) is not None and error_output(cell).ename == "KeyboardInterrupt"
-    ran = ledger(nb.cwd).loc[names]
+    ran = ledger_nodes(nb.cwd).loc[names]
     assert len(ran) == 12 and (ran.status == "cancelled").all() and not ran.alive.any()
     assert ran.host_node.nunique() == 3
     deadline = time.monotonic() + 30
@@ -338,7 +325,7 @@ def test_a_node_added_mid_session_is_listed_used_by_the_next_fork_and_its_loss_r
     lines = node_lines(nb)  # %smol status finds it (its agent starts) and lists it
     (new,) = set(lines) - known
     assert " sandbox: up, 8 slots" in lines[new]
-    first = len(children(ledger(nb.cwd), "root"))
+    first = len(children(ledger_nodes(nb.cwd), "root"))
     names = [f"root.{k}" for k in range(first, first + 16)]
     removed: list[str] = []
 
@@ -359,7 +346,7 @@ def test_a_node_added_mid_session_is_listed_used_by_the_next_fork_and_its_loss_r
     t.join()
     ok(cell)
     assert removed == [new], "the next fork gave the new node no branch"
-    run = ledger(nb.cwd).loc[names]
+    run = ledger_nodes(nb.cwd).loc[names]
     assert len(run) == 16 and (run.status == "ok").all()  # the table is complete
     assert sorted(run.reward) == pytest.approx(sorted(expected(int(s)) for s in run.seed))
     led = Ledger(nb.cwd / ".smolbench" / "ledger.db")
@@ -396,7 +383,7 @@ def test_kill_9_of_the_kernel_the_node_agents_delete_its_machines(cluster: objec
         ok(k.run(f"%smol up --ray {cluster.address}"))  # type: ignore[attr-defined]
         ok(k.run("%%smol\nx = 1"))
         ok(k.run("%%smol fork 6 --keep all\nreward = SEED"))
-        kept = ledger(open_tmp)
+        kept = ledger_nodes(open_tmp)
         assert kept.alive.sum() == 7 and kept.host_node.nunique() >= 2  # root and 6 branches, on several nodes
         mine = machine_pids(cluster) - before
         assert mine

@@ -22,9 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterhelpers import machine_processes
-from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, stream_text
+from clusterhelpers import machine_processes, ok
+from nbhelpers import NotebookSession, stream_text
 
 from smolbench import Ledger
 from smolbench.errors import SmolbenchError
@@ -74,11 +73,6 @@ def nb(cluster: object) -> Iterator[NotebookSession]:
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
 
-
-def ok(cell: NotebookNode) -> NotebookNode:
-    err = error_output(cell)
-    assert err is None, f"{cell.source!r} raised {err.ename}: {err.evalue}\n{error_text(cell)}"
-    return cell
 
 
 def ledger_rows(cwd: Path) -> tuple[object, list[dict[str, object]]]:

@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pytest
 from browserhelpers import (
     ARTIFACTS,
@@ -42,9 +41,8 @@ from browserhelpers import (
     wait_for_kernel,
     write_notebook,
 )
-from clusterhelpers import machine_processes
-from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, stream_text, tree_text
+from clusterhelpers import ledger_nodes, machine_processes, ok
+from nbhelpers import NotebookSession, stream_text, tree_text
 
 from smolbench import Ledger, registry
 
@@ -68,18 +66,6 @@ def cluster() -> Iterator[Any]:
 
 
 
-def ok(cell: NotebookNode) -> NotebookNode:
-    err = error_output(cell)
-    assert err is None, f"{cell.source!r} raised {err.ename}: {err.evalue}\n{error_text(cell)}"
-    return cell
-
-
-def nodes_of(cwd: Path) -> pd.DataFrame:
-    led = Ledger(cwd / ".smolbench" / "ledger.db")
-    try:
-        return led.nodes().set_index("id")
-    finally:
-        led.close()
 
 
 def attempts_of(cwd: Path, node_id: str) -> list[dict[str, Any]]:
@@ -209,7 +195,7 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
         ok(nb.run("%%smol\nx = 41"))
         ok(nb.run("%%smol\nimport random\nrandom.seed(5)\ny = random.random()"))
         ok(nb.run("%%smol fork 6 --keep all\nreward = x + SEED"))
-        before = nodes_of(open_tmp)
+        before = ledger_nodes(open_tmp)
         lost = str(before.loc["root"].host_node)
         went = sorted(n for n in before.index if n.startswith("root.") and before.loc[n].host_node == lost)
         assert went, before[["host_node"]]  # kept branches on the root's node: they go with it
@@ -224,7 +210,7 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
 
         rnd = random.Random(5)
         assert stream_text(cell).strip() == str(round(41 + rnd.random(), 6))  # the state is back
-        after = nodes_of(open_tmp)
+        after = ledger_nodes(open_tmp)
         home = str(after.loc["root"].host_node)
         assert home != lost and after.loc["root"].alive
         assert re.fullmatch(rf"smolbench: root was lost with node {lost[:8]} \(\w+\); rebuilt on node {home[:8]} "
@@ -246,7 +232,7 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
 
         # the rebuilt root forks like the old one: same seeds, same rewards
         cell = ok(nb.run("%%smol fork 4 --keep none --seeds 0:4\nreward = x + y + SEED"))
-        df = nodes_of(open_tmp).loc[[f"root.{k}" for k in range(6, 10)]]
+        df = ledger_nodes(open_tmp).loc[[f"root.{k}" for k in range(6, 10)]]
         assert (df.status == "ok").all()
         assert df.reward.tolist() == pytest.approx([41 + random.Random(5).random() + k for k in range(4)])
 
@@ -286,7 +272,7 @@ def test_branches_lost_with_their_parents_node_mid_fork_rerun_from_the_rebuilt_p
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline:
                 if (open_tmp / ".smolbench" / "ledger.db").exists():
-                    df = nodes_of(open_tmp)
+                    df = ledger_nodes(open_tmp)
                     if set(names) <= set(df.index) and (df.loc[names, "status"] == "running").all():
                         lost.append(str(df.loc["root"].host_node))
                         remove_node_of(cluster, lost[0])
@@ -299,7 +285,7 @@ def test_branches_lost_with_their_parents_node_mid_fork_rerun_from_the_rebuilt_p
         t.join()
         ok(cell)
         assert lost, "the branches never all ran"
-        run = nodes_of(open_tmp).loc[names]
+        run = ledger_nodes(open_tmp).loc[names]
         assert (run.status == "ok").all() and run.reward.tolist() == [41 + k for k in range(8)]
         assert lost[0] not in set(run.host_node)  # none finished on the lost node
         note = [ln for ln in stream_text(cell, "stderr").splitlines() if "was lost with" in ln]
@@ -308,5 +294,5 @@ def test_branches_lost_with_their_parents_node_mid_fork_rerun_from_the_rebuilt_p
         rerun = {a["node_id"] for a in attempts if a["outcome"] == "retried"}
         assert rerun and all("lost" in (a["error"] or "") for a in attempts if a["outcome"] == "retried")
         assert [a["outcome"] for a in attempts_of(open_tmp, "root") if a["stage"] == "move"] == ["moved"]
-        assert str(nodes_of(open_tmp).loc["root"].host_node) != lost[0]
+        assert str(ledger_nodes(open_tmp).loc["root"].host_node) != lost[0]
         ok(nb.run("%smol down"))
