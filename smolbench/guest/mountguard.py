@@ -47,7 +47,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
-_strings = {}  # allowed string -> its address in the page, once mapped
+_strings: dict = {}  # allowed string -> its address in the page, once mapped
 
 
 def store_options(disk_mib):
