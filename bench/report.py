@@ -471,6 +471,11 @@ def write(quick: bool = False) -> Path:
         from .limits import section as limits_section
 
         lines += limits_section(limits)
+    guard = _load("mountguard", quick)
+    if guard:
+        from .mountguard import section as guard_section
+
+        lines += guard_section(guard)
     net = _load("netpolicy", quick)
     if net:
         from .netpolicy import section as net_section
