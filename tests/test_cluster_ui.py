@@ -97,9 +97,9 @@ def _open(page: Any, base: str, token: str, name: str, cells: int) -> None:
     wait_for_kernel(page)
 
 
-def _run_in(context: Any, base: str, token: str, name: str, code: str) -> str:
+def _run_in(browser: Any, base: str, token: str, name: str, code: str) -> str:
     """Run ``code`` in the kernel of the open notebook ``name`` from a page of its own."""
-    page = context.new_page()
+    page = browser.new_page()
     try:
         page.goto(notebook_url(base, token, "lab", name))
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
@@ -185,7 +185,7 @@ def test_the_sidebar_and_the_fork_tree_show_each_machines_node(cluster: Any, ope
             assert page.evaluate("() => window.__pwned") is None
             page.evaluate(KERNEL_EXEC, "%smol down")
             # the local kernel lives on without a page: its machine goes too, or its run folder stays
-            assert "deleted 1 machine" in _run_in(page.context, base, token, "local.ipynb", "%smol down")
+            assert "deleted 1 machine" in _run_in(page.context.browser, base, token, "local.ipynb", "%smol down")
         except BaseException:
             dump_failure(page, "cluster-sidebar")
             with contextlib.suppress(OSError):

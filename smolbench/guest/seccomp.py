@@ -133,8 +133,11 @@ def guard_program(addr, allowed, tmpfs, store_opts):
     if not ZONE_HI[0] <= hi <= ZONE_HI[1] or any(a >> 32 != hi for a in (*allowed, tmpfs, store_opts)):
         raise ValueError("the mount page must lie in the guarded zone")
     ld = lambda off: (LD_ABS_W, off, None, None)  # noqa: E731
-    lines = [ld(4), (JEQ, ARCH_X86_64, None, "allow"), ld(0),
+    # On its own too (the main filter refuses these as well): no other ABI, no fd-based mount API.
+    lines = [ld(4), (JEQ, ARCH_X86_64, None, "enosys"), ld(0), (JGE, X32_BIT, "enosys", None),
              (JEQ, NR_MOUNT, "mount", None)]
+    lines += [(JEQ, DENY_X86_64[name], "eperm", None)
+              for name in ("fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr")]
     lines += [(JEQ, nr, "range", None) for nr in (NR_MMAP, NR_MUNMAP, NR_MPROTECT, NR_PKEY_MPROTECT, NR_REMAP_FILE_PAGES)]
     lines += [(JEQ, NR_MREMAP, "mremap", None), (JEQ, NR_SHMAT, "shmat", "allow")]
     # The flags as the kernel reads them: with the magic in the high bits, only the low ones.
@@ -155,6 +158,7 @@ def guard_program(addr, allowed, tmpfs, store_opts):
               ld(_arg(4, True)), (JGE, ZONE_HI[0], None, "allow"), (JGT, ZONE_HI[1], "allow", "eperm")]
     lines += ["shmat", ld(_arg(2)), (JSET, SHM_REMAP, "eperm", "allow")]
     lines += ["allow", (RET, RET_ALLOW, None, None), "eperm", (RET, RET_ERRNO | errno.EPERM, None, None),
+              "enosys", (RET, RET_ERRNO | errno.ENOSYS, None, None),
               "notify", (RET, RET_USER_NOTIF, None, None)]
     return _assemble(lines)
 
