@@ -97,6 +97,18 @@ def _open(page: Any, base: str, token: str, name: str, cells: int) -> None:
     wait_for_kernel(page)
 
 
+def _run_in(context: Any, base: str, token: str, name: str, code: str) -> str:
+    """Run ``code`` in the kernel of the open notebook ``name`` from a page of its own."""
+    page = context.new_page()
+    try:
+        page.goto(notebook_url(base, token, "lab", name))
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        wait_for_kernel(page)
+        return str(page.evaluate(KERNEL_EXEC, code))
+    finally:
+        page.close()
+
+
 @BROWSER_TEST_MARKS[0]  # skipped without Debian's chromium
 def test_the_sidebar_and_the_fork_tree_show_each_machines_node(cluster: Any, open_tmp: Path) -> None:
     from playwright.sync_api import expect
@@ -172,6 +184,8 @@ def test_the_sidebar_and_the_fork_tree_show_each_machines_node(cluster: Any, ope
             assert panel.locator(".sb-where img").count() == 0 and tree.locator("img").count() == 0
             assert page.evaluate("() => window.__pwned") is None
             page.evaluate(KERNEL_EXEC, "%smol down")
+            # the local kernel lives on without a page: its machine goes too, or its run folder stays
+            assert "deleted 1 machine" in _run_in(page.context, base, token, "local.ipynb", "%smol down")
         except BaseException:
             dump_failure(page, "cluster-sidebar")
             with contextlib.suppress(OSError):

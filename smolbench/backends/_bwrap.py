@@ -66,6 +66,7 @@ class Plan:
     fds: list[int] = field(default_factory=list)
     paths: dict[str, str] = field(default_factory=dict)  # "/proc/self/fd/N" -> host path, for messages
     sources: list[str] = field(default_factory=list)  # host paths bwrap resolves (resolved), to stage
+    grants: int | None = None  # the write end of the machine keeper's grants pipe (mountguard.py)
 
     def bind_fd(self, host: str, guest: str, readonly: bool = True) -> None:
         try:
@@ -251,6 +252,11 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     p.argv += list(agent_args)
     if "host-root" not in weak:
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]
+        # The host grants one branch store per branch it orders; only the keeper reads this.
+        read, p.grants = os.pipe()
+        os.set_blocking(p.grants, False)
+        p.fds.append(read)
+        p.argv.append(f"--grants-fd={read}")
         if sized or spec.disk_mib:
             p.argv += ["--disk-mib", str(disk_mib(spec) if sized else spec.disk_mib)]
         if "net-share" in weak:

@@ -333,8 +333,8 @@ class Limiter:
                  f"full branches at once; a root cell that raises its own limit can take all {ceiling}, its branches' "
                  f"room included" if nproc_per_machine else
                  f"processes not capped per machine (RLIMIT_NPROC {spec.pids} counts all of this user's processes)")
-        files = ("; files in memory (tmpfs) are bounded by disk but not counted as memory, and a cell's own "
-                 "tmpfs/ramfs mounts not at all" if nproc_per_machine else "")
+        files = ("; files in memory (tmpfs) are bounded by disk (one store per branch) but not counted as memory"
+                 if nproc_per_machine else "")
         return (f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}{files}; cpus not "
                 f"enforced. For a cgroup: {DELEGATE_HINT}")
 

@@ -76,6 +76,7 @@ class SandboxBackend(AgentHostBackend):
         self._fd_paths: dict[str, str] = {}
         self._containment: dict[str, Any] | None = None  # what the first machine said about itself
         self._proxy: ProxyClient | None = None  # the egress proxy, started for the first machine with a network
+        self._grants: dict[str, int] = {}  # root machine -> its keeper's grants pipe (guest/mountguard.py)
 
     @property
     def isolation(self) -> str:
@@ -87,7 +88,8 @@ class SandboxBackend(AgentHostBackend):
         if c and "cap_eff" in c:
             line += (f"; runs as uid {c['uid']} with {'no' if c['cap_eff'] == 0 else 'SOME'} capabilities, "
                      f"seccomp {c['seccomp']}; files: "
-                     + ("copy-on-write (overlayfs)" if c["files"] == "overlay" else c["files"]))
+                     + ("copy-on-write (overlayfs)" if c["files"] == "overlay" else c["files"])
+                     + (f"; mounts: {c['mounts']}" if c.get("mounts") else ""))
         return "; ".join([line, *self.notes])
 
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
@@ -144,6 +146,7 @@ class SandboxBackend(AgentHostBackend):
 
     async def branch(self, machine: MachineRef, names: builtins.list[str],
                      seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
+        self._grant(machine.info.get("root", machine.name), len(names))
         refs = await super().branch(machine, names, seeds)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
@@ -168,17 +171,31 @@ class SandboxBackend(AgentHostBackend):
                     self._no_net(ref, failed[ref.name])
         return refs
 
+    def _grant(self, root: str, stores: int) -> None:
+        """Let the tree's keeper allow ``stores`` more branch stores (before the fork is asked)."""
+        fd = self._grants.get(root)
+        if fd is not None:
+            with contextlib.suppress(OSError):  # a keeper that is gone grants nothing anyway
+                os.write(fd, b"%d\n" % stores)
+
     def _no_net(self, ref: MachineRef, why: str) -> None:
         ref.info["net_error"] = why
         self.notes.append(f"branch {ref.name} has no network: {why}")
 
     async def delete(self, machine: MachineRef) -> None:
         await super().delete(machine)
+        if machine.parent is None and machine.name not in self._machines:
+            fd = self._grants.pop(machine.name, None)
+            if fd is not None:
+                os.close(fd)
         if self._proxy is not None:
             await self._proxy.detach([machine.name])
 
     async def close(self) -> None:
         await super().close()
+        for fd in self._grants.values():
+            os.close(fd)
+        self._grants.clear()
         if self._proxy is not None:
             await self._proxy.close()
 
@@ -213,6 +230,11 @@ class SandboxBackend(AgentHostBackend):
 
         p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
         self._fds, self._fd_paths = p.fds, p.paths
+        if p.grants is not None:
+            old = self._grants.pop(name, None)
+            if old is not None:
+                os.close(old)
+            self._grants[name] = p.grants
         if not self._contained or os.geteuid() != 0:
             return p.argv, GUEST_RUN, spec.workdir
         # A root kernel's folders under a 0700 home (pyenv's Python, a venv in a private

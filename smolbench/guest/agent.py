@@ -1059,7 +1059,8 @@ def main(argv=None):
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
     ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
-    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc)")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc, mount-guard, guard-maps)")
+    ap.add_argument("--grants-fd", type=int, default=None, help="contained: the host's pipe of branch store grants (mountguard.py)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     ap.add_argument("--pids", type=int, default=None,
                     help="contained, with RLIMIT_NPROC as the process cap: the machine's own count (and each branch's)")
@@ -1084,7 +1085,8 @@ def main(argv=None):
         contain = _load_protocol("contain")
         if "net-caps" in args.weaken:  # tests only: keep CAP_NET_ADMIN and CAP_NET_RAW in the machine's netns
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
-        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids)
+        machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids,
+                                     grants_fd=args.grants_fd)
     watch_connects()
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns

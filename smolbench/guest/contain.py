@@ -37,6 +37,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -85,9 +86,11 @@ def _check(rc, what):
 
 
 def mount(src, target, fstype, flags, data=None):
-    """mount(2), raising ContainError."""
-    _check(_libc.mount(src.encode() if src else None, target.encode(), fstype.encode() if fstype else None,
-                       ctypes.c_ulong(flags), data.encode() if data else None), "mount %s" % target)
+    """mount(2), raising ContainError. Type and option strings the mount guard allows are
+    passed as their addresses in its page (``mountguard.py``): no other string passes it."""
+    guard = _guard()
+    _check(_libc.mount(src.encode() if src else None, target.encode(), guard.pointer(fstype),
+                       ctypes.c_ulong(flags), guard.pointer(data)), "mount %s" % target)
 
 
 def umount(target):
@@ -250,8 +253,13 @@ def read_only(path):
 
 
 def cover(path):
-    """An empty read-only tmpfs over ``path``: what was below can't be seen or reached."""
-    mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k,nr_inodes=4")
+    """An empty read-only directory over ``path``: what was below can't be seen or reached.
+    A bind of the store's empty ``cover`` folder (the caller's cwd is the store), not a
+    filesystem of its own: the mount guard allows no tmpfs but a branch's store."""
+    if not os.path.isdir("cover"):
+        os.mkdir("cover", 0o555)
+    mount("cover", path, None, MS_BIND)
+    read_only(path)
 
 
 def _skip_mounts(keep):
@@ -352,6 +360,9 @@ class Machine:
         self.keeper_pid = None
         self.weak = ()
         self.view = None
+        self.guard = None  # a root keeper's mountguard.Keeper
+        self.keeper_fds = []  # descriptors only the keeper keeps
+        self.mounts = "not guarded"
 
     def _open_dirs(self, paths):
         return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
@@ -376,9 +387,8 @@ class Machine:
         lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
         keep = [(p, fd) for p, fd in zip(self.keep_paths, self._open_dirs(self.keep_paths))]
         run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
-        size = ",size=%dm" % self.disk_mib if self.disk_mib else ""
-
-        mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700" + size)
+        # A branch's store spends one of the host's grants (mountguard.py).
+        mount("tmpfs", STORE, "tmpfs", MS_NOSUID | MS_NODEV, _guard().store_options(self.disk_mib))
         # From here the keeper names everything in its store relative to its cwd: the store's
         # path is covered before cells run, so they never see a layer.
         os.chdir(STORE)
@@ -420,7 +430,9 @@ class Machine:
                 copy_into(layer, sub)
             self.layers.append(layer)
         reopen(inherited)
-        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
+        os.mkdir("shm", 0o1777)
+        os.chmod("shm", 0o1777)  # past the umask
+        mount("shm", "/dev/shm", None, MS_BIND)  # shared memory is files in the store, within its size
         if run_fd is not None:
             mount(_fd_path(run_fd), RUN, None, MS_BIND)
             os.close(run_fd)
@@ -443,6 +455,9 @@ class Machine:
             keeper_end.close()
             os.close(self.view)
             self.view = None
+            for fd in self.keeper_fds:  # the guard's page, /proc and grants are the keeper's
+                os.close(fd)
+            self.keeper_fds = []
             set_pdeathsig()
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             drop_privileges()
@@ -453,26 +468,47 @@ class Machine:
         self._keep(keeper_end, pid)
 
     def _keep(self, chan, agent_pid):
-        """The keeper's loop: answer ``freeze`` until the agent is gone, then exit like it."""
-        f = chan.makefile("rb")
+        """The keeper's loop: answer ``freeze`` (and, a root's keeper, the mount guard's
+        notifications and the host's grants) until the agent is gone, then exit like it."""
+        guard, buf = self.guard, b""
         while True:
-            line = f.readline(256)
-            if not line:
-                break
-            if line.strip() != b"freeze":
-                chan.sendall(b'{"error": "unknown request"}\n')
+            ready = _poll([chan.fileno(), *(guard.fds() if guard else [])])
+            if guard:
+                for fd in ready:
+                    if fd != chan.fileno():
+                        guard.ready(fd)
+            if chan.fileno() not in ready:
                 continue
-            try:
-                reply = self.freeze()
-            except OSError as exc:
-                reply = {"error": str(exc)}
-            data = json.dumps(reply).encode() + b"\n"
-            # The store's read-only view goes along: the branches resolve their layers in it.
-            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.view]))] if "error" not in reply else []
-            sent = chan.sendmsg([data], fds)
-            chan.sendall(data[sent:])
+            data, passed = _recv(chan)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line == b"guard" and guard is not None and guard.listener is None and len(passed) == 1:
+                    guard.listener = passed.pop()  # sent once, by the agent, before any cell ran
+                elif line == b"freeze":
+                    self._answer_freeze(chan)
+                else:
+                    chan.sendall(b'{"error": "unknown request"}\n')
+            for fd in passed:
+                os.close(fd)
+            if len(buf) > 256:
+                buf = b""
+                chan.sendall(b'{"error": "unknown request"}\n')
         _, status = os.waitpid(agent_pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF if hasattr(os, "waitstatus_to_exitcode") else 0)
+
+    def _answer_freeze(self, chan):
+        try:
+            reply = self.freeze()
+        except OSError as exc:
+            reply = {"error": str(exc)}
+        data = json.dumps(reply).encode() + b"\n"
+        # The store's read-only view goes along: the branches resolve their layers in it.
+        fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.view]))] if "error" not in reply else []
+        sent = chan.sendmsg([data], fds)
+        chan.sendall(data[sent:])
 
     def freeze(self):
         flattened = []
@@ -510,19 +546,69 @@ def ask_freeze(chan):
     return reply
 
 
-def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None):
+def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None, grants_fd=None):
     """Contain the root machine; returns the Machine (we are now its agent). ``weak``: test
-    knobs that leave a step out (``seccomp``, ``layers``, ``branch-nproc``); ``nproc``: its
-    own process count when RLIMIT_NPROC is what counts (the caller set the hard limit)."""
+    knobs that leave a step out (``seccomp``, ``layers``, ``branch-nproc``, ``mount-guard``,
+    ``guard-maps``); ``nproc``: its own process count when RLIMIT_NPROC is what counts (the
+    caller set the hard limit); ``grants_fd``: the host's pipe of store grants."""
     m = Machine(workdir, disk_mib, net, keep, nproc)
     m.weak = tuple(weak)
+    if grants_fd is not None:
+        m.keeper_fds.append(grants_fd)
+    listen = _guard_page(m, grants_fd)
     m.setup()
     m.split()
     if "seccomp" not in m.weak:
         m.seccomp = _sibling("seccomp").install()
     else:
         m.seccomp = "off (test knob)"
+    if listen:
+        guard = _guard()
+        try:
+            fd = _sibling("seccomp").install_guard(guard.ADDR, [guard.ADDR + guard.OVERLAY, guard.ADDR + guard.PROC],
+                                                   guard.ADDR + guard.TMPFS, guard.ADDR + guard.STORE_OPTS)
+        except OSError as exc:
+            m.mounts = "NOT guarded (the kernel refused the filter: %s): a cell can mount tmpfs/ramfs" % exc.strerror
+        else:
+            guard.send_listener(m.chan, fd)
     return m
+
+
+def _guard_page(m, grants_fd):
+    """Root, before set-up: map the guard's page and make the keeper's side; False where the
+    guard can't be had here (``m.mounts`` says why)."""
+    if "mount-guard" in m.weak:
+        m.mounts = "NOT guarded (test knob): a cell can mount tmpfs/ramfs of its own"
+        return False
+    guard = _guard()
+    try:
+        page = guard.map_page(m.disk_mib)
+    except OSError as exc:
+        m.mounts = "NOT guarded (%s): a cell can mount tmpfs/ramfs" % exc.strerror
+        return False
+    proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC)  # ours: the agent mounts its own over it
+    m.keeper_fds += [page, proc]
+    m.guard = guard.Keeper(page, proc, grants_fd, check_maps="guard-maps" not in m.weak)
+    m.mounts = ("overlay and proc only, and one store per branch the host orders (tmpfs/ramfs refused%s)"
+                % ("; WEAKENED FOR A TEST: the keeper doesn't check the page" if "guard-maps" in m.weak else ""))
+    return True
+
+
+def _poll(fds):
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    return [fd for fd, _ in p.poll()]
+
+
+def _recv(chan):
+    """A chunk from the agent, and the descriptors that came with it."""
+    data, anc, _, _ = chan.recvmsg(4096, socket.CMSG_SPACE(4 * 4))
+    fds = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+    return data, fds
 
 
 def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
@@ -532,7 +618,7 @@ def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
     except OSError:
         pass
     m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths, parent.nproc)
-    m.seccomp, m.files, m.weak = parent.seccomp, parent.files, parent.weak
+    m.seccomp, m.files, m.weak, m.mounts = parent.seccomp, parent.files, parent.weak, parent.mounts
     m.setup(lowers, run_sub, view_fd, old_mounts, branch=True)
     m.split()
     return m
@@ -566,6 +652,16 @@ def reap_orphaned_branches():
         pass
 
 
+_guard_mod = None
+
+
+def _guard():
+    global _guard_mod
+    if _guard_mod is None:
+        _guard_mod = _sibling("mountguard")
+    return _guard_mod
+
+
 def _sibling(name):
     # Loaded by file under a private name: a user's own module of that name must still import.
     import importlib.util
@@ -578,7 +674,7 @@ def _sibling(name):
 
 def info(m):
     """What ``%smol status`` shows about containment."""
-    return {"uid": os.getuid(), "cap_eff": cap_eff(), "files": m.files, "seccomp": m.seccomp}
+    return {"uid": os.getuid(), "cap_eff": cap_eff(), "files": m.files, "seccomp": m.seccomp, "mounts": m.mounts}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,10 @@ branching uses (user, mount, pid, IPC, net: cgroup, UTS and time are refused).
 clone3 answers ENOSYS, so libc falls back to clone, whose flags the filter can read.
 Foreign syscall ABIs (x32, 32-bit) are refused.
 
+A second filter, the mount guard (``guard_program``; why and how in ``mountguard.py``),
+checks mount(2) of new filesystems by the addresses of their type and options, and keeps
+the page those addresses point into where it is.
+
 Why mount and unshare(user|mount|pid) stay allowed: a branch is a live fork of a
 machine that has run cells, so whatever the filter forbids, a branch can't do to
 set itself up. In a fresh user namespace those calls only give power over the
@@ -46,9 +50,17 @@ DENY_X86_64 = {
 }
 NR_CLONE, NR_UNSHARE, NR_CLONE3 = 56, 272, 435
 
-LD_ABS_W, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+LD_ABS_W, JEQ, JGT, JGE, JSET, RET = 0x20, 0x15, 0x25, 0x35, 0x45, 0x06
 RET_ALLOW = 0x7FFF0000
 RET_ERRNO = 0x00050000
+RET_USER_NOTIF = 0x7FC00000
+MS_REMOUNT, MS_BIND, MS_MOVE = 32, 4096, 8192
+MS_PROPAGATION = (1 << 15) | (1 << 17) | (1 << 18) | (1 << 19) | (1 << 20)  # unbindable private slave shared
+SHM_REMAP = 0o40000
+NR_MMAP, NR_MPROTECT, NR_MUNMAP, NR_MREMAP, NR_SHMAT = 9, 10, 11, 25, 30
+NR_MOUNT, NR_REMAP_FILE_PAGES, NR_PKEY_MPROTECT = 165, 216, 329
+ZONE_HI = (0x2000, 0x3000)  # high words of the addresses kept clear: 32 TiB up to the page (48 TiB)
+LEN_HI = 0x1000  # lengths from 16 TiB up could reach the page from below the zone
 
 
 def _ins(code, k, jt=0, jf=0):
@@ -86,21 +98,91 @@ def _relayout(head, checks, tail):
     return head + body + fixed + tail
 
 
+def _arg(i, hi=False):
+    return 16 + 8 * i + (4 if hi else 0)
+
+
+def _assemble(lines):
+    """Lines are (code, k, jt, jf) with jump targets as label names (None: the next line),
+    or a label name alone; returns the instructions."""
+    where, n = {}, 0
+    for line in lines:
+        if isinstance(line, str):
+            where[line] = n
+        else:
+            n += 1
+    out, i = [], 0
+    for line in lines:
+        if isinstance(line, str):
+            continue
+        code, k, jt, jf = line
+        rel = [0 if t is None else where[t] - i - 1 for t in (jt, jf)]
+        if not all(0 <= r <= 255 for r in rel):
+            raise ValueError("seccomp program jump out of range")
+        out.append(_ins(code, k, *rel))
+        i += 1
+    return out
+
+
+def guard_program(addr, allowed, tmpfs, store_opts):
+    """The mount guard (``mountguard.py``): a new filesystem only by the page's own type
+    strings (``allowed``: addresses answered by the keeper; ``tmpfs`` only with
+    ``store_opts``); nothing mapped over the page at ``addr``."""
+    hi = addr >> 32
+    if not ZONE_HI[0] <= hi <= ZONE_HI[1] or any(a >> 32 != hi for a in (*allowed, tmpfs, store_opts)):
+        raise ValueError("the mount page must lie in the guarded zone")
+    ld = lambda off: (LD_ABS_W, off, None, None)  # noqa: E731
+    lines = [ld(4), (JEQ, ARCH_X86_64, None, "allow"), ld(0),
+             (JEQ, NR_MOUNT, "mount", None)]
+    lines += [(JEQ, nr, "range", None) for nr in (NR_MMAP, NR_MUNMAP, NR_MPROTECT, NR_PKEY_MPROTECT, NR_REMAP_FILE_PAGES)]
+    lines += [(JEQ, NR_MREMAP, "mremap", None), (JEQ, NR_SHMAT, "shmat", "allow")]
+    lines += ["mount", ld(_arg(3)), (JSET, MS_BIND, "allow", None), (JSET, MS_REMOUNT, "eperm", None),
+              (JSET, MS_MOVE | MS_PROPAGATION, "allow", None),
+              ld(_arg(2, True)), (JEQ, hi, None, "eperm"), ld(_arg(2))]
+    lines += [(JEQ, a & 0xFFFFFFFF, "notify", None) for a in allowed]
+    lines += [(JEQ, tmpfs & 0xFFFFFFFF, None, "eperm"), ld(_arg(4, True)), (JEQ, hi, None, "eperm"),
+              ld(_arg(4)), (JEQ, store_opts & 0xFFFFFFFF, "notify", "eperm")]
+    # Address in arg 0, length in arg 1 (mmap, munmap, mprotect, pkey_mprotect, remap_file_pages).
+    lines += ["range", ld(_arg(0, True)), (JGE, ZONE_HI[0], None, "len"), (JGT, ZONE_HI[1], "len", "eperm"),
+              "len", ld(_arg(1, True)), (JGE, LEN_HI, "eperm", "allow")]
+    lines += ["mremap", ld(_arg(0, True)), (JGE, ZONE_HI[0], None, "lens"), (JGT, ZONE_HI[1], "lens", "eperm"),
+              "lens", ld(_arg(1, True)), (JGE, LEN_HI, "eperm", None), ld(_arg(2, True)), (JGE, LEN_HI, "eperm", None),
+              ld(_arg(4, True)), (JGE, ZONE_HI[0], None, "allow"), (JGT, ZONE_HI[1], "allow", "eperm")]
+    lines += ["shmat", ld(_arg(2)), (JSET, SHM_REMAP, "eperm", "allow")]
+    lines += ["allow", (RET, RET_ALLOW, None, None), "eperm", (RET, RET_ERRNO | errno.EPERM, None, None),
+              "notify", (RET, RET_USER_NOTIF, None, None)]
+    return _assemble(lines)
+
+
 class _Fprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _load(instructions, flags):
+    code = b"".join(instructions)
+    buf = ctypes.create_string_buffer(code, len(code))
+    prog = _Fprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "no_new_privs")
+    SYS_SECCOMP, SET_MODE_FILTER = 317, 1
+    rc = libc.syscall(SYS_SECCOMP, SET_MODE_FILTER, flags, ctypes.byref(prog))
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), "seccomp")
+    return rc
 
 
 def install():
     """Load the filter for every thread of this process; returns a line for ``%smol status``."""
     if platform.machine() != "x86_64":
         return "off: no filter for this CPU architecture (%s)" % platform.machine()
-    code = b"".join(program())
-    buf = ctypes.create_string_buffer(code, len(code))
-    prog = _Fprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise OSError(ctypes.get_errno(), "no_new_privs")
-    SYS_SECCOMP, SET_MODE_FILTER, FLAG_TSYNC = 317, 1, 1
-    if libc.syscall(SYS_SECCOMP, SET_MODE_FILTER, FLAG_TSYNC, ctypes.byref(prog)) != 0:
-        raise OSError(ctypes.get_errno(), "seccomp")
+    _load(program(), 1)  # SECCOMP_FILTER_FLAG_TSYNC
     return "on (%d refused syscalls, namespace flags checked)" % len(DENY_X86_64)
+
+
+def install_guard(addr, allowed, tmpfs, store_opts):
+    """Load the mount guard for every thread; returns its notification listener (the keeper's)."""
+    if platform.machine() != "x86_64":
+        raise OSError(errno.ENOSYS, "no mount guard for this CPU architecture")
+    TSYNC, NEW_LISTENER, TSYNC_ESRCH = 1, 8, 16
+    return _load(guard_program(addr, allowed, tmpfs, store_opts), TSYNC | NEW_LISTENER | TSYNC_ESRCH)
