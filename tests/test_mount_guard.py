@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from nbhelpers import error_text
 from test_containment import DISK_MIB, Lab, _lab
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -35,7 +36,7 @@ NODES = ("root", "root.0", "root.1")
 
 # Loaded into every machine of a lab (after test_containment's PROBES); each returns plain data.
 GUARD_PROBES = r'''
-import base64, ctypes, errno, json, os, shutil, subprocess, tempfile
+import base64, ctypes, errno, json, os, shutil, subprocess, tempfile, time
 _g = ctypes.CDLL(None, use_errno=True)
 _vp, _sz, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 _g.mmap.restype = _vp
@@ -242,6 +243,38 @@ def replace_page():
     got = {op: _in_child(_replace, op) for op in REPLACE_OPS}
     got["after"] = guard_page()
     return got
+
+def start_grant_thief(seconds):
+    """Leave a process behind, root of a namespace of its own, that keeps mounting a tmpfs
+    with the sealed pointers until ``<folder>/stop`` appears; returns the folder, where it
+    writes how many it got to ``result``."""
+    base = tempfile.mkdtemp(prefix="thief-", dir="/tmp")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            got = {"userns": _own_userns(), "stolen": 0, "tries": 0}
+            end = time.time() + seconds
+            while time.time() < end and not os.path.exists(base + "/stop"):
+                d = "%s/%d" % (base, got["stolen"])
+                if not os.path.isdir(d):
+                    os.mkdir(d)
+                got["tries"] += 1
+                if _g.mount(b"x", d.encode(), GUARD + 32, 0, GUARD + 64) == 0:
+                    got["stolen"] += 1
+            with open(base + "/result", "w") as fh:
+                fh.write(json.dumps(got))
+        finally:
+            os._exit(0)
+    return base
+
+def grant_thief_result(base, wait=30):
+    open(base + "/stop", "w").close()
+    end = time.time() + wait
+    while not os.path.exists(base + "/result") and time.time() < end:
+        time.sleep(0.05)
+    with open(base + "/result") as fh:
+        return json.load(fh)
 
 def run_elf(b64, as_memfd=False):
     """Write the crafted ELF to /tmp (or into a memfd named like the guard page's) and run it."""
@@ -452,6 +485,22 @@ def test_forks_of_a_branch_still_get_their_own_files(real: Lab, grandchildren: t
     for node in (a, b, "root.0"):
         seen[node] = real.probe("sorted(f for d in ('/workspace', '/tmp') for f in os.listdir(d) if f.startswith('gc-'))", node)
     assert seen == {a: [f"gc-{a}", f"gc-{a}"], b: [f"gc-{b}", f"gc-{b}"], "root.0": []}, seen
+
+
+@pytest.mark.xfail(strict=True, reason="mount guard: a grant is spent by whoever mounts first with the sealed pointers, not by the branch it was for")
+def test_a_store_grant_goes_to_the_branch_it_was_for(real: Lab) -> None:
+    """The attacker leaves a process behind in root that keeps calling mount(2) with the
+    sealed pointers ("tmpfs", the store's options) from a namespace of its own. When the
+    host orders a fork of root.1 it grants two stores, and the process must not get them:
+    a grant it got would be a tmpfs of ``disk`` outside any branch (one more at every fork
+    ordered, however few branches are alive), and the branch it was for would fail."""
+    base = real.probe("start_grant_thief(30)", "root")
+    real.ok("%smol use root.1")
+    fork = real.nb.run("%%smol fork 2 --keep all --quiet\n1 + 1")
+    got = real.probe(f"grant_thief_result({base!r})", "root")
+    assert got["userns"] == "ok" and got["tries"] > 0, got
+    assert got["stolen"] == 0, got
+    assert not error_text(fork), error_text(fork)
 
 
 def test_status_says_tmpfs_and_ramfs_are_refused(real: Lab, unguarded: Lab) -> None:
