@@ -298,11 +298,11 @@ def run_elf(b64, as_memfd=False):
 '''
 
 USERNS_MOUNTS = """
-mkdir -p /tmp/guard-m
+mkdir -p /tmp/guard-m /tmp/guard-b
 mount -t tmpfs x /tmp/guard-m 2>/dev/null && echo tmpfs
 mount -t tmpfs -o size=1g x /tmp/guard-m 2>/dev/null && echo tmpfs-1g
 mount -t ramfs x /tmp/guard-m 2>/dev/null && echo ramfs
-mount --bind /tmp /tmp/guard-m && echo bind
+mount --bind /tmp/guard-b /tmp/guard-m && echo bind
 true
 """
 
