@@ -147,6 +147,27 @@ def own_mounts(fill_mib):
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+DISGUISES = {"MS_SILENT": 0x8000, "MS_REC|MS_SILENT": 0xC000, "MS_MGC_VAL": 0xC0ED0000,
+             "MS_MGC_VAL|MS_SILENT": 0xC0ED8000}
+
+def disguised_flags():
+    """In a fresh user + mount namespace: ramfs with flags a filter could take for a change of
+    propagation (no new filesystem), which the kernel mounts as new; and a real propagation
+    change (which must pass)."""
+    base = tempfile.mkdtemp(prefix="guard-", dir="/tmp")
+
+    def attempt():
+        got = {"userns": _own_userns()}
+        for name, flags in DISGUISES.items():
+            got[name] = _err(_g.mount(b"x", base.encode(), b"ramfs", flags, None) == 0)
+        got["propagation"] = _err(_g.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0)  # MS_REC | MS_PRIVATE
+        return got
+
+    try:
+        return _in_child(attempt)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
 def sealed_pointer_mount():
     """In a fresh user + mount namespace, mount a tmpfs with the guard page's own pointers
     (fstype GUARD+32 "tmpfs", data GUARD+64: the store's options). With no guard page
@@ -411,6 +432,26 @@ def test_a_fresh_namespace_cannot_mount_tmpfs_or_ramfs(real: Lab, unguarded: Lab
     got = unguarded.probe(f"own_mounts({FILL_MIB})", "root.1")
     assert (got["tmpfs"], got["tmpfs-1g"], got["ramfs"]) == ("ok", "ok", "ok"), got
     assert got["ramfs_mib"] == FILL_MIB > DISK_MIB, got
+
+
+DISGUISES = ("MS_SILENT", "MS_REC|MS_SILENT", "MS_MGC_VAL", "MS_MGC_VAL|MS_SILENT")
+
+
+@pytest.mark.parametrize("flags", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="mount guard: the kernel strips MS_MGC_VAL (0xC0ED0000) from the flags; the filter reads its bits as MS_PRIVATE|MS_SLAVE"))
+    if f.startswith("MS_MGC_VAL") else f for f in DISGUISES])
+def test_flags_that_look_like_a_propagation_change_mount_nothing(real: Lab, unguarded: Lab, flags: str) -> None:
+    """The attacker names ramfs with mount flags the guard could take for a flag-only call:
+    MS_SILENT (1 << 15, next to the propagation bits) is no propagation flag, so the kernel
+    makes a new mount; MS_MGC_VAL (0xC0ED0000, the pre-2.4 magic the kernel still discards)
+    has the MS_PRIVATE and MS_SLAVE bits set, and the kernel strips it before it looks. Each
+    must be EPERM, while a real propagation change passes."""
+    got = unguarded.probe("disguised_flags()", "root.1")
+    assert got[flags] == "ok", got  # the probe does mount where nothing guards
+    for node in ("root", "root.0"):
+        got = real.probe("disguised_flags()", node)
+        assert got["userns"] == "ok" and got["propagation"] == "ok", got
+        assert got[flags] == "EPERM", got
 
 
 def test_the_mount_binary_in_unshare_is_refused_too(real: Lab, unguarded: Lab) -> None:
