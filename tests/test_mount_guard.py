@@ -438,7 +438,7 @@ DISGUISES = ("MS_SILENT", "MS_REC|MS_SILENT", "MS_MGC_VAL", "MS_MGC_VAL|MS_SILEN
 
 
 @pytest.mark.parametrize("flags", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="mount guard: the kernel strips MS_MGC_VAL (0xC0ED0000) from the flags; the filter reads its bits as MS_PRIVATE|MS_SLAVE"))
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="mount guard: the kernel strips MS_MGC_VAL (0xC0ED0000) from the flags; the filter reads its bits as MS_PRIVATE|MS_SLAVE"))
     if f.startswith("MS_MGC_VAL") else f for f in DISGUISES])
 def test_flags_that_look_like_a_propagation_change_mount_nothing(real: Lab, unguarded: Lab, flags: str) -> None:
     """The attacker names ramfs with mount flags the guard could take for a flag-only call:
@@ -528,7 +528,7 @@ def test_forks_of_a_branch_still_get_their_own_files(real: Lab, grandchildren: t
     assert seen == {a: [f"gc-{a}", f"gc-{a}"], b: [f"gc-{b}", f"gc-{b}"], "root.0": []}, seen
 
 
-@pytest.mark.xfail(strict=True, reason="mount guard: a grant is spent by whoever mounts first with the sealed pointers, not by the branch it was for")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="mount guard: a grant is spent by whoever mounts first with the sealed pointers, not by the branch it was for")
 def test_a_store_grant_goes_to_the_branch_it_was_for(real: Lab) -> None:
     """The attacker leaves a process behind in root that keeps calling mount(2) with the
     sealed pointers ("tmpfs", the store's options) from a namespace of its own. When the
