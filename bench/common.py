@@ -1,11 +1,13 @@
-"""Shared pieces of the benchmarks: machine info, statistics, a real Jupyter kernel,
-/proc memory accounting of a sandbox's process tree, and process hygiene.
+"""Shared pieces of the benchmarks: machine info, statistics, a side-by-side comparison of
+two sandbox backends, a real Jupyter kernel, /proc memory accounting of a sandbox's process
+tree, and process hygiene.
 
 Nothing here asserts timings; every number is measured and written to JSON.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as _dt
 import json
@@ -16,7 +18,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +122,87 @@ def summary(values_s: list[float], unit: float = 1e3) -> dict[str, Any]:
         "min": round(min(v), 3),
         "max": round(max(v), 3),
     }
+
+
+# --------------------------------------------------------------------------- two sandboxes, side by side
+
+
+@dataclass
+class Side:
+    """One column of a side-by-side comparison of two sandbox backends (bench/limits.py,
+    bench/mountguard.py): ``setting()`` is in effect while its backend is made and its
+    machine started; ``describe(backend, machine, spec)`` says what that side enforces."""
+
+    label: str
+    setting: Callable[[], contextlib.AbstractContextManager[Any]]
+    describe: Callable[[Any, Any, Any], Awaitable[str]]
+
+
+WARM_STATE = "state = bytearray(200 << 20)\nstate[::4096] = b'x' * len(state[::4096])"
+
+
+async def compare_sandboxes(sides: Sequence[Side], rounds: int, run_dir: str, forks: Sequence[int] = (16,)) -> dict[str, Any]:
+    """Two (or more) sandbox backends in one process, a 200 MiB warm machine each, rounds
+    interleaved (the order flips every round) so host load hits them alike. Per round and side:
+    ``raw_exec``, ten ``exec_cell("pass")`` round trips; for each N in ``forks``, ``forkN``: a
+    ``branch`` of N until every branch answered a first cell, and ``deleteN``: deleting them.
+    Returns {label: {"mechanism": describe(...), key: {"median_ms", "min_ms", "n"}}}."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.spec import MachineSpec
+
+    spec = MachineSpec(memory=2048)
+    keys = ["raw_exec", *(f"{what}{n}" for n in forks for what in ("fork", "delete"))]
+    cols: list[dict[str, Any]] = []
+    try:
+        for side in sides:
+            with side.setting():
+                backend = SandboxBackend(runtime_dir=run_dir)
+                cols.append({"label": side.label, "backend": backend, **{k: [] for k in keys}})
+                ref = await backend.create(spec, "root")
+                await backend.exec_cell(ref, CellRequest(WARM_STATE), lambda e: None)
+                cols[-1].update(ref=ref, mechanism=await side.describe(backend, ref, spec))
+        for r in range(rounds):
+            for col in (cols if r % 2 == 0 else cols[::-1]):
+                b, ref = col["backend"], col["ref"]
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    await b.exec_cell(ref, CellRequest("pass"), lambda e: None)
+                    col["raw_exec"].append((time.perf_counter() - t0) * 1e3)
+                for n in forks:
+                    t0 = time.perf_counter()
+                    kids = await b.branch(ref, [f"root.{r}.{n}.{i}" for i in range(n)], list(range(n)))
+                    await asyncio.gather(*(b.exec_cell(k, CellRequest("SEED"), lambda e: None) for k in kids))
+                    col[f"fork{n}"].append((time.perf_counter() - t0) * 1e3)
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(b.delete(k) for k in kids))
+                    col[f"delete{n}"].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        for col in cols:
+            await col["backend"].close()
+    out: dict[str, Any] = {}
+    for col in cols:
+        out[col["label"]] = {"mechanism": col["mechanism"]}
+        for key in keys:
+            vals = col[key]
+            out[col["label"]][key] = {"median_ms": statistics.median(vals), "min_ms": min(vals), "n": len(vals)}
+    return out
+
+
+def run_compare(sides: Sequence[Side], rounds: int, prefix: str, forks: Sequence[int] = (16,)) -> dict[str, Any]:
+    """:func:`compare_sandboxes` in a temporary run folder, with machine info and the host's
+    1-minute load average before and after."""
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix=prefix) as run_dir:
+        results = asyncio.run(compare_sandboxes(sides, rounds, run_dir, forks))
+    return {"machine": machine_info("sandbox"), "rounds": rounds, "results": results,
+            "load_avg": [load, os.getloadavg()[0]]}
+
+
+def compare_rows(a: dict[str, Any], b: dict[str, Any], rows: Sequence[tuple[str, str]]) -> list[str]:
+    """Table rows ``| what | a median / min | b median / min | a - b medians |`` (ms)."""
+    return [f"| {what} | {a[key]['median_ms']:.1f} / {a[key]['min_ms']:.1f} | {b[key]['median_ms']:.1f} / "
+            f"{b[key]['min_ms']:.1f} | {a[key]['median_ms'] - b[key]['median_ms']:+.1f} |" for key, what in rows]
 
 
 # --------------------------------------------------------------------------- output

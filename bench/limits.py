@@ -15,83 +15,48 @@ interleave them so host load hits both alike. Per round, on a machine holding
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
+from collections.abc import Iterator
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "bench"
 
-from bench.common import RESULTS, machine_info  # noqa: E402
+from bench.common import RESULTS, Side, compare_rows, run_compare  # noqa: E402
+
+# The section's last paragraph (bench/mountguard.py puts its section right after it).
+NOTE = ("Each branch gets its own cgroup: they are made while the agent forks, and a branch is moved into its own "
+        "before it runs anything; deleting one empties and removes its cgroup and waits for that.")
 
 
-async def _measure(rounds: int, run_dir: str) -> dict[str, Any]:
-    from smolbench.backends import _limits
-    from smolbench.backends.base import CellRequest
-    from smolbench.backends.sandbox import SandboxBackend
-    from smolbench.spec import MachineSpec
+def _enforcing(on: bool) -> Side:
+    @contextlib.contextmanager
+    def setting() -> Iterator[None]:
+        from smolbench.backends import _limits
 
-    spec = MachineSpec(memory=2048)
-    sides: dict[str, Any] = {}
-    for mode in ("on", "off"):
-        _limits.ENFORCE = mode == "on"
-        backend = SandboxBackend(runtime_dir=run_dir)
-        ref = await backend.create(spec, "root")
-        await backend.exec_cell(ref, CellRequest("state = bytearray(200 << 20)\nstate[::4096] = b'x' * len(state[::4096])"),
-                                lambda e: None)
-        sides[mode] = {"backend": backend, "ref": ref, "raw_exec": [], "fork16": [], "delete16": [],
-                       "mechanism": backend.limits_status(spec)}
-    _limits.ENFORCE = True
-    try:
-        for r in range(rounds):
-            for side in (list(sides.values()) if r % 2 == 0 else list(sides.values())[::-1]):
-                b, ref = side["backend"], side["ref"]
-                for _ in range(10):
-                    t0 = time.perf_counter()
-                    await b.exec_cell(ref, CellRequest("pass"), lambda e: None)
-                    side["raw_exec"].append((time.perf_counter() - t0) * 1e3)
-                t0 = time.perf_counter()
-                kids = await b.branch(ref, [f"root.{r}.{i}" for i in range(16)], list(range(16)))
-                await asyncio.gather(*(b.exec_cell(k, CellRequest("SEED"), lambda e: None) for k in kids))
-                side["fork16"].append((time.perf_counter() - t0) * 1e3)
-                t0 = time.perf_counter()
-                await asyncio.gather(*(b.delete(k) for k in kids))
-                side["delete16"].append((time.perf_counter() - t0) * 1e3)
-    finally:
-        for side in sides.values():
-            await side["backend"].close()
-    out: dict[str, Any] = {}
-    for mode, side in sides.items():
-        out[mode] = {"mechanism": side["mechanism"]}
-        for key in ("raw_exec", "fork16", "delete16"):
-            vals = side[key]
-            out[mode][key] = {"median_ms": statistics.median(vals), "min_ms": min(vals), "n": len(vals)}
-    return out
+        _limits.ENFORCE = on  # read when the backend probes its limits (its first machine)
+        try:
+            yield
+        finally:
+            _limits.ENFORCE = True
+
+    async def describe(backend: Any, ref: Any, spec: Any) -> str:
+        return str(backend.limits_status(spec))
+
+    return Side("on" if on else "off", setting, describe)
 
 
 def run(rounds: int = 12) -> dict[str, Any]:
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-limits-") as run_dir:
-        results = asyncio.run(_measure(rounds, run_dir))
-    return {"machine": machine_info("sandbox"), "rounds": rounds, "results": results,
-            "load_avg": [load, os.getloadavg()[0]]}
+    return run_compare([_enforcing(True), _enforcing(False)], rounds, "bench-limits-")
 
 
 def section(d: dict[str, Any]) -> list[str]:
     """The RESULTS.md section for ``limits.json``."""
     on, off = d["results"]["on"], d["results"]["off"]
-
-    def row(key: str, what: str) -> str:
-        a, b = on[key], off[key]
-        return (f"| {what} | {a['median_ms']:.1f} / {a['min_ms']:.1f} | {b['median_ms']:.1f} / {b['min_ms']:.1f} | "
-                f"{a['median_ms'] - b['median_ms']:+.1f} |")
-
     return [
         "## Limits · what enforcing them costs (issue 8)", "",
         f"`python -m bench.limits`, {d['machine']['date'][:16]}, {d['rounds']} interleaved rounds, sandbox backend, "
@@ -99,11 +64,9 @@ def section(d: dict[str, Any]) -> list[str]:
         "the two columns, not these with B3). Limits on: ".format(*d.get("load_avg", [0, 0]), d["machine"].get("cores", "?"))
         + on["mechanism"] + ".", "",
         "| ms (median / min) | limits on | limits off | difference of medians |", "|---|---:|---:|---:|",
-        row("raw_exec", "raw `exec_cell('pass')`"),
-        row("fork16", "fork 16, all running"),
-        row("delete16", "delete those 16 branches"), "",
-        "Each branch gets its own cgroup: they are made while the agent forks, and a branch is moved into its own "
-        "before it runs anything; deleting one empties and removes its cgroup and waits for that.", "",
+        *compare_rows(on, off, [("raw_exec", "raw `exec_cell('pass')`"), ("fork16", "fork 16, all running"),
+                                ("delete16", "delete those 16 branches")]), "",
+        NOTE, "",
     ]
 
 

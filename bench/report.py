@@ -471,6 +471,11 @@ def write(quick: bool = False) -> Path:
         from .limits import section as limits_section
 
         lines += limits_section(limits)
+    guard = _load("mountguard", quick)
+    if guard:
+        from .mountguard import section as guard_section
+
+        lines += guard_section(guard)
     net = _load("netpolicy", quick)
     if net:
         from .netpolicy import section as net_section
@@ -496,7 +501,18 @@ def write(quick: bool = False) -> Path:
               "(cores, CPU, Python, backend, date, commit) and per-stage host load; B1 keeps its raw samples.",
               "* `bench/results/profile_*.txt`: cProfile tables (P1 trivial cell, P2 fork host side and branch start-up, P3 fork of rollouts).",
               "* `--quick` runs write `*.quick.json` and `bench/results/quick/`, and never overwrite the full run.", ""]
+    # The scale-out sections (written by their own scripts, which need Ray) come last, from their JSON.
+    for name in ("b5_cluster", "b5_dispatch"):
+        data = None if quick else _load(name, False)
+        if data:
+            lines += ["", _section_of(name)(data)] if lines[-1] else [_section_of(name)(data)]
     out = (RESULTS / "quick" / "RESULTS.md") if quick else (BENCH_DIR / "RESULTS.md")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines) + ("\n" if lines[-1].endswith("-->") else ""))
     return out
+
+
+def _section_of(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"bench.{name}").section

@@ -146,7 +146,7 @@ class SandboxBackend(AgentHostBackend):
 
     async def branch(self, machine: MachineRef, names: builtins.list[str],
                      seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
-        self._grant(machine.info.get("root", machine.name), len(names))
+        self._grant(machine, len(names))
         refs = await super().branch(machine, names, seeds)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
@@ -171,12 +171,16 @@ class SandboxBackend(AgentHostBackend):
                     self._no_net(ref, failed[ref.name])
         return refs
 
-    def _grant(self, root: str, stores: int) -> None:
-        """Let the tree's keeper allow ``stores`` more branch stores (before the fork is asked)."""
-        fd = self._grants.get(root)
-        if fd is not None:
-            with contextlib.suppress(OSError):  # a keeper that is gone grants nothing anyway
-                os.write(fd, b"%d\n" % stores)
+    def _grant(self, machine: MachineRef, stores: int) -> None:
+        """Let the tree's keeper allow ``stores`` more branch stores, to the pid namespace of
+        ``machine``'s agent, where its branches set themselves up (before the fork is asked)."""
+        fd, pid = self._grants.get(machine.info.get("root", machine.name)), machine.info.get("host_pid")
+        if fd is None or pid is None:
+            return
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a machine that is gone grants nothing
+            # a root's host pid is its agent; a branch's, its keeper, which made the branch's namespace
+            ns = int(os.readlink(f"/proc/{pid}/ns/pid_for_children").split("[", 1)[1].rstrip("]"))
+            os.write(fd, b"%d %d\n" % (stores, ns))
 
     def _no_net(self, ref: MachineRef, why: str) -> None:
         ref.info["net_error"] = why

@@ -160,17 +160,34 @@ class LocalCluster:
         atexit.unregister(self.stop)
 
     def _kill_strays(self) -> None:
-        """Ray processes of this cluster that outlived it (a node that timed out while starting)."""
+        """Ray processes of this cluster that outlived it (a node that timed out while starting),
+        and wait until they are gone: a worker still dying may write its session folder again.
+        Workers rename themselves (``ray::IDLE``): theirs is found in their environment."""
         mark = str(self.dir).encode()
+        killed = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             with contextlib.suppress(OSError):
-                if mark in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes()
+                if mark in cmdline or (cmdline.startswith(b"ray::") and mark in (entry / "environ").read_bytes()):
                     os.kill(int(entry.name), signal.SIGKILL)
+                    killed.append(entry)
+        deadline = time.monotonic() + 10
+        while killed and time.monotonic() < deadline:
+            killed = [e for e in killed if _alive(e)]
+            time.sleep(0.02)
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _alive(proc: Path) -> bool:
+    """Is ``/proc/PID`` still a process that has not been reaped (zombies count as gone)?"""
+    try:
+        return (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False

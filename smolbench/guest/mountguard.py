@@ -19,8 +19,10 @@ mounts of a *new* filesystem are checked here, by their type and options:
   maps its own bytes there gets EPERM. Since that mapping can't change while the call
   waits, the strings the kernel then reads are ours.
 * A ``tmpfs`` (a branch's store, sized by the Smolfile's ``disk``) needs a grant: the host
-  writes one per branch it orders to a pipe only the keeper holds, and each store mount
-  spends one. So the memory in tmpfs is at most ``disk`` per branch the host ordered.
+  writes one per branch it orders to a pipe only the keeper holds, for the pid namespace of
+  the machine it asks to fork (where a branch is while it sets itself up), and each store
+  mount from that namespace spends one. So the memory in tmpfs is at most ``disk`` per
+  branch the host ordered, and no other machine of the tree can take a branch's store.
 
 Bind, move, propagation and bind-remount calls create no filesystem and pass; a plain
 remount (new superblock options, such as a larger ``size``) is EPERM.
@@ -110,7 +112,7 @@ class Keeper:
         self.grants_fd = grants_fd
         self.check_maps = check_maps
         self.listener = None
-        self.grants = 0
+        self.grants = {}  # pid namespace (inode) -> stores the host granted there
         self.refused = 0
         self._pending = b""
         if grants_fd is not None:
@@ -126,7 +128,8 @@ class Keeper:
             self.read_grants()
 
     def read_grants(self):
-        """Add what the host granted (one number per line); a closed pipe grants nothing more."""
+        """Add what the host granted (lines "N NS": N stores to pid namespace NS); a closed
+        pipe grants nothing more."""
         if self.grants_fd is None:
             return
         while True:
@@ -141,8 +144,10 @@ class Keeper:
             self._pending += data
             *lines, self._pending = self._pending.split(b"\n")
             for line in lines:
-                if line.strip().isdigit():
-                    self.grants += int(line)
+                fields = line.split()
+                if len(fields) == 2 and all(f.isdigit() for f in fields):
+                    ns = int(fields[1])
+                    self.grants[ns] = self.grants.get(ns, 0) + int(fields[0])
 
     def answer(self):
         notif = _Notif()
@@ -151,9 +156,10 @@ class Keeper:
         ok = notif.data.nr == NR_MOUNT and (not self.check_maps or self._has_page(notif.pid))
         if ok and notif.data.args[2] == ADDR + TMPFS:
             self.read_grants()  # the host writes the grant before it orders the fork
-            ok = self.grants > 0
+            ns = self._pid_ns(notif.pid)
+            ok = self.grants.get(ns, 0) > 0
             if ok:
-                self.grants -= 1
+                self.grants[ns] -= 1
         # The maps we read were the caller's only if its notification is still pending.
         if ok and _libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_IOCTL_NOTIF_ID_VALID), ctypes.byref(ctypes.c_uint64(notif.id))) != 0:
             return
@@ -161,6 +167,13 @@ class Keeper:
             self.refused += 1
         resp = _Resp(notif.id, 0, 0 if ok else -errno.EPERM, SECCOMP_USER_NOTIF_FLAG_CONTINUE if ok else 0)
         _libc.ioctl(self.listener, ctypes.c_ulong(SECCOMP_IOCTL_NOTIF_SEND), ctypes.byref(resp))
+
+    def _pid_ns(self, pid):
+        try:
+            link = os.readlink("%d/ns/pid" % pid, dir_fd=self.proc_fd)  # "pid:[4026532123]"
+            return int(link.split("[", 1)[1].rstrip("]"))
+        except (OSError, IndexError, ValueError):
+            return None
 
     def _has_page(self, pid):
         """Is the sealed page what process ``pid`` has mapped at ADDR?"""

@@ -50,12 +50,13 @@ DENY_X86_64 = {
 }
 NR_CLONE, NR_UNSHARE, NR_CLONE3 = 56, 272, 435
 
-LD_ABS_W, JEQ, JGT, JGE, JSET, RET = 0x20, 0x15, 0x25, 0x35, 0x45, 0x06
+LD_ABS_W, JEQ, JGT, JGE, JSET, RET, AND = 0x20, 0x15, 0x25, 0x35, 0x45, 0x06, 0x54
 RET_ALLOW = 0x7FFF0000
 RET_ERRNO = 0x00050000
 RET_USER_NOTIF = 0x7FC00000
 MS_REMOUNT, MS_BIND, MS_MOVE = 32, 4096, 8192
 MS_PROPAGATION = (1 << 17) | (1 << 18) | (1 << 19) | (1 << 20)  # unbindable private slave shared (1 << 15 is MS_SILENT)
+MS_MGC_VAL, MS_MGC_MSK = 0xC0ED0000, 0xFFFF0000  # the old magic: the kernel drops those bits when they are exactly it
 SHM_REMAP = 0o40000
 NR_MMAP, NR_MPROTECT, NR_MUNMAP, NR_MREMAP, NR_SHMAT = 9, 10, 11, 25, 30
 NR_MOUNT, NR_REMAP_FILE_PAGES, NR_PKEY_MPROTECT = 165, 216, 329
@@ -136,7 +137,11 @@ def guard_program(addr, allowed, tmpfs, store_opts):
              (JEQ, NR_MOUNT, "mount", None)]
     lines += [(JEQ, nr, "range", None) for nr in (NR_MMAP, NR_MUNMAP, NR_MPROTECT, NR_PKEY_MPROTECT, NR_REMAP_FILE_PAGES)]
     lines += [(JEQ, NR_MREMAP, "mremap", None), (JEQ, NR_SHMAT, "shmat", "allow")]
-    lines += ["mount", ld(_arg(3)), (JSET, MS_BIND, "allow", None), (JSET, MS_REMOUNT, "eperm", None),
+    # The flags as the kernel reads them: with the magic in the high bits, only the low ones.
+    lines += ["mount", ld(_arg(3)), (AND, MS_MGC_MSK, None, None), (JEQ, MS_MGC_VAL, None, "plain"),
+              ld(_arg(3)), (AND, 0xFFFF, None, None), (JSET, 0, None, "flags"),  # (always jumps)
+              "plain", ld(_arg(3)),
+              "flags", (JSET, MS_BIND, "allow", None), (JSET, MS_REMOUNT, "eperm", None),
               (JSET, MS_MOVE | MS_PROPAGATION, "allow", None),
               ld(_arg(2, True)), (JEQ, hi, None, "eperm"), ld(_arg(2))]
     lines += [(JEQ, a & 0xFFFFFFFF, "notify", None) for a in allowed]
