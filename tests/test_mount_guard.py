@@ -554,7 +554,7 @@ def test_a_store_grant_goes_to_the_branch_it_was_for(real: Lab, thief: str) -> N
     ordered, however few branches are alive), and the branch it was for would fail."""
     pid = real.probe("start_grant_thief(30)", thief)
     real.ok("%smol use root.1")
-    fork = real.nb.run("%%smol fork 2 --keep all --quiet\n1 + 1")
+    fork = real.nb.run("%%smol fork 2 --keep none --quiet\n1 + 1")
     got = real.probe(f"grant_thief_result({pid})", thief)
     assert got["userns"] == "ok" and got["tries"] > 0, got
     assert got["stolen"] == 0, got
