@@ -342,11 +342,12 @@ true
 """
 
 
-def crafted_elf(addr: int = GUARD) -> bytes:
+def crafted_elf(addr: int = GUARD, compat: bool = False) -> bytes:
     """A static x86_64 executable whose one segment is a page at ``addr`` (RWX) holding
     b"ramfs" at ``addr`` and code at ``addr + 0x100``: unshare(CLONE_NEWUSER|CLONE_NEWNS),
     then mount("x", "/tmp", addr, 0, NULL), then exit(-rax): 0 mounted, 1 EPERM
-    (100 + errno if the unshare failed)."""
+    (100 + errno if the unshare failed). ``compat``: the mount through the 32-bit ABI
+    (``int 0x80``, mount is 21 there; ``addr`` below 4 GiB)."""
     page = bytearray(0x200)
     page[0:6] = b"ramfs\0"
     page[0x80:0x82] = b"x\0"
@@ -358,6 +359,27 @@ def crafted_elf(addr: int = GUARD) -> bytes:
         b"\xb8" + struct.pack("<I", 60),  # mov eax, SYS_exit
         b"\x0f\x05",  # syscall
     ])
+    if compat:
+        assert addr + 0x1000 < 1 << 32
+        mount = b"".join([
+            b"\xbb" + struct.pack("<I", addr + 0x80),  # mov ebx, "x"
+            b"\xb9" + struct.pack("<I", addr + 0x88),  # mov ecx, "/tmp"
+            b"\xba" + struct.pack("<I", addr),  # mov edx, "ramfs"
+            b"\x31\xf6",  # xor esi, esi (flags)
+            b"\x31\xff",  # xor edi, edi (data)
+            b"\xb8" + struct.pack("<I", 21),  # mov eax, mount (i386)
+            b"\xcd\x80",  # int 0x80
+        ])
+    else:
+        mount = b"".join([
+            b"\x48\xbf" + struct.pack("<Q", addr + 0x80),  # movabs rdi, "x"
+            b"\x48\xbe" + struct.pack("<Q", addr + 0x88),  # movabs rsi, "/tmp"
+            b"\x48\xba" + struct.pack("<Q", addr),  # movabs rdx, "ramfs": the pointer the guard allows
+            b"\x4d\x31\xd2",  # xor r10, r10 (flags)
+            b"\x4d\x31\xc0",  # xor r8, r8 (data)
+            b"\xb8" + struct.pack("<I", 165),  # mov eax, SYS_mount
+            b"\x0f\x05",  # syscall
+        ])
     code = b"".join([
         b"\xbf" + struct.pack("<I", 0x10020000),  # mov edi, CLONE_NEWUSER | CLONE_NEWNS
         b"\xb8" + struct.pack("<I", 272),  # mov eax, SYS_unshare
@@ -365,13 +387,7 @@ def crafted_elf(addr: int = GUARD) -> bytes:
         b"\x85\xc0",  # test eax, eax
         b"\x74" + bytes([len(leave)]),  # jz over the exit below
         leave,
-        b"\x48\xbf" + struct.pack("<Q", addr + 0x80),  # movabs rdi, "x"
-        b"\x48\xbe" + struct.pack("<Q", addr + 0x88),  # movabs rsi, "/tmp"
-        b"\x48\xba" + struct.pack("<Q", addr),  # movabs rdx, "ramfs": the pointer the guard allows
-        b"\x4d\x31\xd2",  # xor r10, r10 (flags)
-        b"\x4d\x31\xc0",  # xor r8, r8 (data)
-        b"\xb8" + struct.pack("<I", 165),  # mov eax, SYS_mount
-        b"\x0f\x05",  # syscall
+        mount,
         b"\xf7\xd8",  # neg eax
         b"\x89\xc7",  # mov edi, eax
         b"\xb8" + struct.pack("<I", 60),  # mov eax, SYS_exit
@@ -385,6 +401,8 @@ def crafted_elf(addr: int = GUARD) -> bytes:
 
 
 ELF_B64 = base64.b64encode(crafted_elf()).decode()
+COMPAT_ADDR = 0x10000000
+COMPAT_ELF_B64 = base64.b64encode(crafted_elf(COMPAT_ADDR, compat=True)).decode()
 
 
 def _guard_lab(weaken: str) -> Iterator[Lab]:
@@ -566,12 +584,24 @@ def test_status_says_tmpfs_and_ramfs_are_refused(real: Lab, unguarded: Lab) -> N
     assert "tmpfs/ramfs refused" not in _status(unguarded)
 
 
-def test_the_crafted_elf_mounts_where_nothing_guards(tmp_path: Path) -> None:
-    """The ELF itself works: in a namespace of its own on this host, it mounts (exit 0)."""
+def test_a_mount_through_the_32_bit_abi_is_refused(real: Lab) -> None:
+    """The attacker execs a static ELF that mounts a ramfs through ``int 0x80`` (the i386
+    ABI: mount is 21 there, pointers below 4 GiB), where a filter that reads only x86_64
+    numbers sees no mount(2). Refused (the machine's filter answers ENOSYS to foreign ABIs);
+    on the host the same program mounts (the test below)."""
+    for node in ("root", "root.1"):
+        assert real.probe(f"run_elf({COMPAT_ELF_B64!r})", node)["rc"] not in (0, -11), node  # -11: no int 0x80 here
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_the_crafted_elf_mounts_where_nothing_guards(tmp_path: Path, compat: bool) -> None:
+    """The ELFs themselves work: in a namespace of their own on this host, they mount (exit 0)."""
     path = tmp_path / "elf"
-    path.write_bytes(crafted_elf())
+    path.write_bytes(crafted_elf(COMPAT_ADDR, compat=True) if compat else crafted_elf())
     path.chmod(0o755)
     res = subprocess.run([str(path)], timeout=30)
     if res.returncode == 101:  # EPERM from unshare: this host refuses user namespaces
         pytest.skip("user namespaces are not allowed here")
+    if compat and res.returncode == -11:
+        pytest.skip("this kernel runs no 32-bit syscalls (no IA32 emulation)")
     assert res.returncode == 0
