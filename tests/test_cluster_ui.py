@@ -101,7 +101,7 @@ def _run_in(browser: Any, base: str, token: str, name: str, code: str) -> str:
     """Run ``code`` in the kernel of the open notebook ``name`` from a page of its own."""
     page = browser.new_page()
     try:
-        page.goto(notebook_url(base, token, "lab", name))
+        page.goto(notebook_url(base, token, "lab", name).replace("?", "?reset&"))  # that notebook alone, current
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         wait_for_kernel(page)
         return str(page.evaluate(KERNEL_EXEC, code))

@@ -213,6 +213,7 @@ def test_every_filesystem_in_memory_a_machine_can_write_is_bounded(tmp_path: Pat
         assert got.endswith("'ENOSPC']") and int(got[1:].split(",")[0]) <= 256 + 32 + 16, got
     if "rlimits" in status:  # no cgroup: status says what is not counted
         assert "not counted as memory" in status and "a branch's fork bomb" in status, status
+        assert "shared memory" in status and "only a cgroup bounds" in status, status
 
 
 # -- processes --------------------------------------------------------------------------------
