@@ -76,6 +76,12 @@ def _in_child(fn, *args):
         finally:
             os._exit(0)
     os.close(w)
+    data = _read_all(r)
+    _, status = os.waitpid(pid, 0)
+    return json.loads(data) if data else {"died": os.waitstatus_to_exitcode(status)}
+
+def _read_all(r):
+    """Everything until the pipe's other end closes; closes ours."""
     data = b""
     while True:
         part = os.read(r, 65536)
@@ -83,8 +89,7 @@ def _in_child(fn, *args):
             break
         data += part
     os.close(r)
-    _, status = os.waitpid(pid, 0)
-    return json.loads(data) if data else {"died": os.waitstatus_to_exitcode(status)}
+    return data
 
 def _mapping(addr):
     """The /proc/self/maps fields of the mapping holding addr, or None."""
@@ -127,14 +132,20 @@ def _fill(path, mib):
         pass
     return written
 
+def _in_child_with_folder(attempt, subdirs=()):
+    """attempt(base) in a forked child, with a fresh folder under /tmp (removed after)."""
+    base = tempfile.mkdtemp(prefix="guard-", dir="/tmp")
+    for d in subdirs:
+        os.mkdir(os.path.join(base, d))
+    try:
+        return _in_child(attempt, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
 def own_mounts(fill_mib):
     """In a fresh user + mount namespace: tmpfs, tmpfs size=1g and ramfs on new dirs under
     /tmp, then fill_mib MiB into the ramfs (if it mounted)."""
-    base = tempfile.mkdtemp(prefix="guard-", dir="/tmp")
-    for d in ("tmpfs", "tmpfs-1g", "ramfs"):
-        os.mkdir(os.path.join(base, d))
-
-    def attempt():
+    def attempt(base):
         got = {"userns": _own_userns()}
         for d, fs, data in (("tmpfs", b"tmpfs", None), ("tmpfs-1g", b"tmpfs", b"size=1g"), ("ramfs", b"ramfs", None)):
             got[d] = _err(_g.mount(b"x", os.path.join(base, d).encode(), fs, 0, data) == 0)
@@ -142,10 +153,7 @@ def own_mounts(fill_mib):
         got["ramfs_mib"] = _fill(os.path.join(base, "ramfs", "fill"), fill_mib) if got["ramfs"] == "ok" else 0
         return got
 
-    try:
-        return _in_child(attempt)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    return _in_child_with_folder(attempt, ("tmpfs", "tmpfs-1g", "ramfs"))
 
 DISGUISES = {"MS_SILENT": 0x8000, "MS_REC|MS_SILENT": 0xC000, "MS_MGC_VAL": 0xC0ED0000,
              "MS_MGC_VAL|MS_SILENT": 0xC0ED8000}
@@ -154,27 +162,20 @@ def disguised_flags():
     """In a fresh user + mount namespace: ramfs with flags a filter could take for a change of
     propagation (no new filesystem), which the kernel mounts as new; and a real propagation
     change (which must pass)."""
-    base = tempfile.mkdtemp(prefix="guard-", dir="/tmp")
-
-    def attempt():
+    def attempt(base):
         got = {"userns": _own_userns()}
         for name, flags in DISGUISES.items():
             got[name] = _err(_g.mount(b"x", base.encode(), b"ramfs", flags, None) == 0)
         got["propagation"] = _err(_g.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0)  # MS_REC | MS_PRIVATE
         return got
 
-    try:
-        return _in_child(attempt)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    return _in_child_with_folder(attempt)
 
 def sealed_pointer_mount():
     """In a fresh user + mount namespace, mount a tmpfs with the guard page's own pointers
     (fstype GUARD+32 "tmpfs", data GUARD+64: the store's options). With no guard page
     (no guard), map one like it first."""
-    base = tempfile.mkdtemp(prefix="guard-", dir="/tmp")
-
-    def attempt():
+    def attempt(base):
         got = {"page": guard_page()}
         if got["page"] is None:
             p = _g.mmap(GUARD, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
@@ -186,10 +187,7 @@ def sealed_pointer_mount():
         got["mount"] = _err(_g.mount(b"x", base.encode(), GUARD + 32, 0, GUARD + 64) == 0)
         return got
 
-    try:
-        return _in_child(attempt)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    return _in_child_with_folder(attempt)
 
 def _mem_write():
     with open("/proc/self/mem", "r+b", buffering=0) as fh:
@@ -300,13 +298,7 @@ def grant_thief_result(pid):
     its /tmp and ours are no longer the same.)"""
     r, base = _thieves.pop(pid)
     os.kill(pid, signal.SIGTERM)
-    data = b""
-    while True:
-        part = os.read(r, 65536)
-        if not part:
-            break
-        data += part
-    os.close(r)
+    data = _read_all(r)
     os.waitpid(pid, 0)
     shutil.rmtree(base, ignore_errors=True)
     return json.loads(data)
