@@ -33,6 +33,7 @@ from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, 
 BOOT_TIMEOUT = 30.0
 KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
+LOG_LIMIT = 8 << 20  # bytes of a machine's own output (its fds 1 and 2) kept in its agent.log
 
 
 class AgentHostBackend(Backend):
@@ -42,6 +43,7 @@ class AgentHostBackend(Backend):
         self._runtime_base = runtime_dir
         self._machines: dict[str, MachineRef] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._logs: dict[str, asyncio.Future[None]] = {}  # a root's agent.log writer (it ends with the machine)
         self._limiter: _limits.Limiter | None = None
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
@@ -115,17 +117,24 @@ class AgentHostBackend(Backend):
             limits = self.limiter.machine(name, spec)
             argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None))
             ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
+            from ._bwrap import weakened
+
+            whole_log = "agent-log" in weakened()  # tests only: the old set-up, the log file as fd 1
             try:
-                with open(run_dir / "agent.log", "wb") as log:
-                    # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
-                    # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
-                    # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
+                # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
+                # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                # Its output comes through a pipe, kept up to LOG_LIMIT (a file of the host's
+                # would take whatever a cell writes to fd 1).
+                with open(run_dir / "agent.log", "wb") if whole_log else contextlib.nullcontext() as log:
                     proc = await asyncio.create_subprocess_exec(
-                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log or asyncio.subprocess.PIPE,
                         stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
                         **self._spawn_options())
             finally:
                 self._spawned()
+            if proc.stdout is not None:
+                self._logs[name] = asyncio.ensure_future(_keep_log(proc.stdout, run_dir / "agent.log"))
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
             await self._wait_ready(ref, proc, ready)
@@ -138,6 +147,7 @@ class AgentHostBackend(Backend):
         deadline = time.monotonic() + BOOT_TIMEOUT
         while not ready.exists():
             if proc.returncode is not None:
+                await self._log_written(ref)
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
             if time.monotonic() > deadline:
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
@@ -145,6 +155,13 @@ class AgentHostBackend(Backend):
         with contextlib.suppress(OSError, ValueError):
             guest = int((archive.read_small(ready, 64) or "").strip() or 0)
             ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else _procs.host_pid(proc.pid, guest)
+
+    async def _log_written(self, ref: MachineRef, timeout: float = 2.0) -> None:
+        """Until the root's log writer has everything its machine wrote (it is gone)."""
+        task = self._logs.get(ref.info.get("root", ref.name))
+        if task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
 
     @staticmethod
     def _log_tail(ref: MachineRef) -> str:
@@ -165,6 +182,10 @@ class AgentHostBackend(Backend):
             await asyncio.to_thread(self._kill_root, ref, proc)
             if proc is not None:
                 await proc.wait()
+            await self._log_written(ref)
+            log = self._logs.pop(ref.name, None)
+            if log is not None:
+                log.cancel()
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
         procs = await asyncio.to_thread(self._kill_branch_tree, ref)
@@ -205,6 +226,9 @@ class AgentHostBackend(Backend):
 
     async def close(self) -> None:
         await super().close()
+        for log in self._logs.values():
+            log.cancel()
+        self._logs.clear()
         if self._limiter is not None:
             await asyncio.to_thread(self._limiter.close)
 
@@ -441,3 +465,21 @@ def _wait_gone(procs: list[tuple[int, str]]) -> None:
             return
         _procs.kill_all(alive)
         time.sleep(0.01)
+
+
+async def _keep_log(out: asyncio.StreamReader, path: Path) -> None:
+    """Write a machine's output to ``path`` up to LOG_LIMIT, then read on and drop the rest
+    (the machine must never block on a full pipe), with one line saying so."""
+    written, cut = 0, False
+    with open(path, "wb", buffering=0) as log:
+        while True:
+            data = await out.read(CHUNK)
+            if not data:
+                return
+            part = data[: max(0, LOG_LIMIT - written)]
+            if part:
+                log.write(part)
+                written += len(part)
+            if len(part) < len(data) and not cut:
+                cut = True
+                log.write(b"\n[smolbench: this log stops at %d MiB; the machine wrote more, dropped]\n" % (LOG_LIMIT >> 20))

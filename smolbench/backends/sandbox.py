@@ -212,6 +212,7 @@ class SandboxBackend(AgentHostBackend):
         deadline = time.monotonic() + BOOT_TIMEOUT
         while True:
             if proc.returncode is not None:
+                await self._log_written(ref)
                 raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
             pid = _agent_below(proc.pid)
             if pid is not None:
