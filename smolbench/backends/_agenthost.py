@@ -126,15 +126,26 @@ class AgentHostBackend(Backend):
                 # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
                 # Its output comes through a pipe, kept up to LOG_LIMIT (a file of the host's
                 # would take whatever a cell writes to fd 1).
-                with open(run_dir / "agent.log", "wb") if whole_log else contextlib.nullcontext() as log:
+                # A pipe of our own, not asyncio's: its wait() would wait for every writer to close it.
+                read, write = (None, open(run_dir / "agent.log", "wb")) if whole_log else os.pipe()
+                try:
                     proc = await asyncio.create_subprocess_exec(
-                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=log or asyncio.subprocess.PIPE,
+                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=write,
                         stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
                         **self._spawn_options())
+                except BaseException:
+                    if read is not None:
+                        os.close(read)
+                    raise
+                finally:
+                    if isinstance(write, int):
+                        os.close(write)
+                    else:
+                        write.close()
             finally:
                 self._spawned()
-            if proc.stdout is not None:
-                self._logs[name] = asyncio.ensure_future(_keep_log(proc.stdout, run_dir / "agent.log"))
+            if read is not None:
+                self._logs[name] = asyncio.ensure_future(_keep_log(read, run_dir / "agent.log"))
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
             await self._wait_ready(ref, proc, ready)
@@ -467,19 +478,23 @@ def _wait_gone(procs: list[tuple[int, str]]) -> None:
         time.sleep(0.01)
 
 
-async def _keep_log(out: asyncio.StreamReader, path: Path) -> None:
-    """Write a machine's output to ``path`` up to LOG_LIMIT, then read on and drop the rest
-    (the machine must never block on a full pipe), with one line saying so."""
+async def _keep_log(fd: int, path: Path) -> None:
+    """Write a machine's output (pipe ``fd``, ours to close) to ``path`` up to LOG_LIMIT, then
+    read on and drop the rest (the machine must never block on a full pipe), with one line
+    saying so."""
+    out = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(out), os.fdopen(fd, "rb", buffering=0))
     written, cut = 0, False
-    with open(path, "wb", buffering=0) as log:
-        while True:
-            data = await out.read(CHUNK)
-            if not data:
-                return
-            part = data[: max(0, LOG_LIMIT - written)]
-            if part:
-                log.write(part)
-                written += len(part)
-            if len(part) < len(data) and not cut:
-                cut = True
-                log.write(b"\n[smolbench: this log stops at %d MiB; the machine wrote more, dropped]\n" % (LOG_LIMIT >> 20))
+    try:
+        with open(path, "wb", buffering=0) as log:
+            while data := await out.read(CHUNK):
+                part = data[: max(0, LOG_LIMIT - written)]
+                if part:
+                    log.write(part)
+                    written += len(part)
+                if len(part) < len(data) and not cut:
+                    cut = True
+                    log.write(b"\n[smolbench: this log stops at %d MiB; the machine wrote more, dropped]\n" % (LOG_LIMIT >> 20))
+    finally:
+        transport.close()
