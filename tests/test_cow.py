@@ -358,6 +358,9 @@ P = os.open('/workspace/helper.py', os.O_PATH)                 # a file, O_PATH
 T = os.open('/tmp/tdir', os.O_RDONLY | os.O_DIRECTORY)         # a folder of /tmp
 LK = os.open('/workspace/locked/in', os.O_RDONLY | os.O_DIRECTORY)
 os.chmod('/workspace/locked', 0)  # the agent can't reach 'in' by its path any more
+SH = os.open('/dev/shm', os.O_RDONLY | os.O_DIRECTORY)        # its own /dev/shm, a folder of its store
+SF = os.open('/dev/shm/seg', os.O_CREAT | os.O_RDWR, 0o600)    # and a file there
+os.write(SF, b'clean')
 os.chdir('/workspace/pkg/sub')    # the working folder
 """
 
@@ -381,7 +384,12 @@ def write_through(tag):
         'T': _try(lambda: _new('t_%s.py' % tag, T)),
         'LK': _try(lambda: _new('lk_%s.py' % tag, LK)),
         'cwd': _try(lambda: open('cwd_%s.py' % tag, 'w').close()),
+        'SH': _try(lambda: _new('sh_%s' % tag, SH)),
+        'SF': _try(lambda: os.pwrite(SF, tag.encode(), 0)),
     }
+
+def shm():
+    return sorted(os.listdir('/dev/shm')), open('/dev/shm/seg').read() if os.path.exists('/dev/shm/seg') else None
 
 def seen():
     os.chmod('/workspace/locked', 0o755)
@@ -416,18 +424,25 @@ def test_descriptors_held_across_a_fork_write_only_the_branchs_own_layer(held: t
     ok(s.nb.run("%%smol fork 1 --keep all --quiet\npass"))  # a later fork: root.2
     others = {node: s.on(node, "seen()") for node in ("root", "root.1", "root.2")}
     leaked = {node: v for node, v in others.items() if v != CLEAN}
+    # /dev/shm is each machine's own (a branch starts with an empty one): the root's must hold
+    # only what the root put there
+    shms = {node: s.on(node, "shm()") for node in ("root", "root.1", "root.2")}
     if weak:  # the old set-up: root.0's writes through the folder and O_PATH descriptors reach them all
         for node in ("root", "root.1", "root.2"):
             for planted in ("d_root0.py", "pd_root0.py", "link_root0.py", "t_root0.py", "lk_root0.py", 'VALUE = "root0"'):
                 assert planted in leaked.get(node, ""), (node, planted, others)
+        assert shms["root"] == "(['seg', 'sh_root0'], 'root0')", shms  # and into the root's /dev/shm
         return
     assert not leaked, leaked
+    assert shms == {"root": "(['seg'], 'clean')", "root.1": "([], None)", "root.2": "([], None)"}, shms
+    assert s.on("root.0", "shm()") == "(['sh_root0'], None)"  # its /dev/shm folder: its own one
     # root.0 wrote its own layer: it sees what it wrote, where it wrote it
     assert mine == repr(((["__init__.py", "d_root0.py", "link_root0.py", "pd_root0.py", "sub"], ["cwd_root0.py"],
                           ["t_root0.py"], [], 'VALUE = "root0"'), "/workspace/pkg/sub")), mine
     # the folder it could no longer reach by name stands in as an empty read-only one, said in the log
     outcome = eval(wrote)
-    assert outcome.pop("LK") != "wrote" and set(outcome.values()) == {"wrote"}, wrote
+    # the root's /dev/shm file isn't in root.0's own /dev/shm: that descriptor is /dev/null now
+    assert outcome.pop("LK") != "wrote" and outcome.pop("SF") != "wrote" and set(outcome.values()) == {"wrote"}, wrote
     for node in ("root", "root.0"):
         assert s.on(node, "os.listdir(LK), os.getcwd()") == "([], '/workspace/pkg/sub')"
     log = eval(s.on("root", "os.readlink('/proc/self/fd/2')"))

@@ -305,7 +305,8 @@ def open_files(mounts, weak=()):
     for writing too). Left as they are: unlinked files (in no layer: only the holders of the
     descriptor reach them) and FIFOs and sockets opened for I/O. ``path`` is None where the
     descriptor has no path left (an unlinked directory): :func:`reopen` makes it harmless.
-    ``weak`` ``fd-reopen`` (tests only): regular files only, the set-up before issue 17's audit."""
+    ``weak`` ``fd-reopen`` (tests only): regular files only (and a branch leaves its parent's
+    ``/dev/shm`` alone), the set-up before issue 17's audit."""
     import stat as _stat
 
     found = []
@@ -437,6 +438,8 @@ class Machine:
             # Files the parent kept open, on its overlays (seen from its namespace, still ours here).
             mounts = {int(i): (t, False) for i, t in (old_mounts or {}).items()}
             mounts.update((i, (t, True)) for i, t in mount_ids([t for _, t in sets]).items())
+            if "fd-reopen" not in self.weak:  # and its /dev/shm: ours is a fresh one, the names there are its
+                mounts.update((i, (t, True)) for i, t in mount_ids(["/dev/shm"]).items())
             inherited = open_files(mounts, self.weak)
         if view_fd is not None:
             os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
