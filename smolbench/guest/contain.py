@@ -527,7 +527,8 @@ class Machine:
             set_pdeathsig()
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if "ucounts" not in self.weak:
-                limit_ucounts(BRANCH_UCOUNTS if self.is_branch else ROOT_UCOUNTS)
+                shares = _sibling("uidshares")
+                shares.limit_ucounts(shares.BRANCH_UCOUNTS if self.is_branch else shares.ROOT_UCOUNTS)
             drop_privileges()
             os.chdir(self.workdir)
             self.chan = agent_end
@@ -624,9 +625,9 @@ def ask_freeze(chan):
 def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None, grants_fd=None):
     """Contain the root machine; returns the Machine (we are now its agent). ``weak``: test
     knobs that leave a step out (``seccomp``, ``layers``, ``branch-nproc``, ``mount-guard``,
-    ``guard-maps``, ``fd-reopen``, ``keeper-nofile``, ``ucounts``); ``nproc``: its own process count
-    when RLIMIT_NPROC is what counts (the
-    caller set the hard limit); ``grants_fd``: the host's pipe of store grants."""
+    ``guard-maps``, ``fd-reopen``, ``keeper-nofile``, ``ucounts``); ``nproc``: its own process
+    count when RLIMIT_NPROC is what counts (the caller set the hard limit); ``grants_fd``: the
+    host's pipe of store grants."""
     m = Machine(workdir, disk_mib, net, keep, nproc)
     m.weak = tuple(weak)
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -652,42 +653,8 @@ def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None, grants_fd=None
         else:
             guard.send_listener(m.chan, fd)
     if "keeper-nofile" not in m.weak:
-        lower_nofile(nofile)  # after the listener went: until then this process had its keeper's limit
+        _sibling("uidshares").lower_nofile(nofile)  # after the listener went: until then this process had its keeper's limit
     return m
-
-
-# Per user-namespace limits (ucounts): how much of the counts the host keeps per uid (shared
-# by every machine of that uid and, as a user kernel, the user's own processes) a machine's
-# subtree may hold. A root's room is its own plus 32 full branches', like RLIMIT_NPROC's.
-BRANCH_UCOUNTS = dict({"max_inotify_instances": 8, "max_inotify_watches": 8192},
-                      **{"max_%s_namespaces" % k: 32 for k in ("user", "mnt", "pid", "ipc", "net", "uts", "cgroup", "time")})
-ROOT_UCOUNTS = {k: v * 33 if "namespaces" in k else v * 4 for k, v in BRANCH_UCOUNTS.items()}
-NOFILE_ROOM = 1024  # the keeper's descriptor limit stays this far above its agent's
-
-
-def limit_ucounts(limits):
-    """Agent, before it drops its capabilities: this machine's ucount limits, in its own user
-    namespace. The kernel checks a count against the limit of every namespace above too, so a
-    branch's count is within its parent's, and the root's bounds its whole tree."""
-    for name, value in limits.items():
-        try:
-            _write("/proc/sys/user/" + name, str(value))
-        except OSError:
-            pass  # an older kernel without that count
-
-
-def lower_nofile(start):
-    """Root agent: its RLIMIT_NOFILE (``start``: the one it was started with) below its
-    keeper's (soft and hard: the hard one it was started with). The kernel refuses to pass a
-    descriptor while the sender's uid has more in flight than the sender's own soft limit,
-    and a machine can put at most its own limit (and one message) in flight: so the root's
-    keeper can still pass the layers at a fork, whatever any machine of that uid holds."""
-    soft, hard = start
-    if hard == resource.RLIM_INFINITY or hard <= 2 * NOFILE_ROOM:
-        resource.setrlimit(resource.RLIMIT_NOFILE, start)
-        return
-    low = min(hard - NOFILE_ROOM, 65536)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, low), low))
 
 
 def _guard_page(m, grants_fd):
