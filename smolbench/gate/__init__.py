@@ -166,11 +166,12 @@ class _Cell:
             result = SafeBundle(data) if data else None
         values, pull_error = {}, None
         wanted = set(self.request.pull)
+        budget = pull.Budget()  # what the reply's pulled values may build beyond its JSON
         for key, enc in (f.get("pulled") or {}).items():
             if key not in wanted:
                 raise Bad(f"a pulled value {shown(key)} that was not asked for")
             try:
-                values[key] = pull.pulled(key, enc, self.request.trust_pull)
+                values[key] = pull.pulled(key, enc, self.request.trust_pull, budget)
             except Bad:
                 raise
             except SmolbenchError as exc:
