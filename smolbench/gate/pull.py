@@ -119,7 +119,8 @@ def _column(enc: Any, depth: int, budget: Budget, rows: int | None = None) -> An
         raise Bad(f"a pandas column of {len(data):,} values for an index of {rows:,} rows")
     if dtype == np.dtype(object):
         out = np.empty(len(data), dtype=object)
-        out[:] = data  # one item per value, even for values that are lists
+        for i, item in enumerate(data):  # one item per value, even a list (never a 2-D array)
+            out[i] = item
         return out
     try:
         return pd.array(data, dtype=dtype)
