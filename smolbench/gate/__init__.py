@@ -3,7 +3,7 @@
 Code in a machine can rewrite its guest agent, so every byte from a machine is
 attacker data. Backends only move bytes; they hand the raw reply stream to
 :func:`read_cell` or :func:`read_control`, which split it into bounded frames,
-decode each as JSON, check every field (known names, types, sizes, finite numbers
+decode each as strict UTF-8 JSON, check every field (known names, types, sizes, finite numbers
 within ±1e300), sanitise display bundles, rebuild pulled values from data without
 running code, and cut floods down to a per-cell budget. Anything else is refused
 with one line: ``machine root.3 sent a malformed reply: ...``.

@@ -3,7 +3,8 @@
 The agent sends a pulled value as a JSON tree: plain JSON for None, bools, numbers,
 strings and lists; ``{"$": tag, ...}`` for the rest (dicts with any plain keys, tuples,
 sets, bytes, complex and non-finite floats, numpy arrays as ``.npy`` read with
-``allow_pickle=False``, pandas Series and DataFrames column by column). Nothing here
+``allow_pickle=False``, pandas Series and DataFrames column by column, each column a list
+or 1-D array as long as its index: nothing is broadcast to more than was sent). Nothing here
 imports, calls or unpickles anything the machine names. Only with ``--pull-trusted`` or
 ``%smol trust on`` does a pickle sent by the machine get unpickled.
 """
