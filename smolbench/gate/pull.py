@@ -134,10 +134,11 @@ def _index(enc: Any, depth: int, budget: Budget) -> Any:
 
     enc = mapping(enc, "a pandas index", 6)
     if enc.get("$") == "range":
-        index = pd.RangeIndex(integer(enc.get("start"), "start"), integer(enc.get("stop"), "stop"),
-                              integer(enc.get("step"), "step") or 1, name=data_value(enc.get("name"), depth + 1, budget))
-        budget.rows(len(index))
-        return index
+        rows = range(integer(enc.get("start"), "start"), integer(enc.get("stop"), "stop"),
+                     integer(enc.get("step"), "step") or 1)
+        step = abs(rows.step)  # its length, counted without len() (which overflows past 2**63)
+        budget.rows(max(0, ((rows.stop - rows.start) * (1 if rows.step > 0 else -1) + step - 1) // step))
+        return pd.RangeIndex(rows.start, rows.stop, rows.step, name=data_value(enc.get("name"), depth + 1, budget))
     return pd.Index(_column(enc.get("values"), depth, budget), name=data_value(enc.get("name"), depth + 1, budget))
 
 
