@@ -208,8 +208,8 @@ def _inuse_warnings() -> int | None:
     return res.stdout.count("lowerdir is in-use as upperdir/workdir") if res.returncode == 0 else None
 
 
-def _attack_session(open_tmp: Path, weaken: str) -> Session:
-    warnings = _inuse_warnings()
+def _weakened_session(open_tmp: Path, weaken: str) -> NotebookSession:
+    """A kernel whose sandbox leaves out the ``weaken`` steps (``""``: none), with a root up."""
     old = os.environ.get("SMOLBENCH_TEST_WEAKEN")
     os.environ["SMOLBENCH_TEST_WEAKEN"] = weaken
     try:
@@ -219,8 +219,18 @@ def _attack_session(open_tmp: Path, weaken: str) -> Session:
             os.environ.pop("SMOLBENCH_TEST_WEAKEN", None)
         else:
             os.environ["SMOLBENCH_TEST_WEAKEN"] = old
-    ok(nb.run("%load_ext smolbench"))
-    ok(nb.run("%smol up --backend sandbox"))
+    try:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+    except BaseException:
+        nb.__exit__(None, None, None)
+        raise
+    return nb
+
+
+def _attack_session(open_tmp: Path, weaken: str) -> Session:
+    warnings = _inuse_warnings()
+    nb = _weakened_session(open_tmp, weaken)
     ok(nb.run("%%smol\n" + ATTACKS + VICTIM))
     # layers to attack: the root's, then a branch's own on top of it
     ok(nb.run("%%smol\nopen('/workspace/base.txt', 'w').write('root')\nopen('/tmp/base.txt', 'w').write('root')"))
@@ -326,3 +336,115 @@ def test_a_file_kept_open_across_a_fork_is_each_machines_own(attack: tuple[Sessi
     assert seen == {"root": repr(("parent\nparent again\n", "p")),
                     "root.2": repr(("parent\nbranch2\n", "p2")),
                     "root.3": repr(("parent\n", "p"))}, seen
+
+
+# Descriptors the parent's agent held at the fork (issue 17 item 1). A directory descriptor
+# creates files whatever its open mode, and an O_PATH one (of a file or a folder) opens its
+# file again, for writing, through /proc/self/fd: kept on the swapped-out overlay, whose upper
+# entries the freeze moved into the frozen layer, they wrote the layer the parent and the
+# siblings read. The weakened run is SMOLBENCH_TEST_WEAKEN=fd-reopen: a fork reopens regular
+# files only (the set-up before the audit), where the same writes must reach them.
+
+HOLD = r"""
+import os
+os.makedirs('/workspace/pkg/sub')
+open('/workspace/pkg/__init__.py', 'w').close()
+open('/workspace/helper.py', 'w').write('VALUE = "clean"\n')
+os.makedirs('/tmp/tdir')
+os.makedirs('/workspace/locked/in')
+D = os.open('/workspace/pkg', os.O_RDONLY | os.O_DIRECTORY)    # a folder
+PD = os.open('/workspace/pkg', os.O_PATH | os.O_DIRECTORY)     # a folder, O_PATH
+P = os.open('/workspace/helper.py', os.O_PATH)                 # a file, O_PATH
+T = os.open('/tmp/tdir', os.O_RDONLY | os.O_DIRECTORY)         # a folder of /tmp
+LK = os.open('/workspace/locked/in', os.O_RDONLY | os.O_DIRECTORY)
+os.chmod('/workspace/locked', 0)  # the agent can't reach 'in' by its path any more
+SH = os.open('/dev/shm', os.O_RDONLY | os.O_DIRECTORY)        # its own /dev/shm, a folder of its store
+SF = os.open('/dev/shm/seg', os.O_CREAT | os.O_RDWR, 0o600)    # and a file there
+os.write(SF, b'clean')
+os.chdir('/workspace/pkg/sub')    # the working folder
+"""
+
+THROUGH = r"""
+def _try(f):
+    try:
+        f()
+        return 'wrote'
+    except OSError as exc:
+        return type(exc).__name__
+
+def _new(name, dir_fd):
+    os.close(os.open(name, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=dir_fd))
+
+def write_through(tag):
+    return {
+        'D': _try(lambda: _new('d_%s.py' % tag, D)),
+        'PD': _try(lambda: _new('pd_%s.py' % tag, PD)),
+        'D-link': _try(lambda: open('/proc/self/fd/%d/link_%s.py' % (D, tag), 'w').close()),
+        'P-link': _try(lambda: open('/proc/self/fd/%d' % P, 'w').write('VALUE = "%s"\n' % tag)),
+        'T': _try(lambda: _new('t_%s.py' % tag, T)),
+        'LK': _try(lambda: _new('lk_%s.py' % tag, LK)),
+        'cwd': _try(lambda: open('cwd_%s.py' % tag, 'w').close()),
+        'SH': _try(lambda: _new('sh_%s' % tag, SH)),
+        'SF': _try(lambda: os.pwrite(SF, tag.encode(), 0)),
+    }
+
+def shm():
+    return sorted(os.listdir('/dev/shm')), open('/dev/shm/seg').read() if os.path.exists('/dev/shm/seg') else None
+
+def seen():
+    os.chmod('/workspace/locked', 0o755)
+    try:
+        return (sorted(os.listdir('/workspace/pkg')), sorted(os.listdir('/workspace/pkg/sub')),
+                sorted(os.listdir('/tmp/tdir')), sorted(os.listdir('/workspace/locked/in')),
+                open('/workspace/helper.py').read().strip())
+    finally:
+        os.chmod('/workspace/locked', 0)
+"""
+
+CLEAN = ("(['__init__.py', 'sub'], [], [], [], 'VALUE = \"clean\"')")
+
+
+@pytest.fixture(params=["", "fd-reopen"], ids=["real", "weakened"])
+def held(request: pytest.FixtureRequest, open_tmp: Path) -> Iterator[tuple[Session, bool]]:
+    nb = _weakened_session(open_tmp, request.param)
+    try:
+        ok(nb.run("%%smol\n" + HOLD + THROUGH))
+        ok(nb.run("%%smol fork 2 --keep all --quiet\npass"))  # root.0, root.1
+        yield Session(nb), request.param != ""
+    finally:
+        nb.__exit__(None, None, None)
+
+
+def test_descriptors_held_across_a_fork_write_only_the_branchs_own_layer(held: tuple[Session, bool]) -> None:
+    s, weak = held
+    wrote = s.on("root.0", "write_through('root0')")
+    mine = s.on("root.0", "seen(), os.getcwd()")
+    s.on("root", "open('/workspace/later.txt', 'w').write('x')\n1")  # so the fork below freezes a layer
+    ok(s.nb.run("%smol use root"))
+    ok(s.nb.run("%%smol fork 1 --keep all --quiet\npass"))  # a later fork: root.2
+    others = {node: s.on(node, "seen()") for node in ("root", "root.1", "root.2")}
+    leaked = {node: v for node, v in others.items() if v != CLEAN}
+    # /dev/shm is each machine's own (a branch starts with an empty one): the root's must hold
+    # only what the root put there
+    shms = {node: s.on(node, "shm()") for node in ("root", "root.1", "root.2")}
+    if weak:  # the old set-up: root.0's writes through the folder and O_PATH descriptors reach them all
+        for node in ("root", "root.1", "root.2"):
+            for planted in ("d_root0.py", "pd_root0.py", "link_root0.py", "t_root0.py", "lk_root0.py", 'VALUE = "root0"'):
+                assert planted in leaked.get(node, ""), (node, planted, others)
+        assert shms["root"] == "(['seg', 'sh_root0'], 'root0')", shms  # and into the root's /dev/shm
+        return
+    assert not leaked, leaked
+    assert shms == {"root": "(['seg'], 'clean')", "root.1": "([], None)", "root.2": "([], None)"}, shms
+    assert s.on("root.0", "shm()") == "(['sh_root0'], None)"  # its /dev/shm folder: its own one
+    # root.0 wrote its own layer: it sees what it wrote, where it wrote it
+    assert mine == repr(((["__init__.py", "d_root0.py", "link_root0.py", "pd_root0.py", "sub"], ["cwd_root0.py"],
+                          ["t_root0.py"], [], 'VALUE = "root0"'), "/workspace/pkg/sub")), mine
+    # the folder it could no longer reach by name stands in as an empty read-only one, said in the log
+    outcome = eval(wrote)
+    # the root's /dev/shm file isn't in root.0's own /dev/shm: that descriptor is /dev/null now
+    assert outcome.pop("LK") != "wrote" and outcome.pop("SF") != "wrote" and set(outcome.values()) == {"wrote"}, wrote
+    for node in ("root", "root.0"):
+        assert s.on(node, "os.listdir(LK), os.getcwd()") == "([], '/workspace/pkg/sub')"
+    log = eval(s.on("root", "os.readlink('/proc/self/fd/2')"))
+    text = Path(log).read_text(errors="replace")
+    assert "(/workspace/locked/in) could not be reopened" in text and "an empty read-only directory" in text, text[-2000:]

@@ -588,13 +588,13 @@ class Agent:
         frozen = None
         if self.machine is not None:
             old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])  # the overlays about to be swapped
+            cwd = _getcwd()
             os.chdir("/")  # hold nothing of the overlay that the keeper swaps
             frozen = contain.ask_freeze(self.machine.chan)
-            frozen["old_mounts"] = old
-            if self.workdir:
-                os.chdir(self.workdir)  # re-enter the workspace through its fresh upper layer
-            if "layers" not in self.machine.weak:  # files kept open for writing: onto the fresh upper
-                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, writers_only=True))
+            frozen["old_mounts"], frozen["cwd"] = old, cwd
+            _chdir(cwd, self.workdir)  # re-enter the working folder through the fresh upper layer
+            if "layers" not in self.machine.weak:  # files and folders kept open: onto the fresh upper
+                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, self.machine.weak))
         try:
             return self._fork_children(req, frozen)
         finally:
@@ -662,6 +662,7 @@ class Agent:
             view, frozen["view"] = frozen["view"], None
             self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view,
                                                 frozen.get("old_mounts"))
+            _chdir(frozen.get("cwd"), self.workdir)  # the parent's working folder, through our own overlay
             self.sock_path = os.path.join(contain.RUN, "s")
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
@@ -725,6 +726,25 @@ class Agent:
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+
+
+def _getcwd():
+    try:
+        return os.getcwd()
+    except OSError:
+        return None  # removed: nothing to come back to
+
+
+def _chdir(path, fallback):
+    """Into ``path`` by its name (so through the overlay mounted there now, never the swapped-out
+    one a held working directory would keep), else ``fallback``."""
+    for where in (path, fallback):
+        if where:
+            try:
+                os.chdir(where)
+                return
+            except OSError:
+                continue
 
 
 def _plain_name(name):
@@ -1059,7 +1079,7 @@ def main(argv=None):
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
     ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
     ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
-    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc, mount-guard, guard-maps)")
+    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc, mount-guard, guard-maps, fd-reopen)")
     ap.add_argument("--grants-fd", type=int, default=None, help="contained: the host's pipe of branch store grants (mountguard.py)")
     ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
     ap.add_argument("--pids", type=int, default=None,

@@ -297,18 +297,23 @@ def mount_ids(paths):
     return out
 
 
-def open_files(mounts, writers_only=False):
-    """This process's descriptors of regular files on the overlay mounts ``mounts`` ({mount
-    id: (mount point, still attached here)}), as (fd, path, flags, offset) for
-    :func:`reopen`. ``writers_only``: leave read-only ones (reading a frozen file changes nothing)."""
+def open_files(mounts, weak=()):
+    """This process's descriptors on the overlay mounts ``mounts`` ({mount id: (mount point,
+    still attached here)}), as (fd, path or None, flags, offset, mode) for :func:`reopen`:
+    regular files, directories (a directory descriptor creates files whatever its open mode)
+    and ``O_PATH`` descriptors of anything (their ``/proc/self/fd`` link opens the file again,
+    for writing too). Left as they are: unlinked files (in no layer: only the holders of the
+    descriptor reach them) and FIFOs and sockets opened for I/O. ``path`` is None where the
+    descriptor has no path left (an unlinked directory): :func:`reopen` makes it harmless.
+    ``weak`` ``fd-reopen`` (tests only): regular files only (and a branch leaves its parent's
+    ``/dev/shm`` alone), the set-up before issue 17's audit."""
     import stat as _stat
 
     found = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
-            if not _stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
+            st = os.fstat(fd)
             info = _fdinfo(fd)
             where = mounts.get(int(info["mnt_id"]))
             if where is None:
@@ -317,31 +322,87 @@ def open_files(mounts, writers_only=False):
             flags, pos = int(info["flags"], 8), int(info["pos"])
         except (OSError, KeyError, ValueError):
             continue
-        if not path.startswith("/") or path.endswith(" (deleted)") or flags & O_PATH:
-            continue  # unlinked: no path to reopen it by
-        if writers_only and not flags & (os.O_WRONLY | os.O_RDWR):
-            continue
-        target, attached = where
-        if not attached:  # a swapped-out overlay: the path is from its own root
-            path = target.rstrip("/") + path
-        found.append((fd, path, flags, pos))
+        is_dir, opath = _stat.S_ISDIR(st.st_mode), bool(flags & O_PATH)
+        if "fd-reopen" in weak and (is_dir or opath):
+            continue  # the old way: directories and O_PATH descriptors stay on the old overlay
+        if not (is_dir or opath or _stat.S_ISREG(st.st_mode)):
+            continue  # a FIFO or socket being read or written: its data is in no layer
+        if st.st_nlink == 0 or not path.startswith("/"):
+            if not is_dir:
+                continue  # an unlinked file: no path to reopen it by, and in no layer
+            path = None
+        if path is not None and not where[1]:  # a swapped-out overlay: the path is from its own root
+            path = where[0].rstrip("/") + path
+        found.append((fd, path, flags, pos, st.st_mode))
     return found
 
 
 def reopen(files):
-    """Point each descriptor of ``open_files`` at its path again (through this machine's own
-    overlay now), same flags and offset: a file kept open across a fork then writes to this
-    machine's own layer, never to the frozen one its parent and siblings share."""
-    for fd, path, flags, pos in files:
-        try:
-            new = os.open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | O_CLOEXEC))
-        except OSError:
+    """Point each descriptor of :func:`open_files` at its path again (through this machine's own
+    overlay now), same flags and offset: a file or directory kept open across a fork then writes
+    to this machine's own layer, never to the frozen one its parent and siblings share. One
+    that can't be reopened (its path is gone or unreachable) is made harmless: an empty
+    read-only directory or ``/dev/null`` takes its place, and the agent's log says so.
+    Returns those as (fd, path, what now stands there)."""
+    import stat as _stat
+
+    spoiled = []
+    for fd, path, flags, pos, mode in files:
+        is_dir = _stat.S_ISDIR(mode)
+        keep = flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | O_CLOEXEC)
+        new = -1
+        if path is not None:
+            try:
+                new = os.open(path, keep)
+                if _stat.S_IFMT(os.fstat(new).st_mode) != _stat.S_IFMT(mode):
+                    os.close(new)  # something else at that path now: not the file the descriptor was
+                    new = -1
+            except OSError:
+                new = -1
+        if new < 0:
+            spoiled.append((fd, path, _spoil(fd, flags, is_dir)))
             continue
         try:
-            os.lseek(new, pos, os.SEEK_SET)
+            if not flags & O_PATH:
+                try:
+                    os.lseek(new, pos, os.SEEK_SET)
+                except OSError:
+                    pass  # a directory's offset is a cookie the new one may not take: from the start
             os.dup2(new, fd, inheritable=not flags & O_CLOEXEC)
         finally:
             os.close(new)
+    for fd, path, what in spoiled:
+        sys.__stderr__.write("smolbench agent: descriptor %d (%s) could not be reopened through this machine's own "
+                             "overlay after a fork; %s stands in its place, so it writes no shared layer\n"
+                             % (fd, path or "an unlinked directory", what))
+        sys.__stderr__.flush()
+    return spoiled
+
+
+def _spoil(fd, flags, is_dir):
+    """Put a harmless descriptor at ``fd``: an empty read-only directory (the store's cover, where
+    it is one) for a directory, else ``/dev/null``; closed if neither opens. What it is now."""
+    base = O_PATH if flags & O_PATH else os.O_RDONLY
+    tries = [(STORE, base | os.O_DIRECTORY)] if is_dir and _empty_read_only(STORE) else []
+    for path, how in tries + [(os.devnull, base)]:
+        try:
+            new = os.open(path, how)
+        except OSError:
+            continue
+        try:
+            os.dup2(new, fd, inheritable=not flags & O_CLOEXEC)
+        finally:
+            os.close(new)
+        return "an empty read-only directory" if path == STORE else path
+    os.close(fd)
+    return "nothing (closed)"
+
+
+def _empty_read_only(path):
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY) and not os.listdir(path)
+    except OSError:
+        return False
 
 
 # -- one machine --------------------------------------------------------------------------
@@ -377,7 +438,9 @@ class Machine:
             # Files the parent kept open, on its overlays (seen from its namespace, still ours here).
             mounts = {int(i): (t, False) for i, t in (old_mounts or {}).items()}
             mounts.update((i, (t, True)) for i, t in mount_ids([t for _, t in sets]).items())
-            inherited = open_files(mounts)
+            if "fd-reopen" not in self.weak:  # and its /dev/shm: ours is a fresh one, the names there are its
+                mounts.update((i, (t, True)) for i, t in mount_ids(["/dev/shm"]).items())
+            inherited = open_files(mounts, self.weak)
         if view_fd is not None:
             os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
             os.close(view_fd)
@@ -429,7 +492,6 @@ class Machine:
             if not cow:
                 copy_into(layer, sub)
             self.layers.append(layer)
-        reopen(inherited)
         os.mkdir("shm", 0o1777)
         os.chmod("shm", 0o1777)  # past the umask
         mount("shm", "/dev/shm", None, MS_BIND)  # shared memory is files in the store, within its size
@@ -445,6 +507,8 @@ class Machine:
         self.view = os.open(STORE, O_PATH | os.O_DIRECTORY)
         if "layers" not in self.weak:
             cover(STORE)
+        # Last: one that can't be reopened gets the store's empty read-only cover in its place.
+        reopen(inherited)
 
     def split(self):
         """Fork: the child becomes the agent (pid 1 here, no privileges) and returns; this
@@ -549,7 +613,7 @@ def ask_freeze(chan):
 def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None, grants_fd=None):
     """Contain the root machine; returns the Machine (we are now its agent). ``weak``: test
     knobs that leave a step out (``seccomp``, ``layers``, ``branch-nproc``, ``mount-guard``,
-    ``guard-maps``); ``nproc``: its own process count when RLIMIT_NPROC is what counts (the
+    ``guard-maps``, ``fd-reopen``); ``nproc``: its own process count when RLIMIT_NPROC is what counts (the
     caller set the hard limit); ``grants_fd``: the host's pipe of store grants."""
     m = Machine(workdir, disk_mib, net, keep, nproc)
     m.weak = tuple(weak)
