@@ -116,7 +116,7 @@ def test_pull_brings_data_back_and_never_unpickles_a_bomb(tmp_path: Path) -> Non
 
 FRAMES = [
     # (raw bytes the hijacked cell writes on its reply socket, what the one line says)
-    ("b'\\xff\\xfenot json\\n'", "not a JSON line"),
+    ("b'\\xff\\xfenot json\\n'", "text that is not valid Unicode (bytes that are not UTF-8 at byte 0"),
     ("b'[1, 2]\\n'", "a JSON list where an object belongs"),
     ("b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 123}\\n'", "the stream text should be text, got a int"),
     ("b'{\"t\": \"stream\", \"name\": \"tty\", \"text\": \"x\"}\\n'", "a stream named 'tty'"),
@@ -828,6 +828,68 @@ def test_a_lone_surrogate_from_a_machine_is_one_line_and_the_session_carries_on(
         nb.run("%smol down")
 
 
+# -- issue 17 (audit L3): frames are UTF-8, never UTF-16/32 guessed ------------------------------
+
+# Each sends one whole frame, not UTF-8, on the agent's socket: (the frame, what it may hold).
+NOT_UTF8 = [
+    # a done reply in UTF-16 whose metric name is a lone surrogate (json.loads(bytes) took it)
+    "('{\"t\": \"done\", \"status\": \"ok\", \"reward\": 1.0, \"metrics\": {\"\\ud800\": 1.0, \"m\": \"x\\udfff\"}}'"
+    ".encode('utf-16-le', 'surrogatepass'))",
+    # a stream in UTF-16 carrying a lone surrogate to ipykernel's IOPub
+    "('{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"A\\ud800B\\\\n\"}'.encode('utf-16-le', 'surrogatepass'))",
+    # well-formed text, but UTF-16 (with its BOM) and UTF-32: not the wire format either
+    "('{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"sixteen\\\\n\"}'.encode('utf-16'))",
+    "('{\"t\": \"stream\", \"name\": \"stdout\", \"text\": \"thirty-two\\\\n\"}'.encode('utf-32-le'))",
+]
+
+
+def test_a_frame_that_is_not_utf8_is_one_line_and_the_session_carries_on(tmp_path: Path) -> None:
+    r"""Attack (audit L3): a cell sends its reply as UTF-16, lone surrogates passed through:
+
+        agent = smolbench_guest._agent
+        msg = '{"t":"done","status":"ok","reward":1.0,"metrics":{"\ud800":1.0}}'
+        agent._conn.sendall(msg.encode('utf-16-le', 'surrogatepass') + b'\n')
+
+    The gate looked for surrogates in the raw bytes (``\uD8..`` or ``\xED[\xA0-\xBF]``),
+    but ``json.loads(bytes)`` guesses UTF-16/32 and decodes them with surrogatepass, so the
+    surrogate reached the ledger and tree (every later cell, host-only ones too, ended in
+    ``UnicodeEncodeError`` from WorkbenchView._post_run_cell, and ``%smol tree`` was gone),
+    or ipykernel's IOPub for a stream. Now a frame must be strict UTF-8: anything else is
+    the gate's one line, in forks and plain cells, and the kernel carries on.
+    """
+    bad = "malformed reply: text that is not valid Unicode ("
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        for frame in NOT_UTF8:
+            send = f"_ag.outbox.flush()\n_ag._conn.sendall({frame} + b'\\n')"
+            cell = nb.run(f"%%smol fork 2 --allow-errors --keep none\n{HIJACK.split(chr(10), 1)[1]}{send}\n"
+                          "import time; time.sleep(0.5)")
+            assert "UnicodeEncodeError" not in str(cell.outputs), cell.outputs
+            rows = stream_text(nb.run("import smolbench\nprint([r['error'] for r in smolbench._magics.last_result.rows.values()])"))
+            assert rows.count("malformed reply: ") == 2 and ("not valid Unicode" in rows or "not a JSON line" in rows), (frame, rows)
+            msg = one_line_error(nb.run(f"%%smol\n{send}"))  # the same in a plain cell: one line
+            assert msg.startswith("machine root sent a malformed reply: ") and (bad in msg or "not a JSON line" in msg), (frame, msg)
+            # every later cell works: host-only ones (no callback error), machines, tree and status
+            cell = nb.run("print('host cell after')")
+            assert cell.outputs == [{"output_type": "stream", "name": "stdout", "text": "host cell after\n"}], cell.outputs
+            still_works(nb)
+            for line in ("%smol tree", "%smol status"):
+                cell = nb.run(line)
+                assert error_output(cell) is None and "unavailable" not in str(cell.outputs), cell.outputs
+                assert "UnicodeEncodeError" not in str(cell.outputs), cell.outputs
+        # the surrogate ones are named as such, even as raw UTF-8-style bytes
+        msg = one_line_error(nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", "
+                                    "\"text\": \"raw \\xed\\xa0\\x80 bytes\"}\\n')"))
+        assert bad + "a lone surrogate '\\ud800' at byte" in msg, msg
+        msg = one_line_error(nb.run(f"%%smol\n_ag._conn.sendall({NOT_UTF8[1]} + b'\\n')"))
+        assert bad + "bytes that are not UTF-8 at byte" in msg, msg
+        still_works(nb)
+        # honest text of every plane still comes back
+        cell = nb.run("%%smol\nprint('é ☃ 😀 \\u2028 end')")
+        assert stream_text(cell) == "é ☃ 😀 \u2028 end\n" and error_output(cell) is None, cell.outputs
+        nb.run("%smol down")
+
+
 # -- issue 17: display floods stay in their cell, and Ctrl-C answers ------------------------------
 
 DISPLAY_FLOOD = "%%smol\nfor i in range(100_000):\n    display(i)"
@@ -950,4 +1012,89 @@ def test_replies_cost_the_kernel_a_small_multiple_of_their_size(tmp_path: Path) 
         print(f"weakened: kernel peak +{grew:.0f} MB")
         assert grew > 150, f"the weakened gate only grew {grew:.0f} MB"
         nb.run("%smol config max-items 1M")
+        nb.run("%smol down")
+
+
+# -- issue 17 (audit L4): a pulled value is never built bigger than what was sent -------------------
+
+def _pull_as(enc: str) -> str:
+    """A cell whose agent answers ``--pull v`` with ``enc`` (a Python expression, run in the machine)."""
+    return ("%%smol --pull v\nimport io, base64\nv = 1\n"
+            "_G.setdefault('_honest_pull', _G['_pull'])\n"
+            f"_G['_pull'] = lambda value, trusted: {{'format': 'data', 'data': {enc}}}")
+
+
+def _range(n: int) -> str:
+    return f"{{'$': 'range', 'start': 0, 'stop': {n}, 'step': 1, 'name': None}}"
+
+
+def _series(values: str, dtype: str, rows: int) -> str:
+    return f"{{'$': 'series', 'values': {{'values': {values}, 'dtype': {dtype!r}}}, 'index': {_range(rows)}, 'name': None}}"
+
+
+def _frame(columns: list[str], dtype: str, rows: int) -> str:
+    data = ", ".join(f"{{'values': {c}, 'dtype': {dtype!r}}}" for c in columns)
+    return f"{{'$': 'dataframe', 'columns': {list(range(len(columns)))}, 'index': {_range(rows)}, 'data': [{data}]}}"
+
+
+# .npy of a trillion items of 0 bytes: a 128-byte header, no data
+_EMPTY_ITEMS = ("(lambda h: {'$': 'npy', 'v': base64.b64encode(b'\\x93NUMPY\\x01\\x00' + bytes([len(h), 0]) + h).decode()})"
+                "(\"{'descr': '|V0', 'fortran_order': False, 'shape': (1000000000000,), }\".ljust(117).encode() + b'\\n')")
+
+PULL_EXPANSIONS = [
+    # (what the machine sends for --pull v, what the one line says)
+    (_series("1", "object", 10_000_000), "a pandas index of 10,000,000 rows, above the limit of 1,000,000 JSON values"),
+    (_series("1", "object", 3), "a pandas column whose values are not a list or a 1-D array ('int')"),
+    (_frame(["1", "2"], "object", 300_000), "a pandas column whose values are not a list or a 1-D array ('int')"),
+    (_series("{'$': 'dict', 'v': [[0, 1]]}", "object", 500_000), "not a list or a 1-D array ('dict')"),
+    (_series("[1]", "object", 500_000), "a pandas column of 1 values for an index of 500,000 rows"),
+    (_series("[1]", "U20000000", 1), "a pandas column of dtype 'U20000000' (pandas holds no such column)"),
+    (_series("[1]", "10000000f8", 1), "a pandas column of dtype '10000000f8' (pandas holds no such column)"),
+    (_frame([], "int64", 10**12), "a pandas index of 1,000,000,000,000 rows, above the limit"),
+    ("[" + ", ".join([_frame([], "int64", 600_000)] * 2) + "]", "pandas indexes of 1,200,000 rows in all, above the limit"),
+    (_EMPTY_ITEMS, "an array of 1,000,000,000,000 items of 0 bytes sent in 128 bytes"),
+]
+
+
+def test_a_pulled_value_is_never_built_bigger_than_what_was_sent(tmp_path: Path) -> None:
+    r"""Attack (audit L4): a ``--pull`` reply whose pandas column is a scalar, broadcast by
+    ``pd.Series(scalar, index=RangeIndex(0, N))``:
+
+        enc = {"format": "data", "data": {"$": "series", "values": {"values": 1, "dtype": "object"},
+               "index": {"$": "range", "start": 0, "stop": 30000000, "step": 1}, "name": None}}
+        agent._conn.sendall(json.dumps({"t": "done", "status": "ok", "pulled": {"x": enc}}).encode() + b"\n")
+
+    216 bytes took the kernel from 63 to 335 MB (linear in ``stop``, times the columns of a
+    DataFrame). The same for the other ways to build more than was sent: a dict reindexed
+    to the index, a column shorter than its index, numpy dtypes of huge items (``U20000000``,
+    sub-arrays ``10000000f8``), range indexes with no data, and .npy arrays of 0-byte items.
+    Now every column is a list or 1-D array of exactly its index's length, a range index's
+    rows count against the reply's ``max-items``, and the rest is one line.
+    """
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        up(nb)
+        nb.run("%%smol\npass")
+        nb.run("import numpy, pandas")  # what they cost is not the reply's
+        for enc, expected in PULL_EXPANSIONS:
+            cell, grew = _peak_growth(nb, _pull_as(enc))
+            msg = one_line_error(cell)
+            assert msg.startswith("machine root sent a malformed reply: ") and expected in msg, (enc, msg)
+            assert grew < 40, f"the kernel grew {grew:.0f} MB for a reply of a few hundred bytes: {enc}"
+            still_works(nb)
+        assert "%smol config max-items" in one_line_error(nb.run(_pull_as(_series("1", "object", 10_000_000))))
+        # honest pandas values, as the agent sends them, still come back (object columns one item per value)
+        nb.run("%%smol\n_G['_pull'] = _G['_honest_pull']")
+        cell = nb.run("%%smol --pull s,df,e\nimport pandas as pd, numpy as np\n"
+                      "s = pd.Series([[1, 2], 'a', None], name='s')\n"
+                      "df = pd.DataFrame({'x': np.arange(3.0), 'c': pd.Categorical(['p', 'q', 'p'])}, index=pd.RangeIndex(3, 9, 2))\n"
+                      "e = pd.DataFrame(index=pd.RangeIndex(5))")
+        assert error_output(cell) is None, cell.outputs
+        assert stream_text(nb.run("print(s.tolist(), s.dtype, df['x'].tolist(), df.index.tolist(), str(df['c'].dtype), e.shape)")) == \
+            "[[1, 2], 'a', None] object [0.0, 1.0, 2.0] [3, 5, 7] category (5, 0)\n"
+        # and the kernel is as usable as before: a host cell, the tree, the status
+        cell = nb.run("print('host cell after')")
+        assert cell.outputs == [{"output_type": "stream", "name": "stdout", "text": "host cell after\n"}], cell.outputs
+        for line in ("%smol tree", "%smol status"):
+            cell = nb.run(line)
+            assert error_output(cell) is None and "unavailable" not in str(cell.outputs), cell.outputs
         nb.run("%smol down")

@@ -111,7 +111,7 @@ class ProxyClient:
             self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
             await self.proc.stdin.drain()
             line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
-        reply = json.loads(line or b'{"error": "the egress proxy exited"}')
+        reply = json.loads((line or b'{"error": "the egress proxy exited"}').decode("utf-8"))
         if "error" in reply:
             raise OSError(str(reply["error"]))
         return dict(reply)

@@ -679,7 +679,7 @@ class SmolBackend(Backend):
         if self.target == "local":
             return os.path.abspath(path)
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 pointer = json.load(fh)
         except (OSError, ValueError, UnicodeDecodeError):
             pointer = None

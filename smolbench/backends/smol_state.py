@@ -69,7 +69,7 @@ def read_state(path: str) -> dict[str, bytes]:
             f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`"
         ) from None
     try:
-        kind = json.loads(out.get(MARKER, b"{}")).get("kind")
+        kind = json.loads(out.get(MARKER, b"{}").decode("utf-8")).get("kind")  # strict UTF-8, as written
     except (ValueError, AttributeError):
         kind = None
     if kind != KIND or any(part not in out for part in PARTS):

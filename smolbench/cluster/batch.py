@@ -64,7 +64,7 @@ def frames(data: bytes, size: int) -> list[tuple[int, int, bytes]]:
 
 def error_of(payload: bytes) -> SmolbenchError:
     try:
-        got = json.loads(payload)
+        got = json.loads(payload.decode("utf-8"))  # strict: never UTF-16/32 guessed from bytes
         return ERRORS.get(str(got["type"]), SmolbenchError)(str(got["error"]))
     except (ValueError, KeyError, TypeError):
         return SmolbenchError("a node agent sent an unreadable error")

@@ -3,7 +3,7 @@
 Code in a machine can rewrite its guest agent, so every byte from a machine is
 attacker data. Backends only move bytes; they hand the raw reply stream to
 :func:`read_cell` or :func:`read_control`, which split it into bounded frames,
-decode each as JSON, check every field (known names, types, sizes, finite numbers
+decode each as strict UTF-8 JSON, check every field (known names, types, sizes, finite numbers
 within ±1e300), sanitise display bundles, rebuild pulled values from data without
 running code, and cut floods down to a per-cell budget. Anything else is refused
 with one line: ``machine root.3 sent a malformed reply: ...``.
@@ -166,11 +166,12 @@ class _Cell:
             result = SafeBundle(data) if data else None
         values, pull_error = {}, None
         wanted = set(self.request.pull)
+        budget = pull.Budget()  # what the reply's pulled values may build beyond its JSON
         for key, enc in (f.get("pulled") or {}).items():
             if key not in wanted:
                 raise Bad(f"a pulled value {shown(key)} that was not asked for")
             try:
-                values[key] = pull.pulled(key, enc, self.request.trust_pull)
+                values[key] = pull.pulled(key, enc, self.request.trust_pull, budget)
             except Bad:
                 raise
             except SmolbenchError as exc:

@@ -12,9 +12,11 @@ from ..errors import SmolbenchError
 from .limits import LIMITS, NUMBER_LIMIT, human
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-~@]{1,128}")
-# A lone surrogate arrives as a JSON escape, or as raw bytes (json.loads decodes bytes with
-# surrogatepass): look for either first (cheap), and walk the decoded message only then.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+# A frame is strict UTF-8 (never json.loads(bytes), which guesses UTF-16/32 and passes
+# surrogates), so a lone surrogate can only arrive as a JSON escape: look for one first
+# (cheap), and walk the decoded message only then.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf][\x80-\xbf]")
 SURROGATE = re.compile("[\ud800-\udfff]")
 # JSON strings, skipped when counting a frame's values (their commas are text, not values).
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -63,6 +65,13 @@ def _valid_text(msg: Any) -> None:
             todo.extend(v)
 
 
+def _not_utf8(frame: bytes, at: int) -> str:
+    """Why ``frame`` is not UTF-8 at byte ``at``, short (a lone surrogate is named as such)."""
+    if ENCODED_SURROGATE.match(frame, at):
+        return f"a lone surrogate {frame[at:at + 3].decode('utf-8', 'surrogatepass')!r} at byte {at:,}"
+    return f"bytes that are not UTF-8 at byte {at:,}: {frame[at:at + 4]!r}"
+
+
 def decode(frame: bytes) -> dict[str, Any]:
     """One frame as a JSON object (no NaN/Infinity, bounded nesting and value count, valid
     text only), or Bad."""
@@ -71,12 +80,16 @@ def decode(frame: bytes) -> dict[str, Any]:
         raise Bad(f"a reply of {count:,} JSON values, above the limit of {LIMITS.max_items:,} "
                   "(`%smol config max-items N` raises it)")
     try:
-        msg = json.loads(frame, parse_constant=_no_constant)
+        text = frame.decode("utf-8")  # the wire format is UTF-8 JSON lines: anything else is refused
+    except UnicodeDecodeError as exc:
+        raise Bad(f"text that is not valid Unicode ({_not_utf8(frame, exc.start)})") from None
+    try:
+        msg = json.loads(text, parse_constant=_no_constant)
     except Bad:
         raise
     except RecursionError:
         raise Bad("JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise Bad(f"not a JSON line ({_short(str(exc), 80)})") from None
     if not isinstance(msg, dict):
         raise Bad(f"a JSON {type(msg).__name__} where an object belongs")

@@ -3,7 +3,8 @@
 The agent sends a pulled value as a JSON tree: plain JSON for None, bools, numbers,
 strings and lists; ``{"$": tag, ...}`` for the rest (dicts with any plain keys, tuples,
 sets, bytes, complex and non-finite floats, numpy arrays as ``.npy`` read with
-``allow_pickle=False``, pandas Series and DataFrames column by column). Nothing here
+``allow_pickle=False``, pandas Series and DataFrames column by column, each column a list
+or 1-D array as long as its index: nothing is broadcast to more than was sent). Nothing here
 imports, calls or unpickles anything the machine names. Only with ``--pull-trusted`` or
 ``%smol trust on`` does a pickle sent by the machine get unpickled.
 """
@@ -18,7 +19,8 @@ import pickle
 import re
 from typing import Any
 
-from .frames import Bad, integer, mapping, shown, string
+from .frames import SURROGATE, Bad, integer, mapping, shown, string
+from .limits import LIMITS, human
 
 MAX_DEPTH = 100
 DTYPE_RE = re.compile(r"[A-Za-z0-9_\[\], :/+\-]{1,64}")
@@ -33,50 +35,123 @@ def _b64(value: Any, what: str) -> bytes:
         raise Bad(f"{what} is not base64") from None
 
 
+class Budget:
+    """What one reply's pulled values may build beyond the JSON they came in: the rows of
+    their range indexes (which columns must then match), counted as the JSON values and
+    bytes they would take as data, against the same limits as the reply itself."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def rows(self, n: int) -> None:
+        self.held += n
+        what = f"a pandas index of {n:,} rows" if n == self.held else f"pandas indexes of {self.held:,} rows in all"
+        if self.held > LIMITS.max_items:
+            raise Bad(f"{what}, above the limit of {LIMITS.max_items:,} JSON values for one reply "
+                      "(`%smol config max-items N` raises it)")
+        if 2 * self.held > LIMITS.max_frame:  # as data, each row is at least a digit and a comma
+            raise Bad(f"{what}, {human(2 * self.held)} or more as data, above the limit of "
+                      f"{human(LIMITS.max_frame)} for one reply (`%smol config max-frame SIZE` raises it)")
+
+
 def _npy(value: Any) -> Any:
     import numpy as np
 
+    raw = _b64(value, "an array")
     try:
-        return np.load(io.BytesIO(_b64(value, "an array")), allow_pickle=False)
-    except Bad:
-        raise
+        arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except Exception as exc:  # numpy says why (object arrays need pickle: refused)
         raise Bad(f"an array that is not plain .npy data ({shown(str(exc))})") from None
+    if arr.size > len(raw):  # only items of 0 bytes can outnumber the bytes sent
+        raise Bad(f"an array of {arr.size:,} items of {arr.dtype.itemsize} bytes sent in {len(raw):,} bytes")
+    _text_ok(arr)
+    return arr
 
 
-def _column(enc: Any, depth: int) -> Any:
-    enc = mapping(enc, "a pandas column", 4)
-    values = enc.get("values")
-    dtype = string(enc.get("dtype"), "a pandas dtype", 64)
-    if not DTYPE_RE.fullmatch(dtype):
-        raise Bad(f"a pandas dtype {shown(dtype)} is not a dtype name")
+def _text_ok(arr: Any) -> None:
+    """Refuse an array holding text that is not valid Unicode (a lone surrogate, or a code
+    point past U+10FFFF): it becomes a ``str`` the kernel can't send to the browser."""
+    import numpy as np
+
+    dt = arr.dtype
+    for key in dt.fields or ():  # field names and titles are text too
+        if not isinstance(key, str) or SURROGATE.search(key):
+            raise Bad(f"an array whose field name {shown(key)} is not valid Unicode")
+    if dt.names:
+        for field in dt.names:
+            _text_ok(arr[field])
+    elif dt.kind == "U" and arr.size and dt.itemsize:
+        codes = np.ascontiguousarray(arr).reshape(-1).view(dt.byteorder.replace("|", "=") + "u4")
+        if ((codes >= 0xD800) & (codes <= 0xDFFF)).any() or (codes > 0x10FFFF).any():
+            raise Bad("an array of text that is not valid Unicode (a lone surrogate or a code point past U+10FFFF)")
+
+
+def _dtype(text: Any) -> Any:
+    """A pandas dtype by name. Numpy dtypes whose items could be far larger than what was
+    sent (fixed-width text and bytes, void, sub-arrays like ``10000000f8``) are refused:
+    pandas never holds them as such (its text is object or string dtype)."""
+    import numpy as np
     import pandas as pd
 
-    data = data_value(values, depth + 1)
+    name = string(text, "a pandas dtype", 64)
+    if not DTYPE_RE.fullmatch(name):
+        raise Bad(f"a pandas dtype {shown(name)} is not a dtype name")
     try:
-        return pd.array(data, dtype=pd.api.types.pandas_dtype(dtype)) if dtype != "object" else data
+        dtype = pd.api.types.pandas_dtype(name)
+    except Exception:
+        raise Bad(f"a pandas dtype {shown(name)} is not one pandas knows") from None
+    if isinstance(dtype, np.dtype) and (dtype.kind in "SUV" or dtype.subdtype is not None or dtype.itemsize > 32):
+        raise Bad(f"a pandas column of dtype {shown(name)} (pandas holds no such column)")
+    return dtype
+
+
+def _column(enc: Any, depth: int, budget: Budget, rows: int | None = None) -> Any:
+    """A pandas column: a list or a 1-D array of exactly ``rows`` items (when known), so
+    nothing is broadcast or reindexed into more than was sent."""
+    import numpy as np
+    import pandas as pd
+
+    enc = mapping(enc, "a pandas column", 4)
+    dtype = _dtype(enc.get("dtype"))
+    data = data_value(enc.get("values"), depth + 1, budget)
+    if not (isinstance(data, list) or (isinstance(data, np.ndarray) and data.ndim == 1)):
+        raise Bad(f"a pandas column whose values are not a list or a 1-D array ({shown(type(data).__name__)})")
+    if rows is not None and len(data) != rows:
+        raise Bad(f"a pandas column of {len(data):,} values for an index of {rows:,} rows")
+    if dtype == np.dtype(object):
+        out = np.empty(len(data), dtype=object)
+        for i, item in enumerate(data):  # one item per value, even a list (never a 2-D array)
+            out[i] = item
+        return out
+    try:
+        return pd.array(data, dtype=dtype)
     except Exception as exc:
-        raise Bad(f"a pandas column of dtype {shown(dtype)} can't be rebuilt ({shown(str(exc))})") from None
+        raise Bad(f"a pandas column of dtype {shown(str(dtype))} can't be rebuilt ({shown(str(exc))})") from None
 
 
-def _index(enc: Any, depth: int) -> Any:
+def _index(enc: Any, depth: int, budget: Budget) -> Any:
     import pandas as pd
 
     enc = mapping(enc, "a pandas index", 6)
     if enc.get("$") == "range":
-        return pd.RangeIndex(integer(enc.get("start"), "start"), integer(enc.get("stop"), "stop"),
-                             integer(enc.get("step"), "step") or 1, name=data_value(enc.get("name"), depth + 1))
-    return pd.Index(_column(enc.get("values"), depth), name=data_value(enc.get("name"), depth + 1))
+        rows = range(integer(enc.get("start"), "start"), integer(enc.get("stop"), "stop"),
+                     integer(enc.get("step"), "step") or 1)
+        step = abs(rows.step)  # its length, counted without len() (which overflows past 2**63)
+        budget.rows(max(0, ((rows.stop - rows.start) * (1 if rows.step > 0 else -1) + step - 1) // step))
+        return pd.RangeIndex(rows.start, rows.stop, rows.step, name=data_value(enc.get("name"), depth + 1, budget))
+    return pd.Index(_column(enc.get("values"), depth, budget), name=data_value(enc.get("name"), depth + 1, budget))
 
 
-def data_value(tree: Any, depth: int = 0) -> Any:
+def data_value(tree: Any, depth: int = 0, budget: Budget | None = None) -> Any:
     """Rebuild one value from its JSON tree (only the forms listed in the module doc)."""
     if depth > MAX_DEPTH:
         raise Bad("a pulled value nested too deeply")
+    if budget is None:
+        budget = Budget()
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return tree
     if isinstance(tree, list):
-        return [data_value(v, depth + 1) for v in tree]
+        return [data_value(v, depth + 1, budget) for v in tree]
     if not isinstance(tree, dict):
         raise Bad(f"a pulled value of JSON type {type(tree).__name__}")
     tag = tree.get("$")
@@ -86,16 +161,16 @@ def data_value(tree: Any, depth: int = 0) -> Any:
             raise Bad("a pulled dict that is not a list of key/value pairs")
         out = {}
         for k, val in v:
-            key = data_value(k, depth + 1)
+            key = data_value(k, depth + 1, budget)
             try:
-                out[key] = data_value(val, depth + 1)
+                out[key] = data_value(val, depth + 1, budget)
             except TypeError:
                 raise Bad(f"a pulled dict with an unhashable key {shown(key)}") from None
         return out
     if tag in ("tuple", "set", "frozenset"):
         if not isinstance(v, list):
             raise Bad(f"a pulled {tag} that is not a list")
-        items = [data_value(x, depth + 1) for x in v]
+        items = [data_value(x, depth + 1, budget) for x in v]
         try:
             return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
         except TypeError:
@@ -118,32 +193,34 @@ def data_value(tree: Any, depth: int = 0) -> Any:
         import pandas as pd
 
         tree = mapping(tree, "a pandas Series", 5)
-        return pd.Series(_column(tree.get("values"), depth), index=_index(tree.get("index"), depth),
-                         name=data_value(tree.get("name"), depth + 1), copy=False)
+        index = _index(tree.get("index"), depth, budget)
+        return pd.Series(_column(tree.get("values"), depth, budget, len(index)), index=index,
+                         name=data_value(tree.get("name"), depth + 1, budget), copy=False)
     if tag == "dataframe":
         import pandas as pd
 
         tree = mapping(tree, "a pandas DataFrame", 5)
-        cols = data_value(tree.get("columns"), depth + 1)
+        cols = data_value(tree.get("columns"), depth + 1, budget)
         data = tree.get("data")
         if not isinstance(cols, list) or not isinstance(data, list) or len(cols) != len(data):
             raise Bad("a pulled DataFrame whose columns and data don't match")
-        index = _index(tree.get("index"), depth)
-        frame = pd.DataFrame({i: pd.Series(_column(c, depth), index=index, copy=False) for i, c in enumerate(data)},
-                             index=index)
+        index = _index(tree.get("index"), depth, budget)
+        frame = pd.DataFrame({i: pd.Series(_column(c, depth, budget, len(index)), index=index, copy=False)
+                              for i, c in enumerate(data)}, index=index)
         frame.columns = pd.Index(cols, tupleize_cols=False) if cols else pd.RangeIndex(0)
         return frame
     raise Bad(f"a pulled value of unknown form {shown(tag)}")
 
 
-def pulled(name: str, enc: Any, trusted: bool) -> Any:
-    """One ``--pull`` value from its wire form: data, a refusal, or (trusted only) a pickle."""
+def pulled(name: str, enc: Any, trusted: bool, budget: Budget | None = None) -> Any:
+    """One ``--pull`` value from its wire form: data, a refusal, or (trusted only) a pickle.
+    ``budget`` is shared by the values of one reply."""
     from ..errors import SmolbenchError
 
     enc = mapping(enc, f"--pull {name}", 4)
     form = enc.get("format")
     if form == "data":
-        return data_value(enc.get("data"))
+        return data_value(enc.get("data"), 0, budget)
     if form == "refused":
         kind = string(enc.get("type"), "a type name", 200)
         kind = re.sub(r"[^A-Za-z0-9_.<>\[\], ]", "?", kind)
