@@ -8,6 +8,7 @@ holds its merged view.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -33,7 +34,7 @@ def ok(cell: NotebookNode) -> NotebookNode:
 class Session:
     def __init__(self, nb: NotebookSession) -> None:
         self.nb = nb
-        self.warnings: int | None = None  # the kernel's overlay warnings before this session
+        self.warnings: float | None = None  # the kernel log's clock before this session
 
     def on(self, node: str, code: str) -> str:
         """Run ``code`` in machine ``node``; its last expression's repr."""
@@ -201,11 +202,30 @@ VICTIM = ("import importlib, os, sys\nsys.path.insert(0, '/workspace')\nimportli
           "    except ImportError:\n        pass\n    return seen\n")
 
 
-def _inuse_warnings() -> int | None:
-    """How many times the host kernel warned that an overlay lower is another mount's upper
-    (None where this user can't read the kernel log)."""
+def _kernel_log() -> list[tuple[float, str]] | None:
+    """The kernel log as (timestamp, text) lines (None where this user can't read it)."""
     res = subprocess.run(["dmesg"], capture_output=True, text=True)
-    return res.stdout.count("lowerdir is in-use as upperdir/workdir") if res.returncode == 0 else None
+    if res.returncode != 0:
+        return None
+    lines = []
+    for line in res.stdout.splitlines():
+        stamp, _, text = line.partition("]")
+        with contextlib.suppress(ValueError):
+            lines.append((float(stamp.lstrip("[ ")), text))
+    return lines
+
+
+def _log_clock() -> float | None:
+    """The kernel log's last timestamp: warnings are counted after it, since a full ring
+    drops old lines as new ones come (a count of them stops moving)."""
+    log = _kernel_log()
+    return None if log is None else (log[-1][0] if log else 0.0)
+
+
+def _inuse_warnings(since: float) -> int:
+    """How many times the host kernel warned after ``since`` that an overlay lower is another
+    mount's upper."""
+    return sum("lowerdir is in-use as upperdir/workdir" in text for stamp, text in _kernel_log() or [] if stamp > since)
 
 
 def _weakened_session(open_tmp: Path, weaken: str) -> NotebookSession:
@@ -229,7 +249,7 @@ def _weakened_session(open_tmp: Path, weaken: str) -> NotebookSession:
 
 
 def _attack_session(open_tmp: Path, weaken: str) -> Session:
-    warnings = _inuse_warnings()
+    warnings = _log_clock()
     nb = _weakened_session(open_tmp, weaken)
     ok(nb.run("%%smol\n" + ATTACKS + VICTIM))
     # layers to attack: the root's, then a branch's own on top of it
@@ -279,13 +299,13 @@ def test_no_branch_can_plant_a_module_in_a_layer_it_shares(attack: tuple[Session
     if s.warnings is None:
         return
     if weak:
-        assert (_inuse_warnings() or 0) > s.warnings
+        assert _inuse_warnings(s.warnings) > 0
         return
     for i in range(3):
-        before = _inuse_warnings()
+        before = _log_clock() or 0.0
         s.on("root", f"open('/workspace/again{i}.txt', 'w').write('x')\n1")
         ok(s.nb.run("%%smol fork 1 --keep all --quiet\npass"))
-        if _inuse_warnings() == before:
+        if _inuse_warnings(before) == 0:
             break
     else:
         raise AssertionError("every fork made the kernel warn: a lower layer is another mount's upper")
