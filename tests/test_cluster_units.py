@@ -210,3 +210,24 @@ def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -
     assert got == ["a says hi\n", "b says hi\nerror: b broke", "c says hi\n", "d says hi\n", "e says hi\n"]
     calls.clear()
     assert asyncio.run(main(False)) == got and len(calls) == 5  # batching off: one call each
+
+
+def test_a_stopped_local_clusters_folder_stays_gone_when_the_next_one_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray remembers a stopped cluster's session in the process that started it, and the next
+    cluster started there made that session's folder again: every test module with a cluster
+    of its own left an empty ``sbray-*`` folder in /tmp. Shown with the sweep left out, then
+    with it."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+    from smolbench.cluster import local
+
+    first = local.LocalCluster(1, slots=1, backends=["process"])
+    first.stop()
+    with monkeypatch.context() as m:
+        m.setattr(local, "_sweep_stopped", lambda: None)  # the old stop and start
+        second = local.LocalCluster(1, slots=1, backends=["process"])
+        came_back = first.dir.exists()
+        second.stop()
+    third = local.LocalCluster(1, slots=1, backends=["process"])
+    third.stop()
+    assert came_back
+    assert [c.dir for c in (first, second, third) if c.dir.exists()] == []

@@ -113,6 +113,7 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        _sweep_stopped()
 
     @property
     def address(self) -> str:
@@ -157,6 +158,8 @@ class LocalCluster:
         else:
             os.environ["RAY_TMPDIR"] = self._old_tmp
         shutil.rmtree(self.dir, ignore_errors=True)
+        _STOPPED.append(self.dir)
+        _sweep_stopped()
         atexit.unregister(self.stop)
 
     def _kill_strays(self) -> None:
@@ -183,6 +186,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# Ray remembers a stopped cluster's session in the process that started it, and the next
+# cluster started (or stopped) there makes that session's folder again, empty: swept then.
+_STOPPED: list[Path] = []
+
+
+def _sweep_stopped() -> None:
+    for folder in _STOPPED:
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(proc: Path) -> bool:
