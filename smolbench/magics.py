@@ -7,6 +7,7 @@ import contextlib
 import os
 import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -204,7 +205,16 @@ class SmolMagics(Magics):
         self.last_result: ForkResult | None = None
         self._publisher: Any = None  # smolbench.registry.Publisher of the current workbench
         self.warned_trust = False
-        atexit.register(self.shutdown)
+        # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
+        # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
+        # Those hooks run last registered first, so its own is registered (imported) before ours.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            import concurrent.futures.thread  # noqa: F401
+
+            register(self.shutdown)
+        else:  # pragma: no cover - Python < 3.9
+            atexit.register(self.shutdown)
 
     # -- entry point ------------------------------------------------------------------
 

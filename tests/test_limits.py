@@ -9,6 +9,7 @@ and sweeps never touch the host's /tmp.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -436,6 +437,40 @@ def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monke
                           "PLAIN PROCESSES with NO isolation (backend `process`)")
     with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
         choose_backend("sandbox", "local")
+
+
+# -- a kernel that ends without `%smol down` ----------------------------------------------------------
+
+OLD_EXIT_HOOK = """import atexit, threading, smolbench
+m = smolbench._magics
+threading._threading_atexits[:] = [f for f in threading._threading_atexits if getattr(f.func, '__self__', None) is not m]
+atexit.register(m.shutdown)"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weakened", [False, True], ids=["enforced", "weakened"])
+def test_a_kernel_ended_without_down_leaves_no_run_folder_or_cgroup(tmp_path: Path, tmpdir_env: Path, backend: str,
+                                                                   weakened: bool) -> None:
+    """A notebook closed (its kernel shut down) with machines up: smolbench's exit hook deletes
+    them. It used to run after concurrent.futures' own exit hook, when asyncio.to_thread (every
+    delete uses it) refuses new work: the processes died with the kernel, but the run folders and
+    cgroups stayed until a later `%smol up` swept them. ``weakened``: the hook registered the old way."""
+    with machine(tmp_path, backend) as nb:
+        nb.run("%%smol fork 2 --keep all --quiet\nreward = 1")
+        kernel = nb.kernel_pid
+        if weakened:
+            assert error_output(nb.run(OLD_EXIT_HOOK)) is None
+        assert run_folders(tmpdir_env)
+    left, groups = run_folders(tmpdir_env), kernel_cgroups(kernel)
+    if weakened:
+        assert left
+        for name in left:  # what the old hook left
+            shutil.rmtree(tmpdir_env / name, ignore_errors=True)
+        for group in sorted(groups, key=lambda d: -len(d.parts)):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        return
+    assert left == [] and groups == []
 
 
 # -- init ---------------------------------------------------------------------------------------------
