@@ -19,6 +19,7 @@ from IPython.display import display
 
 from . import _loop, gate
 from ._format import size_text, time_text
+from .backends import _netproxy
 from .backends.base import Event
 from .errors import RemoteError, SmolbenchError
 from .gate import SafeBundle
@@ -782,6 +783,10 @@ class _Dropped:
 
 def _show_event(ev: Event) -> None:
     _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
+
+
+# the sandbox's egress proxy: its one-line failures show in the running cell
+_netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line + "\n"))]
 
 
 def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:
