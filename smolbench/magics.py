@@ -18,6 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from . import _loop, gate
+from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
 from .backends.base import Event
 from .errors import RemoteError, SmolbenchError
@@ -238,7 +239,7 @@ class SmolMagics(Magics):
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
-            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint, trust, config (see %smol?)")
+            raise UsageError(line_word_error(sub))
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
@@ -246,6 +247,9 @@ class SmolMagics(Magics):
         words = line.split(None, 1)
         if words and words[0] in ("fork", "episodes"):
             return self._fanout(words[0], words[1] if len(words) > 1 else "", cell)
+        typo = cell_word_error(line)
+        if typo:
+            raise UsageError(typo)
         return self._run_cell(line, cell)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -291,8 +295,10 @@ class SmolMagics(Magics):
                            max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
         if args.ray is not None or cluster_table(path):
             from .cluster.backend import ClusterBackend
+            from .smolfile import shown
 
-            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None), ""
+            named = None if args.ray or not path else shown(path)  # the address came from the Smolfile
+            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None, source=named), ""
             backend.start()
         else:
             backend, why = choose_backend(args.backend, args.target)
@@ -300,7 +306,7 @@ class SmolMagics(Magics):
             print(why)
         wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
         wb.net_note = net_note
-        wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
+        wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n")))  # news, not errors
         self._publish(wb)
         t0 = time.perf_counter()
         job = _loop.Job(wb.up())
