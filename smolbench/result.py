@@ -144,7 +144,7 @@ class ForkResult:
             parts.append(f"in {self.ended - self.started:.2f} s")
         if self.kept:
             parts.append(f"kept alive: {', '.join(self.kept)}")
-        failed = self.failed
+        failed = [r for r in self.failed if r["status"] != "cancelled"]  # a cancel says nothing more
         if failed:
             first = failed[0]
             more = f" (and {len(failed) - 1} more: see the table)" if len(failed) > 1 else ""
