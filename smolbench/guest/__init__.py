@@ -9,4 +9,4 @@ from __future__ import annotations
 from pathlib import Path
 
 GUEST_DIR = Path(__file__).resolve().parent
-AGENT_FILES = ("agent.py", "protocol.py", "client.py", "contain.py", "seccomp.py", "mountguard.py", "uidshares.py")
+AGENT_FILES = ("agent.py", "protocol.py", "client.py", "contain.py", "seccomp.py", "mountguard.py", "uidshares.py", "pipsite.py")

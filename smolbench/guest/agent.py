@@ -48,6 +48,7 @@ def _load_protocol(name="protocol"):
 
 P = _load_protocol()
 contain = None  # guest/contain.py, loaded by main() when the host asks for containment
+pipsite = None  # guest/pipsite.py, loaded by main(): the Smolfile's packages and pip in the machine
 
 BUSY = "machine busy: a cell is already running in this machine; wait for it or interrupt it"
 MIME_METHODS = (
@@ -215,6 +216,10 @@ class GuestAPI(types.ModuleType):
         for obj in objs:
             self._agent.outbox.flush()  # text printed before the display shows before it
             self._agent.send({"t": "display", "data": mime_bundle(obj)})
+
+    def pip(self, *args):
+        """Run ``python -m pip ARGS`` in this machine (installs go to its own folder on sys.path)."""
+        return (pipsite or _load_protocol("pipsite")).run(args)
 
     @property
     def node(self):
@@ -529,6 +534,8 @@ class Agent:
 
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        if pipsite is not None:
+            code = pipsite.transform(code)  # %pip / !pip lines (the cache above keeps what was typed)
         tree = ast.parse(code, filename, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -1073,6 +1080,7 @@ def main(argv=None):
     ap.add_argument("--name", default="root")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
+    ap.add_argument("--packages", default=None, help="the Smolfile's packages (a read-only folder) for sys.path")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
     ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
@@ -1107,6 +1115,9 @@ def main(argv=None):
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids,
                                      grants_fd=args.grants_fd)
+    global pipsite
+    pipsite = _load_protocol("pipsite")
+    pipsite.setup(args.packages, args.workdir)  # after containment: its folder is in the machine's own workspace
     watch_connects()
     agent = Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns
