@@ -99,8 +99,7 @@ sys.path.insert(0, home)
 import agent
 sys.path.remove(home)
 del sys.modules["agent"]
-agent._set_pdeathsig = lambda: None
-sys.argv = [agent.__file__] + sys.argv[3:]
+sys.argv = [agent.__file__] + sys.argv[3:] + ["--no-pdeathsig"]
 try:
     agent.main(sys.argv[1:])
 except BaseException:
