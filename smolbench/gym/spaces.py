@@ -22,6 +22,7 @@ MAX_DIMS = 8
 MAX_SUBSPACES = 256
 MAX_DEPTH = 8
 MAX_TEXT = 1 << 20
+TEST_WEAKEN: set[str] = set()  # "obs-check": tests show their attacks get through without the check
 DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool"}
 
@@ -120,6 +121,8 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
 
 def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any:
     """``value`` as a member of ``space`` (structure, shape, dtype and range), else :class:`Refused`."""
+    if "obs-check" in TEST_WEAKEN:
+        return value
     if isinstance(space, S.Dict):
         if not isinstance(value, dict) or set(value) != set(space.spaces):
             raise Refused(f"{what} should be a dict with keys {sorted(space.spaces)}")
