@@ -35,7 +35,7 @@ def connect(address: str | None, source: str | None = None) -> str:
     try:
         import ray
     except ImportError:
-        raise SmolbenchError("Ray is not installed: `pip install 'smolbench[ray]'`"
+        raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`"
                              + (f" (the [cluster] table of {source} asks for a Ray cluster)" if source else "")) from None
     addr = resolve(address, source)
     if ray.is_initialized():
