@@ -441,10 +441,10 @@ def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monke
 
 # -- a kernel that ends without `%smol down` ----------------------------------------------------------
 
-OLD_EXIT_HOOK = """import atexit, threading, smolbench
-m = smolbench._magics
-threading._threading_atexits[:] = [f for f in threading._threading_atexits if getattr(f.func, '__self__', None) is not m]
-atexit.register(m.shutdown)"""
+OLD_EXIT_HOOK = """import atexit, threading
+from smolbench import _session
+threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _session.shutdown_all]
+atexit.register(_session.shutdown_all)"""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -574,7 +574,7 @@ def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weak
         return
     assert "live_machines  9 (root, root.42, root.43" in status and "kept 8 of max_alive 8" in status
     assert "host memory RSS" in status and "PSS" in status
-    notices = [ln for ln in stream_text(cell, "stderr").splitlines() if "deleted idle kept machine" in ln]
+    notices = [ln for ln in stream_text(cell, "stdout").splitlines() if "deleted idle kept machine" in ln]
     assert len(notices) == 42 and notices[0].startswith("smolbench: deleted idle kept machine root.0 ")
     assert "identical" in replay
     assert live > 0
