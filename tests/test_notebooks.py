@@ -33,10 +33,10 @@ from nbhelpers import (
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_episodes.ipynb", "04_checkpoints.ipynb",
-             "05_scale_out.ipynb"]
+             "05_scale_out.ipynb", "07_training.ipynb"]
 RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
 TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
-BUDGETS = {"05_scale_out.ipynb": 360.0}  # starts a four-process Ray cluster first (60-90 s on a busy 2-core host)
+BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}  # 07: 100 steps of 4 machines, a branch per episode  # starts a four-process Ray cluster first (60-90 s on a busy 2-core host)
 CELL_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -219,12 +219,25 @@ def check_scale_out(nb: NotebookNode) -> None:
     assert "the local cluster is stopped" in stream_text(nb.cells[-1])
 
 
+def check_training(nb: NotebookNode) -> None:
+    assert "(5, 1.0, True)" in result_text(cell(nb, "%%smol\nimport gymnasium"))  # the prototype reached the goal
+    trained = stream_text(cell(nb, "%run train.py"))
+    first, last = (float(x) for x in re.findall(r"of the (?:first|last) 8: (-?[\d.]+)", trained))
+    assert last > first and "greedy policy: → → → → →" in trained, trained
+    episodes = int(re.search(r"^(\d+) episodes;", trained, re.M).group(1))  # type: ignore[union-attr]
+    said = stream_text(cell(nb, "import os"))
+    assert f"{episodes} training episodes in the ledger" in said and "0 machines still alive" in said, said
+    assert cell(nb, "%smol tree").outputs and cell(nb, "%smol plot").outputs
+    assert "deleted" in stream_text(cells(nb, "%smol down")[-1])
+
+
 CHECKS: dict[str, Callable[[NotebookNode], None]] = {
     "01_quickstart.ipynb": check_quickstart,
     "02_fork_exploration.ipynb": check_fork_exploration,
     "03_disposable_episodes.ipynb": check_disposable_episodes,
     "04_checkpoints.ipynb": check_checkpoints,
     "05_scale_out.ipynb": check_scale_out,
+    "07_training.ipynb": check_training,
 }
 
 
