@@ -36,7 +36,8 @@ NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_
              "05_scale_out.ipynb", "07_training.ipynb"]
 RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
 TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
-BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}  # 07: 100 steps of 4 machines, a branch per episode  # starts a four-process Ray cluster first (60-90 s on a busy 2-core host)
+# 05 starts a four-process Ray cluster first (60-90 s on a busy 2-core host); 07 trains on 4 machines, a branch per episode
+BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
 UPS = {"05_scale_out.ipynb": "%smol up --ray auto"}  # joins the cluster it starts (no Smolfile left behind)
 LEAVES_NOTHING = {"05_scale_out.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
