@@ -132,7 +132,7 @@ def doctor(args: argparse.Namespace) -> int:
             m = __import__(mod)
             print(f"  {mod} {getattr(m, '__version__', '?')}")
         except ImportError:
-            print(f"  {mod}: not installed" + (" (pip install 'smolbench[lab]')" if mod == "jupyterlab" else ""))
+            print(f"  {mod}: not installed" + (" (pip install 'jupyterlab-smolbench[lab]')" if mod == "jupyterlab" else ""))
     return 0
 
 

@@ -1,0 +1,149 @@
+"""Live branches: a fork request makes one ``os.fork()`` child of the agent per branch.
+
+Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
+"""
+
+import gc
+import os
+import queue
+import sys
+import threading
+import time
+
+from .output import _Outbox
+from .privatefiles import _private_files, _set_pdeathsig
+
+
+class Branching:
+    """The agent's fork (a part of ``serving.Agent``)."""
+
+    def fork(self, req):
+        """Fork one live child per requested branch; answer with their pids."""
+        frozen = None
+        if self.machine is not None:
+            from . import contain
+
+            old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])  # the overlays about to be swapped
+            cwd = _getcwd()
+            os.chdir("/")  # hold nothing of the overlay that the keeper swaps
+            frozen = contain.ask_freeze(self.machine.chan)
+            frozen["old_mounts"], frozen["cwd"] = old, cwd
+            _chdir(cwd, self.workdir)  # re-enter the working folder through the fresh upper layer
+            if "layers" not in self.machine.weak:  # files and folders kept open: onto the fresh upper
+                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, self.machine.weak))
+        try:
+            return self._fork_children(req, frozen)
+        finally:
+            if frozen is not None and frozen.get("view") is not None:  # a branch closed its own
+                os.close(frozen["view"])
+
+    def _fork_children(self, req, frozen):
+        n, done = len(req["children"]), None
+        self._nproc_room(n)
+        try:
+            done = self._fork_each(req, frozen)
+            return done
+        finally:
+            if done != "child":  # a new branch returns through here too, with a count of its own
+                self._nproc_room(-n)
+
+    def _fork_each(self, req, frozen):
+        made = []
+        # Move every object to the permanent generation: the branches' garbage collector
+        # then never walks (and so never copies) the warm state's pages.
+        gc.freeze()
+        for child in req["children"]:
+            os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
+            listener = self._listen(child["socket"])
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    self._become_child(child, listener, frozen)
+                except BaseException as exc:
+                    sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
+                    os._exit(70)
+                return "child"
+            listener.close()
+            self.children[pid] = child["name"]
+            made.append({"name": child["name"], "pid": pid})
+        done = {"t": "done", "status": "ok", "children": made}
+        if frozen is not None and frozen["flattened"]:
+            done["flattened"] = frozen["flattened"]
+        return done
+
+    def _become_child(self, child, listener, frozen=None):
+        try:
+            self._conn.close()  # the parent answers the fork request
+        except OSError:
+            pass
+        self._conn = None
+        self.listener.close()
+        self.listener = listener
+        self.sock_path = child["socket"]
+        self.children = {}
+        self._forking, self._nproc_lock = 0, threading.Lock()  # the parent's may be held right now
+        self._busy = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.outbox = _Outbox(self)
+        self._queue = queue.Queue()
+        self._running = False
+        self.cell_count = 0
+        _set_pdeathsig()
+        if frozen is not None:
+            from . import contain
+
+            view, frozen["view"] = frozen["view"], None
+            self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view,
+                                                frozen.get("old_mounts"))
+            _chdir(frozen.get("cwd"), self.workdir)  # the parent's working folder, through our own overlay
+            self.sock_path = os.path.join(contain.RUN, "s")
+        else:
+            self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
+        self.apply_seed(child.get("seed"), child["name"])
+        self._start_acceptor()
+
+def _getcwd():
+    try:
+        return os.getcwd()
+    except OSError:
+        return None  # removed: nothing to come back to
+
+
+def _chdir(path, fallback):
+    """Into ``path`` by its name (so through the overlay mounted there now, never the swapped-out
+    one a held working directory would keep), else ``fallback``."""
+    for where in (path, fallback):
+        if where:
+            try:
+                os.chdir(where)
+                return
+            except OSError:
+                continue
+
+
+def _plain_name(name):
+    """A branch's run folder name: one plain path component (the host chooses it)."""
+    name = str(name)
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ValueError("bad run folder name %r" % name)
+    return name
+
+
+def _wait_exited(pid, timeout):
+    """Wait until process ``pid`` has exited (a zombie no longer runs), at most ``timeout`` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in (b"Z", b"X"):
+            return
+        time.sleep(0.002)
+

@@ -1,0 +1,159 @@
+"""Running one cell: its code, output, pushes and pulls, reward and metrics.
+
+Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
+"""
+
+import ast
+import collections
+import linecache
+import math
+import sys
+import time
+import traceback
+
+from . import protocol as P
+from .netnote import _net_note
+from .output import OUTPUT_KEEP, _Stream, mime_bundle
+from .pipsite import transform
+from .pulldata import _loads, _pull
+
+NUMBER_LIMIT = 1e300  # rewards and metrics: finite numbers within +-1e300
+
+
+class Cells:
+    """The agent's cell runner (a part of ``serving.Agent``)."""
+
+    def run_cell(self, req):
+        """Execute one cell; return the final ``done`` message."""
+        self.cell_count += 1
+        filename = req.get("cell") or "<cell-%d>" % self.cell_count
+        if self.name != self.started_as:
+            # A branch inherited its ancestors' cells in linecache under the same names
+            # ("<cell-1>"): name its own cells after it, so tracebacks show the right lines.
+            filename = "<%s@%s>" % (filename.strip("<>"), self.name)
+        code = req.get("code", "")
+        self.reported = {}
+        self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
+        self._out_size = {"stdout": 0, "stderr": 0}
+        started = time.time()
+        msg = {"t": "done", "status": "ok", "result": None, "error": None, "pulled": {}}
+        old = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
+        self._running = True
+        try:
+            if req.get("seed") is not None:
+                self.apply_seed(req["seed"])
+            for name, blob in (req.get("push") or {}).items():
+                self.ns[name] = _loads(P.unb64(blob))
+            value = self._execute(code, filename)
+            if value is not None:
+                msg["result"] = mime_bundle(value)
+                self.ns["_"] = value
+        except KeyboardInterrupt:
+            self._running = False
+            msg["status"] = "error"
+            msg["error"] = _error_from_exc(filename)
+        except BaseException:
+            self._running = False
+            msg["status"] = "error"
+            msg["error"] = _error_from_exc(filename)
+        finally:
+            self._running = False
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            sys.stdout, sys.stderr = old
+        if msg["status"] == "ok":
+            for name in req.get("pull") or []:
+                if name not in self.ns:
+                    msg["status"] = "error"
+                    msg["error"] = _plain_error("NameError", "--pull %s: no variable named %r in the machine" % (name, name))
+                    break
+                try:
+                    msg["pulled"][name] = _pull(self.ns[name], bool(req.get("pull_trusted")))
+                except Exception as exc:
+                    msg["status"] = "error"
+                    msg["error"] = _plain_error(
+                        "PicklingError", "--pull %s: the value can't be pickled (%s: %s)" % (name, type(exc).__name__, exc)
+                    )
+                    break
+        msg.update(self._reward_and_metrics())
+        msg["stdout"] = "".join(self._out["stdout"])[-OUTPUT_KEEP:]
+        msg["stderr"] = "".join(self._out["stderr"])[-OUTPUT_KEEP:]
+        msg["started"] = started
+        msg["ended"] = time.time()
+        return msg
+
+    def _execute(self, code, filename):
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        tree = ast.parse(transform(code), filename, "exec")  # %pip / !pip lines; the cache above keeps what was typed
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        if tree.body:
+            exec(compile(tree, filename, "exec"), self.ns)
+        if last is not None:
+            return eval(compile(last, filename, "eval"), self.ns)
+        return None
+
+    def _reward_and_metrics(self):
+        reward = self.reported.get("reward", self.ns.get("reward"))
+        out = {"reward": None, "metrics": {}, "reward_error": None}
+        if reward is not None:
+            try:
+                out["reward"] = _finite_number(reward, "reward")
+            except ValueError as exc:
+                out["reward_error"] = str(exc)
+        for key, val in (self.reported.get("metrics") or {}).items():
+            key = str(key)[:200]
+            if val is None or (isinstance(val, str) and len(val) <= 1000):
+                out["metrics"][key] = val
+                continue
+            try:
+                out["metrics"][key] = _finite_number(val, "metric %r" % key)
+            except ValueError as exc:
+                out["reward_error"] = out["reward_error"] or str(exc)
+        return out
+
+
+def _finite_number(value, what):
+    """``value`` as a float, or ValueError with one line (bool, non-finite, beyond +-1e300)."""
+    if isinstance(value, bool):
+        raise ValueError("%s must be a number, not a bool (%r): use 1.0 / 0.0 if you mean it" % (what, value))
+    try:
+        f = float(value)
+    except OverflowError:
+        raise ValueError("%s must be a finite number within +-1e300, got one too large for a float (%s)"
+                         % (what, type(value).__name__)) from None
+    except (TypeError, ValueError):
+        raise ValueError("%s must be a finite number, got %s" % (what, _short_repr(value))) from None
+    if not math.isfinite(f) or abs(f) > NUMBER_LIMIT:
+        raise ValueError("%s must be a finite number within +-1e300, got %s" % (what, _short_repr(value)))
+    return f
+
+
+def _short_repr(value):
+    try:
+        text = repr(value)
+    except Exception:
+        text = "a %s" % type(value).__name__
+    return text if len(text) <= 60 else text[:59] + "..."
+
+
+
+def _plain_error(ename, evalue):
+    return {"ename": ename, "evalue": evalue, "traceback": []}
+
+
+def _error_from_exc(filename):
+    etype, evalue, tb = sys.exc_info()
+    # Drop the agent's own frames: the traceback starts at the cell.
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    frames = traceback.format_tb(tb) if tb is not None else []
+    if etype is not None and issubclass(etype, SyntaxError):
+        frames = traceback.format_exception_only(etype, evalue)[:-1]
+    return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue) + _net_note(evalue), "traceback": frames}
+

@@ -1,0 +1,71 @@
+"""Checkpoints inside the machine: the namespace (what pickles) and the workspace files.
+
+Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
+"""
+
+import os
+import pickle
+import types
+
+from .pulldata import _dumps, _loads
+
+
+class SaveLoad:
+    """The agent's save and load (a part of ``serving.Agent``)."""
+
+    def save(self, path):
+        """Save the namespace (what pickles) and the workspace files into directory ``path``."""
+        import tarfile
+
+        state, modules, skipped = {}, {}, []
+        for key, val in list(self.ns.items()):
+            if key.startswith("__") or key in ("display", "_"):
+                continue
+            if isinstance(val, types.ModuleType):
+                modules[key] = val.__name__
+                continue
+            try:
+                state[key] = _dumps(val)
+            except Exception as exc:
+                skipped.append("%s (%s)" % (key, type(exc).__name__))
+        os.makedirs(path, exist_ok=True)
+        blob = pickle.dumps({"vars": state, "modules": modules, "seed": self.seed, "name": self.name}, protocol=4)
+        with open(os.path.join(path, "namespace.pkl"), "wb") as fh:
+            fh.write(blob)
+        with tarfile.open(os.path.join(path, "workspace.tar"), "w") as tar:
+            if self.workdir and os.path.isdir(self.workdir):
+                for entry in sorted(os.listdir(self.workdir)):
+                    tar.add(os.path.join(self.workdir, entry), arcname=entry)
+        return {"t": "done", "status": "ok", "skipped": skipped, "saved": sorted(state) + sorted(modules)}
+
+    def load(self, path):
+        """Bring back what :meth:`save` wrote: workspace files, then variables."""
+        import tarfile
+
+        ws = os.path.join(path, "workspace.tar")
+        if self.workdir and os.path.exists(ws):
+            with tarfile.open(ws) as tar:
+                for member in tar.getmembers():
+                    if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
+                        raise ValueError("unsafe path in checkpoint: %s" % member.name)
+                if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
+                    tar.extractall(self.workdir, filter="data")
+                else:
+                    tar.extractall(self.workdir)
+        with open(os.path.join(path, "namespace.pkl"), "rb") as fh:
+            data = pickle.loads(fh.read())
+        failed = []
+        for key, modname in data.get("modules", {}).items():
+            try:
+                self.ns[key] = __import__(modname, fromlist=["_"])
+            except Exception as exc:
+                failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
+        for key, val in data["vars"].items():
+            try:
+                self.ns[key] = _loads(val)
+            except Exception as exc:
+                failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
+        if data.get("seed") is not None:
+            self.apply_seed(data["seed"])
+        return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+

@@ -1,0 +1,269 @@
+"""The agent: one machine's persistent namespace and the socket server that runs requests.
+
+Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``). Cells run one at a
+time on the main thread; a request that arrives while a cell runs gets a "machine busy"
+reply at once.
+"""
+
+import builtins
+import collections
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+
+from . import protocol as P
+from .branching import Branching, _wait_exited
+from .cells import Cells, _plain_error
+from .guestapi import GuestAPI
+from .output import OUTPUT_KEEP, _Outbox
+from .saveload import SaveLoad
+from .seeds import Seeds
+
+BUSY = "machine busy: a cell is already running in this machine; wait for it or interrupt it"
+
+
+class Agent(Cells, Seeds, Branching, SaveLoad):
+    """One machine's cell executor and socket server."""
+
+    def __init__(self, sock_path, name, workdir, listener=None):
+        self.name = name
+        self.started_as = name  # a branch is renamed (see apply_seed); its parent keeps this name
+        self.workdir = workdir
+        self.seed = None
+        self.mount_ns = True
+        self.machine = None  # contain.Machine when contained (sandbox backend)
+        self.cell_count = 0
+        self.children = {}  # pid -> name, for reaping
+        self._forking = 0  # branches being forked now (they count in our RLIMIT_NPROC already)
+        self._nproc_lock = threading.Lock()
+        self.reported = {}
+        self._conn = None  # connection of the running request
+        self._send_lock = threading.Lock()
+        self._busy = threading.Lock()
+        self._queue = queue.Queue()
+        self._running = False
+        self.sock_path = sock_path
+        self.main = types.ModuleType("__main__")
+        self.main.__dict__["__builtins__"] = builtins
+        self.ns = self.main.__dict__
+        self.guest = GuestAPI(self)
+        sys.modules["smolbench_guest"] = self.guest
+        sys.modules["__main__"] = self.main
+        self.ns["display"] = self.guest.display
+        self.ns["smolbench_guest"] = self.guest  # as documented: usable without an import
+        self.outbox = _Outbox(self)
+        self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
+        self._out_size = {"stdout": 0, "stderr": 0}
+        self.listener = listener or self._listen(sock_path)
+        self._start_acceptor()
+
+    # -- serving -------------------------------------------------------------
+
+    @staticmethod
+    def _listen(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(64)
+        return s
+
+    def _start_acceptor(self):
+        t = threading.Thread(target=self._accept_loop, args=(self.listener,), daemon=True)
+        t.start()
+        r = threading.Thread(target=self._reap_loop, daemon=True)
+        r.start()
+
+    def _accept_loop(self, listener):
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if listener is not self.listener:  # we are a fork child holding the parent's socket
+                conn.close()
+                return
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
+                self._handle(conn)
+
+    def _reap_loop(self):
+        me = os.getpid()
+        rounds = 0
+        while os.getpid() == me:
+            rounds += 1
+            if self.machine is not None and rounds % 5 == 0:
+                from . import contain
+
+                contain.reap_orphaned_branches()
+            gone = False
+            for pid in list(self.children):
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    done = pid
+                if done:
+                    self.children.pop(pid, None)
+                    gone = True
+            if gone:
+                self._nproc_room(0)
+            time.sleep(0.2)
+
+    def _nproc_room(self, forking):
+        """Under RLIMIT_NPROC (no pids cgroup), our soft limit has room for our own processes
+        and for each live branch's, which the kernel counts here too (``contain.share_nproc``)."""
+        nproc = getattr(self.machine, "nproc", None)
+        if not nproc:
+            return
+        from . import contain
+
+        with self._nproc_lock:
+            self._forking += forking
+            contain.share_nproc(nproc, max(0, len(self.children) + self._forking))
+
+    def _handle(self, conn):
+        try:
+            f = conn.makefile("rb")
+            line = f.readline()
+            if not line:
+                conn.close()
+                return
+            req = P.decode(line)
+        except Exception as exc:
+            self._reply(conn, {"t": "done", "status": "error", "error": _plain_error("BadRequest", str(exc))})
+            return
+        op = req.get("op")
+        if op in ("exec", "fork", "seed", "save", "load"):
+            if not self._busy.acquire(blocking=False):
+                self._reply(conn, {"t": "done", "status": "busy", "error": _plain_error("MachineBusy", BUSY)})
+                return
+            self._queue.put((req, conn))
+            return
+        if op == "ping":
+            self._reply(conn, {"t": "done", "status": "ok", "info": self.info()})
+        elif op == "interrupt":
+            if self._running:
+                os.kill(os.getpid(), signal.SIGINT)
+            self._reply(conn, {"t": "done", "status": "ok", "interrupted": self._running})
+        elif op == "kill":
+            pid = int(req["pid"])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_exited(pid, 10.0)  # answer once the branch is gone, not merely signalled
+            self._reply(conn, {"t": "done", "status": "ok"})
+        elif op == "shutdown":
+            self._reply(conn, {"t": "done", "status": "ok"})
+            os._exit(0)
+        else:
+            self._reply(conn, {"t": "done", "status": "error", "error": _plain_error("BadRequest", "unknown op %r" % op)})
+
+    @staticmethod
+    def _reply(conn, msg):
+        try:
+            conn.sendall(P.encode(msg))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def info(self):
+        """What the host shows in ``%smol status``."""
+        info = {
+            "name": self.name,
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+            "busy": self._running,
+            "seed": self.seed,
+            "cells": self.cell_count,
+            "workdir": self.workdir,
+            "hostname": socket.gethostname(),
+        }
+        if self.machine is not None:
+            from . import contain
+
+            info.update(contain.info(self.machine))
+        return info
+
+    def serve_forever(self):
+        """Run requests on the main thread, one at a time."""
+        while True:
+            try:
+                req, conn = self._queue.get()
+            except KeyboardInterrupt:  # a late interrupt that missed its cell
+                continue
+            self._conn = conn
+            done = None
+            try:
+                op = req["op"]
+                if op == "exec":
+                    done = self.run_cell(req)
+                elif op == "fork":
+                    done = self.fork(req)
+                    if done == "child":
+                        continue  # we are now a branch; the parent answers the request
+                elif op == "seed":
+                    self.apply_seed(req.get("seed"), req.get("name"))
+                    done = {"t": "done", "status": "ok", "info": self.info()}
+                elif op == "save":
+                    done = self.save(req["path"])
+                elif op == "load":
+                    done = self.load(req["path"])
+            except KeyboardInterrupt:
+                done = {"t": "done", "status": "error", "error": _plain_error("KeyboardInterrupt", "")}
+            except BaseException as exc:  # the agent itself must survive anything a request does
+                done = {"t": "done", "status": "error", "error": _plain_error(type(exc).__name__, str(exc))}
+            # Free the machine *before* answering: a host that sends its next request the
+            # moment it reads this answer must never be told the machine is busy.
+            self._running = False
+            if self._busy.locked():
+                self._busy.release()
+            if done is not None:
+                self.send(done)
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except OSError:
+                    pass
+            self._conn = None
+
+    def send(self, msg):
+        """Send one message to the host on the current request's connection."""
+        conn = self._conn
+        if conn is None:
+            return
+        data = P.encode(msg)
+        # An interrupt (SIGINT -> KeyboardInterrupt) must not cut a message in half: the
+        # host would rightly refuse the rest of the reply. Held off until it is sent.
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        try:
+            with self._send_lock:
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    self._conn = None  # host went away; keep running the cell
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+    def stream(self, name, text):
+        """Stream text written by the cell; keep the tail for the result record."""
+        tail = self._out[name]
+        tail.append(text[-OUTPUT_KEEP:])
+        self._out_size[name] += len(tail[-1])
+        while self._out_size[name] - len(tail[0]) >= OUTPUT_KEEP:
+            self._out_size[name] -= len(tail.popleft())
+        self.outbox.write(name, text)
