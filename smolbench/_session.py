@@ -238,9 +238,12 @@ class Session:
         backend: Backend
         if self.ray is not None and self.ray is not False or cluster_table(path):
             from .cluster.backend import ClusterBackend
+            from .smolfile import shown
 
             address = self.ray if isinstance(self.ray, str) else None
-            cluster = ClusterBackend(address or cluster_table(path).get("address") or None)
+            from_file = not address and path and cluster_table(path).get("address")
+            named = shown(path) if from_file and path else None  # the address came from the Smolfile: errors say so
+            cluster = ClusterBackend(address or cluster_table(path).get("address") or None, source=named)
             cluster.start()
             backend, self.fallback = cluster, ""
         else:

@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from . import _loop, gate
+from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
@@ -244,7 +245,7 @@ class SmolMagics(Magics):
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
-            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint, trust, config (see %smol?)")
+            raise UsageError(line_word_error(sub))
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
@@ -252,6 +253,9 @@ class SmolMagics(Magics):
         words = line.split(None, 1)
         if words and words[0] in ("fork", "episodes"):
             return self._fanout(words[0], words[1] if len(words) > 1 else "", cell)
+        typo = cell_word_error(line)
+        if typo:
+            raise UsageError(typo)
         return self._run_cell(line, cell)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -275,7 +279,7 @@ class SmolMagics(Magics):
         session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
                           image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
                           retries=args.retries,
-                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n"))))
+                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
         wb = session.build(announce=lambda msg: print(msg, flush=True))
         if session.fallback:
             print(session.fallback)
