@@ -1,4 +1,4 @@
-"""``%smol`` and ``%%smol``: parse options, call the Workbench, show what comes back."""
+"""``%smol`` and ``%%smol``: parse options, call the Session (and its Workbench), show what comes back."""
 
 from __future__ import annotations
 
@@ -344,11 +344,10 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or not self.workbench.machines:
+        st: dict[str, Any] = self.session.status() if self.session is not None else {"up": False}
+        if not st.pop("up"):
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
-        _loop.run(self.workbench.refresh_network())
-        st = self.workbench.status()
         if st["active"] is None:  # its active machine was deleted, others live
             st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
@@ -366,8 +365,9 @@ class SmolMagics(Magics):
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
+        assert self.session is not None
         was = wb.active
-        gone = _loop.run(wb.delete(args.node))
+        gone = self.session.delete(args.node)
         print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
