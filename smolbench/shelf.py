@@ -142,7 +142,7 @@ class Shelf:
         return ", ".join(sorted({str(r["name"]) for r in self.rows()})) or "none"
 
     def missing_line(self, name: str) -> str:
-        return (f"no checkpoint named {name!r}: the checkpoints here are {self.known()} (`%smol checkpoint list`); "
+        return (f"no checkpoint named {name!r}: saved checkpoints are {self.known()} (`%smol checkpoint list`); "
                 f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`")
 
     def row(self, name: str) -> dict[str, Any]:
