@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -238,9 +237,12 @@ class Session:
         backend: Backend
         if self.ray is not None and self.ray is not False or cluster_table(path):
             from .cluster.backend import ClusterBackend
+            from .smolfile import shown
 
             address = self.ray if isinstance(self.ray, str) else None
-            cluster = ClusterBackend(address or cluster_table(path).get("address") or None)
+            from_file = not address and path and cluster_table(path).get("address")
+            named = shown(path) if from_file and path else None  # the address came from the Smolfile: errors say so
+            cluster = ClusterBackend(address or cluster_table(path).get("address") or None, source=named)
             cluster.start()
             backend, self.fallback = cluster, ""
         else:
@@ -548,7 +550,7 @@ def _on_our_loop() -> bool:
 
 # -- live sessions: the one for smolbench.session(), and their end at exit or SIGTERM -------
 
-_LIVE: list[weakref.ref[Session]] = []
+_LIVE: list[Session] = []  # strong: a live session whose handle was dropped still has machines to delete
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 _previous_sigterm: Any = None
@@ -556,19 +558,18 @@ _previous_sigterm: Any = None
 
 def _live(s: Session) -> None:
     _gone(s)
-    _LIVE.append(weakref.ref(s))
+    _LIVE.append(s)
     _install_hooks()
 
 
 def _gone(s: Session) -> None:
-    _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not s]
+    _LIVE[:] = [x for x in _LIVE if x is not s]
 
 
 def current() -> Session:
     """The live Session made last: in a notebook, the one ``%smol up`` made."""
-    for ref in reversed(_LIVE):
-        s = ref()
-        if s is not None and s.is_up:
+    for s in reversed(_LIVE):
+        if s.is_up:
             return s
     raise SmolbenchError("no session is up: run `%smol up` in the notebook, or start one with "
                          "`with smolbench.Session() as s:` in a script")
@@ -576,9 +577,8 @@ def current() -> Session:
 
 def shutdown_all(timeout: float = 30) -> None:
     """Delete every live session's machines (the interpreter's exit, SIGTERM)."""
-    for ref in list(reversed(_LIVE)):
-        s = ref()
-        wb = s.workbench if s is not None else None
+    for s in list(reversed(_LIVE)):
+        wb = s.workbench
         if wb is not None and wb.machines:
             with contextlib.suppress(Exception):
                 _loop.run(wb.down(), timeout=timeout)

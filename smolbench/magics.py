@@ -1,4 +1,4 @@
-"""``%smol`` and ``%%smol``: parse options, call the Workbench, show what comes back."""
+"""``%smol`` and ``%%smol``: parse options, call the Session (and its Workbench), show what comes back."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from . import _loop, gate
+from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
@@ -242,7 +243,7 @@ class SmolMagics(Magics):
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
-            raise UsageError(f"unknown %smol command {sub!r}: one of up, status, down, tree, use, delete, ledger, plot, replay, checkpoint, trust, config (see %smol?)")
+            raise UsageError(line_word_error(sub))
         return handler(rest)
 
     def _cell(self, line: str, cell: str) -> Any:
@@ -250,6 +251,9 @@ class SmolMagics(Magics):
         words = line.split(None, 1)
         if words and words[0] in ("fork", "episodes"):
             return self._fanout(words[0], words[1] if len(words) > 1 else "", cell)
+        typo = cell_word_error(line)
+        if typo:
+            raise UsageError(typo)
         return self._run_cell(line, cell)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -273,7 +277,7 @@ class SmolMagics(Magics):
         session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
                           image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
                           retries=args.retries,
-                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n"))))
+                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
         wb = session.build(announce=lambda msg: print(msg, flush=True))
         if session.fallback:
             print(session.fallback)
@@ -295,6 +299,8 @@ class SmolMagics(Magics):
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
               + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
+        if wb.machines["root"].info.get("packages"):  # the Smolfile's packages: installed now (how long), or cached
+            print(f"smolbench: {wb.machines['root'].info['packages']}")
         if wb.lost:
             print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
                   "died earlier: marked lost in the ledger")
@@ -336,11 +342,10 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or not self.workbench.machines:
+        st: dict[str, Any] = self.session.status() if self.session is not None else {"up": False}
+        if not st.pop("up"):
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
-        _loop.run(self.workbench.refresh_network())
-        st = self.workbench.status()
         if st["active"] is None:  # its active machine was deleted, others live
             st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
@@ -358,8 +363,9 @@ class SmolMagics(Magics):
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
+        assert self.session is not None
         was = wb.active
-        gone = _loop.run(wb.delete(args.node))
+        gone = self.session.delete(args.node)
         print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:

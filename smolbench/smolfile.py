@@ -11,7 +11,8 @@ Example::
     max_alive = 8                  # kept idle machines alive at once (least recently used go first)
     net = false
     workdir = "/workspace"
-    init = ["pip install numpy"]
+    init = ["echo ready"]
+    packages = ["gymnasium==1.0.0", "numpy<3"]   # pip requirements, installed once on the host
     volumes = [{ host = "data", guest = "/data", readonly = true }]
 
     [env]
@@ -44,6 +45,7 @@ from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolfileError
 from smolbench.images import has_python, is_path_image, is_valid_image_name
 from smolbench.netpolicy import PolicyError, host_problem, parse_cidr
+from smolbench.packages import requirement_problem
 from smolbench.spec import MachineSpec, Volume
 
 if sys.version_info >= (3, 11):
@@ -64,6 +66,7 @@ TOP_KEYS = (
     "memory",
     "net",
     "network",
+    "packages",
     "pids",
     "volumes",
     "workdir",
@@ -248,6 +251,8 @@ class _Parser:
             spec["init"] = self.init(data["init"])
         if "volumes" in data:
             spec["volumes"] = self.volumes(data["volumes"])
+        if "packages" in data:
+            spec["packages"] = self.packages(data["packages"])
         if "network" in data:
             network = self.table(data["network"], "network", NETWORK_KEYS)
             if "allow_hosts" in network:
@@ -485,6 +490,24 @@ class _Parser:
                 self.fail_at(f"'init' entry {index} is empty; remove it", "init")
         return tuple(commands)
 
+    def packages(self, value: Any) -> tuple[str, ...]:
+        example = 'packages = ["gymnasium==1.0.0", "numpy"]'
+        if not isinstance(value, list):
+            self.fail_at(f"'packages' must be an array of pip requirement strings like {example}, "
+                         f"got {_describe(value)}", "packages")
+        result: list[str] = []
+        for index, item in enumerate(value, start=1):
+            if not isinstance(item, str):
+                self.fail_at(f"'packages' entry {index} must be a requirement string like \"gymnasium==1.0.0\", "
+                             f"got {_describe(item)}", "packages")
+            problem = requirement_problem(item)
+            if problem:
+                line = self.lines.line_of_value(item, "packages") if item.strip() else self.lines.line_of("packages")
+                self.fail(f"'packages' entry {item!r} {problem}", line)
+            if item.strip() not in result:
+                result.append(item.strip())
+        return tuple(result)
+
     def volumes(self, value: Any) -> tuple[Volume, ...]:
         example = 'volumes = [{ host = "data", guest = "/data" }]'
         if not isinstance(value, list):
@@ -613,10 +636,17 @@ def parse_smolfile(text: str, source: str = "Smolfile", base_dir: str | None = N
     return _Parser(text, source, base_dir).parse()
 
 
+def shown(path: str | os.PathLike[str]) -> str:
+    """How errors name a Smolfile: ``./Smolfile`` for one in the current folder (so a file
+    the user forgot about is recognisable), else the path as given."""
+    text = str(path)
+    return text if os.sep in text or text.startswith("~") else f".{os.sep}{text}"
+
+
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The Smolfile's ``[cluster]`` table, checked ({} when it has none)."""
     file = Path(path).expanduser()
-    parser = _Parser(file.read_text(encoding="utf-8"), str(file), str(file.resolve().parent))
+    parser = _Parser(file.read_text(encoding="utf-8"), shown(path), str(file.resolve().parent))
     data = parser.load()
     return parser.cluster(data["cluster"]) if "cluster" in data else {}
 
@@ -624,12 +654,13 @@ def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
     """Read and parse the Smolfile at ``path`` (relative paths start at its directory)."""
     file = Path(path).expanduser()
+    name = shown(path)
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SmolfileError(f"{file}: no such Smolfile; create it or fix the path") from None
+        raise SmolfileError(f"{name}: no such Smolfile; create it or fix the path") from None
     except UnicodeDecodeError:
-        raise SmolfileError(f"{file}: not UTF-8 text; save the Smolfile as UTF-8") from None
+        raise SmolfileError(f"{name}: not UTF-8 text; save the Smolfile as UTF-8") from None
     except OSError as exc:
-        raise SmolfileError(f"{file}: cannot read the Smolfile ({exc.strerror})") from None
-    return parse_smolfile(text, source=str(file), base_dir=str(file.resolve().parent))
+        raise SmolfileError(f"{name}: cannot read the Smolfile ({exc.strerror})") from None
+    return parse_smolfile(text, source=name, base_dir=str(file.resolve().parent))

@@ -800,7 +800,7 @@ class Workbench(CheckpointsMixin):
             "isolation": self.backend.isolation,
             "active": self.active,
             "machine": _machine_text(self.tree[ref.name] if ref and ref.name in self.tree else None, ref),
-            "image": self.spec.image or _default_image(self.backend.name),
+            "image": self.spec.image or getattr(self.backend, "image_default", None) or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": self._network_text(),
             "trusted": "ON: pulls unpickled, output raw (`%smol trust off`)" if self.trusted else "off",
@@ -833,6 +833,10 @@ def _out_of_memory(res: CellResult) -> bool:
 
 
 def _default_image(backend: str) -> str | None:
+    if backend == "smol":
+        from .backends.smol_image import DEFAULT_IMAGE
+
+        return f"(backend default: {DEFAULT_IMAGE})"
     return {"sandbox": "(backend default: host system, read-only)", "process": "(none: the host itself)"}.get(backend)
 
 

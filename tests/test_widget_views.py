@@ -18,6 +18,7 @@ from smolbench import _loop
 from smolbench.backends.sandbox import SandboxBackend
 from smolbench.ledger import Ledger
 from smolbench.magics import ledger_table
+from smolbench.result import STATUS_COLORS, STATUS_COLORS_DARK
 from smolbench.spec import MachineSpec
 from smolbench.tree import Node
 from smolbench.widgets import checkpoint_panel, close_views, follow_views, tree_widget
@@ -220,6 +221,11 @@ def test_status_colours_pass_wcag_aa_on_both_themes() -> None:
                 assert ratio >= 4.5, f"{theme} {name} {colour} on {bg}: {ratio:.2f} < 4.5"
     for status, colour in STATUS_TEXT.items():  # the static copy, shown on light pages
         assert contrast(colour, "#ffffff") >= 4.5, status
+    for status, colour in STATUS_COLORS.items():  # a ForkResult's table, on each theme
+        assert contrast(colour, "#ffffff") >= 4.5, status
+        for bg in BACKGROUNDS["dark"]:
+            dark = STATUS_COLORS_DARK[status]
+            assert contrast(dark, bg) >= 4.5, f"the result table's dark {status} {dark} on {bg}: {contrast(dark, bg):.2f}"
 
 
 ALLOWED = set("·…×▸▾★“”—")  # all in DejaVu Sans, which Debian installs with any desktop font set
