@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -34,6 +35,17 @@ FAR = "127.0.0.17"
 @pytest.fixture(autouse=True)
 def far_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMOLBENCH_TEST_FAR", "127.0.0.16/28")
+
+
+@pytest.fixture(autouse=True)
+def descriptors() -> Iterator[None]:
+    """256 tunnels take ~1000 descriptors here (client, proxy's two sides, the sink's): a user's
+    soft limit is often 1024, so it is raised to the hard one for these tests."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.fixture
