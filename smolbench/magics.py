@@ -38,7 +38,8 @@ Line magics::
   %smol ledger [-n N]           recent runs from the ledger, as a table
   %smol plot                    reward plots across the whole tree
   %smol replay NODE             rebuild a branch's path and compare its reward
-  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
+  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
+                    | export NAME PATH [--force]   (restore PATH works in any folder, with nothing up)
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
@@ -187,10 +188,11 @@ def _ledger_args(line: str) -> None:
 
 
 @magic_arguments()
-@argument("action", choices=["save", "restore", "list", "rm"])
-@argument("name", nargs="?", default=None)
+@argument("action", choices=["save", "restore", "list", "rm", "export"])
+@argument("name", nargs="?", default=None, help="a checkpoint here, or (restore) the path of a .smolcheckpoint file")
+@argument("path", nargs="?", default=None, help="export: the file to write (NAME.smolcheckpoint)")
 @argument("--node", default=None, help="save this node instead of the active one")
-@argument("--force", action="store_true", help="replace a checkpoint with the same name")
+@argument("--force", action="store_true", help="replace a checkpoint (or an exported file) with the same name")
 def _checkpoint_args(line: str) -> None:
     """%smol checkpoint options."""
 
@@ -392,8 +394,8 @@ class SmolMagics(Magics):
 
     def _do_checkpoint(self, rest: str) -> Any:
         args = parse_argstring(_checkpoint_args, rest)
-        wb = self._wb()
         if args.action == "save":
+            wb = self._wb()
             info = _loop.run(wb.checkpoint_save(args.name, args.node, args.force))
             print(f"smolbench: saved checkpoint {info['name']} of {info['node']} ({size_text(info['size'])})")
             for w in info["warnings"]:
@@ -401,24 +403,53 @@ class SmolMagics(Magics):
             return None
         if args.action == "restore":
             if not args.name:
-                raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME")
+                raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME (or PATH.smolcheckpoint)")
+            if self.workbench is None or not self.workbench.machines:  # brought up as the checkpoint was made
+                backend = self._shelf().backend_for(args.name)
+                print(f"smolbench: nothing is up: bringing up a {backend} machine for this checkpoint")
+                self._do_up(f"--backend {backend}")
+            wb = self._wb()
             node = _loop.run(wb.checkpoint_restore(args.name))
-            print(f"smolbench: restored {args.name} as {node.id} (now active)")
+            for note in wb.restore_notes:
+                print(f"smolbench: {note}")
+            print(f"smolbench: restored {node.checkpoint} as {node.id} (now active)")
             for w in wb.machines[node.id].info.get("restore_warnings", []):
                 print(f"smolbench: warning: {w}", file=sys.stderr)
             return None
+        if args.action in ("rm", "export") and not args.name:
+            raise UsageError(f"name the checkpoint: %smol checkpoint {args.action} NAME" + (" PATH" if args.action == "export" else ""))
         if args.action == "rm":
-            if not args.name:
-                raise UsageError("name the checkpoint to remove: %smol checkpoint rm NAME")
-            wb.checkpoint_remove(args.name)
-            print(f"smolbench: removed checkpoint {args.name}")
+            print(f"smolbench: {self._shelf().remove(args.name) if self.workbench is None else self.workbench.checkpoint_remove(args.name)}")
+            return None
+        if args.action == "export":
+            if not args.path:
+                raise UsageError(f"say where to write it: %smol checkpoint export {args.name} PATH.smolcheckpoint")
+            spec = self.workbench.spec if self.workbench is not None else None
+            info = self._shelf().export(args.name, args.path, spec, args.force)
+            print(f"smolbench: exported checkpoint {args.name} to {args.path} ({size_text(info['size'])}), its record inside: "
+                  f"anyone can `%smol checkpoint restore {args.path}` in any folder")
+            return None
+        if self.workbench is None:
+            for line in self._shelf().lines():
+                print(line)
             return None
         # The panel is the one view (its saved form is a static table): no second DataFrame.
         # `smolbench.Ledger(...).checkpoints()` is the DataFrame for analysis.
         from .widgets import checkpoint_panel
 
-        checkpoint_panel(wb, self.shell).show()
+        checkpoint_panel(self.workbench, self.shell).show()
         return None
+
+    def _shelf(self) -> Any:
+        """This folder's checkpoints (the Workbench's, or the default ledger's while none is up)."""
+        if self.workbench is not None:
+            return self.workbench.shelf
+        if getattr(self, "_own_shelf", None) is None:
+            from .ledger import DEFAULT_PATH, Ledger
+            from .shelf import Shelf
+
+            self._own_shelf = Shelf(Ledger(DEFAULT_PATH))
+        return self._own_shelf
 
     def _do_replay(self, rest: str) -> Any:
         args = parse_argstring(_node_args, rest)

@@ -29,6 +29,7 @@ from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
+from .shelf import Shelf
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree, where_text
 
@@ -65,7 +66,9 @@ class Workbench(CheckpointsMixin):
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None
         self.started = time.time()
-        self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
+        self.checkpoint_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        self.shelf = Shelf(ledger, self.checkpoint_dir)  # every checkpoint file goes through its rule
+        self.restore_notes: list[str] = []
         self.guest_info: dict[str, Any] = {}
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []

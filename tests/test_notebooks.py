@@ -33,10 +33,11 @@ from nbhelpers import (
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_episodes.ipynb", "04_checkpoints.ipynb",
-             "05_scale_out.ipynb"]
+             "05_scale_out.ipynb", "07_training.ipynb"]
 RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
 TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
-BUDGETS = {"05_scale_out.ipynb": 360.0}  # starts a four-process Ray cluster first (60-90 s on a busy 2-core host)
+# 05 starts a four-process Ray cluster first (60-90 s on a busy 2-core host); 07 trains on 4 machines, a branch per episode
+BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
 UPS = {"05_scale_out.ipynb": "%smol up --ray auto"}  # joins the cluster it starts (no Smolfile left behind)
 LEAVES_NOTHING = {"05_scale_out.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
@@ -226,12 +227,25 @@ def check_scale_out(nb: NotebookNode) -> None:
     assert "the local cluster is stopped" in stream_text(nb.cells[-1])
 
 
+def check_training(nb: NotebookNode) -> None:
+    assert "(5, 1.0, True)" in result_text(cell(nb, "%%smol\nimport gymnasium"))  # the prototype reached the goal
+    trained = stream_text(cell(nb, "%run train.py"))
+    first, last = (float(x) for x in re.findall(r"of the (?:first|last) 8: (-?[\d.]+)", trained))
+    assert last > first and "greedy policy: → → → → →" in trained, trained
+    episodes = int(re.search(r"^(\d+) episodes;", trained, re.M).group(1))  # type: ignore[union-attr]
+    said = stream_text(cell(nb, "import os"))
+    assert f"{episodes} training episodes in the ledger" in said and "0 machines still alive" in said, said
+    assert cell(nb, "%smol tree").outputs and cell(nb, "%smol plot").outputs
+    assert "deleted" in stream_text(cells(nb, "%smol down")[-1])
+
+
 CHECKS: dict[str, Callable[[NotebookNode], None]] = {
     "01_quickstart.ipynb": check_quickstart,
     "02_fork_exploration.ipynb": check_fork_exploration,
     "03_disposable_episodes.ipynb": check_disposable_episodes,
     "04_checkpoints.ipynb": check_checkpoints,
     "05_scale_out.ipynb": check_scale_out,
+    "07_training.ipynb": check_training,
 }
 
 
