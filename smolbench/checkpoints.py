@@ -108,10 +108,13 @@ class CheckpointsMixin:
                     seed_now = None
                 cells = self.ledger.cells(self.session, step.id)
                 upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
-                for c in cells[:upto]:
+                for i, c in enumerate(cells[:upto]):
                     if c.get("pushed"):
                         risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
+                    # the branch's first cell reseeded what the fork did (its "reseeded" metric says what)
+                    again = i == 0 and bool((step.metrics or {}).get("reseeded"))
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again),
+                                                       _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
                         raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")

@@ -55,9 +55,10 @@ Cell magics::
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
                 [--group-outputs order|branch|type] [--push a,b] [--allow-errors] [--quiet]
-                [--retries K]
+                [--retries K] [--no-reseed]
       run the cell in N live copy-on-write branches of the active machine, each with its own
       SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics)).
+      Random generators made before the fork are reseeded per branch (--no-reseed: not).
       --quiet: one summary line, no tree, progress or Out[n]; --retries K: branch again a
       machine that failed to boot or died (never a cell's own error), up to K times (default 1)
   %%smol episodes N [same options]
@@ -171,6 +172,7 @@ def _cell_args(line: str) -> None:
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
 @argument("--quiet", action="store_true", help="one summary line: no tree, progress, branch output or Out[n]")
 @argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
+@argument("--no-reseed", action="store_true", help="don't reseed the random.Random / numpy / torch generators the branches inherit")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
 
@@ -540,7 +542,7 @@ class SmolMagics(Magics):
         result, coro_for = self.session.fan_out(
             kind, n, cell, seeds=seeds, seed_base=args.seed_base, keep=args.keep, timeout=args.timeout,
             concurrency=args.concurrency, retries=args.retries, push=self._pushed(_split_names(args.push)),
-            cell_name=self._cell_name(), first_line=2)  # the %%smol line is line 1
+            cell_name=self._cell_name(), first_line=2, reseed=not args.no_reseed)  # the %%smol line is line 1
         buffers: dict[str, list[tuple[str, str]]] = {}
         printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers)
 
@@ -564,6 +566,8 @@ class SmolMagics(Magics):
             self.last_result = result
         if result.unrewarded:  # said on every path, also with --quiet
             print(f"smolbench: warning: {result.unrewarded}", file=sys.stderr)
+        if result.same_reward and not args.quiet:  # --quiet's summary line says it
+            print(f"smolbench: warning: {result.same_reward}", file=sys.stderr)
         err = None if args.allow_errors else result.composite_error()
         if err is not None:
             display(result)  # the table, then the error (a cell that raises has no Out[n])

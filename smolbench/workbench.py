@@ -446,10 +446,12 @@ class Workbench(CheckpointsMixin):
         return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                 concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
+                 concurrency: int | None = None, keep: str = "best", parent: str | None = None,
+                 reseed: bool = True) -> ForkResult:
         """Validate a fork request and lay out its branches (run it with :meth:`fork`).
 
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
+        ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
         n = self._check_fanout(n, seeds, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
@@ -462,10 +464,11 @@ class Workbench(CheckpointsMixin):
         self._runs += 1
         result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
         result.keep = keep
+        result.reseed = reseed
         return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                     concurrency: int | None = None) -> ForkResult:
+                     concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
         n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
@@ -473,7 +476,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         self._runs += 1
         names = [f"ep{self._runs}.{i}" for i in range(n)]
-        return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result = ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result.reseed = reseed
+        return result
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                    concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
@@ -500,7 +505,8 @@ class Workbench(CheckpointsMixin):
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
                               code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
+                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency,
+                                       "reseed": result.reseed})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
         for node in nodes:
@@ -652,7 +658,7 @@ class Workbench(CheckpointsMixin):
         self._record(node)
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
-                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed,
+                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
                           trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
