@@ -43,6 +43,7 @@ class ForkResult:
         self.remote_errors: dict[str, RemoteError] = {}
         self.kept: list[str] = []
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
+        self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
         self.started = time.time()
         self.ended: float | None = None
         self._future: Future[Any] | None = None
