@@ -4,6 +4,11 @@ In a notebook::
 
     %load_ext smolbench
     %smol up
+
+In a script (the same machines, no IPython)::
+
+    with smolbench.Session() as s:
+        s.fork(8, "reward = SEED % 3")
 """
 
 from __future__ import annotations
@@ -12,12 +17,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from ._session import RunResult, Session  # noqa: E402
 from .errors import CompositeError, RemoteError, SmolbenchError  # noqa: E402
 from .ledger import Ledger  # noqa: E402
+from .result import ForkResult  # noqa: E402
 
-__all__ = ["CompositeError", "Ledger", "RemoteError", "SmolbenchError", "__version__", "load_ipython_extension"]
+__all__ = ["CompositeError", "ForkResult", "Ledger", "RemoteError", "RunResult", "Session", "SmolbenchError",
+           "__version__", "load_ipython_extension", "session"]
 
 _magics: Any = None
+
+
+def session() -> Session:
+    """The live Session: in a notebook the one ``%smol up`` made, in a script the last one
+    started. A one-line SmolbenchError when none is up."""
+    from ._session import current
+
+    return current()
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:

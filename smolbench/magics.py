@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 import queue
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +16,10 @@ from IPython.display import display
 
 from . import _loop, gate
 from ._format import size_text, time_text
+from ._session import Session, pickled
+from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
 from .backends.base import Event
-from .errors import RemoteError, SmolbenchError
+from .errors import SmolbenchError
 from .gate import SafeBundle
 from .result import ForkResult
 
@@ -201,20 +200,25 @@ class SmolMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.workbench: Any = None
-        self.last_result: ForkResult | None = None
+        self.session: Session | None = None  # what `%smol up` made; smolbench.session() returns it
         self._publisher: Any = None  # smolbench.registry.Publisher of the current workbench
         self.warned_trust = False
-        # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
-        # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
-        # Those hooks run last registered first, so its own is registered (imported) before ours.
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            import concurrent.futures.thread  # noqa: F401
+        # The session's own exit hook deletes its machines when the kernel ends (_session.py).
 
-            register(self.shutdown)
-        else:  # pragma: no cover - Python < 3.9
-            atexit.register(self.shutdown)
+    @property
+    def workbench(self) -> Any:
+        """The current session's Workbench (None before the first `%smol up`)."""
+        return None if self.session is None else self.session.workbench
+
+    @property
+    def last_result(self) -> ForkResult | None:
+        """The last fork or episodes (``%smol use best``)."""
+        return None if self.session is None else self.session.last_result
+
+    @last_result.setter
+    def last_result(self, result: ForkResult | None) -> None:
+        if self.session is not None:
+            self.session.last_result = result
 
     # -- entry point ------------------------------------------------------------------
 
@@ -261,58 +265,27 @@ class SmolMagics(Magics):
         return self.workbench
 
     def _do_up(self, rest: str) -> None:
-        from .ledger import DEFAULT_PATH, Ledger
-        from .smolfile import load_smolfile
-        from .spec import MachineSpec
-        from .workbench import Workbench
-
         args = parse_argstring(_up_args, rest)
-        if self.workbench is not None and self.workbench.active is not None:
-            wb = self.workbench
+        if self.session is not None and self.session.active is not None:
+            wb = self.session.workbench
+            assert wb is not None
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
-        path = args.smolfile or ("Smolfile" if os.path.exists("Smolfile") else None)
-        if args.smolfile and not os.path.exists(args.smolfile):
-            raise SmolbenchError(f"no Smolfile at {args.smolfile}: check the path, or drop --smolfile to use the defaults")
-        spec = load_smolfile(path) if path else MachineSpec()
-        if args.max_alive is not None and not 1 <= args.max_alive <= 1024:
-            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {args.max_alive}: e.g. --max-alive 8")
-        net_note = None
-        if args.net is not None or args.allow:
-            from .netpolicy import PolicyError, session_override
-
-            try:
-                spec, net_note = session_override(spec, args.net, args.allow, path or "the default spec")
-            except PolicyError as exc:
-                raise SmolbenchError(str(exc)) from None
-        if args.image or args.max_alive is not None:
-            from dataclasses import replace
-
-            spec = replace(spec, image=args.image or spec.image,
-                           max_alive=spec.max_alive if args.max_alive is None else args.max_alive)
-        if args.ray is not None or cluster_table(path):
-            from .cluster.backend import ClusterBackend
-
-            backend, why = ClusterBackend(args.ray or cluster_table(path).get("address") or None), ""
-            backend.start()
-        else:
-            backend, why = choose_backend(args.backend, args.target)
-        if why:
-            print(why)
-        wb = Workbench(backend, spec, Ledger(args.ledger or DEFAULT_PATH), retries=args.retries)
-        wb.net_note = net_note
-        wb.on_notice = lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n")))
+        session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
+                          image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
+                          retries=args.retries,
+                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stderr", line + "\n"))))
+        wb = session.build(announce=lambda msg: print(msg, flush=True))
+        if session.fallback:
+            print(session.fallback)
         self._publish(wb)
         t0 = time.perf_counter()
-        job = _loop.Job(wb.up())
         try:
-            while not job.wait_finished(PUMP_INTERVAL):
-                pass
-        except KeyboardInterrupt:
-            job.cancel()
-            job.wait_finished(60)  # up() deletes its machine (and run folder) before it ends
+            session.boot()
+        except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
             raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
-        job.result()
-        self.workbench = wb
+        self.session = session
+        path, net_note = session.spec_path, wb.net_note
+        backend: Any = wb.backend
         with contextlib.suppress(Exception):  # open checkpoint panels follow the new machine
             from .widgets import follow_views
 
@@ -342,19 +315,18 @@ class SmolMagics(Magics):
         self._publisher = publish(wb)
 
     def _do_down(self, rest: str) -> None:
-        if self.workbench is None:
+        if self.session is None or self.workbench is None:
             print("smolbench: nothing is up")
             return
-        n = _loop.run(self.workbench.down())
+        n = self.session.down()
         print(f"smolbench: deleted {n} machine{'s' if n != 1 else ''}")
         self._close_views()
 
     def shutdown(self) -> None:
-        """Delete every machine (kernel shutdown / extension unload)."""
-        wb = self.workbench
-        if wb is not None and wb.machines:
+        """Delete every machine (extension unload; the kernel's exit: the session's own hook)."""
+        if self.session is not None and self.session.is_up:
             with contextlib.suppress(Exception):
-                _loop.run(wb.down(), timeout=30)
+                self.session.down()
 
     def _close_views(self) -> None:
         """Detach the Workbench's widgets; they keep showing its last state."""
@@ -378,13 +350,9 @@ class SmolMagics(Magics):
 
     def _do_use(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
-        target = args.node
-        if target == "best":  # the kept winner of the last fork
-            best = self.last_result.best if self.last_result is not None else None
-            if best is None:
-                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
-            target = best["branch"]
-        node = self._wb().use(target)
+        self._wb()
+        assert self.session is not None
+        node = self.workbench.tree[self.session.use(args.node)]  # `best`: the kept winner of the last fork
         print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward if node.reward is None else format(node.reward, '.6g')})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:
@@ -488,17 +456,10 @@ class SmolMagics(Magics):
     # -- cells ------------------------------------------------------------------------------------
 
     def _pushed(self, names: list[str]) -> dict[str, bytes]:
-        import cloudpickle
-
-        out = {}
         for name in names:
             if name not in self._user_ns:
                 raise SmolbenchError(f"--push {name}: no variable named {name!r} in the notebook")
-            try:
-                out[name] = cloudpickle.dumps(self._user_ns[name])
-            except Exception as exc:
-                raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
-        return out
+        return pickled({name: self._user_ns[name] for name in names})
 
     def _run_cell(self, line: str, cell: str) -> Any:
         args = parse_argstring(_cell_args, line)
@@ -509,18 +470,19 @@ class SmolMagics(Magics):
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
         if args.pull_trusted and pull:
             self._warn_trust()
-        res = self._pump(wb.run_cell(cell, _show_event, push=push, pull=pull, timeout=args.timeout,
-                                     cell_name=self._cell_name(), first_line=2, pull_trusted=args.pull_trusted))
-        if res.status != "ok":
-            err = res.error or {}
-            raise remote_error(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []))
-        if res.metrics.get("reward_error"):  # e.g. reward = True or 10**400: said, not recorded
-            print(f"smolbench: {res.metrics['reward_error']}: not recorded", file=sys.stderr)
+        assert self.session is not None and wb is self.session.workbench
+        res = self._pump(self.session.cell(cell, push=push, pull=pull, timeout=args.timeout, on_event=_show_event,
+                                           cell_name=self._cell_name(), first_line=2, pull_trusted=args.pull_trusted,
+                                           value=False))
+        if res.error is not None:
+            raise type(res.error)(res.error.ename, res.error.evalue, res.error.traceback)  # no [node] head
+        if res.reward_error:  # e.g. reward = True or 10**400: said, not recorded
+            print(f"smolbench: {res.reward_error}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
         if res.pull_error:
             raise SmolbenchError(res.pull_error)
-        if isinstance(res.result, SafeBundle):
-            return RemoteValue(res.result)  # becomes the cell's Out[n], like a local cell
+        if res.display is not None:
+            return RemoteValue(res.display)  # becomes the cell's Out[n], like a local cell
         return None
 
     def _cell_name(self) -> str:
@@ -536,22 +498,14 @@ class SmolMagics(Magics):
         seeds = parse_seeds(args.seeds) if args.seeds else None
         if seeds is not None and len(set(seeds[:n])) < len(seeds[:n]):
             print("smolbench: warning: --seeds repeats a seed; those branches will likely give the same result", file=sys.stderr)
-        wb = self._wb()
-        push = self._pushed(_split_names(args.push))
-        if kind == "fork":
-            result = wb.new_fork(n, seeds, args.seed_base, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep)
-        else:
-            result = wb.new_episodes(n, seeds, args.seed_base, timeout=args.timeout, concurrency=args.concurrency)
+        self._wb()
+        assert self.session is not None
+        result, coro_for = self.session.fan_out(
+            kind, n, cell, seeds=seeds, seed_base=args.seed_base, keep=args.keep, timeout=args.timeout,
+            concurrency=args.concurrency, retries=args.retries, push=self._pushed(_split_names(args.push)),
+            cell_name=self._cell_name(), first_line=2)  # the %%smol line is line 1
         buffers: dict[str, list[tuple[str, str]]] = {}
         printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers)
-
-        def coro_for(on_event: Callable[[str, Event], None]) -> Any:
-            where = {"cell_name": self._cell_name(), "first_line": 2}  # the %%smol line is line 1
-            if kind == "fork":
-                return wb.fork(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, keep=args.keep,
-                               push=push, retries=args.retries, **where)
-            return wb.episodes(result, cell, on_event, timeout=args.timeout, concurrency=args.concurrency, push=push,
-                               retries=args.retries, **where)
 
         if not args.quiet:
             self._show_views(result)
@@ -691,13 +645,6 @@ def cell_number(shell: Any) -> Any:
     return count if count is not None else getattr(shell, "execution_count", "?")
 
 
-def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
-    """A RemoteError whose class is named after the remote exception (so Jupyter shows
-    ``ZeroDivisionError``, not ``RemoteError``)."""
-    cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
-    return cls(ename, evalue, traceback, node)
-
-
 def interrupted(message: str) -> KeyboardInterrupt:
     """A KeyboardInterrupt that IPython shows as one line (our frames help nobody)."""
     cls = type("KeyboardInterrupt", (KeyboardInterrupt,), {"_render_traceback_": lambda self: [f"KeyboardInterrupt: {self}"]})
@@ -831,37 +778,3 @@ class _Progress:
             self.handle = display({"text/plain": text}, raw=True, display_id=True)
         else:
             self.handle.update({"text/plain": text}, raw=True)
-
-
-def cluster_table(path: str | None) -> dict[str, Any]:
-    """The Smolfile's ``[cluster]`` table (``address = "auto"``), or {} without one."""
-    if not path:
-        return {}
-    from .smolfile import load_cluster
-
-    return load_cluster(path)
-
-
-def choose_backend(kind: str, target: str) -> tuple[Any, str]:
-    """The backend for ``%smol up --backend KIND``, and a line saying why when it fell back."""
-    from .backends.process import ProcessBackend
-    from .backends.sandbox import SandboxBackend, bwrap_path
-
-    if kind == "process":
-        return ProcessBackend(), ""
-    if kind == "sandbox":
-        return SandboxBackend(), ""  # without bwrap: an error saying how to install it
-    from .backends.smol import SmolBackend
-
-    if kind == "smol" or target == "cloud":
-        return SmolBackend(target=target), ""
-    from .backends.probe import probe_smol
-
-    ok, reason = probe_smol(announce=lambda msg: print(msg, flush=True))
-    if ok:
-        return SmolBackend(target="local"), ""
-    short = reason.split(":")[0].split(" [")[0]
-    if bwrap_path():
-        return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
-    return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
-                              "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")

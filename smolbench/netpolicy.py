@@ -4,13 +4,21 @@
 * ``on`` (``net = true``, no ``[network]`` table): the internet, but never this host
   (its loopback, its own addresses) or private networks;
 * ``allow`` (``[network] allow_hosts`` / ``allow_cidrs``): only these hosts or networks,
-  each optionally with a port. An address listed explicitly (``127.0.0.2/32:8080``) is
-  reachable even on this host; nothing else on it is.
+  each optionally with a port.
+
+**This host is never reachable through a range.** Host-only addresses (``HOST_ONLY``:
+``0.0.0.0/8``, ``127.0.0.0/8``, ``::``, ``::1``, link-local, also spelled IPv4-mapped or
+IPv4-compatible, and every address of this host's interfaces) are cut out of every listed
+range; only an address listed singly with its port (``127.0.0.2/32:8080``) reaches one, on
+that port. A listed name resolving to a host-only address is refused unless that address
+is listed so. The egress proxy (``admits``) and the sandbox's nftables chain
+(``host_only_networks``, ``singles``) apply this one rule.
 
 Pure data and decisions (stdlib only): the Smolfile parser, the backends, the
 sandbox's egress proxy and ``%smol status`` all use it. Stand-ins for tests:
-``SMOLBENCH_TEST_INTERNET`` (CIDRs ``on`` treats as the internet) and
-``SMOLBENCH_TEST_RESOLVE`` (``name=address,...`` the proxy resolves without DNS).
+``SMOLBENCH_TEST_INTERNET`` (CIDRs ``on`` treats as the internet),
+``SMOLBENCH_TEST_RESOLVE`` (``name=address,...`` the proxy resolves without DNS) and
+``SMOLBENCH_TEST_FAR`` (loopback CIDRs that count as far networks, not this host).
 """
 
 from __future__ import annotations
@@ -26,17 +34,22 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 TEST_INTERNET_VAR = "SMOLBENCH_TEST_INTERNET"
 TEST_RESOLVE_VAR = "SMOLBENCH_TEST_RESOLVE"
+TEST_FAR_VAR = "SMOLBENCH_TEST_FAR"
+# tests only (the proxy's ``--weak``): "net-hostonly" brings back the old rule, where only
+# this host's interface addresses were this host (what the audit got through)
+TEST_WEAKEN: set[str] = set()
 
 # What `on` never reaches: this host, private and special-purpose networks.
 INTERNAL = tuple(ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
     "203.0.113.0/24", "224.0.0.0/3",
-    "::/127", "::ffff:0:0/96", "64:ff9b::/96", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
+    "::/96", "::ffff:0:0/96", "64:ff9b::/96", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
     "ff00::/8"))
-# Even a listed *name* never resolves to these (DNS rebinding): only a listed address does.
+# This host, whatever a range says (plus its interfaces' addresses): reached only by an address
+# listed singly with its port. IPv4-mapped/-compatible spellings are decided as IPv4 (canonical).
 HOST_ONLY = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                     "::/127", "fe80::/10"))
+                                                     "::/128", "::1/128", "fe80::/10"))
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _CIDR_PORT_RE = re.compile(r"\[(?P<v6>[^\]]+)\](?::(?P<port6>[^:]*))?|(?P<v4>[^:]+)(?::(?P<port4>[^:]*))?")
@@ -70,9 +83,10 @@ class CidrRule:
         return f"[{net}]:{self.port}" if self.network.version == 6 else f"{net}:{self.port}"
 
     def single(self) -> IPAddress | None:
-        """The one address of a /32 (/128) rule with a port: raw TCP straight to it."""
+        """The one address of a /32 (/128) rule with a port (canonical): the only kind of rule
+        that reaches a host-only address."""
         if self.port is not None and self.network.num_addresses == 1:
-            return self.network.network_address
+            return canonical(self.network.network_address)
         return None
 
 
@@ -115,7 +129,43 @@ def parse_host(host: str) -> HostRule:
         if not _LABEL_RE.fullmatch(label):
             raise PolicyError(f"is not a valid hostname (bad label {label!r}: use letters, digits and '-', "
                               f"not at either end); {HOST_FIX}")
-    return HostRule(name.lower(), port)
+    numeric = numeric_ipv4(name)  # 2130706433, 0x7f.1, 017700000001: an address, in its one spelling
+    return HostRule(str(numeric) if numeric is not None else name.lower(), port)
+
+
+def _ipv4_number(part: str) -> int | None:
+    """One part of an IPv4 address as the URL standard (and inet_aton) reads it: decimal,
+    ``0x`` hex or ``0``-prefixed octal; None when it is not a number."""
+    low = part.lower()
+    if low.startswith("0x"):
+        digits, base = low[2:], 16
+    elif len(low) > 1 and low.startswith("0"):
+        digits, base = low[1:], 8
+    else:
+        digits, base = low, 10
+    if digits == "":
+        return 0 if base == 16 else None
+    try:
+        return int(digits, base) if digits.isalnum() and digits.isascii() else None
+    except ValueError:
+        return None
+
+
+def numeric_ipv4(name: str) -> ipaddress.IPv4Address | None:
+    """The address a host name that ends in a number spells (``127.1``, ``2130706433``,
+    ``0x7f.1``); None for a real name. One that ends in a number but spells no address is
+    refused, as the URL standard does (a resolver might read it either way)."""
+    parts = name.rstrip(".").split(".")
+    if not parts[-1] or _ipv4_number(parts[-1]) is None:
+        return None
+    nums = [_ipv4_number(p) for p in parts]
+    if len(parts) > 4 or any(n is None for n in nums):
+        raise PolicyError(f"ends in a number but is not an IPv4 address ({name[:80]!r}); {HOST_FIX}")
+    values = [n for n in nums if n is not None]
+    if any(n > 255 for n in values[:-1]) or values[-1] >= 256 ** (5 - len(values)):
+        raise PolicyError(f"is out of range for an IPv4 address ({name[:80]!r}); {HOST_FIX}")
+    value = values[-1] + sum(n << (8 * (3 - i)) for i, n in enumerate(values[:-1]))
+    return ipaddress.IPv4Address(value)
 
 
 def parse_cidr(entry: str) -> CidrRule:
@@ -203,7 +253,7 @@ class NetPolicy:
             return True
         return set(self.hosts) <= set(other.hosts) and set(self.cidrs) <= set(other.cidrs)
 
-    # -- decisions (the sandbox's egress proxy) ---------------------------------------------
+    # -- decisions (the sandbox's egress proxy and its nftables chain) -------------------------
 
     def listed_host(self, name: str, port: int) -> HostRule | None:
         key = name.lower().rstrip(".")
@@ -212,44 +262,94 @@ class NetPolicy:
                 return rule
         return None
 
-    def listed_address(self, addr: IPAddress, port: int, own: frozenset[IPAddress] = frozenset()) -> CidrRule | None:
-        """The rule listing ``addr:port``. This host's own addresses (``own``) count as listed
-        only by a rule naming that one address and port: a range never reaches them."""
-        for rule in self.cidrs:
-            if addr.version == rule.network.version and addr in rule.network and rule.port in (None, port):
-                if addr not in own or rule.single() == addr:
-                    return rule
-        return None
+    def singles(self) -> frozenset[tuple[IPAddress, int]]:
+        """The addresses listed singly with a port (a ``/32`` or ``/128`` rule, or an address in
+        ``allow_hosts``): the only ones that reach a host-only address, on that port."""
+        out = {(a, r.port) for r in self.cidrs if (a := r.single()) is not None and r.port is not None}
+        out |= {(a, h.port) for h in self.hosts if (a := literal(h.name)) is not None and h.port is not None}
+        return frozenset(out)
+
+    def listed_address(self, addr: IPAddress, port: int, own: frozenset[IPAddress] = frozenset()) -> bool:
+        """Does a rule list ``addr:port``? A host-only address only by being listed singly."""
+        addr = canonical(addr)
+        if is_host_only(addr, own):
+            return (addr, port) in self.singles()
+        return any(addr.version == r.network.version and addr in r.network and r.port in (None, port)
+                   for r in self.cidrs)
 
     def admits(self, name: str, port: int, addr: IPAddress, own: frozenset[IPAddress],
                internet: tuple[IPNetwork, ...] = ()) -> bool:
         """May a connection asked for as ``name:port``, resolved to ``addr``, go there?"""
-        addr = unmapped(addr)
+        addr = canonical(addr)
         if self.mode == "off":
             return False
         if self.mode == "on":
             if any(addr in n for n in internet if n.version == addr.version):
                 return True
-            return addr not in own and not any(addr in n for n in INTERNAL if n.version == addr.version)
+            return not is_host_only(addr, own) and not any(addr in n for n in INTERNAL if n.version == addr.version)
         if self.listed_address(addr, port, own):
-            return True  # listed by address (this host's own only by address and port)
+            return True
         rule = self.listed_host(name, port)
         if rule is None:
             return False
         if literal(rule.name) is not None:
-            return literal(rule.name) == addr
-        return addr not in own and not any(addr in n for n in HOST_ONLY if n.version == addr.version)
+            return literal(rule.name) == addr and not is_host_only(addr, own)  # host-only: singles only (above)
+        return not is_host_only(addr, own)  # a listed name that resolves to this host: DNS rebinding
 
     def may_resolve(self, name: str, port: int) -> bool:
         """Names are looked up only when the answer could be admitted (no DNS side channel)."""
         return self.mode == "on" or self.listed_host(name, port) is not None
 
 
-def unmapped(addr: IPAddress) -> IPAddress:
-    """``::ffff:127.0.0.1`` is 127.0.0.1: decided (and connected to) as IPv4."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
+def canonical(addr: IPAddress) -> IPAddress:
+    """``::ffff:127.0.0.1`` (IPv4-mapped) and ``::127.0.0.1`` (IPv4-compatible) are 127.0.0.1:
+    decided, and connected to, as IPv4. ``::`` and ``::1`` stay themselves."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return addr.ipv4_mapped
+        if int(addr) >> 32 == 0 and int(addr) > 1:
+            return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
     return addr
+
+
+unmapped = canonical
+
+
+def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bool:
+    """Is ``addr`` this host (``HOST_ONLY`` or one of its own addresses), whatever a range says?"""
+    addr = canonical(addr)
+    if addr in own or addr in canonical_set(own):
+        return True
+    if "net-hostonly" in TEST_WEAKEN:
+        return False  # the old rule: only the interfaces' addresses
+    if any(addr in n for n in stand_in_far() if n.version == addr.version):
+        return False
+    return any(addr in n for n in HOST_ONLY if n.version == addr.version)
+
+
+def canonical_set(addrs: frozenset[IPAddress]) -> frozenset[IPAddress]:
+    return frozenset(canonical(a) for a in addrs)
+
+
+def host_only_networks(own: frozenset[IPAddress], version: int = 4) -> list[IPNetwork]:
+    """The host-only networks of one IP version (``is_host_only`` as networks, for nftables),
+    the test-only far stand-ins cut out."""
+    nets: list[IPNetwork] = [ipaddress.ip_network(a) for a in canonical_set(own) if a.version == version]
+    if "net-hostonly" not in TEST_WEAKEN:
+        nets += _minus([n for n in HOST_ONLY if n.version == version], [n for n in stand_in_far() if n.version == version])
+    return nets
+
+
+def _minus(nets: list[IPNetwork], cuts: list[IPNetwork]) -> list[IPNetwork]:
+    for cut in cuts:
+        nxt: list[IPNetwork] = []
+        for net in nets:
+            if not net.overlaps(cut):
+                nxt.append(net)
+            elif not cut.supernet_of(net):  # type: ignore[arg-type]
+                nxt.extend(net.address_exclude(cut))  # type: ignore[arg-type]
+        nets = nxt
+    return nets
 
 
 def session_override(spec: Any, net: str | None, allow: str | None, source: str) -> tuple[Any, str]:
@@ -265,15 +365,26 @@ def session_override(spec: Any, net: str | None, allow: str | None, source: str)
 
 
 def literal(name: str) -> IPAddress | None:
+    """The address a host spells (any spelling, canonical), or None for a name."""
     try:
-        return unmapped(ipaddress.ip_address(name.strip("[]")))
+        return canonical(ipaddress.ip_address(name.strip("[]")))
     except ValueError:
+        pass
+    try:
+        return numeric_ipv4(name)
+    except PolicyError:
         return None
 
 
 def stand_in_internet() -> tuple[IPNetwork, ...]:
     """Test stand-ins for the internet (never set outside tests)."""
     raw = os.environ.get(TEST_INTERNET_VAR, "")
+    return tuple(ipaddress.ip_network(w.strip(), strict=False) for w in raw.split(",") if w.strip())
+
+
+def stand_in_far() -> tuple[IPNetwork, ...]:
+    """Test stand-ins for far networks on this host's loopback (never set outside tests)."""
+    raw = os.environ.get(TEST_FAR_VAR, "")
     return tuple(ipaddress.ip_network(w.strip(), strict=False) for w in raw.split(",") if w.strip())
 
 
@@ -313,18 +424,8 @@ def internet_cidrs(own: frozenset[IPAddress] = frozenset()) -> list[str]:
     and this host's addresses, plus global IPv6 unicast minus what INTERNAL holds of it."""
     out: list[str] = []
     for version, whole in ((4, "0.0.0.0/0"), (6, "2000::/3")):
-        nets: list[IPNetwork] = [ipaddress.ip_network(whole)]
         minus = [n for n in INTERNAL if n.version == version]
         minus += [ipaddress.ip_network(a) for a in own if a.version == version]
-        for cut in minus:
-            nxt: list[IPNetwork] = []
-            for net in nets:
-                if net.overlaps(cut):
-                    if cut.supernet_of(net):  # type: ignore[arg-type]
-                        continue
-                    nxt.extend(net.address_exclude(cut))  # type: ignore[arg-type]
-                else:
-                    nxt.append(net)
-            nets = nxt
+        nets = _minus([ipaddress.ip_network(whole)], minus)
         out += [str(n) for n in ipaddress.collapse_addresses(nets)]  # type: ignore[type-var]
     return out

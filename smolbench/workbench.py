@@ -242,13 +242,18 @@ class Workbench(CheckpointsMixin):
             raise SmolbenchError("no machine is up: run `%smol up` first")
         return self.machines[self.active]
 
-    def use(self, node_id: str) -> Node:
-        """Make a live node the active machine."""
+    def live(self, node_id: str) -> MachineRef:
+        """A live node's machine, or a one-line error naming the live ones."""
         if node_id not in self.tree:
             known = ", ".join(n.id for n in self.tree if n.alive) or "none"
             raise SmolbenchError(f"unknown node {node_id!r}: live nodes are {known} (see `%smol tree`)")
         if node_id not in self.machines:
             raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
+        return self.machines[node_id]
+
+    def use(self, node_id: str) -> Node:
+        """Make a live node the active machine."""
+        self.live(node_id)
         self.active = node_id
         self._touch(node_id)
         self._changed(self.tree[node_id])
@@ -306,8 +311,9 @@ class Workbench(CheckpointsMixin):
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
-                       cell_name: str | None = None, first_line: int = 1, pull_trusted: bool = False) -> CellResult:
-        """Run a cell in the active machine (its state persists).
+                       cell_name: str | None = None, first_line: int = 1, pull_trusted: bool = False,
+                       node_id: str | None = None) -> CellResult:
+        """Run a cell in the active machine, or in the live ``node_id`` (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``);
         ``first_line`` is the editor line the code starts on (2 below a ``%%smol`` line).
@@ -315,7 +321,7 @@ class Workbench(CheckpointsMixin):
         seconds has its machine killed, and the error says so.
         """
         timeout = gate.seconds(timeout)
-        ref = self.require_up()
+        ref = self.require_up() if node_id is None else self.live(node_id)
         node = self.tree[ref.name]
         self._claim(ref.name)
         self._touch(ref.name)

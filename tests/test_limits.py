@@ -441,10 +441,10 @@ def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monke
 
 # -- a kernel that ends without `%smol down` ----------------------------------------------------------
 
-OLD_EXIT_HOOK = """import atexit, threading, smolbench
-m = smolbench._magics
-threading._threading_atexits[:] = [f for f in threading._threading_atexits if getattr(f.func, '__self__', None) is not m]
-atexit.register(m.shutdown)"""
+OLD_EXIT_HOOK = """import atexit, threading
+from smolbench import _session
+threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _session.shutdown_all]
+atexit.register(_session.shutdown_all)"""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -305,7 +305,9 @@ def _allow_smolfile(h: Hosts) -> str:
             f'"127.0.0.32/28:{h.port_ok}", "127.0.0.0/31"]\n')
 
 
-RESOLVE = {"SMOLBENCH_TEST_RESOLVE": "index.test=127.0.0.2,other.test=127.0.0.3"}
+# the listed ranges' stand-ins are far networks: no range reaches this host (test_net_hostonly.py)
+RESOLVE = {"SMOLBENCH_TEST_RESOLVE": "index.test=127.0.0.2,other.test=127.0.0.3",
+           "SMOLBENCH_TEST_FAR": "127.0.0.16/28,127.0.0.32/28"}
 
 
 @pytest.fixture(scope="module")

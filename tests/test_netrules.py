@@ -59,7 +59,7 @@ def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_hos
     assert not p.may_resolve("example.org", 443)  # an unlisted name is never even looked up
     # a range never reaches this host's own addresses; only that address with a port does
     r, own = NetPolicy.from_lists(False, [], ["127.0.0.0/8", "10.0.0.0/8", "127.0.0.1/32:8888"]), OWN | {A("127.0.0.1")}
-    assert r.admits("127.0.0.17", 22, A("127.0.0.17"), own) and r.admits("10.1.2.3", 1, A("10.1.2.3"), own)
+    assert not r.admits("127.0.0.17", 22, A("127.0.0.17"), own) and r.admits("10.1.2.3", 1, A("10.1.2.3"), own)
     assert not r.admits("127.0.0.1", 22, A("127.0.0.1"), own) and r.admits("127.0.0.1", 8888, A("127.0.0.1"), own)
     assert not r.admits("172.17.0.5", 22, A("172.17.0.5"), frozenset({A("172.17.0.5")}))
 
@@ -96,8 +96,9 @@ def test_what_the_host_side_refuses_by_address_and_port_is_refused_at_once() -> 
     own = OWN | {A("127.0.0.1"), A("10.1.1.1"), A("8.8.4.4")}
     refuse = _netredirect.refusals(p, own)
     assert refuse == [
-        "ip daddr 10.1.1.1 " + reject,  # this host's own, in a listed range: only by address and port
-        "ip daddr 172.17.0.5 tcp dport { 22 } return", "ip daddr 172.17.0.5 " + reject,
+        "ip daddr 127.0.0.5 tcp dport 80 return", "ip daddr 172.17.0.5 tcp dport 22 return",  # listed singly
+        # this host inside a listed range (its own addresses, and loopback): never through a range
+        "ip daddr { 10.1.1.1/32, 127.0.0.0/31, 127.0.0.5/32, 127.0.0.16/28, 172.17.0.5/32 } " + reject,
         "ip daddr 127.0.0.16/28 return", "ip daddr 10.0.0.0/8 tcp dport 5432 return", "ip daddr 127.0.0.0/31 return",
         "ip daddr 172.16.0.0/12 return", "ip daddr 127.0.0.5/32 tcp dport 80 return",
         "ip daddr 172.17.0.5/32 tcp dport 22 return",
@@ -105,8 +106,9 @@ def test_what_the_host_side_refuses_by_address_and_port_is_refused_at_once() -> 
     # every (address, port) the rules let through or refuse agrees with the host side's decision
     for addr, port, ok in (("10.1.1.1", 5432, False), ("10.2.3.4", 5432, True), ("10.2.3.4", 22, False),
                            ("172.17.0.5", 22, True), ("172.17.0.5", 80, False), ("127.0.0.5", 80, True),
-                           ("127.0.0.5", 81, False), ("127.0.0.17", 9, True), ("172.20.0.1", 9, True)):
+                           ("127.0.0.5", 81, False), ("127.0.0.17", 9, False), ("172.20.0.1", 9, True)):
         assert p.admits(addr, port, A(addr), own) is ok, (addr, port)
+        assert _nft_verdict(refuse, A(addr), port) is ok, (addr, port)
     text = _netredirect.ruleset(_netredirect.networks(p), (), refuse)
     assert text.index("chain refuse") < text.index("ip daddr 127.0.0.1 return") < text.index("10.1.1.1") < text.index(
         "chain out")
@@ -117,6 +119,79 @@ def test_what_the_host_side_refuses_by_address_and_port_is_refused_at_once() -> 
     assert "8.8.4.4/32" in on[1] and "10.0.0.0/8" in on[1] and "169.254.0.0/16" in on[1] and "127." not in on[1]
     assert _netredirect.refusals(NetPolicy(), own) == [] and _netredirect.refusals(
         NetPolicy.from_lists(False, ["pypi.org"], []), own) == []
+
+
+def _nft_verdict(rules: list[str], addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
+    """What the refuse chain does with a connection (a tiny reading of the rules it writes):
+    True when it lets it on to the redirect, False when it rejects it."""
+    import re
+
+    for rule in rules:
+        m = re.fullmatch(r"ip daddr (\{ (?P<set>[^}]+) \}|(?P<one>\S+))( tcp dport (?P<port>\d+))? (?P<verdict>return|.*reject.*)",
+                         rule)
+        assert m, rule
+        nets = [ipaddress.ip_network(n.strip()) for n in (m.group("set") or m.group("one")).split(",")]
+        if any(addr in n for n in nets) and (m.group("port") is None or int(m.group("port")) == port):
+            return m.group("verdict") == "return"
+    return True
+
+
+OWN_LOOP = OWN | {A("127.0.0.1"), A("::1"), A("fe80::1")}
+HOST_SPELLINGS = ("0.0.0.0", "0.1.2.3", "127.0.0.1", "127.0.0.2", "127.1.2.3", "127.255.255.254", "169.254.169.254",
+                  "::", "::1", "::ffff:127.0.0.1", "::ffff:0.0.0.0", "::127.0.0.2", "::ffff:7f01:203", "fe80::1",
+                  "febf::2", "172.17.0.5")
+
+
+def test_no_range_ever_reaches_this_host() -> None:
+    """Issue 25: the audit reached this host through `0.0.0.0/0`, `::/0` and `127.0.0.0/8`.
+    Every spelling of this host is cut out of every range; only an address listed singly with
+    its port reaches one, on that port."""
+    wide = NetPolicy.from_lists(False, [], ["0.0.0.0/0", "::/0", "127.0.0.0/8", "169.254.0.0/16", "fe80::/10"])
+    for addr in HOST_SPELLINGS:
+        assert not wide.admits(addr, 8888, A(addr), OWN_LOOP), addr
+    assert wide.admits("8.8.8.8", 53, A("8.8.8.8"), OWN_LOOP) and wide.admits("2001:db8::1", 1, A("2001:db8::1"), OWN_LOOP)
+    assert wide.admits("::ffff:8.8.8.8", 53, A("::ffff:8.8.8.8"), OWN_LOOP)  # mapped: decided as the IPv4 it is
+    single = NetPolicy.from_lists(False, ["127.0.0.9:7000"], ["0.0.0.0/0", "127.0.0.2/32:8080", "[::1]:8081"])
+    assert single.admits("127.0.0.2", 8080, A("127.0.0.2"), OWN_LOOP)
+    assert single.admits("x", 8080, A("::ffff:127.0.0.2"), OWN_LOOP)  # the same address, spelled as IPv6
+    assert single.admits("::1", 8081, A("::1"), OWN_LOOP) and single.admits("127.0.0.9", 7000, A("127.0.0.9"), OWN_LOOP)
+    for addr, port in (("127.0.0.2", 8081), ("127.0.0.3", 8080), ("0.0.0.0", 8080), ("::1", 8080), ("127.0.0.9", 7001)):
+        assert not single.admits(addr, port, A(addr), OWN_LOOP), (addr, port)
+    # an address in allow_hosts without a port is no single listing either
+    assert not NetPolicy.from_lists(False, ["127.0.0.2"], []).admits("127.0.0.2", 80, A("127.0.0.2"), OWN_LOOP)
+    # `on` never, whatever the spelling
+    for addr in HOST_SPELLINGS:
+        assert not NetPolicy("on").admits(addr, 80, A(addr), OWN_LOOP), addr
+
+
+def test_a_listed_name_that_resolves_to_this_host_is_refused_unless_that_address_is_listed_singly() -> None:
+    p = NetPolicy.from_lists(False, ["rebind.test", "db.test:5432"], ["127.0.0.0/8", "127.0.0.7/32:5432"])
+    for addr in ("127.0.0.2", "0.0.0.0", "::", "::1", "::ffff:127.0.0.1", "169.254.1.1", "172.17.0.5"):
+        assert not p.admits("rebind.test", 80, A(addr), OWN_LOOP), addr
+    assert p.admits("db.test", 5432, A("127.0.0.7"), OWN_LOOP)  # that address, listed with that port
+    assert not p.admits("db.test", 5432, A("127.0.0.8"), OWN_LOOP)
+    assert p.admits("rebind.test", 80, A("93.184.215.14"), OWN_LOOP)
+
+
+def test_numeric_host_names_are_the_addresses_they_spell() -> None:
+    """2130706433, 0x7f.1 and 017700000001 are 127.0.0.1 to a resolver (inet_aton, the URL
+    standard): the proxy reads them so, and so refuses them as this host."""
+    from smolbench.netpolicy import literal
+
+    for spelled in ("2130706433", "0x7f.1", "017700000001", "0x7f000001", "127.1", "0177.0.0.1", "0x7F.0.0.1",
+                    "127.0.1", "0x7f.0x0.0x0.0x1"):
+        assert literal(spelled) == A("127.0.0.1"), spelled
+        assert parse_host(f"{spelled}:80").name == "127.0.0.1"
+        req = netreq.parse(f"CONNECT {spelled}:80 HTTP/1.1\r\n\r\n".encode())
+        assert req.host == "127.0.0.1" and req.target == "127.0.0.1:80"
+        assert netreq.parse(f"GET http://{spelled}:80/ HTTP/1.1\r\n\r\n".encode()).host == "127.0.0.1"
+    assert literal("0") == A("0.0.0.0") and literal("0x0") == A("0.0.0.0")
+    assert parse_host("pypi.org").name == "pypi.org" and parse_host("1password.com").name == "1password.com"
+    for bad in ("a.b.1", "256.0.0.1", "1.2.3.4.5", "0x1g.1", "08.1", "4294967296"):
+        with pytest.raises(PolicyError):
+            parse_host(bad)
+        with pytest.raises(netreq.BadRequest):
+            netreq.parse(f"CONNECT {bad}:80 HTTP/1.1\r\n\r\n".encode())
 
 
 def test_a_branch_policy_is_never_wider_than_its_parents() -> None:

@@ -690,11 +690,13 @@ FETCHING = (
     "     '<a style=\"position: fixed; inset: 0; z-index: 99999\" href=\"' + W + '/expired\">session expired</a>'\n"
     "     '<div class=\"jp-Dialog lm-Widget mine\" id=\"jp-main-dock-panel\">e</div>'\n"
     "     '<table background=\"' + W + '/table\"><tr><td>t</td></tr></table>'\n"
-    "     '<a href=\"/api/contents/secret.ipynb\">rel</a><img src=\"files/secret.png\">'},\n"
+    "     '<a href=\"/api/contents/secret.ipynb\">rel</a><img src=\"files/secret.png\">'\n"
+    "     '<b style=\"font-family: \\'x\\n; position: fixed; top: 0; z-index: 2147483647\">bad string</b>'},\n"
     "  {'image/svg+xml': '<svg xmlns=\"http://www.w3.org/2000/svg\"><style>rect{fill:url(' + W + '/svg-style)}</style>'\n"
     "     '<image href=\"' + W + '/svg-image\"/><use href=\"' + W + '/svg-use#a\"/>'\n"
     "     '<rect width=\"5\" height=\"5\" style=\"fill: url(' + W + '/svg-attr)\"/><circle r=\"2\" fill=\"blue\"/></svg>'},\n"
     "  {'text/markdown': '![i](/api/contents/secret.ipynb) [l](/files/secret.txt) ![j](' + W + '/md-image) [ok](https://example.org/)'},\n"
+    "  {'text/markdown': '<div style=\"font-family: \\'x\\r\\n; position: fixed; inset: 0\">md overlay</div>'},\n"
     "  {'application/vnd.plotly.v1+json': {\n"
     "     'data': [{'type': 'bar', 'x': ['a'], 'y': [1], 'text': ['<span style=\"cursor: url(' + W + '/plotly-text)\">t</span>']},\n"
     "              {'type': 'image', 'source': W + '/plotly-trace'}, {'type': 'choropleth', 'geojson': '/api/contents/x'}],\n"
@@ -733,7 +735,8 @@ def test_output_that_could_fetch_is_refused_or_stripped_and_css_stays_in_its_out
                      "application/vnd.jupyter.widget-view+json"):
             assert f"sent {mime} output, which was not shown" in notes, (mime, notes)
         # ... while what is harmless still shows: the fallbacks, the colour, the shapes, the data
-        for good in ('"vl5"', '"vega"', '"geo"', "color: red", "session expired", "mine", "<circle",
+        for good in ('"vl5"', '"vega"', '"geo"', "color: red", "session expired", "mine", "<circle", "bad string",
+                     "md overlay",
                      "https://example.org/", '"type": "bar"', '"responsive": true'):
             assert good in raw, (good, raw)
         still_works(nb)

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import netpolicy
 from ..gate import netreq
 from ..netpolicy import (
     IPAddress,
@@ -51,16 +52,16 @@ from ..netpolicy import (
     unmapped,
 )
 from . import _netredirect
+from ._netns import _bind_in, _collect, _refused_in
 
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
 CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
 MAX_CONNECTIONS = 256  # per machine at once: one machine can't starve the others' proxy
 CONNECT_TIMEOUT = 30.0
+WEAKEN_VAR = "SMOLBENCH_TEST_WEAKEN"  # tests only: netpolicy's knobs ("net-hostonly")
 
 
 def proxy_env() -> dict[str, str]:
@@ -160,91 +161,6 @@ class Node:
 
     def stats(self) -> dict[str, Any]:
         return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused}
-
-
-def _setns(fd: int, kind: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, kind) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _bind_in(pid: int, addrs: list[tuple[str, int]], redirect: tuple[Any, ...] | None = None) -> tuple[int, socket.socket]:
-    """Start binding listening sockets to ``addrs`` inside the network namespace of host process
-    ``pid``: a forked child joins its user namespace (where the sandbox uid owns every
-    capability) and network namespace, binds, installs the ``redirect`` (``_netredirect.install``
-    arguments) and sends the descriptors back (``_collect``)."""
-    ours, theirs = socket.socketpair()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the forked child
-        code = 0
-        try:
-            ours.close()
-            _enter(pid)
-            fds = []
-            for host, port in addrs:
-                family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                s = socket.socket(family, socket.SOCK_STREAM)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((host, port))
-                s.listen(256)
-                fds.append(s.detach())
-            if redirect is not None:
-                _netredirect.install(*redirect)
-            socket.send_fds(theirs, [b"ok"], fds)
-        except BaseException as exc:  # noqa: BLE001 - the parent gets one line
-            with contextlib.suppress(OSError):
-                theirs.sendall(f"{type(exc).__name__}: {exc}".encode()[:500])
-            code = 1
-        os._exit(code)
-    theirs.close()
-    return child, ours
-
-
-def _enter(pid: int) -> None:  # pragma: no cover - runs in a forked child
-    userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    netfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    if os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"):
-        _setns(userfd, CLONE_NEWUSER)
-    _setns(netfd, CLONE_NEWNET)
-
-
-def _refused_in(pid: int) -> int:
-    """How many connections the machine's ``refuse`` chain turned away at once (its nft
-    counters, read by a forked child in the machine's namespaces); 0 when they can't be read."""
-    ours, theirs = socket.socketpair()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the forked child
-        try:
-            ours.close()
-            _enter(pid)
-            theirs.sendall(str(_netredirect.refused_count()).encode())
-        except BaseException:  # noqa: BLE001 - the parent reads nothing: 0
-            pass
-        os._exit(0)
-    theirs.close()
-    try:
-        ours.settimeout(30)
-        data = ours.recv(32)
-    except OSError:
-        data = b""
-    finally:
-        ours.close()
-        os.waitpid(child, 0)
-    return int(data) if data.isdigit() else 0
-
-
-def _collect(child: int, ours: socket.socket) -> list[socket.socket]:
-    try:
-        msg, fds, _, _ = socket.recv_fds(ours, 1024, 64)
-    finally:
-        ours.close()
-        os.waitpid(child, 0)
-    if msg != b"ok":
-        for fd in fds:
-            os.close(fd)
-        raise OSError(msg.decode(errors="replace") or "the namespace helper died")
-    return [socket.socket(fileno=fd) for fd in fds]
 
 
 class Proxy:
@@ -519,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gid", type=int, default=None)
     ap.add_argument("--open", action="store_true", help="tests only: admit every destination (a weakened set-up)")
     args = ap.parse_args(argv)
+    netpolicy.TEST_WEAKEN.update(w for w in os.environ.get(WEAKEN_VAR, "").split(",") if w)
     if args.uid is not None and os.geteuid() == 0:
         _drop(args.uid, args.gid if args.gid is not None else args.uid)
     libc = ctypes.CDLL(None, use_errno=True)

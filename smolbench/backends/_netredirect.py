@@ -25,7 +25,7 @@ import socket
 import struct
 import subprocess
 
-from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, literal
+from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, host_only_networks, literal
 
 RELAY_PORT = 3129
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -51,30 +51,27 @@ def networks(policy: NetPolicy) -> list[IPNetwork] | None:
 def refusals(policy: NetPolicy, own: frozenset[IPAddress] = frozenset(),
              internet: tuple[IPNetwork, ...] = ()) -> list[str]:
     """Rules refusing at once the redirected TCP the host side would refuse by address and port
-    alone (``NetPolicy.admits`` for a literal address): for ``on``, private and special
-    networks and this host's own addresses (the machine's loopback stays its own); for an
-    allow-list, a listed network's unlisted ports and this host's addresses a range covers."""
+    alone (``NetPolicy.admits`` for a literal address), from the same rule: for ``on``, private
+    and special networks and this host's addresses (the machine's loopback stays its own); for
+    an allow-list, the host-only part of every listed range (``host_only_networks``) except the
+    addresses listed singly with their port, and a listed network's unlisted ports."""
     reject = f"meta l4proto tcp counter reject with {REJECT}"
     if policy.mode == "on":
         cut: list[IPNetwork] = [n for n in INTERNAL if n.version == 4 and not n.subnet_of(LOOPBACK)]  # type: ignore[arg-type]
-        cut += [ipaddress.ip_network(a) for a in own if a.version == 4 and a not in LOOPBACK]
+        cut += [n for n in host_only_networks(own) if not n.subnet_of(LOOPBACK)]  # type: ignore[arg-type]
         rules = [f"ip daddr {n} return" for n in internet if n.version == 4]  # admitted first, as by admits()
         return rules + [f"ip daddr {{ {_collapsed(cut)} }} {reject}"]
     nets = networks(policy)
     if not nets:
         return []
+    singles = sorted((a, p) for a, p in policy.singles() if a.version == 4)
+    rules = [f"ip daddr {a} tcp dport {p} return" for a, p in singles]
+    host = [h if h.subnet_of(n) else n for h in host_only_networks(own) for n in nets  # type: ignore[arg-type]
+            if h.overlaps(n)]
+    if host:  # this host, inside a listed range: never through a range
+        rules.append(f"ip daddr {{ {_collapsed(host)} }} {reject}")
     listed: list[tuple[IPNetwork, int | None]] = [(r.network, r.port) for r in policy.cidrs if r.network.version == 4]
     listed += [(ipaddress.ip_network(a), h.port) for h in policy.hosts if (a := literal(h.name)) is not None and a.version == 4]
-    rules = []
-    for addr in sorted(a for a in own if a.version == 4 and str(a) != "127.0.0.1" and any(a in n for n in nets)):
-        # this host's own address: only a rule naming that one address (with its port) reaches it
-        ports = [r.port for r in policy.cidrs if r.single() == addr]
-        ports += [h.port for h in policy.hosts if literal(h.name) == addr]
-        if None in ports:
-            rules.append(f"ip daddr {addr} return")
-        elif ports:
-            rules.append(f"ip daddr {addr} tcp dport {{ {', '.join(str(p) for p in sorted(set(ports)))} }} return")  # type: ignore[type-var]
-        rules.append(f"ip daddr {addr} {reject}")
     rules += [f"ip daddr {net}" + (f" tcp dport {port}" if port else "") + " return" for net, port in listed]
     return rules + [f"ip daddr {{ {_collapsed(nets)} }} {reject}"]
 

@@ -1,16 +1,26 @@
-"""Inline CSS from a machine, cut down to properties that style only their own element.
+"""Inline CSS from a machine, cut down to declarations that style only their own element.
 
-A ``style`` attribute keeps only declarations whose property is on an allow-list (colours,
-fonts, text, box sizes, borders, tables) and whose value calls no function but colours and
-gradients: no ``url()``, ``image-set()``, ``@import``, escapes or comments (so nothing is
-fetched), no ``position``, ``transform``, ``z-index`` or negative margins (so nothing is
-drawn outside the output). ``<style>`` blocks are dropped by the HTML cleaner: a rule there
-could style the whole page.
+A ``style`` attribute is parsed with tinycss2 (CSS Syntax Level 3, the tokenizer a browser
+uses: a newline ends a string as a bad-string token and parsing goes on after it), and a
+declaration is kept only when its property is on an allow-list (colours, fonts, text, box
+sizes, borders, tables) and every token of its value is a plain one: an identifier, a
+number, a percentage, a length in a unit of ``UNITS``, a hex colour, a string, ``,`` or
+``/``, or a colour or gradient function made of the same. So no ``url()``, ``image-set()``,
+``var()``, at-rules, blocks, comments, ``!important``, bad strings or bad URLs (nothing is
+fetched), no ``position``, ``transform``, ``z-index``, negative margins or viewport units
+(nothing is drawn outside the output), and no backslash anywhere in a declaration's source
+(an escape can spell any name). What is kept is re-serialized from the checked tokens, so
+the browser parses exactly what was checked. ``<style>`` blocks are dropped by the HTML
+cleaner: a rule there could style the whole page.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+
+import tinycss2
+from tinycss2 import ast
 
 PROPERTIES = frozenset({
     "color", "background-color", "background", "opacity", "visibility",
@@ -34,56 +44,78 @@ PROPERTIES = frozenset({
 })
 # Properties where a negative length would move the element over its neighbours.
 NO_NEGATIVE = ("margin", "text-indent", "letter-spacing", "word-spacing")
-FUNCTIONS = frozenset({"rgb", "rgba", "hsl", "hsla", "linear-gradient", "radial-gradient",
-                       "repeating-linear-gradient", "repeating-radial-gradient"})
-FUNCTION = re.compile(r"([A-Za-z_-][\w-]*)\s*\(")
-# Never in a kept value: escapes (they can spell any name), comments, at-rules, markup, braces.
-FORBIDDEN = re.compile(r"[\\<>@{}!]|/\*|&#", re.ASCII)
-PROPERTY = re.compile(r"-?[a-z][a-z-]*")
+# Lengths relative to the element, its font or absolute; angles (for hsl() and gradients).
+# No viewport units: they size an element by the window, not by its output.
+UNITS = frozenset({"px", "em", "rem", "ex", "ch", "pt", "pc", "cm", "mm", "in", "q", "deg", "rad", "grad", "turn"})
+COLOURS = frozenset({"rgb", "rgba", "hsl", "hsla"})
+GRADIENTS = frozenset({"linear-gradient", "radial-gradient", "repeating-linear-gradient",
+                       "repeating-radial-gradient"})
+IDENT = re.compile(r"-?[A-Za-z_][A-Za-z0-9_-]*")
+HEX = re.compile(r"[0-9A-Fa-f]{3,4}|[0-9A-Fa-f]{6}|[0-9A-Fa-f]{8}")
+LIMIT = 64 * 1024
 
 
-def _split(style: str) -> list[str]:
-    """Declarations separated by ``;`` outside quotes and parentheses."""
-    out: list[str] = []
-    cur: list[str] = []
-    depth, quote = 0, ""
-    for ch in style:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth = max(0, depth - 1)
-        elif ch == ";" and depth == 0:
-            out.append("".join(cur))
-            cur = []
+def _plain(tokens: Iterable[ast.Node], negative_ok: bool, functions: frozenset[str]) -> bool:
+    """Whether every token is one a kept value may hold (``functions``: the calls allowed here)."""
+    for t in tokens:
+        if isinstance(t, ast.WhitespaceToken | ast.StringToken):
             continue
-        cur.append(ch)
-    out.append("".join(cur))
-    return out
+        if isinstance(t, ast.IdentToken):
+            if not IDENT.fullmatch(t.value):
+                return False
+        elif isinstance(t, ast.NumberToken | ast.PercentageToken | ast.DimensionToken):
+            if isinstance(t, ast.DimensionToken) and t.lower_unit not in UNITS:
+                return False
+            if t.value < 0 and not negative_ok:
+                return False
+        elif isinstance(t, ast.HashToken):
+            if not HEX.fullmatch(t.value):
+                return False
+        elif isinstance(t, ast.LiteralToken):
+            if t.value not in (",", "/"):
+                return False
+        elif isinstance(t, ast.FunctionBlock):
+            inner = COLOURS if t.lower_name in GRADIENTS else frozenset()
+            if t.lower_name not in functions or not _plain(t.arguments, True, inner):
+                return False
+        else:
+            return False  # url, bad-string, bad-url, comment, block, at-keyword, unicode-range, ...
+    return True
 
 
-def declaration(prop: str, value: str) -> bool:
-    """Whether ``prop: value`` styles only its own element and fetches nothing."""
-    if prop not in PROPERTIES or FORBIDDEN.search(value):
-        return False
-    if any(f.lower() not in FUNCTIONS for f in FUNCTION.findall(value)):
-        return False  # url(), image-set(), -webkit-image-set(), image(), element(), var(), ...
-    if "url" in value.lower() and "(" in value:
-        return False  # belt and braces: u\rl( is refused above, url ( here
-    return not (prop.startswith(NO_NEGATIVE) and "-" in value)
+def _offsets(css: str) -> list[int]:
+    """Where each line starts in tinycss2's view of ``css`` (its newlines normalised)."""
+    return [0, *(i + 1 for i, c in enumerate(css) if c == "\n")]
+
+
+def _start(lines: list[int], node: ast.Node) -> int:
+    """The index in the source where ``node`` starts."""
+    return lines[node.source_line - 1] + node.source_column - 1
+
+
+def declarations(style: str) -> list[tuple[str, str]]:
+    """The safe declarations of ``style`` as (property, re-serialized value)."""
+    if len(style) > LIMIT:
+        return []
+    # tinycss2 counts lines and columns after this normalisation; slices must too
+    norm = style.replace("\0", "\ufffd").replace("\r\n", "\n").replace("\r", "\n").replace("\f", "\n")
+    lines = _offsets(norm)
+    nodes = tinycss2.parse_blocks_contents(norm)
+    kept = []
+    for i, node in enumerate(nodes):
+        if not isinstance(node, ast.Declaration):
+            continue  # rules, at-rules, comments, errors: never in a style attribute
+        end = _start(lines, nodes[i + 1]) if i + 1 < len(nodes) else len(norm)
+        raw = norm[_start(lines, node):end]
+        name = node.lower_name
+        if "\\" in raw or node.important or name not in PROPERTIES:
+            continue
+        value = tinycss2.serialize(node.value).strip()
+        if value and _plain(node.value, not name.startswith(NO_NEGATIVE), COLOURS | GRADIENTS):
+            kept.append((name, value))
+    return kept
 
 
 def clean_style(style: str) -> str | None:
-    """The safe declarations of a ``style`` attribute, or None when none is left."""
-    if len(style) > 64 * 1024:
-        return None
-    kept = []
-    for decl in _split(style):
-        prop, sep, value = decl.partition(":")
-        prop, value = prop.strip().lower(), value.strip()
-        if sep and value and PROPERTY.fullmatch(prop) and declaration(prop, value):
-            kept.append(f"{prop}: {value}")
-    return "; ".join(kept) or None
+    """The safe declarations of a ``style`` attribute, re-serialized, or None when none is left."""
+    return "; ".join(f"{name}: {value}" for name, value in declarations(style)) or None

@@ -6,9 +6,9 @@ user's cookies (a page-relative URL reads the Jupyter server itself). So only MI
 an allow-list pass (``ALLOWED``; docs/security.md says why each is safe), each made safe
 its own way; anything else is dropped with a note. Markup goes through nh3 (the ammonia
 sanitiser): no script, event handlers, ``<style>`` blocks, relative or ``javascript:``
-links, or resources from elsewhere; ``style`` attributes pass the CSS allow-list
-(``css.py``); ids are prefixed and page classes dropped, so nothing styles or stands in
-for the page around the output. Markdown is rendered to HTML here (mistune) and cleaned
+links, or resources from elsewhere; ``style`` attributes are parsed and re-serialized
+by the CSS pipeline (``css.py``); ids are prefixed and page classes dropped, so nothing
+styles or stands in for the page around the output. Markdown is rendered to HTML here (mistune) and cleaned
 like HTML. Plotly figures lose their URL-bearing fields (``figures.py``). Vega and
 Vega-Lite specs are refused: their renderer loads data from any URL the spec names.
 ``%smol trust on`` shows bundles raw.
@@ -64,6 +64,7 @@ HTML_ATTRS.setdefault("font", set()).update({"color", "size", "face"})
 SAFE_IMG_SRC = re.compile(r"data:image/(png|jpeg|gif|webp|svg\+xml)[;,][^\s]*", re.IGNORECASE)
 SAFE_HREF = re.compile(r"(https?://|mailto:)\S+|#[\w.\-]*", re.IGNORECASE)
 LOCAL_REF = re.compile(r"url\(\s*#[\w.\-]+\s*\)")
+TEXT_ATTRS = frozenset({"title", "alt", "summary", "abbr"})  # shown as text, never parsed as CSS
 
 
 class SafeBundle(dict[str, Any]):
@@ -89,6 +90,8 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
         return value if SAFE_HREF.fullmatch(v) else None  # absolute links only: no page-relative URL
     if attr in ("action", "formaction", "cite", "longdesc", "background", "poster", "srcset", "ping"):
         return None
+    if "\\" in v and attr not in TEXT_ATTRS:
+        return None  # an SVG presentation attribute is parsed as CSS, where an escape spells any name
     if "url" in v.lower() and not LOCAL_REF.fullmatch(v):
         return None  # e.g. fill="url(http://...)": a fetch from elsewhere
     return value

@@ -9,10 +9,11 @@ connection can't carry a second request to somewhere else.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 
-from ..netpolicy import PolicyError, literal, parse_host
+from ..netpolicy import PolicyError, canonical, parse_host
 
 MAX_HEAD = 16 * 1024  # bytes of request line + headers
 MAX_HEADERS = 100
@@ -55,11 +56,13 @@ def _authority(text: str, default_port: int | None) -> tuple[str, int]:
         if not 1 <= port <= 65535:
             raise BadRequest(f"bad port in {text[:80]!r}")
     if host.startswith("["):
-        if literal(host) is None or literal(host).version != 6:  # type: ignore[union-attr]
-            raise BadRequest(f"bad IPv6 address {host[:80]!r}")
-        return str(literal(host)), port
+        try:
+            addr = ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise BadRequest(f"bad IPv6 address {host[:80]!r}") from None
+        return str(canonical(addr)), port  # ::ffff:127.0.0.2 is 127.0.0.2, decided as such
     try:
-        return parse_host(host).name, port
+        return parse_host(host).name, port  # numeric spellings (0x7f.1) come back as the address
     except PolicyError:
         raise BadRequest(f"not a host name: {host[:80]!r}") from None
 

@@ -1,0 +1,641 @@
+"""``smolbench.Session``: the Workbench without IPython, for scripts, pytest, Ray tasks and asyncio.
+
+The ``%smol`` magics are a layer over it: ``%smol up`` makes a Session, and
+:func:`smolbench.session` hands it to notebook code, so that code carries over
+to a script unchanged::
+
+    with smolbench.Session(backend="sandbox") as s:
+        s.run("import gymnasium as gym; env = gym.make('CartPole-v1')")
+        result = s.fork(8, "obs, _ = env.reset(seed=SEED); reward = float(obs[0])")
+        s.use(result.best["branch"])
+
+Every method blocks on smolbench's own loop thread (``_loop``); each ``a``-prefixed twin
+(``arun``, ``afork``, ...) awaits the same work from the caller's asyncio loop instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from . import _loop
+from .backends.base import CellResult, Event
+from .errors import RemoteError, SmolbenchError
+from .gate import SafeBundle
+from .result import ForkResult
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .workbench import Workbench
+
+T = TypeVar("T")
+BranchOutput = Callable[[str, Event], None]
+VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
+
+
+@dataclass
+class RunResult:
+    """What :meth:`Session.run` brings back from the machine.
+
+    ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
+    objects; None when it was something else: ``display`` still has its text). ``error`` is the
+    exception the code raised in the machine (None when it ran to the end)."""
+
+    node: str
+    stdout: str = ""
+    stderr: str = ""
+    value: Any = None
+    error: RemoteError | None = None
+    pulled: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    display: SafeBundle | None = None  # the last expression's MIME bundle, checked by the gate
+    pull_error: str | None = None  # a pull the gate refused (one line; run() raises it)
+    reward_error: str | None = None  # a reward that was not a finite number: said, not recorded
+
+    @property
+    def ok(self) -> bool:
+        """True when the code ran to the end."""
+        return self.error is None
+
+    def raise_for_error(self) -> RunResult:
+        """Raise the machine's exception (a RemoteError named after it) if there was one."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
+    """A RemoteError whose class is named after the remote exception (so Jupyter shows
+    ``ZeroDivisionError``, not ``RemoteError``)."""
+    cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
+    return cls(ename, evalue, traceback, node)
+
+
+def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
+    """``push`` values as cloudpickle bytes (what the machine loads), one-line errors otherwise."""
+    import cloudpickle
+
+    out = {}
+    for name, value in values.items():
+        if not str(name).isidentifier():
+            raise SmolbenchError(f"--push {name!r} is not a variable name: push names like data or env")
+        try:
+            out[name] = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
+    return out
+
+
+def cluster_table(path: str | None) -> dict[str, Any]:
+    """The Smolfile's ``[cluster]`` table (``address = "auto"``), or {} without one."""
+    if not path:
+        return {}
+    from .smolfile import load_cluster
+
+    return load_cluster(path)
+
+
+def choose_backend(kind: str, target: str, announce: Callable[[str], None] = print) -> tuple[Backend, str]:
+    """The backend for ``backend=KIND``, and a line saying why when it fell back."""
+    from .backends.process import ProcessBackend
+    from .backends.sandbox import SandboxBackend, bwrap_path
+
+    if kind == "process":
+        return ProcessBackend(), ""
+    if kind == "sandbox":
+        return SandboxBackend(), ""  # without bwrap: an error saying how to install it
+    from .backends.smol import SmolBackend
+
+    if kind == "smol" or target == "cloud":
+        return SmolBackend(target=target), ""
+    from .backends.probe import probe_smol
+
+    ok, reason = probe_smol(announce=announce)
+    if ok:
+        return SmolBackend(target="local"), ""
+    short = reason.split(":")[0].split(" [")[0]
+    if bwrap_path():
+        return SandboxBackend(), f"smolbench: no microVM here ({short}; `smolbench doctor` says why); using a bubblewrap sandbox instead"
+    return ProcessBackend(), (f"smolbench: WARNING: no microVM here ({short}) and no bubblewrap, so machines are PLAIN "
+                              "PROCESSES with NO isolation (backend `process`): `apt-get install bubblewrap` for a sandbox")
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Session:
+    """Machines for one program: up on ``with`` (or :meth:`up`), down when it ends.
+
+    ``Session(smolfile=None, *, backend="auto", ray=None, ledger=None, ...)`` takes what
+    ``%smol up`` takes. Leaving the ``with`` block, :meth:`down`, the interpreter's exit and
+    SIGTERM (outside a Jupyter kernel) each delete every machine it made.
+    ``ray``: run machines on a Ray cluster's nodes (an address, ``"auto"`` or True).
+    ``on_notice``: where one-line notices go (default: stderr).
+    """
+
+    BACKENDS = ("auto", "smol", "sandbox", "process")
+
+    def __init__(self, smolfile: str | os.PathLike[str] | None = None, *, backend: str = "auto",
+                 ray: str | bool | None = None, ledger: str | os.PathLike[str] | None = None, target: str = "local",
+                 image: str | None = None, net: str | None = None, allow: str | None = None,
+                 max_alive: int | None = None, retries: int = 1,
+                 on_notice: Callable[[str], None] | None = None) -> None:
+        if backend not in self.BACKENDS:
+            raise SmolbenchError(f"unknown backend {backend!r}: use one of {', '.join(self.BACKENDS)}")
+        if target not in ("local", "cloud"):
+            raise SmolbenchError(f"unknown target {target!r}: use local or cloud")
+        if net not in (None, "on", "off"):
+            raise SmolbenchError(f"net must be 'on' or 'off', got {net!r}")
+        self.smolfile = None if smolfile is None else os.fspath(smolfile)
+        self.backend_kind = backend
+        self.ray = ray
+        self.ledger_path = None if ledger is None else os.fspath(ledger)
+        self.target = target
+        self.image = image
+        self.net = net
+        self.allow = allow
+        self.max_alive = max_alive
+        self.retries = retries
+        self.on_notice = on_notice or _stderr_line
+        self.workbench: Workbench | None = None
+        self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
+        self.fallback = ""  # why ``backend="auto"`` chose what it chose, when it fell back
+        self.spec_path: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        if not self.is_up:
+            self.up()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.down()
+
+    async def __aenter__(self) -> Session:
+        if not self.is_up:
+            await self.aup()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.adown()
+
+    def __repr__(self) -> str:
+        wb = self.workbench
+        if wb is None or not wb.machines:
+            return "<smolbench.Session: down>"
+        return f"<smolbench.Session {wb.session}: {wb.backend.name}, active {wb.active}, {len(wb.machines)} live>"
+
+    @property
+    def is_up(self) -> bool:
+        """True while this session has live machines."""
+        return self.workbench is not None and bool(self.workbench.machines)
+
+    @property
+    def active(self) -> str | None:
+        """The node :meth:`run` runs in (None when down)."""
+        return None if self.workbench is None else self.workbench.active
+
+    def build(self, announce: Callable[[str], None] | None = None) -> Workbench:
+        """Make (not yet start) the Workbench from the options: ``%smol up`` publishes it first.
+        ``announce``: where the backend probe says what it is waiting for (default: notices)."""
+        from .ledger import DEFAULT_PATH, Ledger
+        from .smolfile import load_smolfile
+        from .spec import MachineSpec
+        from .workbench import Workbench
+
+        if self.is_up:
+            wb = self.workbench
+            assert wb is not None
+            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+        path = self.smolfile or ("Smolfile" if os.path.exists("Smolfile") else None)
+        if self.smolfile and not os.path.exists(self.smolfile):
+            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults")
+        spec = load_smolfile(path) if path else MachineSpec()
+        if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
+            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8")
+        net_note = None
+        if self.net is not None or self.allow:
+            from .netpolicy import PolicyError, session_override
+
+            try:
+                spec, net_note = session_override(spec, self.net, self.allow, path or "the default spec")
+            except PolicyError as exc:
+                raise SmolbenchError(str(exc)) from None
+        if self.image or self.max_alive is not None:
+            spec = replace(spec, image=self.image or spec.image,
+                           max_alive=spec.max_alive if self.max_alive is None else self.max_alive)
+        backend: Backend
+        if self.ray is not None and self.ray is not False or cluster_table(path):
+            from .cluster.backend import ClusterBackend
+
+            address = self.ray if isinstance(self.ray, str) else None
+            cluster = ClusterBackend(address or cluster_table(path).get("address") or None)
+            cluster.start()
+            backend, self.fallback = cluster, ""
+        else:
+            backend, self.fallback = choose_backend(self.backend_kind, self.target, announce=announce or self.on_notice)
+        wb = Workbench(backend, spec, Ledger(self.ledger_path or DEFAULT_PATH), retries=self.retries)
+        wb.net_note = net_note
+        wb.on_notice = self.on_notice
+        self.spec_path = path
+        self.workbench = wb
+        return wb
+
+    def up(self) -> Session:
+        """Start the root machine (and run the Smolfile's init commands). Returns the session."""
+        self.build()
+        if self.fallback:
+            self.on_notice(self.fallback)
+        return self.boot()
+
+    def boot(self) -> Session:
+        """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between)."""
+        if self.workbench is None:
+            raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
+        _block(self.workbench.up())
+        _live(self)
+        return self
+
+    async def aup(self) -> Session:
+        """:meth:`up` from an asyncio loop."""
+        wb = self.build()
+        if self.fallback:
+            self.on_notice(self.fallback)
+        await _bridge(wb.up())
+        _live(self)
+        return self
+
+    def down(self) -> int:
+        """Delete every machine this session made (idempotent). Returns how many."""
+        _gone(self)
+        wb = self.workbench
+        if wb is None or (not wb.machines and wb.active is None):
+            return 0
+        return _block(wb.down())
+
+    close = down
+
+    async def adown(self) -> int:
+        """:meth:`down` from an asyncio loop."""
+        _gone(self)
+        wb = self.workbench
+        if wb is None or (not wb.machines and wb.active is None):
+            return 0
+        return await _bridge(wb.down())
+
+    aclose = adown
+
+    def _wb(self) -> Workbench:
+        if self.workbench is None or (not self.workbench.machines and self.workbench.active is None):
+            raise SmolbenchError("no machine is up: run `%smol up` first (or `Session.up()`, or use it in a `with` block)")
+        return self.workbench
+
+    # -- cells ---------------------------------------------------------------------------
+
+    def run(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
+            timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
+        """Run ``code`` in the active machine, or in the live ``node`` (its state persists between runs).
+
+        ``push``: values to set as variables in the machine first (cloudpickled, like ``--push``).
+        ``pull``: machine variables to bring back as data (in ``result.pulled``).
+        ``timeout``: interrupt the code after this many seconds (a SmolbenchError).
+        ``check``: raise the machine's exception instead of returning it in ``result.error``.
+        Runs in different nodes may go at once (threads, or :meth:`arun` with ``asyncio.gather``).
+        """
+        return self._said(_block(self.cell(code, push=pickled(push or {}), pull=list(pull or []), timeout=timeout,
+                                           node=node)), check)
+
+    async def arun(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
+                   timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
+        """:meth:`run` from an asyncio loop."""
+        return self._said(await _bridge(self.cell(code, push=pickled(push or {}), pull=list(pull or []),
+                                                  timeout=timeout, node=node)), check)
+
+    def _said(self, res: RunResult, check: bool) -> RunResult:
+        if res.reward_error:
+            self.on_notice(f"smolbench: {res.reward_error}: not recorded")
+        if res.pull_error:
+            raise SmolbenchError(res.pull_error)
+        return res.raise_for_error() if check else res
+
+    async def cell(self, code: str, *, push: dict[str, bytes] | None = None, pull: list[str] | None = None,
+                   timeout: float | None = None, on_event: Callable[[Event], None] | None = None,
+                   cell_name: str | None = None, first_line: int = 1, pull_trusted: bool = False,
+                   value: bool = True, node: str | None = None) -> RunResult:
+        """The coroutine behind :meth:`run` (on smolbench's loop), for the magics: live output
+        through ``on_event``; ``value``: also bring the last expression back as data."""
+        wb = self._wb()
+        node = node or wb.active or ""
+        names = list(pull or [])
+        for name in names:
+            if not name.isidentifier():
+                raise SmolbenchError(f"{name!r} is not a variable name: give names like data or env")
+        sent = dict(push or {})
+        if value and VALUE not in sent and VALUE not in names:
+            sent[VALUE] = pickled({VALUE: None})[VALUE]  # a run without an expression has no value
+            names.append(VALUE)
+        else:
+            value = False
+        res = await wb.run_cell(code, on_event or (lambda ev: None), push=sent, pull=names, timeout=timeout,
+                                cell_name=cell_name, first_line=first_line, pull_trusted=pull_trusted,
+                                node_id=node or None)
+        return _run_result(node, res, value, [n for n in names if not (value and n == VALUE)])
+
+    # -- fan-out ---------------------------------------------------------------------------
+
+    def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+                keep: str = "best", timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
+                push: dict[str, bytes] | None = None, cell_name: str | None = None,
+                first_line: int = 1) -> tuple[ForkResult, Callable[[BranchOutput], Coroutine[Any, Any, ForkResult]]]:
+        """Lay out a fork (``kind="fork"``) or episodes; returns the live ForkResult and the
+        coroutine that runs it given an output callback (the magics show views in between)."""
+        wb = self._wb()
+        seeds_ = None if seeds is None else [int(s) for s in seeds]
+        if kind == "fork":
+            result = wb.new_fork(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, keep=keep)
+        else:
+            result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency)
+        self.last_result = result
+        def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
+            if kind == "fork":
+                return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,
+                               push=push, retries=retries, cell_name=cell_name, first_line=first_line)
+            return wb.episodes(result, code, on_event, timeout=timeout, concurrency=concurrency, push=push,
+                               retries=retries, cell_name=cell_name, first_line=first_line)
+
+        return result, coro
+
+    def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0, keep: str = "best",
+             timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
+             push: Mapping[str, Any] | None = None, allow_errors: bool = False,
+             on_output: BranchOutput | None = None) -> ForkResult:
+        """Run ``code`` in ``n`` copy-on-write branches of the active machine, each with its own ``SEED``.
+
+        ``seeds`` (else ``seed_base + 0..n-1``); ``keep``: best, all or none stay alive;
+        ``retries``: branch again a machine that failed to boot or died (never a code error).
+        Raises a CompositeError when any branch failed, unless ``allow_errors``."""
+        result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+        return _checked(_block(coro(on_output or _quiet), result), allow_errors)
+
+    async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+                    keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
+                    retries: int = 1, push: Mapping[str, Any] | None = None, allow_errors: bool = False,
+                    on_output: BranchOutput | None = None) -> ForkResult:
+        """:meth:`fork` from an asyncio loop."""
+        result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+        return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
+
+    def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+                 timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
+                 push: Mapping[str, Any] | None = None, allow_errors: bool = False,
+                 on_output: BranchOutput | None = None) -> ForkResult:
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after."""
+        result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+        return _checked(_block(coro(on_output or _quiet), result), allow_errors)
+
+    async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+                        timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
+                        push: Mapping[str, Any] | None = None, allow_errors: bool = False,
+                        on_output: BranchOutput | None = None) -> ForkResult:
+        """:meth:`episodes` from an asyncio loop."""
+        result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+        return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
+
+    # -- the tree ------------------------------------------------------------------------
+
+    def use(self, node: str) -> str:
+        """Make a live node (e.g. ``root.7``, or ``best``: the last fork's best) the active machine."""
+        if node == "best":
+            best = self.last_result.best if self.last_result is not None else None
+            if best is None:
+                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
+            node = best["branch"]
+        return self._wb().use(node).id
+
+    def delete(self, node: str) -> list[str]:
+        """Delete a node's machine and every live machine below it; returns their ids."""
+        return _block(self._wb().delete(node))
+
+    async def adelete(self, node: str) -> list[str]:
+        """:meth:`delete` from an asyncio loop."""
+        return await _bridge(self._wb().delete(node))
+
+    def checkpoint_save(self, name: str | None = None, *, node: str | None = None, force: bool = False) -> dict[str, Any]:
+        """Save a live node's whole machine (default: the active one); returns name, node, path, size, warnings."""
+        return _block(self._wb().checkpoint_save(name, node, force))
+
+    async def acheckpoint_save(self, name: str | None = None, *, node: str | None = None,
+                               force: bool = False) -> dict[str, Any]:
+        """:meth:`checkpoint_save` from an asyncio loop."""
+        return await _bridge(self._wb().checkpoint_save(name, node, force))
+
+    def checkpoint_restore(self, name_or_path: str) -> str:
+        """A new machine from a saved checkpoint, made active; returns its node id."""
+        return _block(self._wb().checkpoint_restore(name_or_path)).id
+
+    async def acheckpoint_restore(self, name_or_path: str) -> str:
+        """:meth:`checkpoint_restore` from an asyncio loop."""
+        return (await _bridge(self._wb().checkpoint_restore(name_or_path))).id
+
+    def status(self) -> dict[str, Any]:
+        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down)."""
+        wb = self.workbench
+        if wb is None or not wb.machines:
+            return {"up": False}
+        _block(wb.refresh_network())
+        return {"up": True, **wb.status()}
+
+    def ledger(self) -> Any:
+        """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
+        return self._wb().ledger
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> RunResult:
+    pulled = dict(res.pulled)
+    val = pulled.pop(VALUE, None) if value else None
+    err = None
+    if res.status != "ok":
+        e = res.error or {}
+        err = remote_error(e.get("ename", "Error"), e.get("evalue", ""), e.get("traceback", []), node)
+    pull_error = None
+    missing = [n for n in wanted if n not in res.pulled]
+    if res.pull_error and missing:  # the last expression's own refusal is no error: value stays None
+        pull_error = (res.pull_error if not res.pull_error.startswith(f"--pull {VALUE}:")
+                      else f"--pull {missing[0]}: refused by the gate (not plain data)")
+    display = res.result if isinstance(res.result, SafeBundle) else None
+    return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
+                     {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
+                     res.metrics.get("reward_error") or None)
+
+
+def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:
+    if not allow_errors:
+        result.raise_for_errors()
+    return result
+
+
+def _quiet(branch: str, ev: Event) -> None:
+    """Branch output is kept in each row's ``output``; nothing is printed."""
+
+
+# -- blocking and bridging -------------------------------------------------------------------
+
+
+def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None) -> T:
+    """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
+    cancels it and waits for its cleanup (deleting machines) before it goes on."""
+    if _on_our_loop():
+        coro.close()
+        raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
+    job = _loop.Job(coro)
+    if result is not None:
+        result._attach(job.future, job.cancel)
+    try:
+        while not job.wait_finished(0.2):
+            pass
+    except BaseException:
+        job.cancel()
+        job.wait_finished(120)
+        raise
+    return job.result()
+
+
+async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None) -> T:
+    """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
+    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
+    if _on_our_loop():
+        return await coro
+    job = _loop.Job(coro)
+    if result is not None:
+        result._attach(job.future, job.cancel)
+    done = asyncio.wrap_future(job.future)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        if not job.done():
+            job.cancel()
+            while not job.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(done)
+        raise
+
+
+def _on_our_loop() -> bool:
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return running is _loop.get_loop()
+
+
+# -- live sessions: the one for smolbench.session(), and their end at exit or SIGTERM -------
+
+_LIVE: list[weakref.ref[Session]] = []
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+_previous_sigterm: Any = None
+
+
+def _live(s: Session) -> None:
+    _gone(s)
+    _LIVE.append(weakref.ref(s))
+    _install_hooks()
+
+
+def _gone(s: Session) -> None:
+    _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not s]
+
+
+def current() -> Session:
+    """The live Session made last: in a notebook, the one ``%smol up`` made."""
+    for ref in reversed(_LIVE):
+        s = ref()
+        if s is not None and s.is_up:
+            return s
+    raise SmolbenchError("no session is up: run `%smol up` in the notebook, or start one with "
+                         "`with smolbench.Session() as s:` in a script")
+
+
+def shutdown_all(timeout: float = 30) -> None:
+    """Delete every live session's machines (the interpreter's exit, SIGTERM)."""
+    for ref in list(reversed(_LIVE)):
+        s = ref()
+        wb = s.workbench if s is not None else None
+        if wb is not None and wb.machines:
+            with contextlib.suppress(Exception):
+                _loop.run(wb.down(), timeout=timeout)
+    _LIVE.clear()
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+    # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
+    # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
+    # Those hooks run last registered first, so its own is registered (imported) before ours.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        import concurrent.futures.thread  # noqa: F401
+
+        register(shutdown_all)
+    else:  # pragma: no cover - Python < 3.9
+        import atexit
+
+        atexit.register(shutdown_all)
+    _install_sigterm()
+
+
+def _in_kernel() -> bool:
+    """True inside a Jupyter kernel, whose own signal handling we leave alone."""
+    if "ipykernel" not in sys.modules:
+        return False
+    with contextlib.suppress(Exception):
+        from IPython import get_ipython
+
+        return getattr(get_ipython(), "kernel", None) is not None
+    return False
+
+
+def _install_sigterm() -> None:
+    """SIGTERM deletes every machine, then does what it did before (by default: ends the
+    process with SIGTERM's status). Only from the main thread, never in a Jupyter kernel,
+    and never over a handler that ignores SIGTERM."""
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread() or _in_kernel():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours to take
+        return
+    _previous_sigterm = previous
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    shutdown_all()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

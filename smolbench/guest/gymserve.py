@@ -1,0 +1,179 @@
+"""The Gymnasium env server: runs INSIDE a machine and steps one env for the host.
+
+Stdlib only (plus what the env itself imports: gymnasium, and numpy for array
+actions). ``smolbench.gym`` runs this file's source in the warm parent machine, once,
+as ``_smolgym = Server(factory)``; every request after that is a one-line cell
+(``_smolgym_out = _smolgym.step('<json>')``) whose result the host pulls with the
+agent's own ``--pull`` encoding, so it crosses the gate as data: observations and
+arrays as ``.npy``, the rest JSON. The host trusts none of it: it rebuilds the spaces
+from their description and checks every observation against them
+(``smolbench/gym/spaces.py``).
+
+Requests carry JSON text (actions: ints, floats, strings, ``{"$": "array", ...}`` raw
+little-endian bytes with dtype and shape, ``{"$": "dict"|"tuple", "v": ...}``).
+"""
+
+import base64
+import json
+import math
+
+MAX_INFO_DEPTH = 20
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def space_data(space):
+    """A Gymnasium space as data the host can rebuild (raises TypeError for other spaces)."""
+    from gymnasium import spaces as S
+
+    if isinstance(space, S.Box):
+        return {"type": "Box", "low": space.low, "high": space.high, "dtype": str(space.dtype)}
+    if isinstance(space, S.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
+    if isinstance(space, S.MultiDiscrete):
+        return {"type": "MultiDiscrete", "nvec": space.nvec, "start": space.start, "dtype": str(space.dtype)}
+    if isinstance(space, S.MultiBinary):
+        return {"type": "MultiBinary", "n": [int(x) for x in space.shape]}
+    if isinstance(space, S.Dict):
+        return {"type": "Dict", "spaces": [[k, space_data(v)] for k, v in space.spaces.items()]}
+    if isinstance(space, S.Tuple):
+        return {"type": "Tuple", "spaces": [space_data(v) for v in space.spaces]}
+    if isinstance(space, S.Text):
+        return {"type": "Text", "min_length": int(space.min_length), "max_length": int(space.max_length),
+                "charset": "".join(sorted(space.character_set))}
+    raise TypeError("smolbench.gym supports Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple and Text "
+                    "spaces, not %s" % type(space).__name__)
+
+
+def decode_action(tree):
+    """An action from its JSON form (see the module doc)."""
+    if isinstance(tree, dict):
+        tag = tree.get("$")
+        if tag == "array":
+            np = _np()
+            raw = base64.b64decode(tree["data"])
+            return np.frombuffer(raw, dtype=np.dtype(tree["dtype"]).newbyteorder("<")).astype(
+                np.dtype(tree["dtype"])).reshape(tree["shape"])
+        if tag == "dict":
+            return {k: decode_action(v) for k, v in tree["v"]}
+        if tag == "tuple":
+            return tuple(decode_action(v) for v in tree["v"])
+        if tag == "int64":
+            return _np().int64(tree["v"])
+        raise ValueError("an action of unknown form %r" % (tag,))
+    return tree
+
+
+def plain(value, where="info", depth=0):
+    """``value`` as data the agent's pull encoding sends (numbers, text, arrays, lists, dicts
+    with string keys); anything else is a TypeError naming where it was."""
+    if depth > MAX_INFO_DEPTH:
+        raise TypeError("%s is nested more than %d levels deep" % (where, MAX_INFO_DEPTH))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError("%s has a key %r that is not a string" % (where, k))
+            out[k] = plain(v, "%s[%r]" % (where, k), depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [plain(v, "%s[%d]" % (where, i), depth + 1) for i, v in enumerate(value)]
+    np = _np() if type(value).__module__ == "numpy" else None
+    if np is not None and isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError("%s is an array of Python objects, not data" % where)
+        return value
+    if np is not None and isinstance(value, np.generic):
+        return value.item() if not isinstance(value, np.bool_) else bool(value)
+    raise TypeError("%s is a %s: infos must be data (numbers, text, arrays, lists, dicts)" % (where, type(value).__name__))
+
+
+def observation(value, where="the observation"):
+    """An observation as the pull encoding sends it (arrays stay arrays, numpy ints their
+    own dtype so the host can check them against the space)."""
+    if isinstance(value, dict):
+        return {k: observation(v, "%s[%r]" % (where, k)) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(observation(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+    return value
+
+
+def _reward(value):
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypeError("the reward is a %s, not a number" % type(value).__name__) from None
+    return out if math.isfinite(out) else repr(out)  # the host refuses it in one line
+
+
+class Server:
+    """One env in this machine; its methods answer the host's requests with data."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.env = None
+
+    def build(self):
+        """Make the env (in the warm parent, once) and describe its spaces."""
+        env = self.factory()
+        if not hasattr(env, "step") or not hasattr(env, "reset"):
+            raise TypeError("the env factory returned a %s, not a gymnasium.Env" % type(env).__name__)
+        self.env = env
+        spec = getattr(env, "spec", None)
+        return {"observation_space": space_data(env.observation_space), "action_space": space_data(env.action_space),
+                "render_modes": [str(m) for m in (getattr(env, "metadata", None) or {}).get("render_modes", [])][:16],
+                "spec_id": str(spec.id) if spec is not None and getattr(spec, "id", None) else None}
+
+    def rng(self):
+        """The env's random generator state (what a fresh machine continues from)."""
+        base = self.env.unwrapped
+        if getattr(base, "_np_random", None) is None:
+            return None
+        state = base._np_random.bit_generator.state
+        return {"state": json.dumps(state, default=int), "seed": getattr(base, "_np_random_seed", None)}
+
+    def _set_rng(self, rng):
+        np = _np()
+        state = json.loads(rng["state"])
+        kind = getattr(np.random, str(state.get("bit_generator")), None)
+        if kind is None or not isinstance(kind, type) or not issubclass(kind, np.random.BitGenerator):
+            raise ValueError("unknown bit generator %r" % (state.get("bit_generator"),))
+        gen = kind()
+        gen.state = state
+        base = self.env.unwrapped
+        base._np_random = np.random.Generator(gen)
+        seed = rng.get("seed")
+        base._np_random_seed = seed if isinstance(seed, int) else -1
+
+    def reset(self, text):
+        """``env.reset(seed=..., options=...)``; ``rng`` (from a previous episode's machine)
+        continues the env's random stream the way one long-lived env would."""
+        req = json.loads(text)
+        if req.get("seed") is None and req.get("rng"):
+            self._set_rng(req["rng"])
+        kwargs = {"seed": req.get("seed")}
+        if req.get("options") is not None:
+            kwargs["options"] = req["options"]
+        obs, info = self.env.reset(**kwargs)
+        return {"obs": observation(obs), "info": plain(info)}
+
+    def step(self, text):
+        """One ``env.step``; the rng state rides along when the episode ends."""
+        obs, reward, terminated, truncated, info = self.env.step(decode_action(json.loads(text)))
+        out = {"obs": observation(obs), "reward": _reward(reward), "terminated": bool(terminated),
+               "truncated": bool(truncated), "info": plain(info)}
+        if terminated or truncated:
+            out["rng"] = self.rng()
+        return out
+
+    def close(self):
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            close()
+        return True

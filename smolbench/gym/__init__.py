@@ -1,0 +1,76 @@
+"""Gymnasium environments whose every step runs inside a smolbench machine.
+
+``make(env)`` gives a ``gymnasium.Env``, ``make_vec(env, n)`` a ``gymnasium.vector.VectorEnv``
+with one machine per sub-env. ``env`` is a zero-argument callable (sent into the machine
+with cloudpickle, as ``--push`` sends values) or the name of one already defined in the
+session's machine (what a notebook prototyped in ``%%smol`` cells). Everything the
+machine sends back crosses the gate as data and is checked against spaces rebuilt from
+data; nothing it sends is unpickled here. Needs ``pip install 'smolbench[gym]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gymnasium.vector import AutoresetMode
+
+from ..errors import SmolbenchError
+from ._host import host_for
+from .env import MachineEnv
+from .machines import GymError, Machines
+from .vector import MachineVectorEnv
+
+__all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
+
+
+def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
+           retries: int | None) -> Machines:
+    host = host_for(session, smolfile)
+    try:
+        machines = Machines(host, env, num_envs, reset, retries)
+        host.run(machines.start())
+    except BaseException:
+        if "machines" in locals():
+            try:
+                host.run(machines.close())
+            except Exception:
+                pass
+        host.close()
+        raise
+    return machines
+
+
+def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | None = None, reset: str = "fresh",
+         retries: int | None = None, **kwargs: Any) -> MachineEnv:
+    """A ``gymnasium.Env`` that runs ``env`` in a machine.
+
+    ``env``: a zero-argument callable returning a ``gymnasium.Env`` (cloudpickled into the
+    machine), or the name of such a callable defined in the session's machine.
+    ``session``: the ``smolbench.Session`` to use (default: the notebook's, else one of the
+    env's own from ``smolfile``, closed with the env). ``reset="fresh"`` runs every episode
+    in a new branch of the warm parent (nothing an episode does reaches the next one's
+    start); ``"in-place"`` calls the env's own reset in the same machine. ``retries``: how
+    often a machine that dies is rebuilt (default: the session's). Extra keyword arguments
+    are given to a callable ``env``.
+    """
+    if kwargs:
+        if isinstance(env, str):
+            raise SmolbenchError("keyword arguments go to a callable env; an env named in the machine takes none")
+        import functools
+
+        env = functools.partial(env, **kwargs)
+    return MachineEnv(_start(env, 1, session, smolfile, reset, retries))
+
+
+def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None, smolfile: str | None = None,
+             autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP, reset: str = "fresh",
+             retries: int | None = None) -> MachineVectorEnv:
+    """A ``gymnasium.vector.VectorEnv`` of ``num_envs`` copies of ``env``, one machine each.
+
+    A step sends one request to every machine at once. Autoreset follows Gymnasium's
+    ``autoreset_mode`` (``NEXT_STEP`` by default, ``SAME_STEP``, ``DISABLED``). The other
+    arguments are :func:`make`'s.
+    """
+    mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
+    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries), mode)

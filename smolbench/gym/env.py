@@ -1,0 +1,80 @@
+"""``smolbench.gym.make``: one Gymnasium env whose every step runs in a machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium
+
+from ..errors import SmolbenchError
+from . import spaces
+from .machines import GymError, Machines
+
+
+class MachineEnv(gymnasium.Env[Any, Any]):
+    """A ``gymnasium.Env`` backed by a machine (see :func:`smolbench.gym.make`).
+
+    Its spaces are rebuilt from the machine's description; every observation is checked
+    against them. ``reset()`` runs in a fresh branch of the warm parent (``reset="fresh"``)
+    or in the same machine (``"in-place"``). ``close()`` deletes its machines.
+    """
+
+    def __init__(self, machines: Machines) -> None:
+        self._m = machines
+        self.observation_space = machines.observation_space
+        self.action_space = machines.action_space
+        self.metadata = {"render_modes": [], "smolbench_reset": machines.mode}
+        self.render_mode = None
+
+    @property
+    def machine(self) -> str | None:
+        """The machine the current episode runs in."""
+        ref = self._m.eps[0].ref
+        return ref.name if ref is not None else None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Start an episode (in a new branch of the warm parent, with ``reset="fresh"``)."""
+        super().reset(seed=seed)  # the host's own np_random (samplers); the machine's env is seeded there
+        self._open()
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise GymError(f"seed should be a whole number or None, got {seed!r}")
+        return self._m.host.run(self._m.reset(0, seed, _options(options)))
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """One step in the machine; the action is checked against the action space first."""
+        self._open()
+        if not self.action_space.contains(action):
+            raise GymError(f"the env (machine {self.machine}): action {str(action)[:80]} is not in the action space "
+                           f"{self.action_space}: nothing was sent")
+        st = self._m.host.run(self._m.step(0, action))
+        return st.obs, st.reward, st.terminated, st.truncated, st.info
+
+    def close(self) -> None:
+        """Delete this env's machines (and its session, if it made its own)."""
+        if not self._m.closed:
+            try:
+                self._m.host.run(self._m.close())
+            finally:
+                self._m.host.close()
+
+    def _open(self) -> None:
+        if self._m.closed:
+            raise GymError("the env is closed: make a new one with smolbench.gym.make(...)")
+
+
+def _options(options: Any) -> dict[str, Any] | None:
+    """Reset options travel as JSON: plain data only."""
+    if options is None:
+        return None
+    import json
+
+    try:
+        json.dumps(options, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SmolbenchError(f"reset options must be plain JSON data (they go to the machine as JSON): {exc}") from None
+    if not isinstance(options, dict):
+        raise SmolbenchError(f"reset options should be a dict, got {type(options).__name__}")
+    return options
+
+
+__all__ = ["GymError", "MachineEnv", "spaces"]

@@ -1,0 +1,468 @@
+"""A gym env's machines: its warm parent, one machine per sub-env, and every episode's record.
+
+``make`` and ``make_vec`` share this. The warm parent is a branch of the session's
+active machine in which ``smolbench/guest/gymserve.py`` built the env once; each
+sub-env's machine is a branch of that parent. With ``reset="fresh"`` every episode gets
+a new branch (made ahead of time, so a reset costs about what an in-place one does) and
+the finished episode's machine is deleted; the one thing that carries over is the env's
+random generator state, as data, so that ``reset()`` without a seed continues the
+stream as one long-lived env would (Gymnasium's seeding). Every request is a one-line
+cell whose result comes back through the gate as data (``--pull``), then is checked
+against the rebuilt spaces. Every episode is a node of the fork tree and a ledger row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import pickle
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import retries as retry
+from .._aio import _to_the_end
+from ..backends.base import CellRequest, CellResult, MachineRef
+from ..errors import InfraError, SmolbenchError
+from ..ledger import code_hash
+from ..tree import Node
+from . import spaces
+from ._host import Host
+
+GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
+OUT = "_smolgym_out"
+RESETS = ("fresh", "in-place")
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_INFO = 256 * 1024  # bytes of JSON an info may take
+SETUP = """\
+import types as _smolgym_types
+_smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
+exec(compile(_smolgym_src, "<smolbench gymserve>", "exec"), _smolgym_mod.__dict__)
+_smolgym = _smolgym_mod.Server({factory})
+del _smolgym_types, _smolgym_mod, _smolgym_src
+_smolgym_out = _smolgym.build()
+"""
+
+
+class GymError(SmolbenchError):
+    """A sub-env's request failed (a bad action, a crashed step, a refused reply): one line."""
+
+
+class Unanswered(GymError):
+    """The machine gave no usable answer (refused by the gate, or gone)."""
+
+
+@dataclass
+class Episode:
+    """One sub-env's current machine and episode."""
+
+    index: int
+    ref: MachineRef | None = None
+    node: Node | None = None
+    ret: float = 0.0
+    length: int = 0
+    rng: dict[str, Any] | None = None  # the env's random state to continue from (fresh resets)
+    obs: Any = None
+    running: bool = False  # reset and not yet terminated or truncated
+    cells: int = 0
+
+
+@dataclass
+class Step:
+    """One sub-env's step, checked."""
+
+    obs: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _where(i: int, n: int, ep: Episode) -> str:
+    name = ep.ref.name if ep.ref is not None else "?"
+    return f"sub-env {i} (machine {name})" if n > 1 else f"the env (machine {name})"
+
+
+class Machines:
+    """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
+
+    def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None) -> None:
+        if reset not in RESETS:
+            raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
+            raise SmolbenchError(f"num_envs should be a whole number from 1 to 256, got {num_envs!r}")
+        if isinstance(env, str):
+            if not NAME_RE.fullmatch(env):
+                raise SmolbenchError(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
+                                     "defined in the session's machine, or the callable itself")
+        elif not callable(env):
+            raise SmolbenchError(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
+        self.host = host
+        self.wb = host.wb
+        self.env = env
+        self.n = num_envs
+        self.mode = reset
+        self.retries = self.wb.retries if retries is None else retries
+        self.parent: MachineRef | None = None
+        self.observation_space: Any = None
+        self.action_space: Any = None
+        self.described: dict[str, Any] = {}
+        self.eps = [Episode(i) for i in range(num_envs)]
+        self.spares: list[MachineRef] = []
+        self._branching = asyncio.Lock()
+        self._refill: asyncio.Future[None] | None = None
+        self._deleting: set[asyncio.Future[Any]] = set()
+        self._count = 0
+        self.run_id = ""
+        self.closed = False
+        self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
+
+    # -- requests -------------------------------------------------------------------
+
+    async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
+                    seed: int | None = None) -> Any:
+        """One request to ``ep``'s machine; its pulled result (data, checked by the gate)."""
+        assert ep.ref is not None
+        ep.cells += 1
+        req = CellRequest(code, push=push or {}, pull=[OUT], cell_name=f"<gym-{ep.cells}>", seed=seed)
+        where = _where(ep.index, self.n, ep)
+        try:
+            res = await self.wb.backend.exec_cell(ep.ref, req, _ignore)
+        except InfraError:
+            raise
+        except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
+            raise Unanswered(f"{where}: {exc}") from None
+        return self._out(res, where)
+
+    @staticmethod
+    def _out(res: CellResult, where: str) -> Any:
+        if res.status != "ok":
+            err = res.error or {}
+            raise GymError(f"{where}: {err.get('ename', 'Error')}: {str(err.get('evalue', ''))[:500]}")
+        if res.pull_error:
+            raise GymError(f"{where}: {res.pull_error}")
+        if OUT not in res.pulled:
+            raise GymError(f"{where} sent no result")
+        return res.pulled[OUT]
+
+    # -- the warm parent ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Branch the session's active machine into the warm parent, build the env there,
+        rebuild its spaces here, and make the sub-envs' machines."""
+        wb = self.wb
+        active = wb.require_up()
+        (name,) = wb.tree.next_child_ids(active.name, 1)
+        self._runs = f"{wb.session}/gym-{name}"
+        self.run_id = self._runs
+        what = self.env if isinstance(self.env, str) else getattr(self.env, "__qualname__", type(self.env).__name__)
+        wb.ledger.start_run(self.run_id, wb.session, kind="gym", parent_id=active.name, code=f"smolbench.gym: {what}",
+                            code_hash=code_hash(str(what)), n=self.n, options={"reset": self.mode, "num_envs": self.n})
+        wb._claim(active.name)
+        try:
+            (ref,) = await retry.branch(wb, active, [name], [None], self.retries)
+        finally:
+            wb._release(active.name)
+        wb.machines[name] = ref
+        node = wb.tree.add(Node(name, active.name, None, status="idle", started=time.time(), run_id=self.run_id,
+                                forked_at=wb.tree[active.name].cells, kept=True))
+        wb._record(node, code=f"smolbench.gym parent: {what}")
+        self.parent = ref
+        push = {"_smolgym_src": pickle.dumps(GUEST.read_text())}
+        if callable(self.env):
+            import cloudpickle
+
+            push["_smolgym_factory"] = cloudpickle.dumps(self.env)
+            factory = "_smolgym_factory"
+        else:
+            factory = self.env
+        setup = Episode(-1, ref=ref)
+        try:
+            described = await self._call(setup, SETUP.format(factory=factory), push=push)
+        except GymError as exc:
+            raise GymError(f"the env could not be built in machine {name}: {str(exc).split(': ', 1)[-1]}") from None
+        node.cells += setup.cells
+        self._describe(described, name)
+        wb._record(node)
+        if self.mode == "in-place":
+            refs = await self._branch(self.n)
+            for ep, r in zip(self.eps, refs):
+                ep.ref = r
+        else:
+            self._top_up()
+
+    def _describe(self, described: Any, where: str) -> None:
+        if not isinstance(described, dict):
+            raise GymError(f"machine {where} described its env as a {type(described).__name__}")
+        try:
+            self.observation_space = spaces.space_from_data(described.get("observation_space"))
+            self.action_space = spaces.space_from_data(described.get("action_space"))
+        except spaces.Refused as exc:
+            raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
+        modes = described.get("render_modes")
+        self.described = {"render_modes": [m for m in modes if isinstance(m, str)][:16] if isinstance(modes, list) else [],
+                          "spec_id": described.get("spec_id") if isinstance(described.get("spec_id"), str) else None}
+
+    # -- machines for episodes --------------------------------------------------------
+
+    async def _branch(self, k: int) -> list[MachineRef]:
+        """``k`` new branches of the warm parent (one fork request), in the tree and the ledger."""
+        assert self.parent is not None
+        wb = self.wb
+        async with self._branching:
+            names = [f"{self.parent.name}.{self._count + i}" for i in range(k)]
+            self._count += k
+            refs = await retry.branch(wb, self.parent, names, [None] * k, self.retries)
+        for r in refs:
+            wb.machines[r.name] = r
+        return refs
+
+    def _top_up(self) -> None:
+        """Keep one spare branch per sub-env ready (fresh resets take one)."""
+        if self.closed or (self._refill is not None and not self._refill.done()):
+            return
+        want = self.n - len(self.spares)
+        if want > 0:
+            self._refill = asyncio.ensure_future(self._make_spares(want))
+
+    async def _make_spares(self, k: int) -> None:
+        refs = await self._branch(k)
+        if self.closed:
+            for r in refs:
+                await self._delete(r)
+            return
+        self.spares.extend(refs)
+
+    async def _spare(self) -> MachineRef:
+        while not self.spares:
+            if self._refill is None or self._refill.done():
+                if self._refill is not None and self._refill.exception() is not None:
+                    exc, self._refill = self._refill.exception(), None
+                    raise GymError(f"no machine for the next episode: {exc}")
+                self._top_up()
+            assert self._refill is not None
+            await asyncio.shield(self._refill)
+        ref = self.spares.pop(0)
+        self._top_up()
+        return ref
+
+    async def _delete(self, ref: MachineRef) -> None:
+        self.wb.machines.pop(ref.name, None)
+        with contextlib.suppress(Exception):
+            await self.wb.backend.delete(ref)
+
+    def _delete_later(self, ref: MachineRef) -> None:
+        self.wb.machines.pop(ref.name, None)
+        task = asyncio.ensure_future(self._delete(ref))
+        self._deleting.add(task)
+        task.add_done_callback(self._deleting.discard)
+
+    # -- episodes -----------------------------------------------------------------------
+
+    def _begin(self, ep: Episode, seed: int | None) -> None:
+        assert ep.ref is not None and self.parent is not None
+        wb = self.wb
+        node = Node(ep.ref.name, self.parent.name, seed, status="running", started=time.time(), run_id=self.run_id,
+                    forked_at=wb.tree[self.parent.name].cells)
+        node.metrics = {"sub_env": ep.index, "reset": self.mode}
+        if node.id in wb.tree:  # in place: the same machine's next episode gets its own node
+            node.id = f"{ep.ref.name}#{ep.cells}"
+        wb.tree.add(node)
+        ep.node, ep.ret, ep.length, ep.running = node, 0.0, 0, True
+        wb._record(node)
+
+    def _end(self, ep: Episode, how: str, error: str | None = None) -> None:
+        """Record the episode: its return, length and how it ended."""
+        node, ep.node = ep.node, None
+        ep.running = False
+        if node is None:
+            return
+        node.status = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}.get(how, how)
+        node.reward = ep.ret
+        node.metrics = {**node.metrics, "length": ep.length, "ended": how}
+        node.ended = time.time()
+        node.error = error
+        node.alive = self.mode == "in-place" and ep.ref is not None and ep.ref.name in self.wb.machines
+        self.wb._record(node)
+
+    async def reset(self, i: int, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine."""
+        ep = self.eps[i]
+        if ep.running:
+            if self.mode == "fresh" and seed is None and ep.ref is not None:
+                with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
+                    ep.rng = _rng(await self._call(ep, "_smolgym_out = _smolgym.rng()"))
+            self._end(ep, "reset")
+        if seed is not None:
+            ep.rng = None
+        req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+
+        async def once(attempt: int) -> Any:
+            if self.mode == "fresh" or ep.ref is None:
+                old, ep.ref = ep.ref, await self._spare()
+                if old is not None:
+                    self._delete_later(old)
+            self._begin(ep, seed)
+            global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
+            return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
+
+        async def rebuild(attempt: int) -> None:
+            await self._lost(ep, attempt)
+
+        out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
+        where = _where(i, self.n, ep)
+        if not isinstance(out, dict) or set(out) - {"obs", "info"}:
+            raise GymError(f"{where} answered a reset with something other than an observation and an info")
+        obs = self._obs(out.get("obs"), where)
+        ep.obs = obs
+        return obs, _info(out.get("info"), where)
+
+    async def step(self, i: int, action: Any) -> Step:
+        """One step of sub-env ``i`` (its action already checked against the space)."""
+        ep = self.eps[i]
+        where = _where(i, self.n, ep)
+        if not ep.running or ep.ref is None:
+            raise GymError(f"{where}: step() before reset() (or after the episode ended): call reset() first")
+        data = json.dumps(spaces.action_data(self.action_space, action))
+        try:
+            out = await self._call(ep, f"_smolgym_out = _smolgym.step({data!r})")
+        except (InfraError, Unanswered) as exc:
+            if self.retries < 1 or await self._alive(ep):
+                self._end(ep, "error", str(exc))
+                raise GymError(str(exc)) from None
+            # the machine died under the step: its episode is cut short (truncated), a new machine takes over
+            await self._lost(ep, 1, str(exc))
+            return Step(ep.obs, 0.0, False, True, {"smolbench_lost": f"{where} died mid-step; a new machine "
+                                                                     "from the warm parent takes over at the next reset"})
+        except GymError as exc:
+            self._end(ep, "error", str(exc))
+            raise
+        try:
+            st = self._step(out, where)
+        except GymError as exc:
+            self._end(ep, "error", str(exc))
+            raise
+        ep.obs = st.obs
+        ep.ret += st.reward
+        ep.length += 1
+        if st.terminated or st.truncated:
+            ep.rng = _rng(out.get("rng"))
+            self._end(ep, "terminated" if st.terminated else "truncated")
+        return st
+
+    def _step(self, out: Any, where: str) -> Step:
+        if not isinstance(out, dict) or not {"obs", "reward", "terminated", "truncated", "info"} <= set(out) \
+                or set(out) - {"obs", "reward", "terminated", "truncated", "info", "rng"}:
+            raise GymError(f"{where} answered a step with something other than (obs, reward, terminated, truncated, info)")
+        reward = out["reward"]
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or abs(reward) > 1e300:
+            raise GymError(f"{where} sent a reward of {str(reward)[:40]}: rewards must be finite numbers")
+        for key in ("terminated", "truncated"):
+            if not isinstance(out[key], bool):
+                raise GymError(f"{where} sent {key} = {str(out[key])[:40]}, not True or False")
+        return Step(self._obs(out["obs"], where), float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
+
+    def _obs(self, value: Any, where: str) -> Any:
+        try:
+            return spaces.check(self.observation_space, value)
+        except spaces.Refused as exc:
+            raise GymError(f"{where} sent an observation that does not fit: {exc}") from None
+
+    def _next_seed(self) -> int:
+        self.seeds = (self.seeds + 1) % 2**31
+        return self.seeds
+
+    def _node_id(self, ep: Episode) -> str:
+        return ep.node.id if ep.node is not None else (ep.ref.name if ep.ref is not None else f"gym-sub-env-{ep.index}")
+
+    async def _alive(self, ep: Episode) -> bool:
+        if ep.ref is None or ep.ref.name not in self.wb.machines:
+            return False
+        ping = getattr(self.wb.backend, "info", None)
+        if ping is None:  # a backend that can't be asked: not taken for dead
+            return True
+        try:
+            await asyncio.wait_for(ping(ep.ref), 10)
+        except Exception:
+            return False
+        return True
+
+    async def _lost(self, ep: Episode, attempt: int, why: str = "") -> None:
+        """``ep``'s machine died: record it, and give the sub-env a new branch of the warm parent."""
+        old = ep.ref
+        if ep.node is not None:
+            self._end(ep, "lost", why or "the machine died")
+        if old is not None:
+            await self._delete(old)
+            ep.ref = None
+        if self.mode == "in-place":
+            (ep.ref,) = await self._branch(1)
+        if why:
+            self.wb.ledger.add_attempt(self.wb.session, old.name if old else "?", attempt, "gym step", "rebuilt", why)
+
+    async def close(self) -> None:
+        """End every episode and delete every machine of this env (the warm parent too)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._refill is not None:
+            with contextlib.suppress(BaseException):
+                await self._refill
+        for ep in self.eps:
+            if ep.running:
+                self._end(ep, "closed")
+            if ep.ref is not None:
+                await _to_the_end(self._delete(ep.ref))
+                ep.ref = None
+        for r in self.spares:
+            await _to_the_end(self._delete(r))
+        self.spares.clear()
+        if self._deleting:
+            await asyncio.gather(*self._deleting, return_exceptions=True)
+        if self.parent is not None:
+            with contextlib.suppress(Exception):
+                await self.wb.delete(self.parent.name)
+            self.parent = None
+        if self.run_id:
+            self.wb.ledger.end_run(self.run_id, "done")
+
+
+def _ignore(event: Any) -> None:
+    """Output of a gym request is not shown (the env's own prints stay in its machine's record)."""
+
+
+def _rng(value: Any) -> dict[str, Any] | None:
+    """A random generator state a machine sent, kept only if it is plain (it goes back to a machine)."""
+    if not isinstance(value, dict) or not isinstance(value.get("state"), str) or len(value["state"]) > 4096:
+        return None
+    seed = value.get("seed")
+    return {"state": value["state"], "seed": seed if isinstance(seed, int) and not isinstance(seed, bool) else None}
+
+
+def _info(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise GymError(f"{where} sent an info that is not a dict with string keys")
+    size = _size(value)
+    if size > MAX_INFO:
+        raise GymError(f"{where} sent an info of about {size:,} bytes: at most {MAX_INFO:,}")
+    return value
+
+
+def _size(value: Any, depth: int = 0) -> int:
+    import numpy as np
+
+    if depth > 20:
+        return MAX_INFO + 1
+    if isinstance(value, dict):
+        return sum(len(k) + _size(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v, depth + 1) for v in value) + 1
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    return len(str(value)) if isinstance(value, (str, bytes)) else 8

@@ -1,0 +1,164 @@
+"""Gymnasium spaces rebuilt from a machine's description, and what crosses them checked.
+
+A machine describes its env's spaces as data (``smolbench/guest/gymserve.py``); the gate
+has already rebuilt that data from JSON and ``.npy`` without running code
+(``smolbench/gate/pull.py``). Here it becomes real ``gymnasium.spaces`` objects, within
+bounds (shapes, sizes, dtypes, nesting), and every observation a machine sends is checked
+against them: its structure, shape and dtype exactly, its values within the space, its
+size bounded. Anything else is a :class:`Refused` naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces as S
+
+MAX_ITEMS = 1 << 24  # items in one Box/MultiDiscrete/MultiBinary (16 Mi: 64 MiB of float32)
+MAX_DIMS = 8
+MAX_SUBSPACES = 256
+MAX_DEPTH = 8
+MAX_TEXT = 1 << 20
+TEST_WEAKEN: set[str] = set()  # "obs-check": tests show their attacks get through without the check
+DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+          "uint64", "bool"}
+
+
+class Refused(ValueError):
+    """What a machine sent does not fit its env's spaces (or no space can be built from it)."""
+
+
+def _mapping(tree: Any, what: str) -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        raise Refused(f"{what} is a {type(tree).__name__}, not a description")
+    return tree
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise Refused(f"{what} should be a whole number from {lo} to {hi}, got {str(value)[:60]!r}")
+    return int(value)
+
+
+def _dtype(name: Any, what: str) -> np.dtype[Any]:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise Refused(f"{what} has dtype {str(name)[:40]!r}: only plain numeric dtypes are accepted")
+    return np.dtype(name)
+
+
+def _array(value: Any, what: str, kind: str = "") -> np.ndarray[Any, Any]:
+    if not isinstance(value, np.ndarray) or value.dtype.hasobject or value.dtype.names is not None:
+        raise Refused(f"{what} is not a plain numeric array")
+    if kind and value.dtype.kind not in kind:
+        raise Refused(f"{what} has dtype {value.dtype}")
+    if value.ndim > MAX_DIMS or value.size > MAX_ITEMS:
+        raise Refused(f"{what} has shape {value.shape}: at most {MAX_DIMS} dimensions and {MAX_ITEMS:,} items")
+    return value
+
+
+def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
+    """A Gymnasium space from its description (Box, Discrete, MultiDiscrete, MultiBinary,
+    Dict, Tuple, Text), within the bounds above."""
+    if depth > MAX_DEPTH:
+        raise Refused(f"a space nested more than {MAX_DEPTH} levels deep")
+    tree = _mapping(tree, "a space")
+    kind = tree.get("type")
+    try:
+        if kind == "Box":
+            dtype = _dtype(tree.get("dtype"), "a Box")
+            low = _array(tree.get("low"), "a Box's low", "fiub")
+            high = _array(tree.get("high"), "a Box's high", "fiub")
+            if low.shape != high.shape:
+                raise Refused(f"a Box whose low {low.shape} and high {high.shape} differ in shape")
+            if dtype.kind == "f" and (np.isnan(low).any() or np.isnan(high).any()):
+                raise Refused("a Box with NaN bounds")
+            return S.Box(low=low.astype(dtype, copy=False) if dtype.kind != "b" else low,
+                         high=high.astype(dtype, copy=False) if dtype.kind != "b" else high,
+                         shape=low.shape, dtype=dtype)
+        if kind == "Discrete":
+            return S.Discrete(_int(tree.get("n"), "a Discrete's n", 1), start=_int(tree.get("start"), "a Discrete's start", -2**62))
+        if kind == "MultiDiscrete":
+            nvec = _array(tree.get("nvec"), "a MultiDiscrete's nvec", "iu")
+            start = _array(tree.get("start"), "a MultiDiscrete's start", "iu")
+            if nvec.shape != start.shape or (nvec < 1).any():
+                raise Refused("a MultiDiscrete whose nvec is not positive or whose start differs in shape")
+            return S.MultiDiscrete(nvec, dtype=_dtype(tree.get("dtype"), "a MultiDiscrete"), start=start)
+        if kind == "MultiBinary":
+            shape = tree.get("n")
+            if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_DIMS:
+                raise Refused("a MultiBinary whose n is not a list of dimensions")
+            dims = [_int(d, "a MultiBinary dimension", 1, MAX_ITEMS) for d in shape]
+            if math.prod(dims) > MAX_ITEMS:
+                raise Refused(f"a MultiBinary of {math.prod(dims):,} items: at most {MAX_ITEMS:,}")
+            return S.MultiBinary(dims if len(dims) > 1 else dims[0])
+        if kind in ("Dict", "Tuple"):
+            subs = tree.get("spaces")
+            if not isinstance(subs, list) or len(subs) > MAX_SUBSPACES:
+                raise Refused(f"a {kind} with more than {MAX_SUBSPACES} subspaces, or none listed")
+            if kind == "Tuple":
+                return S.Tuple([space_from_data(s, depth + 1) for s in subs])
+            pairs = []
+            for pair in subs:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and len(pair[0]) <= 200):
+                    raise Refused("a Dict whose subspaces are not [name, space] pairs")
+                pairs.append((pair[0], space_from_data(pair[1], depth + 1)))
+            return S.Dict(dict(pairs))
+        if kind == "Text":
+            charset = tree.get("charset")
+            if not isinstance(charset, str) or not 0 < len(charset) <= 1 << 16:
+                raise Refused("a Text space without a character set (at most 65,536 characters)")
+            top = _int(tree.get("max_length"), "a Text's max_length", 0, MAX_TEXT)
+            return S.Text(top, min_length=_int(tree.get("min_length"), "a Text's min_length", 0, top), charset=charset)
+    except Refused:
+        raise
+    except Exception as exc:  # gymnasium refusing the values: still one line
+        raise Refused(f"a {str(kind)[:20]} space that can't be built ({type(exc).__name__}: {str(exc)[:200]})") from None
+    raise Refused(f"a space of unknown type {str(kind)[:40]!r}")
+
+
+def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any:
+    """``value`` as a member of ``space`` (structure, shape, dtype and range), else :class:`Refused`."""
+    if "obs-check" in TEST_WEAKEN:
+        return value
+    if isinstance(space, S.Dict):
+        if not isinstance(value, dict) or set(value) != set(space.spaces):
+            raise Refused(f"{what} should be a dict with keys {sorted(space.spaces)}")
+        return {k: check(sub, value[k], f"{what}[{k!r}]") for k, sub in space.spaces.items()}
+    if isinstance(space, S.Tuple):
+        if not isinstance(value, tuple) or len(value) != len(space.spaces):
+            raise Refused(f"{what} should be a tuple of {len(space.spaces)}")
+        return tuple(check(sub, v, f"{what}[{i}]") for i, (sub, v) in enumerate(zip(space.spaces, value)))
+    if isinstance(space, S.Text):
+        if not isinstance(value, str):
+            raise Refused(f"{what} should be text, got {type(value).__name__}")
+    elif isinstance(space, S.Discrete):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise Refused(f"{what} should be a whole number, got {type(value).__name__}")
+        value = np.int64(value)
+    else:  # Box, MultiDiscrete, MultiBinary: an array of exactly the space's shape and dtype
+        if not isinstance(value, np.ndarray):
+            raise Refused(f"{what} should be an array of shape {space.shape}, got {type(value).__name__}")
+        if value.shape != space.shape or value.dtype != space.dtype:
+            raise Refused(f"{what} has shape {value.shape} and dtype {value.dtype}; its space wants "
+                          f"{space.shape} and {space.dtype}")
+    if not space.contains(value):
+        raise Refused(f"{what} is outside its space {space}")
+    return value
+
+
+def action_data(space: S.Space[Any], action: Any) -> Any:
+    """An action (already checked against ``space``) in the JSON form the machine decodes."""
+    if isinstance(space, S.Dict):
+        return {"$": "dict", "v": [[k, action_data(sub, action[k])] for k, sub in space.spaces.items()]}
+    if isinstance(space, S.Tuple):
+        return {"$": "tuple", "v": [action_data(sub, a) for sub, a in zip(space.spaces, action)]}
+    if isinstance(space, S.Text):
+        return str(action)
+    if isinstance(space, S.Discrete):
+        return {"$": "int64", "v": int(action)}
+    arr = np.asarray(action, dtype=space.dtype)
+    return {"$": "array", "dtype": str(arr.dtype), "shape": list(arr.shape),
+            "data": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()).decode("ascii")}

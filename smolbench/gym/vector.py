@@ -1,0 +1,147 @@
+"""``smolbench.gym.make_vec``: a Gymnasium ``VectorEnv`` with one machine per sub-env.
+
+A step is one request per machine, all sent at once on smolbench's loop; the results
+are checked, then batched like ``gymnasium.vector.SyncVectorEnv`` batches them, with
+the same autoreset semantics (``NEXT_STEP``, ``SAME_STEP`` or ``DISABLED``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from copy import deepcopy
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+
+from .env import _options
+from .machines import GymError, Machines, Step
+
+
+class MachineVectorEnv(VectorEnv[Any, Any, Any]):
+    """``num_envs`` machine-backed sub-envs stepped together (see :func:`smolbench.gym.make_vec`)."""
+
+    def __init__(self, machines: Machines, autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP) -> None:
+        self._m = machines
+        self.num_envs = machines.n
+        self.autoreset_mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
+        self.metadata = {"autoreset_mode": self.autoreset_mode, "render_modes": [], "smolbench_reset": machines.mode}
+        self.render_mode = None
+        self.single_observation_space = machines.observation_space
+        self.single_action_space = machines.action_space
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._obs: Any = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+        self._env_obs: list[Any] = [None] * self.num_envs
+        self._rewards = np.zeros((self.num_envs,), dtype=np.float64)
+        self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._autoreset = np.zeros((self.num_envs,), dtype=np.bool_)
+
+    @property
+    def machines(self) -> list[str | None]:
+        """The machine each sub-env's current episode runs in."""
+        return [ep.ref.name if ep.ref is not None else None for ep in self._m.eps]
+
+    def reset(self, *, seed: int | list[int | None] | None = None,
+              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Reset every sub-env (or those in ``options["reset_mask"]``), all at once."""
+        self._open()
+        if seed is None:
+            seeds: list[int | None] = [None] * self.num_envs
+        elif isinstance(seed, int) and not isinstance(seed, bool):
+            seeds = [seed + i for i in range(self.num_envs)]
+        elif isinstance(seed, list):
+            seeds = list(seed)
+        else:
+            raise GymError(f"seed should be None, a whole number or a list of {self.num_envs} whole numbers or None")
+        if len(seeds) != self.num_envs or any(s is not None and (isinstance(s, bool) or not isinstance(s, int)) for s in seeds):
+            raise GymError(f"seed should be None, a whole number or a list of {self.num_envs} whole numbers or None")
+        options = dict(options) if options is not None else None
+        mask = np.ones(self.num_envs, dtype=np.bool_)
+        if options is not None and "reset_mask" in options:
+            mask = options.pop("reset_mask")
+            if not isinstance(mask, np.ndarray) or mask.shape != (self.num_envs,) or mask.dtype != np.bool_ or not mask.any():
+                raise GymError(f"options['reset_mask'] should be a bool array of shape ({self.num_envs},) with a True")
+        opts = _options(options)
+        which = [i for i in range(self.num_envs) if mask[i]]
+        outs = self._run([self._m.reset(i, seeds[i], opts) for i in which], which)
+        infos: dict[str, Any] = {}
+        for i, (obs, info) in zip(which, outs):
+            self._env_obs[i] = obs
+            self._terminations[i] = self._truncations[i] = self._autoreset[i] = False
+            infos = self._add_info(infos, info, i)
+        self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
+        return deepcopy(self._obs), infos
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """One step of every sub-env, one request per machine, all at once."""
+        self._open()
+        acts = list(iterate(self.action_space, actions))
+        for i, a in enumerate(acts):
+            if not self.single_action_space.contains(a):
+                raise GymError(f"sub-env {i}: action {str(a)[:80]} is not in the action space {self.single_action_space}: "
+                               "nothing was sent to any sub-env")
+        mode = self.autoreset_mode
+        if mode == AutoresetMode.DISABLED and self._autoreset.any():
+            raise GymError(f"sub-env {int(np.flatnonzero(self._autoreset)[0])} ended and autoreset is disabled: "
+                           "reset it (options={'reset_mask': ...}) before stepping")
+        resetting = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP and self._autoreset[i]]
+        stepping = [i for i in range(self.num_envs) if i not in resetting]
+        jobs = [self._m.reset(i, None, None) for i in resetting] + [self._m.step(i, acts[i]) for i in stepping]
+        outs = dict(zip(resetting + stepping, self._run(jobs, resetting + stepping)))
+        infos: dict[str, Any] = {}
+        finals: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for i in range(self.num_envs):
+            out = outs[i]
+            if isinstance(out, Step):
+                self._env_obs[i], self._rewards[i] = out.obs, out.reward
+                self._terminations[i], self._truncations[i] = out.terminated, out.truncated
+                info = out.info
+                if mode == AutoresetMode.SAME_STEP and (out.terminated or out.truncated):
+                    finals[i] = (out.obs, info)
+            else:
+                self._env_obs[i], info = out
+                self._rewards[i] = 0.0
+                self._terminations[i] = self._truncations[i] = False
+            if i not in finals:
+                infos = self._add_info(infos, info, i)
+        if finals:  # SAME_STEP: the ended sub-envs are reset now, their final obs and info kept
+            again = self._run([self._m.reset(i, None, None) for i in finals], list(finals))
+            for i, (obs, info) in zip(list(finals), again):
+                infos = self._add_info(infos, {"final_obs": finals[i][0], "final_info": finals[i][1]}, i)
+                self._env_obs[i] = obs
+                infos = self._add_info(infos, info, i)
+        self._autoreset = np.logical_or(self._terminations, self._truncations)
+        self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
+        return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations), infos)
+
+    def _run(self, jobs: list[Any], which: list[int]) -> list[Any]:
+        """Run the sub-envs' requests together; the first failure is raised (after all ended)."""
+
+        async def together() -> list[Any]:
+            return await asyncio.gather(*jobs, return_exceptions=True)
+
+        outs = self._m.host.run(together())
+        errors = [o for o in outs if isinstance(o, BaseException)]
+        if errors:
+            for i in which:  # a failed sub-env starts over at the next reset
+                self._autoreset[i] = self._autoreset[i] or not self._m.eps[i].running
+            first = errors[0]
+            if isinstance(first, GymError):
+                raise GymError(str(first)) from None
+            raise first
+        return outs
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Delete every sub-env's machine and the warm parent."""
+        if not self._m.closed:
+            try:
+                self._m.host.run(self._m.close())
+            finally:
+                self._m.host.close()
+
+    def _open(self) -> None:
+        if self._m.closed:
+            raise GymError("the vector env is closed: make a new one with smolbench.gym.make_vec(...)")

@@ -1,0 +1,159 @@
+"""Attacks from inside a machine on smolbench.gym: everything crosses the gate as data.
+
+Each env below is hostile code in the machine: it rewrites the agent's pull encoding to
+send a pickle (one that would touch a file here if it were ever unpickled) or an object
+array, sends an observation far bigger than its space, of the wrong dtype or structure,
+a NaN reward, or describes impossible spaces. Each is refused in one line naming the
+env, nothing is unpickled, and the env goes on after a reset (the next episode is a new
+branch of the warm parent, which the attack never touched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+HOSTILE = '''
+import os, sys, pickle, base64, gymnasium, numpy as np
+from gymnasium import spaces
+
+class Boom:
+    def __init__(self, path):
+        self.path = path
+    def __reduce__(self):  # what unpickling it would do: touch a file on the host
+        return (os.system, ("touch " + self.path,))
+
+class Hostile(gymnasium.Env):
+    observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, how):
+        self.how = how
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        obs, reward, info = np.zeros(4, np.float32), 1.0, {}
+        cells = sys.modules["_smolbench_guest.cells"]
+        data = sys.modules["_smolbench_guest.pulldata"]
+        if self.how == "pickle":
+            blob = base64.b64encode(pickle.dumps(Boom(MARKER))).decode()
+            cells._pull = lambda value, trusted: {"format": "pickle", "data": blob}
+        elif self.how == "object-npy":
+            def npy(arr):
+                import io
+                buf = io.BytesIO()
+                np.save(buf, np.array([Boom(MARKER)], dtype=object), allow_pickle=True)
+                return base64.b64encode(buf.getvalue()).decode()
+            data._npy = npy
+        elif self.how == "huge":
+            obs = np.zeros(2_000_000, np.float32)
+        elif self.how == "float64":
+            obs = np.zeros(4, np.float64)
+        elif self.how == "dict":
+            obs = {"x": np.zeros(4, np.float32)}
+        elif self.how == "outside":
+            obs = np.full(4, 5.0, np.float32)
+        elif self.how == "nan":
+            reward = float("nan")
+        elif self.how == "bool-reward":  # past the server's own float(): what the host gets is True
+            sys._getframe(1).f_globals["_reward"] = lambda value: value
+            reward = True
+        return obs, reward, False, False, info
+
+def forged(description):
+    def factory():
+        sys._getframe(1).f_globals["space_data"] = lambda space: description
+        return Hostile("none")
+    return factory
+
+for _how in ("pickle", "object-npy", "huge", "float64", "dict", "outside", "nan", "bool-reward"):
+    globals()["hostile_" + _how.replace("-", "_")] = (lambda h: lambda: Hostile(h))(_how)
+box_bounds_differ = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(4), "dtype": "float32"})
+box_of_objects = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(3), "dtype": "object"})
+too_many_items = forged({"type": "MultiBinary", "n": [100000, 100000]})
+unknown_space = forged({"type": "Graph"})
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+@pytest.fixture
+def marker(bench: Workbench, tmp_path: Path) -> Path:
+    path = tmp_path / "unpickled-on-the-host"
+    define(bench, HOSTILE.replace("MARKER", repr(str(path))))
+    return path
+
+
+@pytest.mark.parametrize("how, says", [
+    ("pickle", "came back as a pickle, but pulls are data-only"),
+    ("object_npy", "not plain .npy data"),
+    ("huge", "has shape (2000000,) and dtype float32; its space wants (4,) and float32"),
+    ("float64", "has shape (4,) and dtype float64; its space wants (4,) and float32"),
+    ("dict", "should be an array of shape (4,), got dict"),
+    ("outside", "is outside its space"),
+    ("nan", "sent a reward of nan"),
+    ("bool_reward", "sent a reward of True"),
+])
+def test_a_hostile_step_is_refused_in_one_line(bench: Workbench, marker: Path, how: str, says: str) -> None:
+    env = sgym.make(f"hostile_{how}", session=bench)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            env.step(0)
+        line = str(refused.value)
+        assert says in line and "the env (machine root." in line, line
+        assert "\n" not in line and len(line) < 1000
+        assert not marker.exists()  # nothing the machine sent was unpickled here
+        obs, _ = env.reset()  # a new branch of the untouched warm parent
+        assert obs.shape == (4,)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("name, says", [
+    ("box_bounds_differ", "low (3,) and high (4,) differ in shape"),
+    ("box_of_objects", "only plain numeric dtypes"),
+    ("too_many_items", "at most 16,777,216"),
+    ("unknown_space", "unknown type 'Graph'"),
+])
+def test_impossible_spaces_are_refused_in_one_line(bench: Workbench, marker: Path, name: str, says: str) -> None:
+    before = set(bench.machines)
+    with pytest.raises(SmolbenchError) as refused:
+        sgym.make(name, session=bench)
+    line = str(refused.value)
+    assert says in line and "described its env's spaces wrongly" in line and "\n" not in line, line
+    assert set(bench.machines) == before  # the warm parent it made is gone again
+
+
+def test_the_weakened_contrast_lets_a_wrong_observation_through(bench: Workbench, marker: Path) -> None:
+    """Without the check against the rebuilt space, the float64 and huge attacks reach the caller."""
+    from smolbench.gym import spaces
+
+    spaces.TEST_WEAKEN.add("obs-check")
+    try:
+        for how, shape in (("float64", (4,)), ("huge", (2_000_000,))):
+            env = sgym.make(f"hostile_{how}", session=bench)
+            try:
+                env.reset(seed=0)
+                obs = env.step(0)[0]
+                assert obs.shape == shape and not env.observation_space.contains(obs)
+            finally:
+                env.close()
+    finally:
+        spaces.TEST_WEAKEN.discard("obs-check")

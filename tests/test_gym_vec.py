@@ -1,0 +1,116 @@
+"""smolbench.gym.make_vec: one machine per sub-env, stepped like Gymnasium's own vector envs.
+
+A machine-backed CartPole ``make_vec(..., 4)`` gives the same observations, rewards,
+terminations, truncations and autoresets as ``gymnasium.vector.SyncVectorEnv`` for 1,000
+steps with the same seeds and actions (NEXT_STEP), and the same under SAME_STEP (final
+observations too) and DISABLED; a bad action names its sub-env and the env goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from gymhelpers import CARTPOLE, needs_bwrap, up_bench
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+def same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, np.ndarray) and a.dtype == object:
+        assert a.shape == b.shape
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+def lockstep(ours: Any, theirs: Any, steps: int, seed: int) -> int:
+    """Step both with the same actions; every output equal. Returns how many episodes ended."""
+    same(ours.reset(seed=seed), theirs.reset(seed=seed))
+    rng = np.random.default_rng(seed)
+    ended = 0
+    for _ in range(steps):
+        actions = rng.integers(0, 2, ours.num_envs)
+        got, want = ours.step(actions), theirs.step(actions)
+        for a, b in zip(got, want):
+            same(a, b)
+        ended += int(np.sum(got[2] | got[3]))
+    return ended
+
+
+def test_cartpole_make_vec_4_steps_as_sync_vector_env_for_1000_steps(bench: Workbench) -> None:
+    ours = sgym.make_vec(CARTPOLE, 4, session=bench)
+    theirs = SyncVectorEnv([CARTPOLE] * 4)
+    try:
+        assert ours.single_observation_space == theirs.single_observation_space
+        assert ours.action_space == theirs.action_space and ours.metadata["autoreset_mode"] == AutoresetMode.NEXT_STEP
+        ended = lockstep(ours, theirs, 1000, seed=42)
+        assert ended > 40  # random actions end CartPole episodes every ~20 steps: many autoresets were compared
+        machines = ours.machines
+        assert len(set(machines)) == 4 and all(m in bench.machines for m in machines)
+    finally:
+        ours.close()
+        theirs.close()
+    assert not set(machines) & set(bench.machines)
+    rows = [r for r in bench.ledger.node_rows(bench.session) if r["run_id"] == ours._m.run_id and r["metrics"].get("ended")]
+    assert sum(r["metrics"]["ended"] in ("terminated", "truncated") for r in rows) == ended
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.SAME_STEP, AutoresetMode.DISABLED])
+def test_other_autoreset_modes_match_sync_vector_env(bench: Workbench, mode: AutoresetMode) -> None:
+    ours = sgym.make_vec(CARTPOLE, 3, session=bench, autoreset_mode=mode, reset="in-place" if mode == AutoresetMode.DISABLED else "fresh")
+    theirs = SyncVectorEnv([CARTPOLE] * 3, autoreset_mode=mode)
+    try:
+        same(ours.reset(seed=5), theirs.reset(seed=5))
+        rng = np.random.default_rng(5)
+        ended = 0
+        for _ in range(150):
+            actions = rng.integers(0, 2, 3)
+            got, want = ours.step(actions), theirs.step(actions)
+            for a, b in zip(got, want):
+                same(a, b)
+            done = got[2] | got[3]
+            ended += int(done.sum())
+            if mode == AutoresetMode.DISABLED and done.any():
+                same(ours.reset(options={"reset_mask": done}), theirs.reset(options={"reset_mask": done}))
+        assert ended >= 5
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_bad_action_names_its_sub_env_and_nothing_is_sent(bench: Workbench) -> None:
+    envs = sgym.make_vec(CARTPOLE, 2, session=bench)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(SmolbenchError) as bad:
+            envs.step(np.array([0, 7]))
+        assert str(bad.value).startswith("sub-env 1: action 7 is not in the action space") and "\n" not in str(bad.value)
+        obs, *_ = envs.step(np.array([0, 1]))
+        assert obs.shape == (2, 4)
+    finally:
+        envs.close()

@@ -1,0 +1,310 @@
+"""Issue 28 part 1: ``smolbench.Session``, the Workbench without IPython.
+
+A Session used from a plain script (``python script.py`` in a subprocess) leaves nothing behind: no processes, no run folders under its TMPDIR, no cgroups,
+when the script ends normally, on an exception and on SIGTERM. The SIGTERM case also runs
+with the Session's handler taken away (the weakened contrast), to show the check sees what
+a killed script leaves. In a real kernel, ``smolbench.session()`` is the Session that
+``%smol up`` made, and its forks agree with ``%%smol fork``. The async twins run inside
+``asyncio.run`` without blocking the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from nbhelpers import (
+    TAG_VAR,
+    NotebookSession,
+    error_text,
+    stream_text,
+    tagged_processes,
+    wait_for_no_processes,
+)
+
+import smolbench
+from smolbench.backends import _limits
+from smolbench.errors import CompositeError, RemoteError, SmolbenchError
+
+HAVE_BWRAP = shutil.which("bwrap") is not None
+BACKENDS = [pytest.param("sandbox", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")),
+            "process"]
+
+
+def cgroups_of(pid: int) -> list[Path]:
+    """The cgroup directories (group and machines) process ``pid`` made, in every hierarchy."""
+    return [d for base in _limits.detect().bases.values() for g in base.glob(f"smolbench-{pid}-*")
+            for d in (g, *g.iterdir()) if d.is_dir()]
+
+
+def run_folders(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("smolbench-"))
+
+
+class Script:
+    """``python script.py`` in ``cwd`` with its own TMPDIR and process tag."""
+
+    def __init__(self, cwd: Path, source: str) -> None:
+        self.cwd = cwd
+        self.tmp = cwd / "tmp"
+        self.tmp.mkdir(exist_ok=True)
+        self.tag = uuid.uuid4().hex
+        (cwd / "script.py").write_text(textwrap.dedent(source))
+        env = {**os.environ, TAG_VAR: self.tag, "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "script.py"], cwd=cwd, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+
+    def wait_for_line(self, want: str, timeout: float = 180) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if want in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        raise AssertionError(f"the script never printed {want!r}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+
+    def finish(self, timeout: float = 240) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def leftovers(self) -> tuple[list[object], list[str], list[Path]]:
+        return wait_for_no_processes(self.tag, timeout=10), run_folders(self.tmp), cgroups_of(self.pid)
+
+    def clean(self) -> None:
+        """What a weakened run left: removed so the suite's own check stays meaningful."""
+        for p in tagged_processes(self.tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        wait_for_no_processes(self.tag, timeout=10)
+        for name in run_folders(self.tmp):
+            shutil.rmtree(self.tmp / name, ignore_errors=True)
+        for group in sorted(cgroups_of(self.pid), key=lambda d: -len(d.parts)):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+
+
+HEAD = """\
+import os, signal, sys, smolbench
+s = smolbench.Session(backend={backend!r}, ledger="ledger.db")
+"""
+
+ENDINGS = {
+    # the with block ends by an exception: __exit__ deletes the machines, the script fails
+    "exception": """\
+with s:
+    r = s.fork(2, "reward = SEED", keep="all")
+    print("up", len(s.status()["live_machines"]) > 0, flush=True)
+    raise RuntimeError("boom in the script")
+""",
+    # no down, no with: the interpreter's exit hook deletes them
+    "exit": """\
+s.up()
+s.fork(2, "reward = SEED", keep="all")
+print("up", flush=True)
+""",
+    # killed while a cell runs: the SIGTERM handler deletes them, then the default action ends it
+    "sigterm": """\
+s.up()
+s.fork(2, "reward = SEED", keep="all")
+print("ready", flush=True)
+s.run("import time; time.sleep(600)")
+print("not reached", flush=True)
+""",
+}
+WEAKENED_SIGTERM = ENDINGS["sigterm"].replace("s.up()\n", "s.up()\nsignal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ending", ["exception", "exit", "sigterm"])
+def test_a_script_leaves_nothing_behind(tmp_path: Path, backend: str, ending: str) -> None:
+    script = Script(tmp_path, HEAD.format(backend=backend) + ENDINGS[ending])
+    if ending == "sigterm":
+        script.wait_for_line("ready")
+        assert run_folders(script.tmp) and tagged_processes(script.tag)  # machines are up, a cell is running
+        script.proc.send_signal(signal.SIGTERM)
+    code, out, err = script.finish()
+    procs, folders, groups = script.leftovers()
+    assert (procs, folders, groups) == ([], [], [])
+    if ending == "exception":
+        assert code == 1 and "RuntimeError: boom in the script" in err and "up True" in out
+    elif ending == "exit":
+        assert code == 0, err
+    else:
+        assert code == -signal.SIGTERM and "not reached" not in out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sigterm_without_the_sessions_handler_leaves_run_folders_weakened(tmp_path: Path, backend: str) -> None:
+    """The contrast: the default SIGTERM action kills the script before any cleanup."""
+    script = Script(tmp_path, HEAD.format(backend=backend) + WEAKENED_SIGTERM)
+    script.wait_for_line("ready")
+    script.proc.send_signal(signal.SIGTERM)
+    code, _, _ = script.finish()
+    try:
+        _, folders, _ = script.leftovers()
+        assert code == -signal.SIGTERM
+        assert folders, "the check would not see what a killed script leaves"
+    finally:
+        script.clean()
+
+
+def test_a_sigterm_handler_the_script_had_still_runs_after_the_machines_are_deleted(tmp_path: Path) -> None:
+    script = Script(tmp_path, """\
+import signal, sys, smolbench
+def mine(signum, frame):
+    import os
+    print("mine ran; run folders:", sorted(n for n in os.listdir(os.environ["TMPDIR"]) if n.startswith("smolbench-")), flush=True)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, mine)
+s = smolbench.Session(backend="process", ledger="ledger.db").up()
+print("ready", flush=True)
+s.run("import time; time.sleep(600)")
+""")
+    script.wait_for_line("ready")
+    script.proc.send_signal(signal.SIGTERM)
+    code, out, err = script.finish()
+    assert code == 7, err
+    assert "mine ran; run folders: []" in out
+    assert script.leftovers() == ([], [], [])
+
+
+# -- the notebook's Session ---------------------------------------------------------------------------
+
+
+def test_smolbench_session_in_a_kernel_is_the_one_smol_up_made(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        before = nb.run("import smolbench\nsmolbench.session()")
+        assert "SmolbenchError: no session is up: run `%smol up` in the notebook" in error_text(before)
+        nb.run("%smol up --backend process")
+        nb.run("%%smol\nbase = 10")
+        out = stream_text(nb.run(
+            "s = smolbench.session()\n"
+            "f = s.fork(3, 'reward = base * SEED', keep='none')\n"
+            "print(s is smolbench._magics.session, s.active, sorted(f.rewards.values()))\n"
+            "s.run('base = 100')"))
+        assert out.strip() == "True root [0.0, 10.0, 20.0]"
+        nb.run("%%smol fork 3 --keep none --quiet\nreward = base * SEED")
+        magic = stream_text(nb.run("print(sorted(smolbench._magics.last_result.rewards.values()))"))
+        assert magic.strip() == "[0.0, 100.0, 200.0]"  # the same machine: the Session's run set base
+        nb.run("%smol down")
+        after = nb.run("smolbench.session()")
+        assert "no session is up" in error_text(after)
+
+
+# -- in this process: results, errors, async twins ------------------------------------------------
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_run_brings_back_output_value_as_data_and_the_error(here: Path) -> None:
+    import numpy as np
+
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        r = s.run("import numpy as np\nprint('hello')\nnp.arange(3) * 2", push={"k": 5})
+        assert r.ok and r.stdout == "hello\n" and isinstance(r.value, np.ndarray) and r.value.tolist() == [0, 2, 4]
+        r = s.run("class Thing: pass\nThing()")
+        assert r.value is None and r.display is not None and "Thing object" in r.display["text/plain"]  # not data
+        r = s.run("y = k + 1", pull=["y"])
+        assert r.value is None and r.pulled == {"y": 6}
+        r = s.run("1 / 0")
+        assert not r.ok and r.error is not None and type(r.error).__name__ == "ZeroDivisionError"
+        with pytest.raises(RemoteError) as raised:  # a RemoteError named after the machine's exception
+            s.run("1 / 0", check=True)
+        assert type(raised.value).__name__ == "ZeroDivisionError" and raised.value.ename == "ZeroDivisionError"
+        assert "1 / 0" in "".join(raised.value.traceback)
+        with pytest.raises(RemoteError, match=r"^--pull nothere: no variable named 'nothere' in the machine$"):
+            s.run("pass", pull=["nothere"], check=True)
+        with pytest.raises(SmolbenchError, match=r"^--pull t: a .*Thing is not plain data, so it is not unpickled on this host"):
+            s.run("t = Thing()", pull=["t"])
+        with pytest.raises(SmolbenchError, match=r"the cell ran longer than --timeout 0.5 s and was interrupted"):
+            s.run("import time; time.sleep(30)", timeout=0.5)
+        assert s.run("k").value == 5  # the machine and its state are kept
+
+
+def test_fork_errors_are_a_composite_error_and_use_moves_the_active_machine(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        with pytest.raises(CompositeError, match=r"1 of 3 branches failed \(1 error\); first: \[root\.1\] error: "
+                                                 r"ValueError: bad seed"):
+            s.fork(3, "if SEED == 1: raise ValueError('bad seed')\nreward = SEED")
+        f = s.fork(3, "if SEED == 1: raise ValueError('bad seed')\nreward = SEED", allow_errors=True, seed_base=10)
+        assert f.best is not None and f.best["seed"] == 12
+        assert s.use("best") == f.best["branch"] == s.active
+        assert s.run("SEED").value == 12
+        with pytest.raises(SmolbenchError, match=r"^the number of branches must be at least 1, got 0"):
+            s.fork(0, "pass")
+        e = s.episodes(2, "reward = SEED + 1")
+        assert sorted(e.rewards.values()) == [1.0, 2.0]
+    assert s.status() == {"up": False} and s.down() == 0
+    with pytest.raises(SmolbenchError, match="no machine is up"):
+        s.run("1")
+
+
+def test_async_twins_inside_asyncio_run_do_not_block_the_callers_loop(here: Path) -> None:
+    async def main() -> tuple[object, ...]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        async with smolbench.Session(backend="process", ledger="ledger.db") as s:
+            r = await s.arun("base = 7\nbase * 6")
+            f = await s.afork(4, "import time; time.sleep(0.5); reward = base + SEED", keep="none")
+            during_fork = ticks
+            slow = asyncio.create_task(s.arun("import time; time.sleep(60)"))
+            await asyncio.sleep(1.0)
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            after = await s.arun("base")  # the interrupted machine is still there
+            e = await s.aepisodes(2, "reward = SEED")
+            kept = await s.afork(2, "v = SEED * 100", keep="all")
+            both = await asyncio.gather(*(s.arun("import time; time.sleep(0.3); v", node=n) for n in kept.kept))
+            assert [b.value for b in both] == [0, 100] and [b.node for b in both] == kept.kept
+            with pytest.raises(SmolbenchError, match=r"^unknown node 'root\.99': live nodes are root, "):
+                await s.arun("1", node="root.99")
+        tick.cancel()
+        return r.value, sorted(f.rewards.values()), during_fork, after.value, sorted(e.rewards.values()), s.is_up
+
+    value, rewards, ticks, after, episodes, up = asyncio.run(main())
+    assert value == 42 and rewards == [7.0, 8.0, 9.0, 10.0] and after == 7 and episodes == [0.0, 1.0]
+    assert ticks > 10  # the caller's loop kept running while the fork ran on smolbench's
+    assert up is False
+
+
+def test_the_readmes_session_example_runs_as_a_script(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## A Python API: smolbench.Session", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    if not HAVE_BWRAP:
+        example = example.replace('backend="sandbox"', 'backend="process"')
+    after = ('print("best", s.last_result.best["branch"], s.active)\n'
+             'print("checkpoints", list(smolbench.Ledger(".smolbench/ledger.db").checkpoints()["name"]))\n')
+    script = Script(tmp_path, example + after)
+    code, out, err = script.finish()
+    assert code == 0, err
+    assert re.search(r"^best root\.\d+ None$", out, re.M)  # the best branch was used; all down after the block
+    assert "checkpoints ['warm']" in out
+    assert script.leftovers() == ([], [], [])
