@@ -247,7 +247,15 @@ def section(d: dict[str, Any]) -> str:
         "| | ms | ok | episodes/s | fresh from |", "|---|---:|---:|---:|---|", *eps, "",
         "| goal | measured | target |", "|---|---:|---|",
         *[f"| {name} | {val:.2f}× | {target} |" for name, val, target in goal], "",
-        f"PSS per live branch (64 branches, the machine's whole host tree): {d['pss_per_branch_mib']:.2f} MiB.", END,
+        f"PSS per live branch (64 branches, the machine's whole host tree): {d['pss_per_branch_mib']:.2f} MiB.", "",
+        "Where a fork's time goes now: the fork request itself returns quickly (each child waits, a bare fork, until "
+        "the host moved it into its own cgroup; no scan of the host's processes on the way), and most of the rest is "
+        "each branch setting itself up after its release (its keeper's namespaces, store, overlays and /proc, each "
+        "mount a seccomp notification the root's keeper answers in turn) and its first cell, then the deletes "
+        "(through each branch's own cgroup). On a host this loaded those set-ups compete for 2 cores with every "
+        "other tenant, which the floors (a few syscalls per child) barely feel: the ratios to the floors grow with "
+        "the load. Episodes are branches of a pristine zygote (one fork request for all the episodes that wait), "
+        "so they cost what a fork does.", END,
     ])
 
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
 
+from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, MachineRef
 from .spec import MachineSpec
 
@@ -83,6 +84,7 @@ class Zygotes:
         self._made: dict[str, Verdict] = {}
         self._lock = asyncio.Lock()  # one zygote made at a time
         self._branch_locks: dict[str, asyncio.Lock] = {}  # one fork of a zygote at a time (its agent's rule)
+        self._waiting: dict[str, list[tuple[str, int | None, asyncio.Future[MachineRef]]]] = {}
         self._count = 0
 
     async def verdict(self, spec: MachineSpec, baseline: str) -> Verdict:
@@ -141,10 +143,40 @@ class Zygotes:
         return (res.result or {}).get("text/plain") if res.status == "ok" else None
 
     async def branch(self, zygote: MachineRef, name: str, seed: int | None) -> MachineRef:
-        """A new branch of ``zygote`` for one episode."""
+        """A new branch of ``zygote`` for one episode. The episodes that ask while a fork of the
+        zygote is under way are forked together by the next one (one request for all of them)."""
+        done: asyncio.Future[MachineRef] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(zygote.name, []).append((name, seed, done))
+        try:
+            await self._fork_waiting(zygote)
+            return await done
+        except asyncio.CancelledError:
+            if done.done() and not done.cancelled() and done.exception() is None:  # made for us: it goes
+                await _to_the_end(self._delete(done.result()))
+            done.cancel()  # a later fork leaves it out
+            raise
+
+    async def _fork_waiting(self, zygote: MachineRef) -> None:
         async with self._branching(zygote):
-            refs = await self.backend.branch(zygote, [name], [seed])
-        return refs[0]
+            batch = [b for b in self._waiting.get(zygote.name, []) if not b[2].done()]
+            self._waiting[zygote.name] = []
+            if batch:
+                try:
+                    refs = await self.backend.branch(zygote, [n for n, _, _ in batch], [s for _, s, _ in batch])
+                except Exception as exc:
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    raise
+                except BaseException:  # we were cancelled: the others wait for the next fork
+                    self._waiting[zygote.name] = batch + self._waiting[zygote.name]
+                    raise
+                by_name = {r.name: r for r in refs}
+                for name, _, fut in batch:
+                    if fut.done():  # its episode was cancelled meanwhile
+                        await self._delete(by_name[name])
+                    else:
+                        fut.set_result(by_name[name])
 
     def _branching(self, zygote: MachineRef) -> asyncio.Lock:
         return self._branch_locks.setdefault(zygote.name, asyncio.Lock())
