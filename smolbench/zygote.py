@@ -12,8 +12,9 @@ what init left behind (the workspace's files and the namespace's variables, addr
 if the two differ, this baseline's episodes boot fresh machines, and the notebook says why. The
 Smolfile's ``[episodes] fresh = "boot"`` always boots. Which was used goes to the ledger.
 
-Only backends whose branches are live forks on this host (sandbox, process) use a zygote: a
-microVM branch (smol) is a snapshot, not cheaper than a boot of the same image.
+Only the sandbox backend uses a zygote: its branches are copy-on-write forks. A process-backend
+branch copies the workspace and /tmp, and a microVM branch (smol) is a snapshot: neither is
+cheaper than a boot.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, MachineRef
 from .spec import MachineSpec
 
-LIVE_FORK_BACKENDS = ("sandbox", "process")
+# Where a branch is a copy-on-write fork: the process backend's branches copy the workspace and
+# /tmp of the host (no overlay), which costs more than its boot.
+LIVE_FORK_BACKENDS = ("sandbox",)
 
 # Runs in a branch of each candidate (never in the zygote itself): what init left behind.
 FINGERPRINT = r"""
