@@ -22,6 +22,8 @@ smol_setup() {
   # A venv inside the checkout: the same on a laptop, in a container as root, and in CI.
   if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # The distribution was once called smolbench (a name the index gives to another project).
+  if .venv/bin/python -m pip show -q smolbench >/dev/null 2>&1; then .venv/bin/python -m pip uninstall -q -y smolbench; fi
   .venv/bin/python -m pip install -q -e ".[$extras]"
   export PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv"
 }

@@ -1,4 +1,4 @@
-"""The ``smolbench`` command: ``demo``, ``doctor``, ``image build`` and ``cluster local``."""
+"""The ``smolbench`` command: ``demo``, ``doctor``, ``image build``, ``cluster local`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def doctor(args: argparse.Namespace) -> int:
             m = __import__(mod)
             print(f"  {mod} {getattr(m, '__version__', '?')}")
         except ImportError:
-            print(f"  {mod}: not installed" + (" (pip install 'smolbench[lab]')" if mod == "jupyterlab" else ""))
+            print(f"  {mod}: not installed" + (" (pip install 'jupyterlab-smolbench[lab]')" if mod == "jupyterlab" else ""))
     return 0
 
 
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     loc.add_argument("--slots", type=int, default=8, help="machine slots per node")
     loc.add_argument("--backend", default="auto", help="node backends, cycled over the nodes: auto, sandbox, process")
     loc.set_defaults(fn=cluster_local)
+    from .serve import add_parser as add_serve
+
+    add_serve(sub)
     args = ap.parse_args(argv)
     return int(args.fn(args) or 0)
 

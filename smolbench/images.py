@@ -21,6 +21,7 @@ from pathlib import Path
 from smolbench.errors import SmolbenchError
 
 DEFAULT_IMAGE = "debian:bookworm"
+IMAGE_PACKAGES = ("python3", "python3-pip")  # pip: `pip install` in a machine works on an image too
 
 _PATH_PREFIXES = ("/", "./", "../", "~")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
@@ -48,10 +49,14 @@ def has_python(rootfs: str | os.PathLike[str]) -> bool:
 
 
 def cache_dir() -> Path:
-    """The cache directory: ``$SMOLBENCH_CACHE`` or ``~/.cache/smolbench``."""
+    """The cache directory: ``$SMOLBENCH_CACHE``, else ``$XDG_CACHE_HOME/smolbench``, else
+    ``~/.cache/smolbench`` (images, the Smolfile packages)."""
     env = os.environ.get("SMOLBENCH_CACHE")
     if env:
         return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is ignored
+        return Path(xdg) / "smolbench"
     return Path.home() / ".cache" / "smolbench"
 
 
@@ -76,9 +81,9 @@ def build_debian_rootfs(
     log: Callable[[str], object] = print,
     mirror: str | None = None,
 ) -> Path:
-    """Build a minimal Debian rootfs with python3 into the cache; return its path.
+    """Build a minimal Debian rootfs with python3 and pip into the cache; return its path.
 
-    Runs ``debootstrap --variant=minbase --include=python3 SUITE TMPDIR`` in a
+    Runs ``debootstrap --variant=minbase --include=python3,python3-pip SUITE TMPDIR`` in a
     temporary directory next to the destination and renames it into place
     only when it succeeded, so a failed build leaves nothing half-made. An
     image already built is returned as is unless ``force``.
@@ -102,7 +107,7 @@ def build_debian_rootfs(
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-", dir=dest.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700: the rootfs's "/" must be readable
-        cmd = [debootstrap, "--variant=minbase", "--include=python3", suite, str(tmp)]
+        cmd = [debootstrap, "--variant=minbase", f"--include={','.join(IMAGE_PACKAGES)}", suite, str(tmp)]
         if mirror:
             cmd.append(mirror)
         log(f"building image {name!r}: {' '.join(cmd)}")

@@ -295,6 +295,8 @@ class SmolMagics(Magics):
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
               + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
+        if wb.machines["root"].info.get("packages"):  # the Smolfile's packages: installed now (how long), or cached
+            print(f"smolbench: {wb.machines['root'].info['packages']}")
         if wb.lost:
             print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
                   "died earlier: marked lost in the ledger")

@@ -11,7 +11,8 @@ Example::
     max_alive = 8                  # kept idle machines alive at once (least recently used go first)
     net = false
     workdir = "/workspace"
-    init = ["pip install numpy"]
+    init = ["echo ready"]
+    packages = ["gymnasium==1.0.0", "numpy<3"]   # pip requirements, installed once on the host
     volumes = [{ host = "data", guest = "/data", readonly = true }]
 
     [env]
@@ -47,6 +48,7 @@ from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolfileError
 from smolbench.images import has_python, is_path_image, is_valid_image_name
 from smolbench.netpolicy import PolicyError, host_problem, parse_cidr
+from smolbench.packages import requirement_problem
 from smolbench.spec import MachineSpec, Volume
 
 if sys.version_info >= (3, 11):
@@ -68,6 +70,7 @@ TOP_KEYS = (
     "memory",
     "net",
     "network",
+    "packages",
     "pids",
     "volumes",
     "workdir",
@@ -254,6 +257,8 @@ class _Parser:
             spec["init"] = self.init(data["init"])
         if "volumes" in data:
             spec["volumes"] = self.volumes(data["volumes"])
+        if "packages" in data:
+            spec["packages"] = self.packages(data["packages"])
         if "network" in data:
             network = self.table(data["network"], "network", NETWORK_KEYS)
             if "allow_hosts" in network:
@@ -498,6 +503,24 @@ class _Parser:
             if not command.strip():
                 self.fail_at(f"'init' entry {index} is empty; remove it", "init")
         return tuple(commands)
+
+    def packages(self, value: Any) -> tuple[str, ...]:
+        example = 'packages = ["gymnasium==1.0.0", "numpy"]'
+        if not isinstance(value, list):
+            self.fail_at(f"'packages' must be an array of pip requirement strings like {example}, "
+                         f"got {_describe(value)}", "packages")
+        result: list[str] = []
+        for index, item in enumerate(value, start=1):
+            if not isinstance(item, str):
+                self.fail_at(f"'packages' entry {index} must be a requirement string like \"gymnasium==1.0.0\", "
+                             f"got {_describe(item)}", "packages")
+            problem = requirement_problem(item)
+            if problem:
+                line = self.lines.line_of_value(item, "packages") if item.strip() else self.lines.line_of("packages")
+                self.fail(f"'packages' entry {item!r} {problem}", line)
+            if item.strip() not in result:
+                result.append(item.strip())
+        return tuple(result)
 
     def volumes(self, value: Any) -> tuple[Volume, ...]:
         example = 'volumes = [{ host = "data", guest = "/data" }]'

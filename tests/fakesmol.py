@@ -137,6 +137,10 @@ class FakeHost:
             )
         vm = FakeVM(self, config.name, self.new_root(), config.image)
         vm.labels = dict(config.labels or {})
+        for mount in config.mounts or []:  # a host folder at its guest path (read-only is not enforced here)
+            at = Path(vm.path(mount.target))
+            at.parent.mkdir(parents=True, exist_ok=True)
+            at.symlink_to(mount.source)
         return vm.machine
 
     def restore_checkpoint(

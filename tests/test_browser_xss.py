@@ -291,3 +291,150 @@ def test_machine_output_cannot_fetch_or_restyle_the_page_in_jupyterlab(
                 page.screenshot(path=str(ARTIFACTS / "fetch_failure.png"), timeout=10_000)
             (ARTIFACTS / "fetch_failure.txt").write_text("\n".join(["requests:", *requests, "console:", *console]))
             raise
+
+
+# -- issue 25 items 2 and 3: a CSS bad string draws an overlay; plotly text fetches and links ---------
+
+OVERLAY_SETUP = '''%%smol
+import sys
+agent = sys.modules['smolbench_guest']._agent
+W = 'http://127.0.0.1:{port}'
+def show(**bundle):
+    agent.send({'t': 'display', 'data': bundle})
+FIXED = 'position: fixed; top: 0; left: 0; width: 100vw; height: 100vh; z-index: 2147483647'
+def expired(end, name):
+    return ('<a class="v-overlay" style="font-family: \\'x' + end + '; ' + FIXED + '; background: white; font-size: 40px"'
+            ' href="' + W + '/expired">session expired (' + name + '), sign in again</a>')
+def fig(tag):
+    esc = '\\\\75 rl(' + W + '/' + tag
+    rel = '<a x="b"href="/api/contents/secret.txt?content=1">' + tag + ' secret</a>'
+    return {'data': [{'type': 'bar', 'x': ['a', 'b'], 'y': [3, 5], 'name': rel,
+                      'hovertext': ['<span x="a"style="fill:' + esc + '-hover)">hover</span>', 'b'],
+                      'text': ['<b x="a"style="cursor:' + esc + '-cursor-text), auto">t</b>', '<b>five</b>']}],
+            'layout': {'showlegend': True, 'width': 600, 'height': 360,
+                       'title': {'text': rel},
+                       'xaxis': {'title': {'text': '<b x="a"style="-webkit-mask-image:' + esc + '-mask)">axis</b>'}},
+                       'annotations': [{'text': rel, 'x': 'a', 'y': 3},
+                                       {'text': '<span x="a"style="fill:' + esc + '-fill)">fill</span>', 'x': 'b', 'y': 5},
+                                       {'text': '<span x="a"style="cursor:' + esc + '-cursor), auto">cursor</span>', 'x': 'b', 'y': 3},
+                                       {'text': '<span x="a"style="font-size:500px">BIG</span>', 'x': 'b', 'y': 1},
+                                       {'text': '<a href="https://example.org/">' + tag + ' docs</a>', 'x': 'a', 'y': 1}]}}
+'''
+OVERLAY_VECTORS = '''%%smol
+show(**{'text/html': expired('\\n', 'LF') + expired('\\r', 'CR') + expired('\\f', 'FF') + expired('\\r\\n', 'CRLF')
+        + '<p class="v-kept" style="color: rgb(200, 0, 0); font-family: \\'x\\n; position: absolute; inset: 0">kept colour</p>'})
+show(**{'text/markdown': '**md**\\n\\n<div style="font-family: \\'x\\n; ' + FIXED + '; background: white">md expired</div>\\n'})
+'''
+PLOT_VECTORS = '''%%smol
+show(**{'application/vnd.plotly.v1+json': fig('plotly')})
+'''
+OVERLAY_TRUSTED = '''%%smol
+show(**{'text/html': '<b class="v-trusted" style="font-family: \\'x\\n; position: fixed; right: 0; bottom: 0;'
+        ' width: 9px; height: 9px; background: red">.</b>'})
+show(**{'application/vnd.plotly.v1+json': fig('trusted')})
+'''
+
+# Every element of a machine's output that reaches outside the output area it is in.
+ESCAPES = """(cells) => {
+  const out = [];
+  for (const i of cells) {
+    const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+    for (const area of cell.querySelectorAll('.jp-OutputArea-output')) {
+      const a = area.getBoundingClientRect();
+      for (const el of area.querySelectorAll('*')) {
+        const r = el.getBoundingClientRect();
+        if (r.width === 0 && r.height === 0) continue;
+        if (r.left < a.left - 1 || r.top < a.top - 1 || r.right > a.right + 1 || r.bottom > a.bottom + 1)
+          out.push(el.tagName + ' ' + JSON.stringify([r.left, r.top, r.right, r.bottom].map(Math.round)) + ' outside '
+                   + JSON.stringify([a.left, a.top, a.right, a.bottom].map(Math.round)) + ': '
+                   + (el.outerHTML || '').slice(0, 100));
+      }
+    }
+  }
+  return out;
+}"""
+# Links in a cell's plots, and which of them are not absolute http(s).
+PLOT_LINKS = """(i) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+  const all = [...cell.querySelectorAll('.js-plotly-plot a')].map(
+    a => a.getAttribute('href') || a.getAttribute('xlink:href') || (a.href && a.href.baseVal) || '');
+  return [all, all.filter(h => !/^https?:\\/\\//i.test(h))];
+}"""
+
+
+@pytest.fixture(params=["lab", "notebook"])
+def overlay_app(request: pytest.FixtureRequest, tmp_path: Path,
+                watched: tuple[int, list[str]]) -> Iterator[tuple[str, str, list[str], int]]:
+    port_w, hits = watched
+    (tmp_path / "secret.txt").write_text("the-users-secret\n")
+    cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox",
+             OVERLAY_SETUP.replace("{port}", str(port_w)), OVERLAY_VECTORS, PLOT_VECTORS, "print('ALL' + ' DONE')",
+             "%smol trust on", OVERLAY_TRUSTED, "print('TRUSTED' + ' DONE')"]
+    write_notebook(tmp_path / "overlay.ipynb", cells)
+    with jupyter_server(tmp_path, request.param) as (base, token):
+        yield request.param, notebook_url(base, token, request.param, "overlay.ipynb"), hits, len(cells)
+
+
+def test_css_bad_strings_and_plotly_attributes_neither_cover_the_page_nor_fetch(
+        overlay_app: tuple[str, str, list[str], int]) -> None:
+    """The audit's overlay (JupyterLab and Notebook 7) and plot (fetches on render and hover,
+    page-relative links): nothing reaches the watcher, nothing leaves its output area, no
+    relative link is in the plot. The trusted cells are the contrast: the same vectors shown
+    raw do all three, so the checks can see them."""
+    from playwright.sync_api import expect
+
+    app, url, hits, cells = overlay_app
+    ARTIFACTS.mkdir(exist_ok=True)
+    with browser_page(1400, 1600) as page:
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        try:
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            for attempt in range(3):
+                run_all(page, cells)
+                try:
+                    expect(page.locator(".jp-OutputArea-output", has_text="TRUSTED DONE")).to_be_visible(timeout=120_000)
+                    break
+                except AssertionError:
+                    if attempt == 2:
+                        raise
+            html, plot = page.locator(".jp-Notebook .jp-Cell").nth(3), page.locator(".jp-Notebook .jp-Cell").nth(4)
+            # what is harmless still shows: the link text, the kept colour, the markdown, the plot
+            expect(html.locator("a", has_text="session expired (LF)")).to_be_visible()
+            expect(html.locator("p.v-kept")).to_have_css("color", "rgb(200, 0, 0)")
+            expect(html.locator("strong", has_text="md")).to_be_visible()
+            expect(plot.locator(".js-plotly-plot .bars path")).to_have_count(2, timeout=60_000)
+            # hover what plotly draws (bars, title, annotations, legend): a cursor loads only then
+            for target in (plot.locator(".js-plotly-plot .bars path").first, plot.locator(".js-plotly-plot .gtitle"),
+                           plot.locator(".js-plotly-plot .annotation").first, plot.locator(".js-plotly-plot .legendtext"),
+                           plot.locator(".js-plotly-plot .bars path").last):
+                target.hover(force=True)
+                page.wait_for_timeout(500)
+            page.wait_for_timeout(1500)  # time for any fetch to land
+            plot.screenshot(path=str(ARTIFACTS / f"overlay_plot_{app}.png"))
+            page.screenshot(path=str(ARTIFACTS / f"overlay_{app}.png"))
+            leaked = [h for h in hits if not h.startswith("/trusted-")]
+            assert leaked == [], f"machine output fetched from the watched server: {leaked}"
+            secret = [u for u in requests if "secret.txt" in u]
+            assert secret == [], f"machine output made the browser read the Jupyter server: {secret}"
+            assert page.evaluate(ESCAPES, [3, 4]) == [], "machine output reaches outside its output area"
+            links, relative = page.evaluate(PLOT_LINKS, 4)
+            assert relative == [], f"a page-relative link survived in the plot: {links}"
+            assert "https://example.org/" in links, links  # an absolute link stays a link
+
+            # Contrast: the same kinds of vector shown raw (%smol trust on) escape each check
+            trusted = 7
+            expect(page.locator(".jp-Notebook .jp-Cell").nth(trusted).locator(".js-plotly-plot .bars path")
+                   ).to_have_count(2, timeout=60_000)
+            assert page.evaluate(ESCAPES, [trusted]), "the overlay check can't see a fixed element"
+            assert page.evaluate(PLOT_LINKS, trusted)[1], "the link check can't see a relative link"
+            deadline = time.monotonic() + 30
+            while not any(h.startswith("/trusted-") for h in hits) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert any(h.startswith("/trusted-") for h in hits), hits
+        except BaseException:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(ARTIFACTS / f"overlay_failure_{app}.png"), timeout=10_000)
+            (ARTIFACTS / f"overlay_failure_{app}.txt").write_text("\n".join(["hits:", *hits, "requests:", *requests]))
+            raise

@@ -29,7 +29,7 @@ from nbhelpers import NotebookSession, error_output, plain_texts, stream_text
 
 from smolbench import Ledger
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
     pytest.mark.timeout(900),  # the first test includes starting the cluster: minutes on a busy 2-core host

@@ -28,7 +28,7 @@ from nbhelpers import NotebookSession, stream_text
 from smolbench import Ledger
 from smolbench.errors import SmolbenchError
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
 pytestmark = pytest.mark.timeout(900)  # the first test includes starting the cluster
 
 CELL = "import random\nprint('seed', SEED, flush=True)\nreward = x + random.random()"

@@ -46,7 +46,7 @@ from nbhelpers import NotebookSession, stream_text, tree_text
 
 from smolbench import Ledger, registry
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
     pytest.mark.timeout(900),  # the first test includes starting the cluster: minutes on a busy 2-core host

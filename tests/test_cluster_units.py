@@ -217,7 +217,7 @@ def test_a_stopped_local_clusters_folder_stays_gone_when_the_next_one_starts(mon
     cluster started there made that session's folder again: every test module with a cluster
     of its own left an empty ``sbray-*`` folder in /tmp. Shown with the sweep left out, then
     with it."""
-    pytest.importorskip("ray", reason="Ray is not installed: pip install 'smolbench[ray]'")
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
     from smolbench.cluster import local
 
     first = local.LocalCluster(1, slots=1, backends=["process"])

@@ -154,3 +154,16 @@ def test_bad_arguments_are_one_line(bench: Workbench) -> None:
         sgym.make("no such env", session=bench)
     with pytest.raises(SmolbenchError, match="could not be built.*NameError"):
         sgym.make("not_defined_anywhere", session=bench)
+
+
+def test_a_session_from_a_plain_script(open_tmp: Any) -> None:
+    """The API as a training script uses it: a Session, make_vec on it, nothing left after."""
+    import smolbench
+
+    with smolbench.Session(backend="sandbox", ledger=str(open_tmp / "ledger.db")) as s:
+        envs = sgym.make_vec(CARTPOLE, 2, session=s)
+        obs, _ = envs.reset(seed=0)
+        assert obs.shape == (2, 4)
+        envs.step(np.array([0, 1]))
+        envs.close()
+        assert s.workbench is not None and set(s.workbench.machines) == {"root"}

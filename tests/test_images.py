@@ -136,7 +136,7 @@ def test_build_with_fake_debootstrap(
     assert root == cache / "images" / "debian-bookworm"
     assert (root / "usr" / "bin" / "python3").exists()
     assert oct(root.stat().st_mode & 0o777) == oct(0o755)
-    assert "args: --variant=minbase --include=python3 bookworm " in "\n".join(lines)
+    assert "args: --variant=minbase --include=python3,python3-pip bookworm " in "\n".join(lines)
     assert [p.name for p in (cache / "images").iterdir() if p.name.startswith(".")] == []
     meta = json.loads((cache / "images" / "debian-bookworm.json").read_text())
     assert meta["name"] == "debian:bookworm"

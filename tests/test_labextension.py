@@ -44,7 +44,7 @@ def test_a_wheel_alone_installs_the_extension(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)],
                    check=True, capture_output=True)
-    wheel = next(dist.glob("smolbench-*.whl"))
+    wheel = next(dist.glob("jupyterlab_smolbench-*.whl"))
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
@@ -66,7 +66,7 @@ def test_a_wheel_alone_installs_the_extension(tmp_path: Path) -> None:
     text = out.stdout + out.stderr
     assert str(venv / "share" / "jupyter" / "labextensions") in text
     line = next(ln for ln in text.splitlines() if "smolbench" in ln)
-    assert "enabled" in line and "OK" in line and "(python, smolbench)" in line
+    assert "enabled" in line and "OK" in line and "(python, jupyterlab-smolbench)" in line
     out = subprocess.run([str(py), "-m", "jupyter_server.extension.serverextension", "list"], env=env,
                          capture_output=True, text=True, check=True, cwd=tmp_path)
     assert "smolbench.server enabled" in " ".join((out.stdout + out.stderr).replace("\x1b[32m", "").replace("\x1b[0m", "").split())

@@ -15,7 +15,7 @@ from smolbench.spec import MachineSpec, Volume
 
 TOP_ALLOWED = (
     "allowed keys: branch, cluster, cpus, disk, env, episodes, image, init, init_timeout, max_alive, memory, net, "
-    "network, pids, volumes, workdir"
+    "network, packages, pids, volumes, workdir"
 )
 HOST_FIX = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
 

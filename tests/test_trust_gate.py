@@ -704,6 +704,10 @@ FETCHING = (
     "                'template': {'layout': {'images': [{'source': '/files/secret.png'}]}}},\n"
     "     'frames': [{'layout': {'images': [{'source': W + '/plotly-frame'}]}}],\n"
     "     'config': {'topojsonURL': W + '/topojson/', 'responsive': True}}},\n"
+    "  {'application/vnd.plotly.v1+json': {'data': [{'type': 'bar', 'x': ['a'], 'y': [1], 'name': '<a x=\"b\"href=\"/api/contents/secret.ipynb\">legend</a>'}],\n"
+    "     'layout': {'title': {'text': '<b x=\"a\"style=\"cursor: \\\\75 rl(' + W + '/plotly-escaped)\">t</b>'}, 'xaxis': {'title': {'text': '<b>axis</b>'}},\n"
+    "                'annotations': [{'text': '<a x=\"b\"href=\"/files/secret.txt\">note</a>', 'x': 'a', 'y': 1}]},\n"
+    "     'config': {'topojsonURL': W + '/topojson/', 'responsive': True}}},\n"
     "]\n"
     "for b in bundles:\n    _ag.send({'t': 'display', 'data': b})"
 )
@@ -736,7 +740,7 @@ def test_output_that_could_fetch_is_refused_or_stripped_and_css_stays_in_its_out
             assert f"sent {mime} output, which was not shown" in notes, (mime, notes)
         # ... while what is harmless still shows: the fallbacks, the colour, the shapes, the data
         for good in ('"vl5"', '"vega"', '"geo"', "color: red", "session expired", "mine", "<circle", "bad string",
-                     "md overlay",
+                     "md overlay", '"<b>axis</b>"', '"name": "legend"', '"text": "note"',
                      "https://example.org/", '"type": "bar"', '"responsive": true'):
             assert good in raw, (good, raw)
         still_works(nb)

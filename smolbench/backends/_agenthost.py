@@ -26,6 +26,8 @@ from .. import gate
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
 from ..guest import protocol as P
+from ..packages import GuestPython, Installed, host_python
+from ..packages import ensure as ensure_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir
 from ._wire import exec_message
@@ -70,8 +72,20 @@ class AgentHostBackend(Backend):
 
     @abc.abstractmethod
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
-                 agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
-        """(argv, the run folder's path inside the machine, the workdir inside) for a new machine."""
+                 agent_args: builtins.list[str], packages: Path | None = None) -> tuple[builtins.list[str], str, str]:
+        """(argv, the run folder's path inside the machine, the workdir inside) for a new machine;
+        ``packages``: the installed tree of the Smolfile's packages (on the host), to put on its sys.path."""
+
+    def _guest_python(self, spec: MachineSpec) -> GuestPython:
+        """The Python the machine's agent runs (what the Smolfile's packages are installed for)."""
+        return host_python()
+
+    async def _packages(self, spec: MachineSpec) -> Installed | None:
+        """The Smolfile's packages, installed on the host (once: later machines reuse the cache)."""
+        if not spec.packages:
+            return None
+        guest = self._guest_python(spec)
+        return await asyncio.to_thread(ensure_packages, spec.packages, guest)
 
     def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
         """(the machine's own host folder, its socket, its ready file) in a new run folder."""
@@ -116,8 +130,12 @@ class AgentHostBackend(Backend):
                                                       "host_dir": str(host_dir), "contained": False})
         self._machines[name] = ref
         try:
+            installed = await self._packages(spec)
+            if installed is not None:
+                ref.info["packages"] = installed.line(spec.packages)
             limits = self.limiter.machine(name, spec)
-            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None))
+            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None),
+                                                     installed.lib if installed is not None else None)
             ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
             from ._bwrap import weakened
 

@@ -40,6 +40,7 @@ GUEST_RUN = "/run/smolbench"  # the machine's own run folder (guest/contain.py R
 GUEST_STORE = "/run/smolbench-layers"  # its copy-on-write layers (guest/contain.py STORE)
 GUEST_AGENT = "/run/smolbench-agent"
 GUEST_LIB = "/run/smolbench-lib"
+GUEST_PACKAGES = "/run/smolbench-packages"  # the Smolfile's packages, installed on the host (read-only)
 THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
 SANDBOX_UID = int(os.environ.get("SMOLBENCH_SANDBOX_UID", "1999999999"))
 # Test-only: containment steps to leave out, to show a probe catches the escape.
@@ -161,19 +162,21 @@ def run_folder_mib(spec: MachineSpec) -> int:
 
 
 def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
-         agent_args: list[str] = (), sized: bool = True) -> Plan:  # type: ignore[assignment]
+         agent_args: list[str] = (), sized: bool = True, packages: Path | None = None) -> Plan:  # type: ignore[assignment]
     """The bwrap command for machine ``name``. ``sized``: every filesystem in memory a machine
-    can write gets a size (off only when a test switches the limits off)."""
+    can write gets a size (off only when a test switches the limits off). ``packages``: the
+    host's installed tree of the Smolfile's packages, bound read-only at ``GUEST_PACKAGES``."""
     p = Plan([bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"])
     try:
-        _fill(p, spec, name, rootfs, agent_args, sized)
+        _fill(p, spec, name, rootfs, agent_args, sized, packages)
     except BaseException:
         p.close()
         raise
     return p
 
 
-def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str], sized: bool) -> None:
+def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str], sized: bool,
+          packages: Path | None) -> None:
     uid, gid = sandbox_ids()
     weak = weakened()
     if "host-root" in weak:  # the old, broken configuration: uid 0 inside is host root
@@ -217,6 +220,8 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     cp = _cloudpickle_dir()
     if cp:
         p.bind_fd(str(cp), f"{GUEST_LIB}/cloudpickle")
+    if packages is not None:  # read-only, like the agent: a cell can't change what every branch imports
+        p.bind_fd(str(packages), GUEST_PACKAGES)
     keep = []
     if rootfs is None:
         # The notebook's own Python may live in a hidden place (a home, /root, /tmp):
@@ -249,6 +254,8 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
                "--workdir", spec.workdir, "--ready", f"{GUEST_RUN}/ready"]
     if cp:
         p.argv += ["--lib", GUEST_LIB]
+    if packages is not None:
+        p.argv += ["--packages", GUEST_PACKAGES]
     p.argv += list(agent_args)
     if "host-root" not in weak:
         p.argv += ["--contain"] + [f"--keep={k}" for k in keep]

@@ -43,7 +43,7 @@ class ProcessBackend(AgentHostBackend):
         return ISOLATION
 
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
-                 agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
+                 agent_args: builtins.list[str], packages: Path | None = None) -> tuple[builtins.list[str], str, str]:
         argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("_reaper.py")), str(os.getpid()), "--",
                 sys.executable, "-u", str(GUEST_DIR / "agent.py"), "--socket", str(run_dir / f"{name}.sock"),
                 "--name", name, "--workdir", str(workspace), "--ready", str(run_dir / f"{name}.ready"),
@@ -51,6 +51,8 @@ class ProcessBackend(AgentHostBackend):
         cp = _cloudpickle_dir()
         if cp:
             argv += ["--lib", str(cp.parent)]
+        if packages is not None:  # no isolation here: the cache is on the sys.path as it is
+            argv += ["--packages", str(packages)]
         return argv, str(run_dir), str(workspace)
 
     def _nproc(self, spec: MachineSpec) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import BackendUnavailable, SmolbenchError
 from ..gate import archive
+from ..packages import GuestPython, host_python, rootfs_python
 from ..spec import MachineSpec
 from . import _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
@@ -272,11 +273,18 @@ class SandboxBackend(AgentHostBackend):
         ref.info.update(host_pid=pid, host_started=_procs.start_time(pid),
                         host_dir=f"/proc/{pid}/root{os.path.dirname(guest_socket)}", socket=f"/proc/{pid}/root{guest_socket}")
 
-    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
-                 agent_args: builtins.list[str]) -> tuple[builtins.list[str], str, str]:
+    def _guest_python(self, spec: MachineSpec) -> GuestPython:
         from ..images import resolve_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce)
+        rootfs = resolve_rootfs(spec.image)
+        return host_python() if rootfs is None else rootfs_python(rootfs)
+
+    def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
+                 agent_args: builtins.list[str], packages: Path | None = None) -> tuple[builtins.list[str], str, str]:
+        from ..images import resolve_rootfs
+
+        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce,
+                 packages=packages)
         self._fds, self._fd_paths = p.fds, p.paths
         if p.grants is not None:
             old = self._grants.pop(name, None)

@@ -49,11 +49,13 @@ from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..netpolicy import internet_cidrs, own_addresses
+from ..packages import Installed
+from ..packages import ensure as ensure_packages
 from ..spec import MachineSpec
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
-from .smol_image import DEFAULT_IMAGE, boot_timeout, is_local, smol_image
+from .smol_image import DEFAULT_IMAGE, boot_timeout, image_python, is_local, smol_image
 from .smol_state import PARTS as STATE_PARTS
 from .smol_state import STATE_ONLY, is_state, read_state, write_state
 
@@ -64,6 +66,7 @@ T = TypeVar("T")
 
 GUEST_HOME = "/opt/smolbench"
 GUEST_LIB = f"{GUEST_HOME}/lib"
+GUEST_PACKAGES = "/opt/smolbench-packages"  # the Smolfile's packages: a read-only mount of the host's cache
 GUEST_RUN = "/run/smolbench"
 CLIENT = f"{GUEST_HOME}/client.py"
 READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
@@ -245,8 +248,8 @@ class SmolBackend(Backend):
         tail = f"-{next(self._serial)}"
         return head + _slug(name)[: _MAX_NAME - len(head) - len(tail)].strip("-") + tail
 
-    def machine_config(self, spec: MachineSpec, name: str) -> MachineConfig:
-        """The smol MachineConfig for ``spec``."""
+    def machine_config(self, spec: MachineSpec, name: str, packages: Path | None = None) -> MachineConfig:
+        """The smol MachineConfig for ``spec`` (``packages``: the host's installed tree, mounted read-only)."""
         image = smol_image(spec.image)
         if self.target == "cloud" and is_local(image):
             raise SmolbenchError(
@@ -274,6 +277,8 @@ class SmolBackend(Backend):
         mounts = [
             MountSpec(source=v.host, target=v.guest, read_only=v.readonly) for v in spec.volumes
         ]
+        if packages is not None:
+            mounts.append(MountSpec(source=str(packages), target=GUEST_PACKAGES, read_only=True))
         return MachineConfig(
             name=self.machine_name(name),
             image=image,
@@ -312,11 +317,14 @@ class SmolBackend(Backend):
     async def create(self, spec: MachineSpec, name: str) -> MachineRef:
         """Boot a microVM from ``spec``, copy the agent in and start it."""
         self._check_new([name])
-        config = self.machine_config(spec, name)
+        installed = await self._packages(spec)
+        config = self.machine_config(spec, name, installed.lib if installed is not None else None)
         await self._ensure_available()
         conn = self.conn
         handle = await self._make(lambda: Machine.create(config, conn), _delete_quietly)
         ref = MachineRef(name, self.name, spec)
+        if installed is not None:
+            ref.info["packages"] = installed.line(spec.packages)
         self._register(ref, handle)
         try:
             await self._start_agent(ref, handle)
@@ -324,6 +332,16 @@ class SmolBackend(Backend):
             await self._delete_after_failure(ref)
             raise
         return ref
+
+    async def _packages(self, spec: MachineSpec) -> Installed | None:
+        """The Smolfile's packages, installed on this host for the image's Python (cached)."""
+        if not spec.packages:
+            return None
+        if self.target == "cloud":
+            raise SmolbenchError("Smolfile packages are installed on this host, which smol cloud machines can't "
+                                 "mount: remove 'packages' (pip install in a cell with the index's hosts allowed), "
+                                 "or use --target local")
+        return await asyncio.to_thread(ensure_packages, spec.packages, image_python(smol_image(spec.image)))
 
     async def _start_agent(self, ref: MachineRef, handle: Machine) -> None:
         spec = ref.spec
@@ -360,6 +378,7 @@ class SmolBackend(Backend):
             GUEST_LIB,
             "--ready",
             ready,
+            *(["--packages", GUEST_PACKAGES] if spec.packages else []),
         ]
         env = {"SMOLBENCH_MACHINE": ref.name, "PYTHONDONTWRITEBYTECODE": "1",
                "SMOLBENCH_NET_POLICY": spec.policy.describe(), **spec.env_dict}

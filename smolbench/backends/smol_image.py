@@ -9,15 +9,18 @@ directory, so one Smolfile works on both backends without a registry.
 from __future__ import annotations
 
 import os
+import re
 import tarfile
 from pathlib import Path
 
 from ..errors import SmolbenchError
 from ..images import has_python, image_dir, is_path_image, is_valid_image_name
+from ..packages import GuestPython, rootfs_python, version_python
 
 DEFAULT_IMAGE = "python:3.12-slim"
 BOOT_TIMEOUT_ENV = "SMOLBENCH_SMOL_BOOT_TIMEOUT"
 DEFAULT_BOOT_TIMEOUT = 120.0  # the SDK's own default
+_PYTHON_TAG = re.compile(r"(?:.*/)?python:(3\.\d+)(?:\.\d+)?(?:-(?!alpine)[a-z0-9.-]+)?")
 
 
 def boot_timeout() -> float:
@@ -69,3 +72,16 @@ def _local(path: Path) -> str:
         f"image path {str(path)!r} does not exist: point image at a rootfs directory or a "
         f"`docker save` archive, or use a registry image like {DEFAULT_IMAGE!r}"
     )
+
+
+def image_python(image: str) -> GuestPython:
+    """The Python an image boots with, known before it boots (what its packages are installed for):
+    read from a rootfs directory's files, or a ``python:3.N`` image's tag."""
+    if is_local(image) and Path(image).is_dir():
+        return rootfs_python(image)
+    match = _PYTHON_TAG.fullmatch(image)
+    if match:
+        return version_python(match.group(1), (2, 28))  # the official python images are Debian's: glibc >= 2.28
+    raise SmolbenchError(f"can't tell which Python image {image!r} has before it boots, so the Smolfile's "
+                         "packages can't be installed for it: use a python:3.N image, a rootfs directory, or "
+                         "an image `smolbench image build` made")

@@ -29,7 +29,7 @@ def connect(address: str | None) -> str:
     try:
         import ray
     except ImportError:
-        raise SmolbenchError("Ray is not installed: `pip install 'smolbench[ray]'`") from None
+        raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`") from None
     addr = resolve(address)
     if ray.is_initialized():
         return addr

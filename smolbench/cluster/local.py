@@ -93,7 +93,7 @@ class LocalCluster:
         try:
             from ray.cluster_utils import Cluster
         except ImportError:
-            raise SmolbenchError("Ray is not installed: `pip install 'smolbench[ray]'`") from None
+            raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`") from None
         # short: Ray's Unix socket paths live below it and must stay under 108 characters
         self.dir = Path(tempfile.mkdtemp(prefix="sbray-", dir=base or ("/tmp" if os.path.isdir("/tmp") else None)))
         self._old_tmp = os.environ.get("RAY_TMPDIR")

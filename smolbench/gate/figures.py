@@ -1,51 +1,98 @@
-"""Plotly figures from a machine, without anything that makes the browser fetch.
+"""Plotly figures from a machine, without anything that makes the browser fetch or links the page.
 
 plotly.js loads a URL wherever a figure names one: ``layout.images[].source`` and image
 traces' ``source``, a ``geojson`` given as a URL, map styles and layer sources (also in
-``layout.template`` and animation ``frames``), and CSS ``url()`` in the ``style`` of its
-pseudo-HTML text. Its ``config`` can point it at other servers (``topojsonURL``,
-``plotlyServerURL``). So: image sources must be inline ``data:`` images, geojson inline
-objects, map styles one of plotly's names, text styles pass the CSS allow-list, links
-must be absolute http(s)/mailto, and ``config`` keeps only display switches.
+``layout.template`` and animation ``frames``). Its ``config`` can point it at other servers
+(``topojsonURL``, ``plotlyServerURL``). So: image sources must be inline ``data:`` images,
+geojson inline objects, map styles one of plotly's names, and ``config`` keeps only display
+switches (and turns MathJax typesetting of text off).
+
+Every string is also text plotly may draw as its pseudo-HTML (titles, legend, annotations,
+hover and tick text, templates, menu labels, ...), where it reads ``style``, ``href``,
+``target`` and ``popup`` attributes, even right after a quote (``<a x="b"href="/api/...">``),
+and page-relative links. So tags carry no attributes: ``<b> <i> <br> <sup> <sub>`` (and
+``<extra>`` for hover templates) stay, written exactly so; a link stays only as
+``<a href="...">`` to an absolute http(s) URL, else its tag goes and its text stays; any other
+``<`` becomes ``&lt;``, which plotly shows as the same text. A string that names a CSS image
+function (``url(``, ``image-set(``, ... even through CSS escapes) is dropped.
 """
 
 from __future__ import annotations
 
+import html
 import re
 from typing import Any
 
-from .css import clean_style
 from .frames import Bad
 
 DATA_IMAGE = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=\s]*", re.IGNORECASE)
 CONFIG = frozenset({"responsive", "displayModeBar", "displaylogo", "scrollZoom", "staticPlot", "showTips",
                     "doubleClick", "modeBarButtonsToRemove", "editable", "autosizable", "fillFrame",
                     "showAxisDragHandles", "showAxisRangeEntryBoxes", "frameMargins", "locale"})
-# plotly.js pseudo-HTML: <a href=...>, <span style=...> (and target, class) inside text.
-ATTR = re.compile(r"""(\s)(style|href|target)\s*=\s*("[^"]*"|'[^']*'|[^\s>]*)""", re.IGNORECASE)
-ABSOLUTE_LINK = re.compile(r"(https?://[^\s\"'<>]+|mailto:[^\s\"'<>]+)", re.IGNORECASE)
 NAMED_STYLE = re.compile(r"[a-z][a-z0-9-]{0,40}")
 MAX_DEPTH = 64  # as for application/json: deeper breaks the tools that read the notebook
 
+# plotly.js svg_text_utils: how it splits text into tags, reads one tag and its href.
+TAG = re.compile(r"<[^<>]*>")
+NEWLINES = re.compile(r"\r\n?|\n")
+ONE_TAG = re.compile(r"<(/?)([^ >]*)(\s+(.*))?>", re.IGNORECASE | re.DOTALL)
+HREF = re.compile(r"""(^|[\s"'])href\s*=\s*("([^"]*)"|'([^']*)')""", re.IGNORECASE)
+ENTITY = re.compile(r"&(#\d+|#x[\da-fA-F]+|[a-z]+);")
+ENTITIES = {"mu": "\u03bc", "amp": "&", "lt": "<", "gt": ">", "nbsp": "\xa0", "times": "\xd7", "plusmn": "\xb1",
+            "deg": "\xb0"}
+# Tags plotly draws that carry nothing but formatting ("extra": hovertemplate's second box).
+FORMATTING = frozenset({"b", "i", "br", "sup", "sub", "extra"})
+# An absolute http(s) URL: a host, then no quote, space, brace (a %{template}), markup or backslash.
+ABSOLUTE = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?([/?#][^\s\"'<>\\{}`]*)?", re.IGNORECASE)
+CSS_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{1,6})[ \t\n\r\f]?|\\(.)", re.DOTALL)
+CSS_IMAGE = re.compile(r"(url|image|image-set|cross-fade|element|src|paint)\(")
 
-def _attr(m: re.Match[str]) -> str:
-    space, name, quoted = m.group(1), m.group(2).lower(), m.group(3)
-    value = quoted[1:-1] if quoted[:1] in "\"'" and len(quoted) >= 2 else quoted
-    if name == "style":
-        kept = clean_style(value)
-        return f'{space}style="{kept}"' if kept and '"' not in kept else ""
-    if name == "href":
-        return f'{space}href="{value}"' if ABSOLUTE_LINK.fullmatch(value) else ""
-    return f'{space}target="_blank"'
+
+def _entities(text: str) -> str:
+    """Entities decoded as plotly's ``convertEntities`` does."""
+    def one(m: re.Match[str]) -> str:
+        ref = m.group(1)
+        if ref[0] != "#":
+            return ENTITIES.get(ref, m.group(0))
+        code = int(ref[2:], 16) if ref[1] in "xX" else int(ref[1:])
+        return chr(code) if 0 < code <= 0x10FFFF and not 0xD800 <= code < 0xE000 else m.group(0)
+    return ENTITY.sub(one, text)
+
+
+def _tag(tag: str, links: list[bool]) -> str:
+    """One ``<...>`` as plotly would read it, rewritten without attributes (or escaped)."""
+    m = ONE_TAG.match(NEWLINES.sub(" ", tag))  # plotly reads newlines as spaces
+    name = m.group(2).lower() if m else ""
+    extra = (m.group(4) or "").strip() if m else ""
+    if m and name in FORMATTING and extra in ("", "/"):
+        return "<br>" if name == "br" else f"<{m.group(1)}{name}>"
+    if m and name == "a" and m.group(1):
+        return "</a>" if links and links.pop() else ""
+    if m and name == "a":
+        found = HREF.search(m.group(4) or "")
+        href = _entities(found.group(3) if found.group(3) is not None else found.group(4)) if found else ""
+        links.append(bool(ABSOLUTE.fullmatch(href)))
+        return f'<a href="{html.escape(href)}">' if links[-1] else ""
+    return tag.replace("<", "&lt;")
+
+
+def _markup(value: str) -> str:
+    out: list[str] = []
+    links: list[bool] = []  # per open <a>: whether it was kept (so its </a> is too)
+    pos = 0
+    for m in TAG.finditer(value):
+        out += [value[pos:m.start()].replace("<", "&lt;"), _tag(m.group(0), links)]
+        pos = m.end()
+    out.append(value[pos:].replace("<", "&lt;"))
+    return "".join(out)
 
 
 def _text(value: str) -> str:
-    if "<" in value:
-        value = ATTR.sub(_attr, value)
-    low = value.lower()
-    if "url(" in low or "image-set" in low or "url (" in low:
+    plain = CSS_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if m.group(1) and int(m.group(1), 16) < 0x110000
+                           else (m.group(2) or ""), value).lower()
+    if CSS_IMAGE.search(plain):
         return ""  # e.g. a colour "url(http://...)": nothing in a figure needs one
-    return value
+    return _markup(value) if "<" in value else value
 
 
 def _clean(node: Any, key: str, depth: int) -> Any:
@@ -77,4 +124,6 @@ def figure(value: Any) -> Any:
     config = value.get("config")
     if isinstance(config, dict):
         out["config"] = {k: _clean(v, k, 1) for k, v in config.items() if k in CONFIG}
+    # MathJax, where the page has it, would draw $...$ text with its own links and macros
+    out["config"] = {**out.get("config", {}), "typesetMath": False}
     return out

@@ -63,6 +63,7 @@ def main(argv=None):
     ap.add_argument("--name", default="root")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
+    ap.add_argument("--packages", default=None, help="the Smolfile's packages (a read-only folder) for sys.path")
     ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
     ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
     ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
@@ -102,6 +103,7 @@ def main(argv=None):
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids,
                                      grants_fd=args.grants_fd)
+    _module("pipsite").setup(args.packages, args.workdir)  # after containment: its folder is in the machine's workspace
     _module("netnote").watch_connects()
     agent = _module("serving").Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns

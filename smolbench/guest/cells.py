@@ -14,6 +14,7 @@ import traceback
 from . import protocol as P
 from .netnote import _net_note
 from .output import OUTPUT_KEEP, _Stream, mime_bundle
+from .pipsite import transform
 from .pulldata import _loads, _pull
 
 NUMBER_LIMIT = 1e300  # rewards and metrics: finite numbers within +-1e300
@@ -87,7 +88,7 @@ class Cells:
 
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        tree = ast.parse(code, filename, "exec")
+        tree = ast.parse(transform(code), filename, "exec")  # %pip / !pip lines; the cache above keeps what was typed
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)

@@ -27,6 +27,12 @@ class GuestAPI(types.ModuleType):
             self._agent.outbox.flush()  # text printed before the display shows before it
             self._agent.send({"t": "display", "data": mime_bundle(obj)})
 
+    def pip(self, *args):
+        """Run ``python -m pip ARGS`` in this machine (installs go to its own folder on sys.path)."""
+        from . import pipsite
+
+        return pipsite.run(args)
+
     @property
     def node(self):
         """This machine's node id in the fork tree (e.g. ``root.3``)."""

@@ -5,7 +5,7 @@ with one machine per sub-env. ``env`` is a zero-argument callable (sent into the
 with cloudpickle, as ``--push`` sends values) or the name of one already defined in the
 session's machine (what a notebook prototyped in ``%%smol`` cells). Everything the
 machine sends back crosses the gate as data and is checked against spaces rebuilt from
-data; nothing it sends is unpickled here. Needs ``pip install 'smolbench[gym]'``.
+data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbench[gym]'``.
 """
 
 from __future__ import annotations

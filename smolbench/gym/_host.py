@@ -35,10 +35,10 @@ class Host:
         if owner is None:
             return
         with contextlib.suppress(Exception):
-            if hasattr(owner, "close"):
-                owner.close()
-            else:
+            if isinstance(owner, Workbench):
                 self.run(owner.down())
+            else:  # a smolbench.Session
+                owner.__exit__(None, None, None)
 
 
 def _workbench_of(session: Any) -> Workbench | None:
@@ -93,7 +93,7 @@ def _own(smolfile: str | None) -> Host:
         session.__enter__()
         wb = _workbench_of(session)
         if wb is None:
-            session.close()
+            session.__exit__(None, None, None)
             raise SmolbenchError("this smolbench.Session has no Workbench to run gym machines on")
         return Host(wb, owner=session)
     import os

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -115,10 +116,11 @@ class Machines:
         self.described: dict[str, Any] = {}
         self.eps = [Episode(i) for i in range(num_envs)]
         self.spares: list[MachineRef] = []
-        self._branching = asyncio.Lock()
+        self._branching = asyncio.Lock()  # one fork request at a time on the warm parent (shared by siblings)
+        self._names = itertools.count()  # branch numbers under the warm parent (shared by siblings)
+        self.owns_parent = True
         self._refill: asyncio.Future[None] | None = None
         self._deleting: set[asyncio.Future[Any]] = set()
-        self._count = 0
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
@@ -190,6 +192,19 @@ class Machines:
         node.cells += setup.cells
         self._describe(described, name)
         wb._record(node)
+        await self.start_sibling()
+
+    def sibling(self, num_envs: int = 1) -> Machines:
+        """Another env on the same warm parent (an OpenEnv client's session): its own
+        machines, branched from the parent this one built; closing it leaves the parent."""
+        other = Machines(self.host, self.env, num_envs, self.mode, self.retries)
+        other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
+        other.observation_space, other.action_space = self.observation_space, self.action_space
+        other._branching, other._names, other.owns_parent = self._branching, self._names, False
+        return other
+
+    async def start_sibling(self) -> None:
+        """Make a sibling's own machines (see :meth:`sibling`)."""
         if self.mode == "in-place":
             refs = await self._branch(self.n)
             for ep, r in zip(self.eps, refs):
@@ -216,8 +231,7 @@ class Machines:
         assert self.parent is not None
         wb = self.wb
         async with self._branching:
-            names = [f"{self.parent.name}.{self._count + i}" for i in range(k)]
-            self._count += k
+            names = [f"{self.parent.name}.{next(self._names)}" for _ in range(k)]
             refs = await retry.branch(wb, self.parent, names, [None] * k, self.retries)
         for r in refs:
             wb.machines[r.name] = r
@@ -425,11 +439,11 @@ class Machines:
         self.spares.clear()
         if self._deleting:
             await asyncio.gather(*self._deleting, return_exceptions=True)
-        if self.parent is not None:
+        if self.parent is not None and self.owns_parent:
             with contextlib.suppress(Exception):
                 await self.wb.delete(self.parent.name)
-            self.parent = None
-        if self.run_id:
+        self.parent = None
+        if self.run_id and self.owns_parent:
             self.wb.ledger.end_run(self.run_id, "done")
 
 

@@ -1,0 +1,104 @@
+"""Packages inside a machine: the Smolfile's (read-only, installed by the host) and a cell's own.
+
+Stdlib only, Python 3.8+ (it runs on the machine's python3). The Smolfile's ``packages`` are
+a folder the host installed and mounted read-only; ``pip`` in a machine installs into the
+machine's own ``<workdir>/.packages`` (copy-on-write with the workspace, so each branch
+keeps its own and a checkpoint carries it). Both go on ``sys.path`` ahead of the
+interpreter's site-packages (a pinned version wins), and on ``PYTHONPATH`` for the
+processes a cell starts. ``pip`` and ``pip3`` on ``PATH`` are ``python -m pip`` of the
+agent's own interpreter (not, say, Debian's ``/usr/bin/pip``, which refuses to install:
+externally managed), and ``PIP_TARGET`` sends every install to the machine's folder (an
+install into a ``--target`` is not the system's, so pip's externally-managed check does
+not apply; ``PIP_BREAK_SYSTEM_PACKAGES`` says so to older pips). In a cell, ``%pip ...``
+and ``!pip ...`` lines run that pip, with its output in the cell.
+"""
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+TARGET = ".packages"  # in the workdir: what pip in the machine installs into
+SHIMS = ".bin"  # in the target: `pip` and `pip3` as `python -m pip` (not pip's own bin/, which it would skip)
+_LINE = re.compile(r"^([ \t]*)[%!](pip3?)(?:[ \t]+(.*))?$")
+
+
+def setup(packages, workdir):
+    """Put the Smolfile's packages (``packages``, a read-only folder, or None) and the
+    machine's own pip target on sys.path, PYTHONPATH and PATH."""
+    target = os.path.join(workdir or os.getcwd(), TARGET)
+    try:
+        os.makedirs(os.path.join(target, SHIMS), exist_ok=True)
+        _shims(os.path.join(target, SHIMS))
+    except OSError:
+        pass  # a read-only workdir: installs fail with pip's own message
+    entries = [target] + ([packages] if packages else [])
+    at = _site_index()
+    sys.path[at:at] = [p for p in entries if p not in sys.path]
+    env = os.environ
+    env["PYTHONPATH"] = os.pathsep.join(entries + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PATH"] = os.pathsep.join([os.path.join(target, SHIMS), os.path.join(target, "bin"), env.get("PATH", "")])
+    env["PIP_TARGET"] = target
+    env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # only ever into PIP_TARGET, the machine's own folder
+    env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    return target
+
+
+def _site_index():
+    """Where entries ahead of the interpreter's site-packages go (the end if it has none)."""
+    for index, entry in enumerate(sys.path):
+        if entry.rstrip("/").endswith(("site-packages", "dist-packages")):
+            return index
+    return len(sys.path)
+
+
+def _shims(folder):
+    for name in ("pip", "pip3"):
+        path = os.path.join(folder, name)
+        body = "#!/bin/sh\nexec %s -m pip \"$@\"\n" % shlex.quote(sys.executable)
+        try:
+            with open(path) as fh:
+                if fh.read() == body:
+                    continue
+        except OSError:
+            pass
+        with open(path, "w") as fh:
+            fh.write(body)
+        os.chmod(path, 0o755)
+
+
+def run(args, out=None, err=None):
+    """``python -m pip ARGS`` of this interpreter, its output written to ``out``/``err``
+    (the cell's streams); returns pip's exit code. New packages import at once."""
+    out = out or sys.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "pip"] + list(args), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for line in iter(proc.stdout.readline, b""):
+            out.write(line.decode("utf-8", "replace"))
+    finally:
+        proc.stdout.close()
+        code = proc.wait()
+    importlib.invalidate_caches()
+    if code != 0:
+        (err or sys.stderr).write("pip exited with status %d\n" % code)
+    return code
+
+
+def transform(code):
+    """A cell's ``%pip ...`` / ``!pip ...`` lines as calls of ``smolbench_guest.pip`` (same line numbers)."""
+    if "pip" not in code:
+        return code
+    lines = code.split("\n")
+    for number, line in enumerate(lines):
+        match = _LINE.match(line)
+        if match:
+            indent, rest = match.group(1), match.group(3) or ""
+            try:
+                args = shlex.split(rest, comments=True)
+            except ValueError:
+                continue  # left as it is: the cell's syntax error says where
+            lines[number] = "%ssmolbench_guest.pip(*%r)" % (indent, args)
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""A Smolfile's ``packages``: installed by pip on the host, once per list and guest Python.
+
+The host runs ``pip install --target`` into a content-addressed cache outside every machine
+(``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
+platform) and the backends mount the result read-only into every machine of that baseline,
+so machines need no network for them. pip only ever sees the requirement strings of the
+user's own Smolfile, never anything a machine made; and it installs wheels only
+(``--only-binary=:all:``), so no package's ``setup.py`` runs on the host. Installs are atomic
+(a temporary folder renamed into place) and safe to run from several kernels at once (a lock
+file per key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from .errors import SmolbenchError
+from .images import cache_dir
+
+LIB = "lib"  # the installed tree inside a cache entry: what machines see
+META = "packages.json"
+PIP_TIMEOUT = 1800.0  # seconds one install may take
+_PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
+_GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
+_MAX_LIBC_READ = 16 << 20
+
+
+def requirement_problem(text: str) -> str | None:
+    """Why ``text`` is not a pip requirement string (PEP 508), or None."""
+    if not text.strip():
+        return "is empty; remove it"
+    if text.lstrip().startswith("-"):
+        return "is a pip option, not a requirement; write a name like \"gymnasium==1.0.0\""
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "invalid"
+        return f"is not a requirement ({first}); write a name with an optional version, like \"gymnasium==1.0.0\""
+    if req.url and not urllib.parse.urlsplit(req.url).path.endswith(".whl"):
+        # pip builds a URL's source (runs its setup.py) even with --only-binary=:all:
+        return ("points at a source archive or folder, which pip would build on the host by running its code; "
+                "point it at a .whl file, or name a package of the index")
+    return None
+
+
+@dataclass(frozen=True)
+class GuestPython:
+    """The Python a machine runs, as far as wheels care: version, ABI and platform."""
+
+    major: int
+    minor: int
+    machine: str  # x86_64, aarch64
+    glibc: tuple[int, int] | None  # None: not known (manylinux wheels up to 2.17 then)
+    native: bool  # it is this kernel's own interpreter: pip installs for it as it is
+
+    @property
+    def tag(self) -> str:
+        libc = f"glibc{self.glibc[0]}.{self.glibc[1]}" if self.glibc else "glibc?"
+        return f"cp{self.major}{self.minor}-{self.machine}-{libc}"
+
+    def platforms(self) -> list[str]:
+        """The manylinux platform tags this guest accepts, newest first."""
+        top = self.glibc[1] if self.glibc and self.glibc[0] == 2 else 17
+        tags = [f"manylinux_2_{n}_{self.machine}" for n in range(max(top, 17), 4, -1)]
+        return tags + [f"manylinux2014_{self.machine}", f"manylinux2010_{self.machine}",
+                       f"manylinux1_{self.machine}", f"linux_{self.machine}"]
+
+    def pip_target_args(self) -> list[str]:
+        """pip options that install for this guest from a different interpreter (wheels only)."""
+        if self.native:
+            return []
+        args = ["--python-version", f"{self.major}.{self.minor}", "--implementation", "cp",
+                "--abi", f"cp{self.major}{self.minor}", "--abi", "abi3", "--abi", "none"]
+        for plat in self.platforms():
+            args += ["--platform", plat]
+        return args
+
+
+def host_python() -> GuestPython:
+    """This kernel's own interpreter (the sandbox and process backends without an image)."""
+    name, version = platform.libc_ver()
+    parts = re.match(r"(\d+)\.(\d+)", version) if name == "glibc" else None
+    glibc = (int(parts.group(1)), int(parts.group(2))) if parts else None
+    return GuestPython(sys.version_info[0], sys.version_info[1], os.uname().machine, glibc, native=True)
+
+
+def rootfs_python(rootfs: str | os.PathLike[str]) -> GuestPython:
+    """The Python of a rootfs image, read from its files (nothing of the image runs here)."""
+    root = Path(rootfs)
+    found: list[tuple[int, int]] = []
+    for lib in ("usr/lib", "usr/local/lib"):
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(root / lib):
+                match = _PY_DIR_RE.fullmatch(entry)
+                if match and (root / lib / entry / "os.py").is_file():
+                    found.append((int(match.group(1)), int(match.group(2))))
+    if not found:
+        raise SmolbenchError(f"can't tell which Python the image {str(root)!r} has (no usr/lib/python3.N/os.py): "
+                             "install python3 in it, or remove 'packages' from the Smolfile")
+    major, minor = max(found)
+    return GuestPython(major, minor, os.uname().machine, _rootfs_glibc(root), native=False)
+
+
+def _rootfs_glibc(root: Path) -> tuple[int, int] | None:
+    for rel in ("usr/lib/x86_64-linux-gnu/libc.so.6", "lib/x86_64-linux-gnu/libc.so.6",
+                "usr/lib/aarch64-linux-gnu/libc.so.6", "lib/aarch64-linux-gnu/libc.so.6", "usr/lib64/libc.so.6"):
+        path = root / rel
+        with contextlib.suppress(OSError):
+            real = Path(os.path.realpath(path))
+            if not str(real).startswith(str(root.resolve()) + "/") or not real.is_file():
+                continue  # a link that leaves the image says nothing about it
+            with open(real, "rb") as fh:
+                data = fh.read(_MAX_LIBC_READ)
+            minors = [int(m) for m in _GLIBC_RE.findall(data)]
+            if minors:
+                return (2, max(minors))
+    return None
+
+
+def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestPython:
+    """A guest Python known only by its version (a registry image like ``python:3.12-slim``)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return GuestPython(major, minor, os.uname().machine, glibc, native=False)
+
+
+def key(requirements: tuple[str, ...], guest: GuestPython) -> str:
+    """The cache key: the requirement list (as written, in order), the guest's Python and platform."""
+    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native}, sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A cache entry: ``lib`` goes on the guest's sys.path."""
+
+    lib: Path
+    cached: bool
+    seconds: float  # this call's install time (0 when cached)
+    count: int  # distributions in it
+
+    def line(self, requirements: tuple[str, ...]) -> str:
+        """What ``up`` says about it (one line)."""
+        what = (f"{len(requirements)} requirement{'s' if len(requirements) != 1 else ''}, "
+                f"{self.count} distribution{'s' if self.count != 1 else ''}")
+        if self.cached:
+            return f"packages: cached ({what}; {self.lib.parent})"
+        return f"packages: installed in {self.seconds:.1f} s ({what}; cached in {self.lib.parent}, reused by later ups)"
+
+
+def packages_root() -> Path:
+    """Where installed package lists live (one folder per key)."""
+    return cache_dir() / "packages"
+
+
+def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | None = None) -> Installed:
+    """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now."""
+    root = packages_root()
+    digest = key(requirements, guest)
+    entry = root / digest
+    if (entry / META).is_file():
+        return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{digest}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another kernel installing the same list: wait for it, then reuse
+        if (entry / META).is_file():
+            return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+        started = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
+        try:
+            _pip(requirements, guest, tmp / LIB, log)
+            _readable(tmp)
+            took = time.monotonic() - started
+            meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
+                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            (tmp / META).write_text(json.dumps(meta) + "\n")
+            if entry.exists():  # a half-made entry of an older version: replaced whole
+                shutil.rmtree(entry)
+            os.rename(tmp, entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return Installed(entry / LIB, False, took, _count(entry / LIB))
+
+
+def pip_command(requirements: tuple[str, ...], guest: GuestPython, target: Path) -> list[str]:
+    """The host's pip call: wheels only, into ``target``, never asking anything."""
+    return [sys.executable, "-m", "pip", "install", "--target", str(target), "--only-binary=:all:",
+            "--no-input", "--disable-pip-version-check", "--no-warn-script-location", "--quiet",
+            *guest.pip_target_args(), "--", *requirements]
+
+
+def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: list[str] | None) -> None:
+    for text in requirements:  # the parser checked them; this is the last line before pip
+        problem = requirement_problem(text)
+        if problem:
+            raise SmolbenchError(f"Smolfile packages entry {text!r} {problem}")
+    env = dict(os.environ)
+    env.pop("PIP_TARGET", None)
+    env.pop("PYTHONPATH", None)
+    tail: deque[str] = deque(maxlen=40)
+    try:
+        proc = subprocess.run(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, errors="replace", env=env, timeout=PIP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
+                             "check the host's network to the package index, or shorten the list") from None
+    tail.extend(ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip())
+    if log is not None:
+        log.extend(tail)
+    if proc.returncode != 0:
+        errors = [ln for ln in tail if ln.startswith("ERROR")] or list(tail) or ["no output"]
+        why = errors[-1][:300]
+        hint = (f"; a package without a wheel for this Python (cp{guest.major}{guest.minor}) can't be installed "
+                "(wheels only: no setup.py runs on the host), so pick a version that has one")
+        if "Could not find a version" not in why and "No matching distribution" not in why:
+            hint = "; fix the Smolfile's packages (or the host's network to the package index)"
+        raise SmolbenchError(f"pip could not install the Smolfile's packages: {why}{hint}")
+
+
+def _readable(tree: Path) -> None:
+    """Folders 0755 and files 0644 (or 0755): the sandbox uid reads them, whatever the kernel's umask."""
+    for dirpath, _dirs, filenames in os.walk(tree):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                mode = os.stat(path).st_mode
+                os.chmod(path, 0o755 if mode & 0o100 else 0o644)
+
+
+def _count(lib: Path) -> int:
+    try:
+        return sum(1 for name in os.listdir(lib) if name.endswith(".dist-info"))
+    except OSError:
+        return 0

@@ -1,0 +1,240 @@
+"""A Smolfile's ``packages``: pip on the host, once per list and guest Python, mounted read-only;
+and ``pip`` / ``%pip`` inside a machine installing where that machine imports from.
+
+The kernel tests run on a Python in a private (0700) folder (``private_python`` of
+tests/test_fresh_machine.py), as on a fresh machine as root, and again as smolci (.ci/run).
+``tomli-w`` stands for a real package: small, pure Python, and nowhere on this host, so an
+import that works shows where it came from. The one test that leaves the host is
+``test_pip_in_a_machine_fetches_a_package_by_name``: its machine may reach the package
+index's hosts only (the names pip uses here: ``pip config list`` shows the default index,
+pypi.org, whose files are on files.pythonhosted.org).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+from nbhelpers import NotebookSession, error_text, result_text, stream_text
+from test_fresh_machine import _image_cache, private_python  # noqa: F401 - the fixture
+
+from smolbench import packages
+from smolbench.errors import SmolbenchError, SmolfileError
+from smolbench.smolfile import parse_smolfile
+from smolbench.spec import MachineSpec
+
+PKG = "tomli-w==1.2.0"
+INDEX_HOSTS = "pypi.org,files.pythonhosted.org"
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The smolbench cache in a folder of this test's own (never ~/.cache)."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(path))
+    return path
+
+
+def test_the_packages_key_takes_pip_requirements_and_says_what_is_wrong_in_one_line() -> None:
+    spec = parse_smolfile(f'packages = ["{PKG}", "numpy>=1.24; python_version >= \'3.9\'", "{PKG}"]\n')
+    assert spec.packages == (PKG, "numpy>=1.24; python_version >= '3.9'")
+    assert MachineSpec().baseline() == parse_smolfile("").baseline()  # no key: baselines as before
+    assert spec.baseline() != parse_smolfile(f'packages = ["{PKG}"]\n').baseline()
+    for text, said in [
+        ('packages = "numpy"', "Smolfile line 1: 'packages' must be an array of pip requirement strings like"),
+        ("packages = [3]", "Smolfile line 1: 'packages' entry 1 must be a requirement string"),
+        ('packages = [\n  "numpy",\n  "numpy>>1",\n]', "Smolfile line 3: 'packages' entry 'numpy>>1' is not a requirement ("),
+        ('packages = ["-e ."]', "Smolfile line 1: 'packages' entry '-e .' is a pip option, not a requirement"),
+        ('packages = [""]', "Smolfile line 1: 'packages' entry '' is empty; remove it"),
+        ('pacakges = ["numpy"]', "did you mean 'packages'?"),
+    ]:
+        with pytest.raises(SmolfileError) as err:
+            parse_smolfile(text)
+        assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_install_is_made_once_then_reused_even_by_kernels_asking_at_once(cache: Path) -> None:
+    guest = packages.host_python()
+    results: list[packages.Installed] = []
+    threads = [threading.Thread(target=lambda: results.append(packages.ensure((PKG,), guest))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.cached for r in results) == [False, True, True]  # one pip run; the others waited, then reused it
+    assert len({r.lib for r in results}) == 1
+    lib = results[0].lib
+    assert (lib / "tomli_w" / "__init__.py").is_file() and results[0].count == 1
+    assert oct(lib.stat().st_mode & 0o777) == "0o755"
+    assert [p.name for p in (cache / "packages").iterdir() if ".tmp-" in p.name] == []  # nothing half made
+    again = packages.ensure((PKG,), guest)
+    assert again.cached and again.lib == lib and again.line((PKG,)).startswith("packages: cached (1 requirement")
+    # the key covers the list and the guest's Python: another of either is another entry
+    assert packages.key((PKG, "six"), guest) != packages.key((PKG,), guest)
+    assert packages.key((PKG,), packages.version_python("3.12")) != packages.key((PKG,), guest)
+
+
+def test_pip_on_the_host_installs_wheels_only_so_no_setup_py_runs(cache: Path, tmp_path: Path) -> None:
+    """The attack: a requirement whose only form is an sdist, its setup.py writing a file when run.
+    pip is asked for wheels only, so the install fails in one line and the file never appears."""
+    marker = tmp_path / "setup-py-ran"
+    src = tmp_path / "evil-0.1"
+    src.mkdir()
+    (src / "setup.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom setuptools import setup\nsetup(name='evil', version='0.1')\n")
+    sdist = tmp_path / "evil-0.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname="evil-0.1")
+    # pip builds a URL's source even with --only-binary=:all: (seen with the check left out: the
+    # marker appeared), so such a requirement never reaches pip: the Smolfile refuses it, in one line
+    with pytest.raises(SmolfileError) as bad:
+        parse_smolfile(f'packages = ["evil @ file://{sdist}"]\n')
+    assert "points at a source archive or folder, which pip would build on the host" in str(bad.value)
+    with pytest.raises(SmolbenchError) as err:  # and so does the last check before pip
+        packages.ensure((f"evil @ file://{sdist}",), packages.host_python())
+    assert "\n" not in str(err.value)
+    # a name whose index has only an sdist: --only-binary, so pip finds nothing to install
+    index = tmp_path / "index" / "evil"
+    index.mkdir(parents=True)
+    shutil.copy(sdist, index / sdist.name)
+    (index / "index.html").write_text(f'<a href="{sdist.name}">{sdist.name}</a>')
+    os.environ["PIP_INDEX_URL"] = f"file://{tmp_path / 'index'}"
+    try:
+        with pytest.raises(SmolbenchError) as err:
+            packages.ensure(("evil==0.1",), packages.host_python())
+    finally:
+        del os.environ["PIP_INDEX_URL"]
+    assert str(err.value).startswith("pip could not install the Smolfile's packages: ") and "\n" not in str(err.value)
+    assert "wheels only: no setup.py runs on the host" in str(err.value), str(err.value)
+    assert not marker.exists()
+    assert [p.name for p in (cache / "packages").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_an_images_python_is_read_from_its_files(tmp_path: Path) -> None:
+    root = tmp_path / "rootfs"
+    (root / "usr" / "lib" / "python3.11").mkdir(parents=True)
+    (root / "usr" / "lib" / "python3.11" / "os.py").write_text("")
+    (root / "usr" / "lib" / "python3.9").mkdir()  # a leftover folder without a stdlib in it
+    libc = root / "usr" / "lib" / "x86_64-linux-gnu" / "libc.so.6"
+    libc.parent.mkdir(parents=True)
+    libc.write_bytes(b"\x7fELF...GLIBC_2.17\0GLIBC_2.36\0GLIBC_PRIVATE\0")
+    guest = packages.rootfs_python(root)
+    assert (guest.major, guest.minor, guest.glibc, guest.native) == (3, 11, (2, 36), False)
+    args = guest.pip_target_args()
+    assert args[:2] == ["--python-version", "3.11"] and "manylinux_2_36_x86_64" in args or guest.machine != "x86_64"
+    with pytest.raises(SmolbenchError, match="can't tell which Python the image"):
+        packages.rootfs_python(tmp_path)
+
+
+def _smolfile(work: Path, text: str) -> None:
+    (work / "Smolfile").write_text(text)
+
+
+@needs_bwrap
+def test_smolfile_packages_import_with_the_network_off_read_only_in_every_branch(
+        private_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    top = private_python
+    monkeypatch.setenv("JUPYTER_PATH", str(top / "share" / "jupyter"))
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(top / "cache"))  # inside the 0700 folder: staged for a root kernel
+    _smolfile(top / "work", f'packages = ["{PKG}"]\n')
+    with NotebookSession(top / "work", timeout=300, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        up = nb.run("%smol up --backend sandbox")
+        said = stream_text(up)
+        assert not error_text(up), error_text(up)
+        assert "network off" in said and "smolbench: packages: installed in " in said, said
+        cell = nb.run("%%smol\nimport tomli_w\ntomli_w.dumps({'a': 1}), tomli_w.__file__")
+        assert result_text(cell).startswith("('a = 1\\n', '/run/smolbench-packages/tomli_w/"), error_text(cell)
+        # read-only: a cell can't change what every branch (and every later machine) imports
+        cell = nb.run("%%smol\nopen('/run/smolbench-packages/tomli_w/__init__.py', 'a')")
+        assert "Error: [Errno" in error_text(cell), error_text(cell)  # EROFS, or EACCES first for a root kernel's files
+        cell = nb.run("%%smol\n[ln.split()[5].split(',')[0] for ln in open('/proc/self/mountinfo') "
+                      "if ln.split()[4] == '/run/smolbench-packages']")
+        assert result_text(cell) == "['ro']", result_text(cell) + error_text(cell)
+        nb.run("%%smol fork 2 --quiet --out res\nimport tomli_w\nreward = float(len(tomli_w.dumps({'k': SEED})))")
+        assert result_text(nb.run("sorted(res.rewards.values())")) == "[6.0, 6.0]"
+        nb.run("%smol down")
+        up = nb.run("%smol up --backend sandbox")
+        assert "smolbench: packages: cached (1 requirement" in stream_text(up), stream_text(up)
+        nb.run("%smol down")
+
+
+@needs_bwrap
+def test_packages_on_an_image_with_its_own_python_and_its_pip(
+        private_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """debian:bookworm's Python 3.11 is read from its files; pip installs for it on the host; the image
+    carries pip, and `pip install` there goes to the machine's folder, not to Debian's refusal."""
+    top = private_python
+    cache = _image_cache(top)
+    if cache is None:
+        pytest.skip("building debian:bookworm needs root and debootstrap")
+    monkeypatch.setenv("JUPYTER_PATH", str(top / "share" / "jupyter"))
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(cache))
+    _smolfile(top / "work", f'image = "debian:bookworm"\npackages = ["{PKG}"]\n')
+    with NotebookSession(top / "work", timeout=300, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        up = nb.run("%smol up --backend sandbox")
+        assert not error_text(up), error_text(up)
+        assert "smolbench: packages: installed in " in stream_text(up), stream_text(up)
+        cell = nb.run("%%smol\nimport sys, tomli_w, subprocess\n"
+                      "out = subprocess.run(['pip', 'install', '--no-index', 'tomli-w'], capture_output=True, text=True)\n"
+                      "(sys.executable, tomli_w.__file__.split('/')[2], 'externally-managed' in out.stderr, "
+                      "'No matching distribution' in out.stderr)")
+        assert result_text(cell) == "('/usr/bin/python3', 'smolbench-packages', False, True)", error_text(cell)
+        nb.run("%smol down")
+
+
+def test_the_pip_command_asks_for_wheels_only_and_the_guests_tags() -> None:
+    guest = packages.version_python("3.12", (2, 28))
+    cmd = packages.pip_command((PKG,), guest, Path("/x"))
+    assert cmd[:4] == [sys.executable, "-m", "pip", "install"] and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[-2:] == ["--", PKG]
+    assert "--platform" in cmd and f"manylinux_2_28_{os.uname().machine}" in cmd
+    assert "--python-version" not in packages.pip_command((PKG,), packages.host_python(), Path("/x"))
+    assert subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
+
+
+def test_a_microvm_mounts_the_packages_installed_for_its_images_python(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smol: the image's Python is known before it boots (python:3.12-slim: 3.12), pip installs for
+    it on the host (wheels for cp312), and the tree is a read-only mount on the agent's sys.path."""
+    from fakesmol import fake_host
+    from smol import MountSpec
+
+    from smolbench import _loop
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.smol import SmolBackend
+    from smolbench.backends.smol_image import image_python
+
+    assert image_python("python:3.12-slim").tag.startswith("cp312-")
+    with pytest.raises(SmolbenchError, match="can't tell which Python image 'alpine:3' has before it boots"):
+        image_python("alpine:3")
+
+    async def boot(b: SmolBackend) -> tuple[dict[str, object], str]:
+        ref = await b.create(MachineSpec(packages=(PKG,)), "root")
+        try:
+            res = await b.exec_cell(ref, CellRequest(code="import tomli_w; tomli_w.dumps({'a': 1})", cell_name="<c>"),
+                                    lambda e: None)
+            return ref.info, str((res.result or {}).get("text/plain"))
+        finally:
+            await b.close()
+
+    fake = fake_host(monkeypatch)
+    host = next(fake)
+    try:
+        info, text = _loop.run(boot(SmolBackend(probe=False, session="t")))
+    finally:
+        fake.close()
+    [mount] = host.cls.create.call_args.args[0].mounts
+    assert mount == MountSpec(source=mount.source, target="/opt/smolbench-packages", read_only=True)
+    assert mount.source.startswith(str(cache / "packages")) and text == "'a = 1\\n'", text
+    assert str(info["packages"]).startswith("packages: installed in ")
+    cloud = SmolBackend(probe=False, session="t", target="cloud")
+    with pytest.raises(SmolbenchError, match="can't mount: remove 'packages'"):
+        _loop.run(cloud._packages(MachineSpec(packages=(PKG,))))
