@@ -9,12 +9,26 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from .errors import CompositeError, RemoteError
-from .tree import TERMINAL
+from .tree import TERMINAL, best_key
 
 if TYPE_CHECKING:
     import pandas as pd
 
 COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "error", "attempts")
+
+
+REASON_CHARS = 160  # a failed branch's reason in the table and summary (the full text is in .failed)
+# Status colours with at least 4.5:1 contrast: on white, and on JupyterLab's dark theme
+# (``body[data-jp-theme-light="false"]``, as widgets/static.py does for the tree).
+STATUS_COLORS = {"ok": "#1a7f37", "error": "#cf222e", "timeout": "#9a6700", "cancelled": "#59636e"}
+STATUS_COLORS_DARK = {"ok": "#3fb950", "error": "#f85149", "timeout": "#d29922", "cancelled": "#9198a1"}
+
+
+def reason(row: dict[str, Any]) -> str:
+    """Why a branch failed, as one short line (its error's last line: ``MemoryError: ...``)."""
+    lines = [ln.strip() for ln in str(row.get("error") or "").splitlines() if ln.strip()]
+    text = lines[-1] if lines else str(row.get("status") or "")
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -44,6 +58,7 @@ class ForkResult:
         self.kept: list[str] = []
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
         self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
+        self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         self.started = time.time()
         self.ended: float | None = None
         self._future: Future[Any] | None = None
@@ -102,7 +117,7 @@ class ForkResult:
     def best(self) -> dict[str, Any] | None:
         """The row with the highest reward among branches that finished ok."""
         ok = [r for r in self.rows.values() if r["status"] == "ok" and r["reward"] is not None]
-        return max(ok, key=lambda r: r["reward"]) if ok else None
+        return min(ok, key=lambda r: best_key(r["branch"], r["reward"])) if ok else None
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -131,9 +146,27 @@ class ForkResult:
             parts.append(f"in {self.ended - self.started:.2f} s")
         if self.kept:
             parts.append(f"kept alive: {', '.join(self.kept)}")
+        failed = [r for r in self.failed if r["status"] != "cancelled"]  # a cancel says nothing more
+        if failed:
+            first = failed[0]
+            more = f" (and {len(failed) - 1} more: see the table)" if len(failed) > 1 else ""
+            parts.append(f"failed: [{first['branch']}] {reason(first)}{more}")
         if self.unrewarded:
             parts.append(self.unrewarded)
+        if self.same_reward:
+            parts.append(self.same_reward)
         return " · ".join(parts)
+
+    @property
+    def same_reward(self) -> str:
+        """What to say when every branch of a fork reported one and the same reward ("" otherwise)."""
+        rewards = [r["reward"] for r in self.rows.values() if r["status"] == "ok" and r["reward"] is not None]
+        if self.kind != "fork" or len(rewards) < 2 or len(rewards) < len(self.rows) or len(set(rewards)) != 1:
+            return ""
+        why = ("--no-reseed left the random streams made before the fork as they were"
+               if not self.reseed else "their random streams may not depend on SEED")
+        return (f"all {len(rewards)} branches reported the same reward {rewards[0]:.6g}: {why} "
+                "(seed yours from SEED: np.random.default_rng(SEED), env.reset(seed=SEED))")
 
     @property
     def unrewarded(self) -> str:
@@ -189,26 +222,34 @@ class ForkResult:
         for r in self.rows.values():
             rew = "" if r["reward"] is None else f"{r['reward']:.6g}"
             wall = "" if r["wall"] is None else f"{r['wall']:.2f}s"
-            lines.append(f"  {r['branch']:<14} seed={r['seed']!s:<6} {_status(r):<9} {rew:>12} {wall:>8}")
+            why = f"  {reason(r)}" if r["status"] in ("error", "timeout", "cancelled") else ""
+            lines.append(f"  {r['branch']:<14} seed={r['seed']!s:<6} {_status(r):<9} {rew:>12} {wall:>8}{why}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         best = self.best
-        head = "".join(f"<th>{c}</th>" for c in ("branch", "seed", "status", "reward", "wall (s)", "metrics"))
+        failed = bool(self.failed)
+        cols = ("branch", "seed", "status", "reward", "wall (s)", "metrics") + (("why it failed",) if failed else ())
+        head = "".join(f"<th>{c}</th>" for c in cols)
         body = []
-        colors = {"ok": "#1a7f37", "error": "#cf222e", "timeout": "#9a6700", "cancelled": "#6e7781"}
         for r in self.rows.values():
             style = ' style="font-weight:bold"' if best is not None and r["branch"] == best["branch"] else ""
             rew = "" if r["reward"] is None or (isinstance(r["reward"], float) and math.isnan(r["reward"])) else f"{r['reward']:.6g}"
             wall = "" if r["wall"] is None else f"{r['wall']:.2f}"
             metrics = ", ".join(f"{k}={v}" for k, v in (r["metrics"] or {}).items())
-            color = colors.get(r["status"], "inherit")
+            status = str(r["status"])
+            color = STATUS_COLORS.get(status, "inherit")
+            why = ""
+            if failed:
+                why = f"<td>{html.escape(reason(r))}</td>" if status in ("error", "timeout", "cancelled") else "<td></td>"
             body.append(
                 f"<tr{style}><td>{html.escape(r['branch'])}</td><td>{r['seed']}</td>"
-                f"<td style='color:{color}'>{html.escape(_status(r))}</td><td>{rew}</td><td>{wall}</td>"
-                f"<td>{html.escape(metrics)}</td></tr>"
+                f"<td class='sb-st-{html.escape(status)}' style='color:{color}'>{html.escape(_status(r))}</td>"
+                f"<td>{rew}</td><td>{wall}</td><td>{html.escape(metrics)}</td>{why}</tr>"
             )
+        dark = "".join(f'body[data-jp-theme-light="false"] .smolbench-forkresult .sb-st-{k}{{color:{v} !important}}'
+                       for k, v in STATUS_COLORS_DARK.items())
         return (
-            f"<div class='smolbench-forkresult'><p>{html.escape(self.summary())}</p>"
+            f"<div class='smolbench-forkresult'><style>{dark}</style><p>{html.escape(self.summary())}</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
         )

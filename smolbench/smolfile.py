@@ -650,10 +650,17 @@ def parse_smolfile(text: str, source: str = "Smolfile", base_dir: str | None = N
     return _Parser(text, source, base_dir).parse()
 
 
+def shown(path: str | os.PathLike[str]) -> str:
+    """How errors name a Smolfile: ``./Smolfile`` for one in the current folder (so a file
+    the user forgot about is recognisable), else the path as given."""
+    text = str(path)
+    return text if os.sep in text or text.startswith("~") else f".{os.sep}{text}"
+
+
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The Smolfile's ``[cluster]`` table, checked ({} when it has none)."""
     file = Path(path).expanduser()
-    parser = _Parser(file.read_text(encoding="utf-8"), str(file), str(file.resolve().parent))
+    parser = _Parser(file.read_text(encoding="utf-8"), shown(path), str(file.resolve().parent))
     data = parser.load()
     return parser.cluster(data["cluster"]) if "cluster" in data else {}
 
@@ -661,12 +668,13 @@ def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
     """Read and parse the Smolfile at ``path`` (relative paths start at its directory)."""
     file = Path(path).expanduser()
+    name = shown(path)
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SmolfileError(f"{file}: no such Smolfile; create it or fix the path") from None
+        raise SmolfileError(f"{name}: no such Smolfile; create it or fix the path") from None
     except UnicodeDecodeError:
-        raise SmolfileError(f"{file}: not UTF-8 text; save the Smolfile as UTF-8") from None
+        raise SmolfileError(f"{name}: not UTF-8 text; save the Smolfile as UTF-8") from None
     except OSError as exc:
-        raise SmolfileError(f"{file}: cannot read the Smolfile ({exc.strerror})") from None
-    return parse_smolfile(text, source=str(file), base_dir=str(file.resolve().parent))
+        raise SmolfileError(f"{name}: cannot read the Smolfile ({exc.strerror})") from None
+    return parse_smolfile(text, source=name, base_dir=str(file.resolve().parent))

@@ -104,7 +104,7 @@ class Tree:
         scored = [n for n in self.nodes.values() if n.reward is not None and n.status == "ok"]
         if not scored:
             return []
-        best = max(scored, key=lambda n: n.reward if n.reward is not None else float("-inf"))
+        best = min(scored, key=lambda n: best_key(n.id, n.reward))
         return [n.id for n in self.path(best.id)]
 
     def render(self, active: str | None = None) -> str:
@@ -137,6 +137,18 @@ class Tree:
         for root in [n for n in self.nodes.values() if n.parent is None]:
             walk(root, "", True, True)
         return "\n".join(lines)
+
+
+def id_key(node_id: str) -> tuple[tuple[int, int | str], ...]:
+    """A node id's natural order: root.2 before root.10, ep3 before ep10."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in node_id.replace("-", ".").split("."))
+
+
+def best_key(node_id: str, reward: float | None) -> tuple[float, tuple[tuple[int, int | str], ...]]:
+    """The one rule for "best" (``min`` of this): the highest reward, and on a tie the branch
+    first in natural order. ★best, Replay, ``%smol use best`` and ``--keep best`` all use it;
+    the sidebar's tree.ts and the server's run summary follow it too."""
+    return (-(reward if reward is not None else float("-inf")), id_key(node_id))
 
 
 def where_text(where: str | None, kind: str | None = None, host: str | None = None,

@@ -29,6 +29,7 @@ from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
+from .shelf import Shelf
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree, where_text
 from .zygote import Zygotes
@@ -66,7 +67,9 @@ class Workbench(CheckpointsMixin):
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None
         self.started = time.time()
-        self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
+        self.checkpoint_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        self.shelf = Shelf(ledger, self.checkpoint_dir)  # every checkpoint file goes through its rule
+        self.restore_notes: list[str] = []
         self.guest_info: dict[str, Any] = {}
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
@@ -447,10 +450,12 @@ class Workbench(CheckpointsMixin):
         return max(1, min(n, 4 * cores if live else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                 concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
+                 concurrency: int | None = None, keep: str = "best", parent: str | None = None,
+                 reseed: bool = True) -> ForkResult:
         """Validate a fork request and lay out its branches (run it with :meth:`fork`).
 
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
+        ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
         n = self._check_fanout(n, seeds, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
@@ -463,10 +468,11 @@ class Workbench(CheckpointsMixin):
         self._runs += 1
         result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
         result.keep = keep
+        result.reseed = reseed
         return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                     concurrency: int | None = None) -> ForkResult:
+                     concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
         n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
@@ -474,7 +480,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         self._runs += 1
         names = [f"ep{self._runs}.{i}" for i in range(n)]
-        return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result = ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result.reseed = reseed
+        return result
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                    concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
@@ -501,7 +509,8 @@ class Workbench(CheckpointsMixin):
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
                               code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
+                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency,
+                                       "reseed": result.reseed})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
         for node in nodes:
@@ -664,7 +673,7 @@ class Workbench(CheckpointsMixin):
         self._record(node)
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
-                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed,
+                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
                           trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
@@ -815,7 +824,7 @@ class Workbench(CheckpointsMixin):
             "isolation": self.backend.isolation,
             "active": self.active,
             "machine": _machine_text(self.tree[ref.name] if ref and ref.name in self.tree else None, ref),
-            "image": self.spec.image or _default_image(self.backend.name),
+            "image": self.spec.image or getattr(self.backend, "image_default", None) or _default_image(self.backend.name),
             "baseline": self.baseline,
             "network": self._network_text(),
             "trusted": "ON: pulls unpickled, output raw (`%smol trust off`)" if self.trusted else "off",
@@ -848,6 +857,10 @@ def _out_of_memory(res: CellResult) -> bool:
 
 
 def _default_image(backend: str) -> str | None:
+    if backend == "smol":
+        from .backends.smol_image import DEFAULT_IMAGE
+
+        return f"(backend default: {DEFAULT_IMAGE})"
     return {"sandbox": "(backend default: host system, read-only)", "process": "(none: the host itself)"}.get(backend)
 
 

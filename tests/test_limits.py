@@ -574,7 +574,7 @@ def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weak
         return
     assert "live_machines  9 (root, root.42, root.43" in status and "kept 8 of max_alive 8" in status
     assert "host memory RSS" in status and "PSS" in status
-    notices = [ln for ln in stream_text(cell, "stderr").splitlines() if "deleted idle kept machine" in ln]
+    notices = [ln for ln in stream_text(cell, "stdout").splitlines() if "deleted idle kept machine" in ln]
     assert len(notices) == 42 and notices[0].startswith("smolbench: deleted idle kept machine root.0 ")
     assert "identical" in replay
     assert live > 0

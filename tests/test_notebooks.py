@@ -33,11 +33,14 @@ from nbhelpers import (
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_episodes.ipynb", "04_checkpoints.ipynb",
-             "05_scale_out.ipynb"]
+             "05_scale_out.ipynb", "07_training.ipynb"]
 RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
 TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
-BUDGETS = {"05_scale_out.ipynb": 360.0}  # starts a four-process Ray cluster first (60-90 s on a busy 2-core host)
+# 05 starts a four-process Ray cluster first (60-90 s on a busy 2-core host); 07 trains on 4 machines, a branch per episode
+BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
+UPS = {"05_scale_out.ipynb": "%smol up --ray auto"}  # joins the cluster it starts (no Smolfile left behind)
+LEAVES_NOTHING = {"05_scale_out.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
@@ -213,10 +216,27 @@ def check_scale_out(nb: NotebookNode) -> None:
     assert [int(x) for x in re.findall(r"\s(\d+)$", per_node, re.M)] == [4, 4, 4]
     status = stream_text(cell(nb, "%smol status"))
     assert status.count("replica of root (") == 2 and status.count(": up, 4 slots") == 3
+    # what the nodes run, in their own words: not a microVM's limits, no pointer to itself, an image
+    lines = {ln.split(None, 1)[0]: ln.split(None, 1)[1] for ln in status.splitlines() if len(ln.split(None, 1)) == 2}
+    assert lines["isolation"] == "per node: sandbox on 3 nodes", status
+    assert lines["limits"].startswith("on each of the 3 sandbox nodes: ") and "microVM" not in lines["limits"], status
+    assert lines["image"] == "(each node's backend default: sandbox: host system, read-only)", status
     assert len(re.findall(r"root -> node \w+: \d+ B of recorded cells replayed in [\d.]+ s, fingerprint \w+",
                           stream_text(cell(nb, "replicas = ")))) == 2
     assert "24 episodes on 3 nodes, 0 machines still alive" in stream_text(cell(nb, "rows = ledger"))
     assert "the local cluster is stopped" in stream_text(nb.cells[-1])
+
+
+def check_training(nb: NotebookNode) -> None:
+    assert "(5, 1.0, True)" in result_text(cell(nb, "%%smol\nimport gymnasium"))  # the prototype reached the goal
+    trained = stream_text(cell(nb, "%run train.py"))
+    first, last = (float(x) for x in re.findall(r"of the (?:first|last) 8: (-?[\d.]+)", trained))
+    assert last > first and "greedy policy: → → → → →" in trained, trained
+    episodes = int(re.search(r"^(\d+) episodes;", trained, re.M).group(1))  # type: ignore[union-attr]
+    said = stream_text(cell(nb, "import os"))
+    assert f"{episodes} training episodes in the ledger" in said and "0 machines still alive" in said, said
+    assert cell(nb, "%smol tree").outputs and cell(nb, "%smol plot").outputs
+    assert "deleted" in stream_text(cells(nb, "%smol down")[-1])
 
 
 CHECKS: dict[str, Callable[[NotebookNode], None]] = {
@@ -225,6 +245,7 @@ CHECKS: dict[str, Callable[[NotebookNode], None]] = {
     "03_disposable_episodes.ipynb": check_disposable_episodes,
     "04_checkpoints.ipynb": check_checkpoints,
     "05_scale_out.ipynb": check_scale_out,
+    "07_training.ipynb": check_training,
 }
 
 
@@ -248,7 +269,7 @@ def test_notebook_is_committed_clean(name: str) -> None:
         if c.cell_type == "code":
             assert c.outputs == [] and c.execution_count is None, f"stored output in {c.source[:40]!r}"
     ups = [c.source for c in nb.cells if c.cell_type == "code" and "%smol up" in c.source]
-    assert ups and all(s == "%smol up" for s in ups), ups
+    assert ups and all(s == UPS.get(name, "%smol up") for s in ups), ups
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -264,5 +285,8 @@ def test_notebook_runs_end_to_end(name: str, tmp_path: Path) -> None:
         else:
             assert err is None, f"{name}: unexpected error in {c.source[:60]!r}: {err.ename}: {err.evalue}"
     CHECKS[name](nb)
+    if name in LEAVES_NOTHING:  # a Smolfile left here made every later `%smol up` in the folder join a cluster
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name not in (name, ".smolbench"))
+        assert left == [], f"{name} left files in its folder: {left}"
     budget = BUDGETS.get(name, TIME_BUDGET_S)
     assert took < budget, f"{name} took {took:.0f} s (budget {budget:.0f} s)"

@@ -18,6 +18,7 @@ from smolbench import _loop
 from smolbench.backends.sandbox import SandboxBackend
 from smolbench.ledger import Ledger
 from smolbench.magics import ledger_table
+from smolbench.result import STATUS_COLORS, STATUS_COLORS_DARK
 from smolbench.spec import MachineSpec
 from smolbench.tree import Node
 from smolbench.widgets import checkpoint_panel, close_views, follow_views, tree_widget
@@ -220,6 +221,11 @@ def test_status_colours_pass_wcag_aa_on_both_themes() -> None:
                 assert ratio >= 4.5, f"{theme} {name} {colour} on {bg}: {ratio:.2f} < 4.5"
     for status, colour in STATUS_TEXT.items():  # the static copy, shown on light pages
         assert contrast(colour, "#ffffff") >= 4.5, status
+    for status, colour in STATUS_COLORS.items():  # a ForkResult's table, on each theme
+        assert contrast(colour, "#ffffff") >= 4.5, status
+        for bg in BACKGROUNDS["dark"]:
+            dark = STATUS_COLORS_DARK[status]
+            assert contrast(dark, bg) >= 4.5, f"the result table's dark {status} {dark} on {bg}: {contrast(dark, bg):.2f}"
 
 
 ALLOWED = set("·…×▸▾★“”—")  # all in DejaVu Sans, which Debian installs with any desktop font set
@@ -272,7 +278,8 @@ def test_checkpoint_badges_follow_deletes_made_elsewhere(wb: Workbench) -> None:
         _loop.run(wb.checkpoint_save(name, "root"))
     until(lambda: by_id(view)["root"]["checkpoint"] == "b", "the newest checkpoint's badge")
     # the sidebar's Delete (the server removes the file and the ledger row, not this kernel)
-    Path(wb.ledger.checkpoint("b")["path"]).unlink()  # type: ignore[index]
+    assert wb.ledger.checkpoint("b")["path"] == "checkpoints/b.smolcheckpoint"  # type: ignore[index]  # relative
+    (wb.shelf.store.directory / "b.smolcheckpoint").unlink()
     wb.ledger.remove_checkpoint("b")
     until(lambda: by_id(view)["root"]["checkpoint"] == "a", "the badge of the checkpoint left", 10)
     wb.checkpoint_remove("a")

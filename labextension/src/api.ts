@@ -63,6 +63,8 @@ export interface ICheckpoint {
   size: number | null;
   created: number | null;
   dir: string;
+  /** The folder it was saved in, as the server says it (ckpt's API; until then: ``dir``). */
+  folder?: string;
   path: string;
   exists: boolean;
 }

@@ -143,3 +143,39 @@ export function firstLine(code: string | null | undefined): string {
   const body = lines.filter(l => !l.startsWith('%%'));
   return (body[0] || lines[0] || '').trim();
 }
+
+/** A node id's natural order: root.2 before root.10. */
+export function compareIds(a: string, b: string): number {
+  const pa = a.replace(/-/g, '.').split('.');
+  const pb = b.replace(/-/g, '.').split('.');
+  for (let i = 0; i < Math.min(pa.length, pb.length); i++) {
+    const na = /^\d+$/.test(pa[i]);
+    const nb = /^\d+$/.test(pb[i]);
+    if (na && nb && Number(pa[i]) !== Number(pb[i])) {
+      return Number(pa[i]) - Number(pb[i]);
+    }
+    if (na !== nb) {
+      return na ? -1 : 1;
+    }
+    if (!na && pa[i] !== pb[i]) {
+      return pa[i] < pb[i] ? -1 : 1;
+    }
+  }
+  return pa.length - pb.length;
+}
+
+/** The one rule for "best" (smolbench.tree.best_key): the highest reward, and on a tie the
+ * node first in natural order, so Replay, ★best and the run summary agree. */
+export function bestOf<T extends { id: string; reward: number | null }>(nodes: T[]): T | null {
+  let top: T | null = null;
+  for (const n of nodes) {
+    if (n.reward === null || !isFinite(n.reward)) {
+      continue;
+    }
+    if (top === null || n.reward > (top.reward as number) ||
+        (n.reward === top.reward && compareIds(n.id, top.id) < 0)) {
+      top = n;
+    }
+  }
+  return top;
+}

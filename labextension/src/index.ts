@@ -6,7 +6,7 @@
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { ICommandPalette, MainAreaWidget } from '@jupyterlab/apputils';
 import { IMainMenu } from '@jupyterlab/mainmenu';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
@@ -92,6 +92,33 @@ const plugin: JupyterFrontEndPlugin<void> = {
         nb.activeCellIndex = index;
         shell.activateById(tracker.currentWidget!.id);
         return true;
+      },
+      insertAndRun: async (source: string) => {
+        const widget = tracker.currentWidget;
+        const nb = widget?.content;
+        if (!widget || !nb || !nb.model) {
+          return null;
+        }
+        const index = Math.max(0, nb.activeCellIndex + 1);
+        nb.model.sharedModel.insertCell(index, { cell_type: 'code', source });
+        nb.activeCellIndex = index;
+        nb.deselectAll();
+        shell.activateById(widget.id);
+        const cell = nb.model.cells.get(index);
+        const ok = await NotebookActions.run(nb, widget.sessionContext);
+        const out: string[] = [];
+        for (const o of cell.toJSON().outputs as any[] ?? []) {
+          if (o.output_type === 'stream') {
+            out.push(Array.isArray(o.text) ? o.text.join('') : String(o.text ?? ''));
+          } else if (o.output_type === 'error') {
+            out.push(`${o.ename}: ${o.evalue}`);
+          }
+        }
+        const text = out.join('').replace(ANSI, '');
+        if (!ok) {
+          throw new Error(text.trim().split('\n').pop() || `the inserted cell \`${source}\` failed`);
+        }
+        return text;
       },
       openRun: (dir: string, run: IRun) => {
         const content = new RunTree(dir, run, node => panel.replay(node));

@@ -113,31 +113,93 @@ export function changes(before: IMachines | null, after: IMachines): { moves: st
   return { moves: out, deaths };
 }
 
-export function renderMachines(body: HTMLElement, snap: IMachines, onDelete: DeleteMachine): void {
+/** Past this many machines in all, a group that isn't the current notebook's starts collapsed. */
+export const COLLAPSE_AFTER = 24;
+/** An open group shows this many machines, then "Show more" (so 100 machines stay usable). */
+export const GROUP_PAGE = 25;
+
+/** How the panel remembers each group's collapse and page (keyed by groupKey). */
+export interface IGroupView {
+  open: Map<string, boolean>;
+  shown: Map<string, number>;
+  current: string | null; // the current notebook's path: its group starts open
+  onChange: () => void;
+}
+
+export function groupKey(group: IKernelGroup): string {
+  return group.kernel_id + (group.orphaned ? '~' : '');
+}
+
+/** A group's summary: "student3.ipynb · 9 machines · 8 running" (what a collapsed group shows). */
+export function groupSummary(group: IKernelGroup): string {
+  const n = group.machines.length;
+  const running = group.machines.filter(m => m.status === 'running' || m.status === 'starting').length;
+  const where = basename(groupWhere(group));
+  return `${group.orphaned ? 'orphaned · ' : ''}${where} · ${n} machine${n === 1 ? '' : 's'} · ${running} running`;
+}
+
+export function renderMachines(body: HTMLElement, snap: IMachines, onDelete: DeleteMachine, view?: IGroupView): void {
+  const t0 = performance.now();
   body.replaceChildren();
   if (!snap.kernels.length) {
     body.appendChild(el('div', 'sb-empty', 'No machines: `%smol up` in a notebook starts one.'));
     return;
   }
+  const total = snap.kernels.reduce((a, g) => a + g.machines.length, 0);
   for (const group of snap.kernels) {
-    body.appendChild(renderGroup(group, onDelete));
+    body.appendChild(renderGroup(group, onDelete, total, view));
   }
+  // how long this render took, for the browser test to report (never asserted)
+  body.dataset.renderMs = (performance.now() - t0).toFixed(2);
+  body.dataset.rows = String(body.querySelectorAll('.sb-machine').length);
 }
 
-function renderGroup(group: IKernelGroup, onDelete: DeleteMachine): HTMLElement {
+function renderGroup(group: IKernelGroup, onDelete: DeleteMachine, total: number, view?: IGroupView): HTMLElement {
+  const key = groupKey(group);
   const box = el('div', `sb-group${group.orphaned ? ' sb-orphaned' : ''}`, null, { 'data-kernel': group.kernel_id });
   const where = groupWhere(group);
   const kernel = `kernel ${group.kernel_id.slice(0, 8)}`;
+  const mine = view?.current !== null && view?.current !== undefined && group.notebook === view.current;
+  const open = view?.open.get(key) ?? (total <= COLLAPSE_AFTER || mine);
   const title = el('div', 'sb-group-title', null, { title: `${where}\nkernel ${group.kernel_id}\n${group.backend} backend` });
-  title.appendChild(el('span', 'sb-group-nb', group.orphaned ? `orphaned · ${basename(where)}` : basename(where)));
+  const toggle = el('button', 'sb-group-toggle', null, {
+    type: 'button',
+    'aria-expanded': String(open),
+    title: `${open ? 'Collapse' : 'Expand'} the machines of ${basename(where)}`
+  });
+  toggle.appendChild(el('span', 'sb-caret', open ? '\u25be' : '\u25b8'));
+  toggle.appendChild(el('span', 'sb-group-nb', groupSummary(group)));
+  toggle.addEventListener('click', ev => {
+    ev.stopPropagation();
+    view?.open.set(key, !open);
+    view?.onChange();
+  });
+  title.appendChild(toggle);
   title.appendChild(el('span', 'sb-group-kernel',
     group.orphaned ? `${kernel} is dead · ${group.backend}` : `${kernel} · ${group.backend}`));
   box.appendChild(title);
+  if (!open) {
+    box.dataset.collapsed = 'true';
+    return box;
+  }
   if (!group.orphaned && !group.active && group.machines.length) {
     box.appendChild(el('div', 'sb-note', 'no machine is active: `%smol use NODE` picks one'));
   }
-  for (const m of group.machines) {
+  const limit = view?.shown.get(key) ?? GROUP_PAGE;
+  const shown = group.machines.slice(0, limit);
+  const active = group.machines.find(m => m.active);
+  if (active && !shown.includes(active)) {
+    shown.push(active); // the active machine always shows
+  }
+  for (const m of shown) {
     box.appendChild(renderMachine(group, m, onDelete));
+  }
+  const left = group.machines.length - shown.length;
+  if (left > 0) {
+    box.appendChild(button(`Show ${Math.min(GROUP_PAGE, left)} more (${left} not shown)`, 'sb-more sb-group-more', () => {
+      view?.shown.set(key, limit + GROUP_PAGE);
+      view?.onChange();
+    }));
   }
   return box;
 }

@@ -16,10 +16,15 @@ import { Widget } from '@lumino/widgets';
 
 import { APIError, ICheckpoint, IKernelGroup, IMachine, IMachines, IRun, IRuns, request } from './api';
 import { NAME_RE, NODE_RE, button, el, size, stamp, when } from './format';
-import { changes, deleteQuestion, renderMachines } from './machines';
+import { IGroupView, changes, deleteQuestion, renderMachines } from './machines';
 import { ALL, renderFilter, renderRun } from './runs';
 
 export const POLL_MS = 1000;
+
+/** A folder for people: "the root folder", else "runs/a/". */
+export function folderText(dir: string): string {
+  return dir ? `${dir}/` : 'the root folder';
+}
 const LEDGER_EVERY = 5;
 const RUNS_PAGE = 20;
 const NOTE_AFTER_MS = 1500;
@@ -30,6 +35,8 @@ export interface IHost {
   notebookDir(): string | null;
   runInKernel(code: string): Promise<string>;
   insertCell(source: string): boolean;
+  /** Insert a code cell below the active one and run it in the notebook (its output stays there). */
+  insertAndRun(source: string): Promise<string | null>;
   openRun(dir: string, run: IRun): void;
 }
 
@@ -92,7 +99,7 @@ export class SmolPanel extends Widget {
       }
       this._machines = snap;
       this.setError('machines', null);
-      renderMachines(this.machinesNode, snap, (g, m, orphan) => void this.deleteMachine(g, m, orphan));
+      this.renderMachines();
       this._machinesChanged.emit(snap);
     } catch (err) {
       this.setError('machines', err);
@@ -103,6 +110,14 @@ export class SmolPanel extends Widget {
       this.notebook = nb;
       await Promise.all([this.refreshRuns(), this.refreshCheckpoints()]);
     }
+  }
+
+  private renderMachines(): void {
+    if (!this._machines) {
+      return;
+    }
+    this.groups.current = this.host.notebookPath();
+    renderMachines(this.machinesNode, this._machines, (g, m, orphan) => void this.deleteMachine(g, m, orphan), this.groups);
   }
 
   private errors = new Map<string, string>();
@@ -175,9 +190,12 @@ export class SmolPanel extends Widget {
     }
     const here = this.host.notebookDir();
     for (const c of items) {
+      const folder = c.folder ?? c.dir;
       const row = el('div', 'sb-row sb-checkpoint', null, { 'data-name': c.name, 'data-dir': c.dir });
-      const name = el('span', 'sb-id', c.name, { title: `${c.path}\nin ${c.dir || '(root)'}/` });
+      const name = el('span', 'sb-id', c.name, { title: `${c.path}\nin ${folderText(folder)}` });
       row.appendChild(name);
+      // two checkpoints of one name in two folders must not look the same
+      row.appendChild(el('span', 'sb-ckpt-folder', folder ? `${folder}/` : 'root folder', { title: `saved in ${folderText(folder)}` }));
       row.appendChild(el('span', 'sb-node', c.node_id, { title: 'node' }));
       row.appendChild(el('span', 'sb-backend', c.backend));
       row.appendChild(el('span', 'sb-num', c.exists ? size(c.size) : 'missing', { title: 'size' }));
@@ -185,11 +203,11 @@ export class SmolPanel extends Widget {
       const restore = button('Restore', 'jp-mod-accept sb-restore', () => void this.restore(c), '');
       const why =
         here === null ? 'open a notebook first'
-          : here !== c.dir ? `this checkpoint is in ${c.dir || 'the root folder'}/: open a notebook there to restore it`
+          : here !== c.dir ? `this checkpoint is in ${folderText(c.dir)}: open a notebook there to restore it`
           : !c.exists ? 'its file is missing'
           : !NAME_RE.test(c.name) ? 'not a valid checkpoint name' : '';
       restore.disabled = Boolean(why);
-      restore.title = why || `Run %smol checkpoint restore ${c.name} in this notebook's kernel`;
+      restore.title = why || `Insert and run a %smol checkpoint restore ${c.name} cell (so Run All restores it again)`;
       row.appendChild(restore);
       row.appendChild(button('Delete', 'jp-mod-warn sb-delete', () => void this.deleteCheckpoint(c), 'Delete this checkpoint (asks first)'));
       body.appendChild(row);
@@ -200,18 +218,26 @@ export class SmolPanel extends Widget {
     if (!NAME_RE.test(c.name) || !/^[a-z]+$/.test(c.backend)) {
       return;
     }
-    const code = [
+    // a kernel with no machine up gets one first (as the checkpoint's backend); the restore
+    // itself is a cell in the notebook, so Run All on a new kernel restores it again
+    const prepare = [
       'import smolbench as _sb',
       'if _sb._magics is None: get_ipython().run_line_magic("load_ext", "smolbench")',
       'if _sb._magics.workbench is None or _sb._magics.workbench.active is None:',
-      `    get_ipython().run_line_magic("smol", "up --backend ${c.backend}")`,
-      `%smol checkpoint restore ${c.name}`
+      `    get_ipython().run_line_magic("smol", "up --backend ${c.backend}")`
     ].join('\n');
+    const cell = `%smol checkpoint restore ${c.name}`;
     this.say(`restoring ${c.name} into ${this.host.notebookPath() ?? 'the notebook'}…`);
     try {
-      const out = await this.host.runInKernel(code);
-      const lines = out.split('\n').filter(l => l.trim());
-      this.say(lines.length ? lines[lines.length - 1] : `restored ${c.name}`);
+      await this.host.runInKernel(prepare);
+      const out = await this.host.insertAndRun(cell);
+      if (out === null) {
+        this.say('open a notebook to insert the restore cell into', 'error');
+      } else {
+        const lines = out.split('\n').filter(l => l.trim());
+        this.say(`${lines.length ? lines[lines.length - 1] : `restored ${c.name}`}\n` +
+          `(from the inserted \`${cell}\` cell: Run All restores it again)`);
+      }
     } catch (err) {
       this.say(err instanceof Error ? err.message : String(err), 'error');
     }
@@ -309,6 +335,12 @@ export class SmolPanel extends Widget {
     }
   }
 
+  private groups: IGroupView = {
+    open: new Map(),
+    shown: new Map(),
+    current: null,
+    onChange: () => this.renderMachines()
+  };
   private host: IHost;
   private errorNode: HTMLElement;
   private msgNode: HTMLElement;

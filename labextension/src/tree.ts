@@ -6,9 +6,16 @@
 import { Widget } from '@lumino/widgets';
 
 import { INode, INodes, IRun, request } from './api';
-import { NODE_RE, button, duration, el, reward, stamp } from './format';
+import { NODE_RE, basename, bestOf, button, duration, el, reward, stamp } from './format';
+import { kindText, localTime } from './runs';
 
 const PAGE = 200;
+
+/** What a run is called for people: "a.ipynb [4] · fork ×8 · 14:03:22" (its ledger id is in the caption). */
+export function runLabel(run: IRun): string {
+  const where = run.notebook ? basename(run.notebook) : 'notebook not recorded';
+  return `${where}${run.cell ? ` [${run.cell}]` : ''} · ${kindText(run)} · ${localTime(run.started)}`;
+}
 
 export class RunTree extends Widget {
   constructor(dir: string, run: IRun, replay: (node: string) => void) {
@@ -18,8 +25,8 @@ export class RunTree extends Widget {
     this.replay = replay;
     this.addClass('jp-smolbench-tree');
     this.id = `smolbench-run-${run.id.replace(/[^A-Za-z0-9_-]/g, '-')}`;
-    this.title.label = `run ${run.id.split('/').pop()}`;
-    this.title.caption = `smolbench run ${run.id} (${dir || 'root folder'})`;
+    this.title.label = runLabel(run);
+    this.title.caption = `${runLabel(run)}, ${stamp(run.started)}\n${dir ? `${dir}/` : 'the root folder'} · ledger run ${run.id}`;
     this.title.closable = true;
     this.head = this.node.appendChild(el('div', 'sb-tree-head'));
     this.list = this.node.appendChild(el('div', 'sb-tree-list'));
@@ -47,7 +54,7 @@ export class RunTree extends Widget {
   private render(): void {
     const run = this.run;
     this.head.replaceChildren(
-      el('div', 'sb-tree-title', `${run.kind} ${run.id} · ${run.n ?? '?'} branches from ${run.parent_id ?? 'fresh machines'} · best ${reward(run.best_reward)} · ${run.status ?? ''}`),
+      el('div', 'sb-tree-title', `${runLabel(run)} · ${run.n ?? '?'} branches from ${run.parent_id ?? 'fresh machines'} · best ${reward(run.best_reward)} · ${run.status ?? ''}`),
       el('div', 'sb-tree-when', `${stamp(run.started)}${run.ended && run.started ? ` · took ${duration(run.ended - run.started)}` : ''}`),
       el('pre', 'sb-tree-code', run.code ?? '')
     );
@@ -75,7 +82,8 @@ export class RunTree extends Widget {
       row.appendChild(el('span', 'sb-seed', n.seed === null ? '' : `seed ${n.seed}`));
       row.appendChild(el('span', `sb-status sb-st-${n.status ?? 'unknown'}`, n.status ?? '?'));
       row.appendChild(el('span', 'sb-num sb-reward', reward(n.reward)));
-      row.appendChild(el('span', 'sb-alive', n.alive ? 'alive' : n.kept ? 'kept' : ''));
+      // a deleted machine is never "kept", whatever its row once said
+      row.appendChild(el('span', 'sb-alive', n.alive ? (n.kept ? 'kept' : 'alive') : 'deleted'));
       if (n.host_node) {
         row.appendChild(el('span', 'sb-where-node', `@${n.host_node.slice(0, 8)}`, { title: `Ray node ${n.host_node}` }));
       }
@@ -98,12 +106,7 @@ export class RunTree extends Widget {
   }
 
   private bestPath(): Set<string> {
-    let top: INode | null = null;
-    for (const n of this.nodes) {
-      if (n.run_id === this.run.id && n.reward !== null && (top === null || (top.reward ?? -Infinity) < n.reward)) {
-        top = n;
-      }
-    }
+    const top = bestOf(this.nodes.filter(n => n.run_id === this.run.id && n.status === 'ok'));
     const out = new Set<string>();
     const byId = new Map(this.nodes.map(n => [n.id, n]));
     for (let n: INode | undefined = top ?? undefined; n; n = n.parent_id ? byId.get(n.parent_id) : undefined) {

@@ -13,24 +13,31 @@ RAY_CLIENT_LINE = ("`ray://` addresses use Ray Client, which can't stream genera
                    "or `--ray HEAD_IP:6379`")
 
 
-def resolve(address: str | None) -> str:
-    """The address to join: ``auto``, ``HOST:PORT``, or RAY_ADDRESS when none is given."""
+def _from(source: str | None) -> str:
+    return f" (the [cluster] address of {source})" if source else ""
+
+
+def resolve(address: str | None, source: str | None = None) -> str:
+    """The address to join: ``auto``, ``HOST:PORT``, or RAY_ADDRESS when none is given.
+
+    ``source`` names the Smolfile the address came from, for errors (None: `--ray`)."""
     addr = (address or os.environ.get("RAY_ADDRESS") or "auto").strip()
     if addr.startswith("ray://"):
-        raise SmolbenchError(RAY_CLIENT_LINE)
+        raise SmolbenchError(RAY_CLIENT_LINE + (f" (in the [cluster] address of {source})" if source else ""))
     if addr != "auto" and (":" not in addr or not addr.rsplit(":", 1)[1].isdigit()):
-        raise SmolbenchError(f"bad Ray address {addr!r}: give HOST:PORT of the head's GCS (e.g. 10.0.0.5:6379), "
-                             "`auto`, or set RAY_ADDRESS")
+        raise SmolbenchError(f"bad Ray address {addr!r}{_from(source)}: give HOST:PORT of the head's GCS "
+                             "(e.g. 10.0.0.5:6379), `auto`, or set RAY_ADDRESS")
     return addr
 
 
-def connect(address: str | None) -> str:
+def connect(address: str | None, source: str | None = None) -> str:
     """Join the cluster (once per kernel); returns the address joined."""
     try:
         import ray
     except ImportError:
-        raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`") from None
-    addr = resolve(address)
+        raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`"
+                             + (f" (the [cluster] table of {source} asks for a Ray cluster)" if source else "")) from None
+    addr = resolve(address, source)
     if ray.is_initialized():
         return addr
     try:
@@ -38,8 +45,11 @@ def connect(address: str | None) -> str:
         ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
                  configure_logging=False)
     except ConnectionError as exc:
-        raise SmolbenchError(f"can't join the Ray cluster at {addr}: {exc}; start one (`smolbench cluster local "
-                             "--nodes 3`, or `ray start --head`) or fix the address") from None
+        why = " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__
+        fix = (f"fix or delete the [cluster] table in {source} to run machines on this host" if source
+               else "fix the address")
+        raise SmolbenchError(f"can't join the Ray cluster at {addr}{_from(source)}: {why}; start one "
+                             f"(`smolbench cluster local --nodes 3`, or `ray start --head`) or {fix}") from None
     return addr
 
 

@@ -149,6 +149,15 @@ class NodeAgent:
             raise SmolbenchError(f"machine {name!r} is not on node {self.node_id[:8]} (deleted, or its node restarted)")
         return ref
 
+    async def limits(self, spec: MachineSpec) -> str:
+        """This node's limits for ``spec``, in its backend's own words (``%smol status``)."""
+        describe = getattr(self.backend, "limits_status", None)
+        if describe is not None:
+            return str(describe(spec))
+        from ..workbench import _vm_limits
+
+        return _vm_limits(spec)
+
     async def describe(self) -> dict[str, Any]:
         """What ``%smol status`` shows about this node."""
         return {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,

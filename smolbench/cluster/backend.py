@@ -71,8 +71,9 @@ class ClusterBackend(Backend):
     name = "cluster"
 
     def __init__(self, ray_address: str | None = None, *, session: str | None = None, max_starts: int = 2,
-                 batching: bool = True) -> None:
-        self.address = address.resolve(ray_address)
+                 batching: bool = True, source: str | None = None) -> None:
+        self.source = source  # the Smolfile that named the address (its errors say so), None for --ray
+        self.address = address.resolve(ray_address, source)
         self.session = session or uuid.uuid4().hex[:8]
         self.max_starts = max_starts
         self.nodes: dict[str, Node] = {}
@@ -84,6 +85,7 @@ class ClusterBackend(Backend):
         self.notes: list[str] = []
         self.bytes_in = 0
         self._looked = 0.0
+        self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
@@ -93,7 +95,7 @@ class ClusterBackend(Backend):
         """Join the cluster and start one agent per node that offers machine slots."""
         import ray
 
-        self.address = address.connect(self.address)
+        self.address = address.connect(self.address, self.source)
         new = self._new_agents()
         if not new:
             raise SmolbenchError(f"the Ray cluster at {self.address} has no node with `{SLOTS}`: start nodes with "
@@ -164,10 +166,50 @@ class ClusterBackend(Backend):
         """Machine slots of the live nodes together (how many branches run at once by default)."""
         return sum(n.slots for n in self._alive())
 
+    def _kinds(self) -> dict[str, int]:
+        """Live nodes per backend kind."""
+        out: dict[str, int] = {}
+        for n in self._alive():
+            out[n.backend] = out.get(n.backend, 0) + 1
+        return dict(sorted(out.items()))
+
     @property
     def isolation(self) -> str:
-        kinds = sorted({n.backend for n in self._alive()})
-        return f"per node: {', '.join(kinds) or 'none'} (see `%smol status`)"
+        kinds = self._kinds()
+        return "per node: " + (", ".join(f"{k} on {v} node{'s' if v != 1 else ''}" for k, v in kinds.items())
+                               or "no live node")
+
+    @property
+    def image_default(self) -> str:
+        """What ``%smol status`` says for the image when the Smolfile names none."""
+        from ..workbench import _default_image
+
+        parts = [f"{k}: {(_default_image(k) or 'its default').strip('()').removeprefix('backend default: ')}"
+                 for k in self._kinds()]
+        return f"(each node's backend default: {'; '.join(parts) or 'no live node'})"
+
+    def limits_status(self, spec: MachineSpec) -> str:
+        """The limits each live node enforces for ``spec`` (asked of its agent once per spec)."""
+        import ray
+
+        alive = self._alive()
+        todo = [n for n in alive if self._limits.get(n.id, (None, ""))[0] != spec]
+        if todo:
+            try:
+                texts = ray.get([n.agent.limits.remote(spec) for n in todo], timeout=30)
+            except Exception as exc:  # a slow or lost node: say so, ask again next time
+                return f"per node: not known ({type(exc).__name__}: {exc})"
+            for n, text in zip(todo, texts):
+                self._limits[n.id] = (spec, str(text))
+        by_text: dict[str, list[Node]] = {}
+        for n in alive:
+            by_text.setdefault(self._limits[n.id][1], []).append(n)
+        if len(by_text) == 1:
+            (text, nodes), = by_text.items()
+            kinds = ", ".join(sorted({n.backend for n in nodes}))
+            return f"on each of the {len(nodes)} {kinds} node{'s' if len(nodes) != 1 else ''}: {text}"
+        return "; ".join(f"node{'s' if len(ns) != 1 else ''} {', '.join(_short(n.id) for n in ns)} "
+                         f"({ns[0].backend}): {text}" for text, ns in by_text.items()) or "no live node"
 
     # -- calling agents -----------------------------------------------------------------
 

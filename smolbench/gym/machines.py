@@ -440,6 +440,9 @@ class Machines:
         if self._deleting:
             await asyncio.gather(*self._deleting, return_exceptions=True)
         if self.parent is not None and self.owns_parent:
+            if self.parent.name in self.wb.tree:  # the warm parent's work is done
+                pnode = self.wb.tree[self.parent.name]
+                pnode.status, pnode.ended = "ok", time.time()
             with contextlib.suppress(Exception):
                 await self.wb.delete(self.parent.name)
         self.parent = None

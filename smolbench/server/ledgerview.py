@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..tree import id_key
+
 SPARK_POINTS = 24
 CODE_CHARS = 400
 TEXT_CHARS = 2000
@@ -88,8 +90,12 @@ def _summary(conn: sqlite3.Connection, db: str, run_id: str, ended: Any) -> dict
     values = conn.execute(f"SELECT reward FROM nodes WHERE run_id = ? AND {FINITE} ORDER BY reward",
                           (run_id,)).fetchall()
     count = len(values)
-    best = conn.execute(f"SELECT id FROM nodes WHERE run_id = ? AND {FINITE} ORDER BY reward DESC LIMIT 1",
-                        (run_id,)).fetchone() if count else None
+    # the top reward's branches; a tie goes to the first in natural order (tree.best_key)
+    tied = [r[0] for r in conn.execute(
+        f"SELECT id FROM nodes WHERE run_id = ? AND status = 'ok' AND reward = "
+        f"(SELECT max(reward) FROM nodes WHERE run_id = ? AND status = 'ok' AND {FINITE})",
+        (run_id, run_id)).fetchall()] if count else []
+    best = (min(tied, key=lambda i: id_key(str(i))),) if tied else None
     picked = [values[k][0] for k in spark_ranks(count)]
     spark = [v for r in picked if (v := _finite(r)) is not None]
     out = {"best_reward": spark[-1] if spark else None, "best_node": best[0] if best else None,

@@ -35,6 +35,8 @@ STATUS_TEXT_DARK = {
 }
 FAN = 12  # a parent with more children than this shows FAN_SHOW of them
 FAN_SHOW = 8
+NEVER_FOLDED = ("running", "starting", "error", "timeout")  # a fold never hides these
+FOLD_RULE = "the lowest rewards are folded; errored and running branches are always shown"
 CELL = "padding:1px 8px;text-align:left;white-space:nowrap"
 
 
@@ -48,11 +50,12 @@ def _num(x: Any, digits: int = 6) -> str:
     return f"{x:.{digits}g}"
 
 
-def _visible(children: list[dict[str, Any]], keep: set[str]) -> list[dict[str, Any]]:
-    """What a large fan shows: running ones, the best path and active, then top rewards."""
+def visible(children: list[dict[str, Any]], keep: set[str]) -> list[dict[str, Any]]:
+    """What a large fan shows: every running or errored one, the best path and active, then
+    the highest rewards up to FAN_SHOW (the live view's rule too, in tree.js)."""
     if len(children) <= FAN:
         return children
-    shown = {c["id"] for c in children if c["id"] in keep or c["status"] in ("running", "starting")}
+    shown = {c["id"] for c in children if c["id"] in keep or c.get("status") in NEVER_FOLDED}
     ranked = sorted(
         (c for c in children if isinstance(c.get("reward"), (int, float))),
         key=lambda c: -float(c["reward"]),
@@ -93,7 +96,7 @@ def tree_html(
             badges.append("active")
         if n["id"] == best_id:
             badges.append("<b>&#9733; best</b>")
-        if n.get("kept"):
+        if n.get("kept") and n.get("alive"):
             badges.append("kept")
         elif n.get("alive") and n.get("parent"):
             badges.append("alive")
@@ -120,13 +123,13 @@ def tree_html(
             f'<td style="{CELL}">{" · ".join(badges)}</td></tr>'
         )
         children = kids.get(n["id"], [])
-        shown = _visible(children, keep)
+        shown = visible(children, keep)
         for c in shown:
             walk(c, depth + 1)
         if len(shown) < len(children):
             rows.append(
                 f'<tr><td colspan="6" style="{CELL};padding-left:{24 + 16 * depth}px;color:#59636e">'
-                f"… {len(children) - len(shown)} more branches of {_e(n['id'])}</td></tr>"
+                f"… {len(children) - len(shown)} more branches of {_e(n['id'])} ({FOLD_RULE})</td></tr>"
             )
 
     for r in roots:

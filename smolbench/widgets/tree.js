@@ -2,10 +2,13 @@
 // the best path highlighted, and actions on the selected node. No dependencies, no CDN.
 // Only characters every Debian font set has (DejaVu): no emoji.
 
-// A node with more children than FAN shows FAN_SHOW of them (running ones always, then the
-// best path, the active one, the selected one, the highest rewards) and a "show all" row.
+// A node with more children than FAN shows FAN_SHOW of them (running and errored ones always,
+// then the best path, the active one, the selected one, the highest rewards) and a "show all"
+// row that says so (static.py's rule too).
 const FAN = 12;
 const FAN_SHOW = 8;
+const NEVER_FOLDED = new Set(["running", "starting", "error", "timeout"]);
+const FOLD_RULE = "the lowest rewards are folded; errored and running branches are always shown";
 const ACK_MS = 800; // no acknowledgement by then: the kernel is busy (queued) or unreachable
 const LOST_MS = 15000;
 const CONFIRM_MS = 5000;
@@ -233,12 +236,11 @@ function render({ model, el }) {
     const activePath = new Set();
     for (let cur = byId.get(active); cur; cur = byId.get(cur.parent)) activePath.add(cur.id);
 
-    const running = (c) => c.status === "running" || c.status === "starting";
     const visibleKids = (n, children) => {
       if (children.length <= FAN || view.fanOpen.has(n.id)) return children;
       const keep = new Set(
         children
-          .filter((c) => running(c) || best.has(c.id) || activePath.has(c.id) || c.id === selected)
+          .filter((c) => NEVER_FOLDED.has(c.status) || best.has(c.id) || activePath.has(c.id) || c.id === selected)
           .map((c) => c.id),
       );
       const byReward = children.filter((c) => typeof c.reward === "number").sort((a, b) => b.reward - a.reward);
@@ -302,7 +304,7 @@ function render({ model, el }) {
       const badges = h("span", "sbt-badges");
       if (n.id === active) badges.appendChild(h("span", "sbt-badge sbt-b-active", "active"));
       if (n.id === bestId) badges.appendChild(h("span", "sbt-badge sbt-b-best", "★ best"));
-      if (n.kept) badges.appendChild(h("span", "sbt-badge sbt-b-kept", "kept"));
+      if (n.kept && n.alive) badges.appendChild(h("span", "sbt-badge sbt-b-kept", "kept"));
       if (n.alive && !n.kept && n.parent) badges.appendChild(h("span", "sbt-badge sbt-b-alive", "alive"));
       if (n.checkpoint) badges.appendChild(h("span", "sbt-badge sbt-b-ckpt", `ckpt ${n.checkpoint}`));
       if (n.where) {
@@ -329,7 +331,7 @@ function render({ model, el }) {
       for (const c of shown) walk(c, depth + 1);
       if (shown.length < children.length) {
         const left = children.length - shown.length;
-        frag.appendChild(fanRow(n, depth, `… ${left} more branches of ${n.id}: show all`, true));
+        frag.appendChild(fanRow(n, depth, `… ${left} more branches of ${n.id} (${FOLD_RULE}): show all`, true));
       } else if (children.length > FAN) {
         frag.appendChild(fanRow(n, depth, `show only the top ${FAN_SHOW} branches of ${n.id}`, false));
       }

@@ -14,7 +14,7 @@ from typing import Any
 
 import traitlets as t
 
-from ..tree import Node
+from ..tree import Node, best_key
 from ._base import WorkbenchView, clean, view_module
 from .checkpoints import _saved_text
 from .static import tree_html
@@ -89,7 +89,7 @@ def best_in(nodes: dict[str, Node], ids: list[str]) -> list[str]:
     scored = [nodes[i] for i in ids if nodes[i].status == "ok" and nodes[i].reward is not None]
     if not scored:
         return []
-    best = max(scored, key=lambda n: float(n.reward if n.reward is not None else "-inf"))
+    best = min(scored, key=lambda n: best_key(n.id, n.reward))
     path = []
     cur: str | None = best.id
     while cur is not None and cur in nodes:
@@ -229,9 +229,10 @@ class TreeWidget(WorkbenchView):
             if rec is not None and rec["reward"] is not None
             else ""
         )
-        return (
-            f"smolbench {self.title}: {len(nodes)} nodes · {live} live · active {self.active}{tail}"
-        )
+        count = f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+        alive = f"{live} machine{'s' if live != 1 else ''} alive" if live or not nodes else "every machine deleted"
+        active = f"active machine {self.active}" if self.active else "no active machine"
+        return f"smolbench {self.title}: {count} · {alive} · {active}{tail}"
 
     def last_fork(self) -> dict[str, Any] | None:
         """The ledger's record of the fork Fork ×N re-runs: this view's own fork, or else the
