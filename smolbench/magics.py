@@ -19,6 +19,7 @@ from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
+from .backends import _netproxy
 from .backends.base import Event
 from .errors import SmolbenchError
 from .gate import SafeBundle
@@ -770,6 +771,10 @@ class _Dropped:
 
 def _show_event(ev: Event) -> None:
     _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
+
+
+# the sandbox's egress proxy: its one-line failures show in the running cell
+_netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line + "\n"))]
 
 
 def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:

@@ -803,6 +803,7 @@ class Workbench(CheckpointsMixin):
             line += f"; {allowed} connection{'s' if allowed != 1 else ''} let out, {refused} refused"
             if last:
                 line += f" (last refused: {last[-1]})"
+            line += _proxy_text(list(self.net_stats.values()))
         return line
 
     def _limits_text(self) -> str:
@@ -890,3 +891,23 @@ def _where(cell_name: str | None) -> dict[str, Any]:
     number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
     m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
     return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}
+
+
+def _proxy_text(stats: list[dict[str, Any]]) -> str:
+    """The egress proxy's own failures and what it holds now (its bounds: backends/_netbudget.py)."""
+    from .backends import _netbudget
+
+    text = ""
+    failed = sum(s.get("failed", 0) for s in stats)
+    if failed:
+        last = [s["last_failed"] for s in stats if s.get("last_failed")]
+        text += f", {failed} failed in the proxy" + (f" (last: {last[-1]})" if last else "")
+    if any("open" in s for s in stats):
+        held = sum(s.get("open", 0) for s in stats)
+        text += (f"; the proxy holds {held} connection{'s' if held != 1 else ''}, "
+                 f"{sum(s.get('buffered', 0) for s in stats) // 1024} KiB buffered, "
+                 f"{sum(s.get('heads', 0) for s in stats)} unfinished request heads (at most "
+                 f"{_netbudget.TREE_CONNECTIONS} connections and {_netbudget.TREE_HEADS} heads per machine tree, "
+                 f"{_netbudget.KERNEL_CONNECTIONS} connections per kernel)")
+    return text
+

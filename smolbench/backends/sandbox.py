@@ -112,7 +112,7 @@ class SandboxBackend(AgentHostBackend):
             try:
                 assert starting is not None
                 await starting
-                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
+                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy, name)
                 if failed:
                     raise OSError(failed[name])
             except (OSError, asyncio.TimeoutError) as exc:
@@ -167,7 +167,8 @@ class SandboxBackend(AgentHostBackend):
 
             waiting = await asyncio.gather(*(ready(ref) for ref in refs))
             try:
-                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy)
+                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy,
+                                                 machine.info.get("root", machine.name))  # the root's caps, shared
             except (OSError, asyncio.TimeoutError) as exc:
                 failed = {ref.name: str(exc) for ref in refs}
             for ref in refs:
