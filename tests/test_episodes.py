@@ -131,7 +131,7 @@ def test_nondeterministic_init_is_detected_and_the_episodes_boot(open_tmp: Path)
     nb = session(open_tmp, 'init = ["python3 -c \\"import uuid; open(\'/workspace/id\', \'w\').write(uuid.uuid4().hex)\\""]\n')
     try:
         cell = ok(nb.run("%%smol episodes 3 --out eps\nreward = len(open('/workspace/id').read())"))
-        text = stream_text(cell, "stderr")
+        text = stream_text(cell) + stream_text(cell, "stderr")  # the notebook's notices: one line of output
         assert "different files or variables in two boots" in text and 'fresh = "boot"' in text, text
         assert fresh_of(nb.cwd)[0].startswith("boot (the Smolfile's init commands left different")
         assert machines_alive(nb) == 1  # no zygote kept for this baseline
