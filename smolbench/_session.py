@@ -555,6 +555,7 @@ _LIVE: list[Session] = []  # strong: a live session whose handle was dropped sti
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 _previous_sigterm: Any = None
+_sigterm_installed = False
 
 
 def _live(s: Session) -> None:
@@ -590,6 +591,7 @@ def _install_hooks() -> None:
     global _hooks_installed
     with _hooks_lock:
         if _hooks_installed:
+            _install_sigterm()  # a first session from another thread could not: the main thread can
             return
         _hooks_installed = True
     # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
@@ -622,14 +624,15 @@ def _install_sigterm() -> None:
     """SIGTERM deletes every machine, then does what it did before (by default: ends the
     process with SIGTERM's status). Only from the main thread, never in a Jupyter kernel,
     and never over a handler that ignores SIGTERM."""
-    global _previous_sigterm
-    if threading.current_thread() is not threading.main_thread() or _in_kernel():
+    global _previous_sigterm, _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread() or _in_kernel():
         return
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours to take
         return
     _previous_sigterm = previous
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
