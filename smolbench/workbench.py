@@ -29,6 +29,7 @@ from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
+from .shelf import Shelf
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree, where_text
 
@@ -65,7 +66,9 @@ class Workbench(CheckpointsMixin):
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None
         self.started = time.time()
-        self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
+        self.checkpoint_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        self.shelf = Shelf(ledger, self.checkpoint_dir)  # every checkpoint file goes through its rule
+        self.restore_notes: list[str] = []
         self.guest_info: dict[str, Any] = {}
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
@@ -443,10 +446,12 @@ class Workbench(CheckpointsMixin):
         return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                 concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
+                 concurrency: int | None = None, keep: str = "best", parent: str | None = None,
+                 reseed: bool = True) -> ForkResult:
         """Validate a fork request and lay out its branches (run it with :meth:`fork`).
 
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
+        ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
         n = self._check_fanout(n, seeds, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
@@ -459,10 +464,11 @@ class Workbench(CheckpointsMixin):
         self._runs += 1
         result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
         result.keep = keep
+        result.reseed = reseed
         return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                     concurrency: int | None = None) -> ForkResult:
+                     concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
         n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
@@ -470,7 +476,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         self._runs += 1
         names = [f"ep{self._runs}.{i}" for i in range(n)]
-        return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result = ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result.reseed = reseed
+        return result
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                    concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
@@ -497,7 +505,8 @@ class Workbench(CheckpointsMixin):
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
                               code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
+                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency,
+                                       "reseed": result.reseed})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
         for node in nodes:
@@ -649,7 +658,7 @@ class Workbench(CheckpointsMixin):
         self._record(node)
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
-                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed,
+                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
                           trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
@@ -779,6 +788,7 @@ class Workbench(CheckpointsMixin):
             line += f"; {allowed} connection{'s' if allowed != 1 else ''} let out, {refused} refused"
             if last:
                 line += f" (last refused: {last[-1]})"
+            line += _proxy_text(list(self.net_stats.values()))
         return line
 
     def _limits_text(self) -> str:
@@ -866,3 +876,23 @@ def _where(cell_name: str | None) -> dict[str, Any]:
     number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
     m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
     return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}
+
+
+def _proxy_text(stats: list[dict[str, Any]]) -> str:
+    """The egress proxy's own failures and what it holds now (its bounds: backends/_netbudget.py)."""
+    from .backends import _netbudget
+
+    text = ""
+    failed = sum(s.get("failed", 0) for s in stats)
+    if failed:
+        last = [s["last_failed"] for s in stats if s.get("last_failed")]
+        text += f", {failed} failed in the proxy" + (f" (last: {last[-1]})" if last else "")
+    if any("open" in s for s in stats):
+        held = sum(s.get("open", 0) for s in stats)
+        text += (f"; the proxy holds {held} connection{'s' if held != 1 else ''}, "
+                 f"{sum(s.get('buffered', 0) for s in stats) // 1024} KiB buffered, "
+                 f"{sum(s.get('heads', 0) for s in stats)} unfinished request heads (at most "
+                 f"{_netbudget.TREE_CONNECTIONS} connections and {_netbudget.TREE_HEADS} heads per machine tree, "
+                 f"{_netbudget.KERNEL_CONNECTIONS} connections per kernel)")
+    return text
+

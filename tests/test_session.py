@@ -349,3 +349,21 @@ def test_checkpoints_status_and_the_current_session_in_a_script_process(here: Pa
         assert s.use("root") == "root" and s.run("state").value == [1, 2, 3]
     with pytest.raises(SmolbenchError, match="no session is up"):
         smolbench.session()
+
+
+def test_a_first_session_from_a_thread_still_gets_sigterm_handled_once_the_main_thread_starts_one(tmp_path: Path) -> None:
+    script = Script(tmp_path, """\
+import threading, smolbench
+other = threading.Thread(target=lambda: smolbench.Session(backend="process", ledger="other.db").up())
+other.start()
+other.join()  # a thread can't set a signal handler: this session's machines wait for the main thread's
+s = smolbench.Session(backend="process", ledger="ledger.db").up()
+print("ready", flush=True)
+s.run("import time; time.sleep(600)")
+""")
+    script.wait_for_line("ready")
+    assert len(run_folders(script.tmp)) == 2
+    script.proc.send_signal(signal.SIGTERM)
+    code, _, err = script.finish()
+    assert code == -signal.SIGTERM, err
+    assert script.leftovers() == ([], [], [])

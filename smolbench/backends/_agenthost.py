@@ -453,6 +453,9 @@ class AgentHostBackend(Backend):
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None
             done = await self._request_explained(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+        except archive.UnsafeCheckpoint:  # stopped while streaming in (over the limit): said as it is
+            await self.delete(ref)
+            raise
         except SmolbenchError as exc:
             await self.delete(ref)
             if isinstance(exc, (_NoRoom, MachineLost)) or str(exc) == _limits.out_of_memory_line(spec):

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,7 +109,7 @@ class SandboxBackend(AgentHostBackend):
             try:
                 assert starting is not None
                 await starting
-                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy)
+                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy, name)
                 if failed:
                     raise OSError(failed[name])
             except (OSError, asyncio.TimeoutError) as exc:
@@ -164,7 +163,8 @@ class SandboxBackend(AgentHostBackend):
 
             waiting = await asyncio.gather(*(ready(ref) for ref in refs))
             try:
-                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy)
+                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy,
+                                                 machine.info.get("root", machine.name))  # the root's caps, shared
             except (OSError, asyncio.TimeoutError) as exc:
                 failed = {ref.name: str(exc) for ref in refs}
             for ref in refs:
@@ -307,34 +307,12 @@ class SandboxBackend(AgentHostBackend):
             os.close(fd)
 
     def _hand_over(self, path: str, folder: str) -> str:
-        # The machine's folder is a tmpfs of its user namespace, where host root has no uid:
-        # the files are unpacked here, then written into it as the machine's uid (fsuid).
+        # The machine's folder is a tmpfs of its user namespace, where host root has no uid: the
+        # checkpoint is opened as root and streamed straight in as the machine's uid (fsuid),
+        # never unpacked anywhere else (issue 25: not in the host's /tmp).
         if not (self._contained and os.geteuid() == 0):
             return super()._hand_over(path, folder)
-        with tempfile.TemporaryDirectory(prefix="smolbench-restore-") as tmp:
-            stage = archive.hand_over(path, tmp)
-            names = sorted(os.listdir(Path(tmp) / stage))
-            sources = [open(Path(tmp) / stage / n, "rb") for n in names]  # opened as root
-            try:
-                with _fs_ids(*sandbox_ids()):
-                    top = os.open(folder, os.O_DIRECTORY | os.O_CLOEXEC)
-                    try:
-                        os.mkdir(stage, 0o700, dir_fd=top)
-                        into = os.open(stage, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
-                    finally:
-                        os.close(top)
-                    try:
-                        for name, src in zip(names, sources):
-                            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                         0o600, dir_fd=into)
-                            with os.fdopen(fd, "wb") as dst:
-                                shutil.copyfileobj(src, dst, 1 << 20)
-                    finally:
-                        os.close(into)
-            finally:
-                for src in sources:
-                    src.close()
-        return stage
+        return archive.hand_over(path, folder, as_owner=lambda: _fs_ids(*sandbox_ids()))
 
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)
