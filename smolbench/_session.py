@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -360,15 +359,15 @@ class Session:
     def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                 keep: str = "best", timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                 push: dict[str, bytes] | None = None, cell_name: str | None = None,
-                first_line: int = 1) -> tuple[ForkResult, Callable[[BranchOutput], Coroutine[Any, Any, ForkResult]]]:
+                first_line: int = 1, reseed: bool = True) -> tuple[ForkResult, Callable[[BranchOutput], Coroutine[Any, Any, ForkResult]]]:
         """Lay out a fork (``kind="fork"``) or episodes; returns the live ForkResult and the
         coroutine that runs it given an output callback (the magics show views in between)."""
         wb = self._wb()
         seeds_ = None if seeds is None else [int(s) for s in seeds]
         if kind == "fork":
-            result = wb.new_fork(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, keep=keep)
+            result = wb.new_fork(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, keep=keep, reseed=reseed)
         else:
-            result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency)
+            result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
@@ -382,41 +381,42 @@ class Session:
     def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0, keep: str = "best",
              timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
              push: Mapping[str, Any] | None = None, allow_errors: bool = False,
-             on_output: BranchOutput | None = None) -> ForkResult:
+             on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` in ``n`` copy-on-write branches of the active machine, each with its own ``SEED``.
 
         ``seeds`` (else ``seed_base + 0..n-1``); ``keep``: best, all or none stay alive;
-        ``retries``: branch again a machine that failed to boot or died (never a code error).
+        ``retries``: branch again a machine that failed to boot or died (never a code error);
+        ``reseed=False``: leave the random streams made before the fork as they are (all branches alike).
         Raises a CompositeError when any branch failed, unless ``allow_errors``."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
         return _checked(_block(coro(on_output or _quiet), result), allow_errors)
 
     async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                     keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
                     retries: int = 1, push: Mapping[str, Any] | None = None, allow_errors: bool = False,
-                    on_output: BranchOutput | None = None) -> ForkResult:
+                    on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """:meth:`fork` from an asyncio loop."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
         return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
 
     def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                  timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                  push: Mapping[str, Any] | None = None, allow_errors: bool = False,
-                 on_output: BranchOutput | None = None) -> ForkResult:
+                 on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
         return _checked(_block(coro(on_output or _quiet), result), allow_errors)
 
     async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                         timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                         push: Mapping[str, Any] | None = None, allow_errors: bool = False,
-                        on_output: BranchOutput | None = None) -> ForkResult:
+                        on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """:meth:`episodes` from an asyncio loop."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}))
+                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
         return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
 
     # -- the tree ------------------------------------------------------------------------
@@ -551,27 +551,27 @@ def _on_our_loop() -> bool:
 
 # -- live sessions: the one for smolbench.session(), and their end at exit or SIGTERM -------
 
-_LIVE: list[weakref.ref[Session]] = []
+_LIVE: list[Session] = []  # strong: a live session whose handle was dropped still has machines to delete
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 _previous_sigterm: Any = None
+_sigterm_installed = False
 
 
 def _live(s: Session) -> None:
     _gone(s)
-    _LIVE.append(weakref.ref(s))
+    _LIVE.append(s)
     _install_hooks()
 
 
 def _gone(s: Session) -> None:
-    _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not s]
+    _LIVE[:] = [x for x in _LIVE if x is not s]
 
 
 def current() -> Session:
     """The live Session made last: in a notebook, the one ``%smol up`` made."""
-    for ref in reversed(_LIVE):
-        s = ref()
-        if s is not None and s.is_up:
+    for s in reversed(_LIVE):
+        if s.is_up:
             return s
     raise SmolbenchError("no session is up: run `%smol up` in the notebook, or start one with "
                          "`with smolbench.Session() as s:` in a script")
@@ -579,9 +579,8 @@ def current() -> Session:
 
 def shutdown_all(timeout: float = 30) -> None:
     """Delete every live session's machines (the interpreter's exit, SIGTERM)."""
-    for ref in list(reversed(_LIVE)):
-        s = ref()
-        wb = s.workbench if s is not None else None
+    for s in list(reversed(_LIVE)):
+        wb = s.workbench
         if wb is not None and wb.machines:
             with contextlib.suppress(Exception):
                 _loop.run(wb.down(), timeout=timeout)
@@ -592,6 +591,7 @@ def _install_hooks() -> None:
     global _hooks_installed
     with _hooks_lock:
         if _hooks_installed:
+            _install_sigterm()  # a first session from another thread could not: the main thread can
             return
         _hooks_installed = True
     # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
@@ -624,14 +624,15 @@ def _install_sigterm() -> None:
     """SIGTERM deletes every machine, then does what it did before (by default: ends the
     process with SIGTERM's status). Only from the main thread, never in a Jupyter kernel,
     and never over a handler that ignores SIGTERM."""
-    global _previous_sigterm
-    if threading.current_thread() is not threading.main_thread() or _in_kernel():
+    global _previous_sigterm, _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread() or _in_kernel():
         return
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours to take
         return
     _previous_sigterm = previous
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

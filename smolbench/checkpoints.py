@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
+from .gate.ckptpaths import SUFFIX, valid_name
 from .ledger import Ledger
+from .shelf import AGENTHOST, IMPORTED, Shelf, is_path
 from .spec import MachineSpec
 from .tree import Node, Tree
 
@@ -36,6 +37,8 @@ class CheckpointsMixin:
     machines: dict[str, MachineRef]
     active: str | None
     checkpoint_dir: Path
+    shelf: Shelf
+    restore_notes: list[str]  # what the last restore did besides restoring (a file added to this folder)
     _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
@@ -85,9 +88,9 @@ class CheckpointsMixin:
             else:
                 anc = path[start_idx]
                 rec = self.ledger.checkpoint(anc.checkpoint or "")
-                if rec is None or not os.path.exists(rec["path"]):
+                if rec is None or self.shelf.store.usable(rec.get("path")) is not None:
                     raise SmolbenchError(f"can't replay {node_id}: the checkpoint {anc.checkpoint!r} of {anc.id} is gone")
-                cur = await self.backend.restore(rec["path"], f"replay-{anc.id}", self.spec)
+                cur = await self._restore_file(rec, f"replay-{anc.id}")
                 temps.append(cur)
                 notes.append(f"started from checkpoint {anc.checkpoint}")
                 if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
@@ -105,10 +108,13 @@ class CheckpointsMixin:
                     seed_now = None
                 cells = self.ledger.cells(self.session, step.id)
                 upto = steps[k + 1].forked_at if k + 1 < len(steps) else len(cells)
-                for c in cells[:upto]:
+                for i, c in enumerate(cells[:upto]):
                     if c.get("pushed"):
                         risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now), _forward(on_event, step.id))
+                    # the branch's first cell reseeded what the fork did (its "reseeded" metric says what)
+                    again = i == 0 and bool((step.metrics or {}).get("reseeded"))
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again),
+                                                       _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
                         raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")
@@ -142,11 +148,13 @@ class CheckpointsMixin:
         existing = self.ledger.checkpoint(name)
         if existing is not None and not force:
             raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it")
+        store = self.shelf.store
         try:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SmolbenchError(f"can't create the checkpoint folder {self.checkpoint_dir} ({exc}): check the path and its permissions") from None
-        path = str((self.checkpoint_dir / f"{name}.smolcheckpoint").resolve())  # still valid after a chdir
+            store.ensure()
+        except (OSError, SmolbenchError) as exc:
+            raise SmolbenchError(f"can't create the checkpoint folder {store.directory} ({exc}): check the path and its permissions") from None
+        fname = f"{name}{SUFFIX}"
+        path = store.absolute(fname)  # absolute: still valid after a chdir
         self._claim(node_id)
         self._touch(node_id)
         try:
@@ -166,25 +174,41 @@ class CheckpointsMixin:
         finally:
             self._release(node_id)
         node = self.tree[node_id]
-        self.ledger.add_checkpoint(name, self.session, node_id, info.path, info.backend, info.size, node.cells, info.warnings)
+        if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
+            raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
+        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings)
         node.checkpoint = name
         self._record(node)
         return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
 
     async def checkpoint_restore(self, name: str) -> Node:
-        """Create a new machine from a checkpoint and make it active."""
-        rec = self.ledger.checkpoint(name)
-        if rec is None:
-            known = ", ".join(r["name"] for r in self.ledger.checkpoint_rows()) or "none"
-            raise SmolbenchError(f"no checkpoint named {name!r}: saved checkpoints are {known} (`%smol checkpoint list`)")
-        if rec["backend"] != self.backend.name and not (self.backend.name == "cluster" and rec["backend"] in ("sandbox", "process", "smol")):
-            raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, but this machine uses {self.backend.name}: `%smol up --backend {rec['backend']}` to restore it")
-        if not os.path.exists(rec["path"]):
-            raise SmolbenchError(f"checkpoint {name!r} is missing its file {rec['path']}: remove it with `%smol checkpoint rm {name}`")
+        """Create a new machine from a checkpoint and make it active.
+
+        ``name``: a checkpoint of this folder (a ledger row, or a file in its checkpoint
+        folder), or the path of a ``.smolcheckpoint`` file anywhere, which is first added to
+        this folder (copied in and checked; ``notes`` says so)."""
+        self.restore_notes = []
+        if is_path(name):
+            rec, note = self.shelf.adopt(name, self.backend.name)
+            self.restore_notes.append(note)
+        else:
+            rec = self.shelf.row(name)
+            if rec.get("dropped"):
+                rec, note = self.shelf.adopt(self.shelf.store.absolute(f"{name}{SUFFIX}"), self.backend.name)
+                self.restore_notes.append(note)
+        name = str(rec["name"])
+        made = rec.get("backend")
+        if rec.get("session_id") == IMPORTED and self.backend.name == "process":
+            raise SmolbenchError(f"checkpoint {name!r} came from a file, which is someone else's code: restore it on "
+                                 "the sandbox backend (`%smol down`, then `%smol checkpoint restore` brings one up); "
+                                 "the process backend has no isolation")
+        if made != self.backend.name and not (self.backend.name == "cluster" and made in ("sandbox", "process", "smol")) \
+                and not (made in AGENTHOST and self.backend.name == "sandbox" and rec.get("session_id") == IMPORTED):
+            raise SmolbenchError(f"checkpoint {name!r} was made by the {made} backend, but this machine uses {self.backend.name}: `%smol up --backend {made}` to restore it")
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
-        ref = await self.backend.restore(rec["path"], node_id, self.spec)
+        ref = await self._restore_file(rec, node_id)
         self.machines[node_id] = ref
         node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
                                   cells=int(rec.get("cells") or 0)))
@@ -193,15 +217,27 @@ class CheckpointsMixin:
         self.active = node_id
         return node
 
-    def checkpoint_remove(self, name: str) -> None:
-        """Delete a checkpoint's file and its ledger entry."""
-        rec = self.ledger.checkpoint(name)
-        if rec is None:
-            raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
-        with contextlib.suppress(OSError):
-            os.unlink(rec["path"])
-        self.ledger.remove_checkpoint(name)
+    async def _restore_file(self, rec: dict[str, Any], node_id: str) -> MachineRef:
+        """A new machine from a row's file, opened once through the gate's rule: the backend
+        reads that very file (its descriptor), whatever its name is changed to meanwhile."""
+        name = rec["name"]
+        with self.shelf.open(rec) as f:
+            shown = self.shelf.store.shown(f.name)
+            # smol's engine reads the file in its own process, by name (and its store beside it)
+            path = self.shelf.store.absolute(f.name) if self.backend.name == "smol" else f.path
+            try:
+                return await self.backend.restore(path, node_id, self.spec)
+            except SmolbenchError as exc:
+                # messages name the descriptor's path (or its last part): name the file instead
+                text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")
+                text = text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
+                raise type(exc)(text) from None
+
+    def checkpoint_remove(self, name: str) -> str:
+        """Delete a checkpoint's file (when the gate's rule allows) and its ledger entry; what happened."""
+        said = self.shelf.remove(name)
         self.sync_checkpoints()
+        return said
 
     async def watch_checkpoints(self, every: float = 1.0) -> None:
         """Keep checkpoint badges true while up: once a second, look whether the checkpoints
@@ -226,7 +262,7 @@ class CheckpointsMixin:
         Returns the nodes whose badge changed (their views hear of it)."""
         newest: dict[str, str] = {}
         for row in reversed(self.ledger.checkpoint_rows()):  # oldest first: the newest wins
-            if row.get("session_id") == self.session and os.path.exists(str(row.get("path") or "")):
+            if row.get("session_id") == self.session and self.shelf.store.usable(row.get("path")) is None:
                 newest[str(row.get("node_id"))] = str(row.get("name"))
         changed = [node for node in self.tree if node.checkpoint != newest.get(node.id)]
         for node in changed:
@@ -241,5 +277,5 @@ def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
 
 
 def _check_name(name: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+    if not valid_name(name):
         raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)")

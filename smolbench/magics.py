@@ -1,4 +1,4 @@
-"""``%smol`` and ``%%smol``: parse options, call the Workbench, show what comes back."""
+"""``%smol`` and ``%%smol``: parse options, call the Session (and its Workbench), show what comes back."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
+from .backends import _netproxy
 from .backends.base import Event
 from .errors import SmolbenchError
 from .gate import SafeBundle
@@ -38,7 +39,8 @@ Line magics::
   %smol ledger [-n N]           recent runs from the ledger, as a table
   %smol plot                    reward plots across the whole tree
   %smol replay NODE             rebuild a branch's path and compare its reward
-  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME | list | rm NAME
+  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
+                    | export NAME PATH [--force]   (restore PATH works in any folder, with nothing up)
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
@@ -54,9 +56,10 @@ Cell magics::
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
                 [--group-outputs order|branch|type] [--push a,b] [--allow-errors] [--quiet]
-                [--retries K]
+                [--retries K] [--no-reseed]
       run the cell in N live copy-on-write branches of the active machine, each with its own
       SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics)).
+      Random generators made before the fork are reseeded per branch (--no-reseed: not).
       --quiet: one summary line, no tree, progress or Out[n]; --retries K: branch again a
       machine that failed to boot or died (never a cell's own error), up to K times (default 1)
   %%smol episodes N [same options]
@@ -170,6 +173,7 @@ def _cell_args(line: str) -> None:
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
 @argument("--quiet", action="store_true", help="one summary line: no tree, progress, branch output or Out[n]")
 @argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
+@argument("--no-reseed", action="store_true", help="don't reseed the random.Random / numpy / torch generators the branches inherit")
 def _fork_args(line: str) -> None:
     """%%smol fork / episodes options."""
 
@@ -187,10 +191,11 @@ def _ledger_args(line: str) -> None:
 
 
 @magic_arguments()
-@argument("action", choices=["save", "restore", "list", "rm"])
-@argument("name", nargs="?", default=None)
+@argument("action", choices=["save", "restore", "list", "rm", "export"])
+@argument("name", nargs="?", default=None, help="a checkpoint here, or (restore) the path of a .smolcheckpoint file")
+@argument("path", nargs="?", default=None, help="export: the file to write (NAME.smolcheckpoint)")
 @argument("--node", default=None, help="save this node instead of the active one")
-@argument("--force", action="store_true", help="replace a checkpoint with the same name")
+@argument("--force", action="store_true", help="replace a checkpoint (or an exported file) with the same name")
 def _checkpoint_args(line: str) -> None:
     """%smol checkpoint options."""
 
@@ -342,11 +347,10 @@ class SmolMagics(Magics):
             close_views(self.workbench)
 
     def _do_status(self, rest: str) -> dict[str, Any] | None:
-        if self.workbench is None or not self.workbench.machines:
+        st: dict[str, Any] = self.session.status() if self.session is not None else {"up": False}
+        if not st.pop("up"):
             print("smolbench: no machine is up (`%smol up` starts one)")
             return None
-        _loop.run(self.workbench.refresh_network())
-        st = self.workbench.status()
         if st["active"] is None:  # its active machine was deleted, others live
             st["active"] = "none (`%smol use NODE` picks one)"
         width = max(len(k) for k in st)
@@ -364,8 +368,9 @@ class SmolMagics(Magics):
     def _do_delete(self, rest: str) -> None:
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
+        assert self.session is not None
         was = wb.active
-        gone = _loop.run(wb.delete(args.node))
+        gone = self.session.delete(args.node)
         print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
     def _do_tree(self, rest: str) -> Any:
@@ -392,8 +397,8 @@ class SmolMagics(Magics):
 
     def _do_checkpoint(self, rest: str) -> Any:
         args = parse_argstring(_checkpoint_args, rest)
-        wb = self._wb()
         if args.action == "save":
+            wb = self._wb()
             info = _loop.run(wb.checkpoint_save(args.name, args.node, args.force))
             print(f"smolbench: saved checkpoint {info['name']} of {info['node']} ({size_text(info['size'])})")
             for w in info["warnings"]:
@@ -401,24 +406,53 @@ class SmolMagics(Magics):
             return None
         if args.action == "restore":
             if not args.name:
-                raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME")
+                raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME (or PATH.smolcheckpoint)")
+            if self.workbench is None or not self.workbench.machines:  # brought up as the checkpoint was made
+                backend = self._shelf().backend_for(args.name)
+                print(f"smolbench: nothing is up: bringing up a {backend} machine for this checkpoint")
+                self._do_up(f"--backend {backend}")
+            wb = self._wb()
             node = _loop.run(wb.checkpoint_restore(args.name))
-            print(f"smolbench: restored {args.name} as {node.id} (now active)")
+            for note in wb.restore_notes:
+                print(f"smolbench: {note}")
+            print(f"smolbench: restored {node.checkpoint} as {node.id} (now active)")
             for w in wb.machines[node.id].info.get("restore_warnings", []):
                 print(f"smolbench: warning: {w}", file=sys.stderr)
             return None
+        if args.action in ("rm", "export") and not args.name:
+            raise UsageError(f"name the checkpoint: %smol checkpoint {args.action} NAME" + (" PATH" if args.action == "export" else ""))
         if args.action == "rm":
-            if not args.name:
-                raise UsageError("name the checkpoint to remove: %smol checkpoint rm NAME")
-            wb.checkpoint_remove(args.name)
-            print(f"smolbench: removed checkpoint {args.name}")
+            print(f"smolbench: {self._shelf().remove(args.name) if self.workbench is None else self.workbench.checkpoint_remove(args.name)}")
+            return None
+        if args.action == "export":
+            if not args.path:
+                raise UsageError(f"say where to write it: %smol checkpoint export {args.name} PATH.smolcheckpoint")
+            spec = self.workbench.spec if self.workbench is not None else None
+            info = self._shelf().export(args.name, args.path, spec, args.force)
+            print(f"smolbench: exported checkpoint {args.name} to {args.path} ({size_text(info['size'])}), its record inside: "
+                  f"anyone can `%smol checkpoint restore {args.path}` in any folder")
+            return None
+        if self.workbench is None:
+            for line in self._shelf().lines():
+                print(line)
             return None
         # The panel is the one view (its saved form is a static table): no second DataFrame.
         # `smolbench.Ledger(...).checkpoints()` is the DataFrame for analysis.
         from .widgets import checkpoint_panel
 
-        checkpoint_panel(wb, self.shell).show()
+        checkpoint_panel(self.workbench, self.shell).show()
         return None
+
+    def _shelf(self) -> Any:
+        """This folder's checkpoints (the Workbench's, or the default ledger's while none is up)."""
+        if self.workbench is not None:
+            return self.workbench.shelf
+        if getattr(self, "_own_shelf", None) is None:
+            from .ledger import DEFAULT_PATH, Ledger
+            from .shelf import Shelf
+
+            self._own_shelf = Shelf(Ledger(DEFAULT_PATH))
+        return self._own_shelf
 
     def _do_replay(self, rest: str) -> Any:
         args = parse_argstring(_node_args, rest)
@@ -509,7 +543,7 @@ class SmolMagics(Magics):
         result, coro_for = self.session.fan_out(
             kind, n, cell, seeds=seeds, seed_base=args.seed_base, keep=args.keep, timeout=args.timeout,
             concurrency=args.concurrency, retries=args.retries, push=self._pushed(_split_names(args.push)),
-            cell_name=self._cell_name(), first_line=2)  # the %%smol line is line 1
+            cell_name=self._cell_name(), first_line=2, reseed=not args.no_reseed)  # the %%smol line is line 1
         buffers: dict[str, list[tuple[str, str]]] = {}
         printer = self._branch_printer("quiet" if args.quiet else args.group_outputs, buffers)
 
@@ -533,6 +567,8 @@ class SmolMagics(Magics):
             self.last_result = result
         if result.unrewarded:  # said on every path, also with --quiet
             print(f"smolbench: warning: {result.unrewarded}", file=sys.stderr)
+        if result.same_reward and not args.quiet:  # --quiet's summary line says it
+            print(f"smolbench: warning: {result.same_reward}", file=sys.stderr)
         err = None if args.allow_errors else result.composite_error()
         if err is not None:
             display(result)  # the table, then the error (a cell that raises has no Out[n])
@@ -735,6 +771,10 @@ class _Dropped:
 
 def _show_event(ev: Event) -> None:
     _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
+
+
+# the sandbox's egress proxy: its one-line failures show in the running cell
+_netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line + "\n"))]
 
 
 def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:

@@ -5,7 +5,7 @@ its HTTP and WebSocket routes and session handling). The env is built once in a 
 parent machine (``smolbench.gym``); every client session OpenEnv opens gets its own
 branch of that parent, and every episode of it a fresh branch (``reset="fresh"``).
 Observations reach the client as JSON made from what the gate already checked.
-Needs ``pip install 'smolbench[openenv]'``.
+Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 """
 
 from __future__ import annotations

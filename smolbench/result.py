@@ -57,6 +57,8 @@ class ForkResult:
         self.remote_errors: dict[str, RemoteError] = {}
         self.kept: list[str] = []
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
+        self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
+        self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         self.started = time.time()
         self.ended: float | None = None
         self._future: Future[Any] | None = None
@@ -151,7 +153,20 @@ class ForkResult:
             parts.append(f"failed: [{first['branch']}] {reason(first)}{more}")
         if self.unrewarded:
             parts.append(self.unrewarded)
+        if self.same_reward:
+            parts.append(self.same_reward)
         return " · ".join(parts)
+
+    @property
+    def same_reward(self) -> str:
+        """What to say when every branch of a fork reported one and the same reward ("" otherwise)."""
+        rewards = [r["reward"] for r in self.rows.values() if r["status"] == "ok" and r["reward"] is not None]
+        if self.kind != "fork" or len(rewards) < 2 or len(rewards) < len(self.rows) or len(set(rewards)) != 1:
+            return ""
+        why = ("--no-reseed left the random streams made before the fork as they were"
+               if not self.reseed else "their random streams may not depend on SEED")
+        return (f"all {len(rewards)} branches reported the same reward {rewards[0]:.6g}: {why} "
+                "(seed yours from SEED: np.random.default_rng(SEED), env.reset(seed=SEED))")
 
     @property
     def unrewarded(self) -> str:

@@ -88,7 +88,7 @@ def _uvicorn_server() -> type:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``serve`` command's options."""
-    p = sub.add_parser("serve", help="serve a machine-backed environment over OpenEnv's protocol (pip install 'smolbench[openenv]')")
+    p = sub.add_parser("serve", help="serve a machine-backed environment over OpenEnv's protocol (pip install 'jupyterlab-smolbench[openenv]')")
     p.add_argument("target", nargs="?", default=None, help="FILE.py:NAME: run FILE.py in the machine, serve the env NAME() makes")
     p.add_argument("--gym", default=None, metavar="ID", help="serve gymnasium.make(ID) instead (e.g. CartPole-v1)")
     p.add_argument("--smolfile", default=None, help="the Smolfile of the warm machine (default: ./Smolfile if there)")

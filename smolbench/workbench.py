@@ -29,8 +29,10 @@ from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .result import ForkResult
+from .shelf import Shelf
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree, where_text
+from .zygote import Zygotes
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
@@ -65,7 +67,9 @@ class Workbench(CheckpointsMixin):
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None
         self.started = time.time()
-        self.checkpoint_dir = Path(checkpoint_dir or Path(ledger.path).parent / "checkpoints")
+        self.checkpoint_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        self.shelf = Shelf(ledger, self.checkpoint_dir)  # every checkpoint file goes through its rule
+        self.restore_notes: list[str] = []
         self.guest_info: dict[str, Any] = {}
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
@@ -80,6 +84,7 @@ class Workbench(CheckpointsMixin):
         self.outputs_dir = Path(ledger.path).parent / "outputs"
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
+        self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
 
@@ -217,6 +222,7 @@ class Workbench(CheckpointsMixin):
             self._watcher.cancel()
             self._watcher = None
         count = 0
+        await _to_the_end(self.zygotes.close())
         for name in sorted(self.machines, key=lambda n: -n.count(".")):
             ref = self.machines.pop(name)
             with contextlib.suppress(Exception):
@@ -433,20 +439,23 @@ class Workbench(CheckpointsMixin):
             raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
         return n
 
-    def default_concurrency(self, n: int) -> int:
+    def default_concurrency(self, n: int, boots: bool = False) -> int:
         """How many branches run at once when not told: live forks are cheap, so all of them
-        (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
+        (up to 4 per core); fresh machines (``boots``) cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
         slots = getattr(self.backend, "slots", None)
         if slots is not None:  # a cluster: every node's machine slots
             return max(1, min(n, slots()))
-        return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
+        live = self.backend.name in ("sandbox", "process") and not boots
+        return max(1, min(n, 4 * cores if live else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                 concurrency: int | None = None, keep: str = "best", parent: str | None = None) -> ForkResult:
+                 concurrency: int | None = None, keep: str = "best", parent: str | None = None,
+                 reseed: bool = True) -> ForkResult:
         """Validate a fork request and lay out its branches (run it with :meth:`fork`).
 
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
+        ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
         n = self._check_fanout(n, seeds, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
@@ -459,10 +468,11 @@ class Workbench(CheckpointsMixin):
         self._runs += 1
         result = ForkResult("fork", f"{self.session}/run{self._runs}", ref.name, names, list(seeds_))
         result.keep = keep
+        result.reseed = reseed
         return result
 
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
-                     concurrency: int | None = None) -> ForkResult:
+                     concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
         n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
@@ -470,7 +480,9 @@ class Workbench(CheckpointsMixin):
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         self._runs += 1
         names = [f"ep{self._runs}.{i}" for i in range(n)]
-        return ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result = ForkResult("episodes", f"{self.session}/run{self._runs}", None, names, list(seeds_))
+        result.reseed = reseed
+        return result
 
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                    concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
@@ -497,7 +509,8 @@ class Workbench(CheckpointsMixin):
         seeds = [result.rows[n]["seed"] for n in names]
         self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
                               code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency})
+                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency,
+                                       "reseed": result.reseed})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
         for node in nodes:
@@ -547,12 +560,19 @@ class Workbench(CheckpointsMixin):
         retries = self.retries if retries is None else retries
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
+        # Each episode a branch of this baseline's pristine zygote, or (its init commands differ
+        # from boot to boot, the Smolfile says so, or the backend can't fork live) a boot of its own.
+        verdict = await self.zygotes.verdict(self.spec, self.baseline)
+        zygote, result.fresh = verdict.zygote, verdict.fresh
+        if verdict.note:
+            self.on_notice(verdict.note)
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
-                              code_hash=code_hash(code), n=len(names), **_where(cell_name), options={"seeds": seeds, "timeout": timeout})
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
+                              options={"seeds": seeds, "timeout": timeout, "fresh": verdict.fresh})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
-        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
+        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes), boots=zygote is None))
 
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
@@ -562,10 +582,14 @@ class Workbench(CheckpointsMixin):
 
             async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
                 result.rows[node.id]["attempts"] = attempt
-                made.append(await self.backend.create(episode_spec, node.id))
+                if zygote is not None:
+                    made.append(await self.zygotes.branch(zygote, node.id, node.seed))
+                else:
+                    made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
                 self._placed(made[-1])
-                await self._init(made[-1])
+                if zygote is None:
+                    await self._init(made[-1])
                 await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
                                        cell_name=cell_name, first_line=first_line)
 
@@ -649,7 +673,7 @@ class Workbench(CheckpointsMixin):
         self._record(node)
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
-                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed,
+                          cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
                           trust_display=self.trusted, output=self._budget(node.id))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
@@ -779,6 +803,7 @@ class Workbench(CheckpointsMixin):
             line += f"; {allowed} connection{'s' if allowed != 1 else ''} let out, {refused} refused"
             if last:
                 line += f" (last refused: {last[-1]})"
+            line += _proxy_text(list(self.net_stats.values()))
         return line
 
     def _limits_text(self) -> str:
@@ -866,3 +891,23 @@ def _where(cell_name: str | None) -> dict[str, Any]:
     number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
     m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
     return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}
+
+
+def _proxy_text(stats: list[dict[str, Any]]) -> str:
+    """The egress proxy's own failures and what it holds now (its bounds: backends/_netbudget.py)."""
+    from .backends import _netbudget
+
+    text = ""
+    failed = sum(s.get("failed", 0) for s in stats)
+    if failed:
+        last = [s["last_failed"] for s in stats if s.get("last_failed")]
+        text += f", {failed} failed in the proxy" + (f" (last: {last[-1]})" if last else "")
+    if any("open" in s for s in stats):
+        held = sum(s.get("open", 0) for s in stats)
+        text += (f"; the proxy holds {held} connection{'s' if held != 1 else ''}, "
+                 f"{sum(s.get('buffered', 0) for s in stats) // 1024} KiB buffered, "
+                 f"{sum(s.get('heads', 0) for s in stats)} unfinished request heads (at most "
+                 f"{_netbudget.TREE_CONNECTIONS} connections and {_netbudget.TREE_HEADS} heads per machine tree, "
+                 f"{_netbudget.KERNEL_CONNECTIONS} connections per kernel)")
+    return text
+

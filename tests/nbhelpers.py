@@ -232,3 +232,21 @@ def error_text(cell: NotebookNode) -> str:
     if err is None:
         return ""
     return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback))
+
+
+def one_line(cell: NotebookNode) -> str:
+    """The cell's error, which must be one line with no traceback of our layers."""
+    import re
+
+    err = error_output(cell)
+    assert err is not None, f"expected an error, got {cell.outputs}"
+    assert len(err.traceback) == 1, err.traceback
+    text = re.sub(r"\x1b\[[0-9;]*m", "", err.traceback[0])
+    assert "\n" not in text
+    return text
+
+
+def ok(cell: NotebookNode) -> NotebookNode:
+    """The cell, asserted to have run without an error."""
+    assert error_output(cell) is None, error_text(cell)
+    return cell

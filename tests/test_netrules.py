@@ -238,9 +238,9 @@ def test_the_proxy_admits_refuses_in_one_line_and_caps_connections(monkeypatch: 
     import asyncio
     import socket
 
-    from smolbench.backends import _netproxy
+    from smolbench.backends import _netbudget, _netproxy
 
-    monkeypatch.setattr(_netproxy, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(_netbudget, "TREE_CONNECTIONS", 3)
 
     async def main() -> None:
         async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

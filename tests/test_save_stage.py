@@ -11,14 +11,12 @@ machine killed for memory (during a save, or a cell) says so and leaves the tree
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from nbhelpers import NotebookSession, error_output, error_text, result_text, stream_text, tree_text
+from nbhelpers import NotebookSession, ok, one_line, result_text, stream_text, tree_text
 
 from smolbench.backends import _limits
 
@@ -42,19 +40,6 @@ def spoil(target, size, sparse=True):
     _agent.save = save
 '''
 
-
-def one_line(cell: Any) -> str:
-    err = error_output(cell)
-    assert err is not None, f"expected an error, got {cell.outputs}"
-    assert len(err.traceback) == 1, err.traceback
-    text = re.sub(r"\x1b\[[0-9;]*m", "", err.traceback[0])
-    assert "\n" not in text
-    return text
-
-
-def ok(cell: Any) -> Any:
-    assert error_output(cell) is None, error_text(cell)
-    return cell
 
 
 @pytest.fixture
@@ -99,7 +84,11 @@ def test_a_stage_over_the_checkpoint_limit_is_refused_and_so_is_such_a_checkpoin
     # a checkpoint file that claims more than the limit is refused before it is unpacked
     line = one_line(nb.run("%smol checkpoint restore big"))
     assert "over the checkpoint limit of 20 MB" in line and "refused" in line, line
+    # the header check off: the bytes are counted as they stream in, and stop at the limit
     ok(nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('size')"))
+    assert "unpacks to more than the checkpoint limit of 20 MB: stopped there" in one_line(
+        nb.run("%smol checkpoint restore big"))
+    ok(nb.run("archive.TEST_WEAKEN.add('stream')"))  # both off: the probe gets through
     assert "restored big" in stream_text(ok(nb.run("%smol checkpoint restore big")))
 
 

@@ -216,6 +216,8 @@ def test_checkpoints_listed_under_the_root_and_deleted(call: Any, jp_root_dir: P
     assert by_name["warm"]["size"] == 1234 and by_name["warm"]["exists"] is True
     assert by_name["warm"]["path"] == "a/b/.smolbench/checkpoints/warm.smolcheckpoint"
     assert by_name["evil"]["path"] == "precious.smolcheckpoint"  # no host path leaks out
+    assert by_name["evil"]["exists"] is False and str(tmp_path) not in json.dumps(body)
+    assert by_name["warm"]["folder"] == "a/b" and by_name["warm"]["dropped"] is False
     assert call("checkpoints", params={"path": "a/b"})[1]["checkpoints"][0]["dir"] == "a/b"
     assert call("checkpoints", params={"path": "a"})[1]["checkpoints"] == []
 
@@ -223,7 +225,9 @@ def test_checkpoints_listed_under_the_root_and_deleted(call: Any, jp_root_dir: P
     assert code == 200 and body["message"] == "deleted checkpoint warm and its file"
     assert not (cdir / "warm.smolcheckpoint").exists()
     code, body = call("checkpoints", "evil", method="DELETE", params={"path": "a/b"})
-    assert code == 200 and body["message"] == "deleted checkpoint evil"
+    assert code == 200 and body["message"] == (
+        "deleted checkpoint evil; its row named a path that is not a file NAME.smolcheckpoint in this "
+        "folder's checkpoint folder, so that path was left alone")
     assert victim.read_text() == "keep me"
     code, body = call("checkpoints", "warm", method="DELETE", params={"path": "a/b"})
     assert code == 404 and "no checkpoint named 'warm'" in body["message"]

@@ -62,7 +62,7 @@ class Script:
         self.tag = uuid.uuid4().hex
         (cwd / "script.py").write_text(textwrap.dedent(source))
         env = {**os.environ, TAG_VAR: self.tag, "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "script.py"], cwd=cwd, env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "script.py"], cwd=cwd, env=env, text=True, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.proc.pid
 
@@ -78,7 +78,13 @@ class Script:
         raise AssertionError(f"the script never printed {want!r}: {self.proc.stderr.read() if self.proc.stderr else ''}")
 
     def finish(self, timeout: float = 240) -> tuple[int, str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except BaseException:  # timed out (ours or pytest's): the script and what it started go
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.proc.communicate()
+            raise
         return self.proc.returncode, out, err
 
     def leftovers(self) -> tuple[list[object], list[str], list[Path]]:
@@ -110,10 +116,12 @@ with s:
     print("up", len(s.status()["live_machines"]) > 0, flush=True)
     raise RuntimeError("boom in the script")
 """,
-    # no down, no with: the interpreter's exit hook deletes them
+    # no down, no with, not even the handle: the interpreter's exit hook deletes them
     "exit": """\
 s.up()
 s.fork(2, "reward = SEED", keep="all")
+del s
+import gc; gc.collect()
 print("up", flush=True)
 """,
     # killed while a cell runs: the SIGTERM handler deletes them, then the default action ends it
@@ -198,9 +206,16 @@ def test_smolbench_session_in_a_kernel_is_the_one_smol_up_made(tmp_path: Path) -
             "print(s is smolbench._magics.session, s.active, sorted(f.rewards.values()))\n"
             "s.run('base = 100')"))
         assert out.strip() == "True root [0.0, 10.0, 20.0]"
-        nb.run("%%smol fork 3 --keep none --quiet\nreward = base * SEED")
-        magic = stream_text(nb.run("print(sorted(smolbench._magics.last_result.rewards.values()))"))
-        assert magic.strip() == "[0.0, 100.0, 200.0]"  # the same machine: the Session's run set base
+        nb.run("%%smol fork 3 --keep none --quiet --seed-base 5\nreward = base * SEED")
+        both = stream_text(nb.run(
+            "magic = smolbench._magics.last_result.rewards\n"
+            "mine = s.fork(3, 'reward = base * SEED', keep='none', seed_base=5).rewards\n"
+            "print(sorted(magic.values()), sorted(mine.values()) == sorted(magic.values()))"))
+        assert both.strip() == "[500.0, 600.0, 700.0] True"  # the same machine: the Session's run set base
+        # the kernel's own SIGTERM handling is left alone (the Session's handler would fight ipykernel's)
+        handler = stream_text(nb.run("import signal\nprint(signal.getsignal(signal.SIGTERM) is "
+                                     "smolbench._session._on_sigterm)"))
+        assert handler.strip() == "False"
         nb.run("%smol down")
         after = nb.run("smolbench.session()")
         assert "no session is up" in error_text(after)
@@ -307,4 +322,48 @@ def test_the_readmes_session_example_runs_as_a_script(tmp_path: Path) -> None:
     assert code == 0, err
     assert re.search(r"^best root\.\d+ None$", out, re.M)  # the best branch was used; all down after the block
     assert "checkpoints ['warm']" in out
+    assert script.leftovers() == ([], [], [])
+
+
+def test_checkpoints_status_and_the_current_session_in_a_script_process(here: Path) -> None:
+    with pytest.raises(SmolbenchError, match=r"^no session is up: run `%smol up` in the notebook, or start one"):
+        smolbench.session()
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        assert smolbench.session() is s
+        s.run("state = [1, 2]")
+        info = s.checkpoint_save("two")
+        assert info["name"] == "two" and info["node"] == "root" and Path(info["path"]).exists()
+        with pytest.raises(SmolbenchError, match=r"^a checkpoint named 'two' exists: pick another name or add --force"):
+            s.checkpoint_save("two")
+        s.run("state.append(3)")
+        node = s.checkpoint_restore("two")
+        assert node == s.active and node.endswith("-two")
+        assert s.run("state").value == [1, 2]
+        st = s.status()
+        assert st["up"] and st["backend"] == "process" and st["active"] == node and st["session"]
+        with pytest.raises(SmolbenchError, match=r"^no checkpoint named 'nope': saved checkpoints are two"):
+            s.checkpoint_restore("nope")
+        assert s.delete(node) == [node] and s.active is None
+        with pytest.raises(SmolbenchError, match="no machine is up"):
+            s.run("1")
+        assert s.use("root") == "root" and s.run("state").value == [1, 2, 3]
+    with pytest.raises(SmolbenchError, match="no session is up"):
+        smolbench.session()
+
+
+def test_a_first_session_from_a_thread_still_gets_sigterm_handled_once_the_main_thread_starts_one(tmp_path: Path) -> None:
+    script = Script(tmp_path, """\
+import threading, smolbench
+other = threading.Thread(target=lambda: smolbench.Session(backend="process", ledger="other.db").up())
+other.start()
+other.join()  # a thread can't set a signal handler: this session's machines wait for the main thread's
+s = smolbench.Session(backend="process", ledger="ledger.db").up()
+print("ready", flush=True)
+s.run("import time; time.sleep(600)")
+""")
+    script.wait_for_line("ready")
+    assert len(run_folders(script.tmp)) == 2
+    script.proc.send_signal(signal.SIGTERM)
+    code, _, err = script.finish()
+    assert code == -signal.SIGTERM, err
     assert script.leftovers() == ([], [], [])

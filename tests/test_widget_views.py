@@ -278,7 +278,8 @@ def test_checkpoint_badges_follow_deletes_made_elsewhere(wb: Workbench) -> None:
         _loop.run(wb.checkpoint_save(name, "root"))
     until(lambda: by_id(view)["root"]["checkpoint"] == "b", "the newest checkpoint's badge")
     # the sidebar's Delete (the server removes the file and the ledger row, not this kernel)
-    Path(wb.ledger.checkpoint("b")["path"]).unlink()  # type: ignore[index]
+    assert wb.ledger.checkpoint("b")["path"] == "checkpoints/b.smolcheckpoint"  # type: ignore[index]  # relative
+    (wb.shelf.store.directory / "b.smolcheckpoint").unlink()
     wb.ledger.remove_checkpoint("b")
     until(lambda: by_id(view)["root"]["checkpoint"] == "a", "the badge of the checkpoint left", 10)
     wb.checkpoint_remove("a")

@@ -37,6 +37,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,15 +52,12 @@ from ..netpolicy import (
     stand_in_resolve,
     unmapped,
 )
-from . import _netredirect
+from . import _netbudget, _netredirect
 from ._netns import _bind_in, _collect, _refused_in
 
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
-CHUNK = 256 * 1024
-HEAD_TIMEOUT = 30.0
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
-MAX_CONNECTIONS = 256  # per machine at once: one machine can't starve the others' proxy
 CONNECT_TIMEOUT = 30.0
 WEAKEN_VAR = "SMOLBENCH_TEST_WEAKEN"  # tests only: netpolicy's knobs ("net-hostonly")
 
@@ -79,6 +77,7 @@ class ProxyClient:
         self.uid, self.gid, self.open_all = uid, gid, open_all
         self.proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        self._said: asyncio.Future[None] | None = None
 
     async def _start(self) -> asyncio.subprocess.Process:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,8 +88,10 @@ class ProxyClient:
         if self.open_all:
             argv.append("--open")
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    start_new_session=True, env=env, limit=1 << 20)
-        assert proc.stdout is not None
+                                                    stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
+                                                    limit=1 << 20)
+        assert proc.stdout is not None and proc.stderr is not None
+        self._said = asyncio.ensure_future(_say(proc.stderr))
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
         if not line.startswith(b'{"ready"'):
             proc.kill()
@@ -117,10 +118,11 @@ class ProxyClient:
             raise OSError(str(reply["error"]))
         return dict(reply)
 
-    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy) -> dict[str, str]:
-        """Give each (name, host pid) its listeners; the ones that failed, with why."""
+    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy, tree: str | None = None) -> dict[str, str]:
+        """Give each (name, host pid) its listeners, all counted in ``tree`` (a root's name: its
+        branches share its caps); the ones that failed, with why."""
         reply = await self.call({"op": "attach", "machines": [{"node": n, "pid": p} for n, p in machines],
-                                 "policy": policy.as_dict()})
+                                 "policy": policy.as_dict(), "tree": tree})
         return dict(reply.get("errors") or {})
 
     async def detach(self, nodes: list[str]) -> None:
@@ -145,6 +147,22 @@ class ProxyClient:
                 await proc.wait()
 
 
+# Where the proxy's one-line failures go in the kernel: the magics put them in the running
+# cell's stderr (this loop's thread has no cell of its own); without a hook, sys.stderr.
+NOTICES: list[Callable[[str], None]] = []
+
+
+async def _say(stream: asyncio.StreamReader) -> None:
+    """The proxy's one-line failures, to NOTICES. Lines are short and few: the proxy says each once."""
+    with contextlib.suppress(Exception):
+        while line := await stream.readline():
+            text = line.decode("utf-8", "replace").strip()[:300]
+            if not text:
+                continue
+            for hook in NOTICES or [lambda t: print(t, file=sys.stderr, flush=True)]:
+                hook(text)
+
+
 # -- the proxy process ------------------------------------------------------------------------
 
 
@@ -152,34 +170,44 @@ class ProxyClient:
 class Node:
     name: str
     policy: NetPolicy
+    tree: _netbudget.Tree
     pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
     servers: list[asyncio.AbstractServer] = field(default_factory=list)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
+    failed: int = 0  # connections the proxy itself failed (its own error, or over a cap)
+    last_failed: str = ""
 
     def stats(self) -> dict[str, Any]:
-        return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused}
+        mine = [c for c in self.tree.conns if c.node is self]
+        return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused,
+                "failed": self.failed, "last_failed": self.last_failed, "tree": self.tree.name,
+                "open": len(mine), "buffered": sum(c.buffered() for c in mine),
+                "heads": sum(1 for c in mine if c.in_head)}
 
 
 class Proxy:
     """The proxy's state: machines (nodes), their listeners and counters."""
 
-    def __init__(self, open_all: bool = False) -> None:
+    def __init__(self, open_all: bool = False, budget: _netbudget.Budget | None = None) -> None:
         self.nodes: dict[str, Node] = {}
         self.open_all = open_all  # test-only weakening: admit every destination
         self.internet = stand_in_internet()
         self.resolve_map = stand_in_resolve()
+        self.budget = budget or _netbudget.Budget()
         self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
+        self._said: set[str] = set()
 
     def own(self) -> frozenset[IPAddress]:
         if time.monotonic() - self._own[0] > 2.0:
             self._own = (time.monotonic(), own_addresses())
         return self._own[1]
 
-    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy) -> dict[str, str]:
-        """Listeners for each (name, host pid): the helpers bind in parallel. Errors by name."""
+    async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy, tree: str | None = None) -> dict[str, str]:
+        """Listeners for each (name, host pid), all in ``tree`` (default: each its own): the
+        helpers bind in parallel. Errors by name."""
         addrs = self.addresses(policy)
         nets = _netredirect.networks(policy)
         # the at-once refusals only narrow; a proxy weakened to admit everything has none
@@ -196,7 +224,7 @@ class Proxy:
             except OSError as exc:
                 errors[name] = str(exc)
                 continue
-            await self.serve(name, policy, socks, addrs)
+            await self.serve(name, policy, socks, addrs, tree or name)
             if refuse and redirect is not None:
                 self.nodes[name].pid = dict(machines)[name]
         return errors
@@ -214,31 +242,58 @@ class Proxy:
                 fwd[(str(addr), port)] = addr
         return addrs + list(fwd)
 
-    async def serve(self, name: str, policy: NetPolicy, socks: list[socket.socket], addrs: list[tuple[str, int]]) -> None:
-        node = Node(name, policy)
+    async def serve(self, name: str, policy: NetPolicy, socks: list[socket.socket], addrs: list[tuple[str, int]],
+                    tree: str | None = None) -> None:
+        node = Node(name, policy, self.budget.tree(tree or name))
         self.nodes[name] = node
-        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied(node, r, w), w),
-                                                       sock=socks[0], limit=CHUNK))
+        for sock in socks:  # accepted sockets inherit the listener's small, fixed buffers
+            _netbudget.bounded(sock)
+        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied, r, w),
+                                                       sock=socks[0], limit=_netbudget.BUFFER))
         for sock, (host, port) in zip(socks[1:], addrs[1:]):
             if (host, port) == addrs[1] and port == _netredirect.RELAY_PORT:
-                node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.redirected(node, r, w), w),
-                                                               sock=sock, limit=CHUNK))
+                node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.redirected, r, w),
+                                                               sock=sock, limit=_netbudget.BUFFER))
                 continue
             target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
-                self._spawn(node, self.forwarded(node, t, p, r, w), w)
+                self._spawn(node, lambda c, n, r2, w2: self.forwarded(c, n, t, p, r2, w2), r, w)
 
-            node.servers.append(await asyncio.start_server(handler, sock=sock, limit=CHUNK))
+            node.servers.append(await asyncio.start_server(handler, sock=sock, limit=_netbudget.BUFFER))
 
-    def _spawn(self, node: Node, coro: Any, writer: asyncio.StreamWriter) -> None:
-        if len(node.tasks) >= MAX_CONNECTIONS:
-            coro.close()
+    def _spawn(self, node: Node, handler: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        full = self.budget.full(node.tree)
+        if full is not None:  # over the tree's or the kernel's cap: dropped at once, counted
+            self.fail(node, "a new connection", full)
             writer.transport.abort()
             return
-        task = asyncio.ensure_future(coro)
+        writer.transport.set_write_buffer_limits(high=_netbudget.BUFFER)
+        conn = _netbudget.Conn([reader], [writer], node=node)
+        node.tree.conns.add(conn)
+        task = asyncio.ensure_future(handler(conn, node, reader, writer))
         node.tasks.add(task)
-        task.add_done_callback(node.tasks.discard)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            node.tasks.discard(t)
+            node.tree.conns.discard(conn)
+            if not t.cancelled() and t.exception() is not None:  # a bug of ours: one line, never a traceback
+                self.fail(node, conn.target or "a connection", f"{type(t.exception()).__name__}: {t.exception()}")
+
+        task.add_done_callback(done)
+
+    def fail(self, node: Node, target: str, why: str) -> str:
+        """A connection the proxy itself failed: counted, and one line on its stderr (the
+        kernel's: it shows in the running cell), once per distinct line."""
+        node.failed += 1
+        line = f"smolbench egress proxy: {target} failed: {why}"[:300]
+        node.last_failed = line.split(": ", 1)[1]
+        if line not in self._said and len(self._said) < 100:
+            self._said.add(line)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+        return line
 
     async def detach(self, name: str) -> None:
         node = self.nodes.pop(name, None)
@@ -248,6 +303,8 @@ class Proxy:
             server.close()
         for task in list(node.tasks):
             task.cancel()
+        if node.tasks:
+            await asyncio.wait(list(node.tasks), timeout=LINGER)
 
     # -- one connection ---------------------------------------------------------------------
 
@@ -259,8 +316,8 @@ class Proxy:
             candidates = [unmapped(ipaddress.ip_address(self.resolve_map[host]))]
         elif node.policy.may_resolve(host, port) or self.open_all:
             try:
-                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError:
+                infos = await self.budget.resolve(node.tree, host, port)
+            except socket.gaierror:
                 return None
             candidates = [unmapped(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos]
         else:
@@ -278,10 +335,22 @@ class Proxy:
         return (f"HTTP/1.1 403 {why}\r\nContent-Type: text/plain\r\nContent-Length: {len(why) + 1}\r\n"
                 f"Connection: close\r\n\r\n{why}\n").encode("ascii", "replace")
 
-    async def proxied(self, node: Node, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def proxied(self, conn: _netbudget.Conn, node: Node, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        tree = node.tree
         try:
+            # unfinished heads: bounded in count (the others wait, unread), size and time
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+                await asyncio.wait_for(tree.head_slots.acquire(), _netbudget.HEAD_TIMEOUT)
+            except asyncio.TimeoutError:
+                self.fail(node, "a new request", f"this machine tree has had {_netbudget.TREE_HEADS} request heads "
+                                                 f"unfinished for {_netbudget.HEAD_TIMEOUT:.0f} s")
+                writer.transport.abort()
+                return
+            tree.heads += 1
+            conn.in_head = True
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _netbudget.HEAD_TIMEOUT)
                 req = netreq.parse(head)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
                 return
@@ -289,11 +358,20 @@ class Proxy:
                 line = f"smolbench proxy: bad request: {exc}"
                 writer.write(f"HTTP/1.1 400 {line}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
                 return
-            addr = await self.decide(node, req.host, req.port)
+            finally:
+                tree.heads -= 1
+                tree.head_slots.release()
+                conn.in_head = False
+            conn.target = req.target
+            try:
+                addr = await self.decide(node, req.host, req.port)
+            except OSError as exc:  # our own lookup's failure (slow, or our threads): not the policy's
+                writer.write(_bad_gateway(self.fail(node, req.target, str(exc))))
+                return
             if addr is None:
                 writer.write(self.refuse(node, req.target))
                 return
-            up = await self._connect(node, addr, req.port, writer)
+            up = await self._connect(conn, addr, req.port, writer)
             if up is None:
                 return
             node.allowed += 1
@@ -302,42 +380,58 @@ class Proxy:
             else:
                 up[1].write(req.forward)
             await _relay(reader, writer, *up)
+        except Exception as exc:  # noqa: BLE001 - the proxy's own failure: one line, the machine sees a 502
+            line = self.fail(node, conn.target or "a request", f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                writer.write(_bad_gateway(line))
         finally:
             await _close(writer)
 
-    async def redirected(self, node: Node, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def redirected(self, conn: _netbudget.Conn, node: Node, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
         """A plain connection the machine's redirect sent here: decided by where it was headed."""
         try:
             addr, port = _netredirect.original_destination(writer.get_extra_info("socket"))
         except (OSError, struct.error):
             await _close(writer)
             return
-        await self.forwarded(node, addr, port, reader, writer)
+        await self.forwarded(conn, node, addr, port, reader, writer)
 
-    async def forwarded(self, node: Node, addr: IPAddress, port: int, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> None:
+    async def forwarded(self, conn: _netbudget.Conn, node: Node, addr: IPAddress, port: int,
+                        reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn.target = f"{addr}:{port}"
         try:
             if not (self.open_all or node.policy.admits(str(addr), port, addr, self.own(), self.internet)):
                 node.refused += 1
-                node.last_refused = f"{addr}:{port}"
+                node.last_refused = conn.target
                 _reset(writer)
                 return
-            up = await self._connect(node, addr, port, None)
+            up = await self._connect(conn, addr, port, None)
             if up is not None:
                 node.allowed += 1
                 await _relay(reader, writer, *up)
+        except Exception as exc:  # noqa: BLE001 - the proxy's own failure: one line
+            self.fail(node, conn.target, f"{type(exc).__name__}: {exc}")
         finally:
             await _close(writer)
 
-    async def _connect(self, node: Node, addr: IPAddress, port: int,
+    async def _connect(self, conn: _netbudget.Conn, addr: IPAddress, port: int,
                        writer: asyncio.StreamWriter | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        sock = _netbudget.bounded(socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM))
         try:
-            return await asyncio.wait_for(asyncio.open_connection(str(addr), port, limit=CHUNK), CONNECT_TIMEOUT)
+            sock.setblocking(False)
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (str(addr), port)), CONNECT_TIMEOUT)
+            r, w = await asyncio.open_connection(sock=sock, limit=_netbudget.BUFFER)
         except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
             if writer is not None:
                 why = f"smolbench proxy: can't reach {addr}:{port} ({getattr(exc, 'strerror', None) or 'timed out'})"
                 writer.write(f"HTTP/1.1 502 {why}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
             return None
+        w.transport.set_write_buffer_limits(high=_netbudget.BUFFER)
+        conn.readers.append(r)
+        conn.writers.append(w)
+        return r, w
 
     # -- the control channel (the kernel, over stdin/stdout) -------------------------------------
 
@@ -345,7 +439,9 @@ class Proxy:
         op = msg.get("op")
         if op == "attach":
             machines = [(str(m["node"]), int(m["pid"])) for m in msg["machines"]]
-            return {"ok": True, "errors": await self.attach(machines, NetPolicy.from_dict(msg["policy"]))}
+            tree = msg.get("tree")
+            return {"ok": True, "errors": await self.attach(machines, NetPolicy.from_dict(msg["policy"]),
+                                                             str(tree) if tree else None)}
         if op == "detach":
             for name in msg.get("nodes", []):
                 await self.detach(str(name))
@@ -355,14 +451,21 @@ class Proxy:
             for n, node in self.nodes.items():
                 if node.pid:  # plus the ones the machine's own rules refused at once
                     nodes[n]["refused"] += _refused_in(node.pid)
-            return {"ok": True, "nodes": nodes}
+            return {"ok": True, "nodes": nodes, "kernel": self.budget.counts()}
         return {"error": f"unknown op {op!r}"}
 
 
+def _bad_gateway(line: str) -> bytes:
+    return (f"HTTP/1.1 502 {line}\r\nContent-Type: text/plain\r\nContent-Length: {len(line) + 1}\r\n"
+            f"Connection: close\r\n\r\n{line}\n").encode("ascii", "replace")
+
+
 async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    """One direction, with backpressure: nothing more is read from ``src`` while ``dst``'s
+    buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls."""
     try:
         while True:
-            data = await src.read(CHUNK)
+            data = await src.read(_netbudget.BUFFER)
             if not data:
                 break
             dst.write(data)
@@ -396,9 +499,29 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close after what's buffered is sent; a side that doesn't read it within LINGER seconds
+    (or a cancelled connection) is let go at once, never waited on."""
     writer.close()
-    with contextlib.suppress(Exception):
-        await writer.wait_closed()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), LINGER)
+    except asyncio.CancelledError:
+        writer.transport.abort()
+        raise
+    except Exception:  # noqa: BLE001 - timed out or broken: either way, let go
+        writer.transport.abort()
+
+
+def prepare() -> _netbudget.Budget:
+    """Everything the proxy needs after it drops privileges, loaded now: as the sandbox uid it
+    can't import from a Python in a private (0700) home (issue 26). The lookup threads'
+    module, the codecs a host name's lookup uses, and the budget (its thread pool)."""
+    import concurrent.futures.thread  # noqa: F401 - loop.getaddrinfo's default would import it lazily
+    import encodings.idna  # noqa: F401 - socket.getaddrinfo encodes a str host with it
+    import stringprep  # noqa: F401 - encodings.idna's
+    import unicodedata  # noqa: F401 - encodings.idna's (a C extension in lib-dynload)
+
+    "x.test".encode("idna")
+    return _netbudget.Budget()
 
 
 def _drop(uid: int, gid: int) -> None:
@@ -408,8 +531,23 @@ def _drop(uid: int, gid: int) -> None:
     os.setresuid(uid, uid, uid)
 
 
+def _seal() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: after the uid change, which clears it
+
+
+def _one_line(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Anything that escapes a handler: one line on stderr, never a traceback in a cell."""
+    exc = context.get("exception")
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else str(context.get("message", "?"))
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"smolbench egress proxy: {what}"[:300] + "\n")
+
+
 async def _serve(proxy: Proxy) -> None:
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_one_line)
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout
@@ -436,12 +574,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--open", action="store_true", help="tests only: admit every destination (a weakened set-up)")
     args = ap.parse_args(argv)
     netpolicy.TEST_WEAKEN.update(w for w in os.environ.get(WEAKEN_VAR, "").split(",") if w)
+    budget = prepare() if "net-lazy-imports" not in netpolicy.TEST_WEAKEN else _netbudget.Budget(lazy=True)
     if args.uid is not None and os.geteuid() == 0:
         _drop(args.uid, args.gid if args.gid is not None else args.uid)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: after the uid change, which clears it
-    asyncio.run(_serve(Proxy(open_all=args.open)))
+    _seal()
+    asyncio.run(_serve(Proxy(open_all=args.open, budget=budget)))
 
 
 if __name__ == "__main__":

@@ -22,4 +22,5 @@ def exec_message(request: CellRequest) -> dict[str, Any]:
         "pull": list(request.pull),
         "pull_trusted": bool(request.trust_pull),
         "seed": request.seed,
+        "reseed": bool(request.reseed),
     }

@@ -59,6 +59,7 @@ class CellRequest:
     pull: list[str] = field(default_factory=list)
     cell_name: str = "<cell>"
     seed: int | None = None  # applied before the cell runs (fresh episodes)
+    reseed: bool = False  # a branch's first cell: reseed the random streams in its namespace (guest/reseed.py)
     trust_pull: bool = False  # --pull-trusted / %smol trust on: pulled pickles may be loaded
     trust_display: bool = False  # %smol trust on: display bundles are shown raw
     output: Any = None  # the cell's gate.OutputBudget (None: the default limits, no log)

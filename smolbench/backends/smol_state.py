@@ -17,6 +17,8 @@ import os
 import tarfile
 
 from ..errors import SmolbenchError
+from ..gate.archive import UnsafeCheckpoint
+from ..gate.limits import LIMITS, human
 
 MARKER = "smolbench-state.json"
 KIND = "smolbench-smol-state"
@@ -56,14 +58,19 @@ def is_state(path: str) -> bool:
 
 def read_state(path: str) -> dict[str, bytes]:
     """The agent save files of the state checkpoint at ``path`` (one-line errors if damaged)."""
+    left = LIMITS.checkpoint  # decompressed bytes held, counted as they are read
     try:
         with tarfile.open(path, "r:gz") as tar:
             out: dict[str, bytes] = {}
-            for member in tar.getmembers():
+            for member in tar:
                 if member.name in (MARKER, *PARTS) and member.isfile():
                     fh = tar.extractfile(member)
                     if fh is not None:
-                        out[member.name] = fh.read()
+                        out[member.name] = fh.read(left + 1)
+                        left -= len(out[member.name])
+                        if left < 0:
+                            raise UnsafeCheckpoint(f"checkpoint {os.path.basename(path)} unpacks to more than the "
+                                                   f"checkpoint limit of {human(LIMITS.checkpoint)}: stopped there")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise SmolbenchError(
             f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`"

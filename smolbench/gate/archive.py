@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
+import re
 import secrets
 import stat
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Any
 
 from ..errors import SmolbenchError
 from .limits import LIMITS, human
@@ -203,45 +205,214 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
             tar.addfile(info, ws)
 
 
-def check(path: str, backend: str = "sandbox") -> None:
-    """Refuse a checkpoint file that is not exactly two plain files with a safe workspace,
-    or that claims more than the checkpoint limit (refused before any of it is unpacked)."""
+def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict[str, Any] | None:
+    """Refuse a checkpoint file that is not exactly two plain files with a safe workspace (and,
+    first, at most one record of its own), or that claims more than the checkpoint limit
+    (refused before any of it is unpacked). Returns its record (checked), or None.
+    ``label``: the file's name in messages (default: ``path``'s)."""
+    label = label or Path(path).name
+    record = None
     with tarfile.open(path, "r:gz") as tar:
-        members, sizes = [], {}
+        members: list[tarfile.TarInfo] = []
+        sizes: dict[str, int] = {}
         while True:
             m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
             if m is None:
                 break
+            if not members and m.name == RECORD and m.isfile():
+                record = _read_record(tar, m, label)
+                continue
             members.append(m)
             if m.name in FILES and m.isfile():
                 sizes[m.name] = m.size
-                _within_limit(sizes, f"checkpoint {Path(path).name}")
+                _within_limit(sizes, f"checkpoint {label}")
             if len(members) > len(FILES):
                 break
         names = sorted(m.name for m in members)
         if names != sorted(FILES) or not all(m.isfile() for m in members):
-            raise SmolbenchError(f"checkpoint {path} is not a {backend} checkpoint (has {names[:5]})")
+            raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
         blob = tar.extractfile("workspace.tar")
         assert blob is not None
         with tarfile.open(fileobj=blob, mode="r:") as inner:
-            check_members(inner, f"checkpoint {Path(path).name}")
+            check_members(inner, f"checkpoint {label}")
+    return record
 
 
-def hand_over(path: str, run_dir: str | os.PathLike[str]) -> str:
-    """Copy a checked checkpoint's two files into a new folder of ``run_dir``; the folder's name.
+def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str) -> dict[str, Any]:
+    if member.size > RECORD_LIMIT:
+        raise UnsafeCheckpoint(f"checkpoint {label}'s record is {human(member.size)}, over "
+                               f"{human(RECORD_LIMIT)}: refused")
+    src = tar.extractfile(member)
+    assert src is not None
+    return parse_record(src.read(RECORD_LIMIT + 1), f"checkpoint {label}")
 
-    The folder is made here (never an existing path) and the files are created with
-    ``O_EXCL | O_NOFOLLOW``, so nothing the machine placed there is written through.
+
+def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
+    """The record inside a checkpoint file (checked), or None when it has none; only its first
+    member is read."""
+    with tarfile.open(path, "r:gz") as tar:
+        m = tar.next()
+        if m is None or m.name != RECORD or not m.isfile():
+            return None
+        return _read_record(tar, m, label or Path(path).name)
+
+
+class _Budget:
+    """Bytes a restore may still write: the checkpoint limit, counted as they stream."""
+
+    def __init__(self, what: str) -> None:
+        self.left = LIMITS.checkpoint
+        self.what = what
+
+    def copy(self, src: IO[bytes], dst: IO[bytes], size: int) -> None:
+        left, counted = size, "stream" not in TEST_WEAKEN
+        while left:
+            block = src.read(min(left, 1 << 20, self.left + 1 if counted else left))
+            if not block:
+                raise UnsafeCheckpoint(f"{self.what} changed while it was being read")
+            if len(block) > self.left and counted:
+                raise UnsafeCheckpoint(f"{self.what} unpacks to more than the checkpoint limit of "
+                                       f"{human(LIMITS.checkpoint)}: stopped there; raise it with "
+                                       "`%smol config checkpoint-limit 4G` if you trust it")
+            dst.write(block)
+            self.left -= len(block)
+            left -= len(block)
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]]:
+    """The checkpoint's two files in archive order, one pass (the record, first, is skipped)."""
+    while True:
+        m = tar.next()
+        if m is None:
+            return
+        if m.name in FILES and m.isfile():
+            src = tar.extractfile(m)
+            assert src is not None
+            yield m, src
+
+
+def hand_over(path: str, run_dir: str | os.PathLike[str],
+              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
+    """Stream a checked checkpoint's two files into a new folder of ``run_dir``; the folder's name.
+
+    Nothing is unpacked anywhere else (never the host's /tmp): the bytes go from the
+    checkpoint straight into the machine's own folder, counted against the checkpoint limit
+    as they are decompressed. The folder is made here (never an existing path) and the files
+    are created with ``O_EXCL | O_NOFOLLOW``, so nothing the machine placed there is written
+    through. ``as_owner``: the file access identity the folder and files are made with (the
+    checkpoint itself is opened before, as the caller).
     """
     stage = f"restore-{secrets.token_hex(6)}"
-    with _dirfd(run_dir) as root:
+    budget = _Budget(f"checkpoint {Path(path).name}")
+    with tarfile.open(path, "r:gz") as tar, as_owner(), _dirfd(run_dir) as root:
         os.mkdir(stage, 0o700, dir_fd=root)
-        with _dirfd(run_dir, stage, root) as folder, tarfile.open(path, "r:gz") as tar:
-            for name in FILES:
-                src = tar.extractfile(name)
-                assert src is not None
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+        with _dirfd(run_dir, stage, root) as folder:
+            for m, src in _members(tar):
+                fd = os.open(m.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=folder)
                 with os.fdopen(fd, "wb") as dst:
-                    _copy_exact(src, dst, tar.getmember(name).size, f"checkpoint {path}")
+                    budget.copy(src, dst, m.size)
     return stage
+
+
+def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> None:
+    """Write the checked checkpoint at ``path`` (``label`` in messages) to descriptor ``out`` as one
+    self-contained file: its record first, then its two files (streamed, counted against the
+    checkpoint limit)."""
+    blob = json.dumps(record, sort_keys=True).encode()
+    parse_record(blob, f"checkpoint {label}")  # what we write must pass our own reading
+    budget = _Budget(f"checkpoint {label}")
+    with tarfile.open(path, "r:gz") as src, os.fdopen(os.dup(out), "wb") as raw, \
+            tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        info = tarfile.TarInfo(RECORD)
+        info.size, info.mtime = len(blob), int(record.get("created") or 0)
+        tar.addfile(info, io.BytesIO(blob))
+        for m, fh in _members(src):
+            info = tarfile.TarInfo(m.name)
+            info.size, info.mtime = m.size, m.mtime
+            tar.addfile(info, _Counted(fh, budget, m.size))
+
+
+class _Counted(io.RawIOBase):
+    """A member's bytes, read through a budget (tarfile.addfile reads exactly its size)."""
+
+    def __init__(self, src: IO[bytes], budget: _Budget, size: int) -> None:
+        self.buf = io.BytesIO()
+        self.src, self.budget, self.left = src, budget, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        self.buf.seek(0)
+        self.buf.truncate()
+        self.budget.copy(self.src, self.buf, n)
+        self.left -= n
+        return self.buf.getvalue()
+
+
+# -- the record a portable checkpoint carries ------------------------------------------------
+
+RECORD = "smolbench-record.json"
+RECORD_LIMIT = 16 * 1024
+RECORD_KIND = "smolbench-checkpoint"
+BACKENDS = ("sandbox", "process", "smol")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _text(limit: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, str) and len(v) <= limit and v.isprintable()
+
+
+def _whole(lo: int, hi: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
+    "kind": lambda v: v == RECORD_KIND,
+    "version": lambda v: v == 1,
+    "name": lambda v: isinstance(v, str) and bool(NAME_RE.fullmatch(v)),
+    "backend": lambda v: v in BACKENDS,
+    "node": lambda v: isinstance(v, str) and bool(NODE_RE.fullmatch(v)),
+    "cells": _whole(0, 10**9),
+    "size": _whole(0, 1 << 50),
+    "created": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e11,
+    "baseline": _text(200),
+    "image": lambda v: v is None or _text(200)(v),
+    "memory": _whole(1, 1 << 20),
+    "cpus": _whole(1, 1024),
+    "warnings": lambda v: isinstance(v, list) and len(v) <= 20 and all(_text(2000)(w) for w in v),
+}
+REQUIRED = ("kind", "version", "name", "backend")
+
+
+def parse_record(blob: bytes, where: str) -> dict[str, Any]:
+    """A checkpoint's record from bytes someone else may have written: strict UTF-8 JSON, one
+    object of known keys with checked values (no duplicates, no NaN). Nothing in it names a
+    path; what it says only informs (the backend to bring up, names shown)."""
+    def no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice")
+        return dict(pairs)
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a number")
+
+    try:
+        if len(blob) > RECORD_LIMIT:
+            raise ValueError(f"it is over {human(RECORD_LIMIT)}")
+        data = json.loads(blob.decode("utf-8"), object_pairs_hook=no_dupes, parse_constant=no_constant)
+        if not isinstance(data, dict):
+            raise ValueError("it is not an object")
+        unknown = sorted(set(data) - set(RECORD_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0][:40]!r}")
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"it has no {missing[0]!r}")
+        bad = next((k for k, v in data.items() if not RECORD_FIELDS[k](v)), None)
+        if bad is not None:
+            raise ValueError(f"its {bad!r} is not valid")
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise UnsafeCheckpoint(f"{where} has a record that can't be used ({exc}): refused") from None
+    return data

@@ -16,6 +16,7 @@ from .netnote import _net_note
 from .output import OUTPUT_KEEP, _Stream, mime_bundle
 from .pipsite import transform
 from .pulldata import _loads, _pull
+from .reseed import reseed
 
 NUMBER_LIMIT = 1e300  # rewards and metrics: finite numbers within +-1e300
 
@@ -45,6 +46,10 @@ class Cells:
                 self.apply_seed(req["seed"])
             for name, blob in (req.get("push") or {}).items():
                 self.ns[name] = _loads(P.unb64(blob))
+            if req.get("reseed") and self.seed is not None:  # a branch's first cell: its own random streams
+                names = reseed(self.ns, self.seed)
+                if names:
+                    self.reported["metrics"] = {"reseeded": ", ".join(names)[:1000]}  # recorded in the ledger
             value = self._execute(code, filename)
             if value is not None:
                 msg["result"] = mime_bundle(value)

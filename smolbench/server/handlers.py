@@ -29,8 +29,11 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .. import registry
+from ..gate.ckptpaths import SUFFIX
+from ..gate.ckptpaths import PathRefused as FileRefused
+from ..shelf import describe
 from . import ledgerview, machines
-from .paths import LEDGER, PathRefused, find_ledgers, folder, relative
+from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
 LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
 
@@ -158,7 +161,7 @@ class CheckpointsHandler(_Base):
     async def get(self) -> None:
         if self.get_query_argument("path", None) is not None:
             where = self.folder()
-            dirs = [where] if (where / LEDGER).is_file() else []
+            dirs = [where] if (where / LEDGER).is_file() or (where / LEDGER.parent / "checkpoints").is_dir() else []
         else:
             dirs = await self.run(self._ledgers)
         out, problems = [], []
@@ -168,15 +171,16 @@ class CheckpointsHandler(_Base):
                 problems.append(f"{rel or '.'}: the ledger links outside the server's root directory")
                 continue
             try:
-                rows = await self.run(ledgerview.checkpoints, d / LEDGER)
+                rows = await self.run(ledgerview.checkpoints, d / LEDGER) if (d / LEDGER).is_file() else []
             except ledgerview.LedgerUnreadable as exc:
                 problems.append(f"{rel or '.'}: the ledger {exc}")
                 continue
-            for r in rows:
-                p = Path(str(r.get("path") or ""))
-                r["dir"] = rel
-                r["exists"] = p.exists()
-                r["path"] = relative(self.root, p) or p.name  # never show paths outside the root
+            store = checkpoint_store(d)
+            for r in await self.run(describe, rows, store, False):
+                r["dir"] = r["folder"] = rel  # the folder whose ledger lists it ('' for the root)
+                # the file the rule lets it use, as an API path; never a path outside the root
+                r["path"] = f"{rel}/{r['file']}" if rel and r["file"] else (r["file"] or Path(str(r.get("path") or "")).name)
+                r.pop("file", None)
                 out.append(r)
         out.sort(key=lambda r: -(r.get("created") or 0))
         self.finish({"checkpoints": out, "problems": problems})
@@ -195,7 +199,7 @@ class CheckpointHandler(_Base):
     @authorized
     async def delete(self, name: str) -> None:
         db, rel = self.ledger()
-        if not db.is_file():
+        if not db.is_file() and f"{name}{SUFFIX}" not in checkpoint_store(db.parent.parent).names():
             raise _fail(404, f"no ledger in {rel or 'the root folder'}: nothing to delete")
         # a live kernel writing this ledger removes it itself, so its tree's badges follow
         known = set(self.kernel_manager.list_kernel_ids())
@@ -212,32 +216,31 @@ class CheckpointHandler(_Base):
 
 
 def _delete_checkpoint(db: Path, name: str, root: str) -> str:
-    """Remove one checkpoint: its ledger row, and its file when that lies inside the root
-    (a ledger is data a kernel wrote; its path must not steer a delete outside)."""
+    """Remove one checkpoint: its ledger row, and its file only as the gate's rule allows (a
+    ledger is data a kernel wrote, or someone else's in a copied folder: its path must not
+    steer a delete); a file dropped into the checkpoint folder, with no row, goes too."""
+    store = checkpoint_store(db.parent.parent)
     try:
-        conn = sqlite3.connect(str(db), timeout=10)
+        conn = sqlite3.connect(str(db), timeout=10) if db.is_file() else None
     except sqlite3.Error as exc:
         raise _fail(422, f"can't open this folder's ledger ({exc})") from None
     try:
-        row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone()
-        if row is None:
+        row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone() if conn else None
+        named = row[0] if row is not None else f"{name}{SUFFIX}"
+        if row is None and named not in store.names():
             raise _fail(404, f"no checkpoint named {name!r} here: refresh the list")
-        target = Path(str(row[0] or ""))
-        removed = ""
-        if target.name.endswith(".smolcheckpoint") and relative(root, target) is not None and target.exists():
-            if target.is_dir() and not target.is_symlink():
-                import shutil
-
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-            removed = " and its file"
-        with conn:
-            conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
+        try:
+            removed = " and its file" if store.remove(named) else ""
+        except FileRefused as exc:
+            removed = f"; its row named a path that {exc.reason.split(':')[0]}, so that path was left alone"
+        if conn is not None:
+            with conn:
+                conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
     except sqlite3.DatabaseError as exc:
         raise _fail(422, f"this folder's ledger is not a readable smolbench ledger ({exc})") from None
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
     return f"deleted checkpoint {name}{removed}"
 
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..gate.ckptpaths import Store
+
 LEDGER = Path(".smolbench") / "ledger.db"
 SKIP_DIRS = {"node_modules", "__pycache__", "site-packages", ".git", ".venv", "venv", ".ipynb_checkpoints"}
+
+
+def checkpoint_store(where: Path) -> Store:
+    """The checkpoint folder of the notebook folder ``where`` (already checked to be under the
+    root), used only through the gate's rule: nothing below ``where`` is followed if a link."""
+    return Store(where / LEDGER.parent / "checkpoints")
 
 
 class PathRefused(ValueError):
@@ -36,7 +44,7 @@ def relative(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str 
 
 
 def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int = 4000) -> list[Path]:
-    """Folders under ``root`` that hold a ``.smolbench/ledger.db`` (bounded walk: hidden and
+    """Folders under ``root`` that hold a ``.smolbench/ledger.db`` or checkpoint folder (bounded walk: hidden and
     dependency folders are skipped, so a big home directory stays cheap)."""
     base = Path(root).resolve()
     found: list[Path] = []
@@ -44,7 +52,7 @@ def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int
     for dirpath, dirnames, _ in os.walk(base):
         seen += 1
         here = Path(dirpath)
-        if (here / LEDGER).is_file():
+        if (here / LEDGER).is_file() or (here / LEDGER.parent / "checkpoints").is_dir():  # files dropped in too
             found.append(here)
         depth = len(here.relative_to(base).parts)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS) \

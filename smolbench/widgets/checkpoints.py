@@ -7,13 +7,13 @@ it still lists (and deletes) checkpoints from the ledger; the next ``up`` binds 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
 import traitlets as t
 
 from .._format import size_text, time_text
+from ..shelf import Shelf
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -24,15 +24,17 @@ DOWN = "no machine is up: `%smol up` first (deleting a checkpoint works without 
 
 def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     """A ledger checkpoint row as the plain data the panel shows, with why it can't be restored."""
-    exists = bool(row.get("path")) and os.path.exists(str(row["path"]))
+    exists = bool(row.get("exists"))  # the gate's rule lets its file be read (smolbench.shelf.describe)
     why = ""
     if not backend:
         why = DOWN.split(" (")[0]
     elif row.get("backend") != backend:
         other = row.get("backend")
         why = f"made by the {other} backend, not {backend}: `%smol up --backend {other}` first"
+    elif row.get("refused"):
+        why = str(row["refused"])
     elif not exists:
-        why = f"its file {row.get('path')} is missing: delete it"
+        why = f"its file {row.get('file') or row.get('path')} is missing: delete it"
     created = row.get("created")
     return {
         "name": row.get("name"),
@@ -71,7 +73,8 @@ class CheckpointPanel(WorkbenchView):
     def snapshot(self) -> dict[str, Any]:
         wb = self.workbench
         backend = wb.backend.name if wb is not None and wb.machines else ""
-        rows = [checkpoint_record(r, backend) for r in self.ledger.checkpoint_rows()]
+        shelf = wb.shelf if wb is not None else Shelf(self.ledger)
+        rows = [checkpoint_record(r, backend) for r in shelf.rows()]
         live = [n.id for n in list(wb.tree.nodes.values()) if n.id in wb.machines] if wb else []
         return {
             "checkpoints": rows,
@@ -142,14 +145,7 @@ async def _remove(wb: Any, ledger: Any, name: str) -> None:
     if wb is not None:
         wb.checkpoint_remove(name)
         return
-    rec = ledger.checkpoint(name)
-    if rec is None:
-        from ..errors import SmolbenchError
-
-        raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
-    with contextlib.suppress(OSError):
-        os.unlink(rec["path"])
-    ledger.remove_checkpoint(name)
+    Shelf(ledger).remove(name)  # its file only as the gate's rule allows
 
 
 def _restored_text(wb: Any, name: str, node: Any) -> str:

@@ -1,0 +1,134 @@
+"""What the egress proxy may hold for one machine tree and for one kernel (issue 25, item 5).
+
+The proxy runs outside every machine's cgroup, so its memory is bounded here, by count:
+
+* per connection and direction, at most ``BUFFER`` bytes wait in the proxy's reader and
+  ``BUFFER`` in its writer; the kernel's socket buffers are fixed at ``SOCK_BUFFER`` (no
+  autotuning up to megabytes). A side that doesn't read stops the proxy reading the other
+  (backpressure), so a machine that sends to a far end that never reads fills nothing more;
+* per tree (a root machine and all its branches, counted together: a fork multiplies
+  nothing) at most ``TREE_CONNECTIONS`` connections, ``TREE_HEADS`` request heads being read
+  (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
+  their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
+  ``KERNEL_CONNECTIONS`` connections;
+* name lookups run on the proxy's own threads, each tree's bounded, so names that resolve
+  slowly stall only their own tree's lookups, never another machine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+BUFFER = 16 * 1024  # per connection and direction: the reader's limit (it pauses at 2x) and the writer's high water
+SOCK_BUFFER = 16 * 1024  # SO_RCVBUF / SO_SNDBUF of the proxy's sockets (the kernel doubles it)
+TREE_CONNECTIONS = 64
+KERNEL_CONNECTIONS = 256
+TREE_HEADS = 16
+HEAD_TIMEOUT = 10.0
+TREE_LOOKUPS = 4
+RESOLVE_TIMEOUT = 15.0
+LOOKUP_THREADS = 32
+# both directions, each: the reader (2x its limit, plus one receive of at most the socket's
+# buffer) and the writer (its high water plus one chunk)
+PER_CONNECTION = 2 * (2 * BUFFER + 2 * SOCK_BUFFER + 2 * BUFFER)
+
+
+Lookup = Callable[..., list[Any]]
+
+
+@dataclass(eq=False)
+class Conn:
+    """One relayed connection's streams, for counting what they hold."""
+
+    readers: list[asyncio.StreamReader] = field(default_factory=list)
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    node: Any = None  # the machine it came from
+    target: str = ""  # where it asked to go, once known
+    in_head: bool = False  # its request head is still being read
+
+    def buffered(self) -> int:
+        # the reader's buffer has no public size; it is bounded by its limit (and SOCK_BUFFER)
+        held = sum(len(getattr(r, "_buffer", b"")) for r in self.readers)
+        return held + sum(w.transport.get_write_buffer_size() for w in self.writers if not w.transport.is_closing())
+
+
+@dataclass(eq=False)
+class Tree:
+    """A root machine and its branches: what they hold in the proxy together."""
+
+    name: str
+    conns: set[Conn] = field(default_factory=set)
+    heads: int = 0
+    head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
+    lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
+
+    def buffered(self) -> int:
+        return sum(c.buffered() for c in self.conns)
+
+
+class Budget:
+    """The kernel's proxy: its trees, their caps, and the lookup threads they share fairly."""
+
+    def __init__(self, lookup: Lookup = socket.getaddrinfo, *, lazy: bool = False) -> None:
+        self.trees: dict[str, Tree] = {}
+        self.lookup = lookup
+        # made before the proxy drops privileges: its module can't be imported after (issue 26);
+        # ``lazy`` (tests only, SMOLBENCH_TEST_WEAKEN=net-lazy-imports) makes it at the first lookup
+        self._executor = None if lazy else self._make()
+
+    @staticmethod
+    def _make() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="smolbench-resolve")
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = self._make()
+        return self._executor
+
+    def tree(self, name: str) -> Tree:
+        if name not in self.trees:
+            self.trees[name] = Tree(name)
+        return self.trees[name]
+
+    def connections(self) -> int:
+        return sum(len(t.conns) for t in self.trees.values())
+
+    def full(self, tree: Tree) -> str | None:
+        """Why one more connection of ``tree`` can't be taken (None: it can)."""
+        if len(tree.conns) >= TREE_CONNECTIONS:
+            return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
+        if self.connections() >= KERNEL_CONNECTIONS:
+            return f"this kernel's machines have {KERNEL_CONNECTIONS} connections open (the most they may)"
+        return None
+
+    async def resolve(self, tree: Tree, host: str, port: int) -> list[Any]:
+        """``getaddrinfo`` on the proxy's threads, at most TREE_LOOKUPS of ``tree`` at once: a
+        slot is held until its thread returns (a timed-out lookup still holds one)."""
+        try:
+            await asyncio.wait_for(tree.lookups.acquire(), RESOLVE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise OSError(f"{TREE_LOOKUPS} name lookups of this machine tree are still running") from None
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, self.lookup, host, port, 0, socket.SOCK_STREAM)
+        fut.add_done_callback(lambda _: tree.lookups.release())
+        try:
+            return list(await asyncio.wait_for(asyncio.shield(fut), RESOLVE_TIMEOUT))
+        except asyncio.TimeoutError:
+            raise OSError(f"looking up {host} took more than {RESOLVE_TIMEOUT:.0f} s") from None
+
+    def counts(self) -> dict[str, int]:
+        return {"connections": self.connections(), "buffered": sum(t.buffered() for t in self.trees.values()),
+                "heads": sum(t.heads for t in self.trees.values())}
+
+
+def bounded(sock: socket.socket) -> socket.socket:
+    """Fixed, small kernel buffers for one of the proxy's sockets."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUFFER)
+    return sock

@@ -1,0 +1,394 @@
+"""This folder's checkpoints: the ledger's rows and the files in its checkpoint folder.
+
+Every file is used through the gate's one rule (``gate/ckptpaths.py``): a row's path, or
+a file someone dropped into ``.smolbench/checkpoints/``, is read or deleted only when
+the rule allows it. A checkpoint file from elsewhere (``%smol checkpoint restore PATH``)
+is someone else's bytes: it is copied into this folder's checkpoint folder first, and
+the copy is checked like a machine's (the gate's archive checks, its record parsed
+strictly); later deletes act on that copy only. ``export`` writes one self-contained
+file with the checkpoint's record inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import SmolbenchError
+from .gate import archive
+from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, valid_name
+from .gate.limits import LIMITS, human
+from .ledger import Ledger
+
+AGENTHOST = ("sandbox", "process")  # backends whose checkpoints are the gate's two-file archives
+IMPORTED = "imported"  # the session of a row added from a file (no node of this kernel's tree)
+
+
+def is_path(arg: str) -> bool:
+    """Whether ``%smol checkpoint restore ARG`` names a file rather than a checkpoint here."""
+    return arg.endswith(SUFFIX) or "/" in arg
+
+
+def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> list[dict[str, Any]]:
+    """Rows of a ledger's checkpoints, and the files in ``store`` that no row names (dropped
+    in), each with ``file`` (its path relative to the notebook folder, or None), ``exists``
+    (the rule lets it be read), ``refused`` (why not, one line; ``paths=False``: without
+    naming the refused path) and ``dropped``."""
+    out, named = [], set()
+    for row in rows:
+        rec = dict(row)
+        try:
+            fname: str | None = store.file_name(row.get("path"))
+            named.add(fname)
+        except PathRefused:
+            fname = None
+        why = _refusal(store, row.get("path"), paths)
+        rec.update(file=store.shown(fname) if fname else None, exists=why is None, refused=why, dropped=False)
+        if why == MISSING:
+            rec["refused"] = None  # missing is not refused: the row is removed as usual
+        out.append(rec)
+    for fname in store.names():
+        if fname in named:
+            continue
+        name = fname[: -len(SUFFIX)]
+        rec = {"name": name, "session_id": None, "node_id": None, "path": store.relative(fname), "backend": None,
+               "created": None, "size": None, "cells": None, "warnings": [], "file": store.shown(fname),
+               "dropped": True}
+        try:
+            with store.open(fname) as f:
+                st = os.fstat(f.fd)
+                rec.update(size=f.size, created=st.st_mtime, exists=True, refused=None)
+                record = _record(f)
+        except PathRefused as exc:
+            rec.update(exists=False, refused=str(exc) if paths else exc.reason)
+            record = None
+        except Missing:
+            rec.update(exists=False, refused=None)
+            record = None
+        except SmolbenchError as exc:
+            rec.update(exists=True, refused=str(exc))
+            record = None
+        if record is not None:
+            rec.update(backend=record["backend"], node_id=record.get("node"), cells=record.get("cells"),
+                       warnings=record.get("warnings", []))
+        out.append(rec)
+    return out
+
+
+MISSING = "missing"
+
+
+def _refusal(store: Store, named: object, paths: bool) -> str | None:
+    """Why the rule won't let a row's file be read (MISSING: it is not there), or None."""
+    try:
+        with store.open(named):
+            return None
+    except Missing:
+        return MISSING
+    except PathRefused as exc:
+        return str(exc) if paths else f"its ledger row names a path that {exc.reason}"
+
+
+def _record(f: Opened) -> dict[str, Any] | None:
+    """The record inside an open checkpoint file (checked), or None; a smol VM file has none."""
+    try:
+        with open(f.path, "rb") as fh:
+            if fh.read(2) != b"\x1f\x8b":
+                return None
+        return archive.read_record(f.path, f.name)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise SmolbenchError(f"{f.name} is not a readable checkpoint ({exc})") from None
+
+
+def _sha256(fd: int) -> str:
+    h = hashlib.sha256()
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        fh.seek(0)
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Shelf:
+    """A folder's checkpoints (its ledger and its ``.smolbench/checkpoints/``), with no machine needed."""
+
+    def __init__(self, ledger: Ledger, directory: str | os.PathLike[str] | None = None) -> None:
+        self.ledger = ledger
+        self.store = Store(directory or Path(os.path.abspath(ledger.path)).parent / "checkpoints")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every checkpoint here, newest first (rows, then dropped files), see :func:`describe`."""
+        return describe(self.ledger.checkpoint_rows(), self.store)
+
+    def find(self, name: str) -> dict[str, Any] | None:
+        """The row named ``name``, or the dropped file ``NAME.smolcheckpoint`` as a row (None: neither)."""
+        rec = self.ledger.checkpoint(name)
+        if rec is not None:
+            return rec
+        if valid_name(name) and f"{name}{SUFFIX}" in self.store.names():
+            return next((r for r in describe([], self.store) if r["name"] == name), None)
+        return None
+
+    def known(self) -> str:
+        return ", ".join(sorted({str(r["name"]) for r in self.rows()})) or "none"
+
+    def missing_line(self, name: str) -> str:
+        return (f"no checkpoint named {name!r}: saved checkpoints are {self.known()} (`%smol checkpoint list`); "
+                f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`")
+
+    def row(self, name: str) -> dict[str, Any]:
+        rec = self.find(name)
+        if rec is None:
+            raise SmolbenchError(self.missing_line(name))
+        return rec
+
+    @contextlib.contextmanager
+    def open(self, rec: dict[str, Any]) -> Iterator[Opened]:
+        """A row's file, open for reading when the rule allows it (else one line naming why)."""
+        name = rec.get("name")
+        try:
+            with self.store.open(rec.get("path")) as f:
+                yield f
+        except Missing:
+            raise SmolbenchError(f"checkpoint {name!r} is missing its file {self.store.shown(rec.get('path'))}: "
+                                 f"forget it with `%smol checkpoint rm {name}`") from None
+        except PathRefused as exc:
+            raise SmolbenchError(f"checkpoint {name!r} can't be used: its ledger row names {exc}; "
+                                 f"`%smol checkpoint rm {name}` forgets the row and leaves that path alone") from None
+
+    def record(self, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """The record inside a row's file (None: it has none, or the file can't be used)."""
+        with contextlib.suppress(SmolbenchError), self.open(rec) as f:
+            return _record(f)
+        return None
+
+    # -- changing ----------------------------------------------------------------------------
+
+    def remove(self, name: str) -> str:
+        """Forget checkpoint ``name`` and delete its file here when the rule allows; what happened."""
+        rec = self.find(name)
+        if rec is None:
+            raise SmolbenchError(f"no checkpoint named {name!r}: see `%smol checkpoint list`")
+        try:
+            note = "" if self.store.remove(rec.get("path")) else " (its file was already gone)"
+        except PathRefused as exc:
+            note = f"; its row named {exc}, so that path was left alone"
+        self.ledger.remove_checkpoint(name)
+        return f"removed checkpoint {name}{note}"
+
+    def add(self, name: str, session: str, node: str, fname: str, backend: str, size: int, cells: int,
+            warnings: list[str]) -> None:
+        """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder."""
+        self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings)
+
+    def adopt(self, source: str, backend: str | None) -> tuple[dict[str, Any], str]:
+        """Add the checkpoint file ``source`` (a path the user named, anywhere) to this folder:
+        copied into its checkpoint folder (unless it is there already), checked as someone
+        else's bytes, given a row. Returns the row and a line saying what was done.
+        ``backend``: the one up (None: none is)."""
+        src_fd = _open_named(source)
+        try:
+            own = self._own_name(os.fstat(src_fd))
+            fname = own or self._copy_in(src_fd, Path(source).name)
+        finally:
+            os.close(src_fd)
+        name = fname[: -len(SUFFIX)]
+        existing = self.ledger.checkpoint(name)
+        if existing is not None and self._names_file(existing, fname):
+            return existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})"
+        try:
+            with self.store.open(fname) as f:
+                record, size = self._check(f, source), f.size
+        except BaseException:
+            if own is None:
+                with contextlib.suppress(SmolbenchError, OSError):
+                    self.store.remove(fname)  # a copy that failed its checks goes again
+            raise
+        r = record or {}
+        made_by = str(r.get("backend") or (backend if backend in AGENTHOST else "sandbox"))
+        self.add(name, IMPORTED, str(r.get("node") or ""), fname, made_by, size, int(r.get("cells") or 0),
+                 list(r.get("warnings") or []))
+        row = self.ledger.checkpoint(name)
+        assert row is not None
+        how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"
+        renamed = "" if own or fname == Path(source).name else f" (a different {Path(source).name} is here already)"
+        return row, f"added checkpoint {name} to this folder ({how}){renamed}"
+
+    def _own_name(self, st: os.stat_result) -> str | None:
+        """The name of the file here that ``st`` is (a path into our own checkpoint folder), or None."""
+        for fname in self.store.names():
+            with contextlib.suppress(PathRefused, Missing), self.store.open(fname) as f:
+                if f.dev_ino == (st.st_dev, st.st_ino):
+                    return fname
+        return None
+
+    def _copy_in(self, src_fd: int, base: str) -> str:
+        """Copy an outside file in under a free name (the same bytes under a taken name: that name)."""
+        stem = base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base
+        if not valid_name(stem):
+            raise SmolbenchError(f"{base!r} is not a usable checkpoint name: rename the file to NAME{SUFFIX} "
+                                 "(letters, digits, '.', '_' or '-')")
+        digest = _sha256(src_fd)
+        taken = set(self.store.names()) | {str(r["name"]) + SUFFIX for r in self.ledger.checkpoint_rows()}
+        for k in range(1, 100):
+            name = stem if k == 1 else f"{stem[:60]}-{k}"
+            fname = name + SUFFIX
+            if fname in taken:
+                with contextlib.suppress(PathRefused, Missing), self.store.open(fname) as f:
+                    if _sha256(f.fd) == digest:
+                        return fname  # the same bytes are here already
+                continue
+            with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
+                src.seek(0)
+                _copy_bounded(src, out, base)
+            return fname
+        raise SmolbenchError(f"checkpoints named {stem}, {stem}-2 … {stem}-99 all exist here: remove some first")
+
+    def _names_file(self, row: dict[str, Any], fname: str) -> bool:
+        try:
+            return self.store.file_name(row.get("path")) == fname
+        except PathRefused:
+            return False
+
+    def _check(self, f: Opened, source: str) -> dict[str, Any] | None:
+        """The record of a checkpoint file from someone else (None: it has none), checked as a
+        machine's bytes would be; one line when it is unsafe or not a checkpoint at all."""
+        try:
+            with open(f.path, "rb") as fh:
+                gz = fh.read(2) == b"\x1f\x8b"
+            if not gz:
+                raise SmolbenchError(f"{source} is not a portable checkpoint (a smol machine checkpoint keeps its "
+                                     "disks in a store beside it): export one with `%smol checkpoint export`")
+            return archive.check(f.path, "smolbench", source)
+        except archive.UnsafeCheckpoint as exc:
+            raise archive.UnsafeCheckpoint(f"{exc}; nothing was added") from None
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added") from None
+
+    def backend_for(self, arg: str) -> str:
+        """The backend to bring up for restoring ``arg`` (a name here, or a file) in a kernel with
+        nothing up: as its record says, but never the process backend (no isolation) on its own."""
+        if is_path(arg):
+            fd = _open_named(arg)
+            try:
+                record = archive.read_record(f"/proc/self/fd/{fd}", arg)
+            except (tarfile.TarError, EOFError, OSError) as exc:
+                raise SmolbenchError(f"{arg} is not a readable checkpoint ({exc})") from None
+            finally:
+                os.close(fd)
+            return "smol" if (record or {}).get("backend") == "smol" else "sandbox"
+        rec = self.row(arg)
+        made = rec.get("backend") or "sandbox"
+        if made == "process":
+            raise SmolbenchError(f"checkpoint {arg!r} was made by the process backend (no isolation): "
+                                 f"`%smol up --backend process` first if you trust it, then restore it")
+        return str(made)
+
+    def lines(self) -> list[str]:
+        """The checkpoints here as text (``%smol checkpoint list`` while nothing is up)."""
+        rows = self.rows()
+        if not rows:
+            return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet"]
+        out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
+        for r in rows:
+            state = "ok" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
+            out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}  "
+                       f"{'dropped in, not in the ledger yet · ' if r['dropped'] else ''}{state}")
+        return out
+
+    def export(self, name: str, dest: str, spec: Any = None, force: bool = False) -> dict[str, Any]:
+        """Write checkpoint ``name`` to ``dest`` as one self-contained file, its record inside
+        (``spec``: the machine's spec up now; its image and size are recorded when it made this one)."""
+        if not dest.endswith(SUFFIX):
+            raise SmolbenchError(f"export to a file named …{SUFFIX}, not {dest!r}: e.g. "
+                                 f"`%smol checkpoint export {name} ../class/{name}{SUFFIX}`")
+        rec = self.row(name)
+        if rec.get("backend") not in AGENTHOST and rec.get("backend") is not None:
+            raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, whose checkpoints "
+                                 "don't travel as one file yet: save one on the sandbox backend to share it")
+        target = Path(os.path.abspath(dest))
+        if target.exists() and not force:
+            raise SmolbenchError(f"{dest} exists: pick another path or add --force to replace it")
+        node = self.ledger.node(str(rec.get("session_id")), str(rec.get("node_id"))) if rec.get("node_id") else None
+        extra: dict[str, Any] = {"baseline": (node or {}).get("baseline")}
+        if spec is not None and extra["baseline"] == spec.baseline():
+            extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
+        with self.open(rec) as f:
+            try:
+                inside = archive.check(f.path, "sandbox", f.name) or {}
+            except (tarfile.TarError, EOFError, OSError) as exc:
+                raise SmolbenchError(f"checkpoint {name!r} is corrupt or truncated ({exc}): it can't be exported") from None
+            record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
+            record.update(kind=archive.RECORD_KIND, version=1, name=name,
+                          backend=rec.get("backend") or inside.get("backend") or "sandbox",
+                          cells=int(rec.get("cells") or 0), size=f.size,
+                          created=float(rec.get("created") or time.time()),
+                          warnings=[str(w)[:2000] for w in (rec.get("warnings") or [])][:20])
+            if rec.get("node_id"):
+                record["node"] = rec["node_id"]
+            part = target.with_name(f".{target.name}.{os.getpid()}.part")
+            try:
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise SmolbenchError(f"can't write {dest} ({exc.strerror}): check the folder and its permissions") from None
+            try:
+                archive.write_portable(f.path, fd, record, f.name)
+                os.fsync(fd)
+                os.replace(part, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
+                raise
+            finally:
+                os.close(fd)
+        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record}
+
+
+def _open_named(source: str) -> int:
+    """A file the user named (their own name for it: links followed), open for reading; one line
+    when it is not a plain file or is over the checkpoint limit."""
+    if not source.endswith(SUFFIX):
+        raise SmolbenchError(f"{source!r} is not a checkpoint file: restore a file named …{SUFFIX}, "
+                             "or a checkpoint of this folder by name")
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SmolbenchError(f"no file {source}: check the path (it is relative to this notebook's folder)") from None
+    except OSError as exc:
+        raise SmolbenchError(f"can't open {source} ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SmolbenchError(f"{source} is not a plain file")
+    if st.st_size > LIMITS.checkpoint:
+        os.close(fd)
+        raise SmolbenchError(f"{source} is {human(st.st_size)}, over the checkpoint limit of {human(LIMITS.checkpoint)}: "
+                             "raise it with `%smol config checkpoint-limit 4G` if you trust it")
+    return fd
+
+
+def _copy_bounded(src: Any, out: int, what: str) -> None:
+    left = LIMITS.checkpoint
+    while True:
+        block = src.read(1 << 20)
+        if not block:
+            return
+        left -= len(block)
+        if left < 0:
+            raise SmolbenchError(f"{what} grew past the checkpoint limit of {human(LIMITS.checkpoint)} while it was copied")
+        _write_all(out, block)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -1,0 +1,329 @@
+"""The egress proxy's memory is bounded and counted (issue 25, item 5), its lookups are fair
+(issue 25: slow names must not stall other machines), and it needs no import after it drops
+privileges (issue 26: a Python in a private home).
+
+The proxy's host side runs here on real sockets: a machine's listener is one on this host's
+loopback, the far end a listener on ``127.0.0.17`` (``SMOLBENCH_TEST_FAR`` makes it a far
+network's stand-in). Numbers asserted are the proxy's own counts (``stats``) and this
+process's RSS, never times. Each bound is shown again with the cap lifted, where it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smolbench.backends import _netbudget, _netproxy
+from smolbench.netpolicy import NetPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+FAR = "127.0.0.17"
+
+
+@pytest.fixture(autouse=True)
+def far_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOLBENCH_TEST_FAR", "127.0.0.16/28")
+
+
+@pytest.fixture
+def sink() -> Iterator[int]:
+    """A far end that accepts and never reads."""
+    srv = socket.socket()
+    srv.bind((FAR, 0))
+    srv.listen(1024)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join()
+    for s in held:
+        s.close()
+    srv.close()
+
+
+async def _machine(proxy: _netproxy.Proxy, name: str, policy: NetPolicy, tree: str | None = None) -> int:
+    """A machine's proxy listener (on this host), in ``tree``: its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    await proxy.serve(name, policy, [listener], [("127.0.0.1", port)], tree)
+    return int(port)
+
+
+async def _tunnel(port: int, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+    try:
+        answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        answer = b""
+    return r, w, answer
+
+
+def _flood(w: asyncio.StreamWriter) -> int:
+    """Send until the kernel takes no more (the proxy stopped reading): how much went."""
+    sock = w.get_extra_info("socket")
+    sent, block = 0, b"x" * 65536
+    while True:
+        try:
+            sent += os.write(sock.fileno(), block)
+        except BlockingIOError:
+            return sent
+        except OSError:
+            return sent
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _settle(proxy: _netproxy.Proxy) -> dict[str, Any]:
+    """Stats once the proxy has moved what it will (its buffered count stops growing)."""
+    last = -1
+    while True:
+        await asyncio.sleep(0.3)
+        counts = proxy.budget.counts()
+        if counts["buffered"] == last:
+            return counts
+        last = counts["buffered"]
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_tunnels_to_a_far_end_that_never_reads_hold_bounded_memory(
+        capped: bool, sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit's 256 tunnels to a listed host that never reads: +278 MiB of proxy RSS and
+    ~2 GiB of host memory. Now at most TREE_CONNECTIONS tunnels open per tree, each holding at
+    most PER_CONNECTION bytes in the proxy (backpressure stops reading the machine), kernel
+    socket buffers fixed; with the caps lifted (the old proxy) the same flood holds more."""
+    bound = _netbudget.TREE_CONNECTIONS * _netbudget.PER_CONNECTION
+    if not capped:
+        monkeypatch.setattr(_netbudget, "TREE_CONNECTIONS", 10_000)
+        monkeypatch.setattr(_netbudget, "KERNEL_CONNECTIONS", 10_000)
+
+    async def main() -> tuple[dict[str, Any], int, int]:
+        proxy = _netproxy.Proxy()
+        port = await _machine(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
+        before = _rss()
+        tunnels = [await _tunnel(port, f"{FAR}:{sink}") for _ in range(256)]
+        opened = sum(1 for _, _, a in tunnels if a.startswith(b"HTTP/1.1 200"))
+        for _ in range(3):  # again once the proxy has moved what it would
+            for _, w, a in tunnels:
+                if a:
+                    _flood(w)
+            counts = await _settle(proxy)
+        grown = _rss() - before
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
+        assert stats["open"] == counts["connections"] and stats["buffered"] == counts["buffered"]
+        for _, w, _ in tunnels:
+            w.transport.abort()
+        await proxy.detach("m")
+        return counts, opened, grown
+
+    counts, opened, grown = asyncio.run(main())
+    if capped:
+        assert opened == counts["connections"] == _netbudget.TREE_CONNECTIONS
+        assert 0 < counts["buffered"] <= bound, counts
+        print(f"capped: {opened} tunnels, {counts['buffered']} bytes buffered (bound {bound}), RSS +{grown}")
+        assert grown < bound + (64 << 20), grown
+    else:  # the same flood through a proxy without the tree's cap
+        assert opened == 256 and counts["buffered"] > bound, counts
+        print(f"uncapped: {opened} tunnels, {counts['buffered']} bytes buffered, RSS +{grown}")
+
+
+def test_a_fork_multiplies_nothing_beyond_its_trees_cap(sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Branches are counted in their root's tree: a root and three branches together get the
+    tree's connections; another tree still gets its own."""
+    monkeypatch.setattr(_netbudget, "TREE_CONNECTIONS", 20)
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
+        ports = [await _machine(proxy, n, policy, "root") for n in ("root", "root.0", "root.1", "root.0.0")]
+        other = await _machine(proxy, "other", policy, "other")
+        tunnels = [await _tunnel(p, f"{FAR}:{sink}") for p in ports for _ in range(10)]
+        assert sum(1 for *_, a in tunnels if a.startswith(b"HTTP/1.1 200")) == 20
+        theirs = [await _tunnel(other, f"{FAR}:{sink}") for _ in range(5)]
+        assert all(a.startswith(b"HTTP/1.1 200") for *_, a in theirs)
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]
+        assert sum(stats[n]["open"] for n in ("root", "root.0", "root.1", "root.0.0")) == 20
+        assert sum(stats[n]["failed"] for n in ("root", "root.0", "root.1", "root.0.0")) == 20
+        assert "connections open (the most it may)" in stats["root.0.0"]["last_failed"]
+        for _, w, _ in tunnels + theirs:
+            w.transport.abort()
+        for n in ("root", "root.0", "root.1", "root.0.0", "other"):
+            await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_unfinished_request_heads_are_bounded() -> None:
+    """The audit held 256 unfinished 256 KiB heads (+71 MiB, 30 s each). Now a tree has at
+    most TREE_HEADS heads being read, each at most the reader's limit; the others wait
+    unread (their bytes in fixed socket buffers) and past the tree's cap are dropped at once."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        port = await _machine(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
+        conns = []
+        for _ in range(_netbudget.TREE_CONNECTIONS + 16):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"CONNECT " + b"a" * 60 + b".test:443 HTTP/1.1\r\nX: " + b"y" * 8000)  # no end
+            conns.append((r, w))
+        await asyncio.sleep(0.5)
+        counts = proxy.budget.counts()
+        assert counts["heads"] == _netbudget.TREE_HEADS, counts
+        assert counts["connections"] == _netbudget.TREE_CONNECTIONS, counts
+        assert counts["buffered"] <= _netbudget.TREE_HEADS * 2 * _netbudget.BUFFER, counts
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
+        assert stats["failed"] == 16 and "connections open" in stats["last_failed"], stats
+        assert stats["heads"] == _netbudget.TREE_HEADS
+        reading = [(r, w) for r, w in conns if w.transport.get_extra_info("socket") is not None]
+        big_r, big_w = reading[0]
+        with contextlib.suppress(ConnectionError):  # past the reader's limit: dropped, not held
+            big_w.write(b"z" * (4 * _netbudget.BUFFER))
+            await big_w.drain()
+            await asyncio.wait_for(big_r.read(), 60)
+        for _, w in conns:
+            w.transport.abort()
+        await proxy.detach("m")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine asks for 40 names whose lookup hangs (a fake resolver here: no DNS). Another
+    machine's lookup still runs at once. With one shared pool and no per-tree bound (as the
+    old proxy used the loop's default executor), it waits behind them."""
+    if not fair:
+        monkeypatch.setattr(_netbudget, "TREE_LOOKUPS", 10_000)
+    release = threading.Event()
+    asked: list[str] = []
+
+    def lookup(host: str, port: int, *rest: Any) -> list[Any]:
+        asked.append(host)
+        if host.startswith("slow"):
+            release.wait(120)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (FAR, port))]
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
+        slow = NetPolicy.from_lists(False, [f"slow{i}.test" for i in range(40)], [])
+        slow_port = await _machine(proxy, "greedy", slow)
+        fast_port = await _machine(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
+        stuck = [asyncio.ensure_future(_tunnel(slow_port, f"slow{i}.test:{sink}")) for i in range(40)]
+        fast = None
+        try:
+            while len(asked) < min(40, _netbudget.TREE_LOOKUPS, _netbudget.LOOKUP_THREADS):
+                await asyncio.sleep(0.05)
+            fast = asyncio.ensure_future(_tunnel(fast_port, f"fast.test:{sink}"))
+            if fair:
+                _, w, answer = await fast  # while the greedy machine's lookups are all still hanging
+                assert answer.startswith(b"HTTP/1.1 200") and not release.is_set()
+                assert sum(1 for h in asked if h.startswith("slow")) == _netbudget.TREE_LOOKUPS
+                w.close()
+            else:
+                done, _ = await asyncio.wait([fast], timeout=3)
+                assert not done and "fast.test" not in asked  # queued behind the hanging lookups
+        finally:
+            release.set()
+        for t in [*stuck, *([fast] if fast else [])]:
+            _, w, _ = await t
+            w.close()
+        for n in ("greedy", "other"):
+            await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+# -- nothing is imported after the privilege drop ------------------------------------------------
+
+AUDIT = textwrap.dedent('''
+    import asyncio, socket, sys
+    from smolbench.backends import _netproxy, _netbudget
+    from smolbench.netpolicy import NetPolicy
+
+    budget = _netproxy.prepare() if sys.argv[1] == "prepared" else _netbudget.Budget(lazy=True)
+
+    class AfterTheDrop:
+        """As the sandbox uid under a 0700 home: no module can be found any more."""
+        def find_spec(self, name, path=None, target=None):
+            raise ModuleNotFoundError(f"No module named {name!r} (imported after the drop)")
+
+    async def main():
+        async def answer(r, w):
+            w.write(b"hi " + await r.readline())
+            await w.drain()
+            w.close()
+        far = await asyncio.start_server(answer, "127.0.0.1", 0)
+        fport = far.sockets[0].getsockname()[1]
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proxy = _netproxy.Proxy(budget=budget)
+        policy = NetPolicy.from_lists(False, [f"localhost:{fport}", f"refused.test"], [f"127.0.0.1/32:{fport}"])
+        await proxy.serve("m", policy, [listener], [("127.0.0.1", port)])
+        sys.meta_path.insert(0, AfterTheDrop())
+        out = []
+        for head in (f"CONNECT localhost:{fport} HTTP/1.1\\r\\n\\r\\nping\\n", f"GET http://localhost:{fport}/ HTTP/1.1\\r\\n\\r\\n",
+                     "CONNECT refused.test:1 HTTP/1.1\\r\\n\\r\\n", "CONNECT 127.0.0.2:1 HTTP/1.1\\r\\n\\r\\n"):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(head.encode())
+            out.append((await asyncio.wait_for(r.read(), 30)).split(b"\\r\\n")[0].decode())
+            w.close()
+        stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
+        print(repr((out, stats["allowed"], stats["failed"], stats["last_failed"])))
+        await proxy.detach("m")
+        far.close()
+
+    asyncio.run(main())
+''')
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_the_proxy_imports_nothing_after_it_drops_privileges(prepared: bool) -> None:
+    """Issue 26: as the sandbox uid the proxy imported concurrent.futures.thread from pyenv's
+    0700 /root, so every connection by host name died, as tracebacks in the running cell.
+    Here any import after the point the proxy drops privileges fails; connections by name
+    still work when the proxy prepared first. Without that (the old order) the failure is one
+    line naming the host, a 502 for the machine and a count in the stats."""
+    r = subprocess.run([sys.executable, "-c", AUDIT, "prepared" if prepared else "lazy"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    out, allowed, failed, last = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr
+    if prepared:
+        assert out[:2] == ["HTTP/1.1 200 Connection established", "hi GET / HTTP/1.1"], out
+        assert out[2].startswith("HTTP/1.1 403") and out[3].startswith("HTTP/1.1 403")
+        assert (allowed, failed) == (2, 0) and r.stderr == "", r.stderr
+    else:
+        assert out[0].startswith("HTTP/1.1 502 smolbench egress proxy: localhost:") and "ModuleNotFoundError" in out[0]
+        assert failed == 3 and "imported after the drop" in last  # both names, and the unknown one
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert [ln.split(" failed: ")[0].rsplit(":", 1)[0] for ln in lines] == [  # one line per host, naming it
+            "smolbench egress proxy: localhost", "smolbench egress proxy: refused.test"], r.stderr
+        assert "Traceback" not in r.stderr and "never retrieved" not in r.stderr

@@ -1,0 +1,237 @@
+"""Checkpoints that travel as one file (issue 26 item 2), through real kernels in separate folders.
+
+A teacher saves and exports; a student in another folder restores the exported file by
+path in a fresh kernel, with nothing up first, and forks from it. A plain copy of a saved
+checkpoint, and a file dropped into ``.smolbench/checkpoints/``, restore too. A copied
+folder deletes its own copy only, whether its ledger rows are relative (now) or absolute
+(older ledgers). A file from someone else is untrusted: a record that is not strictly what
+smolbench writes, an archive member leading outside, or a record asking for the process
+backend changes nothing here but one line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import pickle
+import shutil
+import sqlite3
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nbhelpers import NotebookSession, ok, one_line, stream_text
+
+from smolbench.ledger import Ledger
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+CK = Path(".smolbench") / "checkpoints"
+
+
+
+def rows(folder: Path) -> dict[str, dict[str, Any]]:
+    led = Ledger(folder / ".smolbench" / "ledger.db")
+    try:
+        return {r["name"]: r for r in led.checkpoint_rows()}
+    finally:
+        led.close()
+
+
+@pytest.fixture
+def teacher(open_tmp: Path) -> Iterator[tuple[Path, Path]]:
+    """A teacher's folder with a warm checkpoint ``cartpole``, exported to ``shared/``."""
+    folder, shared = open_tmp / "teacher", open_tmp / "shared"
+    folder.mkdir()
+    shared.mkdir()
+    with NotebookSession(folder, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        ok(s.run("%%smol\nwarm = sum(range(1000))\nopen('notes.txt', 'w').write('from the teacher')"))
+        said = stream_text(ok(s.run("%smol checkpoint save cartpole")))
+        assert said.startswith("smolbench: saved checkpoint cartpole of root"), said
+        said = stream_text(ok(s.run("%smol checkpoint export cartpole ../shared/cartpole.smolcheckpoint")))
+        assert said.startswith("smolbench: exported checkpoint cartpole to ../shared/cartpole.smolcheckpoint ("), said
+        assert "`%smol checkpoint restore ../shared/cartpole.smolcheckpoint`" in said
+        refused = one_line(s.run("%smol checkpoint export cartpole ../shared/cartpole.smolcheckpoint"))
+        assert "exists: pick another path or add --force" in refused
+        ok(s.run("%smol down"))
+    yield folder, shared
+
+
+def test_a_student_restores_the_exported_file_in_a_fresh_kernel_and_forks(teacher: tuple[Path, Path],
+                                                                          open_tmp: Path) -> None:
+    folder, shared = teacher
+    exported = shared / "cartpole.smolcheckpoint"
+    with tarfile.open(exported, "r:gz") as tar:
+        first = tar.next()
+        assert first is not None and first.name == "smolbench-record.json"
+        f = tar.extractfile(first)
+        assert f is not None
+        record = json.loads(f.read())
+    assert record["name"] == "cartpole" and record["backend"] == "sandbox" and record["node"] == "root"
+    assert record["cells"] == 1 and record["baseline"].startswith("host@")
+    assert str(folder) not in json.dumps(record)  # nothing in it names the teacher's folder
+
+    student = open_tmp / "student"
+    student.mkdir()
+    original = exported.read_bytes()
+    with NotebookSession(student, timeout=300) as s:
+        ok(s.run("%load_ext smolbench"))
+        out = stream_text(ok(s.run("%smol checkpoint restore ../shared/cartpole.smolcheckpoint")))
+        assert "smolbench: nothing is up: bringing up a sandbox machine for this checkpoint" in out, out
+        assert ("smolbench: added checkpoint cartpole to this folder (copied into "
+                ".smolbench/checkpoints/cartpole.smolcheckpoint)") in out, out
+        assert "smolbench: restored cartpole as r1-cartpole (now active)" in out, out
+        assert stream_text(ok(s.run("%%smol\nprint(warm, open('notes.txt').read())"))) == "499500 from the teacher\n"
+        ok(s.run("%%smol fork 4 --quiet\nreward = SEED + warm"))
+        assert stream_text(ok(s.run("%%smol\nprint(warm)"))) == "499500\n"
+        # the same file again: already here, no second copy
+        out = stream_text(ok(s.run("%smol checkpoint restore ../shared/cartpole.smolcheckpoint")))
+        assert "checkpoint cartpole is already in this folder" in out and "r2-cartpole" in out, out
+        # deleting it here deletes this folder's copy only
+        assert stream_text(ok(s.run("%smol checkpoint rm cartpole"))) == "smolbench: removed checkpoint cartpole\n"
+        ok(s.run("%smol down"))
+    assert not (student / CK / "cartpole.smolcheckpoint").exists()
+    assert exported.read_bytes() == original and (folder / CK / "cartpole.smolcheckpoint").exists()
+    assert sorted(p.name for p in (student / CK).iterdir()) == []
+    assert rows(student) == {}
+
+
+def test_a_plain_copy_and_a_dropped_file_restore_and_are_listed(teacher: tuple[Path, Path], open_tmp: Path) -> None:
+    folder, _ = teacher
+    student = open_tmp / "student"
+    (student / CK).mkdir(parents=True)
+    saved = folder / CK / "cartpole.smolcheckpoint"  # as saved: no record inside
+    shutil.copyfile(saved, student / "cartpole.smolcheckpoint")
+    shutil.copyfile(saved, student / CK / "dropped.smolcheckpoint")
+    with NotebookSession(student, timeout=300) as s:
+        ok(s.run("%load_ext smolbench"))
+        listed = stream_text(ok(s.run("%smol checkpoint list")))  # nothing up: as text
+        assert "dropped  ?  .smolbench/checkpoints/dropped.smolcheckpoint  dropped in, not in the ledger yet" in listed
+        out = stream_text(ok(s.run("%smol checkpoint restore cartpole.smolcheckpoint")))
+        assert "restored cartpole as r1-cartpole (now active)" in out, out
+        assert stream_text(ok(s.run("%%smol\nprint(warm)"))) == "499500\n"
+        out = stream_text(ok(s.run("%smol checkpoint restore dropped")))
+        assert "added checkpoint dropped to this folder (found in .smolbench/checkpoints/dropped.smolcheckpoint)" in out
+        assert "restored dropped as r2-dropped" in out, out
+        ok(s.run("%smol down"))
+    got = rows(student)
+    assert got["cartpole"]["path"] == "checkpoints/cartpole.smolcheckpoint"
+    assert got["dropped"]["path"] == "checkpoints/dropped.smolcheckpoint"
+    assert (student / "cartpole.smolcheckpoint").exists()  # the file the user named stays where it was
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["relative-rows", "absolute-rows-of-an-older-ledger"])
+def test_a_copied_folder_deletes_its_own_copy_only(teacher: tuple[Path, Path], open_tmp: Path, absolute: bool) -> None:
+    folder, _ = teacher
+    if absolute:  # an older ledger: the path as the code before this change wrote it
+        db = sqlite3.connect(folder / ".smolbench" / "ledger.db")
+        with db:
+            db.execute("UPDATE checkpoints SET path = ?", (str((folder / CK / "cartpole.smolcheckpoint").resolve()),))
+        db.close()
+    copy = open_tmp / "copy"
+    shutil.copytree(folder, copy)
+    mine = (folder / CK / "cartpole.smolcheckpoint").read_bytes()
+    with NotebookSession(copy, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        ok(s.run("%smol checkpoint restore cartpole"))
+        assert stream_text(ok(s.run("%%smol\nprint(warm)"))) == "499500\n"
+        (copy / CK / "cartpole.smolcheckpoint").unlink()  # the copy's own file is the one it uses
+        line = one_line(s.run("%smol checkpoint restore cartpole"))
+        assert "is missing its file .smolbench/checkpoints/cartpole.smolcheckpoint" in line, line
+        shutil.copyfile(folder / CK / "cartpole.smolcheckpoint", copy / CK / "cartpole.smolcheckpoint")
+        assert stream_text(ok(s.run("%smol checkpoint rm cartpole"))) == "smolbench: removed checkpoint cartpole\n"
+        ok(s.run("%smol down"))
+    assert not (copy / CK / "cartpole.smolcheckpoint").exists()
+    assert (folder / CK / "cartpole.smolcheckpoint").read_bytes() == mine  # the original's file is untouched
+    assert "cartpole" in rows(folder)
+
+
+NAMESPACE = pickle.dumps({"vars": {}, "modules": {}, "seed": None, "name": "root"}, protocol=4)
+
+
+def _forged(path: Path, record: bytes | None, members: list[tuple[str, bytes]] | None = None) -> None:
+    """A checkpoint file with ``record`` as its first member, then a real-looking namespace and workspace."""
+    ws = io.BytesIO()
+    with tarfile.open(fileobj=ws, mode="w:") as tar:
+        info = tarfile.TarInfo("hello.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    parts = ([("smolbench-record.json", record)] if record is not None else []) + (
+        members or [("namespace.pkl", NAMESPACE), ("workspace.tar", ws.getvalue())])
+    with gzip.open(path, "wb") as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
+        for name, data in parts:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _record(**over: Any) -> bytes:
+    base = {"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox"}
+    return json.dumps({**base, **over}).encode()
+
+
+def _evil_workspace() -> bytes:
+    ws = io.BytesIO()
+    with tarfile.open(fileobj=ws, mode="w:") as tar:
+        info = tarfile.TarInfo("../../escape.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return ws.getvalue()
+
+
+BAD = {
+    "unknown-key": (_record(path="/etc/shadow"), "unknown key 'path'"),
+    "dupe-key": (b'{"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "name": "x", "backend": "sandbox"}',
+                 "a key appears twice"),
+    "bad-name": (_record(name="../../etc"), "its 'name' is not valid"),
+    "nan": (b'{"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox", "cells": NaN}',
+            "NaN is not a number"),
+    "not-utf8": (b'{"kind": "\xff"}', "can't decode"),
+    "huge": (_record(baseline="x" * 20000), "record is 20 KB, over 16 KB"),
+    "backend": (_record(backend="shell"), "its 'backend' is not valid"),
+}
+
+
+def test_a_file_from_someone_else_is_checked_like_machine_bytes(open_tmp: Path) -> None:
+    student = open_tmp / "student"
+    student.mkdir()
+    gifts = open_tmp / "gifts"
+    gifts.mkdir()
+    for key, (record, _) in BAD.items():
+        _forged(gifts / f"{key}.smolcheckpoint", record)
+    _forged(gifts / "escape.smolcheckpoint", _record(), [("namespace.pkl", NAMESPACE),
+                                                          ("workspace.tar", _evil_workspace())])
+    _forged(gifts / "process.smolcheckpoint", _record(backend="process", name="proc"))
+    with NotebookSession(student, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        for key, (_, why) in BAD.items():
+            line = one_line(s.run(f"%smol checkpoint restore ../gifts/{key}.smolcheckpoint"))
+            assert "has a record that can't be used" in line or "record is" in line, (key, line)
+            assert why in line and "refused" in line, (key, line)
+        line = one_line(s.run("%smol checkpoint restore ../gifts/escape.smolcheckpoint"))
+        assert "has a file outside its workspace (../../escape.txt)" in line and "nothing was added" in line, line
+        # nothing was added by any of them
+        assert sorted(p.name for p in (student / CK).iterdir()) == []
+        assert rows(student) == {}
+        ok(s.run("%smol down"))
+    # a record asking for the process backend (no isolation) gets a sandbox, in a fresh kernel
+    with NotebookSession(student, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        out = stream_text(ok(s.run("%smol checkpoint restore ../gifts/process.smolcheckpoint")))
+        assert "bringing up a sandbox machine" in out and "restored process as r1-process" in out, out
+        status = stream_text(ok(s.run("import smolbench\nprint(smolbench._magics.workbench.backend.name)")))
+        assert status == "sandbox\n"
+        ok(s.run("%smol down"))
+        # and on a process machine it is refused: it is someone else's code
+        ok(s.run("%smol up --backend process"))
+        line = one_line(s.run("%smol checkpoint restore process"))
+        assert "came from a file, which is someone else's code" in line, line
+        ok(s.run("%smol down"))
+    assert not (open_tmp / "escape.txt").exists() and not (open_tmp.parent / "escape.txt").exists()
