@@ -26,17 +26,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _loop
-from .backends.base import CellResult, Event
 from .errors import RemoteError, SmolbenchError
-from .gate import SafeBundle
 from .result import ForkResult
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
+if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
+    from .backends.base import Backend, CellResult, Event
+    from .gate import SafeBundle
     from .workbench import Workbench
 
 T = TypeVar("T")
-BranchOutput = Callable[[str, Event], None]
+BranchOutput = Callable[[str, "Event"], None]
 VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
 
 
@@ -483,6 +482,8 @@ def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> R
     if res.pull_error and missing:  # the last expression's own refusal is no error: value stays None
         pull_error = (res.pull_error if not res.pull_error.startswith(f"--pull {VALUE}:")
                       else f"--pull {missing[0]}: refused by the gate (not plain data)")
+    from .gate import SafeBundle
+
     display = res.result if isinstance(res.result, SafeBundle) else None
     return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
                      {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
