@@ -33,14 +33,15 @@ from nbhelpers import (
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_fork_exploration.ipynb", "03_disposable_episodes.ipynb", "04_checkpoints.ipynb",
-             "05_scale_out.ipynb", "07_training.ipynb"]
+             "05_scale_out.ipynb", "06_teaching.ipynb", "07_training.ipynb"]
 RAISES = "raises-exception"  # nbclient's tag for a cell whose error is expected
 TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machine
 # 05 starts a four-process Ray cluster first (60-90 s on a busy 2-core host); 07 trains on 4 machines, a branch per episode
 BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
-UPS = {"05_scale_out.ipynb": "%smol up --ray auto"}  # joins the cluster it starts (no Smolfile left behind)
-LEAVES_NOTHING = {"05_scale_out.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
+UPS = {"05_scale_out.ipynb": "%smol up --ray auto",  # joins the cluster it starts (no Smolfile left behind)
+       "06_teaching.ipynb": "%smol up --backend sandbox"}  # a checkpoint travels as one file on the sandbox
+LEAVES_NOTHING = {"05_scale_out.ipynb", "06_teaching.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
@@ -227,6 +228,25 @@ def check_scale_out(nb: NotebookNode) -> None:
     assert "the local cluster is stopped" in stream_text(nb.cells[-1])
 
 
+def check_teaching(nb: NotebookNode) -> None:
+    work = stream_text(nb.cells[1]).split("working in ", 1)[1].strip()
+    assert "warm-up took" in stream_text(cell(nb, "%%smol\nimport json, time"))
+    assert "saved checkpoint lesson1 of root" in stream_text(cell(nb, "%smol checkpoint save lesson1"))
+    assert "exported checkpoint lesson1 to ../class/lesson1.smolcheckpoint" in stream_text(cell(nb, "%smol checkpoint export"))
+    assert stream_text(cell(nb, 'os.chdir(os.path.join(work, "student"))')) == "[]\n"  # a fresh folder
+    restored = stream_text(cell(nb, "%smol checkpoint restore"))
+    assert "nothing is up: bringing up a sandbox machine" in restored, restored
+    assert "added checkpoint lesson1 to this folder (copied into .smolbench/checkpoints/lesson1.smolcheckpoint)" in restored
+    assert re.search(r"restored lesson1 as r1-lesson1 \(now active\)", restored), restored
+    assert re.search(r'value of the start state 0\.\d+ · \{"lesson": 1, "states": 40\}',
+                     stream_text(cell(nb, '%%smol\nprint(f"value of the start state')))
+    assert any(t.startswith("fork of 4 · 4 ok") for t in plain_texts(cell(nb, "%%smol fork 4")))
+    assert stream_text(cell(nb, "%smol checkpoint rm")) == "smolbench: removed checkpoint lesson1\n"
+    assert stream_text(cell(nb, 'print("class file')) == "class file still there: True\nteacher's file still there: True\n"
+    assert stream_text(nb.cells[-1]) == f"removed {work} · left behind: False\n"
+    assert not os.path.exists(work)
+
+
 def check_training(nb: NotebookNode) -> None:
     assert "(5, 1.0, True)" in result_text(cell(nb, "%%smol\nimport gymnasium"))  # the prototype reached the goal
     trained = stream_text(cell(nb, "%run train.py"))
@@ -245,6 +265,7 @@ CHECKS: dict[str, Callable[[NotebookNode], None]] = {
     "03_disposable_episodes.ipynb": check_disposable_episodes,
     "04_checkpoints.ipynb": check_checkpoints,
     "05_scale_out.ipynb": check_scale_out,
+    "06_teaching.ipynb": check_teaching,
     "07_training.ipynb": check_training,
 }
 
