@@ -447,12 +447,23 @@ class Session:
         return await _bridge(self._wb().checkpoint_save(name, node, force))
 
     def checkpoint_restore(self, name_or_path: str) -> str:
-        """A new machine from a saved checkpoint, made active; returns its node id."""
-        return _block(self._wb().checkpoint_restore(name_or_path)).id
+        """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
+        a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
+        checked first; a file from elsewhere is restored only on an isolating backend)."""
+        wb = self._wb()
+        return self._restored(wb, _block(wb.checkpoint_restore(name_or_path)).id)
 
     async def acheckpoint_restore(self, name_or_path: str) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop."""
-        return (await _bridge(self._wb().checkpoint_restore(name_or_path))).id
+        wb = self._wb()
+        return self._restored(wb, (await _bridge(wb.checkpoint_restore(name_or_path))).id)
+
+    def _restored(self, wb: Workbench, node: str) -> str:
+        for note in getattr(wb, "restore_notes", []):
+            self.on_notice(f"smolbench: {note}")
+        for warning in wb.machines[node].info.get("restore_warnings", []):
+            self.on_notice(f"smolbench: warning: {warning}")
+        return node
 
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows, as a dict (``{"up": False}`` when down)."""
