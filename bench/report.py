@@ -481,6 +481,17 @@ def write(quick: bool = False) -> Path:
         from .netpolicy import section as net_section
 
         lines += net_section(net)
+    pkgs = _load("packages", quick)
+    if pkgs:
+        from .packages import section as packages_section
+
+        lines += [*packages_section(pkgs).splitlines(), ""]
+    scale = _load("scale", quick)
+    if scale:
+        from .scale import _int_keys
+        from .scale import section as scale_section
+
+        lines += [scale_section(json.loads(json.dumps(scale), object_hook=_int_keys)), ""]
     hist = RESULTS / "history.jsonl"
     if hist.exists() and not quick:
         rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()]

@@ -57,6 +57,7 @@ class ForkResult:
         self.remote_errors: dict[str, RemoteError] = {}
         self.kept: list[str] = []
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
+        self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         self.started = time.time()
         self.ended: float | None = None

@@ -25,6 +25,9 @@ Example::
     [branch]
     enabled = true
 
+    [episodes]
+    fresh = "zygote"   # or "boot": every episode boots its own machine
+
 Every problem raises :class:`~smolbench.errors.SmolfileError` with one line
 naming the file, the line, the key, the problem and the fix.
 """
@@ -59,6 +62,7 @@ TOP_KEYS = (
     "cpus",
     "disk",
     "env",
+    "episodes",
     "image",
     "init",
     "init_timeout",
@@ -71,10 +75,12 @@ TOP_KEYS = (
     "volumes",
     "workdir",
 )
-TABLES = ("branch", "cluster", "env", "network")
+TABLES = ("branch", "cluster", "env", "episodes", "network")
 CLUSTER_KEYS = ("address",)  # [cluster] address = "auto": machines run on a Ray cluster (smolbench.cluster)
 NETWORK_KEYS = ("allow_cidrs", "allow_hosts")
 BRANCH_KEYS = ("enabled",)
+EPISODES_KEYS = ("fresh",)  # [episodes] fresh = "zygote" | "boot" (smolbench/zygote.py)
+EPISODES_FRESH = ("zygote", "boot")
 VOLUME_KEYS = ("guest", "host", "readonly")
 
 MAX_CPUS = 64
@@ -220,7 +226,7 @@ class _Parser:
                 close = difflib.get_close_matches(key, TABLES + ("volumes",), n=1, cutoff=0.6)
                 hint = f" (did you mean [{close[0]}]?)" if close else ""
                 self.fail_at(
-                    f"unknown table [{key}]{hint}; allowed tables: [branch], [cluster], [env], [network], "
+                    f"unknown table [{key}]{hint}; allowed tables: [branch], [cluster], [env], [episodes], [network], "
                     "[[volumes]]",
                     key,
                 )
@@ -265,6 +271,14 @@ class _Parser:
             branch = self.table(data["branch"], "branch", BRANCH_KEYS)
             if "enabled" in branch:
                 spec["branch"] = self.boolean(branch["enabled"], "enabled", "branch")
+        if "episodes" in data:
+            episodes = self.table(data["episodes"], "episodes", EPISODES_KEYS)
+            if "fresh" in episodes:
+                fresh = episodes["fresh"]
+                if fresh not in EPISODES_FRESH:
+                    self.fail_at(f"[episodes] fresh must be \"zygote\" (each episode a branch of a pristine machine) or "
+                                 f"\"boot\" (each its own boot), got {_describe(fresh)}", "episodes", "fresh")
+                spec["episodes_fresh"] = fresh
         return MachineSpec(**spec)
 
     # -- keys ----------------------------------------------------------------

@@ -41,6 +41,7 @@ class MachineSpec:
     disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default (sandbox: memory)
     init_timeout: float = 300.0  # seconds all of ``init`` may take
     max_alive: int = 8  # kept (idle) machines alive at once; more are deleted, least recently used first
+    episodes_fresh: str = "zygote"  # [episodes] fresh: "zygote" (branches of a pristine machine) or "boot"
     packages: tuple[str, ...] = ()  # pip requirement strings, installed on the host and mounted read-only
     source: str | None = field(default=None, compare=False)  # Smolfile path, for messages
 
@@ -62,7 +63,7 @@ class MachineSpec:
     def baseline(self) -> str:
         """A short, stable identifier of this baseline (recorded in the ledger)."""
         data = asdict(self)
-        for key in ("source", "init_timeout", "max_alive"):  # policy, not what the machine is
+        for key in ("source", "init_timeout", "max_alive", "episodes_fresh"):  # policy, not what the machine is
             data.pop(key, None)
         if not data["packages"]:  # baselines from before the key existed stay the same
             del data["packages"]

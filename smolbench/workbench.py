@@ -32,6 +32,7 @@ from .result import ForkResult
 from .shelf import Shelf
 from .spec import MachineSpec
 from .tree import TERMINAL, Node, Tree, where_text
+from .zygote import Zygotes
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
@@ -83,6 +84,7 @@ class Workbench(CheckpointsMixin):
         self.outputs_dir = Path(ledger.path).parent / "outputs"
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
+        self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
 
@@ -220,6 +222,7 @@ class Workbench(CheckpointsMixin):
             self._watcher.cancel()
             self._watcher = None
         count = 0
+        await _to_the_end(self.zygotes.close())
         for name in sorted(self.machines, key=lambda n: -n.count(".")):
             ref = self.machines.pop(name)
             with contextlib.suppress(Exception):
@@ -436,14 +439,15 @@ class Workbench(CheckpointsMixin):
             raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
         return n
 
-    def default_concurrency(self, n: int) -> int:
+    def default_concurrency(self, n: int, boots: bool = False) -> int:
         """How many branches run at once when not told: live forks are cheap, so all of them
-        (up to 4 per core); fresh machines cost a boot each, so 2 per core."""
+        (up to 4 per core); fresh machines (``boots``) cost a boot each, so 2 per core."""
         cores = os.cpu_count() or 1
         slots = getattr(self.backend, "slots", None)
         if slots is not None:  # a cluster: every node's machine slots
             return max(1, min(n, slots()))
-        return max(1, min(n, 4 * cores if self.backend.name in ("sandbox", "process") else 2 * cores))
+        live = self.backend.name in ("sandbox", "process") and not boots
+        return max(1, min(n, 4 * cores if live else 2 * cores))
 
     def new_fork(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                  concurrency: int | None = None, keep: str = "best", parent: str | None = None,
@@ -556,12 +560,19 @@ class Workbench(CheckpointsMixin):
         retries = self.retries if retries is None else retries
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
+        # Each episode a branch of this baseline's pristine zygote, or (its init commands differ
+        # from boot to boot, the Smolfile says so, or the backend can't fork live) a boot of its own.
+        verdict = await self.zygotes.verdict(self.spec, self.baseline)
+        zygote, result.fresh = verdict.zygote, verdict.fresh
+        if verdict.note:
+            self.on_notice(verdict.note)
         self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
-                              code_hash=code_hash(code), n=len(names), **_where(cell_name), options={"seeds": seeds, "timeout": timeout})
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
+                              options={"seeds": seeds, "timeout": timeout, "fresh": verdict.fresh})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
         for node in nodes:
             self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
-        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes)))
+        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes), boots=zygote is None))
 
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
@@ -571,10 +582,14 @@ class Workbench(CheckpointsMixin):
 
             async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
                 result.rows[node.id]["attempts"] = attempt
-                made.append(await self.backend.create(episode_spec, node.id))
+                if zygote is not None:
+                    made.append(await self.zygotes.branch(zygote, node.id, node.seed))
+                else:
+                    made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
                 self._placed(made[-1])
-                await self._init(made[-1])
+                if zygote is None:
+                    await self._init(made[-1])
                 await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
                                        cell_name=cell_name, first_line=first_line)
 

@@ -341,7 +341,7 @@ done
 cat /ro/secret.txt >/dev/null 2>&1 && echo read:secret
 cat /etc/shadow >/dev/null 2>&1 && echo read:shadow
 mount -t proc proc /proc 2>/dev/null && echo mount:proc
-ls /run/smolbench | grep -qv '^s$' && echo see:run
+ls /run/smolbench | grep -qvE '^(s|k)$' && echo see:run
 true
 """
 

@@ -190,6 +190,35 @@ def test_packages_on_an_image_with_its_own_python_and_its_pip(
         nb.run("%smol down")
 
 
+@needs_bwrap
+def test_pip_in_a_machine_fetches_a_package_by_name(private_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`%pip`, `!pip` and a shell's `pip` are this machine's `python -m pip`, installing into its own
+    folder on sys.path (Debian's /usr/bin/pip would answer "externally-managed-environment")."""
+    top = private_python
+    # a venv as people make them, with pip in it (the fixture's has none; pip is pure Python: copied in)
+    import pip
+
+    site = subprocess.run([str(top / "venv" / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    shutil.copytree(Path(pip.__file__).parent, Path(site) / "pip", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("JUPYTER_PATH", str(top / "share" / "jupyter"))
+    with NotebookSession(top / "work", timeout=600, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        up = nb.run(f"%smol up --backend sandbox --allow {INDEX_HOSTS}")
+        assert not error_text(up), error_text(up)
+        cell = nb.run(f"%%smol\n%pip install --no-cache-dir --progress-bar off {PKG}")
+        said = stream_text(cell)
+        assert not error_text(cell), error_text(cell) + said
+        assert "Successfully installed tomli-w-1.2.0" in said or "Successfully installed tomli_w-1.2.0" in said, said
+        cell = nb.run("%%smol\nimport tomli_w, shutil, subprocess, sys\n"
+                      "(tomli_w.__file__.startswith('/workspace/.packages/'), shutil.which('pip'),"
+                      " subprocess.run(['pip', '--version'], capture_output=True, text=True).stdout.split(' from ')[0][:4])")
+        assert result_text(cell) == "(True, '/workspace/.packages/.bin/pip', 'pip ')", error_text(cell)
+        cell = nb.run("%%smol fork 2 --quiet --out res\nimport tomli_w\nreward = 1.0")  # branches inherit it
+        assert result_text(nb.run("sorted(res.rewards.values())")) == "[1.0, 1.0]", error_text(cell)
+        nb.run("%smol down")
+
+
 def test_the_pip_command_asks_for_wheels_only_and_the_guests_tags() -> None:
     guest = packages.version_python("3.12", (2, 28))
     cmd = packages.pip_command((PKG,), guest, Path("/x"))

@@ -14,7 +14,7 @@ from smolbench.smolfile import load_smolfile, parse_smolfile
 from smolbench.spec import MachineSpec, Volume
 
 TOP_ALLOWED = (
-    "allowed keys: branch, cluster, cpus, disk, env, image, init, init_timeout, max_alive, memory, net, "
+    "allowed keys: branch, cluster, cpus, disk, env, episodes, image, init, init_timeout, max_alive, memory, net, "
     "network, packages, pids, volumes, workdir"
 )
 HOST_FIX = 'write a hostname like "pypi.org", optionally with a port like "pypi.org:443"'
@@ -214,7 +214,7 @@ BAD: list[tuple[str, str, str]] = [
         "unknown-table",
         "cpus = 1\n\n[netwrk]\nallow_hosts = []",
         "Smolfile line 3: unknown table [netwrk] (did you mean [network]?); "
-        "allowed tables: [branch], [cluster], [env], [network], [[volumes]]",
+        "allowed tables: [branch], [cluster], [env], [episodes], [network], [[volumes]]",
     ),
     (
         "unknown-branch-key",

@@ -101,3 +101,17 @@ def test_a_large_fan_never_folds_away_errors_or_running_branches_and_says_how_it
     page = tree_html([root, *kids], active="root", best_path=["root", "root.15"], title="t")
     row = re.search(r'data-id="root\.15".*?</tr>', page)
     assert row and "kept" not in row.group(0), row
+
+
+def test_cluster_status_words_for_isolation_and_image() -> None:
+    """What `%smol status` says for a cluster's nodes (their data, no Ray needed): the kinds
+    per node, no pointer to `%smol status` itself, and an image default instead of None."""
+    from smolbench.cluster.backend import ClusterBackend, Node
+
+    backend = ClusterBackend("10.0.0.5:6379")
+    for i, kind in enumerate(["sandbox", "sandbox", "smol"]):
+        backend.nodes[f"n{i}" * 8] = Node(f"n{i}" * 8, agent=None, slots=4, backend=kind)
+    assert backend.isolation == "per node: sandbox on 2 nodes, smol on 1 node"
+    assert "%smol status" not in backend.isolation
+    assert backend.image_default == ("(each node's backend default: sandbox: host system, read-only; "
+                                     "smol: python:3.12-slim)")

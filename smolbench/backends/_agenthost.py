@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import re
 import shutil
 import tarfile
 import time
@@ -46,6 +47,7 @@ class AgentHostBackend(Backend):
         self._machines: dict[str, MachineRef] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._logs: dict[str, asyncio.Future[None]] = {}  # a root's agent.log writer (it ends with the machine)
+        self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
         self._limiter: _limits.Limiter | None = None
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
@@ -163,7 +165,8 @@ class AgentHostBackend(Backend):
             finally:
                 self._spawned()
             if read is not None:
-                self._logs[name] = asyncio.ensure_future(_keep_log(read, run_dir / "agent.log"))
+                booted = self._booted[name] = asyncio.Event()
+                self._logs[name] = asyncio.ensure_future(_keep_log(read, run_dir / "agent.log", booted))
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
             await self._wait_ready(ref, proc, ready)
@@ -172,15 +175,38 @@ class AgentHostBackend(Backend):
             raise
         return ref
 
+    async def _until_booted(self, ref: MachineRef, proc: asyncio.subprocess.Process, deadline: float) -> None:
+        """Until the agent's ready line is in its log (no polling), or raise if it exited or is late.
+        Without a log pipe (a test's weakened set-up) returns at once: the caller polls."""
+        booted = self._booted.pop(ref.name, None)
+        if booted is not None and not booted.is_set():
+            said, ended = asyncio.ensure_future(booted.wait()), asyncio.ensure_future(proc.wait())
+            try:
+                await asyncio.wait([said, ended], timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                said.cancel()
+                ended.cancel()
+            if booted.is_set():
+                return
+        self._check_starting(ref, proc, deadline)
+
+    def _check_starting(self, ref: MachineRef, proc: asyncio.subprocess.Process, deadline: float) -> None:
+        if proc.returncode is not None:
+            raise _Exited()
+        if time.monotonic() > deadline:
+            raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
+
     async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
         deadline = time.monotonic() + BOOT_TIMEOUT
-        while not ready.exists():
-            if proc.returncode is not None:
-                await self._log_written(ref)
-                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
-            await asyncio.sleep(0.01)
+        try:
+            await self._until_booted(ref, proc, deadline)
+            while not ready.exists():
+                self._check_starting(ref, proc, deadline)
+                await asyncio.sleep(0.01)
+        except _Exited:
+            await self._log_written(ref)
+            raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}") from None
         with contextlib.suppress(OSError, ValueError):
             guest = int((archive.read_small(ready, 64) or "").strip() or 0)
             ref.info["host_pid"] = proc.pid if _procs.ns_pids(proc.pid)[-1:] == [guest] else _procs.host_pid(proc.pid, guest)
@@ -212,6 +238,7 @@ class AgentHostBackend(Backend):
             if proc is not None:
                 await proc.wait()
             await self._log_written(ref)
+            self._booted.pop(ref.name, None)
             log = self._logs.pop(ref.name, None)
             if log is not None:
                 log.cancel()
@@ -241,6 +268,10 @@ class AgentHostBackend(Backend):
         pid = ref.info.get("host_pid")
         if pid is None or _procs.start_time(pid) != ref.info.get("host_started"):
             return []
+        limits = self.limiter.get(ref.name)
+        if limits is not None and limits.dirs:  # all it started is in its own cgroup: killed there
+            limits.kill()
+            return [(pid, ref.info["host_started"])]
         below = [p for p in _procs.descendants(pid) if _procs.running(*p)]
         _procs.kill_all(below)
         return [(pid, ref.info["host_started"]), *below]
@@ -327,10 +358,12 @@ class AgentHostBackend(Backend):
     ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
+        _limits.check_fork_fits(len(names))
         host_dir, guest_run = Path(machine.info["host_dir"]), machine.info["guest_run"]
         # A contained branch gets a folder of its own (it sees only that one as its run folder).
         nested = bool(machine.info.get("contained"))
-        dirs = _run_folders(names)
+        taken = {Path(m.info["host_dir"]).name for m in self._machines.values() if m.parent == machine.name}
+        dirs = _run_folders(names, taken)
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
@@ -340,7 +373,7 @@ class AgentHostBackend(Backend):
             held.fork_headroom(8 * len(names))
         try:
             try:
-                done = await self._request(machine, {"op": "fork", "children": children})
+                done = await self._request(machine, {"op": "fork", "children": children, "hold": True})
             except SmolbenchError as exc:
                 if "BlockingIOError" not in str(exc):
                     raise
@@ -349,14 +382,16 @@ class AgentHostBackend(Backend):
                     "end some of its processes, or raise pids in the Smolfile") from None
             if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+            limits = await cgroups
         except BaseException:
             if held is not None:
                 held.fork_headroom(0)
+            with contextlib.suppress(SmolbenchError, OSError):  # held children exit
+                await self._request(machine, {"op": "release", "go": False})
             unused = await cgroups
             for name in unused:
                 await asyncio.to_thread(self.limiter.release, name)
             raise
-        limits = await cgroups
         if done.get("flattened"):
             self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
                               "past 48 layers a fork copies them into one")
@@ -371,7 +406,9 @@ class AgentHostBackend(Backend):
             self._machines[ref.name] = ref
             refs.append(ref)
         try:
+            # The branches wait, each a bare fork: into their own cgroups, then let them start.
             await asyncio.to_thread(self._limit_branches, machine, refs, limits)
+            await self._request(machine, {"op": "release", "go": True})
         finally:
             if held is not None:
                 held.fork_headroom(0)
@@ -384,11 +421,10 @@ class AgentHostBackend(Backend):
 
     def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
                         limits: dict[str, _limits.MachineLimits]) -> None:
-        """Each branch into its own cgroup (before it runs anything), so its limits are its own."""
+        """Each branch into its own cgroup before it runs anything (it waits, held, until
+        released), so its limits and its memory are its own from its first page on."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
-        tree = _procs.children_map()
-        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs], tree) if ancestor else {}
-        moved = []
+        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs]) if ancestor else {}
         for ref in refs:
             pid = found.get(ref.info["guest_pid"])
             if pid is None:
@@ -396,13 +432,6 @@ class AgentHostBackend(Backend):
             ref.info.update(host_pid=pid, host_started=_procs.start_time(pid))
             if ref.name in limits:
                 limits[ref.name].adopt([pid])
-                moved.append((ref.name, pid))
-        if moved:
-            # then what they started meanwhile (a sandbox branch's agent is forked by its keeper):
-            # looked up after the move, so nothing falls between the two
-            tree = _procs.children_map()
-            for name, pid in moved:
-                limits[name].adopt([p for p, _ in _procs.descendants(pid, tree)])
         for name in set(limits) - {r.name for r in refs}:  # asked for, never made
             self.limiter.release(name)
 
@@ -473,16 +502,26 @@ class AgentHostBackend(Backend):
         return ref
 
 
+class _Exited(Exception):
+    """A machine's process ended before its agent was ready."""
+
+
 class _NoRoom(SmolbenchError):
     """A checkpoint's files don't fit in the new machine."""
 
 
-def _run_folders(names: builtins.list[str]) -> builtins.list[str]:
-    """Short folder names for branches (a socket path must stay under 108 bytes)."""
+def _run_folders(names: builtins.list[str], taken: set[str] | None = None) -> builtins.list[str]:
+    """Short folder names for branches (a socket path must stay under 108 bytes), none of them
+    ``taken`` by a live sibling (episodes of two runs, ep1.3 and ep2.3, share a zygote)."""
     out: builtins.list[str] = []
     for i, name in enumerate(names):
         last = name.rsplit(".", 1)[-1]
-        out.append(last if last.isalnum() and len(last) <= 12 and last not in out else f"b{i}")
+        pick = last if last.isalnum() and len(last) <= 12 else f"b{i}"
+        n = 0
+        while pick in out or pick in (taken or ()):
+            n += 1
+            pick = f"b{i}x{n}"
+        out.append(pick)
     return out
 
 
@@ -499,17 +538,25 @@ def _wait_gone(procs: list[tuple[int, str]]) -> None:
         time.sleep(0.01)
 
 
-async def _keep_log(fd: int, path: Path) -> None:
+READY_LINE = re.compile(rb"(?:^|\n)smolbench agent \S+ ready \(pid \d+\)\n")  # guest/agent.py main()
+
+
+async def _keep_log(fd: int, path: Path, booted: asyncio.Event | None = None) -> None:
     """Write a machine's output (pipe ``fd``, ours to close) to ``path`` up to LOG_LIMIT, then
     read on and drop the rest (the machine must never block on a full pipe), with one line
-    saying so."""
+    saying so. ``booted`` is set once the agent's ready line came (before any cell ran, only
+    the agent writes here)."""
     out = asyncio.StreamReader()
     transport, _ = await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(out), os.fdopen(fd, "rb", buffering=0))
-    written, cut = 0, False
+    written, cut, head = 0, False, b""
     try:
         with open(path, "wb", buffering=0) as log:
             while data := await out.read(CHUNK):
+                if booted is not None and not booted.is_set():
+                    head = (head + data)[-4096:]
+                    if READY_LINE.search(head):
+                        booted.set()
                 part = data[: max(0, LOG_LIMIT - written)]
                 if part:
                     log.write(part)

@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import SmolbenchError
 from ..spec import MachineSpec
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -87,6 +88,32 @@ def thread_env(spec: MachineSpec) -> dict[str, str]:
 def out_of_memory_line(spec: MachineSpec) -> str:
     """The one line a cell that ran out of memory gets."""
     return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
+
+
+# What a new branch takes of the host at least (measured by bench/scale.py: about 5 MiB PSS for
+# its keeper and agent together), with a margin; and what the host keeps for itself.
+BRANCH_HOST_MIB = 8
+HOST_RESERVE_MIB = 512
+
+
+def host_available_mib() -> int | None:
+    """MemAvailable of this host in MiB (None where /proc/meminfo doesn't say)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return None
+
+
+def check_fork_fits(n: int) -> None:
+    """Refuse up front, in one line, a fork of ``n`` branches this host can't hold."""
+    free = host_available_mib()
+    if free is None:
+        return
+    fits = max(0, (free - HOST_RESERVE_MIB) // BRANCH_HOST_MIB)
+    if n > fits:
+        raise SmolbenchError(f"fork of {n} refused: this host has {free} MiB of memory available, room for about "
+                             f"{fits} branches ({BRANCH_HOST_MIB} MiB each, {HOST_RESERVE_MIB} MiB kept): fork at most {fits}")
 
 
 # -- finding a writable hierarchy ----------------------------------------------------------

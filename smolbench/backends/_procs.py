@@ -1,4 +1,9 @@
-"""Host process bookkeeping from /proc: trees, start times, namespace pids, killing for sure."""
+"""Host process bookkeeping from /proc: trees, start times, namespace pids, killing for sure.
+
+A tree is walked through each process's own ``/proc/PID/task/TID/children`` lists, so its cost
+is the size of that tree, not of every process on the host (``children_map``, a full scan, is
+the fallback where the kernel has no such lists).
+"""
 
 from __future__ import annotations
 
@@ -35,14 +40,39 @@ def children_map() -> dict[int, list[tuple[int, str]]]:
     return children
 
 
+_HAS_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")  # CONFIG_PROC_CHILDREN
+
+
+def kids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (every thread's), from its own /proc lists."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                out += [int(k) for k in fh.read().split()]
+    return out
+
+
 def descendants(pid: int, children: dict[int, list[tuple[int, str]]] | None = None) -> list[tuple[int, str]]:
-    """(pid, start time) of every process below ``pid``, nearest first."""
-    children = children_map() if children is None else children
+    """(pid, start time) of every process below ``pid``, nearest first (a walk of that tree
+    only, unless ``children`` is given or the kernel has no children lists)."""
+    if children is None and not _HAS_CHILDREN:
+        children = children_map()
     out, todo = [], [pid]
     while todo:
-        for kid in children.get(todo.pop(0), []):
-            out.append(kid)
-            todo.append(kid[0])
+        parent = todo.pop(0)
+        if children is not None:
+            below = children.get(parent, [])
+        else:
+            below = [(k, start_time(k)) for k in kids(parent)]
+        for kid in below:
+            if kid[1]:  # gone meanwhile otherwise
+                out.append(kid)
+                todo.append(kid[0])
     return out
 
 

@@ -24,7 +24,9 @@ import errno
 import os
 import re
 import shutil
+import socket
 import stat
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,12 +37,13 @@ from ..gate import archive
 from ..packages import GuestPython, host_python, rootfs_python
 from ..spec import MachineSpec
 from . import _procs, _stage
-from ._agenthost import BOOT_TIMEOUT, AgentHostBackend
+from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
 from ._netproxy import ProxyClient
 from .base import MachineRef
 
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
+FREEZE_TIMEOUT = 60.0  # seconds a keeper gets to freeze a machine's layers (a flatten copies them)
 
 
 def bwrap_path() -> str | None:
@@ -147,6 +150,7 @@ class SandboxBackend(AgentHostBackend):
     async def branch(self, machine: MachineRef, names: builtins.list[str],
                      seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
         self._grant(machine, len(names))
+        await self._order_freeze(machine)
         refs = await super().branch(machine, names, seeds)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
@@ -171,6 +175,46 @@ class SandboxBackend(AgentHostBackend):
                 if ref.name in failed:
                     self._no_net(ref, failed[ref.name])
         return refs
+
+    async def _order_freeze(self, machine: MachineRef) -> None:
+        """Have ``machine``'s keeper freeze its layers for the fork that follows. Only the host
+        orders it, on the keeper's own socket (cells can't: guest/contain.py ``_host_order``);
+        the peer must be that keeper (its host pid), not something a cell bound there."""
+        if not self._contained or "keeper-agent" in self._weak:
+            return
+        keeper = _keeper_pid(machine)
+        deadline = time.monotonic() + BOOT_TIMEOUT  # a branch just released may still be starting its keeper
+        while True:
+            try:
+                fd = _socket_fd(f"{machine.info['host_dir']}/k")
+                try:
+                    reader, writer = await asyncio.open_unix_connection(f"/proc/self/fd/{fd}")
+                finally:
+                    os.close(fd)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED) or time.monotonic() > deadline:
+                    raise SmolbenchError(f"machine {machine.name!r} can't fork: its keeper is not answering "
+                                         f"({exc.strerror}); `%smol delete` it and fork another") from None
+                await asyncio.sleep(0.01)
+        try:
+            sock = writer.get_extra_info("socket")
+            peer = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if keeper is None or peer != keeper:
+                raise SmolbenchError(f"machine {machine.name!r} can't fork: something other than its keeper answers "
+                                     "on the keeper's socket (a cell replaced it); `%smol delete` it and fork another")
+            writer.write(b"freeze\n")
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), FREEZE_TIMEOUT)
+        except (OSError, asyncio.TimeoutError):
+            line = b""
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        if line != b"ok\n":
+            raise SmolbenchError(f"machine {machine.name!r} can't fork: its keeper did not freeze its files; "
+                                 "`%smol delete` it and fork another")
 
     def _grant(self, machine: MachineRef, stores: int) -> None:
         """Let the tree's keeper allow ``stores`` more branch stores, to the pid namespace of
@@ -210,18 +254,17 @@ class SandboxBackend(AgentHostBackend):
     # checkpoint stages) through /proc/PID/root of a process in the machine's mount namespace.
 
     async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
+        # The agent's ready line says when; then one walk of this machine's own few processes.
         deadline = time.monotonic() + BOOT_TIMEOUT
-        while True:
-            if proc.returncode is not None:
-                await self._log_written(ref)
-                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}")
-            pid = _agent_below(proc.pid)
-            if pid is not None:
-                self._reach(ref, pid, f"{GUEST_RUN}/s")
-                return
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
-            await asyncio.sleep(0.01)
+        try:
+            await self._until_booted(ref, proc, deadline)
+            while (pid := _agent_below(proc.pid)) is None:
+                self._check_starting(ref, proc, deadline)
+                await asyncio.sleep(0.01)
+        except _Exited:
+            await self._log_written(ref)
+            raise BackendUnavailable(f"the {self.name} machine {ref.name!r} exited during start: {self._log_tail(ref)}") from None
+        self._reach(ref, pid, f"{GUEST_RUN}/s")
 
     @staticmethod
     def _reach(ref: MachineRef, pid: int, guest_socket: str) -> None:
@@ -271,11 +314,14 @@ class SandboxBackend(AgentHostBackend):
         if not self._contained:
             return super()._host_pids(ancestor, guest_pids, tree)
         # The ancestor is a root's agent, or a branch's keeper (its host pid), whose agent is its
-        # child: the new keepers are then one level further down.
-        tree = tree if tree is not None else _procs.children_map()
+        # child: the new keepers are then one level further down. Read from these processes'
+        # own children lists: no scan of the host's processes.
+        def below(pid: int) -> builtins.list[int]:
+            return [p for p, _ in tree.get(pid, [])] if tree is not None else _procs.kids(pid)
+
         wanted, found = set(guest_pids), dict[int, int]()
-        for parent in [ancestor, *(pid for pid, _ in tree.get(ancestor, []))]:
-            for pid, _ in tree.get(parent, []):
+        for parent in [ancestor, *below(ancestor)]:
+            for pid in below(parent):
                 last = _procs.ns_pids(pid)[-1:]
                 if last and last[0] in wanted:
                     found.setdefault(last[0], pid)
@@ -332,6 +378,16 @@ async def _own_netns(pid: int, parent: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise OSError("it never got a network namespace of its own")
         await asyncio.sleep(0.002)
+
+
+def _keeper_pid(machine: MachineRef) -> int | None:
+    """The host pid of the keeper of ``machine``: a branch's host pid is its keeper; a root's
+    is its agent, whose parent is the keeper."""
+    pid = machine.info.get("host_pid")
+    if pid is None or machine.parent is not None:
+        return pid
+    fields = _procs.stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def _agent_below(pid: int) -> int | None:

@@ -23,10 +23,15 @@ class Branching:
         if self.machine is not None:
             from . import contain
 
-            old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])  # the overlays about to be swapped
-            cwd = _getcwd()
-            os.chdir("/")  # hold nothing of the overlay that the keeper swaps
-            frozen = contain.ask_freeze(self.machine.chan)
+            if "keeper-agent" in self.machine.weak:  # tests only: the old way, the agent asks, the overlays at hand count
+                old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])
+                cwd = _getcwd()
+                os.chdir("/")
+                frozen = contain.take_freeze(self.machine.chan, ask=True)
+            else:  # the host ordered the freeze: every overlay this machine ever had counts
+                frozen = contain.take_freeze(self.machine.chan)
+                old = {int(i): t for i, t in frozen.pop("mounts", {}).items()}
+                cwd = contain.held_cwd(old)
             frozen["old_mounts"], frozen["cwd"] = old, cwd
             _chdir(cwd, self.workdir)  # re-enter the working folder through the fresh upper layer
             if "layers" not in self.machine.weak:  # files and folders kept open: onto the fresh upper
@@ -52,6 +57,10 @@ class Branching:
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
         gc.freeze()
+        # "hold": each child waits right after its fork, before it touches anything, until the
+        # host moved it into its own cgroup and sends "release" (so none is charged to us, and
+        # the ones already forked don't compete with this loop for the cores).
+        hold = os.pipe() if req.get("hold") else None
         for child in req["children"]:
             os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
             listener = self._listen(child["socket"])
@@ -63,6 +72,8 @@ class Branching:
             pid = os.fork()
             if pid == 0:
                 try:
+                    if hold is not None:
+                        _wait_release(*hold)
                     self._become_child(child, listener, frozen)
                 except BaseException as exc:
                     sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
@@ -71,10 +82,32 @@ class Branching:
             listener.close()
             self.children[pid] = child["name"]
             made.append({"name": child["name"], "pid": pid})
+        if hold is not None:
+            os.close(hold[0])
+            self._hold(hold[1], len(made))
         done = {"t": "done", "status": "ok", "children": made}
         if frozen is not None and frozen["flattened"]:
             done["flattened"] = frozen["flattened"]
         return done
+
+    def _hold(self, fd, count):
+        """Keep the release end of held children (a fork before any release lets the last go: they exit)."""
+        old, self._held = getattr(self, "_held", None), (fd, count)
+        if old is not None:
+            os.close(old[0])
+
+    def release(self, go):
+        """Let the held children of the last fork start (``go``) or exit; how many there were."""
+        held, self._held = getattr(self, "_held", None), None
+        if held is None:
+            return 0
+        fd, count = held
+        try:
+            if go:
+                os.write(fd, b"g" * count)  # at most a few KiB: within the pipe's buffer
+        finally:
+            os.close(fd)
+        return count
 
     def _become_child(self, child, listener, frozen=None):
         try:
@@ -86,6 +119,7 @@ class Branching:
         self.listener = listener
         self.sock_path = child["socket"]
         self.children = {}
+        self._held = None
         self._forking, self._nproc_lock = 0, threading.Lock()  # the parent's may be held right now
         self._busy = threading.Lock()
         self._send_lock = threading.Lock()
@@ -106,6 +140,19 @@ class Branching:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor()
+
+def _wait_release(read, write):
+    """A held child: wait for the parent's word; exit if it never comes (the parent is gone,
+    or the host called the fork off)."""
+    os.close(write)
+    try:
+        word = os.read(read, 1)
+    except OSError:
+        word = b""
+    os.close(read)
+    if word != b"g":
+        os._exit(0)
+
 
 def _getcwd():
     try:

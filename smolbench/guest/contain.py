@@ -204,6 +204,8 @@ class Layers:
         self.weak = weak
         self.gen = 0
         self.upper = self.work = None
+        self.current = None  # the mount id of the overlay at target now
+        self.old = {}  # mount id -> target of every overlay this machine had here before (swapped out)
 
     def mount(self, keep=()):
         self.gen += 1
@@ -214,6 +216,9 @@ class Layers:
         os.mkdir(self.work, 0o700)
         opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (":".join(self.lowers), self.upper, self.work)
         mount("overlay", self.target, "overlay", MS_NOSUID | MS_NODEV, opts)
+        if self.current is not None:
+            self.old[self.current] = self.target
+        self.current = mount_id(self.target)
         for path, source in keep:  # host paths that live below this mount point (a venv under /tmp)
             os.makedirs(path, exist_ok=True)
             mount(source, path, None, MS_BIND | MS_REC)
@@ -295,6 +300,40 @@ def mount_ids(paths):
         finally:
             os.close(fd)
     return out
+
+
+STATX_MNT_ID = 0x1000
+AT_FDCWD = -100
+
+
+def mount_id(path):
+    """The mount id of what is mounted at ``path``, by statx: a keeper's /proc, once its agent
+    mounted its own, is no longer the keeper's (no /proc/self there)."""
+    if not hasattr(_libc, "statx"):  # glibc before 2.28: /proc (a keeper's is right until its agent starts)
+        return next(iter(mount_ids([path])))
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statx(AT_FDCWD, path.encode(), 0, STATX_MNT_ID, buf) != 0:
+        _check(-1, "statx %s" % path)
+    mask, = struct.unpack_from("I", buf, 0)
+    if not mask & STATX_MNT_ID:
+        raise ContainError(0, "this kernel gives no mount id (statx, Linux 5.8+)")
+    return struct.unpack_from("Q", buf, 0x90)[0]
+
+
+def held_cwd(mounts):
+    """This process's working folder by path, also where it is on a swapped-out overlay of
+    ``mounts`` ({mount id: mount point}): the same folder through the overlay there now."""
+    try:
+        fd = os.open(".", O_PATH | os.O_DIRECTORY)
+        try:
+            mnt, path = int(_fdinfo(fd)["mnt_id"]), os.readlink("/proc/self/cwd")
+        finally:
+            os.close(fd)
+    except (OSError, KeyError, ValueError):
+        return None
+    if not path.startswith("/"):
+        return None
+    return mounts[mnt].rstrip("/") + path if mnt in mounts else path
 
 
 def open_files(mounts, weak=()):
@@ -537,15 +576,22 @@ class Machine:
         self._keep(keeper_end, pid)
 
     def _keep(self, chan, agent_pid):
-        """The keeper's loop: answer ``freeze`` (and, a root's keeper, the mount guard's
-        notifications and the host's grants) until the agent is gone, then exit like it."""
+        """The keeper's loop: do the host's ``freeze`` (and, a root's keeper, answer the mount
+        guard's notifications and take the host's grants) until the agent is gone, then exit
+        like it. Only the host commands a keeper: ``freeze`` comes on the keeper's own socket
+        from a process outside this machine's pid namespace; the reply goes to the agent.
+        From the agent (where cells run) the keeper takes only the guard's listener, once,
+        before any cell ran (``keeper-agent``, tests only: the agent's ``freeze`` too)."""
         guard, buf = self.guard, b""
+        host = _host_listener() if "keeper-agent" not in self.weak else None
         while True:
-            ready = _poll([chan.fileno(), *(guard.fds() if guard else [])])
+            ready = _poll([chan.fileno(), *([host.fileno()] if host else []), *(guard.fds() if guard else [])])
             if guard:
                 for fd in ready:
-                    if fd != chan.fileno():
+                    if fd != chan.fileno() and (host is None or fd != host.fileno()):
                         guard.ready(fd)
+            if host is not None and host.fileno() in ready:
+                self._host_order(host, chan)
             if chan.fileno() not in ready:
                 continue
             data, passed = _recv(chan)
@@ -556,17 +602,37 @@ class Machine:
                 line, buf = buf.split(b"\n", 1)
                 if line == b"guard" and guard is not None and guard.listener is None and len(passed) == 1:
                     guard.listener = passed.pop()  # sent once, by the agent, before any cell ran
-                elif line == b"freeze":
+                elif line == b"freeze" and host is None:  # tests only: the old way, the agent's word
                     self._answer_freeze(chan)
-                else:
-                    chan.sendall(b'{"error": "unknown request"}\n')
+                # anything else from the agent's side is a cell's: never obeyed, never answered
             for fd in passed:
                 os.close(fd)
             if len(buf) > 256:
                 buf = b""
-                chan.sendall(b'{"error": "unknown request"}\n')
         _, status = os.waitpid(agent_pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF if hasattr(os, "waitstatus_to_exitcode") else 0)
+
+    def _host_order(self, host, chan):
+        """One connection on the keeper's socket: a ``freeze`` from the host (a peer outside
+        this machine's pid namespaces, where every process of the machine has a pid), done,
+        its reply sent to the agent, then ``ok`` to the host. A peer inside is dropped unread."""
+        try:
+            conn, _ = host.accept()
+        except OSError:
+            return
+        try:
+            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if pid != 0:
+                return
+            conn.settimeout(5.0)
+            line = conn.makefile("rb").readline(64)
+            if line.strip() == b"freeze":
+                self._answer_freeze(chan)
+                conn.sendall(b"ok\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _answer_freeze(self, chan):
         try:
@@ -593,19 +659,49 @@ class Machine:
                 if layer.freeze(self.keep if layer.target == "/tmp" else ()):
                     flattened.append(layer.target)
         lowers = {layer.key: list(layer.lowers) for layer in self.layers} if self.files == "overlay" else {}
-        return {"lowers": lowers, "flattened": flattened}
+        # Every overlay generation this machine had: a descriptor on any of them is reopened.
+        old = {str(i): t for layer in self.layers for i, t in layer.old.items()}
+        return {"lowers": lowers, "flattened": flattened, "mounts": old}
+
+
+HOST_SOCKET = "k"  # the keeper's socket in the machine's run folder: the host's orders come here
+
+
+def _host_listener():
+    path = os.path.join(RUN, HOST_SOCKET)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.bind(path)
+    s.listen(8)
+    return s
 
 
 # -- the agent's side -------------------------------------------------------------------------
 
 
-def ask_freeze(chan):
-    """Agent: have the keeper freeze this machine's layers; the lower layers a branch gets
-    (paths relative to ``reply["view"]``, a descriptor of the store's read-only view that the
-    caller closes once its branches are forked)."""
-    chan.sendall(b"freeze\n")
-    buf, fds = b"", []
-    while not buf.endswith(b"\n"):
+FREEZE_WAIT = 30.0  # seconds the agent waits for the keeper's freeze (the host ordered it first)
+
+
+def take_freeze(chan, ask=False):
+    """Agent: the keeper's freeze of this machine's layers, which the host ordered before its
+    fork request (``ask``, tests only: ask for it, the old way): the lower layers a branch
+    gets (paths relative to ``reply["view"]``, a descriptor of the store's read-only view that
+    the caller closes once its branches are forked) and ``reply["mounts"]``, every overlay the
+    machine had before. A freeze whose fork never came is older: the newest reply wins."""
+    if ask:
+        chan.sendall(b"freeze\n")
+    replies, buf, fds = [], b"", []
+    p = select.poll()
+    p.register(chan.fileno(), select.POLLIN)
+    while True:
+        wait = 0 if replies and not buf else FREEZE_WAIT  # then only what is there already
+        if not p.poll(wait * 1000):
+            if replies and not buf:
+                break
+            raise ContainError(0, "the machine's keeper sent no freeze (the host orders it before a fork)")
         part, anc, _, _ = chan.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -613,12 +709,17 @@ def ask_freeze(chan):
         if not part:
             raise ContainError(0, "the machine's keeper is gone")
         buf += part
-    reply = json.loads(buf)
-    if "error" in reply or len(fds) != 1:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            replies.append(json.loads(line))
+    reply = replies[-1]
+    if "error" in reply or not fds:
         for fd in fds:
             os.close(fd)
         raise ContainError(0, "freezing the files failed: %s" % reply.get("error", "no view of the layers"))
-    reply["view"] = fds[0]
+    for fd in fds[:-1]:  # the views of older freezes
+        os.close(fd)
+    reply["view"] = fds[-1]
     return reply
 
 

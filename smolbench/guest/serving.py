@@ -162,6 +162,9 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                 pass
             _wait_exited(pid, 10.0)  # answer once the branch is gone, not merely signalled
             self._reply(conn, {"t": "done", "status": "ok"})
+        elif op == "release":
+            self.release(bool(req.get("go")))
+            self._reply(conn, {"t": "done", "status": "ok"})
         elif op == "shutdown":
             self._reply(conn, {"t": "done", "status": "ok"})
             os._exit(0)

@@ -237,11 +237,17 @@ class Machines:
             wb.machines[r.name] = r
         return refs
 
+    @property
+    def spare_count(self) -> int:
+        """Spare branches kept ready: a quarter of the sub-envs (at least one), so the parent's
+        live branches stay well within what it has room for (32 full ones on the sandbox)."""
+        return max(1, min(self.n, 8, (self.n + 3) // 4))
+
     def _top_up(self) -> None:
-        """Keep one spare branch per sub-env ready (fresh resets take one)."""
+        """Keep spare branches ready (fresh resets take one)."""
         if self.closed or (self._refill is not None and not self._refill.done()):
             return
-        want = self.n - len(self.spares)
+        want = self.spare_count - len(self.spares)
         if want > 0:
             self._refill = asyncio.ensure_future(self._make_spares(want))
 
@@ -324,7 +330,12 @@ class Machines:
                     self._delete_later(old)
             self._begin(ep, seed)
             global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
-            return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
+            try:
+                return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
+            except Unanswered as exc:
+                if await self._alive(ep):
+                    raise
+                raise InfraError(str(exc)) from None  # its machine died: rebuilt below, under retries
 
         async def rebuild(attempt: int) -> None:
             await self._lost(ep, attempt)

@@ -1,0 +1,196 @@
+"""Episodes from a pristine zygote: one never-used machine per baseline, each episode a branch of it.
+
+``%%smol episodes N`` wants N fresh machines of the Smolfile's baseline. Booting each costs a
+machine's start and its init commands; a branch of a machine that booted the same baseline and
+ran the same init commands, and nothing else, is the same machine at a fork's cost. The zygote
+runs no cell but the init commands; each episode is a branch of it (its own files, processes,
+namespace and seed), deleted afterwards, so no episode ever sees another's state.
+
+That is only the same as a fresh boot when the init commands give the same result every time.
+So before the first use, a second machine boots and runs them too, and a branch of each hashes
+what init left behind (the workspace's files and the namespace's variables, addresses left out):
+if the two differ, this baseline's episodes boot fresh machines, and the notebook says why. The
+Smolfile's ``[episodes] fresh = "boot"`` always boots. Which was used goes to the ledger.
+
+Only the sandbox backend uses a zygote: its branches are copy-on-write forks. A process-backend
+branch copies the workspace and /tmp, and a microVM branch (smol) is a snapshot: neither is
+cheaper than a boot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+from ._aio import _to_the_end
+from .backends.base import Backend, CellRequest, MachineRef
+from .spec import MachineSpec
+
+# Where a branch is a copy-on-write fork: the process backend's branches copy the workspace and
+# /tmp of the host (no overlay), which costs more than its boot.
+LIVE_FORK_BACKENDS = ("sandbox",)
+
+# Runs in a branch of each candidate (never in the zygote itself): what init left behind.
+FINGERPRINT = r"""
+def _smolbench_fingerprint():
+    import hashlib, os, re, sys
+    h = hashlib.sha256()
+    top = os.getcwd()
+    for folder, dirs, files in os.walk(top):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+                h.update(path.encode("utf-8", "surrogateescape") + b"\0%d\0" % st.st_size)
+                if os.path.isfile(path) and not os.path.islink(path) and st.st_size <= 1 << 20:
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+            except OSError:
+                pass
+    ns = sys.modules["__main__"].__dict__
+    for key in sorted(ns):
+        if key.startswith("_") or key in ("display", "smolbench_guest", "SEED"):
+            continue
+        try:
+            text = repr(ns[key])[:100000]
+        except Exception:
+            text = type(ns[key]).__name__
+        h.update(key.encode() + b"=" + re.sub(r" at 0x[0-9a-fA-F]+", "", text).encode("utf-8", "replace") + b"\0")
+    return h.hexdigest()
+_smolbench_fingerprint()
+"""
+
+
+@dataclasses.dataclass
+class Verdict:
+    """How this baseline's episodes start: from ``zygote`` (a machine), or fresh boots (why)."""
+
+    zygote: MachineRef | None
+    fresh: str  # "zygote" | "boot (...why...)": recorded in the ledger
+    surprise: bool = False  # boots although a zygote was asked for: the notebook says why
+
+    @property
+    def note(self) -> str | None:
+        """The one line the notebook shows when episodes boot although a zygote was wanted."""
+        return f"smolbench: episodes {self.fresh}" if self.surprise else None
+
+
+class Zygotes:
+    """One kernel's zygotes, a machine per baseline (they are none of the tree's nodes)."""
+
+    def __init__(self, backend: Backend, init: Callable[[MachineRef], Awaitable[None]]) -> None:
+        self.backend = backend
+        self._init = init
+        self._made: dict[str, Verdict] = {}
+        self._lock = asyncio.Lock()  # one zygote made at a time
+        self._branch_locks: dict[str, asyncio.Lock] = {}  # one fork of a zygote at a time (its agent's rule)
+        self._waiting: dict[str, list[tuple[str, int | None, asyncio.Future[MachineRef]]]] = {}
+        self._count = 0
+
+    async def verdict(self, spec: MachineSpec, baseline: str) -> Verdict:
+        """The zygote of this baseline, made (and checked) at first use."""
+        if spec.episodes_fresh == "boot":
+            return Verdict(None, 'boot (the Smolfile says [episodes] fresh = "boot")')
+        if self.backend.name not in LIVE_FORK_BACKENDS:
+            return Verdict(None, f"boot (the {self.backend.name} backend's branches cost a boot)")
+        async with self._lock:
+            known = self._made.get(baseline)
+            if known is not None and (known.zygote is None
+                                      or any(m.name == known.zygote.name for m in self.backend.list())):
+                return known
+            self._made[baseline] = made = await self._make(dataclasses.replace(spec, branch=True))
+            return made
+
+    async def _make(self, spec: MachineSpec) -> Verdict:
+        zygote = await self._boot(spec)
+        if not spec.init:
+            return Verdict(zygote, "zygote")
+        try:
+            twin = await self._boot(spec)
+        except BaseException:
+            await self._delete(zygote)
+            raise
+        try:
+            prints = [await self._fingerprint(m) for m in (zygote, twin)]
+        except BaseException:
+            await self._delete(zygote)
+            raise
+        finally:
+            await self._delete(twin)
+        if prints[0] != prints[1]:
+            await self._delete(zygote)
+            return Verdict(None, "boot (the Smolfile's init commands left different files or variables in two boots, "
+                                 'so each episode boots its own machine; [episodes] fresh = "boot" in the Smolfile says so '
+                                 "without the check)", surprise=True)
+        return Verdict(zygote, "zygote")
+
+    async def _boot(self, spec: MachineSpec) -> MachineRef:
+        self._count += 1
+        ref = await self.backend.create(spec, f"zygote{self._count}")
+        try:
+            await self._init(ref)
+        except BaseException:
+            await self._delete(ref)
+            raise
+        return ref
+
+    async def _fingerprint(self, ref: MachineRef) -> str | None:
+        probe = (await self.branch(ref, "fp", None))
+        try:
+            res = await self.backend.exec_cell(probe, CellRequest(FINGERPRINT, cell_name="<fingerprint>"), lambda e: None)
+        finally:
+            await self._delete(probe)
+        return (res.result or {}).get("text/plain") if res.status == "ok" else None
+
+    async def branch(self, zygote: MachineRef, name: str, seed: int | None) -> MachineRef:
+        """A new branch of ``zygote`` for one episode. The episodes that ask while a fork of the
+        zygote is under way are forked together by the next one (one request for all of them)."""
+        done: asyncio.Future[MachineRef] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(zygote.name, []).append((name, seed, done))
+        try:
+            await self._fork_waiting(zygote)
+            return await done
+        except asyncio.CancelledError:
+            if done.done() and not done.cancelled() and done.exception() is None:  # made for us: it goes
+                await _to_the_end(self._delete(done.result()))
+            done.cancel()  # a later fork leaves it out
+            raise
+
+    async def _fork_waiting(self, zygote: MachineRef) -> None:
+        async with self._branching(zygote):
+            batch = [b for b in self._waiting.get(zygote.name, []) if not b[2].done()]
+            self._waiting[zygote.name] = []
+            if batch:
+                try:
+                    refs = await self.backend.branch(zygote, [n for n, _, _ in batch], [s for _, s, _ in batch])
+                except Exception as exc:
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    raise
+                except BaseException:  # we were cancelled: the others wait for the next fork
+                    self._waiting[zygote.name] = batch + self._waiting[zygote.name]
+                    raise
+                by_name = {r.name: r for r in refs}
+                for name, _, fut in batch:
+                    if fut.done():  # its episode was cancelled meanwhile
+                        await self._delete(by_name[name])
+                    else:
+                        fut.set_result(by_name[name])
+
+    def _branching(self, zygote: MachineRef) -> asyncio.Lock:
+        return self._branch_locks.setdefault(zygote.name, asyncio.Lock())
+
+    async def _delete(self, ref: MachineRef) -> None:
+        with contextlib.suppress(Exception):
+            await self.backend.delete(ref)
+
+    async def close(self) -> None:
+        """Delete every zygote (``%smol down``)."""
+        for verdict in self._made.values():
+            if verdict.zygote is not None:
+                await self._delete(verdict.zygote)
+        self._made.clear()

@@ -1,0 +1,100 @@
+"""Issue 27: wide forks at the default Smolfile, through a real kernel on the sandbox backend.
+
+Every branch is in its own cgroup before it allocates anything (it waits, a bare fork, until
+the host moved it), so a fork of N is bounded by N times the branch's limit, not by the root's:
+fork 256 used to die at about 204 branches ("Memory cgroup out of memory" in the root's cgroup).
+Speed is measured in ``bench/scale.py``, never here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nbformat import NotebookNode
+from nbhelpers import NotebookSession, error_output, error_text, stream_text
+
+from smolbench import Ledger
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+AGENT = "/run/smolbench-agent/agent.py"
+
+
+def ok(cell: NotebookNode) -> NotebookNode:
+    err = error_output(cell)
+    assert err is None, error_text(cell)
+    return cell
+
+
+@pytest.fixture
+def session(open_tmp: Path) -> Iterator[NotebookSession]:
+    """A kernel with a sandbox machine up at the default Smolfile (none in the folder)."""
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        yield nb
+
+
+def machines_alive(nb: NotebookSession) -> int:
+    """Root machines and branches of this kernel (each agent is pid 1 of its own pid namespace)."""
+    n = 0
+    for p in nb.processes():
+        if AGENT not in p.cmdline or p.cmdline.split()[0].endswith("bwrap"):
+            continue
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text()
+        except OSError:
+            continue
+        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
+        n += bool(nspid) and nspid[-1] == "1"
+    return n
+
+
+def statuses(cwd: Path, prefix: str) -> dict[str, str]:
+    ledger = Ledger(cwd / ".smolbench" / "ledger.db")
+    try:
+        df = ledger.nodes()
+    finally:
+        ledger.close()
+    df = df[df["id"].str.startswith(prefix)]
+    return dict(zip(df["id"], df["status"]))
+
+
+def test_fork_256_keep_none_at_the_default_smolfile_every_branch_ok(session: NotebookSession) -> None:
+    nb = session
+    ok(nb.run("%%smol\nwarm = list(range(100_000))"))
+    cell = ok(nb.run("%%smol fork 256 --keep none --quiet\nreward = SEED + len(warm)"))
+    assert "256 ok" in stream_text(cell), stream_text(cell)
+    got = statuses(nb.cwd, "root.")
+    assert len(got) == 256 and set(got.values()) == {"ok"}, {s: list(got.values()).count(s) for s in set(got.values())}
+    assert machines_alive(nb) == 1  # --keep none: every branch is gone, the root answers
+    assert "answered" in stream_text(ok(nb.run("%%smol\nprint('answered')")))
+
+
+def test_a_memory_hungry_branch_during_a_big_fork_fails_alone(session: NotebookSession) -> None:
+    nb = session
+    cell = nb.run("%%smol fork 64 --keep none --allow-errors --quiet\n"
+                  "if SEED == 7:\n"
+                  "    hog = [bytearray(64 << 20) for _ in range(64)]  # 4 GiB: past the branch's 1G\n"
+                  "reward = SEED")
+    ok(cell)
+    got = statuses(nb.cwd, "root.")
+    assert got.pop("root.7") == "error"
+    assert len(got) == 63 and set(got.values()) == {"ok"}
+    assert machines_alive(nb) == 1
+    assert "answered" in stream_text(ok(nb.run("%%smol\nprint('answered')")))
+
+
+def test_a_fork_that_cant_fit_in_host_memory_is_refused_up_front_in_one_line(session: NotebookSession) -> None:
+    nb = session
+    # As if each branch took a whole host: none fits (the refusal comes before anything is forked).
+    ok(nb.run("import smolbench.backends._limits as L\nL.BRANCH_HOST_MIB = 1 << 30"))
+    cell = nb.run("%%smol fork 4 --keep none\npass")
+    err = error_output(cell)
+    assert err is not None
+    line = err.evalue
+    assert "\n" not in line and "fork of 4 refused" in line and "fork at most 0" in line, line
+    assert machines_alive(nb) == 1
