@@ -114,6 +114,12 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"  OK: bubblewrap at {bw}: machines are namespace-isolated sandboxes (not VMs)")
         ok, detail = _sandbox_smoke()
         print(f"  {'OK' if ok else 'FAILED'}: {detail}")
+        if args.allow:
+            ok, detail = _net_smoke(args.allow)
+            print(f"  {'OK' if ok else 'FAILED'}: {detail}")
+        else:
+            print("  network by name: not checked (`smolbench doctor --allow pypi.org:443` checks that a machine "
+                  "reaches a host by name through the egress proxy)")
     else:
         print("  bubblewrap is not installed: `--backend sandbox` refuses to start, and `auto` falls back to")
         print("  the process backend (plain processes, NO isolation)")
@@ -157,6 +163,62 @@ def _sandbox_smoke() -> tuple[bool, str]:
         return True, _loop.run(go(), timeout=60)
     except Exception as exc:
         return False, f"a sandbox could not start: {exc}"
+
+
+NET_CHECK = r"""
+import socket
+target = {target!r}
+try:
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=60)
+    s.settimeout(60)
+    s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+    said = s.recv(600).split(b"\r\n")[0].decode("ascii", "replace")
+    s.close()
+except OSError as exc:
+    said = "no answer from the egress proxy (%s)" % exc
+said
+"""
+
+
+def _net_smoke(allow: str) -> tuple[bool, str]:
+    """A machine allowed ``allow`` (``%smol up --allow`` words) asks the egress proxy for the
+    first host listed: the real path (the lookup and connection the proxy makes, as the
+    sandbox uid when this is root), not a lookup here."""
+    import ast
+
+    from . import _loop
+    from .backends.base import CellRequest
+    from .backends.sandbox import SandboxBackend
+    from .netpolicy import NetPolicy, PolicyError, session_override
+    from .spec import MachineSpec
+
+    try:
+        policy = NetPolicy.from_words(None, allow)
+    except PolicyError as exc:
+        return False, f"--allow: {exc}"
+    if not policy.hosts:
+        return False, f"--allow {allow!r} names no host to check (a host name like pypi.org:443)"
+    host = policy.hosts[0]
+    target = f"{host.name}:{host.port or 443}"
+    spec = session_override(MachineSpec(), None, allow, "doctor")[0]
+
+    async def go() -> str:
+        b = SandboxBackend()
+        try:
+            ref = await b.create(spec, "doctor-net")
+            res = await b.exec_cell(ref, CellRequest(NET_CHECK.format(target=target)), lambda e: None)
+            text = (res.result or {}).get("text/plain", "")
+            return str(ast.literal_eval(text)) if text else f"the check raised: {res.error}"
+        finally:
+            await b.close()
+
+    try:
+        said = _loop.run(go(), timeout=180)
+    except Exception as exc:  # doctor must always finish its report
+        return False, f"a machine allowed {allow} could not start: {exc}"
+    if said.startswith("HTTP/1.1 200"):
+        return True, f"{target} resolved and connected through the egress proxy (a machine allowed {allow})"
+    return False, f"{target} through the egress proxy: {said}"
 
 
 def image_build(args: argparse.Namespace) -> int:
@@ -220,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=demo)
     doc = sub.add_parser("doctor", help="which backends are usable here and why not")
     doc.add_argument("--fresh", action="store_true", help="re-run the microVM boot probe instead of using its cached verdict")
+    doc.add_argument("--allow", default="",
+                     help="hosts (and CIDRs) a machine is allowed, as for `%%smol up --allow`: the first host must "
+                          "resolve and connect through the sandbox's egress proxy, e.g. pypi.org:443")
     doc.set_defaults(fn=doctor)
     img = sub.add_parser("image", help="pinned rootfs images for the sandbox backend")
     isub = img.add_subparsers(dest="action", required=True)

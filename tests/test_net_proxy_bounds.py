@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -34,6 +36,17 @@ FAR = "127.0.0.17"
 @pytest.fixture(autouse=True)
 def far_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMOLBENCH_TEST_FAR", "127.0.0.16/28")
+
+
+@pytest.fixture(autouse=True)
+def descriptors() -> Iterator[None]:
+    """256 tunnels take ~1000 descriptors here (client, proxy's two sides, the sink's): a user's
+    soft limit is often 1024, so it is raised to the hard one for these tests."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.fixture
@@ -327,3 +340,21 @@ def test_the_proxy_imports_nothing_after_it_drops_privileges(prepared: bool) -> 
         assert [ln.split(" failed: ")[0].rsplit(":", 1)[0] for ln in lines] == [  # one line per host, naming it
             "smolbench egress proxy: localhost", "smolbench egress proxy: refused.test"], r.stderr
         assert "Traceback" not in r.stderr and "never retrieved" not in r.stderr
+
+
+def test_a_ray_clusters_nodes_are_this_host_for_every_machine(sink: int) -> None:
+    """Ray's ports take code without authentication: on a cluster's node the proxy counts every
+    node's address as this host (``_cluster_addresses``), so a range listing the cluster's
+    network never reaches them; without that, the same range does."""
+
+    async def main() -> None:
+        policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
+        for cluster, expect in ((frozenset({ipaddress.ip_address(FAR)}), b"HTTP/1.1 403"), (frozenset(), b"HTTP/1.1 200")):
+            proxy = _netproxy.Proxy(host_only=cluster)
+            port = await _machine(proxy, "m", policy)
+            _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+            assert answer.startswith(expect), (cluster, answer)
+            w.close()
+            await proxy.detach("m")
+
+    asyncio.run(main())

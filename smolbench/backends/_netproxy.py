@@ -87,6 +87,9 @@ class ProxyClient:
             argv += ["--uid", str(self.uid), "--gid", str(self.gid)]
         if self.open_all:
             argv.append("--open")
+        cluster = _cluster_addresses()
+        if cluster:
+            argv += ["--host-only", ",".join(cluster)]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
                                                     limit=1 << 20)
@@ -147,6 +150,19 @@ class ProxyClient:
                 await proc.wait()
 
 
+def _cluster_addresses() -> list[str]:
+    """The addresses of the Ray cluster's nodes, when this process is in one (a cluster's node
+    agent): Ray's ports (GCS, raylets, dashboard, workers) take code without authentication,
+    so for every machine here those hosts are this host: never reached through a range."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is None or not ray.is_initialized():
+            return []
+        return sorted({str(n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive")})
+    except Exception:  # noqa: BLE001 - no cluster to ask: nothing more is host-only
+        return []
+
+
 # Where the proxy's one-line failures go in the kernel: the magics put them in the running
 # cell's stderr (this loop's thread has no cell of its own); without a hook, sys.stderr.
 NOTICES: list[Callable[[str], None]] = []
@@ -191,8 +207,10 @@ class Node:
 class Proxy:
     """The proxy's state: machines (nodes), their listeners and counters."""
 
-    def __init__(self, open_all: bool = False, budget: _netbudget.Budget | None = None) -> None:
+    def __init__(self, open_all: bool = False, budget: _netbudget.Budget | None = None,
+                 host_only: frozenset[IPAddress] = frozenset()) -> None:
         self.nodes: dict[str, Node] = {}
+        self.host_only = host_only  # more hosts that count as this one (the Ray cluster's nodes)
         self.open_all = open_all  # test-only weakening: admit every destination
         self.internet = stand_in_internet()
         self.resolve_map = stand_in_resolve()
@@ -202,7 +220,7 @@ class Proxy:
 
     def own(self) -> frozenset[IPAddress]:
         if time.monotonic() - self._own[0] > 2.0:
-            self._own = (time.monotonic(), own_addresses())
+            self._own = (time.monotonic(), own_addresses() | self.host_only)
         return self._own[1]
 
     async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy, tree: str | None = None) -> dict[str, str]:
@@ -572,13 +590,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--uid", type=int, default=None)
     ap.add_argument("--gid", type=int, default=None)
     ap.add_argument("--open", action="store_true", help="tests only: admit every destination (a weakened set-up)")
+    ap.add_argument("--host-only", default="", help="addresses that count as this host (the Ray cluster's nodes)")
     args = ap.parse_args(argv)
+    host_only = frozenset(ipaddress.ip_address(a) for a in args.host_only.split(",") if a)
     netpolicy.TEST_WEAKEN.update(w for w in os.environ.get(WEAKEN_VAR, "").split(",") if w)
     budget = prepare() if "net-lazy-imports" not in netpolicy.TEST_WEAKEN else _netbudget.Budget(lazy=True)
     if args.uid is not None and os.geteuid() == 0:
         _drop(args.uid, args.gid if args.gid is not None else args.uid)
     _seal()
-    asyncio.run(_serve(Proxy(open_all=args.open, budget=budget)))
+    asyncio.run(_serve(Proxy(open_all=args.open, budget=budget, host_only=host_only)))
 
 
 if __name__ == "__main__":
