@@ -26,17 +26,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _loop
-from .backends.base import CellResult, Event
 from .errors import RemoteError, SmolbenchError
-from .gate import SafeBundle
 from .result import ForkResult
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
+if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
+    from .backends.base import Backend, CellResult, Event
+    from .gate import SafeBundle
     from .workbench import Workbench
 
 T = TypeVar("T")
-BranchOutput = Callable[[str, Event], None]
+BranchOutput = Callable[[str, "Event"], None]
 VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
 
 
@@ -448,12 +447,23 @@ class Session:
         return await _bridge(self._wb().checkpoint_save(name, node, force))
 
     def checkpoint_restore(self, name_or_path: str) -> str:
-        """A new machine from a saved checkpoint, made active; returns its node id."""
-        return _block(self._wb().checkpoint_restore(name_or_path)).id
+        """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
+        a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
+        checked first; a file from elsewhere is restored only on an isolating backend)."""
+        wb = self._wb()
+        return self._restored(wb, _block(wb.checkpoint_restore(name_or_path)).id)
 
     async def acheckpoint_restore(self, name_or_path: str) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop."""
-        return (await _bridge(self._wb().checkpoint_restore(name_or_path))).id
+        wb = self._wb()
+        return self._restored(wb, (await _bridge(wb.checkpoint_restore(name_or_path))).id)
+
+    def _restored(self, wb: Workbench, node: str) -> str:
+        for note in getattr(wb, "restore_notes", []):
+            self.on_notice(f"smolbench: {note}")
+        for warning in wb.machines[node].info.get("restore_warnings", []):
+            self.on_notice(f"smolbench: warning: {warning}")
+        return node
 
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows, as a dict (``{"up": False}`` when down)."""
@@ -483,6 +493,8 @@ def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> R
     if res.pull_error and missing:  # the last expression's own refusal is no error: value stays None
         pull_error = (res.pull_error if not res.pull_error.startswith(f"--pull {VALUE}:")
                       else f"--pull {missing[0]}: refused by the gate (not plain data)")
+    from .gate import SafeBundle
+
     display = res.result if isinstance(res.result, SafeBundle) else None
     return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
                      {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,

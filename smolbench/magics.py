@@ -11,12 +11,24 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import parse_argstring
 from IPython.display import display
 
 from . import _loop, gate
 from ._didyoumean import cell_word_error, line_word_error
 from ._format import size_text, time_text
+from ._magicargs import (
+    HELP,
+    _cell_args,
+    _checkpoint_args,
+    _fork_args,
+    _ledger_args,
+    _node_args,
+    _split_names,
+    _up_args,
+    parse_seeds,
+    strip_comment,
+)
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
 from .backends import _netproxy
@@ -25,179 +37,8 @@ from .errors import SmolbenchError
 from .gate import SafeBundle
 from .result import ForkResult
 
-HELP = """Run notebook cells inside disposable, forkable machines.
-
-Line magics::
-
-  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
-          [--max-alive N] [--retries K]
-  %smol status                  backend, machine, image, isolation, limits, live machines and their memory
-  %smol down                    delete every machine this kernel created
-  %smol tree                    the fork tree (live widget)
-  %smol use NODE|best           make a live node (e.g. root.7) the active machine
-  %smol delete NODE             delete a node's machine and everything below it
-  %smol ledger [-n N]           recent runs from the ledger, as a table
-  %smol plot                    reward plots across the whole tree
-  %smol replay NODE             rebuild a branch's path and compare its reward
-  %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
-                    | export NAME PATH [--force]   (restore PATH works in any folder, with nothing up)
-  %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
-                                (code in the machine can then run code here and in your browser)
-  %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
-                                output-limit, log-limit, checkpoint-limit (sizes like 10M),
-                                max-items, displays, line-limit (counts) and grace (seconds)
-
-Cell magics::
-
-  %%smol [--push a,b] [--pull c] [--pull-trusted] [--timeout S]
-      run the cell in the active machine; its state persists between cells. --pull brings
-      values back as data (builtins, numpy arrays, pandas objects); --pull-trusted also
-      unpickles other objects, which runs code from the machine on this host
-  %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
-                [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
-                [--group-outputs order|branch|type] [--push a,b] [--allow-errors] [--quiet]
-                [--retries K] [--no-reseed]
-      run the cell in N live copy-on-write branches of the active machine, each with its own
-      SEED; set `reward = ...` (or call smolbench_guest.report(reward=..., **metrics)).
-      Random generators made before the fork are reseeded per branch (--no-reseed: not).
-      --quiet: one summary line, no tree, progress or Out[n]; --retries K: branch again a
-      machine that failed to boot or died (never a cell's own error), up to K times (default 1)
-  %%smol episodes N [same options]
-      run the cell in N fresh machines booted from the baseline, each deleted afterwards
-"""
-
 PUMP_INTERVAL = 0.05
 PROGRESS_INTERVAL = 0.25
-
-
-def _split_names(text: str | None) -> list[str]:
-    if not text:
-        return []
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for n in names:
-        if not n.isidentifier():
-            raise UsageError(f"{n!r} is not a variable name: give names separated by commas, e.g. --push data,env")
-    return names
-
-
-def parse_seeds(text: str, cap: int = gate.limits.MAX_BRANCHES) -> list[int]:
-    """``3,7,11`` or ``0:16`` (a range) into a list of seeds, refused above ``cap`` before any is made."""
-    try:
-        if ":" in text:
-            lo, hi = text.split(":", 1)
-            seeds: range | list[int] = range(int(lo), int(hi))
-        else:
-            parts = text.split(",")
-            if len(parts) > cap:
-                seeds = range(len(parts))  # only its length matters: refused below
-            else:
-                seeds = [int(s) for s in parts if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds {text!r} is not a list of whole numbers: use e.g. --seeds 3,7,11 or --seeds 0:16") from None
-    if len(seeds) > cap:
-        raise UsageError(f"--seeds {_short(text)} gives {len(seeds):,} seeds, above the cap of {cap} branches: "
-                         "give fewer (e.g. --seeds 0:16)")
-    return list(seeds)
-
-
-def strip_comment(line: str) -> str:
-    """``line`` without a trailing ``# comment`` (IPython hands it to a magic as arguments):
-    a ``#`` at the start or after a space, outside quotes."""
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].strip()
-    return line.strip()
-
-
-def _short(text: str, n: int = 40) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def _timeout(text: str) -> float:
-    """``--timeout`` as a positive finite number of seconds (a one-line error otherwise)."""
-    try:
-        value = gate.seconds(text)
-    except SmolbenchError as exc:
-        raise UsageError(str(exc)) from None
-    assert value is not None
-    return value
-
-
-# -- option bundles (magic_arguments parsers) ----------------------------------------------
-
-
-@magic_arguments()
-@argument("--smolfile", default=None, help="Smolfile to build the machine from (default: ./Smolfile if present)")
-@argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"], help="where machines run")
-@argument("--target", default="local", choices=["local", "cloud"], help="smol backend: local engine or smol cloud")
-@argument("--image", default=None, help="override the Smolfile's image")
-@argument("--net", nargs="?", const="on", default=None, choices=["on", "off"],
-          help="network for this session, overriding the Smolfile: on (the internet, not this host) or off")
-@argument("--allow", default=None, help="network allow-list for this session, overriding the Smolfile: hosts and CIDRs, "
-          "each optionally with a port, e.g. pypi.org,127.0.0.2/32:8080")
-@argument("--ledger", default=None, help="ledger database (default: .smolbench/ledger.db)")
-@argument("--max-alive", type=int, default=None, help="kept idle machines alive at once (default: the Smolfile's max_alive, 8)")
-@argument("--retries", type=int, default=1, help="boot again this many times when a machine fails for infrastructure reasons")
-@argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-          help="run machines on a Ray cluster's nodes (ADDRESS: HOST:PORT or auto; default RAY_ADDRESS, else auto)")
-def _up_args(line: str) -> None:
-    """%smol up options."""
-
-
-@magic_arguments()
-@argument("--push", default=None, help="notebook variables to send in, comma-separated")
-@argument("--pull", default=None, help="machine variables to bring back, comma-separated")
-@argument("--pull-trusted", action="store_true", help="also unpickle pulled objects that are not plain data (runs machine code here)")
-@argument("--timeout", type=_timeout, default=None, help="interrupt the cell after this many seconds")
-def _cell_args(line: str) -> None:
-    """%%smol options."""
-
-
-@magic_arguments()
-@argument("n", help="how many branches")
-@argument("--seed-base", type=int, default=0, help="seeds are seed-base + 0..N-1")
-@argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
-@argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
-@argument("--concurrency", type=int, default=None, help="how many branches run at once")
-@argument("--keep", default="best", help="which branches stay alive: best, all or none")
-@argument("--out", default=None, help="store the ForkResult in this notebook variable")
-@argument("--bg", action="store_true", help="return at once; the handle has .wait(), .done(), .progress")
-@argument("--group-outputs", default="order", choices=["order", "branch", "type"], help="how branch output is shown")
-@argument("--push", default=None, help="notebook variables to send to every branch")
-@argument("--allow-errors", action="store_true", help="don't raise when some branches fail")
-@argument("--quiet", action="store_true", help="one summary line: no tree, progress, branch output or Out[n]")
-@argument("--retries", type=int, default=1, help="retry a branch whose machine failed to boot or died (never a cell's own error)")
-@argument("--no-reseed", action="store_true", help="don't reseed the random.Random / numpy / torch generators the branches inherit")
-def _fork_args(line: str) -> None:
-    """%%smol fork / episodes options."""
-
-
-@magic_arguments()
-@argument("node", help="node id, e.g. root.7 (`%smol use best`: the last fork's best branch)")
-def _node_args(line: str) -> None:
-    """A node id."""
-
-
-@magic_arguments()
-@argument("-n", type=int, default=20, help="how many nodes")
-def _ledger_args(line: str) -> None:
-    """%smol ledger options."""
-
-
-@magic_arguments()
-@argument("action", choices=["save", "restore", "list", "rm", "export"])
-@argument("name", nargs="?", default=None, help="a checkpoint here, or (restore) the path of a .smolcheckpoint file")
-@argument("path", nargs="?", default=None, help="export: the file to write (NAME.smolcheckpoint)")
-@argument("--node", default=None, help="save this node instead of the active one")
-@argument("--force", action="store_true", help="replace a checkpoint (or an exported file) with the same name")
-def _checkpoint_args(line: str) -> None:
-    """%smol checkpoint options."""
 
 
 @magics_class

@@ -1,6 +1,7 @@
 """Issue 28 part 1: ``smolbench.Session``, the Workbench without IPython.
 
-A Session used from a plain script (``python script.py`` in a subprocess) leaves nothing behind: no processes, no run folders under its TMPDIR, no cgroups,
+A Session used from a plain script (``python script.py`` in a subprocess) or inside a Ray
+task leaves nothing behind: no processes, no run folders under its TMPDIR, no cgroups,
 when the script ends normally, on an exception and on SIGTERM. The SIGTERM case also runs
 with the Session's handler taken away (the weakened contrast), to show the check sees what
 a killed script leaves. In a real kernel, ``smolbench.session()`` is the Session that
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -188,6 +190,63 @@ s.run("import time; time.sleep(600)")
     assert code == 7, err
     assert "mine ran; run folders: []" in out
     assert script.leftovers() == ([], [], [])
+
+
+# -- Ray -------------------------------------------------------------------------------------------
+
+RAY_SCRIPT = """\
+import os, ray
+from smolbench.cluster.local import _again
+
+@ray.remote(num_cpus=1, max_retries=0)
+def train(fail):
+    import smolbench
+    here = os.path.dirname(os.environ["TMPDIR"])  # the test's folder, whatever the worker's cwd
+    with open(os.path.join(here, "pids"), "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+    with smolbench.Session(backend="process", ledger=os.path.join(here, "ledger.db")) as s:
+        s.run("base = 10")
+        result = s.fork(3, "reward = base * SEED", keep="all")
+        if fail:
+            raise RuntimeError("boom in the task")
+        return sorted(result.rewards.values()), s.status()["live_machines"].split()[0]
+
+# One small local node. A busy host may take minutes to start it, and Ray's raylet gives its
+# agents a fixed 15 s to start (ray-project/ray#65983): started again then, as LocalCluster does.
+try:
+    _again(lambda: ray.init(num_cpus=1, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
+                            log_to_driver=False, _temp_dir=os.environ["RAY_DIR"]), ray.shutdown, tries=3)
+except Exception as exc:
+    print("RAY DID NOT START:", str(exc).splitlines()[0], flush=True)
+    raise SystemExit(3) from None
+print("rewards", ray.get(train.remote(False)), flush=True)
+try:
+    ray.get(train.remote(True))
+except ray.exceptions.RayTaskError as exc:
+    print("task failed:", "boom in the task" in str(exc), flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(1500)  # starting Ray: minutes on a busy 2-core host
+def test_a_session_inside_a_ray_task_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    ray_dir = tempfile.mkdtemp(prefix="sbray-", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: Unix sockets
+    monkeypatch.setenv("RAY_DIR", ray_dir)
+    try:
+        script = Script(tmp_path, RAY_SCRIPT)
+        code, out, err = script.finish(timeout=1400)
+        if code == 3 and "RAY DID NOT START" in out:  # Ray itself, on a host too busy for its startup waits
+            pytest.skip(out.strip().splitlines()[-1])
+        assert code == 0, err[-3000:]
+        assert "rewards ([0.0, 10.0, 20.0], '4')" in out  # root and its three kept branches were live in the task
+        assert "task failed: True" in out
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        assert len(pids) == 2
+        assert script.leftovers()[:2] == ([], [])  # no process of the script's (Ray's included) and no run folder
+        assert [g for pid in pids for g in cgroups_of(pid)] == []
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 # -- the notebook's Session ---------------------------------------------------------------------------
@@ -367,3 +426,21 @@ s.run("import time; time.sleep(600)")
     code, _, err = script.finish()
     assert code == -signal.SIGTERM, err
     assert script.leftovers() == ([], [], [])
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+def test_checkpoint_restore_takes_the_path_of_a_checkpoint_file_from_elsewhere(here: Path) -> None:
+    notes: list[str] = []
+    with smolbench.Session(backend="sandbox", ledger="ledger.db", on_notice=notes.append) as s:
+        s.run("a = 41")
+        saved = Path(s.checkpoint_save("c1")["path"])
+        elsewhere = here / "from-a-colleague"
+        elsewhere.mkdir()
+        shutil.copy(saved, elsewhere / "theirs.smolcheckpoint")
+        node = s.checkpoint_restore(str(elsewhere / "theirs.smolcheckpoint"))
+        assert s.active == node and s.run("a + 1").value == 42
+        assert any("theirs" in n for n in notes), notes  # said how the file was taken in
+    with smolbench.Session(backend="process", ledger="other.db") as p:
+        with pytest.raises(SmolbenchError, match=r"came from a file, which is someone else's code: restore it on the "
+                                                 r"sandbox backend"):
+            p.checkpoint_restore(str(elsewhere / "theirs.smolcheckpoint"))
