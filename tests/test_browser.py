@@ -26,6 +26,8 @@ from browserhelpers import (
     write_notebook,
 )
 
+from smolbench.widgets.static import FOLD_RULE
+
 pytestmark = BROWSER_TEST_MARKS
 
 def until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -82,7 +84,7 @@ def test_tree_widget_renders_and_use_works_from_the_browser(tmp_path: Path) -> N
             # the 64-branch fan shows its top 8 (best path first) and a row for the other 56
             expect(tree.locator(".sbt-row")).to_have_count(1 + 8 + 8 + 4 + 2)
             more = tree.locator(".sbt-more")
-            expect(more).to_have_text("… 56 more branches of root: show all")
+            expect(more).to_have_text(f"… 56 more branches of root ({FOLD_RULE}): show all")
             more.click()
             expect(tree.locator(".sbt-row")).to_have_count(79)
             depth = tree.locator(".sbt-row").evaluate_all(
