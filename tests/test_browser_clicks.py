@@ -55,7 +55,7 @@ def ledger(root: Path) -> dict[str, Any]:
     return {
         "alive": {i for i, _, a in nodes if a},
         "seeds": {i: s for i, s, _ in nodes},
-        "checkpoints": {n: node for n, node, p in ckpts if Path(p).is_file()},
+        "checkpoints": {n: node for n, node, p in ckpts if (root / ".smolbench" / p).is_file()},  # rows are relative to the ledger's folder
     }
 
 

@@ -143,7 +143,8 @@ def test_use_checkpoint_and_delete_clicks_change_the_workbench_the_ledger_and_th
     name = wb.tree["root.7"].checkpoint
     assert name is not None and by_id(w)["root.7"]["checkpoint"] == name
     rec = wb.ledger.checkpoint(name)
-    assert rec is not None and rec["node_id"] == "root.7" and Path(rec["path"]).is_file()
+    assert rec is not None and rec["node_id"] == "root.7"
+    assert (wb.ledger.path.parent / rec["path"]).is_file()  # rows are relative to the ledger's folder
 
     reply = click(w, "delete", node="root.7")
     assert reply == {
