@@ -199,6 +199,12 @@ def stream_text(cell: NotebookNode, name: str = "stdout") -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == name)
 
 
+def notices(cell: NotebookNode) -> str:
+    """The ``smolbench: ...`` news a cell printed (output, not stderr, since the Session's
+    magics), with whatever it wrote to stderr."""
+    return stream_text(cell) + stream_text(cell, "stderr")
+
+
 def plain_texts(cell: NotebookNode) -> list[str]:
     """The text/plain of every display and result, in order (updated displays as last shown)."""
     return [str(o["data"]["text/plain"]) for o in cell.outputs

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from clusterhelpers import ledger_nodes, machine_processes, ok
-from nbhelpers import NotebookSession, error_output, plain_texts, stream_text
+from nbhelpers import NotebookSession, error_output, notices, plain_texts, stream_text
 
 from smolbench import Ledger
 
@@ -198,7 +198,7 @@ def test_a_second_fork_reuses_the_replicas_until_the_parent_runs_a_cell(nb: Note
     cell = ok(nb.run(f"%%smol fork 12 --keep none\n{CELL}"))
     reps = replicas(nb.cwd)
     assert len(reps) == 4 and reps[-1]["cells"] == reps[0]["cells"] + 1
-    assert "replicated to node" in stream_text(cell, "stderr")
+    assert "replicated to node" in notices(cell)
     df = ledger_nodes(nb.cwd).loc[[f"root.{k}" for k in range(first, first + 12)]]
     assert df.reward.tolist() == pytest.approx([expected(k, 100) for k in range(12)])
     ok(nb.run("%%smol\nx = 41"))

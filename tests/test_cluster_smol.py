@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from clusterhelpers import machine_processes, ok
-from nbhelpers import NotebookSession, stream_text
+from nbhelpers import NotebookSession, notices, stream_text
 
 from smolbench import Ledger
 from smolbench.errors import SmolbenchError
@@ -88,13 +88,13 @@ def test_a_fork_across_smol_nodes_ships_the_parent_once_per_state_as_a_portable_
     cell = ok(nb.run(f"%%smol fork 8 --keep none\n{CELL}"))
     df, reps = ledger_rows(nb.cwd)
     run = df.loc[[f"root.{k}" for k in range(8)]]  # type: ignore[attr-defined]
-    why = stream_text(cell, "stderr") + stream_text(nb.run("%smol status"))
+    why = notices(cell) + stream_text(nb.run("%smol status"))
     assert list(run.status) == ["ok"] * 8 and run.host_node.nunique() == 2, why  # both nodes ran a batch
     assert list(run.seed) == list(range(8))  # seeds assigned globally, wherever a branch ran
     assert run.reward.tolist() == pytest.approx([expected(k) for k in range(8)])
     assert len(reps) == 1 and reps[0]["parent_id"] == "root"
     assert reps[0]["bytes_shipped"] > 0 and reps[0]["seconds"] > 0 and reps[0]["fingerprint"]
-    assert "replicated to node" in stream_text(cell, "stderr") and "from its portable checkpoint" in stream_text(cell, "stderr")
+    assert "replicated to node" in notices(cell) and "from its portable checkpoint" in notices(cell)
     status = stream_text(ok(nb.run("%smol status")))
     assert status.count(" smol: up, 4 slots") == 2
     assert f"replica of root ({reps[0]['bytes_shipped']} B shipped as a portable checkpoint" in status

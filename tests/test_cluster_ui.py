@@ -42,7 +42,7 @@ from browserhelpers import (
     write_notebook,
 )
 from clusterhelpers import ledger_nodes, machine_processes, ok
-from nbhelpers import NotebookSession, stream_text, tree_text
+from nbhelpers import NotebookSession, notices, stream_text, tree_text
 
 from smolbench import Ledger, registry
 
@@ -218,8 +218,8 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
         t0 = time.monotonic()
         cell = ok(nb.run("%%smol\nprint(round(x + y, 6))"))
         print(f"\nthe rebuild and the cell took {time.monotonic() - t0:.1f} s")
-        note = [ln for ln in stream_text(cell, "stderr").splitlines() if "was lost with" in ln]
-        assert len(note) == 1, stream_text(cell, "stderr")
+        note = [ln for ln in notices(cell).splitlines() if "was lost with" in ln]
+        assert len(note) == 1, notices(cell)
         import random
 
         rnd = random.Random(5)
@@ -254,7 +254,7 @@ def test_a_root_lost_with_its_node_is_rebuilt_on_a_surviving_node(cluster: Any, 
         ok(nb.run("%%smol\nimport os\nnoise = os.urandom(8).hex()"))
         remove_node_of(cluster, home)
         cell = ok(nb.run("%%smol\nprint('still here', len(noise))"))
-        note = [ln for ln in stream_text(cell, "stderr").splitlines() if "was lost with" in ln]
+        note = [ln for ln in notices(cell).splitlines() if "was lost with" in ln]
         assert len(note) == 1 and f"root was lost with node {home[:8]}" in note[0]
         assert re.search(r"the replay doesn't match: state fingerprint [0-9a-f]{16} vs [0-9a-f]{16} recorded", note[0])
         assert stream_text(cell).strip() == "still here 16"
@@ -302,8 +302,8 @@ def test_branches_lost_with_their_parents_node_mid_fork_rerun_from_the_rebuilt_p
         run = ledger_nodes(open_tmp).loc[names]
         assert (run.status == "ok").all() and run.reward.tolist() == [41 + k for k in range(8)]
         assert lost[0] not in set(run.host_node)  # none finished on the lost node
-        note = [ln for ln in stream_text(cell, "stderr").splitlines() if "was lost with" in ln]
-        assert len(note) == 1 and f"root was lost with node {lost[0][:8]}" in note[0], stream_text(cell, "stderr")
+        note = [ln for ln in notices(cell).splitlines() if "was lost with" in ln]
+        assert len(note) == 1 and f"root was lost with node {lost[0][:8]}" in note[0], notices(cell)
         attempts = [a for n in names for a in attempts_of(open_tmp, n)]
         rerun = {a["node_id"] for a in attempts if a["outcome"] == "retried"}
         assert rerun and all("lost" in (a["error"] or "") for a in attempts if a["outcome"] == "retried")

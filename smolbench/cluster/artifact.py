@@ -45,7 +45,7 @@ def within_limit(size: int, what: str) -> None:
 
 def hash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     """(sha256, size) of a plain file, read without following a link."""
-    fd = os.open(path, archive.OPEN_FILE)
+    fd = archive.open_file(path)
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
             raise Refused(f"{path} is not a plain file")
@@ -58,7 +58,7 @@ def hash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
 
 def read_chunks(path: str | os.PathLike[str]) -> Iterator[bytes]:
     """A plain file's bytes, CHUNK at a time, not through a link."""
-    fd = os.open(path, archive.OPEN_FILE)
+    fd = archive.open_file(path)
     with os.fdopen(fd, "rb") as fh:
         while block := fh.read(CHUNK):
             yield block

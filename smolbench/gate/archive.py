@@ -90,6 +90,17 @@ def _within_limit(sizes: dict[str, int], what: str) -> None:
                                "`%smol config checkpoint-limit 4G`")
 
 
+REOPEN = re.compile(r"/proc/self/fd/\d+")  # gate/ckptpaths.Opened.path: a file the one rule already opened
+
+
+def open_file(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor for ``path``, never through a link it names; except the one
+    magic link ``/proc/self/fd/N`` of a file the checkpoint rule already opened and checked,
+    which is reopened (its own offset) rather than refused."""
+    flags = OPEN_FILE & ~os.O_NOFOLLOW if REOPEN.fullmatch(os.fspath(path)) else OPEN_FILE
+    return os.open(path, flags)
+
+
 def read_small(path: str | os.PathLike[str], limit: int = 64 * 1024) -> str | None:
     """The text of a small file a machine may have made (its last ``limit`` bytes), or None.
 
