@@ -26,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -417,6 +418,25 @@ def own_addresses() -> frozenset[IPAddress]:
     except (OSError, ValueError, IndexError):
         pass
     return frozenset(found)
+
+
+def sdk_cidrs(rules: Iterable[CidrRule], own: frozenset[IPAddress] = frozenset()) -> list[str]:
+    """An allow-list as CIDRs for the smol SDK (which scopes by CIDR, without ports): each range
+    less this host (``host_only_networks``, IPv4-mapped and -compatible spellings included), so a
+    microVM's ``0.0.0.0/0`` or ``127.0.0.0/8`` reaches the host no more than a sandbox's does.
+    An address listed singly with its port stays as listed: the one way to reach the host."""
+    out: list[str] = []
+    for rule in rules:
+        net = rule.network
+        if rule.single() is not None:
+            out.append(str(net))
+            continue
+        cuts = host_only_networks(own, net.version)
+        if net.version == 6 and "net-hostonly" not in TEST_WEAKEN:
+            cuts += [ipaddress.ip_network("::ffff:0:0/96"), ipaddress.ip_network("::/96")]
+        kept = _minus([net], cuts)
+        out += [str(n) for n in ipaddress.collapse_addresses(kept)]  # type: ignore[type-var]
+    return list(dict.fromkeys(out))
 
 
 def internet_cidrs(own: frozenset[IPAddress] = frozenset()) -> list[str]:

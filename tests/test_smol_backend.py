@@ -120,8 +120,9 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
             ["pypi.org", "files.pythonhosted.org"],
             None,
         ),
-        (MachineSpec(net=True, allow_cidrs=("10.0.0.0/8",)), None, None, ["10.0.0.0/8"]),
+        (MachineSpec(net=True, allow_cidrs=("10.0.0.0/8",)), None, None, ["10.0.0.0/8"]),  # no address of this host in it
         (MachineSpec(allow_cidrs=("127.0.0.2/32:8080", "127.0.0.2/32:8081")), None, None, ["127.0.0.2/32"]),
+        (MachineSpec(allow_cidrs=("127.0.0.0/8",)), False, None, None),  # a range less this host: nothing left, no network
     ],
 )
 def test_network_follows_the_spec(
@@ -148,6 +149,41 @@ def test_network_follows_the_spec(
             assert not any(n.overlaps(ipaddress.ip_network(inside)) for n in got), inside
     else:
         assert config.resources.allow_cidrs == cidrs
+
+
+HOST_PROBES = ("0.0.0.0/32", "127.0.0.1/32", "127.0.0.3/32", "127.200.1.1/32", "169.254.1.1/32",
+               "::/128", "::1/128", "::ffff:127.0.0.1/128", "::127.0.0.2/128", "fe80::1/128")
+
+
+@pytest.mark.parametrize("weakened", [False, True], ids=["rule", "weakened-net-hostonly"])
+def test_a_wide_allow_list_never_reaches_this_host_on_a_microvm(
+    host: FakeHost, weakened: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 item 1 on the smol backend: the SDK scopes by CIDR, so a listed range is
+    handed over less this host, as the sandbox's proxy decides it (one rule, netpolicy)."""
+    from smolbench import netpolicy
+
+    if weakened:  # the old hand-over: ranges as written
+        monkeypatch.setattr(netpolicy, "TEST_WEAKEN", {"net-hostonly"})
+    own = netpolicy.own_addresses()
+    spec = MachineSpec(allow_cidrs=("0.0.0.0/0", "::/0", "127.0.0.0/8", "127.0.0.2/32:8080"))
+    b = backend()
+
+    async def main() -> None:
+        await b.create(spec, "n")
+        await b.close()
+
+    run(main())
+    got = [ipaddress.ip_network(c) for c in host.cls.create.call_args.args[0].resources.allow_cidrs]
+    reaching = [p for p in HOST_PROBES if any(n.overlaps(ipaddress.ip_network(p)) for n in got)]
+    reaching += [str(a) for a in own if any(a in n for n in got if n.version == a.version)]
+    far = [ipaddress.ip_network("8.8.8.8/32"), ipaddress.ip_network("2001:4860::8888/128")]
+    assert all(any(n.supernet_of(f) for n in got if n.version == f.version) for f in far)  # the rest stays
+    assert ipaddress.ip_network("127.0.0.2/32") in got  # listed singly with its port: the one way in
+    if weakened:
+        assert "127.200.1.1/32" in reaching and "::ffff:127.0.0.1/128" in reaching
+    else:
+        assert reaching == [], reaching
 
 
 def test_branch_disabled_makes_a_plain_machine() -> None:

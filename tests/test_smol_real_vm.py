@@ -260,7 +260,7 @@ def test_a_registry_image_is_checkpointed_whole(nb: NotebookSession) -> None:
     if not image:
         pytest.skip("no registry image here (SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE; the lane sets it)")
     smolfile = Path(nb.cwd) / "Registry.smolfile"
-    smolfile.write_text(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.0/8"]\n')
+    smolfile.write_text(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.1/32:5000"]\n')
     ok(nb.run(f"%smol up --backend smol --smolfile {smolfile}"))
     assert last_line(nb.run("%%smol\nsquares = (i * i for i in range(10))\nprint(next(squares), next(squares))")) == "0 1"
     save = ok(nb.run("%smol checkpoint save whole"))
@@ -292,7 +292,7 @@ def test_a_portable_checkpoint_crosses_as_bytes_and_restores_as_a_branch_source(
     if not image:
         pytest.skip("no registry image here (SMOLBENCH_TEST_SMOL_REGISTRY_IMAGE; the lane sets it): "
                     "smol checkpoints only machines whose image came from a registry")
-    spec = parse_smolfile(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.0/8"]\n')
+    spec = parse_smolfile(f'image = "{image}"\nmemory = 512\n[network]\nallow_cidrs = ["127.0.0.1/32:5000"]\n')
 
     async def cell(backend: SmolBackend, ref: Any, code: str) -> str:
         res = await backend.exec_cell(ref, CellRequest(code), lambda ev: None)

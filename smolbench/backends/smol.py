@@ -48,7 +48,7 @@ from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
-from ..netpolicy import internet_cidrs, own_addresses
+from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
 from ..packages import Installed
 from ..packages import ensure as ensure_packages
 from ..spec import MachineSpec
@@ -262,12 +262,15 @@ class SmolBackend(Backend):
                 "remove them, or use --target local"
             )
         policy = spec.policy
-        if policy.mode == "allow":  # allow-lists enable networking, scoped to them
+        allowed_hosts = _allow_hosts(spec.allow_hosts) if policy.mode == "allow" else []
+        allowed_cidrs = (sdk_cidrs(policy.cidrs, own_addresses() if self.target == "local" else frozenset())
+                         if policy.mode == "allow" else [])
+        if allowed_hosts or allowed_cidrs:  # allow-lists enable networking, scoped to them
             resources = ResourceSpec(
                 cpus=spec.cpus,
                 memory_mb=spec.memory,
-                allow_hosts=_allow_hosts(spec.allow_hosts) or None,
-                allow_cidrs=list(dict.fromkeys(str(r.network) for r in policy.cidrs)) or None,
+                allow_hosts=allowed_hosts or None,
+                allow_cidrs=allowed_cidrs or None,
             )
         elif policy.mode == "on":  # the internet, never this host or private networks: as CIDRs
             resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory,

@@ -5,7 +5,7 @@
 smol captures a whole machine (checkpoint) only when its image lives on the machine's own
 storage, i.e. was pulled from a registry; no registry is reachable from the lane, so this
 one serves the lane's image on 127.0.0.1 (smol pulls from a loopback registry over plain
-HTTP; the machine needs ``allow_cidrs = ["127.0.0.0/8"]``). Lane-only, stdlib only.
+HTTP; the machine needs ``allow_cidrs = ["127.0.0.1/32:5000"]``: a range never reaches this host). Lane-only, stdlib only.
 """
 
 import hashlib
