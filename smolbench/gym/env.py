@@ -51,11 +51,7 @@ class MachineEnv(gymnasium.Env[Any, Any]):
 
     def close(self) -> None:
         """Delete this env's machines (and its session, if it made its own)."""
-        if not self._m.closed:
-            try:
-                self._m.host.run(self._m.close())
-            finally:
-                self._m.host.close()
+        self._m.shutdown()
 
     def _open(self) -> None:
         if self._m.closed:

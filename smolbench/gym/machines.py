@@ -431,6 +431,14 @@ class Machines:
         if why:
             self.wb.ledger.add_attempt(self.wb.session, old.name if old else "?", attempt, "gym step", "rebuilt", why)
 
+    def shutdown(self) -> None:
+        """``close`` from the caller's thread, then the host (the session, if this env made it)."""
+        if not self.closed:
+            try:
+                self.host.run(self.close())
+            finally:
+                self.host.close()
+
     async def close(self) -> None:
         """End every episode and delete every machine of this env (the warm parent too)."""
         if self.closed:

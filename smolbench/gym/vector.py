@@ -136,11 +136,7 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
 
     def close_extras(self, **kwargs: Any) -> None:
         """Delete every sub-env's machine and the warm parent."""
-        if not self._m.closed:
-            try:
-                self._m.host.run(self._m.close())
-            finally:
-                self._m.host.close()
+        self._m.shutdown()
 
     def _open(self) -> None:
         if self._m.closed:
