@@ -39,7 +39,7 @@ TIME_BUDGET_S = 120.0  # each notebook, kernel start included, on a 2-core machi
 # 05 starts a four-process Ray cluster first (60-90 s on a busy 2-core host); 07 trains on 4 machines, a branch per episode
 BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
-UPS = {"05_scale_out.ipynb": "%smol up --ray auto",  # joins the cluster it starts (no Smolfile left behind)
+UPS = {"05_scale_out.ipynb": "%smol up --ray {cluster.address}",  # joins the cluster it starts, not another run's (no Smolfile left behind)
        "06_teaching.ipynb": "%smol up --backend sandbox"}  # a checkpoint travels as one file on the sandbox
 LEAVES_NOTHING = {"05_scale_out.ipynb", "06_teaching.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
 
