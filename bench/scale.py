@@ -260,6 +260,9 @@ def section(d: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # a full run takes long: never by accident
+        print(__doc__)
+        return 0
     reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 3
     data = run(reps)
     print(write_json("scale", data, quick=False))

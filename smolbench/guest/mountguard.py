@@ -217,11 +217,13 @@ _HEAD = b"\n" + ("%x-%x " % (ADDR, ADDR + PAGE)).encode()
 
 
 def _maps_line(fd):
-    """The line of maps file ``fd`` that starts with the page's range (None if none): read in
-    big chunks and searched as bytes, stopping there (the lines are in address order)."""
+    """The line of maps file ``fd`` that starts with the page's range (None if none), searched
+    as bytes in small reads, stopping there: the lines are in address order and the page's is
+    first or nearly (ADDR is below the program and its libraries), and the kernel makes only
+    the lines a read asks for."""
     data = b"\n"
     while True:
-        chunk = os.read(fd, 65536)
+        chunk = os.read(fd, 512)
         at = (data + chunk).find(_HEAD)
         data += chunk
         if at >= 0:
