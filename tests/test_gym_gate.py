@@ -51,6 +51,7 @@ class Hostile(gymnasium.Env):
         if self.how == "pickle":
             blob = base64.b64encode(pickle.dumps(Boom(MARKER))).decode()
             cells._pull = lambda value, trusted: {"format": "pickle", "data": blob}
+            sys.modules["_smolbench_guest.guestapi"]._pull = cells._pull  # a kept channel's encoding too
         elif self.how == "object-npy":
             def npy(arr):
                 import io

@@ -31,6 +31,7 @@ from ..packages import GuestPython, Installed, host_python
 from ..packages import ensure as ensure_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
+from ._channel import Channel
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
@@ -362,6 +363,18 @@ class AgentHostBackend(Backend):
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
             res.error = {"ename": "MemoryError", "evalue": _limits.out_of_memory_line(machine.spec), "traceback": []}
         return res
+
+    async def open_channel(self, machine: MachineRef, request: CellRequest) -> Channel:
+        """Start a cell that serves a loop of requests on its own connection (see ``_channel``)."""
+        limits = self.limiter.get(machine.name)
+        ooms = limits.oom_kills() if limits is not None else 0
+
+        def lost() -> str | None:
+            return _limits.out_of_memory_line(machine.spec) if limits is not None and limits.oom_kills() > ooms else None
+
+        reader, writer = await self._open(machine)
+        writer.write(P.encode(exec_message(request)))
+        return Channel(machine.name, reader, writer, request, lost)
 
     async def interrupt(self, machine: MachineRef) -> None:
         with contextlib.suppress(SmolbenchError, OSError):

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import BackendUnavailable, SmolbenchError
 from ..gate import archive
+from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
 from ..spec import MachineSpec
 from . import _procs, _stage
@@ -64,6 +65,7 @@ class SandboxBackend(AgentHostBackend):
     """Machines as bubblewrap sandboxes on this host; branches by ``os.fork()``."""
 
     name = "sandbox"
+    branch_room = BRANCH_NAMESPACES  # live branches one branch machine can hold (each takes its namespaces)
 
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         bwrap = bwrap_path()

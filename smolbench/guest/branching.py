@@ -150,7 +150,7 @@ def warm():
     import shutil  # noqa: F401  (privatefiles, a branch's copy of its files)
     import traceback  # noqa: F401  (a branch's first failing cell)
 
-    from . import reseed  # noqa: F401  (a branch's first cell)
+    from . import pulldata, reseed  # noqa: F401  (a branch's first cell; a kept channel's answers)
 
 
 def _wait_release(read, write):
