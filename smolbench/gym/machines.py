@@ -311,8 +311,8 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: a quarter of the sub-envs (at least one), so the parent's
-        live branches stay well within what it has room for (32 full ones on the sandbox)."""
+        """Spare branches kept ready: a quarter of the sub-envs, at least 4 (a fork's start-up
+        outlasts a short episode, so one spare would leave resets waiting) and at most 8."""
         return _spares(self.n)
 
     def _top_up(self) -> None:
@@ -574,7 +574,7 @@ class Machines:
 
 
 def _spares(n: int) -> int:
-    return max(1, min(n, 8, (n + 3) // 4))
+    return min(8, max(4, (n + 3) // 4))
 
 
 def _live(n: int, mode: str) -> int:
