@@ -45,6 +45,8 @@ from ._spawn import Spawned
 from .base import MachineRef
 
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
+BRANCH_TASKS = 6  # tasks of a branch doing small requests: keeper, agent and its 2 threads, and 2 for requests in flight
+PARENT_TASKS = 16  # what a branch machine keeps of its pids for itself
 FREEZE_TIMEOUT = 60.0  # seconds a keeper gets to freeze a machine's layers (a flatten copies them)
 
 
@@ -65,7 +67,6 @@ class SandboxBackend(AgentHostBackend):
     """Machines as bubblewrap sandboxes on this host; branches by ``os.fork()``."""
 
     name = "sandbox"
-    branch_room = BRANCH_NAMESPACES  # live branches one branch machine can hold (each takes its namespaces)
 
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         bwrap = bwrap_path()
@@ -83,6 +84,18 @@ class SandboxBackend(AgentHostBackend):
         self._containment: dict[str, Any] | None = None  # what the first machine said about itself
         self._proxy: ProxyClient | None = None  # the egress proxy, started for the first machine with a network
         self._grants: dict[str, int] = {}  # root machine -> its keeper's grants pipe (guest/mountguard.py)
+
+    def branch_room(self, spec: MachineSpec) -> tuple[int, str]:
+        """How many live branches one branch machine can hold, and what bounds it (one line's part):
+        each takes one of its namespaces of each kind, and under rlimits its processes count in
+        the machine's ``pids`` (a gym sub-env's keeper, agent and threads: about ``BRANCH_TASKS``)."""
+        room, why = BRANCH_NAMESPACES, "the namespaces a sandbox machine has for its branches"
+        if self.limiter.mechanism.name == "rlimits":
+            by_pids = max(0, (spec.pids - PARENT_TASKS) // BRANCH_TASKS)
+            if by_pids < room:
+                room, why = by_pids, (f"its pids = {spec.pids}, counted by rlimits here at about {BRANCH_TASKS} per "
+                                      "branch: raise pids in the Smolfile for more")
+        return room, why
 
     @property
     def isolation(self) -> str:

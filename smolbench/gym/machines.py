@@ -136,14 +136,17 @@ class Machines:
 
     def _check_room(self) -> None:
         """Refuse up front, in one line, more sub-envs than one warm parent has room for."""
-        room = getattr(self.wb.backend, "branch_room", None)
-        if not isinstance(room, int) or self.live_branches() <= room:
+        room_of = getattr(self.wb.backend, "branch_room", None)
+        if room_of is None:
+            return
+        room, why = room_of(self.wb.spec)
+        if self.live_branches() <= room:
             return
         fits = max([k for k in range(1, room + 1) if _live(k, self.mode) <= room] or [0])
         raise SmolbenchError(
-            f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once, above the "
-            f"{self.wb.backend.name} backend's {room} per machine (its namespaces): use at most {fits} envs per "
-            f"{'make_vec' if self.n > 1 else 'env'} with reset={self.mode!r}, or several make_vec envs side by side")
+            f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
+            f"for {room} ({why}): use at most {fits} envs per {'make_vec' if self.n > 1 else 'env'} with "
+            f"reset={self.mode!r}, or several make_vec envs side by side")
 
     # -- requests -------------------------------------------------------------------
 
