@@ -58,7 +58,7 @@ class GuestAPI(types.ModuleType):
         pickle), ``answer(error=exc)`` an error. The host starts sending only once the cell
         has answered (or sent ``answer(None)``) once."""
         # here, not at start-up: pickle and its kin are not on the ready path
-        from .pulldata import _pull
+        from . import pulldata
 
         agent = self._agent
         conn = agent._conn
@@ -83,6 +83,6 @@ class GuestAPI(types.ModuleType):
                 agent.send({"t": "answer", "error": {"ename": type(error).__name__, "evalue": str(error)[:2000],
                                                      "traceback": []}})
             else:
-                agent.send({"t": "answer", "value": _pull(value, False)})
+                agent.send({"t": "answer", "value": pulldata._pull(value, False)})  # the encoding cells' pulls use
 
         return requests(), answer
