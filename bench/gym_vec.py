@@ -79,7 +79,7 @@ def main() -> dict[str, Any]:
 
     series: dict[str, list[float]] = {k: [] for k in ("make_vec", "make_vec_inplace", "async", "sync", "make_ms", "local_ms", "fresh", "in-place")}
     folder = tempfile.mkdtemp(prefix="smolbench-gym-bench-")
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
     with Session(backend="sandbox", ledger=os.path.join(folder, "ledger.db")) as s:
         ours = sgym.make_vec(CARTPOLE, NUM_ENVS, session=s)
         ours_inplace = sgym.make_vec(CARTPOLE, NUM_ENVS, session=s, reset="in-place")
@@ -103,7 +103,7 @@ def main() -> dict[str, Any]:
                 env.close()
     best = {k: (max(v) if not k.endswith("_ms") else min(v)) for k, v in series.items()}
     out = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - started, 1),
-           "load": os.getloadavg(), "cores": os.cpu_count(), "steps": STEPS, "rounds": ROUNDS, "episodes": EPISODES,
+           "load_before": load_before, "load": os.getloadavg(), "cores": os.cpu_count(), "steps": STEPS, "rounds": ROUNDS, "episodes": EPISODES,
            "series": series, "best": best}
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "gym.json").write_text(json.dumps(out, indent=1))
@@ -117,6 +117,7 @@ def section(out: dict[str, Any]) -> str:
     ratio_async = b["async"] / b["make_vec"]
     ratio_fresh = b["in-place"] / b["fresh"]
     load = ", ".join(f"{x:.1f}" for x in out["load"])
+    before = ", ".join(f"{x:.1f}" for x in out.get("load_before", out["load"]))
     rows = "\n".join(f"| {name} | " + " | ".join(f"{x:,.1f}" for x in out["series"][key]) + f" | **{b[key]:,.1f}** |"
                      for name, key in (("`smolbench.gym.make_vec` (16 sandbox machines), steps/s", "make_vec"),
                                        ('`make_vec`, `reset="in-place"` (no branch per episode), steps/s', "make_vec_inplace"),
@@ -130,8 +131,8 @@ def section(out: dict[str, Any]) -> str:
     return f"""{BEGIN}
 ## Gym · `smolbench.gym` (bench/gym_vec.py)
 
-{out['when']} · sandbox backend · {out['cores']} cores, load average {load} at the end (a shared host: other
-helpers' suites ran alongside) · {out['steps']} vector steps of CartPole-v1 per round, {out['episodes']} episodes per
+{out['when']} · sandbox backend · {out['cores']} cores, load average {before} at the start and {load} at the end
+(a shared host: other helpers' suites and the lead's VM lane ran alongside, so every series was slowed alike) · {out['steps']} vector steps of CartPole-v1 per round, {out['episodes']} episodes per
 reset mode per round, the series interleaved round by round; best of {out['rounds']} rounds (max rate, min time).
 
 | series | {head} | best |
@@ -145,11 +146,13 @@ reset mode per round, the series interleaved round by round; best of {out['round
 | fresh reset within 2× of in-place | in-place {ratio_fresh:.2f}× the episodes/s of fresh | **{'met' if ratio_fresh <= 2 else 'not met'}** |
 
 Per-step overhead of a machine-backed env: {b['make_ms'] - b['local_ms']:.2f} ms (median `make` step minus the
-same env's step here). Each step of a machine env is one cell request (a new Unix connection, the agent's thread
-hand-off, a pull through the gate). A fresh reset takes a branch made ahead of time (a quarter of the sub-envs are
-kept ready, refilled by one fork request at a time): it costs about what an in-place one does only while branching
-keeps up with the episodes; CartPole's random-action episodes (~10-20 steps) end faster than a loaded host forks,
-so with `reset="fresh"` the vector step mostly waits for branches (compare the in-place row).
+same env's step here). Each episode's machine runs one serving cell that answers every step on one kept
+connection (a vector step writes all its requests, then reads all the answers, each through the gate as data).
+A fresh reset takes a branch made ahead of time whose serving cell already waits (a quarter of the sub-envs are
+kept ready, refilled by one fork request at a time), so the reset itself is one request; what a fresh episode
+still costs is that fork and the old machine's deletion, host CPU that competes with the steps: CartPole's
+random-action episodes (~10-20 steps) are short, so `make_vec` with `reset="fresh"` spends much of its time
+branching (compare the in-place row).
 {END}"""
 
 

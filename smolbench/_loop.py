@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -18,11 +19,15 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_jobs: set[Job] = set()  # running Jobs: what a SIGTERM stops before it deletes the machines
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """The process-wide smolbench loop, started on first use."""
     global _loop
+    loop = _loop
+    if loop is not None and not loop.is_closed():  # no lock once it runs: a signal handler may call this
+        return loop
     with _lock:
         if _loop is None or _loop.is_closed():
             loop = asyncio.new_event_loop()
@@ -57,10 +62,13 @@ class Job:
     machines, writing the ledger) to complete.
     """
 
-    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], *, stoppable: bool = True) -> None:
+        self.stoppable = stoppable  # False: cancel_all waits for it but lets it finish (a down)
+        self.stopped = False  # cancel_all cancelled it
         self._finished = threading.Event()
         self._task: asyncio.Task[Any] | None = None
         self._task_set = threading.Event()
+        _jobs.add(self)
         self.future: Future[Any] = submit(self._run(coro))
 
     async def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -69,6 +77,7 @@ class Job:
         try:
             return await coro
         finally:
+            _jobs.discard(self)
             self._finished.set()
 
     def done(self) -> bool:
@@ -88,3 +97,15 @@ class Job:
     def result(self, timeout: float | None = None) -> Any:
         """The coroutine's result (re-raises its exception)."""
         return self.future.result(timeout)
+
+
+def cancel_all(timeout: float) -> None:
+    """Cancel every running stoppable Job and wait (up to ``timeout`` in all) for all of them to end."""
+    jobs = list(_jobs)
+    for job in jobs:
+        if job.stoppable:
+            job.stopped = True
+            job.cancel()
+    deadline = time.monotonic() + timeout
+    for job in jobs:
+        job.wait_finished(max(0.0, deadline - time.monotonic()))

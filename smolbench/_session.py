@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -264,8 +265,12 @@ class Session:
         """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between)."""
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
-        _block(self.workbench.up())
-        _live(self)
+        _live(self)  # first: a SIGTERM during up() stops it and deletes what it made
+        try:
+            _block(self.workbench.up())
+        except BaseException:
+            _gone(self)
+            raise
         return self
 
     async def aup(self) -> Session:
@@ -273,8 +278,12 @@ class Session:
         wb = self.build()
         if self.fallback:
             self.on_notice(self.fallback)
-        await _bridge(wb.up())
         _live(self)
+        try:
+            await _bridge(wb.up())
+        except BaseException:
+            _gone(self)
+            raise
         return self
 
     def down(self) -> int:
@@ -283,7 +292,7 @@ class Session:
         wb = self.workbench
         if wb is None or (not wb.machines and wb.active is None):
             return 0
-        return _block(wb.down())
+        return _block(wb.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
 
     close = down
 
@@ -293,7 +302,7 @@ class Session:
         wb = self.workbench
         if wb is None or (not wb.machines and wb.active is None):
             return 0
-        return await _bridge(wb.down())
+        return await _bridge(wb.down(), stoppable=False)
 
     aclose = adown
 
@@ -514,36 +523,42 @@ def _quiet(branch: str, ev: Event) -> None:
 # -- blocking and bridging -------------------------------------------------------------------
 
 
-def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None) -> T:
+def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
     """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
     cancels it and waits for its cleanup (deleting machines) before it goes on."""
     if _on_our_loop():
         coro.close()
         raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
-    job = _loop.Job(coro)
+    _wait_out_sigterm()
+    job = _loop.Job(coro, stoppable=stoppable)
     if result is not None:
         result._attach(job.future, job.cancel)
     try:
         while not job.wait_finished(0.2):
             pass
+        _wait_out_sigterm()
     except BaseException:
         job.cancel()
         job.wait_finished(120)
         raise
-    return job.result()
+    return _result(job)
 
 
-async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None) -> T:
+async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
     """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
     loop); a cancel of the caller's task cancels it and waits for its cleanup."""
     if _on_our_loop():
         return await coro
-    job = _loop.Job(coro)
+    while _term_state:
+        await asyncio.sleep(0.05)
+    job = _loop.Job(coro, stoppable=stoppable)
     if result is not None:
         result._attach(job.future, job.cancel)
     done = asyncio.wrap_future(job.future)
     try:
-        return await asyncio.shield(done)
+        await asyncio.wait({done})  # its end, whatever it is (a cancel of ours raises here)
+        while _term_state:  # a SIGTERM stopped it: its handler ends the program once the machines are gone
+            await asyncio.sleep(0.05)
     except asyncio.CancelledError:
         if not job.done():
             job.cancel()
@@ -551,6 +566,13 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)
         raise
+    return _result(job)
+
+
+def _result(job: _loop.Job) -> Any:
+    if job.stopped and job.future.cancelled():
+        raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
+    return job.result()
 
 
 def _on_our_loop() -> bool:
@@ -566,8 +588,17 @@ def _on_our_loop() -> bool:
 _LIVE: list[Session] = []  # strong: a live session whose handle was dropped still has machines to delete
 _hooks_lock = threading.Lock()
 _hooks_installed = False
+_hooks_pid = 0  # the process the hooks are for: a forked child never deletes its parent's machines
+_down_lock = threading.Lock()  # one shutdown_all at a time (the SIGTERM watcher, the exit hook)
 _previous_sigterm: Any = None
 _sigterm_installed = False
+STOP_TIMEOUT = 20.0  # seconds a SIGTERM waits for running calls to stop before it deletes the machines
+# A SIGTERM's work is done by a watcher thread, never in the handler: the handler runs on the
+# main thread wherever it was, perhaps holding a lock the deletion needs (a Job's Event, the
+# ledger's, an import's), and waiting there deadlocked (issue 28). 0: no SIGTERM; 1: the
+# watcher is stopping calls and deleting machines; 2: it is done and the handler runs again.
+_term_state = 0
+_term_wake = -1  # the pipe's write end: all the handler does is write a byte to it
 
 
 def _live(s: Session) -> None:
@@ -591,21 +622,25 @@ def current() -> Session:
 
 def shutdown_all(timeout: float = 30) -> None:
     """Delete every live session's machines (the interpreter's exit, SIGTERM)."""
-    for s in list(reversed(_LIVE)):
-        wb = s.workbench
-        if wb is not None and wb.machines:
-            with contextlib.suppress(Exception):
-                _loop.run(wb.down(), timeout=timeout)
-    _LIVE.clear()
+    if _hooks_pid and os.getpid() != _hooks_pid:
+        return
+    with _down_lock:
+        for s in list(reversed(_LIVE)):
+            wb = s.workbench
+            if wb is not None:  # also one whose up() a SIGTERM stopped: its backend's cgroups go too
+                with contextlib.suppress(Exception):
+                    _loop.run(wb.down(), timeout=timeout)
+        _LIVE.clear()
 
 
 def _install_hooks() -> None:
-    global _hooks_installed
+    global _hooks_installed, _hooks_pid
     with _hooks_lock:
         if _hooks_installed:
             _install_sigterm()  # a first session from another thread could not: the main thread can
             return
         _hooks_installed = True
+        _hooks_pid = os.getpid()
     # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
     # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
     # Those hooks run last registered first, so its own is registered (imported) before ours.
@@ -633,25 +668,73 @@ def _in_kernel() -> bool:
 
 
 def _install_sigterm() -> None:
-    """SIGTERM deletes every machine, then does what it did before (by default: ends the
-    process with SIGTERM's status). Only from the main thread, never in a Jupyter kernel,
-    and never over a handler that ignores SIGTERM."""
-    global _previous_sigterm, _sigterm_installed
+    """SIGTERM stops running calls and deletes every machine, then does what it did before
+    (by default: ends the process with SIGTERM's status). Only from the main thread, never
+    in a Jupyter kernel, and never over a handler that ignores SIGTERM."""
+    global _previous_sigterm, _sigterm_installed, _term_wake
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or _in_kernel():
         return
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours to take
         return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    threading.Thread(target=_watch, args=(read,), name="smolbench-sigterm", daemon=True).start()
+    _term_wake = write
     _previous_sigterm = previous
     signal.signal(signal.SIGTERM, _on_sigterm)
     _sigterm_installed = True
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    shutdown_all()
+    """Lock-free: wakes the watcher (first SIGTERM), waits it out (another one meanwhile), or
+    does what was there before (once the watcher is done and signals the main thread again)."""
+    global _term_state
+    if os.getpid() != _hooks_pid:  # a forked child: its parent's machines are not its own
+        _previous(signum, frame)
+    elif _term_state == 0:
+        _term_state = 1
+        try:
+            os.write(_term_wake, b"t")
+        except OSError:  # pragma: no cover - the watcher is gone: end as before
+            _term_state = 0
+            _previous(signum, frame)
+    elif _term_state == 2:
+        _term_state = 0
+        _previous(signum, frame)
+    # 1: a second SIGTERM while the machines are deleted: the first one's end follows that
+
+
+def _previous(signum: int, frame: Any) -> None:
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch(read: int) -> None:
+    """The SIGTERM watcher thread: on each wake, stop the running calls (an up, a cell, a fork
+    clean up after themselves), delete every session's machines, then signal the main thread."""
+    global _term_state
+    while os.read(read, 1):
+        try:
+            for s in list(_LIVE):
+                with contextlib.suppress(Exception):
+                    s.on_notice("smolbench: SIGTERM: stopping and deleting this program's machines")
+            _loop.cancel_all(STOP_TIMEOUT)
+            shutdown_all()
+        finally:
+            _term_state = 2
+            try:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+            except (OSError, ValueError):  # pragma: no cover - the main thread is gone
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_out_sigterm() -> None:
+    """While a SIGTERM's watcher works, start nothing and return nothing: the program ends
+    (its handler runs on the main thread) once the machines are gone."""
+    while _term_state and os.getpid() == _hooks_pid:
+        time.sleep(0.05)

@@ -192,6 +192,75 @@ s.run("import time; time.sleep(600)")
     assert script.leftovers() == ([], [], [])
 
 
+# SIGTERM at the bad moment. The profile hook signals the script itself while its main thread,
+# waiting for a Session call, holds the lock of the Event it waits on (in Condition.wait, called
+# from smolbench's Job.wait_finished). A handler that deleted the machines right there (the old
+# one) deadlocked: the loop thread, ending the killed cell, needs that lock to say so. It waited
+# its 30 s, then the script's own handler saw the run folder still there (and under load the
+# run took over 240 s). Now the handler only wakes a watcher thread, and returns.
+AT_THE_BAD_MOMENT = """\
+import os, signal, sys
+def _at_the_lock(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "_is_owned":
+        up, names = frame, []
+        while up is not None and len(names) < 4:
+            names.append(up.f_code.co_name)
+            up = up.f_back
+        if "wait_finished" in names:
+            sys.setprofile(None)
+            print("signalled in", " < ".join(names), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+"""
+MINE = """\
+import smolbench
+def mine(signum, frame):
+    print("mine ran; run folders:", sorted(n for n in os.listdir(os.environ["TMPDIR"]) if n.startswith("smolbench-")), flush=True)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, mine)
+"""
+
+
+@pytest.mark.parametrize("during", ["run", "up", "fork"])
+def test_a_sigterm_while_the_main_thread_holds_the_lock_it_waits_with_ends_cleanly(tmp_path: Path, during: str) -> None:
+    calls = {
+        "up": 'sys.setprofile(_at_the_lock)\ns.up()\nprint("not reached", flush=True)\n',
+        "run": 's.up()\nsys.setprofile(_at_the_lock)\ns.run("import time; time.sleep(600)")\nprint("not reached")\n',
+        "fork": 's.up()\nsys.setprofile(_at_the_lock)\ns.fork(2, "import time; time.sleep(600)")\nprint("not reached")\n',
+    }
+    script = Script(tmp_path, AT_THE_BAD_MOMENT + MINE + 's = smolbench.Session(backend="process", ledger="ledger.db")\n'
+                    + calls[during])
+    code, out, err = script.finish()
+    assert "signalled in _is_owned < wait < wait < wait_finished" in out, out + err
+    assert code == 7, err
+    assert "mine ran; run folders: []" in out and "not reached" not in out
+    assert "smolbench: SIGTERM: stopping and deleting this program's machines" in err
+    assert script.leftovers() == ([], [], [])
+
+
+def test_a_second_sigterm_while_the_machines_are_deleted_does_not_cut_the_deletion_short(tmp_path: Path) -> None:
+    """The cell ignores the interrupt, so stopping it takes its grace period (3 s): the second
+    SIGTERM lands then. The deletion goes on, and the program still ends by SIGTERM."""
+    script = Script(tmp_path, HEAD.format(backend="process") + """\
+s.up()
+print("ready", flush=True)
+s.run("import time\\nwhile True:\\n    try:\\n        time.sleep(600)\\n    except KeyboardInterrupt:\\n        pass")
+print("not reached", flush=True)
+""")
+    script.wait_for_line("ready")
+    time.sleep(0.5)  # the cell is running
+    script.proc.send_signal(signal.SIGTERM)
+    assert script.proc.stderr is not None
+    for line in script.proc.stderr:
+        if "smolbench: SIGTERM: stopping" in line:
+            break
+    assert run_folders(script.tmp), "the machines were already gone: the second SIGTERM would not land during deletion"
+    script.proc.send_signal(signal.SIGTERM)
+    code, out, err = script.finish()
+    assert code == -signal.SIGTERM, err
+    assert "not reached" not in out
+    assert script.leftovers() == ([], [], [])
+
+
 # -- Ray -------------------------------------------------------------------------------------------
 
 RAY_SCRIPT = """\

@@ -5,7 +5,10 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 
 import types
 
+from . import protocol as P
 from .output import mime_bundle
+
+CHANNEL_LINE = 1024 * 1024  # bytes of one request line on a cell's channel at most
 
 
 class GuestAPI(types.ModuleType):
@@ -43,3 +46,43 @@ class GuestAPI(types.ModuleType):
         """This branch's seed, or None on a machine that was never seeded."""
         return self._agent.seed
 
+
+    def channel(self):
+        """This cell's own connection to the host, kept open for a loop of small requests
+        (``smolbench.gym`` steps an env this way, without a new connection per step).
+
+        Returns ``(requests, answer)``: ``requests`` yields each JSON request the host sends
+        after the cell's own and ends when the host hangs up (or sends ``{"op": "end"}``);
+        A request with a ``"seed"`` seeds the machine first, as a cell's seed does.
+        ``answer(value)`` sends one value back as data (``--pull``'s encoding, never a
+        pickle), ``answer(error=exc)`` an error. The host starts sending only once the cell
+        has answered (or sent ``answer(None)``) once."""
+        # here, not at start-up: pickle and its kin are not on the ready path
+        from . import pulldata
+
+        agent = self._agent
+        conn = agent._conn
+        if conn is None:
+            raise RuntimeError("this cell has no connection to the host to keep")
+        reader = conn.makefile("rb")
+
+        def requests():
+            while True:
+                line = reader.readline(CHANNEL_LINE)
+                if not line or not line.endswith(b"\n"):
+                    return
+                req = P.decode(line)
+                if not isinstance(req, dict) or req.get("op") == "end":
+                    return
+                if req.get("seed") is not None:  # seeds the machine first, as a cell's request does
+                    agent.apply_seed(req.pop("seed"))
+                yield req
+
+        def answer(value=None, error=None):
+            if error is not None:
+                agent.send({"t": "answer", "error": {"ename": type(error).__name__, "evalue": str(error)[:2000],
+                                                     "traceback": []}})
+            else:
+                agent.send({"t": "answer", "value": pulldata._pull(value, False)})  # the encoding cells' pulls use
+
+        return requests(), answer

@@ -4,7 +4,9 @@ Stdlib only (plus what the env itself imports: gymnasium, and numpy for array
 actions). ``smolbench.gym`` runs this file's source in the warm parent machine, once,
 as ``_smolgym = Server(factory)``; every request after that is a one-line cell
 (``_smolgym_out = _smolgym.step('<json>')``) whose result the host pulls with the
-agent's own ``--pull`` encoding, so it crosses the gate as data: observations and
+agent's own ``--pull`` encoding, or, on backends that keep a connection open, one cell per
+episode that answers every step on its own connection (``Server.serve``), in the same
+encoding. Either way it crosses the gate as data: observations and
 arrays as ``.npy``, the rest JSON. The host trusts none of it: it rebuilds the spaces
 from their description and checks every observation against them
 (``smolbench/gym/spaces.py``).
@@ -165,12 +167,39 @@ class Server:
 
     def step(self, text):
         """One ``env.step``; the rng state rides along when the episode ends."""
-        obs, reward, terminated, truncated, info = self.env.step(decode_action(json.loads(text)))
+        return self._step(json.loads(text))
+
+    def _step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(decode_action(action))
         out = {"obs": observation(obs), "reward": _reward(reward), "terminated": bool(terminated),
                "truncated": bool(truncated), "info": plain(info)}
         if terminated or truncated:
             out["rng"] = self.rng()
         return out
+
+    def serve(self, api, first):
+        """Answer the host on this cell's own connection (``smolbench_guest.channel()``):
+        ``first`` is the episode's reset (None: answer None and wait for it), then ``{"op": "step", "a": ...}``, ``{"op": "rng"}``
+        and ``{"op": "reset", "r": ...}`` requests until the host ends the channel. A
+        request that fails is answered with its error; the loop goes on."""
+        requests, answer = api.channel()
+        answer(self.reset(first) if first is not None else None)
+        for req in requests:
+            try:
+                op = req.get("op")
+                if op == "step":
+                    out = self._step(req.get("a"))
+                elif op == "rng":
+                    out = self.rng()
+                elif op == "reset":
+                    out = self.reset(req.get("r"))
+                else:
+                    raise ValueError("unknown gym request %r" % (op,))
+            except Exception as exc:
+                answer(error=exc)
+                continue
+            answer(out)
+        return True
 
     def close(self):
         close = getattr(self.env, "close", None)

@@ -21,6 +21,9 @@ Replies (agent -> host), several per request, the last one has ``"t": "done"``::
      "pulled": {name: {"format": "data", "data": tree} | {"format": "refused", "type": "mod.Cls"}
                       | {"format": "pickle", "data": b64}},   # pickle only when pull_trusted
      "reward": float | null, "metrics": {...}, ...}
+    {"t": "answer", "value": {"format": "data", ...}} | {"t": "answer", "error": {...}}
+        # a cell serving a kept channel (``smolbench_guest.channel()``): one per request
+        # line the host sends on the same connection after the cell's own
 
 The host decodes replies only through ``smolbench.gate``, which trusts none of this.
 """

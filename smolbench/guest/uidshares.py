@@ -12,9 +12,16 @@ import resource
 # Per user-namespace limits (ucounts): how much of the counts the host keeps per uid (shared
 # by every machine of that uid and, as a user kernel, the user's own processes) a machine's
 # subtree may hold. A root's room is its own plus 32 full branches', like RLIMIT_NPROC's.
+# A branch may hold namespaces for 128 branches of its own (each takes one of each kind):
+# a gym env's warm parent has one per sub-env plus spares and ones being deleted. The
+# root's count still bounds its whole tree.
+NAMESPACE_KINDS = ("user", "mnt", "pid", "ipc", "net", "uts", "cgroup", "time")
+BRANCH_NAMESPACES = 128
+ROOT_NAMESPACES = 32 * 33
 BRANCH_UCOUNTS = dict({"max_inotify_instances": 8, "max_inotify_watches": 8192},
-                      **{"max_%s_namespaces" % k: 32 for k in ("user", "mnt", "pid", "ipc", "net", "uts", "cgroup", "time")})
-ROOT_UCOUNTS = {k: v * 33 if "namespaces" in k else v * 4 for k, v in BRANCH_UCOUNTS.items()}
+                      **{"max_%s_namespaces" % k: BRANCH_NAMESPACES for k in NAMESPACE_KINDS})
+ROOT_UCOUNTS = dict({"max_inotify_instances": 32, "max_inotify_watches": 32768},
+                    **{"max_%s_namespaces" % k: ROOT_NAMESPACES for k in NAMESPACE_KINDS})
 NOFILE_ROOM = 1024  # the keeper's descriptor limit stays this far above its agent's
 
 

@@ -29,8 +29,10 @@ from typing import Any
 
 from .. import retries as retry
 from .._aio import _to_the_end
+from ..backends._channel import Channel
 from ..backends.base import CellRequest, CellResult, MachineRef
 from ..errors import InfraError, SmolbenchError
+from ..gate.channel import AnswerError, Ended
 from ..ledger import code_hash
 from ..tree import Node
 from . import spaces
@@ -72,6 +74,7 @@ class Episode:
     obs: Any = None
     running: bool = False  # reset and not yet terminated or truncated
     cells: int = 0
+    chan: Channel | None = None  # the episode's serving cell (backends that keep connections)
 
 
 @dataclass
@@ -115,7 +118,7 @@ class Machines:
         self.action_space: Any = None
         self.described: dict[str, Any] = {}
         self.eps = [Episode(i) for i in range(num_envs)]
-        self.spares: list[MachineRef] = []
+        self.spares: list[tuple[MachineRef, Channel | None]] = []  # with their serving cells, already waiting
         self._branching = asyncio.Lock()  # one fork request at a time on the warm parent (shared by siblings)
         self._names = itertools.count()  # branch numbers under the warm parent (shared by siblings)
         self.owns_parent = True
@@ -124,6 +127,26 @@ class Machines:
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
+        self._check_room()
+
+    def live_branches(self) -> int:
+        """Branches of the warm parent this env holds at most at once: one per sub-env, and with
+        fresh resets its spares and as many being deleted."""
+        return _live(self.n, self.mode)
+
+    def _check_room(self) -> None:
+        """Refuse up front, in one line, more sub-envs than one warm parent has room for."""
+        room_of = getattr(self.wb.backend, "branch_room", None)
+        if room_of is None:
+            return
+        room, why = room_of(self.wb.spec)
+        if self.live_branches() <= room:
+            return
+        fits = max([k for k in range(1, room + 1) if _live(k, self.mode) <= room] or [0])
+        raise SmolbenchError(
+            f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
+            f"for {room} ({why}): use at most {fits} envs per {'make_vec' if self.n > 1 else 'env'} with "
+            f"reset={self.mode!r}, or several make_vec envs side by side")
 
     # -- requests -------------------------------------------------------------------
 
@@ -141,6 +164,58 @@ class Machines:
         except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
             raise Unanswered(f"{where}: {exc}") from None
         return self._out(res, where)
+
+    @property
+    def channels(self) -> bool:
+        """Whether each episode keeps one connection to its machine (the agent-host backends)."""
+        return hasattr(self.wb.backend, "open_channel")
+
+    async def _serve(self, ep: Episode, reset: str | None, seed: int | None) -> Any:
+        """Start ``ep``'s serving cell with its episode's reset (None: it waits for one); the
+        reset's answer."""
+        assert ep.ref is not None
+        self._hang_up(ep)
+        ep.cells += 1
+        req = CellRequest(f"_smolgym.serve(smolbench_guest, {reset!r})", cell_name=f"<gym-{ep.cells}>", seed=seed)
+        where = _where(ep.index, self.n, ep)
+        try:
+            ep.chan = await self.wb.backend.open_channel(ep.ref, req)  # type: ignore[attr-defined]
+            return await ep.chan.answer()
+        except BaseException as exc:
+            self._hang_up(ep)
+            raise self._failed(exc, where) from None
+
+    async def _ask(self, ep: Episode, msg: dict[str, Any]) -> Any:
+        """One request on ``ep``'s channel; its answer (data, checked by the gate)."""
+        assert ep.chan is not None
+        where = _where(ep.index, self.n, ep)
+        try:
+            return await ep.chan.ask(msg)
+        except AnswerError as exc:
+            raise GymError(f"{where}: {exc}") from None
+        except BaseException as exc:
+            self._hang_up(ep)
+            raise self._failed(exc, where) from None
+
+    @staticmethod
+    def _failed(exc: BaseException, where: str) -> BaseException:
+        if isinstance(exc, (AnswerError, Ended)):  # the env failed (not the machine): one line
+            return GymError(f"{where}: {exc}")
+        if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
+            return exc
+        return Unanswered(f"{where}: {exc}")  # refused by the gate, or the machine is gone
+
+    @staticmethod
+    def _hang_up(ep: Episode) -> None:
+        if ep.chan is not None:
+            ep.chan.close()
+            ep.chan = None
+
+    async def _request(self, ep: Episode, op: str, cell: str, **fields: Any) -> Any:
+        """``op`` on ``ep``'s machine: on its channel if one is open, else as the one-line ``cell``."""
+        if ep.chan is not None:
+            return await self._ask(ep, {"op": op, **fields})
+        return await self._call(ep, cell)
 
     @staticmethod
     def _out(res: CellResult, where: str) -> Any:
@@ -239,9 +314,9 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: a quarter of the sub-envs (at least one), so the parent's
-        live branches stay well within what it has room for (32 full ones on the sandbox)."""
-        return max(1, min(self.n, 8, (self.n + 3) // 4))
+        """Spare branches kept ready: a quarter of the sub-envs, at least 4 (a fork's start-up
+        outlasts a short episode, so one spare would leave resets waiting) and at most 8."""
+        return _spares(self.n)
 
     def _top_up(self) -> None:
         """Keep spare branches ready (fresh resets take one)."""
@@ -257,9 +332,23 @@ class Machines:
             for r in refs:
                 await self._delete(r)
             return
-        self.spares.extend(refs)
+        # each spare's serving cell starts now, so a fresh reset is one request on its channel
+        chans = await asyncio.gather(*(self._wait_in(r) for r in refs))
+        self.spares.extend(zip(refs, chans))
 
-    async def _spare(self) -> MachineRef:
+    async def _wait_in(self, ref: MachineRef) -> Channel | None:
+        """A serving cell in ``ref`` that waits for its episode's reset (None: the reset starts one)."""
+        if not self.channels or self.closed:
+            return None
+        ep = Episode(-1, ref=ref)
+        try:
+            await self._serve(ep, None, None)
+        except Exception:  # the reset will say what is wrong (and rebuild under retries)
+            self._hang_up(ep)
+            return None
+        return ep.chan
+
+    async def _spare(self) -> tuple[MachineRef, Channel | None]:
         while not self.spares:
             if self._refill is None or self._refill.done():
                 if self._refill is not None and self._refill.exception() is not None:
@@ -268,17 +357,24 @@ class Machines:
                 self._top_up()
             assert self._refill is not None
             await asyncio.shield(self._refill)
-        ref = self.spares.pop(0)
+        spare = self.spares.pop(0)
         self._top_up()
-        return ref
+        return spare
 
     async def _delete(self, ref: MachineRef) -> None:
+        for ep in self.eps:  # its episode's serving cell goes with it
+            if ep.ref is ref:
+                self._hang_up(ep)
         self.wb.machines.pop(ref.name, None)
         with contextlib.suppress(Exception):
             await self.wb.backend.delete(ref)
 
-    def _delete_later(self, ref: MachineRef) -> None:
+    async def _delete_later(self, ref: MachineRef) -> None:
+        """Delete ``ref`` in the background; with as many deletions as spares already under
+        way, first wait for one (the warm parent's live branches stay within its room)."""
         self.wb.machines.pop(ref.name, None)
+        while len(self._deleting) >= self.spare_count:
+            await asyncio.wait(set(self._deleting), return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.ensure_future(self._delete(ref))
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
@@ -317,7 +413,7 @@ class Machines:
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
                 with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
-                    ep.rng = _rng(await self._call(ep, "_smolgym_out = _smolgym.rng()"))
+                    ep.rng = _rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
             self._end(ep, "reset")
         if seed is not None:
             ep.rng = None
@@ -325,12 +421,18 @@ class Machines:
 
         async def once(attempt: int) -> Any:
             if self.mode == "fresh" or ep.ref is None:
-                old, ep.ref = ep.ref, await self._spare()
+                old = ep.ref
+                self._hang_up(ep)
+                ep.ref, ep.chan = await self._spare()
                 if old is not None:
-                    self._delete_later(old)
+                    await self._delete_later(old)
             self._begin(ep, seed)
             global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
             try:
+                if ep.chan is not None:  # the machine is seeded first, as for a cell
+                    return await self._ask(ep, {"op": "reset", "r": req, "seed": global_seed})
+                if self.channels:
+                    return await self._serve(ep, req, global_seed)
                 return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
             except Unanswered as exc:
                 if await self._alive(ep):
@@ -354,9 +456,12 @@ class Machines:
         where = _where(i, self.n, ep)
         if not ep.running or ep.ref is None:
             raise GymError(f"{where}: step() before reset() (or after the episode ended): call reset() first")
-        data = json.dumps(spaces.action_data(self.action_space, action))
+        data = spaces.action_data(self.action_space, action)
         try:
-            out = await self._call(ep, f"_smolgym_out = _smolgym.step({data!r})")
+            if ep.chan is not None:
+                out = await self._ask(ep, {"op": "step", "a": data})
+            else:
+                out = await self._call(ep, f"_smolgym_out = _smolgym.step({json.dumps(data)!r})")
         except (InfraError, Unanswered) as exc:
             if self.retries < 1 or await self._alive(ep):
                 self._end(ep, "error", str(exc))
@@ -453,7 +558,9 @@ class Machines:
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
-        for r in self.spares:
+        for r, chan in self.spares:
+            if chan is not None:
+                chan.close()
             await _to_the_end(self._delete(r))
         self.spares.clear()
         if self._deleting:
@@ -467,6 +574,14 @@ class Machines:
         self.parent = None
         if self.run_id and self.owns_parent:
             self.wb.ledger.end_run(self.run_id, "done")
+
+
+def _spares(n: int) -> int:
+    return min(8, max(4, (n + 3) // 4))
+
+
+def _live(n: int, mode: str) -> int:
+    return n + (2 * _spares(n) if mode == "fresh" else 0)
 
 
 def _ignore(event: Any) -> None:

@@ -1,0 +1,122 @@
+"""A sub-env's machine that dies in the middle of a vector step (issue 28).
+
+The crash is made from the host, the way the kernel's OOM killer or a segfault would:
+every process of one sub-env's machine gets SIGKILL while the vector env waits for its
+step. With ``retries`` the sub-env's episode is cut short (truncated, an info saying so),
+a new machine from the warm parent takes over, and the ledger records the rebuild; with
+``retries=0`` the step is one line naming the sub-env. Either way the vector env goes on
+stepping, and nothing of the dead machine is left.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.backends import _procs
+from smolbench.backends.base import MachineRef
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+SLOW = '''
+import time, gymnasium
+
+class Slow(gymnasium.Wrapper):
+    def step(self, action):
+        time.sleep(0.3)  # long enough for the host to kill the machine mid-step
+        return self.env.step(action)
+
+def slow_cartpole():
+    return Slow(gymnasium.make("CartPole-v1"))
+'''
+VICTIM = 2
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+def machine_procs(ref: MachineRef) -> list[tuple[int, str]]:
+    """Every host process of ``ref``'s machine (its keeper and agent and what they started)."""
+    pid, started = ref.info["host_pid"], ref.info["host_started"]
+    assert _procs.running(pid, started)
+    return [(pid, started), *_procs.descendants(pid)]
+
+
+def step_while_killed(envs: Any, ref: MachineRef) -> tuple[list[tuple[int, str]], Any]:
+    """One vector step, with every process of ``ref``'s machine killed while it runs."""
+    procs = machine_procs(ref)
+    timer = threading.Timer(0.1, _procs.kill_all, (procs,))
+    timer.start()
+    try:
+        return procs, envs.step(np.zeros(envs.num_envs, dtype=np.int64))
+    except BaseException:
+        timer.join()
+        raise
+    finally:
+        timer.join()
+
+
+def gone(procs: list[tuple[int, str]]) -> bool:
+    return not any(_procs.running(*p) for p in procs)
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_machine_killed_mid_step_is_rebuilt_under_retries_and_recorded(bench: Workbench, reset: str) -> None:
+    define(bench, SLOW)
+    envs = sgym.make_vec("slow_cartpole", 4, session=bench, reset=reset, retries=1)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.zeros(4, dtype=np.int64))
+        victim = envs._m.eps[VICTIM].ref
+        assert victim is not None
+        procs, (obs, rewards, terminated, truncated, infos) = step_while_killed(envs, victim)
+        assert truncated[VICTIM] and not terminated[VICTIM]  # its episode was cut short, not failed
+        assert infos["_smolbench_lost"][VICTIM] and f"sub-env {VICTIM}" in infos["smolbench_lost"][VICTIM]
+        assert "died mid-step" in infos["smolbench_lost"][VICTIM]
+        assert list(rewards[[i for i in range(4) if i != VICTIM]]) == [1.0, 1.0, 1.0]  # the others stepped
+        for _ in range(6):  # the next step autoresets it in a new machine; the env goes on
+            obs, rewards, terminated, truncated, infos = envs.step(np.ones(4, dtype=np.int64))
+            assert envs.observation_space.contains(obs)
+        assert envs.machines[VICTIM] not in (None, victim.name)
+        assert gone(procs) and victim.name not in bench.machines
+        assert victim.name not in {m.name for m in bench.backend.list()}
+        attempts = [a for a in bench.ledger.attempt_rows(bench.session) if a["node_id"] == victim.name]
+        assert [(a["stage"], a["outcome"]) for a in attempts] == [("gym step", "rebuilt")]
+        assert "died" in attempts[0]["error"]
+        episode = next(r for r in bench.ledger.node_rows(bench.session)
+                       if r["run_id"] == envs._m.run_id and r["id"].split("#")[0] == victim.name
+                       and (r["metrics"] or {}).get("ended") == "lost")
+        assert episode["status"] == "lost" and episode["metrics"]["sub_env"] == VICTIM
+    finally:
+        envs.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
+
+
+def test_without_retries_a_machine_killed_mid_step_is_one_line_naming_the_sub_env(bench: Workbench) -> None:
+    define(bench, SLOW)
+    envs = sgym.make_vec("slow_cartpole", 4, session=bench, retries=0)
+    try:
+        envs.reset(seed=0)
+        victim = envs._m.eps[VICTIM].ref
+        assert victim is not None
+        with pytest.raises(SmolbenchError) as died:
+            step_while_killed(envs, victim)
+        line = str(died.value)
+        assert f"sub-env {VICTIM} (machine {victim.name})" in line and "\n" not in line
+        for _ in range(4):  # the failed sub-env starts over in a new machine; the others go on
+            obs, *_ = envs.step(np.ones(4, dtype=np.int64))
+            assert envs.observation_space.contains(obs)
+        assert envs.machines[VICTIM] != victim.name
+    finally:
+        envs.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
