@@ -71,6 +71,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _seen[report.nodeid] = "passed"
     if report.failed:
         _seen[report.nodeid] = "failed" if report.when == "call" else "error"
+        # the failure's text now: a boot that times out later never prints pytest's summary
+        _write("failures.txt", f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-20000:]}")
     elif report.skipped and _seen.get(report.nodeid) == "passed":
         _seen[report.nodeid] = "skipped"
     if report.when == "teardown":
