@@ -1,6 +1,7 @@
 """Scale (issue 27): wide forks and many episodes against their floors, all in one run.
 
     python -m bench.scale [--reps N]   # bench/results/scale.json and its RESULTS.md section
+    python -m bench.scale --quick      # fork 16, episodes 16, PSS over 16, once: does it run? (scale.quick.json only)
 
 In one process, side by side, on the sandbox backend at the default Smolfile:
 
@@ -37,6 +38,8 @@ from .common import BENCH_DIR, log, write_json, write_section
 BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
 FORKS = (16, 64, 256, 512)
 EPISODES = (16, 64, 1000)
+PSS_BRANCHES = 64
+QUICK = {"forks": (16,), "episodes": (16,), "pss": 16}  # --quick: a check that it runs, no numbers to keep
 
 OS_FORK = r"""
 import os, sys, time, json
@@ -139,7 +142,8 @@ class LowestAvailable:
         return self.before - self.lowest
 
 
-async def smolbench_series(reps: int) -> dict[str, Any]:
+async def smolbench_series(reps: int, forks: tuple[int, ...] = FORKS, episodes: tuple[int, ...] = EPISODES,
+                           pss_n: int = PSS_BRANCHES) -> dict[str, Any]:
     from smolbench import Ledger
     from smolbench.backends import _procs
     from smolbench.backends.sandbox import SandboxBackend
@@ -156,7 +160,7 @@ async def smolbench_series(reps: int) -> dict[str, Any]:
             pass
 
         try:
-            for n in FORKS:
+            for n in forks:
                 times, ok, used = [], 0, 0
                 for _ in range(reps if n <= 64 else 1):
                     mem = LowestAvailable()
@@ -167,7 +171,7 @@ async def smolbench_series(reps: int) -> dict[str, Any]:
                     ok = sum(r["status"] == "ok" for r in res.rows.values())
                 out["fork"][n] = {"s": times, "ok": ok, "host_mib_used_peak": used}
                 log(f"scale: fork {n}: {min(times):.3f} s, {ok} ok, peak {used} MiB of host memory")
-            for n in EPISODES:
+            for n in episodes:
                 times, ok = [], 0
                 for _ in range(reps if n <= 16 else 1):
                     t0 = time.perf_counter()
@@ -185,13 +189,13 @@ async def smolbench_series(reps: int) -> dict[str, Any]:
                 return _procs.memory_mib([top, *(p for p, _ in _procs.descendants(top))])[1]
 
             before = pss()
-            refs = await be.branch(root, [f"pss.{i}" for i in range(64)], list(range(64)))
+            refs = await be.branch(root, [f"pss.{i}" for i in range(pss_n)], list(range(pss_n)))
             from smolbench.backends.base import CellRequest
 
             await asyncio.gather(*(be.exec_cell(r, CellRequest("SEED"), lambda e: None) for r in refs))
             after = pss()
             await asyncio.gather(*(be.delete(r) for r in refs))
-            out["pss_per_branch_mib"] = (after - before) / 64
+            out["pss_per_branch_mib"] = (after - before) / pss_n
             log(f"scale: PSS per branch {out['pss_per_branch_mib']:.2f} MiB")
         finally:
             await wb.down()
@@ -200,24 +204,26 @@ async def smolbench_series(reps: int) -> dict[str, Any]:
     return out
 
 
-def run(reps: int) -> dict[str, Any]:
+def run(reps: int, quick: bool = False) -> dict[str, Any]:
     load0 = os.getloadavg()
+    forks, episodes, pss_n = (QUICK["forks"], QUICK["episodes"], QUICK["pss"]) if quick else (FORKS, EPISODES, PSS_BRANCHES)
     data: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cores": os.cpu_count(), "reps": reps}
     floors: dict[str, dict[int, list[float]]] = {"os_fork": {}, "namespaces": {}}
-    for n in FORKS:
+    for n in forks:
         floors["os_fork"][n] = floor(OS_FORK, n, reps)
         floors["namespaces"][n] = floor(NS_FLOOR, n, reps if n <= 64 else 1)
     data["floors"] = floors
-    data.update(asyncio.run(smolbench_series(reps)))
+    data.update(asyncio.run(smolbench_series(reps, forks, episodes, pss_n)))
     data["load_avg"] = [load0[0], os.getloadavg()[0]]
     best = {n: min(v["s"]) for n, v in data["fork"].items()}
-    data["ratios"] = {
-        "fork16/os_fork16": best[16] / min(floors["os_fork"][16]),
-        "fork64/os_fork64": best[64] / min(floors["os_fork"][64]),
-        "fork64/ns_floor64": best[64] / min(floors["namespaces"][64]),
-        "fork16/ns_floor16": best[16] / min(floors["namespaces"][16]),
-        "episodes16/fork16": min(data["episodes"][16]["s"]) / best[16],
-    }
+    ratios = {}
+    for n in (16, 64):
+        if n in best:
+            ratios[f"fork{n}/os_fork{n}"] = best[n] / min(floors["os_fork"][n])
+            ratios[f"fork{n}/ns_floor{n}"] = best[n] / min(floors["namespaces"][n])
+    if 16 in best and 16 in data["episodes"]:
+        ratios["episodes16/fork16"] = min(data["episodes"][16]["s"]) / best[16]
+    data["ratios"] = ratios
     return data
 
 
@@ -260,6 +266,14 @@ def section(d: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # a full run takes long: never by accident
+        print(__doc__)
+        return 0
+    if "--quick" in sys.argv:
+        data = run(1, quick=True)
+        print(write_json("scale", data, quick=True))
+        print(json.dumps(data["ratios"], indent=2))
+        return 0
     reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 3
     data = run(reps)
     print(write_json("scale", data, quick=False))

@@ -27,6 +27,38 @@ from nbhelpers import tagged_processes, wait_for_no_processes  # noqa: E402
 SUITE_VAR = "SMOLBENCH_SUITE_TAG"
 
 
+# The second tier: what drives a real browser, a Ray cluster, whole notebooks or hundreds of
+# branches. `.ci/run` runs the first tier (`-m "not tier2"`), then this one; a bare `pytest`
+# runs both.
+SECOND_TIER = frozenset(
+    {
+        "test_browser.py",
+        "test_browser_clicks.py",
+        "test_browser_truth.py",
+        "test_browser_xss.py",
+        "test_cluster.py",
+        "test_cluster_smol.py",
+        "test_cluster_ui.py",
+        "test_fresh_machine.py",
+        "test_labextension_browser.py",
+        "test_notebooks.py",
+        "test_readme_tour.py",
+        "test_saved_notebook.py",
+        "test_scale.py",
+        "test_sidebar_class_browser.py",
+        "test_sidebar_truth_browser.py",
+        "test_teaching_browser.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Mark the second tier's tests (see SECOND_TIER)."""
+    for item in items:
+        if item.path.name in SECOND_TIER:
+            item.add_marker(pytest.mark.tier2)
+
+
 def pytest_configure(config: Any) -> None:
     """Tag this run's environment before any test starts a process."""
     os.environ[SUITE_VAR] = uuid.uuid4().hex

@@ -22,10 +22,10 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewr
 CARTPOLE = functools.partial(gymnasium.make, "CartPole-v1")
 
 
-def up_bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+def up_bench(tmp_path_factory: Any, spec: MachineSpec | None = None) -> Iterator[Workbench]:
     """A machine up on the sandbox backend, its ledger in a fresh folder; deleted afterwards."""
     folder: Path = tmp_path_factory.mktemp("gym")
-    wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(folder / "ledger.db"))
+    wb = Workbench(SandboxBackend(), spec or MachineSpec(), Ledger(folder / "ledger.db"))
     _loop.run(wb.up())
     try:
         yield wb

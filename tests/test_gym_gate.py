@@ -46,12 +46,10 @@ class Hostile(gymnasium.Env):
 
     def step(self, action):
         obs, reward, info = np.zeros(4, np.float32), 1.0, {}
-        cells = sys.modules["_smolbench_guest.cells"]
         data = sys.modules["_smolbench_guest.pulldata"]
         if self.how == "pickle":
             blob = base64.b64encode(pickle.dumps(Boom(MARKER))).decode()
-            cells._pull = lambda value, trusted: {"format": "pickle", "data": blob}
-            sys.modules["_smolbench_guest.guestapi"]._pull = cells._pull  # a kept channel's encoding too
+            data._pull = lambda value, trusted: {"format": "pickle", "data": blob}  # cells' and channels' encoding
         elif self.how == "object-npy":
             def npy(arr):
                 import io

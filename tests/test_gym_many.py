@@ -20,6 +20,8 @@ from gymhelpers import CARTPOLE, needs_bwrap, up_bench
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
 from smolbench.guest.uidshares import BRANCH_NAMESPACES
+from smolbench.gym.machines import _live
+from smolbench.spec import MachineSpec
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -27,7 +29,13 @@ pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
-    yield from up_bench(tmp_path_factory)
+    # pids for 64 sub-envs where rlimits count every branch's processes in its parent's (a user kernel)
+    yield from up_bench(tmp_path_factory, MachineSpec(pids=1024))
+
+
+def most_envs(bench: Workbench, reset: str) -> int:
+    room, _ = bench.backend.branch_room(bench.spec)  # type: ignore[attr-defined]
+    return max(k for k in range(1, room + 1) if _live(k, reset) <= room)
 
 
 def test_64_fresh_sub_envs_step_through_many_episodes(bench: Workbench) -> None:
@@ -49,13 +57,26 @@ def test_64_fresh_sub_envs_step_through_many_episodes(bench: Workbench) -> None:
     assert {m.name for m in bench.backend.list()} == {bench.active}
 
 
-@pytest.mark.parametrize("reset, most", [("fresh", BRANCH_NAMESPACES - 16), ("in-place", BRANCH_NAMESPACES)])
-def test_more_sub_envs_than_a_warm_parent_holds_are_refused_up_front(bench: Workbench, reset: str, most: int) -> None:
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_more_sub_envs_than_a_warm_parent_holds_are_refused_up_front(bench: Workbench, reset: str) -> None:
+    most = most_envs(bench, reset)
+    assert most >= 64
     before = len(bench.ledger.run_rows())
     with pytest.raises(SmolbenchError) as refused:
         sgym.make_vec(CARTPOLE, most + 1, session=bench, reset=reset)
     line = str(refused.value)
     assert f"num_envs={most + 1}" in line and f"use at most {most} envs" in line and "\n" not in line
-    assert f"sandbox backend's {BRANCH_NAMESPACES} per machine" in line
+    assert "room for" in line and ("namespaces" in line or "raise pids" in line)
     assert {m.name for m in bench.backend.list()} == {bench.active}  # nothing was made
     assert len(bench.ledger.run_rows()) == before
+
+
+def test_under_rlimits_the_room_is_the_machines_pids(bench: Workbench) -> None:
+    """As a user kernel (no cgroup), a branch's processes count in its parent's pids: the
+    default 256 holds fewer sub-envs than 64, and the refusal says to raise pids."""
+    backend = bench.backend
+    room, why = backend.branch_room(MachineSpec(pids=256))  # type: ignore[attr-defined]
+    if backend.limiter.mechanism.name != "rlimits":  # type: ignore[attr-defined]
+        assert room == BRANCH_NAMESPACES and "namespaces" in why
+        return
+    assert room < 64 and "raise pids in the Smolfile" in why

@@ -24,24 +24,15 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from nethelpers import hello_handler
 from test_netpolicy import NetLab, _lab
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("bwrap"), reason="bubblewrap is not installed")
 
 
-class _Hello(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = b"hello from the host"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+_Hello = hello_handler(b"hello from the host")
 
 
 class _DualStack(http.server.ThreadingHTTPServer):

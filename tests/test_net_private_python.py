@@ -19,25 +19,16 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 from nbhelpers import NotebookSession, error_text, result_text, stream_text
+from nethelpers import hello_handler
 from test_fresh_machine import private_python  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("bwrap"), reason="bubblewrap is not installed")
 
 
-class _Hello(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = b"hello by name"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+_Hello = hello_handler(b"hello by name")
 
 
 FETCH = ("%%smol\nimport urllib.request, urllib.error\ntry:\n"

@@ -8,7 +8,11 @@ Speed is measured in ``bench/scale.py``, never here.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,3 +102,44 @@ def test_a_fork_that_cant_fit_in_host_memory_is_refused_up_front_in_one_line(ses
     line = err.evalue
     assert "\n" not in line and "fork of 4 refused" in line and "fork at most 0" in line, line
     assert machines_alive(nb) == 1
+
+
+def _kids(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            out += [int(k) for k in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return "gone"
+    return stat[stat.rfind(b")") + 2:].split()[0].decode()
+
+
+def test_a_branch_agent_whose_keeper_died_is_reaped_and_its_siblings_live_on(session: NotebookSession) -> None:
+    """A branch's keeper killed from outside: its agent (pid 1 of the branch's namespace) dies
+    with it and is reparented to the root's agent, which reaps it (the agent's orphan scan,
+    now of its own children only, not every process of the tree); the other branch still runs."""
+    nb = session
+    ok(nb.run("%%smol fork 3 --keep all\nx = 1"))
+    roots = [p for p in nb.processes() if AGENT in p.cmdline and not p.cmdline.split()[0].endswith("bwrap")
+             and len(_kids(p.pid)) >= 3]
+    assert roots, [p.cmdline for p in nb.processes()]
+    root = roots[0].pid
+    keepers = [k for k in _kids(root) if AGENT in Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+    assert len(keepers) == 3, keepers
+    agent = _kids(keepers[0])
+    assert agent, "the keeper has no agent below it"
+    os.kill(keepers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and ({_state(k) for k in _kids(root)} & {"Z"} or _state(agent[0]) not in ("gone",)):
+        time.sleep(0.1)
+    assert "Z" not in {_state(k) for k in _kids(root)}, "a dead branch is left a zombie of the root's agent"
+    assert _state(agent[0]) == "gone", _state(agent[0])
+    ok(nb.run("%smol use root.1"))
+    out = nb.run("%%smol\nprint('alive', x)")
+    assert "alive 1" in stream_text(out), error_text(out)

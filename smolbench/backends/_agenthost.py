@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import shutil
+import subprocess
 import tarfile
 import time
 from collections.abc import AsyncGenerator
@@ -29,7 +30,7 @@ from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import ensure as ensure_packages
 from ..spec import MachineSpec
-from . import _limits, _procs, _rundir
+from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
@@ -46,7 +47,7 @@ class AgentHostBackend(Backend):
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         self._runtime_base = runtime_dir
         self._machines: dict[str, MachineRef] = {}
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, _spawn.Spawned] = {}
         self._logs: dict[str, asyncio.Future[None]] = {}  # a root's agent.log writer (it ends with the machine)
         self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
         self._limiter: _limits.Limiter | None = None
@@ -92,11 +93,11 @@ class AgentHostBackend(Backend):
         """(the machine's own host folder, its socket, its ready file) in a new run folder."""
         return run_dir, run_dir / f"{name}.sock", run_dir / f"{name}.ready"
 
-    def _spawn_options(self) -> dict[str, Any]:
+    def _spawn_options(self, name: str) -> dict[str, Any]:
         """Extra keyword arguments for starting the machine (file descriptors to pass)."""
         return {}
 
-    def _spawned(self) -> None:
+    def _spawned(self, name: str) -> None:
         """After the machine's process started (or failed to): release what it was given."""
 
     def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
@@ -134,9 +135,20 @@ class AgentHostBackend(Backend):
             installed = await self._packages(spec)
             if installed is not None:
                 ref.info["packages"] = installed.line(spec.packages)
-            limits = self.limiter.machine(name, spec)
-            argv, guest_run, workdir = self._command(spec, name, run_dir, workspace, limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None),
-                                                     installed.lib if installed is not None else None)
+            def prepare() -> tuple[_limits.MachineLimits, builtins.list[str], str, str]:
+                limits = self.limiter.machine(name, spec)  # cgroupfs is slow to write to
+                args = limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None)
+                return (limits, *self._command(spec, name, run_dir, workspace, args,
+                                               installed.lib if installed is not None else None))
+
+            # Off the loop thread, like the spawn: N boots at once don't queue on it.
+            prepared = asyncio.ensure_future(asyncio.to_thread(prepare))
+            try:
+                limits, argv, guest_run, workdir = await asyncio.shield(prepared)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):  # done before the machine is deleted below
+                    await prepared
+                raise
             ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
             from ._bwrap import weakened
 
@@ -144,16 +156,22 @@ class AgentHostBackend(Backend):
             try:
                 # start_new_session: the kernel's Ctrl-C (SIGINT to its process group) must not
                 # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
-                # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig).
+                # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig);
+                # started from a worker thread of it (_spawn: N boots don't queue on the loop).
                 # Its output comes through a pipe, kept up to LOG_LIMIT (a file of the host's
                 # would take whatever a cell writes to fd 1).
                 # A pipe of our own, not asyncio's: its wait() would wait for every writer to close it.
                 read, write = (None, open(run_dir / "agent.log", "wb")) if whole_log else os.pipe()
                 try:
-                    proc = await asyncio.create_subprocess_exec(
-                        *limits.wrap(argv), stdin=asyncio.subprocess.DEVNULL, stdout=write,
-                        stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
-                        **self._spawn_options())
+                    proc = await _spawn.spawn(
+                        limits.wrap(argv), stdin=subprocess.DEVNULL, stdout=write,
+                        stderr=subprocess.STDOUT, start_new_session=True, env=self._host_env(spec, name),
+                        **self._spawn_options(name))
+                except _spawn.Started as started:  # cancelled while it started: deleted below
+                    self._procs[name] = started.proc
+                    if read is not None:
+                        os.close(read)
+                    raise
                 except BaseException:
                     if read is not None:
                         os.close(read)
@@ -164,7 +182,7 @@ class AgentHostBackend(Backend):
                     else:
                         write.close()
             finally:
-                self._spawned()
+                self._spawned(name)
             if read is not None:
                 booted = self._booted[name] = asyncio.Event()
                 self._logs[name] = asyncio.ensure_future(_keep_log(read, run_dir / "agent.log", booted))
@@ -176,7 +194,7 @@ class AgentHostBackend(Backend):
             raise
         return ref
 
-    async def _until_booted(self, ref: MachineRef, proc: asyncio.subprocess.Process, deadline: float) -> None:
+    async def _until_booted(self, ref: MachineRef, proc: _spawn.Spawned, deadline: float) -> None:
         """Until the agent's ready line is in its log (no polling), or raise if it exited or is late.
         Without a log pipe (a test's weakened set-up) returns at once: the caller polls."""
         booted = self._booted.pop(ref.name, None)
@@ -192,13 +210,13 @@ class AgentHostBackend(Backend):
                 return
         self._check_starting(ref, proc, deadline)
 
-    def _check_starting(self, ref: MachineRef, proc: asyncio.subprocess.Process, deadline: float) -> None:
+    def _check_starting(self, ref: MachineRef, proc: _spawn.Spawned, deadline: float) -> None:
         if proc.returncode is not None:
             raise _Exited()
         if time.monotonic() > deadline:
             raise BackendUnavailable(f"the {self.name} machine {ref.name!r} did not start within {BOOT_TIMEOUT:.0f} s: {self._log_tail(ref)}")
 
-    async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
+    async def _wait_ready(self, ref: MachineRef, proc: _spawn.Spawned, ready: Path) -> None:
         deadline = time.monotonic() + BOOT_TIMEOUT
         try:
             await self._until_booted(ref, proc, deadline)
@@ -257,7 +275,7 @@ class AgentHostBackend(Backend):
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
 
-    def _kill_root(self, ref: MachineRef, proc: asyncio.subprocess.Process | None) -> None:
+    def _kill_root(self, ref: MachineRef, proc: _spawn.Spawned | None) -> None:
         """Kill the machine's whole process tree and its cgroup's contents, and verify."""
         if proc is not None:
             _procs.kill_tree(proc.pid)

@@ -34,10 +34,46 @@ def _children_of():
     return tree
 
 
+def _kids(pid):
+    """The live children of ``pid`` from its own /proc lists (every thread's), or None where the
+    kernel keeps no such lists (then the whole of /proc is read)."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out  # gone meanwhile
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                out += [int(k) for k in fh.read().split()]
+        except FileNotFoundError:
+            if tid == str(pid):
+                return None
+        except (OSError, ValueError):
+            continue
+    return [k for k in out if _alive(k)]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
 def _below(pid):
-    tree, out, todo = _children_of(), [], [pid]
+    """Every process below ``pid``: a walk of this machine's own tree (we are its subreaper,
+    so all it started is there), not a scan of every process on the host."""
+    tree, out, todo = None, [], [pid]
     while todo:
-        for kid in tree.get(todo.pop(), []):
+        parent = todo.pop()
+        kids = _kids(parent) if tree is None else tree.get(parent, [])
+        if kids is None:
+            tree = _children_of()
+            kids = tree.get(parent, [])
+        for kid in kids:
             out.append(kid)
             todo.append(kid)
     return out

@@ -41,9 +41,12 @@ from . import _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
 from ._netproxy import ProxyClient
+from ._spawn import Spawned
 from .base import MachineRef
 
 CHECKPOINT_SUFFIX = ".smolcheckpoint"
+BRANCH_TASKS = 6  # tasks of a branch doing small requests: keeper, agent and its 2 threads, and 2 for requests in flight
+PARENT_TASKS = 16  # what a branch machine keeps of its pids for itself
 FREEZE_TIMEOUT = 60.0  # seconds a keeper gets to freeze a machine's layers (a flatten copies them)
 
 
@@ -64,7 +67,6 @@ class SandboxBackend(AgentHostBackend):
     """Machines as bubblewrap sandboxes on this host; branches by ``os.fork()``."""
 
     name = "sandbox"
-    branch_room = BRANCH_NAMESPACES  # live branches one branch machine can hold (each takes its namespaces)
 
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         bwrap = bwrap_path()
@@ -77,11 +79,23 @@ class SandboxBackend(AgentHostBackend):
         self._bwrap = bwrap
         self._weak = weakened()
         self._contained = "host-root" not in self._weak
-        self._fds: builtins.list[int] = []
-        self._fd_paths: dict[str, str] = {}
+        self._fds: dict[str, builtins.list[int]] = {}  # per machine starting now (they start at once)
+        self._fd_paths: dict[str, dict[str, str]] = {}
         self._containment: dict[str, Any] | None = None  # what the first machine said about itself
         self._proxy: ProxyClient | None = None  # the egress proxy, started for the first machine with a network
         self._grants: dict[str, int] = {}  # root machine -> its keeper's grants pipe (guest/mountguard.py)
+
+    def branch_room(self, spec: MachineSpec) -> tuple[int, str]:
+        """How many live branches one branch machine can hold, and what bounds it (one line's part):
+        each takes one of its namespaces of each kind, and under rlimits its processes count in
+        the machine's ``pids`` (a gym sub-env's keeper, agent and threads: about ``BRANCH_TASKS``)."""
+        room, why = BRANCH_NAMESPACES, "the namespaces a sandbox machine has for its branches"
+        if self.limiter.mechanism.name == "rlimits":
+            by_pids = max(0, (spec.pids - PARENT_TASKS) // BRANCH_TASKS)
+            if by_pids < room:
+                room, why = by_pids, (f"its pids = {spec.pids}, counted by rlimits here at about {BRANCH_TASKS} per "
+                                      "branch: raise pids in the Smolfile for more")
+        return room, why
 
     @property
     def isolation(self) -> str:
@@ -236,6 +250,8 @@ class SandboxBackend(AgentHostBackend):
     async def delete(self, machine: MachineRef) -> None:
         await super().delete(machine)
         if machine.parent is None and machine.name not in self._machines:
+            self._spawned(machine.name)  # a start that failed before its process ran
+            self._fd_paths.pop(machine.name, None)
             fd = self._grants.pop(machine.name, None)
             if fd is not None:
                 os.close(fd)
@@ -255,7 +271,7 @@ class SandboxBackend(AgentHostBackend):
     # The machine's run folder is a tmpfs inside it; the host reaches it (socket, ready file,
     # checkpoint stages) through /proc/PID/root of a process in the machine's mount namespace.
 
-    async def _wait_ready(self, ref: MachineRef, proc: asyncio.subprocess.Process, ready: Path) -> None:
+    async def _wait_ready(self, ref: MachineRef, proc: Spawned, ready: Path) -> None:
         # The agent's ready line says when; then one walk of this machine's own few processes.
         deadline = time.monotonic() + BOOT_TIMEOUT
         try:
@@ -287,7 +303,7 @@ class SandboxBackend(AgentHostBackend):
 
         p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce,
                  packages=packages)
-        self._fds, self._fd_paths = p.fds, p.paths
+        self._fds[name], self._fd_paths[name] = p.fds, p.paths
         if p.grants is not None:
             old = self._grants.pop(name, None)
             if old is not None:
@@ -301,13 +317,12 @@ class SandboxBackend(AgentHostBackend):
         stage = _stage.command(covers, staged) if staged else []
         return [*stage, *as_sandbox_uid(p.argv)], GUEST_RUN, spec.workdir
 
-    def _spawn_options(self) -> dict[str, Any]:
-        return {"pass_fds": self._fds}
+    def _spawn_options(self, name: str) -> dict[str, Any]:
+        return {"pass_fds": self._fds.get(name, [])}
 
-    def _spawned(self) -> None:
-        for fd in self._fds:
+    def _spawned(self, name: str) -> None:
+        for fd in self._fds.pop(name, []):
             os.close(fd)
-        self._fds = []
 
     def _host_pids(self, ancestor: int, guest_pids: builtins.list[int],
                    tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
@@ -365,8 +380,9 @@ class SandboxBackend(AgentHostBackend):
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)
         m = re.search(r"source path (/proc/self/fd/\d+): Permission denied", last)
-        if m and m.group(1) in self._fd_paths:
-            return (f"the sandbox uid {sandbox_ids()[0]} can't reach {self._fd_paths[m.group(1)]} (a folder above "
+        paths = self._fd_paths.get(ref.name, {})
+        if m and m.group(1) in paths:
+            return (f"the sandbox uid {sandbox_ids()[0]} can't reach {paths[m.group(1)]} (a folder above "
                     f"it is not traversable): `chmod o+x` its parent folders, or put it elsewhere")
         return last
 

@@ -54,10 +54,38 @@ class Budget:
                       f"{human(LIMITS.max_frame)} for one reply (`%smol config max-frame SIZE` raises it)")
 
 
+# The header np.save writes for a C-ordered array of plain numbers (what an env's observation
+# is): matched whole, no literal_eval, so a step's arrays skip numpy's header parser. Any
+# other .npy goes through np.load(allow_pickle=False).
+PLAIN_NPY = re.compile(rb"\{'descr': '([<>|][biuf][1248])', 'fortran_order': False, "
+                       rb"'shape': \(((?:[0-9]{1,10}, )*[0-9]{1,10},?|)\), \} *\n")
+
+
+def _plain_npy(raw: bytes) -> Any:
+    """A plain numeric C-ordered array from its .npy bytes, or None (then np.load decides)."""
+    import numpy as np
+
+    if len(raw) < 10 or raw[:8] != b"\x93NUMPY\x01\x00":
+        return None
+    end = 10 + int.from_bytes(raw[8:10], "little")
+    m = PLAIN_NPY.fullmatch(raw, 10, end)
+    if m is None:
+        return None
+    dtype = np.dtype(m[1].decode("ascii"))
+    shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
+    count = math.prod(shape)
+    if len(raw) - end != count * dtype.itemsize:
+        return None
+    return np.frombuffer(bytearray(raw[end:]), dtype=dtype, count=count).reshape(shape)
+
+
 def _npy(value: Any) -> Any:
     import numpy as np
 
     raw = _b64(value, "an array")
+    fast = _plain_npy(raw)
+    if fast is not None:
+        return fast
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except Exception as exc:  # numpy says why (object arrays need pickle: refused)

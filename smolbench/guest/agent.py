@@ -15,13 +15,11 @@ so a user's own module named like one of them (``protocol``, ``cells``) still im
 Usage: python3 agent.py --socket PATH --name NAME [--workdir DIR] [--lib DIR]
 """
 
-import argparse
 import importlib
-import importlib.machinery
-import importlib.util
 import os
 import signal
 import sys
+import types
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = "_smolbench_guest"
@@ -31,9 +29,9 @@ def _package():
     """This folder as the package ``_smolbench_guest`` (made once per process)."""
     pkg = sys.modules.get(PACKAGE)
     if pkg is None:
-        spec = importlib.machinery.ModuleSpec(PACKAGE, None, is_package=True)
-        spec.submodule_search_locations = [_HERE]
-        pkg = importlib.util.module_from_spec(spec)
+        pkg = types.ModuleType(PACKAGE)
+        pkg.__path__ = [_HERE]  # a package: its submodules are found in this folder
+        pkg.__package__ = PACKAGE
         sys.modules[PACKAGE] = pkg
     return pkg
 
@@ -56,28 +54,65 @@ def _apply_rlimits(rlimits):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (limit, limit))
 
 
+# The host's command line (never a person's): option -> (attribute, kind, default). A small parser
+# of its own, not argparse: argparse and what it imports are a third of the agent's start-up.
+OPTIONS = {
+    "--socket": ("socket", str, None),
+    "--name": ("name", str, "root"),
+    "--workdir": ("workdir", str, None),
+    "--lib": ("lib", str, None),  # extra import path appended to sys.path (cloudpickle)
+    "--packages": ("packages", str, None),  # the Smolfile's packages (a read-only folder) for sys.path
+    "--ready": ("ready", str, None),  # file to write once the socket is listening
+    "--no-mount-ns": ("no_mount_ns", bool, False),  # branches copy the workspace instead of mounting (host process)
+    "--contain": ("contain", bool, False),  # sandbox: own namespaces, copy-on-write files, no privileges
+    "--disk-mib": ("disk_mib", int, None),  # size of the machine's workspace + /tmp store
+    "--net": ("net", bool, False),  # tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)
+    "--keep": ("keep", list, None),  # host path under /tmp bound in by the sandbox (repeatable)
+    # tests only: containment steps to skip (seccomp, layers, branch-nproc, mount-guard, guard-maps, fd-reopen)
+    "--weaken": ("weaken", str, ""),
+    "--grants-fd": ("grants_fd", int, None),  # contained: the host's pipe of branch store grants (mountguard.py)
+    "--rlimit": ("rlimit", list, None),  # NAME=VALUE, e.g. DATA=1073741824 (repeatable)
+    # outlive the launcher that started this process (smol backend), and so do branches
+    "--no-pdeathsig": ("no_pdeathsig", bool, False),
+    # contained, with RLIMIT_NPROC as the process cap: the machine's own count (and each branch's)
+    "--pids": ("pids", int, None),
+}
+
+
+def parse_args(argv):
+    """The agent's options (``OPTIONS``: ``--opt VALUE`` or ``--opt=VALUE``); exits with one line on a bad one."""
+    args = types.SimpleNamespace(**{attr: [] if kind is list else default for attr, kind, default in OPTIONS.values()})
+    items = list(argv)
+    while items:
+        item = items.pop(0)
+        opt, eq, value = item.partition("=")
+        if opt not in OPTIONS:
+            sys.exit("agent.py: unknown option %r (usage: %s)" % (item, __doc__.strip().splitlines()[-1]))
+        attr, kind, _ = OPTIONS[opt]
+        if kind is bool:
+            if eq:
+                sys.exit("agent.py: %s takes no value" % opt)
+            setattr(args, attr, True)
+            continue
+        if not eq:
+            if not items:
+                sys.exit("agent.py: %s needs a value" % opt)
+            value = items.pop(0)
+        if kind is list:
+            getattr(args, attr).append(value)
+        else:
+            try:
+                setattr(args, attr, kind(value))
+            except ValueError:
+                sys.exit("agent.py: %s needs a whole number, not %r" % (opt, value))
+    if args.socket is None:
+        sys.exit("agent.py: --socket is required")
+    return args
+
+
 def main(argv=None):
     """Start the agent and serve until killed."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--socket", required=True)
-    ap.add_argument("--name", default="root")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--lib", default=None, help="extra import path appended to sys.path (cloudpickle)")
-    ap.add_argument("--packages", default=None, help="the Smolfile's packages (a read-only folder) for sys.path")
-    ap.add_argument("--ready", default=None, help="file to write once the socket is listening")
-    ap.add_argument("--no-mount-ns", action="store_true", help="branches copy the workspace instead of mounting (host process)")
-    ap.add_argument("--contain", action="store_true", help="sandbox: own namespaces, copy-on-write files, no privileges")
-    ap.add_argument("--disk-mib", type=int, default=None, help="size of the machine's workspace + /tmp store")
-    ap.add_argument("--net", action="store_true", help="tests only: share the host's network (SMOLBENCH_TEST_WEAKEN=net-share)")
-    ap.add_argument("--keep", action="append", default=[], help="host path under /tmp bound in by the sandbox")
-    ap.add_argument("--weaken", default="", help="tests only: containment steps to skip (seccomp, layers, branch-nproc, mount-guard, guard-maps, fd-reopen)")
-    ap.add_argument("--grants-fd", type=int, default=None, help="contained: the host's pipe of branch store grants (mountguard.py)")
-    ap.add_argument("--rlimit", action="append", default=[], help="NAME=VALUE, e.g. DATA=1073741824 (repeatable)")
-    ap.add_argument("--no-pdeathsig", action="store_true",
-                    help="outlive the launcher that started this process (smol backend), and so do branches")
-    ap.add_argument("--pids", type=int, default=None,
-                    help="contained, with RLIMIT_NPROC as the process cap: the machine's own count (and each branch's)")
-    args = ap.parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:  # run as a script: cells can't import these modules
         del sys.path[0]
     privatefiles = _module("privatefiles")

@@ -54,6 +54,7 @@ class Branching:
 
     def _fork_each(self, req, frozen):
         made = []
+        warm()
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
         gc.freeze()
@@ -140,6 +141,17 @@ class Branching:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor()
+
+def warm():
+    """Import what a new branch uses first, in the parent, before it forks: the agent imports
+    these lazily (not on a fresh machine's ready path), and a module imported in a branch
+    would cost every branch its time and its own private pages."""
+    import random  # noqa: F401  (seeds.apply_seed)
+    import shutil  # noqa: F401  (privatefiles, a branch's copy of its files)
+    import traceback  # noqa: F401  (a branch's first failing cell)
+
+    from . import pulldata, reseed  # noqa: F401  (a branch's first cell; a kept channel's answers)
+
 
 def _wait_release(read, write):
     """A held child: wait for the parent's word; exit if it never comes (the parent is gone,

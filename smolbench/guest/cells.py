@@ -9,14 +9,11 @@ import linecache
 import math
 import sys
 import time
-import traceback
 
 from . import protocol as P
 from .netnote import _net_note
 from .output import OUTPUT_KEEP, _Stream, mime_bundle
 from .pipsite import transform
-from .pulldata import _loads, _pull
-from .reseed import reseed
 
 NUMBER_LIMIT = 1e300  # rewards and metrics: finite numbers within +-1e300
 
@@ -42,11 +39,15 @@ class Cells:
         sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
         self._running = True
         try:
+            if req.get("push") or req.get("pull"):
+                from . import pulldata  # only then: pickle and its kin are not on the ready path
             if req.get("seed") is not None:
                 self.apply_seed(req["seed"])
             for name, blob in (req.get("push") or {}).items():
-                self.ns[name] = _loads(P.unb64(blob))
+                self.ns[name] = pulldata._loads(P.unb64(blob))
             if req.get("reseed") and self.seed is not None:  # a branch's first cell: its own random streams
+                from .reseed import reseed
+
                 names = reseed(self.ns, self.seed)
                 if names:
                     self.reported["metrics"] = {"reseeded": ", ".join(names)[:1000]}  # recorded in the ledger
@@ -77,7 +78,7 @@ class Cells:
                     msg["error"] = _plain_error("NameError", "--pull %s: no variable named %r in the machine" % (name, name))
                     break
                 try:
-                    msg["pulled"][name] = _pull(self.ns[name], bool(req.get("pull_trusted")))
+                    msg["pulled"][name] = pulldata._pull(self.ns[name], bool(req.get("pull_trusted")))
                 except Exception as exc:
                     msg["status"] = "error"
                     msg["error"] = _plain_error(
@@ -153,6 +154,8 @@ def _plain_error(ename, evalue):
 
 
 def _error_from_exc(filename):
+    import traceback
+
     etype, evalue, tb = sys.exc_info()
     # Drop the agent's own frames: the traceback starts at the cell.
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:

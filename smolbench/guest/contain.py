@@ -38,7 +38,6 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -236,6 +235,8 @@ class Layers:
         flat = len(self.lowers) + 1 > MAX_LOWERS
         frozen = os.path.join(self.key, "f%d" % self.gen)
         if flat:
+            import shutil
+
             shutil.copytree(self.target, frozen, symlinks=True, ignore=_skip_mounts(keep))
         umount(self.target)  # until the new overlay is up, the target shows an empty read-only cover
         if "layers" in self.weak and not flat:  # the old way: the upper itself becomes a lower
@@ -278,6 +279,8 @@ def _skip_mounts(keep):
 
 def copy_into(layers, keep):
     """No overlayfs: the layers' mount point becomes a private copy on the store."""
+    import shutil
+
     merged = os.path.join(layers.key, "copy")
     shutil.copytree(layers.target, merged, symlinks=True, ignore=_skip_mounts(keep))
     mount(merged, layers.target, None, MS_BIND)
@@ -816,13 +819,37 @@ def _nspid_depth(pid):
     return 0
 
 
-def reap_orphaned_branches():
+def _children(pid):
+    """The children of ``pid`` (every thread's, zombies too) from its own /proc lists; None where
+    the kernel keeps no such lists."""
+    out = []
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as fh:
+                out += [int(k) for k in fh.read().split()]
+        except FileNotFoundError:
+            if tid == str(pid):
+                return None  # no CONFIG_PROC_CHILDREN
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def reap_orphaned_branches(known=()):
     """Agent (pid 1 here): reap branch agents whose keeper died before them. They are
-    reparented to us, and no one else waits for them. A cell's own children are left to it."""
+    reparented to us, and no one else waits for them. A cell's own children are left to it.
+    Only our own children are looked at (not every process of the machine's tree: a fork of
+    512 has some 1,500), less ``known``, the branch keepers the agent reaps itself."""
     me = os.getpid()
     try:
         mine = _nspid_depth(me)
-        for entry in os.listdir("/proc"):
+        kids = _children(me)
+        entries = os.listdir("/proc") if kids is None else [str(k) for k in kids if k not in known]
+        for entry in entries:
             if not entry.isdigit():
                 continue
             try:
@@ -847,7 +874,12 @@ def _guard():
 
 
 def _sibling(name):
-    # Loaded by file under a private name: a user's own module of that name must still import.
+    # A module beside this one, in the agent's own package (agent.py: a user's module of that
+    # name still imports); by file under a private name where this one was loaded by file.
+    import importlib
+
+    if __package__:
+        return importlib.import_module("%s.%s" % (__package__, name))
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_smolbench_" + name, os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py"))

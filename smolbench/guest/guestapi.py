@@ -7,7 +7,6 @@ import types
 
 from . import protocol as P
 from .output import mime_bundle
-from .pulldata import _pull
 
 CHANNEL_LINE = 1024 * 1024  # bytes of one request line on a cell's channel at most
 
@@ -58,6 +57,9 @@ class GuestAPI(types.ModuleType):
         ``answer(value)`` sends one value back as data (``--pull``'s encoding, never a
         pickle), ``answer(error=exc)`` an error. The host starts sending only once the cell
         has answered (or sent ``answer(None)``) once."""
+        # here, not at start-up: pickle and its kin are not on the ready path
+        from . import pulldata
+
         agent = self._agent
         conn = agent._conn
         if conn is None:
@@ -81,6 +83,6 @@ class GuestAPI(types.ModuleType):
                 agent.send({"t": "answer", "error": {"ename": type(error).__name__, "evalue": str(error)[:2000],
                                                      "traceback": []}})
             else:
-                agent.send({"t": "answer", "value": _pull(value, False)})
+                agent.send({"t": "answer", "value": pulldata._pull(value, False)})  # the encoding cells' pulls use
 
         return requests(), answer

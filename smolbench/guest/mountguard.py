@@ -32,6 +32,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import select
 
 ADDR = 0x300000000000  # the page's address in every process of a machine (see seccomp.guard_program)
 PAGE = 4096
@@ -44,6 +45,7 @@ SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
 NR_MOUNT = 165
 PROT_READ, MAP_SHARED, MAP_FIXED_NOREPLACE = 1, 1, 0x100000
 NR_MSEAL = 462
+BATCH = 256  # notifications answered in one wake of the keeper, at most (then its other fds)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -123,9 +125,21 @@ class Keeper:
 
     def ready(self, fd):
         if fd == self.listener:
-            self.answer()
+            self.answer_pending()
         elif fd == self.grants_fd:
             self.read_grants()
+
+    def answer_pending(self, most=BATCH):
+        """Answer the notifications waiting now, up to ``most``, in one wake of the keeper: a
+        fork of N sets up N branches at once, each with several mounts (4N notifications),
+        and one poll round per notification made them queue."""
+        waiting = select.poll()
+        waiting.register(self.listener, select.POLLIN)
+        for _ in range(most):
+            # POLLIN only: a listener whose machine is gone says POLLHUP, and a receive would block
+            if not any(events & select.POLLIN for _, events in waiting.poll(0)):
+                return
+            self.answer()
 
     def read_grants(self):
         """Add what the host granted (lines "N NS": N stores to pid namespace NS); a closed
@@ -177,25 +191,49 @@ class Keeper:
 
     def _has_page(self, pid):
         """Is the sealed page what process ``pid`` has mapped at ADDR?"""
-        head = ("%x-%x " % (ADDR, ADDR + PAGE)).encode()
         try:
             fd = os.open("%d/maps" % pid, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.proc_fd)
         except OSError:
             return False
         try:
-            with os.fdopen(fd, "rb", closefd=False) as fh:
-                for line in fh:
-                    if line.startswith(head):
-                        fields = line.split()
-                        if len(fields) < 5 or fields[1] != b"r--s":
-                            return False
-                        major, minor = (int(x, 16) for x in fields[3].split(b":"))
-                        return (major, minor, int(fields[4])) == self.page
-        except (OSError, ValueError):
+            line = _maps_line(fd)
+        except OSError:
             return False
         finally:
             os.close(fd)
-        return False
+        if line is None:
+            return False
+        fields = line.split()
+        if len(fields) < 5 or fields[1] != b"r--s":
+            return False
+        try:
+            major, minor = (int(x, 16) for x in fields[3].split(b":"))
+            return (major, minor, int(fields[4])) == self.page
+        except ValueError:
+            return False
+
+
+_HEAD = b"\n" + ("%x-%x " % (ADDR, ADDR + PAGE)).encode()
+
+
+def _maps_line(fd):
+    """The line of maps file ``fd`` that starts with the page's range (None if none), searched
+    as bytes in small reads, stopping there: the lines are in address order and the page's is
+    first or nearly (ADDR is below the program and its libraries), and the kernel makes only
+    the lines a read asks for."""
+    data = b"\n"
+    while True:
+        chunk = os.read(fd, 512)
+        at = (data + chunk).find(_HEAD)
+        data += chunk
+        if at >= 0:
+            end = data.find(b"\n", at + 1)
+            if end >= 0 or not chunk:
+                return data[at + 1:end if end >= 0 else len(data)]
+            continue
+        if not chunk:
+            return None
+        data = data[-len(_HEAD):]  # a line cut between two reads is found in the next
 
 
 def send_listener(chan, fd):

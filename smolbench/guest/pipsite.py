@@ -16,8 +16,6 @@ and ``!pip ...`` lines run that pip, with its output in the cell.
 import importlib
 import os
 import re
-import shlex
-import subprocess
 import sys
 
 TARGET = ".packages"  # in the workdir: what pip in the machine installs into
@@ -57,7 +55,7 @@ def _site_index():
 def _shims(folder):
     for name in ("pip", "pip3"):
         path = os.path.join(folder, name)
-        body = "#!/bin/sh\nexec %s -m pip \"$@\"\n" % shlex.quote(sys.executable)
+        body = "#!/bin/sh\nexec %s -m pip \"$@\"\n" % _quote(sys.executable)
         try:
             with open(path) as fh:
                 if fh.read() == body:
@@ -69,9 +67,18 @@ def _shims(folder):
         os.chmod(path, 0o755)
 
 
+def _quote(text):
+    """``text`` as one word for sh (``shlex.quote``'s rule, without importing shlex at start-up)."""
+    if text and all(c.isalnum() or c in "@%+=:,./-_" for c in text) and text.isascii():
+        return text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
 def run(args, out=None, err=None):
     """``python -m pip ARGS`` of this interpreter, its output written to ``out``/``err``
     (the cell's streams); returns pip's exit code. New packages import at once."""
+    import subprocess
+
     out = out or sys.stdout
     proc = subprocess.Popen([sys.executable, "-m", "pip"] + list(args), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -96,6 +103,8 @@ def transform(code):
         match = _LINE.match(line)
         if match:
             indent, rest = match.group(1), match.group(3) or ""
+            import shlex
+
             try:
                 args = shlex.split(rest, comments=True)
             except ValueError:

@@ -6,7 +6,6 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 
 import ctypes
 import os
-import shutil
 import signal
 import sys
 
@@ -77,6 +76,8 @@ def _private_files(workdir, name, mount_ns=True):
     kernel refuses (no privileges: the plain-process fallback), the branch works
     in a private copy of the workspace instead and says so.
     """
+    import shutil  # imported by the parent before it forks (branching.warm): shared, not per branch
+
     libc = _libc()
     safe = name.replace("/", "_")
     try:

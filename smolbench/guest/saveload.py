@@ -4,10 +4,7 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
 import os
-import pickle
 import types
-
-from .pulldata import _dumps, _loads
 
 
 class SaveLoad:
@@ -15,7 +12,10 @@ class SaveLoad:
 
     def save(self, path):
         """Save the namespace (what pickles) and the workspace files into directory ``path``."""
+        import pickle  # here, not at start-up: most machines never save
         import tarfile
+
+        from .pulldata import _dumps
 
         state, modules, skipped = {}, {}, []
         for key, val in list(self.ns.items()):
@@ -40,7 +40,10 @@ class SaveLoad:
 
     def load(self, path):
         """Bring back what :meth:`save` wrote: workspace files, then variables."""
+        import pickle
         import tarfile
+
+        from .pulldata import _loads
 
         ws = os.path.join(path, "workspace.tar")
         if self.workdir and os.path.exists(ws):

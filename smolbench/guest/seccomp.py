@@ -22,7 +22,7 @@ unmounted), the machine's uid owns no host files, and /proc can't be remounted
 
 import ctypes
 import errno
-import platform
+import os
 import struct
 
 ARCH_X86_64 = 0xC000003E
@@ -183,15 +183,15 @@ def _load(instructions, flags):
 
 def install():
     """Load the filter for every thread of this process; returns a line for ``%smol status``."""
-    if platform.machine() != "x86_64":
-        return "off: no filter for this CPU architecture (%s)" % platform.machine()
+    if os.uname().machine != "x86_64":
+        return "off: no filter for this CPU architecture (%s)" % os.uname().machine
     _load(program(), 1)  # SECCOMP_FILTER_FLAG_TSYNC
     return "on (%d refused syscalls, namespace flags checked)" % len(DENY_X86_64)
 
 
 def install_guard(addr, allowed, tmpfs, store_opts):
     """Load the mount guard for every thread; returns its notification listener (the keeper's)."""
-    if platform.machine() != "x86_64":
+    if os.uname().machine != "x86_64":
         raise OSError(errno.ENOSYS, "no mount guard for this CPU architecture")
     TSYNC, NEW_LISTENER, TSYNC_ESRCH = 1, 8, 16
     return _load(guard_program(addr, allowed, tmpfs, store_opts), TSYNC | NEW_LISTENER | TSYNC_ESRCH)

@@ -4,7 +4,6 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
 import os
-import random
 import sys
 
 
@@ -19,6 +18,8 @@ class Seeds:
         self.ns["SEED"] = seed
         if seed is None:
             return
+        import random  # not on the ready path: a machine without a seed never needs it
+
         os.environ["SMOLBENCH_SEED"] = str(seed)
         random.seed(seed)
         np = sys.modules.get("numpy")

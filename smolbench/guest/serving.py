@@ -104,7 +104,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             if self.machine is not None and rounds % 5 == 0:
                 from . import contain
 
-                contain.reap_orphaned_branches()
+                contain.reap_orphaned_branches(self.children)
             gone = False
             for pid in list(self.children):
                 try:

@@ -42,9 +42,9 @@ APPEND="console=ttyS0 panic=-1 mitigations=off loglevel=4 $TICK ${VMLANE_APPEND:
 # it does and keeps the TSC as its clock, so L1's clock, and L2's (kvm-clock derives from L1's
 # TSC rate), run k times slower than the host's: smol's fixed waits inside L1 then allow k
 # times the host's time, which a loaded host needs. The host's TSC rate: /proc/cpuinfo (a few
-# % off only changes k a little). The first boot is not dilated (an idle CI host needs no
-# help), a retry is.
-DILATE=${VMLANE_DILATE:-1}
+# % off only changes k a little). Every boot is dilated 4x: undilated, CI's idle host lost
+# smol's 180 s agent wait (2026-12-02, the boot probe's bare create), and 2x lost it at load 16.
+DILATE=${VMLANE_DILATE:-4}
 DILATE_RETRY=${VMLANE_DILATE_RETRY:-4}
 HOST_KHZ=""
 dilation_check() {

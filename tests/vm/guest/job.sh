@@ -54,6 +54,11 @@ python -m pytest tests/test_smol_real_vm.py ${VMLANE_SELECT:+-k "$VMLANE_SELECT"
 rc=$?
 if [ -f /run/vmlane/verdict ]; then
   status "$(cat /run/vmlane/verdict)"
+elif [ "$rc" = 5 ] && grep -q "^SKIPPED.*test_smol_real_vm.py.*agent did not become ready within 180 seconds" "$R/pytest.log"; then
+  # The module's boot probe (stdlib + smol only, no smolbench code) lost smol's fixed 180 s
+  # wait for its guest agent: the nested stack was too slow this boot (CI's idle host lost it
+  # too, 2026-12-02), not a test failing. A retry boot gives it more time (dilated).
+  status "stall: the boot probe's bare Machine.create lost smol's fixed 180 s agent wait (nested stack too slow this boot)"
 else
   status "pytest rc=$rc"
 fi
