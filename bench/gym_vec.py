@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -108,6 +109,7 @@ def main() -> dict[str, Any]:
         finally:
             for env in (ours, ours_inplace, theirs_async, theirs_sync, one, fresh, inplace):
                 env.close()
+    shutil.rmtree(folder, ignore_errors=True)  # its ledger: the numbers go to results/gym.json
     best = {k: (max(v) if not k.endswith("_ms") else min(v)) for k, v in series.items()}
     out = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - started, 1),
            "load_before": load_before, "load": os.getloadavg(), "cores": os.cpu_count(), "steps": STEPS, "rounds": ROUNDS, "episodes": EPISODES,
