@@ -303,12 +303,27 @@ try:
     ray.get(ref)
 except ray.exceptions.TaskCancelledError:
     print("task cancelled", flush=True)
+# Killed: its worker gets SIGKILL, so nothing in it runs. The machines' keeper kills their
+# processes at once; the run folder and cgroups stay until the next Session's up() sweeps
+# those of owners that are gone, here the next task's.
+os.remove(running)
+ref = train.remote("cancel")
+while not os.path.exists(running):
+    time.sleep(0.1)
+time.sleep(1)
+ray.cancel(ref, force=True)
+try:
+    ray.get(ref)
+except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError):
+    print("task killed", flush=True)
+print("after", ray.get(train.remote(None))[0], flush=True)
 ray.shutdown()
 """
 
 
 @pytest.mark.timeout(1500)  # starting Ray: minutes on a busy 2-core host
 def test_a_session_inside_a_ray_task_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks that end normally, raise, are cancelled, and are killed (swept by the next task's Session)."""
     pytest.importorskip("ray")
     ray_dir = tempfile.mkdtemp(prefix="sbray-", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: Unix sockets
     monkeypatch.setenv("RAY_DIR", ray_dir)
@@ -318,9 +333,9 @@ def test_a_session_inside_a_ray_task_leaves_nothing_behind(tmp_path: Path, monke
         assert code == 0, err[-3000:]
         assert "rewards ([0.0, 10.0, 20.0], '4')" in out  # root and its three kept branches were live in the task
         assert "task failed: True" in out
-        assert "task cancelled" in out
+        assert "task cancelled" in out and "task killed" in out and "after [0.0, 10.0, 20.0]" in out
         pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-        assert len(pids) == 3
+        assert len(pids) == 5
         assert script.leftovers()[:2] == ([], [])  # no process of the script's (Ray's included) and no run folder
         assert [g for pid in pids for g in cgroups_of(pid)] == []
     finally:
