@@ -99,6 +99,11 @@ class Job:
         return self.future.result(timeout)
 
 
+def running() -> bool:
+    """True while any Job runs (lock-free: a signal handler asks)."""
+    return bool(_jobs)
+
+
 def cancel_all(timeout: float) -> None:
     """Cancel every running stoppable Job and wait (up to ``timeout`` in all) for all of them to end."""
     jobs = list(_jobs)

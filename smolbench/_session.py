@@ -692,6 +692,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     global _term_state
     if os.getpid() != _hooks_pid:  # a forked child: its parent's machines are not its own
         _previous(signum, frame)
+    elif _term_state == 0 and not _LIVE and not _loop.running():
+        # Nothing to delete: what was there before, here and now (as without smolbench). A
+        # second delivery could land where Python ignores a handler's exception (a weakref
+        # callback of the import system), and a handler's sys.exit would be lost there.
+        _previous(signum, frame)
     elif _term_state == 0:
         _term_state = 1
         try:

@@ -154,7 +154,7 @@ class NodeAgent:
         describe = getattr(self.backend, "limits_status", None)
         if describe is not None:
             return str(describe(spec))
-        from ..workbench import _vm_limits
+        from ..status import _vm_limits
 
         return _vm_limits(spec)
 

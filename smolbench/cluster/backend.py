@@ -182,7 +182,7 @@ class ClusterBackend(Backend):
     @property
     def image_default(self) -> str:
         """What ``%smol status`` says for the image when the Smolfile names none."""
-        from ..workbench import _default_image
+        from ..status import _default_image
 
         parts = [f"{k}: {(_default_image(k) or 'its default').strip('()').removeprefix('backend default: ')}"
                  for k in self._kinds()]

@@ -50,10 +50,58 @@ def _patient(seconds: float = 180.0) -> Iterator[None]:
                 time.sleep(0.5)
 
     services.get_node = get_node
+    node_cls, start_raylet = _ports_told()
     try:
         yield
     finally:
         services.get_node = original
+        if node_cls is not None:
+            setattr(node_cls, "start_raylet", start_raylet)  # noqa: B010
+
+
+def _ports_told() -> tuple[Any, Any]:
+    """Tell a starting raylet its agents' ports before it starts (returns what to put back).
+
+    The raylet waits a fixed 15 s for its agents to write their ports to files, then aborts
+    (``Timed out waiting for file ...metrics_agent_port_...``): the dashboard agent, a Python
+    process that imports a lot, misses that on a busy 2-core host. Without ``ray[default]``
+    (smolbench's ``ray`` extra) the agent is minimal and writes -1 for its three ports (no
+    metrics, no HTTP server); here they are written first. The runtime-env agent is given a
+    free port, written first too. The agents still start; the raylet just need not wait.
+    """
+    try:
+        import ray._raylet as raylet
+        from ray._private.node import Node
+        from ray._private.utils import get_dashboard_dependency_error
+
+        names: Any = [getattr(raylet, f"{n}_PORT_NAME") for n in ("METRICS_AGENT", "METRICS_EXPORT",
+                                                                 "DASHBOARD_AGENT_LISTEN", "RUNTIME_ENV_AGENT")]
+        persist_port: Any = raylet.persist_port  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):  # another Ray: as it is
+        return None, None
+    if get_dashboard_dependency_error() is None:  # a full agent: its ports are real, waited for
+        return None, None
+    original = Node.start_raylet
+
+    def start_raylet(node: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            params = node._ray_params
+            if not params.runtime_env_agent_port:
+                params.runtime_env_agent_port = _free_port()
+            for name, port in zip(names, (-1, -1, -1, params.runtime_env_agent_port)):
+                persist_port(node._session_dir, node._node_id, name, port)
+        return original(node, *args, **kwargs)
+
+    setattr(Node, "start_raylet", start_raylet)  # noqa: B010 - only while a throwaway node starts
+    return Node, original
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:

@@ -127,21 +127,23 @@ class Machines:
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
-        self._check_room()
+        self._deletions = self._check_room()  # deletions under way at once, at most
 
     def live_branches(self) -> int:
         """Branches of the warm parent this env holds at most at once: one per sub-env, and with
         fresh resets its spares and as many being deleted."""
         return _live(self.n, self.mode)
 
-    def _check_room(self) -> None:
-        """Refuse up front, in one line, more sub-envs than one warm parent has room for."""
+    def _check_room(self) -> int:
+        """Refuse up front, in one line, more sub-envs than one warm parent has room for; how
+        many deletions may run at once (the room left, at most 32: a deleted machine holds its
+        namespaces until its processes are gone)."""
         room_of = getattr(self.wb.backend, "branch_room", None)
         if room_of is None:
-            return
+            return self.spare_count
         room, why = room_of(self.wb.spec)
         if self.live_branches() <= room:
-            return
+            return min(32, max(self.spare_count, room - self.n - self.spare_count))
         fits = max([k for k in range(1, room + 1) if _live(k, self.mode) <= room] or [0])
         raise SmolbenchError(
             f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
@@ -314,8 +316,8 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: a quarter of the sub-envs, at least 4 (a fork's start-up
-        outlasts a short episode, so one spare would leave resets waiting) and at most 8."""
+        """Spare branches kept ready: 8 (a fork's start-up outlasts a short episode, so with few
+        spares resets wait for them; refills fork several at once, which costs less each)."""
         return _spares(self.n)
 
     def _top_up(self) -> None:
@@ -373,7 +375,7 @@ class Machines:
         """Delete ``ref`` in the background; with as many deletions as spares already under
         way, first wait for one (the warm parent's live branches stay within its room)."""
         self.wb.machines.pop(ref.name, None)
-        while len(self._deleting) >= self.spare_count:
+        while len(self._deleting) >= self._deletions:
             await asyncio.wait(set(self._deleting), return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.ensure_future(self._delete(ref))
         self._deleting.add(task)
@@ -577,7 +579,7 @@ class Machines:
 
 
 def _spares(n: int) -> int:
-    return min(8, max(4, (n + 3) // 4))
+    return 8
 
 
 def _live(n: int, mode: str) -> int:
