@@ -4,6 +4,7 @@ real local SDK, including where the real one differs from its docs."""
 from __future__ import annotations
 
 import asyncio
+import os
 import ipaddress
 import json
 import pickle
@@ -618,10 +619,15 @@ def test_checkpoint_and_restore_use_the_sdk(host: FakeHost, tmp_path: Path) -> N
             await b.close()
 
     info, x, agent, back = run(main())
-    assert (info.path, info.backend, info.size) == (path, "smol", 4242)
-    host.vms[0].machine.checkpoint.assert_called_once_with(
-        path, store=str(tmp_path / "ckpt" / "store")
-    )
+    # smol's capture (a folder of its own) is exported as one plain file at the path, then removed
+    assert (info.path, info.backend, info.size) == (path, "smol", os.path.getsize(path))
+    assert os.path.isfile(path) and not os.path.islink(path)
+    (capture,), kwargs = host.vms[0].machine.checkpoint.call_args
+    assert kwargs == {"store": str(tmp_path / "ckpt" / "store")}
+    assert os.path.dirname(capture) == str(tmp_path / "ckpt" / "captures")
+    host.cls.export_checkpoint.assert_called_once()
+    assert not os.path.exists(capture) and os.listdir(tmp_path / "ckpt" / "captures") == []
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["captures", "root.smolcheckpoint", "store"]
     host.cls.restore_checkpoint.assert_called_once()
     args, kwargs = host.cls.restore_checkpoint.call_args
     assert args[0] == path and args[1].startswith("smolbench-t-back-")

@@ -308,11 +308,12 @@ def test_a_portable_checkpoint_crosses_as_bytes_and_restores_as_a_branch_source(
             await cell(backend, parent, "x = 40\nsquares = (i * i for i in range(10))\nnext(squares)")
             out["boot"] = time.monotonic() - t0
             t0 = time.monotonic()
-            stored = tmp_path / "node-a" / "root.smolcheckpoint"
-            info = await backend.checkpoint(parent, str(stored))
+            portable = tmp_path / "node-a" / "root.smolcheckpoint"
+            info = await backend.checkpoint(parent, str(portable))
             assert not info.warnings, info.warnings  # a whole machine, not the workspace-only fallback
-            portable = tmp_path / "node-a" / "portable.smolcheckpoint"
-            Machine.export_checkpoint(str(stored), str(portable))
+            # one plain file (smol's capture folder exported, then removed), the kind a student restores
+            assert portable.is_file() and not portable.is_symlink()
+            assert list((tmp_path / "node-a" / "captures").iterdir()) == []
             digest, size = artifact.Store(tmp_path / "node-a").add(portable)
             out["capture"], out["size"] = time.monotonic() - t0, size
             there = artifact.Store(tmp_path / "node-b")

@@ -24,7 +24,8 @@ from nbhelpers import NotebookSession, error_output, plain_texts, result_text, s
 HIJACK = (
     "%%smol\nimport sys, json, base64, pickle, socket\n"
     "_ag = sys.modules['smolbench_guest']._agent\n"
-    "_G = type(_ag).run_cell.__globals__\n"
+    # the pull encoding's module (imported when first used, so imported here first)
+    "_G = vars(__import__('importlib').import_module('_smolbench_guest.pulldata'))\n"
 )
 
 
@@ -538,7 +539,7 @@ def test_the_smol_relay_is_gated_too(smol_host: object) -> None:
             for code, pull in [
                 ("_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 1}\\n')", []),
                 ("_ag._conn.sendall(b'{\"t\": \"done\", \"status\": \"ok\", \"reward\": NaN}\\n')", []),
-                ("x = 1\ntype(_ag).run_cell.__globals__['_pull'] = lambda v, t: {'format': 'pickle', "
+                ("x = 1\nimport importlib\nimportlib.import_module('_smolbench_guest.pulldata')._pull = lambda v, t: {'format': 'pickle', "
                  "'data': base64.b64encode(pickle.dumps(v)).decode()}", ["x"]),
             ]:
                 try:

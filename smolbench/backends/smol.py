@@ -645,16 +645,28 @@ class SmolBackend(Backend):
             with open(path, "w") as fh:
                 json.dump(pointer, fh)
             return CheckpointInfo(path, self.name, int(made.size_bytes))
-        store = os.path.join(os.path.dirname(path), "store")
+        # smol captures a machine as a folder (its chunks in a store beside it); what this
+        # backend hands back is the one plain file it exports from that folder: the only kind
+        # a checkpoint folder holds (gate/ckptpaths.py), and the kind any smol host restores.
+        folder = os.path.dirname(path)
+        store, captures = os.path.join(folder, "store"), os.path.join(folder, "captures")
         os.makedirs(store, exist_ok=True)
+        os.makedirs(captures, exist_ok=True)
+        token = secrets.token_hex(6)
+        capture = os.path.join(captures, f"{token}.smolcheckpoint")
+        part = f"{path}.{token}.part"
         try:
-            made = await asyncio.to_thread(handle.checkpoint, path, store=store)
-        except SmolError as exc:
-            if HOST_BACKED not in str(exc).lower():
-                raise translate(exc) from exc
-            return await self._save_state(machine, path)
-        size = int(made.size_bytes) if made.size_bytes else os.path.getsize(path)
-        return CheckpointInfo(path, self.name, size)
+            try:
+                await asyncio.to_thread(handle.checkpoint, capture, store=store)
+            except SmolError as exc:
+                if HOST_BACKED not in str(exc).lower():
+                    raise translate(exc) from exc
+                return await self._save_state(machine, path)
+            await self._sdk(Machine.export_checkpoint, capture, part)
+            os.replace(part, path)
+        finally:
+            await asyncio.to_thread(_remove_capture, capture, part, store)
+        return CheckpointInfo(path, self.name, os.path.getsize(path))
 
     async def _save_state(self, machine: MachineRef, path: str) -> CheckpointInfo:
         """The workspace and namespace only, for a machine smol can't capture whole."""
@@ -763,3 +775,17 @@ class SmolBackend(Backend):
     def list(self) -> list[MachineRef]:  # last: in this class body "list" then means the method
         """Machines this backend created and has not deleted yet."""
         return list(self._machines.values())
+
+
+def _remove_capture(capture: str, part: str, store: str) -> None:
+    """A capture folder once exported (its chunks pruned from the store), and a half export."""
+    import shutil
+
+    if os.path.isdir(capture) and not os.path.islink(capture):
+        shutil.rmtree(capture, ignore_errors=True)
+    for leftover in (capture, part):
+        with contextlib.suppress(OSError):
+            if not os.path.isdir(leftover) or os.path.islink(leftover):
+                os.unlink(leftover)
+    with contextlib.suppress(Exception):
+        Machine.prune_checkpoint_store(store)

@@ -123,7 +123,6 @@ class NodeAgent:
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
         self.store = artifact.Store(self.own)
         self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
-        self._captures: dict[str, str] = {}  # machine -> its last stored smol capture (chunks reused)
         self._save_lock: asyncio.Lock | None = None
         self.refs: dict[str, MachineRef] = {}
         self.max_starts = max_starts
@@ -295,34 +294,19 @@ class NodeAgent:
     async def save(self, name: str) -> dict[str, Any]:
         """Checkpoint a machine here into the store: its content address, size, format and warnings.
 
-        A smol checkpoint is captured into this node's chunk store (``Machine.checkpoint``: a
-        machine's next capture reuses its unchanged chunks), then exported as one portable file
-        (``Machine.export_checkpoint``) that any smol node restores."""
+        A smol checkpoint is one portable file already (the backend exports smol's capture),
+        which any smol node restores."""
         ref = self._ref(name)
-        captures = self.own / "captures"  # the smol chunk store lives here too (captures/store)
+        captures = self.own / "captures"
         captures.mkdir(mode=0o700, exist_ok=True)
         async with self._saving():
             path = str(captures / f"{uuid.uuid4().hex[:12]}.smolcheckpoint")
-            out = path[: -len(".smolcheckpoint")] + ".portable.smolcheckpoint"
             try:
                 info = await self.backend.checkpoint(ref, path)
                 fmt = _format(self.backend.name, path)
-                if fmt == "smol":
-                    from ..backends import smol as smolmod
-
-                    sdk = getattr(self.backend, "_sdk")  # noqa: B009 - SDK errors as one line
-                    await sdk(smolmod.Machine.export_checkpoint, path, out)
-                    old, self._captures[name] = self._captures.get(name), path
-                    if old:  # the chunks the new capture shares stay; the rest go
-                        _unlink(old)
-                        await sdk(smolmod.Machine.prune_checkpoint_store, str(captures / "store"))
-                    path = out
                 digest, size = await asyncio.to_thread(self.store.add, path)
-            except BaseException:
-                if self._captures.get(name) != path:
-                    _unlink(path)
-                _unlink(out)
-                raise
+            finally:
+                _unlink(path)
         return {"digest": digest, "size": size, "format": fmt, "warnings": list(info.warnings),
                 "backend": self.backend.name}
 
