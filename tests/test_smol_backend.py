@@ -4,9 +4,9 @@ real local SDK, including where the real one differs from its docs."""
 from __future__ import annotations
 
 import asyncio
-import os
 import ipaddress
 import json
+import os
 import pickle
 import shutil
 import sys
