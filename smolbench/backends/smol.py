@@ -783,9 +783,10 @@ def _remove_capture(capture: str, part: str, store: str) -> None:
 
     if os.path.isdir(capture) and not os.path.islink(capture):
         shutil.rmtree(capture, ignore_errors=True)
-    for leftover in (capture, part):
+    else:
         with contextlib.suppress(OSError):
-            if not os.path.isdir(leftover) or os.path.islink(leftover):
-                os.unlink(leftover)
+            os.unlink(capture)
+    with contextlib.suppress(OSError):
+        os.unlink(part)
     with contextlib.suppress(Exception):
         Machine.prune_checkpoint_store(store)
