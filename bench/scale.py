@@ -9,8 +9,11 @@ In one process, side by side, on the sandbox backend at the default Smolfile:
   trivial cell (branch, run in every branch, ledger, delete every branch), best of ``--reps``
   for 16 and 64, once for 256 and 512; host memory available at its lowest during the fork;
 * ``episodes N`` (16, 64, 1000): the whole ``%%smol episodes N`` of the same cell; episodes/s;
-* the floors, in a subprocess each: N plain ``os.fork()`` children of a Python process that exit
-  at once, and the namespace floor: a Python parent forks N children that each unshare user,
+* the floors, in a subprocess each: N plain ``os.fork()`` children that exit at once, of a bare
+  Python process and of a *kernel-sized* one (it first imports what a Jupyter kernel running
+  smolbench holds: ipykernel, IPython, numpy, smolbench's magics; its RSS is recorded): issue
+  27's goals are stated against the latter, "N plain os.fork children" side by side in one
+  kernel, where each fork copies a kernel's page tables; and the namespace floor: a Python parent forks N children that each unshare user,
   mount, pid, IPC and net namespaces, map their ids, mount a tmpfs and an overlay on it, and
   fork a pid 1 that mounts its own /proc;
 * PSS per branch: 64 live branches of a machine, ``(PSS after - PSS before) / 64`` over the
@@ -57,6 +60,13 @@ for _ in range(reps):
     ts.append(time.perf_counter() - t0)
 print(json.dumps(ts))
 """
+
+# The same forks from a process the size of a kernel: what it imports first (issue 27's baseline).
+KERNEL_FORK = r"""
+import ipykernel.kernelapp, IPython, numpy, smolbench.magics, smolbench.workbench  # noqa
+import json, sys
+rss = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmRSS:"))
+""" + OS_FORK.replace("print(json.dumps(ts))", 'print(json.dumps({"s": ts, "rss_mib": rss / 1024}))')
 
 NS_FLOOR = r"""
 import ctypes, os, sys, time, json
@@ -109,14 +119,14 @@ print(json.dumps(ts))
 """
 
 
-def floor(script: str, n: int, reps: int) -> list[float]:
+def floor(script: str, n: int, reps: int) -> Any:
     with tempfile.TemporaryDirectory(prefix="smolbench-scale-") as tmp:
         os.chmod(tmp, 0o777)
         out = subprocess.run([sys.executable, "-c", script, str(n), str(reps), tmp], capture_output=True, text=True,
                              timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip()[-300:])
-    return [float(x) for x in json.loads(out.stdout)]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 class LowestAvailable:
@@ -208,9 +218,12 @@ def run(reps: int, quick: bool = False) -> dict[str, Any]:
     load0 = os.getloadavg()
     forks, episodes, pss_n = (QUICK["forks"], QUICK["episodes"], QUICK["pss"]) if quick else (FORKS, EPISODES, PSS_BRANCHES)
     data: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cores": os.cpu_count(), "reps": reps}
-    floors: dict[str, dict[int, list[float]]] = {"os_fork": {}, "namespaces": {}}
+    floors: dict[str, dict[int, list[float]]] = {"os_fork": {}, "kernel_fork": {}, "namespaces": {}}
     for n in forks:
         floors["os_fork"][n] = floor(OS_FORK, n, reps)
+        kernel = floor(KERNEL_FORK, n, reps)
+        floors["kernel_fork"][n] = kernel["s"]
+        data["kernel_rss_mib"] = max(data.get("kernel_rss_mib", 0.0), kernel["rss_mib"])
         floors["namespaces"][n] = floor(NS_FLOOR, n, reps if n <= 64 else 1)
     data["floors"] = floors
     data.update(asyncio.run(smolbench_series(reps, forks, episodes, pss_n)))
@@ -220,6 +233,7 @@ def run(reps: int, quick: bool = False) -> dict[str, Any]:
     for n in (16, 64):
         if n in best:
             ratios[f"fork{n}/os_fork{n}"] = best[n] / min(floors["os_fork"][n])
+            ratios[f"fork{n}/kernel_fork{n}"] = best[n] / min(floors["kernel_fork"][n])
             ratios[f"fork{n}/ns_floor{n}"] = best[n] / min(floors["namespaces"][n])
     if 16 in best and 16 in data["episodes"]:
         ratios["episodes16/fork16"] = min(data["episodes"][16]["s"]) / best[16]
@@ -233,23 +247,35 @@ def section(d: dict[str, Any]) -> str:
     def ms(xs: list[float]) -> str:
         return f"{min(xs) * 1e3:,.0f}"
 
-    rows = [f"| fork {n} | {ms(f[n]['s'])} | {f[n]['ok']}/{n} | {ms(fl['os_fork'][n])} | {ms(fl['namespaces'][n])} | "
-            f"{min(f[n]['s']) / min(fl['os_fork'][n]):.1f}× | {min(f[n]['s']) / min(fl['namespaces'][n]):.1f}× | "
+    kf = fl.get("kernel_fork", {})
+
+    def over(n: int, base: dict[int, list[float]]) -> str:
+        return f"{min(f[n]['s']) / min(base[n]):.1f}×" if n in base else "?"
+
+    rows = [f"| fork {n} | {ms(f[n]['s'])} | {f[n]['ok']}/{n} | {ms(kf[n]) if n in kf else '?'} | {ms(fl['os_fork'][n])} | "
+            f"{ms(fl['namespaces'][n])} | {over(n, kf)} | {over(n, fl['os_fork'])} | {over(n, fl['namespaces'])} | "
             f"{f[n]['host_mib_used_peak']:,} |" for n in sorted(f, key=int)]
     eps = [f"| episodes {n} | {ms(e[n]['s'])} | {e[n]['ok']}/{n} | {e[n]['per_s']:.1f} | {e[n].get('fresh') or '?'} |"
            for n in sorted(e, key=int)]
-    goal = [("fork 16 / 16 × os.fork", r["fork16/os_fork16"], "≤ 2.5×"),
-            ("fork 64 / 64 × os.fork", r["fork64/os_fork64"], "≤ 3×"),
-            ("fork 64 / namespace floor 64", r["fork64/ns_floor64"], "about 1.5×"),
-            ("episodes 16 / fork 16", r["episodes16/fork16"], "≤ 1.5×")]
+    goal = [("fork 16 / 16 × os.fork of a kernel-sized process", r.get("fork16/kernel_fork16", float("nan")), "≤ 2.5×"),
+            ("fork 64 / 64 × os.fork of a kernel-sized process", r.get("fork64/kernel_fork64", float("nan")), "≤ 3×"),
+            ("fork 64 / namespace floor 64", r["fork64/ns_floor64"], "about 1.5× (the issue's estimate for 3× os.fork)"),
+            ("episodes 16 / fork 16", r["episodes16/fork16"], "≤ 1.5×"),
+            ("(stricter) fork 16 / 16 × os.fork of a bare python", r["fork16/os_fork16"], "none: for scale"),
+            ("(stricter) fork 64 / 64 × os.fork of a bare python", r["fork64/os_fork64"], "none: for scale")]
     return "\n".join([
         BEGIN, "## Scale · wide forks and many episodes (issue 27)", "",
         f"`python -m bench.scale`, {d['date'][:16]}, sandbox backend, default Smolfile, a trivial cell, `--keep none`; "
         f"best of {d['reps']} for 16 and 64, one run for 256, 512 and the episodes. Host load average "
         f"{d['load_avg'][0]:.1f} before and {d['load_avg'][1]:.1f} after on {d['cores']} cores (other sessions' work "
         "shares this host): compare the ratios, measured side by side in this run, not the times with other runs.", "",
-        "| ms | smolbench | ok | N × `os.fork` | namespace floor | / os.fork | / floor | peak host MiB used |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
+        "The goals compare with N plain `os.fork` children *of a kernel-sized process*, as issue 27 measured them "
+        "(side by side in one kernel): a Python that first imported ipykernel, IPython, numpy and smolbench's magics "
+        f"(RSS {d.get('kernel_rss_mib', 0):.0f} MiB here), whose forks copy a kernel's page tables. The bare-Python "
+        "column (a fresh interpreter, about 9 MiB) is kept for scale: it is several times stricter.", "",
+        "| ms | smolbench | ok | N × `os.fork`, kernel-sized | N × `os.fork`, bare python | namespace floor | "
+        "/ kernel os.fork | / bare os.fork | / floor | peak host MiB used |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
         "| | ms | ok | episodes/s | fresh from |", "|---|---:|---:|---:|---|", *eps, "",
         "| goal | measured | target |", "|---|---:|---|",
         *[f"| {name} | {val:.2f}× | {target} |" for name, val, target in goal], "",
