@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 
@@ -193,3 +194,19 @@ def test_the_weakened_contrast_lets_a_wrong_observation_through(bench: Workbench
                 env.close()
     finally:
         spaces.TEST_WEAKEN.discard("obs-check")
+
+
+@pytest.mark.parametrize("how, says", [("outside", "is outside its space"), ("lean_huge_obs", "has shape (2000000,)")])
+def test_a_vector_step_checks_every_observation_though_all_at_once(bench: Workbench, marker: Path, how: str,
+                                                                   says: str) -> None:
+    """make_vec checks its sub-envs' observations against the Box in one batch: a wrong one is
+    still refused in one line naming its sub-env."""
+    envs = sgym.make_vec(f"hostile_{how}", 3, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            envs.step(np.zeros(3, np.int64))
+        line = str(refused.value)
+        assert says in line and "sub-env 0 (machine root." in line and "\n" not in line, line
+    finally:
+        envs.close()

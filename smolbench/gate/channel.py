@@ -142,7 +142,7 @@ def _step(tree: Any, budget: pull.Budget) -> dict[str, Any]:
         raise Bad("a step answer whose observation is not one array or one value")
     if "i" not in f:
         raise Bad("a step answer without its info")
-    obs = pull.data_value({"$": "npy", "v": f["o"]}, 1, budget) if "o" in f else pull.pulled("the observation", f["ov"], False, budget)
+    obs = pull.npy(f["o"]) if "o" in f else pull.pulled("the observation", f["ov"], False, budget)
     flags = integer(f.get("f"), "a step's flags", 0, 3)
     out = {"obs": obs, "reward": pull.data_value(f.get("r"), 1, budget), "terminated": bool(flags & 1),
            "truncated": bool(flags & 2), "info": pull.pulled("the info", f["i"], False, budget)}

@@ -499,8 +499,10 @@ class Machines:
                     return exc
             for k, out in zip(cells, await asyncio.gather(*(cell(k) for k in cells))):
                 outs[k] = out
-        for k in sorted(chans + cells):
-            outs[k] = await self._stepped(self.eps[which[k]], outs[k])
+        done = sorted(chans + cells)
+        fits = spaces.inside(self.observation_space, [o.get("obs") if type(o) is dict else None for o in (outs[k] for k in done)])
+        for k, fit in zip(done, fits):
+            outs[k] = await self._stepped(self.eps[which[k]], outs[k], fit)
         return outs
 
     def _action_line(self, action: Any) -> bytes:
@@ -521,8 +523,9 @@ class Machines:
         self._hang_up(ep)
         return self._failed(exc, where)
 
-    async def _stepped(self, ep: Episode, out: Any) -> Step | BaseException:
-        """A sub-env's step answer (or its failure) checked and recorded."""
+    async def _stepped(self, ep: Episode, out: Any, fit: bool = False) -> Step | BaseException:
+        """A sub-env's step answer (or its failure) checked and recorded (``fit``: its
+        observation was already found to fit the space)."""
         where = _where(ep.index, self.n, ep)
         if isinstance(out, (InfraError, Unanswered)):
             if self.retries < 1 or await self._alive(ep):
@@ -537,7 +540,7 @@ class Machines:
                 self._end(ep, "error", str(out))
             return out
         try:
-            st = self._step(out, where)
+            st = self._step(out, where, fit)
         except GymError as exc:
             self._end(ep, "error", str(exc))
             return exc
@@ -549,7 +552,7 @@ class Machines:
             self._end(ep, "terminated" if st.terminated else "truncated")
         return st
 
-    def _step(self, out: Any, where: str) -> Step:
+    def _step(self, out: Any, where: str, fit: bool = False) -> Step:
         if not isinstance(out, dict) or not {"obs", "reward", "terminated", "truncated", "info"} <= set(out) \
                 or set(out) - {"obs", "reward", "terminated", "truncated", "info", "rng"}:
             raise GymError(f"{where} answered a step with something other than (obs, reward, terminated, truncated, info)")
@@ -559,7 +562,8 @@ class Machines:
         for key in ("terminated", "truncated"):
             if not isinstance(out[key], bool):
                 raise GymError(f"{where} sent {key} = {str(out[key])[:40]}, not True or False")
-        return Step(self._obs(out["obs"], where), float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
+        obs = out["obs"] if fit else self._obs(out["obs"], where)
+        return Step(obs, float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
 
     def _obs(self, value: Any, where: str) -> Any:
         try:
