@@ -15,26 +15,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._aio import _to_the_end
-from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
+from ._wbparts import WorkbenchPart
+from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate.ckptpaths import SUFFIX, valid_name
-from .ledger import Ledger
 from .shelf import AGENTHOST, IMPORTED, Shelf, is_path
-from .spec import MachineSpec
-from .tree import Node, Tree
+from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
 
 
-class CheckpointsMixin:
+class CheckpointsMixin(WorkbenchPart):
     """``%smol checkpoint save/restore/rm`` and ``%smol replay`` for a Workbench."""
 
-    backend: Backend
-    spec: MachineSpec
-    ledger: Ledger
-    session: str
-    tree: Tree
-    machines: dict[str, MachineRef]
     active: str | None
     checkpoint_dir: Path
     shelf: Shelf

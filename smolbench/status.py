@@ -5,23 +5,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .tree import Node, Tree, where_text
+from ._wbparts import WorkbenchPart
+from .tree import Node, where_text
 
 if TYPE_CHECKING:
-    from .backends.base import Backend, MachineRef
-    from .ledger import Ledger
+    from .backends.base import MachineRef
     from .spec import MachineSpec
 
 
-class StatusMixin:
+class StatusMixin(WorkbenchPart):
     """The status dict and its lines, for a Workbench."""
 
-    backend: Backend
-    spec: MachineSpec
-    ledger: Ledger
-    session: str
-    tree: Tree
-    machines: dict[str, MachineRef]
     baseline: str
     started: float
     guest_info: dict[str, Any]

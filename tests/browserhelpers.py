@@ -23,6 +23,8 @@ from typing import Any
 import nbformat
 import pytest
 
+from smolbench.backends import _procs
+
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts"
 # Every browser test module: skipped without Debian's chromium; a real server and browser
@@ -50,22 +52,14 @@ def free_port() -> int:
 
 def tagged(tag: str) -> list[str]:
     """Every live process (server, kernels, machines) whose environment carries ``tag``."""
-    needle = f"{TAG_VAR}={tag}".encode()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, _ in _procs.with_env(TAG_VAR, tag):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if needle in env and stat[stat.rfind(b")") + 2 :][:1] != b"Z":
-            found.append(f"{entry} {cmd[:120]}")
+        found.append(f"{pid} {cmd[:120]}")
     return found
 
 
