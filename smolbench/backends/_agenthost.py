@@ -53,6 +53,7 @@ class AgentHostBackend(Backend):
         self._logs: dict[str, asyncio.Future[None]] = {}  # a root's agent.log writer (it ends with the machine)
         self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
         self._limiter: _limits.Limiter | None = None
+        self._ending: list[tuple[MachineRef, asyncio.Future[bool]]] = []  # branch deletes of this moment, batched
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
 
@@ -265,6 +266,10 @@ class AgentHostBackend(Backend):
                 log.cancel()
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
+        if await self._end_in_cgroups(ref):  # killed there, checked gone, its cgroups removed
+            with contextlib.suppress(OSError):
+                os.unlink(ref.info["socket"])
+            return
         procs = await asyncio.to_thread(self._kill_branch_tree, ref)
         # The parent forked the branch: the pid is one of the parent's own pid namespace.
         parent = self._machines.get(ref.parent)
@@ -276,6 +281,38 @@ class AgentHostBackend(Backend):
         await asyncio.to_thread(self.limiter.release, ref.name)
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
+
+    async def _end_in_cgroups(self, ref: MachineRef) -> bool:
+        """Kill a branch through its own cgroups (everything it started is there, from its first
+        instruction on), then remove them; batched with every branch deleted at this moment (a
+        fork's ``--keep none``): one thread job, one wait for them all. True once its cgroups
+        emptied and its own process is gone; False where it has no cgroups (rlimits) or that
+        could not be checked: the caller then kills it the other way (its parent, its tree)."""
+        limits = self.limiter.get(ref.name)
+        if limits is None or not limits.dirs or "host_pid" not in ref.info:
+            return False
+        loop = asyncio.get_running_loop()
+        if not self._ending:
+            loop.call_soon(lambda: asyncio.ensure_future(self._end_batch()))
+        done: asyncio.Future[bool] = loop.create_future()
+        self._ending.append((ref, done))
+        return await done
+
+    async def _end_batch(self) -> None:
+        batch, self._ending = self._ending, []
+
+        def end() -> builtins.list[bool]:
+            emptied = self.limiter.release_all([ref.name for ref, _ in batch])
+            return [ok and not _procs.running(ref.info["host_pid"], ref.info.get("host_started", ""))
+                    for (ref, _), ok in zip(batch, emptied)]
+
+        try:
+            gone = await asyncio.to_thread(end)
+        except BaseException:
+            gone = [False] * len(batch)  # each delete then goes the other way
+        for (_, done), ok in zip(batch, gone):
+            if not done.done():
+                done.set_result(ok)
 
     def _kill_root(self, ref: MachineRef, proc: _spawn.Spawned | None) -> None:
         """Kill the machine's whole process tree and its cgroup's contents, and verify."""

@@ -285,28 +285,61 @@ class MachineLimits:
 
     def kill(self) -> bool:
         """SIGKILL everything in the cgroups until they are empty; True if they are."""
-        deadline = time.monotonic() + KILL_TIMEOUT
-        while True:
-            left = self.pids()
-            if not left:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            if self.version == 2:
-                for d in self.dirs:
-                    with contextlib.suppress(OSError):
-                        (d / "cgroup.kill").write_text("1")
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+        return kill_all([self])[0]
+
+    def _signal(self, left: set[int]) -> None:
+        if self.version == 2:
+            for d in self.dirs:
+                with contextlib.suppress(OSError):
+                    (d / "cgroup.kill").write_text("1")
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def remove(self) -> None:
         """Kill what is left and remove the directories."""
-        self.kill()
-        for d in self.dirs:
-            _rmdir(d)
-        self.dirs = []
+        remove_all([self])
+
+
+def kill_all(machines: list[MachineLimits]) -> list[bool]:
+    """:meth:`MachineLimits.kill` of many machines at once (a fork's deletes): one signal round
+    for all of them, then one wait for all; whether each emptied."""
+    deadline = time.monotonic() + KILL_TIMEOUT
+    todo = list(range(len(machines)))
+    while todo:
+        left = [(i, pids) for i in todo if (pids := machines[i].pids())]
+        todo = [i for i, _ in left]
+        if not todo or time.monotonic() > deadline:
+            break
+        for i, pids in left:
+            machines[i]._signal(pids)
+        time.sleep(0.005)
+    return [i not in todo for i in range(len(machines))]
+
+
+def remove_all(machines: list[MachineLimits]) -> list[bool]:
+    """Kill what is left in many machines' cgroups and remove their directories, all in one
+    wait (an rmdir refused for a moment after the last process exits is retried for all)."""
+    emptied = kill_all(machines)
+    dirs = [d for m in machines for d in m.dirs]
+    for m in machines:
+        m.dirs = []
+    deadline = time.monotonic() + KILL_TIMEOUT
+    while dirs:
+        busy = []
+        for d in dirs:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY for a moment after the last process exits
+                busy.append(d)
+        dirs = busy
+        if dirs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        else:
+            break
+    return emptied
 
 
 def _rmdir(d: Path) -> None:
@@ -420,9 +453,17 @@ class Limiter:
 
     def release(self, name: str) -> None:
         """Kill everything left in a machine's cgroups and remove them."""
-        limits = self._machines.pop(name, None)
-        if limits is not None:
-            limits.remove()
+        self.release_all([name])
+
+    def release_all(self, names: list[str]) -> list[bool]:
+        """:meth:`release` of many machines at once; whether each one's cgroups emptied (True
+        where it had none)."""
+        found = [(i, m) for i, name in enumerate(names) if (m := self._machines.pop(name, None)) is not None]
+        emptied = remove_all([m for _, m in found])
+        out = [True] * len(names)
+        for (i, _), ok in zip(found, emptied):
+            out[i] = ok
+        return out
 
     def close(self) -> None:
         """Release every machine and remove the group directories."""

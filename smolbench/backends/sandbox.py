@@ -194,7 +194,7 @@ class SandboxBackend(AgentHostBackend):
 
     async def _order_freeze(self, machine: MachineRef) -> None:
         """Have ``machine``'s keeper freeze its layers for the fork that follows. Only the host
-        orders it, on the keeper's own socket (cells can't: guest/contain.py ``_host_order``);
+        orders it, on the keeper's own socket (cells can't: guest/keeper.py ``_host_order``);
         the peer must be that keeper (its host pid), not something a cell bound there."""
         if not self._contained or "keeper-agent" in self._weak:
             return

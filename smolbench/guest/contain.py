@@ -557,6 +557,7 @@ class Machine:
     def split(self):
         """Fork: the child becomes the agent (pid 1 here, no privileges) and returns; this
         process stays the keeper and never returns."""
+        keeper = _sibling("keeper")  # before the fork: a branch's keeper finds it loaded
         keeper_end, agent_end = socket.socketpair()
         pid = os.fork()
         if pid == 0:
@@ -576,84 +577,7 @@ class Machine:
             self.chan = agent_end
             return
         agent_end.close()
-        self._keep(keeper_end, pid)
-
-    def _keep(self, chan, agent_pid):
-        """The keeper's loop: do the host's ``freeze`` (and, a root's keeper, answer the mount
-        guard's notifications and take the host's grants) until the agent is gone, then exit
-        like it. Only the host commands a keeper: ``freeze`` comes on the keeper's own socket
-        from a process outside this machine's pid namespace; the reply goes to the agent.
-        From the agent (where cells run) the keeper takes only the guard's listener, once,
-        before any cell ran (``keeper-agent``, tests only: the agent's ``freeze`` too)."""
-        guard, buf = self.guard, b""
-        host = _host_listener() if "keeper-agent" not in self.weak else None
-        while True:
-            ready = _poll([chan.fileno(), *([host.fileno()] if host else []), *(guard.fds() if guard else [])])
-            if guard:
-                for fd in ready:
-                    if fd != chan.fileno() and (host is None or fd != host.fileno()):
-                        guard.ready(fd)
-            if host is not None and host.fileno() in ready:
-                self._host_order(host, chan)
-            if chan.fileno() not in ready:
-                continue
-            data, passed = _recv(chan)
-            if not data:
-                break
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if line == b"guard" and guard is not None and guard.listener is None and len(passed) == 1:
-                    guard.listener = passed.pop()  # sent once, by the agent, before any cell ran
-                elif line == b"freeze" and host is None:  # tests only: the old way, the agent's word
-                    self._answer_freeze(chan)
-                # anything else from the agent's side is a cell's: never obeyed, never answered
-            for fd in passed:
-                os.close(fd)
-            if len(buf) > 256:
-                buf = b""
-        _, status = os.waitpid(agent_pid, 0)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF if hasattr(os, "waitstatus_to_exitcode") else 0)
-
-    def _host_order(self, host, chan):
-        """One connection on the keeper's socket: a ``freeze`` from the host (a peer outside
-        this machine's pid namespaces, where every process of the machine has a pid), done,
-        its reply sent to the agent, then ``ok`` to the host. A peer inside is dropped unread."""
-        try:
-            conn, _ = host.accept()
-        except OSError:
-            return
-        try:
-            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-            if pid != 0:
-                return
-            conn.settimeout(5.0)
-            line = conn.makefile("rb").readline(64)
-            if line.strip() == b"freeze":
-                self._answer_freeze(chan)
-                conn.sendall(b"ok\n")
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def _answer_freeze(self, chan):
-        try:
-            reply = self.freeze()
-        except OSError as exc:
-            reply = {"error": str(exc)}
-        data = json.dumps(reply).encode() + b"\n"
-        # The store's read-only view goes along: the branches resolve their layers in it.
-        fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.view]))] if "error" not in reply else []
-        try:
-            sent = chan.sendmsg([data], fds)
-        except OSError as exc:
-            # ETOOMANYREFS: descriptors in flight count per host uid, and another process of
-            # that uid (another machine's) holds too many. The fork fails; the keeper lives on.
-            reply = {"error": "can't pass the layers to the branches (%s: another process of this host uid holds "
-                              "too many descriptors in flight); try again once it ends" % exc.strerror}
-            data, sent = json.dumps(reply).encode() + b"\n", 0
-        chan.sendall(data[sent:])
+        keeper.keep(self, keeper_end, pid, RUN)
 
     def freeze(self):
         flattened = []
@@ -665,21 +589,6 @@ class Machine:
         # Every overlay generation this machine had: a descriptor on any of them is reopened.
         old = {str(i): t for layer in self.layers for i, t in layer.old.items()}
         return {"lowers": lowers, "flattened": flattened, "mounts": old}
-
-
-HOST_SOCKET = "k"  # the keeper's socket in the machine's run folder: the host's orders come here
-
-
-def _host_listener():
-    path = os.path.join(RUN, HOST_SOCKET)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    s.bind(path)
-    s.listen(8)
-    return s
 
 
 # -- the agent's side -------------------------------------------------------------------------
@@ -779,23 +688,6 @@ def _guard_page(m, grants_fd):
     m.mounts = ("overlay and proc only, and one store per branch the host orders (tmpfs/ramfs refused%s)"
                 % ("; WEAKENED FOR A TEST: the keeper doesn't check the page" if "guard-maps" in m.weak else ""))
     return True
-
-
-def _poll(fds):
-    p = select.poll()
-    for fd in fds:
-        p.register(fd, select.POLLIN)
-    return [fd for fd, _ in p.poll()]
-
-
-def _recv(chan):
-    """A chunk from the agent, and the descriptors that came with it."""
-    data, anc, _, _ = chan.recvmsg(4096, socket.CMSG_SPACE(4 * 4))
-    fds = []
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
-    return data, fds
 
 
 def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
