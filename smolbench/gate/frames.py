@@ -34,7 +34,8 @@ def _no_constant(name: str) -> Any:
     raise Bad(f"a non-finite number ({name})")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # made once (json.loads with options makes one per call)
+# made once (json.loads with options makes one per call); _no_constant looked up per use (a test weakens it)
+_DECODER = json.JSONDecoder(parse_constant=lambda name: _no_constant(name))
 
 
 def values_in(frame: bytes) -> int:
