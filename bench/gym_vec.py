@@ -36,15 +36,55 @@ ROUNDS = int(os.environ.get("GYM_BENCH_ROUNDS", "3"))
 EPISODES = int(os.environ.get("GYM_BENCH_EPISODES", "30"))  # per round, each reset mode
 
 
-def vec_rate(envs: Any, steps: int, seed: int) -> float:
-    """Sub-env steps per second over ``steps`` vector steps of random actions."""
+def vec_rate(envs: Any, steps: int, seed: int, cpu: dict[str, list[float]] | None = None) -> float:
+    """Sub-env steps per second over ``steps`` vector steps of random actions; with ``cpu``,
+    also the CPU milliseconds per vector step of this process and of its descendants (the
+    machines, or AsyncVectorEnv's workers), appended to ``cpu["host"]`` and ``cpu["workers"]``."""
     envs.reset(seed=seed)
     rng = np.random.default_rng(seed)
     actions = [rng.integers(0, 2, NUM_ENVS) for _ in range(steps)]
+    kids = _descendants(os.getpid())
+    host, workers = time.process_time(), _cpu(kids)
     t = time.perf_counter()
     for a in actions:
         envs.step(a)
-    return steps * NUM_ENVS / (time.perf_counter() - t)
+    rate = steps * NUM_ENVS / (time.perf_counter() - t)
+    if cpu is not None:
+        cpu["host"].append(1000 * (time.process_time() - host) / steps)
+        cpu["workers"].append(1000 * (_cpu(kids) - workers) / steps)
+    return rate
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for task in _listdir(f"/proc/{todo.pop()}/task"):
+            try:
+                kids = [int(k) for k in Path(task, "children").read_text().split()]
+            except OSError:
+                continue
+            todo += kids
+            out += kids
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return [os.path.join(path, t) for t in os.listdir(path)]
+    except OSError:
+        return []
+
+
+def _cpu(pids: list[int]) -> float:
+    """Seconds of CPU (user + system) the processes ``pids`` used so far (those still there)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def step_ms(env: Any, steps: int) -> float:
@@ -83,7 +123,8 @@ def main() -> dict[str, Any]:
     from .common import log, write_section
 
     series: dict[str, list[float]] = {k: [] for k in ("make_vec", "make_vec_inplace", "async", "sync", "make_ms", "local_ms", "fresh", "in-place",
-                                                     "fresh_reset_ms", "in-place_reset_ms")}
+                                                     "fresh_reset_ms", "in-place_reset_ms", "inplace_host_cpu_ms",
+                                                     "inplace_guest_cpu_ms", "async_host_cpu_ms", "async_worker_cpu_ms")}
     folder = tempfile.mkdtemp(prefix="smolbench-gym-bench-")
     started, load_before = time.time(), os.getloadavg()
     with Session(backend="sandbox", ledger=os.path.join(folder, "ledger.db")) as s:
@@ -97,8 +138,10 @@ def main() -> dict[str, Any]:
             for r in range(ROUNDS):
                 log(f"gym bench round {r + 1}/{ROUNDS}")
                 series["make_vec"].append(vec_rate(ours, STEPS, r))
-                series["make_vec_inplace"].append(vec_rate(ours_inplace, STEPS, r))
-                series["async"].append(vec_rate(theirs_async, STEPS, r))
+                ours_cpu: dict[str, list[float]] = {"host": series["inplace_host_cpu_ms"], "workers": series["inplace_guest_cpu_ms"]}
+                their_cpu: dict[str, list[float]] = {"host": series["async_host_cpu_ms"], "workers": series["async_worker_cpu_ms"]}
+                series["make_vec_inplace"].append(vec_rate(ours_inplace, STEPS, r, ours_cpu))
+                series["async"].append(vec_rate(theirs_async, STEPS, r, their_cpu))
                 series["sync"].append(vec_rate(theirs_sync, STEPS, r))
                 series["make_ms"].append(step_ms(one, STEPS))
                 series["local_ms"].append(step_ms(here, STEPS))
@@ -137,7 +180,11 @@ def section(out: dict[str, Any]) -> str:
                                        ('episodes/s, `reset="fresh"`', "fresh"),
                                        ('episodes/s, `reset="in-place"`', "in-place"),
                                        ('a `reset()` with `reset="fresh"`, median ms', "fresh_reset_ms"),
-                                       ('a `reset()` with `reset="in-place"`, median ms', "in-place_reset_ms")))
+                                       ('a `reset()` with `reset="in-place"`, median ms', "in-place_reset_ms"),
+                                       ("CPU per vector step, in place: this process, ms", "inplace_host_cpu_ms"),
+                                       ("CPU per vector step, in place: the 16 machines, ms", "inplace_guest_cpu_ms"),
+                                       ("CPU per vector step, `AsyncVectorEnv`: this process, ms", "async_host_cpu_ms"),
+                                       ("CPU per vector step, `AsyncVectorEnv`: its 16 workers, ms", "async_worker_cpu_ms")))
     head = " | ".join(f"round {i + 1}" for i in range(out["rounds"]))
     per_round = {key: ", ".join(f"{a / o:.1f}×" for a, o in zip(out["series"]["async"], out["series"][key]))
                  for key in ("make_vec", "make_vec_inplace")}

@@ -3,8 +3,9 @@
 Each env below is hostile code in the machine: it rewrites the agent's pull encoding to
 send a pickle (one that would touch a file here if it were ever unpickled) or an object
 array, sends an observation far bigger than its space, of the wrong dtype or structure,
-a NaN reward, or describes impossible spaces. Each is refused in one line naming the
-env, nothing is unpickled, and the env goes on after a reset (the next episode is a new
+a NaN reward, or describes impossible spaces. The lean form a step's answer takes
+is forged too (an object array, a pickled info, unknown fields, flags out of range). Each is
+refused in one line naming the env, nothing is unpickled, and the env goes on after a reset (the next episode is a new
 branch of the warm parent, which the attack never touched).
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 
@@ -70,7 +72,33 @@ class Hostile(gymnasium.Env):
         elif self.how == "bool-reward":  # past the server's own float(): what the host gets is True
             sys._getframe(1).f_globals["_reward"] = lambda value: value
             reward = True
+        elif self.how.startswith("lean-"):  # a forged step answer in the lean form, sent ahead of the real one
+            sys.modules["smolbench_guest"]._agent.send({"t": "answer", "step": lean(self.how)})
         return obs, reward, False, False, info
+
+def _npy_of(arr, allow_pickle=False):
+    import io
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=allow_pickle)
+    return base64.b64encode(buf.getvalue()).decode()
+
+def lean(how):
+    ok = {"o": _npy_of(np.zeros(4, np.float32)), "r": 1.0, "f": 0, "i": {"format": "data", "data": {"$": "dict", "v": []}}}
+    if how == "lean-object-obs":
+        return {**ok, "o": _npy_of(np.array([Boom(MARKER)], dtype=object), allow_pickle=True)}
+    if how == "lean-pickle-info":
+        return {**ok, "i": {"format": "pickle", "data": base64.b64encode(pickle.dumps(Boom(MARKER))).decode()}}
+    if how == "lean-huge-obs":
+        return {**ok, "o": _npy_of(np.zeros(2_000_000, np.float32))}
+    if how == "lean-extra":
+        return {**ok, "x": 1}
+    if how == "lean-flags":
+        return {**ok, "f": 7}
+    if how == "lean-both":
+        return {**ok, "ov": {"format": "data", "data": 1}}
+    if how == "lean-nan":
+        return {**ok, "r": {"$": "float", "v": "nan"}}
+    return {**ok, "o": 12}  # lean-not-text
 
 def forged(description):
     def factory():
@@ -78,7 +106,8 @@ def forged(description):
         return Hostile("none")
     return factory
 
-for _how in ("pickle", "object-npy", "huge", "float64", "dict", "outside", "nan", "bool-reward"):
+for _how in ("pickle", "object-npy", "huge", "float64", "dict", "outside", "nan", "bool-reward", "lean-object-obs",
+             "lean-pickle-info", "lean-huge-obs", "lean-extra", "lean-flags", "lean-both", "lean-nan", "lean-not-text"):
     globals()["hostile_" + _how.replace("-", "_")] = (lambda h: lambda: Hostile(h))(_how)
 box_bounds_differ = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(4), "dtype": "float32"})
 box_of_objects = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(3), "dtype": "object"})
@@ -108,6 +137,15 @@ def marker(bench: Workbench, tmp_path: Path) -> Path:
     ("outside", "is outside its space"),
     ("nan", "sent a reward of nan"),
     ("bool_reward", "sent a reward of True"),
+    # the lean form of a step's answer (smolbench/gate/channel.py), forged by the machine
+    ("lean_object_obs", "not plain .npy data"),
+    ("lean_pickle_info", "came back as a pickle, but pulls are data-only"),
+    ("lean_huge_obs", "has shape (2000000,) and dtype float32; its space wants (4,) and float32"),
+    ("lean_extra", "unknown field 'x' in a step answer"),
+    ("lean_flags", "a step's flags is out of range"),
+    ("lean_both", "a step answer whose observation is not one array or one value"),
+    ("lean_nan", "sent a reward of nan"),
+    ("lean_not_text", "an array should be text"),
 ])
 def test_a_hostile_step_is_refused_in_one_line(bench: Workbench, marker: Path, how: str, says: str) -> None:
     env = sgym.make(f"hostile_{how}", session=bench)
@@ -156,3 +194,19 @@ def test_the_weakened_contrast_lets_a_wrong_observation_through(bench: Workbench
                 env.close()
     finally:
         spaces.TEST_WEAKEN.discard("obs-check")
+
+
+@pytest.mark.parametrize("how, says", [("outside", "is outside its space"), ("lean_huge_obs", "has shape (2000000,)")])
+def test_a_vector_step_checks_every_observation_though_all_at_once(bench: Workbench, marker: Path, how: str,
+                                                                   says: str) -> None:
+    """make_vec checks its sub-envs' observations against the Box in one batch: a wrong one is
+    still refused in one line naming its sub-env."""
+    envs = sgym.make_vec(f"hostile_{how}", 3, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            envs.step(np.zeros(3, np.int64))
+        line = str(refused.value)
+        assert says in line and "sub-env 0 (machine root." in line and "\n" not in line, line
+    finally:
+        envs.close()

@@ -19,9 +19,9 @@ import shutil
 import subprocess
 import tarfile
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import gate
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
@@ -34,6 +34,8 @@ from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+
+T = TypeVar("T")
 
 BOOT_TIMEOUT = 30.0
 KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
@@ -351,10 +353,13 @@ class AgentHostBackend(Backend):
     # -- talking to agents ------------------------------------------------------------
 
     async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await self._connect(ref, asyncio.open_unix_connection)
+
+    async def _connect(self, ref: MachineRef, how: Callable[[str], Awaitable[T]]) -> T:
         if ref.name not in self._machines:
             raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
         try:
-            return await asyncio.open_unix_connection(ref.info["socket"])
+            return await how(ref.info["socket"])
         except OSError as exc:
             raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
 
@@ -409,9 +414,11 @@ class AgentHostBackend(Backend):
         def lost() -> str | None:
             return _limits.out_of_memory_line(machine.spec) if limits is not None and limits.oom_kills() > ooms else None
 
-        reader, writer = await self._open(machine)
-        writer.write(P.encode(exec_message(request)))
-        return Channel(machine.name, reader, writer, request, lost)
+        loop = asyncio.get_running_loop()
+        _, chan = await self._connect(machine, lambda path: loop.create_unix_connection(
+            lambda: Channel(machine.name, request, lost), path))
+        chan.send(exec_message(request))
+        return chan
 
     async def interrupt(self, machine: MachineRef) -> None:
         with contextlib.suppress(SmolbenchError, OSError):

@@ -2,7 +2,8 @@
 
 A cell that serves a loop of small requests on its own connection
 (``smolbench_guest.channel()``; ``smolbench.gym`` steps envs this way) sends one
-``{"t": "answer", ...}`` frame per request. Each frame is bounded and decoded like any
+``{"t": "answer", ...}`` frame per request, parsed as the bytes arrive (no task per
+channel: a vector step reads many at once). Each frame is bounded and decoded like any
 reply (:mod:`.frames`); its value is rebuilt from data by :mod:`.pull` (arrays through the
 ``.npy`` path, never a pickle). Output the cell prints meanwhile is dropped, up to a
 budget per answer; the cell's own ``done`` (it ended) is checked as a cell's is.
@@ -10,13 +11,12 @@ budget per answer; the cell's own ``done`` (it ended) is checked as a cell's is.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from ..backends.base import CellRequest, CellResult
 from ..errors import SmolbenchError
 from . import _Cell, _error, died, malformed, pull
-from .frames import Bad, decode, each, shown, split_frames
+from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown
 from .limits import LIMITS, human
 
 
@@ -39,41 +39,83 @@ class Ended(SmolbenchError):
 
 
 class Answers:
-    """The answers on one kept connection, read one at a time (one request in flight)."""
+    """The answers on one kept connection, parsed as its bytes arrive (one request in flight).
 
-    def __init__(self, chunks: AsyncIterator[bytes], request: CellRequest, where: str) -> None:
-        self._frames = split_frames(chunks)
+    :meth:`feed` takes the raw bytes; each answer comes out as its value, or as the
+    exception that stands for it: :class:`AnswerError` (the request failed; the channel
+    goes on), :class:`Ended`, a malformed-reply line or the machine-died line (the channel
+    answers no more: :attr:`broken` is set).
+    """
+
+    def __init__(self, request: CellRequest, where: str) -> None:
+        self._split = Splitter()
         self.request = request
         self.where = where
+        self._dropped = 0
+        self.broken = False
 
-    async def next(self) -> Any:
-        """The next answer's value; :class:`AnswerError`, :class:`Ended`, a malformed-reply
-        line, or the machine-died line otherwise."""
-        dropped = 0
+    def feed(self, chunk: bytes) -> list[Any]:
+        """The answers ``chunk`` completes (values, or exceptions as above)."""
+        if self.broken:
+            return []
+        out: list[Any] = []
         try:
-            async for frame in self._frames:
-                msg = decode(frame)
-                kind = msg.get("t")
-                if kind == "answer":
-                    return self._answer(msg)
-                if kind == "done":
-                    raise Ended(_Cell(self.request, None, self.where).done(msg))
-                if kind not in ("stream", "display"):
-                    raise Bad(f"a message of unknown type {shown(kind)} on a kept channel")
-                dropped += len(frame)  # the env's own prints: not shown (as for a cell's)
-                if dropped > LIMITS.output:
-                    raise Bad(f"more than {human(LIMITS.output)} of output while answering one request")
+            for frame in self._split.feed(chunk):
+                answer = self._frame(frame)
+                if answer is not _NONE:
+                    out.append(answer)
+                    if self.broken:
+                        break
         except Bad as exc:
-            raise malformed(self.where, exc) from None
-        raise died(self.where)
+            out.append(self._break(malformed(self.where, exc)))
+        return out
+
+    def end(self) -> BaseException:
+        """The connection closed: why there are no more answers."""
+        if self.broken:
+            return died(self.where)
+        try:
+            self._split.end()
+        except Bad as exc:
+            return self._break(malformed(self.where, exc))
+        return self._break(died(self.where))
+
+    def close(self) -> None:
+        """Let go of any unfinished frame the channel held."""
+        self.broken = True
+        self._split.close()
+
+    def _break(self, exc: BaseException) -> BaseException:
+        self.close()
+        return exc
+
+    def _frame(self, frame: bytes) -> Any:
+        msg = decode(frame)
+        kind = msg.get("t")
+        if kind == "answer":
+            self._dropped = 0
+            try:
+                return self._answer(msg)
+            except AnswerError as exc:
+                return exc
+        if kind == "done":
+            return self._break(Ended(_Cell(self.request, None, self.where).done(msg)))
+        if kind not in ("stream", "display"):
+            raise Bad(f"a message of unknown type {shown(kind)} on a kept channel")
+        self._dropped += len(frame)  # the env's own prints: not shown (as for a cell's)
+        if self._dropped > LIMITS.output:
+            raise Bad(f"more than {human(LIMITS.output)} of output while answering one request")
+        return _NONE
 
     def _answer(self, msg: dict[str, Any]) -> Any:
-        f = dict(each({"t": lambda v, k: v, "value": lambda v, k: v, "error": _error}, msg, "an answer"))
+        f = dict(each(ANSWER, msg, "an answer"))
         if f.get("error") is not None:
             raise AnswerError(f["error"])
-        if "value" not in f:
-            raise Bad("an answer with neither a value nor an error")
+        if ("value" in f) == ("step" in f):
+            raise Bad("an answer with neither a value nor an error" if "value" not in f else "an answer with a value and a step")
         try:
+            if "step" in f:
+                return _step(f["step"], pull.Budget())
             return pull.pulled("the answer", f["value"], False, pull.Budget())
         except Bad:
             raise
@@ -82,8 +124,28 @@ class Answers:
         except Exception as exc:  # e.g. numpy refusing a hostile header: still one line
             raise Bad(f"an answer that can't be used ({type(exc).__name__})") from None
 
-    async def aclose(self) -> None:
-        """Let go of any unfinished frame the channel held."""
-        closer = getattr(self._frames, "aclose", None)
-        if closer is not None:
-            await closer()
+
+_NONE = object()  # a frame that is not an answer (output, dropped)
+ANSWER = {"t": lambda v, k: v, "value": lambda v, k: v, "step": lambda v, k: v, "error": _error}
+STEP = frozenset({"o", "ov", "r", "f", "i", "g"})
+
+
+def _step(tree: Any, budget: pull.Budget) -> dict[str, Any]:
+    """A gym step's answer in its lean form, as the dict its generic form pulls to:
+    ``{"o": .npy (base64)}`` or ``{"ov": a pulled value}`` (the observation), ``"r"`` the
+    reward (data; the gym checks it is a finite number), ``"f"`` 1 terminated | 2 truncated,
+    ``"i"`` the info (a pulled value), ``"g"`` the env's random state (data, when it ended).
+    Only the shapes above; the values are rebuilt from data like any pull."""
+    f = mapping(tree, "a step answer", len(STEP))
+    known(f, STEP, "a step answer")
+    if ("o" in f) == ("ov" in f):
+        raise Bad("a step answer whose observation is not one array or one value")
+    if "i" not in f:
+        raise Bad("a step answer without its info")
+    obs = pull.npy(f["o"]) if "o" in f else pull.pulled("the observation", f["ov"], False, budget)
+    flags = integer(f.get("f"), "a step's flags", 0, 3)
+    out = {"obs": obs, "reward": pull.data_value(f.get("r"), 1, budget), "terminated": bool(flags & 1),
+           "truncated": bool(flags & 2), "info": pull.pulled("the info", f["i"], False, budget)}
+    if "g" in f:
+        out["rng"] = pull.data_value(f["g"], 1, budget)
+    return out

@@ -34,6 +34,10 @@ def _no_constant(name: str) -> Any:
     raise Bad(f"a non-finite number ({name})")
 
 
+# made once (json.loads with options makes one per call); _no_constant looked up per use (a test weakens it)
+_DECODER = json.JSONDecoder(parse_constant=lambda name: _no_constant(name))
+
+
 def values_in(frame: bytes) -> int:
     """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded).
 
@@ -84,7 +88,7 @@ def decode(frame: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise Bad(f"text that is not valid Unicode ({_not_utf8(frame, exc.start)})") from None
     try:
-        msg = json.loads(text, parse_constant=_no_constant)
+        msg = _DECODER.decode(text)
     except Bad:
         raise
     except RecursionError:
@@ -111,44 +115,86 @@ def _hold(before: int, after: int) -> None:
                   f"above the limit of {human(LIMITS.in_flight)} (`%smol config in-flight SIZE` raises it)")
 
 
-async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Split raw chunks into newline-terminated frames of at most ``LIMITS.max_frame`` bytes.
+class Splitter:
+    """Raw chunks -> newline-terminated frames of at most ``LIMITS.max_frame`` bytes, fed one
+    chunk at a time (no event loop needed: a kept channel feeds it from its protocol).
 
     A frame that grows past the limit is refused as soon as it does (the host never holds
-    more than one limit's worth); bytes after the last newline are a truncated frame.
+    more than one limit's worth); :meth:`end` refuses bytes after the last newline (a
+    truncated frame). Unfinished bytes count toward every machine's in-flight total until
+    :meth:`close`.
     """
-    limit = LIMITS.max_frame
-    buf = bytearray()
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._error: Bad | None = None  # raised after the frames before it were taken
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The frames ``chunk`` finishes (blank lines skipped), or Bad (once the frames before
+        the bad one were returned)."""
+        if self._error is not None:
+            raise self._error
+        frames: list[bytes] = []
+        try:
+            self._feed(chunk, frames)
+        except Bad as exc:
+            if not frames:
+                raise
+            self._error = exc
+        return frames
+
+    def _feed(self, chunk: bytes, frames: list[bytes]) -> None:
+        limit, buf = LIMITS.max_frame, self._buf
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                break
+            if len(buf) + nl - start > limit:
+                raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+            if buf:
+                buf += chunk[start:nl]
+                frame = bytes(buf)
+                _hold(len(buf), 0)
+                buf.clear()
+            else:
+                frame = chunk[start:nl]
+            start = nl + 1
+            if frame.strip():
+                frames.append(frame)
+        if len(buf) + len(chunk) - start > limit:
+            raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+        if start < len(chunk):
+            _hold(len(buf), len(buf) + len(chunk) - start)
+            buf += chunk[start:]
+
+    def end(self) -> None:
+        """The stream closed: Bad if it closed inside a frame."""
+        if self._error is not None:
+            raise self._error
+        if self._buf.strip():
+            raise Bad(f"a truncated frame ({human(len(self._buf))} with no line end before the stream closed)")
+
+    def close(self) -> None:
+        """Let go of any unfinished frame (it no longer counts as in flight)."""
+        _hold(len(self._buf), 0)
+        self._buf.clear()
+
+
+async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Split raw chunks into frames (see :class:`Splitter`)."""
+    splitter = Splitter()
     try:
         async for chunk in chunks:
             if not chunk:
                 continue
-            start = 0
-            while True:
-                nl = chunk.find(b"\n", start)
-                if nl < 0:
-                    break
-                if len(buf) + nl - start > limit:
-                    raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
-                if buf:
-                    buf += chunk[start:nl]
-                    frame = bytes(buf)
-                    _hold(len(buf), 0)
-                    buf.clear()
-                else:
-                    frame = chunk[start:nl]
-                start = nl + 1
-                if frame.strip():
-                    yield frame
-                del frame  # not held while the next chunk is awaited
-            if len(buf) + len(chunk) - start > limit:
-                raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
-            _hold(len(buf), len(buf) + len(chunk) - start)
-            buf += chunk[start:]
-        if buf.strip():
-            raise Bad(f"a truncated frame ({human(len(buf))} with no line end before the stream closed)")
+            frames = splitter.feed(chunk)
+            del chunk  # not held while the next one is awaited
+            while frames:
+                yield frames.pop(0)
+        splitter.end()
     finally:
-        _hold(len(buf), 0)
+        splitter.close()
 
 
 # -- field checks -----------------------------------------------------------------------------

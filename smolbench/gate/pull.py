@@ -61,6 +61,9 @@ PLAIN_NPY = re.compile(rb"\{'descr': '([<>|][biuf][1248])', 'fortran_order': Fal
                        rb"'shape': \(((?:[0-9]{1,10}, )*[0-9]{1,10},?|)\), \} *\n")
 
 
+_HEADERS: dict[bytes, tuple[Any, tuple[int, ...], int]] = {}  # plain headers seen: (dtype, shape, items)
+
+
 def _plain_npy(raw: bytes) -> Any:
     """A plain numeric C-ordered array from its .npy bytes, or None (then np.load decides)."""
     import numpy as np
@@ -68,18 +71,25 @@ def _plain_npy(raw: bytes) -> Any:
     if len(raw) < 10 or raw[:8] != b"\x93NUMPY\x01\x00":
         return None
     end = 10 + int.from_bytes(raw[8:10], "little")
-    m = PLAIN_NPY.fullmatch(raw, 10, end)
-    if m is None:
-        return None
-    dtype = np.dtype(m[1].decode("ascii"))
-    shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
-    count = math.prod(shape)
+    header = raw[10:end]
+    known = _HEADERS.get(header)
+    if known is None:
+        m = PLAIN_NPY.fullmatch(header)
+        if m is None:
+            return None
+        dtype = np.dtype(m[1].decode("ascii"))
+        shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
+        known = (dtype, shape, math.prod(shape))
+        if len(_HEADERS) < 64:  # a step's observation has the same header every time
+            _HEADERS[header] = known
+    dtype, shape, count = known
     if len(raw) - end != count * dtype.itemsize:
         return None
     return np.frombuffer(bytearray(raw[end:]), dtype=dtype, count=count).reshape(shape)
 
 
-def _npy(value: Any) -> Any:
+def npy(value: Any) -> Any:
+    """An array from its ``.npy`` bytes in base64 (plain data only, never a pickle), or Bad."""
     import numpy as np
 
     raw = _b64(value, "an array")
@@ -214,9 +224,9 @@ def data_value(tree: Any, depth: int = 0, budget: Budget | None = None) -> Any:
             raise Bad("a pulled complex number that is not [real, imag]")
         return complex(v[0], v[1])
     if tag == "npy":
-        return _npy(v)
+        return npy(v)
     if tag == "npscalar":
-        return _npy(v)[()]
+        return npy(v)[()]
     if tag == "series":
         import pandas as pd
 

@@ -3,6 +3,7 @@
 Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
+import sys
 import types
 
 from . import protocol as P
@@ -78,6 +79,15 @@ class GuestAPI(types.ModuleType):
                     agent.apply_seed(req.pop("seed"))
                 yield req
 
+        def warm(value):
+            """What ``answer(value)`` does but the send: run once in a fresh branch before its
+            first request, so the pages that path writes are its own already (copy-on-write)."""
+            P.decode(P.encode({"op": "reset", "r": "{}", "seed": 1}))
+            agent.apply_seed(agent.seed)  # the seeding path too (the episode's request seeds it again)
+            P.encode({"t": "answer", "value": pulldata._pull(value, False)})
+            info = pulldata._pull(value.get("info"), False) if isinstance(value, dict) else None
+            return P.encode({"t": "answer", "step": {"o": pulldata._npy(value["obs"]), "r": 1.0, "f": 0, "i": info}})
+
         def answer(value=None, error=None):
             if error is not None:
                 agent.send({"t": "answer", "error": {"ename": type(error).__name__, "evalue": str(error)[:2000],
@@ -85,4 +95,16 @@ class GuestAPI(types.ModuleType):
             else:
                 agent.send({"t": "answer", "value": pulldata._pull(value, False)})  # the encoding cells' pulls use
 
+        def step(obs, reward, flags, info, rng=None):
+            """A step's answer in its lean form (an array observation as ``.npy``, the rest as
+            pulled data; see ``smolbench/gate/channel.py``)."""
+            np = sys.modules.get("numpy")
+            fields = {"o": pulldata._npy(obs)} if np is not None and type(obs) is np.ndarray else {"ov": pulldata._pull(obs, False)}
+            fields.update(r=reward, f=flags, i=pulldata._pull(info, False))
+            if rng is not None:
+                fields["g"] = pulldata._data(rng)
+            agent.send({"t": "answer", "step": fields})
+
+        answer.warm = warm
+        answer.step = step
         return requests(), answer

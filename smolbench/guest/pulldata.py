@@ -21,10 +21,24 @@ def _type_name(value):
     return "%s.%s" % (t.__module__, t.__qualname__) if t.__module__ != "builtins" else t.__qualname__
 
 
+_HEADERS = {}  # type: dict
+# (dtype, shape) -> the .npy header np.save writes for it (plain C-ordered arrays)
+
+
 def _npy(arr):
     np = sys.modules["numpy"]
     if arr.dtype.hasobject:
         raise _NotData("numpy array of Python objects")
+    if arr.dtype.kind in "biuf" and arr.flags.c_contiguous and arr.dtype.fields is None:
+        key = (arr.dtype.str, arr.shape)
+        head = _HEADERS.get(key)
+        if head is None:  # the same bytes np.save writes, made once per layout (a step's obs each time)
+            buf = io.BytesIO()
+            np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(arr))
+            head = buf.getvalue()
+            if len(_HEADERS) < 64:
+                _HEADERS[key] = head
+        return P.b64(head + arr.tobytes())
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return P.b64(buf.getvalue())

@@ -3,7 +3,7 @@
 ``make`` and ``make_vec`` share this. The warm parent is a branch of the session's
 active machine in which ``smolbench/guest/gymserve.py`` built the env once; each
 sub-env's machine is a branch of that parent. With ``reset="fresh"`` every episode gets
-a new branch (made ahead of time, so a reset costs about what an in-place one does) and
+a new branch (made ahead of time and warmed, so a reset costs about what an in-place one does) and
 the finished episode's machine is deleted; the one thing that carries over is the env's
 random generator state, as data, so that ``reset()`` without a seed continues the
 stream as one long-lived env would (Gymnasium's seeding). Every request is a one-line
@@ -27,12 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymnasium import spaces as S
+
 from .. import retries as retry
 from .._aio import _to_the_end
-from ..backends._channel import Channel
+from ..backends._channel import Channel, ask_all
 from ..backends.base import CellRequest, CellResult, MachineRef
 from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError, Ended
+from ..guest import protocol as P
 from ..ledger import code_hash
 from ..tree import Node
 from . import spaces
@@ -287,7 +290,7 @@ class Machines:
             for ep, r in zip(self.eps, refs):
                 ep.ref = r
         else:
-            self._top_up()
+            self._top_up(self.spare_count)
 
     def _describe(self, described: Any, where: str) -> None:
         if not isinstance(described, dict):
@@ -320,12 +323,13 @@ class Machines:
         spares resets wait for them; refills fork several at once, which costs less each)."""
         return _spares(self.n)
 
-    def _top_up(self) -> None:
-        """Keep spare branches ready (fresh resets take one)."""
+    def _top_up(self, low: int | None = None) -> None:
+        """Keep spare branches ready (fresh resets take one): once at most ``low`` are left
+        (half, unless told), refill them all with one fork request (cheaper per branch)."""
         if self.closed or (self._refill is not None and not self._refill.done()):
             return
         want = self.spare_count - len(self.spares)
-        if want > 0:
+        if want > 0 and len(self.spares) <= (self.spare_count // 2 if low is None else low):
             self._refill = asyncio.ensure_future(self._make_spares(want))
 
     async def _make_spares(self, k: int) -> None:
@@ -359,9 +363,7 @@ class Machines:
                 self._top_up()
             assert self._refill is not None
             await asyncio.shield(self._refill)
-        spare = self.spares.pop(0)
-        self._top_up()
-        return spare
+        return self.spares.pop(0)  # the refill starts once the reset is answered (see reset)
 
     async def _delete(self, ref: MachineRef) -> None:
         for ep in self.eps:  # its episode's serving cell goes with it
@@ -421,13 +423,14 @@ class Machines:
             ep.rng = None
         req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
 
+        old: list[MachineRef] = []
+
         async def once(attempt: int) -> Any:
             if self.mode == "fresh" or ep.ref is None:
-                old = ep.ref
+                if ep.ref is not None:
+                    old.append(ep.ref)
                 self._hang_up(ep)
                 ep.ref, ep.chan = await self._spare()
-                if old is not None:
-                    await self._delete_later(old)
             self._begin(ep, seed)
             global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
             try:
@@ -444,7 +447,16 @@ class Machines:
         async def rebuild(attempt: int) -> None:
             await self._lost(ep, attempt)
 
-        out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
+        try:
+            out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
+        finally:
+            # Only now the last episode's machine is deleted and spares are forked: done before
+            # the reset was answered, both took the CPU its first request needed (a fresh reset
+            # measured 2-3x slower while a refill forked beside it).
+            for ref in old:
+                await self._delete_later(ref)
+            if self.mode == "fresh":
+                self._top_up()
         where = _where(i, self.n, ep)
         if not isinstance(out, dict) or set(out) - {"obs", "info"}:
             raise GymError(f"{where} answered a reset with something other than an observation and an info")
@@ -454,32 +466,84 @@ class Machines:
 
     async def step(self, i: int, action: Any) -> Step:
         """One step of sub-env ``i`` (its action already checked against the space)."""
-        ep = self.eps[i]
-        where = _where(i, self.n, ep)
-        if not ep.running or ep.ref is None:
-            raise GymError(f"{where}: step() before reset() (or after the episode ended): call reset() first")
-        data = spaces.action_data(self.action_space, action)
-        try:
-            if ep.chan is not None:
-                out = await self._ask(ep, {"op": "step", "a": data})
+        (out,) = await self.steps([i], [action])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def steps(self, which: list[int], actions: list[Any]) -> list[Step | BaseException]:
+        """One step of each sub-env in ``which`` (actions already checked), all at once: every
+        request written, then every answer read (one wait, not a task per sub-env). Each
+        result is its Step or the error that sub-env's step raised."""
+        outs: list[Any] = [None] * len(which)
+        chans: list[int] = []
+        cells: list[int] = []
+        for k, i in enumerate(which):
+            ep = self.eps[i]
+            if not ep.running or ep.ref is None:
+                outs[k] = GymError(f"{_where(i, self.n, ep)}: step() before reset() (or after the episode ended): "
+                                   "call reset() first")
             else:
-                out = await self._call(ep, f"_smolgym_out = _smolgym.step({json.dumps(data)!r})")
-        except (InfraError, Unanswered) as exc:
+                (chans if ep.chan is not None else cells).append(k)
+        if chans:
+            lines = [self._action_line(actions[k]) for k in chans]
+            got = await ask_all([self.eps[which[k]].chan for k in chans], lines)  # type: ignore[misc]
+            for k, out in zip(chans, got):
+                outs[k] = out if not isinstance(out, BaseException) else self._asked(self.eps[which[k]], out)
+        if cells:  # no kept connections (e.g. the process backend): one cell per step
+            async def cell(k: int) -> Any:
+                data = json.dumps(spaces.action_data(self.action_space, actions[k]))
+                try:
+                    return await self._call(self.eps[which[k]], f"_smolgym_out = _smolgym.step({data!r})")
+                except Exception as exc:
+                    return exc
+            for k, out in zip(cells, await asyncio.gather(*(cell(k) for k in cells))):
+                outs[k] = out
+        done = sorted(chans + cells)
+        fits = spaces.inside(self.observation_space, [o.get("obs") if type(o) is dict else None for o in (outs[k] for k in done)])
+        for k, fit in zip(done, fits):
+            outs[k] = await self._stepped(self.eps[which[k]], outs[k], fit)
+        return outs
+
+    def _action_line(self, action: Any) -> bytes:
+        """A step request as its JSON line (a Discrete action's without building a dict)."""
+        if self._discrete:
+            return b'{"op":"step","a":{"$":"int64","v":%d}}\n' % int(action)
+        return P.encode({"op": "step", "a": spaces.action_data(self.action_space, action)})
+
+    @property
+    def _discrete(self) -> bool:
+        return type(self.action_space) is S.Discrete
+
+    def _asked(self, ep: Episode, exc: BaseException) -> BaseException:
+        """What a failed answer on ``ep``'s channel stands for (as :meth:`_ask` says it)."""
+        where = _where(ep.index, self.n, ep)
+        if isinstance(exc, AnswerError):
+            return GymError(f"{where}: {exc}")
+        self._hang_up(ep)
+        return self._failed(exc, where)
+
+    async def _stepped(self, ep: Episode, out: Any, fit: bool = False) -> Step | BaseException:
+        """A sub-env's step answer (or its failure) checked and recorded (``fit``: its
+        observation was already found to fit the space)."""
+        where = _where(ep.index, self.n, ep)
+        if isinstance(out, (InfraError, Unanswered)):
             if self.retries < 1 or await self._alive(ep):
-                self._end(ep, "error", str(exc))
-                raise GymError(str(exc)) from None
+                self._end(ep, "error", str(out))
+                return GymError(str(out))
             # the machine died under the step: its episode is cut short (truncated), a new machine takes over
-            await self._lost(ep, 1, str(exc))
+            await self._lost(ep, 1, str(out))
             return Step(ep.obs, 0.0, False, True, {"smolbench_lost": f"{where} died mid-step; a new machine "
                                                                      "from the warm parent takes over at the next reset"})
-        except GymError as exc:
-            self._end(ep, "error", str(exc))
-            raise
+        if isinstance(out, BaseException):
+            if isinstance(out, GymError):
+                self._end(ep, "error", str(out))
+            return out
         try:
-            st = self._step(out, where)
+            st = self._step(out, where, fit)
         except GymError as exc:
             self._end(ep, "error", str(exc))
-            raise
+            return exc
         ep.obs = st.obs
         ep.ret += st.reward
         ep.length += 1
@@ -488,7 +552,7 @@ class Machines:
             self._end(ep, "terminated" if st.terminated else "truncated")
         return st
 
-    def _step(self, out: Any, where: str) -> Step:
+    def _step(self, out: Any, where: str, fit: bool = False) -> Step:
         if not isinstance(out, dict) or not {"obs", "reward", "terminated", "truncated", "info"} <= set(out) \
                 or set(out) - {"obs", "reward", "terminated", "truncated", "info", "rng"}:
             raise GymError(f"{where} answered a step with something other than (obs, reward, terminated, truncated, info)")
@@ -498,7 +562,8 @@ class Machines:
         for key in ("terminated", "truncated"):
             if not isinstance(out[key], bool):
                 raise GymError(f"{where} sent {key} = {str(out[key])[:40]}, not True or False")
-        return Step(self._obs(out["obs"], where), float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
+        obs = out["obs"] if fit else self._obs(out["obs"], where)
+        return Step(obs, float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
 
     def _obs(self, value: Any, where: str) -> Any:
         try:

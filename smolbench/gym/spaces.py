@@ -149,6 +149,22 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
     return value
 
 
+def inside(space: S.Space[Any], values: list[Any]) -> list[bool]:
+    """For each value, whether it is an array that :func:`check` would pass for a Box
+    ``space`` (its exact shape and dtype, within its bounds), checked for all at once;
+    False means only "not known to fit": :func:`check` then says why."""
+    if type(space) is not S.Box or "obs-check" in TEST_WEAKEN or len(values) < 2:
+        return [False] * len(values)
+    rows = [k for k, v in enumerate(values) if type(v) is np.ndarray and v.shape == space.shape and v.dtype == space.dtype]
+    out = [False] * len(values)
+    if rows:
+        batch = np.stack([values[k] for k in rows])
+        fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
+        for k, ok in zip(rows, fits):
+            out[k] = bool(ok)
+    return out
+
+
 def action_data(space: S.Space[Any], action: Any) -> Any:
     """An action (already checked against ``space``) in the JSON form the machine decodes."""
     if isinstance(space, S.Dict):

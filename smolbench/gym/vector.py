@@ -89,8 +89,8 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                            "reset it (options={'reset_mask': ...}) before stepping")
         resetting = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP and self._autoreset[i]]
         stepping = [i for i in range(self.num_envs) if i not in resetting]
-        jobs = [self._m.reset(i, None, None) for i in resetting] + [self._m.step(i, acts[i]) for i in stepping]
-        outs = dict(zip(resetting + stepping, self._run(jobs, resetting + stepping)))
+        jobs = [self._m.reset(i, None, None) for i in resetting] + [self._steps(stepping, [acts[i] for i in stepping])]
+        outs = dict(zip(resetting + stepping, self._run(jobs, resetting + stepping, flat=bool(stepping))))
         infos: dict[str, Any] = {}
         finals: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i in range(self.num_envs):
@@ -117,13 +117,25 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
         return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations), infos)
 
-    def _run(self, jobs: list[Any], which: list[int]) -> list[Any]:
-        """Run the sub-envs' requests together; the first failure is raised (after all ended)."""
+    async def _steps(self, which: list[int], actions: list[Any]) -> list[Any]:
+        return await self._m.steps(which, actions) if which else []
+
+    def _run(self, jobs: list[Any], which: list[int], flat: bool = False) -> list[Any]:
+        """Run the sub-envs' requests together; the first failure is raised (after all ended).
+        ``flat``: the last job is :meth:`Machines.steps`, whose results are one per sub-env."""
 
         async def together() -> list[Any]:
+            if len(jobs) == 1:  # no task for a lone job (a vector step without resets)
+                try:
+                    return [await jobs[0]]
+                except Exception as exc:
+                    return [exc]
             return await asyncio.gather(*jobs, return_exceptions=True)
 
         outs = self._m.host.run(together())
+        if flat:
+            last = outs.pop()
+            outs.extend(last if isinstance(last, list) else [last] * (len(which) - len(outs)))
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:
             for i in which:  # a failed sub-env starts over at the next reset
