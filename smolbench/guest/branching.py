@@ -97,18 +97,28 @@ class Branching:
         if old is not None:
             os.close(old[0])
 
-    def release(self, go):
-        """Let the held children of the last fork start (``go``) or exit; how many there were."""
+    def release(self, go, answer=None):
+        """Let the held children of the last fork start (``go``) or exit; how many there were.
+        ``answer`` (the host's reply) goes just before they start: once they run, this thread
+        shares the cores with all of them, and the reply waited its turn (a child whose word
+        never comes exits: ``_wait_release``)."""
         held, self._held = getattr(self, "_held", None), None
-        if held is None:
-            return 0
-        fd, count = held
         try:
-            if go:
-                os.write(fd, b"g" * count)  # at most a few KiB: within the pipe's buffer
+            if held is None:
+                return 0
+            fd, count = held
+            try:
+                if go and answer is not None:
+                    answer, reply = None, answer
+                    reply()
+                if go:
+                    os.write(fd, b"g" * count)  # at most a few KiB: within the pipe's buffer
+            finally:
+                os.close(fd)
+            return count
         finally:
-            os.close(fd)
-        return count
+            if answer is not None:  # not released (none held, or told to exit): after it is done
+                answer()
 
     def _become_child(self, child, listener, frozen=None):
         try:

@@ -163,8 +163,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             _wait_exited(pid, 10.0)  # answer once the branch is gone, not merely signalled
             self._reply(conn, {"t": "done", "status": "ok"})
         elif op == "release":
-            self.release(bool(req.get("go")))
-            self._reply(conn, {"t": "done", "status": "ok"})
+            self.release(bool(req.get("go")), lambda: self._reply(conn, {"t": "done", "status": "ok"}))
         elif op == "shutdown":
             self._reply(conn, {"t": "done", "status": "ok"})
             os._exit(0)
