@@ -319,8 +319,9 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: 8 (a fork's start-up outlasts a short episode, so with few
-        spares resets wait for them; refills fork several at once, which costs less each)."""
+        """Spare branches kept ready: 16, one per sub-env past that, at most 32 (a fork's
+        start-up outlasts a short episode, so with few spares resets wait for them; a refill
+        forks half of them at once, which costs less each)."""
         return _spares(self.n)
 
     def _top_up(self, low: int | None = None) -> None:
@@ -644,7 +645,7 @@ class Machines:
 
 
 def _spares(n: int) -> int:
-    return 8
+    return min(32, max(16, n))
 
 
 def _live(n: int, mode: str) -> int:
