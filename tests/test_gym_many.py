@@ -35,7 +35,7 @@ def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
 
 def most_envs(bench: Workbench, reset: str) -> int:
     room, _ = bench.backend.branch_room(bench.spec)  # type: ignore[attr-defined]
-    return max(k for k in range(1, room + 1) if _live(k, reset) <= room)
+    return max(k for k in range(1, room + 1) if _live(k, reset, room) <= room)
 
 
 def test_64_fresh_sub_envs_step_through_many_episodes(bench: Workbench) -> None:

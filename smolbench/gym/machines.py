@@ -130,12 +130,13 @@ class Machines:
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
+        self._room = NO_ROOM_LIMIT  # live branches the warm parent has room for (the backend says)
         self._deletions = self._check_room()  # deletions under way at once, at most
 
     def live_branches(self) -> int:
         """Branches of the warm parent this env holds at most at once: one per sub-env, and with
         fresh resets its spares and as many being deleted."""
-        return _live(self.n, self.mode)
+        return _live(self.n, self.mode, self._room)
 
     def _check_room(self) -> int:
         """Refuse up front, in one line, more sub-envs than one warm parent has room for; how
@@ -145,9 +146,10 @@ class Machines:
         if room_of is None:
             return self.spare_count
         room, why = room_of(self.wb.spec)
+        self._room = room
         if self.live_branches() <= room:
             return min(32, max(self.spare_count, room - self.n - self.spare_count))
-        fits = max([k for k in range(1, room + 1) if _live(k, self.mode) <= room] or [0])
+        fits = max([k for k in range(1, room + 1) if _live(k, self.mode, room) <= room] or [0])
         raise SmolbenchError(
             f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
             f"for {room} ({why}): use at most {fits} envs per {'make_vec' if self.n > 1 else 'env'} with "
@@ -319,10 +321,11 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: 16, one per sub-env past that, at most 32 (a fork's
+        """Spare branches kept ready: 16, one per sub-env past that, at most 32, fewer (down to
+        8) where the warm parent has little room (a fork's
         start-up outlasts a short episode, so with few spares resets wait for them; a refill
         forks half of them at once, which costs less each)."""
-        return _spares(self.n)
+        return _spares(self.n, self._room)
 
     def _top_up(self, low: int | None = None) -> None:
         """Keep spare branches ready (fresh resets take one): once at most ``low`` are left
@@ -644,12 +647,17 @@ class Machines:
             self.wb.ledger.end_run(self.run_id, "done")
 
 
-def _spares(n: int) -> int:
-    return min(32, max(16, n))
+NO_ROOM_LIMIT = 1 << 20
 
 
-def _live(n: int, mode: str) -> int:
-    return n + (2 * _spares(n) if mode == "fresh" else 0)
+def _spares(n: int, room: int = NO_ROOM_LIMIT) -> int:
+    """16, one per sub-env past that, at most 32; fewer, down to 8, where the warm parent's
+    room would otherwise hold fewer sub-envs than with 8."""
+    return max(8, min(32, max(16, n), (room - n) // 2))
+
+
+def _live(n: int, mode: str, room: int = NO_ROOM_LIMIT) -> int:
+    return n + (2 * _spares(n, room) if mode == "fresh" else 0)
 
 
 def _ignore(event: Any) -> None:
