@@ -211,14 +211,39 @@ Round by round (each series ran right after the other, so under the same load), 
 
 Per-step overhead of a machine-backed env: {b['make_ms'] - b['local_ms']:.2f} ms (median `make` step minus the
 same env's step here). Each episode's machine runs one serving cell that answers every step on one kept
-connection (a vector step writes all its requests, then reads all the answers, each through the gate as data).
-A fresh reset takes one of 8 spare branches made ahead of time whose serving cell already waits (refilled by
-one fork request at a time, several branches each), so the reset itself is one request; it still costs more
-than an in-place one (not broken down yet: the new process's first touch of its copy-on-write pages is the
-likely part), and a fresh episode also costs
-that fork and the last machine's deletion (in the background, many at once), host CPU that competes with the
-steps: CartPole's random-action episodes (~10-20 steps) are short, so `make_vec` with `reset="fresh"` spends
-much of its time branching (compare the in-place row).
+connection. A vector step writes all 16 requests, then waits once for all 16 answers: each connection is an
+asyncio protocol that parses its answers as the bytes arrive (no stream reader, no task per sub-env), and a
+step answers in a lean form (the observation as `.npy`, the info as pulled data, flags for terminated and
+truncated), checked by the gate like any reply and against the rebuilt spaces (the Box check runs once for
+all 16). CPU per in-place vector step (rows above): this process {b["inplace_host_cpu_ms"]:.1f} ms and the machines
+{b["inplace_guest_cpu_ms"]:.1f} ms, where `AsyncVectorEnv` takes {b["async_host_cpu_ms"]:.1f} ms here and {b["async_worker_cpu_ms"]:.1f} ms in its workers: on 2
+cores the step is CPU-bound, and this process's share is what is left to cut.
+
+Where a step's host CPU went before this work (main b70f802; cProfile of smolbench's loop thread and CPU
+accounting, 16 envs in place, load 3-10): 5.0-6.0 ms per vector step (loop thread 4.6, the caller's 0.4), the machines 7.5 ms.
+Per sub-env: asyncio streams and a task each (gather of 16) about half; the gate's reply path ~60 µs (JSON
+decode ~10, the pulled data tree walked value by value and the `.npy` header matched by regex ~45); the
+checks against the spaces ~27 µs (Box.contains ~10); encoding the action ~14 µs; in the machine, ~160 µs of
+Python per step (np.save writing a header each time). The hop from the caller to the loop is ~0.1 ms per
+vector step; ledger rows are written only when an episode begins or ends (~1.5 upserts per vector step, well
+under 0.1 ms; they stay synchronous, so a finished episode is in the ledger before the step returns). Side by
+side after it (load ~12): this process 7.3 -> 4.8 ms, the machines 10.6 -> 8.1 ms per vector step (the gate's
+path ~35 µs per answer, the machine's Python ~70 µs).
+
+A fresh reset takes one of 16 spare branches (one per sub-env past 16, at most 32) made ahead of time, whose
+serving cell already waits on its connection, so the reset is one request. Broken down with timestamps on
+both sides (a single env, spares never ran out): the request itself was 5.7-11 ms where an in-place one is
+~1 ms, not a wait for a spare (~0). Two parts: a refill's fork and the last machine's deletion started at the
+moment of the reset and took the CPU its request needed (deferring them until the reset is answered:
+env.reset in the branch 5.9 -> 2.3 ms); and the branch's first writes to pages it shares with the warm parent
+(~280 copy-on-write faults in env.reset alone; the request and answer path in the agent is just as new).
+Each spare is now warmed while it waits: the request/answer path runs once on made-up data and the env's
+attributes are read (nothing of the env runs, so an episode still starts from the warm parent's state);
+faults in env.reset ~280 -> ~140, the whole request ~10 -> ~3 ms on a quiet moment. The rest is the env's own
+first writes (its arrays, its random generator, the interpreter's pages) and, in a loop of short episodes,
+the refills and deletions that still run beside the steps. A fresh episode also costs its fork and the last
+machine's deletion: CartPole's random-action episodes (~10-20 steps) are short, so `make_vec` with
+`reset="fresh"` is bound by how fast the warm parent forks (compare the in-place row).
 {END}"""
 
 
