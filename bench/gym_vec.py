@@ -231,7 +231,8 @@ side after it (load ~12): this process 7.3 -> 4.8 ms, the machines 10.6 -> 8.1 m
 path ~35 µs per answer, the machine's Python ~70 µs).
 
 A fresh reset takes one of 16 spare branches (one per sub-env past 16, at most 32) made ahead of time, whose
-serving cell already waits on its connection, so the reset is one request. Broken down with timestamps on
+serving cell already waits on its connection, so the reset is one request (refills fork half the spares at
+once; each new spare starts its serving cell on its own, so the next fork need not wait for them). Broken down with timestamps on
 both sides (a single env, spares never ran out): the request itself was 5.7-11 ms where an in-place one is
 ~1 ms, not a wait for a spare (~0). Two parts: a refill's fork and the last machine's deletion started at the
 moment of the reset and took the CPU its request needed (deferring them until the reset is answered:

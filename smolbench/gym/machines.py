@@ -126,6 +126,8 @@ class Machines:
         self._names = itertools.count()  # branch numbers under the warm parent (shared by siblings)
         self.owns_parent = True
         self._refill: asyncio.Future[None] | None = None
+        self._warming: set[asyncio.Future[None]] = set()  # new spares starting their serving cells
+        self._added = asyncio.Event()  # a spare was added
         self._deleting: set[asyncio.Future[Any]] = set()
         self.run_id = ""
         self.closed = False
@@ -328,12 +330,14 @@ class Machines:
         return _spares(self.n, self._room)
 
     def _top_up(self, low: int | None = None) -> None:
-        """Keep spare branches ready (fresh resets take one): once at most ``low`` are left
-        (half, unless told), refill them all with one fork request (cheaper per branch)."""
+        """Keep spare branches ready (fresh resets take one): once at most ``low`` are left or
+        on their way (half, unless told), refill them all with one fork request (cheaper per
+        branch)."""
         if self.closed or (self._refill is not None and not self._refill.done()):
             return
-        want = self.spare_count - len(self.spares)
-        if want > 0 and len(self.spares) <= (self.spare_count // 2 if low is None else low):
+        have = len(self.spares) + len(self._warming)
+        want = self.spare_count - have
+        if want > 0 and have <= (self.spare_count // 2 if low is None else low):
             self._refill = asyncio.ensure_future(self._make_spares(want))
 
     async def _make_spares(self, k: int) -> None:
@@ -342,9 +346,22 @@ class Machines:
             for r in refs:
                 await self._delete(r)
             return
-        # each spare's serving cell starts now, so a fresh reset is one request on its channel
-        chans = await asyncio.gather(*(self._wait_in(r) for r in refs))
-        self.spares.extend(zip(refs, chans))
+        # each spare's serving cell starts (and warms) on its own, so the next fork need not
+        # wait for them; each is a spare once it waits for its episode's reset
+        for r in refs:
+            task = asyncio.ensure_future(self._ready(r))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def _ready(self, ref: MachineRef) -> None:
+        chan = await self._wait_in(ref)
+        if self.closed:
+            if chan is not None:
+                chan.close()
+            await self._delete(ref)
+            return
+        self.spares.append((ref, chan))
+        self._added.set()
 
     async def _wait_in(self, ref: MachineRef) -> Channel | None:
         """A serving cell in ``ref`` that waits for its episode's reset (None: the reset starts one)."""
@@ -360,13 +377,21 @@ class Machines:
 
     async def _spare(self) -> tuple[MachineRef, Channel | None]:
         while not self.spares:
-            if self._refill is None or self._refill.done():
-                if self._refill is not None and self._refill.exception() is not None:
-                    exc, self._refill = self._refill.exception(), None
-                    raise GymError(f"no machine for the next episode: {exc}")
-                self._top_up()
-            assert self._refill is not None
-            await asyncio.shield(self._refill)
+            refill = self._refill
+            if refill is not None and refill.done() and not refill.cancelled() and refill.exception() is not None:
+                exc, self._refill = refill.exception(), None
+                raise GymError(f"no machine for the next episode: {exc}")
+            if not self._warming and (refill is None or refill.done()):
+                self._top_up(self.spare_count)
+                if self._refill is refill:  # none could start
+                    raise GymError("no machine for the next episode: the env is closed")
+            self._added.clear()
+            added = asyncio.ensure_future(self._added.wait())
+            try:
+                pending = {added} | ({self._refill} if self._refill is not None and not self._refill.done() else set())
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                added.cancel()
         return self.spares.pop(0)  # the refill starts once the reset is answered (see reset)
 
     async def _delete(self, ref: MachineRef) -> None:
@@ -623,6 +648,8 @@ class Machines:
         if self._refill is not None:
             with contextlib.suppress(BaseException):
                 await self._refill
+        if self._warming:  # each deletes its machine (the env is closed)
+            await asyncio.gather(*self._warming, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
                 self._end(ep, "closed")
