@@ -5,12 +5,16 @@ line on the same connection and each answer comes back through the gate
 (:mod:`smolbench.gate.channel`), parsed as its bytes arrive (an asyncio protocol: no
 stream reader, no task per channel). One request is in flight at a time per channel;
 many channels (one per machine) are asked together by :func:`ask_all`, which writes
-every request first and then waits once for all the answers.
+every request first and then waits once for all the answers. Between requests a channel's
+reading is paused, so :func:`ask_now` can do the same on the caller's own thread (one poll
+over the sockets, no hop to the loop): only one thread ever reads a socket at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +35,9 @@ class Channel(asyncio.Protocol):
         self._ready: deque[Any] = deque()  # answers (or the exceptions standing for them) not taken yet
         self._wake: Callable[[], None] | None = None
         self._transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        self._held = False  # reading paused: no thread reads it until one asks (see ask_now)
         self.closed = False
 
     # -- the protocol (called by the event loop) --------------------------------------
@@ -38,6 +45,9 @@ class Channel(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         self._ready.extend(self._answers.feed(data))
@@ -67,6 +77,18 @@ class Channel(asyncio.Protocol):
         elif wake is not None:
             self._wake = wake
 
+    def _hold(self) -> None:
+        """Pause reading until the next request (on the loop's thread)."""
+        if not self.closed and self._transport is not None and not self._held:
+            self._transport.pause_reading()
+            self._held = True
+
+    def _unhold(self) -> None:
+        """Read on the loop again, for an answer awaited there."""
+        if self._held and not self.closed and self._transport is not None:
+            self._transport.resume_reading()
+        self._held = False
+
     # -- requests ---------------------------------------------------------------------
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -90,10 +112,12 @@ class Channel(asyncio.Protocol):
                     waiter.set_result(None)
 
             self._wake = wake
+            self._unhold()
             try:
                 await waiter
             finally:
                 self._wake = None
+        self._hold()
         return self._take()
 
     def _take(self) -> Any:
@@ -104,6 +128,48 @@ class Channel(asyncio.Protocol):
                 raise MachineLost(f"{why} (machine {self.where} was lost)") from None
             raise out
         return out
+
+    # -- the caller's own thread (ask_now): the loop reads none of it meanwhile -------------
+
+    def _write(self, data: bytes | memoryview, unsent: dict[int, memoryview]) -> bool:
+        """Write what the socket takes now (the rest goes to ``unsent``); False if some is left."""
+        if self._ready:
+            return True  # it failed already
+        try:
+            k = os.write(self._fd, data)
+        except BlockingIOError:
+            k = 0
+        except OSError as exc:
+            self._cut(SmolbenchError(f"machine {self.where} dropped its channel ({exc.strerror or exc}): it may have died"))
+            return True
+        if k < len(data):
+            unsent[self._fd] = memoryview(data)[k:]
+            return False
+        return True
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._fd, READ)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._cut(SmolbenchError(f"machine {self.where} dropped its channel ({exc.strerror or exc}): it may have died"))
+            return
+        if not data:
+            self._cut(self._answers.end())
+            return
+        self._ready.extend(self._answers.feed(data))
+        if self._answers.broken:
+            self._cut(None)
+
+    def _cut(self, why: BaseException | None) -> None:
+        """No more answers (``why`` stands for the one awaited); the loop closes the transport."""
+        if why is not None:
+            self._ready.append(why)
+        self._answers.close()
+        self.closed = True
+        if self._loop is not None and self._transport is not None:
+            self._loop.call_soon_threadsafe(self._transport.close)
 
     async def ask(self, msg: dict[str, Any]) -> Any:
         """:meth:`send` then :meth:`answer`."""
@@ -145,14 +211,64 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
 
         for i in left:
             chans[i]._wake = one
+            chans[i]._unhold()
         try:
             await done
         finally:
             for i in left:
                 chans[i]._wake = None
     for i in waiting:
+        chans[i]._hold()
         try:
             out[i] = chans[i]._take()
+        except BaseException as exc:
+            out[i] = exc
+    return out
+
+
+READ = 256 * 1024  # bytes read at once (asyncio's own size; the gate bounds each frame)
+_IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL, select.POLLOUT
+
+
+def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | None:
+    """:func:`ask_all` on the calling thread: every request written, then one poll over the
+    sockets until every answer is parsed (the same gate, the same answers and errors).
+    None, with nothing sent, unless every channel is open and held (its reading paused on
+    the loop, nothing waiting to be written): then the caller uses :func:`ask_all`."""
+    for chan in chans:
+        t = chan._transport
+        if not chan._held or chan.closed or t is None or t.is_closing() or chan._fd < 0 or chan._ready \
+                or t.get_write_buffer_size():
+            return None
+    out: list[Any] = [None] * len(chans)
+    left: dict[int, int] = {}  # fd -> its channel's index, until its answer is in
+    unsent: dict[int, memoryview] = {}
+    poll = select.poll()
+    try:
+        for i, (chan, line) in enumerate(zip(chans, lines)):
+            left[chan._fd] = i
+            poll.register(chan._fd, _IN)
+            if not chan._write(line, unsent):
+                poll.modify(chan._fd, _IN | _OUT)
+        while left:
+            for fd, ev in poll.poll():
+                i = left.get(fd, -1)
+                if i < 0:
+                    continue
+                chan = chans[i]
+                if ev & _OUT and fd in unsent and chan._write(unsent.pop(fd), unsent):
+                    poll.modify(fd, _IN)
+                if ev & _IN and not chan._ready:
+                    chan._read()
+                if chan._ready:
+                    poll.unregister(fd)
+                    del left[fd]
+    finally:
+        for i in left.values():  # cut short (e.g. KeyboardInterrupt): a late answer must not pass for the next one
+            chans[i]._cut(SmolbenchError(f"machine {chans[i].where}: its request was interrupted"))
+    for i, chan in enumerate(chans):
+        try:
+            out[i] = chan._take()
         except BaseException as exc:
             out[i] = exc
     return out

@@ -31,7 +31,7 @@ from gymnasium import spaces as S
 
 from .. import retries as retry
 from .._aio import _to_the_end
-from ..backends._channel import Channel, ask_all
+from ..backends._channel import Channel, ask_all, ask_now
 from ..backends.base import CellRequest, CellResult, MachineRef
 from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError, Ended
@@ -89,6 +89,14 @@ class Step:
     terminated: bool
     truncated: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Later:
+    """A step answer :meth:`Machines.steps_now` leaves to the loop (an ended episode, an error)."""
+
+    out: Any
+    fit: bool
 
 
 def _where(i: int, n: int, ep: Episode) -> str:
@@ -534,6 +542,47 @@ class Machines:
             outs[k] = await self._stepped(self.eps[which[k]], outs[k], fit)
         return outs
 
+    def steps_now(self, which: list[int], actions: list[Any]) -> list[Any] | None:
+        """:meth:`steps` with the requests and answers on the caller's thread (no hop to the
+        loop): each result is its Step, or, for one that ended, failed or was refused, its
+        checked answer or error for :meth:`finish` (the ledger and any rebuild stay on the
+        loop). None, with nothing sent, where a sub-env has no held channel."""
+        eps = [self.eps[i] for i in which]
+        if not eps or any(not ep.running or ep.ref is None or ep.chan is None for ep in eps):
+            return None
+        got = ask_now([ep.chan for ep in eps], [self._action_line(a) for a in actions])  # type: ignore[misc]
+        if got is None:
+            return None
+        fits = spaces.inside(self.observation_space, [o.get("obs") if type(o) is dict else None for o in got])
+        outs: list[Any] = []
+        for ep, out, fit in zip(eps, got, fits):
+            if type(out) is dict and not out.get("terminated") and not out.get("truncated") and fit:
+                try:
+                    st = self._step(out, _where(ep.index, self.n, ep), fit)
+                except GymError:
+                    outs.append(Later(out, fit))  # recorded on the loop
+                    continue
+                self._advance(ep, st)
+                outs.append(st)
+            else:
+                outs.append(Later(out, fit))
+        return outs
+
+    async def finish(self, which: list[int], outs: list[Any]) -> list[Step | BaseException]:
+        """What :meth:`steps_now` left to the loop, done as :meth:`steps` does it."""
+        for k, i in enumerate(which):
+            out = outs[k]
+            if isinstance(out, Later):
+                ep = self.eps[i]
+                got = out.out if not isinstance(out.out, BaseException) else self._asked(ep, out.out)
+                outs[k] = await self._stepped(ep, got, out.fit)
+        return outs
+
+    def _advance(self, ep: Episode, st: Step) -> None:
+        ep.obs = st.obs
+        ep.ret += st.reward
+        ep.length += 1
+
     def _action_line(self, action: Any) -> bytes:
         """A step request as its JSON line (a Discrete action's without building a dict)."""
         if self._discrete:
@@ -573,9 +622,7 @@ class Machines:
         except GymError as exc:
             self._end(ep, "error", str(exc))
             return exc
-        ep.obs = st.obs
-        ep.ret += st.reward
-        ep.length += 1
+        self._advance(ep, st)
         if st.terminated or st.truncated:
             ep.rng = _rng(out.get("rng"))
             self._end(ep, "terminated" if st.terminated else "truncated")

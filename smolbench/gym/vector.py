@@ -15,8 +15,9 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from .. import _loop
 from .env import _options
-from .machines import GymError, Machines, Step
+from .machines import GymError, Later, Machines, Step
 
 
 class MachineVectorEnv(VectorEnv[Any, Any, Any]):
@@ -89,8 +90,18 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                            "reset it (options={'reset_mask': ...}) before stepping")
         resetting = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP and self._autoreset[i]]
         stepping = [i for i in range(self.num_envs) if i not in resetting]
-        jobs = [self._m.reset(i, None, None) for i in resetting] + [self._steps(stepping, [acts[i] for i in stepping])]
-        outs = dict(zip(resetting + stepping, self._run(jobs, resetting + stepping, flat=bool(stepping))))
+        # the resets run on the loop while this thread steps the others (no hop for those)
+        resets = _loop.submit(_together([self._m.reset(i, None, None) for i in resetting])) if resetting else None
+        try:
+            now = self._m.steps_now(stepping, [acts[i] for i in stepping]) if stepping else []
+            if now is None:  # no held channels (e.g. the process backend): on the loop
+                now = self._m.host.run(_together([self._steps(stepping, [acts[i] for i in stepping])]))
+                now = now[0] if isinstance(now[0], list) else now * len(stepping)
+            elif any(isinstance(o, Later) for o in now):
+                now = self._m.host.run(self._m.finish(stepping, now))
+        finally:
+            done = resets.result() if resets is not None else []
+        outs = dict(zip(resetting + stepping, self._raised(done + now, resetting + stepping)))
         infos: dict[str, Any] = {}
         finals: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i in range(self.num_envs):
@@ -124,18 +135,14 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         """Run the sub-envs' requests together; the first failure is raised (after all ended).
         ``flat``: the last job is :meth:`Machines.steps`, whose results are one per sub-env."""
 
-        async def together() -> list[Any]:
-            if len(jobs) == 1:  # no task for a lone job (a vector step without resets)
-                try:
-                    return [await jobs[0]]
-                except Exception as exc:
-                    return [exc]
-            return await asyncio.gather(*jobs, return_exceptions=True)
-
-        outs = self._m.host.run(together())
+        outs = self._m.host.run(_together(jobs))
         if flat:
             last = outs.pop()
             outs.extend(last if isinstance(last, list) else [last] * (len(which) - len(outs)))
+        return self._raised(outs, which)
+
+    def _raised(self, outs: list[Any], which: list[int]) -> list[Any]:
+        """``outs``, or the first failure among them raised (a failed sub-env starts over)."""
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:
             for i in which:  # a failed sub-env starts over at the next reset
@@ -153,3 +160,13 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     def _open(self) -> None:
         if self._m.closed:
             raise GymError("the vector env is closed: make a new one with smolbench.gym.make_vec(...)")
+
+
+async def _together(jobs: list[Any]) -> list[Any]:
+    """Run ``jobs`` together: each one's result, or the exception it raised."""
+    if len(jobs) == 1:  # no task for a lone job (a vector step without resets)
+        try:
+            return [await jobs[0]]
+        except Exception as exc:
+            return [exc]
+    return await asyncio.gather(*jobs, return_exceptions=True)
