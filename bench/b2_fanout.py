@@ -11,9 +11,12 @@ is r = 0.2 s of CPU, N = 16. Variants, run in one process, order interleaved
     - every engine redoes the setup;
 (c) a sequential loop in the kernel, each episode from scratch (setup + rollout);
     K episodes are run and the time is extrapolated to N (said in the JSON);
-(d) ``%%smol episodes 16``: each fresh machine redoes the setup.
+(d) ``%%smol episodes 16``: each fresh machine redoes the setup;
+(e) plain ``os.fork``: the same setup in the kernel, then 16 ``os.fork()`` children of the
+    kernel, one rollout each, rewards back through a pipe (no isolation at all: the floor
+    issue 27 compares the fork with, "within 5 % of os.fork").
 
-(a), (c), (d) go through a real ipykernel with the real magics; (b) uses the
+(a), (c), (d), (e) go through a real ipykernel with the real magics; (b) uses the
 ipyparallel client API in this process (what ``%%px`` calls). Every variant's
 reward per seed must agree.
 """
@@ -110,6 +113,50 @@ def variant_loop(k: Kernel, n: int, k_eps: int, s_iters: int, r_iters: int) -> d
             "local_rollout_s": statistics.median(info["rollout"]), "rewards": info["rewards"]}
 
 
+OSFORK = """
+import os as _bo, json as _bj, time as _bt
+_bc0 = _bt.thread_time()
+table = build_table(%(s_iters)d)
+_bsetup = _bt.thread_time() - _bc0
+_bkids = []
+for SEED in range(%(n)d):
+    _br, _bw = _bo.pipe()
+    _bpid = _bo.fork()
+    if _bpid == 0:  # a child: one rollout, its reward and CPU down the pipe, then gone
+        _bo.close(_br)
+        _bc0 = _bt.thread_time()
+        reward = rollout(table, SEED, %(r_iters)d)
+        _bo.write(_bw, _bj.dumps([SEED, reward, _bt.thread_time() - _bc0]).encode())
+        _bo._exit(0)
+    _bo.close(_bw)
+    _bkids.append((_bpid, _br))
+_bfork = {'setup_cpu': _bsetup, 'rows': []}
+for _bpid, _br in _bkids:
+    _bdata = b''
+    while True:
+        _bchunk = _bo.read(_br, 4096)
+        if not _bchunk:
+            break
+        _bdata += _bchunk
+    _bo.close(_br)
+    _bo.waitpid(_bpid, 0)
+    _bfork['rows'].append(_bj.loads(_bdata))
+"""
+
+
+def variant_osfork(k: Kernel, n: int, s_iters: int, r_iters: int, cores: int) -> dict[str, Any]:
+    k.execute(workload.FUNCS)
+    t0 = time.perf_counter()
+    k.execute(OSFORK % {"n": n, "s_iters": s_iters, "r_iters": r_iters}, timeout=600)
+    total = time.perf_counter() - t0
+    info = k.eval_json("_bfork")
+    rows = info["rows"]
+    return {"total_s": total, "setup_cpu_s": info["setup_cpu"],
+            "rollout_cpu_median_s": statistics.median(r[2] for r in rows),
+            "cpu_ideal_s": _cpu_ideal(info["setup_cpu"], [r[2] for r in rows], cores),
+            "rewards": {str(r[0]): r[1] for r in rows}}
+
+
 def n_cores() -> int:
     return os.cpu_count() or 1
 
@@ -161,15 +208,15 @@ def run(backend: str, quick: bool) -> dict[str, Any]:
     S = 1.0 if quick else 5.0
     r = 0.2
     # Interleaved: the fork brackets the peers (first and last), the cheap loop runs twice.
-    order = ["a_fork", "b_ipyparallel", "c_loop", "d_episodes", "a_fork"] if quick else \
-        ["a_fork", "b_ipyparallel", "c_loop", "d_episodes", "c_loop", "a_fork"]
+    order = ["a_fork", "e_osfork", "b_ipyparallel", "c_loop", "d_episodes", "e_osfork", "a_fork"] if quick else \
+        ["a_fork", "e_osfork", "b_ipyparallel", "c_loop", "d_episodes", "c_loop", "e_osfork", "a_fork"]
     k_eps = 2
     cal = workload.calibrate(S)
     s_iters = int(S / cal["build_s_per_iter"])
     r_iters = int(r / cal["rollout_s_per_iter"])
     setup, roll = workload.setup_code(s_iters), workload.rollout_code(r_iters)
     log(f"B2: S={S}s ({s_iters} iters), r={r}s ({r_iters} iters), N={n}, {cores} cores, order {' '.join(order)}")
-    runs: dict[str, list[dict[str, Any]]] = {"a_fork": [], "b_ipyparallel": [], "c_loop": [], "d_episodes": []}
+    runs: dict[str, list[dict[str, Any]]] = {"a_fork": [], "b_ipyparallel": [], "c_loop": [], "d_episodes": [], "e_osfork": []}
     order_log: list[str] = []
     k: Kernel | None = None
     with tempfile.TemporaryDirectory(prefix="smolbench-b2-") as work:
@@ -186,6 +233,8 @@ def run(backend: str, quick: bool) -> dict[str, Any]:
                     res = variant_ipp(n, setup, roll)
                 elif name == "c_loop":
                     res = variant_loop(k, n, k_eps, s_iters, r_iters)
+                elif name == "e_osfork":
+                    res = variant_osfork(k, n, s_iters, r_iters, cores)
                 else:
                     res = variant_episodes(k, n, setup, roll, cores)
                 res["position"] = i + 1
@@ -243,6 +292,13 @@ def run(backend: str, quick: bool) -> dict[str, Any]:
             "speedup_vs_ipp_incl_cluster_start": (med["b_ipyparallel"] + statistics.median(
                 x["cluster_start_s"] for x in runs["b_ipyparallel"])) / fork,
             "rewards_agree": agree,
+            # issue 27's B2 row: the fork against plain os.fork of the same work, run by run
+            # (each fork run against the os.fork run next to it in the order)
+            "fork_vs_osfork": fork / med["e_osfork"],
+            "fork_vs_osfork_paired": [a["total_s"] / e["total_s"] for a, e in
+                                      zip(runs["a_fork"], runs["e_osfork"])],
+            "fork_vs_osfork_cpu_ideal": statistics.median(x["total_s"] / x["cpu_ideal_s"] for x in runs["a_fork"])
+            / statistics.median(x["total_s"] / x["cpu_ideal_s"] for x in runs["e_osfork"]),
         },
         "goal": {"text": "fork within 15% of ideal S + N*r/cores", "limit": 1 + IDEAL_GOAL,
                  "judged_against": "cpu_ideal: this run's own setup CPU + sum of its rollouts' CPU / cores "

@@ -115,6 +115,18 @@ def b1_section(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def _osfork_lines(r: dict[str, Any]) -> list[str]:
+    if "fork_vs_osfork" not in r:
+        return []
+    ok = r["fork_vs_osfork"] <= 1.05
+    return [
+        f"Fork vs plain `os.fork` (issue 27: B2 stays within 5 % of it): **{_f(r['fork_vs_osfork'], 3)}×** the median time "
+        "(each fork run against the `os.fork` run beside it: " + ", ".join(_f(x, 3) for x in r["fork_vs_osfork_paired"])
+        + f"; against each one's own CPU work / cores: {_f(r['fork_vs_osfork_cpu_ideal'], 3)}×): {_ok(ok)}.",
+        "",
+    ]
+
+
 def b2_section(d: dict[str, Any]) -> list[str]:
     r = d["results"]
     p = d["params"]
@@ -126,6 +138,7 @@ def b2_section(d: dict[str, Any]) -> list[str]:
         "b_ipyparallel": "(b) ipyparallel, 16 engines, `%%px`-equivalent (each engine redoes setup)",
         "c_loop": f"(c) sequential loop, each episode from scratch (×16, extrapolated from {p['loop_episodes_run']})",
         "d_episodes": "(d) `%%smol episodes 16` (each fresh machine redoes setup)",
+        "e_osfork": "(e) plain `os.fork()`: the setup in the kernel, then 16 forks of it (no isolation)",
     }
     out = [
         "## B2 · warm fan-out vs peers",
@@ -140,6 +153,8 @@ def b2_section(d: dict[str, Any]) -> list[str]:
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for key, label in names.items():
+        if key not in runs:  # a run from before (e) existed
+            continue
         per = ", ".join(_f(x["total_s"], 2) for x in runs[key])
         share = ", ".join(_f(_g(x, "host_load", "during", "others_cpu_share", default=None), 2) for x in runs[key])
         steal = ", ".join(_f(_g(x, "host_load", "during", "steal_share", default=None), 2) for x in runs[key])
@@ -169,6 +184,7 @@ def b2_section(d: dict[str, Any]) -> list[str]:
         f"({_f(r['speedup_vs_ipp_incl_cluster_start'], 1)}× counting its cluster start), "
         f"{_f(r['speedup_vs']['c_loop'], 1)}× faster than the loop and {_f(r['speedup_vs']['d_episodes'], 1)}× faster than episodes.",
         "",
+        *_osfork_lines(r),
         "Fork breakdown, each run: " + "; ".join(
             f"setup cell {_f(x['setup_cell_s'], 2)} s + fork cell {_f(x['fork_cell_s'], 2)} s (branch wall median {_f(x['branch_wall_median_s'], 2)} s)"
             for x in runs["a_fork"]) + ". Episodes ran at concurrency "
