@@ -12,6 +12,7 @@ from copy import deepcopy
 from typing import Any
 
 import numpy as np
+from gymnasium.spaces import Discrete
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
@@ -79,9 +80,11 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """One step of every sub-env, one request per machine, all at once."""
         self._open()
-        acts = list(iterate(self.action_space, actions))
+        acts = _discrete(self.single_action_space, actions, self.num_envs)
+        if acts is None:
+            acts = list(iterate(self.action_space, actions))
         for i, a in enumerate(acts):
-            if not self.single_action_space.contains(a):
+            if type(a) is not _OK and not self.single_action_space.contains(a):
                 raise GymError(f"sub-env {i}: action {str(a)[:80]} is not in the action space {self.single_action_space}: "
                                "nothing was sent to any sub-env")
         mode = self.autoreset_mode
@@ -170,3 +173,17 @@ async def _together(jobs: list[Any]) -> list[Any]:
         except Exception as exc:
             return [exc]
     return await asyncio.gather(*jobs, return_exceptions=True)
+
+
+class _OK(int):
+    """An action already found inside a Discrete space (by :func:`_discrete`)."""
+
+
+def _discrete(space: Any, actions: Any, n: int) -> list[Any] | None:
+    """A Discrete space's integer array of actions, all checked at once (each one as
+    :class:`_OK`, or left as it is where it is outside, for the one-line error); None for other forms."""
+    if type(space) is not Discrete or type(actions) is not np.ndarray or actions.shape != (n,) or actions.dtype.kind not in "iu":
+        return None
+    start = int(space.start)
+    inside = (actions >= start) & (actions < start + int(space.n))
+    return [_OK(int(a)) if ok else a for a, ok in zip(actions.tolist(), inside.tolist())]
