@@ -8,7 +8,7 @@ import gymnasium
 
 from ..errors import SmolbenchError
 from . import spaces
-from .machines import GymError, Machines
+from .machines import GymError, Later, Machines, Step
 
 
 class MachineEnv(gymnasium.Env[Any, Any]):
@@ -46,7 +46,15 @@ class MachineEnv(gymnasium.Env[Any, Any]):
         if not self.action_space.contains(action):
             raise GymError(f"the env (machine {self.machine}): action {str(action)[:80]} is not in the action space "
                            f"{self.action_space}: nothing was sent")
-        st = self._m.host.run(self._m.step(0, action))
+        now = self._m.steps_now([0], [action])  # on this thread: no hop to the loop
+        if now is None:
+            st = self._m.host.run(self._m.step(0, action))
+        else:
+            out = now[0] if not isinstance(now[0], Later) else self._m.host.run(self._m.finish([0], now))[0]
+            if isinstance(out, BaseException):
+                raise out
+            assert isinstance(out, Step)
+            st = out
         return st.obs, st.reward, st.terminated, st.truncated, st.info
 
     def close(self) -> None:
