@@ -214,6 +214,9 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
             chans[i]._unhold()
         try:
             await done
+        except BaseException:  # cancelled (e.g. KeyboardInterrupt): no answer may pass for a later request
+            _abandon(chans, [i for i in waiting if not chans[i]._ready])
+            raise
         finally:
             for i in left:
                 chans[i]._wake = None
@@ -224,6 +227,18 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
         except BaseException as exc:
             out[i] = exc
     return out
+
+
+def _abandon(chans: Sequence[Channel], unanswered: list[int]) -> None:
+    """A batch whose caller is gone: the answers already in are dropped (the channel is in
+    step again: one request, one answer), and a channel still owing one is cut, so its late
+    answer can't pass for the next request's."""
+    for i, chan in enumerate(chans):
+        if i in unanswered:
+            chan._cut(SmolbenchError(f"machine {chan.where}: its request was interrupted"))
+        else:
+            chan._ready.clear()
+            chan._hold()
 
 
 READ = 256 * 1024  # bytes read at once (asyncio's own size; the gate bounds each frame)
@@ -263,9 +278,9 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
                 if chan._ready:
                     poll.unregister(fd)
                     del left[fd]
-    finally:
-        for i in left.values():  # cut short (e.g. KeyboardInterrupt): a late answer must not pass for the next one
-            chans[i]._cut(SmolbenchError(f"machine {chans[i].where}: its request was interrupted"))
+    except BaseException:  # cut short (e.g. KeyboardInterrupt): no answer may pass for a later request
+        _abandon(chans, list(left.values()))
+        raise
     for i, chan in enumerate(chans):
         try:
             out[i] = chan._take()

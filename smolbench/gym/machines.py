@@ -468,6 +468,12 @@ class Machines:
                     old.append(ep.ref)
                 self._hang_up(ep)
                 ep.ref, ep.chan = await self._spare()
+            elif ep.chan is not None and ep.chan.closed:
+                # Its last request was cut short (a Ctrl-C mid-step): what its env did there is
+                # unknown, so it starts over in a new branch of the warm parent.
+                old.append(ep.ref)
+                self._hang_up(ep)
+                (ep.ref,) = await self._branch(1)
             self._begin(ep, seed)
             global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
             try:
