@@ -879,7 +879,9 @@ def test_a_frame_that_is_not_utf8_is_one_line_and_the_session_carries_on(tmp_pat
             assert msg.startswith("machine root sent a malformed reply: ") and (bad in msg or "not a JSON line" in msg), (frame, msg)
             # every later cell works: host-only ones (no callback error), machines, tree and status
             cell = nb.run("print('host cell after')")
-            assert cell.outputs == [{"output_type": "stream", "name": "stdout", "text": "host cell after\n"}], cell.outputs
+            # (ipykernel may send one print as two stream messages: its flush timer can fall between the writes)
+            assert {o.output_type for o in cell.outputs} == {"stream"} and stream_text(cell, "stderr") == "", cell.outputs
+            assert stream_text(cell) == "host cell after\n", cell.outputs
             still_works(nb)
             for line in ("%smol tree", "%smol status"):
                 cell = nb.run(line)

@@ -113,7 +113,10 @@ def test_tree_state_after_a_fork_of_8_and_a_nested_fork(wb: Workbench) -> None:
 
     wb.use("root.7")
     fork(wb, 3, NESTED_CODE)
-    until(lambda: len(w.nodes) == 12 and w.best_path[-1:] == ["root.7.2"], "the nested fork")
+    # the final batch (the view sends it after the fork returns; an earlier one may already
+    # hold 12 nodes with root.7.2 best and a sibling's reward not in yet)
+    until(lambda: len(w.nodes) == 12 and w.best_path[-1:] == ["root.7.2"]
+          and all(by_id(w)[f"root.7.{i}"]["reward"] is not None for i in range(3)), "the nested fork")
     nodes = by_id(w)
     assert w.active == "root.7"
     assert [
