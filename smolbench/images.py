@@ -7,6 +7,7 @@ An image *name* such as ``debian:bookworm`` lives in
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -104,7 +105,8 @@ def build_debian_rootfs(
             f"`sudo env SMOLBENCH_CACHE={cache_dir()} smolbench image build {name}`"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-", dir=dest.parent))
+    _sweep_builds(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-{os.getpid()}-", dir=dest.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700: the rootfs's "/" must be readable
         cmd = [debootstrap, "--variant=minbase", f"--include={','.join(IMAGE_PACKAGES)}", suite, str(tmp)]
@@ -146,12 +148,44 @@ def build_debian_rootfs(
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_build(tmp)
         raise
     meta = {"name": name, "suite": suite, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _meta_path(dest).write_text(json.dumps(meta) + "\n")
     log(f"image {name!r} built at {dest}")
     return dest
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path`` in this mount namespace, deepest first."""
+    root = os.path.realpath(path)
+    found = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point == root or point.startswith(root + "/"):
+                found.append(point)
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+
+
+def _remove_build(tmp: Path) -> None:
+    """A build folder, gone. What debootstrap mounted in it (``proc``, ``sys``, binds of the
+    host's ``/dev``) is detached first: removing the tree must never reach into them. If a
+    mount can't be detached the folder stays (it names itself ``.NAME.build-PID-...``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    stuck = [p for p in _mounts_under(tmp) if libc.umount2(p.encode(), 2) != 0]  # 2: MNT_DETACH
+    if not stuck:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep_builds(dest: Path) -> None:
+    """Build folders of ``dest`` left by a build that was killed (its process is gone, or it
+    predates the pid in the name): removed, their mounts detached first."""
+    for old in dest.parent.glob(f".{dest.name}.build-*"):
+        pid = old.name[len(f".{dest.name}.build-"):].split("-", 1)[0]
+        if pid.isdigit() and pid != str(os.getpid()) and os.path.exists(f"/proc/{pid}"):
+            continue  # another build of this image is running
+        _remove_build(old)
 
 
 def resolve_rootfs(image: str | None) -> Path | None:

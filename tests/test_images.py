@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,66 @@ def test_path_image_detection() -> None:
         assert images.is_path_image(image)
     for image in ("debian:bookworm", "python:3.12-slim", "rootfs"):
         assert not images.is_path_image(image)
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/proc/self/mountinfo") and os.access("/usr/bin/mount", os.X_OK) and os.access("/usr/bin/umount", os.X_OK)
+
+
+def _mounted_under(path: Path) -> list[str]:
+    root = os.path.realpath(path)
+    return [line.split()[4] for line in open("/proc/self/mountinfo") if line.split()[4].startswith(root + "/")]
+
+
+@pytest.fixture
+def no_mounts_left(tmp_path: Path) -> Iterator[None]:
+    """Whatever a test mounted under its folder is detached afterwards, pass or fail."""
+    try:
+        yield
+    finally:
+        for point in sorted(_mounted_under(tmp_path), key=len, reverse=True):
+            subprocess.run(["/usr/bin/umount", "-l", point], check=False)  # PATH may still be the fake one
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount (debootstrap's mounts are the point)")
+def test_a_failed_build_detaches_what_debootstrap_mounted_before_removing_it(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_mounts_left: None
+) -> None:
+    """Attack on the host: debootstrap mounts proc (and sys, and may bind /dev) inside the
+    target; a build that fails with them mounted was removed with rmtree, which walks into
+    those mounts (the host's /dev nodes) and left the mount and the folder behind. Here a
+    tmpfs with a file stands for them: the file must survive (never walked into) and
+    nothing may stay mounted or on disk."""
+    held = tmp_path / "host-dev"
+    held.mkdir()
+    (held / "null").write_text("a host device node")
+    script = (f'mkdir -p "$4/dev" && /usr/bin/mount --bind {held} "$4/dev" || exit 3\n'
+              'echo "E: Couldn\'t download packages"\nexit 1\n')
+    _fake_bin(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SmolbenchError, match=r"\(exit 1\)"):
+        build_debian_rootfs(log=lambda _line: None)
+    assert (held / "null").read_text() == "a host device node"  # the bind's source is untouched
+    assert _mounted_under(cache) == []
+    assert list((cache / "images").iterdir()) == []
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount")
+def test_a_killed_builds_folder_is_swept_with_its_mounts_by_the_next_build(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_mounts_left: None
+) -> None:
+    """A build killed mid-way (SIGKILL: no cleanup ran) left ``.NAME.build-*`` with proc
+    mounted in it; the next build removes it, mounts first. A running build's folder (its
+    pid alive) is left alone."""
+    images_dir = cache / "images"
+    dead = images_dir / ".debian-bookworm.build-g9_3n7mm"  # the old naming, no pid: stale
+    (dead / "proc").mkdir(parents=True)
+    subprocess.run(["/usr/bin/mount", "-t", "tmpfs", "none", str(dead / "proc")], check=True)
+    busy = images_dir / f".debian-bookworm.build-{os.getppid()}-abc"  # a live process's
+    busy.mkdir()
+    script = 'mkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n'
+    _fake_bin(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    build_debian_rootfs(log=lambda _line: None)
+    assert not dead.exists() and _mounted_under(cache) == []
+    assert busy.is_dir()
