@@ -62,13 +62,15 @@ class Channel(asyncio.Protocol):
         if not self._answers.broken:
             if isinstance(exc, ConnectionError):  # a request could not be written
                 self._answers.close()
-                self._ready.append(SmolbenchError(f"machine {self.where} dropped its channel "
-                                                  f"({exc.strerror or exc}): it may have died"))
+                self._ready.append(self._dropped(exc))
             else:
                 self._ready.append(self._answers.end())
         self._answers.close()
         self.closed = True
         self._woken()
+
+    def _dropped(self, exc: OSError) -> SmolbenchError:
+        return SmolbenchError(f"machine {self.where} dropped its channel ({exc.strerror or exc}): it may have died")
 
     def _woken(self) -> None:
         wake, self._wake = self._wake, None
@@ -140,7 +142,7 @@ class Channel(asyncio.Protocol):
         except BlockingIOError:
             k = 0
         except OSError as exc:
-            self._cut(SmolbenchError(f"machine {self.where} dropped its channel ({exc.strerror or exc}): it may have died"))
+            self._cut(self._dropped(exc))
             return True
         if k < len(data):
             unsent[self._fd] = memoryview(data)[k:]
@@ -153,7 +155,7 @@ class Channel(asyncio.Protocol):
         except BlockingIOError:
             return
         except OSError as exc:
-            self._cut(SmolbenchError(f"machine {self.where} dropped its channel ({exc.strerror or exc}): it may have died"))
+            self._cut(self._dropped(exc))
             return
         if not data:
             self._cut(self._answers.end())
