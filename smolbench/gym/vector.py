@@ -134,15 +134,9 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     async def _steps(self, which: list[int], actions: list[Any]) -> list[Any]:
         return await self._m.steps(which, actions) if which else []
 
-    def _run(self, jobs: list[Any], which: list[int], flat: bool = False) -> list[Any]:
-        """Run the sub-envs' requests together; the first failure is raised (after all ended).
-        ``flat``: the last job is :meth:`Machines.steps`, whose results are one per sub-env."""
-
-        outs = self._m.host.run(_together(jobs))
-        if flat:
-            last = outs.pop()
-            outs.extend(last if isinstance(last, list) else [last] * (len(which) - len(outs)))
-        return self._raised(outs, which)
+    def _run(self, jobs: list[Any], which: list[int]) -> list[Any]:
+        """Run the sub-envs' requests together; the first failure is raised (after all ended)."""
+        return self._raised(self._m.host.run(_together(jobs)), which)
 
     def _raised(self, outs: list[Any], which: list[int]) -> list[Any]:
         """``outs``, or the first failure among them raised (a failed sub-env starts over)."""
