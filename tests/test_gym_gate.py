@@ -252,7 +252,7 @@ LEAN_FRAMES = {
 
 
 @pytest.mark.parametrize("name", sorted(LEAN_FRAMES))
-@pytest.mark.parametrize("max_items", [1_000_000, 5])
+@pytest.mark.parametrize("max_items", [1_000_000, 12, 11, 5])
 def test_the_lean_fast_path_answers_as_the_general_path(name: str, max_items: int) -> None:
     """A step answer in the exact form the host takes without a JSON parse (smolbench/gate/channel.py
     LEAN_STEP) comes out as the same value, or the same refusal, as the same JSON spelt otherwise

@@ -61,6 +61,12 @@ class Answers:
         """The answers ``chunk`` completes (values, or exceptions as above)."""
         if self.broken:
             return []
+        frame = self._split.whole(chunk)
+        if frame is not None:  # the common case: one whole answer, a plain lean step
+            lean = _lean_step(frame)
+            if lean is not None:
+                self._dropped = 0
+                return [lean]
         out: list[Any] = []
         try:
             for frame in self._split.feed(chunk):
@@ -146,12 +152,14 @@ LEAN_STEP = re.compile(rb'\{"t":"answer","step":\{"o":"([A-Za-z0-9+/]*={0,2})",'
                        rb'"r":(-?(?:0|[1-9][0-9]{0,15})(\.[0-9]{1,17})?([eE][-+]?[0-9]{1,3})?),"f":([0-3]),'
                        rb'"i":\{"format":"data","data":\{"\$":"dict","v":\[\]\}\}\}\}')
 
+LEAN_VALUES = values_in(b'{"t":"answer","step":{"o":"","r":0,"f":0,"i":{"format":"data","data":{"$":"dict","v":[]}}}}')
+
 
 def _lean_step(frame: bytes) -> dict[str, Any] | None:
     """``frame`` as :func:`_step` would return it, if it is a plain lean step (see
     :data:`LEAN_STEP`); else None (then the general path decides)."""
     m = LEAN_STEP.fullmatch(frame)
-    if m is None or values_in(frame) > LIMITS.max_items:
+    if m is None or LIMITS.max_items < LEAN_VALUES:  # (base64 and numbers hold none of ,[{: a fixed count)
         return None
     try:
         raw = base64.b64decode(m[1], validate=True)  # what pull.npy does with it
