@@ -624,7 +624,7 @@ class Machines:
         for ep, out, fit in zip(eps, got, fits):
             if type(out) is dict and not out.get("terminated") and not out.get("truncated") and fit:
                 try:
-                    st = self._step(out, _where(ep.index, self.n, ep), fit)
+                    st = self._step(out, ep, fit)
                 except GymError:
                     outs.append(Later(out, fit))  # recorded on the loop
                     continue
@@ -684,7 +684,7 @@ class Machines:
                 self._end(ep, "error", str(out))
             return out
         try:
-            st = self._step(out, where, fit)
+            st = self._step(out, ep, fit)
         except GymError as exc:
             self._end(ep, "error", str(exc))
             return exc
@@ -694,18 +694,28 @@ class Machines:
             self._end(ep, "terminated" if st.terminated else "truncated")
         return st
 
-    def _step(self, out: Any, where: str, fit: bool = False) -> Step:
-        if not isinstance(out, dict) or not {"obs", "reward", "terminated", "truncated", "info"} <= set(out) \
-                or set(out) - {"obs", "reward", "terminated", "truncated", "info", "rng"}:
-            raise GymError(f"{where} answered a step with something other than (obs, reward, terminated, truncated, info)")
+    def _step(self, out: Any, ep: Episode, fit: bool = False) -> Step:
+        """``out`` checked as ``ep``'s step (``fit``: its observation was found to fit); its
+        line names the sub-env (made only for an error: this runs for every step)."""
+        if not isinstance(out, dict) or (out.keys() != STEP_KEYS and out.keys() != STEP_KEYS_RNG):
+            raise GymError(f"{self._where(ep)} answered a step with something other than (obs, reward, terminated, "
+                           "truncated, info)")
         reward = out["reward"]
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or abs(reward) > 1e300:
-            raise GymError(f"{where} sent a reward of {str(reward)[:40]}: rewards must be finite numbers")
-        for key in ("terminated", "truncated"):
-            if not isinstance(out[key], bool):
-                raise GymError(f"{where} sent {key} = {str(out[key])[:40]}, not True or False")
-        obs = out["obs"] if fit else self._obs(out["obs"], where)
-        return Step(obs, float(reward), out["terminated"], out["truncated"], _info(out["info"], where))
+        # abs() first: an integer past a float's range is refused, not an OverflowError in isfinite
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or abs(reward) > 1e300 \
+                or not math.isfinite(reward):
+            raise GymError(f"{self._where(ep)} sent a reward of {str(reward)[:40]}: rewards must be finite numbers")
+        terminated, truncated, info = out["terminated"], out["truncated"], out["info"]
+        if type(terminated) is not bool or type(truncated) is not bool:
+            key = "terminated" if type(terminated) is not bool else "truncated"
+            raise GymError(f"{self._where(ep)} sent {key} = {str(out[key])[:40]}, not True or False")
+        obs = out["obs"] if fit else self._obs(out["obs"], self._where(ep))
+        if type(info) is not dict or info:  # an empty dict is an info as it is
+            info = _info(info, self._where(ep))
+        return Step(obs, float(reward), terminated, truncated, info)
+
+    def _where(self, ep: Episode) -> str:
+        return _where(ep.index, self.n, ep)
 
     def _obs(self, value: Any, where: str) -> Any:
         try:
@@ -789,6 +799,8 @@ class Machines:
 
 
 NO_ROOM_LIMIT = 1 << 20
+STEP_KEYS = {"obs", "reward", "terminated", "truncated", "info"}
+STEP_KEYS_RNG = STEP_KEYS | {"rng"}
 
 
 def _spares(n: int, room: int = NO_ROOM_LIMIT) -> int:
