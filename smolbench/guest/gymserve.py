@@ -248,9 +248,7 @@ class Server:
         it notes which pages it has once warmed, to say which its episode added."""
         requests, answer = api.channel()
         if first is None:  # a spare branch: warmed while it waits, so its reset costs what an in-place one does
-            self.warm(getattr(answer, "warm", None), json.loads(pages) if pages else None)
-            if learn:
-                self.owned = _owned()
+            self.warm(getattr(answer, "warm", None), json.loads(pages) if pages else None, learn)
         answer(self.reset(first) if first is not None else None)
         for req in requests:
             try:
@@ -280,14 +278,16 @@ class Server:
             answer(out)
         return True
 
-    def warm(self, encode, pages=None):
+    def warm(self, encode, pages=None, learn=False):
         """Write, before the episode's first request, the pages answering it would write first
         (a branch shares its parent's memory until it writes a page; each first write costs a
         page copy, ~200 of them made a fresh reset several times an in-place one). Nothing of
         the env runs: only its attributes are read (their objects' reference counts are
         written), and the request/answer path runs on made-up data. ``pages``: what a finished
-        episode's branch made its own (:func:`owned_pages`), taken here ahead (the env's own
-        reset and steps write pages no made-up run reaches; its code's pages too are mapped)."""
+        episode's branch made its own (:func:`owned_pages`), taken here ahead instead of the
+        walk (exactly the pages the env's own reset and steps wrote, its code's pages mapped);
+        ``learn``: no walk either, the pages this branch has noted, so that its episode's own
+        are told apart."""
         if pages:
             _populate(pages)
         np = _np()
@@ -299,6 +299,10 @@ class Server:
         decode_action({"$": "int64", "v": 1})
         if encode is not None:
             encode(sample)
+        if learn:
+            self.owned = _owned()
+        if learn or pages:
+            return
         seen, todo = set(), [self.env]
         while todo and len(seen) < 20000:
             obj = todo.pop()
