@@ -98,6 +98,12 @@ def lean(how):
         return {**ok, "ov": {"format": "data", "data": 1}}
     if how == "lean-nan":
         return {**ok, "r": {"$": "float", "v": "nan"}}
+    if how == "lean-bigint":  # a whole number past a float's range (was an OverflowError, not a line)
+        return {**ok, "r": 10**400}
+    if how == "lean-padding":  # the host's lean fast path's shape, but not base64
+        return {**ok, "o": "AAA"}
+    if how == "lean-short":  # the fast path's shape and a plain .npy header, one item short
+        return {**ok, "o": base64.b64encode(base64.b64decode(ok["o"])[:-4]).decode()}
     return {**ok, "o": 12}  # lean-not-text
 
 def forged(description):
@@ -107,7 +113,8 @@ def forged(description):
     return factory
 
 for _how in ("pickle", "object-npy", "huge", "float64", "dict", "outside", "nan", "bool-reward", "lean-object-obs",
-             "lean-pickle-info", "lean-huge-obs", "lean-extra", "lean-flags", "lean-both", "lean-nan", "lean-not-text"):
+             "lean-pickle-info", "lean-huge-obs", "lean-extra", "lean-flags", "lean-both", "lean-nan", "lean-not-text",
+             "lean-bigint", "lean-padding", "lean-short"):
     globals()["hostile_" + _how.replace("-", "_")] = (lambda h: lambda: Hostile(h))(_how)
 box_bounds_differ = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(4), "dtype": "float32"})
 box_of_objects = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(3), "dtype": "object"})
@@ -146,6 +153,9 @@ def marker(bench: Workbench, tmp_path: Path) -> Path:
     ("lean_both", "a step answer whose observation is not one array or one value"),
     ("lean_nan", "sent a reward of nan"),
     ("lean_not_text", "an array should be text"),
+    ("lean_bigint", "sent a reward of 1000000000"),
+    ("lean_padding", "an array is not base64"),
+    ("lean_short", "not plain .npy data"),
 ])
 def test_a_hostile_step_is_refused_in_one_line(bench: Workbench, marker: Path, how: str, says: str) -> None:
     env = sgym.make(f"hostile_{how}", session=bench)
@@ -210,3 +220,64 @@ def test_a_vector_step_checks_every_observation_though_all_at_once(bench: Workbe
         assert says in line and "sub-env 0 (machine root." in line and "\n" not in line, line
     finally:
         envs.close()
+
+
+def _lean(obs: str, reward: bytes = b"1.0", flags: bytes = b"0") -> bytes:
+    return (b'{"t":"answer","step":{"o":"' + obs.encode() + b'","r":' + reward + b',"f":' + flags
+            + b',"i":{"format":"data","data":{"$":"dict","v":[]}}}}\n')
+
+
+def _npy64(arr: Any, allow_pickle: bool = False) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=allow_pickle)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+OBS = _npy64(np.array([0.5, -1, 2, 3], np.float32))
+LEAN_FRAMES = {
+    "plain": _lean(OBS),
+    "int reward": _lean(OBS, b"-0"),
+    "exponent": _lean(OBS, b"-2.5e-3", b"3"),
+    "past a float": _lean(OBS, b"1E400", b"1"),
+    "big-endian": _lean(_npy64(np.arange(6, dtype=">i8").reshape(2, 3)), b"7", b"2"),
+    "not base64": _lean("AAA"),
+    "excess padding": _lean("AAAA=="),
+    "one item short": _lean(_npy64(np.zeros(4, np.float32))[:-8]),
+    "object array": _lean(_npy64(np.array([None], dtype=object), allow_pickle=True)),
+    "fortran order": _lean(_npy64(np.asfortranarray(np.ones((2, 2), np.float32)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEAN_FRAMES))
+@pytest.mark.parametrize("max_items", [1_000_000, 12, 11, 5])
+def test_the_lean_fast_path_answers_as_the_general_path(name: str, max_items: int) -> None:
+    """A step answer in the exact form the host takes without a JSON parse (smolbench/gate/channel.py
+    LEAN_STEP) comes out as the same value, or the same refusal, as the same JSON spelt otherwise
+    (which the general path decodes and checks field by field): forged base64, a short or
+    pickled array, a number past a float's range, a lowered JSON-values limit."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.gate import LIMITS
+    from smolbench.gate.channel import LEAN_STEP, Answers
+
+    frame = LEAN_FRAMES[name]
+    assert LEAN_STEP.fullmatch(frame[:-1])  # the fast path's form
+    spelt_otherwise = frame.replace(b'{"t":"answer",', b'{"t": "answer", ', 1)
+    assert not LEAN_STEP.fullmatch(spelt_otherwise[:-1])
+    old, LIMITS.max_items = LIMITS.max_items, max_items
+    try:
+        fast, general = (Answers(CellRequest("x"), "root.1").feed(f) for f in (frame, spelt_otherwise))
+    finally:
+        LIMITS.max_items = old
+    assert len(fast) == len(general) == 1
+    (a,), (b,) = fast, general
+    if isinstance(b, BaseException):
+        assert type(a) is type(b) and str(a) == str(b), (a, b)
+        return
+    assert type(a) is dict and a.keys() == b.keys() and not isinstance(a["obs"], BaseException)
+    for key in a:
+        assert type(a[key]) is type(b[key]) and (a[key] == b[key] if key != "obs" else True), key
+    assert a["obs"].dtype == b["obs"].dtype and a["obs"].shape == b["obs"].shape and (a["obs"] == b["obs"]).all()
+    assert a["obs"].flags.writeable

@@ -143,6 +143,15 @@ class Splitter:
             self._error = exc
         return frames
 
+    def whole(self, chunk: bytes) -> bytes | None:
+        """``chunk`` as the one frame it is, when it is exactly one line within the limit and
+        nothing is held (a kept channel's answer, read at once): what :meth:`feed` would
+        return for it, without its bookkeeping; None otherwise (nothing taken)."""
+        if self._buf or self._error is not None or chunk.find(b"\n") != len(chunk) - 1 \
+                or len(chunk) - 1 > LIMITS.max_frame:
+            return None
+        return chunk[:-1]
+
     def _feed(self, chunk: bytes, frames: list[bytes]) -> None:
         limit, buf = LIMITS.max_frame, self._buf
         start = 0
