@@ -16,10 +16,14 @@ little-endian bytes with dtype and shape, ``{"$": "dict"|"tuple", "v": ...}``).
 """
 
 import base64
+import ctypes  # a spare's madvise: imported in the warm parent, not in every branch
 import json
 import math
+import os
 
 MAX_INFO_DEPTH = 20
+MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare makes its own ahead of its episode, at most (copied; mapped)
+POPULATE = {"w": 23, "r": 22}  # MADV_POPULATE_WRITE, MADV_POPULATE_READ (Linux 5.14)
 
 
 def _np():
@@ -114,12 +118,70 @@ def _reward(value):
     return out if math.isfinite(out) else repr(out)  # the host refuses it in one line
 
 
+def _owned():
+    """The pages this branch has of its own now, by mapping: ``{(kind, first page): pages}``;
+    kind "w": written since the fork (each a copy-on-write copy, or new), "r": pages of code
+    and other read-only files it mapped (a fork maps none of them ahead)."""
+    np = _np()
+    size = os.sysconf("SC_PAGE_SIZE")
+    out = {}
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            fields = line.split()
+            perms, name = fields[1], fields[5] if len(fields) > 5 else ""
+            if perms[0] != "r" or perms[3] != "p" or name.startswith("[v"):  # [vdso], [vvar]: the kernel's
+                continue
+            kind = "w" if perms[1] == "w" else ("r" if name.startswith("/") else None)
+            if kind is None:
+                continue
+            lo, hi = (int(x, 16) // size for x in fields[0].split("-"))
+            pagemap.seek(lo * 8)
+            flags = np.frombuffer(pagemap.read((hi - lo) * 8), dtype=np.uint64)
+            mine = (flags >> np.uint64(63)) == 1  # present
+            if kind == "w":
+                mine &= ((flags >> np.uint64(56)) & np.uint64(1)) == 1  # mapped here only: copied (or new)
+            out[(kind, lo)] = lo + np.flatnonzero(mine)
+    return out
+
+
+def owned_pages(before=None):
+    """The pages this branch made its own since ``before`` (an earlier :func:`_owned`; else
+    since its fork), as ``{"w": [[first, count], ...], "r": [...]}``, at most ``MAX_OWNED``:
+    what its episode touched, for the next spares to take ahead of theirs (:meth:`Server.warm`)."""
+    np = _np()
+    out, left = {"w": [], "r": []}, dict(MAX_OWNED)
+    for (kind, lo), pages in _owned().items():
+        if before is not None and (kind, lo) in before:
+            pages = np.setdiff1d(pages, before[(kind, lo)], assume_unique=True)
+        pages = pages[:max(0, left[kind])]
+        if not len(pages):
+            continue
+        left[kind] -= len(pages)
+        cut = np.flatnonzero(np.diff(pages) != 1) + 1
+        for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(pages)])).tolist()):
+            out[kind].append([int(pages[a]), b - a])
+    return out
+
+
+def _populate(pages):
+    """Make ``pages`` (:func:`owned_pages`' form, from a finished episode's branch) this
+    branch's own now: written ones copied, read-only ones mapped. Their contents stay as they
+    are (the kernel populates, nothing is written); a page not mapped here is skipped."""
+    size = os.sysconf("SC_PAGE_SIZE")
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for kind, advice in POPULATE.items():
+        for first, count in pages.get(kind, ()):
+            madvise(first * size, count * size, advice)  # fails where unmapped here: nothing to take
+
+
 class Server:
     """One env in this machine; its methods answer the host's requests with data."""
 
     def __init__(self, factory):
         self.factory = factory
         self.env = None
+        self.owned = None  # a learning spare's own pages once warmed (what its episode adds is asked for)
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
@@ -177,14 +239,16 @@ class Server:
             out["rng"] = self.rng()
         return out
 
-    def serve(self, api, first):
+    def serve(self, api, first, pages=None, learn=False):
         """Answer the host on this cell's own connection (``smolbench_guest.channel()``):
-        ``first`` is the episode's reset (None: answer None and wait for it), then ``{"op": "step", "a": ...}``, ``{"op": "rng"}``
-        and ``{"op": "reset", "r": ...}`` requests until the host ends the channel. A
-        request that fails is answered with its error; the loop goes on."""
+        ``first`` is the episode's reset (None: answer None and wait for it), then ``{"op": "step", "a": ...}``,
+        ``{"op": "rng"}``, ``{"op": "reset", "r": ...}`` and ``{"op": "pages"}`` (:func:`owned_pages`)
+        requests until the host ends the channel. A request that fails is answered with its error; the
+        loop goes on. ``pages`` (JSON text) are what a spare takes ahead (:meth:`warm`); ``learn``:
+        it notes which pages it has once warmed, to say which its episode added."""
         requests, answer = api.channel()
         if first is None:  # a spare branch: warmed while it waits, so its reset costs what an in-place one does
-            self.warm(getattr(answer, "warm", None))
+            self.warm(getattr(answer, "warm", None), json.loads(pages) if pages else None, learn)
         answer(self.reset(first) if first is not None else None)
         for req in requests:
             try:
@@ -204,6 +268,8 @@ class Server:
                     out = self.rng()
                 elif op == "reset":
                     out = self.reset(req.get("r"))
+                elif op == "pages":
+                    out = owned_pages(self.owned)
                 else:
                     raise ValueError("unknown gym request %r" % (op,))
             except Exception as exc:
@@ -212,12 +278,18 @@ class Server:
             answer(out)
         return True
 
-    def warm(self, encode):
+    def warm(self, encode, pages=None, learn=False):
         """Write, before the episode's first request, the pages answering it would write first
         (a branch shares its parent's memory until it writes a page; each first write costs a
         page copy, ~200 of them made a fresh reset several times an in-place one). Nothing of
         the env runs: only its attributes are read (their objects' reference counts are
-        written), and the request/answer path runs on made-up data."""
+        written), and the request/answer path runs on made-up data. ``pages``: what a finished
+        episode's branch made its own (:func:`owned_pages`), taken here ahead instead of the
+        walk (exactly the pages the env's own reset and steps wrote, its code's pages mapped);
+        ``learn``: no walk either, the pages this branch has noted, so that its episode's own
+        are told apart."""
+        if pages:
+            _populate(pages)
         np = _np()
         rng = np.random.default_rng(0)  # not the env's own, nor numpy's global one
         obs = np.asarray(rng.uniform(-0.05, 0.05, size=(4,)), dtype=np.float32)
@@ -227,6 +299,10 @@ class Server:
         decode_action({"$": "int64", "v": 1})
         if encode is not None:
             encode(sample)
+        if learn:
+            self.owned = _owned()
+        if learn or pages:
+            return
         seen, todo = set(), [self.env]
         while todo and len(seen) < 20000:
             obj = todo.pop()

@@ -22,7 +22,7 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,11 @@ OUT = "_smolgym_out"
 RESETS = ("fresh", "in-place")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_INFO = 256 * 1024  # bytes of JSON an info may take
+MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare takes ahead, at most (as guest/gymserve.py's)
+MAX_RUNS = 2048  # runs of them, at most (the spare's serving cell carries them)
+LEARN_TIMEOUT = 10.0  # seconds a finished episode's machine has to say which pages it made its own
+LEARN_TRIES = 3
+FLUSH_AFTER = 0.5  # seconds a finished episode's machine waits at most for others to be deleted with
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
@@ -149,6 +154,11 @@ class Machines:
         self._warming: set[asyncio.Future[None]] = set()  # new spares starting their serving cells
         self._added = asyncio.Event()  # a spare was added
         self._deleting: set[asyncio.Future[Any]] = set()
+        self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._pages: str | None = None  # what a finished episode made its own (JSON): new spares take it ahead
+        self._learning = 0  # spares that were to note their pages (see _learn)
+        self._learners: set[str] = set()  # those still to be asked, once their episode ends
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
@@ -199,13 +209,15 @@ class Machines:
         """Whether each episode keeps one connection to its machine (the agent-host backends)."""
         return hasattr(self.wb.backend, "open_channel")
 
-    async def _serve(self, ep: Episode, reset: str | None, seed: int | None) -> Any:
-        """Start ``ep``'s serving cell with its episode's reset (None: it waits for one); the
-        reset's answer."""
+    async def _serve(self, ep: Episode, reset: str | None, seed: int | None, pages: str | None = None,
+                     learn: bool = False) -> Any:
+        """Start ``ep``'s serving cell with its episode's reset (None: it waits for one, having
+        taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer."""
         assert ep.ref is not None
         self._hang_up(ep)
         ep.cells += 1
-        req = CellRequest(f"_smolgym.serve(smolbench_guest, {reset!r})", cell_name=f"<gym-{ep.cells}>", seed=seed)
+        code = f"_smolgym.serve(smolbench_guest, {reset!r}{f', {pages!r}' if pages else ''}{', learn=True' if learn else ''})"
+        req = CellRequest(code, cell_name=f"<gym-{ep.cells}>", seed=seed)
         where = _where(ep.index, self.n, ep)
         try:
             ep.chan = await self.wb.backend.open_channel(ep.ref, req)  # type: ignore[attr-defined]
@@ -359,6 +371,7 @@ class Machines:
         want = self.spare_count - have
         if want > 0 and have <= (self.spare_count // 2 if low is None else low):
             self._refill = asyncio.ensure_future(self._make_spares(want))
+            self._flush()  # the finished ones' deletion in the same burst of background work
 
     async def _make_spares(self, k: int) -> None:
         refs = await self._branch(k)
@@ -388,8 +401,12 @@ class Machines:
         if not self.channels or self.closed:
             return None
         ep = Episode(-1, ref=ref)
+        learn = self._pages is None and not self._learners and self._learning < LEARN_TRIES
+        if learn:
+            self._learning += 1
+            self._learners.add(ref.name)
         try:
-            await self._serve(ep, None, None)
+            await self._serve(ep, None, None, self._pages, learn)
         except Exception:  # the reset will say what is wrong (and rebuild under retries)
             self._hang_up(ep)
             return None
@@ -419,18 +436,60 @@ class Machines:
             if ep.ref is ref:
                 self._hang_up(ep)
         self.wb.machines.pop(ref.name, None)
+        self._learners.discard(ref.name)  # a learning spare that never said: another may learn
         with contextlib.suppress(Exception):
             await self.wb.backend.delete(ref)
 
-    async def _delete_later(self, ref: MachineRef) -> None:
-        """Delete ``ref`` in the background; with as many deletions as spares already under
-        way, first wait for one (the warm parent's live branches stay within its room)."""
+    async def _delete_later(self, ref: MachineRef, chan: Channel | None = None) -> None:
+        """Delete ``ref`` in the background, with the other finished ones (see :meth:`_flush`;
+        with its episode's channel ``chan``: first ask it which pages it made its own, see
+        :meth:`_learn`). Its name leaves the env's machines now."""
         self.wb.machines.pop(ref.name, None)
-        while len(self._deleting) >= self._deletions:
+        learn = ref.name in self._learners and chan is not None and not chan.closed
+        self._learners.discard(ref.name)
+        if not learn and chan is not None:
+            chan.close()
+        while self._deleting and len(self._deleting) + len(self._finished) >= self._deletions:  # the warm parent's room
             await asyncio.wait(set(self._deleting), return_when=asyncio.FIRST_COMPLETED)
-        task = asyncio.ensure_future(self._delete(ref))
+        if learn and chan is not None:
+            self._started(self._learn(ref, chan))
+            return
+        self._finished.append(ref)
+        if len(self._finished) >= max(1, self.spare_count // 2) or self.closed:
+            self._flush()
+        elif self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush)
+
+    def _flush(self) -> None:
+        """Delete the finished episodes' machines, all at once: the backend ends them in one
+        batch (one wait for them all, cheaper each), and the CPU it takes (their processes'
+        exit, their namespaces) comes once every few episodes, beside a refill, not after
+        every reset, where it slowed the next episode's first steps ~3x."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        batch, self._finished = self._finished, []
+        for ref in batch:
+            self._started(self._delete(ref))
+
+    def _started(self, deletion: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(deletion)
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
+
+    async def _learn(self, ref: MachineRef, chan: Channel) -> None:
+        """Ask a finished episode's machine which pages its episode made its own (copied or
+        mapped since it was warmed), then delete it. Spares made after take those pages ahead while they wait, so
+        an episode's first requests don't each wait for page copies (guest/gymserve.py
+        ``Server.warm``). Its answer is machine data: checked, bounded, and it can only make a
+        spare copy or map pages it already has (no page's contents change)."""
+        try:
+            self._pages = _pages(await asyncio.wait_for(chan.ask({"op": "pages"}), LEARN_TIMEOUT)) or self._pages
+        except Exception:  # it can't say: a later episode's machine is asked
+            pass
+        finally:
+            chan.close()
+        await self._delete(ref)
 
     # -- episodes -----------------------------------------------------------------------
 
@@ -475,7 +534,7 @@ class Machines:
             ep.rng = None
         req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
 
-        old: list[MachineRef] = []
+        old: list[tuple[MachineRef, Channel | None]] = []
 
         async def asked() -> Any:
             nonlocal sent
@@ -495,13 +554,14 @@ class Machines:
                 return await asked()
             if self.mode == "fresh" or ep.ref is None:
                 if ep.ref is not None:
-                    old.append(ep.ref)
+                    old.append((ep.ref, ep.chan))  # its channel may be asked what it made its own
+                    ep.chan = None
                 self._hang_up(ep)
                 ep.ref, ep.chan = await self._spare()
             elif ep.chan is not None and ep.chan.closed:
                 # Its last request was cut short (a Ctrl-C mid-step): what its env did there is
                 # unknown, so it starts over in a new branch of the warm parent.
-                old.append(ep.ref)
+                old.append((ep.ref, None))
                 self._hang_up(ep)
                 (ep.ref,) = await self._branch(1)
             self._begin(ep, seed)
@@ -526,8 +586,8 @@ class Machines:
             # Only now the last episode's machine is deleted and spares are forked: done before
             # the reset was answered, both took the CPU its first request needed (a fresh reset
             # measured 2-3x slower while a refill forked beside it).
-            for ref in old:
-                await self._delete_later(ref)
+            for ref, chan in old:
+                await self._delete_later(ref, chan)
             if self.mode == "fresh":
                 self._top_up()
         where = _where(i, self.n, ep)
@@ -781,6 +841,7 @@ class Machines:
                 chan.close()
             await _to_the_end(self._delete(r))
         self.spares.clear()
+        self._flush()
         if self._deleting:
             await asyncio.gather(*self._deleting, return_exceptions=True)
         if self.parent is not None and self.owns_parent:
@@ -807,6 +868,29 @@ def _spares(n: int, room: int = NO_ROOM_LIMIT) -> int:
 
 def _live(n: int, mode: str, room: int = NO_ROOM_LIMIT) -> int:
     return n + (2 * _spares(n, room) if mode == "fresh" else 0)
+
+
+def _pages(value: Any) -> str | None:
+    """What a finished episode's machine said it made its own (machine data), checked: runs
+    ``[first page, count]`` of whole numbers, within bounds; as JSON for the next spares'
+    serving cells, or None."""
+    if not isinstance(value, dict) or not set(value) <= set(MAX_OWNED):
+        return None
+    out: dict[str, list[list[int]]] = {}
+    for kind, cap in MAX_OWNED.items():
+        runs = value.get(kind, [])
+        if not isinstance(runs, list) or len(runs) > MAX_RUNS:
+            return None
+        total = 0
+        for run in runs:
+            if type(run) is not list or len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int \
+                    or not 0 <= run[0] < 1 << 52 or not 1 <= run[1] <= cap:
+                return None
+            total += run[1]
+        if total > cap:
+            return None
+        out[kind] = runs
+    return json.dumps(out, separators=(",", ":")) if any(out.values()) else None
 
 
 def _ignore(event: Any) -> None:

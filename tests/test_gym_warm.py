@@ -1,0 +1,137 @@
+"""Fresh resets' spares, warmed with what a finished episode touched (issue 28).
+
+A spare branch waits for its episode's reset; each page its episode writes first costs a
+copy (copy-on-write), and each page of code it runs first a mapping. A finished episode's
+machine says which pages it made its own (guest/gymserve.py ``owned_pages``); spares made
+after take those ahead (``_populate``: the kernel copies or maps them, nothing is
+written). Shown here: episodes on such spares still start from the warm parent, memory
+the last episode wrote included; a page list is machine data, checked on the host and
+harmless in the spare whatever it names; finished machines are deleted together, and
+none lingers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+
+import smolbench.gym as sgym
+from smolbench.gym import machines
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+# Each step scribbles over a MiB of the env's memory (pages a learned list then names);
+# reset says whether that memory is still the warm parent's.
+SCRIBBLER = '''
+import hashlib, gymnasium
+from gymnasium import spaces
+
+MEMORY = bytearray(range(256)) * 4096
+WARM = hashlib.sha256(MEMORY).hexdigest()
+
+class Scribbler(gymnasium.Env):
+    observation_space = spaces.Discrete(3)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return int(hashlib.sha256(MEMORY).hexdigest() != WARM) + 2 * int(MEMORY[0] != 0), {}
+
+    def step(self, action):
+        self.t += 1
+        for k in range(0, len(MEMORY), 4096):
+            MEMORY[k] = (MEMORY[k] + 1) % 256
+        return 0, 1.0, self.t >= 2, False, {}
+
+def scribbler():
+    return Scribbler()
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+def test_spares_warmed_with_a_finished_episodes_pages_still_start_from_the_warm_parent(bench: Workbench) -> None:
+    define(bench, SCRIBBLER)
+    env = sgym.make("scribbler", session=bench)
+    try:
+        for episode in range(40):  # past two refills: most of these run on spares made after the learning
+            assert env.reset(seed=episode)[0] == 0, f"episode {episode} started from another episode's memory"
+            while not env.step(0)[2]:
+                pass
+        learned = json.loads(env._m._pages or "{}")
+        # the scribbled MiB is among what the first episode made its own (256 pages at least)
+        assert sum(count for _, count in learned.get("w", [])) >= 256
+    finally:
+        env.close()
+
+
+def test_finished_episodes_machines_are_deleted_together_and_none_lingers(bench: Workbench) -> None:
+    define(bench, SCRIBBLER)
+    env = sgym.make("scribbler", session=bench)
+    try:
+        env.reset(seed=0)
+        first = env.machine
+        env.step(0)
+        env.reset(seed=1)  # one finished machine: not a batch, so deleted after a short wait
+        assert first not in bench.machines
+        deadline = time.monotonic() + 30
+        while first in {m.name for m in bench.backend.list()} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first not in {m.name for m in bench.backend.list()}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], "w", {"x": []}, {"w": "0 1"}, {"w": [[1]]}, {"w": [[1, 2, 3]]}, {"w": [[True, 1]]}, {"w": [[1, 0]]},
+    {"w": [[-1, 1]]}, {"w": [[1 << 52, 1]]}, {"w": [[1.0, 1]]}, {"w": [[0, machines.MAX_OWNED["w"] + 1]]},
+    {"w": [[4 * k, 3] for k in range(machines.MAX_OWNED["w"] // 3 + 1)]},  # more pages in all than a spare takes
+    {"r": [[k, 1] for k in range(0, 4 * (machines.MAX_RUNS + 1), 4)]},  # more runs than a serving cell carries
+])
+def test_a_page_list_from_a_machine_is_checked(bad: Any) -> None:
+    assert machines._pages(bad) is None
+
+
+def test_a_checked_page_list_is_plain_json() -> None:
+    assert json.loads(machines._pages({"w": [[10, 2], [20, 1]], "r": [[5, 100]]}) or "") == {"w": [[10, 2], [20, 1]],
+                                                                                          "r": [[5, 100]]}
+
+
+# In a process of its own: take ahead every page of every mapping it has (and some it has
+# not), as a hostile list would name them; its memory reads the same afterwards.
+POPULATE_ALL = '''
+import hashlib, importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("gymserve", sys.argv[1])
+g = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(g)
+data = bytearray(os.urandom(1 << 20))
+before = hashlib.sha256(data).hexdigest()
+size = os.sysconf("SC_PAGE_SIZE")
+runs = {"w": [], "r": []}
+for line in open("/proc/self/maps"):
+    fields = line.split()
+    lo, hi = (int(x, 16) // size for x in fields[0].split("-"))
+    runs["w" if "w" in fields[1] else "r"].append([lo, hi - lo])
+runs["w"] += [[0, 16], [(1 << 47) // size - 8, 4], [1 << 40, 1 << 20]]  # unmapped: skipped
+g._populate(json.loads(json.dumps(runs)))
+print(json.dumps([hashlib.sha256(data).hexdigest() == before, len(runs["w"]) + len(runs["r"])]))
+'''
+
+
+def test_taking_pages_ahead_never_changes_them() -> None:
+    out = subprocess.run([sys.executable, "-c", POPULATE_ALL, str(machines.GUEST)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    same, mappings = json.loads(out.stdout)
+    assert same and mappings > 10
