@@ -102,6 +102,47 @@ def test_a_machine_killed_mid_step_is_rebuilt_under_retries_and_recorded(bench: 
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
 
 
+SLOW_RESET = '''
+import time, gymnasium
+
+class SlowReset(gymnasium.Wrapper):
+    def reset(self, **kwargs):
+        time.sleep(0.3)  # long enough for the host to kill the machine mid-reset
+        return self.env.reset(**kwargs)
+
+def slow_reset_cartpole():
+    return SlowReset(gymnasium.make("CartPole-v1"))
+'''
+
+
+def test_a_machine_killed_in_its_autoreset_is_rebuilt_and_the_episode_starts_there(bench: Workbench) -> None:
+    """In place, an ended sub-env is reset in the next step's batch: its machine dying under
+    that reset is rebuilt under retries (recorded), and the episode starts in the new one."""
+    define(bench, SLOW_RESET)
+    envs = sgym.make_vec("slow_reset_cartpole", 4, session=bench, reset="in-place", retries=1)
+    try:
+        envs.reset(seed=0)
+        for _ in range(500):  # until the victim's episode ends: its autoreset is the next step's
+            ended = envs.step(np.zeros(4, dtype=np.int64))
+            if ended[2][VICTIM] or ended[3][VICTIM]:
+                break
+        victim = envs._m.eps[VICTIM].ref
+        assert victim is not None and not envs._m.eps[VICTIM].running
+        procs, (obs, rewards, terminated, truncated, infos) = step_while_killed(envs, victim)
+        assert envs.observation_space.contains(obs) and rewards[VICTIM] == 0.0  # reset, in a new machine
+        assert not terminated[VICTIM] and not truncated[VICTIM]
+        assert envs.machines[VICTIM] not in (None, victim.name) and gone(procs)
+        attempts = [a for a in bench.ledger.attempt_rows(bench.session) if a["node_id"] == victim.name]
+        assert [(a["stage"], a["outcome"]) for a in attempts] == [("gym reset", "retried"), ("gym reset", "ok")]
+        assert "died" in attempts[0]["error"]
+        for _ in range(3):
+            obs, *_ = envs.step(np.ones(4, dtype=np.int64))
+            assert envs.observation_space.contains(obs)
+    finally:
+        envs.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
+
+
 def test_without_retries_a_machine_killed_mid_step_is_one_line_naming_the_sub_env(bench: Workbench) -> None:
     define(bench, SLOW)
     envs = sgym.make_vec("slow_cartpole", 4, session=bench, retries=0)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gymhelpers import CARTPOLE, needs_bwrap, up_bench
+from gymhelpers import CARTPOLE, define, needs_bwrap, up_bench
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import smolbench.gym as sgym
@@ -80,6 +80,27 @@ def test_cartpole_make_vec_4_steps_as_sync_vector_env_for_1000_steps(bench: Work
     assert sum(r["metrics"]["ended"] in ("terminated", "truncated") for r in rows) == ended
 
 
+def test_every_in_place_episode_is_its_own_ledger_row(bench: Workbench) -> None:
+    """In place, a sub-env's episodes share its machine and its serving cell: each is still a
+    node and a ledger row of its own (they were one row per machine, each episode overwriting
+    the last), autoreset in the step's batch."""
+    envs = sgym.make_vec(CARTPOLE, 2, session=bench, reset="in-place")
+    ended = 0
+    try:
+        envs.reset(seed=3)
+        for _ in range(150):
+            _, _, terminated, truncated, _ = envs.step(np.array([0, 1]))
+            ended += int(np.sum(terminated | truncated))
+        machines = envs.machines
+    finally:
+        envs.close()
+    rows = [r for r in bench.ledger.node_rows(bench.session) if r["run_id"] == envs._m.run_id and r["metrics"].get("ended")]
+    assert ended >= 10 and sum(r["metrics"]["ended"] in ("terminated", "truncated") for r in rows) == ended
+    assert sum(r["metrics"]["ended"] == "closed" for r in rows) == 2 and {r["id"].split("#")[0] for r in rows} == set(machines)
+    assert sum(r["reward"] for r in rows if r["metrics"]["ended"] != "closed") == sum(
+        r["metrics"]["length"] for r in rows if r["metrics"]["ended"] != "closed")
+
+
 @pytest.mark.parametrize("mode", [AutoresetMode.SAME_STEP, AutoresetMode.DISABLED])
 def test_other_autoreset_modes_match_sync_vector_env(bench: Workbench, mode: AutoresetMode) -> None:
     ours = sgym.make_vec(CARTPOLE, 3, session=bench, autoreset_mode=mode, reset="in-place" if mode == AutoresetMode.DISABLED else "fresh")
@@ -112,5 +133,48 @@ def test_a_bad_action_names_its_sub_env_and_nothing_is_sent(bench: Workbench) ->
         assert str(bad.value).startswith("sub-env 1: action 7 is not in the action space") and "\n" not in str(bad.value)
         obs, *_ = envs.step(np.array([0, 1]))
         assert obs.shape == (2, 4)
+    finally:
+        envs.close()
+
+
+FLAKY_RESET = '''
+import gymnasium
+
+class FlakyReset(gymnasium.Wrapper):
+    resets = 0
+    def reset(self, **kwargs):
+        FlakyReset.resets += 1
+        if FlakyReset.resets == 2:  # this machine's first autoreset
+            raise RuntimeError("reset failed once")
+        return self.env.reset(**kwargs)
+
+def flaky_reset_cartpole():
+    return FlakyReset(gymnasium.make("CartPole-v1"))
+'''
+
+
+def test_an_autoreset_that_fails_names_its_sub_env_and_the_env_goes_on(bench: Workbench) -> None:
+    """In place, an ended sub-env is reset in the next step's batch; its env's reset raising
+    (each machine's first autoreset here) is one line naming the sub-env, and the next step
+    resets it again."""
+    define(bench, FLAKY_RESET)
+    envs = sgym.make_vec("flaky_reset_cartpole", 2, session=bench, reset="in-place")
+    lines: list[str] = []
+    try:
+        envs.reset(seed=0)
+        for _ in range(300):
+            try:
+                envs.step(np.zeros(2, np.int64))
+            except SmolbenchError as exc:
+                lines.append(str(exc))
+            if len(lines) == 2:
+                break
+        assert len(lines) == 2
+        for line in lines:
+            assert "(machine root." in line and "RuntimeError: reset failed once" in line and "\n" not in line, line
+        assert sorted(line.split(" (")[0] for line in lines) == ["sub-env 0", "sub-env 1"]
+        for _ in range(30):  # both reset again, and go on (their later autoresets succeed)
+            obs, *_ = envs.step(np.zeros(2, np.int64))
+            assert envs.observation_space.contains(obs)
     finally:
         envs.close()

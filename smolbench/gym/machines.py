@@ -82,6 +82,7 @@ class Episode:
     obs: Any = None
     running: bool = False  # reset and not yet terminated or truncated
     cells: int = 0
+    episodes: int = 0  # begun by this sub-env (its in-place episodes' node ids)
     chan: Channel | None = None  # the episode's serving cell (backends that keep connections)
 
 
@@ -94,6 +95,17 @@ class Step:
     terminated: bool
     truncated: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reset:
+    """An autoreset's answer from :meth:`Machines.steps_now`'s batch, for :meth:`Machines.finish`."""
+
+    out: Any
+
+
+UNSENT: Any = object()  # no answer in hand yet (Machines.reset asks for it)
+RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
 
 
 @dataclass
@@ -487,8 +499,9 @@ class Machines:
         node = Node(ep.ref.name, self.parent.name, seed, status="running", started=time.time(), run_id=self.run_id,
                     forked_at=wb.tree[self.parent.name].cells)
         node.metrics = {"sub_env": ep.index, "reset": self.mode}
-        if node.id in wb.tree:  # in place: the same machine's next episode gets its own node
-            node.id = f"{ep.ref.name}#{ep.cells}"
+        ep.episodes += 1
+        if node.id in wb.tree:  # in place: the same machine's next episode gets its own node (on a
+            node.id = f"{ep.ref.name}#{ep.episodes}"  # channel its cells stay the same: they were its id)
         wb.tree.add(node)
         ep.node, ep.ret, ep.length, ep.running = node, 0.0, 0, True
         wb._record(node)
@@ -507,8 +520,10 @@ class Machines:
         node.alive = self.mode == "in-place" and ep.ref is not None and ep.ref.name in self.wb.machines
         self.wb._record(node)
 
-    async def reset(self, i: int, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-        """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine."""
+    async def reset(self, i: int, seed: int | None, options: dict[str, Any] | None,
+                    sent: Any = UNSENT) -> tuple[Any, dict[str, Any]]:
+        """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine
+        (``sent``: the answer its first attempt got in a step's batch, see :meth:`steps_now`)."""
         ep = self.eps[i]
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
@@ -521,7 +536,22 @@ class Machines:
 
         old: list[tuple[MachineRef, Channel | None]] = []
 
+        async def asked() -> Any:
+            nonlocal sent
+            got, sent = sent, UNSENT
+            self._begin(ep, seed)
+            try:
+                if isinstance(got, BaseException):
+                    raise self._asked(ep, got)
+                return got
+            except Unanswered as exc:
+                if await self._alive(ep):
+                    raise
+                raise InfraError(str(exc)) from None  # its machine died: rebuilt below, under retries
+
         async def once(attempt: int) -> Any:
+            if sent is not UNSENT:  # asked already, in this machine (a step's batch)
+                return await asked()
             if self.mode == "fresh" or ep.ref is None:
                 if ep.ref is not None:
                     old.append((ep.ref, ep.chan))  # its channel may be asked what it made its own
@@ -608,17 +638,36 @@ class Machines:
             outs[k] = await self._stepped(self.eps[which[k]], outs[k], fit)
         return outs
 
-    def steps_now(self, which: list[int], actions: list[Any]) -> list[Any] | None:
+    def resets_now(self, which: list[int]) -> list[int]:
+        """Those of ``which`` whose reset without seed or options can go in :meth:`steps_now`'s
+        batch: in place, on an open channel, between episodes (an autoreset)."""
+        if self.mode != "in-place":
+            return []
+        return [i for i in which if (ep := self.eps[i]).chan is not None and not ep.chan.closed and not ep.running
+                and ep.ref is not None]
+
+    def steps_now(self, which: list[int], actions: list[Any], resets: list[int] | None = None) -> list[Any] | None:
         """:meth:`steps` with the requests and answers on the caller's thread (no hop to the
         loop): each result is its Step, or, for one that ended, failed or was refused, its
         checked answer or error for :meth:`finish` (the ledger and any rebuild stay on the
-        loop). None, with nothing sent, where a sub-env has no held channel."""
+        loop). ``resets`` (from :meth:`resets_now`) are reset in the same batch, each result
+        after those of ``which`` a :class:`Reset` for :meth:`finish`. None, with nothing sent,
+        where a sub-env has no held channel."""
         eps = [self.eps[i] for i in which]
-        if not eps or any(not ep.running or ep.ref is None or ep.chan is None for ep in eps):
+        again = [self.eps[i] for i in resets or ()]
+        if not eps and not again:
+            return []
+        if any(not ep.running or ep.ref is None or ep.chan is None for ep in eps):
             return None
-        got = ask_now([ep.chan for ep in eps], [self._action_line(a) for a in actions])  # type: ignore[misc]
+        got = ask_now([ep.chan for ep in eps + again],  # type: ignore[misc]
+                      [self._action_line(a) for a in actions] + [RESET_LINE] * len(again))
         if got is None:
             return None
+        if again:
+            return self._stepped_now(eps, got[:len(eps)]) + [Reset(o) for o in got[len(eps):]]
+        return self._stepped_now(eps, got)
+
+    def _stepped_now(self, eps: list[Episode], got: list[Any]) -> list[Any]:
         fits = spaces.inside(self.observation_space, [o.get("obs") if type(o) is dict else None for o in got])
         outs: list[Any] = []
         for ep, out, fit in zip(eps, got, fits):
@@ -634,14 +683,22 @@ class Machines:
                 outs.append(Later(out, fit))
         return outs
 
-    async def finish(self, which: list[int], outs: list[Any]) -> list[Step | BaseException]:
-        """What :meth:`steps_now` left to the loop, done as :meth:`steps` does it."""
+    async def finish(self, which: list[int], outs: list[Any]) -> list[Any]:
+        """What :meth:`steps_now` left to the loop, done as :meth:`steps` does it; a
+        :class:`Reset` as :meth:`reset` does it with the answer it got (its result, or the
+        exception it raised)."""
+        resets = [k for k, out in enumerate(outs) if isinstance(out, Reset)]
         for k, i in enumerate(which):
             out = outs[k]
             if isinstance(out, Later):
                 ep = self.eps[i]
                 got = out.out if not isinstance(out.out, BaseException) else self._asked(ep, out.out)
                 outs[k] = await self._stepped(ep, got, out.fit)
+        if resets:
+            done = await asyncio.gather(*(self.reset(which[k], None, None, outs[k].out) for k in resets),
+                                        return_exceptions=True)
+            for k, out in zip(resets, done):
+                outs[k] = out
         return outs
 
     def _advance(self, ep: Episode, st: Step) -> None:

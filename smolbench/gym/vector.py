@@ -18,7 +18,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from .. import _loop
 from .env import _options
-from .machines import GymError, Later, Machines, Step
+from .machines import GymError, Later, Machines, Reset, Step
 
 
 class MachineVectorEnv(VectorEnv[Any, Any, Any]):
@@ -93,18 +93,24 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                            "reset it (options={'reset_mask': ...}) before stepping")
         resetting = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP and self._autoreset[i]]
         stepping = [i for i in range(self.num_envs) if i not in resetting]
-        # the resets run on the loop while this thread steps the others (no hop for those)
-        resets = _loop.submit(_together([self._m.reset(i, None, None) for i in resetting])) if resetting else None
+        # in-place autoresets go in this thread's batch with the steps; the others run on the
+        # loop meanwhile (fresh ones need a new branch)
+        batch = self._m.resets_now(resetting)
+        loop = [i for i in resetting if i not in batch]
+        resets = _loop.submit(_together([self._m.reset(i, None, None) for i in loop])) if loop else None
         try:
-            now = self._m.steps_now(stepping, [acts[i] for i in stepping]) if stepping else []
+            now = self._m.steps_now(stepping, [acts[i] for i in stepping], batch)
             if now is None:  # no held channels (e.g. the process backend): on the loop
-                now = self._m.host.run(_together([self._steps(stepping, [acts[i] for i in stepping])]))
-                now = now[0] if isinstance(now[0], list) else now * len(stepping)
-            elif any(isinstance(o, Later) for o in now):
-                now = self._m.host.run(self._m.finish(stepping, now))
+                got = self._m.host.run(_together([self._steps(stepping, [acts[i] for i in stepping]),
+                                                  *(self._m.reset(i, None, None) for i in batch)]))
+                now = (got[0] if isinstance(got[0], list) else [got[0]] * len(stepping)) + got[1:]
+            elif any(isinstance(o, (Later, Reset)) for o in now):  # the ledger (and any rebuild): on the loop
+                now = self._m.host.run(self._m.finish(stepping + batch, now))
         finally:
             done = resets.result() if resets is not None else []
-        outs = dict(zip(resetting + stepping, self._raised(done + now, resetting + stepping)))
+        order = loop + batch + stepping  # resets first: the first failure raised is a reset's, as before
+        now = now[len(stepping):] + now[:len(stepping)]
+        outs = dict(zip(order, self._raised(done + now, order)))
         infos: dict[str, Any] = {}
         finals: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i in range(self.num_envs):
