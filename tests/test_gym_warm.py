@@ -1,13 +1,14 @@
-"""Fresh resets' spares, warmed with what a finished episode touched (issue 28).
+"""Fresh resets' spares, warmed with what a practice episode touched (issue 28).
 
 A spare branch waits for its episode's reset; each page its episode writes first costs a
-copy (copy-on-write), and each page of code it runs first a mapping. A finished episode's
-machine says which pages it made its own (guest/gymserve.py ``owned_pages``); spares made
-after take those ahead (``_populate``: the kernel copies or maps them, nothing is
-written). Shown here: episodes on such spares still start from the warm parent, memory
-the last episode wrote included; a page list is machine data, checked on the host and
-harmless in the spare whatever it names; finished machines are deleted together, and
-none lingers.
+copy (copy-on-write), and each page of code it runs first a mapping. A practice episode,
+in a branch no real episode runs in, says which pages it made its own (guest/gymserve.py
+``owned_pages``, smolbench/gym/practice.py); spares take those ahead (``_populate``: the
+kernel copies or maps them, nothing is written). Shown here: episodes on such spares still
+start from the warm parent, memory the last episode wrote included; no real episode's
+touches reach the list (a page's presence is visible in a spare: that would be a channel
+between episodes); a page list is machine data, checked on the host and harmless in the
+spare whatever it names; finished machines are deleted together, and none lingers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 
 import smolbench.gym as sgym
-from smolbench.gym import machines
+from smolbench import _loop
+from smolbench.gym import machines, practice
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -66,13 +68,62 @@ def test_spares_warmed_with_a_finished_episodes_pages_still_start_from_the_warm_
     define(bench, SCRIBBLER)
     env = sgym.make("scribbler", session=bench)
     try:
-        for episode in range(40):  # past two refills: most of these run on spares made after the learning
+        for episode in range(40):  # past two refills: most of these run on spares made after the practice
             assert env.reset(seed=episode)[0] == 0, f"episode {episode} started from another episode's memory"
             while not env.step(0)[2]:
                 pass
         learned = json.loads(env._m._pages or "{}")
-        # the scribbled MiB is among what the first episode made its own (256 pages at least)
+        # the scribbled MiB is among what the practice episode made its own (256 pages at least)
         assert sum(count for _, count in learned.get("w", [])) >= 256
+    finally:
+        env.close()
+
+
+# Scribbles over its MiB only in real episodes (reset with a seed other than the practice's),
+# so what a real episode touched is told apart from what the practice did.
+TELLER = SCRIBBLER.replace("def scribbler", """
+import ctypes, os
+ADDRESS = ctypes.addressof((ctypes.c_char * len(MEMORY)).from_buffer(MEMORY)) // os.sysconf("SC_PAGE_SIZE")
+
+class Teller(Scribbler):
+    def reset(self, *, seed=None, options=None):
+        self.real = seed not in (None, 0) or getattr(self, "real", False) and seed is None
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.real:
+            return super().step(action)
+        self.t += 1
+        return 0, 1.0, self.t >= 2, False, {}
+
+def teller():
+    return Teller()
+
+def scribbler""")
+
+
+def _runs_cover(runs: list[list[int]], first: int, count: int) -> int:
+    return sum(max(0, min(a + n, first + count) - max(a, first)) for a, n in runs)
+
+
+def test_no_real_episode_tells_the_spares_what_it_touched(bench: Workbench) -> None:
+    """The page list comes from the practice episode only: a real episode that writes a MiB
+    (256 pages) leaves no trace in what later spares take ahead."""
+    define(bench, TELLER)
+    res = _loop.run(bench.run_cell("print(ADDRESS, len(MEMORY) // os.sysconf('SC_PAGE_SIZE'))", lambda e: None))
+    first, count = map(int, res.stdout.split())
+    env = sgym.make("teller", session=bench)
+    try:
+        for episode in range(1, 41):  # real episodes (seeds 1..40) scribble; past two refills
+            env.reset(seed=episode)
+            while not env.step(0)[2]:
+                pass
+        deadline = time.monotonic() + 30
+        while env._m._pages is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        learned = json.loads(env._m._pages or "{}")
+        assert learned.get("w"), "the practice episode said nothing"
+        assert _runs_cover(learned["w"], first, count) < 16, "a real episode's pages reached the spares' list"
     finally:
         env.close()
 
@@ -96,16 +147,16 @@ def test_finished_episodes_machines_are_deleted_together_and_none_lingers(bench:
 
 @pytest.mark.parametrize("bad", [
     None, [], "w", {"x": []}, {"w": "0 1"}, {"w": [[1]]}, {"w": [[1, 2, 3]]}, {"w": [[True, 1]]}, {"w": [[1, 0]]},
-    {"w": [[-1, 1]]}, {"w": [[1 << 52, 1]]}, {"w": [[1.0, 1]]}, {"w": [[0, machines.MAX_OWNED["w"] + 1]]},
-    {"w": [[4 * k, 3] for k in range(machines.MAX_OWNED["w"] // 3 + 1)]},  # more pages in all than a spare takes
-    {"r": [[k, 1] for k in range(0, 4 * (machines.MAX_RUNS + 1), 4)]},  # more runs than a serving cell carries
+    {"w": [[-1, 1]]}, {"w": [[1 << 52, 1]]}, {"w": [[1.0, 1]]}, {"w": [[0, practice.MAX_OWNED["w"] + 1]]},
+    {"w": [[4 * k, 3] for k in range(practice.MAX_OWNED["w"] // 3 + 1)]},  # more pages in all than a spare takes
+    {"r": [[k, 1] for k in range(0, 4 * (practice.MAX_RUNS + 1), 4)]},  # more runs than a serving cell carries
 ])
 def test_a_page_list_from_a_machine_is_checked(bad: Any) -> None:
-    assert machines._pages(bad) is None
+    assert practice.checked(bad) is None
 
 
 def test_a_checked_page_list_is_plain_json() -> None:
-    assert json.loads(machines._pages({"w": [[10, 2], [20, 1]], "r": [[5, 100]]}) or "") == {"w": [[10, 2], [20, 1]],
+    assert json.loads(practice.checked({"w": [[10, 2], [20, 1]], "r": [[5, 100]]}) or "") == {"w": [[10, 2], [20, 1]],
                                                                                           "r": [[5, 100]]}
 
 

@@ -3,7 +3,8 @@
 ``make`` and ``make_vec`` share this. The warm parent is a branch of the session's
 active machine in which ``smolbench/guest/gymserve.py`` built the env once; each
 sub-env's machine is a branch of that parent. With ``reset="fresh"`` every episode gets
-a new branch (made ahead of time and warmed, so a reset costs about what an in-place one does) and
+a new branch (made ahead of time and warmed, so a reset costs about what an in-place one does:
+``practice.py`` says which pages it takes ahead) and
 the finished episode's machine is deleted; the one thing that carries over is the env's
 random generator state, as data, so that ``reset()`` without a seed continues the
 stream as one long-lived env would (Gymnasium's seeding). Every request is a one-line
@@ -40,16 +41,13 @@ from ..ledger import code_hash
 from ..tree import Node
 from . import spaces
 from ._host import Host
+from .practice import practise
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 OUT = "_smolgym_out"
 RESETS = ("fresh", "in-place")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_INFO = 256 * 1024  # bytes of JSON an info may take
-MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare takes ahead, at most (as guest/gymserve.py's)
-MAX_RUNS = 2048  # runs of them, at most (the spare's serving cell carries them)
-LEARN_TIMEOUT = 10.0  # seconds a finished episode's machine has to say which pages it made its own
-LEARN_TRIES = 3
 FLUSH_AFTER = 0.5  # seconds a finished episode's machine waits at most for others to be deleted with
 SETUP = """\
 import types as _smolgym_types
@@ -156,9 +154,9 @@ class Machines:
         self._deleting: set[asyncio.Future[Any]] = set()
         self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
         self._flush_at: asyncio.TimerHandle | None = None
-        self._pages: str | None = None  # what a finished episode made its own (JSON): new spares take it ahead
-        self._learning = 0  # spares that were to note their pages (see _learn)
-        self._learners: set[str] = set()  # those still to be asked, once their episode ends
+        self._pages: str | None = None  # what the practice episode made its own (JSON): new spares take it ahead
+        self._practice: asyncio.Future[None] | None = None
+        self._origin = self  # the env that built the warm parent (and learned the pages)
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
@@ -180,7 +178,7 @@ class Machines:
         room, why = room_of(self.wb.spec)
         self._room = room
         if self.live_branches() <= room:
-            return min(32, max(self.spare_count, room - self.n - self.spare_count))
+            return min(32, max(self.spare_count, room - self.n - self.spare_count - 1))
         fits = max([k for k in range(1, room + 1) if _live(k, self.mode, room) <= room] or [0])
         raise SmolbenchError(
             f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
@@ -317,6 +315,7 @@ class Machines:
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
         other._branching, other._names, other.owns_parent = self._branching, self._names, False
+        other._origin = self
         return other
 
     async def start_sibling(self) -> None:
@@ -326,7 +325,12 @@ class Machines:
             for ep, r in zip(self.eps, refs):
                 ep.ref = r
         else:
+            if self.owns_parent:  # first, so its branch is forked before the spares
+                self._practice = asyncio.ensure_future(self._learn())
             self._top_up(self.spare_count)
+
+    async def _learn(self) -> None:
+        self._pages = await practise(self, Episode(-1))
 
     def _describe(self, described: Any, where: str) -> None:
         if not isinstance(described, dict):
@@ -401,12 +405,8 @@ class Machines:
         if not self.channels or self.closed:
             return None
         ep = Episode(-1, ref=ref)
-        learn = self._pages is None and not self._learners and self._learning < LEARN_TRIES
-        if learn:
-            self._learning += 1
-            self._learners.add(ref.name)
         try:
-            await self._serve(ep, None, None, self._pages, learn)
+            await self._serve(ep, None, None, self._origin._pages)
         except Exception:  # the reset will say what is wrong (and rebuild under retries)
             self._hang_up(ep)
             return None
@@ -436,24 +436,17 @@ class Machines:
             if ep.ref is ref:
                 self._hang_up(ep)
         self.wb.machines.pop(ref.name, None)
-        self._learners.discard(ref.name)  # a learning spare that never said: another may learn
         with contextlib.suppress(Exception):
             await self.wb.backend.delete(ref)
 
     async def _delete_later(self, ref: MachineRef, chan: Channel | None = None) -> None:
-        """Delete ``ref`` in the background, with the other finished ones (see :meth:`_flush`;
-        with its episode's channel ``chan``: first ask it which pages it made its own, see
-        :meth:`_learn`). Its name leaves the env's machines now."""
+        """Delete ``ref`` in the background, with the other finished ones (see :meth:`_flush`),
+        hanging up its episode's channel ``chan``. Its name leaves the env's machines now."""
         self.wb.machines.pop(ref.name, None)
-        learn = ref.name in self._learners and chan is not None and not chan.closed
-        self._learners.discard(ref.name)
-        if not learn and chan is not None:
+        if chan is not None:
             chan.close()
         while self._deleting and len(self._deleting) + len(self._finished) >= self._deletions:  # the warm parent's room
             await asyncio.wait(set(self._deleting), return_when=asyncio.FIRST_COMPLETED)
-        if learn and chan is not None:
-            self._started(self._learn(ref, chan))
-            return
         self._finished.append(ref)
         if len(self._finished) >= max(1, self.spare_count // 2) or self.closed:
             self._flush()
@@ -476,20 +469,6 @@ class Machines:
         task = asyncio.ensure_future(deletion)
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
-
-    async def _learn(self, ref: MachineRef, chan: Channel) -> None:
-        """Ask a finished episode's machine which pages its episode made its own (copied or
-        mapped since it was warmed), then delete it. Spares made after take those pages ahead while they wait, so
-        an episode's first requests don't each wait for page copies (guest/gymserve.py
-        ``Server.warm``). Its answer is machine data: checked, bounded, and it can only make a
-        spare copy or map pages it already has (no page's contents change)."""
-        try:
-            self._pages = _pages(await asyncio.wait_for(chan.ask({"op": "pages"}), LEARN_TIMEOUT)) or self._pages
-        except Exception:  # it can't say: a later episode's machine is asked
-            pass
-        finally:
-            chan.close()
-        await self._delete(ref)
 
     # -- episodes -----------------------------------------------------------------------
 
@@ -554,7 +533,7 @@ class Machines:
                 return await asked()
             if self.mode == "fresh" or ep.ref is None:
                 if ep.ref is not None:
-                    old.append((ep.ref, ep.chan))  # its channel may be asked what it made its own
+                    old.append((ep.ref, ep.chan))
                     ep.chan = None
                 self._hang_up(ep)
                 ep.ref, ep.chan = await self._spare()
@@ -830,6 +809,8 @@ class Machines:
                 await self._refill
         if self._warming:  # each deletes its machine (the env is closed)
             await asyncio.gather(*self._warming, return_exceptions=True)
+        if self._practice is not None:  # it deletes its machine, whatever happens
+            await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
                 self._end(ep, "closed")
@@ -863,34 +844,12 @@ STEP_KEYS_RNG = STEP_KEYS | {"rng"}
 def _spares(n: int, room: int = NO_ROOM_LIMIT) -> int:
     """16, one per sub-env past that, at most 32; fewer, down to 8, where the warm parent's
     room would otherwise hold fewer sub-envs than with 8."""
-    return max(8, min(32, max(16, n), (room - n) // 2))
+    return max(8, min(32, max(16, n), (room - n - 1) // 2))
 
 
 def _live(n: int, mode: str, room: int = NO_ROOM_LIMIT) -> int:
-    return n + (2 * _spares(n, room) if mode == "fresh" else 0)
-
-
-def _pages(value: Any) -> str | None:
-    """What a finished episode's machine said it made its own (machine data), checked: runs
-    ``[first page, count]`` of whole numbers, within bounds; as JSON for the next spares'
-    serving cells, or None."""
-    if not isinstance(value, dict) or not set(value) <= set(MAX_OWNED):
-        return None
-    out: dict[str, list[list[int]]] = {}
-    for kind, cap in MAX_OWNED.items():
-        runs = value.get(kind, [])
-        if not isinstance(runs, list) or len(runs) > MAX_RUNS:
-            return None
-        total = 0
-        for run in runs:
-            if type(run) is not list or len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int \
-                    or not 0 <= run[0] < 1 << 52 or not 1 <= run[1] <= cap:
-                return None
-            total += run[1]
-        if total > cap:
-            return None
-        out[kind] = runs
-    return json.dumps(out, separators=(",", ":")) if any(out.values()) else None
+    """With fresh resets: the sub-envs, their spares, as many being deleted, and the practice episode's branch."""
+    return n + (2 * _spares(n, room) + 1 if mode == "fresh" else 0)
 
 
 def _ignore(event: Any) -> None:
