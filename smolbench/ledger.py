@@ -7,6 +7,7 @@ crash of the kernel loses no finished branch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,7 +15,7 @@ import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,7 @@ class Ledger:
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -105,6 +106,17 @@ class Ledger:
             self._db.close()
 
     # -- writing -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Write what is done inside in one transaction (one commit for many rows; other
+        threads' writes wait for it)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield
+            finally:
+                self._db.execute("COMMIT")
 
     def _write(self, sql: str, params: Iterable[Any]) -> None:
         with self._lock:

@@ -52,6 +52,7 @@ class Hostile(gymnasium.Env):
         if self.how == "pickle":
             blob = base64.b64encode(pickle.dumps(Boom(MARKER))).decode()
             data._pull = lambda value, trusted: {"format": "pickle", "data": blob}  # cells' and channels' encoding
+            info = {"k": 1}  # (an empty one is written without _pull: guestapi.LEAN_TAIL)
         elif self.how == "object-npy":
             def npy(arr):
                 import io
@@ -281,3 +282,85 @@ def test_the_lean_fast_path_answers_as_the_general_path(name: str, max_items: in
         assert type(a[key]) is type(b[key]) and (a[key] == b[key] if key != "obs" else True), key
     assert a["obs"].dtype == b["obs"].dtype and a["obs"].shape == b["obs"].shape and (a["obs"] == b["obs"]).all()
     assert a["obs"].flags.writeable
+
+
+class _Wire:
+    """The agent's side of a cell's channel, with the host's side as bytes."""
+
+    def __init__(self, lines: bytes) -> None:
+        import io
+
+        self.sent: list[bytes] = []
+        self._conn = self
+        self._lines = io.BytesIO(lines)
+        self.seed = None
+
+    def makefile(self, mode: str) -> Any:
+        return self._lines
+
+    def send(self, msg: Any) -> None:
+        from smolbench.guest import protocol as P
+
+        self.sent.append(P.encode(msg))
+
+    def send_line(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def apply_seed(self, seed: Any) -> None:
+        self.seed = seed
+
+
+STEP_ANSWERS = [  # (obs, reward, flags, info, rng): the first five take the guest's JSON-free form
+    (np.array([0.5, -1, 2, 3], np.float32), 1.0, 0, {}, None),
+    (np.arange(6, dtype=np.int64).reshape(2, 3), -2.5e-3, 0, {}, None),
+    (np.zeros((0,), np.float64), 1e300, 0, {}, None),
+    (np.ones((2, 2), np.float32)[:, :1], 0.1 + 0.2, 0, {}, None),  # not contiguous: np.save's bytes
+    (np.array([True, False]), -0.0, 0, {}, None),
+    (np.array([1.0]), 1.0, 1, {}, {"state": "{}", "seed": 0}),  # ended: the JSON way
+    (np.array([1.0]), 1, 0, {}, None),  # an int reward
+    (np.array([1.0]), "nan", 0, {}, None),  # as _reward sends a non-finite one
+    (np.array([1.0]), 1.0, 0, {"k": 1}, None),
+    (3, 1.0, 0, {}, None),
+]
+
+
+@pytest.mark.parametrize("k", range(len(STEP_ANSWERS)))
+def test_the_guests_json_free_step_answer_is_the_json_one(k: int) -> None:
+    """The guest writes most step answers without JSON (guestapi.LEAN_HEAD/LEAN_TAIL): the same
+    bytes protocol.encode makes of the same answer, so the host reads them alike."""
+    from smolbench.guest import guestapi, pulldata
+    from smolbench.guest import protocol as P
+
+    obs, reward, flags, info, rng = STEP_ANSWERS[k]
+    wire = _Wire(b"")
+    _, answer = guestapi.GuestAPI(wire).channel()
+    answer.step(obs, reward, flags, info, rng)
+    fields: dict[str, Any] = {"o": pulldata._npy(obs)} if isinstance(obs, np.ndarray) else {"ov": pulldata._pull(obs, False)}
+    fields.update(r=reward, f=flags, i=pulldata._pull(info, False))
+    if rng is not None:
+        fields["g"] = pulldata._data(rng)
+    assert wire.sent == [P.encode({"t": "answer", "step": fields})]
+
+
+@pytest.mark.parametrize("line", [b'{"op":"step","a":{"$":"int64","v":%s}}\n' % v for v in
+                                  (b"0", b"1", b"17", b"9223372036854775807", b"-1", b"01", b"1_0", b" 1", b"+1", b"1.0")]
+                         + [b'{"op":"step","a":{"$":"int64","v":1},"seed":5}\n', b'{"op":"rng"}\n'])
+def test_the_guest_reads_a_step_request_without_json_as_json_would(line: bytes) -> None:
+    from smolbench.guest import guestapi
+    from smolbench.guest import protocol as P
+
+    wire = _Wire(line)
+    requests, _ = guestapi.GuestAPI(wire).channel()
+    try:
+        want: Any = P.decode(line)
+    except ValueError as exc:
+        want = type(exc)
+    try:
+        got: Any = list(requests)
+    except ValueError as exc:
+        got = type(exc)
+    if isinstance(want, dict):
+        seed = want.pop("seed", None)
+        assert got == [want] and wire.seed == seed
+    else:
+        assert got == want

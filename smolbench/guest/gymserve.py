@@ -164,7 +164,7 @@ def owned_pages(before=None):
 
 
 def _populate(pages):
-    """Make ``pages`` (:func:`owned_pages`' form, from a finished episode's branch) this
+    """Make ``pages`` (:func:`owned_pages`' form, from a practice episode's branch) this
     branch's own now: written ones copied, read-only ones mapped. Their contents stay as they
     are (the kernel populates, nothing is written); a page not mapped here is skipped."""
     size = os.sysconf("SC_PAGE_SIZE")
@@ -181,7 +181,6 @@ class Server:
     def __init__(self, factory):
         self.factory = factory
         self.env = None
-        self.owned = None  # a learning spare's own pages once warmed (what its episode adds is asked for)
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
@@ -242,10 +241,10 @@ class Server:
     def serve(self, api, first, pages=None, learn=False):
         """Answer the host on this cell's own connection (``smolbench_guest.channel()``):
         ``first`` is the episode's reset (None: answer None and wait for it), then ``{"op": "step", "a": ...}``,
-        ``{"op": "rng"}``, ``{"op": "reset", "r": ...}`` and ``{"op": "pages"}`` (:func:`owned_pages`)
+        ``{"op": "rng"}``, ``{"op": "reset", "r": ...}``, ``{"op": "ping"}`` and ``{"op": "pages"}`` (:func:`owned_pages`)
         requests until the host ends the channel. A request that fails is answered with its error; the
         loop goes on. ``pages`` (JSON text) are what a spare takes ahead (:meth:`warm`); ``learn``:
-        it notes which pages it has once warmed, to say which its episode added."""
+        the practice episode's branch (smolbench/gym/practice.py), asked for its pages at the end."""
         requests, answer = api.channel()
         if first is None:  # a spare branch: warmed while it waits, so its reset costs what an in-place one does
             self.warm(getattr(answer, "warm", None), json.loads(pages) if pages else None, learn)
@@ -266,10 +265,12 @@ class Server:
                         out["rng"] = self.rng()
                 elif op == "rng":
                     out = self.rng()
+                elif op == "ping":  # a spare woken ahead of its episode (nothing of the env runs)
+                    out = None
                 elif op == "reset":
                     out = self.reset(req.get("r"))
                 elif op == "pages":
-                    out = owned_pages(self.owned)
+                    out = owned_pages()
                 else:
                     raise ValueError("unknown gym request %r" % (op,))
             except Exception as exc:
@@ -283,11 +284,11 @@ class Server:
         (a branch shares its parent's memory until it writes a page; each first write costs a
         page copy, ~200 of them made a fresh reset several times an in-place one). Nothing of
         the env runs: only its attributes are read (their objects' reference counts are
-        written), and the request/answer path runs on made-up data. ``pages``: what a finished
-        episode's branch made its own (:func:`owned_pages`), taken here ahead instead of the
-        walk (exactly the pages the env's own reset and steps wrote, its code's pages mapped);
-        ``learn``: no walk either, the pages this branch has noted, so that its episode's own
-        are told apart."""
+        written), and the request/answer path runs on made-up data. ``pages``: what the practice
+        episode's branch made its own since its fork (:func:`owned_pages`: this warming's pages,
+        and those the env's own reset and steps wrote, its code's pages mapped), taken here
+        ahead instead of the walk; ``learn``: the practice's branch, no walk either (what it
+        touches is what it says)."""
         if pages:
             _populate(pages)
         np = _np()
@@ -299,8 +300,6 @@ class Server:
         decode_action({"$": "int64", "v": 1})
         if encode is not None:
             encode(sample)
-        if learn:
-            self.owned = _owned()
         if learn or pages:
             return
         seen, todo = set(), [self.env]

@@ -253,10 +253,14 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
 
     def send(self, msg):
         """Send one message to the host on the current request's connection."""
+        if self._conn is not None:
+            self.send_line(P.encode(msg))
+
+    def send_line(self, data):
+        """Send one message already encoded (a line of bytes, as :func:`protocol.encode` makes)."""
         conn = self._conn
         if conn is None:
             return
-        data = P.encode(msg)
         # An interrupt (SIGINT -> KeyboardInterrupt) must not cut a message in half: the
         # host would rightly refuse the rest of the reply. Held off until it is sent.
         main = threading.current_thread() is threading.main_thread()

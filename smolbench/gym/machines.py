@@ -42,6 +42,7 @@ from ..tree import Node
 from . import spaces
 from ._host import Host
 from .practice import practise
+from .record import Records
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 OUT = "_smolgym_out"
@@ -152,11 +153,14 @@ class Machines:
         self._warming: set[asyncio.Future[None]] = set()  # new spares starting their serving cells
         self._added = asyncio.Event()  # a spare was added
         self._deleting: set[asyncio.Future[Any]] = set()
+        self._retiring: set[asyncio.Future[None]] = set()  # last episodes' machines on their way to deletion
+        self._nudges: dict[str, asyncio.Future[Any]] = {}  # spares woken ahead (see _nudge)
         self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
         self._flush_at: asyncio.TimerHandle | None = None
         self._pages: str | None = None  # what the practice episode made its own (JSON): new spares take it ahead
         self._practice: asyncio.Future[None] | None = None
         self._origin = self  # the env that built the warm parent (and learned the pages)
+        self.records = Records(self)
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
@@ -429,13 +433,31 @@ class Machines:
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 added.cancel()
-        return self.spares.pop(0)  # the refill starts once the reset is answered (see reset)
+        ref, chan = self.spares.pop(0)  # the refill starts once the reset is answered (see reset)
+        nudge = self._nudges.pop(ref.name, None)
+        if nudge is not None:  # one request at a time on a channel
+            await asyncio.gather(nudge, return_exceptions=True)
+        return ref, chan
+
+    def _nudge(self) -> None:
+        """Wake the next spare ahead of its episode (a no-op request): a process that slept for
+        tens of ms here took ~0.5 ms longer to answer its first request than one that ran a
+        few ms ago (bench/gym_vec.py's fresh resets: its idle vCPU and cold caches)."""
+        if not self.spares or self.closed:
+            return
+        ref, chan = self.spares[0]
+        if chan is None or chan.closed or ref.name in self._nudges:
+            return
+        task = asyncio.ensure_future(chan.ask({"op": "ping"}))
+        self._nudges[ref.name] = task
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a spare that died: its reset says so
 
     async def _delete(self, ref: MachineRef) -> None:
         for ep in self.eps:  # its episode's serving cell goes with it
             if ep.ref is ref:
                 self._hang_up(ep)
         self.wb.machines.pop(ref.name, None)
+        self._nudges.pop(ref.name, None)
         with contextlib.suppress(Exception):
             await self.wb.backend.delete(ref)
 
@@ -472,33 +494,6 @@ class Machines:
 
     # -- episodes -----------------------------------------------------------------------
 
-    def _begin(self, ep: Episode, seed: int | None) -> None:
-        assert ep.ref is not None and self.parent is not None
-        wb = self.wb
-        node = Node(ep.ref.name, self.parent.name, seed, status="running", started=time.time(), run_id=self.run_id,
-                    forked_at=wb.tree[self.parent.name].cells)
-        node.metrics = {"sub_env": ep.index, "reset": self.mode}
-        ep.episodes += 1
-        if node.id in wb.tree:  # in place: the same machine's next episode gets its own node (on a
-            node.id = f"{ep.ref.name}#{ep.episodes}"  # channel its cells stay the same: they were its id)
-        wb.tree.add(node)
-        ep.node, ep.ret, ep.length, ep.running = node, 0.0, 0, True
-        wb._record(node)
-
-    def _end(self, ep: Episode, how: str, error: str | None = None) -> None:
-        """Record the episode: its return, length and how it ended."""
-        node, ep.node = ep.node, None
-        ep.running = False
-        if node is None:
-            return
-        node.status = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}.get(how, how)
-        node.reward = ep.ret
-        node.metrics = {**node.metrics, "length": ep.length, "ended": how}
-        node.ended = time.time()
-        node.error = error
-        node.alive = self.mode == "in-place" and ep.ref is not None and ep.ref.name in self.wb.machines
-        self.wb._record(node)
-
     async def reset(self, i: int, seed: int | None, options: dict[str, Any] | None,
                     sent: Any = UNSENT) -> tuple[Any, dict[str, Any]]:
         """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine
@@ -508,7 +503,7 @@ class Machines:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
                 with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
                     ep.rng = _rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
-            self._end(ep, "reset")
+            self.records.end(ep, "reset")
         if seed is not None:
             ep.rng = None
         req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
@@ -518,7 +513,7 @@ class Machines:
         async def asked() -> Any:
             nonlocal sent
             got, sent = sent, UNSENT
-            self._begin(ep, seed)
+            self.records.begin(ep, seed)
             try:
                 if isinstance(got, BaseException):
                     raise self._asked(ep, got)
@@ -543,7 +538,7 @@ class Machines:
                 old.append((ep.ref, None))
                 self._hang_up(ep)
                 (ep.ref,) = await self._branch(1)
-            self._begin(ep, seed)
+            self.records.begin(ep, seed)
             global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
             try:
                 if ep.chan is not None:  # the machine is seeded first, as for a cell
@@ -562,14 +557,25 @@ class Machines:
         try:
             out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
         finally:
-            # Only now the last episode's machine is deleted and spares are forked: done before
-            # the reset was answered, both took the CPU its first request needed (a fresh reset
-            # measured 2-3x slower while a refill forked beside it).
-            for ref, chan in old:
-                await self._delete_later(ref, chan)
-            if self.mode == "fresh":
-                self._top_up()
-        where = _where(i, self.n, ep)
+            # Only once the reset is answered, and after it returns, the last episode's machine
+            # is deleted and spares are forked: done before, both took the CPU its first request
+            # needed (a fresh reset measured 2-3x slower while a refill forked beside it).
+            if old or self.mode == "fresh":
+                task = asyncio.ensure_future(self._retire(old))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+        return self._reset_answer(ep, out)
+
+    async def _retire(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
+        if self.mode == "fresh":
+            self._nudge()
+        for ref, chan in old:
+            await self._delete_later(ref, chan)
+        if self.mode == "fresh":
+            self._top_up()
+
+    def _reset_answer(self, ep: Episode, out: Any) -> tuple[Any, dict[str, Any]]:
+        where = self._where(ep)
         if not isinstance(out, dict) or set(out) - {"obs", "info"}:
             raise GymError(f"{where} answered a reset with something other than an observation and an info")
         obs = self._obs(out.get("obs"), where)
@@ -680,6 +686,28 @@ class Machines:
                 outs[k] = out
         return outs
 
+    def finish_now(self, which: list[int], outs: list[Any]) -> list[Any] | None:
+        """:meth:`finish` on the caller's thread, where nothing needs the loop but the records
+        (written after, see ``record.py``): every ended step and in-place autoreset answered
+        as data, or an env's own error. None, with nothing done, otherwise."""
+        for out in outs:
+            got = out.out if isinstance(out, (Later, Reset)) else None
+            if isinstance(got, BaseException) and (isinstance(out, Reset) or not isinstance(got, AnswerError)):
+                return None  # a machine gone or a channel cut: on the loop (it may rebuild)
+        with self.records.deferred():
+            for k, i in enumerate(which):
+                out, ep = outs[k], self.eps[i]
+                if isinstance(out, Later):
+                    got = GymError(f"{self._where(ep)}: {out.out}") if isinstance(out.out, AnswerError) else out.out
+                    outs[k] = self._stepped_here(ep, got, out.fit)
+                elif isinstance(out, Reset):
+                    self.records.begin(ep, None)
+                    try:
+                        outs[k] = self._reset_answer(ep, out.out)
+                    except GymError as exc:
+                        outs[k] = exc
+        return outs
+
     def _advance(self, ep: Episode, st: Step) -> None:
         ep.obs = st.obs
         ep.ret += st.reward
@@ -706,28 +734,31 @@ class Machines:
     async def _stepped(self, ep: Episode, out: Any, fit: bool = False) -> Step | BaseException:
         """A sub-env's step answer (or its failure) checked and recorded (``fit``: its
         observation was already found to fit the space)."""
-        where = _where(ep.index, self.n, ep)
         if isinstance(out, (InfraError, Unanswered)):
             if self.retries < 1 or await self._alive(ep):
-                self._end(ep, "error", str(out))
+                self.records.end(ep, "error", str(out))
                 return GymError(str(out))
             # the machine died under the step: its episode is cut short (truncated), a new machine takes over
             await self._lost(ep, 1, str(out))
-            return Step(ep.obs, 0.0, False, True, {"smolbench_lost": f"{where} died mid-step; a new machine "
+            return Step(ep.obs, 0.0, False, True, {"smolbench_lost": f"{self._where(ep)} died mid-step; a new machine "
                                                                      "from the warm parent takes over at the next reset"})
+        return self._stepped_here(ep, out, fit)
+
+    def _stepped_here(self, ep: Episode, out: Any, fit: bool) -> Step | BaseException:
+        """:meth:`_stepped` for an answer, or an env's own error (on any thread)."""
         if isinstance(out, BaseException):
             if isinstance(out, GymError):
-                self._end(ep, "error", str(out))
+                self.records.end(ep, "error", str(out))
             return out
         try:
             st = self._step(out, ep, fit)
         except GymError as exc:
-            self._end(ep, "error", str(exc))
+            self.records.end(ep, "error", str(exc))
             return exc
         self._advance(ep, st)
         if st.terminated or st.truncated:
             ep.rng = _rng(out.get("rng"))
-            self._end(ep, "terminated" if st.terminated else "truncated")
+            self.records.end(ep, "terminated" if st.terminated else "truncated")
         return st
 
     def _step(self, out: Any, ep: Episode, fit: bool = False) -> Step:
@@ -782,7 +813,7 @@ class Machines:
         """``ep``'s machine died: record it, and give the sub-env a new branch of the warm parent."""
         old = ep.ref
         if ep.node is not None:
-            self._end(ep, "lost", why or "the machine died")
+            self.records.end(ep, "lost", why or "the machine died")
         if old is not None:
             await self._delete(old)
             ep.ref = None
@@ -804,6 +835,8 @@ class Machines:
         if self.closed:
             return
         self.closed = True
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._refill is not None:
             with contextlib.suppress(BaseException):
                 await self._refill
@@ -813,7 +846,7 @@ class Machines:
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
-                self._end(ep, "closed")
+                self.records.end(ep, "closed")
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None

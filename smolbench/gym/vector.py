@@ -104,8 +104,9 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                 got = self._m.host.run(_together([self._steps(stepping, [acts[i] for i in stepping]),
                                                   *(self._m.reset(i, None, None) for i in batch)]))
                 now = (got[0] if isinstance(got[0], list) else [got[0]] * len(stepping)) + got[1:]
-            elif any(isinstance(o, (Later, Reset)) for o in now):  # the ledger (and any rebuild): on the loop
-                now = self._m.host.run(self._m.finish(stepping + batch, now))
+            elif any(isinstance(o, (Later, Reset)) for o in now):  # ended or reset: here, unless one needs the loop
+                done_here = self._m.finish_now(stepping + batch, now)
+                now = done_here if done_here is not None else self._m.host.run(self._m.finish(stepping + batch, now))
         finally:
             done = resets.result() if resets is not None else []
         order = loop + batch + stepping  # resets first: the first failure raised is a reset's, as before

@@ -1,0 +1,98 @@
+"""Every gym episode's record: a node of the fork tree and a ledger row.
+
+Written on smolbench's loop. A vector step's episode ends and in-place autoresets, found on
+the caller's thread (``Machines.finish_now``), are noted there and written just after the
+step returns, in one ledger transaction: the step doesn't wait for the loop (that wait was
+~15% of an in-place step at 16 sub-envs). The episode's own state (running, return, length)
+changes at once; only the record comes a moment later, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .. import _loop
+from ..tree import Node
+
+if TYPE_CHECKING:
+    from .machines import Episode, Machines
+
+log = logging.getLogger(__name__)
+ENDS = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}  # how an episode ended -> its status
+
+
+class Records:
+    """The episodes' records of one gym env's machines."""
+
+    def __init__(self, m: Machines) -> None:
+        self.m = m
+        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] | None = None
+        self._owner = 0  # the thread noting into _later
+
+    def begin(self, ep: Episode, seed: int | None) -> None:
+        """``ep``'s new episode: its node, running."""
+        m = self.m
+        assert ep.ref is not None and m.parent is not None
+        node = Node(ep.ref.name, m.parent.name, seed, status="running", started=time.time(), run_id=m.run_id,
+                    forked_at=m.wb.tree[m.parent.name].cells)
+        node.metrics = {"sub_env": ep.index, "reset": m.mode}
+        ep.episodes += 1
+        ep.node, ep.ret, ep.length, ep.running = node, 0.0, 0, True
+        # in place, the same machine's next episode gets its own node (on a channel its
+        # cells stay the same: they were its id)
+        self._note(self._add, node, f"{ep.ref.name}#{ep.episodes}")
+
+    def end(self, ep: Episode, how: str, error: str | None = None) -> None:
+        """``ep``'s episode ended ``how``: its return, length and how it ended."""
+        node, ep.node = ep.node, None
+        ep.running = False
+        if node is None:
+            return
+        alive = self.m.mode == "in-place" and ep.ref is not None and ep.ref.name in self.m.wb.machines
+        self._note(self._ended, node, how, ep.ret, ep.length, error, alive, time.time())
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """On the caller's thread: what is noted inside is written on the loop afterwards."""
+        self._later, self._owner = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            later, self._later, self._owner = self._later, None, 0
+            if later:
+                _loop.get_loop().call_soon_threadsafe(self._write, later)
+
+    def _note(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._later is not None and threading.get_ident() == self._owner:
+            self._later.append((fn, args))
+        else:
+            fn(*args)
+
+    def _write(self, later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
+        with self.m.wb.ledger.batch():
+            for fn, args in later:
+                try:
+                    fn(*args)
+                except Exception:  # a record that can't be written must not stop the others
+                    log.exception("smolbench.gym: an episode's record was not written")
+
+    def _add(self, node: Node, other_id: str) -> None:
+        wb = self.m.wb
+        if node.id in wb.tree:
+            node.id = other_id
+        wb.tree.add(node)
+        wb._record(node)
+
+    def _ended(self, node: Node, how: str, ret: float, length: int, error: str | None, alive: bool, at: float) -> None:
+        node.status = ENDS.get(how, how)
+        node.reward = ret
+        node.metrics = {**node.metrics, "length": length, "ended": how}
+        node.ended = at
+        node.error = error
+        node.alive = alive
+        self.m.wb._record(node)
