@@ -241,8 +241,9 @@ class Server:
     def serve(self, api, first, pages=None, learn=False):
         """Answer the host on this cell's own connection (``smolbench_guest.channel()``):
         ``first`` is the episode's reset (None: answer None and wait for it), then ``{"op": "step", "a": ...}``,
-        ``{"op": "rng"}``, ``{"op": "reset", "r": ...}``, ``{"op": "ping"}`` and ``{"op": "pages"}`` (:func:`owned_pages`)
-        requests until the host ends the channel. A request that fails is answered with its error; the
+        ``{"op": "rng"}``, ``{"op": "reset", "r": ...}`` and ``{"op": "pages"}`` (:func:`owned_pages`)
+        requests until the host ends the channel, and ``{"op": "wake"}`` lines, read and not answered
+        (a spare woken ahead of its episode: nothing of the env runs). A request that fails is answered with its error; the
         loop goes on. ``pages`` (JSON text) are what a spare takes ahead (:meth:`warm`); ``learn``:
         the practice episode's branch (smolbench/gym/practice.py), asked for its pages at the end."""
         requests, answer = api.channel()
@@ -252,6 +253,8 @@ class Server:
         for req in requests:
             try:
                 op = req.get("op")
+                if op == "wake":
+                    continue
                 if op == "step":
                     obs, reward, terminated, truncated, info = self.env.step(decode_action(req.get("a")))
                     flags = (1 if terminated else 0) | (2 if truncated else 0)
@@ -265,8 +268,6 @@ class Server:
                         out["rng"] = self.rng()
                 elif op == "rng":
                     out = self.rng()
-                elif op == "ping":  # a spare woken ahead of its episode (nothing of the env runs)
-                    out = None
                 elif op == "reset":
                     out = self.reset(req.get("r"))
                 elif op == "pages":
