@@ -51,7 +51,8 @@ def vec_rate(envs: Any, steps: int, seed: int, cpu: dict[str, list[float]] | Non
     rate = steps * NUM_ENVS / (time.perf_counter() - t)
     if cpu is not None:
         cpu["host"].append(1000 * (time.process_time() - host) / steps)
-        cpu["workers"].append(1000 * (_cpu(kids) - workers) / steps)
+        now = _cpu(kids)  # those there throughout (another env's machines may have been deleted meanwhile)
+        cpu["workers"].append(1000 * sum(now[k] - workers[k] for k in now.keys() & workers.keys()) / steps)
     return rate
 
 
@@ -75,18 +76,18 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _cpu(pids: list[int]) -> float:
-    """Seconds of CPU the processes ``pids`` (all their threads) ran so far (those still
-    there), from the scheduler's own count (/proc/PID/task/TID/schedstat, in ns): utime and
-    stime are sampled at the clock tick, which misses processes that run ~50 us at a time."""
-    ns = 0
+def _cpu(pids: list[int]) -> dict[tuple[int, str], float]:
+    """Seconds of CPU each thread of the processes ``pids`` ran so far (those still there),
+    from the scheduler's own count (/proc/PID/task/TID/schedstat, in ns): utime and stime are
+    sampled at the clock tick, which misses processes that run ~50 us at a time."""
+    out: dict[tuple[int, str], float] = {}
     for pid in pids:
         for task in _listdir(f"/proc/{pid}/task"):
             try:
-                ns += int(Path(task, "schedstat").read_text().split()[0])
+                out[(pid, task)] = int(Path(task, "schedstat").read_text().split()[0]) / 1e9
             except (OSError, ValueError, IndexError):
                 continue
-    return ns / 1e9
+    return out
 
 
 def step_ms(env: Any, steps: int) -> float:

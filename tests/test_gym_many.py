@@ -20,7 +20,7 @@ from gymhelpers import CARTPOLE, needs_bwrap, up_bench
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
 from smolbench.guest.uidshares import BRANCH_NAMESPACES
-from smolbench.gym.machines import _live
+from smolbench.gym.spares import live
 from smolbench.spec import MachineSpec
 from smolbench.workbench import Workbench
 
@@ -35,7 +35,7 @@ def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
 
 def most_envs(bench: Workbench, reset: str) -> int:
     room, _ = bench.backend.branch_room(bench.spec)  # type: ignore[attr-defined]
-    return max(k for k in range(1, room + 1) if _live(k, reset, room) <= room)
+    return max(k for k in range(1, room + 1) if live(k, reset, room) <= room)
 
 
 def test_64_fresh_sub_envs_step_through_many_episodes(bench: Workbench) -> None:

@@ -23,7 +23,7 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,13 @@ from . import spaces
 from ._host import Host
 from .practice import practise
 from .record import Records
+from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live, spare_count
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 OUT = "_smolgym_out"
 RESETS = ("fresh", "in-place")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_INFO = 256 * 1024  # bytes of JSON an info may take
-FLUSH_AFTER = 0.5  # seconds a finished episode's machine waits at most for others to be deleted with
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
@@ -105,7 +105,6 @@ class Reset:
 
 
 UNSENT: Any = object()  # no answer in hand yet (Machines.reset asks for it)
-WAKE_LINE = P.encode({"op": "wake"})  # read by a spare and not answered (see Machines._wake_spare)
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
 
 
@@ -147,18 +146,9 @@ class Machines:
         self.action_space: Any = None
         self.described: dict[str, Any] = {}
         self.eps = [Episode(i) for i in range(num_envs)]
-        self.spares: list[tuple[MachineRef, Channel | None]] = []  # with their serving cells, already waiting
         self._branching = asyncio.Lock()  # one fork request at a time on the warm parent (shared by siblings)
         self._names = itertools.count()  # branch numbers under the warm parent (shared by siblings)
         self.owns_parent = True
-        self._refill: asyncio.Future[None] | None = None
-        self._warming: set[asyncio.Future[None]] = set()  # new spares starting their serving cells
-        self._added = asyncio.Event()  # a spare was added
-        self._deleting: set[asyncio.Future[Any]] = set()
-        self._retiring: set[asyncio.Future[None]] = set()  # last episodes' machines on their way to deletion
-        self._awake: set[str] = set()  # spares woken ahead of their episodes (see _wake_spare)
-        self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
-        self._flush_at: asyncio.TimerHandle | None = None
         self._pages: str | None = None  # what the practice episode made its own (JSON): new spares take it ahead
         self._practice: asyncio.Future[None] | None = None
         self._origin = self  # the env that built the warm parent (and learned the pages)
@@ -166,13 +156,14 @@ class Machines:
         self.run_id = ""
         self.closed = False
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
-        self._room = NO_ROOM_LIMIT  # live branches the warm parent has room for (the backend says)
-        self._deletions = self._check_room()  # deletions under way at once, at most
+        self.room = NO_ROOM_LIMIT  # live branches the warm parent has room for (the backend says)
+        self.pool = Spares(self)  # fresh resets' spares
+        self.pool.deletions = self._check_room()
 
     def live_branches(self) -> int:
         """Branches of the warm parent this env holds at most at once: one per sub-env, and with
         fresh resets its spares and as many being deleted."""
-        return _live(self.n, self.mode, self._room)
+        return live(self.n, self.mode, self.room)
 
     def _check_room(self) -> int:
         """Refuse up front, in one line, more sub-envs than one warm parent has room for; how
@@ -182,10 +173,10 @@ class Machines:
         if room_of is None:
             return self.spare_count
         room, why = room_of(self.wb.spec)
-        self._room = room
+        self.room = room
         if self.live_branches() <= room:
             return min(32, max(self.spare_count, room - self.n - self.spare_count - 1))
-        fits = max([k for k in range(1, room + 1) if _live(k, self.mode, room) <= room] or [0])
+        fits = max([k for k in range(1, room + 1) if live(k, self.mode, room) <= room] or [0])
         raise SmolbenchError(
             f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
             f"for {room} ({why}): use at most {fits} envs per {'make_vec' if self.n > 1 else 'env'} with "
@@ -333,7 +324,7 @@ class Machines:
         else:
             if self.owns_parent:  # first, so its branch is forked before the spares
                 self._practice = asyncio.ensure_future(self._learn())
-            self._top_up(self.spare_count)
+            self.pool.top_up(self.spare_count)
 
     async def _learn(self) -> None:
         self._pages = await practise(self, Episode(-1))
@@ -365,46 +356,8 @@ class Machines:
 
     @property
     def spare_count(self) -> int:
-        """Spare branches kept ready: 16, one per sub-env past that, at most 32, fewer (down to
-        8) where the warm parent has little room (a fork's
-        start-up outlasts a short episode, so with few spares resets wait for them; a refill
-        forks half of them at once, which costs less each)."""
-        return _spares(self.n, self._room)
-
-    def _top_up(self, low: int | None = None) -> None:
-        """Keep spare branches ready (fresh resets take one): once at most ``low`` are left or
-        on their way (half, unless told), refill them all with one fork request (cheaper per
-        branch)."""
-        if self.closed or (self._refill is not None and not self._refill.done()):
-            return
-        have = len(self.spares) + len(self._warming)
-        want = self.spare_count - have
-        if want > 0 and have <= (self.spare_count // 2 if low is None else low):
-            self._refill = asyncio.ensure_future(self._make_spares(want))
-            self._flush()  # the finished ones' deletion in the same burst of background work
-
-    async def _make_spares(self, k: int) -> None:
-        refs = await self._branch(k)
-        if self.closed:
-            for r in refs:
-                await self._delete(r)
-            return
-        # each spare's serving cell starts (and warms) on its own, so the next fork need not
-        # wait for them; each is a spare once it waits for its episode's reset
-        for r in refs:
-            task = asyncio.ensure_future(self._ready(r))
-            self._warming.add(task)
-            task.add_done_callback(self._warming.discard)
-
-    async def _ready(self, ref: MachineRef) -> None:
-        chan = await self._wait_in(ref)
-        if self.closed:
-            if chan is not None:
-                chan.close()
-            await self._delete(ref)
-            return
-        self.spares.append((ref, chan))
-        self._added.set()
+        """Spare branches kept ready for fresh resets (see ``spares.py``)."""
+        return spare_count(self.n, self.room)
 
     async def _wait_in(self, ref: MachineRef) -> Channel | None:
         """A serving cell in ``ref`` that waits for its episode's reset (None: the reset starts one)."""
@@ -419,81 +372,19 @@ class Machines:
         return ep.chan
 
     async def _spare(self) -> tuple[MachineRef, Channel | None]:
-        while not self.spares:
-            refill = self._refill
-            if refill is not None and refill.done() and not refill.cancelled() and refill.exception() is not None:
-                exc, self._refill = refill.exception(), None
-                raise GymError(f"no machine for the next episode: {exc}")
-            if not self._warming and (refill is None or refill.done()):
-                self._top_up(self.spare_count)
-                if self._refill is refill:  # none could start
-                    raise GymError("no machine for the next episode: the env is closed")
-            self._added.clear()
-            added = asyncio.ensure_future(self._added.wait())
-            try:
-                pending = {added} | ({self._refill} if self._refill is not None and not self._refill.done() else set())
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                added.cancel()
-        ref, chan = self.spares.pop(0)  # the refill starts once the reset is answered (see reset)
-        self._awake.discard(ref.name)
-        return ref, chan
-
-    def _wake_spare(self) -> None:
-        """An episode ended, so a reset is near: wake the spare it will take, with a line the
-        spare reads and doesn't answer (nothing of the env runs). Here a process idle for tens
-        of ms took ~0.5 ms longer to answer a request than one that ran a moment before (the
-        same machine, measured by idle time: its vCPU asleep, its caches cold), most of what a
-        fresh reset cost over an in-place one. On the loop's thread."""
-        if self.closed:
-            return
-        for ref, chan in self.spares:
-            if ref.name not in self._awake:
-                self._awake.add(ref.name)
-                if chan is not None and not chan.closed:
-                    with contextlib.suppress(SmolbenchError):
-                        chan.send_raw(WAKE_LINE)
-                return
+        try:
+            return await self.pool.take()
+        except NoSpare as exc:
+            raise GymError(str(exc)) from None
 
     async def _delete(self, ref: MachineRef) -> None:
         for ep in self.eps:  # its episode's serving cell goes with it
             if ep.ref is ref:
                 self._hang_up(ep)
         self.wb.machines.pop(ref.name, None)
-        self._awake.discard(ref.name)
+        self.pool.gone(ref)
         with contextlib.suppress(Exception):
             await self.wb.backend.delete(ref)
-
-    async def _delete_later(self, ref: MachineRef, chan: Channel | None = None) -> None:
-        """Delete ``ref`` in the background, with the other finished ones (see :meth:`_flush`),
-        hanging up its episode's channel ``chan``. Its name leaves the env's machines now."""
-        self.wb.machines.pop(ref.name, None)
-        if chan is not None:
-            chan.close()
-        while self._deleting and len(self._deleting) + len(self._finished) >= self._deletions:  # the warm parent's room
-            await asyncio.wait(set(self._deleting), return_when=asyncio.FIRST_COMPLETED)
-        self._finished.append(ref)
-        if len(self._finished) >= max(1, self.spare_count // 2) or self.closed:
-            self._flush()
-        elif self._flush_at is None:
-            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush)
-
-    def _flush(self) -> None:
-        """Delete the finished episodes' machines, all at once: the backend ends them in one
-        batch (one wait for them all, cheaper each), and the CPU it takes (their processes'
-        exit, their namespaces) comes once every few episodes, beside a refill, not after
-        every reset, where it slowed the next episode's first steps ~3x."""
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
-        batch, self._finished = self._finished, []
-        for ref in batch:
-            self._started(self._delete(ref))
-
-    def _started(self, deletion: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(deletion)
-        self._deleting.add(task)
-        task.add_done_callback(self._deleting.discard)
 
     # -- episodes -----------------------------------------------------------------------
 
@@ -560,20 +451,9 @@ class Machines:
         try:
             out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
         finally:
-            # Only once the reset is answered, and after it returns, the last episode's machine
-            # is deleted and spares are forked: done before, both took the CPU its first request
-            # needed (a fresh reset measured 2-3x slower while a refill forked beside it).
-            if old or self.mode == "fresh":
-                task = asyncio.ensure_future(self._retire(old))
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
+            if old or self.mode == "fresh":  # only once the reset returned
+                self.pool.retire(old)
         return self._reset_answer(ep, out)
-
-    async def _retire(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
-        for ref, chan in old:
-            await self._delete_later(ref, chan)
-        if self.mode == "fresh":
-            self._top_up()
 
     def _reset_answer(self, ep: Episode, out: Any) -> tuple[Any, dict[str, Any]]:
         where = self._where(ep)
@@ -761,7 +641,7 @@ class Machines:
             ep.rng = _rng(out.get("rng"))
             self.records.end(ep, "terminated" if st.terminated else "truncated")
             if self.mode == "fresh":
-                _loop.get_loop().call_soon_threadsafe(self._wake_spare)
+                _loop.get_loop().call_soon_threadsafe(self.pool.wake)
         return st
 
     def _step(self, out: Any, ep: Episode, fit: bool = False) -> Step:
@@ -838,13 +718,7 @@ class Machines:
         if self.closed:
             return
         self.closed = True
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
-        if self._refill is not None:
-            with contextlib.suppress(BaseException):
-                await self._refill
-        if self._warming:  # each deletes its machine (the env is closed)
-            await asyncio.gather(*self._warming, return_exceptions=True)
+        await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
@@ -853,14 +727,7 @@ class Machines:
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
-        for r, chan in self.spares:
-            if chan is not None:
-                chan.close()
-            await _to_the_end(self._delete(r))
-        self.spares.clear()
-        self._flush()
-        if self._deleting:
-            await asyncio.gather(*self._deleting, return_exceptions=True)
+        await self.pool.close(lambda r: _to_the_end(self._delete(r)))
         if self.parent is not None and self.owns_parent:
             if self.parent.name in self.wb.tree:  # the warm parent's work is done
                 pnode = self.wb.tree[self.parent.name]
@@ -872,20 +739,8 @@ class Machines:
             self.wb.ledger.end_run(self.run_id, "done")
 
 
-NO_ROOM_LIMIT = 1 << 20
 STEP_KEYS = {"obs", "reward", "terminated", "truncated", "info"}
 STEP_KEYS_RNG = STEP_KEYS | {"rng"}
-
-
-def _spares(n: int, room: int = NO_ROOM_LIMIT) -> int:
-    """16, one per sub-env past that, at most 32; fewer, down to 8, where the warm parent's
-    room would otherwise hold fewer sub-envs than with 8."""
-    return max(8, min(32, max(16, n), (room - n - 1) // 2))
-
-
-def _live(n: int, mode: str, room: int = NO_ROOM_LIMIT) -> int:
-    """With fresh resets: the sub-envs, their spares, as many being deleted, and the practice episode's branch."""
-    return n + (2 * _spares(n, room) + 1 if mode == "fresh" else 0)
 
 
 def _ignore(event: Any) -> None:
