@@ -161,3 +161,45 @@ def test_without_retries_a_machine_killed_mid_step_is_one_line_naming_the_sub_en
     finally:
         envs.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
+
+
+PICKY = '''
+import gymnasium
+
+class Picky(gymnasium.Wrapper):
+    def reset(self, *, seed=None, options=None):
+        if seed == 13:
+            raise ValueError("unlucky seed")
+        return self.env.reset(seed=seed, options=options)
+
+def picky_cartpole():
+    return Picky(gymnasium.make("CartPole-v1"))
+'''
+
+
+def test_a_fresh_reset_whose_spare_died_is_done_again_in_another(bench: Workbench) -> None:
+    """A fresh reset is asked on the caller's thread (Machines.reset_now); its spare killed
+    before it answers, the reset is done again in a new branch, and that is recorded."""
+    define(bench, PICKY)
+    env = sgym.make("picky_cartpole", session=bench)
+    try:
+        env.reset(seed=0)
+        m = env._m  # type: ignore[attr-defined]
+        deadline = 200
+        while not m.pool.ready and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        spare = m.pool.ready[0][0]
+        procs = machine_procs(spare)
+        _procs.kill_all(procs)
+        obs, _ = env.reset(seed=5)
+        assert env.observation_space.contains(obs) and env.machine != spare.name
+        assert gone(procs)
+        assert any(r["node_id"] == spare.name and r["outcome"] == "rebuilt" for r in bench.ledger.attempt_rows(bench.session))
+        with pytest.raises(SmolbenchError) as failed:  # the env's own error: one line, and it goes on
+            env.reset(seed=13)
+        assert "unlucky seed" in str(failed.value) and "\n" not in str(failed.value)
+        assert env.observation_space.contains(env.reset(seed=14)[0])
+    finally:
+        env.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}

@@ -247,16 +247,21 @@ READ = 256 * 1024  # bytes read at once (asyncio's own size; the gate bounds eac
 _IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL, select.POLLOUT
 
 
+def askable_now(chan: Channel) -> bool:
+    """Whether :func:`ask_now` may ask ``chan``: open and held (its reading paused on the
+    loop), no answer waiting, nothing waiting to be written."""
+    t = chan._transport
+    return not (not chan._held or chan.closed or t is None or t.is_closing() or chan._fd < 0 or chan._ready
+                or t.get_write_buffer_size())
+
+
 def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | None:
     """:func:`ask_all` on the calling thread: every request written, then one poll over the
     sockets until every answer is parsed (the same gate, the same answers and errors).
     None, with nothing sent, unless every channel is open and held (its reading paused on
     the loop, nothing waiting to be written): then the caller uses :func:`ask_all`."""
-    for chan in chans:
-        t = chan._transport
-        if not chan._held or chan.closed or t is None or t.is_closing() or chan._fd < 0 or chan._ready \
-                or t.get_write_buffer_size():
-            return None
+    if not all(map(askable_now, chans)):
+        return None
     out: list[Any] = [None] * len(chans)
     left: dict[int, int] = {}  # fd -> its channel's index, until its answer is in
     unsent: dict[int, memoryview] = {}

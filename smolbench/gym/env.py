@@ -38,7 +38,9 @@ class MachineEnv(gymnasium.Env[Any, Any]):
         self._open()
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise GymError(f"seed should be a whole number or None, got {seed!r}")
-        return self._m.host.run(self._m.reset(0, seed, _options(options)))
+        opts = _options(options)
+        got = self._m.reset_now(0, seed, opts)  # on this thread where it can: no hop to the loop
+        return got if got is not None else self._m.host.run(self._m.reset(0, seed, opts))
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """One step in the machine; the action is checked against the action space first."""
@@ -50,7 +52,10 @@ class MachineEnv(gymnasium.Env[Any, Any]):
         if now is None:
             st = self._m.host.run(self._m.step(0, action))
         else:
-            out = now[0] if not isinstance(now[0], Later) else self._m.host.run(self._m.finish([0], now))[0]
+            if isinstance(now[0], Later):  # the episode ended (or failed): here, unless it needs the loop
+                done = self._m.finish_now([0], now)
+                now = done if done is not None else self._m.host.run(self._m.finish([0], now))
+            out = now[0]
             if isinstance(out, BaseException):
                 raise out
             assert isinstance(out, Step)

@@ -33,7 +33,7 @@ from gymnasium import spaces as S
 from .. import _loop
 from .. import retries as retry
 from .._aio import _to_the_end
-from ..backends._channel import Channel, ask_all, ask_now
+from ..backends._channel import Channel, ask_all, ask_now, askable_now
 from ..backends.base import CellRequest, CellResult, MachineRef
 from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError, Ended
@@ -454,6 +454,48 @@ class Machines:
             if old or self.mode == "fresh":  # only once the reset returned
                 self.pool.retire(old)
         return self._reset_answer(ep, out)
+
+    def reset_now(self, i: int, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]] | None:
+        """:meth:`reset` on the caller's thread (no hop to the loop, there and back: ~0.2 ms of a
+        fresh reset here), for a fresh reset whose spare is ready and held, and that needs no
+        request first; the records are written on the loop after, and the last machine goes as
+        :meth:`reset` sends it. None, with nothing done, otherwise (then :meth:`reset`)."""
+        ep = self.eps[i]
+        if self.mode != "fresh" or (ep.running and seed is None) or not self.pool.ready:
+            return None
+        ref, chan = self.pool.ready[0]
+        if chan is None or not askable_now(chan):
+            return None
+        self.pool.take_now()
+        old = [(ep.ref, ep.chan)] if ep.ref is not None else []
+        with self.records.deferred():
+            if ep.running:
+                self.records.end(ep, "reset")
+            ep.ref, ep.chan = ref, chan
+            if seed is not None:
+                ep.rng = None
+            req = json.dumps({"seed": seed, "rng": ep.rng, "options": options})
+            self.records.begin(ep, seed)
+            line = P.encode({"op": "reset", "r": req, "seed": seed if seed is not None else self._next_seed()})
+            got = ask_now([chan], [line])
+        for r, _ in old:  # its name leaves the env's machines now (as retire does on the loop)
+            self.wb.machines.pop(r.name, None)
+        _loop.get_loop().call_soon_threadsafe(self.pool.retire, old)
+        if got is None or isinstance(got[0], BaseException):  # the env's reset failed, or its machine: on the loop
+            return self.host.run(self._reset_failed(i, seed, options, got[0] if got else None))
+        return self._reset_answer(ep, got[0])
+
+    async def _reset_failed(self, i: int, seed: int | None, options: dict[str, Any] | None,
+                            exc: BaseException | None) -> tuple[Any, dict[str, Any]]:
+        """A :meth:`reset_now` whose answer was ``exc``: the env's own error in one line, or,
+        its machine gone, the episode lost and the reset done again as :meth:`reset` does it."""
+        ep = self.eps[i]
+        if isinstance(exc, AnswerError):
+            raise GymError(f"{self._where(ep)}: {exc}")
+        if exc is not None:
+            self._hang_up(ep)
+            await self._lost(ep, 1, str(exc))
+        return await self.reset(i, seed, options)
 
     def _reset_answer(self, ep: Episode, out: Any) -> tuple[Any, dict[str, Any]]:
         where = self._where(ep)

@@ -111,6 +111,12 @@ class Spares:
         self._awake.discard(ref.name)
         return ref, chan
 
+    def take_now(self) -> tuple[MachineRef, Channel | None]:
+        """The next spare, ready (``Machines.reset_now``, on the caller's thread)."""
+        ref, chan = self.ready.pop(0)
+        self._awake.discard(ref.name)
+        return ref, chan
+
     def wake(self) -> None:
         """An episode ended, so a reset is near: wake the spare it will take, with a line the
         spare reads and doesn't answer (nothing of the env runs). Here a process idle for tens
@@ -134,7 +140,10 @@ class Spares:
     def retire(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
         """After a reset returned: its last machines go (see :meth:`delete_later`) and spares
         are refilled. Done before the reset was answered, both took the CPU its first request
-        needed (a fresh reset measured 2-3x slower while a refill forked beside it)."""
+        needed (a fresh reset measured 2-3x slower while a refill forked beside it). Their
+        names leave the env's machines now."""
+        for ref, _ in old:
+            self.m.wb.machines.pop(ref.name, None)
         task = asyncio.ensure_future(self._retire(old))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
