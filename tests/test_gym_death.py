@@ -10,10 +10,12 @@ stepping, and nothing of the dead machine is left.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import gymnasium
 import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
@@ -38,6 +40,7 @@ def slow_cartpole():
     return Slow(gymnasium.make("CartPole-v1"))
 '''
 VICTIM = 2
+sgym_cartpole = functools.partial(gymnasium.make, "CartPole-v1")
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +203,21 @@ def test_a_fresh_reset_whose_spare_died_is_done_again_in_another(bench: Workbenc
             env.reset(seed=13)
         assert "unlucky seed" in str(failed.value) and "\n" not in str(failed.value)
         assert env.observation_space.contains(env.reset(seed=14)[0])
+    finally:
+        env.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+def test_an_in_place_reset_whose_machine_died_starts_over_in_a_new_branch(bench: Workbench) -> None:
+    env = sgym.make(sgym_cartpole, session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        dead = bench.machines[env.machine]  # type: ignore[index]
+        procs = machine_procs(dead)
+        _procs.kill_all(procs)
+        obs, _ = env.reset(seed=1)  # on the caller's thread first (Machines.reset_now), then the loop's way
+        assert env.observation_space.contains(obs) and env.machine != dead.name and gone(procs)
+        assert any(r["node_id"] == dead.name and r["outcome"] == "rebuilt" for r in bench.ledger.attempt_rows(bench.session))
     finally:
         env.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}

@@ -457,30 +457,40 @@ class Machines:
 
     def reset_now(self, i: int, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]] | None:
         """:meth:`reset` on the caller's thread (no hop to the loop, there and back: ~0.2 ms of a
-        fresh reset here), for a fresh reset whose spare is ready and held, and that needs no
-        request first; the records are written on the loop after, and the last machine goes as
-        :meth:`reset` sends it. None, with nothing done, otherwise (then :meth:`reset`)."""
+        reset here), where its machine (fresh: the next spare; in place: its own) is ready and
+        held, and it needs no request first; the records are written on the loop after, and a
+        fresh reset's last machine goes as :meth:`reset` sends it. None, with nothing done,
+        otherwise (then :meth:`reset`)."""
         ep = self.eps[i]
-        if self.mode != "fresh" or (ep.running and seed is None) or not self.pool.ready:
+        fresh = self.mode == "fresh"
+        if fresh:
+            if (ep.running and seed is None) or not self.pool.ready:
+                return None
+            ref, chan = self.pool.ready[0]
+        elif ep.ref is None:
             return None
-        ref, chan = self.pool.ready[0]
+        else:
+            ref, chan = ep.ref, ep.chan
         if chan is None or not askable_now(chan):
             return None
-        self.pool.take_now()
-        old = [(ep.ref, ep.chan)] if ep.ref is not None else []
+        old = []
+        if fresh:
+            self.pool.take_now()
+            old = [(ep.ref, ep.chan)] if ep.ref is not None else []
         with self.records.deferred():
             if ep.running:
                 self.records.end(ep, "reset")
             ep.ref, ep.chan = ref, chan
             if seed is not None:
                 ep.rng = None
-            req = json.dumps({"seed": seed, "rng": ep.rng, "options": options})
+            req = json.dumps({"seed": seed, "rng": ep.rng if fresh else None, "options": options})
             self.records.begin(ep, seed)
-            line = P.encode({"op": "reset", "r": req, "seed": seed if seed is not None else self._next_seed()})
-            got = ask_now([chan], [line])
-        for r, _ in old:  # its name leaves the env's machines now (as retire does on the loop)
-            self.wb.machines.pop(r.name, None)
-        _loop.get_loop().call_soon_threadsafe(self.pool.retire, old)
+            global_seed = seed if seed is not None else (self._next_seed() if fresh else None)
+            got = ask_now([chan], [P.encode({"op": "reset", "r": req, "seed": global_seed})])
+        if fresh:
+            for r, _ in old:  # its name leaves the env's machines now (as retire does on the loop)
+                self.wb.machines.pop(r.name, None)
+            _loop.get_loop().call_soon_threadsafe(self.pool.retire, old)
         if got is None or isinstance(got[0], BaseException):  # the env's reset failed, or its machine: on the loop
             return self.host.run(self._reset_failed(i, seed, options, got[0] if got else None))
         return self._reset_answer(ep, got[0])
