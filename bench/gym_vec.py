@@ -196,7 +196,7 @@ def section(out: dict[str, Any]) -> str:
 ## Gym · `smolbench.gym` (bench/gym_vec.py)
 
 {out['when']} · sandbox backend · {out['cores']} cores, load average {before} at the start and {load} at the end
-(a shared host: other helpers' suites and the lead's VM lane ran alongside, so every series was slowed alike) · {out['steps']} vector steps of CartPole-v1 per round, {out['episodes']} episodes per
+(whatever else ran on this host slowed every series alike: they are interleaved round by round) · {out['steps']} vector steps of CartPole-v1 per round, {out['episodes']} episodes per
 reset mode per round, the series interleaved round by round; best of {out['rounds']} rounds (max rate, min time).
 
 | series | {head} | best |
@@ -223,32 +223,26 @@ all 16). CPU per in-place vector step (rows above): this process {b["inplace_hos
 {b["inplace_guest_cpu_ms"]:.1f} ms, where `AsyncVectorEnv` takes {b["async_host_cpu_ms"]:.1f} ms here and {b["async_worker_cpu_ms"]:.1f} ms in its workers: on 2
 cores the step is CPU-bound, and this process's share is what is left to cut.
 
-Where a step's host CPU went before this work (main b70f802; cProfile of smolbench's loop thread and CPU
-accounting, 16 envs in place, load 3-10): 5.0-6.0 ms per vector step (loop thread 4.6, the caller's 0.4), the machines 7.5 ms.
-Per sub-env: asyncio streams and a task each (gather of 16) about half; the gate's reply path ~60 µs (JSON
-decode ~10, the pulled data tree walked value by value and the `.npy` header matched by regex ~45); the
-checks against the spaces ~27 µs (Box.contains ~10); encoding the action ~14 µs; in the machine, ~160 µs of
-Python per step (np.save writing a header each time). The hop from the caller to the loop is ~0.1 ms per
-vector step; ledger rows are written only when an episode begins or ends (~1.5 upserts per vector step, well
-under 0.1 ms; they stay synchronous, so a finished episode is in the ledger before the step returns). Side by
-side after it (load ~12): this process 7.3 -> 4.8 ms, the machines 10.6 -> 8.1 ms per vector step (the gate's
-path ~35 µs per answer, the machine's Python ~70 µs).
+How a step runs now: the guest reads a Discrete step request and writes a step that goes on with
+an empty info without JSON (the same bytes JSON would make); the host takes that form with one
+strict match (gate/channel.py), its writes and reads on the caller's thread (one poll for all 16);
+an episode's end and an in-place autoreset are checked there too, and their ledger rows written on
+the loop just after the step, in one transaction (so a finished episode reaches the ledger a moment
+after the step returns, not before). History: 5.0-6.0 ms of host CPU per vector step at main
+b70f802 (asyncio streams and a task per sub-env, the gate's JSON path, np.save headers).
 
-A fresh reset takes one of 16 spare branches (one per sub-env past 16, at most 32) made ahead of time, whose
-serving cell already waits on its connection, so the reset is one request (refills fork half the spares at
-once; each new spare starts its serving cell on its own, so the next fork need not wait for them). Broken down with timestamps on
-both sides (a single env, spares never ran out): the request itself was 5.7-11 ms where an in-place one is
-~1 ms, not a wait for a spare (~0). Two parts: a refill's fork and the last machine's deletion started at the
-moment of the reset and took the CPU its request needed (deferring them until the reset is answered:
-env.reset in the branch 5.9 -> 2.3 ms); and the branch's first writes to pages it shares with the warm parent
-(~280 copy-on-write faults in env.reset alone; the request and answer path in the agent is just as new).
-Each spare is now warmed while it waits: the request/answer path runs once on made-up data and the env's
-attributes are read (nothing of the env runs, so an episode still starts from the warm parent's state);
-faults in env.reset ~280 -> ~140, the whole request ~10 -> ~3 ms on a quiet moment. The rest is the env's own
-first writes (its arrays, its random generator, the interpreter's pages) and, in a loop of short episodes,
-the refills and deletions that still run beside the steps. A fresh episode also costs its fork and the last
-machine's deletion: CartPole's random-action episodes (~10-20 steps) are short, so `make_vec` with
-`reset="fresh"` is bound by how fast the warm parent forks (compare the in-place row).
+How a fresh reset runs now: it takes one of 16 spare branches (one per sub-env past 16, at most 32)
+made ahead of time, whose serving cell waits on its connection and has taken ahead the pages a
+*practice* episode made its own (gym/practice.py: once per env, in a branch no real episode runs in);
+when an episode ends, the spare its reset will take is woken (a line it doesn't answer); the reset
+is one request from the caller's thread, and the last machine's deletion and the refill start after
+it returns. An in-place reset is the same request on the env's own connection. What is left between
+them is the spare's first request in a process that has not run for tens of ms (guest timestamps:
+the env's reset 0.37 vs 0.06 ms, the answer 0.15 vs 0.05 ms; an in-place machine left idle 50 ms
+answers ~0.8 ms slower too). A fresh episode also costs its fork and the last machine's deletion
+(about 25 ms of CPU a branch, bench/scale.py): CartPole's random-action episodes (~10-20 steps) are
+short, so `make_vec` with `reset="fresh"` is bound by how fast the warm parent forks (compare the
+in-place row).
 {END}"""
 
 

@@ -267,8 +267,8 @@ def section(d: dict[str, Any]) -> str:
         BEGIN, "## Scale · wide forks and many episodes (issue 27)", "",
         f"`python -m bench.scale`, {d['date'][:16]}, sandbox backend, default Smolfile, a trivial cell, `--keep none`; "
         f"best of {d['reps']} for 16 and 64, one run for 256, 512 and the episodes. Host load average "
-        f"{d['load_avg'][0]:.1f} before and {d['load_avg'][1]:.1f} after on {d['cores']} cores (other sessions' work "
-        "shares this host): compare the ratios, measured side by side in this run, not the times with other runs.", "",
+        f"{d['load_avg'][0]:.1f} before and {d['load_avg'][1]:.1f} after on {d['cores']} cores (the figure after "
+        "includes this run's own fork 512): compare the ratios, measured side by side in this run, not the times with other runs.", "",
         "The goals compare with N plain `os.fork` children *of a kernel-sized process*, as issue 27 measured them "
         "(side by side in one kernel): a Python that first imported ipykernel, IPython, numpy and smolbench's magics "
         f"(RSS {d.get('kernel_rss_mib', 0):.0f} MiB here), whose forks copy a kernel's page tables. The bare-Python "
