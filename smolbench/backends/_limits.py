@@ -50,7 +50,6 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 CFS_PERIOD = 100_000  # µs
 KILL_TIMEOUT = 10.0
-KILL_POLL = (0.005, 0.04)  # seconds between looks at cgroups being emptied: first, at most
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
 # Under rlimits, how many full branches (each at its pids) a sandbox root machine's process
@@ -307,7 +306,6 @@ def kill_all(machines: list[MachineLimits]) -> list[bool]:
     for all of them, then one wait for all; whether each emptied."""
     deadline = time.monotonic() + KILL_TIMEOUT
     todo = list(range(len(machines)))
-    pause = KILL_POLL[0]
     while todo:
         left = [(i, pids) for i in todo if (pids := machines[i].pids())]
         todo = [i for i, _ in left]
@@ -315,10 +313,7 @@ def kill_all(machines: list[MachineLimits]) -> list[bool]:
             break
         for i, pids in left:
             machines[i]._signal(pids)
-        # Waits that grow: a fork's 64 branches take their kernel a few hundred ms to tear
-        # down, and each round reads every cgroup left (issue 27: most of this thread's CPU).
-        time.sleep(pause)
-        pause = min(pause * 2, KILL_POLL[1])
+        time.sleep(0.005)
     return [i not in todo for i in range(len(machines))]
 
 

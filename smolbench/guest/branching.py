@@ -54,7 +54,6 @@ class Branching:
 
     def _fork_each(self, req, frozen):
         made = []
-        self._start_reaper()
         warm()
         # Move every object to the permanent generation: the branches' garbage collector
         # then never walks (and so never copies) the warm state's pages.
@@ -151,7 +150,7 @@ class Branching:
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
-        self._start_acceptor(reap=False)  # its reaper starts with its first fork
+        self._start_acceptor()
 
 def warm():
     """Import what a new branch uses first, in the parent, before it forks: the agent imports

@@ -46,7 +46,6 @@ import sys
 
 STORE = "/run/smolbench-layers"  # the machine's layer tmpfs (bwrap makes the mount point)
 RUN = "/run/smolbench"  # the machine's own run directory (its socket; its branches' folders)
-EMPTY = "empty"  # a store's empty folder: the only layer of a mount that has no other
 MAX_LOWERS = 48  # frozen layers per mount before a fork flattens them (overlayfs allows ~500)
 
 CLONE_NEWNS = 0x00020000
@@ -264,7 +263,7 @@ class Layers:
             os.mkdir(frozen, 0o755)
             for name in os.listdir(self.upper):
                 os.rename(os.path.join(self.upper, name), os.path.join(frozen, name))
-        self.lowers = [frozen] if flat else [frozen] + [p for p in self.lowers if p != EMPTY]
+        self.lowers = [frozen] if flat else [frozen] + self.lowers
         self.mount(keep)
         return flat
 
@@ -278,26 +277,20 @@ def read_only(path):
     mount that is read-only, nosuid and nodev already (a parent's layer, through the parent's
     read-only view) copied those flags: it needs no remount (one call fewer per layer, each
     of them a write lock on the parent's store, shared by every sibling setting up at once)."""
-    if os.statvfs(path).f_flag & _LOCKED == _LOCKED:
-        return
-    mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if os.statvfs(path).f_flag & _LOCKED != _LOCKED:
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     if not os.statvfs(path).f_flag & os.ST_RDONLY:
         raise ContainError(0, "%s is still writable after a read-only remount" % path)
 
 
 def cover(path):
     """An empty read-only directory over ``path``: what was below can't be seen or reached.
-    A bind of the ``cover`` folder of the store's read-only view (the caller's cwd is the
-    store; :meth:`Machine.setup` makes both): read-only from the start, no remount. Not a
+    A bind of the store's empty ``cover`` folder (the caller's cwd is the store), not a
     filesystem of its own: the mount guard allows no tmpfs but a branch's store."""
-    mount(os.path.join(STORE, "cover"), path, None, MS_BIND)
+    if not os.path.isdir("cover"):
+        os.mkdir("cover", 0o555)
+    mount("cover", path, None, MS_BIND)
     read_only(path)
-
-
-def _empty():
-    """The store's empty folder (cwd: the store), the bottom layer of a mount with no other."""
-    os.makedirs(EMPTY, exist_ok=True)
-    return EMPTY
 
 
 def _skip_mounts(keep):
@@ -338,10 +331,7 @@ def mount_ids(paths):
 
 
 STATX_MNT_ID = 0x1000
-STATX_BASIC = 0x7  # type, mode, link count
 AT_FDCWD = -100
-AT_EMPTY_PATH = 0x1000
-_statx = getattr(_libc, "statx", None)  # glibc 2.28+
 
 
 def mount_id(path):
@@ -390,65 +380,28 @@ def open_files(mounts, weak=()):
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
-            got = _fd_facts(fd)
-            if got is None:
-                continue
-            mnt, mode, nlink = got
-            where = mounts.get(mnt)
+            st = os.fstat(fd)
+            info = _fdinfo(fd)
+            where = mounts.get(int(info["mnt_id"]))
             if where is None:
                 continue
             path = os.readlink("/proc/self/fd/%d" % fd)
-            flags, pos = _fd_flags_pos(fd)
+            flags, pos = int(info["flags"], 8), int(info["pos"])
         except (OSError, KeyError, ValueError):
             continue
-        is_dir, opath = _stat.S_ISDIR(mode), bool(flags & O_PATH)
+        is_dir, opath = _stat.S_ISDIR(st.st_mode), bool(flags & O_PATH)
         if "fd-reopen" in weak and (is_dir or opath):
             continue  # the old way: directories and O_PATH descriptors stay on the old overlay
-        if not (is_dir or opath or _stat.S_ISREG(mode)):
+        if not (is_dir or opath or _stat.S_ISREG(st.st_mode)):
             continue  # a FIFO or socket being read or written: its data is in no layer
-        if nlink == 0 or not path.startswith("/"):
+        if st.st_nlink == 0 or not path.startswith("/"):
             if not is_dir:
                 continue  # an unlinked file: no path to reopen it by, and in no layer
             path = None
         if path is not None and not where[1]:  # a swapped-out overlay: the path is from its own root
             path = where[0].rstrip("/") + path
-        found.append((fd, path, flags, pos, mode))
+        found.append((fd, path, flags, pos, st.st_mode))
     return found
-
-
-def _fd_facts(fd):
-    """(mount id, mode, link count) of descriptor ``fd``: one statx (issue 27: not a read of
-    its /proc fdinfo, a file opened for each descriptor of each branch); by fstat and fdinfo
-    where this libc or kernel has no statx mount id. None for a descriptor that can't be statted."""
-    if _statx is not None:
-        buf = ctypes.create_string_buffer(256)
-        if _statx(fd, b"", AT_EMPTY_PATH, STATX_BASIC | STATX_MNT_ID, buf) == 0:
-            mask, = struct.unpack_from("I", buf, 0)
-            if mask & STATX_MNT_ID:
-                nlink, = struct.unpack_from("I", buf, 16)
-                mode, = struct.unpack_from("H", buf, 28)
-                return struct.unpack_from("Q", buf, 0x90)[0], mode, nlink
-    try:
-        st = os.fstat(fd)
-        return int(_fdinfo(fd)["mnt_id"]), st.st_mode, st.st_nlink
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _fd_flags_pos(fd):
-    """The open flags of ``fd`` (as /proc fdinfo shows them: close-on-exec included) and its offset."""
-    import fcntl
-
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
-        flags |= O_CLOEXEC
-    pos = 0
-    if not flags & O_PATH:
-        try:
-            pos = os.lseek(fd, 0, os.SEEK_CUR)
-        except OSError:
-            pass  # a descriptor with no offset (reopen() starts it from the beginning)
-    return flags, pos
 
 
 def reopen(files):
@@ -563,10 +516,7 @@ class Machine:
         new_namespaces(self.net, self.nproc if branch and "branch-nproc" not in self.weak else None)
         # Opened in the new mount namespace (a copy of the parent's), relative to the parent's
         # view, before covering them: a bind mount's source must be in the caller's namespace.
-        # The parent's empty bottom layer is never bound: ours is as empty (issue 27: two mount
-        # calls fewer per branch, and two mounts fewer in its namespace).
-        lower_fds = {key: [(p, None if p == EMPTY else os.open(p, O_PATH | os.O_DIRECTORY)) for p in lowers.get(key, [])]
-                     for key, _ in sets} if cow and lowers else {}
+        lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
         keep = [(p, fd) for p, fd in zip(self.keep_paths, self._open_dirs(self.keep_paths))]
         run_fd = os.open(os.path.join(RUN, run_sub), O_PATH | os.O_DIRECTORY) if run_sub else None
         # A branch's store spends one of the host's grants (mountguard.py).
@@ -580,38 +530,25 @@ class Machine:
             mount(_fd_path(fd), held, None, MS_BIND | MS_REC)
             os.close(fd)
             keep[i] = (path, held)
-        layers, n = [], 0
+        n = 0
         for key, target in sets:
             layer = Layers(key, target, [], self.weak)
-            for path, fd in lower_fds.get(key, []):
-                if fd is None:
-                    layer.lowers.append(_empty())
-                    continue
-                path = os.path.join("l", str(n))
-                n += 1
-                os.makedirs(path)
-                mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
-                os.close(fd)
-                if "layers" not in self.weak:
-                    read_only(path)
-                layer.lowers.append(path)
-            if not layer.lowers:
-                layer.lowers = [_empty()]
-            layers.append(layer)
-        os.mkdir("cover", 0o555)
-        # The store as branches get it: a read-only view (the keeper hands a forking agent a
-        # descriptor of it), made once every mount inside the store is there (the lowers just
-        # bound, the kept paths). Each cover below is a bind of the view's empty folder: read-only
-        # already, so none needs a remount of its own (issue 27: three mount calls fewer).
-        mount(".", STORE, None, MS_BIND | MS_REC)
-        if "layers" not in self.weak:
-            read_only(STORE)
-        self.view = os.open(STORE, O_PATH | os.O_DIRECTORY)
-        for layer in layers:
-            sub = keep if layer.target == "/tmp" else ()
+            sub = keep if target == "/tmp" else ()
             if cow:
+                for fd in lower_fds.get(key, []):
+                    path = os.path.join("l", str(n))
+                    n += 1
+                    os.makedirs(path)
+                    mount(_fd_path(fd), path, None, MS_BIND | MS_REC)
+                    os.close(fd)
+                    if "layers" not in self.weak:
+                        read_only(path)
+                    layer.lowers.append(path)
+                if not layer.lowers:
+                    layer.lowers = ["empty"]
+                    os.makedirs("empty", exist_ok=True)
                 if "layers" not in self.weak:
-                    cover(layer.target)  # what shows while a fork swaps the overlay: never the parent's
+                    cover(target)  # what shows while a fork swaps the overlay: never the parent's
                 try:
                     layer.mount(sub)
                 except OSError as exc:
@@ -620,7 +557,7 @@ class Machine:
                     self.files = "copy (overlayfs can't be mounted here: %s)" % exc.strerror
                     cow = False
                     if "layers" not in self.weak:
-                        umount(layer.target)
+                        umount(target)
             if not cow:
                 copy_into(layer, sub)
             self.layers.append(layer)
@@ -631,7 +568,13 @@ class Machine:
             mount(_fd_path(run_fd), RUN, None, MS_BIND)
             os.close(run_fd)
         self.keep = keep
-        if "layers" not in self.weak:  # then cells see no layer at all
+        # The store as branches get it: a read-only view (the keeper hands a forking agent a
+        # descriptor of it), then covered, so cells see no layer at all.
+        mount(".", STORE, None, MS_BIND | MS_REC)
+        if "layers" not in self.weak:
+            read_only(STORE)
+        self.view = os.open(STORE, O_PATH | os.O_DIRECTORY)
+        if "layers" not in self.weak:
             cover(STORE)
         # Last: one that can't be reopened gets the store's empty read-only cover in its place.
         reopen(inherited)

@@ -76,22 +76,11 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         s.listen(64)
         return s
 
-    def _start_acceptor(self, reap=True):
+    def _start_acceptor(self):
         t = threading.Thread(target=self._accept_loop, args=(self.listener,), daemon=True)
         t.start()
-        self._reaping = False
-        if reap:
-            self._start_reaper()
-
-    def _start_reaper(self):
-        """The thread that reaps this machine's branches: from its start (the root), or from
-        its first fork (a branch, which has none before: one thread fewer to start per branch)."""
-        if not self._reaping:
-            try:
-                threading.Thread(target=self._reap_loop, daemon=True).start()
-            except RuntimeError:  # no thread left (at its pids limit): its fork fails in one line, or the next one starts it
-                return
-            self._reaping = True
+        r = threading.Thread(target=self._reap_loop, daemon=True)
+        r.start()
 
     def _accept_loop(self, listener):
         while True:
