@@ -24,7 +24,6 @@ import pickle
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from ..ledger import code_hash
 from ..tree import Node
 from . import spaces
 from ._host import Host
+from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
 from .practice import practise
 from .record import Records
 from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live, spare_count
@@ -61,64 +61,7 @@ _smolgym_out = _smolgym.build()
 """
 
 
-class GymError(SmolbenchError):
-    """A sub-env's request failed (a bad action, a crashed step, a refused reply): one line."""
-
-
-class Unanswered(GymError):
-    """The machine gave no usable answer (refused by the gate, or gone)."""
-
-
-@dataclass
-class Episode:
-    """One sub-env's current machine and episode."""
-
-    index: int
-    ref: MachineRef | None = None
-    node: Node | None = None
-    ret: float = 0.0
-    length: int = 0
-    rng: dict[str, Any] | None = None  # the env's random state to continue from (fresh resets)
-    obs: Any = None
-    running: bool = False  # reset and not yet terminated or truncated
-    cells: int = 0
-    episodes: int = 0  # begun by this sub-env (its in-place episodes' node ids)
-    chan: Channel | None = None  # the episode's serving cell (backends that keep connections)
-
-
-@dataclass
-class Step:
-    """One sub-env's step, checked."""
-
-    obs: Any
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Reset:
-    """An autoreset's answer from :meth:`Machines.steps_now`'s batch, for :meth:`Machines.finish`."""
-
-    out: Any
-
-
-UNSENT: Any = object()  # no answer in hand yet (Machines.reset asks for it)
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
-
-
-@dataclass
-class Later:
-    """A step answer :meth:`Machines.steps_now` leaves to the loop (an ended episode, an error)."""
-
-    out: Any
-    fit: bool
-
-
-def _where(i: int, n: int, ep: Episode) -> str:
-    name = ep.ref.name if ep.ref is not None else "?"
-    return f"sub-env {i} (machine {name})" if n > 1 else f"the env (machine {name})"
 
 
 class Machines:

@@ -26,7 +26,8 @@ from ..backends.base import MachineRef
 from . import spaces
 
 if TYPE_CHECKING:
-    from .machines import Episode, Machines
+    from .episode import Episode
+    from .machines import Machines
 
 MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare takes ahead, at most (as guest/gymserve.py's)
 MAX_RUNS = 2048  # runs of them, at most (the spare's serving cell carries them)

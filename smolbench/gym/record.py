@@ -20,7 +20,8 @@ from .. import _loop
 from ..tree import Node
 
 if TYPE_CHECKING:
-    from .machines import Episode, Machines
+    from .episode import Episode
+    from .machines import Machines
 
 log = logging.getLogger(__name__)
 ENDS = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}  # how an episode ended -> its status

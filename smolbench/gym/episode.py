@@ -1,0 +1,70 @@
+"""A gym env's episodes as the host keeps them, and the errors of their requests: one line each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backends._channel import Channel
+from ..backends.base import MachineRef
+from ..errors import SmolbenchError
+from ..tree import Node
+
+
+class GymError(SmolbenchError):
+    """A sub-env's request failed (a bad action, a crashed step, a refused reply): one line."""
+
+
+class Unanswered(GymError):
+    """The machine gave no usable answer (refused by the gate, or gone)."""
+
+
+@dataclass
+class Episode:
+    """One sub-env's current machine and episode."""
+
+    index: int
+    ref: MachineRef | None = None
+    node: Node | None = None
+    ret: float = 0.0
+    length: int = 0
+    rng: dict[str, Any] | None = None  # the env's random state to continue from (fresh resets)
+    obs: Any = None
+    running: bool = False  # reset and not yet terminated or truncated
+    cells: int = 0
+    episodes: int = 0  # begun by this sub-env (its in-place episodes' node ids)
+    chan: Channel | None = None  # the episode's serving cell (backends that keep connections)
+
+
+@dataclass
+class Step:
+    """One sub-env's step, checked."""
+
+    obs: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reset:
+    """An autoreset's answer from :meth:`Machines.steps_now`'s batch, for :meth:`Machines.finish`."""
+
+    out: Any
+
+
+UNSENT: Any = object()  # no answer in hand yet (Machines.reset asks for it)
+
+
+@dataclass
+class Later:
+    """A step answer :meth:`Machines.steps_now` leaves to the loop (an ended episode, an error)."""
+
+    out: Any
+    fit: bool
+
+
+def _where(i: int, n: int, ep: Episode) -> str:
+    name = ep.ref.name if ep.ref is not None else "?"
+    return f"sub-env {i} (machine {name})" if n > 1 else f"the env (machine {name})"
