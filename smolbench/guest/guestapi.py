@@ -112,7 +112,7 @@ class GuestAPI(types.ModuleType):
             pulled data; see ``smolbench/gate/channel.py``)."""
             np = sys.modules.get("numpy")
             if rng is None and not flags and type(reward) is float and type(info) is dict and not info \
-                    and np is not None and type(obs) is np.ndarray and not obs.dtype.hasobject:
+                    and np is not None and type(obs) is np.ndarray:
                 agent.send_line(LEAN_HEAD + pulldata._npy(obs).encode("ascii") + LEAN_TAIL % repr(reward).encode("ascii"))
                 return
             fields = {"o": pulldata._npy(obs)} if np is not None and type(obs) is np.ndarray else {"ov": pulldata._pull(obs, False)}

@@ -44,7 +44,7 @@ from ._host import Host
 from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
 from .practice import practise
 from .record import Records
-from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live, spare_count
+from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 OUT = "_smolgym_out"
@@ -114,11 +114,12 @@ class Machines:
         namespaces until its processes are gone)."""
         room_of = getattr(self.wb.backend, "branch_room", None)
         if room_of is None:
-            return self.spare_count
+            return self.pool.count
         room, why = room_of(self.wb.spec)
         self.room = room
         if self.live_branches() <= room:
-            return min(32, max(self.spare_count, room - self.n - self.spare_count - 1))
+            spares = self.pool.count
+            return min(32, max(spares, room - self.n - spares - 1))
         fits = max([k for k in range(1, room + 1) if live(k, self.mode, room) <= room] or [0])
         raise SmolbenchError(
             f"num_envs={self.n} needs {self.live_branches()} live branches of one warm parent at once; it has room "
@@ -267,7 +268,7 @@ class Machines:
         else:
             if self.owns_parent:  # first, so its branch is forked before the spares
                 self._practice = asyncio.ensure_future(self._learn())
-            self.pool.top_up(self.spare_count)
+            self.pool.top_up(self.pool.count)
 
     async def _learn(self) -> None:
         self._pages = await practise(self, Episode(-1))
@@ -296,11 +297,6 @@ class Machines:
         for r in refs:
             wb.machines[r.name] = r
         return refs
-
-    @property
-    def spare_count(self) -> int:
-        """Spare branches kept ready for fresh resets (see ``spares.py``)."""
-        return spare_count(self.n, self.room)
 
     async def _wait_in(self, ref: MachineRef) -> Channel | None:
         """A serving cell in ``ref`` that waits for its episode's reset (None: the reset starts one)."""
@@ -431,8 +427,7 @@ class Machines:
             global_seed = seed if seed is not None else (self._next_seed() if fresh else None)
             got = ask_now([chan], [P.encode({"op": "reset", "r": req, "seed": global_seed})])
         if fresh:
-            for r, _ in old:  # its name leaves the env's machines now (as retire does on the loop)
-                self.wb.machines.pop(r.name, None)
+            self.pool.leaving(old)  # now, here: retire runs on the loop a moment later
             _loop.get_loop().call_soon_threadsafe(self.pool.retire, old)
         if got is None or isinstance(got[0], BaseException):  # the env's reset failed, or its machine: on the loop
             return self.host.run(self._reset_failed(i, seed, options, got[0] if got else None))

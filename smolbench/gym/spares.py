@@ -140,13 +140,16 @@ class Spares:
     def retire(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
         """After a reset returned: its last machines go (see :meth:`delete_later`) and spares
         are refilled. Done before the reset was answered, both took the CPU its first request
-        needed (a fresh reset measured 2-3x slower while a refill forked beside it). Their
-        names leave the env's machines now."""
-        for ref, _ in old:
-            self.m.wb.machines.pop(ref.name, None)
+        needed (a fresh reset measured 2-3x slower while a refill forked beside it)."""
+        self.leaving(old)
         task = asyncio.ensure_future(self._retire(old))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+    def leaving(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
+        """The last machines of a reset: their names leave the env's machines now (on any thread)."""
+        for ref, _ in old:
+            self.m.wb.machines.pop(ref.name, None)
 
     async def _retire(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
         for ref, chan in old:
@@ -155,9 +158,9 @@ class Spares:
             self.top_up()
 
     async def delete_later(self, ref: MachineRef, chan: Channel | None = None) -> None:
-        """Delete ``ref`` in the background, with the other finished ones (see :meth:`flush`),
-        hanging up its episode's channel ``chan``. Its name leaves the env's machines now."""
-        self.m.wb.machines.pop(ref.name, None)
+        """Delete ``ref`` (already gone from the env's machines, see :meth:`leaving`) in the
+        background, with the other finished ones (see :meth:`flush`), hanging up its episode's
+        channel ``chan``."""
         if chan is not None:
             chan.close()
         while self._deleting and len(self._deleting) + len(self._finished) >= self.deletions:  # the warm parent's room
