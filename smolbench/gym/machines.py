@@ -337,9 +337,7 @@ class Machines:
                 with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
                     ep.rng = _rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
             self.records.end(ep, "reset")
-        if seed is not None:
-            ep.rng = None
-        req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+        req = self._reset_request(ep, seed, options)
 
         old: list[tuple[MachineRef, Channel | None]] = []
 
@@ -371,8 +369,7 @@ class Machines:
                 old.append((ep.ref, None))
                 self._hang_up(ep)
                 (ep.ref,) = await self._branch(1)
-            self.records.begin(ep, seed)
-            global_seed = seed if seed is not None else (None if self.mode == "in-place" else self._next_seed())
+            global_seed = self._begin(ep, seed)
             try:
                 if ep.chan is not None:  # the machine is seeded first, as for a cell
                     return await self._ask(ep, {"op": "reset", "r": req, "seed": global_seed})
@@ -420,29 +417,38 @@ class Machines:
             if ep.running:
                 self.records.end(ep, "reset")
             ep.ref, ep.chan = ref, chan
-            if seed is not None:
-                ep.rng = None
-            req = json.dumps({"seed": seed, "rng": ep.rng if fresh else None, "options": options})
-            self.records.begin(ep, seed)
-            global_seed = seed if seed is not None else (self._next_seed() if fresh else None)
-            got = ask_now([chan], [P.encode({"op": "reset", "r": req, "seed": global_seed})])
+            req = self._reset_request(ep, seed, options)
+            got = ask_now([chan], [P.encode({"op": "reset", "r": req, "seed": self._begin(ep, seed)})])
+        assert got is not None  # askable, checked above
         if fresh:
             self.pool.leaving(old)  # now, here: retire runs on the loop a moment later
             _loop.get_loop().call_soon_threadsafe(self.pool.retire, old)
-        if got is None or isinstance(got[0], BaseException):  # the env's reset failed, or its machine: on the loop
-            return self.host.run(self._reset_failed(i, seed, options, got[0] if got else None))
+        if isinstance(got[0], BaseException):  # the env's reset failed, or its machine: on the loop
+            return self.host.run(self._reset_failed(i, seed, options, got[0]))
         return self._reset_answer(ep, got[0])
 
+    def _reset_request(self, ep: Episode, seed: int | None, options: dict[str, Any] | None) -> str:
+        """What a reset asks its env: a seed ends the random stream an unseeded fresh reset
+        carries on from the last episode."""
+        if seed is not None:
+            ep.rng = None
+        return json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+
+    def _begin(self, ep: Episode, seed: int | None) -> int | None:
+        """Begin ``ep``'s record; the machine's own seed for its reset (the env's seed, or with
+        fresh resets the next global one; none in place, where the machine was seeded before)."""
+        self.records.begin(ep, seed)
+        return seed if seed is not None else (self._next_seed() if self.mode == "fresh" else None)
+
     async def _reset_failed(self, i: int, seed: int | None, options: dict[str, Any] | None,
-                            exc: BaseException | None) -> tuple[Any, dict[str, Any]]:
+                            exc: BaseException) -> tuple[Any, dict[str, Any]]:
         """A :meth:`reset_now` whose answer was ``exc``: the env's own error in one line, or,
         its machine gone, the episode lost and the reset done again as :meth:`reset` does it."""
         ep = self.eps[i]
         if isinstance(exc, AnswerError):
             raise GymError(f"{self._where(ep)}: {exc}")
-        if exc is not None:
-            self._hang_up(ep)
-            await self._lost(ep, 1, str(exc))
+        self._hang_up(ep)
+        await self._lost(ep, 1, str(exc))
         return await self.reset(i, seed, options)
 
     def _reset_answer(self, ep: Episode, out: Any) -> tuple[Any, dict[str, Any]]:
