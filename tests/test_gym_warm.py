@@ -128,6 +128,74 @@ def test_no_real_episode_tells_the_spares_what_it_touched(bench: Workbench) -> N
         env.close()
 
 
+# gymnasium.make wraps an env in a PassiveEnvChecker, which checks its first reset and steps,
+# once. reset's info says whether the checker had checked already (then it does not again).
+CHECKED = '''
+import gymnasium
+from gymnasium.wrappers.common import PassiveEnvChecker
+
+class SaysChecked(gymnasium.Wrapper):
+    def reset(self, **kwargs):
+        checker = self.env
+        while not isinstance(checker, PassiveEnvChecker):
+            checker = checker.env
+        before = checker.checked_reset
+        obs, info = self.env.reset(**kwargs)
+        return obs, {"checked_before": before}
+
+class FailsPractice(gymnasium.Wrapper):  # the practice episode's reset (seed 0) fails
+    def reset(self, *, seed=None, options=None):
+        if seed == 0:
+            raise RuntimeError("no practice here")
+        return self.env.reset(seed=seed, options=options)
+
+def checked_cartpole():
+    return SaysChecked(gymnasium.make("CartPole-v1"))
+
+def unpractised_cartpole():
+    return SaysChecked(FailsPractice(gymnasium.make("CartPole-v1")))
+'''
+
+
+def _checked_before(env: Any, episodes: range) -> list[bool]:
+    seen = []
+    for episode in episodes:  # past two refills: the later ones run on spares made after the practice
+        seen.append(env.reset(seed=episode)[1]["checked_before"])
+        while not any(env.step(0)[2:4]):
+            pass
+    return seen
+
+
+def test_gymnasiums_env_checker_runs_once_per_env_not_once_per_fresh_episode(bench: Workbench) -> None:
+    """Every fresh episode is a copy of the warm parent's never-reset env, so gymnasium's
+    passive checker ran again in each (~0.2 ms of a fresh reset). The practice episode ran it
+    on the same env: spares made after it count it as done, as one long-lived env would."""
+    define(bench, CHECKED)
+    env = sgym.make("checked_cartpole", session=bench)
+    try:
+        deadline = time.monotonic() + 30
+        while env._m._pages is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert env._m._pages is not None, "the practice episode said nothing"
+        seen = _checked_before(env, range(1, 41))
+        assert all(seen[-8:]), f"spares after the practice checked again: {seen}"
+    finally:
+        env.close()
+
+
+def test_a_practice_that_failed_never_lets_a_spare_skip_the_checks(bench: Workbench) -> None:
+    """The attack on the above: an env whose practice fails gives its spares no page list,
+    and so no word that the checks passed: each episode's checker runs."""
+    define(bench, CHECKED)
+    env = sgym.make("unpractised_cartpole", session=bench)
+    try:
+        seen = _checked_before(env, range(1, 41))
+        assert env._m._pages is None
+        assert not any(seen), f"a spare skipped checks no practice passed: {seen}"
+    finally:
+        env.close()
+
+
 def test_finished_episodes_machines_are_deleted_together_and_none_lingers(bench: Workbench) -> None:
     define(bench, SCRIBBLER)
     env = sgym.make("scribbler", session=bench)
