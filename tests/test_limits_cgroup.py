@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -108,3 +109,44 @@ def test_v1_for_real_a_process_joins_and_is_killed_and_the_group_goes() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _prime_for(limiter: _limits.Limiter, seconds: float) -> float:
+    """Run keep_moves_cheap for about ``seconds``; how long it took to return after its stop."""
+    forked = threading.Event()
+    t = threading.Thread(target=limiter.keep_moves_cheap, args=(forked, 0.002))
+    t.start()
+    time.sleep(seconds)
+    stopped = time.monotonic()
+    forked.set()
+    t.join(5)
+    assert not t.is_alive(), "keep_moves_cheap went on after its stop"
+    return time.monotonic() - stopped
+
+
+def test_a_forks_moves_are_primed_by_moving_this_process_where_it_is(fake_v2: Path) -> None:
+    """Beside a fork, this process is 'moved' into the cgroup it is in (``0``: the writer
+    itself), never another pid, which a machine could let the host reuse for another process."""
+    (fake_v2 / "cgroup.procs").write_text("")
+    limiter = _limits.Limiter()
+    assert _prime_for(limiter, 0.05) < 1.0
+    written = (fake_v2 / "cgroup.procs").read_text()
+    assert written and set(written) == {"0"}
+
+
+def test_priming_never_moves_this_process_out_of_where_it_is_now(fake_v2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack on the above: once this process is in another cgroup than the one found at
+    start (moved by a service manager), writing ``0`` there would move it into the machines'
+    parent cgroup: nothing is written."""
+    (fake_v2 / "cgroup.procs").write_text("")
+    limiter = _limits.Limiter()
+    monkeypatch.setattr(_limits, "_own_cgroups", lambda: {"": "/user.slice/elsewhere.scope"})
+    _prime_for(limiter, 0.05)
+    assert (fake_v2 / "cgroup.procs").read_text() == ""
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
+def test_v1_for_real_priming_leaves_this_process_where_it_was() -> None:
+    before = Path("/proc/self/cgroup").read_text()
+    _prime_for(_limits.Limiter(), 0.05)
+    assert Path("/proc/self/cgroup").read_text() == before

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
@@ -441,11 +442,14 @@ class AgentHostBackend(Backend):
         dirs = _run_folders(names, taken)
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]
-        # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow)
+        # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow), and
+        # the moves into them are kept cheap meanwhile (MachineLimits.keep_moves_cheap)
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
             held.fork_headroom(8 * len(names))
+        forked = threading.Event()
+        primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
         try:
             try:
                 done = await self._request(machine, {"op": "fork", "children": children, "hold": True})
@@ -455,6 +459,8 @@ class AgentHostBackend(Backend):
                 raise SmolbenchError(
                     f"machine {machine.name!r} is at its process limit (pids = {machine.spec.pids}) and can't fork: "
                     "end some of its processes, or raise pids in the Smolfile") from None
+            finally:
+                forked.set()
             if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
             limits = await cgroups
@@ -487,6 +493,7 @@ class AgentHostBackend(Backend):
         finally:
             if held is not None:
                 held.fork_headroom(0)
+            await primed  # ended with the fork's answer
         return refs
 
     def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:

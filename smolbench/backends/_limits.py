@@ -36,6 +36,7 @@ import contextlib
 import os
 import resource
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 CFS_PERIOD = 100_000  # µs
 KILL_TIMEOUT = 10.0
+MOVE_PRIME_EVERY = 0.003  # s between the no-op moves that keep a fork's moves cheap (well within a grace period)
+MOVE_PRIME_MOST = 60.0  # s they go on at most (a fork request answers long before)
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
 # Under rlimits, how many full branches (each at its pids) a sandbox root machine's process
@@ -398,6 +401,38 @@ class Limiter:
                  "memory" if nproc_per_machine else "")
         return (f"rlimits (no writable cgroup here): memory {mem} per process (RLIMIT_DATA), {procs}{files}; cpus not "
                 f"enforced. For a cgroup: {DELEGATE_HINT}")
+
+    def keep_moves_cheap(self, stop: threading.Event, every: float = MOVE_PRIME_EVERY,
+                         most: float = MOVE_PRIME_MOST) -> None:
+        """Until ``stop`` (at most ``most`` s): keep moving tasks between cgroups cheap, by
+        moving this process into the cgroup it is in already (``0`` is the writer itself: no
+        other process's pid, which could be reused meanwhile) every ``every`` s. Every move takes
+        the kernel's one cgroup migration lock, whose first writer after a quiet spell waits out
+        an RCU grace period: measured ~10 ms here (cgroup v1), once per fork of N branches while
+        they waited, forked and held, for their moves. Run beside the fork, it is spent while
+        the agent forks, and the moves after it take ~15 us each. Where this process is no
+        longer in the cgroup we found it in, or may not write there (cgroup v2 refuses a
+        process in a cgroup that hands controllers down), it stops at once: the moves pay as before."""
+        if not self.mechanism.bases:
+            return
+        controller, base = next(iter(self.mechanism.bases.items()))
+        own = _own_cgroups().get(controller)
+        if own is None or base != _mounts().get(controller, Path("/nonexistent")) / own.lstrip("/"):
+            return
+        try:
+            fd = os.open(base / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            deadline = time.monotonic() + most
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    os.write(fd, b"0")
+                except OSError:
+                    return
+                stop.wait(every)
+        finally:
+            os.close(fd)
 
     def _group(self, controller: str) -> Path:
         group = self._groups.get(controller)
