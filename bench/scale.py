@@ -297,9 +297,15 @@ def section(d: dict[str, Any]) -> str:
         "into their cgroups 35 ms and the release, then the set-ups overlap (release to serving: median 390 ms), "
         "the first cells, and the deletes (290-360 ms: one batch, now mostly the kernel tearing down 128 processes, "
         "their memory and their ~90-mount namespaces; 425 ms before). Mount calls also serialize on the kernel's "
-        "namespace lock, which a loaded host makes longer. What is left to win is in the branch: two forks of a "
-        "warm Python and the namespaces each branch makes. Episodes are branches of a pristine zygote (one fork "
-        "request for all the episodes that wait), so they cost what a fork does.", END,
+        "namespace lock, which a loaded host makes longer. Measured again 2026-12-03 on a quiet host, fork 16 by "
+        "phase: the fork request to the release 31 ms, of which 13 ms were the moves into cgroups, held up by the "
+        "first one waiting out an RCU grace period of the kernel's cgroup migration lock (~10 ms; the other 47 "
+        "moves ~15 us each); since 893f68a that wait is spent beside the fork (backends/_limits.py "
+        "`keep_moves_cheap`) and the phase takes 21 ms; then the set-ups and first cells 55-65 ms and the deletes "
+        "~15 ms (the kernel's exits: polling sooner finds nothing gone sooner). A fork of 16 now keeps both cores "
+        "~90% busy from its request to its end (~165 ms of CPU in ~91 ms of wall), so what is left to win is CPU, "
+        "in the branch: two forks of a warm Python and the namespaces each branch makes. Episodes are branches of "
+        "a pristine zygote (one fork request for all the episodes that wait), so they cost what a fork does.", END,
     ])
 
 
