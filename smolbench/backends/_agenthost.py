@@ -443,7 +443,7 @@ class AgentHostBackend(Backend):
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow), and
-        # the moves into them are kept cheap meanwhile (MachineLimits.keep_moves_cheap)
+        # the moves into them are kept cheap meanwhile (Limiter.keep_moves_cheap)
         cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
