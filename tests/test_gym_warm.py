@@ -59,6 +59,15 @@ def scribbler():
 '''
 
 
+def _practised(env: Any) -> str | None:
+    """The env's page list once its practice episode has ended (a busy host can run 40
+    episodes before it does), at most 30 s from now; None if it said nothing."""
+    deadline = time.monotonic() + 30
+    while env._m._pages is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return env._m._pages
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
     yield from up_bench(tmp_path_factory)
@@ -72,10 +81,7 @@ def test_spares_warmed_with_a_finished_episodes_pages_still_start_from_the_warm_
             assert env.reset(seed=episode)[0] == 0, f"episode {episode} started from another episode's memory"
             while not env.step(0)[2]:
                 pass
-        deadline = time.monotonic() + 30  # a busy host can run 40 episodes before the practice ends
-        while env._m._pages is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        learned = json.loads(env._m._pages or "{}")
+        learned = json.loads(_practised(env) or "{}")
         # the scribbled MiB is among what the practice episode made its own (256 pages at least)
         assert sum(count for _, count in learned.get("w", [])) >= 256
     finally:
@@ -121,10 +127,7 @@ def test_no_real_episode_tells_the_spares_what_it_touched(bench: Workbench) -> N
             env.reset(seed=episode)
             while not env.step(0)[2]:
                 pass
-        deadline = time.monotonic() + 30
-        while env._m._pages is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        learned = json.loads(env._m._pages or "{}")
+        learned = json.loads(_practised(env) or "{}")
         assert learned.get("w"), "the practice episode said nothing"
         assert _runs_cover(learned["w"], first, count) < 16, "a real episode's pages reached the spares' list"
     finally:
@@ -176,10 +179,7 @@ def test_gymnasiums_env_checker_runs_once_per_env_not_once_per_fresh_episode(ben
     define(bench, CHECKED)
     env = sgym.make("checked_cartpole", session=bench)
     try:
-        deadline = time.monotonic() + 30
-        while env._m._pages is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert env._m._pages is not None, "the practice episode said nothing"
+        assert _practised(env) is not None, "the practice episode said nothing"
         seen = _checked_before(env, range(1, 41))
         assert all(seen[-8:]), f"spares after the practice checked again: {seen}"
     finally:
