@@ -21,21 +21,22 @@ class Branching:
         """Fork one live child per requested branch; answer with their pids."""
         frozen = None
         if self.machine is not None:
-            from . import contain
+            from . import contain, openfiles
 
             if "keeper-agent" in self.machine.weak:  # tests only: the old way, the agent asks, the overlays at hand count
-                old = contain.mount_ids([p for p in (self.workdir, "/tmp") if p])
+                old = openfiles.mount_ids([p for p in (self.workdir, "/tmp") if p])
                 cwd = _getcwd()
                 os.chdir("/")
                 frozen = contain.take_freeze(self.machine.chan, ask=True)
             else:  # the host ordered the freeze: every overlay this machine ever had counts
                 frozen = contain.take_freeze(self.machine.chan)
                 old = {int(i): t for i, t in frozen.pop("mounts", {}).items()}
-                cwd = contain.held_cwd(old)
+                cwd = openfiles.held_cwd(old)
             frozen["old_mounts"], frozen["cwd"] = old, cwd
             _chdir(cwd, self.workdir)  # re-enter the working folder through the fresh upper layer
             if "layers" not in self.machine.weak:  # files and folders kept open: onto the fresh upper
-                contain.reopen(contain.open_files({i: (t, False) for i, t in old.items()}, self.machine.weak))
+                openfiles.reopen(openfiles.open_files({i: (t, False) for i, t in old.items()}, self.machine.weak),
+                                 contain.STORE)
         try:
             return self._fork_children(req, frozen)
         finally:
