@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import platform
-import re
 import socket
 import time
 import uuid
@@ -20,14 +18,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import __version__, gate
+from . import gate
 from . import retries as retry
 from ._aio import _gather_cancelling, _to_the_end
+from ._recorder import Observer, RecorderMixin
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
+from .provenance import versions as _versions
+from .provenance import where as _where
 from .result import ForkResult
 from .shelf import Shelf
 from .spec import MachineSpec
@@ -37,21 +38,9 @@ from .zygote import Zygotes
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
-Observer = Callable[["Workbench", list[Node]], None]
 
 
-def _versions(guest_python: str | None) -> dict[str, str | None]:
-    try:
-        import smol
-
-        smolver: str | None = getattr(smol, "__version__", None)
-    except Exception:
-        smolver = None
-    return {"smolbench": __version__, "smolmachines": smolver, "guest_python": guest_python,
-            "host_python": platform.python_version()}
-
-
-class Workbench(CheckpointsMixin, StatusMixin):
+class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
@@ -74,6 +63,7 @@ class Workbench(CheckpointsMixin, StatusMixin):
         self.guest_info: dict[str, Any] = {}
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
+        self._heard: tuple[int, list[Node]] | None = None  # a batch's thread and the nodes it recorded (RecorderMixin)
         self._runs = 0
         self._busy: set[str] = set()
         self.max_alive = spec.max_alive
@@ -138,32 +128,6 @@ class Workbench(CheckpointsMixin, StatusMixin):
         old, self._active = self._active, node_id
         if old != node_id:
             self._changed(*(self.tree[n] for n in (old, node_id) if n is not None and n in self.tree))
-
-    def observe(self, fn: Observer) -> None:
-        """Call ``fn(workbench, changed_nodes)`` whenever nodes change."""
-        self._observers.append(fn)
-
-    def unobserve(self, fn: Observer) -> None:
-        """Stop calling ``fn``."""
-        with contextlib.suppress(ValueError):
-            self._observers.remove(fn)
-
-    def _changed(self, *nodes: Node) -> None:
-        for fn in list(self._observers):
-            with contextlib.suppress(Exception):  # a broken view must never break a run
-                fn(self, list(nodes))
-
-    def _record(self, node: Node, **extra: Any) -> None:
-        if self.versions:
-            extra.setdefault("versions", self.versions)
-        self.ledger.upsert_node(
-            self.session, node.id, run_id=node.run_id, parent_id=node.parent, machine=node.id,
-            backend=self.backend.name, baseline=self.baseline, seed=node.seed,
-            started=node.started, ended=node.ended, status=node.status, reward=node.reward,
-            metrics=node.metrics, output=node.output, error=node.error, alive=node.alive,
-            kept=node.kept, forked_at=node.forked_at, host_node=node.where, **extra,
-        )
-        self._changed(node)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -514,8 +478,7 @@ class Workbench(CheckpointsMixin, StatusMixin):
                                        "reseed": result.reseed})
         nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
                  for name, seed in zip(names, seeds)]
-        for node in nodes:
-            self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
             branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
             try:
@@ -531,7 +494,7 @@ class Workbench(CheckpointsMixin, StatusMixin):
             for ref in refs:
                 self.machines[ref.name] = ref
                 self._placed(ref)
-                self._record(self.tree[ref.name])
+            self._record_all([self.tree[ref.name] for ref in refs])
             self._release(parent_id)  # the parent is free again once its children exist
             try:
                 for ref in refs:
@@ -571,8 +534,7 @@ class Workbench(CheckpointsMixin, StatusMixin):
                               code_hash=code_hash(code), n=len(names), **_where(cell_name),
                               options={"seeds": seeds, "timeout": timeout, "fresh": verdict.fresh})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
-        for node in nodes:
-            self._record(node, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes), boots=zygote is None))
 
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
@@ -716,7 +678,9 @@ class Workbench(CheckpointsMixin, StatusMixin):
         row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error)
         self._record(node)  # committed now: survives a kernel crash a moment later
 
-    async def _drop(self, node_id: str) -> None:
+    async def _drop(self, node_id: str, record: bool = True) -> None:
+        """Delete ``node_id``'s machine and mark its node gone (``record``: its row written
+        here; else the caller writes it, with others)."""
         ref = self.machines.pop(node_id, None)
         if ref is not None:
             with contextlib.suppress(Exception):
@@ -724,7 +688,8 @@ class Workbench(CheckpointsMixin, StatusMixin):
         node = self.tree[node_id]
         if node.alive:
             node.alive = False
-            self._record(node)
+            if record:
+                self._record(node)
 
     def _touch(self, node_id: str) -> None:
         self._used[node_id] = time.monotonic()
@@ -764,7 +729,10 @@ class Workbench(CheckpointsMixin, StatusMixin):
                 result.kept.append(node.id)
                 self._record(node)
         drop = [n.id for n in nodes if n.alive and n.id not in result.kept]
-        await asyncio.gather(*(self._drop(node_id) for node_id in drop))  # in parallel: one round trip each
+        try:  # in parallel: one round trip each
+            await asyncio.gather(*(self._drop(node_id, record=False) for node_id in drop))
+        finally:  # after a Ctrl-C too: those that went
+            self._record_all([self.tree[n] for n in drop if not self.tree[n].alive])
 
 
 def _out_of_memory(res: CellResult) -> bool:
@@ -790,10 +758,3 @@ def active_moved(was: str, now: str | None) -> str:
     if now is None:
         return f"{was} was active: no machine is active now (`%smol use NODE` picks one)"
     return f"{was} was active: the active machine is now {now}"
-
-
-def _where(cell_name: str | None) -> dict[str, Any]:
-    """Which notebook (the Jupyter server's path, when it started this kernel) and cell
-    number (from the magic's ``<In [7]>``) a run came from, for its ledger row."""
-    m = re.fullmatch(r"<In \[(\d+)\]>", cell_name or "")
-    return {"notebook": os.environ.get("JPY_SESSION_NAME") or None, "cell": int(m.group(1)) if m else None}

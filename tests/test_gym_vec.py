@@ -178,3 +178,40 @@ def test_an_autoreset_that_fails_names_its_sub_env_and_the_env_goes_on(bench: Wo
             assert envs.observation_space.contains(obs)
     finally:
         envs.close()
+
+
+def test_views_hear_of_training_episodes_after_their_commit_never_while_the_ledger_is_held(bench: Workbench) -> None:
+    """Episodes' rows are written just after a step, in one commit; the views (a tree in the
+    notebook) are told after it, never while the loop holds the ledger's lock (a view's
+    observer takes its own lock, which the main thread may hold while it reads the ledger:
+    see test_widgets' fork test). Every finished episode is heard of, as the ledger has it."""
+    import threading
+
+    held: list[bool] = []
+    heard: dict[str, str] = {}
+
+    def observer(wb: Workbench, nodes: list[Any]) -> None:
+        def read() -> None:
+            got = wb.ledger._lock.acquire(timeout=2)
+            if got:
+                wb.ledger._lock.release()
+            held.append(not got)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join()
+        heard.update((n.id, n.status) for n in nodes)
+
+    envs = sgym.make_vec(CARTPOLE, 2, session=bench, reset="in-place")
+    bench.observe(observer)
+    try:
+        envs.reset(seed=3)
+        for _ in range(60):
+            envs.step(np.array([0, 0]))
+    finally:
+        bench.unobserve(observer)
+        envs.close()
+    assert held and not any(held), f"{sum(held)} of {len(held)} observer calls ran while the ledger was held"
+    ended = {r["id"]: r["status"] for r in bench.ledger.node_rows(bench.session)  # closed ones: after unobserve
+             if r["id"] in heard and (r["metrics"] or {}).get("ended") in ("terminated", "truncated")}
+    assert len(ended) >= 4 and {k: heard[k] for k in ended} == ended

@@ -332,3 +332,37 @@ def test_reward_plots_show_branches_seeds_metrics_and_the_tree(wb: Workbench) ->
     assert sum(len(t.x) for t in tf.data if t.name in ("ok", "idle")) == 11
     svg = tf._repr_mimebundle_()["image/svg+xml"]
     assert svg.count("<circle") == 11 and "<polyline" in svg
+
+
+def test_observers_hear_of_a_forks_rows_after_their_commit_never_while_the_ledger_is_held(wb: Workbench) -> None:
+    """A fork writes its branches' rows in batches (one commit each). A view's observer takes
+    the view's own lock, and the main thread may hold that lock while it reads the ledger:
+    told inside a batch (the loop thread holding the ledger's lock), the two threads waited
+    for each other and a ``%%smol fork --bg`` cell hung (2 runs in 6 here). Here every
+    observer call checks, from another thread, that the ledger can be read at that moment;
+    and the observers still hear of every branch, to its last state."""
+    held: list[bool] = []
+    heard: dict[str, tuple[str, bool]] = {}
+
+    def observer(bench: Workbench, nodes: list[Any]) -> None:
+        def read() -> None:  # what the main thread does while it holds a view's lock
+            got = bench.ledger._lock.acquire(timeout=2)
+            if got:
+                bench.ledger._lock.release()
+            held.append(not got)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join()
+        heard.update((n.id, (n.status, n.alive)) for n in nodes)
+
+    wb.observe(observer)
+    try:
+        res = _loop.run(wb.fork(wb.new_fork(8, keep="none"), "reward = SEED", lambda b, e: None, keep="none"),
+                        timeout=120)
+    finally:
+        wb.unobserve(observer)
+    assert held and not any(held), f"{sum(held)} of {len(held)} observer calls ran while the ledger was held"
+    assert {name: heard.get(name) for name in res.rows} == {name: ("ok", False) for name in res.rows}
+    rows = {r["id"]: (r["status"], bool(r["alive"])) for r in wb.ledger.node_rows(wb.session) if r["id"] in res.rows}
+    assert rows == {name: ("ok", False) for name in res.rows}  # and the ledger says the same

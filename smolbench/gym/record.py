@@ -75,7 +75,7 @@ class Records:
             fn(*args)
 
     def _write(self, later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
-        with self.m.wb.ledger.batch():
+        with self.m.wb.recording():  # one commit; the views hear of it after
             for fn, args in later:
                 try:
                     fn(*args)
