@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gymhelpers import CARTPOLE, define, needs_bwrap, up_bench
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from ledgerhelpers import readable_now
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
@@ -185,21 +186,11 @@ def test_views_hear_of_training_episodes_after_their_commit_never_while_the_ledg
     notebook) are told after it, never while the loop holds the ledger's lock (a view's
     observer takes its own lock, which the main thread may hold while it reads the ledger:
     see test_widgets' fork test). Every finished episode is heard of, as the ledger has it."""
-    import threading
-
     held: list[bool] = []
     heard: dict[str, str] = {}
 
     def observer(wb: Workbench, nodes: list[Any]) -> None:
-        def read() -> None:
-            got = wb.ledger._lock.acquire(timeout=2)
-            if got:
-                wb.ledger._lock.release()
-            held.append(not got)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        reader.join()
+        held.append(not readable_now(wb.ledger))
         heard.update((n.id, n.status) for n in nodes)
 
     envs = sgym.make_vec(CARTPOLE, 2, session=bench, reset="in-place")

@@ -14,6 +14,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 import pytest
+from ledgerhelpers import readable_now
 
 from smolbench import _loop
 from smolbench.backends.sandbox import SandboxBackend
@@ -345,15 +346,7 @@ def test_observers_hear_of_a_forks_rows_after_their_commit_never_while_the_ledge
     heard: dict[str, tuple[str, bool]] = {}
 
     def observer(bench: Workbench, nodes: list[Any]) -> None:
-        def read() -> None:  # what the main thread does while it holds a view's lock
-            got = bench.ledger._lock.acquire(timeout=2)
-            if got:
-                bench.ledger._lock.release()
-            held.append(not got)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        reader.join()
+        held.append(not readable_now(bench.ledger))
         heard.update((n.id, (n.status, n.alive)) for n in nodes)
 
     wb.observe(observer)
