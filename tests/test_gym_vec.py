@@ -8,6 +8,7 @@ observations too) and DISABLED; a bad action names its sub-env and the env goes 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from ledgerhelpers import readable_now
 
 import smolbench.gym as sgym
-from smolbench import SmolbenchError
+from smolbench import SmolbenchError, _loop
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -199,6 +200,7 @@ def test_views_hear_of_training_episodes_after_their_commit_never_while_the_ledg
         envs.reset(seed=3)
         for _ in range(60):
             envs.step(np.array([0, 0]))
+        _loop.run(asyncio.sleep(0))  # the last step's records are written on the loop just after it returned
     finally:
         bench.unobserve(observer)
         envs.close()
