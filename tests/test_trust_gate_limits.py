@@ -52,10 +52,13 @@ def test_a_lone_surrogate_from_a_machine_is_one_line_and_the_session_carries_on(
         nb.run("%smol up --backend sandbox")
         assert result_text(nb.run("%%smol\n6 * 7")) == "42"
 
-        # Weakened: a gate that lets the surrogate through breaks the kernel's own messages
+        # Weakened: a gate that lets the surrogate through breaks the kernel's own messages: no
+        # one-line error, and the output either fails in the cell or, flushed from ipykernel's
+        # IO thread, fails there (logged, not shown) and is lost
         nb.run("import smolbench.gate.frames as f\n_vt = f._valid_text\nf._valid_text = lambda msg: None")
         cell = nb.run(f"%%smol\nimport sys\n_ag = sys.modules['smolbench_guest']._agent\n{SURROGATES[2]}")
-        assert "UnicodeEncodeError" in str(cell.outputs), cell.outputs
+        shown = str(cell.outputs)
+        assert "lone surrogate" not in shown and ("UnicodeEncodeError" in shown or not cell.outputs), cell.outputs
         nb.run("f._valid_text = _vt")
         nb.run("%smol down")
 
