@@ -247,7 +247,12 @@ timestamps); spares made after the practice episode, which ran those checks, cou
 What is left between them is the spare's first request in a process that has not run for a while
 (its seeding, the env's reset and the answer each ~40-50 us slower than in a machine that just
 stepped) and the background work fresh episodes make (refills, deletions) on the same 2 cores; left
-idle 100 ms, both kinds of reset take ~1.4 ms. A fresh episode also costs its fork and the last
+idle 100 ms, both kinds of reset take ~1.4 ms. Measured 2026-12-03 with that background work held
+off (48 spares made ahead, 20 episodes measured, no refill or deletion among them; a probe, not this
+bench): fresh 0.93-1.16 ms against 0.57-0.66 ms in place, **1.75×** (4 rounds); with it, in the
+same probe, 4.3×. The spare's reset itself takes no page faults (counted: 0); waking it from the
+caller's thread, or keeping it polling after the wake, made no difference. So on these 2 cores the
+reset goal is held back by what each fresh episode costs the others. A fresh episode also costs its fork and the last
 machine's deletion (~22 ms of CPU an episode in all, against 2.4 ms in place, measured over 200
 episodes): CartPole's random-action episodes (~10-20 steps) are
 short, so `make_vec` with `reset="fresh"` is bound by how fast the warm parent forks (compare the
