@@ -309,10 +309,12 @@ def section(d: dict[str, Any]) -> str:
         "Where a branch's CPU goes, counted 2026-12-03 (minor faults of each process of a fork of 8, phases marked "
         "in the guest; perf over 40 forks of 16): page faults are 28% of a fork's CPU (the copy 3%, the PTE lock 5%, "
         "at ~3.7 us each on this VM), Python 29%, the rest of the kernel's work (exits 9%, unshare 3%, mounts 2%). "
-        "A branch's keeper takes ~730 copy-on-write faults and its agent ~720, about 5 ms of the branch's ~10: ~270 "
-        "of each before any of smolbench's code runs, in Python's own after-fork hooks (threading's alone ~125: its "
-        "new objects land in pages the parent shares; a bare interpreter takes 68), the keeper's set-up ~340 "
-        "(namespaces, mounts), the agent's start ~170 and its first cell ~160. The kernel process spends ~43 ms of "
+        "A branch's keeper takes ~730 copy-on-write faults and its agent ~720, about 5 ms of the branch's ~10. The "
+        "keeper: ~270 before any of smolbench's code runs, in Python's own after-fork hooks (threading's alone ~125: "
+        "its new objects land in pages the parent shares; a bare interpreter takes 68), its set-up ~340 "
+        "(namespaces, mounts), ~120 after it. The agent, forked again from it: ~390 to the end of its own set-up "
+        "(the same hooks, its /proc, dropping privileges), its start ~170 and its first cell ~160. The kernel "
+        "process spends ~43 ms of "
         "CPU on a fork of 16 (2.5 ms less since a fork's ledger rows go in one commit per batch).", END,
     ])
 
