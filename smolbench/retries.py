@@ -56,11 +56,11 @@ async def boot(wb: Any, spec: MachineSpec, name: str, retries: int) -> MachineRe
 
 
 async def branch(wb: Any, parent: MachineRef, names: list[str], seeds: list[int | None], retries: int,
-                 first: int = 1) -> list[MachineRef]:
-    """``backend.branch`` with retries (of the whole batch)."""
+                 first: int = 1, leaf: bool = False) -> list[MachineRef]:
+    """``backend.branch`` with retries (of the whole batch); ``leaf``: see ``Backend.branch``."""
 
     async def once(attempt: int) -> list[MachineRef]:
-        refs: list[MachineRef] = await wb.backend.branch(parent, names, seeds)
+        refs: list[MachineRef] = await wb.backend.branch(parent, names, seeds, leaf=leaf)
         for ref in refs:
             ref.info["attempts"] = attempt
         return refs

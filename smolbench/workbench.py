@@ -480,7 +480,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                  for name, seed in zip(names, seeds)]
         self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
         try:
-            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries))
+            # --keep none: every branch is deleted once its cell ran, never forked (a leaf)
+            branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries, leaf=keep == "none"))
             try:
                 refs = await _to_the_end(branching)
             except BaseException as exc:
@@ -603,7 +604,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                 if parent is None or parent.name not in self.machines:
                     raise SmolbenchError(f"{node.id}'s machine died and its parent is gone: it can't be branched again")
                 source = await self._rebuilt_if_lost(parent.name) or self.machines[parent.name]  # lost with the branch
-                (new,) = await retry.branch(self, source, [node.id], [node.seed], 0)
+                (new,) = await retry.branch(self, source, [node.id], [node.seed], 0, leaf=bool(ref.info.get("leaf")))
                 self.machines[new.name] = new
                 self._placed(new)
                 node.alive = True

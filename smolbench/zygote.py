@@ -165,7 +165,8 @@ class Zygotes:
             self._waiting[zygote.name] = []
             if batch:
                 try:
-                    refs = await self.backend.branch(zygote, [n for n, _, _ in batch], [s for _, s, _ in batch])
+                    refs = await self.backend.branch(zygote, [n for n, _, _ in batch], [s for _, s, _ in batch],
+                                                     leaf=True)  # an episode's machine is never forked
                 except Exception as exc:
                     for _, _, fut in batch:
                         if not fut.done():

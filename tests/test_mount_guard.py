@@ -580,6 +580,27 @@ def test_a_machines_own_process_takes_at_most_its_branches_stores(real: Lab) -> 
         assert f"{got['stolen']} of 2 branches failed" in error_text(fork), (got, error_text(fork))
 
 
+@pytest.fixture(scope="module")
+def parent_grants() -> Iterator[Lab]:
+    """Leaf forks granted to the forking machine's pid namespace too, as a keeper's branches are."""
+    yield from _guard_lab("leaf-parent-grants")
+
+
+def test_a_leaf_forks_stores_go_to_its_branches_own_namespaces(real: Lab, parent_grants: Lab) -> None:
+    """A --keep none fork makes leaf branches (guest/leaves.py), each in a pid namespace of its
+    own from its clone on: the host grants each its store there, after the clone and before it
+    runs. So not even a process of the forking machine itself takes one, and the fork works.
+    Granted to the forking machine's namespace too, the same process takes them."""
+    for lab, stolen in ((real, 0), (parent_grants, 2)):
+        pid = lab.probe("start_grant_thief(30)", "root.1")
+        lab.ok("%smol use root.1")
+        fork = lab.nb.run("%%smol fork 2 --keep none --quiet\n1 + 1")
+        got = lab.probe(f"grant_thief_result({pid})", "root.1")
+        assert got["userns"] == "ok" and got["tries"] > 0, got
+        assert not error_text(fork), error_text(fork)
+        assert got["stolen"] == stolen, (lab, got)
+
+
 def test_status_says_tmpfs_and_ramfs_are_refused(real: Lab, unguarded: Lab) -> None:
     assert "tmpfs/ramfs refused" in _status(real)
     assert "tmpfs/ramfs refused" not in _status(unguarded)

@@ -109,6 +109,10 @@ class AgentHostBackend(Backend):
         """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
         return _procs.host_pids(ancestor, guest_pids, tree)
 
+    def _makes_leaves(self) -> bool:
+        """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
+        return False
+
     def _hand_over(self, path: str, folder: str) -> str:
         """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
         return archive.hand_over(path, folder)
@@ -430,10 +434,11 @@ class AgentHostBackend(Backend):
         return dict((await self._request(machine, {"op": "ping"}))["info"])
 
     async def branch(
-        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
+        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None], *, leaf: bool = False
     ) -> builtins.list[MachineRef]:
         if len(names) != len(seeds):
             raise ValueError("one seed per branch name")
+        leaf = leaf and self._makes_leaves()
         _limits.check_fork_fits(len(names))
         host_dir, guest_run = Path(machine.info["host_dir"]), machine.info["guest_run"]
         # A contained branch gets a folder of its own (it sees only that one as its run folder).
@@ -452,7 +457,8 @@ class AgentHostBackend(Backend):
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
         try:
             try:
-                done = await self._request(machine, {"op": "fork", "children": children, "hold": True})
+                done = await self._request(machine, {"op": "fork", "children": children, "hold": True,
+                                                     **({"leaf": True} if leaf else {})})
             except SmolbenchError as exc:
                 if "BlockingIOError" not in str(exc):
                     raise
@@ -463,6 +469,9 @@ class AgentHostBackend(Backend):
                 forked.set()
             if sorted(m["name"] for m in done.get("children", [])) != sorted(names):
                 raise gate.malformed(machine.name, "the branches it made are not the ones asked for")
+            maker = done.get("maker") if leaf else None
+            if leaf and (not done.get("leaf") or type(maker) is not int):
+                raise gate.malformed(machine.name, "it did not make the leaf branches asked for")
             limits = await cgroups
         except BaseException:
             if held is not None:
@@ -483,12 +492,14 @@ class AgentHostBackend(Backend):
             info = {**{k: machine.info[k] for k in ("run_dir", "workspace", "root", "guest_run", "workdir", "contained")},
                     "host_dir": str(mine), "guest_pid": made["pid"],
                     "socket": str(mine / "s") if nested else str(host_dir / f"{made['name']}.sock")}
+            if leaf:
+                info["leaf"] = True
             ref = MachineRef(made["name"], self.name, machine.spec, parent=machine.name, info=info)
             self._machines[ref.name] = ref
             refs.append(ref)
         try:
             # The branches wait, each a bare fork: into their own cgroups, then let them start.
-            await asyncio.to_thread(self._limit_branches, machine, refs, limits)
+            await asyncio.to_thread(self._limit_branches, machine, refs, limits, maker)
             await self._request(machine, {"op": "release", "go": True})
         finally:
             if held is not None:
@@ -502,11 +513,18 @@ class AgentHostBackend(Backend):
         return {name: self.limiter.machine(name, spec) for name in names}
 
     def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
-                        limits: dict[str, _limits.MachineLimits]) -> None:
+                        limits: dict[str, _limits.MachineLimits], maker: int | None = None) -> None:
         """Each branch into its own cgroup before it runs anything (it waits, held, until
-        released), so its limits and its memory are its own from its first page on."""
+        released), so its limits and its memory are its own from its first page on.
+        ``maker``: a leaf fork's maker (its pid in the parent), whose children the branches are."""
         ancestor = parent.info.get("host_pid") or self._machines[parent.info["root"]].info.get("pid")
-        found = self._host_pids(ancestor, [r.info["guest_pid"] for r in refs]) if ancestor else {}
+        guest = [r.info["guest_pid"] for r in refs]
+        if not ancestor:
+            found = {}
+        elif maker is not None:
+            found = _procs.leaf_pids(ancestor, maker, guest)
+        else:
+            found = self._host_pids(ancestor, guest)
         for ref in refs:
             pid = found.get(ref.info["guest_pid"])
             if pid is None:

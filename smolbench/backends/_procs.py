@@ -112,6 +112,26 @@ def host_pids(ancestor: int, guest_pids: list[int],
     return found
 
 
+def leaf_pids(ancestor: int, maker: int, guest_pids: list[int]) -> dict[int, int]:
+    """guest pid -> host pid of a leaf fork's branches: the children of its maker, a child of
+    the forking agent (``ancestor`` itself, or the agent below a branch's keeper) that the
+    agent's namespace calls ``maker``; each branch is pid 1 of its own namespace, and the
+    agent's namespace calls it by the guest pid (the one but last of its NSpid line)."""
+    wanted, found = set(guest_pids), dict[int, int]()
+    for agent in [ancestor, *kids(ancestor)]:
+        level = len(ns_pids(agent))
+        for kid in kids(agent):
+            nspids = ns_pids(kid)
+            if len(nspids) != level or nspids[-1] != maker:
+                continue
+            for leaf in kids(kid):
+                mine = ns_pids(leaf)
+                if len(mine) == level + 1 and mine[-1] == 1 and mine[-2] in wanted:
+                    found.setdefault(mine[-2], leaf)
+            return found
+    return found
+
+
 def with_env(var: str, value: str) -> list[tuple[int, str]]:
     """(pid, start time) of live processes whose environment holds ``var=value``."""
     needle = f"{var}={value}".encode()

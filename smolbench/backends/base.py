@@ -112,12 +112,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def branch(
-        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None]
+        self, machine: MachineRef, names: builtins.list[str], seeds: builtins.list[int | None], *, leaf: bool = False
     ) -> builtins.list[MachineRef]:
         """Make live copy-on-write children of a warm machine, one per name.
 
         Each child keeps the parent's state and gets its seed applied
-        (``SEED``, ``random``, ``numpy`` and ``SMOLBENCH_SEED``).
+        (``SEED``, ``random``, ``numpy`` and ``SMOLBENCH_SEED``). ``leaf``: the children will
+        be deleted without ever being forked themselves (a backend may make them cheaper then;
+        forking one is refused).
         """
 
     @abc.abstractmethod

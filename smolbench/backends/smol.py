@@ -575,7 +575,7 @@ class SmolBackend(Backend):
     # -- branching -----------------------------------------------------------------------
 
     async def branch(
-        self, machine: MachineRef, names: list[str], seeds: list[int | None]
+        self, machine: MachineRef, names: list[str], seeds: list[int | None], *, leaf: bool = False
     ) -> list[MachineRef]:
         """Branch live copy-on-write child VMs with ``branch_batch``, then seed each one."""
         if len(names) != len(seeds):

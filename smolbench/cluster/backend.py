@@ -354,7 +354,7 @@ class ClusterBackend(Backend):
     # -- forks across nodes ---------------------------------------------------------------
 
     async def branch(self, machine: MachineRef, names: builtins.list[str],
-                     seeds: builtins.list[int | None]) -> builtins.list[MachineRef]:
+                     seeds: builtins.list[int | None], *, leaf: bool = False) -> builtins.list[MachineRef]:
         """One batch per node: the parent's node branches the parent, the others a replica of it."""
         home = self._node_of(machine)
         await self.refresh(every=0)  # a node added since the last fork takes part in this one

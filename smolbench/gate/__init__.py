@@ -238,6 +238,8 @@ CONTROL: dict[str, Callable[[Any, str], Any]] = {
     "skipped": lambda v, k: string_list(v, "the skipped list", 100_000, 4096),
     "saved": lambda v, k: string_list(v, "the saved list", 100_000, 4096),
     "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
+    "leaf": lambda v, k: boolean(v, "leaf"),  # sandbox fork: leaf branches, made by one maker
+    "maker": lambda v, k: integer(v, "the maker's pid", 1, 2**31),
 }
 
 

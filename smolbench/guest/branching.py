@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from . import leaves
 from .output import _Outbox
 from .privatefiles import _private_files, _set_pdeathsig
 
@@ -63,19 +64,29 @@ class Branching:
         # host moved it into its own cgroup and sends "release" (so none is charged to us, and
         # the ones already forked don't compete with this loop for the cores).
         hold = os.pipe() if req.get("hold") else None
-        for child in req["children"]:
+        leaf = bool(req.get("leaf")) and frozen is not None and leaves.available()
+        if leaf:  # one process per branch, all made by one fork of ours (leaves.py)
+            _flush_streams()
+            try:
+                made = leaves.make(self, req, frozen, hold,
+                                   lambda child, listener: self._become_child(child, listener, frozen))
+            except BaseException:
+                if hold is not None:
+                    os.close(hold[0])
+                    os.close(hold[1])
+                raise
+            if made == "child":
+                return "child"
+            made, maker = made
+        for child in req["children"] if not leaf else ():
             os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
             listener = self._listen(child["socket"])
-            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
+            _flush_streams()
             pid = os.fork()
             if pid == 0:
                 try:
                     if hold is not None:
-                        _wait_release(*hold)
+                        leaves.wait_release(*hold)
                     self._become_child(child, listener, frozen)
                 except BaseException as exc:
                     sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
@@ -88,6 +99,8 @@ class Branching:
             os.close(hold[0])
             self._hold(hold[1], len(made))
         done = {"t": "done", "status": "ok", "children": made}
+        if leaf:
+            done["leaf"], done["maker"] = True, maker
         if frozen is not None and frozen["flattened"]:
             done["flattened"] = frozen["flattened"]
         return done
@@ -102,7 +115,7 @@ class Branching:
         """Let the held children of the last fork start (``go``) or exit; how many there were.
         ``answer`` (the host's reply) goes just before they start: once they run, this thread
         shares the cores with all of them, and the reply waited its turn (a child whose word
-        never comes exits: ``_wait_release``)."""
+        never comes exits: ``leaves.wait_release``)."""
         held, self._held = getattr(self, "_held", None), None
         try:
             if held is None:
@@ -131,6 +144,7 @@ class Branching:
         self.listener = listener
         self.sock_path = child["socket"]
         self.children = {}
+        self.leaf_counts = {}
         self._held = None
         self._forking, self._nproc_lock = 0, threading.Lock()  # the parent's may be held right now
         self._busy = threading.Lock()
@@ -145,7 +159,7 @@ class Branching:
 
             view, frozen["view"] = frozen["view"], None
             self.machine = contain.start_branch(self.machine, frozen["lowers"], _plain_name(child["dir"]), view,
-                                                frozen.get("old_mounts"))
+                                                frozen.get("old_mounts"), frozen.get("cloned"))
             _chdir(frozen.get("cwd"), self.workdir)  # the parent's working folder, through our own overlay
             self.sock_path = os.path.join(contain.RUN, "s")
         else:
@@ -164,17 +178,12 @@ def warm():
     from . import pulldata, reseed  # noqa: F401  (a branch's first cell; a kept channel's answers)
 
 
-def _wait_release(read, write):
-    """A held child: wait for the parent's word; exit if it never comes (the parent is gone,
-    or the host called the fork off)."""
-    os.close(write)
-    try:
-        word = os.read(read, 1)
-    except OSError:
-        word = b""
-    os.close(read)
-    if word != b"g":
-        os._exit(0)
+def _flush_streams():
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:
+            pass
 
 
 def _getcwd():

@@ -130,19 +130,28 @@ def set_pdeathsig():
 # -- namespaces and privileges ------------------------------------------------------
 
 
-def new_namespaces(net, nproc=None):
+def namespace_flags(net):
+    """The namespaces a machine gets of its own: user, mount, pid, IPC, and net unless ``net``."""
+    return CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if net else CLONE_NEWNET)
+
+
+def new_namespaces(net, nproc=None, cloned=None):
     """Enter a new user, mount, pid and IPC namespace (and net unless ``net``), mapping
     this uid and gid to themselves: not root inside, so an exec never regains
     capabilities. The caller keeps every capability in the new user namespace.
-    ``nproc``: a branch's own process count (see the module's docstring)."""
-    uid, gid = os.geteuid(), os.getegid()
-    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if net else CLONE_NEWNET)
-    if nproc:  # the kernel records this soft limit as the room the parent's count has for us
-        hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
-    _unshare(flags)
-    if nproc:  # and ours is our own pids, soft and hard, before anything runs here
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    ``nproc``: a branch's own process count (see the module's docstring). ``cloned``: the
+    (uid, gid) of the process that made us in these namespaces already (a leaf branch,
+    ``leaves.py``); only the ids are mapped then."""
+    if cloned is None:
+        uid, gid = os.geteuid(), os.getegid()
+        if nproc:  # the kernel records this soft limit as the room the parent's count has for us
+            hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+        _unshare(namespace_flags(net))
+        if nproc:  # and ours is our own pids, soft and hard, before anything runs here
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    else:
+        uid, gid = cloned
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
     _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
@@ -351,13 +360,16 @@ class Machine:
         self.is_branch = False
         self.keeper_fds = []  # descriptors only the keeper keeps
         self.mounts = "not guarded"
+        self.leaf = False  # made with no keeper (leaves.py): it can't be forked
 
     def _open_dirs(self, paths):
         return [os.open(p, O_PATH | os.O_DIRECTORY) for p in paths]
 
-    def setup(self, lowers=None, run_sub=None, view_fd=None, old_mounts=None, branch=False):
+    def setup(self, lowers=None, run_sub=None, view_fd=None, old_mounts=None, branch=False, cloned=None):
         """Root, or a ``branch`` whose parent froze ``lowers`` for it; ``view_fd`` is the
-        parent's read-only view of its store, where those layer paths resolve."""
+        parent's read-only view of its store, where those layer paths resolve. ``cloned``: a
+        leaf branch, made in its namespaces already (``leaves.py``: the ids to map, and the
+        mounts its parent has now, which it read before the clone)."""
         self.is_branch = branch
         sets = (("ws", self.workdir), ("tmp", "/tmp"))
         cow = self.files == "overlay"
@@ -365,14 +377,15 @@ class Machine:
         if cow and lowers and "layers" not in self.weak:
             # Files the parent kept open, on its overlays (seen from its namespace, still ours here).
             mounts = {int(i): (t, False) for i, t in (old_mounts or {}).items()}
-            mounts.update((i, (t, True)) for i, t in _files.mount_ids([t for _, t in sets]).items())
-            if "fd-reopen" not in self.weak:  # and its /dev/shm: ours is a fresh one, the names there are its
-                mounts.update((i, (t, True)) for i, t in _files.mount_ids(["/dev/shm"]).items())
+            here = cloned["mounts"] if cloned else parent_mounts(self.workdir, self.weak)
+            mounts.update((i, (t, True)) for i, t in here.items())
             inherited = _files.open_files(mounts, self.weak)
         if view_fd is not None:
-            os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
-            os.close(view_fd)
-        new_namespaces(self.net, self.nproc if branch and "branch-nproc" not in self.weak else None)
+            if cloned is None:
+                os.fchdir(view_fd)  # unshare moves the cwd to this namespace's copy of the view
+            os.close(view_fd)  # (a leaf's maker moved there before the clone, which did the same)
+        new_namespaces(self.net, self.nproc if branch and "branch-nproc" not in self.weak else None,
+                       cloned and cloned["ids"])
         # Opened in the new mount namespace (a copy of the parent's), relative to the parent's
         # view, before covering them: a bind mount's source must be in the caller's namespace.
         lower_fds = {key: self._open_dirs(lowers.get(key, [])) for key, _ in sets} if cow and lowers else {}
@@ -446,22 +459,29 @@ class Machine:
         pid = os.fork()
         if pid == 0:
             keeper_end.close()
-            os.close(self.view)
-            self.view = None
-            for fd in self.keeper_fds:  # the guard's page, /proc and grants are the keeper's
-                os.close(fd)
-            self.keeper_fds = []
-            set_pdeathsig()
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            if "ucounts" not in self.weak:
-                shares = _sibling("uidshares")
-                shares.limit_ucounts(shares.BRANCH_UCOUNTS if self.is_branch else shares.ROOT_UCOUNTS)
-            drop_privileges()
-            os.chdir(self.workdir)
-            self.chan = agent_end
+            self.become_agent(agent_end)
             return
         agent_end.close()
         keeper.keep(self, keeper_end, pid, RUN)
+
+    def become_agent(self, chan):
+        """This process (pid 1 of the machine's pid namespace) gives up the keeper's part:
+        its descriptors, /proc of its own, then every privilege. ``chan``: its keeper's end
+        (None: a leaf branch, which has no keeper)."""
+        if self.view is not None:
+            os.close(self.view)
+        self.view = None
+        for fd in self.keeper_fds:  # the guard's page, /proc and grants are the keeper's
+            os.close(fd)
+        self.keeper_fds = []
+        set_pdeathsig()
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if "ucounts" not in self.weak:
+            shares = _sibling("uidshares")
+            shares.limit_ucounts(shares.BRANCH_UCOUNTS if self.is_branch else shares.ROOT_UCOUNTS)
+        drop_privileges()
+        os.chdir(self.workdir)
+        self.chan = chan
 
     def freeze(self):
         flattened = []
@@ -574,17 +594,33 @@ def _guard_page(m, grants_fd):
     return True
 
 
-def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None):
-    """In a freshly forked child of ``parent``'s agent: become a contained branch."""
-    try:
-        parent.chan.close()
-    except OSError:
-        pass
+def start_branch(parent, lowers, run_sub, view_fd, old_mounts=None, cloned=None):
+    """In a freshly forked child of ``parent``'s agent: become a contained branch (its keeper
+    stays behind in this process). ``cloned``: a leaf branch, made in its own namespaces by a
+    clone (``leaves.py``), which becomes the agent with no keeper."""
+    if parent.chan is not None:
+        try:
+            parent.chan.close()
+        except OSError:
+            pass
     m = Machine(parent.workdir, parent.disk_mib, parent.net, parent.keep_paths, parent.nproc)
     m.seccomp, m.files, m.weak, m.mounts = parent.seccomp, parent.files, parent.weak, parent.mounts
-    m.setup(lowers, run_sub, view_fd, old_mounts, branch=True)
-    m.split()
+    m.leaf = cloned is not None
+    m.setup(lowers, run_sub, view_fd, old_mounts, branch=True, cloned=cloned)
+    if cloned is None:
+        m.split()
+    else:
+        m.become_agent(None)
     return m
+
+
+def parent_mounts(workdir, weak=()):
+    """The mount ids of this machine's workspace and /tmp overlays and (unless weakened) its
+    /dev/shm, as its own mount namespace has them: a branch reopens files kept open there."""
+    here = _files.mount_ids([workdir, "/tmp"])
+    if "fd-reopen" not in weak:  # its /dev/shm: a branch's is a fresh one, the names there are its parent's
+        here.update(_files.mount_ids(["/dev/shm"]))
+    return here
 
 
 def _nspid_depth(pid):

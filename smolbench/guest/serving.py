@@ -39,6 +39,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self.machine = None  # contain.Machine when contained (sandbox backend)
         self.cell_count = 0
         self.children = {}  # pid -> name, for reaping
+        self.leaf_counts = {}  # a leaf fork's maker (one of children) -> the branches it made (leaves.py)
         self._forking = 0  # branches being forked now (they count in our RLIMIT_NPROC already)
         self._nproc_lock = threading.Lock()
         self.reported = {}
@@ -113,6 +114,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                     done = pid
                 if done:
                     self.children.pop(pid, None)
+                    self.leaf_counts.pop(pid, None)
                     gone = True
             if gone:
                 self._nproc_room(0)
@@ -128,7 +130,8 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
 
         with self._nproc_lock:
             self._forking += forking
-            contain.share_nproc(nproc, max(0, len(self.children) + self._forking))
+            live = len(self.children) + sum(n - 1 for n in self.leaf_counts.values() if n > 0)
+            contain.share_nproc(nproc, max(0, live + self._forking))
 
     def _handle(self, conn):
         try:

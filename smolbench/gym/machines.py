@@ -293,7 +293,7 @@ class Machines:
         wb = self.wb
         async with self._branching:
             names = [f"{self.parent.name}.{next(self._names)}" for _ in range(k)]
-            refs = await retry.branch(wb, self.parent, names, [None] * k, self.retries)
+            refs = await retry.branch(wb, self.parent, names, [None] * k, self.retries, leaf=True)  # never forked
         for r in refs:
             wb.machines[r.name] = r
         return refs
