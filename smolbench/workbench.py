@@ -536,7 +536,10 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                               options={"seeds": seeds, "timeout": timeout, "fresh": verdict.fresh})
         nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
         self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
-        sem = asyncio.Semaphore(concurrency or self.default_concurrency(len(nodes), boots=zygote is None))
+        at_once = concurrency or self.default_concurrency(len(nodes), boots=zygote is None)
+        # Cells run ``at_once``; a zygote's branches (cheap, forked together) are made a wave
+        # ahead, so the next ones are waiting when a cell ends: at most 2 x at_once alive.
+        sem, run_sem = asyncio.Semaphore(2 * at_once if zygote is not None else at_once), asyncio.Semaphore(at_once)
 
         # An episode is never branched: a plain machine boots without smol's branch-source setup.
         episode_spec = dataclasses.replace(self.spec, branch=False)
@@ -554,8 +557,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                 self._placed(made[-1])
                 if zygote is None:
                     await self._init(made[-1])
-                await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
-                                       cell_name=cell_name, first_line=first_line)
+                async with run_sem:
+                    await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,
+                                           cell_name=cell_name, first_line=first_line)
 
             async def drop(attempt: int) -> None:  # the failed machine goes before the next boot
                 while made:

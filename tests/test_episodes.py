@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,29 @@ def test_zygote_episodes_never_see_another_episodes_files_processes_or_variables
                      "smolbench_guest.report(files=str(sorted(n for n in os.listdir('/workspace') if n[0] != '.')))"))
     rows = json.loads(stream_text(ok(nb.run("print(json.dumps(again.to_pandas().to_dict('records'), default=str))"))))
     assert [r["m.files"] for r in rows] == ["['data']", "['data']"]
+
+
+def test_zygote_episodes_are_made_a_wave_ahead_and_run_at_most_concurrency_at_once(nb: NotebookSession) -> None:
+    """Episodes from the zygote are forked a wave ahead of their cells (a fork is cheap, and
+    16 episodes then cost what a fork of 16 does, bench/scale.py): at most 2 x --concurrency
+    machines alive, and --concurrency cells running, at any moment."""
+    cell = ok(nb.run("%%smol episodes 12 --concurrency 2 --bg --out bgeps\n"
+                     "import time\nstarted = time.time()\ntime.sleep(0.4)\n"
+                     "smolbench_guest.report(started=started, ended=time.time())\nreward = SEED"))
+    most = 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        most = max(most, machines_alive(nb) - 2)  # less the root and the zygote
+        if stream_text(nb.run("print(bgeps.done())")).strip() == "True":
+            break
+        time.sleep(0.02)
+    rows = json.loads(stream_text(ok(nb.run("import json\nprint(json.dumps(bgeps.to_pandas().to_dict('records'), default=str))"))))
+    assert len(rows) == 12 and {r["status"] for r in rows} == {"ok"}, rows
+    spans = [(float(r["m.started"]), float(r["m.ended"])) for r in rows]
+    at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert at_once <= 2, spans
+    assert 3 <= most <= 4, most  # made ahead while 2 ran: 4 at most
+    assert cell is not None
 
 
 def test_nondeterministic_init_is_detected_and_the_episodes_boot(open_tmp: Path) -> None:
