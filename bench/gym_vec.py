@@ -256,7 +256,14 @@ reset goal is held back by what each fresh episode costs the others. A fresh epi
 machine's deletion (~22 ms of CPU an episode in all, against 2.4 ms in place, measured over 200
 episodes): CartPole's random-action episodes (~10-20 steps) are
 short, so `make_vec` with `reset="fresh"` is bound by how fast the warm parent forks (compare the
-in-place row).
+in-place row). Since 61bf85e a refill's spares (half of them at once) are leaf branches, one process
+each with no keeper (guest/leaves.py; about a quarter less CPU per branch in a fork of 16): measured
+2026-12-03 20:30 this moved fresh episodes/s from ~100 to ~109 and left the fresh reset at ~2.1× in
+place, within this bench's round-to-round spread; a fresh episode's serving cell, its pages taken
+ahead and its deletion are unchanged, and on 2 cores they still run beside the next reset. Tried
+too, in probes (not kept): a spare's cgroup at the lowest CPU weight until its episode takes it
+(resets then waited for spares: 4.5×), the taken spare's weight raised (2.8-3.5×), a shorter GIL
+switch interval (2.2-2.5×), no read-only pages taken ahead (2.3×), none at all (2.5-3.0×).
 {END}"""
 
 
