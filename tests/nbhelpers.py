@@ -256,3 +256,26 @@ def ok(cell: NotebookNode) -> NotebookNode:
     """The cell, asserted to have run without an error."""
     assert error_output(cell) is None, error_text(cell)
     return cell
+
+
+AGENT = "/run/smolbench-agent/agent.py"
+
+
+def agent_processes(nb: NotebookSession) -> tuple[int, int]:
+    """(machines, other processes running the agent's code) of this kernel's sandbox machines:
+    a machine's agent is pid 1 of its own pid namespace; the others are keepers and a leaf
+    fork's makers."""
+    machines = others = 0
+    for p in nb.processes():
+        if AGENT not in p.cmdline or p.cmdline.split()[0].endswith("bwrap"):
+            continue
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text()
+        except OSError:
+            continue
+        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
+        if nspid and nspid[-1] == "1":
+            machines += 1
+        elif nspid:
+            others += 1
+    return machines, others

@@ -17,13 +17,11 @@ from pathlib import Path
 
 import pytest
 from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_text, stream_text
+from nbhelpers import NotebookSession, agent_processes, error_text, stream_text
 
 from smolbench import Ledger
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
-
-AGENT = "/run/smolbench-agent/agent.py"
 
 EPISODE = r"""
 import os, subprocess, time, smolbench_guest
@@ -56,17 +54,7 @@ def ok(cell: NotebookNode) -> NotebookNode:
 
 
 def machines_alive(nb: NotebookSession) -> int:
-    n = 0
-    for p in nb.processes():
-        if AGENT not in p.cmdline or p.cmdline.split()[0].endswith("bwrap"):
-            continue
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            continue
-        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
-        n += bool(nspid) and nspid[-1] == "1"
-    return n
+    return agent_processes(nb)[0]
 
 
 def runs(cwd: Path) -> list[dict[str, object]]:

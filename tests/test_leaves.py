@@ -14,14 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nbhelpers import NotebookSession, error_output, error_text, stream_text
+from nbhelpers import NotebookSession, agent_processes, error_output, error_text, stream_text
 
 from smolbench import Session, _loop
 from smolbench.errors import SmolbenchError
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
-
-AGENT = "/run/smolbench-agent/agent.py"
 
 # Run in each branch: every fact a machine of its own must have, asserted (a branch whose
 # assertion fails is an error), then a sleep so the host can count the processes meanwhile.
@@ -67,34 +65,15 @@ def nb(open_tmp: Path) -> Iterator[NotebookSession]:
         yield session
 
 
-def agents(nb: NotebookSession) -> tuple[int, int]:
-    """(machines, processes running the agent's code) of this kernel: a machine is pid 1 of its
-    own pid namespace; the other processes are keepers and makers."""
-    machines = others = 0
-    for p in nb.processes():
-        if AGENT not in p.cmdline or p.cmdline.split()[0].endswith("bwrap"):
-            continue
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            continue
-        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
-        if nspid and nspid[-1] == "1":
-            machines += 1
-        elif nspid:
-            others += 1
-    return machines, others
-
-
 def test_a_keep_none_branch_is_one_process_and_still_a_machine_of_its_own(nb: NotebookSession) -> None:
     cell = nb.run("%%smol\nimport numpy as np\nwarm = np.ones((200, 200))\nHOLD = 4\n"
                   "open('/workspace/parent.txt', 'w').write('parent')")
     assert error_output(cell) is None, error_text(cell)
-    assert agents(nb) == (1, 1)  # the root and its keeper
+    assert agent_processes(nb) == (1, 1)  # the root and its keeper
     cell = nb.run("%%smol fork 4 --keep none --bg --out bg\n" + FACTS)
     assert error_output(cell) is None, error_text(cell)
     deadline = time.monotonic() + 60
-    while (counts := agents(nb))[0] < 5 and time.monotonic() < deadline:
+    while (counts := agent_processes(nb))[0] < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     # 4 branches, each one process, and one maker for all of them (before: a keeper each)
     assert counts == (5, 2), counts
@@ -102,9 +81,9 @@ def test_a_keep_none_branch_is_one_process_and_still_a_machine_of_its_own(nb: No
     assert error_output(done) is None, error_text(done)
     assert "4 ok" in stream_text(done), stream_text(done)
     deadline = time.monotonic() + 30
-    while agents(nb) != (1, 1) and time.monotonic() < deadline:  # the maker ends once it reaped them
+    while agent_processes(nb) != (1, 1) and time.monotonic() < deadline:  # the maker ends once it reaped them
         time.sleep(0.05)
-    assert agents(nb) == (1, 1)  # every branch and the maker gone
+    assert agent_processes(nb) == (1, 1)  # every branch and the maker gone
     after = nb.run("%%smol\nimport os\nprint([n for n in sorted(os.listdir('/workspace')) if n[0] != '.'])")
     assert stream_text(after).strip() == "['parent.txt']"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from nbformat import NotebookNode
-from nbhelpers import NotebookSession, error_output, error_text, stream_text
+from nbhelpers import NotebookSession, agent_processes, error_output, error_text, stream_text
 
 from smolbench import Ledger
 
@@ -44,17 +44,7 @@ def session(open_tmp: Path) -> Iterator[NotebookSession]:
 
 def machines_alive(nb: NotebookSession) -> int:
     """Root machines and branches of this kernel (each agent is pid 1 of its own pid namespace)."""
-    n = 0
-    for p in nb.processes():
-        if AGENT not in p.cmdline or p.cmdline.split()[0].endswith("bwrap"):
-            continue
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            continue
-        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
-        n += bool(nspid) and nspid[-1] == "1"
-    return n
+    return agent_processes(nb)[0]
 
 
 def statuses(cwd: Path, prefix: str) -> dict[str, str]:
