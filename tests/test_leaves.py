@@ -119,3 +119,17 @@ def test_libc_knows_a_leafs_thread_id(tmp_path: Path, monkeypatch: pytest.Monkey
             assert all("libc keeps another thread id" in e for e in errors.values()), errors
         else:
             assert errors == {"root.0": "", "root.1": ""}, errors
+
+
+def test_a_branch_imports_nothing_its_parent_had_not(tmp_path: Path) -> None:
+    """A module a branch imports while it sets up, seeds or starts its first cell is imported in
+    every branch (its CPU and its private pages, each time); the agent imports them in the
+    parent just before it forks. numpy loads numpy.random at its first use, which seeding a
+    branch is: ~8 ms and ~900 page faults of every branch of a parent that imported numpy, until
+    the parent took it too."""
+    with Session(backend="sandbox", ledger=str(tmp_path / "ledger.db")) as s:
+        s.run("import numpy")
+        f = s.fork(2, "import sys\nsmolbench_guest.report(mods=len(sys.modules))\nreward = 1", keep="none")
+        parent = s.run("import sys\nlen(sys.modules)").value
+        mods = [row["m.mods"] for row in f.to_pandas().to_dict("records")]
+        assert mods and all(n <= parent for n in mods), (mods, parent)
