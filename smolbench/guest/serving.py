@@ -77,11 +77,14 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         s.listen(64)
         return s
 
-    def _start_acceptor(self):
+    def _start_acceptor(self, reaper=True):
+        """The thread that takes the host's connections, and (``reaper``) the one that reaps
+        this machine's branches; a leaf branch (``leaves.py``) makes none to reap."""
         t = threading.Thread(target=self._accept_loop, args=(self.listener,), daemon=True)
         t.start()
-        r = threading.Thread(target=self._reap_loop, daemon=True)
-        r.start()
+        if reaper:
+            r = threading.Thread(target=self._reap_loop, daemon=True)
+            r.start()
 
     def _accept_loop(self, listener):
         while True:
