@@ -324,10 +324,18 @@ def section(d: dict[str, Any]) -> str:
         "10.0 against 13.1 ms of host CPU per branch; a fork of 64 163 against 133 (10.0 against 13.9 ms); forks "
         "of 2 and 4 the same either way; a stream of one-branch requests (a long `%%smol episodes`) slower as leaves "
         "(79 against 102 episodes/s: the maker's round trip is on the way of every request), so one branch alone "
-        "is made the usual way. This whole bench on the code before (d0d0b00) and after, 20 minutes apart: fork 16 "
+        "is made the usual way. This whole bench on the code before (d0d0b00) and after, within 10 minutes: fork 16 "
         "119 -> 96-98 ms (5.95x -> 5.2x), fork 64 459 -> 345-365 ms (6.0x -> 4.7-5.1x), fork 256 2.0 -> 1.6 s, fork "
         "512 6.1 -> 3.4 s (peak 1,720 -> ~1,000 MiB). Episodes from the zygote are made a wave ahead of their cells "
-        "since 5c14b27 (2 x --concurrency alive), so episodes 16 costs what a fork of 16 does.", END,
+        "since 5c14b27 (2 x --concurrency alive), so episodes 16 costs what a fork of 16 does. A leaf's own CPU, "
+        "counted by phase (getrusage at marked points, fork 16 of a parent that imported numpy): 8.0 of its ~13 ms "
+        "went to seeding numpy, which imported numpy.random (numpy loads it at first use) in every branch; since "
+        "6683069 the forking agent imports it first, and such a fork of 16 ran 147-150 branches/s at 10.0 ms of host "
+        "CPU each, against 91-97 at 17-18 ms (this bench's parent imports nothing, so its rows don't show it). What "
+        "is left of a leaf to its first cell's end is ~5 ms: its first Python after the clone (1.2 ms, ~280 faults: "
+        "first touches of shared pages), namespaces and mounts 1.1 ms, /proc and dropping privileges 0.4 ms, seeding "
+        "and its acceptor 0.6 ms, the host's connection and the cell 1.1 ms; then its exit (~1.3 ms of the kernel's), "
+        "its clone's page-table copy (~1 ms, the maker's) and ~2.5 ms of the kernel process.", END,
     ])
 
 
