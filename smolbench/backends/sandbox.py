@@ -251,10 +251,8 @@ class SandboxBackend(AgentHostBackend):
         fd, pid = self._grants.get(machine.info.get("root", machine.name)), machine.info.get("host_pid")
         if fd is None or pid is None:
             return
-        with contextlib.suppress(OSError, IndexError, ValueError):  # a machine that is gone grants nothing
-            # a root's host pid is its agent; a branch's, its keeper, which made the branch's namespace
-            ns = int(os.readlink(f"/proc/{pid}/ns/pid_for_children").split("[", 1)[1].rstrip("]"))
-            os.write(fd, b"%d %d\n" % (stores, ns))
+        # a root's host pid is its agent; a branch's, its keeper, which made the branch's namespace
+        _write_grant(fd, stores, pid, "pid_for_children")
 
     def _makes_leaves(self) -> bool:
         return self._contained and "keeper-agent" not in self._weak and leaves.available()
@@ -272,10 +270,8 @@ class SandboxBackend(AgentHostBackend):
         if fd is None:
             return
         for ref in refs:
-            pid = ref.info.get("host_pid")
-            with contextlib.suppress(OSError, IndexError, ValueError, TypeError):  # one that is gone gets none
-                ns = int(os.readlink(f"/proc/{pid}/ns/pid").split("[", 1)[1].rstrip("]"))
-                os.write(fd, b"1 %d\n" % ns)
+            if ref.info.get("host_pid") is not None:  # one that is gone gets none
+                _write_grant(fd, 1, ref.info["host_pid"], "pid")
 
     def _no_net(self, ref: MachineRef, why: str) -> None:
         ref.info["net_error"] = why
@@ -422,6 +418,14 @@ class SandboxBackend(AgentHostBackend):
 
 
 LEAVES_FROM = 2  # branches in one request, at least, to make them leaves (see SandboxBackend.branch)
+
+
+def _write_grant(fd: int, stores: int, pid: int, link: str) -> None:
+    """Grant ``stores`` stores to the pid namespace ``/proc/PID/ns/LINK`` names, on the root
+    keeper's pipe ``fd``; a process that is gone grants nothing."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        ns = int(os.readlink(f"/proc/{pid}/ns/{link}").split("[", 1)[1].rstrip("]"))
+        os.write(fd, b"%d %d\n" % (stores, ns))
 
 
 async def _own_netns(pid: int, parent: int, timeout: float = 10.0) -> None:

@@ -38,6 +38,7 @@ CLONE_CHILD_SETTID = 0x01000000
 _PTHREAD_SCAN = 256  # ints of libc's thread struct searched for its thread id (it sits at 0x2d0 in glibc 2.3x)
 
 _tid_offsets = None  # where this process's main thread keeps its thread id (found in the agent)
+_syscall = None  # libc's syscall(), called with the GIL held (made once, in the agent)
 
 
 def available():
@@ -55,10 +56,14 @@ def _tid_candidates():
 
 
 def note_tid():
-    """In the agent's main thread, before the maker forks: where libc keeps this thread's id."""
-    global _tid_offsets
+    """In the agent's main thread, before the maker forks: where libc keeps this thread's id, and
+    the syscall() the maker clones with."""
+    global _tid_offsets, _syscall
     if _tid_offsets is None:
         _tid_offsets = _tid_candidates()[1]
+    if _syscall is None:
+        _syscall = ctypes.PyDLL(None, use_errno=True).syscall  # the GIL stays held: nothing else runs
+        _syscall.restype = ctypes.c_long
 
 
 def _tid_address():
@@ -73,12 +78,10 @@ def _clone(flags, tid_address, waits):
     """clone(2) into new namespaces: 0 in the child. A count of namespaces that is full
     (ENOSPC: deleted branches' namespaces are freed a little later) is waited for, as
     ``contain._unshare`` does."""
-    syscall = ctypes.PyDLL(None, use_errno=True).syscall  # the GIL stays held: nothing else runs
-    syscall.restype = ctypes.c_long
     if tid_address is not None:
         flags |= CLONE_CHILD_SETTID
     for wait in tuple(waits) + (None,):
-        pid = syscall(ctypes.c_long(NR_CLONE), ctypes.c_ulong(flags | SIGCHLD), None, None,
+        pid = _syscall(ctypes.c_long(NR_CLONE), ctypes.c_ulong(flags | SIGCHLD), None, None,
                       ctypes.c_void_p(tid_address) if tid_address else None, None)
         if pid >= 0:
             return pid
