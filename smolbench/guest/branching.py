@@ -56,10 +56,7 @@ class Branching:
 
     def _fork_each(self, req, frozen):
         made = []
-        warm()
-        # Move every object to the permanent generation: the branches' garbage collector
-        # then never walks (and so never copies) the warm state's pages.
-        gc.freeze()
+        warm_for_branches()
         # "hold": each child waits right after its fork, before it touches anything, until the
         # host moved it into its own cgroup and sends "release" (so none is charged to us, and
         # the ones already forked don't compete with this loop for the cores).
@@ -166,6 +163,14 @@ class Branching:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
         self._start_acceptor(reaper=not getattr(self.machine, "leaf", False))
+
+def warm_for_branches():
+    """Before this machine is forked (here, or as a microVM by the host): what its branches
+    would each import, imported once, and every object moved to the permanent generation, so
+    the branches' garbage collector never walks (and so never copies) the warm state's pages."""
+    warm()
+    gc.freeze()
+
 
 def warm():
     """Import what a new branch uses first, in the parent, before it forks: the agent imports

@@ -17,7 +17,7 @@ import time
 import types
 
 from . import protocol as P
-from .branching import Branching, _wait_exited
+from .branching import Branching, _wait_exited, warm_for_branches
 from .cells import Cells, _plain_error
 from .guestapi import GuestAPI
 from .output import OUTPUT_KEEP, _Outbox
@@ -167,6 +167,9 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             except ProcessLookupError:
                 pass
             _wait_exited(pid, 10.0)  # answer once the branch is gone, not merely signalled
+            self._reply(conn, {"t": "done", "status": "ok"})
+        elif op == "warm":  # a microVM fork of this machine comes next (backends/smol.py)
+            warm_for_branches()
             self._reply(conn, {"t": "done", "status": "ok"})
         elif op == "release":
             self.release(bool(req.get("go")), lambda: self._reply(conn, {"t": "done", "status": "ok"}))
