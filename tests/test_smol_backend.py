@@ -368,34 +368,28 @@ def test_branch_makes_seeded_children_with_the_parents_state(host: FakeHost) -> 
 
 
 def test_a_parent_is_warmed_once_before_its_branch_batch(host: FakeHost) -> None:
-    # numpy loads numpy.random at its first use: a child seeded after a microVM fork would
-    # import it itself (8 ms and ~900 private pages each). The parent imports it once first and
-    # freezes its objects for the children's garbage collector. What the VM's RAM holds is
-    # asked of the parent's agent at the moment smol is called to branch it.
-    b = backend()
-    at_branch: list[Any] = []
+    # numpy loads numpy.random at first use, so each child would import it at its seed: the
+    # parent does once, and freezes its objects; asked of its agent as smol is called to branch it
+    b, seen, ask = backend(), [], "('numpy.random' in sys.modules, gc.get_freeze_count() > 0)"
 
-    async def main() -> str:
+    async def main() -> None:
         root = await b.create(MachineSpec(), "root")
+        vm = host.vms[0]
+        snapshot = vm.machine.branch_batch.side_effect
+
+        def branch_batch(*a: Any, **k: Any) -> Any:
+            seen.append(fakesmol.talk(vm.agent_sock or "", {"op": "exec", "code": ask})[-1]["result"]["text/plain"])
+            return snapshot(*a, **k)
+
+        vm.machine.branch_batch.side_effect = branch_batch
         try:
-            before = plain(await cell(b, root, "import sys, gc, numpy\n"
-                                               "('numpy.random' in sys.modules, gc.get_freeze_count() > 0)"))
-            vm = host.vms[0]
-            snapshot = vm.machine.branch_batch.side_effect
-
-            def branch_batch(*a: Any, **k: Any) -> Any:
-                asked = {"op": "exec", "code": "('numpy.random' in sys.modules, gc.get_freeze_count() > 0)"}
-                at_branch.append(fakesmol.talk(vm.agent_sock or "", asked)[-1]["result"]["text/plain"])
-                return snapshot(*a, **k)
-
-            vm.machine.branch_batch.side_effect = branch_batch
+            seen.append(plain(await cell(b, root, "import sys, gc, numpy\n" + ask)))
             await b.branch(root, ["root.0", "root.1"], [1, 2])
-            return before
         finally:
             await b.close()
 
-    assert run(main()) == "(False, False)"
-    assert at_branch == ["(True, True)"]
+    run(main())
+    assert seen == ["(False, False)", "(True, True)"]
 
 
 def test_branch_names_stay_unique_across_batches(host: FakeHost) -> None:
