@@ -264,6 +264,17 @@ ahead and its deletion are unchanged, and on 2 cores they still run beside the n
 too, in probes (not kept): a spare's cgroup at the lowest CPU weight until its episode takes it
 (resets then waited for spares: 4.5×), the taken spare's weight raised (2.8-3.5×), a shorter GIL
 switch interval (2.2-2.5×), no read-only pages taken ahead (2.3×), none at all (2.5-3.0×).
+With no other work on the host (load figures from 22:35 on are these benches' own, back to back),
+2026-12-03 22:17-22:55, 17 runs of this bench: the fresh reset 1.76-2.63× in place (median 2.13×);
+interleaved, the code before and after 2c11d4d (a leaf makes its own net namespace)
+2.13, 2.19, 2.52, 1.99× against 2.03, 2.63, 2.33, 1.97×: no difference, all spread. `AsyncVectorEnv`
+got faster on the quiet host (17-21k steps/s, was ~14-15k under load) and `make_vec` in place less
+so (9-11k): 1.7-2.0× apart. This process's CPU per in-place vector step (~1.0 ms, perf on its
+main thread over 3,700 steps): 38% system calls (16 writes, each waking a machine's process, 11.6%;
+the poll that waits for the 16 answers 13.6%, most of it the switch back; 16 reads 7.5%; futexes
+4.4%: the loop thread woken for the ledger rows of the episodes that ended), the rest Python
+(base64 and `.npy` of 16 observations, the strict match of 16 lean steps, the spaces' check, two
+`np.stack`s).
 {END}"""
 
 
