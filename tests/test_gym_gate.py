@@ -287,16 +287,15 @@ def test_the_lean_fast_path_answers_as_the_general_path(name: str, max_items: in
 class _Wire:
     """The agent's side of a cell's channel, with the host's side as bytes."""
 
-    def __init__(self, lines: bytes) -> None:
-        import io
+    def __init__(self, lines: bytes, hang_up: bool = True) -> None:
+        import socket
 
         self.sent: list[bytes] = []
-        self._conn = self
-        self._lines = io.BytesIO(lines)
+        self._conn, self.host = socket.socketpair()
+        self.host.sendall(lines)
+        if hang_up:  # after these lines
+            self.host.close()
         self.seed = None
-
-    def makefile(self, mode: str) -> Any:
-        return self._lines
 
     def send(self, msg: Any) -> None:
         from smolbench.guest import protocol as P
@@ -340,6 +339,36 @@ def test_the_guests_json_free_step_answer_is_the_json_one(k: int) -> None:
     if rng is not None:
         fields["g"] = pulldata._data(rng)
     assert wire.sent == [P.encode({"t": "answer", "step": fields})]
+
+
+def test_the_guest_reads_requests_however_their_bytes_arrive() -> None:
+    """The guest waits for requests in poll() and splits lines itself: a request in pieces, or
+    several in one read, come out whole and in order; a line past CHANNEL_LINE ends the
+    channel, as the host hanging up does."""
+    import contextlib
+    import threading
+
+    from smolbench.guest import guestapi
+    from smolbench.guest import protocol as P
+
+    wire = _Wire(b"", hang_up=False)
+    requests, _ = guestapi.GuestAPI(wire).channel()
+    step, other = b'{"op":"step","a":{"$":"int64","v":1}}\n', b'{"op":"rng"}\n'
+
+    def host() -> None:
+        with wire.host, contextlib.suppress(OSError):  # the guest may hang up first, at the long line
+            for b in step:
+                wire.host.sendall(bytes([b]))
+            wire.host.sendall(other + step)
+            wire.host.sendall(b"x" * (guestapi.CHANNEL_LINE + 1) + b"\n" + other)
+
+    sending = threading.Thread(target=host)
+    sending.start()
+    try:
+        assert list(requests) == [P.decode(step), P.decode(other), P.decode(step)]
+    finally:
+        wire._conn.close()
+        sending.join()
 
 
 @pytest.mark.parametrize("line", [b'{"op":"step","a":{"$":"int64","v":%s}}\n' % v for v in

@@ -3,6 +3,7 @@
 Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
+import select
 import sys
 import types
 
@@ -72,11 +73,31 @@ class GuestAPI(types.ModuleType):
         conn = agent._conn
         if conn is None:
             raise RuntimeError("this cell has no connection to the host to keep")
-        reader = conn.makefile("rb")
+        waiting, held = select.poll(), bytearray()
+        waiting.register(conn, select.POLLIN)
+
+        def readline():
+            # Wait in poll() for input, not in a blocking recv(): the host reading this
+            # machine's last answer frees its socket's send space, and the kernel's wake-up
+            # for that wakes a reader asleep in recv() for nothing, not a poll for input.
+            while True:
+                end = held.find(b"\n", 0, CHANNEL_LINE)
+                if end >= 0 or len(held) >= CHANNEL_LINE:
+                    n = end + 1 if end >= 0 else CHANNEL_LINE
+                    line = bytes(held[:n])
+                    del held[:n]
+                    return line
+                waiting.poll()
+                chunk = conn.recv(65536)
+                if not chunk:
+                    line = bytes(held)
+                    held.clear()
+                    return line
+                held.extend(chunk)
 
         def requests():
             while True:
-                line = reader.readline(CHANNEL_LINE)
+                line = readline()
                 if not line or not line.endswith(b"\n"):
                     return
                 if line.startswith(STEP_HEAD) and line.endswith(STEP_TAIL):
