@@ -20,6 +20,7 @@ from ledgerhelpers import readable_now
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError, _loop
+from smolbench.gym import record
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -200,7 +201,7 @@ def test_views_hear_of_training_episodes_after_their_commit_never_while_the_ledg
         envs.reset(seed=3)
         for _ in range(60):
             envs.step(np.array([0, 0]))
-        _loop.run(asyncio.sleep(0))  # the last step's records are written on the loop just after it returned
+        _loop.run(asyncio.sleep(2 * record.GATHER))  # the last steps' records are written on the loop soon after
     finally:
         bench.unobserve(observer)
         envs.close()

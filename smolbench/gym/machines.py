@@ -714,6 +714,7 @@ class Machines:
         if self.closed:
             return
         self.closed = True
+        self.records.flush()
         await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
