@@ -281,7 +281,15 @@ main thread over 3,700 steps): 38% system calls (16 writes, each waking a machin
 the poll that waits for the 16 answers 13.6%, most of it the switch back; 16 reads 7.5%; futexes
 4.4%: the loop thread woken for the ledger rows of the episodes that ended), the rest Python
 (base64 and `.npy` of 16 observations, the strict match of 16 lean steps, the spaces' check, two
-`np.stack`s).
+`np.stack`s). 2026-12-04, quiet host, after the two changes above (a poll in the guest, in-place
+records gathered; the loop thread had been 25% of this process's CPU in an in-place step): five runs
+of this bench, `make_vec` in place 12.0-13.6k steps/s against `AsyncVectorEnv` 19.9-22.8k,
+1.47-1.77× (this process 0.77-0.82 ms of CPU a vector step against its 0.34-0.37). An in-place
+reset no longer wakes the loop either, and went from ~0.33 to 0.26-0.27 ms; a fresh one is
+unchanged at 0.68-0.85 ms, so the reset ratio is now 2.6-3.3× (the median of each run's rounds),
+further from the goal because the in-place side got faster. Gathering a fresh episode's records
+too changed nothing in a probe (its reset is held up by the fork and deletion work, not the
+records), and they stay written at once: a fresh episode is a branch.
 {END}"""
 
 
