@@ -123,6 +123,21 @@ def test_bad_actions_and_crashed_steps_are_one_line_and_the_env_goes_on(bench: W
         env.close()
 
 
+def test_an_in_place_episode_that_ended_is_in_the_ledger_when_close_returns(bench: Workbench) -> None:
+    """In place, episodes' records are gathered for a moment (record.GATHER) before they are
+    written: close() writes what was gathered, so nothing a training loop did is missing after it."""
+    env = sgym.make(CARTPOLE, session=bench, reset="in-place")
+    try:
+        env.reset(seed=5)
+        length = 1
+        while not any(env.step(0)[2:4]):
+            length += 1
+    finally:
+        env.close()
+    rows = [r for r in bench.ledger.node_rows(bench.session) if r["run_id"] == env._m.run_id and r["seed"] == 5]
+    assert [(r["status"], r["metrics"]["ended"], r["metrics"]["length"]) for r in rows] == [("ok", "terminated", length)]
+
+
 def test_every_episode_is_in_the_ledger(bench: Workbench) -> None:
     env = sgym.make(CARTPOLE, session=bench)
     try:
