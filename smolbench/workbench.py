@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
         self._heard: tuple[int, list[Node]] | None = None  # a batch's thread and the nodes it recorded (RecorderMixin)
+        # records noted and not yet written (gym in-place episodes'): written before down
+        self.unwritten: weakref.WeakSet[Any] = weakref.WeakSet()
         self._runs = 0
         self._busy: set[str] = set()
         self.max_alive = spec.max_alive
@@ -187,6 +190,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             self._watcher.cancel()
             self._watcher = None
         count = 0
+        for records in list(self.unwritten):  # before the rows below, which they must not come after
+            records.flush()
         await _to_the_end(self.zygotes.close())
         for name in sorted(self.machines, key=lambda n: -n.count(".")):
             ref = self.machines.pop(name)

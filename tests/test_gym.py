@@ -19,6 +19,7 @@ from gymnasium.utils.env_checker import check_env
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
+from smolbench.gym import record
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -123,9 +124,10 @@ def test_bad_actions_and_crashed_steps_are_one_line_and_the_env_goes_on(bench: W
         env.close()
 
 
-def test_an_in_place_episode_that_ended_is_in_the_ledger_when_close_returns(bench: Workbench) -> None:
+def test_an_in_place_episode_that_ended_is_in_the_ledger_when_close_returns(bench: Workbench, monkeypatch: Any) -> None:
     """In place, episodes' records are gathered for a moment (record.GATHER) before they are
     written: close() writes what was gathered, so nothing a training loop did is missing after it."""
+    monkeypatch.setattr(record, "GATHER", 600.0)  # so only close() can have written them
     env = sgym.make(CARTPOLE, session=bench, reset="in-place")
     try:
         env.reset(seed=5)
@@ -169,6 +171,27 @@ def test_bad_arguments_are_one_line(bench: Workbench) -> None:
         sgym.make("no such env", session=bench)
     with pytest.raises(SmolbenchError, match="could not be built.*NameError"):
         sgym.make("not_defined_anywhere", session=bench)
+
+
+def test_gathered_records_are_written_before_a_session_goes_down_without_close(open_tmp: Any, monkeypatch: Any) -> None:
+    """An env never closed: the session's down writes its gathered in-place records first, then
+    marks the machines gone (never after: a late record would say a deleted machine is alive)."""
+    import smolbench
+    from smolbench.ledger import Ledger
+
+    monkeypatch.setattr(record, "GATHER", 600.0)  # so only down can have written them
+    with smolbench.Session(backend="sandbox", ledger=str(open_tmp / "ledger.db")) as s:
+        env = sgym.make(CARTPOLE, session=s, reset="in-place")
+        env.reset(seed=9)
+        length = 1
+        while not any(env.step(0)[2:4]):
+            length += 1
+        assert s.workbench is not None
+        session, run_id = s.workbench.session, env._m.run_id
+    rows = [r for r in Ledger(str(open_tmp / "ledger.db")).node_rows(session) if r["run_id"] == run_id]
+    ended = [r for r in rows if r["seed"] == 9]
+    assert [(r["metrics"].get("ended"), r["metrics"].get("length")) for r in ended] == [("terminated", length)], rows
+    assert all(r["alive"] in (0, False) for r in rows), rows
 
 
 def test_a_session_from_a_plain_script(open_tmp: Any) -> None:

@@ -43,6 +43,7 @@ class Records:
         self._lock = threading.Lock()
         self._gathered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._asked = False  # a write of what is gathered is on its way
+        m.wb.unwritten.add(self)  # the workbench's down writes them first
 
     def begin(self, ep: Episode, seed: int | None) -> None:
         """``ep``'s new episode: its node, running."""
