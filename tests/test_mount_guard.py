@@ -271,13 +271,13 @@ def start_grant_thief(seconds):
     base = tempfile.mkdtemp(prefix="thief-", dir="/tmp")
     r, w = os.pipe()
     trying, tried = os.pipe()
-    stop = []
     pid = os.fork()
     if pid == 0:
         got = {}
         try:
             os.close(r)
             os.close(trying)
+            stop = []
             signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
             os.setsid()
             got = {"userns": _own_userns(), "stolen": 0, "tries": 0}

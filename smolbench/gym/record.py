@@ -41,8 +41,7 @@ class Records:
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] | None = None
         self._owner = 0  # the thread noting into _later
         self._lock = threading.Lock()
-        self._gathered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self._asked = False  # a write of what is gathered is on its way
+        self._gathered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # not empty: a write is on its way
         m.wb.unwritten.add(self)  # the workbench's down writes them first
 
     def begin(self, ep: Episode, seed: int | None) -> None:
@@ -79,8 +78,8 @@ class Records:
                 _loop.get_loop().call_soon_threadsafe(self._write, later)
             elif later:
                 with self._lock:
+                    asked = bool(self._gathered)
                     self._gathered.extend(later)
-                    asked, self._asked = self._asked, True
                 if not asked:
                     loop = _loop.get_loop()
                     loop.call_soon_threadsafe(loop.call_later, GATHER, self.flush)
@@ -88,7 +87,7 @@ class Records:
     def flush(self) -> None:
         """Write what was gathered (on the loop; ``Machines.close`` does it first)."""
         with self._lock:
-            later, self._gathered, self._asked = self._gathered, [], False
+            later, self._gathered = self._gathered, []
         if later:
             self._write(later)
 
