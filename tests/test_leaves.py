@@ -75,8 +75,15 @@ def test_a_keep_none_branch_is_one_process_and_still_a_machine_of_its_own(nb: No
     deadline = time.monotonic() + 60
     while (counts := agent_processes(nb))[0] < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
+    # A branch's own os.fork() child runs the agent's code for a moment too (CI caught (5, 3)):
+    # the fewest others seen while the 4 branches hold is the count of the steady ones.
+    seen = [counts]
+    for _ in range(20):
+        time.sleep(0.05)
+        seen.append(agent_processes(nb))
+    counts = (max(c[0] for c in seen), min((c[1] for c in seen if c[0] == 5), default=-1))
     # 4 branches, each one process, and one maker for all of them (before: a keeper each)
-    assert counts == (5, 2), counts
+    assert counts == (5, 2), seen
     done = nb.run("print(bg.wait().summary())")
     assert error_output(done) is None, error_text(done)
     assert "4 ok" in stream_text(done), stream_text(done)
