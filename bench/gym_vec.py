@@ -289,7 +289,16 @@ reset no longer wakes the loop either, and went from ~0.33 to 0.26-0.27 ms; a fr
 unchanged at 0.68-0.85 ms, so the reset ratio is now 2.6-3.3× (the median of each run's rounds),
 further from the goal because the in-place side got faster. Gathering a fresh episode's records
 too changed nothing in a probe (its reset is held up by the fork and deletion work, not the
-records), and they stay written at once: a fresh episode is a branch.
+records), and they stay written at once: a fresh episode is a branch. Split by timestamps taken in
+the guest around the env's own reset (2026-12-04 10:50, a probe: one `make` env each way, 30 seeded
+episodes a series, A/B interleaved 4 times): a fresh reset 0.65-0.78 ms against 0.26-0.33 in place;
+the request's way in (the host's send, the spare's wake, its seeding) 0.23-0.35 against 0.11-0.14
+ms, the env's reset 0.09-0.11 against 0.035-0.05, the answer's way back 0.22-0.31 against
+0.10-0.13: every part about twice as slow in the spare, not one step that could go. Tried there and
+not kept: the loop woken for the last machine's retirement after the answer was checked, not
+before (no change: not the GIL); a fresh episode's records gathered as in-place ones are (the way
+back 0.33-0.40 ms, worse); a rehearsal in the next spare right after the previous reset, its
+answer's encoding and a walk of 3,000 of the env's objects (no change).
 {END}"""
 
 
