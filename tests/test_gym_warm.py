@@ -25,6 +25,7 @@ from gymhelpers import define, needs_bwrap, up_bench
 
 import smolbench.gym as sgym
 from smolbench import _loop
+from smolbench.backends._agenthost import AgentHostBackend
 from smolbench.gym import machines, practice
 from smolbench.workbench import Workbench
 
@@ -195,6 +196,30 @@ def test_a_practice_that_failed_never_lets_a_spare_skip_the_checks(bench: Workbe
         seen = _checked_before(env, range(1, 41))
         assert env._m._pages is None
         assert not any(seen), f"a spare skipped checks no practice passed: {seen}"
+    finally:
+        env.close()
+
+
+def test_no_practice_branch_where_spares_keep_no_connection(bench: Workbench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend with no kept connections (smol, a Ray cluster: a cell per request) can't
+    give spares pages ahead, so no practice episode runs there: on smol a branch is a VM."""
+    monkeypatch.delattr(AgentHostBackend, "open_channel")  # as the smol and cluster backends have none
+    made: list[str] = []
+    branch = bench.backend.branch
+
+    async def counted(machine: Any, names: list[str], *args: Any, **kwargs: Any) -> Any:
+        made.extend(names)
+        return await branch(machine, names, *args, **kwargs)
+
+    monkeypatch.setattr(bench.backend, "branch", counted)
+    define(bench, SCRIBBLER)
+    env = sgym.make("scribbler", session=bench)
+    try:
+        for episode in range(3):  # on spares, each a cell per request
+            assert env.reset(seed=episode)[0] == 0
+            while not env.step(0)[2]:
+                pass
+        assert len(made) == 1 + env._m.pool.count, made  # the warm parent and its spares, nothing else
     finally:
         env.close()
 

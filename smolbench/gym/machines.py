@@ -266,7 +266,9 @@ class Machines:
             for ep, r in zip(self.eps, refs):
                 ep.ref = r
         else:
-            if self.owns_parent:  # first, so its branch is forked before the spares
+            # first, so its branch is forked before the spares; only where spares keep a
+            # connection (take pages ahead): elsewhere it was a branch made for nothing
+            if self.owns_parent and self.channels:
                 self._practice = asyncio.ensure_future(self._learn())
             self.pool.top_up(self.pool.count)
 
