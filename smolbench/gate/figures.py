@@ -4,8 +4,10 @@ plotly.js loads a URL wherever a figure names one: ``layout.images[].source`` an
 traces' ``source``, a ``geojson`` given as a URL, map styles and layer sources (also in
 ``layout.template`` and animation ``frames``). Its ``config`` can point it at other servers
 (``topojsonURL``, ``plotlyServerURL``). So: image sources must be inline ``data:`` images,
-geojson inline objects, map styles one of plotly's names, and ``config`` keeps only display
-switches (and turns MathJax typesetting of text off).
+geojson inline objects, map styles (of every map panel: ``map``, ``map2``, ``mapbox3``, ...)
+one of plotly's names, and ``config`` keeps only display switches (and turns MathJax
+typesetting of text off). A key may also be an attribute path (``"images[0].source"``), which
+plotly.js expands in frames and in menus' arguments: its names are checked as nested keys.
 
 Every string is also text plotly may draw as its pseudo-HTML (titles, legend, annotations,
 hover and tick text, templates, menu labels, ...), where it reads ``style``, ``href``,
@@ -30,6 +32,8 @@ CONFIG = frozenset({"responsive", "displayModeBar", "displaylogo", "scrollZoom",
                     "doubleClick", "modeBarButtonsToRemove", "editable", "autosizable", "fillFrame",
                     "showAxisDragHandles", "showAxisRangeEntryBoxes", "frameMargins", "locale"})
 NAMED_STYLE = re.compile(r"[a-z][a-z0-9-]{0,40}")
+MAP_PANEL = re.compile(r"(map|mapbox)[0-9]*")  # layout.map, map2, mapbox3, ...
+PATH_NAME = re.compile(r"[^.\[\]]+")  # the names in an attribute path such as "images[0].source"
 MAX_DEPTH = 64  # as for application/json: deeper breaks the tools that read the notebook
 
 # plotly.js svg_text_utils: how it splits text into tags, reads one tag and its href.
@@ -106,14 +110,29 @@ def _clean(node: Any, key: str, depth: int) -> Any:
         return node
     out = {}
     for k, v in node.items():
-        if k == "source" and not (isinstance(v, str) and DATA_IMAGE.fullmatch(v)) and not isinstance(v, dict):
-            continue  # an image or map-layer source by URL (or a list of tile URLs)
-        if k == "geojson" and not isinstance(v, dict):
-            continue  # by URL
-        if k == "style" and key in ("mapbox", "map") and not (isinstance(v, str) and NAMED_STYLE.fullmatch(v)):
-            continue  # a style sheet by URL, or inline with its own source URLs
-        out[k] = _clean(v, k, depth + 1)
+        if isinstance(k, str) and ("." in k or "[" in k):
+            # an attribute path ("images[0].source", "map2.style"): plotly.js expands these in
+            # frames and in menus' and sliders' relayout/update arguments, so its last names
+            # are checked as the nested keys would be
+            names = [n for n in PATH_NAME.findall(k) if not n.isdigit()]
+            last, parent = (names[-1] if names else k), (names[-2] if len(names) > 1 else key)
+        else:
+            last, parent = k, key
+        if not _kept(last, v, parent):
+            continue
+        out[k] = _clean(v, last, depth + 1)
     return out
+
+
+def _kept(k: str, v: Any, parent: str) -> bool:
+    """Whether the field ``k`` (in ``parent``) with value ``v`` names nothing to fetch."""
+    if k == "source" and not (isinstance(v, str) and DATA_IMAGE.fullmatch(v)) and not isinstance(v, dict):
+        return False  # an image or map-layer source by URL (or a list of tile URLs)
+    if k == "geojson" and not isinstance(v, dict):
+        return False  # by URL
+    if k == "style" and MAP_PANEL.fullmatch(parent) and not (isinstance(v, str) and NAMED_STYLE.fullmatch(v)):
+        return False  # a style sheet by URL, or inline with its own source URLs
+    return True
 
 
 def figure(value: Any) -> Any:

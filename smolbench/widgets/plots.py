@@ -54,7 +54,7 @@ def _figure_class() -> Any:
 
         def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kw: Any) -> Any:
             spec = json.loads(self.to_json())
-            spec["config"] = {"displaylogo": False, "responsive": True}
+            spec["config"] = {"displaylogo": False, "responsive": True, "typesetMath": False}  # text holds machine data
             data = {MIME: spec, "text/plain": self._smol_text}
             svg = getattr(self, "_smol_svg", None)
             if svg is not None:

@@ -11,6 +11,7 @@ import html
 from typing import Any
 
 from .._format import size_text
+from ..gate.display import INERT_CLASSES
 from ..tree import where_text
 
 # Text colours with at least 4.5:1 contrast on white (static copies are shown on light pages).
@@ -144,7 +145,7 @@ def tree_html(
         f'<th style="{CELL}">{h}</th>' for h in ("node", "seed", "status", "reward", "wall", "")
     )
     out = [
-        '<div class="smolbench-static smolbench-tree">',
+        f'<div class="smolbench-static smolbench-tree {INERT_CLASSES}">',
         f"<p><b>{_e(title)}</b> · {summary}<br><small>{_e(info)}</small></p>",
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>",
     ]
@@ -173,7 +174,7 @@ def checkpoints_html(rows: list[dict[str, Any]], backend: str) -> str:
     if not body:
         body.append(f'<tr><td colspan="6" style="{CELL}">no checkpoints yet</td></tr>')
     return (
-        '<div class="smolbench-static smolbench-checkpoints">'
+        f'<div class="smolbench-static smolbench-checkpoints {INERT_CLASSES}">'
         f"<p><b>smolbench checkpoints</b> · {len(rows)} saved · this machine: {_e(backend)}</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
@@ -201,4 +202,4 @@ def static_output(uid: str, body: str) -> str:
         f":not(:has(.sbl-{u})){{display:none}}"
         f"{dark}"
     )
-    return f'<div class="smolbench-static-copy" id="sbs-{u}"><style>{css}</style>{body}</div>'
+    return f'<div class="smolbench-static-copy {INERT_CLASSES}" id="sbs-{u}"><style>{css}</style>{body}</div>'
