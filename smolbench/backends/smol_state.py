@@ -17,6 +17,7 @@ import os
 import tarfile
 
 from ..errors import SmolbenchError
+from ..gate import archive
 from ..gate.archive import UnsafeCheckpoint
 from ..gate.limits import LIMITS, human
 
@@ -60,7 +61,7 @@ def read_state(path: str) -> dict[str, bytes]:
     """The agent save files of the state checkpoint at ``path`` (one-line errors if damaged)."""
     left = LIMITS.checkpoint  # decompressed bytes held, counted as they are read
     try:
-        with tarfile.open(path, "r:gz") as tar:
+        with archive.open_tar(path) as tar:
             out: dict[str, bytes] = {}
             for member in tar:
                 if member.name in (MARKER, *PARTS) and member.isfile():

@@ -23,7 +23,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from ..errors import SmolbenchError
 from .limits import LIMITS, human
@@ -34,10 +34,54 @@ OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Tests weaken the checks here to show what they stop (never set outside tests).
 TEST_WEAKEN: set[str] = set()
+HEADER_LIMIT = 64 * 1024  # a long name's or pax header's own bytes, at most (tarfile reads them whole)
+MEMBER_LIMIT = 500_000  # members of a workspace archive (tarfile keeps one object each)
+META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+              tarfile.SOLARIS_XHDTYPE)
 
 
 class UnsafeCheckpoint(SmolbenchError):
     """A checkpoint (or a machine's saved files) the host refuses to use."""
+
+
+class BadHeader(tarfile.HeaderError):
+    """A tar header refused before tarfile acts on it."""
+
+
+class CheckedInfo(tarfile.TarInfo):
+    """Tar headers from someone else, checked before tarfile acts on them. tarfile reads a long
+    name or a pax header whole into memory (a few MB of gzip made GBs of host memory), and a
+    negative size (base-256) sends it back onto the same header forever (CVE-2025-8194, fixed
+    in Python 3.11.14/3.12.12, not in every Python a kernel runs). Sparse members are refused:
+    nothing smolbench writes has them, and their maps are read whole too."""
+
+    def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
+        if "tarheaders" not in TEST_WEAKEN:
+            if self.size < 0:
+                raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+            if self.type in META_TYPES and self.size > HEADER_LIMIT:
+                raise BadHeader(f"a long name or pax header of {human(self.size)}, over {human(HEADER_LIMIT)}")
+            if self.type == tarfile.GNUTYPE_SPARSE:
+                raise BadHeader(f"member {self.name[:100]!r} is sparse")
+        return super()._proc_member(tf)  # type: ignore[misc]
+
+    def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str, errors: str) -> None:
+        if "tarheaders" not in TEST_WEAKEN and any(k.startswith("GNU.sparse") for k in pax_headers):
+            raise BadHeader(f"member {self.name[:100]!r} is sparse")
+        super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
+        if self.size < 0 and "tarheaders" not in TEST_WEAKEN:
+            raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+
+    def _proc_gnusparse_00(self, *args: Any) -> None:
+        raise BadHeader(f"member {self.name[:100]!r} is sparse")
+
+    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
+
+def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
+             fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
+    """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`."""
+    return tarfile.open(path, mode, fileobj=fileobj, tarinfo=CheckedInfo)
 
 
 @contextlib.contextmanager
@@ -153,7 +197,11 @@ def _resolve(path: PurePosixPath, links: dict[str, str], hops: int = 0) -> list[
 
 def check_members(tar: tarfile.TarFile, where: str) -> None:
     """Refuse a workspace archive whose members could land or point outside it."""
-    members = tar.getmembers()
+    members: list[tarfile.TarInfo] = []
+    while (m := tar.next()) is not None:
+        members.append(m)
+        if len(members) > MEMBER_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has more than {MEMBER_LIMIT:,} files: refused")
     links = {m.name.strip("/"): m.linkname for m in members if m.issym()}
     for m in members:
         name = PurePosixPath(m.name)
@@ -174,7 +222,7 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
 def check_workspace(blob: bytes, where: str) -> None:
     """Refuse a workspace archive (bytes a machine sent) with links or paths leading outside it."""
     try:
-        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        with open_tar(fileobj=io.BytesIO(blob), mode="r:") as tar:
             check_members(tar, where)
     except tarfile.TarError as exc:
         raise UnsafeCheckpoint(f"{where} is not a readable archive ({exc})") from None
@@ -198,7 +246,7 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
         _copy_exact(src, ws, size, what)
         ws.seek(0)
         try:
-            with tarfile.open(fileobj=ws, mode="r:") as inner:
+            with open_tar(fileobj=ws, mode="r:") as inner:
                 check_members(inner, f"machine {where}'s workspace")
         except tarfile.TarError as exc:
             raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
@@ -223,7 +271,7 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     ``label``: the file's name in messages (default: ``path``'s)."""
     label = label or Path(path).name
     record = None
-    with tarfile.open(path, "r:gz") as tar:
+    with open_tar(path) as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
         while True:
@@ -244,7 +292,7 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
             raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
         blob = tar.extractfile("workspace.tar")
         assert blob is not None
-        with tarfile.open(fileobj=blob, mode="r:") as inner:
+        with open_tar(fileobj=blob, mode="r:") as inner:
             check_members(inner, f"checkpoint {label}")
     return record
 
@@ -261,7 +309,7 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str) -> d
 def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     """The record inside a checkpoint file (checked), or None when it has none; only its first
     member is read."""
-    with tarfile.open(path, "r:gz") as tar:
+    with open_tar(path) as tar:
         m = tar.next()
         if m is None or m.name != RECORD or not m.isfile():
             return None
@@ -315,7 +363,7 @@ def hand_over(path: str, run_dir: str | os.PathLike[str],
     """
     stage = f"restore-{secrets.token_hex(6)}"
     budget = _Budget(f"checkpoint {Path(path).name}")
-    with tarfile.open(path, "r:gz") as tar, as_owner(), _dirfd(run_dir) as root:
+    with open_tar(path) as tar, as_owner(), _dirfd(run_dir) as root:
         os.mkdir(stage, 0o700, dir_fd=root)
         with _dirfd(run_dir, stage, root) as folder:
             for m, src in _members(tar):
@@ -333,7 +381,7 @@ def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> N
     blob = json.dumps(record, sort_keys=True).encode()
     parse_record(blob, f"checkpoint {label}")  # what we write must pass our own reading
     budget = _Budget(f"checkpoint {label}")
-    with tarfile.open(path, "r:gz") as src, os.fdopen(os.dup(out), "wb") as raw, \
+    with open_tar(path) as src, os.fdopen(os.dup(out), "wb") as raw, \
             tarfile.open(fileobj=raw, mode="w:gz") as tar:
         info = tarfile.TarInfo(RECORD)
         info.size, info.mtime = len(blob), int(record.get("created") or 0)
