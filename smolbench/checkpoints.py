@@ -19,10 +19,15 @@ from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate.ckptpaths import SUFFIX, valid_name
-from .shelf import AGENTHOST, IMPORTED, Shelf, is_path
+from .shelf import AGENTHOST, Shelf, is_path
 from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
+
+
+# The sessions of this process's Workbenches: the only ones whose checkpoints the process
+# backend (no isolation) restores, whatever a ledger row claims.
+SESSIONS_HERE: set[str] = set()
 
 
 class CheckpointsMixin(WorkbenchPart):
@@ -191,12 +196,13 @@ class CheckpointsMixin(WorkbenchPart):
                 self.restore_notes.append(note)
         name = str(rec["name"])
         made = rec.get("backend")
-        if rec.get("session_id") == IMPORTED and self.backend.name == "process":
-            raise SmolbenchError(f"checkpoint {name!r} came from a file, which is someone else's code: restore it on "
-                                 "the sandbox backend (`%smol down`, then `%smol checkpoint restore` brings one up); "
-                                 "the process backend has no isolation")
+        if self.backend.name == "process" and rec.get("session_id") not in SESSIONS_HERE:
+            # a ledger row says who saved it, but a copied folder's ledger says what its author wrote
+            raise SmolbenchError(f"checkpoint {name!r} was not saved in this kernel: its saved state is code, and the "
+                                 "process backend would run it here with no isolation; restore it on the sandbox "
+                                 "backend (`%smol down`, then `%smol checkpoint restore` brings one up)")
         if made != self.backend.name and not (self.backend.name == "cluster" and made in ("sandbox", "process", "smol")) \
-                and not (made in AGENTHOST and self.backend.name == "sandbox" and rec.get("session_id") == IMPORTED):
+                and not (made in AGENTHOST and self.backend.name == "sandbox"):
             raise SmolbenchError(f"checkpoint {name!r} was made by the {made} backend, but this machine uses {self.backend.name}: `%smol up --backend {made}` to restore it")
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import SmolbenchError
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -84,11 +86,22 @@ def code_hash(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
+def _refuse_links(path: Path) -> None:
+    """A ledger (and SQLite's files beside it, and its folder) only as what it says it is: a
+    copied folder's ``.smolbench/ledger.db`` that links elsewhere would have this kernel write
+    (or make) a database wherever the link points."""
+    for p in (path.parent, path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+        if p.is_symlink():
+            raise SmolbenchError(f"ledger {path} has a symbolic link at {p.name} (to {os.readlink(p)}): a ledger is "
+                                 "opened only as a plain file in a plain folder; replace the link with the file itself")
+
+
 class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
+        _refuse_links(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)

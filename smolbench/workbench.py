@@ -25,7 +25,7 @@ from ._aio import _gather_cancelling, _to_the_end
 from ._recorder import Observer, RecorderMixin
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
-from .checkpoints import BranchEvent, CheckpointsMixin
+from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
 from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
 from .ledger import Ledger, code_hash
 from .provenance import versions as _versions
@@ -54,6 +54,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.baseline = spec.baseline()  # the spec is frozen: hash it once, not on every ledger write
         self.ledger = ledger
         self.session = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        SESSIONS_HERE.add(self.session)
         self.tree = Tree()
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None

@@ -325,3 +325,23 @@ def test_the_rest_delete_through_a_live_kernel_deletes_nothing_outside(
         _execute(km, jp_asyncio_loop, "%smol down")
     finally:
         jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
+
+
+@pytest.mark.parametrize("linked", [".smolbench", ".smolbench/ledger.db", ".smolbench/ledger.db-wal"])
+def test_a_copied_folder_whose_ledger_links_elsewhere_is_refused(tmp_path: Path, linked: str) -> None:
+    """Third audit: ``.smolbench/ledger.db`` linking to another project's ledger (or to where
+    none is yet) had this kernel make or write a database there."""
+    from smolbench.errors import SmolbenchError
+    from smolbench.ledger import Ledger
+
+    folder, outside = tmp_path / "copied", tmp_path / "outside"
+    outside.mkdir()
+    (folder / ".smolbench").mkdir(parents=True)
+    if linked == ".smolbench":
+        (folder / ".smolbench").rmdir()
+    (folder / linked).symlink_to(outside / "victim" if linked != ".smolbench" else outside)
+    with pytest.raises(SmolbenchError, match=r"has a symbolic link at .* a ledger is opened only as a plain file"):
+        Ledger(folder / ".smolbench" / "ledger.db")
+    assert list(outside.iterdir()) == []  # nothing made or written where the link points
+    # a plain folder is used as ever
+    Ledger(tmp_path / "plain" / ".smolbench" / "ledger.db").close()

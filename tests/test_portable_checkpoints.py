@@ -232,6 +232,6 @@ def test_a_file_from_someone_else_is_checked_like_machine_bytes(open_tmp: Path) 
         # and on a process machine it is refused: it is someone else's code
         ok(s.run("%smol up --backend process"))
         line = one_line(s.run("%smol checkpoint restore process"))
-        assert "came from a file, which is someone else's code" in line, line
+        assert "was not saved in this kernel: its saved state is code" in line, line
         ok(s.run("%smol down"))
     assert not (open_tmp / "escape.txt").exists() and not (open_tmp.parent / "escape.txt").exists()

@@ -534,6 +534,60 @@ def test_checkpoint_restore_takes_the_path_of_a_checkpoint_file_from_elsewhere(h
         assert s.active == node and s.run("a + 1").value == 42
         assert any("theirs" in n for n in notes), notes  # said how the file was taken in
     with smolbench.Session(backend="process", ledger="other.db") as p:
-        with pytest.raises(SmolbenchError, match=r"came from a file, which is someone else's code: restore it on the "
-                                                 r"sandbox backend"):
+        with pytest.raises(SmolbenchError, match=r"was not saved in this kernel: its saved state is code, and the "
+                                                 r"process backend would run it here with no isolation"):
             p.checkpoint_restore(str(elsewhere / "theirs.smolcheckpoint"))
+
+
+class _RunsOnTheHost:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"echo ran > {self.marker}",))
+
+
+def _planted(folder: Path, backend: str, session_id: str) -> None:
+    """A copied folder's ledger row naming a checkpoint whose saved state runs a command."""
+    import io
+    import pickle
+    import tarfile
+
+    from smolbench.ledger import Ledger
+
+    store = folder / ".smolbench" / "checkpoints"
+    store.mkdir(parents=True)
+    with tarfile.open(store / "evil.smolcheckpoint", "w:gz") as tar:
+        for name, data in (("namespace.pkl", pickle.dumps(_RunsOnTheHost(folder / "ran-on-the-host"))), ("workspace.tar", b"\0" * 1024)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ledger = Ledger(str(folder / ".smolbench" / "ledger.db"))
+    ledger.add_checkpoint("evil", session_id, "root", "checkpoints/evil.smolcheckpoint", backend,
+                          (store / "evil.smolcheckpoint").stat().st_size, 0, [])
+    ledger.close()
+
+
+def test_a_copied_ledger_row_claiming_the_process_backend_never_runs_its_state_on_the_host(
+        here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Third audit: a row saying backend="process" from someone else's session had its pickle
+    loaded by a process machine (the host) when restored; now only this kernel's own are."""
+    _planted(here, "process", "someone-else")
+    ledger = str(here / ".smolbench" / "ledger.db")
+    with smolbench.Session(backend="process", ledger=ledger) as p:
+        with pytest.raises(SmolbenchError, match="was not saved in this kernel"):
+            p.checkpoint_restore("evil")
+    assert not (here / "ran-on-the-host").exists()
+    # the same row restored on the sandbox runs its state inside a machine, never here
+    with smolbench.Session(backend="sandbox", ledger=ledger) as s:
+        with contextlib.suppress(SmolbenchError):
+            s.checkpoint_restore("evil")
+    assert not (here / "ran-on-the-host").exists()
+    # weakened (the row's session taken at its word): the command runs on the host
+    from smolbench import checkpoints
+
+    monkeypatch.setattr(checkpoints, "SESSIONS_HERE", {"someone-else"})
+    with smolbench.Session(backend="process", ledger=ledger) as p:
+        with contextlib.suppress(SmolbenchError):
+            p.checkpoint_restore("evil")
+    assert (here / "ran-on-the-host").exists()
