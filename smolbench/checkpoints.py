@@ -225,7 +225,8 @@ class CheckpointsMixin(WorkbenchPart):
             # smol's engine reads the file in its own process, by name (and its store beside it)
             path = self.shelf.store.absolute(f.name) if self.backend.name == "smol" else f.path
             try:
-                return await self.backend.restore(path, node_id, self.spec)
+                isolated = rec.get("session_id") not in SESSIONS_HERE
+                return await self.backend.restore(path, node_id, self.spec, isolated=isolated)
             except SmolbenchError as exc:
                 # messages name the descriptor's path (or its last part): name the file instead
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")

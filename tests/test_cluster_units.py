@@ -232,3 +232,42 @@ def test_a_stopped_local_clusters_folder_stays_gone_when_the_next_one_starts(mon
     third.stop()
     assert came_back
     assert [d for d in local._STOPPED if d.exists()] == []
+
+
+def test_a_checkpoint_not_this_kernels_own_never_goes_to_a_process_node(tmp_path: Path) -> None:
+    """Third audit: on a cluster whose nodes run the process backend (no bwrap there), a file or
+    a copied ledger row's checkpoint would be unpickled on that node's host. Not this kernel's
+    own (``isolated``), it goes only to a sandbox node; its own may go to either."""
+    from smolbench.cluster.backend import Node
+    from smolbench.spec import MachineSpec
+
+    path = tmp_path / "theirs.smolcheckpoint"
+    _tar(path, {"namespace.pkl": b"x", "workspace.tar": _workspace({"here": "there"})})
+    sent: list[str] = []
+
+    class Cluster:
+        nodes = {"p1": Node("p1", None, 4, backend="process"), "s1": Node("s1", None, 4, backend="sandbox")}
+        alive = ["p1"]
+
+        def _alive(self) -> list[Node]:
+            return [self.nodes[n] for n in self.alive]
+
+    async def fake_send(cb: Any, node: Node, *args: Any) -> int:
+        sent.append(node.id)
+        raise SmolbenchError("stop here")  # the node is chosen: nothing more to see
+
+    cb = Cluster()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(shipping, "send", fake_send)
+    try:
+        with pytest.raises(SmolbenchError, match="needs a sandbox node"):
+            asyncio.run(shipping.restore(cb, str(path), "r1", MachineSpec(), isolated=True))  # type: ignore[arg-type]
+        assert sent == []
+        with pytest.raises(SmolbenchError, match="stop here"):  # this kernel's own: a process node will do
+            asyncio.run(shipping.restore(cb, str(path), "r1", MachineSpec()))  # type: ignore[arg-type]
+        cb.alive = ["p1", "s1"]
+        with pytest.raises(SmolbenchError, match="stop here"):
+            asyncio.run(shipping.restore(cb, str(path), "r1", MachineSpec(), isolated=True))  # type: ignore[arg-type]
+        assert sent == ["p1", "s1"]
+    finally:
+        mp.undo()

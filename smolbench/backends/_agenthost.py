@@ -566,7 +566,10 @@ class AgentHostBackend(Backend):
                 raise SmolbenchError(_limits.out_of_memory_line(ref.spec)) from None
             raise
 
-    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+    async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
+        if isolated and self.name == "process":
+            raise SmolbenchError(f"checkpoint {os.path.basename(path)} is not this kernel's own, and the {self.name} "
+                                 "backend has no isolation to load its saved state in: restore it on the sandbox backend")
         try:
             await asyncio.to_thread(archive.check, path, self.name)  # checked here, extracted only inside the new machine
         except (tarfile.TarError, EOFError, OSError) as exc:

@@ -139,8 +139,10 @@ class Backend(abc.ABC):
         """Save the whole machine to ``path``."""
 
     @abc.abstractmethod
-    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        """Create a new machine from a checkpoint made by this backend."""
+    async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
+        """Create a new machine from a checkpoint made by this backend. ``isolated``: it is not
+        this kernel's own (a file or a ledger row from elsewhere), so its saved state, which is
+        code, may only be loaded in a machine that isolates it (never the process backend's)."""
 
     async def close(self) -> None:
         """Delete every machine this backend still has."""

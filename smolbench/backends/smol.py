@@ -728,7 +728,7 @@ class SmolBackend(Backend):
             )
         return str(pointer["id"])
 
-    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
+    async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
         """A new live VM from a checkpoint, its agent renamed to ``name``."""
         self._check_new([name])
         checkpoint_id = self._checkpoint_id(path)

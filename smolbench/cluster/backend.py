@@ -345,11 +345,12 @@ class ClusterBackend(Backend):
         """Saved on the machine's node, brought here as data and checked (shipping.save)."""
         return await shipping.save(self, machine, path)
 
-    async def restore(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
-        """Checked here, sent to a node whose backend restores it (shipping.restore)."""
+    async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
+        """Checked here, sent to a node whose backend restores it (shipping.restore); with
+        ``isolated``, never to a process node."""
         if name in self._machines:
             raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` it or pick another name")
-        return await shipping.restore(self, path, name, spec)
+        return await shipping.restore(self, path, name, spec, isolated=isolated)
 
     # -- forks across nodes ---------------------------------------------------------------
 

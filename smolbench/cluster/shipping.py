@@ -154,15 +154,18 @@ def check(path: str, what: str) -> str:
     return "smol"  # a whole microVM: smol's restore verifies its own checksums and layout
 
 
-async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec) -> MachineRef:
-    """A machine from a checkpoint file here, on a live node whose backend restores its format."""
+async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *,
+                  isolated: bool = False) -> MachineRef:
+    """A machine from a checkpoint file here, on a live node whose backend restores its format
+    (``isolated``: not this kernel's own, so never on a process node, which has no isolation)."""
     try:
         fmt = await asyncio.to_thread(check, path, f"checkpoint {os.path.basename(path)}")
     except archive.UnsafeCheckpoint as exc:
         raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
-    free = {n.id: n.slots - len(n.live) for n in cb._alive() if n.backend in FITS[fmt]}
+    fits = tuple(k for k in FITS[fmt] if not (isolated and k == "process"))
+    free = {n.id: n.slots - len(n.live) for n in cb._alive() if n.backend in fits}
     if not free:
-        kinds = " or ".join(FITS[fmt])
+        kinds = " or ".join(fits)
         raise SmolbenchError(f"checkpoint {os.path.basename(path)} needs a {kinds} node and this cluster has none "
                              "up: add one, or restore it without --ray")
     node = cb.nodes[placement.least_loaded(free)]
