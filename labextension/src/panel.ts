@@ -218,13 +218,16 @@ export class SmolPanel extends Widget {
     if (!NAME_RE.test(c.name) || !/^[a-z]+$/.test(c.backend)) {
       return;
     }
-    // a kernel with no machine up gets one first (as the checkpoint's backend); the restore
-    // itself is a cell in the notebook, so Run All on a new kernel restores it again
+    // a kernel with no machine up gets one first (as the checkpoint's backend, but never the
+    // process backend on a ledger row's word: a copied folder's row could say so, and its saved
+    // state would load with no isolation); the restore itself is a cell in the notebook, so
+    // Run All on a new kernel restores it again
+    const backend = c.backend === 'process' ? 'sandbox' : c.backend;
     const prepare = [
       'import smolbench as _sb',
       'if _sb._magics is None: get_ipython().run_line_magic("load_ext", "smolbench")',
       'if _sb._magics.workbench is None or _sb._magics.workbench.active is None:',
-      `    get_ipython().run_line_magic("smol", "up --backend ${c.backend}")`
+      `    get_ipython().run_line_magic("smol", "up --backend ${backend}")`
     ].join('\n');
     const cell = `%smol checkpoint restore ${c.name}`;
     this.say(`restoring ${c.name} into ${this.host.notebookPath() ?? 'the notebook'}…`);
