@@ -48,9 +48,15 @@ INTERNAL = tuple(ipaddress.ip_network(n) for n in (
     "::/96", "::ffff:0:0/96", "64:ff9b::/96", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
     "ff00::/8"))
 # This host, whatever a range says (plus its interfaces' addresses): reached only by an address
-# listed singly with its port. IPv4-mapped/-compatible spellings are decided as IPv4 (canonical).
+# listed singly with its port. IPv4-mapped/-compatible spellings are decided as IPv4 (canonical);
+# a NAT64 address (64:ff9b::/96) is this host's when the IPv4 address it embeds is. With them,
+# the cloud metadata services that answer this host only (its credentials): link-local
+# 169.254.169.254 (most clouds), AWS's IPv6 fd00:ec2::254, Alibaba's 100.100.100.200 and
+# Oracle's 192.0.0.192.
 HOST_ONLY = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                     "::/128", "::1/128", "fe80::/10"))
+                                                     "100.100.100.200/32", "192.0.0.192/32",
+                                                     "::/128", "::1/128", "fe80::/10", "fd00:ec2::254/128"))
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the low 32 bits are an IPv4 address
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _CIDR_PORT_RE = re.compile(r"\[(?P<v6>[^\]]+)\](?::(?P<port6>[^:]*))?|(?P<v4>[^:]+)(?::(?P<port4>[^:]*))?")
@@ -316,6 +322,13 @@ def canonical(addr: IPAddress) -> IPAddress:
 unmapped = canonical
 
 
+def nat64_embedded(addr: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a NAT64 address (``64:ff9b::a.b.c.d``) reaches through its gateway."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr in NAT64:
+        return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+    return None
+
+
 def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bool:
     """Is ``addr`` this host (``HOST_ONLY`` or one of its own addresses), whatever a range says?"""
     addr = canonical(addr)
@@ -323,6 +336,9 @@ def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bo
         return True
     if "net-hostonly" in TEST_WEAKEN:
         return False  # the old rule: only the interfaces' addresses
+    inner = nat64_embedded(addr)
+    if inner is not None and is_host_only(inner, own):
+        return True
     if any(addr in n for n in stand_in_far() if n.version == addr.version):
         return False
     return any(addr in n for n in HOST_ONLY if n.version == addr.version)
@@ -338,6 +354,9 @@ def host_only_networks(own: frozenset[IPAddress], version: int = 4) -> list[IPNe
     nets: list[IPNetwork] = [ipaddress.ip_network(a) for a in canonical_set(own) if a.version == version]
     if "net-hostonly" not in TEST_WEAKEN:
         nets += _minus([n for n in HOST_ONLY if n.version == version], [n for n in stand_in_far() if n.version == version])
+        if version == 6:  # the NAT64 spellings of the IPv4 ones
+            nets += [ipaddress.IPv6Network((int(NAT64.network_address) | int(n.network_address), 96 + n.prefixlen))
+                     for n in host_only_networks(own, 4)]
     return nets
 
 

@@ -173,6 +173,49 @@ def test_a_listed_name_that_resolves_to_this_host_is_refused_unless_that_address
     assert p.admits("rebind.test", 80, A("93.184.215.14"), OWN_LOOP)
 
 
+METADATA = ("169.254.169.254", "fd00:ec2::254", "100.100.100.200", "192.0.0.192",  # AWS v6, Alibaba, Oracle
+            "64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1", "64:ff9b::6464:64c8", "64:ff9b::ac11:5")  # NAT64 of them, and own
+
+
+def test_cloud_metadata_and_nat64_spellings_of_this_host_are_never_reached_through_a_range() -> None:
+    """Third audit: ``allow = 0.0.0.0/0,::/0`` reached AWS's IPv6 metadata service, Alibaba's
+    and Oracle's, and this host through NAT64 (``64:ff9b::`` + an IPv4 address, which the
+    gateway connects to): they are this host's, decided by the IPv4 address a NAT64 one embeds."""
+    import asyncio
+
+    from smolbench.backends import _netproxy, _netredirect
+    from smolbench.netpolicy import sdk_cidrs
+
+    wide = NetPolicy.from_words(None, "0.0.0.0/0,::/0")
+    for addr in METADATA:
+        assert not wide.admits(addr, 80, A(addr), OWN), addr
+        assert not NetPolicy("on").admits(addr, 80, A(addr), OWN), addr
+    # a NAT64 address of anywhere else is what it was; listed singly with a port, one is reached
+    assert wide.admits("64:ff9b::808:808", 443, A("64:ff9b::808:808"), OWN)
+    assert wide.admits("8.8.8.8", 443, A("8.8.8.8"), OWN) and wide.admits("2001:db8::1", 443, A("2001:db8::1"), OWN)
+    single = NetPolicy.from_lists(False, [], ["[fd00:ec2::254/128]:80", "100.100.100.200/32:80"])
+    assert single.admits("fd00:ec2::254", 80, A("fd00:ec2::254"), OWN)
+    assert single.admits("100.100.100.200", 80, A("100.100.100.200"), OWN)
+    assert not single.admits("100.100.100.200", 81, A("100.100.100.200"), OWN)
+    # a listed name resolving to them: refused (by the proxy, which decides what it connects to)
+    named = NetPolicy.from_lists(False, ["meta.test"], ["0.0.0.0/0", "::/0"])
+    proxy = _netproxy.Proxy()
+    proxy._own = (float("inf"), OWN)
+    node = _netproxy.Node("root", named, proxy.budget.tree("root"))
+    for addr in METADATA:
+        proxy.resolve_map = {"meta.test": addr}
+        assert asyncio.run(proxy.decide(node, "meta.test", 80)) is None, addr
+    proxy.resolve_map = {"meta.test": "64:ff9b::808:808"}
+    assert asyncio.run(proxy.decide(node, "meta.test", 80)) == A("64:ff9b::808:808")
+    # plain TCP to the IPv4 ones is refused at once in the machine; the smol SDK's CIDRs leave them out
+    refused = " ".join(_netredirect.refusals(wide, OWN))
+    assert "100.100.100.200" in refused and "192.0.0.192" in refused
+    kept = [ipaddress.ip_network(c) for c in sdk_cidrs(wide.cidrs, OWN)]
+    for addr in METADATA:
+        assert not any(A(addr) in n for n in kept if n.version == A(addr).version), addr
+    assert any(A("64:ff9b::808:808") in n for n in kept if n.version == 6)
+
+
 def test_numeric_host_names_are_the_addresses_they_spell() -> None:
     """2130706433, 0x7f.1 and 017700000001 are 127.0.0.1 to a resolver (inet_aton, the URL
     standard): the proxy reads them so, and so refuses them as this host."""

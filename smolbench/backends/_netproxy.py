@@ -70,6 +70,18 @@ def proxy_env() -> dict[str, str]:
     return env
 
 
+# Runs as root until it drops to the sandbox uid, so nothing of the kernel's may come before
+# the standard library: isolated (-I: no working folder or script folder on sys.path, no
+# PYTHON* variables, no user site), started in "/", the package root given explicitly.
+_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from smolbench.backends._netproxy import main; main(sys.argv[2:])"
+
+
+def command() -> list[str]:
+    """The proxy's argv, less its flags: this package's root first on the path, nothing else added."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [sys.executable, "-I", "-c", _BOOT, root]
+
+
 class ProxyClient:
     """The kernel's side: starts the proxy process and asks it to attach or detach machines."""
 
@@ -80,9 +92,7 @@ class ProxyClient:
         self._said: asyncio.Future[None] | None = None
 
     async def _start(self) -> asyncio.subprocess.Process:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root}
-        argv = [sys.executable, "-m", "smolbench.backends._netproxy"]
+        argv = command()
         if self.uid is not None:
             argv += ["--uid", str(self.uid), "--gid", str(self.gid)]
         if self.open_all:
@@ -91,7 +101,7 @@ class ProxyClient:
         if cluster:
             argv += ["--host-only", ",".join(cluster)]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
+                                                    stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd="/",
                                                     limit=1 << 20)
         assert proc.stdout is not None and proc.stderr is not None
         self._said = asyncio.ensure_future(_say(proc.stderr))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import importlib.util
 import json
 import os
 import pwd
@@ -157,6 +158,15 @@ def _store(key: str, ok: bool, reason: str, seconds: float) -> None:
         pass  # an unwritable cache only costs a probe next time
 
 
+def _python(code: str, *args: str) -> list[str]:
+    """``python -c code args`` isolated (-I: no working folder on sys.path, no PYTHON* variables,
+    no user site; run in "/"), with smol's folder added last when the kernel found it elsewhere."""
+    spec = importlib.util.find_spec("smol")
+    where = os.path.dirname(os.path.dirname(spec.origin)) if spec is not None and spec.origin else ""
+    boot = "import sys; sys.argv[1] and sys.path.append(sys.argv[1]); del sys.argv[1]\n"
+    return [sys.executable, "-I", "-c", boot + code, where, *args]
+
+
 def _run_bounded(argv: list[str], timeout: float) -> tuple[int | None, str]:
     """Run ``argv`` in its own session; kill the whole group after ``timeout`` s.
 
@@ -170,6 +180,7 @@ def _run_bounded(argv: list[str], timeout: float) -> tuple[int | None, str]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd="/",
         )
         try:
             code: int | None = proc.wait(timeout)
@@ -190,11 +201,11 @@ def _boot(timeout: float) -> tuple[bool, str, float]:
     name = f"smolbench-probe-{secrets.token_hex(4)}"
     ready = max(3.0, min(timeout * 0.8, timeout - 5.0))
     started = time.monotonic()
-    code, output = _run_bounded([sys.executable, "-c", _PROBE_CODE, name, f"{ready:.1f}"], timeout)
+    code, output = _run_bounded(_python(_PROBE_CODE, name, f"{ready:.1f}"), timeout)
     seconds = time.monotonic() - started
     if code is None:
         # The probe was killed mid-way: make sure its machine is gone too.
-        _run_bounded([sys.executable, "-c", _DELETE_CODE, name], 20.0)
+        _run_bounded(_python(_DELETE_CODE, name), 20.0)
         return (
             False,
             f"a {PROBE_MEMORY} MiB test microVM did not boot within the probe's {timeout:.0f} s "

@@ -565,7 +565,7 @@ def start_root(workdir, disk_mib, net, keep, weak=(), nproc=None, grants_fd=None
     m.setup()
     m.split()
     if "seccomp" not in m.weak:
-        m.seccomp = _sibling("seccomp").install()
+        m.seccomp = _sibling("seccomp").install(m.weak)
     else:
         m.seccomp = "off (test knob)"
     if listen:

@@ -6,6 +6,11 @@ pivot_root/chroot, swap, reboot, accounting, quotas, the fd-based mount API, io_
 (it bypasses seccomp), clocks, kernel logs, and namespace flags other than the ones
 branching uses (user, mount, pid, IPC, net: cgroup, UTS and time are refused).
 clone3 answers ENOSYS, so libc falls back to clone, whose flags the filter can read.
+socket() and socketpair() answer EAFNOSUPPORT for every address family but AF_UNIX,
+AF_INET, AF_INET6 and AF_NETLINK (as Docker's default profile): a network namespace holds
+only those, so the others (AF_VSOCK above all: it reaches the hypervisor of a VM host
+whatever the namespace, past the egress proxy; AF_PACKET, AF_ALG, AF_BLUETOOTH...) would be
+ways out or kernel code no machine needs.
 Foreign syscall ABIs (x32, 32-bit) are refused.
 
 A second filter, the mount guard (``guard_program``; why and how in ``mountguard.py``),
@@ -49,6 +54,8 @@ DENY_X86_64 = {
     "vhangup": 153, "nfsservctl": 180, "_sysctl": 156,
 }
 NR_CLONE, NR_UNSHARE, NR_CLONE3 = 56, 272, 435
+NR_SOCKET, NR_SOCKETPAIR = 41, 53
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16  # the socket families a machine may create
 
 LD_ABS_W, JEQ, JGT, JGE, JSET, RET, AND = 0x20, 0x15, 0x25, 0x35, 0x45, 0x06, 0x54
 RET_ALLOW = 0x7FFF0000
@@ -68,21 +75,27 @@ def _ins(code, k, jt=0, jf=0):
     return struct.pack("HBBI", code, jt, jf, k)
 
 
-def program(deny=None):
-    """The filter as a list of 8-byte sock_filter instructions (x86_64)."""
+def program(deny=None, families=True):
+    """The filter as a list of 8-byte sock_filter instructions (x86_64). ``families``: check
+    socket()'s and socketpair()'s family (off only in tests, ``socket-families``)."""
     deny = sorted(set((deny or DENY_X86_64).values()))
     eperm, enosys = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS
     head = [_ins(LD_ABS_W, 4), _ins(JEQ, ARCH_X86_64, 1, 0), _ins(RET, enosys), _ins(LD_ABS_W, 0)]
-    # Tail, laid out after the checks: [0] EPERM, [1] unshare flags, [2..] clone flags.
+    # Tail, laid out after the checks: [0] EPERM, [1] unshare flags, [5] clone flags, [9] socket families.
     tail = [
         _ins(RET, eperm),
         _ins(LD_ABS_W, 16), _ins(JSET, CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWTIME, 0, 1),
         _ins(RET, eperm), _ins(RET, RET_ALLOW),
         _ins(LD_ABS_W, 16), _ins(JSET, CLONE_NEWCGROUP | CLONE_NEWUTS, 0, 1),
         _ins(RET, eperm), _ins(RET, RET_ALLOW),
+        # the family is an int: the low word of the first argument is all the kernel reads
+        _ins(LD_ABS_W, _arg(0)), _ins(JEQ, AF_UNIX, 4, 0), _ins(JEQ, AF_INET, 3, 0), _ins(JEQ, AF_INET6, 2, 0),
+        _ins(JEQ, AF_NETLINK, 1, 0), _ins(RET, RET_ERRNO | errno.EAFNOSUPPORT), _ins(RET, RET_ALLOW),
     ]
     checks = [("ge", X32_BIT, 0)] + [("eq", nr, 0) for nr in deny]
     checks += [("eq", NR_UNSHARE, 1), ("eq", NR_CLONE, 5)]
+    if families:
+        checks += [("eq", NR_SOCKET, 9), ("eq", NR_SOCKETPAIR, 9)]
     return _relayout(head, checks, tail)
 
 
@@ -181,12 +194,15 @@ def _load(instructions, flags):
     return rc
 
 
-def install():
-    """Load the filter for every thread of this process; returns a line for ``%smol status``."""
+def install(weak=()):
+    """Load the filter for every thread of this process; returns a line for ``%smol status``.
+    ``weak``: tests only, ``socket-families`` leaves out the socket family check."""
     if os.uname().machine != "x86_64":
         return "off: no filter for this CPU architecture (%s)" % os.uname().machine
-    _load(program(), 1)  # SECCOMP_FILTER_FLAG_TSYNC
-    return "on (%d refused syscalls, namespace flags checked)" % len(DENY_X86_64)
+    families = "socket-families" not in weak
+    _load(program(families=families), 1)  # SECCOMP_FILTER_FLAG_TSYNC
+    return "on (%d refused syscalls, namespace flags%s checked)" % (
+        len(DENY_X86_64), " and socket families" if families else "")
 
 
 def install_guard(addr, allowed, tmpfs, store_opts):
