@@ -67,7 +67,8 @@ RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None
 class Machines:
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
-    def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None) -> None:
+    def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
+                 vector: bool = False) -> None:
         if reset not in RESETS:
             raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
@@ -82,6 +83,7 @@ class Machines:
         self.wb = host.wb
         self.env = env
         self.n = num_envs
+        self.vector = vector  # make_vec: its spaces are batched (spaces.within_budget counts that)
         self.mode = reset
         self.retries = self.wb.retries if retries is None else retries
         self.parent: MachineRef | None = None
@@ -279,6 +281,8 @@ class Machines:
         if not isinstance(described, dict):
             raise GymError(f"machine {where} described its env as a {type(described).__name__}")
         try:
+            spaces.within_budget([described.get("observation_space"), described.get("action_space")],
+                                 self.n if self.vector else 0)
             self.observation_space = spaces.space_from_data(described.get("observation_space"))
             self.action_space = spaces.space_from_data(described.get("action_space"))
         except spaces.Refused as exc:
