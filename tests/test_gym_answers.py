@@ -3,7 +3,8 @@
 The machine's code can rewrite the guest (here: its ``plain`` info check, its space
 descriptions), so every byte it sends is attacker data. A small description of spaces
 must not make the host build hundreds of MB (one budget over all of an env's spaces,
-batched copies included).
+batched copies included); an info with a non-text key, a set, or a Discrete observation
+of 2**100 is refused in one line naming its sub-env, never a raw exception.
 """
 
 from __future__ import annotations
@@ -165,3 +166,28 @@ def test_real_sized_spaces_fit_the_budget_at_256_sub_envs() -> None:
     for shape, dtype, top in (((210, 160, 3), "uint8", 255), ((4, 84, 84), "float32", 1)):
         box = {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
         assert _describe(box, 256).observation_space.shape == shape
+
+
+# -- 2, 3. malformed answers: one line naming the sub-env ---------------------------------
+
+@pytest.mark.parametrize("name, says", [
+    ("answers_int_key", "an info with a key 1, not text"),
+    ("answers_None_key", "an info with a key None, not text"),
+    ("answers_frozenset_key", "an info with a key of type frozenset, not text"),
+    ("answers_set", "an info holding a set"),  # counted as 8 bytes before: 400,000 ints let through
+    ("discrete_step", "is outside its space Discrete(3)"),
+    ("discrete_reset", "is outside its space Discrete(3)"),
+])
+def test_a_malformed_answer_is_one_line_naming_the_env(bench: Workbench, name: str, says: str) -> None:
+    env = sgym.make(name, session=bench, reset="in-place")
+    try:
+        with pytest.raises(SmolbenchError) as refused:
+            env.reset(seed=0)
+            for _ in range(2):
+                env.step(0)
+        one_line(refused.value, says)
+        assert "the env (machine root." in str(refused.value)
+        if name != "discrete_reset":
+            assert env.reset(seed=0)[0] is not None  # the env goes on
+    finally:
+        env.close()

@@ -198,6 +198,8 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
     elif isinstance(space, S.Discrete):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise Refused(f"{what} should be a whole number, got {type(value).__name__}")
+        if not int(space.start) <= int(value) < int(space.start) + int(space.n):  # first: 2**100 is no int64
+            raise Refused(f"{what} {str(value)[:40]} is outside its space {space}")
         value = np.int64(value)
     else:  # Box, MultiDiscrete, MultiBinary: an array of exactly the space's shape and dtype
         if not isinstance(value, np.ndarray):
@@ -219,8 +221,11 @@ def inside(space: S.Space[Any], values: list[Any]) -> list[bool]:
     rows = [k for k, v in enumerate(values) if type(v) is np.ndarray and v.shape == space.shape and v.dtype == space.dtype]
     out = [False] * len(values)
     if rows:
-        batch = np.stack([values[k] for k in rows])
-        fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
+        try:
+            batch = np.stack([values[k] for k in rows])
+            fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
+        except Exception:  # each is checked on its own (and refused in one line)
+            return out
         for k, ok in zip(rows, fits):
             out[k] = bool(ok)
     return out
