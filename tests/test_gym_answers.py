@@ -4,7 +4,9 @@ The machine's code can rewrite the guest (here: its ``plain`` info check, its sp
 descriptions), so every byte it sends is attacker data. A small description of spaces
 must not make the host build hundreds of MB (one budget over all of an env's spaces,
 batched copies included); an info with a non-text key, a set, or a Discrete observation
-of 2**100 is refused in one line naming its sub-env, never a raw exception.
+of 2**100 is refused in one line naming its sub-env, never a raw exception; and one
+sub-env's bad answer never makes the host lose another sub-env's answer in the same
+vector step (the one that ended there is autoreset next, not stepped past its end).
 """
 
 from __future__ import annotations
@@ -191,3 +193,28 @@ def test_a_malformed_answer_is_one_line_naming_the_env(bench: Workbench, name: s
             assert env.reset(seed=0)[0] is not None  # the env goes on
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("reset", ["in-place", "fresh"])
+@pytest.mark.parametrize("name, blamed, ended", [("answers_int_key", 0, 1), ("answers_mixed", 1, 0)])
+def test_one_sub_envs_bad_answer_never_loses_anothers_end(bench: Workbench, reset: str, name: str, blamed: int,
+                                                          ended: int) -> None:
+    """At step 2 sub-env ``ended`` terminates while sub-env ``blamed`` sends an info that can't
+    be taken: a non-text key, or (both honest data) text where the other sent a number, which
+    Gymnasium's info batching can't hold. The step is that sub-env's one-line error, and the
+    ended sub-env's end was still taken: the next step autoresets it (t back to 0, reward 0)
+    rather than stepping its env past its end (t = 3). Before, the raw TypeError/ValueError
+    left the host thinking it still ran."""
+    envs = sgym.make_vec(name, 2, session=bench, reset=reset)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, np.int64))
+        with pytest.raises(Exception) as refused:
+            envs.step(np.zeros(2, np.int64))
+        obs, rewards, terminated, truncated, _ = envs.step(np.zeros(2, np.int64))
+        assert obs[ended, 0] == 0 and rewards[ended] == 0.0 and not terminated[ended], (obs, rewards)
+        if name == "answers_mixed":  # its step was fine: it goes on
+            assert obs[blamed, 0] == 3 and rewards[blamed] == 1.0
+        one_line(refused.value, f"sub-env {blamed} (machine root.")
+    finally:
+        envs.close()
