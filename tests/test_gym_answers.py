@@ -163,6 +163,15 @@ def test_the_leaves_of_all_spaces_are_counted_together() -> None:
     one_line(refused.value, "65,537 leaves in all: at most 4,096")
 
 
+def test_a_dtype_that_is_not_plain_is_refused_as_such_not_priced() -> None:
+    """The budget prices only the dtypes a space may have: a void dtype of 100 MB an item is
+    refused for what it is."""
+    box = {"type": "Box", "low": np.zeros(4), "high": np.ones(4), "dtype": "V100000000"}
+    with pytest.raises(GymError) as refused:
+        _describe(box, 1, vector=False)
+    one_line(refused.value, "only plain numeric dtypes")
+
+
 def test_real_sized_spaces_fit_the_budget_at_256_sub_envs() -> None:
     """Atari frames and stacked float frames, batched for make_vec's most sub-envs, still fit."""
     for shape, dtype, top in (((210, 160, 3), "uint8", 255), ((4, 84, 84), "float32", 1)):

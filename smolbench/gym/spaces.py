@@ -164,11 +164,11 @@ def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
     items, size = 0, 1
     with contextlib.suppress(Exception):
         if kind == "Box":  # low and high in its dtype, bounded_below/above; tiled, and the buffer
-            items, size = tree["low"].size, np.dtype(tree["dtype"]).itemsize
+            items, size = tree["low"].size, np.dtype(tree["dtype"] if tree["dtype"] in DTYPES else "u1").itemsize
             items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
             return node + items * ((2 * size + 2) + n * (3 * size + 2)), 1
         if kind == "MultiDiscrete":  # nvec and start; batched: a Box of its dtype, and the buffer
-            items, size = tree["nvec"].size, np.dtype(tree["dtype"]).itemsize
+            items, size = tree["nvec"].size, np.dtype(tree["dtype"] if tree["dtype"] in DTYPES else "u1").itemsize
             items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
             return node + items * (2 * size + n * (3 * size + 2)), 1
         if kind == "MultiBinary":  # no arrays itself (its observation: 1 B an item); batched: an int8 Box, the buffer
