@@ -25,10 +25,10 @@ __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
 
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
-           retries: int | None) -> Machines:
+           retries: int | None, vector: bool = False) -> Machines:
     host = host_for(session, smolfile)
     try:
-        machines = Machines(host, env, num_envs, reset, retries)
+        machines = Machines(host, env, num_envs, reset, retries, vector)
         host.run(machines.start())
     except BaseException:
         if "machines" in locals():
@@ -73,4 +73,4 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
     arguments are :func:`make`'s.
     """
     mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
-    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries), mode)
+    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries, vector=True), mode)

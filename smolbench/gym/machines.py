@@ -42,6 +42,7 @@ from ..tree import Node
 from . import spaces
 from ._host import Host
 from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
+from .info import checked_info
 from .practice import practise
 from .record import Records
 from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live
@@ -50,7 +51,6 @@ GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 OUT = "_smolgym_out"
 RESETS = ("fresh", "in-place")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MAX_INFO = 256 * 1024  # bytes of JSON an info may take
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
@@ -67,7 +67,8 @@ RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None
 class Machines:
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
-    def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None) -> None:
+    def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
+                 vector: bool = False) -> None:
         if reset not in RESETS:
             raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
@@ -82,6 +83,7 @@ class Machines:
         self.wb = host.wb
         self.env = env
         self.n = num_envs
+        self.vector = vector  # make_vec: its spaces are batched (spaces.within_budget counts that)
         self.mode = reset
         self.retries = self.wb.retries if retries is None else retries
         self.parent: MachineRef | None = None
@@ -279,6 +281,8 @@ class Machines:
         if not isinstance(described, dict):
             raise GymError(f"machine {where} described its env as a {type(described).__name__}")
         try:
+            spaces.within_budget([described.get("observation_space"), described.get("action_space")],
+                                 self.n if self.vector else 0)
             self.observation_space = spaces.space_from_data(described.get("observation_space"))
             self.action_space = spaces.space_from_data(described.get("action_space"))
         except spaces.Refused as exc:
@@ -457,9 +461,15 @@ class Machines:
         where = self._where(ep)
         if not isinstance(out, dict) or set(out) - {"obs", "info"}:
             raise GymError(f"{where} answered a reset with something other than an observation and an info")
-        obs = self._obs(out.get("obs"), where)
+        try:
+            obs = self._obs(out.get("obs"), where)
+            info = checked_info(out.get("info"), where)
+        except GymError:
+            raise
+        except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
+            raise _unchecked(where, "a reset", exc) from None
         ep.obs = obs
-        return obs, _info(out.get("info"), where)
+        return obs, info
 
     async def step(self, i: int, action: Any) -> Step:
         """One step of sub-env ``i`` (its action already checked against the space)."""
@@ -538,8 +548,8 @@ class Machines:
             if type(out) is dict and not out.get("terminated") and not out.get("truncated") and fit:
                 try:
                     st = self._step(out, ep, fit)
-                except GymError:
-                    outs.append(Later(out, fit))  # recorded on the loop
+                except Exception:  # refused: recorded on the loop, after the others' answers
+                    outs.append(Later(out, fit))
                     continue
                 self._advance(ep, st)
                 outs.append(st)
@@ -631,9 +641,10 @@ class Machines:
             return out
         try:
             st = self._step(out, ep, fit)
-        except GymError as exc:
-            self.records.end(ep, "error", str(exc))
-            return exc
+        except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
+            err = exc if isinstance(exc, GymError) else _unchecked(self._where(ep), "a step", exc)
+            self.records.end(ep, "error", str(err))
+            return err
         self._advance(ep, st)
         if st.terminated or st.truncated:
             ep.rng = _rng(out.get("rng"))
@@ -659,7 +670,7 @@ class Machines:
             raise GymError(f"{self._where(ep)} sent {key} = {str(out[key])[:40]}, not True or False")
         obs = out["obs"] if fit else self._obs(out["obs"], self._where(ep))
         if type(info) is not dict or info:  # an empty dict is an info as it is
-            info = _info(info, self._where(ep))
+            info = checked_info(info, self._where(ep))
         return Step(obs, float(reward), terminated, truncated, info)
 
     def _where(self, ep: Episode) -> str:
@@ -754,24 +765,6 @@ def _rng(value: Any) -> dict[str, Any] | None:
     return {"state": value["state"], "seed": seed if isinstance(seed, int) and not isinstance(seed, bool) else None}
 
 
-def _info(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise GymError(f"{where} sent an info that is not a dict with string keys")
-    size = _size(value)
-    if size > MAX_INFO:
-        raise GymError(f"{where} sent an info of about {size:,} bytes: at most {MAX_INFO:,}")
-    return value
-
-
-def _size(value: Any, depth: int = 0) -> int:
-    import numpy as np
-
-    if depth > 20:
-        return MAX_INFO + 1
-    if isinstance(value, dict):
-        return sum(len(k) + _size(v, depth + 1) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(_size(v, depth + 1) for v in value) + 1
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    return len(str(value)) if isinstance(value, (str, bytes)) else 8
+def _unchecked(where: str, what: str, exc: Exception) -> GymError:
+    """An answer whose check failed in a way not foreseen, as the sub-env's one line."""
+    return GymError(f"{where} answered {what} with data that could not be checked ({type(exc).__name__}: {str(exc)[:200]})")

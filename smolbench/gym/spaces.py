@@ -11,6 +11,7 @@ size bounded. Anything else is a :class:`Refused` naming what was wrong.
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 from typing import Any
 
@@ -22,6 +23,14 @@ MAX_DIMS = 8
 MAX_SUBSPACES = 256
 MAX_DEPTH = 8
 MAX_TEXT = 1 << 20
+# One budget for everything an env's two spaces hold here, rebuilt and, under make_vec, batched
+# (gymnasium's batch_space tiles every array num_envs times, deep-copies every Text): without it a
+# 200-byte description of a Dict of MultiBinary(2**24) took GBs. Costs are estimates, measured
+# with tracemalloc on gymnasium 1.4 (see :func:`cost`).
+MAX_SPACE_BYTES = 128 << 20
+MAX_LEAVES = 4096  # spaces that are not a Dict or Tuple, in both spaces together
+NODE_BYTES, NODE_BYTES_BATCHED, NODE_BYTES_PER_ENV = 1024, 2048, 64  # a space object; its batched form, + per sub-env
+CHAR_BYTES, CHAR_BYTES_PER_ENV = 192, 64  # a Text's charset (set, list, index: ~180 B/char), its deep copy
 TEST_WEAKEN: set[str] = set()  # "obs-check": tests show their attacks get through without the check
 DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool"}
@@ -119,6 +128,58 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
     raise Refused(f"a space of unknown type {str(kind)[:40]!r}")
 
 
+def within_budget(trees: list[Any], num_envs: int = 0) -> None:
+    """Refuse, before anything is built, spaces whose rebuilt form (and, with ``num_envs``,
+    the batched form make_vec builds) would hold more than :data:`MAX_SPACE_BYTES` here or
+    more than :data:`MAX_LEAVES` leaves in all. What is malformed costs nothing here:
+    :func:`space_from_data` says what is wrong with it."""
+    total, leaves = 0, 0
+    for tree in trees:
+        cost, n = _cost(tree, num_envs, 0)
+        total, leaves = total + cost, leaves + n
+    if leaves > MAX_LEAVES:
+        raise Refused(f"spaces of {leaves:,} leaves in all: at most {MAX_LEAVES:,} (describe fewer subspaces)")
+    if total > MAX_SPACE_BYTES:
+        vec = f" and batched for num_envs={num_envs}" if num_envs else ""
+        raise Refused(f"spaces that would take about {total / (1 << 20):,.0f} MiB here once rebuilt{vec}: the budget is "
+                      f"{MAX_SPACE_BYTES >> 20} MiB for all of an env's spaces (smolbench.gym.spaces.MAX_SPACE_BYTES); "
+                      "describe smaller Box/MultiBinary/MultiDiscrete arrays or Text charsets, or use fewer sub-envs")
+
+
+def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
+    """Bytes a described space would hold here (itself, and ``n`` batched copies with make_vec's
+    observation buffer), and its leaves."""
+    if depth > MAX_DEPTH or not isinstance(tree, dict):
+        return 0, 0
+    kind, node = tree.get("type"), NODE_BYTES + (NODE_BYTES_BATCHED + n * NODE_BYTES_PER_ENV if n else 0)
+    if kind in ("Dict", "Tuple"):
+        subs = tree.get("spaces")
+        if not isinstance(subs, list) or len(subs) > MAX_SUBSPACES:
+            return node, 0
+        parts = [_cost(s[1] if kind == "Dict" and isinstance(s, list) and len(s) == 2 else s, n, depth + 1) for s in subs]
+        return node + sum(c for c, _ in parts), sum(k for _, k in parts)
+    if kind == "Text":
+        charset = tree.get("charset")
+        return node + (len(charset) * (CHAR_BYTES + n * CHAR_BYTES_PER_ENV) if isinstance(charset, str) else 0), 1
+    items, size = 0, 1
+    with contextlib.suppress(Exception):
+        if kind == "Box":  # low and high in its dtype, bounded_below/above; tiled, and the buffer
+            items, size = tree["low"].size, np.dtype(tree["dtype"] if tree["dtype"] in DTYPES else "u1").itemsize
+            items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
+            return node + items * ((2 * size + 2) + n * (3 * size + 2)), 1
+        if kind == "MultiDiscrete":  # nvec and start; batched: a Box of its dtype, and the buffer
+            items, size = tree["nvec"].size, np.dtype(tree["dtype"] if tree["dtype"] in DTYPES else "u1").itemsize
+            items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
+            return node + items * (2 * size + n * (3 * size + 2)), 1
+        if kind == "MultiBinary":  # no arrays itself (its observation: 1 B an item); batched: an int8 Box, the buffer
+            dims = tree["n"]
+            if isinstance(dims, list) and len(dims) <= MAX_DIMS and all(type(d) is int and d > 0 for d in dims):
+                items = math.prod(dims)
+            items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
+            return node + items * (1 + n * 5), 1
+    return node, 1
+
+
 def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any:
     """``value`` as a member of ``space`` (structure, shape, dtype and range), else :class:`Refused`."""
     if "obs-check" in TEST_WEAKEN:
@@ -137,6 +198,8 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
     elif isinstance(space, S.Discrete):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise Refused(f"{what} should be a whole number, got {type(value).__name__}")
+        if not int(space.start) <= int(value) < int(space.start) + int(space.n):  # first: 2**100 is no int64
+            raise Refused(f"{what} {str(value)[:40]} is outside its space {space}")
         value = np.int64(value)
     else:  # Box, MultiDiscrete, MultiBinary: an array of exactly the space's shape and dtype
         if not isinstance(value, np.ndarray):
@@ -158,8 +221,11 @@ def inside(space: S.Space[Any], values: list[Any]) -> list[bool]:
     rows = [k for k, v in enumerate(values) if type(v) is np.ndarray and v.shape == space.shape and v.dtype == space.dtype]
     out = [False] * len(values)
     if rows:
-        batch = np.stack([values[k] for k in rows])
-        fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
+        try:
+            batch = np.stack([values[k] for k in rows])
+            fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
+        except Exception:  # each is checked on its own (and refused in one line)
+            return out
         for k, ok in zip(rows, fits):
             out[k] = bool(ok)
     return out

@@ -18,6 +18,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from .. import _loop
 from .env import _options
+from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
 
 
@@ -69,13 +70,11 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         opts = _options(options)
         which = [i for i in range(self.num_envs) if mask[i]]
         outs = self._run([self._m.reset(i, seeds[i], opts) for i in which], which)
-        infos: dict[str, Any] = {}
-        for i, (obs, info) in zip(which, outs):
+        for i, (obs, _) in zip(which, outs):
             self._env_obs[i] = obs
             self._terminations[i] = self._truncations[i] = self._autoreset[i] = False
-            infos = self._add_info(infos, info, i)
         self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
-        return deepcopy(self._obs), infos
+        return deepcopy(self._obs), self._infos([(i, info) for i, (_, info) in zip(which, outs)])
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """One step of every sub-env, one request per machine, all at once."""
@@ -112,7 +111,7 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         order = loop + batch + stepping  # resets first: the first failure raised is a reset's, as before
         now = now[len(stepping):] + now[:len(stepping)]
         outs = dict(zip(order, self._raised(done + now, order)))
-        infos: dict[str, Any] = {}
+        infos: list[tuple[int, dict[str, Any]]] = []  # batched once every sub-env's state is in
         finals: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i in range(self.num_envs):
             out = outs[i]
@@ -127,16 +126,30 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                 self._rewards[i] = 0.0
                 self._terminations[i] = self._truncations[i] = False
             if i not in finals:
-                infos = self._add_info(infos, info, i)
+                infos.append((i, info))
         if finals:  # SAME_STEP: the ended sub-envs are reset now, their final obs and info kept
             again = self._run([self._m.reset(i, None, None) for i in finals], list(finals))
             for i, (obs, info) in zip(list(finals), again):
-                infos = self._add_info(infos, {"final_obs": finals[i][0], "final_info": finals[i][1]}, i)
+                infos.append((i, {"final_obs": finals[i][0], "final_info": finals[i][1]}))
                 self._env_obs[i] = obs
-                infos = self._add_info(infos, info, i)
+                infos.append((i, info))
         self._autoreset = np.logical_or(self._terminations, self._truncations)
         self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
-        return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations), infos)
+        return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations),
+                self._infos(infos))
+
+    def _infos(self, each: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+        """The sub-envs' infos batched as Gymnasium batches them; one whose values can't go
+        with the others' (a key that was a number there and text here, an int past int64) is
+        its sub-env's one-line error, raised once every sub-env's state is in."""
+        infos: dict[str, Any] = {}
+        for i, info in each:
+            try:
+                infos = self._add_info(infos, info, i)
+            except Exception as exc:
+                raise GymError(f"{_where(i, self.num_envs, self._m.eps[i])} sent an info that does not batch with the "
+                               f"other sub-envs' ({type(exc).__name__}: {str(exc)[:120]})") from None
+        return infos
 
     async def _steps(self, which: list[int], actions: list[Any]) -> list[Any]:
         return await self._m.steps(which, actions) if which else []

@@ -1,0 +1,69 @@
+"""A step's or reset's info from a machine, checked: the guest sends only data (its
+``plain``: None, bools, numbers, text, lists, dicts with text keys, arrays), so anything
+else the gate could rebuild (sets, tuples as keys, complex numbers, bytes, pandas) came
+from a rewritten guest and is refused, as is an info past :data:`MAX_INFO` bytes, in one
+line naming the sub-env (never a raw exception: the other sub-envs' answers still count).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .episode import GymError
+
+MAX_INFO = 256 * 1024  # bytes an info may take (about its JSON)
+MAX_DEPTH = 20
+KINDS = "None, bools, numbers, text, lists, dicts with text keys and arrays"
+
+
+class _Bad(Exception):
+    pass
+
+
+def checked_info(value: Any, where: str) -> dict[str, Any]:
+    """``value`` if it is an info the guest could have sent and at most :data:`MAX_INFO` bytes."""
+    if type(value) is not dict:
+        raise GymError(f"{where} sent an info that is not a dict with string keys")
+    try:
+        size = _size(value, 0)
+    except _Bad as exc:
+        raise GymError(f"{where} sent an info {exc}: infos hold {KINDS}") from None
+    if size > MAX_INFO:
+        raise GymError(f"{where} sent an info of about {size:,} bytes: at most {MAX_INFO:,}")
+    return value
+
+
+def _size(value: Any, depth: int) -> int:
+    """About the bytes ``value`` takes; :class:`_Bad` for what an info can't hold. Stops
+    counting past :data:`MAX_INFO` (the rest is not walked)."""
+    if depth > MAX_DEPTH:
+        raise _Bad(f"nested more than {MAX_DEPTH} levels deep")
+    kind = type(value)
+    if kind is str:
+        return len(value)
+    if value is None or kind is bool or kind is float:
+        return 8
+    if kind is int:
+        return 8 + value.bit_length() // 8
+    if kind is dict:
+        total = 0
+        for k, v in value.items():
+            if type(k) is not str:
+                key = repr(k)[:40] if k is None or type(k) in (int, float, bool) else f"of type {type(k).__name__}"
+                raise _Bad(f"with a key {key}, not text")
+            total += len(k) + _size(v, depth + 1)
+            if total > MAX_INFO:
+                break
+        return total
+    if kind is list or kind is tuple:
+        total = 1
+        for v in value:
+            total += _size(v, depth + 1)
+            if total > MAX_INFO:
+                break
+        return total
+    if kind is np.ndarray and not value.dtype.hasobject and value.dtype.names is None:
+        return int(value.nbytes)
+    raise _Bad(f"holding a {kind.__name__}")

@@ -1,0 +1,229 @@
+"""Attacks from inside a machine on what smolbench.gym's host keeps: memory, and other sub-envs.
+
+The machine's code can rewrite the guest (here: its ``plain`` info check, its space
+descriptions), so every byte it sends is attacker data. A small description of spaces
+must not make the host build hundreds of MB (one budget over all of an env's spaces,
+batched copies included); an info with a non-text key, a set, or a Discrete observation
+of 2**100 is refused in one line naming its sub-env, never a raw exception; and one
+sub-env's bad answer never makes the host lose another sub-env's answer in the same
+vector step (the one that ended there is autoreset next, not stepped past its end).
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.gym.machines import GymError, Machines
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+ENVS = '''
+import sys, gymnasium, numpy as np
+from gymnasium import spaces
+
+BAD = {"int key": {"a": {1: 2}}, "None key": {"a": {None: 2}}, "set": {"a": set(range(400000))},
+       "frozenset key": {"a": {frozenset([1]): 2}}}
+
+class Answers(gymnasium.Env):
+    """Obs [t, me]: ``me`` the seed of its first reset (the sub-env, under make_vec's seed=0)."""
+    observation_space = spaces.Box(-10.0, 10.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, how):
+        self.how, self.t, self.me = how, 0, -1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.me = 0, seed if seed is not None else self.me
+        return np.array([0, self.me], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs, ended, info = np.array([self.t, self.me], np.float32), False, {}
+        if self.how in BAD:  # sub-env 0 sends it at its 2nd step, where sub-env 1 ends
+            info = BAD[self.how] if (self.me, self.t) == (0, 2) else {}
+            ended = (self.me, self.t) == (1, 2)
+        elif self.how == "mixed":  # both honest data: sub-env 0 ends with a number, sub-env 1 says text
+            info = {"a": 1 if self.me == 0 else "x"} if self.t == 2 else {}
+            ended = (self.me, self.t) == (0, 2)
+        return obs, 1.0, ended, False, info
+
+class Counter(gymnasium.Env):
+    observation_space = spaces.Discrete(3)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, where):
+        self.where = where
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return (2**100 if self.where == "reset" else 0), {}
+
+    def step(self, action):
+        return 2**100, 1.0, False, False, {}
+
+def unchecked(env):  # the guest's info check rewritten away, as the machine's code can
+    sys._getframe(2).f_globals["plain"] = lambda value, *args, **kwargs: value
+    return env
+
+def answers(how):
+    return lambda: unchecked(Answers(how))
+
+for _how in BAD:
+    globals()["answers_" + _how.replace(" ", "_")] = answers(_how)
+answers_mixed = lambda: Answers("mixed")
+discrete_step = lambda: unchecked(Counter("step"))
+discrete_reset = lambda: unchecked(Counter("reset"))
+
+def described(obs_description):  # the observation space as the machine says it is
+    def factory():
+        env = Answers("none")
+        g = sys._getframe(1).f_globals
+        real = g["space_data"]
+        g["space_data"] = lambda space: obs_description if space is env.observation_space else real(space)
+        return env
+    return factory
+
+ASTRAL = "".join(chr(c) for c in range(0x10000, 0x20000))
+bits_4x16Mi = described({"type": "Dict", "spaces": [["k%d" % i, {"type": "MultiBinary", "n": [1 << 24]}] for i in range(4)]})
+texts_12x64Ki = described({"type": "Tuple", "spaces": [{"type": "Text", "charset": ASTRAL, "min_length": 0,
+                                                        "max_length": 1} for _ in range(12)]})
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    for wb in up_bench(tmp_path_factory):
+        define(wb, ENVS)
+        yield wb
+
+
+def one_line(exc: BaseException, names: str) -> str:
+    line = str(exc)
+    assert isinstance(exc, SmolbenchError) and names in line and "\n" not in line and len(line) < 1000, line
+    return line
+
+
+# -- 1. one budget for all of an env's spaces ---------------------------------------------
+
+@pytest.mark.parametrize("name, vec", [("bits_4x16Mi", True), ("texts_12x64Ki", False)])
+def test_a_small_description_of_huge_spaces_is_refused_before_the_host_builds_them(bench: Workbench, name: str,
+                                                                                 vec: bool) -> None:
+    """4 MultiBinary(2**24) are ~300 bytes described; make_vec's batched form of them took
+    ~335 MB here. 12 Text spaces of 65,536-character charsets (~9 MB described) took ~140 MB
+    under plain make(). Both are refused in one line naming the budget, with the host's
+    own allocations (tracemalloc, numpy's included) staying far below what they would take."""
+    before = set(bench.machines)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SmolbenchError) as refused:
+            sgym.make_vec(name, 1, session=bench, reset="in-place") if vec else sgym.make(name, session=bench)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    line = one_line(refused.value, "described its env's spaces wrongly")
+    assert "MAX_SPACE_BYTES" in line and "MiB" in line, line
+    assert peak < 64 << 20, f"the host allocated {peak >> 20} MiB"
+    assert set(bench.machines) == before
+
+
+def _describe(observation: Any, num_envs: int, vector: bool = True) -> Any:
+    m = SimpleNamespace(n=num_envs, vector=vector)
+    Machines._describe(m, {"observation_space": observation,  # type: ignore[arg-type]
+                           "action_space": {"type": "Discrete", "n": 2, "start": 0}}, "root.1")
+    return m
+
+
+def test_bool_bounds_of_a_float64_box_count_at_float64_for_every_sub_env() -> None:
+    """2 MB of bool bounds said dtype float64: 18 MB rebuilt, and make_vec(32) tiled it to 600 MB
+    more. The budget counts what the rebuilt and batched spaces hold, not what was sent."""
+    box = {"type": "Box", "low": np.zeros(1 << 20, bool), "high": np.ones(1 << 20, bool), "dtype": "float64"}
+    assert _describe(box, 1, vector=False).observation_space.shape == (1 << 20,)  # make(): 18 MiB, within
+    with pytest.raises(GymError) as refused:
+        _describe(box, 32)
+    line = one_line(refused.value, "batched for num_envs=32")
+    assert "fewer sub-envs" in line
+
+
+def test_the_leaves_of_all_spaces_are_counted_together() -> None:
+    """A Tuple of 256 Tuples of 256 Discrete passed every per-node bound (65,536 spaces built here)."""
+    inner = {"type": "Tuple", "spaces": [{"type": "Discrete", "n": 2, "start": 0}] * 256}
+    with pytest.raises(GymError) as refused:
+        _describe({"type": "Tuple", "spaces": [inner] * 256}, 1, vector=False)
+    one_line(refused.value, "65,537 leaves in all: at most 4,096")
+
+
+def test_a_dtype_that_is_not_plain_is_refused_as_such_not_priced() -> None:
+    """The budget prices only the dtypes a space may have: a void dtype of 100 MB an item is
+    refused for what it is."""
+    box = {"type": "Box", "low": np.zeros(4), "high": np.ones(4), "dtype": "V100000000"}
+    with pytest.raises(GymError) as refused:
+        _describe(box, 1, vector=False)
+    one_line(refused.value, "only plain numeric dtypes")
+
+
+def test_real_sized_spaces_fit_the_budget_at_256_sub_envs() -> None:
+    """Atari frames and stacked float frames, batched for make_vec's most sub-envs, still fit."""
+    for shape, dtype, top in (((210, 160, 3), "uint8", 255), ((4, 84, 84), "float32", 1)):
+        box = {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
+        assert _describe(box, 256).observation_space.shape == shape
+
+
+# -- 2, 3. malformed answers: one line naming the sub-env ---------------------------------
+
+@pytest.mark.parametrize("name, says", [
+    ("answers_int_key", "an info with a key 1, not text"),
+    ("answers_None_key", "an info with a key None, not text"),
+    ("answers_frozenset_key", "an info with a key of type frozenset, not text"),
+    ("answers_set", "an info holding a set"),  # counted as 8 bytes before: 400,000 ints let through
+    ("discrete_step", "is outside its space Discrete(3)"),
+    ("discrete_reset", "is outside its space Discrete(3)"),
+])
+def test_a_malformed_answer_is_one_line_naming_the_env(bench: Workbench, name: str, says: str) -> None:
+    env = sgym.make(name, session=bench, reset="in-place")
+    try:
+        with pytest.raises(SmolbenchError) as refused:
+            env.reset(seed=0)
+            for _ in range(2):
+                env.step(0)
+        one_line(refused.value, says)
+        assert "the env (machine root." in str(refused.value)
+        if name != "discrete_reset":
+            assert env.reset(seed=0)[0] is not None  # the env goes on
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("reset", ["in-place", "fresh"])
+@pytest.mark.parametrize("name, blamed, ended", [("answers_int_key", 0, 1), ("answers_mixed", 1, 0)])
+def test_one_sub_envs_bad_answer_never_loses_anothers_end(bench: Workbench, reset: str, name: str, blamed: int,
+                                                          ended: int) -> None:
+    """At step 2 sub-env ``ended`` terminates while sub-env ``blamed`` sends an info that can't
+    be taken: a non-text key, or (both honest data) text where the other sent a number, which
+    Gymnasium's info batching can't hold. The step is that sub-env's one-line error, and the
+    ended sub-env's end was still taken: the next step autoresets it (t back to 0, reward 0)
+    rather than stepping its env past its end (t = 3). Before, the raw TypeError/ValueError
+    left the host thinking it still ran."""
+    envs = sgym.make_vec(name, 2, session=bench, reset=reset)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, np.int64))
+        with pytest.raises(Exception) as refused:
+            envs.step(np.zeros(2, np.int64))
+        obs, rewards, terminated, truncated, _ = envs.step(np.zeros(2, np.int64))
+        assert obs[ended, 0] == 0 and rewards[ended] == 0.0 and not terminated[ended], (obs, rewards)
+        if name == "answers_mixed":  # its step was fine: it goes on
+            assert obs[blamed, 0] == 3 and rewards[blamed] == 1.0
+        one_line(refused.value, f"sub-env {blamed} (machine root.")
+    finally:
+        envs.close()
