@@ -19,6 +19,7 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 from .errors import SmolbenchError
+from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
 __all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
@@ -87,8 +88,16 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
-        """A new episode in a fresh branch of the warm parent."""
-        obs, info = self._m.host.run(self._m.reset(0, seed, kwargs.get("options")))
+        """A new episode in a fresh branch of the warm parent (a client's seed, options and
+        episode id checked first, as ``smolbench.gym.make``'s reset checks them)."""
+        unknown = sorted(set(kwargs) - {"options"})
+        if unknown:
+            raise SmolbenchError(f"reset takes seed, episode_id and options; {str(unknown[0])[:40]!r} is not one of them")
+        if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
+            raise SmolbenchError("episode_id should be a string of at most 255 characters")
+        seed = check_seed(seed)
+        options = _options(kwargs.get("options"))
+        obs, info = self._m.host.run(self._m.reset(0, seed, options))
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import pickle
@@ -61,6 +62,7 @@ _smolgym_out = _smolgym.build()
 """
 
 
+log = logging.getLogger(__name__)
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
 
 
@@ -716,13 +718,13 @@ class Machines:
         if self.closed:
             return
         self.closed = True
-        self.records.flush()
+        _quietly(self.records.flush)  # no record, written or not, stops the deletions below
         await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
-                self.records.end(ep, "closed")
+                _quietly(self.records.end, ep, "closed")
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
@@ -735,11 +737,19 @@ class Machines:
                 await self.wb.delete(self.parent.name)
         self.parent = None
         if self.run_id and self.owns_parent:
-            self.wb.ledger.end_run(self.run_id, "done")
+            _quietly(self.wb.ledger.end_run, self.run_id, "done")
 
 
 STEP_KEYS = {"obs", "reward", "terminated", "truncated", "info"}
 STEP_KEYS_RNG = STEP_KEYS | {"rng"}
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)``, a record's write, logged if it fails: closing goes on to delete the machines."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("smolbench.gym: a record was not written while closing")
 
 
 def _ignore(event: Any) -> None:
