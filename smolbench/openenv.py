@@ -10,8 +10,13 @@ Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import math
 import uuid
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 from openenv.core.env_server.interfaces import Environment
@@ -23,6 +28,11 @@ from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
 __all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+
+T = TypeVar("T")
+REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
+IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
+GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 
 
 class GymAction(Action):
@@ -82,9 +92,12 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, machines: Machines) -> None:
+    def __init__(self, machines: Machines, timeout: float = REQUEST_TIMEOUT,
+                 on_close: Callable[[Machines], None] | None = None) -> None:
         super().__init__()
         self._m = machines
+        self._timeout = timeout
+        self._on_close = on_close
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
@@ -97,19 +110,47 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             raise SmolbenchError("episode_id should be a string of at most 255 characters")
         seed = check_seed(seed)
         options = _options(kwargs.get("options"))
-        obs, info = self._m.host.run(self._m.reset(0, seed, options))
+        self._open()
+        obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
 
     def step(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
-        """One step in the session's machine."""
+        """One step in the session's machine, within the server's request timeout (or the
+        client's ``timeout_s``, if shorter)."""
+        limit = self._timeout
+        if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+                raise SmolbenchError(f"timeout_s should be a number of seconds above 0, got {str(timeout_s)[:40]}")
+            limit = min(limit, float(timeout_s))
+        self._open()
         act = from_json(self._m.action_space, action.action)
-        st = self._m.host.run(self._m.step(0, act), timeout_s)
+        st = self._run(self._m.step(0, act), "step", limit)
         self._state.step_count += 1
         return GymObservation(observation=to_json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
                               terminated=st.terminated, truncated=st.truncated, info=to_json(st.info),
                               machine=self._machine())
+
+    def _open(self) -> None:
+        if self._m.closed:
+            raise SmolbenchError("this session is closed (it was idle too long, or the server is stopping): "
+                                 "open a new one")
+
+    def _run(self, coro: Coroutine[Any, Any, T], what: str, limit: float) -> T:
+        """``coro`` on smolbench's loop, cut after ``limit`` s: then the episode's channel is
+        cut and its machine deleted (what runs there is unknown), and the client gets one line."""
+        m = self._m
+        try:
+            return m.host.run(_within(coro, limit), limit + 2 * GRACE)
+        except (_OutOfTime, concurrent.futures.TimeoutError):
+            pass
+        machine = self._machine()  # the one the request was cut in
+        with contextlib.suppress(Exception):
+            m.host.run(m.abandon(0, f"the {what} took longer than {limit:g} s"), 2 * GRACE)
+        gone = f"machine {machine} is deleted" if machine else "its machine is deleted"
+        raise SmolbenchError(f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout): {gone}; "
+                             "reset() starts a new episode")
 
     @property
     def state(self) -> State:
@@ -125,20 +166,62 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     def close(self) -> None:
         """Delete this session's machines (the warm parent stays for the next session)."""
-        self._m.host.run(self._m.close())
+        try:
+            self._m.host.run(self._m.close(), 2 * GRACE)
+        finally:
+            if self._on_close is not None:
+                self._on_close(self._m)
 
     def _machine(self) -> str | None:
         ref = self._m.eps[0].ref
         return ref.name if ref is not None else None
 
 
-def app_for(parent: Machines, max_sessions: int = 16) -> Any:
-    """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session."""
+class _OutOfTime(Exception):
+    """A served request ran out of time."""
+
+
+async def _within(coro: Coroutine[Any, Any, T], limit: float) -> T:
+    """``coro``'s result, or :class:`_OutOfTime` once it ran ``limit`` s (it is cancelled, and
+    given :data:`GRACE` to clean up: a step's cut channel, a reset's spare put back)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task}, timeout=GRACE)
+    raise _OutOfTime
+
+
+def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
+            idle: float = IDLE_TIMEOUT) -> Any:
+    """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session,
+    each reset or step cut after ``timeout`` s, a session closed after ``idle`` s without a
+    request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet."""
     from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.env_server.types import ConcurrencyConfig
+
+    for name, value in (("request timeout", timeout), ("idle timeout", idle)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
+    live: set[Machines] = set()
 
     def factory() -> MachineEnvironment:
         m = parent.sibling()
-        parent.host.run(m.start_sibling())
-        return MachineEnvironment(m)
+        live.add(m)
+        try:
+            parent.host.run(m.start_sibling())
+        except BaseException:
+            live.discard(m)
+            parent.host.run(m.close())
+            raise
+        return MachineEnvironment(m, timeout, on_close=live.discard)
 
-    return create_fastapi_app(factory, GymAction, GymObservation, max_concurrent_envs=max_sessions)
+    config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
+    app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
+    app.state.smolbench_sessions = live
+    return app

@@ -8,6 +8,7 @@ kept a session's step waiting forever.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from smolbench.gym.machines import Machines
 from smolbench.workbench import Workbench
 
 pytest.importorskip("openenv.core.env_server.interfaces")
-from smolbench.openenv import MachineEnvironment  # noqa: E402
+from smolbench.openenv import GymAction, MachineEnvironment  # noqa: E402
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(600)]
 
@@ -38,6 +39,9 @@ class CodeEnv(gym.Env):
         self.action_space = S.Text(4096, charset=string.printable)
     def reset(self, seed=None, options=None):
         super().reset(seed=seed)
+        if options and options.get("hang"):
+            import time
+            time.sleep(10**6)
         return np.zeros(1, np.float32), {}
     def step(self, action):
         ns = {}
@@ -60,6 +64,18 @@ def parent(bench: Workbench) -> Iterator[Machines]:
     define(bench, CODE_ENV)
     host = Host(bench)
     m = Machines(host, "code_env", 1, "fresh", None)
+    host.run(m.start())
+    try:
+        yield m
+    finally:
+        host.run(m.close())
+
+
+@pytest.fixture(scope="module")
+def in_place(bench: Workbench, parent: Machines) -> Iterator[Machines]:
+    """The warm parent of ``smolbench serve --reset in-place``."""
+    host = Host(bench)
+    m = Machines(host, "code_env", 1, "in-place", None)
     host.run(m.start())
     try:
         yield m
@@ -141,3 +157,58 @@ def test_gym_make_refuses_a_seed_no_ledger_row_can_hold(bench: Workbench, parent
     finally:
         env.close()
     assert env.machine is None or env.machine not in bench.machines
+
+
+HANG = GymAction(action="import time\ntime.sleep(10**6)")
+
+
+@pytest.mark.parametrize("what", ["step", "reset"])
+def test_a_request_that_never_answers_is_cut_its_machine_deleted_the_session_goes_on(parent: Machines, what: str) -> None:
+    env = session(parent, timeout=3)
+    try:
+        env.reset(seed=1)
+        machines = dict(parent.wb.machines)  # the next spare, a reset's machine, is one of them
+        with pytest.raises(SmolbenchError, match=f"the {what} took longer than 3 s") as got:
+            if what == "step":  # the client's code sleeps for good: on the old code this never returned
+                env.step(HANG)
+            else:
+                env.reset(options={"hang": True})
+        assert "\n" not in str(got.value)
+        hung = re.search(r"machine (\S+) is deleted", str(got.value))
+        assert hung is not None and hung[1] in machines
+        assert hung[1] not in parent.wb.machines and not alive(machines[hung[1]])
+        with pytest.raises(SmolbenchError, match="before reset"):
+            env.step(GymAction(action="info = {'ok': 1}"))
+        assert env.reset(seed=2).machine not in (None, hung[1])  # the session goes on, in a new machine
+        assert env.step(GymAction(action="info = {'ok': 1}")).info == {"ok": 1}
+    finally:
+        env.close()
+
+
+def test_a_client_timeout_s_is_checked_and_only_shortens_the_limit(parent: Machines) -> None:
+    env = session(parent, timeout=60)
+    try:
+        env.reset(seed=1)
+        with pytest.raises(SmolbenchError, match="timeout_s should be"):
+            env.step(HANG, timeout_s=float("nan"))
+        with pytest.raises(SmolbenchError, match="took longer than 2 s"):
+            env.step(HANG, timeout_s=2)
+    finally:
+        env.close()
+    with pytest.raises(SmolbenchError, match="session is closed"):
+        env.reset(seed=1)
+
+
+def test_in_place_a_cut_step_gets_a_new_machine_for_the_next_episode(in_place: Machines) -> None:
+    env = session(in_place, timeout=3)
+    try:
+        env.reset(seed=1)
+        ref = env._m.eps[0].ref
+        assert ref is not None
+        with pytest.raises(SmolbenchError, match=f"machine {ref.name} is deleted"):
+            env.step(HANG)
+        assert ref.name not in in_place.wb.machines and not alive(ref)
+        assert env.reset(seed=2).machine not in (None, ref.name)
+        assert env.step(GymAction(action="info = {'ok': 2}")).info == {"ok": 2}
+    finally:
+        env.close()

@@ -705,6 +705,19 @@ class Machines:
         if why:
             self.wb.ledger.add_attempt(self.wb.session, old.name if old else "?", attempt, "gym step", "rebuilt", why)
 
+    async def abandon(self, i: int, why: str) -> None:
+        """Sub-env ``i``'s request was cut (out of time): its episode ends as an error, its machine
+        is deleted (what its env did is unknown); the next reset starts in a new branch."""
+        ep = self.eps[i]
+        self._hang_up(ep)
+        ref, ep.ref = ep.ref, None
+        if ep.running:
+            _quietly(self.records.end, ep, "error", why)
+        if ref is not None and ref.name in self.wb.machines:
+            await _to_the_end(self._delete(ref))
+        if self.mode == "in-place" and not self.closed:
+            (ep.ref,) = await self._branch(1)
+
     def shutdown(self) -> None:
         """``close`` from the caller's thread, then the host (the session, if this env made it)."""
         if not self.closed:
