@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import math
 import uuid
 from collections.abc import Callable, Coroutine
@@ -27,11 +28,12 @@ from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["BodyLimit", "GymAction", "GymObservation", "MachineEnvironment", "app_for"]
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
+MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 
 
@@ -98,6 +100,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._m = machines
         self._timeout = timeout
         self._on_close = on_close
+        self._started = False  # its machines are made at its first reset (/metadata, /state need none)
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
@@ -111,6 +114,9 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         seed = check_seed(seed)
         options = _options(kwargs.get("options"))
         self._open()
+        if not self._started:
+            self._started = True
+            self._run(self._m.start_sibling(), "session's start", self._timeout)
         obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
@@ -210,18 +216,76 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
             raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
     live: set[Machines] = set()
 
-    def factory() -> MachineEnvironment:
+    def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        try:
-            parent.host.run(m.start_sibling())
-        except BaseException:
-            live.discard(m)
-            parent.host.run(m.close())
-            raise
         return MachineEnvironment(m, timeout, on_close=live.discard)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
+    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
     app.state.smolbench_sessions = live
+
+    async def one_line(request: Any, exc: Exception) -> Any:  # over HTTP too, not "Internal Server Error"
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    app.add_exception_handler(SmolbenchError, one_line)
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: an HTTP request whose body is over ``limit`` bytes gets a 413 with one
+    line, refused by its Content-Length before it is read, or once that much streamed in (the
+    app then sees the client gone). WebSocket messages are uvicorn's ``ws_max_size``."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        why = f"the request body is over {self.limit:,} bytes (smolbench serve --max-message)"
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                if not value.isdigit() or int(value) > self.limit:
+                    return await _refuse(send, 413, why)
+        seen = 0
+        refused = started = False
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    if not started:
+                        await _refuse(send, 413, why)
+                    return {"type": "http.disconnect"}
+            return dict(msg)
+
+        async def sending(msg: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out: nothing of the app's answer follows it
+            started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, sending)
+        except Exception:
+            if not refused:
+                raise
+
+
+async def _refuse(send: Any, status: int, why: str) -> None:
+    body = json.dumps({"detail": why}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -48,6 +48,8 @@ def check_limits(args: argparse.Namespace) -> None:
     if args.idle_timeout < args.request_timeout:
         raise SmolbenchError(f"--idle-timeout ({args.idle_timeout:g} s) should be at least --request-timeout "
                              f"({args.request_timeout:g} s): a session would be closed while a step still runs")
+    if args.max_message < 1024:
+        raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
     if args.max_sessions < 1:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
 
@@ -59,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     from . import Session
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import app_for
+    from .openenv import BodyLimit, app_for
 
     try:
         check_limits(args)
@@ -82,8 +84,9 @@ def serve(args: argparse.Namespace) -> int:
                   f"{parent.parent.name}", flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
-            server = _uvicorn_server()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                                      timeout_graceful_shutdown=STOP_WAIT))
+            server = _uvicorn_server()(uvicorn.Config(BodyLimit(app, args.max_message), host=args.host, port=args.port,
+                                                      log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
+                                                      ws_max_size=args.max_message))
             server.run()
         finally:
             if app is not None:  # sessions still open (their clients gone, or cut by the stop)
@@ -122,6 +125,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once (each its own machine)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
+    p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
+                   help="bytes an HTTP request body or a WebSocket message may take (default 1 MiB)")
     p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)

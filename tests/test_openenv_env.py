@@ -85,9 +85,7 @@ def in_place(bench: Workbench, parent: Machines) -> Iterator[Machines]:
 
 def session(parent: Machines, **kw: Any) -> MachineEnvironment:
     """What OpenEnv's app makes for one client session."""
-    m = parent.sibling()
-    parent.host.run(m.start_sibling())
-    return MachineEnvironment(m, **kw)
+    return MachineEnvironment(parent.sibling(), **kw)
 
 
 def alive(ref: MachineRef) -> bool:

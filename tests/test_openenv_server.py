@@ -83,6 +83,16 @@ class Server:
             if self.proc.poll() is None:
                 self.proc.kill()
 
+    def settled(self) -> set[tuple[int, str]]:
+        """The agents once their number held for 3 s (the warm parent makes its spares at first)."""
+        last, same = self.agents(), 0
+        deadline = time.monotonic() + WAIT
+        while same < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.agents()
+            same, last = (same + 1, now) if now == last else (0, now)
+        return last
+
     @property
     def out(self) -> str:
         return "".join(self.lines)
@@ -146,7 +156,7 @@ def until(what: Any, why: str) -> Any:
 
 def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_stops(open_tmp: Path) -> None:
     with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "60") as server:
-        idle = server.agents()
+        idle = server.settled()
         for _ in range(2):  # both slots: a step that never answers, then the client is gone
             ws = connect(server.ws)
             assert ask(ws, "reset")["type"] == "observation"
@@ -190,7 +200,7 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
 
 def test_sessions_left_idle_are_closed_and_their_machines_deleted(open_tmp: Path) -> None:
     with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "6") as server:
-        idle = server.agents()
+        idle = server.settled()
         left = [connect(server.ws) for _ in range(2)]
         for ws in left:
             assert ask(ws, "reset")["type"] == "observation"
@@ -202,4 +212,39 @@ def test_sessions_left_idle_are_closed_and_their_machines_deleted(open_tmp: Path
             assert ask(ws, "reset")["type"] == "observation"
         for ws in left:
             ws.close()
+        assert server.stop() == 0
+
+
+def test_big_or_unknown_requests_and_mcp_sessions_are_refused_and_it_goes_on(open_tmp: Path) -> None:
+    import httpx
+
+    with serving(open_tmp, "--max-sessions", "2", "--max-message", "65536") as server:
+        idle = server.settled()
+        for _ in range(4):  # OpenEnv's /mcp opened a session (a slot, machines) for any client
+            r = httpx.post(f"{server.url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create",
+                                                      "params": {}}, timeout=WAIT)
+            assert r.status_code in (404, 405), r.text
+        for _ in range(3):  # a request without a session made (and deleted) a whole session's machines
+            assert httpx.get(f"{server.url}/metadata", timeout=WAIT).status_code == 200
+        assert server.agents() == idle
+
+        body = b'{"seed": 1, "pad": [' + b"0," * 100_000 + b'0]}'  # 200 kB: read whole before, held in memory
+        r = httpx.post(f"{server.url}/reset", content=body, headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 413 and "over 65,536 bytes" in r.json()["detail"]
+        chunks = (b"0," * 10_000 for _ in range(20))  # streamed, no Content-Length
+        r = httpx.post(f"{server.url}/reset", content=chunks, headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 413
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1, "pad": 1}, timeout=WAIT)
+        assert r.status_code == 400 and r.json()["detail"] == "reset takes seed, episode_id and options; 'pad' is not one of them"
+        r = httpx.post(f"{server.url}/reset", json={"seed": 10**30}, timeout=WAIT)
+        assert r.status_code in (400, 422), r.text
+
+        with connect(server.ws) as ws:
+            ws.send(json.dumps({"type": "reset", "data": {"seed": "x" * 100_000}}))
+            with pytest.raises(ConnectionClosed):  # over --max-message: the connection is closed
+                ws.recv(WAIT)
+        with connect(server.ws) as ws:  # it goes on serving
+            got = ask(ws, "reset", {"seed": {"x": 1}})
+            assert got["type"] == "error" and "seed should be a whole number" in got["data"]["message"]
+            assert ask(ws, "reset", {"seed": 1})["type"] == "observation"
         assert server.stop() == 0
