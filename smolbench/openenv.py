@@ -10,8 +10,14 @@ Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import math
 import uuid
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 from openenv.core.env_server.interfaces import Environment
@@ -19,9 +25,16 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 from .errors import SmolbenchError
+from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["BodyLimit", "GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+
+T = TypeVar("T")
+REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
+IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
+MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
+GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 
 
 class GymAction(Action):
@@ -81,26 +94,69 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, machines: Machines) -> None:
+    def __init__(self, machines: Machines, timeout: float = REQUEST_TIMEOUT,
+                 on_close: Callable[[Machines], None] | None = None) -> None:
         super().__init__()
         self._m = machines
+        self._timeout = timeout
+        self._on_close = on_close
+        self._started = False  # its machines are made at its first reset (/metadata, /state need none)
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
-        """A new episode in a fresh branch of the warm parent."""
-        obs, info = self._m.host.run(self._m.reset(0, seed, kwargs.get("options")))
+        """A new episode in a fresh branch of the warm parent (a client's seed, options and
+        episode id checked first, as ``smolbench.gym.make``'s reset checks them)."""
+        unknown = sorted(set(kwargs) - {"options"})
+        if unknown:
+            raise SmolbenchError(f"reset takes seed, episode_id and options; {str(unknown[0])[:40]!r} is not one of them")
+        if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
+            raise SmolbenchError("episode_id should be a string of at most 255 characters")
+        seed = check_seed(seed)
+        options = _options(kwargs.get("options"))
+        self._open()
+        if not self._started:
+            self._started = True
+            self._run(self._m.start_sibling(), "session's start", self._timeout)
+        obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
 
     def step(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
-        """One step in the session's machine."""
+        """One step in the session's machine, within the server's request timeout (or the
+        client's ``timeout_s``, if shorter)."""
+        limit = self._timeout
+        if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+                raise SmolbenchError(f"timeout_s should be a number of seconds above 0, got {str(timeout_s)[:40]}")
+            limit = min(limit, float(timeout_s))
+        self._open()
         act = from_json(self._m.action_space, action.action)
-        st = self._m.host.run(self._m.step(0, act), timeout_s)
+        st = self._run(self._m.step(0, act), "step", limit)
         self._state.step_count += 1
         return GymObservation(observation=to_json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
                               terminated=st.terminated, truncated=st.truncated, info=to_json(st.info),
                               machine=self._machine())
+
+    def _open(self) -> None:
+        if self._m.closed:
+            raise SmolbenchError("this session is closed (it was idle too long, or the server is stopping): "
+                                 "open a new one")
+
+    def _run(self, coro: Coroutine[Any, Any, T], what: str, limit: float) -> T:
+        """``coro`` on smolbench's loop, cut after ``limit`` s: then the episode's channel is
+        cut and its machine deleted (what runs there is unknown), and the client gets one line."""
+        m = self._m
+        try:
+            return m.host.run(_within(coro, limit), limit + 2 * GRACE)
+        except (_OutOfTime, concurrent.futures.TimeoutError):
+            pass
+        machine = self._machine()  # the one the request was cut in
+        with contextlib.suppress(Exception):
+            m.host.run(m.abandon(0, f"the {what} took longer than {limit:g} s"), 2 * GRACE)
+        gone = f"machine {machine} is deleted" if machine else "its machine is deleted"
+        raise SmolbenchError(f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout): {gone}; "
+                             "reset() starts a new episode")
 
     @property
     def state(self) -> State:
@@ -116,20 +172,120 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     def close(self) -> None:
         """Delete this session's machines (the warm parent stays for the next session)."""
-        self._m.host.run(self._m.close())
+        try:
+            self._m.host.run(self._m.close(), 2 * GRACE)
+        finally:
+            if self._on_close is not None:
+                self._on_close(self._m)
 
     def _machine(self) -> str | None:
         ref = self._m.eps[0].ref
         return ref.name if ref is not None else None
 
 
-def app_for(parent: Machines, max_sessions: int = 16) -> Any:
-    """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session."""
+class _OutOfTime(Exception):
+    """A served request ran out of time."""
+
+
+async def _within(coro: Coroutine[Any, Any, T], limit: float) -> T:
+    """``coro``'s result, or :class:`_OutOfTime` once it ran ``limit`` s (it is cancelled, and
+    given :data:`GRACE` to clean up: a step's cut channel, a reset's spare put back)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task}, timeout=GRACE)
+    raise _OutOfTime
+
+
+def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
+            idle: float = IDLE_TIMEOUT) -> Any:
+    """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session,
+    each reset or step cut after ``timeout`` s, a session closed after ``idle`` s without a
+    request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet."""
     from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.env_server.types import ConcurrencyConfig
 
-    def factory() -> MachineEnvironment:
+    for name, value in (("request timeout", timeout), ("idle timeout", idle)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
+    live: set[Machines] = set()
+
+    def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
-        parent.host.run(m.start_sibling())
-        return MachineEnvironment(m)
+        live.add(m)
+        return MachineEnvironment(m, timeout, on_close=live.discard)
 
-    return create_fastapi_app(factory, GymAction, GymObservation, max_concurrent_envs=max_sessions)
+    config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
+    app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
+    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
+    app.state.smolbench_sessions = live
+
+    async def one_line(request: Any, exc: Exception) -> Any:  # over HTTP too, not "Internal Server Error"
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    app.add_exception_handler(SmolbenchError, one_line)
+    return app
+
+
+class BodyLimit:
+    """ASGI middleware: an HTTP request whose body is over ``limit`` bytes gets a 413 with one
+    line, refused by its Content-Length before it is read, or once that much streamed in (the
+    app then sees the client gone). WebSocket messages are uvicorn's ``ws_max_size``."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        why = f"the request body is over {self.limit:,} bytes (smolbench serve --max-message)"
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                if not value.isdigit() or int(value) > self.limit:
+                    return await _refuse(send, 413, why)
+        seen = 0
+        refused = started = False
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    if not started:
+                        await _refuse(send, 413, why)
+                    return {"type": "http.disconnect"}
+            return dict(msg)
+
+        async def sending(msg: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out: nothing of the app's answer follows it
+            started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, sending)
+        except Exception:
+            if not refused:
+                raise
+
+
+async def _refuse(send: Any, status: int, why: str) -> None:
+    body = json.dumps({"detail": why}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -10,6 +10,8 @@ the server and deletes every machine it made.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import re
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from .errors import SmolbenchError
 
 TARGET = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
 SERVED = "_smolbench_served"
+STOP_WAIT = 5  # s Ctrl-C / SIGTERM lets open requests finish before they are cancelled
 
 
 def setup_code(args: argparse.Namespace) -> tuple[str, str]:
@@ -37,6 +40,20 @@ def setup_code(args: argparse.Namespace) -> tuple[str, str]:
     return path.read_text(), m["name"]
 
 
+def check_limits(args: argparse.Namespace) -> None:
+    """The server's limits make sense, else a one-line error before anything starts."""
+    for opt, value in (("--request-timeout", args.request_timeout), ("--idle-timeout", args.idle_timeout)):
+        if not math.isfinite(value) or value <= 0:
+            raise SmolbenchError(f"{opt} should be a number of seconds above 0, got {value:g}")
+    if args.idle_timeout < args.request_timeout:
+        raise SmolbenchError(f"--idle-timeout ({args.idle_timeout:g} s) should be at least --request-timeout "
+                             f"({args.request_timeout:g} s): a session would be closed while a step still runs")
+    if args.max_message < 1024:
+        raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
+    if args.max_sessions < 1:
+        raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Bring a session up, build the env in its warm parent, serve it until stopped."""
     import uvicorn
@@ -44,9 +61,10 @@ def serve(args: argparse.Namespace) -> int:
     from . import Session
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import app_for
+    from .openenv import BodyLimit, app_for
 
     try:
+        check_limits(args)
         code, name = setup_code(args)
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
@@ -57,16 +75,24 @@ def serve(args: argparse.Namespace) -> int:
         assert wb is not None
         host = Host(wb)
         parent = Machines(host, name, 1, args.reset, None)
+        app: Any = None
         try:
             host.run(parent.start())
             assert parent.parent is not None
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on "
                   f"http://{args.host}:{args.port} · {wb.backend.name} · each client session in its own branch of "
                   f"{parent.parent.name}", flush=True)
-            server = _uvicorn_server()(uvicorn.Config(app_for(parent, args.max_sessions), host=args.host, port=args.port,
-                                            log_level="warning"))
+            app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
+            # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
+            server = _uvicorn_server()(uvicorn.Config(BodyLimit(app, args.max_message), host=args.host, port=args.port,
+                                                      log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
+                                                      ws_max_size=args.max_message))
             server.run()
         finally:
+            if app is not None:  # sessions still open (their clients gone, or cut by the stop)
+                for m in list(app.state.smolbench_sessions):
+                    with contextlib.suppress(Exception):
+                        host.run(m.close(), 60)
             host.run(parent.close())
     print("smolbench: stopped; every machine it made is deleted", flush=True)
     return 0
@@ -97,4 +123,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
     p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once (each its own machine)")
+    p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
+    p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
+                   help="bytes an HTTP request body or a WebSocket message may take (default 1 MiB)")
+    p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)

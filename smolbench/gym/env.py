@@ -34,10 +34,9 @@ class MachineEnv(gymnasium.Env[Any, Any]):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """Start an episode (in a new branch of the warm parent, with ``reset="fresh"``)."""
+        seed = check_seed(seed)
         super().reset(seed=seed)  # the host's own np_random (samplers); the machine's env is seeded there
         self._open()
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise GymError(f"seed should be a whole number or None, got {seed!r}")
         opts = _options(options)
         got = self._m.reset_now(0, seed, opts)  # on this thread where it can: no hop to the loop
         return got if got is not None else self._m.host.run(self._m.reset(0, seed, opts))
@@ -71,6 +70,20 @@ class MachineEnv(gymnasium.Env[Any, Any]):
             raise GymError("the env is closed: make a new one with smolbench.gym.make(...)")
 
 
+MAX_SEED = 2**63 - 1  # what a ledger row (SQLite INTEGER) and numpy's seeding both take
+
+
+def check_seed(seed: Any) -> int | None:
+    """A reset's seed: a whole number from 0 to 2**63-1, or None; else a one-line error."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise GymError(f"seed should be a whole number or None, got {type(seed).__name__} {str(seed)[:40]}")
+    if not 0 <= seed <= MAX_SEED:
+        raise GymError(f"seed should be a whole number from 0 to 2**63-1, got {str(seed)[:40]}")
+    return seed
+
+
 def _options(options: Any) -> dict[str, Any] | None:
     """Reset options travel as JSON: plain data only."""
     if options is None:
@@ -86,4 +99,4 @@ def _options(options: Any) -> dict[str, Any] | None:
     return options
 
 
-__all__ = ["GymError", "MachineEnv", "spaces"]
+__all__ = ["GymError", "MachineEnv", "check_seed", "spaces"]

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import pickle
@@ -61,6 +62,7 @@ _smolgym_out = _smolgym.build()
 """
 
 
+log = logging.getLogger(__name__)
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
 
 
@@ -714,6 +716,19 @@ class Machines:
         if why:
             self.wb.ledger.add_attempt(self.wb.session, old.name if old else "?", attempt, "gym step", "rebuilt", why)
 
+    async def abandon(self, i: int, why: str) -> None:
+        """Sub-env ``i``'s request was cut (out of time): its episode ends as an error, its machine
+        is deleted (what its env did is unknown); the next reset starts in a new branch."""
+        ep = self.eps[i]
+        self._hang_up(ep)
+        ref, ep.ref = ep.ref, None
+        if ep.running:
+            _quietly(self.records.end, ep, "error", why)
+        if ref is not None and ref.name in self.wb.machines:
+            await _to_the_end(self._delete(ref))
+        if self.mode == "in-place" and not self.closed:
+            (ep.ref,) = await self._branch(1)
+
     def shutdown(self) -> None:
         """``close`` from the caller's thread, then the host (the session, if this env made it)."""
         if not self.closed:
@@ -727,13 +742,13 @@ class Machines:
         if self.closed:
             return
         self.closed = True
-        self.records.flush()
+        _quietly(self.records.flush)  # no record, written or not, stops the deletions below
         await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
-                self.records.end(ep, "closed")
+                _quietly(self.records.end, ep, "closed")
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
@@ -746,11 +761,19 @@ class Machines:
                 await self.wb.delete(self.parent.name)
         self.parent = None
         if self.run_id and self.owns_parent:
-            self.wb.ledger.end_run(self.run_id, "done")
+            _quietly(self.wb.ledger.end_run, self.run_id, "done")
 
 
 STEP_KEYS = {"obs", "reward", "terminated", "truncated", "info"}
 STEP_KEYS_RNG = STEP_KEYS | {"rng"}
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)``, a record's write, logged if it fails: closing goes on to delete the machines."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("smolbench.gym: a record was not written while closing")
 
 
 def _ignore(event: Any) -> None:

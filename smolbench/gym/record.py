@@ -48,6 +48,8 @@ class Records:
         """``ep``'s new episode: its node, running."""
         m = self.m
         assert ep.ref is not None and m.parent is not None
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            seed = None  # checked before it gets here (env.check_seed); a row could not hold another
         node = Node(ep.ref.name, m.parent.name, seed, status="running", started=time.time(), run_id=m.run_id,
                     forked_at=m.wb.tree[m.parent.name].cells)
         node.metrics = {"sub_env": ep.index, "reset": m.mode}
@@ -96,7 +98,10 @@ class Records:
             self._later.append((fn, args))
         else:
             self.flush()  # in order: an episode's begin before its end
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception:  # a record that can't be written must not stop a reset, or a close's deletions
+                log.exception("smolbench.gym: an episode's record was not written")
 
     def _write(self, later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
         with self.m.wb.recording():  # one commit; the views hear of it after

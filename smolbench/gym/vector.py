@@ -17,7 +17,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
-from .env import _options
+from .env import _options, check_seed
 from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
 
@@ -61,6 +61,7 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
             raise GymError(f"seed should be None, a whole number or a list of {self.num_envs} whole numbers or None")
         if len(seeds) != self.num_envs or any(s is not None and (isinstance(s, bool) or not isinstance(s, int)) for s in seeds):
             raise GymError(f"seed should be None, a whole number or a list of {self.num_envs} whole numbers or None")
+        seeds = [check_seed(s) for s in seeds]
         options = dict(options) if options is not None else None
         mask = np.ones(self.num_envs, dtype=np.bool_)
         if options is not None and "reset_mask" in options:

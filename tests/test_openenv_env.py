@@ -1,0 +1,212 @@
+"""What an OpenEnv client's requests can do to the served env's machines (in this process).
+
+The env a ``smolbench serve`` session gets (``MachineEnvironment`` on a sibling of a warm
+parent), driven with what a client could send over the WebSocket, where OpenEnv checks
+nothing of a reset's data: every attack below left machines running on the old code, or
+kept a session's step waiting forever.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+
+from smolbench import SmolbenchError
+from smolbench.backends import _procs
+from smolbench.backends.base import MachineRef
+from smolbench.gym._host import Host
+from smolbench.gym.machines import Machines
+from smolbench.workbench import Workbench
+
+pytest.importorskip("openenv.core.env_server.interfaces")
+from smolbench.openenv import GymAction, MachineEnvironment  # noqa: E402
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(600)]
+
+CODE_ENV = '''
+import string, numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class CodeEnv(gym.Env):
+    """The action is Python code run in the machine (an agent sandbox)."""
+    def __init__(self):
+        self.observation_space = S.Box(-1, 1, (1,), np.float32)
+        self.action_space = S.Text(4096, charset=string.printable)
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        if options and options.get("hang"):
+            import time
+            time.sleep(10**6)
+        return np.zeros(1, np.float32), {}
+    def step(self, action):
+        ns = {}
+        exec(action, ns)
+        return np.zeros(1, np.float32), 0.0, False, False, ns.get("info", {})
+
+def code_env():
+    return CodeEnv()
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def parent(bench: Workbench) -> Iterator[Machines]:
+    """The warm parent ``smolbench serve`` builds (the code env in it)."""
+    define(bench, CODE_ENV)
+    host = Host(bench)
+    m = Machines(host, "code_env", 1, "fresh", None)
+    host.run(m.start())
+    try:
+        yield m
+    finally:
+        host.run(m.close())
+
+
+@pytest.fixture(scope="module")
+def in_place(bench: Workbench, parent: Machines) -> Iterator[Machines]:
+    """The warm parent of ``smolbench serve --reset in-place``."""
+    host = Host(bench)
+    m = Machines(host, "code_env", 1, "in-place", None)
+    host.run(m.start())
+    try:
+        yield m
+    finally:
+        host.run(m.close())
+
+
+def session(parent: Machines, **kw: Any) -> MachineEnvironment:
+    """What OpenEnv's app makes for one client session."""
+    return MachineEnvironment(parent.sibling(), **kw)
+
+
+def alive(ref: MachineRef) -> bool:
+    return _procs.running(ref.info["host_pid"], ref.info["host_started"])
+
+
+def mine(parent: Machines, env: MachineEnvironment) -> list[MachineRef]:
+    """Every machine the session's env holds (its episode's and its spares)."""
+    refs = [ep.ref for ep in env._m.eps if ep.ref is not None]
+    return refs + [r for r, _ in env._m.pool.ready]
+
+
+@pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])
+def test_a_bad_seed_is_one_line_and_close_deletes_the_machines(parent: Machines, seed: Any) -> None:
+    env = session(parent)
+    env.reset(seed=1)
+    with pytest.raises(SmolbenchError, match="seed should be a whole number") as got:
+        env.reset(seed=seed)
+    assert "\n" not in str(got.value) and len(str(got.value)) < 200
+    assert env.reset(seed=2).machine is not None  # the session goes on
+    refs = mine(parent, env)
+    env.close()  # on the old code: sqlite refused the seed's row and close stopped before its deletions
+    wb = parent.wb
+    assert not any(r.name in wb.machines for r in refs)
+    assert not any(alive(r) for r in refs)
+
+
+def test_bad_options_and_unknown_reset_fields_are_refused(parent: Machines) -> None:
+    env = session(parent)
+    try:
+        with pytest.raises(SmolbenchError, match="reset options should be a dict"):
+            env.reset(options=[1, 2])
+        with pytest.raises(SmolbenchError, match="'pad' is not one of them"):
+            env.reset(seed=1, pad=[0] * 1000)
+        with pytest.raises(SmolbenchError, match="episode_id"):
+            env.reset(episode_id="x" * 1000)
+        assert env.reset(seed=1, options={"a": 1}).machine is not None
+    finally:
+        env.close()
+
+
+def test_close_deletes_the_machines_when_the_ledger_refuses_a_record(parent: Machines,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    env = session(parent)
+    env.reset(seed=3)
+    refs = mine(parent, env)
+    assert refs and all(alive(r) for r in refs)
+
+    def refuse(*a: Any, **k: Any) -> None:
+        raise sqlite3.ProgrammingError("Python int too large to convert to SQLite INTEGER")
+
+    monkeypatch.setattr(parent.wb, "_record", refuse)
+    env.close()  # the old code raised here, and left the machines running
+    monkeypatch.undo()
+    assert not any(r.name in parent.wb.machines for r in refs)
+    assert not any(alive(r) for r in refs)
+
+
+def test_gym_make_refuses_a_seed_no_ledger_row_can_hold(bench: Workbench, parent: Machines) -> None:
+    import smolbench.gym as sgym
+
+    env = sgym.make("code_env", session=bench)
+    try:
+        with pytest.raises(SmolbenchError, match="from 0 to 2\\*\\*63-1"):
+            env.reset(seed=10**30)  # the old code began a record sqlite refused, and close then raised too
+        env.reset(seed=2**63 - 1)
+    finally:
+        env.close()
+    assert env.machine is None or env.machine not in bench.machines
+
+
+HANG = GymAction(action="import time\ntime.sleep(10**6)")
+
+
+@pytest.mark.parametrize("what", ["step", "reset"])
+def test_a_request_that_never_answers_is_cut_its_machine_deleted_the_session_goes_on(parent: Machines, what: str) -> None:
+    env = session(parent, timeout=3)
+    try:
+        env.reset(seed=1)
+        machines = dict(parent.wb.machines)  # the next spare, a reset's machine, is one of them
+        with pytest.raises(SmolbenchError, match=f"the {what} took longer than 3 s") as got:
+            if what == "step":  # the client's code sleeps for good: on the old code this never returned
+                env.step(HANG)
+            else:
+                env.reset(options={"hang": True})
+        assert "\n" not in str(got.value)
+        hung = re.search(r"machine (\S+) is deleted", str(got.value))
+        assert hung is not None and hung[1] in machines
+        assert hung[1] not in parent.wb.machines and not alive(machines[hung[1]])
+        with pytest.raises(SmolbenchError, match="before reset"):
+            env.step(GymAction(action="info = {'ok': 1}"))
+        assert env.reset(seed=2).machine not in (None, hung[1])  # the session goes on, in a new machine
+        assert env.step(GymAction(action="info = {'ok': 1}")).info == {"ok": 1}
+    finally:
+        env.close()
+
+
+def test_a_client_timeout_s_is_checked_and_only_shortens_the_limit(parent: Machines) -> None:
+    env = session(parent, timeout=60)
+    try:
+        env.reset(seed=1)
+        with pytest.raises(SmolbenchError, match="timeout_s should be"):
+            env.step(HANG, timeout_s=float("nan"))
+        with pytest.raises(SmolbenchError, match="took longer than 2 s"):
+            env.step(HANG, timeout_s=2)
+    finally:
+        env.close()
+    with pytest.raises(SmolbenchError, match="session is closed"):
+        env.reset(seed=1)
+
+
+def test_in_place_a_cut_step_gets_a_new_machine_for_the_next_episode(in_place: Machines) -> None:
+    env = session(in_place, timeout=3)
+    try:
+        env.reset(seed=1)
+        ref = env._m.eps[0].ref
+        assert ref is not None
+        with pytest.raises(SmolbenchError, match=f"machine {ref.name} is deleted"):
+            env.step(HANG)
+        assert ref.name not in in_place.wb.machines and not alive(ref)
+        assert env.reset(seed=2).machine not in (None, ref.name)
+        assert env.step(GymAction(action="info = {'ok': 2}")).info == {"ok": 2}
+    finally:
+        env.close()

@@ -1,0 +1,250 @@
+"""`smolbench serve` against untrusted clients: the real command in its own process.
+
+Each test is an attack a client on loopback could make (the audit's probes, made into
+tests): steps that never answer from clients that then drop their connection, sessions
+opened and left, huge requests. The server must go on serving, free what such clients
+held, and stop on SIGTERM with every machine it made deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gymhelpers import needs_bwrap
+
+from smolbench.backends import _procs
+
+pytest.importorskip("openenv.core.env_server.http_server")
+from websockets.exceptions import ConnectionClosed  # noqa: E402  (openenv-core's client needs websockets)
+from websockets.sync.client import connect  # noqa: E402
+
+pytestmark = [needs_bwrap, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+ENVS = '''
+import string, numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class CodeEnv(gym.Env):
+    """The action is Python code run in the machine (an agent sandbox)."""
+    def __init__(self):
+        self.observation_space = S.Box(-1, 1, (1,), np.float32)
+        self.action_space = S.Text(4096, charset=string.printable)
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+    def step(self, action):
+        ns = {}
+        exec(action, ns)
+        return np.zeros(1, np.float32), 0.0, False, False, ns.get("info", {})
+
+def code_env():
+    return CodeEnv()
+'''
+HANG = "import time\ntime.sleep(10**6)"
+WAIT = 120  # s before a test gives up on something that should happen (hang detection, not speed)
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str]) -> None:
+        self.proc, self.port, self.lines = proc, port, lines
+        self.url = f"http://127.0.0.1:{port}"
+        self.ws = f"ws://127.0.0.1:{port}/ws"
+
+    def agents(self) -> set[tuple[int, str]]:
+        """The machines' agent processes under the server (one per live machine)."""
+        out = set()
+        for pid, started in _procs.descendants(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"agent.py" in cmd and b"bwrap" not in cmd.split(b"\0")[0]:
+                out.add((pid, started))
+        return out
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(WAIT)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def settled(self) -> set[tuple[int, str]]:
+        """The agents once their number held for 3 s (the warm parent makes its spares at first)."""
+        last, same = self.agents(), 0
+        deadline = time.monotonic() + WAIT
+        while same < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.agents()
+            same, last = (same + 1, now) if now == last else (0, now)
+        return last
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serving(folder: Path, *options: str) -> Iterator[Server]:
+    """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done."""
+    (folder / "envs.py").write_text(ENVS)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+                             "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    server = Server(proc, port, lines)
+    try:
+        deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, server.out
+            if any("over OpenEnv" in line for line in lines):
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        reader.join(10)
+
+
+def ask(ws: Any, type_: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    ws.send(json.dumps({"type": type_, "data": data or {}}))
+    return dict(json.loads(ws.recv(WAIT)))
+
+
+def drop(ws: Any) -> None:
+    """The client vanishes: its TCP connection reset, no close frame."""
+    ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    ws.socket.close()
+
+
+def until(what: Any, why: str) -> Any:
+    deadline = time.monotonic() + WAIT
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, why
+        time.sleep(0.5)
+
+
+def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_stops(open_tmp: Path) -> None:
+    with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "60") as server:
+        idle = server.settled()
+        for _ in range(2):  # both slots: a step that never answers, then the client is gone
+            ws = connect(server.ws)
+            assert ask(ws, "reset")["type"] == "observation"
+            ws.send(json.dumps({"type": "step", "data": {"action": HANG}}))
+            time.sleep(0.5)
+            drop(ws)
+
+        def served() -> dict[str, Any] | None:  # on the old code: "Server at capacity", for good
+            with connect(server.ws) as ws:
+                try:
+                    got = ask(ws, "reset")
+                except ConnectionClosed:  # refused at once (the capacity error came first)
+                    return None
+                if got["type"] != "observation":
+                    assert "capacity" in got["data"]["message"], got
+                    return None
+                return ask(ws, "step", {"action": "info = {'ok': 1}"})
+        got = until(served, "the hung sessions' slots were never freed")
+        assert got["data"]["observation"]["info"] == {"ok": 1}
+        until(lambda: server.agents() == idle, "the hung sessions' machines were not deleted")
+
+        with connect(server.ws) as ws:  # a hung step, the client still there: one line, the session goes on
+            ask(ws, "reset")
+            got = ask(ws, "step", {"action": HANG})
+            assert got["type"] == "error" and "took longer than 3 s" in got["data"]["message"]
+            assert "\n" not in got["data"]["message"]
+            assert ask(ws, "reset")["type"] == "observation"
+
+        ws = connect(server.ws)  # SIGTERM while a step hangs and its client waits
+        ask(ws, "reset")
+        ws.send(json.dumps({"type": "step", "data": {"action": HANG}}))
+        time.sleep(0.5)
+        machines = server.agents()
+        assert machines - idle
+        code = server.stop()  # on the old code it outlived SIGINT and SIGTERM, its port closed
+        ws.close()
+    assert code == 0, server.out
+    assert "stopped; every machine it made is deleted" in server.out
+    assert not [p for p in machines if _procs.running(*p)]
+
+
+def test_sessions_left_idle_are_closed_and_their_machines_deleted(open_tmp: Path) -> None:
+    with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "6") as server:
+        idle = server.settled()
+        left = [connect(server.ws) for _ in range(2)]
+        for ws in left:
+            assert ask(ws, "reset")["type"] == "observation"
+        assert server.agents() - idle
+        until(lambda: server.agents() == idle, "idle sessions kept their machines")
+        got = ask(left[0], "reset")  # the session was closed: one line saying so
+        assert got["type"] == "error" and "session is closed" in got["data"]["message"]
+        with connect(server.ws) as ws:  # their slots are free again
+            assert ask(ws, "reset")["type"] == "observation"
+        for ws in left:
+            ws.close()
+        assert server.stop() == 0
+
+
+def test_big_or_unknown_requests_and_mcp_sessions_are_refused_and_it_goes_on(open_tmp: Path) -> None:
+    import httpx
+
+    with serving(open_tmp, "--max-sessions", "2", "--max-message", "65536") as server:
+        idle = server.settled()
+        for _ in range(4):  # OpenEnv's /mcp opened a session (a slot, machines) for any client
+            r = httpx.post(f"{server.url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create",
+                                                      "params": {}}, timeout=WAIT)
+            assert r.status_code in (404, 405), r.text
+        for _ in range(3):  # a request without a session made (and deleted) a whole session's machines
+            assert httpx.get(f"{server.url}/metadata", timeout=WAIT).status_code == 200
+        assert server.agents() == idle
+
+        body = b'{"seed": 1, "pad": [' + b"0," * 100_000 + b'0]}'  # 200 kB: read whole before, held in memory
+        r = httpx.post(f"{server.url}/reset", content=body, headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 413 and "over 65,536 bytes" in r.json()["detail"]
+        chunks = (b"0," * 10_000 for _ in range(20))  # streamed, no Content-Length
+        r = httpx.post(f"{server.url}/reset", content=chunks, headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 413
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1, "pad": 1}, timeout=WAIT)
+        assert r.status_code == 400 and r.json()["detail"] == "reset takes seed, episode_id and options; 'pad' is not one of them"
+        r = httpx.post(f"{server.url}/reset", json={"seed": 10**30}, timeout=WAIT)
+        assert r.status_code in (400, 422), r.text
+
+        with connect(server.ws) as ws:
+            ws.send(json.dumps({"type": "reset", "data": {"seed": "x" * 100_000}}))
+            with pytest.raises(ConnectionClosed):  # over --max-message: the connection is closed
+                ws.recv(WAIT)
+        with connect(server.ws) as ws:  # it goes on serving
+            got = ask(ws, "reset", {"seed": {"x": 1}})
+            assert got["type"] == "error" and "seed should be a whole number" in got["data"]["message"]
+            assert ask(ws, "reset", {"seed": 1})["type"] == "observation"
+        assert server.stop() == 0
