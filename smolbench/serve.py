@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import math
 import re
 import sys
@@ -54,6 +55,16 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` (``--host``) listens on this host's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to
+
+
 def serve(args: argparse.Namespace) -> int:
     """Bring a session up, build the env in its warm parent, serve it until stopped."""
     import uvicorn
@@ -82,6 +93,10 @@ def serve(args: argparse.Namespace) -> int:
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on "
                   f"http://{args.host}:{args.port} · {wb.backend.name} · each client session in its own branch of "
                   f"{parent.parent.name}", flush=True)
+            if not loopback(args.host):
+                print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and the server has "
+                      "no authentication: anyone who can connect runs episodes here; keep it on loopback, or put a "
+                      "proxy that checks clients in front", file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
             server = _uvicorn_server()(uvicorn.Config(BodyLimit(app, args.max_message), host=args.host, port=args.port,

@@ -248,3 +248,10 @@ def test_big_or_unknown_requests_and_mcp_sessions_are_refused_and_it_goes_on(ope
             assert got["type"] == "error" and "seed should be a whole number" in got["data"]["message"]
             assert ask(ws, "reset", {"seed": 1})["type"] == "observation"
         assert server.stop() == 0
+
+
+def test_a_server_reachable_from_other_hosts_is_said_to_have_no_authentication() -> None:
+    from smolbench.serve import loopback
+
+    assert all(loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "localhost"))
+    assert not any(loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "myhost.example"))  # warned at start
