@@ -74,7 +74,7 @@ def test_saved_notebook_shows_the_tree_and_the_plots_in_a_fresh_server(tmp_path:
     )
     html = (tmp_path / "bare.html").read_text()
     (tmp_path / "bare.ipynb").unlink()
-    assert html.count('class="smolbench-static smolbench-tree"') >= 3
+    assert html.count('class="smolbench-static smolbench-tree ') >= 3
     assert html.count('data-mime-type="image/svg+xml"') == 2  # the plots, as static SVG
 
     ARTIFACTS.mkdir(exist_ok=True)
