@@ -298,7 +298,14 @@ ms, the env's reset 0.09-0.11 against 0.035-0.05, the answer's way back 0.22-0.3
 not kept: the loop woken for the last machine's retirement after the answer was checked, not
 before (no change: not the GIL); a fresh episode's records gathered as in-place ones are (the way
 back 0.33-0.40 ms, worse); a rehearsal in the next spare right after the previous reset, its
-answer's encoding and a walk of 3,000 of the env's objects (no change).
+answer's encoding and a walk of 3,000 of the env's objects (no change). Where a fresh episode's
+CPU goes (2026-12-04 12:30, quiet host, probes: /proc/stat over 300 vector steps of `make_vec` at
+16, fresh minus in place, over the ~200 episodes that ended): 13.7-15.9 ms of CPU an episode, the
+kernel process 2.3 ms of it; a `--keep none` fork of 16 from a parent that imported gymnasium and
+made CartPole costs 8.1-8.7 ms a branch (6.2-6.9 from a bare parent), so the branch is most of it
+and the serving cell, the episode's first touches and its records the rest; taking the practice
+pages ahead is ~1.5 ms of it (without: 13.1-14.3 ms, and resets 1.5-1.8 ms instead of 0.8-0.9).
+At ~1.5 ms of CPU an episode for the step goal, a branch per episode can't get there on 2 cores.
 {END}"""
 
 
