@@ -143,7 +143,8 @@ def within_budget(trees: list[Any], num_envs: int = 0) -> None:
         vec = f" and batched for num_envs={num_envs}" if num_envs else ""
         raise Refused(f"spaces that would take about {total / (1 << 20):,.0f} MiB here once rebuilt{vec}: the budget is "
                       f"{MAX_SPACE_BYTES >> 20} MiB for all of an env's spaces (smolbench.gym.spaces.MAX_SPACE_BYTES); "
-                      "describe smaller Box/MultiBinary/MultiDiscrete arrays or Text charsets, or use fewer sub-envs")
+                      "describe smaller Box/MultiBinary/MultiDiscrete arrays or Text charsets, use fewer sub-envs, or "
+                      "(an env you trust) raise that limit")
 
 
 def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
