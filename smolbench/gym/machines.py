@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import math
 import os
 import pickle
@@ -45,7 +44,7 @@ from ._host import Host
 from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
 from .info import checked_info
 from .practice import practise
-from .record import Records
+from .record import Records, quietly
 from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
@@ -61,8 +60,6 @@ del _smolgym_types, _smolgym_mod, _smolgym_src
 _smolgym_out = _smolgym.build()
 """
 
-
-log = logging.getLogger(__name__)
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
 
 
@@ -723,7 +720,7 @@ class Machines:
         self._hang_up(ep)
         ref, ep.ref = ep.ref, None
         if ep.running:
-            _quietly(self.records.end, ep, "error", why)
+            quietly(self.records.end, ep, "error", why)
         if ref is not None and ref.name in self.wb.machines:
             await _to_the_end(self._delete(ref))
         if self.mode == "in-place" and not self.closed:
@@ -742,13 +739,13 @@ class Machines:
         if self.closed:
             return
         self.closed = True
-        _quietly(self.records.flush)  # no record, written or not, stops the deletions below
+        quietly(self.records.flush)  # no record, written or not, stops the deletions below
         await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
             if ep.running:
-                _quietly(self.records.end, ep, "closed")
+                quietly(self.records.end, ep, "closed")
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
@@ -761,19 +758,11 @@ class Machines:
                 await self.wb.delete(self.parent.name)
         self.parent = None
         if self.run_id and self.owns_parent:
-            _quietly(self.wb.ledger.end_run, self.run_id, "done")
+            quietly(self.wb.ledger.end_run, self.run_id, "done")
 
 
 STEP_KEYS = {"obs", "reward", "terminated", "truncated", "info"}
 STEP_KEYS_RNG = STEP_KEYS | {"rng"}
-
-
-def _quietly(fn: Callable[..., Any], *args: Any) -> None:
-    """``fn(*args)``, a record's write, logged if it fails: closing goes on to delete the machines."""
-    try:
-        fn(*args)
-    except Exception:
-        log.exception("smolbench.gym: a record was not written while closing")
 
 
 def _ignore(event: Any) -> None:

@@ -33,6 +33,15 @@ GATHER = 0.01  # s: how long after a step its episodes' records may wait, to go 
 ENDS = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}  # how an episode ended -> its status
 
 
+def quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)``, a record's write, logged if it fails: a record that can't be written must
+    not stop the others, a reset, or a close's deletions."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("smolbench.gym: a record was not written")
+
+
 class Records:
     """The episodes' records of one gym env's machines."""
 
@@ -98,18 +107,12 @@ class Records:
             self._later.append((fn, args))
         else:
             self.flush()  # in order: an episode's begin before its end
-            try:
-                fn(*args)
-            except Exception:  # a record that can't be written must not stop a reset, or a close's deletions
-                log.exception("smolbench.gym: an episode's record was not written")
+            quietly(fn, *args)
 
     def _write(self, later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
         with self.m.wb.recording():  # one commit; the views hear of it after
             for fn, args in later:
-                try:
-                    fn(*args)
-                except Exception:  # a record that can't be written must not stop the others
-                    log.exception("smolbench.gym: an episode's record was not written")
+                quietly(fn, *args)
 
     def _add(self, node: Node, other_id: str) -> None:
         wb = self.m.wb
