@@ -567,8 +567,7 @@ def _drain(timeout: float) -> None:
                 write()
                 target = stream
             if branch:
-                text = "".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True))
-                run.append(text if text.endswith("\n") else text + "\n")
+                run.append(gate.terminal.prefixed(branch, ev.text))
             else:
                 run.append(ev.text)
         elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:  # ("wake" items only end the wait)
@@ -619,20 +618,18 @@ _netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line 
 
 
 def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:
+    """A fork's output after it ends, each line after its branch's name (a line a branch
+    writes can't pass for another's): by branch, or all of stdout and then all of stderr."""
     if mode == "branch":
         for branch in sorted(buffers, key=_branch_key):
-            print(f"[{branch}]")
             for name, text in buffers[branch]:
-                (sys.stderr if name == "stderr" else sys.stdout).write(text)
+                (sys.stderr if name == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
         return
     for want in ("stdout", "stderr"):
         for branch in sorted(buffers, key=_branch_key):
             text = "".join(t for n, t in buffers[branch] if n == want)
             if text:
-                out = sys.stderr if want == "stderr" else sys.stdout
-                out.write("".join(f"[{branch}] {ln}" for ln in text.splitlines(True)))
-                if not text.endswith("\n"):
-                    out.write("\n")
+                (sys.stderr if want == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
 
 
 def _branch_key(branch: str) -> list[Any]:

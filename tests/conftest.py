@@ -35,6 +35,7 @@ SECOND_TIER = frozenset(
         "test_browser.py",
         "test_browser_clicks.py",
         "test_browser_truth.py",
+        "test_browser_terminal.py",
         "test_browser_xss.py",
         "test_cluster.py",
         "test_cluster_smol.py",

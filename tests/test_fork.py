@@ -222,7 +222,7 @@ def test_nested_forks_to_depth_3_with_keep_policies_tree_and_replay(session: Not
     ok(nb.run("%%smol\nimport random\nbase = 1000"))
     cell = ok(nb.run("%%smol fork 4 --seed-base 10 --group-outputs branch\nscore = base + SEED\n"
                      "print('a', SEED)\nprint('b', SEED)\nreward = score + random.random()"))
-    assert stream_text(cell) == "".join(f"[root.{i}]\na {10 + i}\nb {10 + i}\n" for i in range(4))  # grouped by branch
+    assert stream_text(cell) == "".join(f"[root.{i}] a {10 + i}\n[root.{i}] b {10 + i}\n" for i in range(4))  # grouped by branch
     assert "active machine is now root.3 (seed 13" in stream_text(ok(nb.run("%smol use root.3")))
     cell = ok(nb.run("%%smol fork 3 --group-outputs type\nimport sys\nscore = score * 10 + SEED\n"
                      "print('out', SEED)\nprint('err', SEED, file=sys.stderr)\nreward = score + random.random()"))

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..backends.base import CellRequest, CellResult, Event, OnEvent
 from ..errors import MachineBusy, SmolbenchError
-from . import display, pull
+from . import display, pull, terminal
 from .display import SafeBundle
 from .frames import (
     Bad,
@@ -131,7 +131,7 @@ class _Cell:
             raise Bad(f"a stream named {shown(fields.get('name'))} (stdout or stderr)")
         text = self.budget.take(fields["name"], fields.get("text", ""))
         if text:
-            self.emit(Event("stream", fields["name"], text))
+            self.emit(Event("stream", fields["name"], terminal.closed(text)))
 
     def display(self, msg: dict[str, Any], size: int) -> None:
         known = dict(each({"t": _kind, "data": lambda v, k: v}, msg, "a display message"))

@@ -14,6 +14,7 @@ from typing import Any
 
 import traitlets as t
 
+from ..gate import terminal
 from ..tree import Node, best_key
 from ._base import WorkbenchView, clean, view_module
 from .checkpoints import _saved_text
@@ -336,7 +337,7 @@ class TreeWidget(WorkbenchView):
 
         def on_event(branch: str, ev: Any) -> None:
             if getattr(ev, "kind", "") == "stream" and ev.text:
-                self._append_log("".join(f"[{branch}] {ln}" for ln in ev.text.splitlines(True)))
+                self._append_log(terminal.prefixed(branch, ev.text))
 
         async def fork() -> Any:
             # Laid out and run on the loop, like every Workbench change a click makes (never

@@ -1,0 +1,52 @@
+"""Machine text shown beside the host's own: a machine's line can't reach past itself.
+
+JupyterLab and Notebook 7 act on a stream's control characters when they show it: a
+backspace erases the character before it, a carriage return goes back to the start of
+its line, and an ANSI SGR code sets a style that lasts, across lines, until a reset. A
+fork's output puts each branch's name before each of its lines, and the host writes its
+own notes on the same streams; so a branch must not erase its name or write over it, and
+no machine may style (hide: black on black) the lines that come after its own.
+"""
+
+from __future__ import annotations
+
+RESET = "\x1b[0m"
+
+TEST_WEAKEN: set[str] = set()  # "terminal": tests show a branch's line reaching past itself without this
+
+
+def closed(text: str) -> str:
+    """``text`` with any style it starts ended where it ends (an ANSI reset after it)."""
+    if "\x1b" not in text or "terminal" in TEST_WEAKEN:
+        return text
+    body = text.rstrip("\r\n")
+    return body + RESET + text[len(body):]  # before the line end: a line of its own would show
+
+
+def _backspaced(line: str) -> str:
+    """What the notebook shows of ``line``'s backspaces, done here: each erases the character
+    before it, and none reaches before the line's start (where the branch's name is)."""
+    kept: list[str] = []
+    for ch in line:
+        if ch != "\b":
+            kept.append(ch)
+        elif kept:
+            kept.pop()
+    return "".join(kept)
+
+
+def prefixed(branch: str, text: str) -> str:
+    """``text`` as whole lines, each after ``[branch] ``, none able to reach the name or the
+    lines after it; ends with a line end."""
+    out = []
+    for piece in text.splitlines(True):  # also at a lone "\r": the line written over gets its name again
+        body = piece.rstrip("\r\n")
+        end = piece[len(body):] or "\n"
+        if "terminal" not in TEST_WEAKEN:
+            if "\b" in body:
+                body = _backspaced(body)
+            if "\x1b" in body:
+                body += RESET
+        out.append(f"[{branch}] {body}{end}")
+    text = "".join(out)
+    return text if text.endswith("\n") else text + "\n"
