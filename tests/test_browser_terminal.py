@@ -15,7 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browserhelpers import ARTIFACTS, CHROMIUM, browser_page, jupyter_server, notebook_url, run_all, write_notebook
+from browserhelpers import (
+    ARTIFACTS,
+    CHROMIUM,
+    browser_page,
+    jupyter_server,
+    notebook_url,
+    run_all,
+    write_notebook,
+)
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
