@@ -86,6 +86,13 @@ def serve(args: argparse.Namespace) -> int:
         assert wb is not None
         host = Host(wb)
         parent = Machines(host, name, 1, args.reset, None)
+        # every session holds one branch at a time; fresh resets' spares are shared (the parent's)
+        need = parent.live_branches() + args.max_sessions - 1
+        if need > parent.room:
+            print(f"smolbench serve: --max-sessions {args.max_sessions} needs {need} live branches of the warm parent "
+                  f"at once; it has room for {parent.room}: use at most {parent.room - need + args.max_sessions}",
+                  file=sys.stderr)
+            return 2
         app: Any = None
         try:
             host.run(parent.start())

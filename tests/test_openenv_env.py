@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,9 +94,44 @@ def alive(ref: MachineRef) -> bool:
 
 
 def mine(parent: Machines, env: MachineEnvironment) -> list[MachineRef]:
-    """Every machine the session's env holds (its episode's and its spares)."""
-    refs = [ep.ref for ep in env._m.eps if ep.ref is not None]
-    return refs + [r for r, _ in env._m.pool.ready]
+    """Every machine the session's env holds (its episode's: the spares are the warm parent's)."""
+    return [ep.ref for ep in env._m.eps if ep.ref is not None]
+
+
+def branches(parent: Machines) -> set[str]:
+    """The warm parent's branches alive now, once their number held for a second."""
+    assert parent.parent is not None
+    prefix, last, same = parent.parent.name + ".", set(), 0
+    for _ in range(200):
+        now = {name for name in parent.wb.machines if name.startswith(prefix)}
+        same, last = (same + 1, now) if now == last else (0, now)
+        if same == 10:
+            break
+        time.sleep(0.1)
+    return last
+
+
+def test_sessions_and_stateless_resets_take_the_warm_parent_s_spares(parent: Machines) -> None:
+    """Every session (and every stateless HTTP /reset, a session of one request) takes its
+    episodes' machines from one pool of spares: on the old code each made a pool of its own,
+    16 branches per session (17x the machines), and a stateless reset forked 16 to use one."""
+    envs = [session(parent) for _ in range(4)]
+    try:
+        held = set()
+        for env in envs:
+            held.add(env.reset(seed=1).machine)
+        alive_now = branches(parent)
+        assert held <= alive_now and len(alive_now) <= parent.pool.count + len(envs), sorted(alive_now)
+        for _ in range(6):  # what OpenEnv's HTTP /reset does: a session for one reset, closed after it
+            once = session(parent)
+            machine = once.reset(seed=2).machine
+            once.close()
+            assert machine not in parent.wb.machines
+        assert len(branches(parent)) <= parent.pool.count + len(envs)
+    finally:
+        for env in envs:
+            env.close()
+    assert not held & set(parent.wb.machines)
 
 
 @pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -53,7 +54,9 @@ class CodeEnv(gym.Env):
 def code_env():
     return CodeEnv()
 '''
-HANG = "import time\ntime.sleep(10**6)"
+# A step marks its machine (its process's name), so a test can tell it from the warm parent's spares.
+MARK = "import ctypes\nctypes.CDLL(None).prctl(15, b'smolbench-mine', 0, 0, 0)\n"
+HANG = MARK + "import time\ntime.sleep(10**6)"
 WAIT = 120  # s before a test gives up on something that should happen (hang detection, not speed)
 
 
@@ -73,6 +76,17 @@ class Server:
                 continue
             if b"agent.py" in cmd and b"bwrap" not in cmd.split(b"\0")[0]:
                 out.add((pid, started))
+        return out
+
+    def marked(self) -> set[tuple[int, str]]:
+        """The machines a client's step marked (see MARK) still running."""
+        out = set()
+        for pid, started in _procs.descendants(self.proc.pid):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "smolbench-mine":
+                    out.add((pid, started))
+            except OSError:
+                continue
         return out
 
     def stop(self) -> int:
@@ -156,7 +170,7 @@ def until(what: Any, why: str) -> Any:
 
 def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_stops(open_tmp: Path) -> None:
     with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "60") as server:
-        idle = server.settled()
+        server.settled()  # the warm parent made its spares
         for _ in range(2):  # both slots: a step that never answers, then the client is gone
             ws = connect(server.ws)
             assert ask(ws, "reset")["type"] == "observation"
@@ -176,7 +190,7 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
                 return ask(ws, "step", {"action": "info = {'ok': 1}"})
         got = until(served, "the hung sessions' slots were never freed")
         assert got["data"]["observation"]["info"] == {"ok": 1}
-        until(lambda: server.agents() == idle, "the hung sessions' machines were not deleted")
+        until(lambda: not server.marked(), "the hung sessions' machines were not deleted")
 
         with connect(server.ws) as ws:  # a hung step, the client still there: one line, the session goes on
             ask(ws, "reset")
@@ -188,9 +202,8 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
         ws = connect(server.ws)  # SIGTERM while a step hangs and its client waits
         ask(ws, "reset")
         ws.send(json.dumps({"type": "step", "data": {"action": HANG}}))
-        time.sleep(0.5)
+        until(server.marked, "the step did not start")
         machines = server.agents()
-        assert machines - idle
         code = server.stop()  # on the old code it outlived SIGINT and SIGTERM, its port closed
         ws.close()
     assert code == 0, server.out
@@ -200,12 +213,13 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
 
 def test_sessions_left_idle_are_closed_and_their_machines_deleted(open_tmp: Path) -> None:
     with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "3", "--idle-timeout", "6") as server:
-        idle = server.settled()
+        server.settled()
         left = [connect(server.ws) for _ in range(2)]
         for ws in left:
             assert ask(ws, "reset")["type"] == "observation"
-        assert server.agents() - idle
-        until(lambda: server.agents() == idle, "idle sessions kept their machines")
+            assert ask(ws, "step", {"action": MARK})["type"] == "observation"
+        assert len(server.marked()) == 2
+        until(lambda: not server.marked(), "idle sessions kept their machines")
         got = ask(left[0], "reset")  # the session was closed: one line saying so
         assert got["type"] == "error" and "session is closed" in got["data"]["message"]
         with connect(server.ws) as ws:  # their slots are free again
@@ -255,3 +269,13 @@ def test_a_server_reachable_from_other_hosts_is_said_to_have_no_authentication()
 
     assert all(loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "localhost"))
     assert not any(loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "myhost.example"))  # warned at start
+
+
+def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
+    (open_tmp / "envs.py").write_text(ENVS)
+    done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+                           "--port", str(free_port()), "--max-sessions", "1000"], cwd=open_tmp, capture_output=True,
+                          text=True, timeout=WAIT * 5)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("smolbench serve:")]
+    assert re.fullmatch(r"smolbench serve: --max-sessions 1000 needs \d+ live branches .*: use at most \d+", line), line

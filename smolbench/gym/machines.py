@@ -258,6 +258,11 @@ class Machines:
         other.observation_space, other.action_space = self.observation_space, self.action_space
         other._branching, other._names, other.owns_parent = self._branching, self._names, False
         other._origin = self
+        if self.mode == "fresh":
+            # One pool of spares for every sibling: each is a pristine branch of the same warm
+            # parent, taken by one episode. A pool each made 16 branches per OpenEnv session
+            # (and per stateless HTTP /reset, deleted right after), 17x the machines.
+            other.pool = self._origin.pool
         return other
 
     async def start_sibling(self) -> None:
@@ -740,7 +745,9 @@ class Machines:
             return
         self.closed = True
         quietly(self.records.flush)  # no record, written or not, stops the deletions below
-        await self.pool.settle()
+        own_pool = self.pool.m is self  # a sibling's pool is the warm parent's: it stays for the others
+        if own_pool:
+            await self.pool.settle()
         if self._practice is not None:  # it deletes its machine, whatever happens
             await asyncio.gather(self._practice, return_exceptions=True)
         for ep in self.eps:
@@ -749,7 +756,8 @@ class Machines:
             if ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
-        await self.pool.close(lambda r: _to_the_end(self._delete(r)))
+        if own_pool:
+            await self.pool.close(lambda r: _to_the_end(self._delete(r)))
         if self.parent is not None and self.owns_parent:
             if self.parent.name in self.wb.tree:  # the warm parent's work is done
                 pnode = self.wb.tree[self.parent.name]
