@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import json
 import math
+import threading
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -28,13 +30,15 @@ from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["BodyLimit", "GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["BodyLimit", "ClientWatch", "GymAction", "GymObservation", "MachineEnvironment", "app_for"]
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
+# Set by ClientWatch for a WebSocket connection's handler: set once its client is gone.
+CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("smolbench_client_gone", default=None)
 
 
 class GymAction(Action):
@@ -102,6 +106,45 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._on_close = on_close
         self._started = False  # its machines are made at its first reset (/metadata, /state need none)
         self._state = State(episode_id=None, step_count=0)
+        self._cut: _Cut | None = None  # the request running now, to end early when its client is gone
+        self._client_gone = False
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def reset_async(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
+        """:meth:`reset`, cut as soon as the client's connection is gone (see :class:`ClientWatch`)."""
+        return await self._watched(lambda: self.reset(seed, episode_id, **kwargs))
+
+    async def step_async(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
+        """:meth:`step`, cut as soon as the client's connection is gone: a step that never
+        answers then frees its session at once, not after the request timeout."""
+        return await self._watched(lambda: self.step(action, timeout_s, **kwargs))
+
+    async def _watched(self, call: Callable[[], GymObservation]) -> GymObservation:
+        # On a thread of the session's own (as OpenEnv runs a sync env): a shared pool's threads
+        # could all be held by steps that never answer.
+        self._open()  # closed (idle too long): one line, and no thread for it
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smolbench-openenv")
+        try:
+            work = asyncio.wrap_future(self._worker.submit(call))
+        except RuntimeError:  # closed meanwhile, from the idle sessions' reaper
+            self._open()
+            raise
+        gone = CLIENT_GONE.get()
+        if gone is None:
+            return await work
+        watch = asyncio.ensure_future(gone.wait())
+        either: set[asyncio.Future[Any]] = {work, watch}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():
+            self._client_gone = True  # before reading _cut: _run sets _cut before reading this
+            cut = self._cut
+            if cut is not None:
+                cut.fire()
+        return await work
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """A new episode in a fresh branch of the warm parent (a client's seed, options and
@@ -147,16 +190,22 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         """``coro`` on smolbench's loop, cut after ``limit`` s: then the episode's channel is
         cut and its machine deleted (what runs there is unknown), and the client gets one line."""
         m = self._m
+        cut = self._cut = _Cut()
+        if self._client_gone:  # a reset's second request, after its client went in the first
+            cut.fire()
         try:
-            return m.host.run(_within(coro, limit), limit + 2 * GRACE)
+            return m.host.run(_within(coro, limit, cut), limit + 2 * GRACE)
         except (_OutOfTime, concurrent.futures.TimeoutError):
-            pass
+            why = f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout)"
+        except _ClientGone:
+            why = f"the {what} was cut: its client disconnected"
+        finally:
+            self._cut = None
         machine = self._machine()  # the one the request was cut in
         with contextlib.suppress(Exception):
-            m.host.run(m.abandon(0, f"the {what} took longer than {limit:g} s"), 2 * GRACE)
+            m.host.run(m.abandon(0, why), 2 * GRACE)
         gone = f"machine {machine} is deleted" if machine else "its machine is deleted"
-        raise SmolbenchError(f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout): {gone}; "
-                             "reset() starts a new episode")
+        raise SmolbenchError(f"{why}: {gone}; reset() starts a new episode")
 
     @property
     def state(self) -> State:
@@ -175,6 +224,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         try:
             self._m.host.run(self._m.close(), 2 * GRACE)
         finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=False)
             if self._on_close is not None:
                 self._on_close(self._m)
 
@@ -187,12 +238,48 @@ class _OutOfTime(Exception):
     """A served request ran out of time."""
 
 
-async def _within(coro: Coroutine[Any, Any, T], limit: float) -> T:
-    """``coro``'s result, or :class:`_OutOfTime` once it ran ``limit`` s (it is cancelled, and
-    given :data:`GRACE` to clean up: a step's cut channel, a reset's spare put back)."""
+class _ClientGone(Exception):
+    """A served request's client disconnected while it ran."""
+
+
+class _Cut:
+    """Ends one running request early, from any thread (its client is gone)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fired = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._future: asyncio.Future[None] | None = None
+
+    def arm(self) -> asyncio.Future[None]:
+        """On smolbench's loop, as the request starts: done once it is cut."""
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._future = self._loop.create_future()
+            if self._fired:
+                self._future.set_result(None)
+            return self._future
+
+    def fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            if self._loop is not None and self._future is not None:
+                self._loop.call_soon_threadsafe(_end, self._future)
+
+
+def _end(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _within(coro: Coroutine[Any, Any, T], limit: float, cut: _Cut | None = None) -> T:
+    """``coro``'s result, or :class:`_OutOfTime` once it ran ``limit`` s, or :class:`_ClientGone`
+    once ``cut`` fires (it is cancelled, and given :data:`GRACE` to clean up: a step's cut
+    channel, a reset's spare put back)."""
     task = asyncio.ensure_future(coro)
+    stop = cut.arm() if cut is not None else asyncio.get_running_loop().create_future()
     try:
-        done, _ = await asyncio.wait({task}, timeout=limit)
+        done, _ = await asyncio.wait({task, stop}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         raise
@@ -200,7 +287,7 @@ async def _within(coro: Coroutine[Any, Any, T], limit: float) -> T:
         return task.result()
     task.cancel()
     await asyncio.wait({task}, timeout=GRACE)
-    raise _OutOfTime
+    raise _ClientGone if stop in done else _OutOfTime
 
 
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
@@ -281,6 +368,60 @@ class BodyLimit:
         except Exception:
             if not refused:
                 raise
+
+
+class ClientWatch:
+    """ASGI middleware: a WebSocket connection's messages are read as they come, so its
+    handler learns the client is gone (:data:`CLIENT_GONE`) while a step still runs. OpenEnv's
+    handler reads the next message only once a step returned: a client gone mid-step held its
+    session, and its slot, until the request timeout."""
+
+    QUEUED = 4  # messages read ahead at most (then, as before, the connection's own buffers)
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        gone = asyncio.Event()
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.QUEUED)
+        last: dict[str, Any] = {}
+
+        async def pump() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    gone.set()
+                await queue.put(msg)
+                if msg["type"] == "websocket.disconnect":
+                    return
+
+        async def received() -> dict[str, Any]:
+            if last:  # the handler asks again after the disconnect: it stays disconnected
+                return last
+            msg = await queue.get()
+            if msg["type"] == "websocket.disconnect":
+                last.update(msg)
+            return msg
+
+        async def sending(msg: dict[str, Any]) -> None:
+            if gone.is_set():
+                return  # nobody to send to: the handler's answer to a cut step, its close
+            try:
+                await send(msg)
+            except OSError:  # uvicorn's ClientDisconnected: gone before the reader saw it
+                gone.set()
+
+        reader = asyncio.ensure_future(pump())
+        token = CLIENT_GONE.set(gone)
+        try:
+            await self.app(scope, received, sending)
+        finally:
+            CLIENT_GONE.reset(token)
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
 
 
 async def _refuse(send: Any, status: int, why: str) -> None:

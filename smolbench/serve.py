@@ -72,7 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     from . import Session
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import BodyLimit, app_for
+    from .openenv import BodyLimit, ClientWatch, app_for
 
     try:
         check_limits(args)
@@ -106,7 +106,7 @@ def serve(args: argparse.Namespace) -> int:
                       "proxy that checks clients in front", file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
-            server = _uvicorn_server()(uvicorn.Config(BodyLimit(app, args.max_message), host=args.host, port=args.port,
+            server = _uvicorn_server()(uvicorn.Config(BodyLimit(ClientWatch(app), args.max_message), host=args.host, port=args.port,
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
                                                       ws_max_size=args.max_message))
             server.run()

@@ -279,3 +279,22 @@ def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: P
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("smolbench serve:")]
     assert re.fullmatch(r"smolbench serve: --max-sessions 1000 needs \d+ live branches .*: use at most \d+", line), line
+
+
+def test_a_client_gone_mid_step_frees_its_session_and_machine_at_once(open_tmp: Path) -> None:
+    """OpenEnv's handler reads a connection only between requests: on the old code a step that
+    never answers held its session (here the only one) until --request-timeout, 10 minutes."""
+    with serving(open_tmp, "--max-sessions", "1", "--request-timeout", "600", "--idle-timeout", "900") as server:
+        server.settled()
+        for leave in (drop, lambda ws: ws.close()):  # its connection reset, or closed properly
+            ws = connect(server.ws)
+            assert ask(ws, "reset")["type"] == "observation"
+            ws.send(json.dumps({"type": "step", "data": {"action": HANG}}))
+            until(server.marked, "the step did not start")
+            leave(ws)
+            until(lambda: not server.marked(), "the gone client's hung step kept its machine")
+            with connect(server.ws) as ws:  # its slot is free: the next client is served
+                assert ask(ws, "reset")["type"] == "observation"
+                assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
