@@ -9,7 +9,6 @@ with the gate's handling weakened in the kernel, both do, which shows the test w
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     jupyter_server,
     notebook_url,
@@ -25,9 +24,7 @@ from browserhelpers import (
     write_notebook,
 )
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-)
+pytestmark = BROWSER_TEST_MARKS
 
 # Live output (the default) and output grouped by branch after the fork: both ways a line goes out.
 SPOOF = ("%%smol fork 3 --keep none{how}\n"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     jupyter_server,
     notebook_url,
@@ -30,9 +29,7 @@ from browserhelpers import (
     write_notebook,
 )
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-)
+pytestmark = BROWSER_TEST_MARKS
 
 SETUP = '''%%smol
 import base64, struct, sys, zlib

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from browserhelpers import (
     ARTIFACTS,
-    CHROMIUM,
+    BROWSER_TEST_MARKS,
     browser_page,
     finish_run_all,
     jupyter_server,
@@ -33,9 +33,7 @@ from browserhelpers import (
 
 from smolbench import registry
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"
-)
+pytestmark = BROWSER_TEST_MARKS
 
 NOTEBOOK_A = [
     "%load_ext smolbench",
