@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import json
 import math
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Coroutine
@@ -30,7 +31,7 @@ from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["BodyLimit", "ClientWatch", "GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["BodyLimit", "ClientWatch", "GymAction", "GymObservation", "MachineEnvironment", "SecretPath", "app_for"]
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
@@ -368,6 +369,32 @@ class BodyLimit:
         except Exception:
             if not refused:
                 raise
+
+
+class SecretPath:
+    """ASGI middleware: only requests under ``/<token>/`` reach the app (the token taken off
+    the path); any other gets a 404, or its WebSocket handshake a 403, before the app or a
+    body is read. OpenEnv's client sends no credentials but keeps its base URL's path
+    (``http://host:port/<token>`` -> ``ws://host:port/<token>/ws``), so the token is the
+    URL's, as a Jupyter server's is."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        first, _, rest = path[1:].partition("/")
+        if not secrets.compare_digest(first.encode("utf-8", "replace"), self.token):
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await _refuse(send, 404, "not found")
+        inner = dict(scope, path="/" + rest, root_path=scope.get("root_path", "") + "/" + first)
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes):
+            inner["raw_path"] = raw[len(first) + 1:] or b"/"
+        await self.app(inner, receive, send)
 
 
 class ClientWatch:

@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import ipaddress
 import math
+import os
 import re
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,24 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
 
 
+TOKEN_ENV = "SMOLBENCH_SERVE_TOKEN"
+TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
+
+
+def token_for(value: str | None) -> str | None:
+    """The URL token clients must use (``--token``, else $SMOLBENCH_SERVE_TOKEN, else a new
+    random one); None with ``--token none``."""
+    value = value if value is not None else (os.environ.get(TOKEN_ENV) or "auto")
+    if value == "none":
+        return None
+    if value == "auto":
+        return secrets.token_urlsafe(24)
+    if not TOKEN_RE.fullmatch(value):
+        raise SmolbenchError(f"the token should be 16 to 128 letters, digits, '-' or '_' (it goes in the URL), "
+                             f"or auto, or none; got {len(value)} characters")
+    return value
+
+
 def loopback(host: str) -> bool:
     """Whether ``host`` (``--host``) listens on this host's loopback only."""
     if host == "localhost":
@@ -72,11 +92,12 @@ def serve(args: argparse.Namespace) -> int:
     from . import Session
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import BodyLimit, ClientWatch, app_for
+    from .openenv import BodyLimit, ClientWatch, SecretPath, app_for
 
     try:
         check_limits(args)
         code, name = setup_code(args)
+        token = token_for(args.token)
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
         return 2
@@ -97,16 +118,21 @@ def serve(args: argparse.Namespace) -> int:
         try:
             host.run(parent.start())
             assert parent.parent is not None
-            print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on "
-                  f"http://{args.host}:{args.port} · {wb.backend.name} · each client session in its own branch of "
-                  f"{parent.parent.name}", flush=True)
-            if not loopback(args.host):
-                print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and the server has "
-                      "no authentication: anyone who can connect runs episodes here; keep it on loopback, or put a "
-                      "proxy that checks clients in front", file=sys.stderr, flush=True)
+            url = f"http://{args.host}:{args.port}" + (f"/{token}" if token else "")
+            print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
+                  f"{wb.backend.name} · each client session in its own branch of {parent.parent.name}", flush=True)
+            if token:
+                print(f"smolbench: give clients the whole URL as their base_url (e.g. GenericEnvClient(base_url=\"{url}\")); "
+                      f"any other path is refused (${TOKEN_ENV} keeps one token across restarts)", flush=True)
+            elif not loopback(args.host):
+                print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and --token none "
+                      "turned the URL's token off: anyone who can connect runs episodes here", file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
+            served: Any = BodyLimit(ClientWatch(app), args.max_message)
+            if token:  # outermost: a request without it is refused before its body is read
+                served = SecretPath(served, token)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
-            server = _uvicorn_server()(uvicorn.Config(BodyLimit(ClientWatch(app), args.max_message), host=args.host, port=args.port,
+            server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port,
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
                                                       ws_max_size=args.max_message))
             server.run()
@@ -143,6 +169,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
+                   help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
+                        "none: any path, loopback only is wise)")
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
     p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once (each its own machine)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",

@@ -10,6 +10,7 @@ survives, and SIGTERM stops the server with every machine deleted.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,7 +48,8 @@ def test_openenv_client_round_trip_against_smolbench_serve(open_tmp: Path) -> No
             assert proc.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.5)
-        assert f"http://127.0.0.1:{port}" in "".join(lines)
+        said = re.search(rf"on (http://127\.0\.0\.1:{port}/[A-Za-z0-9_-]+) ", "".join(lines))
+        assert said, "".join(lines)  # the URL clients use has the server's token in its path
         while True:  # uvicorn listens a moment after the line
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -55,7 +57,7 @@ def test_openenv_client_round_trip_against_smolbench_serve(open_tmp: Path) -> No
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
         here = gymnasium.make("CartPole-v1")
-        url = f"http://127.0.0.1:{port}"
+        url = said[1]
         with openenv_client.GenericEnvClient(base_url=url).sync() as one, \
                 openenv_client.GenericEnvClient(base_url=url).sync() as two:
             first = one.reset(seed=3)

@@ -63,8 +63,10 @@ WAIT = 120  # s before a test gives up on something that should happen (hang det
 class Server:
     def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str]) -> None:
         self.proc, self.port, self.lines = proc, port, lines
-        self.url = f"http://127.0.0.1:{port}"
-        self.ws = f"ws://127.0.0.1:{port}/ws"
+        self.url = self.ws = ""  # what it says it serves on: its token in the path (see serving)
+
+    def serves_on(self, url: str) -> None:
+        self.url, self.ws = url, url.replace("http://", "ws://", 1) + "/ws"
 
     def agents(self) -> set[tuple[int, str]]:
         """The machines' agent processes under the server (one per live machine)."""
@@ -134,7 +136,9 @@ def serving(folder: Path, *options: str) -> Iterator[Server]:
         deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, server.out
-            if any("over OpenEnv" in line for line in lines):
+            said = [m for line in lines if (m := re.search(r"over OpenEnv \S+ on (http://\S+) ", line))]
+            if said:
+                server.serves_on(said[0][1])
                 with socket.socket() as s:
                     if s.connect_ex(("127.0.0.1", port)) == 0:
                         break
@@ -298,3 +302,32 @@ def test_a_client_gone_mid_step_frees_its_session_and_machine_at_once(open_tmp: 
                 assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
         assert server.stop() == 0
     assert "Traceback" not in server.out, server.out
+
+
+def test_only_clients_with_the_url_s_token_reach_the_env(open_tmp: Path) -> None:
+    """Anyone who can connect to the port ran episodes (code, with CodeEnv) before: OpenEnv's
+    client sends no credentials, so the token is the base URL's path, new for each server."""
+    import httpx
+    from websockets.exceptions import InvalidStatus
+
+    bare = None
+    with serving(open_tmp, "--max-sessions", "2") as server:
+        bare = f"http://127.0.0.1:{server.port}"
+        token = server.url.removeprefix(bare + "/")
+        assert re.fullmatch(r"[A-Za-z0-9_-]{32}", token), server.url
+        assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200
+        for wrong in (bare, f"{bare}/{token[:-1]}x", f"{bare}/{token}x", f"{bare}/health/{token}"):
+            r = httpx.post(f"{wrong}/reset", json={"seed": 1}, timeout=WAIT)
+            assert r.status_code == 404, (wrong, r.text)
+            with pytest.raises(InvalidStatus, match="403"):
+                connect(wrong.replace("http://", "ws://") + "/ws")
+        with connect(server.ws) as ws:
+            assert ask(ws, "reset", {"seed": 1})["type"] == "observation"
+        assert server.stop() == 0
+    with serving(open_tmp, "--token", "none") as server:  # weakened: any client is served
+        assert server.url == f"http://127.0.0.1:{server.port}"
+        assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
+        assert server.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", "--token", "short"],
+                         capture_output=True, text=True, timeout=WAIT)
+    assert bad.returncode == 2 and "the token should be 16 to 128 letters" in bad.stderr
