@@ -20,6 +20,31 @@ from smolbench.workbench import Workbench
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 CARTPOLE = functools.partial(gymnasium.make, "CartPole-v1")
+# An env whose action is Python code run in its machine (an agent sandbox): what a client
+# of `smolbench serve` could make it run. A reset with options {"hang": True} never answers.
+CODE_ENV = '''
+import string, numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class CodeEnv(gym.Env):
+    """The action is Python code run in the machine (an agent sandbox)."""
+    def __init__(self):
+        self.observation_space = S.Box(-1, 1, (1,), np.float32)
+        self.action_space = S.Text(4096, charset=string.printable)
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        if options and options.get("hang"):
+            import time
+            time.sleep(10**6)
+        return np.zeros(1, np.float32), {}
+    def step(self, action):
+        ns = {}
+        exec(action, ns)
+        return np.zeros(1, np.float32), 0.0, False, False, ns.get("info", {})
+
+def code_env():
+    return CodeEnv()
+'''
 
 
 def up_bench(tmp_path_factory: Any, spec: MachineSpec | None = None) -> Iterator[Workbench]:

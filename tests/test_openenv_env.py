@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import CODE_ENV, define, needs_bwrap, up_bench
 
 from smolbench import SmolbenchError
 from smolbench.backends import _procs
@@ -28,30 +28,6 @@ pytest.importorskip("openenv.core.env_server.interfaces")
 from smolbench.openenv import GymAction, MachineEnvironment  # noqa: E402
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(600)]
-
-CODE_ENV = '''
-import string, numpy as np, gymnasium as gym
-from gymnasium import spaces as S
-
-class CodeEnv(gym.Env):
-    """The action is Python code run in the machine (an agent sandbox)."""
-    def __init__(self):
-        self.observation_space = S.Box(-1, 1, (1,), np.float32)
-        self.action_space = S.Text(4096, charset=string.printable)
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
-        if options and options.get("hang"):
-            import time
-            time.sleep(10**6)
-        return np.zeros(1, np.float32), {}
-    def step(self, action):
-        ns = {}
-        exec(action, ns)
-        return np.zeros(1, np.float32), 0.0, False, False, ns.get("info", {})
-
-def code_env():
-    return CodeEnv()
-'''
 
 
 @pytest.fixture(scope="module")

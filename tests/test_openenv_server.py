@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gymhelpers import needs_bwrap
+from gymhelpers import CODE_ENV, needs_bwrap
 
 from smolbench.backends import _procs
 
@@ -34,26 +34,6 @@ from websockets.sync.client import connect  # noqa: E402
 
 pytestmark = [needs_bwrap, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ENVS = '''
-import string, numpy as np, gymnasium as gym
-from gymnasium import spaces as S
-
-class CodeEnv(gym.Env):
-    """The action is Python code run in the machine (an agent sandbox)."""
-    def __init__(self):
-        self.observation_space = S.Box(-1, 1, (1,), np.float32)
-        self.action_space = S.Text(4096, charset=string.printable)
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
-        return np.zeros(1, np.float32), {}
-    def step(self, action):
-        ns = {}
-        exec(action, ns)
-        return np.zeros(1, np.float32), 0.0, False, False, ns.get("info", {})
-
-def code_env():
-    return CodeEnv()
-'''
 # A step marks its machine (its process's name), so a test can tell it from the warm parent's spares.
 MARK = "import ctypes\nctypes.CDLL(None).prctl(15, b'smolbench-mine', 0, 0, 0)\n"
 HANG = MARK + "import time\ntime.sleep(10**6)"
@@ -123,7 +103,7 @@ def free_port() -> int:
 @contextmanager
 def serving(folder: Path, *options: str) -> Iterator[Server]:
     """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done."""
-    (folder / "envs.py").write_text(ENVS)
+    (folder / "envs.py").write_text(CODE_ENV)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
                              "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
@@ -276,7 +256,7 @@ def test_a_server_reachable_from_other_hosts_is_said_to_have_no_authentication()
 
 
 def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
-    (open_tmp / "envs.py").write_text(ENVS)
+    (open_tmp / "envs.py").write_text(CODE_ENV)
     done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
                            "--port", str(free_port()), "--max-sessions", "1000"], cwd=open_tmp, capture_output=True,
                           text=True, timeout=WAIT * 5)
