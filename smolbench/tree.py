@@ -53,6 +53,7 @@ class Tree:
 
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
+        self._issued: dict[str, int] = {}  # per node: the next child number, never given out before
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.nodes
@@ -71,15 +72,32 @@ class Tree:
         if node.parent is not None and node.parent not in self.nodes:
             raise KeyError(node.parent)
         self.nodes[node.id] = node
+        if node.parent is not None and node.id.startswith(node.parent + "."):
+            k = node.id[len(node.parent) + 1:]
+            if k.isascii() and k.isdigit():
+                self._issued[node.parent] = max(self._issued.get(node.parent, 0), int(k) + 1)
         return node
+
+    def forget(self, node_id: str) -> bool:
+        """Let an ended leaf go from memory (its ledger row stays): a long training run's
+        episodes would otherwise grow the kernel without bound. False if it can't go (it
+        runs, or children were given ids under it)."""
+        node = self.nodes.get(node_id)
+        if node is None or node.status in ("running", "starting", "idle") or node_id in self._issued:
+            return False
+        del self.nodes[node_id]
+        return True
 
     def children(self, node_id: str) -> list[Node]:
         """Direct children, in creation order."""
         return [n for n in self.nodes.values() if n.parent == node_id]
 
     def next_child_ids(self, node_id: str, count: int) -> list[str]:
-        """Ids for ``count`` new children of ``node_id`` (never reusing one)."""
-        start = len(self.children(node_id))
+        """Ids for ``count`` new children of ``node_id``, given out now: never one given before,
+        whether its node was added, is still to come (a fork laid out, not run yet) or was
+        let go of (:meth:`forget`)."""
+        start = self._issued.get(node_id, 0)
+        self._issued[node_id] = start + count
         return [f"{node_id}.{i}" for i in range(start, start + count)]
 
     def path(self, node_id: str) -> list[Node]:

@@ -164,6 +164,33 @@ def test_every_episode_is_in_the_ledger(bench: Workbench) -> None:
     assert all(r["alive"] in (0, False) for r in rows.values())
 
 
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_long_run_keeps_the_newest_episodes_in_memory_and_every_one_in_the_ledger(
+        bench: Workbench, monkeypatch: Any, reset: str) -> None:
+    """Each ended episode stayed in the kernel's tree (~0.8 KiB each): a run of millions grew
+    without bound. Past record.KEPT_IN_MEMORY the oldest leave the tree, never the ledger,
+    and no episode's id is given out twice."""
+    monkeypatch.setattr(record, "KEPT_IN_MEMORY", 20)
+    env = sgym.make_vec(CARTPOLE, 4, session=bench, reset=reset)
+    assert env._m.parent is not None
+    parent = env._m.parent.name
+    try:
+        env.reset(seed=0)
+        rng = np.random.default_rng(0)
+        ended = 0
+        while ended < 80:
+            _, _, terminated, truncated, _ = env.step(rng.integers(0, 2, 4))
+            ended += int(np.sum(terminated | truncated))
+    finally:
+        env.close()
+    run = env._m.run_id
+    rows = [r for r in bench.ledger.node_rows(bench.session) if r["run_id"] == run and r["id"] != parent]
+    in_tree = [n for n in bench.tree if n.parent == parent]
+    assert len(rows) >= ended and len({r["id"] for r in rows}) == len(rows)  # every one, each its own id
+    assert len(in_tree) <= 20 + 4, len(in_tree)  # the newest (and in place, each machine's own node)
+    assert {n.id for n in in_tree} <= {r["id"] for r in rows}
+
+
 def test_bad_arguments_are_one_line(bench: Workbench) -> None:
     with pytest.raises(SmolbenchError, match="reset should be"):
         sgym.make(CARTPOLE, session=bench, reset="sometimes")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -91,7 +90,6 @@ class Machines:
         self.described: dict[str, Any] = {}
         self.eps = [Episode(i) for i in range(num_envs)]
         self._branching = asyncio.Lock()  # one fork request at a time on the warm parent (shared by siblings)
-        self._names = itertools.count()  # branch numbers under the warm parent (shared by siblings)
         self.owns_parent = True
         self._pages: str | None = None  # what the practice episode made its own (JSON): new spares take it ahead
         self._practice: asyncio.Future[None] | None = None
@@ -256,7 +254,8 @@ class Machines:
         other = Machines(self.host, self.env, num_envs, self.mode, self.retries)
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
-        other._branching, other._names, other.owns_parent = self._branching, self._names, False
+        other._branching, other.owns_parent = self._branching, False
+        other.records.kept = self.records.kept  # the episodes kept in memory: counted for all
         other._origin = self
         if self.mode == "fresh":
             # One pool of spares for every sibling: each is a pristine branch of the same warm
@@ -302,7 +301,7 @@ class Machines:
         assert self.parent is not None
         wb = self.wb
         async with self._branching:
-            names = [f"{self.parent.name}.{next(self._names)}" for _ in range(k)]
+            names = wb.tree.next_child_ids(self.parent.name, k)  # given out by the tree: never two alike
             refs = await retry.branch(wb, self.parent, names, [None] * k, self.retries, leaf=True)  # never forked
         for r in refs:
             wb.machines[r.name] = r

@@ -14,6 +14,7 @@ away (on the loop) writes those gathered before it first.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GATHER = 0.01  # s: how long after a step its episodes' records may wait, to go with later ones
+# Ended episodes an env (with its OpenEnv siblings) keeps in the kernel's tree, the newest:
+# each takes ~0.8 KiB there, and a long training run ends millions. Older ones leave the tree
+# (`%smol tree`, the plots) and stay in the ledger (the sidebar, `Ledger`), ~0.5 KiB a row.
+KEPT_IN_MEMORY = 10_000
 ENDS = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}  # how an episode ended -> its status
 
 
@@ -52,6 +57,7 @@ class Records:
         self._lock = threading.Lock()
         self._gathered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # not empty: a write is on its way
         m.wb.unwritten.add(self)  # the workbench's down writes them first
+        self.kept: collections.deque[str] = collections.deque()  # ended episodes' nodes in the tree, oldest first
 
     def begin(self, ep: Episode, seed: int | None) -> None:
         """``ep``'s new episode: its node, running."""
@@ -129,3 +135,13 @@ class Records:
         node.error = error
         node.alive = alive
         self.m.wb._record(node)
+        self._let_go(node.id)
+
+    def _let_go(self, node_id: str) -> None:
+        """Keep the newest :data:`KEPT_IN_MEMORY` ended episodes in the tree (written: on the loop)."""
+        self.kept.append(node_id)
+        wb = self.m.wb
+        while len(self.kept) > KEPT_IN_MEMORY:
+            old = self.kept.popleft()
+            if old not in wb.machines:  # a machine's own node (in place: its first episode's) stays
+                wb.tree.forget(old)
