@@ -33,3 +33,7 @@ def test_weakened_the_line_reaches_the_name_and_the_next_lines() -> None:
         assert terminal.closed("\x1b[8m") == "\x1b[8m"
     finally:
         terminal.TEST_WEAKEN.discard("terminal")
+
+
+def test_a_text_box_gets_the_text_without_escapes_or_controls() -> None:
+    assert terminal.plain("\x1b[31mred\x1b[0m\b\x07 50%\r100%\r\n") == "red 50%\n100%\n"

@@ -10,7 +10,12 @@ no machine may style (hide: black on black) the lines that come after its own.
 
 from __future__ import annotations
 
+import re
+
 RESET = "\x1b[0m"
+# ANSI escapes (CSI with its parameters, or ESC and one character) and the C0 controls a
+# text box shows as garbage; a line end and a tab stay.
+_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b.?|[\x00-\x08\x0b-\x1f\x7f]")
 
 TEST_WEAKEN: set[str] = set()  # "terminal": tests show a branch's line reaching past itself without this
 
@@ -21,6 +26,11 @@ def closed(text: str) -> str:
         return text
     body = text.rstrip("\r\n")
     return body + RESET + text[len(body):]  # before the line end: a line of its own would show
+
+
+def plain(text: str) -> str:
+    """``text`` for a box that shows text as it is (a widget's log): no escapes or controls."""
+    return _CONTROLS.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 def _backspaced(line: str) -> str:

@@ -337,7 +337,7 @@ class TreeWidget(WorkbenchView):
 
         def on_event(branch: str, ev: Any) -> None:
             if getattr(ev, "kind", "") == "stream" and ev.text:
-                self._append_log(terminal.prefixed(branch, ev.text))
+                self._append_log(terminal.prefixed(branch, terminal.plain(ev.text)))
 
         async def fork() -> Any:
             # Laid out and run on the loop, like every Workbench change a click makes (never
