@@ -124,9 +124,11 @@ def serve(args: argparse.Namespace) -> int:
             if token:
                 print(f"smolbench: give clients the whole URL as their base_url (e.g. GenericEnvClient(base_url=\"{url}\")); "
                       f"any other path is refused (${TOKEN_ENV} keeps one token across restarts)", flush=True)
-            elif not loopback(args.host):
-                print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and --token none "
-                      "turned the URL's token off: anyone who can connect runs episodes here", file=sys.stderr, flush=True)
+            if not loopback(args.host):
+                why = ("the URL's token goes over plain HTTP: put a proxy with TLS in front" if token else
+                       "--token none turned the URL's token off: anyone who can connect runs episodes here")
+                print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
+                      file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
             served: Any = BodyLimit(ClientWatch(app), args.max_message)
             if token:  # outermost: a request without it is refused before its body is read

@@ -248,7 +248,7 @@ def test_big_or_unknown_requests_and_mcp_sessions_are_refused_and_it_goes_on(ope
         assert server.stop() == 0
 
 
-def test_a_server_reachable_from_other_hosts_is_said_to_have_no_authentication() -> None:
+def test_which_hosts_are_loopback_only_for_the_warning_at_start() -> None:
     from smolbench.serve import loopback
 
     assert all(loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "localhost"))
