@@ -121,9 +121,12 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         return await self._watched(lambda: self.step(action, timeout_s, **kwargs))
 
     async def _watched(self, call: Callable[[], GymObservation]) -> GymObservation:
-        # On a thread of the session's own (as OpenEnv runs a sync env): a shared pool's threads
-        # could all be held by steps that never answer.
         self._open()  # closed (idle too long): one line, and no thread for it
+        gone = CLIENT_GONE.get()
+        if gone is None:  # HTTP: a session of one request, on the loop's bounded pool (a thread each
+            return await asyncio.to_thread(call)  # would let a flood of requests make threads)
+        # A WebSocket session's on a thread of its own (as OpenEnv runs a sync env's): a shared
+        # pool's threads could all be held by steps that never answer.
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smolbench-openenv")
         try:
@@ -131,9 +134,6 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         except RuntimeError:  # closed meanwhile, from the idle sessions' reaper
             self._open()
             raise
-        gone = CLIENT_GONE.get()
-        if gone is None:
-            return await work
         watch = asyncio.ensure_future(gone.wait())
         either: set[asyncio.Future[Any]] = {work, watch}
         try:
