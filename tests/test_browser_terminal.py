@@ -3,8 +3,10 @@
 JupyterLab acts on a stream's control characters: a backspace erases the character before
 it, and an ANSI style lasts across lines until a reset. A fork shows each line after its
 branch's name, so branch 1 tries to erase its own name and write another branch's (a
-reward it did not get), and to turn every line after its own black on black. Neither works;
-with the gate's handling weakened in the kernel, both do, which shows the test would see it.
+reward it did not get), and to turn every line after its own black on black; a failing
+branch's error message tries to hide the host's line after it (how many more branches
+failed). None works; with the gate's handling weakened in the kernel, each does, which shows
+the test would see it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ SPOOF = ("%%smol fork 3 --keep none{how}\n"
          "reward = SEED\n")
 LIVE, GROUPED = SPOOF.format(how=""), SPOOF.format(how=" --group-outputs branch")
 WEAKEN = "import smolbench.gate.terminal as t\nt.TEST_WEAKEN.add('terminal')"
+# Every branch fails; the error shown last (of 4) starts a style in its message, and the
+# host's line after it says how many more failed ("... 2 more").
+ERRORS = ("from smolbench.errors import CompositeError\n"
+          "try:\n"
+          "    get_ipython().run_cell_magic('smol', 'fork 6 --keep none',\n"
+          "        \"raise ValueError('\\\\x1b[30;40mdark' if SEED == 3 else 'plain %d' % SEED)\")\n"
+          "except CompositeError:\n"
+          "    get_ipython().showtraceback()  # shown as the failed cell would show it; Run All goes on\n")
 
 # The visible lines of a cell's stdout (a fork's progress display splits it in parts), and the text of every part drawn in one colour on the same.
 SEEN = """cell => {
@@ -54,8 +64,8 @@ SEEN = """cell => {
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", LIVE, GROUPED, WEAKEN, LIVE, GROUPED,
-             "print('ALL' + ' DONE')"]
+    cells = ["%load_ext smolbench", "%smol down\n%smol up --backend sandbox", LIVE, GROUPED, ERRORS, WEAKEN, LIVE,
+             GROUPED, ERRORS, "print('ALL' + ' DONE')"]
     write_notebook(tmp_path / "spoof.ipynb", cells)
     with jupyter_server(tmp_path, "lab") as (base, token):
         yield notebook_url(base, token, "lab", "spoof.ipynb"), len(cells)
@@ -72,7 +82,9 @@ def test_a_branch_line_cannot_pass_for_another_or_hide_the_next_in_jupyterlab(la
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             run_all(page, cells)
             expect(page.locator(".jp-OutputArea-output", has_text="ALL DONE")).to_be_visible(timeout=120_000)
-            seen = [page.locator(".jp-Notebook .jp-Cell").nth(i).evaluate(SEEN) for i in (2, 3, 5, 6)]
+            seen = [page.locator(".jp-Notebook .jp-Cell").nth(i).evaluate(SEEN) for i in (2, 3, 6, 7)]
+            errors = [page.locator(".jp-Notebook .jp-Cell").nth(i).evaluate(SEEN.replace("jupyter.stdout", "jupyter.stderr"))
+                      for i in (4, 8)]
             page.screenshot(path=str(ARTIFACTS / "terminal_spoof.png"), full_page=True)
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "terminal_failure.png"), full_page=True)
@@ -90,3 +102,7 @@ def test_a_branch_line_cannot_pass_for_another_or_hide_the_next_in_jupyterlab(la
     for out, named in zip(seen[2:], names[2:]):  # weakened: branch 1 erases its name before branch 0's
         assert [ln for ln in out["lines"] if "reward=999" in ln and not ln.startswith(named["1"])], out
     assert f"{names[3]['2']} line 2" in seen[3]["hidden"], seen[3]  # and hides branch 2's line (grouped)
+    # A fork's errors: the last one shown hides the host's count of the others only weakened
+    assert errors[0] is not None and errors[1] is not None, errors
+    assert "... 2 more" in errors[0]["lines"] and "more" not in errors[0]["hidden"], errors[0]
+    assert "... 2 more" in errors[1]["hidden"], errors[1]

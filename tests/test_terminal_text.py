@@ -37,3 +37,9 @@ def test_weakened_the_line_reaches_the_name_and_the_next_lines() -> None:
 
 def test_a_text_box_gets_the_text_without_escapes_or_controls() -> None:
     assert terminal.plain("\x1b[31mred\x1b[0m\b\x07 50%\r100%\r\n") == "red 50%\n100%\n"
+
+
+def test_an_error_s_lines_keep_their_styles_and_backspaces_to_themselves() -> None:
+    tb = "File x\n  \x1b[30;40mdark\n\b\b\bx\n"
+    assert terminal.kept_to_lines(tb) == "File x\n  \x1b[30;40mdark\x1b[0m\nx\n"
+    assert terminal.kept_to_lines("plain\ntext") == "plain\ntext"

@@ -69,8 +69,8 @@ def _error(value: Any, key: str) -> dict[str, Any] | None:
     err = mapping(value, "the error", 3)
     checks: dict[str, Callable[[Any, str], Any]] = {
         "ename": lambda v, k: string(v, "the error name", 200),
-        "evalue": lambda v, k: string(v, "the error message", TEXT),
-        "traceback": lambda v, k: string_list(v, "the traceback", 1000, 64 * 1024),
+        "evalue": lambda v, k: terminal.kept_to_lines(string(v, "the error message", TEXT)),
+        "traceback": lambda v, k: [terminal.kept_to_lines(t) for t in string_list(v, "the traceback", 1000, 64 * 1024)],
     }
     out = dict(each(checks, err, "the error"))
     out.setdefault("ename", "Error")

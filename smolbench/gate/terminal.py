@@ -45,6 +45,24 @@ def _backspaced(line: str) -> str:
     return "".join(kept)
 
 
+def kept_to_lines(text: str) -> str:
+    """``text`` (an error's message or traceback) with each line's backspaces resolved within
+    it and any style it starts ended at its end: a fork's errors are shown one after another,
+    and a branch's must not hide or erase the next branch's, or the host's lines around them."""
+    if ("\b" not in text and "\x1b" not in text) or "terminal" in TEST_WEAKEN:
+        return text
+    out = []
+    for piece in text.splitlines(True):
+        body = piece.rstrip("\r\n")
+        end = piece[len(body):]
+        if "\b" in body:
+            body = _backspaced(body)
+        if "\x1b" in body:
+            body += RESET
+        out.append(body + end)
+    return "".join(out)
+
+
 def prefixed(branch: str, text: str) -> str:
     """``text`` as whole lines, each after ``[branch] ``, none able to reach the name or the
     lines after it; ends with a line end."""
