@@ -90,9 +90,10 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from . import Session
+    from ._asgi import BodyLimit, ClientWatch, SecretPath
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import BodyLimit, ClientWatch, SecretPath, app_for
+    from .openenv import app_for
 
     try:
         check_limits(args)

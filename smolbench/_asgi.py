@@ -1,0 +1,152 @@
+"""ASGI guards in front of ``smolbench serve``'s app: who may reach it, how big a request
+may be, and whether a WebSocket's client is still there while its request runs.
+
+Each wraps OpenEnv's FastAPI app without changing it (``serve.py`` stacks them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import secrets
+from typing import Any
+
+# Set by ClientWatch for a WebSocket connection's handler: set once its client is gone.
+CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("smolbench_client_gone", default=None)
+
+
+class BodyLimit:
+    """ASGI middleware: an HTTP request whose body is over ``limit`` bytes gets a 413 with one
+    line, refused by its Content-Length before it is read, or once that much streamed in (the
+    app then sees the client gone). WebSocket messages are uvicorn's ``ws_max_size``."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        why = f"the request body is over {self.limit:,} bytes (smolbench serve --max-message)"
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                if not value.isdigit() or int(value) > self.limit:
+                    return await _refuse(send, 413, why)
+        seen = 0
+        refused = started = False
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    if not started:
+                        await _refuse(send, 413, why)
+                    return {"type": "http.disconnect"}
+            return dict(msg)
+
+        async def sending(msg: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out: nothing of the app's answer follows it
+            started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, sending)
+        except Exception:
+            if not refused:
+                raise
+
+
+class SecretPath:
+    """ASGI middleware: only requests under ``/<token>/`` reach the app (the token taken off
+    the path); any other gets a 404, or its WebSocket handshake a 403, before the app or a
+    body is read. OpenEnv's client sends no credentials but keeps its base URL's path
+    (``http://host:port/<token>`` -> ``ws://host:port/<token>/ws``), so the token is the
+    URL's, as a Jupyter server's is."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        first, _, rest = path[1:].partition("/")
+        if not secrets.compare_digest(first.encode("utf-8", "replace"), self.token):
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await _refuse(send, 404, "not found")
+        inner = dict(scope, path="/" + rest, root_path=scope.get("root_path", "") + "/" + first)
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes):
+            inner["raw_path"] = raw[len(first) + 1:] or b"/"
+        await self.app(inner, receive, send)
+
+
+class ClientWatch:
+    """ASGI middleware: a WebSocket connection's messages are read as they come, so its
+    handler learns the client is gone (:data:`CLIENT_GONE`) while a step still runs. OpenEnv's
+    handler reads the next message only once a step returned: a client gone mid-step held its
+    session, and its slot, until the request timeout."""
+
+    QUEUED = 4  # messages read ahead at most (then, as before, the connection's own buffers)
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        gone = asyncio.Event()
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.QUEUED)
+        last: dict[str, Any] = {}
+
+        async def pump() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    gone.set()
+                await queue.put(msg)
+                if msg["type"] == "websocket.disconnect":
+                    return
+
+        async def received() -> dict[str, Any]:
+            if last:  # the handler asks again after the disconnect: it stays disconnected
+                return last
+            msg = await queue.get()
+            if msg["type"] == "websocket.disconnect":
+                last.update(msg)
+            return msg
+
+        async def sending(msg: dict[str, Any]) -> None:
+            if gone.is_set():
+                return  # nobody to send to: the handler's answer to a cut step, its close
+            try:
+                await send(msg)
+            except OSError:  # uvicorn's ClientDisconnected: gone before the reader saw it
+                gone.set()
+
+        reader = asyncio.ensure_future(pump())
+        token = CLIENT_GONE.set(gone)
+        try:
+            await self.app(scope, received, sending)
+        finally:
+            CLIENT_GONE.reset(token)
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+
+
+async def _refuse(send: Any, status: int, why: str) -> None:
+    body = json.dumps({"detail": why}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
