@@ -13,8 +13,10 @@ import json
 import secrets
 from typing import Any
 
-# Set by ClientWatch for a WebSocket connection's handler: set once its client is gone.
-CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("smolbench_client_gone", default=None)
+# Set by ClientWatch for a WebSocket connection's handler: done once its client is gone
+# (a future, not an Event: a request waits on it with no task of its own).
+CLIENT_GONE: contextvars.ContextVar[asyncio.Future[None] | None] = contextvars.ContextVar("smolbench_client_gone",
+                                                                                          default=None)
 
 
 class BodyLimit:
@@ -104,7 +106,12 @@ class ClientWatch:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "websocket":
             return await self.app(scope, receive, send)
-        gone = asyncio.Event()
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def went() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.QUEUED)
         last: dict[str, Any] = {}
 
@@ -112,7 +119,7 @@ class ClientWatch:
             while True:
                 msg = await receive()
                 if msg["type"] == "websocket.disconnect":
-                    gone.set()
+                    went()
                 await queue.put(msg)
                 if msg["type"] == "websocket.disconnect":
                     return
@@ -126,12 +133,12 @@ class ClientWatch:
             return msg
 
         async def sending(msg: dict[str, Any]) -> None:
-            if gone.is_set():
+            if gone.done():
                 return  # nobody to send to: the handler's answer to a cut step, its close
             try:
                 await send(msg)
             except OSError:  # uvicorn's ClientDisconnected: gone before the reader saw it
-                gone.set()
+                went()
 
         reader = asyncio.ensure_future(pump())
         token = CLIENT_GONE.set(gone)

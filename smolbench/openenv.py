@@ -130,12 +130,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         except RuntimeError:  # closed meanwhile, from the idle sessions' reaper
             self._open()
             raise
-        watch = asyncio.ensure_future(gone.wait())
-        either: set[asyncio.Future[Any]] = {work, watch}
-        try:
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
+        either: set[asyncio.Future[Any]] = {work, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             self._client_gone = True  # before reading _cut: _run sets _cut before reading this
             cut = self._cut
