@@ -117,7 +117,10 @@ class ClientWatch:
 
         async def pump() -> None:
             while True:
-                msg = await receive()
+                try:
+                    msg = await receive()
+                except Exception:  # the connection broke some other way: to the handler, it is gone
+                    msg = {"type": "websocket.disconnect", "code": 1006}
                 if msg["type"] == "websocket.disconnect":
                     went()
                 await queue.put(msg)
