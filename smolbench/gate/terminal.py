@@ -45,22 +45,26 @@ def _backspaced(line: str) -> str:
     return "".join(kept)
 
 
-def kept_to_lines(text: str) -> str:
-    """``text`` (an error's message or traceback) with each line's backspaces resolved within
-    it and any style it starts ended at its end: a fork's errors are shown one after another,
-    and a branch's must not hide or erase the next branch's, or the host's lines around them."""
-    if ("\b" not in text and "\x1b" not in text) or "terminal" in TEST_WEAKEN:
-        return text
-    out = []
-    for piece in text.splitlines(True):
-        body = piece.rstrip("\r\n")
-        end = piece[len(body):]
+def _own_line(piece: str) -> tuple[str, str]:
+    """A line's text kept to itself (its backspaces resolved within it, any style it starts
+    ended at its end), and its line end."""
+    body = piece.rstrip("\r\n")
+    end = piece[len(body):]
+    if "terminal" not in TEST_WEAKEN:
         if "\b" in body:
             body = _backspaced(body)
         if "\x1b" in body:
             body += RESET
-        out.append(body + end)
-    return "".join(out)
+    return body, end
+
+
+def kept_to_lines(text: str) -> str:
+    """``text`` (an error's message or traceback) with each line kept to itself: a fork's
+    errors are shown one after another, and a branch's must not hide or erase the next
+    branch's, or the host's lines around them."""
+    if "\b" not in text and "\x1b" not in text:
+        return text
+    return "".join(body + end for body, end in map(_own_line, text.splitlines(True)))
 
 
 def prefixed(branch: str, text: str) -> str:
@@ -68,13 +72,7 @@ def prefixed(branch: str, text: str) -> str:
     lines after it; ends with a line end."""
     out = []
     for piece in text.splitlines(True):  # also at a lone "\r": the line written over gets its name again
-        body = piece.rstrip("\r\n")
-        end = piece[len(body):] or "\n"
-        if "terminal" not in TEST_WEAKEN:
-            if "\b" in body:
-                body = _backspaced(body)
-            if "\x1b" in body:
-                body += RESET
-        out.append(f"[{branch}] {body}{end}")
+        body, end = _own_line(piece)
+        out.append(f"[{branch}] {body}" + (end or "\n"))
     text = "".join(out)
     return text if text.endswith("\n") else text + "\n"
