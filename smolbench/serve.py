@@ -16,6 +16,7 @@ import math
 import os
 import re
 import secrets
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,22 @@ def token_for(value: str | None) -> str | None:
     return value
 
 
+def tls_files(args: argparse.Namespace) -> tuple[str, str | None] | None:
+    """``--certfile`` and ``--keyfile`` (the key may be in the cert's file), loaded once here so
+    a bad pair is one line before anything starts; None for plain HTTP."""
+    if args.certfile is None:
+        if args.keyfile is not None:
+            raise SmolbenchError("--keyfile needs --certfile: give the certificate (PEM) it goes with")
+        return None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.certfile, args.keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        key = f" with --keyfile {args.keyfile}" if args.keyfile else " (no --keyfile: the key should be in it)"
+        raise SmolbenchError(f"can't use --certfile {args.certfile}{key}: {exc.strerror or exc}; "
+                             "give a PEM certificate and its private key") from None
+    return args.certfile, args.keyfile
+
+
 def loopback(host: str) -> bool:
     """Whether ``host`` (``--host``) listens on this host's loopback only."""
     if host == "localhost":
@@ -99,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
         check_limits(args)
         code, name = setup_code(args)
         token = token_for(args.token)
+        tls = tls_files(args)
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
         return 2
@@ -119,15 +137,15 @@ def serve(args: argparse.Namespace) -> int:
         try:
             host.run(parent.start())
             assert parent.parent is not None
-            url = f"http://{args.host}:{args.port}" + (f"/{token}" if token else "")
+            url = f"{'https' if tls else 'http'}://{args.host}:{args.port}" + (f"/{token}" if token else "")
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
                   f"{wb.backend.name} · each client session in its own branch of {parent.parent.name}", flush=True)
             if token:
                 print(f"smolbench: give clients the whole URL as their base_url (e.g. GenericEnvClient(base_url=\"{url}\")); "
                       f"any other path is refused (${TOKEN_ENV} keeps one token across restarts)", flush=True)
-            if not loopback(args.host):
-                why = ("the URL's token goes over plain HTTP: put a proxy with TLS in front" if token else
-                       "--token none turned the URL's token off: anyone who can connect runs episodes here")
+            if not loopback(args.host) and not (tls and token):
+                why = ("--token none turned the URL's token off: anyone who can connect runs episodes here" if not token
+                       else "the URL's token goes over plain HTTP: give --certfile and --keyfile, or put a proxy with TLS in front")
                 print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
                       file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
@@ -137,7 +155,9 @@ def serve(args: argparse.Namespace) -> int:
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
             server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port,
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
-                                                      ws_max_size=args.max_message))
+                                                      ws_max_size=args.max_message,
+                                                      ssl_certfile=tls[0] if tls else None,
+                                                      ssl_keyfile=tls[1] if tls else None))
             server.run()
         finally:
             if app is not None:  # sessions still open (their clients gone, or cut by the stop)
@@ -175,6 +195,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
                    help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
                         "none: any path, loopback only is wise)")
+    p.add_argument("--certfile", default=None, metavar="PEM",
+                   help="serve over TLS (https://, wss://) with this certificate chain; its key in it or --keyfile")
+    p.add_argument("--keyfile", default=None, metavar="PEM", help="the private key of --certfile")
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
     p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once (each its own machine)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",

@@ -8,6 +8,7 @@ held, and stop on SIGTERM with every machine it made deleted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,7 +47,7 @@ class Server:
         self.url = self.ws = ""  # what it says it serves on: its token in the path (see serving)
 
     def serves_on(self, url: str) -> None:
-        self.url, self.ws = url, url.replace("http://", "ws://", 1) + "/ws"
+        self.url, self.ws = url, re.sub(r"^http", "ws", url) + "/ws"
 
     def agents(self) -> set[tuple[int, str]]:
         """The machines' agent processes under the server (one per live machine)."""
@@ -116,7 +117,7 @@ def serving(folder: Path, *options: str) -> Iterator[Server]:
         deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, server.out
-            said = [m for line in lines if (m := re.search(r"over OpenEnv \S+ on (http://\S+) ", line))]
+            said = [m for line in lines if (m := re.search(r"over OpenEnv \S+ on (https?://\S+) ", line))]
             if said:
                 server.serves_on(said[0][1])
                 with socket.socket() as s:
@@ -311,3 +312,106 @@ def test_only_clients_with_the_url_s_token_reach_the_env(open_tmp: Path) -> None
     bad = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", "--token", "short"],
                          capture_output=True, text=True, timeout=WAIT)
     assert bad.returncode == 2 and "the token should be 16 to 128 letters" in bad.stderr
+
+
+class Tap:
+    """A TCP relay on loopback that keeps every byte a client sends through it: what anyone
+    on the path between a client and the server sees."""
+
+    def __init__(self, port: int) -> None:
+        self.seen = bytearray()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        threading.Thread(target=self._accept, args=(port,), daemon=True).start()
+
+    def _accept(self, port: int) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", port))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, keep: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if keep:
+                    self.seen += data
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+ROUND_TRIP = """
+import sys
+from openenv.core.generic_client import GenericEnvClient
+with GenericEnvClient(base_url=sys.argv[1]).sync() as env:
+    first = env.reset(seed=3)
+    step = env.step({"action": "x = 1"})
+    print("round trip", first.observation["machine"], step.reward)
+"""
+
+
+def round_trip(url: str, ca: Path | None) -> subprocess.CompletedProcess[str]:
+    """OpenEnv's own client, reset and step, in a process that trusts ``ca`` (as a user's
+    client would, through the CA bundle OpenSSL reads)."""
+    env = {**os.environ, **({"SSL_CERT_FILE": str(ca)} if ca else {})}
+    return subprocess.run([sys.executable, "-c", ROUND_TRIP, url], capture_output=True, text=True, env=env, timeout=WAIT)
+
+
+def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open_tmp: Path) -> None:
+    """The token is the credential, and it is in the URL: over plain HTTP anyone on the path
+    between client and server reads it from the request line. With --certfile and --keyfile
+    the server speaks TLS (https://, wss://), and OpenEnv's own client works over it."""
+    import httpx
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.cert_chain_pems[0].write_to_path(open_tmp / "cert.pem")
+    for blob in cert.cert_chain_pems[1:]:
+        blob.write_to_path(open_tmp / "cert.pem", append=True)
+    cert.private_key_pem.write_to_path(open_tmp / "key.pem")
+    ca.cert_pem.write_to_path(open_tmp / "ca.pem")
+
+    with serving(open_tmp, "--certfile", "cert.pem", "--keyfile", "key.pem", "--max-sessions", "2") as server:
+        assert server.url.startswith(f"https://127.0.0.1:{server.port}/"), server.url
+        token = server.url.rsplit("/", 1)[1]
+        tap = Tap(server.port)
+        try:
+            via_tap = server.url.replace(f":{server.port}/", f":{tap.port}/")
+            done = round_trip(via_tap, open_tmp / "ca.pem")
+            assert done.returncode == 0 and "round trip root." in done.stdout, done.stdout + done.stderr
+            assert httpx.post(f"{via_tap}/reset", json={"seed": 1}, verify=str(open_tmp / "ca.pem"),
+                              timeout=WAIT).status_code == 200
+            assert len(tap.seen) > 1000 and token.encode() not in tap.seen and b"/reset" not in tap.seen
+        finally:
+            tap.close()
+        # a client that doesn't trust the certificate refuses to talk (and so to send the token)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{server.url}/health", timeout=WAIT)
+        with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP to it is not served
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=WAIT)
+        assert server.stop() == 0
+
+    with serving(open_tmp, "--max-sessions", "2") as server:  # weakened: no certificate, plain HTTP
+        tap = Tap(server.port)
+        try:
+            done = round_trip(server.url.replace(f":{server.port}/", f":{tap.port}/"), None)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert server.url.rsplit("/", 1)[1].encode() in tap.seen
+        finally:
+            tap.close()
+        assert server.stop() == 0
+
+    for bad, said in ((("--certfile", "nothere.pem"), "can't use --certfile nothere.pem"),
+                      (("--certfile", "key.pem"), "can't use --certfile key.pem"),
+                      (("--keyfile", "key.pem"), "--keyfile needs --certfile")):
+        run = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", *bad],
+                             capture_output=True, text=True, timeout=WAIT, cwd=open_tmp)
+        assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
