@@ -16,6 +16,7 @@ import math
 import os
 import re
 import secrets
+import socket
 import ssl
 import sys
 from pathlib import Path
@@ -102,6 +103,14 @@ def loopback(host: str) -> bool:
         return False  # a name: whatever it resolves to
 
 
+def url_host(host: str) -> str:
+    """``--host`` as a client puts it in the URL: this host's name for every address (the
+    name its certificate is for), an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.getfqdn()
+    return f"[{host}]" if ":" in host else host
+
+
 def serve(args: argparse.Namespace) -> int:
     """Bring a session up, build the env in its warm parent, serve it until stopped."""
     import uvicorn
@@ -137,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             host.run(parent.start())
             assert parent.parent is not None
-            url = f"{'https' if tls else 'http'}://{args.host}:{args.port}" + (f"/{token}" if token else "")
+            url = f"{'https' if tls else 'http'}://{url_host(args.host)}:{args.port}" + (f"/{token}" if token else "")
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
                   f"{wb.backend.name} · each client session in its own branch of {parent.parent.name}", flush=True)
             if token:
