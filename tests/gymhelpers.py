@@ -36,6 +36,9 @@ class CodeEnv(gym.Env):
         if options and options.get("hang"):
             import time
             time.sleep(10**6)
+        if options and options.get("mark"):  # tests find this episode's machine by its name
+            import ctypes
+            ctypes.CDLL(None).prctl(15, b'smolbench-mine', 0, 0, 0)
         return np.zeros(1, np.float32), {}
     def step(self, action):
         ns = {}

@@ -249,6 +249,28 @@ def test_big_or_unknown_requests_and_mcp_sessions_are_refused_and_it_goes_on(ope
         assert server.stop() == 0
 
 
+def test_stateless_http_resets_leave_no_machine_behind_even_when_stopped_right_after(open_tmp: Path) -> None:
+    """A stateless HTTP reset is a session of one request: OpenEnv closes it on its server loop
+    as the request ends. Its machine joins the warm parent's batched deletions there (the
+    request no longer waits on it), so each one's machine must still be deleted: while it
+    serves, and when a stop comes while deletions are pending."""
+    import httpx
+
+    def resets() -> None:
+        for seed in range(6):  # each episode's machine marks itself (CODE_ENV's reset)
+            r = httpx.post(f"{server.url}/reset", json={"seed": seed, "options": {"mark": True}}, timeout=WAIT)
+            assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+
+    with serving(open_tmp, "--max-sessions", "2") as server:
+        resets()
+        until(lambda: not server.marked(), "the stateless resets' machines are deleted")
+        resets()  # and stopped with their deletions pending
+        had = server.marked()
+        assert had and server.stop() == 0 and "every machine it made is deleted" in server.out
+    alive = [pid for pid, started in had if _procs.running(pid, started)]
+    assert not alive, f"episodes' machines left after the server stopped: {alive}"
+
+
 def test_which_hosts_are_loopback_only_for_the_warning_at_start() -> None:
     from smolbench.serve import loopback
 

@@ -752,7 +752,13 @@ class Machines:
         for ep in self.eps:
             if ep.running:
                 quietly(self.records.end, ep, "closed")
-            if ep.ref is not None:
+            if ep.ref is not None and not own_pool and not self.pool.m.closed:
+                # a sibling's (an OpenEnv session's) last machine joins the shared pool's batched
+                # deletions, which the warm parent's close waits for: OpenEnv's stateless HTTP
+                # handlers call close() on the server's loop, which waited on the deletion
+                old, ep.ref, ep.chan = [(ep.ref, ep.chan)], None, None
+                self.pool.retire(old)
+            elif ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
         if own_pool:
