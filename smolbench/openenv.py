@@ -213,7 +213,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
                                    version="1.0.0")
 
     def close(self) -> None:
-        """Delete this session's machines (the warm parent stays for the next session)."""
+        """End this session: its machines go to the warm parent's batched deletions, which
+        the parent's close waits for (the parent stays for the next session)."""
         try:
             self._m.host.run(self._m.close(), 2 * GRACE)
         finally:
