@@ -213,8 +213,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
                                    version="1.0.0")
 
     def close(self) -> None:
-        """End this session: its machines go to the warm parent's batched deletions, which
-        the parent's close waits for (the parent stays for the next session)."""
+        """End this session: with fresh resets its machine goes to the warm parent's batched
+        deletions, which the parent's close waits for; in place it is deleted here."""
         try:
             self._m.host.run(self._m.close(), 2 * GRACE)
         finally:
