@@ -213,10 +213,18 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
                                    version="1.0.0")
 
     def close(self) -> None:
-        """End this session: with fresh resets its machine goes to the warm parent's batched
-        deletions, which the parent's close waits for; in place it is deleted here."""
+        """Delete this session's machines (the warm parent stays for the next session).
+
+        OpenEnv's stateless HTTP handlers call this on the server's event loop, which waited
+        on the deletion: there a fresh-reset session's machine goes to the warm parent's
+        batched deletions instead, which the parent's close waits for."""
         try:
-            self._m.host.run(self._m.close(), 2 * GRACE)
+            asyncio.get_running_loop()
+            on_the_server_loop = True
+        except RuntimeError:
+            on_the_server_loop = False
+        try:
+            self._m.host.run(self._m.close(let_go=on_the_server_loop), 2 * GRACE)
         finally:
             if self._worker is not None:
                 self._worker.shutdown(wait=False)

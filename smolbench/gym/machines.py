@@ -738,8 +738,10 @@ class Machines:
             finally:
                 self.host.close()
 
-    async def close(self) -> None:
-        """End every episode and delete every machine of this env (the warm parent too)."""
+    async def close(self, let_go: bool = False) -> None:
+        """End every episode and delete every machine of this env (the warm parent too).
+        ``let_go``: a sibling's machines go to the shared pool's batched deletions (which the
+        warm parent's close waits for) instead of being waited on here."""
         if self.closed:
             return
         self.closed = True
@@ -752,10 +754,7 @@ class Machines:
         for ep in self.eps:
             if ep.running:
                 quietly(self.records.end, ep, "closed")
-            if ep.ref is not None and not own_pool and not self.pool.m.closed:
-                # a sibling's (an OpenEnv session's) last machine joins the shared pool's batched
-                # deletions, which the warm parent's close waits for: OpenEnv's stateless HTTP
-                # handlers call close() on the server's loop, which waited on the deletion
+            if let_go and ep.ref is not None and not own_pool and not self.pool.m.closed:
                 old, ep.ref, ep.chan = [(ep.ref, ep.chan)], None, None
                 self.pool.retire(old)
             elif ep.ref is not None:
