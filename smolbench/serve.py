@@ -84,8 +84,12 @@ def tls_files(args: argparse.Namespace) -> tuple[str, str | None] | None:
         if args.keyfile is not None:
             raise SmolbenchError("--keyfile needs --certfile: give the certificate (PEM) it goes with")
         return None
+    def no_passphrase() -> bytes:  # else OpenSSL asks on the terminal, and so would uvicorn
+        raise SmolbenchError(f"the private key of --certfile {args.certfile} is encrypted: give one without a "
+                             "passphrase (e.g. `openssl pkey -in KEY -out KEY.plain`), readable by you only")
+
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.certfile, args.keyfile)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.certfile, args.keyfile, password=no_passphrase)
     except (OSError, ssl.SSLError) as exc:
         key = f" with --keyfile {args.keyfile}" if args.keyfile else " (no --keyfile: the key should be in it)"
         raise SmolbenchError(f"can't use --certfile {args.certfile}{key}: {exc.strerror or exc}; "

@@ -439,9 +439,15 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
             tap.close()
         assert server.stop() == 0
 
+    from cryptography.hazmat.primitives import serialization as ser  # trustme's own dependency
+
+    key = ser.load_pem_private_key(cert.private_key_pem.bytes(), None)
+    (open_tmp / "locked.pem").write_bytes(key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                                            ser.BestAvailableEncryption(b"secret")))
     for bad, said in ((("--certfile", "nothere.pem"), "can't use --certfile nothere.pem"),
+                      (("--certfile", "cert.pem", "--keyfile", "locked.pem"), "is encrypted: give one without a passphrase"),
                       (("--certfile", "key.pem"), "can't use --certfile key.pem"),
                       (("--keyfile", "key.pem"), "--keyfile needs --certfile")):
         run = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", *bad],
-                             capture_output=True, text=True, timeout=WAIT, cwd=open_tmp)
+                             capture_output=True, text=True, timeout=WAIT, cwd=open_tmp, stdin=subprocess.DEVNULL)
         assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
