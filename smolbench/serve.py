@@ -111,7 +111,7 @@ def url_host(host: str) -> str:
     """``--host`` as a client puts it in the URL: this host's name for every address (the
     name its certificate is for), an IPv6 address in brackets."""
     if host in ("", "0.0.0.0", "::"):
-        return socket.getfqdn()
+        return socket.gethostname()  # as Jupyter shows it (getfqdn may give "localhost")
     return f"[{host}]" if ":" in host else host
 
 

@@ -283,7 +283,7 @@ def test_the_url_it_prints_is_one_a_client_can_use() -> None:
 
     from smolbench.serve import url_host
     assert url_host("127.0.0.1") == "127.0.0.1" and url_host("::1") == "[::1]"
-    assert url_host("0.0.0.0") == url_host("::") == s.getfqdn()  # every address: the host's name, not 0.0.0.0
+    assert url_host("0.0.0.0") == url_host("::") == s.gethostname()  # every address: the host's name, not 0.0.0.0
 
 
 def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
