@@ -39,13 +39,3 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_folder(tmp_path: Path) -> 
                 assert text in shown, f"README cell\n{source}\npromised {text!r}; it showed:\n{shown}"
         assert "deleted" in shown  # the last cell took every machine down
 
-
-def test_every_install_line_names_our_distribution_not_the_index_s_unrelated_smolbench() -> None:
-    """PyPI's ``smolbench`` is somebody else's project: a line that says ``pip install
-    'smolbench[gym]'`` installs their code. Ours is ``jupyterlab-smolbench``."""
-    root = README.parent
-    texts = [README, *root.glob("docs/*.md"), *root.glob("notebooks/*.ipynb"), *root.glob("smolbench/**/*.py"),
-             *root.glob("scripts/*")]
-    wrong = [f"{p.relative_to(root)}: {m[0]}" for p in texts if p.is_file()
-             for m in re.finditer(r"(?<!never `)pip install\s+['\"]?smolbench\b\S*", p.read_text(errors="replace"))]
-    assert not wrong, "install lines naming PyPI's unrelated smolbench:\n" + "\n".join(wrong)
