@@ -84,6 +84,7 @@ def tls_files(args: argparse.Namespace) -> tuple[str, str | None] | None:
         if args.keyfile is not None:
             raise SmolbenchError("--keyfile needs --certfile: give the certificate (PEM) it goes with")
         return None
+
     def no_passphrase() -> bytes:  # else OpenSSL asks on the terminal, and so would uvicorn
         raise SmolbenchError(f"the private key of --certfile {args.certfile} is encrypted: give one without a "
                              "passphrase (e.g. `openssl pkey -in KEY -out KEY.plain`), readable by you only")
