@@ -279,11 +279,10 @@ def test_which_hosts_are_loopback_only_for_the_warning_at_start() -> None:
 
 
 def test_the_url_it_prints_is_one_a_client_can_use() -> None:
-    import socket as s
-
     from smolbench.serve import url_host
+
     assert url_host("127.0.0.1") == "127.0.0.1" and url_host("::1") == "[::1]"
-    assert url_host("0.0.0.0") == url_host("::") == s.gethostname()  # every address: the host's name, not 0.0.0.0
+    assert url_host("0.0.0.0") == url_host("::") == socket.gethostname()  # every address: the host's name, not 0.0.0.0
 
 
 def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
