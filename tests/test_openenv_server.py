@@ -28,6 +28,8 @@ import pytest
 from gymhelpers import CODE_ENV, needs_bwrap
 
 from smolbench.backends import _procs
+from smolbench.errors import SmolbenchError
+from smolbench.serve import TOKEN_ENV, loopback, token_for, url_host
 
 pytest.importorskip("openenv.core.env_server.http_server")
 from websockets.exceptions import ConnectionClosed  # noqa: E402  (openenv-core's client needs websockets)
@@ -101,6 +103,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def server_env() -> dict[str, str]:
+    """This process's environment without a token the host's user may keep (the tests choose theirs)."""
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
 @contextmanager
 def serving(folder: Path, *options: str) -> Iterator[Server]:
     """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done."""
@@ -108,7 +116,7 @@ def serving(folder: Path, *options: str) -> Iterator[Server]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
                              "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.STDOUT, text=True, env=server_env())
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -272,24 +280,33 @@ def test_stateless_http_resets_leave_no_machine_behind_even_when_stopped_right_a
 
 
 def test_which_hosts_are_loopback_only_for_the_warning_at_start() -> None:
-    from smolbench.serve import loopback
-
     assert all(loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "localhost"))
     assert not any(loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "myhost.example"))  # warned at start
 
 
 def test_the_url_it_prints_is_one_a_client_can_use() -> None:
-    from smolbench.serve import url_host
-
     assert url_host("127.0.0.1") == "127.0.0.1" and url_host("::1") == "[::1]"
     assert url_host("0.0.0.0") == url_host("::") == socket.gethostname()  # every address: the host's name, not 0.0.0.0
+
+
+def test_the_token_is_new_each_start_unless_the_user_keeps_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    first, second = token_for(None), token_for("auto")
+    assert first and second and first != second and re.fullmatch(r"[A-Za-z0-9_-]{32}", first)
+    assert token_for("none") is None  # --token none: any client is served (warned at start)
+    kept = "k" * 31 + "x"
+    monkeypatch.setenv(TOKEN_ENV, kept)  # one token across restarts, so clients' URLs keep working
+    assert token_for(None) == kept and token_for("y" * 32) == "y" * 32  # --token wins over it
+    monkeypatch.setenv(TOKEN_ENV, "short")
+    with pytest.raises(SmolbenchError, match="the token should be 16 to 128 letters"):
+        token_for(None)
 
 
 def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
     (open_tmp / "envs.py").write_text(CODE_ENV)
     done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
                            "--port", str(free_port()), "--max-sessions", "1000"], cwd=open_tmp, capture_output=True,
-                          text=True, timeout=WAIT * 5)
+                          text=True, timeout=WAIT * 5, env=server_env())
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("smolbench serve:")]
     assert re.fullmatch(r"smolbench serve: --max-sessions 1000 needs \d+ live branches .*: use at most \d+", line), line
@@ -326,7 +343,8 @@ def test_only_clients_with_the_url_s_token_reach_the_env(open_tmp: Path) -> None
         token = server.url.removeprefix(bare + "/")
         assert re.fullmatch(r"[A-Za-z0-9_-]{32}", token), server.url
         assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200
-        for wrong in (bare, f"{bare}/{token[:-1]}x", f"{bare}/{token}x", f"{bare}/health/{token}"):
+        other = "y" if token.endswith("x") else "x"  # a last letter the token doesn't have (1 in 64 ended in x)
+        for wrong in (bare, f"{bare}/{token[:-1]}{other}", f"{bare}/{token}x", f"{bare}/health/{token}"):
             r = httpx.post(f"{wrong}/reset", json={"seed": 1}, timeout=WAIT)
             assert r.status_code == 404, (wrong, r.text)
             with pytest.raises(InvalidStatus, match="403"):
@@ -339,7 +357,7 @@ def test_only_clients_with_the_url_s_token_reach_the_env(open_tmp: Path) -> None
         assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
         assert server.stop() == 0
     bad = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", "--token", "short"],
-                         capture_output=True, text=True, timeout=WAIT)
+                         capture_output=True, text=True, timeout=WAIT, env=server_env())
     assert bad.returncode == 2 and "the token should be 16 to 128 letters" in bad.stderr
 
 
@@ -448,5 +466,6 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
                       (("--certfile", "key.pem"), "can't use --certfile key.pem"),
                       (("--keyfile", "key.pem"), "--keyfile needs --certfile")):
         run = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", *bad],
-                             capture_output=True, text=True, timeout=WAIT, cwd=open_tmp, stdin=subprocess.DEVNULL)
+                             capture_output=True, text=True, timeout=WAIT, cwd=open_tmp, stdin=subprocess.DEVNULL,
+                             env=server_env())
         assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
