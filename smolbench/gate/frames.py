@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -103,16 +105,21 @@ def decode(frame: bytes) -> dict[str, Any]:
 
 
 class _InFlight:
-    """Bytes of unfinished frames held for every machine at once (one event loop: no lock)."""
+    """Bytes of unfinished frames held for every machine at once, and the splitters holding
+    them. Kept channels are fed on callers' threads as well as the loop's, so both change
+    under :data:`_LOCK`."""
 
     held = 0
+    holders: weakref.WeakSet[Splitter] = weakref.WeakSet()
 
 
-def _hold(before: int, after: int) -> None:
-    _InFlight.held += after - before
-    if after > before and _InFlight.held > LIMITS.in_flight:
-        raise Bad(f"replies of {human(_InFlight.held)} still without their line end, from all machines together, "
-                  f"above the limit of {human(LIMITS.in_flight)} (`%smol config in-flight SIZE` raises it)")
+_LOCK = threading.Lock()
+
+
+def _over(total: int, mine: int) -> Bad:
+    return Bad(f"replies of {human(total)} still without their line end, from all machines together, above the limit "
+               f"of {human(LIMITS.in_flight)}; this machine's ({human(mine)}) was the largest of them "
+               "(`%smol config in-flight SIZE` raises the limit)")
 
 
 class Splitter:
@@ -122,7 +129,9 @@ class Splitter:
     A frame that grows past the limit is refused as soon as it does (the host never holds
     more than one limit's worth); :meth:`end` refuses bytes after the last newline (a
     truncated frame). Unfinished bytes count toward every machine's in-flight total until
-    :meth:`close`.
+    :meth:`close`. When a chunk would take that total past its limit, the machine holding
+    the most is refused, its bytes let go: one machine's drip can't get another one's
+    answer refused in its place.
     """
 
     def __init__(self) -> None:
@@ -132,15 +141,16 @@ class Splitter:
     def feed(self, chunk: bytes) -> list[bytes]:
         """The frames ``chunk`` finishes (blank lines skipped), or Bad (once the frames before
         the bad one were returned)."""
-        if self._error is not None:
-            raise self._error
         frames: list[bytes] = []
-        try:
-            self._feed(chunk, frames)
-        except Bad as exc:
-            if not frames:
-                raise
-            self._error = exc
+        with _LOCK:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._feed(chunk, frames)
+            except Bad as exc:
+                if not frames:
+                    raise
+                self._error = exc
         return frames
 
     def whole(self, chunk: bytes) -> bytes | None:
@@ -162,9 +172,10 @@ class Splitter:
             if len(buf) + nl - start > limit:
                 raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
             if buf:
+                held = len(buf)  # what was counted: this chunk's part of the frame never was
                 buf += chunk[start:nl]
                 frame = bytes(buf)
-                _hold(len(buf), 0)
+                self._let_go(held)
                 buf.clear()
             else:
                 frame = chunk[start:nl]
@@ -174,20 +185,41 @@ class Splitter:
         if len(buf) + len(chunk) - start > limit:
             raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
         if start < len(chunk):
-            _hold(len(buf), len(buf) + len(chunk) - start)
+            self._make_room(len(chunk) - start)
             buf += chunk[start:]
+            _InFlight.holders.add(self)
+
+    def _make_room(self, more: int) -> None:
+        """Count ``more`` bytes this splitter is about to hold; past the limit, the largest
+        holder is refused first (this one, if none holds more: Bad, nothing counted)."""
+        while _InFlight.held + more > LIMITS.in_flight:
+            total, mine = _InFlight.held + more, len(self._buf) + more
+            largest = max(_InFlight.holders, key=lambda s: len(s._buf), default=None)
+            if largest is None or largest is self or len(largest._buf) <= mine:
+                raise _over(total, mine)
+            largest._error = _over(total, len(largest._buf))
+            largest._let_go(len(largest._buf))
+            largest._buf.clear()  # its owner is not feeding it: that takes the lock this one holds
+        _InFlight.held += more
+
+    def _let_go(self, held: int) -> None:
+        _InFlight.held -= held
+        if held:
+            _InFlight.holders.discard(self)
 
     def end(self) -> None:
         """The stream closed: Bad if it closed inside a frame."""
-        if self._error is not None:
-            raise self._error
-        if self._buf.strip():
-            raise Bad(f"a truncated frame ({human(len(self._buf))} with no line end before the stream closed)")
+        with _LOCK:
+            if self._error is not None:
+                raise self._error
+            if self._buf.strip():
+                raise Bad(f"a truncated frame ({human(len(self._buf))} with no line end before the stream closed)")
 
     def close(self) -> None:
         """Let go of any unfinished frame (it no longer counts as in flight)."""
-        _hold(len(self._buf), 0)
-        self._buf.clear()
+        with _LOCK:
+            self._let_go(len(self._buf))
+            self._buf.clear()
 
 
 async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
