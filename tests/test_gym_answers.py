@@ -98,6 +98,8 @@ ASTRAL = "".join(chr(c) for c in range(0x10000, 0x20000))
 bits_4x16Mi = described({"type": "Dict", "spaces": [["k%d" % i, {"type": "MultiBinary", "n": [1 << 24]}] for i in range(4)]})
 texts_12x64Ki = described({"type": "Tuple", "spaces": [{"type": "Text", "charset": ASTRAL, "min_length": 0,
                                                         "max_length": 1} for _ in range(12)]})
+long_texts_128 = described({"type": "Tuple", "spaces": [{"type": "Text", "charset": "a", "min_length": 1 << 20,
+                                                         "max_length": 1 << 20} for _ in range(128)]})
 '''
 
 
@@ -116,13 +118,15 @@ def one_line(exc: BaseException, names: str) -> str:
 
 # -- 1. one budget for all of an env's spaces ---------------------------------------------
 
-@pytest.mark.parametrize("name, vec", [("bits_4x16Mi", True), ("texts_12x64Ki", False)])
+@pytest.mark.parametrize("name, vec", [("bits_4x16Mi", True), ("texts_12x64Ki", False), ("long_texts_128", True)])
 def test_a_small_description_of_huge_spaces_is_refused_before_the_host_builds_them(bench: Workbench, name: str,
                                                                                  vec: bool) -> None:
     """4 MultiBinary(2**24) are ~300 bytes described; make_vec's batched form of them took
     ~335 MB here. 12 Text spaces of 65,536-character charsets (~9 MB described) took ~140 MB
     under plain make(). Both are refused in one line naming the budget, with the host's
-    own allocations (tracemalloc, numpy's included) staying far below what they would take."""
+    own allocations (tracemalloc, numpy's included) staying far below what they would take.
+    128 Text spaces of a 1 MiB min_length (~10 KB described): make_vec's observation buffer
+    holds a string that long for each and every sub-env (570 MiB at 4 sub-envs)."""
     before = set(bench.machines)
     tracemalloc.start()
     try:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 
@@ -282,3 +283,56 @@ def test_taking_pages_ahead_never_changes_them() -> None:
                          timeout=120, check=True)
     same, mappings = json.loads(out.stdout)
     assert same and mappings > 10
+
+
+# The action space is the machine's description, and the practice episode samples it on
+# smolbench's event loop: a Box of 2**24 bytes, within the spaces' budget, took ~1 GB and
+# 0.75 s a sample, 200 times.
+ACTIONS = '''
+import gymnasium, numpy as np
+from gymnasium import spaces
+
+class Actions(gymnasium.Env):
+    observation_space = spaces.Discrete(2)
+
+    def __init__(self, items):
+        self.action_space = spaces.Box(0, 255, (items,), np.uint8)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return 0, {}
+
+    def step(self, action):
+        return int(action.sum() % 2), 1.0, True, False, {}
+
+def costly_actions():
+    return Actions(1 << 17)  # 8 MiB a sample here: twice practice.PRACTICE_SAMPLE_BYTES
+
+def cheap_actions():
+    return Actions(1 << 10)
+'''
+
+
+def test_an_action_space_costly_to_sample_is_never_sampled_for_practice(bench: Workbench,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import gymnasium
+
+    define(bench, ACTIONS)
+    sampled: list[tuple[int, ...]] = []
+    real = gymnasium.spaces.Box.sample
+    monkeypatch.setattr(gymnasium.spaces.Box, "sample",
+                        lambda self, *a, **k: sampled.append(self.shape) or real(self, *a, **k))
+    for name, items in (("cheap_actions", 1 << 10), ("costly_actions", 1 << 17)):
+        env = sgym.make(name, session=bench)
+        try:
+            deadline = time.monotonic() + 60
+            while not env._m._practice.done() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert env._m._practice.done()
+            practised = (items,) in sampled
+            assert practised == (items == 1 << 10), f"{name}: sampled {sampled.count((items,))} times for practice"
+            assert (env._m._pages is not None) == practised
+            env.reset(seed=1)
+            assert env.step(np.ones(items, np.uint8))[1] == 1.0  # the env runs all the same, on unwarmed spares
+        finally:
+            env.close()

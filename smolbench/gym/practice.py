@@ -34,12 +34,18 @@ MAX_RUNS = 2048  # runs of them, at most (the spare's serving cell carries them)
 PRACTICE_SEED = 0  # the practice episode's reset seed, its machine's global seed and its actions' seed
 PRACTICE_STEPS = 200  # steps it takes, resetting (without a seed) when an episode ends
 PRACTICE_TIMEOUT = 20.0  # seconds it may take in all; past that, spares warm without a list
+# An action space whose sample costs more is not practised with (spares warm without a list): the
+# machine describes the space, and each sample runs on the event loop (a sample of a Box of 2**24
+# bytes, within the spaces' budget, held it 0.75 s, and a practice takes 200).
+PRACTICE_SAMPLE_BYTES = 4 << 20
 
 
 async def practise(m: Machines, ep: Episode) -> str | None:
     """Run the practice episode in a new branch of ``m``'s warm parent (as ``ep``, a
     machine-less episode of no sub-env), ask it which pages it made its own, delete it; the
     checked list as JSON (None: it could not say)."""
+    if spaces.sample_bytes(m.action_space) > PRACTICE_SAMPLE_BYTES:
+        return None
     ref: MachineRef | None = None
     try:
         (ref,) = await m._branch(1)

@@ -31,6 +31,10 @@ MAX_SPACE_BYTES = 128 << 20
 MAX_LEAVES = 4096  # spaces that are not a Dict or Tuple, in both spaces together
 NODE_BYTES, NODE_BYTES_BATCHED, NODE_BYTES_PER_ENV = 1024, 2048, 64  # a space object; its batched form, + per sub-env
 CHAR_BYTES, CHAR_BYTES_PER_ENV = 192, 64  # a Text's charset (set, list, index: ~180 B/char), its deep copy
+TEXT_BYTES_PER_ENV = 4  # per character of a Text's min_length: make_vec's buffer holds a string that long a sub-env
+# What one sample() of a space allocates here, per item (tracemalloc, gymnasium 1.4: a Text ~95-120 B a
+# character, a Box 20-61 B an item): a machine describes the action space the host samples from.
+SAMPLE_BYTES = {"Text": 128, "Box": 64, "MultiDiscrete": 32, "MultiBinary": 8}
 TEST_WEAKEN: set[str] = set()  # "obs-check": tests show their attacks get through without the check
 DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool"}
@@ -160,8 +164,11 @@ def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
         parts = [_cost(s[1] if kind == "Dict" and isinstance(s, list) and len(s) == 2 else s, n, depth + 1) for s in subs]
         return node + sum(c for c, _ in parts), sum(k for _, k in parts)
     if kind == "Text":
-        charset = tree.get("charset")
-        return node + (len(charset) * (CHAR_BYTES + n * CHAR_BYTES_PER_ENV) if isinstance(charset, str) else 0), 1
+        charset, shortest = tree.get("charset"), tree.get("min_length")
+        cost = node + (len(charset) * (CHAR_BYTES + n * CHAR_BYTES_PER_ENV) if isinstance(charset, str) else 0)
+        if type(shortest) is int and 0 < shortest <= MAX_TEXT:  # past it: space_from_data says so
+            cost += n * shortest * TEXT_BYTES_PER_ENV
+        return cost, 1
     items, size = 0, 1
     with contextlib.suppress(Exception):
         if kind == "Box":  # low and high in its dtype, bounded_below/above; tiled, and the buffer
@@ -179,6 +186,19 @@ def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
             items = items if items <= MAX_ITEMS else 0  # too many: space_from_data says so
             return node + items * (1 + n * 5), 1
     return node, 1
+
+
+def sample_bytes(space: S.Space[Any]) -> int:
+    """About what one ``space.sample()`` allocates here, at most (see :data:`SAMPLE_BYTES`):
+    a Box of 2**24 bytes, within the budget, took ~1 GB and 0.75 s a sample."""
+    if isinstance(space, S.Dict):
+        return sum(sample_bytes(sub) for sub in space.spaces.values())
+    if isinstance(space, S.Tuple):
+        return sum(sample_bytes(sub) for sub in space.spaces)
+    if isinstance(space, S.Text):
+        return NODE_BYTES + space.max_length * SAMPLE_BYTES["Text"]
+    items = math.prod(space.shape) if space.shape else 1
+    return NODE_BYTES + items * SAMPLE_BYTES.get(type(space).__name__, 0)
 
 
 def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any:
