@@ -73,17 +73,18 @@ def from_json(space: Any, value: Any) -> Any:
     from gymnasium import spaces as S
 
     try:
+        out: Any
         if isinstance(space, S.Dict):
-            return {k: from_json(sub, value[k]) for k, sub in space.spaces.items()}
-        if isinstance(space, S.Tuple):
-            return tuple(from_json(sub, v) for sub, v in zip(space.spaces, value))
-        if isinstance(space, S.Discrete):
-            out: Any = np.int64(value) if isinstance(value, int) and not isinstance(value, bool) else value
+            out = {k: from_json(sub, value[k]) for k, sub in space.spaces.items()}
+        elif isinstance(space, S.Tuple):  # zip stops at the shorter: the check below counts them
+            out = tuple(from_json(sub, v) for sub, v in zip(space.spaces, value))
+        elif isinstance(space, S.Discrete):
+            out = np.int64(value) if isinstance(value, int) and not isinstance(value, bool) else value
         elif isinstance(space, S.Text):
             out = value
         else:
             out = np.asarray(value, dtype=space.dtype)
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:  # 2**70 for an int: Overflow
         raise SmolbenchError(f"action {str(value)[:80]} does not fit the action space {space} ({exc})") from None
     if not space.contains(out):
         raise SmolbenchError(f"action {str(value)[:80]} is not in the action space {space}")

@@ -25,9 +25,26 @@ from smolbench.gym.machines import Machines
 from smolbench.workbench import Workbench
 
 pytest.importorskip("openenv.core.env_server.interfaces")
-from smolbench.openenv import GymAction, MachineEnvironment  # noqa: E402
+from smolbench.openenv import GymAction, MachineEnvironment, from_json  # noqa: E402
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(600)]
+
+
+@pytest.mark.parametrize("space, action", [
+    ("Discrete(2)", 2**70), ("Box(0, 9, (2,), np.int32)", [2**70, 1]), ("Box(0, 9, (2,), np.int32)", [1]),
+    ("Tuple((Discrete(2), Discrete(3)))", [1]), ("Dict(a=Discrete(2))", {"b": 1}), ("MultiBinary(2)", "x"),
+])
+def test_a_client_s_action_that_does_not_fit_is_one_line(space: str, action: Any) -> None:
+    """A client's JSON goes into numpy: a number too big for the space's integers escaped as
+    an OverflowError (a 500 and a traceback in the server's log)."""
+    import numpy as np
+    from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, Tuple
+
+    built = eval(space, {"np": np, "Box": Box, "Dict": Dict, "Discrete": Discrete, "MultiBinary": MultiBinary,
+                         "Tuple": Tuple})
+    with pytest.raises(SmolbenchError) as bad:
+        from_json(built, action)
+    assert str(bad.value).startswith("action ") and "\n" not in str(bad.value), bad.value
 
 
 @pytest.fixture(scope="module")
