@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from smolbench.errors import SmolbenchError
 from smolbench.gate import archive
 
 BLOCK = 512
@@ -133,3 +134,106 @@ def test_more_members_than_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch
             tar.addfile(tarfile.TarInfo(f"f{i}"), io.BytesIO())
     with pytest.raises(archive.UnsafeCheckpoint, match="more than 10 files"):
         archive.check_workspace(out.getvalue(), "checkpoint many")
+
+
+# -- audit of round 4: a shared checkpoint file's structure ----------------------------------
+
+
+def longname_chain(n: int) -> bytes:
+    """``n`` GNU long-name headers in a row, then a member: tarfile recurses once for each."""
+    data = b"x" * 10 + b"\0"
+    head = _header("././@LongLink", len(data), tarfile.GNUTYPE_LONGNAME) + data.ljust(BLOCK, b"\0")
+    return head * n + _header("f", 0) + b"\0" * BLOCK * 2
+
+
+def test_a_chain_of_long_name_headers_is_one_line_not_a_recursion_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 KB of 5,000 chained headers raised RecursionError: past every caller, so a file dropped
+    into a folder's checkpoints broke its listing (the sidebar's too) instead of being refused."""
+    chain = longname_chain(5000)
+    with pytest.raises(archive.UnsafeCheckpoint, match="more than 8 long-name or pax headers in a row"):
+        archive.check_workspace(chain, "checkpoint evil")
+    dropped = tmp_path / "evil.smolcheckpoint"
+    dropped.write_bytes(gzip.compress(chain))
+    with pytest.raises(tarfile.TarError, match="in a row"):  # what the listing catches, for one line
+        archive.read_record(str(dropped))
+    archive.check_workspace(longname_chain(3), "checkpoint fine")  # a few in a row, as tar writes them
+    monkeypatch.setattr(archive, "TEST_WEAKEN", {"tarheaders"})
+    with pytest.raises(RecursionError):
+        archive.check_workspace(chain, "checkpoint evil")
+
+
+def _checkpoint(path: Path, records: int) -> None:
+    """A checkpoint file with ``records`` records first, then its two files."""
+    record = b'{"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox"}'
+    ws = io.BytesIO()
+    with tarfile.open(fileobj=ws, mode="w"):
+        pass
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in [(archive.RECORD, record)] * records + [("namespace.pkl", b"x"),
+                                                                  ("workspace.tar", ws.getvalue())]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_checkpoint_file_has_one_record_at_most(tmp_path: Path) -> None:
+    """A million copies of a valid record (4 MB of gzip) were all accepted, tarfile keeping a
+    header object for each: 500 MB of the restoring process, growing with the file."""
+    _checkpoint(tmp_path / "one.smolcheckpoint", 1)
+    assert (archive.check(str(tmp_path / "one.smolcheckpoint")) or {})["name"] == "gift"
+    _checkpoint(tmp_path / "two.smolcheckpoint", 2)
+    with pytest.raises(SmolbenchError, match=r"is not a sandbox checkpoint \(has \['namespace.pkl', "
+                                             r"'smolbench-record.json', 'workspace.tar'\]\)"):
+        archive.check(str(tmp_path / "two.smolcheckpoint"))
+
+
+def _workspace(*members: tuple[str, bytes, str]) -> bytes:
+    """A workspace archive of (name, type, link target) members."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, kind, target in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            tar.addfile(info, io.BytesIO())
+    return out.getvalue()
+
+
+def test_names_deeper_than_any_file_system_makes_are_refused() -> None:
+    """A 370-byte gzip of a link ``b/.../a -> .`` and a name of 30,000 parts took 97 s to check:
+    each part's lookup joined every part before it, for each of 40 link hops."""
+    deep = "b/" * 30000 + "a/" * 39 + "f"
+    with pytest.raises(archive.UnsafeCheckpoint, match="longer than 4,096 bytes"):
+        archive.check_workspace(_workspace(("b/" * 100 + "a", tarfile.SYMTYPE, "."), (deep, tarfile.REGTYPE, "")),
+                                "checkpoint deep")
+    # as deep as a file system allows, through 39 hops of a link: checked; past 40 hops, refused
+    loop = ("b/" * 2000 + "a", tarfile.SYMTYPE, ".")
+    archive.check_workspace(_workspace(loop, ("b/" * 2000 + "a/" * 39 + "f", tarfile.REGTYPE, "")), "checkpoint near")
+    with pytest.raises(archive.UnsafeCheckpoint, match="reached through a link outside it"):
+        archive.check_workspace(_workspace(loop, ("b/" * 2000 + "a/" * 41 + "f", tarfile.REGTYPE, "")),
+                                "checkpoint near")
+
+
+def test_all_names_and_their_walks_through_links_are_bounded_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each name is now checked in steps linear in its parts, but 500,000 members of 4 KB
+    names through 39 hops each (a few MB of gzip) would still be hours, and their names 2 GB
+    kept by tarfile: both have a budget for the whole archive."""
+    loop = ("b/" * 2000 + "a", tarfile.SYMTYPE, ".")
+    many = [loop] + [("b/" * 2000 + "a/" * 39 + f"f{i}", tarfile.REGTYPE, "") for i in range(30)]
+    archive.check_workspace(_workspace(*many), "checkpoint fine")  # within both at their defaults
+    monkeypatch.setattr(archive, "WALK_LIMIT", 1_000_000)  # ~80,000 steps a name here
+    with pytest.raises(archive.UnsafeCheckpoint, match="take more than 1,000,000 steps to follow"):
+        archive.check_workspace(_workspace(*many), "checkpoint slow")
+    monkeypatch.setattr(archive, "NAMES_LIMIT", 100_000)
+    with pytest.raises(archive.UnsafeCheckpoint, match="names of more than 100 KB in all"):
+        archive.check_workspace(_workspace(*many), "checkpoint names")
+
+
+def test_a_member_s_name_reaches_the_user_quoted_never_as_terminal_escapes() -> None:
+    fake = "/\x1b]0;pwned\x07\x1b[2K\rsmolbench: restored lesson as r1-lesson (now active)\nx"
+    with pytest.raises(archive.UnsafeCheckpoint) as refused:
+        archive.check_workspace(_workspace((fake, tarfile.REGTYPE, "")), "checkpoint evil")
+    line = str(refused.value)
+    assert line.isprintable() and "has a file outside its workspace ('/\\x1b]0;pwned\\x07" in line, line
+    with pytest.raises(archive.UnsafeCheckpoint, match=r"points outside it \(shadow -> /etc/shadow\)"):
+        archive.check_workspace(_workspace(("shadow", tarfile.SYMTYPE, "/etc/shadow")), "checkpoint plain")

@@ -36,6 +36,10 @@ OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 TEST_WEAKEN: set[str] = set()
 HEADER_LIMIT = 64 * 1024  # a long name's or pax header's own bytes, at most (tarfile reads them whole)
 MEMBER_LIMIT = 500_000  # members of a workspace archive (tarfile keeps one object each)
+META_RUN = 8  # such headers in a row, at most (a pax global, a pax, a long name and a long link make 4)
+PATH_LIMIT = 4096  # bytes of a member's name or link target, at most (PATH_MAX: no file system makes longer)
+NAMES_LIMIT = 128 * 1000**2  # bytes of all members' names (or links) together
+WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
 META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
               tarfile.SOLARIS_XHDTYPE)
 
@@ -57,6 +61,12 @@ class CheckedInfo(tarfile.TarInfo):
 
     def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
         if "tarheaders" not in TEST_WEAKEN:
+            # tarfile reads the member a long name or pax header belongs to by recursing: a
+            # chain of thousands of them was a RecursionError, not a refusal
+            run = getattr(tf, "_smolbench_meta_run", 0) + 1 if self.type in META_TYPES else 0
+            tf._smolbench_meta_run = run  # type: ignore[attr-defined]
+            if run > META_RUN:
+                raise BadHeader(f"more than {META_RUN} long-name or pax headers in a row")
             if self.size < 0:
                 raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
             if self.type in META_TYPES and self.size > HEADER_LIMIT:
@@ -174,49 +184,99 @@ def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
         left -= len(block)
 
 
-def _resolve(path: PurePosixPath, links: dict[str, str], hops: int = 0) -> list[str] | None:
+_TARGET = "\0"  # the key of a link's target in the tree of link names (no name part holds a NUL)
+
+
+def _link_tree(links: dict[str, str]) -> dict[str, Any]:
+    """The archive's symlinks as a tree of name parts, so a lookup costs one step a part
+    (joining the parts for each prefix cost a deep name's length squared, per link hop)."""
+    tree: dict[str, Any] = {}
+    for name, target in links.items():
+        node = tree
+        for part in name.split("/"):
+            if part not in ("", "."):
+                node = node.setdefault(part, {})
+        node[_TARGET] = target
+    return tree
+
+
+class _Walk:
+    """Name parts a workspace's check may still walk, following its links: each of 500,000
+    names of 4 KB through 40 hops of links is linear, and all of them together is hours."""
+
+    def __init__(self, where: str) -> None:
+        self.left, self.where = WALK_LIMIT, where
+
+    def take(self, steps: int) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise UnsafeCheckpoint(f"{self.where} has names and links that take more than {WALK_LIMIT:,} steps "
+                                   "to follow: refused")
+
+
+def _resolve(path: tuple[str, ...], tree: dict[str, Any], walk: _Walk, hops: int = 0) -> list[str] | None:
     """``path``'s components after following the archive's own links; None if it leaves the archive."""
     parts: list[str] = []
-    for i, part in enumerate(path.parts):
+    nodes: list[dict[str, Any] | None] = []  # the link tree's node for each prefix (None: no link below)
+    walk.take(len(path))
+    for i, part in enumerate(path):
         if part in ("", "."):
             continue
         if part == "..":
             if not parts:
                 return None
             parts.pop()
+            nodes.pop()
             continue
+        above = nodes[-1] if nodes else tree
+        node = above.get(part) if above is not None else None
         parts.append(part)
-        target = links.get("/".join(parts))
+        nodes.append(node)
+        target = node.get(_TARGET) if node is not None else None
         if target is not None:
             if hops >= LINK_HOPS or target.startswith("/"):
                 return None
-            rest = PurePosixPath(*path.parts[i + 1:]) if i + 1 < len(path.parts) else PurePosixPath(".")
-            return _resolve(PurePosixPath(*parts[:-1], target, rest), links, hops + 1)
+            return _resolve((*parts[:-1], *target.split("/"), *path[i + 1:]), tree, walk, hops + 1)
     return parts
+
+
+def _shown(name: str) -> str:
+    """A member's name for a message: as it is when plain, else quoted (no escapes reach a terminal)."""
+    return name if name.isprintable() and len(name) <= 200 else repr(name[:200])
 
 
 def check_members(tar: tarfile.TarFile, where: str) -> None:
     """Refuse a workspace archive whose members could land or point outside it."""
     members: list[tarfile.TarInfo] = []
+    names = 0
     while (m := tar.next()) is not None:
         members.append(m)
         if len(members) > MEMBER_LIMIT:
             raise UnsafeCheckpoint(f"{where} has more than {MEMBER_LIMIT:,} files: refused")
-    links = {m.name.strip("/"): m.linkname for m in members if m.issym()}
+        size = max(len(m.name.encode("utf-8", "surrogateescape")), len(m.linkname.encode("utf-8", "surrogateescape")))
+        if size > PATH_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has a name or link longer than {PATH_LIMIT:,} bytes, which no file "
+                                   f"system makes ({_shown(m.name[:60])}...)")
+        names += size
+        if names > NAMES_LIMIT:  # tarfile keeps every name: 500,000 of 4 KB were 2 GB here
+            raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
+    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()})
+    walk = _Walk(where)
     for m in members:
         name = PurePosixPath(m.name)
         if m.name.startswith("/") or ".." in name.parts:
-            raise UnsafeCheckpoint(f"{where} has a file outside its workspace ({m.name})")
+            raise UnsafeCheckpoint(f"{where} has a file outside its workspace ({_shown(m.name)})")
         if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-            raise UnsafeCheckpoint(f"{where} has a device or fifo ({m.name})")
+            raise UnsafeCheckpoint(f"{where} has a device or fifo ({_shown(m.name)})")
         if m.issym() or m.islnk():
             target = PurePosixPath(m.linkname) if m.islnk() else name.parent / m.linkname
-            if m.linkname.startswith("/") or _resolve(target, links) is None:
+            if m.linkname.startswith("/") or _resolve(target.parts, links, walk) is None:
                 kind = "hard link" if m.islnk() else "link"
-                raise UnsafeCheckpoint(f"{where} has a {kind} that points outside it ({m.name} -> {m.linkname})")
+                raise UnsafeCheckpoint(f"{where} has a {kind} that points outside it "
+                                       f"({_shown(m.name)} -> {_shown(m.linkname)})")
         # a path that goes through one of the archive's links must stay inside too
-        if _resolve(name, links) is None:
-            raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({m.name})")
+        if _resolve(name.parts, links, walk) is None:
+            raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(m.name)})")
 
 
 def check_workspace(blob: bytes, where: str) -> None:
@@ -274,13 +334,16 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     with open_tar(path) as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
+        first = True
         while True:
             m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
             if m is None:
                 break
-            if not members and m.name == RECORD and m.isfile():
+            if first and m.name == RECORD and m.isfile():  # first only: a million of them were all kept
                 record = _read_record(tar, m, label)
+                first = False
                 continue
+            first = False
             members.append(m)
             if m.name in FILES and m.isfile():
                 sizes[m.name] = m.size
