@@ -186,13 +186,15 @@ class CheckpointsMixin(WorkbenchPart):
         folder), or the path of a ``.smolcheckpoint`` file anywhere, which is first added to
         this folder (copied in and checked; ``notes`` says so)."""
         self.restore_notes = []
+        # adopting copies and checks a file from elsewhere (seconds of gzip for a big one): off the loop
         if is_path(name):
-            rec, note = self.shelf.adopt(name, self.backend.name)
+            rec, note = await asyncio.to_thread(self.shelf.adopt, name, self.backend.name)
             self.restore_notes.append(note)
         else:
             rec = self.shelf.row(name)
             if rec.get("dropped"):
-                rec, note = self.shelf.adopt(self.shelf.store.absolute(f"{name}{SUFFIX}"), self.backend.name)
+                rec, note = await asyncio.to_thread(self.shelf.adopt, self.shelf.store.absolute(f"{name}{SUFFIX}"),
+                                                    self.backend.name)
                 self.restore_notes.append(note)
         name = str(rec["name"])
         made = rec.get("backend")

@@ -235,3 +235,35 @@ def test_a_file_from_someone_else_is_checked_like_machine_bytes(open_tmp: Path) 
         assert "was not saved in this kernel: its saved state is code" in line, line
         ok(s.run("%smol down"))
     assert not (open_tmp / "escape.txt").exists() and not (open_tmp.parent / "escape.txt").exists()
+
+
+def test_a_file_from_elsewhere_is_copied_and_checked_off_the_event_loop(open_tmp: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a file copies it and reads it whole through gzip (seconds for a big one, and an
+    attacker's file is made to be slow): on the event loop, every machine's output and every
+    other request waited for it."""
+    import asyncio
+
+    import smolbench
+    from smolbench.shelf import Shelf
+
+    teacher, student = open_tmp / "t", open_tmp / "s"
+    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
+        s.run("warm = 41")
+        s.checkpoint_save("lesson")
+    shutil.copy(teacher / CK / "lesson.smolcheckpoint", open_tmp / "gift.smolcheckpoint")
+    on_a_loop: list[bool] = []
+    real = Shelf.adopt
+
+    def adopt(self: Shelf, *args: Any) -> Any:
+        try:
+            on_a_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:
+            on_a_loop.append(False)
+        return real(self, *args)
+
+    monkeypatch.setattr(Shelf, "adopt", adopt)
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        s.checkpoint_restore(str(open_tmp / "gift.smolcheckpoint"))
+        assert s.run("print(warm + 1)").stdout == "42\n"
+    assert on_a_loop == [False]
