@@ -132,8 +132,9 @@ class ForkResult:
             out[r["status"]] = out.get(r["status"], 0) + 1
         return out
 
-    def summary(self) -> str:
-        """One line: n ok / failed, best reward and its branch."""
+    def summary(self, *, reasons: bool = True) -> str:
+        """One line: n ok / failed, best reward and its branch (``reasons``: and the first
+        failure's error, the machine's words)."""
         c = self.counts()
         parts = [f"{self.kind} of {len(self)}"]
         parts += [f"{n} {s}" for s, n in sorted(c.items())]
@@ -151,7 +152,7 @@ class ForkResult:
         if failed:
             first = failed[0]
             more = f" (and {len(failed) - 1} more: see the table)" if len(failed) > 1 else ""
-            parts.append(f"failed: [{first['branch']}] {reason(first)}{more}")
+            parts.append(f"failed: [{first['branch']}]" + (f" {reason(first)}" if reasons else "") + more)
         if self.unrewarded:
             parts.append(self.unrewarded)
         if self.same_reward:

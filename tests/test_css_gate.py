@@ -188,6 +188,18 @@ def test_an_svg_presentation_attribute_with_an_escape_is_dropped(attr: str) -> N
     assert f'{attr}="blue"' in out or attr not in display.SVG_ATTRS, out
 
 
+@pytest.mark.parametrize("attr", ["mask", "clip-path", "fill", "stroke", "marker-end"])
+@pytest.mark.parametrize("value", [f"image-set('{W}/a' 1x)", f"image('{W}/a')", f"cross-fade('{W}/a', red)",
+                                   f"-webkit-image-set('{W}/a' 1x)", f"element(#x), image-set('{W}/a' 1x)"])
+def test_an_svg_attribute_naming_an_image_by_a_plain_string_is_dropped(attr: str, value: str) -> None:
+    """An SVG presentation attribute is a CSS value, and image-set() takes its address as a
+    plain string: no "url" in it (round 4's own audit: an inline SVG fetched on load)."""
+    out = display.clean_svg(f'<svg><rect width="5" height="5" {attr}="{value}"/>'
+                            f'<rect width="5" height="5" {attr}="url(#local)"/></svg>')
+    assert "127.0.0.1" not in out, out
+    assert 'url(#local)' in out, out  # a reference to the SVG's own element stays
+
+
 def test_style_blocks_are_never_kept() -> None:
     for markup in ("<style>p { position: fixed }</style><p>x</p>", "<svg><style>*{fill:red}</style></svg>"):
         for out in (display.clean_html(markup), display.clean_svg(markup), display.markdown_to_html(markup)):

@@ -116,17 +116,27 @@ ATTACK_PATHS = [
     {"frames": [{"data": [{"geojson": f"{W}/geo.json"}], "layout": {"layout.images[1].source": f"{W}/x.png"}}]},
     {"layout": {"updatemenus": [{"buttons": [{"method": "relayout", "args": [{"images[0].source": f"{W}/btn.png"}]}]}]}},
     {"layout": {"sliders": [{"steps": [{"method": "update", "args": [{}, {"map3.style": f"{W}/s.json"}]}]}]}},
+    # relayout/restyle also take (path, value) as two items of args (round 4's own audit: a click fetched)
+    {"layout": {"updatemenus": [{"buttons": [{"method": "relayout", "args": ["images[0].source", f"{W}/i.png"]}]}]}},
+    {"layout": {"updatemenus": [{"buttons": [{"method": "relayout", "args": ["map", {"style": f"{W}/s.json"}]}]}]}},
+    {"layout": {"updatemenus": [{"buttons": [{"method": "restyle", "args": ["geojson", "/api/contents/x", [0]]}]}]}},
+    {"layout": {"updatemenus": [{"buttons": [{"method": "relayout", "args2": ["map2.style", f"{W}/s.json"]}]}]}},
+    {"layout": {"sliders": [{"steps": [{"method": "relayout", "args": ["mapbox.layers[0].source", [f"{W}/{{z}}"]]}]}]}},
 ]
 
 
 @pytest.mark.parametrize("fig", ATTACK_PATHS)
 def test_attribute_paths_are_checked_as_the_nested_keys_they_expand_to(fig: dict[str, Any]) -> None:
-    assert W not in _kept(fig)
+    assert W not in _kept(fig) and "/api/" not in _kept(fig)
 
 
 def test_attribute_paths_that_fetch_nothing_stay() -> None:
     fig = {"frames": [{"layout": {"xaxis.range": [0, 1], "images[0].source": IMAGE, "map2.style": "dark"}}],
            "layout": {"updatemenus": [{"buttons": [{"method": "relayout", "args": [{"yaxis.type": "log"}]}]}]}}
+    fig["layout"]["updatemenus"][0]["buttons"] += [{"method": "relayout", "args": ["yaxis.type", "log"]},
+                                                    {"method": "restyle", "args": ["marker.color", "red", [0]]},
+                                                    {"method": "relayout", "args": ["images[0].source", IMAGE]}]
     kept = figures.figure(fig)
     assert kept["frames"][0]["layout"] == {"xaxis.range": [0, 1], "images[0].source": IMAGE, "map2.style": "dark"}
-    assert kept["layout"]["updatemenus"][0]["buttons"][0]["args"] == [{"yaxis.type": "log"}]
+    assert [b["args"] for b in kept["layout"]["updatemenus"][0]["buttons"]] == [
+        [{"yaxis.type": "log"}], ["yaxis.type", "log"], ["marker.color", "red", [0]], ["images[0].source", IMAGE]]

@@ -6,6 +6,7 @@ Clicks are delivered the way ipywidgets delivers an anywidget custom message
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -359,3 +360,22 @@ def test_observers_hear_of_a_forks_rows_after_their_commit_never_while_the_ledge
     assert {name: heard.get(name) for name in res.rows} == {name: ("ok", False) for name in res.rows}
     rows = {r["id"]: (r["status"], bool(r["alive"])) for r in wb.ledger.node_rows(wb.session) if r["id"] in res.rows}
     assert rows == {name: ("ok", False) for name in res.rows}  # and the ledger says the same
+
+
+def test_a_branch_s_error_in_the_plot_s_title_is_drawn_as_text(wb: Workbench) -> None:
+    """A failed branch's error (machine text) is in the summary that titles the reward plot,
+    which plotly draws as its own markup: a ``<span style="cursor:url(...)">`` there made the
+    browser fetch as soon as the plot was drawn (round 4's own audit). Plots go through the
+    gate's figure check, the widget form too."""
+    code = ("if SEED == 1:\n"
+            "    raise Exception('<span style=\"cursor:url(http://127.0.0.1:1/leak), auto\">x</span>"
+            "<a href=\"/api/contents/secret\">s</a>')\nreward = 1.0")
+    result = fork(wb, 2, code)
+    assert "<span style=" in result.summary()  # the machine's text, as it sent it
+    for plot in (result.plot(), reward_figure(result, widget=True)):
+        spec = plot._repr_mimebundle_()["application/vnd.plotly.v1+json"] if not isinstance(plot, go.FigureWidget) \
+            else json.loads(plot.to_json())
+        title = spec["layout"]["title"]["text"]
+        assert "failed: [root.1]" in title and "127.0.0.1" not in title and "span" not in title, title
+        drawn = json.dumps(spec)
+        assert "<span" not in drawn and "127.0.0.1" not in drawn and "/api/" not in drawn  # hover text too

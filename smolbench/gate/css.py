@@ -53,6 +53,9 @@ GRADIENTS = frozenset({"linear-gradient", "radial-gradient", "repeating-linear-g
 IDENT = re.compile(r"-?[A-Za-z_][A-Za-z0-9_-]*")
 HEX = re.compile(r"[0-9A-Fa-f]{3,4}|[0-9A-Fa-f]{6}|[0-9A-Fa-f]{8}")
 LIMIT = 64 * 1024
+# CSS functions that take an image, so a URL, some as a plain string (mask="image-set('...' 1x)"):
+# what an SVG attribute or a plotly string must not name (they are CSS values, not declarations)
+CSS_IMAGE = re.compile(r"(url|image|image-set|cross-fade|element|src|paint)\(")
 
 
 def _plain(tokens: Iterable[ast.Node], negative_ok: bool, functions: frozenset[str]) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import nh3
 
 from . import figures
-from .css import clean_style
+from .css import CSS_IMAGE, clean_style
 from .frames import Bad, mapping, shown, string
 
 TEXT_LIMIT = 64 * 1024 * 1024
@@ -97,8 +97,8 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
         return None
     if "\\" in v and attr not in TEXT_ATTRS:
         return None  # an SVG presentation attribute is parsed as CSS, where an escape spells any name
-    if "url" in v.lower() and not LOCAL_REF.fullmatch(v):
-        return None  # e.g. fill="url(http://...)": a fetch from elsewhere
+    if ("url" in v.lower() or CSS_IMAGE.search(v.lower())) and not LOCAL_REF.fullmatch(v):
+        return None  # e.g. fill="url(http://...)", mask="image-set('http://...' 1x)": a fetch from elsewhere
     return value
 
 

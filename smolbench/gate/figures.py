@@ -25,6 +25,7 @@ import html
 import re
 from typing import Any
 
+from .css import CSS_IMAGE
 from .frames import Bad
 
 DATA_IMAGE = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=\s]*", re.IGNORECASE)
@@ -49,7 +50,6 @@ FORMATTING = frozenset({"b", "i", "br", "sup", "sub", "extra"})
 # An absolute http(s) URL: a host, then no quote, space, brace (a %{template}), markup or backslash.
 ABSOLUTE = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?([/?#][^\s\"'<>\\{}`]*)?", re.IGNORECASE)
 CSS_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{1,6})[ \t\n\r\f]?|\\(.)", re.DOTALL)
-CSS_IMAGE = re.compile(r"(url|image|image-set|cross-fade|element|src|paint)\(")
 
 
 def _entities(text: str) -> str:
@@ -105,23 +105,33 @@ def _clean(node: Any, key: str, depth: int) -> Any:
     if isinstance(node, str):
         return _text(node)
     if isinstance(node, list):
+        if key in ("args", "args2") and len(node) >= 2 and isinstance(node[0], str):
+            # a menu's or slider's relayout/restyle also takes (path, value) as two items:
+            # ["images[0].source", url], ["map", {"style": url}], ["geojson", url, [0]]
+            last, parent = _names(node[0], key)
+            if not _kept(last, node[1], parent):
+                return []
+            return [_text(node[0]), _clean(node[1], last, depth + 1), *[_clean(v, key, depth + 1) for v in node[2:]]]
         return [_clean(v, key, depth + 1) for v in node]
     if not isinstance(node, dict):
         return node
     out = {}
     for k, v in node.items():
-        if isinstance(k, str) and ("." in k or "[" in k):
-            # an attribute path ("images[0].source", "map2.style"): plotly.js expands these in
-            # frames and in menus' and sliders' relayout/update arguments, so its last names
-            # are checked as the nested keys would be
-            names = [n for n in PATH_NAME.findall(k) if not n.isdigit()]
-            last, parent = (names[-1] if names else k), (names[-2] if len(names) > 1 else key)
-        else:
-            last, parent = k, key
+        last, parent = _names(k, key) if isinstance(k, str) else (k, key)
         if not _kept(last, v, parent):
             continue
         out[k] = _clean(v, last, depth + 1)
     return out
+
+
+def _names(k: str, parent: str) -> tuple[str, str]:
+    """A key's last name and the name it is under. A key may be an attribute path
+    ("images[0].source", "map2.style"): plotly.js expands these in frames and in menus' and
+    sliders' relayout/update arguments, so its last names are checked as nested keys would be."""
+    if "." not in k and "[" not in k:
+        return k, parent
+    names = [n for n in PATH_NAME.findall(k) if not n.isdigit()]
+    return (names[-1] if names else k), (names[-2] if len(names) > 1 else parent)
 
 
 def _kept(k: str, v: Any, parent: str) -> bool:

@@ -18,6 +18,8 @@ import json
 import random
 from typing import Any
 
+from ..gate import figures
+
 STATUS_COLORS = {
     "ok": "#1a7f37",
     "error": "#cf222e",
@@ -95,11 +97,15 @@ def _short(v: Any) -> str:
 
 def as_widget(fig: Any, widget: bool | None = None, svg: Any = None, text: str = "") -> Any:
     """``fig`` as a :class:`SmolFigure` (``svg()`` its static copy), or a ``FigureWidget``
-    when asked with ``widget=True`` and widgets work here."""
+    when asked with ``widget=True`` and widgets work here; either way through the gate's
+    figure check first: its titles and hover text hold machine text (a branch's error, its
+    metrics' names), which plotly draws as its own markup, ``style`` and links included."""
+    import plotly.graph_objects as go
+
+    spec = figures.figure(json.loads(fig.to_json()))
+    fig = go.Figure({k: v for k, v in spec.items() if k != "config"})
     if widget:
         try:
-            import plotly.graph_objects as go
-
             return go.FigureWidget(fig)
         except Exception:  # no ipywidgets / anywidget, or no comm to the frontend
             pass
@@ -200,14 +206,14 @@ def reward_figure(result: Any, *, widget: bool | None = None, title: str | None 
     fig.update_xaxes(title_text="seed", row=1, col=2)
     fig.update_yaxes(title_text="reward", row=1, col=1)
     _themed(fig)
+    heading = title or result.summary(reasons=False)  # an error is the machine's text: in hover, escaped
     fig.update_layout(
-        title=title or result.summary(),
+        title=title or html.escape(heading),
         height=380,
         bargap=0.15,
         margin={"l": 50, "r": 20, "t": 70, "b": 50},
         legend={"title": {"text": "status"}},
     )
-    heading = title or result.summary()
 
     def svg() -> str:
         from .svgplot import bars_and_scatter
