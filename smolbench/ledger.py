@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -81,6 +82,41 @@ UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
 
+LENGTH_LIMIT = 16 * 1024 * 1024  # bytes of one string or blob SQLite makes or reads in a ledger
+OWN_INDEXES = {" ".join(line.split()).replace(" IF NOT EXISTS", "").rstrip(";")
+               for line in SCHEMA.splitlines() if line.startswith("CREATE INDEX")}
+# Expressions a table may run on a write: CHECK, DEFAULT (...), generated columns (AS (...)).
+TABLE_CODE = re.compile(r"\b(check|default|as)\s*\(|\bvirtual\b", re.IGNORECASE)
+
+
+class UnsafeLedger(SmolbenchError):
+    """A ledger whose schema holds SQL of its own: it would run on this process's reads or writes."""
+
+    def __init__(self, where: str | os.PathLike[str], what: str) -> None:
+        super().__init__(f"ledger {where} {what}")
+        self.what = what
+
+
+def guard(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
+    """Refuse a ledger whose schema runs SQL of its own, before anything is read or written.
+
+    A ledger in a copied folder is its author's file. SQLite runs a trigger on the writes
+    that fire it and a view's query on every read of it: a trigger rewrote the code this
+    kernel recorded for a cell (which ``%smol replay`` then ran), and a view of an endless
+    recursive query hung the Jupyter server. Only the tables (without expressions of
+    their own) and indexes smolbench makes are accepted; what the schema may still call is
+    limited to innocuous functions, and every string to :data:`LENGTH_LIMIT`."""
+    conn.execute("PRAGMA trusted_schema=OFF")
+    if hasattr(conn, "setlimit"):  # Python 3.11
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LENGTH_LIMIT)
+    for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master"):
+        text = " ".join(str(sql or "").split())
+        if kind in ("trigger", "view") or (kind == "table" and TABLE_CODE.search(text)) or \
+                (kind == "index" and sql is not None and text not in OWN_INDEXES):
+            raise UnsafeLedger(where, f"holds SQL of its own ({kind} {str(name)[:60]!r}), which would run here: "
+                                      "smolbench doesn't use it (move it aside, and a new ledger is started)")
+
+
 def code_hash(code: str) -> str:
     """A short content hash of a cell's code."""
     return hashlib.sha256(code.encode()).hexdigest()[:16]
@@ -105,6 +141,11 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+        try:
+            guard(self._db, self.path)
+        except BaseException:
+            self._db.close()
+            raise
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)

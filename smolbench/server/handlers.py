@@ -31,6 +31,7 @@ from tornado import web
 from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
+from ..ledger import UnsafeLedger, guard
 from ..shelf import describe
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
@@ -222,6 +223,11 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
     store = checkpoint_store(db.parent.parent)
     try:
         conn = sqlite3.connect(str(db), timeout=10) if db.is_file() else None
+        if conn is not None:
+            guard(conn, db.name)  # its triggers would run on the delete below
+    except UnsafeLedger as exc:
+        conn.close()  # type: ignore[union-attr]
+        raise _fail(422, f"this folder's {exc}") from None
     except sqlite3.Error as exc:
         raise _fail(422, f"can't open this folder's ledger ({exc})") from None
     try:

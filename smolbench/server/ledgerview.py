@@ -11,17 +11,20 @@ import contextlib
 import json
 import math
 import sqlite3
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..ledger import UnsafeLedger, guard
 from ..tree import id_key
 
 SPARK_POINTS = 24
 CODE_CHARS = 400
 TEXT_CHARS = 2000
 MAX_LIMIT = 500
+READ_SECONDS = 10.0  # one request's reads of one ledger, at most (a 100,000-node ledger: ~50 ms)
 
 
 class LedgerUnreadable(Exception):
@@ -31,15 +34,24 @@ class LedgerUnreadable(Exception):
 
 @contextlib.contextmanager
 def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
-    """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why)."""
+    """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why):
+    its schema checked (:func:`smolbench.ledger.guard`: a view's query would run on each read),
+    and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few)."""
     uri = "file:" + urllib.parse.quote(str(db)) + "?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
     except sqlite3.Error as exc:
         raise LedgerUnreadable(f"can't be opened ({exc})") from None
+    deadline = time.monotonic() + READ_SECONDS
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
+        guard(conn, db)
         yield conn
+    except UnsafeLedger as exc:
+        raise LedgerUnreadable(exc.what) from None
     except sqlite3.DatabaseError as exc:
+        if time.monotonic() > deadline:
+            raise LedgerUnreadable(f"took more than {READ_SECONDS:.0f} s to read: left out") from None
         raise LedgerUnreadable(f"is not a readable smolbench ledger ({exc})") from None
     finally:
         conn.close()

@@ -1,0 +1,101 @@
+"""A ledger from someone else runs none of its own SQL (round 4's own audit).
+
+A ledger in a copied folder (or a cloned repository) is its author's SQLite file, and SQLite
+runs what its schema holds: a trigger on the writes that fire it, a view's query on every
+read. A trigger rewrote the code this kernel recorded for a cell (``%smol replay`` then ran
+the author's code, on the host with the process backend), and a view of an endless recursive
+query held the Jupyter server's threads and its CPU for good. Such a ledger is refused in one
+line, by the kernel and by the server, and the server's reads of any ledger are cut off in
+time; each attack is shown against the weakened setup too.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from smolbench import ledger as ledger_module
+from smolbench.ledger import Ledger, UnsafeLedger
+from smolbench.server import ledgerview
+
+SWAP = ("CREATE TRIGGER swap AFTER INSERT ON cells BEGIN "
+        "UPDATE cells SET code = 'open(\"/tmp/owned\", \"w\")' WHERE rowid = NEW.rowid; END")
+ENDLESS = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) "
+           "SELECT 'x' AS name, '' AS session_id, '' AS node_id, '' AS path, '' AS backend, 0 AS created, "
+           "0 AS size, 0 AS cells, '' AS warnings FROM r")
+
+
+def made(folder: Path, *sql: str) -> Path:
+    """A ledger as smolbench makes it, then changed by its author with ``sql``."""
+    path = folder / ".smolbench" / "ledger.db"
+    Ledger(path).close()
+    conn = sqlite3.connect(path)
+    with conn:
+        for statement in sql:
+            conn.execute(statement)
+    conn.close()
+    return path
+
+
+def test_a_trigger_in_a_copied_ledger_is_refused_before_the_kernel_writes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = made(tmp_path, SWAP)
+    with pytest.raises(UnsafeLedger) as refused:
+        Ledger(path)
+    line = str(refused.value)
+    assert "holds SQL of its own (trigger 'swap')" in line and "move it aside" in line and "\n" not in line
+    # weakened: with the check gone, the author's trigger rewrites what this kernel recorded
+    monkeypatch.setattr(ledger_module, "guard", lambda conn, where: None)
+    led = Ledger(path)
+    try:
+        led.add_cell("s1", "root", 1, "x = 1", None, [], "ok")
+        assert led.cells("s1", "root")[0]["code"] == 'open("/tmp/owned", "w")'
+    finally:
+        led.close()
+
+
+@pytest.mark.parametrize("sql", [
+    SWAP,
+    "CREATE VIEW extra AS SELECT 1",
+    "CREATE TABLE notes (x TEXT CHECK (length(x) < 10))",
+    "CREATE TABLE later (x TEXT, y TEXT AS (upper(x)))",
+    "CREATE INDEX ours ON nodes (length(output))",
+])
+def test_any_sql_of_its_own_is_refused(tmp_path: Path, sql: str) -> None:
+    with pytest.raises(UnsafeLedger, match="holds SQL of its own"):
+        Ledger(made(tmp_path, sql))
+
+
+def test_a_ledger_smolbench_made_or_grew_is_still_opened(tmp_path: Path) -> None:
+    path = made(tmp_path, "ALTER TABLE nodes ADD COLUMN later_column TEXT")  # as a later release adds columns
+    led = Ledger(path)
+    led.add_cell("s1", "root", 1, "x = 1", None, [], "ok")
+    assert led.cells("s1", "root")[0]["code"] == "x = 1"
+    led.close()
+
+
+def test_a_view_in_a_ledger_never_holds_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidebar lists every folder's checkpoints with no click: a view named like a table
+    ran its endless query in the server's threads."""
+    path = made(tmp_path, "DROP TABLE checkpoints", f"CREATE VIEW checkpoints AS {ENDLESS}")
+    with pytest.raises(ledgerview.LedgerUnreadable, match=r"holds SQL of its own \(view 'checkpoints'\)"):
+        ledgerview.checkpoints(path)
+    # weakened: with the schema check gone, the read is still cut off in time
+    monkeypatch.setattr(ledgerview, "guard", lambda conn, where: None)
+    monkeypatch.setattr(ledgerview, "READ_SECONDS", 1.0)
+    with pytest.raises(ledgerview.LedgerUnreadable, match="took more than 1 s to read"):
+        ledgerview.checkpoints(path)
+
+
+def test_the_server_s_delete_fires_no_trigger(tmp_path: Path) -> None:
+    from tornado import web
+
+    from smolbench.server.handlers import _delete_checkpoint
+
+    path = made(tmp_path, "INSERT INTO checkpoints (name, path) VALUES ('c', 'c.smolcheckpoint')",
+                "CREATE TRIGGER wipe AFTER DELETE ON checkpoints BEGIN DELETE FROM nodes; END")
+    with pytest.raises(web.HTTPError) as refused:
+        _delete_checkpoint(path, "c", str(tmp_path))
+    assert refused.value.status_code == 422 and "holds SQL of its own (trigger 'wipe')" in str(refused.value)
