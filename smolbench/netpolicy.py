@@ -46,16 +46,18 @@ INTERNAL = tuple(ipaddress.ip_network(n) for n in (
     "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
     "203.0.113.0/24", "224.0.0.0/3",
     "::/96", "::ffff:0:0/96", "64:ff9b::/96", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
-    "ff00::/8"))
+    "ff00::/8", "168.63.129.16/32"))
 # This host, whatever a range says (plus its interfaces' addresses): reached only by an address
 # listed singly with its port. IPv4-mapped/-compatible spellings are decided as IPv4 (canonical);
 # a NAT64 address (64:ff9b::/96) is this host's when the IPv4 address it embeds is. With them,
 # the cloud metadata services that answer this host only (its credentials): link-local
-# 169.254.169.254 (most clouds), AWS's IPv6 fd00:ec2::254, Alibaba's 100.100.100.200 and
-# Oracle's 192.0.0.192.
+# 169.254.169.254 (most clouds), AWS's IPv6 fd00:ec2::254, Alibaba's 100.100.100.200,
+# Oracle's 192.0.0.192, Azure's WireServer 168.63.129.16 (a public address only the host's VM
+# reaches: its agent's goal state and extension settings) and GCP's IPv6 fd20:ce::254.
+CLOUD_HOST_ONLY = ("100.100.100.200/32", "192.0.0.192/32", "168.63.129.16/32", "fd00:ec2::254/128",
+                   "fd20:ce::254/128")
 HOST_ONLY = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                     "100.100.100.200/32", "192.0.0.192/32",
-                                                     "::/128", "::1/128", "fe80::/10", "fd00:ec2::254/128"))
+                                                     "::/128", "::1/128", "fe80::/10", *CLOUD_HOST_ONLY))
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the low 32 bits are an IPv4 address
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")

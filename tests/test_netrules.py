@@ -174,6 +174,7 @@ def test_a_listed_name_that_resolves_to_this_host_is_refused_unless_that_address
 
 
 METADATA = ("169.254.169.254", "fd00:ec2::254", "100.100.100.200", "192.0.0.192",  # AWS v6, Alibaba, Oracle
+            "168.63.129.16", "fd20:ce::254", "::ffff:168.63.129.16",  # Azure's WireServer, GCP v6 (round 4's audit)
             "64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1", "64:ff9b::6464:64c8", "64:ff9b::ac11:5")  # NAT64 of them, and own
 
 
