@@ -199,9 +199,26 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     return Installed(entry / LIB, False, took, _count(entry / LIB))
 
 
+# pip's --only-binary=:all: does not hold for a URL a wheel's own metadata names (Requires-Dist:
+# evil @ https://.../evil.tar.gz, from a wheel or an index the user trusted too far): pip builds
+# it, running its setup.py here. A wheel-only install runs no program at all, so pip runs with
+# an audit hook (PEP 578) that refuses to start one: a build fails, in one line, before it runs.
+NO_PROGRAMS = "smolbench: pip on the host starts no program"
+PIP_GUARD = f"""
+import runpy, sys
+def refuse(event, args):
+    if event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty"):
+        raise PermissionError("{NO_PROGRAMS} (it was about to run " + repr(args)[:300] + ")")
+sys.addaudithook(refuse)
+sys.argv[0] = "pip"
+runpy.run_module("pip", run_name="__main__", alter_sys=True)
+"""
+
+
 def pip_command(requirements: tuple[str, ...], guest: GuestPython, target: Path) -> list[str]:
-    """The host's pip call: wheels only, into ``target``, never asking anything."""
-    return [sys.executable, "-m", "pip", "install", "--target", str(target), "--only-binary=:all:",
+    """The host's pip call: wheels only, into ``target``, never asking anything, starting no
+    program (:data:`PIP_GUARD`), and isolated (``-I``: nothing imported from the folder it runs in)."""
+    return [sys.executable, "-I", "-c", PIP_GUARD, "install", "--target", str(target), "--only-binary=:all:",
             "--no-input", "--disable-pip-version-check", "--no-warn-script-location", "--quiet",
             *guest.pip_target_args(), "--", *requirements]
 
@@ -216,7 +233,7 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     env.pop("PYTHONPATH", None)
     tail: deque[str] = deque(maxlen=40)
     try:
-        proc = subprocess.run(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL,
+        proc = subprocess.run(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL, cwd=target.parent,
                               capture_output=True, text=True, errors="replace", env=env, timeout=PIP_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
@@ -224,6 +241,11 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     tail.extend(ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip())
     if log is not None:
         log.extend(tail)
+    if proc.returncode != 0 and any(NO_PROGRAMS in ln for ln in tail):
+        raise SmolbenchError("pip could not install the Smolfile's packages: a package asked pip to build a source "
+                             "archive (a dependency it names by URL), which would run that archive's code on the host; "
+                             "smolbench installs wheels only: pick versions whose dependencies are wheels, or pip "
+                             "install it inside a machine")
     if proc.returncode != 0:
         errors = [ln for ln in tail if ln.startswith("ERROR")] or list(tail) or ["no output"]
         why = errors[-1][:300]

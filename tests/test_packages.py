@@ -116,6 +116,53 @@ def test_pip_on_the_host_installs_wheels_only_so_no_setup_py_runs(cache: Path, t
     assert [p.name for p in (cache / "packages").iterdir() if not p.name.endswith(".lock")] == []
 
 
+def _carrier(folder: Path, needs: str) -> Path:
+    """A wheel of a harmless package whose metadata requires ``needs``."""
+    import zipfile
+
+    wheel = folder / "carrier-1.0-py3-none-any.whl"
+    files = {"carrier/__init__.py": "",
+             "carrier-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: carrier\nVersion: 1.0\nRequires-Dist: {needs}\n",
+             "carrier-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files["carrier-1.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files) + "carrier-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
+def test_a_wheel_that_names_a_source_archive_by_url_gets_nothing_built_on_the_host(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 4's own audit: --only-binary=:all: does not hold for a URL a wheel's own metadata
+    names, so pip built it and its setup.py ran on the host as the kernel's user (from a wheel
+    given by URL, or a name an index the user added answers with such a wheel)."""
+    marker = tmp_path / "setup-py-ran"
+    src = tmp_path / "evil-0.1"
+    src.mkdir()
+    (src / "setup.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom setuptools import setup\n"
+                                  "setup(name='evil', version='0.1')\n")
+    sdist = tmp_path / "evil-0.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname="evil-0.1")
+    wheel = _carrier(tmp_path, f"evil @ file://{sdist}")
+    requirement = f"carrier @ file://{wheel}"
+    assert parse_smolfile(f'packages = ["{requirement}"]\n').packages == (requirement,)  # a wheel: allowed
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip-cache"))  # the weakened run's build stays here
+    monkeypatch.chdir(tmp_path)  # the kernel's folder, where a pip/ of its own would be imported first
+    (tmp_path / "pip").mkdir()
+    (tmp_path / "pip" / "__init__.py").write_text(f"open({str(marker) + '-pip'!r}, 'w').close()\n")
+    with pytest.raises(SmolbenchError) as refused:
+        packages.ensure((requirement,), packages.host_python())
+    line = str(refused.value)
+    assert "asked pip to build a source archive (a dependency it names by URL)" in line and "\n" not in line, line
+    assert not marker.exists() and not Path(str(marker) + "-pip").exists()
+    # weakened: pip without the guard builds it, and the archive's code runs here
+    monkeypatch.setattr(packages, "PIP_GUARD", "import runpy, sys\nsys.argv[0] = 'pip'\n"
+                                               "runpy.run_module('pip', run_name='__main__', alter_sys=True)\n")
+    packages.ensure((requirement,), packages.host_python())
+    assert marker.exists()
+
+
 def test_an_images_python_is_read_from_its_files(tmp_path: Path) -> None:
     root = tmp_path / "rootfs"
     (root / "usr" / "lib" / "python3.11").mkdir(parents=True)
@@ -222,7 +269,7 @@ def test_pip_in_a_machine_fetches_a_package_by_name(private_python: Path, monkey
 def test_the_pip_command_asks_for_wheels_only_and_the_guests_tags() -> None:
     guest = packages.version_python("3.12", (2, 28))
     cmd = packages.pip_command((PKG,), guest, Path("/x"))
-    assert cmd[:4] == [sys.executable, "-m", "pip", "install"] and "--only-binary=:all:" in cmd
+    assert cmd[:5] == [sys.executable, "-I", "-c", packages.PIP_GUARD, "install"] and "--only-binary=:all:" in cmd
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[-2:] == ["--", PKG]
     assert "--platform" in cmd and f"manylinux_2_28_{os.uname().machine}" in cmd
     assert "--python-version" not in packages.pip_command((PKG,), packages.host_python(), Path("/x"))
