@@ -185,12 +185,19 @@ def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_pa
         assert code == 403, (path, body)
         assert "outside the server's root directory" in body["message"]
     assert call("checkpoints", params={"path": "link"})[0] == 403
-    # a ledger.db inside the root that is a symlink to one outside
+    # a ledger.db inside the root that is a symlink to one outside; and (round 4's audit) one to
+    # another project's ledger inside the root, which was listed, and deleted in, as this folder's
     (jp_root_dir / "sneaky" / ".smolbench").mkdir(parents=True)
     (jp_root_dir / "sneaky" / ".smolbench" / "ledger.db").symlink_to(outside / ".smolbench" / "ledger.db")
-    code, body = call("ledger", "runs", params={"path": "sneaky"})
-    assert code == 403 and "links outside the server's root directory" in body["message"]
-    assert call("checkpoints")[1]["problems"] == ["sneaky: the ledger links outside the server's root directory"]
+    _ledger(jp_root_dir / "other").close()
+    (jp_root_dir / "copycat").mkdir()
+    (jp_root_dir / "copycat" / ".smolbench").symlink_to(jp_root_dir / "other" / ".smolbench")
+    for where in ("sneaky", "copycat"):
+        code, body = call("ledger", "runs", params={"path": where})
+        assert code == 403 and "is a symbolic link: a ledger is read only as a plain file" in body["message"]
+    assert sorted(call("checkpoints")[1]["problems"]) == [
+        f"{where}: the ledger is a symbolic link: a ledger is read only as a plain file in a plain folder (as a kernel does)"
+        for where in ("copycat", "sneaky")]
     assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
 
 
@@ -476,3 +483,25 @@ def test_the_path_probe_catches_a_weakened_check(call: Any, jp_root_dir: Path, t
         Path(self.root) / self.get_query_argument("path", "") / ".smolbench" / "ledger.db", ""))
     code, body = call("ledger", "runs", params={"path": "../elsewhere"})
     assert code == 200 and body["total"] == 3  # leaked: exactly what the real check refuses
+
+
+def test_a_ledger_s_notebook_paths_are_never_looked_up_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 4's audit: each distinct notebook path of a ledger's runs was resolved on disk, on
+    the server's loop (60,000 deep ones from an 8 KB ledger held it 44 s). They are the ledger
+    author's strings: turned into API paths as strings, off the loop."""
+    from types import SimpleNamespace
+
+    from smolbench.server.handlers import LedgerHandler
+
+    looked: list[str] = []
+    real = Path.resolve
+    monkeypatch.setattr(Path, "resolve", lambda self, *a, **k: looked.append(str(self)) or real(self, *a, **k))
+    stub = SimpleNamespace(root="/srv/notes", settings={})
+    deep = "/srv/notes/" + "a/" * 500 + "x.ipynb"
+    data = {"runs": [{"notebook": deep}, {"notebook": "/elsewhere/y.ipynb"}, {"notebook": "rel.ipynb"}],
+            "notebooks": [{"notebook": f"/srv/notes/n{i}.ipynb", "runs": 1} for i in range(1000)]
+            + [{"notebook": "/srv/notes/../notes/n0.ipynb", "runs": 2}]}
+    LedgerHandler.relative_notebooks(stub, data)  # type: ignore[arg-type]
+    assert [r["notebook"] for r in data["runs"]] == ["a/" * 500 + "x.ipynb", "y.ipynb", "rel.ipynb"]
+    assert len(data["notebooks"]) == 1000 and {"notebook": "n0.ipynb", "runs": 3} in data["notebooks"]
+    assert len(looked) <= 1, looked[:3]  # the root alone

@@ -34,8 +34,9 @@ from ..gate.ckptpaths import PathRefused as FileRefused
 from ..ledger import UnsafeLedger, guard
 from ..shelf import describe
 from . import ledgerview, machines
-from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
+from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, linked, relative
 
+LINKED = "is a symbolic link: a ledger is read only as a plain file in a plain folder (as a kernel does)"
 LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
 
 
@@ -76,8 +77,8 @@ class _Base(APIHandler):
     def ledger(self) -> tuple[Path, str]:
         where = self.folder()
         db = where / LEDGER
-        if db.exists() and relative(self.root, db) is None:  # a symlinked ledger.db leading out
-            raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} links outside the server's root directory")
+        if linked(db):
+            raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} {LINKED}")
         return db, relative(self.root, where) or ""
 
     def notebook_paths(self) -> list[str] | None:
@@ -91,13 +92,23 @@ class _Base(APIHandler):
         return sorted({rel, os.path.realpath(os.path.join(self.root, rel))} | {os.path.join(r, rel) for r in roots})
 
     def relative_notebooks(self, data: dict[str, Any]) -> None:
-        """Runs' notebook paths as API paths (a notebook outside the root: its name only)."""
+        """Runs' notebook paths as API paths (a notebook outside the root: its name only), as
+        strings: a ledger's paths are its author's, never looked up on disk (resolving 60,000
+        deep ones held the server's loop for 44 s)."""
+        roots = sorted({os.path.normpath(r) for r in (self.root, str(Path(self.root).resolve()),
+                                                      str(self.settings.get("server_root_dir") or self.root))},
+                       key=len, reverse=True)
+
         def rel(path: Any) -> str | None:
             if not isinstance(path, str) or not path:
                 return None
             if not os.path.isabs(path):
                 return path
-            return relative(self.root, path) or os.path.basename(path)
+            p = os.path.normpath(path)
+            for r in roots:
+                if p == r or p.startswith(r.rstrip("/") + "/"):
+                    return p[len(r.rstrip("/")) + 1:]
+            return os.path.basename(p)
 
         for r in data["runs"]:
             r["notebook"] = rel(r.get("notebook"))
@@ -168,8 +179,8 @@ class CheckpointsHandler(_Base):
         out, problems = [], []
         for d in dirs:
             rel = relative(self.root, d) or ""
-            if relative(self.root, d / LEDGER) is None:
-                problems.append(f"{rel or '.'}: the ledger links outside the server's root directory")
+            if linked(d / LEDGER):
+                problems.append(f"{rel or '.'}: the ledger {LINKED}")
                 continue
             try:
                 rows = await self.run(ledgerview.checkpoints, d / LEDGER) if (d / LEDGER).is_file() else []
@@ -263,7 +274,7 @@ class LedgerHandler(_Base):
         try:
             if what == "runs":
                 data = await self.run(ledgerview.runs, db, limit, offset, self.notebook_paths())
-                self.relative_notebooks(data)
+                await self.run(self.relative_notebooks, data)  # off the server's loop
             elif what == "sessions":
                 data = await self.run(ledgerview.sessions, db, limit, offset)
             else:

@@ -24,6 +24,7 @@ SPARK_POINTS = 24
 CODE_CHARS = 400
 TEXT_CHARS = 2000
 MAX_LIMIT = 500
+MAX_NOTEBOOKS = 1000  # notebooks a folder's runs are counted for
 READ_SECONDS = 10.0  # one request's reads of one ledger, at most (a 100,000-node ledger: ~50 ms)
 
 
@@ -140,7 +141,8 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
     with open_ro(db) as conn:
         have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
         where_cols = "notebook, cell" if {"notebook", "cell"} <= have else "NULL, NULL"
-        counts = conn.execute(f"SELECT {where_cols.split(',')[0]}, count(*) FROM runs GROUP BY 1 ORDER BY 1").fetchall()
+        counts = conn.execute(f"SELECT substr({where_cols.split(',')[0]}, 1, 1000), count(*) FROM runs GROUP BY 1 "
+                              f"ORDER BY 1 LIMIT {MAX_NOTEBOOKS}").fetchall()
         args: tuple[str, ...] = ()
         if notebook is None:
             cond = "1"
