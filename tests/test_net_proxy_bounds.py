@@ -358,3 +358,19 @@ def test_a_ray_clusters_nodes_are_this_host_for_every_machine(sink: int) -> None
             await proxy.detach("m")
 
     asyncio.run(main())
+
+
+def test_one_machine_s_failures_never_silence_another_s(capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 4's audit: the proxy showed 100 distinct failure lines for the whole kernel, so
+    one machine naming 100 targets left every other machine's failures unsaid. Each machine
+    now has its own lines, each naming it."""
+    from smolbench.netpolicy import NetPolicy
+
+    proxy = _netproxy.Proxy()
+    noisy, quiet = (_netproxy.Node(name, NetPolicy("off"), proxy.budget.tree(name)) for name in ("root.1", "root.2"))
+    for i in range(150):
+        proxy.fail(noisy, f"host{i}.test:443", "ConnectionRefusedError")
+    proxy.fail(quiet, "pypi.org:443", "TimeoutError")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == _netproxy.SAID_PER_NODE + 1 and noisy.failed == 150
+    assert lines[-1] == "smolbench egress proxy: pypi.org:443 failed: TimeoutError (machine root.2)"

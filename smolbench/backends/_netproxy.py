@@ -59,6 +59,7 @@ PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
 CONNECT_TIMEOUT = 30.0
+SAID_PER_NODE = 20  # distinct failure lines shown for one machine
 WEAKEN_VAR = "SMOLBENCH_TEST_WEAKEN"  # tests only: netpolicy's knobs ("net-hostonly")
 
 
@@ -205,6 +206,7 @@ class Node:
     last_refused: str = ""
     failed: int = 0  # connections the proxy itself failed (its own error, or over a cap)
     last_failed: str = ""
+    said: set[str] = field(default_factory=set)  # the failure lines shown for it (SAID_PER_NODE at most)
 
     def stats(self) -> dict[str, Any]:
         mine = [c for c in self.tree.conns if c.node is self]
@@ -226,7 +228,6 @@ class Proxy:
         self.resolve_map = stand_in_resolve()
         self.budget = budget or _netbudget.Budget()
         self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
-        self._said: set[str] = set()
 
     def own(self) -> frozenset[IPAddress]:
         if time.monotonic() - self._own[0] > 2.0:
@@ -312,14 +313,16 @@ class Proxy:
 
     def fail(self, node: Node, target: str, why: str) -> str:
         """A connection the proxy itself failed: counted, and one line on its stderr (the
-        kernel's: it shows in the running cell), once per distinct line."""
+        kernel's: it shows in the running cell), naming the machine, once per distinct line
+        and at most :data:`SAID_PER_NODE` a machine (a cap for all let one machine's distinct
+        targets silence every other's)."""
         node.failed += 1
         line = f"smolbench egress proxy: {target} failed: {why}"[:300]
         node.last_failed = line.split(": ", 1)[1]
-        if line not in self._said and len(self._said) < 100:
-            self._said.add(line)
+        if line not in node.said and len(node.said) < SAID_PER_NODE:
+            node.said.add(line)
             with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(line + "\n")
+                sys.stderr.write(f"{line} (machine {node.name})\n")
                 sys.stderr.flush()
         return line
 
