@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
+import functools
 import io
 import math
 import pickle
@@ -25,6 +27,9 @@ from .limits import LIMITS, human
 MAX_DEPTH = 100
 DTYPE_RE = re.compile(r"[A-Za-z0-9_\[\], :/+\-]{1,64}")
 FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+COLLISIONS = 64  # a pulled set's items or dict's keys that may share one hash
+TZ_IN_DTYPE = re.compile(r"datetime64\[\w+,\s*(.*)\]")
+FIXED_OFFSET = re.compile(r"(UTC)?[+-]\d\d:?\d\d")
 
 
 def _b64(value: Any, what: str) -> bytes:
@@ -135,6 +140,10 @@ def _dtype(text: Any) -> Any:
     name = string(text, "a pandas dtype", 64)
     if not DTYPE_RE.fullmatch(name):
         raise Bad(f"a pandas dtype {shown(name)} is not a dtype name")
+    tz = TZ_IN_DTYPE.fullmatch(name)
+    if tz and not (tz[1] in _time_zones() or FIXED_OFFSET.fullmatch(tz[1])):
+        # pandas reads "dateutil/<path>" as a file the host would open: a path the machine named
+        raise Bad(f"a pandas dtype {shown(name)} with a time zone that is not a tz database name")
     try:
         dtype = pd.api.types.pandas_dtype(name)
     except Exception:
@@ -142,6 +151,13 @@ def _dtype(text: Any) -> Any:
     if isinstance(dtype, np.dtype) and (dtype.kind in "SUV" or dtype.subdtype is not None or dtype.itemsize > 32):
         raise Bad(f"a pandas column of dtype {shown(name)} (pandas holds no such column)")
     return dtype
+
+
+@functools.cache
+def _time_zones() -> frozenset[str]:
+    import zoneinfo
+
+    return frozenset(zoneinfo.available_timezones()) | {"UTC"}
 
 
 def _column(enc: Any, depth: int, budget: Budget, rows: int | None = None) -> Any:
@@ -181,6 +197,22 @@ def _index(enc: Any, depth: int, budget: Budget) -> Any:
     return pd.Index(_column(enc.get("values"), depth, budget), name=data_value(enc.get("name"), depth + 1, budget))
 
 
+def _spread(keys: list[Any], what: str) -> None:
+    """Refuse a set's items or a dict's keys built to share one hash: numbers and tuples of them
+    hash alike in every process (only text is salted), and each shared hash costs every later
+    insert a probe, so 40,000 multiples of 2**61 - 1 took 8.6 s (a million: an hour), in one C
+    call on the loop that nothing interrupts."""
+    if len(keys) <= COLLISIONS:
+        return
+    try:
+        worst = max(collections.Counter(map(hash, keys)).values())
+    except TypeError:
+        raise Bad(f"a pulled {what} with an unhashable item") from None
+    if worst > COLLISIONS:
+        raise Bad(f"a pulled {what} of {len(keys):,} items, {worst:,} of them with one hash (made to cost the host "
+                  "time quadratic in their number): refused")
+
+
 def data_value(tree: Any, depth: int = 0, budget: Budget | None = None) -> Any:
     """Rebuild one value from its JSON tree (only the forms listed in the module doc)."""
     if depth > MAX_DEPTH:
@@ -198,9 +230,10 @@ def data_value(tree: Any, depth: int = 0, budget: Budget | None = None) -> Any:
     if tag == "dict":
         if not isinstance(v, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in v):
             raise Bad("a pulled dict that is not a list of key/value pairs")
+        keys = [data_value(k, depth + 1, budget) for k, _ in v]
+        _spread(keys, "dict")
         out = {}
-        for k, val in v:
-            key = data_value(k, depth + 1, budget)
+        for key, (_, val) in zip(keys, v):
             try:
                 out[key] = data_value(val, depth + 1, budget)
             except TypeError:
@@ -210,6 +243,8 @@ def data_value(tree: Any, depth: int = 0, budget: Budget | None = None) -> Any:
         if not isinstance(v, list):
             raise Bad(f"a pulled {tag} that is not a list")
         items = [data_value(x, depth + 1, budget) for x in v]
+        if tag != "tuple":
+            _spread(items, tag)
         try:
             return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
         except TypeError:

@@ -1,0 +1,62 @@
+"""Pulled values that are small on the wire but cost the host (round 4's own audit).
+
+A set's items and a dict's keys are hashed as the host rebuilds them, and numbers (and tuples
+of them) hash alike in every process: 40,000 multiples of 2**61 - 1 (a 1 MB reply) took 8.6 s
+in one C call on the kernel's loop, a million an hour. A pandas dtype's time zone named
+``dateutil/<path>`` made the host open that path. Both are refused in one line, before the
+cost; each is shown getting through with its check taken out.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from smolbench.gate import pull
+from smolbench.gate.frames import Bad
+
+M = 2**61 - 1  # ints k * M all hash to 0
+
+
+@pytest.mark.parametrize("tag", ["set", "frozenset", "dict"])
+def test_items_made_to_share_one_hash_are_refused_before_they_are_hashed_in(tag: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    items: list[Any] = [k * M for k in range(1, 2001)]
+    tree = {"$": tag, "v": [[k, 1] for k in items] if tag == "dict" else items}
+    with pytest.raises(Bad, match=f"a pulled {tag} of 2,000 items, 2,000 of them with one hash"):
+        pull.data_value(tree)
+    # honest sets and dicts of any size, and a few collisions, are rebuilt as they were
+    assert len(pull.data_value({"$": tag, "v": [[k, 1] for k in range(50_000)] if tag == "dict"
+                                else list(range(50_000))})) == 50_000
+    assert len(pull.data_value({"$": tag, "v": [[k * M, 1] for k in range(1, 60)] if tag == "dict"
+                                else [k * M for k in range(1, 60)]})) == 59
+    monkeypatch.setattr(pull, "_spread", lambda keys, what: None)  # weakened: every insert probes the others
+    assert len(pull.data_value(tree)) == 2000
+
+
+def test_a_time_zone_naming_a_path_is_refused_before_pandas_opens_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("pandas")
+    opened: list[str] = []
+    watching = [False]
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if watching[0] and event == "open" and isinstance(args[0], str) and "hostname" in args[0]:
+            opened.append(args[0])
+
+    sys.addaudithook(hook)  # stays for the process: it records only while watching
+    name = "datetime64[ns, dateutil//etc/hostname]"
+    watching[0] = True
+    try:
+        with pytest.raises(Bad, match="with a time zone that is not a tz database name"):
+            pull._dtype(name)
+        assert opened == []
+        for ok in ("datetime64[ns, UTC]", "datetime64[ns, Europe/Paris]", "datetime64[ns, UTC+05:00]"):
+            pull._dtype(ok)
+        monkeypatch.setattr(pull, "TZ_IN_DTYPE", pull.re.compile("(?!)"))  # weakened: no time zone check
+        with pytest.raises(Bad):
+            pull._dtype(name)
+        assert opened, "pandas opened nothing: not a contrast"
+    finally:
+        watching[0] = False
