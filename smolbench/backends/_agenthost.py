@@ -20,7 +20,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -360,11 +360,19 @@ class AgentHostBackend(Backend):
     async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await self._connect(ref, asyncio.open_unix_connection)
 
+    @contextlib.contextmanager
+    def _socket(self, ref: MachineRef) -> Iterator[str]:
+        """The path to connect to ``ref``'s agent at, for as long as the connection is made (a
+        backend whose socket sits in a folder the machine can change finds it without
+        following the machine's links: every connection, cells' and kept channels', goes here)."""
+        yield ref.info["socket"]
+
     async def _connect(self, ref: MachineRef, how: Callable[[str], Awaitable[T]]) -> T:
         if ref.name not in self._machines:
             raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
         try:
-            return await how(ref.info["socket"])
+            with self._socket(ref) as path:
+                return await how(path)
         except OSError as exc:
             raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
 

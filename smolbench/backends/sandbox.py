@@ -376,26 +376,22 @@ class SandboxBackend(AgentHostBackend):
                 break
         return found
 
-    async def _open(self, ref: MachineRef) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    @contextlib.contextmanager
+    def _socket(self, ref: MachineRef) -> Iterator[str]:
         # /proc/PID/root is only that machine while PID is still the root agent we found.
         root = self._machines.get(ref.info["root"])
         pid = root.info.get("host_pid") if root is not None else None
         if root is not None and pid is not None and _procs.start_time(pid) != root.info.get("host_started"):
             raise SmolbenchError(f"machine {ref.name!r} is not answering (it died): `%smol down` and `%smol up`")
-        if ref.name not in self._machines or not self._contained:
-            return await super()._open(ref)
+        if not self._contained:
+            yield ref.info["socket"]
+            return
         # The folders below the machine's run folder are the machine's to change: find the
-        # socket without following a link it planted (it must not send us to a host socket).
+        # socket without following a link it planted (it must not send us to a host socket),
+        # for cells and for kept channels alike (a channel's connection followed one).
+        fd = _socket_fd(ref.info["socket"])
         try:
-            fd = _socket_fd(ref.info["socket"])
-        except OSError as exc:
-            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
-                                 "`%smol down` and `%smol up`") from None
-        try:
-            return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}")
-        except OSError as exc:
-            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; "
-                                 "`%smol down` and `%smol up`") from None
+            yield f"/proc/self/fd/{fd}"
         finally:
             os.close(fd)
 
