@@ -271,3 +271,92 @@ def test_a_checkpoint_not_this_kernels_own_never_goes_to_a_process_node(tmp_path
         assert sent == ["p1", "s1"]
     finally:
         mp.undo()
+
+
+def _endless(produced: list[int], order: list[int], size: int = 1 << 20) -> Any:
+    """An agent's stream stood in: 1 MB DATA frames for the items in ``order`` (then 100 more for the last)."""
+    import asyncio
+
+    from smolbench.cluster.batch import DATA, END, frame
+
+    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
+        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+            for i in order:
+                fut = asyncio.get_running_loop().create_future()
+                produced.append(i)
+                fut.set_result(frame(i, DATA, b"x" * size) + (frame(i, END) if i != order[-1] else b""))
+                yield fut
+            for _ in range(100):  # "forever", within what a test may hold (the weakened run holds it all)
+                fut = asyncio.get_running_loop().create_future()
+                produced.append(order[-1])
+                fut.set_result(frame(order[-1], DATA, b"x" * size))
+                yield fut
+
+        return gen()
+
+    return start
+
+
+def test_a_machine_printing_faster_than_the_gate_reads_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 4's audit: replies from a node went into an unbounded queue here as fast as Ray
+    delivered them (239 MB held for a slow kernel); a local machine's socket makes it wait. A
+    batch now holds at most QUEUED_BYTES its callers haven't taken, then reads on as they do."""
+    import asyncio
+    import sys
+    from types import SimpleNamespace
+
+    from smolbench.cluster import batch as batch_module
+    from smolbench.cluster.batch import Batcher
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(cancel=lambda *a, **k: None))  # the reader leaves
+
+    async def call(aw: Any) -> Any:
+        return await aw
+
+    async def slow_reader(weak: bool) -> int:
+        produced: list[int] = []
+        batcher = Batcher(_endless(produced, [0]), call, lambda b, i: None)
+        item = batcher.submit("a", None)
+        chunks = item.chunks()
+        for _ in range(20):
+            await chunks.__anext__()
+            await asyncio.sleep(0.005)  # the gate, busy with each chunk
+        read_ahead = len(produced)
+        await chunks.aclose()
+        return read_ahead
+
+    produced = asyncio.run(slow_reader(False))
+    assert produced <= 20 + batch_module.QUEUED_BYTES // (1 << 20) + 2, produced
+    monkeypatch.setattr(batch_module, "QUEUED_BYTES", 1 << 40)  # weakened: no bound, as before
+    assert asyncio.run(slow_reader(True)) > 40
+
+
+def test_callers_that_read_one_request_after_another_never_wait_on_each_other() -> None:
+    """The bound must not stall a caller waiting for its own bytes behind another's unread ones:
+    request b's 12 MB come first, but its caller reads only once a's caller is done."""
+    import asyncio
+
+    from smolbench.cluster.batch import DATA, END, Batcher, frame
+
+    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
+        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+            for msg in [frame(1, DATA, b"b" * (1 << 20))] * 12 + [frame(1, END)] + \
+                       [frame(0, DATA, b"a" * (1 << 20))] * 3 + [frame(0, END)]:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(msg)
+                yield fut
+
+        return gen()
+
+    async def call(aw: Any) -> Any:
+        return await aw
+
+    async def main() -> list[int]:
+        batcher = Batcher(start, call, lambda b, i: None)
+        a, b = batcher.submit("a", None), batcher.submit("b", None)
+        got = []
+        for item in (a, b):
+            got.append(sum([len(c) async for c in item.chunks()]))
+        return got
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [3 << 20, 12 << 20]

@@ -34,6 +34,7 @@ from .batch import DATA, END, FAIL, failure, frame, kind_of
 KINDS = ("sandbox", "process", "smol")
 BATCH_OPS = ("exec", "create", "delete")
 MESSAGE = 1024 * 1024  # frames ready together go back as one message of about this much at most
+FRAMES_AHEAD = 64  # a batch's DATA frames read from its machines and not yet sent (see run_batch)
 
 
 def node_kind(resources: dict[str, float]) -> str:
@@ -171,6 +172,10 @@ class NodeAgent:
             raise SmolbenchError(f"unknown batch request {op!r}: one of {', '.join(BATCH_OPS)}")
         self._count(op, len(items))
         out: asyncio.Queue[bytes] = asyncio.Queue()
+        # DATA frames read ahead of what was sent: a machine's stream is read no faster than the
+        # kernel takes it (with the driver's backpressure on this generator), never into an
+        # unbounded queue here (its end frames are not counted, so they never wait)
+        ahead = asyncio.Semaphore(FRAMES_AHEAD)
 
         async def one(i: int, name: str, arg: Any) -> None:
             end = frame(i, END)
@@ -179,6 +184,7 @@ class NodeAgent:
                     stream = self._transport()
                     async with contextlib.aclosing(stream(self._ref(name), arg)) as chunks:
                         async for chunk in chunks:
+                            await ahead.acquire()
                             out.put_nowait(frame(i, DATA, bytes(chunk)))
                 elif op == "create":
                     await self._create(arg, name)
@@ -199,7 +205,10 @@ class NodeAgent:
                 ready = [await out.get()]
                 while not out.empty() and sum(map(len, ready)) < MESSAGE:
                     ready.append(out.get_nowait())
-                left -= sum(1 for f in ready if kind_of(f) != DATA)
+                ends = sum(1 for f in ready if kind_of(f) != DATA)
+                left -= ends
+                for _ in range(len(ready) - ends):
+                    ahead.release()
                 yield b"".join(ready)
         finally:
             self._batches.pop(batch_id, None)

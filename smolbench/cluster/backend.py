@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -27,8 +28,10 @@ from ..errors import InfraError, SmolbenchError
 from ..spec import MachineSpec
 from . import SLOTS, address, placement, shipping
 from .agent import NodeAgent, node_kind
-from .batch import Batcher
+from .batch import MESSAGES_AHEAD, Batcher
 from .replica import FINGERPRINT_CODE, Recipe
+
+FINGERPRINT = re.compile(r"[0-9a-f]{16}")  # what replica.FINGERPRINT_CODE prints
 
 
 @dataclass
@@ -256,7 +259,8 @@ class ClusterBackend(Backend):
         key = (node.id, op)
         if key not in self._batchers:
             def start(batch_id: str, items: builtins.list[tuple[str, Any]]) -> Any:
-                return node.agent.run_batch.remote(batch_id, op, items)
+                return node.agent.run_batch.options(_generator_backpressure_num_objects=MESSAGES_AHEAD).remote(
+                    batch_id, op, items)
 
             def cancel(batch_id: str, indices: builtins.list[int]) -> None:
                 node.agent.cancel_requests.remote(batch_id, indices)
@@ -410,7 +414,11 @@ class ClusterBackend(Backend):
         res = await self.exec_cell(machine, CellRequest(FINGERPRINT_CODE, cell_name="<fingerprint>"), lambda ev: None)
         if res.status != "ok":
             raise SmolbenchError(f"the state fingerprint of {machine.name} failed: {(res.error or {}).get('evalue', '')}")
-        return str((res.result or {}).get("text/plain", "")).strip("'\"")
+        said = str((res.result or {}).get("text/plain", "")).strip("'\"")
+        if not FINGERPRINT.fullmatch(said):  # machine text: it goes into notices, the ledger and errors
+            raise SmolbenchError(f"the state fingerprint of {machine.name} is not one (16 hex digits), so its "
+                                 "state can't be compared across nodes: its code replaced what computes it")
+        return said
 
     async def _parent_fingerprint(self, parent: MachineRef) -> str:
         """The warm parent's fingerprint, once per state (recipe key)."""

@@ -29,6 +29,12 @@ ERRORS: dict[str, type[SmolbenchError]] = {c.__name__: c for c in (SmolbenchErro
 SETTLE = 3  # loop turns with no new request before a batch goes (the fan-out's tasks all reach here by then)
 MAX_TURNS = 50  # ... but a steady trickle of requests still goes out
 GRACE = 2.0  # seconds a request whose caller left may take to end by itself before it is cancelled on the node
+# Reply bytes a batch holds here that its callers (the gate) have not taken yet: past it, the batch
+# reads no more from its node until they do, so a machine printing fast waits for the gate, as a
+# local machine's socket makes it wait (an unbounded queue held 239 MB for a slow kernel).
+QUEUED_BYTES = 8 * 1024 * 1024
+# Messages a node agent's batch may send ahead of what was read here (Ray's generator backpressure).
+MESSAGES_AHEAD = 8
 
 
 def frame(index: int, kind: int, payload: bytes = b"") -> bytes:
@@ -82,14 +88,17 @@ class Item:
     finished: bool = False  # its end (or error) arrived
     left: bool = False  # its caller is gone
     cancelled: bool = False
+    waiting: bool = False  # its caller waits on its empty queue
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The request's raw reply bytes, as they come; leaving before its end (Ctrl-C, a timeout,
         a reply read to its last message) lets it end by itself, else it is cancelled on the node."""
         try:
             while True:
-                kind, payload = await self.queue.get()
+                kind, payload = await self._next()
                 if kind == DATA:
+                    if self.batch is not None:
+                        self.batch.took(len(payload))
                     yield payload
                     continue
                 self.finished = True
@@ -100,6 +109,17 @@ class Item:
             self.left = True
             if not self.finished and self.batch is not None:
                 self.batch.abandon(self)
+
+    async def _next(self) -> tuple[int, Any]:
+        if not self.queue.empty():
+            return await self.queue.get()
+        self.waiting = True  # its caller waits for bytes not here yet: its batch must read on for it
+        if self.batch is not None:
+            self.batch.room.set()
+        try:
+            return await self.queue.get()
+        finally:
+            self.waiting = False
 
     async def result(self) -> None:
         """Wait for the request's end (a boot, a delete); raise its error."""
@@ -120,7 +140,15 @@ class Batch:
         self._cancel = cancel
         self._on_bytes = on_bytes
         self._gen = start(self.id, [(it.name, it.arg) for it in items])
+        self.queued = 0  # DATA bytes handed to items and not taken yet
+        self.room = asyncio.Event()
         self._pump = asyncio.ensure_future(self.pump())
+
+    def took(self, n: int) -> None:
+        """``n`` bytes were taken by an item's caller (or let go with it)."""
+        self.queued -= n
+        if self.queued <= QUEUED_BYTES // 2:
+            self.room.set()
 
     async def pump(self) -> None:
         """Hand each frame to its request; a lost node (or agent) fails every request still open."""
@@ -139,7 +167,16 @@ class Batch:
                     item = self.items[index]
                     if kind != DATA:
                         item.finished = True
+                    elif item.left:
+                        continue  # its caller is gone: nobody takes it
+                    else:
+                        self.queued += len(payload)
                     item.queue.put_nowait((FAIL, error_of(payload)) if kind == FAIL else (kind, payload))
+                # the gate reads slower than the node sends: wait for it, unless a caller waits
+                # for bytes still on their way (callers that read one request after another)
+                while self.queued > QUEUED_BYTES and not any(it.waiting and it.queue.empty() for it in self.items):
+                    self.room.clear()
+                    await self.room.wait()
             why: SmolbenchError = SmolbenchError("a node agent ended a batch before every request did")
         except SmolbenchError as exc:  # InfraError when the node was lost: the Workbench may retry
             why = exc
@@ -157,6 +194,10 @@ class Batch:
     def abandon(self, item: Item) -> None:
         """A request whose caller left before its end: the whole call is cancelled when nobody
         listens any more (Ctrl-C), else this request after a grace period unless it ended."""
+        while not item.queue.empty():  # what it left unread no longer holds the others back
+            kind, payload = item.queue.get_nowait()
+            if kind == DATA:
+                self.took(len(payload))
         if self._idle():
             self._pump.cancel()  # first: a cancelled call read on would look like a lost node
             with contextlib.suppress(Exception):
