@@ -42,6 +42,9 @@ __all__ = ["LIMITS", "Limits", "MalformedReply", "OutputBudget", "SafeBundle", "
            "read_control", "seconds"]
 
 TEXT = 1024 * 1024
+TRACEBACK = 256 * 1024  # characters of an error's traceback kept (its end)
+METRIC_TEXT = 200  # characters of a text metric kept
+NOTES = 16  # MIME types a cell's notes name one by one (then one note for the rest)
 STREAMS = ("stdout", "stderr")
 STATUSES = ("ok", "error", "busy")
 
@@ -68,9 +71,11 @@ def _error(value: Any, key: str) -> dict[str, Any] | None:
         return None
     err = mapping(value, "the error", 3)
     checks: dict[str, Callable[[Any, str], Any]] = {
-        "ename": lambda v, k: string(v, "the error name", 200),
+        # a name goes inside host lines (a fork's summary): plain text, no escapes or controls
+        "ename": lambda v, k: terminal.plain(string(v, "the error name", 200)).replace("\n", " "),
         "evalue": lambda v, k: terminal.kept_to_lines(string(v, "the error message", TEXT)),
-        "traceback": lambda v, k: [terminal.kept_to_lines(t) for t in string_list(v, "the traceback", 1000, 64 * 1024)],
+        "traceback": lambda v, k: _tail([terminal.kept_to_lines(t) for t in string_list(v, "the traceback", 1000,
+                                                                                         64 * 1024)]),
     }
     out = dict(each(checks, err, "the error"))
     out.setdefault("ename", "Error")
@@ -79,14 +84,30 @@ def _error(value: Any, key: str) -> dict[str, Any] | None:
     return out
 
 
+def _tail(lines: list[str]) -> list[str]:
+    """A traceback's last :data:`TRACEBACK` characters (its end says what failed): 1,000 lines
+    of 64 KiB each were 64 MB a branch, kept by a fork and rendered whole."""
+    kept: list[str] = []
+    total = 0
+    for line in reversed(lines):
+        total += len(line)
+        if total > TRACEBACK:
+            kept.append(f"... ({len(lines) - len(kept)} earlier lines of the traceback not shown: over "
+                        f"{TRACEBACK // 1024} KiB)\n")
+            break
+        kept.append(line)
+    return kept[::-1]
+
+
 def _metrics(value: Any, key: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in mapping(value, "the metrics", 1000).items():
         string(k, "a metric name", 200)
         if v is None:
             out[k] = None
-        elif isinstance(v, str):
-            out[k] = string(v, f"metric {shown(k)}", 1000)
+        elif isinstance(v, str):  # kept in the ledger and the tree's state for every node: short
+            text = string(v, f"metric {shown(k)}", 1000)
+            out[k] = text if len(text) <= METRIC_TEXT else text[:METRIC_TEXT - 1] + "…"
         else:
             out[k] = number(v, f"metric {shown(k)}")
     return out
@@ -118,11 +139,25 @@ class _Cell:
 
     def note_dropped(self, dropped: list[str]) -> None:
         for mime in dropped:
-            if mime in self.noted:
+            if mime in self.noted or len(self.noted) > NOTES:
                 continue
             self.noted.add(mime)
+            if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
+                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
+                                "not shown either\n"))
+                continue
             self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime} output, which was not shown "
                             "(it could run in your browser); `%smol trust on` shows machine output raw\n"))
+
+    def _result_fits(self, result: Any) -> bool:
+        """Whether the cell's result (its Out[]) still fits the cell's output, as a display
+        would: cleaning it costs the loop time by the byte (2 MB of markdown held it 9 s)."""
+        size = sum(len(v) if isinstance(v, str) else 1024 for v in result.values()) if isinstance(result, dict) else 0
+        if self.budget.take_display(size):
+            return True
+        self.emit(Event("stream", "stderr", f"smolbench: {self.where}'s result was not shown: the cell's output "
+                        "passed its limit (`%smol config output-limit SIZE` raises it)\n"))
+        return False
 
     def stream(self, msg: dict[str, Any]) -> None:
         fields = dict(each({"t": _kind, "name": lambda v, k: string(v, "the stream name", 10),
@@ -160,7 +195,7 @@ class _Cell:
         if f.get("status") == "busy":
             raise MachineBusy(f"machine {self.where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
         result = None
-        if f.get("result") is not None:
+        if f.get("result") is not None and self._result_fits(f["result"]):
             data, dropped = display.bundle(f["result"], self.request.trust_display)
             self.note_dropped(dropped)
             result = SafeBundle(data) if data else None

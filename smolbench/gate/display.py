@@ -28,6 +28,7 @@ from .css import CSS_IMAGE, clean_style
 from .frames import Bad, mapping, shown, string
 
 TEXT_LIMIT = 64 * 1024 * 1024
+MARKDOWN_LIMIT = 256 * 1024  # characters of markdown rendered (a longer one shows as its text/plain)
 # JSON deeper than this breaks the tools that read the notebook (nbformat recurses per level).
 MAX_DEPTH = 64
 MIME_RE = re.compile(r"[a-z]+/[A-Za-z0-9.+\-]{1,100}")
@@ -177,8 +178,9 @@ def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
         elif mime == "text/html":
             out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
         elif mime == "text/markdown":
-            html = markdown_to_html(string(value, "the text/markdown output", TEXT_LIMIT))
-            out.setdefault("text/html", html)
+            text = string(value, "the text/markdown output", TEXT_LIMIT)
+            if len(text) <= MARKDOWN_LIMIT:  # rendered here in pure Python, ~5 us a byte
+                out.setdefault("text/html", markdown_to_html(text))
         elif mime == "image/svg+xml":
             out[mime] = clean_svg(string(value, "the image/svg+xml output", TEXT_LIMIT))
     if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:

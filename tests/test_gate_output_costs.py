@@ -1,0 +1,69 @@
+"""What a cell's reply costs the host stays within the cell's output (round 4's own audit).
+
+The cell's output budget (``output-limit``) bounds its streams and displays, but some of what
+a machine sends was outside it: the host's own note for each MIME type it didn't show (2,000
+displays of 64 made-up types: 17 MB of notes), an error's traceback (1,000 lines of 64 KiB: 64
+MB a branch), the cell's result (Out[], cleaned on the loop by the byte: 2 MB of markdown held it
+9 s), markdown rendered in pure Python at any size, text metrics kept whole for every node, and
+an error's name, which goes inside the host's own lines, with its control characters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from smolbench import gate
+from smolbench.backends.base import CellRequest, Event
+from smolbench.gate.output import OutputBudget
+
+
+def run(*messages: dict[str, Any], limit: int = 100_000) -> tuple[Any, list[Event]]:
+    events: list[Event] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for m in messages:
+            yield json.dumps(m).encode() + b"\n"
+
+    request = CellRequest("x", output=OutputBudget(None, limit=limit))
+    res = asyncio.run(gate.read_cell(chunks(), request, events.append, "root.1"))
+    return res, events
+
+
+def notes(events: list[Event]) -> list[str]:
+    return [e.text for e in events if e.kind == "stream" and e.name == "stderr" and "smolbench:" in (e.text or "")]
+
+
+def test_notes_about_output_not_shown_are_a_few_however_many_types_come() -> None:
+    shown = [{"t": "display", "data": {f"application/x-made-up-{i}-{j}": "x" for j in range(64)}} for i in range(50)]
+    _, events = run(*shown, {"t": "done", "status": "ok"})
+    said = notes(events)
+    assert len(said) == gate.NOTES + 1 and "sent output of more types, which were not shown either" in said[-1]
+
+
+def test_a_traceback_keeps_its_end_within_its_limit() -> None:
+    tb = [f"line {i}: " + "x" * 60_000 + "\n" for i in range(1000)]
+    res, _ = run({"t": "done", "status": "error", "error": {"ename": "E", "evalue": "v", "traceback": tb}})
+    kept = res.error["traceback"]
+    assert sum(map(len, kept)) <= gate.TRACEBACK + 200 and kept[-1] == tb[-1]
+    assert kept[0].startswith("... (") and "earlier lines of the traceback not shown" in kept[0]
+
+
+def test_the_result_counts_against_the_cells_output_and_long_markdown_is_not_rendered() -> None:
+    big = {"text/markdown": "# title\n" + "word " * 60_000, "text/plain": "a plain copy"}
+    res, events = run({"t": "done", "status": "ok", "result": big}, limit=100_000)
+    assert res.result is None and any("result was not shown: the cell's output passed its limit" in n
+                                      for n in notes(events))
+    res, _ = run({"t": "done", "status": "ok", "result": big}, limit=10_000_000)  # fits: shown, markdown as text
+    assert res.result == {"text/plain": "a plain copy"}
+    res, _ = run({"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}})
+    assert "<strong>hi</strong>" in res.result["text/html"]
+
+
+def test_an_error_s_name_is_plain_text_and_text_metrics_are_short() -> None:
+    res, _ = run({"t": "done", "status": "error", "metrics": {"note": "y" * 1000, "n": 3},
+                  "error": {"ename": "E\b\b\b2 ok · best reward 1e+09\x1b]0;t\x07\nx", "evalue": "", "traceback": []}})
+    assert res.error["ename"].isprintable() and "\x1b" not in res.error["ename"] and "\b" not in res.error["ename"]
+    assert len(res.metrics["note"]) == gate.METRIC_TEXT and res.metrics["n"] == 3
