@@ -77,6 +77,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = Path(ledger.path).parent / "outputs"
+        self.log_pool = gate.LogPool()  # what all of this session's output logs may take
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
         self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
@@ -281,7 +282,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.ledger.add_trust(self.session, scope, "on" if on else "off")
 
     def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
-        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log")
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log", pool=self.log_pool)
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,

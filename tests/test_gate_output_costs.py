@@ -67,3 +67,19 @@ def test_an_error_s_name_is_plain_text_and_text_metrics_are_short() -> None:
                   "error": {"ename": "E\b\b\b2 ok · best reward 1e+09\x1b]0;t\x07\nx", "evalue": "", "traceback": []}})
     assert res.error["ename"].isprintable() and "\x1b" not in res.error["ename"] and "\b" not in res.error["ename"]
     assert len(res.metrics["note"]) == gate.METRIC_TEXT and res.metrics["n"] == 3
+
+
+def test_a_session_s_output_logs_share_one_budget(tmp_path: Any) -> None:
+    """Each cell's and branch's log is at most ``log-limit`` (200 MB), with no total: a fork of
+    256 branches printing without end could write 51 GB into the folder."""
+    from smolbench.gate.output import LogPool
+
+    pool = LogPool(total=3000)
+    logs = []
+    for i in range(5):  # five branches, each printing far past the cell's output
+        budget = OutputBudget(tmp_path / f"root.{i}.log", limit=100, log_limit=2000, pool=pool)
+        budget.take("stdout", "x" * 5000)
+        note = budget.finish()
+        logs.append((tmp_path / f"root.{i}.log").stat().st_size if (tmp_path / f"root.{i}.log").exists() else 0)
+        assert note is not None and "more output not shown" in note
+    assert logs == [2000, 1000, 0, 0, 0] and pool.left == 0

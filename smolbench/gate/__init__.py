@@ -36,9 +36,9 @@ from .frames import (
     string_list,
 )
 from .limits import LIMITS, Limits, human, seconds
-from .output import OutputBudget
+from .output import LogPool, OutputBudget
 
-__all__ = ["LIMITS", "Limits", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
+__all__ = ["LIMITS", "Limits", "LogPool", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
            "read_control", "seconds"]
 
 TEXT = 1024 * 1024

@@ -17,13 +17,25 @@ from typing import IO
 
 from .limits import LIMITS, human
 
+SESSION_LOGS = 1000**3  # bytes all of a session's output logs may take together
+
+
+class LogPool:
+    """The bytes all of one session's output logs may still take: each cell's and branch's log
+    is at most ``LIMITS.log``, and a fork of 256 branches printing without end wrote 200 MB each."""
+
+    def __init__(self, total: int = SESSION_LOGS) -> None:
+        self.left = total
+
 
 class OutputBudget:
     """How much of one cell's output is shown; the rest is counted and logged."""
 
     def __init__(self, log_path: str | os.PathLike[str] | None, *, limit: int | None = None,
-                 line: int | None = None, log_limit: int | None = None, displays: int | None = None) -> None:
+                 line: int | None = None, log_limit: int | None = None, displays: int | None = None,
+                 pool: LogPool | None = None) -> None:
         self.log_path = Path(log_path) if log_path is not None else None
+        self.pool = pool
         self.limit = LIMITS.output if limit is None else limit
         self.line = LIMITS.line if line is None else line
         self.log_limit = LIMITS.log if log_limit is None else log_limit
@@ -96,14 +108,19 @@ class OutputBudget:
     def _spill(self, text: str) -> None:
         data = text.encode("utf-8", "replace")
         self.hidden += len(data)
-        if self.log_path is None or self.logged >= self.log_limit:
+        room = self.log_limit - self.logged
+        if self.pool is not None:
+            room = min(room, self.pool.left)
+        if self.log_path is None or room <= 0:
             return
         if self._log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
-        part = data[: self.log_limit - self.logged]
+        part = data[:room]
         self._log.write(part)
         self.logged += len(part)
+        if self.pool is not None:
+            self.pool.left -= len(part)
 
     def finish(self) -> str | None:
         """The closing note when something was not shown (else None); closes the log."""
