@@ -360,6 +360,44 @@ def test_a_ray_clusters_nodes_are_this_host_for_every_machine(sink: int) -> None
     asyncio.run(main())
 
 
+def test_a_ray_node_that_joins_later_is_this_host_too(sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 4's audit: the proxy took the cluster's nodes once, when it started; a node added
+    later (the cluster grew) was reachable through a range, with Ray's ports. The kernel's side
+    tells the proxy of nodes that joined before it attaches a machine."""
+
+    async def main() -> None:
+        policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
+        proxy = _netproxy.Proxy()
+        port = await _machine(proxy, "m", policy)
+        _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        assert answer.startswith(b"HTTP/1.1 200")  # not a node yet: in the range
+        w.close()
+        sent: list[dict[str, Any]] = []
+        client = _netproxy.ProxyClient(None, None)
+
+        async def call(msg: dict[str, Any]) -> dict[str, Any]:
+            sent.append(msg)
+            return await proxy.handle(msg)
+
+        async def started() -> None:
+            return None
+
+        monkeypatch.setattr(client, "call", call)
+        monkeypatch.setattr(client, "start", started)
+        monkeypatch.setattr(_netproxy, "_cluster_addresses", lambda: [FAR])  # the node joined
+        await client.attach([("m2", 0)], policy)
+        assert sent[0] == {"op": "host_only", "add": [FAR]}
+        _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        assert answer.startswith(b"HTTP/1.1 403"), answer  # every machine's, the old one's too
+        w.close()
+        await client.attach([("m3", 0)], policy)
+        assert [m["op"] for m in sent] == ["host_only", "attach", "attach"]  # said once
+        for name in ("m", "m2", "m3"):
+            await proxy.detach(name)
+
+    asyncio.run(main())
+
+
 def test_one_machine_s_failures_never_silence_another_s(capsys: pytest.CaptureFixture[str]) -> None:
     """Round 4's audit: the proxy showed 100 distinct failure lines for the whole kernel, so
     one machine naming 100 targets left every other machine's failures unsaid. Each machine

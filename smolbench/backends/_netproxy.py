@@ -91,6 +91,7 @@ class ProxyClient:
         self.proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._said: asyncio.Future[None] | None = None
+        self._cluster: set[str] = set()  # the Ray nodes' addresses the proxy counts as this host
 
     async def _start(self) -> asyncio.subprocess.Process:
         argv = command()
@@ -99,6 +100,7 @@ class ProxyClient:
         if self.open_all:
             argv.append("--open")
         cluster = _cluster_addresses()
+        self._cluster = set(cluster)
         if cluster:
             argv += ["--host-only", ",".join(cluster)]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -135,6 +137,11 @@ class ProxyClient:
     async def attach(self, machines: list[tuple[str, int]], policy: NetPolicy, tree: str | None = None) -> dict[str, str]:
         """Give each (name, host pid) its listeners, all counted in ``tree`` (a root's name: its
         branches share its caps); the ones that failed, with why."""
+        await self.start()
+        joined = sorted(set(_cluster_addresses()) - self._cluster)
+        if joined:  # a Ray node that joined after the proxy started: its unauthenticated ports are this host's
+            await self.call({"op": "host_only", "add": joined})
+            self._cluster |= set(joined)
         reply = await self.call({"op": "attach", "machines": [{"node": n, "pid": p} for n, p in machines],
                                  "policy": policy.as_dict(), "tree": tree})
         return dict(reply.get("errors") or {})
@@ -476,6 +483,10 @@ class Proxy:
         if op == "detach":
             for name in msg.get("nodes", []):
                 await self.detach(str(name))
+            return {"ok": True}
+        if op == "host_only":  # Ray nodes that joined since: this host's for every machine from now on
+            self.host_only = self.host_only | frozenset(ipaddress.ip_address(str(a)) for a in msg.get("add", []))
+            self._own = (0.0, frozenset())
             return {"ok": True}
         if op == "stats":
             nodes = {n: node.stats() for n, node in self.nodes.items()}
