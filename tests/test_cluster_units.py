@@ -360,3 +360,27 @@ def test_callers_that_read_one_request_after_another_never_wait_on_each_other() 
         return got
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == [3 << 20, 12 << 20]
+
+
+def test_a_deleted_machine_s_artifacts_leave_its_node(tmp_path: Path) -> None:
+    """Round 4's audit: a node kept a deleted machine's cached export, and what a microVM was
+    restored from, until the session ended (each up to the checkpoint limit; a machine whose
+    state never matches across nodes made a new copy each try). They go with the machine, unless
+    another machine still needs them."""
+    from types import SimpleNamespace
+
+    from smolbench.cluster import artifact
+    from smolbench.cluster.agent import NodeAgent
+
+    store = artifact.Store(tmp_path)
+    digests = {}
+    for name in ("export-a", "source-b", "shared"):
+        digests[name] = format(hash(name) & (2**256 - 1), "064x")
+        store.path(digests[name]).write_bytes(b"x")
+    agent = SimpleNamespace(store=store, exports={("a", "s1"): {"digest": digests["export-a"]}},
+                            sources={"b": digests["source-b"], "c": digests["shared"], "d": digests["shared"]})
+    NodeAgent._drop_files(agent, ["a", "b", "c"])  # type: ignore[arg-type]
+    assert not store.has(digests["export-a"]) and not store.has(digests["source-b"])
+    assert store.has(digests["shared"]) and agent.sources == {"d": digests["shared"]}  # d still needs it
+    NodeAgent._drop_files(agent, ["d"])  # type: ignore[arg-type]
+    assert not store.has(digests["shared"]) and agent.exports == {}

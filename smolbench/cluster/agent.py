@@ -124,6 +124,7 @@ class NodeAgent:
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
         self.store = artifact.Store(self.own)
         self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
+        self.sources: dict[str, str] = {}  # machine -> the artifact it was restored from
         self._save_lock: asyncio.Lock | None = None
         self.refs: dict[str, MachineRef] = {}
         self.max_starts = max_starts
@@ -284,7 +285,18 @@ class NodeAgent:
                 count += 1
         for name in [n for n in self.refs if n not in {r.name for r in self.backend.list()}]:
             self.refs.pop(name, None)  # branches that went with a deleted parent
+        self._drop_files(names)
         return count
+
+    def _drop_files(self, names: list[str]) -> None:
+        """The artifacts only deleted machines needed: their exports and what they were restored
+        from (each up to the checkpoint limit, on this node's disk until the session ended)."""
+        gone = set(names)
+        for key in [k for k in self.exports if k[0] in gone]:
+            self.store.drop(self.exports.pop(key)["digest"])
+        dropped = {self.sources.pop(n) for n in names if n in self.sources}
+        for digest in dropped - set(self.sources.values()) - {v["digest"] for v in self.exports.values()}:
+            self.store.drop(digest)
 
     async def close(self) -> int:
         """Delete every machine on this node."""
@@ -365,6 +377,7 @@ class NodeAgent:
         async with self._gate():
             ref = await self.backend.restore(path, name, spec)
         self.refs[name] = ref
+        self.sources[name] = digest  # dropped with the machine (a microVM may read it while it lives)
         return {"node": self.node_id, "backend": self.backend.name,
                 "warnings": list(ref.info.get("restore_warnings") or [])}
 

@@ -64,16 +64,21 @@ async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: 
     shipped = await cb._call(node, node.agent.fetch.remote(home.agent, art["digest"], art["size"],
                                                            f"node {_short(home.id)}"))
     name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
-    ref = await _restore_on(cb, node, art["digest"], name, parent.spec, replica=True)
     try:
-        got = await cb.fingerprint(ref)
-        if got != want:
-            why = ("smol saved only the variables that pickle: a machine booted from a local image"
-                   if art["format"] == "smol-state" else "a variable's repr depends on where it runs")
-            raise SmolbenchError(f"the checkpoint of {parent.name} restored on node {_short(node.id)} doesn't match: "
-                                 f"state fingerprint {got} vs {want} ({why})")
-    except BaseException:
-        await cb.delete(ref)
+        ref = await _restore_on(cb, node, art["digest"], name, parent.spec, replica=True)
+        try:
+            got = await cb.fingerprint(ref)
+            if got != want:
+                why = ("smol saved only the variables that pickle: a machine booted from a local image"
+                       if art["format"] == "smol-state" else "a variable's repr depends on where it runs")
+                raise SmolbenchError(f"the checkpoint of {parent.name} restored on node {_short(node.id)} doesn't "
+                                     f"match: state fingerprint {got} vs {want} ({why})")
+        except BaseException:
+            await cb.delete(ref)
+            raise
+    except BaseException:  # the copy it fetched goes too (a machine whose state never matches made one a try)
+        with contextlib.suppress(Exception):
+            await cb._call(node, node.agent.forget.remote(art["digest"]))
         raise
     return {"ref": ref, "fingerprint": got, "bytes_shipped": int(shipped), "seconds": time.perf_counter() - t0,
             "digest": art["digest"]}
@@ -171,10 +176,14 @@ async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *
     node = cb.nodes[placement.least_loaded(free)]
     digest, size = await asyncio.to_thread(artifact.hash_file, path)
     await send(cb, node, path, digest, size)
+    restored = False
     try:
-        return await _restore_on(cb, node, digest, name, spec)
+        ref = await _restore_on(cb, node, digest, name, spec)
+        restored = True
+        return ref
     finally:
-        if fmt != "smol":  # a restored microVM may still read its checkpoint: that one stays with the agent
+        # a restored microVM may still read its checkpoint: the agent drops that one with the machine
+        if fmt != "smol" or not restored:
             with contextlib.suppress(SmolbenchError):
                 await cb._call(node, node.agent.forget.remote(digest))
 
