@@ -9,6 +9,7 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from .errors import CompositeError, RemoteError
+from .gate import terminal
 from .gate.display import INERT_CLASSES
 from .tree import TERMINAL, best_key
 
@@ -26,8 +27,10 @@ STATUS_COLORS_DARK = {"ok": "#3fb950", "error": "#f85149", "timeout": "#d29922",
 
 
 def reason(row: dict[str, Any]) -> str:
-    """Why a branch failed, as one short line (its error's last line: ``MemoryError: ...``)."""
-    lines = [ln.strip() for ln in str(row.get("error") or "").splitlines() if ln.strip()]
+    """Why a branch failed, as one short line (its error's last line: ``MemoryError: ...``), as
+    plain text: it goes inside host lines (a summary), where a style it started, cut short,
+    would colour the rest."""
+    lines = [ln.strip() for ln in terminal.plain(str(row.get("error") or "")).splitlines() if ln.strip()]
     text = lines[-1] if lines else str(row.get("status") or "")
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
 

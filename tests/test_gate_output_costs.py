@@ -83,3 +83,12 @@ def test_a_session_s_output_logs_share_one_budget(tmp_path: Any) -> None:
         logs.append((tmp_path / f"root.{i}.log").stat().st_size if (tmp_path / f"root.{i}.log").exists() else 0)
         assert note is not None and "more output not shown" in note
     assert logs == [2000, 1000, 0, 0, 0] and pool.left == 0
+
+
+def test_a_failed_branch_s_reason_in_host_lines_is_plain_text() -> None:
+    """The reason is cut short inside the fork's summary: a style it started (its reset cut off)
+    coloured the host's lines after it, and a carriage return rewrote them."""
+    from smolbench.result import REASON_CHARS, reason
+
+    said = reason({"error": "Exception: \x1b[8m" + "x" * 500 + "\r2 ok · best reward 1e+09"})
+    assert said.isprintable() and len(said) <= REASON_CHARS and "\x1b" not in said
