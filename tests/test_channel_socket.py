@@ -10,18 +10,13 @@ whose answers were taken as the machine's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import socket
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
+from sockethelpers import host_socket
 
 from smolbench import _loop
 from smolbench.backends._agenthost import AgentHostBackend
@@ -38,43 +33,13 @@ def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
     yield from up_bench(tmp_path_factory)
 
 
-@contextlib.contextmanager
-def host_socket() -> Iterator[tuple[str, list[bytes]]]:
-    """A Unix socket of the host's, in a folder the machine's uid may pass; what it was sent."""
-    base = Path(tempfile.mkdtemp(prefix="smolbench-chan-"))
-    base.chmod(0o711)
-    got: list[bytes] = []
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(str(base / "host.sock"))
-    srv.listen(4)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            conn.settimeout(2)
-            with contextlib.suppress(OSError):
-                got.append(conn.recv(4096))
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield str(base / "host.sock"), got
-    finally:
-        srv.close()
-        os.unlink(base / "host.sock")
-        base.rmdir()
-
-
 def test_a_kept_channel_never_follows_a_socket_link_the_machine_planted(bench: Workbench,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     machine = bench.machines[str(bench.active)]
     request = CellRequest("x = 1", push={"secret": b"s3cret"})
     with host_socket() as (path, got):
         # the machine's last cell: its socket is gone for good (the fixture's teardown needs none)
-        define(bench, f"import os\nos.unlink('/run/smolbench/s')\nos.symlink({path!r}, '/run/smolbench/s')")
+        define(bench, f"import os\nos.unlink('/run/smolbench/s')\nos.symlink({str(path)!r}, '/run/smolbench/s')")
         with pytest.raises(SmolbenchError, match="not answering"):
             _loop.run(bench.backend.open_channel(machine, request))
         assert got == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,19 @@ def test_batch_frames_round_trip_and_a_bad_frame_is_refused() -> None:
         frames(msg[:5], 2)
 
 
+def _replies(messages: Iterable[bytes]) -> Any:
+    """A node agent's stream stood in: each message as a Ray reference already resolved."""
+    import asyncio
+
+    async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+        for msg in messages:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(msg)
+            yield fut
+
+    return gen()
+
+
 def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -> None:
     """The driver's side of batch.py, with the agent's stream stood in by a generator of the
     same frames (the real agent over Ray: tests/test_cluster.py)."""
@@ -178,16 +191,9 @@ def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -
 
     def start(batch_id: str, items: list[tuple[str, object]]) -> object:
         calls.append([name for name, _ in items])
-
-        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
-            for i, (name, _) in enumerate(items):
-                msg = frame(i, DATA, f"{name} says hi\n".encode())
-                msg += frame(i, FAIL, failure(SmolbenchError(f"{name} broke"))) if name == "b" else frame(i, END)
-                fut = asyncio.get_running_loop().create_future()
-                fut.set_result(msg)
-                yield fut
-
-        return gen()
+        return _replies(frame(i, DATA, f"{name} says hi\n".encode())
+                        + (frame(i, FAIL, failure(SmolbenchError(f"{name} broke"))) if name == "b" else frame(i, END))
+                        for i, (name, _) in enumerate(items))
 
     async def call(aw: Any) -> Any:
         return await aw
@@ -275,24 +281,17 @@ def test_a_checkpoint_not_this_kernels_own_never_goes_to_a_process_node(tmp_path
 
 def _endless(produced: list[int], order: list[int], size: int = 1 << 20) -> Any:
     """An agent's stream stood in: 1 MB DATA frames for the items in ``order`` (then 100 more for the last)."""
-    import asyncio
 
     from smolbench.cluster.batch import DATA, END, frame
 
-    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
-        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
-            for i in order:
-                fut = asyncio.get_running_loop().create_future()
-                produced.append(i)
-                fut.set_result(frame(i, DATA, b"x" * size) + (frame(i, END) if i != order[-1] else b""))
-                yield fut
-            for _ in range(100):  # "forever", within what a test may hold (the weakened run holds it all)
-                fut = asyncio.get_running_loop().create_future()
-                produced.append(order[-1])
-                fut.set_result(frame(order[-1], DATA, b"x" * size))
-                yield fut
+    def made(i: int, msg: bytes) -> bytes:
+        produced.append(i)
+        return msg
 
-        return gen()
+    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
+        # then 100 more for the last: "forever", within what a test may hold (the weakened run holds it all)
+        return _replies(made(i, frame(i, DATA, b"x" * size) + (frame(i, END) if i != order[-1] else b""))
+                        for i in [*order, *[order[-1]] * 100])
 
     return start
 
@@ -339,14 +338,8 @@ def test_callers_that_read_one_request_after_another_never_wait_on_each_other() 
     from smolbench.cluster.batch import DATA, END, Batcher, frame
 
     def start(batch_id: str, items: list[tuple[str, object]]) -> object:
-        async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
-            for msg in [frame(1, DATA, b"b" * (1 << 20))] * 12 + [frame(1, END)] + \
-                       [frame(0, DATA, b"a" * (1 << 20))] * 3 + [frame(0, END)]:
-                fut = asyncio.get_running_loop().create_future()
-                fut.set_result(msg)
-                yield fut
-
-        return gen()
+        return _replies([frame(1, DATA, b"b" * (1 << 20))] * 12 + [frame(1, END)]
+                        + [frame(0, DATA, b"a" * (1 << 20))] * 3 + [frame(0, END)])
 
     async def call(aw: Any) -> Any:
         return await aw

@@ -11,7 +11,6 @@ test's own folders (bound in as a read-only volume), never the host's system.
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 from nbhelpers import NotebookSession, error_text, result_text
+from sockethelpers import host_socket
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
@@ -392,40 +392,19 @@ def test_status_says_how_the_machine_is_contained(real: Lab) -> None:
 
 def _socket_redirect(weaken: str) -> tuple[list[bytes], str]:
     """A cell swaps its agent socket for a link to a host socket; what reaches the host socket."""
-    base = Path(tempfile.mkdtemp(prefix="smolbench-contain-"))
-    base.chmod(0o711)
-    got: list[bytes] = []
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(str(base / "host.sock"))
-    srv.listen(4)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            conn.settimeout(2)
-            with contextlib.suppress(OSError):
-                got.append(conn.recv(4096))
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
     old = os.environ.get("SMOLBENCH_TEST_WEAKEN")
     os.environ["SMOLBENCH_TEST_WEAKEN"] = weaken
     try:
-        with NotebookSession(base, allow_errors=True) as nb:
+        with host_socket() as (path, got), NotebookSession(path.parent, allow_errors=True) as nb:
             nb.run("%load_ext smolbench")
             nb.run("%smol up --backend sandbox")
-            nb.run(f"%%smol\nimport os\nos.unlink('/run/smolbench/s')\nos.symlink({str(base / 'host.sock')!r}, '/run/smolbench/s')")
+            nb.run(f"%%smol\nimport os\nos.unlink('/run/smolbench/s')\nos.symlink({str(path)!r}, '/run/smolbench/s')")
             after = error_text(nb.run("%%smol\n1 + 1"))
     finally:
         if old is None:
             os.environ.pop("SMOLBENCH_TEST_WEAKEN", None)
         else:
             os.environ["SMOLBENCH_TEST_WEAKEN"] = old
-        srv.close()
-        shutil.rmtree(base, ignore_errors=True)
     return got, after
 
 
