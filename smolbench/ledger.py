@@ -122,14 +122,23 @@ def code_hash(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
+def linked_part(path: Path) -> Path | None:
+    """The part of a ledger that is a symbolic link (its folder, itself or SQLite's files beside
+    it), or None: a ledger is used only as what it says it is, by the kernel and the server."""
+    for p in (path.parent, path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+        if p.is_symlink():
+            return p
+    return None
+
+
 def _refuse_links(path: Path) -> None:
     """A ledger (and SQLite's files beside it, and its folder) only as what it says it is: a
     copied folder's ``.smolbench/ledger.db`` that links elsewhere would have this kernel write
     (or make) a database wherever the link points."""
-    for p in (path.parent, path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
-        if p.is_symlink():
-            raise SmolbenchError(f"ledger {path} has a symbolic link at {p.name} (to {os.readlink(p)}): a ledger is "
-                                 "opened only as a plain file in a plain folder; replace the link with the file itself")
+    p = linked_part(path)
+    if p is not None:
+        raise SmolbenchError(f"ledger {path} has a symbolic link at {p.name} (to {os.readlink(p)}): a ledger is "
+                             "opened only as a plain file in a plain folder; replace the link with the file itself")
 
 
 class Ledger:

@@ -334,16 +334,13 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     with open_tar(path) as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
-        first = True
         while True:
             m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
             if m is None:
                 break
-            if first and m.name == RECORD and m.isfile():  # first only: a million of them were all kept
-                record = _read_record(tar, m, label)
-                first = False
+            if record is None and not members and m.name == RECORD and m.isfile():  # the first header only
+                record = _read_record(tar, m, label)  # (a million records were all kept)
                 continue
-            first = False
             members.append(m)
             if m.name in FILES and m.isfile():
                 sizes[m.name] = m.size

@@ -31,10 +31,10 @@ from tornado import web
 from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
-from ..ledger import UnsafeLedger, guard
+from ..ledger import UnsafeLedger, guard, linked_part
 from ..shelf import describe
 from . import ledgerview, machines
-from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, linked, relative
+from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
 LINKED = "is a symbolic link: a ledger is read only as a plain file in a plain folder (as a kernel does)"
 LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
@@ -77,7 +77,7 @@ class _Base(APIHandler):
     def ledger(self) -> tuple[Path, str]:
         where = self.folder()
         db = where / LEDGER
-        if linked(db):
+        if linked_part(db) is not None:
             raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} {LINKED}")
         return db, relative(self.root, where) or ""
 
@@ -179,7 +179,7 @@ class CheckpointsHandler(_Base):
         out, problems = [], []
         for d in dirs:
             rel = relative(self.root, d) or ""
-            if linked(d / LEDGER):
+            if linked_part(d / LEDGER) is not None:
                 problems.append(f"{rel or '.'}: the ledger {LINKED}")
                 continue
             try:

@@ -34,13 +34,6 @@ def folder(root: str | os.PathLike[str], rel: str | None) -> Path:
     return target
 
 
-def linked(db: Path) -> bool:
-    """Whether a ledger (its folder, itself or SQLite's files beside it) is a symbolic link: read
-    only as a plain file in a plain folder, as the kernel does (one into another project's
-    folder would list, and delete in, that project's ledger as this folder's)."""
-    return any(p.is_symlink() for p in (db.parent, db, *(db.with_name(db.name + s) for s in ("-wal", "-shm", "-journal"))))
-
-
 def relative(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str | None:
     """``path`` as an API path relative to ``root`` ('' for the root), or None when outside."""
     try:
