@@ -19,7 +19,7 @@ from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate.ckptpaths import SUFFIX, valid_name
-from .shelf import AGENTHOST, Shelf, is_path
+from .shelf import AGENTHOST, Adopted, Shelf, is_path
 from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
@@ -186,16 +186,18 @@ class CheckpointsMixin(WorkbenchPart):
         folder), or the path of a ``.smolcheckpoint`` file anywhere, which is first added to
         this folder (copied in and checked; ``notes`` says so)."""
         self.restore_notes = []
+        added: Adopted | None = None
         # adopting copies and checks a file from elsewhere (seconds of gzip for a big one): off the loop
         if is_path(name):
-            rec, note = await asyncio.to_thread(self.shelf.adopt, name, self.backend.name)
-            self.restore_notes.append(note)
+            added = await asyncio.to_thread(self.shelf.adopt, name, self.backend.name)
         else:
             rec = self.shelf.row(name)
             if rec.get("dropped"):
-                rec, note = await asyncio.to_thread(self.shelf.adopt, self.shelf.store.absolute(f"{name}{SUFFIX}"),
-                                                    self.backend.name)
-                self.restore_notes.append(note)
+                added = await asyncio.to_thread(self.shelf.adopt, self.shelf.store.absolute(f"{name}{SUFFIX}"),
+                                                self.backend.name)
+        if added is not None:
+            rec = added.row
+            self.restore_notes.append(added.note)
         name = str(rec["name"])
         made = rec.get("backend")
         if self.backend.name == "process" and rec.get("session_id") not in SESSIONS_HERE:
@@ -209,7 +211,13 @@ class CheckpointsMixin(WorkbenchPart):
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
-        ref = await self._restore_file(rec, node_id)
+        try:
+            ref = await self._restore_file(rec, node_id, added is not None)
+        except BaseException:
+            if added is not None:  # a file that can't make a machine is not kept as one of this folder's
+                self.shelf.unadopt(added)
+                self.restore_notes.clear()
+            raise
         self.machines[node_id] = ref
         node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
                                   cells=int(rec.get("cells") or 0)))
@@ -218,9 +226,10 @@ class CheckpointsMixin(WorkbenchPart):
         self.active = node_id
         return node
 
-    async def _restore_file(self, rec: dict[str, Any], node_id: str) -> MachineRef:
+    async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False) -> MachineRef:
         """A new machine from a row's file, opened once through the gate's rule: the backend
-        reads that very file (its descriptor), whatever its name is changed to meanwhile."""
+        reads that very file (its descriptor), whatever its name is changed to meanwhile.
+        ``adopted``: the file was added by this restore, and goes again if it fails."""
         name = rec["name"]
         with self.shelf.open(rec) as f:
             shown = self.shelf.store.shown(f.name)
@@ -232,7 +241,8 @@ class CheckpointsMixin(WorkbenchPart):
             except SmolbenchError as exc:
                 # messages name the descriptor's path (or its last part): name the file instead
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")
-                text = text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
+                text = text.replace("delete it with `%smol checkpoint rm`", "nothing was added") if adopted else \
+                    text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
                 raise type(exc)(text) from None
 
     def checkpoint_remove(self, name: str) -> str:

@@ -19,7 +19,7 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
 from .gate import archive
@@ -29,6 +29,16 @@ from .ledger import Ledger
 
 AGENTHOST = ("sandbox", "process")  # backends whose checkpoints are the gate's two-file archives
 IMPORTED = "imported"  # the session of a row added from a file (no node of this kernel's tree)
+
+
+class Adopted(NamedTuple):
+    """What adding a file from elsewhere did: its row, a line saying so, and what it added
+    (so a restore that then fails can take back exactly that)."""
+
+    row: dict[str, Any]
+    note: str
+    new_row: bool  # the row is this call's
+    copied: str | None  # the file this call copied into the checkpoint folder, if it did
 
 
 def is_path(arg: str) -> bool:
@@ -190,28 +200,27 @@ class Shelf:
         """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder."""
         self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings)
 
-    def adopt(self, source: str, backend: str | None) -> tuple[dict[str, Any], str]:
+    def adopt(self, source: str, backend: str | None) -> Adopted:
         """Add the checkpoint file ``source`` (a path the user named, anywhere) to this folder:
         copied into its checkpoint folder (unless it is there already), checked as someone
-        else's bytes, given a row. Returns the row and a line saying what was done.
-        ``backend``: the one up (None: none is)."""
+        else's bytes, given a row. ``backend``: the one up (None: none is)."""
         src_fd = _open_named(source)
         try:
             own = self._own_name(os.fstat(src_fd))
-            fname = own or self._copy_in(src_fd, Path(source).name)
+            fname, created = (own, False) if own else self._copy_in(src_fd, Path(source).name)
         finally:
             os.close(src_fd)
         name = fname[: -len(SUFFIX)]
         existing = self.ledger.checkpoint(name)
         if existing is not None and self._names_file(existing, fname):
-            return existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})"
+            return Adopted(existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})",
+                           False, None)
         try:
             with self.store.open(fname) as f:
                 record, size = self._check(f, source), f.size
         except BaseException:
-            if own is None:
-                with contextlib.suppress(SmolbenchError, OSError):
-                    self.store.remove(fname)  # a copy that failed its checks goes again
+            if created:
+                self.discard(fname)  # a copy that failed its checks goes again
             raise
         r = record or {}
         made_by = str(r.get("backend") or (backend if backend in AGENTHOST else "sandbox"))
@@ -221,7 +230,21 @@ class Shelf:
         assert row is not None
         how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"
         renamed = "" if own or fname == Path(source).name else f" (a different {Path(source).name} is here already)"
-        return row, f"added checkpoint {name} to this folder ({how}){renamed}"
+        return Adopted(row, f"added checkpoint {name} to this folder ({how}){renamed}", True,
+                       fname if created else None)
+
+    def unadopt(self, added: Adopted) -> None:
+        """Take back what ``adopt`` added: its row, and the file only if it copied it in
+        (a file someone put in the checkpoint folder stays theirs)."""
+        if added.new_row:
+            self.ledger.remove_checkpoint(str(added.row["name"]))
+        if added.copied is not None:
+            self.discard(added.copied)
+
+    def discard(self, fname: str) -> None:
+        """Delete a file this folder's code copied in, as far as the rule allows."""
+        with contextlib.suppress(SmolbenchError, OSError):
+            self.store.remove(fname)
 
     def _own_name(self, st: os.stat_result) -> str | None:
         """The name of the file here that ``st`` is (a path into our own checkpoint folder), or None."""
@@ -231,8 +254,9 @@ class Shelf:
                     return fname
         return None
 
-    def _copy_in(self, src_fd: int, base: str) -> str:
-        """Copy an outside file in under a free name (the same bytes under a taken name: that name)."""
+    def _copy_in(self, src_fd: int, base: str) -> tuple[str, bool]:
+        """Copy an outside file in under a free name (the same bytes under a taken name: that
+        name); the name, and whether a file was made."""
         stem = base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base
         if not valid_name(stem):
             raise SmolbenchError(f"{base!r} is not a usable checkpoint name: rename the file to NAME{SUFFIX} "
@@ -245,12 +269,12 @@ class Shelf:
             if fname in taken:
                 with contextlib.suppress(PathRefused, Missing), self.store.open(fname) as f:
                     if _sha256(f.fd) == digest:
-                        return fname  # the same bytes are here already
+                        return fname, False  # the same bytes are here already
                 continue
             with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
                 src.seek(0)
                 _copy_bounded(src, out, base)
-            return fname
+            return fname, True
         raise SmolbenchError(f"checkpoints named {stem}, {stem}-2 … {stem}-99 all exist here: remove some first")
 
     def _names_file(self, row: dict[str, Any], fname: str) -> bool:

@@ -157,18 +157,22 @@ NAMESPACE = pickle.dumps({"vars": {}, "modules": {}, "seed": None, "name": "root
 
 def _forged(path: Path, record: bytes | None, members: list[tuple[str, bytes]] | None = None) -> None:
     """A checkpoint file with ``record`` as its first member, then a real-looking namespace and workspace."""
-    ws = io.BytesIO()
-    with tarfile.open(fileobj=ws, mode="w:") as tar:
-        info = tarfile.TarInfo("hello.txt")
-        info.size = 2
-        tar.addfile(info, io.BytesIO(b"hi"))
     parts = ([("smolbench-record.json", record)] if record is not None else []) + (
-        members or [("namespace.pkl", NAMESPACE), ("workspace.tar", ws.getvalue())])
+        members or [("namespace.pkl", NAMESPACE), ("workspace.tar", _workspace())])
     with gzip.open(path, "wb") as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
         for name, data in parts:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
+
+def _workspace() -> bytes:
+    ws = io.BytesIO()
+    with tarfile.open(fileobj=ws, mode="w:") as tar:
+        info = tarfile.TarInfo("hello.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    return ws.getvalue()
 
 
 def _record(**over: Any) -> bytes:
@@ -267,3 +271,29 @@ def test_a_file_from_elsewhere_is_copied_and_checked_off_the_event_loop(open_tmp
         s.checkpoint_restore(str(open_tmp / "gift.smolcheckpoint"))
         assert s.run("print(warm + 1)").stdout == "42\n"
     assert on_a_loop == [False]
+
+
+def test_a_file_that_cant_make_a_machine_leaves_nothing_here(open_tmp: Path) -> None:
+    """A file that passes the host's checks but whose saved state the machine can't load (here:
+    a namespace that is not a pickle) fails its restore in one line; the copy and the row it
+    was given go again, so the folder does not list a checkpoint that can never restore. A file
+    someone put in the checkpoint folder themselves stays theirs: only its row goes."""
+    import smolbench
+    from smolbench.errors import SmolbenchError
+
+    student = open_tmp / "student"
+    (student / CK).mkdir(parents=True)
+    gift = open_tmp / "broken.smolcheckpoint"
+    _forged(gift, _record(name="broken"), [("namespace.pkl", b"not a pickle at all"),
+                                                   ("workspace.tar", _workspace())])
+    shutil.copy(gift, student / CK / "dropped.smolcheckpoint")
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        for arg in (str(gift), "dropped"):
+            with pytest.raises(SmolbenchError) as err:
+                s.checkpoint_restore(arg)
+            line = str(err.value)
+            assert "its saved state can't be loaded" in line and line.endswith("nothing was added"), line
+        assert s.run("print(1)").stdout == "1\n"  # the session's machine is still there
+    assert sorted(p.name for p in (student / CK).iterdir()) == ["dropped.smolcheckpoint"]
+    assert rows(student) == {}
+    assert gift.exists()
