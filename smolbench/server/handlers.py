@@ -232,15 +232,16 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
     ledger is data a kernel wrote, or someone else's in a copied folder: its path must not
     steer a delete); a file dropped into the checkpoint folder, with no row, goes too."""
     store = checkpoint_store(db.parent.parent)
+    conn = None
     try:
-        conn = sqlite3.connect(str(db), timeout=10) if db.is_file() else None
-        if conn is not None:
+        if db.is_file():
+            conn = sqlite3.connect(str(db), timeout=10)
             guard(conn, db.name)  # its triggers would run on the delete below
-    except UnsafeLedger as exc:
-        conn.close()  # type: ignore[union-attr]
-        raise _fail(422, f"this folder's {exc}") from None
-    except sqlite3.Error as exc:
-        raise _fail(422, f"can't open this folder's ledger ({exc})") from None
+    except (UnsafeLedger, sqlite3.Error) as exc:
+        if conn is not None:
+            conn.close()
+        why = f"this folder's {exc}" if isinstance(exc, UnsafeLedger) else f"can't open this folder's ledger ({exc})"
+        raise _fail(422, why) from None
     try:
         row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone() if conn else None
         named = row[0] if row is not None else f"{name}{SUFFIX}"
