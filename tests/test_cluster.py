@@ -272,6 +272,25 @@ def test_a_checkpoint_of_a_cluster_machine_is_saved_through_its_node_and_restore
     assert "r2-evil" not in ledger_nodes(nb.cwd).index
 
 
+def test_every_node_agent_checks_with_the_kernels_limits(nb: NotebookSession) -> None:
+    """`%smol config` sets what the host accepts from machines; a node agent reads its machines'
+    replies and checks checkpoints too, so it must apply the kernel's limits, not its own
+    process's defaults (a raised checkpoint limit was refused on the node at 2 GB)."""
+    ask = ("import ray, smolbench\nb = smolbench._magics.workbench.backend\n"
+           "print(sorted({(d['limits']['checkpoint'], d['limits']['max_frame'], d['limits']['grace']) "
+           "for d in ray.get([n.agent.describe.remote() for n in b._alive()])}))")
+    try:
+        ok(nb.run("%smol config checkpoint-limit 3G"))
+        ok(nb.run("%smol config max-frame 7M"))
+        ok(nb.run("%smol config grace 1.5"))
+        ok(nb.run("%%smol\npass"))  # the next request to the nodes carries them
+        assert stream_text(ok(nb.run(ask))) == "[(3000000000, 7000000, 1.5)]\n"
+    finally:
+        ok(nb.run("import smolbench.gate.limits as L\nL.reset()"))
+    ok(nb.run("%%smol\npass"))
+    assert stream_text(ok(nb.run(ask))) == "[(2000000000, 64000000, 3.0)]\n"
+
+
 def test_sandbox_machines_can_not_reach_rays_own_ports(nb: NotebookSession, cluster: object) -> None:
     host, port = cluster.address.rsplit(":", 1)  # type: ignore[attr-defined]
     probe = ("import socket\ntry:\n"

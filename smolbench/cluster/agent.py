@@ -27,6 +27,7 @@ from typing import Any
 from ..backends import _rundir
 from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
+from ..gate import limits as gate_limits
 from ..spec import MachineSpec
 from . import artifact
 from .batch import DATA, END, FAIL, failure, frame, kind_of
@@ -107,9 +108,12 @@ def sweep_smol() -> list[str]:
 class NodeAgent:
     """Machines on one Ray node (wrapped with ``ray.remote`` by the driver)."""
 
-    def __init__(self, session: str, kind: str = "auto", max_starts: int = 2) -> None:
+    def __init__(self, session: str, kind: str = "auto", max_starts: int = 2,
+                 limits: dict[str, float] | None = None) -> None:
         import ray
 
+        if limits:  # the kernel's `%smol config`, not this process's defaults
+            gate_limits.apply(limits)
         self.session = session
         self.node_id = ray.get_runtime_context().get_node_id()
         base = os.environ.get("SMOLBENCH_NODE_DIR") or str(Path(tempfile.gettempdir()) / f"smolbench-node-{self.node_id[:12]}")
@@ -159,9 +163,13 @@ class NodeAgent:
 
         return _vm_limits(spec)
 
+    async def set_limits(self, limits: dict[str, float]) -> None:
+        """The kernel's limits changed (``%smol config``): this node's checks follow."""
+        gate_limits.apply(limits)
+
     async def describe(self) -> dict[str, Any]:
         """What ``%smol status`` shows about this node."""
-        return {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
+        return {"limits": gate_limits.snapshot(), "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
                 "isolation": self.backend.isolation, "data_dir": str(self.data_dir), "live": sorted(self.refs),
                 "swept": list(self.swept), "swept_machines": list(self.swept_machines), "calls": dict(self.calls),
                 "requests": dict(self.requests)}

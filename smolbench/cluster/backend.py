@@ -89,6 +89,8 @@ class ClusterBackend(Backend):
         self.bytes_in = 0
         self._looked = 0.0
         self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
+        self._limits_sent: dict[str, float] | None = None  # the kernel's gate limits the agents have
+        self._limits_push: asyncio.Future[Any] | None = None
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
@@ -121,10 +123,21 @@ class ClusterBackend(Backend):
             handle = actor.options(
                 num_cpus=0, max_restarts=0, name=f"smolbench-{self.session}-{_short(nid)}",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-            ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts)
+            ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts, gate.limits.snapshot())
             self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting")
             new.append(self.nodes[nid])
         return new
+
+    async def _limits_to_agents(self) -> None:
+        """Every agent checks what its machines send with the kernel's limits: after a
+        ``%smol config``, the next request to any node carries them there first."""
+        now = gate.limits.snapshot()
+        if now != self._limits_sent:
+            self._limits_sent = now
+            self._limits_push = asyncio.ensure_future(asyncio.gather(
+                *(self._call(n, n.agent.set_limits.remote(now)) for n in self._alive()), return_exceptions=True))
+        if self._limits_push is not None:
+            await self._limits_push
 
     def _described(self, d: dict[str, Any]) -> None:
         node = self.nodes[d["node"]]
@@ -277,6 +290,7 @@ class ClusterBackend(Backend):
     # -- the Backend protocol -------------------------------------------------------------
 
     async def create(self, spec: MachineSpec, name: str, node_id: str | None = None) -> MachineRef:
+        await self._limits_to_agents()
         if node_id is None:
             await self.refresh()
         free = self.free()
@@ -292,6 +306,7 @@ class ClusterBackend(Backend):
         return self._adopt(node, name, spec, None)
 
     async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
+        await self._limits_to_agents()
         node = self._node_of(machine)
         item = self._batcher(node, "exec").submit(machine.name, exec_message(request))
         async with contextlib.aclosing(item.chunks()) as chunks:
@@ -347,6 +362,7 @@ class ClusterBackend(Backend):
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         """Saved on the machine's node, brought here as data and checked (shipping.save)."""
+        await self._limits_to_agents()
         return await shipping.save(self, machine, path)
 
     async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
@@ -354,6 +370,7 @@ class ClusterBackend(Backend):
         ``isolated``, never to a process node."""
         if name in self._machines:
             raise SmolbenchError(f"a machine named {name!r} already exists: `%smol down` it or pick another name")
+        await self._limits_to_agents()
         return await shipping.restore(self, path, name, spec, isolated=isolated)
 
     # -- forks across nodes ---------------------------------------------------------------
@@ -361,6 +378,7 @@ class ClusterBackend(Backend):
     async def branch(self, machine: MachineRef, names: builtins.list[str],
                      seeds: builtins.list[int | None], *, leaf: bool = False) -> builtins.list[MachineRef]:
         """One batch per node: the parent's node branches the parent, the others a replica of it."""
+        await self._limits_to_agents()
         home = self._node_of(machine)
         await self.refresh(every=0)  # a node added since the last fork takes part in this one
         free = self.free()

@@ -116,6 +116,19 @@ def describe() -> str:
     return "\n".join(out)
 
 
+def snapshot() -> dict[str, float]:
+    """The limits as plain values (a node agent applies the kernel's with ``apply``)."""
+    return {f.name: getattr(LIMITS, f.name) for f in fields(Limits)}
+
+
+def apply(values: dict[str, float]) -> None:
+    """Take limits from ``snapshot()`` of another process (the kernel driving this node agent)."""
+    for f in fields(Limits):
+        v = values.get(f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            setattr(LIMITS, f.name, float(v) if f.name == "grace" else int(v))
+
+
 def reset() -> None:
     """Back to the defaults (tests)."""
     for f in fields(Limits):
