@@ -4,7 +4,7 @@ The cell's output budget (``output-limit``) bounds its streams and displays, but
 a machine sends was outside it: the host's own note for each MIME type it didn't show (2,000
 displays of 64 made-up types: 17 MB of notes), an error's traceback (1,000 lines of 64 KiB: 64
 MB a branch), the cell's result (Out[], cleaned on the loop by the byte: 2 MB of markdown held it
-9 s), markdown rendered in pure Python at any size, text metrics kept whole for every node, and
+9 s), markdown rendered on the loop at any size and in any number of displays, text metrics kept whole for every node, and
 an error's name, which goes inside the host's own lines, with its control characters.
 """
 
@@ -58,6 +58,21 @@ def test_the_result_counts_against_the_cells_output_and_long_markdown_is_not_ren
                                       for n in notes(events))
     res, _ = run({"t": "done", "status": "ok", "result": big}, limit=10_000_000)  # fits: shown, markdown as text
     assert res.result == {"text/plain": "a plain copy"}
+    res, _ = run({"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}})
+    assert "<strong>hi</strong>" in res.result["text/html"]
+
+
+def test_a_cells_markdown_is_rendered_up_to_one_allowance_in_all() -> None:
+    """Markdown is rendered on the kernel's loop: the limit is the cell's, not each display's,
+    or 20 displays of just under the limit (and 256 branches of them) rendered it all."""
+    piece = "| a | b |\n|---|---|\n" + "| *x* | ~~y~~ |\n" * 9_000  # ~150 KB of table
+    shown = [{"t": "display", "data": {"text/markdown": piece, "text/plain": f"plain {i}"}} for i in range(20)]
+    _, events = run(*shown, {"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}}, limit=10_000_000)
+    bundles = [e.data for e in events if e.kind == "display"]
+    assert len(bundles) == 20
+    assert "<td><em>x</em></td>" in bundles[0]["text/html"] and "<del>y</del>" in bundles[0]["text/html"]
+    assert all(b == {"text/plain": f"plain {i}"} for i, b in enumerate(bundles[1:], 1))
+    # the next cell has an allowance of its own
     res, _ = run({"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}})
     assert "<strong>hi</strong>" in res.result["text/html"]
 

@@ -132,6 +132,7 @@ class _Cell:
         self.where = where
         self.budget = request.output if request.output is not None else OutputBudget(None)
         self.noted: set[str] = set()
+        self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered on the loop
 
     def emit(self, ev: Event) -> None:
         if self.on_event is not None:
@@ -172,7 +173,7 @@ class _Cell:
         known = dict(each({"t": _kind, "data": lambda v, k: v}, msg, "a display message"))
         if not self.budget.take_display(size):
             return  # counted, not shown (and not worth cleaning)
-        data, dropped = display.bundle(known.get("data"), self.request.trust_display)
+        data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown)
         self.note_dropped(dropped)
         if data:
             self.emit(Event("display", data=SafeBundle(data)))
@@ -196,7 +197,7 @@ class _Cell:
             raise MachineBusy(f"machine {self.where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
         result = None
         if f.get("result") is not None and self._result_fits(f["result"]):
-            data, dropped = display.bundle(f["result"], self.request.trust_display)
+            data, dropped = display.bundle(f["result"], self.request.trust_display, self.markdown)
             self.note_dropped(dropped)
             result = SafeBundle(data) if data else None
         values, pull_error = {}, None

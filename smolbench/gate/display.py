@@ -8,8 +8,9 @@ its own way; anything else is dropped with a note. Markup goes through nh3 (the 
 sanitiser): no script, event handlers, ``<style>`` blocks, relative or ``javascript:``
 links, or resources from elsewhere; ``style`` attributes are parsed and re-serialized
 by the CSS pipeline (``css.py``); ids are prefixed and page classes dropped, so nothing
-styles or stands in for the page around the output. Markdown is rendered to HTML here (mistune) and cleaned
-like HTML. Plotly figures lose their URL-bearing fields (``figures.py``). Vega and
+styles or stands in for the page around the output. Markdown is rendered to HTML here (cmark-gfm, in C: linear
+time, so made-up markdown costs the loop little) and cleaned like HTML, at most
+``MARKDOWN_LIMIT`` characters of it per cell. Plotly figures lose their URL-bearing fields (``figures.py``). Vega and
 Vega-Lite specs are refused: their renderer loads data from any URL the spec names.
 ``%smol trust on`` shows bundles raw.
 """
@@ -28,7 +29,7 @@ from .css import CSS_IMAGE, clean_style
 from .frames import Bad, mapping, shown, string
 
 TEXT_LIMIT = 64 * 1024 * 1024
-MARKDOWN_LIMIT = 256 * 1024  # characters of markdown rendered (a longer one shows as its text/plain)
+MARKDOWN_LIMIT = 256 * 1024  # characters of markdown rendered per cell (past it, markdown shows as its text/plain)
 # JSON deeper than this breaks the tools that read the notebook (nbformat recurses per level).
 MAX_DEPTH = 64
 MIME_RE = re.compile(r"[a-z]+/[A-Za-z0-9.+\-]{1,100}")
@@ -117,12 +118,29 @@ def clean_svg(svg: str) -> str:
                      attribute_filter=_attribute_filter, url_schemes=set(), strip_comments=True)
 
 
-def markdown_to_html(text: str) -> str:
-    """Markdown rendered here (so its links and raw HTML can be cleaned), then cleaned."""
-    import mistune
+class MarkdownAllowance:
+    """Characters of markdown one cell may still have rendered here."""
 
-    md = mistune.create_markdown(escape=False, plugins=["table", "strikethrough"])
-    return clean_html(str(md(text)))
+    def __init__(self, left: int = MARKDOWN_LIMIT) -> None:
+        self.left = left
+
+    def take(self, text: str) -> bool:
+        if len(text) > self.left:
+            return False
+        self.left -= len(text)
+        return True
+
+
+def markdown_to_html(text: str) -> str:
+    """Markdown rendered here as GitHub does (so its links and raw HTML can be cleaned), then
+    cleaned. Raw HTML passes the renderer whole (not GFM's tag filter, which escapes a
+    ``<style>`` into visible text) only to meet nh3 next, which drops it with its content."""
+    import cmarkgfm
+    from cmarkgfm.cmark import Options
+
+    html = cmarkgfm.markdown_to_html_with_extensions(text, options=Options.CMARK_OPT_UNSAFE,
+                                                     extensions=["table", "strikethrough", "autolink"])
+    return clean_html(html)
 
 
 def inert(html: str) -> str:
@@ -155,8 +173,9 @@ def _shallow(value: Any, mime: str) -> Any:
     return value
 
 
-def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
-    """Check a MIME bundle and make it safe; returns (bundle, MIME types dropped)."""
+def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Check a MIME bundle and make it safe; returns (bundle, MIME types dropped).
+    ``markdown``: what the cell may still have rendered (None: one bundle's worth)."""
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
     dropped: list[str] = []
@@ -179,7 +198,7 @@ def bundle(data: Any, trusted: bool) -> tuple[dict[str, Any], list[str]]:
             out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
         elif mime == "text/markdown":
             text = string(value, "the text/markdown output", TEXT_LIMIT)
-            if len(text) <= MARKDOWN_LIMIT:  # rendered here in pure Python, ~5 us a byte
+            if (markdown or MarkdownAllowance()).take(text):
                 out.setdefault("text/html", markdown_to_html(text))
         elif mime == "image/svg+xml":
             out[mime] = clean_svg(string(value, "the image/svg+xml output", TEXT_LIMIT))
