@@ -166,27 +166,19 @@ def _forged(path: Path, record: bytes | None, members: list[tuple[str, bytes]] |
             tar.addfile(info, io.BytesIO(data))
 
 
-def _workspace() -> bytes:
+def _workspace(name: str = "hello.txt", data: bytes = b"hi") -> bytes:
+    """A workspace archive of one file."""
     ws = io.BytesIO()
     with tarfile.open(fileobj=ws, mode="w:") as tar:
-        info = tarfile.TarInfo("hello.txt")
-        info.size = 2
-        tar.addfile(info, io.BytesIO(b"hi"))
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
     return ws.getvalue()
 
 
 def _record(**over: Any) -> bytes:
     base = {"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox"}
     return json.dumps({**base, **over}).encode()
-
-
-def _evil_workspace() -> bytes:
-    ws = io.BytesIO()
-    with tarfile.open(fileobj=ws, mode="w:") as tar:
-        info = tarfile.TarInfo("../../escape.txt")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
-    return ws.getvalue()
 
 
 BAD = {
@@ -210,7 +202,7 @@ def test_a_file_from_someone_else_is_checked_like_machine_bytes(open_tmp: Path) 
     for key, (record, _) in BAD.items():
         _forged(gifts / f"{key}.smolcheckpoint", record)
     _forged(gifts / "escape.smolcheckpoint", _record(), [("namespace.pkl", NAMESPACE),
-                                                          ("workspace.tar", _evil_workspace())])
+                                                          ("workspace.tar", _workspace("../../escape.txt", b"x"))])
     _forged(gifts / "process.smolcheckpoint", _record(backend="process", name="proc"))
     with NotebookSession(student, timeout=300, allow_errors=True) as s:
         ok(s.run("%load_ext smolbench"))
