@@ -216,21 +216,29 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
     def close(self) -> None:
         """Delete this session's machines (the warm parent stays for the next session).
 
-        OpenEnv's stateless HTTP handlers call this on the server's event loop, which waited
-        on the deletion: there a fresh-reset session's machine goes to the warm parent's
-        batched deletions instead, which the parent's close waits for."""
+        OpenEnv's stateless HTTP handlers call this on the server's event loop, where a wait
+        holds up every other client: there the close only starts (the episode's record and
+        the hand-off of its machine to the warm parent's batched deletions run on smolbench's
+        loop), and the session stays listed until it has ended, so the server's shutdown
+        waits for it. Called anywhere else, it returns when the machines are gone."""
         try:
             asyncio.get_running_loop()
             on_the_server_loop = True
         except RuntimeError:
             on_the_server_loop = False
+        if on_the_server_loop:
+            self._m.host.submit(self._m.close(let_go=True)).add_done_callback(lambda _: self._closed())
+            return
         try:
-            self._m.host.run(self._m.close(let_go=on_the_server_loop), 2 * GRACE)
+            self._m.host.run(self._m.close(), 2 * GRACE)
         finally:
-            if self._worker is not None:
-                self._worker.shutdown(wait=False)
-            if self._on_close is not None:
-                self._on_close(self._m)
+            self._closed()
+
+    def _closed(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+        if self._on_close is not None:
+            self._on_close(self._m)
 
     def _machine(self) -> str | None:
         ref = self._m.eps[0].ref

@@ -127,6 +127,37 @@ def test_sessions_and_stateless_resets_take_the_warm_parent_s_spares(parent: Mac
     assert not held & set(parent.wb.machines)
 
 
+def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_for_it(
+        parent: Machines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenEnv's stateless HTTP handlers close a session on the server's event loop, where
+    every other client waits for it: the close only starts there (the episode's record and
+    the hand-off of its machine run on smolbench's loop). The session stays listed until it
+    has ended, and the server's shutdown, closing what is listed, waits for it."""
+    import asyncio
+    import threading
+
+    ended: list[Machines] = []
+    env = MachineEnvironment(parent.sibling(), on_close=ended.append)
+    env.reset(seed=1)
+    hold = threading.Event()
+    end = env._m.records.end
+
+    def slow_end(*args: Any, **kw: Any) -> Any:  # the ledger write of the episode's end, held up
+        hold.wait(10)
+        return end(*args, **kw)
+
+    monkeypatch.setattr(env._m.records, "end", slow_end)
+
+    async def openenv_handler() -> list[Machines]:
+        env.close()
+        return list(ended)
+
+    assert asyncio.run(openenv_handler()) == []  # on the old code the handler waited out the write
+    hold.set()
+    parent.host.run(env._m.close(), 30)  # what `smolbench serve` does at its stop for listed sessions
+    assert ended == [env._m] and env._m.eps[0].ref is None  # its machine went to the batched deletions
+
+
 @pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])
 def test_a_bad_seed_is_one_line_and_close_deletes_the_machines(parent: Machines, seed: Any) -> None:
     env = session(parent)

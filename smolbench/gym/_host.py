@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from .. import _loop
@@ -28,6 +29,10 @@ class Host:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it."""
         return _loop.run(coro, timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start ``coro`` on smolbench's loop without waiting for it."""
+        return _loop.submit(coro)
 
     def close(self) -> None:
         """Take down what this env started itself (a session given to it stays up)."""

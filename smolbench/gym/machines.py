@@ -97,6 +97,7 @@ class Machines:
         self.records = Records(self)
         self.run_id = ""
         self.closed = False
+        self._close_done: asyncio.Future[None] | None = None  # done when the first close has ended
         self.seeds = int.from_bytes(os.urandom(4), "little")  # each fresh machine's global seed, when reset has none
         self.room = NO_ROOM_LIMIT  # live branches the warm parent has room for (the backend says)
         self.pool = Spares(self)  # fresh resets' spares
@@ -743,8 +744,17 @@ class Machines:
         ``let_go``: a sibling's machines go to the shared pool's batched deletions (which the
         warm parent's close waits for) instead of being waited on here."""
         if self.closed:
+            if self._close_done is not None:  # a close already running: this one ends with it
+                await asyncio.shield(self._close_done)
             return
         self.closed = True
+        self._close_done = asyncio.get_running_loop().create_future()
+        try:
+            await self._close(let_go)
+        finally:
+            self._close_done.set_result(None)
+
+    async def _close(self, let_go: bool) -> None:
         quietly(self.records.flush)  # no record, written or not, stops the deletions below
         own_pool = self.pool.m is self  # a sibling's pool is the warm parent's: it stays for the others
         if own_pool:
