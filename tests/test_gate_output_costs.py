@@ -15,6 +15,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from smolbench import gate
 from smolbench.backends.base import CellRequest, Event
 from smolbench.gate.output import OutputBudget
@@ -75,6 +77,51 @@ def test_a_cells_markdown_is_rendered_up_to_one_allowance_in_all() -> None:
     # the next cell has an allowance of its own
     res, _ = run({"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}})
     assert "<strong>hi</strong>" in res.result["text/html"]
+
+
+def test_a_big_message_is_checked_off_the_loop_and_its_events_come_out_on_the_loop_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking a message costs by the byte (a branch's 5 MB of styled HTML is seconds of
+    cleaning), and the event loop serves every other machine and Ctrl-C: a big message is
+    checked on the gate's own threads; a small one stays on the loop (no thread hop for the
+    usual cell). What the cell shows still comes out on the loop, in the order it was sent."""
+    import threading
+
+    from smolbench.gate import display
+
+    cleaned_on: list[int] = []
+    real = display.bundle
+
+    def bundle(*args: Any, **kw: Any) -> Any:
+        cleaned_on.append(threading.get_ident())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(display, "bundle", bundle)
+    big_html = '<p style="color: red">x</p>' * 40_000  # ~1 MB
+    seen: list[tuple[str, str, int]] = []
+
+    async def main() -> tuple[int, Any]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for m in ({"t": "display", "data": {"text/html": "<b>small</b>"}},
+                      {"t": "display", "data": {"text/html": big_html, "application/x-made-up": "x"}},
+                      {"t": "stream", "name": "stdout", "text": "after\n" * 20_000},
+                      {"t": "done", "status": "ok", "result": {"text/html": big_html}}):
+                yield json.dumps(m).encode() + b"\n"
+
+        def on_event(ev: Event) -> None:
+            seen.append((ev.kind, ev.text if ev.kind == "stream" else str(ev.data)[:200], threading.get_ident()))
+
+        request = CellRequest("x", output=OutputBudget(None, limit=10_000_000))
+        res = await gate.read_cell(chunks(), request, on_event, "root.1")
+        return threading.get_ident(), res
+
+    loop_thread, res = asyncio.run(main())
+    assert cleaned_on[0] == loop_thread and cleaned_on[1] != loop_thread and cleaned_on[2] != loop_thread
+    assert [(k, t == loop_thread) for k, _, t in seen] == [
+        ("display", True), ("stream", True), ("display", True), ("stream", True)]  # the note on the made-up type
+    assert "<b>small</b>" in seen[0][1] and "application/x-made-up output, which was not shown" in seen[1][1]
+    assert "color: red" in seen[2][1] and seen[3][1].startswith("after\n")
+    assert res.result is not None and "color: red" in res.result["text/html"]
 
 
 def test_an_error_s_name_is_plain_text_and_text_metrics_are_short() -> None:

@@ -132,7 +132,7 @@ def test_malformed_frames_give_one_line_and_the_kernel_carries_on(tmp_path: Path
         # Weakened: a gate that forwards stream messages unchecked (as the host did before):
         # the same ill-typed frame gets through and breaks the kernel's own output code.
         nb.run("import smolbench.gate as g\nfrom smolbench.backends.base import Event\n_orig = g._Cell.stream\n"
-               "g._Cell.stream = lambda self, msg: self.emit(Event('stream', msg['name'], msg['text']))")
+               "g._Cell.stream = lambda self, msg, size=0: self.emit(Event('stream', msg['name'], msg['text']))")
         cell = nb.run("%%smol\n_ag._conn.sendall(b'{\"t\": \"stream\", \"name\": \"stdout\", \"text\": 123}\\n')\n"
                       "import time; time.sleep(0.5)")
         err = error_output(cell)

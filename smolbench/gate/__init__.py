@@ -11,6 +11,9 @@ with one line: ``machine root.3 sent a malformed reply: ...``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -47,6 +50,12 @@ METRIC_TEXT = 200  # characters of a text metric kept
 NOTES = 16  # MIME types a cell's notes name one by one (then one note for the rest)
 STREAMS = ("stdout", "stderr")
 STATUSES = ("ok", "error", "busy")
+# A message this big is checked on the gate's own threads, not the event loop: its checks cost
+# by the byte (5 MB of styled HTML is ~2 s of cleaning, a branch's whole output budget), and
+# the loop serves every other machine and Ctrl-C meanwhile. nh3 and cmark-gfm let go of the
+# GIL while they work, so the loop runs beside them.
+OFF_LOOP = 256 * 1024  # (an output batch, 64K characters, stays on the loop: a thread hop doubled its cost)
+_CHECKERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="smolbench-gate")
 
 
 def malformed(where: str, why: object) -> MalformedReply:
@@ -132,11 +141,28 @@ class _Cell:
         self.where = where
         self.budget = request.output if request.output is not None else OutputBudget(None)
         self.noted: set[str] = set()
-        self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered on the loop
+        self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered by the gate
+        self._loop_thread = threading.get_ident()
+        self._held: list[Event] = []  # events made on a checker thread: emitted from the loop
 
     def emit(self, ev: Event) -> None:
-        if self.on_event is not None:
-            self.on_event(ev)
+        if self.on_event is None:
+            return
+        if threading.get_ident() != self._loop_thread:
+            self._held.append(ev)  # on_event belongs to the loop (queues, widgets)
+            return
+        self.on_event(ev)
+
+    async def checked(self, handle: Callable[[dict[str, Any], int], Any], msg: dict[str, Any], size: int) -> Any:
+        """``handle(msg, size)``, on a checker thread when the message is big; its events come
+        out on the loop, in order (none after a cancel: the thread's work is then dropped)."""
+        if size <= OFF_LOOP:
+            return handle(msg, size)
+        got = await asyncio.get_running_loop().run_in_executor(_CHECKERS, handle, msg, size)
+        held, self._held = self._held, []
+        for ev in held:
+            self.emit(ev)
+        return got
 
     def note_dropped(self, dropped: list[str]) -> None:
         for mime in dropped:
@@ -160,7 +186,7 @@ class _Cell:
                         "passed its limit (`%smol config output-limit SIZE` raises it)\n"))
         return False
 
-    def stream(self, msg: dict[str, Any]) -> None:
+    def stream(self, msg: dict[str, Any], size: int = 0) -> None:
         fields = dict(each({"t": _kind, "name": lambda v, k: string(v, "the stream name", 10),
                             "text": lambda v, k: string(v, "the stream text", LIMITS.max_frame)}, msg, "a stream message"))
         if fields.get("name") not in STREAMS:
@@ -180,7 +206,7 @@ class _Cell:
         else:
             self.budget.give_back(size)
 
-    def done(self, msg: dict[str, Any]) -> CellResult:
+    def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:
         checks: dict[str, Callable[[Any, str], Any]] = {
             "t": _kind, "status": _status, "error": _error, "metrics": _metrics,
             "result": lambda v, k: v,
@@ -230,11 +256,11 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
             kind = msg.get("t")
             try:
                 if kind == "stream":
-                    cell.stream(msg)
+                    await cell.checked(cell.stream, msg, size)
                 elif kind == "display":
-                    cell.display(msg, size)
+                    await cell.checked(cell.display, msg, size)
                 elif kind == "done":
-                    return cell.done(msg)
+                    return await cell.checked(cell.done, msg, size)
                 else:
                     raise Bad(f"a message of unknown type {shown(kind)}")
             except (Bad, SmolbenchError):

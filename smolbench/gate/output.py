@@ -12,6 +12,7 @@ counted (never queued for the notebook, so none can land in a later cell).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -26,6 +27,14 @@ class LogPool:
 
     def __init__(self, total: int = SESSION_LOGS) -> None:
         self.left = total
+        self._lock = threading.Lock()  # cells' big messages are checked on the gate's threads
+
+    def take(self, wanted: int) -> int:
+        """Bytes of ``wanted`` that may still be logged (taken from what is left)."""
+        with self._lock:
+            got = max(0, min(wanted, self.left))
+            self.left -= got
+            return got
 
 
 class OutputBudget:
@@ -108,19 +117,19 @@ class OutputBudget:
     def _spill(self, text: str) -> None:
         data = text.encode("utf-8", "replace")
         self.hidden += len(data)
-        room = self.log_limit - self.logged
-        if self.pool is not None:
-            room = min(room, self.pool.left)
+        room = min(len(data), self.log_limit - self.logged)
         if self.log_path is None or room <= 0:
             return
+        if self.pool is not None:
+            room = self.pool.take(room)
+            if room <= 0:
+                return
         if self._log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
         part = data[:room]
         self._log.write(part)
         self.logged += len(part)
-        if self.pool is not None:
-            self.pool.left -= len(part)
 
     def finish(self) -> str | None:
         """The closing note when something was not shown (else None); closes the log."""
