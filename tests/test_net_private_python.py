@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not __import__("shutil").which("bwrap"), reason=
 
 
 _Hello = hello_handler(b"hello by name")
+LAZY = re.compile(r"ModuleNotFoundError|LookupError: unknown encoding")
 
 
 FETCH = ("%%smol\nimport urllib.request, urllib.error\ntry:\n"
@@ -64,11 +65,13 @@ def test_a_listed_name_resolves_and_connects_on_a_private_python(
                 assert "failed in the proxy" not in status
             else:
                 got = ast.literal_eval(result_text(cell) or "''")
-                assert got.startswith("HTTP 502 smolbench egress proxy: localhost:") and "ModuleNotFoundError" in got, got
+                # a module loaded after the drop, from the 0700 folder: which one fails first depends on
+                # what the kernel had imported already (a lookup thread's module, or the idna codec)
+                assert got.startswith("HTTP 502 smolbench egress proxy: localhost:") and LAZY.search(got), got
                 lines = [ln for ln in said.splitlines() if ln.strip()]
                 assert len(lines) == 1 and lines[0].startswith(f"smolbench egress proxy: localhost:{port} failed: "), said
                 assert "Traceback" not in said and "never retrieved" not in said
-                assert re.search(rf"1 failed in the proxy \(last: localhost:{port} failed: ModuleNotFoundError", status), status
+                assert re.search(rf"1 failed in the proxy \(last: localhost:{port} failed: ({LAZY.pattern})", status), status
             nb.run("%smol down")
     finally:
         server.shutdown()
