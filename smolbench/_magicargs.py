@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import keyword
+import shlex
+from typing import Any
+
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -49,6 +53,31 @@ Cell magics::
       run the cell in N fresh machines booted from the baseline, each deleted afterwards
 """
 
+
+
+def parse_argstring(magic_func: Any, argstring: str) -> Any:
+    """A magic's options parsed with quotes taken as a shell takes them (IPython's own keeps
+    them in the value: `--smolfile "sub dir/Smolfile"` named a file with quotes in it)."""
+    try:
+        argv = shlex.split(argstring)
+    except ValueError as exc:
+        raise UsageError(f"can't read the options {_short(argstring)!r}: {exc} (close the quote)") from None
+    parser = magic_func.parser
+    out: list[str] = []
+    for word in argv:  # `--seeds -5:-3`: argparse takes a value like that for another option
+        action = parser._option_string_actions.get(out[-1]) if out else None
+        if action is not None and action.nargs is None and word[:1] == "-" and word[1:2].isdigit():
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return parser.parse_args(out)
+
+
+def out_name(text: str | None) -> str | None:
+    """``--out NAME``: a notebook variable to store the ForkResult in."""
+    if text is not None and (not text.isidentifier() or keyword.iskeyword(text)):
+        raise UsageError(f"--out {text!r} is not a variable name: e.g. --out result")
+    return text
 
 
 def _split_names(text: str | None) -> list[str]:

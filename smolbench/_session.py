@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import _loop
+from . import _args, _loop
 from .errors import RemoteError, SmolbenchError
 from .result import ForkResult
 
@@ -77,6 +77,22 @@ def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") 
     ``ZeroDivisionError``, not ``RemoteError``)."""
     cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
     return cls(ename, evalue, traceback, node)
+
+
+def _restorable(name_or_path: Any) -> str:
+    got = _args.path(name_or_path, "name_or_path", "checkpoint_restore('lesson') or a .smolcheckpoint file's path")
+    assert got is not None
+    if isinstance(name_or_path, os.PathLike) and "/" not in got:
+        got = os.path.join(".", got)  # a Path is a file, even one named like a checkpoint of this folder
+    return got
+
+
+def _pushed(values: Any) -> dict[str, bytes]:
+    return pickled(_args.mapping(values, "push", "push={'data': data}"))
+
+
+def _output(on_output: Any) -> BranchOutput:
+    return _args.callback(on_output, "on_output", "(branch, event)") or _quiet
 
 
 def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
@@ -155,16 +171,18 @@ class Session:
             raise SmolbenchError(f"unknown target {target!r}: use local or cloud")
         if net not in (None, "on", "off"):
             raise SmolbenchError(f"net must be 'on' or 'off', got {net!r}")
-        self.smolfile = None if smolfile is None else os.fspath(smolfile)
+        if isinstance(allow, (list, tuple, set)):  # allow=["pypi.org", "10.0.0.0/8"]: what --allow a,b says
+            allow = ",".join(str(a) for a in allow)
+        self.smolfile = _args.path(smolfile, "smolfile", "Session('Smolfile')")
         self.backend_kind = backend
         self.ray = ray
-        self.ledger_path = None if ledger is None else os.fspath(ledger)
+        self.ledger_path = _args.path(ledger, "ledger", "Session(ledger='runs/ledger.db')")
         self.target = target
-        self.image = image
+        self.image = _args.text(image, "image", "Session(image='debian:bookworm')")
         self.net = net
-        self.allow = allow
-        self.max_alive = max_alive
-        self.retries = retries
+        self.allow = _args.text(allow, "allow", "Session(allow=['pypi.org'])")
+        self.max_alive = _args.optional_whole(max_alive, "max_alive", 1, 1024, "Session(max_alive=8)")
+        self.retries = _args.whole(retries, "retries", 0, None, "Session(retries=1)")
         self.on_notice = on_notice or _stderr_line
         self.workbench: Workbench | None = None
         self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
@@ -208,6 +226,7 @@ class Session:
     def build(self, announce: Callable[[str], None] | None = None) -> Workbench:
         """Make (not yet start) the Workbench from the options: ``%smol up`` publishes it first.
         ``announce``: where the backend probe says what it is waiting for (default: notices)."""
+        from .images import home_path
         from .ledger import DEFAULT_PATH, Ledger
         from .smolfile import load_smolfile
         from .spec import MachineSpec
@@ -217,8 +236,9 @@ class Session:
             wb = self.workbench
             assert wb is not None
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
-        path = self.smolfile or ("Smolfile" if os.path.exists("Smolfile") else None)
-        if self.smolfile and not os.path.exists(self.smolfile):
+        given = str(home_path(self.smolfile, "--smolfile")) if self.smolfile else None
+        path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
+        if given and not os.path.exists(given):
             raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults")
         spec = load_smolfile(path) if path else MachineSpec()
         if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
@@ -323,13 +343,13 @@ class Session:
         ``check``: raise the machine's exception instead of returning it in ``result.error``.
         Runs in different nodes may go at once (threads, or :meth:`arun` with ``asyncio.gather``).
         """
-        return self._said(_block(self.cell(code, push=pickled(push or {}), pull=list(pull or []), timeout=timeout,
-                                           node=node)), check)
+        return self._said(_block(self.cell(_args.code(code), push=_pushed(push), pull=_args.names(pull, "pull"),
+                                           timeout=timeout, node=node)), check)
 
     async def arun(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
                    timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
         """:meth:`run` from an asyncio loop."""
-        return self._said(await _bridge(self.cell(code, push=pickled(push or {}), pull=list(pull or []),
+        return self._said(await _bridge(self.cell(_args.code(code), push=_pushed(push), pull=_args.names(pull, "pull"),
                                                   timeout=timeout, node=node)), check)
 
     def _said(self, res: RunResult, check: bool) -> RunResult:
@@ -371,7 +391,11 @@ class Session:
         """Lay out a fork (``kind="fork"``) or episodes; returns the live ForkResult and the
         coroutine that runs it given an output callback (the magics show views in between)."""
         wb = self._wb()
-        seeds_ = None if seeds is None else [int(s) for s in seeds]
+        code = _args.code(code)
+        seeds_ = _args.seeds(seeds)
+        seed_base = _args.seed(seed_base, "seed_base")
+        concurrency = _args.optional_whole(concurrency, "concurrency", 1, None, "concurrency=4")
+        retries = _args.whole(retries, "retries", 0, None, "retries=1")
         if kind == "fork":
             result = wb.new_fork(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, keep=keep, reseed=reseed)
         else:
@@ -397,8 +421,8 @@ class Session:
         ``reseed=False``: leave the random streams made before the fork as they are (all branches alike).
         Raises a CompositeError when any branch failed, unless ``allow_errors``."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
-        return _checked(_block(coro(on_output or _quiet), result), allow_errors)
+                                    concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
+        return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
     async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                     keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
@@ -406,8 +430,8 @@ class Session:
                     on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """:meth:`fork` from an asyncio loop."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
-        return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
+                                    concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
+        return _checked(await _bridge(coro(_output(on_output)), result), allow_errors)
 
     def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                  timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
@@ -415,8 +439,8 @@ class Session:
                  on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
-        return _checked(_block(coro(on_output or _quiet), result), allow_errors)
+                                    concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
+        return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
     async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                         timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
@@ -424,8 +448,8 @@ class Session:
                         on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """:meth:`episodes` from an asyncio loop."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
-                                    concurrency=concurrency, retries=retries, push=pickled(push or {}), reseed=reseed)
-        return _checked(await _bridge(coro(on_output or _quiet), result), allow_errors)
+                                    concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
+        return _checked(await _bridge(coro(_output(on_output)), result), allow_errors)
 
     # -- the tree ------------------------------------------------------------------------
 
@@ -448,24 +472,25 @@ class Session:
 
     def checkpoint_save(self, name: str | None = None, *, node: str | None = None, force: bool = False) -> dict[str, Any]:
         """Save a live node's whole machine (default: the active one); returns name, node, path, size, warnings."""
-        return _block(self._wb().checkpoint_save(name, node, force))
+        return _block(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node, force))
 
     async def acheckpoint_save(self, name: str | None = None, *, node: str | None = None,
                                force: bool = False) -> dict[str, Any]:
         """:meth:`checkpoint_save` from an asyncio loop."""
-        return await _bridge(self._wb().checkpoint_save(name, node, force))
+        return await _bridge(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node,
+                                                        force))
 
-    def checkpoint_restore(self, name_or_path: str) -> str:
+    def checkpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
         a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
         checked first; a file from elsewhere is restored only on an isolating backend)."""
         wb = self._wb()
-        return self._restored(wb, _block(wb.checkpoint_restore(name_or_path)).id)
+        return self._restored(wb, _block(wb.checkpoint_restore(_restorable(name_or_path))).id)
 
-    async def acheckpoint_restore(self, name_or_path: str) -> str:
+    async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop."""
         wb = self._wb()
-        return self._restored(wb, (await _bridge(wb.checkpoint_restore(name_or_path))).id)
+        return self._restored(wb, (await _bridge(wb.checkpoint_restore(_restorable(name_or_path)))).id)
 
     def _restored(self, wb: Workbench, node: str) -> str:
         for note in getattr(wb, "restore_notes", []):

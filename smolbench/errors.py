@@ -57,6 +57,8 @@ class RemoteError(Exception):
     def render(self) -> list[str]:
         """The remote traceback as display lines (with ANSI colour)."""
         head = f"[{self.node}] " if self.node else ""
+        if not self.traceback:  # no frames (e.g. `--pull x` of a name the machine lacks): the line alone
+            return [f"\x1b[0;31m{head}{self.ename}\x1b[0m: {self.evalue}"]
         lines = [f"\x1b[0;31m{head}Traceback (most recent call last) inside the machine:\x1b[0m"]
         for chunk in self.traceback:
             lines.extend(chunk.rstrip("\n").split("\n"))

@@ -29,6 +29,17 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 _PYTHONS = ("usr/bin/python3", "bin/python3")
 
 
+
+SUITE_RE = re.compile(r"[a-z][a-z0-9-]{1,30}")  # bookworm, trixie, stable, sid: never an option or a path
+
+def home_path(text: str, what: str) -> Path:
+    """``text`` as a path with ``~`` (or ``~user``) expanded; one line for a user there is none of."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # pathlib: "Could not determine home directory."
+        user = text[1:].split("/", 1)[0]
+        raise SmolbenchError(f"{what} {text!r}: no user {user!r} for {text.split('/', 1)[0]}: write the full path") from None
+
 def is_path_image(image: str) -> bool:
     """True when ``image`` names a rootfs directory rather than an image name."""
     return image in (".", "..") or image.startswith(_PATH_PREFIXES)
@@ -89,6 +100,8 @@ def build_debian_rootfs(
     only when it succeeded, so a failed build leaves nothing half-made. An
     image already built is returned as is unless ``force``.
     """
+    if not SUITE_RE.fullmatch(suite):
+        raise SmolbenchError(f"--suite {suite!r} is not a Debian suite name: e.g. --suite bookworm")
     dest = image_dir(name)
     if has_python(dest) and not force:
         log(f"image {name!r} already built at {dest}")
@@ -137,8 +150,8 @@ def build_debian_rootfs(
             )
         if not has_python(tmp):
             raise SmolbenchError(
-                f"debootstrap finished but image {name!r} has no usr/bin/python3; "
-                "run the build again with force=True"
+                f"debootstrap finished but image {name!r} has no usr/bin/python3 (does suite {suite!r} "
+                "include python3?): check the suite and run `smolbench image build` again"
             )
         old: Path | None = None
         if dest.exists() or dest.is_symlink():
@@ -197,7 +210,7 @@ def resolve_rootfs(image: str | None) -> Path | None:
     if image is None:
         return None
     if is_path_image(image):
-        path = Path(image).expanduser().resolve()
+        path = home_path(image, "the image").resolve()
         if not path.is_dir():
             raise SmolbenchError(
                 f"rootfs directory {str(path)!r} does not exist: create it or fix the image path"

@@ -146,22 +146,31 @@ class Ledger:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
+        if not self.path.name or self.path.is_dir():
+            raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
         _refuse_links(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+        try:
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise SmolbenchError(f"can't open the ledger {path} ({exc}): check the path and its permissions") from None
         try:
             guard(self._db, self.path)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+            for table, column, kind in ADDED_COLUMNS:
+                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise SmolbenchError(f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
+                                 "started) or name another with --ledger PATH") from None
         except BaseException:
             self._db.close()
             raise
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        for table, column, kind in ADDED_COLUMNS:
-            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         """Close the database connection."""

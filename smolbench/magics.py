@@ -11,7 +11,6 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import parse_argstring
 from IPython.display import display
 
 from . import _loop, gate
@@ -26,6 +25,8 @@ from ._magicargs import (
     _node_args,
     _split_names,
     _up_args,
+    out_name,
+    parse_argstring,
     parse_seeds,
     strip_comment,
 )
@@ -38,6 +39,7 @@ from .gate import SafeBundle
 from .result import ForkResult
 
 PUMP_INTERVAL = 0.05
+NO_ARGUMENTS = ("status", "down", "tree", "plot")  # extra words there were silently dropped
 PROGRESS_INTERVAL = 0.25
 
 
@@ -87,6 +89,11 @@ class SmolMagics(Magics):
             print(HELP)
             return None
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
+        if sub in ("help", "--help", "-h"):
+            print(HELP)
+            return None
+        if sub in NO_ARGUMENTS and rest.strip():
+            raise UsageError(f"%smol {sub} takes no arguments, got {rest.strip()!r}: `%smol {sub}`")
         handler = getattr(self, f"_do_{sub}", None)
         if handler is None:
             raise UsageError(line_word_error(sub))
@@ -233,11 +240,16 @@ class SmolMagics(Magics):
         if df.empty:
             print("smolbench: the ledger is empty")
             return None
+        if args.n < 1:
+            raise UsageError(f"-n must be at least 1, got {args.n}: e.g. %smol ledger -n 20")
         cols = [c for c in ("session_id", "id", "parent_id", "seed", "status", "reward", "started", "ended", "alive") if c in df]
         return ledger_table(df[cols].tail(args.n))
 
     def _do_checkpoint(self, rest: str) -> Any:
         args = parse_argstring(_checkpoint_args, rest)
+        if args.path is not None and args.action != "export":
+            raise UsageError(f"%smol checkpoint {args.action} takes one name, got also {args.path!r}"
+                             + (" (a path with spaces goes in quotes)" if args.action == "restore" else ""))
         if args.action == "save":
             wb = self._wb()
             info = _loop.run(wb.checkpoint_save(args.name, args.node, args.force))
@@ -377,6 +389,10 @@ class SmolMagics(Magics):
         except ValueError:
             raise SmolbenchError(f"the number of branches must be a whole number, got {args.n!r}: e.g. `%%smol {kind} 16`") from None
         seeds = parse_seeds(args.seeds) if args.seeds else None
+        out_name(args.out)
+        if kind == "episodes" and args.keep != "best":
+            raise UsageError("--keep is for forks: every episode's machine is deleted after its cell (use `%%smol fork N "
+                             f"--keep {args.keep}` to keep branches)")
         if seeds is not None and len(set(seeds[:n])) < len(seeds[:n]):
             print("smolbench: warning: --seeds repeats a seed; those branches will likely give the same result", file=sys.stderr)
         self._wb()

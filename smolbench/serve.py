@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import SmolbenchError
+from .errors import RemoteError, SmolbenchError
 
 TARGET = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
 SERVED = "_smolbench_served"
@@ -57,6 +57,8 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
     if args.max_sessions < 1:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
+    if not 1 <= args.port <= 65535:
+        raise SmolbenchError(f"--port should be from 1 to 65535, got {args.port}")
 
 
 TOKEN_ENV = "SMOLBENCH_SERVE_TOKEN"
@@ -118,14 +120,6 @@ def url_host(host: str) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     """Bring a session up, build the env in its warm parent, serve it until stopped."""
-    import uvicorn
-
-    from . import Session
-    from ._asgi import BodyLimit, ClientWatch, SecretPath
-    from .gym._host import Host
-    from .gym.machines import Machines
-    from .openenv import app_for
-
     try:
         check_limits(args)
         code, name = setup_code(args)
@@ -134,6 +128,23 @@ def serve(args: argparse.Namespace) -> int:
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _serve(args, code, name, token, tls)
+    except (SmolbenchError, RemoteError) as exc:  # e.g. no Smolfile there, or an env the machine can't make
+        said = f"{exc.ename}: {exc.evalue}" if isinstance(exc, RemoteError) else str(exc)
+        print(f"smolbench serve: {said.splitlines()[0] if said else type(exc).__name__}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tls: tuple[str, str | None] | None) -> int:
+    import uvicorn
+
+    from . import Session
+    from ._asgi import BodyLimit, ClientWatch, SecretPath
+    from .gym._host import Host
+    from .gym.machines import Machines
+    from .openenv import app_for
+
     with Session(args.smolfile, backend=args.backend) as session:
         session.run(code, check=True)
         wb = session.workbench

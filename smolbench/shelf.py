@@ -290,8 +290,8 @@ class Shelf:
             with open(f.path, "rb") as fh:
                 gz = fh.read(2) == b"\x1f\x8b"
             if not gz:
-                raise SmolbenchError(f"{source} is not a portable checkpoint (a smol machine checkpoint keeps its "
-                                     "disks in a store beside it): export one with `%smol checkpoint export`")
+                raise SmolbenchError(f"{source} is not a smolbench checkpoint file (one starts as gzip data): make one "
+                                     "with `%smol checkpoint export NAME PATH`; nothing was added")
             return archive.check(f.path, "smolbench", source)
         except archive.UnsafeCheckpoint as exc:
             raise archive.UnsafeCheckpoint(f"{exc}; nothing was added") from None

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from smolbench.backends._host import host_cpus, host_memory_mib
-from smolbench.errors import SmolfileError
-from smolbench.images import has_python, is_path_image, is_valid_image_name
+from smolbench.errors import SmolbenchError, SmolfileError
+from smolbench.images import has_python, home_path, is_path_image, is_valid_image_name
 from smolbench.netpolicy import PolicyError, host_problem, parse_cidr
 from smolbench.packages import requirement_problem
 from smolbench.spec import MachineSpec, Volume
@@ -129,6 +129,11 @@ def _key_parts(raw: str) -> tuple[str, ...]:
     return tuple(part.strip().strip("\"'") for part in raw.split("."))
 
 
+# Folders every machine mounts for itself: a volume there (or above one) hides them, and the
+# machine failed to start with an error that named neither.
+MACHINE_PATHS = ("/proc", "/sys", "/dev", "/run/smolbench", "/run/smolbench-layers", "/run/smolbench-agent",
+                 "/run/smolbench-lib")
+
 class _Lines:
     """Where keys are in the raw text: a simple line scan, good enough for messages."""
 
@@ -192,6 +197,13 @@ class _Parser:
 
     def fail_at(self, message: str, *path: str) -> NoReturn:
         self.fail(message, self.lines.line_of(*path))
+
+    def _home(self, text: str, what: str, *at: str) -> Path:
+        """``text`` with ``~`` expanded, or this Smolfile's one line for a ``~user`` there is none of."""
+        try:
+            return home_path(text, what)
+        except SmolbenchError as exc:
+            self.fail_at(str(exc), *at)
 
     # -- parsing -------------------------------------------------------------
 
@@ -327,7 +339,7 @@ class _Parser:
         if "\0" in value:
             self.fail_at("'image' contains a NUL byte; fix the string", "image")
         if is_path_image(value):
-            path = Path(value).expanduser()
+            path = self._home(value, "'image'", "image")
             if not path.is_absolute():
                 path = self.base_dir / path
             path = path.resolve()
@@ -561,7 +573,7 @@ class _Parser:
                     *at,
                     "host",
                 )
-            host_path = Path(host).expanduser()
+            host_path = self._home(host, f"volume {number} 'host'", *at, "host")
             if not host_path.is_absolute():
                 host_path = self.base_dir / host_path
             host_path = host_path.resolve()
@@ -576,6 +588,15 @@ class _Parser:
             if guest == "/":
                 self.fail_at(
                     f"volume {number} 'guest' cannot be '/'; mount it at a directory like '/data'",
+                    *at,
+                    "guest",
+                )
+            taken = next((r for r in MACHINE_PATHS if guest == r or guest.startswith(r + "/") or r.startswith(guest + "/")),
+                         None)
+            if taken is not None:
+                self.fail_at(
+                    f"volume {number} 'guest' {guest!r} is where the machine keeps its own {taken}: "
+                    "mount it at a directory like '/data'",
                     *at,
                     "guest",
                 )

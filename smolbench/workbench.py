@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import gate
+from . import _args, gate
 from . import retries as retry
 from ._aio import _gather_cancelling, _to_the_end
 from ._recorder import Observer, RecorderMixin
@@ -394,8 +394,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
 
     # -- fan-out -----------------------------------------------------------------------------
 
-    def _check_fanout(self, n: Any, seeds: list[int] | None, timeout: float | None, concurrency: int | None, keep: str,
-                      kind: str = "fork") -> int:
+    def _check_fanout(self, n: Any, seeds: list[int] | None, seed_base: Any, timeout: float | None,
+                      concurrency: int | None, keep: str, kind: str = "fork") -> int:
         if isinstance(n, bool) or not isinstance(n, int):
             raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`")
         if n < 1:
@@ -404,6 +404,10 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
         if seeds is not None and len(seeds) < n:
             raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
+        for s in (seeds or [])[:n]:  # ledger integers: a bigger one failed after the parent was claimed
+            _args.seed(s, "each of --seeds")
+        _args.seed(seed_base, "--seed-base")
+        _args.seed(seed_base + n - 1, f"--seed-base {seed_base} + {n - 1}")
         gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
             raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
@@ -429,7 +433,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
         ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
-        n = self._check_fanout(n, seeds, timeout, concurrency, keep)
+        n = self._check_fanout(n, seeds, seed_base, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
             raise SmolbenchError(f"{parent} is not alive, so it can't be forked: pick a live node (`%smol tree`)")
         ref = self.require_up() if parent is None else self.machines[parent]
@@ -446,7 +450,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                      concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
-        n = self._check_fanout(n, seeds, timeout, concurrency, "none", kind="episodes")
+        n = self._check_fanout(n, seeds, seed_base, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
             raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)")
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
@@ -479,13 +483,21 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             raise
         names = list(result.rows)
         seeds = [result.rows[n]["seed"] for n in names]
-        self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
-                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "keep": keep, "concurrency": concurrency,
-                                       "reseed": result.reseed})
-        nodes = [self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells))
-                 for name, seed in zip(names, seeds)]
-        self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        nodes: list[Node] = []
+        try:  # the claim (and the tree's new nodes) go with anything that fails before the branches exist
+            self.ledger.start_run(result.run_id, self.session, kind="fork", parent_id=parent_id, code=code,
+                                  code_hash=code_hash(code), n=len(names), **_where(cell_name),
+                                  options={"seeds": seeds, "timeout": timeout, "keep": keep,
+                                           "concurrency": concurrency, "reseed": result.reseed})
+            for name, seed in zip(names, seeds):
+                nodes.append(self.tree.add(Node(name, parent_id, seed, run_id=result.run_id, forked_at=pnode.cells)))
+            self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        except BaseException:
+            for node in nodes:
+                node.status = "error"  # never started: it leaves the tree
+                self.tree.forget(node.id)
+            self._release(parent_id)
+            raise
         try:
             # --keep none: every branch is deleted once its cell ran, never forked (a leaf)
             branching = asyncio.ensure_future(retry.branch(self, parent, names, seeds, retries, leaf=keep == "none"))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import socket
+from typing import Any, NoReturn
 
 from ..errors import SmolbenchError
 
+CONNECT_SECONDS = 10.0  # to reach a head's GCS port before Ray is asked to join it
 RAY_CLIENT_LINE = ("`ray://` addresses use Ray Client, which can't stream generators (live branch output): "
                    "join the cluster from its own network instead, e.g. `%smol up --ray auto` on a node, "
                    "or `--ray HEAD_IP:6379`")
@@ -40,17 +42,26 @@ def connect(address: str | None, source: str | None = None) -> str:
     addr = resolve(address, source)
     if ray.is_initialized():
         return addr
+    if addr != "auto":  # Ray itself retries a head that isn't there for minutes, printing as it goes
+        host, port = addr.rsplit(":", 1)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+        except OSError as exc:
+            _refused(addr, source, f"nothing answered there ({exc.strerror or type(exc).__name__})")
     try:
         # log_to_driver off: Ray's forwarding folds repeated lines; output comes back through the gate
         ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
                  configure_logging=False)
     except ConnectionError as exc:
-        why = " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__
-        fix = (f"fix or delete the [cluster] table in {source} to run machines on this host" if source
-               else "fix the address")
-        raise SmolbenchError(f"can't join the Ray cluster at {addr}{_from(source)}: {why}; start one "
-                             f"(`smolbench cluster local --nodes 3`, or `ray start --head`) or {fix}") from None
+        _refused(addr, source, " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__)
     return addr
+
+
+def _refused(addr: str, source: str | None, why: str) -> NoReturn:
+    fix = (f"fix or delete the [cluster] table in {source} to run machines on this host" if source
+           else "fix the address")
+    raise SmolbenchError(f"can't join the Ray cluster at {addr}{_from(source)}: {why}; start one "
+                         f"(`smolbench cluster local --nodes 3`, or `ray start --head`) or {fix}") from None
 
 
 def disconnect() -> None:

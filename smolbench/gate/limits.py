@@ -39,6 +39,7 @@ LIMITS = Limits()
 NAMES = {"max-frame": "max_frame", "max-items": "max_items", "in-flight": "in_flight", "output-limit": "output",
          "displays": "displays", "log-limit": "log", "line-limit": "line", "grace": "grace",
          "checkpoint-limit": "checkpoint"}
+CEILINGS = {"grace": 3600.0, "max_items": 10**9, "displays": 10**6, "line": 10**9}  # sizes: 1000 GB
 COUNTS = {"max_items": "JSON values", "displays": "displays per cell", "line": "characters"}
 
 
@@ -93,12 +94,16 @@ def configure(key: str, value: str) -> str:
     attr = NAMES.get(key)
     if attr is None:
         raise SmolbenchError(f"unknown setting {key!r}: one of {', '.join(NAMES)}")
+    got: float
     if attr == "grace":
-        setattr(LIMITS, attr, seconds(value, key))
-    elif attr in COUNTS:
-        setattr(LIMITS, attr, parse_count(value, key))
+        got = seconds(value, key) or 0.0
     else:
-        setattr(LIMITS, attr, parse_size(value))
+        got = parse_count(value, key) if attr in COUNTS else parse_size(value)
+    top = CEILINGS.get(attr, 1000 * GB)
+    if got > top:  # past these a limit is no limit, and a typo should not make it one
+        shown_top = f"{top:g} s" if attr == "grace" else f"{top:,}" if attr in COUNTS else human(top)
+        raise SmolbenchError(f"{key} {value} is above the most it can be set to ({shown_top}): give a smaller value")
+    setattr(LIMITS, attr, got)
     return describe()
 
 

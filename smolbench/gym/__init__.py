@@ -72,5 +72,9 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
     ``autoreset_mode`` (``NEXT_STEP`` by default, ``SAME_STEP``, ``DISABLED``). The other
     arguments are :func:`make`'s.
     """
-    mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
+    try:
+        mode = AutoresetMode(autoreset_mode)
+    except ValueError:
+        raise SmolbenchError(f"autoreset_mode must be one of {', '.join(m.value for m in AutoresetMode)}, got "
+                             f"{autoreset_mode!r}: e.g. autoreset_mode='NextStep'") from None
     return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries, vector=True), mode)

@@ -61,6 +61,9 @@ def host_for(session: Any = None, smolfile: str | None = None) -> Host:
     session of the env's own from ``smolfile`` (or the defaults), closed with the env."""
     if session is not None:
         wb = _workbench_of(session)
+        if wb is None and type(session).__name__ == "Session" and hasattr(session, "is_up"):
+            raise SmolbenchError("the session is not up: use it in a `with smolbench.Session() as s:` block "
+                                 "(or call s.up()) first")
         if wb is None:
             raise SmolbenchError(f"session should be a smolbench.Session, got {type(session).__name__}")
         if wb.active is None:

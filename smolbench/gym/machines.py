@@ -235,7 +235,12 @@ class Machines:
         if callable(self.env):
             import cloudpickle
 
-            push["_smolgym_factory"] = cloudpickle.dumps(self.env)
+            try:
+                push["_smolgym_factory"] = cloudpickle.dumps(self.env)
+            except Exception as exc:
+                raise GymError(f"the env callable can't be sent to the machine ({type(exc).__name__}: "
+                               f"{str(exc)[:200]}): make it build what it needs inside, e.g. "
+                               "lambda: gymnasium.make('CartPole-v1')") from None
             factory = "_smolgym_factory"
         else:
             factory = self.env

@@ -1,0 +1,101 @@
+"""Checks of what a caller hands the public API: one line naming the argument and the fix.
+
+The magics parse text into these types already; a script calling :class:`smolbench.Session`
+can pass anything, and a wrong type must not surface as a ``TypeError`` from deep inside
+(or, worse, after a machine was claimed for a fork that then can't start).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import SmolbenchError
+
+SEED_MAX = 2**63 - 1  # seeds are ledger integers (SQLite's are 64-bit)
+
+
+def whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "") -> int:
+    """``value`` as a whole number within [lo, hi] (never a bool or a float), else one line."""
+    fix = f": e.g. {example}" if example else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SmolbenchError(f"{what} must be a whole number, got {_shown(value)}{fix}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        span = f"from {lo} to {hi}" if lo is not None and hi is not None else (f"at least {lo}" if lo is not None
+                                                                                  else f"at most {hi}")
+        raise SmolbenchError(f"{what} must be {span}, got {value}{fix}")
+    return value
+
+
+def optional_whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "") -> int | None:
+    return None if value is None else whole(value, what, lo, hi, example)
+
+
+def seed(value: Any, what: str = "a seed") -> int:
+    return whole(value, what, -SEED_MAX, SEED_MAX)
+
+
+def seeds(values: Any, what: str = "seeds") -> list[int] | None:
+    """A list of seeds (any iterable of whole numbers, not a string), or None."""
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise SmolbenchError(f"{what} must be a list of whole numbers, got {_shown(values)}: e.g. seeds=range(16)")
+    return [seed(v, f"each of {what}") for v in values]
+
+
+def code(value: Any, what: str = "code") -> str:
+    if not isinstance(value, str):
+        raise SmolbenchError(f"{what} must be Python source as a str, got {_shown(value)}: e.g. run('x = 1')")
+    return value
+
+
+def names(value: Any, what: str) -> list[str]:
+    """Variable names: a list, or one string (``"a"`` or ``"a,b"``)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",") if p.strip()]
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise SmolbenchError(f"{what} must be variable names, got {_shown(value)}: e.g. {what}=['data', 'env']")
+    for v in value:
+        if not isinstance(v, str) or not v.isidentifier():
+            raise SmolbenchError(f"{what} {_shown(v)} is not a variable name: give names like data or env")
+    return list(value)
+
+
+def mapping(value: Any, what: str, example: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SmolbenchError(f"{what} must be a dict of variable names to values, got {_shown(value)}: e.g. {example}")
+    return value
+
+
+def path(value: Any, what: str, example: str) -> str | None:
+    """A file path (a str or os.PathLike), or None."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        got = os.fspath(value)
+        if isinstance(got, str) and got:
+            return got
+    raise SmolbenchError(f"{what} must be a file path, got {_shown(value)}: e.g. {example}")
+
+
+def text(value: Any, what: str, example: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise SmolbenchError(f"{what} must be a str, got {_shown(value)}: e.g. {example}")
+
+
+def callback(value: Any, what: str, signature: str) -> Callable[..., Any] | None:
+    if value is None or callable(value):
+        return value
+    raise SmolbenchError(f"{what} must be a function {signature}, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
