@@ -67,7 +67,7 @@ def test_the_result_counts_against_the_cells_output_and_long_markdown_is_not_ren
 def test_a_cells_markdown_is_rendered_up_to_one_allowance_in_all() -> None:
     """Markdown is rendered on the kernel's loop: the limit is the cell's, not each display's,
     or 20 displays of just under the limit (and 256 branches of them) rendered it all."""
-    piece = "| a | b |\n|---|---|\n" + "| *x* | ~~y~~ |\n" * 9_000  # ~150 KB of table
+    piece = "| a | b |\n|---|---|\n| *x* | ~~y~~ |\n\n" + ("a line of words " * 60 + "\n\n") * 150  # ~150 KB
     shown = [{"t": "display", "data": {"text/markdown": piece, "text/plain": f"plain {i}"}} for i in range(20)]
     _, events = run(*shown, {"t": "done", "status": "ok", "result": {"text/markdown": "**hi**"}}, limit=10_000_000)
     bundles = [e.data for e in events if e.kind == "display"]
@@ -97,7 +97,7 @@ def test_a_big_message_is_checked_off_the_loop_and_its_events_come_out_on_the_lo
         return real(*args, **kw)
 
     monkeypatch.setattr(display, "bundle", bundle)
-    big_html = '<p style="color: red">x</p>' * 40_000  # ~1 MB
+    big_html = ('<p style="color: red">' + "x" * 1000 + "</p>") * 1000  # ~1 MB
     seen: list[tuple[str, str, int]] = []
 
     async def main() -> tuple[int, Any]:
@@ -154,3 +154,37 @@ def test_a_failed_branch_s_reason_in_host_lines_is_plain_text() -> None:
 
     said = reason({"error": "Exception: \x1b[8m" + "x" * 500 + "\r2 ok · best reward 1e+09"})
     assert said.isprintable() and len(said) <= REASON_CHARS and "\x1b" not in said
+
+
+def test_markup_with_more_elements_than_can_be_cleaned_is_not_shown_and_the_cell_goes_on() -> None:
+    """nh3's parser walks the open elements for a tag's scope, so its time grows with tags x
+    depth: 64,000 nested <ol> (256 KiB) took 18 s and markdown's ">" x 262,000 (nested
+    blockquotes, which cmark-gfm makes without a limit) ten minutes, on the loop. Past
+    MARKUP_ELEMENTS a value is not cleaned: its text/plain shows, and a note says why."""
+    from smolbench.gate import display
+
+    deep = [{"t": "display", "data": {"text/html": "<ol>" * 65_000, "text/plain": "deep html"}},
+            {"t": "display", "data": {"text/markdown": ">" * 262_000, "text/plain": "deep markdown"}},
+            {"t": "display", "data": {"image/svg+xml": "<svg>" + "<g>" * 20_000 + "</svg>"}},
+            {"t": "display", "data": {"text/html": "<ol>" * 100 + "fine"}}]
+    res, events = run(*deep, {"t": "done", "status": "ok"}, limit=10_000_000)
+    bundles = [e.data for e in events if e.kind == "display"]
+    assert bundles[0] == {"text/plain": "deep html"} and bundles[1] == {"text/plain": "deep markdown"}
+    assert len(bundles) == 3 and "fine" in bundles[2]["text/html"]  # the svg had nothing else to show
+    said = notes(events)
+    assert any("text/html (65,000 elements, over 8,192), which was not shown: too many elements" in n for n in said)
+    assert any("text/markdown (262,000 elements" in n for n in said) and any("image/svg+xml (20,001" in n for n in said)
+    assert res.status == "ok"
+    assert display.MARKUP_ELEMENTS == 8_192
+
+
+def test_a_style_nested_past_its_limit_is_dropped_without_a_word_on_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    """tinycss2 and its serializer recurse per bracket: 500 deep raised RecursionError inside
+    nh3's attribute callback, which Python printed (148 MB of tracebacks for 498 of them)."""
+    from smolbench.gate import display
+
+    html = ('<b style="color:' + "(" * 500 + '">x</b>') * 498
+    assert display.clean_html(html) == "<b>x</b>" * 498
+    assert display.clean_html('<p style="background: linear-gradient(rgb(1,2,3), red)">x</p>') == \
+        '<p style="background: linear-gradient(rgb(1,2,3), red)">x</p>'
+    assert capfd.readouterr().err == ""

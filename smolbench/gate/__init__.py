@@ -55,6 +55,9 @@ STATUSES = ("ok", "error", "busy")
 # the loop serves every other machine and Ctrl-C meanwhile. nh3 and cmark-gfm let go of the
 # GIL while they work, so the loop runs beside them.
 OFF_LOOP = 256 * 1024  # (an output batch, 64K characters, stays on the loop: a thread hop doubled its cost)
+# Displays and results hold markup, whose cleaning costs by its elements more than by its bytes
+# (display.MARKUP_ELEMENTS): past this they go to the checkers too (a small one stays: ~1 ms).
+MARKUP_OFF_LOOP = 4 * 1024
 _CHECKERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="smolbench-gate")
 
 
@@ -153,10 +156,12 @@ class _Cell:
             return
         self.on_event(ev)
 
-    async def checked(self, handle: Callable[[dict[str, Any], int], Any], msg: dict[str, Any], size: int) -> Any:
-        """``handle(msg, size)``, on a checker thread when the message is big; its events come
-        out on the loop, in order (none after a cancel: the thread's work is then dropped)."""
-        if size <= OFF_LOOP:
+    async def checked(self, handle: Callable[[dict[str, Any], int], Any], msg: dict[str, Any], size: int,
+                      off_loop: int = OFF_LOOP) -> Any:
+        """``handle(msg, size)``, on a checker thread when the message is over ``off_loop``
+        bytes; its events come out on the loop, in order (none after a cancel: the thread's
+        work is then dropped)."""
+        if size <= off_loop:
             return handle(msg, size)
         got = await asyncio.get_running_loop().run_in_executor(_CHECKERS, handle, msg, size)
         held, self._held = self._held, []
@@ -172,6 +177,10 @@ class _Cell:
             if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
                                 "not shown either\n"))
+                continue
+            if " (" in mime:  # display.TooMuchMarkup: a type that is shown, but not this big
+                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime}, which was not shown: "
+                                "too many elements to clean (`%smol trust on` shows machine output raw)\n"))
                 continue
             self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime} output, which was not shown "
                             "(it could run in your browser); `%smol trust on` shows machine output raw\n"))
@@ -258,9 +267,9 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
                 if kind == "stream":
                     await cell.checked(cell.stream, msg, size)
                 elif kind == "display":
-                    await cell.checked(cell.display, msg, size)
+                    await cell.checked(cell.display, msg, size, MARKUP_OFF_LOOP)
                 elif kind == "done":
-                    return await cell.checked(cell.done, msg, size)
+                    return await cell.checked(cell.done, msg, size, MARKUP_OFF_LOOP)
                 else:
                     raise Bad(f"a message of unknown type {shown(kind)}")
             except (Bad, SmolbenchError):

@@ -52,7 +52,8 @@ GRADIENTS = frozenset({"linear-gradient", "radial-gradient", "repeating-linear-g
                        "repeating-radial-gradient"})
 IDENT = re.compile(r"-?[A-Za-z_][A-Za-z0-9_-]*")
 HEX = re.compile(r"[0-9A-Fa-f]{3,4}|[0-9A-Fa-f]{6}|[0-9A-Fa-f]{8}")
-LIMIT = 64 * 1024
+LIMIT = 16 * 1024  # characters of one style attribute (a long one is dropped whole)
+MAX_NESTING = 16  # brackets in a kept style: rgb(...) inside a gradient is 2
 # CSS functions that take an image, so a URL, some as a plain string (mask="image-set('...' 1x)"):
 # what an SVG attribute or a plotly string must not name (they are CSS values, not declarations)
 CSS_IMAGE = re.compile(r"(url|image|image-set|cross-fade|element|src|paint)\(")
@@ -86,6 +87,18 @@ def _plain(tokens: Iterable[ast.Node], negative_ok: bool, functions: frozenset[s
     return True
 
 
+def _depth(css: str) -> int:
+    """How deep brackets nest in ``css`` (an over-estimate: brackets in strings count too)."""
+    depth = top = 0
+    for ch in css:
+        if ch in "([{":
+            depth += 1
+            top = max(top, depth)
+        elif ch in ")]}" and depth:
+            depth -= 1
+    return top
+
+
 def _offsets(css: str) -> list[int]:
     """Where each line starts in tinycss2's view of ``css`` (its newlines normalised)."""
     return [0, *(i + 1 for i, c in enumerate(css) if c == "\n")]
@@ -98,8 +111,8 @@ def _start(lines: list[int], node: ast.Node) -> int:
 
 def declarations(style: str) -> list[tuple[str, str]]:
     """The safe declarations of ``style`` as (property, re-serialized value)."""
-    if len(style) > LIMIT:
-        return []
+    if len(style) > LIMIT or _depth(style) > MAX_NESTING:
+        return []  # (tinycss2 and its serializer recurse per bracket: 500 deep was a RecursionError)
     # tinycss2 counts lines and columns after this normalisation; slices must too
     norm = style.replace("\0", "\ufffd").replace("\r\n", "\n").replace("\r", "\n").replace("\f", "\n")
     lines = _offsets(norm)
@@ -121,4 +134,7 @@ def declarations(style: str) -> list[tuple[str, str]]:
 
 def clean_style(style: str) -> str | None:
     """The safe declarations of a ``style`` attribute, re-serialized, or None when none is left."""
-    return "; ".join(f"{name}: {value}" for name, value in declarations(style)) or None
+    try:
+        return "; ".join(f"{name}: {value}" for name, value in declarations(style)) or None
+    except Exception:  # nh3 calls this for every attribute: an error there is printed, not raised
+        return None

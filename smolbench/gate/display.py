@@ -74,6 +74,26 @@ LOCAL_REF = re.compile(r"url\(\s*#[\w.\-]+\s*\)")
 TEXT_ATTRS = frozenset({"title", "alt", "summary", "abbr"})  # shown as text, never parsed as CSS
 
 
+# Start tags in one HTML, SVG or rendered-markdown value. html5ever checks an element's scope by
+# walking the open elements, so nh3's time grows with tags x depth: 64,000 nested <ol> (256 KiB)
+# took 18 s, and markdown's ">" x 262,000 (nested blockquotes) ten minutes. Text can't make
+# elements, so counting `<` + letter bounds both: 8,192 nested take ~0.15 s. A 700-row table
+# (pandas shows 60) is about that many.
+MARKUP_ELEMENTS = 8_192
+_START_TAG = re.compile(r"<[A-Za-z]")
+
+
+class TooMuchMarkup(ValueError):
+    """A value with more elements than :data:`MARKUP_ELEMENTS` (not shown; the cell goes on)."""
+
+
+def _bounded(markup: str, what: str) -> str:
+    n = len(_START_TAG.findall(markup))
+    if n > MARKUP_ELEMENTS:
+        raise TooMuchMarkup(f"{what} ({n:,} elements, over {MARKUP_ELEMENTS:,})")
+    return markup
+
+
 class SafeBundle(dict[str, Any]):
     """A MIME bundle that passed the gate: the only kind the magics display."""
 
@@ -105,8 +125,9 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
 
 
 def clean_html(html: str) -> str:
-    """HTML without script, handlers, style blocks, unsafe URLs or CSS that fetches or escapes."""
-    return nh3.clean(html, tags=HTML_TAGS, clean_content_tags={"script", "style"}, attributes=HTML_ATTRS,
+    """HTML without script, handlers, style blocks, unsafe URLs or CSS that fetches or escapes
+    (TooMuchMarkup past :data:`MARKUP_ELEMENTS`)."""
+    return nh3.clean(_bounded(html, "text/html"), tags=HTML_TAGS, clean_content_tags={"script", "style"}, attributes=HTML_ATTRS,
                      attribute_filter=_attribute_filter, url_schemes={"http", "https", "mailto", "data"},
                      link_rel="noopener noreferrer nofollow", strip_comments=True, id_prefix=ID_PREFIX)
 
@@ -114,7 +135,7 @@ def clean_html(html: str) -> str:
 def clean_svg(svg: str) -> str:
     """SVG shapes and text only: no script, handlers, links, images, style blocks or animation."""
     attrs = {t: set(SVG_ATTRS) for t in SVG_TAGS}
-    return nh3.clean(svg, tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
+    return nh3.clean(_bounded(svg, "image/svg+xml"), tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
                      attribute_filter=_attribute_filter, url_schemes=set(), strip_comments=True)
 
 
@@ -140,7 +161,7 @@ def markdown_to_html(text: str) -> str:
 
     html = cmarkgfm.markdown_to_html_with_extensions(text, options=Options.CMARK_OPT_UNSAFE,
                                                      extensions=["table", "strikethrough", "autolink"])
-    return clean_html(html)
+    return clean_html(_bounded(html, "text/markdown"))
 
 
 def inert(html: str) -> str:
@@ -182,28 +203,41 @@ def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None) 
     for mime, value in data.items():
         if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
             raise Bad(f"a display bundle has a bad MIME type {shown(mime)}")
-        if trusted:
-            out[mime] = value if not isinstance(value, str) else string(value, mime, TEXT_LIMIT)
-        elif mime not in ALLOWED:
-            dropped.append(mime)
-        elif mime in IMAGES:
-            out[mime] = _image(mime, value)
-        elif mime == "text/plain":
-            out[mime] = string(value, "the text/plain output", TEXT_LIMIT)
-        elif mime == "application/json":
-            out[mime] = _shallow(value, mime)  # a JSON tree: text only (decoded fresh, bounded by the frame)
-        elif mime == PLOTLY:
-            out[mime] = figures.figure(value)
-        elif mime == "text/html":
-            out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
-        elif mime == "text/markdown":
-            text = string(value, "the text/markdown output", TEXT_LIMIT)
-            if (markdown or MarkdownAllowance()).take(text):
-                out.setdefault("text/html", markdown_to_html(text))
-        elif mime == "image/svg+xml":
-            out[mime] = clean_svg(string(value, "the image/svg+xml output", TEXT_LIMIT))
+        try:
+            _one(out, dropped, mime, value, trusted, markdown)
+        except TooMuchMarkup as exc:
+            dropped.append(str(exc))
     if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:
-        out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
+        try:
+            out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
+        except TooMuchMarkup as exc:
+            del out["text/html"]
+            dropped.append(str(exc))
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
     return out, dropped
+
+
+def _one(out: dict[str, Any], dropped: list[str], mime: str, value: Any, trusted: bool,
+         markdown: MarkdownAllowance | None) -> None:
+    """One MIME type of a bundle, checked into ``out`` (or named in ``dropped``)."""
+    if trusted:
+        out[mime] = value if not isinstance(value, str) else string(value, mime, TEXT_LIMIT)
+    elif mime not in ALLOWED:
+        dropped.append(mime)
+    elif mime in IMAGES:
+        out[mime] = _image(mime, value)
+    elif mime == "text/plain":
+        out[mime] = string(value, "the text/plain output", TEXT_LIMIT)
+    elif mime == "application/json":
+        out[mime] = _shallow(value, mime)  # a JSON tree: text only (decoded fresh, bounded by the frame)
+    elif mime == PLOTLY:
+        out[mime] = figures.figure(value)
+    elif mime == "text/html":
+        out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
+    elif mime == "text/markdown":
+        text = string(value, "the text/markdown output", TEXT_LIMIT)
+        if (markdown or MarkdownAllowance()).take(text):
+            out.setdefault("text/html", markdown_to_html(text))
+    elif mime == "image/svg+xml":
+        out[mime] = clean_svg(string(value, "the image/svg+xml output", TEXT_LIMIT))
