@@ -377,3 +377,49 @@ def test_a_deleted_machine_s_artifacts_leave_its_node(tmp_path: Path) -> None:
     assert store.has(digests["shared"]) and agent.sources == {"d": digests["shared"]}  # d still needs it
     NodeAgent._drop_files(agent, ["d"])  # type: ignore[arg-type]
     assert not store.has(digests["shared"]) and agent.exports == {}
+
+
+def test_the_kernel_s_limits_reach_every_agent_even_after_a_cancelled_request_or_a_failed_push() -> None:
+    """The review of round 4's own change: every request awaited one shared push of the limits,
+    so a Ctrl-C during it cancelled the push for good (every later request then failed as
+    cancelled), and a node whose push failed, or that was still starting, never got them."""
+    from smolbench.cluster.backend import ClusterBackend, Node
+    from smolbench.gate import limits
+
+    got: dict[str, list[dict[str, float]]] = {"n1": [], "n2": []}
+    fail_once = {"n2"}
+
+    class Agent:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.set_limits = self
+
+        def remote(self, values: dict[str, float]) -> Any:
+            async def call() -> None:
+                await asyncio.sleep(0.2)
+                if self.name in fail_once:
+                    fail_once.discard(self.name)
+                    raise SmolbenchError("node away for a moment")
+                got[self.name].append(values)
+            return call()
+
+    cb = ClusterBackend.__new__(ClusterBackend)
+    cb.nodes = {n: Node(n, Agent(n), 4, backend="sandbox", limits=limits.snapshot()) for n in got}
+    cb.notes = []
+
+    async def main() -> None:
+        limits.configure("max-frame", "7M")
+        first = asyncio.ensure_future(cb._limits_to_agents())
+        await asyncio.sleep(0.05)
+        first.cancel()  # Ctrl-C on the request that carried the change
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await cb._limits_to_agents()  # the next request: not cancelled, and n2 (failed once) is given them
+        await cb._limits_to_agents()
+
+    try:
+        asyncio.run(main())
+    finally:
+        limits.reset()
+    assert [v["max_frame"] for v in got["n1"]] == [7_000_000]
+    assert [v["max_frame"] for v in got["n2"]] == [7_000_000]

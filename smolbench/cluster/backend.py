@@ -62,6 +62,7 @@ class Node:
     lost: bool = False
     calls: dict[str, int] = field(default_factory=dict)  # the agent's calls by kind (as of the last status)
     requests: dict[str, int] = field(default_factory=dict)  # ... and the machine requests they carried
+    limits: dict[str, float] | None = None  # the kernel's gate limits this agent was last given
 
 
 def _short(node_id: str) -> str:
@@ -89,8 +90,7 @@ class ClusterBackend(Backend):
         self.bytes_in = 0
         self._looked = 0.0
         self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
-        self._limits_sent: dict[str, float] | None = None  # the kernel's gate limits the agents have
-        self._limits_push: asyncio.Future[Any] | None = None
+        self._pushing: asyncio.Future[Any] | None = None  # the gate limits on their way to agents
         self._batchers: dict[tuple[str, str], Batcher] = {}
         self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
@@ -123,21 +123,30 @@ class ClusterBackend(Backend):
             handle = actor.options(
                 num_cpus=0, max_restarts=0, name=f"smolbench-{self.session}-{_short(nid)}",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-            ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts, gate.limits.snapshot())
-            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting")
+            ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts, limits := gate.limits.snapshot())
+            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting", limits=limits)
             new.append(self.nodes[nid])
         return new
 
     async def _limits_to_agents(self) -> None:
         """Every agent checks what its machines send with the kernel's limits: after a
-        ``%smol config``, the next request to any node carries them there first."""
+        ``%smol config``, the next request to any node carries them there first (a node a
+        push failed for, or whose caller was interrupted, is given them by the next one)."""
+        pushing = getattr(self, "_pushing", None)
+        if pushing is not None and not pushing.done():  # one push at a time (shielded: see below)
+            await asyncio.shield(pushing)
         now = gate.limits.snapshot()
-        if now != self._limits_sent:
-            self._limits_sent = now
-            self._limits_push = asyncio.ensure_future(asyncio.gather(
-                *(self._call(n, n.agent.set_limits.remote(now)) for n in self._alive()), return_exceptions=True))
-        if self._limits_push is not None:
-            await self._limits_push
+        behind = [n for n in self._alive() if n.limits != now]
+        if not behind:
+            return
+
+        async def give(node: Node) -> None:
+            await self._call(node, node.agent.set_limits.remote(now))
+            node.limits = now
+
+        # shielded: a caller's Ctrl-C must not cancel the push every later request relies on
+        self._pushing = asyncio.ensure_future(asyncio.gather(*(give(n) for n in behind), return_exceptions=True))
+        await asyncio.shield(self._pushing)
 
     def _described(self, d: dict[str, Any]) -> None:
         node = self.nodes[d["node"]]

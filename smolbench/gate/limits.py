@@ -130,8 +130,9 @@ def apply(values: dict[str, float]) -> None:
     """Take limits from ``snapshot()`` of another process (the kernel driving this node agent)."""
     for f in fields(Limits):
         v = values.get(f.name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            setattr(LIMITS, f.name, float(v) if f.name == "grace" else int(v))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 2**62:  # nan and inf fail too
+            continue
+        setattr(LIMITS, f.name, float(v) if f.name == "grace" else int(v))
 
 
 def reset() -> None:
