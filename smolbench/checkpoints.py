@@ -189,12 +189,11 @@ class CheckpointsMixin(WorkbenchPart):
         added: Adopted | None = None
         # adopting copies and checks a file from elsewhere (seconds of gzip for a big one): off the loop
         if is_path(name):
-            added = await asyncio.to_thread(self.shelf.adopt, name, self.backend.name)
+            added = await self._adopt(name)
         else:
             rec = self.shelf.row(name)
             if rec.get("dropped"):
-                added = await asyncio.to_thread(self.shelf.adopt, self.shelf.store.absolute(f"{name}{SUFFIX}"),
-                                                self.backend.name)
+                added = await self._adopt(self.shelf.store.absolute(f"{name}{SUFFIX}"))
         if added is not None:
             rec = added.row
             self.restore_notes.append(added.note)
@@ -212,7 +211,7 @@ class CheckpointsMixin(WorkbenchPart):
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
         try:
-            ref = await self._restore_file(rec, node_id, added is not None)
+            ref = await self._restore_file(rec, node_id, added is not None and added.new_row)
         except BaseException:
             if added is not None:  # a file that can't make a machine is not kept as one of this folder's
                 self.shelf.unadopt(added)
@@ -225,6 +224,20 @@ class CheckpointsMixin(WorkbenchPart):
         self._record(node)
         self.active = node_id
         return node
+
+    async def _adopt(self, source: str) -> Adopted:
+        """``Shelf.adopt`` on a thread; a restore interrupted meanwhile takes back what it added
+        once the thread is done (a thread can't be stopped: it would add them after the Ctrl-C)."""
+        work = asyncio.ensure_future(asyncio.to_thread(self.shelf.adopt, source, self.backend.name))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            def take_back(done: asyncio.Future[Adopted]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.shelf.unadopt(done.result())
+
+            work.add_done_callback(take_back)
+            raise
 
     async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False) -> MachineRef:
         """A new machine from a row's file, opened once through the gate's rule: the backend

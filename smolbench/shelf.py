@@ -39,6 +39,14 @@ class Adopted(NamedTuple):
     note: str
     new_row: bool  # the row is this call's
     copied: str | None  # the file this call copied into the checkpoint folder, if it did
+    identity: tuple[int, ...] | None = None  # that copy's identity (_identity): only it is taken back
+
+
+def _identity(fd: int) -> tuple[int, ...]:
+    """A file's identity over time: device and inode are reused as soon as a file is deleted,
+    so its change time and size too."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size
 
 
 def is_path(arg: str) -> bool:
@@ -215,9 +223,13 @@ class Shelf:
         if existing is not None and self._names_file(existing, fname):
             return Adopted(existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})",
                            False, None)
+        if existing is not None:  # a row of that name for another file: it stays as it is
+            raise SmolbenchError(f"a checkpoint named {name} already names another file "
+                                 f"({self.store.shown(existing.get('path'))}): rename {self.store.shown(fname)}, "
+                                 f"or `%smol checkpoint rm {name}` first")
         try:
             with self.store.open(fname) as f:
-                record, size = self._check(f, source), f.size
+                record, size, identity = self._check(f, source), f.size, _identity(f.fd)
         except BaseException:
             if created:
                 self.discard(fname)  # a copy that failed its checks goes again
@@ -231,14 +243,19 @@ class Shelf:
         how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"
         renamed = "" if own or fname == Path(source).name else f" (a different {Path(source).name} is here already)"
         return Adopted(row, f"added checkpoint {name} to this folder ({how}){renamed}", True,
-                       fname if created else None)
+                       fname if created else None, identity if created else None)
 
     def unadopt(self, added: Adopted) -> None:
-        """Take back what ``adopt`` added: its row, and the file only if it copied it in
-        (a file someone put in the checkpoint folder stays theirs)."""
-        if added.new_row:
-            self.ledger.remove_checkpoint(str(added.row["name"]))
+        """Take back what ``adopt`` added: its row while it is still that row, and the file
+        only if it copied it in and the name is still that copy (a file someone put in the
+        checkpoint folder stays theirs; one another kernel saved meanwhile stays too)."""
+        name = str(added.row["name"])
+        if added.new_row and (now := self.ledger.checkpoint(name)) is not None and now == added.row:
+            self.ledger.remove_checkpoint(name)
         if added.copied is not None:
+            with contextlib.suppress(SmolbenchError, OSError), self.store.open(added.copied) as f:
+                if _identity(f.fd) != added.identity:
+                    return
             self.discard(added.copied)
 
     def discard(self, fname: str) -> None:

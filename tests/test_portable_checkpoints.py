@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from nbhelpers import NotebookSession, ok, one_line, stream_text
 
+from smolbench.errors import SmolbenchError
 from smolbench.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -271,7 +272,6 @@ def test_a_file_that_cant_make_a_machine_leaves_nothing_here(open_tmp: Path) -> 
     was given go again, so the folder does not list a checkpoint that can never restore. A file
     someone put in the checkpoint folder themselves stays theirs: only its row goes."""
     import smolbench
-    from smolbench.errors import SmolbenchError
 
     student = open_tmp / "student"
     (student / CK).mkdir(parents=True)
@@ -289,3 +289,82 @@ def test_a_file_that_cant_make_a_machine_leaves_nothing_here(open_tmp: Path) -> 
     assert sorted(p.name for p in (student / CK).iterdir()) == ["dropped.smolcheckpoint"]
     assert rows(student) == {}
     assert gift.exists()
+
+
+def test_taking_back_an_added_file_takes_only_what_is_still_its_own(open_tmp: Path) -> None:
+    """The review of round 4's change: taking back an added file went by name. A checkpoint
+    another kernel saved under that name meanwhile (after `rm` of the first) was deleted, row
+    and file; and adding a dropped file replaced a row of the same name that named another file."""
+    from smolbench.shelf import Shelf
+
+    folder = open_tmp / "f"
+    (folder / CK).mkdir(parents=True)
+    gift = open_tmp / "gift.smolcheckpoint"
+    _forged(gift, _record(name="gift"))
+    led = Ledger(folder / ".smolbench" / "ledger.db")
+    try:
+        shelf = Shelf(led)
+        added = shelf.adopt(str(gift), "sandbox")
+        assert added.new_row and added.copied == "gift.smolcheckpoint"
+        # meanwhile another kernel: rm gift, then a new save under the same name
+        shelf.remove("gift")
+        (folder / CK / "gift.smolcheckpoint").write_bytes(b"another kernel's save")
+        shelf.add("gift", "other-session", "root", "gift.smolcheckpoint", "sandbox", 21, 3, [])
+        shelf.unadopt(added)
+        assert (folder / CK / "gift.smolcheckpoint").read_bytes() == b"another kernel's save"
+        assert led.checkpoint("gift") is not None and led.checkpoint("gift")["session_id"] == "other-session"
+        # a dropped file named like a row that names another file: the row is not replaced
+        shutil.copy(gift, folder / CK / "mine.smolcheckpoint")
+        shelf.add("mine", "s", "root", "gift.smolcheckpoint", "sandbox", 21, 3, [])
+        with pytest.raises(SmolbenchError, match="a checkpoint named mine already names another file"):
+            shelf.adopt(str(folder / CK / "mine.smolcheckpoint"), "sandbox")
+        assert led.checkpoint("mine")["path"].endswith("gift.smolcheckpoint")
+    finally:
+        led.close()
+
+
+def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(open_tmp: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copying a file in runs on a thread, which a Ctrl-C can't stop: it finished after the
+    restore was interrupted and left its copy and row behind."""
+    import asyncio
+    import threading
+
+    from smolbench.checkpoints import CheckpointsMixin
+    from smolbench.shelf import Shelf
+
+    folder = open_tmp / "f"
+    (folder / CK).mkdir(parents=True)
+    gift = open_tmp / "gift.smolcheckpoint"
+    _forged(gift, _record(name="gift"))
+    led = Ledger(folder / ".smolbench" / "ledger.db")
+    go = threading.Event()
+    real = Shelf.adopt
+
+    def slow(self: Shelf, *args: Any) -> Any:
+        go.wait(10)  # still copying when the Ctrl-C comes
+        return real(self, *args)
+
+    monkeypatch.setattr(Shelf, "adopt", slow)
+
+    class Kernel:
+        shelf = Shelf(led)
+        backend = type("B", (), {"name": "sandbox"})()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(CheckpointsMixin._adopt(Kernel(), str(gift)))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        for _ in range(100):  # the thread ends, then what it added goes
+            await asyncio.sleep(0.05)
+            if not list((folder / CK).iterdir()) and led.checkpoint("gift") is None:
+                return
+
+    try:
+        asyncio.run(main())
+        assert list((folder / CK).iterdir()) == [] and led.checkpoint("gift") is None
+    finally:
+        led.close()
