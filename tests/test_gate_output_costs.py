@@ -193,3 +193,35 @@ def test_a_style_nested_past_its_limit_is_dropped_without_a_word_on_stderr(
     assert display.clean_html('<p style="background: linear-gradient(rgb(1,2,3), red)">x</p>') == \
         '<p style="background: linear-gradient(rgb(1,2,3), red)">x</p>'
     assert capfd.readouterr().err == "" and unraisable == []
+
+
+def test_a_cell_cancelled_while_a_checker_thread_reads_its_output_leaves_no_log_open(tmp_path: Any) -> None:
+    """Ctrl-C while a big message is checked on a thread: the cell's end closed its log, and
+    the thread, still taking the message, opened it again ("wb": emptied) and never closed it."""
+    import os
+    import time
+
+    log = tmp_path / "root.cell1.log"
+    budget = OutputBudget(log, limit=1000)  # the second message is cut into lines first (slow), then spilled
+    text = "a line\n" * 2_000_000  # 14 MB: seconds of line cutting on the thread
+
+    async def main() -> None:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield json.dumps({"t": "stream", "name": "stdout", "text": "x" * 200 + "\n"}).encode() + b"\n"
+            yield json.dumps({"t": "stream", "name": "stdout", "text": text}).encode() + b"\n"
+            await asyncio.sleep(60)
+
+        task = asyncio.ensure_future(gate.read_cell(chunks(), CellRequest("x", output=budget), None, "root"))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    size_at_end = log.stat().st_size if log.exists() else 0
+    time.sleep(3)  # the thread's work ends meanwhile
+    assert budget._log is None
+    assert (log.stat().st_size if log.exists() else 0) == size_at_end
+    mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert str(log) not in mine

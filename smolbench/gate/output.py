@@ -57,6 +57,9 @@ class OutputBudget:
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
         self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
         self._log: IO[bytes] | None = None
+        # finish() and a checker thread still at a cancelled cell's last message (gate.OFF_LOOP)
+        self._log_lock = threading.Lock()
+        self._finished = False
 
     def take(self, name: str, text: str) -> str:
         """The part of ``text`` (written to stream ``name``) that should be shown."""
@@ -120,22 +123,27 @@ class OutputBudget:
         room = min(len(data), self.log_limit - self.logged)
         if self.log_path is None or room <= 0:
             return
-        if self.pool is not None:
-            room = self.pool.take(room)
-            if room <= 0:
+        with self._log_lock:
+            if self._finished:  # the log is closed: reopening it ("wb") would empty it
                 return
-        if self._log is None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
-        part = data[:room]
-        self._log.write(part)
-        self.logged += len(part)
+            if self.pool is not None:
+                room = self.pool.take(room)
+                if room <= 0:
+                    return
+            if self._log is None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
+            part = data[:room]
+            self._log.write(part)
+            self.logged += len(part)
 
     def finish(self) -> str | None:
         """The closing note when something was not shown (else None); closes the log."""
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        with self._log_lock:
+            self._finished = True
+            if self._log is not None:
+                self._log.close()
+                self._log = None
         note = ""
         if self.hidden_displays:
             why = (f"past {self.displays:,} displays in one cell" if self.shown_displays >= self.displays
