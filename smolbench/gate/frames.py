@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -231,8 +232,11 @@ async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                 continue
             frames = splitter.feed(chunk)
             del chunk  # not held while the next one is awaited
+            frames.reverse()  # taken from the end: pop(0) made a chunk of many small frames quadratic
             while frames:
-                yield frames.pop(0)
+                yield frames.pop()
+                if len(frames) % 1024 == 1023:  # a chunk of many frames lets the loop serve others between
+                    await asyncio.sleep(0)
         splitter.end()
     finally:
         splitter.close()
