@@ -225,3 +225,23 @@ def test_a_cell_cancelled_while_a_checker_thread_reads_its_output_leaves_no_log_
     mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{fd}")]
     assert str(log) not in mine
+
+
+def test_a_traceback_is_cut_to_its_end_before_its_terminal_text_is_handled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminal handling costs by the character: a control reply's 64 MB traceback was all
+    handled (2.6 s on the loop), then all but its last 256 KiB thrown away."""
+    from smolbench.gate import terminal
+
+    handled = 0
+    real = terminal.kept_to_lines
+
+    def counting(text: str) -> str:
+        nonlocal handled
+        handled += len(text)
+        return real(text)
+
+    monkeypatch.setattr(terminal, "kept_to_lines", counting)
+    tb = ["\x1b\n" * 7_900] * 1000
+    res, _ = run({"t": "done", "status": "error", "error": {"ename": "E", "evalue": "v", "traceback": tb}})
+    assert handled <= gate.TRACEBACK + 64 * 1024 + 1000, handled
+    assert res.error["traceback"][-1] == real(tb[-1])

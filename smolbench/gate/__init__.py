@@ -86,8 +86,9 @@ def _error(value: Any, key: str) -> dict[str, Any] | None:
         # a name goes inside host lines (a fork's summary): plain text, no escapes or controls
         "ename": lambda v, k: terminal.plain(string(v, "the error name", 200)).replace("\n", " "),
         "evalue": lambda v, k: terminal.kept_to_lines(string(v, "the error message", TEXT)),
-        "traceback": lambda v, k: _tail([terminal.kept_to_lines(t) for t in string_list(v, "the traceback", 1000,
-                                                                                         64 * 1024)]),
+        # cut to its end before the terminal handling, which costs by the character (64 MB: 2.6 s)
+        "traceback": lambda v, k: _tail([terminal.kept_to_lines(t) for t in _tail(string_list(v, "the traceback", 1000,
+                                                                                              64 * 1024))]),
     }
     out = dict(each(checks, err, "the error"))
     out.setdefault("ename", "Error")
