@@ -60,3 +60,19 @@ def test_a_time_zone_naming_a_path_is_refused_before_pandas_opens_it(monkeypatch
         assert opened, "pandas opened nothing: not a contrast"
     finally:
         watching[0] = False
+
+
+def test_a_category_column_made_to_share_one_hash_is_refused() -> None:
+    """pandas finds a category column's categories by hashing every value: 11,107 multiples of
+    2**61 - 1 (256 KiB) held the loop 1.2 s, a million would take hours."""
+    from smolbench.gate import pull
+    from smolbench.gate.frames import Bad
+
+    n = 11_107
+    enc = {"$": "series", "index": {"$": "range", "start": 0, "stop": n, "step": 1},
+           "values": {"dtype": "category", "values": [k * (2**61 - 1) for k in range(1, n + 1)]}}
+    with pytest.raises(Bad, match="a pulled category column of 11,107 items, 11,107 of them with one hash"):
+        pull.data_value(enc, 0, pull.Budget())
+    fine = {"$": "series", "index": {"$": "range", "start": 0, "stop": 3, "step": 1},
+            "values": {"dtype": "category", "values": ["a", "b", "a"]}}
+    assert pull.data_value(fine, 0, pull.Budget()).tolist() == ["a", "b", "a"]

@@ -178,6 +178,8 @@ def _column(enc: Any, depth: int, budget: Budget, rows: int | None = None) -> An
         for i, item in enumerate(data):  # one item per value, even a list (never a 2-D array)
             out[i] = item
         return out
+    if isinstance(dtype, pd.CategoricalDtype) and isinstance(data, list):
+        _spread(data, "category column")  # its categories are found by hashing every value
     try:
         return pd.array(data, dtype=dtype)
     except Exception as exc:
