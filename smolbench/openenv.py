@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Coroutine
@@ -107,6 +108,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._cut: _Cut | None = None  # the request running now, to end early when its client is gone
         self._client_gone = False
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._served = False  # made by app_for: closed on OpenEnv's server loop, which must not wait
 
     async def reset_async(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`reset`, cut as soon as the client's connection is gone (see :class:`ClientWatch`)."""
@@ -222,17 +224,22 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         loop), and the session stays listed until it has ended, so the server's shutdown
         waits for it. Called anywhere else, it returns when the machines are gone."""
         try:
-            asyncio.get_running_loop()
-            on_the_server_loop = True
+            on_the_server_loop = self._served and asyncio.get_running_loop() is not None
         except RuntimeError:
             on_the_server_loop = False
         if on_the_server_loop:
-            self._m.host.submit(self._m.close(let_go=True)).add_done_callback(lambda _: self._closed())
+            self._m.host.submit(self._m.close(let_go=True)).add_done_callback(self._closed_there)
             return
         try:
             self._m.host.run(self._m.close(), 2 * GRACE)
         finally:
             self._closed()
+
+    def _closed_there(self, done: concurrent.futures.Future[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:  # no caller waits to hear it: say it
+            print(f"smolbench serve: closing a session failed ({type(done.exception()).__name__}: "
+                  f"{done.exception()})", file=sys.stderr, flush=True)
+        self._closed()
 
     def _closed(self) -> None:
         if self._worker is not None:
@@ -317,7 +324,9 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        return MachineEnvironment(m, timeout, on_close=live.discard)
+        env = MachineEnvironment(m, timeout, on_close=live.discard)
+        env._served = True
+        return env
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)

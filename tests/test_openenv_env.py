@@ -138,6 +138,7 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
 
     ended: list[Machines] = []
     env = MachineEnvironment(parent.sibling(), on_close=ended.append)
+    env._served = True  # as app_for makes it (a close elsewhere, a notebook cell's too, waits)
     env.reset(seed=1)
     hold = threading.Event()
     end = env._m.records.end
@@ -156,6 +157,16 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
     hold.set()
     parent.host.run(env._m.close(), 30)  # what `smolbench serve` does at its stop for listed sessions
     assert ended == [env._m] and env._m.eps[0].ref is None  # its machine went to the batched deletions
+    # not made by the server (a script's, a notebook cell's, under a running loop): close waits
+    other = MachineEnvironment(parent.sibling(), on_close=ended.append)
+    other.reset(seed=2)
+    (ref,) = mine(parent, other)
+
+    async def a_cell() -> None:
+        other.close()
+
+    asyncio.run(a_cell())
+    assert ended[-1] is other._m and ref.name not in parent.wb.machines
 
 
 @pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])
