@@ -186,6 +186,7 @@ class _Lines:
 
 class _Parser:
     def __init__(self, text: str, source: str, base_dir: str | None) -> None:
+        text = text.removeprefix("\ufeff")  # a byte order mark some editors write: TOML has no use for it
         self.source = source
         self.base_dir = Path(base_dir if base_dir is not None else os.getcwd()).expanduser()
         self.lines = _Lines(text)

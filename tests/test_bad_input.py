@@ -196,3 +196,9 @@ def test_the_argument_parser_keeps_empty_values(monkeypatch: pytest.MonkeyPatch)
 
     args: argparse.Namespace = parse_argstring(_up_args, '--allow "" --ledger "a b.db"')
     assert args.allow == "" and args.ledger == "a b.db"
+
+
+def test_a_smolfile_saved_with_a_byte_order_mark_is_read() -> None:
+    from smolbench.smolfile import parse_smolfile
+
+    assert dict(parse_smolfile('\ufeff[env]\nA = "x"\n').env) == {"A": "x"}
