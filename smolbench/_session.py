@@ -181,7 +181,7 @@ class Session:
         self.image = _args.text(image, "image", "Session(image='debian:bookworm')")
         self.net = net
         self.allow = _args.text(allow, "allow", "Session(allow=['pypi.org'])")
-        self.max_alive = _args.optional_whole(max_alive, "max_alive", 1, 1024, "Session(max_alive=8)")
+        self.max_alive = _args.optional_whole(max_alive, "max_alive", example="Session(max_alive=8)")  # range: build()
         self.retries = _args.whole(retries, "retries", 0, None, "Session(retries=1)")
         self.on_notice = on_notice or _stderr_line
         self.workbench: Workbench | None = None

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -275,6 +276,7 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
 
 # -- nothing is imported after the privilege drop ------------------------------------------------
 
+LAZY = re.compile(r"ModuleNotFoundError|imported after the drop|LookupError: unknown encoding")
 AUDIT = textwrap.dedent('''
     import asyncio, socket, sys
     from smolbench.backends import _netproxy, _netbudget
@@ -334,8 +336,10 @@ def test_the_proxy_imports_nothing_after_it_drops_privileges(prepared: bool) -> 
         assert out[2].startswith("HTTP/1.1 403") and out[3].startswith("HTTP/1.1 403")
         assert (allowed, failed) == (2, 0) and r.stderr == "", r.stderr
     else:
-        assert out[0].startswith("HTTP/1.1 502 smolbench egress proxy: localhost:") and "ModuleNotFoundError" in out[0]
-        assert failed == 3 and "imported after the drop" in last  # both names, and the unknown one
+        # which lazy load fails first depends on what smolbench imported already (the gate's threads
+        # load concurrent.futures' now): a lookup thread's module, or the idna codec
+        assert out[0].startswith("HTTP/1.1 502 smolbench egress proxy: localhost:") and LAZY.search(out[0]), out[0]
+        assert failed == 3 and LAZY.search(last), last  # both names, and the unknown one
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert [ln.split(" failed: ")[0].rsplit(":", 1)[0] for ln in lines] == [  # one line per host, naming it
             "smolbench egress proxy: localhost", "smolbench egress proxy: refused.test"], r.stderr
