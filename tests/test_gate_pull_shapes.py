@@ -76,3 +76,18 @@ def test_a_category_column_made_to_share_one_hash_is_refused() -> None:
     fine = {"$": "series", "index": {"$": "range", "start": 0, "stop": 3, "step": 1},
             "values": {"dtype": "category", "values": ["a", "b", "a"]}}
     assert pull.data_value(fine, 0, pull.Budget()).tolist() == ["a", "b", "a"]
+
+
+def test_a_reply_rebuilds_at_most_so_many_pandas_columns() -> None:
+    """Each pandas column costs ~100 us of pandas holding the GIL however small its data:
+    256 KiB of empty category columns took a second."""
+    from smolbench.gate import pull
+    from smolbench.gate.frames import Bad
+
+    def frame(n: int) -> dict[str, Any]:
+        return {"$": "dataframe", "columns": list(range(n)), "data": [{"dtype": "category", "values": []}] * n,
+                "index": {"$": "range", "start": 0, "stop": 0, "step": 1}}
+
+    with pytest.raises(Bad, match="more than 4,096 pandas columns in one reply"):
+        pull.data_value(frame(5_000), 0, pull.Budget())
+    assert pull.data_value(frame(100), 0, pull.Budget()).shape == (0, 100)

@@ -27,6 +27,7 @@ from .limits import LIMITS, human
 MAX_DEPTH = 100
 DTYPE_RE = re.compile(r"[A-Za-z0-9_\[\], :/+\-]{1,64}")
 FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+COLUMNS = 4096  # pandas columns (and indexes) one reply may rebuild
 COLLISIONS = 16  # pulled items that may share one hash (64 per hash in 15,000 groups held the GIL 1.4 s)
 TZ_IN_DTYPE = re.compile(r"datetime64\[\w+,\s*(.*)\]")
 FIXED_OFFSET = re.compile(r"(UTC)?[+-]\d\d:?\d\d")
@@ -47,6 +48,14 @@ class Budget:
 
     def __init__(self) -> None:
         self.held = 0
+        self.columns = 0
+
+    def column(self) -> None:
+        """One more pandas column (a Series each): ~100 us of pandas, holding the GIL, however
+        small its data (256 KiB of empty category columns took a second)."""
+        self.columns += 1
+        if self.columns > COLUMNS:
+            raise Bad(f"more than {COLUMNS:,} pandas columns in one reply: pull fewer at a time")
 
     def rows(self, n: int) -> None:
         self.held += n
@@ -167,6 +176,7 @@ def _column(enc: Any, depth: int, budget: Budget, rows: int | None = None) -> An
     import pandas as pd
 
     enc = mapping(enc, "a pandas column", 4)
+    budget.column()
     dtype = _dtype(enc.get("dtype"))
     data = data_value(enc.get("values"), depth + 1, budget)
     if not (isinstance(data, list) or (isinstance(data, np.ndarray) and data.ndim == 1)):
