@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     isub = img.add_subparsers(dest="action", required=True)
     b = isub.add_parser("build", help="build a Debian rootfs with python3 (debootstrap, ~40 s)")
     b.add_argument("name", nargs="?", default="debian:bookworm")
-    b.add_argument("--suite", default="bookworm")
+    b.add_argument("--suite", default=None, help="the Debian suite to build from (default: bookworm)")
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=image_build)
     ls = isub.add_parser("list", help="list cached images")

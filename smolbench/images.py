@@ -86,9 +86,19 @@ def _meta_path(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.json"
 
 
+def _built_suite(dest: Path) -> str | None:
+    """The suite an image in the cache was built from, as its record says (None: unknown)."""
+    try:
+        meta = json.loads(_meta_path(dest).read_text())
+    except (OSError, ValueError):
+        return None
+    got = meta.get("suite") if isinstance(meta, dict) else None
+    return got if isinstance(got, str) else None
+
+
 def build_debian_rootfs(
     name: str = DEFAULT_IMAGE,
-    suite: str = "bookworm",
+    suite: str | None = None,
     force: bool = False,
     log: Callable[[str], object] = print,
     mirror: str | None = None,
@@ -98,14 +108,20 @@ def build_debian_rootfs(
     Runs ``debootstrap --variant=minbase --include=python3,python3-pip SUITE TMPDIR`` in a
     temporary directory next to the destination and renames it into place
     only when it succeeded, so a failed build leaves nothing half-made. An
-    image already built is returned as is unless ``force``.
+    image already built is returned as is unless ``force`` (or a different ``suite`` was asked
+    for: then one line says to add ``--force``). ``suite``: bookworm unless given.
     """
-    if not SUITE_RE.fullmatch(suite):
+    if suite is not None and not SUITE_RE.fullmatch(suite):
         raise SmolbenchError(f"--suite {suite!r} is not a Debian suite name: e.g. --suite bookworm")
     dest = image_dir(name)
     if has_python(dest) and not force:
+        built = _built_suite(dest)
+        if suite is not None and built is not None and built != suite:
+            raise SmolbenchError(f"image {name!r} is built already, from suite {built}: add --force to build it "
+                                 f"again from {suite}")
         log(f"image {name!r} already built at {dest}")
         return dest
+    suite = suite or "bookworm"
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
         raise SmolbenchError(

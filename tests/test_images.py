@@ -145,6 +145,11 @@ def test_build_with_fake_debootstrap(
     [(name, path, size)] = list_images()
     assert (name, path) == ("debian:bookworm", root)
     assert size >= 0
+    # another suite for a built image: one line, not the old tree under a new name
+    with pytest.raises(SmolbenchError, match="is built already, from suite bookworm: add --force to build it again "
+                                             "from trixie"):
+        build_debian_rootfs(suite="trixie", log=lines.append)
+    assert build_debian_rootfs(suite="bookworm", log=lines.append) == root
     # force rebuilds and replaces the old tree
     (root / "stale").write_text("x")
     assert build_debian_rootfs(force=True, log=lines.append) == root
