@@ -406,6 +406,7 @@ def test_the_kernel_s_limits_reach_every_agent_even_after_a_cancelled_request_or
     cb = ClusterBackend.__new__(ClusterBackend)
     cb.nodes = {n: Node(n, Agent(n), 4, backend="sandbox", limits=limits.snapshot()) for n in got}
     cb.notes = []
+    cb._pushing = None
 
     async def main() -> None:
         limits.configure("max-frame", "7M")

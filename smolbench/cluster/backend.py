@@ -132,9 +132,8 @@ class ClusterBackend(Backend):
         """Every agent checks what its machines send with the kernel's limits: after a
         ``%smol config``, the next request to any node carries them there first (a node a
         push failed for, or whose caller was interrupted, is given them by the next one)."""
-        pushing = getattr(self, "_pushing", None)
-        if pushing is not None and not pushing.done():  # one push at a time (shielded: see below)
-            await asyncio.shield(pushing)
+        if self._pushing is not None and not self._pushing.done():  # one push at a time (shielded: see below)
+            await asyncio.shield(self._pushing)
         now = gate.limits.snapshot()
         behind = [n for n in self._alive() if n.limits != now]
         if not behind:

@@ -124,10 +124,10 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
     return value
 
 
-def clean_html(html: str) -> str:
+def clean_html(html: str, what: str = "text/html") -> str:
     """HTML without script, handlers, style blocks, unsafe URLs or CSS that fetches or escapes
-    (TooMuchMarkup past :data:`MARKUP_ELEMENTS`)."""
-    return nh3.clean(_bounded(html, "text/html"), tags=HTML_TAGS, clean_content_tags={"script", "style"}, attributes=HTML_ATTRS,
+    (TooMuchMarkup past :data:`MARKUP_ELEMENTS`, naming ``what`` the HTML came as)."""
+    return nh3.clean(_bounded(html, what), tags=HTML_TAGS, clean_content_tags={"script", "style"}, attributes=HTML_ATTRS,
                      attribute_filter=_attribute_filter, url_schemes={"http", "https", "mailto", "data"},
                      link_rel="noopener noreferrer nofollow", strip_comments=True, id_prefix=ID_PREFIX)
 
@@ -161,7 +161,7 @@ def markdown_to_html(text: str) -> str:
 
     html = cmarkgfm.markdown_to_html_with_extensions(text, options=Options.CMARK_OPT_UNSAFE,
                                                      extensions=["table", "strikethrough", "autolink"])
-    return clean_html(_bounded(html, "text/markdown"))
+    return clean_html(html, "text/markdown")
 
 
 def inert(html: str) -> str:
