@@ -125,8 +125,12 @@ def _allowed(key: str, allowed: tuple[str, ...]) -> str:
     return f"{hint}; allowed keys: {', '.join(allowed)}"
 
 
+_KEY_PART_RE = re.compile(r'\s*("[^"]*"|\'[^\']*\'|[^."\']+)\s*(?:\.|$)')
+
+
 def _key_parts(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip().strip("\"'") for part in raw.split("."))
+    """A dotted TOML key's parts; a quoted part keeps its dots (``"A.B"`` is one name)."""
+    return tuple(m.group(1).strip().strip("\"'") for m in _KEY_PART_RE.finditer(raw.strip()) if m.group(1))
 
 
 # Folders every machine mounts for itself: a volume there (or above one) hides them, and the
@@ -161,7 +165,9 @@ class _Lines:
                 continue
             key = _KEY_RE.match(line)
             if key:
-                self.where.setdefault((*section, *_key_parts(key.group(1))), number)
+                parts = _key_parts(key.group(1))
+                for end in range(1, len(parts) + 1):  # a dotted key makes its tables on its line
+                    self.where.setdefault((*section, *parts[:end]), number)
             if (line.count('"""') + line.count("'''")) % 2:
                 in_multiline = True
 

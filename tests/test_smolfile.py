@@ -223,6 +223,17 @@ BAD: list[tuple[str, str, str]] = [
         "allowed keys: enabled",
     ),
     (
+        "env-dotted-key",  # the table a dotted key makes is on the key's line, not the section's
+        'cpus = 1\n[env]\nX = "1"\nA.B = "x"',
+        "Smolfile line 4: [env] value of 'A' must be a string, got a table",
+    ),
+    (
+        "env-quoted-dotted-name",  # a quoted key's dots are part of its name
+        '[env]\nX = "1"\n"A.B" = "x"',
+        "Smolfile line 3: [env] name 'A.B' is not a valid variable name; "
+        "use letters, digits and _ (not starting with a digit)",
+    ),
+    (
         "network-not-table",
         "network = true",
         "Smolfile line 1: 'network' must be a table (a [network] section), got boolean true",
