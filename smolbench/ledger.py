@@ -300,6 +300,10 @@ class Ledger:
                                  "WHERE session_id = ? AND ended IS NULL", (time.time(), sid))
         return count
 
+    def touch_checkpoint(self, name: str) -> None:
+        """Renew a checkpoint's ``created`` time (added again from the same file)."""
+        self._write("UPDATE checkpoints SET created = ? WHERE name = ?", (time.time(), name))
+
     def remove_checkpoint(self, name: str) -> None:
         """Forget a checkpoint."""
         self._write("DELETE FROM checkpoints WHERE name = ?", (name,))

@@ -211,7 +211,12 @@ class Shelf:
     def adopt(self, source: str, backend: str | None) -> Adopted:
         """Add the checkpoint file ``source`` (a path the user named, anywhere) to this folder:
         copied into its checkpoint folder (unless it is there already), checked as someone
-        else's bytes, given a row. ``backend``: the one up (None: none is)."""
+        else's bytes, given a row. ``backend``: the one up (None: none is). Other kernels
+        adding or taking back in this folder wait meanwhile (see :meth:`unadopt`)."""
+        with self.store.locked():
+            return self._adopt(source, backend)
+
+    def _adopt(self, source: str, backend: str | None) -> Adopted:
         src_fd = _open_named(source)
         try:
             own = self._own_name(os.fstat(src_fd))
@@ -221,6 +226,9 @@ class Shelf:
         name = fname[: -len(SUFFIX)]
         existing = self.ledger.checkpoint(name)
         if existing is not None and self._names_file(existing, fname):
+            if existing.get("session_id") == IMPORTED:  # used again: a restore that added it can't take it back
+                self.ledger.touch_checkpoint(name)
+                existing = self.ledger.checkpoint(name) or existing
             return Adopted(existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})",
                            False, None)
         if existing is not None:  # a row of that name for another file: it stays as it is
@@ -248,11 +256,17 @@ class Shelf:
     def unadopt(self, added: Adopted) -> None:
         """Take back what ``adopt`` added: its row while it is still that row, and the file
         only if it copied it in and the name is still that copy (a file someone put in the
-        checkpoint folder stays theirs; one another kernel saved meanwhile stays too)."""
+        checkpoint folder stays theirs; one another kernel saved meanwhile stays too). A row
+        another kernel was told is "already in this folder" since (it added the same file: its
+        ``created`` was renewed) stays, and so does the file it names."""
         name = str(added.row["name"])
-        if added.new_row and (now := self.ledger.checkpoint(name)) is not None and now == added.row:
-            self.ledger.remove_checkpoint(name)
-        if added.copied is not None:
+        with contextlib.suppress(Missing, PathRefused), self.store.locked():
+            now = self.ledger.checkpoint(name)
+            if added.new_row and now is not None and now == added.row:
+                self.ledger.remove_checkpoint(name)
+                now = None
+            if added.copied is None or (now is not None and self._names_file(now, added.copied)):
+                return
             with contextlib.suppress(SmolbenchError, OSError), self.store.open(added.copied) as f:
                 if _identity(f.fd) != added.identity:
                     return

@@ -323,6 +323,50 @@ def test_taking_back_an_added_file_takes_only_what_is_still_its_own(open_tmp: Pa
         led.close()
 
 
+def test_a_file_another_kernel_was_told_is_here_is_not_taken_back(open_tmp: Path) -> None:
+    """Two kernels restore the same new file from elsewhere: the first copies it in, the second
+    is told it is "already in this folder"; the first's restore then fails in its machine and
+    takes back what it added. That took the row and the copy the second kernel was told about.
+    Now the second's use renews the row, and a row that changed keeps its file."""
+    import threading
+
+    from smolbench.shelf import Shelf
+
+    folder = open_tmp / "f"
+    (folder / CK).mkdir(parents=True)
+    gift = open_tmp / "gift.smolcheckpoint"
+    _forged(gift, _record(name="gift"))
+    first, second = (Ledger(folder / ".smolbench" / "ledger.db") for _ in range(2))  # two kernels' ledgers
+    try:
+        added = Shelf(first).adopt(str(gift), "sandbox")
+        assert added.new_row and added.copied == "gift.smolcheckpoint"
+        told = Shelf(second).adopt(str(gift), "sandbox")
+        assert "is already in this folder" in told.note and not told.new_row
+        Shelf(first).unadopt(added)  # the first kernel's restore failed
+        assert second.checkpoint("gift") is not None
+        assert (folder / CK / "gift.smolcheckpoint").read_bytes() == gift.read_bytes()
+        # the other order: taken back before the second kernel came, it copies the file in anew
+        Shelf(first).remove("gift")
+        added = Shelf(first).adopt(str(gift), "sandbox")
+        Shelf(first).unadopt(added)
+        assert rows(folder) == {} and not (folder / CK / "gift.smolcheckpoint").exists()
+        again = Shelf(second).adopt(str(gift), "sandbox")
+        assert again.new_row and again.copied == "gift.smolcheckpoint"
+        # adding and taking back hold the folder: one kernel waits while another adds
+        shelf = Shelf(second)
+        with shelf.store.locked():
+            waiter = threading.Thread(target=Shelf(first).unadopt, args=(again,))
+            waiter.start()
+            waiter.join(0.5)
+            assert waiter.is_alive()  # waits for the folder
+            assert second.checkpoint("gift") is not None
+        waiter.join(10)
+        assert not waiter.is_alive() and rows(folder) == {}
+    finally:
+        first.close()
+        second.close()
+
+
 def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(open_tmp: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Copying a file in runs on a thread, which a Ctrl-C can't stop: it finished after the

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import stat
@@ -161,6 +162,14 @@ class Store:
             yield fd
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The checkpoint folder held against other kernels (an exclusive ``flock`` on the folder
+        itself: no lock file, which a copied folder could make a link)."""
+        with self._dir(make=True) as dfd:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            yield  # closing the descriptor lets go
 
     def ensure(self) -> None:
         """Make the checkpoint folder (and ``.smolbench``) if needed, refusing links on the way."""
