@@ -98,7 +98,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self, machines: Machines, timeout: float = REQUEST_TIMEOUT,
-                 on_close: Callable[[Machines], None] | None = None) -> None:
+                 on_close: Callable[[Machines], None] | None = None, *, served: bool = False) -> None:
         super().__init__()
         self._m = machines
         self._timeout = timeout
@@ -108,7 +108,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._cut: _Cut | None = None  # the request running now, to end early when its client is gone
         self._client_gone = False
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._served = False  # made by app_for: closed on OpenEnv's server loop, which must not wait
+        self._served = served  # made by app_for: closed on OpenEnv's server loop, which must not wait
 
     async def reset_async(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`reset`, cut as soon as the client's connection is gone (see :class:`ClientWatch`)."""
@@ -324,9 +324,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        env = MachineEnvironment(m, timeout, on_close=live.discard)
-        env._served = True
-        return env
+        return MachineEnvironment(m, timeout, on_close=live.discard, served=True)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)

@@ -137,8 +137,7 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
     import threading
 
     ended: list[Machines] = []
-    env = MachineEnvironment(parent.sibling(), on_close=ended.append)
-    env._served = True  # as app_for makes it (a close elsewhere, a notebook cell's too, waits)
+    env = MachineEnvironment(parent.sibling(), on_close=ended.append, served=True)  # as app_for makes it
     env.reset(seed=1)
     hold = threading.Event()
     end = env._m.records.end
