@@ -170,20 +170,21 @@ class _Cell:
             self.emit(ev)
         return got
 
-    def note_dropped(self, dropped: list[str]) -> None:
-        for mime in dropped:
-            if mime in self.noted or len(self.noted) > NOTES:
+    def note_dropped(self, dropped: list[display.Dropped]) -> None:
+        for item in dropped:
+            what = str(item)
+            if what in self.noted or len(self.noted) > NOTES:
                 continue
-            self.noted.add(mime)
+            self.noted.add(what)
             if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
                                 "not shown either\n"))
                 continue
-            if " (" in mime:  # display.TooMuchMarkup: a type that is shown, but not this big
-                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime}, which was not shown: "
+            if isinstance(item, display.TooMuchMarkup):  # a type that is shown, but not this big
+                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown: "
                                 "too many elements to clean (`%smol trust on` shows machine output raw)\n"))
                 continue
-            self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {mime} output, which was not shown "
+            self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what} output, which was not shown "
                             "(it could run in your browser); `%smol trust on` shows machine output raw\n"))
 
     def _result_fits(self, result: Any) -> bool:

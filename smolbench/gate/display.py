@@ -194,31 +194,35 @@ def _shallow(value: Any, mime: str) -> Any:
     return value
 
 
-def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Check a MIME bundle and make it safe; returns (bundle, MIME types dropped).
+Dropped = str | TooMuchMarkup  # a MIME type not shown at all, or a value of one too big to clean
+
+
+def bundle(data: Any, trusted: bool,
+           markdown: MarkdownAllowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
+    """Check a MIME bundle and make it safe; returns (bundle, what was dropped).
     ``markdown``: what the cell may still have rendered (None: one bundle's worth)."""
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
-    dropped: list[str] = []
+    dropped: list[Dropped] = []
     for mime, value in data.items():
         if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
             raise Bad(f"a display bundle has a bad MIME type {shown(mime)}")
         try:
             _one(out, dropped, mime, value, trusted, markdown)
         except TooMuchMarkup as exc:
-            dropped.append(str(exc))
+            dropped.append(exc)
     if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:
         try:
             out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
         except TooMuchMarkup as exc:
             del out["text/html"]
-            dropped.append(str(exc))
+            dropped.append(exc)
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
     return out, dropped
 
 
-def _one(out: dict[str, Any], dropped: list[str], mime: str, value: Any, trusted: bool,
+def _one(out: dict[str, Any], dropped: list[Dropped], mime: str, value: Any, trusted: bool,
          markdown: MarkdownAllowance | None) -> None:
     """One MIME type of a bundle, checked into ``out`` (or named in ``dropped``)."""
     if trusted:
