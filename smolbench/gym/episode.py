@@ -68,3 +68,16 @@ class Later:
 def _where(i: int, n: int, ep: Episode) -> str:
     name = ep.ref.name if ep.ref is not None else "?"
     return f"sub-env {i} (machine {name})" if n > 1 else f"the env (machine {name})"
+
+
+def plain_rng(value: Any) -> dict[str, Any] | None:
+    """A random generator state a machine sent, kept only if it is plain (it goes back to a machine)."""
+    if not isinstance(value, dict) or not isinstance(value.get("state"), str) or len(value["state"]) > 4096:
+        return None
+    seed = value.get("seed")
+    return {"state": value["state"], "seed": seed if isinstance(seed, int) and not isinstance(seed, bool) else None}
+
+
+def unchecked(where: str, what: str, exc: Exception) -> GymError:
+    """An answer whose check failed in a way not foreseen, as the sub-env's one line."""
+    return GymError(f"{where} answered {what} with data that could not be checked ({type(exc).__name__}: {str(exc)[:200]})")

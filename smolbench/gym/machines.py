@@ -38,6 +38,7 @@ from ..gate.channel import AnswerError, Ended
 from ..guest import protocol as P
 from ..ledger import code_hash
 from ..tree import Node
+from . import episode as E
 from . import spaces
 from ._host import Host
 from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
@@ -350,7 +351,7 @@ class Machines:
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
                 with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
-                    ep.rng = _rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
+                    ep.rng = E.plain_rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
             self.records.end(ep, "reset")
         req = self._reset_request(ep, seed, options)
 
@@ -476,7 +477,7 @@ class Machines:
         except GymError:
             raise
         except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
-            raise _unchecked(where, "a reset", exc) from None
+            raise E.unchecked(where, "a reset", exc) from None
         ep.obs = obs
         return obs, info
 
@@ -651,12 +652,12 @@ class Machines:
         try:
             st = self._step(out, ep, fit)
         except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
-            err = exc if isinstance(exc, GymError) else _unchecked(self._where(ep), "a step", exc)
+            err = exc if isinstance(exc, GymError) else E.unchecked(self._where(ep), "a step", exc)
             self.records.end(ep, "error", str(err))
             return err
         self._advance(ep, st)
         if st.terminated or st.truncated:
-            ep.rng = _rng(out.get("rng"))
+            ep.rng = E.plain_rng(out.get("rng"))
             self.records.end(ep, "terminated" if st.terminated else "truncated")
             if self.mode == "fresh":
                 _loop.get_loop().call_soon_threadsafe(self.pool.wake)
@@ -795,15 +796,3 @@ STEP_KEYS_RNG = STEP_KEYS | {"rng"}
 def _ignore(event: Any) -> None:
     """Output of a gym request is not shown (the env's own prints stay in its machine's record)."""
 
-
-def _rng(value: Any) -> dict[str, Any] | None:
-    """A random generator state a machine sent, kept only if it is plain (it goes back to a machine)."""
-    if not isinstance(value, dict) or not isinstance(value.get("state"), str) or len(value["state"]) > 4096:
-        return None
-    seed = value.get("seed")
-    return {"state": value["state"], "seed": seed if isinstance(seed, int) and not isinstance(seed, bool) else None}
-
-
-def _unchecked(where: str, what: str, exc: Exception) -> GymError:
-    """An answer whose check failed in a way not foreseen, as the sub-env's one line."""
-    return GymError(f"{where} answered {what} with data that could not be checked ({type(exc).__name__}: {str(exc)[:200]})")
