@@ -1,4 +1,4 @@
-"""How smolbench writes sizes and times for people: one convention everywhere."""
+"""How the magics' tables and messages write sizes and local times for people."""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     loc = csub.add_parser("local", help="a throwaway multi-node Ray cluster on this machine (until Ctrl-C)")
     loc.add_argument("--nodes", type=int, default=3, help="worker nodes (the head runs no machines)")
     loc.add_argument("--slots", type=int, default=8, help="machine slots per node")
-    loc.add_argument("--backend", default="auto", help="node backends, cycled over the nodes: auto, sandbox, process")
+    loc.add_argument("--backend", default="auto", help="node backends, cycled over the nodes: auto, sandbox, process, smol")
     loc.set_defaults(fn=cluster_local)
     from .serve import add_parser as add_serve
 
