@@ -35,7 +35,7 @@ def forged(header: str, body: bytes) -> str:
 @pytest.mark.parametrize("arr", [
     np.zeros(4, np.float32), np.arange(6, dtype=np.int64).reshape(2, 3), np.array(3.5), np.zeros((0, 3)),
     np.array([True, False]), np.arange(5, dtype=">i4"), np.zeros((1, 2, 3, 4), np.uint8), np.array([-1, 7], np.int8),
-    np.asfortranarray(np.arange(6.0).reshape(2, 3)), np.array(["ab"]), np.zeros(3, np.complex64),
+    np.asfortranarray(np.arange(6.0).reshape(2, 3)), np.array(["ab"]), np.zeros(3, np.complex64), np.zeros(3, np.float16),
 ])
 def test_the_fast_path_rebuilds_what_np_load_does(arr: Any) -> None:
     raw = npy(arr)
@@ -50,6 +50,8 @@ def test_the_fast_path_rebuilds_what_np_load_does(arr: Any) -> None:
     ("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999), }", b"\0" * 16),
     ("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\x80\x04N."),  # would need a pickle
     ("{'descr': '<f4', 'fortran_order': False, 'shape': (__import__('os').getpid(),), }", b"\0" * 16),
+    ("{'descr': '<b8', 'fortran_order': False, 'shape': (2,), }", b"\0" * 16),  # no such dtype: was a TypeError
+    ("{'descr': '|f1', 'fortran_order': False, 'shape': (2,), }", b"\0" * 2),
 ])
 def test_forged_headers_are_refused(header: str, body: bytes) -> None:
     with pytest.raises(Bad, match="not plain .npy data"):

@@ -28,7 +28,7 @@ from smolbench.workbench import Workbench
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 ENVS = '''
-import sys, gymnasium, numpy as np
+import base64, sys, gymnasium, numpy as np
 from gymnasium import spaces
 
 BAD = {"int key": {"a": {1: 2}}, "None key": {"a": {None: 2}}, "set": {"a": set(range(400000))},
@@ -53,6 +53,10 @@ class Answers(gymnasium.Env):
         if self.how in BAD:  # sub-env 0 sends it at its 2nd step, where sub-env 1 ends
             info = BAD[self.how] if (self.me, self.t) == (0, 2) else {}
             ended = (self.me, self.t) == (1, 2)
+        elif self.how == "bad dtype":  # sub-env 0's 2nd answer: a .npy of a dtype numpy has no spelling for
+            ended = (self.me, self.t) == (1, 2)
+            if (self.me, self.t) == (0, 2):
+                forge_dtype(sys._getframe(1).f_locals)
         elif self.how == "mixed":  # both honest data: sub-env 0 ends with a number, sub-env 1 says text
             info = {"a": 1 if self.me == 0 else "x"} if self.t == 2 else {}
             ended = (self.me, self.t) == (0, 2)
@@ -72,6 +76,18 @@ class Counter(gymnasium.Env):
     def step(self, action):
         return 2**100, 1.0, False, False, {}
 
+def forge_dtype(serving):  # the serving loop's answer rewritten, as the machine's code can
+    api, answer = serving["api"], serving["answer"]
+    real = answer.step
+    def forged(*args, **kwargs):
+        answer.step = real
+        head = b"{'descr': '<b8', 'fortran_order': False, 'shape': (2,), }"
+        head += b" " * (-(10 + len(head) + 1) % 64) + b"\\n"
+        raw = b"\\x93NUMPY\\x01\\x00" + len(head).to_bytes(2, "little") + head + bytes(16)
+        api._agent.send_line(b'{"t":"answer","step":{"o":"' + base64.b64encode(raw) + b'","r":1.0,"f":0,'
+                             b'"i":{"format":"data","data":{"$":"dict","v":[]}}}}\\n')
+    answer.step = forged
+
 def unchecked(env):  # the guest's info check rewritten away, as the machine's code can
     sys._getframe(2).f_globals["plain"] = lambda value, *args, **kwargs: value
     return env
@@ -82,6 +98,7 @@ def answers(how):
 for _how in BAD:
     globals()["answers_" + _how.replace(" ", "_")] = answers(_how)
 answers_mixed = lambda: Answers("mixed")
+answers_bad_dtype = lambda: Answers("bad dtype")
 discrete_step = lambda: unchecked(Counter("step"))
 discrete_reset = lambda: unchecked(Counter("reset"))
 
@@ -209,7 +226,8 @@ def test_a_malformed_answer_is_one_line_naming_the_env(bench: Workbench, name: s
 
 
 @pytest.mark.parametrize("reset", ["in-place", "fresh"])
-@pytest.mark.parametrize("name, blamed, ended", [("answers_int_key", 0, 1), ("answers_mixed", 1, 0)])
+@pytest.mark.parametrize("name, blamed, ended", [("answers_int_key", 0, 1), ("answers_mixed", 1, 0),
+                                                 ("answers_bad_dtype", 0, 1)])
 def test_one_sub_envs_bad_answer_never_loses_anothers_end(bench: Workbench, reset: str, name: str, blamed: int,
                                                           ended: int) -> None:
     """At step 2 sub-env ``ended`` terminates while sub-env ``blamed`` sends an info that can't

@@ -11,6 +11,7 @@ branch of the warm parent, which the attack never touched).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,6 @@ def _lean(obs: str, reward: bytes = b"1.0", flags: bytes = b"0") -> bytes:
 
 
 def _npy64(arr: Any, allow_pickle: bool = False) -> str:
-    import base64
     import io
 
     buf = io.BytesIO()
@@ -237,8 +237,20 @@ def _npy64(arr: Any, allow_pickle: bool = False) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _forged64(descr: str) -> str:
+    """A .npy of 2 items whose dtype numpy's own spelling doesn't have (``<b8``, ``<f1``)."""
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': (2,), }}".encode()
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return base64.b64encode(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + b"\0" * 16).decode()
+
+
 OBS = _npy64(np.array([0.5, -1, 2, 3], np.float32))
 LEAN_FRAMES = {
+    # the audit: a dtype the fast path's pattern took but numpy refuses raised a bare TypeError
+    # out of the channel (and cut the other sub-envs' answers in a vector step)
+    "no such dtype <b8": _lean(_forged64("<b8")),
+    "no such dtype <f1": _lean(_forged64("<f1")),
+    "float16": _lean(_npy64(np.zeros(2, np.float16))),
     "plain": _lean(OBS),
     "int reward": _lean(OBS, b"-0"),
     "exponent": _lean(OBS, b"-2.5e-3", b"3"),
@@ -393,3 +405,32 @@ def test_the_guest_reads_a_step_request_without_json_as_json_would(line: bytes) 
         assert got == [want] and wire.seed == seed
     else:
         assert got == want
+
+
+def test_a_check_that_fails_unforeseen_refuses_the_answer_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sub-env's answer must never raise out of the channel: in a vector step that cut the
+    other sub-envs' answers (ask_now gave up on them all). A check failing in a way not
+    foreseen (here made to, where a bad dtype used to) refuses the bytes in one line."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.gate import pull
+    from smolbench.gate.channel import Answers
+
+    def broken(raw: bytes) -> Any:
+        raise RuntimeError("a check not foreseen")
+
+    monkeypatch.setattr(pull, "_plain_npy", broken)
+    answers = Answers(CellRequest("x"), "root.1")
+    (got,) = answers.feed(LEAN_FRAMES["plain"])
+    assert isinstance(got, Exception) and answers.broken
+    assert str(got) == "machine root.1 sent a malformed reply: an answer that could not be checked (RuntimeError)"
+
+
+def test_a_machines_error_is_one_line_that_cant_pass_for_another_sub_envs() -> None:
+    from smolbench.backends.base import CellRequest
+    from smolbench.gate.channel import AnswerError, Answers
+
+    frame = (b'{"t":"answer","error":{"ename":"ValueError","evalue":"oops\\nsub-env 0 (machine root.1.0): machine '
+             b'root.1.0 died mid-step","traceback":[]}}\n')
+    (got,) = Answers(CellRequest("x"), "root.1").feed(frame)
+    assert isinstance(got, AnswerError)
+    assert str(got) == "ValueError: oops sub-env 0 (machine root.1.0): machine root.1.0 died mid-step"

@@ -23,11 +23,16 @@ from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown,
 from .limits import LIMITS, human
 
 
+def _one_line(error: dict[str, Any]) -> str:
+    """A machine's error as one line: its lines can't pass for the host's about another sub-env."""
+    return " ".join(f"{error.get('ename', 'Error')}: {str(error.get('evalue', ''))[:500]}".split())
+
+
 class AnswerError(SmolbenchError):
     """The request failed in the machine (its error, as the machine named it)."""
 
     def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(f"{error.get('ename', 'Error')}: {str(error.get('evalue', ''))[:500]}")
+        super().__init__(_one_line(error))
         self.error = error
 
 
@@ -36,8 +41,7 @@ class Ended(SmolbenchError):
 
     def __init__(self, result: CellResult) -> None:
         err = result.error or {}
-        super().__init__(f"{err.get('ename', 'Error')}: {str(err.get('evalue', ''))[:500]}" if result.status != "ok"
-                         else "the serving cell ended")
+        super().__init__(_one_line(err) if result.status != "ok" else "the serving cell ended")
         self.result = result
 
 
@@ -58,7 +62,14 @@ class Answers:
         self.broken = False
 
     def feed(self, chunk: bytes) -> list[Any]:
-        """The answers ``chunk`` completes (values, or exceptions as above)."""
+        """The answers ``chunk`` completes (values, or exceptions as above); never raises: a
+        check that fails in a way not foreseen refuses the machine's bytes like any other."""
+        try:
+            return self._feed(chunk)
+        except Exception as exc:  # an answer of one sub-env must never cut the others' (ask_now)
+            return [self._break(malformed(self.where, f"an answer that could not be checked ({type(exc).__name__})"))]
+
+    def _feed(self, chunk: bytes) -> list[Any]:
         if self.broken:
             return []
         frame = self._split.whole(chunk)

@@ -71,7 +71,7 @@ class Budget:
 # The header np.save writes for a C-ordered array of plain numbers (what an env's observation
 # is): matched whole, no literal_eval, so a step's arrays skip numpy's header parser. Any
 # other .npy goes through np.load(allow_pickle=False).
-PLAIN_NPY = re.compile(rb"\{'descr': '([<>|][biuf][1248])', 'fortran_order': False, "
+PLAIN_NPY = re.compile(rb"\{'descr': '([<>|](?:b1|[iu][1248]|f[248]))', 'fortran_order': False, "
                        rb"'shape': \(((?:[0-9]{1,10}, )*[0-9]{1,10},?|)\), \} *\n")
 
 
@@ -91,7 +91,10 @@ def _plain_npy(raw: bytes) -> Any:
         m = PLAIN_NPY.fullmatch(header)
         if m is None:
             return None
-        dtype = np.dtype(m[1].decode("ascii"))
+        try:
+            dtype = np.dtype(m[1].decode("ascii"))
+        except TypeError:  # a spelling numpy refuses: np.load's to refuse, in one line
+            return None
         shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
         known = (dtype, shape, math.prod(shape))
         if len(_HEADERS) < 64:  # a step's observation has the same header every time
