@@ -196,7 +196,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             records.flush()
         await _to_the_end(self.zygotes.close())
         for name in sorted(self.machines, key=lambda n: -n.count(".")):
-            ref = self.machines.pop(name)
+            ref = self.machines.pop(name, None)
+            if ref is None:  # deleted meanwhile (a gym env closing beside this)
+                continue
             with contextlib.suppress(Exception):
                 await self.backend.delete(ref)
             count += 1

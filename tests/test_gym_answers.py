@@ -88,6 +88,27 @@ def forge_dtype(serving):  # the serving loop's answer rewritten, as the machine
                              b'"i":{"format":"data","data":{"$":"dict","v":[]}}}}\\n')
     answer.step = forged
 
+class ExtraAnswer(gymnasium.Env):
+    """Its first step also answers once more (the serving loop's answer rewritten): every later
+    answer then answers the request before it."""
+    observation_space = spaces.Box(-100.0, 100.0, (1,), np.float32)
+    action_space = spaces.Discrete(2)
+    sent = False
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        if options and options.get("fail"):
+            raise ValueError("this reset fails")
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if not ExtraAnswer.sent:
+            ExtraAnswer.sent = True
+            sys._getframe(1).f_locals["answer"].step(np.full(1, 50, np.float32), 1.0, 0, {}, None)
+        return np.full(1, self.t, np.float32), 1.0, False, False, {}
+
 def unchecked(env):  # the guest's info check rewritten away, as the machine's code can
     sys._getframe(2).f_globals["plain"] = lambda value, *args, **kwargs: value
     return env
@@ -249,3 +270,40 @@ def test_one_sub_envs_bad_answer_never_loses_anothers_end(bench: Workbench, rese
         one_line(refused.value, f"sub-env {blamed} (machine root.")
     finally:
         envs.close()
+
+
+def test_one_answer_too_many_breaks_the_sub_env_only_until_its_next_reset(bench: Workbench) -> None:
+    """The audit: a machine that answers once more than asked (its serving loop rewritten) had
+    every later answer answer the request before it, so every reset was refused, for good.
+    Its own steps' data is its own to lie about; but the refused reset now hangs up the
+    channel, and the next reset starts a new serving cell, in step again."""
+    env = sgym.make("ExtraAnswer", session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        env.step(0)
+        with pytest.raises(SmolbenchError) as refused:
+            env.reset(seed=0)
+        one_line(refused.value, "answered a reset with something other than an observation and an info")
+        with pytest.raises(SmolbenchError, match="call reset"):  # the refused reset began no episode
+            env.step(0)
+        obs, _ = env.reset(seed=0)
+        assert obs[0] == 0
+        assert [env.step(0)[0][0] for _ in range(3)] == [1, 2, 3]  # each answer is its own step's again
+    finally:
+        env.close()
+
+
+def test_a_reset_that_raises_begins_no_episode(bench: Workbench) -> None:
+    """An honest env whose reset raises: the step after it is refused (as before any reset),
+    not sent to an env in an unknown state as if its episode ran."""
+    env = sgym.make("ExtraAnswer", session=bench, reset="in-place")
+    try:
+        with pytest.raises(SmolbenchError) as failed:
+            env.reset(seed=0, options={"fail": True})
+        one_line(failed.value, "ValueError: this reset fails")
+        with pytest.raises(SmolbenchError, match="call reset"):
+            env.step(0)
+        assert env.reset(seed=0)[0][0] == 0
+    finally:
+        env.close()

@@ -221,3 +221,49 @@ def test_an_in_place_reset_whose_machine_died_starts_over_in_a_new_branch(bench:
     finally:
         env.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+HANGING = '''
+import sys, time, gymnasium
+
+def hanging_spares():
+    server = sys._getframe(1).f_locals["self"]  # the warm parent's gym server, as the env's code can reach it
+    real = server.serve
+    def serve(api, first, pages=None, learn=False):
+        if first is None:  # a spare (or the practice episode): it never answers
+            time.sleep(10**6)
+        return real(api, first, pages, learn)
+    server.serve = serve
+    return gymnasium.make("CartPole-v1")
+'''
+
+
+def test_spares_that_never_answer_hold_neither_the_reset_nor_the_close(bench: Workbench) -> None:
+    """The audit: the warm parent's code made every spare branch sleep before its first answer.
+    A fresh reset then waited for a spare forever, and so did the env's close (it waited for
+    the spares to start), and the session's down raised KeyError beside it. Now the close
+    deletes the spares still starting, the waiting reset ends in one line, and nothing of
+    the env is left."""
+    define(bench, HANGING)
+    before = set(bench.machines)
+    env = sgym.make("hanging_spares", session=bench)
+    said: list[BaseException] = []
+
+    def reset() -> None:
+        try:
+            env.reset()
+        except BaseException as exc:  # noqa: BLE001 - what the blocked reset ends with
+            said.append(exc)
+
+    waiting = threading.Thread(target=reset, daemon=True)
+    waiting.start()
+    waiting.join(3)
+    assert waiting.is_alive()  # no spare ever answers: it waits (Ctrl-C would end it)
+    closing = threading.Thread(target=env.close, daemon=True)
+    closing.start()
+    closing.join(120)  # a guard against the old hang, not a time being measured
+    assert not closing.is_alive(), "the env's close waited for spares that never answer"
+    waiting.join(60)
+    assert not waiting.is_alive() and len(said) == 1 and "\n" not in str(said[0]), said
+    assert isinstance(said[0], SmolbenchError) and "the env is closed" in str(said[0]), said[0]
+    assert set(bench.machines) == before  # every branch it made is deleted

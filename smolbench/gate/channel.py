@@ -23,7 +23,7 @@ from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown,
 from .limits import LIMITS, human
 
 
-def _one_line(error: dict[str, Any]) -> str:
+def one_line_error(error: dict[str, Any]) -> str:
     """A machine's error as one line: its lines can't pass for the host's about another sub-env."""
     return " ".join(f"{error.get('ename', 'Error')}: {str(error.get('evalue', ''))[:500]}".split())
 
@@ -32,7 +32,7 @@ class AnswerError(SmolbenchError):
     """The request failed in the machine (its error, as the machine named it)."""
 
     def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(_one_line(error))
+        super().__init__(one_line_error(error))
         self.error = error
 
 
@@ -41,7 +41,7 @@ class Ended(SmolbenchError):
 
     def __init__(self, result: CellResult) -> None:
         err = result.error or {}
-        super().__init__(_one_line(err) if result.status != "ok" else "the serving cell ended")
+        super().__init__(one_line_error(err) if result.status != "ok" else "the serving cell ended")
         self.result = result
 
 

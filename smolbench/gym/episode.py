@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends._channel import Channel
-from ..backends.base import MachineRef
-from ..errors import SmolbenchError
+from ..backends.base import CellResult, MachineRef
+from ..errors import InfraError, SmolbenchError
+from ..gate.channel import AnswerError, Ended, one_line_error
 from ..tree import Node
+
+OUT = "_smolgym_out"  # the variable a one-request cell leaves its result in
 
 
 class GymError(SmolbenchError):
@@ -81,3 +84,31 @@ def plain_rng(value: Any) -> dict[str, Any] | None:
 def unchecked(where: str, what: str, exc: Exception) -> GymError:
     """An answer whose check failed in a way not foreseen, as the sub-env's one line."""
     return GymError(f"{where} answered {what} with data that could not be checked ({type(exc).__name__}: {str(exc)[:200]})")
+
+
+def failed(exc: BaseException, where: str) -> BaseException:
+    """What a request that failed stands for: the env's error in one line, the machine's loss
+    (refused by the gate, or gone) as :class:`Unanswered`, anything else as it is."""
+    if isinstance(exc, (AnswerError, Ended)):  # the env failed (not the machine): one line
+        return GymError(f"{where}: {exc}")
+    if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
+        return exc
+    return Unanswered(f"{where}: {exc}")
+
+
+def hang_up(ep: Episode) -> None:
+    """End ``ep``'s kept connection (its serving cell finishes on its own)."""
+    if ep.chan is not None:
+        ep.chan.close()
+        ep.chan = None
+
+
+def cell_out(res: CellResult, where: str) -> Any:
+    """A one-request cell's pulled result, or its failure as one line naming the sub-env."""
+    if res.status != "ok":
+        raise GymError(f"{where}: {one_line_error(res.error or {})}")
+    if res.pull_error:
+        raise GymError(f"{where}: {res.pull_error}")
+    if OUT not in res.pulled:
+        raise GymError(f"{where} sent no result")
+    return res.pulled[OUT]

@@ -32,23 +32,22 @@ from .. import _loop
 from .. import retries as retry
 from .._aio import _to_the_end
 from ..backends._channel import Channel, ask_all, ask_now, askable_now
-from ..backends.base import CellRequest, CellResult, MachineRef
+from ..backends.base import CellRequest, MachineRef
 from ..errors import InfraError, SmolbenchError
-from ..gate.channel import AnswerError, Ended
+from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from ..ledger import code_hash
 from ..tree import Node
 from . import episode as E
 from . import spaces
 from ._host import Host
-from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
+from .episode import OUT, UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
 from .info import checked_info
 from .practice import practise
 from .record import Records, quietly
 from .spares import NO_ROOM_LIMIT, NoSpare, Spares, live
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
-OUT = "_smolgym_out"
 RESETS = ("fresh", "in-place")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SETUP = """\
@@ -142,7 +141,7 @@ class Machines:
             raise
         except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
             raise Unanswered(f"{where}: {exc}") from None
-        return self._out(res, where)
+        return E.cell_out(res, where)
 
     @property
     def channels(self) -> bool:
@@ -154,7 +153,7 @@ class Machines:
         """Start ``ep``'s serving cell with its episode's reset (None: it waits for one, having
         taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer."""
         assert ep.ref is not None
-        self._hang_up(ep)
+        E.hang_up(ep)
         ep.cells += 1
         code = f"_smolgym.serve(smolbench_guest, {reset!r}{f', {pages!r}' if pages else ''}{', learn=True' if learn else ''})"
         req = CellRequest(code, cell_name=f"<gym-{ep.cells}>", seed=seed)
@@ -163,8 +162,8 @@ class Machines:
             ep.chan = await self.wb.backend.open_channel(ep.ref, req)  # type: ignore[attr-defined]
             return await ep.chan.answer()
         except BaseException as exc:
-            self._hang_up(ep)
-            raise self._failed(exc, where) from None
+            E.hang_up(ep)
+            raise E.failed(exc, where) from None
 
     async def _ask(self, ep: Episode, msg: dict[str, Any]) -> Any:
         """One request on ``ep``'s channel; its answer (data, checked by the gate)."""
@@ -175,39 +174,14 @@ class Machines:
         except AnswerError as exc:
             raise GymError(f"{where}: {exc}") from None
         except BaseException as exc:
-            self._hang_up(ep)
-            raise self._failed(exc, where) from None
-
-    @staticmethod
-    def _failed(exc: BaseException, where: str) -> BaseException:
-        if isinstance(exc, (AnswerError, Ended)):  # the env failed (not the machine): one line
-            return GymError(f"{where}: {exc}")
-        if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
-            return exc
-        return Unanswered(f"{where}: {exc}")  # refused by the gate, or the machine is gone
-
-    @staticmethod
-    def _hang_up(ep: Episode) -> None:
-        if ep.chan is not None:
-            ep.chan.close()
-            ep.chan = None
+            E.hang_up(ep)
+            raise E.failed(exc, where) from None
 
     async def _request(self, ep: Episode, op: str, cell: str, **fields: Any) -> Any:
         """``op`` on ``ep``'s machine: on its channel if one is open, else as the one-line ``cell``."""
         if ep.chan is not None:
             return await self._ask(ep, {"op": op, **fields})
         return await self._call(ep, cell)
-
-    @staticmethod
-    def _out(res: CellResult, where: str) -> Any:
-        if res.status != "ok":
-            err = res.error or {}
-            raise GymError(f"{where}: {err.get('ename', 'Error')}: {str(err.get('evalue', ''))[:500]}")
-        if res.pull_error:
-            raise GymError(f"{where}: {res.pull_error}")
-        if OUT not in res.pulled:
-            raise GymError(f"{where} sent no result")
-        return res.pulled[OUT]
 
     # -- the warm parent ------------------------------------------------------------
 
@@ -321,8 +295,11 @@ class Machines:
         ep = Episode(-1, ref=ref)
         try:
             await self._serve(ep, None, None, self._origin._pages)
+        except asyncio.CancelledError:  # the env is closing (see Spares.settle)
+            E.hang_up(ep)
+            raise
         except Exception:  # the reset will say what is wrong (and rebuild under retries)
-            self._hang_up(ep)
+            E.hang_up(ep)
             return None
         return ep.chan
 
@@ -335,7 +312,7 @@ class Machines:
     async def _delete(self, ref: MachineRef) -> None:
         for ep in self.eps:  # its episode's serving cell goes with it
             if ep.ref is ref:
-                self._hang_up(ep)
+                E.hang_up(ep)
         self.wb.machines.pop(ref.name, None)
         self.pool.gone(ref)
         with contextlib.suppress(Exception):
@@ -377,13 +354,13 @@ class Machines:
                 if ep.ref is not None:
                     old.append((ep.ref, ep.chan))
                     ep.chan = None
-                self._hang_up(ep)
+                E.hang_up(ep)
                 ep.ref, ep.chan = await self._spare()
             elif ep.chan is not None and ep.chan.closed:
                 # Its last request was cut short (a Ctrl-C mid-step): what its env did there is
                 # unknown, so it starts over in a new branch of the warm parent.
                 old.append((ep.ref, None))
-                self._hang_up(ep)
+                E.hang_up(ep)
                 (ep.ref,) = await self._branch(1)
             global_seed = self._begin(ep, seed)
             try:
@@ -402,6 +379,9 @@ class Machines:
 
         try:
             out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
+        except GymError as exc:
+            self._reset_ended(ep, exc)
+            raise
         finally:
             if old or self.mode == "fresh":  # only once the reset returned
                 self.pool.retire(old)
@@ -462,22 +442,36 @@ class Machines:
         its machine gone, the episode lost and the reset done again as :meth:`reset` does it."""
         ep = self.eps[i]
         if isinstance(exc, AnswerError):
-            raise GymError(f"{self._where(ep)}: {exc}")
-        self._hang_up(ep)
+            err = GymError(f"{self._where(ep)}: {exc}")
+            self._reset_ended(ep, err)
+            raise err
+        E.hang_up(ep)
         await self._lost(ep, 1, str(exc))
         return await self.reset(i, seed, options)
 
+    def _reset_ended(self, ep: Episode, exc: BaseException) -> None:
+        """A reset failed: the episode it began is not running (a step is refused until the next)."""
+        if ep.running:
+            quietly(self.records.end, ep, "error", str(exc))
+
     def _reset_answer(self, ep: Episode, out: Any) -> tuple[Any, dict[str, Any]]:
         where = self._where(ep)
-        if not isinstance(out, dict) or set(out) - {"obs", "info"}:
-            raise GymError(f"{where} answered a reset with something other than an observation and an info")
         try:
-            obs = self._obs(out.get("obs"), where)
-            info = checked_info(out.get("info"), where)
-        except GymError:
+            if not isinstance(out, dict) or set(out) - {"obs", "info"}:
+                raise GymError(f"{where} answered a reset with something other than an observation and an info")
+            try:
+                obs = self._obs(out.get("obs"), where)
+                info = checked_info(out.get("info"), where)
+            except GymError:
+                raise
+            except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
+                raise E.unchecked(where, "a reset", exc) from None
+        except GymError as exc:
+            # its answers may no longer answer its requests (one answer too many): the next
+            # request starts a new serving cell, and the episode begun is not running
+            E.hang_up(ep)
+            self._reset_ended(ep, exc)
             raise
-        except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
-            raise E.unchecked(where, "a reset", exc) from None
         ep.obs = obs
         return obs, info
 
@@ -627,8 +621,8 @@ class Machines:
         where = _where(ep.index, self.n, ep)
         if isinstance(exc, AnswerError):
             return GymError(f"{where}: {exc}")
-        self._hang_up(ep)
-        return self._failed(exc, where)
+        E.hang_up(ep)
+        return E.failed(exc, where)
 
     async def _stepped(self, ep: Episode, out: Any, fit: bool = False) -> Step | BaseException:
         """A sub-env's step answer (or its failure) checked and recorded (``fit``: its
@@ -728,7 +722,7 @@ class Machines:
         """Sub-env ``i``'s request was cut (out of time): its episode ends as an error, its machine
         is deleted (what its env did is unknown); the next reset starts in a new branch."""
         ep = self.eps[i]
-        self._hang_up(ep)
+        E.hang_up(ep)
         ref, ep.ref = ep.ref, None
         if ep.running:
             quietly(self.records.end, ep, "error", why)

@@ -23,6 +23,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import MachineRef
+from . import episode as E
 from . import spaces
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ async def practise(m: Machines, ep: Episode) -> str | None:
     except Exception:  # an env that fails its practice still runs: its spares warm without a list
         return None
     finally:
-        m._hang_up(ep)
+        E.hang_up(ep)
         if ref is not None:
             await asyncio.shield(m._delete(ref))
 

@@ -37,7 +37,7 @@ class Spares:
         self.m = m
         self.ready: list[tuple[MachineRef, Channel | None]] = []  # with their serving cells, already waiting
         self._refill: asyncio.Future[None] | None = None
-        self._warming: set[asyncio.Future[None]] = set()  # new spares starting their serving cells
+        self._warming: dict[asyncio.Future[None], MachineRef] = {}  # new spares starting their serving cells
         self._added = asyncio.Event()  # a spare was added
         self._deleting: set[asyncio.Future[Any]] = set()
         self._retiring: set[asyncio.Future[None]] = set()  # last episodes' machines on their way to deletion
@@ -76,8 +76,11 @@ class Spares:
         # wait for them; each is a spare once it waits for its episode's reset
         for r in refs:
             task = asyncio.ensure_future(self._ready(r))
-            self._warming.add(task)
-            task.add_done_callback(self._warming.discard)
+            self._warming[task] = r
+            task.add_done_callback(self._warmed)
+
+    def _warmed(self, task: asyncio.Future[None]) -> None:
+        self._warming.pop(task, None)
 
     async def _ready(self, ref: MachineRef) -> None:
         chan = await self.m._wait_in(ref)
@@ -189,14 +192,23 @@ class Spares:
         task.add_done_callback(self._deleting.discard)
 
     async def settle(self) -> None:
-        """The env is closed: wait for what is under way to end (each deletes its machine)."""
+        """The env is closed: wait for what is under way to end (each deletes its machine).
+        Spares still starting their serving cells are not waited for: a warm parent's code
+        can keep them from ever answering (the audit: the env's close waited forever)."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._refill is not None:
             with contextlib.suppress(BaseException):
                 await self._refill
         if self._warming:
-            await asyncio.gather(*self._warming, return_exceptions=True)
+            warming = dict(self._warming)
+            for task in warming:
+                task.cancel()
+            await asyncio.gather(*warming, return_exceptions=True)
+            for task, ref in warming.items():
+                if task.cancelled():
+                    await self.m._delete(ref)
+        self._added.set()  # a reset waiting for a spare looks again: there will be none
 
     async def close(self, delete: Any) -> None:
         """Delete every spare (with ``delete``, which sees it to the end) and the finished ones."""
