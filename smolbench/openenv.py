@@ -11,8 +11,10 @@ Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
+import datetime
 import math
 import sys
 import threading
@@ -57,15 +59,23 @@ class GymObservation(Observation):
 
 
 def to_json(value: Any) -> Any:
-    """A checked observation or info as JSON (arrays as nested lists)."""
+    """A checked observation or info as JSON: arrays as nested lists, bytes as
+    ``{"base64": ...}``, a complex number as ``[real, imag]``, a date or time as its text
+    (a machine's bytes that are not UTF-8 failed the whole response: HTTP 500)."""
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        return to_json(value.tolist()) if value.dtype.kind not in "biuf" else value.tolist()
     if isinstance(value, np.generic):
-        return value.item()
+        return to_json(value.item())
     if isinstance(value, dict):
         return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, complex):
+        return [value.real, value.imag]
+    if isinstance(value, (datetime.date, datetime.timedelta)):
+        return str(value)
     return value
 
 

@@ -47,6 +47,27 @@ def test_a_client_s_action_that_does_not_fit_is_one_line(space: str, action: Any
     assert str(bad.value).startswith("action ") and "\n" not in str(bad.value), bad.value
 
 
+@pytest.mark.parametrize("value, sent", [
+    (b"\xff\xfe", {"base64": "//4="}), ("np.array([b'\\xff'])", [{"base64": "/w=="}]),
+    ("np.zeros(1, 'V2')", [{"base64": "AAA="}]), ("np.array([1j])", [[0.0, 1.0]]),
+    ("np.array(['2020-01-02'], 'M8[D]')", ["2020-01-02"]), ("np.float32(1.5)", 1.5),
+])
+def test_whatever_an_info_holds_reaches_the_client_as_json(value: Any, sent: Any) -> None:
+    """The audit: an info holding bytes that are not UTF-8 (a bytes array, an honest env's
+    too) failed the whole response with a 500; complex numbers came as the text "1j"."""
+    import numpy as np
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import GymObservation, to_json
+
+    info = {"x": eval(value, {"np": np}) if isinstance(value, str) else value}
+    app = FastAPI()
+    app.get("/", response_model=GymObservation)(lambda: GymObservation(observation=None, info=to_json(info)))
+    answer = TestClient(app, raise_server_exceptions=False).get("/")
+    assert answer.status_code == 200 and answer.json()["info"] == {"x": sent}, answer.text
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
     yield from up_bench(tmp_path_factory)
