@@ -109,6 +109,18 @@ class ExtraAnswer(gymnasium.Env):
             sys._getframe(1).f_locals["answer"].step(np.full(1, 50, np.float32), 1.0, 0, {}, None)
         return np.full(1, self.t, np.float32), 1.0, False, False, {}
 
+class BigActions(gymnasium.Env):
+    """An honest env whose actions are 1 MiB (within the spaces' budget)."""
+    observation_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = spaces.MultiBinary((1024, 1024))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), float(action.sum()), False, False, {}
+
 def unchecked(env):  # the guest's info check rewritten away, as the machine's code can
     sys._getframe(2).f_globals["plain"] = lambda value, *args, **kwargs: value
     return env
@@ -305,5 +317,19 @@ def test_a_reset_that_raises_begins_no_episode(bench: Workbench) -> None:
         with pytest.raises(SmolbenchError, match="call reset"):
             env.step(0)
         assert env.reset(seed=0)[0][0] == 0
+    finally:
+        env.close()
+
+
+def test_an_action_too_big_for_the_machine_to_read_is_one_line_before_it_is_sent(bench: Workbench) -> None:
+    """The audit: a request line over what the machine reads ended its serving cell, and the
+    step said only that the serving cell ended (the episode was lost)."""
+    env = sgym.make("BigActions", session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            env.step(env.action_space.sample())
+        one_line(refused.value, "bytes as a request is more than the 1,048,576 a machine reads")
+        assert env.reset(seed=0)[0][0] == 0  # nothing was sent: its serving cell goes on
     finally:
         env.close()

@@ -10,7 +10,7 @@ import types
 from . import protocol as P
 from .output import mime_bundle
 
-CHANNEL_LINE = 1024 * 1024  # bytes of one request line on a cell's channel at most
+CHANNEL_LINE = P.CHANNEL_LINE
 # A gym step with a Discrete action, as the host writes it (smolbench/gym/machines.py
 # _action_line), and the answer to one that goes on with an empty info: made and read here
 # without JSON (the same bytes protocol.encode/decode would make and read; a test holds

@@ -34,6 +34,7 @@ import json
 
 VERSION = 1
 ENCODING = "utf-8"
+CHANNEL_LINE = 1024 * 1024  # bytes of one request line on a cell's kept channel at most (the guest reads no more)
 
 
 def encode(msg):

@@ -610,7 +610,11 @@ class Machines:
         """A step request as its JSON line (a Discrete action's without building a dict)."""
         if self._discrete:
             return b'{"op":"step","a":{"$":"int64","v":%d}}\n' % int(action)
-        return P.encode({"op": "step", "a": spaces.action_data(self.action_space, action)})
+        line = P.encode({"op": "step", "a": spaces.action_data(self.action_space, action)})
+        if len(line) > P.CHANNEL_LINE:  # the machine would stop reading (its serving cell ended, unsaid)
+            raise GymError(f"an action of {len(line):,} bytes as a request is more than the {P.CHANNEL_LINE:,} a "
+                           "machine reads: use a smaller action space")
+        return line
 
     @property
     def _discrete(self) -> bool:
