@@ -333,3 +333,26 @@ def test_an_action_too_big_for_the_machine_to_read_is_one_line_before_it_is_sent
         assert env.reset(seed=0)[0][0] == 0  # nothing was sent: its serving cell goes on
     finally:
         env.close()
+
+
+def test_an_integer_box_is_rebuilt_as_gymnasium_builds_it() -> None:
+    """The audit: an integer Box described with infinite (or out of range) float bounds was
+    cast before gymnasium saw it: rebuilt as Box(0, 0) with RuntimeWarnings on the host, so
+    every observation was then refused as outside it. Now gymnasium maps ±inf to the dtype's
+    range, and bounds outside it are refused in one line."""
+    import warnings
+
+    from gymnasium import spaces as S
+
+    from smolbench.gym.spaces import Refused, space_from_data
+
+    def box(low: float, high: float, dtype: str) -> dict[str, Any]:
+        return {"type": "Box", "dtype": dtype, "low": np.array([low]), "high": np.array([high])}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert space_from_data(box(-np.inf, np.inf, "int8")) == S.Box(-128, 127, (1,), np.int8)
+        with pytest.raises(Refused, match="out of bounds of the dtype range"):
+            space_from_data(box(-1000.0, 0.0, "int8"))
+        with pytest.raises(Refused, match="NaN bounds"):
+            space_from_data(box(np.nan, 0.0, "int8"))

@@ -86,10 +86,13 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
             high = _array(tree.get("high"), "a Box's high", "fiub")
             if low.shape != high.shape:
                 raise Refused(f"a Box whose low {low.shape} and high {high.shape} differ in shape")
-            if dtype.kind == "f" and (np.isnan(low).any() or np.isnan(high).any()):
+            if (low.dtype.kind == "f" and np.isnan(low).any()) or (high.dtype.kind == "f" and np.isnan(high).any()):
                 raise Refused("a Box with NaN bounds")
-            return S.Box(low=low.astype(dtype, copy=False) if dtype.kind != "b" else low,
-                         high=high.astype(dtype, copy=False) if dtype.kind != "b" else high,
+            # an integer Box's bounds as sent: gymnasium maps ±inf to its dtype's range and refuses
+            # bounds outside it (a cast here made them garbage, with warnings on the host)
+            cast = dtype.kind == "f"
+            return S.Box(low=low.astype(dtype, copy=False) if cast else low,
+                         high=high.astype(dtype, copy=False) if cast else high,
                          shape=low.shape, dtype=dtype)
         if kind == "Discrete":
             return S.Discrete(_int(tree.get("n"), "a Discrete's n", 1), start=_int(tree.get("start"), "a Discrete's start", -2**62))
