@@ -356,3 +356,24 @@ def test_an_integer_box_is_rebuilt_as_gymnasium_builds_it() -> None:
             space_from_data(box(-1000.0, 0.0, "int8"))
         with pytest.raises(Refused, match="NaN bounds"):
             space_from_data(box(np.nan, 0.0, "int8"))
+
+
+def test_what_carries_over_to_the_next_fresh_episode_is_a_generator_state_only() -> None:
+    """A fresh episode's machine continues the last one's random stream, from a state that
+    machine sent: any text of up to 4 KiB went on to the next episode's machine (a channel
+    between episodes, which fresh resets must not have). Now only a PCG64, PCG64DXSM or
+    SFC64 state passes, rebuilt from its checked numbers; anything else starts a new stream."""
+    import json
+
+    from smolbench.gym.episode import plain_rng
+
+    for gen in (np.random.PCG64(1), np.random.PCG64DXSM(2), np.random.SFC64(3)):
+        sent = json.dumps(gen.state, default=lambda v: v.tolist() if hasattr(v, "tolist") else int(v))
+        kept = plain_rng({"state": sent, "seed": 7})
+        assert kept is not None and json.loads(kept["state"]) == json.loads(sent) and kept["seed"] == 7
+    pcg = json.loads(json.dumps(np.random.PCG64(1).state))
+    for smuggled in ({**pcg, "note": "to the next episode"}, {**pcg, "state": {**pcg["state"], "x": 1}},
+                     {**pcg, "uinteger": "a message"}, {**pcg, "has_uint32": True}, {**pcg, "bit_generator": "Mine"},
+                     {**pcg, "state": {"state": 1 << 128, "inc": 1}}, "plain text"):
+        assert plain_rng({"state": json.dumps(smuggled), "seed": 1}) is None, smuggled
+    assert plain_rng({"state": json.dumps(pcg), "seed": 10**30})["seed"] is None  # type: ignore[index]

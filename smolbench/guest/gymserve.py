@@ -32,6 +32,11 @@ def _np():
     return numpy
 
 
+def _json_number(value):
+    """A bit generator state's numpy numbers as JSON (SFC64's and Philox's are arrays)."""
+    return value.tolist() if hasattr(value, "tolist") else int(value)
+
+
 def space_data(space):
     """A Gymnasium space as data the host can rebuild (raises TypeError for other spaces)."""
     from gymnasium import spaces as S
@@ -220,7 +225,7 @@ class Server:
         if getattr(base, "_np_random", None) is None:
             return None
         state = base._np_random.bit_generator.state
-        return {"state": json.dumps(state, default=int), "seed": getattr(base, "_np_random_seed", None)}
+        return {"state": json.dumps(state, default=_json_number), "seed": getattr(base, "_np_random_seed", None)}
 
     def _set_rng(self, rng):
         np = _np()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,11 +75,41 @@ def _where(i: int, n: int, ep: Episode) -> str:
 
 
 def plain_rng(value: Any) -> dict[str, Any] | None:
-    """A random generator state a machine sent, kept only if it is plain (it goes back to a machine)."""
+    """A random generator state a machine sent, as the next fresh episode's machine gets it:
+    only numpy's PCG64, PCG64DXSM or SFC64 state, its numbers checked and written anew (no
+    more of one episode reaches the next than a generator's state), else None."""
     if not isinstance(value, dict) or not isinstance(value.get("state"), str) or len(value["state"]) > 4096:
         return None
+    try:
+        state = _bit_generator(json.loads(value["state"]))
+    except ValueError:
+        return None
+    if state is None:
+        return None
     seed = value.get("seed")
-    return {"state": value["state"], "seed": seed if isinstance(seed, int) and not isinstance(seed, bool) else None}
+    return {"state": json.dumps(state), "seed": seed if _whole(seed, 64) or seed == -1 else None}
+
+
+def _whole(v: Any, bits: int) -> bool:
+    return type(v) is int and 0 <= v < 1 << bits
+
+
+def _bit_generator(state: Any) -> dict[str, Any] | None:
+    """``state`` rebuilt if it is exactly one of the bit generators' states named above."""
+    if not isinstance(state, dict) or set(state) != {"bit_generator", "state", "has_uint32", "uinteger"}:
+        return None
+    kind, inner, has, spare = state["bit_generator"], state["state"], state["has_uint32"], state["uinteger"]
+    if has not in (0, 1) or type(has) is not int or not _whole(spare, 32) or not isinstance(inner, dict):
+        return None
+    if kind in ("PCG64", "PCG64DXSM") and set(inner) == {"state", "inc"} \
+            and _whole(inner["state"], 128) and _whole(inner["inc"], 128):
+        rebuilt: dict[str, Any] = {"state": inner["state"], "inc": inner["inc"]}
+    elif kind == "SFC64" and set(inner) == {"state"} and isinstance(inner["state"], list) \
+            and len(inner["state"]) == 4 and all(_whole(x, 64) for x in inner["state"]):
+        rebuilt = {"state": list(inner["state"])}
+    else:
+        return None
+    return {"bit_generator": kind, "state": rebuilt, "has_uint32": has, "uinteger": spare}
 
 
 def unchecked(where: str, what: str, exc: Exception) -> GymError:
