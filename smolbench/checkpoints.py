@@ -149,6 +149,7 @@ class CheckpointsMixin(WorkbenchPart):
         store = self.shelf.store
         try:
             store.ensure()
+            store.sweep_parts()
         except (OSError, SmolbenchError) as exc:
             raise SmolbenchError(f"can't create the checkpoint folder {store.directory} ({exc}): check the path and its permissions") from None
         fname = f"{name}{SUFFIX}"

@@ -155,6 +155,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.versions = _versions(self.guest_info.get("python"))
         await self._remember_state(ref)
         self.lost = self.ledger.mark_lost(self.session)
+        self.shelf.store.sweep_parts()  # checkpoints a killed kernel was writing here
         self.ledger.start_session(
             self.session, backend=self.backend.name, isolation=self.backend.isolation,
             baseline=self.baseline, host=socket.gethostname(), cwd=os.getcwd(),

@@ -115,10 +115,10 @@ def test_bad_checkpoint_input_gets_one_clear_line_each(tmp_path: Path) -> None:
         assert "made by the smol backend" in other and "%smol up --backend smol" in other
 
         # a failed save (the checkpoint file can't be written) leaves nothing listed
-        (ckdir / "bad.smolcheckpoint.part").mkdir()
+        (ckdir / "bad.smolcheckpoint").mkdir()  # a folder where the file would go
         failed = one_line_error(s.run("%smol checkpoint save bad"))
         assert "saving checkpoint 'bad' of root failed" in failed and "nothing was saved" in failed
-        assert not (ckdir / "bad.smolcheckpoint").exists()
+        assert not (ckdir / "bad.smolcheckpoint").is_file() and not list(ckdir.glob(".bad*"))
         listed = s.run(
             "import smolbench\n"
             "print(sorted(smolbench._magics.workbench.ledger.checkpoints()['name']))"

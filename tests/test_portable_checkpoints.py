@@ -412,3 +412,30 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(op
         assert list((folder / CK).iterdir()) == [] and led.checkpoint("gift") is None
     finally:
         led.close()
+
+
+def test_a_checkpoint_a_killed_kernel_was_writing_is_swept_by_the_next(open_tmp: Path) -> None:
+    """The leak hunt: SIGKILL during `checkpoint save` left `NAME.smolcheckpoint.part` (58 MB)
+    in the checkpoint folder for good. A part file is now named by its writer (pid and start
+    time), and the next kernel in the folder removes those whose writer is gone, and nothing
+    else: not a living writer's, not another name, not a link."""
+    import subprocess
+
+    from smolbench.backends import _procs
+    from smolbench.gate.ckptpaths import PART, Store, part_name
+
+    store = Store(open_tmp / ".smolbench" / "checkpoints")
+    store.ensure()
+    folder = open_tmp / CK
+    gone = subprocess.Popen(["sleep", "60"])
+    dead = f".lesson.smolcheckpoint.{gone.pid}-{_procs.start_time(gone.pid)}.part"
+    gone.kill()
+    gone.wait()
+    mine = part_name("mine.smolcheckpoint")  # what this process writes under: its own, alive
+    assert PART.fullmatch(mine)
+    for name in (dead, mine, ".notes.part", "lesson.smolcheckpoint"):
+        (folder / name).write_bytes(b"x" * 1000)
+    (folder / ".linked.smolcheckpoint.1-1.part").symlink_to(folder / "lesson.smolcheckpoint")
+    assert store.sweep_parts() == [dead]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [mine, ".notes.part", "lesson.smolcheckpoint", ".linked.smolcheckpoint.1-1.part"])

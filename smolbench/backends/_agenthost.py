@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from .. import gate
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
-from ..gate import archive
+from ..gate import archive, ckptpaths
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import ensure as ensure_packages
@@ -547,17 +547,18 @@ class AgentHostBackend(Backend):
 
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
+        part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
         run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         try:  # the stage goes on every path, even when the machine fails to save
             done = await self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
             # The machine made every path in the stage: the gate reads them without following links
             # (in a thread: a big stage must not stall the kernel).
-            await asyncio.to_thread(archive.pack, run_dir, stage, path + ".part", machine.name)
-            os.replace(path + ".part", path)
+            await asyncio.to_thread(archive.pack, run_dir, stage, part, machine.name)
+            os.replace(part, path)
         finally:
             shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
             with contextlib.suppress(OSError):
-                os.unlink(path + ".part")
+                os.unlink(part)
         warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ..backends import _procs
 from ..errors import SmolbenchError
 
 SUFFIX = ".smolcheckpoint"
@@ -56,6 +57,16 @@ class PathRefused(SmolbenchError):
 
 class Missing(SmolbenchError):
     """The rule would allow the file, but it is not there."""
+
+
+# A file being written here is named by its writer: a writer killed mid-write (SIGKILL) leaves
+# it, and the next kernel in this folder removes it once that process is gone (sweep_parts).
+PART = re.compile(r"\.(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63}\.smolcheckpoint)\.(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})\.part")
+
+
+def part_name(fname: str) -> str:
+    """The name ``fname`` is written under until it is whole: ``.NAME.smolcheckpoint.PID-START.part``."""
+    return f".{fname}.{os.getpid()}-{_procs.start_time(os.getpid())}.part"
 
 
 def valid_name(name: str) -> bool:
@@ -230,6 +241,22 @@ class Store:
         except Missing:
             return False
 
+    def sweep_parts(self) -> list[str]:
+        """Remove the part files (see :data:`PART`) whose writer is gone; their names."""
+        gone: list[str] = []
+        with contextlib.suppress(Missing, PathRefused, OSError), self._dir() as dfd:
+            with os.scandir(dfd) as entries:
+                found = [e.name for e in entries if e.name.endswith(".part") and e.is_file(follow_symlinks=False)]
+            for name in found:
+                m = PART.fullmatch(name)
+                if m is None or _procs.running(int(m["pid"]), m["start"]):
+                    continue
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=dfd)
+                        gone.append(name)
+        return gone
+
     def names(self) -> list[str]:
         """The checkpoint files in the folder (plain files named NAME.smolcheckpoint), sorted."""
         try:
@@ -248,7 +275,7 @@ class Store:
         (atomically, never through a link) when the block ends without an error."""
         if not fname.endswith(SUFFIX) or not valid_name(fname[: -len(SUFFIX)]):
             raise PathRefused(repr(fname), "is not a checkpoint file name")
-        part = f".{fname}.{os.getpid()}.part"
+        part = part_name(fname)
         with self._dir(make=True) as dfd:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             try:
