@@ -377,3 +377,15 @@ def test_what_carries_over_to_the_next_fresh_episode_is_a_generator_state_only()
                      {**pcg, "state": {"state": 1 << 128, "inc": 1}}, "plain text"):
         assert plain_rng({"state": json.dumps(smuggled), "seed": 1}) is None, smuggled
     assert plain_rng({"state": json.dumps(pcg), "seed": 10**30})["seed"] is None  # type: ignore[index]
+
+
+def test_an_info_is_bounded_by_what_it_takes_as_json() -> None:
+    """The serve audit: empty strings and containers counted 0 bytes, so an info of 990,000
+    empty strings passed the 256 KiB bound and reached each client as 3 MB of JSON."""
+    from smolbench.gym.info import MAX_INFO, checked_info
+
+    for flood in ({"e": [""] * 990_000}, {"e": [{}] * 200_000}, {"e": [[]] * 200_000}):
+        with pytest.raises(GymError, match=f"bytes: at most {MAX_INFO:,}"):
+            checked_info(flood, "sub-env 0")
+    honest = {"x": np.zeros(1000, np.float32), "names": ["a", "b"], "nested": {"k": 1.5, "t": None}}
+    assert checked_info(honest, "sub-env 0") is honest
