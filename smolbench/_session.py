@@ -615,8 +615,10 @@ _hooks_lock = threading.Lock()
 _hooks_installed = False
 _hooks_pid = 0  # the process the hooks are for: a forked child never deletes its parent's machines
 _down_lock = threading.Lock()  # one shutdown_all at a time (the SIGTERM watcher, the exit hook)
-_previous_sigterm: Any = None
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a terminal closing ends a script as SIGTERM does
+_previous_handlers: dict[int, Any] = {}  # each stop signal's handler before ours
 _sigterm_installed = False
+_term_signal: int = signal.SIGTERM  # the stop signal being handled (the program ends by it)
 STOP_TIMEOUT = 20.0  # seconds a SIGTERM waits for running calls to stop before it deletes the machines
 # A SIGTERM's work is done by a watcher thread, never in the handler: the handler runs on the
 # main thread wherever it was, perhaps holding a lock the deletion needs (a Job's Event, the
@@ -646,16 +648,41 @@ def current() -> Session:
 
 
 def shutdown_all(timeout: float = 30) -> None:
-    """Delete every live session's machines (the interpreter's exit, SIGTERM)."""
+    """Delete every live session's machines (the interpreter's exit, SIGTERM). A session whose
+    deletion failed stays listed, for the exit hook to try again."""
     if _hooks_pid and os.getpid() != _hooks_pid:
         return
     with _down_lock:
-        for s in list(reversed(_LIVE)):
-            wb = s.workbench
-            if wb is not None:  # also one whose up() a SIGTERM stopped: its backend's cgroups go too
-                with contextlib.suppress(Exception):
-                    _loop.run(wb.down(), timeout=timeout)
-        _LIVE.clear()
+        failed = [s for s in list(reversed(_LIVE)) if s.workbench is not None and not _down_through(s.workbench, timeout)]
+        _LIVE[:] = failed[::-1]  # also one whose up() a SIGTERM stopped: its backend's cgroups went too
+
+
+def _down_through(wb: Workbench, timeout: float) -> bool:
+    """``wb.down()``, waited for through Ctrl-C: a second Ctrl-C at exit cut the wait short
+    and left machines running. Whether it ended without an error."""
+    job = _loop.Job(wb.down(), stoppable=False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if job.wait_finished(0.2):
+                break
+        except KeyboardInterrupt:
+            continue
+    return job.done() and not job.future.cancelled() and job.future.exception() is None
+
+
+def _at_exit() -> None:
+    """The interpreter's exit: calls still running (a fork in a thread) stop first, so their
+    branches are recorded as cancelled, not as machines that died; then every machine goes."""
+    if _hooks_pid and os.getpid() != _hooks_pid:
+        return
+    if (_LIVE or _loop.running()) and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):  # Ctrl-C again here left machines running
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _loop.running():
+        with contextlib.suppress(BaseException):
+            _loop.cancel_all(STOP_TIMEOUT)
+    shutdown_all()
 
 
 def _install_hooks() -> None:
@@ -673,11 +700,11 @@ def _install_hooks() -> None:
     if register is not None:
         import concurrent.futures.thread  # noqa: F401
 
-        register(shutdown_all)
+        register(_at_exit)
     else:  # pragma: no cover - Python < 3.9
         import atexit
 
-        atexit.register(shutdown_all)
+        atexit.register(_at_exit)
     _install_sigterm()
 
 
@@ -693,28 +720,34 @@ def _in_kernel() -> bool:
 
 
 def _install_sigterm() -> None:
-    """SIGTERM stops running calls and deletes every machine, then does what it did before
-    (by default: ends the process with SIGTERM's status). Only from the main thread, never
-    in a Jupyter kernel, and never over a handler that ignores SIGTERM."""
-    global _previous_sigterm, _sigterm_installed, _term_wake
+    """SIGTERM (and SIGHUP) stops running calls and deletes every machine, then does what it
+    did before (by default: ends the process with that signal's status). Only from the main
+    thread, never in a Jupyter kernel, and never over a handler that ignores the signal
+    (``nohup`` ignores SIGHUP)."""
+    global _sigterm_installed, _term_wake
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or _in_kernel():
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours to take
+    ours: dict[int, Any] = {}
+    for sig in STOP_SIGNALS:
+        previous = signal.getsignal(sig)
+        if previous is not signal.SIG_IGN and previous is not None:  # else: not ours to take
+            ours[sig] = previous
+    if not ours:
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
     threading.Thread(target=_watch, args=(read,), name="smolbench-sigterm", daemon=True).start()
     _term_wake = write
-    _previous_sigterm = previous
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _previous_handlers.update(ours)
+    for number in ours:
+        signal.signal(number, _on_sigterm)
     _sigterm_installed = True
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    """Lock-free: wakes the watcher (first SIGTERM), waits it out (another one meanwhile), or
-    does what was there before (once the watcher is done and signals the main thread again)."""
-    global _term_state
+    """Lock-free: wakes the watcher (first stop signal), waits it out (another one meanwhile),
+    or does what was there before (once the watcher is done and signals the main thread again)."""
+    global _term_state, _term_signal
     if os.getpid() != _hooks_pid:  # a forked child: its parent's machines are not its own
         _previous(signum, frame)
     elif _term_state == 0 and not _LIVE and not _loop.running():
@@ -723,25 +756,25 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         # callback of the import system), and a handler's sys.exit would be lost there.
         _previous(signum, frame)
     elif _term_state == 0:
-        _term_state = 1
+        _term_state, _term_signal = 1, signum
         try:
             os.write(_term_wake, b"t")
         except OSError:  # pragma: no cover - the watcher is gone: end as before
             _term_state = 0
             _previous(signum, frame)
-    elif _term_state == 2:
+    elif _term_state == 2 and signum == _term_signal:
         _term_state = 0
         _previous(signum, frame)
-    # 1: a second SIGTERM while the machines are deleted: the first one's end follows that
+    # 1: a second stop signal while the machines are deleted: the first one's end follows that
 
 
 def _previous(signum: int, frame: Any) -> None:
-    previous = _previous_sigterm
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
         return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _watch(read: int) -> None:
@@ -752,15 +785,16 @@ def _watch(read: int) -> None:
         try:
             for s in list(_LIVE):
                 with contextlib.suppress(Exception):
-                    s.on_notice("smolbench: SIGTERM: stopping and deleting this program's machines")
+                    s.on_notice(f"smolbench: {signal.Signals(_term_signal).name}: stopping and deleting this "
+                                "program's machines")
             _loop.cancel_all(STOP_TIMEOUT)
             shutdown_all()
         finally:
             _term_state = 2
             try:
-                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+                signal.pthread_kill(threading.main_thread().ident or 0, _term_signal)
             except (OSError, ValueError):  # pragma: no cover - the main thread is gone
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), _term_signal)
 
 
 def _wait_out_sigterm() -> None:

@@ -66,7 +66,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.versions: dict[str, str | None] = {}  # recorded on every node's ledger row
         self._observers: list[Observer] = []
         self._heard: tuple[int, list[Node]] | None = None  # a batch's thread and the nodes it recorded (RecorderMixin)
-        # records noted and not yet written (gym in-place episodes'): written before down
+        # open gym envs' records (gym/record.py Records): ended and written first by down
         self.unwritten: weakref.WeakSet[Any] = weakref.WeakSet()
         self._runs = 0
         self._busy: set[str] = set()
@@ -194,21 +194,26 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             self._watcher = None
         count = 0
         for records in list(self.unwritten):  # before the rows below, which they must not come after
-            records.flush()
+            records.session_down()
         await _to_the_end(self.zygotes.close())
-        for name in sorted(self.machines, key=lambda n: -n.count(".")):
-            ref = self.machines.pop(name, None)
-            if ref is None:  # deleted meanwhile (a gym env closing beside this)
-                continue
-            with contextlib.suppress(Exception):
-                await self.backend.delete(ref)
-            count += 1
-            if name in self.tree:
-                node = self.tree[name]
-                node.alive = False
-                if node.status in ("idle", "running", "starting"):
-                    node.status = "ok" if node.status == "idle" else "cancelled"
-                self._record(node)
+        for _ in range(3):  # again for machines made meanwhile (a gym env's spares already on their way)
+            names = sorted(self.machines, key=lambda n: -n.count("."))
+            for name in names:
+                ref = self.machines.pop(name, None)
+                if ref is None:  # deleted meanwhile (a gym env closing beside this)
+                    continue
+                with contextlib.suppress(Exception):
+                    await self.backend.delete(ref)
+                count += 1
+                if name in self.tree:
+                    node = self.tree[name]
+                    node.alive = False
+                    if node.status in ("idle", "running", "starting"):
+                        node.status = "ok" if node.status == "idle" else "cancelled"
+                        node.ended = node.ended or time.time()
+                    self._record(node)
+            if not self.machines:
+                break
         with contextlib.suppress(Exception):
             await self.backend.close()
         self.active = None

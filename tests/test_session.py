@@ -38,6 +38,7 @@ from nbhelpers import (
 import smolbench
 from smolbench.backends import _limits
 from smolbench.errors import CompositeError, RemoteError, SmolbenchError
+from smolbench.ledger import Ledger
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 BACKENDS = [pytest.param("sandbox", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")),
@@ -134,18 +135,29 @@ print("ready", flush=True)
 s.run("import time; time.sleep(600)")
 print("not reached", flush=True)
 """,
+    # Ctrl-C, then Ctrl-C again and again while the exit hook deletes the machines
+    "ctrl-c": """\
+s.up()
+s.fork(2, "reward = SEED", keep="all")
+signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+signal.setitimer(signal.ITIMER_REAL, 0.2, 0.005)
+print("ready", flush=True)
+import time; time.sleep(600)
+print("not reached", flush=True)
+""",
 }
+ENDINGS["sighup"] = ENDINGS["sigterm"]  # a terminal closing
 WEAKENED_SIGTERM = ENDINGS["sigterm"].replace("s.up()\n", "s.up()\nsignal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ending", ["exception", "exit", "sigterm"])
+@pytest.mark.parametrize("ending", ["exception", "exit", "sigterm", "sighup", "ctrl-c"])
 def test_a_script_leaves_nothing_behind(tmp_path: Path, backend: str, ending: str) -> None:
     script = Script(tmp_path, HEAD.format(backend=backend) + ENDINGS[ending])
-    if ending == "sigterm":
+    if ending in ("sigterm", "sighup"):
         script.wait_for_line("ready")
         assert run_folders(script.tmp) and tagged_processes(script.tag)  # machines are up, a cell is running
-        script.proc.send_signal(signal.SIGTERM)
+        script.proc.send_signal(signal.SIGTERM if ending == "sigterm" else signal.SIGHUP)
     code, out, err = script.finish()
     procs, folders, groups = script.leftovers()
     assert (procs, folders, groups) == ([], [], [])
@@ -153,8 +165,10 @@ def test_a_script_leaves_nothing_behind(tmp_path: Path, backend: str, ending: st
         assert code == 1 and "RuntimeError: boom in the script" in err and "up True" in out
     elif ending == "exit":
         assert code == 0, err
+    elif ending == "ctrl-c":
+        assert "KeyboardInterrupt" in err and "not reached" not in out
     else:
-        assert code == -signal.SIGTERM and "not reached" not in out
+        assert code == -(signal.SIGTERM if ending == "sigterm" else signal.SIGHUP) and "not reached" not in out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -591,3 +605,40 @@ def test_a_copied_ledger_row_claiming_the_process_backend_never_runs_its_state_o
         with contextlib.suppress(SmolbenchError):
             p.checkpoint_restore("evil")
     assert (here / "ran-on-the-host").exists()
+
+
+def test_what_a_script_left_running_at_its_end_is_recorded_as_it_ended(tmp_path: Path) -> None:
+    """The leak hunt: a script that ends with a fork still running (in a thread) had its
+    branches recorded as machines that died ("error"); a gym env never closed kept its run
+    unfinished and its running episode 'cancelled' with no end time (its return lost). Now
+    the exit stops the fork first (its branches 'cancelled', with an end time), and an open
+    env's running episode ends as 'closed' with its return."""
+    pytest.importorskip("gymnasium")
+    if not HAVE_BWRAP:
+        pytest.skip("bubblewrap is not installed")
+    script = Script(tmp_path, HEAD.format(backend="sandbox") + """\
+import threading, time, gymnasium, smolbench.gym
+s.up()
+env = smolbench.gym.make(lambda: gymnasium.make("CartPole-v1"), session=s, reset="in-place")
+env.reset(seed=0)
+for _ in range(3):
+    env.step(0)
+threading.Thread(target=lambda: s.fork(2, "import time; time.sleep(600)", keep="all"), daemon=True).start()
+time.sleep(2)
+print("ready", flush=True)
+""")
+    script.wait_for_line("ready")
+    code, _, err = script.finish()
+    assert code == 0, err
+    assert script.leftovers() == ([], [], [])
+    led = Ledger(tmp_path / "ledger.db")
+    try:
+        nodes = led.nodes()
+    finally:
+        led.close()
+    episode = nodes[[isinstance(m, dict) and "ended" in m for m in nodes["metrics"]]]
+    assert len(episode) == 1, nodes[["id", "status", "metrics"]]
+    row = episode.iloc[0]
+    assert row["metrics"]["ended"] == "closed" and row["reward"] == 3.0 and row["ended"] > 0, row
+    forked = nodes[(nodes["parent_id"] == "root") & (nodes["id"] != row["parent_id"])]  # not the env's warm parent
+    assert len(forked) == 2 and set(forked["status"]) == {"cancelled"} and forked["ended"].notna().all(), forked

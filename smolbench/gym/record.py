@@ -101,6 +101,17 @@ class Records:
                     loop = _loop.get_loop()
                     loop.call_soon_threadsafe(loop.call_later, GATHER, self.flush)
 
+    def session_down(self) -> None:
+        """The session goes down with this env open (a script that never closed it, a
+        SIGTERM): it makes no more spares, and each running episode ends as closed, its
+        return kept; its machines go with the session's (``Workbench.down``)."""
+        m = self.m
+        m.closed = True
+        for ep in m.eps:
+            if ep.running:
+                quietly(self.end, ep, "closed")
+        self.flush()
+
     def flush(self) -> None:
         """Write what was gathered (on the loop; ``Machines.close`` does it first)."""
         with self._lock:
