@@ -629,9 +629,9 @@ _term_wake = -1  # the pipe's write end: all the handler does is write a byte to
 
 
 def _live(s: Session) -> None:
+    _install_hooks()  # first: one that can't be installed (the program is exiting) starts nothing
     _gone(s)
     _LIVE.append(s)
-    _install_hooks()
 
 
 def _gone(s: Session) -> None:
@@ -691,20 +691,24 @@ def _install_hooks() -> None:
         if _hooks_installed:
             _install_sigterm()  # a first session from another thread could not: the main thread can
             return
+        # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
+        # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
+        # Those hooks run last registered first, so its own is registered (imported) before ours.
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is not None:
+                import concurrent.futures.thread  # noqa: F401
+
+                register(_at_exit)
+            else:  # pragma: no cover - Python < 3.9
+                import atexit
+
+                atexit.register(_at_exit)
+        except RuntimeError:  # "can't register atexit after shutdown": nothing would delete them
+            raise SmolbenchError("this program is exiting (its main thread ended): a Session can't start now; "
+                                 "start it before the main thread ends, or join this thread there") from None
         _hooks_installed = True
         _hooks_pid = os.getpid()
-    # Run before concurrent.futures' own exit hook: after it, asyncio.to_thread (which every
-    # delete uses) refuses new work, and the machines' folders and cgroups stayed behind.
-    # Those hooks run last registered first, so its own is registered (imported) before ours.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        import concurrent.futures.thread  # noqa: F401
-
-        register(_at_exit)
-    else:  # pragma: no cover - Python < 3.9
-        import atexit
-
-        atexit.register(_at_exit)
     _install_sigterm()
 
 

@@ -642,3 +642,24 @@ print("ready", flush=True)
     assert row["metrics"]["ended"] == "closed" and row["reward"] == 3.0 and row["ended"] > 0, row
     forked = nodes[(nodes["parent_id"] == "root") & (nodes["id"] != row["parent_id"])]  # not the env's warm parent
     assert len(forked) == 2 and set(forked["status"]) == {"cancelled"} and forked["ended"].notna().all(), forked
+
+
+def test_a_session_started_after_the_main_thread_ended_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The leak hunt: a Session started in a thread after the main thread returned could not
+    register its exit hook ("can't register atexit after shutdown"), and every later session
+    of that process then ran with none. Nothing would delete its machines: it is refused."""
+    script = Script(tmp_path, HEAD.format(backend="process") + """\
+import threading, time
+def late():
+    time.sleep(0.5)
+    try:
+        with smolbench.Session(backend="process", ledger="late.db") as late_session:
+            print("started", flush=True)
+    except smolbench.SmolbenchError as exc:
+        print("refused:", exc, flush=True)
+threading.Thread(target=late).start()
+""")
+    code, out, err = script.finish()
+    assert code == 0, err
+    assert "refused: this program is exiting (its main thread ended): a Session can't start now" in out, out
+    assert script.leftovers() == ([], [], [])
