@@ -153,7 +153,7 @@ class Session:
 
     ``Session(smolfile=None, *, backend="auto", ray=None, ledger=None, ...)`` takes what
     ``%smol up`` takes. Leaving the ``with`` block, :meth:`down`, the interpreter's exit and
-    SIGTERM (outside a Jupyter kernel) each delete every machine it made.
+    SIGTERM or SIGHUP (outside a Jupyter kernel) each delete every machine it made.
     ``ray``: run machines on a Ray cluster's nodes (an address, ``"auto"`` or True).
     ``on_notice``: where one-line notices go (default: stderr).
     """
