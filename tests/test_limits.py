@@ -443,8 +443,8 @@ def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monke
 
 OLD_EXIT_HOOK = """import atexit, threading
 from smolbench import _session
-threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _session.shutdown_all]
-atexit.register(_session.shutdown_all)"""
+threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _session._at_exit]
+atexit.register(_session._at_exit)"""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
