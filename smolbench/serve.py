@@ -141,6 +141,7 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
 
     from . import Session
     from ._asgi import BodyLimit, ClientWatch, SecretPath
+    from ._uvicorn import backlog, connection_cap, protocols
     from .gym._host import Host
     from .gym.machines import Machines
     from .openenv import app_for
@@ -177,8 +178,9 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
             served: Any = BodyLimit(ClientWatch(app), args.max_message)
             if token:  # outermost: a request without it is refused before its body is read
                 served = SecretPath(served, token)
+            http, ws = protocols(connection_cap(), args.request_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
-            server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port,
+            server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port, http=http, ws=ws, backlog=backlog(),
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
                                                       ws_max_size=args.max_message,
                                                       ssl_certfile=tls[0] if tls else None,

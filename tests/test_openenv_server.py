@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -110,11 +111,13 @@ def server_env() -> dict[str, str]:
 
 
 @contextmanager
-def serving(folder: Path, *options: str) -> Iterator[Server]:
-    """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done."""
+def serving(folder: Path, *options: str, before: str = "") -> Iterator[Server]:
+    """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done
+    (``before``: Python run in the server's process first, e.g. to lower a limit)."""
     (folder / "envs.py").write_text(CODE_ENV)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+    run = ["-c", before + "\nimport sys\nfrom smolbench.cli import main\nsys.exit(main())"] if before else ["-m", "smolbench.cli"]
+    proc = subprocess.Popen([sys.executable, *run, "serve", "envs.py:code_env", "--backend", "sandbox",
                              "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=server_env())
     lines: list[str] = []
@@ -469,3 +472,62 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
                              capture_output=True, text=True, timeout=WAIT, cwd=open_tmp, stdin=subprocess.DEVNULL,
                              env=server_env())
         assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+# The server's open-file limit, lowered (its cap: half of it, 128), and a short header deadline.
+FEW_FILES = """
+import resource, smolbench._uvicorn as u
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+u.HEADER_TIMEOUT = 5.0
+"""
+
+
+def closed(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (without waiting)."""
+    if not select.select([s], [], [], 0)[0]:
+        return False
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_on(open_tmp: Path) -> None:
+    """The audit's flood: connections that send nothing, or never finish their headers,
+    were kept for good; ~20,000 of them ran the server out of files (accept() tracebacks
+    flooding the log), new clients timed out, and SIGTERM then took 30 s."""
+    with serving(open_tmp, "--max-sessions", "3", before=FEW_FILES) as server:
+        server.settled()
+        addr = ("127.0.0.1", server.port)
+        idle = [socket.create_connection(addr) for _ in range(3)]
+        idle[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its headers never end
+        idle[1].sendall(b"GET ")
+        start = time.monotonic()
+        until(lambda: all(closed(s) for s in idle), "idle connections were never closed")
+        assert 3 < time.monotonic() - start < 60  # by the header deadline (5 s here)
+
+        sessions = [connect(server.ws) for _ in range(2)]  # open WebSockets count against the cap (128 here)
+        for ws in sessions:
+            assert ask(ws, "reset")["type"] == "observation"
+        flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(500)]
+        time.sleep(1)  # well before the header deadline: the ones over the cap are closed at once
+        kept = [s for s in flood if not closed(s)]
+        assert 0 < len(kept) <= 128 - 2, (len(kept), server.out)
+        for ws in sessions:  # the sessions open before go on
+            assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
+        for s in flood:
+            s.close()
+        done = round_trip(server.url, None)  # the flood over, OpenEnv's own client is served
+        assert done.returncode == 0 and "round trip" in done.stdout, done.stdout + done.stderr
+        for ws in sessions:
+            ws.close()
+
+        flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(100)]
+        start = time.monotonic()
+        assert server.stop() == 0  # with a flood open: it still stops at once
+        assert time.monotonic() - start < 20
+        for s in flood:
+            s.close()
+    out = server.out
+    assert "Traceback" not in out and "Too many open files" not in out, out
+    assert out.count("refusing new ones") in (1, 2), out  # a line per flood, not one per connection
