@@ -531,3 +531,56 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
     out = server.out
     assert "Traceback" not in out and "Too many open files" not in out, out
     assert out.count("refusing new ones") in (1, 2), out  # a line per flood, not one per connection
+
+
+def test_a_client_that_reads_no_more_replies_is_cut_and_its_session_freed(open_tmp: Path) -> None:
+    """The audit: WebSocket clients that stop reading held their sessions (all of them)
+    until the idle timeout, and their connections stayed open minutes after: uvicorn's
+    send, and its keepalive ping's close, wait for the send buffer to drain."""
+    with serving(open_tmp, "--max-sessions", "1", "--request-timeout", "3", "--idle-timeout", "900") as server:
+        server.settled()
+        sock = socket.socket()  # a WebSocket by hand: a client library reads on its own thread
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        path = server.ws.split(str(server.port), 1)[1]
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nUpgrade: websocket\r\n"
+                     "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        assert b" 101 " in sock.recv(4096)
+
+        def send(type_: str, data: dict[str, Any]) -> None:  # a text frame, masked by zeros
+            payload = json.dumps({"type": type_, "data": data}).encode()
+            size = struct.pack("!B", 0x80 | len(payload)) if len(payload) < 126 else struct.pack("!BH", 0x80 | 126, len(payload))
+            sock.sendall(b"\x81" + size + b"\0\0\0\0" + payload)
+        send("reset", {})
+        for _ in range(100):  # ~20 MB of replies it never reads (an info may take 256 KiB)
+            send("step", {"action": MARK + "info = {'x': 'a' * 200_000}"})
+        until(server.marked, "the steps did not run")
+        start = time.monotonic()
+
+        def served() -> dict[str, Any] | None:  # on the old code: "Server at capacity" for 15 minutes
+            with connect(server.ws) as other:
+                try:
+                    got = ask(other, "reset")
+                except ConnectionClosed:  # refused at once
+                    return None
+                return ask(other, "step", {"action": "info = {'ok': 1}"}) if got["type"] == "observation" else None
+        assert until(served, "the stuck client kept its session")["data"]["observation"]["info"] == {"ok": 1}
+        assert time.monotonic() - start < 40  # not uvicorn's keepalive ping either (40 s, then a close that waits)
+        until(lambda: not server.marked(), "the stuck client's machine was not deleted")
+        sock.setblocking(False)
+
+        def cut() -> bool:  # its connection is closed too: what it reads ends
+            try:
+                while sock.recv(1 << 20):
+                    pass
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                pass
+            return True
+        until(cut, "the stuck client's connection stayed open")
+        sock.close()
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
+
