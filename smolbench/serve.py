@@ -188,6 +188,7 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
             server.run()
         finally:
             if app is not None:  # sessions still open (their clients gone, or cut by the stop)
+                app.state.smolbench_pool.shutdown(wait=False, cancel_futures=True)
                 for m in list(app.state.smolbench_sessions):
                     with contextlib.suppress(Exception):
                         host.run(m.close(), 60)

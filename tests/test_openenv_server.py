@@ -584,3 +584,30 @@ def test_a_client_that_reads_no_more_replies_is_cut_and_its_session_freed(open_t
         assert server.stop() == 0
     assert "Traceback" not in server.out, server.out
 
+
+def test_stateless_http_resets_whose_clients_left_are_cut_and_others_are_served(open_tmp: Path) -> None:
+    """The audit: six HTTP resets that never answer, their clients gone, held every thread
+    HTTP requests ran on (the loop's default pool: six on two cores) until --request-timeout,
+    and every other HTTP client waited as long."""
+    import httpx
+
+    def hung() -> None:  # a client that gives up after 5 s: its connection closes
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{server.url}/reset", json={"options": {"hang": True}}, timeout=5)
+
+    with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "600", "--idle-timeout", "900") as server:
+        server.settled()
+        clients = [threading.Thread(target=hung) for _ in range(8)]
+        for t in clients:
+            t.start()
+        time.sleep(3)
+        during = server.agents()  # two of them hang in a reset (as many as --max-sessions)
+        for t in clients:
+            t.join(WAIT)
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)  # on the old code: 600 s
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        assert time.monotonic() - start < WAIT
+        until(lambda: len(during - server.agents()) >= 2, "the cut resets' machines were not deleted")
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
