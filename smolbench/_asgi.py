@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import ipaddress
 import json
 import secrets
 from typing import Any
@@ -66,6 +67,47 @@ class BodyLimit:
         except Exception:
             if not refused:
                 raise
+
+
+class Origins:
+    """ASGI middleware: a request with an ``Origin`` header (a browser's: a web page's script
+    or form) is refused unless that origin is allowed, and, when ``local``, one whose
+    ``Host`` is not a loopback name or address (a DNS rebinding page's). Browsers apply no
+    same-origin rule to WebSockets, nor to a form's POST: any page the operator visits could
+    reach a server on loopback. OpenEnv's client sends no ``Origin``."""
+
+    def __init__(self, app: Any, allowed: set[str], local: bool) -> None:
+        self.app, self.allowed, self.local = app, {o.encode() for o in allowed}, local
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        why = None
+        for key, value in scope.get("headers", ()):
+            if key == b"origin" and value.lower().rstrip(b"/") not in self.allowed:
+                why = "requests from web pages are refused (smolbench serve --allow-origin)"
+            elif key == b"host" and self.local and not loopback_host(value):
+                why = "this server answers only to a loopback Host (localhost, 127.0.0.1, [::1])"
+        if why is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        return await _refuse(send, 403, why)
+
+
+def loopback_host(value: bytes) -> bool:
+    """Whether a ``Host`` header names this host's loopback (any port)."""
+    host = value.decode("latin-1").lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class SecretPath:

@@ -351,8 +351,11 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
-    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
+    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots);
+    # the API docs pages load scripts from a CDN into a page whose URL holds the server's token
+    gone = {"/mcp", "/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"}
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
+    app.openapi_url = app.docs_url = app.redoc_url = app.swagger_ui_oauth2_redirect_url = None
     app.state.smolbench_sessions = live
     app.state.smolbench_pool = pool
 

@@ -611,3 +611,41 @@ def test_stateless_http_resets_whose_clients_left_are_cut_and_others_are_served(
         until(lambda: len(during - server.agents()) >= 2, "the cut resets' machines were not deleted")
         assert server.stop() == 0
     assert "Traceback" not in server.out, server.out
+
+
+def test_web_pages_and_dns_rebinding_are_refused_and_the_api_docs_are_not_served(open_tmp: Path) -> None:
+    """The audit, with --token none on loopback: any web page the operator visited could open
+    a WebSocket (browsers apply no same-origin rule to them) or POST /reset, and a page on
+    evil.example rebound to 127.0.0.1 was answered. And /docs loaded scripts from a CDN into
+    a page whose URL holds the token."""
+    import httpx
+    from websockets.exceptions import InvalidStatus
+
+    with serving(open_tmp, "--token", "none", "--allow-origin", "https://Ok.example/") as server:
+        for path in ("/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"):
+            assert httpx.get(server.url + path, timeout=WAIT).status_code == 404, path
+        page = {"origin": "https://evil.example"}
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, headers=page, timeout=WAIT)
+        assert r.status_code == 403 and "--allow-origin" in r.json()["detail"], r.text
+        with pytest.raises(InvalidStatus, match="403"):
+            connect(server.ws, origin="https://evil.example")  # type: ignore[arg-type]
+        with pytest.raises(InvalidStatus, match="403"):
+            connect(server.ws, origin="null")  # type: ignore[arg-type]  # a sandboxed frame, a file:// page
+        rebound = {"host": f"evil.example:{server.port}"}
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, headers=rebound, timeout=WAIT)
+        assert r.status_code == 403 and "loopback Host" in r.json()["detail"], r.text
+        with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:  # its WebSocket
+            sock.sendall(b"GET /ws HTTP/1.1\r\nHost: evil.example\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 403 ")
+
+        with connect(server.ws, origin="https://ok.example") as ws:  # type: ignore[arg-type]  # allowed
+            assert ask(ws, "reset")["type"] == "observation"
+        for host in ("localhost", f"localhost:{server.port}", f"[::1]:{server.port}", "127.0.0.1"):
+            assert httpx.get(f"{server.url}/health", headers={"host": host}, timeout=WAIT).status_code == 200, host
+        done = round_trip(server.url, None)  # OpenEnv's own client sends no Origin
+        assert done.returncode == 0 and "round trip" in done.stdout, done.stdout + done.stderr
+        assert server.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", "--allow-origin", "ok.example"],
+                         capture_output=True, text=True, timeout=WAIT, env=server_env())
+    assert bad.returncode == 2 and "is not an origin" in bad.stderr
