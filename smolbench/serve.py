@@ -234,7 +234,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
                    help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
-                        "none: any path, for any client that can connect; a web page's are refused by --allow-origin)")
+                        "none: any path, so any client that can connect is served; web pages still are not, see --allow-origin)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN", type=origin,
                    help="serve requests a web page at ORIGIN (e.g. https://app.example:8443) makes; "
                         "any other page's are refused (default: none). Repeatable")
