@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import ipaddress
 import json
 import secrets
 from typing import Any
 
-# Set by ClientWatch for a WebSocket connection's handler: done once its client is gone
-# (a future, not an Event: a request waits on it with no task of its own).
+# Set by ClientWatch for a request's handler: done once its client is gone (a future, not
+# an Event: a request waits on it with no task of its own).
 CLIENT_GONE: contextvars.ContextVar[asyncio.Future[None] | None] = contextvars.ContextVar("smolbench_client_gone",
                                                                                           default=None)
+# True for an HTTP request's handler (a session of one request), False for a WebSocket's.
+ONE_REQUEST: contextvars.ContextVar[bool] = contextvars.ContextVar("smolbench_one_request", default=False)
 
 
 class BodyLimit:
@@ -66,6 +69,47 @@ class BodyLimit:
                 raise
 
 
+class Origins:
+    """ASGI middleware: a request with an ``Origin`` header (a browser's: a web page's script
+    or form) is refused unless that origin is allowed, and, when ``local``, one whose
+    ``Host`` is not a loopback name or address (a DNS rebinding page's). Browsers apply no
+    same-origin rule to WebSockets, nor to a form's POST: any page the operator visits could
+    reach a server on loopback. OpenEnv's client sends no ``Origin``."""
+
+    def __init__(self, app: Any, allowed: set[str], local: bool) -> None:
+        self.app, self.allowed, self.local = app, {o.encode() for o in allowed}, local
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        why = None
+        for key, value in scope.get("headers", ()):
+            if key == b"origin" and value.lower().rstrip(b"/") not in self.allowed:
+                why = "requests from web pages are refused (smolbench serve --allow-origin)"
+            elif key == b"host" and self.local and not loopback_host(value):
+                why = "this server answers only to a loopback Host (localhost, 127.0.0.1, [::1])"
+        if why is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        return await _refuse(send, 403, why)
+
+
+def loopback_host(value: bytes) -> bool:
+    """Whether a ``Host`` header names this host's loopback (any port)."""
+    host = value.decode("latin-1").lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class SecretPath:
     """ASGI middleware: only requests under ``/<token>/`` reach the app (the token taken off
     the path); any other gets a 404, or its WebSocket handshake a 403, before the app or a
@@ -96,7 +140,8 @@ class ClientWatch:
     """ASGI middleware: a WebSocket connection's messages are read as they come, so its
     handler learns the client is gone (:data:`CLIENT_GONE`) while a step still runs. OpenEnv's
     handler reads the next message only once a step returned: a client gone mid-step held its
-    session, and its slot, until the request timeout."""
+    session, and its slot, until the request timeout. An HTTP request's connection is
+    watched once its body is read (uvicorn then says ``http.disconnect`` when it closes)."""
 
     QUEUED = 4  # messages read ahead at most (then, as before, the connection's own buffers)
 
@@ -104,6 +149,8 @@ class ClientWatch:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            return await self._http(scope, receive, send)
         if scope["type"] != "websocket":
             return await self.app(scope, receive, send)
         gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -152,6 +199,39 @@ class ClientWatch:
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        watch: asyncio.Future[dict[str, Any]] | None = None
+
+        async def watching() -> dict[str, Any]:
+            msg = dict(await receive())
+            if msg["type"] == "http.disconnect" and not gone.done():
+                gone.set_result(None)
+            return msg
+
+        async def received() -> dict[str, Any]:
+            nonlocal watch
+            if watch is not None:  # the body is in: what comes next is the watch's (a disconnect)
+                return dict(await asyncio.shield(watch))
+            msg = dict(await receive())
+            if msg["type"] == "http.disconnect":
+                if not gone.done():
+                    gone.set_result(None)
+            elif not msg.get("more_body", False):
+                watch = asyncio.ensure_future(watching())
+            return msg
+
+        token, one = CLIENT_GONE.set(gone), ONE_REQUEST.set(True)
+        try:
+            await self.app(scope, received, send)
+        finally:
+            ONE_REQUEST.reset(one)
+            CLIENT_GONE.reset(token)
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(BaseException):
+                    await watch
 
 
 async def _refuse(send: Any, status: int, why: str) -> None:

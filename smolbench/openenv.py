@@ -27,7 +27,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
 from pydantic import Field
 
-from ._asgi import CLIENT_GONE
+from ._asgi import CLIENT_GONE, ONE_REQUEST
 from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
@@ -108,7 +108,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self, machines: Machines, timeout: float = REQUEST_TIMEOUT,
-                 on_close: Callable[[Machines], None] | None = None, *, served: bool = False) -> None:
+                 on_close: Callable[[Machines], None] | None = None, *, served: bool = False,
+                 pool: concurrent.futures.Executor | None = None) -> None:
         super().__init__()
         self._m = machines
         self._timeout = timeout
@@ -119,33 +120,42 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._client_gone = False
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._served = served  # made by app_for: closed on OpenEnv's server loop, which must not wait
+        self._pool = pool  # HTTP requests' threads, shared by the app's sessions of one request
 
     async def reset_async(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`reset`, cut as soon as the client's connection is gone (see :class:`ClientWatch`)."""
-        return await self._watched(lambda: self.reset(seed, episode_id, **kwargs))
+        return await self._watched(lambda: self.reset(seed, episode_id, **kwargs), "reset")
 
     async def step_async(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`step`, cut as soon as the client's connection is gone: a step that never
         answers then frees its session at once, not after the request timeout."""
-        return await self._watched(lambda: self.step(action, timeout_s, **kwargs))
+        return await self._watched(lambda: self.step(action, timeout_s, **kwargs), "step")
 
-    async def _watched(self, call: Callable[[], GymObservation]) -> GymObservation:
+    async def _watched(self, call: Callable[[], GymObservation], what: str) -> GymObservation:
         self._open()  # closed (idle too long): one line, and no thread for it
         gone = CLIENT_GONE.get()
-        if gone is None:  # HTTP: a session of one request, on the loop's bounded pool (a thread each
-            return await asyncio.to_thread(call)  # would let a flood of requests make threads)
-        # A WebSocket session's on a thread of its own (as OpenEnv runs a sync env's): a shared
-        # pool's threads could all be held by steps that never answer.
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smolbench-openenv")
+        pool: concurrent.futures.Executor | None = self._pool
+        if gone is not None and not ONE_REQUEST.get():
+            # A WebSocket session's on a thread of its own (as OpenEnv runs a sync env's): a
+            # shared pool's threads could all be held by steps that never answer.
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smolbench-openenv")
+            pool = self._worker
+        # HTTP: the app's bounded pool (a thread each would let a flood of requests make
+        # threads; the loop's default one is shared with everything else on the loop)
         try:
-            work = asyncio.wrap_future(self._worker.submit(call))
+            running = pool.submit(call) if pool is not None else None
         except RuntimeError:  # closed meanwhile, from the idle sessions' reaper
             self._open()
             raise
+        work = asyncio.wrap_future(running) if running is not None else asyncio.ensure_future(asyncio.to_thread(call))
+        if gone is None:
+            return await work
         either: set[asyncio.Future[Any]] = {work, gone}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
+            if running is not None and running.cancel():  # still queued: it never holds a thread
+                raise SmolbenchError(f"the {what} was cut: its client disconnected")
             self._client_gone = True  # before reading _cut: _run sets _cut before reading this
             cut = self._cut
             if cut is not None:
@@ -322,7 +332,8 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
             idle: float = IDLE_TIMEOUT) -> Any:
     """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session,
     each reset or step cut after ``timeout`` s, a session closed after ``idle`` s without a
-    request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet."""
+    request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet,
+    ``app.state.smolbench_pool`` the HTTP requests' threads (to shut down with the server)."""
     from openenv.core.env_server.http_server import create_fastapi_app
     from openenv.core.env_server.types import ConcurrencyConfig
 
@@ -330,17 +341,23 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
     live: set[Machines] = set()
+    # HTTP requests' resets and steps: as many at once as sessions (the rest wait their turn)
+    pool = concurrent.futures.ThreadPoolExecutor(max_sessions, thread_name_prefix="smolbench-http")
 
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        return MachineEnvironment(m, timeout, on_close=live.discard, served=True)
+        return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
-    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
+    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots);
+    # the API docs pages load scripts from a CDN into a page whose URL holds the server's token
+    gone = {"/mcp", "/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"}
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
+    app.openapi_url = app.docs_url = app.redoc_url = app.swagger_ui_oauth2_redirect_url = None
     app.state.smolbench_sessions = live
+    app.state.smolbench_pool = pool
 
     async def one_line(request: Any, exc: Exception) -> Any:  # over HTTP too, not "Internal Server Error"
         from fastapi.responses import JSONResponse

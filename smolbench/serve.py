@@ -61,6 +61,17 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SmolbenchError(f"--port should be from 1 to 65535, got {args.port}")
 
 
+ORIGIN_RE = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+
+
+def origin(value: str) -> str:
+    """``--allow-origin``: a web origin as browsers send it (scheme://host[:port]), lower case."""
+    value = value.lower().rstrip("/")
+    if not ORIGIN_RE.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an origin: give scheme://host[:port], e.g. https://app.example")
+    return value
+
+
 TOKEN_ENV = "SMOLBENCH_SERVE_TOKEN"
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
 
@@ -140,7 +151,8 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
     import uvicorn
 
     from . import Session
-    from ._asgi import BodyLimit, ClientWatch, SecretPath
+    from ._asgi import BodyLimit, ClientWatch, Origins, SecretPath
+    from ._uvicorn import backlog, connection_cap, protocols
     from .gym._host import Host
     from .gym.machines import Machines
     from .openenv import app_for
@@ -175,10 +187,12 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
                       file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
             served: Any = BodyLimit(ClientWatch(app), args.max_message)
-            if token:  # outermost: a request without it is refused before its body is read
+            if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
+            served = Origins(served, set(args.allow_origin), loopback(args.host))  # outermost: before anything
+            http, ws = protocols(connection_cap(), args.request_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
-            server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port,
+            server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port, http=http, ws=ws, backlog=backlog(),
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
                                                       ws_max_size=args.max_message,
                                                       ssl_certfile=tls[0] if tls else None,
@@ -186,6 +200,7 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
             server.run()
         finally:
             if app is not None:  # sessions still open (their clients gone, or cut by the stop)
+                app.state.smolbench_pool.shutdown(wait=False, cancel_futures=True)
                 for m in list(app.state.smolbench_sessions):
                     with contextlib.suppress(Exception):
                         host.run(m.close(), 60)
@@ -219,7 +234,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
                    help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
-                        "none: any path, loopback only is wise)")
+                        "none: any path, so any client that can connect is served; web pages still are not, see --allow-origin)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN", type=origin,
+                   help="serve requests a web page at ORIGIN (e.g. https://app.example:8443) makes; "
+                        "any other page's are refused (default: none). Repeatable")
     p.add_argument("--certfile", default=None, metavar="PEM",
                    help="serve over TLS (https://, wss://) with this certificate chain; its key in it or --keyfile")
     p.add_argument("--keyfile", default=None, metavar="PEM", help="the private key of --certfile")

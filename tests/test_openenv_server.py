@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -110,11 +111,13 @@ def server_env() -> dict[str, str]:
 
 
 @contextmanager
-def serving(folder: Path, *options: str) -> Iterator[Server]:
-    """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done."""
+def serving(folder: Path, *options: str, before: str = "") -> Iterator[Server]:
+    """``smolbench serve envs.py:code_env`` on the sandbox backend, until the test is done
+    (``before``: Python run in the server's process first, e.g. to lower a limit)."""
     (folder / "envs.py").write_text(CODE_ENV)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+    run = ["-c", before + "\nimport sys\nfrom smolbench.cli import main\nsys.exit(main())"] if before else ["-m", "smolbench.cli"]
+    proc = subprocess.Popen([sys.executable, *run, "serve", "envs.py:code_env", "--backend", "sandbox",
                              "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=server_env())
     lines: list[str] = []
@@ -469,3 +472,180 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
                              capture_output=True, text=True, timeout=WAIT, cwd=open_tmp, stdin=subprocess.DEVNULL,
                              env=server_env())
         assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+# The server's open-file limit, lowered (its cap: half of it, 128), and a short header deadline.
+FEW_FILES = """
+import resource, smolbench._uvicorn as u
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+u.HEADER_TIMEOUT = 5.0
+"""
+
+
+def closed(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (without waiting)."""
+    if not select.select([s], [], [], 0)[0]:
+        return False
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_on(open_tmp: Path) -> None:
+    """The audit's flood: connections that send nothing, or never finish their headers,
+    were kept for good; ~20,000 of them ran the server out of files (accept() tracebacks
+    flooding the log), new clients timed out, and SIGTERM then took 30 s."""
+    with serving(open_tmp, "--max-sessions", "3", before=FEW_FILES) as server:
+        server.settled()
+        addr = ("127.0.0.1", server.port)
+        idle = [socket.create_connection(addr) for _ in range(3)]
+        idle[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its headers never end
+        idle[1].sendall(b"GET ")
+        start = time.monotonic()
+        until(lambda: all(closed(s) for s in idle), "idle connections were never closed")
+        assert 3 < time.monotonic() - start < 60  # by the header deadline (5 s here)
+
+        sessions = [connect(server.ws) for _ in range(2)]  # open WebSockets count against the cap (128 here)
+        for ws in sessions:
+            assert ask(ws, "reset")["type"] == "observation"
+        flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(500)]
+        time.sleep(1)  # well before the header deadline: the ones over the cap are closed at once
+        kept = [s for s in flood if not closed(s)]
+        assert 0 < len(kept) <= 128 - 2, (len(kept), server.out)
+        for ws in sessions:  # the sessions open before go on
+            assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
+        for s in flood:
+            s.close()
+        done = round_trip(server.url, None)  # the flood over, OpenEnv's own client is served
+        assert done.returncode == 0 and "round trip" in done.stdout, done.stdout + done.stderr
+        for ws in sessions:
+            ws.close()
+
+        flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(100)]
+        start = time.monotonic()
+        assert server.stop() == 0  # with a flood open: it still stops at once
+        assert time.monotonic() - start < 20
+        for s in flood:
+            s.close()
+    out = server.out
+    assert "Traceback" not in out and "Too many open files" not in out, out
+    assert out.count("refusing new ones") in (1, 2), out  # a line per flood, not one per connection
+
+
+def test_a_client_that_reads_no_more_replies_is_cut_and_its_session_freed(open_tmp: Path) -> None:
+    """The audit: WebSocket clients that stop reading held their sessions (all of them)
+    until the idle timeout, and their connections stayed open minutes after: uvicorn's
+    send, and its keepalive ping's close, wait for the send buffer to drain."""
+    with serving(open_tmp, "--max-sessions", "1", "--request-timeout", "3", "--idle-timeout", "900") as server:
+        server.settled()
+        sock = socket.socket()  # a WebSocket by hand: a client library reads on its own thread
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        path = server.ws.split(str(server.port), 1)[1]
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nUpgrade: websocket\r\n"
+                     "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        assert b" 101 " in sock.recv(4096)
+
+        def send(type_: str, data: dict[str, Any]) -> None:  # a text frame, masked by zeros
+            payload = json.dumps({"type": type_, "data": data}).encode()
+            size = struct.pack("!B", 0x80 | len(payload)) if len(payload) < 126 else struct.pack("!BH", 0x80 | 126, len(payload))
+            sock.sendall(b"\x81" + size + b"\0\0\0\0" + payload)
+        send("reset", {})
+        for _ in range(100):  # ~20 MB of replies it never reads (an info may take 256 KiB)
+            send("step", {"action": MARK + "info = {'x': 'a' * 200_000}"})
+        until(server.marked, "the steps did not run")
+        start = time.monotonic()
+
+        def served() -> dict[str, Any] | None:  # on the old code: "Server at capacity" for 15 minutes
+            with connect(server.ws) as other:
+                try:
+                    got = ask(other, "reset")
+                except ConnectionClosed:  # refused at once
+                    return None
+                return ask(other, "step", {"action": "info = {'ok': 1}"}) if got["type"] == "observation" else None
+        assert until(served, "the stuck client kept its session")["data"]["observation"]["info"] == {"ok": 1}
+        assert time.monotonic() - start < 40  # not uvicorn's keepalive ping either (40 s, then a close that waits)
+        until(lambda: not server.marked(), "the stuck client's machine was not deleted")
+        sock.setblocking(False)
+
+        def cut() -> bool:  # its connection is closed too: what it reads ends
+            try:
+                while sock.recv(1 << 20):
+                    pass
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                pass
+            return True
+        until(cut, "the stuck client's connection stayed open")
+        sock.close()
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
+
+
+def test_stateless_http_resets_whose_clients_left_are_cut_and_others_are_served(open_tmp: Path) -> None:
+    """The audit: six HTTP resets that never answer, their clients gone, held every thread
+    HTTP requests ran on (the loop's default pool: six on two cores) until --request-timeout,
+    and every other HTTP client waited as long."""
+    import httpx
+
+    def hung() -> None:  # a client that gives up after 5 s: its connection closes
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{server.url}/reset", json={"options": {"hang": True}}, timeout=5)
+
+    with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "600", "--idle-timeout", "900") as server:
+        server.settled()
+        clients = [threading.Thread(target=hung) for _ in range(8)]
+        for t in clients:
+            t.start()
+        time.sleep(3)
+        during = server.agents()  # two of them hang in a reset (as many as --max-sessions)
+        for t in clients:
+            t.join(WAIT)
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)  # on the old code: 600 s
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        assert time.monotonic() - start < WAIT
+        until(lambda: len(during - server.agents()) >= 2, "the cut resets' machines were not deleted")
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
+
+
+def test_web_pages_and_dns_rebinding_are_refused_and_the_api_docs_are_not_served(open_tmp: Path) -> None:
+    """The audit, with --token none on loopback: any web page the operator visited could open
+    a WebSocket (browsers apply no same-origin rule to them) or POST /reset, and a page on
+    evil.example rebound to 127.0.0.1 was answered. And /docs loaded scripts from a CDN into
+    a page whose URL holds the token."""
+    import httpx
+    from websockets.exceptions import InvalidStatus
+
+    with serving(open_tmp, "--token", "none", "--allow-origin", "https://Ok.example/") as server:
+        for path in ("/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"):
+            assert httpx.get(server.url + path, timeout=WAIT).status_code == 404, path
+        page = {"origin": "https://evil.example"}
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, headers=page, timeout=WAIT)
+        assert r.status_code == 403 and "--allow-origin" in r.json()["detail"], r.text
+        with pytest.raises(InvalidStatus, match="403"):
+            connect(server.ws, origin="https://evil.example")  # type: ignore[arg-type]
+        with pytest.raises(InvalidStatus, match="403"):
+            connect(server.ws, origin="null")  # type: ignore[arg-type]  # a sandboxed frame, a file:// page
+        rebound = {"host": f"evil.example:{server.port}"}
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, headers=rebound, timeout=WAIT)
+        assert r.status_code == 403 and "loopback Host" in r.json()["detail"], r.text
+        with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:  # its WebSocket
+            sock.sendall(b"GET /ws HTTP/1.1\r\nHost: evil.example\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 403 ")
+
+        with connect(server.ws, origin="https://ok.example") as ws:  # type: ignore[arg-type]  # allowed
+            assert ask(ws, "reset")["type"] == "observation"
+        for host in ("localhost", f"localhost:{server.port}", f"[::1]:{server.port}", "127.0.0.1"):
+            assert httpx.get(f"{server.url}/health", headers={"host": host}, timeout=WAIT).status_code == 200, host
+        done = round_trip(server.url, None)  # OpenEnv's own client sends no Origin
+        assert done.returncode == 0 and "round trip" in done.stdout, done.stdout + done.stderr
+        assert server.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", "--allow-origin", "ok.example"],
+                         capture_output=True, text=True, timeout=WAIT, env=server_env())
+    assert bad.returncode == 2 and "is not an origin" in bad.stderr
