@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -215,7 +216,8 @@ class CheckpointsMixin(WorkbenchPart):
             ref = await self._restore_file(rec, node_id, added is not None and added.new_row)
         except BaseException:
             if added is not None:  # a file that can't make a machine is not kept as one of this folder's
-                self.shelf.unadopt(added)
+                # on a thread: it waits for the folder, which another kernel may hold a while
+                await _to_the_end(asyncio.to_thread(self.shelf.unadopt, added))
                 self.restore_notes.clear()
             raise
         self.machines[node_id] = ref
@@ -234,8 +236,8 @@ class CheckpointsMixin(WorkbenchPart):
             return await asyncio.shield(work)
         except asyncio.CancelledError:
             def take_back(done: asyncio.Future[Adopted]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.shelf.unadopt(done.result())
+                if not done.cancelled() and done.exception() is None:  # on a thread, as above
+                    threading.Thread(target=self.shelf.unadopt, args=(done.result(),), daemon=True).start()
 
             work.add_done_callback(take_back)
             raise

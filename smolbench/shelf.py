@@ -260,7 +260,7 @@ class Shelf:
         another kernel was told is "already in this folder" since (it added the same file: its
         ``created`` was renewed) stays, and so does the file it names."""
         name = str(added.row["name"])
-        with contextlib.suppress(Missing, PathRefused), self.store.locked():
+        with contextlib.suppress(Missing, PathRefused, OSError), self.store.locked():
             now = self.ledger.checkpoint(name)
             if added.new_row and now is not None and now == added.row:
                 self.ledger.remove_checkpoint(name)

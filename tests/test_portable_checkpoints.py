@@ -416,26 +416,35 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(op
 
 def test_a_checkpoint_a_killed_kernel_was_writing_is_swept_by_the_next(open_tmp: Path) -> None:
     """The leak hunt: SIGKILL during `checkpoint save` left `NAME.smolcheckpoint.part` (58 MB)
-    in the checkpoint folder for good. A part file is now named by its writer (pid and start
-    time), and the next kernel in the folder removes those whose writer is gone, and nothing
-    else: not a living writer's, not another name, not a link."""
-    import subprocess
+    in the checkpoint folder for good. A part file is now named by its writer and locked
+    (flock) while written; the next kernel in the folder removes one no one holds once it
+    is a minute old, and nothing else: not one being written, even by a writer whose pid
+    means nothing here (another pid namespace, another host: the review's case), not a
+    new one (its writer locks it a moment after making it), not another name, not a link."""
+    import os
+    import time
 
-    from smolbench.backends import _procs
-    from smolbench.gate.ckptpaths import PART, Store, part_name
+    from smolbench.gate.ckptpaths import PART, Store, hold_part, part_name
 
     store = Store(open_tmp / ".smolbench" / "checkpoints")
     store.ensure()
     folder = open_tmp / CK
-    gone = subprocess.Popen(["sleep", "60"])
-    dead = f".lesson.smolcheckpoint.{gone.pid}-{_procs.start_time(gone.pid)}.part"
-    gone.kill()
-    gone.wait()
-    mine = part_name("mine.smolcheckpoint")  # what this process writes under: its own, alive
-    assert PART.fullmatch(mine)
-    for name in (dead, mine, ".notes.part", "lesson.smolcheckpoint"):
+    dead = ".lesson.smolcheckpoint.123456-1.part"  # its writer was killed
+    elsewhere = ".other.smolcheckpoint.2-5347926.part"  # a writer in a container: pid 2 of its own
+    new = part_name("new.smolcheckpoint")  # just made, not yet locked
+    for name in (dead, elsewhere, new, ".notes.part", "lesson.smolcheckpoint"):
         (folder / name).write_bytes(b"x" * 1000)
+    assert all(PART.fullmatch(n) for n in (dead, elsewhere, new))
+    old = time.time() - 3600
+    for name in (dead, elsewhere, ".notes.part"):
+        os.utime(folder / name, (old, old))
     (folder / ".linked.smolcheckpoint.1-1.part").symlink_to(folder / "lesson.smolcheckpoint")
-    assert store.sweep_parts() == [dead]
+    writing = os.open(folder / elsewhere, os.O_WRONLY)
+    try:
+        hold_part(writing)  # its writer holds it
+        assert store.sweep_parts() == [dead]
+    finally:
+        os.close(writing)
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [mine, ".notes.part", "lesson.smolcheckpoint", ".linked.smolcheckpoint.1-1.part"])
+        [elsewhere, new, ".notes.part", "lesson.smolcheckpoint", ".linked.smolcheckpoint.1-1.part"])
+    assert store.sweep_parts() == [elsewhere]  # let go (its writer is gone too): old, unheld

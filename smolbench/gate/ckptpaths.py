@@ -29,6 +29,7 @@ import fcntl
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -59,14 +60,25 @@ class Missing(SmolbenchError):
     """The rule would allow the file, but it is not there."""
 
 
-# A file being written here is named by its writer: a writer killed mid-write (SIGKILL) leaves
-# it, and the next kernel in this folder removes it once that process is gone (sweep_parts).
+# A file being written here is named by its writer, who holds an flock on it while writing: a
+# writer killed mid-write (SIGKILL) leaves it, and the next kernel in this folder removes it
+# once no one holds it (sweep_parts). The lock, not the pid, says it is alive: a writer in
+# another pid namespace (a container) or on another host (an NFS home) has a pid of its own.
 PART = re.compile(r"\.(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63}\.smolcheckpoint)\.(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})\.part")
+
+
+PART_AGE = 60.0  # s a part file must be unchanged for before a sweep takes it (its writer locks it at once)
 
 
 def part_name(fname: str) -> str:
     """The name ``fname`` is written under until it is whole: ``.NAME.smolcheckpoint.PID-START.part``."""
     return f".{fname}.{os.getpid()}-{_procs.start_time(os.getpid())}.part"
+
+
+def hold_part(fd: int) -> None:
+    """Mark a part file open at ``fd`` as being written (until ``fd`` is closed)."""
+    with contextlib.suppress(OSError):  # no locks here (some network file systems): the age still counts
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def valid_name(name: str) -> bool:
@@ -179,7 +191,8 @@ class Store:
         """The checkpoint folder held against other kernels (an exclusive ``flock`` on the folder
         itself: no lock file, which a copied folder could make a link)."""
         with self._dir(make=True) as dfd:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):  # no locks here (some network file systems): unheld
+                fcntl.flock(dfd, fcntl.LOCK_EX)
             yield  # closing the descriptor lets go
 
     def ensure(self) -> None:
@@ -248,13 +261,20 @@ class Store:
             with os.scandir(dfd) as entries:
                 found = [e.name for e in entries if e.name.endswith(".part") and e.is_file(follow_symlinks=False)]
             for name in found:
-                m = PART.fullmatch(name)
-                if m is None or _procs.running(int(m["pid"]), m["start"]):
+                if PART.fullmatch(name) is None:
                     continue
                 with contextlib.suppress(OSError):
-                    if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                        os.unlink(name, dir_fd=dfd)
-                        gone.append(name)
+                    fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+                    try:
+                        st = os.fstat(fd)
+                        if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < PART_AGE:
+                            continue
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its writer holds it: BlockingIOError
+                        if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == st.st_ino:
+                            os.unlink(name, dir_fd=dfd)
+                            gone.append(name)
+                    finally:
+                        os.close(fd)
         return gone
 
     def names(self) -> list[str]:
@@ -278,6 +298,7 @@ class Store:
         part = part_name(fname)
         with self._dir(make=True) as dfd:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            hold_part(fd)
             try:
                 yield fd
                 os.fsync(fd)
