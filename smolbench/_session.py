@@ -659,7 +659,8 @@ def shutdown_all(timeout: float = 30) -> None:
 
 def _down_through(wb: Workbench, timeout: float) -> bool:
     """``wb.down()``, waited for through Ctrl-C: a second Ctrl-C at exit cut the wait short
-    and left machines running. Whether it ended without an error."""
+    and left machines running. False if it ended with an error (to be tried again); one
+    still running past ``timeout`` goes on alone, never beside a second."""
     job = _loop.Job(wb.down(), stoppable=False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -668,7 +669,7 @@ def _down_through(wb: Workbench, timeout: float) -> bool:
                 break
         except KeyboardInterrupt:
             continue
-    return job.done() and not job.future.cancelled() and job.future.exception() is None
+    return not job.done() or (not job.future.cancelled() and job.future.exception() is None)
 
 
 def _at_exit() -> None:
@@ -676,13 +677,19 @@ def _at_exit() -> None:
     branches are recorded as cancelled, not as machines that died; then every machine goes."""
     if _hooks_pid and os.getpid() != _hooks_pid:
         return
+    before: Any = None
     if (_LIVE or _loop.running()) and threading.current_thread() is threading.main_thread():
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C again here left machines running
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if _loop.running():
-        with contextlib.suppress(BaseException):
-            _loop.cancel_all(STOP_TIMEOUT)
-    shutdown_all()
+            before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if _loop.running():
+            with contextlib.suppress(BaseException):
+                _loop.cancel_all(STOP_TIMEOUT)
+        shutdown_all()
+    finally:
+        if before is not None:  # Python then joins the program's own threads: Ctrl-C may stop that
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signal.SIGINT, before)
 
 
 def _install_hooks() -> None:
@@ -726,16 +733,20 @@ def _in_kernel() -> bool:
 def _install_sigterm() -> None:
     """SIGTERM (and SIGHUP) stops running calls and deletes every machine, then does what it
     did before (by default: ends the process with that signal's status). Only from the main
-    thread, never in a Jupyter kernel, and never over a handler that ignores the signal
-    (``nohup`` ignores SIGHUP)."""
+    thread, never in a Jupyter kernel, never over a handler that ignores the signal (``nohup``
+    ignores SIGHUP), and SIGHUP only where it still ends the program (a daemon's own SIGHUP
+    handler often means "reload")."""
     global _sigterm_installed, _term_wake
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or _in_kernel():
         return
     ours: dict[int, Any] = {}
     for sig in STOP_SIGNALS:
         previous = signal.getsignal(sig)
-        if previous is not signal.SIG_IGN and previous is not None:  # else: not ours to take
-            ours[sig] = previous
+        if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: not ours
+            continue
+        if sig != signal.SIGTERM and previous is not signal.SIG_DFL:  # a SIGHUP of its own: often "reload"
+            continue
+        ours[sig] = previous
     if not ours:
         return
     read, write = os.pipe()

@@ -194,7 +194,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             self._watcher = None
         count = 0
         for records in list(self.unwritten):  # before the rows below, which they must not come after
-            records.session_down()
+            with contextlib.suppress(Exception):  # a record that can't be written never keeps a machine
+                records.session_down()
         await _to_the_end(self.zygotes.close())
         for _ in range(3):  # again for machines made meanwhile (a gym env's spares already on their way)
             names = sorted(self.machines, key=lambda n: -n.count("."))

@@ -335,27 +335,44 @@ def test_an_action_too_big_for_the_machine_to_read_is_one_line_before_it_is_sent
         env.close()
 
 
-def test_an_integer_box_is_rebuilt_as_gymnasium_builds_it() -> None:
-    """The audit: an integer Box described with infinite (or out of range) float bounds was
-    cast before gymnasium saw it: rebuilt as Box(0, 0) with RuntimeWarnings on the host, so
-    every observation was then refused as outside it. Now gymnasium maps ±inf to the dtype's
-    range, and bounds outside it are refused in one line."""
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_reset_too_big_for_the_machine_to_read_is_one_line_before_it_is_sent(bench: Workbench, reset: str) -> None:
+    """The review: the same for a reset's options (a fresh reset's spare was lost with it)."""
+    env = sgym.make("BigActions", session=bench, reset=reset)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            env.reset(seed=1, options={"x": "a" * 1_100_000})
+        one_line(refused.value, "a reset of 1,100,")
+        assert env.reset(seed=0)[0][0] == 0
+    finally:
+        env.close()
+
+
+def test_an_integer_box_described_with_float_bounds_is_refused_in_one_line() -> None:
+    """The audit: an integer Box described with infinite float bounds was cast before
+    gymnasium saw it: rebuilt as Box(0, 0) with RuntimeWarnings on the host (int64's even
+    inside gymnasium, the review found), so every observation was then refused as outside
+    it. The guest sends an integer Box's bounds in its own dtype: anything else is refused."""
     import warnings
 
     from gymnasium import spaces as S
 
     from smolbench.gym.spaces import Refused, space_from_data
 
-    def box(low: float, high: float, dtype: str) -> dict[str, Any]:
+    def box(low: Any, high: Any, dtype: str) -> dict[str, Any]:
         return {"type": "Box", "dtype": dtype, "low": np.array([low]), "high": np.array([high])}
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert space_from_data(box(-np.inf, np.inf, "int8")) == S.Box(-128, 127, (1,), np.int8)
+        for dtype in ("int8", "int64", "uint8"):
+            with pytest.raises(Refused, match=f"a Box of {dtype} whose bounds are not integers"):
+                space_from_data(box(-np.inf, np.inf, dtype))
         with pytest.raises(Refused, match="out of bounds of the dtype range"):
-            space_from_data(box(-1000.0, 0.0, "int8"))
+            space_from_data(box(-1000, 0, "int8"))
         with pytest.raises(Refused, match="NaN bounds"):
-            space_from_data(box(np.nan, 0.0, "int8"))
+            space_from_data(box(np.nan, 0.0, "float32"))
+        assert space_from_data(box(-3, 4, "int8")) == S.Box(-3, 4, (1,), np.int8)
 
 
 def test_what_carries_over_to_the_next_fresh_episode_is_a_generator_state_only() -> None:
@@ -376,7 +393,8 @@ def test_what_carries_over_to_the_next_fresh_episode_is_a_generator_state_only()
                      {**pcg, "uinteger": "a message"}, {**pcg, "has_uint32": True}, {**pcg, "bit_generator": "Mine"},
                      {**pcg, "state": {"state": 1 << 128, "inc": 1}}, "plain text"):
         assert plain_rng({"state": json.dumps(smuggled), "seed": 1}) is None, smuggled
-    assert plain_rng({"state": json.dumps(pcg), "seed": 10**30})["seed"] is None  # type: ignore[index]
+    assert plain_rng({"state": json.dumps(pcg), "seed": "a message"})["seed"] is None  # type: ignore[index]
+    assert plain_rng({"state": json.dumps(pcg), "seed": 2**127})["seed"] == 2**127  # type: ignore[index]
 
 
 def test_an_info_is_bounded_by_what_it_takes_as_json() -> None:
@@ -387,5 +405,6 @@ def test_an_info_is_bounded_by_what_it_takes_as_json() -> None:
     for flood in ({"e": [""] * 990_000}, {"e": [{}] * 200_000}, {"e": [[]] * 200_000}):
         with pytest.raises(GymError, match=f"bytes: at most {MAX_INFO:,}"):
             checked_info(flood, "sub-env 0")
-    honest = {"x": np.zeros(1000, np.float32), "names": ["a", "b"], "nested": {"k": 1.5, "t": None}}
+    honest = {"x": np.zeros(1000, np.float32), "names": ["a", "b"], "nested": {"k": 1.5, "t": None},
+              "frame": np.zeros((224, 224, 3), np.uint8)}  # an image: counted at its 150 KB (the review)
     assert checked_info(honest, "sub-env 0") is honest

@@ -423,6 +423,13 @@ def test_a_check_that_fails_unforeseen_refuses_the_answer_and_never_raises(monke
     (got,) = answers.feed(LEAN_FRAMES["plain"])
     assert isinstance(got, Exception) and answers.broken
     assert str(got) == "machine root.1 sent a malformed reply: an answer that could not be checked (RuntimeError)"
+    # the review: an answer already checked in the same chunk is kept, not dropped with it
+    from smolbench import gate
+
+    monkeypatch.setattr(gate._Cell, "done", lambda *a, **k: broken(b""))
+    answers = Answers(CellRequest("x"), "root.1")
+    got = answers.feed(b'{"t":"answer","value":{"format":"data","data":1}}\n{"t":"done","status":"ok"}\n')
+    assert got[0] == 1 and isinstance(got[1], Exception) and len(got) == 2, got
 
 
 def test_a_machines_error_is_one_line_that_cant_pass_for_another_sub_envs() -> None:

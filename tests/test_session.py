@@ -633,13 +633,15 @@ print("ready", flush=True)
     assert script.leftovers() == ([], [], [])
     led = Ledger(tmp_path / "ledger.db")
     try:
-        nodes = led.nodes()
+        nodes, runs = led.nodes(), led.runs()
     finally:
         led.close()
     episode = nodes[[isinstance(m, dict) and "ended" in m for m in nodes["metrics"]]]
     assert len(episode) == 1, nodes[["id", "status", "metrics"]]
     row = episode.iloc[0]
     assert row["metrics"]["ended"] == "closed" and row["reward"] == 3.0 and row["ended"] > 0, row
+    gym_run = runs[runs["id"] == row["run_id"]].iloc[0]
+    assert gym_run["status"] == "done" and gym_run["ended"] > 0, gym_run  # the env's run is ended too
     forked = nodes[(nodes["parent_id"] == "root") & (nodes["id"] != row["parent_id"])]  # not the env's warm parent
     assert len(forked) == 2 and set(forked["status"]) == {"cancelled"} and forked["ended"].notna().all(), forked
 
@@ -662,4 +664,19 @@ threading.Thread(target=late).start()
     code, out, err = script.finish()
     assert code == 0, err
     assert "refused: this program is exiting (its main thread ended): a Session can't start now" in out, out
+    assert script.leftovers() == ([], [], [])
+
+
+def test_a_programs_own_sighup_handler_is_left_alone(tmp_path: Path) -> None:
+    """The review: SIGHUP was taken over a program's own handler (a daemon's "reload"): its
+    machines were deleted and the program went on without them."""
+    script = Script(tmp_path, HEAD.format(backend="process") + """\
+signal.signal(signal.SIGHUP, lambda *_: print("reloaded", flush=True))
+with s:
+    os.kill(os.getpid(), signal.SIGHUP)
+    print("still up:", s.run("print(6 * 7)").stdout.strip(), flush=True)
+""")
+    code, out, err = script.finish()
+    assert code == 0, err
+    assert "reloaded" in out and "still up: 42" in out, out + err
     assert script.leftovers() == ([], [], [])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 from typing import Any
 
@@ -21,6 +22,8 @@ from ..errors import SmolbenchError
 from . import _Cell, _error, died, malformed, pull
 from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown, values_in
 from .limits import LIMITS, human
+
+log = logging.getLogger(__name__)
 
 
 def one_line_error(error: dict[str, Any]) -> str:
@@ -63,23 +66,19 @@ class Answers:
 
     def feed(self, chunk: bytes) -> list[Any]:
         """The answers ``chunk`` completes (values, or exceptions as above); never raises: a
-        check that fails in a way not foreseen refuses the machine's bytes like any other."""
-        try:
-            return self._feed(chunk)
-        except Exception as exc:  # an answer of one sub-env must never cut the others' (ask_now)
-            return [self._break(malformed(self.where, f"an answer that could not be checked ({type(exc).__name__})"))]
-
-    def _feed(self, chunk: bytes) -> list[Any]:
+        check that fails in a way not foreseen refuses the machine's bytes from there on like
+        any other (one sub-env's answer must never cut the others', see ``ask_now``), and is
+        logged with its traceback (a bug of ours must not pass for the machine's fault unseen)."""
         if self.broken:
             return []
-        frame = self._split.whole(chunk)
-        if frame is not None:  # the common case: one whole answer, a plain lean step
-            lean = _lean_step(frame)
-            if lean is not None:
-                self._dropped = 0
-                return [lean]
         out: list[Any] = []
         try:
+            frame = self._split.whole(chunk)
+            if frame is not None:  # the common case: one whole answer, a plain lean step
+                lean = _lean_step(frame)
+                if lean is not None:
+                    self._dropped = 0
+                    return [lean]
             for frame in self._split.feed(chunk):
                 answer = self._frame(frame)
                 if answer is not _NONE:
@@ -88,6 +87,9 @@ class Answers:
                         break
         except Bad as exc:
             out.append(self._break(malformed(self.where, exc)))
+        except Exception as exc:
+            log.warning("an answer from machine %s could not be checked", self.where, exc_info=True)
+            out.append(self._break(malformed(self.where, f"an answer that could not be checked ({type(exc).__name__})")))
         return out
 
     def end(self) -> BaseException:

@@ -10,6 +10,7 @@ from ..backends._channel import Channel
 from ..backends.base import CellResult, MachineRef
 from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError, Ended, one_line_error
+from ..guest import protocol as P
 from ..tree import Node
 
 OUT = "_smolgym_out"  # the variable a one-request cell leaves its result in
@@ -87,7 +88,7 @@ def plain_rng(value: Any) -> dict[str, Any] | None:
     if state is None:
         return None
     seed = value.get("seed")
-    return {"state": json.dumps(state), "seed": seed if _whole(seed, 64) or seed == -1 else None}
+    return {"state": json.dumps(state), "seed": seed if type(seed) is int and seed >= -1 else None}  # (within the 4 KiB)
 
 
 def _whole(v: Any, bits: int) -> bool:
@@ -143,3 +144,10 @@ def cell_out(res: CellResult, where: str) -> Any:
     if OUT not in res.pulled:
         raise GymError(f"{where} sent no result")
     return res.pulled[OUT]
+
+
+def fits(size: int, what: str, fix: str = "send less") -> None:
+    """One line, before anything is sent, for a request over what a machine reads: it stopped
+    reading (its serving cell ended), which said only that the channel was dropped."""
+    if size > P.CHANNEL_LINE:
+        raise GymError(f"{what} of {size:,} bytes as a request is more than the {P.CHANNEL_LINE:,} a machine reads: {fix}")

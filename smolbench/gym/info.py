@@ -68,5 +68,5 @@ def _size(value: Any, depth: int) -> int:
                 break
         return total
     if kind is np.ndarray and not value.dtype.hasobject and value.dtype.names is None:
-        return 2 + int(value.nbytes) + value.size  # at least a separator an item
+        return 2 + int(value.nbytes)  # its bytes (in process an image stays an array: 150 KB is 150 KB)
     raise _Bad(f"holding a {kind.__name__}")

@@ -395,6 +395,7 @@ class Machines:
         otherwise (then :meth:`reset`)."""
         ep = self.eps[i]
         fresh = self.mode == "fresh"
+        self._reset_request(ep, seed, options)  # one line here if it can't be sent (nothing taken yet)
         if fresh:
             if (ep.running and seed is None) or not self.pool.ready:
                 return None
@@ -428,7 +429,9 @@ class Machines:
         carries on from the last episode."""
         if seed is not None:
             ep.rng = None
-        return json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+        req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+        E.fits(len(req) + 64, "a reset")  # (its request's own fields: under 64 bytes)
+        return req
 
     def _begin(self, ep: Episode, seed: int | None) -> int | None:
         """Begin ``ep``'s record; the machine's own seed for its reset (the env's seed, or with
@@ -611,9 +614,7 @@ class Machines:
         if self._discrete:
             return b'{"op":"step","a":{"$":"int64","v":%d}}\n' % int(action)
         line = P.encode({"op": "step", "a": spaces.action_data(self.action_space, action)})
-        if len(line) > P.CHANNEL_LINE:  # the machine would stop reading (its serving cell ended, unsaid)
-            raise GymError(f"an action of {len(line):,} bytes as a request is more than the {P.CHANNEL_LINE:,} a "
-                           "machine reads: use a smaller action space")
+        E.fits(len(line), "an action", "use a smaller action space")
         return line
 
     @property

@@ -106,11 +106,15 @@ class Records:
         SIGTERM): it makes no more spares, and each running episode ends as closed, its
         return kept; its machines go with the session's (``Workbench.down``)."""
         m = self.m
-        m.closed = True
+        if m.closed:
+            return
+        m.closed = True  # its own close (later, by its user) has nothing left to do
         for ep in m.eps:
             if ep.running:
                 quietly(self.end, ep, "closed")
         self.flush()
+        if m.run_id and m.owns_parent:
+            quietly(m.wb.ledger.end_run, m.run_id, "done")
 
     def flush(self) -> None:
         """Write what was gathered (on the loop; ``Machines.close`` does it first)."""

@@ -88,9 +88,11 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
                 raise Refused(f"a Box whose low {low.shape} and high {high.shape} differ in shape")
             if (low.dtype.kind == "f" and np.isnan(low).any()) or (high.dtype.kind == "f" and np.isnan(high).any()):
                 raise Refused("a Box with NaN bounds")
-            # an integer Box's bounds as sent: gymnasium maps ±inf to its dtype's range and refuses
-            # bounds outside it (a cast here made them garbage, with warnings on the host)
-            cast = dtype.kind == "f"
+            if dtype.kind in "iub" and "f" in (low.dtype.kind, high.dtype.kind):
+                # the guest sends an integer Box's bounds in its dtype; cast, ±inf made garbage
+                # (int64's even inside gymnasium), with warnings on the host
+                raise Refused(f"a Box of {dtype} whose bounds are not integers")
+            cast = dtype.kind == "f"  # an integer Box's bounds as sent: gymnasium refuses those outside its dtype
             return S.Box(low=low.astype(dtype, copy=False) if cast else low,
                          high=high.astype(dtype, copy=False) if cast else high,
                          shape=low.shape, dtype=dtype)
