@@ -65,13 +65,21 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
 
     conns = _Open(cap)
 
-    class Stuck:
+    class Stuck(asyncio.Protocol):
         """Aborts the connection once its writes stayed paused ``send_timeout`` s: asyncio
         pauses them when the client reads no more, and uvicorn's send (and close, and a
         keepalive ping's close) then waits for good."""
 
         transport: asyncio.Transport
         _stuck: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._arm_stuck()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._disarm_stuck()
 
         def _arm_stuck(self) -> None:
             if self._stuck is None:
@@ -120,14 +128,6 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             self._disarm_stuck()
             super().handle_websocket_upgrade(event)
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            self._arm_stuck()
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._disarm_stuck()
-
         def _arm_headers(self) -> None:
             if self._deadline is None:
                 self._deadline = self.loop.call_later(HEADER_TIMEOUT, self._too_slow)
@@ -153,13 +153,5 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             await super().run_asgi()
             if not self.disconnected:  # closing: a client that reads nothing more would keep it open
                 self._arm_stuck()
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            self._arm_stuck()
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._disarm_stuck()
 
     return Http, WebSocket
