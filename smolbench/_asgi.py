@@ -97,17 +97,22 @@ class Origins:
 
 def loopback_host(value: bytes) -> bool:
     """Whether a ``Host`` header names this host's loopback (any port)."""
-    host = value.decode("latin-1").lower()
+    host = value.decode("latin-1")
     if host.startswith("["):
         host = host[1:].partition("]")[0]
     elif host.count(":") == 1:
         host = host.partition(":")[0]
-    if host in ("localhost", "localhost."):
+    return loopback_name(host)
+
+
+def loopback_name(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this host's loopback."""
+    if host.lower() in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return False  # a name: whatever it resolves to
 
 
 class SecretPath:
@@ -156,8 +161,7 @@ class ClientWatch:
         gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def went() -> None:
-            if not gone.done():
-                gone.set_result(None)
+            _settle(gone)
 
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.QUEUED)
         last: dict[str, Any] = {}
@@ -206,19 +210,16 @@ class ClientWatch:
 
         async def watching() -> dict[str, Any]:
             msg = dict(await receive())
-            if msg["type"] == "http.disconnect" and not gone.done():
-                gone.set_result(None)
+            if msg["type"] == "http.disconnect":
+                _settle(gone)
             return msg
 
         async def received() -> dict[str, Any]:
             nonlocal watch
             if watch is not None:  # the body is in: what comes next is the watch's (a disconnect)
                 return dict(await asyncio.shield(watch))
-            msg = dict(await receive())
-            if msg["type"] == "http.disconnect":
-                if not gone.done():
-                    gone.set_result(None)
-            elif not msg.get("more_body", False):
+            msg = await watching()
+            if msg["type"] != "http.disconnect" and not msg.get("more_body", False):
                 watch = asyncio.ensure_future(watching())
             return msg
 
@@ -232,6 +233,12 @@ class ClientWatch:
                 watch.cancel()
                 with contextlib.suppress(BaseException):
                     await watch
+
+
+def _settle(gone: asyncio.Future[None]) -> None:
+    """Its client is gone (said once)."""
+    if not gone.done():
+        gone.set_result(None)
 
 
 async def _refuse(send: Any, status: int, why: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import math
 import os
 import re
@@ -22,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._asgi import loopback_name
 from .errors import RemoteError, SmolbenchError
 
 TARGET = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
@@ -113,12 +113,7 @@ def tls_files(args: argparse.Namespace) -> tuple[str, str | None] | None:
 
 def loopback(host: str) -> bool:
     """Whether ``host`` (``--host``) listens on this host's loopback only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: whatever it resolves to
+    return loopback_name(host)
 
 
 def url_host(host: str) -> str:
