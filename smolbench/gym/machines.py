@@ -395,7 +395,7 @@ class Machines:
         otherwise (then :meth:`reset`)."""
         ep = self.eps[i]
         fresh = self.mode == "fresh"
-        self._reset_request(ep, seed, options)  # one line here if it can't be sent (nothing taken yet)
+        req = self._reset_request(ep, seed, options)  # one line here if it can't be sent (nothing taken yet)
         if fresh:
             if (ep.running and seed is None) or not self.pool.ready:
                 return None
@@ -414,7 +414,6 @@ class Machines:
             if ep.running:
                 self.records.end(ep, "reset")
             ep.ref, ep.chan = ref, chan
-            req = self._reset_request(ep, seed, options)
             got = ask_now([chan], [P.encode({"op": "reset", "r": req, "seed": self._begin(ep, seed)})])
         assert got is not None  # askable, checked above
         if fresh:
@@ -462,19 +461,15 @@ class Machines:
         try:
             if not isinstance(out, dict) or set(out) - {"obs", "info"}:
                 raise GymError(f"{where} answered a reset with something other than an observation and an info")
-            try:
-                obs = self._obs(out.get("obs"), where)
-                info = checked_info(out.get("info"), where)
-            except GymError:
-                raise
-            except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
-                raise E.unchecked(where, "a reset", exc) from None
-        except GymError as exc:
+            obs = self._obs(out.get("obs"), where)
+            info = checked_info(out.get("info"), where)
+        except Exception as exc:  # whatever the answer held: this sub-env's error, not the others'
+            err = exc if isinstance(exc, GymError) else E.unchecked(where, "a reset", exc)
             # its answers may no longer answer its requests (one answer too many): the next
             # request starts a new serving cell, and the episode begun is not running
             E.hang_up(ep)
-            self._reset_ended(ep, exc)
-            raise
+            self._reset_ended(ep, err)
+            raise err from None
         ep.obs = obs
         return obs, info
 
