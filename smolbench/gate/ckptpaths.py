@@ -65,8 +65,6 @@ class Missing(SmolbenchError):
 # once no one holds it (sweep_parts). The lock, not the pid, says it is alive: a writer in
 # another pid namespace (a container) or on another host (an NFS home) has a pid of its own.
 PART = re.compile(r"\.(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63}\.smolcheckpoint)\.(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})\.part")
-
-
 PART_AGE = 60.0  # s a part file must be unchanged for before a sweep takes it (its writer locks it at once)
 
 
@@ -259,10 +257,8 @@ class Store:
         gone: list[str] = []
         with contextlib.suppress(Missing, PathRefused, OSError), self._dir() as dfd:
             with os.scandir(dfd) as entries:
-                found = [e.name for e in entries if e.name.endswith(".part") and e.is_file(follow_symlinks=False)]
+                found = [e.name for e in entries if PART.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
             for name in found:
-                if PART.fullmatch(name) is None:
-                    continue
                 with contextlib.suppress(OSError):
                     fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
                     try:
