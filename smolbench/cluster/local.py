@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -149,6 +150,7 @@ class LocalCluster:
         (self.dir / "ray").mkdir()
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
+        self._asked: dict[str, tuple[int, int, str]] = {}  # node id: (slots, cpus, backend), to replace it
         self.env = dict(env or {})  # more environment for every node's processes (tests: a fake smol engine)
         self._cluster: Any = None
         atexit.register(self.stop)  # a kernel that exits (or is shut down) mid-notebook still cleans up
@@ -158,6 +160,7 @@ class LocalCluster:
                 "include_dashboard": False, "resources": {}, "_system_config": HEALTH_CHECK}), self._kill_strays)
             for i in range(nodes):
                 self.add_node(slots=slots, cpus=cpus, backend=backends[i % len(backends)])
+            self.replace_lost()
         except BaseException:
             self.stop()
             raise
@@ -179,12 +182,45 @@ class LocalCluster:
                                                      env_vars={**self.env, "SMOLBENCH_NODE_DIR": str(folder)}))
         self.node_dirs.append(folder)
         self.nodes.append(node)
+        self._asked[node.node_id] = (slots, cpus, backend)
         return node
+
+    def lost(self) -> dict[Any, str]:
+        """Nodes of this cluster that are gone (their raylet exited, or the head declared them
+        dead), each with why, as far as this host can tell."""
+        alive = {n["NodeID"] for n in self._cluster.global_state.node_table() if n.get("Alive")}
+        out = {}
+        for node in self.nodes:
+            exited = [p.returncode for kind, p in node.dead_processes() if kind == "raylet"]
+            if exited:
+                out[node] = f"its raylet exited with code {exited[0]}"
+            elif node.node_id not in alive:
+                out[node] = "the head declared it dead"
+        return out
+
+    def replace_lost(self) -> list[str]:
+        """Put a new node in place of each lost one (same slots and backend); what was done, a
+        line each. On a busy host a raylet can die while the cluster starts; a throwaway
+        cluster for a demo just needs the nodes it was asked for."""
+        notes = []
+        for node, why in self.lost().items():
+            slots, cpus, backend = self._asked[node.node_id]
+            with contextlib.suppress(Exception):
+                self.remove_node(node)
+            if node in self.nodes:
+                self.nodes.remove(node)
+            new = self.add_node(slots=slots, cpus=cpus, backend=backend)
+            notes.append(f"node {node.node_id[:8]} was lost ({why}; Ray's logs: {node.get_logs_dir_path()}): "
+                         f"replaced by node {new.node_id[:8]}")
+        for line in notes:
+            print(f"smolbench cluster local: {line}", file=sys.stderr, flush=True)
+        return notes
 
     def remove_node(self, node: Any) -> None:
         """Take a node away, as if its host was lost (its processes are killed)."""
         self._cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
+        self._asked.pop(node.node_id, None)
         # until the head has declared it dead: a driver that joins before then would still
         # place an agent on it (which then dies with "missing too many heartbeats")
         self._cluster.wait_for_nodes(timeout=120)
