@@ -1,6 +1,6 @@
 """uvicorn's HTTP and WebSocket protocols for ``smolbench serve``, with what uvicorn leaves
-to a proxy in front of it: a deadline for a request's headers, a cap on open connections,
-and a bound on a reply its client does not read.
+to a proxy in front of it: deadlines for a request's headers and for its body, a cap on open
+connections, and a bound on a reply its client does not read.
 
 ``protocols(cap, send_timeout)`` gives the classes for ``uvicorn.Config(http=..., ws=...)``;
 the two share one count, so a WebSocket connection stays counted while it is open.
@@ -19,6 +19,10 @@ from typing import Any
 # ample for a slow link, and short enough that idle or trickling connections (slowloris)
 # can't pile up to the open-file limit.
 HEADER_TIMEOUT = 10.0
+# s from a request's complete headers to its complete body. Bodies here are an action or a
+# reset's options, at most --max-message (1 MiB by default): seconds even on a slow link. A
+# body that trickles (slowloris after the headers) is cut, and its handler sees its client gone.
+BODY_TIMEOUT = 30.0
 MAX_CONNECTIONS = 1024  # open at once, at most; and at most half the open-file limit
 WARN_EVERY = 60.0  # s between two lines saying connections are refused
 
@@ -57,7 +61,7 @@ class _Open:
 def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
     """The HTTP (h11) and WebSocket protocol classes of one server: at most ``cap``
     connections open (the next closed at once), each request's headers complete within
-    :data:`HEADER_TIMEOUT`, and a connection whose client leaves a reply unread for
+    :data:`HEADER_TIMEOUT` and its body :data:`BODY_TIMEOUT` after them, and a connection whose client leaves a reply unread for
     ``send_timeout`` s aborted (its handler then sees its client gone)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -91,7 +95,7 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
                 self._stuck = None
 
     class Http(Stuck, H11Protocol):
-        _refused = _upgraded = False
+        _refused = _upgraded = _in_body = False
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
@@ -114,8 +118,16 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
 
         def handle_events(self) -> None:
             super().handle_events()
-            if not self._upgraded and self.conn.their_state is not h11.IDLE:
-                self._disarm_headers()  # a request's headers are in
+            if self._upgraded or self.conn.their_state is h11.IDLE:
+                return
+            if self.conn.their_state is h11.SEND_BODY:  # its headers are in, its body is coming
+                if not self._in_body:
+                    self._in_body = True
+                    self._disarm_headers()
+                    self._arm(BODY_TIMEOUT)
+            else:  # the whole request is in (or the connection is ending)
+                self._in_body = False
+                self._disarm_headers()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -129,8 +141,11 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             super().handle_websocket_upgrade(event)
 
         def _arm_headers(self) -> None:
+            self._arm(HEADER_TIMEOUT)
+
+        def _arm(self, seconds: float) -> None:
             if self._deadline is None:
-                self._deadline = self.loop.call_later(HEADER_TIMEOUT, self._too_slow)
+                self._deadline = self.loop.call_later(seconds, self._too_slow)
 
         def _disarm_headers(self) -> None:
             if self._deadline is not None:
@@ -139,7 +154,7 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
 
         def _too_slow(self) -> None:
             self._deadline = None
-            self.transport.abort()  # nothing to say: no request came
+            self.transport.abort()  # nothing to say: no request came, or not all of it
 
     class WebSocket(Stuck, WebSocketsSansIOProtocol):
         """Made only by :class:`Http`'s upgrade, so its connection is counted already."""

@@ -535,6 +535,36 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
     assert out.count("refusing new ones") <= 2, out
 
 
+def test_a_request_body_that_trickles_in_is_cut_and_honest_clients_go_on(open_tmp: Path) -> None:
+    """Sixth audit, left open then: a client that sends complete headers and then its body a
+    byte at a time held its connection (and the handler waiting for the body) for good; many
+    of them fill the connection cap. The body now has a deadline (4 s here) from its headers."""
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    with serving(open_tmp, before="import smolbench._uvicorn as u\nu.BODY_TIMEOUT = 4.0\n") as server:
+        server.settled()
+        path = urlsplit(server.url).path
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
+        s.sendall(f"POST {path}/reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 200\r\n\r\n{".encode())
+        start, cut = time.monotonic(), False
+        while time.monotonic() - start < 60 and not cut:  # a byte every half second: never idle
+            time.sleep(0.5)
+            try:
+                s.sendall(b" ")
+            except OSError:
+                cut = True
+            cut = cut or closed(s)
+        s.close()
+        assert cut and 3 < time.monotonic() - start < 40, "a trickling body was never cut"
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
+
+
 def test_a_client_that_reads_no_more_replies_is_cut_and_its_session_freed(open_tmp: Path) -> None:
     """The audit: WebSocket clients that stop reading held their sessions (all of them)
     until the idle timeout, and their connections stayed open minutes after: uvicorn's
