@@ -23,7 +23,7 @@ HEADER_TIMEOUT = 10.0
 # reset's options, at most --max-message (1 MiB by default): seconds even on a slow link. A
 # body that trickles (slowloris after the headers) is cut, and its handler sees its client gone.
 BODY_TIMEOUT = 30.0
-MAX_CONNECTIONS = 1024  # open at once, at most; and at most half the open-file limit
+MAX_CONNECTIONS = 1024  # open at once, at most (and at most half the files the sessions leave)
 WARN_EVERY = 60.0  # s between two lines saying connections are refused
 
 
@@ -32,10 +32,29 @@ def _files() -> int:
     return 1 << 20 if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def connection_cap() -> int:
-    """The connections open at once the server takes: well below RLIMIT_NOFILE, so the
-    machines' own files and the listening socket's accept() always have room."""
-    return max(1, min(MAX_CONNECTIONS, _files() // 2))
+# Files the server holds besides its clients' connections: its own (Python's, the warm
+# parent's connections, the listening socket), and per session. A session was measured at 2
+# (its WebSocket, its machine's kept connection); counted twice, for a fresh reset's next machine.
+FILES_OWN = 64
+FILES_PER_SESSION = 4
+MIN_CONNECTIONS = 8
+
+
+def connection_cap(sessions: int) -> int:
+    """The connections open at once the server takes: at most half of RLIMIT_NOFILE once
+    ``sessions`` sessions' machines have theirs, so those files and the listening socket's
+    accept() always have room."""
+    left = _files() - FILES_OWN - FILES_PER_SESSION * sessions
+    return max(1, min(MAX_CONNECTIONS, left // 2))
+
+
+def too_few_files(sessions: int) -> str | None:
+    """One line if RLIMIT_NOFILE can't hold ``sessions`` sessions and a few connections."""
+    need = FILES_OWN + FILES_PER_SESSION * sessions + 2 * MIN_CONNECTIONS
+    if _files() >= need:
+        return None
+    return (f"--max-sessions {sessions} needs about {need} open files and this process may have {_files()}: "
+            f"raise the limit (`ulimit -n {max(1024, 2 * need)}`) or give fewer --max-sessions")
 
 
 def backlog() -> int:

@@ -147,11 +147,14 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
 
     from . import Session
     from ._asgi import BodyLimit, ClientWatch, Origins, SecretPath
-    from ._uvicorn import backlog, connection_cap, protocols
+    from ._uvicorn import backlog, connection_cap, protocols, too_few_files
     from .gym._host import Host
     from .gym.machines import Machines
     from .openenv import app_for
 
+    if (few := too_few_files(args.max_sessions)) is not None:
+        print(f"smolbench serve: {few}", file=sys.stderr)
+        return 2
     with Session(args.smolfile, backend=args.backend) as session:
         session.run(code, check=True)
         wb = session.workbench
@@ -185,7 +188,7 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
             if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
             served = Origins(served, set(args.allow_origin), loopback(args.host))  # outermost: before anything
-            http, ws = protocols(connection_cap(), args.request_timeout)
+            http, ws = protocols(connection_cap(args.max_sessions), args.request_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
             server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port, http=http, ws=ws, backlog=backlog(),
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT,

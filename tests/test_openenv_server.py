@@ -308,11 +308,31 @@ def test_the_token_is_new_each_start_unless_the_user_keeps_one(monkeypatch: pyte
 def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: Path) -> None:
     (open_tmp / "envs.py").write_text(CODE_ENV)
     done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
-                           "--port", str(free_port()), "--max-sessions", "1000"], cwd=open_tmp, capture_output=True,
+                           "--port", str(free_port()), "--max-sessions", "200"], cwd=open_tmp, capture_output=True,
                           text=True, timeout=WAIT * 5, env=server_env())
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("smolbench serve:")]
-    assert re.fullmatch(r"smolbench serve: --max-sessions 1000 needs \d+ live branches .*: use at most \d+", line), line
+    assert re.fullmatch(r"smolbench serve: --max-sessions 200 needs \d+ live branches .*: use at most \d+", line), line
+
+
+def test_more_sessions_than_the_open_file_limit_holds_is_one_line_before_any_machine(open_tmp: Path) -> None:
+    """Sixth audit, left open then: the connection cap was half the open-file limit whatever
+    the sessions' machines held, so at a low limit their files could run out first (and
+    asyncio then stops accepting). The cap now leaves the sessions their files, and a limit
+    too low for --max-sessions is one line at the start, before a machine is made."""
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    (open_tmp / "envs.py").write_text(CODE_ENV)
+    done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+                           "--port", str(free_port()), "--max-sessions", "16"], cwd=open_tmp, capture_output=True,
+                          text=True, timeout=WAIT * 5, env=server_env(), preexec_fn=low_limit)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("smolbench serve: --max-sessions 16 needs about 144 open files and this process may "
+                                   "have 100: raise the limit (`ulimit -n 1024`) or give fewer --max-sessions"), done.stderr
+    assert not (open_tmp / ".smolbench").exists()  # no session, no machine, was started
 
 
 def test_a_client_gone_mid_step_frees_its_session_and_machine_at_once(open_tmp: Path) -> None:
@@ -474,7 +494,8 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
         assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
-# The server's open-file limit, lowered (its cap: half of it, 128), and a short header deadline.
+# The server's open-file limit, lowered (its cap, with 3 sessions: (256 - 64 - 3 x 4) / 2 = 90), and a
+# short header deadline.
 FEW_FILES = """
 import resource, smolbench._uvicorn as u
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -506,13 +527,13 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
         until(lambda: all(closed(s) for s in idle), "idle connections were never closed")
         assert 3 < time.monotonic() - start < 60  # by the header deadline (5 s here)
 
-        sessions = [connect(server.ws) for _ in range(2)]  # open WebSockets count against the cap (128 here)
+        sessions = [connect(server.ws) for _ in range(2)]  # open WebSockets count against the cap (90 here)
         for ws in sessions:
             assert ask(ws, "reset")["type"] == "observation"
         flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(500)]
         time.sleep(1)  # well before the header deadline: the ones over the cap are closed at once
         kept = [s for s in flood if not closed(s)]
-        assert 0 < len(kept) <= 128 - 2, (len(kept), server.out)
+        assert 0 < len(kept) <= 90 - 2, (len(kept), server.out)
         for ws in sessions:  # the sessions open before go on
             assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
         for s in flood:
