@@ -10,6 +10,7 @@ the server and deletes every machine it made.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
 import os
@@ -191,7 +192,7 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
             http, ws = protocols(connection_cap(args.max_sessions), args.request_timeout)
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
             server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port, http=http, ws=ws, backlog=backlog(),
-                                                      log_level="warning", timeout_graceful_shutdown=STOP_WAIT,
+                                                      log_level="warning", timeout_graceful_shutdown=STOP_WAIT, loop="asyncio",
                                                       ws_max_size=args.max_message,
                                                       ssl_certfile=tls[0] if tls else None,
                                                       ssl_keyfile=tls[1] if tls else None))
@@ -210,13 +211,32 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
 def _uvicorn_server() -> type:
     import uvicorn
 
+    from . import _uvicorn
+
     class Server(uvicorn.Server):
         """uvicorn's server, minus raising Ctrl-C / SIGTERM again once it stopped: we go on to
-        delete the machines and end the session ourselves."""
+        delete the machines and end the session ourselves. Over TLS a client must finish its
+        handshake within the header deadline (asyncio's own is 60 s: a flood of connections
+        that never send a hello held their files that long, uncounted by the cap)."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
+        async def startup(self, sockets: list[Any] | None = None) -> None:
+            loop = asyncio.get_running_loop()  # asyncio's own (Config(loop="asyncio")): its method may be shadowed
+            create_server = loop.create_server
+
+            def with_deadline(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("ssl") is not None:
+                    kwargs["ssl_handshake_timeout"] = _uvicorn.HEADER_TIMEOUT
+                return create_server(*args, **kwargs)
+
+            loop.create_server = with_deadline  # type: ignore[method-assign]
+            try:
+                await super().startup(sockets)
+            finally:
+                del loop.create_server
 
     return Server
 

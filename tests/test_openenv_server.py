@@ -434,21 +434,26 @@ def round_trip(url: str, ca: Path | None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", ROUND_TRIP, url], capture_output=True, text=True, env=env, timeout=WAIT)
 
 
+def certificate(folder: Path) -> None:
+    """cert.pem and key.pem for 127.0.0.1 in ``folder``, and ca.pem, the CA that signed them."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.cert_chain_pems[0].write_to_path(folder / "cert.pem")
+    for blob in cert.cert_chain_pems[1:]:
+        blob.write_to_path(folder / "cert.pem", append=True)
+    cert.private_key_pem.write_to_path(folder / "key.pem")
+    ca.cert_pem.write_to_path(folder / "ca.pem")
+
+
 def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open_tmp: Path) -> None:
     """The token is the credential, and it is in the URL: over plain HTTP anyone on the path
     between client and server reads it from the request line. With --certfile and --keyfile
     the server speaks TLS (https://, wss://), and OpenEnv's own client works over it."""
     import httpx
-    import trustme
 
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.cert_chain_pems[0].write_to_path(open_tmp / "cert.pem")
-    for blob in cert.cert_chain_pems[1:]:
-        blob.write_to_path(open_tmp / "cert.pem", append=True)
-    cert.private_key_pem.write_to_path(open_tmp / "key.pem")
-    ca.cert_pem.write_to_path(open_tmp / "ca.pem")
-
+    certificate(open_tmp)
     with serving(open_tmp, "--certfile", "cert.pem", "--keyfile", "key.pem", "--max-sessions", "2") as server:
         assert server.url.startswith(f"https://127.0.0.1:{server.port}/"), server.url
         token = server.url.rsplit("/", 1)[1]
@@ -481,7 +486,7 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
 
     from cryptography.hazmat.primitives import serialization as ser  # trustme's own dependency
 
-    key = ser.load_pem_private_key(cert.private_key_pem.bytes(), None)
+    key = ser.load_pem_private_key((open_tmp / "key.pem").read_bytes(), None)
     (open_tmp / "locked.pem").write_bytes(key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
                                                             ser.BestAvailableEncryption(b"secret")))
     for bad, said in ((("--certfile", "nothere.pem"), "can't use --certfile nothere.pem"),
@@ -554,6 +559,29 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
     # a line per flood, not one per connection (none where a loaded host's small accept queue
     # turned the flood away before the cap was reached: seen here, 62 of 500 got in)
     assert out.count("refusing new ones") <= 2, out
+
+
+def test_over_tls_connections_that_never_finish_a_handshake_are_closed_by_the_header_deadline(open_tmp: Path) -> None:
+    """Sixth audit, left open then: over TLS, asyncio keeps a connection that sends no hello
+    (or half of one) for 60 s, before any of uvicorn's code (or the connection cap) sees it.
+    Now its handshake has the header deadline (5 s here)."""
+    import httpx
+
+    certificate(open_tmp)
+    with serving(open_tmp, "--certfile", "cert.pem", "--keyfile", "key.pem", "--max-sessions", "2",
+                 before="import smolbench._uvicorn as u\nu.HEADER_TIMEOUT = 5.0\n") as server:
+        addr = ("127.0.0.1", server.port)
+        silent = [socket.create_connection(addr) for _ in range(3)]
+        silent[0].sendall(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, never finished
+        start = time.monotonic()
+        until(lambda: all(closed(s) for s in silent), "connections without a handshake were never closed")
+        assert 3 < time.monotonic() - start < 40
+        for s in silent:
+            s.close()
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, verify=str(open_tmp / "ca.pem"), timeout=WAIT)
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        assert server.stop() == 0
+    assert "Traceback" not in server.out, server.out
 
 
 def test_a_request_body_that_trickles_in_is_cut_and_honest_clients_go_on(open_tmp: Path) -> None:
