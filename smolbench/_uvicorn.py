@@ -80,8 +80,9 @@ class _Open:
 def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
     """The HTTP (h11) and WebSocket protocol classes of one server: at most ``cap``
     connections open (the next closed at once), each request's headers complete within
-    :data:`HEADER_TIMEOUT` and its body :data:`BODY_TIMEOUT` after them, and a connection whose client leaves a reply unread for
-    ``send_timeout`` s aborted (its handler then sees its client gone)."""
+    :data:`HEADER_TIMEOUT` and its body :data:`BODY_TIMEOUT` after them, and a connection
+    whose client leaves a reply unread for ``send_timeout`` s aborted (its handler then sees
+    its client gone)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -131,7 +132,7 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             if self._refused:
                 return
             conns.count -= 1
-            self._disarm_headers()
+            self._disarm_deadline()
             self._disarm_stuck()
             super().connection_lost(exc)
 
@@ -142,11 +143,11 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             if self.conn.their_state is h11.SEND_BODY:  # its headers are in, its body is coming
                 if not self._in_body:
                     self._in_body = True
-                    self._disarm_headers()
+                    self._disarm_deadline()
                     self._arm(BODY_TIMEOUT)
             else:  # the whole request is in (or the connection is ending)
                 self._in_body = False
-                self._disarm_headers()
+                self._disarm_deadline()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -155,7 +156,7 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
 
         def handle_websocket_upgrade(self, event: Any) -> None:
             self._upgraded = True  # the connection, and its count, go to the WebSocket protocol
-            self._disarm_headers()
+            self._disarm_deadline()
             self._disarm_stuck()
             super().handle_websocket_upgrade(event)
 
@@ -166,7 +167,7 @@ def protocols(cap: int, send_timeout: float) -> tuple[type[asyncio.Protocol], ty
             if self._deadline is None:
                 self._deadline = self.loop.call_later(seconds, self._too_slow)
 
-        def _disarm_headers(self) -> None:
+        def _disarm_deadline(self) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
