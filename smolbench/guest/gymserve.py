@@ -17,9 +17,11 @@ little-endian bytes with dtype and shape, ``{"$": "dict"|"tuple", "v": ...}``).
 
 import base64
 import ctypes  # a spare's madvise: imported in the warm parent, not in every branch
+import hashlib
 import json
 import math
 import os
+import sys
 
 MAX_INFO_DEPTH = 20
 MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare makes its own ahead of its episode, at most (copied; mapped)
@@ -35,6 +37,15 @@ def _np():
 def _json_number(value):
     """A bit generator state's numpy numbers as JSON (SFC64's and Philox's are arrays)."""
     return value.tolist() if hasattr(value, "tolist") else int(value)
+
+
+def _machine():
+    """Which machine this is: its node id (``root.3``); every machine's pid may be the same,
+    each in its own pid namespace."""
+    try:
+        return sys.modules["smolbench_guest"].node
+    except Exception:  # not under smolbench's agent
+        return os.getpid()
 
 
 def space_data(space):
@@ -207,9 +218,14 @@ class Server:
     def __init__(self, factory):
         self.factory = factory
         self.env = None
+        self._home = _machine()  # the warm parent: a reset in another machine is a branch's first
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
+        try:  # here, once, rather than in every branch's first reset
+            import _smolbench_guest.reseed  # noqa: F401
+        except ImportError:
+            pass
         env = self.factory()
         if not hasattr(env, "step") or not hasattr(env, "reset"):
             raise TypeError("the env factory returned a %s, not a gymnasium.Env" % type(env).__name__)
@@ -244,13 +260,45 @@ class Server:
         """``env.reset(seed=..., options=...)``; ``rng`` (from a previous episode's machine)
         continues the env's random stream the way one long-lived env would."""
         req = json.loads(text)
-        if req.get("seed") is None and req.get("rng"):
-            self._set_rng(req["rng"])
-        kwargs = {"seed": req.get("seed")}
+        seed, rng = req.get("seed"), req.get("rng")
+        if seed is None and rng:
+            self._set_rng(rng)
+        if self._home != _machine():
+            self._home = _machine()
+            self._own_streams(seed, rng)
+        kwargs = {"seed": seed}
         if req.get("options") is not None:
             kwargs["options"] = req["options"]
         obs, info = self.env.reset(**kwargs)
         return {"obs": observation(obs), "info": plain(info)}
+
+    def _own_streams(self, seed, rng):
+        """A branch's first episode: the generators it copied from the warm parent are every
+        sibling's too. The env's ``np_random``, unless seeded or carried over, starts from the
+        OS's entropy, as a new env's does; generators the env keeps itself are reseeded (as a
+        fork's branches' are: guest/reseed.py) from the reset's seed, else from the carried
+        state, else from entropy."""
+        base = self.env.unwrapped
+        own = getattr(base, "_np_random", None)
+        if seed is None and not rng and own is not None:
+            try:
+                from gymnasium.utils import seeding
+
+                base._np_random, base._np_random_seed = seeding.np_random()
+            except Exception:  # not gymnasium's (or an old one): numpy's own, from entropy
+                base._np_random = _np().random.default_rng()
+            own = base._np_random
+        if seed is not None:
+            root = seed
+        elif rng:
+            root = int.from_bytes(hashlib.sha256(str(rng.get("state")).encode()).digest()[:8], "big")
+        else:
+            root = int.from_bytes(os.urandom(8), "big")
+        try:
+            from _smolbench_guest.reseed import reseed
+        except ImportError:  # not under smolbench's agent
+            return
+        reseed({"env": self.env}, root, skip=(id(own),))
 
     def step(self, text):
         """One ``env.step``; the rng state rides along when the episode ends."""

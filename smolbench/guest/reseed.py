@@ -69,9 +69,10 @@ def _attrs(obj):
             yield prefix + key, value
 
 
-def reseed(ns, seed):
-    """Reseed every random stream reachable from namespace ``ns``; the names reseeded, in order."""
-    done, ids, looked = [], set(), 0
+def reseed(ns, seed, skip=()):
+    """Reseed every random stream reachable from namespace ``ns`` (but the objects whose ids
+    are in ``skip``); the names reseeded, in order."""
+    done, ids, looked = [], set(skip), 0
     for name, value in list(ns.items()):
         if name.startswith("__") or isinstance(value, type) or type(value).__name__ == "module":
             continue

@@ -39,6 +39,7 @@ class Episode:
     cells: int = 0
     episodes: int = 0  # begun by this sub-env (its in-place episodes' node ids)
     chan: Channel | None = None  # the episode's serving cell (backends that keep connections)
+    seeded: str | None = None  # the machine its seed was last given to (in place: once per machine)
 
 
 @dataclass

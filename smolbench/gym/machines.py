@@ -433,10 +433,14 @@ class Machines:
         return req
 
     def _begin(self, ep: Episode, seed: int | None) -> int | None:
-        """Begin ``ep``'s record; the machine's own seed for its reset (the env's seed, or with
-        fresh resets the next global one; none in place, where the machine was seeded before)."""
+        """Begin ``ep``'s record; the machine's own seed for its reset (``random``, numpy's
+        global state): the env's seed, else the next global one for a machine's first reset
+        (every fresh one; in place, a sub-env's machine once), else none."""
         self.records.begin(ep, seed)
-        return seed if seed is not None else (self._next_seed() if self.mode == "fresh" else None)
+        first = ep.ref is not None and ep.seeded != ep.ref.name
+        if ep.ref is not None:
+            ep.seeded = ep.ref.name
+        return seed if seed is not None else (self._next_seed() if self.mode == "fresh" or first else None)
 
     async def _reset_failed(self, i: int, seed: int | None, options: dict[str, Any] | None,
                             exc: BaseException) -> tuple[Any, dict[str, Any]]:
