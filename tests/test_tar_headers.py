@@ -203,6 +203,10 @@ def test_names_deeper_than_any_file_system_makes_are_refused() -> None:
     """A 370-byte gzip of a link ``b/.../a -> .`` and a name of 30,000 parts took 97 s to check:
     each part's lookup joined every part before it, for each of 40 link hops."""
     deep = "b/" * 30000 + "a/" * 39 + "f"
+    with pytest.raises(archive.UnsafeCheckpoint, match="pax header of 60 KB, over 12 KB"):  # its pax header
+        archive.check_workspace(_workspace(("b/" * 100 + "a", tarfile.SYMTYPE, "."), (deep, tarfile.REGTYPE, "")),
+                                "checkpoint deep")
+    deep = "b/" * 3000 + "a/" * 39 + "f"  # within a pax header's limit, past PATH_MAX
     with pytest.raises(archive.UnsafeCheckpoint, match="longer than 4,096 bytes"):
         archive.check_workspace(_workspace(("b/" * 100 + "a", tarfile.SYMTYPE, "."), (deep, tarfile.REGTYPE, "")),
                                 "checkpoint deep")

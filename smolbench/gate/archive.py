@@ -34,9 +34,12 @@ OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Tests weaken the checks here to show what they stop (never set outside tests).
 TEST_WEAKEN: set[str] = set()
-HEADER_LIMIT = 64 * 1024  # a long name's or pax header's own bytes, at most (tarfile reads them whole)
+# a long name's or pax header's own bytes, at most (tarfile reads them whole): a name and a link
+# target of PATH_LIMIT each, and a few short records (an honest 4,096-byte name needs < 5 KiB)
+HEADER_LIMIT = 12 * 1024
 MEMBER_LIMIT = 500_000  # members of a workspace archive (tarfile keeps one object each)
-META_RUN = 8  # such headers in a row, at most (a pax global, a pax, a long name and a long link make 4)
+META_RUN = 8  # such headers in a row, at most (a pax, a long name and a long link make 3)
+PAX_RECORDS_LIMIT = 4_000_000  # pax records in one archive (an honest one: a few a member)
 PATH_LIMIT = 4096  # bytes of a member's name or link target, at most (PATH_MAX: no file system makes longer)
 NAMES_LIMIT = 128 * 1000**2  # bytes of all members' names (or links) together
 WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
@@ -57,7 +60,22 @@ class CheckedInfo(tarfile.TarInfo):
     name or a pax header whole into memory (a few MB of gzip made GBs of host memory), and a
     negative size (base-256) sends it back onto the same header forever (CVE-2025-8194, fixed
     in Python 3.11.14/3.12.12, not in every Python a kernel runs). Sparse members are refused:
-    nothing smolbench writes has them, and their maps are read whole too."""
+    nothing smolbench writes has them, and their maps are read whole too. A global pax header
+    is refused (nothing smolbench writes has one, and tarfile copied its keys into every later
+    member: 389 kB made 2 GB), pax headers are parsed here in one pass (tarfile's regex took
+    seconds per header before CVE-2024-6232's fix), and a member keeps none of its pax keys
+    (the host reads names, links, types and sizes only)."""
+
+    @classmethod
+    def fromtarfile(cls, tf: tarfile.TarFile) -> CheckedInfo:
+        try:
+            return super().fromtarfile(tf)
+        except (tarfile.TarError, OSError, EOFError, MemoryError, SmolbenchError):
+            raise
+        except Exception as exc:  # tarfile's own parsing of crafted bytes: one line, not a traceback
+            if "tarheaders" in TEST_WEAKEN:
+                raise
+            raise BadHeader(f"a header tarfile can't read ({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
         if "tarheaders" not in TEST_WEAKEN:
@@ -67,6 +85,8 @@ class CheckedInfo(tarfile.TarInfo):
             tf._smolbench_meta_run = run  # type: ignore[attr-defined]
             if run > META_RUN:
                 raise BadHeader(f"more than {META_RUN} long-name or pax headers in a row")
+            if self.type == tarfile.XGLTYPE:
+                raise BadHeader("a global pax header (type 'g'), which smolbench never writes")
             if self.size < 0:
                 raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
             if self.type in META_TYPES and self.size > HEADER_LIMIT:
@@ -75,17 +95,72 @@ class CheckedInfo(tarfile.TarInfo):
                 raise BadHeader(f"member {self.name[:100]!r} is sparse")
         return super()._proc_member(tf)  # type: ignore[misc]
 
+    def _proc_pax(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
+        """tarfile's own, for one member's pax header (never a global one), its records parsed
+        in one pass and counted against the archive's budget."""
+        if "tarheaders" in TEST_WEAKEN or self.type == tarfile.XGLTYPE:
+            return super()._proc_pax(tf)  # type: ignore[misc]
+        assert tf.fileobj is not None
+        records = pax_records(tf.fileobj.read(self._block(self.size))[:self.size])  # type: ignore[attr-defined]
+        seen = getattr(tf, "_smolbench_pax", 0) + len(records)
+        tf._smolbench_pax = seen  # type: ignore[attr-defined]
+        if seen > PAX_RECORDS_LIMIT:
+            raise BadHeader(f"more than {PAX_RECORDS_LIMIT:,} pax records in all")
+        # names are UTF-8 unless the header says hdrcharset=BINARY (then the archive's encoding)
+        charset = next((v for k, v in records if k == b"hdrcharset"), None)
+        names = tf.encoding if charset == b"BINARY" else "utf-8"
+        pax: dict[str, str] = {}
+        for raw_key, raw_value in records:  # decoded as tarfile does, never raising (surrogateescape)
+            key = self._decode_pax_field(raw_key, "utf-8", "utf-8", tf.errors)  # type: ignore[attr-defined]
+            name = key in tarfile.PAX_NAME_FIELDS
+            pax[key] = self._decode_pax_field(raw_value, names if name else "utf-8",  # type: ignore[attr-defined]
+                                              tf.encoding if name else "utf-8", tf.errors)
+        try:
+            member = self.fromtarfile(tf)
+        except tarfile.HeaderError as exc:
+            raise tarfile.SubsequentHeaderError(str(exc)) from None  # type: ignore[attr-defined]
+        member._apply_pax_info(pax, tf.encoding, tf.errors)
+        member.offset = self.offset
+        if "size" in pax:  # the member's data starts where tarfile would have put it
+            offset = member.offset_data
+            if member.isreg() or member.type not in tarfile.SUPPORTED_TYPES:
+                offset += member._block(member.size)  # type: ignore[attr-defined]
+            tf.offset = offset
+        return member
+
     def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str, errors: str) -> None:
         if "tarheaders" not in TEST_WEAKEN and any(k.startswith("GNU.sparse") for k in pax_headers):
             raise BadHeader(f"member {self.name[:100]!r} is sparse")
         super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
-        if self.size < 0 and "tarheaders" not in TEST_WEAKEN:
-            raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+        if "tarheaders" not in TEST_WEAKEN:
+            if self.size < 0:
+                raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+            self.pax_headers = {}  # applied: kept for every member, they were the archive's keys many times
 
     def _proc_gnusparse_00(self, *args: Any) -> None:
         raise BadHeader(f"member {self.name[:100]!r} is sparse")
 
     _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
+
+def pax_records(buf: bytes) -> list[tuple[bytes, bytes]]:
+    """A pax header's ``LEN KEY=VALUE\\n`` records, each length a short decimal and all of them
+    adding up to the header exactly (trailing NULs aside), in one pass; else BadHeader."""
+    records, pos, end = [], 0, len(buf)
+    while pos < end and buf[pos]:
+        space = buf.find(b" ", pos, pos + 11)  # at most 10 digits
+        length = int(buf[pos:space]) if space > pos and buf[pos:space].isdigit() else 0
+        stop = pos + length
+        if length < 5 or stop > end or buf[stop - 1] != 0x0A:  # the shortest: b"5 k=\n"
+            raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+        key, eq, value = buf[space + 1:stop - 1].partition(b"=")
+        if not key or not eq:
+            raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+        records.append((key, value))
+        pos = stop
+    if buf.count(0, pos) != end - pos:
+        raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+    return records
 
 
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",

@@ -1,0 +1,136 @@
+"""Fifth audit: a shared checkpoint file made to cost the host memory or CPU, or to break the
+folder's checkpoint listing. Each crafted file is built here, small, as the audit built it
+(Python 3.11.7, without CVE-2024-6232's fix), and refused in one line before the expensive
+step, or read with bounded work.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import tracemalloc
+
+import pytest
+
+from smolbench.gate import archive
+
+BLOCK = 512
+
+
+def _header(name: str, size: int = 0, kind: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _meta(kind: bytes, data: bytes) -> bytes:
+    """A pax (or global pax) header holding ``data`` as its own bytes."""
+    return _header("././@PaxHeader", len(data), kind) + data + b"\0" * (-len(data) % BLOCK)
+
+
+def _record(key: bytes, value: bytes = b"") -> bytes:
+    """One pax record ``LEN KEY=VALUE\\n``, its length counting itself."""
+    body = b" %s=%s\n" % (key, value)
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return b"%d%s" % (n, body)
+
+
+def _keys(prefix: bytes, size: int) -> bytes:
+    """Pax records of distinct empty keys, ``size`` bytes at most."""
+    out, i = b"", 0
+    while len(out) + 16 < size:
+        out += _record(b"%s%d" % (prefix, i))
+        i += 1
+    return out
+
+
+END = b"\0" * BLOCK * 2
+
+
+# -- global pax headers, and pax keys kept by every member -------------------------------------
+
+
+def test_a_global_pax_header_is_refused_before_its_keys_reach_any_member() -> None:
+    """tarfile copies a global header's keys into every later member: 32 global headers of
+    64 KiB of keys, then 500 empty members (389 kB of gzip) took 1,956 MiB to check, and 5,000
+    members were a MemoryError at 4 GB. smolbench never writes a global header. (Smaller
+    here: 8 headers and 100 members held 1,000,000 keys, ~100 MB.)"""
+    bomb = b"".join(_meta(tarfile.XGLTYPE, _keys(b"k%d_" % g, 12 * 1024)) + _header(f"g{g}") for g in range(8))
+    bomb += b"".join(_header(f"f{i}") for i in range(100)) + END
+    with pytest.raises(archive.UnsafeCheckpoint) as refused:
+        archive.check_workspace(bomb, "checkpoint gift")
+    assert str(refused.value) == ("checkpoint gift is not a readable archive (a global pax header (type 'g'), "
+                                  "which smolbench never writes)")
+
+
+def test_members_keep_none_of_their_pax_keys() -> None:
+    """A pax header of its own for each member, full of keys: tarfile kept every member's keys
+    for the whole check (the archive is checked with all its members in hand)."""
+    members = 300
+    blob = b"".join(_meta(tarfile.XHDTYPE, _keys(b"k", 12 * 1024 - 100)) + _header(f"f{i}")
+                    for i in range(members)) + END
+    tracemalloc.start()
+    try:
+        archive.check_workspace(blob, "checkpoint keys")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MiB"  # tarfile's way: 1,200 keys a member, 36+ MiB here
+
+
+def test_pax_records_have_a_budget_for_the_whole_archive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many members, parsing their pax records is bounded: 2 GB of tiny records are
+    minutes of Python."""
+    blob = b"".join(_meta(tarfile.XHDTYPE, _keys(b"k", 4096)) + _header(f"f{i}") for i in range(10)) + END
+    archive.check_workspace(blob, "checkpoint keys")
+    monkeypatch.setattr(archive, "PAX_RECORDS_LIMIT", 1000)
+    with pytest.raises(archive.UnsafeCheckpoint, match=r"\(more than 1,000 pax records in all\)"):
+        archive.check_workspace(blob, "checkpoint keys")
+
+
+# -- pax headers parsed in one pass (CVE-2024-6232) --------------------------------------------
+
+
+@pytest.mark.parametrize("size, why", [(65535, "a long name or pax header of 66 KB, over 12 KB"),
+                                       (12 * 1024, "a pax header that is not pax records (at byte 0 of 12288)")],
+                         ids=["the-audit-s-64-KiB", "within-the-limit"])
+def test_a_pax_header_that_is_not_records_is_refused_before_tarfile_parses_it(size: int, why: str) -> None:
+    """tarfile searched a pax header with a backtracking regex: 8 headers of 65,535 bytes of
+    "1" before the record (1,052 bytes of gzip) took 27.8 s of CPU, and the record was
+    accepted; the sidebar's listing read it again every 5 s."""
+    blob = _meta(tarfile.XHDTYPE, b"1" * size) + _header("f") + END
+    with pytest.raises(archive.UnsafeCheckpoint) as refused:
+        archive.check_workspace(blob, "checkpoint cve")
+    assert str(refused.value) == f"checkpoint cve is not a readable archive ({why})"
+
+
+@pytest.mark.parametrize("data", [b"5 k=\n" + b"9 k=v\n", b"0 k=\n", b"99999999999 k=v\n", b"5 kv\n\0",
+                                  b"6 k=v\n\0\0\0x", b"x6 k=\n", b"-6 k=\n"],
+                         ids=["short-by-one", "zero", "11-digits", "no-equals", "garbage-after", "not-digits",
+                              "negative"])
+def test_pax_records_must_add_up_exactly(data: bytes) -> None:
+    with pytest.raises(archive.UnsafeCheckpoint, match="a pax header that is not pax records"):
+        archive.check_workspace(_meta(tarfile.XHDTYPE, data) + _header("f") + END, "checkpoint frame")
+
+
+def test_honest_pax_headers_read_as_tarfile_reads_them() -> None:
+    """What Python's tarfile writes, pax or GNU: names and link targets of 4,096 bytes (digits
+    too), a name that is not UTF-8 (hdrcharset=BINARY), float times, a big uid."""
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+            link = tarfile.TarInfo(("1" * 250 + "/") * 16 + "0" * 80)  # 4,096 bytes
+            link.type, link.linkname, link.mtime, link.uname = tarfile.SYMTYPE, "2" * 254 + "/" + "e" * 3841, 1.5, "ü"
+            odd = tarfile.TarInfo("caf\udce9-" + "x" * 200)
+            odd.size, odd.mtime, odd.uid = 3, 12345.678, 10**9
+            tar.addfile(link)
+            tar.addfile(odd, io.BytesIO(b"abc"))
+        blob = out.getvalue()
+        assert len(link.name) == len(link.linkname) == 4096
+        archive.check_workspace(blob, "checkpoint honest")
+        with archive.open_tar(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            got = [(m.name, m.linkname, m.mtime, m.uid, m.uname, m.size, m.offset_data) for m in tar]
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            assert got == [(m.name, m.linkname, m.mtime, m.uid, m.uname, m.size, m.offset_data) for m in tar]
