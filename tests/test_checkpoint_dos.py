@@ -134,3 +134,36 @@ def test_honest_pax_headers_read_as_tarfile_reads_them() -> None:
             got = [(m.name, m.linkname, m.mtime, m.uid, m.uname, m.size, m.offset_data) for m in tar]
         with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
             assert got == [(m.name, m.linkname, m.mtime, m.uid, m.uname, m.size, m.offset_data) for m in tar]
+
+
+# -- the tree of link names -------------------------------------------------------------------
+
+
+def _links(*names: str, target: str = ".") -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return out.getvalue()
+
+
+def test_link_names_are_counted_before_their_tree_is_built() -> None:
+    """The check looks links up in a tree of their names' parts, built before the walk's budget
+    was charged: 3,000 links ``uNNNNNN/x/x/.../l -> .`` (68 kB of gzip) were 6,000,000 nodes,
+    1.2 GB, and 31,000 a MemoryError at 3 GB. Here 490 of them, 1,000,580 parts (the old way:
+    175 MiB of nodes)."""
+    blob = _links(*(f"u{i:06d}/" + "x/" * 2040 + "l" for i in range(490)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(archive.UnsafeCheckpoint) as refused:
+            archive.check_workspace(blob, "checkpoint links")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(refused.value) == "checkpoint links has links whose names have more than 1,000,000 parts in all: refused"
+    assert peak < 32 << 20, f"{peak >> 20} MiB"
+    # many links in a few folders, as node_modules/.bin has them: checked
+    archive.check_workspace(_links(*(f"node_modules/.bin/tool{i}" for i in range(20_000)), target="../x"),
+                            "checkpoint bins")

@@ -43,6 +43,7 @@ PAX_RECORDS_LIMIT = 4_000_000  # pax records in one archive (an honest one: a fe
 PATH_LIMIT = 4096  # bytes of a member's name or link target, at most (PATH_MAX: no file system makes longer)
 NAMES_LIMIT = 128 * 1000**2  # bytes of all members' names (or links) together
 WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
+LINK_PARTS_LIMIT = 1_000_000  # name parts of all links together, each a node of the link tree (~180 bytes)
 META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
               tarfile.SOLARIS_XHDTYPE)
 
@@ -262,9 +263,15 @@ def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
 _TARGET = "\0"  # the key of a link's target in the tree of link names (no name part holds a NUL)
 
 
-def _link_tree(links: dict[str, str]) -> dict[str, Any]:
+def _link_tree(links: dict[str, str], where: str) -> dict[str, Any]:
     """The archive's symlinks as a tree of name parts, so a lookup costs one step a part
-    (joining the parts for each prefix cost a deep name's length squared, per link hop)."""
+    (joining the parts for each prefix cost a deep name's length squared, per link hop).
+    Their parts are counted before any node is made: 3,000 links of 2,000 parts each under
+    their own folder (68 kB of gzip) were 6,000,000 nodes, 1.2 GB."""
+    parts = sum(name.count("/") + 1 for name in links)
+    if parts > LINK_PARTS_LIMIT:
+        raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
+                               "refused")
     tree: dict[str, Any] = {}
     for name, target in links.items():
         node = tree
@@ -335,7 +342,7 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
         names += size
         if names > NAMES_LIMIT:  # tarfile keeps every name: 500,000 of 4 KB were 2 GB here
             raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
-    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()})
+    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()}, where)
     walk = _Walk(where)
     for m in members:
         name = PurePosixPath(m.name)
