@@ -21,6 +21,7 @@ import secrets
 import stat
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Literal
@@ -71,8 +72,8 @@ class CheckedInfo(tarfile.TarInfo):
     def fromtarfile(cls, tf: tarfile.TarFile) -> CheckedInfo:
         try:
             return super().fromtarfile(tf)
-        except (tarfile.TarError, OSError, EOFError, MemoryError, SmolbenchError):
-            raise
+        except (tarfile.TarError, OSError, EOFError, zlib.error, MemoryError, SmolbenchError):
+            raise  # (tarfile.next makes a zlib.error a ReadError)
         except Exception as exc:  # tarfile's own parsing of crafted bytes: one line, not a traceback
             if "tarheaders" in TEST_WEAKEN:
                 raise
@@ -164,10 +165,54 @@ def pax_records(buf: bytes) -> list[tuple[bytes, bytes]]:
     return records
 
 
+@contextlib.contextmanager
+def _zlib_as_tar_error() -> Iterator[None]:
+    try:
+        yield
+    except zlib.error as exc:  # tarfile says so only for a header's bytes
+        raise tarfile.ReadError(f"zlib error: {exc}") from None
+
+
+class _CheckedFile(tarfile.ExFileObject):
+    """A member's bytes: damaged gzip data is a tarfile.ReadError like the rest, not a zlib.error
+    past every caller."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        with _zlib_as_tar_error():
+            return super().read(size)
+
+    def read1(self, size: int = -1) -> bytes:
+        with _zlib_as_tar_error():
+            return super().read1(size)
+
+    def readinto(self, buffer: Any) -> int:
+        with _zlib_as_tar_error():
+            return super().readinto(buffer)
+
+
+class _CheckedTar(tarfile.TarFile):
+    """Someone else's archive: headers read by :class:`CheckedInfo`, and whatever tarfile, gzip
+    or zlib raise on its bytes is a tarfile.TarError, EOFError or OSError (one line for every
+    caller), never another exception."""
+
+    tarinfo = CheckedInfo
+    fileobject = _CheckedFile
+
+    def next(self) -> tarfile.TarInfo | None:
+        with _zlib_as_tar_error():  # tarfile seeks to the next header before its own handling
+            return super().next()
+
+
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
              fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
     """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`."""
-    return tarfile.open(path, mode, fileobj=fileobj, tarinfo=CheckedInfo)
+    return _CheckedTar.open(path, mode, fileobj=fileobj)
+
+
+def reason(exc: BaseException) -> str:
+    """Why reading failed, as part of one line (quoted when it is not plain text)."""
+    text = str(exc) or type(exc).__name__
+    return text if text.isprintable() and len(text) <= 200 else repr(text[:200])
 
 
 @contextlib.contextmanager
@@ -450,12 +495,19 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str) -> d
 
 def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     """The record inside a checkpoint file (checked), or None when it has none; only its first
-    member is read."""
-    with open_tar(path) as tar:
-        m = tar.next()
-        if m is None or m.name != RECORD or not m.isfile():
-            return None
-        return _read_record(tar, m, label or Path(path).name)
+    member is read. Whatever is wrong with the file is an UnsafeCheckpoint of one line naming
+    it: a listing reads every file dropped into a folder, and one can't break it for the rest."""
+    label = label or Path(path).name
+    try:
+        with open_tar(path) as tar:
+            m = tar.next()
+            if m is None or m.name != RECORD or not m.isfile():
+                return None
+            return _read_record(tar, m, label)
+    except (SmolbenchError, MemoryError):
+        raise
+    except Exception as exc:  # tarfile, gzip or zlib on someone else's bytes
+        raise UnsafeCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)})") from None
 
 
 class _Budget:
