@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import random
 import tarfile
 import tracemalloc
 import zlib
@@ -18,6 +19,7 @@ import pytest
 
 from smolbench.errors import SmolbenchError
 from smolbench.gate import archive
+from smolbench.gate.limits import LIMITS
 from smolbench.ledger import Ledger
 from smolbench.shelf import Shelf
 
@@ -271,3 +273,67 @@ def test_the_listing_names_a_file_it_can_t_read_whatever_went_wrong(tmp_path: Pa
     assert rows["good"]["backend"] == "sandbox"
     assert rows["odd"]["refused"] == ".smolbench/checkpoints/odd.smolcheckpoint can't be read (something no one " \
                                      "foresaw): skipped"
+
+
+# -- what a listing reads of each file ---------------------------------------------------------
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read from files so far (the kernel's count)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def test_a_record_is_looked_for_in_a_file_s_first_megabyte_only(tmp_path: Path) -> None:
+    """A gzip header whose name field never ends: Python's gzip read it one byte at a time to
+    the end of the file (21 MB: 1.2 s of CPU), for every listing of the folder (the sidebar
+    polls every 5 s); a file of GBs was minutes each time."""
+    path = tmp_path / "endless.smolcheckpoint"
+    with open(path, "wb") as fh:
+        fh.write(b"\x1f\x8b\x08\x08" + b"\0" * 6)  # FNAME set
+        for _ in range(16):
+            fh.write(b"a" * (1 << 20))
+    before = _read_bytes()
+    with pytest.raises(archive.UnsafeCheckpoint) as refused:
+        archive.read_record(str(path))
+    read = _read_bytes() - before
+    assert read < 2 << 20, f"read {read >> 20} MiB of 16"
+    assert str(refused.value) == ("endless.smolcheckpoint has no record within its first 1.0 MB (empty file), "
+                                  "where smolbench puts it: refused")
+
+
+def test_a_record_first_in_a_big_checkpoint_is_read(tmp_path: Path) -> None:
+    """As exported (tarfile's gzip, its name field set): the record first, then 3 MB of namespace."""
+    path = tmp_path / "big.smolcheckpoint"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in ((archive.RECORD, RECORD), ("namespace.pkl", random.Random(0).randbytes(3_000_000)),
+                           ("workspace.tar", _member("hello.txt", b"hi") + END)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert path.stat().st_size > 1_000_000
+    assert archive.read_record(str(path)) == json.loads(RECORD)
+    cut = tmp_path / "cut.smolcheckpoint"  # one cut short within the record: what is there is wrong
+    cut.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(archive.UnsafeCheckpoint, match=r"^cut.smolcheckpoint is not a readable checkpoint \("):
+        archive.read_record(str(cut))
+
+
+def test_the_listing_names_a_file_over_the_checkpoint_limit_and_reads_none_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(LIMITS, "checkpoint", 100_000)
+    big = gzip.compress(_checkpoint_tar(namespace=bytes(range(256)) * 800), compresslevel=0)
+    assert len(big) > 200_000
+    _folder(tmp_path, good=gzip.compress(_checkpoint_tar()), big=big)
+    led = Ledger(tmp_path / ".smolbench" / "ledger.db")
+    try:
+        before = _read_bytes()
+        rows = {r["name"]: r for r in Shelf(led).rows()}
+        read = _read_bytes() - before
+    finally:
+        led.close()
+    assert rows["good"]["backend"] == "sandbox"
+    assert rows["big"]["backend"] is None and rows["big"]["refused"] == (
+        "big.smolcheckpoint is 210 KB, over the checkpoint limit of 100 KB: not read (raise it with "
+        "`%smol config checkpoint-limit 4G` if you trust it)")
+    assert read < 100_000, read
