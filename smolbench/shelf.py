@@ -93,6 +93,9 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
         except SmolbenchError as exc:
             rec.update(exists=True, refused=str(exc))
             record = None
+        except Exception as exc:  # one file someone dropped in never breaks the folder's listing
+            rec.update(exists=True, refused=f"{store.shown(fname)} can't be read ({archive.reason(exc)}): skipped")
+            record = None
         if record is not None:
             rec.update(backend=record["backend"], node_id=record.get("node"), cells=record.get("cells"),
                        warnings=record.get("warnings", []))
@@ -115,14 +118,15 @@ def _refusal(store: Store, named: object, paths: bool) -> str | None:
 
 
 def _record(f: Opened) -> dict[str, Any] | None:
-    """The record inside an open checkpoint file (checked), or None; a smol VM file has none."""
+    """The record inside an open checkpoint file (checked), or None; a smol VM file has none.
+    Anything wrong with the file is one line naming it (archive.read_record)."""
     try:
         with open(f.path, "rb") as fh:
             if fh.read(2) != b"\x1f\x8b":
                 return None
-        return archive.read_record(f.path, f.name)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise SmolbenchError(f"{f.name} is not a readable checkpoint ({exc})") from None
+    except OSError as exc:
+        raise SmolbenchError(f"{f.name} is not a readable checkpoint ({exc.strerror})") from None
+    return archive.read_record(f.path, f.name)
 
 
 def _sha256(fd: int) -> str:
@@ -335,9 +339,7 @@ class Shelf:
         if is_path(arg):
             fd = _open_named(arg)
             try:
-                record = archive.read_record(f"/proc/self/fd/{fd}", arg)
-            except (tarfile.TarError, EOFError, OSError) as exc:
-                raise SmolbenchError(f"{arg} is not a readable checkpoint ({exc})") from None
+                record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read
             finally:
                 os.close(fd)
             return "smol" if (record or {}).get("backend") == "smol" else "sandbox"

@@ -155,7 +155,7 @@ def test_a_chain_of_long_name_headers_is_one_line_not_a_recursion_error(tmp_path
         archive.check_workspace(chain, "checkpoint evil")
     dropped = tmp_path / "evil.smolcheckpoint"
     dropped.write_bytes(gzip.compress(chain))
-    with pytest.raises(tarfile.TarError, match="in a row"):  # what the listing catches, for one line
+    with pytest.raises(archive.UnsafeCheckpoint, match="in a row"):  # the listing's one line for the file
         archive.read_record(str(dropped))
     archive.check_workspace(longname_chain(3), "checkpoint fine")  # a few in a row, as tar writes them
     monkeypatch.setattr(archive, "TEST_WEAKEN", {"tarheaders"})
@@ -203,6 +203,10 @@ def test_names_deeper_than_any_file_system_makes_are_refused() -> None:
     """A 370-byte gzip of a link ``b/.../a -> .`` and a name of 30,000 parts took 97 s to check:
     each part's lookup joined every part before it, for each of 40 link hops."""
     deep = "b/" * 30000 + "a/" * 39 + "f"
+    with pytest.raises(archive.UnsafeCheckpoint, match="pax header of 60 KB, over 12 KB"):  # its pax header
+        archive.check_workspace(_workspace(("b/" * 100 + "a", tarfile.SYMTYPE, "."), (deep, tarfile.REGTYPE, "")),
+                                "checkpoint deep")
+    deep = "b/" * 3000 + "a/" * 39 + "f"  # within a pax header's limit, past PATH_MAX
     with pytest.raises(archive.UnsafeCheckpoint, match="longer than 4,096 bytes"):
         archive.check_workspace(_workspace(("b/" * 100 + "a", tarfile.SYMTYPE, "."), (deep, tarfile.REGTYPE, "")),
                                 "checkpoint deep")

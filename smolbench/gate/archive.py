@@ -21,6 +21,7 @@ import secrets
 import stat
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Literal
@@ -34,12 +35,16 @@ OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Tests weaken the checks here to show what they stop (never set outside tests).
 TEST_WEAKEN: set[str] = set()
-HEADER_LIMIT = 64 * 1024  # a long name's or pax header's own bytes, at most (tarfile reads them whole)
+# a long name's or pax header's own bytes, at most (tarfile reads them whole): a name and a link
+# target of PATH_LIMIT each, and a few short records (an honest 4,096-byte name needs < 5 KiB)
+HEADER_LIMIT = 12 * 1024
 MEMBER_LIMIT = 500_000  # members of a workspace archive (tarfile keeps one object each)
-META_RUN = 8  # such headers in a row, at most (a pax global, a pax, a long name and a long link make 4)
+META_RUN = 8  # such headers in a row, at most (a pax, a long name and a long link make 3)
+PAX_RECORDS_LIMIT = 4_000_000  # pax records in one archive (an honest one: a few a member)
 PATH_LIMIT = 4096  # bytes of a member's name or link target, at most (PATH_MAX: no file system makes longer)
 NAMES_LIMIT = 128 * 1000**2  # bytes of all members' names (or links) together
 WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
+LINK_PARTS_LIMIT = 1_000_000  # name parts of all links together, each a node of the link tree (~180 bytes)
 META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
               tarfile.SOLARIS_XHDTYPE)
 
@@ -57,7 +62,22 @@ class CheckedInfo(tarfile.TarInfo):
     name or a pax header whole into memory (a few MB of gzip made GBs of host memory), and a
     negative size (base-256) sends it back onto the same header forever (CVE-2025-8194, fixed
     in Python 3.11.14/3.12.12, not in every Python a kernel runs). Sparse members are refused:
-    nothing smolbench writes has them, and their maps are read whole too."""
+    nothing smolbench writes has them, and their maps are read whole too. A global pax header
+    is refused (nothing smolbench writes has one, and tarfile copied its keys into every later
+    member: 389 kB made 2 GB), pax headers are parsed here in one pass (tarfile's regex took
+    seconds per header before CVE-2024-6232's fix), and a member keeps none of its pax keys
+    (the host reads names, links, types and sizes only)."""
+
+    @classmethod
+    def fromtarfile(cls, tf: tarfile.TarFile) -> CheckedInfo:
+        try:
+            return super().fromtarfile(tf)
+        except (tarfile.TarError, OSError, EOFError, zlib.error, MemoryError, SmolbenchError):
+            raise  # (tarfile.next makes a zlib.error a ReadError)
+        except Exception as exc:  # tarfile's own parsing of crafted bytes: one line, not a traceback
+            if "tarheaders" in TEST_WEAKEN:
+                raise
+            raise BadHeader(f"a header tarfile can't read ({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
         if "tarheaders" not in TEST_WEAKEN:
@@ -67,6 +87,8 @@ class CheckedInfo(tarfile.TarInfo):
             tf._smolbench_meta_run = run  # type: ignore[attr-defined]
             if run > META_RUN:
                 raise BadHeader(f"more than {META_RUN} long-name or pax headers in a row")
+            if self.type == tarfile.XGLTYPE:
+                raise BadHeader("a global pax header (type 'g'), which smolbench never writes")
             if self.size < 0:
                 raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
             if self.type in META_TYPES and self.size > HEADER_LIMIT:
@@ -75,12 +97,47 @@ class CheckedInfo(tarfile.TarInfo):
                 raise BadHeader(f"member {self.name[:100]!r} is sparse")
         return super()._proc_member(tf)  # type: ignore[misc]
 
+    def _proc_pax(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
+        """tarfile's own, for one member's pax header (never a global one), its records parsed
+        in one pass and counted against the archive's budget."""
+        if "tarheaders" in TEST_WEAKEN or self.type == tarfile.XGLTYPE:
+            return super()._proc_pax(tf)  # type: ignore[misc]
+        assert tf.fileobj is not None
+        records = pax_records(tf.fileobj.read(self._block(self.size))[:self.size])  # type: ignore[attr-defined]
+        seen = getattr(tf, "_smolbench_pax", 0) + len(records)
+        tf._smolbench_pax = seen  # type: ignore[attr-defined]
+        if seen > PAX_RECORDS_LIMIT:
+            raise BadHeader(f"more than {PAX_RECORDS_LIMIT:,} pax records in all")
+        # names are UTF-8 unless the header says hdrcharset=BINARY (then the archive's encoding)
+        charset = next((v for k, v in records if k == b"hdrcharset"), None)
+        names = tf.encoding if charset == b"BINARY" else "utf-8"
+        pax: dict[str, str] = {}
+        for raw_key, raw_value in records:  # decoded as tarfile does, never raising (surrogateescape)
+            key = self._decode_pax_field(raw_key, "utf-8", "utf-8", tf.errors)  # type: ignore[attr-defined]
+            name = key in tarfile.PAX_NAME_FIELDS
+            pax[key] = self._decode_pax_field(raw_value, names if name else "utf-8",  # type: ignore[attr-defined]
+                                              tf.encoding if name else "utf-8", tf.errors)
+        try:
+            member = self.fromtarfile(tf)
+        except tarfile.HeaderError as exc:
+            raise tarfile.SubsequentHeaderError(str(exc)) from None  # type: ignore[attr-defined]
+        member._apply_pax_info(pax, tf.encoding, tf.errors)
+        member.offset = self.offset
+        if "size" in pax:  # the member's data starts where tarfile would have put it
+            offset = member.offset_data
+            if member.isreg() or member.type not in tarfile.SUPPORTED_TYPES:
+                offset += member._block(member.size)  # type: ignore[attr-defined]
+            tf.offset = offset
+        return member
+
     def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str, errors: str) -> None:
         if "tarheaders" not in TEST_WEAKEN and any(k.startswith("GNU.sparse") for k in pax_headers):
             raise BadHeader(f"member {self.name[:100]!r} is sparse")
         super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
-        if self.size < 0 and "tarheaders" not in TEST_WEAKEN:
-            raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+        if "tarheaders" not in TEST_WEAKEN:
+            if self.size < 0:
+                raise BadHeader(f"member {self.name[:100]!r} claims a negative size")
+            self.pax_headers = {}  # applied: kept for every member, they were the archive's keys many times
 
     def _proc_gnusparse_00(self, *args: Any) -> None:
         raise BadHeader(f"member {self.name[:100]!r} is sparse")
@@ -88,10 +145,74 @@ class CheckedInfo(tarfile.TarInfo):
     _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
 
 
+def pax_records(buf: bytes) -> list[tuple[bytes, bytes]]:
+    """A pax header's ``LEN KEY=VALUE\\n`` records, each length a short decimal and all of them
+    adding up to the header exactly (trailing NULs aside), in one pass; else BadHeader."""
+    records, pos, end = [], 0, len(buf)
+    while pos < end and buf[pos]:
+        space = buf.find(b" ", pos, pos + 11)  # at most 10 digits
+        length = int(buf[pos:space]) if space > pos and buf[pos:space].isdigit() else 0
+        stop = pos + length
+        if length < 5 or stop > end or buf[stop - 1] != 0x0A:  # the shortest: b"5 k=\n"
+            raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+        key, eq, value = buf[space + 1:stop - 1].partition(b"=")
+        if not key or not eq:
+            raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+        records.append((key, value))
+        pos = stop
+    if buf.count(0, pos) != end - pos:
+        raise BadHeader(f"a pax header that is not pax records (at byte {pos} of {end})")
+    return records
+
+
+@contextlib.contextmanager
+def _zlib_as_tar_error() -> Iterator[None]:
+    try:
+        yield
+    except zlib.error as exc:  # tarfile says so only for a header's bytes
+        raise tarfile.ReadError(f"zlib error: {exc}") from None
+
+
+class _CheckedFile(tarfile.ExFileObject):
+    """A member's bytes: damaged gzip data is a tarfile.ReadError like the rest, not a zlib.error
+    past every caller."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        with _zlib_as_tar_error():
+            return super().read(size)
+
+    def read1(self, size: int = -1) -> bytes:
+        with _zlib_as_tar_error():
+            return super().read1(size)
+
+    def readinto(self, buffer: Any) -> int:
+        with _zlib_as_tar_error():
+            return super().readinto(buffer)
+
+
+class _CheckedTar(tarfile.TarFile):
+    """Someone else's archive: headers read by :class:`CheckedInfo`, and whatever tarfile, gzip
+    or zlib raise on its bytes is a tarfile.TarError, EOFError or OSError (one line for every
+    caller), never another exception."""
+
+    tarinfo = CheckedInfo
+    fileobject = _CheckedFile
+
+    def next(self) -> tarfile.TarInfo | None:
+        with _zlib_as_tar_error():  # tarfile seeks to the next header before its own handling
+            return super().next()
+
+
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
              fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
     """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`."""
-    return tarfile.open(path, mode, fileobj=fileobj, tarinfo=CheckedInfo)
+    return _CheckedTar.open(path, mode, fileobj=fileobj)
+
+
+def reason(exc: BaseException) -> str:
+    """Why reading failed, as part of one line (quoted when it is not plain text)."""
+    text = str(exc) or type(exc).__name__
+    return text if text.isprintable() and len(text) <= 200 else repr(text[:200])
 
 
 @contextlib.contextmanager
@@ -187,9 +308,15 @@ def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
 _TARGET = "\0"  # the key of a link's target in the tree of link names (no name part holds a NUL)
 
 
-def _link_tree(links: dict[str, str]) -> dict[str, Any]:
+def _link_tree(links: dict[str, str], where: str) -> dict[str, Any]:
     """The archive's symlinks as a tree of name parts, so a lookup costs one step a part
-    (joining the parts for each prefix cost a deep name's length squared, per link hop)."""
+    (joining the parts for each prefix cost a deep name's length squared, per link hop).
+    Their parts are counted before any node is made: 3,000 links of 2,000 parts each under
+    their own folder (68 kB of gzip) were 6,000,000 nodes, 1.2 GB."""
+    parts = sum(name.count("/") + 1 for name in links)
+    if parts > LINK_PARTS_LIMIT:
+        raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
+                               "refused")
     tree: dict[str, Any] = {}
     for name, target in links.items():
         node = tree
@@ -260,7 +387,7 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
         names += size
         if names > NAMES_LIMIT:  # tarfile keeps every name: 500,000 of 4 KB were 2 GB here
             raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
-    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()})
+    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()}, where)
     walk = _Walk(where)
     for m in members:
         name = PurePosixPath(m.name)
@@ -368,14 +495,54 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str) -> d
 
 def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     """The record inside a checkpoint file (checked), or None when it has none; only its first
-    member is read."""
-    with open_tar(path) as tar:
-        m = tar.next()
-        if m is None or m.name != RECORD or not m.isfile():
-            return None
-        return _read_record(tar, m, label or Path(path).name)
+    member is read, from the file's first PREFIX_LIMIT bytes (see :func:`_gzip_prefix`), and a
+    file over the checkpoint limit not at all. Whatever is wrong with the file is an
+    UnsafeCheckpoint of one line naming it: a listing reads every file dropped into a folder
+    (the sidebar's, every 5 s), and one can't break it for the rest or cost it more."""
+    label = label or Path(path).name
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > LIMITS.checkpoint:
+                raise UnsafeCheckpoint(f"{label} is {human(size)}, over the checkpoint limit of "
+                                       f"{human(LIMITS.checkpoint)}: not read (raise it with "
+                                       "`%smol config checkpoint-limit 4G` if you trust it)")
+            head, whole = _gzip_prefix(fh.read(PREFIX_LIMIT), size <= PREFIX_LIMIT)
+        try:
+            with open_tar(fileobj=io.BytesIO(head), mode="r:") as tar:
+                m = tar.next()
+                if m is None or m.name != RECORD or not m.isfile():
+                    return None
+                return _read_record(tar, m, label)
+        except (tarfile.TarError, EOFError) as exc:
+            if whole:
+                raise
+            raise UnsafeCheckpoint(f"{label} has no record within its first {human(PREFIX_LIMIT)} ({reason(exc)}), "
+                                   "where smolbench puts it: refused") from None
+    except (SmolbenchError, MemoryError):
+        raise
+    except Exception as exc:  # tarfile, gzip or zlib on someone else's bytes
+        raise UnsafeCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)})") from None
 
 
+def _gzip_prefix(data: bytes, whole: bool) -> tuple[bytes, bool]:
+    """What a gzip file's first bytes ``data`` (all of it: ``whole``) decompress to, at most
+    PREFIX_LIMIT bytes, and whether that is all the file holds. zlib reads gzip's own headers
+    (Python's gzip read a name field one byte at a time: 21 MB of one took 1.2 s of CPU)."""
+    out = bytearray()
+    first = True
+    while data and len(out) < PREFIX_LIMIT:
+        unzip = zlib.decompressobj(wbits=31)  # a gzip member, header and trailer checked
+        try:
+            out += unzip.decompress(data, PREFIX_LIMIT - len(out))
+        except zlib.error as exc:
+            if first:
+                raise tarfile.ReadError(f"zlib error: {exc}") from None
+            return bytes(out), False  # after the first member: what came before is read as it was
+        if not unzip.eof:
+            return bytes(out), whole and not unzip.unconsumed_tail
+        data, first = unzip.unused_data.lstrip(b"\0"), False  # gzip allows NULs between members
+    return bytes(out), whole and not data
 class _Budget:
     """Bytes a restore may still write: the checkpoint limit, counted as they stream."""
 
@@ -472,6 +639,7 @@ class _Counted(io.RawIOBase):
 
 RECORD = "smolbench-record.json"
 RECORD_LIMIT = 16 * 1024
+PREFIX_LIMIT = 1000**2  # a record is looked for in a file's first MB, read and decompressed (it is first)
 RECORD_KIND = "smolbench-checkpoint"
 BACKENDS = ("sandbox", "process", "smol")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
