@@ -44,9 +44,7 @@ class MachineEnv(gymnasium.Env[Any, Any]):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """One step in the machine; the action is checked against the action space first."""
         self._open()
-        if not self.action_space.contains(action):
-            raise GymError(f"the env (machine {self.machine}): action {str(action)[:80]} is not in the action space "
-                           f"{self.action_space}: nothing was sent")
+        action = checked_action(self.action_space, action, f"the env (machine {self.machine})", "nothing was sent")
         now = self._m.steps_now([0], [action])  # on this thread: no hop to the loop
         if now is None:
             st = self._m.host.run(self._m.step(0, action))
@@ -68,6 +66,16 @@ class MachineEnv(gymnasium.Env[Any, Any]):
     def _open(self) -> None:
         if self._m.closed:
             raise GymError("the env is closed: make a new one with smolbench.gym.make(...)")
+
+
+def checked_action(space: Any, action: Any, where: str, after: str) -> Any:
+    """``action`` as the machine's env gets it (see :func:`spaces.to_action`), else one line."""
+    try:
+        return spaces.to_action(space, action)
+    except spaces.Refused as exc:
+        why = f" ({exc})" if str(exc) else ""
+        raise GymError(f"{where}: action {' '.join(str(action).split())[:80]} is not in the action space "
+                       f"{spaces.one_line(space)}{why}: {after}") from None
 
 
 MAX_SEED = 2**63 - 1  # what a ledger row (SQLite INTEGER) and numpy's seeding both take
@@ -99,4 +107,4 @@ def _options(options: Any) -> dict[str, Any] | None:
     return options
 
 
-__all__ = ["GymError", "MachineEnv", "check_seed", "spaces"]
+__all__ = ["GymError", "MachineEnv", "check_seed", "checked_action", "spaces"]

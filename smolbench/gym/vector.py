@@ -17,7 +17,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
-from .env import _options, check_seed
+from .env import _options, check_seed, checked_action
 from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
 
@@ -84,9 +84,8 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         if acts is None:
             acts = list(iterate(self.action_space, actions))
         for i, a in enumerate(acts):
-            if type(a) is not _OK and not self.single_action_space.contains(a):
-                raise GymError(f"sub-env {i}: action {str(a)[:80]} is not in the action space {self.single_action_space}: "
-                               "nothing was sent to any sub-env")
+            if type(a) is not _OK:
+                acts[i] = checked_action(self.single_action_space, a, f"sub-env {i}", "nothing was sent to any sub-env")
         mode = self.autoreset_mode
         if mode == AutoresetMode.DISABLED and self._autoreset.any():
             raise GymError(f"sub-env {int(np.flatnonzero(self._autoreset)[0])} ended and autoreset is disabled: "

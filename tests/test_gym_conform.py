@@ -1,0 +1,112 @@
+"""smolbench.gym against plain Gymnasium: what an env and a vector env take and give back.
+
+Continuous actions are taken as Gymnasium's envs take them (a float64 action for a float32
+Box, values outside its bounds: Pendulum clips them), in the action space's dtype; a wrong
+shape or a float for an integer space is still one line.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import gymnasium
+import numpy as np
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+from gymnasium.vector import SyncVectorEnv
+from gymnasium.wrappers import ClipAction
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+PENDULUM = functools.partial(gymnasium.make, "Pendulum-v1")
+# float64 actions, and float32 ones outside the Box's [-2, 2] (Pendulum clips them)
+ACTIONS = [np.array([0.5]), np.array([-1.3]), np.array([3.0], np.float32), np.array([-7.5], np.float32),
+           np.array([0.1]), np.array([9.0])]
+# An env whose action space holds integers (a float action is refused, as Box.contains did)
+COUNTER = '''
+import numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class Counter(gym.Env):
+    observation_space = S.Box(-100, 100, (2,), np.int64)
+    action_space = S.MultiDiscrete([3, 4])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.at = np.zeros(2, np.int64)
+        return self.at.copy(), {}
+
+    def step(self, action):
+        self.at += np.asarray(action, np.int64)
+        return self.at.copy(), float(self.at.sum()), False, False, {}
+
+def counter():
+    return Counter()
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+def one_line(exc: BaseException, says: str) -> None:
+    assert says in str(exc) and "\n" not in str(exc), str(exc)
+
+
+def test_continuous_actions_are_taken_as_gymnasium_takes_them(bench: Workbench) -> None:
+    """A float64 action and one outside the bounds were refused ("is not in the action
+    space"), through ClipAction too. They reach the machine's env in the Box's dtype: its
+    steps are exactly Gymnasium's given float32, and within float32's precision of
+    Gymnasium's given the float64 itself."""
+    ours, clipped = sgym.make(PENDULUM, session=bench), ClipAction(sgym.make(PENDULUM, session=bench))
+    exact, plain, plain_clipped = PENDULUM(), PENDULUM(), ClipAction(PENDULUM())
+    try:
+        for env in (ours, clipped, exact, plain, plain_clipped):
+            env.reset(seed=3)
+        for a in ACTIONS:
+            got, want, near = ours.step(a), exact.step(a.astype(np.float32)), plain.step(a)
+            assert np.array_equal(got[0], want[0]) and got[1:4] == want[1:4]
+            assert got[1] == pytest.approx(near[1], rel=1e-5, abs=1e-6)
+            assert clipped.step(a)[1] == pytest.approx(plain_clipped.step(a)[1], rel=1e-5, abs=1e-6)
+        with pytest.raises(SmolbenchError) as wrong_shape:
+            ours.step(np.array([0.5, 0.5]))
+        one_line(wrong_shape.value, "is not in the action space")
+        assert ours.step(np.array([0.5]))[1] == exact.step(np.array([0.5], np.float32))[1]  # nothing was sent
+    finally:
+        for env in (ours, clipped, exact, plain, plain_clipped):
+            env.close()
+
+
+def test_a_vector_env_takes_a_batch_of_continuous_actions_as_sync_vector_env(bench: Workbench) -> None:
+    """Out-of-bound float32 actions were refused for the whole batch."""
+    ours, theirs = sgym.make_vec(PENDULUM, 2, session=bench, reset="in-place"), SyncVectorEnv([PENDULUM] * 2)
+    try:
+        ours.reset(seed=5)
+        theirs.reset(seed=5)
+        for a in ACTIONS:
+            batch = np.stack([a, -a])
+            got, want = ours.step(batch), theirs.step(batch.astype(np.float32))
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_float_action_for_an_integer_space_is_still_one_line(bench: Workbench) -> None:
+    define(bench, COUNTER)
+    env = sgym.make("counter", session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError) as refused:
+            env.step(np.array([1.0, 2.0]))
+        one_line(refused.value, "is not in the action space")
+        assert env.step([1, 2])[1] == 3.0 and env.step(np.array([5, 0], np.int8))[1] == 8.0  # outside nvec: as gymnasium
+    finally:
+        env.close()
