@@ -2,7 +2,8 @@
 
 Continuous actions are taken as Gymnasium's envs take them (a float64 action for a float32
 Box, values outside its bounds: Pendulum clips them), in the action space's dtype; a wrong
-shape or a float for an integer space is still one line.
+shape or a float for an integer space is still one line. Spaces keep the env's own order (a
+Dict's keys, a Text's characters): observations, batches, flattening and sampling match.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 from gymnasium.vector import SyncVectorEnv
-from gymnasium.wrappers import ClipAction
+from gymnasium.wrappers import ClipAction, FlattenObservation
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
@@ -49,6 +50,36 @@ class Counter(gym.Env):
 def counter():
     return Counter()
 '''
+
+# Spaces in an order of their own: Dicts built from pairs not in sorted order, Texts whose
+# characters are not sorted. Defined here too, for plain Gymnasium.
+ORDERED = '''
+import numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class Ordered(gym.Env):
+    def __init__(self):
+        self.observation_space = S.Dict([("zeta", S.Box(-1, 1, (2,), np.float32)), ("alpha", S.Discrete(3)),
+                                         ("mid", S.Text(6, charset="zyxcba"))])
+        self.action_space = S.Dict([("move", S.MultiDiscrete([3, 4])), ("say", S.Text(4, charset="zyxcba"))])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs(), {}
+
+    def step(self, action):
+        return self._obs(), float(action["move"].sum() + len(action["say"])), False, False, {}
+
+    def _obs(self):
+        rng = self.np_random
+        return {"zeta": rng.uniform(-1, 1, 2).astype(np.float32), "alpha": int(rng.integers(3)),
+                "mid": "".join(rng.choice(list("zyxcba"), 5))}
+
+def ordered():
+    return Ordered()
+'''
+HERE: dict[str, Any] = {}
+exec(ORDERED, HERE)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +141,40 @@ def test_a_float_action_for_an_integer_space_is_still_one_line(bench: Workbench)
         assert env.step([1, 2])[1] == 3.0 and env.step(np.array([5, 0], np.int8))[1] == 8.0  # outside nvec: as gymnasium
     finally:
         env.close()
+
+
+def test_spaces_keep_the_envs_own_order(bench: Workbench) -> None:
+    """A Dict came back with its keys sorted and a Text with its characters sorted: the
+    observations' keys, FlattenObservation's layout and a seeded sample() all differed."""
+    define(bench, ORDERED)
+    ours, theirs = sgym.make("ordered", session=bench), HERE["ordered"]()
+    flat, their_flat = FlattenObservation(sgym.make("ordered", session=bench)), FlattenObservation(HERE["ordered"]())
+    try:
+        for a, b in ((ours.observation_space, theirs.observation_space), (ours.action_space, theirs.action_space)):
+            assert list(a.spaces) == list(b.spaces) and a == b
+        assert ours.observation_space["mid"].character_list == tuple("zyxcba")
+        obs, their_obs = ours.reset(seed=2)[0], theirs.reset(seed=2)[0]
+        assert list(obs) == list(their_obs) and obs["mid"] == their_obs["mid"]
+        assert np.array_equal(flat.reset(seed=2)[0], their_flat.reset(seed=2)[0])
+        ours.action_space.seed(0)
+        theirs.action_space.seed(0)
+        for _ in range(3):
+            act, their_act = ours.action_space.sample(), theirs.action_space.sample()
+            assert list(act) == list(their_act) and act["say"] == their_act["say"]
+            assert np.array_equal(act["move"], their_act["move"])
+            assert list(ours.step(act)[0]) == list(theirs.step(their_act)[0])
+    finally:
+        for env in (ours, theirs, flat, their_flat):
+            env.close()
+
+
+def test_a_vector_envs_batches_keep_the_envs_own_order(bench: Workbench) -> None:
+    define(bench, ORDERED)
+    ours, theirs = sgym.make_vec("ordered", 2, session=bench), SyncVectorEnv([HERE["ordered"]] * 2)
+    try:
+        assert list(ours.observation_space.spaces) == list(theirs.observation_space.spaces)
+        obs, their_obs = ours.reset(seed=4)[0], theirs.reset(seed=4)[0]
+        assert list(obs) == list(their_obs) and obs["mid"] == their_obs["mid"]
+    finally:
+        ours.close()
+        theirs.close()

@@ -66,7 +66,7 @@ def space_data(space):
         return {"type": "Tuple", "spaces": [space_data(v) for v in space.spaces]}
     if isinstance(space, S.Text):
         return {"type": "Text", "min_length": int(space.min_length), "max_length": int(space.max_length),
-                "charset": "".join(sorted(space.character_set))}
+                "charset": "".join(space.character_list)}  # in its order: sample() and flatten() follow it
     raise TypeError("smolbench.gym supports Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple and Text "
                     "spaces, not %s" % type(space).__name__)
 

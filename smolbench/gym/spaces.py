@@ -123,7 +123,9 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and len(pair[0]) <= 200):
                     raise Refused("a Dict whose subspaces are not [name, space] pairs")
                 pairs.append((pair[0], space_from_data(pair[1], depth + 1)))
-            return S.Dict(dict(pairs))
+            if len({k for k, _ in pairs}) < len(pairs):
+                raise Refused("a Dict with a key twice")
+            return S.Dict(pairs)  # in the env's order (a dict given to S.Dict is sorted)
         if kind == "Text":
             charset = tree.get("charset")
             if not isinstance(charset, str) or not 0 < len(charset) <= 1 << 16:
@@ -213,7 +215,7 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
     if isinstance(space, S.Dict):
         if not isinstance(value, dict) or set(value) != set(space.spaces):
             raise Refused(f"{what} should be a dict with keys {sorted(space.spaces)}")
-        return {k: check(sub, value[k], f"{what}[{k!r}]") for k, sub in space.spaces.items()}
+        return {k: check(space.spaces[k], value[k], f"{what}[{k!r}]") for k in value}  # in the env's order
     if isinstance(space, S.Tuple):
         if not isinstance(value, tuple) or len(value) != len(space.spaces):
             raise Refused(f"{what} should be a tuple of {len(space.spaces)}")
