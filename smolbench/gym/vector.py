@@ -17,6 +17,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
+from . import spaces
 from .env import _options, check_seed, checked_action
 from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
@@ -82,7 +83,7 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         self._open()
         acts = _discrete(self.single_action_space, actions, self.num_envs)
         if acts is None:
-            acts = list(iterate(self.action_space, actions))
+            acts = self._batch(actions)
         for i, a in enumerate(acts):
             if type(a) is not _OK:
                 acts[i] = checked_action(self.single_action_space, a, f"sub-env {i}", "nothing was sent to any sub-env")
@@ -138,6 +139,19 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations),
                 self._infos(infos))
 
+    def _batch(self, actions: Any) -> list[Any]:
+        """``actions`` split into one per sub-env, else :class:`WrongBatch`."""
+        n, space = self.num_envs, spaces.one_line(self.single_action_space)
+        try:  # a Dict's or Tuple's parts of different lengths: zip(strict=True)'s ValueError
+            acts = list(iterate(self.action_space, actions))
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise WrongBatch(f"actions should be a batch of {n} actions of {space}, one per sub-env "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]}): nothing was sent") from None
+        if len(acts) != n:
+            raise WrongBatch(f"{len(acts)} actions for {n} sub-envs: step() takes one action per sub-env "
+                             f"(a batch of {n}, e.g. envs.action_space.sample()); nothing was sent")
+        return acts
+
     def _infos(self, each: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         """The sub-envs' infos batched as Gymnasium batches them; one whose values can't go
         with the others' (a key that was a number there and text here, an int past int64) is
@@ -187,6 +201,10 @@ async def _together(jobs: list[Any]) -> list[Any]:
         except Exception as exc:
             return [exc]
     return await asyncio.gather(*jobs, return_exceptions=True)
+
+
+class WrongBatch(GymError, ValueError):
+    """A vector step's actions are not one per sub-env (Gymnasium's vector envs raise ValueError)."""
 
 
 class _OK(int):
