@@ -3,7 +3,8 @@
 Continuous actions are taken as Gymnasium's envs take them (a float64 action for a float32
 Box, values outside its bounds: Pendulum clips them), in the action space's dtype; a wrong
 shape or a float for an integer space is still one line. Spaces keep the env's own order (a
-Dict's keys, a Text's characters): observations, batches, flattening and sampling match.
+Dict's keys, a Text's characters): observations, batches, flattening and sampling match. An
+env's spec and render fps are its machine's env's (checked as data); it does not render.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 import gymnasium
 import numpy as np
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import CARTPOLE, define, needs_bwrap, up_bench
 from gymnasium.vector import SyncVectorEnv
-from gymnasium.wrappers import ClipAction, FlattenObservation
+from gymnasium.wrappers import ClipAction, FlattenObservation, RecordEpisodeStatistics, TimeLimit
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
+from smolbench.gym import envspec
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -58,6 +60,8 @@ import numpy as np, gymnasium as gym
 from gymnasium import spaces as S
 
 class Ordered(gym.Env):
+    metadata = {"render_modes": None, "render_fps": np.int64(24)}  # as some envs have them
+
     def __init__(self):
         self.observation_space = S.Dict([("zeta", S.Box(-1, 1, (2,), np.float32)), ("alpha", S.Discrete(3)),
                                          ("mid", S.Text(6, charset="zyxcba"))])
@@ -178,3 +182,74 @@ def test_a_vector_envs_batches_keep_the_envs_own_order(bench: Workbench) -> None
     finally:
         ours.close()
         theirs.close()
+
+
+def spec_fields(spec: Any) -> tuple[Any, ...]:
+    return (spec.id, spec.max_episode_steps, spec.reward_threshold, spec.nondeterministic,
+            [w.name for w in spec.additional_wrappers])
+
+
+def test_an_envs_spec_and_metadata_are_its_machines_envs(bench: Workbench) -> None:
+    """env.spec was None and metadata had no render_fps: wrappers that read the spec had none
+    to read, gymnasium.make(env.spec) nothing to make. Rendering stays unsupported."""
+    ours, theirs = sgym.make(CARTPOLE, session=bench, reset="in-place"), CARTPOLE()
+    short, their_short = RecordEpisodeStatistics(TimeLimit(ours, 3)), RecordEpisodeStatistics(TimeLimit(theirs, 3))
+    again = None
+    try:
+        assert spec_fields(ours.spec) == spec_fields(theirs.spec) and ours.spec.max_episode_steps == 500
+        assert spec_fields(short.spec) == spec_fields(their_short.spec) and short.spec.max_episode_steps == 3
+        assert ours.metadata["render_fps"] == theirs.metadata["render_fps"] == 50
+        assert short.reset(seed=0)[0].shape == (4,) and [short.step(0)[3] for _ in range(3)] == [False, False, True]
+        again = gymnasium.make(ours.spec)  # another machine-backed CartPole, as the spec says
+        assert np.array_equal(again.reset(seed=9)[0], theirs.reset(seed=9)[0]) and again.unwrapped is not ours
+        assert ours.render_mode is None and ours.metadata["render_modes"] == []
+        with pytest.raises(SmolbenchError) as no_render:
+            ours.render()
+        one_line(no_render.value, "render() is not supported")
+    finally:
+        for env in (short, their_short, *((again,) if again is not None else ())):
+            env.close()
+
+
+def test_a_vector_envs_spec_and_metadata_are_its_sub_envs(bench: Workbench) -> None:
+    ours, theirs = sgym.make_vec(CARTPOLE, 2, session=bench), gymnasium.make_vec("CartPole-v1", 2)
+    try:
+        assert (ours.spec.id, ours.spec.max_episode_steps) == (theirs.spec.id, theirs.spec.max_episode_steps)
+        assert ours.metadata["render_fps"] == theirs.metadata["render_fps"] and "CartPole-v1" in str(ours)
+        with pytest.raises(SmolbenchError) as no_render:
+            ours.render()
+        one_line(no_render.value, "render() is not supported")
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_an_env_without_a_spec_has_none_as_in_gymnasium(bench: Workbench) -> None:
+    """An env whose render_modes were None could not be made at all."""
+    define(bench, ORDERED)
+    env = sgym.make("ordered", session=bench)
+    try:
+        assert env.spec is None and HERE["ordered"]().spec is None
+        assert env.metadata["render_fps"] == 24 and type(env.metadata["render_fps"]) is int
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("sent", [
+    {"spec": {"id": "x" * 201}}, {"spec": {"id": "not an id!"}}, {"spec": {"id": 7}}, {"spec": "CartPole-v1"},
+])
+def test_a_spec_a_machine_sends_that_is_not_plain_data_within_bounds_is_none(sent: dict[str, Any]) -> None:
+    assert envspec.env_spec(envspec.described(sent), None) is None
+
+
+def test_a_machines_spec_and_render_fields_are_kept_only_where_they_are_plain_data_within_bounds() -> None:
+    sent = {"render_modes": ["rgb_array", 3, "m" * 65, *["human"] * 40], "render_fps": float("nan"),
+            "spec": {"id": "Mine-v2", "max_episode_steps": True, "reward_threshold": float("inf"),
+                     "nondeterministic": "yes"}}
+    kept = envspec.described(sent)
+    assert kept["render_modes"] == ["rgb_array", *["human"] * 13]  # of the first 16 and kept["render_fps"] is None
+    spec = envspec.env_spec(kept, None)
+    assert spec is not None and (spec.id, spec.version, spec.max_episode_steps, spec.reward_threshold,
+                                 spec.nondeterministic) == ("Mine-v2", 2, None, None, False)
+    assert envspec.metadata(envspec.described({"render_fps": 2**70})) == {"render_modes": []}
+    assert envspec.metadata(envspec.described({"render_fps": 30})) == {"render_modes": [], "render_fps": 30}

@@ -8,6 +8,7 @@ the same autoreset semantics (``NEXT_STEP``, ``SAME_STEP`` or ``DISABLED``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
 
@@ -17,8 +18,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
-from . import spaces
-from .env import _options, check_seed, checked_action
+from . import envspec, spaces
+from .env import NO_RENDER, NoRender, _options, check_seed, checked_action
 from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
 
@@ -26,11 +27,14 @@ from .machines import GymError, Later, Machines, Reset, Step
 class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     """``num_envs`` machine-backed sub-envs stepped together (see :func:`smolbench.gym.make_vec`)."""
 
-    def __init__(self, machines: Machines, autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP) -> None:
+    def __init__(self, machines: Machines, autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+                 remake: Callable[..., Any] | None = None) -> None:
         self._m = machines
         self.num_envs = machines.n
         self.autoreset_mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
-        self.metadata = {"autoreset_mode": self.autoreset_mode, "render_modes": [], "smolbench_reset": machines.mode}
+        self.metadata = {**envspec.metadata(machines.described), "autoreset_mode": self.autoreset_mode,
+                         "smolbench_reset": machines.mode}
+        self.spec = envspec.env_spec(machines.described, remake)  # its sub-envs' (remake: one of them)
         self.render_mode = None
         self.single_observation_space = machines.observation_space
         self.single_action_space = machines.action_space
@@ -183,6 +187,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
                 raise GymError(str(first)) from None
             raise first
         return outs
+
+    def render(self) -> None:
+        """Not supported: one line saying so."""
+        raise NoRender(NO_RENDER)
 
     def close_extras(self, **kwargs: Any) -> None:
         """Delete every sub-env's machine and the warm parent."""
