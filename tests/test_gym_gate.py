@@ -122,6 +122,8 @@ box_bounds_differ = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(4
 box_of_objects = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(3), "dtype": "object"})
 too_many_items = forged({"type": "MultiBinary", "n": [100000, 100000]})
 unknown_space = forged({"type": "Graph"})
+dict_key_twice = forged({"type": "Dict", "spaces": [["a", {"type": "Discrete", "n": 2, "start": 0}],
+                                                    ["a", {"type": "Discrete", "n": 3, "start": 0}]]})
 '''
 
 
@@ -180,6 +182,7 @@ def test_a_hostile_step_is_refused_in_one_line(bench: Workbench, marker: Path, h
     ("box_of_objects", "only plain numeric dtypes"),
     ("too_many_items", "at most 16,777,216"),
     ("unknown_space", "unknown type 'Graph'"),
+    ("dict_key_twice", "a Dict with a key twice"),
 ])
 def test_impossible_spaces_are_refused_in_one_line(bench: Workbench, marker: Path, name: str, says: str) -> None:
     before = set(bench.machines)

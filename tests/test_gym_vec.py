@@ -140,6 +140,28 @@ def test_a_bad_action_names_its_sub_env_and_nothing_is_sent(bench: Workbench) ->
         envs.close()
 
 
+def test_a_batch_of_the_wrong_size_is_one_line_and_nothing_is_sent(bench: Workbench) -> None:
+    """2 actions for 3 sub-envs was a bare IndexError, 4 stepped 3 and dropped one. Gymnasium
+    raises ValueError: so does this, in one line."""
+    ours, theirs = sgym.make_vec(CARTPOLE, 3, session=bench, reset="in-place"), SyncVectorEnv([CARTPOLE] * 3)
+    try:
+        same(ours.reset(seed=1), theirs.reset(seed=1))
+        for wrong in (np.zeros(2, np.int64), np.zeros(4, np.int64), [0, 1, 0, 1]):
+            with pytest.raises(ValueError):
+                theirs.step(wrong)
+            with pytest.raises(ValueError) as refused:
+                ours.step(wrong)
+            line = str(refused.value)
+            assert isinstance(refused.value, SmolbenchError) and "\n" not in line, line
+            assert "one action per sub-env" in line and "3 sub-envs" in line, line
+        theirs.reset(seed=1)
+        for a, b in zip(ours.step(np.array([0, 1, 0])), theirs.step(np.array([0, 1, 0]))):  # nothing was sent
+            same(a, b)
+    finally:
+        ours.close()
+        theirs.close()
+
+
 FLAKY_RESET = '''
 import gymnasium
 

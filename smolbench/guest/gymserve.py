@@ -66,9 +66,27 @@ def space_data(space):
         return {"type": "Tuple", "spaces": [space_data(v) for v in space.spaces]}
     if isinstance(space, S.Text):
         return {"type": "Text", "min_length": int(space.min_length), "max_length": int(space.max_length),
-                "charset": "".join(sorted(space.character_set))}
+                "charset": "".join(space.character_list)}  # in its order: sample() and flatten() follow it
     raise TypeError("smolbench.gym supports Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple and Text "
                     "spaces, not %s" % type(space).__name__)
+
+
+def _number(value):
+    """``value`` as a plain int or float (numpy's too), else None."""
+    if isinstance(value, bool) or not hasattr(value, "__float__"):
+        return None
+    value = value.item() if hasattr(value, "item") else value
+    return value if isinstance(value, (int, float)) else None
+
+
+def spec_data(spec):
+    """What an env's spec holds that is plain data (None where it has no spec)."""
+    if spec is None or not isinstance(getattr(spec, "id", None), str):
+        return None
+    steps = _number(getattr(spec, "max_episode_steps", None))
+    return {"id": spec.id, "max_episode_steps": steps if isinstance(steps, int) else None,
+            "reward_threshold": _number(getattr(spec, "reward_threshold", None)),
+            "nondeterministic": getattr(spec, "nondeterministic", False) is True}
 
 
 def decode_action(tree):
@@ -230,10 +248,12 @@ class Server:
         if not hasattr(env, "step") or not hasattr(env, "reset"):
             raise TypeError("the env factory returned a %s, not a gymnasium.Env" % type(env).__name__)
         self.env = env
-        spec = getattr(env, "spec", None)
+        meta = getattr(env, "metadata", None)
+        meta = meta if isinstance(meta, dict) else {}
+        modes = meta.get("render_modes")
         return {"observation_space": space_data(env.observation_space), "action_space": space_data(env.action_space),
-                "render_modes": [str(m) for m in (getattr(env, "metadata", None) or {}).get("render_modes", [])][:16],
-                "spec_id": str(spec.id) if spec is not None and getattr(spec, "id", None) else None}
+                "render_modes": [str(m) for m in modes[:16]] if isinstance(modes, (list, tuple)) else [],
+                "render_fps": _number(meta.get("render_fps")), "spec": spec_data(getattr(env, "spec", None))}
 
     def rng(self):
         """The env's random generator state (what a fresh machine continues from)."""

@@ -54,13 +54,17 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     often a machine that dies is rebuilt (default: the session's). Extra keyword arguments
     are given to a callable ``env``.
     """
+    def remake(**more: Any) -> MachineEnv:  # its spec's entry point (a function: a spec is deep-copied)
+        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **{**kwargs, **more})
+
+    factory = env
     if kwargs:
         if isinstance(env, str):
             raise SmolbenchError("keyword arguments go to a callable env; an env named in the machine takes none")
         import functools
 
-        env = functools.partial(env, **kwargs)
-    return MachineEnv(_start(env, 1, session, smolfile, reset, retries))
+        factory = functools.partial(env, **kwargs)
+    return MachineEnv(_start(factory, 1, session, smolfile, reset, retries), remake)
 
 
 def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None, smolfile: str | None = None,
@@ -77,4 +81,7 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
     except ValueError:
         raise SmolbenchError(f"autoreset_mode must be one of {', '.join(m.value for m in AutoresetMode)}, got "
                              f"{autoreset_mode!r}: e.g. autoreset_mode='NextStep'") from None
-    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries, vector=True), mode)
+    def remake(**more: Any) -> MachineEnv:  # its spec's entry point: one sub-env, as gymnasium.make_vec's spec has
+        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **more)
+
+    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries, vector=True), mode, remake)

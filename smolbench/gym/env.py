@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium
 
 from ..errors import SmolbenchError
-from . import spaces
+from . import envspec, spaces
 from .machines import GymError, Later, Machines, Step
 
 
@@ -16,14 +17,17 @@ class MachineEnv(gymnasium.Env[Any, Any]):
 
     Its spaces are rebuilt from the machine's description; every observation is checked
     against them. ``reset()`` runs in a fresh branch of the warm parent (``reset="fresh"``)
-    or in the same machine (``"in-place"``). ``close()`` deletes its machines.
+    or in the same machine (``"in-place"``). ``close()`` deletes its machines. ``spec`` and
+    ``metadata["render_fps"]`` are the machine's env's (``gymnasium.make(env.spec)`` makes
+    another env like it); it does not render.
     """
 
-    def __init__(self, machines: Machines) -> None:
+    def __init__(self, machines: Machines, remake: Callable[..., Any] | None = None) -> None:
         self._m = machines
         self.observation_space = machines.observation_space
         self.action_space = machines.action_space
-        self.metadata = {"render_modes": [], "smolbench_reset": machines.mode}
+        self.metadata = {**envspec.metadata(machines.described), "smolbench_reset": machines.mode}
+        self.spec = envspec.env_spec(machines.described, remake)
         self.render_mode = None
 
     @property
@@ -44,9 +48,7 @@ class MachineEnv(gymnasium.Env[Any, Any]):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """One step in the machine; the action is checked against the action space first."""
         self._open()
-        if not self.action_space.contains(action):
-            raise GymError(f"the env (machine {self.machine}): action {str(action)[:80]} is not in the action space "
-                           f"{self.action_space}: nothing was sent")
+        action = checked_action(self.action_space, action, f"the env (machine {self.machine})", "nothing was sent")
         now = self._m.steps_now([0], [action])  # on this thread: no hop to the loop
         if now is None:
             st = self._m.host.run(self._m.step(0, action))
@@ -61,6 +63,10 @@ class MachineEnv(gymnasium.Env[Any, Any]):
             st = out
         return st.obs, st.reward, st.terminated, st.truncated, st.info
 
+    def render(self) -> None:
+        """Not supported: one line saying so."""
+        raise NoRender(NO_RENDER)
+
     def close(self) -> None:
         """Delete this env's machines (and its session, if it made its own)."""
         self._m.shutdown()
@@ -68,6 +74,24 @@ class MachineEnv(gymnasium.Env[Any, Any]):
     def _open(self) -> None:
         if self._m.closed:
             raise GymError("the env is closed: make a new one with smolbench.gym.make(...)")
+
+
+def checked_action(space: Any, action: Any, where: str, after: str) -> Any:
+    """``action`` as the machine's env gets it (see :func:`spaces.to_action`), else one line."""
+    try:
+        return spaces.to_action(space, action)
+    except spaces.Refused as exc:
+        why = f" ({exc})" if str(exc) else ""
+        raise GymError(f"{where}: action {' '.join(str(action).split())[:80]} is not in the action space "
+                       f"{spaces.one_line(space)}{why}: {after}") from None
+
+
+class NoRender(GymError, NotImplementedError):
+    """``render()``, which a machine-backed env does not do (Gymnasium's default raises NotImplementedError)."""
+
+
+NO_RENDER = ("render() is not supported: the env runs in a machine that sends back only data; put frames in "
+             "the observation or the info instead")
 
 
 MAX_SEED = 2**63 - 1  # what a ledger row (SQLite INTEGER) and numpy's seeding both take
@@ -99,4 +123,4 @@ def _options(options: Any) -> dict[str, Any] | None:
     return options
 
 
-__all__ = ["GymError", "MachineEnv", "check_seed", "spaces"]
+__all__ = ["GymError", "MachineEnv", "NoRender", "check_seed", "checked_action", "spaces"]

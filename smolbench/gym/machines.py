@@ -38,8 +38,8 @@ from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from ..ledger import code_hash
 from ..tree import Node
+from . import envspec, spaces
 from . import episode as E
-from . import spaces
 from ._host import Host
 from .episode import OUT, UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
 from .info import checked_info
@@ -271,9 +271,7 @@ class Machines:
             self.action_space = spaces.space_from_data(described.get("action_space"))
         except spaces.Refused as exc:
             raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
-        modes = described.get("render_modes")
-        self.described = {"render_modes": [m for m in modes if isinstance(m, str)][:16] if isinstance(modes, list) else [],
-                          "spec_id": described.get("spec_id") if isinstance(described.get("spec_id"), str) else None}
+        self.described = envspec.described(described)
 
     # -- machines for episodes --------------------------------------------------------
 

@@ -123,7 +123,9 @@ def space_from_data(tree: Any, depth: int = 0) -> S.Space[Any]:
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and len(pair[0]) <= 200):
                     raise Refused("a Dict whose subspaces are not [name, space] pairs")
                 pairs.append((pair[0], space_from_data(pair[1], depth + 1)))
-            return S.Dict(dict(pairs))
+            if len({k for k, _ in pairs}) < len(pairs):
+                raise Refused("a Dict with a key twice")
+            return S.Dict(pairs)  # in the env's order (a dict given to S.Dict is sorted)
         if kind == "Text":
             charset = tree.get("charset")
             if not isinstance(charset, str) or not 0 < len(charset) <= 1 << 16:
@@ -213,7 +215,7 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
     if isinstance(space, S.Dict):
         if not isinstance(value, dict) or set(value) != set(space.spaces):
             raise Refused(f"{what} should be a dict with keys {sorted(space.spaces)}")
-        return {k: check(sub, value[k], f"{what}[{k!r}]") for k, sub in space.spaces.items()}
+        return {k: check(space.spaces[k], value[k], f"{what}[{k!r}]") for k in value}  # in the env's order
     if isinstance(space, S.Tuple):
         if not isinstance(value, tuple) or len(value) != len(space.spaces):
             raise Refused(f"{what} should be a tuple of {len(space.spaces)}")
@@ -255,6 +257,48 @@ def inside(space: S.Space[Any], values: list[Any]) -> list[bool]:
         for k, ok in zip(rows, fits):
             out[k] = bool(ok)
     return out
+
+
+def to_action(space: S.Space[Any], value: Any, what: str = "action") -> Any:
+    """``value`` as an action the machine's env takes, as Gymnasium's envs take it, else
+    :class:`Refused` saying why. A Box, MultiDiscrete or MultiBinary takes an array of its
+    shape whose dtype casts to its own (float64 to float32: yes; float to int: no), within
+    no bounds (Gymnasium checks none: Pendulum clips); it is cast here, as it crosses the
+    wire in the space's dtype. Other spaces are checked as ``contains`` checks them."""
+    if isinstance(space, S.Dict):
+        if not isinstance(value, dict) or value.keys() != space.spaces.keys():
+            raise Refused(f"{what} should be a dict with keys {list(space.spaces)}")
+        return {k: to_action(sub, value[k], f"{what}[{k!r}]") for k, sub in space.spaces.items()}
+    if isinstance(space, S.Tuple):
+        value = tuple(value) if isinstance(value, (list, np.ndarray)) else value
+        if not isinstance(value, tuple) or len(value) != len(space.spaces):
+            raise Refused(f"{what} should be a tuple of {len(space.spaces)}")
+        return tuple(to_action(sub, v, f"{what}[{i}]") for i, (sub, v) in enumerate(zip(space.spaces, value)))
+    if not isinstance(space, (S.Box, S.MultiDiscrete, S.MultiBinary)):
+        if not space.contains(value):
+            raise Refused(f"{what} is not in {one_line(space)}" if what != "action" else "")  # (the caller names the space)
+        return value
+    try:
+        arr = np.asarray(value)
+    except Exception:  # a ragged list, an object numpy refuses
+        raise Refused(f"{what} is not an array") from None
+    want = np.dtype(space.dtype)
+    if arr.shape != space.shape:
+        raise Refused(f"{what} has shape {arr.shape}, not {space.shape}")
+    if arr.dtype.kind not in "biuf" or not (np.can_cast(arr.dtype, want, casting="same_kind")
+                                            or (arr.dtype.kind in "biu" and want.kind in "iu")):
+        raise Refused(f"{what} has dtype {arr.dtype}, which does not cast to {want}")
+    if want.kind in "iu" and arr.size and arr.dtype.kind in "iu":  # a cast would wrap them round
+        held = np.iinfo(want)
+        if arr.min() < held.min or arr.max() > held.max:
+            raise Refused(f"{what} has values outside what {want} holds ({held.min} to {held.max})")
+    with np.errstate(over="ignore"):  # float64 past float32's range: inf, as the env would clip it
+        return arr.astype(want, copy=False)
+
+
+def one_line(space: S.Space[Any]) -> str:
+    """A space as one short line (a Box's bounds print as rows)."""
+    return " ".join(str(space).split())[:200]
 
 
 def action_data(space: S.Space[Any], action: Any) -> Any:

@@ -8,6 +8,7 @@ the same autoreset semantics (``NEXT_STEP``, ``SAME_STEP`` or ``DISABLED``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
 
@@ -17,7 +18,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
-from .env import _options, check_seed
+from . import envspec, spaces
+from .env import NO_RENDER, NoRender, _options, check_seed, checked_action
 from .episode import _where
 from .machines import GymError, Later, Machines, Reset, Step
 
@@ -25,11 +27,14 @@ from .machines import GymError, Later, Machines, Reset, Step
 class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     """``num_envs`` machine-backed sub-envs stepped together (see :func:`smolbench.gym.make_vec`)."""
 
-    def __init__(self, machines: Machines, autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP) -> None:
+    def __init__(self, machines: Machines, autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+                 remake: Callable[..., Any] | None = None) -> None:
         self._m = machines
         self.num_envs = machines.n
         self.autoreset_mode = AutoresetMode(autoreset_mode) if isinstance(autoreset_mode, str) else autoreset_mode
-        self.metadata = {"autoreset_mode": self.autoreset_mode, "render_modes": [], "smolbench_reset": machines.mode}
+        self.metadata = {**envspec.metadata(machines.described), "autoreset_mode": self.autoreset_mode,
+                         "smolbench_reset": machines.mode}
+        self.spec = envspec.env_spec(machines.described, remake)  # its sub-envs' (remake: one of them)
         self.render_mode = None
         self.single_observation_space = machines.observation_space
         self.single_action_space = machines.action_space
@@ -82,11 +87,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         self._open()
         acts = _discrete(self.single_action_space, actions, self.num_envs)
         if acts is None:
-            acts = list(iterate(self.action_space, actions))
+            acts = self._batch(actions)
         for i, a in enumerate(acts):
-            if type(a) is not _OK and not self.single_action_space.contains(a):
-                raise GymError(f"sub-env {i}: action {str(a)[:80]} is not in the action space {self.single_action_space}: "
-                               "nothing was sent to any sub-env")
+            if type(a) is not _OK:
+                acts[i] = checked_action(self.single_action_space, a, f"sub-env {i}", "nothing was sent to any sub-env")
         mode = self.autoreset_mode
         if mode == AutoresetMode.DISABLED and self._autoreset.any():
             raise GymError(f"sub-env {int(np.flatnonzero(self._autoreset)[0])} ended and autoreset is disabled: "
@@ -139,6 +143,19 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations),
                 self._infos(infos))
 
+    def _batch(self, actions: Any) -> list[Any]:
+        """``actions`` split into one per sub-env, else :class:`WrongBatch`."""
+        n, space = self.num_envs, spaces.one_line(self.single_action_space)
+        try:  # a Dict's or Tuple's parts of different lengths: zip(strict=True)'s ValueError
+            acts = list(iterate(self.action_space, actions))
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise WrongBatch(f"actions should be a batch of {n} actions of {space}, one per sub-env "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]}): nothing was sent") from None
+        if len(acts) != n:
+            raise WrongBatch(f"{len(acts)} actions for {n} sub-envs: step() takes one action per sub-env "
+                             f"(a batch of {n}, e.g. envs.action_space.sample()); nothing was sent")
+        return acts
+
     def _infos(self, each: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         """The sub-envs' infos batched as Gymnasium batches them; one whose values can't go
         with the others' (a key that was a number there and text here, an int past int64) is
@@ -171,6 +188,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
             raise first
         return outs
 
+    def render(self) -> None:
+        """Not supported: one line saying so."""
+        raise NoRender(NO_RENDER)
+
     def close_extras(self, **kwargs: Any) -> None:
         """Delete every sub-env's machine and the warm parent."""
         self._m.shutdown()
@@ -188,6 +209,10 @@ async def _together(jobs: list[Any]) -> list[Any]:
         except Exception as exc:
             return [exc]
     return await asyncio.gather(*jobs, return_exceptions=True)
+
+
+class WrongBatch(GymError, ValueError):
+    """A vector step's actions are not one per sub-env (Gymnasium's vector envs raise ValueError)."""
 
 
 class _OK(int):
