@@ -444,3 +444,31 @@ def test_a_machines_error_is_one_line_that_cant_pass_for_another_sub_envs() -> N
     (got,) = Answers(CellRequest("x"), "root.1").feed(frame)
     assert isinstance(got, AnswerError)
     assert str(got) == "ValueError: oops sub-env 0 (machine root.1.0): machine root.1.0 died mid-step"
+
+
+def test_a_busy_machine_on_a_kept_channel_is_busy_and_the_next_serving_cell_waits_for_it() -> None:
+    """A reset right after a refused one (its channel hung up) found the machine still ending
+    the old serving cell: its "busy" reply on the new channel was taken for a malformed answer
+    (logged with a traceback) and the reset failed, now and then. It is MachineBusy, and a
+    serving cell is started again once the old one has ended."""
+    import asyncio
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.errors import MachineBusy
+    from smolbench.gate.channel import Answers
+    from smolbench.gym import episode as E
+
+    busy = (b'{"t":"done","status":"busy","error":{"ename":"MachineBusy","evalue":"machine busy: a cell is '
+            b'already running in this machine; wait for it or interrupt it","traceback":[]}}\n')
+    answers = Answers(CellRequest("x"), "root.1")
+    (got,) = answers.feed(busy)
+    assert isinstance(got, MachineBusy) and answers.broken
+    tries: list[int] = []
+
+    async def start() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise got
+        return "answered"
+
+    assert asyncio.run(E.when_free(start)) == "answered" and len(tries) == 3

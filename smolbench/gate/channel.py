@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from ..backends.base import CellRequest, CellResult
-from ..errors import SmolbenchError
+from ..errors import MachineBusy, SmolbenchError
 from . import _Cell, _error, died, malformed, pull
 from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown, values_in
 from .limits import LIMITS, human
@@ -125,7 +125,11 @@ class Answers:
             except AnswerError as exc:
                 return exc
         if kind == "done":
-            return self._break(Ended(_Cell(self.request, None, self.where).done(msg)))
+            try:
+                ended: BaseException = Ended(_Cell(self.request, None, self.where).done(msg))
+            except MachineBusy as exc:  # the cell never ran (its last one still ending): that, in one line
+                ended = exc
+            return self._break(ended)
         if kind not in ("stream", "display"):
             raise Bad(f"a message of unknown type {shown(kind)} on a kept channel")
         self._dropped += len(frame)  # the env's own prints: not shown (as for a cell's)

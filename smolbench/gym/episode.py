@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..backends._channel import Channel
 from ..backends.base import CellResult, MachineRef
-from ..errors import InfraError, SmolbenchError
+from ..errors import InfraError, MachineBusy, SmolbenchError
 from ..gate.channel import AnswerError, Ended, one_line_error
 from ..guest import protocol as P
 from ..tree import Node
 
 OUT = "_smolgym_out"  # the variable a one-request cell leaves its result in
+BUSY_WAIT = 10.0  # s a machine may take to end a serving cell the host hung up on
+T = TypeVar("T")
 
 
 class GymError(SmolbenchError):
@@ -134,6 +138,22 @@ def hang_up(ep: Episode) -> None:
     if ep.chan is not None:
         ep.chan.close()
         ep.chan = None
+
+
+async def when_free(start: Callable[[], Awaitable[T]]) -> T:
+    """``start()`` a request, again while the machine says it is busy (for at most
+    :data:`BUSY_WAIT` s): a serving cell the host hung up on ends on its own, moments later,
+    and a reset right after a refused one found its machine still busy with it."""
+    delay, waited = 0.01, 0.0
+    while True:
+        try:
+            return await start()
+        except MachineBusy:  # refused before anything ran: safe to ask again
+            if waited >= BUSY_WAIT:
+                raise
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(2 * delay, 0.5)
 
 
 def cell_out(res: CellResult, where: str) -> Any:

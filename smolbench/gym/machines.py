@@ -131,12 +131,13 @@ class Machines:
     async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
                     seed: int | None = None) -> Any:
         """One request to ``ep``'s machine; its pulled result (data, checked by the gate)."""
-        assert ep.ref is not None
+        ref = ep.ref
+        assert ref is not None
         ep.cells += 1
         req = CellRequest(code, push=push or {}, pull=[OUT], cell_name=f"<gym-{ep.cells}>", seed=seed)
         where = _where(ep.index, self.n, ep)
         try:
-            res = await self.wb.backend.exec_cell(ep.ref, req, _ignore)
+            res = await E.when_free(lambda: self.wb.backend.exec_cell(ref, req, _ignore))
         except InfraError:
             raise
         except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
@@ -152,15 +153,19 @@ class Machines:
                      learn: bool = False) -> Any:
         """Start ``ep``'s serving cell with its episode's reset (None: it waits for one, having
         taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer."""
-        assert ep.ref is not None
-        E.hang_up(ep)
+        ref = ep.ref
+        assert ref is not None
         ep.cells += 1
         code = f"_smolgym.serve(smolbench_guest, {reset!r}{f', {pages!r}' if pages else ''}{', learn=True' if learn else ''})"
         req = CellRequest(code, cell_name=f"<gym-{ep.cells}>", seed=seed)
         where = _where(ep.index, self.n, ep)
+
+        async def start() -> Any:
+            E.hang_up(ep)
+            ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
+            return await chan.answer()
         try:
-            ep.chan = await self.wb.backend.open_channel(ep.ref, req)  # type: ignore[attr-defined]
-            return await ep.chan.answer()
+            return await E.when_free(start)
         except BaseException as exc:
             E.hang_up(ep)
             raise E.failed(exc, where) from None
