@@ -1,0 +1,65 @@
+"""What restoring a checkpoint file from someone else says, and what it leaves (the fifth audit).
+
+A shared file is its author's bytes, and so is everything its machine sends back: the names
+of the variables a restore skipped reach a host line, and a save's reach the ledger too.
+A refused restore leaves nothing in this folder. What the file's record claims (its
+node, baseline and warnings) is shown and kept as its claim, beside what this folder knows
+of it (where it came from, its SHA-256); no message steers anyone to the process backend.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from ckpthelpers import CK, forged, record, rows, workspace
+from nbhelpers import NotebookSession, ok, stream_text
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+# a name that, printed raw, sets the terminal's title, writes the clipboard (OSC 52), and
+# overwrites the line above with a fake verdict
+EVIL = ("\x1b]0;pwned\x07\x1b]52;c;cHduZWQ=\x07\r\x1b[2K\x1b[1A"
+        "smolbench: restored lesson1 from the course staff … verified")
+
+
+def _shown_safely(text: str) -> None:
+    for line in text.splitlines():
+        assert line.isprintable(), repr(line[:200])
+
+
+def test_a_shared_namespace_s_names_reach_no_terminal_and_stay_short(open_tmp: Path) -> None:
+    """Audit A: a namespace (plain data, no code) with a variable named like a terminal
+    command, and 7,000 names of 4,000 characters (61 kB of gzip), made a restore print the
+    name raw and one warning line of 28 million characters; a save's warning, kept in the
+    ledger, was the same. Each name is now one escaped line of at most 256 characters, and
+    a warning lists the first 20 and how many more."""
+    names = {EVIL: b"not a pickle"} | {f"v{i:04d}" + "x" * 3995: b"not a pickle" for i in range(7000)}
+    blob = pickle.dumps({"vars": names, "modules": {}, "seed": None, "name": "root"}, protocol=4)
+    gift = open_tmp / "lesson1.smolcheckpoint"
+    forged(gift, record(name="lesson1"), [("namespace.pkl", blob), ("workspace.tar", workspace())])
+    assert gift.stat().st_size < 200_000
+    student = open_tmp / "student"
+    student.mkdir()
+    with NotebookSession(student, timeout=300) as s:
+        ok(s.run("%load_ext smolbench"))
+        ok(s.run("%smol up --backend sandbox"))
+        cell = ok(s.run(f"%smol checkpoint restore {gift}"))
+        warning = stream_text(cell, "stderr")
+        _shown_safely(warning)
+        assert warning.startswith("smolbench: warning: not restored: \\x1b]0;pwned\\x07\\x1b]52;c;"), warning[:300]
+        assert warning.count("\n") == 1 and len(warning) < 8_000, len(warning)
+        assert warning.rstrip("\n").endswith("… and 6981 more"), warning[-300:]
+        assert "smolbench: restored lesson1 as r1-lesson1 (now active)" in stream_text(cell)
+        # a save's warning, which the ledger keeps
+        ok(s.run(f"%%smol\nimport threading\nglobals()[{EVIL!r}] = threading.Lock()"))
+        cell = ok(s.run("%smol checkpoint save mine"))
+        warning = stream_text(cell, "stderr")
+        _shown_safely(warning)
+        assert warning.startswith("smolbench: warning: not saved (can't be pickled): \\x1b]0;pwned"), warning[:300]
+        ok(s.run("%smol down"))
+    kept = rows(student)["mine"]["warnings"]
+    assert len(kept) == 1 and kept[0].isprintable() and len(kept[0]) < 8_000, kept
+    assert sorted(p.name for p in (student / CK).iterdir()) == ["lesson1.smolcheckpoint", "mine.smolcheckpoint"]
