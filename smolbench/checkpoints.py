@@ -19,6 +19,7 @@ from ._aio import _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
+from .gate import restoring
 from .gate.ckptpaths import SUFFIX, valid_name
 from .shelf import AGENTHOST, Adopted, Shelf, is_path
 from .tree import Node
@@ -200,19 +201,14 @@ class CheckpointsMixin(WorkbenchPart):
             rec = added.row
             self.restore_notes.append(added.note)
         name = str(rec["name"])
-        made = rec.get("backend")
-        if self.backend.name == "process" and rec.get("session_id") not in SESSIONS_HERE:
-            # a ledger row says who saved it, but a copied folder's ledger says what its author wrote
-            raise SmolbenchError(f"checkpoint {name!r} was not saved in this kernel: its saved state is code, and the "
-                                 "process backend would run it here with no isolation; restore it on the sandbox "
-                                 "backend (`%smol down`, then `%smol checkpoint restore` brings one up)")
-        if made != self.backend.name and not (self.backend.name == "cluster" and made in ("sandbox", "process", "smol")) \
-                and not (made in AGENTHOST and self.backend.name == "sandbox"):
-            raise SmolbenchError(f"checkpoint {name!r} was made by the {made} backend, but this machine uses {self.backend.name}: `%smol up --backend {made}` to restore it")
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
         try:
+            # a ledger row says who saved it, but a copied folder's ledger (a file's record) says what its author wrote
+            why = restoring.refusal(name, rec.get("backend"), self.backend.name, rec.get("session_id") in SESSIONS_HERE)
+            if why is not None:
+                raise SmolbenchError(why + ("; nothing was added" if added is not None and added.new_row else ""))
             ref = await self._restore_file(rec, node_id, added is not None and added.new_row)
         except BaseException:
             if added is not None:  # a file that can't make a machine is not kept as one of this folder's

@@ -63,3 +63,29 @@ def test_a_shared_namespace_s_names_reach_no_terminal_and_stay_short(open_tmp: P
     kept = rows(student)["mine"]["warnings"]
     assert len(kept) == 1 and kept[0].isprintable() and len(kept[0]) < 8_000, kept
     assert sorted(p.name for p in (student / CK).iterdir()) == ["lesson1.smolcheckpoint", "mine.smolcheckpoint"]
+
+
+@pytest.mark.parametrize(("backend", "made", "why"), [
+    ("sandbox", "smol", "was made by the smol backend, but this machine uses sandbox: `%smol up --backend smol`"),
+    ("process", "sandbox", "was not saved in this kernel: its saved state is code"),
+])
+def test_a_refused_file_leaves_nothing_here(open_tmp: Path, backend: str, made: str, why: str) -> None:
+    """Audit B: a file refused for its backend (a microVM's on the sandbox; anyone's on the
+    process backend, which has no isolation) was refused after it was copied in, and left
+    its copy and an 'imported' row: the folder then listed a checkpoint nothing restored."""
+    import smolbench
+    from smolbench.errors import SmolbenchError
+
+    student = open_tmp / "student"
+    student.mkdir()
+    gift = open_tmp / "gift.smolcheckpoint"
+    forged(gift, record(name="gift", backend=made))
+    with smolbench.Session(backend=backend, ledger=student / ".smolbench" / "ledger.db") as s:
+        with pytest.raises(SmolbenchError) as refused:
+            s.checkpoint_restore(str(gift))
+        assert sorted(p.name for p in (student / CK).iterdir()) == []
+        assert rows(student) == {}
+        line = str(refused.value)
+        assert why in line and line.endswith("; nothing was added") and "--backend process" not in line, line
+        assert s.run("print(1)").stdout == "1\n"  # the session's machine is still there
+    assert gift.exists()
