@@ -21,7 +21,7 @@ from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate import restoring
 from .gate.ckptpaths import SUFFIX, valid_name
-from .shelf import AGENTHOST, Adopted, Shelf, is_path
+from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf, is_path
 from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
@@ -39,6 +39,7 @@ class CheckpointsMixin(WorkbenchPart):
     checkpoint_dir: Path
     shelf: Shelf
     restore_notes: list[str]  # what the last restore did besides restoring (a file added to this folder)
+    baseline: str  # this Workbench's baseline (the spec's), recorded with its saves and compared on restores
     _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
@@ -177,7 +178,8 @@ class CheckpointsMixin(WorkbenchPart):
         node = self.tree[node_id]
         if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
-        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings)
+        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings,
+                       baseline=self.baseline)
         node.checkpoint = name
         self._record(node)
         return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
@@ -221,8 +223,22 @@ class CheckpointsMixin(WorkbenchPart):
                                   cells=int(rec.get("cells") or 0)))
         node.where = ref.info.get("node")  # the cluster node it was restored on (None off a cluster)
         self._record(node)
+        self._said_of(rec, node_id, ref)
         self.active = node_id
         return node
+
+    def _said_of(self, rec: dict[str, Any], node_id: str, ref: MachineRef) -> None:
+        """What a restore says of where its checkpoint came from: a warning when it claims
+        another baseline, and, for a file from elsewhere (its pickle ran in this machine) or
+        such a claim, a row in the ledger's trust table (its source and SHA-256, the claim)."""
+        imported = rec.get("session_id") == IMPORTED
+        said = restoring.baseline_notice(str(rec["name"]), rec.get("baseline"), self.baseline, imported)
+        if said is not None:
+            ref.info["restore_warnings"] = [*ref.info.get("restore_warnings", []), said]
+        if imported or said is not None:
+            came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
+            self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"
+                                  f"{' from a file' if imported else ''}{came}" + (f"; {said}" if said else ""))
 
     async def _adopt(self, source: str) -> Adopted:
         """``Shelf.adopt`` on a thread; a restore interrupted meanwhile takes back what it added

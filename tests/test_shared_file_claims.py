@@ -25,6 +25,9 @@ EVIL = ("\x1b]0;pwned\x07\x1b]52;c;cHduZWQ=\x07\r\x1b[2K\x1b[1A"
         "smolbench: restored lesson1 from the course staff … verified")
 
 
+STAFF = "verified by the course staff: built from your Smolfile (baseline matches)"
+
+
 def _shown_safely(text: str) -> None:
     for line in text.splitlines():
         assert line.isprintable(), repr(line[:200])
@@ -89,3 +92,40 @@ def test_a_refused_file_leaves_nothing_here(open_tmp: Path, backend: str, made: 
         assert why in line and line.endswith("; nothing was added") and "--backend process" not in line, line
         assert s.run("print(1)").stdout == "1\n"  # the session's machine is still there
     assert gift.exists()
+
+
+def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
+    """Audit C: a record's node, cells, baseline and warnings became this folder's facts (a
+    warning "verified by the course staff" read as smolbench's own), nothing said where the
+    file came from or which bytes it was, and the restored machine took this session's
+    baseline with no word that the file claimed another."""
+    import hashlib
+
+    import smolbench
+    from smolbench.ledger import Ledger
+
+    student = open_tmp / "student"
+    student.mkdir()
+    gift = open_tmp / "lesson1.smolcheckpoint"
+    forged(gift, record(name="lesson1", node="root.3", cells=7, baseline="f" * 64, warnings=[STAFF]))
+    notices: list[str] = []
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db",
+                           on_notice=notices.append) as s:
+        assert s.checkpoint_restore(str(gift)) == "r1-lesson1"
+        assert s.workbench is not None
+        said = [n for n in notices if "baseline" in n]
+        assert said == [f"smolbench: warning: the file says lesson1 was saved on baseline {'f' * 64}, not this "
+                        f"machine's {s.workbench.baseline}: its variables and files are back, but what its cells "
+                        "installed or relied on may differ"], notices
+        row = rows(student)["lesson1"]
+        assert (row["session_id"], row["node_id"], row["cells"], row["baseline"]) == ("imported", "root.3", 7, "f" * 64)
+        assert row["warnings"] == [f"the file says: {STAFF}"]
+        assert row["source"] == str(gift) and row["sha256"] == hashlib.sha256(gift.read_bytes()).hexdigest()
+        led = Ledger(student / ".smolbench" / "ledger.db")
+        try:
+            [trust] = [t for t in led.trust_rows() if t["scope"] == "restore"]
+        finally:
+            led.close()
+        assert trust["detail"].startswith(f"r1-lesson1: checkpoint lesson1 from a file (sha256 {row['sha256']}, "
+                                          f"added from {gift}); the file says lesson1 was saved on baseline fff")
+

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from .terminal import one_line
 
+CLAIM = "the file says: "  # before each warning a file's record carries: its author's words, not smolbench's
+CLAIM_TEXT = 500  # characters of one such warning kept
+CLAIMS = 20  # warnings of a file kept (as many as a record may carry)
+
 # The isolated backend that restores a checkpoint each backend made: the sandbox restores
 # the process backend's too (the same two-file archive), a microVM's needs a microVM.
 ISOLATED = {"sandbox": "sandbox", "process": "sandbox", "smol": "smol"}
@@ -31,3 +35,20 @@ def refusal(name: str, made: str | None, backend: str, own: bool) -> str | None:
     if use is None:  # a row's word for a backend smolbench doesn't have
         return f"checkpoint {name!r} says it was made by a backend called {one_line(made, 40)}, which smolbench doesn't have"
     return f"checkpoint {name!r} was made by the {made} backend, but this machine uses {backend}: `%smol up --backend {use}` to restore it"
+
+
+def claimed(warnings: list[str]) -> list[str]:
+    """A file's own warnings as its claims: each one line of at most :data:`CLAIM_TEXT`
+    characters (escaped as a machine's names are) after :data:`CLAIM` (once)."""
+    return [CLAIM + one_line(str(w).removeprefix(CLAIM), CLAIM_TEXT) for w in warnings[:CLAIMS]]
+
+
+def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> str | None:
+    """One line when checkpoint ``name`` says it was saved on another baseline than this
+    machine's ``here`` (``imported``: a file's record says so, else a ledger row); None when
+    it says nothing or the same. A restore goes on: the line says what may differ."""
+    if not isinstance(claimed, str) or not claimed or claimed == here:
+        return None
+    whose = "the file says" if imported else "its ledger row says"
+    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}: its "
+            "variables and files are back, but what its cells installed or relied on may differ")
