@@ -129,3 +129,30 @@ def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
         assert trust["detail"].startswith(f"r1-lesson1: checkpoint lesson1 from a file (sha256 {row['sha256']}, "
                                           f"added from {gift}); the file says lesson1 was saved on baseline fff")
 
+
+def test_the_panel_shows_a_file_s_claims_and_never_advises_the_process_backend(open_tmp: Path) -> None:
+    """Audit C: the panel showed a file's warnings as smolbench's own, and for a file whose
+    record said "process" it blocked Restore with "`%smol up --backend process` first":
+    steering a student to the backend with no isolation, for someone else's pickle."""
+    import smolbench
+    from smolbench.widgets import checkpoint_panel
+    from smolbench.widgets.checkpoints import checkpoint_record
+
+    student = open_tmp / "student"
+    student.mkdir()
+    gift, other = open_tmp / "lesson1.smolcheckpoint", open_tmp / "proc.smolcheckpoint"
+    forged(gift, record(name="lesson1", warnings=[STAFF]))
+    forged(other, record(name="proc", backend="process"))
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        s.checkpoint_restore(str(gift))
+        assert s.checkpoint_restore(str(other)) == "r2-proc"  # the sandbox restores it
+        assert s.workbench is not None
+        panel = {c["name"]: c for c in checkpoint_panel(s.workbench).checkpoints}
+        assert panel["lesson1"]["warnings"] == [f"the file says: {STAFF}"]
+        assert panel["proc"]["blocked"] == {} and panel["lesson1"]["blocked"] == {}
+        proc = {**rows(student)["proc"], "exists": True}
+        for backend in ("smol", "process", "cluster", "sandbox"):
+            why = checkpoint_record(proc, backend)["blocked"].get("restore", "")
+            assert "--backend process" not in why, (backend, why)
+        assert "`%smol up --backend sandbox` to restore it" in checkpoint_record(proc, "smol")["blocked"]["restore"]
+        assert "was not saved in this kernel" in checkpoint_record(proc, "process")["blocked"]["restore"]
