@@ -219,6 +219,7 @@ class CheckpointsMixin(WorkbenchPart):
                 self.restore_notes.clear()
             raise
         self.machines[node_id] = ref
+        ref.info["restored_from"] = name  # the node's badge is the checkpoint sync's, which may clear it any time
         node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
                                   cells=int(rec.get("cells") or 0)))
         node.where = ref.info.get("node")  # the cluster node it was restored on (None off a cluster)
