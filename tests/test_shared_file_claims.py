@@ -156,3 +156,32 @@ def test_the_panel_shows_a_file_s_claims_and_never_advises_the_process_backend(o
             assert "--backend process" not in why, (backend, why)
         assert "`%smol up --backend sandbox` to restore it" in checkpoint_record(proc, "smol")["blocked"]["restore"]
         assert "was not saved in this kernel" in checkpoint_record(proc, "process")["blocked"]["restore"]
+
+
+class _Raises:
+    """Unpickled, raises an error whose message sets the terminal's title, then runs on for 900,000 characters."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import builtins
+
+        return (builtins.exec, ("raise ValueError('\\x1b]0;pwned\\x07\\r\\x1b[2K' + 'y' * 900_000)",))
+
+
+def test_a_shared_namespace_s_error_is_one_short_line(open_tmp: Path) -> None:
+    """A namespace that raises as it loads (its pickle runs code in the machine, as any may)
+    chose the message of the restore's failure: escapes and 900,000 characters in one host line."""
+    import smolbench
+    from smolbench.errors import SmolbenchError
+
+    student = open_tmp / "student"
+    student.mkdir()
+    gift = open_tmp / "boom.smolcheckpoint"
+    forged(gift, record(name="boom"), [("namespace.pkl", pickle.dumps(_Raises(), protocol=4)),
+                                       ("workspace.tar", workspace())])
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        with pytest.raises(SmolbenchError) as failed:
+            s.checkpoint_restore(str(gift))
+    line = str(failed.value)
+    assert line.isprintable() and len(line) < 1_000, (len(line), line[:300])
+    assert "its saved state can't be loaded (ValueError: \\x1b]0;pwned\\x07" in line and line.endswith("nothing was added")
+    assert rows(student) == {}

@@ -311,8 +311,20 @@ def _names(what: str) -> Callable[[Any, str], list[str]]:
     return lambda v, k: [terminal.one_line(s) for s in string_list(v, what, 100_000, 4096)]
 
 
+def _control_error(value: Any, key: str) -> dict[str, Any] | None:
+    """A control request's error (a save's, a load's, a fork's), which reaches the user only
+    inside a host line ("checkpoint x is corrupt: … (ValueError: …)"): its message one line,
+    escaped and cut as names are. A shared namespace's pickle raised one of 1 MB, escapes in it."""
+    err = _error(value, key)
+    if err is not None:
+        err["evalue"] = terminal.one_line(err["evalue"], CONTROL_ERROR)
+    return err
+
+
+CONTROL_ERROR = 500  # characters of a control request's error message kept
+
 CONTROL: dict[str, Callable[[Any, str], Any]] = {
-    "t": _kind, "status": _status, "error": _error, "info": _info,
+    "t": _kind, "status": _status, "error": _control_error, "info": _info,
     "interrupted": lambda v, k: boolean(v, "interrupted"),
     "children": _children,
     "skipped": _names("the skipped list"),  # shown with terminal.listed: the first few, then a count
