@@ -131,24 +131,25 @@ def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
 
 
 def test_the_panel_shows_a_file_s_claims_and_never_advises_the_process_backend(open_tmp: Path) -> None:
-    """Audit C: the panel showed a file's warnings as smolbench's own, and for a file whose
+    """Audit C: the panel showed a file's node and warnings as smolbench's own, and for a file whose
     record said "process" it blocked Restore with "`%smol up --backend process` first":
     steering a student to the backend with no isolation, for someone else's pickle."""
     import smolbench
-    from smolbench.widgets import checkpoint_panel
     from smolbench.widgets.checkpoints import checkpoint_record
 
     student = open_tmp / "student"
     student.mkdir()
     gift, other = open_tmp / "lesson1.smolcheckpoint", open_tmp / "proc.smolcheckpoint"
-    forged(gift, record(name="lesson1", warnings=[STAFF]))
+    forged(gift, record(name="lesson1", node="root.3", warnings=[STAFF]))
     forged(other, record(name="proc", backend="process"))
     with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
         s.checkpoint_restore(str(gift))
         assert s.checkpoint_restore(str(other)) == "r2-proc"  # the sandbox restores it
         assert s.workbench is not None
-        panel = {c["name"]: c for c in checkpoint_panel(s.workbench).checkpoints}
+        # the panel's rows, as its snapshot makes them (no widget: one would outlive this session)
+        panel = {c["name"]: c for c in (checkpoint_record(r, "sandbox") for r in s.workbench.shelf.rows())}
         assert panel["lesson1"]["warnings"] == [f"the file says: {STAFF}"]
+        assert panel["lesson1"]["node"] == "root.3 (the file says)"  # not this session's root.3
         assert panel["proc"]["blocked"] == {} and panel["lesson1"]["blocked"] == {}
         proc = {**rows(student)["proc"], "exists": True}
         for backend in ("smol", "process", "cluster", "sandbox"):

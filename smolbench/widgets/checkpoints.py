@@ -42,7 +42,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
     return {
         "name": row.get("name"),
-        "node": row.get("node_id"),
+        "node": f"{row['node_id']} (the file says)" if theirs and row.get("node_id") else row.get("node_id"),
         "created": clean(created),
         "created_text": time_text(created),
         "size": row.get("size"),
