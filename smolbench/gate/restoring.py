@@ -20,10 +20,10 @@ CLAIMS = 20  # warnings of a file kept (as many as a record may carry)
 ISOLATED = {"sandbox": "sandbox", "process": "sandbox", "smol": "smol"}
 
 
-def refusal(name: str, made: str | None, backend: str, own: bool) -> str | None:
-    """Why checkpoint ``name`` (made by the ``made`` backend; ``own``: saved by this kernel
-    process) can't be restored on ``backend``, in one line; None when it can."""
-    made = made or "sandbox"  # a file without a record: the two-file archive both agent hosts write
+def refusal(name: str, made: object, backend: str, own: bool) -> str | None:
+    """Why checkpoint ``name`` (made by the ``made`` backend, as a row says; ``own``: saved
+    by this kernel process) can't be restored on ``backend``, in one line; None when it can."""
+    made = str(made) if made else "sandbox"  # a file without a record: the archive both agent hosts write
     if backend == "process" and not own:
         return (f"checkpoint {name!r} was not saved in this kernel: its saved state is code, and the process "
                 "backend would run it here with no isolation; restore it on the sandbox backend (`%smol down`, "
