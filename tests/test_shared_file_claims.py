@@ -157,6 +157,10 @@ def test_the_panel_shows_a_file_s_claims_and_never_advises_the_process_backend(o
             assert "--backend process" not in why, (backend, why)
         assert "`%smol up --backend sandbox` to restore it" in checkpoint_record(proc, "smol")["blocked"]["restore"]
         assert "was not saved in this kernel" in checkpoint_record(proc, "process")["blocked"]["restore"]
+        # a copied ledger's row may say anything for its backend: named as text, escaped
+        odd = checkpoint_record({**proc, "backend": "\x1b]0;x\x07"}, "sandbox")["blocked"]["restore"]
+        assert odd.endswith("made by a backend called \\x1b]0;x\\x07, which smolbench doesn't have"), odd
+        assert "called 5," in checkpoint_record({**proc, "backend": 5}, "sandbox")["blocked"]["restore"]
 
 
 class _Raises:
