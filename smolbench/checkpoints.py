@@ -19,8 +19,9 @@ from ._aio import _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
+from .gate import restoring
 from .gate.ckptpaths import SUFFIX, valid_name
-from .shelf import AGENTHOST, Adopted, Shelf, is_path
+from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf, is_path
 from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
@@ -38,6 +39,7 @@ class CheckpointsMixin(WorkbenchPart):
     checkpoint_dir: Path
     shelf: Shelf
     restore_notes: list[str]  # what the last restore did besides restoring (a file added to this folder)
+    baseline: str  # this Workbench's baseline (the spec's), recorded with its saves and compared on restores
     _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
@@ -176,7 +178,8 @@ class CheckpointsMixin(WorkbenchPart):
         node = self.tree[node_id]
         if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
-        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings)
+        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings,
+                       baseline=self.baseline)
         node.checkpoint = name
         self._record(node)
         return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
@@ -200,19 +203,14 @@ class CheckpointsMixin(WorkbenchPart):
             rec = added.row
             self.restore_notes.append(added.note)
         name = str(rec["name"])
-        made = rec.get("backend")
-        if self.backend.name == "process" and rec.get("session_id") not in SESSIONS_HERE:
-            # a ledger row says who saved it, but a copied folder's ledger says what its author wrote
-            raise SmolbenchError(f"checkpoint {name!r} was not saved in this kernel: its saved state is code, and the "
-                                 "process backend would run it here with no isolation; restore it on the sandbox "
-                                 "backend (`%smol down`, then `%smol checkpoint restore` brings one up)")
-        if made != self.backend.name and not (self.backend.name == "cluster" and made in ("sandbox", "process", "smol")) \
-                and not (made in AGENTHOST and self.backend.name == "sandbox"):
-            raise SmolbenchError(f"checkpoint {name!r} was made by the {made} backend, but this machine uses {self.backend.name}: `%smol up --backend {made}` to restore it")
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
         try:
+            # a ledger row says who saved it, but a copied folder's ledger (a file's record) says what its author wrote
+            why = restoring.refusal(name, rec.get("backend"), self.backend.name, rec.get("session_id") in SESSIONS_HERE)
+            if why is not None:
+                raise SmolbenchError(why + ("; nothing was added" if added is not None and added.new_row else ""))
             ref = await self._restore_file(rec, node_id, added is not None and added.new_row)
         except BaseException:
             if added is not None:  # a file that can't make a machine is not kept as one of this folder's
@@ -221,12 +219,27 @@ class CheckpointsMixin(WorkbenchPart):
                 self.restore_notes.clear()
             raise
         self.machines[node_id] = ref
+        ref.info["restored_from"] = name  # the node's badge is the checkpoint sync's, which may clear it any time
         node = self.tree.add(Node(node_id, None, status="idle", started=time.time(), checkpoint=name,
                                   cells=int(rec.get("cells") or 0)))
         node.where = ref.info.get("node")  # the cluster node it was restored on (None off a cluster)
         self._record(node)
+        self._said_of(rec, node_id, ref)
         self.active = node_id
         return node
+
+    def _said_of(self, rec: dict[str, Any], node_id: str, ref: MachineRef) -> None:
+        """What a restore says of where its checkpoint came from: a warning when it claims
+        another baseline, and, for a file from elsewhere (its pickle ran in this machine) or
+        such a claim, a row in the ledger's trust table (its source and SHA-256, the claim)."""
+        imported = rec.get("session_id") == IMPORTED
+        said = restoring.baseline_notice(str(rec["name"]), rec.get("baseline"), self.baseline, imported)
+        if said is not None:
+            ref.info["restore_warnings"] = [*ref.info.get("restore_warnings", []), said]
+        if imported or said is not None:
+            came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
+            self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"
+                                  f"{' from a file' if imported else ''}{came}" + (f"; {said}" if said else ""))
 
     async def _adopt(self, source: str) -> Adopted:
         """``Shelf.adopt`` on a thread; a restore interrupted meanwhile takes back what it added

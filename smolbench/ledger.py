@@ -77,7 +77,11 @@ NODE_COLUMNS = (
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
 ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
                  ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"))
+                 ("runs", "cell", "INTEGER"),
+                 # a checkpoint's baseline (a file's: what its record claims), and for a file from
+                 # elsewhere the path it was added from and its SHA-256 as added
+                 ("checkpoints", "baseline", "TEXT"), ("checkpoints", "source", "TEXT"),
+                 ("checkpoints", "sha256", "TEXT"))
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
@@ -257,11 +261,14 @@ class Ledger:
         return self._rows("SELECT * FROM replicas WHERE session_id = ? ORDER BY ts", (session_id,))
 
     def add_checkpoint(self, name: str, session_id: str, node_id: str, path: str, backend: str,
-                       size: int, cells: int, warnings: list[str]) -> None:
-        """Record a saved checkpoint."""
+                       size: int, cells: int, warnings: list[str], *, baseline: str | None = None,
+                       source: str | None = None, sha256: str | None = None) -> None:
+        """Record a saved checkpoint (``source``, ``sha256``: a file added from elsewhere)."""
         self._write(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)),
+            "INSERT OR REPLACE INTO checkpoints (name, session_id, node_id, path, backend, created, size, cells, "
+            "warnings, baseline, source, sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings), baseline,
+             source, sha256),
         )
 
     def add_trust(self, session_id: str, scope: str, detail: str) -> None:

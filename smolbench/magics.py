@@ -268,8 +268,9 @@ class SmolMagics(Magics):
             node = _loop.run(wb.checkpoint_restore(args.name))
             for note in wb.restore_notes:
                 print(f"smolbench: {note}")
-            print(f"smolbench: restored {node.checkpoint} as {node.id} (now active)")
-            for w in wb.machines[node.id].info.get("restore_warnings", []):
+            info = wb.machines[node.id].info
+            print(f"smolbench: restored {info.get('restored_from', node.checkpoint)} as {node.id} (now active)")
+            for w in info.get("restore_warnings", []):
                 print(f"smolbench: warning: {w}", file=sys.stderr)
             return None
         if args.action in ("rm", "export") and not args.name:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
-from .gate import archive
+from .gate import archive, restoring
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, valid_name
 from .gate.limits import LIMITS, human
 from .ledger import Ledger
@@ -208,9 +208,11 @@ class Shelf:
         return f"removed checkpoint {name}{note}"
 
     def add(self, name: str, session: str, node: str, fname: str, backend: str, size: int, cells: int,
-            warnings: list[str]) -> None:
-        """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder."""
-        self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings)
+            warnings: list[str], **known: str | None) -> None:
+        """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder
+        (``known``: its baseline; for a file from elsewhere its source and sha256)."""
+        self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings,
+                                   **known)
 
     def adopt(self, source: str, backend: str | None) -> Adopted:
         """Add the checkpoint file ``source`` (a path the user named, anywhere) to this folder:
@@ -242,14 +244,18 @@ class Shelf:
         try:
             with self.store.open(fname) as f:
                 record, size, identity = self._check(f, source), f.size, _identity(f.fd)
+                digest = _sha256(f.fd)  # of the bytes checked here, which a restore reads
         except BaseException:
             if created:
                 self.discard(fname)  # a copy that failed its checks goes again
             raise
         r = record or {}
         made_by = str(r.get("backend") or (backend if backend in AGENTHOST else "sandbox"))
+        # the record's node, cells, baseline and warnings are its author's word: the row says whose
+        # (session "imported"), and its warnings say so themselves
         self.add(name, IMPORTED, str(r.get("node") or ""), fname, made_by, size, int(r.get("cells") or 0),
-                 list(r.get("warnings") or []))
+                 restoring.claimed(list(r.get("warnings") or [])), baseline=r.get("baseline"),
+                 source=os.path.abspath(source), sha256=digest)
         row = self.ledger.checkpoint(name)
         assert row is not None
         how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"

@@ -99,3 +99,29 @@ def test_the_server_s_delete_fires_no_trigger(tmp_path: Path) -> None:
     with pytest.raises(web.HTTPError) as refused:
         _delete_checkpoint(path, "c", str(tmp_path))
     assert refused.value.status_code == 422 and "holds SQL of its own (trigger 'wipe')" in str(refused.value)
+
+
+def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A checkpoint row now records its baseline, and a file from elsewhere its source and
+    SHA-256: columns added to an older ledger when it is opened, its rows kept as they were."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    path.parent.mkdir()
+    conn = sqlite3.connect(path)
+    with conn:  # the checkpoints table as releases before the columns made it, with a row
+        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
+                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT)")
+        conn.execute("INSERT INTO checkpoints VALUES ('old', 's0', 'root', 'checkpoints/old.smolcheckpoint', "
+                     "'sandbox', 1.0, 10, 2, '[]')")
+    conn.close()
+    led = Ledger(path)
+    try:
+        old = led.checkpoint("old")
+        assert old is not None and (old["node_id"], old["cells"], old["warnings"]) == ("root", 2, [])
+        assert (old["baseline"], old["source"], old["sha256"]) == (None, None, None)
+        led.add_checkpoint("new", "imported", "root.3", "checkpoints/new.smolcheckpoint", "sandbox", 10, 7, [],
+                           baseline="host@1", source="/srv/class/new.smolcheckpoint", sha256="ab" * 32)
+        new = led.checkpoint("new")
+        assert new is not None and (new["baseline"], new["source"], new["sha256"]) == (
+            "host@1", "/srv/class/new.smolcheckpoint", "ab" * 32)
+    finally:
+        led.close()

@@ -11,10 +11,7 @@ backend changes nothing here but one line.
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
-import pickle
 import shutil
 import sqlite3
 import tarfile
@@ -23,23 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckpthelpers import CK, NAMESPACE, rows
+from ckpthelpers import forged as _forged
+from ckpthelpers import record as _record
+from ckpthelpers import workspace as _workspace
 from nbhelpers import NotebookSession, ok, one_line, stream_text
 
 from smolbench.errors import SmolbenchError
 from smolbench.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
-
-CK = Path(".smolbench") / "checkpoints"
-
-
-
-def rows(folder: Path) -> dict[str, dict[str, Any]]:
-    led = Ledger(folder / ".smolbench" / "ledger.db")
-    try:
-        return {r["name"]: r for r in led.checkpoint_rows()}
-    finally:
-        led.close()
 
 
 @pytest.fixture
@@ -151,35 +141,6 @@ def test_a_copied_folder_deletes_its_own_copy_only(teacher: tuple[Path, Path], o
     assert not (copy / CK / "cartpole.smolcheckpoint").exists()
     assert (folder / CK / "cartpole.smolcheckpoint").read_bytes() == mine  # the original's file is untouched
     assert "cartpole" in rows(folder)
-
-
-NAMESPACE = pickle.dumps({"vars": {}, "modules": {}, "seed": None, "name": "root"}, protocol=4)
-
-
-def _forged(path: Path, record: bytes | None, members: list[tuple[str, bytes]] | None = None) -> None:
-    """A checkpoint file with ``record`` as its first member, then a real-looking namespace and workspace."""
-    parts = ([("smolbench-record.json", record)] if record is not None else []) + (
-        members or [("namespace.pkl", NAMESPACE), ("workspace.tar", _workspace())])
-    with gzip.open(path, "wb") as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
-        for name, data in parts:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
-def _workspace(name: str = "hello.txt", data: bytes = b"hi") -> bytes:
-    """A workspace archive of one file."""
-    ws = io.BytesIO()
-    with tarfile.open(fileobj=ws, mode="w:") as tar:
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return ws.getvalue()
-
-
-def _record(**over: Any) -> bytes:
-    base = {"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox"}
-    return json.dumps({**base, **over}).encode()
 
 
 BAD = {

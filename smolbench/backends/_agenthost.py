@@ -564,7 +564,7 @@ class AgentHostBackend(Backend):
                 os.unlink(part)
             if held >= 0:
                 os.close(held)
-        warn = [f"not saved (can't be pickled): {', '.join(done['skipped'])}"] if done.get("skipped") else []
+        warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
     async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
@@ -615,7 +615,7 @@ class AgentHostBackend(Backend):
             if stage is not None:
                 shutil.rmtree(Path(ref.info["host_dir"]) / stage, ignore_errors=True)
         if done.get("skipped"):
-            ref.info["restore_warnings"] = [f"not restored: {', '.join(done['skipped'])}"]
+            ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref
 
 

@@ -688,7 +688,7 @@ class SmolBackend(Backend):
         size = await asyncio.to_thread(write_state, path, machine.name, parts)
         warnings = [STATE_ONLY]
         if done.get("skipped"):
-            warnings.append(f"not saved (can't be pickled): {', '.join(done['skipped'])}")
+            warnings.append(f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}")
         return CheckpointInfo(path, self.name, size, warnings)
 
     async def _restore_state(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
@@ -709,7 +709,7 @@ class SmolBackend(Backend):
             raise
         ref.info["restore_warnings"] = [STATE_ONLY]
         if done.get("skipped"):
-            ref.info["restore_warnings"].append(f"not restored: {', '.join(done['skipped'])}")
+            ref.info["restore_warnings"].append(f"not restored: {gate.terminal.listed(done['skipped'])}")
         return ref
 
     def _checkpoint_id(self, path: str) -> str:

@@ -304,12 +304,31 @@ def _info(value: Any, key: str) -> dict[str, Any]:
     return {string(k, "an info key", 64): scalar(v, f"info {shown(k)}") for k, v in mapping(value, "the info", 64).items()}
 
 
+def _names(what: str) -> Callable[[Any, str], list[str]]:
+    """A save's or load's list of variable names (each with why it failed, for ``skipped``):
+    the machine's text, shown in a host line and kept in the ledger, so each is one short
+    line with nothing a terminal acts on (a restored namespace's names are its author's)."""
+    return lambda v, k: [terminal.one_line(s) for s in string_list(v, what, 100_000, 4096)]
+
+
+def _control_error(value: Any, key: str) -> dict[str, Any] | None:
+    """A control request's error (a save's, a load's, a fork's), which reaches the user only
+    inside a host line ("checkpoint x is corrupt: … (ValueError: …)"): its message one line,
+    escaped and cut as names are. A shared namespace's pickle raised one of 1 MB, escapes in it."""
+    err = _error(value, key)
+    if err is not None:
+        err["evalue"] = terminal.one_line(err["evalue"], CONTROL_ERROR)
+    return err
+
+
+CONTROL_ERROR = 500  # characters of a control request's error message kept
+
 CONTROL: dict[str, Callable[[Any, str], Any]] = {
-    "t": _kind, "status": _status, "error": _error, "info": _info,
+    "t": _kind, "status": _status, "error": _control_error, "info": _info,
     "interrupted": lambda v, k: boolean(v, "interrupted"),
     "children": _children,
-    "skipped": lambda v, k: string_list(v, "the skipped list", 100_000, 4096),
-    "saved": lambda v, k: string_list(v, "the saved list", 100_000, 4096),
+    "skipped": _names("the skipped list"),  # shown with terminal.listed: the first few, then a count
+    "saved": _names("the saved list"),
     "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
     "leaf": lambda v, k: boolean(v, "leaf"),  # sandbox fork: leaf branches, made by one maker
     "maker": lambda v, k: integer(v, "the maker's pid", 1, 2**31),

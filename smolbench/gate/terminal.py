@@ -18,6 +18,8 @@ RESET = "\x1b[0m"
 _CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b.?|[\x00-\x08\x0b-\x1f\x7f]")
 
 TEST_WEAKEN: set[str] = set()  # "terminal": tests show a branch's line reaching past itself without this
+NAME_TEXT = 256  # characters of one name a machine sends (a variable a restore skipped) kept in a host line
+LISTED = 20  # names a host line lists before saying how many more there are
 
 
 def closed(text: str) -> str:
@@ -31,6 +33,22 @@ def closed(text: str) -> str:
 def plain(text: str) -> str:
     """``text`` for a box that shows text as it is (a widget's log): no escapes or controls."""
     return _CONTROLS.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def one_line(text: str, limit: int = NAME_TEXT) -> str:
+    """A machine's short text (a variable's name in a warning) for inside one host line:
+    whatever a terminal or a text box would act on (escapes, controls, line ends, bidi
+    overrides) shown escaped, as ``\\x1b``, and the whole cut to ``limit`` characters."""
+    cut = text[:limit]  # first: escaping costs by the character
+    if not cut.isprintable():
+        cut = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in cut)
+    return cut if len(cut) <= limit and len(text) <= limit else cut[: limit - 1] + "…"
+
+
+def listed(names: list[str], first: int = LISTED) -> str:
+    """Names (each :func:`one_line` already) for one host line: the first few, then how many more."""
+    shown = ", ".join(names[:first])
+    return shown if len(names) <= first else f"{shown} … and {len(names) - first} more"
 
 
 def _backspaced(line: str) -> str:

@@ -13,7 +13,9 @@ from typing import Any
 import traitlets as t
 
 from .._format import size_text, time_text
-from ..shelf import Shelf
+from ..checkpoints import SESSIONS_HERE
+from ..gate import restoring
+from ..shelf import IMPORTED, Shelf
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -28,24 +30,26 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     why = ""
     if not backend:
         why = DOWN.split(" (")[0]
-    elif row.get("backend") != backend:
-        other = row.get("backend")
-        why = f"made by the {other} backend, not {backend}: `%smol up --backend {other}` first"
+    elif refused := restoring.refusal(str(row.get("name")), row.get("backend"), backend,
+                                      row.get("session_id") in SESSIONS_HERE):
+        why = refused  # as the restore would say it (never the process backend for someone else's)
     elif row.get("refused"):
         why = str(row["refused"])
     elif not exists:
         why = f"its file {row.get('file') or row.get('path')} is missing: delete it"
     created = row.get("created")
+    warnings = [str(w) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
+    theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
     return {
         "name": row.get("name"),
-        "node": row.get("node_id"),
+        "node": f"{row['node_id']} (the file says)" if theirs and row.get("node_id") else row.get("node_id"),
         "created": clean(created),
         "created_text": time_text(created),
         "size": row.get("size"),
         "size_text": size_text(row.get("size")),
         "backend": row.get("backend"),
         "exists": exists,
-        "warnings": clean(row.get("warnings") or []),
+        "warnings": clean(restoring.claimed(warnings) if theirs else warnings),
         "blocked": {"restore": why} if why else {},
     }
 
