@@ -80,8 +80,11 @@ def to_json(value: Any) -> Any:
 
 
 def from_json(space: Any, value: Any) -> Any:
-    """A client's JSON action as a member of ``space``, else a one-line error."""
+    """A client's JSON action as the env takes it, as ``smolbench.gym`` takes one
+    (``spaces.to_action``: a Box's bounds unchecked, as Gymnasium's), else a one-line error."""
     from gymnasium import spaces as S
+
+    from .gym.spaces import Refused, to_action
 
     try:
         out: Any
@@ -93,13 +96,15 @@ def from_json(space: Any, value: Any) -> Any:
             out = np.int64(value) if isinstance(value, int) and not isinstance(value, bool) else value
         elif isinstance(space, S.Text):
             out = value
-        else:
-            out = np.asarray(value, dtype=space.dtype)
+        else:  # numpy's own dtype for the JSON (ints, floats): to_action decides what casts
+            out = np.asarray(value)
     except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:  # 2**70 for an int: Overflow
         raise SmolbenchError(f"action {str(value)[:80]} does not fit the action space {space} ({exc})") from None
-    if not space.contains(out):
-        raise SmolbenchError(f"action {str(value)[:80]} is not in the action space {space}")
-    return out
+    try:
+        return to_action(space, out)
+    except Refused as exc:
+        why = f" ({exc})" if str(exc) else ""
+        raise SmolbenchError(f"action {str(value)[:80]} is not in the action space {space}{why}") from None
 
 
 class MachineEnvironment(Environment[GymAction, GymObservation, State]):

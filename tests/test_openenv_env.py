@@ -47,6 +47,19 @@ def test_a_client_s_action_that_does_not_fit_is_one_line(space: str, action: Any
     assert str(bad.value).startswith("action ") and "\n" not in str(bad.value), bad.value
 
 
+def test_a_client_s_action_is_taken_as_gymnasium_s_envs_take_it() -> None:
+    """As smolbench.gym's: a Box's bounds are the env's business (Pendulum clips), its dtype
+    is the space's; an int space still refuses a float."""
+    import numpy as np
+    from gymnasium.spaces import Box, MultiDiscrete
+
+    got = from_json(Box(-2, 2, (1,), np.float32), [3.0])
+    assert got.dtype == np.float32 and got.tolist() == [3.0]
+    assert from_json(Box(-2, 2, (1,), np.float32), [1]).dtype == np.float32
+    with pytest.raises(SmolbenchError, match="does not cast"):
+        from_json(MultiDiscrete([3, 3]), [1.5, 1])
+
+
 @pytest.mark.parametrize("value, sent", [
     (b"\xff\xfe", {"base64": "//4="}), ("np.array([b'\\xff'])", [{"base64": "/w=="}]),
     ("np.zeros(1, 'V2')", [{"base64": "AAA="}]), ("np.array([1j])", [[0.0, 1.0]]),
