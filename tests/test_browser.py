@@ -132,6 +132,8 @@ def test_tree_widget_renders_and_use_works_from_the_browser(tmp_path: Path) -> N
             # the traceback names this cell's prompt and the editor line of the raise
             failing = page.locator(".jp-Notebook .jp-Cell").last
             expect(failing.locator(".jp-OutputArea-output")).to_contain_text("on editor line 4")
+            # its number comes with the execute reply, after the output ("[*]:" until then)
+            expect(failing.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
             prompt = failing.locator(".jp-InputPrompt").inner_text()
             number = re.search(r"\d+", prompt)
             assert number, prompt
