@@ -237,17 +237,20 @@ class Server:
         self.factory = factory
         self.env = None
         self._home = _machine()  # the warm parent: a reset in another machine is a branch's first
+        self._own = []  # (name, generator) the env keeps itself: build() finds them
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
-        try:  # here, once, rather than in every branch's first reset
-            import _smolbench_guest.reseed  # noqa: F401
-        except ImportError:
-            pass
         env = self.factory()
         if not hasattr(env, "step") or not hasattr(env, "reset"):
             raise TypeError("the env factory returned a %s, not a gymnasium.Env" % type(env).__name__)
         self.env = env
+        try:  # the generators the env keeps itself, found here once (a walk in every branch costs its page copies)
+            from _smolbench_guest.reseed import streams_of
+
+            self._own = [(n, g) for n, g in streams_of(env, "env") if not n.endswith("_np_random")]
+        except ImportError:  # not under smolbench's agent
+            self._own = []
         meta = getattr(env, "metadata", None)
         meta = meta if isinstance(meta, dict) else {}
         modes = meta.get("render_modes")
@@ -299,26 +302,24 @@ class Server:
         fork's branches' are: guest/reseed.py) from the reset's seed, else from the carried
         state, else from entropy."""
         base = self.env.unwrapped
-        own = getattr(base, "_np_random", None)
-        if seed is None and not rng and own is not None:
+        if seed is None and not rng and getattr(base, "_np_random", None) is not None:
             try:
                 from gymnasium.utils import seeding
 
                 base._np_random, base._np_random_seed = seeding.np_random()
             except Exception:  # not gymnasium's (or an old one): numpy's own, from entropy
                 base._np_random = _np().random.default_rng()
-            own = base._np_random
+        if not self._own:
+            return
         if seed is not None:
             root = seed
         elif rng:
             root = int.from_bytes(hashlib.sha256(str(rng.get("state")).encode()).digest()[:8], "big")
         else:
             root = int.from_bytes(os.urandom(8), "big")
-        try:
-            from _smolbench_guest.reseed import reseed
-        except ImportError:  # not under smolbench's agent
-            return
-        reseed({"env": self.env}, root, skip=(id(own),))
+        from _smolbench_guest.reseed import reseed_streams
+
+        reseed_streams(self._own, root)
 
     def step(self, text):
         """One ``env.step``; the rng state rides along when the episode ends."""

@@ -69,6 +69,37 @@ def _attrs(obj):
             yield prefix + key, value
 
 
+def _is_stream(obj):
+    """Whether ``obj`` is a random stream :func:`_reseed_one` reseeds."""
+    if isinstance(obj, random.Random):
+        return not isinstance(obj, random.SystemRandom)
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)):
+        return True
+    return torch is not None and isinstance(obj, getattr(torch, "Generator", ()))
+
+
+def streams_of(obj, name):
+    """(name, stream) of the random streams among ``obj``'s attributes and its ``unwrapped``'s,
+    named as :func:`reseed` names them when ``obj`` is ``name`` in a namespace."""
+    found = []
+    for attr, inner in _attrs(obj):
+        if len(found) >= MAX_OBJECTS:
+            break
+        try:
+            if _is_stream(inner):
+                found.append((name + "." + attr, inner))
+        except Exception:
+            continue
+    return found
+
+
+def reseed_streams(found, seed):
+    """Reseed each (name, stream) of ``found`` from ``seed`` and its name (as :func:`reseed`)."""
+    for name, obj in found:
+        _safely(obj, derived(seed, name))
+
+
 def reseed(ns, seed, skip=()):
     """Reseed every random stream reachable from namespace ``ns`` (but the objects whose ids
     are in ``skip``); the names reseeded, in order."""
