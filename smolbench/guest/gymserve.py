@@ -286,8 +286,9 @@ class Server:
         seed, rng = req.get("seed"), req.get("rng")
         if seed is None and rng:
             self._set_rng(rng)
-        if self._home != _machine():
-            self._home = _machine()
+        here = _machine()
+        if self._home != here:
+            self._home = here
             self._own_streams(seed, rng)
         kwargs = {"seed": seed}
         if req.get("options") is not None:

@@ -100,10 +100,9 @@ def reseed_streams(found, seed):
         _safely(obj, derived(seed, name))
 
 
-def reseed(ns, seed, skip=()):
-    """Reseed every random stream reachable from namespace ``ns`` (but the objects whose ids
-    are in ``skip``); the names reseeded, in order."""
-    done, ids, looked = [], set(skip), 0
+def reseed(ns, seed):
+    """Reseed every random stream reachable from namespace ``ns``; the names reseeded, in order."""
+    done, ids, looked = [], set(), 0
     for name, value in list(ns.items()):
         if name.startswith("__") or isinstance(value, type) or type(value).__name__ == "module":
             continue
