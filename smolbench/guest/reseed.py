@@ -20,27 +20,46 @@ def derived(seed, name):
     return int.from_bytes(hashlib.sha256(("%s:%s" % (seed, name)).encode()).digest()[:8], "big")
 
 
-def _reseed_one(obj, seed):
-    """Reseed ``obj`` in place if it is a random stream; True if it was."""
+def _seed_random(obj, seed):
+    obj.seed(seed)
+
+
+def _seed_generator(obj, seed):
+    bits = obj.bit_generator
+    bits.state = type(bits)(seed).state  # in place: every reference to it sees the new stream
+
+
+def _seed_random_state(obj, seed):
+    obj.seed(seed % (2**32))
+
+
+def _seed_torch(obj, seed):
+    obj.manual_seed(seed % (2**63))
+
+
+def _reseeder(obj):
+    """How to reseed ``obj`` if it is a random stream, else None: the one table of kinds."""
     if isinstance(obj, random.Random):
-        if isinstance(obj, random.SystemRandom):
-            return False  # the OS's randomness: nothing to reseed
-        obj.seed(seed)
-        return True
+        return None if isinstance(obj, random.SystemRandom) else _seed_random  # SystemRandom: the OS's
     np = sys.modules.get("numpy")
     if np is not None:
         if isinstance(obj, np.random.Generator):
-            bits = obj.bit_generator
-            bits.state = type(bits)(seed).state  # in place: every reference to it sees the new stream
-            return True
+            return _seed_generator
         if isinstance(obj, np.random.RandomState):
-            obj.seed(seed % (2**32))
-            return True
+            return _seed_random_state
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, getattr(torch, "Generator", ())):
-        obj.manual_seed(seed % (2**63))
-        return True
-    return False
+        return _seed_torch
+    return None
+
+
+def _reseed_one(obj, seed):
+    """Reseed ``obj`` in place if it is a random stream; True if it was."""
+    how = _reseeder(obj)
+    if how is None:
+        return False
+    how(obj, seed)
+    return True
 
 
 def _safely(obj, seed):
@@ -69,16 +88,6 @@ def _attrs(obj):
             yield prefix + key, value
 
 
-def _is_stream(obj):
-    """Whether ``obj`` is a random stream :func:`_reseed_one` reseeds."""
-    if isinstance(obj, random.Random):
-        return not isinstance(obj, random.SystemRandom)
-    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
-    if np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)):
-        return True
-    return torch is not None and isinstance(obj, getattr(torch, "Generator", ()))
-
-
 def streams_of(obj, name):
     """(name, stream) of the random streams among ``obj``'s attributes and its ``unwrapped``'s,
     named as :func:`reseed` names them when ``obj`` is ``name`` in a namespace."""
@@ -87,7 +96,7 @@ def streams_of(obj, name):
         if len(found) >= MAX_OBJECTS:
             break
         try:
-            if _is_stream(inner):
+            if _reseeder(inner) is not None:
                 found.append((name + "." + attr, inner))
         except Exception:
             continue
