@@ -442,9 +442,9 @@ def test_auto_falls_back_to_process_with_one_loud_line_and_sandbox_refuses(monke
 # -- a kernel that ends without `%smol down` ----------------------------------------------------------
 
 OLD_EXIT_HOOK = """import atexit, threading
-from smolbench import _session
-threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _session._at_exit]
-atexit.register(_session._at_exit)"""
+from smolbench import _lifetime
+threading._threading_atexits[:] = [f for f in threading._threading_atexits if f.func is not _lifetime._at_exit]
+atexit.register(_lifetime._at_exit)"""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

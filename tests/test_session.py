@@ -380,7 +380,7 @@ def test_smolbench_session_in_a_kernel_is_the_one_smol_up_made(tmp_path: Path) -
         assert both.strip() == "[500.0, 600.0, 700.0] True"  # the same machine: the Session's run set base
         # the kernel's own SIGTERM handling is left alone (the Session's handler would fight ipykernel's)
         handler = stream_text(nb.run("import signal\nprint(signal.getsignal(signal.SIGTERM) is "
-                                     "smolbench._session._on_sigterm)"))
+                                     "smolbench._lifetime._on_sigterm)"))
         assert handler.strip() == "False"
         nb.run("%smol down")
         after = nb.run("smolbench.session()")
