@@ -65,9 +65,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
 );
 -- what a checkpoint row says besides (older releases write its nine columns by position): its
--- baseline, and a file's source and SHA-256; for the row of the same name, session, path and size
+-- baseline, a file's source and SHA-256, and when the same file was last added again; for the
+-- row of the same name, session, path and size
 CREATE TABLE IF NOT EXISTS checkpoint_more (
-    name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT
+    name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT,
+    readded REAL
 );
 -- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
 CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
@@ -86,7 +88,7 @@ ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("se
 # A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
 # path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
 MORE_COLUMNS = ("baseline", "source", "sha256")
-CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)} FROM checkpoints c "
+CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.readded FROM checkpoints c "
                "LEFT JOIN checkpoint_more m ON m.name = c.name AND m.session_id IS c.session_id "
                "AND m.path IS c.path AND m.size IS c.size")
 UNFINISHED = ("starting", "running", "idle")
@@ -337,8 +339,15 @@ class Ledger:
         return count
 
     def touch_checkpoint(self, name: str) -> None:
-        """Renew a checkpoint's ``created`` time (added again from the same file)."""
-        self._write("UPDATE checkpoints SET created = ? WHERE name = ?", (time.time(), name))
+        """Record that checkpoint ``name``'s file was added again (``readded``, which a take-back
+        of the first adding sees); its ``created`` stays, which an export writes into the file."""
+        with self.batch():
+            self._write("DELETE FROM checkpoint_more WHERE name = ? AND NOT EXISTS (SELECT 1 FROM checkpoints c "
+                        "WHERE c.name = checkpoint_more.name AND c.session_id IS checkpoint_more.session_id "
+                        "AND c.path IS checkpoint_more.path AND c.size IS checkpoint_more.size)", (name,))
+            self._write("INSERT INTO checkpoint_more (name, session_id, path, size, readded) SELECT name, session_id, "
+                        "path, size, ? FROM checkpoints WHERE name = ? ON CONFLICT (name) DO UPDATE SET "
+                        "readded = excluded.readded", (time.time(), name))
 
     def remove_checkpoint(self, name: str) -> None:
         """Forget a checkpoint."""

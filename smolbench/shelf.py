@@ -268,7 +268,7 @@ class Shelf:
         only if it copied it in and the name is still that copy (a file someone put in the
         checkpoint folder stays theirs; one another kernel saved meanwhile stays too). A row
         another kernel was told is "already in this folder" since (it added the same file: its
-        ``created`` was renewed) stays, and so does the file it names."""
+        ``readded`` was set) stays, and so does the file it names."""
         name = str(added.row["name"])
         with contextlib.suppress(Missing, PathRefused, OSError), self.store.locked():
             now = self.ledger.checkpoint(name)
