@@ -204,8 +204,10 @@ class Ledger:
                                  "WHERE c.name = checkpoint_more.name)")
                 with contextlib.suppress(sqlite3.OperationalError):  # an older SQLite: it stays, unread
                     self._db.execute(f"ALTER TABLE checkpoints DROP COLUMN {column}")
-        finally:
-            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")  # all moved or none: a half-moved column would lose its values
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         """Close the database connection."""
