@@ -592,6 +592,8 @@ def _gzip_prefix(data: bytes, whole: bool, what: str) -> tuple[bytes, bool]:
             return bytes(out), whole and not unzip.unconsumed_tail
         data, first = unzip.unused_data.lstrip(b"\0"), False  # gzip allows NULs between members
     return bytes(out), whole and not data
+
+
 GZIP_START = b"\x1f\x8b\x08"  # gzip's magic and its one method, deflate
 
 
