@@ -64,6 +64,13 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
 );
+-- what a checkpoint row says besides (older releases write its nine columns by position): its
+-- baseline, a file's source and SHA-256, and when the same file was last added again; for the
+-- row of the same name, session, path and size
+CREATE TABLE IF NOT EXISTS checkpoint_more (
+    name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT,
+    readded REAL
+);
 -- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
 CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
 CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward, id);
@@ -77,11 +84,13 @@ NODE_COLUMNS = (
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
 ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
                  ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"),
-                 # a checkpoint's baseline (a file's: what its record claims), and for a file from
-                 # elsewhere the path it was added from and its SHA-256 as added
-                 ("checkpoints", "baseline", "TEXT"), ("checkpoints", "source", "TEXT"),
-                 ("checkpoints", "sha256", "TEXT"))
+                 ("runs", "cell", "INTEGER"))
+# A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
+# path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
+MORE_COLUMNS = ("baseline", "source", "sha256")
+CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.readded FROM checkpoints c "
+               "LEFT JOIN checkpoint_more m ON m.name = c.name AND m.session_id IS c.session_id "
+               "AND m.path IS c.path AND m.size IS c.size")
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
@@ -168,6 +177,7 @@ class Ledger:
                 have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
                 if column not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            self._move_checkpoint_columns()
         except sqlite3.DatabaseError as exc:
             self._db.close()
             raise SmolbenchError(f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
@@ -175,6 +185,29 @@ class Ledger:
         except BaseException:
             self._db.close()
             raise
+
+    def _move_checkpoint_columns(self) -> None:
+        """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
+        and are dropped (SQLite 3.35 drops columns): older releases write a checkpoint row's nine
+        values by position ("table checkpoints has 12 columns but 9 values were supplied")."""
+        def moved() -> list[str]:
+            return [r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)") if r[1] in MORE_COLUMNS]
+
+        if not moved():
+            return
+        self._db.execute("BEGIN IMMEDIATE")  # another kernel opening it meanwhile waits, then finds them moved
+        try:
+            self._db.execute("INSERT INTO checkpoint_more (name, session_id, path, size) SELECT name, session_id, "
+                             "path, size FROM checkpoints WHERE true ON CONFLICT (name) DO NOTHING")
+            for column in moved():
+                self._db.execute(f"UPDATE checkpoint_more SET {column} = (SELECT c.{column} FROM checkpoints c "
+                                 "WHERE c.name = checkpoint_more.name)")
+                with contextlib.suppress(sqlite3.OperationalError):  # an older SQLite: it stays, unread
+                    self._db.execute(f"ALTER TABLE checkpoints DROP COLUMN {column}")
+        except BaseException:
+            self._db.execute("ROLLBACK")  # all moved or none: a half-moved column would lose its values
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         """Close the database connection."""
@@ -264,12 +297,12 @@ class Ledger:
                        size: int, cells: int, warnings: list[str], *, baseline: str | None = None,
                        source: str | None = None, sha256: str | None = None) -> None:
         """Record a saved checkpoint (``source``, ``sha256``: a file added from elsewhere)."""
-        self._write(
-            "INSERT OR REPLACE INTO checkpoints (name, session_id, node_id, path, backend, created, size, cells, "
-            "warnings, baseline, source, sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings), baseline,
-             source, sha256),
-        )
+        with self.batch():
+            self._write("INSERT OR REPLACE INTO checkpoints (name, session_id, node_id, path, backend, created, size, "
+                        "cells, warnings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)))
+            self._write("INSERT OR REPLACE INTO checkpoint_more (name, session_id, path, size, baseline, source, sha256) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (name, session_id, path, size, baseline, source, sha256))
 
     def add_trust(self, session_id: str, scope: str, detail: str) -> None:
         """Record a trusted-mode opt-in (``%smol trust on``, ``--pull-trusted``) or its end."""
@@ -308,12 +341,21 @@ class Ledger:
         return count
 
     def touch_checkpoint(self, name: str) -> None:
-        """Renew a checkpoint's ``created`` time (added again from the same file)."""
-        self._write("UPDATE checkpoints SET created = ? WHERE name = ?", (time.time(), name))
+        """Record that checkpoint ``name``'s file was added again (``readded``, which a take-back
+        of the first adding sees); its ``created`` stays, which an export writes into the file."""
+        with self.batch():
+            self._write("DELETE FROM checkpoint_more WHERE name = ? AND NOT EXISTS (SELECT 1 FROM checkpoints c "
+                        "WHERE c.name = checkpoint_more.name AND c.session_id IS checkpoint_more.session_id "
+                        "AND c.path IS checkpoint_more.path AND c.size IS checkpoint_more.size)", (name,))
+            self._write("INSERT INTO checkpoint_more (name, session_id, path, size, readded) SELECT name, session_id, "
+                        "path, size, ? FROM checkpoints WHERE name = ? ON CONFLICT (name) DO UPDATE SET "
+                        "readded = excluded.readded", (time.time(), name))
 
     def remove_checkpoint(self, name: str) -> None:
         """Forget a checkpoint."""
-        self._write("DELETE FROM checkpoints WHERE name = ?", (name,))
+        with self.batch():
+            self._write("DELETE FROM checkpoints WHERE name = ?", (name,))
+            self._write("DELETE FROM checkpoint_more WHERE name = ?", (name,))
 
     # -- reading -------------------------------------------------------------------
 
@@ -363,11 +405,11 @@ class Ledger:
 
     def checkpoint_rows(self) -> list[dict[str, Any]]:
         """Saved checkpoints, newest first."""
-        return self._rows("SELECT * FROM checkpoints ORDER BY created DESC")
+        return self._rows(f"{CHECKPOINTS} ORDER BY c.created DESC")
 
     def checkpoint(self, name: str) -> dict[str, Any] | None:
         """One checkpoint record."""
-        rows = self._rows("SELECT * FROM checkpoints WHERE name = ?", (name,))
+        rows = self._rows(f"{CHECKPOINTS} WHERE c.name = ?", (name,))
         return rows[0] if rows else None
 
     def run_rows(self) -> list[dict[str, Any]]:

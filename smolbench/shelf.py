@@ -268,7 +268,7 @@ class Shelf:
         only if it copied it in and the name is still that copy (a file someone put in the
         checkpoint folder stays theirs; one another kernel saved meanwhile stays too). A row
         another kernel was told is "already in this folder" since (it added the same file: its
-        ``created`` was renewed) stays, and so does the file it names."""
+        ``readded`` was set) stays, and so does the file it names."""
         name = str(added.row["name"])
         with contextlib.suppress(Missing, PathRefused, OSError), self.store.locked():
             now = self.ledger.checkpoint(name)
@@ -367,7 +367,8 @@ class Shelf:
 
     def export(self, name: str, dest: str, spec: Any = None, force: bool = False) -> dict[str, Any]:
         """Write checkpoint ``name`` to ``dest`` as one self-contained file, its record inside
-        (``spec``: the machine's spec up now; its image and size are recorded when it made this one)."""
+        (``spec``: the machine's spec up now; its image and size are recorded when it made this one).
+        A file added from elsewhere goes with its record's claims as they were, and its SHA-256."""
         if not dest.endswith(SUFFIX):
             raise SmolbenchError(f"export to a file named …{SUFFIX}, not {dest!r}: e.g. "
                                  f"`%smol checkpoint export {name} ../class/{name}{SUFFIX}`")
@@ -379,8 +380,11 @@ class Shelf:
         if target.exists() and not force:
             raise SmolbenchError(f"{dest} exists: pick another path or add --force to replace it")
         node = self.ledger.node(str(rec.get("session_id")), str(rec.get("node_id"))) if rec.get("node_id") else None
-        extra: dict[str, Any] = {"baseline": (node or {}).get("baseline")}
-        if spec is not None and extra["baseline"] == spec.baseline():
+        # the row's baseline: this folder's save's, or a file's claim, carried as it was (a re-export
+        # must not drop it); a row from before the column: its node's
+        extra: dict[str, Any] = {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
+        imported = rec.get("session_id") == IMPORTED
+        if spec is not None and extra["baseline"] == spec.baseline() and not imported:
             extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
         with self.open(rec) as f:
             try:
@@ -388,11 +392,13 @@ class Shelf:
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise SmolbenchError(f"checkpoint {name!r} is corrupt or truncated ({exc}): it can't be exported") from None
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
+            came = [f"re-exported: added to its folder from a checkpoint file (sha256 {rec['sha256']}) that said "
+                    "what this record says"] if imported and rec.get("sha256") else []
             record.update(kind=archive.RECORD_KIND, version=1, name=name,
                           backend=rec.get("backend") or inside.get("backend") or "sandbox",
                           cells=int(rec.get("cells") or 0), size=f.size,
-                          created=float(rec.get("created") or time.time()),
-                          warnings=[str(w)[:2000] for w in (rec.get("warnings") or [])][:20])
+                          created=float((inside if imported else rec).get("created") or rec.get("created") or time.time()),
+                          warnings=[str(w)[:2000] for w in [*(rec.get("warnings") or []), *came]][:20])
             if rec.get("node_id"):
                 record["node"] = rec["node_id"]
             part = target.with_name(f".{target.name}.{os.getpid()}.part")

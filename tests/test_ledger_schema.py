@@ -11,8 +11,11 @@ time; each attack is shown against the weakened setup too.
 
 from __future__ import annotations
 
+import importlib.util
 import sqlite3
+import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -103,7 +106,7 @@ def test_the_server_s_delete_fires_no_trigger(tmp_path: Path) -> None:
 
 def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_path: Path) -> None:
     """A checkpoint row now records its baseline, and a file from elsewhere its source and
-    SHA-256: columns added to an older ledger when it is opened, its rows kept as they were."""
+    SHA-256: kept beside an older ledger's rows when it is opened, its rows kept as they were."""
     path = tmp_path / ".smolbench" / "ledger.db"
     path.parent.mkdir()
     conn = sqlite3.connect(path)
@@ -123,5 +126,97 @@ def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_pat
         new = led.checkpoint("new")
         assert new is not None and (new["baseline"], new["source"], new["sha256"]) == (
             "host@1", "/srv/class/new.smolcheckpoint", "ab" * 32)
+    finally:
+        led.close()
+
+
+OLD = "3b7fef0"  # a release before the checkpoint rows' baseline, source and SHA-256
+
+
+def older_ledger(tmp_path: Path) -> ModuleType:
+    """smolbench's ledger module as release OLD had it (from git), imported by path."""
+    repo = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(["git", "-C", str(repo), "show", f"{OLD}:smolbench/ledger.py"], capture_output=True)
+    if shown.returncode:
+        pytest.skip(f"no git history here to take release {OLD}'s ledger from")
+    path = tmp_path / f"ledger_{OLD}.py"
+    path.write_bytes(shown.stdout)
+    spec = importlib.util.spec_from_file_location(f"smolbench._ledger_{OLD}", path)  # its `from .errors`
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_older_release_saves_checkpoints_into_a_ledger_this_one_made(tmp_path: Path) -> None:
+    """A copied folder opened by an older install: its save wrote a checkpoint row's nine values
+    by position, and a ledger this version made had twelve columns ("table checkpoints has 12
+    columns but 9 values were supplied"). The three live in their own table; what the older
+    code writes never takes a claim that isn't its row's."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    led = Ledger(path)
+    led.add_checkpoint("gift", "imported", "root.3", "checkpoints/gift.smolcheckpoint", "sandbox", 10, 7, [],
+                       baseline="f" * 64, source="/srv/class/gift.smolcheckpoint", sha256="ab" * 32)
+    led.close()
+    old = older_ledger(tmp_path).Ledger(path)
+    try:
+        old.add_checkpoint("mine", "s0", "root", "checkpoints/mine.smolcheckpoint", "sandbox", 10, 2, [])
+        old.touch_checkpoint("gift")  # the same file added again
+        assert sorted(r["name"] for r in old.checkpoint_rows()) == ["gift", "mine"]
+    finally:
+        old.close()
+    led = Ledger(path)
+    try:
+        mine, gift = led.checkpoint("mine"), led.checkpoint("gift")
+        assert mine is not None and (mine["cells"], mine["baseline"], mine["source"], mine["sha256"]) == (2, None, None, None)
+        assert gift is not None and (gift["baseline"], gift["sha256"]) == ("f" * 64, "ab" * 32)
+    finally:
+        led.close()
+    old = older_ledger(tmp_path).Ledger(path)
+    try:  # the older install saves its own "gift" over the file's (--force)
+        old.add_checkpoint("gift", "s0", "root", "checkpoints/gift.smolcheckpoint", "sandbox", 12, 3, [])
+        old.remove_checkpoint("mine")
+    finally:
+        old.close()
+    led = Ledger(path)
+    try:
+        gift = led.checkpoint("gift")
+        assert gift is not None and (gift["session_id"], gift["baseline"], gift["source"], gift["sha256"]) == (
+            "s0", None, None, None)
+        assert [r["name"] for r in led.checkpoint_rows()] == ["gift"]
+    finally:
+        led.close()
+
+
+def test_a_ledger_with_the_claims_in_its_checkpoints_table_is_opened_as_older_releases_write_it(
+        tmp_path: Path) -> None:
+    """A ledger this version had given the three columns keeps what they say, and an older install
+    saves into it again."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    path.parent.mkdir()
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
+                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT, baseline TEXT, "
+                     "source TEXT, sha256 TEXT)")
+        conn.execute("INSERT INTO checkpoints VALUES ('gift', 'imported', 'root.3', 'checkpoints/gift.smolcheckpoint', "
+                     "'sandbox', 1.0, 10, 7, '[]', 'host@1', '/srv/class/gift.smolcheckpoint', 'abab')")
+    conn.close()
+    led = Ledger(path)
+    try:
+        gift = led.checkpoint("gift")
+        assert gift is not None and (gift["cells"], gift["baseline"], gift["source"], gift["sha256"]) == (
+            7, "host@1", "/srv/class/gift.smolcheckpoint", "abab")
+    finally:
+        led.close()
+    old = older_ledger(tmp_path).Ledger(path)
+    try:
+        old.add_checkpoint("mine", "s0", "root", "checkpoints/mine.smolcheckpoint", "sandbox", 10, 2, [])
+    finally:
+        old.close()
+    led = Ledger(path)
+    try:
+        assert sorted(r["name"] for r in led.checkpoint_rows()) == ["gift", "mine"]
+        assert (led.checkpoint("gift") or {})["sha256"] == "abab"
     finally:
         led.close()

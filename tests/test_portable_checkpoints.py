@@ -288,7 +288,7 @@ def test_a_file_another_kernel_was_told_is_here_is_not_taken_back(open_tmp: Path
     """Two kernels restore the same new file from elsewhere: the first copies it in, the second
     is told it is "already in this folder"; the first's restore then fails in its machine and
     takes back what it added. That took the row and the copy the second kernel was told about.
-    Now the second's use renews the row, and a row that changed keeps its file."""
+    Now the second's use is recorded in the row, and a row that changed keeps its file."""
     import threading
 
     from smolbench.shelf import Shelf
@@ -326,6 +326,30 @@ def test_a_file_another_kernel_was_told_is_here_is_not_taken_back(open_tmp: Path
     finally:
         first.close()
         second.close()
+
+
+def test_adding_a_file_again_keeps_when_it_was_added(open_tmp: Path) -> None:
+    """A file added again ("already in this folder") renewed its row's ``created``: the date the
+    listing shows and orders by, and the ``created`` an export writes into the file. Its row now
+    records when it was added again (``readded``, what a take-back sees) beside it."""
+    from smolbench.gate import archive
+    from smolbench.shelf import Shelf
+
+    folder = open_tmp / "f"
+    (folder / CK).mkdir(parents=True)
+    gift = open_tmp / "gift.smolcheckpoint"
+    _forged(gift, _record(name="gift"))
+    led = Ledger(folder / ".smolbench" / "ledger.db")
+    try:
+        shelf = Shelf(led)
+        added = shelf.adopt(str(gift), "sandbox").row
+        again = shelf.adopt(str(gift), "sandbox").row
+        assert again["created"] == added["created"], (added, again)
+        out = shelf.export("gift", str(open_tmp / "out.smolcheckpoint"))
+        assert (archive.read_record(out["path"]) or {})["created"] == added["created"]
+        assert added.get("readded", 0) is None and again.get("readded", 0) > added["created"], (added, again)
+    finally:
+        led.close()
 
 
 def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(open_tmp: Path,

@@ -6,9 +6,11 @@ live machines of a real kernel, and orphans of a dead one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -231,6 +233,8 @@ def test_checkpoints_listed_under_the_root_and_deleted(call: Any, jp_root_dir: P
     code, body = call("checkpoints", "warm", method="DELETE", params={"path": "a/b"})
     assert code == 200 and body["message"] == "deleted checkpoint warm and its file"
     assert not (cdir / "warm.smolcheckpoint").exists()
+    with contextlib.closing(sqlite3.connect(jp_root_dir / "a" / "b" / ".smolbench" / "ledger.db")) as db:
+        assert db.execute("SELECT count(*) FROM checkpoint_more WHERE name = 'warm'").fetchone() == (0,)
     code, body = call("checkpoints", "evil", method="DELETE", params={"path": "a/b"})
     assert code == 200 and body["message"] == (
         "deleted checkpoint evil; its row named a path that is not a file NAME.smolcheckpoint in this "

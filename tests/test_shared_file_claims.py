@@ -190,3 +190,49 @@ def test_a_shared_namespace_s_error_is_one_short_line(open_tmp: Path) -> None:
     assert line.isprintable() and len(line) < 1_000, (len(line), line[:300])
     assert "its saved state can't be loaded (ValueError: \\x1b]0;pwned\\x07" in line and line.endswith("nothing was added")
     assert rows(student) == {}
+
+
+def test_a_re_export_carries_the_file_s_claims_as_its_claims(tmp_path: Path) -> None:
+    """Audit C, one hop on: a file restored here and exported again lost the baseline its record
+    claimed (the export took this folder's node's, which an imported row has none of), so the
+    next person's restore warned of nothing; a claim equal to this machine's baseline took this
+    machine's image and size, and the file's time became the time it was added here. A re-export
+    now carries the claims as they were, says where it came from (the SHA-256 it was added with),
+    and the next folder's row and baseline warning are the first's."""
+    import hashlib
+
+    from smolbench.gate import archive, restoring
+    from smolbench.ledger import Ledger
+    from smolbench.shelf import Shelf
+    from smolbench.spec import MachineSpec
+
+    spec = MachineSpec()
+    claims = {"node": "root.3", "cells": 7, "baseline": "f" * 64, "warnings": [STAFF], "created": 1000.0}
+    gift = tmp_path / "lesson1.smolcheckpoint"
+    forged(gift, record(name="lesson1", **claims))
+    same = tmp_path / "same.smolcheckpoint"  # a claim of this machine's very baseline, with its own image
+    forged(same, record(name="same", baseline=spec.baseline(), image="their/image:1", memory=64))
+    said: dict[str, dict[str, object]] = {}
+    for folder, file in (("student", gift), ("friend", tmp_path / "shared" / "lesson1.smolcheckpoint")):
+        led = Ledger(tmp_path / folder / ".smolbench" / "ledger.db")
+        try:
+            shelf = Shelf(led)
+            said[folder] = row = shelf.adopt(str(file), "sandbox").row
+            if folder == "student":  # restored here, then shared again
+                (tmp_path / "shared").mkdir()
+                out = shelf.export("lesson1", str(tmp_path / "shared" / "lesson1.smolcheckpoint"), spec)
+                shelf.adopt(str(same), "sandbox")
+                again = shelf.export("same", str(tmp_path / "shared" / "same.smolcheckpoint"), spec)["record"]
+        finally:
+            led.close()
+        assert row["baseline"] == "f" * 64
+        assert restoring.baseline_notice("lesson1", row["baseline"], spec.baseline(), True) == (
+            f"the file says lesson1 was saved on baseline {'f' * 64}, not this machine's {spec.baseline()}: its "
+            "variables and files are back, but what its cells installed or relied on may differ")
+    inside = archive.read_record(out["path"]) or {}
+    assert {k: inside[k] for k in claims} == {**claims, "warnings": [
+        f"the file says: {STAFF}", f"re-exported: added to its folder from a checkpoint file (sha256 "
+        f"{hashlib.sha256(gift.read_bytes()).hexdigest()}) that said what this record says"]}
+    assert (said["friend"]["node_id"], said["friend"]["cells"]) == ("root.3", 7)
+    assert said["friend"]["warnings"][0] == f"the file says: {STAFF}"
+    assert (again["baseline"], again["image"], again["memory"]) == (spec.baseline(), "their/image:1", 64)

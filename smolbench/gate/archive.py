@@ -13,6 +13,7 @@ whose agent extracts them itself (with tarfile's ``data`` filter where it has on
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -203,10 +204,56 @@ class _CheckedTar(tarfile.TarFile):
             return super().next()
 
 
+class _CheckedGzipReader(gzip._GzipReader):
+    """gzip's reader, but each member's header is measured first (:func:`_gzip_header_end`) and
+    skipped in one step: gzip reads a name or comment field a byte at a time, to the file's end."""
+
+    def __init__(self, fp: IO[bytes], what: str) -> None:
+        super().__init__(fp)
+        self._what = what
+
+    def _read_gzip_header(self) -> bool:
+        fp: Any = self._fp  # type: ignore[attr-defined]
+        head, end = b"", None
+        while end is None and len(head) < PREFIX_LIMIT and GZIP_START.startswith(head[:3]):
+            more = fp.read(min(max(len(head), 1024), PREFIX_LIMIT - len(head)))
+            if not more:
+                break
+            head += more
+            end = _gzip_header_end(head, self._what)
+        fp.prepend(head)  # exactly what was read: gzip's buffer gives it again
+        if end is None:  # not a gzip header, or one the file's end cuts short: gzip says which
+            return bool(super()._read_gzip_header())  # type: ignore[misc]
+        fp.read(end)
+        self._last_mtime = int.from_bytes(head[4:8], "little")
+        return True
+
+
+class _CheckedGzip(gzip.GzipFile):
+    """A gzip file from elsewhere, its headers read by :class:`_CheckedGzipReader`."""
+
+    def __init__(self, path: str | None, fileobj: IO[bytes] | None, what: str) -> None:
+        super().__init__(path, "rb", fileobj=fileobj)
+        self._buffer = io.BufferedReader(_CheckedGzipReader(self.fileobj, what))  # type: ignore[arg-type]
+
+
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
-             fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
-    """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`."""
-    return _CheckedTar.open(path, mode, fileobj=fileobj)
+             fileobj: IO[bytes] | None = None, what: str | None = None) -> tarfile.TarFile:
+    """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`
+    (and gzip's headers with :class:`_CheckedGzip`); ``what``: it in messages."""
+    if mode != "r:gz":
+        return _CheckedTar.open(path, mode, fileobj=fileobj)
+    gz = _CheckedGzip(path, fileobj, what or f"checkpoint {Path(path or '').name}")
+    try:
+        tar = _CheckedTar.open(path, "r:", fileobj=gz)
+    except OSError as exc:  # as tarfile's own gzip opening says it
+        gz.close()
+        raise tarfile.ReadError("not a gzip file") from exc
+    except BaseException:
+        gz.close()
+        raise
+    tar._extfileobj = False  # type: ignore[attr-defined]  # closing the archive closes the gzip file
+    return tar
 
 
 def reason(exc: BaseException) -> str:
@@ -458,7 +505,7 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     ``label``: the file's name in messages (default: ``path``'s)."""
     label = label or Path(path).name
     record = None
-    with open_tar(path) as tar:
+    with open_tar(path, what=f"checkpoint {label}") as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
         while True:
@@ -507,7 +554,7 @@ def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
                 raise UnsafeCheckpoint(f"{label} is {human(size)}, over the checkpoint limit of "
                                        f"{human(LIMITS.checkpoint)}: not read (raise it with "
                                        "`%smol config checkpoint-limit 4G` if you trust it)")
-            head, whole = _gzip_prefix(fh.read(PREFIX_LIMIT), size <= PREFIX_LIMIT)
+            head, whole = _gzip_prefix(fh.read(PREFIX_LIMIT), size <= PREFIX_LIMIT, label)
         try:
             with open_tar(fileobj=io.BytesIO(head), mode="r:") as tar:
                 m = tar.next()
@@ -525,13 +572,15 @@ def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
         raise UnsafeCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)})") from None
 
 
-def _gzip_prefix(data: bytes, whole: bool) -> tuple[bytes, bool]:
+def _gzip_prefix(data: bytes, whole: bool, what: str) -> tuple[bytes, bool]:
     """What a gzip file's first bytes ``data`` (all of it: ``whole``) decompress to, at most
     PREFIX_LIMIT bytes, and whether that is all the file holds. zlib reads gzip's own headers
-    (Python's gzip read a name field one byte at a time: 21 MB of one took 1.2 s of CPU)."""
+    (Python's gzip read a name field one byte at a time: 21 MB of one took 1.2 s of CPU), after
+    the restore's rule for them (:func:`_gzip_header_end`; ``what``: the file in its message)."""
     out = bytearray()
     first = True
     while data and len(out) < PREFIX_LIMIT:
+        _gzip_header_end(data, what)
         unzip = zlib.decompressobj(wbits=31)  # a gzip member, header and trailer checked
         try:
             out += unzip.decompress(data, PREFIX_LIMIT - len(out))
@@ -543,6 +592,33 @@ def _gzip_prefix(data: bytes, whole: bool) -> tuple[bytes, bool]:
             return bytes(out), whole and not unzip.unconsumed_tail
         data, first = unzip.unused_data.lstrip(b"\0"), False  # gzip allows NULs between members
     return bytes(out), whole and not data
+
+
+GZIP_START = b"\x1f\x8b\x08"  # gzip's magic and its one method, deflate
+
+
+def _gzip_header_end(data: bytes, what: str) -> int | None:
+    """Where the gzip member header ``data`` starts with ends, or None (not a gzip header, or
+    not ended within ``data``): a listing's and a restore's one rule, that its name and comment
+    fields end within PREFIX_LIMIT bytes (else an UnsafeCheckpoint naming ``what``)."""
+    if len(data) < 12 or not data.startswith(GZIP_START):
+        return None
+    flags, end = data[3], 10
+    if flags & gzip.FEXTRA:
+        end += 2 + int.from_bytes(data[10:12], "little")
+    for field in (gzip.FNAME, gzip.FCOMMENT):  # each ends with a NUL
+        if flags & field:
+            nul = data.find(b"\0", end)
+            end = nul + 1 if nul >= 0 else len(data) + 1
+    end += 2 if flags & gzip.FHCRC else 0
+    if end <= len(data):
+        return end
+    if len(data) >= PREFIX_LIMIT:
+        raise UnsafeCheckpoint(f"{what} has a gzip header whose name or comment field doesn't end within its "
+                               f"first {human(PREFIX_LIMIT)}, which no gzip writer makes")
+    return None
+
+
 class _Budget:
     """Bytes a restore may still write: the checkpoint limit, counted as they stream."""
 
@@ -590,7 +666,7 @@ def hand_over(path: str, run_dir: str | os.PathLike[str],
     """
     stage = f"restore-{secrets.token_hex(6)}"
     budget = _Budget(f"checkpoint {Path(path).name}")
-    with open_tar(path) as tar, as_owner(), _dirfd(run_dir) as root:
+    with open_tar(path, what=budget.what) as tar, as_owner(), _dirfd(run_dir) as root:
         os.mkdir(stage, 0o700, dir_fd=root)
         with _dirfd(run_dir, stage, root) as folder:
             for m, src in _members(tar):
@@ -608,7 +684,7 @@ def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> N
     blob = json.dumps(record, sort_keys=True).encode()
     parse_record(blob, f"checkpoint {label}")  # what we write must pass our own reading
     budget = _Budget(f"checkpoint {label}")
-    with open_tar(path) as src, os.fdopen(os.dup(out), "wb") as raw, \
+    with open_tar(path, what=f"checkpoint {label}") as src, os.fdopen(os.dup(out), "wb") as raw, \
             tarfile.open(fileobj=raw, mode="w:gz") as tar:
         info = tarfile.TarInfo(RECORD)
         info.size, info.mtime = len(blob), int(record.get("created") or 0)

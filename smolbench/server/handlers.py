@@ -254,6 +254,9 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
         if conn is not None:
             with conn:
                 conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
+                if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoint_more'"
+                                ).fetchone():  # a ledger no kernel of this version opened yet has none
+                    conn.execute("DELETE FROM checkpoint_more WHERE name = ?", (name,))
     except sqlite3.DatabaseError as exc:
         raise _fail(422, f"this folder's ledger is not a readable smolbench ledger ({exc})") from None
     finally:
