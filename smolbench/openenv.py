@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
+from openenv.core.env_server.types import (
+    Action,
+    EnvironmentMetadata,
+    Observation,
+    ResetRequest,
+    State,
+)
 from pydantic import Field
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
@@ -56,6 +62,13 @@ class GymObservation(Observation):
     truncated: bool = False
     info: dict[str, Any] = Field(default_factory=dict)
     machine: str | None = Field(default=None, description="the smolbench machine this episode runs in")
+
+
+class SeedAsSent(ResetRequest):
+    """OpenEnv's HTTP reset body with the seed as the client sent it: its lax ``int`` took
+    ``true`` as 1 and ``"1"`` as 1; :func:`check_seed` refuses them in one line, as over the WebSocket."""
+
+    seed: Any = Field(default=None, description="the env's seed: a whole number from 0 to 2**63-1, or null")
 
 
 def to_json(value: Any) -> Any:
@@ -360,6 +373,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     # the API docs pages load scripts from a CDN into a page whose URL holds the server's token
     gone = {"/mcp", "/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"}
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
+    _seed_as_sent(app)
     app.openapi_url = app.docs_url = app.redoc_url = app.swagger_ui_oauth2_redirect_url = None
     app.state.smolbench_sessions = live
     app.state.smolbench_pool = pool
@@ -371,3 +385,19 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
 
     app.add_exception_handler(SmolbenchError, one_line)
     return app
+
+
+def _seed_as_sent(app: Any) -> None:
+    """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`."""
+    from fastapi import Body
+    from fastapi.routing import APIRoute
+    from openenv.core.env_server.types import ResetResponse
+
+    (route,) = [r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/reset" and "POST" in (r.methods or ())]
+    openenv_reset = route.endpoint
+
+    async def reset(request: SeedAsSent = Body(default_factory=SeedAsSent)) -> Any:  # noqa: B008 (FastAPI reads it)
+        return await openenv_reset(request)
+
+    app.router.routes.remove(route)
+    app.post("/reset", response_model=ResetResponse)(reset)

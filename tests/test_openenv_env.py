@@ -231,6 +231,33 @@ def test_bad_options_and_unknown_reset_fields_are_refused(parent: Machines) -> N
         env.close()
 
 
+@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1"])
+def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(parent: Machines, seed: Any) -> None:
+    """OpenEnv's HTTP reset body took ``true`` as seed 1 (and ``"1"``, ``1.0``) and refused 1.5
+    with a list of pydantic errors: both routes now give one line naming the seed."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import app_for
+
+    app = app_for(parent, max_sessions=2)
+    try:
+        with TestClient(app) as client:
+            r = client.post("/reset", json={"seed": seed})
+            assert r.status_code == 400 and r.json()["detail"].startswith("seed should be a whole number"), r.text
+            assert "\n" not in r.json()["detail"]
+            assert client.post("/reset", json={"seed": 1}).status_code == 200
+            with client.websocket_connect("/ws") as ws:
+                ws.send_text(json.dumps({"type": "reset", "data": {"seed": seed}}))
+                got = json.loads(ws.receive_text())
+                assert got["type"] == "error" and got["data"]["message"].startswith("seed should be a whole number")
+                ws.send_text(json.dumps({"type": "reset", "data": {"seed": 1}}))
+                assert json.loads(ws.receive_text())["type"] == "observation"  # the session goes on
+    finally:
+        app.state.smolbench_pool.shutdown()
+
+
 def test_close_deletes_the_machines_when_the_ledger_refuses_a_record(parent: Machines,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     env = session(parent)
