@@ -16,15 +16,22 @@ import concurrent.futures
 import contextlib
 import datetime
 import math
+import re
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
+from openenv.core.env_server.types import (
+    Action,
+    EnvironmentMetadata,
+    Observation,
+    ResetRequest,
+    State,
+)
 from pydantic import Field
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
@@ -55,7 +62,14 @@ class GymObservation(Observation):
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = Field(default_factory=dict)
-    machine: str | None = Field(default=None, description="the smolbench machine this episode runs in")
+    machine: str | None = Field(default=None, description="this session's name for the machine this episode runs in")
+
+
+class SeedAsSent(ResetRequest):
+    """OpenEnv's HTTP reset body with the seed as the client sent it: its lax ``int`` took
+    ``true`` as 1 and ``"1"`` as 1; :func:`check_seed` refuses them in one line, as over the WebSocket."""
+
+    seed: Any = Field(default=None, description="the env's seed: a whole number from 0 to 2**63-1, or null")
 
 
 def to_json(value: Any) -> Any:
@@ -126,6 +140,12 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._served = served  # made by app_for: closed on OpenEnv's server loop, which must not wait
         self._pool = pool  # HTTP requests' threads, shared by the app's sessions of one request
+        # A machine's own name counts every session's branches of the warm parent: a client
+        # sees its session's name for it instead (the ledger's episode rows keep both).
+        self._label, self._count = uuid.uuid4().hex[:8], 0
+        self._names: dict[str, str] = {}
+        self._named = re.compile(re.escape(machines.parent.name) + r"\.\d+") if machines.parent else None
+        machines.records.client_name = self._client_name
 
     async def reset_async(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`reset`, cut as soon as the client's connection is gone (see :class:`ClientWatch`)."""
@@ -170,6 +190,16 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GymObservation:
         """A new episode in a fresh branch of the warm parent (a client's seed, options and
         episode id checked first, as ``smolbench.gym.make``'s reset checks them)."""
+        with self._told():
+            return self._reset(seed, episode_id, **kwargs)
+
+    def step(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
+        """One step in the session's machine, within the server's request timeout (or the
+        client's ``timeout_s``, if shorter)."""
+        with self._told():
+            return self._step(action, timeout_s)
+
+    def _reset(self, seed: int | None, episode_id: str | None, **kwargs: Any) -> GymObservation:
         unknown = sorted(set(kwargs) - {"options"})
         if unknown:
             raise SmolbenchError(f"reset takes seed, episode_id and options; {str(unknown[0])[:40]!r} is not one of them")
@@ -186,9 +216,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
 
-    def step(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
-        """One step in the session's machine, within the server's request timeout (or the
-        client's ``timeout_s``, if shorter)."""
+    def _step(self, action: GymAction, timeout_s: float | None) -> GymObservation:
         limit = self._timeout
         if timeout_s is not None:
             if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -198,9 +226,37 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         act = from_json(self._m.action_space, action.action)
         st = self._run(self._m.step(0, act), "step", limit)
         self._state.step_count += 1
+        info = st.info
+        if "smolbench_lost" in info:  # smolbench's own words, naming the machine
+            info = {**info, "smolbench_lost": self._scrubbed(str(info["smolbench_lost"]))}
         return GymObservation(observation=to_json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
-                              terminated=st.terminated, truncated=st.truncated, info=to_json(st.info),
+                              terminated=st.terminated, truncated=st.truncated, info=to_json(info),
                               machine=self._machine())
+
+    @contextlib.contextmanager
+    def _told(self) -> Iterator[None]:
+        """A one-line error as this session's client gets it: its machines by its own names."""
+        try:
+            yield
+        except SmolbenchError as exc:
+            said = self._scrubbed(str(exc))
+            if said == str(exc):
+                raise
+            raise SmolbenchError(said) from None
+
+    def _client_name(self, name: str) -> str:
+        """This session's name for machine ``name``: its id and the machine's number in it."""
+        got = self._names.get(name)
+        if got is None:
+            self._count += 1
+            got = self._names[name] = f"{self._label}-{self._count}"
+            if len(self._names) > 8:  # older machines are gone: their names no longer come up
+                del self._names[next(iter(self._names))]
+        return got
+
+    def _scrubbed(self, text: str) -> str:
+        """``text`` with the warm parent's branches by this session's names for them."""
+        return self._named.sub(lambda m: self._client_name(m[0]), text) if self._named is not None else text
 
     def _open(self) -> None:
         if self._m.closed:
@@ -274,7 +330,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     def _machine(self) -> str | None:
         ref = self._m.eps[0].ref
-        return ref.name if ref is not None else None
+        return self._client_name(ref.name) if ref is not None else None
 
 
 class _OutOfTime(Exception):
@@ -360,6 +416,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     # the API docs pages load scripts from a CDN into a page whose URL holds the server's token
     gone = {"/mcp", "/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"}
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
+    _seed_as_sent(app)
     app.openapi_url = app.docs_url = app.redoc_url = app.swagger_ui_oauth2_redirect_url = None
     app.state.smolbench_sessions = live
     app.state.smolbench_pool = pool
@@ -371,3 +428,19 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
 
     app.add_exception_handler(SmolbenchError, one_line)
     return app
+
+
+def _seed_as_sent(app: Any) -> None:
+    """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`."""
+    from fastapi import Body
+    from fastapi.routing import APIRoute
+    from openenv.core.env_server.types import ResetResponse
+
+    (route,) = [r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/reset" and "POST" in (r.methods or ())]
+    openenv_reset = route.endpoint
+
+    async def reset(request: SeedAsSent = Body(default_factory=SeedAsSent)) -> Any:  # noqa: B008 (FastAPI reads it)
+        return await openenv_reset(request)
+
+    app.router.routes.remove(route)
+    app.post("/reset", response_model=ResetResponse)(reset)

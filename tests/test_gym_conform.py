@@ -147,6 +147,64 @@ def test_a_float_action_for_an_integer_space_is_still_one_line(bench: Workbench)
         env.close()
 
 
+def same(got: Any, want: Any) -> bool:
+    """Equal, and of the same types all the way down (a tuple's items too)."""
+    if isinstance(want, tuple):
+        return type(got) is tuple and len(got) == len(want) and all(map(same, got, want))
+    if isinstance(want, np.ndarray):
+        return type(got) is np.ndarray and got.dtype == want.dtype and np.array_equal(got, want)
+    return type(got) is type(want) and got == want
+
+
+@pytest.mark.parametrize("env_id", ["FrozenLake-v1", "Taxi-v4", "Blackjack-v1"])
+def test_discrete_observations_and_rewards_come_back_as_the_env_gives_them(bench: Workbench, env_id: str) -> None:
+    """FrozenLake's and Taxi's observations are Python ints, Blackjack's a tuple of them; Taxi's
+    rewards are ints. They came back as np.int64 and floats."""
+    ours, theirs = sgym.make(functools.partial(gymnasium.make, env_id), session=bench), gymnasium.make(env_id)
+    pick = np.random.default_rng(0)
+    try:
+        for seed in range(3):
+            got, want = ours.reset(seed=seed), theirs.reset(seed=seed)
+            assert same(got[0], want[0]), (got[0], want[0])
+            for _ in range(40):
+                action = int(pick.integers(theirs.action_space.n))
+                got, want = ours.step(action), theirs.step(action)
+                assert all(same(g, w) for g, w in zip(got[:4], want[:4])), (got[:4], want[:4])
+                if want[2] or want[3]:
+                    break
+    finally:
+        ours.close()
+        theirs.close()
+
+
+NUMPY_INTS = '''
+import numpy as np, gymnasium as gym
+from gymnasium import spaces as S
+
+class NumpyInts(gym.Env):
+    observation_space = S.Tuple((S.Discrete(5), S.Discrete(5)))
+    action_space = S.Discrete(2)
+    def reset(self, seed=None, options=None):
+        return (np.int32(1), np.int64(2)), {}
+    def step(self, action):
+        return (np.int32(3), 4), np.float64(0.5), False, False, {}
+
+def numpy_ints():
+    return NumpyInts()
+'''
+
+
+def test_numpy_discrete_observations_keep_their_dtype_and_a_numpy_reward_is_a_float(bench: Workbench) -> None:
+    define(bench, NUMPY_INTS)
+    env = sgym.make("numpy_ints", session=bench, reset="in-place")
+    try:
+        assert same(env.reset(seed=0)[0], (np.int32(1), np.int64(2)))
+        obs, reward, *_ = env.step(0)
+        assert same(obs, (np.int32(3), 4)) and same(reward, 0.5)  # np.float64's value, as a float (README)
+    finally:
+        env.close()
+
+
 def test_spaces_keep_the_envs_own_order(bench: Workbench) -> None:
     """A Dict came back with its keys sorted and a Text with its characters sorted: the
     observations' keys, FlattenObservation's layout and a seeded sample() all differed."""

@@ -8,6 +8,7 @@ kept a session's step waiting forever.
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 import time
@@ -125,6 +126,13 @@ def mine(parent: Machines, env: MachineEnvironment) -> list[MachineRef]:
     return [ep.ref for ep in env._m.eps if ep.ref is not None]
 
 
+def real_name(env: MachineEnvironment) -> str:
+    """The machine the session's episode runs in (its client sees another name for it)."""
+    ref = env._m.eps[0].ref
+    assert ref is not None
+    return ref.name
+
+
 def branches(parent: Machines) -> set[str]:
     """The warm parent's branches alive now, once their number held for a second."""
     assert parent.parent is not None
@@ -146,12 +154,14 @@ def test_sessions_and_stateless_resets_take_the_warm_parent_s_spares(parent: Mac
     try:
         held = set()
         for env in envs:
-            held.add(env.reset(seed=1).machine)
+            env.reset(seed=1)
+            held.add(real_name(env))
         alive_now = branches(parent)
         assert held <= alive_now and len(alive_now) <= parent.pool.count + len(envs), sorted(alive_now)
         for _ in range(6):  # what OpenEnv's HTTP /reset does: a session for one reset, closed after it
             once = session(parent)
-            machine = once.reset(seed=2).machine
+            once.reset(seed=2)
+            machine = real_name(once)
             once.close()
             assert machine not in parent.wb.machines
         assert len(branches(parent)) <= parent.pool.count + len(envs)
@@ -231,6 +241,56 @@ def test_bad_options_and_unknown_reset_fields_are_refused(parent: Machines) -> N
         env.close()
 
 
+@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1"])
+def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(parent: Machines, seed: Any) -> None:
+    """OpenEnv's HTTP reset body took ``true`` as seed 1 (and ``"1"``, ``1.0``) and refused 1.5
+    with a list of pydantic errors: both routes now give one line naming the seed."""
+
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import app_for
+
+    app = app_for(parent, max_sessions=2)
+    try:
+        with TestClient(app) as client:
+            r = client.post("/reset", json={"seed": seed})
+            assert r.status_code == 400 and r.json()["detail"].startswith("seed should be a whole number"), r.text
+            assert "\n" not in r.json()["detail"]
+            assert client.post("/reset", json={"seed": 1}).status_code == 200
+            with client.websocket_connect("/ws") as ws:
+                ws.send_text(json.dumps({"type": "reset", "data": {"seed": seed}}))
+                got = json.loads(ws.receive_text())
+                assert got["type"] == "error" and got["data"]["message"].startswith("seed should be a whole number")
+                ws.send_text(json.dumps({"type": "reset", "data": {"seed": 1}}))
+                assert json.loads(ws.receive_text())["type"] == "observation"  # the session goes on
+    finally:
+        app.state.smolbench_pool.shutdown()
+
+
+def test_a_client_sees_its_own_names_for_its_machines_not_how_many_others_made(parent: Machines) -> None:
+    """A machine's own name numbers every branch of the warm parent: a client that saw it
+    (the reply's ``machine``, an error naming it) learned how many episodes other clients ran.
+    The ledger's episode rows keep the real name and the client's for it."""
+    assert parent.parent is not None
+    real = re.compile(re.escape(parent.parent.name) + r"\.\d+")
+    mine_, other = session(parent, timeout=3), session(parent)
+    try:
+        seen = [mine_.reset(seed=1).machine]
+        for seed in range(3):  # another client's episodes meanwhile
+            other.reset(seed=seed)
+        seen.append(mine_.reset(seed=2).machine)
+        with pytest.raises(SmolbenchError) as cut:
+            mine_.step(HANG)
+        assert seen[0] and seen[1] == seen[0][:-1] + "2", seen  # its second machine, whatever the other did
+        assert not any(real.search(str(s)) for s in [*seen, str(cut.value)]), (seen, cut.value)
+        assert f"machine {seen[1]} is deleted" in str(cut.value)
+        named = {(r["metrics"] or {}).get("client_name"): r["id"] for r in parent.wb.ledger.node_rows()}
+        assert all(real.fullmatch(named.get(s) or "") for s in seen), named  # the notebook's user finds them
+    finally:
+        mine_.close()
+        other.close()
+
+
 def test_close_deletes_the_machines_when_the_ledger_refuses_a_record(parent: Machines,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     env = session(parent)
@@ -276,12 +336,13 @@ def test_a_request_that_never_answers_is_cut_its_machine_deleted_the_session_goe
             else:
                 env.reset(options={"hang": True})
         assert "\n" not in str(got.value)
-        hung = re.search(r"machine (\S+) is deleted", str(got.value))
-        assert hung is not None and hung[1] in machines
-        assert hung[1] not in parent.wb.machines and not alive(machines[hung[1]])
+        said = re.search(r"machine (\S+) is deleted", str(got.value))
+        assert said is not None
+        hung = {told: real for real, told in env._names.items()}[said[1]]  # the client's name for it
+        assert hung in machines and hung not in parent.wb.machines and not alive(machines[hung])
         with pytest.raises(SmolbenchError, match="before reset"):
             env.step(GymAction(action="info = {'ok': 1}"))
-        assert env.reset(seed=2).machine not in (None, hung[1])  # the session goes on, in a new machine
+        assert env.reset(seed=2).machine not in (None, said[1])  # the session goes on, in a new machine
         assert env.step(GymAction(action="info = {'ok': 1}")).info == {"ok": 1}
     finally:
         env.close()
@@ -304,13 +365,13 @@ def test_a_client_timeout_s_is_checked_and_only_shortens_the_limit(parent: Machi
 def test_in_place_a_cut_step_gets_a_new_machine_for_the_next_episode(in_place: Machines) -> None:
     env = session(in_place, timeout=3)
     try:
-        env.reset(seed=1)
+        told = env.reset(seed=1).machine  # the client's name for ref
         ref = env._m.eps[0].ref
         assert ref is not None
-        with pytest.raises(SmolbenchError, match=f"machine {ref.name} is deleted"):
+        with pytest.raises(SmolbenchError, match=f"machine {told} is deleted"):
             env.step(HANG)
         assert ref.name not in in_place.wb.machines and not alive(ref)
-        assert env.reset(seed=2).machine not in (None, ref.name)
+        assert env.reset(seed=2).machine not in (None, told)
         assert env.step(GymAction(action="info = {'ok': 2}")).info == {"ok": 2}
     finally:
         env.close()

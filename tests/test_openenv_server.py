@@ -461,7 +461,8 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
         try:
             via_tap = server.url.replace(f":{server.port}/", f":{tap.port}/")
             done = round_trip(via_tap, open_tmp / "ca.pem")
-            assert done.returncode == 0 and "round trip root." in done.stdout, done.stdout + done.stderr
+            assert done.returncode == 0 and re.fullmatch(r"round trip [0-9a-f]{8}-1 \S+\n", done.stdout), \
+                done.stdout + done.stderr  # the session's name for its machine
             assert httpx.post(f"{via_tap}/reset", json={"seed": 1}, verify=str(open_tmp / "ca.pem"),
                               timeout=WAIT).status_code == 200
             assert len(tap.seen) > 1000 and token.encode() not in tap.seen and b"/reset" not in tap.seen

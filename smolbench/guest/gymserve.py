@@ -145,6 +145,8 @@ def observation(value, where="the observation"):
 
 
 def _reward(value):
+    if type(value) is int:  # the env's own type (Taxi's), kept by JSON
+        return value
     try:
         out = float(value)
     except (TypeError, ValueError):

@@ -682,7 +682,7 @@ class Machines:
         obs = out["obs"] if fit else self._obs(out["obs"], self._where(ep))
         if type(info) is not dict or info:  # an empty dict is an info as it is
             info = checked_info(info, self._where(ep))
-        return Step(obs, float(reward), terminated, truncated, info)
+        return Step(obs, reward, terminated, truncated, info)  # an int stays one (the env's own: Taxi's)
 
     def _where(self, ep: Episode) -> str:
         return _where(ep.index, self.n, ep)

@@ -58,6 +58,7 @@ class Records:
         self._gathered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # not empty: a write is on its way
         m.wb.unwritten.add(self)  # the workbench's down writes them first
         self.kept: collections.deque[str] = collections.deque()  # ended episodes' nodes in the tree, oldest first
+        self.client_name: Callable[[str], str] | None = None  # a served session's name for a machine
 
     def begin(self, ep: Episode, seed: int | None) -> None:
         """``ep``'s new episode: its node, running."""
@@ -68,6 +69,8 @@ class Records:
         node = Node(ep.ref.name, m.parent.name, seed, status="running", started=time.time(), run_id=m.run_id,
                     forked_at=m.wb.tree[m.parent.name].cells)
         node.metrics = {"sub_env": ep.index, "reset": m.mode}
+        if self.client_name is not None:  # what the client of `smolbench serve` calls its machine
+            node.metrics["client_name"] = self.client_name(ep.ref.name)
         ep.episodes += 1
         ep.node, ep.ret, ep.length, ep.running = node, 0.0, 0, True
         # in place, the same machine's next episode gets its own node (on a channel its

@@ -228,7 +228,7 @@ def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any
             raise Refused(f"{what} should be a whole number, got {type(value).__name__}")
         if not int(space.start) <= int(value) < int(space.start) + int(space.n):  # first: 2**100 is no int64
             raise Refused(f"{what} {str(value)[:40]} is outside its space {space}")
-        value = np.int64(value)
+        # kept as the env gave it: a Python int (FrozenLake's) came as JSON, a numpy one with its dtype
     else:  # Box, MultiDiscrete, MultiBinary: an array of exactly the space's shape and dtype
         if not isinstance(value, np.ndarray):
             raise Refused(f"{what} should be an array of shape {space.shape}, got {type(value).__name__}")
