@@ -128,6 +128,12 @@ def guard(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
                 (kind == "index" and sql is not None and text not in OWN_INDEXES):
             raise UnsafeLedger(where, f"holds SQL of its own ({kind} {str(name)[:60]!r}), which would run here: "
                                       "smolbench doesn't use it (move it aside, and a new ledger is started)")
+    # A checkpoint's claims are joined to it by name: a table of them without that key (made
+    # ahead in a copied ledger) kept a planted row beside the one this kernel writes.
+    more = conn.execute("PRAGMA table_info(checkpoint_more)").fetchall()
+    if more and [r[1] for r in more if r[5]] != ["name"]:
+        raise UnsafeLedger(where, "has a checkpoint_more table keyed otherwise than smolbench makes it (by name): "
+                                  "move it aside, and a new ledger is started")
 
 
 def code_hash(code: str) -> str:
@@ -189,7 +195,10 @@ class Ledger:
     def _move_checkpoint_columns(self) -> None:
         """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
         and are dropped (SQLite 3.35 drops columns): older releases write a checkpoint row's nine
-        values by position ("table checkpoints has 12 columns but 9 values were supplied")."""
+        values by position ("table checkpoints has 12 columns but 9 values were supplied"). Never
+        destructive: a value only replaces one of the same row if it is not NULL (that version
+        adds the columns back, empty, to a ledger this one wrote), and a column that can't be
+        dropped is emptied once moved, so the next open has nothing to move."""
         def moved() -> list[str]:
             return [r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)") if r[1] in MORE_COLUMNS]
 
@@ -197,13 +206,23 @@ class Ledger:
             return
         self._db.execute("BEGIN IMMEDIATE")  # another kernel opening it meanwhile waits, then finds them moved
         try:
-            self._db.execute("INSERT INTO checkpoint_more (name, session_id, path, size) SELECT name, session_id, "
-                             "path, size FROM checkpoints WHERE true ON CONFLICT (name) DO NOTHING")
-            for column in moved():
-                self._db.execute(f"UPDATE checkpoint_more SET {column} = (SELECT c.{column} FROM checkpoints c "
-                                 "WHERE c.name = checkpoint_more.name)")
-                with contextlib.suppress(sqlite3.OperationalError):  # an older SQLite: it stays, unread
+            columns = moved()
+            if columns:
+                same = ("checkpoint_more.session_id IS excluded.session_id AND checkpoint_more.path IS excluded.path "
+                        "AND checkpoint_more.size IS excluded.size")
+                sets = ", ".join(f"{c} = CASE WHEN {same} THEN COALESCE(excluded.{c}, checkpoint_more.{c}) "
+                                 f"ELSE excluded.{c} END" for c in columns)
+                listed = ", ".join(columns)
+                # the key last: the CASEs above compare the row as it was
+                self._db.execute(f"INSERT INTO checkpoint_more (name, session_id, path, size, {listed}) SELECT name, "
+                                 f"session_id, path, size, {listed} FROM checkpoints WHERE true ON CONFLICT (name) DO "
+                                 f"UPDATE SET {sets}, readded = CASE WHEN {same} THEN checkpoint_more.readded END, "
+                                 "session_id = excluded.session_id, path = excluded.path, size = excluded.size")
+            for column in columns:
+                try:
                     self._db.execute(f"ALTER TABLE checkpoints DROP COLUMN {column}")
+                except sqlite3.OperationalError:  # an older SQLite, or a constraint on it: emptied, unread
+                    self._db.execute(f"UPDATE checkpoints SET {column} = NULL")
         except BaseException:
             self._db.execute("ROLLBACK")  # all moved or none: a half-moved column would lose its values
             raise

@@ -11,15 +11,18 @@ time; each attack is shown against the weakened setup too.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sqlite3
 import subprocess
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from smolbench import ledger as ledger_module
+from smolbench.errors import SmolbenchError
 from smolbench.ledger import Ledger, UnsafeLedger
 from smolbench.server import ledgerview
 
@@ -133,15 +136,15 @@ def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_pat
 OLD = "3b7fef0"  # a release before the checkpoint rows' baseline, source and SHA-256
 
 
-def older_ledger(tmp_path: Path) -> ModuleType:
-    """smolbench's ledger module as release OLD had it (from git), imported by path."""
+def older_ledger(tmp_path: Path, release: str = OLD) -> ModuleType:
+    """smolbench's ledger module as ``release`` had it (from git), imported by path."""
     repo = Path(__file__).resolve().parents[1]
-    shown = subprocess.run(["git", "-C", str(repo), "show", f"{OLD}:smolbench/ledger.py"], capture_output=True)
+    shown = subprocess.run(["git", "-C", str(repo), "show", f"{release}:smolbench/ledger.py"], capture_output=True)
     if shown.returncode:
-        pytest.skip(f"no git history here to take release {OLD}'s ledger from")
-    path = tmp_path / f"ledger_{OLD}.py"
+        pytest.skip(f"no git history here to take release {release}'s ledger from")
+    path = tmp_path / f"ledger_{release}.py"
     path.write_bytes(shown.stdout)
-    spec = importlib.util.spec_from_file_location(f"smolbench._ledger_{OLD}", path)  # its `from .errors`
+    spec = importlib.util.spec_from_file_location(f"smolbench._ledger_{release}", path)  # its `from .errors`
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -220,3 +223,70 @@ def test_a_ledger_with_the_claims_in_its_checkpoints_table_is_opened_as_older_re
         assert (led.checkpoint("gift") or {})["sha256"] == "abab"
     finally:
         led.close()
+
+
+WITH_COLUMNS = "18306ed"  # the release that kept a checkpoint's claims as columns of its row
+
+
+def claims(led: Ledger, name: str) -> tuple[Any, ...]:
+    row = led.checkpoint(name) or {}
+    return row.get("baseline"), row.get("source"), row.get("sha256")
+
+
+def test_a_release_that_adds_the_columns_back_empty_leaves_the_claims_as_they_were(tmp_path: Path) -> None:
+    """That release opens a folder this one saved into and adds its three columns back, empty:
+    the move on the next open copied those NULLs over the claims, and a file's claimed baseline
+    (its restore's warning) was gone."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    led = Ledger(path)
+    led.add_checkpoint("gift", "imported", "", "checkpoints/gift.smolcheckpoint", "sandbox", 10, 7, [],
+                       baseline="B-file", source="/srv/class/gift.smolcheckpoint", sha256="ab" * 32)
+    led.close()
+    between = older_ledger(tmp_path, WITH_COLUMNS).Ledger(path)
+    between.add_checkpoint("theirs", "s1", "root", "checkpoints/theirs.smolcheckpoint", "sandbox", 5, 1, [],
+                           baseline="B-here")
+    between.close()
+    for _ in range(2):
+        led = Ledger(path)
+        try:
+            assert claims(led, "gift") == ("B-file", "/srv/class/gift.smolcheckpoint", "ab" * 32)
+            assert claims(led, "theirs") == ("B-here", None, None)  # what that release wrote, moved
+        finally:
+            led.close()
+
+
+def test_a_column_that_cant_be_dropped_is_moved_once_and_never_again(tmp_path: Path) -> None:
+    """A copied ledger whose checkpoints.baseline is UNIQUE (SQLite won't drop it; nor does one
+    older than 3.35 drop any): the column stayed, and each open copied it over the claim this
+    kernel recorded since, so a file's claimed baseline vanished at the next kernel's start."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    path.parent.mkdir()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
+                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT, baseline TEXT UNIQUE, "
+                     "source TEXT, sha256 TEXT)")
+    Ledger(path).close()
+    led = Ledger(path)
+    led.add_checkpoint("lesson", "imported", "", "checkpoints/lesson.smolcheckpoint", "sandbox", 10, 7, [],
+                       baseline="B-other", source="/srv/lesson.smolcheckpoint", sha256="cd" * 32)
+    led.close()
+    led = Ledger(path)
+    try:
+        assert claims(led, "lesson") == ("B-other", "/srv/lesson.smolcheckpoint", "cd" * 32)
+    finally:
+        led.close()
+
+
+def test_a_copied_ledger_with_an_unkeyed_claims_table_is_refused(tmp_path: Path) -> None:
+    """Made ahead without its key, the table kept a planted row beside the one this kernel wrote:
+    a file's source and SHA-256 as this machine recorded them read as the author's."""
+    path = tmp_path / ".smolbench" / "ledger.db"
+    path.parent.mkdir()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("CREATE TABLE checkpoint_more (name TEXT, session_id TEXT, path TEXT, size INTEGER, "
+                     "baseline TEXT, source TEXT, sha256 TEXT, readded REAL)")
+        conn.execute("INSERT INTO checkpoint_more VALUES ('lesson1', 'imported', 'checkpoints/lesson1.smolcheckpoint',"
+                     " 10, NULL, '/home/staff/official/lesson1.smolcheckpoint', '55555555', NULL)")
+    with pytest.raises(SmolbenchError) as refused:
+        Ledger(path)
+    assert "checkpoint_more table keyed otherwise" in str(refused.value) and "\n" not in str(refused.value)
