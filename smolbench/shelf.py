@@ -380,25 +380,29 @@ class Shelf:
         if target.exists() and not force:
             raise SmolbenchError(f"{dest} exists: pick another path or add --force to replace it")
         node = self.ledger.node(str(rec.get("session_id")), str(rec.get("node_id"))) if rec.get("node_id") else None
-        # the row's baseline: this folder's save's, or a file's claim, carried as it was (a re-export
-        # must not drop it); a row from before the column: its node's
-        extra: dict[str, Any] = {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
         imported = rec.get("session_id") == IMPORTED
-        if spec is not None and extra["baseline"] == spec.baseline() and not imported:
-            extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
         with self.open(rec) as f:
             try:
                 inside = archive.check(f.path, "sandbox", f.name) or {}
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise SmolbenchError(f"checkpoint {name!r} is corrupt or truncated ({exc}): it can't be exported") from None
+            # A file added from elsewhere goes on with its own record's claims, read from its
+            # bytes (never this folder's rows, which an older install may have left beside
+            # another file); this folder's own save with its baseline (from before that
+            # column: its node's), and the machine's image and size if it is the same.
+            extra: dict[str, Any] = {} if imported else {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
+            if spec is not None and not imported and extra["baseline"] == spec.baseline():
+                extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
-            came = [f"re-exported: added to its folder from a checkpoint file (sha256 {rec['sha256']}) that said "
-                    "what this record says"] if imported and rec.get("sha256") else []
+            came = [f"re-exported: added to its folder from a checkpoint file (sha256 {_sha256(f.fd)}) that said "
+                    "what this record says"] if imported else []
+            created = inside.get("created") if imported else rec.get("created")
             record.update(kind=archive.RECORD_KIND, version=1, name=name,
                           backend=rec.get("backend") or inside.get("backend") or "sandbox",
                           cells=int(rec.get("cells") or 0), size=f.size,
-                          created=float((inside if imported else rec).get("created") or rec.get("created") or time.time()),
-                          warnings=[str(w)[:2000] for w in [*(rec.get("warnings") or []), *came]][:20])
+                          warnings=[str(w)[:2000] for w in [*came, *(rec.get("warnings") or [])]][:20])
+            if created is not None or not imported:  # a file that claimed no time claims none here either
+                record["created"] = float(created or time.time())
             if rec.get("node_id"):
                 record["node"] = rec["node_id"]
             part = target.with_name(f".{target.name}.{os.getpid()}.part")

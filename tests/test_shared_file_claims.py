@@ -231,8 +231,36 @@ def test_a_re_export_carries_the_file_s_claims_as_its_claims(tmp_path: Path) -> 
             "variables and files are back, but what its cells installed or relied on may differ")
     inside = archive.read_record(out["path"]) or {}
     assert {k: inside[k] for k in claims} == {**claims, "warnings": [
-        f"the file says: {STAFF}", f"re-exported: added to its folder from a checkpoint file (sha256 "
-        f"{hashlib.sha256(gift.read_bytes()).hexdigest()}) that said what this record says"]}
+        f"re-exported: added to its folder from a checkpoint file (sha256 "
+        f"{hashlib.sha256(gift.read_bytes()).hexdigest()}) that said what this record says", f"the file says: {STAFF}"]}
     assert (said["friend"]["node_id"], said["friend"]["cells"]) == ("root.3", 7)
-    assert said["friend"]["warnings"][0] == f"the file says: {STAFF}"
+    assert said["friend"]["warnings"][1] == f"the file says: {STAFF}"
     assert (again["baseline"], again["image"], again["memory"]) == (spec.baseline(), "their/image:1", 64)
+
+
+def test_a_re_export_says_where_it_came_from_first_and_claims_no_time_the_file_did_not(tmp_path: Path) -> None:
+    """A file with the most warnings a record holds pushed the re-export's own line out (it came
+    last), and one that claimed no time was re-exported with the time it was added here, as if
+    the file had said so. The line names the SHA-256 of the bytes added, read from them."""
+    import hashlib
+
+    from smolbench.gate import archive
+    from smolbench.ledger import Ledger
+    from smolbench.shelf import Shelf
+
+    full = tmp_path / "full.smolcheckpoint"
+    forged(full, record(name="full", warnings=[f"{STAFF} ({i})" for i in range(20)]))
+    led = Ledger(tmp_path / "here" / ".smolbench" / "ledger.db")
+    try:
+        shelf = Shelf(led)
+        shelf.adopt(str(full), "sandbox")
+        row = led.checkpoint("full") or {}
+        led.add_checkpoint("full", "imported", "", row["path"], "sandbox", full.stat().st_size, 0, row["warnings"],
+                           sha256="0" * 64, baseline="b" * 64)  # rows an older install left beside another file
+        out = shelf.export("full", str(tmp_path / "out.smolcheckpoint"))
+    finally:
+        led.close()
+    inside = archive.read_record(out["path"]) or {}
+    assert inside["warnings"][0] == (f"re-exported: added to its folder from a checkpoint file (sha256 "
+                                     f"{hashlib.sha256(full.read_bytes()).hexdigest()}) that said what this record says")
+    assert len(inside["warnings"]) == 20 and "created" not in inside and "baseline" not in inside
