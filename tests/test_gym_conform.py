@@ -191,6 +191,17 @@ class NumpyInts(gym.Env):
 
 def numpy_ints():
     return NumpyInts()
+
+class BigRewards(gym.Env):
+    observation_space = S.Discrete(2)
+    action_space = S.Discrete(2)
+    def reset(self, seed=None, options=None):
+        return 0, {}
+    def step(self, action):
+        return 0, (2**64 if action else -(2**53)), False, False, {}
+
+def big_rewards():
+    return BigRewards()
 '''
 
 
@@ -201,6 +212,20 @@ def test_numpy_discrete_observations_keep_their_dtype_and_a_numpy_reward_is_a_fl
         assert same(env.reset(seed=0)[0], (np.int32(1), np.int64(2)))
         obs, reward, *_ = env.step(0)
         assert same(obs, (np.int32(3), 4)) and same(reward, 0.5)  # np.float64's value, as a float (README)
+    finally:
+        env.close()
+
+
+def test_an_int_reward_past_a_floats_exact_range_is_a_float(bench: Workbench) -> None:
+    """A machine's int reward is kept as an int only where a float64 holds it exactly: 2**64 came
+    back as a Python int, which made a user's np.array of rewards an object array (and int64 fail)."""
+    define(bench, NUMPY_INTS)
+    env = sgym.make("big_rewards", session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        big, edge = env.step(1)[1], env.step(0)[1]
+        assert same(big, float(2**64)) and np.array([big]).dtype == np.float64
+        assert same(edge, -(2**53))  # within it: the env's own int
     finally:
         env.close()
 

@@ -682,6 +682,8 @@ class Machines:
         obs = out["obs"] if fit else self._obs(out["obs"], self._where(ep))
         if type(info) is not dict or info:  # an empty dict is an info as it is
             info = checked_info(info, self._where(ep))
+        if type(reward) is int and abs(reward) > 2**53:  # past a float64's exact ints: np.array(rewards) of objects
+            reward = float(reward)
         return Step(obs, reward, terminated, truncated, info)  # an int stays one (the env's own: Taxi's)
 
     def _where(self, ep: Episode) -> str:
