@@ -338,6 +338,19 @@ def test_a_restore_refuses_a_gzip_name_field_that_never_ends(before: str, tmp_pa
     assert not list((tmp_path / ".smolbench" / "checkpoints").iterdir())
 
 
+def test_a_python_whose_gzip_skips_our_header_check_is_refused_not_trusted(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check rides on CPython's own gzip reader (its header method): a Python whose gzip
+    stopped calling it would read headers unchecked, silently. It is refused in one line."""
+    path = tmp_path / "honest.smolcheckpoint"
+    path.write_bytes(gzip.compress(_checkpoint_tar()))
+    archive.check(str(path))  # read as it is, here
+    monkeypatch.setattr(archive._CheckedGzipReader, "_read_gzip_header", gzip._GzipReader._read_gzip_header)
+    with pytest.raises(archive.UnsafeCheckpoint, match="this Python's gzip module reads files in a way smolbench "
+                                                       "can't check"):
+        archive.check(str(path))
+
+
 def test_a_record_first_in_a_big_checkpoint_is_read(tmp_path: Path) -> None:
     """As exported (tarfile's gzip, its name field set): the record first, then 3 MB of namespace."""
     path = tmp_path / "big.smolcheckpoint"

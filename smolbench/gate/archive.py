@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 import tarfile
 import tempfile
 import zlib
@@ -211,8 +212,10 @@ class _CheckedGzipReader(gzip._GzipReader):
     def __init__(self, fp: IO[bytes], what: str) -> None:
         super().__init__(fp)
         self._what = what
+        self.used = False  # gzip called us: a Python whose gzip no longer does is refused, not trusted
 
     def _read_gzip_header(self) -> bool:
+        self.used = True
         fp: Any = self._fp  # type: ignore[attr-defined]
         head, end = b"", None
         while end is None and len(head) < PREFIX_LIMIT and GZIP_START.startswith(head[:3]):
@@ -234,7 +237,8 @@ class _CheckedGzip(gzip.GzipFile):
 
     def __init__(self, path: str | None, fileobj: IO[bytes] | None, what: str) -> None:
         super().__init__(path, "rb", fileobj=fileobj)
-        self._buffer = io.BufferedReader(_CheckedGzipReader(self.fileobj, what))  # type: ignore[arg-type]
+        self.checked = _CheckedGzipReader(self.fileobj, what)  # type: ignore[arg-type]
+        self._buffer = io.BufferedReader(self.checked)
 
 
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
@@ -253,6 +257,10 @@ def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
         gz.close()
         raise
     tar._extfileobj = False  # type: ignore[attr-defined]  # closing the archive closes the gzip file
+    if not gz.checked.used:  # this Python's gzip reads its headers another way: not checked, not read
+        tar.close()
+        raise UnsafeCheckpoint(f"{what or Path(path or '').name}: this Python's gzip module reads files in a way "
+                               f"smolbench can't check (Python {sys.version.split()[0]}): use Python 3.10 to 3.13")
     return tar
 
 
