@@ -33,10 +33,20 @@ ENDLESS = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) "
            "0 AS size, 0 AS cells, '' AS warnings FROM r")
 
 
-def made(folder: Path, *sql: str) -> Path:
-    """A ledger as smolbench makes it, then changed by its author with ``sql``."""
+def old_checkpoints(extra: str = "") -> str:
+    """The checkpoints table as releases before checkpoint_more made it (``extra``: its columns after warnings)."""
+    return ("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT, "
+            f"created REAL, size INTEGER, cells INTEGER, warnings TEXT{extra})")
+
+
+def made(folder: Path, *sql: str, ours: bool = True) -> Path:
+    """A ledger as smolbench makes it (``ours``; else an empty file), then changed by its author
+    (or an older release) with ``sql``."""
     path = folder / ".smolbench" / "ledger.db"
-    Ledger(path).close()
+    if ours:
+        Ledger(path).close()
+    else:
+        path.parent.mkdir(parents=True)
     conn = sqlite3.connect(path)
     with conn:
         for statement in sql:
@@ -110,17 +120,9 @@ def test_the_server_s_delete_fires_no_trigger(tmp_path: Path) -> None:
 def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_path: Path) -> None:
     """A checkpoint row now records its baseline, and a file from elsewhere its source and
     SHA-256: kept beside an older ledger's rows when it is opened, its rows kept as they were."""
-    path = tmp_path / ".smolbench" / "ledger.db"
-    path.parent.mkdir()
-    conn = sqlite3.connect(path)
-    with conn:  # the checkpoints table as releases before the columns made it, with a row
-        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
-                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT)")
-        conn.execute("INSERT INTO checkpoints VALUES ('old', 's0', 'root', 'checkpoints/old.smolcheckpoint', "
-                     "'sandbox', 1.0, 10, 2, '[]')")
-    conn.close()
-    led = Ledger(path)
-    try:
+    path = made(tmp_path, old_checkpoints(), "INSERT INTO checkpoints VALUES ('old', 's0', 'root', "
+                "'checkpoints/old.smolcheckpoint', 'sandbox', 1.0, 10, 2, '[]')", ours=False)
+    with contextlib.closing(Ledger(path)) as led:
         old = led.checkpoint("old")
         assert old is not None and (old["node_id"], old["cells"], old["warnings"]) == ("root", 2, [])
         assert (old["baseline"], old["source"], old["sha256"]) == (None, None, None)
@@ -129,8 +131,6 @@ def test_an_older_ledger_gains_the_checkpoint_columns_and_keeps_its_rows(tmp_pat
         new = led.checkpoint("new")
         assert new is not None and (new["baseline"], new["source"], new["sha256"]) == (
             "host@1", "/srv/class/new.smolcheckpoint", "ab" * 32)
-    finally:
-        led.close()
 
 
 OLD = "3b7fef0"  # a release before the checkpoint rows' baseline, source and SHA-256
@@ -195,23 +195,13 @@ def test_a_ledger_with_the_claims_in_its_checkpoints_table_is_opened_as_older_re
         tmp_path: Path) -> None:
     """A ledger this version had given the three columns keeps what they say, and an older install
     saves into it again."""
-    path = tmp_path / ".smolbench" / "ledger.db"
-    path.parent.mkdir()
-    conn = sqlite3.connect(path)
-    with conn:
-        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
-                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT, baseline TEXT, "
-                     "source TEXT, sha256 TEXT)")
-        conn.execute("INSERT INTO checkpoints VALUES ('gift', 'imported', 'root.3', 'checkpoints/gift.smolcheckpoint', "
-                     "'sandbox', 1.0, 10, 7, '[]', 'host@1', '/srv/class/gift.smolcheckpoint', 'abab')")
-    conn.close()
-    led = Ledger(path)
-    try:
+    path = made(tmp_path, old_checkpoints(", baseline TEXT, source TEXT, sha256 TEXT"),
+                "INSERT INTO checkpoints VALUES ('gift', 'imported', 'root.3', 'checkpoints/gift.smolcheckpoint', "
+                "'sandbox', 1.0, 10, 7, '[]', 'host@1', '/srv/class/gift.smolcheckpoint', 'abab')", ours=False)
+    with contextlib.closing(Ledger(path)) as led:
         gift = led.checkpoint("gift")
         assert gift is not None and (gift["cells"], gift["baseline"], gift["source"], gift["sha256"]) == (
             7, "host@1", "/srv/class/gift.smolcheckpoint", "abab")
-    finally:
-        led.close()
     old = older_ledger(tmp_path).Ledger(path)
     try:
         old.add_checkpoint("mine", "s0", "root", "checkpoints/mine.smolcheckpoint", "sandbox", 10, 2, [])
@@ -259,12 +249,7 @@ def test_a_column_that_cant_be_dropped_is_moved_once_and_never_again(tmp_path: P
     """A copied ledger whose checkpoints.baseline is UNIQUE (SQLite won't drop it; nor does one
     older than 3.35 drop any): the column stayed, and each open copied it over the claim this
     kernel recorded since, so a file's claimed baseline vanished at the next kernel's start."""
-    path = tmp_path / ".smolbench" / "ledger.db"
-    path.parent.mkdir()
-    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
-        conn.execute("CREATE TABLE checkpoints (name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, "
-                     "backend TEXT, created REAL, size INTEGER, cells INTEGER, warnings TEXT, baseline TEXT UNIQUE, "
-                     "source TEXT, sha256 TEXT)")
+    path = made(tmp_path, old_checkpoints(", baseline TEXT UNIQUE, source TEXT, sha256 TEXT"), ours=False)
     Ledger(path).close()
     led = Ledger(path)
     led.add_checkpoint("lesson", "imported", "", "checkpoints/lesson.smolcheckpoint", "sandbox", 10, 7, [],
@@ -280,13 +265,10 @@ def test_a_column_that_cant_be_dropped_is_moved_once_and_never_again(tmp_path: P
 def test_a_copied_ledger_with_an_unkeyed_claims_table_is_refused(tmp_path: Path) -> None:
     """Made ahead without its key, the table kept a planted row beside the one this kernel wrote:
     a file's source and SHA-256 as this machine recorded them read as the author's."""
-    path = tmp_path / ".smolbench" / "ledger.db"
-    path.parent.mkdir()
-    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
-        conn.execute("CREATE TABLE checkpoint_more (name TEXT, session_id TEXT, path TEXT, size INTEGER, "
-                     "baseline TEXT, source TEXT, sha256 TEXT, readded REAL)")
-        conn.execute("INSERT INTO checkpoint_more VALUES ('lesson1', 'imported', 'checkpoints/lesson1.smolcheckpoint',"
-                     " 10, NULL, '/home/staff/official/lesson1.smolcheckpoint', '55555555', NULL)")
+    path = made(tmp_path, "CREATE TABLE checkpoint_more (name TEXT, session_id TEXT, path TEXT, size INTEGER, "
+                "baseline TEXT, source TEXT, sha256 TEXT, readded REAL)",
+                "INSERT INTO checkpoint_more VALUES ('lesson1', 'imported', 'checkpoints/lesson1.smolcheckpoint',"
+                " 10, NULL, '/home/staff/official/lesson1.smolcheckpoint', '55555555', NULL)", ours=False)
     with pytest.raises(SmolbenchError) as refused:
         Ledger(path)
     assert "checkpoint_more table keyed otherwise" in str(refused.value) and "\n" not in str(refused.value)
