@@ -95,6 +95,7 @@ UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
 
 
+BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
 LENGTH_LIMIT = 16 * 1024 * 1024  # bytes of one string or blob SQLite makes or reads in a ledger
 OWN_INDEXES = {" ".join(line.split()).replace(" IF NOT EXISTS", "").rstrip(";")
                for line in SCHEMA.splitlines() if line.startswith("CREATE INDEX")}
@@ -171,7 +172,8 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         try:
-            self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT,
+                                       isolation_level=None)
         except sqlite3.Error as exc:
             raise SmolbenchError(f"can't open the ledger {path} ({exc}): check the path and its permissions") from None
         try:
@@ -186,6 +188,9 @@ class Ledger:
             self._move_checkpoint_columns()
         except sqlite3.DatabaseError as exc:
             self._db.close()
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise SmolbenchError(f"ledger {path} stayed locked by another program for {BUSY_TIMEOUT:g} s ({exc}): "
+                                     "try again once it is done, or name another with --ledger PATH") from None
             raise SmolbenchError(f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
                                  "started) or name another with --ledger PATH") from None
         except BaseException:

@@ -272,3 +272,18 @@ def test_a_copied_ledger_with_an_unkeyed_claims_table_is_refused(tmp_path: Path)
     with pytest.raises(SmolbenchError) as refused:
         Ledger(path)
     assert "checkpoint_more table keyed otherwise" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_ledger_another_program_keeps_locked_is_not_called_foreign(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel holding the ledger's lock past the wait (while it moves old columns, say) made
+    the next one say "not a smolbench ledger: move it aside": advice to set the user's record aside."""
+    path = made(tmp_path, old_checkpoints(", baseline TEXT, source TEXT, sha256 TEXT"), ours=False)
+    monkeypatch.setattr(ledger_module, "BUSY_TIMEOUT", 0.1)
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(SmolbenchError) as refused:
+            Ledger(path)
+        other.execute("COMMIT")
+    said = str(refused.value)
+    assert "stayed locked by another program for 0.1 s" in said and "move it aside" not in said and "\n" not in said
