@@ -85,3 +85,49 @@ def test_a_step_interrupted_by_ctrl_c_never_answers_a_later_request(bench: Workb
         envs.close()
         ref.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
+
+
+SLEEPY = '''
+import time, gymnasium
+
+class SlowSeeded(gymnasium.Wrapper):
+    """CartPole whose reset with seed 99 takes 2 s: long enough for a Ctrl-C while it waits."""
+    def reset(self, *, seed=None, options=None):
+        if seed == 99:
+            time.sleep(2)
+        return self.env.reset(seed=seed, options=options)
+
+def slow_reset_cartpole():
+    return SlowSeeded(gymnasium.make("CartPole-v1"))
+'''
+
+
+def test_ctrl_c_while_a_vector_reset_waits_stops_it_there(bench: Workbench) -> None:
+    """A Ctrl-C while a reset (or make_vec, or a close) waited on smolbench's loop left the work
+    running there ("Task was destroyed but it is pending!"): a script that ended on the Ctrl-C
+    waited out the exit's 20 s for it, and left a cgroup behind."""
+    import asyncio
+
+    from smolbench import _loop
+
+    define(bench, SLEEPY)
+    envs = sgym.make_vec("slow_reset_cartpole", 2, session=bench)
+    try:
+        timer = interrupt_soon(0.5)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                envs.reset(seed=[99, 99])
+        finally:
+            timer.join()
+
+        async def pending() -> list[str]:
+            here = asyncio.current_task()
+            return [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not here and not t.done()]
+
+        # stopped, its cleanup done, before the Ctrl-C reached the caller: nothing of it still runs
+        assert not [name for name in _loop.run(pending()) if "_together" in name or name.startswith("Machines.")]
+        obs, _ = envs.reset(seed=[1, 2])  # and the env goes on
+        assert obs.shape == (2, 4)
+    finally:
+        envs.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}

@@ -17,6 +17,7 @@ from ..errors import SmolbenchError
 from ..workbench import Workbench
 
 T = TypeVar("T")
+CLEANUP_WAIT = 60.0  # seconds a stopped call may take to delete what it made
 
 
 class Host:
@@ -27,8 +28,17 @@ class Host:
         self.owner = owner  # a Session (or Workbench) this env started: closed with the env
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it."""
-        return _loop.run(coro, timeout)
+        """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it. A Ctrl-C
+        (or the timeout) here stops it there and waits for its cleanup: left running, a make_vec
+        went on making machines beside the close that followed, and left their cgroups."""
+        job = _loop.Job(coro)
+        try:
+            return job.result(timeout)
+        except BaseException:
+            if not job.done():
+                job.cancel()
+                job.wait_finished(CLEANUP_WAIT)
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on smolbench's loop without waiting for it."""
