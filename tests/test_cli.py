@@ -37,3 +37,12 @@ def test_doctor_explains_each_backend(tmp_path: Path) -> None:
     assert "microVMs (smol backend)" in text and "/dev/kvm" in text
     assert ("OK:" in text.split("\nsandbox backend\n")[1]) or "apt-get install bubblewrap" in text
     assert "network inside: 'unreachable'" in text or "bubblewrap is not installed" in text
+
+
+def test_python_dash_m_smolbench_is_the_command(tmp_path: Path) -> None:
+    """Where the script is not on PATH (a venv not activated), `python -m smolbench` said "No
+    module named smolbench.__main__"."""
+    out = subprocess.run([sys.executable, "-m", "smolbench", "serve", "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage: smolbench serve")
