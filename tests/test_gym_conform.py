@@ -230,6 +230,26 @@ def test_an_int_reward_past_a_floats_exact_range_is_a_float(bench: Workbench) ->
         env.close()
 
 
+def test_a_gymnasium_id_is_made_in_the_machine_as_gymnasium_makes_it(bench: Workbench) -> None:
+    """A new user's first try, `make("CartPole-v1")`, was refused as "not a Python name" (while
+    `smolbench serve --gym CartPole-v1` served it); keyword arguments go to gymnasium.make."""
+    ours, theirs = sgym.make("CartPole-v1", session=bench, max_episode_steps=5), gymnasium.make("CartPole-v1",
+                                                                                              max_episode_steps=5)
+    vec, their_vec = sgym.make_vec("CartPole-v1", 2, session=bench), SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * 2)
+    try:
+        assert np.array_equal(ours.reset(seed=4)[0], theirs.reset(seed=4)[0])
+        for _ in range(5):
+            assert all(np.array_equal(a, b) for a, b in zip(ours.step(0)[:4], theirs.step(0)[:4]))
+        assert ours.spec is not None and ours.spec.id == "CartPole-v1" and ours.spec.max_episode_steps == 5
+        assert np.array_equal(vec.reset(seed=[1, 2])[0], their_vec.reset(seed=[1, 2])[0])
+        assert all(np.array_equal(a, b) for a, b in zip(vec.step(np.array([0, 1]))[:4], their_vec.step(np.array([0, 1]))[:4]))
+        with pytest.raises(SmolbenchError, match="a gymnasium id"):
+            sgym.make("Cart Pole", session=bench)
+    finally:
+        for env in (ours, theirs, vec, their_vec):
+            env.close()
+
+
 def test_spaces_keep_the_envs_own_order(bench: Workbench) -> None:
     """A Dict came back with its keys sorted and a Text with its characters sorted: the
     observations' keys, FlattenObservation's layout and a seeded sample() all differed."""

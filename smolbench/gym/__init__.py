@@ -10,6 +10,7 @@ data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +19,29 @@ from gymnasium.vector import AutoresetMode
 from ..errors import SmolbenchError
 from ._host import host_for
 from .env import MachineEnv
-from .machines import GymError, Machines
+from .machines import NAME_RE, GymError, Machines
 from .vector import MachineVectorEnv
 
 __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
+
+
+ENV_ID = re.compile(r"(?:[A-Za-z0-9_.:-]+/)?[A-Za-z0-9_.:-]+-v\d+")  # gymnasium's ids: CartPole-v1, ale_py:ALE/Pong-v5
+
+
+def _registered(env: Any) -> Any:
+    """A gymnasium id (``"CartPole-v1"``) as the factory ``gymnasium.make(id)`` in the machine, as
+    ``smolbench serve --gym`` serves one; a name defined in the machine, or a callable, as it is."""
+    if not isinstance(env, str) or NAME_RE.fullmatch(env) or not ENV_ID.fullmatch(env):
+        return env
+    env_id = env
+
+    def make_registered(**kwargs: Any) -> Any:  # cloudpickled by value: a nested function
+        import gymnasium
+
+        return gymnasium.make(env_id, **kwargs)
+
+    make_registered.__qualname__ = make_registered.__name__ = f"gymnasium.make({env_id!r})"  # the ledger's name
+    return make_registered
 
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
@@ -46,7 +66,8 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     """A ``gymnasium.Env`` that runs ``env`` in a machine.
 
     ``env``: a zero-argument callable returning a ``gymnasium.Env`` (cloudpickled into the
-    machine), or the name of such a callable defined in the session's machine.
+    machine), the name of such a callable defined in the session's machine, or a registered
+    gymnasium id (``"CartPole-v1"``: ``gymnasium.make`` in the machine).
     ``session``: the ``smolbench.Session`` to use (default: the notebook's, else one of the
     env's own from ``smolfile``, closed with the env). ``reset="fresh"`` runs every episode
     in a new branch of the warm parent (nothing an episode does reaches the next one's
@@ -57,7 +78,7 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point (a function: a spec is deep-copied)
         return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **{**kwargs, **more})
 
-    factory = env
+    factory = env = _registered(env)
     if kwargs:
         if isinstance(env, str):
             raise SmolbenchError("keyword arguments go to a callable env; an env named in the machine takes none")
@@ -84,4 +105,5 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point: one sub-env, as gymnasium.make_vec's spec has
         return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **more)
 
-    return MachineVectorEnv(_start(env, num_envs, session, smolfile, reset, retries, vector=True), mode, remake)
+    return MachineVectorEnv(_start(_registered(env), num_envs, session, smolfile, reset, retries, vector=True), mode,
+                            remake)

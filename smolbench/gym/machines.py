@@ -74,7 +74,7 @@ class Machines:
         if isinstance(env, str):
             if not NAME_RE.fullmatch(env):
                 raise SmolbenchError(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
-                                     "defined in the session's machine, or the callable itself")
+                                     "defined in the session's machine, a gymnasium id (CartPole-v1), or the callable")
         elif not callable(env):
             raise SmolbenchError(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
         self.host = host
