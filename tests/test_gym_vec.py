@@ -231,3 +231,51 @@ def test_views_hear_of_training_episodes_after_their_commit_never_while_the_ledg
     ended = {r["id"]: r["status"] for r in bench.ledger.node_rows(bench.session)  # closed ones: after unobserve
              if r["id"] in heard and (r["metrics"] or {}).get("ended") in ("terminated", "truncated")}
     assert len(ended) >= 4 and {k: heard[k] for k in ended} == ended
+
+
+COUNTER = '''
+import gymnasium as gym
+from gymnasium import spaces as S
+
+class Counter(gym.Env):
+    """obs = reward = t; the sub-env reset with seed 0 raises at its third step."""
+    observation_space = S.Discrete(100)
+    action_space = S.Discrete(2)
+    def reset(self, *, seed=None, options=None):
+        self.t, self.crash = 0, seed == 0
+        return 0, {}
+    def step(self, action):
+        self.t += 1
+        if self.crash and self.t == 3:
+            raise RuntimeError("sub-env 0 crashes at t=3")
+        return self.t, float(self.t), False, False, {}
+
+def counter():
+    return Counter()
+'''
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_failed_vector_step_carries_the_steps_results(bench: Workbench, reset: str) -> None:
+    """Sub-env 0 raised at t=3: the step's error lost sub-env 1's step 3 (stepping on gave it
+    t=4), and sub-env 0 started over at the next step with no flag on the step before. The
+    error now carries the step's results: the failed sub-env truncated at its last observation,
+    its info's smolbench_error the line; the next step autoresets it, as after any truncation."""
+    define(bench, COUNTER)
+    envs = sgym.make_vec("counter", 2, session=bench, reset=reset)
+    try:
+        envs.reset(seed=[0, 1])
+        envs.step(np.array([0, 0]))
+        assert list(envs.step(np.array([0, 0]))[0]) == [2, 2]
+        with pytest.raises(SmolbenchError, match="sub-env 0 crashes at t=3") as failed:
+            envs.step(np.array([0, 0]))
+        obs, rewards, terminated, truncated, infos = failed.value.results  # type: ignore[attr-defined]
+        assert (list(obs), list(rewards), list(terminated), list(truncated)) == ([2, 3], [0.0, 3.0], [False] * 2,
+                                                                                [True, False])
+        assert "sub-env 0 crashes at t=3" in infos["smolbench_error"][0] and list(infos["_smolbench_error"]) == [
+            True, False]
+        obs, rewards, terminated, truncated, _ = envs.step(np.array([0, 0]))
+        assert (list(obs), list(rewards), list(terminated), list(truncated)) == ([0, 4], [0.0, 4.0], [False] * 2,
+                                                                                [False] * 2)
+    finally:
+        envs.close()

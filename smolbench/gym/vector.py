@@ -115,7 +115,14 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
             done = resets.result() if resets is not None else []
         order = loop + batch + stepping  # resets first: the first failure raised is a reset's, as before
         now = now[len(stepping):] + now[:len(stepping)]
-        outs = dict(zip(order, self._raised(done + now, order)))
+        failed = [o for o in done + now if isinstance(o, BaseException)]
+        if failed:  # the step's results go with the error: the others stepped, the failed ones end truncated
+            self._raised(done + now, order, self._step_anyway(order, done + now, mode))
+        outs = dict(zip(order, done + now))
+        return self._take(outs, mode)
+
+    def _take(self, outs: dict[int, Any], mode: AutoresetMode) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Every sub-env's step (or autoreset) into the batch step() returns."""
         infos: list[tuple[int, dict[str, Any]]] = []  # batched once every sub-env's state is in
         finals: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i in range(self.num_envs):
@@ -176,17 +183,32 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         """Run the sub-envs' requests together; the first failure is raised (after all ended)."""
         return self._raised(self._m.host.run(_together(jobs)), which)
 
-    def _raised(self, outs: list[Any], which: list[int]) -> list[Any]:
-        """``outs``, or the first failure among them raised (a failed sub-env starts over)."""
+    def _raised(self, outs: list[Any], which: list[int], results: Any = None) -> list[Any]:
+        """``outs``, or the first failure among them raised (a failed sub-env starts over), with
+        ``results`` (a step's, as step() returns them) as its ``results``."""
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:
             for i in which:  # a failed sub-env starts over at the next reset
                 self._autoreset[i] = self._autoreset[i] or not self._m.eps[i].running
             first = errors[0]
             if isinstance(first, GymError):
-                raise GymError(str(first)) from None
-            raise first
+                first = GymError(str(first))
+            first.results = results  # type: ignore[attr-defined]
+            raise first.with_traceback(None) from None
         return outs
+
+    def _step_anyway(self, order: list[int], outs: list[Any], mode: AutoresetMode) -> Any:
+        """A failed step's results as step() would return them: each failed sub-env truncated at
+        its last observation with reward 0 and ``info["smolbench_error"]``, the others as they
+        stepped (what a loop that catches the error needs to stay in step with them)."""
+        for k, out in enumerate(outs):
+            if isinstance(out, BaseException):
+                i = order[k]
+                outs[k] = Step(self._env_obs[i], 0.0, False, True, {"smolbench_error": " ".join(str(out).split())})
+        try:
+            return self._take(dict(zip(order, outs)), mode)
+        except Exception:  # an info that does not batch: the error raised is the step's own
+            return None
 
     def render(self) -> None:
         """Not supported: one line saying so."""
