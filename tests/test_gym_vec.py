@@ -279,3 +279,22 @@ def test_a_failed_vector_step_carries_the_steps_results(bench: Workbench, reset:
                                                                                 [False] * 2)
     finally:
         envs.close()
+
+
+def test_an_env_dropped_without_close_deletes_its_machines(bench: Workbench) -> None:
+    """A sweep that rebinds `env = make(...)` without close() kept every old env's machines (~19
+    processes each) until the session ended, towards its process limit."""
+    import gc
+    import time
+
+    define(bench, COUNTER)
+    for make in (lambda: sgym.make("counter", session=bench), lambda: sgym.make_vec("counter", 2, session=bench)):
+        env: Any = make()
+        env.reset(seed=1)
+        assert len(bench.backend.list()) > 1
+        del env
+        gc.collect()
+        deadline = time.monotonic() + 60
+        while len(bench.backend.list()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert {m.name for m in bench.backend.list()} == {bench.active}

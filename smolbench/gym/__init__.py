@@ -11,8 +11,9 @@ data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbe
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gymnasium.vector import AutoresetMode
 
@@ -85,7 +86,7 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
         import functools
 
         factory = functools.partial(env, **kwargs)
-    return MachineEnv(_start(factory, 1, session, smolfile, reset, retries), remake)
+    return _let_go_when_dropped(MachineEnv(_start(factory, 1, session, smolfile, reset, retries), remake))
 
 
 def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None, smolfile: str | None = None,
@@ -105,5 +106,22 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point: one sub-env, as gymnasium.make_vec's spec has
         return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **more)
 
-    return MachineVectorEnv(_start(_registered(env), num_envs, session, smolfile, reset, retries, vector=True), mode,
-                            remake)
+    return _let_go_when_dropped(MachineVectorEnv(_start(_registered(env), num_envs, session, smolfile, reset, retries,
+                                                        vector=True), mode, remake))
+
+
+E = TypeVar("E", MachineEnv, MachineVectorEnv)
+
+
+def _let_go_when_dropped(env: E) -> E:
+    """An env dropped without close() (a sweep that rebinds ``env = make(...)``) still deletes its
+    machines: they stayed, ~19 processes each, until the session ended. Started on smolbench's
+    loop, not waited for: the garbage collector may run this on any thread, that loop's too."""
+    finalizer = weakref.finalize(env, _close_soon, env._m)
+    finalizer.atexit = False  # at exit the session's own end deletes every machine
+    return env
+
+
+def _close_soon(machines: Machines) -> None:
+    if not machines.closed:
+        machines.host.submit(machines.close())
