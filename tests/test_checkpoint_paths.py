@@ -159,31 +159,39 @@ def test_the_rows_restore_and_delete_the_private_file_when_the_rule_is_weakened(
 
 class Watch(threading.Thread):
     """Polls a folder for files outside machines' run folders (a folder holding an ``owner``
-    record is one) while a restore runs; the most bytes seen there at once, and their names."""
+    record is one, and stays one while it is deleted: its owner may go before its agent.log)
+    while a restore runs; the most bytes seen there at once, and their names."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(daemon=True)
         self.folder, self.most, self.seen = folder, 0, set[str]()
+        self.runs: set[str] = set()
         self.stop = threading.Event()
+
+    def look(self) -> int:
+        total = 0
+        for dirpath, dirnames, filenames in os.walk(self.folder):
+            if Path(dirpath).parent == self.folder and ("owner" in filenames or dirpath in self.runs):
+                self.runs.add(dirpath)
+                dirnames[:] = []  # a machine's own run folder
+                continue
+            for f in filenames:
+                p = Path(dirpath, f)
+                try:
+                    total += p.stat().st_size
+                except OSError:
+                    continue
+                self.seen.add(str(p.relative_to(self.folder)))
+        return total
 
     def run(self) -> None:
         while not self.stop.is_set():
-            total = 0
-            for dirpath, dirnames, filenames in os.walk(self.folder):
-                if "owner" in filenames and Path(dirpath).parent == self.folder:
-                    dirnames[:] = []  # a machine's own run folder
-                    continue
-                for f in filenames:
-                    p = Path(dirpath, f)
-                    try:
-                        total += p.stat().st_size
-                    except OSError:
-                        continue
-                    self.seen.add(str(p.relative_to(self.folder)))
-            self.most = max(self.most, total)
+            self.most = max(self.most, self.look())
             time.sleep(0.002)
 
     def __enter__(self) -> Watch:
+        self.look()  # the run folders there already, before a restore deletes one
+        self.most, self.seen = 0, set()
         self.start()
         return self
 
