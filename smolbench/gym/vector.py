@@ -115,11 +115,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
             done = resets.result() if resets is not None else []
         order = loop + batch + stepping  # resets first: the first failure raised is a reset's, as before
         now = now[len(stepping):] + now[:len(stepping)]
-        failed = [o for o in done + now if isinstance(o, BaseException)]
-        if failed:  # the step's results go with the error: the others stepped, the failed ones end truncated
-            self._raised(done + now, order, self._step_anyway(order, done + now, mode))
-        outs = dict(zip(order, done + now))
-        return self._take(outs, mode)
+        results = done + now
+        if any(isinstance(o, BaseException) for o in results):  # they go with the error: the failed end truncated
+            self._raised(results, order, self._step_anyway(order, list(results), mode))
+        return self._take(dict(zip(order, results)), mode)
 
     def _take(self, outs: dict[int, Any], mode: AutoresetMode) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Every sub-env's step (or autoreset) into the batch step() returns."""
