@@ -13,13 +13,14 @@ import threading
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _jobs: set[Job] = set()  # running Jobs: what a SIGTERM stops before it deletes the machines
+CLEANUP_WAIT = 60.0  # seconds a stopped ``run`` waits for its coroutine's cleanup (deleting what it made)
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -50,8 +51,18 @@ def submit(coro: Coroutine[Any, Any, T]) -> Future[T]:
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run ``coro`` on the smolbench loop and block until it finishes."""
-    return submit(coro).result(timeout)
+    """Run ``coro`` on the smolbench loop and block until it finishes. A Ctrl-C (or the
+    timeout) here stops it there and waits for its cleanup before it reaches the caller:
+    left running, a checkpoint save went on beside the next cell, and a make_vec went on
+    making machines beside the close that followed."""
+    job = Job(coro)
+    try:
+        return cast(T, job.result(timeout))
+    except BaseException:
+        if not job.done():
+            job.cancel()
+            job.wait_finished(CLEANUP_WAIT)
+        raise
 
 
 class Job:

@@ -17,7 +17,6 @@ from ..errors import SmolbenchError
 from ..workbench import Workbench
 
 T = TypeVar("T")
-CLEANUP_WAIT = 60.0  # seconds a stopped call may take to delete what it made
 
 
 class Host:
@@ -28,17 +27,9 @@ class Host:
         self.owner = owner  # a Session (or Workbench) this env started: closed with the env
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it. A Ctrl-C
-        (or the timeout) here stops it there and waits for its cleanup: left running, a make_vec
-        went on making machines beside the close that followed, and left their cgroups."""
-        job = _loop.Job(coro)
-        try:
-            return job.result(timeout)
-        except BaseException:
-            if not job.done():
-                job.cancel()
-                job.wait_finished(CLEANUP_WAIT)
-            raise
+        """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it; a
+        Ctrl-C (or the timeout) stops it there first (``_loop.run``)."""
+        return _loop.run(coro, timeout)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on smolbench's loop without waiting for it."""

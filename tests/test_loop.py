@@ -1,0 +1,70 @@
+"""smolbench's own loop: a call that waits on it and is stopped stops the work there too.
+
+The magics' checkpoint save and restore, the CLI's checks and a gym env's own session wait
+with ``_loop.run``. A Ctrl-C there used to reach the caller while the work went on on the
+loop: a save went on beside the next cell, a restore made its machine after the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+
+import pytest
+
+from smolbench import _loop
+
+
+def _work(started: threading.Event, cleaned: threading.Event, cleanup_s: float = 0.3) -> object:
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:  # a cleanup that takes a while, as deleting a machine does
+            await asyncio.sleep(cleanup_s)
+            cleaned.set()
+
+    return work()
+
+
+def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> None:
+    started, cleaned = threading.Event(), threading.Event()
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+
+    def ctrl_c() -> None:
+        started.wait(10)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=ctrl_c)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _loop.run(_work(started, cleaned))  # type: ignore[arg-type]
+    finally:
+        t.join()
+    assert cleaned.is_set(), "the Ctrl-C reached the caller while the work still ran on smolbench's loop"
+    assert not _loop.running()
+
+
+def test_a_run_that_times_out_stops_the_work_and_waits_for_its_cleanup() -> None:
+    started, cleaned = threading.Event(), threading.Event()
+    with pytest.raises(TimeoutError):
+        _loop.run(_work(started, cleaned), timeout=0.5)  # type: ignore[arg-type]
+    assert started.is_set() and cleaned.is_set()
+    assert not _loop.running()
+
+
+def test_run_returns_the_result_and_raises_the_error() -> None:
+    async def ok() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def bad() -> None:
+        raise ValueError("no")
+
+    assert _loop.run(ok()) == 7
+    with pytest.raises(ValueError, match="no"):
+        _loop.run(bad())
+    assert not _loop.running()
