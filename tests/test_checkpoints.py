@@ -152,3 +152,41 @@ def test_bad_checkpoint_input_gets_one_clear_line_each(tmp_path: Path) -> None:
         assert plain_texts(tree)[-1].splitlines()[1].startswith("root")
         assert "r1-" not in plain_texts(tree)[-1]  # failed restores leave no machine behind
         s.run("%smol down")
+
+
+def test_ctrl_c_during_a_checkpoint_save_saves_nothing_and_keeps_the_machine(tmp_path: Path) -> None:
+    """A Ctrl-C reached the notebook while the save went on on smolbench's loop: the checkpoint
+    appeared later, saved from a machine the next cells were already changing."""
+    import threading
+    import time
+
+    folder = tmp_path / ".smolbench" / "checkpoints"
+    with NotebookSession(tmp_path, allow_errors=True) as nb:
+        nb.run("%load_ext smolbench")
+        nb.run("%smol up --backend sandbox")
+        nb.run("%%smol\nimport os\nopen('big.bin', 'wb').write(os.urandom(150 * 2**20))\nkept = 'warm'")
+
+        def interrupt_while_it_writes() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not list(folder.glob(".big.smolcheckpoint.*.part")):
+                time.sleep(0.01)
+            nb.interrupt()  # while it packs the machine's files
+
+        t = threading.Thread(target=interrupt_while_it_writes)
+        t.start()
+        cell = nb.run("%smol checkpoint save big")
+        t.join()
+        err = error_output(cell)
+        assert err is not None and err.ename == "KeyboardInterrupt", cell.outputs
+        # stopped before the Ctrl-C came back: nothing of it is written, or still being written
+        assert sorted(p.name for p in folder.iterdir()) == [], f"the save went on after the Ctrl-C: {sorted(p.name for p in folder.iterdir())}"
+        listed = nb.run("%smol checkpoint list")
+        assert "big" not in str(listed.outputs)
+        after = nb.run("%%smol\nkept")
+        assert "'warm'" in str(after.outputs)
+        again = nb.run("%smol checkpoint save big")
+        assert "saved checkpoint big of root" in stream_text(again)
+        nb.run("%smol down")
+    assert Ledger(tmp_path / ".smolbench" / "ledger.db").checkpoint("big") is not None
+    # the stopped save's thread wrote into the part file it had removed, not into a new one
+    assert sorted(p.name for p in folder.iterdir()) == ["big.smolcheckpoint"]

@@ -23,10 +23,11 @@ import stat
 import sys
 import tarfile
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 from ..errors import SmolbenchError
 from .limits import LIMITS, human
@@ -470,20 +471,25 @@ def check_workspace(blob: bytes, where: str) -> None:
         raise UnsafeCheckpoint(f"{where} is not a readable archive ({exc})") from None
 
 
-def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> None:
-    """Write checkpoint ``out`` from the files machine ``where`` saved in ``run_dir/stage``.
+def pack(run_dir: str | os.PathLike[str], stage: str, out: int, where: str, *,
+         scratch: str | os.PathLike[str], stop: threading.Event | None = None) -> None:
+    """Write checkpoint file descriptor ``out`` from the files machine ``where`` saved in
+    ``run_dir/stage``.
 
     Each file is read by its real size, at most the checkpoint limit, and never held in
-    memory: the workspace archive is checked in a copy next to ``out`` (never the host's
-    /tmp) so the machine can't change it after the check, the namespace goes straight in."""
+    memory: the workspace archive is checked in a copy in ``scratch`` (the checkpoint's
+    folder, never the host's /tmp) so the machine can't change it after the check, the
+    namespace goes straight in. Written through ``out``, not a path: a save stopped meanwhile
+    removes its part file, and a name opened after that would make it again. ``stop`` set
+    (the save was stopped): :class:`PackStopped` at the next MB."""
     what = f"the checkpoint machine {where} saved"
     with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, contextlib.ExitStack() as stack:
-        opened = {}
+        opened: dict[str, tuple[IO[bytes], int]] = {}
         for name in FILES:
             fd, size = _open_plain(name, folder, what)
-            opened[name] = (stack.enter_context(os.fdopen(fd, "rb")), size)
+            opened[name] = (cast(IO[bytes], _Stoppable(stack.enter_context(os.fdopen(fd, "rb")), stop)), size)
         _within_limit({name: size for name, (_, size) in opened.items()}, what)
-        ws = stack.enter_context(tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))))
+        ws = stack.enter_context(tempfile.TemporaryFile(dir=scratch))
         src, size = opened["workspace.tar"]
         _copy_exact(src, ws, size, what)
         ws.seek(0)
@@ -493,7 +499,8 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
         except tarfile.TarError as exc:
             raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
         ws.seek(0)
-        with tarfile.open(out, "w:gz") as tar:
+        sink = stack.enter_context(os.fdopen(os.dup(out), "wb"))
+        with tarfile.open(fileobj=sink, mode="w:gz") as tar:
             src, nsize = opened["namespace.pkl"]
             info = tarfile.TarInfo("namespace.pkl")
             info.size = nsize
@@ -503,7 +510,23 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: str, where: str) -> N
                 raise UnsafeCheckpoint(f"{what} changed while it was being read ({exc})") from None
             info = tarfile.TarInfo("workspace.tar")
             info.size = size
-            tar.addfile(info, ws)
+            tar.addfile(info, cast(IO[bytes], _Stoppable(ws, stop)))
+
+
+class PackStopped(Exception):
+    """A checkpoint's packing was stopped (its save was)."""
+
+
+class _Stoppable:
+    """A file read in blocks that raises :class:`PackStopped` once ``stop`` is set."""
+
+    def __init__(self, f: IO[bytes], stop: threading.Event | None) -> None:
+        self._f, self._stop = f, stop
+
+    def read(self, n: int = -1) -> bytes:
+        if self._stop is not None and self._stop.is_set():
+            raise PackStopped("the save was stopped")
+        return self._f.read(n)
 
 
 def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict[str, Any] | None:
