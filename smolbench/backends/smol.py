@@ -661,16 +661,22 @@ class SmolBackend(Backend):
         token = secrets.token_hex(6)
         capture = os.path.join(captures, f"{token}.smolcheckpoint")
         part = f"{path}.{token}.part"
+        work: asyncio.Future[Any] | None = None
         try:
             try:
-                await asyncio.to_thread(handle.checkpoint, capture, store=store)
+                work = asyncio.ensure_future(asyncio.to_thread(handle.checkpoint, capture, store=store))
+                await asyncio.shield(work)
             except SmolError as exc:
                 if HOST_BACKED not in str(exc).lower():
                     raise translate(exc) from exc
                 return await self._save_state(machine, path)
-            await self._sdk(Machine.export_checkpoint, capture, part)
+            work = asyncio.ensure_future(self._sdk(Machine.export_checkpoint, capture, part))
+            await asyncio.shield(work)
             os.replace(part, path)
         finally:
+            if work is not None and not work.done():  # stopped (a Ctrl-C): an SDK call can't be, so
+                with contextlib.suppress(BaseException):  # its files are removed once it has written them
+                    await asyncio.wait({work})
             await asyncio.to_thread(_remove_capture, capture, part, store)
         return CheckpointInfo(path, self.name, os.path.getsize(path))
 
