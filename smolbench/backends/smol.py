@@ -44,6 +44,7 @@ from smol import (
 )
 
 from .. import gate
+from .._aio import _to_the_end
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
@@ -661,22 +662,17 @@ class SmolBackend(Backend):
         token = secrets.token_hex(6)
         capture = os.path.join(captures, f"{token}.smolcheckpoint")
         part = f"{path}.{token}.part"
-        work: asyncio.Future[Any] | None = None
         try:
+            # Stopped (a Ctrl-C), an SDK call goes on in its thread: its files go once it wrote them.
             try:
-                work = asyncio.ensure_future(asyncio.to_thread(handle.checkpoint, capture, store=store))
-                await asyncio.shield(work)
+                await _to_the_end(asyncio.to_thread(handle.checkpoint, capture, store=store))
             except SmolError as exc:
                 if HOST_BACKED not in str(exc).lower():
                     raise translate(exc) from exc
                 return await self._save_state(machine, path)
-            work = asyncio.ensure_future(self._sdk(Machine.export_checkpoint, capture, part))
-            await asyncio.shield(work)
+            await _to_the_end(self._sdk(Machine.export_checkpoint, capture, part))
             os.replace(part, path)
         finally:
-            if work is not None and not work.done():  # stopped (a Ctrl-C): an SDK call can't be, so
-                with contextlib.suppress(BaseException):  # its files are removed once it has written them
-                    await asyncio.wait({work})
             await asyncio.to_thread(_remove_capture, capture, part, store)
         return CheckpointInfo(path, self.name, os.path.getsize(path))
 
@@ -691,7 +687,7 @@ class SmolBackend(Backend):
         finally:
             with contextlib.suppress(Exception):
                 await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
-        size = await asyncio.to_thread(write_state, path, machine.name, parts)
+        size = await _to_the_end(asyncio.to_thread(write_state, path, machine.name, parts))  # stopped: not after the save's undo
         warnings = [STATE_ONLY]
         if done.get("skipped"):
             warnings.append(f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}")
