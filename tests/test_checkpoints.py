@@ -186,6 +186,17 @@ def test_ctrl_c_during_a_checkpoint_save_saves_nothing_and_keeps_the_machine(tmp
         assert "'warm'" in str(after.outputs)
         again = nb.run("%smol checkpoint save big")
         assert "saved checkpoint big of root" in stream_text(again)
+
+        # and a restore stopped halfway makes no machine, and leaves root the active one
+        timer = threading.Timer(0.5, nb.interrupt)
+        timer.start()
+        restore = nb.run("%smol checkpoint restore big")
+        timer.join()
+        err = error_output(restore)
+        assert err is not None and err.ename == "KeyboardInterrupt", restore.outputs
+        machines = nb.run("import smolbench\nsorted(smolbench.session().workbench.machines)")
+        assert "['root']" in str(machines.outputs)
+        assert "'warm'" in str(nb.run("%%smol\nkept").outputs)
         nb.run("%smol down")
     assert Ledger(tmp_path / ".smolbench" / "ledger.db").checkpoint("big") is not None
     # the stopped save's thread wrote into the part file it had removed, not into a new one
