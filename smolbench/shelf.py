@@ -337,6 +337,10 @@ class Shelf:
         except archive.UnsafeCheckpoint as exc:
             raise archive.UnsafeCheckpoint(f"{exc}; nothing was added") from None
         except (tarfile.TarError, EOFError, OSError) as exc:
+            cut = archive.damage(exc)
+            if cut is not None:
+                raise SmolbenchError(f"{source} is cut short or damaged ({cut}): copy the whole file again from where "
+                                     "it came from; nothing was added") from None
             raise SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added") from None
 
     def backend_for(self, arg: str) -> str:
@@ -385,7 +389,8 @@ class Shelf:
             try:
                 inside = archive.check(f.path, "sandbox", f.name) or {}
             except (tarfile.TarError, EOFError, OSError) as exc:
-                raise SmolbenchError(f"checkpoint {name!r} is corrupt or truncated ({exc}): it can't be exported") from None
+                raise SmolbenchError(f"checkpoint {name!r} is corrupt or truncated ({archive.damage(exc) or exc}): "
+                                     "it can't be exported") from None
             # A file added from elsewhere goes on with its own record's claims, read from its
             # bytes (never this folder's rows, which an older install may have left beside
             # another file); this folder's own save with its baseline (from before that

@@ -433,3 +433,36 @@ def test_a_checkpoint_a_killed_kernel_was_writing_is_swept_by_the_next(open_tmp:
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [elsewhere, new, ".notes.part", "lesson.smolcheckpoint", ".linked.smolcheckpoint.1-1.part"])
     assert store.sweep_parts() == [elsewhere]  # let go (its writer is gone too): old, unheld
+
+
+def test_a_file_cut_short_or_damaged_on_its_way_says_so_and_how_to_fix_it(open_tmp: Path) -> None:
+    """A class's files travel on USB sticks and through mail: a copy cut short said "not a readable
+    checkpoint (Compressed file ended before the end-of-stream marker was reached)", gzip's own
+    words, and one whose bytes were damaged mid-way said "is not a smolbench checkpoint (has
+    ['namespace.pkl'])", as if it were some other kind of file (tarfile reads damage as an early
+    end). Each now says it is cut short or damaged, and to copy the whole file again."""
+    import smolbench
+
+    teacher, student = open_tmp / "t", open_tmp / "s"
+    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
+        # random bytes, so that the compressed file is large: a cut lands inside its data
+        s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)\n"
+              "open('notes.bin', 'wb').write(random.randbytes(30000))")
+        s.checkpoint_save("lesson")
+    whole = (teacher / CK / "lesson.smolcheckpoint").read_bytes()
+    assert len(whole) > 60000
+    half = len(whole) // 2
+    files = {"cut": whole[:half], "tiny": whole[:100], "zeroed": whole[:half] + bytes(len(whole) - half)}
+    for key, data in files.items():
+        (open_tmp / f"{key}.smolcheckpoint").write_bytes(data)
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        for key in files:
+            with pytest.raises(SmolbenchError) as err:
+                s.checkpoint_restore(str(open_tmp / f"{key}.smolcheckpoint"))
+            line = str(err.value)
+            assert line.startswith(f"{open_tmp / key}.smolcheckpoint is cut short or damaged ("), (key, line)
+            assert line.endswith("): copy the whole file again from where it came from; nothing was added"), (key, line)
+            assert "\n" not in line and "end-of-stream marker" not in line and "not a smolbench checkpoint" not in line
+        assert s.run("print(1)").stdout == "1\n"
+    assert not (student / CK).exists() or sorted((student / CK).iterdir()) == []
+    assert rows(student) == {}

@@ -594,7 +594,8 @@ class AgentHostBackend(Backend):
         try:
             await asyncio.to_thread(archive.check, path, self.name)  # checked here, extracted only inside the new machine
         except (tarfile.TarError, EOFError, OSError) as exc:
-            raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`") from None
+            raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({archive.damage(exc) or exc}): delete it "
+                                 "with `%smol checkpoint rm`") from None
         except archive.UnsafeCheckpoint as exc:
             raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
         ref = await self.create(spec, name)

@@ -56,6 +56,23 @@ class UnsafeCheckpoint(SmolbenchError):
     """A checkpoint (or a machine's saved files) the host refuses to use."""
 
 
+class Damaged(tarfile.ReadError):
+    """A checkpoint archive that ends before its files: bytes cut short or damaged (a copy that did
+    not finish, a failing stick), which tarfile reads as an early end. Its message says where."""
+
+
+def damage(exc: BaseException) -> str | None:
+    """What reading a checkpoint file that raised ``exc`` found, in words for one line, when the
+    file looks damaged or cut short (its fix: copy it again); None for any other failure."""
+    if isinstance(exc, Damaged):
+        return str(exc)
+    if isinstance(exc, EOFError):  # gzip: "Compressed file ended before the end-of-stream marker was reached"
+        return "its compressed data ends early"
+    if isinstance(exc, tarfile.ReadError) and str(exc).startswith("zlib error"):
+        return f"its compressed data is damaged: {reason(exc).removeprefix('zlib error: ')}"
+    return None
+
+
 class BadHeader(tarfile.HeaderError):
     """A tar header refused before tarfile acts on it."""
 
@@ -553,6 +570,9 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
             if len(members) > len(FILES):
                 break
         names = sorted(m.name for m in members)
+        if set(names) < set(FILES) and (members or record is not None) and all(m.isfile() for m in members):
+            last = members[-1].name if members else RECORD  # a file cut short (tarfile reads damage as an end)
+            raise Damaged(f"it ends after {last}, without {', '.join(f for f in FILES if f not in names)}")
         if names != sorted(FILES) or not all(m.isfile() for m in members):
             raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
         blob = tar.extractfile("workspace.tar")
