@@ -466,3 +466,36 @@ def test_a_file_cut_short_or_damaged_on_its_way_says_so_and_how_to_fix_it(open_t
         assert s.run("print(1)").stdout == "1\n"
     assert not (student / CK).exists() or sorted((student / CK).iterdir()) == []
     assert rows(student) == {}
+
+
+def test_a_byte_changed_on_its_way_is_found_by_gzip_s_checksum(open_tmp: Path) -> None:
+    """tarfile stops reading at the archive's end marker, before gzip's checksum and length at the
+    file's end: a file with one byte changed inside its data (a failing stick) restored as other
+    variables and files, and one that lost its last bytes restored too. The check now reads the
+    gzip data to its end (at most DRAIN_LIMIT past what it needed), so gzip compares them."""
+    import smolbench
+    from smolbench.gate import archive
+
+    teacher, student = open_tmp / "t", open_tmp / "s"
+    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
+        s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)\n"
+              "open('notes.bin', 'wb').write(random.randbytes(30000))")
+        s.checkpoint_save("lesson")
+    whole = (teacher / CK / "lesson.smolcheckpoint").read_bytes()
+    assert archive.check(str(teacher / CK / "lesson.smolcheckpoint")) is None  # its own save: no record, and whole
+    files = {"trailer": whole[:-4]}
+    for at in (len(whole) // 4, len(whole) // 2, len(whole) * 3 // 4):  # inside the random (stored) data
+        flipped = bytearray(whole)
+        flipped[at] ^= 0x01
+        files[f"flipped{at}"] = bytes(flipped)
+    for key, data in files.items():
+        (open_tmp / f"{key}.smolcheckpoint").write_bytes(data)
+    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
+        for key in files:
+            with pytest.raises(SmolbenchError) as err:
+                s.checkpoint_restore(str(open_tmp / f"{key}.smolcheckpoint"))
+            line = str(err.value)
+            assert line.startswith(f"{open_tmp / key}.smolcheckpoint is cut short or damaged ("), (key, line)
+            assert line.endswith("): copy the whole file again from where it came from; nothing was added"), (key, line)
+        assert s.run("print(1)").stdout == "1\n"
+    assert rows(student) == {}
