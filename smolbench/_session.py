@@ -481,14 +481,55 @@ class Session:
     def checkpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
         a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
-        checked first; a file from elsewhere is restored only on an isolating backend)."""
-        wb = self._wb()
-        return self._restored(wb, _block(wb.checkpoint_restore(_restorable(name_or_path))).id)
+        checked first; a file from elsewhere is restored only on an isolating backend). With
+        nothing up, it first brings up a machine of the backend the checkpoint was made on (as
+        ``%smol checkpoint restore`` does), and takes it down again if the restore fails."""
+        what = _restorable(name_or_path)
+        started = self._up_for(what)
+        try:
+            wb = self._wb()
+            return self._restored(wb, _block(wb.checkpoint_restore(what)).id)
+        except BaseException:
+            if started:
+                self.down()
+            raise
 
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop."""
-        wb = self._wb()
-        return self._restored(wb, (await _bridge(wb.checkpoint_restore(_restorable(name_or_path)))).id)
+        what = _restorable(name_or_path)
+        started = False
+        if not self.is_up:
+            self._choose_backend_for(what)
+            await self.aup()
+            started = True
+        try:
+            wb = self._wb()
+            return self._restored(wb, (await _bridge(wb.checkpoint_restore(what))).id)
+        except BaseException:
+            if started:
+                await self.adown()
+            raise
+
+    def _up_for(self, checkpoint: str) -> bool:
+        """Bring this session up for restoring ``checkpoint`` when nothing is up; whether it did."""
+        if self.is_up:
+            return False
+        self._choose_backend_for(checkpoint)
+        self.up()
+        return True
+
+    def _choose_backend_for(self, checkpoint: str) -> None:
+        """``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
+        on a file's or a row's word); a backend given to the Session stays."""
+        if self.backend_kind == "auto" and self.ray in (None, False):
+            from .ledger import DEFAULT_PATH, Ledger
+            from .shelf import Shelf
+
+            ledger = Ledger(self.ledger_path or DEFAULT_PATH)
+            try:
+                self.backend_kind = Shelf(ledger).backend_for(checkpoint)
+            finally:
+                ledger.close()
 
     def _restored(self, wb: Workbench, node: str) -> str:
         for note in getattr(wb, "restore_notes", []):

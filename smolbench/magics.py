@@ -260,12 +260,21 @@ class SmolMagics(Magics):
         if args.action == "restore":
             if not args.name:
                 raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME (or PATH.smolcheckpoint)")
-            if self.workbench is None or not self.workbench.machines:  # brought up as the checkpoint was made
+            started = self.workbench is None or not self.workbench.machines
+            if started:  # brought up as the checkpoint was made
                 backend = self._shelf().backend_for(args.name)
                 print(f"smolbench: nothing is up: bringing up a {backend} machine for this checkpoint")
                 self._do_up(f"--backend {backend}")
             wb = self._wb()
-            node = _loop.run(wb.checkpoint_restore(args.name))
+            try:
+                node = _loop.run(wb.checkpoint_restore(args.name))
+            except BaseException:
+                if started and self.session is not None:  # not left idle: it was up only for this restore
+                    with contextlib.suppress(Exception):
+                        self.session.down()
+                        self._close_views()
+                        print("smolbench: took down the machine brought up for it")
+                raise
             for note in wb.restore_notes:
                 print(f"smolbench: {note}")
             info = wb.machines[node.id].info

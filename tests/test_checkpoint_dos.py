@@ -218,8 +218,8 @@ def test_a_bad_file_is_one_line_and_the_listing_still_shows_the_rest(tmp_path: P
     charset = _meta(tarfile.XHDTYPE, b"18 hdrcharset=\xff\xfe\xfd\n")
     ck = _folder(tmp_path, good=gzip.compress(_checkpoint_tar()), audit=gzip.compress(_checkpoint_tar(audit)),
                  charset=gzip.compress(_checkpoint_tar(charset)), damaged=_damaged(_checkpoint_tar()))
-    why = "damaged.smolcheckpoint is not a readable checkpoint (zlib error: Error -3 while decompressing data: " \
-          "invalid block type)"
+    why = "damaged.smolcheckpoint is cut short or damaged (its compressed data is damaged: Error -3 while " \
+          "decompressing data: invalid block type): copy the whole file again from where it came from"
     led = Ledger(tmp_path / ".smolbench" / "ledger.db")
     try:
         shelf = Shelf(led)

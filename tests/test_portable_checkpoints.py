@@ -499,3 +499,57 @@ def test_a_byte_changed_on_its_way_is_found_by_gzip_s_checksum(open_tmp: Path) -
             assert line.endswith("): copy the whole file again from where it came from; nothing was added"), (key, line)
         assert s.run("print(1)").stdout == "1\n"
     assert rows(student) == {}
+
+
+def _damaged_lesson(open_tmp: Path) -> tuple[Path, Path]:
+    """A checkpoint ``lesson`` saved in a folder of its own, and a copy whose second half is zeros
+    (its record reads, the rest doesn't: it fails once a restore is under way)."""
+    import smolbench
+
+    teacher = open_tmp / "t"
+    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
+        s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)")
+        s.checkpoint_save("lesson")
+    whole = teacher / CK / "lesson.smolcheckpoint"
+    data = whole.read_bytes()
+    damaged = open_tmp / "damaged.smolcheckpoint"
+    damaged.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))
+    return whole, damaged
+
+
+def test_a_session_with_nothing_up_restores_as_the_magic_does_and_takes_back_a_failed_one(open_tmp: Path) -> None:
+    """``Session().checkpoint_restore(path)`` said "no machine is up" where ``%smol checkpoint
+    restore`` brings one up for the checkpoint; and a restore that failed (a file damaged past
+    its record) left the machine brought up for it idle, unasked for."""
+    import smolbench
+
+    whole, damaged = _damaged_lesson(open_tmp)
+    cut = open_tmp / "cut.smolcheckpoint"
+    cut.write_bytes(whole.read_bytes()[:100])
+    s = smolbench.Session(ledger=open_tmp / "s" / ".smolbench" / "ledger.db")  # backend "auto": the file's
+    with pytest.raises(SmolbenchError, match="is cut short or damaged"):
+        s.checkpoint_restore(cut)  # refused on its record, before any machine
+    assert s.workbench is None
+    with pytest.raises(SmolbenchError, match="is cut short or damaged"):
+        s.checkpoint_restore(damaged)  # refused once a machine was up for it: taken down
+    assert not s.is_up and s.status() == {"up": False}
+    try:
+        node = s.checkpoint_restore(whole)
+        assert s.is_up and node == "r1-lesson" and s.run("len(warm)").value == 30000
+        assert s.workbench is not None and s.workbench.backend.name == "sandbox"
+    finally:
+        s.down()
+
+
+def test_a_restore_with_nothing_up_that_fails_takes_down_the_machine_it_brought_up(open_tmp: Path) -> None:
+    _, damaged = _damaged_lesson(open_tmp)
+    student = open_tmp / "s"
+    student.mkdir()
+    with NotebookSession(student, timeout=300, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        cell = s.run(f"%smol checkpoint restore {damaged}")
+        assert "is cut short or damaged" in one_line(cell)
+        said = stream_text(cell)
+        assert "bringing up a sandbox machine for this checkpoint" in said, said
+        assert "smolbench: took down the machine brought up for it" in said, said
+        assert "no machine is up" in stream_text(ok(s.run("%smol status")))

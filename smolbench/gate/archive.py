@@ -70,6 +70,8 @@ def damage(exc: BaseException) -> str | None:
         return "its compressed data ends early"
     if isinstance(exc, gzip.BadGzipFile) and "check failed" in str(exc):  # its CRC-32 or length: bytes changed
         return "its data fails gzip's checksum"
+    if isinstance(exc, tarfile.ReadError) and str(exc) in ("truncated header", "unexpected end of data"):
+        return "it ends in the middle of its data"
     if isinstance(exc, tarfile.ReadError) and str(exc) == "bad checksum":
         return "an archive header fails its checksum"
     if isinstance(exc, tarfile.ReadError) and str(exc).startswith("zlib error"):
@@ -645,6 +647,10 @@ def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     except (SmolbenchError, MemoryError):
         raise
     except Exception as exc:  # tarfile, gzip or zlib on someone else's bytes
+        cut = damage(exc)
+        if cut is not None:
+            raise UnsafeCheckpoint(f"{label} is cut short or damaged ({cut}): copy the whole file again from where "
+                                   "it came from") from None
         raise UnsafeCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)})") from None
 
 
