@@ -20,8 +20,9 @@ from gymnasium.vector import AutoresetMode
 from ..errors import SmolbenchError
 from ._host import host_for
 from .env import MachineEnv
-from .machines import NAME_RE, GymError, Machines
+from .machines import GymError, Machines
 from .vector import MachineVectorEnv
+from .warmparent import NAME_RE
 
 __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
 
