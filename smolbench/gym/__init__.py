@@ -19,10 +19,10 @@ from gymnasium.vector import AutoresetMode
 from ..errors import SmolbenchError
 from ._host import host_for
 from .env import MachineEnv
+from .envnames import NAME_RE
 from .machines import GymError, Machines
 from .registered import ENV_ID, gymnasium_make
 from .vector import MachineVectorEnv
-from .warmparent import NAME_RE
 
 __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
 

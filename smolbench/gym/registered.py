@@ -6,7 +6,9 @@ The one way ``smolbench.gym.make``/``make_vec`` and ``smolbench serve --gym`` bu
 
 from __future__ import annotations
 
+import functools
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +16,7 @@ from ..errors import SmolbenchError
 
 # gymnasium's ids, as gymnasium.make parses them: CartPole-v1, ale_py:ALE/Pong-v5 (unversioned: the latest)
 ENV_ID = re.compile(r"(?:[A-Za-z0-9_.:-]+/)?[A-Za-z0-9_.:-]+(?:-v\d+)?")
+_MADE: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()  # factory -> its id
 
 
 def gymnasium_make(env_id: str) -> Callable[..., Any]:
@@ -29,4 +32,16 @@ def gymnasium_make(env_id: str) -> Callable[..., Any]:
         return gymnasium.make(env_id, **kwargs)
 
     make_registered.__qualname__ = make_registered.__name__ = f"gymnasium.make({env_id!r})"  # the ledger's name
+    _MADE[make_registered] = env_id
     return make_registered
+
+
+def env_id_of(env: Any) -> str | None:
+    """The gymnasium id ``env`` makes, if it is :func:`gymnasium_make`'s factory (with its
+    keyword arguments bound, as ``make`` binds them, or not); else None."""
+    if isinstance(env, functools.partial):
+        env = env.func
+    try:
+        return _MADE.get(env)
+    except TypeError:  # not weakly referable: not one of ours
+        return None

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import pickle
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +25,10 @@ from ..backends.base import MachineRef
 from ..errors import SmolbenchError
 from ..ledger import code_hash
 from ..tree import Node
-from . import envspec, spaces
+from . import envnames, envspec, spaces
 from . import episode as E
 from ._host import Host
+from .envnames import NAME_RE
 from .episode import Episode, GymError
 from .practice import practise
 from .record import Records, quietly
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 RESETS = ("fresh", "in-place")
-NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
@@ -155,11 +154,24 @@ class WarmParent(Requests):
         try:
             described = await self._call(setup, SETUP.format(factory=factory), push=push)
         except GymError as exc:
-            raise GymError(f"the env could not be built in machine {name}: {str(exc).split(': ', 1)[-1]}") from None
+            why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
+            raise GymError(f"the env could not be built in machine {name}: {why}") from None
         node.cells += setup.cells
         self._describe(described, name)
         wb._record(node)
         await self.start_sibling()
+
+    async def _misnamed(self, setup: Episode, exc: GymError) -> str | None:
+        """The one line for an env name or id the machine does not know, with the closest it
+        does (asked of it, in the warm parent the env was not built in); None for another error."""
+        what = envnames.unknown(self.env, exc.machine_error)
+        if what is None:
+            return None
+        try:
+            names = await self._call(setup, envnames.NAMES_CELL)
+        except Exception:  # it can't say: gymnasium's ids here, then
+            names = None
+        return envnames.misnamed(what, names)
 
     def sibling(self, num_envs: int = 1) -> Self:
         """Another env on the same warm parent (an OpenEnv client's session): its own
