@@ -1,9 +1,11 @@
-"""One-line "did you mean" errors for a mistyped ``%smol`` command or ``%%smol`` word."""
+"""One-line "did you mean" errors for a mistyped ``%smol`` command or ``%%smol`` word, and the
+closest of any set of names (``smolbench.gym``'s env names)."""
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 
 CELL_WORDS = ("fork", "episodes")  # what may follow %%smol before its options
 LINE_WORDS = ("up", "status", "down", "tree", "use", "delete", "ledger", "plot", "replay", "checkpoint", "trust",
@@ -16,7 +18,12 @@ def _suggest(word: str, choices: tuple[str, ...]) -> str | None:
     glued = _GLUED.match(word)
     if glued:
         return f"{glued.group(1)} {glued.group(2)}"
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return closest(word, choices)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` closest to ``word``, if close enough to be what was meant."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return close[0] if close else None
 
 
@@ -39,6 +46,6 @@ def cell_word_error(line: str) -> str | None:
 
 def line_word_error(word: str) -> str:
     """The one line for an unknown ``%smol WORD`` command, with the closest command."""
-    close = difflib.get_close_matches(word, LINE_WORDS, n=1, cutoff=0.6)
-    hint = f"did you mean `%smol {close[0]}`? " if close else ""
+    close = closest(word, LINE_WORDS)
+    hint = f"did you mean `%smol {close}`? " if close else ""
     return f"unknown %smol command {word!r}: {hint}one of {', '.join(LINE_WORDS)} (see %smol?)"

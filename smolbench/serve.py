@@ -19,6 +19,7 @@ import secrets
 import socket
 import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +27,21 @@ from ._asgi import loopback_name
 from .errors import RemoteError, SmolbenchError
 
 TARGET = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
-SERVED = "_smolbench_served"
 STOP_WAIT = 5  # s Ctrl-C / SIGTERM lets open requests finish before they are cancelled
 
 
-def setup_code(args: argparse.Namespace) -> tuple[str, str]:
-    """The code that defines the env in the warm machine, and the factory's name there."""
+def env_for(args: argparse.Namespace) -> tuple[str | None, str | Callable[..., Any]]:
+    """The code to run in the warm machine first (None: none), and the env: the name of its
+    factory there, or (``--gym``) the factory smolbench.gym sends in for a registered id."""
     if args.gym:
         if args.target:
             raise SmolbenchError("give either FILE.py:NAME or --gym ID, not both")
-        return f"import gymnasium\ndef {SERVED}():\n    return gymnasium.make({args.gym!r})\n", SERVED
+        from .gym.registered import gymnasium_make
+
+        try:
+            return None, gymnasium_make(args.gym)
+        except SmolbenchError as exc:
+            raise SmolbenchError(f"--gym {exc}") from None
     m = TARGET.fullmatch(args.target or "")
     if m is None:
         raise SmolbenchError("say what to serve: FILE.py:NAME (a file run in the machine, NAME its zero-argument "
@@ -129,21 +135,22 @@ def serve(args: argparse.Namespace) -> int:
     """Bring a session up, build the env in its warm parent, serve it until stopped."""
     try:
         check_limits(args)
-        code, name = setup_code(args)
+        code, env = env_for(args)
         token = token_for(args.token)
         tls = tls_files(args)
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, code, name, token, tls)
+        return _serve(args, code, env, token, tls)
     except (SmolbenchError, RemoteError) as exc:  # e.g. no Smolfile there, or an env the machine can't make
         said = f"{exc.ename}: {exc.evalue}" if isinstance(exc, RemoteError) else str(exc)
         print(f"smolbench serve: {said.splitlines()[0] if said else type(exc).__name__}", file=sys.stderr)
         return 2
 
 
-def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tls: tuple[str, str | None] | None) -> int:
+def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., Any], token: str | None,
+           tls: tuple[str, str | None] | None) -> int:
     import uvicorn
 
     from . import Session
@@ -157,11 +164,12 @@ def _serve(args: argparse.Namespace, code: str, name: str, token: str | None, tl
         print(f"smolbench serve: {few}", file=sys.stderr)
         return 2
     with Session(args.smolfile, backend=args.backend) as session:
-        session.run(code, check=True)
+        if code is not None:
+            session.run(code, check=True)
         wb = session.workbench
         assert wb is not None
         host = Host(wb)
-        parent = Machines(host, name, 1, args.reset, None)
+        parent = Machines(host, env, 1, args.reset, None)
         # every session holds one branch at a time; fresh resets' spares are shared (the parent's)
         need = parent.live_branches() + args.max_sessions - 1
         if need > parent.room:

@@ -196,7 +196,7 @@ def test_bad_arguments_are_one_line(bench: Workbench) -> None:
         sgym.make(CARTPOLE, session=bench, reset="sometimes")
     with pytest.raises(SmolbenchError, match="not a Python name"):
         sgym.make("no such env", session=bench)
-    with pytest.raises(SmolbenchError, match="could not be built.*NameError"):
+    with pytest.raises(SmolbenchError, match="could not be built.*'not_defined_anywhere' is not defined in the session's machine"):
         sgym.make("not_defined_anywhere", session=bench)
 
 

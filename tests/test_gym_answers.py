@@ -22,6 +22,7 @@ from gymhelpers import define, needs_bwrap, up_bench
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
+from smolbench.gym import envnames
 from smolbench.gym.machines import GymError, Machines
 from smolbench.workbench import Workbench
 
@@ -408,3 +409,18 @@ def test_an_info_is_bounded_by_what_it_takes_as_json() -> None:
     honest = {"x": np.zeros(1000, np.float32), "names": ["a", "b"], "nested": {"k": 1.5, "t": None},
               "frame": np.zeros((224, 224, 3), np.uint8)}  # an image: counted at its 150 KB (the review)
     assert checked_info(honest, "sub-env 0") is honest
+
+
+def test_names_a_machine_sends_for_a_did_you_mean_are_checked_and_bounded(bench: Workbench) -> None:
+    """A mistyped env name's "did you mean" comes from the names the machine says it has: a
+    name made to fit the line (a newline and a line of its own, characters no name has) is
+    never suggested, however close, and only so many names, so long, are looked at."""
+    define(bench, "globals()['CartPol\\nsmolbench: ok'] = globals()['CartPol\\n'] = globals()['CartPole!'] = "
+                  "lambda: None\n")
+    with pytest.raises(SmolbenchError) as got:
+        sgym.make("CartPol", session=bench)
+    assert str(got.value).endswith("did you mean 'CartPole-v1'?"), got.value  # not 'CartPol\n' (closer)
+    many = {"names": ["CartPol\n", "x" * 101, 7, *(f"n{i}" for i in range(10**6))], "ids": ["Cart Pole-v1", "CartPole-v1"]}
+    names, ids = envnames.known(many)
+    assert names[:2] == ["n0", "n1"] and len(names) == envnames.MOST - 3 and ids == ["CartPole-v1"]
+    assert envnames.known({"names": "CartPole", "ids": None}) == ([], None)  # not a list: nothing, ids from the host

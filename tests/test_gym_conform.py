@@ -250,6 +250,26 @@ def test_a_gymnasium_id_is_made_in_the_machine_as_gymnasium_makes_it(bench: Work
             env.close()
 
 
+def test_a_mistyped_env_name_or_id_is_one_line_with_the_closest_one_the_machine_knows(bench: Workbench) -> None:
+    """make("CartPol") said only the machine's "NameError: name 'CartPol' is not defined", and
+    make("CartPol-v1") gymnasium's NameNotFound, whose "Did you mean: `CartPole`?" make takes
+    for a name defined in the machine: now one line with the fix, from the names defined in
+    the machine and its gymnasium's ids."""
+    define(bench, "def cartpole_env():\n    import gymnasium\n    return gymnasium.make('CartPole-v1')\n")
+    before = set(bench.machines)
+    for asked, fix in (("CartPol", "CartPole-v1"), ("cartpole_ev", "cartpole_env"), ("CartPol-v1", "CartPole-v1"),
+                       ("CartPole-v9", "CartPole-v1"), ("Acrobot", "Acrobot-v1")):
+        with pytest.raises(SmolbenchError) as got:
+            sgym.make(asked, session=bench)
+        line = str(got.value)
+        assert "\n" not in line and repr(asked) in line and line.endswith(f"did you mean {fix!r}?"), line
+    with pytest.raises(SmolbenchError, match=r"did you mean 'CartPole-v1'\?$"):
+        sgym.make_vec("cartpole-v1", 2, session=bench)
+    with pytest.raises(SmolbenchError, match=r"has no env 'Zzzz-v0': give one registered there"):
+        sgym.make("Zzzz-v0", session=bench)  # nothing close: how to name one
+    assert set(bench.machines) == before
+
+
 def test_spaces_keep_the_envs_own_order(bench: Workbench) -> None:
     """A Dict came back with its keys sorted and a Text with its characters sorted: the
     observations' keys, FlattenObservation's layout and a seeded sample() all differed."""

@@ -27,7 +27,7 @@ from gymhelpers import define, needs_bwrap, up_bench
 import smolbench.gym as sgym
 from smolbench import _loop
 from smolbench.backends._agenthost import AgentHostBackend
-from smolbench.gym import machines, practice
+from smolbench.gym import practice, warmparent
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -279,7 +279,7 @@ print(json.dumps([hashlib.sha256(data).hexdigest() == before, len(runs["w"]) + l
 
 
 def test_taking_pages_ahead_never_changes_them() -> None:
-    out = subprocess.run([sys.executable, "-c", POPULATE_ALL, str(machines.GUEST)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", POPULATE_ALL, str(warmparent.GUEST)], capture_output=True, text=True,
                          timeout=120, check=True)
     same, mappings = json.loads(out.stdout)
     assert same and mappings > 10

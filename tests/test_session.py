@@ -646,6 +646,27 @@ print("ready", flush=True)
     assert len(forked) == 2 and set(forked["status"]) == {"cancelled"} and forked["ended"].notna().all(), forked
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_gymnasium_id_made_from_a_script_steps_and_leaves_nothing_behind(tmp_path: Path, backend: str) -> None:
+    """``smolbench.gym.make("CartPole-v1", session=s)`` in a plain script: its steps are
+    gymnasium's own CartPole's, and the session's end leaves no process, run folder or cgroup."""
+    pytest.importorskip("gymnasium")
+    script = Script(tmp_path, f"""\
+import gymnasium, smolbench, smolbench.gym
+with smolbench.Session(backend={backend!r}, ledger="ledger.db") as s:
+    env = smolbench.gym.make("CartPole-v1", session=s)
+    here = gymnasium.make("CartPole-v1")
+    same = [bool((env.reset(seed=5)[0] == here.reset(seed=5)[0]).all())]
+    for action in (0, 1, 1, 0):
+        same.append(bool((env.step(action)[0] == here.step(action)[0]).all()))
+    print("same", all(same), env.spec.id, flush=True)
+""")
+    code, out, err = script.finish()
+    assert code == 0, err
+    assert "same True CartPole-v1" in out, out + err
+    assert script.leftovers() == ([], [], [])
+
+
 def test_a_session_started_after_the_main_thread_ended_is_refused_in_one_line(tmp_path: Path) -> None:
     """The leak hunt: a Session started in a thread after the main thread returned could not
     register its exit hook ("can't register atexit after shutdown"), and every later session

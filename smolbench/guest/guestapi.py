@@ -11,7 +11,7 @@ from . import protocol as P
 from .output import mime_bundle
 
 CHANNEL_LINE = P.CHANNEL_LINE
-# A gym step with a Discrete action, as the host writes it (smolbench/gym/machines.py
+# A gym step with a Discrete action, as the host writes it (smolbench/gym/requests.py
 # _action_line), and the answer to one that goes on with an empty info: made and read here
 # without JSON (the same bytes protocol.encode/decode would make and read; a test holds
 # them equal), as most steps are these. Any other request or answer goes the JSON way.

@@ -10,7 +10,6 @@ data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbe
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,13 +19,12 @@ from gymnasium.vector import AutoresetMode
 from ..errors import SmolbenchError
 from ._host import host_for
 from .env import MachineEnv
-from .machines import NAME_RE, GymError, Machines
+from .envnames import NAME_RE
+from .machines import GymError, Machines
+from .registered import ENV_ID, gymnasium_make
 from .vector import MachineVectorEnv
 
 __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
-
-
-ENV_ID = re.compile(r"(?:[A-Za-z0-9_.:-]+/)?[A-Za-z0-9_.:-]+-v\d+")  # gymnasium's ids: CartPole-v1, ale_py:ALE/Pong-v5
 
 
 def _registered(env: Any) -> Any:
@@ -34,15 +32,7 @@ def _registered(env: Any) -> Any:
     ``smolbench serve --gym`` serves one; a name defined in the machine, or a callable, as it is."""
     if not isinstance(env, str) or NAME_RE.fullmatch(env) or not ENV_ID.fullmatch(env):
         return env
-    env_id = env
-
-    def make_registered(**kwargs: Any) -> Any:  # cloudpickled by value: a nested function
-        import gymnasium
-
-        return gymnasium.make(env_id, **kwargs)
-
-    make_registered.__qualname__ = make_registered.__name__ = f"gymnasium.make({env_id!r})"  # the ledger's name
-    return make_registered
+    return gymnasium_make(env)
 
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,

@@ -9,7 +9,8 @@ import gymnasium
 
 from ..errors import SmolbenchError
 from . import envspec, spaces
-from .machines import GymError, Later, Machines, Step
+from .episode import GymError, Later, Step
+from .machines import Machines
 
 
 class MachineEnv(gymnasium.Env[Any, Any]):

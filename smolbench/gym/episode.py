@@ -23,6 +23,8 @@ T = TypeVar("T")
 class GymError(SmolbenchError):
     """A sub-env's request failed (a bad action, a crashed step, a refused reply): one line."""
 
+    machine_error: dict[str, Any] | None = None  # a failed cell's error as the machine sent it (compared, not shown)
+
 
 class Unanswered(GymError):
     """The machine gave no usable answer (refused by the gate, or gone)."""
@@ -159,7 +161,9 @@ async def when_free(start: Callable[[], Awaitable[T]]) -> T:
 def cell_out(res: CellResult, where: str) -> Any:
     """A one-request cell's pulled result, or its failure as one line naming the sub-env."""
     if res.status != "ok":
-        raise GymError(f"{where}: {one_line_error(res.error or {})}")
+        err = GymError(f"{where}: {one_line_error(res.error or {})}")
+        err.machine_error = res.error
+        raise err
     if res.pull_error:
         raise GymError(f"{where}: {res.pull_error}")
     if OUT not in res.pulled:

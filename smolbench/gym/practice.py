@@ -28,7 +28,7 @@ from . import spaces
 
 if TYPE_CHECKING:
     from .episode import Episode
-    from .machines import Machines
+    from .warmparent import WarmParent
 
 MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare takes ahead, at most (as guest/gymserve.py's)
 MAX_RUNS = 2048  # runs of them, at most (the spare's serving cell carries them)
@@ -41,7 +41,7 @@ PRACTICE_TIMEOUT = 20.0  # seconds it may take in all; past that, spares warm wi
 PRACTICE_SAMPLE_BYTES = 4 << 20
 
 
-async def practise(m: Machines, ep: Episode) -> str | None:
+async def practise(m: WarmParent, ep: Episode) -> str | None:
     """Run the practice episode in a new branch of ``m``'s warm parent (as ``ep``, a
     machine-less episode of no sub-env), ask it which pages it made its own, delete it; the
     checked list as JSON (None: it could not say)."""
@@ -60,7 +60,7 @@ async def practise(m: Machines, ep: Episode) -> str | None:
             await asyncio.shield(m._delete(ref))
 
 
-async def _practice(m: Machines, ep: Episode) -> str | None:
+async def _practice(m: WarmParent, ep: Episode) -> str | None:
     await m._serve(ep, None, None, None, learn=True)  # warmed as a spare is, then its pages noted
     actions = copy.deepcopy(m.action_space)
     actions.seed(PRACTICE_SEED)

@@ -27,7 +27,7 @@ from ..tree import Node
 
 if TYPE_CHECKING:
     from .episode import Episode
-    from .machines import Machines
+    from .warmparent import WarmParent
 
 log = logging.getLogger(__name__)
 GATHER = 0.01  # s: how long after a step its episodes' records may wait, to go with later ones
@@ -50,7 +50,7 @@ def quietly(fn: Callable[..., Any], *args: Any) -> None:
 class Records:
     """The episodes' records of one gym env's machines."""
 
-    def __init__(self, m: Machines) -> None:
+    def __init__(self, m: WarmParent) -> None:
         self.m = m
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] | None = None
         self._owner = 0  # the thread noting into _later
@@ -120,7 +120,7 @@ class Records:
             quietly(m.wb.ledger.end_run, m.run_id, "done")
 
     def flush(self) -> None:
-        """Write what was gathered (on the loop; ``Machines.close`` does it first)."""
+        """Write what was gathered (on the loop; ``WarmParent.close`` does it first)."""
         with self._lock:
             later, self._gathered = self._gathered, []
         if later:

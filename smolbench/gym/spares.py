@@ -19,7 +19,7 @@ from ..errors import SmolbenchError
 from ..guest import protocol as P
 
 if TYPE_CHECKING:
-    from .machines import Machines
+    from .warmparent import WarmParent
 
 FLUSH_AFTER = 0.5  # seconds a finished episode's machine waits at most for others to be deleted with
 WAKE_LINE = P.encode({"op": "wake"})  # read by a spare and not answered (see Spares.wake)
@@ -33,7 +33,7 @@ class NoSpare(SmolbenchError):
 class Spares:
     """The spare branches of one fresh-reset env (on smolbench's loop)."""
 
-    def __init__(self, m: Machines) -> None:
+    def __init__(self, m: WarmParent) -> None:
         self.m = m
         self.ready: list[tuple[MachineRef, Channel | None]] = []  # with their serving cells, already waiting
         self._refill: asyncio.Future[None] | None = None
@@ -44,7 +44,7 @@ class Spares:
         self._awake: set[str] = set()  # spares woken ahead of their episodes (see wake)
         self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
         self._flush_at: asyncio.TimerHandle | None = None
-        self.deletions = self.count  # deletions under way at once, at most (Machines sets it from the room)
+        self.deletions = self.count  # deletions under way at once, at most (WarmParent sets it from the room)
 
     @property
     def count(self) -> int:

@@ -20,8 +20,8 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 from .. import _loop
 from . import envspec, spaces
 from .env import NO_RENDER, NoRender, _options, check_seed, checked_action
-from .episode import _where
-from .machines import GymError, Later, Machines, Reset, Step
+from .episode import GymError, Later, Reset, Step, _where
+from .machines import Machines
 
 
 class MachineVectorEnv(VectorEnv[Any, Any, Any]):

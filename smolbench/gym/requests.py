@@ -1,0 +1,123 @@
+"""A gym env's requests to its sub-envs' machines, and their failures as one line naming the sub-env.
+
+A request is a one-line cell whose result comes back through the gate as data (``--pull``),
+or, on backends that keep a connection open, a JSON line on the episode's serving cell
+(``guest/gymserve.py``'s ``Server.serve``), answered in the same encoding. Either way what
+comes back is data the gate checked; ``answers.py`` checks it against the env's spaces.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from gymnasium import spaces as S
+
+from ..backends.base import CellRequest
+from ..errors import InfraError, SmolbenchError
+from ..gate.channel import AnswerError
+from ..guest import protocol as P
+from . import episode as E
+from . import spaces
+from .episode import OUT, Episode, GymError, Unanswered, _where
+
+if TYPE_CHECKING:
+    from ..workbench import Workbench
+
+RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
+
+
+class Requests:
+    """Requests to the machines of one gym env's sub-envs (what :class:`WarmParent` sends with)."""
+
+    wb: Workbench
+    n: int  # the sub-envs: an error names one only where there are several
+    action_space: Any
+
+    async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
+                    seed: int | None = None) -> Any:
+        """One request to ``ep``'s machine; its pulled result (data, checked by the gate)."""
+        ref = ep.ref
+        assert ref is not None
+        ep.cells += 1
+        req = CellRequest(code, push=push or {}, pull=[OUT], cell_name=f"<gym-{ep.cells}>", seed=seed)
+        where = _where(ep.index, self.n, ep)
+        try:
+            res = await E.when_free(lambda: self.wb.backend.exec_cell(ref, req, _ignore))
+        except InfraError:
+            raise
+        except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
+            raise Unanswered(f"{where}: {exc}") from None
+        return E.cell_out(res, where)
+
+    @property
+    def channels(self) -> bool:
+        """Whether each episode keeps one connection to its machine (the agent-host backends)."""
+        return hasattr(self.wb.backend, "open_channel")
+
+    async def _serve(self, ep: Episode, reset: str | None, seed: int | None, pages: str | None = None,
+                     learn: bool = False) -> Any:
+        """Start ``ep``'s serving cell with its episode's reset (None: it waits for one, having
+        taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer."""
+        ref = ep.ref
+        assert ref is not None
+        ep.cells += 1
+        code = f"_smolgym.serve(smolbench_guest, {reset!r}{f', {pages!r}' if pages else ''}{', learn=True' if learn else ''})"
+        req = CellRequest(code, cell_name=f"<gym-{ep.cells}>", seed=seed)
+        where = _where(ep.index, self.n, ep)
+
+        async def start() -> Any:
+            E.hang_up(ep)
+            ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
+            return await chan.answer()
+        try:
+            return await E.when_free(start)
+        except BaseException as exc:
+            E.hang_up(ep)
+            raise E.failed(exc, where) from None
+
+    async def _ask(self, ep: Episode, msg: dict[str, Any]) -> Any:
+        """One request on ``ep``'s channel; its answer (data, checked by the gate)."""
+        assert ep.chan is not None
+        where = _where(ep.index, self.n, ep)
+        try:
+            return await ep.chan.ask(msg)
+        except AnswerError as exc:
+            raise GymError(f"{where}: {exc}") from None
+        except BaseException as exc:
+            E.hang_up(ep)
+            raise E.failed(exc, where) from None
+
+    async def _request(self, ep: Episode, op: str, cell: str, **fields: Any) -> Any:
+        """``op`` on ``ep``'s machine: on its channel if one is open, else as the one-line ``cell``."""
+        if ep.chan is not None:
+            return await self._ask(ep, {"op": op, **fields})
+        return await self._call(ep, cell)
+
+    def _action_line(self, action: Any) -> bytes:
+        """A step request as its JSON line (a Discrete action's without building a dict)."""
+        if self._discrete:
+            return b'{"op":"step","a":{"$":"int64","v":%d}}\n' % int(action)
+        line = P.encode({"op": "step", "a": spaces.action_data(self.action_space, action)})
+        E.fits(len(line), "an action", "use a smaller action space")
+        return line
+
+    @property
+    def _discrete(self) -> bool:
+        return type(self.action_space) is S.Discrete
+
+    def _asked(self, ep: Episode, exc: BaseException) -> BaseException:
+        """What a failed answer on ``ep``'s channel stands for (as :meth:`_ask` says it)."""
+        where = _where(ep.index, self.n, ep)
+        if isinstance(exc, AnswerError):
+            return GymError(f"{where}: {exc}")
+        E.hang_up(ep)
+        return E.failed(exc, where)
+
+    def _where(self, ep: Episode) -> str:
+        return _where(ep.index, self.n, ep)
+
+
+def _ignore(event: Any) -> None:
+    """Output of a gym request is not shown (the env's own prints stay in its machine's record)."""
+
