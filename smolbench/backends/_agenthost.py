@@ -29,7 +29,7 @@ from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
-from ..packages import ensure as ensure_packages
+from ..packages import install as install_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
@@ -91,7 +91,7 @@ class AgentHostBackend(Backend):
         if not spec.packages:
             return None
         guest = self._guest_python(spec)
-        return await asyncio.to_thread(ensure_packages, spec.packages, guest)
+        return await install_packages(spec.packages, guest)
 
     def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
         """(the machine's own host folder, its socket, its ready file) in a new run folder."""

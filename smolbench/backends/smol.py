@@ -51,7 +51,7 @@ from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
 from ..packages import Installed
-from ..packages import ensure as ensure_packages
+from ..packages import install as install_packages
 from ..spec import MachineSpec
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
@@ -345,7 +345,7 @@ class SmolBackend(Backend):
             raise SmolbenchError("Smolfile packages are installed on this host, which smol cloud machines can't "
                                  "mount: remove 'packages' (pip install in a cell with the index's hosts allowed), "
                                  "or use --target local")
-        return await asyncio.to_thread(ensure_packages, spec.packages, image_python(smol_image(spec.image)))
+        return await install_packages(spec.packages, image_python(smol_image(spec.image)))
 
     async def _start_agent(self, ref: MachineRef, handle: Machine) -> None:
         spec = ref.spec
