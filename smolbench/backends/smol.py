@@ -211,17 +211,19 @@ class SmolBackend(Backend):
     @staticmethod
     async def _make(fn: Callable[[], T], undo: Callable[[T], None]) -> T:
         """Like :meth:`_sdk` for a call that makes machines: if we are cancelled while it
-        runs, whatever it made is undone when it finishes, so nothing is left running."""
+        runs, we wait for it and undo whatever it made before the cancel goes on, so nothing
+        is left running (undone later by a thread of its own, a machine outlived the
+        ``%smol down`` after the Ctrl-C, and the kernel's exit)."""
         fut = asyncio.ensure_future(asyncio.to_thread(fn))
 
-        def cleanup(done: asyncio.Future[T]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                threading.Thread(target=undo, args=(done.result(),), daemon=True).start()
+        async def undone() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(undo, await fut)
 
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            fut.add_done_callback(cleanup)
+            await _to_the_end(undone())
             raise
         except SmolError as exc:
             raise translate(exc) from exc
