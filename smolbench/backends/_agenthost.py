@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
+from .._aio import _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths
 from ..guest import protocol as P
@@ -601,7 +602,8 @@ class AgentHostBackend(Backend):
         stage = None
         try:
             try:
-                stage = await asyncio.to_thread(self._hand_over, path, ref.info["host_dir"])
+                # stopped (a Ctrl-C): the copy ends before the machine and its folder go
+                stage = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref.info["host_dir"]))
             except OSError as exc:  # the new machine's run folder is sized by its memory and disk
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None
