@@ -210,10 +210,8 @@ class SmolBackend(Backend):
 
     @staticmethod
     async def _make(fn: Callable[[], T], undo: Callable[[T], None]) -> T:
-        """Like :meth:`_sdk` for a call that makes machines: if we are cancelled while it
-        runs, we wait for it and undo whatever it made before the cancel goes on, so nothing
-        is left running (undone later by a thread of its own, a machine outlived the
-        ``%smol down`` after the Ctrl-C, and the kernel's exit)."""
+        """Like :meth:`_sdk` for a call that makes machines (or a cloud checkpoint): cancelled while it
+        runs, what it made is undone once it ends, before the cancel goes on: nothing outlives the stop."""
         fut = asyncio.ensure_future(asyncio.to_thread(fn))
 
         async def undone() -> None:
@@ -643,8 +641,8 @@ class SmolBackend(Backend):
         path = os.path.abspath(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.target == "cloud":
-            # Cloud checkpoints live in smol cloud; the file at ``path`` points at one.
-            made = await self._sdk(handle.checkpoint)
+            # Cloud checkpoints live in smol cloud; the file at ``path`` points at one (stopped: none does, so it goes)
+            made = await self._make(handle.checkpoint, lambda done: Machine.delete_checkpoint(done.id, self.conn))
             pointer = {
                 "kind": CLOUD_POINTER,
                 "id": made.id,
