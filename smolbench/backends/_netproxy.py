@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import netpolicy
+from .._aio import _to_the_end
 from ..gate import netreq
 from ..netpolicy import (
     IPAddress,
@@ -124,11 +125,18 @@ class ProxyClient:
     async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         await self.start()
         async with self._lock:
-            if self.proc is None or self.proc.stdin is None or self.proc.stdout is None or self.proc.returncode is not None:
+            proc = self.proc
+            if proc is None or proc.stdin is None or proc.stdout is None or proc.returncode is not None:
                 raise OSError("the egress proxy exited")
-            self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
-            await self.proc.stdin.drain()
-            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+            stdin, stdout = proc.stdin, proc.stdout
+
+            async def exchange() -> bytes:
+                stdin.write(json.dumps(msg).encode() + b"\n")
+                await stdin.drain()
+                return await asyncio.wait_for(stdout.readline(), 60)
+
+            # stopped once sent (a Ctrl-C), its reply is still read: left in the pipe, the next request took it
+            line = await _to_the_end(exchange())
         reply = json.loads((line or b'{"error": "the egress proxy exited"}').decode("utf-8"))
         if "error" in reply:
             raise OSError(str(reply["error"]))
