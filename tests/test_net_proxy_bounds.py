@@ -451,3 +451,35 @@ def test_a_request_to_the_proxy_stopped_midway_leaves_no_reply_for_the_next(
             await client.close()
 
     assert asyncio.run(main()) == {"op": "stats"}
+
+
+def test_a_proxy_start_stopped_before_it_is_ready_ends_that_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start stopped while the proxy came up (a Ctrl-C during the first `%smol up` with a network
+    policy) left its process running, known to no one: no close ever ended it."""
+    late = ("import os, sys, time; open(os.path.join(sys.argv[1], 'pid'), 'w').write(str(os.getpid())); "
+            "time.sleep(0.3); print('{\"ready\": true}', flush=True); sys.stdin.read()")
+    monkeypatch.setattr(_netproxy, "command", lambda: [sys.executable, "-c", late, str(tmp_path)])
+    pid_file = tmp_path / "pid"
+
+    async def main() -> bool:
+        client = _netproxy.ProxyClient(None, None)
+        start = asyncio.ensure_future(client.start())
+        while not pid_file.exists() or not pid_file.read_text():
+            await asyncio.sleep(0.01)
+        pid = int(pid_file.read_text())
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            await client.close()
+
+    alive = asyncio.run(main())
+    assert not alive, "the stopped start left the proxy process running"

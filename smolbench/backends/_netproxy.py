@@ -109,11 +109,15 @@ class ProxyClient:
                                                     limit=1 << 20)
         assert proc.stdout is not None and proc.stderr is not None
         self._said = asyncio.ensure_future(_say(proc.stderr))
-        line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        if not line.startswith(b'{"ready"'):
-            proc.kill()
-            await proc.wait()
-            raise OSError("the egress proxy did not start")
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            if not line.startswith(b'{"ready"'):
+                raise OSError("the egress proxy did not start")
+        except BaseException:  # stopped too (a Ctrl-C): no one else knows of this process
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await _to_the_end(proc.wait())
+            raise
         return proc
 
     async def start(self) -> None:
