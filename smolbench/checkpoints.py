@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -242,17 +241,19 @@ class CheckpointsMixin(WorkbenchPart):
                                   f"{' from a file' if imported else ''}{came}" + (f"; {said}" if said else ""))
 
     async def _adopt(self, source: str) -> Adopted:
-        """``Shelf.adopt`` on a thread; a restore interrupted meanwhile takes back what it added
-        once the thread is done (a thread can't be stopped: it would add them after the Ctrl-C)."""
+        """``Shelf.adopt`` on a thread; a restore interrupted meanwhile waits for the thread and takes
+        back what it added before the cancel goes on (taken back later, by a thread of its own, they
+        were listed after the Ctrl-C came back, and left for good by a kernel that exited first)."""
         work = asyncio.ensure_future(asyncio.to_thread(self.shelf.adopt, source, self.backend.name))
+
+        async def taken_back() -> None:
+            with contextlib.suppress(Exception):  # on a thread, as above
+                await asyncio.to_thread(self.shelf.unadopt, await work)
+
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            def take_back(done: asyncio.Future[Adopted]) -> None:
-                if not done.cancelled() and done.exception() is None:  # on a thread, as above
-                    threading.Thread(target=self.shelf.unadopt, args=(done.result(),), daemon=True).start()
-
-            work.add_done_callback(take_back)
+            await _to_the_end(taken_back())
             raise
 
     async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False) -> MachineRef:

@@ -12,6 +12,7 @@ file per key).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections import deque
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from ._aio import _to_the_end
 from .errors import SmolbenchError
 from .images import cache_dir
 
@@ -169,8 +172,25 @@ def packages_root() -> Path:
     return cache_dir() / "packages"
 
 
-def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | None = None) -> Installed:
-    """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now."""
+async def install(requirements: tuple[str, ...], guest: GuestPython) -> Installed:
+    """:func:`ensure` off the loop. Stopped (a Ctrl-C during ``%smol up``), its pip is killed and
+    the thread waited for: left on, it installed on for up to PIP_TIMEOUT after the stop, holding
+    the key's lock (the next up of the list waited for it, and so did the kernel's exit)."""
+    stop = threading.Event()
+    work = asyncio.ensure_future(asyncio.to_thread(ensure, requirements, guest, stop=stop))
+    try:
+        return await asyncio.shield(work)
+    finally:
+        if not work.done():
+            stop.set()
+            with contextlib.suppress(Exception):
+                await _to_the_end(work)
+
+
+def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | None = None,
+           stop: threading.Event | None = None) -> Installed:
+    """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
+    (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so)."""
     root = packages_root()
     digest = key(requirements, guest)
     entry = root / digest
@@ -184,7 +204,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
         try:
-            _pip(requirements, guest, tmp / LIB, log)
+            _pip(requirements, guest, tmp / LIB, log, stop)
             _readable(tmp)
             took = time.monotonic() - started
             meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
@@ -223,7 +243,8 @@ def pip_command(requirements: tuple[str, ...], guest: GuestPython, target: Path)
             *guest.pip_target_args(), "--", *requirements]
 
 
-def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: list[str] | None) -> None:
+def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: list[str] | None,
+         stop: threading.Event | None = None) -> None:
     for text in requirements:  # the parser checked them; this is the last line before pip
         problem = requirement_problem(text)
         if problem:
@@ -232,13 +253,24 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     env.pop("PIP_TARGET", None)
     env.pop("PYTHONPATH", None)
     tail: deque[str] = deque(maxlen=40)
-    try:
-        proc = subprocess.run(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL, cwd=target.parent,
-                              capture_output=True, text=True, errors="replace", env=env, timeout=PIP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
-                             "check the host's network to the package index, or shorten the list") from None
-    tail.extend(ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip())
+    deadline = time.monotonic() + PIP_TIMEOUT
+    with subprocess.Popen(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL, cwd=target.parent,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env) as proc:
+        while True:  # until pip ends, is stopped (its install was) or is late: then it is killed
+            try:
+                out, err = proc.communicate(timeout=0.1 if stop is not None else max(0.0, deadline - time.monotonic()))
+                break
+            except subprocess.TimeoutExpired:
+                stopped = stop is not None and stop.is_set()
+                if not stopped and time.monotonic() < deadline:
+                    continue
+                proc.kill()
+                proc.communicate()
+                if stopped:
+                    raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
+                raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
+                                     "check the host's network to the package index, or shorten the list") from None
+    tail.extend(ln.strip() for ln in (out + err).splitlines() if ln.strip())
     if log is not None:
         log.extend(tail)
     if proc.returncode != 0 and any(NO_PROGRAMS in ln for ln in tail):

@@ -201,3 +201,52 @@ def test_ctrl_c_during_a_checkpoint_save_saves_nothing_and_keeps_the_machine(tmp
     assert Ledger(tmp_path / ".smolbench" / "ledger.db").checkpoint("big") is not None
     # the stopped save's thread wrote into the part file it had removed, not into a new one
     assert sorted(p.name for p in folder.iterdir()) == ["big.smolcheckpoint"]
+
+
+def test_a_restore_stopped_while_it_copies_the_checkpoint_in_ends_that_copy_first(tmp_path: Path) -> None:
+    """A restore stopped while the checkpoint's files were copied into the new machine's folder
+    deleted that machine and its folder at once, while the copy went on in its thread (up to the
+    checkpoint limit, into files already removed, or into a folder the removal had listed)."""
+    import asyncio
+    import contextlib
+    import threading
+    import time
+
+    from smolbench.backends.process import ProcessBackend
+    from smolbench.spec import MachineSpec
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    backend = ProcessBackend(runtime_dir=str(runs))
+    copying, ended = threading.Event(), threading.Event()
+    hand_over = backend._hand_over
+
+    def slow_hand_over(path: str, folder: str) -> str:
+        copying.set()
+        try:
+            time.sleep(0.5)
+            return hand_over(path, folder)
+        finally:
+            ended.set()
+
+    backend._hand_over = slow_hand_over  # type: ignore[method-assign]
+    seen: list[tuple[bool, list[str]]] = []
+
+    async def main() -> None:
+        try:
+            root = await backend.create(MachineSpec(), "root")
+            path = str(tmp_path / "c.smolcheckpoint")
+            await backend.checkpoint(root, path)
+            restore = asyncio.ensure_future(backend.restore(path, "r1", MachineSpec()))
+            while not copying.is_set():
+                await asyncio.sleep(0.01)
+            restore.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await restore
+            seen.append((ended.is_set(), sorted(m.name for m in backend.list())))
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+    assert seen == [(True, ["root"])], f"the stopped restore came back while its copy went on: {seen}"
+    assert [p.name for p in runs.iterdir()] == []

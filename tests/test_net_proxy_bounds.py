@@ -416,3 +416,70 @@ def test_one_machine_s_failures_never_silence_another_s(capsys: pytest.CaptureFi
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == _netproxy.SAID_PER_NODE + 1 and noisy.failed == 150
     assert lines[-1] == "smolbench egress proxy: pypi.org:443 failed: TimeoutError (machine root.2)"
+
+
+# A stand-in for the proxy process: each request noted in a file, answered (with its op) a moment later.
+SLOW_PROXY = """
+import json, os, sys, time
+print('{"ready": true}', flush=True)
+for line in sys.stdin:
+    op = json.loads(line)["op"]
+    with open(os.path.join(sys.argv[1], "got"), "a") as fh:
+        fh.write(op + "\\n")
+    time.sleep(0.3)
+    print(json.dumps({"op": op}), flush=True)
+"""
+
+
+def test_a_request_to_the_proxy_stopped_midway_leaves_no_reply_for_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request stopped after it was sent (a Ctrl-C during `%smol up`'s attach) left its reply in
+    the pipe: the next request read it as its own, and every one after read the one before's."""
+    monkeypatch.setattr(_netproxy, "command", lambda: [sys.executable, "-c", SLOW_PROXY, str(tmp_path)])
+
+    async def main() -> dict[str, Any]:
+        client = _netproxy.ProxyClient(None, None)
+        try:
+            first = asyncio.ensure_future(client.call({"op": "attach"}))
+            while not (tmp_path / "got").exists():
+                await asyncio.sleep(0.01)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            return await client.call({"op": "stats"})
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == {"op": "stats"}
+
+
+def test_a_proxy_start_stopped_before_it_is_ready_ends_that_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start stopped while the proxy came up (a Ctrl-C during the first `%smol up` with a network
+    policy) left its process running, known to no one: no close ever ended it."""
+    late = ("import os, sys, time; open(os.path.join(sys.argv[1], 'pid'), 'w').write(str(os.getpid())); "
+            "time.sleep(0.3); print('{\"ready\": true}', flush=True); sys.stdin.read()")
+    monkeypatch.setattr(_netproxy, "command", lambda: [sys.executable, "-c", late, str(tmp_path)])
+    pid_file = tmp_path / "pid"
+
+    async def main() -> bool:
+        client = _netproxy.ProxyClient(None, None)
+        start = asyncio.ensure_future(client.start())
+        while not pid_file.exists() or not pid_file.read_text():
+            await asyncio.sleep(0.01)
+        pid = int(pid_file.read_text())
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            await client.close()
+
+    alive = asyncio.run(main())
+    assert not alive, "the stopped start left the proxy process running"

@@ -314,3 +314,45 @@ def test_a_microvm_mounts_the_packages_installed_for_its_images_python(
     cloud = SmolBackend(probe=False, session="t", target="cloud")
     with pytest.raises(SmolbenchError, match="can't mount: remove 'packages'"):
         _loop.run(cloud._packages(MachineSpec(packages=(PKG,))))
+
+
+def test_an_up_stopped_while_pip_installs_stops_pip_and_leaves_no_half_install(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C during `%smol up` while pip installed the Smolfile's packages came back at once,
+    and pip went on in its thread (for up to PIP_TIMEOUT), holding the key's lock: the kernel's
+    exit waited for it, and so did the next up of that list."""
+    import asyncio
+    import contextlib
+    import signal
+
+    from smolbench.backends.process import ProcessBackend
+
+    said = tmp_path / "pip.pid"
+    slow_pip = f"import os, time; open({str(said)!r} + '.tmp', 'w').write(str(os.getpid())); " \
+               f"os.rename({str(said)!r} + '.tmp', {str(said)!r}); time.sleep(120)"
+    monkeypatch.setattr(packages, "pip_command", lambda requirements, guest, target: [sys.executable, "-c", slow_pip])
+    left: list[int] = []
+
+    async def main() -> None:
+        backend = ProcessBackend(runtime_dir=str(tmp_path))
+        up = asyncio.ensure_future(backend.create(MachineSpec(packages=(PKG,)), "root"))
+        while not said.exists():
+            await asyncio.sleep(0.01)
+        pid = int(said.read_text())
+        up.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await up
+        try:
+            os.kill(pid, 0)
+            left.append(pid)
+        except ProcessLookupError:
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the thread's pip ends: asyncio.run waits for its thread
+            await backend.close()
+
+    asyncio.run(main())
+    assert left == [], "pip went on installing after the up was stopped"
+    assert [p.name for p in (cache / "packages").iterdir() if ".tmp-" in p.name] == []  # nothing half made
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("smolbench-")] == []  # no run folder

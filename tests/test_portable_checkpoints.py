@@ -352,12 +352,17 @@ def test_adding_a_file_again_keeps_when_it_was_added(open_tmp: Path) -> None:
         led.close()
 
 
-def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(open_tmp: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Copying a file in runs on a thread, which a Ctrl-C can't stop: it finished after the
-    restore was interrupted and left its copy and row behind."""
+def test_an_interrupted_add_takes_back_what_its_thread_added_before_the_ctrl_c_returns(
+        open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copying a file in runs on a thread: it finished after the restore was interrupted and left
+    its copy and row behind. Then they were taken back by a daemon thread, after the Ctrl-C had
+    come back: listed meanwhile (restorable by name, then gone under that restore), and left for
+    good by a kernel that exited first. Now the interrupted restore waits for the copy and takes
+    it back before it returns."""
     import asyncio
+    import contextlib
     import threading
+    import time
 
     from smolbench.checkpoints import CheckpointsMixin
     from smolbench.shelf import Shelf
@@ -367,12 +372,17 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(op
     gift = open_tmp / "gift.smolcheckpoint"
     _forged(gift, _record(name="gift"))
     led = Ledger(folder / ".smolbench" / "ledger.db")
-    go = threading.Event()
+    copying, returned = threading.Event(), threading.Event()
+    added_after_return: list[bool] = []
     real = Shelf.adopt
 
     def slow(self: Shelf, *args: Any) -> Any:
-        go.wait(10)  # still copying when the Ctrl-C comes
-        return real(self, *args)
+        copying.set()
+        time.sleep(0.5)  # still copying when the Ctrl-C comes
+        try:
+            return real(self, *args)
+        finally:
+            added_after_return.append(returned.is_set())
 
     monkeypatch.setattr(Shelf, "adopt", slow)
 
@@ -382,18 +392,21 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_after_the_ctrl_c(op
 
     async def main() -> None:
         task = asyncio.ensure_future(CheckpointsMixin._adopt(Kernel(), str(gift)))  # type: ignore[arg-type]
-        await asyncio.sleep(0.1)
+        while not copying.is_set():
+            await asyncio.sleep(0.01)
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        go.set()
-        for _ in range(100):  # the thread ends, then what it added goes
-            await asyncio.sleep(0.05)
-            if not list((folder / CK).iterdir()) and led.checkpoint("gift") is None:
+        returned.set()
+        assert list((folder / CK).iterdir()) == [] and led.checkpoint("gift") is None
+        for _ in range(100):  # had the thread gone on, what it added would come and go from here
+            if added_after_return:
                 return
+            await asyncio.sleep(0.05)
 
     try:
         asyncio.run(main())
+        assert added_after_return == [False], "the add went on after the Ctrl-C came back"
         assert list((folder / CK).iterdir()) == [] and led.checkpoint("gift") is None
     finally:
         led.close()

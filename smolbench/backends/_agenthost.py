@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
+from .._aio import _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
-from ..packages import ensure as ensure_packages
+from ..packages import install as install_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
@@ -91,7 +92,7 @@ class AgentHostBackend(Backend):
         if not spec.packages:
             return None
         guest = self._guest_python(spec)
-        return await asyncio.to_thread(ensure_packages, spec.packages, guest)
+        return await install_packages(spec.packages, guest)
 
     def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
         """(the machine's own host folder, its socket, its ready file) in a new run folder."""
@@ -602,7 +603,8 @@ class AgentHostBackend(Backend):
         stage = None
         try:
             try:
-                stage = await asyncio.to_thread(self._hand_over, path, ref.info["host_dir"])
+                # stopped (a Ctrl-C): the copy ends before the machine and its folder go
+                stage = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref.info["host_dir"]))
             except OSError as exc:  # the new machine's run folder is sized by its memory and disk
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None

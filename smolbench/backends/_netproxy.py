@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import netpolicy
+from .._aio import _to_the_end
 from ..gate import netreq
 from ..netpolicy import (
     IPAddress,
@@ -108,11 +109,15 @@ class ProxyClient:
                                                     limit=1 << 20)
         assert proc.stdout is not None and proc.stderr is not None
         self._said = asyncio.ensure_future(_say(proc.stderr))
-        line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        if not line.startswith(b'{"ready"'):
-            proc.kill()
-            await proc.wait()
-            raise OSError("the egress proxy did not start")
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            if not line.startswith(b'{"ready"'):
+                raise OSError("the egress proxy did not start")
+        except BaseException:  # stopped too (a Ctrl-C): no one else knows of this process
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await _to_the_end(proc.wait())
+            raise
         return proc
 
     async def start(self) -> None:
@@ -124,11 +129,18 @@ class ProxyClient:
     async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         await self.start()
         async with self._lock:
-            if self.proc is None or self.proc.stdin is None or self.proc.stdout is None or self.proc.returncode is not None:
+            proc = self.proc
+            if proc is None or proc.stdin is None or proc.stdout is None or proc.returncode is not None:
                 raise OSError("the egress proxy exited")
-            self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
-            await self.proc.stdin.drain()
-            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+            stdin, stdout = proc.stdin, proc.stdout
+
+            async def exchange() -> bytes:
+                stdin.write(json.dumps(msg).encode() + b"\n")
+                await stdin.drain()
+                return await asyncio.wait_for(stdout.readline(), 60)
+
+            # stopped once sent (a Ctrl-C), its reply is still read: left in the pipe, the next request took it
+            line = await _to_the_end(exchange())
         reply = json.loads((line or b'{"error": "the egress proxy exited"}').decode("utf-8"))
         if "error" in reply:
             raise OSError(str(reply["error"]))

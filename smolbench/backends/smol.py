@@ -51,7 +51,7 @@ from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
 from ..packages import Installed
-from ..packages import ensure as ensure_packages
+from ..packages import install as install_packages
 from ..spec import MachineSpec
 from ._wire import exec_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
@@ -210,18 +210,18 @@ class SmolBackend(Backend):
 
     @staticmethod
     async def _make(fn: Callable[[], T], undo: Callable[[T], None]) -> T:
-        """Like :meth:`_sdk` for a call that makes machines: if we are cancelled while it
-        runs, whatever it made is undone when it finishes, so nothing is left running."""
+        """Like :meth:`_sdk` for a call that makes machines (or a cloud checkpoint): cancelled while it
+        runs, what it made is undone once it ends, before the cancel goes on: nothing outlives the stop."""
         fut = asyncio.ensure_future(asyncio.to_thread(fn))
 
-        def cleanup(done: asyncio.Future[T]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                threading.Thread(target=undo, args=(done.result(),), daemon=True).start()
+        async def undone() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(undo, await fut)
 
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            fut.add_done_callback(cleanup)
+            await _to_the_end(undone())
             raise
         except SmolError as exc:
             raise translate(exc) from exc
@@ -345,7 +345,7 @@ class SmolBackend(Backend):
             raise SmolbenchError("Smolfile packages are installed on this host, which smol cloud machines can't "
                                  "mount: remove 'packages' (pip install in a cell with the index's hosts allowed), "
                                  "or use --target local")
-        return await asyncio.to_thread(ensure_packages, spec.packages, image_python(smol_image(spec.image)))
+        return await install_packages(spec.packages, image_python(smol_image(spec.image)))
 
     async def _start_agent(self, ref: MachineRef, handle: Machine) -> None:
         spec = ref.spec
@@ -641,8 +641,8 @@ class SmolBackend(Backend):
         path = os.path.abspath(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.target == "cloud":
-            # Cloud checkpoints live in smol cloud; the file at ``path`` points at one.
-            made = await self._sdk(handle.checkpoint)
+            # Cloud checkpoints live in smol cloud; the file at ``path`` points at one (stopped: none does, so it goes)
+            made = await self._make(handle.checkpoint, lambda done: Machine.delete_checkpoint(done.id, self.conn))
             pointer = {
                 "kind": CLOUD_POINTER,
                 "id": made.id,

@@ -1,0 +1,98 @@
+"""A smol backend call stopped midway (a Ctrl-C, a timeout) ends what its SDK thread made before
+the cancel goes on: nothing it made outlives the stop (fake engine: tests/fakesmol.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakesmol import FakeHost, fake_host
+from smol import PortableCheckpointInfo
+
+from smolbench.backends.smol import SmolBackend
+from smolbench.spec import MachineSpec
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
+    yield from fake_host(monkeypatch)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def backend(**kw: Any) -> SmolBackend:
+    return SmolBackend(probe=False, session="t", **kw)
+
+
+def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: FakeHost) -> None:
+    """A Ctrl-C during `%smol up` came back while smol's create went on in its thread; the VM it
+    then booted was deleted later, by a daemon thread: after `%smol down` had listed nothing, and
+    not at all if the kernel exited first."""
+    b = backend()
+    creating, made = threading.Event(), threading.Event()
+    create = host.create
+
+    def slow_create(config: Any = None, conn: Any = None) -> Any:
+        creating.set()
+        time.sleep(0.5)
+        vm = create(config, conn)
+        made.set()
+        return vm
+
+    host.cls.create.side_effect = slow_create
+    seen: list[tuple[bool, list[str]]] = []
+
+    async def main() -> None:
+        up = asyncio.ensure_future(b.create(MachineSpec(), "root"))
+        while not creating.is_set():
+            await asyncio.sleep(0.01)
+        up.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await up
+        seen.append((made.is_set(), [vm.name for vm in host.vms if not vm.deleted]))
+        await b.close()
+
+    run(main())
+    assert seen == [(True, [])], f"the stopped create came back before its machine was made and deleted: {seen}"
+
+
+def test_a_stopped_cloud_checkpoint_deletes_the_checkpoint_smol_cloud_made(host: FakeHost, tmp_path: Path) -> None:
+    """A Ctrl-C during a save on the cloud target came back while smol went on capturing: the
+    durable cloud checkpoint it made had no pointer file here, nor any row, and stayed in the
+    cloud account for good."""
+    b = SmolBackend(target="cloud", session="t")
+    capturing = threading.Event()
+
+    def slow_cloud_checkpoint(output: str | None = None, *, store: str | None = None) -> PortableCheckpointInfo:
+        capturing.set()
+        time.sleep(0.5)
+        return PortableCheckpointInfo(id="ckpt-123", machine_id="m", status="available", size_bytes=99,
+                                      arch="x86_64", created_at="", download_url="")
+
+    seen: list[list[Any]] = []
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(net=True), "root")
+        host.vms[0].machine.checkpoint.side_effect = slow_cloud_checkpoint
+        try:
+            save = asyncio.ensure_future(b.checkpoint(root, str(tmp_path / "c.smolcheckpoint")))
+            while not capturing.is_set():
+                await asyncio.sleep(0.01)
+            save.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await save
+            seen.append([c.args[0] for c in host.cls.delete_checkpoint.call_args_list])
+        finally:
+            await b.close()
+
+    run(main())
+    assert seen == [["ckpt-123"]], f"the stopped save left its cloud checkpoint: {seen}"
+    assert list(tmp_path.iterdir()) == []
