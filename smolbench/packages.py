@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -254,8 +255,10 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     env.pop("PYTHONPATH", None)
     tail: deque[str] = deque(maxlen=40)
     deadline = time.monotonic() + PIP_TIMEOUT
+    # its own process group: killed, pip's own children (a package's build) go with it
     with subprocess.Popen(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL, cwd=target.parent,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+                          start_new_session=True) as proc:
         while True:  # until pip ends, is stopped (its install was) or is late: then it is killed
             try:
                 out, err = proc.communicate(timeout=0.1 if stop is not None else max(0.0, deadline - time.monotonic()))
@@ -264,7 +267,8 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
                 stopped = stop is not None and stop.is_set()
                 if not stopped and time.monotonic() < deadline:
                     continue
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
                 if stopped:
                     raise SmolbenchError("the install of the Smolfile's packages was stopped") from None

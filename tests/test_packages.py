@@ -328,7 +328,9 @@ def test_an_up_stopped_while_pip_installs_stops_pip_and_leaves_no_half_install(
     from smolbench.backends.process import ProcessBackend
 
     said = tmp_path / "pip.pid"
-    slow_pip = f"import os, time; open({str(said)!r} + '.tmp', 'w').write(str(os.getpid())); " \
+    # a pip that builds a package: a child of its own (its output to pip, not to us), which must go with it
+    slow_pip = f"import os, subprocess, sys, time; kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); " \
+               f"open({str(said)!r} + '.tmp', 'w').write(f'{{os.getpid()}} {{kid.pid}}'); " \
                f"os.rename({str(said)!r} + '.tmp', {str(said)!r}); time.sleep(120)"
     monkeypatch.setattr(packages, "pip_command", lambda requirements, guest, target: [sys.executable, "-c", slow_pip])
     left: list[int] = []
@@ -338,21 +340,33 @@ def test_an_up_stopped_while_pip_installs_stops_pip_and_leaves_no_half_install(
         up = asyncio.ensure_future(backend.create(MachineSpec(packages=(PKG,)), "root"))
         while not said.exists():
             await asyncio.sleep(0.01)
-        pid = int(said.read_text())
+        pids = [int(p) for p in said.read_text().split()]
         up.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await up
+        await asyncio.sleep(0.2)  # a killed process's exit
         try:
-            os.kill(pid, 0)
-            left.append(pid)
-        except ProcessLookupError:
-            pass
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.kill(pid, 0)
+                    if not _zombie(pid):
+                        left.append(pid)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # the thread's pip ends: asyncio.run waits for its thread
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # the thread's pip ends: asyncio.run waits for its thread
             await backend.close()
 
     asyncio.run(main())
-    assert left == [], "pip went on installing after the up was stopped"
+    assert left == [], "pip (or its build) went on after the up was stopped"
     assert [p.name for p in (cache / "packages").iterdir() if ".tmp-" in p.name] == []  # nothing half made
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("smolbench-")] == []  # no run folder
+
+
+def _zombie(pid: int) -> bool:
+    """True for a process that has exited and waits for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
