@@ -229,12 +229,16 @@ class CheckpointsMixin(WorkbenchPart):
 
     def _said_of(self, rec: dict[str, Any], node_id: str, ref: MachineRef) -> None:
         """What a restore says of where its checkpoint came from: a warning when it claims
-        another baseline, and, for a file from elsewhere (its pickle ran in this machine) or
-        such a claim, a row in the ledger's trust table (its source and SHA-256, the claim)."""
+        another baseline, the warnings its row keeps (each one line, as whose word it is), and,
+        for a file from elsewhere (its pickle ran in this machine) or such a claim, a row in the
+        ledger's trust table (its source and SHA-256, the claim)."""
         imported = rec.get("session_id") == IMPORTED
         said = restoring.baseline_notice(str(rec["name"]), rec.get("baseline"), self.baseline, imported)
-        if said is not None:
-            ref.info["restore_warnings"] = [*ref.info.get("restore_warnings", []), said]
+        # what it was saved with (a variable that could not be pickled): said once, here, as whose word it is
+        have = list(ref.info.get("restore_warnings", []))
+        kept = restoring.said_on_restore(rec.get("warnings"), imported, have)
+        if said is not None or kept:
+            ref.info["restore_warnings"] = [*have, *([said] if said else []), *kept]
         if imported or said is not None:
             came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
             self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"

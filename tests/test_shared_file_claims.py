@@ -113,7 +113,8 @@ def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
                            on_notice=notices.append) as s:
         assert s.checkpoint_restore(str(gift)) == "r1-lesson1"
         assert s.workbench is not None
-        said = [n for n in notices if "baseline" in n]
+        said = [n for n in notices if "was saved on baseline" in n]
+        assert f"smolbench: warning: the file says: {STAFF}" in notices  # said as its claim
         assert said == [f"smolbench: warning: the file says lesson1 was saved on baseline {'f' * 64}, not this "
                         f"machine's {s.workbench.baseline}: its variables and files are back, but what its cells "
                         "installed or relied on may differ"], notices

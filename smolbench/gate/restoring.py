@@ -9,9 +9,12 @@ isolated backend to use instead.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .terminal import one_line
 
 CLAIM = "the file says: "  # before each warning a file's record carries: its author's words, not smolbench's
+ROW_CLAIM = "its ledger row says: "  # before each warning a ledger row carries (a copied folder's is its author's)
 CLAIM_TEXT = 500  # characters of one such warning kept
 CLAIMS = 20  # warnings of a file kept (as many as a record may carry)
 
@@ -41,6 +44,17 @@ def claimed(warnings: list[str]) -> list[str]:
     """A file's own warnings as its claims: each one line of at most :data:`CLAIM_TEXT`
     characters (escaped as a machine's names are) after :data:`CLAIM` (once)."""
     return [CLAIM + one_line(str(w).removeprefix(CLAIM), CLAIM_TEXT) for w in warnings[:CLAIMS]]
+
+
+def said_on_restore(warnings: object, imported: bool, already: Collection[str] = ()) -> list[str]:
+    """The warnings a checkpoint's row keeps (its save's, or a file's record's), for a restore
+    to say: each one line of at most :data:`CLAIM_TEXT` characters, escaped, after whose word
+    it is (``imported``: the file's, as :func:`claimed`; else its ledger row's). One the
+    restore says itself (``already``: a microVM's "state only") is not said twice."""
+    if not isinstance(warnings, list):  # a copied ledger's row may hold anything
+        return []
+    lines = claimed(warnings) if imported else [ROW_CLAIM + one_line(str(w), CLAIM_TEXT) for w in warnings[:CLAIMS]]
+    return [w for w in lines if w.removeprefix(CLAIM if imported else ROW_CLAIM) not in already]
 
 
 def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> str | None:
