@@ -113,7 +113,7 @@ class CheckpointsMixin(WorkbenchPart):
                         risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
                     # the branch's first cell reseeded what the fork did (its "reseeded" metric says what)
                     again = i == 0 and bool((step.metrics or {}).get("reseeded"))
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again),
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again, replay=True),
                                                        _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
