@@ -64,5 +64,19 @@ def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> st
     if not isinstance(claimed, str) or not claimed or claimed == here:
         return None
     whose = "the file says" if imported else "its ledger row says"
-    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}: its "
-            "variables and files are back, but what its cells installed or relied on may differ")
+    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}"
+            f"{_differs(claimed, here)}: its variables and files are back, but what its cells installed or relied "
+            "on may differ; restore it where its Smolfile is: `%smol down`, then `%smol up --smolfile PATH` "
+            "and restore again")
+
+
+def _differs(claimed: str, here: str) -> str:
+    """What a baseline (``IMAGE@HASH``, MachineSpec.baseline) says differs from this one: the
+    image when it names another, else what the hash covers ("" when it is not such a baseline)."""
+    theirs, at, _ = claimed.rpartition("@")
+    ours = here.rpartition("@")[0]
+    if not at or not theirs:
+        return ""
+    if theirs != ours:
+        return f" (its image {one_line(theirs, 80)}, this machine's {ours})"
+    return f" (the same image {ours}: its Smolfile's packages, env, init, network or limits differ)"
