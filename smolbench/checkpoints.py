@@ -19,7 +19,7 @@ from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate import restoring
-from .gate.ckptpaths import SUFFIX, valid_name
+from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf, is_path
 from .tree import Node
 
@@ -324,4 +324,5 @@ def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
 
 def _check_name(name: str) -> None:
     if not valid_name(name):
-        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)")
+        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64, "
+                             f"first a letter or digit), e.g. {suggested_name(name)}")
