@@ -19,7 +19,7 @@ from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate import restoring
-from .gate.ckptpaths import SUFFIX, valid_name
+from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf, is_path
 from .tree import Node
 
@@ -113,7 +113,7 @@ class CheckpointsMixin(WorkbenchPart):
                         risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
                     # the branch's first cell reseeded what the fork did (its "reseeded" metric says what)
                     again = i == 0 and bool((step.metrics or {}).get("reseeded"))
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again),
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again, replay=True),
                                                        _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
@@ -229,12 +229,16 @@ class CheckpointsMixin(WorkbenchPart):
 
     def _said_of(self, rec: dict[str, Any], node_id: str, ref: MachineRef) -> None:
         """What a restore says of where its checkpoint came from: a warning when it claims
-        another baseline, and, for a file from elsewhere (its pickle ran in this machine) or
-        such a claim, a row in the ledger's trust table (its source and SHA-256, the claim)."""
+        another baseline, the warnings its row keeps (each one line, as whose word it is), and,
+        for a file from elsewhere (its pickle ran in this machine) or such a claim, a row in the
+        ledger's trust table (its source and SHA-256, the claim)."""
         imported = rec.get("session_id") == IMPORTED
         said = restoring.baseline_notice(str(rec["name"]), rec.get("baseline"), self.baseline, imported)
-        if said is not None:
-            ref.info["restore_warnings"] = [*ref.info.get("restore_warnings", []), said]
+        # what it was saved with (a variable that could not be pickled): said once, here, as whose word it is
+        have = list(ref.info.get("restore_warnings", []))
+        kept = restoring.said_on_restore(rec.get("warnings"), imported, have)
+        if said is not None or kept:
+            ref.info["restore_warnings"] = [*have, *([said] if said else []), *kept]
         if imported or said is not None:
             came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
             self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"
@@ -320,4 +324,5 @@ def _forward(on_event: BranchEvent, node_id: str) -> Callable[[Event], None]:
 
 def _check_name(name: str) -> None:
     if not valid_name(name):
-        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)")
+        raise SmolbenchError(f"bad checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 64, "
+                             f"first a letter or digit), e.g. {suggested_name(name)}")

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
 from .gate import archive, restoring
-from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, valid_name
+from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
 from .gate.limits import LIMITS, human
 from .ledger import Ledger
 
@@ -50,8 +50,9 @@ def _identity(fd: int) -> tuple[int, ...]:
 
 
 def is_path(arg: str) -> bool:
-    """Whether ``%smol checkpoint restore ARG`` names a file rather than a checkpoint here."""
-    return arg.endswith(SUFFIX) or "/" in arg
+    """Whether ``%smol checkpoint restore ARG`` names a file rather than a checkpoint here (its
+    suffix in any case: a copy may have made it ``.SMOLCHECKPOINT``, said by :func:`_open_named`)."""
+    return arg.lower().endswith(SUFFIX) or "/" in arg
 
 
 def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> list[dict[str, Any]]:
@@ -163,14 +164,19 @@ class Shelf:
     def known(self) -> str:
         return ", ".join(sorted({str(r["name"]) for r in self.rows()})) or "none"
 
-    def missing_line(self, name: str) -> str:
+    def missing_line(self, name: str, verb: str = "restore") -> str:
+        """No checkpoint ``name`` here, and what to do instead (``verb``: what was asked)."""
+        if verb == "export":  # exports one of this folder's: save it first
+            return (f"no checkpoint named {name!r} to export: saved checkpoints are {self.known()} "
+                    f"(`%smol checkpoint list`); save one first: `%smol checkpoint save "
+                    f"{name if valid_name(name) else 'NAME'}`")
         return (f"no checkpoint named {name!r}: saved checkpoints are {self.known()} (`%smol checkpoint list`); "
                 f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`")
 
-    def row(self, name: str) -> dict[str, Any]:
+    def row(self, name: str, verb: str = "restore") -> dict[str, Any]:
         rec = self.find(name)
         if rec is None:
-            raise SmolbenchError(self.missing_line(name))
+            raise SmolbenchError(self.missing_line(name, verb))
         return rec
 
     @contextlib.contextmanager
@@ -300,8 +306,9 @@ class Shelf:
         name); the name, and whether a file was made."""
         stem = base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base
         if not valid_name(stem):
-            raise SmolbenchError(f"{base!r} is not a usable checkpoint name: rename the file to NAME{SUFFIX} "
-                                 "(letters, digits, '.', '_' or '-')")
+            raise SmolbenchError(f"{base!r} is not a usable checkpoint name (letters, digits, '.', '_' or '-', up to "
+                                 f"64, first a letter or digit): rename it to {suggested_name(stem)}{SUFFIX} and "
+                                 "restore that; nothing was added")
         digest = _sha256(src_fd)
         taken = set(self.store.names()) | {str(r["name"]) + SUFFIX for r in self.ledger.checkpoint_rows()}
         for k in range(1, 100):
@@ -376,7 +383,7 @@ class Shelf:
         if not dest.endswith(SUFFIX):
             raise SmolbenchError(f"export to a file named …{SUFFIX}, not {dest!r}: e.g. "
                                  f"`%smol checkpoint export {name} ../class/{name}{SUFFIX}`")
-        rec = self.row(name)
+        rec = self.row(name, "export")
         if rec.get("backend") not in AGENTHOST and rec.get("backend") is not None:
             raise SmolbenchError(f"checkpoint {name!r} was made by the {rec['backend']} backend, whose checkpoints "
                                  "don't travel as one file yet: save one on the sandbox backend to share it")
@@ -431,13 +438,20 @@ class Shelf:
 def _open_named(source: str) -> int:
     """A file the user named (their own name for it: links followed), open for reading; one line
     when it is not a plain file or is over the checkpoint limit."""
+    missing = f"no file {source}: check the path (it is relative to this notebook's folder)"
+    if not source.endswith(SUFFIX) and source.lower().endswith(SUFFIX):  # a copy that changed its case
+        if not os.path.exists(source):
+            raise SmolbenchError(missing)
+        base = Path(source).name
+        raise SmolbenchError(f"{source!r} ends in {base[-len(SUFFIX):]}, not {SUFFIX}: rename it to "
+                             f"{suggested_name(base[: -len(SUFFIX)])}{SUFFIX} and restore that")
     if not source.endswith(SUFFIX):
         raise SmolbenchError(f"{source!r} is not a checkpoint file: restore a file named …{SUFFIX}, "
                              "or a checkpoint of this folder by name")
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SmolbenchError(f"no file {source}: check the path (it is relative to this notebook's folder)") from None
+        raise SmolbenchError(missing) from None
     except OSError as exc:
         raise SmolbenchError(f"can't open {source} ({exc.strerror})") from None
     st = os.fstat(fd)

@@ -113,10 +113,12 @@ def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
                            on_notice=notices.append) as s:
         assert s.checkpoint_restore(str(gift)) == "r1-lesson1"
         assert s.workbench is not None
-        said = [n for n in notices if "baseline" in n]
+        said = [n for n in notices if "was saved on baseline" in n]
+        assert f"smolbench: warning: the file says: {STAFF}" in notices  # said as its claim
         assert said == [f"smolbench: warning: the file says lesson1 was saved on baseline {'f' * 64}, not this "
                         f"machine's {s.workbench.baseline}: its variables and files are back, but what its cells "
-                        "installed or relied on may differ"], notices
+                        "installed or relied on may differ; restore it where its Smolfile is: `%smol down`, then "
+                        "`%smol up --smolfile PATH` and restore again"], notices
         row = rows(student)["lesson1"]
         assert (row["session_id"], row["node_id"], row["cells"], row["baseline"]) == ("imported", "root.3", 7, "f" * 64)
         assert row["warnings"] == [f"the file says: {STAFF}"]
@@ -228,7 +230,8 @@ def test_a_re_export_carries_the_file_s_claims_as_its_claims(tmp_path: Path) -> 
         assert row["baseline"] == "f" * 64
         assert restoring.baseline_notice("lesson1", row["baseline"], spec.baseline(), True) == (
             f"the file says lesson1 was saved on baseline {'f' * 64}, not this machine's {spec.baseline()}: its "
-            "variables and files are back, but what its cells installed or relied on may differ")
+            "variables and files are back, but what its cells installed or relied on may differ; restore it where "
+            "its Smolfile is: `%smol down`, then `%smol up --smolfile PATH` and restore again")
     inside = archive.read_record(out["path"]) or {}
     assert {k: inside[k] for k in claims} == {**claims, "warnings": [
         f"re-exported: added to its folder from a checkpoint file (sha256 "

@@ -84,6 +84,14 @@ def valid_name(name: str) -> bool:
     return bool(NAME.fullmatch(name)) and name not in (".", "..")
 
 
+def suggested_name(text: str) -> str:
+    """A name :func:`valid_name` accepts, close to ``text`` (a file's stem someone may rename):
+    each run of other characters one ``_``, no leading ``.``/``_``/``-``, at most 64 characters
+    ("checkpoint" when nothing is left)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._-")[:64]
+    return name if valid_name(name) else "checkpoint"
+
+
 def file_name(named: object, folder: str = "checkpoints") -> str:
     """The file name (``NAME.smolcheckpoint``) a row's path stands for in the checkpoint folder
     called ``folder``, or PathRefused. Relative paths: ``NAME.smolcheckpoint`` or

@@ -9,9 +9,12 @@ isolated backend to use instead.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .terminal import one_line
 
 CLAIM = "the file says: "  # before each warning a file's record carries: its author's words, not smolbench's
+ROW_CLAIM = "its ledger row says: "  # before each warning a ledger row carries (a copied folder's is its author's)
 CLAIM_TEXT = 500  # characters of one such warning kept
 CLAIMS = 20  # warnings of a file kept (as many as a record may carry)
 
@@ -43,6 +46,17 @@ def claimed(warnings: list[str]) -> list[str]:
     return [CLAIM + one_line(str(w).removeprefix(CLAIM), CLAIM_TEXT) for w in warnings[:CLAIMS]]
 
 
+def said_on_restore(warnings: object, imported: bool, already: Collection[str] = ()) -> list[str]:
+    """The warnings a checkpoint's row keeps (its save's, or a file's record's), for a restore
+    to say: each one line of at most :data:`CLAIM_TEXT` characters, escaped, after whose word
+    it is (``imported``: the file's, as :func:`claimed`; else its ledger row's). One the
+    restore says itself (``already``: a microVM's "state only") is not said twice."""
+    if not isinstance(warnings, list):  # a copied ledger's row may hold anything
+        return []
+    lines = claimed(warnings) if imported else [ROW_CLAIM + one_line(str(w), CLAIM_TEXT) for w in warnings[:CLAIMS]]
+    return [w for w in lines if w.removeprefix(CLAIM if imported else ROW_CLAIM) not in already]
+
+
 def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> str | None:
     """One line when checkpoint ``name`` says it was saved on another baseline than this
     machine's ``here`` (``imported``: a file's record says so, else a ledger row); None when
@@ -50,5 +64,19 @@ def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> st
     if not isinstance(claimed, str) or not claimed or claimed == here:
         return None
     whose = "the file says" if imported else "its ledger row says"
-    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}: its "
-            "variables and files are back, but what its cells installed or relied on may differ")
+    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}"
+            f"{_differs(claimed, here)}: its variables and files are back, but what its cells installed or relied "
+            "on may differ; restore it where its Smolfile is: `%smol down`, then `%smol up --smolfile PATH` "
+            "and restore again")
+
+
+def _differs(claimed: str, here: str) -> str:
+    """What a baseline (``IMAGE@HASH``, MachineSpec.baseline) says differs from this one: the
+    image when it names another, else what the hash covers ("" when it is not such a baseline)."""
+    theirs, at, _ = claimed.rpartition("@")
+    ours = here.rpartition("@")[0]
+    if not at or not theirs:
+        return ""
+    if theirs != ours:
+        return f" (its image {one_line(theirs, 80)}, this machine's {ours})"
+    return f" (the same image {ours}: its Smolfile's packages, env, init, network or limits differ)"

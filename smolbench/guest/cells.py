@@ -31,6 +31,8 @@ class Cells:
             filename = "<%s@%s>" % (filename.strip("<>"), self.name)
         code = req.get("code", "")
         self.reported = {}
+        if req.get("replay") and not self.reward_restored_at_save:
+            self.restored_reward = None  # replaying the line that saved it: its `reward` was that line's own
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
         started = time.time()
@@ -95,6 +97,8 @@ class Cells:
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         tree = ast.parse(transform(code), filename, "exec")  # %pip / !pip lines; the cache above keeps what was typed
+        if self.restored_reward is not None and _binds(tree, "reward"):
+            self.restored_reward = None  # set here, even to the value restored (45 is 45)
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
@@ -105,7 +109,12 @@ class Cells:
         return None
 
     def _reward_and_metrics(self):
-        reward = self.reported.get("reward", self.ns.get("reward"))
+        # As on a fresh machine, a reward is the `reward` this machine's cells set (or report()):
+        # one a restore brought back is not, until a cell sets another (or a branch's does).
+        stale = self.restored_reward
+        if stale is not None and self.ns.get("reward", stale) is not stale[0]:
+            self.restored_reward = stale = None
+        reward = self.reported.get("reward", self.ns.get("reward") if stale is None else None)
         out = {"reward": None, "metrics": {}, "reward_error": None}
         if reward is not None:
             try:
@@ -122,6 +131,30 @@ class Cells:
             except ValueError as exc:
                 out["reward_error"] = out["reward_error"] or str(exc)
         return out
+
+
+def _binds(tree, name):
+    """Whether a cell's module-level code binds (or deletes) ``name``: an assignment, an import
+    as it, a ``for`` or ``with`` target... (a function's own locals are not the namespace's)."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            if getattr(node, "name", None) == name:
+                return True
+            continue
+        if isinstance(node, ast.comprehension):  # its own targets are its locals; a := is not
+            todo.append(node.iter)
+            todo.extend(node.ifs)
+            continue
+        if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load):
+            return True
+        if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+            return True
+        if isinstance(node, ast.ExceptHandler) and node.name == name:
+            return True
+        todo.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _finite_number(value, what):

@@ -29,7 +29,10 @@ class SaveLoad:
             except Exception as exc:
                 skipped.append("%s (%s)" % (key, type(exc).__name__))
         os.makedirs(path, exist_ok=True)
-        blob = pickle.dumps({"vars": state, "modules": modules, "seed": self.seed, "name": self.name}, protocol=4)
+        data = {"vars": state, "modules": modules, "seed": self.seed, "name": self.name}
+        if self.restored_reward is not None:  # its `reward` was restored, not set by its cells (see load)
+            data["reward_restored"] = True
+        blob = pickle.dumps(data, protocol=4)
         with open(os.path.join(path, "namespace.pkl"), "wb") as fh:
             fh.write(blob)
         with tarfile.open(os.path.join(path, "workspace.tar"), "w") as tar:
@@ -70,5 +73,10 @@ class SaveLoad:
                 failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
+        # A `reward` the checkpoint's cells set is not this machine's: it is reported, as on a
+        # fresh machine, once a cell here sets one (see Cells._reward_and_metrics). A replay goes
+        # on the saved line: its cells say so, and then only one that was restored there stays so.
+        self.restored_reward = (self.ns["reward"],) if "reward" in self.ns else None
+        self.reward_restored_at_save = bool(data.get("reward_restored"))
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
 

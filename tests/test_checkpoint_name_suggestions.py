@@ -1,0 +1,92 @@
+"""A checkpoint file refused for its name says what to rename it to, and `export` of a name
+that isn't here says how to make one.
+
+A file copied by a USB stick or Windows as `week1.SMOLCHECKPOINT`, or renamed with a space
+(`renamed week1.smolcheckpoint`), was refused with no usable name to rename it to; `%smol
+checkpoint export nosuch PATH` advised `restore PATH.smolcheckpoint`, the wrong verb.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ckpthelpers import CK, forged, record, rows
+
+from smolbench.errors import SmolbenchError
+from smolbench.gate.ckptpaths import SUFFIX, suggested_name, valid_name
+from smolbench.ledger import Ledger
+from smolbench.shelf import Shelf, is_path
+
+
+@pytest.fixture
+def shelf(tmp_path: Path) -> Iterator[Shelf]:
+    led = Ledger(tmp_path / "student" / ".smolbench" / "ledger.db")
+    yield Shelf(led)
+    led.close()
+
+
+def _suggested(line: str) -> str:
+    found = re.search(r"rename it to (\S+)" + re.escape(SUFFIX), line)
+    assert found is not None, line
+    return found.group(1)
+
+
+@pytest.mark.parametrize(("base", "wanted"), [
+    ("week1.SMOLCHECKPOINT", "week1"),
+    ("Week1.SmolCheckpoint", "Week1"),
+    ("renamed week1.smolcheckpoint", "renamed_week1"),
+    ("renamed week1.SMOLCHECKPOINT", "renamed_week1"),
+    ("-lesson (1).smolcheckpoint", "lesson_1"),
+    ("wöche 1.smolcheckpoint", "w_che_1"),
+    ("...smolcheckpoint", "checkpoint"),
+    (f"{'x' * 70}.smolcheckpoint", "x" * 64),
+])
+def test_a_refused_file_name_says_a_valid_name_to_rename_it_to(tmp_path: Path, shelf: Shelf, base: str,
+                                                               wanted: str) -> None:
+    gift = tmp_path / base
+    forged(gift, record(name="week1"))
+    assert is_path(gift.name)  # a restore of it by its bare name is a path, in any case
+    with pytest.raises(SmolbenchError) as refused:
+        shelf.adopt(str(gift), "sandbox")
+    line = str(refused.value)
+    assert "\n" not in line and _suggested(line) == wanted and valid_name(wanted), line
+    ck = tmp_path / "student" / CK
+    assert rows(tmp_path / "student") == {} and (not ck.exists() or not any(ck.iterdir()))  # nothing added
+    renamed = gift.rename(tmp_path / f"{wanted}{SUFFIX}")  # as it says: then it is added
+    assert shelf.adopt(str(renamed), "sandbox").row["name"] == wanted
+
+
+def test_a_missing_upper_case_file_is_missing(tmp_path: Path, shelf: Shelf) -> None:
+    with pytest.raises(SmolbenchError, match=r"^no file .*nowhere\.SMOLCHECKPOINT: check the path"):
+        shelf.adopt(str(tmp_path / "nowhere.SMOLCHECKPOINT"), "sandbox")
+
+
+def test_every_suggestion_is_a_valid_name() -> None:
+    for text in ["", " ", "a b", "ü", "-", "._-", "..", "a" * 200, "\x1b[31m", "a/b", "1", "_a", "a.b-c_d",
+                 "名前", "x" * 63 + " y"]:
+        got = suggested_name(text)
+        assert valid_name(got), (text, got)
+    assert suggested_name("a.b-c_d") == "a.b-c_d"  # a valid name stays itself
+
+
+def test_export_of_a_missing_name_says_save_not_restore(tmp_path: Path, shelf: Shelf) -> None:
+    with pytest.raises(SmolbenchError) as missing:
+        shelf.export("nosuch", str(tmp_path / "out.smolcheckpoint"))
+    line = str(missing.value)
+    assert line == ("no checkpoint named 'nosuch' to export: saved checkpoints are none (`%smol checkpoint list`); "
+                    "save one first: `%smol checkpoint save nosuch`"), line
+    assert "restore" not in line
+    with pytest.raises(SmolbenchError, match=r"save one first: `%smol checkpoint save NAME`$"):
+        shelf.export("no such", str(tmp_path / "out.smolcheckpoint"))
+    with pytest.raises(SmolbenchError, match=r"a file elsewhere: `%smol checkpoint restore PATH\.smolcheckpoint`$"):
+        shelf.row("nosuch")  # a restore's line is as it was
+
+
+def test_a_bad_name_to_save_says_one_that_works() -> None:
+    from smolbench.checkpoints import _check_name
+
+    with pytest.raises(SmolbenchError, match=r"e\.g\. week_1$"):
+        _check_name("week 1")

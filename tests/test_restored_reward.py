@@ -1,0 +1,68 @@
+"""A restored machine reports the reward its own cells set, as a fresh machine does.
+
+On a fresh machine a cell's reward is the `reward` in its namespace, which only its cells (or
+its ancestors', for a fork's branches) can have set. A restore brought back the teacher's
+`reward = 45`, and the student's first plain cell recorded 45 as its node's reward in the tree
+and the ledger. A restored `reward` now counts once a cell sets one (even to the same value),
+a branch of a restored machine reports the reward its cell sets, and a replay that starts from
+a checkpoint of its own line still reports what the line did.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+
+def _ledger_reward(s: object, node: str) -> object:
+    wb = s.workbench  # type: ignore[attr-defined]
+    return wb.ledger.node(wb.session, node)["reward"]
+
+
+def test_a_restored_reward_is_not_the_next_cell_s(open_tmp: Path) -> None:
+    import smolbench
+
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / ".smolbench" / "ledger.db") as s:
+        assert s.run("x = 1").reward is None
+        assert s.run("reward = 45").reward == 45.0
+        assert s.run("y = 2").reward == 45.0  # a fresh machine: the `reward` its cells set
+        s.checkpoint_save("lesson1")
+        assert s.checkpoint_restore("lesson1") == "r1-lesson1"
+        res = s.run("x = reward + 1")  # the restored value is there to read
+        assert res.ok and res.reward is None
+        assert s.workbench is not None and s.workbench.tree["r1-lesson1"].reward is None
+        assert _ledger_reward(s, "r1-lesson1") is None
+        assert s.run("def f():\n    reward = 3\n    return reward\nf()").reward is None  # a function's own
+        assert s.run("reward = 45").reward == 45.0  # set by this machine's cell, to the same value
+        assert s.run("y = 3").reward == 45.0
+        assert s.checkpoint_restore("lesson1") == "r2-lesson1"
+        assert s.run("globals()['reward'] = 7.5").reward == 7.5  # set another way
+        assert s.checkpoint_restore("lesson1") == "r3-lesson1"
+        kept = s.fork(2, "z = SEED", seeds=[1, 2], keep="all")
+        assert [r["reward"] for r in kept.rows.values()] == [None, None]
+        s.use("r3-lesson1")
+        set_ = s.fork(2, "reward = SEED", seeds=[7, 8], keep="all")
+        assert sorted(r["reward"] for r in set_.rows.values()) == [7.0, 8.0]
+
+
+def test_a_replay_from_its_line_s_checkpoint_reports_what_the_line_did(open_tmp: Path) -> None:
+    """A fork whose branches set no reward report their parent's (a fresh machine's rule); a
+    replay of one, started from the parent's checkpoint once the parent is gone, reports it too."""
+    import smolbench
+    from smolbench._session import _block
+
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / ".smolbench" / "ledger.db") as s:
+        s.run("reward = 45").raise_for_error()
+        s.checkpoint_save("base")
+        fork = s.fork(2, "z = SEED", seeds=[1, 2], keep="all")
+        assert [r["reward"] for r in fork.rows.values()] == [45.0, 45.0]
+        branch = next(iter(fork.rows))
+        s.delete("root")
+        assert s.workbench is not None
+        said = _block(s.workbench.replay(branch, lambda *_: None))
+        assert said["reward"] == 45.0 and said["match"], said["message"]
+        assert "started from checkpoint base" in said["message"]
