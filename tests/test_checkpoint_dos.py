@@ -251,7 +251,9 @@ def test_damaged_gzip_data_is_a_tar_error_for_a_restore(where: str, tmp_path: Pa
     at = {"record": BLOCK + 8, "namespace": 3 * BLOCK + 50_000, "workspace": 6 * BLOCK + len(big) + 50_000}[where]
     path = tmp_path / "damaged.smolcheckpoint"
     path.write_bytes(_damaged(tar, at))
-    with pytest.raises(tarfile.ReadError, match="^zlib error: Error -3 while decompressing data: invalid block type$"):
+    # (said as damage, archive.Damaged, where gzip's checksum could be reached to tell)
+    with pytest.raises(tarfile.ReadError, match="^(zlib error|its compressed data is damaged): Error -3 while "
+                                                "decompressing data: invalid block type$"):
         archive.check(str(path))
 
 
@@ -387,3 +389,23 @@ def test_the_listing_names_a_file_over_the_checkpoint_limit_and_reads_none_of_it
         "big.smolcheckpoint is 210 KB, over the checkpoint limit of 100 KB: not read (raise it with "
         "`%smol config checkpoint-limit 4G` if you trust it)")
     assert read < 100_000, read
+
+
+def test_a_header_changed_on_its_way_is_said_to_be_damage_when_gzip_s_checksum_fails(tmp_path: Path) -> None:
+    """A sector of another file landing in a checkpoint on its way (a failing stick) can be a
+    well-formed tar header: it read as "leads outside its workspace" or "not a sandbox
+    checkpoint", for a file whose gzip checksum says it is not the one that was written. Where
+    the checksum is in reach, the refusal says it is damaged, and to copy it again."""
+    ws = _member("hello.txt", b"hi") + END
+    tar = _member(archive.RECORD, RECORD) + _member("namespace.pkl", b"x") + _member("workspace.tar", ws) + END
+    at = tar.index(b"hello.txt")
+    for other in (_header("../../outside.txt", 2), _header("hello.txt", 0, tarfile.CHRTYPE)):
+        changed = tar[:at] + other + tar[at + BLOCK:]
+        written = gzip.compress(tar)
+        path = tmp_path / "damaged.smolcheckpoint"
+        path.write_bytes(gzip.compress(changed)[:-8] + written[-8:])  # the checksum of what was written
+        with pytest.raises(archive.Damaged, match="^its data fails gzip's checksum$"):
+            archive.check(str(path))
+        path.write_bytes(gzip.compress(changed))  # made so, with its own checksum: refused for what it is
+        with pytest.raises(archive.UnsafeCheckpoint):
+            archive.check(str(path))

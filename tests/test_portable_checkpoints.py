@@ -496,8 +496,16 @@ def test_a_byte_changed_on_its_way_is_found_by_gzip_s_checksum(open_tmp: Path) -
         s.checkpoint_save("lesson")
     whole = (teacher / CK / "lesson.smolcheckpoint").read_bytes()
     assert archive.check(str(teacher / CK / "lesson.smolcheckpoint")) is None  # its own save: no record, and whole
+    # one changed byte anywhere past the gzip header (in data, in a tar header: the checksum tells)
+    for at in range(30, len(whole) - 8, len(whole) // 60):
+        flipped = bytearray(whole)
+        flipped[at] ^= 0x01
+        (open_tmp / "flipped.smolcheckpoint").write_bytes(bytes(flipped))
+        with pytest.raises((SmolbenchError, tarfile.TarError, EOFError, OSError)) as caught:
+            archive.check(str(open_tmp / "flipped.smolcheckpoint"))
+        assert archive.damage(caught.value) is not None, (at, caught.value)
     files = {"trailer": whole[:-4]}
-    for at in (len(whole) // 4, len(whole) // 2, len(whole) * 3 // 4):  # inside the random (stored) data
+    for at in (len(whole) // 4, len(whole) // 2, len(whole) * 3 // 4):
         flipped = bytearray(whole)
         flipped[at] ^= 0x01
         files[f"flipped{at}"] = bytes(flipped)

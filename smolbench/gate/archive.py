@@ -562,31 +562,52 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     with open_tar(path, what=f"checkpoint {label}") as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
-        while True:
-            m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
-            if m is None:
-                break
-            if record is None and not members and m.name == RECORD and m.isfile():  # the first header only
-                record = _read_record(tar, m, label)  # (a million records were all kept)
-                continue
-            members.append(m)
-            if m.name in FILES and m.isfile():
-                sizes[m.name] = m.size
-                _within_limit(sizes, f"checkpoint {label}")
-            if len(members) > len(FILES):
-                break
-        names = sorted(m.name for m in members)
-        if set(names) < set(FILES) and (members or record is not None) and all(m.isfile() for m in members):
-            last = members[-1].name if members else RECORD  # a file cut short (tarfile reads damage as an end)
-            raise Damaged(f"it ends after {last}, without {', '.join(f for f in FILES if f not in names)}")
-        if names != sorted(FILES) or not all(m.isfile() for m in members):
-            raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
-        blob = tar.extractfile("workspace.tar")
-        assert blob is not None
-        with open_tar(fileobj=blob, mode="r:") as inner:
-            check_members(inner, f"checkpoint {label}")
-        _crc_checked(tar)
+        try:
+            while True:
+                m = tar.next()  # one header at a time: a huge claimed size is refused before its data is read
+                if m is None:
+                    break
+                if record is None and not members and m.name == RECORD and m.isfile():  # the first header only
+                    record = _read_record(tar, m, label)  # (a million records were all kept)
+                    continue
+                members.append(m)
+                if m.name in FILES and m.isfile():
+                    sizes[m.name] = m.size
+                    _within_limit(sizes, f"checkpoint {label}")
+                if len(members) > len(FILES):
+                    break
+            names = sorted(m.name for m in members)
+            if set(names) < set(FILES) and (members or record is not None) and all(m.isfile() for m in members):
+                last = members[-1].name if members else RECORD  # a file cut short (tarfile reads damage as an end)
+                raise Damaged(f"it ends after {last}, without {', '.join(f for f in FILES if f not in names)}")
+            if names != sorted(FILES) or not all(m.isfile() for m in members):
+                raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
+            blob = tar.extractfile("workspace.tar")
+            assert blob is not None
+            with open_tar(fileobj=blob, mode="r:") as inner:
+                check_members(inner, f"checkpoint {label}")
+        except (SmolbenchError, tarfile.TarError) as exc:
+            said = None if isinstance(exc, Damaged) else _damage_found(tar)
+            if said is not None:  # a changed byte can make a header wrong: gzip's checksum says it was that
+                raise Damaged(said) from None
+            raise
+        said = _damage_found(tar, quiet=False)
+        if said is not None:
+            raise Damaged(said)
     return record
+
+
+def _damage_found(tar: tarfile.TarFile, quiet: bool = True) -> str | None:
+    """What :func:`_crc_checked` finds wrong with the data, in :func:`damage`'s words (None:
+    nothing); any other error it meets is raised (``quiet``: ignored, for the caller's own)."""
+    try:
+        _crc_checked(tar)
+    except (SmolbenchError, tarfile.TarError, EOFError, OSError) as exc:
+        said = damage(exc)
+        if said is None and not quiet:
+            raise
+        return said
+    return None
 
 
 DRAIN_LIMIT = 1024 * 1024  # bytes read past what the check needed, to reach gzip's checksum (an honest file: ~20 KB)
