@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
-from .gate import archive, restoring
+from .gate import archive, ckptwrite, restoring
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
 from .gate.limits import LIMITS, human
 from .ledger import Ledger
@@ -423,7 +423,7 @@ class Shelf:
             except OSError as exc:
                 raise SmolbenchError(f"can't write {dest} ({exc.strerror}): check the folder and its permissions") from None
             try:
-                archive.write_portable(f.path, fd, record, f.name)
+                ckptwrite.write_portable(f.path, fd, record, f.name)
                 os.fsync(fd)
                 os.replace(part, target)
             except BaseException:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from smolbench.errors import SmolbenchError
-from smolbench.gate import archive
+from smolbench.gate import archive, ckptwrite
 from smolbench.gate.limits import LIMITS
 from smolbench.ledger import Ledger
 from smolbench.shelf import Shelf
@@ -324,7 +324,7 @@ def test_a_restore_refuses_a_gzip_name_field_that_never_ends(before: str, tmp_pa
     path = tmp_path / "endless.smolcheckpoint"
     _endless(path, b"" if before == "nothing" else gzip.compress(_checkpoint_tar()[:-len(END)]))
     why = "has a gzip header whose name or comment field doesn't end within its first 1.0 MB, which no gzip writer makes"
-    for step in (lambda: archive.check(str(path)), lambda: archive.hand_over(str(path), tmp_path)):
+    for step in (lambda: archive.check(str(path)), lambda: ckptwrite.hand_over(str(path), tmp_path)):
         start = _read_bytes()
         with pytest.raises(archive.UnsafeCheckpoint) as refused:
             step()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from .. import gate
 from .._aio import _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
-from ..gate import archive, ckptpaths
+from ..gate import archive, ckptpaths, ckptwrite
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
@@ -116,7 +116,7 @@ class AgentHostBackend(Backend):
 
     def _hand_over(self, path: str, folder: str) -> str:
         """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
-        return archive.hand_over(path, folder)
+        return ckptwrite.hand_over(path, folder)
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -558,7 +558,7 @@ class AgentHostBackend(Backend):
             ckptpaths.hold_part(held)  # a sweep by another kernel leaves it while it is written
             # The machine made every path in the stage: the gate reads them without following links
             # (in a thread: a big stage must not stall the kernel).
-            packing = asyncio.ensure_future(asyncio.to_thread(archive.pack, run_dir, stage, held, machine.name,
+            packing = asyncio.ensure_future(asyncio.to_thread(ckptwrite.pack, run_dir, stage, held, machine.name,
                                                               scratch=os.path.dirname(part), stop=stop))
             await asyncio.shield(packing)
             os.replace(part, path)

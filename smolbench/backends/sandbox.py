@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailable, SmolbenchError
-from ..gate import archive
+from ..gate import ckptwrite
 from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
@@ -401,7 +401,7 @@ class SandboxBackend(AgentHostBackend):
         # never unpacked anywhere else (issue 25: not in the host's /tmp).
         if not (self._contained and os.geteuid() == 0):
             return super()._hand_over(path, folder)
-        return archive.hand_over(path, folder, as_owner=lambda: _fs_ids(*sandbox_ids()))
+        return ckptwrite.hand_over(path, folder, as_owner=lambda: _fs_ids(*sandbox_ids()))
 
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)

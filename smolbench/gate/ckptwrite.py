@@ -1,0 +1,241 @@
+"""Writing checkpoint files: a machine's saved files packed into one, and a checked file
+streamed into a new machine's folder or written again as one self-contained file.
+
+Reading and checking them is ``archive.py``'s; what is written here passes through its
+checks (``check_members``, the checkpoint limit) on the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import secrets
+import stat
+import tarfile
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, cast
+
+from .archive import (
+    FILES,
+    OPEN_DIR,
+    OPEN_FILE,
+    RECORD,
+    TEST_WEAKEN,
+    UnsafeCheckpoint,
+    _within_limit,
+    check_members,
+    open_tar,
+    parse_record,
+)
+from .limits import LIMITS, human
+
+
+@contextlib.contextmanager
+def _dirfd(path: str | os.PathLike[str], name: str | None = None, parent: int | None = None) -> Iterator[int]:
+    try:
+        fd = os.open(name if name is not None else path, OPEN_DIR, dir_fd=parent)
+    except OSError as exc:
+        raise UnsafeCheckpoint(f"{name or path} is not a plain folder ({exc.strerror})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
+    """(fd, size) of a regular file ``name`` in ``dir_fd``, not through a link, and with no
+    holes: a machine's sparse file would cost the host its whole claimed size in zeros."""
+    flags = OPEN_FILE & ~os.O_NOFOLLOW if "follow" in TEST_WEAKEN else OPEN_FILE
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file")
+    if "sparse" not in TEST_WEAKEN and st.st_size and _has_holes(fd, st.st_size):
+        os.close(fd)
+        raise UnsafeCheckpoint(f"{what}: {name} is a sparse file ({human(st.st_size)} claimed, with holes); "
+                               "a machine's save never makes one")
+    return fd, st.st_size
+
+
+def _has_holes(fd: int, size: int) -> bool:
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:  # no SEEK_HOLE here: a file system without holes
+        return False
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
+
+
+
+
+def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
+    left = size
+    while left:
+        block = src.read(min(left, 1 << 20))
+        if not block:
+            raise UnsafeCheckpoint(f"{what} changed while it was being read")
+        dst.write(block)
+        left -= len(block)
+
+
+
+
+def pack(run_dir: str | os.PathLike[str], stage: str, out: int, where: str, *,
+         scratch: str | os.PathLike[str], stop: threading.Event | None = None) -> None:
+    """Write checkpoint file descriptor ``out`` from the files machine ``where`` saved in
+    ``run_dir/stage``.
+
+    Each file is read by its real size, at most the checkpoint limit, and never held in
+    memory: the workspace archive is checked in a copy in ``scratch`` (the checkpoint's
+    folder, never the host's /tmp) so the machine can't change it after the check, the
+    namespace goes straight in. Written through ``out``, not a path: a save stopped meanwhile
+    removes its part file, and a name opened after that would make it again. ``stop`` set
+    (the save was stopped): :class:`PackStopped` at the next MB."""
+    what = f"the checkpoint machine {where} saved"
+    with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, contextlib.ExitStack() as stack:
+        opened: dict[str, tuple[IO[bytes], int]] = {}
+        for name in FILES:
+            fd, size = _open_plain(name, folder, what)
+            opened[name] = (cast(IO[bytes], _Stoppable(stack.enter_context(os.fdopen(fd, "rb")), stop)), size)
+        _within_limit({name: size for name, (_, size) in opened.items()}, what)
+        ws = stack.enter_context(tempfile.TemporaryFile(dir=scratch))
+        src, size = opened["workspace.tar"]
+        _copy_exact(src, ws, size, what)
+        ws.seek(0)
+        try:
+            with open_tar(fileobj=ws, mode="r:") as inner:
+                check_members(inner, f"machine {where}'s workspace")
+        except tarfile.TarError as exc:
+            raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
+        ws.seek(0)
+        sink = stack.enter_context(os.fdopen(os.dup(out), "wb"))
+        with tarfile.open(fileobj=sink, mode="w:gz") as tar:
+            src, nsize = opened["namespace.pkl"]
+            info = tarfile.TarInfo("namespace.pkl")
+            info.size = nsize
+            try:
+                tar.addfile(info, src)
+            except OSError as exc:  # tarfile: "unexpected end of data"
+                raise UnsafeCheckpoint(f"{what} changed while it was being read ({exc})") from None
+            info = tarfile.TarInfo("workspace.tar")
+            info.size = size
+            tar.addfile(info, cast(IO[bytes], _Stoppable(ws, stop)))
+
+
+class PackStopped(Exception):
+    """A checkpoint's packing was stopped (its save was)."""
+
+
+class _Stoppable:
+    """A file read in blocks that raises :class:`PackStopped` once ``stop`` is set."""
+
+    def __init__(self, f: IO[bytes], stop: threading.Event | None) -> None:
+        self._f, self._stop = f, stop
+
+    def read(self, n: int = -1) -> bytes:
+        if self._stop is not None and self._stop.is_set():
+            raise PackStopped("the save was stopped")
+        return self._f.read(n)
+
+
+
+
+class _Budget:
+    """Bytes a restore may still write: the checkpoint limit, counted as they stream."""
+
+    def __init__(self, what: str) -> None:
+        self.left = LIMITS.checkpoint
+        self.what = what
+
+    def copy(self, src: IO[bytes], dst: IO[bytes], size: int) -> None:
+        left, counted = size, "stream" not in TEST_WEAKEN
+        while left:
+            block = src.read(min(left, 1 << 20, self.left + 1 if counted else left))
+            if not block:
+                raise UnsafeCheckpoint(f"{self.what} changed while it was being read")
+            if len(block) > self.left and counted:
+                raise UnsafeCheckpoint(f"{self.what} unpacks to more than the checkpoint limit of "
+                                       f"{human(LIMITS.checkpoint)}: stopped there; raise it with "
+                                       "`%smol config checkpoint-limit 4G` if you trust it")
+            dst.write(block)
+            self.left -= len(block)
+            left -= len(block)
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]]:
+    """The checkpoint's two files in archive order, one pass (the record, first, is skipped)."""
+    while True:
+        m = tar.next()
+        if m is None:
+            return
+        if m.name in FILES and m.isfile():
+            src = tar.extractfile(m)
+            assert src is not None
+            yield m, src
+
+
+def hand_over(path: str, run_dir: str | os.PathLike[str],
+              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
+    """Stream a checked checkpoint's two files into a new folder of ``run_dir``; the folder's name.
+
+    Nothing is unpacked anywhere else (never the host's /tmp): the bytes go from the
+    checkpoint straight into the machine's own folder, counted against the checkpoint limit
+    as they are decompressed. The folder is made here (never an existing path) and the files
+    are created with ``O_EXCL | O_NOFOLLOW``, so nothing the machine placed there is written
+    through. ``as_owner``: the file access identity the folder and files are made with (the
+    checkpoint itself is opened before, as the caller).
+    """
+    stage = f"restore-{secrets.token_hex(6)}"
+    budget = _Budget(f"checkpoint {Path(path).name}")
+    with open_tar(path, what=budget.what) as tar, as_owner(), _dirfd(run_dir) as root:
+        os.mkdir(stage, 0o700, dir_fd=root)
+        with _dirfd(run_dir, stage, root) as folder:
+            for m, src in _members(tar):
+                fd = os.open(m.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=folder)
+                with os.fdopen(fd, "wb") as dst:
+                    budget.copy(src, dst, m.size)
+    return stage
+
+
+def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> None:
+    """Write the checked checkpoint at ``path`` (``label`` in messages) to descriptor ``out`` as one
+    self-contained file: its record first, then its two files (streamed, counted against the
+    checkpoint limit)."""
+    blob = json.dumps(record, sort_keys=True).encode()
+    parse_record(blob, f"checkpoint {label}")  # what we write must pass our own reading
+    budget = _Budget(f"checkpoint {label}")
+    with open_tar(path, what=f"checkpoint {label}") as src, os.fdopen(os.dup(out), "wb") as raw, \
+            tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        info = tarfile.TarInfo(RECORD)
+        info.size, info.mtime = len(blob), int(record.get("created") or 0)
+        tar.addfile(info, io.BytesIO(blob))
+        for m, fh in _members(src):
+            info = tarfile.TarInfo(m.name)
+            info.size, info.mtime = m.size, m.mtime
+            tar.addfile(info, _Counted(fh, budget, m.size))
+
+
+class _Counted(io.RawIOBase):
+    """A member's bytes, read through a budget (tarfile.addfile reads exactly its size)."""
+
+    def __init__(self, src: IO[bytes], budget: _Budget, size: int) -> None:
+        self.buf = io.BytesIO()
+        self.src, self.budget, self.left = src, budget, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        self.buf.seek(0)
+        self.buf.truncate()
+        self.budget.copy(self.src, self.buf, n)
+        self.left -= n
+        return self.buf.getvalue()
