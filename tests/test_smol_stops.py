@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -96,3 +97,37 @@ def test_a_stopped_cloud_checkpoint_deletes_the_checkpoint_smol_cloud_made(host:
     run(main())
     assert seen == [["ckpt-123"]], f"the stopped save left its cloud checkpoint: {seen}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stopped_checkpoint_removes_its_files_once_the_sdk_has_written_them(host: FakeHost, tmp_path: Path) -> None:
+    """A Ctrl-C during a save removed the capture and the part file at once, while smol's export
+    (a thread, which can't be stopped) went on and wrote the part file afterwards: left in the
+    checkpoint folder, under a name no sweep knows."""
+    b = backend()
+    folder = tmp_path / "ckpt"
+    exporting = threading.Event()
+    export = host.export_checkpoint
+
+    def slow_export(source: str, output: str) -> int:
+        exporting.set()
+        time.sleep(0.5)
+        return export(source, output)
+
+    host.cls.export_checkpoint.side_effect = slow_export
+
+    async def main() -> None:
+        root = await b.create(MachineSpec(), "root")
+        try:
+            save = asyncio.ensure_future(b.checkpoint(root, str(folder / "root.smolcheckpoint")))
+            while not exporting.is_set():
+                await asyncio.sleep(0.01)
+            save.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await save
+            await asyncio.sleep(1.0)  # past the export's end, had it been left running
+        finally:
+            await b.close()
+
+    run(main())
+    assert not [p.name for p in folder.iterdir() if p.is_file()], "the stopped save left a file behind"
+    assert os.listdir(folder / "captures") == []
