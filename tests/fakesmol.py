@@ -30,6 +30,7 @@ host's /tmp.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextlib
 import io
@@ -487,6 +488,16 @@ def fake_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
         shutil.rmtree(base, ignore_errors=True)
         pids = [vm.agent_pid for vm in fake.vms if vm.agent_pid]
         assert all_gone(pids), f"agent processes left running: {pids}"
+
+
+def run(coro: Any) -> Any:
+    """Run one backend coroutine to its end (at most 120 s)."""
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def backend(**kw: Any) -> smolmod.SmolBackend:
+    """A SmolBackend on the fake engine, without the boot probe."""
+    return smolmod.SmolBackend(probe=False, session="t", **kw)
 
 
 def all_gone(pids: list[int], wait: float = 5.0) -> bool:

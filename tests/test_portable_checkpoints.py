@@ -448,24 +448,25 @@ def test_a_checkpoint_a_killed_kernel_was_writing_is_swept_by_the_next(open_tmp:
     assert store.sweep_parts() == [elsewhere]  # let go (its writer is gone too): old, unheld
 
 
-def test_a_file_cut_short_or_damaged_on_its_way_says_so_and_how_to_fix_it(open_tmp: Path) -> None:
-    """A class's files travel on USB sticks and through mail: a copy cut short said "not a readable
-    checkpoint (Compressed file ended before the end-of-stream marker was reached)", gzip's own
-    words, and one whose bytes were damaged mid-way said "is not a smolbench checkpoint (has
-    ['namespace.pkl'])", as if it were some other kind of file (tarfile reads damage as an early
-    end). Each now says it is cut short or damaged, and to copy the whole file again."""
+def _random_lesson(open_tmp: Path) -> Path:
+    """A checkpoint ``lesson`` saved in a folder of its own (``open_tmp/t``), holding 60 kB of random
+    bytes (a variable and a workspace file) so that its compressed data is large: a cut or a
+    changed byte lands inside it."""
     import smolbench
 
-    teacher, student = open_tmp / "t", open_tmp / "s"
+    teacher = open_tmp / "t"
     with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
-        # random bytes, so that the compressed file is large: a cut lands inside its data
         s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)\n"
               "open('notes.bin', 'wb').write(random.randbytes(30000))")
         s.checkpoint_save("lesson")
-    whole = (teacher / CK / "lesson.smolcheckpoint").read_bytes()
-    assert len(whole) > 60000
-    half = len(whole) // 2
-    files = {"cut": whole[:half], "tiny": whole[:100], "zeroed": whole[:half] + bytes(len(whole) - half)}
+    return teacher / CK / "lesson.smolcheckpoint"
+
+
+def _refused_as_damaged(open_tmp: Path, student: Path, files: dict[str, bytes]) -> None:
+    """Each of ``files`` (written as KEY.smolcheckpoint) is refused by a restore in ``student`` in
+    one line saying it is cut short or damaged and to copy it again; the machine goes on."""
+    import smolbench
+
     for key, data in files.items():
         (open_tmp / f"{key}.smolcheckpoint").write_bytes(data)
     with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
@@ -477,6 +478,20 @@ def test_a_file_cut_short_or_damaged_on_its_way_says_so_and_how_to_fix_it(open_t
             assert line.endswith("): copy the whole file again from where it came from; nothing was added"), (key, line)
             assert "\n" not in line and "end-of-stream marker" not in line and "not a smolbench checkpoint" not in line
         assert s.run("print(1)").stdout == "1\n"
+
+
+def test_a_file_cut_short_or_damaged_on_its_way_says_so_and_how_to_fix_it(open_tmp: Path) -> None:
+    """A class's files travel on USB sticks and through mail: a copy cut short said "not a readable
+    checkpoint (Compressed file ended before the end-of-stream marker was reached)", gzip's own
+    words, and one whose bytes were damaged mid-way said "is not a smolbench checkpoint (has
+    ['namespace.pkl'])", as if it were some other kind of file (tarfile reads damage as an early
+    end). Each now says it is cut short or damaged, and to copy the whole file again."""
+    student = open_tmp / "s"
+    whole = _random_lesson(open_tmp).read_bytes()
+    assert len(whole) > 60000
+    half = len(whole) // 2
+    files = {"cut": whole[:half], "tiny": whole[:100], "zeroed": whole[:half] + bytes(len(whole) - half)}
+    _refused_as_damaged(open_tmp, student, files)
     assert not (student / CK).exists() or sorted((student / CK).iterdir()) == []
     assert rows(student) == {}
 
@@ -486,16 +501,12 @@ def test_a_byte_changed_on_its_way_is_found_by_gzip_s_checksum(open_tmp: Path) -
     file's end: a file with one byte changed inside its data (a failing stick) restored as other
     variables and files, and one that lost its last bytes restored too. The check now reads the
     gzip data to its end (at most DRAIN_LIMIT past what it needed), so gzip compares them."""
-    import smolbench
     from smolbench.gate import archive
 
-    teacher, student = open_tmp / "t", open_tmp / "s"
-    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
-        s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)\n"
-              "open('notes.bin', 'wb').write(random.randbytes(30000))")
-        s.checkpoint_save("lesson")
-    whole = (teacher / CK / "lesson.smolcheckpoint").read_bytes()
-    assert archive.check(str(teacher / CK / "lesson.smolcheckpoint")) is None  # its own save: no record, and whole
+    student = open_tmp / "s"
+    path = _random_lesson(open_tmp)
+    assert archive.check(str(path)) is None  # its own save: no record, and whole
+    whole = path.read_bytes()
     # one changed byte anywhere past the gzip header (in data, in a tar header: the checksum tells)
     for at in range(30, len(whole) - 8, len(whole) // 60):
         flipped = bytearray(whole)
@@ -509,29 +520,14 @@ def test_a_byte_changed_on_its_way_is_found_by_gzip_s_checksum(open_tmp: Path) -
         flipped = bytearray(whole)
         flipped[at] ^= 0x01
         files[f"flipped{at}"] = bytes(flipped)
-    for key, data in files.items():
-        (open_tmp / f"{key}.smolcheckpoint").write_bytes(data)
-    with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
-        for key in files:
-            with pytest.raises(SmolbenchError) as err:
-                s.checkpoint_restore(str(open_tmp / f"{key}.smolcheckpoint"))
-            line = str(err.value)
-            assert line.startswith(f"{open_tmp / key}.smolcheckpoint is cut short or damaged ("), (key, line)
-            assert line.endswith("): copy the whole file again from where it came from; nothing was added"), (key, line)
-        assert s.run("print(1)").stdout == "1\n"
+    _refused_as_damaged(open_tmp, student, files)
     assert rows(student) == {}
 
 
 def _damaged_lesson(open_tmp: Path) -> tuple[Path, Path]:
     """A checkpoint ``lesson`` saved in a folder of its own, and a copy whose second half is zeros
     (its record reads, the rest doesn't: it fails once a restore is under way)."""
-    import smolbench
-
-    teacher = open_tmp / "t"
-    with smolbench.Session(backend="sandbox", ledger=teacher / ".smolbench" / "ledger.db") as s:
-        s.run("import random\nrandom.seed(7)\nwarm = random.randbytes(30000)")
-        s.checkpoint_save("lesson")
-    whole = teacher / CK / "lesson.smolcheckpoint"
+    whole = _random_lesson(open_tmp)
     data = whole.read_bytes()
     damaged = open_tmp / "damaged.smolcheckpoint"
     damaged.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))

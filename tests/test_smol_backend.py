@@ -18,7 +18,7 @@ from typing import Any
 import fakesmol
 import pytest
 import smol
-from fakesmol import FakeHost, all_gone, fake_host
+from fakesmol import FakeHost, all_gone, backend, fake_host, run
 from smol import (
     ConnectOptions,
     InvalidConfigError,
@@ -39,14 +39,6 @@ from smolbench.spec import MachineSpec, Volume
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     yield from fake_host(monkeypatch)
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def backend(**kw: Any) -> SmolBackend:
-    return SmolBackend(probe=False, session="t", **kw)
 
 
 async def cell(

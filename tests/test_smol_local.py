@@ -4,7 +4,6 @@ and the boot probe's cheap checks and configurable limit."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import tarfile
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 import smol
-from fakesmol import FakeHost, fake_host
+from fakesmol import FakeHost, backend, fake_host, run
 from smol import MachineConfig
 
 from smolbench.backends import probe as probemod
@@ -27,14 +26,6 @@ from smolbench.spec import MachineSpec
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     yield from fake_host(monkeypatch)
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def backend(**kw: Any) -> SmolBackend:
-    return SmolBackend(probe=False, session="t", **kw)
 
 
 async def cell(b: SmolBackend, ref: MachineRef, code: str) -> CellResult:

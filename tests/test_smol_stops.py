@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakesmol import FakeHost, fake_host
+from fakesmol import FakeHost, backend, fake_host, run
 from smol import PortableCheckpointInfo
 
 from smolbench.backends.smol import SmolBackend
@@ -23,14 +23,6 @@ from smolbench.spec import MachineSpec
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     yield from fake_host(monkeypatch)
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def backend(**kw: Any) -> SmolBackend:
-    return SmolBackend(probe=False, session="t", **kw)
 
 
 def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: FakeHost) -> None:
