@@ -361,8 +361,9 @@ class Shelf:
                 os.close(fd)
             return "smol" if (record or {}).get("backend") == "smol" else "sandbox"
         rec = self.row(arg)
-        made = rec.get("backend") or "sandbox"
-        return "sandbox" if made == "process" else str(made)  # never the process backend on a row's word
+        # a copied folder's row says what its author wrote: one of smolbench's words, never an option
+        # line (`%smol up --backend {it}`: "sandbox --ray HOST" joined someone's cluster) nor the process backend
+        return "smol" if rec.get("backend") == "smol" else "sandbox"
 
     def lines(self) -> list[str]:
         """The checkpoints here as text (``%smol checkpoint list`` while nothing is up)."""
