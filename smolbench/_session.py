@@ -499,8 +499,12 @@ class Session:
         what = _restorable(name_or_path)
         started = False
         if not self.is_up:
+            asked = self.backend_kind
             self._choose_backend_for(what)
-            await self.aup()
+            try:
+                await self.aup()
+            finally:
+                self.backend_kind = asked
             started = True
         try:
             wb = self._wb()
@@ -514,13 +518,18 @@ class Session:
         """Bring this session up for restoring ``checkpoint`` when nothing is up; whether it did."""
         if self.is_up:
             return False
+        asked = self.backend_kind
         self._choose_backend_for(checkpoint)
-        self.up()
+        try:
+            self.up()
+        finally:
+            self.backend_kind = asked  # for this up only: a later up() chooses as the Session was asked
         return True
 
     def _choose_backend_for(self, checkpoint: str) -> None:
         """``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
-        on a file's or a row's word); a backend given to the Session stays."""
+        on a file's or a row's word), for the up that follows (its caller puts "auto" back); a
+        backend given to the Session stays."""
         if self.backend_kind == "auto" and self.ray in (None, False):
             from .ledger import DEFAULT_PATH, Ledger
             from .shelf import Shelf

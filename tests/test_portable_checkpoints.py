@@ -550,10 +550,12 @@ def test_a_session_with_nothing_up_restores_as_the_magic_does_and_takes_back_a_f
     with pytest.raises(SmolbenchError, match="is cut short or damaged"):
         s.checkpoint_restore(damaged)  # refused once a machine was up for it: taken down
     assert not s.is_up and s.status() == {"up": False}
+    assert s.backend_kind == "auto"  # the next up() chooses as asked, not as that file's record said
     try:
         node = s.checkpoint_restore(whole)
         assert s.is_up and node == "r1-lesson" and s.run("len(warm)").value == 30000
         assert s.workbench is not None and s.workbench.backend.name == "sandbox"
+        assert s.backend_kind == "auto"  # for this up only: a later down() and up() chooses again
     finally:
         s.down()
 
