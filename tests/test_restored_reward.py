@@ -66,3 +66,25 @@ def test_a_replay_from_its_line_s_checkpoint_reports_what_the_line_did(open_tmp:
         said = _block(s.workbench.replay(branch, lambda *_: None))
         assert said["reward"] == 45.0 and said["match"], said["message"]
         assert "started from checkpoint base" in said["message"]
+
+
+@pytest.mark.parametrize("start", ["live", "checkpoint"])
+def test_a_replay_of_a_restored_machine_s_branch_reports_what_it_did(open_tmp: Path, start: str) -> None:
+    """A branch of a restored machine whose cell sets no reward recorded none (the restored
+    `reward` was not its line's); a replay of it, from that machine alive or from the checkpoint
+    it was restored from again, reports none too: the restored `reward` is not the line's there."""
+    import smolbench
+    from smolbench._session import _block
+
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / ".smolbench" / "ledger.db") as s:
+        s.run("reward = 45").raise_for_error()
+        s.checkpoint_save("lesson")
+        assert s.checkpoint_restore("lesson") == "r1-lesson"
+        fork = s.fork(2, "z = SEED", seeds=[1, 2], keep="all")
+        assert [r["reward"] for r in fork.rows.values()] == [None, None]
+        branch = next(iter(fork.rows))
+        if start == "checkpoint":
+            s.delete("r1-lesson")
+        assert s.workbench is not None
+        said = _block(s.workbench.replay(branch, lambda *_: None))
+        assert said["reward"] is None and said["match"], said["message"]
