@@ -20,7 +20,7 @@ from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
 from .gate import restoring
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
-from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf, is_path
+from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
 from .tree import Node
 
 BranchEvent = Callable[[str, Event], None]
@@ -199,7 +199,7 @@ class CheckpointsMixin(WorkbenchPart):
         self.restore_notes = []
         added: Adopted | None = None
         # adopting copies and checks a file from elsewhere (seconds of gzip for a big one): off the loop
-        if is_path(name):
+        if self.shelf.names_file(name):
             added = await self._adopt(name)
         else:
             rec = self.shelf.row(name)

@@ -350,10 +350,17 @@ class Shelf:
                                      "it came from; nothing was added") from None
             raise SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added") from None
 
+    def names_file(self, arg: str) -> bool:
+        """Whether ``arg`` names a file (:func:`is_path`) rather than a checkpoint here: one saved
+        under a name ending in another case of the suffix (``run.SMOLCHECKPOINT``) is still its name."""
+        if not is_path(arg) or "/" in arg or arg.endswith(SUFFIX):
+            return is_path(arg)
+        return self.find(arg) is None
+
     def backend_for(self, arg: str) -> str:
         """The backend to bring up for restoring ``arg`` (a name here, or a file) in a kernel with
         nothing up: as its record says, but never the process backend (no isolation) on its own."""
-        if is_path(arg):
+        if self.names_file(arg):
             fd = _open_named(arg)
             try:
                 record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read

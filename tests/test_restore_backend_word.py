@@ -38,3 +38,19 @@ def test_a_rows_known_backend_is_kept(tmp_path: Path, said: str | None, backend:
         assert Shelf(led).backend_for("mine") == backend
     finally:
         led.close()
+
+
+def test_a_checkpoint_named_with_the_suffix_in_another_case_is_restored_by_name(tmp_path: Path) -> None:
+    """``%smol checkpoint save run.SMOLCHECKPOINT`` is a valid name; restoring it by that name
+    took it for a file (a copy that changed the suffix's case) and said there was none."""
+    led = Ledger(tmp_path / ".smolbench" / "ledger.db")
+    try:
+        shelf = Shelf(led)
+        assert shelf.names_file("other.SMOLCHECKPOINT")  # no such checkpoint: a file, as is_path says
+        led.add_checkpoint("run.SMOLCHECKPOINT", "me", "root", "checkpoints/run.SMOLCHECKPOINT.smolcheckpoint",
+                           "smol", 1, 0, [])
+        assert not shelf.names_file("run.SMOLCHECKPOINT")
+        assert shelf.backend_for("run.SMOLCHECKPOINT") == "smol"
+        assert shelf.names_file("./run.SMOLCHECKPOINT") and shelf.names_file("x.smolcheckpoint")
+    finally:
+        led.close()
