@@ -61,6 +61,7 @@ PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
 CONNECT_TIMEOUT = 30.0
 SAID_PER_NODE = 20  # distinct failure lines shown for one machine
+REPLY_WAIT = 60.0  # seconds the kernel waits for the proxy's reply to one request
 WEAKEN_VAR = "SMOLBENCH_TEST_WEAKEN"  # tests only: netpolicy's knobs ("net-hostonly")
 
 
@@ -93,6 +94,7 @@ class ProxyClient:
         self._lock = asyncio.Lock()
         self._said: asyncio.Future[None] | None = None
         self._cluster: set[str] = set()  # the Ray nodes' addresses the proxy counts as this host
+        self._owed = 0  # replies to requests that timed out, still to come: read before the next one's
 
     async def _start(self) -> asyncio.subprocess.Process:
         argv = command()
@@ -110,7 +112,7 @@ class ProxyClient:
         assert proc.stdout is not None and proc.stderr is not None
         self._said = asyncio.ensure_future(_say(proc.stderr))
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            line = await asyncio.wait_for(proc.stdout.readline(), REPLY_WAIT)
             if not line.startswith(b'{"ready"'):
                 raise OSError("the egress proxy did not start")
         except BaseException:  # stopped too (a Ctrl-C): no one else knows of this process
@@ -124,7 +126,7 @@ class ProxyClient:
         """Start the proxy process unless it runs (the sandbox does this while a machine boots)."""
         async with self._lock:
             if self.proc is None or self.proc.returncode is not None:
-                self.proc = await self._start()
+                self.proc, self._owed = await self._start(), 0
 
     async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         await self.start()
@@ -135,9 +137,16 @@ class ProxyClient:
             stdin, stdout = proc.stdin, proc.stdout
 
             async def exchange() -> bytes:
+                while self._owed:  # a request that timed out: its late reply is not this one's
+                    await asyncio.wait_for(stdout.readline(), REPLY_WAIT)
+                    self._owed -= 1
                 stdin.write(json.dumps(msg).encode() + b"\n")
                 await stdin.drain()
-                return await asyncio.wait_for(stdout.readline(), 60)
+                try:
+                    return await asyncio.wait_for(stdout.readline(), REPLY_WAIT)
+                except asyncio.TimeoutError:
+                    self._owed += 1
+                    raise
 
             # stopped once sent (a Ctrl-C), its reply is still read: left in the pipe, the next request took it
             line = await _to_the_end(exchange())
