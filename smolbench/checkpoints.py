@@ -18,7 +18,7 @@ from ._aio import _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
-from .gate import restoring
+from .gate import restoring, terminal
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
 from .tree import Node
@@ -124,7 +124,8 @@ class CheckpointsMixin(WorkbenchPart):
                                                        _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}
-                        raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {err.get('ename')}: {err.get('evalue')}")
+                        said = terminal.one_line(f"{err.get('ename')}: {err.get('evalue')}")  # the machine's words
+                        raise SmolbenchError(f"replay of {step.id} failed in a recorded cell: {said}")
             reward = res.reward if res is not None else None
         finally:
             for ref in reversed(temps):

@@ -532,3 +532,23 @@ def test_bad_input_gets_a_one_line_error(bad_input_cells: dict[str, NotebookNode
         assert len(err.traceback) == 1  # just the message: no traceback of our layers
     else:  # the branch's failure, listed under the one-line summary; no frames of ours (or the machine's)
         assert "Traceback" not in error_text(bad_input_cells[case]) and "File " not in error_text(bad_input_cells[case])
+
+
+def test_a_replay_that_fails_says_the_machine_s_error_on_one_line(tmp_path: Path) -> None:
+    """The machine's exception name and text went into a replay's error as they were: a line
+    break or an escape sequence there reached the notebook's output as smolbench's own line."""
+    import smolbench
+    from smolbench._session import _block
+    from smolbench.errors import SmolbenchError
+
+    with smolbench.Session(backend="sandbox", ledger=tmp_path / ".smolbench" / "ledger.db") as s:
+        fork = s.fork(1, "if 'changed' in globals():\n    raise ValueError('a\\nsmolbench: forged\\x1b[2J')\nreward = 1",
+                      keep="all")
+        branch = next(iter(fork.rows))
+        s.run("changed = True").raise_for_error()  # the replay starts from root as it is now: the cell fails
+        assert s.workbench is not None
+        with pytest.raises(SmolbenchError) as err:
+            _block(s.workbench.replay(branch, lambda *_: None))
+    line = str(err.value)
+    assert line.startswith(f"replay of {branch} failed in a recorded cell: ValueError: a")
+    assert "\n" not in line and "\x1b" not in line, line

@@ -58,7 +58,7 @@ from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, 
 from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
 from .smol_image import DEFAULT_IMAGE, boot_timeout, image_python, is_local, smol_image
 from .smol_state import PARTS as STATE_PARTS
-from .smol_state import STATE_ONLY, is_state, read_state, write_state
+from .smol_state import STATE_ONLY, is_state, read_state, write_pointer, write_state
 
 __all__ = ["DEFAULT_IMAGE", "ERROR_HINTS", "SmolBackend", "explain", "translate"]
 
@@ -649,8 +649,12 @@ class SmolBackend(Backend):
                 "machine": machine.name,
                 "size": made.size_bytes,
             }
-            with open(path, "w") as fh:
-                json.dump(pointer, fh)
+            try:
+                write_pointer(path, pointer)
+            except BaseException:  # no file points at it: the cloud checkpoint goes too
+                with contextlib.suppress(Exception):
+                    await _to_the_end(self._sdk(Machine.delete_checkpoint, made.id, self.conn))
+                raise
             return CheckpointInfo(path, self.name, int(made.size_bytes))
         # smol captures a machine as a folder (its chunks in a store beside it); what this
         # backend hands back is the one plain file it exports from that folder: the only kind

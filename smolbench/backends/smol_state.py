@@ -11,10 +11,14 @@ to a machine; it never unpacks them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import secrets
 import tarfile
+from collections.abc import Iterator
+from typing import IO, Any
 
 from ..errors import SmolbenchError
 from ..gate import archive
@@ -33,19 +37,35 @@ STATE_ONLY = (
 
 def write_state(path: str, machine: str, parts: dict[str, bytes]) -> int:
     """Write ``parts`` (agent save files) as a state checkpoint at ``path``; its size."""
-    tmp = path + ".part"
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for name, data in [(MARKER, json.dumps({"kind": KIND, "machine": machine}).encode()),
-                               *((n, parts[n]) for n in PARTS)]:
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with new_file(path) as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
+        for name, data in [(MARKER, json.dumps({"kind": KIND, "machine": machine}).encode()),
+                           *((n, parts[n]) for n in PARTS)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     return os.path.getsize(path)
+
+
+def write_pointer(path: str, pointer: dict[str, Any]) -> None:
+    """Write a cloud checkpoint's pointer file (JSON) at ``path``."""
+    with new_file(path) as fh:
+        fh.write(json.dumps(pointer).encode())
+
+
+@contextlib.contextmanager
+def new_file(path: str) -> Iterator[IO[bytes]]:
+    """A file written under a new name of its own and renamed to ``path`` once whole: never
+    through a link at ``path`` or at a part name (a copied folder's), never half written."""
+    part = f"{path}.{secrets.token_hex(6)}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
 
 
 def is_state(path: str) -> bool:
