@@ -31,6 +31,7 @@ import urllib.parse
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -199,7 +200,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
         return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{digest}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another kernel installing the same list: wait for it, then reuse
+        _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
         if (entry / META).is_file():
             return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
         started = time.monotonic()
@@ -234,6 +235,20 @@ sys.addaudithook(refuse)
 sys.argv[0] = "pip"
 runpy.run_module("pip", run_name="__main__", alter_sys=True)
 """
+
+
+def _lock(lock: IO[str], stop: threading.Event | None) -> None:
+    """Take the key's lock, waiting for the kernel that holds it; ``stop`` set meanwhile: stop waiting."""
+    if stop is None:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if stop.wait(0.1):
+                raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
 
 
 def pip_command(requirements: tuple[str, ...], guest: GuestPython, target: Path) -> list[str]:

@@ -370,3 +370,35 @@ def _zombie(pid: int) -> bool:
             return fh.read().rpartition(")")[2].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting(cache: Path) -> None:
+    """A Ctrl-C while this kernel waited for another's install of the same list (its lock) came
+    back only once that install was done, up to PIP_TIMEOUT later."""
+    import asyncio
+    import contextlib
+    import fcntl
+    import threading
+
+    guest = packages.host_python()
+    root = packages.packages_root()
+    root.mkdir(parents=True)
+    released = threading.Event()
+    with open(root / f".{packages.key((PKG,), guest)}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other kernel, installing
+        release = threading.Timer(3.0, lambda: (released.set(), fcntl.flock(held, fcntl.LOCK_UN)))
+
+        async def main() -> None:
+            up = asyncio.ensure_future(packages.install((PKG,), guest))
+            await asyncio.sleep(0.3)  # waiting for the lock now
+            release.start()
+            up.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await up
+
+        try:
+            asyncio.run(main())
+            assert not released.is_set(), "the stopped install waited for the other kernel's lock"
+        finally:
+            release.join()
+    assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
