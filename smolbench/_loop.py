@@ -50,12 +50,13 @@ def submit(coro: Coroutine[Any, Any, T]) -> Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, get_loop())
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None, *, stoppable: bool = True) -> T:
     """Run ``coro`` on the smolbench loop and block until it finishes. A Ctrl-C (or the
     timeout) here stops it there and waits for its cleanup before it reaches the caller:
     left running, a checkpoint save went on beside the next cell, and a make_vec went on
-    making machines beside the close that followed."""
-    job = Job(coro)
+    making machines beside the close that followed. ``stoppable=False`` (a down): a SIGTERM
+    meanwhile lets it finish (:func:`cancel_all`)."""
+    job = Job(coro, stoppable=stoppable)
     try:
         return cast(T, job.result(timeout))
     except BaseException:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 
 import pytest
 
@@ -35,6 +36,7 @@ def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> 
 
     def ctrl_c() -> None:
         started.wait(10)
+        time.sleep(0.2)  # the caller waits in run() by now (not still in Job(): its coroutine starts first)
         signal.pthread_kill(main, signal.SIGINT)
 
     t = threading.Thread(target=ctrl_c)
@@ -67,4 +69,24 @@ def test_run_returns_the_result_and_raises_the_error() -> None:
     assert _loop.run(ok()) == 7
     with pytest.raises(ValueError, match="no"):
         _loop.run(bad())
+    assert not _loop.running()
+
+
+def test_a_sigterm_s_stop_lets_a_run_marked_unstoppable_finish() -> None:
+    """A SIGTERM stops running calls (``cancel_all``) before it deletes the machines; a down (a gym
+    env's own session's) is left to finish, as Session.down is."""
+    import concurrent.futures
+
+    started = threading.Event()
+
+    async def down() -> str:
+        started.set()
+        await asyncio.sleep(0.3)
+        return "done"
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(_loop.run, down(), stoppable=False)
+        assert started.wait(10)
+        _loop.cancel_all(10)
+        assert result.result(10) == "done"
     assert not _loop.running()

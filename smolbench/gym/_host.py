@@ -26,10 +26,10 @@ class Host:
         self.wb = wb
         self.owner = owner  # a Session (or Workbench) this env started: closed with the env
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, *, stoppable: bool = True) -> T:
         """Run ``coro`` on smolbench's loop (where the Workbench lives) and wait for it; a
         Ctrl-C (or the timeout) stops it there first (``_loop.run``)."""
-        return _loop.run(coro, timeout)
+        return _loop.run(coro, timeout, stoppable=stoppable)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on smolbench's loop without waiting for it."""
@@ -42,7 +42,7 @@ class Host:
             return
         with contextlib.suppress(Exception):
             if isinstance(owner, Workbench):
-                self.run(owner.down())
+                self.run(owner.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
             else:  # a smolbench.Session
                 owner.__exit__(None, None, None)
 
