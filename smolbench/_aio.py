@@ -1,9 +1,11 @@
-"""Cancellation-safe asyncio helpers: run coroutines together, finish cleanup despite a cancel."""
+"""Cancellation-safe asyncio helpers: run coroutines together, finish cleanup despite a cancel,
+and threads that a cancel stops or undoes before it goes on (a thread itself can't be stopped)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,3 +43,40 @@ async def _to_the_end(aw: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return out
+
+
+async def _made_in_thread(make: Callable[[], T], undo: Callable[[T], object]) -> T:
+    """``make()`` on a thread. Cancelled meanwhile: what it makes is undone (``undo``, on a
+    thread too) once it ends, before the cancel goes on: left to a later callback, it
+    outlived the Ctrl-C, and a kernel that exited first never undid it."""
+    work = asyncio.ensure_future(asyncio.to_thread(make))
+
+    async def undone() -> None:
+        try:
+            made = await work
+        except Exception:  # it made nothing
+            return
+        await asyncio.to_thread(undo, made)
+
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        try:
+            await _to_the_end(undone())
+        except Exception:  # an undo that failed must not replace the cancel
+            pass
+        raise
+
+
+async def _stoppable_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, stop=Event, **kwargs)`` on a thread. Cancelled meanwhile: ``stop`` is set and
+    the thread waited for (``fn`` stops at its next check, its own cleanup done) before the cancel
+    goes on, so the caller's cleanup never races it."""
+    stop = threading.Event()
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, stop=stop, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    finally:
+        if not work.done():
+            stop.set()
+            await _to_the_end(asyncio.wait({work}))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._aio import _to_the_end
+from ._aio import _made_in_thread, _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import MachineLost, SmolbenchError
@@ -256,17 +256,7 @@ class CheckpointsMixin(WorkbenchPart):
         """``Shelf.adopt`` on a thread; a restore interrupted meanwhile waits for the thread and takes
         back what it added before the cancel goes on (taken back later, by a thread of its own, they
         were listed after the Ctrl-C came back, and left for good by a kernel that exited first)."""
-        work = asyncio.ensure_future(asyncio.to_thread(self.shelf.adopt, source, self.backend.name))
-
-        async def taken_back() -> None:
-            with contextlib.suppress(Exception):  # on a thread, as above
-                await asyncio.to_thread(self.shelf.unadopt, await work)
-
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            await _to_the_end(taken_back())
-            raise
+        return await _made_in_thread(lambda: self.shelf.adopt(source, self.backend.name), self.shelf.unadopt)
 
     async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False) -> MachineRef:
         """A new machine from a row's file, opened once through the gate's rule: the backend

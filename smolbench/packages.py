@@ -12,7 +12,6 @@ file per key).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -35,7 +34,7 @@ from typing import IO
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from ._aio import _to_the_end
+from ._aio import _stoppable_thread
 from .errors import SmolbenchError
 from .images import cache_dir
 
@@ -178,15 +177,7 @@ async def install(requirements: tuple[str, ...], guest: GuestPython) -> Installe
     """:func:`ensure` off the loop. Stopped (a Ctrl-C during ``%smol up``), its pip is killed and
     the thread waited for: left on, it installed on for up to PIP_TIMEOUT after the stop, holding
     the key's lock (the next up of the list waited for it, and so did the kernel's exit)."""
-    stop = threading.Event()
-    work = asyncio.ensure_future(asyncio.to_thread(ensure, requirements, guest, stop=stop))
-    try:
-        return await asyncio.shield(work)
-    finally:
-        if not work.done():
-            stop.set()
-            with contextlib.suppress(Exception):
-                await _to_the_end(work)
+    return await _stoppable_thread(ensure, requirements, guest)
 
 
 def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | None = None,

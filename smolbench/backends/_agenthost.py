@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _to_the_end
+from .._aio import _stoppable_thread, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths, ckptwrite
 from ..guest import protocol as P
@@ -551,22 +551,16 @@ class AgentHostBackend(Backend):
         part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
         run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         held = -1
-        stop, packing = threading.Event(), None
         try:  # the stage goes on every path, even when the machine fails to save
             done = await self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
             held = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             ckptpaths.hold_part(held)  # a sweep by another kernel leaves it while it is written
             # The machine made every path in the stage: the gate reads them without following links
             # (in a thread: a big stage must not stall the kernel).
-            packing = asyncio.ensure_future(asyncio.to_thread(ckptwrite.pack, run_dir, stage, held, machine.name,
-                                                              scratch=os.path.dirname(part), stop=stop))
-            await asyncio.shield(packing)
+            # (stopped, a Ctrl-C: the thread stops and ends before its files go)
+            await _stoppable_thread(ckptwrite.pack, run_dir, stage, held, machine.name, scratch=os.path.dirname(part))
             os.replace(part, path)
         finally:
-            if packing is not None and not packing.done():  # stopped (a Ctrl-C): its thread first, then its files
-                stop.set()
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait({packing})
             shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
             with contextlib.suppress(OSError):
                 os.unlink(part)

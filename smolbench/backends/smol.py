@@ -44,7 +44,7 @@ from smol import (
 )
 
 from .. import gate
-from .._aio import _to_the_end
+from .._aio import _made_in_thread, _to_the_end
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate import archive
 from ..guest import AGENT_FILES, GUEST_DIR
@@ -212,17 +212,8 @@ class SmolBackend(Backend):
     async def _make(fn: Callable[[], T], undo: Callable[[T], None]) -> T:
         """Like :meth:`_sdk` for a call that makes machines (or a cloud checkpoint): cancelled while it
         runs, what it made is undone once it ends, before the cancel goes on: nothing outlives the stop."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn))
-
-        async def undone() -> None:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(undo, await fut)
-
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await _to_the_end(undone())
-            raise
+            return await _made_in_thread(fn, undo)
         except SmolError as exc:
             raise translate(exc) from exc
 
