@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -497,15 +497,10 @@ class Session:
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop."""
         what = _restorable(name_or_path)
-        started = False
-        if not self.is_up:
-            asked = self.backend_kind
-            self._choose_backend_for(what)
-            try:
+        started = not self.is_up
+        if started:
+            with self._backend_for(what):
                 await self.aup()
-            finally:
-                self.backend_kind = asked
-            started = True
         try:
             wb = self._wb()
             return self._restored(wb, (await _bridge(wb.checkpoint_restore(what))).id)
@@ -518,19 +513,17 @@ class Session:
         """Bring this session up for restoring ``checkpoint`` when nothing is up; whether it did."""
         if self.is_up:
             return False
-        asked = self.backend_kind
-        self._choose_backend_for(checkpoint)
-        try:
+        with self._backend_for(checkpoint):
             self.up()
-        finally:
-            self.backend_kind = asked  # for this up only: a later up() chooses as the Session was asked
         return True
 
-    def _choose_backend_for(self, checkpoint: str) -> None:
+    @contextlib.contextmanager
+    def _backend_for(self, checkpoint: str) -> Iterator[None]:
         """``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
-        on a file's or a row's word), for the up that follows (its caller puts "auto" back); a
-        backend given to the Session stays."""
-        if self.backend_kind == "auto" and self.ray in (None, False):
+        on a file's or a row's word), for the up inside this block only: a later up() chooses as
+        the Session was asked. A backend given to the Session stays."""
+        asked = self.backend_kind
+        if asked == "auto" and self.ray in (None, False):
             from .ledger import DEFAULT_PATH, Ledger
             from .shelf import Shelf
 
@@ -539,6 +532,10 @@ class Session:
                 self.backend_kind = Shelf(ledger).backend_for(checkpoint)
             finally:
                 ledger.close()
+        try:
+            yield
+        finally:
+            self.backend_kind = asked
 
     def _restored(self, wb: Workbench, node: str) -> str:
         for note in getattr(wb, "restore_notes", []):

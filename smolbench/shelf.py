@@ -353,9 +353,9 @@ class Shelf:
     def names_file(self, arg: str) -> bool:
         """Whether ``arg`` names a file (:func:`is_path`) rather than a checkpoint here: one saved
         under a name ending in another case of the suffix (``run.SMOLCHECKPOINT``) is still its name."""
-        if not is_path(arg) or "/" in arg or arg.endswith(SUFFIX):
-            return is_path(arg)
-        return self.find(arg) is None
+        if "/" in arg or arg.endswith(SUFFIX):
+            return True
+        return is_path(arg) and self.find(arg) is None
 
     def backend_for(self, arg: str) -> str:
         """The backend to bring up for restoring ``arg`` (a name here, or a file) in a kernel with
