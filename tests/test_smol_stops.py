@@ -25,6 +25,17 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     yield from fake_host(monkeypatch)
 
 
+async def stopped_once(call: Any, started: threading.Event) -> None:
+    """Run ``call`` and cancel it once ``started`` (its SDK call is under way), as a Ctrl-C would;
+    return when the cancel has gone through."""
+    task = asyncio.ensure_future(call)
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: FakeHost) -> None:
     """A Ctrl-C during `%smol up` came back while smol's create went on in its thread; the VM it
     then booted was deleted later, by a daemon thread: after `%smol down` had listed nothing, and
@@ -44,12 +55,7 @@ def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: 
     seen: list[tuple[bool, list[str]]] = []
 
     async def main() -> None:
-        up = asyncio.ensure_future(b.create(MachineSpec(), "root"))
-        while not creating.is_set():
-            await asyncio.sleep(0.01)
-        up.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await up
+        await stopped_once(b.create(MachineSpec(), "root"), creating)
         seen.append((made.is_set(), [vm.name for vm in host.vms if not vm.deleted]))
         await b.close()
 
@@ -76,12 +82,7 @@ def test_a_stopped_cloud_checkpoint_deletes_the_checkpoint_smol_cloud_made(host:
         root = await b.create(MachineSpec(net=True), "root")
         host.vms[0].machine.checkpoint.side_effect = slow_cloud_checkpoint
         try:
-            save = asyncio.ensure_future(b.checkpoint(root, str(tmp_path / "c.smolcheckpoint")))
-            while not capturing.is_set():
-                await asyncio.sleep(0.01)
-            save.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await save
+            await stopped_once(b.checkpoint(root, str(tmp_path / "c.smolcheckpoint")), capturing)
             seen.append([c.args[0] for c in host.cls.delete_checkpoint.call_args_list])
         finally:
             await b.close()
@@ -110,12 +111,7 @@ def test_a_stopped_checkpoint_removes_its_files_once_the_sdk_has_written_them(ho
     async def main() -> None:
         root = await b.create(MachineSpec(), "root")
         try:
-            save = asyncio.ensure_future(b.checkpoint(root, str(folder / "root.smolcheckpoint")))
-            while not exporting.is_set():
-                await asyncio.sleep(0.01)
-            save.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await save
+            await stopped_once(b.checkpoint(root, str(folder / "root.smolcheckpoint")), exporting)
             await asyncio.sleep(1.0)  # past the export's end, had it been left running
         finally:
             await b.close()
