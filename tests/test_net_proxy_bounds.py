@@ -485,14 +485,16 @@ def test_a_proxy_start_stopped_before_it_is_ready_ends_that_process(
     assert not alive, "the stopped start left the proxy process running"
 
 
-# A stand-in whose first reply comes after the client stopped waiting for it.
-LATE_PROXY = """
+# A stand-in whose first reply comes after the client stopped waiting for it (REPLY_WAIT), and
+# half a wait into the next request's: a loaded host's delays of under a second change neither.
+LATE_WAIT = 2.0
+LATE_PROXY = f"""
 import json, sys, time
-print('{"ready": true}', flush=True)
+print('{{"ready": true}}', flush=True)
 for k, line in enumerate(sys.stdin):
     op = json.loads(line)["op"]
-    time.sleep(0.6 if k == 0 else 0)
-    print(json.dumps({"op": op}), flush=True)
+    time.sleep({1.5 * LATE_WAIT} if k == 0 else 0)
+    print(json.dumps({{"op": op}}), flush=True)
 """
 
 
@@ -501,11 +503,12 @@ def test_a_reply_that_came_after_its_request_timed_out_is_not_the_next_one_s(
     """A request whose reply was late (REPLY_WAIT) failed; its reply, when it came, was read by
     the next request as its own (an attach took a detach's, stats an attach's)."""
     monkeypatch.setattr(_netproxy, "command", lambda: [sys.executable, "-c", LATE_PROXY])
-    monkeypatch.setattr(_netproxy, "REPLY_WAIT", 0.3)
+    monkeypatch.setattr(_netproxy, "REPLY_WAIT", LATE_WAIT)
 
     async def main() -> dict[str, Any]:
         client = _netproxy.ProxyClient(None, None)
         try:
+            await client.start()  # started apart: a slow start must not eat the first request's wait
             with pytest.raises(asyncio.TimeoutError):
                 await client.call({"op": "detach"})
             return await client.call({"op": "stats"})
