@@ -40,6 +40,11 @@ class MachineBusy(SmolbenchError):
     """The machine is already running a cell."""
 
 
+class NoAnswerInTime(SmolbenchError):
+    """A request on a kept connection had no answer within its timeout: the connection is cut
+    (what the machine does with the request is unknown, so its user deletes the machine)."""
+
+
 class RemoteError(Exception):
     """An exception raised by user code inside a machine.
 

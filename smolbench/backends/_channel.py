@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import MachineLost, SmolbenchError
+from ..errors import MachineLost, NoAnswerInTime, SmolbenchError
 from ..gate.channel import Answers
 from ..guest import protocol as P
 from .base import CellRequest
@@ -39,6 +40,7 @@ class Channel(asyncio.Protocol):
         self._fd = -1
         self._held = False  # reading paused: no thread reads it until one asks (see ask_now)
         self.closed = False
+        self.timeout: float | None = None  # s an answer may take; then the channel is cut (NoAnswerInTime)
 
     # -- the protocol (called by the event loop) --------------------------------------
 
@@ -116,11 +118,18 @@ class Channel(asyncio.Protocol):
             self._wake = wake
             self._unhold()
             try:
-                await waiter
+                await asyncio.wait_for(waiter, self.timeout)
+            except asyncio.TimeoutError:
+                self._late()
             finally:
                 self._wake = None
         self._hold()
         return self._take()
+
+    def _late(self) -> None:
+        """No answer within :attr:`timeout`: cut, so a late answer can't pass for the next request's."""
+        if not self._ready:
+            self._cut(NoAnswerInTime(f"machine {self.where} sent no answer within {self.timeout:g} s"))
 
     def _take(self) -> Any:
         out = self._ready.popleft()
@@ -215,7 +224,10 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
             chans[i]._wake = one
             chans[i]._unhold()
         try:
-            await done
+            await asyncio.wait_for(done, _timeout(chans))
+        except asyncio.TimeoutError:
+            for i in left:
+                chans[i]._late()
         except BaseException:  # cancelled (e.g. KeyboardInterrupt): no answer may pass for a later request
             _abandon(chans, [i for i in waiting if not chans[i]._ready])
             raise
@@ -229,6 +241,12 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
         except BaseException as exc:
             out[i] = exc
     return out
+
+
+def _timeout(chans: Sequence[Channel]) -> float | None:
+    """The shortest of ``chans``' timeouts (one batch waits once for all)."""
+    limits = [c.timeout for c in chans if c.timeout is not None]
+    return min(limits) if limits else None
 
 
 def _abandon(chans: Sequence[Channel], unanswered: list[int]) -> None:
@@ -266,6 +284,8 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
     left: dict[int, int] = {}  # fd -> its channel's index, until its answer is in
     unsent: dict[int, memoryview] = {}
     poll = select.poll()
+    limit = _timeout(chans)
+    deadline = None if limit is None else time.monotonic() + limit
     try:
         for i, (chan, line) in enumerate(zip(chans, lines)):
             left[chan._fd] = i
@@ -273,7 +293,13 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
             if not chan._write(line, unsent):
                 poll.modify(chan._fd, _IN | _OUT)
         while left:
-            for fd, ev in poll.poll():
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = poll.poll(None if wait is None else int(wait * 1000) + 1)
+            if not ready and wait is not None and time.monotonic() >= deadline:  # type: ignore[operator]
+                for i in left.values():
+                    chans[i]._late()
+                break
+            for fd, ev in ready:
                 i = left.get(fd, -1)
                 if i < 0:
                     continue

@@ -36,10 +36,10 @@ def _registered(env: Any) -> Any:
 
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
-           retries: int | None, vector: bool = False) -> Machines:
+           retries: int | None, timeout: float | None, vector: bool = False) -> Machines:
     host = host_for(session, smolfile)
     try:
-        machines = Machines(host, env, num_envs, reset, retries, vector)
+        machines = Machines(host, env, num_envs, reset, retries, vector, timeout)
         host.run(machines.start())
     except BaseException:
         if "machines" in locals():
@@ -53,7 +53,7 @@ def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: 
 
 
 def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | None = None, reset: str = "fresh",
-         retries: int | None = None, **kwargs: Any) -> MachineEnv:
+         retries: int | None = None, timeout: float | None = None, **kwargs: Any) -> MachineEnv:
     """A ``gymnasium.Env`` that runs ``env`` in a machine.
 
     ``env``: a zero-argument callable returning a ``gymnasium.Env`` (cloudpickled into the
@@ -63,11 +63,16 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     env's own from ``smolfile``, closed with the env). ``reset="fresh"`` runs every episode
     in a new branch of the warm parent (nothing an episode does reaches the next one's
     start); ``"in-place"`` calls the env's own reset in the same machine. ``retries``: how
-    often a machine that dies is rebuilt (default: the session's). Extra keyword arguments
-    are given to a callable ``env``.
+    often a machine that dies is rebuilt (default: the session's). ``timeout``: seconds the
+    env in its machine may take to answer one ``reset()`` or ``step()`` (default: no limit);
+    past it that call raises a one-line error, the episode is recorded as timed out, its
+    machine is deleted (the env may still be running the call) and the next ``reset()``
+    starts in a new branch of the warm parent. Extra keyword arguments are given to a
+    callable ``env``.
     """
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point (a function: a spec is deep-copied)
-        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **{**kwargs, **more})
+        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout,
+                    **{**kwargs, **more})
 
     factory = env = _registered(env)
     if kwargs:
@@ -76,17 +81,19 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
         import functools
 
         factory = functools.partial(env, **kwargs)
-    return _let_go_when_dropped(MachineEnv(_start(factory, 1, session, smolfile, reset, retries), remake))
+    return _let_go_when_dropped(MachineEnv(_start(factory, 1, session, smolfile, reset, retries, timeout), remake))
 
 
 def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None, smolfile: str | None = None,
              autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP, reset: str = "fresh",
-             retries: int | None = None) -> MachineVectorEnv:
+             retries: int | None = None, timeout: float | None = None) -> MachineVectorEnv:
     """A ``gymnasium.vector.VectorEnv`` of ``num_envs`` copies of ``env``, one machine each.
 
     A step sends one request to every machine at once. Autoreset follows Gymnasium's
     ``autoreset_mode`` (``NEXT_STEP`` by default, ``SAME_STEP``, ``DISABLED``). The other
-    arguments are :func:`make`'s.
+    arguments are :func:`make`'s; a sub-env past its ``timeout`` fails that step as one
+    whose env raised does (the error's ``results`` hold the others' steps, that sub-env
+    truncated), and it starts over in a new machine at its next reset (with ``NEXT_STEP``, the next step).
     """
     try:
         mode = AutoresetMode(autoreset_mode)
@@ -94,10 +101,10 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
         raise SmolbenchError(f"autoreset_mode must be one of {', '.join(m.value for m in AutoresetMode)}, got "
                              f"{autoreset_mode!r}: e.g. autoreset_mode='NextStep'") from None
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point: one sub-env, as gymnasium.make_vec's spec has
-        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, **more)
+        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout, **more)
 
     return _let_go_when_dropped(MachineVectorEnv(_start(_registered(env), num_envs, session, smolfile, reset, retries,
-                                                        vector=True), mode, remake))
+                                                        timeout, vector=True), mode, remake))
 
 
 E = TypeVar("E", MachineEnv, MachineVectorEnv)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ..backends._channel import Channel
 from ..backends.base import CellResult, MachineRef
-from ..errors import InfraError, MachineBusy, SmolbenchError
+from ..errors import InfraError, MachineBusy, NoAnswerInTime, SmolbenchError
 from ..gate.channel import AnswerError, Ended, one_line_error
 from ..guest import protocol as P
 from ..tree import Node
@@ -28,6 +28,10 @@ class GymError(SmolbenchError):
 
 class Unanswered(GymError):
     """The machine gave no usable answer (refused by the gate, or gone)."""
+
+
+class OutOfTime(GymError):
+    """The machine gave no answer within the env's ``timeout`` (its machine is then deleted)."""
 
 
 @dataclass
@@ -130,6 +134,8 @@ def failed(exc: BaseException, where: str) -> BaseException:
     (refused by the gate, or gone) as :class:`Unanswered`, anything else as it is."""
     if isinstance(exc, (AnswerError, Ended)):  # the env failed (not the machine): one line
         return GymError(f"{where}: {exc}")
+    if isinstance(exc, (NoAnswerInTime, OutOfTime)):
+        return exc if isinstance(exc, OutOfTime) else OutOfTime(f"{where}: {exc}")
     if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
         return exc
     return Unanswered(f"{where}: {exc}")

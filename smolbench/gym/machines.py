@@ -22,12 +22,12 @@ from .. import _loop
 from .. import retries as retry
 from ..backends._channel import Channel, ask_all, ask_now, askable_now
 from ..backends.base import MachineRef
-from ..errors import InfraError, SmolbenchError
+from ..errors import InfraError, NoAnswerInTime, SmolbenchError
 from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from . import answers, spaces
 from . import episode as E
-from .episode import UNSENT, Episode, GymError, Later, Reset, Step, Unanswered, _where
+from .episode import UNSENT, Episode, GymError, Later, OutOfTime, Reset, Step, Unanswered, _where
 from .record import quietly
 from .requests import RESET_LINE
 from .warmparent import WarmParent
@@ -96,6 +96,8 @@ class Machines(WarmParent):
 
         try:
             out = await retry.again(self.wb, [self._node_id(ep)], "gym reset", self.retries, once, rebuild)
+        except OutOfTime:
+            raise await self._out_of_time(ep, "reset") from None
         except GymError as exc:
             self._reset_ended(ep, exc)
             raise
@@ -168,6 +170,8 @@ class Machines(WarmParent):
             err = GymError(f"{self._where(ep)}: {exc}")
             self._reset_ended(ep, err)
             raise err
+        if isinstance(exc, NoAnswerInTime):
+            raise await self._out_of_time(ep, "reset")
         E.hang_up(ep)
         await self._lost(ep, 1, str(exc))
         return await self.reset(i, seed, options)
@@ -325,6 +329,8 @@ class Machines(WarmParent):
     async def _stepped(self, ep: Episode, out: Any, fit: bool = False) -> Step | BaseException:
         """A sub-env's step answer (or its failure) checked and recorded (``fit``: its
         observation was already found to fit the space)."""
+        if isinstance(out, OutOfTime):
+            return await self._out_of_time(ep, "step")
         if isinstance(out, (InfraError, Unanswered)):
             if self.retries < 1 or await self._alive(ep):
                 self.records.end(ep, "error", str(out))
@@ -334,6 +340,13 @@ class Machines(WarmParent):
             return Step(ep.obs, 0.0, False, True, {"smolbench_lost": f"{self._where(ep)} died mid-step; a new machine "
                                                                      "from the warm parent takes over at the next reset"})
         return self._stepped_here(ep, out, fit)
+
+    async def _out_of_time(self, ep: Episode, what: str) -> GymError:
+        """``ep``'s machine sent no answer to a ``what`` within the env's timeout: its episode
+        ends as timed out and the machine is deleted (its env may still be running the request)."""
+        why = f"{self._where(ep)}: the {what} took longer than {self.timeout:g} s (timeout={self.timeout:g})"
+        await self.abandon(ep.index, why, "timeout")
+        return GymError(f"{why}: its machine is deleted; reset() starts a new episode")
 
     def _stepped_here(self, ep: Episode, out: Any, fit: bool) -> Step | BaseException:
         """:meth:`_stepped` for an answer, or an env's own error (on any thread)."""

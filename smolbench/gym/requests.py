@@ -8,18 +8,19 @@ comes back is data the gate checked; ``answers.py`` checks it against the env's 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
 from gymnasium import spaces as S
 
 from ..backends.base import CellRequest
-from ..errors import InfraError, SmolbenchError
+from ..errors import InfraError, NoAnswerInTime, SmolbenchError
 from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from . import episode as E
 from . import spaces
-from .episode import OUT, Episode, GymError, Unanswered, _where
+from .episode import OUT, Episode, GymError, OutOfTime, Unanswered, _where
 
 if TYPE_CHECKING:
     from ..workbench import Workbench
@@ -33,6 +34,7 @@ class Requests:
     wb: Workbench
     n: int  # the sub-envs: an error names one only where there are several
     action_space: Any
+    timeout: float | None  # s a machine may take to answer one reset or step (None: as long as it takes)
 
     async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
                     seed: int | None = None) -> Any:
@@ -43,9 +45,11 @@ class Requests:
         req = CellRequest(code, push=push or {}, pull=[OUT], cell_name=f"<gym-{ep.cells}>", seed=seed)
         where = _where(ep.index, self.n, ep)
         try:
-            res = await E.when_free(lambda: self.wb.backend.exec_cell(ref, req, _ignore))
+            res = await E.when_free(lambda: _in_time(self.wb.backend.exec_cell(ref, req, _ignore), self.timeout, ref.name))
         except InfraError:
             raise
+        except NoAnswerInTime as exc:
+            raise OutOfTime(f"{where}: {exc}") from None
         except SmolbenchError as exc:  # refused by the gate, or the machine is gone: one line naming the sub-env
             raise Unanswered(f"{where}: {exc}") from None
         return E.cell_out(res, where)
@@ -69,6 +73,7 @@ class Requests:
         async def start() -> Any:
             E.hang_up(ep)
             ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
+            chan.timeout = self.timeout
             return await chan.answer()
         try:
             return await E.when_free(start)
@@ -116,6 +121,14 @@ class Requests:
 
     def _where(self, ep: Episode) -> str:
         return _where(ep.index, self.n, ep)
+
+
+async def _in_time(work: Any, timeout: float | None, name: str) -> Any:
+    """``work``'s result, or :class:`NoAnswerInTime` after ``timeout`` s (a cell: no kept connection)."""
+    try:
+        return await asyncio.wait_for(work, timeout)
+    except asyncio.TimeoutError:
+        raise NoAnswerInTime(f"machine {name} sent no answer within {timeout:g} s") from None
 
 
 def _ignore(event: Any) -> None:

@@ -54,7 +54,10 @@ class WarmParent(Requests):
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
     def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
-                 vector: bool = False) -> None:
+                 vector: bool = False, timeout: float | None = None) -> None:
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise SmolbenchError(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
         if reset not in RESETS:
             raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
@@ -72,6 +75,7 @@ class WarmParent(Requests):
         self.vector = vector  # make_vec: its spaces are batched (spaces.within_budget counts that)
         self.mode = reset
         self.retries = self.wb.retries if retries is None else retries
+        self.timeout = None if timeout is None else float(timeout)
         self.parent: MachineRef | None = None
         self.observation_space: Any = None
         self.action_space: Any = None
@@ -285,14 +289,14 @@ class WarmParent(Requests):
         if why:
             self.wb.ledger.add_attempt(self.wb.session, old.name if old else "?", attempt, "gym step", "rebuilt", why)
 
-    async def abandon(self, i: int, why: str) -> None:
-        """Sub-env ``i``'s request was cut (out of time): its episode ends as an error, its machine
+    async def abandon(self, i: int, why: str, how: str = "error") -> None:
+        """Sub-env ``i``'s request was cut (out of time): its episode ends ``how``, its machine
         is deleted (what its env did is unknown); the next reset starts in a new branch."""
         ep = self.eps[i]
         E.hang_up(ep)
         ref, ep.ref = ep.ref, None
         if ep.running:
-            quietly(self.records.end, ep, "error", why)
+            quietly(self.records.end, ep, how, why)
         if ref is not None and ref.name in self.wb.machines:
             await _to_the_end(self._delete(ref))
         if self.mode == "in-place" and not self.closed:

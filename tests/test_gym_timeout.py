@@ -1,0 +1,125 @@
+"""A gym env's ``timeout``: a reset or step that never answers (issue 28's "failures are clear").
+
+The attack: an env stuck in a loop in its machine (agent-written code often is). Without a
+timeout a training loop waits for it for ever; with one, that call fails in one line naming
+the sub-env, the episode is recorded as timed out, the stuck machine is deleted (its
+processes gone, not left spinning), and the env goes on in a new branch of the warm parent,
+the others' steps untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import gymnasium
+import numpy as np
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+from test_gym_death import gone, machine_procs
+
+import smolbench.gym as sgym
+from smolbench import SmolbenchError
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+STUCK = '''
+import gymnasium
+
+class StuckSometimes(gymnasium.Wrapper):
+    """CartPole whose step with action 1, or a reset with options {"stuck": True}, never ends."""
+    def step(self, action):
+        while int(action) == 1:
+            pass
+        return self.env.step(action)
+    def reset(self, *, seed=None, options=None):
+        while options and options.get("stuck"):
+            pass
+        return self.env.reset(seed=seed)
+
+def stuck_cartpole():
+    return StuckSometimes(gymnasium.make("CartPole-v1"))
+'''
+TIMEOUT = 3  # s: the envs' own calls take milliseconds, a loaded host's delays well under this
+STUCK_ONE = 2
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    yield from up_bench(tmp_path_factory)
+
+
+def episode_rows(bench: Workbench, run_id: str, machine: str) -> list[dict[str, Any]]:
+    return [r for r in bench.ledger.node_rows(bench.session)
+            if r["run_id"] == run_id and r["id"].split("#")[0] == machine]
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_step_stuck_past_the_timeout_fails_in_one_line_and_its_machine_goes(bench: Workbench, reset: str) -> None:
+    define(bench, STUCK)
+    envs = sgym.make_vec("stuck_cartpole", 4, session=bench, reset=reset, timeout=TIMEOUT)
+    try:
+        envs.reset(seed=0)
+        stuck = envs._m.eps[STUCK_ONE].ref
+        assert stuck is not None
+        procs = machine_procs(stuck)
+        actions = np.zeros(4, dtype=np.int64)
+        actions[STUCK_ONE] = 1
+        with pytest.raises(SmolbenchError) as err:
+            envs.step(actions)
+        said = str(err.value)
+        assert "\n" not in said and said.startswith(f"sub-env {STUCK_ONE} (machine {stuck.name}): the step took longer "
+                                                    f"than {TIMEOUT} s (timeout={TIMEOUT})")
+        assert said.endswith("its machine is deleted; reset() starts a new episode")
+        _, rewards, _, truncated, _ = err.value.results  # type: ignore[attr-defined]
+        assert truncated[STUCK_ONE] and list(rewards[[0, 1, 3]]) == [1.0, 1.0, 1.0]  # the others stepped
+        assert gone(procs) and stuck.name not in bench.machines
+        assert stuck.name not in {m.name for m in bench.backend.list()}
+        rows = episode_rows(bench, envs._m.run_id, stuck.name)
+        assert [(r["status"], r["metrics"]["ended"]) for r in rows] == [("timeout", "timeout")]
+        assert rows[0]["error"] and "took longer than" in rows[0]["error"]
+        for _ in range(5):  # the next step autoresets it in a new machine; every sub-env goes on
+            obs, rewards, terminated, truncated, _ = envs.step(np.zeros(4, dtype=np.int64))
+            assert envs.observation_space.contains(obs)
+        assert envs.machines[STUCK_ONE] not in (None, stuck.name)
+    finally:
+        envs.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_reset_stuck_past_the_timeout_fails_in_one_line_and_the_next_reset_works(bench: Workbench, reset: str) -> None:
+    define(bench, STUCK)
+    env = sgym.make("stuck_cartpole", session=bench, reset=reset, timeout=TIMEOUT)
+    ref = gymnasium.make("CartPole-v1")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError, match=rf"^the env \(machine ([^)]+)\): the reset took longer than {TIMEOUT} s "
+                                                 r"\(timeout=3\): its machine is deleted; reset\(\) starts a new episode$") as err:
+            env.reset(seed=1, options={"stuck": True})
+        stuck = err.value.args[0].split("(machine ", 1)[1].split(")", 1)[0]
+        assert stuck not in bench.machines and stuck not in {m.name for m in bench.backend.list()}
+        obs, _ = env.reset(seed=5)  # a new machine: the same start as gymnasium's own env
+        want, _ = ref.reset(seed=5)
+        np.testing.assert_array_equal(obs, want)
+        for _ in range(3):
+            env.step(0)
+        timed_out = [r for r in bench.ledger.node_rows(bench.session)
+                     if r["run_id"] == env._m.run_id and r["status"] == "timeout"]
+        assert len(timed_out) == 1 and "the reset took longer" in timed_out[0]["error"]
+    finally:
+        env.close()
+        ref.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}  # the stuck machine too
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])
+def test_a_timeout_that_is_not_a_positive_number_is_one_line(bench: Workbench, bad: Any) -> None:
+    with pytest.raises(SmolbenchError, match=r"^timeout should be a number of seconds above 0 \(or None: no limit\), got "):
+        sgym.make_vec(sgym_cartpole, 2, session=bench, timeout=bad)
+    assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+def sgym_cartpole() -> Any:
+    return gymnasium.make("CartPole-v1")
