@@ -299,6 +299,10 @@ class SmolMagics(Magics):
             for line in self._shelf().lines():
                 print(line)
             return None
+        from .shelf import misnamed_lines
+
+        for line in misnamed_lines(self.workbench.shelf.store):  # files the panel can't list, and why
+            print(f"smolbench: {line}")
         # The panel is the one view (its saved form is a static table): no second DataFrame.
         # `smolbench.Ledger(...).checkpoints()` is the DataFrame for analysis.
         from .widgets import checkpoint_panel

@@ -104,6 +104,20 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
     return out
 
 
+def misnamed_lines(store: Store) -> list[str]:
+    """A line for each file in ``store`` that looks like a checkpoint but is not listed (its name
+    is not a checkpoint name), with the name to rename it to; the name as ``ascii`` shows it
+    (someone else's file name: no control characters or look-alike text reach the output)."""
+    out = []
+    for fname in store.misnamed():
+        stem = fname[: -len(SUFFIX)]
+        why = (f"ends in {fname[-len(SUFFIX):]!r}, not {SUFFIX!r}" if not fname.endswith(SUFFIX) else
+               "its name is not a checkpoint name (letters, digits, '.', '_' or '-', up to 64, first a letter or digit)")
+        out.append(f"{ascii(fname)} in {Path(*store.chain)}/ is not listed: {why}: rename it to "
+                   f"{suggested_name(stem)}{SUFFIX}")
+    return out
+
+
 MISSING = "missing"
 
 
@@ -170,8 +184,9 @@ class Shelf:
             return (f"no checkpoint named {name!r} to export: saved checkpoints are {self.known()} "
                     f"(`%smol checkpoint list`); save one first: `%smol checkpoint save "
                     f"{name if valid_name(name) else 'NAME'}`")
+        misnamed = misnamed_lines(self.store)
         return (f"no checkpoint named {name!r}: saved checkpoints are {self.known()} (`%smol checkpoint list`); "
-                f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`")
+                f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`" + (f"; {misnamed[0]}" if misnamed else ""))
 
     def row(self, name: str, verb: str = "restore") -> dict[str, Any]:
         rec = self.find(name)
@@ -374,15 +389,15 @@ class Shelf:
 
     def lines(self) -> list[str]:
         """The checkpoints here as text (``%smol checkpoint list`` while nothing is up)."""
-        rows = self.rows()
+        rows, misnamed = self.rows(), [f"smolbench: {line}" for line in misnamed_lines(self.store)]
         if not rows:
-            return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet"]
+            return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet", *misnamed]
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
         for r in rows:
             state = "ok" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
             out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}  "
                        f"{'dropped in, not in the ledger yet · ' if r['dropped'] else ''}{state}")
-        return out
+        return out + misnamed
 
     def export(self, name: str, dest: str, spec: Any = None, force: bool = False) -> dict[str, Any]:
         """Write checkpoint ``name`` to ``dest`` as one self-contained file, its record inside

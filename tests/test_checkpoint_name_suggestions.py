@@ -90,3 +90,31 @@ def test_a_bad_name_to_save_says_one_that_works() -> None:
 
     with pytest.raises(SmolbenchError, match=r"e\.g\. week_1$"):
         _check_name("week 1")
+
+
+def test_a_file_dropped_in_under_a_name_that_is_not_one_is_said_with_the_name_to_use(tmp_path: Path,
+                                                                                     shelf: Shelf) -> None:
+    """A browser saves a second download as `week1 (1).smolcheckpoint`: dropped into the
+    checkpoint folder it was left out of every listing without a word, and `restore week1`
+    said there was no such checkpoint."""
+    ck = tmp_path / "student" / CK
+    ck.mkdir(parents=True)
+    forged(ck / "week1 (1).smolcheckpoint", record(name="week1"))
+    forged(ck / "Lab2.SMOLCHECKPOINT", record(name="lab2"))
+    (ck / "\x1b[2Jspoof\u202e.smolcheckpoint").write_bytes(b"x")  # someone else's name: shown escaped
+    (ck / "folder (1).smolcheckpoint").mkdir()  # not a file: not a checkpoint either way
+    lines = shelf.lines()
+    assert lines[0].startswith("smolbench: no checkpoints in ")
+    said = [line for line in lines if "is not listed" in line]
+    assert len(said) == 3 and all("\n" not in line for line in said)
+    assert "smolbench: 'week1 (1).smolcheckpoint' in .smolbench/checkpoints/ is not listed: its name is not a " \
+           "checkpoint name (letters, digits, '.', '_' or '-', up to 64, first a letter or digit): rename it to " \
+           "week1_1.smolcheckpoint" in said
+    assert any(line.startswith("smolbench: 'Lab2.SMOLCHECKPOINT'") and "ends in '.SMOLCHECKPOINT', not " \
+               "'.smolcheckpoint': rename it to Lab2.smolcheckpoint" in line for line in said)
+    assert all("\x1b" not in line and "\u202e" not in line for line in lines)
+    with pytest.raises(SmolbenchError, match=r"is not listed: .*rename it to \S+\.smolcheckpoint$"):
+        shelf.row("week1")  # the restore by name says it too
+    (ck / "week1 (1).smolcheckpoint").rename(ck / "week1_1.smolcheckpoint")  # as it says: then it is listed
+    assert [r["name"] for r in shelf.rows()] == ["week1_1"]
+    assert not any("week1" in line for line in shelf.lines() if "is not listed" in line)

@@ -244,6 +244,19 @@ def test_checkpoints_listed_under_the_root_and_deleted(call: Any, jp_root_dir: P
     assert code == 404 and "no checkpoint named 'warm'" in body["message"]
 
 
+def test_a_checkpoint_file_the_sidebar_cannot_list_is_a_problem_naming_the_fix(call: Any, jp_root_dir: Path) -> None:
+    """A second download saved as `warm (1).smolcheckpoint` was left out of the sidebar without a word."""
+    _ledger(jp_root_dir / "a").close()
+    cdir = jp_root_dir / "a" / ".smolbench" / "checkpoints"
+    cdir.mkdir()
+    (cdir / "warm (1).smolcheckpoint").write_bytes(b"x" * 10)
+    code, body = call("checkpoints")
+    assert code == 200 and body["checkpoints"] == []
+    assert body["problems"] == ["a: 'warm (1).smolcheckpoint' in .smolbench/checkpoints/ is not listed: its name is not a "
+                                "checkpoint name (letters, digits, '.', '_' or '-', up to 64, first a letter or digit): "
+                                "rename it to warm_1.smolcheckpoint"]
+
+
 # -- auth --------------------------------------------------------------------------------
 
 

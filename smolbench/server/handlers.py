@@ -32,7 +32,7 @@ from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
 from ..ledger import UnsafeLedger, guard, linked_part
-from ..shelf import describe
+from ..shelf import describe, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
@@ -188,6 +188,7 @@ class CheckpointsHandler(_Base):
                 problems.append(f"{rel or '.'}: the ledger {exc}")
                 continue
             store = checkpoint_store(d)
+            problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
             for r in await self.run(describe, rows, store, False):
                 r["dir"] = r["folder"] = rel  # the folder whose ledger lists it ('' for the root)
                 # the file the rule lets it use, as an API path; never a path outside the root
