@@ -81,7 +81,7 @@ def _down_through(wb: Workbench, timeout: float) -> bool:
     """``wb.down()``, waited for through Ctrl-C: a second Ctrl-C at exit cut the wait short
     and left machines running. False if it ended with an error (to be tried again); one
     still running past ``timeout`` goes on alone, never beside a second."""
-    job = _loop.Job(wb.down(), stoppable=False)
+    job = _loop.Job(wb.down(), stoppable=False).start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

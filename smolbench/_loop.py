@@ -9,6 +9,7 @@ ties it to the kernel process itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Coroutine
@@ -58,11 +59,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None, *, stoppable
     meanwhile lets it finish (:func:`cancel_all`)."""
     job = Job(coro, stoppable=stoppable)
     try:
-        return cast(T, job.result(timeout))
+        return cast(T, job.start().result(timeout))
     except BaseException:
-        if not job.done():
-            job.cancel()
-            job.wait_finished(CLEANUP_WAIT)
+        job.stop(CLEANUP_WAIT)
         raise
 
 
@@ -71,36 +70,99 @@ class Job:
 
     Unlike a bare ``run_coroutine_threadsafe`` future, ``cancel()`` followed by
     ``wait_finished()`` waits for the coroutine's own cleanup (deleting
-    machines, writing the ledger) to complete.
+    machines, writing the ledger) to complete. Made first and started inside the caller's
+    ``try`` (``job = Job(coro)``, then ``job.start()``): a Ctrl-C that lands while it starts
+    is the caller's to handle too (:meth:`stop` finds whether it reached the loop), where
+    before it could land between the submit and the ``try``, and the work ran on unattended.
     """
 
     def __init__(self, coro: Coroutine[Any, Any, Any], *, stoppable: bool = True) -> None:
         self.stoppable = stoppable  # False: cancel_all waits for it but lets it finish (a down)
         self.stopped = False  # cancel_all cancelled it
+        self.future: Future[Any] = Future()  # its outcome, once its cleanup is done (cancel() stops it)
+        self._coro: Coroutine[Any, Any, Any] | None = coro
         self._finished = threading.Event()
         self._task: asyncio.Task[Any] | None = None
         self._task_set = threading.Event()
-        _jobs.add(self)
-        self.future: Future[Any] = submit(self._run(coro))
+        self._started = False
 
-    async def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    def start(self) -> Job:
+        """Submit it to the smolbench loop."""
+        assert not self._started and self._coro is not None, "a Job starts once"
+        self._started = True
+        _jobs.add(self)
+        loop = get_loop()
+        loop.call_soon_threadsafe(self._begin, self._coro)
+        self._coro = None  # (kept until now: a Ctrl-C before the line above leaves it for reached() to close)
+        return self
+
+    def _begin(self, coro: Coroutine[Any, Any, Any]) -> None:
+        asyncio.get_running_loop().create_task(self._run(coro))
+
+    async def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._task = asyncio.current_task()
-        self._task_set.set()
+        self._task_set.set()  # here, not where the task is made: a cancel before its first step would skip the cleanup
         try:
-            return await coro
-        finally:
-            _jobs.discard(self)
-            self._finished.set()
+            value = await coro
+        except asyncio.CancelledError:
+            self._end(None, cancelled=True)
+        except BaseException as exc:  # the caller's to see (its result), never the loop's
+            self._end(exc)
+        else:
+            self._end(None, value)
+
+    def _end(self, error: BaseException | None, value: Any = None, cancelled: bool = False) -> None:
+        _jobs.discard(self)
+        self._finished.set()  # before the future settles: who waits on it finds the cleanup done
+        if self.future.done():  # cancelled from outside (the way to stop it is cancel())
+            return
+        if cancelled:
+            self.future.cancel()
+        elif error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(value)
 
     def done(self) -> bool:
         """True once the coroutine finished (including its cleanup)."""
         return self._finished.is_set()
+
+    def reached(self) -> bool:
+        """Whether the coroutine got to the loop (False: it never will, and it counts as done).
+        After a Ctrl-C inside :meth:`start`, a round trip through the loop says: callbacks run
+        in the order they were scheduled, so one scheduled now runs after its start's."""
+        if self._task_set.is_set():
+            return True
+        if self._started and not self._finished.is_set():
+            seen = threading.Event()
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing runs there any more
+                loop = get_loop()
+                # two hops: the task start's callback makes takes its first step after that callback
+                loop.call_soon_threadsafe(loop.call_soon, seen.set)
+                seen.wait(5)
+        if self._task_set.is_set():
+            return True
+        _jobs.discard(self)  # never ran: nothing to wait for
+        if self._coro is not None:
+            self._coro.close()
+            self._coro = None
+        self._finished.set()
+        if not self.future.done():
+            self.future.cancel()
+        return False
 
     def cancel(self) -> None:
         """Ask the coroutine to stop (it gets CancelledError on the loop)."""
         self._task_set.wait(5)
         if self._task is not None:
             get_loop().call_soon_threadsafe(self._task.cancel)
+
+    def stop(self, wait: float) -> None:
+        """Cancel it, wherever it got to, and wait (up to ``wait`` s) for its cleanup."""
+        if self.done() or not self.reached():
+            return
+        self.cancel()
+        self.wait_finished(wait)
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until the coroutine's cleanup finished; False on timeout."""

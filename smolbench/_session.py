@@ -604,12 +604,12 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     if result is not None:
         result._attach(job.future, job.cancel)
     try:
+        job.start()
         while not job.wait_finished(0.2):
             pass
         wait_out_sigterm()
     except BaseException:
-        job.cancel()
-        job.wait_finished(120)
+        job.stop(120)
         raise
     return _result(job)
 
@@ -621,7 +621,7 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
         return await coro
     while _lifetime.stopping():
         await asyncio.sleep(0.05)
-    job = _loop.Job(coro, stoppable=stoppable)
+    job = _loop.Job(coro, stoppable=stoppable).start()
     if result is not None:
         result._attach(job.future, job.cancel)
     done = asyncio.wrap_future(job.future)

@@ -421,7 +421,7 @@ class SmolMagics(Magics):
         if not args.quiet:
             self._show_views(result)
         if args.bg:
-            job = _loop.Job(coro_for(lambda b, ev: None))  # each row keeps its output when it ends
+            job = _loop.Job(coro_for(lambda b, ev: None)).start()  # each row keeps its output when it ends
             result._attach(job.future, job.cancel)
             if args.out:
                 self._user_ns[args.out] = result
@@ -485,6 +485,7 @@ class SmolMagics(Magics):
         job.future.add_done_callback(lambda _: _PENDING.put(("wake", "", Event("wake"))))
         progress = _Progress(result) if result is not None and show_progress else None
         try:
+            job.start()
             while not job.done():
                 _drain(timeout=PUMP_INTERVAL)
                 if progress is not None:
@@ -492,6 +493,8 @@ class SmolMagics(Magics):
             while not _PENDING.empty():  # all of this cell's output shows in this cell, none later
                 _drain(timeout=0)
         except KeyboardInterrupt:
+            if not job.reached():  # stopped as it started: it never ran
+                raise interrupted("the cell was interrupted before it started; nothing ran") from None
             job.cancel()
             dropped = _Dropped()  # output still queued: don't make Ctrl-C wait for it to print
             dropped.discard()

@@ -90,3 +90,56 @@ def test_a_sigterm_s_stop_lets_a_run_marked_unstoppable_finish() -> None:
         _loop.cancel_all(10)
         assert result.result(10) == "done"
     assert not _loop.running()
+
+
+class _CtrlCAsItStarts:
+    """smolbench's loop, whose next ``call_soon_threadsafe`` (a Job's start) meets a Ctrl-C
+    just after (or, ``before=True``, just before) it schedules: the microseconds between the
+    submit and the caller's ``try`` where a Ctrl-C left the work running unattended."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, before: bool = False) -> None:
+        self._loop, self._before, self.fired = loop, before, False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._loop, name)
+
+    def call_soon_threadsafe(self, *args: object, **kwargs: object) -> object:
+        if self.fired:
+            return self._loop.call_soon_threadsafe(*args, **kwargs)  # type: ignore[arg-type]
+        self.fired = True
+        if self._before:
+            raise KeyboardInterrupt
+        handle = self._loop.call_soon_threadsafe(*args, **kwargs)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+        return handle
+
+
+def _ctrl_c_as_it_starts(monkeypatch: pytest.MonkeyPatch, before: bool = False) -> _CtrlCAsItStarts:
+    proxy = _CtrlCAsItStarts(_loop.get_loop(), before)
+    monkeypatch.setattr(_loop, "get_loop", lambda: proxy)
+    return proxy
+
+
+@pytest.mark.parametrize("how", ["run", "session"])
+def test_a_ctrl_c_that_lands_as_the_work_is_submitted_still_stops_it_and_waits(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    from smolbench import _session
+
+    started, cleaned = threading.Event(), threading.Event()
+    proxy = _ctrl_c_as_it_starts(monkeypatch)
+    block = _loop.run if how == "run" else _session._block
+    with pytest.raises(KeyboardInterrupt):
+        block(_work(started, cleaned))  # type: ignore[arg-type]
+    assert proxy.fired
+    assert cleaned.is_set(), "the Ctrl-C reached the caller while the work ran on, unattended"
+    assert not _loop.running()
+
+
+def test_a_ctrl_c_before_the_work_reached_the_loop_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    started, cleaned = threading.Event(), threading.Event()
+    proxy = _ctrl_c_as_it_starts(monkeypatch, before=True)
+    with pytest.raises(KeyboardInterrupt):
+        _loop.run(_work(started, cleaned))  # type: ignore[arg-type]
+    assert proxy.fired and not _loop.running()  # no job waited on for ever (a SIGTERM's cancel_all would)
+    time.sleep(0.2)
+    assert not started.is_set()  # and it never ran
