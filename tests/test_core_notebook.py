@@ -148,9 +148,10 @@ def test_a_second_request_while_a_cell_runs_is_refused_not_hung(tmp_path: Path) 
         "%load_ext smolbench",
         "%smol up --backend sandbox",
         "from smolbench import _loop\nfrom smolbench.backends.base import CellRequest\nimport smolbench\n"
-        "wb = smolbench._magics.workbench\nref = wb.machines['root']\n"
-        "slow = _loop.submit(wb.backend.exec_cell(ref, CellRequest('import time; time.sleep(2)'), lambda e: None))\n"
-        "import time; time.sleep(0.5)\n"
+        "wb = smolbench._magics.workbench\nref = wb.machines['root']\nimport threading\nin_cell = threading.Event()\n"
+        # the second request goes once the slow cell runs in the machine (its first output), not after a guess
+        "slow = _loop.submit(wb.backend.exec_cell(ref, CellRequest(\"print('in', flush=True); import time; time.sleep(4)\"), lambda e: in_cell.set()))\n"
+        "assert in_cell.wait(60)\n"
         "try:\n    _loop.run(wb.backend.exec_cell(ref, CellRequest('1'), lambda e: None))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
         "print(slow.result().status)",
         "%smol down",

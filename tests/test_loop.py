@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 import time
 
@@ -29,6 +30,16 @@ def _work(started: threading.Event, cleaned: threading.Event, cleanup_s: float =
     return work()
 
 
+def _waits_in_run(thread: int) -> bool:
+    """True once ``thread`` waits in run() for its Job's result."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if frame.f_code is _loop.Job.result.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> None:
     started, cleaned = threading.Event(), threading.Event()
     main = threading.main_thread().ident
@@ -36,7 +47,10 @@ def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> 
 
     def ctrl_c() -> None:
         started.wait(10)
-        time.sleep(0.2)  # the caller waits in run() by now (not still in Job(): its coroutine starts first)
+        # once the caller waits in run() (not still in Job(): its coroutine starts first)
+        deadline = time.monotonic() + 30
+        while not _waits_in_run(main) and time.monotonic() < deadline:
+            time.sleep(0.01)
         signal.pthread_kill(main, signal.SIGINT)
 
     t = threading.Thread(target=ctrl_c)

@@ -418,7 +418,8 @@ def test_one_machine_s_failures_never_silence_another_s(capsys: pytest.CaptureFi
     assert lines[-1] == "smolbench egress proxy: pypi.org:443 failed: TimeoutError (machine root.2)"
 
 
-# A stand-in for the proxy process: each request noted in a file, answered (with its op) a moment later.
+# A stand-in for the proxy process: each request noted in a file, answered (with its op) once the
+# test has made the file "go" (after it stopped the first request): its reply is always late.
 SLOW_PROXY = """
 import json, os, sys, time
 print('{"ready": true}', flush=True)
@@ -426,7 +427,8 @@ for line in sys.stdin:
     op = json.loads(line)["op"]
     with open(os.path.join(sys.argv[1], "got"), "a") as fh:
         fh.write(op + "\\n")
-    time.sleep(0.3)
+    while not os.path.exists(os.path.join(sys.argv[1], "go")):
+        time.sleep(0.01)
     print(json.dumps({"op": op}), flush=True)
 """
 
@@ -444,6 +446,7 @@ def test_a_request_to_the_proxy_stopped_midway_leaves_no_reply_for_the_next(
             while not (tmp_path / "got").exists():
                 await asyncio.sleep(0.01)
             first.cancel()
+            (tmp_path / "go").touch()  # its reply comes only now, after the stop
             with contextlib.suppress(asyncio.CancelledError):
                 await first
             return await client.call({"op": "stats"})
@@ -458,7 +461,7 @@ def test_a_proxy_start_stopped_before_it_is_ready_ends_that_process(
     """A start stopped while the proxy came up (a Ctrl-C during the first `%smol up` with a network
     policy) left its process running, known to no one: no close ever ended it."""
     late = ("import os, sys, time; open(os.path.join(sys.argv[1], 'pid'), 'w').write(str(os.getpid())); "
-            "time.sleep(0.3); print('{\"ready\": true}', flush=True); sys.stdin.read()")
+            "time.sleep(60); print('{\"ready\": true}', flush=True); sys.stdin.read()")  # ready long after the stop
     monkeypatch.setattr(_netproxy, "command", lambda: [sys.executable, "-c", late, str(tmp_path)])
     pid_file = tmp_path / "pid"
 

@@ -254,14 +254,18 @@ def test_a_sigterm_while_the_main_thread_holds_the_lock_it_waits_with_ends_clean
 def test_a_second_sigterm_while_the_machines_are_deleted_does_not_cut_the_deletion_short(tmp_path: Path) -> None:
     """The cell ignores the interrupt, so stopping it takes its grace period (3 s): the second
     SIGTERM lands then. The deletion goes on, and the program still ends by SIGTERM."""
-    script = Script(tmp_path, HEAD.format(backend="process") + """\
+    running = tmp_path / "running"
+    script = Script(tmp_path, HEAD.format(backend="process") + f"""\
 s.up()
 print("ready", flush=True)
-s.run("import time\\nwhile True:\\n    try:\\n        time.sleep(600)\\n    except KeyboardInterrupt:\\n        pass")
+s.run("import time\\nopen({str(running)!r}, 'w').close()\\nwhile True:\\n    try:\\n        time.sleep(600)\\n    except KeyboardInterrupt:\\n        pass")
 print("not reached", flush=True)
 """)
     script.wait_for_line("ready")
-    time.sleep(0.5)  # the cell is running
+    deadline = time.monotonic() + 120
+    while not running.exists():  # the cell is running (in its loop that ignores the interrupt)
+        assert time.monotonic() < deadline and script.proc.poll() is None, "the cell never started"
+        time.sleep(0.05)
     script.proc.send_signal(signal.SIGTERM)
     assert script.proc.stderr is not None
     for line in script.proc.stderr:
@@ -623,8 +627,17 @@ env = smolbench.gym.make(lambda: gymnasium.make("CartPole-v1"), session=s, reset
 env.reset(seed=0)
 for _ in range(3):
     env.step(0)
+before = set(s.workbench.tree.nodes)
 threading.Thread(target=lambda: s.fork(2, "import time; time.sleep(600)", keep="all"), daemon=True).start()
-time.sleep(2)
+deadline = time.monotonic() + 300  # both branches running: a loaded host takes a while to branch
+while time.monotonic() < deadline:
+    try:
+        running = [n for i, n in list(s.workbench.tree.nodes.items()) if i not in before and n.status == "running"]
+    except RuntimeError:  # changed meanwhile
+        continue
+    if len(running) == 2:
+        break
+    time.sleep(0.1)
 print("ready", flush=True)
 """)
     script.wait_for_line("ready")
@@ -674,7 +687,7 @@ def test_a_session_started_after_the_main_thread_ended_is_refused_in_one_line(tm
     script = Script(tmp_path, HEAD.format(backend="process") + """\
 import threading, time
 def late():
-    time.sleep(0.5)
+    threading.main_thread().join(60)  # the main thread has ended
     try:
         with smolbench.Session(backend="process", ledger="late.db") as late_session:
             print("started", flush=True)

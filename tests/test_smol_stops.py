@@ -98,13 +98,16 @@ def test_a_stopped_checkpoint_removes_its_files_once_the_sdk_has_written_them(ho
     checkpoint folder, under a name no sweep knows."""
     b = backend()
     folder = tmp_path / "ckpt"
-    exporting = threading.Event()
+    exporting, exported = threading.Event(), threading.Event()
     export = host.export_checkpoint
 
     def slow_export(source: str, output: str) -> int:
         exporting.set()
         time.sleep(0.5)
-        return export(source, output)
+        try:
+            return export(source, output)
+        finally:
+            exported.set()
 
     host.cls.export_checkpoint.side_effect = slow_export
 
@@ -112,7 +115,9 @@ def test_a_stopped_checkpoint_removes_its_files_once_the_sdk_has_written_them(ho
         root = await b.create(MachineSpec(), "root")
         try:
             await stopped_once(b.checkpoint(root, str(folder / "root.smolcheckpoint")), exporting)
-            await asyncio.sleep(1.0)  # past the export's end, had it been left running
+            deadline = time.monotonic() + 60  # past the export's end, had it been left running
+            while not exported.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         finally:
             await b.close()
 
