@@ -755,7 +755,7 @@ class SmolBackend(Backend):
             ref.info["python"] = str(info.get("python", ""))
             # The agent woke up as the checkpointed machine: give it its new name (as the
             # sandbox backend's restore does, this re-applies the seed it had).
-            await self._request(ref, {"op": "seed", "seed": info.get("seed"), "name": name})
+            await self._request(ref, {"op": "seed", "seed": info.get("seed"), "name": name, "restored": True})
         except BaseException:
             await self._delete_after_failure(ref)
             raise

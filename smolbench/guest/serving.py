@@ -228,6 +228,8 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                         continue  # we are now a branch; the parent answers the request
                 elif op == "seed":
                     self.apply_seed(req.get("seed"), req.get("name"))
+                    if req.get("restored"):  # woke up as a whole-machine checkpoint: as a load does
+                        self.restored_as_saved()
                     done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
                     done = self.save(req["path"])
