@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -226,11 +227,19 @@ def image_build(args: argparse.Namespace) -> int:
     from .errors import SmolbenchError
     from .images import build_debian_rootfs
 
+    def stop(signum: int, frame: Any) -> None:  # a SIGTERM stops it as a Ctrl-C does: debootstrap and its folder go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         path = build_debian_rootfs(args.name, suite=args.suite, force=args.force)
     except SmolbenchError as exc:
         print(f"smolbench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"smolbench: the build of {args.name} was stopped: nothing was built, its build folder is removed",
+              file=sys.stderr)
+        return 130
     print(f"built {args.name} at {path}\nuse it from a Smolfile:  image = \"{args.name}\"")
     return 0
 

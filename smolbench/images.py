@@ -7,11 +7,13 @@ An image *name* such as ``debian:bookworm`` lives in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -143,6 +145,8 @@ def build_debian_rootfs(
             cmd.append(mirror)
         log(f"building image {name!r}: {' '.join(cmd)}")
         tail: deque[str] = deque(maxlen=20)
+        # its own session: a stop (Ctrl-C, SIGTERM) ends debootstrap and what it started (dpkg,
+        # chroots) as one group before the folder goes, where they ran on into a removed tree
         with subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -150,14 +154,19 @@ def build_debian_rootfs(
             stdin=subprocess.DEVNULL,
             text=True,
             errors="replace",
+            start_new_session=True,
         ) as proc:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                if line.strip():
-                    tail.append(line.strip())
-                    log(line)
-            code = proc.wait()
+            try:
+                for line in proc.stdout:
+                    line = line.rstrip("\n")
+                    if line.strip():
+                        tail.append(line.strip())
+                        log(line)
+                code = proc.wait()
+            except BaseException:
+                _end_group(proc)
+                raise
         if code != 0:
             last = tail[-1] if tail else "no output"
             raise SmolbenchError(
@@ -183,6 +192,30 @@ def build_debian_rootfs(
     _meta_path(dest).write_text(json.dumps(meta) + "\n")
     log(f"image {name!r} built at {dest}")
     return dest
+
+
+STOP_WAIT = 10.0  # s a stopped debootstrap's group gets after SIGTERM before SIGKILL
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """End ``proc``'s process group (SIGTERM, then SIGKILL) and reap ``proc``."""
+    for sig, wait in ((signal.SIGTERM, STOP_WAIT), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    deadline = time.monotonic() + STOP_WAIT  # the group's others (its leader is reaped already)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def _mounts_under(path: Path) -> list[str]:

@@ -251,3 +251,65 @@ def test_a_killed_builds_folder_is_swept_with_its_mounts_by_the_next_build(
     build_debian_rootfs(log=lambda _line: None)
     assert not dead.exists() and _mounted_under(cache) == []
     assert busy.is_dir()
+
+
+# A debootstrap that starts a child of its own (as dpkg, chroots) and runs until it is stopped.
+SLOW_DEBOOTSTRAP = '''mkdir -p "$4/usr"
+echo $$ > "$DEBOOT_PIDS"
+sleep 300 &
+echo $! >> "$DEBOOT_PIDS"
+echo "I: Retrieving Packages"
+wait
+'''
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_build_stopped_midway_ends_debootstrap_and_everything_it_started(
+        cache: Path, tmp_path: Path, sig: str) -> None:
+    """`smolbench image build` under SIGTERM (a CI job cancelled, systemd stopping it) died at
+    once and left debootstrap running into its build folder, which stayed until the next build."""
+    import signal
+    import sys
+    import time
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "debootstrap").write_text("#!/bin/sh\nPATH=/usr/bin:/bin\n" + SLOW_DEBOOTSTRAP)
+    (bindir / "debootstrap").chmod(0o755)
+    pids = tmp_path / "pids"
+    env = {**os.environ, "PATH": str(bindir), "DEBOOT_PIDS": str(pids), "SMOLBENCH_CACHE": str(cache)}
+    as_root = "import os, sys; os.geteuid = lambda: 0; from smolbench.cli import main; sys.exit(main(['image', 'build']))"
+    cli = subprocess.Popen([sys.executable, "-c", as_root], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids.read_text().split()) < 2 if pids.exists() else True:
+            assert time.monotonic() < deadline and cli.poll() is None, cli.communicate()
+            time.sleep(0.05)
+        started = [int(p) for p in pids.read_text().split()]
+        assert all(_runs(p) for p in started)
+        cli.send_signal(getattr(signal, sig))
+        out, err = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 130, (out, err)
+    assert err.strip().endswith("the build of debian:bookworm was stopped: nothing was built, its build folder is removed")
+    deadline = time.monotonic() + 10
+    while any(_runs(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in started if _runs(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "debootstrap (or what it started) ran on after the build was stopped"
+    assert [p.name for p in (cache / "images").iterdir()] == []  # no build folder left
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
