@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
@@ -79,24 +79,30 @@ class Job:
     def __init__(self, coro: Coroutine[Any, Any, Any], *, stoppable: bool = True) -> None:
         self.stoppable = stoppable  # False: cancel_all waits for it but lets it finish (a down)
         self.stopped = False  # cancel_all cancelled it
-        self.future: Future[Any] = Future()  # its outcome, once its cleanup is done (cancel() stops it)
+        self.future: Future[Any] = Future()  # its outcome (settled before done()); cancel() stops it
         self._coro: Coroutine[Any, Any, Any] | None = coro
         self._finished = threading.Event()
         self._task: asyncio.Task[Any] | None = None
         self._task_set = threading.Event()
         self._started = False
+        self._lock = threading.Lock()  # whether it begins on the loop or is dropped: decided once, under it
+        self._begun = self._dropped = False
 
     def start(self) -> Job:
         """Submit it to the smolbench loop."""
         assert not self._started and self._coro is not None, "a Job starts once"
         self._started = True
         _jobs.add(self)
-        loop = get_loop()
-        loop.call_soon_threadsafe(self._begin, self._coro)
+        get_loop().call_soon_threadsafe(self._begin, self._coro)
         self._coro = None  # (kept until now: a Ctrl-C before the line above leaves it for reached() to close)
         return self
 
     def _begin(self, coro: Coroutine[Any, Any, Any]) -> None:
+        with self._lock:
+            if self._dropped:  # stopped before it got here: it never runs
+                coro.close()
+                return
+            self._begun = True
         asyncio.get_running_loop().create_task(self._run(coro))
 
     async def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -112,49 +118,41 @@ class Job:
             self._end(None, value)
 
     def _end(self, error: BaseException | None, value: Any = None, cancelled: bool = False) -> None:
-        _jobs.discard(self)
-        self._finished.set()  # before the future settles: who waits on it finds the cleanup done
-        if self.future.done():  # cancelled from outside (the way to stop it is cancel())
-            return
-        if cancelled:
-            self.future.cancel()
-        elif error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(value)
+        _jobs.discard(self)  # first: who wakes on the future finds it no longer running
+        if not self.future.done():  # (cancelled from outside: the way to stop it is cancel())
+            with contextlib.suppress(InvalidStateError):
+                if cancelled:
+                    self.future.cancel()
+                elif error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(value)
+        self._finished.set()  # last: who waited for the cleanup finds the outcome settled
 
     def done(self) -> bool:
         """True once the coroutine finished (including its cleanup)."""
         return self._finished.is_set()
 
     def reached(self) -> bool:
-        """Whether the coroutine got to the loop (False: it never will, and it counts as done).
-        After a Ctrl-C inside :meth:`start`, a round trip through the loop says: callbacks run
-        in the order they were scheduled, so one scheduled now runs after its start's."""
-        if self._task_set.is_set():
-            return True
-        if self._started and not self._finished.is_set():
-            seen = threading.Event()
-            with contextlib.suppress(RuntimeError):  # a closed loop: nothing runs there any more
-                loop = get_loop()
-                # two hops: the task start's callback makes takes its first step after that callback
-                loop.call_soon_threadsafe(loop.call_soon, seen.set)
-                seen.wait(5)
-        if self._task_set.is_set():
-            return True
-        _jobs.discard(self)  # never ran: nothing to wait for
-        if self._coro is not None:
-            self._coro.close()
-            self._coro = None
-        self._finished.set()
-        if not self.future.done():
-            self.future.cancel()
-        return False
+        """Whether the coroutine got to the loop; False: it never will (a Ctrl-C inside
+        :meth:`start`, or before it), and it counts as done. Decided under the lock its start
+        on the loop takes: no guess from how long the loop took to get there."""
+        if not self._task_set.is_set():
+            with self._lock:
+                if not self._begun:
+                    self._dropped = True
+            if self._dropped:
+                if self._coro is not None:  # never submitted
+                    self._coro.close()
+                    self._coro = None
+                self._end(None, cancelled=True)
+                return False
+            self._task_set.wait(CLEANUP_WAIT)  # begun: its task's first step is queued on the loop
+        return True
 
     def cancel(self) -> None:
-        """Ask the coroutine to stop (it gets CancelledError on the loop)."""
-        self._task_set.wait(5)
-        if self._task is not None:
+        """Ask the coroutine to stop (it gets CancelledError on the loop; not begun yet: it never runs)."""
+        if self.reached() and self._task is not None:
             get_loop().call_soon_threadsafe(self._task.cancel)
 
     def stop(self, wait: float) -> None:
