@@ -293,13 +293,12 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
             if not chan._write(line, unsent):
                 poll.modify(chan._fd, _IN | _OUT)
         while left:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = poll.poll(None if wait is None else int(wait * 1000) + 1)
-            if not ready and wait is not None and time.monotonic() >= deadline:  # type: ignore[operator]
-                for i in left.values():
+            if deadline is not None and time.monotonic() >= deadline:  # checked on every pass: a machine
+                for i in left.values():  # trickling bytes of an answer it never ends keeps the poll busy
                     chans[i]._late()
                 break
-            for fd, ev in ready:
+            wait = None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000) + 1
+            for fd, ev in poll.poll(wait):
                 i = left.get(fd, -1)
                 if i < 0:
                     continue
