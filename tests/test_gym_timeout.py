@@ -40,6 +40,11 @@ class StuckSometimes(gymnasium.Wrapper):
 
 def stuck_cartpole():
     return StuckSometimes(gymnasium.make("CartPole-v1"))
+
+def slow_to_build():  # a build longer than the timeout: the timeout is each reset's and step's
+    import time
+    time.sleep(4)
+    return gymnasium.make("CartPole-v1")
 '''
 TIMEOUT = 3  # s: the envs' own calls take milliseconds, a loaded host's delays well under this
 STUCK_ONE = 2
@@ -112,6 +117,21 @@ def test_a_reset_stuck_past_the_timeout_fails_in_one_line_and_the_next_reset_wor
         env.close()
         ref.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the stuck machine too
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_an_env_slower_to_build_than_the_timeout_is_built(bench: Workbench, reset: str) -> None:
+    """The timeout is each reset's and step's: `make(..., timeout=1)` of an env that takes a
+    while to build (a big simulator loading) failed in its build, saying nothing of timeout=."""
+    define(bench, STUCK)
+    env = sgym.make("slow_to_build", session=bench, reset=reset, timeout=TIMEOUT)
+    try:
+        env.reset(seed=0)
+        for _ in range(3):
+            env.step(0)
+    finally:
+        env.close()
+    assert {m.name for m in bench.backend.list()} == {bench.active}
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])

@@ -37,15 +37,17 @@ class Requests:
     timeout: float | None  # s a machine may take to answer one reset or step (None: as long as it takes)
 
     async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
-                    seed: int | None = None) -> Any:
-        """One request to ``ep``'s machine; its pulled result (data, checked by the gate)."""
+                    seed: int | None = None, bounded: bool = True) -> Any:
+        """One request to ``ep``'s machine; its pulled result (data, checked by the gate).
+        ``bounded``: within the env's timeout (a reset's or step's; the env's build is not)."""
         ref = ep.ref
         assert ref is not None
         ep.cells += 1
         req = CellRequest(code, push=push or {}, pull=[OUT], cell_name=f"<gym-{ep.cells}>", seed=seed)
         where = _where(ep.index, self.n, ep)
         try:
-            res = await E.when_free(lambda: _in_time(self.wb.backend.exec_cell(ref, req, _ignore), self.timeout, ref.name))
+            res = await E.when_free(lambda: _in_time(self.wb.backend.exec_cell(ref, req, _ignore),
+                                                     self.timeout if bounded else None, ref.name))
         except InfraError:
             raise
         except NoAnswerInTime as exc:
@@ -73,8 +75,11 @@ class Requests:
         async def start() -> Any:
             E.hang_up(ep)
             ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
-            chan.timeout = self.timeout
-            return await chan.answer()
+            # a reset's answer is bounded by the env's timeout; a spare's warming (no reset) is not
+            chan.timeout = self.timeout if reset is not None else None
+            got = await chan.answer()
+            chan.timeout = self.timeout  # every request on it from here is a reset or a step
+            return got
         try:
             return await E.when_free(start)
         except BaseException as exc:

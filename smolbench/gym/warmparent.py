@@ -156,7 +156,7 @@ class WarmParent(Requests):
             factory = self.env
         setup = Episode(-1, ref=ref)
         try:
-            described = await self._call(setup, SETUP.format(factory=factory), push=push)
+            described = await self._call(setup, SETUP.format(factory=factory), push=push, bounded=False)
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
             raise GymError(f"the env could not be built in machine {name}: {why}") from None
@@ -172,7 +172,7 @@ class WarmParent(Requests):
         if what is None:
             return None
         try:
-            names = await self._call(setup, envnames.NAMES_CELL)
+            names = await self._call(setup, envnames.NAMES_CELL, bounded=False)
         except Exception:  # it can't say: gymnasium's ids here, then
             names = None
         return envnames.misnamed(what, names)
@@ -180,7 +180,7 @@ class WarmParent(Requests):
     def sibling(self, num_envs: int = 1) -> Self:
         """Another env on the same warm parent (an OpenEnv client's session): its own
         machines, branched from the parent this one built; closing it leaves the parent."""
-        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries)
+        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries, timeout=self.timeout)
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
         other._branching, other.owns_parent = self._branching, False
