@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -227,12 +230,9 @@ def image_build(args: argparse.Namespace) -> int:
     from .errors import SmolbenchError
     from .images import build_debian_rootfs
 
-    def stop(signum: int, frame: Any) -> None:  # a SIGTERM stops it as a Ctrl-C does: debootstrap and its folder go
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
-        path = build_debian_rootfs(args.name, suite=args.suite, force=args.force)
+        with _stopped_by_signals():
+            path = build_debian_rootfs(args.name, suite=args.suite, force=args.force)
     except SmolbenchError as exc:
         print(f"smolbench: {exc}", file=sys.stderr)
         return 1
@@ -242,6 +242,31 @@ def image_build(args: argparse.Namespace) -> int:
         return 130
     print(f"built {args.name} at {path}\nuse it from a Smolfile:  image = \"{args.name}\"")
     return 0
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """Ctrl-C, SIGTERM (a job cancelled) and SIGHUP (its terminal closed) stop the block as a
+    KeyboardInterrupt, whose clean-up (debootstrap ended, its folder removed) a second signal
+    can't cut short; the handlers before are put back after. Off the main thread: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before: dict[signal.Signals, Any] = {}
+
+    def stop(signum: int, frame: Any) -> None:
+        for one in before:
+            signal.signal(one, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            before[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for was, handler in before.items():
+            signal.signal(was, handler)
 
 
 def image_list(args: argparse.Namespace) -> int:

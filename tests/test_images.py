@@ -263,11 +263,13 @@ wait
 '''
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(("sig", "times"), [("SIGTERM", 1), ("SIGINT", 1), ("SIGHUP", 1), ("SIGTERM", 2),
+                                            ("SIGINT", 2)])
 def test_a_build_stopped_midway_ends_debootstrap_and_everything_it_started(
-        cache: Path, tmp_path: Path, sig: str) -> None:
-    """`smolbench image build` under SIGTERM (a CI job cancelled, systemd stopping it) died at
-    once and left debootstrap running into its build folder, which stayed until the next build."""
+        cache: Path, tmp_path: Path, sig: str, times: int) -> None:
+    """`smolbench image build` under SIGTERM (a CI job cancelled, systemd stopping it) or SIGHUP
+    (its terminal closed) died at once and left debootstrap running into its build folder, which
+    stayed until the next build. A second signal (an impatient Ctrl-C) must not cut the clean-up short."""
     import signal
     import sys
     import time
@@ -288,7 +290,10 @@ def test_a_build_stopped_midway_ends_debootstrap_and_everything_it_started(
             time.sleep(0.05)
         started = [int(p) for p in pids.read_text().split()]
         assert all(_runs(p) for p in started)
-        cli.send_signal(getattr(signal, sig))
+        for _ in range(times):
+            if cli.poll() is None:
+                cli.send_signal(getattr(signal, sig))
+                time.sleep(0.02)
         out, err = cli.communicate(timeout=60)
     finally:
         if cli.poll() is None:
