@@ -394,7 +394,10 @@ class AgentHostBackend(Backend):
                     return
                 yield chunk
         finally:
-            writer.close()
+            if writer.transport.get_write_buffer_size():  # a request the machine stopped reading: closing
+                writer.transport.abort()  # would wait to flush it for as long as the machine lives
+            else:
+                writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
