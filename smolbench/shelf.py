@@ -104,17 +104,24 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
     return out
 
 
-def misnamed_lines(store: Store) -> list[str]:
+MISNAMED_SHOWN = 20  # files a listing names as misnamed; more are counted in one line
+
+
+def misnamed_lines(store: Store, near: str | None = None) -> list[str]:
     """A line for each file in ``store`` that looks like a checkpoint but is not listed (its name
     is not a checkpoint name), with the name to rename it to; the name as ``ascii`` shows it
     (someone else's file name: no control characters or look-alike text reach the output)."""
-    out = []
-    for fname in store.misnamed():
+    out, found = [], store.misnamed()
+    if near is not None:  # the files a restore of ``near`` may have meant first
+        found.sort(key=lambda f: not suggested_name(f[: -len(SUFFIX)]).lower().startswith(near.lower()))
+    for fname in found[:MISNAMED_SHOWN]:
         stem = fname[: -len(SUFFIX)]
-        why = (f"ends in {fname[-len(SUFFIX):]!r}, not {SUFFIX!r}" if not fname.endswith(SUFFIX) else
+        why = (f"ends in {ascii(fname[-len(SUFFIX):])}, not {SUFFIX!r}" if not fname.endswith(SUFFIX) else
                "its name is not a checkpoint name (letters, digits, '.', '_' or '-', up to 64, first a letter or digit)")
         out.append(f"{ascii(fname)} in {Path(*store.chain)}/ is not listed: {why}: rename it to "
                    f"{suggested_name(stem)}{SUFFIX}")
+    if len(found) > MISNAMED_SHOWN:
+        out.append(f"{len(found) - MISNAMED_SHOWN:,} more files in {Path(*store.chain)}/ are not listed for their names")
     return out
 
 
@@ -184,7 +191,7 @@ class Shelf:
             return (f"no checkpoint named {name!r} to export: saved checkpoints are {self.known()} "
                     f"(`%smol checkpoint list`); save one first: `%smol checkpoint save "
                     f"{name if valid_name(name) else 'NAME'}`")
-        misnamed = misnamed_lines(self.store)
+        misnamed = misnamed_lines(self.store, name)
         return (f"no checkpoint named {name!r}: saved checkpoints are {self.known()} (`%smol checkpoint list`); "
                 f"a file elsewhere: `%smol checkpoint restore PATH{SUFFIX}`" + (f"; {misnamed[0]}" if misnamed else ""))
 

@@ -118,3 +118,16 @@ def test_a_file_dropped_in_under_a_name_that_is_not_one_is_said_with_the_name_to
     (ck / "week1 (1).smolcheckpoint").rename(ck / "week1_1.smolcheckpoint")  # as it says: then it is listed
     assert [r["name"] for r in shelf.rows()] == ["week1_1"]
     assert not any("week1" in line for line in shelf.lines() if "is not listed" in line)
+
+
+def test_a_folder_of_misnamed_files_is_said_in_bounded_lines_and_a_restore_names_the_likely_one(
+        tmp_path: Path, shelf: Shelf) -> None:
+    ck = tmp_path / "student" / CK
+    ck.mkdir(parents=True)
+    for k in range(30):
+        (ck / f"a{k:02d} (1).smolcheckpoint").write_bytes(b"x")
+    (ck / "week1 (2).smolcheckpoint").write_bytes(b"x")
+    said = [line for line in shelf.lines() if "not listed" in line]
+    assert len(said) == 21 and said[-1] == "smolbench: 11 more files in .smolbench/checkpoints/ are not listed for their names"
+    with pytest.raises(SmolbenchError, match=r"; 'week1 \(2\)\.smolcheckpoint' in .* rename it to week1_2\.smolcheckpoint$"):
+        shelf.row("week1")  # the one it likely meant, not the first of 31

@@ -42,7 +42,6 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 MAX_PATH = 4096
-MISNAMED_SHOWN = 20  # files a listing names as misnamed (a folder of them is said in as many lines)
 # Tests weaken the rule here to show what it stops (never set outside tests).
 TEST_WEAKEN: set[str] = set()
 
@@ -296,7 +295,7 @@ class Store:
 
     def misnamed(self) -> list[str]:
         """Plain files here that look like checkpoints but that :meth:`names` skips (a browser's
-        ``NAME (1).smolcheckpoint``, a changed case), sorted, at most :data:`MISNAMED_SHOWN`."""
+        ``NAME (1).smolcheckpoint``, a changed case), sorted."""
         try:
             with self._dir() as dfd:
                 with os.scandir(dfd) as entries:
@@ -306,7 +305,7 @@ class Store:
                              and e.is_file(follow_symlinks=False)]
         except (Missing, PathRefused, OSError):
             return []
-        return sorted(found)[:MISNAMED_SHOWN]
+        return sorted(found)
 
     @contextlib.contextmanager
     def create(self, fname: str) -> Iterator[int]:
