@@ -38,6 +38,7 @@ _down_lock = threading.Lock()  # one shutdown_all at a time (the SIGTERM watcher
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a terminal closing ends a script as SIGTERM does
 _previous_handlers: dict[int, Any] = {}  # each stop signal's handler before ours
 _sigterm_installed = False
+_said_off_main = False
 _term_signal: int = signal.SIGTERM  # the stop signal being handled (the program ends by it)
 STOP_TIMEOUT = 20.0  # seconds a SIGTERM waits for running calls to stop before it deletes the machines
 # A SIGTERM's work is done by a watcher thread, never in the handler: the handler runs on the
@@ -137,6 +138,21 @@ def _install_hooks() -> None:
         _hooks_installed = True
         _hooks_pid = os.getpid()
     _install_sigterm()
+    _say_if_sigterm_is_not_ours()
+
+
+def _say_if_sigterm_is_not_ours() -> None:
+    """Once: a Session made off the main thread, where Python can't set a signal handler (a
+    SIGTERM then ends the program before anything deletes its machines)."""
+    global _said_off_main
+    if _sigterm_installed or _said_off_main or threading.current_thread() is threading.main_thread() or _in_kernel():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # the program handles it (or ignores it) itself
+        return
+    _said_off_main = True
+    print("smolbench: warning: this Session was made off the main thread, where Python can't catch SIGTERM: a "
+          "SIGTERM now ends the program without deleting its machines (its exit and close() still do); make a "
+          "Session in the main thread first, and it catches SIGTERM for every one", file=sys.stderr)
 
 
 def _in_kernel() -> bool:

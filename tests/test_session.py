@@ -539,6 +539,29 @@ s.run("import time; time.sleep(600)")
     assert script.leftovers() == ([], [], [])
 
 
+def test_a_session_made_only_off_the_main_thread_says_a_sigterm_can_t_clean_up(tmp_path: Path) -> None:
+    """A trainer that makes its Session in a worker thread got no SIGTERM handler (Python sets
+    them only from the main thread), without a word: a SIGTERM left its machines."""
+    script = Script(tmp_path, """\
+import threading, smolbench
+def work():
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        s.run("1")
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:  # said once
+        s.run("2")
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print("done", flush=True)
+""")
+    code, out, err = script.finish()
+    assert code == 0 and "done" in out, err
+    said = [line for line in err.splitlines() if "off the main thread" in line]
+    assert said == ["smolbench: warning: this Session was made off the main thread, where Python can't catch "
+                    "SIGTERM: a SIGTERM now ends the program without deleting its machines (its exit and close() "
+                    "still do); make a Session in the main thread first, and it catches SIGTERM for every one"], err
+
+
 @pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
 def test_checkpoint_restore_takes_the_path_of_a_checkpoint_file_from_elsewhere(here: Path) -> None:
     notes: list[str] = []
