@@ -40,14 +40,15 @@ def _waits_in_run(thread: int) -> bool:
     return False
 
 
-def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> None:
-    started, cleaned = threading.Event(), threading.Event()
+def _ctrl_c_once_run_waits(started: threading.Event, cleaned: threading.Event, after_start: bool = True) -> None:
+    """``_loop.run`` of the work, with a Ctrl-C once it waits in run() (and, ``after_start``,
+    once the work started: not while still in Job(), where its coroutine starts first)."""
     main = threading.main_thread().ident
     assert main is not None and threading.get_ident() == main
 
     def ctrl_c() -> None:
-        started.wait(10)
-        # once the caller waits in run() (not still in Job(): its coroutine starts first)
+        if after_start:
+            started.wait(10)
         deadline = time.monotonic() + 30
         while not _waits_in_run(main) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -60,6 +61,11 @@ def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> 
             _loop.run(_work(started, cleaned))  # type: ignore[arg-type]
     finally:
         t.join()
+
+
+def test_a_ctrl_c_while_run_waits_stops_the_work_and_waits_for_its_cleanup() -> None:
+    started, cleaned = threading.Event(), threading.Event()
+    _ctrl_c_once_run_waits(started, cleaned)
     assert cleaned.is_set(), "the Ctrl-C reached the caller while the work still ran on smolbench's loop"
     assert not _loop.running()
 
@@ -174,23 +180,8 @@ def test_a_ctrl_c_while_the_loop_is_stalled_drops_the_work_for_good() -> None:
     began there: it was given up as "never ran" after a 5 s wait, then ran anyway, unattended,
     once the loop got to it."""
     started, cleaned = threading.Event(), threading.Event()
-    main = threading.main_thread().ident
-    assert main is not None and threading.get_ident() == main
     _loop.get_loop().call_soon_threadsafe(time.sleep, 6)
-
-    def ctrl_c() -> None:
-        deadline = time.monotonic() + 30
-        while not _waits_in_run(main) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        signal.pthread_kill(main, signal.SIGINT)
-
-    t = threading.Thread(target=ctrl_c)
-    t.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _loop.run(_work(started, cleaned))  # type: ignore[arg-type]
-    finally:
-        t.join()
+    _ctrl_c_once_run_waits(started, cleaned, after_start=False)
     assert not _loop.running()
     _past_what_is_queued()  # past the stall
     assert not started.is_set(), "the work dropped at the Ctrl-C ran later, unattended"
