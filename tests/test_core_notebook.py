@@ -172,14 +172,21 @@ def test_ctrl_c_interrupts_the_cell_inside_the_machine_and_keeps_its_state(tmp_p
         nb.run("%smol up --backend sandbox")
         nb.run("%%smol\nkept = 'warm'")
 
-        def interrupt_soon() -> None:
-            time.sleep(3)
+        cells = len(nb.nb.cells)
+
+        def interrupt_once_it_sleeps() -> None:  # the cell's first line has come: it runs in the machine
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if len(nb.nb.cells) > cells and "sleeping" in stream_text(nb.nb.cells[cells]):
+                    break
+                time.sleep(0.02)
             nb.interrupt()
 
-        t = threading.Thread(target=interrupt_soon)
+        t = threading.Thread(target=interrupt_once_it_sleeps)
         t.start()
         cell = nb.run("%%smol\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('finished')")
         t.join()
+        assert "sleeping" in stream_text(cell)
         err = error_output(cell)
         assert err is not None and err.ename == "KeyboardInterrupt"
         assert err.traceback == ["KeyboardInterrupt: the cell was interrupted inside the machine; the machine and its state are kept"]
