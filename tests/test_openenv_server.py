@@ -170,8 +170,9 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
         for _ in range(2):  # both slots: a step that never answers, then the client is gone
             ws = connect(server.ws)
             assert ask(ws, "reset")["type"] == "observation"
+            running = server.marked()
             ws.send(json.dumps({"type": "step", "data": {"action": HANG}}))
-            time.sleep(0.5)
+            until(lambda had=running: server.marked() - had, "the step did not start")  # it hangs in its machine
             drop(ws)
 
         def served() -> dict[str, Any] | None:  # on the old code: "Server at capacity", for good
