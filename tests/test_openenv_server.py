@@ -502,11 +502,12 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
 
 
 # The server's open-file limit, lowered (its cap, with 3 sessions: (256 - 64 - 3 x 4) / 2 = 90), and a
-# short header deadline.
-FEW_FILES = """
+# short header deadline (long enough that a loaded host accepts a flood well within it).
+HEADER_TIMEOUT = 15.0
+FEW_FILES = f"""
 import resource, smolbench._uvicorn as u
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-u.HEADER_TIMEOUT = 5.0
+u.HEADER_TIMEOUT = {HEADER_TIMEOUT}
 """
 
 
@@ -532,15 +533,22 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
         idle[1].sendall(b"GET ")
         start = time.monotonic()
         until(lambda: all(closed(s) for s in idle), "idle connections were never closed")
-        assert 3 < time.monotonic() - start < 60  # by the header deadline (5 s here)
+        assert HEADER_TIMEOUT - 5 < time.monotonic() - start < HEADER_TIMEOUT + 60  # by the header deadline
 
         sessions = [connect(server.ws) for _ in range(2)]  # open WebSockets count against the cap (90 here)
         for ws in sessions:
             assert ask(ws, "reset")["type"] == "observation"
-        flood = [socket.create_connection(addr, timeout=WAIT) for _ in range(500)]
-        time.sleep(1)  # well before the header deadline: the ones over the cap are closed at once
-        kept = [s for s in flood if not closed(s)]
-        assert 0 < len(kept) <= 90 - 2, (len(kept), server.out)
+        made = [(time.monotonic(), socket.create_connection(addr, timeout=WAIT)) for _ in range(500)]
+        while True:  # the ones over the cap are closed at once (once the server got to them: a loaded host takes a while)
+            now = time.monotonic()
+            kept = [s for _, s in made if not closed(s)]
+            # made less than the header deadline ago: a server without the cap would still hold all of these
+            young = sum(1 for at, _ in made if now - at < HEADER_TIMEOUT)
+            if len(kept) <= 90 - 2 or young <= 90 - 2:
+                break
+            time.sleep(0.2)
+        assert 0 < len(kept) <= 90 - 2 < young, (len(kept), young, server.out)
+        flood = [s for _, s in made]
         for ws in sessions:  # the sessions open before go on
             assert ask(ws, "step", {"action": "info = {'ok': 1}"})["data"]["observation"]["info"] == {"ok": 1}
         for s in flood:
