@@ -688,11 +688,11 @@ def test_stateless_http_resets_whose_clients_left_are_cut_and_others_are_served(
 
     with serving(open_tmp, "--max-sessions", "2", "--request-timeout", "600", "--idle-timeout", "900") as server:
         server.settled()
+        # two of them will hang in a reset (as many as --max-sessions), each in a spare made already
+        during = server.agents()
         clients = [threading.Thread(target=hung) for _ in range(8)]
         for t in clients:
             t.start()
-        time.sleep(3)
-        during = server.agents()  # two of them hang in a reset (as many as --max-sessions)
         for t in clients:
             t.join(WAIT)
         start = time.monotonic()
