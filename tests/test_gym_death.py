@@ -11,17 +11,15 @@ stepping, and nothing of the dead machine is left.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import gymnasium
 import numpy as np
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import WAITING, define, needs_bwrap, up_bench, waits
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
@@ -32,7 +30,6 @@ from smolbench.workbench import Workbench
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 # A sub-env whose step (action 2: a 0 to CartPole) waits, named WAITING, until the host kills its machine.
-WAITING = "smolbench-waits"
 SLOW = f'''
 import ctypes, time, gymnasium
 
@@ -64,22 +61,6 @@ def machine_procs(ref: MachineRef) -> list[tuple[int, str]]:
     pid, started = ref.info["host_pid"], ref.info["host_started"]
     assert _procs.running(pid, started)
     return [(pid, started), *_procs.descendants(pid)]
-
-
-def waits(procs: list[tuple[int, str]]) -> bool:
-    """Whether a thread of ``procs`` is named WAITING (a sub-env's step or reset that waits to be killed)."""
-    for pid, _ in procs:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                if Path(f"/proc/{pid}/task/{task}/comm").read_text().strip() == WAITING:
-                    return True
-            except OSError:
-                continue
-    return False
 
 
 def step_while_killed(envs: Any, ref: MachineRef, action: int = 0) -> tuple[list[tuple[int, str]], Any]:
