@@ -352,14 +352,33 @@ def _add_links(ckpt: Path, links: list[tuple[str, str]]) -> None:
 # -- ledger -----------------------------------------------------------------------------------------
 
 
+def _running(folder: Path, ids: list[str]) -> bool:
+    """Whether the ledger in ``folder`` has each of ``ids`` running."""
+    from smolbench.ledger import Ledger
+
+    if not (folder / ".smolbench" / "ledger.db").exists():
+        return False
+    ledger = Ledger(folder / ".smolbench" / "ledger.db")
+    try:
+        rows = {r["id"]: r["status"] for r in ledger.node_rows()}
+    finally:
+        ledger.close()
+    return all(rows.get(i) == "running" for i in ids)
+
+
 def test_rows_left_running_by_a_dead_kernel_are_marked_lost_at_the_next_start(tmp_path: Path) -> None:
+    import time
+
     from smolbench.ledger import Ledger
 
     with NotebookSession(tmp_path, allow_errors=True, check_processes=False) as nb:
         nb.run("%load_ext smolbench")
         nb.run("%smol up --backend sandbox")
         nb.run("%%smol fork 3 --bg\nimport time\ntime.sleep(60)")
-        nb.run("import time; time.sleep(1)")
+        deadline = time.monotonic() + 120  # its branches run (a loaded host takes a while to fork them)
+        while not _running(tmp_path, [f"root.{i}" for i in range(3)]):
+            assert time.monotonic() < deadline, "the fork's branches never ran"
+            time.sleep(0.1)
         nb.kill()  # kill -9: nothing of ours runs to tidy up
     ledger = Ledger(tmp_path / ".smolbench" / "ledger.db")
     before = {r["id"]: r for r in ledger.node_rows()}
