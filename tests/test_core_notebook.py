@@ -92,9 +92,10 @@ class _TimedClient(NotebookClient):
 
 def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
     # The kernel must send 'early' while the machine is still sleeping, not at the end:
-    # the kernel's own send times of the two lines are the sleep apart.
+    # the kernel's own send times of the two lines are the sleep apart (3 s: a loaded host's
+    # delay of under 2 s in sending 'early' still leaves them more than 1 s apart).
     cells = ["%load_ext smolbench", "%smol up --backend sandbox",
-             "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
+             "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')",
              "%smol down"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = _TimedClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
