@@ -44,9 +44,28 @@ HANG = MARK + "import time\ntime.sleep(10**6)"
 WAIT = 120  # s before a test gives up on something that should happen (hang detection, not speed)
 
 
+# Run in the server's process first: files in its folder once the warm parent's practice
+# episode has ended and once its spares are all ready (what the server does on its own at first).
+STARTED = """
+import pathlib
+import smolbench.gym.spares as _spares, smolbench.gym.warmparent as _warm
+_learn, _ready = _warm.WarmParent._learn, _spares.Spares._ready
+async def _learned(self):
+    try:
+        await _learn(self)
+    finally:
+        pathlib.Path("practised").touch()
+async def _readied(self, ref):
+    await _ready(self, ref)
+    if len(self.ready) >= self.count:
+        pathlib.Path("spares-ready").touch()
+_warm.WarmParent._learn, _spares.Spares._ready = _learned, _readied
+"""
+
+
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str]) -> None:
-        self.proc, self.port, self.lines = proc, port, lines
+    def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str], folder: Path) -> None:
+        self.proc, self.port, self.lines, self.folder = proc, port, lines, folder
         self.url = self.ws = ""  # what it says it serves on: its token in the path (see serving)
 
     def serves_on(self, url: str) -> None:
@@ -84,9 +103,13 @@ class Server:
                 self.proc.kill()
 
     def settled(self) -> set[tuple[int, str]]:
-        """The agents once their number held for 3 s (the warm parent makes its spares at first)."""
-        last, same = self.agents(), 0
+        """The agents once the warm parent's practice episode has ended and its spares are all
+        ready (the server says so: see STARTED), and their number then held for 3 s."""
         deadline = time.monotonic() + WAIT
+        while not all((self.folder / f).exists() for f in ("practised", "spares-ready")):
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.out
+            time.sleep(0.1)
+        last, same = self.agents(), 0
         while same < 6 and time.monotonic() < deadline:
             time.sleep(0.5)
             now = self.agents()
@@ -116,14 +139,14 @@ def serving(folder: Path, *options: str, before: str = "") -> Iterator[Server]:
     (``before``: Python run in the server's process first, e.g. to lower a limit)."""
     (folder / "envs.py").write_text(CODE_ENV)
     port = free_port()
-    run = ["-c", before + "\nimport sys\nfrom smolbench.cli import main\nsys.exit(main())"] if before else ["-m", "smolbench.cli"]
+    run = ["-c", STARTED + before + "\nimport sys\nfrom smolbench.cli import main\nsys.exit(main())"]
     proc = subprocess.Popen([sys.executable, *run, "serve", "envs.py:code_env", "--backend", "sandbox",
                              "--port", str(port), *options], cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=server_env())
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
-    server = Server(proc, port, lines)
+    server = Server(proc, port, lines, folder)
     try:
         deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
         while True:
