@@ -4,6 +4,7 @@ defined inside its machine (so the machine, not this process, holds their code).
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +67,24 @@ def define(wb: Workbench, code: str) -> None:
     """Run ``code`` in the session's active machine (an env prototyped there)."""
     res = _loop.run(wb.run_cell(code, lambda e: None))
     assert res.status == "ok", res.error
+
+
+# The name a thread of a machine takes (prctl) while a test's env call waits there to be
+# stopped: a test acts once it sees it, not after a guess at how long the call takes to come.
+WAITING = "smolbench-waits"
+
+
+def waits(procs: list[tuple[int, str]]) -> bool:
+    """Whether a thread of ``procs`` is named :data:`WAITING`."""
+    for pid, _ in procs:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                if Path(f"/proc/{pid}/task/{task}/comm").read_text().strip() == WAITING:
+                    return True
+            except OSError:
+                continue
+    return False

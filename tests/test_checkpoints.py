@@ -241,13 +241,13 @@ def test_a_restore_stopped_while_it_copies_the_checkpoint_in_ends_that_copy_firs
     runs = tmp_path / "runs"
     runs.mkdir()
     backend = ProcessBackend(runtime_dir=str(runs))
-    copying, ended = threading.Event(), threading.Event()
+    copying, go, ended = threading.Event(), threading.Event(), threading.Event()
     hand_over = backend._hand_over
 
     def slow_hand_over(path: str, folder: str) -> str:
         copying.set()
         try:
-            time.sleep(0.5)
+            go.wait(60)  # held until the stopped restore came back, or had 5 s to
             return hand_over(path, folder)
         finally:
             ended.set()
@@ -264,9 +264,14 @@ def test_a_restore_stopped_while_it_copies_the_checkpoint_in_ends_that_copy_firs
             while not copying.is_set():
                 await asyncio.sleep(0.01)
             restore.cancel()
+            deadline = time.monotonic() + 5  # one that does not wait for its copy comes back well within this
+            while not restore.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            early = restore.done()  # while its copy is held: it did not wait for it
+            go.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await restore
-            seen.append((ended.is_set(), sorted(m.name for m in backend.list())))
+            seen.append((ended.is_set() and not early, sorted(m.name for m in backend.list())))
         finally:
             await backend.close()
 

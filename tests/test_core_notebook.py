@@ -92,9 +92,10 @@ class _TimedClient(NotebookClient):
 
 def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
     # The kernel must send 'early' while the machine is still sleeping, not at the end:
-    # the kernel's own send times of the two lines are the sleep apart.
+    # the kernel's own send times of the two lines are the sleep apart (3 s: a loaded host's
+    # delay of under 2 s in sending 'early' still leaves them more than 1 s apart).
     cells = ["%load_ext smolbench", "%smol up --backend sandbox",
-             "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')",
+             "%%smol\nimport time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')",
              "%smol down"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = _TimedClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
@@ -172,14 +173,21 @@ def test_ctrl_c_interrupts_the_cell_inside_the_machine_and_keeps_its_state(tmp_p
         nb.run("%smol up --backend sandbox")
         nb.run("%%smol\nkept = 'warm'")
 
-        def interrupt_soon() -> None:
-            time.sleep(3)
+        cells = len(nb.nb.cells)
+
+        def interrupt_once_it_sleeps() -> None:  # the cell's first line has come: it runs in the machine
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if len(nb.nb.cells) > cells and "sleeping" in stream_text(nb.nb.cells[cells]):
+                    break
+                time.sleep(0.02)
             nb.interrupt()
 
-        t = threading.Thread(target=interrupt_soon)
+        t = threading.Thread(target=interrupt_once_it_sleeps)
         t.start()
         cell = nb.run("%%smol\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('finished')")
         t.join()
+        assert "sleeping" in stream_text(cell)
         err = error_output(cell)
         assert err is not None and err.ename == "KeyboardInterrupt"
         assert err.traceback == ["KeyboardInterrupt: the cell was interrupted inside the machine; the machine and its state are kept"]

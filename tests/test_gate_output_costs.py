@@ -11,7 +11,11 @@ an error's name, which goes inside the host's own lines, with its control charac
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -195,11 +199,25 @@ def test_a_style_nested_past_its_limit_is_dropped_without_a_word_on_stderr(
     assert capfd.readouterr().err == "" and unraisable == []
 
 
+OUTPUT_CODE = [f.__code__ for f in vars(OutputBudget).values() if inspect.isfunction(f)]
+
+
+def _in_a_thread(*codes: Any) -> bool:
+    """Whether a thread other than this one runs (somewhere down its stack) one of ``codes``."""
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        f = None if ident == me else frame
+        while f is not None:
+            if f.f_code in codes:
+                return True
+            f = f.f_back
+    return False
+
+
 def test_a_cell_cancelled_while_a_checker_thread_reads_its_output_leaves_no_log_open(tmp_path: Any) -> None:
     """Ctrl-C while a big message is checked on a thread: the cell's end closed its log, and
     the thread, still taking the message, opened it again ("wb": emptied) and never closed it."""
     import os
-    import time
 
     log = tmp_path / "root.cell1.log"
     budget = OutputBudget(log, limit=1000)  # the second message is cut into lines first (slow), then spilled
@@ -212,14 +230,20 @@ def test_a_cell_cancelled_while_a_checker_thread_reads_its_output_leaves_no_log_
             await asyncio.sleep(60)
 
         task = asyncio.ensure_future(gate.read_cell(chunks(), CellRequest("x", output=budget), None, "root"))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not _in_a_thread(OutputBudget._cut_lines.__code__):  # a checker thread cuts the big one now
+            assert time.monotonic() < deadline, "no checker thread took the big message"
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
     size_at_end = log.stat().st_size if log.exists() else 0
-    time.sleep(3)  # the thread's work ends meanwhile
+    deadline = time.monotonic() + 60
+    while _in_a_thread(*OUTPUT_CODE):  # the thread's work ends meanwhile (a loaded host's takes a while)
+        assert time.monotonic() < deadline, "the checker thread never ended its work"
+        time.sleep(0.01)
     assert budget._log is None
     assert (log.stat().st_size if log.exists() else 0) == size_at_end
     mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import gymnasium
 import numpy as np
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import WAITING, define, needs_bwrap, up_bench, waits
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
@@ -28,13 +29,20 @@ from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-SLOW = '''
-import time, gymnasium
+# A sub-env whose step (action 2: a 0 to CartPole) waits, named WAITING, until the host kills its machine.
+SLOW = f'''
+import ctypes, time, gymnasium
 
 class Slow(gymnasium.Wrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.action_space = gymnasium.spaces.Discrete(3)
+
     def step(self, action):
-        time.sleep(0.3)  # long enough for the host to kill the machine mid-step
-        return self.env.step(action)
+        if action == 2:  # killed in this step, once it is here
+            ctypes.CDLL(None).prctl(15, b"{WAITING}", 0, 0, 0)
+            time.sleep(600)
+        return self.env.step(int(action) % 2)
 
 def slow_cartpole():
     return Slow(gymnasium.make("CartPole-v1"))
@@ -55,18 +63,28 @@ def machine_procs(ref: MachineRef) -> list[tuple[int, str]]:
     return [(pid, started), *_procs.descendants(pid)]
 
 
-def step_while_killed(envs: Any, ref: MachineRef) -> tuple[list[tuple[int, str]], Any]:
-    """One vector step, with every process of ``ref``'s machine killed while it runs."""
+def step_while_killed(envs: Any, ref: MachineRef, action: int = 0) -> tuple[list[tuple[int, str]], Any]:
+    """One vector step (``action`` for every sub-env, 2 for the VICTIM's: it waits in it), with
+    every process of ``ref``'s machine killed once the step (or its autoreset) waits there."""
     procs = machine_procs(ref)
-    timer = threading.Timer(0.1, _procs.kill_all, (procs,))
-    timer.start()
+
+    def kill() -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            procs[:] = list(dict.fromkeys([*procs, *_procs.descendants(procs[0][0])]))
+            if waits(procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        _procs.kill_all(procs)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    actions = np.full(envs.num_envs, action, dtype=np.int64)
+    actions[VICTIM] = 2
     try:
-        return procs, envs.step(np.zeros(envs.num_envs, dtype=np.int64))
-    except BaseException:
-        timer.join()
-        raise
+        return procs, envs.step(actions)
     finally:
-        timer.join()
+        killer.join()
 
 
 def gone(procs: list[tuple[int, str]]) -> bool:
@@ -105,12 +123,26 @@ def test_a_machine_killed_mid_step_is_rebuilt_under_retries_and_recorded(bench: 
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
 
 
-SLOW_RESET = '''
-import time, gymnasium
+# A sub-env whose reset after a step of action 2 (a 0 to CartPole) waits, named WAITING, until the
+# host kills its machine.
+SLOW_RESET = f'''
+import ctypes, time, gymnasium
 
 class SlowReset(gymnasium.Wrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.action_space = gymnasium.spaces.Discrete(3)
+        self.marked = False
+
+    def step(self, action):
+        self.marked = action == 2
+        return self.env.step(int(action) % 2)
+
     def reset(self, **kwargs):
-        time.sleep(0.3)  # long enough for the host to kill the machine mid-reset
+        if self.marked:  # killed in this reset, once it is here
+            self.marked = False
+            ctypes.CDLL(None).prctl(15, b"{WAITING}", 0, 0, 0)
+            time.sleep(600)
         return self.env.reset(**kwargs)
 
 def slow_reset_cartpole():
@@ -125,8 +157,10 @@ def test_a_machine_killed_in_its_autoreset_is_rebuilt_and_the_episode_starts_the
     envs = sgym.make_vec("slow_reset_cartpole", 4, session=bench, reset="in-place", retries=1)
     try:
         envs.reset(seed=0)
+        marked = np.zeros(4, dtype=np.int64)
+        marked[VICTIM] = 2  # a 0 whose episode's end makes the next reset wait to be killed
         for _ in range(500):  # until the victim's episode ends: its autoreset is the next step's
-            ended = envs.step(np.zeros(4, dtype=np.int64))
+            ended = envs.step(marked)
             if ended[2][VICTIM] or ended[3][VICTIM]:
                 break
         victim = envs._m.eps[VICTIM].ref
@@ -188,10 +222,9 @@ def test_a_fresh_reset_whose_spare_died_is_done_again_in_another(bench: Workbenc
     try:
         env.reset(seed=0)
         m = env._m  # type: ignore[attr-defined]
-        deadline = 200
-        while not m.pool.ready and deadline:
-            threading.Event().wait(0.05)
-            deadline -= 1
+        deadline = time.monotonic() + 120  # a spare is ready: a loaded host takes a while to fork them
+        while not m.pool.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
         spare = m.pool.ready[0][0]
         procs = machine_procs(spare)
         _procs.kill_all(procs)

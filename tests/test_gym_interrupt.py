@@ -12,27 +12,31 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import gymnasium
 import numpy as np
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import WAITING, define, needs_bwrap, up_bench, waits
 
 import smolbench.gym as sgym
+from smolbench.backends import _procs
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-SLOW = '''
-import time, gymnasium
+SLOW = f'''
+import ctypes, time, gymnasium
 
 class SlowSometimes(gymnasium.Wrapper):
-    """CartPole whose steps with action 1 take 0.6 s: long enough for a Ctrl-C mid-step."""
+    """CartPole whose steps with action 1 take 3 s (named {WAITING}: the Ctrl-C comes once they are
+    here), then answer: late, after the interrupt."""
     def step(self, action):
         if int(action) == 1:
-            time.sleep(0.6)
+            ctypes.CDLL(None).prctl(15, b"{WAITING}", 0, 0, 0)
+            time.sleep(3)
         return self.env.step(action)
 
 def slow_cartpole():
@@ -45,14 +49,29 @@ def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
     yield from up_bench(tmp_path_factory)
 
 
-def interrupt_soon(delay: float = 0.2) -> threading.Timer:
-    """SIGINT to this (the main) thread after ``delay`` s, as a Ctrl-C in a terminal or the
-    kernel's interrupt would: it breaks the poll the step waits in."""
+def interrupt_once_waiting(envs: Any, which: list[int]) -> threading.Thread:
+    """SIGINT to this (the main) thread, as a Ctrl-C in a terminal or the kernel's interrupt
+    would (it breaks the poll the call waits in), once sub-envs ``which`` each wait in their
+    slow call (a thread of their machine named WAITING)."""
     main = threading.main_thread().ident
     assert main is not None and threading.get_ident() == main
-    timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
-    return timer
+
+    def there(i: int) -> bool:
+        ref = envs._m.eps[i].ref
+        if ref is None or "host_pid" not in ref.info:
+            return False
+        pid = ref.info["host_pid"]
+        return waits([(pid, ""), *_procs.descendants(pid)])
+
+    def send() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(there(i) for i in which):
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
 
 
 @pytest.mark.parametrize("reset", ["fresh", "in-place"])
@@ -63,13 +82,13 @@ def test_a_step_interrupted_by_ctrl_c_never_answers_a_later_request(bench: Workb
                                          autoreset_mode=gymnasium.vector.AutoresetMode.NEXT_STEP)
     try:
         envs.reset(seed=0)
-        timer = interrupt_soon()
+        sender = interrupt_once_waiting(envs, [2, 3])
         try:
             with pytest.raises(KeyboardInterrupt):
                 # sub-envs 0 and 1 answer at once, 2 and 3 only after the interrupt
                 envs.step(np.array([0, 0, 1, 1], dtype=np.int64))
         finally:
-            timer.join()
+            sender.join()
         # Start over with a known seed: every answer from here on must be the one asked for.
         obs, _ = envs.reset(seed=7)
         want, _ = ref.reset(seed=7)
@@ -87,14 +106,15 @@ def test_a_step_interrupted_by_ctrl_c_never_answers_a_later_request(bench: Workb
     assert {m.name for m in bench.backend.list()} == {bench.active}  # the session's own machine only
 
 
-SLEEPY = '''
-import time, gymnasium
+SLEEPY = f'''
+import ctypes, time, gymnasium
 
 class SlowSeeded(gymnasium.Wrapper):
-    """CartPole whose reset with seed 99 takes 2 s: long enough for a Ctrl-C while it waits."""
+    """CartPole whose reset with seed 99 takes 3 s (named {WAITING}: the Ctrl-C comes once it is here)."""
     def reset(self, *, seed=None, options=None):
         if seed == 99:
-            time.sleep(2)
+            ctypes.CDLL(None).prctl(15, b"{WAITING}", 0, 0, 0)
+            time.sleep(3)
         return self.env.reset(seed=seed, options=options)
 
 def slow_reset_cartpole():
@@ -113,12 +133,17 @@ def test_ctrl_c_while_a_vector_reset_waits_stops_it_there(bench: Workbench) -> N
     define(bench, SLEEPY)
     envs = sgym.make_vec("slow_reset_cartpole", 2, session=bench)
     try:
-        timer = interrupt_soon(0.5)
+        practice = envs._m._practice  # the env's own practice episode, begun by make_vec: over first
+        deadline = time.monotonic() + 120
+        while practice is not None and not practice.done():
+            assert time.monotonic() < deadline, "the practice episode never ended"
+            time.sleep(0.05)
+        sender = interrupt_once_waiting(envs, [0, 1])
         try:
             with pytest.raises(KeyboardInterrupt):
                 envs.reset(seed=[99, 99])
         finally:
-            timer.join()
+            sender.join()
 
         async def pending() -> list[str]:
             here = asyncio.current_task()

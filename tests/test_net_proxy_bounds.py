@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,10 +195,12 @@ def test_a_fork_multiplies_nothing_beyond_its_trees_cap(sink: int, monkeypatch: 
     asyncio.run(main())
 
 
-def test_unfinished_request_heads_are_bounded() -> None:
+def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit held 256 unfinished 256 KiB heads (+71 MiB, 30 s each). Now a tree has at
     most TREE_HEADS heads being read, each at most the reader's limit; the others wait
     unread (their bytes in fixed socket buffers) and past the tree's cap are dropped at once."""
+    # no head times out while a loaded host accepts them all (it would free slots and count failures)
+    monkeypatch.setattr(_netbudget, "HEAD_TIMEOUT", 600.0)
 
     async def main() -> None:
         proxy = _netproxy.Proxy()
@@ -207,7 +210,12 @@ def test_unfinished_request_heads_are_bounded() -> None:
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(b"CONNECT " + b"a" * 60 + b".test:443 HTTP/1.1\r\nX: " + b"y" * 8000)  # no end
             conns.append((r, w))
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 60  # every connection accepted or dropped: a loaded host takes a while
+        while proxy.budget.counts()["connections"] + proxy.nodes["m"].failed < len(conns):
+            assert time.monotonic() < deadline, (proxy.budget.counts(), proxy.nodes["m"].failed)
+            await asyncio.sleep(0.05)
+        for _ in range(20):  # and each accepted one's task has run to its first wait (a head read, or a slot)
+            await asyncio.sleep(0)
         counts = proxy.budget.counts()
         assert counts["heads"] == _netbudget.TREE_HEADS, counts
         assert counts["connections"] == _netbudget.TREE_CONNECTIONS, counts

@@ -373,6 +373,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _waits_for_the_lock() -> bool:
+    """True once a thread of this process waits in packages._lock (for another kernel's install)."""
+    import sys
+
+    for frame in sys._current_frames().values():
+        f = frame
+        while f is not None:
+            if f.f_code is packages._lock.__code__:
+                return True
+            f = f.f_back
+    return False
+
+
 def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting(cache: Path) -> None:
     """A Ctrl-C while this kernel waited for another's install of the same list (its lock) came
     back only once that install was done, up to PIP_TIMEOUT later."""
@@ -380,6 +393,7 @@ def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting
     import contextlib
     import fcntl
     import threading
+    import time
 
     guest = packages.host_python()
     root = packages.packages_root()
@@ -392,7 +406,10 @@ def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting
 
         async def main() -> None:
             up = asyncio.ensure_future(packages.install((PKG,), guest))
-            await asyncio.sleep(0.3)  # waiting for the lock now
+            deadline = time.monotonic() + 60
+            while not _waits_for_the_lock():  # its thread waits for the other kernel's lock now
+                assert time.monotonic() < deadline, "the install never waited for the lock"
+                await asyncio.sleep(0.01)
             release.start()
             up.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -372,13 +372,13 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_before_the_ctrl_c_r
     gift = open_tmp / "gift.smolcheckpoint"
     _forged(gift, _record(name="gift"))
     led = Ledger(folder / ".smolbench" / "ledger.db")
-    copying, returned = threading.Event(), threading.Event()
+    copying, go, returned = threading.Event(), threading.Event(), threading.Event()
     added_after_return: list[bool] = []
     real = Shelf.adopt
 
     def slow(self: Shelf, *args: Any) -> Any:
         copying.set()
-        time.sleep(0.5)  # still copying when the Ctrl-C comes
+        go.wait(60)  # still copying when the Ctrl-C comes: held until it came back, or had 5 s to
         try:
             return real(self, *args)
         finally:
@@ -395,6 +395,12 @@ def test_an_interrupted_add_takes_back_what_its_thread_added_before_the_ctrl_c_r
         while not copying.is_set():
             await asyncio.sleep(0.01)
         task.cancel()
+        deadline = time.monotonic() + 5  # one that does not wait for the copy comes back well within this
+        while not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if task.done():  # came back while the copy is held
+            returned.set()
+        go.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         returned.set()

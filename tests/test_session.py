@@ -296,9 +296,8 @@ def train(fail):
         result = s.fork(3, "reward = base * SEED", keep="all")
         if fail == "raise":
             raise RuntimeError("boom in the task")
-        if fail == "cancel":  # the driver cancels it while this cell runs
-            open(os.path.join(here, "running"), "w").close()
-            s.run("import time; time.sleep(600)")
+        if fail == "cancel":  # the driver cancels it while this cell runs (it says so from the machine)
+            s.run(f"open({os.path.join(here, 'running')!r}, 'w').close()\\nimport time; time.sleep(600)")
         return sorted(result.rewards.values()), s.status()["live_machines"].split()[0]
 
 # One small local node. A busy host may take minutes to start it. Ray's raylet gives its agents
@@ -313,9 +312,8 @@ except ray.exceptions.RayTaskError as exc:
     print("task failed:", "boom in the task" in str(exc), flush=True)
 ref = train.remote("cancel")
 running = os.path.join(os.path.dirname(os.environ["TMPDIR"]), "running")
-while not os.path.exists(running):
+while not os.path.exists(running):  # the cell is running in the machine
     time.sleep(0.1)
-time.sleep(1)  # the cell is running in the machine
 ray.cancel(ref)  # a KeyboardInterrupt in the task: the with block ends, its machines go
 try:
     ray.get(ref)
@@ -328,7 +326,6 @@ os.remove(running)
 ref = train.remote("cancel")
 while not os.path.exists(running):
     time.sleep(0.1)
-time.sleep(1)
 ray.cancel(ref, force=True)
 try:
     ray.get(ref)

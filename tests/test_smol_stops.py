@@ -25,13 +25,22 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     yield from fake_host(monkeypatch)
 
 
-async def stopped_once(call: Any, started: threading.Event) -> None:
+async def stopped_once(call: Any, started: threading.Event, go: threading.Event | None = None) -> None:
     """Run ``call`` and cancel it once ``started`` (its SDK call is under way), as a Ctrl-C would;
-    return when the cancel has gone through."""
+    return when the cancel has gone through. ``go``: the SDK call waits for it, and it is set
+    only if the stopped call has not come back within 3 s (one that does not wait for its SDK
+    call comes back well within that): one that came back early did so while the SDK call was
+    still under way, which the caller then sees (and sets ``go`` itself)."""
     task = asyncio.ensure_future(call)
     while not started.is_set():
         await asyncio.sleep(0.01)
     task.cancel()
+    if go is not None:
+        deadline = time.monotonic() + 3
+        while not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if not task.done():
+            go.set()
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
@@ -41,12 +50,12 @@ def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: 
     then booted was deleted later, by a daemon thread: after `%smol down` had listed nothing, and
     not at all if the kernel exited first."""
     b = backend()
-    creating, made = threading.Event(), threading.Event()
+    creating, go, made = threading.Event(), threading.Event(), threading.Event()
     create = host.create
 
     def slow_create(config: Any = None, conn: Any = None) -> Any:
         creating.set()
-        time.sleep(0.5)
+        go.wait(60)  # under way until the stop has waited for it (see stopped_once)
         vm = create(config, conn)
         made.set()
         return vm
@@ -55,8 +64,9 @@ def test_a_stopped_create_deletes_the_machine_smol_made_before_it_returns(host: 
     seen: list[tuple[bool, list[str]]] = []
 
     async def main() -> None:
-        await stopped_once(b.create(MachineSpec(), "root"), creating)
+        await stopped_once(b.create(MachineSpec(), "root"), creating, go)
         seen.append((made.is_set(), [vm.name for vm in host.vms if not vm.deleted]))
+        go.set()
         await b.close()
 
     run(main())
@@ -68,11 +78,11 @@ def test_a_stopped_cloud_checkpoint_deletes_the_checkpoint_smol_cloud_made(host:
     durable cloud checkpoint it made had no pointer file here, nor any row, and stayed in the
     cloud account for good."""
     b = SmolBackend(target="cloud", session="t")
-    capturing = threading.Event()
+    capturing, go = threading.Event(), threading.Event()
 
     def slow_cloud_checkpoint(output: str | None = None, *, store: str | None = None) -> PortableCheckpointInfo:
         capturing.set()
-        time.sleep(0.5)
+        go.wait(60)  # under way until the stop has waited for it (see stopped_once)
         return PortableCheckpointInfo(id="ckpt-123", machine_id="m", status="available", size_bytes=99,
                                       arch="x86_64", created_at="", download_url="")
 
@@ -82,9 +92,10 @@ def test_a_stopped_cloud_checkpoint_deletes_the_checkpoint_smol_cloud_made(host:
         root = await b.create(MachineSpec(net=True), "root")
         host.vms[0].machine.checkpoint.side_effect = slow_cloud_checkpoint
         try:
-            await stopped_once(b.checkpoint(root, str(tmp_path / "c.smolcheckpoint")), capturing)
+            await stopped_once(b.checkpoint(root, str(tmp_path / "c.smolcheckpoint")), capturing, go)
             seen.append([c.args[0] for c in host.cls.delete_checkpoint.call_args_list])
         finally:
+            go.set()
             await b.close()
 
     run(main())
