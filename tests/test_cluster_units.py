@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import io
 import tarfile
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from clusterhelpers import machine_processes
 
 from smolbench.cluster import address, artifact, placement, shipping
 from smolbench.errors import SmolbenchError
@@ -446,3 +448,62 @@ def test_a_local_clusters_node_whose_raylet_died_is_named_and_replaced(capsys: p
         assert c.lost() == {} and victim not in c.nodes and len(c.nodes) == 2
         live = [n for n in c._cluster.global_state.node_table() if n["Alive"] and n["Resources"].get(local.SLOTS)]
         assert sorted(n["Resources"][local.SLOTS] for n in live) == [3.0, 3.0]
+
+
+@pytest.fixture(scope="module")
+def process_node() -> Iterator[Any]:
+    """A local Ray cluster with one process node (its machines boot in well under a second)."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
+    from smolbench.cluster import local
+
+    with local.LocalCluster(1, slots=4, backends=["process"]) as c:
+        yield c
+    assert machine_processes(c) == []
+
+
+def _on_the_node(c: Any, test: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """``test(cluster backend, its one node)`` on a session of its own, then its down: nothing left."""
+    from smolbench.cluster.backend import ClusterBackend
+
+    cb = ClusterBackend(c.address)
+    cb.start()
+    node = next(iter(cb.nodes.values()))
+
+    async def main() -> None:
+        try:
+            await test(cb, node)
+        finally:
+            await cb.close()
+
+    asyncio.run(main())
+    assert machine_processes(c) == [] and list(c.node_dirs[0].iterdir()) == []
+
+
+def test_a_cluster_boot_whose_caller_left_within_the_grace_leaves_no_machine_on_its_node(
+        process_node: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit's suspicion, reproduced: a boot whose caller left (Ctrl-C, a timeout) while another
+    boot of its batch went on was cancelled on the node only after the 2 s grace; a boot that ended
+    within it left its machine on the node, known to nobody, until the session's down."""
+    from smolbench.cluster import batch
+    from smolbench.spec import MachineSpec
+
+    monkeypatch.setattr(batch, "GRACE", 60.0)  # a loaded host's boot may take 2 s: every boot ends within it
+
+    async def test(cb: Any, node: Any) -> None:
+        kept = asyncio.ensure_future(cb.create(MachineSpec(), "kept"))
+        left = asyncio.ensure_future(cb.create(MachineSpec(), "left"))
+        while (await node.agent.describe.remote())["requests"].get("create", 0) < 2:  # the node boots both
+            await asyncio.sleep(0.01)
+        left.cancel()
+        assert (await asyncio.gather(left, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+        await kept
+        deadline = time.monotonic() + 10  # the old code's boot ends by then (the machine it left)
+        while (live := (await node.agent.describe.remote())["live"]) == ["kept"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert live == ["kept"] and [m.name for m in cb.list()] == ["kept"]
+        assert (await node.agent.describe.remote())["calls"]["create"] == 1  # the two went as one batch
+        procs = machine_processes(process_node)
+        assert any(" --name kept" in p for p in procs) and not any(" --name left" in p for p in procs)
+
+    _on_the_node(process_node, test)
+

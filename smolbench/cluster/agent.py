@@ -137,6 +137,7 @@ class NodeAgent:
         self.calls: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._booting: dict[str, asyncio.Future[None]] = {}  # machine -> the batch request booting it
         self._forking: dict[str, asyncio.Lock] = {}
 
     def _count(self, op: str, requests: int = 1) -> None:
@@ -208,6 +209,8 @@ class NodeAgent:
 
         tasks: dict[int, asyncio.Future[None]] = {i: asyncio.ensure_future(one(i, name, arg)) for i, (name, arg) in enumerate(items)}
         self._batches[batch_id] = tasks
+        if op == "create":  # before anything else runs: a delete that comes meanwhile finds the boot
+            self._booting.update({name: tasks[i] for i, (name, _) in enumerate(items)})
         try:
             left = len(items)
             while left:
@@ -221,6 +224,9 @@ class NodeAgent:
                 yield b"".join(ready)
         finally:
             self._batches.pop(batch_id, None)
+            for i, (name, _) in enumerate(items):
+                if self._booting.get(name) is tasks[i]:
+                    del self._booting[name]
             for task in tasks.values():
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -286,6 +292,10 @@ class NodeAgent:
     async def _delete(self, names: list[str]) -> int:
         count = 0
         for name in names:
+            boot = self._booting.get(name)
+            if boot is not None:  # its caller left while it booted: stop the boot, then delete what it made
+                boot.cancel()
+                await asyncio.gather(boot, return_exceptions=True)
             ref = self.refs.pop(name, None)
             self._forking.pop(name, None)
             if ref is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import gate
+from .._aio import _to_the_end
 from ..backends._wire import exec_message
 from ..backends.base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from ..errors import InfraError, SmolbenchError
@@ -308,8 +309,13 @@ class ClusterBackend(Backend):
         node.live.add(name)  # counted while it boots
         try:
             await self._batcher(node, "create").submit(name, spec).result()
-        except BaseException:
+        except BaseException as exc:
             node.live.discard(name)
+            if not isinstance(exc, Exception) and not node.lost:
+                # its caller left (Ctrl-C, a timeout): the node boots on (within the grace, or the boot
+                # ended first), and nobody here would delete it; its delete stops the boot or deletes it
+                with contextlib.suppress(Exception):
+                    await _to_the_end(self._call(node, node.agent.delete.remote([name])))
             raise
         return self._adopt(node, name, spec, None)
 
