@@ -507,3 +507,28 @@ def test_a_cluster_boot_whose_caller_left_within_the_grace_leaves_no_machine_on_
 
     _on_the_node(process_node, test)
 
+
+def test_a_cancelled_checkpoint_save_of_a_cluster_machine_leaves_no_artifact_on_its_node(process_node: Any) -> None:
+    """The audit's suspicion, reproduced: the driver's cancel does not stop the node's save, which
+    then kept its artifact (up to the checkpoint limit each) in the node's store, unreferenced,
+    until the session's down."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.spec import MachineSpec
+
+    store = process_node.node_dirs[0]
+
+    async def test(cb: Any, node: Any) -> None:
+        m = await cb.create(MachineSpec(), "m")
+        await cb.exec_cell(m, CellRequest("import os\nblob = os.urandom(20_000_000)"), lambda ev: None)
+        for wait in (0.0, 0.3):
+            saving = asyncio.ensure_future(cb.checkpoint(m, str(store.parent / "c.smolcheckpoint")))
+            await asyncio.sleep(wait)
+            saving.cancel()
+            assert (await asyncio.gather(saving, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+            deadline = time.monotonic() + 8  # the old code's save ends by then (the artifact it left)
+            while not (arts := list(store.glob("smolbench-agent-*/artifacts/*"))) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert arts == []
+        assert not (store.parent / "c.smolcheckpoint").exists()
+
+    _on_the_node(process_node, test)

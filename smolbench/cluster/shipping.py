@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+from .._aio import _to_the_end
 from ..backends.base import CheckpointInfo, MachineRef
 from ..errors import SmolbenchError
 from ..gate import archive
@@ -104,7 +105,13 @@ async def _restore_on(cb: ClusterBackend, node: Node, digest: str, name: str, sp
 async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> CheckpointInfo:
     """Save ``machine`` on its node and bring the file to ``path`` as data, checked on arrival."""
     node = cb._node_of(machine)
-    art = await cb._call(node, node.agent.save.remote(machine.name))
+    saving = node.agent.save.remote(machine.name)
+    try:
+        art = await cb._call(node, saving)
+    except asyncio.CancelledError:  # the node saves on without its caller: what it saved goes once it is saved
+        with contextlib.suppress(Exception):
+            await _to_the_end(_forget(cb, node, saving))
+        raise
     where = f"node {_short(node.id)}"
     part = path + ".part"
     try:
@@ -121,6 +128,12 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
         with contextlib.suppress(SmolbenchError):
             await cb._call(node, node.agent.forget.remote(art["digest"]))
     return CheckpointInfo(path, cb.name, got, list(art["warnings"]))
+
+
+async def _forget(cb: ClusterBackend, node: Node, saving: Any) -> None:
+    """Drop the artifact a save call made, once it made it."""
+    art = await cb._call(node, saving)
+    await cb._call(node, node.agent.forget.remote(art["digest"]))
 
 
 async def _pull(cb: ClusterBackend, node: Node, gen: Any) -> AsyncGenerator[object, None]:
