@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -530,5 +531,40 @@ def test_a_cancelled_checkpoint_save_of_a_cluster_machine_leaves_no_artifact_on_
                 await asyncio.sleep(0.1)
             assert arts == []
         assert not (store.parent / "c.smolcheckpoint").exists()
+
+    _on_the_node(process_node, test)
+
+
+def test_a_cancelled_restore_on_a_cluster_node_leaves_no_machine_or_artifact_there(process_node: Any) -> None:
+    """Reproduced: the driver's cancel does not stop the node's restore, whose machine then stayed
+    on the node, known to nobody, until the session's down."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.spec import MachineSpec
+
+    store = process_node.node_dirs[0]
+    path = str(store.parent / "r.smolcheckpoint")
+
+    async def test(cb: Any, node: Any) -> None:
+        m = await cb.create(MachineSpec(), "m")
+        await cb.exec_cell(m, CellRequest("import os\nblob = os.urandom(20_000_000)"), lambda ev: None)
+        await cb.checkpoint(m, path)
+        for k, wait in enumerate((0.0, 0.1, 0.2, 0.4)):
+            restoring = asyncio.ensure_future(cb.restore(path, f"r{k}", MachineSpec()))
+            while not any(f" --name r{k}" in p for p in machine_processes(process_node)):  # the node restores it
+                assert not restoring.done()
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(wait)
+            if restoring.done():  # too late to cancel
+                await cb.delete(restoring.result())
+                continue
+            restoring.cancel()
+            got = (await asyncio.gather(restoring, return_exceptions=True))[0]
+            assert got.__class__ is asyncio.CancelledError, got
+            deadline = time.monotonic() + 8  # the old code's restore ends by then (the machine it left)
+            while (live := (await node.agent.describe.remote())["live"]) == ["m"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert live == ["m"] and [r.name for r in cb.list()] == ["m"] and node.live == {"m"}
+            assert list(store.glob("smolbench-agent-*/artifacts/*")) == []
+        os.unlink(path)
 
     _on_the_node(process_node, test)

@@ -88,10 +88,15 @@ async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: 
 async def _restore_on(cb: ClusterBackend, node: Node, digest: str, name: str, spec: MachineSpec,
                       replica: bool = False) -> MachineRef:
     node.live.add(name)  # counted while it boots
+    restoring = node.agent.restore.remote(digest, name, spec)
     try:
-        done = await cb._call(node, node.agent.restore.remote(digest, name, spec))
-    except BaseException:
+        done = await cb._call(node, restoring)
+    except BaseException as exc:
         node.live.discard(name)
+        if not isinstance(exc, Exception) and not node.lost:
+            # its caller left (Ctrl-C, a timeout): the node restores on, and nobody would delete it
+            with contextlib.suppress(Exception):
+                await _to_the_end(_undo(cb, node, restoring, name))
         raise
     ref = cb._adopt(node, name, spec, None, **({"replica": True} if replica else {}))
     if done.get("warnings"):
@@ -128,6 +133,13 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
         with contextlib.suppress(SmolbenchError):
             await cb._call(node, node.agent.forget.remote(art["digest"]))
     return CheckpointInfo(path, cb.name, got, list(art["warnings"]))
+
+
+async def _undo(cb: ClusterBackend, node: Node, call: Any, *names: str) -> None:
+    """Delete on ``node`` the machines an agent call made, once it ended (it may have made none)."""
+    with contextlib.suppress(Exception):
+        await cb._call(node, call)
+    await cb._call(node, node.agent.delete.remote(list(names)))
 
 
 async def _forget(cb: ClusterBackend, node: Node, saving: Any) -> None:
