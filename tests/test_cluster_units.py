@@ -535,6 +535,34 @@ def test_a_cancelled_checkpoint_save_of_a_cluster_machine_leaves_no_artifact_on_
     _on_the_node(process_node, test)
 
 
+def test_a_cancelled_cluster_branch_leaves_no_branch_on_its_node(process_node: Any) -> None:
+    """Reproduced: the driver's cancel (Ctrl-C, a timeout: a zygote's episodes, a gym's branches)
+    does not stop the node's fork, whose branches then stayed on the node, known to nobody, until
+    the session's down."""
+    from smolbench.spec import MachineSpec
+
+    async def test(cb: Any, node: Any) -> None:
+        m = await cb.create(MachineSpec(), "m")
+        for wait in (0.0, 0.05):
+            before = (await node.agent.describe.remote())["requests"].get("branch", 0)
+            branching = asyncio.ensure_future(cb.branch(m, [f"b{wait}-1", f"b{wait}-2"], [None, None]))
+            while (await node.agent.describe.remote())["requests"].get("branch", 0) < before + 2:  # the node forks
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(wait)
+            if branching.done():  # too late to cancel
+                for ref in branching.result():
+                    await cb.delete(ref)
+                continue
+            branching.cancel()
+            assert (await asyncio.gather(branching, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+            deadline = time.monotonic() + 8  # the old code's fork ends by then (the branches it left)
+            while (live := (await node.agent.describe.remote())["live"]) == ["m"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert live == ["m"] and [r.name for r in cb.list()] == ["m"] and node.live == {"m"}
+
+    _on_the_node(process_node, test)
+
+
 def test_a_cancelled_restore_on_a_cluster_node_leaves_no_machine_or_artifact_there(process_node: Any) -> None:
     """Reproduced: the driver's cancel does not stop the node's restore, whose machine then stayed
     on the node, known to nobody, until the session's down."""

@@ -412,11 +412,16 @@ class ClusterBackend(Backend):
             source = machine if node_id == home.id else (await self._replica(machine, node)).ref
             for n in batch:
                 node.live.add(n)
+            branching = node.agent.branch.remote(source.name, batch, bseeds)
             try:
-                got = await self._call(node, node.agent.branch.remote(source.name, batch, bseeds))
-            except BaseException:
+                got = await self._call(node, branching)
+            except BaseException as exc:
                 for n in batch:
                     node.live.discard(n)
+                if not isinstance(exc, Exception) and not node.lost:
+                    # its caller left (Ctrl-C, a timeout): the node forks on, and nobody would delete them
+                    with contextlib.suppress(Exception):
+                        await _to_the_end(shipping._undo(self, node, branching, *batch))
                 raise
             refs = [self._adopt(node, n, machine.spec, machine.name, source=source.name) for n in got]
             if source is not machine:
@@ -424,7 +429,12 @@ class ClusterBackend(Backend):
             made.extend(refs)
             return refs
 
-        results = await asyncio.gather(*(on(n, idx) for n, idx in plan.items()), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(on(n, idx) for n, idx in plan.items()), return_exceptions=True)
+        except BaseException:  # cancelled: each node's batch undid its own fork; those that ended go too
+            for ref in made:
+                await _to_the_end(self.delete(ref))
+            raise
         failed = [(n, idx, r) for (n, idx), r in zip(plan.items(), results) if isinstance(r, BaseException)]
         for node_id, idx, why in failed:  # that node's batch goes home (its replica didn't work out)
             if isinstance(why, asyncio.CancelledError) or home.lost:
