@@ -596,3 +596,32 @@ def test_a_cancelled_restore_on_a_cluster_node_leaves_no_machine_or_artifact_the
         os.unlink(path)
 
     _on_the_node(process_node, test)
+
+
+def test_a_restore_cancelled_while_its_checkpoint_travels_leaves_no_artifact_on_the_node(process_node: Any) -> None:
+    """Reproduced: the driver's cancel does not stop the node's receive of the checkpoint it sends,
+    which then stayed in the node's store (up to the checkpoint limit), unreferenced, until down."""
+    from smolbench.backends.base import CellRequest
+    from smolbench.spec import MachineSpec
+
+    store = process_node.node_dirs[0]
+    path = str(store.parent / "s.smolcheckpoint")
+
+    async def test(cb: Any, node: Any) -> None:
+        m = await cb.create(MachineSpec(), "m")
+        await cb.exec_cell(m, CellRequest("import os\nblob = os.urandom(60_000_000)"), lambda ev: None)
+        await cb.checkpoint(m, path)
+        await cb.delete(m)
+        restoring = asyncio.ensure_future(cb.restore(path, "r", MachineSpec()))
+        while not list(store.glob("smolbench-agent-*/artifacts/.part-*")):  # the node receives it
+            assert not restoring.done()
+            await asyncio.sleep(0.002)
+        restoring.cancel()
+        assert (await asyncio.gather(restoring, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+        deadline = time.monotonic() + 8  # the old code's receive ends by then (the artifact it left)
+        while not (arts := list(store.glob("smolbench-agent-*/artifacts/[!.]*"))) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert arts == [] and (await node.agent.describe.remote())["live"] == []
+        os.unlink(path)
+
+    _on_the_node(process_node, test)

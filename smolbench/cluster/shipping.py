@@ -218,4 +218,18 @@ async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int
     import ray
 
     refs = [ray.put(block) for block in artifact.read_chunks(path)]
-    return int(await cb._call(node, node.agent.receive.remote(digest, size, refs)))
+    receiving = node.agent.receive.remote(digest, size, refs)
+    try:
+        return int(await cb._call(node, receiving))
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not node.lost:
+            # its caller left (Ctrl-C, a timeout): the node receives on, and nobody would drop it
+            with contextlib.suppress(Exception):
+                await _to_the_end(_drop_received(cb, node, receiving, digest))
+        raise
+
+
+async def _drop_received(cb: ClusterBackend, node: Node, receiving: Any, digest: str) -> None:
+    """Drop the artifact a receive call kept, once it ended (none if the node had it already)."""
+    if int(await cb._call(node, receiving)):
+        await cb._call(node, node.agent.forget.remote(digest))
