@@ -451,6 +451,48 @@ def test_a_local_clusters_node_whose_raylet_died_is_named_and_replaced(capsys: p
         assert sorted(n["Resources"][local.SLOTS] for n in live) == [3.0, 3.0]
 
 
+def test_a_smol_replica_cancelled_while_its_checkpoint_travels_leaves_no_artifact_on_the_node() -> None:
+    """Reproduced: the driver's cancel does not stop a node's fetch of a smol parent's portable
+    checkpoint from the parent's node, which then stayed in its store (up to the checkpoint
+    limit), unreferenced, until down. (Before the process_node tests: one Ray cluster per driver
+    at a time.)"""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
+    from smolbench.backends.base import CellRequest
+    from smolbench.cluster import local
+    from smolbench.cluster.agent import FAKE_SMOL
+    from smolbench.cluster.backend import ClusterBackend
+    from smolbench.spec import MachineSpec
+
+    with local.LocalCluster(2, slots=2, backends=["smol"], env={FAKE_SMOL: str(Path(__file__).parent)}) as c:
+        cb = ClusterBackend(c.address)
+        cb.start()
+        home, there = sorted(cb.nodes.values(), key=lambda n: n.id)
+
+        async def main() -> None:
+            try:
+                parent = await cb.create(MachineSpec(), "p", node_id=home.id)
+                await cb.exec_cell(parent, CellRequest("import os\nblob = os.urandom(60_000_000)"), lambda ev: None)
+                await shipping.export(cb, parent, ("p", 1))  # made on its node first: the fetch is what is cancelled
+                got = [sorted(d.glob("smolbench-agent-*/artifacts/[!.]*")) for d in c.node_dirs]
+                mine = [d for d, arts in zip(c.node_dirs, got) if not arts]
+                assert len(mine) == 1
+                making = asyncio.ensure_future(shipping.smol_replica(cb, parent, there, ("p", 1), "0" * 16))
+                while not list(mine[0].glob("smolbench-agent-*/artifacts/.part-*")):  # the node fetches it
+                    assert not making.done()
+                    await asyncio.sleep(0.002)
+                making.cancel()
+                assert (await asyncio.gather(making, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+                deadline = time.monotonic() + 8  # the old code's fetch ends by then (the artifact it left)
+                while not list(mine[0].glob("smolbench-agent-*/artifacts/[!.]*")) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert list(mine[0].glob("smolbench-agent-*/artifacts/*")) == [] and (await there.agent.describe.remote())["live"] == []
+            finally:
+                await cb.close()
+
+        asyncio.run(main())
+        assert machine_processes(c) == []
+
+
 @pytest.fixture(scope="module")
 def process_node() -> Iterator[Any]:
     """A local Ray cluster with one process node (its machines boot in well under a second)."""
@@ -625,3 +667,4 @@ def test_a_restore_cancelled_while_its_checkpoint_travels_leaves_no_artifact_on_
         os.unlink(path)
 
     _on_the_node(process_node, test)
+

@@ -62,8 +62,15 @@ async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: 
     home = cb._node_of(parent)
     t0 = time.perf_counter()
     art = await export(cb, parent, key)
-    shipped = await cb._call(node, node.agent.fetch.remote(home.agent, art["digest"], art["size"],
-                                                           f"node {_short(home.id)}"))
+    fetching = node.agent.fetch.remote(home.agent, art["digest"], art["size"], f"node {_short(home.id)}")
+    try:
+        shipped = await cb._call(node, fetching)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not node.lost:
+            # its caller left (Ctrl-C, a timeout): the node fetches on, and nobody would drop it
+            with contextlib.suppress(Exception):
+                await _to_the_end(_drop_received(cb, node, fetching, art["digest"]))
+        raise
     name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
     try:
         ref = await _restore_on(cb, node, art["digest"], name, parent.spec, replica=True)
@@ -230,6 +237,6 @@ async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int
 
 
 async def _drop_received(cb: ClusterBackend, node: Node, receiving: Any, digest: str) -> None:
-    """Drop the artifact a receive call kept, once it ended (none if the node had it already)."""
+    """Drop the artifact a receive (or fetch) call kept, once it ended (none if the node had it already)."""
     if int(await cb._call(node, receiving)):
         await cb._call(node, node.agent.forget.remote(digest))
