@@ -308,14 +308,12 @@ class ClusterBackend(Backend):
         node = self.nodes[node_id or placement.least_loaded(free)]
         node.live.add(name)  # counted while it boots
         try:
-            await self._batcher(node, "create").submit(name, spec).result()
-        except BaseException as exc:
+            # its caller gone, the node boots on (within the grace, or the boot ended first): its
+            # delete stops the boot or deletes what it made
+            async with shipping.undone_if_left(node, lambda: self._call(node, node.agent.delete.remote([name]))):
+                await self._batcher(node, "create").submit(name, spec).result()
+        except BaseException:
             node.live.discard(name)
-            if not isinstance(exc, Exception) and not node.lost:
-                # its caller left (Ctrl-C, a timeout): the node boots on (within the grace, or the boot
-                # ended first), and nobody here would delete it; its delete stops the boot or deletes it
-                with contextlib.suppress(Exception):
-                    await _to_the_end(self._call(node, node.agent.delete.remote([name])))
             raise
         return self._adopt(node, name, spec, None)
 
@@ -414,14 +412,11 @@ class ClusterBackend(Backend):
                 node.live.add(n)
             branching = node.agent.branch.remote(source.name, batch, bseeds)
             try:
-                got = await self._call(node, branching)
-            except BaseException as exc:
+                async with shipping.undone_if_left(node, lambda: shipping._undo(self, node, branching, *batch)):
+                    got = await self._call(node, branching)
+            except BaseException:
                 for n in batch:
                     node.live.discard(n)
-                if not isinstance(exc, Exception) and not node.lost:
-                    # its caller left (Ctrl-C, a timeout): the node forks on, and nobody would delete them
-                    with contextlib.suppress(Exception):
-                        await _to_the_end(shipping._undo(self, node, branching, *batch))
                 raise
             refs = [self._adopt(node, n, machine.spec, machine.name, source=source.name) for n in got]
             if source is not machine:

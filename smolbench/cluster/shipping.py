@@ -20,7 +20,7 @@ import os
 import tarfile
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .._aio import _to_the_end
@@ -63,14 +63,8 @@ async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: 
     t0 = time.perf_counter()
     art = await export(cb, parent, key)
     fetching = node.agent.fetch.remote(home.agent, art["digest"], art["size"], f"node {_short(home.id)}")
-    try:
+    async with undone_if_left(node, lambda: _drop_received(cb, node, fetching, art["digest"])):
         shipped = await cb._call(node, fetching)
-    except BaseException as exc:
-        if not isinstance(exc, Exception) and not node.lost:
-            # its caller left (Ctrl-C, a timeout): the node fetches on, and nobody would drop it
-            with contextlib.suppress(Exception):
-                await _to_the_end(_drop_received(cb, node, fetching, art["digest"]))
-        raise
     name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
     try:
         ref = await _restore_on(cb, node, art["digest"], name, parent.spec, replica=True)
@@ -97,13 +91,10 @@ async def _restore_on(cb: ClusterBackend, node: Node, digest: str, name: str, sp
     node.live.add(name)  # counted while it boots
     restoring = node.agent.restore.remote(digest, name, spec)
     try:
-        done = await cb._call(node, restoring)
-    except BaseException as exc:
+        async with undone_if_left(node, lambda: _undo(cb, node, restoring, name)):
+            done = await cb._call(node, restoring)
+    except BaseException:
         node.live.discard(name)
-        if not isinstance(exc, Exception) and not node.lost:
-            # its caller left (Ctrl-C, a timeout): the node restores on, and nobody would delete it
-            with contextlib.suppress(Exception):
-                await _to_the_end(_undo(cb, node, restoring, name))
         raise
     ref = cb._adopt(node, name, spec, None, **({"replica": True} if replica else {}))
     if done.get("warnings"):
@@ -140,6 +131,20 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
         with contextlib.suppress(SmolbenchError):
             await cb._call(node, node.agent.forget.remote(art["digest"]))
     return CheckpointInfo(path, cb.name, got, list(art["warnings"]))
+
+
+@contextlib.asynccontextmanager
+async def undone_if_left(node: Node, undo: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
+    """The block, and ``undo()`` to its end first if its caller leaves meanwhile (a Ctrl-C, a
+    timeout: not an error) while ``node`` is up: the node's call goes on without its caller,
+    and nobody else would undo what it makes (a machine, branches, an artifact)."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not node.lost:
+            with contextlib.suppress(Exception):
+                await _to_the_end(undo())
+        raise
 
 
 async def _undo(cb: ClusterBackend, node: Node, call: Any, *names: str) -> None:
@@ -226,14 +231,8 @@ async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int
 
     refs = [ray.put(block) for block in artifact.read_chunks(path)]
     receiving = node.agent.receive.remote(digest, size, refs)
-    try:
+    async with undone_if_left(node, lambda: _drop_received(cb, node, receiving, digest)):
         return int(await cb._call(node, receiving))
-    except BaseException as exc:
-        if not isinstance(exc, Exception) and not node.lost:
-            # its caller left (Ctrl-C, a timeout): the node receives on, and nobody would drop it
-            with contextlib.suppress(Exception):
-                await _to_the_end(_drop_received(cb, node, receiving, digest))
-        raise
 
 
 async def _drop_received(cb: ClusterBackend, node: Node, receiving: Any, digest: str) -> None:
