@@ -155,8 +155,8 @@ class AgentHostBackend(Backend):
             try:
                 limits, argv, guest_run, workdir = await asyncio.shield(prepared)
             except asyncio.CancelledError:
-                with contextlib.suppress(Exception):  # done before the machine is deleted below
-                    await prepared
+                with contextlib.suppress(Exception):  # done before the machine is deleted below (a second
+                    await _to_the_end(prepared)  # cancel too: its cgroups, made after the delete, stayed)
                 raise
             ref.info.update(guest_run=guest_run, workdir=workdir, socket=str(socket))
             from ._bwrap import weakened
@@ -199,7 +199,7 @@ class AgentHostBackend(Backend):
             ref.info["pid"] = proc.pid
             await self._wait_ready(ref, proc, ready)
         except BaseException:
-            await self.delete(ref)
+            await _to_the_end(self.delete(ref))  # a second cancel must not leave the machine half deleted
             raise
         return ref
 
@@ -484,15 +484,18 @@ class AgentHostBackend(Backend):
             maker = done.get("maker") if leaf else None
             if leaf and (not done.get("leaf") or type(maker) is not int):
                 raise gate.malformed(machine.name, "it did not make the leaf branches asked for")
-            limits = await cgroups
+            limits = await asyncio.shield(cgroups)  # cancelled, it would still make them, for no one to remove
         except BaseException:
-            if held is not None:
-                held.fork_headroom(0)
-            with contextlib.suppress(SmolbenchError, OSError):  # held children exit
-                await self._request(machine, {"op": "release", "go": False})
-            unused = await cgroups
-            for name in unused:
-                await asyncio.to_thread(self.limiter.release, name)
+            async def undo() -> None:
+                if held is not None:
+                    held.fork_headroom(0)
+                with contextlib.suppress(SmolbenchError, OSError):  # held children exit
+                    await self._request(machine, {"op": "release", "go": False})
+                unused = await cgroups
+                for name in unused:
+                    await asyncio.to_thread(self.limiter.release, name)
+
+            await _to_the_end(undo())  # a second cancel too: left held, with their cgroups, until down
             raise
         if done.get("flattened"):
             self.notes.append(f"a fork of {machine.name} flattened its file layers ({', '.join(done['flattened'])}): "
@@ -511,8 +514,12 @@ class AgentHostBackend(Backend):
             refs.append(ref)
         try:
             # The branches wait, each a bare fork: into their own cgroups, then let them start.
-            await asyncio.to_thread(self._limit_branches, machine, refs, limits, maker)
+            # (stopped: the moves end before the branches go)
+            await _to_the_end(asyncio.to_thread(self._limit_branches, machine, refs, limits, maker))
             await self._request(machine, {"op": "release", "go": True})
+        except BaseException:  # the caller never gets them: they go now, not at down
+            await _to_the_end(asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True))
+            raise
         finally:
             if held is not None:
                 held.fork_headroom(0)

@@ -113,8 +113,11 @@ async def spawn(argv: list[str], **options: Any) -> Spawned:
     try:
         return Spawned(await asyncio.shield(made))
     except asyncio.CancelledError:
+        while not made.done():  # a second cancel too: the process still starts, and must be killed
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({made})
         with contextlib.suppress(Exception):
-            raise Started(Spawned(await made)) from None
+            raise Started(Spawned(made.result())) from None
         raise
 
 

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._aio import _to_the_end
 from ..errors import BackendUnavailable, SmolbenchError
 from ..gate import ckptwrite
 from ..guest import leaves
@@ -123,19 +124,22 @@ class SandboxBackend(AgentHostBackend):
                     await starting
             raise
         ref.info["contained"] = self._contained
-        if self._contained and self._containment is None:
-            self._containment = await self.info(ref)
-        if self._net_proxied(spec):
-            try:
-                assert starting is not None
-                await starting
-                failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy, name)
-                if failed:
-                    raise OSError(failed[name])
-            except (OSError, asyncio.TimeoutError) as exc:
-                await self.delete(ref)
-                raise BackendUnavailable(f"the sandbox machine {name!r} can't get its network ({exc}): "
-                                         "`%smol up --net off` runs it without one") from None
+        try:
+            if self._contained and self._containment is None:
+                self._containment = await self.info(ref)
+            if self._net_proxied(spec):
+                try:
+                    assert starting is not None
+                    await starting
+                    failed = await self.proxy.attach([(name, ref.info["host_pid"])], spec.policy, name)
+                    if failed:
+                        raise OSError(failed[name])
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise BackendUnavailable(f"the sandbox machine {name!r} can't get its network ({exc}): "
+                                             "`%smol up --net off` runs it without one") from None
+        except BaseException:  # stopped or failed here: the caller never gets it, so it goes now
+            await _to_the_end(self.delete(ref))
+            raise
         return ref
 
     # -- the network: an own namespace always; out only through the egress proxy -----------------

@@ -1,0 +1,134 @@
+"""A create or a branch stopped, then stopped again while its cleanup runs (an impatient second
+Ctrl-C), on the sandbox backend: nothing of that machine may stay (its cgroups, run folder,
+processes), not even until `down`. Each second cancel lands at a fixed stage (hooks), where
+it landed before by chance."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gymhelpers import needs_bwrap
+
+from smolbench.backends import _procs
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.spec import MachineSpec
+
+pytestmark = needs_bwrap
+
+
+def _gone(pids: list[tuple[int, str]]) -> bool:
+    return not any(_procs.running(*p) for p in pids)
+
+
+def test_a_create_stopped_twice_leaves_nothing(tmp_path: Path) -> None:
+    """Stopped while it boots, then again as its delete starts: the delete finishes anyway.
+    It gave up at its first await, leaving the cgroups, the processes and the run folder
+    (the run folder even after down: the machine was no longer the backend's)."""
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        booting, seen = asyncio.Event(), dict[str, Any]()
+
+        async def hang(ref: Any, proc: Any, ready: Path) -> None:  # the first cancel lands here
+            seen.update(dirs=be.limiter.get(ref.name).dirs if be.limiter.get(ref.name) else [],
+                        run_dir=Path(ref.info["run_dir"]), procs=[(proc.pid, _procs.start_time(proc.pid))])
+            booting.set()
+            await asyncio.Event().wait()
+
+        be._wait_ready = hang  # type: ignore[method-assign]
+        delete = be.delete
+
+        async def delete_stopped(ref: Any) -> None:  # the second, as the cleanup starts
+            task.cancel()
+            await delete(ref)
+
+        be.delete = delete_stopped  # type: ignore[method-assign]
+        task = asyncio.ensure_future(be.create(MachineSpec(), "m"))
+        try:
+            await asyncio.wait_for(booting.wait(), 30)
+            seen["procs"] += _procs.descendants(seen["procs"][0][0])
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.2)  # a thread the old code left behind ends
+            assert be.limiter.get("m") is None and not any(d.exists() for d in seen["dirs"])
+            assert not seen["run_dir"].exists()
+            assert _gone(seen["procs"]), seen["procs"]
+            assert be.list() == []
+        finally:
+            await be.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stage", ["cgroups", "moves"])
+def test_a_branch_stopped_twice_leaves_nothing(tmp_path: Path, stage: str) -> None:
+    """Stopped once the agent forked: while the branches' cgroups are still being made
+    (``cgroups``; again as the held branches are told to exit), or while the branches are moved
+    into them (``moves``; again as they are deleted). The cgroups made after the cancel stayed
+    (it reached the thread's future, which the cleanup then no longer waited for), and the
+    branches stopped once they were the backend's stayed, alive and unknown to the caller,
+    until down."""
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        root = await be.create(MachineSpec(), "root")
+        names = ["root.0", "root.1"]
+        forked, seen = asyncio.Event(), dict[str, Any]()
+        loop = asyncio.get_running_loop()
+        make, limit, request, delete = be._make_cgroups, be._limit_branches, be._request, be.delete
+
+        def slow_cgroups(spec: MachineSpec, names: list[str]) -> dict[str, Any]:
+            if stage == "cgroups":
+                time.sleep(0.5)  # the first cancel lands at the wait for them
+            out = make(spec, names)
+            seen["dirs"] = [d for m in out.values() for d in m.dirs]
+            return out
+
+        def moves(parent: Any, refs: list[Any], limits: dict[str, Any], maker: int | None = None) -> None:
+            limit(parent, refs, limits, maker)
+            if stage == "moves":
+                loop.call_soon_threadsafe(forked.set)  # the first cancel lands at the wait for this
+                time.sleep(0.3)
+
+        async def requests(ref: Any, msg: dict[str, Any]) -> dict[str, Any]:
+            if msg["op"] == "release" and not msg["go"]:
+                task.cancel()  # the second, as the cleanup talks to the agent
+            out = await request(ref, msg)
+            if msg["op"] == "fork":
+                seen["procs"] = [(p, _procs.start_time(p)) for p, _ in _procs.descendants(root.info["host_pid"])
+                                 if p not in before_pids]
+                if stage == "cgroups":
+                    forked.set()
+            return out
+
+        async def deleted(ref: Any) -> None:
+            if ref.name in names:
+                task.cancel()  # the second, as the branches go
+            await delete(ref)
+
+        be._make_cgroups = slow_cgroups  # type: ignore[method-assign]
+        be._limit_branches = moves  # type: ignore[method-assign]
+        be._request = requests  # type: ignore[method-assign]
+        be.delete = deleted  # type: ignore[method-assign]
+        before = set(be.limiter._machines)
+        before_pids = {p for p, _ in _procs.descendants(root.info["host_pid"])}
+        task = asyncio.ensure_future(be.branch(root, names, [0, 1]))
+        try:
+            await asyncio.wait_for(forked.wait(), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(1.0)  # threads the old code left behind end
+            assert [r.name for r in be.list()] == ["root"]
+            assert set(be.limiter._machines) == before
+            assert seen["dirs"] and not any(d.exists() for d in seen["dirs"])
+            assert seen["procs"] and _gone(seen["procs"]), seen["procs"]
+        finally:
+            await be.close()
+
+    asyncio.run(main())
