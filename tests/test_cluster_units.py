@@ -531,10 +531,14 @@ def test_a_cluster_boot_whose_caller_left_within_the_grace_leaves_no_machine_on_
     from smolbench.spec import MachineSpec
 
     monkeypatch.setattr(batch, "GRACE", 60.0)  # a loaded host's boot may take 2 s: every boot ends within it
+    # one batch for the two: the batch waits (up to its turns) for both, placed on the node without a
+    # refresh each first (a loaded host's refreshes ended apart: two batches, and no boot left within one)
+    monkeypatch.setattr(batch, "SETTLE", 50)
+    monkeypatch.setattr(batch, "MAX_TURNS", 500)
 
     async def test(cb: Any, node: Any) -> None:
-        kept = asyncio.ensure_future(cb.create(MachineSpec(), "kept"))
-        left = asyncio.ensure_future(cb.create(MachineSpec(), "left"))
+        kept = asyncio.ensure_future(cb.create(MachineSpec(), "kept", node.id))
+        left = asyncio.ensure_future(cb.create(MachineSpec(), "left", node.id))
         while (await node.agent.describe.remote())["requests"].get("create", 0) < 2:  # the node boots both
             await asyncio.sleep(0.01)
         left.cancel()
