@@ -6,6 +6,9 @@ it landed before by chance."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,9 @@ import pytest
 from gymhelpers import needs_bwrap
 
 from smolbench.backends import _procs
+from smolbench.backends.base import CellRequest
 from smolbench.backends.sandbox import SandboxBackend
+from smolbench.errors import MachineBusy
 from smolbench.spec import MachineSpec
 
 pytestmark = needs_bwrap
@@ -128,6 +133,75 @@ def test_a_branch_stopped_twice_leaves_nothing(tmp_path: Path, stage: str) -> No
             assert set(be.limiter._machines) == before
             assert seen["dirs"] and not any(d.exists() for d in seen["dirs"])
             assert seen["procs"] and _gone(seen["procs"]), seen["procs"]
+        finally:
+            await be.close()
+
+    asyncio.run(main())
+
+
+# The root's agent stops in its fork (an at-fork hook on its main thread, which names the
+# thread so the test can see it there) until SIGUSR1.
+STALL_NEXT_FORK = '''
+import ctypes, os, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+_stalled = []
+def _stall():
+    if _stalled:
+        return
+    _stalled.append(1)
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, b"forkstalled", 0, 0, 0)
+    signal.sigtimedwait({signal.SIGUSR1}, 120)
+    libc.prctl(15, b"python3", 0, 0, 0)
+os.register_at_fork(before=_stall)
+'''
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_branch_stopped_while_its_parent_still_forks_leaves_no_held_children(tmp_path: Path, leaf: bool) -> None:
+    """Stopped once while the parent's agent is still in the fork: the cleanup's "release,
+    don't go" came before the fork ended, found nothing held, and the fork then held its
+    children for good: sleeping processes inside the parent, until its next fork or its end."""
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        root = await be.create(MachineSpec(), "root")
+        try:
+            res = await be.exec_cell(root, CellRequest(STALL_NEXT_FORK), lambda ev: None)
+            assert res.status == "ok", res.error
+            pid = root.info["host_pid"]
+            before = {p for p, _ in _procs.descendants(pid)}
+            task = asyncio.ensure_future(be.branch(root, ["root.0", "root.1"], [0, 1], leaf=leaf))
+
+            def stalled() -> int | None:
+                for p in [pid] + [p for p, _ in _procs.descendants(pid)]:
+                    with contextlib.suppress(OSError):
+                        if Path(f"/proc/{p}/comm").read_text().strip() == "forkstalled":
+                            return p
+                return None
+
+            deadline = time.monotonic() + 60
+            while (forking := stalled()) is None:
+                assert time.monotonic() < deadline and not task.done(), "the agent never reached its fork"
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # the fork goes on, for a host that has left (to that thread: another would take it)
+            assert ctypes.CDLL(None, use_errno=True).tgkill(forking, forking, signal.SIGUSR1) == 0
+            deadline = time.monotonic() + 60
+            while True:  # the parent serves on, once its fork has ended
+                try:
+                    res = await be.exec_cell(root, CellRequest("x = 1"), lambda ev: None)
+                    break
+                except MachineBusy:
+                    assert time.monotonic() < deadline, "the parent's fork never ended"
+                    await asyncio.sleep(0.05)
+            assert res.status == "ok", res.error
+            while (left := {p for p, _ in _procs.descendants(pid)} - before):
+                assert time.monotonic() < deadline, f"held children left in the parent: {sorted(left)}"
+                await asyncio.sleep(0.1)
+            assert [r.name for r in be.list()] == ["root"]
         finally:
             await be.close()
 

@@ -6,6 +6,8 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 import gc
 import os
 import queue
+import select
+import socket
 import sys
 import threading
 import time
@@ -103,8 +105,14 @@ class Branching:
         return done
 
     def _hold(self, fd, count):
-        """Keep the release end of held children (a fork before any release lets the last go: they exit)."""
-        old, self._held = getattr(self, "_held", None), (fd, count)
+        """Keep the release end of held children until the host's word (a fork before any
+        release lets the last go: they exit). A host that left while we forked (stopped: its
+        "don't go" came first and found nothing held) never sends it: they exit now."""
+        with self._held_lock:
+            if _asker_left(self._conn):
+                os.close(fd)
+                return
+            old, self._held = self._held, (fd, count)
         if old is not None:
             os.close(old[0])
 
@@ -113,7 +121,8 @@ class Branching:
         ``answer`` (the host's reply) goes just before they start: once they run, this thread
         shares the cores with all of them, and the reply waited its turn (a child whose word
         never comes exits: ``leaves.wait_release``)."""
-        held, self._held = getattr(self, "_held", None), None
+        with self._held_lock:
+            held, self._held = self._held, None
         try:
             if held is None:
                 return 0
@@ -142,7 +151,7 @@ class Branching:
         self.sock_path = child["socket"]
         self.children = {}
         self.leaf_counts = {}
-        self._held = None
+        self._held, self._held_lock = None, threading.Lock()
         self._forking, self._nproc_lock = 0, threading.Lock()  # the parent's may be held right now
         self._busy = threading.Lock()
         self._send_lock = threading.Lock()
@@ -238,3 +247,23 @@ def _wait_exited(pid, timeout):
             return
         time.sleep(0.002)
 
+
+def _asker_left(conn):
+    """Whether the host that sent this request has closed its end (it sends nothing after
+    its request's line, so anything to read is the end)."""
+    if conn is None:
+        return False
+    try:
+        poll = select.poll()
+        poll.register(conn, select.POLLIN | getattr(select, "POLLRDHUP", 0))
+        events = poll.poll(0)
+    except (OSError, ValueError):
+        return True
+    if not events:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -46,6 +46,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self.restored_reward = None  # (the value,) of a `reward` a restore brought back, until a cell sets one
         self.reward_restored_at_save = False  # the checkpoint restored had such a `reward` itself
         self._conn = None  # connection of the running request
+        self._held, self._held_lock = None, threading.Lock()  # a held fork's release end (branching.py)
         self._send_lock = threading.Lock()
         self._busy = threading.Lock()
         self._queue = queue.Queue()
