@@ -133,7 +133,8 @@ async def _in_time(work: Any, timeout: float | None, name: str) -> Any:
     try:
         return await asyncio.wait_for(work, timeout)
     except asyncio.TimeoutError:
-        raise NoAnswerInTime(f"machine {name} sent no answer within {timeout:g} s") from None
+        assert timeout is not None  # (it ran out)
+        raise NoAnswerInTime.after(name, timeout) from None
 
 
 def _ignore(event: Any) -> None:
