@@ -22,7 +22,7 @@ from .. import _loop
 from .. import retries as retry
 from ..backends._channel import Channel, ask_all, ask_now, askable_now
 from ..backends.base import MachineRef
-from ..errors import InfraError, NoAnswerInTime, SmolbenchError
+from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from . import answers, spaces
@@ -166,14 +166,13 @@ class Machines(WarmParent):
         """A :meth:`reset_now` whose answer was ``exc``: the env's own error in one line, or,
         its machine gone, the episode lost and the reset done again as :meth:`reset` does it."""
         ep = self.eps[i]
+        err = self._asked(ep, exc)  # what it stands for, as a step's or a reset's on the loop says it
+        if isinstance(err, OutOfTime):
+            raise await self._out_of_time(ep, "reset")
         if isinstance(exc, AnswerError):
-            err = GymError(f"{self._where(ep)}: {exc}")
             self._reset_ended(ep, err)
             raise err
-        if isinstance(exc, NoAnswerInTime):
-            raise await self._out_of_time(ep, "reset")
-        E.hang_up(ep)
-        await self._lost(ep, 1, str(exc))
+        await self._lost(ep, 1, str(exc))  # (hung up by _asked)
         return await self.reset(i, seed, options)
 
     def _reset_ended(self, ep: Episode, exc: BaseException) -> None:
