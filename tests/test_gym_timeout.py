@@ -45,6 +45,28 @@ def slow_to_build():  # a build longer than the timeout: the timeout is each res
     import time
     time.sleep(4)
     return gymnasium.make("CartPole-v1")
+
+class SlowRandomState(gymnasium.Wrapper):
+    """CartPole whose random state, after a reset with options {"rng": how}, takes ``how`` s to
+    read ("stall": for ever, "fail": it raises): what a fresh reset without a seed asks the
+    last episode's machine first; a reset with {"sleep": s} takes s s itself."""
+    rng_takes = 0
+    def reset(self, *, seed=None, options=None):
+        import time
+        options = options or {}
+        time.sleep(options.get("sleep", 0))
+        self.rng_takes = options.get("rng", 0)
+        return self.env.reset(seed=seed)
+    @property
+    def unwrapped(self):  # (the machine's rng request reads the state from here)
+        import time
+        if self.rng_takes == "fail":
+            raise RuntimeError("no random state today")
+        time.sleep(10**6 if self.rng_takes == "stall" else self.rng_takes)
+        return self.env.unwrapped
+
+def slow_rng_cartpole():
+    return SlowRandomState(gymnasium.make("CartPole-v1"))
 '''
 TIMEOUT = 3  # s: the envs' own calls take milliseconds, a loaded host's delays well under this
 STUCK_ONE = 2
@@ -138,6 +160,25 @@ def test_an_env_slower_to_build_than_the_timeout_is_built(bench: Workbench, rese
 def test_a_timeout_that_is_not_a_positive_number_is_one_line(bench: Workbench, bad: Any) -> None:
     with pytest.raises(SmolbenchError, match=r"^timeout should be a number of seconds above 0 \(or None: no limit\), got "):
         sgym.make_vec(sgym_cartpole, 2, session=bench, timeout=bad)
+    assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+def test_a_reset_whose_random_state_could_not_be_had_does_not_replay_the_last_episode(bench: Workbench) -> None:
+    """A fresh reset without a seed continues the random stream from the last episode's
+    machine; where that machine could not send it, the reset used the state the last episode
+    had started from, so the new episode began as the last one had (the same observation)."""
+    define(bench, STUCK)
+    env = sgym.make("slow_rng_cartpole", session=bench, timeout=TIMEOUT)
+    try:
+        env.reset(seed=0)
+        while not any(env.step(0)[2:4]):  # it ends: its random state comes with its last step
+            pass
+        last, _ = env.reset(options={"rng": "fail"})  # (from that state; its machine can't send its own)
+        obs, _ = env.reset()
+        assert not np.array_equal(obs, last), "the new episode replayed the last one's start"
+        assert env.observation_space.contains(obs)
+    finally:
+        env.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}
 
 

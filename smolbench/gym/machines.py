@@ -14,7 +14,6 @@ row (``record.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
@@ -44,8 +43,10 @@ class Machines(WarmParent):
         ep = self.eps[i]
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
-                with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
+                try:  # continue its random stream, as one env would
                     ep.rng = E.plain_rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
+                except SmolbenchError:  # not to be had: from the OS's entropy, as a new env's (the
+                    ep.rng = None  # state the last episode started from would begin it again)
             self.records.end(ep, "reset")
         req = self._reset_request(ep, seed, options)
 
