@@ -9,6 +9,7 @@ the others' steps untouched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,6 +161,41 @@ def test_an_env_slower_to_build_than_the_timeout_is_built(bench: Workbench, rese
 def test_a_timeout_that_is_not_a_positive_number_is_one_line(bench: Workbench, bad: Any) -> None:
     with pytest.raises(SmolbenchError, match=r"^timeout should be a number of seconds above 0 \(or None: no limit\), got "):
         sgym.make_vec(sgym_cartpole, 2, session=bench, timeout=bad)
+    assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+@pytest.mark.parametrize("rng_takes", ["stall", 0.6 * TIMEOUT], ids=["stalls", "slow"])
+def test_a_fresh_reset_s_requests_share_its_timeout(bench: Workbench, rng_takes: Any) -> None:
+    """A fresh reset without a seed asks the last episode's machine for its random state, then
+    the new machine for the reset. Each was bounded on its own, so with the last machine slow
+    to answer (here 0.6 of the timeout, or never) and a reset that takes 0.6 of it, the reset
+    came back after 1.2-1.6 times the timeout: up to twice what the user said. They share it
+    now; the reset fails in the timeout's line once both together take longer."""
+    define(bench, STUCK)
+    env = sgym.make("slow_rng_cartpole", session=bench, timeout=TIMEOUT)  # reset="fresh"
+    ref = gymnasium.make("CartPole-v1")
+    try:
+        env.reset(seed=0, options={"rng": rng_takes})
+        last = env.machine
+        started = time.monotonic()
+        with pytest.raises(SmolbenchError, match=rf"^the env \(machine ([^)]+)\): the reset took longer than {TIMEOUT} s "
+                                                 r"\(timeout=3\): its machine is deleted; reset\(\) starts a new episode$") as err:
+            env.reset(options={"sleep": 0.6 * TIMEOUT})
+        took = time.monotonic() - started
+        # not before its timeout, and well before twice it (the old reset's 1.6x, had it failed)
+        assert TIMEOUT - 0.05 <= took < 2 * TIMEOUT - 0.5, took
+        named = err.value.args[0].split("(machine ", 1)[1].split(")", 1)[0]
+        # a last machine that never answers is the one out of time; else the reset was, with what was left
+        assert (named == last) == (rng_takes == "stall"), (named, last)
+        obs, _ = env.reset(seed=5)  # the next reset works, in a new machine
+        np.testing.assert_array_equal(obs, ref.reset(seed=5)[0])
+        env.step(0)
+        timed_out = [r for r in bench.ledger.node_rows(bench.session)
+                     if r["run_id"] == env._m.run_id and r["status"] == "timeout"]
+        assert len(timed_out) == 1 and "the reset took longer" in timed_out[0]["error"], timed_out
+    finally:
+        env.close()
+        ref.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}
 
 

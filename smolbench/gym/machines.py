@@ -28,7 +28,7 @@ from . import answers, spaces
 from . import episode as E
 from .episode import UNSENT, Episode, GymError, Later, OutOfTime, Reset, Step, Unanswered, _where
 from .record import quietly
-from .requests import RESET_LINE
+from .requests import RESET_LINE, Budget
 from .warmparent import WarmParent
 
 
@@ -41,10 +41,15 @@ class Machines(WarmParent):
         """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine
         (``sent``: the answer its first attempt got in a step's batch, see :meth:`steps_now`)."""
         ep = self.eps[i]
+        budget = Budget(self.timeout)  # its requests share the env's timeout: a reset is answered within it
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
                 try:  # continue its random stream, as one env would
-                    ep.rng = E.plain_rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
+                    rng = self._request(ep, "rng", "_smolgym_out = _smolgym.rng()", budget.left)
+                    ep.rng = E.plain_rng(await budget.spend(rng))
+                except OutOfTime:  # the last machine took the reset's whole timeout (it is deleted)
+                    ep.rng = None
+                    raise await self._out_of_time(ep, "reset") from None
                 except SmolbenchError:  # not to be had: from the OS's entropy, as a new env's (the
                     ep.rng = None  # state the last episode started from would begin it again)
             self.records.end(ep, "reset")
@@ -83,10 +88,11 @@ class Machines(WarmParent):
             global_seed = self._begin(ep, seed)
             try:
                 if ep.chan is not None:  # the machine is seeded first, as for a cell
-                    return await self._ask(ep, {"op": "reset", "r": req, "seed": global_seed})
+                    return await budget.spend(self._ask(ep, {"op": "reset", "r": req, "seed": global_seed}, budget.left))
                 if self.channels:
-                    return await self._serve(ep, req, global_seed)
-                return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
+                    return await budget.spend(self._serve(ep, req, global_seed, left=budget.left))
+                return await budget.spend(self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed,
+                                                     left=budget.left))
             except Unanswered as exc:
                 if await self._alive(ep):
                     raise
