@@ -9,8 +9,10 @@ the others' steps untouched.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import gymnasium
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 from test_gym_death import gone, machine_procs
+from test_session import BACKENDS, Script
 
 import smolbench.gym as sgym
 from smolbench import SmolbenchError
@@ -216,6 +219,35 @@ def test_a_reset_whose_random_state_could_not_be_had_does_not_replay_the_last_ep
     finally:
         env.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_stuck_in_a_plain_script_fails_in_one_line_and_leaves_nothing_behind(tmp_path: Path, backend: str) -> None:
+    """``timeout=`` from a training script (``python train.py``, not a kernel or pytest): the
+    stuck step is one line, the env goes on, and the script's end leaves no process, run
+    folder or cgroup (the stuck machine's spinning env included)."""
+    script = Script(tmp_path, f"""\
+import smolbench, smolbench.gym
+with smolbench.Session(backend={backend!r}, ledger="ledger.db") as s:
+    s.run({STUCK!r})
+    env = smolbench.gym.make("stuck_cartpole", session=s, timeout={TIMEOUT})
+    env.reset(seed=0)
+    try:
+        env.step(1)  # never ends in the machine
+    except smolbench.SmolbenchError as exc:
+        print(type(exc).__name__ + ":", exc, flush=True)
+    env.reset(seed=1)
+    env.step(0)
+    print("went on", flush=True)
+""")
+    code, out, err = script.finish()
+    assert code == 0, out + err
+    said = [line for line in out.splitlines() if line != "went on"]
+    assert len(said) == 1 and re.fullmatch(rf"GymError: the env \(machine [^)]+\): the step took longer than {TIMEOUT} s "
+                                           rf"\(timeout={TIMEOUT}\): its machine is deleted; reset\(\) starts a new episode",
+                                           said[0]), out + err
+    assert out.splitlines()[-1] == "went on", out + err
+    assert script.leftovers() == ([], [], [])
 
 
 def sgym_cartpole() -> Any:
