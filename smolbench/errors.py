@@ -41,8 +41,14 @@ class MachineBusy(SmolbenchError):
 
 
 class NoAnswerInTime(SmolbenchError):
-    """A request on a kept connection had no answer within its timeout: the connection is cut
-    (what the machine does with the request is unknown, so its user deletes the machine)."""
+    """A request (on a kept connection, or a gym env's cell) had no answer within its timeout:
+    a connection is cut (what the machine does with the request is unknown, so its user
+    deletes the machine)."""
+
+    @classmethod
+    def after(cls, machine: str, timeout: float) -> NoAnswerInTime:
+        """Its one line for ``machine``'s request unanswered after ``timeout`` s (both kinds say it here)."""
+        return cls(f"machine {machine} sent no answer within {timeout:g} s")
 
 
 class RemoteError(Exception):

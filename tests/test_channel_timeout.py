@@ -24,6 +24,7 @@ from smolbench.backends.base import CellRequest
 from smolbench.errors import NoAnswerInTime
 from smolbench.guest import protocol as P
 from smolbench.guest import pulldata
+from smolbench.gym.requests import _in_time
 
 ANSWER = P.encode({"t": "answer", "value": pulldata._pull(7, False)})
 TIMEOUT = 1.0
@@ -101,6 +102,7 @@ def test_a_machine_that_keeps_bytes_coming_is_cut_at_the_timeout_on_the_caller_s
     got = ask_now([chan], [b'{"op":"step"}\n'])
     t.join(LATE + 10)
     assert got is not None and isinstance(got[0], NoAnswerInTime), got
+    assert str(got[0]) == "machine m sent no answer within 1 s"
     assert chan.closed  # its late answer can't pass for the next request's
 
 
@@ -110,6 +112,7 @@ def test_an_answer_past_the_timeout_is_cut_on_the_loop(pair: tuple[Channel, sock
     got = _loop.run(ask_all([chan], [b'{"op":"step"}\n']))
     t.join(LATE + 10)
     assert isinstance(got[0], NoAnswerInTime), got
+    assert str(got[0]) == "machine m sent no answer within 1 s"
     assert chan.closed
 
 
@@ -124,3 +127,10 @@ def test_an_answer_in_time_is_taken(pair: tuple[Channel, socket.socket], monkeyp
     threading.Thread(target=answer, daemon=True).start()
     got = ask_now([chan], [b'{"op":"step"}\n'])
     assert got == [7] and not chan.closed
+
+
+def test_a_cell_past_the_timeout_says_the_same_line() -> None:
+    """A gym env's request as a cell (no kept connection) says what a channel says."""
+    with pytest.raises(NoAnswerInTime) as err:
+        _loop.run(_in_time(asyncio.sleep(60), TIMEOUT, "m"))
+    assert str(err.value) == "machine m sent no answer within 1 s"

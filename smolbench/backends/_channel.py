@@ -117,19 +117,22 @@ class Channel(asyncio.Protocol):
 
             self._wake = wake
             self._unhold()
+            limit = self.timeout
             try:
-                await asyncio.wait_for(waiter, self.timeout)
+                await asyncio.wait_for(waiter, limit)
             except asyncio.TimeoutError:
-                self._late()
+                assert limit is not None  # (it ran out)
+                self._late(limit)
             finally:
                 self._wake = None
         self._hold()
         return self._take()
 
-    def _late(self) -> None:
-        """No answer within :attr:`timeout`: cut, so a late answer can't pass for the next request's."""
+    def _late(self, limit: float) -> None:
+        """No answer within ``limit`` s (its wait's timeout): cut, so a late answer can't pass
+        for the next request's."""
         if not self._ready:
-            self._cut(NoAnswerInTime(f"machine {self.where} sent no answer within {self.timeout:g} s"))
+            self._cut(NoAnswerInTime.after(self.where, limit))
 
     def _take(self) -> Any:
         out = self._ready.popleft()
@@ -223,11 +226,13 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
         for i in left:
             chans[i]._wake = one
             chans[i]._unhold()
+        limit = _timeout(chans)
         try:
-            await asyncio.wait_for(done, _timeout(chans))
+            await asyncio.wait_for(done, limit)
         except asyncio.TimeoutError:
+            assert limit is not None  # (it ran out)
             for i in left:
-                chans[i]._late()
+                chans[i]._late(limit)
         except BaseException:  # cancelled (e.g. KeyboardInterrupt): no answer may pass for a later request
             _abandon(chans, [i for i in waiting if not chans[i]._ready])
             raise
@@ -294,8 +299,9 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
                 poll.modify(chan._fd, _IN | _OUT)
         while left:
             if deadline is not None and time.monotonic() >= deadline:  # checked on every pass: a machine
-                for i in left.values():  # trickling bytes of an answer it never ends keeps the poll busy
-                    chans[i]._late()
+                assert limit is not None  # trickling bytes of an answer it never ends keeps the poll busy
+                for i in left.values():
+                    chans[i]._late(limit)
                 break
             wait = None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000) + 1
             for fd, ev in poll.poll(wait):

@@ -14,7 +14,6 @@ row (``record.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
@@ -22,14 +21,14 @@ from .. import _loop
 from .. import retries as retry
 from ..backends._channel import Channel, ask_all, ask_now, askable_now
 from ..backends.base import MachineRef
-from ..errors import InfraError, NoAnswerInTime, SmolbenchError
+from ..errors import InfraError, SmolbenchError
 from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from . import answers, spaces
 from . import episode as E
 from .episode import UNSENT, Episode, GymError, Later, OutOfTime, Reset, Step, Unanswered, _where
 from .record import quietly
-from .requests import RESET_LINE
+from .requests import RESET_LINE, Budget
 from .warmparent import WarmParent
 
 
@@ -42,10 +41,17 @@ class Machines(WarmParent):
         """Reset sub-env ``i``: in a new branch of the warm parent (fresh) or in its machine
         (``sent``: the answer its first attempt got in a step's batch, see :meth:`steps_now`)."""
         ep = self.eps[i]
+        budget = Budget(self.timeout)  # its requests share the env's timeout: a reset is answered within it
         if ep.running:
             if self.mode == "fresh" and seed is None and ep.ref is not None:
-                with contextlib.suppress(SmolbenchError):  # continue its random stream, as one env would
-                    ep.rng = E.plain_rng(await self._request(ep, "rng", "_smolgym_out = _smolgym.rng()"))
+                try:  # continue its random stream, as one env would
+                    rng = self._request(ep, "rng", "_smolgym_out = _smolgym.rng()", budget.left)
+                    ep.rng = E.plain_rng(await budget.spend(rng))
+                except OutOfTime:  # the last machine took the reset's whole timeout (it is deleted)
+                    ep.rng = None
+                    raise await self._out_of_time(ep, "reset") from None
+                except SmolbenchError:  # not to be had: from the OS's entropy, as a new env's (the
+                    ep.rng = None  # state the last episode started from would begin it again)
             self.records.end(ep, "reset")
         req = self._reset_request(ep, seed, options)
 
@@ -82,10 +88,11 @@ class Machines(WarmParent):
             global_seed = self._begin(ep, seed)
             try:
                 if ep.chan is not None:  # the machine is seeded first, as for a cell
-                    return await self._ask(ep, {"op": "reset", "r": req, "seed": global_seed})
+                    return await budget.spend(self._ask(ep, {"op": "reset", "r": req, "seed": global_seed}, budget.left))
                 if self.channels:
-                    return await self._serve(ep, req, global_seed)
-                return await self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed)
+                    return await budget.spend(self._serve(ep, req, global_seed, left=budget.left))
+                return await budget.spend(self._call(ep, f"_smolgym_out = _smolgym.reset({req!r})", seed=global_seed,
+                                                     left=budget.left))
             except Unanswered as exc:
                 if await self._alive(ep):
                     raise
@@ -166,14 +173,13 @@ class Machines(WarmParent):
         """A :meth:`reset_now` whose answer was ``exc``: the env's own error in one line, or,
         its machine gone, the episode lost and the reset done again as :meth:`reset` does it."""
         ep = self.eps[i]
+        err = self._asked(ep, exc)  # what it stands for, as a step's or a reset's on the loop says it
+        if isinstance(err, OutOfTime):
+            raise await self._out_of_time(ep, "reset")
         if isinstance(exc, AnswerError):
-            err = GymError(f"{self._where(ep)}: {exc}")
             self._reset_ended(ep, err)
             raise err
-        if isinstance(exc, NoAnswerInTime):
-            raise await self._out_of_time(ep, "reset")
-        E.hang_up(ep)
-        await self._lost(ep, 1, str(exc))
+        await self._lost(ep, 1, str(exc))  # (hung up by _asked)
         return await self.reset(i, seed, options)
 
     def _reset_ended(self, ep: Episode, exc: BaseException) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gymnasium import spaces as S
 
@@ -26,6 +28,25 @@ if TYPE_CHECKING:
     from ..workbench import Workbench
 
 RESET_LINE = P.encode({"op": "reset", "r": json.dumps({"seed": None, "rng": None, "options": None}), "seed": None})
+T = TypeVar("T")
+
+
+class Budget:
+    """What is left of the env's timeout for one reset's requests, which share it (a fresh
+    reset's request for the last episode's random state, then its reset): the time the
+    machines take to answer them, not the time smolbench takes to make a machine."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.left = timeout  # s (None: no limit)
+
+    async def spend(self, work: Awaitable[T]) -> T:
+        """``work`` (a request given :attr:`left`), its time taken from what is left."""
+        start = time.monotonic()
+        try:
+            return await work
+        finally:
+            if self.left is not None:
+                self.left = max(0.0, self.left - (time.monotonic() - start))
 
 
 class Requests:
@@ -37,9 +58,10 @@ class Requests:
     timeout: float | None  # s a machine may take to answer one reset or step (None: as long as it takes)
 
     async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
-                    seed: int | None = None, bounded: bool = True) -> Any:
+                    seed: int | None = None, bounded: bool = True, left: float | None = None) -> Any:
         """One request to ``ep``'s machine; its pulled result (data, checked by the gate).
-        ``bounded``: within the env's timeout (a reset's or step's; the env's build is not)."""
+        ``bounded``: within the env's timeout (a reset's or step's; the env's build is not),
+        or ``left`` s (what a reset's earlier request left of it)."""
         ref = ep.ref
         assert ref is not None
         ep.cells += 1
@@ -47,7 +69,7 @@ class Requests:
         where = _where(ep.index, self.n, ep)
         try:
             res = await E.when_free(lambda: _in_time(self.wb.backend.exec_cell(ref, req, _ignore),
-                                                     self.timeout if bounded else None, ref.name))
+                                                     self._limit(left) if bounded else None, ref.name))
         except InfraError:
             raise
         except NoAnswerInTime as exc:
@@ -62,9 +84,10 @@ class Requests:
         return hasattr(self.wb.backend, "open_channel")
 
     async def _serve(self, ep: Episode, reset: str | None, seed: int | None, pages: str | None = None,
-                     learn: bool = False) -> Any:
+                     learn: bool = False, left: float | None = None) -> Any:
         """Start ``ep``'s serving cell with its episode's reset (None: it waits for one, having
-        taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer."""
+        taken ``pages`` ahead, or noting its own with ``learn``); the reset's answer (within
+        ``left`` s, if a reset's earlier request left less than the env's timeout)."""
         ref = ep.ref
         assert ref is not None
         ep.cells += 1
@@ -76,7 +99,7 @@ class Requests:
             E.hang_up(ep)
             ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
             # a reset's answer is bounded by the env's timeout; a spare's warming (no reset) is not
-            chan.timeout = self.timeout if reset is not None else None
+            chan.timeout = self._limit(left) if reset is not None else None
             got = await chan.answer()
             chan.timeout = self.timeout  # every request on it from here is a reset or a step
             return got
@@ -86,23 +109,35 @@ class Requests:
             E.hang_up(ep)
             raise E.failed(exc, where) from None
 
-    async def _ask(self, ep: Episode, msg: dict[str, Any]) -> Any:
-        """One request on ``ep``'s channel; its answer (data, checked by the gate)."""
-        assert ep.chan is not None
+    async def _ask(self, ep: Episode, msg: dict[str, Any], left: float | None = None) -> Any:
+        """One request on ``ep``'s channel; its answer (data, checked by the gate), within
+        ``left`` s if a reset's earlier request left less than the env's timeout."""
+        chan = ep.chan
+        assert chan is not None
         where = _where(ep.index, self.n, ep)
+        kept = chan.timeout
+        if left is not None:
+            chan.timeout = left
         try:
-            return await ep.chan.ask(msg)
+            return await chan.ask(msg)
         except AnswerError as exc:
             raise GymError(f"{where}: {exc}") from None
         except BaseException as exc:
             E.hang_up(ep)
             raise E.failed(exc, where) from None
+        finally:
+            chan.timeout = kept
 
-    async def _request(self, ep: Episode, op: str, cell: str, **fields: Any) -> Any:
-        """``op`` on ``ep``'s machine: on its channel if one is open, else as the one-line ``cell``."""
+    async def _request(self, ep: Episode, op: str, cell: str, left: float | None = None, **fields: Any) -> Any:
+        """``op`` on ``ep``'s machine (within ``left`` s, as :meth:`_ask`): on its channel if
+        one is open, else as the one-line ``cell``."""
         if ep.chan is not None:
-            return await self._ask(ep, {"op": op, **fields})
-        return await self._call(ep, cell)
+            return await self._ask(ep, {"op": op, **fields}, left)
+        return await self._call(ep, cell, left=left)
+
+    def _limit(self, left: float | None) -> float | None:
+        """A reset's or step's request's timeout: the env's, or ``left`` of it."""
+        return self.timeout if left is None else left
 
     def _action_line(self, action: Any) -> bytes:
         """A step request as its JSON line (a Discrete action's without building a dict)."""
@@ -133,7 +168,8 @@ async def _in_time(work: Any, timeout: float | None, name: str) -> Any:
     try:
         return await asyncio.wait_for(work, timeout)
     except asyncio.TimeoutError:
-        raise NoAnswerInTime(f"machine {name} sent no answer within {timeout:g} s") from None
+        assert timeout is not None  # (it ran out)
+        raise NoAnswerInTime.after(name, timeout) from None
 
 
 def _ignore(event: Any) -> None:
