@@ -88,3 +88,24 @@ def test_a_replay_of_a_restored_machine_s_branch_reports_what_it_did(open_tmp: P
         assert s.workbench is not None
         said = _block(s.workbench.replay(branch, lambda *_: None))
         assert said["reward"] is None and said["match"], said["message"]
+
+
+def test_a_cell_that_fails_before_it_sets_reward_leaves_the_restored_one_not_its_own(open_tmp: Path) -> None:
+    """A cell that would set `reward` but fails before it does: the restored value is still not
+    the machine's. It was taken for set as soon as the cell's code named it, before it ran:
+    a branch that failed reported the checkpoint's reward as its own."""
+    import smolbench
+
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / ".smolbench" / "ledger.db") as s:
+        s.run("reward = 42.0").raise_for_error()
+        s.checkpoint_save("r42")
+        assert s.checkpoint_restore("r42") == "r1-r42"
+        failed = s.run("1 / 0\nreward = 3.0")
+        assert not failed.ok and failed.reward is None
+        assert s.run("y = 1").reward is None  # still the restored one, not this machine's
+        fork = s.fork(2, "if SEED == 0:\n    raise ValueError('boom')\nreward = SEED", seeds=[0, 1], keep="all",
+                      allow_errors=True)
+        by_seed = {r["seed"]: r for r in fork.rows.values()}
+        assert by_seed[0]["status"] == "error" and by_seed[0]["reward"] is None, by_seed[0]
+        assert by_seed[1]["reward"] == 1.0
+        assert s.run("reward = 42.0\n1 / 0").reward == 42.0  # set (to another object), then failed: its own

@@ -97,16 +97,17 @@ class Cells:
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         tree = ast.parse(transform(code), filename, "exec")  # %pip / !pip lines; the cache above keeps what was typed
-        if self.restored_reward is not None and _binds(tree, "reward"):
-            self.restored_reward = None  # set here, even to the value restored (45 is 45)
-        last = None
+        sets_reward = self.restored_reward is not None and _binds(tree, "reward")
+        last, value = None, None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
         if tree.body:
             exec(compile(tree, filename, "exec"), self.ns)
         if last is not None:
-            return eval(compile(last, filename, "eval"), self.ns)
-        return None
+            value = eval(compile(last, filename, "eval"), self.ns)
+        if sets_reward:  # it ran to its end: set here, even to the value restored (45 is 45); a
+            self.restored_reward = None  # cell that failed first set one only if it changed (see below)
+        return value
 
     def _reward_and_metrics(self):
         # As on a fresh machine, a reward is the `reward` this machine's cells set (or report()):
