@@ -80,3 +80,5 @@ async def _stoppable_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) 
         if not work.done():
             stop.set()
             await _to_the_end(asyncio.wait({work}))
+        if not work.cancelled():
+            work.exception()  # read: a stopped work's own error is not news (nor a traceback on the screen)

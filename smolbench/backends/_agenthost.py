@@ -562,7 +562,13 @@ class AgentHostBackend(Backend):
         run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         held = -1
         try:  # the stage goes on every path, even when the machine fails to save
-            done = await self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"})
+            saving = asyncio.ensure_future(
+                self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"}))
+            try:
+                done = await asyncio.shield(saving)
+            except asyncio.CancelledError:  # the machine stops its save too, and is free before we go on
+                await _to_the_end(self._stop_request(machine, saving))
+                raise
             held = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             ckptpaths.hold_part(held)  # a sweep by another kernel leaves it while it is written
             # The machine made every path in the stage: the gate reads them without following links
@@ -578,6 +584,18 @@ class AgentHostBackend(Backend):
                 os.close(held)
         warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
+
+    async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
+        """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
+        its answer, so its next request does not find it busy; past that, hang up."""
+        if not request.done():
+            with contextlib.suppress(SmolbenchError, OSError):
+                await asyncio.wait_for(self._request(machine, {"op": "interrupt"}), gate.LIMITS.grace)
+            await asyncio.wait({request}, timeout=gate.LIMITS.grace)
+        if not request.done():
+            request.cancel()
+        with contextlib.suppress(BaseException):  # its end (an interrupted save's error) is not news
+            await request
 
     async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
         """``_request``, but a machine the kernel killed for memory meanwhile says so (MachineLost)."""

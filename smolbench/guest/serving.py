@@ -233,6 +233,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                         self.restored_as_saved()
                     done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
+                    self._running = True  # an interrupt stops it (the host removes what it wrote)
                     done = self.save(req["path"])
                 elif op == "load":
                     done = self.load(req["path"])
