@@ -234,7 +234,10 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                     done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
                     self._running = True  # an interrupt stops it (the host removes what it wrote)
-                    done = self.save(req["path"])
+                    try:
+                        done = self.save(req["path"])
+                    finally:  # here, as a cell does: a late interrupt lands within this request
+                        self._running = False
                 elif op == "load":
                     done = self.load(req["path"])
             except KeyboardInterrupt:
