@@ -484,38 +484,54 @@ class Session:
         checked first; a file from elsewhere is restored only on an isolating backend). With
         nothing up, it first brings up a machine of the backend the checkpoint was made on (as
         ``%smol checkpoint restore`` does), and takes it down again if the restore fails."""
-        what = _restorable(name_or_path)
-        started = self._up_for(what)
+        return self._restored(self._restore(_restorable(name_or_path)))
+
+    def _restore(self, what: str, up: Callable[[], object] | None = None,
+                 told: Callable[[str, bool], None] | None = None) -> str:
+        """The one restore, :meth:`checkpoint_restore`'s and ``%smol checkpoint restore``'s; the
+        restored node's id. With nothing up, ``up()`` (default :meth:`up`) first brings up a
+        machine of the checkpoint's backend. If the restore then fails (an error, or a Ctrl-C,
+        even one landing as that up comes back), that machine is taken down again: never a
+        machine that was up before (the backend deletes the one it was restoring into).
+        ``told(line, gone)`` (default: a notice) hears how that take-down went."""
+        started = not self.is_up
         try:
+            if started:
+                with self._backend_for(what):
+                    (up or self.up)()
             wb = self._wb()
-            return self._restored(wb, _block(wb.checkpoint_restore(what)).id)
+            return _block(wb.checkpoint_restore(what)).id
         except BaseException:
             if started:
-                self.down()
+                try:
+                    took: int | Exception = self.down()
+                except Exception as exc:  # the restore's own error is the one raised: this goes beside it
+                    took = exc
+                _taken_back(took, told or self._notice)
             raise
 
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
-        """:meth:`checkpoint_restore` from an asyncio loop."""
+        """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
         what = _restorable(name_or_path)
         started = not self.is_up
-        if started:
-            with self._backend_for(what):
-                await self.aup()
         try:
+            if started:
+                with self._backend_for(what):
+                    await self.aup()
             wb = self._wb()
-            return self._restored(wb, (await _bridge(wb.checkpoint_restore(what))).id)
+            node = (await _bridge(wb.checkpoint_restore(what))).id
         except BaseException:
             if started:
-                await self.adown()
+                try:
+                    took: int | Exception = await self.adown()
+                except Exception as exc:
+                    took = exc
+                _taken_back(took, self._notice)
             raise
+        return self._restored(node, wb)
 
-    def _up_for(self, checkpoint: str) -> bool:
-        """Bring this session up for restoring ``checkpoint`` when nothing is up; whether it did."""
-        if self.is_up:
-            return False
-        with self._backend_for(checkpoint):
-            self.up()
-        return True
+    def _notice(self, line: str, gone: bool) -> None:
+        self.on_notice(line)
 
     @contextlib.contextmanager
     def _backend_for(self, checkpoint: str) -> Iterator[None]:
@@ -537,7 +553,8 @@ class Session:
         finally:
             self.backend_kind = asked
 
-    def _restored(self, wb: Workbench, node: str) -> str:
+    def _restored(self, node: str, wb: Workbench | None = None) -> str:
+        wb = wb or self._wb()
         for note in getattr(wb, "restore_notes", []):
             self.on_notice(f"smolbench: {note}")
         for warning in wb.machines[node].info.get("restore_warnings", []):
@@ -555,6 +572,16 @@ class Session:
     def ledger(self) -> Any:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
+
+
+def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
+    """What a failed restore's take-down of the machine brought up for it says: ``took`` is how
+    many machines went (none: the up itself had failed, and deleted its own), or its error."""
+    if isinstance(took, Exception):
+        told(f"smolbench: taking down the machine brought up for it failed too ({type(took).__name__}: {took}): "
+             "`%smol down` (or Session.down()) deletes what is left", False)
+    elif took:
+        told("smolbench: took down the machine brought up for it", True)
 
 
 # -- results --------------------------------------------------------------------------------

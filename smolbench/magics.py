@@ -127,10 +127,10 @@ class SmolMagics(Magics):
             wb = self.session.workbench
             assert wb is not None
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
-        session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
-                          image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
-                          retries=args.retries,
-                          on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
+        self._boot(_session_of(args))
+
+    def _boot(self, session: Session) -> None:
+        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so."""
         wb = session.build(announce=lambda msg: print(msg, flush=True))
         if session.fallback:
             print(session.fallback)
@@ -164,6 +164,31 @@ class SmolMagics(Magics):
                   f"root on node {str(wb.machines['root'].info.get('node'))[:8]}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
+
+    def _restore(self, name: str) -> None:
+        """``%smol checkpoint restore NAME``: the Session's restore (nothing up: a machine as
+        `%smol up` brings one up, of the checkpoint's backend, taken down again if it fails)."""
+        up_now = self.session is not None and self.session.is_up
+        session = self.session if up_now and self.session is not None else _session_of(parse_argstring(_up_args, ""))
+
+        def up() -> None:  # inside the Session's take-down: a Ctrl-C as its lines show takes it down too
+            print(f"smolbench: nothing is up: bringing up a {session.backend_kind} machine for this checkpoint")
+            self._boot(session)
+
+        def told(line: str, gone: bool) -> None:
+            if gone:
+                self._close_views()
+            print(line, file=sys.stdout if gone else sys.stderr)
+
+        node = session._restore(name, up, told)
+        wb = session.workbench
+        assert wb is not None
+        for note in wb.restore_notes:
+            print(f"smolbench: {note}")
+        info = wb.machines[node].info
+        print(f"smolbench: restored {info.get('restored_from', wb.tree[node].checkpoint)} as {node} (now active)")
+        for w in info.get("restore_warnings", []):
+            print(f"smolbench: warning: {w}", file=sys.stderr)
 
     def _publish(self, wb: Any) -> None:
         """Tell the Jupyter server's smolbench panel about this workbench's machines."""
@@ -260,27 +285,7 @@ class SmolMagics(Magics):
         if args.action == "restore":
             if not args.name:
                 raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME (or PATH.smolcheckpoint)")
-            started = self.workbench is None or not self.workbench.machines
-            if started:  # brought up as the checkpoint was made
-                backend = self._shelf().backend_for(args.name)
-                print(f"smolbench: nothing is up: bringing up a {backend} machine for this checkpoint")
-                self._do_up(f"--backend {backend}")
-            wb = self._wb()
-            try:
-                node = _loop.run(wb.checkpoint_restore(args.name))
-            except BaseException:
-                if started and self.session is not None:  # not left idle: it was up only for this restore
-                    with contextlib.suppress(Exception):
-                        self.session.down()
-                        self._close_views()
-                        print("smolbench: took down the machine brought up for it")
-                raise
-            for note in wb.restore_notes:
-                print(f"smolbench: {note}")
-            info = wb.machines[node.id].info
-            print(f"smolbench: restored {info.get('restored_from', node.checkpoint)} as {node.id} (now active)")
-            for w in info.get("restore_warnings", []):
-                print(f"smolbench: warning: {w}", file=sys.stderr)
+            self._restore(args.name)
             return None
         if args.action in ("rm", "export") and not args.name:
             raise UsageError(f"name the checkpoint: %smol checkpoint {args.action} NAME" + (" PATH" if args.action == "export" else ""))
@@ -559,6 +564,13 @@ def cell_number(shell: Any) -> Any:
     running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
     count = getattr(running, "execution_count", None)
     return count if count is not None else getattr(shell, "execution_count", "?")
+
+
+def _session_of(args: Any) -> Session:
+    """The Session ``%smol up ARGS`` makes (not yet up)."""
+    return Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
+                   image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive, retries=args.retries,
+                   on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
 
 
 def interrupted(message: str) -> KeyboardInterrupt:

@@ -56,6 +56,7 @@ class AgentHostBackend(Backend):
         self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
         self._limiter: _limits.Limiter | None = None
         self._ending: list[tuple[MachineRef, asyncio.Future[bool]]] = []  # branch deletes of this moment, batched
+        self._going: dict[str, str] = {}  # branch -> its folder, while it is deleted: the name stays taken till it is gone
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
 
@@ -272,19 +273,26 @@ class AgentHostBackend(Backend):
                 log.cancel()
             shutil.rmtree(ref.info["run_dir"], ignore_errors=True)
             return
-        if await self._end_in_cgroups(ref):  # killed there, checked gone, its cgroups removed
-            with contextlib.suppress(OSError):
-                os.unlink(ref.info["socket"])
-            return
-        procs = await asyncio.to_thread(self._kill_branch_tree, ref)
-        # The parent forked the branch: the pid is one of the parent's own pid namespace.
-        parent = self._machines.get(ref.parent)
-        if parent is not None and "guest_pid" in ref.info:
-            # bounded: a parent whose agent a cell rewrote may never answer
-            with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}), KILL_TIMEOUT)
-        await asyncio.to_thread(_wait_gone, procs)
-        await asyncio.to_thread(self.limiter.release, ref.name)
+        self._going[ref.name] = ref.info["host_dir"]
+        try:
+            if not await self._end_in_cgroups(ref):  # else killed there, checked gone, its cgroups removed
+                procs = await asyncio.to_thread(self._kill_branch_tree, ref)
+                # The parent forked the branch: the pid is one of the parent's own pid namespace.
+                parent = self._machines.get(ref.parent)
+                if parent is not None and "guest_pid" in ref.info:
+                    # bounded: a parent whose agent a cell rewrote may never answer
+                    with contextlib.suppress(OSError, SmolbenchError, asyncio.TimeoutError):
+                        await asyncio.wait_for(self._request(parent, {"op": "kill", "pid": ref.info["guest_pid"]}),
+                                               KILL_TIMEOUT)
+                await asyncio.to_thread(_wait_gone, procs)
+                await asyncio.to_thread(self.limiter.release, ref.name)
+            await self._branch_gone(ref)
+        finally:
+            self._going.pop(ref.name, None)
+
+    async def _branch_gone(self, ref: MachineRef) -> None:
+        """Once a deleted branch's processes are gone: what it had in its root's run folder goes
+        (here its socket; a contained sandbox branch's whole folder, ``SandboxBackend``)."""
         with contextlib.suppress(OSError):
             os.unlink(ref.info["socket"])
 
@@ -456,6 +464,7 @@ class AgentHostBackend(Backend):
         # A contained branch gets a folder of its own (it sees only that one as its run folder).
         nested = bool(machine.info.get("contained"))
         taken = {Path(m.info["host_dir"]).name for m in self._machines.values() if m.parent == machine.name}
+        taken |= {Path(d).name for d in self._going.values() if Path(d).parent == host_dir}  # not gone yet
         dirs = _run_folders(names, taken)
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]

@@ -292,6 +292,17 @@ class SandboxBackend(AgentHostBackend):
         if self._proxy is not None:
             await self._proxy.detach([machine.name])
 
+    async def _branch_gone(self, ref: MachineRef) -> None:
+        if not (self._contained and ref.info.get("contained")):  # its socket in the root's host run folder
+            await super()._branch_gone(ref)
+            return
+        # Its own folder (its socket, its keeper's, what its cells wrote there), found through the
+        # root's agent; when the root is being deleted too, its whole run folder goes with it.
+        root = self._machines.get(ref.info["root"])
+        if root is not None and root.info.get("host_pid") is not None:
+            await asyncio.to_thread(_remove_folder, ref.info["host_dir"], root.info["host_pid"],
+                                    root.info.get("host_started"))
+
     async def close(self) -> None:
         await super().close()
         for fd in self._grants.values():
@@ -472,19 +483,80 @@ def _fs_ids(uid: int, gid: int) -> Iterator[None]:
         libc.setfsgid(old_gid)
 
 
-def _socket_fd(path: str) -> int:
-    """An O_PATH descriptor of the agent socket at ``/proc/PID/root/run/smolbench/...``: each
-    component below the run folder (a mount point the machine can't replace) opened without
-    following links, the last one checked to be a socket."""
-    top, _, rest = path.partition(GUEST_RUN + "/")
+def _below_run(path: str) -> tuple[int, str]:
+    """The one walk to a path below a machine's run folder (``/proc/PID/root/run/smolbench/A/…/NAME``),
+    whose folders are the machine's to change: an O_PATH descriptor of the folder holding NAME,
+    each component below the run folder (a mount point the machine can't replace) opened
+    without following links, and NAME (never ``..``: nothing above the run folder)."""
+    top, sep, rest = path.partition(GUEST_RUN + "/")
+    parts = rest.split("/")
+    if not sep or any(part in ("", ".", "..") for part in parts):
+        raise OSError(errno.EINVAL, "not a path below a machine's run folder")
     fd = os.open(top + GUEST_RUN, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        parts = rest.split("/")
         for part in parts[:-1]:
             nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nxt
-        sock = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def _remove_folder(path: str, root_pid: int, root_started: str | None) -> None:
+    """Remove a deleted branch's run folder ``path`` (below its root's, ``/proc/ROOT_PID/root/…``),
+    found by :func:`_below_run`, and what is in it (:func:`_remove_tree`): whatever the machines
+    made of it, nothing outside the root's run folder is touched. Left for the root's delete:
+    a folder not found that way (a link a machine put in its place), and everything once the
+    root's agent is no longer that process (its pid taken by another)."""
+    try:
+        fd, name = _below_run(path)
+    except OSError:
+        return
+    try:
+        if _procs.start_time(root_pid) == root_started:  # after the open: what it opened was that root's
+            _remove_tree(fd, name)
+    finally:
+        os.close(fd)
+
+
+TREE_DEPTH = 32  # folders below a branch's run folder removed at most (deeper: left for the root's delete)
+
+
+def _remove_tree(parent: int, name: str, depth: int = 0) -> None:
+    """Remove the folder ``name`` of the folder ``parent`` (a descriptor) with what is in it,
+    relative to descriptors only: a link is removed, never followed, and nothing but a folder
+    is ever opened (``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``: a fifo put in a folder's place
+    can't hold the delete up, as it held ``shutil.rmtree``'s first open). What a machine
+    changes meanwhile is left."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return
+    try:
+        found: builtins.list[tuple[str, bool]] = []
+        if depth < TREE_DEPTH:
+            with contextlib.suppress(OSError), os.scandir(fd) as entries:
+                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for entry, folder in found:
+            if folder:
+                _remove_tree(fd, entry, depth + 1)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=parent)
+
+
+def _socket_fd(path: str) -> int:
+    """An O_PATH descriptor of the agent socket at ``/proc/PID/root/run/smolbench/...``, found by
+    :func:`_below_run` and checked to be a socket."""
+    fd, name = _below_run(path)
+    try:
+        sock = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
     finally:
         os.close(fd)
     if not stat.S_ISSOCK(os.fstat(sock).st_mode):

@@ -1,0 +1,144 @@
+"""A sandbox branch's run folder (a sub-folder of its parent's, inside the root machine's run
+folder) goes when the branch is deleted, not only when the root is: a long session forking one
+branch per episode kept thousands of empty folders in its root's. The folder is the machine's
+to change, so it is removed only through the walk the host uses for a branch's socket
+(``sandbox._below_run``: each component opened without following a link) and its tree without
+following one: a machine that swaps a branch's folder, or a file in it, for a link to a host
+folder never gets that host folder deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smolbench
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+LS = "sorted(os.listdir({!r}))"
+
+
+@pytest.fixture
+def s(open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[smolbench.Session]:
+    monkeypatch.chdir(open_tmp)
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / "ledger.db") as session:
+        session.run("import os")
+        yield session
+
+
+def ls(s: smolbench.Session, folder: str = "/run/smolbench", node: str = "root") -> list[str]:
+    """What the root machine (or ``node``) sees in a run folder."""
+    return list(s.run(LS.format(folder), node=node, check=True).value)
+
+
+def test_a_deleted_branch_takes_its_run_folder_while_the_root_lives(s: smolbench.Session) -> None:
+    before = ls(s)
+    s.fork(2, "reward = SEED", keep="all")  # root.0 and root.1: folders 0 and 1
+    assert {"0", "1"} <= set(ls(s)), ls(s)
+    s.use("root.1")
+    s.fork(1, "reward = SEED", keep="all")  # root.1.0, a branch of a branch: its folder is inside root.1's
+    assert "0" in ls(s, "/run/smolbench/1"), ls(s, "/run/smolbench/1")
+    s.run("open('/run/smolbench/notes.txt', 'w').write('a file of its own')", node="root.1.0", check=True)
+    assert s.delete("root.1.0") == ["root.1.0"]
+    assert "0" not in ls(s, "/run/smolbench/1"), ls(s, "/run/smolbench/1")
+    assert s.delete("root.0") == ["root.0"]
+    assert "0" not in ls(s) and "1" in ls(s), ls(s)
+    assert s.run("1 + 1", node="root.1").value == 2  # its sibling goes on
+    s.delete("root.1")
+    assert ls(s) == before
+
+
+def test_forks_with_keep_none_leave_no_folders(s: smolbench.Session) -> None:
+    """A fork of 8 with keep none (leaf branches) and one with keep all then deleted."""
+    before = ls(s)
+    for _ in range(3):
+        s.fork(8, "reward = SEED", keep="none")
+    assert ls(s) == before
+    kept = list(s.fork(8, "reward = SEED", keep="all").rows)
+    assert len(ls(s)) == len(before) + 8 and len(kept) == 8
+    for node in kept:
+        s.delete(node)
+    assert ls(s) == before
+
+
+def _victim(open_tmp: Path) -> Path:
+    """A host folder outside every machine, with the names a branch's folder holds (``s``)."""
+    victim = open_tmp / "victim"
+    for rel in ("s", "0/s", "1/s", "1/keep", "file"):
+        (victim / rel).parent.mkdir(parents=True, exist_ok=True)
+        (victim / rel).write_text("the host's")
+    return victim
+
+
+def _files(victim: Path) -> list[str]:
+    return sorted(str(p.relative_to(victim)) for p in victim.rglob("*") if p.is_file())
+
+
+def test_a_machine_that_links_a_branch_folder_to_a_host_folder_gets_nothing_deleted(
+        s: smolbench.Session, open_tmp: Path) -> None:
+    victim = _victim(open_tmp)
+    whole = _files(victim)
+    s.fork(4, "reward = SEED", keep="all")  # root.0 … root.3: folders 0 … 3
+    s.use("root.0")
+    s.fork(1, "reward = SEED", keep="all")  # root.0.0: folder 0/0
+    # the root swaps two of its branches' folders for links to host folders (the host would
+    # walk through them: an absolute link below /proc/PID/root resolves on the host)
+    s.run(f"os.rename('/run/smolbench/0', '/run/smolbench/was0'); os.symlink({str(victim)!r}, '/run/smolbench/0')\n"
+          f"os.rename('/run/smolbench/2', '/run/smolbench/was2'); os.symlink({str(victim / '1')!r}, '/run/smolbench/2')\n"
+          "os.rename('/run/smolbench/3', '/run/smolbench/was3'); os.mkfifo('/run/smolbench/3')",  # opened, it waits
+          node="root", check=True)
+    # a branch plants links in its own folder: to a host file and to a host folder
+    s.run(f"os.symlink({str(victim / 'file')!r}, '/run/smolbench/f'); os.symlink({str(victim / '1')!r}, "
+          "'/run/smolbench/d'); os.mkfifo('/run/smolbench/p')", node="root.1", check=True)
+    assert sorted(s.delete("root.0")) == ["root.0", "root.0.0"]  # root.0.0's folder is 0/0: through the link
+    assert s.delete("root.2") == ["root.2"]
+    assert s.delete("root.1") == ["root.1"]
+    assert s.delete("root.3") == ["root.3"]  # its folder's name is a fifo now: never opened
+    assert _files(victim) == whole
+    left = ls(s)
+    assert "1" not in left, left  # root.1's own folder went, its links and fifo with it (not what they point to)
+    assert {"0", "2", "3"} <= set(left), left  # what the root put in its branches' place stays: never followed
+
+
+def test_a_folder_being_removed_is_not_given_to_a_new_branch(tmp_path: Path) -> None:
+    """Episodes of two runs (ep1.3, ep2.3) share a zygote and a folder name: one made while the
+    other's folder was still being removed got that folder, and lost its socket with it."""
+    from smolbench import _loop
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.spec import MachineSpec
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        root = await be.create(MachineSpec(), "root")
+        try:
+            [old] = await be.branch(root, ["ep1.3"], [None])
+            assert Path(old.info["host_dir"]).name == "3"
+            removing, go = asyncio.Event(), asyncio.Event()
+            gone = be._branch_gone
+
+            async def held(ref: Any) -> None:  # its processes are gone; its folder not yet
+                removing.set()
+                await go.wait()
+                await gone(ref)
+
+            be._branch_gone = held  # type: ignore[method-assign]
+            deleting = asyncio.ensure_future(be.delete(old))
+            await asyncio.wait_for(removing.wait(), 60)
+            [new] = await be.branch(root, ["ep2.3"], [None])
+            go.set()
+            await deleting
+            res = await be.exec_cell(new, CellRequest("1 + 1"), lambda ev: None)  # its socket is where it was
+            assert res.status == "ok", res.error
+            assert Path(new.info["host_dir"]).name != "3", new.info["host_dir"]
+        finally:
+            await be.delete(root)
+            await be.close()
+
+    _loop.run(main())
