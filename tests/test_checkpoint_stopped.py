@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import threading
 import time
 from pathlib import Path
@@ -97,3 +98,54 @@ def test_a_stopped_thread_s_own_error_is_not_left_for_the_loop_to_report() -> No
     assert not reported, reported
 
 
+
+
+# Code in the machine rewrites its agent's save: a fifo where the stage folder should be.
+FIFO_STAGE = '''
+import gc, os
+agent = next(o for o in gc.get_objects() if type(o).__name__ == "Agent")
+def save(path):
+    os.mkfifo(path)
+    return {"t": "done", "status": "ok", "skipped": [], "saved": []}
+agent.save = save
+'''
+
+
+@needs_bwrap
+def test_a_fifo_a_machine_puts_for_its_save_s_stage_does_not_hang_the_host(tmp_path: Path) -> None:
+    """The stage's removal opened it (``shutil.rmtree``'s first open) and a fifo blocked that
+    open for good, on the kernel's event loop thread: the whole kernel hung."""
+    (tmp_path / "run").mkdir()
+    ended, seen = threading.Event(), dict[str, Any]()
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path / "run"))
+        root = await be.create(MachineSpec(), "root")
+        seen["stage_dir"] = root.info["host_dir"]
+        try:
+            res = await be.exec_cell(root, CellRequest(FIFO_STAGE), lambda ev: None)
+            assert res.status == "ok", res.error
+            with contextlib.suppress(Exception):
+                await be.checkpoint(root, str(tmp_path / "c.smolcheckpoint"))
+            seen["after"] = await be.exec_cell(root, CellRequest("1 + 1"), lambda ev: None)
+        finally:
+            await be.close()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # seen by the test below
+            seen["error"] = exc
+        finally:
+            ended.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    if not ended.wait(120):  # hung: open the fifo's other end so the thread can end
+        for fifo in Path(seen["stage_dir"]).glob("ckpt-*"):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        ended.wait(30)
+        pytest.fail("the host hung removing the machine's stage (a fifo)")
+    assert "error" not in seen, seen["error"]
+    assert seen["after"].status == "ok"
+    assert not (tmp_path / "c.smolcheckpoint").exists()

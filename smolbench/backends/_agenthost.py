@@ -586,13 +586,26 @@ class AgentHostBackend(Backend):
             await _stoppable_thread(ckptwrite.pack, run_dir, stage, held, machine.name, scratch=os.path.dirname(part))
             os.replace(part, path)
         finally:
-            shutil.rmtree(Path(run_dir) / stage, ignore_errors=True)  # fd-based: never follows links
+            await _to_the_end(asyncio.to_thread(self._remove_below, run_dir, stage))
             with contextlib.suppress(OSError):
                 os.unlink(part)
             if held >= 0:
                 os.close(held)
         warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
+
+    def _remove_below(self, folder: str, name: str) -> None:
+        """Remove ``name`` (a stage the machine wrote in, while it may still run) from its run
+        ``folder``: relative to descriptors, no link followed, nothing but folders opened (a
+        fifo in its place hung ``shutil.rmtree``'s first open, and the kernel with it)."""
+        try:
+            fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            _rundir.remove_tree(fd, name)
+        finally:
+            os.close(fd)
 
     async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
         """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
@@ -654,7 +667,7 @@ class AgentHostBackend(Backend):
             raise
         finally:
             if stage is not None:
-                shutil.rmtree(Path(ref.info["host_dir"]) / stage, ignore_errors=True)
+                await _to_the_end(asyncio.to_thread(self._remove_below, ref.info["host_dir"], stage))
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref

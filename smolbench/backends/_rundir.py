@@ -54,3 +54,33 @@ def sweep(base: str | None = None) -> list[Path]:
                 if not path.exists():
                     removed.append(path)
     return removed
+
+
+TREE_DEPTH = 32  # folders below the one removed at most (deeper: left for the machine's delete)
+
+
+def remove_tree(parent: int, name: str, depth: int = 0) -> None:
+    """Remove the folder ``name`` of the folder ``parent`` (a descriptor) with what is in it,
+    relative to descriptors only: a link is removed, never followed, and nothing but a folder
+    is ever opened (``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``: a fifo put in a folder's place
+    can't hold the delete up, as it held ``shutil.rmtree``'s first open). What a machine
+    changes meanwhile is left."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return
+    try:
+        found: list[tuple[str, bool]] = []
+        if depth < TREE_DEPTH:
+            with contextlib.suppress(OSError), os.scandir(fd) as entries:
+                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for entry, folder in found:
+            if folder:
+                remove_tree(fd, entry, depth + 1)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=parent)

@@ -39,7 +39,7 @@ from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
 from ..spec import MachineSpec
-from . import _limits, _procs, _stage
+from . import _limits, _procs, _rundir, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
 from ._netproxy import ProxyClient
@@ -303,6 +303,19 @@ class SandboxBackend(AgentHostBackend):
             await asyncio.to_thread(_remove_folder, ref.info["host_dir"], root.info["host_pid"],
                                     root.info.get("host_started"))
 
+    def _remove_below(self, folder: str, name: str) -> None:
+        if GUEST_RUN + "/" not in folder + "/":  # a host folder of its own (not contained)
+            super()._remove_below(folder, name)
+            return
+        try:  # the machine's run folder, through the one walk that follows no link of theirs
+            fd, name = _below_run(f"{folder}/{name}")
+        except OSError:
+            return
+        try:
+            _rundir.remove_tree(fd, name)
+        finally:
+            os.close(fd)
+
     async def close(self) -> None:
         await super().close()
         for fd in self._grants.values():
@@ -506,7 +519,7 @@ def _below_run(path: str) -> tuple[int, str]:
 
 def _remove_folder(path: str, root_pid: int, root_started: str | None) -> None:
     """Remove a deleted branch's run folder ``path`` (below its root's, ``/proc/ROOT_PID/root/…``),
-    found by :func:`_below_run`, and what is in it (:func:`_remove_tree`): whatever the machines
+    found by :func:`_below_run`, and what is in it (:func:`_rundir.remove_tree`): whatever the machines
     made of it, nothing outside the root's run folder is touched. Left for the root's delete:
     a folder not found that way (a link a machine put in its place), and everything once the
     root's agent is no longer that process (its pid taken by another)."""
@@ -516,39 +529,9 @@ def _remove_folder(path: str, root_pid: int, root_started: str | None) -> None:
         return
     try:
         if _procs.start_time(root_pid) == root_started:  # after the open: what it opened was that root's
-            _remove_tree(fd, name)
+            _rundir.remove_tree(fd, name)
     finally:
         os.close(fd)
-
-
-TREE_DEPTH = 32  # folders below a branch's run folder removed at most (deeper: left for the root's delete)
-
-
-def _remove_tree(parent: int, name: str, depth: int = 0) -> None:
-    """Remove the folder ``name`` of the folder ``parent`` (a descriptor) with what is in it,
-    relative to descriptors only: a link is removed, never followed, and nothing but a folder
-    is ever opened (``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``: a fifo put in a folder's place
-    can't hold the delete up, as it held ``shutil.rmtree``'s first open). What a machine
-    changes meanwhile is left."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
-    except OSError:
-        return
-    try:
-        found: builtins.list[tuple[str, bool]] = []
-        if depth < TREE_DEPTH:
-            with contextlib.suppress(OSError), os.scandir(fd) as entries:
-                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        for entry, folder in found:
-            if folder:
-                _remove_tree(fd, entry, depth + 1)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry, dir_fd=fd)
-    finally:
-        os.close(fd)
-    with contextlib.suppress(OSError):
-        os.rmdir(name, dir_fd=parent)
 
 
 def _socket_fd(path: str) -> int:
