@@ -1,0 +1,99 @@
+"""`smolbench serve` through its real command line, in its own process: how soon it stops.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from gymhelpers import CODE_ENV, WAITING, needs_bwrap, waits
+from test_openenv_server import WAIT, free_port, server_env
+
+from smolbench.backends import _procs
+
+pytest.importorskip("openenv.core.env_server.http_server")
+pytestmark = [needs_bwrap, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+# A step that takes 30 s (it names its thread first, so a test sees it has begun): the warm
+# parent's practice episode steps it as soon as the server starts, with no client at all.
+SLOW_ENV = f'''
+import ctypes, time, gymnasium
+
+class Slow(gymnasium.Wrapper):
+    def step(self, action):
+        ctypes.CDLL(None).prctl(15, {WAITING.encode()!r}, 0, 0, 0)
+        time.sleep(30)
+        return self.env.step(action)
+
+def slow():
+    return Slow(gymnasium.make("CartPole-v1"))
+'''
+SAYS_URL = re.compile(r"smolbench: serving \S+ over OpenEnv \S+ on (http://127\.0\.0\.1:(\d+)/\S+) ")
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
+        self.proc, self.lines = proc, lines
+        self.url, self.port = "", 0
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def machines(self) -> list[tuple[int, str]]:
+        """Every process below the server (its machines')."""
+        return _procs.descendants(self.proc.pid)
+
+
+@contextmanager
+def serve(folder: Path, target: str, *options: str) -> Iterator[Served]:
+    """``smolbench serve TARGET`` (envs.py holds CODE_ENV and SLOW_ENV) on the sandbox backend,
+    once it says its URL; killed at the end if still running."""
+    (folder / "envs.py").write_text(CODE_ENV + SLOW_ENV)
+    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", target, "--backend", "sandbox", *options],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    served = Served(proc, lines)
+    try:
+        deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
+        while not (said := SAYS_URL.search(served.out)):
+            assert proc.poll() is None and time.monotonic() < deadline, served.out
+            time.sleep(0.2)
+        served.url, served.port = said[1], int(said[2])
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        reader.join(10)
+
+
+def test_sigterm_with_no_client_stops_at_once_while_the_practice_episode_waits_on_a_slow_step(open_tmp: Path) -> None:
+    """The warm parent's practice episode is the server's own, not a client's: a stop ends it
+    and deletes its machine. On the old code the stop waited for it to run out its 20 s
+    (``practice.PRACTICE_TIMEOUT``): ~19 s once its 30 s step had begun. The bound is half of
+    that; a server whose env steps quickly stops in about a second."""
+    with serve(open_tmp, "envs.py:slow", "--port", str(free_port())) as server:
+        deadline = time.monotonic() + WAIT
+        while not waits(server.machines()):  # the practice episode's step has begun
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.out
+            time.sleep(0.1)
+        machines = server.machines()
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(WAIT)
+        took = time.monotonic() - start
+    assert code == 0, server.out
+    assert "stopped; every machine it made is deleted" in server.out, server.out
+    assert took < 10, f"the stop took {took:.1f} s"
+    assert not [p for p in machines if _procs.running(*p)], "machines left after the stop"
