@@ -1,10 +1,12 @@
-"""`smolbench serve` through its real command line, in its own process: how soon it stops.
+"""`smolbench serve` through its real command line, in its own process: what it says as it
+starts (the port it has, or one line why it has none) and how soon it stops.
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -76,6 +78,37 @@ def serve(folder: Path, target: str, *options: str) -> Iterator[Served]:
             proc.kill()
             proc.wait(30)
         reader.join(10)
+
+
+def test_a_port_in_use_is_one_line_before_any_machine_or_url(open_tmp: Path) -> None:
+    """On the old code it booted a machine and built the env, printed a URL it did not have
+    ("give clients the whole URL ..."), then uvicorn's own ``ERROR: [Errno 98] ...``, exit 3."""
+    (open_tmp / "envs.py").write_text(CODE_ENV)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+                               "--port", str(port)], cwd=open_tmp, capture_output=True, text=True, timeout=WAIT * 5,
+                              env=server_env())
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "", done.stdout  # no URL, no "give clients the whole URL"
+    assert done.stderr.splitlines() == [f"smolbench serve: port {port} on 127.0.0.1 is in use: [Errno 98] Address already "
+                                        "in use; pick another with --port N (or --port 0 for any free one)"], done.stderr
+    assert not (open_tmp / ".smolbench").exists()  # no session, no machine, was started
+
+
+def test_port_0_serves_on_a_free_port_the_url_it_prints_names(open_tmp: Path) -> None:
+    """``--port 0`` (what the port-in-use line suggests; refused on the old code): the URL names
+    the port it got, and serves."""
+    import httpx
+
+    with serve(open_tmp, "envs.py:code_env", "--port", "0") as server:
+        assert server.port != 0
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.out
 
 
 def test_sigterm_with_no_client_stops_at_once_while_the_practice_episode_waits_on_a_slow_step(open_tmp: Path) -> None:
