@@ -267,6 +267,19 @@ def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(pa
         app.state.smolbench_pool.shutdown()
 
 
+def test_a_step_before_the_session_s_first_reset_is_one_line_and_makes_no_machine(parent: Machines) -> None:
+    """A WebSocket session's step before any reset: it said ``the env (machine ?)``."""
+    env = session(parent)
+    try:
+        with pytest.raises(SmolbenchError) as early:
+            env.step(GymAction(action="x = 1"))
+        assert str(early.value) == "no episode to step: this session has not been reset; reset() first"
+        assert not mine(parent, env)
+        assert env.reset(seed=1).machine is not None  # the session goes on
+    finally:
+        env.close()
+
+
 def test_a_client_sees_its_own_names_for_its_machines_not_how_many_others_made(parent: Machines) -> None:
     """A machine's own name numbers every branch of the warm parent: a client that saw it
     (the reply's ``machine``, an error naming it) learned how many episodes other clients ran.

@@ -1,5 +1,6 @@
 """`smolbench serve` through its real command line, in its own process: what it says as it
-starts (the port it has, or one line why it has none) and how soon it stops.
+starts (the port it has, or one line why it has none), how soon it stops, and what its HTTP
+routes tell a client (a stateless step, a seed that is not a whole number).
 """
 
 from __future__ import annotations
@@ -107,6 +108,31 @@ def test_port_0_serves_on_a_free_port_the_url_it_prints_names(open_tmp: Path) ->
         assert server.port != 0
         r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)
         assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.out
+
+
+def test_over_http_a_step_with_no_episode_and_a_bad_seed_are_told_as_they_are(open_tmp: Path) -> None:
+    """OpenEnv's HTTP routes are stateless (a session of its own for each request, closed after
+    it): a ``POST /step`` never has an episode. On the old code it said ``the env (machine ?):
+    step() before reset() ...``, a placeholder and advice HTTP can't follow. Any seed that is
+    not a whole number from 0 to 2**63-1 (``true``, ``1.0``, ``"1"``, ``-1`` too) is smolbench's
+    one line, 400 (the README said OpenEnv's 422, taking ``true`` as 1)."""
+    import httpx
+
+    with serve(open_tmp, "envs.py:code_env", "--port", "0") as server:
+        r = httpx.post(f"{server.url}/step", json={"action": {"action": "x = 1"}}, timeout=WAIT)
+        said = r.json()["detail"]
+        assert r.status_code == 400 and "?" not in said and "\n" not in said, r.text
+        assert said.startswith("no episode to step: OpenEnv's HTTP POST /step is stateless"), said
+        assert "WebSocket" in said and "/ws" in said, said
+        for seed in (True, 1.0, "1", -1, 2**63, {"x": 1}):
+            r = httpx.post(f"{server.url}/reset", json={"seed": seed}, timeout=WAIT)
+            assert r.status_code == 400 and r.json()["detail"].startswith("seed should be a whole number"), (seed, r.text)
+            assert "\n" not in r.json()["detail"]
+        r = httpx.post(f"{server.url}/reset", content=b"{", headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 422, r.text  # not JSON at all: OpenEnv's own (FastAPI's) answer
+        assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(WAIT) == 0, server.out
 
