@@ -241,10 +241,10 @@ def test_bad_options_and_unknown_reset_fields_are_refused(parent: Machines) -> N
         env.close()
 
 
-@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1"])
+@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1", -1, 2**63])
 def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(parent: Machines, seed: Any) -> None:
     """OpenEnv's HTTP reset body took ``true`` as seed 1 (and ``"1"``, ``1.0``) and refused 1.5
-    with a list of pydantic errors: both routes now give one line naming the seed."""
+    (and -1) with a list of pydantic errors: both routes now give one line naming the seed."""
 
     from fastapi.testclient import TestClient
 

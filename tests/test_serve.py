@@ -132,6 +132,8 @@ def test_over_http_a_step_with_no_episode_and_a_bad_seed_are_told_as_they_are(op
             assert "\n" not in r.json()["detail"]
         r = httpx.post(f"{server.url}/reset", content=b"{", headers={"content-type": "application/json"}, timeout=WAIT)
         assert r.status_code == 422, r.text  # not JSON at all: OpenEnv's own (FastAPI's) answer
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1, "episode_id": 5}, timeout=WAIT)
+        assert r.status_code == 422, r.text  # and its model's own fields (the README says which)
         assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(WAIT) == 0, server.out
