@@ -46,6 +46,11 @@ REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --reque
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
+# OpenEnv's HTTP /reset and /step are stateless: each request gets a session (an env from the
+# app's factory) of its own, closed after it, so an HTTP step never follows a reset.
+STATELESS_STEP = ("no episode to step: OpenEnv's HTTP POST /step is stateless (each request is a session of its own, "
+                  "closed after it), so no reset comes before it; reset and step over one WebSocket session (/ws), "
+                  "as OpenEnv's client does: GenericEnvClient(base_url=URL).sync()")
 
 
 class GymAction(Action):
@@ -154,6 +159,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
     async def step_async(self, action: GymAction, timeout_s: float | None = None, **kwargs: Any) -> GymObservation:
         """:meth:`step`, cut as soon as the client's connection is gone: a step that never
         answers then frees its session at once, not after the request timeout."""
+        if ONE_REQUEST.get() and not self._started:  # an HTTP request's session: never reset
+            raise SmolbenchError(STATELESS_STEP)
         return await self._watched(lambda: self.step(action, timeout_s, **kwargs), "step")
 
     async def _watched(self, call: Callable[[], GymObservation], what: str) -> GymObservation:
@@ -223,6 +230,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
                 raise SmolbenchError(f"timeout_s should be a number of seconds above 0, got {str(timeout_s)[:40]}")
             limit = min(limit, float(timeout_s))
         self._open()
+        if not self._started:  # no machine yet: the env's own line would name none
+            raise SmolbenchError("no episode to step: this session has not been reset; reset() first")
         act = from_json(self._m.action_space, action.action)
         st = self._run(self._m.step(0, act), "step", limit)
         self._state.step_count += 1

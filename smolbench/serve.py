@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import math
 import os
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ._asgi import loopback_name
+from ._uvicorn import backlog
 from .errors import RemoteError, SmolbenchError
 
 TARGET = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
@@ -64,8 +66,8 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
     if args.max_sessions < 1:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
-    if not 1 <= args.port <= 65535:
-        raise SmolbenchError(f"--port should be from 1 to 65535, got {args.port}")
+    if not 0 <= args.port <= 65535:
+        raise SmolbenchError(f"--port should be from 1 to 65535 (or 0: any free one), got {args.port}")
 
 
 ORIGIN_RE = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
@@ -131,26 +133,67 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def listening(host: str, port: int) -> list[socket.socket]:
+    """Sockets listening on ``host`` and ``port`` as uvicorn's own would (asyncio's
+    create_server: every address the name has, SO_REUSEADDR, IPv6 ones IPv6 only), before
+    any machine is made; a client that connects meanwhile waits for the server. Listening
+    at once, not only bound: with SO_REUSEADDR a second server's bind of the same port
+    succeeds until one of them listens (it would boot its machines, then fail).
+    Port 0: a free one, the same for every address. A port in use is one line."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SmolbenchError(f"can't listen on --host {host}: {exc.strerror}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:  # the others on the port the first one got
+                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
+            try:
+                sock.bind(addr)
+                sock.listen(backlog())
+            except OSError as exc:
+                where, at = str(addr[0]), str(addr[1])
+                if exc.errno == errno.EADDRINUSE:
+                    raise SmolbenchError(f"port {at} on {where} is in use: {exc}; pick another with --port N "
+                                         "(or --port 0 for any free one)") from None
+                raise SmolbenchError(f"can't listen on {where} port {at}: {exc}") from None
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Bring a session up, build the env in its warm parent, serve it until stopped."""
+    """Bind the port, bring a session up, build the env in its warm parent, serve it until stopped."""
     try:
         check_limits(args)
         code, env = env_for(args)
         token = token_for(args.token)
         tls = tls_files(args)
+        socks = listening(args.host, args.port)  # before any machine: a port in use is one line, nothing made
     except SmolbenchError as exc:
         print(f"smolbench serve: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, code, env, token, tls)
+        return _serve(args, code, env, token, tls, socks)
     except (SmolbenchError, RemoteError) as exc:  # e.g. no Smolfile there, or an env the machine can't make
         said = f"{exc.ename}: {exc.evalue}" if isinstance(exc, RemoteError) else str(exc)
         print(f"smolbench serve: {said.splitlines()[0] if said else type(exc).__name__}", file=sys.stderr)
         return 2
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., Any], token: str | None,
-           tls: tuple[str, str | None] | None) -> int:
+           tls: tuple[str, str | None] | None, socks: list[socket.socket]) -> int:
     import uvicorn
 
     from . import Session
@@ -181,7 +224,8 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
         try:
             host.run(parent.start())
             assert parent.parent is not None
-            url = f"{'https' if tls else 'http'}://{url_host(args.host)}:{args.port}" + (f"/{token}" if token else "")
+            port = socks[0].getsockname()[1]  # --port 0: the one it got
+            url = f"{'https' if tls else 'http'}://{url_host(args.host)}:{port}" + (f"/{token}" if token else "")
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
                   f"{wb.backend.name} · each client session in its own branch of {parent.parent.name}", flush=True)
             if token:
@@ -204,7 +248,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
                                                       ws_max_size=args.max_message,
                                                       ssl_certfile=tls[0] if tls else None,
                                                       ssl_keyfile=tls[1] if tls else None))
-            server.run()
+            server.run(sockets=socks)
         finally:
             if app is not None:  # sessions still open (their clients gone, or cut by the stop)
                 app.state.smolbench_pool.shutdown(wait=False, cancel_futures=True)
@@ -257,7 +301,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--smolfile", default=None, help="the Smolfile of the warm machine (default: ./Smolfile if there)")
     p.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, named in the URL it prints)")
     p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
                    help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
                         "none: any path, so any client that can connect is served; web pages still are not, see --allow-origin)")

@@ -148,12 +148,14 @@ def test_an_image_suite_is_a_suite_name_before_debootstrap_sees_it() -> None:
 @needs_bwrap
 def test_serve_s_bad_start_is_one_line_and_exit_2(tmp_path: Path) -> None:
     pytest.importorskip("openenv")
-    for args, said in ((["--gym", "CartPole-v1", "--port", "99999"], "--port should be from 1 to 65535"),
+    for args, said in ((["--gym", "CartPole-v1", "--port", "99999"], "--port should be from 1 to 65535 (or 0: any free one)"),
                        (["--gym", "CartPole-v1", "--smolfile", str(tmp_path / "none")], "no Smolfile at"),
                        (["--gym", "NoSuchEnv-v0", "--backend", "sandbox"], "the env could not be built"),
                        # checked as smolbench.gym.make checks an id, before a machine is up
                        (["--gym", "Cart Pole", "--backend", "sandbox"], "--gym 'Cart Pole' is not a gymnasium id"),
                        (["--gym", "CartPol-v1", "--backend", "sandbox"], "no env 'CartPol-v1': did you mean 'CartPole-v1'?")):
+        # any free port (the port is bound first: 8000, the default, may be another's here)
+        args = [*args, "--port", "0"] if "--port" not in args else args
         got = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", *args], capture_output=True, text=True,
                              timeout=300, cwd=tmp_path)
         assert got.returncode == 2, got

@@ -124,6 +124,29 @@ def test_bad_actions_and_crashed_steps_are_one_line_and_the_env_goes_on(bench: W
         env.close()
 
 
+def test_a_step_before_any_reset_is_one_line_naming_no_machine(bench: Workbench) -> None:
+    """Before its first reset an episode has no machine: the line said ``the env (machine ?)``
+    (and a bad action ``the env (machine None)``), placeholders a user can't act on."""
+    define(bench, WRITER)
+    for reset in ("fresh", "in-place"):
+        env = sgym.make("writer", session=bench, reset=reset)
+        try:
+            if reset == "fresh":
+                with pytest.raises(SmolbenchError) as early:
+                    env.step(0)
+                assert str(early.value) == "the env: step() before reset() (or after the episode ended): call reset() first"
+                with pytest.raises(SmolbenchError) as bad:
+                    env.step(5)
+                assert str(bad.value).startswith("the env: action 5 is not in the action space"), str(bad.value)
+            else:  # in place its machine is made with the env: it is named
+                with pytest.raises(SmolbenchError, match=r"^the env \(machine [^)?]+\): step\(\) before reset\(\)"):
+                    env.step(0)
+            env.reset(seed=1)
+            assert env.step(0)[1] == 1.0
+        finally:
+            env.close()
+
+
 def test_an_in_place_episode_that_ended_is_in_the_ledger_when_close_returns(bench: Workbench, monkeypatch: Any) -> None:
     """In place, episodes' records are gathered for a moment (record.GATHER) before they are
     written: close() writes what was gathered, so nothing a training loop did is missing after it."""

@@ -14,15 +14,19 @@ spare whatever it names; finished machines are deleted together, and none linger
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from gymhelpers import define, needs_bwrap, up_bench
+from gymhelpers import WAITING, define, needs_bwrap, up_bench, waits
+from nbhelpers import tagged_processes
+from test_session import Script
 
 import smolbench.gym as sgym
 from smolbench import _loop
@@ -336,3 +340,63 @@ def test_an_action_space_costly_to_sample_is_never_sampled_for_practice(bench: W
             assert env.step(np.ones(items, np.uint8))[1] == 1.0  # the env runs all the same, on unwarmed spares
         finally:
             env.close()
+
+
+# An env whose step never ends (it names its thread first, so a test sees it stuck there):
+# only the practice episode steps it below, the user's episode is reset and never stepped.
+HANG = f'''
+import ctypes, gymnasium
+
+class Hang(gymnasium.Wrapper):
+    def step(self, action):
+        ctypes.CDLL(None).prctl(15, {WAITING.encode()!r}, 0, 0, 0)
+        while True:
+            pass
+
+def hang():
+    return Hang(gymnasium.make("CartPole-v1"))
+'''
+
+
+def test_close_stops_a_practice_episode_stuck_in_its_step_and_deletes_its_machine(tmp_path: Path) -> None:
+    """The practice episode is smolbench's, not the user's: ``close()`` stops it and deletes
+    its machine. On the old code close waited for it to run out its own 20 s
+    (``practice.PRACTICE_TIMEOUT``): closed here once its step is stuck, that is ~19 s;
+    the bound below is less than half of that, and far above what a close takes."""
+    script = Script(tmp_path, f"""\
+import os, time, smolbench, smolbench.gym
+with smolbench.Session(backend="sandbox", ledger="ledger.db") as s:
+    s.run({HANG!r})
+    e = smolbench.gym.make("hang", session=s)
+    e.reset(seed=0)
+    print("reset", flush=True)
+    while not os.path.exists("close"):
+        time.sleep(0.05)
+    start = time.monotonic()
+    e.close()
+    print(f"closed in {{time.monotonic() - start:.1f}} s", flush=True)
+    print("machines", sorted(m.name for m in s.workbench.backend.list()) == [s.workbench.active], flush=True)
+    while not os.path.exists("end"):
+        time.sleep(0.05)
+""")
+    try:
+        script.wait_for_line("reset")
+
+        def stuck() -> bool:
+            return waits([(p.pid, "") for p in tagged_processes(script.tag)])
+        deadline = time.monotonic() + 120
+        while not stuck():  # the practice episode's step has begun, and never ends
+            assert time.monotonic() < deadline and script.proc.poll() is None, "the practice episode never stepped"
+            time.sleep(0.1)
+        (tmp_path / "close").touch()
+        assert script.proc.stdout is not None
+        closed, machines = script.proc.stdout.readline(), script.proc.stdout.readline()  # (or "" if it died)
+        assert not stuck(), "the practice episode's machine still spins after close()"
+    finally:
+        (tmp_path / "end").touch()
+    code, out, err = script.finish()
+    assert code == 0, closed + machines + out + err
+    took = re.fullmatch(r"closed in ([0-9.]+) s\n", closed)
+    assert took and float(took[1]) < 8, closed + err
+    assert machines == "machines True\n", machines + err  # close left only the session's own machine
+    assert script.leftovers() == ([], [], [])

@@ -241,10 +241,10 @@ def test_bad_options_and_unknown_reset_fields_are_refused(parent: Machines) -> N
         env.close()
 
 
-@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1"])
+@pytest.mark.parametrize("seed", [True, False, 1.5, 1.0, "1", -1, 2**63])
 def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(parent: Machines, seed: Any) -> None:
     """OpenEnv's HTTP reset body took ``true`` as seed 1 (and ``"1"``, ``1.0``) and refused 1.5
-    with a list of pydantic errors: both routes now give one line naming the seed."""
+    (and -1) with a list of pydantic errors: both routes now give one line naming the seed."""
 
     from fastapi.testclient import TestClient
 
@@ -265,6 +265,19 @@ def test_a_seed_that_is_not_a_json_integer_is_refused_over_http_and_websocket(pa
                 assert json.loads(ws.receive_text())["type"] == "observation"  # the session goes on
     finally:
         app.state.smolbench_pool.shutdown()
+
+
+def test_a_step_before_the_session_s_first_reset_is_one_line_and_makes_no_machine(parent: Machines) -> None:
+    """A WebSocket session's step before any reset: it said ``the env (machine ?)``."""
+    env = session(parent)
+    try:
+        with pytest.raises(SmolbenchError) as early:
+            env.step(GymAction(action="x = 1"))
+        assert str(early.value) == "no episode to step: this session has not been reset; reset() first"
+        assert not mine(parent, env)
+        assert env.reset(seed=1).machine is not None  # the session goes on
+    finally:
+        env.close()
 
 
 def test_a_client_sees_its_own_names_for_its_machines_not_how_many_others_made(parent: Machines) -> None:

@@ -9,7 +9,7 @@ import gymnasium
 
 from ..errors import SmolbenchError
 from . import envspec, spaces
-from .episode import GymError, Later, Step
+from .episode import GymError, Later, Step, _where
 from .machines import Machines
 
 
@@ -49,7 +49,7 @@ class MachineEnv(gymnasium.Env[Any, Any]):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """One step in the machine; the action is checked against the action space first."""
         self._open()
-        action = checked_action(self.action_space, action, f"the env (machine {self.machine})", "nothing was sent")
+        action = checked_action(self.action_space, action, _where(0, 1, self._m.eps[0]), "nothing was sent")
         now = self._m.steps_now([0], [action])  # on this thread: no hop to the loop
         if now is None:
             st = self._m.host.run(self._m.step(0, action))

@@ -82,8 +82,9 @@ class Later:
 
 
 def _where(i: int, n: int, ep: Episode) -> str:
-    name = ep.ref.name if ep.ref is not None else "?"
-    return f"sub-env {i} (machine {name})" if n > 1 else f"the env (machine {name})"
+    """Sub-env ``i`` of ``n`` (or the env), and its machine if it has one now."""
+    where = f"sub-env {i}" if n > 1 else "the env"
+    return f"{where} (machine {ep.ref.name})" if ep.ref is not None else where
 
 
 def plain_rng(value: Any) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ import copy
 import json
 from typing import TYPE_CHECKING, Any
 
+from .._aio import _to_the_end
 from ..backends.base import MachineRef
 from . import episode as E
 from . import spaces
@@ -54,10 +55,10 @@ async def practise(m: WarmParent, ep: Episode) -> str | None:
         return await asyncio.wait_for(_practice(m, ep), PRACTICE_TIMEOUT)
     except Exception:  # an env that fails its practice still runs: its spares warm without a list
         return None
-    finally:
+    finally:  # also when the env's close stops it (cancelled): then no list, and its machine goes
         E.hang_up(ep)
         if ref is not None:
-            await asyncio.shield(m._delete(ref))
+            await _to_the_end(m._delete(ref))
 
 
 async def _practice(m: WarmParent, ep: Episode) -> str | None:

@@ -327,11 +327,16 @@ class WarmParent(Requests):
 
     async def _close(self, let_go: bool) -> None:
         quietly(self.records.flush)  # no record, written or not, stops the deletions below
+        # The practice episode is ours, not the user's: stopped, not waited for (a step that
+        # never ends held the close for its whole PRACTICE_TIMEOUT). It deletes its machine.
+        practice = self._practice
+        if practice is not None:
+            practice.cancel()
         own_pool = self.pool.m is self  # a sibling's pool is the warm parent's: it stays for the others
         if own_pool:
             await self.pool.settle()
-        if self._practice is not None:  # it deletes its machine, whatever happens
-            await asyncio.gather(self._practice, return_exceptions=True)
+        if practice is not None:
+            await _to_the_end(asyncio.wait({practice}))
         for ep in self.eps:
             if ep.running:
                 quietly(self.records.end, ep, "closed")

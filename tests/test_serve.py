@@ -1,0 +1,160 @@
+"""`smolbench serve` through its real command line, in its own process: what it says as it
+starts (the port it has, or one line why it has none), how soon it stops, and what its HTTP
+routes tell a client (a stateless step, a seed that is not a whole number).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from gymhelpers import CODE_ENV, WAITING, needs_bwrap, waits
+from test_openenv_server import WAIT, free_port, server_env
+
+from smolbench.backends import _procs
+
+pytest.importorskip("openenv.core.env_server.http_server")
+pytestmark = [needs_bwrap, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+# A step that takes 30 s (it names its thread first, so a test sees it has begun): the warm
+# parent's practice episode steps it as soon as the server starts, with no client at all.
+SLOW_ENV = f'''
+import ctypes, time, gymnasium
+
+class Slow(gymnasium.Wrapper):
+    def step(self, action):
+        ctypes.CDLL(None).prctl(15, {WAITING.encode()!r}, 0, 0, 0)
+        time.sleep(30)
+        return self.env.step(action)
+
+def slow():
+    return Slow(gymnasium.make("CartPole-v1"))
+'''
+SAYS_URL = re.compile(r"smolbench: serving \S+ over OpenEnv \S+ on (http://127\.0\.0\.1:(\d+)/\S+) ")
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
+        self.proc, self.lines = proc, lines
+        self.url, self.port = "", 0
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def machines(self) -> list[tuple[int, str]]:
+        """Every process below the server (its machines')."""
+        return _procs.descendants(self.proc.pid)
+
+
+@contextmanager
+def serve(folder: Path, target: str, *options: str) -> Iterator[Served]:
+    """``smolbench serve TARGET`` (envs.py holds CODE_ENV and SLOW_ENV) on the sandbox backend,
+    once it says its URL; killed at the end if still running."""
+    (folder / "envs.py").write_text(CODE_ENV + SLOW_ENV)
+    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", target, "--backend", "sandbox", *options],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    served = Served(proc, lines)
+    try:
+        deadline = time.monotonic() + 600  # importing OpenEnv's stack takes long on a loaded 2-core host
+        while not (said := SAYS_URL.search(served.out)):
+            assert proc.poll() is None and time.monotonic() < deadline, served.out
+            time.sleep(0.2)
+        served.url, served.port = said[1], int(said[2])
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        reader.join(10)
+
+
+def test_a_port_in_use_is_one_line_before_any_machine_or_url(open_tmp: Path) -> None:
+    """On the old code it booted a machine and built the env, printed a URL it did not have
+    ("give clients the whole URL ..."), then uvicorn's own ``ERROR: [Errno 98] ...``, exit 3."""
+    (open_tmp / "envs.py").write_text(CODE_ENV)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--backend", "sandbox",
+                               "--port", str(port)], cwd=open_tmp, capture_output=True, text=True, timeout=WAIT * 5,
+                              env=server_env())
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "", done.stdout  # no URL, no "give clients the whole URL"
+    assert done.stderr.splitlines() == [f"smolbench serve: port {port} on 127.0.0.1 is in use: [Errno 98] Address already "
+                                        "in use; pick another with --port N (or --port 0 for any free one)"], done.stderr
+    assert not (open_tmp / ".smolbench").exists()  # no session, no machine, was started
+
+
+def test_port_0_serves_on_a_free_port_the_url_it_prints_names(open_tmp: Path) -> None:
+    """``--port 0`` (what the port-in-use line suggests; refused on the old code): the URL names
+    the port it got, and serves."""
+    import httpx
+
+    with serve(open_tmp, "envs.py:code_env", "--port", "0") as server:
+        assert server.port != 0
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT)
+        assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.out
+
+
+def test_over_http_a_step_with_no_episode_and_a_bad_seed_are_told_as_they_are(open_tmp: Path) -> None:
+    """OpenEnv's HTTP routes are stateless (a session of its own for each request, closed after
+    it): a ``POST /step`` never has an episode. On the old code it said ``the env (machine ?):
+    step() before reset() ...``, a placeholder and advice HTTP can't follow. Any seed that is
+    not a whole number from 0 to 2**63-1 (``true``, ``1.0``, ``"1"``, ``-1`` too) is smolbench's
+    one line, 400 (the README said OpenEnv's 422, taking ``true`` as 1)."""
+    import httpx
+
+    with serve(open_tmp, "envs.py:code_env", "--port", "0") as server:
+        r = httpx.post(f"{server.url}/step", json={"action": {"action": "x = 1"}}, timeout=WAIT)
+        said = r.json()["detail"]
+        assert r.status_code == 400 and "?" not in said and "\n" not in said, r.text
+        assert said.startswith("no episode to step: OpenEnv's HTTP POST /step is stateless"), said
+        assert "WebSocket" in said and "/ws" in said, said
+        for seed in (True, 1.0, "1", -1, 2**63, {"x": 1}):
+            r = httpx.post(f"{server.url}/reset", json={"seed": seed}, timeout=WAIT)
+            assert r.status_code == 400 and r.json()["detail"].startswith("seed should be a whole number"), (seed, r.text)
+            assert "\n" not in r.json()["detail"]
+        r = httpx.post(f"{server.url}/reset", content=b"{", headers={"content-type": "application/json"}, timeout=WAIT)
+        assert r.status_code == 422, r.text  # not JSON at all: OpenEnv's own (FastAPI's) answer
+        r = httpx.post(f"{server.url}/reset", json={"seed": 1, "episode_id": 5}, timeout=WAIT)
+        assert r.status_code == 422, r.text  # and its model's own fields (the README says which)
+        assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.out
+
+
+def test_sigterm_with_no_client_stops_at_once_while_the_practice_episode_waits_on_a_slow_step(open_tmp: Path) -> None:
+    """The warm parent's practice episode is the server's own, not a client's: a stop ends it
+    and deletes its machine. On the old code the stop waited for it to run out its 20 s
+    (``practice.PRACTICE_TIMEOUT``): ~19 s once its 30 s step had begun. The bound is half of
+    that; a server whose env steps quickly stops in about a second."""
+    with serve(open_tmp, "envs.py:slow", "--port", str(free_port())) as server:
+        deadline = time.monotonic() + WAIT
+        while not waits(server.machines()):  # the practice episode's step has begun
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.out
+            time.sleep(0.1)
+        machines = server.machines()
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(WAIT)
+        took = time.monotonic() - start
+    assert code == 0, server.out
+    assert "stopped; every machine it made is deleted" in server.out, server.out
+    assert took < 10, f"the stop took {took:.1f} s"
+    assert not [p for p in machines if _procs.running(*p)], "machines left after the stop"
