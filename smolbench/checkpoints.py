@@ -69,11 +69,6 @@ class CheckpointsMixin(WorkbenchPart):
         start_idx = next((i for i in range(len(path) - 2, -1, -1)
                           if path[i].id in self.machines or path[i].checkpoint), None)
         cur: MachineRef | None = None
-        # Whether a `reward` the start brought back is the line's own (the guest keeps one it restored
-        # from being reported until a cell sets one): so from a checkpoint saved of that node here,
-        # not from a live machine (its state is the line's as it is) nor from the checkpoint a restored
-        # node came from (its branches reported no such reward: the replay must not either).
-        own_save = True
         try:
             if start_idx is None:
                 if target.parent is None and target.run_id and target.id.startswith("ep"):
@@ -87,7 +82,6 @@ class CheckpointsMixin(WorkbenchPart):
                         "keep a branch (--keep) or checkpoint one (`%smol checkpoint save`) to make replays possible")
             elif path[start_idx].id in self.machines:
                 cur = self.machines[path[start_idx].id]
-                own_save = False
                 start = path[start_idx]
                 if start.cells > path[start_idx + 1].forked_at:
                     risks.append(f"{start.id} ran {start.cells - path[start_idx + 1].forked_at} more cell(s) after the fork")
@@ -97,7 +91,6 @@ class CheckpointsMixin(WorkbenchPart):
                 if rec is None or self.shelf.store.usable(rec.get("path")) is not None:
                     raise SmolbenchError(f"can't replay {node_id}: the checkpoint {anc.checkpoint!r} of {anc.id} is gone")
                 cur = await self._restore_file(rec, f"replay-{anc.id}")
-                own_save = rec.get("node_id") == anc.id and rec.get("session_id") == self.session
                 temps.append(cur)
                 notes.append(f"started from checkpoint {anc.checkpoint}")
                 if int(rec.get("cells") or 0) != path[start_idx + 1].forked_at:
@@ -120,7 +113,7 @@ class CheckpointsMixin(WorkbenchPart):
                         risks.append(f"a cell of {step.id} used --push {c['pushed']}; those values were not recorded")
                     # the branch's first cell reseeded what the fork did (its "reseeded" metric says what)
                     again = i == 0 and bool((step.metrics or {}).get("reseeded"))
-                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again, replay=own_save),
+                    res = await self.backend.exec_cell(cur, CellRequest(c["code"], seed=seed_now, reseed=again),
                                                        _forward(on_event, step.id))
                     if res.status != "ok":
                         err = res.error or {}

@@ -1,11 +1,10 @@
-"""A restored machine reports the reward its own cells set, as a fresh machine does.
+"""A node reports the reward its own cells set: a restored machine, and a branch.
 
-On a fresh machine a cell's reward is the `reward` in its namespace, which only its cells (or
-its ancestors', for a fork's branches) can have set. A restore brought back the teacher's
-`reward = 45`, and the student's first plain cell recorded 45 as its node's reward in the tree
-and the ledger. A restored `reward` now counts once a cell sets one (even to the same value),
-a branch of a restored machine reports the reward its cell sets, and a replay that starts from
-a checkpoint of its own line still reports what the line did.
+A restore brought back the teacher's `reward = 45`, and the student's first plain cell recorded
+45 as its node's reward in the tree and the ledger. Likewise a branch whose cell set no reward
+reported its parent's (every branch of a fork ranked by the parent's old reward, and the "same
+reward" note blamed the seeds). A `reward` a node holds but did not set now counts once a cell
+sets one (even to the same value); a replay reports what the line's own cells did.
 """
 
 from __future__ import annotations
@@ -50,8 +49,9 @@ def test_a_restored_reward_is_not_the_next_cell_s(open_tmp: Path) -> None:
 
 
 def test_a_replay_from_its_line_s_checkpoint_reports_what_the_line_did(open_tmp: Path) -> None:
-    """A fork whose branches set no reward report their parent's (a fresh machine's rule); a
-    replay of one, started from the parent's checkpoint once the parent is gone, reports it too."""
+    """A fork whose branches set no reward report none (not their parent's); a replay of one,
+    started from the parent's checkpoint once the parent is gone, reports none too, and a
+    branch that sets one reports its own."""
     import smolbench
     from smolbench._session import _block
 
@@ -59,12 +59,14 @@ def test_a_replay_from_its_line_s_checkpoint_reports_what_the_line_did(open_tmp:
         s.run("reward = 45").raise_for_error()
         s.checkpoint_save("base")
         fork = s.fork(2, "z = SEED", seeds=[1, 2], keep="all")
-        assert [r["reward"] for r in fork.rows.values()] == [45.0, 45.0]
+        assert [r["reward"] for r in fork.rows.values()] == [None, None]
+        assert s.fork(2, "reward = 45 if SEED == 1 else 2", seeds=[1, 2], keep="none").rewards == {
+            "root.2": 45.0, "root.3": 2.0}  # its own, even the parent's value
         branch = next(iter(fork.rows))
         s.delete("root")
         assert s.workbench is not None
         said = _block(s.workbench.replay(branch, lambda *_: None))
-        assert said["reward"] == 45.0 and said["match"], said["message"]
+        assert said["reward"] is None and said["match"], said["message"]
         assert "started from checkpoint base" in said["message"]
 
 

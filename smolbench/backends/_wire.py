@@ -15,7 +15,6 @@ from .base import CellRequest
 def exec_message(request: CellRequest) -> dict[str, Any]:
     """The agent request for one cell."""
     return {
-        **({"replay": True} if request.replay else {}),
         "op": "exec",
         "code": request.code,
         "cell": request.cell_name,

@@ -63,7 +63,6 @@ class CellRequest:
     trust_pull: bool = False  # --pull-trusted / %smol trust on: pulled pickles may be loaded
     trust_display: bool = False  # %smol trust on: display bundles are shown raw
     output: Any = None  # the cell's gate.OutputBudget (None: the default limits, no log)
-    replay: bool = False  # re-runs a recorded cell: a `reward` its checkpoint restored is its line's, as at the save
 
 
 @dataclass

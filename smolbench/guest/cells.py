@@ -31,8 +31,6 @@ class Cells:
             filename = "<%s@%s>" % (filename.strip("<>"), self.name)
         code = req.get("code", "")
         self.reported = {}
-        if req.get("replay") and not self.reward_restored_at_save:
-            self.restored_reward = None  # replaying the line that saved it: its `reward` was that line's own
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
         started = time.time()
@@ -97,7 +95,7 @@ class Cells:
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         tree = ast.parse(transform(code), filename, "exec")  # %pip / !pip lines; the cache above keeps what was typed
-        sets_reward = self.restored_reward is not None and _binds(tree, "reward")
+        sets_reward = self.inherited_reward is not None and _binds(tree, "reward")
         last, value = None, None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
@@ -106,15 +104,15 @@ class Cells:
         if last is not None:
             value = eval(compile(last, filename, "eval"), self.ns)
         if sets_reward:  # it ran to its end: set here, even to the value restored (45 is 45); a
-            self.restored_reward = None  # cell that failed first set one only if it changed (see below)
+            self.inherited_reward = None  # cell that failed first set one only if it changed (see below)
         return value
 
     def _reward_and_metrics(self):
-        # As on a fresh machine, a reward is the `reward` this machine's cells set (or report()):
-        # one a restore brought back is not, until a cell sets another (or a branch's does).
-        stale = self.restored_reward
+        # A node's reward is the `reward` its own cells set (or report()): one a restore brought
+        # back, or a branch had from its parent, is not, until a cell here sets one.
+        stale = self.inherited_reward
         if stale is not None and self.ns.get("reward", stale) is not stale[0]:
-            self.restored_reward = stale = None
+            self.inherited_reward = stale = None
         reward = self.reported.get("reward", self.ns.get("reward") if stale is None else None)
         out = {"reward": None, "metrics": {}, "reward_error": None}
         if reward is not None:

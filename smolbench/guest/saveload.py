@@ -30,8 +30,6 @@ class SaveLoad:
                 skipped.append("%s (%s)" % (key, type(exc).__name__))
         os.makedirs(path, exist_ok=True)
         data = {"vars": state, "modules": modules, "seed": self.seed, "name": self.name}
-        if self.restored_reward is not None:  # its `reward` was restored, not set by its cells (see load)
-            data["reward_restored"] = True
         blob = pickle.dumps(data, protocol=4)
         with open(os.path.join(path, "namespace.pkl"), "wb") as fh:
             fh.write(blob)
@@ -73,18 +71,15 @@ class SaveLoad:
                 failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
-        self.reward_restored_at_save = bool(data.get("reward_restored"))
         self._reward_restored()
         return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
 
     def restored_as_saved(self):
         """This agent woke up in a whole-machine checkpoint (a microVM's snapshot, its memory as
         it was): its `reward` is then the saved one, as after a load."""
-        self.reward_restored_at_save = self.restored_reward is not None
         self._reward_restored()
 
     def _reward_restored(self):
         # A `reward` the checkpoint's cells set is not this machine's: it is reported, as on a
-        # fresh machine, once a cell here sets one (see Cells._reward_and_metrics). A replay goes
-        # on the saved line: its cells say so, and then only one that was restored there stays so.
-        self.restored_reward = (self.ns["reward"],) if "reward" in self.ns else None
+        # fresh machine, once a cell here sets one (see Cells._reward_and_metrics).
+        self.inherited_reward = (self.ns["reward"],) if "reward" in self.ns else None

@@ -12,8 +12,9 @@ class Seeds:
 
     def apply_seed(self, seed, name=None):
         """Seed this machine: ``SEED``, random, numpy (if imported), SMOLBENCH_SEED."""
-        if name:
+        if name and name != self.name:  # a new node (a branch, a restore): a `reward` it holds is not its own
             self.name = name
+            self.inherited_reward = (self.ns["reward"],) if "reward" in self.ns else None
         self.seed = seed
         self.ns["SEED"] = seed
         if seed is None:

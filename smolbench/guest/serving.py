@@ -43,8 +43,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self._forking = 0  # branches being forked now (they count in our RLIMIT_NPROC already)
         self._nproc_lock = threading.Lock()
         self.reported = {}
-        self.restored_reward = None  # (the value,) of a `reward` a restore brought back, until a cell sets one
-        self.reward_restored_at_save = False  # the checkpoint restored had such a `reward` itself
+        self.inherited_reward = None  # (the value,) of a `reward` a restore or a fork brought, until a cell sets one
         self._conn = None  # connection of the running request
         self._held, self._held_lock = None, threading.Lock()  # a held fork's release end (branching.py)
         self._send_lock = threading.Lock()
