@@ -6,7 +6,7 @@ Example::
     cpus = 2
     memory = "2G"                  # or an integer number of MiB; at most the host's RAM
     pids = 256                     # processes and threads at once (a fork bomb stops here)
-    disk = "1G"                    # workspace + /tmp budget
+    disk = "1G"                    # workspace + /tmp budget (sandbox default: half of memory)
     init_timeout = 300             # seconds all of init may take
     max_alive = 8                  # kept idle machines alive at once (least recently used go first)
     net = false

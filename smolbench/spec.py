@@ -38,7 +38,7 @@ class MachineSpec:
     volumes: tuple[Volume, ...] = ()
     branch: bool = True
     pids: int = 256  # processes and threads the machine may have at once
-    disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default (sandbox: memory)
+    disk_mib: int | None = None  # workspace + /tmp budget; None: the backend's default (sandbox: files_mib)
     init_timeout: float = 300.0  # seconds all of ``init`` may take
     max_alive: int = 8  # kept (idle) machines alive at once; more are deleted, least recently used first
     episodes_fresh: str = "zygote"  # [episodes] fresh: "zygote" (branches of a pristine machine) or "boot"
@@ -54,6 +54,15 @@ class MachineSpec:
     def network_enabled(self) -> bool:
         """True when the machine may reach any network at all."""
         return self.net or bool(self.allow_hosts) or bool(self.allow_cidrs)
+
+    @property
+    def files_mib(self) -> int:
+        """The budget for files a sandbox keeps in memory (workspace, /tmp, /dev/shm): the
+        Smolfile's ``disk``, else half of ``memory``. Under a cgroup those files count as the
+        machine's memory, so a default disk as big as memory let a full disk kill the machine
+        for memory; half leaves the machine room to live, and a full disk fails with ENOSPC.
+        Not in ``baseline()``: the Smolfile is the same, only the default's meaning moved."""
+        return self.disk_mib or max(self.memory // 2, 16)
 
     @property
     def policy(self) -> NetPolicy:

@@ -332,7 +332,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
             if _out_of_memory(res):
-                raise SmolbenchError(out_of_memory_line(ref.spec))
+                raise SmolbenchError(out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")))
             await self._remember_state(ref)
             if res.reward is not None:
                 node.reward = res.reward
@@ -683,7 +683,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             return
         self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
         if _out_of_memory(res):  # the one line, not a traceback into the allocation
-            res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec), "traceback": []}
+            res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")), "traceback": []}
         output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
         if res.status == "ok" and res.metrics.get("reward_error"):
             self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)

@@ -39,6 +39,9 @@ needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not insta
 BACKENDS = [pytest.param("sandbox", marks=needs_bwrap), "process"]
 WEAKEN = "from smolbench.backends import _limits\n_limits.ENFORCE = False"
 OOM = "machine ran out of memory (limit 256M): raise memory in the Smolfile"
+# A sandbox its cgroup killed: the files it keeps in memory counted too, and the line says so.
+FILES_OOM = ("machine ran out of memory (limit 256M, the files it wrote included: up to disk = {disk} of them): raise "
+             "memory in the Smolfile, or lower disk so that a full disk fails writes with ENOSPC first")
 
 # Inside a machine: fork up to 100 sleeping children, count how many the kernel allowed.
 FORK_PROBE = """
@@ -176,7 +179,8 @@ def test_a_branch_killed_for_memory_says_so_in_one_line_and_the_parent_carries_o
     if weakened:
         assert value(cell) == str(400 << 20)
     else:
-        assert one_line_error(cell).endswith(OOM + " (machine root.0 was lost); the active machine is now root")
+        lost = FILES_OOM.format(disk="128M") + " (machine root.0 was lost); the active machine is now root"
+        assert one_line_error(cell).endswith(lost)
         assert "root.0" in tree and not any("root.0" in ln and "alive" in ln for ln in tree.splitlines()), tree
 
 
@@ -223,7 +227,7 @@ def test_every_filesystem_in_memory_a_machine_can_write_is_bounded(tmp_path: Pat
     for path in ("/dev/shm/fill", "/workspace/fill"):
         assert value(small[path]).endswith("'ENOSPC']") and int(value(small[path])[1:].split(",")[0]) <= 32
     if error_output(run) is not None:  # a cgroup counted the run folder as the machine's memory
-        assert OOM in one_line_error(run)
+        assert FILES_OOM.format(disk="32M") in one_line_error(run)
     else:
         got = value(run)  # rlimits: the run folder's own size (memory + disk + 16 MiB) stopped it
         assert got.endswith("'ENOSPC']") and int(got[1:].split(",")[0]) <= 256 + 32 + 16, got

@@ -107,14 +107,15 @@ def test_a_machine_killed_for_memory_says_so_and_leaves_the_tree(nb: NotebookSes
     # during a save: the agent's save itself runs out of memory
     ok(nb.run("%%smol\ndef greedy(path):\n" + "".join("    " + ln + "\n" for ln in SHARED.splitlines()) + "_agent.save = greedy"))
     line = one_line(nb.run("%smol checkpoint save oom"))
-    assert "machine ran out of memory (limit 512M)" in line and "machine root was lost" in line, line
+    assert "machine ran out of memory (limit 512M, the files it wrote included" in line and "machine root was lost" in line, line
     assert "closed the connection" not in line
     tree = tree_text(ok(nb.run("%smol tree")))
     assert "alive" not in tree and "active" not in tree and "lost" in tree, tree
     # and in a cell, on a fresh machine
     ok(nb.run("%smol up --backend sandbox"))
     line = one_line(nb.run("%%smol\n" + SHARED))
-    assert "machine ran out of memory (limit 512M)" in line and "`%smol up` starts a fresh machine" in line, line
+    assert "machine ran out of memory (limit 512M, the files it wrote included" in line, line
+    assert "`%smol up` starts a fresh machine" in line, line
     assert "no machine is up: run `%smol up` first" in one_line(nb.run("%%smol\n1"))
 
 

@@ -48,6 +48,8 @@ LOG_LIMIT = 8 << 20  # bytes of a machine's own output (its fds 1 and 2) kept in
 class AgentHostBackend(Backend):
     """A guest agent per machine, on this host; branches by ``os.fork()`` inside it."""
 
+    files_in_memory = False  # a machine's files (workspace, /tmp) live in memory its cgroup counts
+
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         self._runtime_base = runtime_dir
         self._machines: dict[str, MachineRef] = {}
@@ -110,6 +112,11 @@ class AgentHostBackend(Backend):
                    tree: dict[int, builtins.list[tuple[int, str]]] | None = None) -> dict[int, int]:
         """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
         return _procs.host_pids(ancestor, guest_pids, tree)
+
+    def _lost_for_memory(self, spec: MachineSpec) -> str:
+        """The line of a machine its cgroup killed for memory (a cgroup counts what a sandbox
+        keeps in memory as files too: its line names ``disk``)."""
+        return _limits.out_of_memory_line(spec, files=self.files_in_memory)
 
     def _makes_leaves(self) -> bool:
         """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
@@ -425,10 +432,10 @@ class AgentHostBackend(Backend):
                 res = await gate.read_cell(chunks, request, on_event, machine.name)
         except SmolbenchError:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
-                raise MachineLost(f"{_limits.out_of_memory_line(machine.spec)} (machine {machine.name} was lost)") from None
+                raise MachineLost(f"{self._lost_for_memory(machine.spec)} (machine {machine.name} was lost)") from None
             raise
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
-            res.error = {"ename": "MemoryError", "evalue": _limits.out_of_memory_line(machine.spec), "traceback": []}
+            res.error = {"ename": "MemoryError", "evalue": self._lost_for_memory(machine.spec), "traceback": []}
         return res
 
     async def open_channel(self, machine: MachineRef, request: CellRequest) -> Channel:
@@ -437,7 +444,7 @@ class AgentHostBackend(Backend):
         ooms = limits.oom_kills() if limits is not None else 0
 
         def lost() -> str | None:
-            return _limits.out_of_memory_line(machine.spec) if limits is not None and limits.oom_kills() > ooms else None
+            return self._lost_for_memory(machine.spec) if limits is not None and limits.oom_kills() > ooms else None
 
         loop = asyncio.get_running_loop()
         _, chan = await self._connect(machine, lambda path: loop.create_unix_connection(
@@ -627,7 +634,7 @@ class AgentHostBackend(Backend):
             return await self._request(ref, msg)
         except SmolbenchError as exc:
             if limits is not None and limits.oom_kills() > ooms:
-                raise MachineLost(f"{_limits.out_of_memory_line(ref.spec)} (machine {ref.name} was lost)") from None
+                raise MachineLost(f"{self._lost_for_memory(ref.spec)} (machine {ref.name} was lost)") from None
             if ": MemoryError:" in str(exc):  # past its rlimit: the machine lives on
                 raise SmolbenchError(_limits.out_of_memory_line(ref.spec)) from None
             raise
@@ -660,6 +667,10 @@ class AgentHostBackend(Backend):
             await self.delete(ref)
             if isinstance(exc, (_NoRoom, MachineLost)) or str(exc) == _limits.out_of_memory_line(spec):
                 raise SmolbenchError(str(exc) if isinstance(exc, _NoRoom) else f"restoring checkpoint {path}: {exc}") from None
+            if ": OSError: [Errno 28] " in str(exc):  # its workspace is more than this machine's disk
+                raise SmolbenchError(f"checkpoint {path} doesn't fit in a new machine (No space left on device: its files "
+                                     f"are more than disk = {_limits.format_mib(spec.files_mib)}): raise disk in the "
+                                     "Smolfile") from None
             why = str(exc).split(": ", 1)[-1]
             raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
         except BaseException:

@@ -152,8 +152,9 @@ def as_sandbox_uid(argv: list[str]) -> list[str]:
 
 
 def disk_mib(spec: MachineSpec) -> int:
-    """The machine's files budget: the Smolfile's ``disk``, else its memory (files live in memory)."""
-    return spec.disk_mib or spec.memory
+    """The machine's files budget: the Smolfile's ``disk``, else half its memory (files live in
+    memory and, under a cgroup, count as it: see ``MachineSpec.files_mib``)."""
+    return spec.files_mib
 
 
 def run_folder_mib(spec: MachineSpec) -> int:

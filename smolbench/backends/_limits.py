@@ -88,9 +88,19 @@ def thread_env(spec: MachineSpec) -> dict[str, str]:
     return {var: str(spec.cpus) for var in THREAD_VARS}
 
 
-def out_of_memory_line(spec: MachineSpec) -> str:
-    """The one line a cell that ran out of memory gets."""
-    return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
+def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = None) -> str:
+    """The one line a cell that ran out of memory gets. ``files``: the machine's files live in
+    memory and its cgroup counted them (a sandbox's workspace, /tmp and /dev/shm), so the line
+    says so and names ``disk``, whose full store fails writes with ENOSPC instead. ``said``:
+    the error a backend gave the cell; that line when it is the files one (compared whole: a
+    machine's own error text never passes as ours)."""
+    if not files and said is not None and said == out_of_memory_line(spec, files=True):
+        files = True
+    if not files:
+        return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
+    return (f"machine ran out of memory (limit {format_mib(spec.memory)}, the files it wrote included: up to disk = "
+            f"{format_mib(spec.files_mib)} of them): raise memory in the Smolfile, or lower disk so that a full disk "
+            "fails writes with ENOSPC first")
 
 
 # What a new branch takes of the host at least (measured by bench/scale.py: about 5 MiB PSS for

@@ -69,6 +69,7 @@ class SandboxBackend(AgentHostBackend):
     """Machines as bubblewrap sandboxes on this host; branches by ``os.fork()``."""
 
     name = "sandbox"
+    files_in_memory = True  # tmpfs stores sized by the Smolfile's disk (see MachineSpec.files_mib)
 
     def __init__(self, *, runtime_dir: str | None = None) -> None:
         bwrap = bwrap_path()
