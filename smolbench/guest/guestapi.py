@@ -45,6 +45,10 @@ class GuestAPI(types.ModuleType):
 
         return pipsite.run(args)
 
+    def _pip_line(self, *args):
+        """A cell's ``%pip ARGS`` line: pip's output in the cell, no value, no raise (IPython's)."""
+        self.pip(*args)
+
     @property
     def node(self):
         """This machine's node id in the fork tree (e.g. ``root.3``)."""

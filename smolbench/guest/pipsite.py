@@ -10,7 +10,11 @@ agent's own interpreter (not, say, Debian's ``/usr/bin/pip``, which refuses to i
 externally managed), and ``PIP_TARGET`` sends every install to the machine's folder (an
 install into a ``--target`` is not the system's, so pip's externally-managed check does
 not apply; ``PIP_BREAK_SYSTEM_PACKAGES`` says so to older pips). In a cell, ``%pip ...``
-and ``!pip ...`` lines run that pip, with its output in the cell.
+and ``!pip ...`` lines run that pip, with its output in the cell; like IPython's ``%pip``
+they are statements (no ``Out`` value) and a failed pip does not raise. In a machine whose
+network policy is off (``SMOLBENCH_NET_POLICY``, which the host sets) pip doesn't retry
+(``PIP_RETRIES=0``: no lookup can succeed), and a failed ``%pip`` that asked an index ends
+with one line saying why and how to allow it.
 """
 
 import importlib
@@ -21,6 +25,10 @@ import sys
 TARGET = ".packages"  # in the workdir: what pip in the machine installs into
 SHIMS = ".bin"  # in the target: `pip` and `pip3` as `python -m pip` (not pip's own bin/, which it would skip)
 _LINE = re.compile(r"^([ \t]*)[%!](pip3?)(?:[ \t]+(.*))?$")
+# pip's commands; those that ask a package index (unless --no-index)
+_COMMANDS = frozenset(("install", "download", "uninstall", "freeze", "inspect", "list", "show", "check", "config",
+                       "search", "cache", "index", "wheel", "hash", "completion", "debug", "help", "lock"))
+_ASK_INDEX = frozenset(("install", "download", "search", "index", "wheel", "lock"))
 
 
 def setup(packages, workdir):
@@ -41,7 +49,29 @@ def setup(packages, workdir):
     env["PIP_TARGET"] = target
     env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # only ever into PIP_TARGET, the machine's own folder
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    if _network_off():
+        env.setdefault("PIP_RETRIES", "0")  # five retries of a lookup that can't succeed: ~8 s of warnings
     return target
+
+
+def _network_off(policy=None):
+    """Whether this machine's network policy (as the host passed it) is off; unknown: not off."""
+    policy = os.environ.get("SMOLBENCH_NET_POLICY", "") if policy is None else policy
+    return policy.startswith("off")
+
+
+def offline_note(args, policy=None):
+    """The one line a failed ``pip ARGS`` ends with when it asked a package index and this
+    machine has no network ('' otherwise: never where the network is on, or unknown)."""
+    if not _network_off(policy) or "--no-index" in args:
+        return ""
+    command = next((a for a in args if a in _COMMANDS), None)
+    if command not in _ASK_INDEX:
+        return ""
+    return ("smolbench: this machine has no network (its network policy is off), so pip can't reach the package "
+            "index: allow it with `%smol up --allow pypi.org,files.pythonhosted.org` (or the Smolfile's [network] "
+            "allow_hosts), or list the package in the Smolfile's `packages` (installed on the host: the machine "
+            "needs no network)\n")
 
 
 def _site_index():
@@ -90,12 +120,13 @@ def run(args, out=None, err=None):
         code = proc.wait()
     importlib.invalidate_caches()
     if code != 0:
-        (err or sys.stderr).write("pip exited with status %d\n" % code)
+        (err or sys.stderr).write("pip exited with status %d\n" % code + offline_note(args))
     return code
 
 
 def transform(code):
-    """A cell's ``%pip ...`` / ``!pip ...`` lines as calls of ``smolbench_guest.pip`` (same line numbers)."""
+    """A cell's ``%pip ...`` / ``!pip ...`` lines as calls of ``smolbench_guest._pip_line``
+    (same line numbers), which gives no value: as IPython's, a last ``%pip`` line is no ``Out``."""
     if "pip" not in code:
         return code
     lines = code.split("\n")
@@ -109,5 +140,5 @@ def transform(code):
                 args = shlex.split(rest, comments=True)
             except ValueError:
                 continue  # left as it is: the cell's syntax error says where
-            lines[number] = "%ssmolbench_guest.pip(*%r)" % (indent, args)
+            lines[number] = "%ssmolbench_guest._pip_line(*%r)" % (indent, args)
     return "\n".join(lines)
