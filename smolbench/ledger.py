@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,6 +198,39 @@ class Ledger:
             self._db.close()
             raise
 
+    @classmethod
+    def read_only(cls, path: str | os.PathLike[str] = DEFAULT_PATH) -> Ledger | None:
+        """The ledger at ``path`` to read (SQLite's ``mode=ro``: nothing written, no table added,
+        no ledger made), or None where there is none. Checked as every ledger is opened: a plain
+        file in a plain folder, a schema of smolbench's own tables (a copied folder's ledger is
+        its author's file)."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        if not self.path.name or self.path.is_dir():
+            raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
+        _refuse_links(self.path)
+        if not self.path.exists():
+            return None
+        self._lock = threading.RLock()
+        uri = "file:" + urllib.parse.quote(str(self.path.absolute())) + "?mode=ro"
+        try:
+            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise SmolbenchError(f"can't open the ledger {path} to read ({exc}): check the path and its permissions") from None
+        try:
+            guard(self._db, self.path)
+            self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
+        except UnsafeLedger as exc:
+            self._db.close()
+            raise SmolbenchError(str(exc)) from None
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise SmolbenchError(f"ledger {path} is not a readable smolbench ledger ({exc})") from None
+        except BaseException:
+            self._db.close()
+            raise
+        return self
+
     def _move_checkpoint_columns(self) -> None:
         """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
         and are dropped (SQLite 3.35 drops columns): older releases write a checkpoint row's nine
@@ -342,9 +376,7 @@ class Ledger:
         Their machines died with their kernel; ``ended`` becomes the time the row was
         last written (``seen``).
         """
-        host = socket.gethostname()
-        dead = [r["id"] for r in self._rows("SELECT id, host, pid, pid_start FROM sessions WHERE id != ?", (current,))
-                if r["host"] == host and not _alive(r["pid"], r["pid_start"])]
+        dead = self.dead_sessions(current)
         count = 0
         marks = ", ".join("?" * len(UNFINISHED))
         with self._lock:
@@ -363,6 +395,12 @@ class Ledger:
                 self._db.execute("UPDATE runs SET status = 'lost', ended = COALESCE(ended, ?) "
                                  "WHERE session_id = ? AND ended IS NULL", (time.time(), sid))
         return count
+
+    def dead_sessions(self, current: str | None = None) -> list[str]:
+        """Sessions (but ``current``) whose kernel, on this host, is gone: their machines went with it."""
+        host = socket.gethostname()
+        return [r["id"] for r in self._rows("SELECT id, host, pid, pid_start FROM sessions WHERE id IS NOT ?", (current,))
+                if r["host"] == host and not _alive(r["pid"], r["pid_start"])]
 
     def touch_checkpoint(self, name: str) -> None:
         """Record that checkpoint ``name``'s file was added again (``readded``, which a take-back

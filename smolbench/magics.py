@@ -6,6 +6,7 @@ import contextlib
 import queue
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -246,9 +247,21 @@ class SmolMagics(Magics):
         gone = self.session.delete(args.node)
         print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
 
+    def _ledger_path(self) -> str:
+        """The ledger `%smol up` would use (read while nothing is up: see ``pastledger``)."""
+        from .ledger import DEFAULT_PATH
+
+        return (self.session.ledger_path if self.session is not None else None) or DEFAULT_PATH
+
     def _do_tree(self, rest: str) -> Any:
         """One tree: the live view (its static copy is what a saved notebook shows); the text
-        tree only where the widget can't be made."""
+        tree only where the widget can't be made. Nothing up: the ledger's last session, as text."""
+        if self.workbench is None:
+            from .pastledger import tree_view
+
+            tree, line = tree_view(self._ledger_path(), "tree")
+            print(line if tree is None else f"{line}\n{tree.render()}")
+            return None
         wb = self._wb()
         try:
             from .widgets import tree_widget
@@ -261,12 +274,20 @@ class SmolMagics(Magics):
 
     def _do_ledger(self, rest: str) -> Any:
         args = parse_argstring(_ledger_args, rest)
-        df = self._wb().ledger.nodes()
+        if args.n < 1:
+            raise UsageError(f"-n must be at least 1, got {args.n}: e.g. %smol ledger -n 20")
+        if self.workbench is None:  # this folder's ledger, read-only
+            from .pastledger import nodes_view
+
+            df, line = nodes_view(self._ledger_path())
+            print(line)
+            if df is None:
+                return None
+        else:
+            df = self.workbench.ledger.nodes()
         if df.empty:
             print("smolbench: the ledger is empty")
             return None
-        if args.n < 1:
-            raise UsageError(f"-n must be at least 1, got {args.n}: e.g. %smol ledger -n 20")
         cols = [c for c in ("session_id", "id", "parent_id", "seed", "status", "reward", "started", "ended", "alive") if c in df]
         return ledger_table(df[cols].tail(args.n))
 
@@ -363,6 +384,12 @@ class SmolMagics(Magics):
     def _do_plot(self, rest: str) -> Any:
         from .widgets.plots import tree_figure
 
+        if self.workbench is None:  # the ledger's last session, read-only
+            from .pastledger import tree_view
+
+            tree, line = tree_view(self._ledger_path(), "rewards")
+            print(line)
+            return None if tree is None else tree_figure(types.SimpleNamespace(tree=tree))
         return tree_figure(self._wb())
 
     # -- cells ------------------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""`%smol ledger`, `%smol tree` and `%smol plot` with nothing up read this folder's ledger (the
+one `%smol up` would use), read-only: after a kernel restart, what was lost. A folder with no
+ledger gets one line and no ledger made; a ledger that links elsewhere or holds SQL of its own
+is refused as every ledger is."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+from nbhelpers import NotebookSession, ok, one_line, plain_texts, result_text, stream_text
+
+from smolbench.ledger import Ledger
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+NOTHING_UP = "smolbench: nothing is up:"
+
+
+def _ledger_files(folder: Path) -> dict[str, bytes]:
+    """The ledger and its write-ahead log as bytes (SQLite's -shm is an index readers share)."""
+    return {p.name: p.read_bytes() for p in (folder / ".smolbench").iterdir() if not p.name.endswith("-shm")}
+
+
+@needs_bwrap
+def test_after_the_kernel_died_ledger_tree_and_plot_show_what_the_ledger_has(open_tmp: Path) -> None:
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        ok(nb.run("%%smol fork 3 --keep all --seed-base 10 --quiet\nreward = SEED"))
+        nb.kill()  # kill -9: its machines die with it, its rows still say alive
+    before = _ledger_files(open_tmp)
+    with NotebookSession(open_tmp, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ledger = ok(nb.run("%smol ledger"))
+        tree = ok(nb.run("%smol tree"))
+        plot = ok(nb.run("%smol plot"))
+        status = stream_text(ok(nb.run("%smol status")))
+    assert _ledger_files(open_tmp) == before  # read, never written
+    said = stream_text(ledger)
+    assert said.startswith(NOTHING_UP) and "read-only" in said and said.count("\n") == 1, said
+    table = str(result_text(ledger))
+    for node in ("root", "root.0", "root.1", "root.2"):
+        assert node in table, table
+    assert "lost" in table and "yes" not in table, table  # its kernel is gone: nothing is alive
+    text = stream_text(tree)
+    head, rest = text.split("\n", 1)
+    assert head.startswith(NOTHING_UP) and "last session" in head and "`%smol up`" in head, head
+    assert "root  lost" in rest and "root.2  seed=12  ok  reward=12 *" in rest and "alive" not in rest, rest
+    said = stream_text(plot)
+    assert said.startswith(NOTHING_UP) and "last session" in said, said
+    assert any("reward by depth · 3 of 4 nodes rewarded" in t for t in plain_texts(plot)), plain_texts(plot)
+    assert "no machine is up" in status
+
+
+def test_with_no_ledger_here_each_says_so_and_makes_none(open_tmp: Path) -> None:
+    with NotebookSession(open_tmp, timeout=120, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        said = [stream_text(ok(nb.run(f"%smol {cmd}"))) for cmd in ("ledger", "tree", "plot")]
+    for line in said:
+        assert line == f"{NOTHING_UP} this folder has no ledger yet (.smolbench/ledger.db): `%smol up` starts one\n", line
+    assert not (open_tmp / ".smolbench").exists()
+
+
+def test_a_copied_ledger_that_links_elsewhere_or_holds_sql_is_refused(open_tmp: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Ledger(outside / "ledger.db").close()
+    (open_tmp / ".smolbench").mkdir()
+    (open_tmp / ".smolbench" / "ledger.db").symlink_to(outside / "ledger.db")
+    with NotebookSession(open_tmp, timeout=120, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        linked = one_line(nb.run("%smol ledger"))
+        (open_tmp / ".smolbench" / "ledger.db").unlink()
+        Ledger(open_tmp / ".smolbench" / "ledger.db").close()
+        with sqlite3.connect(open_tmp / ".smolbench" / "ledger.db") as db:
+            db.execute("CREATE VIEW planted AS SELECT 1")
+        planted = one_line(nb.run("%smol tree"))
+    assert "has a symbolic link at ledger.db" in linked and "a ledger is opened only as a plain file" in linked, linked
+    assert "holds SQL of its own (view 'planted')" in planted, planted
+
+
+def test_the_past_view_reads_without_writing_and_shows_dead_kernels_rows_as_lost(tmp_path: Path) -> None:
+    from smolbench.pastledger import open_past, past_nodes, past_tree
+
+    path = tmp_path / "ledger.db"
+    assert open_past(path) is None and not path.exists()  # none made
+    ledger = Ledger(path)
+    ledger.start_session("s1", backend="sandbox", host=socket.gethostname(), pid=0, pid_start=None)  # a kernel gone
+    ledger.upsert_node("s1", "root", status="idle", alive=1, started=1.0)
+    ledger.upsert_node("s1", "root.0", parent_id="root", seed=3, status="ok", reward=2.5, alive=1, started=2.0)
+    ledger.upsert_node("s1", "root.\x1b[31m", parent_id="root", status="ok", alive=0, started=3.0)
+    ledger.close()
+    past = open_past(path)
+    assert past is not None
+    try:
+        rows = {r["id"]: r for r in past_nodes(past)}
+        assert rows["root"]["status"] == "lost" and rows["root"]["alive"] == 0
+        assert rows["root.0"]["status"] == "ok" and rows["root.0"]["alive"] == 0
+        session, tree = past_tree(past)
+        assert session is not None and session["id"] == "s1"
+        assert tree["root.0"].reward == 2.5 and not tree["root.0"].alive
+        assert "\x1b" not in tree.render() and "root.\\x1b[31m" in tree.render()  # a ledger's strings are its author's
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            past._db.execute("DELETE FROM nodes")
+    finally:
+        past.close()
