@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,24 +85,60 @@ class CompositeError(Exception):
     """Several branches failed; shows the first few remote tracebacks.
 
     Like ipyparallel's ``CompositeError``: one failing branch never hides the
-    others, and the full list is in ``.errors`` (and in the ForkResult).
+    others, and the full list is in ``.errors`` (and in the ForkResult). Identical
+    errors (the same exception, message and traceback but for the branch's own name)
+    are shown once, naming their branches: "the same error in 4 episodes: ...".
     """
 
-    shown = 4
+    shown = 4  # distinct errors shown
+    named = 8  # branches named for one of them
 
-    def __init__(self, message: str, errors: Sequence[RemoteError | Any]) -> None:
+    def __init__(self, message: str, errors: Sequence[RemoteError | Any], unit: str = "branches") -> None:
         super().__init__(message)
         self.errors = list(errors)
+        self.unit = unit
+
+    def groups(self) -> list[list[RemoteError | Any]]:
+        """The errors, identical ones together, in the order they first appear."""
+        out: dict[tuple[str, ...], list[RemoteError | Any]] = {}
+        for err in self.errors:
+            out.setdefault(_same(err), []).append(err)
+        return list(out.values())
+
+    def _names(self, errors: Sequence[RemoteError | Any]) -> str:
+        names = [_node_of(e) for e in errors]
+        more = len(names) - self.named
+        return ", ".join(names[: self.named]) + (f" and {more} more" if more > 0 else "")
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"\x1b[0;31mCompositeError\x1b[0m: {self}"]
-        for err in self.errors[: self.shown]:
-            if isinstance(err, RemoteError):
-                lines.extend(err.render())
-            else:
-                lines.append(str(err))
+        groups = self.groups()
+        for group in groups[: self.shown]:
+            if len(group) > 1:
+                lines.append(f"the same error in {len(group)} {self.unit}: {self._names(group)}")
+            first = group[0]
+            lines.extend(first.render() if isinstance(first, RemoteError) else [str(first)])
             lines.append("")
-        more = len(self.errors) - self.shown
-        if more > 0:
-            lines.append(f"... {more} more")
+        rest = [err for group in groups[self.shown:] for err in group]
+        if rest:
+            lines.append(f"... {len(rest)} more ({self._names(rest)})")
         return lines
+
+
+_NODE = re.compile(r"^\[([^\]]*)\] ")
+
+
+def _node_of(err: RemoteError | Any) -> str:
+    if isinstance(err, RemoteError):
+        return err.node
+    match = _NODE.match(str(err))
+    return match.group(1) if match else "?"
+
+
+def _same(err: RemoteError | Any) -> tuple[str, ...]:
+    """What makes two branches' errors the same one: all of it but the branch's own name (its
+    cell's file name, ``<In [3]@root.2>``, and the ``[root.2]`` a line starts with)."""
+    if isinstance(err, RemoteError):
+        own = f"@{err.node}>"
+        return (err.ename, err.evalue, *(chunk.replace(own, "@>") for chunk in err.traceback))
+    return ("", _NODE.sub("", str(err), count=1))

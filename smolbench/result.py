@@ -193,8 +193,9 @@ class ForkResult:
             errors.append(self.remote_errors.get(r["branch"]) or f"[{r['branch']}] {r['status']}: {r['error'] or ''}")
         counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()) if k in ("error", "timeout", "cancelled"))
         first = failed[0]
-        return CompositeError(f"{len(failed)} of {len(self)} branches failed ({counts}); first: "
-                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}", errors)
+        unit = "episodes" if self.kind == "episodes" else "branches"
+        return CompositeError(f"{len(failed)} of {len(self)} {unit} failed ({counts}); first: "
+                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}", errors, unit)
 
     def raise_for_errors(self) -> None:
         """Raise a CompositeError if any branch failed."""

@@ -304,7 +304,7 @@ def test_failing_branches_are_reported_together_and_the_rest_succeed(session: No
     assert "[root.1] error: machine root.1 died mid-cell" in text  # os._exit(3)
     assert "[root.2] timeout: timed out after 2 s" in text
     assert "1 / 0" in text and "ZeroDivisionError: division by zero" in text
-    assert text.rstrip().endswith("... 1 more")  # the first 4 failures are shown
+    assert text.rstrip().endswith("... 1 more (root.4)")  # the first 4 failures are shown, the rest named
     assert "smolbench/" not in text  # no frames of our own layers
     assert "fork of 8 · 4 error · 3 ok · 1 timeout" in plain_texts(cell)[-1]
 

@@ -140,6 +140,7 @@ class TreeWidget(WorkbenchView):
             self.runs.add(result.run_id)
             self.fork_parent = result.parent
         self._scope = "fork" if result is not None else "session"
+        self._episodes = result is not None and result.kind == "episodes"  # its nodes: the episodes alone
         self._scope_ids: set[str] = set()
         self._log: list[str] = []
         title = "fork tree"
@@ -230,9 +231,14 @@ class TreeWidget(WorkbenchView):
             if rec is not None and rec["reward"] is not None
             else ""
         )
-        count = f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
-        alive = f"{live} machine{'s' if live != 1 else ''} alive" if live or not nodes else "every machine deleted"
         active = f"active machine {self.active}" if self.active else "no active machine"
+        if not nodes:  # a fan-out not started yet (episodes have no parent in their view)
+            return f"smolbench {self.title}: starting · {active}"
+        count = f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+        if self._episodes:  # the session's other machines (the active one) are not in this view
+            alive = f"{live} of their machines alive" if live else "their machines deleted"
+        else:
+            alive = f"{live} machine{'s' if live != 1 else ''} alive" if live else "every machine deleted"
         return f"smolbench {self.title}: {count} · {alive} · {active}{tail}"
 
     def last_fork(self) -> dict[str, Any] | None:
