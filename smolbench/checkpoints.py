@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ._aio import _made_in_thread, _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
-from .errors import MachineLost, SmolbenchError
+from .errors import MachineLost, SmolbenchError, reworded
 from .gate import restoring, terminal
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
@@ -268,7 +268,7 @@ class CheckpointsMixin(WorkbenchPart):
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")
                 text = text.replace("delete it with `%smol checkpoint rm`", "nothing was added") if adopted else \
                     text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
-                raise type(exc)(text) from None
+                raise reworded(exc, text) from None
 
     def checkpoint_remove(self, name: str) -> str:
         """Delete a checkpoint's file (when the gate's rule allows) and its ledger entry; what happened."""

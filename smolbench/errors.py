@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 
 class SmolbenchError(Exception):
@@ -142,3 +142,15 @@ def _same(err: RemoteError | Any) -> tuple[str, ...]:
         own = f"@{err.node}>"
         return (err.ename, err.evalue, *(chunk.replace(own, "@>") for chunk in err.traceback))
     return ("", _NODE.sub("", str(err), count=1))
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def reworded(exc: E, text: str) -> E:
+    """``exc`` again, as its own type and with its attributes, saying ``text`` (raised ``from
+    None``: no traceback of our layers). Its constructor is not called: some take more than a
+    message (``UnsafeLedger(where, what)``), and calling it with one became a TypeError."""
+    new = type(exc).__new__(type(exc), text)
+    new.__dict__.update(exc.__dict__)
+    return new

@@ -35,7 +35,7 @@ from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
 from .backends import _netproxy
 from .backends.base import Event
-from .errors import SmolbenchError
+from .errors import SmolbenchError, reworded
 from .gate import SafeBundle
 from .result import ForkResult
 
@@ -80,7 +80,7 @@ class SmolMagics(Magics):
             return self._cell(line, cell)
         except SmolbenchError as exc:
             # One line, no traceback of our layers (the exception renders itself).
-            raise type(exc)(str(exc)) from None
+            raise reworded(exc, str(exc)) from None
 
     smol.__doc__ = HELP
 

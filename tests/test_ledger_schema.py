@@ -287,3 +287,18 @@ def test_a_ledger_another_program_keeps_locked_is_not_called_foreign(tmp_path: P
         other.execute("COMMIT")
     said = str(refused.value)
     assert "stayed locked by another program for 0.1 s" in said and "move it aside" not in said and "\n" not in said
+
+
+def test_up_in_a_folder_whose_ledger_holds_sql_says_so_in_its_own_line(open_tmp: Path) -> None:
+    """The magic re-raised each of our errors as ``type(exc)(str(exc))``: an error whose
+    constructor takes more than a message (this one: where and what) became a TypeError about
+    its arguments, and the user never read why the ledger was refused."""
+    from nbhelpers import NotebookSession, ok
+
+    made(open_tmp, "CREATE VIEW planted AS SELECT 1")
+    with NotebookSession(open_tmp, timeout=120, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        cell = nb.run("%smol up --backend process")
+    errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+    assert errors and errors[0]["ename"] == "UnsafeLedger", errors
+    assert "holds SQL of its own (view 'planted')" in errors[0]["evalue"], errors
