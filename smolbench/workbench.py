@@ -516,9 +516,10 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                 if branching.done() and not branching.cancelled() and branching.exception() is None:
                     for ref in branching.result():  # cancelled while branching: the copies exist, delete them
                         await _to_the_end(self.backend.delete(ref))
+                stopped = isinstance(exc, asyncio.CancelledError)  # a cancel says so, as a later one does
                 for node in nodes:
-                    self._finish(result, node, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error",
-                                 error=f"branching failed: {exc}", alive=False)
+                    self._finish(result, node, "cancelled" if stopped else "error",
+                                 error="cancelled" if stopped else f"branching failed: {exc}", alive=False)
                 raise
             for ref in refs:
                 self.machines[ref.name] = ref
