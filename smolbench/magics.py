@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
 import sys
 import time
@@ -426,7 +427,11 @@ class SmolMagics(Magics):
         if not args.quiet:
             self._show_views(result)
         if args.bg:
-            job = _loop.Job(coro_for(lambda b, ev: None)).start()  # each row keeps its output when it ends
+            async def in_background() -> ForkResult:  # each row keeps its output when it ends
+                _BG_NOTES.set(result.notes)  # its notices are the handle's, not the next cell's (_notice)
+                return await coro_for(lambda b, ev: None)
+
+            job = _loop.Job(in_background()).start()
             result._attach(job.future, job.cancel)
             if args.out:
                 self._user_ns[args.out] = result
@@ -570,7 +575,18 @@ def _session_of(args: Any) -> Session:
     """The Session ``%smol up ARGS`` makes (not yet up)."""
     return Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
                    image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive, retries=args.retries,
-                   on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
+                   on_notice=_notice)
+
+
+def _notice(line: str) -> None:
+    """A Workbench's one-line news, shown in the running cell (output, not an error); a background
+    fork's go to its handle instead (``.wait()`` says them, its table keeps them), not under
+    whatever cell runs next, where they read as that cell's doing."""
+    notes = _BG_NOTES.get()
+    if notes is not None:
+        notes.append(line)
+    else:
+        _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n")))
 
 
 def interrupted(message: str) -> KeyboardInterrupt:
@@ -582,6 +598,8 @@ def interrupted(message: str) -> KeyboardInterrupt:
 # Events produced on the loop thread, shown on the kernel's main thread (so output lands
 # in the cell that is running, whatever thread produced it).
 _PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
+# the notes of the background fork whose task (and the tasks it made) is running, else None
+_BG_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("smolbench_bg_notes", default=None)
 
 
 DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again

@@ -4,10 +4,12 @@ its branches are still being made, and the notices it gives while other cells ru
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nbhelpers import NotebookSession, notices, ok, plain_texts, stream_text
 
 from smolbench.backends.process import ProcessBackend
 from smolbench.ledger import Ledger
@@ -51,3 +53,26 @@ def test_a_fork_cancelled_while_its_branches_are_made_says_cancelled_not_branchi
     assert {reason(r) for r in rows} == {"cancelled"} and "branching failed" not in repr(result) + result._repr_html_()
     nodes = wb.ledger.nodes().set_index("id").loc[[f"root.{i}" for i in range(4)]]
     assert list(nodes.status) == ["cancelled"] * 4 and list(nodes.error) == ["cancelled"] * 4
+
+
+EVICTED = re.compile(r"smolbench: deleted idle kept machine root\.[01] \(least recently used")
+
+
+def test_a_background_forks_notice_shows_with_its_results_not_under_a_later_cell(tmp_path: Path) -> None:
+    """A user's kernel: the --max-alive eviction a background fork made was said under the next
+    `%%smol` cell (even `%smol replay root.0`, as if the replay had deleted it), and nowhere
+    else. It belongs to the fork: `h.wait()` says it (once) and the handle's table keeps it."""
+    with NotebookSession(tmp_path) as nb:
+        for source in ("%load_ext smolbench", "%smol up --backend process --max-alive 2",
+                       "%%smol fork 2 --keep all --quiet\nreward = SEED"):
+            ok(nb.run(source))
+        ok(nb.run("%%smol fork 2 --bg --out h\nreward = SEED"))
+        waited = ok(nb.run("h.wait()"))
+        again = ok(nb.run("h.wait(); None"))
+        ok(nb.run("%smol tree"))
+        later = ok(nb.run('%%smol\nprint("a smol cell")'))
+        shown = ok(nb.run("h"))
+        ok(nb.run("%smol down"))
+    assert len(EVICTED.findall(stream_text(waited))) == 1, waited.outputs
+    assert not EVICTED.search(notices(again)) and notices(later) == "a smol cell\n"
+    assert EVICTED.search(plain_texts(shown)[-1])
