@@ -535,19 +535,23 @@ class Session:
 
     @contextlib.contextmanager
     def _backend_for(self, checkpoint: str) -> Iterator[None]:
-        """``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
+        """Before the up for restoring ``checkpoint``: what its restore would refuse with no machine
+        is refused now, before one boots (a file's name that can't be a checkpoint's, a name not
+        here). ``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
         on a file's or a row's word), for the up inside this block only: a later up() chooses as
         the Session was asked. A backend given to the Session stays."""
-        asked = self.backend_kind
-        if asked == "auto" and self.ray in (None, False):
-            from .ledger import DEFAULT_PATH, Ledger
-            from .shelf import Shelf
+        from .ledger import DEFAULT_PATH, Ledger
+        from .shelf import Shelf
 
-            ledger = Ledger(self.ledger_path or DEFAULT_PATH)
-            try:
-                self.backend_kind = Shelf(ledger).backend_for(checkpoint)
-            finally:
-                ledger.close()
+        asked = self.backend_kind
+        ledger = Ledger(self.ledger_path or DEFAULT_PATH)
+        try:
+            shelf = Shelf(ledger)
+            shelf.refusal_before_up(checkpoint)
+            if asked == "auto" and self.ray in (None, False):
+                self.backend_kind = shelf.backend_for(checkpoint)
+        finally:
+            ledger.close()
         try:
             yield
         finally:
