@@ -492,7 +492,8 @@ class Session:
         restored node's id. With nothing up, ``up()`` (default :meth:`up`) first brings up a
         machine of the checkpoint's backend. If the restore then fails (an error, or a Ctrl-C,
         even one landing as that up comes back), that machine is taken down again: never a
-        machine that was up before (the backend deletes the one it was restoring into).
+        machine that was up before (the backend deletes the one it was restoring into); if it
+        succeeds, that machine (the session's root, never used) goes, the restored one stays.
         ``told(line, gone)`` (default: a notice) hears how that take-down went."""
         started = not self.is_up
         try:
@@ -500,7 +501,7 @@ class Session:
                 with self._backend_for(what):
                     (up or self.up)()
             wb = self._wb()
-            return _block(wb.checkpoint_restore(what)).id
+            node = _block(wb.checkpoint_restore(what)).id
         except BaseException:
             if started:
                 try:
@@ -509,6 +510,10 @@ class Session:
                     took = exc
                 _taken_back(took, told or self._notice)
             raise
+        if started:
+            with contextlib.suppress(Exception):  # restored all the same: a root left over is only idle
+                _block(wb.delete(_UNUSED))
+        return node
 
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
@@ -528,6 +533,9 @@ class Session:
                     took = exc
                 _taken_back(took, self._notice)
             raise
+        if started:
+            with contextlib.suppress(Exception):
+                await _bridge(wb.delete(_UNUSED))
         return self._restored(node, wb)
 
     def _notice(self, line: str, gone: bool) -> None:
@@ -576,6 +584,9 @@ class Session:
     def ledger(self) -> Any:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
+
+
+_UNUSED = "root"  # the machine a restore with nothing up brings up to restore beside: it goes once that worked
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
