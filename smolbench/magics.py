@@ -243,9 +243,8 @@ class SmolMagics(Magics):
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
         assert self.session is not None
-        was = wb.active
-        gone = self.session.delete(args.node)
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
+        gone = self.session.delete(args.node)  # where the active machine went, if it did: wb.moved
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + (f"; {wb.moved}" if wb.moved else ""))
 
     def _do_tree(self, rest: str) -> Any:
         """One tree: the live view (its static copy is what a saved notebook shows); the text
@@ -552,15 +551,6 @@ class RemoteValue:
 
     def __repr__(self) -> str:
         return str(self.data.get("text/plain", ""))
-
-
-def moved_text(was: str | None, now: str | None) -> str:
-    """What a delete did to the active machine ("" when it stayed)."""
-    if was == now or was is None:
-        return ""
-    if now is None:
-        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
-    return f"; {was} was active: the active machine is now {now}"
 
 
 def cell_number(shell: Any) -> Any:

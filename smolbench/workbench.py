@@ -262,7 +262,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         if self.active is not None and self.active not in self.machines:
             was = self.active
             self.active = self.tree[node_id].parent if self.tree[node_id].parent in self.machines else None
-            self.moved = active_moved(was, self.active)
+            self.moved = active_moved(was, self.active, left=bool(self.machines))
             self._changed(*(self.tree[n] for n in (was, self.active) if n is not None and n in self.tree))
         return gone
 
@@ -787,8 +787,9 @@ def _init_code(cmd: str) -> str:
     )
 
 
-def active_moved(was: str, now: str | None) -> str:
-    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it)."""
+def active_moved(was: str, now: str | None, left: bool = True) -> str:
+    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it; ``left``: others live)."""
     if now is None:
-        return f"{was} was active: no machine is active now (`%smol use NODE` picks one)"
+        return f"{was} was active: " + ("no machine is active now (`%smol use NODE` picks one)" if left
+                                        else "no machine is left (`%smol up` starts one)")
     return f"{was} was active: the active machine is now {now}"
