@@ -57,7 +57,9 @@ Cell magics::
 
 def parse_argstring(magic_func: Any, argstring: str) -> Any:
     """A magic's options parsed with quotes taken as a shell takes them (IPython's own keeps
-    them in the value: `--smolfile "sub dir/Smolfile"` named a file with quotes in it)."""
+    them in the value: `--smolfile "sub dir/Smolfile"` named a file with quotes in it), and
+    options and words in any order (`checkpoint save --node root.3 pick` was "unrecognized
+    arguments: pick": argparse takes a command's words together, before its first option)."""
     try:
         argv = shlex.split(argstring)
     except ValueError as exc:
@@ -70,7 +72,7 @@ def parse_argstring(magic_func: Any, argstring: str) -> Any:
             out[-1] = f"{out[-1]}={word}"
         else:
             out.append(word)
-    return parser.parse_args(out)
+    return parser.parse_intermixed_args(out)
 
 
 def out_name(text: str | None) -> str | None:

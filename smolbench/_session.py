@@ -492,7 +492,8 @@ class Session:
         restored node's id. With nothing up, ``up()`` (default :meth:`up`) first brings up a
         machine of the checkpoint's backend. If the restore then fails (an error, or a Ctrl-C,
         even one landing as that up comes back), that machine is taken down again: never a
-        machine that was up before (the backend deletes the one it was restoring into).
+        machine that was up before (the backend deletes the one it was restoring into); if it
+        succeeds, that machine (the session's root, never used) goes, the restored one stays.
         ``told(line, gone)`` (default: a notice) hears how that take-down went."""
         started = not self.is_up
         try:
@@ -500,7 +501,7 @@ class Session:
                 with self._backend_for(what):
                     (up or self.up)()
             wb = self._wb()
-            return _block(wb.checkpoint_restore(what)).id
+            node = _block(wb.checkpoint_restore(what)).id
         except BaseException:
             if started:
                 try:
@@ -509,6 +510,10 @@ class Session:
                     took = exc
                 _taken_back(took, told or self._notice)
             raise
+        if started:
+            with contextlib.suppress(Exception):  # restored all the same: a root left over is only idle
+                _block(wb.delete(_UNUSED))
+        return node
 
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
@@ -528,6 +533,9 @@ class Session:
                     took = exc
                 _taken_back(took, self._notice)
             raise
+        if started:
+            with contextlib.suppress(Exception):
+                await _bridge(wb.delete(_UNUSED))
         return self._restored(node, wb)
 
     def _notice(self, line: str, gone: bool) -> None:
@@ -535,19 +543,23 @@ class Session:
 
     @contextlib.contextmanager
     def _backend_for(self, checkpoint: str) -> Iterator[None]:
-        """``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
+        """Before the up for restoring ``checkpoint``: what its restore would refuse with no machine
+        is refused now, before one boots (a file's name that can't be a checkpoint's, a name not
+        here). ``backend="auto"``: the backend ``checkpoint`` was made on (never the process backend
         on a file's or a row's word), for the up inside this block only: a later up() chooses as
         the Session was asked. A backend given to the Session stays."""
-        asked = self.backend_kind
-        if asked == "auto" and self.ray in (None, False):
-            from .ledger import DEFAULT_PATH, Ledger
-            from .shelf import Shelf
+        from .ledger import DEFAULT_PATH, Ledger
+        from .shelf import Shelf
 
-            ledger = Ledger(self.ledger_path or DEFAULT_PATH)
-            try:
-                self.backend_kind = Shelf(ledger).backend_for(checkpoint)
-            finally:
-                ledger.close()
+        asked = self.backend_kind
+        ledger = Ledger(self.ledger_path or DEFAULT_PATH)
+        try:
+            shelf = Shelf(ledger)
+            shelf.refusal_before_up(checkpoint)
+            if asked == "auto" and self.ray in (None, False):
+                self.backend_kind = shelf.backend_for(checkpoint)
+        finally:
+            ledger.close()
         try:
             yield
         finally:
@@ -572,6 +584,9 @@ class Session:
     def ledger(self) -> Any:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
+
+
+_UNUSED = "root"  # the machine a restore with nothing up brings up to restore beside: it goes once that worked
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
 import sys
 import time
@@ -243,9 +244,8 @@ class SmolMagics(Magics):
         args = parse_argstring(_node_args, rest)
         wb = self._wb()
         assert self.session is not None
-        was = wb.active
-        gone = self.session.delete(args.node)
-        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + moved_text(was, wb.active))
+        gone = self.session.delete(args.node)  # where the active machine went, if it did: wb.moved
+        print(f"smolbench: deleted {', '.join(gone) if gone else 'nothing (already gone)'}" + (f"; {wb.moved}" if wb.moved else ""))
 
     def _ledger_path(self) -> str:
         """The ledger `%smol up` would use (read while nothing is up: see ``pastledger``)."""
@@ -453,7 +453,11 @@ class SmolMagics(Magics):
         if not args.quiet:
             self._show_views(result)
         if args.bg:
-            job = _loop.Job(coro_for(lambda b, ev: None)).start()  # each row keeps its output when it ends
+            async def in_background() -> ForkResult:  # each row keeps its output when it ends
+                _BG_NOTES.set(result.notes)  # its notices are the handle's, not the next cell's (_notice)
+                return await coro_for(lambda b, ev: None)
+
+            job = _loop.Job(in_background()).start()
             result._attach(job.future, job.cancel)
             if args.out:
                 self._user_ns[args.out] = result
@@ -576,15 +580,6 @@ class RemoteValue:
         return str(self.data.get("text/plain", ""))
 
 
-def moved_text(was: str | None, now: str | None) -> str:
-    """What a delete did to the active machine ("" when it stayed)."""
-    if was == now or was is None:
-        return ""
-    if now is None:
-        return f"; {was} was active: no machine is active now (`%smol use NODE` picks one)"
-    return f"; {was} was active: the active machine is now {now}"
-
-
 def cell_number(shell: Any) -> Any:
     """The running cell's number: IPython 9 counts up before a cell runs, 8 after, so ask
     the running cell's own result first."""
@@ -597,7 +592,18 @@ def _session_of(args: Any) -> Session:
     """The Session ``%smol up ARGS`` makes (not yet up)."""
     return Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
                    image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive, retries=args.retries,
-                   on_notice=lambda line: _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n"))))  # news: output, not errors
+                   on_notice=_notice)
+
+
+def _notice(line: str) -> None:
+    """A Workbench's one-line news, shown in the running cell (output, not an error); a background
+    fork's go to its handle instead (``.wait()`` says them, its table keeps them), not under
+    whatever cell runs next, where they read as that cell's doing."""
+    notes = _BG_NOTES.get()
+    if notes is not None:
+        notes.append(line)
+    else:
+        _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n")))
 
 
 def interrupted(message: str) -> KeyboardInterrupt:
@@ -609,6 +615,8 @@ def interrupted(message: str) -> KeyboardInterrupt:
 # Events produced on the loop thread, shown on the kernel's main thread (so output lands
 # in the cell that is running, whatever thread produced it).
 _PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
+# the notes of the background fork whose task (and the tasks it made) is running, else None
+_BG_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("smolbench_bg_notes", default=None)
 
 
 DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again

@@ -65,6 +65,10 @@ class ForkResult:
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         self.started = time.time()
         self.ended: float | None = None
+        # what it said while it ran in the background (--bg), e.g. a kept machine it deleted over
+        # max_alive: said by .wait() (once) and kept in its table, never under an unrelated cell
+        self.notes: list[str] = []
+        self._told = 0
         self._future: Future[Any] | None = None
         self._cancel: Any = None
 
@@ -84,12 +88,21 @@ class ForkResult:
         After :meth:`cancel` it returns once every branch is cleaned up (their status
         says ``cancelled``), rather than raising.
         """
-        if self._future is not None:
-            try:
-                self._future.result(timeout)
-            except CancelledError:
-                pass
+        try:
+            if self._future is not None:
+                try:
+                    self._future.result(timeout)
+                except CancelledError:
+                    pass
+        finally:
+            self._tell()
         return self
+
+    def _tell(self) -> None:
+        """Print the notes not said yet (in the cell that waits for the fork)."""
+        told, self._told = self._told, len(self.notes)
+        for line in self.notes[told:self._told]:
+            print(line, flush=True)
 
     def cancel(self) -> None:
         """Cancel every running branch (their machines are deleted)."""
@@ -224,7 +237,7 @@ class ForkResult:
     # -- display ----------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        lines = [self.summary()]
+        lines = [self.summary(), *self.notes]
         for r in self.rows.values():
             rew = "" if r["reward"] is None else f"{r['reward']:.6g}"
             wall = "" if r["wall"] is None else f"{r['wall']:.2f}s"
@@ -257,5 +270,6 @@ class ForkResult:
                        for k, v in STATUS_COLORS_DARK.items())
         return (
             f"<div class='smolbench-forkresult {INERT_CLASSES}'><style>{dark}</style><p>{html.escape(self.summary())}</p>"
+            + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) +
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
         )

@@ -326,11 +326,7 @@ class Shelf:
     def _copy_in(self, src_fd: int, base: str) -> tuple[str, bool]:
         """Copy an outside file in under a free name (the same bytes under a taken name: that
         name); the name, and whether a file was made."""
-        stem = base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base
-        if not valid_name(stem):
-            raise SmolbenchError(f"{base!r} is not a usable checkpoint name (letters, digits, '.', '_' or '-', up to "
-                                 f"64, first a letter or digit): rename it to {suggested_name(stem)}{SUFFIX} and "
-                                 "restore that; nothing was added")
+        stem = _usable(base)
         digest = _sha256(src_fd)
         taken = set(self.store.names()) | {str(r["name"]) + SUFFIX for r in self.ledger.checkpoint_rows()}
         for k in range(1, 100):
@@ -378,6 +374,20 @@ class Shelf:
         if "/" in arg or arg.endswith(SUFFIX):
             return True
         return is_path(arg) and self.find(arg) is None
+
+    def refusal_before_up(self, arg: str) -> None:
+        """Raise what a restore of ``arg`` refuses with no machine needed, before one comes up for it:
+        a file that can't be opened, or whose name can't be a checkpoint's (not one of this folder's
+        own files); a name with no checkpoint here."""
+        if not self.names_file(arg):
+            self.row(arg)
+            return
+        fd = _open_named(arg)
+        try:
+            if self._own_name(os.fstat(fd)) is None:
+                _usable(Path(arg).name)
+        finally:
+            os.close(fd)
 
     def backend_for(self, arg: str) -> str:
         """The backend to bring up for restoring ``arg`` (a name here, or a file) in a kernel with
@@ -463,6 +473,16 @@ class Shelf:
             finally:
                 os.close(fd)
         return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record}
+
+
+def _usable(base: str) -> str:
+    """The checkpoint name a file named ``base`` from elsewhere is added under; one line when it can't be one."""
+    stem = base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base
+    if not valid_name(stem):
+        raise SmolbenchError(f"{base!r} is not a usable checkpoint name (letters, digits, '.', '_' or '-', up to "
+                             f"64, first a letter or digit): rename it to {suggested_name(stem)}{SUFFIX} and "
+                             "restore that; nothing was added")
+    return stem
 
 
 def _open_named(source: str) -> int:

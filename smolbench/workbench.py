@@ -262,7 +262,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         if self.active is not None and self.active not in self.machines:
             was = self.active
             self.active = self.tree[node_id].parent if self.tree[node_id].parent in self.machines else None
-            self.moved = active_moved(was, self.active)
+            self.moved = active_moved(was, self.active, left=bool(self.machines))
             self._changed(*(self.tree[n] for n in (was, self.active) if n is not None and n in self.tree))
         return gone
 
@@ -516,9 +516,10 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
                 if branching.done() and not branching.cancelled() and branching.exception() is None:
                     for ref in branching.result():  # cancelled while branching: the copies exist, delete them
                         await _to_the_end(self.backend.delete(ref))
+                stopped = isinstance(exc, asyncio.CancelledError)  # a cancel says so, as a later one does
                 for node in nodes:
-                    self._finish(result, node, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error",
-                                 error=f"branching failed: {exc}", alive=False)
+                    self._finish(result, node, "cancelled" if stopped else "error",
+                                 error="cancelled" if stopped else f"branching failed: {exc}", alive=False)
                 raise
             for ref in refs:
                 self.machines[ref.name] = ref
@@ -786,8 +787,9 @@ def _init_code(cmd: str) -> str:
     )
 
 
-def active_moved(was: str, now: str | None) -> str:
-    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it)."""
+def active_moved(was: str, now: str | None, left: bool = True) -> str:
+    """What to say when deleting took the active machine ``was`` (as `%smol delete` says it; ``left``: others live)."""
     if now is None:
-        return f"{was} was active: no machine is active now (`%smol use NODE` picks one)"
+        return f"{was} was active: " + ("no machine is active now (`%smol use NODE` picks one)" if left
+                                        else "no machine is left (`%smol up` starts one)")
     return f"{was} was active: the active machine is now {now}"

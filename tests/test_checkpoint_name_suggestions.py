@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckpthelpers import CK, forged, record, rows
@@ -131,3 +132,26 @@ def test_a_folder_of_misnamed_files_is_said_in_bounded_lines_and_a_restore_names
     assert len(said) == 21 and said[-1] == "smolbench: 11 more files in .smolbench/checkpoints/ are not listed for their names"
     with pytest.raises(SmolbenchError, match=r"; 'week1 \(2\)\.smolcheckpoint' in .* rename it to week1_2\.smolcheckpoint$"):
         shelf.row("week1")  # the one it likely meant, not the first of 31
+
+
+@pytest.mark.parametrize("backend", ["auto", "sandbox"])
+def test_what_a_restore_refuses_without_a_machine_is_refused_before_one_comes_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """A user's kernel: `%smol checkpoint restore lesson1 (1).smolcheckpoint` with nothing up
+    booted a machine (and took it down again) before it refused the name; a name with no
+    checkpoint here did too on a Session given its backend."""
+    import smolbench
+
+    gift = tmp_path / "lesson1 (1).smolcheckpoint"
+    forged(gift, record(name="lesson1"))
+
+    def up(self: Any) -> Any:
+        raise AssertionError("a machine came up before the refusal")
+
+    monkeypatch.setattr(smolbench.Session, "up", up)
+    s = smolbench.Session(backend=backend, ledger=tmp_path / "student" / ".smolbench" / "ledger.db")
+    with pytest.raises(SmolbenchError, match=r"rename it to lesson1_1\.smolcheckpoint and restore that; nothing was added$"):
+        s.checkpoint_restore(str(gift))
+    with pytest.raises(SmolbenchError, match=r"^no checkpoint named 'nosuch': "):
+        s.checkpoint_restore("nosuch")
+    assert rows(tmp_path / "student") == {} and not s.is_up

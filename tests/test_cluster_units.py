@@ -672,3 +672,79 @@ def test_a_restore_cancelled_while_its_checkpoint_travels_leaves_no_artifact_on_
 
     _on_the_node(process_node, test)
 
+
+
+# -- joining: one cluster per process ------------------------------------------------------------
+
+
+def _nothing_there() -> str:
+    """HOST:PORT of a port on this host that nobody listens on (refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_up_on_another_address_after_down_joins_that_one_or_refuses_never_naming_the_old_cluster(
+        process_node: Any) -> None:
+    """A user's kernel: `%smol up --ray REAL`, `%smol down`, `%smol up --ray NOTHING_THERE` came up on
+    the old cluster and said it was at NOTHING_THERE (Ray was still joined, and connect() took that
+    for a yes). After down none of our machines is on the old cluster: the asked address is joined,
+    or refused as in a fresh kernel."""
+    import ray
+
+    from smolbench.cluster.backend import ClusterBackend
+
+    first = ClusterBackend(process_node.address)
+    first.start()
+    asyncio.run(first.close())
+    dead = _nothing_there()
+    with pytest.raises(SmolbenchError, match=f"^can't join the Ray cluster at {dead}: nothing answered there"):
+        ClusterBackend(dead).start()
+    assert ray.is_initialized()  # the cluster it was on is left only for one that answered
+    again = ClusterBackend(process_node.address)
+    again.start()
+    assert again.address == ray.get_runtime_context().gcs_address
+    asyncio.run(again.close())
+
+
+def test_while_our_machines_are_on_a_cluster_another_address_is_refused_in_one_line(process_node: Any) -> None:
+    from smolbench.cluster.backend import ClusterBackend
+    from smolbench.spec import MachineSpec
+
+    dead = _nothing_there()
+
+    async def test(cb: Any, node: Any) -> None:
+        await cb.create(MachineSpec(), "m")
+        with pytest.raises(SmolbenchError) as refused:
+            ClusterBackend(dead).start()
+        text = str(refused.value)
+        assert text.startswith(f"this kernel's machines are on the Ray cluster at {cb.address}, ") and "\n" not in text
+        assert dead in text and "`%smol down` first" in text
+        assert (await node.agent.describe.remote())["live"] == ["m"]
+
+    _on_the_node(process_node, test)
+
+
+def test_a_kernels_own_ray_init_is_used_as_it_is_and_never_shut_down(process_node: Any) -> None:
+    """The user's own `ray.init(...)` before `%smol up --ray auto` (or its address): used, named by
+    its address, still up after down; another address is one line that never shuts it down."""
+    import ray
+
+    from smolbench.cluster.backend import ClusterBackend
+
+    ray.shutdown()  # a fresh kernel: the user's own ray.init() comes first
+    ray.init(address=process_node.address, log_to_driver=False)
+    try:
+        job = ray.get_runtime_context().get_job_id()
+        for asked in ("auto", process_node.address):
+            cb = ClusterBackend(asked)
+            cb.start()
+            assert cb.address == ray.get_runtime_context().gcs_address and len(cb.nodes) == 1
+            asyncio.run(cb.close())
+        with pytest.raises(SmolbenchError, match=r"its own `ray.init\(\)`.*`ray.shutdown\(\)` first"):
+            ClusterBackend(_nothing_there()).start()
+        assert ray.is_initialized() and ray.get_runtime_context().get_job_id() == job
+    finally:
+        ray.shutdown()

@@ -77,6 +77,8 @@ def test_a_student_restores_the_exported_file_in_a_fresh_kernel_and_forks(teache
         assert ("smolbench: added checkpoint cartpole to this folder (copied into "
                 ".smolbench/checkpoints/cartpole.smolcheckpoint)") in out, out
         assert "smolbench: restored cartpole as r1-cartpole (now active)" in out, out
+        live = stream_text(ok(s.run("print(*sorted(__import__('smolbench')._magics.workbench.machines))")))
+        assert live == "r1-cartpole\n", live  # the machine brought up to restore into was never used: it went
         assert stream_text(ok(s.run("%%smol\nprint(warm, open('notes.txt').read())"))) == "499500 from the teacher\n"
         ok(s.run("%%smol fork 4 --quiet\nreward = SEED + warm"))
         assert stream_text(ok(s.run("%%smol\nprint(warm)"))) == "499500\n"
@@ -225,6 +227,27 @@ def test_a_file_from_elsewhere_is_copied_and_checked_off_the_event_loop(open_tmp
         s.checkpoint_restore(str(open_tmp / "gift.smolcheckpoint"))
         assert s.run("print(warm + 1)").stdout == "42\n"
     assert on_a_loop == [False]
+
+
+def test_a_restore_with_nothing_up_leaves_the_restored_machine_only(open_tmp: Path) -> None:
+    """A user's kernel: a restore with nothing up left the root machine it brought up (to
+    restore beside, never used) alive next to r1-…; the Session's restore and its async twin."""
+    import asyncio
+
+    import smolbench
+
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / "t" / ".smolbench" / "ledger.db") as s:
+        s.run("warm = 41")
+        s.checkpoint_save("lesson")
+    gift = str(shutil.copy(open_tmp / "t" / CK / "lesson.smolcheckpoint", open_tmp / "gift.smolcheckpoint"))
+    for twin in ("sync", "async"):
+        s = smolbench.Session(ledger=open_tmp / twin / ".smolbench" / "ledger.db")
+        try:
+            node = s.checkpoint_restore(gift) if twin == "sync" else asyncio.run(s.acheckpoint_restore(gift))
+            assert node == s.active == "r1-gift" and sorted(s.workbench.machines) == ["r1-gift"], twin
+            assert s.run("print(warm + 1)").stdout == "42\n"
+        finally:
+            s.down()
 
 
 def test_a_file_that_cant_make_a_machine_leaves_nothing_here(open_tmp: Path) -> None:

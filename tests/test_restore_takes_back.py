@@ -19,6 +19,7 @@ from nbhelpers import NotebookSession, ok, stream_text
 
 import smolbench
 from smolbench.errors import SmolbenchError
+from smolbench.shelf import Shelf
 from smolbench.workbench import Workbench
 
 
@@ -28,8 +29,15 @@ def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _fails_once_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore of a name not here fails once its machine came up (it is refused before any
+    machine now: test_checkpoint_name_suggestions.py), as a restore that fails in the machine does."""
+    monkeypatch.setattr(Shelf, "refusal_before_up", lambda self, arg: None)
+
+
 def _down_that_fails_after(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Workbench.down deletes the machines and then fails (its last ledger write, say)."""
+    _fails_once_up(monkeypatch)
     real, calls = Workbench.down, []
 
     async def down(self: Workbench) -> int:
@@ -70,7 +78,9 @@ def test_the_async_twin_keeps_the_restores_own_error_too(here: Path, monkeypatch
     s.down()
 
 
-def test_a_failed_restore_leaves_the_machine_that_was_up_and_says_what_it_took_down(here: Path) -> None:
+def test_a_failed_restore_leaves_the_machine_that_was_up_and_says_what_it_took_down(
+        here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fails_once_up(monkeypatch)
     notes: list[str] = []
     with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append) as s:
         s.run("x = 1")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import weakref
 from typing import Any, NoReturn
 
 from ..errors import SmolbenchError
@@ -13,6 +15,9 @@ CONNECT_SECONDS = 10.0  # to reach a head's GCS port before Ray is asked to join
 RAY_CLIENT_LINE = ("`ray://` addresses use Ray Client, which can't stream generators (live branch output): "
                    "join the cluster from its own network instead, e.g. `%smol up --ray auto` on a node, "
                    "or `--ray HEAD_IP:6379`")
+
+_joined: tuple[str, str] | None = None  # (GCS address, job id) of the cluster connect() joined, while joined
+_users: weakref.WeakSet[Any] = weakref.WeakSet()  # cluster backends on it (joined_by)
 
 
 def _from(source: str | None) -> str:
@@ -33,7 +38,14 @@ def resolve(address: str | None, source: str | None = None) -> str:
 
 
 def connect(address: str | None, source: str | None = None) -> str:
-    """Join the cluster (once per kernel); returns the address joined."""
+    """Join the cluster; returns the GCS address joined (HOST:PORT, also for ``auto``).
+
+    Ray joins one cluster per process. Joined already: that cluster is used when it is the one
+    asked for (or ``auto`` in a kernel whose own ``ray.init()`` joined it); another one is joined
+    instead when the old one is smolbench's and holds none of our machines (after ``%smol down``),
+    once it answers; otherwise one line refuses (our machines are there, or the Ray is the user's,
+    which is never shut down). Never an address this process is not joined to."""
+    global _joined
     try:
         import ray
     except ImportError:
@@ -41,20 +53,77 @@ def connect(address: str | None, source: str | None = None) -> str:
                              + (f" (the [cluster] table of {source} asks for a Ray cluster)" if source else "")) from None
     addr = resolve(address, source)
     if ray.is_initialized():
-        return addr
-    if addr != "auto":  # Ray itself retries a head that isn't there for minutes, printing as it goes
-        host, port = addr.rsplit(":", 1)
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
-        except OSError as exc:
-            _refused(addr, source, f"nothing answered there ({exc.strerror or type(exc).__name__})")
+        here, job = _joined_now(ray)
+        ours = _joined == (here, job)
+        if _same(addr, here) or (addr == "auto" and not ours):
+            return here
+        if not ours:
+            raise SmolbenchError(f"this kernel already joined the Ray cluster at {here} (its own `ray.init()`), and Ray "
+                                 f"joins one cluster per process: `ray.shutdown()` first to join {addr}{_from(source)}, "
+                                 f"or use that one (`%smol up --ray {here}`)")
+        if any(user.holds_machines() for user in list(_users)):
+            raise SmolbenchError(f"this kernel's machines are on the Ray cluster at {here}, and Ray joins one cluster "
+                                 f"per process: `%smol down` first to join {addr}{_from(source)}")
+        _answers(addr, source)  # the cluster we are on is left only for one that answers
+        ray.shutdown()
+        _joined = None
+    _answers(addr, source)
     try:
         # log_to_driver off: Ray's forwarding folds repeated lines; output comes back through the gate
         ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
                  configure_logging=False)
     except ConnectionError as exc:
         _refused(addr, source, " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__)
-    return addr
+    _joined = _joined_now(ray)
+    return _joined[0]
+
+
+def joined_by(user: Any) -> None:
+    """``user`` (a ClusterBackend, with ``holds_machines()``) runs machines on the cluster joined:
+    while it holds some, :func:`connect` won't leave that cluster for another."""
+    _users.add(user)
+
+
+def _joined_now(ray: Any) -> tuple[str, str]:
+    """(the GCS address, the driver's job id) of the cluster this process is joined to: each
+    ``ray.init`` is a job of its own, so a ``ray.init`` of the user's is never taken for ours."""
+    ctx = ray.get_runtime_context()
+    return str(ctx.gcs_address), str(ctx.get_job_id())
+
+
+def _same(addr: str, here: str) -> bool:
+    """Whether ``addr`` (HOST:PORT or ``auto``) names the cluster at ``here``, as Ray resolves it
+    (``auto``: RAY_ADDRESS or the cluster started last on this host; a local host: the node's IP)."""
+    if addr == here:
+        return True
+    with contextlib.suppress(Exception):  # Ray's own helper (private): no answer is "not the same"
+        from ray._private.services import canonicalize_bootstrap_address
+
+        if canonicalize_bootstrap_address(addr) == here:
+            return True
+    if addr == "auto":
+        return False
+    (host, port), (here_host, here_port) = addr.rsplit(":", 1), here.rsplit(":", 1)
+    return port == here_port and bool(_ips(host) & _ips(here_host))
+
+
+def _ips(host: str) -> set[str]:
+    try:
+        return {str(a[4][0]) for a in socket.getaddrinfo(host.strip("[]"), None)}
+    except OSError:
+        return set()
+
+
+def _answers(addr: str, source: str | None) -> None:
+    """Refuse at once when nothing answers at ``addr`` (Ray itself retries a head that isn't
+    there for minutes, printing as it goes)."""
+    if addr == "auto":
+        return
+    host, port = addr.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        _refused(addr, source, f"nothing answered there ({exc.strerror or type(exc).__name__})")
 
 
 def _refused(addr: str, source: str | None, why: str) -> NoReturn:
@@ -66,10 +135,12 @@ def _refused(addr: str, source: str | None, why: str) -> NoReturn:
 
 def disconnect() -> None:
     """Leave the cluster (the node agents this driver owns go with it)."""
+    global _joined
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    _joined = None
 
 
 def nodes() -> list[dict[str, Any]]:

@@ -101,7 +101,8 @@ class ClusterBackend(Backend):
         """Join the cluster and start one agent per node that offers machine slots."""
         import ray
 
-        self.address = address.connect(self.address, self.source)
+        self.address = address.connect(self.address, self.source)  # where it is joined, as Ray names it
+        address.joined_by(self)
         new = self._new_agents()
         if not new:
             raise SmolbenchError(f"the Ray cluster at {self.address} has no node with `{SLOTS}`: start nodes with "
@@ -355,6 +356,10 @@ class ClusterBackend(Backend):
 
     def list(self) -> builtins.list[MachineRef]:
         return [m for m in self._machines.values() if not m.info.get("replica")]
+
+    def holds_machines(self) -> bool:
+        """Whether machines of ours (replicas too) are on the cluster: it is not left for another meanwhile."""
+        return bool(self._machines)
 
     async def close(self) -> None:
         import ray
