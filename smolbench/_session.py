@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import _args, _lifetime, _loop
 from ._lifetime import gone, live, wait_out_sigterm
-from .errors import RemoteError, SmolbenchError
+from .errors import RemoteError, SmolbenchError, remote_error
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
@@ -44,7 +44,9 @@ class RunResult:
 
     ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
     objects; None when it was something else: ``display`` still has its text). ``error`` is the
-    exception the code raised in the machine (None when it ran to the end)."""
+    exception the code raised in the machine (None when it ran to the end): a
+    :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
+    name (``except ZeroDivisionError`` catches it; see :func:`smolbench.errors.remote_error`)."""
 
     node: str
     stdout: str = ""
@@ -64,17 +66,11 @@ class RunResult:
         return self.error is None
 
     def raise_for_error(self) -> RunResult:
-        """Raise the machine's exception (a RemoteError named after it) if there was one."""
+        """Raise the machine's exception (a RemoteError named after it, and an instance of the
+        built-in exception of that name when there is one) if there was one."""
         if self.error is not None:
             raise self.error
         return self
-
-
-def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
-    """A RemoteError whose class is named after the remote exception (so Jupyter shows
-    ``ZeroDivisionError``, not ``RemoteError``)."""
-    cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
-    return cls(ename, evalue, traceback, node)
 
 
 def _restorable(name_or_path: Any) -> str:
@@ -338,7 +334,8 @@ class Session:
         ``push``: values to set as variables in the machine first (cloudpickled, like ``--push``).
         ``pull``: machine variables to bring back as data (in ``result.pulled``).
         ``timeout``: interrupt the code after this many seconds (a SmolbenchError).
-        ``check``: raise the machine's exception instead of returning it in ``result.error``.
+        ``check``: raise the machine's exception instead of returning it in ``result.error``
+        (a RemoteError; ``except ZeroDivisionError`` catches a ``1 / 0`` too).
         Runs in different nodes may go at once (threads, or :meth:`arun` with ``asyncio.gather``).
         """
         return self._said(_block(self.cell(_args.code(code), push=_pushed(push), pull=_args.names(pull, "pull"),

@@ -26,7 +26,7 @@ from ._recorder import Observer, RecorderMixin
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
-from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
+from .errors import InfraError, MachineLost, SmolbenchError, remote_error
 from .ledger import Ledger, code_hash
 from .provenance import versions as _versions
 from .provenance import where as _where
@@ -691,7 +691,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             self._finish(result, node, "ok", output=output, res=res)
         else:
             err = res.error or {}
-            result.remote_errors[node.id] = RemoteError(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []), node.id)
+            result.remote_errors[node.id] = remote_error(err.get("ename", "Error"), err.get("evalue", ""),
+                                                         err.get("traceback", []), node.id)
             self._finish(result, node, "error", error=f"{err.get('ename')}: {err.get('evalue')}", output=output, res=res)
 
     def _finish(self, result: ForkResult, node: Node, status: str, *, error: str | None = None, output: str = "",

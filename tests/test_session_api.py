@@ -1,0 +1,122 @@
+"""What a script user of ``smolbench.Session`` gets back: all of a run's output (or where the
+rest went), errors in the Session's own words, a machine's exceptions caught by their built-in
+class, conflicting seed arguments refused, and a root that dies leaving the live set.
+
+The magics say the same things in their own words (checked here too, in a real kernel).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import smolbench
+from smolbench import gate
+from smolbench._session import remote_error
+from smolbench.errors import RemoteError
+
+HAVE_BWRAP = shutil.which("bwrap") is not None
+BACKENDS = [pytest.param("sandbox", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")),
+            "process"]
+
+PRINT = "for i in range(1000): print('line %d ' % i + 'x' * 200)"  # ~210 KB
+PRINTED = "".join(f"line {i} " + "x" * 200 + "\n" for i in range(1000))
+PRINT_ERR = "import sys\nfor i in range(1000): print('err %d ' % i + 'y' * 200, file=sys.stderr)"
+PRINTED_ERR = "".join(f"err {i} " + "y" * 200 + "\n" for i in range(1000))
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def output_limit() -> Iterator[int]:
+    """The cell's output limit lowered to 100 KB (what ``%smol config output-limit 100K`` does)."""
+    before = gate.limits.snapshot()
+    gate.limits.configure("output-limit", "100K")
+    try:
+        yield 100_000
+    finally:
+        gate.limits.apply(before)
+
+
+def _split(text: str) -> tuple[str, str]:
+    """A stream's shown text and its closing note ("" when nothing was held back)."""
+    head, sep, note = text.rpartition("… ")
+    return (head, sep + note) if sep and note.endswith(")\n") else (text, "")
+
+
+# -- 3. a machine's exceptions -------------------------------------------------------------------
+
+
+def test_a_machines_exception_is_caught_by_its_builtin_class(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        with pytest.raises(ZeroDivisionError) as zero:  # was smolbench._session.ZeroDivisionError, a RemoteError only
+            s.run("1 / 0", check=True)
+        assert isinstance(zero.value, RemoteError) and zero.value.ename == "ZeroDivisionError"
+        assert str(zero.value) == "division by zero" and "1 / 0" in "".join(zero.value.traceback)
+        with pytest.raises(smolbench.RemoteError):
+            s.run("1 / 0", check=True)
+        first, second = s.run("1 / 0").error, s.run("1 / 0").error
+        assert type(first) is type(second) and isinstance(first, ArithmeticError)
+        with pytest.raises(KeyError) as key:
+            s.run("{}['k']", check=True)
+        assert str(key.value) == "'k'"  # the machine's words, not repr()'d again
+        with pytest.raises(FileNotFoundError) as missing:
+            s.run("open('/nonexistent/x')", check=True)
+        assert isinstance(missing.value, OSError) and "No such file" in str(missing.value)
+        with pytest.raises(UnicodeDecodeError):  # a built-in whose own constructor takes five arguments
+            s.run("b'\\xff'.decode('utf-8')", check=True)
+        with pytest.raises(RemoteError) as mine:  # a class of the machine's own: its name, a RemoteError
+            s.run("class MyError(ValueError): pass\nraise MyError('mine')", check=True)
+        assert type(mine.value).__name__ == "MyError" and not isinstance(mine.value, ValueError)
+        assert str(mine.value) == "mine"
+
+
+FORGED = ["KeyboardInterrupt", "SystemExit", "GeneratorExit", "BaseException", "StopIteration", "StopAsyncIteration",
+          "BaseExceptionGroup", "ExceptionGroup", "CancelledError", "Exception", "__class__", "object", "type", "print"]
+
+
+def test_a_machine_naming_a_host_control_flow_exception_gets_a_plain_remote_error(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        for name in FORGED:  # a class the machine made with the name it likes
+            with pytest.raises(RemoteError) as got:
+                s.run(f"raise type({name!r}, (Exception,), {{}})('forged')", check=True)
+            assert got.value.ename == name and type(got.value).__name__ == name
+            assert type(got.value).__mro__[1:] == (RemoteError, Exception, BaseException, object), name
+        for code in ("import sys; sys.exit(3)", "raise KeyboardInterrupt", "raise GeneratorExit"):
+            r = s.run(code)
+            assert isinstance(r.error, RemoteError) and isinstance(r.error, Exception), code
+            assert not isinstance(r.error, (SystemExit, KeyboardInterrupt, GeneratorExit)), code
+        assert s.run("1 + 1").value == 2
+
+
+@pytest.mark.parametrize("ename", [*FORGED, "os.error", "a b", "", "1x", "ZeroDivisionError\n", "x" * 200])
+def test_remote_error_maps_any_name_safely(ename: str) -> None:
+    err = remote_error(ename, "boom", ["tb\n"], "root.3")
+    assert isinstance(err, RemoteError) and err.ename == ename and str(err) == "boom" and err.node == "root.3"
+    assert not isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit, StopIteration, StopAsyncIteration))
+    assert type(err).__mro__[-3:] == (Exception, BaseException, object)
+    again = type(err)(err.ename, err.evalue, err.traceback)  # how the magics raise it again, without the node
+    assert str(again) == "boom" and again.node == ""
+
+
+def test_remote_error_subclasses_every_builtin_exception_it_can() -> None:
+    import builtins
+
+    for name in dir(builtins):
+        cls = getattr(builtins, name)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)) or name.startswith("_"):
+            continue
+        err = remote_error(name, "msg", [])
+        if name in FORGED:
+            assert not isinstance(err, cls) or cls is Exception, name
+            continue
+        assert isinstance(err, cls) and isinstance(err, RemoteError) and str(err) == "msg", name
+        with pytest.raises(cls):
+            raise err
