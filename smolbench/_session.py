@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from . import _args, _lifetime, _loop
 from ._lifetime import gone, live, wait_out_sigterm
-from .errors import RemoteError, SmolbenchError, remote_error
+from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load 
     from .workbench import Workbench
 
 T = TypeVar("T")
+P = ParamSpec("P")
 BranchOutput = Callable[[str, "Event"], None]
 VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
 
@@ -96,11 +98,13 @@ def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
     out = {}
     for name, value in values.items():
         if not str(name).isidentifier():
-            raise SmolbenchError(f"--push {name!r} is not a variable name: push names like data or env")
+            raise SmolbenchError(f"--push {name!r} is not a variable name: push names like data or env",
+                                 api=f"push key {name!r} is not a variable name: push names like data or env")
         try:
             out[name] = cloudpickle.dumps(value)
         except Exception as exc:
-            raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
+            why = f"the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler"
+            raise SmolbenchError(f"--push {name}: {why}", api=f"push[{name!r}]: {why}") from None
     return out
 
 
@@ -140,6 +144,30 @@ def choose_backend(kind: str, target: str, announce: Callable[[str], None] = pri
 
 def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _in_session_words(method: Callable[P, T]) -> Callable[P, T]:
+    """A public method whose SmolbenchErrors leave in the Session's words (``timeout=``, not
+    ``--timeout``: :meth:`SmolbenchError.in_session_words`); the magics say theirs."""
+    if asyncio.iscoroutinefunction(method):
+        async def awaited(*args: P.args, **kwargs: P.kwargs) -> Any:
+            try:
+                return await method(*args, **kwargs)
+            except SmolbenchError as exc:
+                exc.in_session_words()
+                raise
+
+        return cast(Callable[P, T], functools.wraps(method)(awaited))
+
+    @functools.wraps(method)
+    def called(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except SmolbenchError as exc:
+            exc.in_session_words()
+            raise
+
+    return called
 
 
 class Session:
@@ -229,14 +257,20 @@ class Session:
         if self.is_up:
             wb = self.workbench
             assert wb is not None
-            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over",
+                                 api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
+                                 "start over")
         given = str(home_path(self.smolfile, "--smolfile")) if self.smolfile else None
         path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
         if given and not os.path.exists(given):
-            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults")
+            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
+                                 api=f"no Smolfile at {self.smolfile}: check the path, or drop smolfile= to use the "
+                                 "defaults")
         spec = load_smolfile(path) if path else MachineSpec()
         if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
-            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8")
+            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8",
+                                 api=f"max_alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. "
+                                 "Session(max_alive=8)")
         net_note = None
         if self.net is not None or self.allow:
             from .netpolicy import PolicyError, session_override
@@ -268,6 +302,7 @@ class Session:
         self.workbench = wb
         return wb
 
+    @_in_session_words
     def up(self) -> Session:
         """Start the root machine (and run the Smolfile's init commands). Returns the session."""
         self.build()
@@ -287,6 +322,7 @@ class Session:
             raise
         return self
 
+    @_in_session_words
     async def aup(self) -> Session:
         """:meth:`up` from an asyncio loop."""
         wb = self.build()
@@ -322,11 +358,12 @@ class Session:
 
     def _wb(self) -> Workbench:
         if self.workbench is None or (not self.workbench.machines and self.workbench.active is None):
-            raise SmolbenchError("no machine is up: run `%smol up` first (or `Session.up()`, or use it in a `with` block)")
+            raise SmolbenchError("no machine is up: run `%smol up` first", api=NOT_UP)
         return self.workbench
 
     # -- cells ---------------------------------------------------------------------------
 
+    @_in_session_words
     def run(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
             timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
         """Run ``code`` in the active machine, or in the live ``node`` (its state persists between runs).
@@ -341,6 +378,7 @@ class Session:
         return self._said(_block(self.cell(_args.code(code), push=_pushed(push), pull=_args.names(pull, "pull"),
                                            timeout=timeout, node=node)), check)
 
+    @_in_session_words
     async def arun(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
                    timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
         """:meth:`run` from an asyncio loop."""
@@ -405,6 +443,7 @@ class Session:
 
         return result, coro
 
+    @_in_session_words
     def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0, keep: str = "best",
              timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
              push: Mapping[str, Any] | None = None, allow_errors: bool = False,
@@ -419,6 +458,7 @@ class Session:
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
+    @_in_session_words
     async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                     keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
                     retries: int = 1, push: Mapping[str, Any] | None = None, allow_errors: bool = False,
@@ -428,6 +468,7 @@ class Session:
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(await _bridge(coro(_output(on_output)), result), allow_errors)
 
+    @_in_session_words
     def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                  timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                  push: Mapping[str, Any] | None = None, allow_errors: bool = False,
@@ -437,6 +478,7 @@ class Session:
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
+    @_in_session_words
     async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
                         timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                         push: Mapping[str, Any] | None = None, allow_errors: bool = False,
@@ -448,12 +490,15 @@ class Session:
 
     # -- the tree ------------------------------------------------------------------------
 
+    @_in_session_words
     def use(self, node: str) -> str:
         """Make a live node (e.g. ``root.7``, or ``best``: the last fork's best) the active machine."""
         if node == "best":
             best = self.last_result.best if self.last_result is not None else None
             if best is None:
-                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
+                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
+                                     "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
+                                     "code)` first, or name a live node (`Session.status()['live_machines']`)")
             node = best["branch"]
         return self._wb().use(node).id
 
@@ -549,6 +594,7 @@ class Session:
         _block(wb.refresh_network())
         return {"up": True, **wb.status()}
 
+    @_in_session_words
     def ledger(self) -> Any:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
@@ -608,7 +654,11 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     except BaseException:
         job.stop(120)
         raise
-    return _result(job)
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
 
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
@@ -633,7 +683,11 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)
         raise
-    return _result(job)
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
 
 
 def _result(job: _loop.Job) -> Any:

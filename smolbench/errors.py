@@ -12,10 +12,35 @@ class SmolbenchError(Exception):
 
     IPython shows it without a traceback (see ``magics``), because the
     traceback of our own layers never helps the user.
+
+    A fix is said in the words of whoever called: the message is the magics' (``--timeout``,
+    ``%smol up``); ``api``, when given, is the same line in :class:`smolbench.Session`'s words
+    (``timeout=``, ``Session.up()``). The Session switches to it (:meth:`in_session_words`) as
+    the error leaves it; the magics show :attr:`magic_words` whatever layer raised it.
     """
+
+    def __init__(self, *args: object, api: str | None = None) -> None:
+        super().__init__(*args)
+        self.api = api
+        self.magic_words = str(args[0]) if len(args) == 1 else super().__str__()
+
+    def in_session_words(self) -> SmolbenchError:
+        """This error, its message now in the Session's words (when it has them)."""
+        if self.api is not None:
+            self.args = (self.api,)
+        return self
+
+    def for_magics(self) -> str:
+        """The message in the magics' words."""
+        return self.magic_words
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+# The Session's words for what the magics say with `%smol up` and `%smol tree` (``api=``).
+NOT_UP = "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
+LIVE = "`Session.status()['live_machines']`"
 
 
 class SmolfileError(SmolbenchError):

@@ -78,8 +78,9 @@ class SmolMagics(Magics):
                 return self._line(line)
             return self._cell(line, cell)
         except SmolbenchError as exc:
-            # One line, no traceback of our layers (the exception renders itself).
-            raise type(exc)(str(exc)) from None
+            # One line, no traceback of our layers (the exception renders itself), in the
+            # magics' words also when the Session (or a layer below) had it in its own.
+            raise type(exc)(exc.for_magics()) from None
 
     smol.__doc__ = HELP
 

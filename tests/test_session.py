@@ -417,7 +417,7 @@ def test_run_brings_back_output_value_as_data_and_the_error(here: Path) -> None:
             s.run("pass", pull=["nothere"], check=True)
         with pytest.raises(SmolbenchError, match=r"^--pull t: a .*Thing is not plain data, so it is not unpickled on this host"):
             s.run("t = Thing()", pull=["t"])
-        with pytest.raises(SmolbenchError, match=r"the cell ran longer than --timeout 0.5 s and was interrupted"):
+        with pytest.raises(SmolbenchError, match=r"the code ran longer than timeout=0.5 s and was interrupted"):
             s.run("import time; time.sleep(30)", timeout=0.5)
         assert s.run("k").value == 5  # the machine and its state are kept
 

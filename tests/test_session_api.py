@@ -7,6 +7,8 @@ The magics say the same things in their own words (checked here too, in a real k
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 import smolbench
 from smolbench import gate
 from smolbench._session import remote_error
-from smolbench.errors import RemoteError
+from smolbench.errors import RemoteError, SmolbenchError
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 BACKENDS = [pytest.param("sandbox", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")),
@@ -49,6 +51,64 @@ def _split(text: str) -> tuple[str, str]:
     """A stream's shown text and its closing note ("" when nothing was held back)."""
     head, sep, note = text.rpartition("… ")
     return (head, sep + note) if sep and note.endswith(")\n") else (text, "")
+
+
+# -- 2. errors in the Session's words -----------------------------------------------------------
+
+
+def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        cases = [
+            (lambda: s.fork(0, "pass"), "the number of branches must be at least 1, got 0: e.g. `Session.fork(16, code)`"),
+            (lambda: s.fork(2.5, "pass"), "the number of branches must be a whole number, got 2.5: e.g. `Session.fork(16, code)`"),
+            (lambda: s.episodes(0, "pass"), "the number of branches must be at least 1, got 0: e.g. `Session.episodes(16, code)`"),
+            (lambda: s.fork(5000, "pass"),
+             "5000 branches is above the cap of 1024: fork fewer, or fork in stages with `Session.use(node)`"),
+            (lambda: s.fork(3, "pass", seeds=[1]),
+             "seeds gives 1 seeds for 3 branches: give at least 3 (e.g. seeds=range(3))"),
+            (lambda: s.fork(2, "pass", keep="some"), "keep must be one of best, all, none, got 'some'"),
+            (lambda: s.fork(2, "pass", timeout=0), "timeout must be a positive number of seconds, got 0: e.g. timeout=30"),
+            (lambda: s.run("1", timeout=-1), "timeout must be a positive number of seconds, got -1: e.g. timeout=30"),
+            (lambda: s.run("import time; time.sleep(30)", timeout=0.5),
+             "the code ran longer than timeout=0.5 s and was interrupted"),
+            (lambda: s.use("best"), "no fork with a rewarded branch yet: call `Session.fork(n, code)` first, or name a live "
+                                    "node (`Session.status()['live_machines']`)"),
+            (lambda: s.run("1", node="root.9"), "unknown node 'root.9': live nodes are root (see `Session.status()['live_machines']`)"),
+        ]
+        for call, want in cases:
+            with pytest.raises(SmolbenchError) as got:
+                call()
+            assert str(got.value) == want
+        assert s.run("1").value == 1  # nothing was claimed by the refused calls
+        before = gate.limits.snapshot()
+        gate.limits.configure("grace", "1")
+        try:  # a run that ignores the interrupt: its root is replaced, and the line says so in the Session's words
+            with pytest.raises(SmolbenchError) as got:
+                s.run("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)", timeout=0.5)
+        finally:
+            gate.limits.apply(before)
+        assert str(got.value) == ("the code ran longer than timeout=0.5 s and ignored the interrupt for 1 s, so machine "
+                                  "root was killed: its state is lost; a fresh machine fresh1 from the Smolfile is up and "
+                                  "active (its variables start empty)")
+    with pytest.raises(SmolbenchError) as got:
+        s.run("1")
+    assert str(got.value) == "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
+
+
+def test_a_machine_gone_while_idle_says_how_to_go_on_in_the_sessions_words(here: Path) -> None:
+    import signal
+
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        kept = s.fork(1, "reward = 1", keep="all").kept
+        os.kill(s.run("import os; os.getpid()", node=kept[0]).value, signal.SIGKILL)  # its agent, on this host
+        with pytest.raises(SmolbenchError) as got:
+            s.run("1", node=kept[0])
+        said = str(got.value)  # which of these depends on where the agent's end is noticed
+        assert "%smol" not in said and "--" not in said and said.startswith((f"machine {kept[0]} died mid-cell: ",
+                                                                             f"machine '{kept[0]}' ")), said
+        assert said.startswith(f"machine {kept[0]} died") or re.fullmatch(rf"machine '{kept[0]}' (is not answering \(.*\): it may have died; `Session\.down\(\)` and "
+                            rf"`Session\.up\(\)`|dropped the connection: it may be out of processes \(pids = \d+\) or "
+                            rf"memory; `Session\.delete\('{kept[0]}'\)` or raise the limit in the Smolfile)", said), said
 
 
 # -- 3. a machine's exceptions -------------------------------------------------------------------

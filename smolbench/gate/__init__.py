@@ -352,5 +352,5 @@ async def read_control(chunks: AsyncIterator[bytes], where: str) -> dict[str, An
             return reply
     except Bad as exc:
         raise malformed(where, exc) from None
-    raise SmolbenchError(f"machine {where} closed the connection without answering: it may have died; "
-                         "`%smol down` and `%smol up`")
+    head = f"machine {where} closed the connection without answering: it may have died;"
+    raise SmolbenchError(f"{head} `%smol down` and `%smol up`", api=f"{head} `Session.down()` and `Session.up()`")
