@@ -417,7 +417,7 @@ class Session:
 
     # -- fan-out ---------------------------------------------------------------------------
 
-    def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                 keep: str = "best", timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                 push: dict[str, bytes] | None = None, cell_name: str | None = None,
                 first_line: int = 1, reseed: bool = True) -> tuple[ForkResult, Callable[[BranchOutput], Coroutine[Any, Any, ForkResult]]]:
@@ -426,7 +426,12 @@ class Session:
         wb = self._wb()
         code = _args.code(code)
         seeds_ = _args.seeds(seeds)
-        seed_base = _args.seed(seed_base, "seed_base")
+        if seeds_ is not None and seed_base is not None:  # one would be silently ignored
+            raise SmolbenchError(f"give --seeds or --seed-base, not both: --seeds sets every branch's seed, so "
+                                 f"--seed-base {seed_base} would be ignored; drop one of them",
+                                 api=f"give seeds or seed_base, not both: seeds= sets every branch's seed, so "
+                                 f"seed_base={seed_base!r} would be ignored; drop one of them")
+        seed_base = _args.seed(0 if seed_base is None else seed_base, "seed_base")
         concurrency = _args.optional_whole(concurrency, "concurrency", 1, None, "concurrency=4")
         retries = _args.whole(retries, "retries", 0, None, "retries=1")
         if kind == "fork":
@@ -444,13 +449,14 @@ class Session:
         return result, coro
 
     @_in_session_words
-    def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0, keep: str = "best",
+    def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None, keep: str = "best",
              timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
              push: Mapping[str, Any] | None = None, allow_errors: bool = False,
              on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` in ``n`` copy-on-write branches of the active machine, each with its own ``SEED``.
 
-        ``seeds`` (else ``seed_base + 0..n-1``); ``keep``: best, all or none stay alive;
+        ``seeds`` (else ``seed_base + 0..n-1``, from 0 when not given; giving both is an error);
+        ``keep``: best, all or none stay alive;
         ``retries``: branch again a machine that failed to boot or died (never a code error);
         ``reseed=False``: leave the random streams made before the fork as they are (all branches alike).
         Raises a CompositeError when any branch failed, unless ``allow_errors``."""
@@ -459,7 +465,7 @@ class Session:
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
     @_in_session_words
-    async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                     keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
                     retries: int = 1, push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                     on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
@@ -469,17 +475,18 @@ class Session:
         return _checked(await _bridge(coro(_output(on_output)), result), allow_errors)
 
     @_in_session_words
-    def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                  timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                  push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                  on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
-        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after."""
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after
+        (``seeds`` or ``seed_base`` as :meth:`fork` takes them)."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
     @_in_session_words
-    async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                         timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                         push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                         on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:

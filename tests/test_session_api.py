@@ -180,3 +180,20 @@ def test_remote_error_subclasses_every_builtin_exception_it_can() -> None:
         assert isinstance(err, cls) and isinstance(err, RemoteError) and str(err) == "msg", name
         with pytest.raises(cls):
             raise err
+
+
+# -- 4. seeds and seed_base together ----------------------------------------------------------------
+
+
+def test_seeds_with_seed_base_is_one_line_naming_the_conflict(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        for call in (lambda: s.fork(2, "reward = SEED", seeds=[3, 4], seed_base=5),
+                     lambda: s.fork(2, "reward = SEED", seeds=[3, 4], seed_base=0),
+                     lambda: s.episodes(2, "reward = SEED", seeds=[3, 4], seed_base=5)):
+            with pytest.raises(SmolbenchError) as got:
+                call()
+            assert str(got.value).startswith("give seeds or seed_base, not both: seeds= sets every branch's seed, "
+                                             "so seed_base=")
+            assert str(got.value).endswith("would be ignored; drop one of them")
+        assert sorted(s.fork(2, "reward = SEED", seeds=[3, 4]).rewards.values()) == [3.0, 4.0]
+        assert sorted(s.fork(2, "reward = SEED", seed_base=5).rewards.values()) == [5.0, 6.0]
