@@ -304,7 +304,10 @@ class Session:
 
     @_in_session_words
     def up(self) -> Session:
-        """Start the root machine (and run the Smolfile's init commands). Returns the session."""
+        """Start the root machine (and run the Smolfile's init commands). Returns the session.
+        Also after its root was lost (it died under a run): a fresh root, its variables empty."""
+        if not self.is_up:
+            self.down()  # what is left of a session whose root was lost (its backend) goes first
         self.build()
         if self.fallback:
             self.on_notice(self.fallback)
@@ -325,6 +328,8 @@ class Session:
     @_in_session_words
     async def aup(self) -> Session:
         """:meth:`up` from an asyncio loop."""
+        if not self.is_up:
+            await self.adown()
         wb = self.build()
         if self.fallback:
             self.on_notice(self.fallback)
@@ -340,7 +345,7 @@ class Session:
         """Delete every machine this session made (idempotent). Returns how many."""
         gone(self)
         wb = self.workbench
-        if wb is None or (not wb.machines and wb.active is None):
+        if wb is None or wb.closed:  # also after its root was lost: its backend (and zygotes) still go
             return 0
         return _block(wb.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
 
@@ -350,7 +355,7 @@ class Session:
         """:meth:`down` from an asyncio loop."""
         gone(self)
         wb = self.workbench
-        if wb is None or (not wb.machines and wb.active is None):
+        if wb is None or wb.closed:
             return 0
         return await _bridge(wb.down(), stoppable=False)
 
@@ -594,12 +599,16 @@ class Session:
         return node
 
     def status(self) -> dict[str, Any]:
-        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down)."""
+        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down). ``lost``: the
+        last machine that died under a run (exited, crashed, ran out of memory, or was killed
+        for ignoring its timeout), and why; when that was the root, nothing is up until
+        :meth:`up` starts a fresh one."""
         wb = self.workbench
+        lost = {"lost": wb.last_loss} if wb is not None and not wb.closed and wb.last_loss else {}
         if wb is None or not wb.machines:
-            return {"up": False}
+            return {"up": False, **lost}
         _block(wb.refresh_network())
-        return {"up": True, **wb.status()}
+        return {"up": True, **wb.status(), **lost}
 
     @_in_session_words
     def ledger(self) -> Any:

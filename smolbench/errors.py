@@ -59,7 +59,8 @@ class InfraError(SmolbenchError):
 
 
 class MachineLost(SmolbenchError):
-    """The machine died under a request (the kernel killed it for memory): its state is gone."""
+    """The machine died under a request (it exited, crashed, or the kernel killed it for
+    memory): its state is gone."""
 
 
 class MachineBusy(SmolbenchError):

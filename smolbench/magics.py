@@ -128,6 +128,8 @@ class SmolMagics(Magics):
             wb = self.session.workbench
             assert wb is not None
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+        if self.session is not None:  # its root was lost: what is left of it (its backend) goes first
+            self.session.down()
         session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
                           image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
                           retries=args.retries,
@@ -199,6 +201,8 @@ class SmolMagics(Magics):
         st: dict[str, Any] = self.session.status() if self.session is not None else {"up": False}
         if not st.pop("up"):
             print("smolbench: no machine is up (`%smol up` starts one)")
+            if st.get("lost"):
+                print(f"smolbench: lost {st['lost']}")
             return None
         if st["active"] is None:  # its active machine was deleted, others live
             st["active"] = "none (`%smol use NODE` picks one)"

@@ -80,6 +80,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.log_pool = gate.LogPool()  # what all of this session's output logs may take
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
+        self.last_loss: str | None = None  # the last machine lost under a request, and why (status says it)
+        self.closed = False  # down() ran: its backend is closed
         self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
@@ -220,6 +222,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         with contextlib.suppress(Exception):
             await self.backend.close()
         self.active = None
+        self.closed = True
         return count
 
     def require_up(self) -> MachineRef:
@@ -363,13 +366,17 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         return False
 
     async def _lost(self, node_id: str, why: str) -> SmolbenchError:
-        """A machine that died under a request (killed for memory): drop it and what was forked
-        from it, mark it lost, and say what is active now; the one-line error."""
+        """A machine that died under a request (it exited, crashed or was killed for memory):
+        drop it and what was forked from it (a branch lives off its parent's machine and goes
+        with it), mark it lost, and say what is active now; the one-line error. A lost root is
+        not replaced, as a killed stuck one is: what ended it came from inside it (the cell, its
+        memory) and could end a replacement nobody asked for again; ``Session.up()`` makes one."""
         with contextlib.suppress(Exception):
             await self.delete(node_id)
         node = self.tree[node_id]
         node.status, node.ended, node.error, node.alive = "lost", time.time(), why, False
         self._record(node)
+        self.last_loss = f"{node_id}: {why}"
         if self.active is not None:
             return SmolbenchError(f"{why}; the active machine is now {self.active}")
         return SmolbenchError(f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)",
@@ -384,6 +391,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         node.status, node.ended = "lost", time.time()
         node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
         self._record(node)
+        self.last_loss = f"{node_id}: {node.error}"
         grace = f"ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} was killed: its state is lost"
         head = f"the cell {why} and {grace}"
         api = f"the code {api_why} and {grace}"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nbhelpers import TAG_VAR, NotebookSession, ok, one_line, stream_text, wait_for_no_processes
 
 import smolbench
 from smolbench import gate
@@ -197,3 +199,64 @@ def test_seeds_with_seed_base_is_one_line_naming_the_conflict(here: Path) -> Non
             assert str(got.value).endswith("would be ignored; drop one of them")
         assert sorted(s.fork(2, "reward = SEED", seeds=[3, 4]).rewards.values()) == [3.0, 4.0]
         assert sorted(s.fork(2, "reward = SEED", seed_base=5).rewards.values()) == [5.0, 6.0]
+
+
+# -- 5. a machine that dies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_root_that_dies_leaves_the_live_set_and_up_starts_a_new_one(here: Path, backend: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VAR, tag)  # the machines' processes carry it
+    with smolbench.Session(backend=backend, ledger="ledger.db") as s:
+        s.run("x = 1")
+        s.episodes(1, "reward = 1")  # on the sandbox: a zygote, outside the live set
+        s.fork(2, "reward = SEED", keep="all")
+        with pytest.raises(SmolbenchError) as got:
+            s.run("import os; os._exit(3)")
+        assert str(got.value) == ("machine root died mid-cell: its process exited before finishing (os._exit, a crash, "
+                                  "out of memory, or the machine was deleted); its state is gone: `Session.up()` starts "
+                                  "a fresh machine (or `Session.checkpoint_restore(name)`)")
+        assert not s.is_up and s.active is None
+        st = s.status()
+        assert st["up"] is False and st["lost"].startswith("root: machine root died mid-cell"), st
+        with pytest.raises(SmolbenchError, match=r"^no machine is up: call `Session.up\(\)` first"):
+            s.run("1")
+        nodes = smolbench.Ledger("ledger.db").nodes().set_index("id")
+        assert nodes.loc["root", "status"] == "lost" and not nodes.loc[["root", "root.0", "root.1"], "alive"].any()
+        s.down()  # what was left (its backend, the episodes' zygote) goes too: it used to stay to the end
+        assert wait_for_no_processes(tag) == []
+        s.up()  # a new root: the session goes on
+        assert s.run("x = 2\nx").value == 2 and s.status()["up"] is True and "lost" not in s.status()
+    assert wait_for_no_processes(tag) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_active_branch_that_dies_hands_over_to_its_parent(here: Path, backend: str) -> None:
+    with smolbench.Session(backend=backend, ledger="ledger.db") as s:
+        s.run("x = 1")
+        kept = s.fork(2, "reward = SEED", keep="all").kept
+        s.use(kept[0])
+        with pytest.raises(SmolbenchError) as got:
+            s.run("import os; os._exit(3)")
+        assert str(got.value).endswith("its state is gone; the active machine is now root")
+        assert s.active == "root" and s.status()["lost"].startswith(f"{kept[0]}: machine {kept[0]} died mid-cell")
+        assert kept[0] not in s.status()["live_machines"]
+        assert s.run("x + 1").value == 2 and s.run("SEED", node=kept[1]).value == 1
+
+
+def test_the_magics_say_the_same_in_their_own_words(open_tmp: Path) -> None:
+    with NotebookSession(open_tmp, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend process"))
+        line = one_line(nb.run("%%smol fork 0\nreward = 1"))
+        assert line.endswith("the number of branches must be at least 1, got 0: e.g. `%%smol fork 16`"), line
+        line = one_line(nb.run("%%smol --timeout 0.5\nimport time; time.sleep(30)"))
+        assert line.endswith("the cell ran longer than --timeout 0.5 s and was interrupted"), line
+        line = one_line(nb.run("%%smol\nimport os; os._exit(3)"))
+        assert line.endswith("its state is gone: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)")
+        status = stream_text(ok(nb.run("%smol status")))
+        assert "no machine is up" in status and "root: machine root died mid-cell" in status, status
+        ok(nb.run("%smol up --backend process"))
+        ok(nb.run("%%smol\nprint(1)"))

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..backends.base import CellRequest, CellResult, Event, OnEvent
-from ..errors import MachineBusy, SmolbenchError
+from ..errors import MachineBusy, MachineLost, SmolbenchError
 from . import display, pull, terminal
 from .display import SafeBundle
 from .frames import (
@@ -66,8 +66,10 @@ def malformed(where: str, why: object) -> MalformedReply:
     return MalformedReply(f"machine {where} sent a malformed reply: {why}")
 
 
-def died(where: str) -> SmolbenchError:
-    return SmolbenchError(
+def died(where: str) -> MachineLost:
+    """The line for a machine whose reply ended before the cell did: it is gone (the Workbench
+    takes it out of the live set, as a machine killed for memory)."""
+    return MachineLost(
         f"machine {where} died mid-cell: its process exited before finishing (os._exit, a crash, "
         "out of memory, or the machine was deleted); its state is gone")
 
