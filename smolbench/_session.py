@@ -44,7 +44,13 @@ VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the
 class RunResult:
     """What :meth:`Session.run` brings back from the machine.
 
-    ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
+    ``stdout`` and ``stderr`` are what the code printed, as a ``%%smol`` cell shows it: all of
+    it up to the cell's output limit (5 MB: ``smolbench.gate.limits.configure("output-limit",
+    "20M")`` sets it, as ``%smol config output-limit 20M`` does; lines over 256 KiB are cut
+    with a note). Past the limit the rest goes to a log under
+    ``.smolbench/outputs/``, the stream that lost some ends with the cell's line
+    ``… 47 MB more output not shown (saved to .smolbench/outputs/root.cell3.log)``, and
+    ``output_log`` is that log's absolute path (None when nothing was held back). ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
     objects; None when it was something else: ``display`` still has its text). ``error`` is the
     exception the code raised in the machine (None when it ran to the end): a
     :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
@@ -61,6 +67,7 @@ class RunResult:
     display: SafeBundle | None = None  # the last expression's MIME bundle, checked by the gate
     pull_error: str | None = None  # a pull the gate refused (one line; run() raises it)
     reward_error: str | None = None  # a reward that was not a finite number: said, not recorded
+    output_log: str | None = None  # where the output past the cell's limit went (absolute path), if any
 
     @property
     def ok(self) -> bool:
@@ -636,7 +643,7 @@ def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> R
     display = res.result if isinstance(res.result, SafeBundle) else None
     return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
                      {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
-                     res.metrics.get("reward_error") or None)
+                     res.metrics.get("reward_error") or None, res.output_log)
 
 
 def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:

@@ -720,7 +720,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
         if _out_of_memory(res):  # the one line, not a traceback into the allocation
             res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec), "traceback": []}
-        output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
+        output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")  # as shown, then where the rest went
         if res.status == "ok" and res.metrics.get("reward_error"):
             self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)
         elif res.status == "ok":
@@ -745,7 +745,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         if alive is not None:
             node.alive = alive
         row = result.rows[node.id]
-        row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error)
+        row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error,
+                   output_log=res.output_log if res is not None else None)
         self._record(node)  # committed now: survives a kernel crash a moment later
 
     async def _drop(self, node_id: str, record: bool = True) -> None:

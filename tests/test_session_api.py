@@ -21,6 +21,7 @@ import smolbench
 from smolbench import gate
 from smolbench._session import remote_error
 from smolbench.errors import RemoteError, SmolbenchError
+from smolbench.gate.limits import human
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 BACKENDS = [pytest.param("sandbox", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")),
@@ -53,6 +54,46 @@ def _split(text: str) -> tuple[str, str]:
     """A stream's shown text and its closing note ("" when nothing was held back)."""
     head, sep, note = text.rpartition("… ")
     return (head, sep + note) if sep and note.endswith(")\n") else (text, "")
+
+
+# -- 1. output: nothing dropped silently -------------------------------------------------------
+
+
+def test_run_keeps_all_output_under_the_cells_limit(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        r = s.run(PRINT)
+        assert r.stdout == PRINTED and r.stderr == "" and r.output_log is None  # was its last 65,536 characters
+        r = s.run(PRINT_ERR)
+        assert r.stderr == PRINTED_ERR and r.stdout == "" and r.output_log is None
+        f = s.fork(2, PRINT + "\nreward = SEED", keep="none")
+        assert [(row["output"], row["output_log"]) for row in f] == [(PRINTED, None)] * 2
+
+
+def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, output_limit: int) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        r = s.run(PRINT)
+        assert r.output_log is not None and Path(r.output_log).is_absolute()
+        shown, note = _split(r.stdout)
+        log = Path(r.output_log).read_text()
+        assert shown + log == PRINTED and shown.endswith("\n") and len(shown.encode()) <= output_limit
+        where = os.path.relpath(r.output_log)
+        assert where.startswith("outputs/root.cell")  # beside the ledger: .smolbench/outputs/ by default
+        assert note == f"… {human(len(log))} more output not shown (saved to {where})\n"  # what %%smol ends with
+        assert "…" not in r.stderr
+
+        r = s.run("print('small')\n" + PRINT_ERR)  # only stderr lost some: only stderr says so
+        assert r.stdout == "small\n" and r.output_log is not None
+        shown, note = _split(r.stderr)
+        assert shown + Path(r.output_log).read_text() == PRINTED_ERR and note.startswith("… ")
+
+        f = s.fork(2, PRINT + "\nreward = SEED", keep="none")
+        e = s.episodes(1, PRINT + "\nreward = SEED")
+        for row in [*f, *e]:
+            assert row["output_log"] is not None and row["output_log"] != r.output_log
+            shown, note = _split(row["output"])
+            assert shown + Path(row["output_log"]).read_text() == PRINTED
+            assert note == f"… {human(len(PRINTED) - len(shown))} more output not shown (saved to " \
+                           f"{os.path.relpath(row['output_log'])})\n"
 
 
 # -- 2. errors in the Session's words -----------------------------------------------------------

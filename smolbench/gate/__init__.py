@@ -254,10 +254,12 @@ class _Cell:
         metrics = dict(f.get("metrics") or {})
         if f.get("reward_error"):
             metrics["reward_error"] = f["reward_error"]
+        # stdout and stderr as the cell showed them (up to its output limit, then where the rest
+        # went), not the machine's own record of them: that keeps only their last 64 KiB
         return CellResult(status=f.get("status", "error"), result=result, error=f.get("error"), pulled=values,
-                          reward=f.get("reward"), metrics=metrics, stdout=f.get("stdout", ""),
-                          stderr=f.get("stderr", ""), started=f.get("started", 0.0), ended=f.get("ended", 0.0),
-                          pull_error=pull_error)
+                          reward=f.get("reward"), metrics=metrics, stdout=self.budget.text("stdout"),
+                          stderr=self.budget.text("stderr"), started=f.get("started", 0.0), ended=f.get("ended", 0.0),
+                          pull_error=pull_error, output_log=self.budget.saved_to)
 
 
 async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event: OnEvent | None,
