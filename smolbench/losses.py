@@ -52,16 +52,19 @@ class LossesMixin(WorkbenchPart):
         return SmolbenchError(f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)",
                               api=f"{why}: `Session.up()` starts a fresh machine (or `Session.checkpoint_restore(name)`)")
 
-    async def _kill_stuck(self, node_id: str, why: str, api_why: str) -> SmolbenchError:
-        """Delete a machine whose cell ignored the interrupt; the one-line error that tells the
-        user. A root is replaced by a fresh machine (once: its cell is not run again), as the
-        host, not the machine, ended it."""
+    async def _kill_stuck(self, node_id: str, timeout: float | None) -> SmolbenchError:
+        """Delete a machine whose cell ignored the interrupt (after ``timeout`` s; None: a
+        Ctrl-C); the one-line error that tells the user. A root is replaced by a fresh machine
+        (once: its cell is not run again), as the host, not the machine, ended it."""
+        why = "was interrupted" if timeout is None else f"ran longer than --timeout {timeout:g} s"
+        api_why = "was interrupted" if timeout is None else f"ran longer than timeout={timeout:g} s"
+        plain = "was interrupted" if timeout is None else f"ran longer than its {timeout:g} s timeout"
         await self.delete(node_id)
         node = self.tree[node_id]
         node.status, node.ended = "lost", time.time()
         node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
         self._record(node)
-        self.last_loss = f"{node_id}: {node.error}"
+        self.last_loss = f"{node_id}: killed: its cell {plain} and ignored the interrupt for {gate.LIMITS.grace:g} s"
         grace = f"ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} was killed: its state is lost"
         head = f"the cell {why} and {grace}"
         api = f"the code {api_why} and {grace}"

@@ -333,10 +333,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
                 raise await _to_the_end(self._lost(ref.name, str(exc))) from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
-                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
                 if not await _to_the_end(self._stop(ref, task)):
-                    said = f"ran longer than timeout={timeout:g} s" if timed_out else why  # the Session's words
-                    raise await _to_the_end(self._kill_stuck(ref.name, why, said)) from None
+                    raise await _to_the_end(self._kill_stuck(ref.name, timeout if timed_out else None)) from None
                 if timed_out:
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted",
                                          api=f"the code ran longer than timeout={timeout:g} s and was interrupted") from None

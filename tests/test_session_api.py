@@ -133,6 +133,8 @@ def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -
         assert str(got.value) == ("the code ran longer than timeout=0.5 s and ignored the interrupt for 1 s, so machine "
                                   "root was killed: its state is lost; a fresh machine fresh1 from the Smolfile is up and "
                                   "active (its variables start empty)")
+        assert s.active == "fresh1" and s.status()["lost"] == ("root: killed: its cell ran longer than its 0.5 s timeout "
+                                                               "and ignored the interrupt for 1 s")
     with pytest.raises(SmolbenchError) as got:
         s.run("1")
     assert str(got.value) == "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
