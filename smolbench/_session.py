@@ -523,18 +523,22 @@ class Session:
             node = best["branch"]
         return self._wb().use(node).id
 
+    @_in_session_words
     def delete(self, node: str) -> list[str]:
         """Delete a node's machine and every live machine below it; returns their ids."""
         return _block(self._wb().delete(node))
 
+    @_in_session_words
     async def adelete(self, node: str) -> list[str]:
         """:meth:`delete` from an asyncio loop."""
         return await _bridge(self._wb().delete(node))
 
+    @_in_session_words
     def checkpoint_save(self, name: str | None = None, *, node: str | None = None, force: bool = False) -> dict[str, Any]:
         """Save a live node's whole machine (default: the active one); returns name, node, path, size, warnings."""
         return _block(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node, force))
 
+    @_in_session_words
     async def acheckpoint_save(self, name: str | None = None, *, node: str | None = None,
                                force: bool = False) -> dict[str, Any]:
         """:meth:`checkpoint_save` from an asyncio loop."""

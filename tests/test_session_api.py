@@ -135,9 +135,11 @@ def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -
                                   "active (its variables start empty)")
         assert s.active == "fresh1" and s.status()["lost"] == ("root: killed: its cell ran longer than its 0.5 s timeout "
                                                                "and ignored the interrupt for 1 s")
-    with pytest.raises(SmolbenchError) as got:
-        s.run("1")
-    assert str(got.value) == "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
+    for call in (lambda: s.run("1"), lambda: s.fork(2, "pass"), lambda: s.use("root"), lambda: s.delete("root"),
+                 lambda: s.checkpoint_save("x"), lambda: s.ledger()):
+        with pytest.raises(SmolbenchError) as got:
+            call()
+        assert str(got.value) == "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
 
 
 def test_a_machine_gone_while_idle_says_how_to_go_on_in_the_sessions_words(here: Path) -> None:
