@@ -16,24 +16,30 @@ from .errors import SmolbenchError
 SEED_MAX = 2**63 - 1  # seeds are ledger integers (SQLite's are 64-bit)
 
 
-def whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "") -> int:
-    """``value`` as a whole number within [lo, hi] (never a bool or a float), else one line."""
+def whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "",
+          api_what: str | None = None) -> int:
+    """``value`` as a whole number within [lo, hi] (never a bool or a float), else one line
+    (``api_what``: what the Session calls it, when ``what`` is the magics' word)."""
     fix = f": e.g. {example}" if example else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SmolbenchError(f"{what} must be a whole number, got {_shown(value)}{fix}")
+        raise _said(f"must be a whole number, got {_shown(value)}{fix}", what, api_what)
     if lo is not None and value < lo or hi is not None and value > hi:
         span = f"from {lo} to {hi}" if lo is not None and hi is not None else (f"at least {lo}" if lo is not None
                                                                                   else f"at most {hi}")
-        raise SmolbenchError(f"{what} must be {span}, got {value}{fix}")
+        raise _said(f"must be {span}, got {value}{fix}", what, api_what)
     return value
+
+
+def _said(rest: str, what: str, api_what: str | None) -> SmolbenchError:
+    return SmolbenchError(f"{what} {rest}", api=None if api_what is None else f"{api_what} {rest}")
 
 
 def optional_whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "") -> int | None:
     return None if value is None else whole(value, what, lo, hi, example)
 
 
-def seed(value: Any, what: str = "a seed") -> int:
-    return whole(value, what, -SEED_MAX, SEED_MAX)
+def seed(value: Any, what: str = "a seed", api_what: str | None = None) -> int:
+    return whole(value, what, -SEED_MAX, SEED_MAX, api_what=api_what)
 
 
 def seeds(values: Any, what: str = "seeds") -> list[int] | None:

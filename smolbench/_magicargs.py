@@ -173,7 +173,7 @@ def _cell_args(line: str) -> None:
 
 @magic_arguments()
 @argument("n", help="how many branches")
-@argument("--seed-base", type=int, default=0, help="seeds are seed-base + 0..N-1")
+@argument("--seed-base", type=int, default=None, help="seeds are seed-base + 0..N-1 (default 0; not with --seeds)")
 @argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
 @argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
 @argument("--concurrency", type=int, default=None, help="how many branches run at once")

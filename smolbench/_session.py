@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from . import _args, _lifetime, _loop
 from ._lifetime import gone, live, wait_out_sigterm
-from .errors import RemoteError, SmolbenchError
+from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load 
     from .workbench import Workbench
 
 T = TypeVar("T")
+P = ParamSpec("P")
 BranchOutput = Callable[[str, "Event"], None]
 VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
 
@@ -42,9 +44,19 @@ VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the
 class RunResult:
     """What :meth:`Session.run` brings back from the machine.
 
+    ``stdout`` and ``stderr`` are what the code printed, as a ``%%smol`` cell shows it: all of
+    it up to the cell's output limit (5 MB: ``smolbench.gate.limits.configure("output-limit",
+    "20M")`` sets it, as ``%smol config output-limit 20M`` does; lines over 256 KiB are cut
+    with a note). Past the limit the rest goes to a log under ``.smolbench/outputs/``, the
+    stream that lost some ends with the cell's line ``… 47 MB more output not shown (saved to
+    .smolbench/outputs/root.cell3.log)``, and ``output_log`` is that log's absolute path
+    (None when nothing was held back).
+
     ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
     objects; None when it was something else: ``display`` still has its text). ``error`` is the
-    exception the code raised in the machine (None when it ran to the end)."""
+    exception the code raised in the machine (None when it ran to the end): a
+    :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
+    name (``except ZeroDivisionError`` catches it; see :func:`smolbench.errors.remote_error`)."""
 
     node: str
     stdout: str = ""
@@ -57,6 +69,7 @@ class RunResult:
     display: SafeBundle | None = None  # the last expression's MIME bundle, checked by the gate
     pull_error: str | None = None  # a pull the gate refused (one line; run() raises it)
     reward_error: str | None = None  # a reward that was not a finite number: said, not recorded
+    output_log: str | None = None  # where the output past the cell's limit went (absolute path), if any
 
     @property
     def ok(self) -> bool:
@@ -64,17 +77,11 @@ class RunResult:
         return self.error is None
 
     def raise_for_error(self) -> RunResult:
-        """Raise the machine's exception (a RemoteError named after it) if there was one."""
+        """Raise the machine's exception (a RemoteError named after it, and an instance of the
+        built-in exception of that name when there is one) if there was one."""
         if self.error is not None:
             raise self.error
         return self
-
-
-def remote_error(ename: str, evalue: str, traceback: list[str], node: str = "") -> RemoteError:
-    """A RemoteError whose class is named after the remote exception (so Jupyter shows
-    ``ZeroDivisionError``, not ``RemoteError``)."""
-    cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
-    return cls(ename, evalue, traceback, node)
 
 
 def _restorable(name_or_path: Any) -> str:
@@ -100,11 +107,13 @@ def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
     out = {}
     for name, value in values.items():
         if not str(name).isidentifier():
-            raise SmolbenchError(f"--push {name!r} is not a variable name: push names like data or env")
+            raise SmolbenchError(f"--push {name!r} is not a variable name: push names like data or env",
+                                 api=f"push key {name!r} is not a variable name: push names like data or env")
         try:
             out[name] = cloudpickle.dumps(value)
         except Exception as exc:
-            raise SmolbenchError(f"--push {name}: the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler") from None
+            why = f"the value can't be pickled ({type(exc).__name__}: {exc}); send something simpler"
+            raise SmolbenchError(f"--push {name}: {why}", api=f"push[{name!r}]: {why}") from None
     return out
 
 
@@ -144,6 +153,30 @@ def choose_backend(kind: str, target: str, announce: Callable[[str], None] = pri
 
 def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _in_session_words(method: Callable[P, T]) -> Callable[P, T]:
+    """A public method whose SmolbenchErrors leave in the Session's words (``timeout=``, not
+    ``--timeout``: :meth:`SmolbenchError.in_session_words`); the magics say theirs."""
+    if asyncio.iscoroutinefunction(method):
+        async def awaited(*args: P.args, **kwargs: P.kwargs) -> Any:
+            try:
+                return await method(*args, **kwargs)
+            except SmolbenchError as exc:
+                exc.in_session_words()
+                raise
+
+        return cast(Callable[P, T], functools.wraps(method)(awaited))
+
+    @functools.wraps(method)
+    def called(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except SmolbenchError as exc:
+            exc.in_session_words()
+            raise
+
+    return called
 
 
 class Session:
@@ -233,14 +266,20 @@ class Session:
         if self.is_up:
             wb = self.workbench
             assert wb is not None
-            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over",
+                                 api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
+                                 "start over")
         given = str(home_path(self.smolfile, "--smolfile")) if self.smolfile else None
         path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
         if given and not os.path.exists(given):
-            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults")
+            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
+                                 api=f"no Smolfile at {self.smolfile}: check the path, or drop smolfile= to use the "
+                                 "defaults")
         spec = load_smolfile(path) if path else MachineSpec()
         if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
-            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8")
+            raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8",
+                                 api=f"max_alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. "
+                                 "Session(max_alive=8)")
         net_note = None
         if self.net is not None or self.allow:
             from .netpolicy import PolicyError, session_override
@@ -272,8 +311,12 @@ class Session:
         self.workbench = wb
         return wb
 
+    @_in_session_words
     def up(self) -> Session:
-        """Start the root machine (and run the Smolfile's init commands). Returns the session."""
+        """Start the root machine (and run the Smolfile's init commands). Returns the session.
+        Also after its root was lost (it died under a run): a fresh root, its variables empty."""
+        if not self.is_up:
+            self.down()  # what is left of a session whose root was lost (its backend) goes first
         self.build()
         if self.fallback:
             self.on_notice(self.fallback)
@@ -291,8 +334,11 @@ class Session:
             raise
         return self
 
+    @_in_session_words
     async def aup(self) -> Session:
         """:meth:`up` from an asyncio loop."""
+        if not self.is_up:
+            await self.adown()
         wb = self.build()
         if self.fallback:
             self.on_notice(self.fallback)
@@ -308,7 +354,7 @@ class Session:
         """Delete every machine this session made (idempotent). Returns how many."""
         gone(self)
         wb = self.workbench
-        if wb is None or (not wb.machines and wb.active is None):
+        if wb is None or wb.closed:  # also after its root was lost: its backend (and zygotes) still go
             return 0
         return _block(wb.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
 
@@ -318,7 +364,7 @@ class Session:
         """:meth:`down` from an asyncio loop."""
         gone(self)
         wb = self.workbench
-        if wb is None or (not wb.machines and wb.active is None):
+        if wb is None or wb.closed:
             return 0
         return await _bridge(wb.down(), stoppable=False)
 
@@ -326,11 +372,12 @@ class Session:
 
     def _wb(self) -> Workbench:
         if self.workbench is None or (not self.workbench.machines and self.workbench.active is None):
-            raise SmolbenchError("no machine is up: run `%smol up` first (or `Session.up()`, or use it in a `with` block)")
+            raise SmolbenchError("no machine is up: run `%smol up` first", api=NOT_UP)
         return self.workbench
 
     # -- cells ---------------------------------------------------------------------------
 
+    @_in_session_words
     def run(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
             timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
         """Run ``code`` in the active machine, or in the live ``node`` (its state persists between runs).
@@ -338,12 +385,14 @@ class Session:
         ``push``: values to set as variables in the machine first (cloudpickled, like ``--push``).
         ``pull``: machine variables to bring back as data (in ``result.pulled``).
         ``timeout``: interrupt the code after this many seconds (a SmolbenchError).
-        ``check``: raise the machine's exception instead of returning it in ``result.error``.
+        ``check``: raise the machine's exception instead of returning it in ``result.error``
+        (a RemoteError; ``except ZeroDivisionError`` catches a ``1 / 0`` too).
         Runs in different nodes may go at once (threads, or :meth:`arun` with ``asyncio.gather``).
         """
         return self._said(_block(self.cell(_args.code(code), push=_pushed(push), pull=_args.names(pull, "pull"),
                                            timeout=timeout, node=node)), check)
 
+    @_in_session_words
     async def arun(self, code: str, *, push: Mapping[str, Any] | None = None, pull: Sequence[str] | None = None,
                    timeout: float | None = None, check: bool = False, node: str | None = None) -> RunResult:
         """:meth:`run` from an asyncio loop."""
@@ -382,7 +431,7 @@ class Session:
 
     # -- fan-out ---------------------------------------------------------------------------
 
-    def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    def fan_out(self, kind: str, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                 keep: str = "best", timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                 push: dict[str, bytes] | None = None, cell_name: str | None = None,
                 first_line: int = 1, reseed: bool = True) -> tuple[ForkResult, Callable[[BranchOutput], Coroutine[Any, Any, ForkResult]]]:
@@ -391,7 +440,12 @@ class Session:
         wb = self._wb()
         code = _args.code(code)
         seeds_ = _args.seeds(seeds)
-        seed_base = _args.seed(seed_base, "seed_base")
+        if seeds_ is not None and seed_base is not None:  # one would be silently ignored
+            raise SmolbenchError(f"give --seeds or --seed-base, not both: --seeds sets every branch's seed, so "
+                                 f"--seed-base {seed_base} would be ignored; drop one of them",
+                                 api=f"give seeds or seed_base, not both: seeds= sets every branch's seed, so "
+                                 f"seed_base={seed_base!r} would be ignored; drop one of them")
+        seed_base = _args.seed(0 if seed_base is None else seed_base, "seed_base")
         concurrency = _args.optional_whole(concurrency, "concurrency", 1, None, "concurrency=4")
         retries = _args.whole(retries, "retries", 0, None, "retries=1")
         if kind == "fork":
@@ -408,13 +462,15 @@ class Session:
 
         return result, coro
 
-    def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0, keep: str = "best",
+    @_in_session_words
+    def fork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None, keep: str = "best",
              timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
              push: Mapping[str, Any] | None = None, allow_errors: bool = False,
              on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` in ``n`` copy-on-write branches of the active machine, each with its own ``SEED``.
 
-        ``seeds`` (else ``seed_base + 0..n-1``); ``keep``: best, all or none stay alive;
+        ``seeds`` (else ``seed_base + 0..n-1``, from 0 when not given; giving both is an error);
+        ``keep``: best, all or none stay alive;
         ``retries``: branch again a machine that failed to boot or died (never a code error);
         ``reseed=False``: leave the random streams made before the fork as they are (all branches alike).
         Raises a CompositeError when any branch failed, unless ``allow_errors``."""
@@ -422,7 +478,8 @@ class Session:
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
-    async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    @_in_session_words
+    async def afork(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                     keep: str = "best", timeout: float | None = None, concurrency: int | None = None,
                     retries: int = 1, push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                     on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
@@ -431,16 +488,19 @@ class Session:
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(await _bridge(coro(_output(on_output)), result), allow_errors)
 
-    def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    @_in_session_words
+    def episodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                  timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                  push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                  on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
-        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after."""
+        """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after
+        (``seeds`` or ``seed_base`` as :meth:`fork` takes them)."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
 
-    async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int = 0,
+    @_in_session_words
+    async def aepisodes(self, n: int, code: str, *, seeds: Sequence[int] | None = None, seed_base: int | None = None,
                         timeout: float | None = None, concurrency: int | None = None, retries: int = 1,
                         push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                         on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
@@ -451,27 +511,34 @@ class Session:
 
     # -- the tree ------------------------------------------------------------------------
 
+    @_in_session_words
     def use(self, node: str) -> str:
         """Make a live node (e.g. ``root.7``, or ``best``: the last fork's best) the active machine."""
         if node == "best":
             best = self.last_result.best if self.last_result is not None else None
             if best is None:
-                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node (`%smol tree`)")
+                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
+                                     "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
+                                     "code)` first, or name a live node (`Session.status()['live_machines']`)")
             node = best["branch"]
         return self._wb().use(node).id
 
+    @_in_session_words
     def delete(self, node: str) -> list[str]:
         """Delete a node's machine and every live machine below it; returns their ids."""
         return _block(self._wb().delete(node))
 
+    @_in_session_words
     async def adelete(self, node: str) -> list[str]:
         """:meth:`delete` from an asyncio loop."""
         return await _bridge(self._wb().delete(node))
 
+    @_in_session_words
     def checkpoint_save(self, name: str | None = None, *, node: str | None = None, force: bool = False) -> dict[str, Any]:
         """Save a live node's whole machine (default: the active one); returns name, node, path, size, warnings."""
         return _block(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node, force))
 
+    @_in_session_words
     async def acheckpoint_save(self, name: str | None = None, *, node: str | None = None,
                                force: bool = False) -> dict[str, Any]:
         """:meth:`checkpoint_save` from an asyncio loop."""
@@ -574,13 +641,18 @@ class Session:
         return node
 
     def status(self) -> dict[str, Any]:
-        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down)."""
+        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down). ``lost``: the
+        last machine that died under a run (exited, crashed, ran out of memory, or was killed
+        for ignoring its timeout), and why; when that was the root, nothing is up until
+        :meth:`up` starts a fresh one."""
         wb = self.workbench
+        lost = {"lost": wb.last_loss} if wb is not None and not wb.closed and wb.last_loss else {}
         if wb is None or not wb.machines:
-            return {"up": False}
+            return {"up": False, **lost}
         _block(wb.refresh_network())
-        return {"up": True, **wb.status()}
+        return {"up": True, **wb.status(), **lost}
 
+    @_in_session_words
     def ledger(self) -> Any:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
@@ -619,7 +691,7 @@ def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> R
     display = res.result if isinstance(res.result, SafeBundle) else None
     return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
                      {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
-                     res.metrics.get("reward_error") or None)
+                     res.metrics.get("reward_error") or None, res.output_log)
 
 
 def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:
@@ -653,7 +725,11 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     except BaseException:
         job.stop(120)
         raise
-    return _result(job)
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
 
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
@@ -678,7 +754,11 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)
         raise
-    return _result(job)
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
 
 
 def _result(job: _loop.Job) -> Any:

@@ -48,7 +48,7 @@ class CheckpointsMixin(WorkbenchPart):
         def _claim(self, node_id: str) -> None: ...
         def _touch(self, node_id: str) -> None: ...
         def _record(self, node: Node, **extra: Any) -> None: ...
-        async def _lost(self, node_id: str, why: str) -> str: ...
+        async def _lost(self, node_id: str, why: str) -> SmolbenchError: ...
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -168,11 +168,15 @@ class CheckpointsMixin(WorkbenchPart):
             if not isinstance(exc, Exception):
                 raise
             why = str(exc) if isinstance(exc, SmolbenchError) else f"{type(exc).__name__}: {exc}"
+            api = None
             if isinstance(exc, MachineLost):
                 self._busy.discard(node_id)
-                why = await self._lost(node_id, why)
+                lost = await self._lost(node_id, why)
+                why, api = lost.for_magics(), lost.api
             kept = "" if existing is None else f"; the old {name!r} is unchanged"
-            raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}") from None
+            raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({why}): nothing was saved{kept}",
+                                 api=api and f"saving checkpoint {name!r} of {node_id} failed ({api}): nothing was "
+                                 f"saved{kept}") from None
         finally:
             self._release(node_id)
         node = self.tree[node_id]

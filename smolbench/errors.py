@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 
 class SmolbenchError(Exception):
@@ -12,10 +13,35 @@ class SmolbenchError(Exception):
 
     IPython shows it without a traceback (see ``magics``), because the
     traceback of our own layers never helps the user.
+
+    A fix is said in the words of whoever called: the message is the magics' (``--timeout``,
+    ``%smol up``); ``api``, when given, is the same line in :class:`smolbench.Session`'s words
+    (``timeout=``, ``Session.up()``). The Session switches to it (:meth:`in_session_words`) as
+    the error leaves it; the magics show :attr:`magic_words` whatever layer raised it.
     """
+
+    def __init__(self, *args: object, api: str | None = None) -> None:
+        super().__init__(*args)
+        self.api = api
+        self.magic_words = str(args[0]) if len(args) == 1 else super().__str__()
+
+    def in_session_words(self) -> SmolbenchError:
+        """This error, its message now in the Session's words (when it has them)."""
+        if self.api is not None:
+            self.args = (self.api,)
+        return self
+
+    def for_magics(self) -> str:
+        """The message in the magics' words."""
+        return self.magic_words
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+# The Session's words for what the magics say with `%smol up` and `%smol tree` (``api=``).
+NOT_UP = "no machine is up: call `Session.up()` first (or use the session in a `with` block)"
+LIVE = "`Session.status()['live_machines']`"
 
 
 class SmolfileError(SmolbenchError):
@@ -34,7 +60,8 @@ class InfraError(SmolbenchError):
 
 
 class MachineLost(SmolbenchError):
-    """The machine died under a request (the kernel killed it for memory): its state is gone."""
+    """The machine died under a request (it exited, crashed, or the kernel killed it for
+    memory): its state is gone."""
 
 
 class MachineBusy(SmolbenchError):
@@ -56,15 +83,34 @@ class RemoteError(Exception):
     """An exception raised by user code inside a machine.
 
     Rendered in the notebook like a local exception, with the remote
-    traceback pointing at the cell's own lines.
+    traceback pointing at the cell's own lines. Made by :func:`remote_error`: a class named
+    after the machine's exception, which also subclasses the built-in of that name
+    (``except ZeroDivisionError`` catches it), unless the name is not a built-in ``Exception``
+    or is one that steers the host's own control flow (see :data:`NOT_AS_BUILTIN`).
     """
 
+    def __new__(cls, ename: str = "", evalue: str = "", traceback: Sequence[str] = (), node: str = "",
+                *args: Any) -> RemoteError:
+        # the __new__ of the built-in whose layout the class has (BaseException's but for OSError),
+        # which sees the message only: OSError's reads an errno from a second argument
+        made: Any = cls
+        while made.__module__ != "builtins":
+            made = made.__base__
+        return cast(RemoteError, made.__new__(cls, evalue))
+
     def __init__(self, ename: str, evalue: str, traceback: Sequence[str], node: str = "") -> None:
-        super().__init__(evalue)
+        # not the built-in's own __init__: UnicodeDecodeError's wants 5 arguments, the machine sent a line
+        BaseException.__init__(self, evalue)
         self.ename = ename
         self.evalue = evalue
         self.traceback = list(traceback)
         self.node = node
+
+    def __str__(self) -> str:
+        return self.evalue  # the machine's words (KeyError's own __str__ would repr() them again)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return remote_error, (self.ename, self.evalue, self.traceback, self.node)
 
     def render(self) -> list[str]:
         """The remote traceback as display lines (with ANSI colour)."""
@@ -79,6 +125,34 @@ class RemoteError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return self.render()
+
+
+# Built-in exceptions a machine's error is never made an instance of, though they are Exceptions:
+# a StopIteration out of ``run()`` would silently end the caller's loop in a generator or
+# ``__next__``; exception groups are taken apart by ``except*`` and need their sub-exceptions.
+# Names outside ``Exception`` (SystemExit, KeyboardInterrupt, GeneratorExit, BaseException,
+# BaseExceptionGroup) are never built-ins here either: a machine must not stop the host.
+NOT_AS_BUILTIN = frozenset({"Exception", "StopIteration", "StopAsyncIteration", "ExceptionGroup"})
+AS_BUILTIN: dict[str, type[Exception]] = {
+    name: cls for name, cls in vars(builtins).items()
+    if not name.startswith("_") and isinstance(cls, type) and issubclass(cls, Exception)
+    and cls.__module__ == "builtins" and name not in NOT_AS_BUILTIN
+}  # taken when smolbench is imported: a name a program adds to builtins later is not one
+_TWINS: dict[str, type[RemoteError]] = {}  # one class per built-in name (so `type(a) is type(b)`)
+
+
+def remote_error(ename: str, evalue: str, traceback: Sequence[str], node: str = "") -> RemoteError:
+    """The RemoteError for an exception a machine reported, its class named after it (so
+    Jupyter shows ``ZeroDivisionError``, not ``RemoteError``). ``ename`` is the machine's
+    word, so only the name is used: a built-in Exception's class is looked up in
+    :data:`AS_BUILTIN` and subclassed; anything else (a class of the machine's own,
+    ``KeyboardInterrupt``, ``SystemExit``, a name that is no identifier) is a plain RemoteError."""
+    base = AS_BUILTIN.get(ename)
+    if base is None:
+        cls = type(ename if ename.isidentifier() else "RemoteError", (RemoteError,), {})
+    else:
+        cls = _TWINS.get(ename) or _TWINS.setdefault(ename, type(ename, (RemoteError, base), {}))
+    return cls(ename, evalue, traceback, node)
 
 
 class CompositeError(Exception):

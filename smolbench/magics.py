@@ -80,8 +80,9 @@ class SmolMagics(Magics):
                 return self._line(line)
             return self._cell(line, cell)
         except SmolbenchError as exc:
-            # One line, no traceback of our layers (the exception renders itself).
-            raise reworded(exc, str(exc)) from None
+            # One line, no traceback of our layers (the exception renders itself), in the
+            # magics' words also when the Session (or a layer below) had it in its own.
+            raise reworded(exc, exc.for_magics()) from None
 
     smol.__doc__ = HELP
 
@@ -129,6 +130,8 @@ class SmolMagics(Magics):
             wb = self.session.workbench
             assert wb is not None
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+        if self.session is not None:  # its root was lost: what is left of it (its backend) goes first
+            self.session.down()
         self._boot(_session_of(args))
 
     def _boot(self, session: Session) -> None:
@@ -225,6 +228,8 @@ class SmolMagics(Magics):
         st: dict[str, Any] = self.session.status() if self.session is not None else {"up": False}
         if not st.pop("up"):
             print("smolbench: no machine is up (`%smol up` starts one)")
+            if st.get("lost"):
+                print(f"smolbench: lost {st['lost']}")
             return None
         if st["active"] is None:  # its active machine was deleted, others live
             st["active"] = "none (`%smol use NODE` picks one)"

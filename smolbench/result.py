@@ -16,7 +16,7 @@ from .tree import TERMINAL, best_key
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "error", "attempts")
+COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "output_log", "error", "attempts")
 
 
 REASON_CHARS = 160  # a failed branch's reason in the table and summary (the full text is in .failed)
@@ -45,8 +45,11 @@ class ForkResult:
     """Results of a fan-out, live while it runs.
 
     One row per branch: ``branch``, ``seed``, ``status`` (ok / error / timeout /
-    cancelled, or running), ``reward``, ``wall`` seconds, ``metrics``,
-    ``output``. Shown as a table; ``.to_pandas()`` for analysis.
+    cancelled, or running), ``reward``, ``wall`` seconds, ``metrics``, ``output`` (its
+    stdout, then ``[stderr]`` and its stderr, as a ``%%smol`` cell shows them: up to the
+    branch's output limit, then the line saying where the rest went) and ``output_log``
+    (that log's absolute path, None when nothing was held back). Shown as a table;
+    ``.to_pandas()`` for analysis.
     """
 
     def __init__(self, kind: str, run_id: str, parent: str | None, branches: list[str], seeds: list[int | None]) -> None:
@@ -55,7 +58,7 @@ class ForkResult:
         self.parent = parent
         self.rows: dict[str, dict[str, Any]] = {
             b: {"branch": b, "seed": s, "status": "starting", "reward": None, "wall": None,
-                "metrics": {}, "output": "", "error": None, "attempts": 1}
+                "metrics": {}, "output": "", "output_log": None, "error": None, "attempts": 1}
             for b, s in zip(branches, seeds)
         }
         self.remote_errors: dict[str, RemoteError] = {}

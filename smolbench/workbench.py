@@ -26,8 +26,9 @@ from ._recorder import Observer, RecorderMixin
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
-from .errors import InfraError, MachineLost, RemoteError, SmolbenchError
+from .errors import LIVE, NOT_UP, InfraError, MachineLost, SmolbenchError, remote_error
 from .ledger import Ledger, code_hash
+from .losses import LossesMixin
 from .provenance import versions as _versions
 from .provenance import where as _where
 from .result import ForkResult
@@ -41,7 +42,7 @@ MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
 
 
-class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
+class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
@@ -80,6 +81,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.log_pool = gate.LogPool()  # what all of this session's output logs may take
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
+        self.last_loss: str | None = None  # the last machine lost under a request, and why (status says it)
+        self.closed = False  # down() ran: its backend is closed
         self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
@@ -139,7 +142,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
     async def up(self) -> Node:
         """Start the root machine from the spec and run its init commands."""
         if self.active is not None:
-            raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over")
+            raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over",
+                                 api=f"already up ({self.backend.name}, active {self.active}): `Session.down()` first "
+                                 "to start over")
         ref = await retry.boot(self, self.spec, "root", self.retries)
         self.machines["root"] = ref
         node = self.tree.add(Node("root", status="idle", started=time.time()))
@@ -218,21 +223,24 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         with contextlib.suppress(Exception):
             await self.backend.close()
         self.active = None
+        self.closed = True
         return count
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
         if self.active is None or self.active not in self.machines:
-            raise SmolbenchError("no machine is up: run `%smol up` first")
+            raise SmolbenchError("no machine is up: run `%smol up` first", api=NOT_UP)
         return self.machines[self.active]
 
     def live(self, node_id: str) -> MachineRef:
         """A live node's machine, or a one-line error naming the live ones."""
         if node_id not in self.tree:
             known = ", ".join(n.id for n in self.tree if n.alive) or "none"
-            raise SmolbenchError(f"unknown node {node_id!r}: live nodes are {known} (see `%smol tree`)")
+            raise SmolbenchError(f"unknown node {node_id!r}: live nodes are {known} (see `%smol tree`)",
+                                 api=f"unknown node {node_id!r}: live nodes are {known} (see {LIVE})")
         if node_id not in self.machines:
-            raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it")
+            raise SmolbenchError(f"node {node_id!r} was deleted: use a live node, or `%smol replay {node_id}` to rebuild it",
+                                 api=f"node {node_id!r} was deleted: use a live node (see {LIVE})")
         return self.machines[node_id]
 
     def use(self, node_id: str) -> Node:
@@ -247,7 +255,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         """Delete a node's machine and every live machine below it. When that took the active
         machine, ``moved`` says where the active machine went ("" otherwise)."""
         if node_id not in self.tree:
-            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree`")
+            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree`", api=f"unknown node {node_id!r}: see {LIVE}")
         self.moved = ""
         gone = []
         for node in reversed(self.tree.subtree(node_id)):
@@ -270,7 +278,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
 
     def _claim(self, node_id: str) -> None:
         if node_id in self._busy:
-            raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish")
+            raise SmolbenchError(f"{node_id} is busy with another cell or fork: wait for it (or its --bg handle) to finish",
+                                 api=f"{node_id} is busy with another run or fork: wait for it to finish")
         self._busy.add(node_id)
         self._busy_changed(node_id)
 
@@ -321,14 +330,14 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             try:
                 res = await asyncio.wait_for(asyncio.shield(task), timeout)
             except MachineLost as exc:
-                raise SmolbenchError(await _to_the_end(self._lost(ref.name, str(exc)))) from None
+                raise await _to_the_end(self._lost(ref.name, str(exc))) from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 timed_out = isinstance(exc, asyncio.TimeoutError)
-                why = f"ran longer than --timeout {timeout:g} s" if timed_out else "was interrupted"
                 if not await _to_the_end(self._stop(ref, task)):
-                    raise SmolbenchError(await _to_the_end(self._kill_stuck(ref.name, why))) from None
+                    raise await _to_the_end(self._kill_stuck(ref.name, timeout if timed_out else None)) from None
                 if timed_out:
-                    raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted") from None
+                    raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted",
+                                         api=f"the code ran longer than timeout={timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
             if _out_of_memory(res):
@@ -355,73 +364,36 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             await task
         return False
 
-    async def _lost(self, node_id: str, why: str) -> str:
-        """A machine that died under a request (killed for memory): drop it and what was forked
-        from it, mark it lost, and say what is active now; the one line."""
-        with contextlib.suppress(Exception):
-            await self.delete(node_id)
-        node = self.tree[node_id]
-        node.status, node.ended, node.error, node.alive = "lost", time.time(), why, False
-        self._record(node)
-        if self.active is not None:
-            return f"{why}; the active machine is now {self.active}"
-        return f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)"
-
-    async def _kill_stuck(self, node_id: str, why: str) -> str:
-        """Delete a machine whose cell ignored the interrupt; the one line that tells the user."""
-        await self.delete(node_id)
-        node = self.tree[node_id]
-        node.status, node.ended = "lost", time.time()
-        node.error = f"killed: the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s"
-        self._record(node)
-        head = (f"the cell {why} and ignored the interrupt for {gate.LIMITS.grace:g} s, so machine {node_id} "
-                "was killed: its state is lost")
-        if self.active is not None:
-            return f"{head}; the active machine is now {self.active} (its state from when {node_id} was forked)"
-        try:
-            fresh = await self._fresh()
-        except Exception as exc:
-            return (f"{head}, and a fresh machine did not start ({exc}). `%smol down` then `%smol up` starts "
-                    "one (or `%smol checkpoint restore NAME`)")
-        return f"{head}; a fresh machine {fresh} from the Smolfile is up and active (its variables start empty)"
-
-    async def _fresh(self) -> str:
-        """A new machine from the spec, made active (after the active one had to be killed)."""
-        node_id = f"fresh{sum(1 for n in self.tree if n.id.startswith('fresh') and '.' not in n.id) + 1}"
-        ref = await retry.boot(self, self.spec, node_id, self.retries)
-        self.machines[node_id] = ref
-        node = self.tree.add(Node(node_id, status="idle", started=time.time()))
-        self._placed(ref)
-        try:
-            await self._init(ref)
-        except BaseException:
-            await _to_the_end(self._drop(node_id))
-            raise
-        self.active = node_id
-        self._record(node)
-        return node_id
-
     # -- fan-out -----------------------------------------------------------------------------
 
     def _check_fanout(self, n: Any, seeds: list[int] | None, seed_base: Any, timeout: float | None,
                       concurrency: int | None, keep: str, kind: str = "fork") -> int:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`")
+            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`",
+                                 api=f"the number of branches must be a whole number, got {n!r}: e.g. "
+                                 f"`Session.{kind}(16, code)`")
         if n < 1:
-            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`")
+            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`",
+                                 api=f"the number of branches must be at least 1, got {n}: e.g. `Session.{kind}(16, code)`")
         if n > MAX_BRANCHES:
-            raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`")
+            raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`",
+                                 api=f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages "
+                                 "with `Session.use(node)`")
         if seeds is not None and len(seeds) < n:
-            raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})")
+            raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})",
+                                 api=f"seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. "
+                                 f"seeds=range({n}))")
         for s in (seeds or [])[:n]:  # ledger integers: a bigger one failed after the parent was claimed
-            _args.seed(s, "each of --seeds")
-        _args.seed(seed_base, "--seed-base")
-        _args.seed(seed_base + n - 1, f"--seed-base {seed_base} + {n - 1}")
+            _args.seed(s, "each of --seeds", "each of seeds")
+        _args.seed(seed_base, "--seed-base", "seed_base")
+        _args.seed(seed_base + n - 1, f"--seed-base {seed_base} + {n - 1}", f"seed_base={seed_base} + {n - 1}")
         gate.seconds(timeout)
         if concurrency is not None and concurrency < 1:
-            raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}")
+            raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}",
+                                 api=f"concurrency must be at least 1, got {concurrency}")
         if keep not in KEEP_POLICIES:
-            raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
+            raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}",
+                                 api=f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
         return n
 
     def default_concurrency(self, n: int, boots: bool = False) -> int:
@@ -447,7 +419,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
             raise SmolbenchError(f"{parent} is not alive, so it can't be forked: pick a live node (`%smol tree`)")
         ref = self.require_up() if parent is None else self.machines[parent]
         if not self.spec.branch:
-            raise SmolbenchError("branching is off for this machine ([branch] enabled = false in the Smolfile): turn it on, or use `%%smol episodes`")
+            raise SmolbenchError("branching is off for this machine ([branch] enabled = false in the Smolfile): turn it on, "
+                                 "or use `%%smol episodes`", api="branching is off for this machine ([branch] enabled = "
+                                 "false in the Smolfile): turn it on, or use `Session.episodes(n, code)`")
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         names = self.tree.next_child_ids(ref.name, n)
         self._runs += 1
@@ -461,7 +435,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
         n = self._check_fanout(n, seeds, seed_base, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
-            raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)")
+            raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)",
+                                 api=f"{NOT_UP} (episodes boot from its baseline)")
         seeds_ = list(seeds[:n]) if seeds is not None else [seed_base + i for i in range(n)]
         self._runs += 1
         names = [f"ep{self._runs}.{i}" for i in range(n)]
@@ -482,7 +457,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         assert parent_id is not None
         parent = self.machines.get(parent_id)
         if parent is None:
-            raise SmolbenchError(f"{parent_id} is no longer alive: `%smol use` a live node")
+            raise SmolbenchError(f"{parent_id} is no longer alive: `%smol use` a live node",
+                                 api=f"{parent_id} is no longer alive: `Session.use(node)` a live node")
         pnode = self.tree[parent_id]
         self._claim(parent_id)
         try:
@@ -685,14 +661,15 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         self.ledger.add_cell(self.session, node.id, node.cells, code, node.seed, sorted(req.push), res.status)
         if _out_of_memory(res):  # the one line, not a traceback into the allocation
             res.error = {"ename": "MemoryError", "evalue": out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")), "traceback": []}
-        output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")
+        output = res.stdout + (("\n[stderr]\n" + res.stderr) if res.stderr else "")  # as shown, then where the rest went
         if res.status == "ok" and res.metrics.get("reward_error"):
             self._finish(result, node, "error", error=str(res.metrics["reward_error"]), output=output, res=res)
         elif res.status == "ok":
             self._finish(result, node, "ok", output=output, res=res)
         else:
             err = res.error or {}
-            result.remote_errors[node.id] = RemoteError(err.get("ename", "Error"), err.get("evalue", ""), err.get("traceback", []), node.id)
+            result.remote_errors[node.id] = remote_error(err.get("ename", "Error"), err.get("evalue", ""),
+                                                         err.get("traceback", []), node.id)
             self._finish(result, node, "error", error=f"{err.get('ename')}: {err.get('evalue')}", output=output, res=res)
 
     def _finish(self, result: ForkResult, node: Node, status: str, *, error: str | None = None, output: str = "",
@@ -709,7 +686,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin):
         if alive is not None:
             node.alive = alive
         row = result.rows[node.id]
-        row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error)
+        row.update(status=status, reward=node.reward, wall=node.wall, metrics=dict(node.metrics), output=output, error=error,
+                   output_log=res.output_log if res is not None else None)
         self._record(node)  # committed now: survives a kernel crash a moment later
 
     async def _drop(self, node_id: str, record: bool = True) -> None:

@@ -491,6 +491,9 @@ AFTER_UP = [
      "--seeds gives 2 seeds for 3 branches: give at least 3 (e.g. --seeds 0:3)"),
     ("too-few-seeds-range", "%%smol fork 4 --seeds 0:2\nreward = 1", "SmolbenchError",
      "--seeds gives 2 seeds for 4 branches: give at least 4"),
+    ("seeds-and-seed-base", "%%smol fork 2 --seeds 3,4 --seed-base 0\nreward = 1", "SmolbenchError",
+     "give --seeds or --seed-base, not both: --seeds sets every branch's seed, so --seed-base 0 would be ignored; "
+     "drop one of them"),
     ("timeout-0", "import smolbench\nsmolbench._magics.workbench.new_fork(2, timeout=0)", "SmolbenchError",
      "--timeout must be a positive number of seconds, got 0: e.g. --timeout 30"),
     ("reward-nan", "%%smol fork 1\nreward = float('nan')", "CompositeError",

@@ -385,12 +385,16 @@ class AgentHostBackend(Backend):
 
     async def _connect(self, ref: MachineRef, how: Callable[[str], Awaitable[T]]) -> T:
         if ref.name not in self._machines:
-            raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`")
+            raise SmolbenchError(f"machine {ref.name!r} was deleted: pick another with `%smol use` or `%smol up`",
+                                 api=f"machine {ref.name!r} was deleted: pick another with `Session.use(node)` or "
+                                 "`Session.up()`")
         try:
             with self._socket(ref) as path:
                 return await how(path)
         except OSError as exc:
-            raise SmolbenchError(f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died; `%smol down` and `%smol up`") from None
+            head = f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died;"
+            raise SmolbenchError(f"{head} `%smol down` and `%smol up`",
+                                 api=f"{head} `Session.down()` and `Session.up()`") from None
 
     async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Send one request; yield the agent's raw reply bytes (only the gate decodes them)."""
@@ -402,9 +406,11 @@ class AgentHostBackend(Backend):
                 try:
                     chunk = await reader.read(CHUNK)
                 except ConnectionError:  # the agent dropped us: it could not even start a thread
-                    raise SmolbenchError(
-                        f"machine {ref.name!r} dropped the connection: it may be out of processes (pids = "
-                        f"{ref.spec.pids}) or memory; `%smol delete {ref.name}` or raise the limit in the Smolfile") from None
+                    head = (f"machine {ref.name!r} dropped the connection: it may be out of processes (pids = "
+                            f"{ref.spec.pids}) or memory;")
+                    raise SmolbenchError(f"{head} `%smol delete {ref.name}` or raise the limit in the Smolfile",
+                                         api=f"{head} `Session.delete({ref.name!r})` or raise the limit in the "
+                                         "Smolfile") from None
                 if not chunk:
                     return
                 yield chunk

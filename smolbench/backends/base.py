@@ -75,11 +75,12 @@ class CellResult:
     pulled: dict[str, Any] = field(default_factory=dict)  # values rebuilt by the gate
     reward: Any = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    stdout: str = ""
+    stdout: str = ""  # what the cell printed, up to its output limit (then the line saying where the rest went)
     stderr: str = ""
     started: float = 0.0
     ended: float = 0.0
     pull_error: str | None = None  # a --pull refused by the gate (one line)
+    output_log: str | None = None  # the log holding the output past the limit (absolute path), if any
 
 
 @dataclass

@@ -411,7 +411,9 @@ class SandboxBackend(AgentHostBackend):
         root = self._machines.get(ref.info["root"])
         pid = root.info.get("host_pid") if root is not None else None
         if root is not None and pid is not None and _procs.start_time(pid) != root.info.get("host_started"):
-            raise SmolbenchError(f"machine {ref.name!r} is not answering (it died): `%smol down` and `%smol up`")
+            raise SmolbenchError(f"machine {ref.name!r} is not answering (it died): `%smol down` and `%smol up`",
+                                 api=f"machine {ref.name!r} is not answering (it died): `Session.down()` and "
+                                 "`Session.up()`")
         if not self._contained:
             yield ref.info["socket"]
             return

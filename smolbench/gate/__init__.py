@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..backends.base import CellRequest, CellResult, Event, OnEvent
-from ..errors import MachineBusy, SmolbenchError
+from ..errors import MachineBusy, MachineLost, SmolbenchError
 from . import display, pull, terminal
 from .display import SafeBundle
 from .frames import (
@@ -66,8 +66,10 @@ def malformed(where: str, why: object) -> MalformedReply:
     return MalformedReply(f"machine {where} sent a malformed reply: {why}")
 
 
-def died(where: str) -> SmolbenchError:
-    return SmolbenchError(
+def died(where: str) -> MachineLost:
+    """The line for a machine whose reply ended before the cell did: it is gone (the Workbench
+    takes it out of the live set, as a machine killed for memory)."""
+    return MachineLost(
         f"machine {where} died mid-cell: its process exited before finishing (os._exit, a crash, "
         "out of memory, or the machine was deleted); its state is gone")
 
@@ -252,10 +254,12 @@ class _Cell:
         metrics = dict(f.get("metrics") or {})
         if f.get("reward_error"):
             metrics["reward_error"] = f["reward_error"]
+        # stdout and stderr as the cell showed them (up to its output limit, then where the rest
+        # went), not the machine's own record of them: that keeps only their last 64 KiB
         return CellResult(status=f.get("status", "error"), result=result, error=f.get("error"), pulled=values,
-                          reward=f.get("reward"), metrics=metrics, stdout=f.get("stdout", ""),
-                          stderr=f.get("stderr", ""), started=f.get("started", 0.0), ended=f.get("ended", 0.0),
-                          pull_error=pull_error)
+                          reward=f.get("reward"), metrics=metrics, stdout=self.budget.text("stdout"),
+                          stderr=self.budget.text("stderr"), started=f.get("started", 0.0), ended=f.get("ended", 0.0),
+                          pull_error=pull_error, output_log=self.budget.saved_to)
 
 
 async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event: OnEvent | None,
@@ -352,5 +356,5 @@ async def read_control(chunks: AsyncIterator[bytes], where: str) -> dict[str, An
             return reply
     except Bad as exc:
         raise malformed(where, exc) from None
-    raise SmolbenchError(f"machine {where} closed the connection without answering: it may have died; "
-                         "`%smol down` and `%smol up`")
+    head = f"machine {where} closed the connection without answering: it may have died;"
+    raise SmolbenchError(f"{head} `%smol down` and `%smol up`", api=f"{head} `Session.down()` and `Session.up()`")

@@ -85,7 +85,9 @@ def seconds(text: str | float | None, option: str = "--timeout") -> float | None
     except (TypeError, ValueError):
         value = math.nan
     if isinstance(text, bool) or not math.isfinite(value) or value <= 0:
-        raise SmolbenchError(f"{option} must be a positive number of seconds, got {text!r}: e.g. {option} 30")
+        arg = option[2:].replace("-", "_") if option.startswith("--") else None  # --timeout: the Session's timeout=
+        raise SmolbenchError(f"{option} must be a positive number of seconds, got {text!r}: e.g. {option} 30",
+                             api=arg and f"{arg} must be a positive number of seconds, got {text!r}: e.g. {arg}=30")
     return value
 
 

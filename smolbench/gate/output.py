@@ -7,6 +7,10 @@ rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) an
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
 counted (never queued for the notebook, so none can land in a later cell).
+
+What was shown of each stream is also kept (:meth:`OutputBudget.text`): a cell's result
+carries it, so a script (``Session.run``, a fork's rows) gets the same output the notebook
+shows, with the same closing line where some was held back.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class OutputBudget:
         self.shown_displays = 0
         self.hidden_displays = 0
         self.hidden = 0  # bytes not shown (past the limit)
+        self.hidden_in: dict[str, int] = {}  # of those, per stream
         self.logged = 0
+        self._shown_text: dict[str, list[str]] = {}  # what was shown, per stream (at most ``limit`` bytes)
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
         self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
         self._log: IO[bytes] | None = None
@@ -64,20 +70,35 @@ class OutputBudget:
     def take(self, name: str, text: str) -> str:
         """The part of ``text`` (written to stream ``name``) that should be shown."""
         if self.shown >= self.limit:
-            self._spill(text)
+            self._spill(name, text)
             return ""
         text = self._cut_lines(name, text)
         size = len(text.encode("utf-8", "replace"))
         if self.shown + size <= self.limit:
             self.shown += size
+            self._shown_text.setdefault(name, []).append(text)
             return text
         room = self.limit - self.shown
         head = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
         nl = head.rfind("\n")
         head = head[: nl + 1] if nl >= 0 else head  # stop at a line end when there is one
         self.shown = self.limit
-        self._spill(text[len(head):])
+        self._shown_text.setdefault(name, []).append(head)
+        self._spill(name, text[len(head):])
         return head
+
+    def text(self, name: str) -> str:
+        """What stream ``name`` showed, and the closing line (where the rest went) when some of
+        it was held back."""
+        shown = "".join(self._shown_text.get(name, ()))
+        if self.hidden_in.get(name):
+            shown += self._text_note() or ""
+        return shown
+
+    @property
+    def saved_to(self) -> str | None:
+        """The log's absolute path when it holds some of the cell's output, else None."""
+        return str(self.log_path.absolute()) if self.log_path is not None and self.logged else None
 
     def take_display(self, size: int) -> bool:
         """Whether a display of ``size`` bytes (its reply line) still fits: it counts against
@@ -117,9 +138,10 @@ class OutputBudget:
         self._col[name], self._cut[name] = col, cut
         return "".join(out)
 
-    def _spill(self, text: str) -> None:
+    def _spill(self, name: str, text: str) -> None:
         data = text.encode("utf-8", "replace")
         self.hidden += len(data)
+        self.hidden_in[name] = self.hidden_in.get(name, 0) + len(data)
         room = min(len(data), self.log_limit - self.logged)
         if self.log_path is None or room <= 0:
             return
