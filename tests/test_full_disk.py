@@ -9,30 +9,10 @@ from pathlib import Path
 
 import pytest
 from nbhelpers import NotebookSession, ok, one_line, result_text
+from test_limits import FILL  # inside a machine: write 1 MiB chunks until it fails
 
 from smolbench.backends import _bwrap, _limits
 from smolbench.smolfile import parse_smolfile
-
-# Inside a machine: write 1 MiB chunks to ``path`` until it fails (at most ``mib``); what got in and why.
-FILL = r"""
-import errno, os
-def fill(path, mib):
-    n = 0
-    try:
-        with open(path, "wb") as fh:
-            for _ in range(mib):
-                fh.write(b"x" * (1 << 20))
-                fh.flush()
-                n += 1
-    except OSError as exc:
-        return [n, errno.errorcode.get(exc.errno)]
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return [n, None]
-"""
 
 
 def test_the_default_disk_leaves_the_machine_room_to_live() -> None:

@@ -612,13 +612,17 @@ class AgentHostBackend(Backend):
         ``folder``: relative to descriptors, no link followed, nothing but folders opened (a
         fifo in its place hung ``shutil.rmtree``'s first open, and the kernel with it)."""
         try:
-            fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd, name = self._below(folder, name)
         except OSError:
             return
         try:
             _rundir.remove_tree(fd, name)
         finally:
             os.close(fd)
+
+    def _below(self, folder: str, name: str) -> tuple[int, str]:
+        """An O_PATH descriptor of a machine's run ``folder``, and ``name`` in it."""
+        return os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), name
 
     async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
         """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for

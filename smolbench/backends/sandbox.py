@@ -304,18 +304,10 @@ class SandboxBackend(AgentHostBackend):
             await asyncio.to_thread(_remove_folder, ref.info["host_dir"], root.info["host_pid"],
                                     root.info.get("host_started"))
 
-    def _remove_below(self, folder: str, name: str) -> None:
+    def _below(self, folder: str, name: str) -> tuple[int, str]:
         if GUEST_RUN + "/" not in folder + "/":  # a host folder of its own (not contained)
-            super()._remove_below(folder, name)
-            return
-        try:  # the machine's run folder, through the one walk that follows no link of theirs
-            fd, name = _below_run(f"{folder}/{name}")
-        except OSError:
-            return
-        try:
-            _rundir.remove_tree(fd, name)
-        finally:
-            os.close(fd)
+            return super()._below(folder, name)
+        return _below_run(f"{folder}/{name}")  # the one walk that follows no link of the machine's
 
     async def close(self) -> None:
         await super().close()
