@@ -227,4 +227,6 @@ def reworded(exc: E, text: str) -> E:
     message (``UnsafeLedger(where, what)``), and calling it with one became a TypeError."""
     new = type(exc).__new__(type(exc), text)
     new.__dict__.update(exc.__dict__)
+    if isinstance(new, SmolbenchError):  # its other wordings said the old text
+        new.magic_words, new.api = text, None
     return new

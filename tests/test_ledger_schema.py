@@ -302,3 +302,16 @@ def test_up_in_a_folder_whose_ledger_holds_sql_says_so_in_its_own_line(open_tmp:
     errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
     assert errors and errors[0]["ename"] == "UnsafeLedger", errors
     assert "holds SQL of its own (view 'planted')" in errors[0]["evalue"], errors
+
+
+def test_a_reworded_error_says_its_new_text_in_both_interfaces_words() -> None:
+    """The restore rewords the machine-side error to name the user's file, not the descriptor
+    it read; the copy kept the old text as its magics' wording, which `%smol` shows."""
+    from smolbench.errors import SmolbenchError, reworded
+
+    old = SmolbenchError("checkpoint /proc/self/fd/7 is corrupt", api="checkpoint /proc/self/fd/7 (Session)")
+    new = reworded(old, "checkpoint lesson1.smolcheckpoint is corrupt")
+    assert type(new) is SmolbenchError and str(new) == new.for_magics() == "checkpoint lesson1.smolcheckpoint is corrupt"
+    assert str(new.in_session_words()) == "checkpoint lesson1.smolcheckpoint is corrupt"
+    ledger = reworded(UnsafeLedger("x.db", "holds SQL"), "ledger elsewhere holds SQL")
+    assert isinstance(ledger, UnsafeLedger) and ledger.what == "holds SQL" and ledger.for_magics() == "ledger elsewhere holds SQL"

@@ -142,3 +142,50 @@ def test_a_folder_being_removed_is_not_given_to_a_new_branch(tmp_path: Path) -> 
             await be.close()
 
     _loop.run(main())
+
+
+def test_a_run_folder_a_machine_replaced_in_a_mount_namespace_of_its_own_is_not_followed(tmp_path: Path) -> None:
+    """Code in a root can exec its agent (same pid, same start time), make a mount namespace
+    of its own with a tmpfs on /run and ``/run/smolbench`` a link to a host folder: an absolute
+    link under /proc/PID/root resolves from the host's root, and the walk opened the run
+    folder itself following links, so deleting a branch (or a stage) removed a host folder.
+    Here a process does the same with unshare(1), and the host's walk must refuse it."""
+    import os
+    import subprocess
+    import time
+
+    from smolbench.backends import _rundir
+    from smolbench.backends.sandbox import _below_run
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    victim = tmp_path / "victim"
+    (victim / "16").mkdir(parents=True)
+    (victim / "16" / "precious").write_text("host data")
+    proc = subprocess.Popen(["unshare", "-Urm", "sh", "-c",
+                             f"mount -t tmpfs tmpfs /run && ln -s {victim} /run/smolbench && exec sleep 120"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if os.readlink(f"/proc/{proc.pid}/root/run/smolbench") == str(victim):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                pytest.skip("this host can't make a user and mount namespace here (unshare -Urm failed)")
+            assert time.monotonic() < deadline, "the stand-in machine never made its link"
+            time.sleep(0.02)
+        try:
+            fd, name = _below_run(f"/proc/{proc.pid}/root/run/smolbench/16")
+        except OSError:
+            pass  # refused: the run folder is a link
+        else:
+            try:
+                _rundir.remove_tree(fd, name)
+            finally:
+                os.close(fd)
+        assert (victim / "16" / "precious").read_text() == "host data"
+    finally:
+        proc.kill()
+        proc.wait()

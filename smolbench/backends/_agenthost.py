@@ -599,7 +599,7 @@ class AgentHostBackend(Backend):
             await _stoppable_thread(ckptwrite.pack, run_dir, stage, held, machine.name, scratch=os.path.dirname(part))
             os.replace(part, path)
         finally:
-            await _to_the_end(asyncio.to_thread(self._remove_below, run_dir, stage))
+            await _to_the_end(asyncio.to_thread(self._remove_below, machine, stage))
             with contextlib.suppress(OSError):
                 os.unlink(part)
             if held >= 0:
@@ -607,12 +607,15 @@ class AgentHostBackend(Backend):
         warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
-    def _remove_below(self, folder: str, name: str) -> None:
+    def _remove_below(self, machine: MachineRef, name: str) -> None:
         """Remove ``name`` (a stage the machine wrote in, while it may still run) from its run
-        ``folder``: relative to descriptors, no link followed, nothing but folders opened (a
-        fifo in its place hung ``shutil.rmtree``'s first open, and the kernel with it)."""
+        folder: relative to descriptors, no link followed, nothing but folders opened (a fifo
+        in its place hung ``shutil.rmtree``'s first open, and the kernel with it). A machine
+        deleted meanwhile took its folder with it: nothing to find (nor to look for by its pid)."""
+        if machine.name not in self._machines:
+            return
         try:
-            fd, name = self._below(folder, name)
+            fd, name = self._below(machine, name)
         except OSError:
             return
         try:
@@ -620,9 +623,9 @@ class AgentHostBackend(Backend):
         finally:
             os.close(fd)
 
-    def _below(self, folder: str, name: str) -> tuple[int, str]:
-        """An O_PATH descriptor of a machine's run ``folder``, and ``name`` in it."""
-        return os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), name
+    def _below(self, machine: MachineRef, name: str) -> tuple[int, str]:
+        """An O_PATH descriptor of ``machine``'s run folder, and ``name`` in it."""
+        return os.open(machine.info["host_dir"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), name
 
     async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
         """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
@@ -688,7 +691,7 @@ class AgentHostBackend(Backend):
             raise
         finally:
             if stage is not None:
-                await _to_the_end(asyncio.to_thread(self._remove_below, ref.info["host_dir"], stage))
+                await _to_the_end(asyncio.to_thread(self._remove_below, ref, stage))
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref

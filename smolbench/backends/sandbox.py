@@ -304,10 +304,15 @@ class SandboxBackend(AgentHostBackend):
             await asyncio.to_thread(_remove_folder, ref.info["host_dir"], root.info["host_pid"],
                                     root.info.get("host_started"))
 
-    def _below(self, folder: str, name: str) -> tuple[int, str]:
-        if GUEST_RUN + "/" not in folder + "/":  # a host folder of its own (not contained)
-            return super()._below(folder, name)
-        return _below_run(f"{folder}/{name}")  # the one walk that follows no link of the machine's
+    def _below(self, machine: MachineRef, name: str) -> tuple[int, str]:
+        if not (self._contained and machine.info.get("contained")):  # a host folder of its own
+            return super()._below(machine, name)
+        root = self._machines.get(machine.info["root"])
+        fd, name = _below_run(f"{machine.info['host_dir']}/{name}")  # the one walk that follows no link of the machine's
+        if root is None or _procs.start_time(root.info.get("host_pid") or 0) != root.info.get("host_started"):
+            os.close(fd)  # after the open: what it opened was that root's, its pid not another's by now
+            raise OSError(errno.ESRCH, "the machine's root is gone")
+        return fd, name
 
     async def close(self) -> None:
         await super().close()
@@ -494,13 +499,14 @@ def _fs_ids(uid: int, gid: int) -> Iterator[None]:
 def _below_run(path: str) -> tuple[int, str]:
     """The one walk to a path below a machine's run folder (``/proc/PID/root/run/smolbench/A/…/NAME``),
     whose folders are the machine's to change: an O_PATH descriptor of the folder holding NAME,
-    each component below the run folder (a mount point the machine can't replace) opened
-    without following links, and NAME (never ``..``: nothing above the run folder)."""
+    each component after ``/proc/PID/root`` opened without following links (the run folder's
+    too: code that execs its agent can mount its own /run, whose absolute links would resolve
+    from the host's root), and NAME (never ``..``)."""
     top, sep, rest = path.partition(GUEST_RUN + "/")
-    parts = rest.split("/")
-    if not sep or any(part in ("", ".", "..") for part in parts):
+    parts = GUEST_RUN.strip("/").split("/") + rest.split("/")
+    if not sep or not top.endswith("/root") or any(part in ("", ".", "..") for part in parts):
         raise OSError(errno.EINVAL, "not a path below a machine's run folder")
-    fd = os.open(top + GUEST_RUN, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # the machine's root (a /proc magic link)
     try:
         for part in parts[:-1]:
             nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
