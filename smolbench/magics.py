@@ -136,12 +136,15 @@ class SmolMagics(Magics):
             pick = "root" if "root" in wb.machines else live[0]
             shown = ", ".join(live[:5]) + (f", … {len(live)} in all" if len(live) > 5 else "")
             raise SmolbenchError(f"machines are still up ({shown}): `%smol use {pick}`, or `%smol down` first")
-        if self.session is not None:  # its root was lost, or every machine deleted: what is left of it goes first
-            self.session.down()
         self._boot(_session_of(args))
 
     def _boot(self, session: Session) -> None:
-        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so."""
+        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so.
+        The session it replaces, which has no machine left (its root was lost, or every machine
+        deleted), goes first: what is left of it (its backend's cgroups, proxy, run folders)."""
+        old = self.session
+        if old is not None and old is not session and not old.is_up:
+            old.down()
         wb = session.build(announce=lambda msg: print(msg, flush=True))
         if session.fallback:
             print(session.fallback)
