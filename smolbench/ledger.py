@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import urllib.parse
@@ -167,6 +168,7 @@ class Ledger:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
+        self._made: list[Path] = []  # what a read-only open made beside it, to remove as it closes
         if not self.path.name or self.path.is_dir():
             raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
         _refuse_links(self.path)
@@ -200,10 +202,13 @@ class Ledger:
 
     @classmethod
     def read_only(cls, path: str | os.PathLike[str] = DEFAULT_PATH) -> Ledger | None:
-        """The ledger at ``path`` to read (SQLite's ``mode=ro``: nothing written, no table added,
-        no ledger made), or None where there is none. Checked as every ledger is opened: a plain
-        file in a plain folder, a schema of smolbench's own tables (a copied folder's ledger is
-        its author's file)."""
+        """The ledger at ``path`` to read (nothing written, no table added, no ledger made), or
+        None where there is none. Checked as every ledger is opened: a plain file in a plain
+        folder, a schema of smolbench's own tables (a copied folder's ledger is its author's file).
+        Nothing is left in its folder either: a WAL ledger opened ``mode=ro`` gets a ``-shm`` and
+        ``-wal`` SQLite leaves behind, so with no ``-wal`` (no writer) it is opened
+        ``immutable=1`` (no file made); with one (a live writer elsewhere, or a dead one's log)
+        ``mode=ro`` reads it, and :meth:`close` removes what that open made (see ``_drop_made``)."""
         self = cls.__new__(cls)
         self.path = Path(path)
         if not self.path.name or self.path.is_dir():
@@ -212,24 +217,39 @@ class Ledger:
         if not self.path.exists():
             return None
         self._lock = threading.RLock()
-        uri = "file:" + urllib.parse.quote(str(self.path.absolute())) + "?mode=ro"
+        sides = [self.path.with_name(self.path.name + end) for end in ("-wal", "-shm")]
+        logged = os.path.lexists(sides[0])
+        self._made = [p for p in sides if not os.path.lexists(p)] if logged else []
+        uri = "file:" + urllib.parse.quote(str(self.path.absolute())) + ("?mode=ro" if logged else "?mode=ro&immutable=1")
         try:
             self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT, isolation_level=None)
         except sqlite3.Error as exc:
+            self._drop_made()
             raise SmolbenchError(f"can't open the ledger {path} to read ({exc}): check the path and its permissions") from None
         try:
             guard(self._db, self.path)
             self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
         except UnsafeLedger as exc:
-            self._db.close()
+            self.close()
             raise SmolbenchError(str(exc)) from None
         except sqlite3.DatabaseError as exc:
-            self._db.close()
+            self.close()
             raise SmolbenchError(f"ledger {path} is not a readable smolbench ledger ({exc})") from None
         except BaseException:
-            self._db.close()
+            self.close()
             raise
         return self
+
+    def _drop_made(self) -> None:
+        """Remove the ``-shm``/``-wal`` a read-only open made (neither was there before it):
+        only a plain file (the folder may be a copied one: never what a link names), and a
+        ``-wal`` only while empty (a writer that came since has written to it: its log)."""
+        made, self._made = self._made, []
+        for side in made:
+            with contextlib.suppress(OSError):
+                st = side.lstat()
+                if stat.S_ISREG(st.st_mode) and (side.name.endswith("-shm") or st.st_size == 0):
+                    side.unlink()
 
     def _move_checkpoint_columns(self) -> None:
         """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
@@ -271,6 +291,7 @@ class Ledger:
         """Close the database connection."""
         with self._lock:
             self._db.close()
+            self._drop_made()
 
     # -- writing -----------------------------------------------------------------
 

@@ -126,16 +126,25 @@ class SmolMagics(Magics):
 
     def _do_up(self, rest: str) -> None:
         args = parse_argstring(_up_args, rest)
-        if self.session is not None and self.session.active is not None:
+        if self.session is not None and self.session.is_up:
             wb = self.session.workbench
             assert wb is not None
-            raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
-        if self.session is not None:  # its root was lost: what is left of it (its backend) goes first
-            self.session.down()
+            if wb.active is not None:
+                raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over")
+            # none active (it was deleted), others live: never taken down behind the user's back
+            live = list(wb.machines)
+            pick = "root" if "root" in wb.machines else live[0]
+            shown = ", ".join(live[:5]) + (f", … {len(live)} in all" if len(live) > 5 else "")
+            raise SmolbenchError(f"machines are still up ({shown}): `%smol use {pick}`, or `%smol down` first")
         self._boot(_session_of(args))
 
     def _boot(self, session: Session) -> None:
-        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so."""
+        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so.
+        The session it replaces, which has no machine left (its root was lost, or every machine
+        deleted), goes first: what is left of it (its backend's cgroups, proxy, run folders)."""
+        old = self.session
+        if old is not None and old is not session and not old.is_up:
+            old.down()
         wb = session.build(announce=lambda msg: print(msg, flush=True))
         if session.fallback:
             print(session.fallback)

@@ -5,6 +5,7 @@ is refused as every ledger is."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import sqlite3
@@ -107,3 +108,55 @@ def test_the_past_view_reads_without_writing_and_shows_dead_kernels_rows_as_lost
             past._db.execute("DELETE FROM nodes")
     finally:
         past.close()
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_the_past_view_of_a_wal_ledger_leaves_the_folders_files_as_they_were(tmp_path: Path) -> None:
+    """A WAL ledger opened `mode=ro` got a ledger.db-shm and ledger.db-wal it left behind: the
+    view said nothing is written, and the folder had two files more."""
+    import subprocess
+    import sys
+
+    from smolbench.pastledger import open_past, past_tree
+
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path)
+    ledger.start_session("s1", backend="sandbox", host=socket.gethostname(), pid=0, pid_start=None)
+    ledger.upsert_node("s1", "root", status="idle", alive=1, started=1.0)
+    ledger.close()
+    before = _names(tmp_path)
+    assert before == ["ledger.db"], before
+
+    def viewed() -> None:
+        past = open_past(path)
+        assert past is not None
+        try:
+            session, tree = past_tree(past)
+            assert session is not None and "root" in tree
+        finally:
+            past.close()
+
+    viewed()
+    assert _names(tmp_path) == before  # no -wal: opened immutable, nothing made
+    writer = Ledger(path)  # a live writer elsewhere: its -wal and -shm are its own
+    try:
+        writer.upsert_node("s1", "root.0", parent_id="root", status="ok", alive=1, started=2.0)
+        live = _names(tmp_path)
+        assert live == ["ledger.db", "ledger.db-shm", "ledger.db-wal"], live
+        viewed()
+        assert _names(tmp_path) == live
+        writer.upsert_node("s1", "root.1", parent_id="root", status="ok", alive=1, started=3.0)  # still its to write
+    finally:
+        writer.close()
+    # a copied folder: a dead writer's -wal, no -shm; the view's own -shm goes, the -wal stays
+    subprocess.run([sys.executable, "-c", "import os, sys\nfrom smolbench.ledger import Ledger\n"
+                    "l = Ledger(sys.argv[1])\nl.upsert_node('s1', 'root.2', parent_id='root', status='ok', alive=1, "
+                    "started=4.0)\nos._exit(0)", str(path)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    (tmp_path / "ledger.db-shm").unlink()
+    copied = _names(tmp_path)
+    assert copied == ["ledger.db", "ledger.db-wal"], copied
+    viewed()
+    assert _names(tmp_path) == copied
