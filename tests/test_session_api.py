@@ -96,6 +96,58 @@ def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, ou
                            f"{os.path.relpath(row['output_log'])})\n"
 
 
+@pytest.mark.parametrize("planted", ["log", "folder", "fifo"])
+def test_a_copied_folders_planted_output_log_is_not_written_through(here: Path, output_limit: int, planted: str) -> None:
+    """A copied folder's ``.smolbench/outputs/root.cellN.log -> ~/.bashrc`` (or ``outputs`` linking
+    to a folder elsewhere, or a fifo there) was truncated and filled with what the machine printed
+    past the cell's limit: the log is written only as a plain file in plain folders."""
+    outputs = here / ".smolbench" / "outputs"
+    outputs.parent.mkdir()
+    victim, elsewhere = here.parent / f"{here.name}-bashrc", here.parent / f"{here.name}-elsewhere"
+    victim.write_text("export KEEP=1\n")
+    elsewhere.mkdir()
+    names = [f"root.cell{i}.log" for i in range(1, 10)]
+    if planted == "folder":
+        outputs.symlink_to(elsewhere)
+    else:
+        outputs.mkdir()
+        for name in names:
+            if planted == "log":
+                (outputs / name).symlink_to(victim)
+            else:
+                os.mkfifo(outputs / name)
+    with smolbench.Session(backend="process") as s:
+        r = s.run(PRINT)
+    assert victim.read_text() == "export KEEP=1\n" and list(elsewhere.iterdir()) == []
+    assert r.output_log is None
+    shown, note = _split(r.stdout)
+    assert shown and PRINTED.startswith(shown) and len(shown.encode()) <= output_limit  # still shown up to the limit
+    assert note.startswith(f"… {human(len(PRINTED) - len(shown))} more output not shown (not saved: ")
+    assert note.count("\n") == 1 and ("move the link aside" in note if planted != "fifo" else "not a plain file" in note)
+    if planted == "fifo":
+        assert all((outputs / n).is_fifo() for n in names)
+
+
+def test_a_log_linked_after_the_check_or_hard_linked_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check names the link; the opening itself follows none (a link made between the two is
+    refused too), and a file with other names is not emptied."""
+    from smolbench.gate import output
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("export KEEP=1\n")
+    outputs = tmp_path / ".smolbench" / "outputs"
+    outputs.mkdir(parents=True)
+    (outputs / "a.log").symlink_to(victim)
+    os.link(victim, outputs / "b.log")
+    monkeypatch.setattr(Path, "is_symlink", lambda self: False)  # as if the links came after the check
+    for name, why in [("a.log", "is a symbolic link: move the link aside"), ("b.log", "has other names (hard links): move it aside")]:
+        budget = output.OutputBudget(outputs / name, limit=10)
+        budget.take("stdout", "x" * 100)
+        note = budget.finish()
+        assert note is not None and note.endswith(f"{why})\n") and budget.saved_to is None
+    assert victim.read_text() == "export KEEP=1\n"
+
+
 # -- 2. errors in the Session's words -----------------------------------------------------------
 
 

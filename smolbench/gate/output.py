@@ -6,7 +6,9 @@ lines longer than ``LIMITS.line`` characters are cut with a note; past the limit
 rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) and the
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
-counted (never queued for the notebook, so none can land in a later cell).
+counted (never queued for the notebook, so none can land in a later cell). The log is written
+only as a plain file in plain folders: where a link (or a fifo) stands instead, the rest is not
+saved and the closing line says why.
 
 What was shown of each stream is also kept (:meth:`OutputBudget.text`): a cell's result
 carries it, so a script (``Session.run``, a fork's rows) gets the same output the notebook
@@ -16,10 +18,12 @@ shows, with the same closing line where some was held back.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import IO
 
+from ..ledger import linked_part
 from .limits import LIMITS, human
 
 SESSION_LOGS = 1000**3  # bytes all of a session's output logs may take together
@@ -63,6 +67,7 @@ class OutputBudget:
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
         self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
         self._log: IO[bytes] | None = None
+        self.not_saved: str | None = None  # why the log was not written (a link where it goes), if so
         # finish() and a checker thread still at a cancelled cell's last message (gate.OFF_LOOP)
         self._log_lock = threading.Lock()
         self._finished = False
@@ -153,8 +158,13 @@ class OutputBudget:
                 if room <= 0:
                     return
             if self._log is None:
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
+                if self.not_saved is not None:
+                    return
+                try:
+                    self._log = _open_log(self.log_path)
+                except _NotSaved as exc:
+                    self.not_saved = str(exc)
+                    return
             part = data[:room]
             self._log.write(part)
             self.logged += len(part)
@@ -180,6 +190,8 @@ class OutputBudget:
             return None
         if self.log_path is None:
             return f"… {human(self.hidden)} more output not shown\n"
+        if self.not_saved is not None and not self.logged:
+            return f"… {human(self.hidden)} more output not shown (not saved: {self.not_saved})\n"
         where = str(self.log_path)
         try:
             where = os.path.relpath(self.log_path)
@@ -189,3 +201,78 @@ class OutputBudget:
             return (f"… {human(self.hidden)} more output not shown (the first {human(self.logged)} of it "
                     f"saved to {where})\n")
         return f"… {human(self.hidden)} more output not shown (saved to {where})\n"
+
+
+class _NotSaved(Exception):
+    """Why a cell's log can't be written where it should go (its message: one clause)."""
+
+
+def _where(path: Path) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _why(path: Path, exc: OSError, folder: int | None) -> str:
+    """Why the log (or a folder on its way) could not be opened, in one clause."""
+    try:  # a fifo without a reader (ENXIO), a link made since the check (ELOOP), …
+        mode = os.stat(path.name, dir_fd=folder, follow_symlinks=False).st_mode if folder is not None else None
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        return f"{_where(path)} is a symbolic link: move the link aside"
+    if mode is not None and not stat.S_ISREG(mode):
+        return f"{_where(path)} is not a plain file: move it aside"
+    return f"can't write {_where(path)} ({exc.strerror or exc}): move what is there aside"
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    """``path`` emptied and opened for writing, only as a plain file in a plain folder.
+
+    A copied folder is untrusted: its ``.smolbench/outputs/root.cell3.log -> ~/.bashrc`` (or an
+    ``outputs`` or ``.smolbench`` that links elsewhere) had that file emptied and filled with
+    what a machine printed. Links are refused as the ledger refuses them (:func:`linked_part`),
+    and the folders and the file are then opened without following any (so a link made in
+    between is refused too); a fifo or anything else that is not a plain file of its own is left
+    as it is (a fifo without a reader would have blocked the cell)."""
+    folder = path.parent
+    linked = linked_part(folder, beside=())
+    if linked is None and path.is_symlink():
+        linked = path
+    if linked is not None:
+        try:
+            to = f" (to {os.readlink(linked)})"
+        except OSError:
+            to = ""
+        raise _NotSaved(f"{_where(linked)} is a symbolic link{to}: move the link aside")
+    if not folder.parent.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY | nofollow))
+            try:
+                os.mkdir(folder.name, 0o700, dir_fd=fds[-1])
+            except FileExistsError:
+                pass
+            fds.append(os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=fds[-1]))
+            # O_NONBLOCK: a fifo opens at once (or fails), it never waits for a reader; not
+            # O_TRUNC yet: a file that is not this log alone is refused before it is emptied
+            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | nofollow, 0o600, dir_fd=fds[-1])
+        except OSError as exc:
+            raise _NotSaved(_why(path, exc, fds[1] if len(fds) == 2 else None)) from None
+        fds.append(fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            what = "has other names (hard links)" if stat.S_ISREG(st.st_mode) else "is not a plain file"
+            raise _NotSaved(f"{_where(path)} {what}: move it aside")
+        os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+        log = os.fdopen(fd, "wb")
+        fds.pop()
+        return log
+    finally:
+        for f in fds:
+            os.close(f)
