@@ -66,7 +66,33 @@ def test_run_keeps_all_output_under_the_cells_limit(here: Path) -> None:
         r = s.run(PRINT_ERR)
         assert r.stderr == PRINTED_ERR and r.stdout == "" and r.output_log is None
         f = s.fork(2, PRINT + "\nreward = SEED", keep="none")
-        assert [(row["output"], row["output_log"]) for row in f] == [(PRINTED, None)] * 2
+        for row in f:  # a branch's row keeps its last 64 KiB: the log has all of it
+            _row_keeps_its_tail(row, PRINTED, "only the last {kept} of it kept here")
+
+
+def test_a_forks_rows_and_tree_keep_a_tail_not_the_whole_shown_output(here: Path) -> None:
+    """Each row (and tree node) of a fork lives as long as the session: keeping all a branch
+    showed (up to 5 MB) held ~5 GB for 1,024 chatty branches. Session.run keeps it all (one cell)."""
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        f = s.fork(3, PRINT + "\nreward = SEED", keep="none")
+        for row in f:
+            assert len(row["output"]) <= gate.ROW_KEEP + 200  # was the 210 KB the branch printed
+            _row_keeps_its_tail(row, PRINTED, "only the last {kept} of it kept here")
+            assert s.workbench.tree[row["branch"]].output == row["output"]
+        assert s.run(PRINT).stdout == PRINTED
+
+
+def _row_keeps_its_tail(row: dict[str, object], printed: str, said: str, limit: int | None = None) -> None:
+    """A fork's or episodes' row (and its tree node) keeps the last ``gate.ROW_KEEP`` characters
+    of what its branch showed (up to ``limit``), from a line's start, then one line; its log has
+    all that the branch printed."""
+    output, log = str(row["output"]), str(row["output_log"])
+    shown, note = _split(output)
+    whole = printed if limit is None else printed.encode()[:limit].decode().rpartition("\n")[0] + "\n"
+    assert whole.endswith(shown) and shown.startswith("line ") and 0 < len(shown) <= gate.ROW_KEEP
+    assert len(output) <= gate.ROW_KEEP + len(note) and note.count("\n") == 1
+    assert note == f"… {said.format(kept=human(len(shown.encode())))} (all of it saved to {os.path.relpath(log)})\n"
+    assert Path(log).is_absolute() and Path(log).read_text() == printed
 
 
 def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, output_limit: int) -> None:
@@ -90,10 +116,9 @@ def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, ou
         e = s.episodes(1, PRINT + "\nreward = SEED")
         for row in [*f, *e]:
             assert row["output_log"] is not None and row["output_log"] != r.output_log
-            shown, note = _split(row["output"])
-            assert shown + Path(row["output_log"]).read_text() == PRINTED
-            assert note == f"… {human(len(PRINTED) - len(shown))} more output not shown (saved to " \
-                           f"{os.path.relpath(row['output_log'])})\n"
+            hidden = len(PRINTED) - len(PRINTED.encode()[:output_limit].decode().rpartition("\n")[0]) - 1
+            _row_keeps_its_tail(row, PRINTED, f"{human(hidden)} more output not shown, and only the last {{kept}} "
+                                              "of what was shown kept here", output_limit)
 
 
 @pytest.mark.parametrize("planted", ["log", "folder", "fifo"])

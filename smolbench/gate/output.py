@@ -11,8 +11,12 @@ only as a plain file in plain folders: where a link (or a fifo) stands instead, 
 saved and the closing line says why.
 
 What was shown of each stream is also kept (:meth:`OutputBudget.text`): a cell's result
-carries it, so a script (``Session.run``, a fork's rows) gets the same output the notebook
-shows, with the same closing line where some was held back.
+carries it, so a script (``Session.run``) gets the same output the notebook shows, with the
+same closing line where some was held back. A branch of a fork keeps only the last
+``keep`` characters of each stream (:data:`ROW_KEEP`): its row lives as long as the session,
+and a fork of 1,024 branches keeping 5 MB each held 5 GB. Once a branch prints more than
+that, all of its output (shown or not) goes to its log, and its row ends with one line
+saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..ledger import linked_part
 from .limits import LIMITS, human
 
 SESSION_LOGS = 1000**3  # bytes all of a session's output logs may take together
+ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
 
 class LogPool:
@@ -50,7 +55,7 @@ class OutputBudget:
 
     def __init__(self, log_path: str | os.PathLike[str] | None, *, limit: int | None = None,
                  line: int | None = None, log_limit: int | None = None, displays: int | None = None,
-                 pool: LogPool | None = None) -> None:
+                 pool: LogPool | None = None, keep: int | None = None) -> None:
         self.log_path = Path(log_path) if log_path is not None else None
         self.pool = pool
         self.limit = LIMITS.output if limit is None else limit
@@ -62,8 +67,15 @@ class OutputBudget:
         self.hidden_displays = 0
         self.hidden = 0  # bytes not shown (past the limit)
         self.hidden_in: dict[str, int] = {}  # of those, per stream
-        self.logged = 0
-        self._shown_text: dict[str, list[str]] = {}  # what was shown, per stream (at most ``limit`` bytes)
+        self.logged = 0  # bytes written to the log
+        self.logged_hidden = 0  # of those, bytes that were not shown
+        self.keep = keep  # characters of each stream's shown text kept for the result (None: all of it)
+        self._shown_text: dict[str, list[str]] = {}  # what was shown, per stream (at most ``limit`` bytes, or its tail)
+        self._shown_chars: dict[str, int] = {}  # characters shown, per stream
+        self._kept_chars: dict[str, int] = {}  # characters in _shown_text, per stream
+        self._shown_bytes = 0  # of all streams' text (displays not counted)
+        # with ``keep``: what was shown so far, in order, until the log takes all of the output
+        self._pending: list[bytes] | None = [] if keep is not None else None
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
         self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
         self._log: IO[bytes] | None = None
@@ -81,24 +93,49 @@ class OutputBudget:
         size = len(text.encode("utf-8", "replace"))
         if self.shown + size <= self.limit:
             self.shown += size
-            self._shown_text.setdefault(name, []).append(text)
+            self._keep(name, text)
             return text
         room = self.limit - self.shown
         head = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
         nl = head.rfind("\n")
         head = head[: nl + 1] if nl >= 0 else head  # stop at a line end when there is one
         self.shown = self.limit
-        self._shown_text.setdefault(name, []).append(head)
+        self._keep(name, head)
         self._spill(name, text[len(head):])
         return head
 
     def text(self, name: str) -> str:
-        """What stream ``name`` showed, and the closing line (where the rest went) when some of
-        it was held back."""
+        """What stream ``name`` showed (with ``keep``: its last ``keep`` characters, from a
+        line's start), and the closing line (where the rest went) when some of it was held back."""
         shown = "".join(self._shown_text.get(name, ()))
-        if self.hidden_in.get(name):
-            shown += self._text_note() or ""
+        cut = self.keep is not None and self._shown_chars.get(name, 0) > self.keep
+        if cut:
+            shown = shown[-(self.keep or 0):]
+            nl = shown.find("\n")
+            if 0 <= nl < len(shown) - 1:
+                shown = shown[nl + 1:]
+        if cut or self.hidden_in.get(name):
+            shown += self._text_note(len(shown.encode("utf-8", "replace")) if cut else None) or ""
         return shown
+
+    def _keep(self, name: str, text: str) -> None:
+        if not text:
+            return
+        parts = self._shown_text.setdefault(name, [])
+        parts.append(text)
+        self._shown_chars[name] = self._shown_chars.get(name, 0) + len(text)
+        if self.keep is None:
+            return
+        data = text.encode("utf-8", "replace")
+        self._shown_bytes += len(data)
+        self._kept_chars[name] = self._kept_chars.get(name, 0) + len(text)
+        if self._kept_chars[name] > 2 * self.keep:  # its tail only (cut now and then, not at every message)
+            parts[:] = ["".join(parts)[-self.keep:]]
+            self._kept_chars[name] = len(parts[0])
+        if self._pending is not None and self._shown_chars[name] <= self.keep:
+            self._pending.append(data)
+        else:  # more than the result keeps: the log takes all of the output from now on
+            self._to_log(data)
 
     @property
     def saved_to(self) -> str | None:
@@ -147,27 +184,34 @@ class OutputBudget:
         data = text.encode("utf-8", "replace")
         self.hidden += len(data)
         self.hidden_in[name] = self.hidden_in.get(name, 0) + len(data)
+        self.logged_hidden += self._to_log(data)
+
+    def _to_log(self, data: bytes) -> int:
+        """Bytes of ``data`` written to the log (with ``keep``: after what was shown before it)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            for piece in pending:
+                self._to_log(piece)
         room = min(len(data), self.log_limit - self.logged)
         if self.log_path is None or room <= 0:
-            return
+            return 0
         with self._log_lock:
-            if self._finished:  # the log is closed: reopening it ("wb") would empty it
-                return
+            if self._finished or self.not_saved is not None:  # closed: reopening it would empty it
+                return 0
             if self.pool is not None:
                 room = self.pool.take(room)
                 if room <= 0:
-                    return
+                    return 0
             if self._log is None:
-                if self.not_saved is not None:
-                    return
                 try:
                     self._log = _open_log(self.log_path)
                 except _NotSaved as exc:
                     self.not_saved = str(exc)
-                    return
+                    return 0
             part = data[:room]
             self._log.write(part)
             self.logged += len(part)
+            return len(part)
 
     def finish(self) -> str | None:
         """The closing note when something was not shown (else None); closes the log."""
@@ -185,22 +229,29 @@ class OutputBudget:
         text = self._text_note()
         return (note + (text or "")) or None
 
-    def _text_note(self) -> str | None:
-        if not self.hidden:
+    def _text_note(self, kept: int | None = None) -> str | None:
+        """The closing line: how much was not shown (``kept``: and that only the last ``kept``
+        bytes of what was shown are kept), and where the rest went."""
+        if not self.hidden and kept is None:
             return None
+        said = []
+        if self.hidden:
+            said.append(f"{human(self.hidden)} more output not shown")
+        if kept is not None:
+            said.append(f"only the last {human(kept)} of {'what was shown' if self.hidden else 'it'} kept here")
+        line = "… " + ", and ".join(said)
         if self.log_path is None:
-            return f"… {human(self.hidden)} more output not shown\n"
+            return line + "\n"
         if self.not_saved is not None and not self.logged:
-            return f"… {human(self.hidden)} more output not shown (not saved: {self.not_saved})\n"
-        where = str(self.log_path)
-        try:
-            where = os.path.relpath(self.log_path)
-        except ValueError:
-            pass
+            return f"{line} (not saved: {self.not_saved})\n"
+        where = _where(self.log_path)
+        if self.keep is not None and (self.logged_hidden < self.hidden or self.logged < self._shown_bytes + self.hidden):
+            return f"{line} (the first {human(self.logged)} of all of it saved to {where})\n"
+        if self.keep is not None:
+            return f"{line} (all of it saved to {where})\n"
         if self.logged < self.hidden:
-            return (f"… {human(self.hidden)} more output not shown (the first {human(self.logged)} of it "
-                    f"saved to {where})\n")
-        return f"… {human(self.hidden)} more output not shown (saved to {where})\n"
+            return f"{line} (the first {human(self.logged)} of it saved to {where})\n"
+        return f"{line} (saved to {where})\n"
 
 
 class _NotSaved(Exception):
