@@ -144,10 +144,11 @@ def code_hash(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
-def linked_part(path: Path) -> Path | None:
+def linked_part(path: Path, beside: tuple[str, ...] = ("-wal", "-shm", "-journal")) -> Path | None:
     """The part of a ledger that is a symbolic link (its folder, itself or SQLite's files beside
-    it), or None: a ledger is used only as what it says it is, by the kernel and the server."""
-    for p in (path.parent, path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+    it), or None: a ledger is used only as what it says it is, by the kernel and the server.
+    With ``beside=()``, the same for any path and its folder (the cells' output logs' folder)."""
+    for p in (path.parent, path, *(path.with_name(path.name + s) for s in beside)):
         if p.is_symlink():
             return p
     return None

@@ -46,9 +46,11 @@ class ForkResult:
 
     One row per branch: ``branch``, ``seed``, ``status`` (ok / error / timeout /
     cancelled, or running), ``reward``, ``wall`` seconds, ``metrics``, ``output`` (its
-    stdout, then ``[stderr]`` and its stderr, as a ``%%smol`` cell shows them: up to the
-    branch's output limit, then the line saying where the rest went) and ``output_log``
-    (that log's absolute path, None when nothing was held back). Shown as a table;
+    stdout, then ``[stderr]`` and its stderr, as a ``%%smol`` cell shows them but only the
+    last 64 KiB of each (``gate.ROW_KEEP``: rows live as long as the session), then the line
+    saying what was not kept or shown and where it went) and ``output_log`` (that log's
+    absolute path: all of the branch's output once it printed more than a row keeps; None
+    when nothing was held back). Shown as a table;
     ``.to_pandas()`` for analysis.
     """
 

@@ -299,8 +299,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             self.trusted = on
         self.ledger.add_trust(self.session, scope, "on" if on else "off")
 
-    def _budget(self, node_id: str, tag: str = "") -> gate.OutputBudget:
-        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log", pool=self.log_pool)
+    def _budget(self, node_id: str, tag: str = "", keep: int | None = None) -> gate.OutputBudget:
+        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}.log", pool=self.log_pool, keep=keep)
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
@@ -647,7 +647,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
                           cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
-                          trust_display=self.trusted, output=self._budget(node.id))
+                          trust_display=self.trusted, output=self._budget(node.id, keep=gate.ROW_KEEP))
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import sys
 import threading
 import time
@@ -269,3 +270,24 @@ def test_a_traceback_is_cut_to_its_end_before_its_terminal_text_is_handled(monke
     res, _ = run({"t": "done", "status": "error", "error": {"ename": "E", "evalue": "v", "traceback": tb}})
     assert handled <= gate.TRACEBACK + 64 * 1024 + 1000, handled
     assert res.error["traceback"][-1] == real(tb[-1])
+
+
+def test_a_branch_s_budget_holds_a_tail_of_its_output_and_logs_all_of_it_in_order(tmp_path: Any) -> None:
+    """A fork's row keeps only ``keep`` characters of each stream (a fork of 1,024 branches kept
+    5 MB each for the session): while it runs too, and its log has all the branch printed."""
+    log = tmp_path / "root.0.log"
+    budget = OutputBudget(log, limit=10_000_000, keep=1000)
+    printed = []
+    for i in range(200):
+        name = "stderr" if i % 10 == 9 else "stdout"
+        text = f"{name} {i} " + "x" * 490 + "\n"
+        printed.append(text)
+        assert budget.take(name, text) == text  # all of it is still shown
+        assert sum(map(len, budget._shown_text[name])) <= 3 * 1000
+    assert budget.finish() is None and log.read_text() == "".join(printed)
+    out = budget.text("stdout")
+    shown, _, note = out.rpartition("… ")
+    assert shown == "".join(printed[198:199]) and note == f"only the last 502 bytes of it kept here (all of it saved to {os.path.relpath(log)})\n"
+    capped = OutputBudget(tmp_path / "root.1.log", limit=2000, keep=1000, log_limit=3000)
+    capped.take("stdout", "y" * 5000 + "\n")
+    assert capped.finish() == f"… 3.0 KB more output not shown (the first 3.0 KB of all of it saved to {os.path.relpath(tmp_path / 'root.1.log')})\n"

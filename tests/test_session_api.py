@@ -66,7 +66,33 @@ def test_run_keeps_all_output_under_the_cells_limit(here: Path) -> None:
         r = s.run(PRINT_ERR)
         assert r.stderr == PRINTED_ERR and r.stdout == "" and r.output_log is None
         f = s.fork(2, PRINT + "\nreward = SEED", keep="none")
-        assert [(row["output"], row["output_log"]) for row in f] == [(PRINTED, None)] * 2
+        for row in f:  # a branch's row keeps its last 64 KiB: the log has all of it
+            _row_keeps_its_tail(row, PRINTED, "only the last {kept} of it kept here")
+
+
+def test_a_forks_rows_and_tree_keep_a_tail_not_the_whole_shown_output(here: Path) -> None:
+    """Each row (and tree node) of a fork lives as long as the session: keeping all a branch
+    showed (up to 5 MB) held ~5 GB for 1,024 chatty branches. Session.run keeps it all (one cell)."""
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        f = s.fork(3, PRINT + "\nreward = SEED", keep="none")
+        for row in f:
+            assert len(row["output"]) <= gate.ROW_KEEP + 200  # was the 210 KB the branch printed
+            _row_keeps_its_tail(row, PRINTED, "only the last {kept} of it kept here")
+            assert s.workbench.tree[row["branch"]].output == row["output"]
+        assert s.run(PRINT).stdout == PRINTED
+
+
+def _row_keeps_its_tail(row: dict[str, object], printed: str, said: str, limit: int | None = None) -> None:
+    """A fork's or episodes' row (and its tree node) keeps the last ``gate.ROW_KEEP`` characters
+    of what its branch showed (up to ``limit``), from a line's start, then one line; its log has
+    all that the branch printed."""
+    output, log = str(row["output"]), str(row["output_log"])
+    shown, note = _split(output)
+    whole = printed if limit is None else printed.encode()[:limit].decode().rpartition("\n")[0] + "\n"
+    assert whole.endswith(shown) and shown.startswith("line ") and 0 < len(shown) <= gate.ROW_KEEP
+    assert len(output) <= gate.ROW_KEEP + len(note) and note.count("\n") == 1
+    assert note == f"… {said.format(kept=human(len(shown.encode())))} (all of it saved to {os.path.relpath(log)})\n"
+    assert Path(log).is_absolute() and Path(log).read_text() == printed
 
 
 def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, output_limit: int) -> None:
@@ -90,10 +116,61 @@ def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, ou
         e = s.episodes(1, PRINT + "\nreward = SEED")
         for row in [*f, *e]:
             assert row["output_log"] is not None and row["output_log"] != r.output_log
-            shown, note = _split(row["output"])
-            assert shown + Path(row["output_log"]).read_text() == PRINTED
-            assert note == f"… {human(len(PRINTED) - len(shown))} more output not shown (saved to " \
-                           f"{os.path.relpath(row['output_log'])})\n"
+            hidden = len(PRINTED) - len(PRINTED.encode()[:output_limit].decode().rpartition("\n")[0]) - 1
+            _row_keeps_its_tail(row, PRINTED, f"{human(hidden)} more output not shown, and only the last {{kept}} "
+                                              "of what was shown kept here", output_limit)
+
+
+@pytest.mark.parametrize("planted", ["log", "folder", "fifo"])
+def test_a_copied_folders_planted_output_log_is_not_written_through(here: Path, output_limit: int, planted: str) -> None:
+    """A copied folder's ``.smolbench/outputs/root.cellN.log -> ~/.bashrc`` (or ``outputs`` linking
+    to a folder elsewhere, or a fifo there) was truncated and filled with what the machine printed
+    past the cell's limit: the log is written only as a plain file in plain folders."""
+    outputs = here / ".smolbench" / "outputs"
+    outputs.parent.mkdir()
+    victim, elsewhere = here.parent / f"{here.name}-bashrc", here.parent / f"{here.name}-elsewhere"
+    victim.write_text("export KEEP=1\n")
+    elsewhere.mkdir()
+    names = [f"root.cell{i}.log" for i in range(1, 10)]
+    if planted == "folder":
+        outputs.symlink_to(elsewhere)
+    else:
+        outputs.mkdir()
+        for name in names:
+            if planted == "log":
+                (outputs / name).symlink_to(victim)
+            else:
+                os.mkfifo(outputs / name)
+    with smolbench.Session(backend="process") as s:
+        r = s.run(PRINT)
+    assert victim.read_text() == "export KEEP=1\n" and list(elsewhere.iterdir()) == []
+    assert r.output_log is None
+    shown, note = _split(r.stdout)
+    assert shown and PRINTED.startswith(shown) and len(shown.encode()) <= output_limit  # still shown up to the limit
+    assert note.startswith(f"… {human(len(PRINTED) - len(shown))} more output not shown (not saved: ")
+    assert note.count("\n") == 1 and ("move the link aside" in note if planted != "fifo" else "not a plain file" in note)
+    if planted == "fifo":
+        assert all((outputs / n).is_fifo() for n in names)
+
+
+def test_a_log_linked_after_the_check_or_hard_linked_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check names the link; the opening itself follows none (a link made between the two is
+    refused too), and a file with other names is not emptied."""
+    from smolbench.gate import output
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("export KEEP=1\n")
+    outputs = tmp_path / ".smolbench" / "outputs"
+    outputs.mkdir(parents=True)
+    (outputs / "a.log").symlink_to(victim)
+    os.link(victim, outputs / "b.log")
+    monkeypatch.setattr(Path, "is_symlink", lambda self: False)  # as if the links came after the check
+    for name, why in [("a.log", "is a symbolic link: move the link aside"), ("b.log", "has other names (hard links): move it aside")]:
+        budget = output.OutputBudget(outputs / name, limit=10)
+        budget.take("stdout", "x" * 100)
+        note = budget.finish()
+        assert note is not None and note.endswith(f"{why})\n") and budget.saved_to is None
+    assert victim.read_text() == "export KEEP=1\n"
 
 
 # -- 2. errors in the Session's words -----------------------------------------------------------

@@ -39,9 +39,9 @@ from .frames import (
     string_list,
 )
 from .limits import LIMITS, Limits, human, seconds
-from .output import LogPool, OutputBudget
+from .output import ROW_KEEP, LogPool, OutputBudget
 
-__all__ = ["LIMITS", "Limits", "LogPool", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
+__all__ = ["LIMITS", "ROW_KEEP", "Limits", "LogPool", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
            "read_control", "seconds"]
 
 TEXT = 1024 * 1024

@@ -6,23 +6,32 @@ lines longer than ``LIMITS.line`` characters are cut with a note; past the limit
 rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) and the
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
-counted (never queued for the notebook, so none can land in a later cell).
+counted (never queued for the notebook, so none can land in a later cell). The log is written
+only as a plain file in plain folders: where a link (or a fifo) stands instead, the rest is not
+saved and the closing line says why.
 
 What was shown of each stream is also kept (:meth:`OutputBudget.text`): a cell's result
-carries it, so a script (``Session.run``, a fork's rows) gets the same output the notebook
-shows, with the same closing line where some was held back.
+carries it, so a script (``Session.run``) gets the same output the notebook shows, with the
+same closing line where some was held back. A branch of a fork keeps only the last
+``keep`` characters of each stream (:data:`ROW_KEEP`): its row lives as long as the session,
+and a fork of 1,024 branches keeping 5 MB each held 5 GB. Once a branch prints more than
+that, all of its output (shown or not) goes to its log, and its row ends with one line
+saying so.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import IO
 
+from ..ledger import linked_part
 from .limits import LIMITS, human
 
 SESSION_LOGS = 1000**3  # bytes all of a session's output logs may take together
+ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
 
 class LogPool:
@@ -46,7 +55,7 @@ class OutputBudget:
 
     def __init__(self, log_path: str | os.PathLike[str] | None, *, limit: int | None = None,
                  line: int | None = None, log_limit: int | None = None, displays: int | None = None,
-                 pool: LogPool | None = None) -> None:
+                 pool: LogPool | None = None, keep: int | None = None) -> None:
         self.log_path = Path(log_path) if log_path is not None else None
         self.pool = pool
         self.limit = LIMITS.output if limit is None else limit
@@ -58,11 +67,19 @@ class OutputBudget:
         self.hidden_displays = 0
         self.hidden = 0  # bytes not shown (past the limit)
         self.hidden_in: dict[str, int] = {}  # of those, per stream
-        self.logged = 0
-        self._shown_text: dict[str, list[str]] = {}  # what was shown, per stream (at most ``limit`` bytes)
+        self.logged = 0  # bytes written to the log
+        self.logged_hidden = 0  # of those, bytes that were not shown
+        self.keep = keep  # characters of each stream's shown text kept for the result (None: all of it)
+        self._shown_text: dict[str, list[str]] = {}  # what was shown, per stream (at most ``limit`` bytes, or its tail)
+        self._shown_chars: dict[str, int] = {}  # characters shown, per stream
+        self._kept_chars: dict[str, int] = {}  # characters in _shown_text, per stream
+        self._shown_bytes = 0  # of all streams' text (displays not counted)
+        # with ``keep``: what was shown so far, in order, until the log takes all of the output
+        self._pending: list[bytes] | None = [] if keep is not None else None
         self._col: dict[str, int] = {}  # characters since the last line end, per stream
         self._cut: dict[str, int] = {}  # characters cut from the current line, per stream
         self._log: IO[bytes] | None = None
+        self.not_saved: str | None = None  # why the log was not written (a link where it goes), if so
         # finish() and a checker thread still at a cancelled cell's last message (gate.OFF_LOOP)
         self._log_lock = threading.Lock()
         self._finished = False
@@ -76,24 +93,49 @@ class OutputBudget:
         size = len(text.encode("utf-8", "replace"))
         if self.shown + size <= self.limit:
             self.shown += size
-            self._shown_text.setdefault(name, []).append(text)
+            self._keep(name, text)
             return text
         room = self.limit - self.shown
         head = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
         nl = head.rfind("\n")
         head = head[: nl + 1] if nl >= 0 else head  # stop at a line end when there is one
         self.shown = self.limit
-        self._shown_text.setdefault(name, []).append(head)
+        self._keep(name, head)
         self._spill(name, text[len(head):])
         return head
 
     def text(self, name: str) -> str:
-        """What stream ``name`` showed, and the closing line (where the rest went) when some of
-        it was held back."""
+        """What stream ``name`` showed (with ``keep``: its last ``keep`` characters, from a
+        line's start), and the closing line (where the rest went) when some of it was held back."""
         shown = "".join(self._shown_text.get(name, ()))
-        if self.hidden_in.get(name):
-            shown += self._text_note() or ""
+        cut = self.keep is not None and self._shown_chars.get(name, 0) > self.keep
+        if cut:
+            shown = shown[-(self.keep or 0):]
+            nl = shown.find("\n")
+            if 0 <= nl < len(shown) - 1:
+                shown = shown[nl + 1:]
+        if cut or self.hidden_in.get(name):
+            shown += self._text_note(len(shown.encode("utf-8", "replace")) if cut else None) or ""
         return shown
+
+    def _keep(self, name: str, text: str) -> None:
+        if not text:
+            return
+        parts = self._shown_text.setdefault(name, [])
+        parts.append(text)
+        self._shown_chars[name] = self._shown_chars.get(name, 0) + len(text)
+        if self.keep is None:
+            return
+        data = text.encode("utf-8", "replace")
+        self._shown_bytes += len(data)
+        self._kept_chars[name] = self._kept_chars.get(name, 0) + len(text)
+        if self._kept_chars[name] > 2 * self.keep:  # its tail only (cut now and then, not at every message)
+            parts[:] = ["".join(parts)[-self.keep:]]
+            self._kept_chars[name] = len(parts[0])
+        if self._pending is not None and self._shown_chars[name] <= self.keep:
+            self._pending.append(data)
+        else:  # more than the result keeps: the log takes all of the output from now on
+            self._to_log(data)
 
     @property
     def saved_to(self) -> str | None:
@@ -142,22 +184,34 @@ class OutputBudget:
         data = text.encode("utf-8", "replace")
         self.hidden += len(data)
         self.hidden_in[name] = self.hidden_in.get(name, 0) + len(data)
+        self.logged_hidden += self._to_log(data)
+
+    def _to_log(self, data: bytes) -> int:
+        """Bytes of ``data`` written to the log (with ``keep``: after what was shown before it)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            for piece in pending:
+                self._to_log(piece)
         room = min(len(data), self.log_limit - self.logged)
         if self.log_path is None or room <= 0:
-            return
+            return 0
         with self._log_lock:
-            if self._finished:  # the log is closed: reopening it ("wb") would empty it
-                return
+            if self._finished or self.not_saved is not None:  # closed: reopening it would empty it
+                return 0
             if self.pool is not None:
                 room = self.pool.take(room)
                 if room <= 0:
-                    return
+                    return 0
             if self._log is None:
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in finish()
+                try:
+                    self._log = _open_log(self.log_path)
+                except _NotSaved as exc:
+                    self.not_saved = str(exc)
+                    return 0
             part = data[:room]
             self._log.write(part)
             self.logged += len(part)
+            return len(part)
 
     def finish(self) -> str | None:
         """The closing note when something was not shown (else None); closes the log."""
@@ -175,17 +229,101 @@ class OutputBudget:
         text = self._text_note()
         return (note + (text or "")) or None
 
-    def _text_note(self) -> str | None:
-        if not self.hidden:
+    def _text_note(self, kept: int | None = None) -> str | None:
+        """The closing line: how much was not shown (``kept``: and that only the last ``kept``
+        bytes of what was shown are kept), and where the rest went."""
+        if not self.hidden and kept is None:
             return None
+        said = []
+        if self.hidden:
+            said.append(f"{human(self.hidden)} more output not shown")
+        if kept is not None:
+            said.append(f"only the last {human(kept)} of {'what was shown' if self.hidden else 'it'} kept here")
+        line = "… " + ", and ".join(said)
         if self.log_path is None:
-            return f"… {human(self.hidden)} more output not shown\n"
-        where = str(self.log_path)
-        try:
-            where = os.path.relpath(self.log_path)
-        except ValueError:
-            pass
+            return line + "\n"
+        if self.not_saved is not None and not self.logged:
+            return f"{line} (not saved: {self.not_saved})\n"
+        where = _where(self.log_path)
+        if self.keep is not None and (self.logged_hidden < self.hidden or self.logged < self._shown_bytes + self.hidden):
+            return f"{line} (the first {human(self.logged)} of all of it saved to {where})\n"
+        if self.keep is not None:
+            return f"{line} (all of it saved to {where})\n"
         if self.logged < self.hidden:
-            return (f"… {human(self.hidden)} more output not shown (the first {human(self.logged)} of it "
-                    f"saved to {where})\n")
-        return f"… {human(self.hidden)} more output not shown (saved to {where})\n"
+            return f"{line} (the first {human(self.logged)} of it saved to {where})\n"
+        return f"{line} (saved to {where})\n"
+
+
+class _NotSaved(Exception):
+    """Why a cell's log can't be written where it should go (its message: one clause)."""
+
+
+def _where(path: Path) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _why(path: Path, exc: OSError, folder: int | None) -> str:
+    """Why the log (or a folder on its way) could not be opened, in one clause."""
+    try:  # a fifo without a reader (ENXIO), a link made since the check (ELOOP), …
+        mode = os.stat(path.name, dir_fd=folder, follow_symlinks=False).st_mode if folder is not None else None
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        return f"{_where(path)} is a symbolic link: move the link aside"
+    if mode is not None and not stat.S_ISREG(mode):
+        return f"{_where(path)} is not a plain file: move it aside"
+    return f"can't write {_where(path)} ({exc.strerror or exc}): move what is there aside"
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    """``path`` emptied and opened for writing, only as a plain file in a plain folder.
+
+    A copied folder is untrusted: its ``.smolbench/outputs/root.cell3.log -> ~/.bashrc`` (or an
+    ``outputs`` or ``.smolbench`` that links elsewhere) had that file emptied and filled with
+    what a machine printed. Links are refused as the ledger refuses them (:func:`linked_part`),
+    and the folders and the file are then opened without following any (so a link made in
+    between is refused too); a fifo or anything else that is not a plain file of its own is left
+    as it is (a fifo without a reader would have blocked the cell)."""
+    folder = path.parent
+    linked = linked_part(folder, beside=())
+    if linked is None and path.is_symlink():
+        linked = path
+    if linked is not None:
+        try:
+            to = f" (to {os.readlink(linked)})"
+        except OSError:
+            to = ""
+        raise _NotSaved(f"{_where(linked)} is a symbolic link{to}: move the link aside")
+    if not folder.parent.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY | nofollow))
+            try:
+                os.mkdir(folder.name, 0o700, dir_fd=fds[-1])
+            except FileExistsError:
+                pass
+            fds.append(os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=fds[-1]))
+            # O_NONBLOCK: a fifo opens at once (or fails), it never waits for a reader; not
+            # O_TRUNC yet: a file that is not this log alone is refused before it is emptied
+            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | nofollow, 0o600, dir_fd=fds[-1])
+        except OSError as exc:
+            raise _NotSaved(_why(path, exc, fds[1] if len(fds) == 2 else None)) from None
+        fds.append(fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            what = "has other names (hard links)" if stat.S_ISREG(st.st_mode) else "is not a plain file"
+            raise _NotSaved(f"{_where(path)} {what}: move it aside")
+        os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+        log = os.fdopen(fd, "wb")
+        fds.pop()
+        return log
+    finally:
+        for f in fds:
+            os.close(f)
