@@ -199,7 +199,11 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
     assert asyncio.run(openenv_handler()) == []  # on the old code the handler waited out the write
     hold.set()
     parent.host.run(env._m.close(), 30)  # what `smolbench serve` does at its stop for listed sessions
-    assert ended == [env._m] and env._m.eps[0].ref is None  # its machine went to the batched deletions
+    assert env._m.eps[0].ref is None  # its machine went to the batched deletions
+    deadline = time.monotonic() + 30  # and the first close's end unlists it (its future's callback, on our loop)
+    while ended != [env._m]:
+        assert time.monotonic() < deadline, ended
+        time.sleep(0.01)
     # not made by the server (a script's, a notebook cell's, under a running loop): close waits
     other = MachineEnvironment(parent.sibling(), on_close=ended.append)
     other.reset(seed=2)
