@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``smolbench`` command's parser, with every subcommand."""
     ap = argparse.ArgumentParser(prog="smolbench", description="A Jupyter workbench for RL environments in forkable machines.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run the guided tour headless through a real kernel and print what happened")
+    d = sub.add_parser("demo", help="run the fork-exploration notebook (02) headless through a real kernel and print what happened")
     d.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"],
                    help="where its machines run (default auto: a microVM where one boots, else a sandbox)")
     d.add_argument("--notebook", default=None, help="run this notebook instead of the built-in one")
