@@ -61,3 +61,14 @@ def test_every_option_of_the_smolbench_command_has_a_help_line() -> None:
     assert "debian:bookworm" in helps["smolbench image build"]
     assert "default 3" in helps["smolbench cluster local"] and "default 8" in helps["smolbench cluster local"]
     assert "default 16" in helps["smolbench serve"]
+
+
+def test_smol_config_lists_every_limit_in_one_column() -> None:
+    """`%smol config` lines its values up: `checkpoint-limit` (16 letters) pushed its value
+    out of the column the others share."""
+    from smolbench.gate import limits
+
+    lines = limits.describe().splitlines()
+    assert [line.split()[0] for line in lines] == list(limits.NAMES)
+    starts = {len(line) - len(line.split(None, 1)[1]) for line in lines}
+    assert len(starts) == 1, lines
