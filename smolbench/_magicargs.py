@@ -16,14 +16,14 @@ HELP = """Run notebook cells inside disposable, forkable machines.
 
 Line magics::
 
-  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH]
-          [--max-alive N] [--retries K]
+  %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--image IMAGE]
+          [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH] [--max-alive N] [--retries K] [--ray [ADDRESS]]
   %smol status                  backend, machine, image, isolation, limits, live machines and their memory
   %smol down                    delete every machine this kernel created
   %smol tree                    the fork tree (live widget)
   %smol use NODE|best           make a live node (e.g. root.7) the active machine
   %smol delete NODE             delete a node's machine and everything below it
-  %smol ledger [-n N]           recent runs from the ledger, as a table
+  %smol ledger [-n N]           the ledger's last N nodes (default 20), as a table
   %smol plot                    reward plots across the whole tree
   %smol replay NODE             rebuild a branch's path and compare its reward
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
@@ -49,8 +49,9 @@ Cell magics::
       Random generators made before the fork are reseeded per branch (--no-reseed: not).
       --quiet: one summary line, no tree, progress or Out[n]; --retries K: branch again a
       machine that failed to boot or died (never a cell's own error), up to K times (default 1)
-  %%smol episodes N [same options]
-      run the cell in N fresh machines booted from the baseline, each deleted afterwards
+  %%smol episodes N [the fork options but --keep]
+      run the cell in N fresh machines of the baseline (not of the active machine's state),
+      each deleted afterwards
 """
 
 

@@ -306,12 +306,13 @@ def cluster_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``smolbench`` command."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``smolbench`` command's parser, with every subcommand."""
     ap = argparse.ArgumentParser(prog="smolbench", description="A Jupyter workbench for RL environments in forkable machines.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run the guided tour headless through a real kernel and print what happened")
-    d.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"])
+    d = sub.add_parser("demo", help="run the fork-exploration notebook (02) headless through a real kernel and print what happened")
+    d.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"],
+                   help="where its machines run (default auto: a microVM where one boots, else a sandbox)")
     d.add_argument("--notebook", default=None, help="run this notebook instead of the built-in one")
     d.set_defaults(fn=demo)
     doc = sub.add_parser("doctor", help="which backends are usable here and why not")
@@ -323,23 +324,29 @@ def main(argv: list[str] | None = None) -> int:
     img = sub.add_parser("image", help="pinned rootfs images for the sandbox backend")
     isub = img.add_subparsers(dest="action", required=True)
     b = isub.add_parser("build", help="build a Debian rootfs with python3 (debootstrap, ~40 s)")
-    b.add_argument("name", nargs="?", default="debian:bookworm")
-    b.add_argument("--suite", default=None, help="the Debian suite to build from (default: bookworm)")
-    b.add_argument("--force", action="store_true")
+    b.add_argument("name", nargs="?", default="debian:bookworm",
+                   help="the image's name, as a Smolfile's image = names it (default: debian:bookworm)")
+    b.add_argument("--suite", default=None, help="the Debian suite to build from (default: bookworm, whatever the name says)")
+    b.add_argument("--force", action="store_true", help="build it again even if it is cached")
     b.set_defaults(fn=image_build)
     ls = isub.add_parser("list", help="list cached images")
     ls.set_defaults(fn=image_list)
     cl = sub.add_parser("cluster", help="Ray clusters for %%smol up --ray")
     csub = cl.add_subparsers(dest="action", required=True)
     loc = csub.add_parser("local", help="a throwaway multi-node Ray cluster on this machine (until Ctrl-C)")
-    loc.add_argument("--nodes", type=int, default=3, help="worker nodes (the head runs no machines)")
-    loc.add_argument("--slots", type=int, default=8, help="machine slots per node")
+    loc.add_argument("--nodes", type=int, default=3, help="worker nodes (default 3; the head runs no machines)")
+    loc.add_argument("--slots", type=int, default=8, help="machine slots per node (default 8)")
     loc.add_argument("--backend", default="auto", help="node backends, cycled over the nodes: auto, sandbox, process, smol")
     loc.set_defaults(fn=cluster_local)
     from .serve import add_parser as add_serve
 
     add_serve(sub)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``smolbench`` command."""
+    args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 
 

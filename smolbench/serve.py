@@ -299,7 +299,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", default=None, help="FILE.py:NAME: run FILE.py in the machine, serve the env NAME() makes")
     p.add_argument("--gym", default=None, metavar="ID", help="serve gymnasium.make(ID) instead (e.g. CartPole-v1)")
     p.add_argument("--smolfile", default=None, help="the Smolfile of the warm machine (default: ./Smolfile if there)")
-    p.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"])
+    p.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"],
+                   help="where the machines run (default auto: a microVM where one boots, else a sandbox)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, named in the URL it prints)")
     p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
@@ -312,7 +313,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve over TLS (https://, wss://) with this certificate chain; its key in it or --keyfile")
     p.add_argument("--keyfile", default=None, metavar="PEM", help="the private key of --certfile")
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
-    p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once (each its own machine)")
+    p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once, each its own machine (default 16)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",

@@ -112,14 +112,15 @@ def configure(key: str, value: str) -> str:
 def describe() -> str:
     """The current limits, one per line."""
     out = []
+    width = max(map(len, NAMES))
     for key, attr in NAMES.items():
         v = getattr(LIMITS, attr)
         if attr == "grace":
-            out.append(f"{key:<13} {v:g} s")
+            out.append(f"{key:<{width}} {v:g} s")
         elif attr in COUNTS:
-            out.append(f"{key:<13} {v:,} {COUNTS[attr]}")
+            out.append(f"{key:<{width}} {v:,} {COUNTS[attr]}")
         else:
-            out.append(f"{key:<13} {human(v)}")
+            out.append(f"{key:<{width}} {human(v)}")
     return "\n".join(out)
 
 

@@ -2,8 +2,9 @@
 
 ``make(env)`` gives a ``gymnasium.Env``, ``make_vec(env, n)`` a ``gymnasium.vector.VectorEnv``
 with one machine per sub-env. ``env`` is a zero-argument callable (sent into the machine
-with cloudpickle, as ``--push`` sends values) or the name of one already defined in the
-session's machine (what a notebook prototyped in ``%%smol`` cells). Everything the
+with cloudpickle, as ``--push`` sends values), the name of one already defined in the
+session's machine (what a notebook prototyped in ``%%smol`` cells), or a registered
+gymnasium id (``"CartPole-v1"``: ``gymnasium.make`` in the machine). Everything the
 machine sends back crosses the gate as data and is checked against spaces rebuilt from
 data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbench[gym]'``.
 """
