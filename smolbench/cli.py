@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = isub.add_parser("build", help="build a Debian rootfs with python3 (debootstrap, ~40 s)")
     b.add_argument("name", nargs="?", default="debian:bookworm",
                    help="the image's name, as a Smolfile's image = names it (default: debian:bookworm)")
-    b.add_argument("--suite", default=None, help="the Debian suite to build from (default: bookworm, whatever the name says)")
+    b.add_argument("--suite", default=None, help="the Debian suite to build from (default: the one a debian:SUITE name says, else bookworm)")
     b.add_argument("--force", action="store_true", help="build it again even if it is cached")
     b.set_defaults(fn=image_build)
     ls = isub.add_parser("list", help="list cached images")

@@ -98,6 +98,12 @@ def _built_suite(dest: Path) -> str | None:
     return got if isinstance(got, str) else None
 
 
+def _suite_of(name: str) -> str | None:
+    """The Debian suite an image name says (``debian:trixie`` -> ``trixie``), if it says one."""
+    distro, sep, tag = name.partition(":")
+    return tag if sep and distro == "debian" and SUITE_RE.fullmatch(tag) else None
+
+
 def build_debian_rootfs(
     name: str = DEFAULT_IMAGE,
     suite: str | None = None,
@@ -111,10 +117,16 @@ def build_debian_rootfs(
     temporary directory next to the destination and renames it into place
     only when it succeeded, so a failed build leaves nothing half-made. An
     image already built is returned as is unless ``force`` (or a different ``suite`` was asked
-    for: then one line says to add ``--force``). ``suite``: bookworm unless given.
+    for: then one line says to add ``--force``). ``suite``: the one a ``debian:SUITE`` name says,
+    else bookworm.
     """
     if suite is not None and not SUITE_RE.fullmatch(suite):
         raise SmolbenchError(f"--suite {suite!r} is not a Debian suite name: e.g. --suite bookworm")
+    named = _suite_of(name)
+    if suite is not None and named is not None and suite != named:
+        raise SmolbenchError(f"image {name!r} names suite {named}, not --suite {suite}: drop --suite, or name the "
+                             f"image debian:{suite}")
+    suite = suite or named
     dest = image_dir(name)
     if has_python(dest) and not force:
         built = _built_suite(dest)

@@ -146,9 +146,11 @@ def test_build_with_fake_debootstrap(
     assert (name, path) == ("debian:bookworm", root)
     assert size >= 0
     # another suite for a built image: one line, not the old tree under a new name
+    lab = build_debian_rootfs("lab:py", log=lines.append)
     with pytest.raises(SmolbenchError, match="is built already, from suite bookworm: add --force to build it again "
                                              "from trixie"):
-        build_debian_rootfs(suite="trixie", log=lines.append)
+        build_debian_rootfs("lab:py", suite="trixie", log=lines.append)
+    assert build_debian_rootfs("lab:py", suite="bookworm", log=lines.append) == lab
     assert build_debian_rootfs(suite="bookworm", log=lines.append) == root
     # force rebuilds and replaces the old tree
     (root / "stale").write_text("x")
@@ -318,3 +320,21 @@ def _runs(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_the_suite_comes_from_a_debian_name(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `smolbench image build debian:trixie` built bookworm under the name debian:trixie
+    script = 'echo "args: $*"\nmkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n'
+    _fake_bin(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    lines: list[str] = []
+    root = build_debian_rootfs("debian:trixie", log=lines.append)
+    assert root == cache / "images" / "debian-trixie"
+    assert " trixie " in "\n".join(lines) and " bookworm " not in "\n".join(lines)
+    assert json.loads((cache / "images" / "debian-trixie.json").read_text())["suite"] == "trixie"
+    with pytest.raises(SmolbenchError, match=r"^image 'debian:sid' names suite sid, not --suite bookworm: drop "
+                                             r"--suite, or name the image debian:bookworm$"):
+        build_debian_rootfs("debian:sid", suite="bookworm", log=lines.append)
+    assert not (cache / "images" / "debian-sid").exists()
