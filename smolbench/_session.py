@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from . import _args, _lifetime, _loop
 from ._lifetime import gone, live, wait_out_sigterm
-from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error
+from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error, session_phrases
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
@@ -215,6 +215,7 @@ class Session:
         self.max_alive = _args.optional_whole(max_alive, "max_alive", example="Session(max_alive=8)")  # range: build()
         self.retries = _args.whole(retries, "retries", 0, None, "Session(retries=1)")
         self.on_notice = on_notice or _stderr_line
+        self.magic_words = False  # the magics' Session: its notices name `%smol` commands, as the cells do
         self.workbench: Workbench | None = None
         self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
         self.fallback = ""  # why ``backend="auto"`` chose what it chose, when it fell back
@@ -306,7 +307,7 @@ class Session:
             backend, self.fallback = choose_backend(self.backend_kind, self.target, announce=announce or self.on_notice)
         wb = Workbench(backend, spec, Ledger(self.ledger_path or DEFAULT_PATH), retries=self.retries)
         wb.net_note = net_note
-        wb.on_notice = self.on_notice
+        wb.on_notice = self._notice_line
         self.spec_path = path
         self.workbench = wb
         return wb
@@ -322,21 +323,22 @@ class Session:
             self.on_notice(self.fallback)
         return self.boot()
 
-    def boot(self) -> Session:
-        """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between)."""
+    def boot(self, restore: str | None = None) -> Session:
+        """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between):
+        its root, or the machine of checkpoint ``restore`` as the only one."""
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
         try:
-            _block(self.workbench.up())
+            _block(self.workbench.up(restore))
         except BaseException:
             gone(self)
             raise
         return self
 
     @_in_session_words
-    async def aup(self) -> Session:
-        """:meth:`up` from an asyncio loop."""
+    async def aup(self, restore: str | None = None) -> Session:
+        """:meth:`up` from an asyncio loop (``restore``: as :meth:`boot` takes it)."""
         if not self.is_up:
             await self.adown()
         wb = self.build()
@@ -344,7 +346,7 @@ class Session:
             self.on_notice(self.fallback)
         live(self)
         try:
-            await _bridge(wb.up())
+            await _bridge(wb.up(restore))
         except BaseException:
             gone(self)
             raise
@@ -549,26 +551,28 @@ class Session:
         """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
         a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
         checked first; a file from elsewhere is restored only on an isolating backend). With
-        nothing up, it first brings up a machine of the backend the checkpoint was made on (as
-        ``%smol checkpoint restore`` does), and takes it down again if the restore fails."""
+        nothing up, it brings up the backend the checkpoint was made on (as ``%smol checkpoint
+        restore`` does) with the restored machine as its only one, and takes it down again if
+        the restore fails."""
         return self._restored(self._restore(_restorable(name_or_path)))
 
-    def _restore(self, what: str, up: Callable[[], object] | None = None,
+    def _restore(self, what: str, up: Callable[[str], object] | None = None,
                  told: Callable[[str, bool], None] | None = None) -> str:
         """The one restore, :meth:`checkpoint_restore`'s and ``%smol checkpoint restore``'s; the
-        restored node's id. With nothing up, ``up()`` (default :meth:`up`) first brings up a
-        machine of the checkpoint's backend. If the restore then fails (an error, or a Ctrl-C,
-        even one landing as that up comes back), that machine is taken down again: never a
-        machine that was up before (the backend deletes the one it was restoring into); if it
-        succeeds, that machine (the session's root, never used) goes, the restored one stays.
-        ``told(line, gone)`` (default: a notice) hears how that take-down went."""
+        restored node's id. With nothing up, ``up(what)`` (default :meth:`_up_restoring`) brings
+        up a session of the checkpoint's backend whose one machine is the restored one. If that
+        fails (an error, or a Ctrl-C, even one landing as that up comes back), what it brought up
+        is taken down again; a machine that was up before never is (the backend deletes the one
+        it was restoring into). ``told(line, gone)`` (default: a notice) hears how that went."""
         started = not self.is_up
         try:
             if started:
                 with self._backend_for(what):
-                    (up or self.up)()
-            wb = self._wb()
-            node = _block(wb.checkpoint_restore(what)).id
+                    (up or self._up_restoring)(what)
+                node = self._wb().active
+                assert node is not None
+            else:
+                node = _block(self._wb().checkpoint_restore(what)).id
         except BaseException:
             if started:
                 try:
@@ -577,10 +581,15 @@ class Session:
                     took = exc
                 _taken_back(took, told or self._notice)
             raise
-        if started:
-            with contextlib.suppress(Exception):  # restored all the same: a root left over is only idle
-                _block(wb.delete(_UNUSED))
         return node
+
+    def _up_restoring(self, what: str) -> None:
+        """:meth:`up`, its one machine restored from checkpoint ``what`` (no root booted beside it)."""
+        self.down()  # what is left of a session whose root was lost
+        self.build()
+        if self.fallback:
+            self.on_notice(self.fallback)
+        self.boot(restore=what)
 
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
@@ -589,9 +598,13 @@ class Session:
         try:
             if started:
                 with self._backend_for(what):
-                    await self.aup()
-            wb = self._wb()
-            node = (await _bridge(wb.checkpoint_restore(what))).id
+                    await self.aup(restore=what)
+                wb = self._wb()
+                node = wb.active
+                assert node is not None
+            else:
+                wb = self._wb()
+                node = (await _bridge(wb.checkpoint_restore(what))).id
         except BaseException:
             if started:
                 try:
@@ -600,13 +613,14 @@ class Session:
                     took = exc
                 _taken_back(took, self._notice)
             raise
-        if started:
-            with contextlib.suppress(Exception):
-                await _bridge(wb.delete(_UNUSED))
         return self._restored(node, wb)
 
     def _notice(self, line: str, gone: bool) -> None:
-        self.on_notice(line)
+        self._notice_line(line)
+
+    def _notice_line(self, line: str) -> None:
+        """A Workbench's one-line news, its commands in the words of whoever made this Session."""
+        self.on_notice(line if self.magic_words else session_phrases(line))
 
     @contextlib.contextmanager
     def _backend_for(self, checkpoint: str) -> Iterator[None]:
@@ -635,9 +649,9 @@ class Session:
     def _restored(self, node: str, wb: Workbench | None = None) -> str:
         wb = wb or self._wb()
         for note in getattr(wb, "restore_notes", []):
-            self.on_notice(f"smolbench: {note}")
+            self._notice_line(f"smolbench: {note}")
         for warning in wb.machines[node].info.get("restore_warnings", []):
-            self.on_notice(f"smolbench: warning: {warning}")
+            self._notice_line(f"smolbench: warning: {warning}")
         return node
 
     def status(self) -> dict[str, Any]:
@@ -658,15 +672,12 @@ class Session:
         return self._wb().ledger
 
 
-_UNUSED = "root"  # the machine a restore with nothing up brings up to restore beside: it goes once that worked
-
-
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
     """What a failed restore's take-down of the machine brought up for it says: ``took`` is how
     many machines went (none: the up itself had failed, and deleted its own), or its error."""
     if isinstance(took, Exception):
         told(f"smolbench: taking down the machine brought up for it failed too ({type(took).__name__}: {took}): "
-             "`%smol down` (or Session.down()) deletes what is left", False)
+             "`%smol down` deletes what is left", False)
     elif took:
         told("smolbench: took down the machine brought up for it", True)
 
