@@ -24,14 +24,16 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
-from . import _args, _lifetime, _loop
-from ._lifetime import gone, live, wait_out_sigterm
+from . import _args, _lifetime
+from ._blocking import _block, _bridge
+from ._lifetime import gone, live
 from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error, session_phrases
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
     from .backends.base import Backend, CellResult, Event
     from .gate import SafeBundle
+    from .shelf import Shelf
     from .workbench import Workbench
 
 T = TypeVar("T")
@@ -547,6 +549,7 @@ class Session:
         return await _bridge(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node,
                                                         force))
 
+    @_in_session_words
     def checkpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
         a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
@@ -591,6 +594,7 @@ class Session:
             self.on_notice(self.fallback)
         self.boot(restore=what)
 
+    @_in_session_words
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
         what = _restorable(name_or_path)
@@ -671,6 +675,58 @@ class Session:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
 
+    @_in_session_words
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """This folder's checkpoints, newest first, as ``%smol checkpoint list`` shows them (also
+        with nothing up): name, backend, file, whether it exists, why it can't be used."""
+        with self._shelf() as shelf:
+            return shelf.rows()
+
+    @_in_session_words
+    def checkpoint_rm(self, name: str) -> str:
+        """Forget checkpoint ``name`` and delete its file here (also with nothing up); what happened."""
+        name = _args.text(name, "name", "checkpoint_rm('lesson')") or ""
+        if self.is_up:
+            return self._wb().checkpoint_remove(name)
+        with self._shelf() as shelf:
+            return shelf.remove(name)
+
+    @_in_session_words
+    def checkpoint_export(self, name: str, path: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
+        """Write checkpoint ``name`` to ``path`` (``….smolcheckpoint``) as one file, its record
+        inside, that :meth:`checkpoint_restore` takes in any folder; returns its size."""
+        dest = _args.path(path, "path", "checkpoint_export('lesson', 'lesson.smolcheckpoint')") or ""
+        spec = self.workbench.spec if self.is_up and self.workbench is not None else None
+        with self._shelf() as shelf:
+            return shelf.export(_args.text(name, "name", "checkpoint_export('lesson', PATH)") or "", dest, spec, force)
+
+    @contextlib.contextmanager
+    def _shelf(self) -> Iterator[Shelf]:
+        """This folder's checkpoints: the Workbench's, or its ledger's while nothing is up."""
+        from .ledger import DEFAULT_PATH, Ledger
+        from .shelf import Shelf
+
+        if self.is_up and self.workbench is not None:
+            yield self.workbench.shelf
+            return
+        ledger = Ledger(self.ledger_path or DEFAULT_PATH)
+        try:
+            yield Shelf(ledger)
+        finally:
+            ledger.close()
+
+    @_in_session_words
+    def replay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
+        """Rebuild ``node``'s path (from its nearest live or checkpointed ancestor, in temporary
+        branches deleted after) with its recorded cells and seeds, as ``%smol replay`` does; returns
+        node, reward, recorded, match, notes, message."""
+        return _block(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
+
+    @_in_session_words
+    async def areplay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
+        """:meth:`replay` from an asyncio loop."""
+        return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
+
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
     """What a failed restore's take-down of the machine brought up for it says: ``took`` is how
@@ -713,77 +769,6 @@ def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:
 
 def _quiet(branch: str, ev: Event) -> None:
     """Branch output is kept in each row's ``output``; nothing is printed."""
-
-
-# -- blocking and bridging -------------------------------------------------------------------
-
-
-def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
-    """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
-    cancels it and waits for its cleanup (deleting machines) before it goes on."""
-    if _on_our_loop():
-        coro.close()
-        raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
-    wait_out_sigterm()
-    job = _loop.Job(coro, stoppable=stoppable)
-    if result is not None:
-        result._attach(job.future, job.cancel)
-    try:
-        job.start()
-        while not job.wait_finished(0.2):
-            pass
-        wait_out_sigterm()
-    except BaseException:
-        job.stop(120)
-        raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
-
-
-async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
-    """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
-    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
-    if _on_our_loop():
-        return await coro
-    while _lifetime.stopping():
-        await asyncio.sleep(0.05)
-    job = _loop.Job(coro, stoppable=stoppable).start()
-    if result is not None:
-        result._attach(job.future, job.cancel)
-    done = asyncio.wrap_future(job.future)
-    try:
-        await asyncio.wait({done})  # its end, whatever it is (a cancel of ours raises here)
-        while _lifetime.stopping():  # a SIGTERM stopped it: its handler ends the program once the machines are gone
-            await asyncio.sleep(0.05)
-    except asyncio.CancelledError:
-        if not job.done():
-            job.cancel()
-            while not job.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(done)
-        raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
-
-
-def _result(job: _loop.Job) -> Any:
-    if job.stopped and job.future.cancelled():
-        raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
-    return job.result()
-
-
-def _on_our_loop() -> bool:
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return running is _loop.get_loop()
 
 
 def current() -> Session:

@@ -49,6 +49,7 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"up --backend (\w+)", "Session(backend='{0}').up()"),
     (r"up --smolfile (\S+)", "Session(smolfile='{0}').up()"),
     (r"up --net off", "Session(net='off').up()"),
+    (r"up --ray (\S+)", "Session(ray='{0}').up()"),
     (r"down", "Session.down()"),
     (r"status", "Session.status()"),
     (r"tree", "Session.status()['live_machines']"),
