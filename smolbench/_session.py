@@ -664,6 +664,8 @@ class Session:
         for ignoring its timeout), and why; when that was the root, nothing is up until
         :meth:`up` starts a fresh one."""
         wb = self.workbench
+        if wb is not None and not wb.closed and wb.machines:
+            _block(wb.notice_gone())  # a machine killed while idle is lost, not shown alive
         lost = {"lost": wb.last_loss} if wb is not None and not wb.closed and wb.last_loss else {}
         if wb is None or not wb.machines:
             return {"up": False, **lost}
