@@ -113,3 +113,13 @@ def test_every_message_that_names_a_magic_command_has_session_words() -> None:
 def _raises(node: ast.Call) -> bool:
     name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
     return name.endswith(("Error", "Lost", "Unavailable", "Checkpoint")) or name in ("Bad", "reworded")
+
+
+def test_session_replay_rebuilds_a_deleted_branch_as_the_magic_does(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.run("base = 10")
+        s.fork(3, "reward = base + SEED", keep="best")
+        seen: list[str] = []
+        report = s.replay("root.1", on_output=lambda branch, ev: seen.append(branch))
+        assert report["match"] and report["reward"] == report["recorded"] == 11, report
+        assert "root.1" not in (s.workbench.machines if s.workbench else {})  # its temporary branch went
