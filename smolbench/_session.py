@@ -24,14 +24,16 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
-from . import _args, _lifetime, _loop
-from ._lifetime import gone, live, wait_out_sigterm
-from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error
+from . import _args, _lifetime
+from ._blocking import _block, _bridge
+from ._lifetime import gone, live
+from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error, session_phrases
 from .result import ForkResult
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
     from .backends.base import Backend, CellResult, Event
     from .gate import SafeBundle
+    from .shelf import Shelf
     from .workbench import Workbench
 
 T = TypeVar("T")
@@ -215,6 +217,7 @@ class Session:
         self.max_alive = _args.optional_whole(max_alive, "max_alive", example="Session(max_alive=8)")  # range: build()
         self.retries = _args.whole(retries, "retries", 0, None, "Session(retries=1)")
         self.on_notice = on_notice or _stderr_line
+        self.magic_words = False  # the magics' Session: its notices name `%smol` commands, as the cells do
         self.workbench: Workbench | None = None
         self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
         self.fallback = ""  # why ``backend="auto"`` chose what it chose, when it fell back
@@ -306,7 +309,7 @@ class Session:
             backend, self.fallback = choose_backend(self.backend_kind, self.target, announce=announce or self.on_notice)
         wb = Workbench(backend, spec, Ledger(self.ledger_path or DEFAULT_PATH), retries=self.retries)
         wb.net_note = net_note
-        wb.on_notice = self.on_notice
+        wb.on_notice = self._notice_line
         self.spec_path = path
         self.workbench = wb
         return wb
@@ -322,21 +325,22 @@ class Session:
             self.on_notice(self.fallback)
         return self.boot()
 
-    def boot(self) -> Session:
-        """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between)."""
+    def boot(self, restore: str | None = None) -> Session:
+        """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between):
+        its root, or the machine of checkpoint ``restore`` as the only one."""
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
         try:
-            _block(self.workbench.up())
+            _block(self.workbench.up(restore))
         except BaseException:
             gone(self)
             raise
         return self
 
     @_in_session_words
-    async def aup(self) -> Session:
-        """:meth:`up` from an asyncio loop."""
+    async def aup(self, restore: str | None = None) -> Session:
+        """:meth:`up` from an asyncio loop (``restore``: as :meth:`boot` takes it)."""
         if not self.is_up:
             await self.adown()
         wb = self.build()
@@ -344,7 +348,7 @@ class Session:
             self.on_notice(self.fallback)
         live(self)
         try:
-            await _bridge(wb.up())
+            await _bridge(wb.up(restore))
         except BaseException:
             gone(self)
             raise
@@ -545,30 +549,33 @@ class Session:
         return await _bridge(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node,
                                                         force))
 
+    @_in_session_words
     def checkpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """A new machine from a checkpoint, made active; returns its node id. ``name_or_path``:
         a checkpoint saved here, or the path of a ``.smolcheckpoint`` file (copied in and
         checked first; a file from elsewhere is restored only on an isolating backend). With
-        nothing up, it first brings up a machine of the backend the checkpoint was made on (as
-        ``%smol checkpoint restore`` does), and takes it down again if the restore fails."""
+        nothing up, it brings up the backend the checkpoint was made on (as ``%smol checkpoint
+        restore`` does) with the restored machine as its only one, and takes it down again if
+        the restore fails."""
         return self._restored(self._restore(_restorable(name_or_path)))
 
-    def _restore(self, what: str, up: Callable[[], object] | None = None,
+    def _restore(self, what: str, up: Callable[[str], object] | None = None,
                  told: Callable[[str, bool], None] | None = None) -> str:
         """The one restore, :meth:`checkpoint_restore`'s and ``%smol checkpoint restore``'s; the
-        restored node's id. With nothing up, ``up()`` (default :meth:`up`) first brings up a
-        machine of the checkpoint's backend. If the restore then fails (an error, or a Ctrl-C,
-        even one landing as that up comes back), that machine is taken down again: never a
-        machine that was up before (the backend deletes the one it was restoring into); if it
-        succeeds, that machine (the session's root, never used) goes, the restored one stays.
-        ``told(line, gone)`` (default: a notice) hears how that take-down went."""
+        restored node's id. With nothing up, ``up(what)`` (default :meth:`_up_restoring`) brings
+        up a session of the checkpoint's backend whose one machine is the restored one. If that
+        fails (an error, or a Ctrl-C, even one landing as that up comes back), what it brought up
+        is taken down again; a machine that was up before never is (the backend deletes the one
+        it was restoring into). ``told(line, gone)`` (default: a notice) hears how that went."""
         started = not self.is_up
         try:
             if started:
                 with self._backend_for(what):
-                    (up or self.up)()
-            wb = self._wb()
-            node = _block(wb.checkpoint_restore(what)).id
+                    (up or self._up_restoring)(what)
+                node = self._wb().active
+                assert node is not None
+            else:
+                node = _block(self._wb().checkpoint_restore(what)).id
         except BaseException:
             if started:
                 try:
@@ -577,11 +584,17 @@ class Session:
                     took = exc
                 _taken_back(took, told or self._notice)
             raise
-        if started:
-            with contextlib.suppress(Exception):  # restored all the same: a root left over is only idle
-                _block(wb.delete(_UNUSED))
         return node
 
+    def _up_restoring(self, what: str) -> None:
+        """:meth:`up`, its one machine restored from checkpoint ``what`` (no root booted beside it)."""
+        self.down()  # what is left of a session whose root was lost
+        self.build()
+        if self.fallback:
+            self.on_notice(self.fallback)
+        self.boot(restore=what)
+
+    @_in_session_words
     async def acheckpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:
         """:meth:`checkpoint_restore` from an asyncio loop (:meth:`_restore`'s steps, awaited)."""
         what = _restorable(name_or_path)
@@ -589,9 +602,13 @@ class Session:
         try:
             if started:
                 with self._backend_for(what):
-                    await self.aup()
-            wb = self._wb()
-            node = (await _bridge(wb.checkpoint_restore(what))).id
+                    await self.aup(restore=what)
+                wb = self._wb()
+                node = wb.active
+                assert node is not None
+            else:
+                wb = self._wb()
+                node = (await _bridge(wb.checkpoint_restore(what))).id
         except BaseException:
             if started:
                 try:
@@ -600,13 +617,14 @@ class Session:
                     took = exc
                 _taken_back(took, self._notice)
             raise
-        if started:
-            with contextlib.suppress(Exception):
-                await _bridge(wb.delete(_UNUSED))
         return self._restored(node, wb)
 
     def _notice(self, line: str, gone: bool) -> None:
-        self.on_notice(line)
+        self._notice_line(line)
+
+    def _notice_line(self, line: str) -> None:
+        """A Workbench's one-line news, its commands in the words of whoever made this Session."""
+        self.on_notice(line if self.magic_words else session_phrases(line))
 
     @contextlib.contextmanager
     def _backend_for(self, checkpoint: str) -> Iterator[None]:
@@ -635,9 +653,9 @@ class Session:
     def _restored(self, node: str, wb: Workbench | None = None) -> str:
         wb = wb or self._wb()
         for note in getattr(wb, "restore_notes", []):
-            self.on_notice(f"smolbench: {note}")
+            self._notice_line(f"smolbench: {note}")
         for warning in wb.machines[node].info.get("restore_warnings", []):
-            self.on_notice(f"smolbench: warning: {warning}")
+            self._notice_line(f"smolbench: warning: {warning}")
         return node
 
     def status(self) -> dict[str, Any]:
@@ -646,6 +664,8 @@ class Session:
         for ignoring its timeout), and why; when that was the root, nothing is up until
         :meth:`up` starts a fresh one."""
         wb = self.workbench
+        if wb is not None and not wb.closed and wb.machines:
+            _block(wb.notice_gone())  # a machine killed while idle is lost, not shown alive
         lost = {"lost": wb.last_loss} if wb is not None and not wb.closed and wb.last_loss else {}
         if wb is None or not wb.machines:
             return {"up": False, **lost}
@@ -657,8 +677,57 @@ class Session:
         """This session's ledger (``.nodes()``, ``.runs()``, ... as DataFrames)."""
         return self._wb().ledger
 
+    @_in_session_words
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """This folder's checkpoints, newest first, as ``%smol checkpoint list`` shows them (also
+        with nothing up): name, backend, file, whether it exists, why it can't be used."""
+        with self._shelf() as shelf:
+            return shelf.rows()
 
-_UNUSED = "root"  # the machine a restore with nothing up brings up to restore beside: it goes once that worked
+    @_in_session_words
+    def checkpoint_rm(self, name: str) -> str:
+        """Forget checkpoint ``name`` and delete its file here (also with nothing up); what happened."""
+        name = _args.text(name, "name", "checkpoint_rm('lesson')") or ""
+        if self.is_up:
+            return self._wb().checkpoint_remove(name)
+        with self._shelf() as shelf:
+            return shelf.remove(name)
+
+    @_in_session_words
+    def checkpoint_export(self, name: str, path: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
+        """Write checkpoint ``name`` to ``path`` (``….smolcheckpoint``) as one file, its record
+        inside, that :meth:`checkpoint_restore` takes in any folder; returns its size."""
+        dest = _args.path(path, "path", "checkpoint_export('lesson', 'lesson.smolcheckpoint')") or ""
+        spec = self.workbench.spec if self.is_up and self.workbench is not None else None
+        with self._shelf() as shelf:
+            return shelf.export(_args.text(name, "name", "checkpoint_export('lesson', PATH)") or "", dest, spec, force)
+
+    @contextlib.contextmanager
+    def _shelf(self) -> Iterator[Shelf]:
+        """This folder's checkpoints: the Workbench's, or its ledger's while nothing is up."""
+        from .ledger import DEFAULT_PATH, Ledger
+        from .shelf import Shelf
+
+        if self.is_up and self.workbench is not None:
+            yield self.workbench.shelf
+            return
+        ledger = Ledger(self.ledger_path or DEFAULT_PATH)
+        try:
+            yield Shelf(ledger)
+        finally:
+            ledger.close()
+
+    @_in_session_words
+    def replay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
+        """Rebuild ``node``'s path (from its nearest live or checkpointed ancestor, in temporary
+        branches deleted after) with its recorded cells and seeds, as ``%smol replay`` does; returns
+        node, reward, recorded, match, notes, message."""
+        return _block(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
+
+    @_in_session_words
+    async def areplay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
+        """:meth:`replay` from an asyncio loop."""
+        return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
@@ -666,7 +735,7 @@ def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> Non
     many machines went (none: the up itself had failed, and deleted its own), or its error."""
     if isinstance(took, Exception):
         told(f"smolbench: taking down the machine brought up for it failed too ({type(took).__name__}: {took}): "
-             "`%smol down` (or Session.down()) deletes what is left", False)
+             "`%smol down` deletes what is left", False)
     elif took:
         told("smolbench: took down the machine brought up for it", True)
 
@@ -702,77 +771,6 @@ def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:
 
 def _quiet(branch: str, ev: Event) -> None:
     """Branch output is kept in each row's ``output``; nothing is printed."""
-
-
-# -- blocking and bridging -------------------------------------------------------------------
-
-
-def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
-    """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
-    cancels it and waits for its cleanup (deleting machines) before it goes on."""
-    if _on_our_loop():
-        coro.close()
-        raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
-    wait_out_sigterm()
-    job = _loop.Job(coro, stoppable=stoppable)
-    if result is not None:
-        result._attach(job.future, job.cancel)
-    try:
-        job.start()
-        while not job.wait_finished(0.2):
-            pass
-        wait_out_sigterm()
-    except BaseException:
-        job.stop(120)
-        raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
-
-
-async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
-    """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
-    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
-    if _on_our_loop():
-        return await coro
-    while _lifetime.stopping():
-        await asyncio.sleep(0.05)
-    job = _loop.Job(coro, stoppable=stoppable).start()
-    if result is not None:
-        result._attach(job.future, job.cancel)
-    done = asyncio.wrap_future(job.future)
-    try:
-        await asyncio.wait({done})  # its end, whatever it is (a cancel of ours raises here)
-        while _lifetime.stopping():  # a SIGTERM stopped it: its handler ends the program once the machines are gone
-            await asyncio.sleep(0.05)
-    except asyncio.CancelledError:
-        if not job.done():
-            job.cancel()
-            while not job.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(done)
-        raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
-
-
-def _result(job: _loop.Job) -> Any:
-    if job.stopped and job.future.cancelled():
-        raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
-    return job.result()
-
-
-def _on_our_loop() -> bool:
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return running is _loop.get_loop()
 
 
 def current() -> Session:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ._aio import _made_in_thread, _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
-from .errors import MachineLost, SmolbenchError, reworded
+from .errors import LIVE, NOT_UP, MachineLost, SmolbenchError, reworded
 from .gate import restoring, terminal
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
@@ -59,7 +59,9 @@ class CheckpointsMixin(WorkbenchPart):
         branches, which are deleted afterwards.
         """
         if node_id not in self.tree:
-            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree` (replay works on this session's nodes)")
+            raise SmolbenchError(f"unknown node {node_id!r}: see `%smol tree` (replay works on this session's nodes)",
+                                 api=f"unknown node {node_id!r}: replay works on this session's nodes "
+                                 "(`Session.ledger().nodes()`)")
         target = self.tree[node_id]
         path = self.tree.path(node_id)
         notes: list[str] = []
@@ -77,9 +79,10 @@ class CheckpointsMixin(WorkbenchPart):
                     temps.append(cur)
                     await self._init(cur)
                 else:
-                    raise SmolbenchError(
-                        f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; "
-                        "keep a branch (--keep) or checkpoint one (`%smol checkpoint save`) to make replays possible")
+                    why = f"can't replay {node_id}: no ancestor is alive and none has a checkpoint; keep a branch"
+                    raise SmolbenchError(f"{why} (--keep) or checkpoint one (`%smol checkpoint save`) to make replays "
+                                         "possible", api=f"{why} (keep='all') or checkpoint one "
+                                         "(`Session.checkpoint_save(name, node=node)`) to make replays possible")
             elif path[start_idx].id in self.machines:
                 cur = self.machines[path[start_idx].id]
                 start = path[start_idx]
@@ -141,14 +144,17 @@ class CheckpointsMixin(WorkbenchPart):
         """Save a live node's whole machine under ``name``."""
         node_id = node_id or self.active
         if node_id is None:
-            raise SmolbenchError("no machine is up: run `%smol up` first")
+            raise SmolbenchError("no machine is up: run `%smol up` first", api=NOT_UP)
         if node_id not in self.machines:
-            raise SmolbenchError(f"node {node_id!r} is not alive, so it can't be checkpointed: pick a live node (`%smol tree`)")
+            dead = f"node {node_id!r} is not alive, so it can't be checkpointed: pick a live node"
+            raise SmolbenchError(f"{dead} (`%smol tree`)", api=f"{dead} ({LIVE})")
         name = name or f"{node_id}-{time.strftime('%H%M%S')}"
         _check_name(name)
         existing = self.ledger.checkpoint(name)
         if existing is not None and not force:
-            raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it")
+            raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it",
+                                 api=f"a checkpoint named {name!r} exists: pick another name or pass force=True "
+                                 "to replace it")
         store = self.shelf.store
         try:
             store.ensure()

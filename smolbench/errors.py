@@ -26,9 +26,12 @@ class SmolbenchError(Exception):
         self.magic_words = str(args[0]) if len(args) == 1 else super().__str__()
 
     def in_session_words(self) -> SmolbenchError:
-        """This error, its message now in the Session's words (when it has them)."""
+        """This error, its message now in the Session's words: ``api`` when it has them, else the
+        magic phrases a layer below the Session wrote (:func:`session_phrases`) said as calls."""
         if self.api is not None:
-            self.args = (self.api,)
+            self.args = (session_phrases(self.api),)
+        elif len(self.args) == 1 and isinstance(self.args[0], str):
+            self.args = (session_phrases(self.args[0]),)
         return self
 
     def for_magics(self) -> str:
@@ -37,6 +40,57 @@ class SmolbenchError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+# The magic phrases the gate and the backends write into a line that knows no caller, and the
+# Session's words for them: each a call of the same thing (the magics show the line as written).
+_COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's call
+    (r"up", "Session.up()"),
+    (r"up --backend (\w+)", "Session(backend='{0}').up()"),
+    (r"up --smolfile (\S+)", "Session(smolfile='{0}').up()"),
+    (r"up --net off", "Session(net='off').up()"),
+    (r"up --ray (\S+)", "Session(ray='{0}').up()"),
+    (r"down", "Session.down()"),
+    (r"status", "Session.status()"),
+    (r"tree", "Session.status()['live_machines']"),
+    (r"use(?: \S+)?", "Session.use(node)"),
+    (r"delete(?: \S+)?", "Session.delete(node)"),
+    (r"replay(?: \S+)?", "Session.replay(node)"),
+    (r"checkpoint save(?: \S+)?", "Session.checkpoint_save(name)"),
+    (r"checkpoint restore", "Session.checkpoint_restore(name)"),
+    (r"checkpoint restore (\S+)", "Session.checkpoint_restore('{0}')"),
+    (r"checkpoint rm", "Session.checkpoint_rm(name)"),
+    (r"checkpoint rm (\S+)", "Session.checkpoint_rm('{0}')"),
+    (r"checkpoint list", "Session.checkpoints()"),
+    (r"checkpoint export ([A-Z]+) ([A-Z]+)", "Session.checkpoint_export(name, path)"),
+    (r"checkpoint export (\S+) (\S+)", "Session.checkpoint_export('{0}', '{1}')"),
+    (r"config ([a-z-]+) ([A-Z]+)", "smolbench.gate.limits.configure('{0}', {1})"),  # a placeholder: SIZE, N
+    (r"config ([a-z-]+) (\S+)", "smolbench.gate.limits.configure('{0}', '{1}')"),
+)
+_COMMAND = re.compile(r"`%smol ([^`]*)`")
+_PHRASES = (  # what a pull the gate refused says of options the Session has no twin of
+    (re.compile(r", or use --pull-trusted \(or `%smol trust on`\) to unpickle it anyway"), ""),
+    (re.compile(r" \(no --pull-trusted\)"), ""),
+    (re.compile(r"--pull ([A-Za-z_]\w*)"), r"pull=['\1']"),
+)
+
+
+def _call(match: re.Match[str]) -> str:
+    for words, call in _COMMANDS:
+        said = re.fullmatch(words, match[1])
+        if said:
+            return f"`{call.format(*said.groups())}`"
+    return match[0]  # a command the Session has no call for stays as it is
+
+
+def session_phrases(text: str) -> str:
+    """``text`` with the magic commands (:data:`_COMMANDS`) and phrases it names in the Session's words."""
+    if "-" not in text and "%" not in text:
+        return text
+    text = _COMMAND.sub(_call, text)
+    for pattern, said in _PHRASES:
+        text = pattern.sub(said, text)
+    return text
 
 
 # The Session's words for what the magics say with `%smol up` and `%smol tree` (``api=``).

@@ -23,6 +23,7 @@ class LossesMixin(WorkbenchPart):
 
     retries: int
     last_loss: str | None
+    _busy: set[str]
 
     if TYPE_CHECKING:  # provided by Workbench
         @property
@@ -51,6 +52,16 @@ class LossesMixin(WorkbenchPart):
             return SmolbenchError(f"{why}; the active machine is now {self.active}")
         return SmolbenchError(f"{why}: `%smol up` starts a fresh machine (or `%smol checkpoint restore NAME`)",
                               api=f"{why}: `Session.up()` starts a fresh machine (or `Session.checkpoint_restore(name)`)")
+
+    async def notice_gone(self) -> list[str]:
+        """Idle machines whose process ended with no request to them (killed from outside, the
+        OOM killer): lost now, as a request would find them (the backend checks without one)."""
+        idle = [ref for name, ref in self.machines.items() if name not in self._busy]
+        gone = self.backend.gone(idle)
+        for name, why in gone.items():
+            if name in self.machines and name not in self._busy:
+                await self._lost(name, f"machine {name} died: {why}")
+        return list(gone)
 
     async def _kill_stuck(self, node_id: str, timeout: float | None) -> SmolbenchError:
         """Delete a machine whose cell ignored the interrupt (after ``timeout`` s; None: a

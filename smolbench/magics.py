@@ -138,8 +138,9 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"machines are still up ({shown}): `%smol use {pick}`, or `%smol down` first")
         self._boot(_session_of(args))
 
-    def _boot(self, session: Session) -> None:
-        """Start ``session``'s machine as `%smol up` does (published first), make it this kernel's, say so.
+    def _boot(self, session: Session, restore: str | None = None) -> None:
+        """Start ``session``'s machine as `%smol up` does (published first; ``restore``: its one
+        machine is that checkpoint's, as `Session.boot` takes it), make it this kernel's, say so.
         The session it replaces, which has no machine left (its root was lost, or every machine
         deleted), goes first: what is left of it (its backend's cgroups, proxy, run folders)."""
         old = self.session
@@ -151,7 +152,7 @@ class SmolMagics(Magics):
         self._publish(wb)
         t0 = time.perf_counter()
         try:
-            session.boot()
+            session.boot(restore)
         except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
             raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
         self.session = session
@@ -162,12 +163,13 @@ class SmolMagics(Magics):
 
             follow_views(wb)
         st = wb.status()
-        tries = wb.machines["root"].info.get("attempts", 1)
+        first = wb.machines[wb.active or "root"].info  # the root, or the restored machine
+        tries = first.get("attempts", 1)
         print(f"smolbench: up on {st['backend']} in {time.perf_counter() - t0:.2f} s · machine {st['machine']} · "
               f"python {st['guest_python']} · network {st['network']} · {path or 'default spec'}"
               + (f" · booted on attempt {tries} (earlier boots failed: `%smol ledger` lists them)" if tries > 1 else ""))
-        if wb.machines["root"].info.get("packages"):  # the Smolfile's packages: installed now (how long), or cached
-            print(f"smolbench: {wb.machines['root'].info['packages']}")
+        if first.get("packages"):  # the Smolfile's packages: installed now (how long), or cached
+            print(f"smolbench: {first['packages']}")
         if wb.lost:
             print(f"smolbench: {wb.lost} node{'s were' if wb.lost != 1 else ' was'} left unfinished by a kernel that "
                   "died earlier: marked lost in the ledger")
@@ -175,7 +177,7 @@ class SmolMagics(Magics):
             print(f"smolbench: {net_note}")
         if backend.name == "cluster":
             print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
-                  f"root on node {str(wb.machines['root'].info.get('node'))[:8]}")
+                  f"{wb.active} on node {str(first.get('node'))[:8]}")
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
 
@@ -185,9 +187,9 @@ class SmolMagics(Magics):
         up_now = self.session is not None and self.session.is_up
         session = self.session if up_now and self.session is not None else _session_of(parse_argstring(_up_args, ""))
 
-        def up() -> None:  # inside the Session's take-down: a Ctrl-C as its lines show takes it down too
+        def up(what: str) -> None:  # inside the Session's take-down: a Ctrl-C as its lines show takes it down too
             print(f"smolbench: nothing is up: bringing up a {session.backend_kind} machine for this checkpoint")
-            self._boot(session)
+            self._boot(session, restore=what)
 
         def told(line: str, gone: bool) -> None:
             if gone:
@@ -604,9 +606,11 @@ def cell_number(shell: Any) -> Any:
 
 def _session_of(args: Any) -> Session:
     """The Session ``%smol up ARGS`` makes (not yet up)."""
-    return Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
-                   image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive, retries=args.retries,
-                   on_notice=_notice)
+    session = Session(args.smolfile, backend=args.backend, ray=args.ray, ledger=args.ledger, target=args.target,
+                      image=args.image, net=args.net, allow=args.allow, max_alive=args.max_alive,
+                      retries=args.retries, on_notice=_notice)
+    session.magic_words = True
+    return session
 
 
 def _notice(line: str) -> None:

@@ -429,7 +429,8 @@ class Shelf:
                                  "don't travel as one file yet: save one on the sandbox backend to share it")
         target = Path(os.path.abspath(dest))
         if target.exists() and not force:
-            raise SmolbenchError(f"{dest} exists: pick another path or add --force to replace it")
+            raise SmolbenchError(f"{dest} exists: pick another path or add --force to replace it",
+                                 api=f"{dest} exists: pick another path or pass force=True to replace it")
         node = self.ledger.node(str(rec.get("session_id")), str(rec.get("node_id"))) if rec.get("node_id") else None
         imported = rec.get("session_id") == IMPORTED
         with self.open(rec) as f:

@@ -139,19 +139,25 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
 
     # -- lifecycle -------------------------------------------------------------------
 
-    async def up(self) -> Node:
-        """Start the root machine from the spec and run its init commands."""
+    async def up(self, restore: str | None = None) -> Node:
+        """Start the root machine from the spec and run its init commands; or, given ``restore``
+        (a checkpoint's name or path), start with that checkpoint's machine as the only one."""
         if self.active is not None:
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over",
                                  api=f"already up ({self.backend.name}, active {self.active}): `Session.down()` first "
                                  "to start over")
-        ref = await retry.boot(self, self.spec, "root", self.retries)
-        self.machines["root"] = ref
-        node = self.tree.add(Node("root", status="idle", started=time.time()))
-        self._placed(ref)
-        self.active = "root"
+        if restore is not None:  # nothing made if it fails: the caller's down() closes the backend
+            node = await self.checkpoint_restore(restore)
+            ref = self.machines[node.id]
+        else:
+            ref = await retry.boot(self, self.spec, "root", self.retries)
+            self.machines["root"] = ref
+            node = self.tree.add(Node("root", status="idle", started=time.time()))
+            self._placed(ref)
+            self.active = "root"
         try:
-            await self._init(ref)
+            if restore is None:  # a checkpoint's machine ran its init commands before it was saved
+                await self._init(ref)
             res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
             self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
         except BaseException:

@@ -358,6 +358,12 @@ class AgentHostBackend(Backend):
     def list(self) -> builtins.list[MachineRef]:
         return list(self._machines.values())
 
+    def gone(self, machines: builtins.list[MachineRef]) -> dict[str, str]:
+        """Machines whose agent process exited or was killed (its /proc entry gone, a zombie, or reused)."""
+        said = "its agent process ended while it was idle (killed from outside, or out of memory); its state is gone"
+        return {ref.name: said for ref in machines if "host_pid" in ref.info and not _procs.running(
+            ref.info["host_pid"], ref.info.get("host_started") or _procs.start_time(ref.info["host_pid"]))}
+
     def host_memory(self) -> tuple[float, float]:
         """(RSS, PSS) in MiB of every process of every live machine (branches included)."""
         pids = [p for proc in self._procs.values() for p in (proc.pid, *(d for d, _ in _procs.descendants(proc.pid)))]

@@ -145,6 +145,11 @@ class Backend(abc.ABC):
         this kernel's own (a file or a ledger row from elsewhere), so its saved state, which is
         code, may only be loaded in a machine that isolates it (never the process backend's)."""
 
+    def gone(self, machines: builtins.list[MachineRef]) -> dict[str, str]:
+        """Of ``machines`` (not deleted), those whose process is gone, and why: checked without
+        a request (``%smol status`` asks it of idle ones). Default: none known."""
+        return {}
+
     async def close(self) -> None:
         """Delete every machine this backend still has."""
         for ref in reversed(self.list()):

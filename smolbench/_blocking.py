@@ -1,0 +1,83 @@
+"""Blocking on smolbench's own loop (a Session method) and awaiting it from the caller's (its a-twin)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from . import _lifetime, _loop
+from ._lifetime import wait_out_sigterm
+from .errors import SmolbenchError
+from .result import ForkResult
+
+T = TypeVar("T")
+
+
+def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
+    """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
+    cancels it and waits for its cleanup (deleting machines) before it goes on."""
+    if _on_our_loop():
+        coro.close()
+        raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
+    wait_out_sigterm()
+    job = _loop.Job(coro, stoppable=stoppable)
+    if result is not None:
+        result._attach(job.future, job.cancel)
+    try:
+        job.start()
+        while not job.wait_finished(0.2):
+            pass
+        wait_out_sigterm()
+    except BaseException:
+        job.stop(120)
+        raise
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
+
+
+async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
+    """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
+    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
+    if _on_our_loop():
+        return await coro
+    while _lifetime.stopping():
+        await asyncio.sleep(0.05)
+    job = _loop.Job(coro, stoppable=stoppable).start()
+    if result is not None:
+        result._attach(job.future, job.cancel)
+    done = asyncio.wrap_future(job.future)
+    try:
+        await asyncio.wait({done})  # its end, whatever it is (a cancel of ours raises here)
+        while _lifetime.stopping():  # a SIGTERM stopped it: its handler ends the program once the machines are gone
+            await asyncio.sleep(0.05)
+    except asyncio.CancelledError:
+        if not job.done():
+            job.cancel()
+            while not job.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(done)
+        raise
+    try:
+        return _result(job)
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
+
+
+def _result(job: _loop.Job) -> Any:
+    if job.stopped and job.future.cancelled():
+        raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
+    return job.result()
+
+
+def _on_our_loop() -> bool:
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return running is _loop.get_loop()

@@ -1,0 +1,125 @@
+"""A Session user is told the fix in the Session's words, never a magic's: a pull the gate
+refused said `--pull-trusted (or %smol trust on)`, a checkpoint name taken said `add --force`,
+a checkpoint over the limit said `%smol config checkpoint-limit 4G`, a missing one `%smol
+checkpoint list`. The magics keep theirs (`SmolbenchError(magic, api=session)`)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from IPython.testing.globalipapp import get_ipython
+
+import smolbench
+from smolbench.errors import SmolbenchError, session_phrases
+from smolbench.gate import limits
+
+MAGIC = re.compile(r"%%?smol|(?<![\w-])--[a-z]")
+PACKAGE = Path(smolbench.__file__).parent
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _said(call: object) -> str:
+    with pytest.raises(SmolbenchError) as got:
+        call()  # type: ignore[operator]
+    text = str(got.value)
+    assert not MAGIC.search(text), text
+    return text
+
+
+def test_session_errors_name_session_calls_not_magics(here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.run("import fractions; f = fractions.Fraction(1, 3)")
+        assert "pull=['f']: a" in _said(lambda: s.run("1", pull=["f"]))  # not data: refused by the gate
+        s.checkpoint_save("warm")
+        assert "force=True" in _said(lambda: s.checkpoint_save("warm"))
+        assert "Session.status()['live_machines']" in _said(lambda: s.checkpoint_save("x", node="root.9"))
+        assert "Session.checkpoints()" in _said(lambda: s.checkpoint_restore("nope"))
+        assert "force=True" in _said(lambda: s.checkpoint_export("warm", _exists(here)))
+        assert "Session.ledger().nodes()" in _said(lambda: s.replay("root.9"))
+        monkeypatch.setattr(limits.LIMITS, "checkpoint", 100)  # as `configure("checkpoint-limit", ...)` sets it
+        assert "configure('checkpoint-limit', '4G')" in _said(lambda: s.checkpoint_restore(_exists(here)))
+        monkeypatch.setattr(limits.LIMITS, "max_frame", 10_000)
+        assert "configure('max-frame', SIZE)" in _said(lambda: s.run("print('x' * 20_000, end='')"))
+    assert "Session.checkpoints()" in _said(lambda: s.checkpoint_rm("nope"))  # nothing up: this folder's
+    assert "Session.checkpoints()" in _said(lambda: s.checkpoint_restore("nope"))
+    assert [row["name"] for row in s.checkpoints()] == ["warm"]
+    assert s.checkpoint_rm("warm") == "removed checkpoint warm" and s.checkpoints() == []
+
+
+def _exists(here: Path) -> str:
+    path = here / "there.smolcheckpoint"
+    path.write_bytes(b"\x1f\x8b" + bytes(200))
+    return str(path)
+
+
+def test_the_magics_keep_their_words(here: Path) -> None:
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "smolbench")
+    try:
+        shell.run_line_magic("smol", "up --backend process --ledger ledger.db")
+        shell.run_line_magic("smol", "checkpoint save warm")
+        with pytest.raises(SmolbenchError, match="add --force to replace it"):
+            shell.run_line_magic("smol", "checkpoint save warm")
+        with pytest.raises(SmolbenchError, match=r"\(`%smol checkpoint list`\)"):
+            shell.run_line_magic("smol", "checkpoint restore nope")
+        shell.run_line_magic("smol", "down")
+    finally:
+        shell.run_line_magic("unload_ext", "smolbench")
+
+
+def _literal(node: ast.AST) -> str:
+    """A message's text as written, each ``{hole}`` an ``X``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_literal(v) if isinstance(v, ast.Constant) else "X" for v in node.values)
+    if isinstance(node, ast.BinOp):
+        return _literal(node.left) + _literal(node.right)
+    return "X"
+
+
+# Raised where no Session method reaches: the magics' own, and `configure` (a Python caller's own call).
+NOT_FROM_A_SESSION = {"magics.py", "_magicargs.py", "gate/limits.py"}
+
+
+def test_every_message_that_names_a_magic_command_has_session_words() -> None:
+    """Each error raised with a `%smol` command in it either carries ``api=`` or names only
+    commands :func:`session_phrases` says as Session calls."""
+    left = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        if where.startswith("guest/") or where in NOT_FROM_A_SESSION:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args and "raise" in ast.dump(node.func).lower()
+                    or isinstance(node, ast.Call) and node.args and _raises(node)):
+                continue
+            if any(k.arg == "api" for k in node.keywords):
+                continue
+            text = _literal(node.args[0])
+            if re.search(r"%%?smol", session_phrases(text)):
+                left.append(f"{where}:{node.lineno}: {text[:100]}")
+    assert not left, "\n".join(left)
+
+
+def _raises(node: ast.Call) -> bool:
+    name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+    return name.endswith(("Error", "Lost", "Unavailable", "Checkpoint")) or name in ("Bad", "reworded")
+
+
+def test_session_replay_rebuilds_a_deleted_branch_as_the_magic_does(here: Path) -> None:
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.run("base = 10")
+        s.fork(3, "reward = base + SEED", keep="best")
+        seen: list[str] = []
+        report = s.replay("root.1", on_output=lambda branch, ev: seen.append(branch))
+        assert report["match"] and report["reward"] == report["recorded"] == 11, report
+        assert "root.1" not in (s.workbench.machines if s.workbench else {})  # its temporary branch went
