@@ -427,7 +427,7 @@ def test_run_brings_back_output_value_as_data_and_the_error(here: Path) -> None:
         assert "1 / 0" in "".join(raised.value.traceback)
         with pytest.raises(RemoteError, match=r"^--pull nothere: no variable named 'nothere' in the machine$"):
             s.run("pass", pull=["nothere"], check=True)
-        with pytest.raises(SmolbenchError, match=r"^--pull t: a .*Thing is not plain data, so it is not unpickled on this host"):
+        with pytest.raises(SmolbenchError, match=r"^pull=\['t'\]: a .*Thing is not plain data, so it is not unpickled on this host"):
             s.run("t = Thing()", pull=["t"])
         with pytest.raises(SmolbenchError, match=r"the code ran longer than timeout=0.5 s and was interrupted"):
             s.run("import time; time.sleep(30)", timeout=0.5)
@@ -512,7 +512,7 @@ def test_checkpoints_status_and_the_current_session_in_a_script_process(here: Pa
         s.run("state = [1, 2]")
         info = s.checkpoint_save("two")
         assert info["name"] == "two" and info["node"] == "root" and Path(info["path"]).exists()
-        with pytest.raises(SmolbenchError, match=r"^a checkpoint named 'two' exists: pick another name or add --force"):
+        with pytest.raises(SmolbenchError, match=r"^a checkpoint named 'two' exists: pick another name or pass force=True to replace it"):
             s.checkpoint_save("two")
         s.run("state.append(3)")
         node = s.checkpoint_restore("two")
