@@ -298,10 +298,20 @@ class AgentHostBackend(Backend):
             self._going.pop(ref.name, None)
 
     async def _branch_gone(self, ref: MachineRef) -> None:
-        """Once a deleted branch's processes are gone: what it had in its root's run folder goes
-        (here its socket; a contained sandbox branch's whole folder, ``SandboxBackend``)."""
-        with contextlib.suppress(OSError):
-            os.unlink(ref.info["socket"])
+        """Once a deleted branch's processes are gone: what it had in its parent's run folder goes."""
+        await asyncio.to_thread(self._clear_branch, self._machines.get(ref.parent or ""),
+                                os.path.basename(ref.info["host_dir"]) if ref.info.get("contained") else None,
+                                ref.info["socket"])
+
+    def _clear_branch(self, parent: MachineRef | None, folder: str | None, socket: str) -> None:
+        """A contained branch's own ``folder`` in its parent's run folder (its socket, its keeper's,
+        what its cells wrote) goes through :meth:`_remove_below`; with its parent gone or being
+        deleted too, it goes with the parent's. Otherwise its ``socket`` in the root's host run folder."""
+        if folder is None:
+            with contextlib.suppress(OSError):
+                os.unlink(socket)
+        elif parent is not None:
+            self._remove_below(parent, folder)
 
     async def _end_in_cgroups(self, ref: MachineRef) -> bool:
         """Kill a branch through its own cgroups (everything it started is there, from its first
@@ -608,10 +618,12 @@ class AgentHostBackend(Backend):
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
     def _remove_below(self, machine: MachineRef, name: str) -> None:
-        """Remove ``name`` (a stage the machine wrote in, while it may still run) from its run
-        folder: relative to descriptors, no link followed, nothing but folders opened (a fifo
-        in its place hung ``shutil.rmtree``'s first open, and the kernel with it). A machine
-        deleted meanwhile took its folder with it: nothing to find (nor to look for by its pid)."""
+        """Remove the folder ``name`` (a stage, a branch's folder: the machine writes in it, and may
+        still run) from ``machine``'s run folder, found by :meth:`_below`: relative to descriptors,
+        no link followed, nothing but folders opened (a fifo in its place hung ``shutil.rmtree``'s
+        first open, and the kernel with it). A link the machine put in its place is left for the
+        root's delete. A machine deleted meanwhile took its folder with it: nothing to find (nor
+        to look for by its pid)."""
         if machine.name not in self._machines:
             return
         try:
