@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _stoppable_thread, _to_the_end
+from .._aio import _stop_with_grace, _stoppable_thread, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths, ckptwrite
 from ..guest import protocol as P
@@ -642,14 +642,7 @@ class AgentHostBackend(Backend):
     async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
         """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
         its answer, so its next request does not find it busy; past that, hang up."""
-        if not request.done():
-            with contextlib.suppress(SmolbenchError, OSError):
-                await asyncio.wait_for(self._request(machine, {"op": "interrupt"}), gate.LIMITS.grace)
-            await asyncio.wait({request}, timeout=gate.LIMITS.grace)
-        if not request.done():
-            request.cancel()
-        with contextlib.suppress(BaseException):  # its end (an interrupted save's error) is not news
-            await request
+        await _stop_with_grace(lambda: self._request(machine, {"op": "interrupt"}), request, gate.LIMITS.grace)
 
     async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
         """``_request``, but a machine the kernel killed for memory meanwhile says so (MachineLost)."""
