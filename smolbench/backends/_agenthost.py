@@ -499,10 +499,15 @@ class AgentHostBackend(Backend):
             held.fork_headroom(8 * len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
+        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "children": children, "hold": True,
+                                                                **({"leaf": True} if leaf else {})}))
         try:
             try:
-                done = await self._request(machine, {"op": "fork", "children": children, "hold": True,
-                                                     **({"leaf": True} if leaf else {})})
+                try:
+                    done = await asyncio.shield(forking)
+                except asyncio.CancelledError:  # its answer first (a grace period at most): what it made is
+                    await _to_the_end(self._stop_request(machine, forking))  # held, not made after the undo
+                    raise
             except SmolbenchError as exc:
                 if "BlockingIOError" not in str(exc):
                     raise
@@ -518,11 +523,16 @@ class AgentHostBackend(Backend):
                 raise gate.malformed(machine.name, "it did not make the leaf branches asked for")
             limits = await asyncio.shield(cgroups)  # cancelled, it would still make them, for no one to remove
         except BaseException:
+            def cleared() -> None:  # their folders (or sockets) go now, not with the root: failed forks add up
+                for n, d in zip(names, dirs):
+                    self._clear_branch(machine, d if nested else None, str(host_dir / f"{n}.sock"))
+
             async def undo() -> None:
                 if held is not None:
                     held.fork_headroom(0)
                 with contextlib.suppress(SmolbenchError, OSError):  # held children exit
                     await self._request(machine, {"op": "release", "go": False})
+                await asyncio.to_thread(cleared)
                 unused = await cgroups
                 for name in unused:
                     await asyncio.to_thread(self.limiter.release, name)
