@@ -601,7 +601,6 @@ class AgentHostBackend(Backend):
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
         part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
-        run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         held = -1
         try:  # the stage goes on every path, even when the machine fails to save
             saving = asyncio.ensure_future(
@@ -616,7 +615,7 @@ class AgentHostBackend(Backend):
             # The machine made every path in the stage: the gate reads them without following links
             # (in a thread: a big stage must not stall the kernel).
             # (stopped, a Ctrl-C: the thread stops and ends before its files go)
-            await _stoppable_thread(ckptwrite.pack, run_dir, stage, held, machine.name, scratch=os.path.dirname(part))
+            await _stoppable_thread(self._pack, machine, stage, held, scratch=os.path.dirname(part))
             os.replace(part, path)
         finally:
             await _to_the_end(asyncio.to_thread(self._remove_below, machine, stage))
@@ -626,6 +625,19 @@ class AgentHostBackend(Backend):
                 os.close(held)
         warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
+
+    def _pack(self, machine: MachineRef, stage: str, out: int, *, scratch: str, stop: threading.Event) -> None:
+        """``ckptwrite.pack`` of ``stage`` in ``machine``'s run folder, found by :meth:`_below`
+        (its path passes folders the machine can swap for links)."""
+        try:
+            fd, name = self._below(machine, stage)
+        except OSError as exc:
+            raise archive.UnsafeCheckpoint(f"the checkpoint machine {machine.name} saved is not in its run folder "
+                                           f"({exc.strerror}): a folder on its way was moved or made a link") from None
+        try:
+            ckptwrite.pack(fd, name, out, machine.name, scratch=scratch, stop=stop)
+        finally:
+            os.close(fd)
 
     def _remove_below(self, machine: MachineRef, name: str) -> None:
         """Remove the folder ``name`` (a stage, a branch's folder: the machine writes in it, and may
