@@ -82,3 +82,24 @@ async def _stoppable_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) 
             await _to_the_end(asyncio.wait({work}))
         if not work.cancelled():
             work.exception()  # read: a stopped work's own error is not news (nor a traceback on the screen)
+
+
+async def _stop_with_grace(interrupt: Callable[[], Awaitable[object]], task: asyncio.Future[Any],
+                           grace: float) -> bool:
+    """Stop ``task`` (a machine's cell or request): ``interrupt()`` the machine (its own failure
+    ignored, within ``grace``), wait ``grace`` for ``task`` to end, then cancel it. True when it
+    ended in time; its own end (an interrupted request's error) is not news, never raised."""
+    if not task.done():
+        try:
+            await asyncio.wait_for(interrupt(), grace)
+        except Exception:  # a machine that can't be told still gets its grace period
+            pass
+        await asyncio.wait({task}, timeout=grace)
+    stopped = task.done()
+    if not stopped:
+        task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    return stopped

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _args, gate
 from . import retries as retry
-from ._aio import _gather_cancelling, _to_the_end
+from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
 from .backends._limits import out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
@@ -358,17 +358,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
 
     async def _stop(self, ref: MachineRef, task: asyncio.Future[Any]) -> bool:
         """Interrupt the cell in ``ref``; True once it stopped, False if it ignored us for the grace period."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.backend.interrupt(ref), gate.LIMITS.grace)
-        await asyncio.wait({task}, timeout=gate.LIMITS.grace)
-        if task.done():
-            if not task.cancelled():
-                task.exception()  # retrieved: the cell's own end is not news after an interrupt
-            return True
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        return False
+        return await _stop_with_grace(lambda: self.backend.interrupt(ref), task, gate.LIMITS.grace)
 
     # -- fan-out -----------------------------------------------------------------------------
 

@@ -189,3 +189,88 @@ def test_a_run_folder_a_machine_replaced_in_a_mount_namespace_of_its_own_is_not_
     finally:
         proc.kill()
         proc.wait()
+
+
+# Code in the root rewrites its agent's fork: the branches are made (their folders with them,
+# held), then the fork fails; BROKEN_FORK_STAYS makes it wait instead until the host removed
+# their folders (so a test can stop the fork midway, and the machine is free after).
+BROKEN_FORK = '''
+import gc, os, time
+agent = next(o for o in gc.get_objects() if type(o).__name__ == "Agent")
+real_fork = agent.fork
+def fork(req):
+    done = real_fork(req)
+    if done == "child":
+        return done
+    folders = [os.path.dirname(c["socket"]) for c in req["children"]]
+    if STAYS:
+        deadline = time.monotonic() + 60
+        while any(os.path.exists(f) for f in folders) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return done
+    raise RuntimeError("the fork failed after making its branches")
+agent.fork = fork
+'''
+
+
+def test_a_fork_that_fails_midway_leaves_no_branch_folders(s: smolbench.Session) -> None:
+    """Its branches were made, held, and told to exit, but their folders stayed in the root's
+    run folder until the root was deleted: a long session's failed forks added up."""
+    before = ls(s)
+    s.run("STAYS = False\n" + BROKEN_FORK, check=True)
+    with pytest.raises(smolbench.SmolbenchError, match="the fork failed after making its branches"):
+        s.fork(4, "reward = SEED", keep="all")  # made and failed twice: retries=1
+    assert ls(s) == before
+    s.run("agent.fork = real_fork", check=True)  # the root lives on and forks as before
+    assert s.fork(2, "reward = SEED", keep="all").rows["root.5"]["status"] == "ok"
+    assert set(ls(s)) == set(before) | {"4", "5"}
+
+
+def test_a_fork_stopped_midway_leaves_no_branch_folders(tmp_path: Path) -> None:
+    """Stopped (a Ctrl-C, an episode cancelled) while the agent had made its branches' folders."""
+    import os
+    import time
+
+    from smolbench import _loop
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.errors import MachineBusy
+    from smolbench.spec import MachineSpec
+
+    async def run(be: SandboxBackend, ref: Any, code: str) -> None:
+        deadline = time.monotonic() + 60
+        while True:  # the agent ends its fork once the host removed the folders: at most a moment later
+            try:
+                res = await be.exec_cell(ref, CellRequest(code), lambda ev: None)
+                break
+            except MachineBusy:
+                assert time.monotonic() < deadline, "the root stayed busy"
+                await asyncio.sleep(0.01)
+        assert res.status == "ok", res.error
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        root = await be.create(MachineSpec(), "root")
+        run_dir = Path(root.info["host_dir"])
+        try:
+            before = sorted(os.listdir(run_dir))
+            await run(be, root, "STAYS = True\n" + BROKEN_FORK)
+            task = asyncio.ensure_future(be.branch(root, [f"root.{i}" for i in range(4)], [None] * 4))
+            deadline = time.monotonic() + 60
+            while len(os.listdir(run_dir)) < len(before) + 4:
+                assert time.monotonic() < deadline and not task.done(), "the agent never made the folders"
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert sorted(os.listdir(run_dir)) == before
+            await run(be, root, "agent.fork = real_fork")
+            [new] = await be.branch(root, ["root.9"], [None])
+            await run(be, new, "assert 1 + 1 == 2")
+            await be.delete(new)
+            assert sorted(os.listdir(run_dir)) == before
+        finally:
+            await be.delete(root)
+            await be.close()
+
+    _loop.run(main())

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _stoppable_thread, _to_the_end
+from .._aio import _stop_with_grace, _stoppable_thread, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive, ckptpaths, ckptwrite
 from ..guest import protocol as P
@@ -298,10 +298,20 @@ class AgentHostBackend(Backend):
             self._going.pop(ref.name, None)
 
     async def _branch_gone(self, ref: MachineRef) -> None:
-        """Once a deleted branch's processes are gone: what it had in its root's run folder goes
-        (here its socket; a contained sandbox branch's whole folder, ``SandboxBackend``)."""
-        with contextlib.suppress(OSError):
-            os.unlink(ref.info["socket"])
+        """Once a deleted branch's processes are gone: what it had in its parent's run folder goes."""
+        await asyncio.to_thread(self._clear_branch, self._machines.get(ref.parent or ""),
+                                os.path.basename(ref.info["host_dir"]) if ref.info.get("contained") else None,
+                                ref.info["socket"])
+
+    def _clear_branch(self, parent: MachineRef | None, folder: str | None, socket: str) -> None:
+        """A contained branch's own ``folder`` in its parent's run folder (its socket, its keeper's,
+        what its cells wrote) goes through :meth:`_remove_below`; with its parent gone or being
+        deleted too, it goes with the parent's. Otherwise its ``socket`` in the root's host run folder."""
+        if folder is None:
+            with contextlib.suppress(OSError):
+                os.unlink(socket)
+        elif parent is not None:
+            self._remove_below(parent, folder)
 
     async def _end_in_cgroups(self, ref: MachineRef) -> bool:
         """Kill a branch through its own cgroups (everything it started is there, from its first
@@ -495,10 +505,15 @@ class AgentHostBackend(Backend):
             held.fork_headroom(8 * len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
+        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "children": children, "hold": True,
+                                                                **({"leaf": True} if leaf else {})}))
         try:
             try:
-                done = await self._request(machine, {"op": "fork", "children": children, "hold": True,
-                                                     **({"leaf": True} if leaf else {})})
+                try:
+                    done = await asyncio.shield(forking)
+                except asyncio.CancelledError:  # its answer first (a grace period at most): what it made is
+                    await _to_the_end(self._stop_request(machine, forking))  # held, not made after the undo
+                    raise
             except SmolbenchError as exc:
                 if "BlockingIOError" not in str(exc):
                     raise
@@ -514,11 +529,16 @@ class AgentHostBackend(Backend):
                 raise gate.malformed(machine.name, "it did not make the leaf branches asked for")
             limits = await asyncio.shield(cgroups)  # cancelled, it would still make them, for no one to remove
         except BaseException:
+            def cleared() -> None:  # their folders (or sockets) go now, not with the root: failed forks add up
+                for n, d in zip(names, dirs):
+                    self._clear_branch(machine, d if nested else None, str(host_dir / f"{n}.sock"))
+
             async def undo() -> None:
                 if held is not None:
                     held.fork_headroom(0)
                 with contextlib.suppress(SmolbenchError, OSError):  # held children exit
                     await self._request(machine, {"op": "release", "go": False})
+                await asyncio.to_thread(cleared)
                 unused = await cgroups
                 for name in unused:
                     await asyncio.to_thread(self.limiter.release, name)
@@ -587,7 +607,6 @@ class AgentHostBackend(Backend):
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
         part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
-        run_dir = machine.info["host_dir"]  # the machine's own folder (a branch's, in the sandbox)
         held = -1
         try:  # the stage goes on every path, even when the machine fails to save
             saving = asyncio.ensure_future(
@@ -602,7 +621,7 @@ class AgentHostBackend(Backend):
             # The machine made every path in the stage: the gate reads them without following links
             # (in a thread: a big stage must not stall the kernel).
             # (stopped, a Ctrl-C: the thread stops and ends before its files go)
-            await _stoppable_thread(ckptwrite.pack, run_dir, stage, held, machine.name, scratch=os.path.dirname(part))
+            await _stoppable_thread(self._pack, machine, stage, held, scratch=os.path.dirname(part))
             os.replace(part, path)
         finally:
             await _to_the_end(asyncio.to_thread(self._remove_below, machine, stage))
@@ -613,11 +632,26 @@ class AgentHostBackend(Backend):
         warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
         return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
 
+    def _pack(self, machine: MachineRef, stage: str, out: int, *, scratch: str, stop: threading.Event) -> None:
+        """``ckptwrite.pack`` of ``stage`` in ``machine``'s run folder, found by :meth:`_below`
+        (its path passes folders the machine can swap for links)."""
+        try:
+            fd, name = self._below(machine, stage)
+        except OSError as exc:
+            raise archive.UnsafeCheckpoint(f"the checkpoint machine {machine.name} saved is not in its run folder "
+                                           f"({exc.strerror}): a folder on its way was moved or made a link") from None
+        try:
+            ckptwrite.pack(fd, name, out, machine.name, scratch=scratch, stop=stop)
+        finally:
+            os.close(fd)
+
     def _remove_below(self, machine: MachineRef, name: str) -> None:
-        """Remove ``name`` (a stage the machine wrote in, while it may still run) from its run
-        folder: relative to descriptors, no link followed, nothing but folders opened (a fifo
-        in its place hung ``shutil.rmtree``'s first open, and the kernel with it). A machine
-        deleted meanwhile took its folder with it: nothing to find (nor to look for by its pid)."""
+        """Remove the folder ``name`` (a stage, a branch's folder: the machine writes in it, and may
+        still run) from ``machine``'s run folder, found by :meth:`_below`: relative to descriptors,
+        no link followed, nothing but folders opened (a fifo in its place hung ``shutil.rmtree``'s
+        first open, and the kernel with it). A link the machine put in its place is left for the
+        root's delete. A machine deleted meanwhile took its folder with it: nothing to find (nor
+        to look for by its pid)."""
         if machine.name not in self._machines:
             return
         try:
@@ -636,14 +670,7 @@ class AgentHostBackend(Backend):
     async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
         """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
         its answer, so its next request does not find it busy; past that, hang up."""
-        if not request.done():
-            with contextlib.suppress(SmolbenchError, OSError):
-                await asyncio.wait_for(self._request(machine, {"op": "interrupt"}), gate.LIMITS.grace)
-            await asyncio.wait({request}, timeout=gate.LIMITS.grace)
-        if not request.done():
-            request.cancel()
-        with contextlib.suppress(BaseException):  # its end (an interrupted save's error) is not news
-            await request
+        await _stop_with_grace(lambda: self._request(machine, {"op": "interrupt"}), request, gate.LIMITS.grace)
 
     async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
         """``_request``, but a machine the kernel killed for memory meanwhile says so (MachineLost)."""

@@ -39,7 +39,7 @@ from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
 from ..spec import MachineSpec
-from . import _limits, _procs, _rundir, _stage
+from . import _limits, _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
 from ._bwrap import GUEST_RUN, as_sandbox_uid, plan, sandbox_ids, weakened
 from ._netproxy import ProxyClient
@@ -293,17 +293,6 @@ class SandboxBackend(AgentHostBackend):
         if self._proxy is not None:
             await self._proxy.detach([machine.name])
 
-    async def _branch_gone(self, ref: MachineRef) -> None:
-        if not (self._contained and ref.info.get("contained")):  # its socket in the root's host run folder
-            await super()._branch_gone(ref)
-            return
-        # Its own folder (its socket, its keeper's, what its cells wrote there), found through the
-        # root's agent; when the root is being deleted too, its whole run folder goes with it.
-        root = self._machines.get(ref.info["root"])
-        if root is not None and root.info.get("host_pid") is not None:
-            await asyncio.to_thread(_remove_folder, ref.info["host_dir"], root.info["host_pid"],
-                                    root.info.get("host_started"))
-
     def _below(self, machine: MachineRef, name: str) -> tuple[int, str]:
         if not (self._contained and machine.info.get("contained")):  # a host folder of its own
             return super()._below(machine, name)
@@ -516,23 +505,6 @@ def _below_run(path: str) -> tuple[int, str]:
         os.close(fd)
         raise
     return fd, parts[-1]
-
-
-def _remove_folder(path: str, root_pid: int, root_started: str | None) -> None:
-    """Remove a deleted branch's run folder ``path`` (below its root's, ``/proc/ROOT_PID/root/…``),
-    found by :func:`_below_run`, and what is in it (:func:`_rundir.remove_tree`): whatever the machines
-    made of it, nothing outside the root's run folder is touched. Left for the root's delete:
-    a folder not found that way (a link a machine put in its place), and everything once the
-    root's agent is no longer that process (its pid taken by another)."""
-    try:
-        fd, name = _below_run(path)
-    except OSError:
-        return
-    try:
-        if _procs.start_time(root_pid) == root_started:  # after the open: what it opened was that root's
-            _rundir.remove_tree(fd, name)
-    finally:
-        os.close(fd)
 
 
 def _socket_fd(path: str) -> int:

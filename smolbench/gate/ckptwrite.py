@@ -89,10 +89,11 @@ def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
 
 
 
-def pack(run_dir: str | os.PathLike[str], stage: str, out: int, where: str, *,
+def pack(run_dir: int, stage: str, out: int, where: str, *,
          scratch: str | os.PathLike[str], stop: threading.Event | None = None) -> None:
-    """Write checkpoint file descriptor ``out`` from the files machine ``where`` saved in
-    ``run_dir/stage``.
+    """Write checkpoint file descriptor ``out`` from the files machine ``where`` saved in the
+    folder ``stage`` of the folder descriptor ``run_dir`` (the backend found it without
+    following the machine's links: a path to it passes folders the machine can swap).
 
     Each file is read by its real size, at most the checkpoint limit, and never held in
     memory: the workspace archive is checked in a copy in ``scratch`` (the checkpoint's
@@ -101,7 +102,7 @@ def pack(run_dir: str | os.PathLike[str], stage: str, out: int, where: str, *,
     removes its part file, and a name opened after that would make it again. ``stop`` set
     (the save was stopped): :class:`PackStopped` at the next MB."""
     what = f"the checkpoint machine {where} saved"
-    with _dirfd(run_dir) as root, _dirfd(run_dir, stage, root) as folder, contextlib.ExitStack() as stack:
+    with _dirfd(stage, parent=run_dir) as folder, contextlib.ExitStack() as stack:
         opened: dict[str, tuple[IO[bytes], int]] = {}
         for name in FILES:
             fd, size = _open_plain(name, folder, what)

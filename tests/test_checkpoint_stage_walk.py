@@ -1,0 +1,88 @@
+"""A branch's save is packed from its stage, below its run folder, below its parent's: folders
+the root machine can swap. The stage was opened by its path with O_NOFOLLOW on the last part
+only, so a root that swapped a parent folder for a link (an absolute one: below /proc/PID/root
+it resolves from the host's root) while the branch saved made the host pack files from
+wherever the link pointed. Now the stage is opened through the walk every other host access
+below a run folder takes (``_below``): no link of the machine's is followed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from gymhelpers import needs_bwrap
+
+from smolbench.backends.base import CellRequest
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.errors import SmolbenchError
+from smolbench.spec import MachineSpec
+
+EMPTY_TAR = "import io, tarfile\nempty = io.BytesIO()\ntarfile.open(fileobj=empty, mode='w').close()\n"
+
+# The branch's agent, rewritten: its save writes a stage of its own, then waits for the root's word.
+SAVE_AND_WAIT = EMPTY_TAR + '''
+import os, sys, time
+frame = sys._getframe()  # the agent runs this cell: it is up the stack (a branch's gc froze it out of sight)
+while type(frame.f_locals.get("self")).__name__ != "Agent":
+    frame = frame.f_back
+agent = frame.f_locals["self"]
+def save(path):
+    os.makedirs(path)
+    open(path + "/namespace.pkl", "wb").write(b"the branch's own save")
+    open(path + "/workspace.tar", "wb").write(empty.getvalue())
+    open(path + "/ready", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path + "/go") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return {"t": "done", "status": "ok", "skipped": [], "saved": []}
+agent.save = save
+'''
+
+# The root: once the branch's stage is written, the same stage name elsewhere (its own /tmp,
+# reached by the host as /proc/HOSTPID/root/tmp), and the branch's parent folder a link to it.
+SWAP = EMPTY_TAR + '''
+import os, threading, time
+def swap():
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        staged = [n for n in os.listdir("/run/smolbench/1/0") if os.path.exists(f"/run/smolbench/1/0/{n}/ready")]
+        if staged:
+            break
+        time.sleep(0.005)
+    stage = staged[0]
+    os.makedirs(f"/tmp/elsewhere/0/{stage}")
+    open(f"/tmp/elsewhere/0/{stage}/namespace.pkl", "wb").write(b"outside the run folder")
+    open(f"/tmp/elsewhere/0/{stage}/workspace.tar", "wb").write(empty.getvalue())
+    os.rename("/run/smolbench/1", "/run/smolbench/was1")
+    os.symlink("/proc/HOSTPID/root/tmp/elsewhere", "/run/smolbench/1")
+    open(f"/run/smolbench/was1/0/{stage}/go", "w").close()
+threading.Thread(target=swap, daemon=True).start()
+'''
+
+
+@needs_bwrap
+def test_a_root_that_links_a_saving_branch_s_parent_folder_elsewhere_is_not_followed(tmp_path: Path) -> None:
+    async def main() -> None:
+        (tmp_path / "run").mkdir()
+        be = SandboxBackend(runtime_dir=str(tmp_path / "run"))
+        root = await be.create(MachineSpec(), "root")
+        try:
+            [mid] = await be.branch(root, ["root.1"], [None])
+            assert (await be.exec_cell(mid, CellRequest("1 + 1"), lambda ev: None)).status == "ok"
+            [leaf] = await be.branch(mid, ["root.1.0"], [None])
+            assert leaf.info["host_dir"].endswith("/run/smolbench/1/0"), leaf.info["host_dir"]
+            for ref, code in ((leaf, SAVE_AND_WAIT), (root, SWAP.replace("HOSTPID", str(root.info["host_pid"])))):
+                res = await be.exec_cell(ref, CellRequest(code), lambda ev: None)
+                assert res.status == "ok", res.error
+            out = tmp_path / "c.smolcheckpoint"
+            # before: packed from /tmp/elsewhere, the checkpoint held b"outside the run folder"
+            with pytest.raises(SmolbenchError, match="is not in its run folder"):
+                await asyncio.wait_for(be.checkpoint(leaf, str(out)), 120)
+            assert not out.exists()
+            res = await be.exec_cell(root, CellRequest("1 + 1"), lambda ev: None)  # the root goes on
+            assert res.status == "ok", res.error
+        finally:
+            await be.close()
+
+    asyncio.run(main())
