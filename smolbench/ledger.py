@@ -167,6 +167,8 @@ def _refuse_links(path: Path) -> None:
 class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
 
+    _still: tuple[Any, ...] | None = None  # a read-only open's file as it was (immutable: see read_only)
+
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
         self._made: list[Path] = []  # what a read-only open made beside it, to remove as it closes
@@ -209,37 +211,71 @@ class Ledger:
         Nothing is left in its folder either: a WAL ledger opened ``mode=ro`` gets a ``-shm`` and
         ``-wal`` SQLite leaves behind, so with no ``-wal`` (no writer) it is opened
         ``immutable=1`` (no file made); with one (a live writer elsewhere, or a dead one's log)
-        ``mode=ro`` reads it, and :meth:`close` removes what that open made (see ``_drop_made``)."""
+        ``mode=ro`` reads it, and :meth:`close` removes what that open made (see ``_drop_made``).
+        Immutable means no locks and no change detection: a writer that starts meanwhile (a
+        kernel's ``%smol up`` in that folder) would be read half-written or not at all, so each
+        read checks the file is as it was at the open, else opens again and reads again."""
         self = cls.__new__(cls)
         self.path = Path(path)
+        self._made = []
         if not self.path.name or self.path.is_dir():
             raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
         _refuse_links(self.path)
         if not self.path.exists():
             return None
         self._lock = threading.RLock()
-        sides = [self.path.with_name(self.path.name + end) for end in ("-wal", "-shm")]
-        logged = os.path.lexists(sides[0])
-        self._made = [p for p in sides if not os.path.lexists(p)] if logged else []
-        uri = "file:" + urllib.parse.quote(str(self.path.absolute())) + ("?mode=ro" if logged else "?mode=ro&immutable=1")
-        try:
-            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT, isolation_level=None)
-        except sqlite3.Error as exc:
-            self._drop_made()
-            raise SmolbenchError(f"can't open the ledger {path} to read ({exc}): check the path and its permissions") from None
-        try:
-            guard(self._db, self.path)
-            self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
-        except UnsafeLedger as exc:
-            self.close()
-            raise SmolbenchError(str(exc)) from None
-        except sqlite3.DatabaseError as exc:
-            self.close()
-            raise SmolbenchError(f"ledger {path} is not a readable smolbench ledger ({exc})") from None
-        except BaseException:
-            self.close()
-            raise
+        self._open_to_read()
         return self
+
+    def _open_to_read(self, tries: int = 3) -> None:
+        """Open (again) to read, checked, and see the schema; immutable while no writer came
+        since (``_still``), at most ``tries`` times, then ``mode=ro`` (SQLite's own locks)."""
+        for left in range(tries - 1, -1, -1):
+            before = self._stamp()
+            logged = before[0] or not left
+            sides = [self.path.with_name(self.path.name + end) for end in ("-wal", "-shm")]
+            self._made = [p for p in sides if not os.path.lexists(p)] if logged else []
+            self._still = None if logged else before
+            uri = "file:" + urllib.parse.quote(str(self.path.absolute()))
+            uri += "?mode=ro" if logged else "?mode=ro&immutable=1"
+            try:
+                self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT,
+                                           isolation_level=None)
+            except sqlite3.Error as exc:
+                self._drop_made()
+                raise SmolbenchError(f"can't open the ledger {self.path} to read ({exc}): check the path and its "
+                                     "permissions") from None
+            try:
+                guard(self._db, self.path)
+                self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
+            except (UnsafeLedger, sqlite3.DatabaseError) as exc:
+                if self._changed():
+                    self.close()
+                    continue
+                self.close()
+                if isinstance(exc, UnsafeLedger):
+                    raise SmolbenchError(str(exc)) from None
+                raise SmolbenchError(f"ledger {self.path} is not a readable smolbench ledger ({exc})") from None
+            except BaseException:
+                self.close()
+                raise
+            if not self._changed():
+                return
+            self.close()
+        raise AssertionError("unreachable: the last try opens mode=ro")
+
+    def _stamp(self) -> tuple[Any, ...]:
+        """What says a writer came: its ``-wal`` or ``-journal``, the file's inode, size and times."""
+        logs = tuple(os.path.lexists(self.path.with_name(self.path.name + end)) for end in ("-wal", "-journal"))
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return (True, *logs)
+        return (any(logs), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _changed(self) -> bool:
+        """Whether an immutable open's file changed since (what it read may be half a write)."""
+        return self._still is not None and self._stamp() != self._still
 
     def _drop_made(self) -> None:
         """Remove the ``-shm``/``-wal`` a read-only open made (neither was there before it):
@@ -448,6 +484,14 @@ class Ledger:
             cur = self._db.execute(sql, tuple(params))
             names = [d[0] for d in cur.description]
             rows = cur.fetchall()
+            for tries in (2, 1):  # a writer came while an immutable open read: open and read again
+                if not self._changed():
+                    break
+                self.close()
+                self._open_to_read(tries)  # the last time mode=ro: SQLite's own locks, no more checks
+                cur = self._db.execute(sql, tuple(params))
+                names = [d[0] for d in cur.description]
+                rows = cur.fetchall()
         out = []
         for row in rows:
             rec = dict(zip(names, row))

@@ -157,7 +157,7 @@ class Branching:
         self._send_lock = threading.Lock()
         self.outbox = _Outbox(self)
         self._queue = queue.Queue()
-        self._running = False
+        self._running, self._cell_lock = False, threading.Lock()  # the parent's may be held right now
         self.cell_count = 0
         _set_pdeathsig()
         if frozen is not None:

@@ -29,7 +29,6 @@ class Cells:
             # A branch inherited its ancestors' cells in linecache under the same names
             # ("<cell-1>"): name its own cells after it, so tracebacks show the right lines.
             filename = "<%s@%s>" % (filename.strip("<>"), self.name)
-        code = req.get("code", "")
         self.reported = {}
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
@@ -37,42 +36,24 @@ class Cells:
         msg = {"t": "done", "status": "ok", "result": None, "error": None, "pulled": {}}
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
-        self._running = True
+        self._begin()
         try:
-            if req.get("push") or req.get("pull"):
-                from . import pulldata  # only then: pickle and its kin are not on the ready path
-            if req.get("seed") is not None:
-                self.apply_seed(req["seed"])
-            for name, blob in (req.get("push") or {}).items():
-                self.ns[name] = pulldata._loads(P.unb64(blob))
-            if req.get("reseed") and self.seed is not None:  # a branch's first cell: its own random streams
-                from .reseed import reseed
-
-                names = reseed(self.ns, self.seed)
-                if names:
-                    self.reported["metrics"] = {"reseeded": ", ".join(names)[:1000]}  # recorded in the ledger
-            value = self._execute(code, filename)
-            if value is not None:
-                msg["result"] = mime_bundle(value)
-                self.ns["_"] = value
-        except KeyboardInterrupt:
-            self._running = False
-            msg["status"] = "error"
-            msg["error"] = _error_from_exc(filename)
-        except BaseException:
-            self._running = False
+            msg["result"] = self._cell_body(req, filename)
+        except BaseException:  # KeyboardInterrupt too: an interrupt lands only in _cell_body
             msg["status"] = "error"
             msg["error"] = _error_from_exc(filename)
         finally:
-            self._running = False
+            self._end()
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
                 except Exception:
                     pass
             sys.stdout, sys.stderr = old
-        if msg["status"] == "ok":
-            for name in req.get("pull") or []:
+        if msg["status"] == "ok" and req.get("pull"):
+            from . import pulldata
+
+            for name in req["pull"]:
                 if name not in self.ns:
                     msg["status"] = "error"
                     msg["error"] = _plain_error("NameError", "--pull %s: no variable named %r in the machine" % (name, name))
@@ -91,6 +72,27 @@ class Cells:
         msg["started"] = started
         msg["ended"] = time.time()
         return msg
+
+    def _cell_body(self, req, filename):
+        """The cell's own work, the one place an interrupt request stops (``serving._on_sigint``):
+        its pushes, seed and code; its last expression's MIME bundle."""
+        if req.get("push"):
+            from . import pulldata  # only then: pickle and its kin are not on the ready path
+        if req.get("seed") is not None:
+            self.apply_seed(req["seed"])
+        for name, blob in (req.get("push") or {}).items():
+            self.ns[name] = pulldata._loads(P.unb64(blob))
+        if req.get("reseed") and self.seed is not None:  # a branch's first cell: its own random streams
+            from .reseed import reseed
+
+            names = reseed(self.ns, self.seed)
+            if names:
+                self.reported["metrics"] = {"reseeded": ", ".join(names)[:1000]}  # recorded in the ledger
+        value = self._execute(req.get("code", ""), filename)
+        if value is None:
+            return None
+        self.ns["_"] = value
+        return mime_bundle(value)
 
     def _execute(self, code, filename):
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)

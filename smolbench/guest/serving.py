@@ -27,6 +27,19 @@ from .seeds import Seeds
 BUSY = "machine busy: a cell is already running in this machine; wait for it or interrupt it"
 
 
+def _on_sigint(signum, frame):
+    """SIGINT on the main thread: KeyboardInterrupt only where a request's own work runs (a
+    cell's code, a save); anywhere else (the agent ending a request, sending its answer,
+    waiting for the next) the signal is late, its request gone, and it is dropped."""
+    while frame is not None:
+        if frame.f_code in INTERRUPTIBLE:
+            raise KeyboardInterrupt
+        frame = frame.f_back
+
+
+INTERRUPTIBLE = {Cells._cell_body.__code__, SaveLoad.save.__code__}
+
+
 class Agent(Cells, Seeds, Branching, SaveLoad):
     """One machine's cell executor and socket server."""
 
@@ -49,7 +62,8 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self._send_lock = threading.Lock()
         self._busy = threading.Lock()
         self._queue = queue.Queue()
-        self._running = False
+        self._running = False  # a cell (or save) is running: an interrupt request signals it
+        self._cell_lock = threading.Lock()  # held to change _running, and to signal while it is set
         self.sock_path = sock_path
         self.main = types.ModuleType("__main__")
         self.main.__dict__["__builtins__"] = builtins
@@ -63,6 +77,8 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
         self.listener = listener or self._listen(sock_path)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _on_sigint)
         self._start_acceptor()
 
     # -- serving -------------------------------------------------------------
@@ -159,9 +175,13 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         if op == "ping":
             self._reply(conn, {"t": "done", "status": "ok", "info": self.info()})
         elif op == "interrupt":
-            if self._running:
-                os.kill(os.getpid(), signal.SIGINT)
-            self._reply(conn, {"t": "done", "status": "ok", "interrupted": self._running})
+            # Under the lock the main thread takes to end a request: the signal reaches the
+            # request this one meant to stop, never the next (see _end).
+            with self._cell_lock:
+                hit = self._running
+                if hit:
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            self._reply(conn, {"t": "done", "status": "ok", "interrupted": hit})
         elif op == "kill":
             pid = int(req["pid"])
             try:
@@ -209,6 +229,18 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             info.update(contain.info(self.machine))
         return info
 
+    def _begin(self):
+        """A cell or save starts: interrupt requests signal the main thread from now on."""
+        with self._cell_lock:
+            self._running = True
+
+    def _end(self):
+        """It ended: no interrupt request signals it any more, and one already sent (to the
+        main thread, under the lock) is handled here, outside it: dropped (_on_sigint)."""
+        with self._cell_lock:
+            self._running = False
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # runs the Python handlers of signals that came
+
     def serve_forever(self):
         """Run requests on the main thread, one at a time."""
         while True:
@@ -232,11 +264,11 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                         self.restored_as_saved()
                     done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
-                    self._running = True  # an interrupt stops it (the host removes what it wrote)
+                    self._begin()  # an interrupt stops it (the host removes what it wrote)
                     try:
                         done = self.save(req["path"])
-                    finally:  # here, as a cell does: a late interrupt lands within this request
-                        self._running = False
+                    finally:
+                        self._end()
                 elif op == "load":
                     done = self.load(req["path"])
             except KeyboardInterrupt:
@@ -245,7 +277,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                 done = {"t": "done", "status": "error", "error": _plain_error(type(exc).__name__, str(exc))}
             # Free the machine *before* answering: a host that sends its next request the
             # moment it reads this answer must never be told the machine is busy.
-            self._running = False
+            self._end()
             if self._busy.locked():
                 self._busy.release()
             if done is not None:
