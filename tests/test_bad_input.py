@@ -191,7 +191,7 @@ def test_magics_take_quotes_negative_seeds_and_say_one_line(tmp_path: Path) -> N
                            ("%smol ledger -n 0", "-n must be at least 1"),
                            ("%smol status extra", "%smol status takes no arguments"),
                            ("%smol checkpoint save good extra", "takes one name, got also 'extra'"),
-                           ("%%smol --pull nosuch\nx = 1", "NameError: --pull nosuch: no variable named 'nosuch'")):
+                           ("%%smol --pull nosuch\nx = 1", "NameError: no variable named 'nosuch' in the machine to pull")):
             assert said in refusal(nb.run(cell)), cell
         ok(nb.run("%smol down"))
 

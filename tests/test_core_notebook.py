@@ -112,7 +112,7 @@ def test_streams_arrive_while_the_cell_runs(tmp_path: Path) -> None:
         (["%%smol\n1"], "no machine is up: run `%smol up` first"),
         (["%smol up --backend sandbox", "%%smol --push nope\n1"], "--push nope: no variable named 'nope' in the notebook"),
         (["%smol up --backend sandbox", "import threading\nlock = threading.Lock()", "%%smol --push lock\n1"], "--push lock: the value can't be pickled"),
-        (["%smol up --backend sandbox", "%%smol --pull missing\n1"], "--pull missing: no variable named 'missing' in the machine"),
+        (["%smol up --backend sandbox", "%%smol --pull missing\n1"], "no variable named 'missing' in the machine to pull"),
         (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk\n1"], "--pull lk: a _thread.lock is not plain data"),
         (["%smol up --backend sandbox", "%%smol\nimport threading\nlk = threading.Lock()", "%%smol --pull lk --pull-trusted\n1"], "--pull lk: the value can't be pickled"),
         (["%smol up --smolfile nowhere/Smolfile"], "no Smolfile at nowhere/Smolfile"),

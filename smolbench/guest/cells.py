@@ -56,7 +56,7 @@ class Cells:
             for name in req["pull"]:
                 if name not in self.ns:
                     msg["status"] = "error"
-                    msg["error"] = _plain_error("NameError", "--pull %s: no variable named %r in the machine" % (name, name))
+                    msg["error"] = _plain_error("NameError", "no variable named %r in the machine to pull" % (name,))
                     break
                 try:
                     msg["pulled"][name] = pulldata._pull(self.ns[name], bool(req.get("pull_trusted")))
