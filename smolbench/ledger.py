@@ -8,13 +8,16 @@ crash of the kernel loses no finished branch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import stat
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -168,10 +171,10 @@ class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
 
     _still: tuple[Any, ...] | None = None  # a read-only open's file as it was (immutable: see read_only)
+    _copy: Path | None = None  # the private folder of a read-only view's copy (see _snapshot)
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
-        self._made: list[Path] = []  # what a read-only open made beside it, to remove as it closes
         if not self.path.name or self.path.is_dir():
             raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
         _refuse_links(self.path)
@@ -208,16 +211,13 @@ class Ledger:
         """The ledger at ``path`` to read (nothing written, no table added, no ledger made), or
         None where there is none. Checked as every ledger is opened: a plain file in a plain
         folder, a schema of smolbench's own tables (a copied folder's ledger is its author's file).
-        Nothing is left in its folder either: a WAL ledger opened ``mode=ro`` gets a ``-shm`` and
-        ``-wal`` SQLite leaves behind, so with no ``-wal`` (no writer) it is opened
-        ``immutable=1`` (no file made); with one (a live writer elsewhere, or a dead one's log)
-        ``mode=ro`` reads it, and :meth:`close` removes what that open made (see ``_drop_made``).
+        Nothing is made or removed in its folder either (see :meth:`_open_to_read`): a WAL
+        ledger opened ``mode=ro`` without its ``-shm`` makes one SQLite leaves behind.
         Immutable means no locks and no change detection: a writer that starts meanwhile (a
         kernel's ``%smol up`` in that folder) would be read half-written or not at all, so each
         read checks the file is as it was at the open, else opens again and reads again."""
         self = cls.__new__(cls)
         self.path = Path(path)
-        self._made = []
         if not self.path.name or self.path.is_dir():
             raise SmolbenchError(f"ledger {path} is a folder: name a file, e.g. {self.path / 'ledger.db'}")
         _refuse_links(self.path)
@@ -228,21 +228,30 @@ class Ledger:
         return self
 
     def _open_to_read(self, tries: int = 3) -> None:
-        """Open (again) to read, checked, and see the schema; immutable while no writer came
-        since (``_still``), at most ``tries`` times, then ``mode=ro`` (SQLite's own locks)."""
+        """Open (again) to read, checked, and see the schema. With no ``-wal`` (no writer): the
+        file itself, ``immutable=1``, while no writer came since (``_still``). With a ``-wal`` and
+        its ``-shm`` (a writer's, live or dead): ``mode=ro`` beside them, nothing made. With a
+        ``-wal`` alone (a copied folder, a dead writer's log), and on the last try: a private
+        copy (:meth:`_snapshot`), as ``mode=ro`` would make a ``-shm`` beside the ledger that a
+        writer coming meanwhile takes as its own (removing it at close broke their locking)."""
         for left in range(tries - 1, -1, -1):
             before = self._stamp()
-            logged = before[0] or not left
-            sides = [self.path.with_name(self.path.name + end) for end in ("-wal", "-shm")]
-            self._made = [p for p in sides if not os.path.lexists(p)] if logged else []
-            self._still = None if logged else before
-            uri = "file:" + urllib.parse.quote(str(self.path.absolute()))
-            uri += "?mode=ro" if logged else "?mode=ro&immutable=1"
+            wal, shm = (os.path.lexists(self._side(end)) for end in ("-wal", "-shm"))
+            where, query, self._still = self.path, "?mode=ro", None
+            if not wal and left:
+                query, self._still = "?mode=ro&immutable=1", before
+            elif not shm or not left:
+                copy = self._snapshot(before)
+                if copy is None and left:
+                    continue  # a writer came while it was copied
+                if copy is not None:  # (else the last try: a writer at work, its -wal and -shm beside it)
+                    where = copy
+            uri = "file:" + urllib.parse.quote(str(where.absolute())) + query
             try:
                 self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT,
                                            isolation_level=None)
             except sqlite3.Error as exc:
-                self._drop_made()
+                self._drop_copy()
                 raise SmolbenchError(f"can't open the ledger {self.path} to read ({exc}): check the path and its "
                                      "permissions") from None
             try:
@@ -262,31 +271,58 @@ class Ledger:
             if not self._changed():
                 return
             self.close()
-        raise AssertionError("unreachable: the last try opens mode=ro")
+        raise AssertionError("unreachable: the last try reads a copy or opens mode=ro")
+
+    def _side(self, end: str) -> Path:
+        return self.path.with_name(self.path.name + end)
 
     def _stamp(self) -> tuple[Any, ...]:
-        """What says a writer came: its ``-wal`` or ``-journal``, the file's inode, size and times."""
-        logs = tuple(os.path.lexists(self.path.with_name(self.path.name + end)) for end in ("-wal", "-journal"))
-        try:
-            st = os.lstat(self.path)
-        except OSError:
-            return (True, *logs)
-        return (any(logs), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        """What says a writer came: its ``-wal``, ``-shm`` or ``-journal``, and the inode, size and
+        times of the file and of its ``-wal``."""
+        stamp: list[Any] = [os.path.lexists(self._side("-shm")), os.path.lexists(self._side("-journal"))]
+        for p in (self.path, self._side("-wal")):
+            try:
+                st = os.lstat(p)
+            except OSError:
+                stamp.append(None)
+                continue
+            stamp.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(stamp)
 
     def _changed(self) -> bool:
         """Whether an immutable open's file changed since (what it read may be half a write)."""
         return self._still is not None and self._stamp() != self._still
 
-    def _drop_made(self) -> None:
-        """Remove the ``-shm``/``-wal`` a read-only open made (neither was there before it):
-        only a plain file (the folder may be a copied one: never what a link names), and a
-        ``-wal`` only while empty (a writer that came since has written to it: its log)."""
-        made, self._made = self._made, []
-        for side in made:
-            with contextlib.suppress(OSError):
-                st = side.lstat()
-                if stat.S_ISREG(st.st_mode) and (side.name.endswith("-shm") or st.st_size == 0):
-                    side.unlink()
+    def _snapshot(self, before: tuple[Any, ...]) -> Path | None:
+        """The ledger and its ``-wal`` copied, as plain files (never what a link names), into a
+        private folder this view reads and removes as it closes; None if a writer came meanwhile."""
+        self._copy = Path(tempfile.mkdtemp(prefix="smolbench-ledger-view-"))
+        try:
+            for end in ("", "-wal"):
+                try:
+                    fd = os.open(self._side(end), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    if end:
+                        continue
+                    raise
+                with open(fd, "rb") as src:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise OSError(errno.EINVAL, f"{self._side(end).name} is not a plain file")
+                    with open(self._copy / f"ledger.db{end}", "xb") as dst:
+                        shutil.copyfileobj(src, dst)
+        except OSError as exc:
+            self._drop_copy()
+            raise SmolbenchError(f"can't read the ledger {self.path} ({exc.strerror or exc}): check the path and "
+                                 "its permissions") from None
+        if self._stamp() != before:
+            self._drop_copy()
+            return None
+        return self._copy / "ledger.db"
+
+    def _drop_copy(self) -> None:
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)  # this view's own folder (mkdtemp, 0700)
 
     def _move_checkpoint_columns(self) -> None:
         """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
@@ -328,7 +364,7 @@ class Ledger:
         """Close the database connection."""
         with self._lock:
             self._db.close()
-            self._drop_made()
+            self._drop_copy()
 
     # -- writing -----------------------------------------------------------------
 

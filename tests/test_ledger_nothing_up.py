@@ -151,7 +151,7 @@ def test_the_past_view_of_a_wal_ledger_leaves_the_folders_files_as_they_were(tmp
         writer.upsert_node("s1", "root.1", parent_id="root", status="ok", alive=1, started=3.0)  # still its to write
     finally:
         writer.close()
-    # a copied folder: a dead writer's -wal, no -shm; the view's own -shm goes, the -wal stays
+    # a copied folder: a dead writer's -wal, no -shm; the view reads a private copy, nothing made here
     subprocess.run([sys.executable, "-c", "import os, sys\nfrom smolbench.ledger import Ledger\n"
                     "l = Ledger(sys.argv[1])\nl.upsert_node('s1', 'root.2', parent_id='root', status='ok', alive=1, "
                     "started=4.0)\nos._exit(0)", str(path)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -160,3 +160,37 @@ def test_the_past_view_of_a_wal_ledger_leaves_the_folders_files_as_they_were(tmp
     assert copied == ["ledger.db", "ledger.db-wal"], copied
     viewed()
     assert _names(tmp_path) == copied
+
+
+def test_a_writer_that_comes_while_a_copied_folder_s_ledger_is_viewed_keeps_its_shm(tmp_path: Path) -> None:
+    """A view of a -wal with no -shm (a copied folder) opened `mode=ro` beside it, which made a
+    -shm, and removed it at close: a kernel that came meanwhile had taken it as its own, and
+    lost it under its open connection (two writers' -shm apart: SQLite's locking broken)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path)
+    ledger.start_session("s1", backend="sandbox", host=socket.gethostname(), pid=0, pid_start=None)
+    ledger.close()
+    subprocess.run([sys.executable, "-c", "import os, sys\nfrom smolbench.ledger import Ledger\n"
+                    "l = Ledger(sys.argv[1])\nl.upsert_node('s1', 'root', status='ok', alive=1, started=1.0)\n"
+                    "os._exit(0)", str(path)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    (tmp_path / "ledger.db-shm").unlink()
+    view = Ledger.read_only(path)
+    assert view is not None
+    assert [r["id"] for r in view._rows("SELECT id FROM nodes")] == ["root"]  # the dead writer's log is read
+    writer = Ledger(path)  # a kernel's %smol up in that folder, while the view is open
+    try:
+        writer.upsert_node("s1", "root.0", parent_id="root", status="ok", alive=1, started=2.0)
+        shm = (tmp_path / "ledger.db-shm").stat()
+        view.close()
+        assert (tmp_path / "ledger.db-shm").exists() and (tmp_path / "ledger.db-shm").stat().st_ino == shm.st_ino
+        writer.upsert_node("s1", "root.1", parent_id="root", status="ok", alive=1, started=3.0)
+        other = Ledger(path)  # another connection sees every row the writer committed
+        try:
+            assert sorted(r["id"] for r in other._rows("SELECT id FROM nodes")) == ["root", "root.0", "root.1"]
+        finally:
+            other.close()
+    finally:
+        writer.close()
