@@ -180,11 +180,14 @@ class SandboxBackend(AgentHostBackend):
         # long `%%smol episodes`) 79 episodes/s as a leaf, 102 the usual way; forks of 2 and 4
         # the same either way; a fork of 16 16% faster and 24% less CPU as leaves, 64 22% and 28%.
         leaf = leaf and len(names) >= LEAVES_FROM and self._makes_leaves()
+        await self._order_freeze(machine)
         # A leaf's store is granted to its own pid namespace, once it exists (_limit_branches);
         # "leaf-parent-grants" (tests only): also to the parent's, as for a keeper's branches.
+        # After the freeze: a branch's keeper answers it only once it made the namespace its
+        # branches set up in (a branch just made may still be starting: the grant went to its
+        # parent's namespace, and its own branch's store was refused).
         if not leaf or "leaf-parent-grants" in self._weak:
             self._grant(machine, len(names))
-        await self._order_freeze(machine)
         refs = await super().branch(machine, names, seeds, leaf=leaf)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
