@@ -4,7 +4,6 @@ way at the machine's process limit, whose branches already made must not wait fo
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 from typing import Any

@@ -28,13 +28,12 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .._aio import _to_the_end
 from ..errors import BackendUnavailable, SmolbenchError
-from ..gate import ckptwrite
 from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
@@ -415,13 +414,14 @@ class SandboxBackend(AgentHostBackend):
         finally:
             os.close(fd)
 
-    def _hand_over(self, path: str, folder: str) -> str:
+    def _hand_over(self, path: str, machine: MachineRef,
+                   as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
         # The machine's folder is a tmpfs of its user namespace, where host root has no uid: the
         # checkpoint is opened as root and streamed straight in as the machine's uid (fsuid),
         # never unpacked anywhere else (issue 25: not in the host's /tmp).
-        if not (self._contained and os.geteuid() == 0):
-            return super()._hand_over(path, folder)
-        return ckptwrite.hand_over(path, folder, as_owner=lambda: _fs_ids(*sandbox_ids()))
+        if self._contained and os.geteuid() == 0:
+            as_owner = lambda: _fs_ids(*sandbox_ids())  # noqa: E731
+        return super()._hand_over(path, machine, as_owner)
 
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)
