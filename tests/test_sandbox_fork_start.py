@@ -113,3 +113,30 @@ def test_a_fork_failing_part_way_at_the_process_limit_leaves_no_held_branch(tmp_
             await be.close()
 
     _loop.run(main())
+
+
+def test_a_root_whose_pid_is_not_the_one_that_started_is_gone_and_its_folder_refused(tmp_path: Path) -> None:
+    """A root's start time is recorded with its pid when it is ready: a pid the kernel gave to
+    another process (here: the recorded start time differs) is reported gone, and no walk
+    below its run folder is taken."""
+    import errno
+
+    async def main() -> None:
+        be = SandboxBackend(runtime_dir=str(tmp_path))
+        root = await be.create(MachineSpec(), "root")
+        try:
+            started = root.info.get("host_started")
+            assert started, root.info
+            assert be.gone([root]) == {}
+            root.info["host_started"] = str(int(started) + 1)
+            assert list(be.gone([root])) == ["root"]
+            with pytest.raises(OSError) as refused:
+                be._below(root, "s")
+            assert refused.value.errno == errno.ESRCH
+            root.info["host_started"] = started
+            assert await _ok(be, root, "1 + 1") == "2"
+        finally:
+            await be.delete(root)
+            await be.close()
+
+    _loop.run(main())
