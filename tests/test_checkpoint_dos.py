@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import random
 import tarfile
 import tracemalloc
@@ -313,6 +314,14 @@ def _endless(path: Path, before: bytes = b"") -> None:
             fh.write(b"a" * (1 << 20))
 
 
+def _hand_over(path: Path, folder: Path) -> None:
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+    try:
+        ckptwrite.hand_over(str(path), fd, "stage")
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("before", ["nothing", "an-honest-member"])
 def test_a_restore_refuses_a_gzip_name_field_that_never_ends(before: str, tmp_path: Path) -> None:
     """A restore (its check, the hand-over, `restore PATH`'s adding) read the file through
@@ -324,7 +333,7 @@ def test_a_restore_refuses_a_gzip_name_field_that_never_ends(before: str, tmp_pa
     path = tmp_path / "endless.smolcheckpoint"
     _endless(path, b"" if before == "nothing" else gzip.compress(_checkpoint_tar()[:-len(END)]))
     why = "has a gzip header whose name or comment field doesn't end within its first 1.0 MB, which no gzip writer makes"
-    for step in (lambda: archive.check(str(path)), lambda: ckptwrite.hand_over(str(path), tmp_path)):
+    for step in (lambda: archive.check(str(path)), lambda: _hand_over(path, tmp_path)):
         start = _read_bytes()
         with pytest.raises(archive.UnsafeCheckpoint) as refused:
             step()

@@ -86,3 +86,62 @@ def test_a_root_that_links_a_saving_branch_s_parent_folder_elsewhere_is_not_foll
             await be.close()
 
     asyncio.run(main())
+
+
+def test_a_restore_into_a_machine_whose_run_folder_is_a_link_writes_nothing_there(
+        open_tmp: Path, tmp_path: Path) -> None:
+    """A restore streamed the checkpoint into the new machine's run folder opened by its path
+    (``/proc/PID/root/run/smolbench``, O_NOFOLLOW on the last part only): a machine that
+    execs its agent into a root of its own whose ``/run`` is an absolute link to a host folder
+    had the host write the checkpoint's files there (the stand-in machine here: unshare(1)
+    and chroot(8))."""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from ckpthelpers import forged, record
+
+    from smolbench.backends import _procs
+    from smolbench.backends.base import MachineRef
+    from smolbench.gate.archive import UnsafeCheckpoint
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    if shutil.which("chroot") is None or not Path("/usr/bin/sleep").exists():
+        pytest.skip("chroot (coreutils) or /usr/bin/sleep is not here")
+    victim, top = open_tmp / "victim", open_tmp / "machine"
+    (victim / "smolbench").mkdir(parents=True)
+    (victim / "smolbench").chmod(0o777)  # even a folder the machine's uid may write in
+    top.mkdir()
+    ckpt = tmp_path / "c.smolcheckpoint"
+    forged(ckpt, record())
+    links = " && ".join(f"ln -s usr/{d} {top}/{d}" for d in ("bin", "lib", "lib64") if os.path.isdir(f"/usr/{d}"))
+    proc = subprocess.Popen(["unshare", "-Urm", "sh", "-c",
+                             f"mount -t tmpfs tmpfs {top} && mkdir {top}/usr && mount --rbind /usr {top}/usr && "
+                             f"{links} && ln -s {victim} {top}/run && exec chroot {top} /usr/bin/sleep 120"])
+    be = SandboxBackend(runtime_dir=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if os.readlink(f"/proc/{proc.pid}/root/run") == str(victim):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                pytest.skip("this host can't make a user and mount namespace here (unshare -Urm failed)")
+            assert time.monotonic() < deadline, "the stand-in machine never made its link"
+            time.sleep(0.02)
+        root = MachineRef("root", "sandbox", MachineSpec(), info={
+            "root": "root", "contained": True, "host_pid": proc.pid, "host_started": _procs.start_time(proc.pid),
+            "host_dir": f"/proc/{proc.pid}/root/run/smolbench"})
+        be._machines["root"] = root
+        with pytest.raises(UnsafeCheckpoint, match="can't be reached without following a link"):
+            be._hand_over(str(ckpt), root)
+        assert list((victim / "smolbench").iterdir()) == []
+    finally:
+        be._machines.pop("root", None)  # not one it started: nothing of it to end
+        proc.kill()
+        proc.wait()
+        asyncio.run(be.close())

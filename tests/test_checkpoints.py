@@ -244,7 +244,7 @@ def test_a_restore_stopped_while_it_copies_the_checkpoint_in_ends_that_copy_firs
     copying, go, ended = threading.Event(), threading.Event(), threading.Event()
     hand_over = backend._hand_over
 
-    def slow_hand_over(path: str, folder: str) -> str:
+    def slow_hand_over(path: str, folder: Any) -> str:
         copying.set()
         try:
             go.wait(60)  # held until the stopped restore came back, or had 5 s to

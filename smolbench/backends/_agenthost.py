@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tarfile
@@ -122,9 +123,21 @@ class AgentHostBackend(Backend):
         """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
         return False
 
-    def _hand_over(self, path: str, folder: str) -> str:
-        """Copy a checked checkpoint's files into a new stage folder of ``folder``; its name."""
-        return ckptwrite.hand_over(path, folder)
+    def _hand_over(self, path: str, machine: MachineRef,
+                   as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
+        """Copy a checked checkpoint's files into a new stage folder of ``machine``'s run folder,
+        found by :meth:`_below` (the machine can swap its folders for links); the stage's name."""
+        stage = f"restore-{secrets.token_hex(6)}"
+        try:
+            fd, name = self._below(machine, stage)
+        except OSError as exc:
+            raise archive.UnsafeCheckpoint(f"machine {machine.name}'s run folder can't be reached without following "
+                                           f"a link ({exc.strerror}): the checkpoint was not copied in") from None
+        try:
+            ckptwrite.hand_over(path, fd, name, as_owner)
+        finally:
+            os.close(fd)
+        return stage
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -701,7 +714,7 @@ class AgentHostBackend(Backend):
         try:
             try:
                 # stopped (a Ctrl-C): the copy ends before the machine and its folder go
-                stage = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref.info["host_dir"]))
+                stage = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref))
             except OSError as exc:  # the new machine's run folder is sized by its memory and disk
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None

@@ -28,13 +28,12 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .._aio import _to_the_end
 from ..errors import BackendUnavailable, SmolbenchError
-from ..gate import ckptwrite
 from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
 from ..packages import GuestPython, host_python, rootfs_python
@@ -180,11 +179,14 @@ class SandboxBackend(AgentHostBackend):
         # long `%%smol episodes`) 79 episodes/s as a leaf, 102 the usual way; forks of 2 and 4
         # the same either way; a fork of 16 16% faster and 24% less CPU as leaves, 64 22% and 28%.
         leaf = leaf and len(names) >= LEAVES_FROM and self._makes_leaves()
+        await self._order_freeze(machine)
         # A leaf's store is granted to its own pid namespace, once it exists (_limit_branches);
         # "leaf-parent-grants" (tests only): also to the parent's, as for a keeper's branches.
+        # After the freeze: a branch's keeper answers it only once it made the namespace its
+        # branches set up in (a branch just made may still be starting: the grant went to its
+        # parent's namespace, and its own branch's store was refused).
         if not leaf or "leaf-parent-grants" in self._weak:
             self._grant(machine, len(names))
-        await self._order_freeze(machine)
         refs = await super().branch(machine, names, seeds, leaf=leaf)
         if self._net_proxied(machine.spec):
             # a branch has its own network namespace too (made by its keeper): listeners go there
@@ -412,13 +414,14 @@ class SandboxBackend(AgentHostBackend):
         finally:
             os.close(fd)
 
-    def _hand_over(self, path: str, folder: str) -> str:
+    def _hand_over(self, path: str, machine: MachineRef,
+                   as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
         # The machine's folder is a tmpfs of its user namespace, where host root has no uid: the
         # checkpoint is opened as root and streamed straight in as the machine's uid (fsuid),
         # never unpacked anywhere else (issue 25: not in the host's /tmp).
-        if not (self._contained and os.geteuid() == 0):
-            return super()._hand_over(path, folder)
-        return ckptwrite.hand_over(path, folder, as_owner=lambda: _fs_ids(*sandbox_ids()))
+        if self._contained and os.geteuid() == 0:
+            as_owner = lambda: _fs_ids(*sandbox_ids())  # noqa: E731
+        return super()._hand_over(path, machine, as_owner)
 
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)

@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import os
-import secrets
 import stat
 import tarfile
 import tempfile
@@ -184,9 +183,10 @@ def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]
             yield m, src
 
 
-def hand_over(path: str, run_dir: str | os.PathLike[str],
-              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
-    """Stream a checked checkpoint's two files into a new folder of ``run_dir``; the folder's name.
+def hand_over(path: str, run_dir: int, stage: str,
+              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+    """Stream a checked checkpoint's two files into the new folder ``stage`` of the folder
+    descriptor ``run_dir`` (the backend found it without following the machine's links).
 
     Nothing is unpacked anywhere else (never the host's /tmp): the bytes go from the
     checkpoint straight into the machine's own folder, counted against the checkpoint limit
@@ -195,17 +195,15 @@ def hand_over(path: str, run_dir: str | os.PathLike[str],
     through. ``as_owner``: the file access identity the folder and files are made with (the
     checkpoint itself is opened before, as the caller).
     """
-    stage = f"restore-{secrets.token_hex(6)}"
     budget = _Budget(f"checkpoint {Path(path).name}")
-    with open_tar(path, what=budget.what) as tar, as_owner(), _dirfd(run_dir) as root:
-        os.mkdir(stage, 0o700, dir_fd=root)
-        with _dirfd(run_dir, stage, root) as folder:
+    with open_tar(path, what=budget.what) as tar, as_owner():
+        os.mkdir(stage, 0o700, dir_fd=run_dir)
+        with _dirfd(stage, parent=run_dir) as folder:
             for m, src in _members(tar):
                 fd = os.open(m.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=folder)
                 with os.fdopen(fd, "wb") as dst:
                     budget.copy(src, dst, m.size)
-    return stage
 
 
 def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> None:

@@ -77,23 +77,15 @@ class Branching:
             if made == "child":
                 return "child"
             made, maker = made
-        for child in req["children"] if not leaf else ():
-            os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
-            listener = self._listen(child["socket"])
-            _flush_streams()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    if hold is not None:
-                        leaves.wait_release(*hold)
-                    self._become_child(child, listener, frozen)
-                except BaseException as exc:
-                    sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
-                    os._exit(70)
-                return "child"
-            listener.close()
-            self.children[pid] = child["name"]
-            made.append({"name": child["name"], "pid": pid})
+        try:
+            for child in req["children"] if not leaf else ():
+                if self._fork_one(child, frozen, hold, made) == "child":
+                    return "child"
+        except BaseException:  # (a fork at the process limit): the ones made exit, not wait for ever
+            if hold is not None:
+                os.close(hold[0])
+                os.close(hold[1])
+            raise
         if hold is not None:
             os.close(hold[0])
             self._hold(hold[1], len(made))
@@ -103,6 +95,29 @@ class Branching:
         if frozen is not None and frozen["flattened"]:
             done["flattened"] = frozen["flattened"]
         return done
+
+    def _fork_one(self, child, frozen, hold, made):
+        os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
+        listener = self._listen(child["socket"])
+        _flush_streams()
+        try:
+            pid = os.fork()
+        except BaseException:
+            listener.close()
+            raise
+        if pid == 0:
+            try:
+                if hold is not None:
+                    leaves.wait_release(*hold)
+                self._become_child(child, listener, frozen)
+            except BaseException as exc:
+                sys.__stderr__.write("smolbench agent: branch %s failed to start: %s\n" % (child["name"], exc))
+                os._exit(70)
+            return "child"
+        listener.close()
+        self.children[pid] = child["name"]
+        made.append({"name": child["name"], "pid": pid})
+        return None
 
     def _hold(self, fd, count):
         """Keep the release end of held children until the host's word (a fork before any
