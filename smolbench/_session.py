@@ -272,7 +272,7 @@ class Session:
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over",
                                  api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
                                  "start over")
-        given = str(home_path(self.smolfile, "--smolfile")) if self.smolfile else None
+        given = str(home_path(self.smolfile, "--smolfile" if self.magic_words else "smolfile")) if self.smolfile else None
         path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
         if given and not os.path.exists(given):
             raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
@@ -290,7 +290,7 @@ class Session:
             try:
                 spec, net_note = session_override(spec, self.net, self.allow, path or "the default spec")
             except PolicyError as exc:
-                raise SmolbenchError(str(exc)) from None
+                raise SmolbenchError(str(exc), api=exc.api) from None
         if self.image or self.max_alive is not None:
             spec = replace(spec, image=self.image or spec.image,
                            max_alive=spec.max_alive if self.max_alive is None else self.max_alive)

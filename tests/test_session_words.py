@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import IPython
 import pytest
-from IPython.testing.globalipapp import get_ipython
+from IPython.testing.globalipapp import start_ipython
 
 import smolbench
 from smolbench.errors import SmolbenchError, session_phrases
@@ -24,6 +27,11 @@ PACKAGE = Path(smolbench.__file__).parent
 def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def get_ipython() -> Any:
+    """The test IPython (started once per process: a second start_ipython() is None)."""
+    return start_ipython() or IPython.get_ipython()
 
 
 def _said(call: object) -> str:
@@ -52,6 +60,31 @@ def test_session_errors_name_session_calls_not_magics(here: Path, monkeypatch: p
     assert "Session.checkpoints()" in _said(lambda: s.checkpoint_restore("nope"))
     assert [row["name"] for row in s.checkpoints()] == ["warm"]
     assert s.checkpoint_rm("warm") == "removed checkpoint warm" and s.checkpoints() == []
+
+
+def test_session_options_are_named_as_the_session_takes_them(here: Path) -> None:
+    """The network options and a Smolfile path are said as ``Session(...)`` takes them, also
+    where a layer below the Session wrote the line (the network policy's parser)."""
+    said = _said(lambda: smolbench.Session(backend="process", net="off", allow="pypi.org").up())
+    assert said == "net='off' and allow= contradict each other: drop one"
+    assert "allow= entry 'https://pypi.org'" in _said(lambda: smolbench.Session(backend="process",
+                                                                                 allow="https://pypi.org").up())
+    assert "smolfile '~no-such-user-here/Smolfile'" in _said(lambda: smolbench.Session("~no-such-user-here/Smolfile",
+                                                                                       backend="process").up())
+    (here / "bad.db").write_bytes(b"not a database" * 100)
+    assert "name another with `Session(ledger=PATH)`" in _said(lambda: smolbench.Session(backend="process",
+                                                                                         ledger="bad.db").up())
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "smolbench")
+    try:
+        with pytest.raises(SmolbenchError, match="name another with --ledger PATH"):
+            shell.run_line_magic("smol", "up --backend process --ledger bad.db")
+        with pytest.raises(SmolbenchError, match="^--net off and --allow contradict each other"):
+            shell.run_line_magic("smol", "up --backend process --net off --allow pypi.org")
+        with pytest.raises(SmolbenchError, match="^--allow entry 'https://pypi.org'"):
+            shell.run_line_magic("smol", "up --backend process --allow https://pypi.org")
+    finally:
+        shell.run_line_magic("unload_ext", "smolbench")
 
 
 def _exists(here: Path) -> str:
@@ -90,24 +123,52 @@ def _literal(node: ast.AST) -> str:
 NOT_FROM_A_SESSION = {"magics.py", "_magicargs.py", "gate/limits.py"}
 
 
-def test_every_message_that_names_a_magic_command_has_session_words() -> None:
-    """Each error raised with a `%smol` command in it either carries ``api=`` or names only
-    commands :func:`session_phrases` says as Session calls."""
-    left = []
+def _raise_sites() -> Iterator[tuple[str, str, ast.Call]]:
+    """Each call that makes an error a Session method may raise, without ``api=``: its file,
+    the function it is in, the call."""
     for path in sorted(PACKAGE.rglob("*.py")):
         where = str(path.relative_to(PACKAGE))
         if where.startswith("guest/") or where in NOT_FROM_A_SESSION:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and node.args and "raise" in ast.dump(node.func).lower()
-                    or isinstance(node, ast.Call) and node.args and _raises(node)):
+        tree = ast.parse(path.read_text())
+        inside: dict[ast.AST, str] = {}  # each node, the innermost function it is in (outer ones come first)
+        for func in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+            inside.update((node, getattr(func, "name", "")) for node in ast.walk(func))
+        for node, name in inside.items():
+            if not (isinstance(node, ast.Call) and node.args and ("raise" in ast.dump(node.func).lower()
+                                                                 or _raises(node))):
                 continue
-            if any(k.arg == "api" for k in node.keywords):
-                continue
-            text = _literal(node.args[0])
-            if re.search(r"%%?smol", session_phrases(text)):
-                left.append(f"{where}:{node.lineno}: {text[:100]}")
-    assert not left, "\n".join(left)
+            if not any(k.arg == "api" for k in node.keywords):
+                yield where, name, node
+
+
+def test_every_message_that_names_a_magic_command_has_session_words() -> None:
+    """Each error raised with a `%smol` command in it either carries ``api=`` or names only
+    commands :func:`session_phrases` says as Session calls."""
+    left = {f"{where}:{node.lineno}: {_literal(node.args[0])[:100]}" for where, _, node in _raise_sites()
+            if re.search(r"%%?smol", session_phrases(_literal(node.args[0])))}
+    assert not left, "\n".join(sorted(left))
+
+
+# Raised only under a command line's own options (`smolbench serve --port`, `smolbench image build
+# --suite`, `smolbench cluster local --nodes`), never by a Session method: their words are right.
+COMMAND_LINE_ONLY = {"cli.py", "serve.py", "cluster/local.py", "images.py:build_debian_rootfs"}
+# A shell command quoted for the user to type (`apt-get install x`, `ray start --head`): its
+# options are that program's. A quoted `--backend process` is a magic's and is not skipped.
+_QUOTED_COMMAND = re.compile(r"`[^`%-][^`]*`")
+
+
+def test_every_message_that_names_a_magic_option_has_session_words() -> None:
+    """Each error raised with a magic's option in it (``--target local``, ``--push``) either
+    carries ``api=`` or names only options :func:`session_phrases` says in Session words."""
+    left = set()
+    for where, func, node in _raise_sites():
+        if where in COMMAND_LINE_ONLY or f"{where}:{func}" in COMMAND_LINE_ONLY:
+            continue
+        text = _literal(node.args[0])
+        if re.search(r"(?<![\w-])--[a-z]", _QUOTED_COMMAND.sub("", session_phrases(text))):
+            left.add(f"{where}:{node.lineno}: {text[:100]}")
+    assert not left, "\n".join(sorted(left))
 
 
 def _raises(node: ast.Call) -> bool:
