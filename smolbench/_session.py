@@ -99,7 +99,10 @@ def _pushed(values: Any) -> dict[str, bytes]:
 
 
 def _output(on_output: Any) -> BranchOutput:
-    return _args.callback(on_output, "on_output", "(branch, event)") or _quiet
+    from .errors import session_notes
+
+    given = _args.callback(on_output, "on_output", "(branch, event)")
+    return session_notes(given) if given else _quiet
 
 
 def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
@@ -670,7 +673,10 @@ class Session:
         if wb is None or not wb.machines:
             return {"up": False, **lost}
         _block(wb.refresh_network())
-        return {"up": True, **wb.status(), **lost}
+        status = wb.status()
+        if not self.magic_words:  # "`%smol trust off`": said as the call that does it
+            status["trusted"] = session_phrases(status["trusted"])
+        return {"up": True, **status, **lost}
 
     @_in_session_words
     def ledger(self) -> Any:

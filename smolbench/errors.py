@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 
@@ -95,6 +96,18 @@ def session_phrases(text: str) -> str:
     for pattern, said in _PHRASES:
         text = pattern.sub(said, text)
     return _COMMAND.sub(_call, text)
+
+
+def session_notes(on_output: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    """``on_output`` (a fork's ``(branch, event)``), hearing the host's own notes on the output
+    (``event.note``: "`%smol config displays N` raises the limit") in the Session's words; the
+    machine's output is never reworded."""
+    def heard(branch: str, event: Any) -> None:
+        if getattr(event, "note", False):
+            event = dataclasses.replace(event, text=session_phrases(event.text))
+        on_output(branch, event)
+
+    return heard
 
 
 # The Session's words for what the magics say with `%smol up` and `%smol tree` (``api=``).

@@ -87,6 +87,47 @@ def test_session_options_are_named_as_the_session_takes_them(here: Path) -> None
         shell.run_line_magic("unload_ext", "smolbench")
 
 
+# A display of a type the gate never shows (sent as a machine may), then more displays than a cell shows.
+DISPLAYS = ("display.__self__._agent.send({'t': 'display', 'data': {'application/javascript': 'alert(1)', "
+            "'text/plain': 'js'}})\nfor i in range(3):\n    display(i)\n")
+
+
+def test_the_hosts_notes_on_output_are_in_the_callers_words(here: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """What the gate says of a cell's output it held back names the Session's calls to a
+    Session's ``on_output`` and the magics' commands under a cell; the machine's text is its own."""
+    monkeypatch.setattr(limits.LIMITS, "displays", 2)  # as `configure("displays", 2)` sets it
+    heard: list[str] = []
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.fork(1, DISPLAYS + "print('`%smol trust on`')\nreward = 1",
+               on_output=lambda branch, ev: heard.append(ev.text) if ev.kind == "stream" else None)
+        notes = [text for text in heard if text.startswith(("smolbench:", "…"))]
+        assert notes == ["smolbench: root.0 sent application/javascript output, which was not shown (it could run in "
+                         "your browser); `Session.workbench.set_trust(True)` shows machine output raw\n",
+                         "… 2 more displays not shown (past 2 displays in one cell; `smolbench.gate.limits.configure("
+                         "'displays', N)` or `smolbench.gate.limits.configure('output-limit', SIZE)` raises the limit)\n"]
+        assert "`%smol trust on`\n" in heard  # what the machine printed is not reworded
+        assert s.status()["trusted"] == "off"
+        assert s.workbench is not None
+        s.workbench.set_trust(True)
+        assert s.status()["trusted"] == "ON: pulls unpickled, output raw (`Session.workbench.set_trust(False)`)"
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "smolbench")
+    try:
+        shell.run_line_magic("smol", "up --backend process --ledger ledger.db")
+        capsys.readouterr()
+        shell.run_cell_magic("smol", "fork 1", DISPLAYS + "reward = 1")
+        said = capsys.readouterr()
+        assert "not shown (it could run in your browser); `%smol trust on` shows machine output raw" in said.err
+        assert "`%smol config displays N` or `%smol config output-limit SIZE` raises the limit" in said.err
+        shell.run_line_magic("smol", "trust on")
+        assert get_ipython().find_magic("smol").__self__.session.status()["trusted"].endswith("(`%smol trust off`)")
+        shell.run_line_magic("smol", "down")
+    finally:
+        shell.run_line_magic("unload_ext", "smolbench")
+
+
 def _exists(here: Path) -> str:
     path = here / "there.smolcheckpoint"
     path.write_bytes(b"\x1f\x8b" + bytes(200))
