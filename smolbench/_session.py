@@ -460,6 +460,7 @@ class Session:
         else:
             result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
+        result.magic_words = self.magic_words
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
                 return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,

@@ -128,6 +128,29 @@ def test_the_hosts_notes_on_output_are_in_the_callers_words(here: Path, monkeypa
         shell.run_line_magic("unload_ext", "smolbench")
 
 
+def test_a_forks_summary_names_the_session_arguments(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Session's fork whose branches tie, or that kept none for want of a reward, says so
+    with its arguments (``reseed=False``, ``keep='all'``); a ``%%smol fork`` with its options."""
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        tied = s.fork(2, "reward = 1.0", reseed=False).summary()
+        assert "reseed=False left the random streams" in tied and not MAGIC.search(tied), tied
+        none = s.fork(2, "pass").summary()
+        assert "so keep='best' kept none: every branch was deleted (keep='all' keeps them)" in none, none
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "smolbench")
+    try:
+        shell.run_line_magic("smol", "up --backend process --ledger ledger.db")
+        capsys.readouterr()
+        shell.run_cell_magic("smol", "fork 2 --no-reseed", "reward = 1.0")
+        shell.run_cell_magic("smol", "fork 2", "pass")
+        said = capsys.readouterr()
+        assert "--no-reseed left the random streams" in said.err, said
+        assert "so `--keep best` kept none: every branch was deleted (`--keep all` keeps them)" in said.out + said.err
+        shell.run_line_magic("smol", "down")
+    finally:
+        shell.run_line_magic("unload_ext", "smolbench")
+
+
 def _exists(here: Path) -> str:
     path = here / "there.smolcheckpoint"
     path.write_bytes(b"\x1f\x8b" + bytes(200))
