@@ -151,6 +151,30 @@ def test_a_forks_summary_names_the_session_arguments(here: Path, capsys: pytest.
         shell.run_line_magic("unload_ext", "smolbench")
 
 
+def test_a_cells_pull_trusted_warns_of_that_cell_only(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``%%smol --pull-trusted`` unpickles that cell's pulls: its warning says so, not that
+    trusted mode is on (its output is not raw), and `%smol trust on` still says its own."""
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "smolbench")
+    try:
+        shell.run_line_magic("smol", "up --backend process --ledger ledger.db")
+        capsys.readouterr()
+        shell.run_cell_magic("smol", "--pull-trusted --pull o", "import fractions\no = fractions.Fraction(1, 3)")
+        assert repr(shell.user_ns["o"]) == "Fraction(1, 3)"
+        err = capsys.readouterr().err
+        assert err == ("smolbench: warning: --pull-trusted: what this cell pulls (o) is unpickled here when it is "
+                       "not plain data, so code in the machine can run code in this kernel; use it only for "
+                       "machines running code you trust\n"), err
+        shell.run_line_magic("smol", "trust on")
+        assert "trusted mode: objects pulled from the machine are unpickled here and its output is shown raw" in \
+            capsys.readouterr().err
+        shell.run_cell_magic("smol", "--pull-trusted --pull o", "o = 2")
+        assert capsys.readouterr().err == ""  # trusted mode's warning was said
+        shell.run_line_magic("smol", "down")
+    finally:
+        shell.run_line_magic("unload_ext", "smolbench")
+
+
 def _exists(here: Path) -> str:
     path = here / "there.smolcheckpoint"
     path.write_bytes(b"\x1f\x8b" + bytes(200))
