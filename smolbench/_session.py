@@ -586,7 +586,7 @@ class Session:
                     took: int | Exception = self.down()
                 except Exception as exc:  # the restore's own error is the one raised: this goes beside it
                     took = exc
-                _taken_back(took, told or self._notice)
+                _taken_back(took, told or self._notice, self.workbench)
             raise
         return node
 
@@ -619,7 +619,7 @@ class Session:
                     took: int | Exception = await self.adown()
                 except Exception as exc:
                     took = exc
-                _taken_back(took, self._notice)
+                _taken_back(took, self._notice, self.workbench)
             raise
         return self._restored(node, wb)
 
@@ -737,10 +737,14 @@ class Session:
         return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
 
 
-def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
+def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Workbench | None) -> None:
     """What a failed restore's take-down of the machine brought up for it says: ``took`` is how
-    many machines went (none: the up itself had failed, and deleted its own), or its error."""
-    if isinstance(took, Exception):
+    many machines went (none: the up itself had failed, and deleted its own), or its error
+    (``wb``: the session's, whose machines are what that left up)."""
+    if isinstance(took, Exception) and wb is not None and not wb.machines:  # its machines went: the rest failed
+        told(f"smolbench: no machine brought up for it is left, but ending the session it started failed too "
+             f"({type(took).__name__}: {took}): `%smol down` tries again", False)
+    elif isinstance(took, Exception):
         told(f"smolbench: taking down the machine brought up for it failed too ({type(took).__name__}: {took}): "
              "`%smol down` deletes what is left", False)
     elif took:
