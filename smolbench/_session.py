@@ -99,7 +99,10 @@ def _pushed(values: Any) -> dict[str, bytes]:
 
 
 def _output(on_output: Any) -> BranchOutput:
-    return _args.callback(on_output, "on_output", "(branch, event)") or _quiet
+    from .errors import session_notes
+
+    given = _args.callback(on_output, "on_output", "(branch, event)")
+    return session_notes(given) if given else _quiet
 
 
 def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:
@@ -272,7 +275,7 @@ class Session:
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over",
                                  api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
                                  "start over")
-        given = str(home_path(self.smolfile, "--smolfile")) if self.smolfile else None
+        given = str(home_path(self.smolfile, "--smolfile" if self.magic_words else "smolfile")) if self.smolfile else None
         path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
         if given and not os.path.exists(given):
             raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
@@ -290,7 +293,7 @@ class Session:
             try:
                 spec, net_note = session_override(spec, self.net, self.allow, path or "the default spec")
             except PolicyError as exc:
-                raise SmolbenchError(str(exc)) from None
+                raise SmolbenchError(str(exc), api=exc.api) from None
         if self.image or self.max_alive is not None:
             spec = replace(spec, image=self.image or spec.image,
                            max_alive=spec.max_alive if self.max_alive is None else self.max_alive)
@@ -457,6 +460,7 @@ class Session:
         else:
             result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
+        result.magic_words = self.magic_words
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
                 return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,
@@ -582,7 +586,7 @@ class Session:
                     took: int | Exception = self.down()
                 except Exception as exc:  # the restore's own error is the one raised: this goes beside it
                     took = exc
-                _taken_back(took, told or self._notice)
+                _taken_back(took, told or self._notice, self.workbench)
             raise
         return node
 
@@ -615,7 +619,7 @@ class Session:
                     took: int | Exception = await self.adown()
                 except Exception as exc:
                     took = exc
-                _taken_back(took, self._notice)
+                _taken_back(took, self._notice, self.workbench)
             raise
         return self._restored(node, wb)
 
@@ -670,7 +674,10 @@ class Session:
         if wb is None or not wb.machines:
             return {"up": False, **lost}
         _block(wb.refresh_network())
-        return {"up": True, **wb.status(), **lost}
+        status = wb.status()
+        if not self.magic_words:  # "`%smol trust off`": said as the call that does it
+            status["trusted"] = session_phrases(status["trusted"])
+        return {"up": True, **status, **lost}
 
     @_in_session_words
     def ledger(self) -> Any:
@@ -730,10 +737,14 @@ class Session:
         return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
 
 
-def _taken_back(took: int | Exception, told: Callable[[str, bool], None]) -> None:
+def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Workbench | None) -> None:
     """What a failed restore's take-down of the machine brought up for it says: ``took`` is how
-    many machines went (none: the up itself had failed, and deleted its own), or its error."""
-    if isinstance(took, Exception):
+    many machines went (none: the up itself had failed, and deleted its own), or its error
+    (``wb``: the session's, whose machines are what that left up)."""
+    if isinstance(took, Exception) and wb is not None and not wb.machines:  # its machines went: the rest failed
+        told(f"smolbench: no machine brought up for it is left, but ending the session it started failed too "
+             f"({type(took).__name__}: {took}): `%smol down` tries again", False)
+    elif isinstance(took, Exception):
         told(f"smolbench: taking down the machine brought up for it failed too ({type(took).__name__}: {took}): "
              "`%smol down` deletes what is left", False)
     elif took:

@@ -128,6 +128,8 @@ def doctor(args: argparse.Namespace) -> int:
         print("  bubblewrap is not installed: `--backend sandbox` refuses to start, and `auto` falls back to")
         print("  the process backend (plain processes, NO isolation)")
         print("  → apt-get install bubblewrap")
+    for line in net_tools():
+        print(f"  {line}")
     print(f"  debootstrap: {'installed' if shutil.which('debootstrap') else 'missing (apt-get install debootstrap) — needed only for `smolbench image build`'}")
     images = list_images()
     print(f"  rootfs cache: {cache_dir() / 'images'}")
@@ -144,6 +146,19 @@ def doctor(args: argparse.Namespace) -> int:
         except ImportError:
             print(f"  {mod}: not installed" + (" (pip install 'jupyterlab-smolbench[lab]')" if mod == "jupyterlab" else ""))
     return 0
+
+
+def net_tools(search: str | None = None) -> list[str]:
+    """The doctor's lines on ``nft`` and ``ip``, looked for as the sandbox looks (``search``:
+    instead of PATH and the sbin folders): its network policy lets raw TCP out with them."""
+    from .backends._netredirect import TOOLS, found
+
+    lines = [f"{name}: {found(name, search) or 'missing'}" for name in TOOLS]
+    missing = [pkg for name, pkg in TOOLS.items() if not found(name, search)]
+    if missing:
+        lines.append(f"→ apt-get install {' '.join(missing)}: without them a sandbox machine whose network lists an "
+                     "address or a network (or is net = true) can't start")
+    return lines
 
 
 def _sandbox_smoke() -> tuple[bool, str]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 
@@ -52,6 +53,8 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"up --ray (\S+)", "Session(ray='{0}').up()"),
     (r"down", "Session.down()"),
     (r"status", "Session.status()"),
+    (r"trust on", "Session.workbench.set_trust(True)"),  # the Session has no switch of its own
+    (r"trust off", "Session.workbench.set_trust(False)"),
     (r"tree", "Session.status()['live_machines']"),
     (r"use(?: \S+)?", "Session.use(node)"),
     (r"delete(?: \S+)?", "Session.delete(node)"),
@@ -68,10 +71,13 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"config ([a-z-]+) (\S+)", "smolbench.gate.limits.configure('{0}', '{1}')"),
 )
 _COMMAND = re.compile(r"`%smol ([^`]*)`")
-_PHRASES = (  # what a pull the gate refused says of options the Session has no twin of
+_PHRASES = (  # options the gate and the backends name (before the commands: these name some)
+    # a pull the gate refused: options the Session has no twin of
     (re.compile(r", or use --pull-trusted \(or `%smol trust on`\) to unpickle it anyway"), ""),
     (re.compile(r" \(no --pull-trusted\)"), ""),
     (re.compile(r"--pull ([A-Za-z_]\w*)"), r"pull=['\1']"),
+    (re.compile(r"`--backend (\w+)`"), r"`Session(backend='\1')`"),  # no bubblewrap: the sandbox's fix
+    (re.compile(r"with --ledger PATH"), r"with `Session(ledger=PATH)`"),  # a ledger locked or not one
 )
 
 
@@ -87,10 +93,21 @@ def session_phrases(text: str) -> str:
     """``text`` with the magic commands (:data:`_COMMANDS`) and phrases it names in the Session's words."""
     if "-" not in text and "%" not in text:
         return text
-    text = _COMMAND.sub(_call, text)
     for pattern, said in _PHRASES:
         text = pattern.sub(said, text)
-    return text
+    return _COMMAND.sub(_call, text)
+
+
+def session_notes(on_output: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    """``on_output`` (a fork's ``(branch, event)``), hearing the host's own notes on the output
+    (``event.note``: "`%smol config displays N` raises the limit") in the Session's words; the
+    machine's output is never reworded."""
+    def heard(branch: str, event: Any) -> None:
+        if getattr(event, "note", False):
+            event = dataclasses.replace(event, text=session_phrases(event.text))
+        on_output(branch, event)
+
+    return heard
 
 
 # The Session's words for what the magics say with `%smol up` and `%smol tree` (``api=``).

@@ -423,8 +423,10 @@ class SmolMagics(Magics):
         pull = _split_names(args.pull)
 
         # Tracebacks name the notebook's own cell, like a local one: File "<In [7]>", line 3
-        if args.pull_trusted and pull:
-            self._warn_trust()
+        if args.pull_trusted and pull and not wb.trusted:  # trusted mode said its own warning
+            print(f"smolbench: warning: --pull-trusted: what this cell pulls ({', '.join(pull)}) is unpickled here "
+                  "when it is not plain data, so code in the machine can run code in this kernel; use it only "
+                  "for machines running code you trust", file=sys.stderr)
         assert self.session is not None and wb is self.session.workbench
         res = self._pump(self.session.cell(cell, push=push, pull=pull, timeout=args.timeout, on_event=_show_event,
                                            cell_name=self._cell_name(), first_line=2, pull_trusted=args.pull_trusted,

@@ -68,7 +68,12 @@ CIDR_FIX = ('write an address or CIDR like "10.0.0.0/8" or "192.168.1.7", option
 
 
 class PolicyError(ValueError):
-    """A policy entry that can't be understood (the message names it and the fix)."""
+    """A policy entry that can't be understood (the message names it and the fix; ``api``: the
+    same line in :class:`smolbench.Session`'s words, when it names an option of ``%smol up``)."""
+
+    def __init__(self, *args: object, api: str | None = None) -> None:
+        super().__init__(*args)
+        self.api = api
 
 
 @dataclass(frozen=True)
@@ -221,11 +226,13 @@ class NetPolicy:
                     try:
                         parse_host(word)
                     except PolicyError as exc:
-                        raise PolicyError(f"--allow entry {word!r} {exc}") from None
+                        raise PolicyError(f"--allow entry {word!r} {exc}", api=f"allow= entry {word!r} {exc}") from None
                     hosts.append(word)
             return cls.from_lists(True, hosts, cidrs)
         if net not in ("on", "off"):
-            raise PolicyError(f"--net must be on or off, got {net!r}; or list what to allow: --allow pypi.org,10.0.0.0/8")
+            raise PolicyError(f"--net must be on or off, got {net!r}; or list what to allow: --allow pypi.org,10.0.0.0/8",
+                              api=f"net must be 'on' or 'off', got {net!r}; or list what to allow: "
+                              "allow=['pypi.org', '10.0.0.0/8']")
         return cls(net)
 
     @property
@@ -378,7 +385,8 @@ def session_override(spec: Any, net: str | None, allow: str | None, source: str)
     """``%smol up --net on|off`` / ``--allow ...``: ``spec`` (a MachineSpec) with this session's
     policy instead of the Smolfile's, and the line that says so."""
     if net == "off" and allow:
-        raise PolicyError("--net off and --allow contradict each other: drop one")
+        raise PolicyError("--net off and --allow contradict each other: drop one",
+                          api="net='off' and allow= contradict each other: drop one")
     policy = NetPolicy.from_words(net or "on", allow)
     before = spec.policy
     spec = replace(spec, net=policy.enabled, allow_hosts=tuple(str(h) for h in policy.hosts),

@@ -68,6 +68,7 @@ class ForkResult:
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
         self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
+        self.magic_words = True  # its lines name the magics' options; a Session's fork: its arguments
         self.started = time.time()
         self.ended: float | None = None
         # what it said while it ran in the background (--bg), e.g. a kept machine it deleted over
@@ -186,7 +187,8 @@ class ForkResult:
         rewards = [r["reward"] for r in self.rows.values() if r["status"] == "ok" and r["reward"] is not None]
         if self.kind != "fork" or len(rewards) < 2 or len(rewards) < len(self.rows) or len(set(rewards)) != 1:
             return ""
-        why = ("--no-reseed left the random streams made before the fork as they were"
+        no_reseed = "--no-reseed" if self.magic_words else "reseed=False"
+        why = (f"{no_reseed} left the random streams made before the fork as they were"
                if not self.reseed else "their random streams may not depend on SEED")
         return (f"all {len(rewards)} branches reported the same reward {rewards[0]:.6g}: {why} "
                 "(seed yours from SEED: np.random.default_rng(SEED), env.reset(seed=SEED))")
@@ -198,7 +200,8 @@ class ForkResult:
             return ""
         text = "no branch reported a reward (set `reward = ...` or call `smolbench_guest.report(reward=...)`)"
         if self.kind == "fork" and self.keep == "best" and self.ended is not None:
-            text += ", so `--keep best` kept none: every branch was deleted (`--keep all` keeps them)"
+            best, keep_all = ("`--keep best`", "`--keep all`") if self.magic_words else ("keep='best'", "keep='all'")
+            text += f", so {best} kept none: every branch was deleted ({keep_all} keeps them)"
         return text
 
     def composite_error(self) -> CompositeError | None:

@@ -48,7 +48,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
                  retries: int = 1) -> None:
         if retries < 0:
-            raise SmolbenchError(f"--retries must be 0 or more, got {retries}")
+            raise SmolbenchError(f"--retries must be 0 or more, got {retries}", api=f"retries must be 0 or more, got {retries}")
         self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error
         self.backend = backend
         self.spec = spec

@@ -39,6 +39,23 @@ def test_doctor_explains_each_backend(tmp_path: Path) -> None:
     assert "network inside: 'unreachable'" in text or "bubblewrap is not installed" in text
 
 
+def test_doctor_says_which_network_tools_the_sandbox_lacks(tmp_path: Path) -> None:
+    """The sandbox's network policy runs `nft` and `ip` in each machine that lists an address:
+    the doctor looks for them as the sandbox does, and says the one install that fixes it."""
+    from smolbench.cli import net_tools
+
+    assert net_tools(str(tmp_path)) == [
+        "nft: missing", "ip: missing",
+        "→ apt-get install nftables iproute2: without them a sandbox machine whose network lists an address or a "
+        "network (or is net = true) can't start"]
+    (tmp_path / "nft").write_text("#!/bin/sh\n")
+    (tmp_path / "nft").chmod(0o755)
+    assert net_tools(str(tmp_path))[0] == f"nft: {tmp_path / 'nft'}"
+    assert net_tools(str(tmp_path))[2].startswith("→ apt-get install iproute2: ")
+    text = smolbench("doctor", cwd=tmp_path).stdout
+    assert "\n  nft: " in text.split("\nsandbox backend\n")[1] and "\n  ip: " in text, text
+
+
 def test_python_dash_m_smolbench_is_the_command(tmp_path: Path) -> None:
     """Where the script is not on PATH (a venv not activated), `python -m smolbench` said "No
     module named smolbench.__main__"."""

@@ -55,11 +55,36 @@ def test_a_take_down_that_fails_too_keeps_the_restores_own_error(here: Path, mon
     with pytest.raises(SmolbenchError, match=r"^no checkpoint named 'nope'"):
         s.checkpoint_restore("nope")  # its session came up for it, then the restore failed
     assert calls == [0] and not s.is_up  # no machine: the restored one is the session's first
+    assert [n for n in notes if "brought up for it" in n] == [  # no machine was left: what failed is said
+        "smolbench: no machine brought up for it is left, but ending the session it started failed too "
+        "(RuntimeError: database is locked): `Session.down()` tries again"], notes
+    monkeypatch.undo()
+    s.down()
+
+
+def test_a_take_down_that_left_the_machine_up_says_so(here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    notes: list[str] = []
+    s = smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append)
+    _fails_once_up(monkeypatch)
+
+    def up_then_fail(self: smolbench.Session, what: str) -> None:  # a machine up, then the restore's failure
+        self.up()
+        raise SmolbenchError(f"no checkpoint named {what!r}")
+
+    monkeypatch.setattr(smolbench.Session, "_up_restoring", up_then_fail)
+    real = Workbench.down
+
+    async def down(self: Workbench) -> int:
+        raise RuntimeError("database is locked")  # before any machine went
+
+    monkeypatch.setattr(Workbench, "down", down)
+    with pytest.raises(SmolbenchError, match=r"^no checkpoint named 'nope'"):
+        s.checkpoint_restore("nope")
     assert [n for n in notes if "brought up for it" in n] == [
         "smolbench: taking down the machine brought up for it failed too (RuntimeError: database is locked): "
         "`Session.down()` deletes what is left"], notes
-    monkeypatch.undo()
-    s.down()
+    monkeypatch.setattr(Workbench, "down", real)
+    assert s.down() == 1
 
 
 def test_the_async_twin_keeps_the_restores_own_error_too(here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +98,8 @@ def test_the_async_twin_keeps_the_restores_own_error_too(here: Path, monkeypatch
 
     asyncio.run(main())
     assert calls == [0] and not s.is_up
-    assert any("taking down the machine brought up for it failed too" in n for n in notes), notes
+    assert any("no machine brought up for it is left, but ending the session it started failed too" in n
+               for n in notes), notes
     monkeypatch.undo()
     s.down()
 

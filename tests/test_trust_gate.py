@@ -79,7 +79,7 @@ def test_pull_brings_data_back_and_never_unpickles_a_bomb(tmp_path: Path) -> Non
         # Weakened: the user opts in to trusted pulls; the same probe now runs on the host.
         nb.run(SEND_PICKLES)
         cell = nb.run("%%smol --pull bomb --pull-trusted\npass")
-        assert "trusted mode" in stream_text(cell, "stderr")  # the opt-in warns
+        assert "what this cell pulls (bomb) is unpickled here" in stream_text(cell, "stderr")  # the opt-in warns
         assert marker.exists(), "with --pull-trusted the pickle is loaded (the escape the gate prevents)"
         rows = nb.run("import smolbench\nprint(smolbench._magics.workbench.ledger.trust_rows())")
         assert "--pull-trusted bomb" in stream_text(rows)  # ... and is on the record

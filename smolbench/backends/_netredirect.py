@@ -109,11 +109,18 @@ def routes(nets: list[IPNetwork] | None) -> list[list[str]]:
     return [["route", "replace", "local", n, "dev", "lo"] for n in wanted]
 
 
+TOOLS = {"nft": "nftables", "ip": "iproute2"}  # what the rule and the routes are made with, and their Debian packages
+
+
+def found(name: str, search: str | None = None) -> str | None:
+    """Where tool ``name`` is: on ``search`` (default: PATH, then the sbin folders), else None."""
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":" + SBIN if search is None else search)
+
+
 def _tool(name: str) -> str:
-    path = shutil.which(name, path=os.environ.get("PATH", "") + ":" + SBIN)
+    path = found(name)
     if path is None:
-        pkg = "nftables" if name == "nft" else "iproute2"
-        raise OSError(f"{name} is not installed; raw TCP to listed networks needs it (apt-get install {pkg})")
+        raise OSError(f"{name} is not installed; raw TCP to listed networks needs it (apt-get install {TOOLS[name]})")
     return path
 
 

@@ -45,6 +45,7 @@ class Event:
     name: str = ""  # "stdout" | "stderr" for streams
     text: str = ""
     data: dict[str, Any] | None = None  # MIME bundle for displays
+    note: bool = False  # the host's own line about the output (the gate's), said in the magics' words
 
 
 OnEvent = Callable[[Event], None]

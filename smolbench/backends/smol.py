@@ -171,7 +171,8 @@ class SmolBackend(Backend):
     ) -> None:
         if target not in ("local", "cloud"):
             raise SmolbenchError(
-                f"unknown smol target {target!r}: use --target local or --target cloud"
+                f"unknown smol target {target!r}: use --target local or --target cloud",
+                api=f"unknown smol target {target!r}: use Session(target='local') or Session(target='cloud')",
             )
         self.target = target
         self.conn = (
@@ -246,12 +247,16 @@ class SmolBackend(Backend):
         if self.target == "cloud" and is_local(image):
             raise SmolbenchError(
                 f"image {spec.image!r} is on this host, which smol cloud machines can't boot: "
-                f"use a registry image like {DEFAULT_IMAGE!r}, or --target local"
+                f"use a registry image like {DEFAULT_IMAGE!r}, or --target local",
+                api=f"image {spec.image!r} is on this host, which smol cloud machines can't boot: "
+                f"use a registry image like {DEFAULT_IMAGE!r}, or Session(target='local')",
             )
         if self.target == "cloud" and spec.volumes:
             raise SmolbenchError(
                 "Smolfile volumes are host directories, which smol cloud machines can't mount: "
-                "remove them, or use --target local"
+                "remove them, or use --target local",
+                api="Smolfile volumes are host directories, which smol cloud machines can't mount: "
+                "remove them, or use Session(target='local')",
             )
         policy = spec.policy
         allowed_hosts = _allow_hosts(spec.allow_hosts) if policy.mode == "allow" else []
@@ -335,7 +340,10 @@ class SmolBackend(Backend):
         if self.target == "cloud":
             raise SmolbenchError("Smolfile packages are installed on this host, which smol cloud machines can't "
                                  "mount: remove 'packages' (pip install in a cell with the index's hosts allowed), "
-                                 "or use --target local")
+                                 "or use --target local",
+                                 api="Smolfile packages are installed on this host, which smol cloud machines can't "
+                                 "mount: remove 'packages' (pip install in a cell with the index's hosts allowed), "
+                                 "or use Session(target='local')")
         return await install_packages(spec.packages, image_python(smol_image(spec.image)))
 
     async def _start_agent(self, ref: MachineRef, handle: Machine) -> None:
@@ -721,7 +729,8 @@ class SmolBackend(Backend):
             pointer = None
         if not isinstance(pointer, dict) or pointer.get("kind") != CLOUD_POINTER:
             raise SmolbenchError(
-                f"{path} is not a smol cloud checkpoint: restore it with --target local"
+                f"{path} is not a smol cloud checkpoint: restore it with --target local",
+                api=f"{path} is not a smol cloud checkpoint: restore it from a Session(target='local')",
             )
         return str(pointer["id"])
 

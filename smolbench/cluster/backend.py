@@ -501,17 +501,19 @@ class ClusterBackend(Backend):
             self.on_replica(parent.name, node.id, rep)
             return rep
         if recipe.pushed:
-            raise SmolbenchError(f"cells of {', '.join(sorted(set(recipe.pushed)))} used --push, whose values are "
-                                 "not recorded, so the parent can't be replayed on another node")
+            pushed = ", ".join(sorted(set(recipe.pushed)))
+            raise SmolbenchError(f"cells of {pushed} used --push, whose values are not recorded, so the parent can't "
+                                 "be replayed on another node", api=f"cells of {pushed} used push=, whose values are not "
+                                 "recorded, so the parent can't be replayed on another node")
         want = await self._parent_fingerprint(parent)
         t0 = time.perf_counter()
         name = f"replica-{parent.name}-{_short(node.id)}-{uuid.uuid4().hex[:4]}"
         ref, got = await self.replay(recipe, parent.spec, name, node.id, replica=True)
         if got != want:
             await self.delete(ref)
-            raise SmolbenchError(f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state "
-                                 f"fingerprint {got} vs {want} (a cell depends on something not recorded: time, "
-                                 "files from outside, --push)")
+            differs = (f"the replay of {parent.name} on node {_short(node.id)} doesn't match: state fingerprint "
+                       f"{got} vs {want} (a cell depends on something not recorded: time, files from outside, ")
+            raise SmolbenchError(differs + "--push)", api=differs + "push=)")
         rep = Replica(ref, recipe.key, got, recipe.code_bytes, time.perf_counter() - t0)
         self.replicas[(parent.name, node.id)] = rep
         self.on_replica(parent.name, node.id, rep)

@@ -88,7 +88,9 @@ async def rebuild(wb: Any, node_id: str, lost: str) -> MachineRef:
     try:
         recipe = backend.recipe_for(node_id)
         if recipe.pushed:
-            raise SmolbenchError(f"cells of {', '.join(sorted(set(recipe.pushed)))} used --push, whose values are not recorded")
+            pushed = ", ".join(sorted(set(recipe.pushed)))
+            raise SmolbenchError(f"cells of {pushed} used --push, whose values are not recorded",
+                                 api=f"cells of {pushed} used push=, whose values are not recorded")
         want = backend.known_fingerprint(recipe.key)
         ref, got = await _replay(backend, recipe, old, wb.retries)
     except SmolbenchError as exc:
@@ -98,10 +100,10 @@ async def rebuild(wb: Any, node_id: str, lost: str) -> MachineRef:
         wb._record(node)
         if wb.active == node_id:
             wb.active = None
-        line = (f"{node_id} was lost with {was} and could not be rebuilt from its recorded path ({exc}){also}: "
-                "`%smol up` starts a fresh machine")
+        why = f"{node_id} was lost with {was} and could not be rebuilt from its recorded path"
+        line = f"{why} ({exc}){also}: `%smol up` starts a fresh machine"
         wb.ledger.add_attempt(wb.session, node_id, attempt, "move", "gave up", line)
-        raise SmolbenchError(line) from None
+        raise SmolbenchError(line, api=f"{why} ({exc.api or exc}){also}: `%smol up` starts a fresh machine") from None
     ref.info["attempts"] = attempt
     wb.machines[node_id] = ref
     node.moved_from = lost

@@ -209,7 +209,9 @@ async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *
     if not free:
         kinds = " or ".join(fits)
         raise SmolbenchError(f"checkpoint {os.path.basename(path)} needs a {kinds} node and this cluster has none "
-                             "up: add one, or restore it without --ray")
+                             "up: add one, or restore it without --ray",
+                             api=f"checkpoint {os.path.basename(path)} needs a {kinds} node and this cluster has none "
+                             "up: add one, or restore it from a Session without ray=")
     node = cb.nodes[placement.least_loaded(free)]
     digest, size = await asyncio.to_thread(artifact.hash_file, path)
     await send(cb, node, path, digest, size)

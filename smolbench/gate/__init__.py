@@ -180,14 +180,14 @@ class _Cell:
             self.noted.add(what)
             if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
-                                "not shown either\n"))
+                                "not shown either\n", note=True))
                 continue
             if isinstance(item, display.TooMuchMarkup):  # a type that is shown, but not this big
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown: "
-                                "too many elements to clean (`%smol trust on` shows machine output raw)\n"))
+                                "too many elements to clean (`%smol trust on` shows machine output raw)\n", note=True))
                 continue
             self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what} output, which was not shown "
-                            "(it could run in your browser); `%smol trust on` shows machine output raw\n"))
+                            "(it could run in your browser); `%smol trust on` shows machine output raw\n", note=True))
 
     def _result_fits(self, result: Any) -> bool:
         """Whether the cell's result (its Out[]) still fits the cell's output, as a display
@@ -196,7 +196,7 @@ class _Cell:
         if self.budget.take_display(size):
             return True
         self.emit(Event("stream", "stderr", f"smolbench: {self.where}'s result was not shown: the cell's output "
-                        "passed its limit (`%smol config output-limit SIZE` raises it)\n"))
+                        "passed its limit (`%smol config output-limit SIZE` raises it)\n", note=True))
         return False
 
     def stream(self, msg: dict[str, Any], size: int = 0) -> None:
@@ -287,7 +287,7 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
     finally:
         note = cell.budget.finish()
         if note:
-            cell.emit(Event("stream", "stderr", note))
+            cell.emit(Event("stream", "stderr", note, note=True))
     raise died(where)
 
 

@@ -225,7 +225,7 @@ class OutputBudget:
             why = (f"past {self.displays:,} displays in one cell" if self.shown_displays >= self.displays
                    else f"past {human(self.limit)} of output")
             note = (f"… {self.hidden_displays:,} more displays not shown ({why}; `%smol config displays N` "
-                    "or `output-limit SIZE` raises the limit)\n")
+                    "or `%smol config output-limit SIZE` raises the limit)\n")
         text = self._text_note()
         return (note + (text or "")) or None
 
