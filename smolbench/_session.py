@@ -21,69 +21,23 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from . import _args, _lifetime
 from ._blocking import _block, _bridge
 from ._lifetime import gone, live
-from .errors import NOT_UP, RemoteError, SmolbenchError, remote_error, session_phrases
-from .result import ForkResult
+from .errors import NOT_UP, SmolbenchError, session_phrases
+from .result import VALUE, ForkResult, RunResult, Seen, run_result
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
-    from .backends.base import Backend, CellResult, Event
-    from .gate import SafeBundle
+    from .backends.base import Backend, Event
     from .shelf import Shelf
     from .workbench import Workbench
 
 T = TypeVar("T")
 P = ParamSpec("P")
 BranchOutput = Callable[[str, "Event"], None]
-VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
-
-
-@dataclass
-class RunResult:
-    """What :meth:`Session.run` brings back from the machine.
-
-    ``stdout`` and ``stderr`` are what the code printed, as a ``%%smol`` cell shows it: all of
-    it up to the cell's output limit (5 MB: ``smolbench.gate.limits.configure("output-limit",
-    "20M")`` sets it, as ``%smol config output-limit 20M`` does; lines over 256 KiB are cut
-    with a note). Past the limit the rest goes to a log under ``.smolbench/outputs/``, the
-    stream that lost some ends with the cell's line ``… 47 MB more output not shown (saved to
-    .smolbench/outputs/root.cell3.log)``, and ``output_log`` is that log's absolute path
-    (None when nothing was held back).
-
-    ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
-    objects; None when it was something else: ``display`` still has its text). ``error`` is the
-    exception the code raised in the machine (None when it ran to the end): a
-    :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
-    name (``except ZeroDivisionError`` catches it; see :func:`smolbench.errors.remote_error`)."""
-
-    node: str
-    stdout: str = ""
-    stderr: str = ""
-    value: Any = None
-    error: RemoteError | None = None
-    pulled: dict[str, Any] = field(default_factory=dict)
-    reward: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    display: SafeBundle | None = None  # the last expression's MIME bundle, checked by the gate
-    pull_error: str | None = None  # a pull the gate refused (one line; run() raises it)
-    reward_error: str | None = None  # a reward that was not a finite number: said, not recorded
-    output_log: str | None = None  # where the output past the cell's limit went (absolute path), if any
-
-    @property
-    def ok(self) -> bool:
-        """True when the code ran to the end."""
-        return self.error is None
-
-    def raise_for_error(self) -> RunResult:
-        """Raise the machine's exception (a RemoteError named after it, and an instance of the
-        built-in exception of that name when there is one) if there was one."""
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 def _restorable(name_or_path: Any) -> str:
@@ -431,10 +385,12 @@ class Session:
             names.append(VALUE)
         else:
             value = False
-        res = await wb.run_cell(code, on_event or (lambda ev: None), push=sent, pull=names, timeout=timeout,
-                                cell_name=cell_name, first_line=first_line, pull_trusted=pull_trusted,
+        seen = Seen()  # with no view (run()): its displays and notes go in the result
+        res = await wb.run_cell(code, on_event or seen, push=sent, pull=names,
+                                timeout=timeout, cell_name=cell_name, first_line=first_line, pull_trusted=pull_trusted,
                                 node_id=node or None)
-        return _run_result(node, res, value, [n for n in names if not (value and n == VALUE)])
+        return run_result(node, res, value, [n for n in names if not (value and n == VALUE)],
+                          seen if on_event is None else None)
 
     # -- fan-out ---------------------------------------------------------------------------
 
@@ -752,26 +708,6 @@ def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Wo
 
 
 # -- results --------------------------------------------------------------------------------
-
-
-def _run_result(node: str, res: CellResult, value: bool, wanted: list[str]) -> RunResult:
-    pulled = dict(res.pulled)
-    val = pulled.pop(VALUE, None) if value else None
-    err = None
-    if res.status != "ok":
-        e = res.error or {}
-        err = remote_error(e.get("ename", "Error"), e.get("evalue", ""), e.get("traceback", []), node)
-    pull_error = None
-    missing = [n for n in wanted if n not in res.pulled]
-    if res.pull_error and missing:  # the last expression's own refusal is no error: value stays None
-        pull_error = (res.pull_error if not res.pull_error.startswith(f"--pull {VALUE}:")
-                      else f"--pull {missing[0]}: refused by the gate (not plain data)")
-    from .gate import SafeBundle
-
-    display = res.result if isinstance(res.result, SafeBundle) else None
-    return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
-                     {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
-                     res.metrics.get("reward_error") or None, res.output_log)
 
 
 def _checked(result: ForkResult, allow_errors: bool) -> ForkResult:

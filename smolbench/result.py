@@ -1,4 +1,5 @@
-"""ForkResult: the handle a fork (or a batch of episodes) returns, like ipyparallel's AsyncResult."""
+"""What a Session brings back: a ForkResult, the handle a fork (or a batch of episodes) returns
+(like ipyparallel's AsyncResult), and a RunResult, one cell's."""
 
 from __future__ import annotations
 
@@ -6,19 +7,21 @@ import html
 import math
 import time
 from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CompositeError, RemoteError
-from .gate import terminal
+from .errors import CompositeError, RemoteError, remote_error, session_phrases
+from .gate import SafeBundle, terminal
 from .gate.display import INERT_CLASSES
 from .tree import TERMINAL, best_key
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .backends.base import CellResult, Event
+
 COLUMNS = ("branch", "seed", "status", "reward", "wall", "metrics", "output", "output_log", "error", "attempts")
-
-
+VALUE = "_"  # the agent keeps a cell's last expression here; pulled back as the result's value
 REASON_CHARS = 160  # a failed branch's reason in the table and summary (the full text is in .failed)
 # Status colours with at least 4.5:1 contrast: on white, and on JupyterLab's dark theme
 # (``body[data-jp-theme-light="false"]``, as widgets/static.py does for the tree).
@@ -281,3 +284,88 @@ class ForkResult:
             + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) +
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
         )
+
+
+@dataclass
+class RunResult:
+    """What :meth:`Session.run` brings back from the machine.
+
+    ``stdout`` and ``stderr`` are what the code printed, as a ``%%smol`` cell shows it: all of
+    it up to the cell's output limit (5 MB: ``smolbench.gate.limits.configure("output-limit",
+    "20M")`` sets it, as ``%smol config output-limit 20M`` does; lines over 256 KiB are cut
+    with a note). Past the limit the rest goes to a log under ``.smolbench/outputs/``, the
+    stream that lost some ends with the cell's line ``… 47 MB more output not shown (saved to
+    .smolbench/outputs/root.cell3.log)``, and ``output_log`` is that log's absolute path
+    (None when nothing was held back).
+
+    ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas
+    objects; None when it was something else: ``display`` still has its text). ``error`` is the
+    exception the code raised in the machine (None when it ran to the end): a
+    :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
+    name (``except ZeroDivisionError`` catches it; see :func:`smolbench.errors.remote_error`).
+
+    ``displays`` are what the code displayed (``display(...)``, a plot), each bundle checked by
+    the gate as a ``%%smol`` cell shows it; ``notes`` are the host's own lines about the output
+    (what was not shown, and why: too many displays, a script or HTML the gate dropped)."""
+
+    node: str
+    stdout: str = ""
+    stderr: str = ""
+    value: Any = None
+    error: RemoteError | None = None
+    pulled: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    display: SafeBundle | None = None  # the last expression's MIME bundle, checked by the gate
+    pull_error: str | None = None  # a pull the gate refused (one line; run() raises it)
+    reward_error: str | None = None  # a reward that was not a finite number: said, not recorded
+    output_log: str | None = None  # where the output past the cell's limit went (absolute path), if any
+    displays: list[SafeBundle] = field(default_factory=list)  # what the code displayed, checked by the gate
+    notes: list[str] = field(default_factory=list)  # the host's lines on output not shown, in the Session's words
+
+    @property
+    def ok(self) -> bool:
+        """True when the code ran to the end."""
+        return self.error is None
+
+    def raise_for_error(self) -> RunResult:
+        """Raise the machine's exception (a RemoteError named after it, and an instance of the
+        built-in exception of that name when there is one) if there was one."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class Seen:
+    """What a cell showed besides its text, as its events came (:meth:`Session.run` has no view):
+    its displays, and the gate's notes in the Session's words."""
+
+    def __init__(self) -> None:
+        self.displays: list[SafeBundle] = []
+        self.notes: list[str] = []
+
+    def __call__(self, ev: Event) -> None:
+        if ev.kind == "display" and isinstance(ev.data, SafeBundle):
+            self.displays.append(ev.data)
+        elif ev.note:
+            self.notes.append(session_phrases(ev.text).rstrip("\n"))
+
+
+def run_result(node: str, res: CellResult, value: bool, wanted: list[str], seen: Seen | None = None) -> RunResult:
+    """The RunResult of a cell's checked result ``res`` (``seen``: its displays and notes)."""
+    pulled = dict(res.pulled)
+    val = pulled.pop(VALUE, None) if value else None
+    err = None
+    if res.status != "ok":
+        e = res.error or {}
+        err = remote_error(e.get("ename", "Error"), e.get("evalue", ""), e.get("traceback", []), node)
+    pull_error = None
+    missing = [n for n in wanted if n not in res.pulled]
+    if res.pull_error and missing:  # the last expression's own refusal is no error: value stays None
+        pull_error = (res.pull_error if not res.pull_error.startswith(f"--pull {VALUE}:")
+                      else f"--pull {missing[0]}: refused by the gate (not plain data)")
+    display = res.result if isinstance(res.result, SafeBundle) else None
+    return RunResult(node, res.stdout, res.stderr, val, err, pulled, res.reward,
+                     {k: v for k, v in res.metrics.items() if k != "reward_error"}, display, pull_error,
+                     res.metrics.get("reward_error") or None, res.output_log,
+                     list(seen.displays) if seen else [], list(seen.notes) if seen else [])

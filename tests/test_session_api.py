@@ -19,7 +19,7 @@ from nbhelpers import TAG_VAR, NotebookSession, ok, one_line, stream_text, wait_
 
 import smolbench
 from smolbench import gate
-from smolbench._session import remote_error
+from smolbench.errors import remote_error
 from smolbench.errors import RemoteError, SmolbenchError
 from smolbench.gate.limits import human
 
