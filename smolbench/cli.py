@@ -214,7 +214,7 @@ def _net_smoke(allow: str) -> tuple[bool, str]:
     try:
         policy = NetPolicy.from_words(None, allow)
     except PolicyError as exc:
-        return False, f"--allow: {exc}"
+        return False, str(exc) if str(exc).startswith("--allow") else f"--allow: {exc}"
     if not policy.hosts:
         return False, f"--allow {allow!r} names no host to check (a host name like pypi.org:443)"
     host = policy.hosts[0]

@@ -8,16 +8,12 @@ crash of the kernel loses no finished branch.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import sqlite3
-import stat
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -171,7 +167,6 @@ class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
 
     _still: tuple[Any, ...] | None = None  # a read-only open's file as it was (immutable: see read_only)
-    _copy: Path | None = None  # the private folder of a read-only view's copy (see _snapshot)
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
@@ -199,9 +194,13 @@ class Ledger:
             self._db.close()
             if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
                 raise SmolbenchError(f"ledger {path} stayed locked by another program for {BUSY_TIMEOUT:g} s ({exc}): "
-                                     "try again once it is done, or name another with --ledger PATH") from None
+                                     "try again once it is done, or name another with --ledger PATH",
+                                     api=f"ledger {path} stayed locked by another program for {BUSY_TIMEOUT:g} s ({exc}): "
+                                     "try again once it is done, or name another with Session(ledger=PATH)") from None
             raise SmolbenchError(f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
-                                 "started) or name another with --ledger PATH") from None
+                                 "started) or name another with --ledger PATH",
+                                 api=f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
+                                 "started) or name another with Session(ledger=PATH)") from None
         except BaseException:
             self._db.close()
             raise
@@ -211,8 +210,8 @@ class Ledger:
         """The ledger at ``path`` to read (nothing written, no table added, no ledger made), or
         None where there is none. Checked as every ledger is opened: a plain file in a plain
         folder, a schema of smolbench's own tables (a copied folder's ledger is its author's file).
-        Nothing is made or removed in its folder either (see :meth:`_open_to_read`): a WAL
-        ledger opened ``mode=ro`` without its ``-shm`` makes one SQLite leaves behind.
+        Nothing is removed in its folder, and nothing made but the ``-shm`` SQLite needs to read a
+        ``-wal`` that has none (see :meth:`_open_to_read`).
         Immutable means no locks and no change detection: a writer that starts meanwhile (a
         kernel's ``%smol up`` in that folder) would be read half-written or not at all, so each
         read checks the file is as it was at the open, else opens again and reads again."""
@@ -229,29 +228,21 @@ class Ledger:
 
     def _open_to_read(self, tries: int = 3) -> None:
         """Open (again) to read, checked, and see the schema. With no ``-wal`` (no writer): the
-        file itself, ``immutable=1``, while no writer came since (``_still``). With a ``-wal`` and
-        its ``-shm`` (a writer's, live or dead): ``mode=ro`` beside them, nothing made. With a
-        ``-wal`` alone (a copied folder, a dead writer's log), and on the last try: a private
-        copy (:meth:`_snapshot`), as ``mode=ro`` would make a ``-shm`` beside the ledger that a
-        writer coming meanwhile takes as its own (removing it at close broke their locking)."""
+        file itself, ``immutable=1``, while no writer came since (``_still``). With a ``-wal``, and
+        on the last try: ``mode=ro``, SQLite's own locks. A ``-wal`` without its ``-shm`` (a copied
+        folder, a dead writer's log) then gets one, which is left: removing it at close took it
+        from a writer that came meanwhile (their locking broken), and a private copy of the
+        files would cost the host what a sparse ``-wal`` claims."""
         for left in range(tries - 1, -1, -1):
             before = self._stamp()
-            wal, shm = (os.path.lexists(self._side(end)) for end in ("-wal", "-shm"))
-            where, query, self._still = self.path, "?mode=ro", None
-            if not wal and left:
+            query, self._still = "?mode=ro", None
+            if not os.path.lexists(self._side("-wal")) and left:
                 query, self._still = "?mode=ro&immutable=1", before
-            elif not shm or not left:
-                copy = self._snapshot(before)
-                if copy is None and left:
-                    continue  # a writer came while it was copied
-                if copy is not None:  # (else the last try: a writer at work, its -wal and -shm beside it)
-                    where = copy
-            uri = "file:" + urllib.parse.quote(str(where.absolute())) + query
+            uri = "file:" + urllib.parse.quote(str(self.path.absolute())) + query
             try:
                 self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT,
                                            isolation_level=None)
             except sqlite3.Error as exc:
-                self._drop_copy()
                 raise SmolbenchError(f"can't open the ledger {self.path} to read ({exc}): check the path and its "
                                      "permissions") from None
             try:
@@ -271,7 +262,7 @@ class Ledger:
             if not self._changed():
                 return
             self.close()
-        raise AssertionError("unreachable: the last try reads a copy or opens mode=ro")
+        raise AssertionError("unreachable: the last try opens mode=ro")
 
     def _side(self, end: str) -> Path:
         return self.path.with_name(self.path.name + end)
@@ -292,37 +283,6 @@ class Ledger:
     def _changed(self) -> bool:
         """Whether an immutable open's file changed since (what it read may be half a write)."""
         return self._still is not None and self._stamp() != self._still
-
-    def _snapshot(self, before: tuple[Any, ...]) -> Path | None:
-        """The ledger and its ``-wal`` copied, as plain files (never what a link names), into a
-        private folder this view reads and removes as it closes; None if a writer came meanwhile."""
-        self._copy = Path(tempfile.mkdtemp(prefix="smolbench-ledger-view-"))
-        try:
-            for end in ("", "-wal"):
-                try:
-                    fd = os.open(self._side(end), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    if end:
-                        continue
-                    raise
-                with open(fd, "rb") as src:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        raise OSError(errno.EINVAL, f"{self._side(end).name} is not a plain file")
-                    with open(self._copy / f"ledger.db{end}", "xb") as dst:
-                        shutil.copyfileobj(src, dst)
-        except OSError as exc:
-            self._drop_copy()
-            raise SmolbenchError(f"can't read the ledger {self.path} ({exc.strerror or exc}): check the path and "
-                                 "its permissions") from None
-        if self._stamp() != before:
-            self._drop_copy()
-            return None
-        return self._copy / "ledger.db"
-
-    def _drop_copy(self) -> None:
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            shutil.rmtree(copy, ignore_errors=True)  # this view's own folder (mkdtemp, 0700)
 
     def _move_checkpoint_columns(self) -> None:
         """MORE_COLUMNS that a version before added to the checkpoints table go to checkpoint_more,
@@ -364,7 +324,6 @@ class Ledger:
         """Close the database connection."""
         with self._lock:
             self._db.close()
-            self._drop_copy()
 
     # -- writing -----------------------------------------------------------------
 

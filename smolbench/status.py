@@ -50,7 +50,7 @@ class StatusMixin(WorkbenchPart):
         policy = self.spec.policy
         line = policy.describe()
         if self.net_note:
-            line += " (set by %smol up for this session)"
+            line += " (set for this session as it came up)"
         enforced = getattr(self.backend, "network_enforced", None)
         if enforced is not None and policy.enabled:
             line += f"; {enforced()}"

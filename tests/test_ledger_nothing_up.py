@@ -6,7 +6,9 @@ is refused as every ledger is."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import signal
 import socket
 import sqlite3
 from pathlib import Path
@@ -151,7 +153,8 @@ def test_the_past_view_of_a_wal_ledger_leaves_the_folders_files_as_they_were(tmp
         writer.upsert_node("s1", "root.1", parent_id="root", status="ok", alive=1, started=3.0)  # still its to write
     finally:
         writer.close()
-    # a copied folder: a dead writer's -wal, no -shm; the view reads a private copy, nothing made here
+    # a copied folder: a dead writer's -wal, no -shm; the view reads it with the -shm SQLite needs,
+    # left there (removed at close, it was taken from a writer that came meanwhile), nothing else
     subprocess.run([sys.executable, "-c", "import os, sys\nfrom smolbench.ledger import Ledger\n"
                     "l = Ledger(sys.argv[1])\nl.upsert_node('s1', 'root.2', parent_id='root', status='ok', alive=1, "
                     "started=4.0)\nos._exit(0)", str(path)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -159,13 +162,14 @@ def test_the_past_view_of_a_wal_ledger_leaves_the_folders_files_as_they_were(tmp
     copied = _names(tmp_path)
     assert copied == ["ledger.db", "ledger.db-wal"], copied
     viewed()
-    assert _names(tmp_path) == copied
+    assert _names(tmp_path) == sorted([*copied, "ledger.db-shm"])
 
 
 def test_a_writer_that_comes_while_a_copied_folder_s_ledger_is_viewed_keeps_its_shm(tmp_path: Path) -> None:
     """A view of a -wal with no -shm (a copied folder) opened `mode=ro` beside it, which made a
     -shm, and removed it at close: a kernel that came meanwhile had taken it as its own, and
-    lost it under its open connection (two writers' -shm apart: SQLite's locking broken)."""
+    lost it under its open connection (two writers' -shm apart: SQLite's locking broken).
+    (Reading a private copy instead cost the host a sparse -wal's claimed size in /tmp.)"""
     import subprocess
     import sys
 
@@ -194,3 +198,29 @@ def test_a_writer_that_comes_while_a_copied_folder_s_ledger_is_viewed_keeps_its_
             other.close()
     finally:
         writer.close()
+
+
+def test_a_copied_folder_s_sparse_wal_costs_the_view_nothing(tmp_path: Path) -> None:
+    """A -wal of 2 GiB of holes (84 KB on disk, in a folder handed over): a view that copied
+    the ledger's files to read them wrote its claimed size into the host's /tmp (12 s, 2 GiB)."""
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path)
+    ledger.start_session("s1", backend="sandbox", host=socket.gethostname(), pid=0, pid_start=None)
+    ledger.upsert_node("s1", "root", status="ok", alive=1, started=1.0)
+    ledger.close()
+    with open(tmp_path / "ledger.db-wal", "wb") as f:
+        f.truncate(2 << 30)
+    # what this process may write to any file meanwhile: far below what the -wal claims
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, old_limit[1]))
+    try:
+        view = Ledger.read_only(path)  # (a copy past the limit fails: EFBIG)
+        assert view is not None
+        try:
+            assert [r["id"] for r in view._rows("SELECT id FROM nodes")] == ["root"]  # not a log SQLite can read
+        finally:
+            view.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert (tmp_path / "ledger.db-wal").stat().st_blocks == 0  # left as it came

@@ -19,8 +19,7 @@ from nbhelpers import TAG_VAR, NotebookSession, ok, one_line, stream_text, wait_
 
 import smolbench
 from smolbench import gate
-from smolbench.errors import remote_error
-from smolbench.errors import RemoteError, SmolbenchError
+from smolbench.errors import RemoteError, SmolbenchError, remote_error
 from smolbench.gate.limits import human
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
