@@ -152,6 +152,35 @@ def test_a_session_s_output_logs_share_one_budget(tmp_path: Any) -> None:
     assert logs == [2000, 1000, 0, 0, 0] and pool.left == 0
 
 
+def test_the_output_logs_of_a_folder_share_one_budget_and_the_oldest_idle_ones_go_first(tmp_path: Any) -> None:
+    """Every session started with a fresh 1 GB, so a folder used day after day grew without
+    end; and once the budget was spent a cell's line said "the first 0 bytes of it saved to
+    X", naming a file that did not exist (or an older session's of the same name)."""
+    import os
+
+    from smolbench.gate.output import LogPool
+
+    old, recent = tmp_path / "root.cell1-aaaaaa.log", tmp_path / "root.cell2-bbbbbb.log"
+    old.write_bytes(b"o" * 4096)
+    recent.write_bytes(b"r" * 4096)
+    os.utime(old, (1, 1))  # a day-old session's log
+    (tmp_path / "elsewhere.log").symlink_to(tmp_path.parent)  # a copied folder's link: never followed
+    pool = LogPool(total=12288, folder=tmp_path, mine="cccccc")
+    first = OutputBudget(tmp_path / "root.cell1-cccccc.log", limit=10, log_limit=8192, pool=pool)
+    first.take("stdout", "x" * 9000)
+    first.finish()
+    # room for this session's 8 KiB: the old session's log went, the recent one (maybe a live
+    # kernel's beside this one) stayed
+    assert not old.exists() and recent.read_bytes() == b"r" * 4096
+    assert (tmp_path / "root.cell1-cccccc.log").stat().st_size == 8192
+    assert (tmp_path / "elsewhere.log").is_symlink() and tmp_path.parent.is_dir()
+    second = OutputBudget(tmp_path / "root.cell2-cccccc.log", limit=10, log_limit=8192, pool=pool)
+    second.take("stdout", "y" * 9000)
+    note = second.finish()
+    assert note is not None and "not saved: the output logs in" in note and "delete old ones there" in note, note
+    assert "saved to" not in note and not (tmp_path / "root.cell2-cccccc.log").exists()
+
+
 def test_a_failed_branch_s_reason_in_host_lines_is_plain_text() -> None:
     """The reason is cut short inside the fork's summary: a style it started (its reset cut off)
     coloured the host's lines after it, and a carriage return rewrote them."""

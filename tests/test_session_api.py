@@ -130,17 +130,18 @@ def test_a_copied_folders_planted_output_log_is_not_written_through(here: Path, 
     victim, elsewhere = here.parent / f"{here.name}-bashrc", here.parent / f"{here.name}-elsewhere"
     victim.write_text("export KEEP=1\n")
     elsewhere.mkdir()
-    names = [f"root.cell{i}.log" for i in range(1, 10)]
     if planted == "folder":
         outputs.symlink_to(elsewhere)
     else:
         outputs.mkdir()
-        for name in names:
+    with smolbench.Session(backend="process") as s:
+        # where this session's logs go (names it makes its own: a link planted once it is known)
+        names = [f"root.cell{i}-{s.workbench.session[-6:]}.log" for i in range(1, 10)]
+        for name in names if planted != "folder" else ():
             if planted == "log":
                 (outputs / name).symlink_to(victim)
             else:
                 os.mkfifo(outputs / name)
-    with smolbench.Session(backend="process") as s:
         r = s.run(PRINT)
     assert victim.read_text() == "export KEEP=1\n" and list(elsewhere.iterdir()) == []
     assert r.output_log is None

@@ -3,7 +3,8 @@
 A machine can print without end; the notebook (and the browser behind it) must not
 have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
 lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
-rest goes to ``.smolbench/outputs/<node>.log`` (at most ``LIMITS.log`` bytes) and the
+rest goes to ``.smolbench/outputs/<node>-<session>.log`` (at most ``LIMITS.log`` bytes; all
+logs in the folder at most ``SESSION_LOGS``, the oldest idle ones going first) and the
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
 counted (never queued for the notebook, so none can land in a later cell). The log is written
@@ -21,33 +22,84 @@ saying so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
 from ..ledger import linked_part
 from .limits import LIMITS, human
 
-SESSION_LOGS = 1000**3  # bytes all of a session's output logs may take together
+SESSION_LOGS = 1000**3  # bytes all output logs in one folder may take together (see LogPool)
 ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
 
 class LogPool:
-    """The bytes all of one session's output logs may still take: each cell's and branch's log
-    is at most ``LIMITS.log``, and a fork of 256 branches printing without end wrote 200 MB each."""
+    """The bytes the output logs in one folder may still take: each cell's and branch's log is
+    at most ``LIMITS.log``, and a fork of 256 branches printing without end wrote 200 MB each.
+    ``folder``: what other sessions' logs there take counts too (each session started with a
+    fresh 1 GB, so a long-used folder grew without end); when this session's logs need the
+    room, the oldest of theirs go first, once untouched for ``IDLE`` seconds (a live kernel
+    beside this one may still be writing a recent one). ``mine``: this session's log names end
+    with ``-MINE.log``."""
 
-    def __init__(self, total: int = SESSION_LOGS) -> None:
+    IDLE = 600.0
+    SCAN = 10_000  # log files looked at, at most (a copied folder may hold any number)
+
+    def __init__(self, total: int = SESSION_LOGS, folder: Path | None = None, mine: str = "") -> None:
+        self.total = total
         self.left = total
+        self.folder = folder
+        self.mine = f"-{mine}.log" if mine else ""
+        self._looked = -1.0  # when the folder was last looked at (monotonic), if ever
         self._lock = threading.Lock()  # cells' big messages are checked on the gate's threads
 
     def take(self, wanted: int) -> int:
         """Bytes of ``wanted`` that may still be logged (taken from what is left)."""
         with self._lock:
+            if self.folder is not None and (self._looked < 0 or (wanted > self.left and time.monotonic() - self._looked > 10)):
+                self._look(wanted)
             got = max(0, min(wanted, self.left))
             self.left -= got
             return got
+
+    def _look(self, wanted: int) -> None:
+        """Count the folder's other logs (plain files only, by their blocks: holes cost nothing)
+        against the total, and remove the oldest idle ones until ``wanted`` fits."""
+        first = self._looked < 0
+        self._looked = time.monotonic()
+        assert self.folder is not None
+        try:
+            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # none yet, or not a plain folder: the log's own open says so
+        try:
+            theirs = []
+            with os.scandir(fd) as entries:
+                for n, entry in enumerate(entries):
+                    if n >= self.SCAN:
+                        break
+                    if not entry.name.endswith(".log") or (self.mine and entry.name.endswith(self.mine)):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        theirs.append((st.st_mtime, entry.name, st.st_blocks * 512))
+            used = sum(size for _, _, size in theirs)
+            if first:
+                self.left -= used
+            theirs.sort()
+            now = time.time()
+            for mtime, name, size in theirs:
+                if self.left >= wanted or now - mtime < self.IDLE:
+                    break
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)  # (a link is removed, never followed)
+                    self.left += size
+        finally:
+            os.close(fd)
 
 
 class OutputBudget:
@@ -201,6 +253,9 @@ class OutputBudget:
             if self.pool is not None:
                 room = self.pool.take(room)
                 if room <= 0:
+                    if not self.logged:  # else the closing line says how much of it was saved
+                        self.not_saved = (f"the output logs in {_where(self.log_path.parent)} already take "
+                                          f"{human(self.pool.total)}: delete old ones there")
                     return 0
             if self._log is None:
                 try:
