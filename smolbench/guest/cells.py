@@ -36,7 +36,7 @@ class Cells:
         msg = {"t": "done", "status": "ok", "result": None, "error": None, "pulled": {}}
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
-        self._begin()
+        self._begin(req)
         try:
             msg["result"] = self._cell_body(req, filename)
         except BaseException:  # KeyboardInterrupt too: an interrupt lands only in _cell_body
