@@ -96,3 +96,5 @@ def test_an_interrupt_still_stops_the_cell_it_names(tmp_path: Path) -> None:
     assert (stopped.error or {}).get("ename") == "KeyboardInterrupt"
     assert stopped.stdout == "cell started\n"
     assert after.status == "ok" and after.result == {"text/plain": "42"}
+    frames = (stopped.error or {}).get("traceback") or []  # it ends at the cell's line, not in the agent
+    assert frames and frames[-1].startswith('  File "<cell>", line 4') and "serving.py" not in "".join(frames)
