@@ -35,7 +35,7 @@ from ..packages import install as install_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
-from ._wire import exec_message
+from ._wire import RequestIds, exec_message, interrupt_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 
 T = TypeVar("T")
@@ -62,6 +62,7 @@ class AgentHostBackend(Backend):
         self._going: dict[str, str] = {}  # branch -> its folder, while it is deleted: the name stays taken till it is gone
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
+        self._ids = RequestIds()  # what an interrupt names: the cell (or save, fork) it is meant for
 
     @property
     def limiter(self) -> _limits.Limiter:
@@ -279,6 +280,7 @@ class AgentHostBackend(Backend):
         ref = self._machines.pop(machine.name, None)
         if ref is None:
             return
+        self._ids.forget(ref.name)
         for child in [m for m in self._machines.values() if m.parent == ref.name]:
             await self.delete(child)
         proc = self._procs.pop(ref.name, None)
@@ -463,7 +465,8 @@ class AgentHostBackend(Backend):
         limits = self.limiter.get(machine.name)
         ooms = limits.oom_kills() if limits is not None else 0
         try:
-            async with contextlib.aclosing(self._stream(machine, exec_message(request))) as chunks:
+            msg = exec_message(request, self._ids.cell(machine.name))
+            async with contextlib.aclosing(self._stream(machine, msg)) as chunks:
                 res = await gate.read_cell(chunks, request, on_event, machine.name)
         except SmolbenchError:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
@@ -484,12 +487,16 @@ class AgentHostBackend(Backend):
         loop = asyncio.get_running_loop()
         _, chan = await self._connect(machine, lambda path: loop.create_unix_connection(
             lambda: Channel(machine.name, request, lost), path))
-        chan.send(exec_message(request))
+        chan.send(exec_message(request, self._ids.cell(machine.name)))
         return chan
 
     async def interrupt(self, machine: MachineRef) -> None:
+        """Stop the last cell sent to ``machine`` if it still runs: never a later one."""
+        rid = self._ids.last(machine.name)
+        if rid is None:
+            return
         with contextlib.suppress(SmolbenchError, OSError):
-            await self._request(machine, {"op": "interrupt"})
+            await self._request(machine, interrupt_message(rid))
 
     async def info(self, machine: MachineRef) -> dict[str, Any]:
         """What the agent says about itself (python version, pid, cells run, ...)."""
@@ -518,14 +525,15 @@ class AgentHostBackend(Backend):
             held.fork_headroom(8 * len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
-        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "children": children, "hold": True,
+        fork_id = self._ids.new()
+        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "id": fork_id, "children": children, "hold": True,
                                                                 **({"leaf": True} if leaf else {})}))
         try:
             try:
                 try:
                     done = await asyncio.shield(forking)
                 except asyncio.CancelledError:  # its answer first (a grace period at most): what it made is
-                    await _to_the_end(self._stop_request(machine, forking))  # held, not made after the undo
+                    await _to_the_end(self._stop_request(machine, forking, fork_id))  # held, not made after the undo
                     raise
             except SmolbenchError as exc:
                 if "BlockingIOError" not in str(exc):
@@ -620,14 +628,14 @@ class AgentHostBackend(Backend):
     async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
         stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
         part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
-        held = -1
+        held, rid = -1, self._ids.new()
         try:  # the stage goes on every path, even when the machine fails to save
-            saving = asyncio.ensure_future(
-                self._request_explained(machine, {"op": "save", "path": f"{machine.info['guest_run']}/{stage}"}))
+            saving = asyncio.ensure_future(self._request_explained(
+                machine, {"op": "save", "id": rid, "path": f"{machine.info['guest_run']}/{stage}"}))
             try:
                 done = await asyncio.shield(saving)
             except asyncio.CancelledError:  # the machine stops its save too, and is free before we go on
-                await _to_the_end(self._stop_request(machine, saving))
+                await _to_the_end(self._stop_request(machine, saving, rid))
                 raise
             held = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             ckptpaths.hold_part(held)  # a sweep by another kernel leaves it while it is written
@@ -680,10 +688,11 @@ class AgentHostBackend(Backend):
         """An O_PATH descriptor of ``machine``'s run folder, and ``name`` in it."""
         return os.open(machine.info["host_dir"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), name
 
-    async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any]) -> None:
-        """Interrupt what ``machine`` does for ``request`` and wait (a grace period at most) for
-        its answer, so its next request does not find it busy; past that, hang up."""
-        await _stop_with_grace(lambda: self._request(machine, {"op": "interrupt"}), request, gate.LIMITS.grace)
+    async def _stop_request(self, machine: MachineRef, request: asyncio.Future[Any], rid: int) -> None:
+        """Interrupt what ``machine`` does for ``request`` (its id ``rid``: never a later request)
+        and wait (a grace period at most) for its answer, so its next request does not find it
+        busy; past that, hang up."""
+        await _stop_with_grace(lambda: self._request(machine, interrupt_message(rid)), request, gate.LIMITS.grace)
 
     async def _request_explained(self, ref: MachineRef, msg: dict[str, Any]) -> dict[str, Any]:
         """``_request``, but a machine the kernel killed for memory meanwhile says so (MachineLost)."""

@@ -53,7 +53,7 @@ from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
 from ..packages import Installed
 from ..packages import install as install_packages
 from ..spec import MachineSpec
-from ._wire import exec_message
+from ._wire import RequestIds, exec_message, interrupt_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
 from .smol_image import DEFAULT_IMAGE, boot_timeout, image_python, is_local, smol_image
@@ -185,6 +185,7 @@ class SmolBackend(Backend):
         self._machines: dict[str, MachineRef] = {}
         self._handles: dict[str, Machine] = {}
         self._serial = itertools.count(1)
+        self._ids = RequestIds()  # what an interrupt names: the cell it is meant for
         self.extra_labels: dict[str, str] = {}  # a cluster node agent's folder (its leftovers are found by it)
 
     @property
@@ -419,6 +420,7 @@ class SmolBackend(Backend):
         """Delete the VM (its branches are VMs of their own and stay); gone already is fine."""
         ref = self._machines.pop(machine.name, None)
         handle = self._handles.pop(machine.name, None)
+        self._ids.forget(machine.name)
         if ref is None or handle is None:
             return
         await asyncio.to_thread(self._delete_sync, handle, str(ref.info.get("id") or handle.id))
@@ -560,13 +562,18 @@ class SmolBackend(Backend):
         self, machine: MachineRef, request: CellRequest, on_event: OnEvent
     ) -> CellResult:
         """Run one cell through client.py, streaming its output as it arrives."""
-        async with contextlib.aclosing(self._relay(machine, exec_message(request))) as chunks:
+        msg = exec_message(request, self._ids.cell(machine.name))
+        async with contextlib.aclosing(self._relay(machine, msg)) as chunks:
             return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
-        """Raise KeyboardInterrupt in the cell running in the machine, if any."""
+        """Raise KeyboardInterrupt in the last cell sent to the machine if it still runs: never
+        a later one (the relay's exec can take a while to reach the agent)."""
+        rid = self._ids.last(machine.name)
+        if rid is None:
+            return
         with contextlib.suppress(SmolbenchError):
-            await self._request(machine, {"op": "interrupt"}, timeout=10.0)
+            await self._request(machine, interrupt_message(rid), timeout=10.0)
 
     async def info(self, machine: MachineRef) -> dict[str, Any]:
         """What the agent says about itself (python version, pid, cells run, ...)."""

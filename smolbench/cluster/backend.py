@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import gate
 from .._aio import _to_the_end
-from ..backends._wire import exec_message
+from ..backends._wire import RequestIds, exec_message, interrupt_message
 from ..backends.base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from ..errors import InfraError, SmolbenchError
 from ..spec import MachineSpec
@@ -93,6 +93,7 @@ class ClusterBackend(Backend):
         self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
         self._pushing: asyncio.Future[Any] | None = None  # the gate limits on their way to agents
         self._batchers: dict[tuple[str, str], Batcher] = {}
+        self._ids = RequestIds()  # the cells' ids, numbered here: an interrupt names the one it is meant for
         self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
     # -- joining ----------------------------------------------------------------------
@@ -321,19 +322,25 @@ class ClusterBackend(Backend):
     async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
         await self._limits_to_agents()
         node = self._node_of(machine)
-        item = self._batcher(node, "exec").submit(machine.name, exec_message(request))
+        item = self._batcher(node, "exec").submit(machine.name, exec_message(request, self._ids.cell(machine.name)))
         async with contextlib.aclosing(item.chunks()) as chunks:
             return await gate.read_cell(chunks, request, on_event, machine.name)
 
     async def interrupt(self, machine: MachineRef) -> None:
+        """Stop the last cell sent to ``machine`` if it still runs when its node's agent hears
+        of it (a Ray call may come late): never a later one."""
+        rid = self._ids.last(machine.name)
+        if rid is None:
+            return
         with contextlib.suppress(SmolbenchError):
             node = self._node_of(machine)
-            await self._call(node, node.agent.control.remote(machine.name, {"op": "interrupt"}))
+            await self._call(node, node.agent.control.remote(machine.name, interrupt_message(rid)))
 
     async def delete(self, machine: MachineRef) -> None:
         ref = self._machines.pop(machine.name, None)
         if ref is None:
             return
+        self._ids.forget(ref.name)
         node = self.nodes.get(ref.info.get("node", ""))
         for child in [m for m in self._machines.values() if m.parent == ref.name]:
             await self.delete(child)

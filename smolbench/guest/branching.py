@@ -172,7 +172,7 @@ class Branching:
         self._send_lock = threading.Lock()
         self.outbox = _Outbox(self)
         self._queue = queue.Queue()
-        self._running, self._cell_lock = False, threading.Lock()  # the parent's may be held right now
+        self._running, self._running_id, self._cell_lock = False, None, threading.Lock()  # the parent's may be held now
         self.cell_count = 0
         _set_pdeathsig()
         if frozen is not None:

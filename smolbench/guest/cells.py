@@ -36,7 +36,7 @@ class Cells:
         msg = {"t": "done", "status": "ok", "result": None, "error": None, "pulled": {}}
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
-        self._begin()
+        self._begin(req)
         try:
             msg["result"] = self._cell_body(req, filename)
         except BaseException:  # KeyboardInterrupt too: an interrupt lands only in _cell_body
@@ -194,7 +194,10 @@ def _error_from_exc(filename):
     # Drop the agent's own frames: the traceback starts at the cell.
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
-    frames = traceback.format_tb(tb) if tb is not None else []
+    entries = traceback.extract_tb(tb) if tb is not None else []
+    if etype is KeyboardInterrupt and entries and entries[-1].name == "_on_sigint":
+        entries = entries[:-1]  # the agent's signal handler raised it: the cell's own line is the last
+    frames = traceback.format_list(entries)
     if etype is not None and issubclass(etype, SyntaxError):
         frames = traceback.format_exception_only(etype, evalue)[:-1]
     return {"ename": etype.__name__ if etype else "Error", "evalue": str(evalue) + _net_note(evalue), "traceback": frames}

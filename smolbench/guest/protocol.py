@@ -5,13 +5,14 @@ the host, so the protocol tested on the sandbox is the one a microVM speaks.
 
 Requests (host -> agent), one per connection::
 
-    {"op": "exec", "code": "...", "cell": "<cell-3>", "push": {name: b64}, "pull": [names]}
+    {"op": "exec", "id": 17, "code": "...", "cell": "<cell-3>", "push": {name: b64}, "pull": [names]}
     {"op": "fork", "children": [{"name": "root.0", "seed": 7, "socket": "/run/..."}], "hold": true}
     {"op": "release", "go": true}        # held children of the last fork: start (or exit)
     {"op": "warm"}                       # before a microVM branch: import and freeze what branches share
     {"op": "seed", "seed": 7}            # apply a seed (used after a microVM branch)
-    {"op": "ping"} | {"op": "interrupt"} | {"op": "kill", "pid": 123} | {"op": "shutdown"}
-    {"op": "save", "path": "..."} | {"op": "load", "path": "..."}
+    {"op": "ping"} | {"op": "kill", "pid": 123} | {"op": "shutdown"}
+    {"op": "interrupt", "id": 17}        # stops the exec or save of that id if it runs (no id: any)
+    {"op": "save", "id": 18, "path": "..."} | {"op": "load", "path": "..."}
 
 Replies (agent -> host), several per request, the last one has ``"t": "done"``::
 

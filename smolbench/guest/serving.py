@@ -63,6 +63,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self._busy = threading.Lock()
         self._queue = queue.Queue()
         self._running = False  # a cell (or save) is running: an interrupt request signals it
+        self._running_id = None  # the host's id of that request (an interrupt naming another misses)
         self._cell_lock = threading.Lock()  # held to change _running, and to signal while it is set
         self.sock_path = sock_path
         self.main = types.ModuleType("__main__")
@@ -176,9 +177,11 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             self._reply(conn, {"t": "done", "status": "ok", "info": self.info()})
         elif op == "interrupt":
             # Under the lock the main thread takes to end a request: the signal reaches the
-            # request this one meant to stop, never the next (see _end).
+            # request this one meant to stop, never the next (see _end). An interrupt naming a
+            # request (its "id") misses any other; one naming none stops whatever runs.
+            want = req.get("id")
             with self._cell_lock:
-                hit = self._running
+                hit = self._running and (want is None or want == self._running_id)
                 if hit:
                     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             self._reply(conn, {"t": "done", "status": "ok", "interrupted": hit})
@@ -229,16 +232,17 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             info.update(contain.info(self.machine))
         return info
 
-    def _begin(self):
-        """A cell or save starts: interrupt requests signal the main thread from now on."""
+    def _begin(self, req):
+        """A cell or save starts: interrupt requests (naming its ``id``, or none) signal the
+        main thread from now on."""
         with self._cell_lock:
-            self._running = True
+            self._running, self._running_id = True, req.get("id")
 
     def _end(self):
         """It ended: no interrupt request signals it any more, and one already sent (to the
         main thread, under the lock) is handled here, outside it: dropped (_on_sigint)."""
         with self._cell_lock:
-            self._running = False
+            self._running, self._running_id = False, None
         signal.pthread_sigmask(signal.SIG_BLOCK, [])  # runs the Python handlers of signals that came
 
     def serve_forever(self):
@@ -264,7 +268,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
                         self.restored_as_saved()
                     done = {"t": "done", "status": "ok", "info": self.info()}
                 elif op == "save":
-                    self._begin()  # an interrupt stops it (the host removes what it wrote)
+                    self._begin(req)  # an interrupt stops it (the host removes what it wrote)
                     try:
                         done = self.save(req["path"])
                     finally:
