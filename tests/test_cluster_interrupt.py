@@ -75,3 +75,37 @@ def test_a_cluster_interrupt_stops_its_cell_and_a_late_one_not_the_next(process_
 
     m: Any = None
     asyncio.run(main())
+
+
+# Runs in the machine (the process backend: the agent's own process): it takes every interrupt
+# request and never answers one.
+SILENT_TO_INTERRUPTS = (
+    "import socket, sys\n_ag = sys.modules['smolbench_guest']._agent\n_held, _orig = [], _ag._handle\n"
+    "def _h(conn):\n"
+    "    if b'\"interrupt\"' in conn.recv(65536, socket.MSG_PEEK):\n"
+    "        _held.append(conn)\n        return\n"
+    "    return _orig(conn)\n"
+    "_ag._handle = _h\n"
+)
+
+
+def test_a_node_agent_asked_to_interrupt_a_silent_machine_answers_within_the_grace(process_node: Any) -> None:
+    """The node agent awaited the machine's answer to an interrupt with no limit: a machine that
+    takes the request and never answers held that call (and its task on the node) for ever."""
+    from smolbench.cluster.backend import ClusterBackend
+
+    cb = ClusterBackend(process_node.address)
+    cb.start()
+    node = next(iter(cb.nodes.values()))
+
+    async def main() -> None:
+        m = await cb.create(MachineSpec(), "silent")
+        try:
+            done = await cb.exec_cell(m, CellRequest(SILENT_TO_INTERRUPTS), lambda ev: None)
+            assert done.status == "ok", done.error
+            said = await asyncio.wait_for(node.agent.control.remote("silent", interrupt_message(1)), 30)
+            assert said == {"status": "ok"}
+        finally:
+            await cb.close()
+
+    asyncio.run(main())

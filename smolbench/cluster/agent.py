@@ -279,8 +279,9 @@ class NodeAgent:
         self._count("control")
         request = getattr(self.backend, "_request")  # noqa: B009
         if msg.get("op") == "interrupt":  # it names the driver's id of its cell: sent as it is
-            with contextlib.suppress(SmolbenchError, OSError):
-                await request(self._ref(name), msg)
+            # (an agent that takes it and never answers costs a grace period, not a task for ever)
+            with contextlib.suppress(SmolbenchError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(request(self._ref(name), msg), gate_limits.LIMITS.grace)
             return {"status": "ok"}
         done = await request(self._ref(name), msg)
         return {"status": str(done.get("status"))}
