@@ -218,7 +218,11 @@ class SmolMagics(Magics):
         if self.session is None or self.workbench is None:
             print("smolbench: nothing is up")
             return
-        n = self.session.down()
+        n = self.session.down()  # a fork still running (--bg) is cancelled first: its branches say so
+        stopped = self.workbench.cancelled_fanouts
+        if stopped:
+            print(f"smolbench: cancelled {stopped} running fan-out{'s' if stopped != 1 else ''} first "
+                  "(their unfinished branches are recorded as cancelled)")
         print(f"smolbench: deleted {n} machine{'s' if n != 1 else ''}")
         self._close_views()
 
@@ -479,6 +483,7 @@ class SmolMagics(Magics):
             result._attach(job.future, job.cancel)
             if args.out:
                 self._user_ns[args.out] = result
+                result.name = args.out  # what a Ctrl-C of its .wait() says to cancel it
             self.last_result = result
             print(f"smolbench: {kind} of {n} running in the background; the handle has .wait(), .done(), .progress, .cancel()")
             return result

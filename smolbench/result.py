@@ -78,6 +78,7 @@ class ForkResult:
         # max_alive: said by .wait() (once) and kept in its table, never under an unrelated cell
         self.notes: list[str] = []
         self._told = 0
+        self.name: str | None = None  # the variable the magics put it in (--out), named by a wait's Ctrl-C
         self._future: Future[Any] | None = None
         self._cancel: Any = None
 
@@ -94,8 +95,9 @@ class ForkResult:
     def wait(self, timeout: float | None = None) -> ForkResult:
         """Block until the fan-out is finished (or ``timeout`` seconds pass).
 
-        After :meth:`cancel` it returns once every branch is cleaned up (their status
-        says ``cancelled``), rather than raising.
+        After :meth:`cancel` (or a ``down`` that cancelled it) it returns once every branch is
+        cleaned up (their status says ``cancelled``), rather than raising. Ctrl-C stops the
+        wait, not the fan-out: it goes on in the background, and says so.
         """
         try:
             if self._future is not None:
@@ -103,6 +105,13 @@ class ForkResult:
                     self._future.result(timeout)
                 except CancelledError:
                     pass
+                except KeyboardInterrupt:
+                    if self.done():
+                        raise
+                    done, total = self.progress
+                    handle = f"`{self.name}.cancel()`" if self.name else "its handle's `.cancel()`"
+                    raise _interrupted(f"stopped waiting; the {self.kind} goes on in the background ({done} of {total} "
+                                       f"done): {handle} stops it") from None
         finally:
             self._tell()
         return self
@@ -284,6 +293,12 @@ class ForkResult:
             + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) +
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
         )
+
+
+def _interrupted(message: str) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that IPython shows as one line (as the magics' ``interrupted``)."""
+    cls = type("KeyboardInterrupt", (KeyboardInterrupt,), {"_render_traceback_": lambda self: [f"KeyboardInterrupt: {self}"]})
+    return cls(message)
 
 
 @dataclass

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,24 @@ from .zygote import Zygotes
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
 KEEP_POLICIES = ("best", "all", "none")
+FANOUT_STOP_WAIT = 60.0  # seconds down() waits for running fan-outs to record their cancel before it deletes
+
+FanOut = Callable[..., Coroutine[Any, Any, ForkResult]]
+
+
+def _stopped_by_down(method: FanOut) -> FanOut:
+    """A fan-out that :meth:`Workbench.down` cancels first (its task's), so its branches are
+    recorded as cancelled: deleted under it, they read as machines that died mid-cell."""
+    @functools.wraps(method)
+    async def tracked(self: Workbench, *args: Any, **kwargs: Any) -> ForkResult:
+        task = asyncio.current_task()
+        self._fanouts.add(task)  # type: ignore[arg-type]  # always one: it runs on our loop
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._fanouts.discard(task)
+
+    return tracked
 
 
 class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
@@ -71,6 +90,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.unwritten: weakref.WeakSet[Any] = weakref.WeakSet()
         self._runs = 0
         self._busy: set[str] = set()
+        self._fanouts: set[asyncio.Task[Any]] = set()  # tasks running a fork or episodes (down stops them first)
+        self.cancelled_fanouts = 0  # how many of them the last down() cancelled
         self.max_alive = spec.max_alive
         self._used: dict[str, float] = {}  # node -> when it was last used (least recently used go first)
         self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
@@ -203,7 +224,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
-        count = 0
+        before = set(self.machines)  # also those a cancelled fan-out deletes itself
+        await _to_the_end(self._stop_fanouts())
+        gone: set[str] = set()
         for records in list(self.unwritten):  # before the rows below, which they must not come after
             with contextlib.suppress(Exception):  # a record that can't be written never keeps a machine
                 records.session_down()
@@ -216,7 +239,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
                     continue
                 with contextlib.suppress(Exception):
                     await self.backend.delete(ref)
-                count += 1
+                gone.add(name)
                 if name in self.tree:
                     node = self.tree[name]
                     node.alive = False
@@ -230,7 +253,18 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             await self.backend.close()
         self.active = None
         self.closed = True
-        return count
+        return len(before | gone)
+
+    async def _stop_fanouts(self) -> None:
+        """Cancel the forks and episodes still running (a --bg fork, one in another thread or
+        started from a view) and wait for them to record their branches as cancelled."""
+        me = asyncio.current_task()
+        running = [task for task in self._fanouts if task is not me and not task.done()]
+        self.cancelled_fanouts = len(running)
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=FANOUT_STOP_WAIT)
 
     def require_up(self) -> MachineRef:
         """The active machine, or a clear error when there is none."""
@@ -441,6 +475,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         result.reseed = reseed
         return result
 
+    @_stopped_by_down
     async def fork(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                    concurrency: int | None = None, keep: str = "best", push: dict[str, bytes] | None = None,
                    retries: int | None = None, cell_name: str | None = None, first_line: int = 1) -> ForkResult:
@@ -517,6 +552,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             result.ended = time.time()
         return result
 
+    @_stopped_by_down
     async def episodes(self, result: ForkResult, code: str, on_event: BranchEvent, *, timeout: float | None = None,
                        concurrency: int | None = None, push: dict[str, bytes] | None = None,
                        retries: int | None = None, cell_name: str | None = None, first_line: int = 1) -> ForkResult:

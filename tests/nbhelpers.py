@@ -17,6 +17,7 @@ process. So "the processes this kernel left behind" is a precise question:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import shutil
 import signal
@@ -146,6 +147,29 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         cell = nbformat.v4.new_code_cell(source)
         self.nb.cells.append(cell)
         return self.client.execute_cell(cell, len(self.nb.cells) - 1)
+
+    def run_counted(self, source: str) -> tuple[NotebookNode, dict[str, int]]:
+        """Execute one cell; also count the IOPub messages (by type) heard while it ran, its own
+        and any other (a widget's state sent from another thread carries any parent)."""
+        kc = self.client.kc
+        assert kc is not None
+        channel = kc.iopub_channel
+        counts: dict[str, int] = {}
+        get_msg = channel.get_msg
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            msg = get_msg(*args, **kwargs)
+            if inspect.isawaitable(msg):
+                msg = await msg
+            kind = msg["header"]["msg_type"]
+            counts[kind] = counts.get(kind, 0) + 1
+            return msg
+
+        channel.get_msg = counted  # type: ignore[method-assign]
+        try:
+            return self.run(source), counts
+        finally:
+            del channel.get_msg
 
     # -- the kernel -----------------------------------------------------------------
 

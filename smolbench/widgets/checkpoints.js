@@ -62,7 +62,7 @@ function render({ model, el }) {
     pending.set(id, p);
     say("info", `${label}: sent to the kernel…`);
     p.timer = setTimeout(() => {
-      if (!p.acked && pending.has(id) && model.get("busy"))
+      if (!p.acked && pending.has(id) && kernelBusy(model))
         say("info", `${label}: queued: the kernel is running a cell and will apply this click when it finishes`);
     }, ACK_MS);
     try {

@@ -169,7 +169,7 @@ function render({ model, el }) {
     p.timers.push(
       setTimeout(() => {
         if (p.acked || !view.pending.has(id)) return;
-        if (model.get("busy")) {
+        if (kernelBusy(model)) {
           showMessage(
             {
               level: "info",
@@ -180,7 +180,7 @@ function render({ model, el }) {
         }
       }, ACK_MS),
       setTimeout(() => {
-        if (p.acked || !view.pending.has(id) || model.get("busy")) return;
+        if (p.acked || !view.pending.has(id) || kernelBusy(model)) return;
         showMessage(
           {
             level: "error",

@@ -163,7 +163,9 @@ class TreeWidget(WorkbenchView):
         ids = self._ids()
         self._scope_ids = set(ids)
         can_fork = self.last_fork() is not None
-        busy = set(getattr(wb, "_busy", ()))  # nodes running a cell or being forked right now
+        # nodes running a cell or being forked right now: shown by the newest view (_base.newest_view);
+        # the others' buttons stay as they were, and a click on a busy node is answered with why
+        busy = set(getattr(wb, "_busy", ())) if self.shows_busy() else set()
         auto = next_seed(all_nodes)
         base = self._default_base() if auto is None else auto
         records = []
@@ -178,9 +180,11 @@ class TreeWidget(WorkbenchView):
             best = best_in(all_nodes, [i for i in ids if all_nodes[i].run_id in self.runs])
         else:
             best = wb.tree.best_path()
-        live = sum(1 for n in all_nodes.values() if n.alive)
+        # a fork's view counts its own nodes' machines: a later fork elsewhere changes nothing here
+        whole = self._scope == "session" or not self.runs
+        live = sum(1 for n in all_nodes.values() if n.alive) if whole else sum(1 for i in ids if all_nodes[i].alive)
         plural = "s" if live != 1 else ""
-        info = f"{wb.backend.name} · session {wb.session} · {live} live machine{plural}"
+        info = f"{wb.backend.name} · session {wb.session} · {live} live machine{plural}" + ("" if whole else " in this view")
         if not wb.machines:
             info += " · down: `%smol up` starts a new tree"
         return {

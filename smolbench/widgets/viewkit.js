@@ -14,6 +14,19 @@ const GONE = new Set(["dead", "autorestarting", "restarting", "terminating"]);
 const GONE_TEXT =
   "the kernel is gone (it died, restarted or was shut down) and these machines with it: run the notebook again";
 
+// Whether the kernel is running a cell (a click then waits in its queue): the view's own `busy`
+// (the kernel sets it on its newest view only), else the kernel's status where the frontend
+// shows it (JupyterLab, Notebook 7).
+function kernelBusy(model) {
+  if (model.get("busy")) return true;
+  try {
+    const kernel = model.widget_manager && model.widget_manager.kernel;
+    return Boolean(kernel && kernel.status === "busy");
+  } catch (e) {
+    return false;
+  }
+}
+
 function watchKernel(model, onGone) {
   const manager = model.widget_manager;
   let kernel = null;
