@@ -578,7 +578,8 @@ def _frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Rows as a DataFrame; seeds stay whole numbers (pandas' nullable Int64, not 100.0)."""
     import pandas as pd
 
-    df = pd.DataFrame(list(rows))
-    if "seed" in df:
-        df["seed"] = pd.array([None if pd.isna(v) else int(v) for v in df["seed"]], dtype="Int64")
+    rows = list(rows)
+    df = pd.DataFrame(rows)
+    if "seed" in df:  # from the rows, not the frame's column: a float64 there rounds seeds past 2**53
+        df["seed"] = pd.array([r.get("seed") for r in rows], dtype="Int64")
     return df

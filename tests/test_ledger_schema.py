@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from smolbench import ledger as ledger_module
@@ -315,3 +316,18 @@ def test_a_reworded_error_says_its_new_text_in_both_interfaces_words() -> None:
     assert str(new.in_session_words()) == "checkpoint lesson1.smolcheckpoint is corrupt"
     ledger = reworded(UnsafeLedger("x.db", "holds SQL"), "ledger elsewhere holds SQL")
     assert isinstance(ledger, UnsafeLedger) and ledger.what == "holds SQL" and ledger.for_magics() == "ledger elsewhere holds SQL"
+
+
+def test_nodes_keep_every_seed_a_fork_may_have(tmp_path: Path) -> None:
+    """Seeds run from 0 to 2**63 - 1: nodes() built the seed column through floats, so a seed
+    past 2**53 came back one less and 2**63 - 1 raised OverflowError for the whole folder."""
+    ledger = Ledger(tmp_path / "ledger.db")
+    try:
+        ledger.start_session("s1")
+        for i, seed in enumerate([None, 7, 2**53 + 1, 2**63 - 1]):
+            ledger.upsert_node("s1", f"root.{i}", seed=seed, status="ok")
+        got = ledger.nodes().set_index("id")["seed"]
+        assert [None if v is pd.NA else int(v) for v in got[[f"root.{i}" for i in range(4)]]] == [None, 7, 2**53 + 1,
+                                                                                                 2**63 - 1]
+    finally:
+        ledger.close()
