@@ -36,7 +36,7 @@ from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
 from .backends import _netproxy
 from .backends.base import Event
-from .errors import SmolbenchError, reworded
+from .errors import SmolbenchError, reworded, shown_by_ipython
 from .gate import SafeBundle
 from .result import ForkResult
 
@@ -432,7 +432,8 @@ class SmolMagics(Magics):
                                            cell_name=self._cell_name(), first_line=2, pull_trusted=args.pull_trusted,
                                            value=False))
         if res.error is not None:
-            raise type(res.error)(res.error.ename, res.error.evalue, res.error.traceback)  # no [node] head
+            # no [node] head; a syntax error as a local cell's, not through IPython's own printer
+            raise shown_by_ipython(type(res.error)(res.error.ename, res.error.evalue, res.error.traceback)) from None
         if res.reward_error:  # e.g. reward = True or 10**400: said, not recorded
             print(f"smolbench: {res.reward_error}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
