@@ -60,3 +60,41 @@ def test_a_shell_escape_says_what_to_use_instead(shell: Any, capsys: pytest.Capt
     assert "magics.py" not in said
     said = shown(shell, capsys, "%%smol\nimport subprocess; subprocess.run('echo hi', shell=True)\n")
     assert "hi" in said
+
+
+WORDS = [  # what was typed, what the user now reads (argparse's own words, before: no fix)
+    ("%smol delete", "%smol delete needs a node: e.g. `%smol delete root.3` (`%smol tree` lists them)"),
+    ("%smol use", "%smol use needs a node: e.g. `%smol use root.3` (`%smol tree` lists them)"),
+    ("%smol replay", "%smol replay needs a node: e.g. `%smol replay root.3` (`%smol tree` lists them)"),
+    ("%smol checkpoint", "%smol checkpoint needs an action (save, restore, list, rm or export): "
+                         "e.g. `%smol checkpoint list`"),
+    ("%smol checkpoint lst", "unknown %smol checkpoint word 'lst': did you mean `%smol checkpoint list`? "
+                             "one of save, restore, list, rm, export (see %smol?)"),
+    ("%smol ledger -n x", "-n takes a whole number, got 'x': e.g. `%smol ledger -n 20`"),
+    ("%smol up --smolfile", "--smolfile needs a value: e.g. `%smol up --smolfile path/Smolfile`"),
+    ("%smol up --backend smoll", "--backend 'smoll' is not one of auto, smol, sandbox, process: "
+                                 "did you mean `--backend smol`?"),
+    ("%smol up --retris 2", "unknown option --retris for %smol up: did you mean --retries?"),
+    ("%%smol fork 2 --bogus", "unknown option --bogus for %%smol fork: it takes --seed-base, --seeds, --timeout, "
+                              "--concurrency, --keep, --out, --bg, --group-outputs, --push, --allow-errors, --quiet, "
+                              "--retries, --no-reseed (see %smol?)"),
+    ("%%smol fork", "%%smol fork needs the number of branches: e.g. `%%smol fork 16`"),
+    ("%%smol --pul x", "--pul could be any of --pull, --pull-trusted: spell the option out (see %smol?)"),
+    ("%smol trust maybe", "'maybe' is not a trust setting: `%smol trust on` or `%smol trust off` (trusted mode is off)"),
+]
+
+
+@pytest.mark.parametrize("typed, said", WORDS, ids=[w[0] for w in WORDS])
+def test_a_magic_s_wrong_words_are_one_line_with_the_fix(typed: str, said: str) -> None:
+    from IPython.core.error import UsageError
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "smolbench")
+    words = typed.split(None, 1)
+    rest = words[1] if len(words) > 1 else ""
+    with pytest.raises(UsageError) as got:
+        if words[0] == "%%smol":
+            ip.run_cell_magic("smol", rest, "x = 1\n")
+        else:
+            ip.run_line_magic("smol", rest)
+    assert str(got.value) == said
