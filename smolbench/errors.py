@@ -62,6 +62,7 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"checkpoint save(?: \S+)?", "Session.checkpoint_save(name)"),
     (r"checkpoint restore", "Session.checkpoint_restore(name)"),
     (r"checkpoint restore (\S+)", "Session.checkpoint_restore('{0}')"),
+    (r"checkpoint restore '([^']+)'", "Session.checkpoint_restore('{0}')"),  # a path with spaces, quoted
     (r"checkpoint rm", "Session.checkpoint_rm(name)"),
     (r"checkpoint rm (\S+)", "Session.checkpoint_rm('{0}')"),
     (r"checkpoint list", "Session.checkpoints()"),

@@ -9,27 +9,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from test_session_words import get_ipython
 
+import smolbench
+from smolbench import SmolbenchError
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-@pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    folder = tmp_path_factory.mktemp("magic-messages")
-    mp = pytest.MonkeyPatch()
-    mp.chdir(folder)
+@pytest.fixture
+def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The test IPython with a process machine up in ``tmp_path`` (no Smolfile there)."""
+    monkeypatch.chdir(tmp_path)
     ip = get_ipython()
     ip.run_line_magic("load_ext", "smolbench")
-    ip.run_line_magic("smol", f"up --backend process --ledger {folder / 'ledger.db'}")
+    ip.run_line_magic("smol", "up --backend process --ledger ledger.db")
     try:
         yield ip
     finally:
         ip.run_line_magic("smol", "down")
-        mp.undo()
 
 
 def shown(shell: Any, capsys: pytest.CaptureFixture[str], cell: str) -> str:
@@ -80,6 +82,7 @@ WORDS = [  # what was typed, what the user now reads (argparse's own words, befo
                               "--retries, --no-reseed (see %smol?)"),
     ("%%smol fork", "%%smol fork needs the number of branches: e.g. `%%smol fork 16`"),
     ("%%smol --pul x", "--pul could be any of --pull, --pull-trusted: spell the option out (see %smol?)"),
+    ("%smol up --retries -1", "--retries must be at least 0, got -1: e.g. --retries 1"),  # was Session(retries=1)
     ("%smol trust maybe", "'maybe' is not a trust setting: `%smol trust on` or `%smol trust off` (trusted mode is off)"),
 ]
 
@@ -92,9 +95,47 @@ def test_a_magic_s_wrong_words_are_one_line_with_the_fix(typed: str, said: str) 
     ip.run_line_magic("load_ext", "smolbench")
     words = typed.split(None, 1)
     rest = words[1] if len(words) > 1 else ""
-    with pytest.raises(UsageError) as got:
+    with pytest.raises((UsageError, SmolbenchError)) as got:
         if words[0] == "%%smol":
             ip.run_cell_magic("smol", rest, "x = 1\n")
         else:
             ip.run_line_magic("smol", rest)
     assert str(got.value) == said
+
+
+def test_a_fork_s_numbers_are_said_in_the_magics_words_and_the_session_s_in_its_own(shell: Any) -> None:
+    with pytest.raises(SmolbenchError) as got:
+        shell.run_cell_magic("smol", "fork 2 --concurrency 0", "reward = 1")
+    assert str(got.value) == "--concurrency must be at least 1, got 0: e.g. --concurrency 4"
+    with pytest.raises(SmolbenchError) as got:
+        shell.run_cell_magic("smol", "fork 2 --retries -1", "reward = 1")
+    assert str(got.value) == "--retries must be at least 0, got -1: e.g. --retries 1"
+    with pytest.raises(SmolbenchError) as got:
+        smolbench.Session(retries=-1)
+    assert str(got.value) == "retries must be at least 0, got -1: e.g. Session(retries=1)"
+
+
+def test_a_missing_file_is_relative_to_the_folder_only_when_its_path_is(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "smolbench")
+    for path, said in [(f"{tmp_path}/nothere.smolcheckpoint", f"no file {tmp_path}/nothere.smolcheckpoint: check the path"),
+                       ("sub/nothere.smolcheckpoint", "no file sub/nothere.smolcheckpoint: check the path (it is relative "
+                                                      "to this notebook's folder)")]:
+        with pytest.raises(SmolbenchError) as got:
+            ip.run_line_magic("smol", f"checkpoint restore {path}")
+        assert str(got.value) == said
+
+
+def test_a_file_refused_on_the_process_backend_names_itself_in_the_fix(shell: Any, tmp_path: Path) -> None:
+    shell.run_cell_magic("smol", "", "x = 1\n")
+    (tmp_path / "class files").mkdir()
+    shell.run_line_magic("smol", "checkpoint save warm")
+    shell.run_line_magic("smol", "checkpoint export warm 'class files/warm.smolcheckpoint'")
+    shell.run_line_magic("smol", "down")
+    shell.run_line_magic("smol", "up --backend process --ledger other.db")
+    with pytest.raises(SmolbenchError) as got:
+        shell.run_line_magic("smol", "checkpoint restore 'class files/warm.smolcheckpoint'")
+    assert str(got.value).endswith("restore it on the sandbox backend (`%smol down`, then `%smol checkpoint restore "
+                                   "'class files/warm.smolcheckpoint'` brings one up); nothing was added"), got.value
