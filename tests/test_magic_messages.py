@@ -8,6 +8,7 @@ line or caret); `!echo hi` was a bare "invalid syntax"."""
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,22 @@ def test_a_file_refused_on_the_process_backend_names_itself_in_the_fix(shell: An
         shell.run_line_magic("smol", "checkpoint restore 'class files/warm.smolcheckpoint'")
     assert str(got.value).endswith("restore it on the sandbox backend (`%smol down`, then `%smol checkpoint restore "
                                    "'class files/warm.smolcheckpoint'` brings one up); nothing was added"), got.value
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_status_s_limits_line_says_the_smolfile_s_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Smolfile").write_text('memory = "1G"\ndisk = "300M"\n')
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "smolbench")
+    for backend, said in [("sandbox", "; disk 300M (the Smolfile's: the workspace and /tmp, held in memory)"),
+                          ("process", "; disk not limited (the process backend writes to the host's own folders)")]:
+        ip.run_line_magic("smol", f"up --backend {backend} --ledger ledger.db")
+        try:
+            capsys.readouterr()
+            ip.run_line_magic("smol", "status")
+            limits = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("limits"))
+        finally:
+            ip.run_line_magic("smol", "down")
+        assert limits.endswith(said), limits
