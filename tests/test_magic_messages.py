@@ -159,3 +159,15 @@ def test_status_s_limits_line_says_the_smolfile_s_disk(tmp_path: Path, monkeypat
         finally:
             ip.run_line_magic("smol", "down")
         assert limits.endswith(said), limits
+
+
+def test_a_result_past_the_output_limit_is_said_once(shell: Any, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was said twice: its own line, and again counted as "1 more displays not shown"."""
+    from smolbench.gate import limits
+
+    monkeypatch.setattr(limits.LIMITS, "output", 10_000)
+    said = shown(shell, capsys, "%%smol\nprint('x' * 20_000)\n6 * 7\n")
+    assert "smolbench: root's result was not shown: the cell's output passed its limit (`%smol config output-limit " \
+           "SIZE` raises it)" in said, said
+    assert "displays not shown" not in said, said
