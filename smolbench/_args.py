@@ -17,21 +17,25 @@ SEED_MAX = 2**63 - 1  # seeds are ledger integers (SQLite's are 64-bit)
 
 
 def whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "",
-          api_what: str | None = None) -> int:
+          api_what: str | None = None, api_example: str | None = None) -> int:
     """``value`` as a whole number within [lo, hi] (never a bool or a float), else one line
-    (``api_what``: what the Session calls it, when ``what`` is the magics' word)."""
-    fix = f": e.g. {example}" if example else ""
+    (``api_what``, ``api_example``: what the Session calls it and its example, when ``what``
+    and ``example`` are the magics' words: ``--retries``, ``--retries 1``)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _said(f"must be a whole number, got {_shown(value)}{fix}", what, api_what)
+        raise _said(f"must be a whole number, got {_shown(value)}", what, example, api_what, api_example)
     if lo is not None and value < lo or hi is not None and value > hi:
         span = f"from {lo} to {hi}" if lo is not None and hi is not None else (f"at least {lo}" if lo is not None
                                                                                   else f"at most {hi}")
-        raise _said(f"must be {span}, got {value}{fix}", what, api_what)
+        raise _said(f"must be {span}, got {value}", what, example, api_what, api_example)
     return value
 
 
-def _said(rest: str, what: str, api_what: str | None) -> SmolbenchError:
-    return SmolbenchError(f"{what} {rest}", api=None if api_what is None else f"{api_what} {rest}")
+def _said(rest: str, what: str, example: str, api_what: str | None, api_example: str | None) -> SmolbenchError:
+    def line(who: str, eg: str) -> str:
+        return f"{who} {rest}" + (f": e.g. {eg}" if eg else "")
+
+    api = None if api_what is None and api_example is None else line(api_what or what, api_example or example)
+    return SmolbenchError(line(what, example), api=api)
 
 
 def optional_whole(value: Any, what: str, lo: int | None = None, hi: int | None = None, example: str = "") -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keyword
+import re
 import shlex
 from typing import Any
 
@@ -10,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import gate
+from ._didyoumean import closest
 from .errors import SmolbenchError
 
 HELP = """Run notebook cells inside disposable, forkable machines.
@@ -56,11 +58,12 @@ Cell magics::
 
 
 
-def parse_argstring(magic_func: Any, argstring: str) -> Any:
+def parse_argstring(magic_func: Any, argstring: str, command: str = "%smol") -> Any:
     """A magic's options parsed with quotes taken as a shell takes them (IPython's own keeps
     them in the value: `--smolfile "sub dir/Smolfile"` named a file with quotes in it), and
     options and words in any order (`checkpoint save --node root.3 pick` was "unrecognized
-    arguments: pick": argparse takes a command's words together, before its first option)."""
+    arguments: pick": argparse takes a command's words together, before its first option).
+    argparse's complaints are said as one line with the fix, for ``command`` (`%smol use`)."""
     try:
         argv = shlex.split(argstring)
     except ValueError as exc:
@@ -73,7 +76,66 @@ def parse_argstring(magic_func: Any, argstring: str) -> Any:
             out[-1] = f"{out[-1]}={word}"
         else:
             out.append(word)
-    return parser.parse_intermixed_args(out)
+    try:
+        return parser.parse_intermixed_args(out)
+    except UsageError as exc:
+        raise UsageError(usage_error(parser, command, str(exc))) from None
+
+
+# What a value looks like, for "needs a value: e.g. ..." (an option not here: its metavar)
+EXAMPLES = {"-n": "20", "--max-alive": "8", "--retries": "1", "--seed-base": "0", "--concurrency": "4",
+            "--smolfile": "path/Smolfile", "--image": "python:3.12", "--allow": "pypi.org", "--ledger": "path/ledger.db",
+            "--push": "data,env", "--pull": "result", "--timeout": "60", "--seeds": "3,7,11", "--out": "result",
+            "--node": "root.3", "--keep": "best", "--backend": "sandbox", "--target": "local", "--group-outputs": "branch"}
+# A missing word: what it is, an example, and where to find one
+NEEDS = {"node": ("a node", "root.3", " (`%smol tree` lists them)"),
+         "action": ("an action (save, restore, list, rm or export)", "list", ""),
+         "n": ("the number of branches", "16", "")}
+
+
+def usage_error(parser: Any, command: str, message: str) -> str:
+    """argparse's ``message`` about ``command``'s words as one line naming the problem and the fix."""
+    options = [o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")]
+    said = re.fullmatch(r"the following arguments are required: (\w+).*", message)
+    if said and said[1] in NEEDS:
+        what, example, where = NEEDS[said[1]]
+        return f"{command} needs {what}: e.g. `{command} {example}`{where}"
+    said = re.fullmatch(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)", message)
+    if said:
+        name, got, choices = said[1], said[2], re.findall(r"'([^']*)'", said[3])
+        close = closest(got, choices)
+        if name.startswith("-"):
+            fix = f"did you mean `{name} {close}`?" if close else f"e.g. `{command} {name} {choices[0]}`"
+            return f"{name} {got!r} is not one of {', '.join(choices)}: {fix}"
+        fix = f"did you mean `{command} {close}`? " if close else ""
+        return f"unknown {command} word {got!r}: {fix}one of {', '.join(choices)} (see %smol?)"
+    said = re.fullmatch(r"argument (\S+): invalid (\w+) value: '(.*)'", message)
+    if said:
+        return f"{said[1]} takes a whole number, got {said[3]!r}: e.g. `{command} {said[1]} {_example(parser, said[1])}`"
+    said = re.fullmatch(r"argument (\S+): expected one argument", message)
+    if said:
+        return f"{said[1]} needs a value: e.g. `{command} {said[1]} {_example(parser, said[1])}`"
+    said = re.fullmatch(r"argument (\S+): ignored explicit argument '(.*)'", message)
+    if said:
+        return f"{said[1]} takes no value, got {said[2]!r}: `{command} {said[1]}`"
+    said = re.fullmatch(r"ambiguous option: (\S+?)(?:=\S*)? could match (.*)", message)
+    if said:
+        return f"{said[1]} could be any of {said[2]}: spell the option out (see %smol?)"
+    said = re.fullmatch(r"unrecognized arguments: (.*)", message)
+    if said:
+        word = said[1].split()[0] if said[1].split() else said[1]
+        if word.startswith("-"):
+            bare = closest(word.split("=", 1)[0].lstrip("-"), [o.lstrip("-") for o in options])  # `--` is alike in all
+            close = next((o for o in options if o.lstrip("-") == bare), None)
+            fix = f"did you mean {close}?" if close else f"it takes {', '.join(options)} (see %smol?)"
+            return f"unknown option {word} for {command}: {fix}"
+        return f"{command} got a word too many, {word!r} (a value with spaces goes in quotes; see %smol?)"
+    return f"{command}: {message} (see %smol?)"
+
+
+def _example(parser: Any, option: str) -> str:
+    action = parser._option_string_actions.get(option)
+    return EXAMPLES.get(option) or str(getattr(action, "metavar", None) or "VALUE")
 
 
 def out_name(text: str | None) -> str | None:

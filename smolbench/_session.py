@@ -150,6 +150,7 @@ class Session:
 
     BACKENDS = ("auto", "smol", "sandbox", "process")
 
+    @_in_session_words  # a magic's option said as the magics say it (`--retries 1`), the Session's as it takes it
     def __init__(self, smolfile: str | os.PathLike[str] | None = None, *, backend: str = "auto",
                  ray: str | bool | None = None, ledger: str | os.PathLike[str] | None = None, target: str = "local",
                  image: str | None = None, net: str | None = None, allow: str | None = None,
@@ -172,7 +173,7 @@ class Session:
         self.net = net
         self.allow = _args.text(allow, "allow", "Session(allow=['pypi.org'])")
         self.max_alive = _args.optional_whole(max_alive, "max_alive", example="Session(max_alive=8)")  # range: build()
-        self.retries = _args.whole(retries, "retries", 0, None, "Session(retries=1)")
+        self.retries = _args.whole(retries, "--retries", 0, None, "--retries 1", "retries", "Session(retries=1)")
         self.on_notice = on_notice or _stderr_line
         self.magic_words = False  # the magics' Session: its notices name `%smol` commands, as the cells do
         self.workbench: Workbench | None = None
@@ -409,8 +410,9 @@ class Session:
                                  api=f"give seeds or seed_base, not both: seeds= sets every branch's seed, so "
                                  f"seed_base={seed_base!r} would be ignored; drop one of them")
         seed_base = _args.seed(0 if seed_base is None else seed_base, "seed_base")
-        concurrency = _args.optional_whole(concurrency, "concurrency", 1, None, "concurrency=4")
-        retries = _args.whole(retries, "retries", 0, None, "retries=1")
+        if concurrency is not None:
+            concurrency = _args.whole(concurrency, "--concurrency", 1, None, "--concurrency 4", "concurrency", "concurrency=4")
+        retries = _args.whole(retries, "--retries", 0, None, "--retries 1", "retries", "retries=1")
         if kind == "fork":
             result = wb.new_fork(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, keep=keep, reseed=reseed)
         else:

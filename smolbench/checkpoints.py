@@ -212,13 +212,14 @@ class CheckpointsMixin(WorkbenchPart):
         if added is not None:
             rec = added.row
             self.restore_notes.append(added.note)
-        name = str(rec["name"])
+        typed, name = name, str(rec["name"])
         restored = [n for n in self.tree if n.parent is None and n.id.split("-", 1)[0][1:].isdigit() and n.id[0] == "r"]
         base = f"r{len(restored) + 1}"
         node_id = f"{base}-{name}"
         try:
             # a ledger row says who saved it, but a copied folder's ledger (a file's record) says what its author wrote
-            why = restoring.refusal(name, rec.get("backend"), self.backend.name, rec.get("session_id") in SESSIONS_HERE)
+            why = restoring.refusal(name, rec.get("backend"), self.backend.name, rec.get("session_id") in SESSIONS_HERE,
+                                    typed)
             if why is not None:
                 raise SmolbenchError(why + ("; nothing was added" if added is not None and added.new_row else ""))
             ref = await self._restore_file(rec, node_id, added is not None and added.new_row)

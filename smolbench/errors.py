@@ -62,6 +62,7 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"checkpoint save(?: \S+)?", "Session.checkpoint_save(name)"),
     (r"checkpoint restore", "Session.checkpoint_restore(name)"),
     (r"checkpoint restore (\S+)", "Session.checkpoint_restore('{0}')"),
+    (r"checkpoint restore '([^']+)'", "Session.checkpoint_restore('{0}')"),  # a path with spaces, quoted
     (r"checkpoint rm", "Session.checkpoint_rm(name)"),
     (r"checkpoint rm (\S+)", "Session.checkpoint_rm('{0}')"),
     (r"checkpoint list", "Session.checkpoints()"),
@@ -188,6 +189,18 @@ class RemoteError(Exception):
         head = f"[{self.node}] " if self.node else ""
         if not self.traceback:  # no frames (e.g. `--pull x` of a name the machine lacks): the line alone
             return [f"\x1b[0;31m{head}{self.ename}\x1b[0m: {self.evalue}"]
+        unparsed = _UNPARSED.fullmatch("".join(self.traceback))
+        if unparsed and issubclass(AS_BUILTIN.get(self.ename, Exception), SyntaxError):
+            # the cell didn't compile: its line and caret, as a local cell's (no "Traceback", no frames)
+            source = unparsed["source"].strip()
+            evalue = self.evalue.removesuffix(f" ({unparsed['file']}, line {unparsed['line']})")
+            if source[:1] == "!" and not re.match(r"!pip\b", source):
+                evalue = ("shell escapes other than !pip don't run in a machine cell: use "
+                          f"`import subprocess; subprocess.run({source[1:].strip()!r}, shell=True)` instead")
+            elif source[:1] == "%" and not re.match(r"%pip\b", source):
+                evalue = "IPython magics other than %pip don't run in a machine cell: run it in a local cell"
+            return [*(f"{head}{line}" if i == 0 else line for i, line in enumerate(unparsed[0].rstrip("\n").split("\n"))),
+                    f"\x1b[0;31m{self.ename}\x1b[0m: {evalue}"]
         lines = [f"\x1b[0;31m{head}Traceback (most recent call last) inside the machine:\x1b[0m"]
         for chunk in self.traceback:
             lines.extend(chunk.rstrip("\n").split("\n"))
@@ -196,6 +209,19 @@ class RemoteError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return self.render()
+
+
+# A cell that didn't compile: its one frame without a function, its line and (maybe) a caret
+_UNPARSED = re.compile(r'  File "(?P<file>[^"\n]*)", line (?P<line>\d+)\n(?P<source>[^\n]*)\n(?: *\^+ *\n)?')
+
+
+def shown_by_ipython(err: RemoteError) -> RemoteError:
+    """``err`` as the magics raise it: IPython shows any ``SyntaxError`` with its own printer
+    (the host's frames, the magics' line, no source line or caret), whatever it renders itself;
+    so a syntax error of the cell is a RemoteError of that name that is no built-in SyntaxError."""
+    if not isinstance(err, SyntaxError):
+        return err
+    return type(err.ename, (RemoteError,), {})(err.ename, err.evalue, err.traceback, err.node)
 
 
 # Built-in exceptions a machine's error is never made an instance of, though they are Exceptions:

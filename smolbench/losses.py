@@ -89,7 +89,8 @@ class LossesMixin(WorkbenchPart):
                                   "starts one (or `%smol checkpoint restore NAME`)",
                                   api=f"{api}, and a fresh machine did not start ({exc}). `Session.down()` then "
                                   "`Session.up()` starts one (or `Session.checkpoint_restore(name)`)")
-        tail = f"; a fresh machine {fresh} from the Smolfile is up and active (its variables start empty)"
+        made = "the Smolfile" if self.spec.source else "the default spec (no Smolfile)"  # what `%smol up` read
+        tail = f"; a fresh machine {fresh} from {made} is up and active (its variables start empty)"
         return SmolbenchError(head + tail, api=api + tail)
 
     async def _fresh(self) -> str:

@@ -36,7 +36,7 @@ from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
 from .backends import _netproxy
 from .backends.base import Event
-from .errors import SmolbenchError, reworded
+from .errors import SmolbenchError, reworded, shown_by_ipython
 from .gate import SafeBundle
 from .result import ForkResult
 
@@ -125,7 +125,7 @@ class SmolMagics(Magics):
         return self.workbench
 
     def _do_up(self, rest: str) -> None:
-        args = parse_argstring(_up_args, rest)
+        args = parse_argstring(_up_args, rest, "%smol up")
         if self.session is not None and self.session.is_up:
             wb = self.session.workbench
             assert wb is not None
@@ -254,14 +254,14 @@ class SmolMagics(Magics):
         return None
 
     def _do_use(self, rest: str) -> None:
-        args = parse_argstring(_node_args, rest)
+        args = parse_argstring(_node_args, rest, "%smol use")
         self._wb()
         assert self.session is not None
         node = self.workbench.tree[self.session.use(args.node)]  # `best`: the kept winner of the last fork
         print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward if node.reward is None else format(node.reward, '.6g')})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:
-        args = parse_argstring(_node_args, rest)
+        args = parse_argstring(_node_args, rest, "%smol delete")
         wb = self._wb()
         assert self.session is not None
         gone = self.session.delete(args.node)  # where the active machine went, if it did: wb.moved
@@ -293,7 +293,7 @@ class SmolMagics(Magics):
         return None
 
     def _do_ledger(self, rest: str) -> Any:
-        args = parse_argstring(_ledger_args, rest)
+        args = parse_argstring(_ledger_args, rest, "%smol ledger")
         if args.n < 1:
             raise UsageError(f"-n must be at least 1, got {args.n}: e.g. %smol ledger -n 20")
         if self.workbench is None:  # this folder's ledger, read-only
@@ -312,7 +312,7 @@ class SmolMagics(Magics):
         return ledger_table(df[cols].tail(args.n))
 
     def _do_checkpoint(self, rest: str) -> Any:
-        args = parse_argstring(_checkpoint_args, rest)
+        args = parse_argstring(_checkpoint_args, rest, "%smol checkpoint")
         if args.path is not None and args.action != "export":
             raise UsageError(f"%smol checkpoint {args.action} takes one name, got also {args.path!r}"
                              + (" (a path with spaces goes in quotes)" if args.action == "restore" else ""))
@@ -368,7 +368,7 @@ class SmolMagics(Magics):
         return self._own_shelf
 
     def _do_replay(self, rest: str) -> Any:
-        args = parse_argstring(_node_args, rest)
+        args = parse_argstring(_node_args, rest, "%smol replay")
         wb = self._wb()
         report = self._pump(wb.replay(args.node, self._branch_printer("order", {})))
         print(report["message"])
@@ -385,7 +385,8 @@ class SmolMagics(Magics):
         word = rest.strip()
         if word not in ("on", "off"):
             state = "on" if self.workbench is not None and self.workbench.trusted else "off"
-            raise UsageError(f"trusted mode is {state}: `%smol trust on` or `%smol trust off`")
+            said = f"{word!r} is not a trust setting" if word else f"trusted mode is {state}"
+            raise UsageError(f"{said}: `%smol trust on` or `%smol trust off`" + (f" (trusted mode is {state})" if word else ""))
         wb = self._wb()
         wb.set_trust(word == "on")
         if word == "on":
@@ -421,7 +422,7 @@ class SmolMagics(Magics):
         return pickled({name: self._user_ns[name] for name in names})
 
     def _run_cell(self, line: str, cell: str) -> Any:
-        args = parse_argstring(_cell_args, line)
+        args = parse_argstring(_cell_args, line, "%%smol")
         wb = self._wb()
         push = self._pushed(_split_names(args.push))
         pull = _split_names(args.pull)
@@ -436,7 +437,8 @@ class SmolMagics(Magics):
                                            cell_name=self._cell_name(), first_line=2, pull_trusted=args.pull_trusted,
                                            value=False))
         if res.error is not None:
-            raise type(res.error)(res.error.ename, res.error.evalue, res.error.traceback)  # no [node] head
+            # no [node] head; a syntax error as a local cell's, not through IPython's own printer
+            raise shown_by_ipython(type(res.error)(res.error.ename, res.error.evalue, res.error.traceback)) from None
         if res.reward_error:  # e.g. reward = True or 10**400: said, not recorded
             print(f"smolbench: {res.reward_error}: not recorded", file=sys.stderr)
         self._user_ns.update(res.pulled)  # rebuilt from data by the gate (or unpickled: trusted only)
@@ -451,7 +453,7 @@ class SmolMagics(Magics):
         return f"<In [{cell_number(self.shell)}]>"
 
     def _fanout(self, kind: str, line: str, cell: str) -> Any:
-        args = parse_argstring(_fork_args, line)
+        args = parse_argstring(_fork_args, line, f"%%smol {kind}")
         try:
             n = int(args.n)
         except ValueError:

@@ -36,6 +36,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ._aio import _stoppable_thread
 from .errors import SmolbenchError
+from .gate.terminal import plain
 from .images import cache_dir
 
 LIB = "lib"  # the installed tree inside a cache entry: what machines see
@@ -280,7 +281,8 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
                     raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
                 raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
                                      "check the host's network to the package index, or shorten the list") from None
-    tail.extend(ln.strip() for ln in (out + err).splitlines() if ln.strip())
+    # pip's own lines, without the colours it adds in a kernel (FORCE_COLOR): the error is one plain line
+    tail.extend(ln.strip() for ln in plain(out + err).splitlines() if ln.strip())
     if log is not None:
         log.extend(tail)
     if proc.returncode != 0 and any(NO_PROGRAMS in ln for ln in tail):
@@ -291,8 +293,9 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     if proc.returncode != 0:
         errors = [ln for ln in tail if ln.startswith("ERROR")] or list(tail) or ["no output"]
         why = errors[-1][:300]
-        hint = (f"; a package without a wheel for this Python (cp{guest.major}{guest.minor}) can't be installed "
-                "(wheels only: no setup.py runs on the host), so pick a version that has one")
+        # pip says the same of a name or version the index lacks and of one with no wheel for this Python
+        hint = (f"; there is no such package or version, or none with a wheel for this Python (cp{guest.major}"
+                f"{guest.minor}; wheels only: no setup.py runs on the host): check the name and version on pypi.org")
         if "Could not find a version" not in why and "No matching distribution" not in why:
             hint = "; fix the Smolfile's packages (or the host's network to the package index)"
         raise SmolbenchError(f"pip could not install the Smolfile's packages: {why}{hint}")

@@ -489,7 +489,8 @@ def _usable(base: str) -> str:
 def _open_named(source: str) -> int:
     """A file the user named (their own name for it: links followed), open for reading; one line
     when it is not a plain file or is over the checkpoint limit."""
-    missing = f"no file {source}: check the path (it is relative to this notebook's folder)"
+    missing = f"no file {source}: check the path" + (
+        "" if os.path.isabs(os.path.expanduser(source)) else " (it is relative to this notebook's folder)")
     if not source.endswith(SUFFIX) and source.lower().endswith(SUFFIX):  # a copy that changed its case
         if not os.path.exists(source):
             raise SmolbenchError(missing)

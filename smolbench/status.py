@@ -70,7 +70,9 @@ class StatusMixin(WorkbenchPart):
 
     def _limits_text(self) -> str:
         describe = getattr(self.backend, "limits_status", None)
-        return describe(self.spec) if describe is not None else _vm_limits(self.spec)
+        text = describe(self.spec) if describe is not None else _vm_limits(self.spec)
+        disk = _disk_text(self.backend, self.spec)
+        return f"{text}; {disk}" if disk else text
 
     def _cluster_text(self) -> dict[str, str]:
         """The cluster's nodes, one per line (cluster backend only)."""
@@ -109,6 +111,18 @@ def _machine_text(node: Node | None, ref: MachineRef | None) -> str | None:
     if node is None or not node.where:
         return ref.name
     return f"{ref.name} on node {where_text(node.where, node.where_kind, node.where_host, node.moved_from)}"
+
+
+def _disk_text(backend: Any, spec: MachineSpec) -> str:
+    """The Smolfile's ``disk`` as this backend takes it (the sandbox: files held in memory)."""
+    from .backends._limits import format_mib
+
+    if getattr(backend, "files_in_memory", False):
+        said = "the Smolfile's" if spec.disk_mib else "default: half of memory"
+        return f"disk {format_mib(spec.files_mib)} ({said}: the workspace and /tmp, held in memory)"
+    if backend.name == "process":
+        return "disk not limited (the process backend writes to the host's own folders)"
+    return ""  # a microVM's disk is its image's (the key sizes the sandbox's in-memory files)
 
 
 def _vm_limits(spec: MachineSpec) -> str:

@@ -116,6 +116,23 @@ def test_pip_on_the_host_installs_wheels_only_so_no_setup_py_runs(cache: Path, t
     assert [p.name for p in (cache / "packages").iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_a_package_the_index_lacks_is_one_plain_line_that_says_check_the_name(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a kernel pip colours its lines (FORCE_COLOR): the error had pip's escapes in it, and
+    said "a package without a wheel" of a name no index has."""
+    (tmp_path / "index").mkdir()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("PIP_INDEX_URL", f"file://{tmp_path / 'index'}")
+    guest = packages.host_python()
+    with pytest.raises(SmolbenchError) as err:
+        packages.ensure(("thispkgdoesnotexist-zzz==1.0",), guest)
+    assert str(err.value) == (
+        "pip could not install the Smolfile's packages: ERROR: No matching distribution found for "
+        "thispkgdoesnotexist-zzz==1.0; there is no such package or version, or none with a wheel for this Python "
+        f"(cp{guest.major}{guest.minor}; wheels only: no setup.py runs on the host): check the name and version "
+        "on pypi.org")
+
+
 def _carrier(folder: Path, needs: str) -> Path:
     """A wheel of a harmless package whose metadata requires ``needs``."""
     import zipfile

@@ -208,8 +208,8 @@ def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -
         finally:
             gate.limits.apply(before)
         assert str(got.value) == ("the code ran longer than timeout=0.5 s and ignored the interrupt for 1 s, so machine "
-                                  "root was killed: its state is lost; a fresh machine fresh1 from the Smolfile is up and "
-                                  "active (its variables start empty)")
+                                  "root was killed: its state is lost; a fresh machine fresh1 from the default spec "
+                                  "(no Smolfile) is up and active (its variables start empty)")
         assert s.active == "fresh1" and s.status()["lost"] == ("root: killed: its cell ran longer than its 0.5 s timeout "
                                                                "and ignored the interrupt for 1 s")
     for call in (lambda: s.run("1"), lambda: s.fork(2, "pass"), lambda: s.use("root"), lambda: s.delete("root"),

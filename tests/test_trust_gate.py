@@ -490,8 +490,8 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_user_told(tmp_path:
         before = {p.pid for p in nb.processes()}
         msg = one_line_error(nb.run(f"%%smol --timeout 2\nx = 1\n{IGNORES_SIGINT}"))
         assert msg == ("the cell ran longer than --timeout 2 s and ignored the interrupt for 3 s, so machine root "
-                       "was killed: its state is lost; a fresh machine fresh1 from the Smolfile is up and active "
-                       "(its variables start empty)")
+                       "was killed: its state is lost; a fresh machine fresh1 from the default spec (no Smolfile) is up "
+                       "and active (its variables start empty)")
         assert not before & {p.pid for p in nb.processes()}  # the old machine is gone: no core still burning
         assert stream_text(nb.run("print(sorted(m.name for m in wb.backend.list()), wb.active)")) == "['fresh1'] fresh1\n"
         assert result_text(nb.run("%%smol\n'x' in globals(), 6 * 7")) == "(False, 42)"

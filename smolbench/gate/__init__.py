@@ -195,8 +195,13 @@ class _Cell:
         size = sum(len(v) if isinstance(v, str) else 1024 for v in result.values()) if isinstance(result, dict) else 0
         if self.budget.take_display(size):
             return True
+        self.budget.hidden_displays -= 1  # said here, not again as one of the displays not shown
+        if self.budget.shown_displays >= self.budget.displays:
+            why = f"passed its limit of {self.budget.displays:,} displays (`%smol config displays N` raises it)"
+        else:
+            why = "passed its limit (`%smol config output-limit SIZE` raises it)"
         self.emit(Event("stream", "stderr", f"smolbench: {self.where}'s result was not shown: the cell's output "
-                        "passed its limit (`%smol config output-limit SIZE` raises it)\n", note=True))
+                        f"{why}\n", note=True))
         return False
 
     def stream(self, msg: dict[str, Any], size: int = 0) -> None:

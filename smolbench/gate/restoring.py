@@ -9,6 +9,7 @@ isolated backend to use instead.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Collection
 
 from .terminal import one_line
@@ -23,14 +24,16 @@ CLAIMS = 20  # warnings of a file kept (as many as a record may carry)
 ISOLATED = {"sandbox": "sandbox", "process": "sandbox", "smol": "smol"}
 
 
-def refusal(name: str, made: object, backend: str, own: bool) -> str | None:
+def refusal(name: str, made: object, backend: str, own: bool, typed: str | None = None) -> str | None:
     """Why checkpoint ``name`` (made by the ``made`` backend, as a row says; ``own``: saved
-    by this kernel process) can't be restored on ``backend``, in one line; None when it can."""
+    by this kernel process) can't be restored on ``backend``, in one line; None when it can.
+    ``typed``: what the user restores it by (a file's path), when not its name."""
     made = str(made) if made else "sandbox"  # a file without a record: the archive both agent hosts write
     if backend == "process" and not own:
+        again = shlex.quote(typed or name)
         return (f"checkpoint {name!r} was not saved in this kernel: its saved state is code, and the process "
                 "backend would run it here with no isolation; restore it on the sandbox backend (`%smol down`, "
-                "then `%smol checkpoint restore` brings one up)")
+                f"then `%smol checkpoint restore {again}` brings one up)")
     if made == backend or (backend == "cluster" and made in ISOLATED) or \
             (backend == "sandbox" and ISOLATED.get(made) == "sandbox"):
         return None
