@@ -196,11 +196,11 @@ class Ledger:
                 raise SmolbenchError(f"ledger {path} stayed locked by another program for {BUSY_TIMEOUT:g} s ({exc}): "
                                      "try again once it is done, or name another with --ledger PATH",
                                      api=f"ledger {path} stayed locked by another program for {BUSY_TIMEOUT:g} s ({exc}): "
-                                     "try again once it is done, or name another with Session(ledger=PATH)") from None
+                                     "try again once it is done, or name another with `Session(ledger=PATH)`") from None
             raise SmolbenchError(f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
                                  "started) or name another with --ledger PATH",
                                  api=f"ledger {path} is not a smolbench ledger ({exc}): move it aside (a new one is "
-                                 "started) or name another with Session(ledger=PATH)") from None
+                                 "started) or name another with `Session(ledger=PATH)`") from None
         except BaseException:
             self._db.close()
             raise
