@@ -501,15 +501,22 @@ class Session:
 
     @_in_session_words
     def checkpoint_save(self, name: str | None = None, *, node: str | None = None, force: bool = False) -> dict[str, Any]:
-        """Save a live node's whole machine (default: the active one); returns name, node, path, size, warnings."""
-        return _block(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node, force))
+        """Save a live node's whole machine (default: the active one); returns name, node, path, size,
+        warnings (each also told through ``on_notice``: what could not be saved is gone at a restore)."""
+        return self._saved(_block(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node,
+                                                             force)))
+
+    def _saved(self, info: dict[str, Any]) -> dict[str, Any]:
+        for w in info.get("warnings", []):
+            self.on_notice(f"smolbench: warning: {w}")
+        return info
 
     @_in_session_words
     async def acheckpoint_save(self, name: str | None = None, *, node: str | None = None,
                                force: bool = False) -> dict[str, Any]:
         """:meth:`checkpoint_save` from an asyncio loop."""
-        return await _bridge(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"), node,
-                                                        force))
+        return self._saved(await _bridge(self._wb().checkpoint_save(_args.text(name, "name", "checkpoint_save('lesson')"),
+                                                                    node, force)))
 
     @_in_session_words
     def checkpoint_restore(self, name_or_path: str | os.PathLike[str]) -> str:

@@ -382,3 +382,14 @@ def test_the_magics_say_the_same_in_their_own_words(open_tmp: Path) -> None:
         assert "no machine is up" in status and "root: machine root died mid-cell" in status, status
         ok(nb.run("%smol up --backend process"))
         ok(nb.run("%%smol\nprint(1)"))
+
+
+def test_a_session_s_checkpoint_says_what_it_could_not_save(here: Path) -> None:
+    """`%smol checkpoint save` printed each "not saved (can't be pickled)" warning; a Session's
+    save said nothing, and the restore's warning came when it was too late."""
+    told: list[str] = []
+    with smolbench.Session(backend="process", on_notice=told.append) as s:
+        s.run("gen = (i for i in range(3)); x = 5")
+        info = s.checkpoint_save("g")
+    assert info["warnings"] and "gen" in info["warnings"][0]
+    assert [line for line in told if "warning" in line] == [f"smolbench: warning: {info['warnings'][0]}"]

@@ -314,7 +314,7 @@ def pulled(name: str, enc: Any, trusted: bool, budget: Budget | None = None) -> 
         kind = string(enc.get("type"), "a type name", 200)
         kind = re.sub(r"[^A-Za-z0-9_.<>\[\], ]", "?", kind)
         raise SmolbenchError(
-            f"--pull {name}: a {kind} is not plain data, so it is not unpickled on this host (that would run code "
+            f"--pull {name}: {_a(kind)} is not plain data, so it is not unpickled on this host (that would run code "
             f"from the machine here): turn it into builtins, arrays or pandas objects in the machine, or use "
             f"--pull-trusted (or `%smol trust on`) to unpickle it anyway")
     if form == "pickle":
@@ -327,3 +327,8 @@ def pulled(name: str, enc: Any, trusted: bool, budget: Budget | None = None) -> 
             raise SmolbenchError(f"--pull {name}: its pickle can't be loaded here ({type(exc).__name__}: {exc}): "
                                  "is the same library installed in the notebook?") from None
     raise Bad(f"--pull {name} has an unknown format {shown(form)}")
+
+
+def _a(word: str) -> str:
+    """``word`` with its article: an object, a generator."""
+    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
