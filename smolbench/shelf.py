@@ -359,14 +359,8 @@ class Shelf:
                 raise SmolbenchError(f"{source} is not a smolbench checkpoint file (one starts as gzip data): make one "
                                      "with `%smol checkpoint export NAME PATH`; nothing was added")
             return archive.check(f.path, "smolbench", source)
-        except archive.UnsafeCheckpoint as exc:
-            raise archive.UnsafeCheckpoint(f"{exc}; nothing was added") from None
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            cut = archive.damage(exc)
-            if cut is not None:
-                raise SmolbenchError(f"{source} is cut short or damaged ({cut}): copy the whole file again from where "
-                                     "it came from; nothing was added") from None
-            raise SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added") from None
+        except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
+            raise _unreadable(source, exc) from None
 
     def names_file(self, arg: str) -> bool:
         """Whether ``arg`` names a file (:func:`is_path`) rather than a checkpoint here: one saved
@@ -380,12 +374,17 @@ class Shelf:
         a file that can't be opened, or whose name can't be a checkpoint's (not one of this folder's
         own files); a name with no checkpoint here."""
         if not self.names_file(arg):
-            self.row(arg)
+            rec = self.row(arg)
+            if rec.get("backend") in AGENTHOST:
+                with self.open(rec) as f:
+                    _whole(f.path, f"checkpoint {arg!r}")
             return
         fd = _open_named(arg)
         try:
             if self._own_name(os.fstat(fd)) is None:
                 _usable(Path(arg).name)
+            if self.backend_for(arg) != "smol":  # (smol's own checkpoints are the SDK's to check)
+                _whole(f"/proc/self/fd/{fd}", arg)
         finally:
             os.close(fd)
 
@@ -533,3 +532,24 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+
+def _unreadable(source: str, exc: BaseException) -> SmolbenchError:
+    """Why checkpoint file ``source`` can't be used (``exc``: what reading it raised), in one line."""
+    if isinstance(exc, archive.UnsafeCheckpoint):
+        return archive.UnsafeCheckpoint(f"{exc}; nothing was added")
+    cut = archive.damage(exc)
+    if cut is not None:
+        return SmolbenchError(f"{source} is cut short or damaged ({cut}): copy the whole file again from where it "
+                              "came from; nothing was added")
+    return SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added")
+
+
+def _whole(path: str, source: str) -> None:
+    """Refuse checkpoint ``path`` (``source``: as the user named it) as its restore would, before a
+    machine comes up for it: a copy cut short is said so at once, not after a boot."""
+    try:
+        archive.check(path, "sandbox", source)
+    except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
+        raise _unreadable(source, exc) from None

@@ -250,6 +250,28 @@ def test_a_restore_with_nothing_up_leaves_the_restored_machine_only(open_tmp: Pa
             s.down()
 
 
+def test_a_cut_short_file_is_refused_before_a_machine_comes_up_for_it(open_tmp: Path) -> None:
+    """A student's copy that stopped half way: the restore with nothing up said "nothing is up:
+    bringing up a sandbox machine for this checkpoint", booted it, then refused the file."""
+    import smolbench
+
+    gift = open_tmp / "gift.smolcheckpoint"
+    _forged(gift, _record(name="gift"), [("namespace.pkl", NAMESPACE), ("workspace.tar", _workspace())])
+    whole = gift.read_bytes()
+    gift.write_bytes(whole[: len(whole) * 2 // 3])
+    told: list[str] = []
+    s = smolbench.Session(ledger=open_tmp / "student" / ".smolbench" / "ledger.db", on_notice=told.append)
+    try:
+        with pytest.raises(SmolbenchError) as err:
+            s.checkpoint_restore(str(gift))
+        line = str(err.value)
+        assert "is cut short or damaged" in line and line.endswith("nothing was added"), line
+        assert told == [] and not s.is_up and s.workbench is None  # no machine, no backend, no notice
+    finally:
+        s.down()
+    assert rows(open_tmp / "student") == {}
+
+
 def test_a_file_that_cant_make_a_machine_leaves_nothing_here(open_tmp: Path) -> None:
     """A file that passes the host's checks but whose saved state the machine can't load (here:
     a namespace that is not a pickle) fails its restore in one line; the copy and the row it
@@ -598,6 +620,6 @@ def test_a_restore_with_nothing_up_that_fails_takes_down_the_machine_it_brought_
         cell = s.run(f"%smol checkpoint restore {damaged}")
         assert "is cut short or damaged" in one_line(cell)
         said = stream_text(cell)
-        assert "bringing up a sandbox machine for this checkpoint" in said, said
-        assert "took down" not in said, said  # the restored machine is the first: none was made
+        # a file cut short is refused before anything comes up for it (it used to boot first)
+        assert "bringing up" not in said and "took down" not in said, said
         assert "no machine is up" in stream_text(ok(s.run("%smol status")))
