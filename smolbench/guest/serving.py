@@ -16,6 +16,7 @@ import threading
 import time
 import types
 
+from . import orphans
 from . import protocol as P
 from .branching import Branching, _wait_exited, warm_for_branches
 from .cells import Cells, _plain_error
@@ -101,6 +102,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         this machine's branches; a leaf branch (``leaves.py``) makes none to reap."""
         t = threading.Thread(target=self._accept_loop, args=(self.listener,), daemon=True)
         t.start()
+        orphans.start(self)  # pid 1 of its machine (a leaf too): reaps the orphans re-parented to it
         if reaper:
             r = threading.Thread(target=self._reap_loop, daemon=True)
             r.start()
