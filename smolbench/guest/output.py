@@ -5,6 +5,7 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 
 import io
 import os
+import sys
 import threading
 import time
 
@@ -63,6 +64,16 @@ def mime_bundle(value):
         if isinstance(out, bytes):
             out = P.b64(out)
         data[mime] = out
+    if "matplotlib" in sys.modules and "image/png" not in data:
+        from . import figures  # (only once the cell's code imported matplotlib)
+
+        if figures.is_figure(value):
+            try:
+                image = figures.png(value)
+            except Exception:
+                image = None
+            if image is not None:
+                data["image/png"] = P.b64(image)
     try:
         data["text/plain"] = repr(value)
     except Exception as exc:  # a broken __repr__ must not lose the cell
