@@ -54,3 +54,28 @@ def test_matplotlib_figures_show_as_png(sandbox: smolbench.Session) -> None:
     r = s.run("from matplotlib.figure import Figure\nf = Figure()\nf.subplots().plot([1, 2])\ndisplay(f)")
     [shown] = r.displays
     assert _png(shown).startswith(b"\x89PNG")
+
+
+def test_ipython_display_and_its_objects_reach_the_notebook(sandbox: smolbench.Session) -> None:
+    pytest.importorskip("IPython")
+    s = sandbox
+    # IPython's display, imported by the cell: shown (cleaned), not printed as a repr
+    r = s.run("from IPython.display import display, HTML, Javascript\n"
+              "display(HTML('<b>bold</b><script>alert(1)</script>'))")
+    assert r.error is None and r.stdout == "", r
+    [shown] = r.displays
+    assert "<b>bold</b>" in shown["text/html"] and "script" not in shown["text/html"] and "alert" not in shown["text/html"]
+
+    # an object with _repr_mimebundle_ ((data, metadata)): its HTML and its text
+    r = s.run("class M:\n    def _repr_mimebundle_(self, include=None, exclude=None):\n"
+              "        return {'text/html': '<i>mine</i>', 'text/plain': 'M!'}, {}\nM()")
+    assert r.error is None and r.display is not None, r
+    assert "<i>mine</i>" in r.display["text/html"] and r.display["text/plain"] == "M!"
+    r = s.run("import IPython.display\nIPython.display.display(M())\n"
+              "IPython.display.display({'text/plain': 'raw', 'text/html': '<u>r</u>'}, raw=True)")
+    assert [d["text/plain"] for d in r.displays] == ["M!", "raw"] and "<u>r</u>" in r.displays[1]["text/html"]
+
+    # Javascript: sent, and the host's gate drops it with its note
+    r = s.run("display(Javascript('alert(1)'))")
+    assert r.error is None and [dict(d) for d in r.displays] == [{"text/plain": "<IPython.core.display.Javascript object>"}]
+    assert len(r.notes) == 1 and "application/javascript" in r.notes[0] and "not shown" in r.notes[0], r.notes

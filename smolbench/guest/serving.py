@@ -16,7 +16,7 @@ import threading
 import time
 import types
 
-from . import figures, orphans
+from . import figures, ipydisplay, orphans
 from . import protocol as P
 from .branching import Branching, _wait_exited, warm_for_branches
 from .cells import Cells, _plain_error
@@ -76,6 +76,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self.ns["display"] = self.guest.display
         self.ns["smolbench_guest"] = self.guest  # as documented: usable without an import
         figures.watch(self)  # a cell's pyplot gets the agent's backend: plt.show() displays
+        ipydisplay.watch(self)  # and IPython's display, once a cell imports it, is ours
         self.outbox = _Outbox(self)
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
