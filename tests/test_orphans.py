@@ -80,6 +80,9 @@ def test_orphans_are_reaped_and_the_cell_s_own_children_keep_their_exit_status(s
         "codes"
     )
     assert r.error is None and r.value == [1, 3, 7, 5, 0], (r.value, r.error)
+    # os.system and os.fork still pickle by reference (a __reduce__ naming them, a Pool sending them)
+    r = s.run("import pickle\n[pickle.loads(pickle.dumps(f)) is f for f in (os.system, os.fork, os.posix_spawn)]")
+    assert r.error is None and r.value == [True, True, True], (r.value, r.error)
 
 
 def test_a_fork_bomb_of_orphans_leaves_the_machine_usable(sandbox: smolbench.Session) -> None:

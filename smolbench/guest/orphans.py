@@ -69,13 +69,11 @@ def _install():
     import posix
 
     os.register_at_fork(after_in_child=_forget)
-    for mod in (os, posix):
-        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
-            real = getattr(posix, name, None)
-            if real is not None:
-                setattr(mod, name, _recording(real))
-        if getattr(posix, "system", None) is not None:
-            mod.system = _blinding(posix.system)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        real = getattr(posix, name, None)
+        if real is not None:  # one wrapper in both modules: pickled by reference as posix.NAME, it is found
+            wrapper = _blinding(real) if name == "system" else _recording(real)
+            os.__dict__[name] = posix.__dict__[name] = wrapper
     _posixsubprocess.fork_exec = _recording(_posixsubprocess.fork_exec)
 
 
@@ -92,12 +90,17 @@ def _recording(real):
                 _mine.add(pid)
         return got
 
-    for attr in ("__name__", "__qualname__", "__doc__"):
+    return _named(made, real)
+
+
+def _named(wrapper, real):
+    """``wrapper`` under ``real``'s names, so pickle finds it where ``real`` was (posix.fork)."""
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
         try:
-            setattr(made, attr, getattr(real, attr))
+            setattr(wrapper, attr, getattr(real, attr))
         except (AttributeError, TypeError):
             pass
-    return made
+    return wrapper
 
 
 def _blinding(real):
@@ -115,8 +118,7 @@ def _blinding(real):
             with _lock:
                 _blind -= 1
 
-    system.__doc__ = real.__doc__
-    return system
+    return _named(system, real)
 
 
 def _loop(agent):
