@@ -10,6 +10,7 @@ import math
 import sys
 import time
 
+from . import figures
 from . import protocol as P
 from .netnote import _net_note
 from .output import OUTPUT_KEEP, _Stream, mime_bundle
@@ -88,7 +89,12 @@ class Cells:
             names = reseed(self.ns, self.seed)
             if names:
                 self.reported["metrics"] = {"reseeded": ", ".join(names)[:1000]}  # recorded in the ledger
-        value = self._execute(req.get("code", ""), filename)
+        value = None
+        try:
+            value = self._execute(req.get("code", ""), filename)
+        finally:
+            if "matplotlib.pyplot" in sys.modules:  # figures left open are shown, as Jupyter's inline backend does
+                figures.flush(value)
         if value is None:
             return None
         self.ns["_"] = value

@@ -4,7 +4,9 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
 import io
+import itertools
 import os
+import sys
 import threading
 import time
 
@@ -18,7 +20,9 @@ MIME_METHODS = (
     ("text/markdown", "_repr_markdown_"),
     ("text/latex", "_repr_latex_"),
     ("application/json", "_repr_json_"),
+    ("application/javascript", "_repr_javascript_"),  # sent as it is: the host's gate drops it, with a note
 )
+BUNDLE_TYPES = 64  # MIME types taken from one _repr_mimebundle_ at most
 OUTPUT_KEEP = 64 * 1024  # characters of stdout/stderr kept for the result record
 BATCH_CHARS = 64 * 1024  # stream text sent per message at most
 BATCH_SECONDS = 0.005  # how long output gathers before it is sent
@@ -46,8 +50,10 @@ def mime_bundle(value):
     fig = _plotly_json(value)
     if fig is not None:
         data[PLOTLY_MIME] = fig
+    else:  # as IPython's formatter: what _repr_mimebundle_ gives first, the other methods fill in
+        data.update(_repr_mimebundle(value))
     for mime, meth in MIME_METHODS:
-        if fig is not None and mime == "text/html":
+        if (fig is not None and mime == "text/html") or mime in data:
             continue
         fn = getattr(value, meth, None)
         if fn is None or isinstance(value, type):
@@ -63,10 +69,56 @@ def mime_bundle(value):
         if isinstance(out, bytes):
             out = P.b64(out)
         data[mime] = out
+    if "matplotlib" in sys.modules and "image/png" not in data:
+        from . import figures  # (only once the cell's code imported matplotlib)
+
+        if figures.is_figure(value):
+            try:
+                image = figures.png(value)
+            except Exception:
+                image = None
+            if image is not None:
+                data["image/png"] = P.b64(image)
+    if isinstance(data.get("text/plain"), str):
+        return data
     try:
         data["text/plain"] = repr(value)
     except Exception as exc:  # a broken __repr__ must not lose the cell
         data["text/plain"] = "<unrepresentable %s: %s>" % (type(value).__name__, exc)
+    return data
+
+
+def _repr_mimebundle(value):
+    fn = getattr(value, "_repr_mimebundle_", None)
+    if fn is None or isinstance(value, type):
+        return {}
+    try:
+        try:
+            out = fn(include=None, exclude=None)
+        except TypeError:
+            out = fn()
+    except Exception:
+        return {}
+    if isinstance(out, tuple) and out:  # (data, metadata)
+        out = out[0]
+    return raw_bundle(out) or {}
+
+
+def raw_bundle(obj):
+    """A MIME bundle given as a dict (``_repr_mimebundle_``, ``display(..., raw=True)``): at most
+    ``BUNDLE_TYPES`` types, each text, bytes (sent as base64) or JSON data; None if not a dict.
+    What the host may show of it is the gate's to say."""
+    if not isinstance(obj, dict):
+        return None
+    data = {}
+    for mime, val in itertools.islice(obj.items(), BUNDLE_TYPES):
+        if not isinstance(mime, str) or not mime or len(mime) > 255:
+            continue
+        if isinstance(val, (bytes, bytearray)):
+            val = P.b64(bytes(val))
+        elif not isinstance(val, (str, dict, list)):
+            continue
+        data[mime] = val
     return data
 
 

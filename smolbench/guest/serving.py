@@ -16,6 +16,7 @@ import threading
 import time
 import types
 
+from . import figures, ipydisplay, orphans
 from . import protocol as P
 from .branching import Branching, _wait_exited, warm_for_branches
 from .cells import Cells, _plain_error
@@ -74,6 +75,8 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         sys.modules["__main__"] = self.main
         self.ns["display"] = self.guest.display
         self.ns["smolbench_guest"] = self.guest  # as documented: usable without an import
+        figures.watch(self)  # a cell's pyplot gets the agent's backend: plt.show() displays
+        ipydisplay.watch(self)  # and IPython's display, once a cell imports it, is ours
         self.outbox = _Outbox(self)
         self._out = {"stdout": collections.deque(), "stderr": collections.deque()}
         self._out_size = {"stdout": 0, "stderr": 0}
@@ -101,6 +104,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         this machine's branches; a leaf branch (``leaves.py``) makes none to reap."""
         t = threading.Thread(target=self._accept_loop, args=(self.listener,), daemon=True)
         t.start()
+        orphans.start(self)  # pid 1 of its machine (a leaf too): reaps the orphans re-parented to it
         if reaper:
             r = threading.Thread(target=self._reap_loop, daemon=True)
             r.start()

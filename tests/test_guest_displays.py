@@ -1,0 +1,81 @@
+"""What a machine's cell displays, as Jupyter shows the same code: matplotlib figures as PNG,
+IPython's display and its objects (``_repr_mimebundle_``, Javascript) reaching the notebook.
+
+Before: ``plt.show()`` showed nothing (Agg), a Figure only its repr, ``display(fig)`` the
+same; ``from IPython.display import display`` printed ``<IPython.core.display.HTML object>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smolbench
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    with smolbench.Session(backend="sandbox", ledger="ledger.db", on_notice=lambda line: None) as s:
+        yield s
+
+
+def _png(bundle: Any) -> bytes:
+    return base64.b64decode(bundle["image/png"])
+
+
+def test_matplotlib_figures_show_as_png(sandbox: smolbench.Session) -> None:
+    pytest.importorskip("matplotlib")  # the machine runs the host's Python: a test dependency
+    s = sandbox
+    r = s.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()\nprint(plt.get_fignums())")
+    assert r.error is None and r.stdout == "[]\n", r  # shown, then closed
+    [shown] = r.displays
+    assert _png(shown).startswith(b"\x89PNG\r\n\x1a\n")
+
+    # a Figure as the last value: its PNG (shown once, not again as an open figure)
+    r = s.run("fig, ax = plt.subplots()\nax.plot([3, 1])\nfig")
+    assert r.error is None and r.display is not None and r.displays == [], r
+    assert _png(r.display).startswith(b"\x89PNG") and r.display["text/plain"].startswith("<Figure size")
+
+    # display(fig), and a figure left open at the cell's end: each shown once, then closed
+    r = s.run("fig, ax = plt.subplots()\nax.plot([1])\ndisplay(fig)\nplt.figure()\nplt.bar([1], [2])\n"
+              "print('made')\nlen(plt.get_fignums())")
+    assert r.error is None and r.stdout == "made\n" and r.value == 2, r
+    assert len(r.displays) == 2 and all(_png(d).startswith(b"\x89PNG") for d in r.displays)
+    assert s.run("len(plt.get_fignums())").value == 0
+
+    # a Figure made without pyplot
+    r = s.run("from matplotlib.figure import Figure\nf = Figure()\nf.subplots().plot([1, 2])\ndisplay(f)")
+    [shown] = r.displays
+    assert _png(shown).startswith(b"\x89PNG")
+
+
+def test_ipython_display_and_its_objects_reach_the_notebook(sandbox: smolbench.Session) -> None:
+    pytest.importorskip("IPython")
+    s = sandbox
+    # IPython's display, imported by the cell: shown (cleaned), not printed as a repr
+    r = s.run("from IPython.display import display, HTML, Javascript\n"
+              "display(HTML('<b>bold</b><script>alert(1)</script>'))")
+    assert r.error is None and r.stdout == "", r
+    [shown] = r.displays
+    assert "<b>bold</b>" in shown["text/html"] and "script" not in shown["text/html"] and "alert" not in shown["text/html"]
+
+    # an object with _repr_mimebundle_ ((data, metadata)): its HTML and its text
+    r = s.run("class M:\n    def _repr_mimebundle_(self, include=None, exclude=None):\n"
+              "        return {'text/html': '<i>mine</i>', 'text/plain': 'M!'}, {}\nM()")
+    assert r.error is None and r.display is not None, r
+    assert "<i>mine</i>" in r.display["text/html"] and r.display["text/plain"] == "M!"
+    r = s.run("import IPython.display\nIPython.display.display(M())\n"
+              "IPython.display.display({'text/plain': 'raw', 'text/html': '<u>r</u>'}, raw=True)")
+    assert [d["text/plain"] for d in r.displays] == ["M!", "raw"] and "<u>r</u>" in r.displays[1]["text/html"]
+
+    # Javascript: sent, and the host's gate drops it with its note
+    r = s.run("display(Javascript('alert(1)'))")
+    assert r.error is None and [dict(d) for d in r.displays] == [{"text/plain": "<IPython.core.display.Javascript object>"}]
+    assert len(r.notes) == 1 and "application/javascript" in r.notes[0] and "not shown" in r.notes[0], r.notes

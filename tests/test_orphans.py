@@ -1,0 +1,108 @@
+"""A sandbox machine's pid 1 (its agent) reaps the orphans re-parented to it, and only them.
+
+Before, a process whose parent exited first (``sh -c 'sleep 0.1 &'``, a daemon) stayed a
+zombie for ever, each holding one of the machine's ``pids``: with ``pids = 64`` a short
+fork bomb left the machine unable to start any process (BlockingIOError) or to be forked,
+until a new machine. The cell's own children keep their exit status for its own waits.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import smolbench
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+# In the machine: its zombies (state Z in its own /proc), once those that can go are gone.
+ZOMBIES = """
+import os, time
+
+def zombies():
+    out = []
+    for p in os.listdir('/proc'):
+        if p.isdigit():
+            try:
+                with open('/proc/%s/stat' % p) as fh:
+                    if fh.read().rsplit(')', 1)[1].split()[0] == 'Z':
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+def settled(keep=()):
+    # orphans end 0.05-0.1 s after their parent: wait until the zombies left are only `keep`
+    for _ in range(100):
+        left = [z for z in zombies() if z not in keep]
+        if not left:
+            break
+        time.sleep(0.05)
+    return left
+"""
+
+ORPHANS = "import subprocess\nfor i in range(20): subprocess.run('sleep 0.05 &', shell=True)\ntime.sleep(0.2)\n"
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Smolfile").write_text("pids = 64\n")
+    with smolbench.Session("Smolfile", backend="sandbox", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.run(ZOMBIES)
+        yield s
+
+
+def test_orphans_are_reaped_and_the_cell_s_own_children_keep_their_exit_status(sandbox: smolbench.Session) -> None:
+    s = sandbox
+    r = s.run(ORPHANS + "[len(settled()), os.getpid()]")
+    assert r.error is None and r.value == [0, 1], (r.value, r.error)  # 20 orphans of pid 1: none left
+
+    # the cell's own children, ended long before their code waits: each keeps its status
+    r = s.run(
+        "import multiprocessing, subprocess, sys\n"
+        "codes = [subprocess.run(['false']).returncode]\n"
+        "p = subprocess.Popen(['sh', '-c', 'exit 3'])\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(7)\n"
+        "mp = multiprocessing.get_context('fork').Process(target=sys.exit, args=(5,))\n"
+        "mp.start()\n"
+        "while len(zombies()) < 3:\n"
+        "    time.sleep(0.01)\n"
+        + ORPHANS  # orphans end meanwhile, and are reaped around the cell's own zombies
+        + "left = settled(keep=(p.pid, pid, mp.pid))\n"
+        "time.sleep(1)\n"
+        "mp.join()\n"
+        "codes += [p.wait(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), mp.exitcode, len(left)]\n"
+        "codes"
+    )
+    assert r.error is None and r.value == [1, 3, 7, 5, 0], (r.value, r.error)
+    # os.system and os.fork still pickle by reference (a __reduce__ naming them, a Pool sending them)
+    r = s.run("import pickle\n[pickle.loads(pickle.dumps(f)) is f for f in (os.system, os.fork, os.posix_spawn)]")
+    assert r.error is None and r.value == [True, True, True], (r.value, r.error)
+
+
+def test_a_fork_bomb_of_orphans_leaves_the_machine_usable(sandbox: smolbench.Session) -> None:
+    s = sandbox
+    r = s.run(
+        "import subprocess\n"
+        "refused = 0\n"
+        "for i in range(200):\n"
+        "    try:\n"
+        "        subprocess.run(['sh', '-c', 'sleep 0.1 &'])\n"
+        "    except OSError:\n"
+        "        refused += 1\n"
+        "left = settled()\n"
+        "[len(left), subprocess.run(['sh', '-c', 'echo still here'], capture_output=True, text=True).stdout]"
+    )
+    assert r.error is None and r.value == [0, "still here\n"], (r.value, r.error)
+    r = s.run("procs = [subprocess.Popen(['sleep', '0.2']) for _ in range(12)]\n[p.wait() for p in procs]")
+    assert r.error is None and r.value == [0] * 12, (r.value, r.error)  # 12 at once: room for them
+    # branches can still be made, and each (pid 1 of its own) reaps its own orphans
+    f = s.fork(2, ORPHANS + "reward = len(settled())", keep="all")
+    assert sorted(f.rewards.values()) == [0.0, 0.0]
+    e = s.episodes(2, ZOMBIES + ORPHANS + "reward = len(settled())")  # fresh from the baseline: leaf branches
+    assert sorted(e.rewards.values()) == [0.0, 0.0]
