@@ -234,7 +234,11 @@ def _watch(read: int) -> None:
     global _term_state
     while os.read(read, 1):
         try:
+            told: list[Any] = []  # each place a notice goes hears it once, however many sessions share it
             for s in list(_LIVE):
+                if s.on_notice in told:
+                    continue
+                told.append(s.on_notice)
                 with contextlib.suppress(Exception):
                     s.on_notice(f"smolbench: {signal.Signals(_term_signal).name}: stopping and deleting this "
                                 "program's machines")

@@ -157,17 +157,20 @@ except smolbench.SmolbenchError:
 """,
 }
 ENDINGS["sighup"] = ENDINGS["sigterm"]  # a terminal closing
+# two sessions: the stop is said once (each session said it, to the same stderr)
+ENDINGS["sigterm-two"] = ENDINGS["sigterm"].replace("s.up()\n", "s.up()\nt = smolbench.Session(backend=s.backend_kind, "
+                                                    "ledger='other.db')\nt.up()\n", 1)
 WEAKENED_SIGTERM = ENDINGS["sigterm"].replace("s.up()\n", "s.up()\nsignal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ending", ["exception", "exit", "sigterm", "sighup", "ctrl-c", "root-died"])
+@pytest.mark.parametrize("ending", ["exception", "exit", "sigterm", "sighup", "ctrl-c", "root-died", "sigterm-two"])
 def test_a_script_leaves_nothing_behind(tmp_path: Path, backend: str, ending: str) -> None:
     script = Script(tmp_path, HEAD.format(backend=backend) + ENDINGS[ending])
-    if ending in ("sigterm", "sighup"):
+    if ending in ("sigterm", "sighup", "sigterm-two"):
         script.wait_for_line("ready")
         assert run_folders(script.tmp) and tagged_processes(script.tag)  # machines are up, a cell is running
-        script.proc.send_signal(signal.SIGTERM if ending == "sigterm" else signal.SIGHUP)
+        script.proc.send_signal(signal.SIGHUP if ending == "sighup" else signal.SIGTERM)
     code, out, err = script.finish()
     procs, folders, groups = script.leftovers()
     assert (procs, folders, groups) == ([], [], [])
@@ -180,7 +183,8 @@ def test_a_script_leaves_nothing_behind(tmp_path: Path, backend: str, ending: st
     elif ending == "ctrl-c":
         assert "KeyboardInterrupt" in err and "not reached" not in out
     else:
-        assert code == -(signal.SIGTERM if ending == "sigterm" else signal.SIGHUP) and "not reached" not in out
+        assert code == -(signal.SIGHUP if ending == "sighup" else signal.SIGTERM) and "not reached" not in out
+        assert err.count("stopping and deleting this program's machines") == 1, err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
