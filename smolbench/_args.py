@@ -109,3 +109,40 @@ def callback(value: Any, what: str, signature: str) -> Callable[..., Any] | None
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+KEEP_POLICIES = ("best", "all", "none")
+
+
+def fanout(n: Any, seeds: list[int] | None, seed_base: Any, timeout: float | None,
+           concurrency: int | None, keep: str, kind: str = "fork") -> int:
+    """``n`` branches of a fork (``kind``) or episodes, checked with its options: one line for each bad one."""
+    from .gate import limits
+
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`",
+                             api=f"the number of branches must be a whole number, got {n!r}: e.g. "
+                             f"`Session.{kind}(16, code)`")
+    if n < 1:
+        raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`",
+                             api=f"the number of branches must be at least 1, got {n}: e.g. `Session.{kind}(16, code)`")
+    if n > limits.MAX_BRANCHES:
+        raise SmolbenchError(f"{n} branches is above the cap of {limits.MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`",
+                             api=f"{n} branches is above the cap of {limits.MAX_BRANCHES}: fork fewer, or fork in stages "
+                             "with `Session.use(node)`")
+    if seeds is not None and len(seeds) < n:
+        raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})",
+                             api=f"seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. "
+                             f"seeds=range({n}))")
+    for s in (seeds or [])[:n]:  # ledger integers: a bigger one failed after the parent was claimed
+        seed(s, "each of --seeds", "each of seeds")
+    seed(seed_base, "--seed-base", "seed_base")
+    seed(seed_base + n - 1, f"--seed-base {seed_base} + {n - 1}", f"seed_base={seed_base} + {n - 1}")
+    limits.seconds(timeout)
+    if concurrency is not None and concurrency < 1:
+        raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}",
+                             api=f"concurrency must be at least 1, got {concurrency}")
+    if keep not in KEEP_POLICIES:
+        raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}",
+                             api=f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
+    return n

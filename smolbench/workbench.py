@@ -40,7 +40,7 @@ from .tree import TERMINAL, Node, Tree
 from .zygote import Zygotes
 
 MAX_BRANCHES = gate.limits.MAX_BRANCHES
-KEEP_POLICIES = ("best", "all", "none")
+KEEP_POLICIES = _args.KEEP_POLICIES
 FANOUT_STOP_WAIT = 60.0  # seconds down() waits for running fan-outs to record their cancel before it deletes
 
 FanOut = Callable[..., Coroutine[Any, Any, ForkResult]]
@@ -397,36 +397,6 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
 
     # -- fan-out -----------------------------------------------------------------------------
 
-    def _check_fanout(self, n: Any, seeds: list[int] | None, seed_base: Any, timeout: float | None,
-                      concurrency: int | None, keep: str, kind: str = "fork") -> int:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise SmolbenchError(f"the number of branches must be a whole number, got {n!r}: e.g. `%%smol {kind} 16`",
-                                 api=f"the number of branches must be a whole number, got {n!r}: e.g. "
-                                 f"`Session.{kind}(16, code)`")
-        if n < 1:
-            raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`",
-                                 api=f"the number of branches must be at least 1, got {n}: e.g. `Session.{kind}(16, code)`")
-        if n > MAX_BRANCHES:
-            raise SmolbenchError(f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`",
-                                 api=f"{n} branches is above the cap of {MAX_BRANCHES}: fork fewer, or fork in stages "
-                                 "with `Session.use(node)`")
-        if seeds is not None and len(seeds) < n:
-            raise SmolbenchError(f"--seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. --seeds 0:{n})",
-                                 api=f"seeds gives {len(seeds)} seeds for {n} branches: give at least {n} (e.g. "
-                                 f"seeds=range({n}))")
-        for s in (seeds or [])[:n]:  # ledger integers: a bigger one failed after the parent was claimed
-            _args.seed(s, "each of --seeds", "each of seeds")
-        _args.seed(seed_base, "--seed-base", "seed_base")
-        _args.seed(seed_base + n - 1, f"--seed-base {seed_base} + {n - 1}", f"seed_base={seed_base} + {n - 1}")
-        gate.seconds(timeout)
-        if concurrency is not None and concurrency < 1:
-            raise SmolbenchError(f"--concurrency must be at least 1, got {concurrency}",
-                                 api=f"concurrency must be at least 1, got {concurrency}")
-        if keep not in KEEP_POLICIES:
-            raise SmolbenchError(f"--keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}",
-                                 api=f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
-        return n
-
     def default_concurrency(self, n: int, boots: bool = False) -> int:
         """How many branches run at once when not told: live forks are cheap, so all of them
         (up to 4 per core); fresh machines (``boots``) cost a boot each, so 2 per core."""
@@ -445,7 +415,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         Forks the active node, or the live node ``parent`` (the tree widget's Fork button).
         ``reseed``: each branch's first cell reseeds the random streams it inherited (guest/reseed.py).
         """
-        n = self._check_fanout(n, seeds, seed_base, timeout, concurrency, keep)
+        n = _args.fanout(n, seeds, seed_base, timeout, concurrency, keep)
         if parent is not None and parent not in self.machines:
             raise SmolbenchError(f"{parent} is not alive, so it can't be forked: pick a live node (`%smol tree`)")
         ref = self.require_up() if parent is None else self.machines[parent]
@@ -464,7 +434,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
     def new_episodes(self, n: Any, seeds: list[int] | None = None, seed_base: int = 0, *, timeout: float | None = None,
                      concurrency: int | None = None, reseed: bool = True) -> ForkResult:
         """Validate an episodes request and lay out its machines (run it with :meth:`episodes`)."""
-        n = self._check_fanout(n, seeds, seed_base, timeout, concurrency, "none", kind="episodes")
+        n = _args.fanout(n, seeds, seed_base, timeout, concurrency, "none", kind="episodes")
         if self.active is None:
             raise SmolbenchError("no machine is up: run `%smol up` first (episodes boot from its baseline)",
                                  api=f"{NOT_UP} (episodes boot from its baseline)")
