@@ -3,7 +3,8 @@ observation's base64: it must take exactly the frames the whole-frame pattern ``
 took, and refuse the rest as before. Forged frames (extra fields, bytes that are not base64,
 a payload of the wrong length, a header claiming another shape or dtype or a huge size) are
 refused by the host exactly as the general path refuses them; mutations of real frames are
-taken or left exactly as the whole-frame pattern did. No machine needed."""
+taken or left exactly as the whole-frame pattern did. The vector step's Box check for all
+sub-envs at once passes exactly what each observation's own check passes. No machine needed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gymnasium import spaces as S
 
 from smolbench.backends.base import CellRequest
 from smolbench.gate import pull
@@ -166,3 +168,42 @@ def test_mutated_frames_are_taken_exactly_as_the_whole_frame_pattern_took_them()
         _same(got, want)
         taken += want is not None
     assert 100 < taken < 19_000  # the edits both kept frames the fast path's and broke them
+
+
+BOXES = [S.Box(0, 1, (3, 8, 8), np.float32), S.Box(-np.inf, np.inf, (4,), np.float64), S.Box(0, 255, (2, 5), np.uint8),
+         S.Box(-3, 3, (6,), np.int64), S.Box(np.array([0.0, -1.0]), np.array([1.0, 1.0]), dtype=np.float32),
+         S.Box(0, 2**64 - 1, (3,), np.uint64), S.Box(-1.0, 1.0, (0,), np.float32), S.Box(0, 1, (2,), np.float16)]
+
+
+@pytest.mark.parametrize("k", range(len(BOXES)))
+def test_the_batched_bounds_check_fits_exactly_what_each_arrays_own_check_fits(k: int) -> None:
+    """spaces.inside (the Box check for all sub-envs of a vector step: a least and a greatest
+    item against bounds the same everywhere) passes exactly the arrays spaces.check passes:
+    NaN anywhere, an item just past a bound, inf, another dtype or shape are not known to fit."""
+    from smolbench.gym import spaces
+
+    space = BOXES[k]
+    rng = np.random.default_rng(k)
+    values: list[Any] = []
+    for _ in range(60):
+        v = space.sample()
+        if v.size and rng.random() < 0.7:
+            flat = v.reshape(-1)
+            at = rng.integers(flat.size)
+            if v.dtype.kind == "f":
+                flat[at] = rng.choice([np.nan, np.inf, -np.inf, -0.0, 1.0, np.nextafter(v.dtype.type(1), v.dtype.type(2)),
+                                       space.low.reshape(-1)[at], space.high.reshape(-1)[at], -1e-30, 2.0])
+            else:
+                info = np.iinfo(v.dtype)
+                flat[at] = rng.choice([info.min, info.max, 0, 1, 4, -4 if info.min < 0 else 3])
+        values.append(v)
+    values += [np.zeros(space.shape, np.float64 if space.dtype != np.float64 else np.float32), np.zeros((7,), space.dtype), None]
+    fits = spaces.inside(space, values)
+    for v, fit in zip(values, fits):
+        try:
+            spaces.check(space, v)
+            ok = True
+        except spaces.Refused:
+            ok = False
+        assert fit == ok, (v, fit, ok)
+    assert any(fits) and not all(fits)
