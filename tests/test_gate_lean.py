@@ -171,7 +171,7 @@ def test_mutated_frames_are_taken_exactly_as_the_whole_frame_pattern_took_them()
 
 
 BOXES = [S.Box(0, 1, (3, 8, 8), np.float32), S.Box(-np.inf, np.inf, (4,), np.float64), S.Box(0, 255, (2, 5), np.uint8),
-         S.Box(-3, 3, (6,), np.int64), S.Box(np.array([0.0, -1.0]), np.array([1.0, 1.0]), dtype=np.float32),
+         S.Box(-3, 3, (6,), np.int64), S.Box(np.array([0.0, -1.0], np.float32), np.array([1.0, 1.0], np.float32), dtype=np.float32),
          S.Box(0, 2**64 - 1, (3,), np.uint64), S.Box(-1.0, 1.0, (0,), np.float32), S.Box(0, 1, (2,), np.float16)]
 
 
@@ -195,7 +195,8 @@ def test_the_batched_bounds_check_fits_exactly_what_each_arrays_own_check_fits(k
                                        space.low.reshape(-1)[at], space.high.reshape(-1)[at], -1e-30, 2.0])
             else:
                 info = np.iinfo(v.dtype)
-                flat[at] = rng.choice([info.min, info.max, 0, 1, 4, -4 if info.min < 0 else 3])
+                ints = [int(info.min), int(info.max), 0, 1, 4, -4 if info.min < 0 else 3]
+                flat[at] = ints[rng.integers(len(ints))]
         values.append(v)
     values += [np.zeros(space.shape, np.float64 if space.dtype != np.float64 else np.float32), np.zeros((7,), space.dtype), None]
     fits = spaces.inside(space, values)
