@@ -315,6 +315,17 @@ those: 0.90-1.07 ms against 0.91-1.01, the same within the noise. `make_vec` in 
 the same way: 9.8-10.2k steps/s against 10.0-11.0k (1.65-1.83x `AsyncVectorEnv` against
 1.59-1.65x; host CPU a vector step 0.92-0.95 against 0.88-0.93 ms): the actions' new check (a Box
 cast to its dtype, no bounds) is at most a few percent.
+2026-12-05 21:23 (load 3-5, other work on the host; a probe, not this bench): image observations,
+16 sub-envs of `Box(0, 1, (3, 84, 84), float32)` in place, the gate's lean path before and after
+d257a69/3ff8022 swapped in the same process and interleaved over 6 rounds: 168 -> 242 vector
+steps/s (median; the per-round ratio's median 1.41x), this process's CPU a vector step 4.09 -> 2.78
+ms, `AsyncVectorEnv` 875 (shared memory) and 733 (without): 5.0x -> 3.8x faster (CartPole in the
+same run unchanged, 0.51 ms either way). The lean step's check had run a pattern over the
+observation's whole base64 (a third of the host's time); it now matches the fixed head and the
+tail and leaves the base64 to binascii's strict decode (the same frames taken: tests/test_gate_lean.py),
+and the Box check compares each observation's least and greatest item when the bounds are the same
+everywhere. What is left is mostly that decode (`a2b_base64`, ~130 us an 84 KB observation, ~2.2 ms
+of the 2.8; `a2b_hex` takes ~38 us, at 1.5x the bytes: a change of the wire's lean form, not made).
 {END}"""
 
 

@@ -250,6 +250,13 @@ def inside(space: S.Space[Any], values: list[Any]) -> list[bool]:
     out = [False] * len(values)
     if rows:
         try:
+            low, high = space.low, space.high
+            if low.size and (lo := low.min()) == low.max() and (hi := high.max()) == high.min():
+                # bounds the same everywhere (an image's 0..1): each array's least and greatest item
+                # against them, no batch or masks (np.min/max carry a NaN, which fits no bound)
+                for k in rows:
+                    out[k] = bool(values[k].min() >= lo and values[k].max() <= hi)
+                return out
             batch = np.stack([values[k] for k in rows])
             fits = np.asarray(((batch >= space.low) & (batch <= space.high)).reshape(len(rows), -1).all(axis=1)).tolist()
         except Exception:  # each is checked on its own (and refused in one line)
