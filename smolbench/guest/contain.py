@@ -44,6 +44,8 @@ import socket
 import struct
 import sys
 
+from .orphans import children as _children
+
 STORE = "/run/smolbench-layers"  # the machine's layer tmpfs (bwrap makes the mount point)
 RUN = "/run/smolbench"  # the machine's own run directory (its socket; its branches' folders)
 MAX_LOWERS = 48  # frozen layers per mount before a fork flattens them (overlayfs allows ~500)
@@ -637,26 +639,6 @@ def _nspid_depth(pid):
             if line.startswith("NSpid:"):
                 return len(line.split()) - 1
     return 0
-
-
-def _children(pid):
-    """The children of ``pid`` (every thread's, zombies too) from its own /proc lists; None where
-    the kernel keeps no such lists."""
-    out = []
-    try:
-        tids = os.listdir("/proc/%d/task" % pid)
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as fh:
-                out += [int(k) for k in fh.read().split()]
-        except FileNotFoundError:
-            if tid == str(pid):
-                return None  # no CONFIG_PROC_CHILDREN
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def reap_orphaned_branches(known=()):

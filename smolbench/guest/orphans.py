@@ -142,7 +142,7 @@ def sweep(agent):
     me = os.getpid()
     if _owner != me:
         return 0
-    kids = _children(me)
+    kids = children(me)
     n = 0
     with _lock:
         if kids is not None:
@@ -171,7 +171,7 @@ def _zombie_child(pid, me):
         return False
 
 
-def _children(pid):
+def children(pid):
     """The children of ``pid`` (every thread's, zombies too) from its own /proc lists; None where
     the kernel keeps no such lists."""
     out = []
