@@ -69,7 +69,7 @@ def test_a_shared_namespace_s_names_reach_no_terminal_and_stay_short(open_tmp: P
 
 
 @pytest.mark.parametrize(("backend", "made", "why"), [
-    ("sandbox", "smol", "was made by the smol backend, but this machine uses sandbox: `%smol up --backend smol`"),
+    ("sandbox", "smol", "was made by the smol backend, but this machine uses sandbox: `Session(backend='smol').up()`"),
     ("process", "sandbox", "was not saved in this kernel: its saved state is code"),
 ])
 def test_a_refused_file_leaves_nothing_here(open_tmp: Path, backend: str, made: str, why: str) -> None:
@@ -117,8 +117,8 @@ def test_a_file_s_claims_are_kept_as_its_claims(open_tmp: Path) -> None:
         assert f"smolbench: warning: the file says: {STAFF}" in notices  # said as its claim
         assert said == [f"smolbench: warning: the file says lesson1 was saved on baseline {'f' * 64}, not this "
                         f"machine's {s.workbench.baseline}: its variables and files are back, but what its cells "
-                        "installed or relied on may differ; restore it where its Smolfile is: `%smol down`, then "
-                        "`%smol up --smolfile PATH` and restore again"], notices
+                        "installed or relied on may differ; restore it where its Smolfile is: `Session.down()`, then "
+                        "`Session(smolfile='PATH').up()` and restore again"], notices  # in the Session's words
         row = rows(student)["lesson1"]
         assert (row["session_id"], row["node_id"], row["cells"], row["baseline"]) == ("imported", "root.3", 7, "f" * 64)
         assert row["warnings"] == [f"the file says: {STAFF}"]
