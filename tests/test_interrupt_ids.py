@@ -12,6 +12,8 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from smolbench.backends.base import CellRequest, CellResult, Event, MachineRef
 from smolbench.backends.process import ProcessBackend
 from smolbench.spec import MachineSpec
@@ -98,3 +100,18 @@ def test_an_interrupt_still_stops_the_cell_it_names(tmp_path: Path) -> None:
     assert after.status == "ok" and after.result == {"text/plain": "42"}
     frames = (stopped.error or {}).get("traceback") or []  # it ends at the cell's line, not in the agent
     assert frames and frames[-1].startswith('  File "<cell>", line 4') and "serving.py" not in "".join(frames)
+
+
+def test_an_interrupt_that_lands_in_a_print_ends_the_traceback_at_the_cell_s_line(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while the cell printed landed in the agent's writer (which holds SIGINT back while
+    it sends a message): the traceback went on through serving.py and signal.py. (CI, loaded.)"""
+    import smolbench
+
+    monkeypatch.chdir(tmp_path)
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        # a SIGINT waiting for the cell's thread, delivered when the writer lets it through
+        r = s.run("import signal, threading\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+                  "signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)\nprint('x', flush=True)\n")
+    assert r.error is not None and r.error.ename == "KeyboardInterrupt"
+    assert len(r.error.traceback) == 1 and r.error.traceback[0].startswith('  File "<cell-1>", line 4'), r.error.traceback

@@ -7,6 +7,7 @@ import ast
 import collections
 import linecache
 import math
+import os
 import sys
 import time
 
@@ -201,8 +202,14 @@ def _error_from_exc(filename):
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
     entries = traceback.extract_tb(tb) if tb is not None else []
-    if etype is KeyboardInterrupt and entries and entries[-1].name == "_on_sigint":
-        entries = entries[:-1]  # the agent's signal handler raised it: the cell's own line is the last
+    if etype is KeyboardInterrupt:
+        # the interrupt lands wherever the cell's thread is, also in the agent's own code under it
+        # (its signal handler, writing a print's output): the user's last line is where it stopped
+        here = os.path.dirname(os.path.abspath(__file__))
+        for i, entry in enumerate(entries):
+            if i and os.path.dirname(os.path.abspath(entry.filename)) == here:
+                entries = entries[:i]
+                break
     frames = traceback.format_list(entries)
     if etype is not None and issubclass(etype, SyntaxError):
         frames = traceback.format_exception_only(etype, evalue)[:-1]
