@@ -11,12 +11,15 @@ data; nothing it sends is unpickled here. Needs ``pip install 'jupyterlab-smolbe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gymnasium.vector import AutoresetMode
 
+from .. import _loop
 from ..errors import SmolbenchError
 from ._host import host_for
 from .env import MachineEnv
@@ -113,13 +116,35 @@ E = TypeVar("E", MachineEnv, MachineVectorEnv)
 
 def _let_go_when_dropped(env: E) -> E:
     """An env dropped without close() (a sweep that rebinds ``env = make(...)``) still deletes its
-    machines: they stayed, ~19 processes each, until the session ended. Started on smolbench's
-    loop, not waited for: the garbage collector may run this on any thread, that loop's too."""
+    machines: they stayed, ~19 processes each, until the session ended."""
     finalizer = weakref.finalize(env, _close_soon, env._m)
     finalizer.atexit = False  # at exit the session's own end deletes every machine
     return env
 
 
+_closing: set[asyncio.Future[None]] = set()  # closes begun by a finalizer, held until they end
+
+
 def _close_soon(machines: Machines) -> None:
-    if not machines.closed:
-        machines.host.submit(machines.close())
+    """The finalizer: the garbage collector runs it on whatever thread it ran (the user's, an
+    executor's, smolbench's loop's), so it only schedules the close on smolbench's loop. Run
+    there, the close's task was held by nothing (a task awaiting a socket is only weakly
+    held by asyncio): the collector then dropped it half done, with the env's refills,
+    closing their coroutines on its own thread, and the warm parent and its spares stayed."""
+    with contextlib.suppress(RuntimeError):  # the loop is gone (the interpreter is exiting)
+        _loop.get_loop().call_soon_threadsafe(_begin_close, machines)
+
+
+def _begin_close(machines: Machines) -> None:
+    """On smolbench's loop: close ``machines``, the task held here until it ends."""
+    if machines.closed:
+        return
+    task = asyncio.ensure_future(machines.close())
+    _closing.add(task)
+    task.add_done_callback(_closed)
+
+
+def _closed(task: asyncio.Future[None]) -> None:
+    _closing.discard(task)
+    if not task.cancelled():
+        task.exception()  # (retrieved: a close that failed has nothing left to tell anyone)

@@ -1,0 +1,86 @@
+"""A gym env's life outside its steps: dropped without close(), built, refused up front.
+
+An env dropped without ``close()`` is closed by its finalizer, which the garbage collector
+runs on whatever thread it ran: there it only schedules the close on smolbench's loop,
+which holds the close's task until it ends (a task held by nothing was dropped half done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gymhelpers import define, needs_bwrap, up_bench
+from test_session import Script
+
+from smolbench.workbench import Workbench
+
+pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+CORRIDOR = '''
+import gymnasium as gym
+from gymnasium import spaces as S
+
+class Corridor(gym.Env):
+    observation_space = S.Discrete(10)
+    action_space = S.Discrete(2)
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.p = 0
+        return 0, {}
+    def step(self, action):
+        self.p = max(0, min(9, self.p + (1 if action else -1)))
+        return self.p, float(self.p == 9), self.p == 9, False, {}
+
+def corridor():
+    return Corridor()
+'''
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
+    for wb in up_bench(tmp_path_factory):
+        define(wb, CORRIDOR)
+        yield wb
+
+
+SWEEP = """
+import gc, sys, threading, time
+import smolbench, smolbench.gym
+
+def collect_elsewhere():
+    t = threading.Thread(target=gc.collect)
+    t.start()
+    t.join()
+
+with smolbench.Session(backend="sandbox", ledger="ledger.db") as s:
+    s.run(%r)
+    for _ in range(6):
+        env = smolbench.gym.make("corridor", session=s)
+        collect_elsewhere()
+    del env
+    collect_elsewhere()
+    deadline = time.monotonic() + 90  # (the closes take a second or two)
+    while len(s.workbench.backend.list()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    collect_elsewhere()
+    print("LEFT", sorted(m.name for m in s.workbench.backend.list()), flush=True)
+"""
+
+
+def test_envs_dropped_in_a_sweep_with_the_collector_on_another_thread_leave_nothing(tmp_path: Path) -> None:
+    """The researcher's sweep: `env = make(...)` rebinds the last env, the collector runs on
+    another thread. Warm parents and their 16 spares stayed until the session ended, with
+    "Task was destroyed but it is pending! ... Spares._make()", "There is no current event
+    loop in thread 'Thread-2 (collect)'" and "aclose(): asynchronous generator is already running"."""
+    script = Script(tmp_path, SWEEP % CORRIDOR)
+    try:
+        code, out, err = script.finish(timeout=240)
+    finally:
+        script.clean()
+    assert code == 0, err
+    assert "LEFT ['root']" in out, out + err
+    for bad in ("Task was destroyed", "no current event loop", "was never awaited", "aclose()", "Traceback"):
+        assert bad not in err, err
