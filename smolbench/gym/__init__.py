@@ -40,10 +40,10 @@ def _registered(env: Any) -> Any:
 
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
-           retries: int | None, timeout: float | None, vector: bool = False) -> Machines:
+           retries: int | None, timeout: float | None, vector: bool = False, reseed: bool = True) -> Machines:
     host = host_for(session, smolfile)
     try:
-        machines = Machines(host, env, num_envs, reset, retries, vector, timeout)
+        machines = Machines(host, env, num_envs, reset, retries, vector, timeout, reseed)
         host.run(machines.start())
     except BaseException:
         if "machines" in locals():
@@ -57,7 +57,7 @@ def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: 
 
 
 def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | None = None, reset: str = "fresh",
-         retries: int | None = None, timeout: float | None = None, **kwargs: Any) -> MachineEnv:
+         retries: int | None = None, timeout: float | None = None, reseed: bool = True, **kwargs: Any) -> MachineEnv:
     """A ``gymnasium.Env`` that runs ``env`` in a machine.
 
     ``env``: a zero-argument callable returning a ``gymnasium.Env`` (cloudpickled into the
@@ -71,12 +71,15 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     env in its machine may take to answer one ``reset()`` or ``step()`` (default: no limit);
     past it that call raises a one-line error, the episode is recorded as timed out, its
     machine is deleted (the env may still be running the call) and the next ``reset()``
-    starts in a new branch of the warm parent. Extra keyword arguments are given to a
-    callable ``env``.
+    starts in a new branch of the warm parent. ``reseed=False``: the generators the env
+    keeps itself (``self.rng``) are left alone (every sub-env's and fresh episode's start
+    where the warm parent's did); else one its code seeded (``default_rng(1234)``) is never
+    reseeded, an entropy-seeded one gets each machine its own stream, and fresh episodes
+    carry their states on. Extra keyword arguments are given to a callable ``env``.
     """
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point (a function: a spec is deep-copied)
         return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout,
-                    **{**kwargs, **more})
+                    reseed=reseed, **{**kwargs, **more})
 
     factory = env = _registered(env)
     if kwargs:
@@ -85,12 +88,13 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
         import functools
 
         factory = functools.partial(env, **kwargs)
-    return _let_go_when_dropped(MachineEnv(_start(factory, 1, session, smolfile, reset, retries, timeout), remake))
+    return _let_go_when_dropped(MachineEnv(_start(factory, 1, session, smolfile, reset, retries, timeout,
+                                                  reseed=reseed), remake))
 
 
 def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None, smolfile: str | None = None,
              autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP, reset: str = "fresh",
-             retries: int | None = None, timeout: float | None = None) -> MachineVectorEnv:
+             retries: int | None = None, timeout: float | None = None, reseed: bool = True) -> MachineVectorEnv:
     """A ``gymnasium.vector.VectorEnv`` of ``num_envs`` copies of ``env``, one machine each.
 
     A step sends one request to every machine at once. Autoreset follows Gymnasium's
@@ -105,10 +109,11 @@ def make_vec(env: str | Callable[[], Any], num_envs: int, *, session: Any = None
         raise SmolbenchError(f"autoreset_mode must be one of {', '.join(m.value for m in AutoresetMode)}, got "
                              f"{autoreset_mode!r}: e.g. autoreset_mode='NextStep'") from None
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point: one sub-env, as gymnasium.make_vec's spec has
-        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout, **more)
+        return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout,
+                    reseed=reseed, **more)
 
     return _let_go_when_dropped(MachineVectorEnv(_start(_registered(env), num_envs, session, smolfile, reset, retries,
-                                                        timeout, vector=True), mode, remake))
+                                                        timeout, vector=True, reseed=reseed), mode, remake))
 
 
 E = TypeVar("E", MachineEnv, MachineVectorEnv)

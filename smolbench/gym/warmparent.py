@@ -44,7 +44,7 @@ SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
 exec(compile(_smolgym_src, "<smolbench gymserve>", "exec"), _smolgym_mod.__dict__)
-_smolgym = _smolgym_mod.Server({factory})
+_smolgym = _smolgym_mod.Server({factory}, reseed={reseed})
 del _smolgym_types, _smolgym_mod, _smolgym_src
 _smolgym_out = _smolgym.build()
 """
@@ -54,10 +54,12 @@ class WarmParent(Requests):
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
     def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
-                 vector: bool = False, timeout: float | None = None) -> None:
+                 vector: bool = False, timeout: float | None = None, reseed: bool = True) -> None:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < float("inf")):
             raise SmolbenchError(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
+        if not isinstance(reseed, bool):
+            raise SmolbenchError(f"reseed should be True or False, got {str(reseed)[:40]}")
         if reset not in RESETS:
             raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
@@ -74,6 +76,8 @@ class WarmParent(Requests):
         self.n = num_envs
         self.vector = vector  # make_vec: its spaces are batched (spaces.within_budget counts that)
         self.mode = reset
+        self.reseed = bool(reseed)  # False: the env's own generators are left alone (make's reseed=False)
+        self.own_streams = 0  # generators the env keeps itself (its description says), reseeded or carried on
         self.retries = self.wb.retries if retries is None else retries
         self.timeout = None if timeout is None else float(timeout)
         self.parent: MachineRef | None = None
@@ -156,7 +160,8 @@ class WarmParent(Requests):
             factory = self.env
         setup = Episode(-1, ref=ref)
         try:
-            described = await self._call(setup, SETUP.format(factory=factory), push=push, bounded=False)
+            described = await self._call(setup, SETUP.format(factory=factory, reseed=self.reseed), push=push,
+                                         bounded=False)
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
             raise GymError(f"the env could not be built in machine {name}: {why}") from None
@@ -180,9 +185,11 @@ class WarmParent(Requests):
     def sibling(self, num_envs: int = 1) -> Self:
         """Another env on the same warm parent (an OpenEnv client's session): its own
         machines, branched from the parent this one built; closing it leaves the parent."""
-        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries, timeout=self.timeout)
+        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries, timeout=self.timeout,
+                           reseed=self.reseed)
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
+        other.own_streams = self.own_streams
         other._branching, other.owns_parent = self._branching, False
         other.records.kept = self.records.kept  # the episodes kept in memory: counted for all
         other._origin = self
@@ -220,6 +227,8 @@ class WarmParent(Requests):
         except spaces.Refused as exc:
             raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
         self.described = envspec.described(described)
+        own = described.get("own_streams")
+        self.own_streams = own if type(own) is int and 0 <= own <= 10**6 else 0
 
     # -- machines for episodes --------------------------------------------------------
 
