@@ -15,6 +15,7 @@ import pytest
 from gymhelpers import define, needs_bwrap, up_bench
 from test_session import Script
 
+import smolbench.gym as sgym
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -84,3 +85,24 @@ def test_envs_dropped_in_a_sweep_with_the_collector_on_another_thread_leave_noth
     assert "LEFT ['root']" in out, out + err
     for bad in ("Task was destroyed", "no current event loop", "was never awaited", "aclose()", "Traceback"):
         assert bad not in err, err
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_replaying_a_training_episode_says_it_cannot(bench: Workbench, reset: str) -> None:
+    """A gym episode is a node of the tree, but its actions are not recorded: replay said
+    `reward None vs recorded 1.0: DIFFERENT`."""
+    from smolbench import SmolbenchError, _loop
+
+    env = sgym.make("corridor", session=bench, reset=reset)
+    try:
+        env.reset(seed=3)
+        node = env.machine if reset == "fresh" else env._m.eps[0].node.id  # type: ignore[union-attr]
+        while not env.step(1)[2]:
+            pass
+    finally:
+        env.close()
+    assert node is not None and bench.tree[node].reward == 1.0
+    with pytest.raises(SmolbenchError) as err:
+        _loop.run(bench.replay(node, lambda *a: None))
+    assert str(err.value) == (f"can't replay {node}: it is an episode of a smolbench.gym env, whose actions are not "
+                              "recorded (only its seed, return and length)")

@@ -130,7 +130,7 @@ class WarmParent(Requests):
         wb = self.wb
         active = wb.require_up()
         (name,) = wb.tree.next_child_ids(active.name, 1)
-        self._runs = f"{wb.session}/gym-{name}"
+        self._runs = f"{wb.session}/gym-{name}"  # (Workbench.replay knows a gym episode by it)
         self.run_id = self._runs
         what = self.env if isinstance(self.env, str) else getattr(self.env, "__qualname__", type(self.env).__name__)
         wb.ledger.start_run(self.run_id, wb.session, kind="gym", parent_id=active.name, code=f"smolbench.gym: {what}",
