@@ -106,3 +106,56 @@ def test_replaying_a_training_episode_says_it_cannot(bench: Workbench, reset: st
         _loop.run(bench.replay(node, lambda *a: None))
     assert str(err.value) == (f"can't replay {node}: it is an episode of a smolbench.gym env, whose actions are not "
                               "recorded (only its seed, return and length)")
+
+
+GRID_MODULE = '''
+import gymnasium as gym
+from gymnasium import spaces as S
+
+SIZE = 4
+
+class Grid(gym.Env):
+    observation_space = S.Discrete(SIZE)
+    action_space = S.Discrete(2)
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.p = 0
+        return 0, {}
+    def step(self, action):
+        self.p = min(SIZE - 1, self.p + int(action))
+        return self.p, 1.0, self.p == SIZE - 1, False, {}
+'''
+
+
+def test_an_env_class_from_the_users_own_module_beside_the_script(bench: Workbench, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make(myenvs.Grid)` with myenvs.py beside the script failed: "the env could not be built
+    in machine root.0: ModuleNotFoundError: No module named 'myenvs'" (cloudpickle sends an
+    importable class by reference). The user's own module goes by value."""
+    import importlib
+
+    import cloudpickle
+
+    name = f"myenvs_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(GRID_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    myenvs = importlib.import_module(name)
+    for reset in ("fresh", "in-place"):
+        env = sgym.make(myenvs.Grid, session=bench, reset=reset)
+        try:
+            assert env.reset(seed=0)[0] == 0
+            assert env.step(1)[:3] == (1, 1.0, False)
+        finally:
+            env.close()
+    assert name not in cloudpickle.list_registry_pickle_by_value()  # by value only while it was sent
+
+
+def test_an_env_that_imports_what_the_machine_lacks_says_how_to_fix_it(bench: Workbench) -> None:
+    def needs_a_module() -> Any:
+        import smolbench_no_such_module  # type: ignore[import-not-found]  # noqa: F401
+
+    with pytest.raises(sgym.GymError) as err:
+        sgym.make(needs_a_module, session=bench)
+    assert str(err.value).endswith("ModuleNotFoundError: No module named 'smolbench_no_such_module': the machine "
+                                   "can't import it: define the env in the session's machine (s.run(code), or a "
+                                   "%%smol cell) and make it by name, or install the module there (the Smolfile)")

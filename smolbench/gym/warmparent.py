@@ -25,7 +25,7 @@ from ..backends.base import MachineRef
 from ..errors import SmolbenchError
 from ..ledger import code_hash
 from ..tree import Node
-from . import envnames, envspec, spaces
+from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
@@ -147,10 +147,8 @@ class WarmParent(Requests):
         self.parent = ref
         push = {"_smolgym_src": pickle.dumps(GUEST.read_text())}
         if callable(self.env):
-            import cloudpickle
-
             try:
-                push["_smolgym_factory"] = cloudpickle.dumps(self.env)
+                push["_smolgym_factory"] = sending.dumps(self.env)
             except Exception as exc:
                 raise GymError(f"the env callable can't be sent to the machine ({type(exc).__name__}: "
                                f"{str(exc)[:200]}): make it build what it needs inside, e.g. "
@@ -164,6 +162,8 @@ class WarmParent(Requests):
                                          bounded=False)
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
+            if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
+                why = f"{why}: {sending.MISSING_HINT}"
             raise GymError(f"the env could not be built in machine {name}: {why}") from None
         node.cells += setup.cells
         self._describe(described, name)
