@@ -159,3 +159,17 @@ def test_an_env_that_imports_what_the_machine_lacks_says_how_to_fix_it(bench: Wo
     assert str(err.value).endswith("ModuleNotFoundError: No module named 'smolbench_no_such_module': the machine "
                                    "can't import it: define the env in the session's machine (s.run(code), or a "
                                    "%%smol cell) and make it by name, or install the module there (the Smolfile)")
+
+
+def test_a_timeout_bounds_the_envs_constructor(bench: Workbench) -> None:
+    """`make(..., timeout=2)` of an env whose __init__ never returns waited for ever."""
+    define(bench, '''
+import time
+def builds_for_ever():
+    time.sleep(3600)
+''')
+    with pytest.raises(sgym.GymError) as err:
+        sgym.make("builds_for_ever", session=bench, timeout=2)
+    assert str(err.value).endswith(": building it took longer than 2 s (timeout=2): its machine is deleted")
+    assert str(err.value).startswith("the env could not be built in machine root.")
+    assert {m.name for m in bench.backend.list()} == {bench.active}

@@ -29,7 +29,7 @@ from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
-from .episode import Episode, GymError
+from .episode import Episode, GymError, OutOfTime
 from .practice import practise
 from .record import Records, quietly
 from .requests import Requests
@@ -159,7 +159,10 @@ class WarmParent(Requests):
         setup = Episode(-1, ref=ref)
         try:
             described = await self._call(setup, SETUP.format(factory=factory, reseed=self.reseed), push=push,
-                                         bounded=False)
+                                         bounded=self.timeout is not None)  # the env's constructor, within it
+        except OutOfTime:
+            raise GymError(f"the env could not be built in machine {name}: building it took longer than "
+                           f"{self.timeout:g} s (timeout={self.timeout:g}): its machine is deleted") from None
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
             if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
