@@ -173,3 +173,17 @@ def builds_for_ever():
     assert str(err.value).endswith(": building it took longer than 2 s (timeout=2): its machine is deleted")
     assert str(err.value).startswith("the env could not be built in machine root.")
     assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+@pytest.mark.parametrize("call", [lambda: sgym.make_vec("corridor", 0), lambda: sgym.make_vec(len, 2, reset="bogus"),
+                                  lambda: sgym.make("corridor", timeout=-1), lambda: sgym.make(42)])
+def test_bad_arguments_are_refused_before_anything_is_made(call: Any, capfd: pytest.CaptureFixture[str],
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_vec("corridor", 0)` (no session: one of the env's own) booted a machine, and printed
+    the sandbox fallback notice, before refusing the argument."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        call()
+    assert isinstance(err.value, sgym.GymError)
+    assert capfd.readouterr() == ("", "")
+    assert not (tmp_path / ".smolbench").exists()

@@ -27,6 +27,7 @@ from .envnames import NAME_RE
 from .machines import GymError, Machines
 from .registered import ENV_ID, gymnasium_make
 from .vector import MachineVectorEnv
+from .warmparent import check_arguments
 
 __all__ = ["GymError", "MachineEnv", "MachineVectorEnv", "make", "make_vec"]
 
@@ -41,6 +42,7 @@ def _registered(env: Any) -> Any:
 
 def _start(env: str | Callable[[], Any], num_envs: int, session: Any, smolfile: str | None, reset: str,
            retries: int | None, timeout: float | None, vector: bool = False, reseed: bool = True) -> Machines:
+    check_arguments(env, num_envs, reset, timeout, reseed)  # before a machine is made (or a notice printed)
     host = host_for(session, smolfile)
     try:
         machines = Machines(host, env, num_envs, reset, retries, vector, timeout, reseed)

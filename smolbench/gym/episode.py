@@ -26,6 +26,10 @@ class GymError(SmolbenchError):
     machine_error: dict[str, Any] | None = None  # a failed cell's error as the machine sent it (compared, not shown)
 
 
+class BadArgument(GymError, ValueError):
+    """An argument of ``make``/``make_vec`` that can't be used (refused before any machine is made)."""
+
+
 class Unanswered(GymError):
     """The machine gave no usable answer (refused by the gate, or gone)."""
 

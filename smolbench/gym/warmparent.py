@@ -29,7 +29,7 @@ from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
-from .episode import Episode, GymError, OutOfTime
+from .episode import BadArgument, Episode, GymError, OutOfTime
 from .practice import practise
 from .record import Records, quietly
 from .requests import Requests
@@ -50,26 +50,32 @@ _smolgym_out = _smolgym.build()
 """
 
 
+def check_arguments(env: Any, num_envs: Any, reset: Any, timeout: Any, reseed: Any) -> None:
+    """``make``'s and ``make_vec``'s arguments, checked before any machine is made (one line,
+    a ValueError, as Gymnasium raises for a bad argument)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise BadArgument(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
+    if not isinstance(reseed, bool):
+        raise BadArgument(f"reseed should be True or False, got {str(reseed)[:40]}")
+    if reset not in RESETS:
+        raise BadArgument(f"reset should be 'fresh' or 'in-place', got {reset!r}")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
+        raise BadArgument(f"num_envs should be a whole number from 1 to 256, got {num_envs!r}")
+    if isinstance(env, str):
+        if not NAME_RE.fullmatch(env):
+            raise BadArgument(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
+                              "defined in the session's machine, a gymnasium id (CartPole-v1), or the callable")
+    elif not callable(env):
+        raise BadArgument(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
+
+
 class WarmParent(Requests):
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
     def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
                  vector: bool = False, timeout: float | None = None, reseed: bool = True) -> None:
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            raise SmolbenchError(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
-        if not isinstance(reseed, bool):
-            raise SmolbenchError(f"reseed should be True or False, got {str(reseed)[:40]}")
-        if reset not in RESETS:
-            raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
-            raise SmolbenchError(f"num_envs should be a whole number from 1 to 256, got {num_envs!r}")
-        if isinstance(env, str):
-            if not NAME_RE.fullmatch(env):
-                raise SmolbenchError(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
-                                     "defined in the session's machine, a gymnasium id (CartPole-v1), or the callable")
-        elif not callable(env):
-            raise SmolbenchError(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
+        check_arguments(env, num_envs, reset, timeout, reseed)
         self.host = host
         self.wb = host.wb
         self.env = env
