@@ -225,6 +225,13 @@ class Machines(WarmParent):
                                    "call reset() first")
             else:
                 (chans if ep.chan is not None else cells).append(k)
+        for k in list(chans):
+            ep = self.eps[which[k]]
+            if ep.chan is not None and ep.chan.closed and await self._alive(ep):  # its last request never answered
+                why = f"{self._where(ep)}: its last step was cut short (interrupted): reset() starts a new episode"
+                quietly(self.records.end, ep, "error", why)
+                outs[k] = GymError(why)
+                chans.remove(k)
         if chans:
             lines = [self._action_line(actions[k]) for k in chans]
             got = await ask_all([self.eps[which[k]].chan for k in chans], lines)  # type: ignore[misc]
@@ -264,8 +271,8 @@ class Machines(WarmParent):
         again = [self.eps[i] for i in resets or ()]
         if not eps and not again:
             return []
-        if any(not ep.running or ep.ref is None or ep.chan is None for ep in eps):
-            return None
+        if any(not ep.running or ep.ref is None or ep.chan is None or ep.chan.closed for ep in eps):
+            return None  # (a closed channel: a step cut short, or its machine gone: on the loop)
         got = ask_now([ep.chan for ep in eps + again],  # type: ignore[misc]
                       [self._action_line(a) for a in actions] + [RESET_LINE] * len(again))
         if got is None:
