@@ -161,8 +161,12 @@ def test_an_env_that_imports_what_the_machine_lacks_says_how_to_fix_it(bench: Wo
                                    "%%smol cell) and make it by name, or install the module there (the Smolfile)")
 
 
-def test_a_timeout_bounds_the_envs_constructor(bench: Workbench) -> None:
-    """`make(..., timeout=2)` of an env whose __init__ never returns waited for ever."""
+def test_a_timeout_bounds_the_envs_constructor(bench: Workbench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make(..., timeout=2)` of an env whose __init__ never returns waited for ever. With a
+    timeout set, the build is bounded by BUILD_TIMEOUT (600 s; 3 s here)."""
+    from smolbench.gym import warmparent
+
+    monkeypatch.setattr(warmparent, "BUILD_TIMEOUT", 3.0, raising=False)
     define(bench, '''
 import time
 def builds_for_ever():
@@ -170,7 +174,8 @@ def builds_for_ever():
 ''')
     with pytest.raises(sgym.GymError) as err:
         sgym.make("builds_for_ever", session=bench, timeout=2)
-    assert str(err.value).endswith(": building it took longer than 2 s (timeout=2): its machine is deleted")
+    assert str(err.value).endswith(": building it took longer than 3 s (smolbench.gym.warmparent.BUILD_TIMEOUT, "
+                                   "with timeout= set): its machine is deleted")
     assert str(err.value).startswith("the env could not be built in machine root.")
     assert {m.name for m in bench.backend.list()} == {bench.active}
 

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 RESETS = ("fresh", "in-place")
+BUILD_TIMEOUT = 600.0  # s building the env in its warm parent may take, where make's timeout is set (not that
+# timeout: it is each reset's and step's, and a big simulator may load for longer than a step may take)
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
@@ -165,10 +167,11 @@ class WarmParent(Requests):
         setup = Episode(-1, ref=ref)
         try:
             described = await self._call(setup, SETUP.format(factory=factory, reseed=self.reseed), push=push,
-                                         bounded=self.timeout is not None)  # the env's constructor, within it
+                                         bounded=self.timeout is not None, left=BUILD_TIMEOUT)
         except OutOfTime:
             raise GymError(f"the env could not be built in machine {name}: building it took longer than "
-                           f"{self.timeout:g} s (timeout={self.timeout:g}): its machine is deleted") from None
+                           f"{BUILD_TIMEOUT:g} s (smolbench.gym.warmparent.BUILD_TIMEOUT, with timeout= set): its "
+                           "machine is deleted") from None
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
             if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
