@@ -63,6 +63,9 @@ class CheckpointsMixin(WorkbenchPart):
                                  api=f"unknown node {node_id!r}: replay works on this session's nodes "
                                  "(`Session.ledger().nodes()`)")
         target = self.tree[node_id]
+        if "sub_env" in (target.metrics or {}) and "/gym-" in (target.run_id or ""):  # smolbench/gym/record.py's
+            raise SmolbenchError(f"can't replay {node_id}: it is an episode of a smolbench.gym env, whose actions "
+                                 "are not recorded (only its seed, return and length)")
         path = self.tree.path(node_id)
         notes: list[str] = []
         risks: list[str] = []  # what could make the replay differ

@@ -156,3 +156,28 @@ def test_ctrl_c_while_a_vector_reset_waits_stops_it_there(bench: Workbench) -> N
     finally:
         envs.close()
     assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+def test_a_step_after_a_ctrl_c_step_says_it_was_cut_short(bench: Workbench) -> None:
+    """Stepping on after a Ctrl-C'd step said `sub-env 2 (machine root.0.14): machine root.0.14:
+    its channel is closed`."""
+    import re
+
+    define(bench, SLOW)
+    envs = sgym.make_vec("slow_cartpole", 4, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0)
+        sender = interrupt_once_waiting(envs, [2, 3])
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                envs.step(np.array([0, 0, 1, 1], dtype=np.int64))
+        finally:
+            sender.join()
+        with pytest.raises(sgym.GymError) as err:
+            envs.step(np.array([0, 0, 0, 0], dtype=np.int64))
+        assert re.fullmatch(r"sub-env 2 \(machine root\.[\d.]+\): its last step was cut short \(interrupted\): "
+                            r"reset\(\) starts a new episode", str(err.value)), str(err.value)
+        envs.reset(seed=1)
+        envs.step(np.array([0, 0, 0, 0], dtype=np.int64))  # and it goes on after a reset
+    finally:
+        envs.close()

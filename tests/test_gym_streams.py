@@ -85,3 +85,77 @@ def test_a_seeded_reset_is_gymnasiums_and_replays(bench: Workbench, reset: str) 
     assert np.array_equal(first_obs(bench, reset, seed=7)[:, :, :2], got[:, :, :2])  # replays
     own = got[:, :, 1]
     assert len(np.unique(own)) == own.size
+
+
+# A fixed level set on purpose: the env seeds its own generator in __init__ (Gymnasium never
+# touches it). Each reset's observation is the next level; an episode is one step.
+MAZE_ENV = '''
+import gymnasium as gym, numpy as np
+from gymnasium import spaces as S
+
+class Maze(gym.Env):
+    observation_space = S.Discrete(10**6)
+    action_space = S.Discrete(2)
+    def __init__(self):
+        self.layout_rng = np.random.default_rng(1234)
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return int(self.layout_rng.integers(10**6)), {}
+    def step(self, action):
+        return 0, 0.0, True, False, {}
+
+def maze():
+    return Maze()
+'''
+
+
+def plain_maze() -> Any:
+    ns: dict[str, Any] = {}
+    exec(MAZE_ENV, ns)
+    return ns["maze"]()
+
+
+@pytest.mark.parametrize("reset", ["fresh", "in-place"])
+def test_a_generator_the_env_seeded_itself_is_never_reseeded(bench: Workbench, reset: str) -> None:
+    """`self.layout_rng = np.random.default_rng(1234)` drew 979350, 976699, 987940 in a plain
+    env and in SyncVectorEnv, but 473429, 580023, 359843 fresh and 473429, 349230, 239361 in
+    place: reseeded as if the env had drawn its seed from the OS. Now it draws what it does
+    in Gymnasium: its own stream, carried from one fresh episode's machine to the next."""
+    from gymnasium.vector import SyncVectorEnv
+
+    define(bench, MAZE_ENV)
+    local = plain_maze()
+    want = [local.reset(seed=s)[0] for s in (1, 2, 3)]
+    env = sgym.make("maze", session=bench, reset=reset)
+    try:
+        got = []
+        for s in (1, 2, 3):
+            got.append(env.reset(seed=s)[0])
+            env.step(0)
+        got.append(env.reset()[0])  # unseeded: the stream goes on
+    finally:
+        env.close()
+    assert got == want + [local.reset()[0]]
+
+    theirs = SyncVectorEnv([plain_maze, plain_maze])
+    envs = sgym.make_vec("maze", 2, session=bench, reset=reset)
+    try:
+        ours_seen, theirs_seen = [envs.reset(seed=5)[0].tolist()], [theirs.reset(seed=5)[0].tolist()]
+        for _ in range(4):  # an ending step, then its autoreset
+            ours_seen.append(envs.step(np.zeros(2, np.int64))[0].tolist())
+            theirs_seen.append(theirs.step(np.zeros(2, np.int64))[0].tolist())
+    finally:
+        envs.close()
+    assert ours_seen == theirs_seen
+
+
+def test_reseed_false_leaves_the_envs_own_generators_alone(bench: Workbench) -> None:
+    """`reseed=False`: an entropy-seeded generator the env keeps is left as the warm parent
+    made it, so every sub-env draws the same (np_random is still each sub-env's own)."""
+    envs = sgym.make_vec("streams", 3, session=bench, reset="in-place", reseed=False)
+    try:
+        obs = envs.reset()[0]
+    finally:
+        envs.close()
+    assert len(set(obs[:, 1].tolist())) == 1, obs
+    assert len(set(obs[:, 0].tolist())) == 3, obs

@@ -24,6 +24,7 @@ import os
 import sys
 
 MAX_INFO_DEPTH = 20
+MAX_CARRIED = 16  # the env's own generators whose states a fresh episode carries on, at most
 MAX_OWNED = {"w": 4096, "r": 16384}  # pages a spare makes its own ahead of its episode, at most (copied; mapped)
 POPULATE = {"w": 23, "r": 22}  # MADV_POPULATE_WRITE, MADV_POPULATE_READ (Linux 5.14)
 
@@ -37,6 +38,32 @@ def _np():
 def _json_number(value):
     """A bit generator state's numpy numbers as JSON (SFC64's and Philox's are arrays)."""
     return value.tolist() if hasattr(value, "tolist") else int(value)
+
+
+def _bits(gen):
+    """A numpy Generator's or RandomState's bit generator (None for other kinds)."""
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(gen, (np.random.Generator, np.random.RandomState)):
+        return None
+    return gen.bit_generator if isinstance(gen, np.random.Generator) else getattr(gen, "_bit_generator", None)
+
+
+def seeded_by_code(gen):
+    """Whether the env's code gave ``gen`` its seed (``np.random.default_rng(1234)``, a fixed
+    level set on purpose): never reseeded, as Gymnasium leaves it. numpy seeds a generator made
+    without one from a SeedSequence of 128 bits of the OS's entropy, so an entropy of 2**64 or
+    more (a chance of 2**-64 of being under it) is taken for that; a seed the code gave (a
+    number under 2**64, a list of them, RandomState(seed)'s legacy seeding, which keeps no
+    SeedSequence) is the env's own choice. ``random.Random`` and torch generators can't say
+    how they were seeded: False (reseeded, as before)."""
+    bits = _bits(gen)
+    if bits is None:
+        return False
+    seq = getattr(bits, "_seed_seq", None)
+    if seq is None:  # legacy seeding (RandomState(1234)): the code's seed
+        return True
+    entropy = getattr(seq, "entropy", None)
+    return not (isinstance(entropy, int) and entropy >= 2**64)
 
 
 def _machine():
@@ -235,11 +262,13 @@ def checked_once(env):
 class Server:
     """One env in this machine; its methods answer the host's requests with data."""
 
-    def __init__(self, factory):
+    def __init__(self, factory, reseed=True):
         self.factory = factory
         self.env = None
+        self.reseed = reseed  # False: the env's own generators are left alone (make's reseed=False)
         self._home = _machine()  # the warm parent: a reset in another machine is a branch's first
         self._own = []  # (name, generator) the env keeps itself: build() finds them
+        self._fixed = []  # for each: seeded by the env's code (seeded_by_code), never reseeded
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
@@ -253,20 +282,40 @@ class Server:
             self._own = [(n, g) for n, g in streams_of(env, "env") if not n.endswith("_np_random")]
         except ImportError:  # not under smolbench's agent
             self._own = []
+        if not self.reseed:
+            self._own = []
+        self._fixed = [seeded_by_code(g) for _, g in self._own]
         meta = getattr(env, "metadata", None)
         meta = meta if isinstance(meta, dict) else {}
         modes = meta.get("render_modes")
         return {"observation_space": space_data(env.observation_space), "action_space": space_data(env.action_space),
                 "render_modes": [str(m) for m in modes[:16]] if isinstance(modes, (list, tuple)) else [],
-                "render_fps": _number(meta.get("render_fps")), "spec": spec_data(getattr(env, "spec", None))}
+                "render_fps": _number(meta.get("render_fps")), "spec": spec_data(getattr(env, "spec", None)),
+                "own_streams": len(self._own)}
 
     def rng(self):
-        """The env's random generator state (what a fresh machine continues from)."""
+        """The env's random generator states (what a fresh machine continues from): its
+        ``np_random``'s, and ``own``: each of the generators it keeps itself (None for one
+        that can't be carried: not a numpy Generator, or past ``MAX_CARRIED``)."""
         base = self.env.unwrapped
-        if getattr(base, "_np_random", None) is None:
+        out = None
+        if getattr(base, "_np_random", None) is not None:
+            state = base._np_random.bit_generator.state
+            out = {"state": json.dumps(state, default=_json_number), "seed": getattr(base, "_np_random_seed", None)}
+        if self._own:
+            out = out or {"state": None, "seed": None}
+            out["own"] = [self._own_state(g) for _, g in self._own[:MAX_CARRIED]]
+        return out
+
+    @staticmethod
+    def _own_state(gen):
+        np = sys.modules.get("numpy")
+        if np is None or not isinstance(gen, np.random.Generator):
             return None
-        state = base._np_random.bit_generator.state
-        return {"state": json.dumps(state, default=_json_number), "seed": getattr(base, "_np_random_seed", None)}
+        try:
+            return json.dumps(gen.bit_generator.state, default=_json_number)
+        except Exception:
+            return None
 
     def _set_rng(self, rng):
         np = _np()
@@ -291,19 +340,22 @@ class Server:
         here = _machine()
         if self._home != here:
             self._home = here
-            self._own_streams(seed, rng)
+            self._own_streams(seed, rng, req.get("own"))
         kwargs = {"seed": seed}
         if req.get("options") is not None:
             kwargs["options"] = req["options"]
         obs, info = self.env.reset(**kwargs)
         return {"obs": observation(obs), "info": plain(info)}
 
-    def _own_streams(self, seed, rng):
+    def _own_streams(self, seed, rng, own=None):
         """A branch's first episode: the generators it copied from the warm parent are every
         sibling's too. The env's ``np_random``, unless seeded or carried over, starts from the
-        OS's entropy, as a new env's does; generators the env keeps itself are reseeded (as a
-        fork's branches' are: guest/reseed.py) from the reset's seed, else from the carried
-        state, else from entropy."""
+        OS's entropy, as a new env's does. Each generator the env keeps itself continues from
+        its state carried from the last episode (``own``, fresh resets), as one long-lived env's
+        would; else one the env's code seeded (:func:`seeded_by_code`) is left as it is; else it
+        is reseeded (as a fork's branches' are: guest/reseed.py) from the reset's seed, else
+        from the carried np_random state, else from entropy. A seed reseeds an entropy-seeded
+        one even where a state was carried (a seeded run replays)."""
         base = self.env.unwrapped
         if seed is None and not rng and getattr(base, "_np_random", None) is not None:
             try:
@@ -314,6 +366,24 @@ class Server:
                 base._np_random = _np().random.default_rng()
         if not self._own:
             return
+        carried = own if isinstance(own, list) else []
+        left = []
+        for k, (name, gen) in enumerate(self._own):
+            state = carried[k] if k < len(carried) else None
+            if isinstance(state, str) and (self._fixed[k] or seed is None):
+                try:
+                    bits = gen.bit_generator
+                    new = json.loads(state)
+                    if new.get("bit_generator") != type(bits).__name__:
+                        raise ValueError("another kind of generator")
+                    bits.state = new
+                    continue
+                except Exception:  # not to be had: as if none was carried
+                    pass
+            if not self._fixed[k]:
+                left.append((name, gen))
+        if not left:
+            return
         if seed is not None:
             root = seed
         elif rng:
@@ -322,7 +392,7 @@ class Server:
             root = int.from_bytes(os.urandom(8), "big")
         from _smolbench_guest.reseed import reseed_streams
 
-        reseed_streams(self._own, root)
+        reseed_streams(left, root)
 
     def step(self, text):
         """One ``env.step``; the rng state rides along when the episode ends."""

@@ -26,6 +26,10 @@ class GymError(SmolbenchError):
     machine_error: dict[str, Any] | None = None  # a failed cell's error as the machine sent it (compared, not shown)
 
 
+class BadArgument(GymError, ValueError):
+    """An argument of ``make``/``make_vec`` that can't be used (refused before any machine is made)."""
+
+
 class Unanswered(GymError):
     """The machine gave no usable answer (refused by the gate, or gone)."""
 
@@ -44,6 +48,7 @@ class Episode:
     ret: float = 0.0
     length: int = 0
     rng: dict[str, Any] | None = None  # the env's random state to continue from (fresh resets)
+    own: list[str | None] | None = None  # those of the generators the env keeps itself (plain_own)
     obs: Any = None
     running: bool = False  # reset and not yet terminated or truncated
     cells: int = 0
@@ -101,6 +106,27 @@ def plain_rng(value: Any) -> dict[str, Any] | None:
         return None
     seed = value.get("seed")
     return {"state": json.dumps(state), "seed": seed if type(seed) is int and seed >= -1 else None}  # (within the 4 KiB)
+
+
+MAX_CARRIED = 16  # the env's own generators carried on, at most (guest/gymserve.py's)
+
+
+def plain_own(value: Any) -> list[str | None] | None:
+    """The states of the generators the env keeps itself (``value["own"]``, as
+    :func:`plain_rng` takes np_random's), each rebuilt the same way or None; None if none."""
+    own = value.get("own") if isinstance(value, dict) else None
+    if not isinstance(own, list) or len(own) > MAX_CARRIED:
+        return None
+    out: list[str | None] = []
+    for one in own:
+        state = None
+        if isinstance(one, str) and len(one) <= 4096:
+            try:
+                state = _bit_generator(json.loads(one))
+            except ValueError:
+                state = None
+        out.append(json.dumps(state) if state is not None else None)
+    return out
 
 
 def _whole(v: Any, bits: int) -> bool:

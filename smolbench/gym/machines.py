@@ -43,15 +43,16 @@ class Machines(WarmParent):
         ep = self.eps[i]
         budget = Budget(self.timeout)  # its requests share the env's timeout: a reset is answered within it
         if ep.running:
-            if self.mode == "fresh" and seed is None and ep.ref is not None:
-                try:  # continue its random stream, as one env would
+            if self.mode == "fresh" and (seed is None or self.own_streams) and ep.ref is not None:
+                try:  # continue its random streams, as one env would (its own ones, even where seeded)
                     rng = self._request(ep, "rng", "_smolgym_out = _smolgym.rng()", budget.left)
-                    ep.rng = E.plain_rng(await budget.spend(rng))
+                    got = await budget.spend(rng)
+                    ep.rng, ep.own = E.plain_rng(got), E.plain_own(got)
                 except OutOfTime:  # the last machine took the reset's whole timeout (it is deleted)
-                    ep.rng = None
+                    ep.rng = ep.own = None
                     raise await self._out_of_time(ep, "reset") from None
                 except SmolbenchError:  # not to be had: from the OS's entropy, as a new env's (the
-                    ep.rng = None  # state the last episode started from would begin it again)
+                    ep.rng = ep.own = None  # state the last episode started from would begin it again)
             self.records.end(ep, "reset")
         req = self._reset_request(ep, seed, options)
 
@@ -123,7 +124,7 @@ class Machines(WarmParent):
         fresh = self.mode == "fresh"
         req = self._reset_request(ep, seed, options)  # one line here if it can't be sent (nothing taken yet)
         if fresh:
-            if (ep.running and seed is None) or not self.pool.ready:
+            if (ep.running and (seed is None or self.own_streams)) or not self.pool.ready:
                 return None
             ref, chan = self.pool.ready[0]
         elif ep.ref is None:
@@ -154,7 +155,9 @@ class Machines(WarmParent):
         carries on from the last episode."""
         if seed is not None:
             ep.rng = None
-        req = json.dumps({"seed": seed, "rng": ep.rng if self.mode == "fresh" else None, "options": options})
+        fresh = self.mode == "fresh"
+        req = json.dumps({"seed": seed, "rng": ep.rng if fresh else None, "own": ep.own if fresh else None,
+                          "options": options})
         E.fits(len(req) + 64, "a reset")  # (its request's own fields: under 64 bytes)
         return req
 
@@ -222,6 +225,13 @@ class Machines(WarmParent):
                                    "call reset() first")
             else:
                 (chans if ep.chan is not None else cells).append(k)
+        for k in list(chans):
+            ep = self.eps[which[k]]
+            if ep.chan is not None and ep.chan.closed and await self._alive(ep):  # its last request never answered
+                why = f"{self._where(ep)}: its last step was cut short (interrupted): reset() starts a new episode"
+                quietly(self.records.end, ep, "error", why)
+                outs[k] = GymError(why)
+                chans.remove(k)
         if chans:
             lines = [self._action_line(actions[k]) for k in chans]
             got = await ask_all([self.eps[which[k]].chan for k in chans], lines)  # type: ignore[misc]
@@ -261,8 +271,8 @@ class Machines(WarmParent):
         again = [self.eps[i] for i in resets or ()]
         if not eps and not again:
             return []
-        if any(not ep.running or ep.ref is None or ep.chan is None for ep in eps):
-            return None
+        if any(not ep.running or ep.ref is None or ep.chan is None or ep.chan.closed for ep in eps):
+            return None  # (a closed channel: a step cut short, or its machine gone: on the loop)
         got = ask_now([ep.chan for ep in eps + again],  # type: ignore[misc]
                       [self._action_line(a) for a in actions] + [RESET_LINE] * len(again))
         if got is None:
@@ -368,7 +378,7 @@ class Machines(WarmParent):
             return err
         self._advance(ep, st)
         if st.terminated or st.truncated:
-            ep.rng = E.plain_rng(out.get("rng"))
+            ep.rng, ep.own = E.plain_rng(out.get("rng")), E.plain_own(out.get("rng"))
             self.records.end(ep, "terminated" if st.terminated else "truncated")
             if self.mode == "fresh":
                 _loop.get_loop().call_soon_threadsafe(self.pool.wake)

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from .._aio import _to_the_end
 from ..backends._channel import Channel
 from ..backends.base import MachineRef
 from ..errors import SmolbenchError
@@ -67,10 +68,9 @@ class Spares:
 
     async def _make(self, k: int) -> None:
         m = self.m
-        refs = await m._branch(k)
+        refs = await m._branch(k)  # cancelled (the env closed), the backend deletes what it made
         if m.closed:
-            for r in refs:
-                await m._delete(r)
+            await _to_the_end(asyncio.gather(*(m._delete(r) for r in refs)))
             return
         # each spare's serving cell starts (and warms) on its own, so the next fork need not
         # wait for them; each is a spare once it waits for its episode's reset
@@ -197,9 +197,9 @@ class Spares:
         can keep them from ever answering (the audit: the env's close waited forever)."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
-        if self._refill is not None:
-            with contextlib.suppress(BaseException):
-                await self._refill
+        if self._refill is not None:  # stopped, not waited for: its branches are deleted (see _make)
+            self._refill.cancel()
+            await _to_the_end(asyncio.wait({self._refill}))
         if self._warming:
             warming = dict(self._warming)
             for task in warming:

@@ -25,11 +25,11 @@ from ..backends.base import MachineRef
 from ..errors import SmolbenchError
 from ..ledger import code_hash
 from ..tree import Node
-from . import envnames, envspec, spaces
+from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
-from .episode import Episode, GymError
+from .episode import BadArgument, Episode, GymError, OutOfTime
 from .practice import practise
 from .record import Records, quietly
 from .requests import Requests
@@ -40,40 +40,52 @@ if TYPE_CHECKING:
 
 GUEST = Path(__file__).resolve().parent.parent / "guest" / "gymserve.py"
 RESETS = ("fresh", "in-place")
+BUILD_TIMEOUT = 600.0  # s building the env in its warm parent may take, where make's timeout is set (not that
+# timeout: it is each reset's and step's, and a big simulator may load for longer than a step may take)
 SETUP = """\
 import types as _smolgym_types
 _smolgym_mod = _smolgym_types.ModuleType("_smolbench_gymserve")
 exec(compile(_smolgym_src, "<smolbench gymserve>", "exec"), _smolgym_mod.__dict__)
-_smolgym = _smolgym_mod.Server({factory})
+_smolgym = _smolgym_mod.Server({factory}, reseed={reseed})
 del _smolgym_types, _smolgym_mod, _smolgym_src
 _smolgym_out = _smolgym.build()
 """
+
+
+def check_arguments(env: Any, num_envs: Any, reset: Any, timeout: Any, reseed: Any) -> None:
+    """``make``'s and ``make_vec``'s arguments, checked before any machine is made (one line,
+    a ValueError, as Gymnasium raises for a bad argument)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise BadArgument(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
+    if not isinstance(reseed, bool):
+        raise BadArgument(f"reseed should be True or False, got {str(reseed)[:40]}")
+    if reset not in RESETS:
+        raise BadArgument(f"reset should be 'fresh' or 'in-place', got {reset!r}")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
+        raise BadArgument(f"num_envs should be a whole number from 1 to 256, got {num_envs!r}")
+    if isinstance(env, str):
+        if not NAME_RE.fullmatch(env):
+            raise BadArgument(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
+                              "defined in the session's machine, a gymnasium id (CartPole-v1), or the callable")
+    elif not callable(env):
+        raise BadArgument(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
 
 
 class WarmParent(Requests):
     """The warm parent and ``num_envs`` sub-env machines of one gym env (runs on smolbench's loop)."""
 
     def __init__(self, host: Host, env: str | Callable[[], Any], num_envs: int, reset: str, retries: int | None,
-                 vector: bool = False, timeout: float | None = None) -> None:
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            raise SmolbenchError(f"timeout should be a number of seconds above 0 (or None: no limit), got {str(timeout)[:40]}")
-        if reset not in RESETS:
-            raise SmolbenchError(f"reset should be 'fresh' or 'in-place', got {reset!r}")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= 256:
-            raise SmolbenchError(f"num_envs should be a whole number from 1 to 256, got {num_envs!r}")
-        if isinstance(env, str):
-            if not NAME_RE.fullmatch(env):
-                raise SmolbenchError(f"env {env!r} is not a Python name: give the name of a zero-argument callable "
-                                     "defined in the session's machine, a gymnasium id (CartPole-v1), or the callable")
-        elif not callable(env):
-            raise SmolbenchError(f"env should be a zero-argument callable or the name of one in the machine, got {type(env).__name__}")
+                 vector: bool = False, timeout: float | None = None, reseed: bool = True) -> None:
+        check_arguments(env, num_envs, reset, timeout, reseed)
         self.host = host
         self.wb = host.wb
         self.env = env
         self.n = num_envs
         self.vector = vector  # make_vec: its spaces are batched (spaces.within_budget counts that)
         self.mode = reset
+        self.reseed = bool(reseed)  # False: the env's own generators are left alone (make's reseed=False)
+        self.own_streams = 0  # generators the env keeps itself (its description says), reseeded or carried on
         self.retries = self.wb.retries if retries is None else retries
         self.timeout = None if timeout is None else float(timeout)
         self.parent: MachineRef | None = None
@@ -126,7 +138,7 @@ class WarmParent(Requests):
         wb = self.wb
         active = wb.require_up()
         (name,) = wb.tree.next_child_ids(active.name, 1)
-        self._runs = f"{wb.session}/gym-{name}"
+        self._runs = f"{wb.session}/gym-{name}"  # (Workbench.replay knows a gym episode by it)
         self.run_id = self._runs
         what = self.env if isinstance(self.env, str) else getattr(self.env, "__qualname__", type(self.env).__name__)
         wb.ledger.start_run(self.run_id, wb.session, kind="gym", parent_id=active.name, code=f"smolbench.gym: {what}",
@@ -143,10 +155,8 @@ class WarmParent(Requests):
         self.parent = ref
         push = {"_smolgym_src": pickle.dumps(GUEST.read_text())}
         if callable(self.env):
-            import cloudpickle
-
             try:
-                push["_smolgym_factory"] = cloudpickle.dumps(self.env)
+                push["_smolgym_factory"] = sending.dumps(self.env)
             except Exception as exc:
                 raise GymError(f"the env callable can't be sent to the machine ({type(exc).__name__}: "
                                f"{str(exc)[:200]}): make it build what it needs inside, e.g. "
@@ -156,9 +166,16 @@ class WarmParent(Requests):
             factory = self.env
         setup = Episode(-1, ref=ref)
         try:
-            described = await self._call(setup, SETUP.format(factory=factory), push=push, bounded=False)
+            described = await self._call(setup, SETUP.format(factory=factory, reseed=self.reseed), push=push,
+                                         bounded=self.timeout is not None, left=BUILD_TIMEOUT)
+        except OutOfTime:
+            raise GymError(f"the env could not be built in machine {name}: building it took longer than "
+                           f"{BUILD_TIMEOUT:g} s (smolbench.gym.warmparent.BUILD_TIMEOUT, with timeout= set): its "
+                           "machine is deleted") from None
         except GymError as exc:
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
+            if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
+                why = f"{why}: {sending.MISSING_HINT}"
             raise GymError(f"the env could not be built in machine {name}: {why}") from None
         node.cells += setup.cells
         self._describe(described, name)
@@ -180,9 +197,11 @@ class WarmParent(Requests):
     def sibling(self, num_envs: int = 1) -> Self:
         """Another env on the same warm parent (an OpenEnv client's session): its own
         machines, branched from the parent this one built; closing it leaves the parent."""
-        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries, timeout=self.timeout)
+        other = type(self)(self.host, self.env, num_envs, self.mode, self.retries, timeout=self.timeout,
+                           reseed=self.reseed)
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
+        other.own_streams = self.own_streams
         other._branching, other.owns_parent = self._branching, False
         other.records.kept = self.records.kept  # the episodes kept in memory: counted for all
         other._origin = self
@@ -220,6 +239,8 @@ class WarmParent(Requests):
         except spaces.Refused as exc:
             raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
         self.described = envspec.described(described)
+        own = described.get("own_streams")
+        self.own_streams = own if type(own) is int and 0 <= own <= 10**6 else 0
 
     # -- machines for episodes --------------------------------------------------------
 
