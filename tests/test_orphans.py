@@ -106,3 +106,17 @@ def test_a_fork_bomb_of_orphans_leaves_the_machine_usable(sandbox: smolbench.Ses
     assert sorted(f.rewards.values()) == [0.0, 0.0]
     e = s.episodes(2, ZOMBIES + ORPHANS + "reward = len(settled())")  # fresh from the baseline: leaf branches
     assert sorted(e.rewards.values()) == [0.0, 0.0]
+
+
+def test_children_the_cell_makes_one_after_another_keep_their_exit_status(sandbox: smolbench.Session) -> None:
+    """The review: the reaper read the children list, then dropped every recorded child not in
+    it; a child forked in between was dropped, and reaped as an orphan once it exited, so its
+    `subprocess.run(...).returncode` read 0 (21 of 29,128 runs of `exit 3` in 20 s)."""
+    r = sandbox.run("import subprocess, time\nend = time.monotonic() + 4\nwrong = runs = 0\n"
+                    "while time.monotonic() < end:\n"
+                    "    runs += 1\n"
+                    "    wrong += subprocess.run(['/bin/sh', '-c', 'exit 3']).returncode != 3\n"
+                    "[wrong, runs]")
+    assert r.error is None, r.error
+    wrong, runs = r.value
+    assert runs > 100 and wrong == 0, (wrong, runs)

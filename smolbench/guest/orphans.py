@@ -142,11 +142,19 @@ def sweep(agent):
     me = os.getpid()
     if _owner != me:
         return 0
-    kids = children(me)
     n = 0
-    with _lock:
-        if kids is not None:
-            _mine.intersection_update(kids)
+    with _lock:  # (a fork records its child under it: never between the list and the reaping)
+        kids = children(me)
+        # a recorded child is forgotten once it is no child of ours (its own code reaped it), each
+        # checked by itself: not by its absence from the children list, which misses a child
+        # forked a moment before it was read, and which the kernel cuts at a page
+        for pid in list(_mine):
+            try:
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                _mine.discard(pid)
+            except OSError:
+                pass
         if _blind:
             return 0
         known = _mine | set(agent.children)
