@@ -551,6 +551,10 @@ class Ledger:
         """Every checkpoint as a DataFrame."""
         return _frame(self.checkpoint_rows())
 
+    def session_ids(self) -> list[str]:
+        """Every session's id in this ledger."""
+        return [str(r["id"]) for r in self._rows("SELECT id FROM sessions")]
+
     def sessions(self) -> pd.DataFrame:
         """Every recorded session as a DataFrame."""
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))

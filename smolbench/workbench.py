@@ -99,7 +99,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = Path(ledger.path).parent / "outputs"
-        self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session[-6:])  # what logs there may take
+        self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session[-6:],  # what logs there may take
+                                     sessions=lambda: self.ledger.session_ids())
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
         self.last_loss: str | None = None  # the last machine lost under a request, and why (status says it)

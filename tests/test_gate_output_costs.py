@@ -165,7 +165,12 @@ def test_the_output_logs_of_a_folder_share_one_budget_and_the_oldest_idle_ones_g
     recent.write_bytes(b"r" * 4096)
     os.utime(old, (1, 1))  # a day-old session's log
     (tmp_path / "elsewhere.log").symlink_to(tmp_path.parent)  # a copied folder's link: never followed
-    pool = LogPool(total=12288, folder=tmp_path, mine="cccccc")
+    # the user's own log beside a ledger kept in their folder (Session(ledger="runs/ledger.db")):
+    # not smolbench's, never counted nor removed (the review: it was deleted as the oldest)
+    (tmp_path / "train.log").write_bytes(b"t" * 8192)
+    os.utime(tmp_path / "train.log", (0, 0))
+    pool = LogPool(total=12288, folder=tmp_path, mine="cccccc",
+                   sessions=lambda: ["20261204-101010-aaaaaa", "20261205-090909-bbbbbb", "20261205-111111-cccccc"])
     first = OutputBudget(tmp_path / "root.cell1-cccccc.log", limit=10, log_limit=8192, pool=pool)
     first.take("stdout", "x" * 9000)
     first.finish()
@@ -174,6 +179,7 @@ def test_the_output_logs_of_a_folder_share_one_budget_and_the_oldest_idle_ones_g
     assert not old.exists() and recent.read_bytes() == b"r" * 4096
     assert (tmp_path / "root.cell1-cccccc.log").stat().st_size == 8192
     assert (tmp_path / "elsewhere.log").is_symlink() and tmp_path.parent.is_dir()
+    assert (tmp_path / "train.log").read_bytes() == b"t" * 8192
     second = OutputBudget(tmp_path / "root.cell2-cccccc.log", limit=10, log_limit=8192, pool=pool)
     second.take("stdout", "y" * 9000)
     note = second.finish()

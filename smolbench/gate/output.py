@@ -27,6 +27,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -49,11 +50,15 @@ class LogPool:
     IDLE = 600.0
     SCAN = 10_000  # log files looked at, at most (a copied folder may hold any number)
 
-    def __init__(self, total: int = SESSION_LOGS, folder: Path | None = None, mine: str = "") -> None:
+    def __init__(self, total: int = SESSION_LOGS, folder: Path | None = None, mine: str = "",
+                 sessions: Callable[[], Iterable[str]] = tuple) -> None:
         self.total = total
         self.left = total
         self.folder = folder
         self.mine = f"-{mine}.log" if mine else ""
+        # the sessions whose logs these are (their ids' last 6 characters): any other file there,
+        # ``train.log`` of a ledger kept in the user's own folder, is never counted nor removed
+        self._sessions = sessions
         self._looked = -1.0  # when the folder was last looked at (monotonic), if ever
         self._lock = threading.Lock()  # cells' big messages are checked on the gate's threads
 
@@ -78,11 +83,16 @@ class LogPool:
             return  # none yet, or not a plain folder: the log's own open says so
         try:
             theirs = []
+            try:
+                known = {f"-{sid[-6:]}.log" for sid in self._sessions()}
+            except Exception:  # (a ledger closed meanwhile: nothing of others' is counted)
+                known = set()
             with os.scandir(fd) as entries:
                 for n, entry in enumerate(entries):
                     if n >= self.SCAN:
                         break
-                    if not entry.name.endswith(".log") or (self.mine and entry.name.endswith(self.mine)):
+                    end = entry.name[-11:]
+                    if end not in known or end == self.mine:
                         continue
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode):
