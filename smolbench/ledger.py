@@ -474,19 +474,24 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------
 
+    def _read(self, sql: str, params: Iterable[Any]) -> tuple[list[str], list[Any]]:
+        try:
+            cur = self._db.execute(sql, tuple(params))
+            return [d[0] for d in cur.description], cur.fetchall()
+        except sqlite3.DatabaseError:
+            if not self._changed():
+                raise
+            return [], []  # half a write read immutable ("malformed"): read again below
+
     def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
-            cur = self._db.execute(sql, tuple(params))
-            names = [d[0] for d in cur.description]
-            rows = cur.fetchall()
+            names, rows = self._read(sql, params)
             for tries in (2, 1):  # a writer came while an immutable open read: open and read again
                 if not self._changed():
                     break
                 self.close()
                 self._open_to_read(tries)  # the last time mode=ro: SQLite's own locks, no more checks
-                cur = self._db.execute(sql, tuple(params))
-                names = [d[0] for d in cur.description]
-                rows = cur.fetchall()
+                names, rows = self._read(sql, params)
         out = []
         for row in rows:
             rec = dict(zip(names, row))
