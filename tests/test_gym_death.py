@@ -191,6 +191,7 @@ def test_without_retries_a_machine_killed_mid_step_is_one_line_naming_the_sub_en
             step_while_killed(envs, victim)
         line = str(died.value)
         assert f"sub-env {VICTIM} (machine {victim.name})" in line and "\n" not in line
+        assert line.count(victim.name) == 1 and "mid-cell" not in line, line  # named once; a step is no cell
         for _ in range(4):  # the failed sub-env starts over in a new machine; the others go on
             obs, *_ = envs.step(np.ones(4, dtype=np.int64))
             assert envs.observation_space.contains(obs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -165,7 +166,9 @@ def failed(exc: BaseException, where: str) -> BaseException:
         return exc if isinstance(exc, OutOfTime) else OutOfTime(f"{where}: {exc}")
     if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
         return exc
-    return Unanswered(f"{where}: {exc}")
+    # "the env (machine root.2.3): machine root.2.3 died mid-cell": the machine named once, a request not a cell
+    said = re.sub(r"^machine \S+ died mid-cell", "its machine died mid-request", str(exc)) if "machine" in where else str(exc)
+    return Unanswered(f"{where}: {said}")
 
 
 def hang_up(ep: Episode) -> None:
