@@ -20,14 +20,16 @@ Line magics::
 
   %smol up [--smolfile PATH] [--backend auto|smol|sandbox|process] [--target local|cloud] [--image IMAGE]
           [--net on|off] [--allow HOSTS,CIDRS] [--ledger PATH] [--max-alive N] [--retries K] [--ray [ADDRESS]]
-  %smol status                  backend, machine, image, isolation, limits, live machines and their memory
-  %smol down                    delete every machine this kernel created
+  %smol status                  backend, machine, image, isolation, limits (disk too), live machines and
+                                their memory, the last machine lost (also one killed while idle) and why
+  %smol down                    delete every machine this kernel created (a running --bg fork is
+                                cancelled first)
   %smol tree                    the fork tree (live widget)
   %smol use NODE|best           make a live node (e.g. root.7) the active machine
   %smol delete NODE             delete a node's machine and everything below it
   %smol ledger [-n N]           the ledger's last N nodes (default 20), as a table
   %smol plot                    reward plots across the whole tree
-  %smol replay NODE             rebuild a branch's path and compare its reward
+  %smol replay NODE             rebuild a branch's path and compare its reward (not a gym episode's)
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
                     | export NAME PATH [--force]   (restore PATH works in any folder, with nothing up)
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
@@ -41,7 +43,9 @@ Cell magics::
   %%smol [--push a,b] [--pull c] [--pull-trusted] [--timeout S]
       run the cell in the active machine; its state persists between cells. --pull brings
       values back as data (builtins, numpy arrays, pandas objects); --pull-trusted also
-      unpickles other objects, which runs code from the machine on this host
+      unpickles other objects, which runs code from the machine on this host. display(),
+      IPython's display and matplotlib figures (as PNG) show as in a local cell; %pip and
+      !pip work, other shell escapes don't (subprocess.run does)
   %%smol fork N [--seed-base B | --seeds 3,7,11 | --seeds 0:16] [--timeout S]
                 [--concurrency K] [--keep best|all|none] [--out NAME] [--bg]
                 [--group-outputs order|branch|type] [--push a,b] [--allow-errors] [--quiet]
@@ -239,10 +243,12 @@ def _cell_args(line: str) -> None:
 @argument("--seed-base", type=int, default=None, help="seeds are seed-base + 0..N-1 (default 0; not with --seeds)")
 @argument("--seeds", default=None, help="explicit seeds: 3,7,11 or 0:16")
 @argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
-@argument("--concurrency", type=int, default=None, help="how many branches run at once")
+@argument("--concurrency", type=int, default=None,
+          help="how many branches run at once (default 4 per core; 2 per core where each is a boot; a cluster: every slot)")
 @argument("--keep", default="best", help="which branches stay alive: best, all or none")
 @argument("--out", default=None, help="store the ForkResult in this notebook variable")
-@argument("--bg", action="store_true", help="return at once; the handle has .wait(), .done(), .progress")
+@argument("--bg", action="store_true", help="return at once; the handle has .wait() (Ctrl-C stops the wait, not the "
+          "fork), .done(), .progress, .cancel()")
 @argument("--group-outputs", default="order", choices=["order", "branch", "type"], help="how branch output is shown")
 @argument("--push", default=None, help="notebook variables to send to every branch")
 @argument("--allow-errors", action="store_true", help="don't raise when some branches fail")

@@ -145,7 +145,7 @@ class Session:
     ``%smol up`` takes. Leaving the ``with`` block, :meth:`down`, the interpreter's exit and
     SIGTERM or SIGHUP (outside a Jupyter kernel) each delete every machine it made.
     ``ray``: run machines on a Ray cluster's nodes (an address, ``"auto"`` or True).
-    ``on_notice``: where one-line notices go (default: stderr).
+    ``on_notice``: where one-line notices go, in the Session's words (default: stderr).
     """
 
     BACKENDS = ("auto", "smol", "sandbox", "process")
@@ -313,7 +313,9 @@ class Session:
         return self
 
     def down(self) -> int:
-        """Delete every machine this session made (idempotent). Returns how many."""
+        """Delete every machine this session made (idempotent). Returns how many. A fork or
+        episodes still running (another thread's, a task's) is cancelled first, its branches
+        recorded as cancelled."""
         gone(self)
         wb = self.workbench
         if wb is None or wb.closed:  # also after its root was lost: its backend (and zygotes) still go
@@ -347,6 +349,8 @@ class Session:
         ``push``: values to set as variables in the machine first (cloudpickled, like ``--push``).
         ``pull``: machine variables to bring back as data (in ``result.pulled``).
         ``timeout``: interrupt the code after this many seconds (a SmolbenchError).
+        The result holds what the code printed, displayed (``displays``) and the gate's
+        ``notes`` on output it held back (:class:`~smolbench.result.RunResult`).
         ``check``: raise the machine's exception instead of returning it in ``result.error``
         (a RemoteError; ``except ZeroDivisionError`` catches a ``1 / 0`` too).
         Runs in different nodes may go at once (threads, or :meth:`arun` with ``asyncio.gather``).
@@ -438,7 +442,8 @@ class Session:
         ``seeds`` (else ``seed_base + 0..n-1``, from 0 when not given; giving both is an error);
         ``keep``: best, all or none stay alive;
         ``retries``: branch again a machine that failed to boot or died (never a code error);
-        ``reseed=False``: leave the random streams made before the fork as they are (all branches alike).
+        ``reseed=False``: leave the random streams made before the fork as they are (all branches alike);
+        ``on_output(branch, event)``: each branch's output as it comes (``event.text``).
         Raises a CompositeError when any branch failed, unless ``allow_errors``."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
@@ -525,7 +530,8 @@ class Session:
         checked first; a file from elsewhere is restored only on an isolating backend). With
         nothing up, it brings up the backend the checkpoint was made on (as ``%smol checkpoint
         restore`` does) with the restored machine as its only one, and takes it down again if
-        the restore fails."""
+        the restore fails; a file it would refuse (cut short, damaged) is refused before any
+        machine starts."""
         return self._restored(self._restore(_restorable(name_or_path)))
 
     def _restore(self, what: str, up: Callable[[str], object] | None = None,
@@ -630,8 +636,9 @@ class Session:
     def status(self) -> dict[str, Any]:
         """What ``%smol status`` shows, as a dict (``{"up": False}`` when down). ``lost``: the
         last machine that died under a run (exited, crashed, ran out of memory, or was killed
-        for ignoring its timeout), and why; when that was the root, nothing is up until
-        :meth:`up` starts a fresh one."""
+        for ignoring its timeout), or that this call found dead while idle (killed from
+        outside), and why; when that was the root, nothing is up until :meth:`up` starts a
+        fresh one."""
         wb = self.workbench
         if wb is not None and not wb.closed and wb.machines:
             _block(wb.notice_gone())  # a machine killed while idle is lost, not shown alive
@@ -693,7 +700,8 @@ class Session:
     def replay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
         """Rebuild ``node``'s path (from its nearest live or checkpointed ancestor, in temporary
         branches deleted after) with its recorded cells and seeds, as ``%smol replay`` does; returns
-        node, reward, recorded, match, notes, message."""
+        node, reward, recorded, match, notes, message. A smolbench.gym episode is refused (its
+        actions are not recorded)."""
         return _block(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
 
     @_in_session_words

@@ -319,8 +319,9 @@ class RunResult:
     :class:`~smolbench.RemoteError` that is also an instance of the built-in exception of its
     name (``except ZeroDivisionError`` catches it; see :func:`smolbench.errors.remote_error`).
 
-    ``displays`` are what the code displayed (``display(...)``, a plot), each bundle checked by
-    the gate as a ``%%smol`` cell shows it; ``notes`` are the host's own lines about the output
+    ``displays`` are what the code displayed (``display(...)``, IPython's ``display``, a
+    matplotlib figure: ``plt.show()`` and figures left open at the end, as PNG), each bundle
+    checked by the gate as a ``%%smol`` cell shows it; ``notes`` are the host's own lines about the output
     (what was not shown, and why: too many displays, a script or HTML the gate dropped)."""
 
     node: str

@@ -63,7 +63,7 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     """A ``gymnasium.Env`` that runs ``env`` in a machine.
 
     ``env``: a zero-argument callable returning a ``gymnasium.Env`` (cloudpickled into the
-    machine), the name of such a callable defined in the session's machine, or a registered
+    machine; one from a module file of your own, not installed, goes by value), the name of such a callable defined in the session's machine, or a registered
     gymnasium id (``"CartPole-v1"``: ``gymnasium.make`` in the machine).
     ``session``: the ``smolbench.Session`` to use (default: the notebook's, else one of the
     env's own from ``smolfile``, closed with the env). ``reset="fresh"`` runs every episode
@@ -73,11 +73,14 @@ def make(env: str | Callable[[], Any], *, session: Any = None, smolfile: str | N
     env in its machine may take to answer one ``reset()`` or ``step()`` (default: no limit);
     past it that call raises a one-line error, the episode is recorded as timed out, its
     machine is deleted (the env may still be running the call) and the next ``reset()``
-    starts in a new branch of the warm parent. ``reseed=False``: the generators the env
+    starts in a new branch of the warm parent; with it set, building the env in the warm
+    parent is bounded by ``warmparent.BUILD_TIMEOUT`` (600 s) instead. ``reseed=False``: the generators the env
     keeps itself (``self.rng``) are left alone (every sub-env's and fresh episode's start
     where the warm parent's did); else one its code seeded (``default_rng(1234)``) is never
     reseeded, an entropy-seeded one gets each machine its own stream, and fresh episodes
     carry their states on. Extra keyword arguments are given to a callable ``env``.
+    A bad argument is a :class:`GymError` that is also a ``ValueError``, raised before any
+    machine is made.
     """
     def remake(**more: Any) -> MachineEnv:  # its spec's entry point (a function: a spec is deep-copied)
         return make(env, session=session, smolfile=smolfile, reset=reset, retries=retries, timeout=timeout,
