@@ -4,7 +4,8 @@ A machine can print without end; the notebook (and the browser behind it) must n
 have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
 lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
 rest goes to ``.smolbench/outputs/<node>-<session>.log`` (at most ``LIMITS.log`` bytes; all
-logs in the folder at most ``SESSION_LOGS``, the oldest idle ones going first) and the
+logs of this ledger's sessions in the folder at most ``SESSION_LOGS``, other sessions' oldest
+idle ones going first; no other file there is counted or removed) and the
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
 counted (never queued for the notebook, so none can land in a later cell). The log is written
