@@ -472,3 +472,14 @@ def test_a_busy_machine_on_a_kept_channel_is_busy_and_the_next_serving_cell_wait
         return "answered"
 
     assert asyncio.run(E.when_free(start)) == "answered" and len(tries) == 3
+
+
+def test_a_bad_seed_is_quoted_as_python_writes_it() -> None:
+    """A client's seed "1" (a string, from JSON) was said `got str 1`, which reads as the number."""
+    from smolbench.gym.env import check_seed
+    from smolbench.gym.episode import GymError
+
+    for seed, said in [("1", "got str '1'"), (1.5, "got float 1.5"), ("x" * 100, "got str '" + "x" * 38 + "…")]:
+        with pytest.raises(GymError) as got:
+            check_seed(seed)
+        assert str(got.value).endswith(said), str(got.value)

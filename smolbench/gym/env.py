@@ -103,10 +103,19 @@ def check_seed(seed: Any) -> int | None:
     if seed is None:
         return None
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise GymError(f"seed should be a whole number or None, got {type(seed).__name__} {str(seed)[:40]}")
+        raise GymError(f"seed should be a whole number or None, got {type(seed).__name__} {_shown(seed)}")
     if not 0 <= seed <= MAX_SEED:
         raise GymError(f"seed should be a whole number from 0 to 2**63-1, got {str(seed)[:40]}")
     return seed
+
+
+def _shown(value: Any) -> str:
+    """A client's value in a line: quoted as Python writes it (a string '1' is not the number 1), cut at 40."""
+    try:
+        said = repr(value)
+    except Exception:
+        said = f"<{type(value).__name__}>"
+    return said if len(said) <= 40 else said[:39] + "…"
 
 
 def _options(options: Any) -> dict[str, Any] | None:
