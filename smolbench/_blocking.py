@@ -33,11 +33,7 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     except BaseException:
         job.stop(120)
         raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
+    return _result(job)
 
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
@@ -62,17 +58,18 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)
         raise
-    try:
-        return _result(job)
-    except SmolbenchError as exc:
-        exc.in_session_words()
-        raise
+    return _result(job)
 
 
 def _result(job: _loop.Job) -> Any:
+    """``job``'s result, its error said in the Session's words."""
     if job.stopped and job.future.cancelled():
         raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
-    return job.result()
+    try:
+        return job.result()
+    except SmolbenchError as exc:
+        exc.in_session_words()
+        raise
 
 
 def _on_our_loop() -> bool:
