@@ -129,15 +129,9 @@ class AgentHostBackend(Backend):
         """Copy a checked checkpoint's files into a new stage folder of ``machine``'s run folder,
         found by :meth:`_below` (the machine can swap its folders for links); the stage's name."""
         stage = f"restore-{secrets.token_hex(6)}"
-        try:
-            fd, name = self._below(machine, stage)
-        except OSError as exc:
-            raise archive.UnsafeCheckpoint(f"machine {machine.name}'s run folder can't be reached without following "
-                                           f"a link ({exc.strerror}): the checkpoint was not copied in") from None
-        try:
+        with self._stage_folder(machine, stage, lambda why: f"machine {machine.name}'s run folder can't be reached "
+                                f"without following a link ({why}): the checkpoint was not copied in") as (fd, name):
             ckptwrite.hand_over(path, fd, name, as_owner)
-        finally:
-            os.close(fd)
         return stage
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
@@ -656,13 +650,22 @@ class AgentHostBackend(Backend):
     def _pack(self, machine: MachineRef, stage: str, out: int, *, scratch: str, stop: threading.Event) -> None:
         """``ckptwrite.pack`` of ``stage`` in ``machine``'s run folder, found by :meth:`_below`
         (its path passes folders the machine can swap for links)."""
+        with self._stage_folder(machine, stage, lambda why: f"the checkpoint machine {machine.name} saved is not in "
+                                f"its run folder ({why}): a folder on its way was moved or made a link") as (fd, name):
+            ckptwrite.pack(fd, name, out, machine.name, scratch=scratch, stop=stop)
+
+    @contextlib.contextmanager
+    def _stage_folder(self, machine: MachineRef, stage: str,
+                      refused: Callable[[str], str]) -> Iterator[tuple[int, str]]:
+        """The folder holding ``stage`` in ``machine``'s run folder, found by :meth:`_below` (an
+        O_PATH descriptor, closed after), and ``stage``; where it can't be reached without
+        following a link, :class:`~smolbench.gate.archive.UnsafeCheckpoint` saying ``refused(why)``."""
         try:
             fd, name = self._below(machine, stage)
         except OSError as exc:
-            raise archive.UnsafeCheckpoint(f"the checkpoint machine {machine.name} saved is not in its run folder "
-                                           f"({exc.strerror}): a folder on its way was moved or made a link") from None
+            raise archive.UnsafeCheckpoint(refused(exc.strerror or str(exc))) from None
         try:
-            ckptwrite.pack(fd, name, out, machine.name, scratch=scratch, stop=stop)
+            yield fd, name
         finally:
             os.close(fd)
 
