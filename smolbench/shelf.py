@@ -383,7 +383,8 @@ class Shelf:
         try:
             if self._own_name(os.fstat(fd)) is None:
                 _usable(Path(arg).name)
-            if self.backend_for(arg) != "smol":  # (smol's own checkpoints are the SDK's to check)
+            record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read
+            if (record or {}).get("backend") != "smol":  # (smol's own checkpoints are the SDK's to check)
                 _whole(f"/proc/self/fd/{fd}", arg)
         finally:
             os.close(fd)
