@@ -45,6 +45,18 @@ with smolbench.Session(backend="sandbox") as s:
     said["log"] = r.output_log
     said["stdout"] = r.stdout
     said["ok"] = r.ok
+    # the calls added to the Session since: what a cell displayed, checkpoints, a replay
+    r = s.run("display(7)\\ndisplay.__self__._agent.send({{'t': 'display', 'data': {{'application/javascript': 'x'}}}})")
+    said["displays"] = [dict(d) for d in r.displays]
+    said["notes"] = r.notes
+    s.run("warm = 41")
+    s.checkpoint_save("warm")
+    said["checkpoints"] = [c["name"] for c in s.checkpoints()]
+    fork = s.fork(2, "reward = SEED", seeds=[3, 5], keep="all")
+    said["replay"] = s.replay(fork.best["branch"])["match"]
+    said["restored"] = s.run("warm + 1", node=s.checkpoint_restore("warm")).value
+    s.checkpoint_rm("warm")
+    said["after_rm"] = [c["name"] for c in s.checkpoints()]
 print("SAID " + json.dumps(said))
 """
 
@@ -66,6 +78,10 @@ def test_a_script_catches_a_machines_error_as_the_builtin_and_finds_all_of_a_flo
     assert said["attribute"] is True
     assert said["exit"] == "SystemExit"  # a plain RemoteError of that name: it never ends the script
     assert said["ok"] is True
+    assert said["displays"] == [{"text/plain": "7"}]
+    assert len(said["notes"]) == 1 and "application/javascript" in said["notes"][0] and "%smol" not in said["notes"][0]
+    assert said["checkpoints"] == ["warm"] and said["after_rm"] == []
+    assert said["replay"] is True and said["restored"] == 42
     log = Path(said["log"])
     assert log.is_absolute() and log.is_file() and log.parent == tmp_path / ".smolbench" / "outputs"
     shown, _, note = said["stdout"].rstrip("\n").rpartition("\n")
