@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import queue
+import secrets
 import sys
 import time
 import types
@@ -13,7 +14,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.display import display
+from IPython.display import clear_output, display, update_display
 
 from . import _loop, gate
 from ._didyoumean import cell_word_error, line_word_error
@@ -524,6 +525,8 @@ class SmolMagics(Magics):
         def on_event(branch: str, ev: Event) -> None:
             if mode == "quiet":
                 return
+            if ev.kind == "clear" or (ev.kind == "display" and ev.update):
+                return  # a branch's output is not one cell's to clear or redraw: its new displays show
             if ev.kind == "display":
                 if mode == "order":
                     _PENDING.put(("display", branch, ev))
@@ -542,6 +545,7 @@ class SmolMagics(Magics):
         either way we wait for the cleanup before handing control back.
         """
         job = _loop.Job(coro)
+        _NOTES_SHOWN.clear()
         # Wake the waiting loop below the moment the job ends, instead of at its next poll.
         job.future.add_done_callback(lambda _: _PENDING.put(("wake", "", Event("wake"))))
         progress = _Progress(result) if result is not None and show_progress else None
@@ -677,11 +681,25 @@ def _drain(timeout: float) -> None:
                 run.append(gate.terminal.prefixed(branch, ev.text))
             else:
                 run.append(ev.text)
-        elif kind == "display" and isinstance(ev.data, SafeBundle) and ev.data:  # ("wake" items only end the wait)
-            write()
+        elif kind == "display" and isinstance(ev.data, SafeBundle) and (ev.data or (ev.display_id and not branch)):
+            write()  # ("wake" items only end the wait)
             if branch:
                 print(f"[{branch}] display:")
-            display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
+                display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
+            elif ev.display_id is None:
+                display(dict(ev.data), raw=True)
+            elif ev.update:
+                update_display(dict(ev.data), display_id=_DISPLAY_IDS.host(ev.display_id), raw=True)
+            else:
+                display(dict(ev.data), raw=True, display_id=_DISPLAY_IDS.host(ev.display_id))
+        elif kind == "clear" and not branch:
+            write()
+            clear_output(wait=ev.wait)
+            for note in _NOTES_SHOWN:  # the host's notes about this cell's output outlive the machine's clear
+                sys.stderr.write(note)
+            sys.stderr.flush()
+        if kind == "stream" and ev.note and not branch:
+            _NOTES_SHOWN.append(ev.text)
         if time.monotonic() > deadline:
             break
         try:
@@ -717,7 +735,31 @@ class _Dropped:
 
 
 def _show_event(ev: Event) -> None:
-    _PENDING.put(("stream" if ev.kind == "stream" else "display", "", ev))
+    _PENDING.put((ev.kind if ev.kind in ("stream", "clear") else "display", "", ev))
+
+
+class _DisplayIds:
+    """The kernel's display id for each id a machine gave a display (``machine/id``): fresh
+    random ones, so a machine's update can only redraw what a machine showed, never the
+    host's own displays (a tree view, a progress line). The newest :data:`MAX` are kept."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._ids: dict[str, str] = {}
+
+    def host(self, machine_id: str) -> str:
+        got = self._ids.pop(machine_id, None) or f"smolbench-machine-{secrets.token_hex(12)}"
+        self._ids[machine_id] = got  # (newest last)
+        while len(self._ids) > self.MAX:
+            del self._ids[next(iter(self._ids))]
+        return got
+
+
+_DISPLAY_IDS = _DisplayIds()
+# The gate's notes shown in the running cell: a machine's clear_output must not hide them, so
+# they are shown again after it (emptied when a cell starts).
+_NOTES_SHOWN: list[str] = []
 
 
 # the sandbox's egress proxy: its one-line failures show in the running cell

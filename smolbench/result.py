@@ -321,7 +321,9 @@ class RunResult:
 
     ``displays`` are what the code displayed (``display(...)``, IPython's ``display``, a
     matplotlib figure: ``plt.show()`` and figures left open at the end, as PNG), each bundle
-    checked by the gate as a ``%%smol`` cell shows it; ``notes`` are the host's own lines about the output
+    checked by the gate as a ``%%smol`` cell shows it, as a notebook would keep them at the
+    end (a display updated through its ``display_id`` holds its last drawing; ``clear_output``
+    leaves only what was displayed after it); ``notes`` are the host's own lines about the output
     (what was not shown, and why: too many displays, a script or HTML the gate dropped)."""
 
     node: str
@@ -359,10 +361,21 @@ class Seen:
     def __init__(self) -> None:
         self.displays: list[SafeBundle] = []
         self.notes: list[str] = []
+        self._ids: dict[str, int] = {}  # a display's id -> its place in ``displays``
 
     def __call__(self, ev: Event) -> None:
         if ev.kind == "display" and isinstance(ev.data, SafeBundle):
+            at = self._ids.get(ev.display_id) if ev.display_id is not None else None
+            if ev.update:  # redrawn in place (an id never shown: nothing to redraw, as in a notebook)
+                if at is not None:
+                    self.displays[at] = ev.data
+                return
+            if ev.display_id is not None:
+                self._ids[ev.display_id] = len(self.displays)
             self.displays.append(ev.data)
+        elif ev.kind == "clear":  # what the cell shows is what it drew since
+            self.displays.clear()
+            self._ids.clear()
         elif ev.note:
             self.notes.append(session_phrases(ev.text).rstrip("\n"))
 

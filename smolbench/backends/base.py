@@ -41,11 +41,14 @@ class MachineRef:
 class Event:
     """Something a running cell produced before it finished."""
 
-    kind: str  # "stream" | "display"
+    kind: str  # "stream" | "display" | "clear"
     name: str = ""  # "stdout" | "stderr" for streams
     text: str = ""
     data: dict[str, Any] | None = None  # MIME bundle for displays
     note: bool = False  # the host's own line about the output (the gate's), said in the magics' words
+    display_id: str | None = None  # a display's id, in the machine's words (the magics map it to one of theirs)
+    update: bool = False  # a display that replaces the one shown with its display_id
+    wait: bool = False  # a clear: when the next output comes
 
 
 OnEvent = Callable[[Event], None]

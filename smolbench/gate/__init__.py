@@ -47,6 +47,7 @@ __all__ = ["LIMITS", "ROW_KEEP", "Limits", "LogPool", "MalformedReply", "OutputB
 TEXT = 1024 * 1024
 TRACEBACK = 256 * 1024  # characters of an error's traceback kept (its end)
 METRIC_TEXT = 200  # characters of a text metric kept
+DISPLAY_ID = 256  # characters of a display's id (IPython's own are 32)
 NOTES = 16  # MIME types a cell's notes name one by one (then one note for the rest)
 STREAMS = ("stdout", "stderr")
 STATUSES = ("ok", "error", "busy")
@@ -214,15 +215,27 @@ class _Cell:
             self.emit(Event("stream", fields["name"], terminal.closed(text)))
 
     def display(self, msg: dict[str, Any], size: int) -> None:
-        known = dict(each({"t": _kind, "data": lambda v, k: v}, msg, "a display message"))
-        if not self.budget.take_display(size):
+        known = dict(each({"t": _kind, "data": lambda v, k: v,
+                           "id": lambda v, k: string(v, "a display id", DISPLAY_ID),
+                           "update": lambda v, k: boolean(v, "a display's update flag")}, msg, "a display message"))
+        # a machine's ids are its own: one machine never names what another one showed
+        ident = f"{self.where}/{known['id']}" if known.get("id") else None
+        update = bool(known.get("update"))
+        if update and ident is None:
+            raise Bad("an update of a display without its id")
+        if not (self.budget.take_update(size) if update else self.budget.take_display(size)):
             return  # counted, not shown (and not worth cleaning)
         data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown)
         self.note_dropped(dropped)
-        if data:
-            self.emit(Event("display", data=SafeBundle(data)))
-        else:
+        if data or ident is not None:  # (an empty display with an id: a place to update later, as IPython makes)
+            self.emit(Event("display", data=SafeBundle(data), display_id=ident, update=update))
+        elif not update:
             self.budget.give_back(size)
+
+    def clear(self, msg: dict[str, Any], size: int = 0) -> None:
+        known = dict(each({"t": _kind, "wait": lambda v, k: boolean(v, "a clear's wait flag")}, msg, "a clear message"))
+        self.budget.cleared()
+        self.emit(Event("clear", wait=bool(known.get("wait"))))
 
     def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:
         checks: dict[str, Callable[[Any, str], Any]] = {
@@ -279,6 +292,8 @@ async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event
                     await cell.checked(cell.stream, msg, size)
                 elif kind == "display":
                     await cell.checked(cell.display, msg, size, MARKUP_OFF_LOOP)
+                elif kind == "clear":
+                    await cell.checked(cell.clear, msg, size)
                 elif kind == "done":
                     return await cell.checked(cell.done, msg, size, MARKUP_OFF_LOOP)
                 else:

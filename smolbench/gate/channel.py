@@ -129,7 +129,7 @@ class Answers:
             except MachineBusy as exc:  # the cell never ran (its last one still ending): that, in one line
                 ended = exc
             return self._break(ended)
-        if kind not in ("stream", "display"):
+        if kind not in ("stream", "display", "clear"):
             raise Bad(f"a message of unknown type {shown(kind)} on a kept channel")
         self._dropped += len(frame)  # the env's own prints: not shown (as for a cell's)
         if self._dropped > LIMITS.output:

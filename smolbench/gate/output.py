@@ -36,6 +36,10 @@ from ..ledger import linked_part
 from .limits import LIMITS, human
 
 SESSION_LOGS = 1000**3  # bytes all output logs in one folder may take together (see LogPool)
+# A cell that clears its output and draws again (a live plot) may redraw this many times its
+# output limit in all (100 MB at the default 5 MB): each display is cleaned by the gate and
+# sent to the browser, so a loop that redraws for ever must end somewhere too.
+REDRAWS = 20
 ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
 
@@ -128,6 +132,9 @@ class OutputBudget:
         self.shown = 0
         self.shown_displays = 0
         self.hidden_displays = 0
+        self._display_bytes = 0  # of ``shown``, the displays' (a clear gives them back)
+        self.redrawn = 0  # bytes of every display and update shown, cleared or not (bounded: REDRAWS)
+        self._redraws_full = False
         self.hidden = 0  # bytes not shown (past the limit)
         self.hidden_in: dict[str, int] = {}  # of those, per stream
         self.logged = 0  # bytes written to the log
@@ -208,17 +215,44 @@ class OutputBudget:
     def take_display(self, size: int) -> bool:
         """Whether a display of ``size`` bytes (its reply line) still fits: it counts against
         the same bytes as text, and against the cell's number of displays."""
-        if self.shown_displays >= self.displays or self.shown + size > self.limit:
+        if self.shown_displays >= self.displays or self.shown + size > self.limit or not self._redraws(size):
             self.hidden_displays += 1
             return False
         self.shown += size
+        self._display_bytes += size
         self.shown_displays += 1
+        self.redrawn += size
         return True
+
+    def take_update(self, size: int) -> bool:
+        """Whether an update of a display shown (``display_id``) still fits: it replaces what is
+        shown, so only the bytes redrawn in all count (:data:`REDRAWS`)."""
+        if not self._redraws(size):
+            self.hidden_displays += 1
+            return False
+        self.redrawn += size
+        return True
+
+    def _redraws(self, size: int) -> bool:
+        if self.redrawn + size <= REDRAWS * self.limit:
+            return True
+        self._redraws_full = True
+        return False
+
+    def cleared(self) -> None:
+        """The cell's output was cleared (``clear_output``): its displays' room is free again.
+        Text keeps its count (what was printed is logged past the limit as before), and what
+        was redrawn in all stays bounded, so a loop that clears and draws ends somewhere."""
+        self.shown -= self._display_bytes
+        self._display_bytes = 0
+        self.shown_displays = 0
 
     def give_back(self, size: int) -> None:
         """A display that took its room but was not shown after all (nothing in it passed)."""
         self.shown -= size
+        self._display_bytes -= size
         self.shown_displays -= 1
+        self.redrawn -= size
 
     def _cut_lines(self, name: str, text: str) -> str:
         col, cut = self._col.get(name, 0), self._cut.get(name, 0)
@@ -289,7 +323,8 @@ class OutputBudget:
         note = ""
         if self.hidden_displays:
             why = (f"past {self.displays:,} displays in one cell" if self.shown_displays >= self.displays
-                   else f"past {human(self.limit)} of output")
+                   else f"past {human(REDRAWS * self.limit)} of displays drawn and redrawn in one cell"
+                   if self._redraws_full else f"past {human(self.limit)} of output")
             note = (f"… {self.hidden_displays:,} more displays not shown ({why}; `%smol config displays N` "
                     "or `%smol config output-limit SIZE` raises the limit)\n")
         text = self._text_note()
