@@ -424,3 +424,33 @@ def test_names_a_machine_sends_for_a_did_you_mean_are_checked_and_bounded(bench:
     names, ids = envnames.known(many)
     assert names[:2] == ["n0", "n1"] and len(names) == envnames.MOST - 3 and ids == ["CartPole-v1"]
     assert envnames.known({"names": "CartPole", "ids": None}) == ([], None)  # not a list: nothing, ids from the host
+
+
+def test_a_carried_mersenne_twister_is_its_words_only() -> None:
+    """A legacy RandomState's and a random.Random's state carry on too (fresh episodes drew
+    the warm parent's next number every time): only as a Mersenne Twister's 624 words, its
+    position and its spare normal draw, rebuilt from those checked numbers; anything else
+    (a message beside it, a word past 32 bits, a position past 624) starts a new stream."""
+    import json
+    import random
+
+    from smolbench.gym.episode import plain_own
+
+    rs = np.random.RandomState(5)
+    rs.standard_normal()  # (a spare normal draw kept)
+    legacy = {"kind": "RandomState", "state": json.loads(json.dumps(rs.get_state(legacy=False),
+                                                                     default=lambda v: v.tolist()))}
+    plain = {"kind": "Random", "state": json.loads(json.dumps(random.Random(5).getstate()))}
+    [a, b] = plain_own({"own": [json.dumps(legacy), json.dumps(plain)]}) or []
+    assert a is not None and json.loads(a) == legacy and b is not None and json.loads(b) == plain
+    key = legacy["state"]["state"]["key"]
+    words = plain["state"][1]
+    for smuggled in ({**legacy, "note": "to the next episode"},
+                     {**legacy, "state": {**legacy["state"], "gauss": "a message"}},
+                     {**legacy, "state": {**legacy["state"], "state": {"key": [*key[:-1], 1 << 32], "pos": 3}}},
+                     {**legacy, "state": {**legacy["state"], "state": {"key": key, "pos": 625}}},
+                     {**legacy, "state": {**legacy["state"], "state": {"key": key + [1], "pos": 3}}},
+                     {**plain, "state": [3, [*words[:-1], 700], None]}, {**plain, "state": [2, words, None]},
+                     {**plain, "state": [3, words, "text"]}, {**plain, "kind": "Mine"}, {"kind": "Random"}):
+        assert plain_own({"own": [json.dumps(smuggled)]}) == [None], smuggled
+    assert plain_own({"own": ["x" * 20_000]}) == [None]

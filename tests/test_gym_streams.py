@@ -109,22 +109,29 @@ def maze():
 '''
 
 
-def plain_maze() -> Any:
+# The same with numpy's legacy RandomState, which older envs keep (``seed()`` methods):
+# fresh episodes drew the warm parent's next number every time (it was never carried on).
+LEGACY_MAZE_ENV = MAZE_ENV.replace("np.random.default_rng(1234)", "np.random.RandomState(1234)").replace(
+    "self.layout_rng.integers(10**6)", "self.layout_rng.randint(10**6)")
+
+
+def plain_maze(source: str = MAZE_ENV) -> Any:
     ns: dict[str, Any] = {}
-    exec(MAZE_ENV, ns)
+    exec(source, ns)
     return ns["maze"]()
 
 
 @pytest.mark.parametrize("reset", ["fresh", "in-place"])
-def test_a_generator_the_env_seeded_itself_is_never_reseeded(bench: Workbench, reset: str) -> None:
+@pytest.mark.parametrize("source", [MAZE_ENV, LEGACY_MAZE_ENV], ids=["Generator", "RandomState"])
+def test_a_generator_the_env_seeded_itself_is_never_reseeded(bench: Workbench, reset: str, source: str) -> None:
     """`self.layout_rng = np.random.default_rng(1234)` drew 979350, 976699, 987940 in a plain
     env and in SyncVectorEnv, but 473429, 580023, 359843 fresh and 473429, 349230, 239361 in
     place: reseeded as if the env had drawn its seed from the OS. Now it draws what it does
     in Gymnasium: its own stream, carried from one fresh episode's machine to the next."""
     from gymnasium.vector import SyncVectorEnv
 
-    define(bench, MAZE_ENV)
-    local = plain_maze()
+    define(bench, source)
+    local = plain_maze(source)
     want = [local.reset(seed=s)[0] for s in (1, 2, 3)]
     env = sgym.make("maze", session=bench, reset=reset)
     try:
@@ -137,7 +144,7 @@ def test_a_generator_the_env_seeded_itself_is_never_reseeded(bench: Workbench, r
         env.close()
     assert got == want + [local.reset()[0]]
 
-    theirs = SyncVectorEnv([plain_maze, plain_maze])
+    theirs = SyncVectorEnv([lambda: plain_maze(source)] * 2)
     envs = sgym.make_vec("maze", 2, session=bench, reset=reset)
     try:
         ours_seen, theirs_seen = [envs.reset(seed=5)[0].tolist()], [theirs.reset(seed=5)[0].tolist()]
@@ -159,3 +166,29 @@ def test_reseed_false_leaves_the_envs_own_generators_alone(bench: Workbench) -> 
         envs.close()
     assert len(set(obs[:, 1].tolist())) == 1, obs
     assert len(set(obs[:, 0].tolist())) == 3, obs
+
+
+# random.Random can't say how it was seeded: a sub-env's first episode reseeds it (its own
+# numbers); from then on fresh episodes carry it on, as one long-lived env's would. The info
+# says where the Mersenne Twister is in its 624 words: one word further each draw when it is
+# carried on, back at the start of a new seed's when reseeded (as every fresh episode did).
+RANDOM_ENV = MAZE_ENV.replace("import gymnasium as gym, numpy as np", "import gymnasium as gym, numpy as np, random").replace(
+    "np.random.default_rng(1234)", "random.Random(1234)").replace(
+    "return int(self.layout_rng.integers(10**6)), {}",
+    "return int(self.layout_rng.randrange(10**6)), {'pos': self.layout_rng.getstate()[1][-1]}")
+
+
+def test_fresh_episodes_carry_a_random_random_on(bench: Workbench) -> None:
+    define(bench, RANDOM_ENV)
+    env = sgym.make("maze", session=bench, reset="fresh")
+    try:
+        seen = []
+        for _ in range(5):
+            obs, info = env.reset()
+            seen.append((obs, info["pos"]))
+            env.step(0)
+    finally:
+        env.close()
+    assert len({obs for obs, _ in seen}) == 5
+    first = seen[0][1]
+    assert [pos for _, pos in seen] == [first + k for k in range(5)], seen

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import sys
 
 MAX_INFO_DEPTH = 20
@@ -296,7 +297,7 @@ class Server:
     def rng(self):
         """The env's random generator states (what a fresh machine continues from): its
         ``np_random``'s, and ``own``: each of the generators it keeps itself (None for one
-        that can't be carried: not a numpy Generator, or past ``MAX_CARRIED``)."""
+        that can't be carried: a torch generator, or past ``MAX_CARRIED``)."""
         base = self.env.unwrapped
         out = None
         if getattr(base, "_np_random", None) is not None:
@@ -309,13 +310,42 @@ class Server:
 
     @staticmethod
     def _own_state(gen):
+        """A generator's state as JSON: a numpy Generator's bit generator's state; a legacy
+        ``RandomState``'s or a ``random.Random``'s, tagged with its kind; None for another kind."""
         np = sys.modules.get("numpy")
-        if np is None or not isinstance(gen, np.random.Generator):
-            return None
         try:
-            return json.dumps(gen.bit_generator.state, default=_json_number)
+            if np is not None and isinstance(gen, np.random.Generator):
+                return json.dumps(gen.bit_generator.state, default=_json_number)
+            if np is not None and isinstance(gen, np.random.RandomState):
+                return json.dumps({"kind": "RandomState", "state": gen.get_state(legacy=False)}, default=_json_number)
+            if isinstance(gen, random.Random) and not isinstance(gen, random.SystemRandom):
+                return json.dumps({"kind": "Random", "state": gen.getstate()})
         except Exception:
-            return None
+            pass
+        return None
+
+    @staticmethod
+    def _carry(gen, state):
+        """Set ``gen`` to a state :meth:`_own_state` made (raises if it is not of its kind)."""
+        new = json.loads(state)
+        kind = new.get("kind") if isinstance(new, dict) else None
+        if kind == "RandomState":
+            np = _np()
+            if not isinstance(gen, np.random.RandomState):
+                raise ValueError("another kind of generator")
+            inner = dict(new["state"])
+            inner["state"] = {"key": np.array(inner["state"]["key"], dtype=np.uint32), "pos": inner["state"]["pos"]}
+            gen.set_state(inner)
+        elif kind == "Random":
+            if not isinstance(gen, random.Random):
+                raise ValueError("another kind of generator")
+            version, internal, gauss = new["state"]
+            gen.setstate((version, tuple(internal), gauss))
+        else:
+            bits = gen.bit_generator
+            if new.get("bit_generator") != type(bits).__name__:
+                raise ValueError("another kind of generator")
+            bits.state = new
 
     def _set_rng(self, rng):
         np = _np()
@@ -372,11 +402,7 @@ class Server:
             state = carried[k] if k < len(carried) else None
             if isinstance(state, str) and (self._fixed[k] or seed is None):
                 try:
-                    bits = gen.bit_generator
-                    new = json.loads(state)
-                    if new.get("bit_generator") != type(bits).__name__:
-                        raise ValueError("another kind of generator")
-                    bits.state = new
+                    self._carry(gen, state)
                     continue
                 except Exception:  # not to be had: as if none was carried
                     pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -112,22 +113,59 @@ def plain_rng(value: Any) -> dict[str, Any] | None:
 MAX_CARRIED = 16  # the env's own generators carried on, at most (guest/gymserve.py's)
 
 
+OWN_STATE = 16 * 1024  # characters of one carried state (a Mersenne Twister's is ~7,400)
+
+
 def plain_own(value: Any) -> list[str | None] | None:
-    """The states of the generators the env keeps itself (``value["own"]``, as
-    :func:`plain_rng` takes np_random's), each rebuilt the same way or None; None if none."""
+    """The states of the generators the env keeps itself (``value["own"]``): a numpy
+    Generator's as :func:`plain_rng` takes np_random's, a legacy ``RandomState``'s or a
+    ``random.Random``'s (Mersenne Twisters, tagged with their kind), each rebuilt from its
+    checked numbers or None; None if none."""
     own = value.get("own") if isinstance(value, dict) else None
     if not isinstance(own, list) or len(own) > MAX_CARRIED:
         return None
     out: list[str | None] = []
     for one in own:
-        state = None
-        if isinstance(one, str) and len(one) <= 4096:
+        state: Any = None
+        if isinstance(one, str) and len(one) <= OWN_STATE:
             try:
-                state = _bit_generator(json.loads(one))
-            except ValueError:
+                got = json.loads(one)
+                state = _twister(got) if isinstance(got, dict) and "kind" in got else _bit_generator(got)
+            except (ValueError, TypeError, KeyError, RecursionError):
                 state = None
         out.append(json.dumps(state) if state is not None else None)
     return out
+
+
+def _twister(state: dict[str, Any]) -> dict[str, Any] | None:
+    """A ``RandomState``'s (numpy's dict form) or ``random.Random``'s state (version 3: 624
+    words and a position, then the spare normal draw), rebuilt if it is exactly that."""
+    if set(state) != {"kind", "state"}:
+        return None
+    kind, inner = state["kind"], state["state"]
+    if kind == "RandomState" and isinstance(inner, dict) \
+            and set(inner) == {"bit_generator", "state", "has_gauss", "gauss"} and inner["bit_generator"] == "MT19937":
+        mt, has, gauss = inner["state"], inner["has_gauss"], inner["gauss"]
+        if not (isinstance(mt, dict) and set(mt) == {"key", "pos"} and _words(mt["key"]) and _whole(mt["pos"], 10)
+                and mt["pos"] <= 624 and type(has) is int and has in (0, 1) and _finite(gauss)):
+            return None
+        return {"kind": kind, "state": {"bit_generator": "MT19937", "state": {"key": list(mt["key"]), "pos": mt["pos"]},
+                                        "has_gauss": has, "gauss": float(gauss)}}
+    if kind == "Random" and isinstance(inner, list) and len(inner) == 3 and inner[0] == 3 and type(inner[0]) is int:
+        internal, gauss = inner[1], inner[2]
+        if not (isinstance(internal, list) and len(internal) == 625 and _words(internal[:624])
+                and _whole(internal[624], 10) and internal[624] <= 624 and (gauss is None or _finite(gauss))):
+            return None
+        return {"kind": kind, "state": [3, list(internal), None if gauss is None else float(gauss)]}
+    return None
+
+
+def _words(values: Any) -> bool:
+    return isinstance(values, list) and len(values) == 624 and all(_whole(v, 32) for v in values)
+
+
+def _finite(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
 
 
 def _whole(v: Any, bits: int) -> bool:
