@@ -21,7 +21,7 @@ from .errors import LIVE, NOT_UP, MachineLost, SmolbenchError, reworded
 from .gate import restoring, terminal
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
-from .tree import Node
+from .tree import GYM_EPISODE, Node, gym_episode
 
 BranchEvent = Callable[[str, Event], None]
 
@@ -63,9 +63,8 @@ class CheckpointsMixin(WorkbenchPart):
                                  api=f"unknown node {node_id!r}: replay works on this session's nodes "
                                  "(`Session.ledger().nodes()`)")
         target = self.tree[node_id]
-        if "sub_env" in (target.metrics or {}) and "/gym-" in (target.run_id or ""):  # smolbench/gym/record.py's
-            raise SmolbenchError(f"can't replay {node_id}: it is an episode of a smolbench.gym env, whose actions "
-                                 "are not recorded (only its seed, return and length)")
+        if gym_episode(target.metrics, target.run_id):
+            raise SmolbenchError(f"can't replay {node_id}: it is {GYM_EPISODE} (only its seed, return and length)")
         path = self.tree.path(node_id)
         notes: list[str] = []
         risks: list[str] = []  # what could make the replay differ

@@ -176,3 +176,27 @@ def where_text(where: str | None, kind: str | None = None, host: str | None = No
     if moved_from:
         about += f"{'; ' if about else ''}moved from {str(moved_from)[:8]}"
     return str(where or "?")[:8] + (f" ({about})" if about else "")
+
+
+# What `%smol replay` refuses, in one place: Workbench.replay says it, the server's ledger
+# API sends it (the sidebar's Replay buttons are disabled with it as their tooltip).
+GYM_RUN = "gym"  # the ledger's runs.kind of a smolbench.gym env; its run id is "<session>/gym-<warm parent>"
+GYM_EPISODE = "an episode of a smolbench.gym env, whose actions are not recorded"
+
+
+def gym_episode(metrics: dict[str, Any] | None, run_id: str | None) -> bool:
+    """Whether a node (its metrics and run id) is an episode of a smolbench.gym env
+    (smolbench/gym/record.py's): replay refuses it, its actions came from the trainer and
+    are not recorded (only its seed, return and length)."""
+    return "sub_env" in (metrics or {}) and f"/{GYM_RUN}-" in (run_id or "")
+
+
+def node_replay_refused(metrics: dict[str, Any] | None, run_id: str | None) -> str | None:
+    """Why replay refuses this node (:func:`gym_episode`), in one line; None if it doesn't."""
+    return f"can't replay: it is {GYM_EPISODE}" if gym_episode(metrics, run_id) else None
+
+
+def replay_refused(kind: object) -> str | None:
+    """Why a run of this kind (the ledger's ``runs.kind``) can't have its best branch
+    replayed, in one line; None if it can. A gym run's rewarded branches are all episodes."""
+    return f"can't replay: its best branch is {GYM_EPISODE}" if kind == GYM_RUN else None

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 from smolbench.backends import _procs
 
 CHROMIUM = "/usr/bin/chromium"
+BUILT = Path(__file__).resolve().parent.parent / "smolbench" / "labextension"  # this tree's committed build
 ARTIFACTS = Path(__file__).parent / "artifacts"
 # Every browser test module: skipped without Debian's chromium; a real server and browser
 # on 2 shared cores get a generous limit.
@@ -105,6 +107,11 @@ def jupyter_server(
     kernel = get_kernel_dict()  # ipykernel's own spec (its protocol version: subshells need 5.5)
     kernel["argv"][0] = sys.executable
     (spec / "kernel.json").write_text(json.dumps(kernel))
+    # The sidebar as this tree builds it, not the copy `pip install -e` put in the venv (a
+    # worktree's or a rebuilt extension would be tested on the installed one): JUPYTER_PATH
+    # comes first, and JupyterLab loads the first extension of a name it finds.
+    ours = root / ".jupyter-tree"
+    shutil.copytree(BUILT, ours / "labextensions" / "smolbench")
     port, token, tag = free_port(), secrets.token_hex(16), uuid.uuid4().hex
     env = {
         **os.environ,
@@ -115,7 +122,8 @@ def jupyter_server(
         # In a venv made with --system-site-packages, frontend extensions (plotly's renderer,
         # anywidget) live under the base interpreter's prefix: make them visible.
         "JUPYTER_PATH": os.pathsep.join(
-            p for p in (os.environ.get("JUPYTER_PATH"), os.path.join(sys.base_prefix, "share", "jupyter")) if p
+            p for p in (str(ours), os.environ.get("JUPYTER_PATH"), os.path.join(sys.base_prefix, "share", "jupyter"))
+            if p
         ),
     }
     # `python -m jupyter lab` would exec whichever `jupyter-lab` script is first on PATH (and

@@ -44,6 +44,7 @@ SECOND_TIER = frozenset(
         "test_labextension_browser.py",
         "test_notebooks.py",
         "test_readme_tour.py",
+        "test_replay_button_browser.py",
         "test_saved_notebook.py",
         "test_scale.py",
         "test_sidebar_class_browser.py",

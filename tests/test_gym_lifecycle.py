@@ -16,6 +16,7 @@ from gymhelpers import define, needs_bwrap, up_bench
 from test_session import Script
 
 import smolbench.gym as sgym
+from smolbench.server import ledgerview
 from smolbench.workbench import Workbench
 
 pytestmark = [needs_bwrap, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -97,6 +98,7 @@ def test_replaying_a_training_episode_says_it_cannot(bench: Workbench, reset: st
     try:
         env.reset(seed=3)
         node = env.machine if reset == "fresh" else env._m.eps[0].node.id  # type: ignore[union-attr]
+        run, parent = env._m.run_id, env._m.parent.name  # type: ignore[union-attr]
         while not env.step(1)[2]:
             pass
     finally:
@@ -106,6 +108,15 @@ def test_replaying_a_training_episode_says_it_cannot(bench: Workbench, reset: st
         _loop.run(bench.replay(node, lambda *a: None))
     assert str(err.value) == (f"can't replay {node}: it is an episode of a smolbench.gym env, whose actions are not "
                               "recorded (only its seed, return and length)")
+    # the sidebar's server says so from the same rule: the run's Replay and the episode's are disabled
+    said = {r["id"]: r for r in ledgerview.runs(bench.ledger.path, limit=500)["runs"]}
+    assert said[run]["kind"] == "gym" and said[run]["best_node"] == node
+    assert (said[run]["replayable"], said[run]["replay_refused"]) == (
+        False, "can't replay: its best branch is an episode of a smolbench.gym env, whose actions are not recorded")
+    tree = {n["id"]: n for n in ledgerview.nodes(bench.ledger.path, run=run, limit=500)["nodes"]}
+    assert tree[node]["replay_refused"] == ("can't replay: it is an episode of a smolbench.gym env, whose actions "
+                                            "are not recorded")
+    assert tree[parent]["replay_refused"] is None  # the warm parent: not an episode
 
 
 GRID_MODULE = '''

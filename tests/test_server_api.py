@@ -107,6 +107,34 @@ def test_ledger_runs_sessions_nodes_paginated(call: Any, jp_root_dir: Path) -> N
     assert code == 400 and "limit='ten' is not a whole number" in body["message"]
 
 
+def test_runs_and_nodes_say_whether_replay_can_rebuild_them(call: Any, jp_root_dir: Path) -> None:
+    """A smolbench.gym run's episodes can't be replayed (their actions are not recorded):
+    the API says so per run and per node, in the words `%smol replay` uses, so the sidebar
+    disables those Replay buttons; a fork's stay enabled."""
+    led = _ledger(jp_root_dir / "proj", runs=1, per_run=2)
+    # as smolbench/gym/warmparent.py and record.py write them: the warm parent, two episodes
+    led.start_run("s1/gym-root.2", "s1", kind="gym", parent_id="root", code="smolbench.gym: corridor", n=2)
+    led.upsert_node("s1", "root.2", run_id="s1/gym-root.2", parent_id="root", status="idle", started=50.0)
+    for i in range(2):
+        led.upsert_node("s1", f"root.2.{i}", run_id="s1/gym-root.2", parent_id="root.2", seed=i, status="ok",
+                        reward=float(i), started=51.0, ended=52.0, metrics={"sub_env": i, "reset": "fresh"})
+    led.end_run("s1/gym-root.2", "done")
+    led.close()
+    code, body = call("ledger", "runs", params={"path": "proj"})
+    assert code == 200, body
+    runs = {r["id"]: r for r in body["runs"]}
+    gym, fork = runs["s1/gym-root.2"], runs["s1/run1"]
+    assert (gym["best_node"], gym["replayable"], gym["replay_refused"]) == (
+        "root.2.1", False,
+        "can't replay: its best branch is an episode of a smolbench.gym env, whose actions are not recorded")
+    assert (fork["best_node"], fork["replayable"], fork["replay_refused"]) == ("root.1", True, None)
+    code, body = call("ledger", "nodes", params={"path": "proj", "session": "s1"})
+    refused = {n["id"]: n["replay_refused"] for n in body["nodes"]}
+    assert refused["root.2.0"] == refused["root.2.1"] == (
+        "can't replay: it is an episode of a smolbench.gym env, whose actions are not recorded")
+    assert refused["root.2"] is None and refused["root.1"] is None and refused["root"] is None
+
+
 def test_missing_and_corrupt_ledger_are_one_line(call: Any, jp_root_dir: Path) -> None:
     code, body = call("ledger", "runs", params={"path": ""})
     assert code == 200 and body["runs"] == [] and "no ledger in the root folder yet" in body["note"]

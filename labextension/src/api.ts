@@ -84,6 +84,10 @@ export interface IRun {
   spark: number[];
   notebook?: string | null;
   cell?: number | null;
+  /** Whether %smol replay can rebuild its best branch (false: a gym run, whose episodes it refuses). */
+  replayable?: boolean;
+  /** Why not, in one line (the server's words, as %smol replay says it). */
+  replay_refused?: string | null;
 }
 
 export interface IRuns {
@@ -110,6 +114,8 @@ export interface INode {
   metrics: Record<string, unknown>;
   /** The Ray node it ran on (cluster runs), else null. */
   host_node?: string | null;
+  /** Why %smol replay refuses it (a gym episode), in one line; else null. */
+  replay_refused?: string | null;
 }
 
 export interface INodes {

@@ -1,7 +1,8 @@
 /**
  * The Runs section's rows and notebook filter. A run reads "a.ipynb · [4] · fork ×8 ·
  * 14:03:22" (notebook, cell number, kind, local time), its first code line below it as
- * secondary text, then its best reward, a sparkline and Replay.
+ * secondary text, then its best reward, a sparkline and Replay (disabled, saying why, for a
+ * run whose best branch %smol replay refuses: a gym run's episodes).
  */
 import { IRun, IRuns } from './api';
 import { NODE_RE, basename, button, el, firstLine, reward, sparkline, stamp } from './format';
@@ -84,9 +85,11 @@ export function renderRun(
   tail.appendChild(el('span', 'sb-num sb-best', reward(run.best_reward), { title: 'best reward' }));
   tail.appendChild(sparkline(run.spark));
   const best = run.best_node;
-  const replay = button('Replay', 'sb-replay', () => onReplay(best ?? ''),
-    best ? `Insert a %smol replay ${best} cell (the run's best branch) in the notebook` : 'no rewarded branch to replay');
-  replay.disabled = !best || !NODE_RE.test(best);
+  // the server says whether replay can rebuild this kind of run (a gym run's episodes: no)
+  const refused = run.replayable === false ? run.replay_refused || `can't replay a ${run.kind} run` : null;
+  const replay = button('Replay', 'sb-replay', () => onReplay(best ?? ''), refused ??
+    (best ? `Insert a %smol replay ${best} cell (the run's best branch) in the notebook` : 'no rewarded branch to replay'));
+  replay.disabled = refused !== null || !best || !NODE_RE.test(best);
   tail.appendChild(replay);
   row.appendChild(tail);
   row.addEventListener('click', onOpen);

@@ -133,8 +133,10 @@ export class RunTree extends Widget {
       parts.push(el('pre', 'sb-tree-error', n.error));
     }
     parts.push(el('pre', 'sb-tree-output', n.output || '(no output)'));
-    const replay = button(`Replay ${n.id}`, 'sb-replay', () => this.replay(n.id), `Insert a %smol replay ${n.id} cell in the active notebook`);
-    replay.disabled = !NODE_RE.test(n.id) || n.parent_id === null;
+    const refused = n.replay_refused || null; // a gym episode: the server's one line
+    const replay = button(`Replay ${n.id}`, 'sb-replay', () => this.replay(n.id),
+      refused ?? `Insert a %smol replay ${n.id} cell in the active notebook`);
+    replay.disabled = refused !== null || !NODE_RE.test(n.id) || n.parent_id === null;
     parts.push(replay);
     this.detail.replaceChildren(...parts);
   }

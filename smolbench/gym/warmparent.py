@@ -24,7 +24,7 @@ from ..backends._channel import Channel
 from ..backends.base import MachineRef
 from ..errors import SmolbenchError
 from ..ledger import code_hash
-from ..tree import Node
+from ..tree import GYM_RUN, Node
 from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
@@ -138,10 +138,10 @@ class WarmParent(Requests):
         wb = self.wb
         active = wb.require_up()
         (name,) = wb.tree.next_child_ids(active.name, 1)
-        self._runs = f"{wb.session}/gym-{name}"  # (Workbench.replay knows a gym episode by it)
+        self._runs = f"{wb.session}/{GYM_RUN}-{name}"  # (Workbench.replay knows a gym episode by it: tree.gym_episode)
         self.run_id = self._runs
         what = self.env if isinstance(self.env, str) else getattr(self.env, "__qualname__", type(self.env).__name__)
-        wb.ledger.start_run(self.run_id, wb.session, kind="gym", parent_id=active.name, code=f"smolbench.gym: {what}",
+        wb.ledger.start_run(self.run_id, wb.session, kind=GYM_RUN, parent_id=active.name, code=f"smolbench.gym: {what}",
                             code_hash=code_hash(str(what)), n=self.n, options={"reset": self.mode, "num_envs": self.n})
         wb._claim(active.name)
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ledger import UnsafeLedger, guard
-from ..tree import id_key
+from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
 CODE_CHARS = 400
@@ -135,8 +135,10 @@ def sessions(db: Path, limit: int = 50, offset: int = 0) -> dict[str, Any]:
 
 def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None = None) -> dict[str, Any]:
     """Forks and episodes, newest first: notebook, cell, N, best reward, a reward sparkline,
-    times. ``notebook``: only runs of one of these notebook paths ([""]: runs that name none,
-    as in ledgers older than the notebook column); ``notebooks`` counts the runs of each."""
+    times, and whether Replay can rebuild its best branch (``replayable``; if not,
+    ``replay_refused`` says why in one line). ``notebook``: only runs of one of these notebook
+    paths ([""]: runs that name none, as in ledgers older than the notebook column);
+    ``notebooks`` counts the runs of each."""
     limit, offset = _page(limit, offset)
     with open_ro(db) as conn:
         have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
@@ -158,10 +160,12 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
             f"FROM runs WHERE {cond} ORDER BY started DESC LIMIT ? OFFSET ?", (CODE_CHARS, *args, limit, offset)).fetchall()
         out = []
         for rid, sid, kind, parent, code, n, started, ended, status, nb, cell in rows:
+            refused = replay_refused(kind)
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
                 "n": n, "started": started, "ended": ended, "status": status,
                 "notebook": _text(nb, 1000), "cell": cell if isinstance(cell, int) else None,
+                "replayable": refused is None, "replay_refused": refused,
                 **_summary(conn, str(db), rid, ended),
             })
     return {"total": total, "offset": offset, "limit": limit, "runs": out,
@@ -175,7 +179,8 @@ NODE_KEYS = ("id", "parent_id", "run_id", "seed", "status", "reward", "started",
 def nodes(db: Path, run: str | None = None, session: str | None = None, limit: int = 200,
           offset: int = 0) -> dict[str, Any]:
     """A run's tree (its parent, its branches and every fork nested under them), or a
-    whole session's nodes; in the order they were recorded."""
+    whole session's nodes; in the order they were recorded. A node replay refuses (a gym
+    episode) has ``replay_refused``: why, in one line (else None)."""
     limit, offset = _page(limit, offset)
     with open_ro(db) as conn:
         head: dict[str, Any] | None = None
@@ -224,6 +229,7 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
             metrics = json.loads(rec["metrics"]) if isinstance(rec["metrics"], str) else None
         except ValueError:
             metrics = None
+        rec["replay_refused"] = node_replay_refused(metrics if isinstance(metrics, dict) else None, rec["run_id"])
         rec["metrics"] = {str(k)[:60]: _finite(v) if not isinstance(v, str) else _text(v, 200)
                           for k, v in list(metrics.items())[:20]} if isinstance(metrics, dict) else {}
         out.append(rec)
