@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import urllib.parse
@@ -153,14 +154,64 @@ def linked_part(path: Path, beside: tuple[str, ...] = ("-wal", "-shm", "-journal
     return None
 
 
+SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a ledger
+
+
+def odd_part(path: Path) -> tuple[Path, str] | None:
+    """The first part of a ledger that is not what a ledger is made of, and what it is instead;
+    None if all are: its folder a plain folder, the ledger and SQLite's files beside it each
+    absent or a plain file of one name. Checked before SQLite opens any of them (it opens
+    by path, and follows what it finds): a copied folder's ``ledger.db`` that is a device
+    had SQLite write a new database's pages onto that disk before it failed, a fifo
+    ``-journal`` hung the kernel (and the server's threads) in ``open()`` beyond Ctrl-C."""
+    folder = path.parent
+    for p in (folder, path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return p, f"a path that can't be looked at ({exc.strerror})"
+        if stat.S_ISLNK(st.st_mode):
+            return p, "a symbolic link"
+        if p is folder:
+            if not stat.S_ISDIR(st.st_mode):
+                return p, "something that is not a folder"
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a fifo" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a folder"
+                    if stat.S_ISDIR(st.st_mode) else "something that is not a plain file")
+            return p, kind
+        if st.st_nlink != 1:
+            return p, f"a file with {st.st_nlink} names (hard links)"
+    return None
+
+
+def refusal(path: Path) -> str | None:
+    """Why the ledger at ``path`` is not opened (:func:`odd_part`), in one line; None if it may be."""
+    odd = odd_part(path)
+    if odd is None:
+        return None
+    p, what = odd
+    if what == "a symbolic link":
+        try:
+            to = f" (to {os.readlink(p)})"
+        except OSError:
+            to = ""
+        return (f"ledger {path} has a symbolic link at {p.name}{to}: a ledger is opened only as a plain file in a "
+                "plain folder; replace the link with the file itself")
+    return (f"ledger {path} has {what} at {p.name}: a ledger is opened only as a plain file in a plain folder; "
+            f"move {p.name} aside")
+
+
 def _refuse_links(path: Path) -> None:
     """A ledger (and SQLite's files beside it, and its folder) only as what it says it is: a
     copied folder's ``.smolbench/ledger.db`` that links elsewhere would have this kernel write
-    (or make) a database wherever the link points."""
-    p = linked_part(path)
-    if p is not None:
-        raise SmolbenchError(f"ledger {path} has a symbolic link at {p.name} (to {os.readlink(p)}): a ledger is "
-                             "opened only as a plain file in a plain folder; replace the link with the file itself")
+    (or make) a database wherever the link points; one that is a device, onto that disk."""
+    why = refusal(path)
+    if why is not None:
+        raise SmolbenchError(why)
 
 
 class Ledger:

@@ -224,10 +224,11 @@ def test_paths_outside_the_root_are_refused(call: Any, jp_root_dir: Path, tmp_pa
     (jp_root_dir / "copycat" / ".smolbench").symlink_to(jp_root_dir / "other" / ".smolbench")
     for where in ("sneaky", "copycat"):
         code, body = call("ledger", "runs", params={"path": where})
-        assert code == 403 and "is a symbolic link: a ledger is read only as a plain file" in body["message"]
+        assert code == 403 and "has a symbolic link at " in body["message"], body
+        assert "a ledger is read only as a plain file" in body["message"]
     assert sorted(call("checkpoints")[1]["problems"]) == [
-        f"{where}: the ledger is a symbolic link: a ledger is read only as a plain file in a plain folder (as a kernel does)"
-        for where in ("copycat", "sneaky")]
+        f"{where}: the ledger has a symbolic link at {part}: a ledger is read only as a plain file in a plain folder "
+        "(as a kernel does)" for where, part in (("copycat", ".smolbench"), ("sneaky", "ledger.db"))]
     assert call("checkpoints", "warm", method="DELETE", params={"path": "../elsewhere"})[0] == 403
 
 
@@ -550,3 +551,32 @@ def test_a_ledger_s_notebook_paths_are_never_looked_up_on_disk(monkeypatch: pyte
     assert [r["notebook"] for r in data["runs"]] == ["a/" * 500 + "x.ipynb", "y.ipynb", "rel.ipynb"]
     assert len(data["notebooks"]) == 1000 and {"notebook": "n0.ipynb", "runs": 3} in data["notebooks"]
     assert len(looked) <= 1, looked[:3]  # the root alone
+
+
+def test_the_sidebar_lists_a_fifo_ledger_as_a_problem_and_never_waits_on_it(call: Any, jp_root_dir: Path) -> None:
+    """Round 4's third audit: a copied folder's fifo -journal took one of the server's threads
+    for ever at each poll of the sidebar (all of them after ~30 s)."""
+    import threading
+    import time
+
+    from test_ledger_plain_files import unblock
+
+    _ledger(jp_root_dir / "copied").close()
+    db = jp_root_dir / "copied" / ".smolbench" / "ledger.db"
+    db.with_name("ledger.db-wal").write_bytes(b"")
+    fifo = db.with_name("ledger.db-journal")
+    os.mkfifo(fifo)
+    watchdog = threading.Timer(20, unblock, (fifo,))  # the old code's blocked open() goes, late
+    watchdog.start()
+    try:
+        t0 = time.monotonic()
+        listed = call("checkpoints")
+        code, body = call("ledger", "runs", params={"path": "copied"})
+        took = time.monotonic() - t0
+    finally:
+        watchdog.cancel()
+        unblock(fifo)
+    assert took < 15, f"the server waited {took:.0f} s on a fifo"
+    assert listed[1]["problems"] == ["copied: the ledger has a fifo at ledger.db-journal: a ledger is read only as a "
+                                     "plain file in a plain folder (as a kernel does)"], listed
+    assert code == 403 and "has a fifo at ledger.db-journal" in body["message"], body

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..ledger import UnsafeLedger, guard
+from ..ledger import UnsafeLedger, guard, odd_part
 from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
@@ -38,6 +38,9 @@ def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
     """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why):
     its schema checked (:func:`smolbench.ledger.guard`: a view's query would run on each read),
     and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few)."""
+    odd = odd_part(db)  # before SQLite opens anything by path (a fifo -journal hung the server's threads)
+    if odd is not None:
+        raise LedgerUnreadable(f"has {odd[1]} at {odd[0].name}: a ledger is read only as a plain file in a plain folder")
     uri = "file:" + urllib.parse.quote(str(db)) + "?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
