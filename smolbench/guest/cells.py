@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from . import figures
+from . import figures, orphans
 from . import protocol as P
 from .netnote import _net_note
 from .output import OUTPUT_KEEP, _Stream, mime_bundle
@@ -46,6 +46,7 @@ class Cells:
             msg["error"] = _error_from_exc(filename)
         finally:
             self._end()
+            orphans.after_cell()
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
