@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import queue
 import secrets
 import sys
@@ -361,12 +362,16 @@ class SmolMagics(Magics):
         """This folder's checkpoints (the Workbench's, or the default ledger's while none is up)."""
         if self.workbench is not None:
             return self.workbench.shelf
-        if getattr(self, "_own_shelf", None) is None:
+        here = os.getcwd()  # (a notebook that changed folder: that folder's, as a restore finds them)
+        own = getattr(self, "_own_shelf", None)
+        if own is None or own[0] != here:
             from .ledger import DEFAULT_PATH, Ledger
             from .shelf import Shelf
 
-            self._own_shelf = Shelf(Ledger(DEFAULT_PATH))
-        return self._own_shelf
+            if own is not None:
+                own[1].ledger.close()
+            own = self._own_shelf = (here, Shelf(Ledger(DEFAULT_PATH)))
+        return own[1]
 
     def _do_replay(self, rest: str) -> Any:
         args = parse_argstring(_node_args, rest, "%smol replay")
