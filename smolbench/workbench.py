@@ -98,7 +98,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
-        self.outputs_dir = Path(ledger.path).parent / "outputs"
+        self.outputs_dir = gate.log_folder(Path(ledger.path))  # smolbench's own folder, never the user's outputs/
         self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session,  # what logs there may take
                                      sessions=lambda: self.ledger.session_ids())
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)

@@ -102,7 +102,8 @@ def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, ou
         log = Path(r.output_log).read_text()
         assert shown + log == PRINTED and shown.endswith("\n") and len(shown.encode()) <= output_limit
         where = os.path.relpath(r.output_log)
-        assert where == f"outputs/root.cell1-{s.workbench.session}.log"  # beside the ledger: .smolbench/outputs/ by default
+        # beside the ledger, in a folder named after it (never the user's own outputs/); .smolbench/outputs/ by default
+        assert where == f"ledger.db.outputs/root.cell1-{s.workbench.session}.log"
         assert note == f"… {human(len(log))} more output not shown (saved to {where})\n"  # what %%smol ends with
         assert "…" not in r.stderr
 

@@ -3,7 +3,7 @@
 A machine can print without end; the notebook (and the browser behind it) must not
 have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
 lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
-rest goes to ``.smolbench/outputs/<node>-<session id>.log`` (:func:`log_name`;
+rest goes to ``.smolbench/outputs/<node>-<session id>.log`` (:func:`log_folder`, :func:`log_name`;
 at most ``LIMITS.log`` bytes; all logs of this ledger's sessions in the folder at most
 ``SESSION_LOGS``, other sessions' oldest idle ones going first; only names of smolbench's own
 log grammar, :data:`LOG_NAME`, of sessions the ledger lists in smolbench's own session-id
@@ -59,6 +59,17 @@ def log_name(node_id: str, tag: str, session: str) -> str:
     for a fork's branch), named with the whole session id: with only its last 6 hex digits two
     sessions of a folder drawing the same had one's ``root.cell1`` empty the other's."""
     return f"{node_id}{tag}-{session}.log"
+
+
+def log_folder(ledger: Path) -> Path:
+    """Where the output logs of the ledger at ``ledger`` go: a folder smolbench owns, never a
+    plain ``outputs/`` of the user's (``Session(ledger="ledger.db")`` put them in ``./outputs``,
+    whose files a copied ledger could then have removed). ``outputs`` inside ``.smolbench``
+    beside the default ``.smolbench/ledger.db``; for any other ledger, a folder named after its
+    file beside it (``runs/ledger.db`` -> ``runs/ledger.db.outputs``): one ledger, one folder."""
+    if ledger.name == "ledger.db" and ledger.parent.name == ".smolbench":
+        return ledger.parent / "outputs"
+    return ledger.with_name(ledger.name + ".outputs")
 
 
 class LogPool:
