@@ -308,9 +308,10 @@ class RunResult:
     ``stdout`` and ``stderr`` are what the code printed, as a ``%%smol`` cell shows it: all of
     it up to the cell's output limit (5 MB: ``smolbench.gate.limits.configure("output-limit",
     "20M")`` sets it, as ``%smol config output-limit 20M`` does; lines over 256 KiB are cut
-    with a note). Past the limit the rest goes to a log under ``.smolbench/outputs/``, the
-    stream that lost some ends with the cell's line ``… 47 MB more output not shown (saved to
-    .smolbench/outputs/root.cell3-1a2b3c.log)``, and ``output_log`` is that log's absolute path
+    with a note). Past the limit the rest goes to a log under ``.smolbench/outputs/`` (beside
+    another ledger, ``<ledger file>.outputs/``), the stream that lost some ends with the cell's
+    line ``… 47 MB more output not shown (saved to
+    .smolbench/outputs/root.cell3-20261204-101010-1a2b3c.log)``, and ``output_log`` is that log's absolute path
     (None when nothing was held back).
 
     ``value`` is the cell's last expression rebuilt as data (builtins, numpy arrays, pandas

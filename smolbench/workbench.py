@@ -98,8 +98,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
-        self.outputs_dir = Path(ledger.path).parent / "outputs"
-        self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session[-6:],  # what logs there may take
+        self.outputs_dir = gate.log_folder(Path(ledger.path))  # smolbench's own folder, never the user's outputs/
+        self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session,  # what logs there may take
                                      sessions=lambda: self.ledger.session_ids())
         self._watcher: asyncio.Future[None] | None = None  # checkpoints deleted elsewhere (while up)
         self.moved = ""  # the last delete's line about the active machine moving
@@ -341,8 +341,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.ledger.add_trust(self.session, scope, "on" if on else "off")
 
     def _budget(self, node_id: str, tag: str = "", keep: int | None = None) -> gate.OutputBudget:
-        # the session's own name: a later session's (or a kernel's beside it) root.cell1 is another log
-        return gate.OutputBudget(self.outputs_dir / f"{node_id}{tag}-{self.session[-6:]}.log", pool=self.log_pool, keep=keep)
+        # the session's whole id: a later session's (or a kernel's beside it) root.cell1 is another log
+        return gate.OutputBudget(self.outputs_dir / gate.log_name(node_id, tag, self.session), pool=self.log_pool, keep=keep)
 
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,

@@ -160,7 +160,7 @@ def test_the_output_logs_of_a_folder_share_one_budget_and_the_oldest_idle_ones_g
 
     from smolbench.gate.output import LogPool
 
-    old, recent = tmp_path / "root.cell1-aaaaaa.log", tmp_path / "root.cell2-bbbbbb.log"
+    old, recent = tmp_path / "root.cell1-20261204-101010-aaaaaa.log", tmp_path / "root.cell2-20261205-090909-bbbbbb.log"
     old.write_bytes(b"o" * 4096)
     recent.write_bytes(b"r" * 4096)
     os.utime(old, (1, 1))  # a day-old session's log
@@ -169,22 +169,22 @@ def test_the_output_logs_of_a_folder_share_one_budget_and_the_oldest_idle_ones_g
     # not smolbench's, never counted nor removed (the review: it was deleted as the oldest)
     (tmp_path / "train.log").write_bytes(b"t" * 8192)
     os.utime(tmp_path / "train.log", (0, 0))
-    pool = LogPool(total=12288, folder=tmp_path, mine="cccccc",
+    pool = LogPool(total=12288, folder=tmp_path, mine="20261205-111111-cccccc",
                    sessions=lambda: ["20261204-101010-aaaaaa", "20261205-090909-bbbbbb", "20261205-111111-cccccc"])
-    first = OutputBudget(tmp_path / "root.cell1-cccccc.log", limit=10, log_limit=8192, pool=pool)
+    first = OutputBudget(tmp_path / "root.cell1-20261205-111111-cccccc.log", limit=10, log_limit=8192, pool=pool)
     first.take("stdout", "x" * 9000)
     first.finish()
     # room for this session's 8 KiB: the old session's log went, the recent one (maybe a live
     # kernel's beside this one) stayed
     assert not old.exists() and recent.read_bytes() == b"r" * 4096
-    assert (tmp_path / "root.cell1-cccccc.log").stat().st_size == 8192
+    assert (tmp_path / "root.cell1-20261205-111111-cccccc.log").stat().st_size == 8192
     assert (tmp_path / "elsewhere.log").is_symlink() and tmp_path.parent.is_dir()
     assert (tmp_path / "train.log").read_bytes() == b"t" * 8192
-    second = OutputBudget(tmp_path / "root.cell2-cccccc.log", limit=10, log_limit=8192, pool=pool)
+    second = OutputBudget(tmp_path / "root.cell2-20261205-111111-cccccc.log", limit=10, log_limit=8192, pool=pool)
     second.take("stdout", "y" * 9000)
     note = second.finish()
     assert note is not None and "not saved: the output logs in" in note and "delete old ones there" in note, note
-    assert "saved to" not in note and not (tmp_path / "root.cell2-cccccc.log").exists()
+    assert "saved to" not in note and not (tmp_path / "root.cell2-20261205-111111-cccccc.log").exists()
 
 
 def test_a_failed_branch_s_reason_in_host_lines_is_plain_text() -> None:

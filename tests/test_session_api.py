@@ -102,7 +102,8 @@ def test_output_past_the_limit_is_saved_and_the_result_says_where(here: Path, ou
         log = Path(r.output_log).read_text()
         assert shown + log == PRINTED and shown.endswith("\n") and len(shown.encode()) <= output_limit
         where = os.path.relpath(r.output_log)
-        assert where.startswith("outputs/root.cell")  # beside the ledger: .smolbench/outputs/ by default
+        # beside the ledger, in a folder named after it (never the user's own outputs/); .smolbench/outputs/ by default
+        assert where == f"ledger.db.outputs/root.cell1-{s.workbench.session}.log"
         assert note == f"… {human(len(log))} more output not shown (saved to {where})\n"  # what %%smol ends with
         assert "…" not in r.stderr
 
@@ -136,7 +137,7 @@ def test_a_copied_folders_planted_output_log_is_not_written_through(here: Path, 
         outputs.mkdir()
     with smolbench.Session(backend="process") as s:
         # where this session's logs go (names it makes its own: a link planted once it is known)
-        names = [f"root.cell{i}-{s.workbench.session[-6:]}.log" for i in range(1, 10)]
+        names = [f"root.cell{i}-{s.workbench.session}.log" for i in range(1, 10)]
         for name in names if planted != "folder" else ():
             if planted == "log":
                 (outputs / name).symlink_to(victim)

@@ -39,10 +39,10 @@ from .frames import (
     string_list,
 )
 from .limits import LIMITS, Limits, human, seconds
-from .output import ROW_KEEP, LogPool, OutputBudget
+from .output import ROW_KEEP, LogPool, OutputBudget, log_folder, log_name
 
-__all__ = ["LIMITS", "ROW_KEEP", "Limits", "LogPool", "MalformedReply", "OutputBudget", "SafeBundle", "human", "read_cell",
-           "read_control", "seconds"]
+__all__ = ["LIMITS", "ROW_KEEP", "Limits", "LogPool", "MalformedReply", "OutputBudget", "SafeBundle", "human", "log_folder",
+           "log_name", "read_cell", "read_control", "seconds"]
 
 TEXT = 1024 * 1024
 TRACEBACK = 256 * 1024  # characters of an error's traceback kept (its end)

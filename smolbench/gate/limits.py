@@ -29,7 +29,7 @@ class Limits:
     in_flight: int = 256 * MB  # unfinished reply lines held for all machines together
     output: int = 5 * MB  # output shown per cell (per branch); the rest goes to a log
     displays: int = 200  # displays shown per cell (per branch); the rest are counted
-    log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/
+    log: int = 200 * MB  # of that rest, how much is kept in .smolbench/outputs/ (gate.output.log_folder)
     line: int = 256 * 1024  # characters of one line shown; longer lines are cut
     grace: float = 3.0  # after an interrupt, seconds before a cell's machine is killed
     checkpoint: int = 2 * GB  # what a checkpoint may hold (namespace + workspace), read by real size

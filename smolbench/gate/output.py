@@ -3,9 +3,11 @@
 A machine can print without end; the notebook (and the browser behind it) must not
 have to hold it. Each cell (each branch of a fork) may show ``LIMITS.output`` bytes;
 lines longer than ``LIMITS.line`` characters are cut with a note; past the limit the
-rest goes to ``.smolbench/outputs/<node>-<session>.log`` (at most ``LIMITS.log`` bytes; all
-logs of this ledger's sessions in the folder at most ``SESSION_LOGS``, other sessions' oldest
-idle ones going first; no other file there is counted or removed) and the
+rest goes to ``.smolbench/outputs/<node>-<session id>.log`` (:func:`log_folder`, :func:`log_name`;
+at most ``LIMITS.log`` bytes; all logs of this ledger's sessions in the folder at most
+``SESSION_LOGS``, other sessions' oldest idle ones going first; only names of smolbench's own
+log grammar, :data:`LOG_NAME`, of sessions the ledger lists in smolbench's own session-id
+format, are counted or removed, never another file there) and the
 cell ends with one line saying how much was not shown and where it went. Displays count
 against the same bytes, and at most ``LIMITS.displays`` of them are shown; the rest are
 counted (never queued for the notebook, so none can land in a later cell). The log is written
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import threading
 import time
@@ -42,6 +45,32 @@ SESSION_LOGS = 1000**3  # bytes all output logs in one folder may take together 
 REDRAWS = 20
 ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
+# A session's id as Workbench makes it (when it started, then 6 random hex digits). A ledger's
+# ids are its author's strings (a copied folder's ledger.db): only ids of this form name logs.
+SESSION_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}", re.ASCII)
+# A node's name as the tree makes them (``root.7.2``, ``r1-warm``, ``fresh1``; archive.NODE_RE)
+NODE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+# The whole name of an output log (:func:`log_name`): nothing else is ever counted or removed
+LOG_NAME = re.compile(rf"{NODE}(?:\.cell[0-9]{{1,9}})?-(?P<session>{SESSION_ID.pattern})\.log", re.ASCII)
+
+
+def log_name(node_id: str, tag: str, session: str) -> str:
+    """The log of node ``node_id``'s output past the limit (``tag``: ``.cellN`` for a cell, ""
+    for a fork's branch), named with the whole session id: with only its last 6 hex digits two
+    sessions of a folder drawing the same had one's ``root.cell1`` empty the other's."""
+    return f"{node_id}{tag}-{session}.log"
+
+
+def log_folder(ledger: Path) -> Path:
+    """Where the output logs of the ledger at ``ledger`` go: a folder smolbench owns, never a
+    plain ``outputs/`` of the user's (``Session(ledger="ledger.db")`` put them in ``./outputs``,
+    whose files a copied ledger could then have removed). ``outputs`` inside ``.smolbench``
+    beside the default ``.smolbench/ledger.db``; for any other ledger, a folder named after its
+    file beside it (``runs/ledger.db`` -> ``runs/ledger.db.outputs``): one ledger, one folder."""
+    if ledger.name == "ledger.db" and ledger.parent.name == ".smolbench":
+        return ledger.parent / "outputs"
+    return ledger.with_name(ledger.name + ".outputs")
+
 
 class LogPool:
     """The bytes the output logs in one folder may still take: each cell's and branch's log is
@@ -49,8 +78,11 @@ class LogPool:
     ``folder``: what other sessions' logs there take counts too (each session started with a
     fresh 1 GB, so a long-used folder grew without end); when this session's logs need the
     room, the oldest of theirs go first, once untouched for ``IDLE`` seconds (a live kernel
-    beside this one may still be writing a recent one). ``mine``: this session's log names end
-    with ``-MINE.log``."""
+    beside this one may still be writing a recent one). ``mine``: this session's id (its own
+    logs are counted as they are taken). ``sessions``: the ids of the ledger's sessions, whose
+    logs these are; a file is theirs only when its whole name is of :data:`LOG_NAME` with one of
+    these ids, and the id is of :data:`SESSION_ID`'s form (a copied ledger's ids are its
+    author's strings: one ending ``-epoch1`` had the user's ``train-epoch1.log`` removed)."""
 
     IDLE = 600.0
     SCAN = 10_000  # log files looked at, at most (a copied folder may hold any number)
@@ -60,9 +92,8 @@ class LogPool:
         self.total = total
         self.left = total
         self.folder = folder
-        self.mine = f"-{mine}.log" if mine else ""
-        # the sessions whose logs these are (their ids' last 6 characters): any other file there,
-        # ``train.log`` of a ledger kept in the user's own folder, is never counted nor removed
+        self.mine = mine
+        # the sessions whose logs these are: any other file there is never counted nor removed
         self._sessions = sessions
         self._looked = -1.0  # when the folder was last looked at (monotonic), if ever
         self._lock = threading.Lock()  # cells' big messages are checked on the gate's threads
@@ -82,6 +113,8 @@ class LogPool:
         first = self._looked < 0
         self._looked = time.monotonic()
         assert self.folder is not None
+        if linked_part(self.folder, beside=()) is not None:
+            return  # a link for the folder (or its own): never looked in, the log's own open says why
         try:
             fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -89,15 +122,16 @@ class LogPool:
         try:
             theirs = []
             try:
-                known = {f"-{sid[-6:]}.log" for sid in self._sessions()}
+                known = {sid for sid in self._sessions() if isinstance(sid, str) and SESSION_ID.fullmatch(sid)}
             except Exception:  # (a ledger closed meanwhile: nothing of others' is counted)
                 known = set()
+            known.discard(self.mine)
             with os.scandir(fd) as entries:
                 for n, entry in enumerate(entries):
                     if n >= self.SCAN:
                         break
-                    end = entry.name[-11:]
-                    if end not in known or end == self.mine:
+                    log = LOG_NAME.fullmatch(entry.name)
+                    if log is None or log["session"] not in known:
                         continue
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode):
