@@ -382,8 +382,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
                                          api=f"the code ran longer than timeout={timeout:g} s and was interrupted") from None
                 raise
             self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
-            if _out_of_memory(res):
-                raise SmolbenchError(out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")))
+            if _out_of_memory(res):  # the machine lives on, and so does what its variables hold
+                raise SmolbenchError(out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")) + KEPT_HELD)
             await self._remember_state(ref)
             if res.reward is not None:
                 node.reward = res.reward
@@ -749,6 +749,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             await asyncio.gather(*(self._drop(node_id, record=False) for node_id in drop))
         finally:  # after a Ctrl-C too: those that went
             self._record_all([self.tree[n] for n in drop if not self.tree[n].alive])
+
+
+KEPT_HELD = "; the machine is up and its variables still hold what they did: `del` the big ones to free it"
 
 
 def _out_of_memory(res: CellResult) -> bool:
