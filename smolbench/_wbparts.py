@@ -20,3 +20,7 @@ class WorkbenchPart:
     session: str
     tree: Tree
     machines: dict[str, MachineRef]
+
+    def live(self, node_id: str) -> MachineRef:
+        """A live node's machine, or a one-line error naming the live ones (the Workbench's)."""
+        raise NotImplementedError

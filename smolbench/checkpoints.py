@@ -147,6 +147,8 @@ class CheckpointsMixin(WorkbenchPart):
         node_id = node_id or self.active
         if node_id is None:
             raise SmolbenchError("no machine is up: run `%smol up` first", api=NOT_UP)
+        if node_id not in self.tree:
+            self.live(node_id)  # the one line for a node that never was, naming the live ones
         if node_id not in self.machines:
             dead = f"node {node_id!r} is not alive, so it can't be checkpointed: pick a live node"
             raise SmolbenchError(f"{dead} (`%smol tree`)", api=f"{dead} ({LIVE})")

@@ -34,3 +34,11 @@ def test_the_list_follows_the_notebook_s_folder_as_restore_does(tmp_path: Path, 
         ok(nb.run("%smol checkpoint restore mine"))
         assert "'mine'" in notices(ok(nb.run("%%smol\nprint(repr(x))")))
         ok(nb.run("%smol down"))
+
+
+def test_saving_a_node_that_never_was_names_the_live_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "node 'root.3' is not alive" (as for a deleted one), where `use` says it is unknown."""
+    monkeypatch.chdir(tmp_path)
+    with smolbench.Session(backend="sandbox", on_notice=lambda line: None) as s:
+        with pytest.raises(smolbench.SmolbenchError, match=r"^unknown node 'root\.3': live nodes are root "):
+            s.checkpoint_save("x", node="root.3")
