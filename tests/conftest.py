@@ -97,3 +97,23 @@ def open_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test's own folder, as the working directory (a Session's ledger and logs go there)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def output_limit() -> Iterator[int]:
+    """The cell's output limit lowered to 100 KB (what ``%smol config output-limit 100K`` does)."""
+    from smolbench import gate
+
+    before = gate.limits.snapshot()
+    gate.limits.configure("output-limit", "100K")
+    try:
+        yield 100_000
+    finally:
+        gate.limits.apply(before)

@@ -14,35 +14,16 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import smolbench
-from smolbench import gate
 from smolbench.gate.output import LogPool, OutputBudget
 from smolbench.ledger import Ledger
 
 MB = 1000**2
 CELL = "for _ in range(2500): print('y' * 999)"  # 2.5 MB: past the lowered limit, 2.4 MB of it logged
-
-
-@pytest.fixture
-def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def output_limit() -> Iterator[int]:
-    """The cell's output limit lowered to 100 KB (what ``%smol config output-limit 100K`` does)."""
-    before = gate.limits.snapshot()
-    gate.limits.configure("output-limit", "100K")
-    try:
-        yield 100_000
-    finally:
-        gate.limits.apply(before)
 
 
 def _copied_ledger(path: Path, session_id: str) -> None:

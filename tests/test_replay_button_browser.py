@@ -23,27 +23,10 @@ from browserhelpers import (
     jupyter_server,
     write_notebook,
 )
+from test_gym_lifecycle import CORRIDOR
 
 pytestmark = [*BROWSER_TEST_MARKS, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-CORRIDOR = '''
-import gymnasium as gym
-from gymnasium import spaces as S
-
-class Corridor(gym.Env):
-    observation_space = S.Discrete(10)
-    action_space = S.Discrete(2)
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.p = 0
-        return 0, {}
-    def step(self, action):
-        self.p = max(0, min(9, self.p + (1 if action else -1)))
-        return self.p, float(self.p == 9), self.p == 9, False, {}
-
-def corridor():
-    return Corridor()
-'''
 # what the sidebar says, in `%smol replay`'s words (smolbench.tree.replay_refused and node_replay_refused)
 RUN_REFUSED = "can't replay: its best branch is an episode of a smolbench.gym env, whose actions are not recorded"
 NODE_REFUSED = "can't replay: it is an episode of a smolbench.gym env, whose actions are not recorded"

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,23 +29,6 @@ PRINT = "for i in range(1000): print('line %d ' % i + 'x' * 200)"  # ~210 KB
 PRINTED = "".join(f"line {i} " + "x" * 200 + "\n" for i in range(1000))
 PRINT_ERR = "import sys\nfor i in range(1000): print('err %d ' % i + 'y' * 200, file=sys.stderr)"
 PRINTED_ERR = "".join(f"err {i} " + "y" * 200 + "\n" for i in range(1000))
-
-
-@pytest.fixture
-def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def output_limit() -> Iterator[int]:
-    """The cell's output limit lowered to 100 KB (what ``%smol config output-limit 100K`` does)."""
-    before = gate.limits.snapshot()
-    gate.limits.configure("output-limit", "100K")
-    try:
-        yield 100_000
-    finally:
-        gate.limits.apply(before)
 
 
 def _split(text: str) -> tuple[str, str]:
