@@ -354,10 +354,9 @@ class Shelf:
         machine's bytes would be; one line when it is unsafe or not a checkpoint at all."""
         try:
             with open(f.path, "rb") as fh:
-                gz = fh.read(2) == b"\x1f\x8b"
-            if not gz:
-                raise SmolbenchError(f"{source} is not a smolbench checkpoint file (one starts as gzip data): make one "
-                                     "with `%smol checkpoint export NAME PATH`; nothing was added")
+                wrong = archive.first_bytes(fh.read(len(archive.GZIP_START)), source)
+            if wrong is not None:
+                raise wrong
             return archive.check(f.path, "smolbench", source)
         except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
             raise _unreadable(source, exc) from None
@@ -383,7 +382,10 @@ class Shelf:
         try:
             if self._own_name(os.fstat(fd)) is None:
                 _usable(Path(arg).name)
-            record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read
+            try:  # one line if it can't be read, as the restore itself would say it
+                record = archive.read_record(f"/proc/self/fd/{fd}", arg)
+            except archive.UnsafeCheckpoint as exc:
+                raise _unreadable(arg, exc) from None
             if (record or {}).get("backend") != "smol":  # (smol's own checkpoints are the SDK's to check)
                 _whole(f"/proc/self/fd/{fd}", arg)
         finally:
@@ -536,15 +538,14 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 
-def _unreadable(source: str, exc: BaseException) -> SmolbenchError:
-    """Why checkpoint file ``source`` can't be used (``exc``: what reading it raised), in one line."""
+def _unreadable(source: str, exc: BaseException, after: str = "; nothing was added") -> SmolbenchError:
+    """Why checkpoint file ``source`` can't be used (``exc``: what reading it raised), in one line
+    with the fix (:func:`archive.unusable`), then ``after``: the same class of problem is the same
+    class of error, whichever check found it (an UnusableCheckpoint: empty, cut short, damaged,
+    not a checkpoint, another version; an UnsafeCheckpoint: refused for what it holds)."""
     if isinstance(exc, archive.UnsafeCheckpoint):
-        return archive.UnsafeCheckpoint(f"{exc}; nothing was added")
-    cut = archive.damage(exc)
-    if cut is not None:
-        return SmolbenchError(f"{source} is cut short or damaged ({cut}): copy the whole file again from where it "
-                              "came from; nothing was added")
-    return SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added")
+        return type(exc)(f"{exc}{after}")
+    return archive.UnusableCheckpoint(f"{archive.unusable(source, exc)}{after}")
 
 
 def _whole(path: str, source: str) -> None:
