@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
-from .gate import archive, ckptwrite, restoring
+from .gate import archive, ckptwrite, restoring, terminal
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
 from .gate.limits import LIMITS, human
 from .ledger import Ledger
+from .spec import MachineSpec
 
 AGENTHOST = ("sandbox", "process")  # backends whose checkpoints are the gate's two-file archives
 IMPORTED = "imported"  # the session of a row added from a file (no node of this kernel's tree)
@@ -236,9 +237,9 @@ class Shelf:
         return f"removed checkpoint {name}{note}"
 
     def add(self, name: str, session: str, node: str, fname: str, backend: str, size: int, cells: int,
-            warnings: list[str], **known: str | None) -> None:
+            warnings: list[str], **known: Any) -> None:
         """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder
-        (``known``: its baseline; for a file from elsewhere its source and sha256)."""
+        (``known``: its baseline and machine; for a file from elsewhere its source and sha256)."""
         self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings,
                                    **known)
 
@@ -283,7 +284,7 @@ class Shelf:
         # (session "imported"), and its warnings say so themselves
         self.add(name, IMPORTED, str(r.get("node") or ""), fname, made_by, size, int(r.get("cells") or 0),
                  restoring.claimed(list(r.get("warnings") or [])), baseline=r.get("baseline"),
-                 source=os.path.abspath(source), sha256=digest)
+                 source=os.path.abspath(source), sha256=digest, machine=restoring.machine_claims(r) or None)
         row = self.ledger.checkpoint(name)
         assert row is not None
         how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"
@@ -444,10 +445,12 @@ class Shelf:
             # A file added from elsewhere goes on with its own record's claims, read from its
             # bytes (never this folder's rows, which an older install may have left beside
             # another file); this folder's own save with its baseline (from before that
-            # column: its node's), and the machine's image and size if it is the same.
+            # column: its node's), and what its row says of its machine (a save from before
+            # that: the machine up now, if it is the same).
             extra: dict[str, Any] = {} if imported else {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
-            if spec is not None and not imported and extra["baseline"] == spec.baseline():
-                extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
+            if not imported:
+                same = spec.machine() if spec is not None and extra["baseline"] == spec.baseline() else None
+                extra.update(restoring.machine_claims(rec.get("machine"), same))
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
             came = [f"re-exported: added to its folder from a checkpoint file (sha256 {_sha256(f.fd)}) that said "
                     "what this record says"] if imported else []
@@ -475,7 +478,30 @@ class Shelf:
                 raise
             finally:
                 os.close(fd)
-        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record}
+        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record,
+                "note": _needs(record, imported)}
+
+
+def _needs(record: dict[str, Any], imported: bool) -> str | None:
+    """What an export says a student needs besides the file: the Smolfile its machine was made
+    with, when its record says that Smolfile sets anything (its packages by name); None when
+    it says it set nothing, or (a file from elsewhere) says nothing of it."""
+    parts = record.get("parts")
+    if not isinstance(parts, dict):
+        return None if imported else ("its record can't say what its machine's Smolfile set (saved by an older "
+                                      "smolbench, or with another Smolfile than this machine's): give students the "
+                                      "Smolfile it was made with")
+    default = MachineSpec().parts()
+    sets = [f"its image {record['image']}"] if record.get("image") else []
+    packages = record.get("packages")
+    if parts.get("packages", default["packages"]) != default["packages"]:
+        sets.append(f"packages {terminal.listed(packages, restoring.SHOWN)}" if packages else "packages")
+    sets += [k for k in ("env", "init", "workdir", "volumes") if parts.get(k, default[k]) != default[k]]
+    if not sets:
+        return None
+    verb = "lists" if sets[0].startswith("packages") else "sets"
+    return (f"its machine's Smolfile {verb} {' and '.join(', '.join(sets).rsplit(', ', 1))}: students need "
+            "them too: give them that Smolfile")
 
 
 def _usable(base: str) -> str:

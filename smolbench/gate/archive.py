@@ -653,6 +653,9 @@ RECORD_VERSION = 1  # the record this smolbench writes and reads; a reader of 1 
 BACKENDS = ("sandbox", "process", "smol")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PART_RE = re.compile(r"[a-z]{1,20}")
+HASH_RE = re.compile(r"[0-9a-f]{12}")
+PACKAGES, PACKAGE_TEXT = 64, 200  # a record's packages, at most, and characters of each (more: not listed)
 
 
 def _text(limit: int) -> Callable[[object], bool]:
@@ -677,6 +680,11 @@ RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
     "memory": _whole(1, 1 << 20),
     "cpus": _whole(1, 1024),
     "warnings": lambda v: isinstance(v, list) and len(v) <= 20 and all(_text(2000)(w) for w in v),
+    # the machine's Smolfile packages as written, and a short hash of each part of it a restore
+    # compares (MachineSpec.parts): said by a restore on another machine, never installed
+    "packages": lambda v: isinstance(v, list) and len(v) <= PACKAGES and all(_text(PACKAGE_TEXT)(p) for p in v),
+    "parts": lambda v: isinstance(v, dict) and len(v) <= 16 and all(
+        isinstance(k, str) and PART_RE.fullmatch(k) and isinstance(h, str) and HASH_RE.fullmatch(h) for k, h in v.items()),
 }
 REQUIRED = ("kind", "version", "name", "backend")
 
