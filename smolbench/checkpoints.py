@@ -286,6 +286,8 @@ class CheckpointsMixin(WorkbenchPart):
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")
                 text = text.replace("delete it with `%smol checkpoint rm`", "nothing was added") if adopted else \
                     text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
+                if not adopted and " is corrupt or truncated (" in text and rec.get("session_id") == IMPORTED:
+                    text += self.shelf.came_from(rec)  # a copy damaged here: its source puts a whole one back
                 raise reworded(exc, text) from None
 
     def checkpoint_remove(self, name: str) -> str:
