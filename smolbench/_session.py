@@ -675,7 +675,8 @@ class Session:
     @_in_session_words
     def checkpoint_export(self, name: str, path: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
         """Write checkpoint ``name`` to ``path`` (``….smolcheckpoint``) as one file, its record
-        inside, that :meth:`checkpoint_restore` takes in any folder; returns its size."""
+        inside, that :meth:`checkpoint_restore` takes in any folder; returns its size, and
+        ``note``: what students need besides it (the Smolfile it was made with, its packages), or None."""
         dest = _args.path(path, "path", "checkpoint_export('lesson', 'lesson.smolcheckpoint')") or ""
         spec = self.workbench.spec if self.is_up and self.workbench is not None else None
         with self._shelf() as shelf:

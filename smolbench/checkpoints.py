@@ -193,7 +193,7 @@ class CheckpointsMixin(WorkbenchPart):
         if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
         self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings,
-                       baseline=self.baseline)
+                       baseline=self.baseline, machine=self.spec.machine())
         node.checkpoint = name
         self._record(node)
         return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
@@ -244,17 +244,22 @@ class CheckpointsMixin(WorkbenchPart):
         return node
 
     def _said_of(self, rec: dict[str, Any], node_id: str, ref: MachineRef) -> None:
-        """What a restore says of where its checkpoint came from: a warning when it claims
-        another baseline, the warnings its row keeps (each one line, as whose word it is), and,
-        for a file from elsewhere (its pickle ran in this machine) or such a claim, a row in the
+        """What a restore says of where its checkpoint came from: a warning when it claims a
+        machine unlike this one in what its variables need (restoring.baseline_notice), one when
+        variables were not restored for want of a module (the packages its machine had that this
+        one lacks), the warnings its row keeps (each one line, as whose word it is), and, for a
+        file from elsewhere (its pickle ran in this machine) or such a claim, a row in the
         ledger's trust table (its source and SHA-256, the claim)."""
         imported = rec.get("session_id") == IMPORTED
-        said = restoring.baseline_notice(str(rec["name"]), rec.get("baseline"), self.baseline, imported)
+        have = list(ref.info.get("restore_warnings", []))  # the restore's own: "not restored: x (…)"
+        name, machine = str(rec["name"]), rec.get("machine")
+        said = restoring.baseline_notice(name, rec.get("baseline"), self.baseline, imported, machine=machine,
+                                         spec=self.spec, failed=any(w.startswith("not restored:") for w in have))
+        needs = restoring.modules_notice(name, have, machine, self.spec, said)
         # what it was saved with (a variable that could not be pickled): said once, here, as whose word it is
-        have = list(ref.info.get("restore_warnings", []))
         kept = restoring.said_on_restore(rec.get("warnings"), imported, have)
-        if said is not None or kept:
-            ref.info["restore_warnings"] = [*have, *([said] if said else []), *kept]
+        if said is not None or needs is not None or kept:
+            ref.info["restore_warnings"] = [*have, *([said] if said else []), *([needs] if needs else []), *kept]
         if imported or said is not None:
             came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
             self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"
@@ -283,6 +288,8 @@ class CheckpointsMixin(WorkbenchPart):
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")
                 text = text.replace("delete it with `%smol checkpoint rm`", "nothing was added") if adopted else \
                     text.replace("`%smol checkpoint rm`", f"`%smol checkpoint rm {name}`")
+                if not adopted and " is corrupt or truncated (" in text and rec.get("session_id") == IMPORTED:
+                    text += self.shelf.came_from(rec)  # a copy damaged here: its source puts a whole one back
                 raise reworded(exc, text) from None
 
     def checkpoint_remove(self, name: str) -> str:

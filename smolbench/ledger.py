@@ -67,11 +67,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     created REAL, size INTEGER, cells INTEGER, warnings TEXT
 );
 -- what a checkpoint row says besides (older releases write its nine columns by position): its
--- baseline, a file's source and SHA-256, and when the same file was last added again; for the
--- row of the same name, session, path and size
+-- baseline and machine, a file's source and SHA-256, and when the same file was last added
+-- again; for the row of the same name, session, path and size
 CREATE TABLE IF NOT EXISTS checkpoint_more (
     name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT,
-    readded REAL
+    readded REAL, machine TEXT
 );
 -- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
 CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
@@ -86,15 +86,18 @@ NODE_COLUMNS = (
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
 ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
                  ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"))
+                 ("runs", "cell", "INTEGER"), ("checkpoint_more", "machine", "TEXT"))
 # A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
 # path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
 MORE_COLUMNS = ("baseline", "source", "sha256")
 CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.readded FROM checkpoints c "
                "LEFT JOIN checkpoint_more m ON m.name = c.name AND m.session_id IS c.session_id "
                "AND m.path IS c.path AND m.size IS c.size")
+# ... and what it says of the machine that saved it (a JSON object, MachineSpec.machine; a file's:
+# what its record claims), in a column a ledger opened read-only may not have yet
+WITH_MACHINE = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine FROM")
 UNFINISHED = ("starting", "running", "idle")
-JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings"}
+JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings", "machine"}
 
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
@@ -457,14 +460,17 @@ class Ledger:
 
     def add_checkpoint(self, name: str, session_id: str, node_id: str, path: str, backend: str,
                        size: int, cells: int, warnings: list[str], *, baseline: str | None = None,
-                       source: str | None = None, sha256: str | None = None) -> None:
-        """Record a saved checkpoint (``source``, ``sha256``: a file added from elsewhere)."""
+                       source: str | None = None, sha256: str | None = None,
+                       machine: dict[str, Any] | None = None) -> None:
+        """Record a saved checkpoint (``source``, ``sha256``: a file added from elsewhere;
+        ``machine``: what it says of the machine that saved it, MachineSpec.machine)."""
         with self.batch():
             self._write("INSERT OR REPLACE INTO checkpoints (name, session_id, node_id, path, backend, created, size, "
                         "cells, warnings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)))
-            self._write("INSERT OR REPLACE INTO checkpoint_more (name, session_id, path, size, baseline, source, sha256) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (name, session_id, path, size, baseline, source, sha256))
+            self._write("INSERT OR REPLACE INTO checkpoint_more (name, session_id, path, size, baseline, source, sha256, "
+                        "machine) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (name, session_id, path, size, baseline, source,
+                                                                     sha256, None if machine is None else json.dumps(machine)))
 
     def add_trust(self, session_id: str, scope: str, detail: str) -> None:
         """Record a trusted-mode opt-in (``%smol trust on``, ``--pull-trusted``) or its end."""
@@ -584,12 +590,20 @@ class Ledger:
 
     def checkpoint_rows(self) -> list[dict[str, Any]]:
         """Saved checkpoints, newest first."""
-        return self._rows(f"{CHECKPOINTS} ORDER BY c.created DESC")
+        return self._checkpoints("ORDER BY c.created DESC")
 
     def checkpoint(self, name: str) -> dict[str, Any] | None:
         """One checkpoint record."""
-        rows = self._rows(f"{CHECKPOINTS} WHERE c.name = ?", (name,))
+        rows = self._checkpoints("WHERE c.name = ?", (name,))
         return rows[0] if rows else None
+
+    def _checkpoints(self, tail: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        try:
+            return self._rows(f"{WITH_MACHINE} {tail}", params)
+        except sqlite3.OperationalError as exc:  # an older ledger, read-only: no machine column to add
+            if "no such column" not in str(exc):
+                raise
+            return self._rows(f"{CHECKPOINTS} {tail}", params)
 
     def run_rows(self) -> list[dict[str, Any]]:
         """Runs (forks, episodes, replays), newest first."""

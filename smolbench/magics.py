@@ -341,7 +341,7 @@ class SmolMagics(Magics):
             spec = self.workbench.spec if self.workbench is not None else None
             info = self._shelf().export(args.name, args.path, spec, args.force)
             print(f"smolbench: exported checkpoint {args.name} to {args.path} ({size_text(info['size'])}), its record inside: "
-                  f"anyone can `%smol checkpoint restore {args.path}` in any folder")
+                  f"anyone can `%smol checkpoint restore {args.path}` in any folder" + (f"\nsmolbench: {info['note']}" if info.get("note") else ""))
             return None
         if self.workbench is None:
             for line in self._shelf().lines():

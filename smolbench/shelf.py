@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
 import stat
 import tarfile
 import time
@@ -22,10 +23,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import SmolbenchError
-from .gate import archive, ckptwrite, restoring
+from .gate import archive, ckptwrite, restoring, terminal
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
 from .gate.limits import LIMITS, human
 from .ledger import Ledger
+from .spec import MachineSpec
 
 AGENTHOST = ("sandbox", "process")  # backends whose checkpoints are the gate's two-file archives
 IMPORTED = "imported"  # the session of a row added from a file (no node of this kernel's tree)
@@ -236,9 +238,9 @@ class Shelf:
         return f"removed checkpoint {name}{note}"
 
     def add(self, name: str, session: str, node: str, fname: str, backend: str, size: int, cells: int,
-            warnings: list[str], **known: str | None) -> None:
+            warnings: list[str], **known: Any) -> None:
         """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder
-        (``known``: its baseline; for a file from elsewhere its source and sha256)."""
+        (``known``: its baseline and machine; for a file from elsewhere its source and sha256)."""
         self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings,
                                    **known)
 
@@ -254,18 +256,18 @@ class Shelf:
         src_fd = _open_named(source)
         try:
             own = self._own_name(os.fstat(src_fd))
-            fname, created = (own, False) if own else self._copy_in(src_fd, Path(source).name)
+            fname, created, replaced = (own, False, None) if own else self._copy_in(src_fd, Path(source).name)
         finally:
             os.close(src_fd)
         name = fname[: -len(SUFFIX)]
         existing = self.ledger.checkpoint(name)
-        if existing is not None and self._names_file(existing, fname):
+        if existing is not None and self._names_file(existing, fname) and replaced is None:
             if existing.get("session_id") == IMPORTED:  # used again: a restore that added it can't take it back
                 self.ledger.touch_checkpoint(name)
                 existing = self.ledger.checkpoint(name) or existing
             return Adopted(existing, f"checkpoint {name} is already in this folder ({self.store.shown(fname)})",
                            False, None)
-        if existing is not None:  # a row of that name for another file: it stays as it is
+        if existing is not None and replaced is None:  # a row of that name for another file: it stays as it is
             raise SmolbenchError(f"a checkpoint named {name} already names another file "
                                  f"({self.store.shown(existing.get('path'))}): rename {self.store.shown(fname)}, "
                                  f"or `%smol checkpoint rm {name}` first")
@@ -283,9 +285,12 @@ class Shelf:
         # (session "imported"), and its warnings say so themselves
         self.add(name, IMPORTED, str(r.get("node") or ""), fname, made_by, size, int(r.get("cells") or 0),
                  restoring.claimed(list(r.get("warnings") or [])), baseline=r.get("baseline"),
-                 source=os.path.abspath(source), sha256=digest)
+                 source=os.path.abspath(source), sha256=digest, machine=restoring.machine_claims(r) or None)
         row = self.ledger.checkpoint(name)
         assert row is not None
+        if replaced is not None:  # a whole copy in place of one that can't be used: kept, whatever comes next
+            return Adopted(row, f"replaced this folder's copy of checkpoint {name} ({self.store.shown(fname)}, "
+                                f"{replaced}) with {source}", False, None)
         how = f"found in {self.store.shown(fname)}" if own else f"copied into {self.store.shown(fname)}"
         renamed = "" if own or fname == Path(source).name else f" (a different {Path(source).name} is here already)"
         return Adopted(row, f"added checkpoint {name} to this folder ({how}){renamed}", True,
@@ -323,25 +328,53 @@ class Shelf:
                     return fname
         return None
 
-    def _copy_in(self, src_fd: int, base: str) -> tuple[str, bool]:
+    def _copy_in(self, src_fd: int, base: str) -> tuple[str, bool, str | None]:
         """Copy an outside file in under a free name (the same bytes under a taken name: that
-        name); the name, and whether a file was made."""
+        name; in place of this folder's copy of its name when that one is damaged or missing
+        and this one is whole); the name, whether a file was made, and what was wrong with the
+        one it replaced (None: it replaced none)."""
         stem = _usable(base)
         digest = _sha256(src_fd)
         taken = set(self.store.names()) | {str(r["name"]) + SUFFIX for r in self.ledger.checkpoint_rows()}
         for k in range(1, 100):
             name = stem if k == 1 else f"{stem[:60]}-{k}"
             fname = name + SUFFIX
+            wrong = None
             if fname in taken:
                 with contextlib.suppress(PathRefused, Missing), self.store.open(fname) as f:
                     if _sha256(f.fd) == digest:
-                        return fname, False  # the same bytes are here already
-                continue
+                        return fname, False, None  # the same bytes are here already
+                wrong = self._unusable_copy(name, fname) if k == 1 else None
+                if wrong is None:
+                    continue
             with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
                 src.seek(0)
                 _copy_bounded(src, out, base)
-            return fname, True
+                if wrong is not None:  # whole, or the one here stays as it was
+                    _whole(f"/proc/self/fd/{out}", base)
+            return fname, True, wrong
         raise SmolbenchError(f"checkpoints named {stem}, {stem}-2 … {stem}-99 all exist here: remove some first")
+
+    def _unusable_copy(self, name: str, fname: str) -> str | None:
+        """What is wrong with this folder's file ``fname`` of checkpoint ``name`` that a whole copy
+        of the same name may replace: cut short or damaged, empty, or missing (its row still names
+        it); None when it is fine, or something else (another kind of file, a row for another)."""
+        row = self.ledger.checkpoint(name)
+        if row is not None and (not self._names_file(row, fname) or row.get("backend") not in AGENTHOST):
+            return None
+        try:
+            with self.store.open(fname) as f:
+                if f.size == 0:
+                    return "empty"
+                archive.check(f.path, "sandbox", fname)
+        except Missing:
+            return "its file was missing" if row is not None else None
+        except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
+            cut = archive.damage(exc)
+            return f"cut short or damaged: {cut}" if cut is not None else None
+        except SmolbenchError:
+            return None
+        return None
 
     def _names_file(self, row: dict[str, Any], fname: str) -> bool:
         try:
@@ -354,10 +387,9 @@ class Shelf:
         machine's bytes would be; one line when it is unsafe or not a checkpoint at all."""
         try:
             with open(f.path, "rb") as fh:
-                gz = fh.read(2) == b"\x1f\x8b"
-            if not gz:
-                raise SmolbenchError(f"{source} is not a smolbench checkpoint file (one starts as gzip data): make one "
-                                     "with `%smol checkpoint export NAME PATH`; nothing was added")
+                wrong = archive.first_bytes(fh.read(len(archive.GZIP_START)), source)
+            if wrong is not None:
+                raise wrong
             return archive.check(f.path, "smolbench", source)
         except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
             raise _unreadable(source, exc) from None
@@ -377,17 +409,32 @@ class Shelf:
             rec = self.row(arg)
             if rec.get("backend") in AGENTHOST:
                 with self.open(rec) as f:
-                    _whole(f.path, f"checkpoint {arg!r}")
+                    _whole(f.path, f"checkpoint {arg!r}", "; nothing was added" if rec.get("dropped") else
+                           self.came_from(rec))
             return
         fd = _open_named(arg)
         try:
             if self._own_name(os.fstat(fd)) is None:
                 _usable(Path(arg).name)
-            record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read
+            try:  # one line if it can't be read, as the restore itself would say it
+                record = archive.read_record(f"/proc/self/fd/{fd}", arg)
+            except archive.UnsafeCheckpoint as exc:
+                raise _unreadable(arg, exc) from None
             if (record or {}).get("backend") != "smol":  # (smol's own checkpoints are the SDK's to check)
                 _whole(f"/proc/self/fd/{fd}", arg)
         finally:
             os.close(fd)
+
+    def came_from(self, rec: dict[str, Any]) -> str:
+        """What a message of a row's damaged file adds: where this folder's ledger says it came
+        from, and the restore that puts a whole copy in its place (its own save: how to forget it)."""
+        src = rec.get("source")
+        if rec.get("session_id") != IMPORTED or not isinstance(src, str) or not src:
+            return f"; it is this folder's own save: `%smol checkpoint rm {rec.get('name')}` forgets it"
+        rel = os.path.relpath(src) if os.path.isabs(src) else src
+        shown = terminal.one_line(rel if not rel.startswith("../../..") else src, 300)  # a copied ledger's words
+        return (f"; this folder's ledger says it came from {shown}: `%smol checkpoint restore {shlex.quote(shown)}` "
+                "puts a whole copy in its place")
 
     def backend_for(self, arg: str) -> str:
         """The backend to bring up for restoring ``arg`` (a name here, or a file) in a kernel with
@@ -410,10 +457,10 @@ class Shelf:
         if not rows:
             return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet", *misnamed]
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
-        for r in rows:
-            state = "ok" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
-            out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}  "
-                       f"{'dropped in, not in the ledger yet · ' if r['dropped'] else ''}{state}")
+        for r in rows:  # a file that is there is not read whole here (a restore checks it): no "ok"
+            state = "" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
+            said = " · ".join(x for x in ("dropped in, not in the ledger yet" if r["dropped"] else "", state) if x)
+            out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}" + (f"  {said}" if said else ""))
         return out + misnamed
 
     def export(self, name: str, dest: str, spec: Any = None, force: bool = False) -> dict[str, Any]:
@@ -442,10 +489,12 @@ class Shelf:
             # A file added from elsewhere goes on with its own record's claims, read from its
             # bytes (never this folder's rows, which an older install may have left beside
             # another file); this folder's own save with its baseline (from before that
-            # column: its node's), and the machine's image and size if it is the same.
+            # column: its node's), and what its row says of its machine (a save from before
+            # that: the machine up now, if it is the same).
             extra: dict[str, Any] = {} if imported else {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
-            if spec is not None and not imported and extra["baseline"] == spec.baseline():
-                extra.update(image=spec.image, memory=spec.memory, cpus=spec.cpus)
+            if not imported:
+                same = spec.machine() if spec is not None and extra["baseline"] == spec.baseline() else None
+                extra.update(restoring.machine_claims(rec.get("machine"), same))
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
             came = [f"re-exported: added to its folder from a checkpoint file (sha256 {_sha256(f.fd)}) that said "
                     "what this record says"] if imported else []
@@ -473,7 +522,30 @@ class Shelf:
                 raise
             finally:
                 os.close(fd)
-        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record}
+        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record,
+                "note": _needs(record, imported)}
+
+
+def _needs(record: dict[str, Any], imported: bool) -> str | None:
+    """What an export says a student needs besides the file: the Smolfile its machine was made
+    with, when its record says that Smolfile sets anything (its packages by name); None when
+    it says it set nothing, or (a file from elsewhere) says nothing of it."""
+    parts = record.get("parts")
+    if not isinstance(parts, dict):
+        return None if imported else ("its record can't say what its machine's Smolfile set (saved by an older "
+                                      "smolbench, or with another Smolfile than this machine's): give students the "
+                                      "Smolfile it was made with")
+    default = MachineSpec().parts()
+    sets = [f"its image {record['image']}"] if record.get("image") else []
+    packages = record.get("packages")
+    if parts.get("packages", default["packages"]) != default["packages"]:
+        sets.append(f"packages {terminal.listed(packages, restoring.SHOWN)}" if packages else "packages")
+    sets += [k for k in ("env", "init", "workdir", "volumes") if parts.get(k, default[k]) != default[k]]
+    if not sets:
+        return None
+    verb = "lists" if sets[0].startswith("packages") else "sets"
+    return (f"its machine's Smolfile {verb} {' and '.join(', '.join(sets).rsplit(', ', 1))}: students need "
+            "them too: give them that Smolfile")
 
 
 def _usable(base: str) -> str:
@@ -536,21 +608,21 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 
-def _unreadable(source: str, exc: BaseException) -> SmolbenchError:
-    """Why checkpoint file ``source`` can't be used (``exc``: what reading it raised), in one line."""
+def _unreadable(source: str, exc: BaseException, after: str = "; nothing was added") -> SmolbenchError:
+    """Why checkpoint file ``source`` can't be used (``exc``: what reading it raised), in one line
+    with the fix (:func:`archive.unusable`), then ``after``: the same class of problem is the same
+    class of error, whichever check found it (an UnusableCheckpoint: empty, cut short, damaged,
+    not a checkpoint, another version; an UnsafeCheckpoint: refused for what it holds)."""
     if isinstance(exc, archive.UnsafeCheckpoint):
-        return archive.UnsafeCheckpoint(f"{exc}; nothing was added")
-    cut = archive.damage(exc)
-    if cut is not None:
-        return SmolbenchError(f"{source} is cut short or damaged ({cut}): copy the whole file again from where it "
-                              "came from; nothing was added")
-    return SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added")
+        return type(exc)(f"{exc}{after}")
+    return archive.UnusableCheckpoint(f"{archive.unusable(source, exc)}{after}")
 
 
-def _whole(path: str, source: str) -> None:
+def _whole(path: str, source: str, after: str = "; nothing was added") -> None:
     """Refuse checkpoint ``path`` (``source``: as the user named it) as its restore would, before a
-    machine comes up for it: a copy cut short is said so at once, not after a boot."""
+    machine comes up for it: a copy cut short is said so at once, not after a boot. ``after``:
+    what the line ends with (a row's file: where it came from, :meth:`Shelf.came_from`)."""
     try:
         archive.check(path, "sandbox", source)
     except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
-        raise _unreadable(source, exc) from None
+        raise _unreadable(source, exc, after) from None

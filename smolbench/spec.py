@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 from .netpolicy import NetPolicy
 
+# The parts of a machine that decide whether a restored checkpoint's variables and files behave
+# as they did (each compared by a short hash; the image by its name): what its Smolfile installs
+# and runs, not what a session allows (network) or how big a machine is (limits).
+RESTORE_PARTS = ("packages", "env", "init", "workdir", "volumes")
+
 
 @dataclass(frozen=True)
 class Volume:
@@ -68,6 +73,21 @@ class MachineSpec:
     def policy(self) -> NetPolicy:
         """The network policy (off / on / allow-list), the same on every backend."""
         return NetPolicy.from_lists(self.net, self.allow_hosts, self.allow_cidrs)
+
+    def parts(self) -> dict[str, str]:
+        """A short hash of each of :data:`RESTORE_PARTS` of this machine (volumes by where they
+        are mounted, not by the host folder), which a checkpoint's record and row carry, and a
+        restore compares with its own machine's. Not its network policy or limits: a session's
+        ``--allow`` or ``memory`` changes what a machine may do, not what its namespace needs."""
+        data: dict[str, object] = {"packages": list(self.packages), "env": sorted(self.env), "init": list(self.init),
+                                   "workdir": self.workdir, "volumes": sorted(v.guest for v in self.volumes)}
+        return {k: hashlib.sha256(json.dumps(data[k]).encode()).hexdigest()[:12] for k in RESTORE_PARTS}
+
+    def machine(self) -> dict[str, object]:
+        """What a checkpoint's record says of the machine that saved it (its ``image``,
+        :meth:`parts`, ``packages`` as written, ``memory`` and ``cpus``)."""
+        return {"image": self.image, "parts": self.parts(), "packages": list(self.packages),
+                "memory": self.memory, "cpus": self.cpus}
 
     def baseline(self) -> str:
         """A short, stable identifier of this baseline (recorded in the ledger)."""

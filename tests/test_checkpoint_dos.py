@@ -227,7 +227,8 @@ def test_a_bad_file_is_one_line_and_the_listing_still_shows_the_rest(tmp_path: P
         rows = {r["name"]: r for r in shelf.rows()}
         assert rows["good"]["backend"] == "sandbox" and rows["good"]["refused"] is None
         assert rows["audit"]["refused"] == ("audit.smolcheckpoint is not a readable checkpoint (a pax header that "
-                                            "is not pax records (at byte 0 of 18))")
+                                            "is not pax records (at byte 0 of 18)): ask for one made with "
+                                            "`%smol checkpoint export NAME PATH`")
         assert rows["charset"]["backend"] == "sandbox"  # a charset tarfile doesn't know is no harm: UTF-8
         assert rows["damaged"]["backend"] is None and rows["damaged"]["refused"] == why
         assert shelf.find("good") is not None

@@ -145,8 +145,8 @@ def test_a_copied_folder_deletes_its_own_copy_only(teacher: tuple[Path, Path], o
     assert "cartpole" in rows(folder)
 
 
-BAD = {
-    "unknown-key": (_record(path="/etc/shadow"), "unknown key 'path'"),
+BAD = {  # (a key this version doesn't know is dropped unread: test_checkpoint_file_problems)
+    "bad-path-type": (_record(node="/etc/shadow"), "its 'node' is not valid"),
     "dupe-key": (b'{"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "name": "x", "backend": "sandbox"}',
                  "a key appears twice"),
     "bad-name": (_record(name="../../etc"), "its 'name' is not valid"),

@@ -53,6 +53,12 @@ class UnsafeCheckpoint(SmolbenchError):
     """A checkpoint (or a machine's saved files) the host refuses to use."""
 
 
+class UnusableCheckpoint(UnsafeCheckpoint):
+    """A checkpoint file that can't be used as it is, through no one's design: empty, cut short
+    or damaged on its way, not a checkpoint file at all, or written by another smolbench version.
+    Its one line names which, and the fix (copy it again, ask for an exported one, upgrade)."""
+
+
 class Damaged(tarfile.ReadError):
     """A checkpoint archive that ends before its files: bytes cut short or damaged (a copy that did
     not finish, a failing stick), which tarfile reads as an early end. Its message says where."""
@@ -542,7 +548,11 @@ def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
                 raise UnsafeCheckpoint(f"{label} is {human(size)}, over the checkpoint limit of "
                                        f"{human(LIMITS.checkpoint)}: not read (raise it with "
                                        "`%smol config checkpoint-limit 4G` if you trust it)")
-            head, whole = _gzip_prefix(fh.read(PREFIX_LIMIT), size <= PREFIX_LIMIT, label)
+            data = fh.read(PREFIX_LIMIT)
+            wrong = first_bytes(data[:len(GZIP_START)], label)
+            if wrong is not None:
+                raise wrong
+            head, whole = _gzip_prefix(data, size <= PREFIX_LIMIT, label)
         try:
             with open_tar(fileobj=io.BytesIO(head), mode="r:") as tar:
                 m = tar.next()
@@ -557,11 +567,33 @@ def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     except (SmolbenchError, MemoryError):
         raise
     except Exception as exc:  # tarfile, gzip or zlib on someone else's bytes
-        cut = damage(exc)
-        if cut is not None:
-            raise UnsafeCheckpoint(f"{label} is cut short or damaged ({cut}): copy the whole file again from where "
-                                   "it came from") from None
-        raise UnsafeCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)})") from None
+        raise unusable(label, exc) from None
+
+
+COPY_AGAIN = "copy the whole file again from where it came from"
+EXPORTED = "ask for one made with `%smol checkpoint export NAME PATH`"
+
+
+def unusable(label: str, exc: BaseException) -> UnusableCheckpoint:
+    """Why checkpoint file ``label`` can't be read (``exc``: what reading it raised), in one line
+    with the fix: cut short or damaged (copy it again), else not a checkpoint that can be read."""
+    cut = damage(exc)
+    if cut is not None:
+        return UnusableCheckpoint(f"{label} is cut short or damaged ({cut}): {COPY_AGAIN}")
+    return UnusableCheckpoint(f"{label} is not a readable checkpoint ({reason(exc)}): {EXPORTED}")
+
+
+def first_bytes(head: bytes, label: str) -> UnusableCheckpoint | None:
+    """Why a file whose first bytes are ``head`` (at least 3 when it has them) can't be a
+    checkpoint file (each one is gzip data), in one line with the fix; None when it may be one."""
+    if not head:
+        return UnusableCheckpoint(f"{label} is empty (0 bytes): {COPY_AGAIN}")
+    if len(head) < len(GZIP_START) and GZIP_START.startswith(head):
+        return UnusableCheckpoint(f"{label} is cut short or damaged (it ends after {len(head)} byte"
+                                  f"{'s' if len(head) > 1 else ''}): {COPY_AGAIN}")
+    if not head.startswith(GZIP_START[:2]):
+        return UnusableCheckpoint(f"{label} is not a smolbench checkpoint file (one starts as gzip data): {EXPORTED}")
+    return None
 
 
 def _gzip_prefix(data: bytes, whole: bool, what: str) -> tuple[bytes, bool]:
@@ -617,9 +649,13 @@ RECORD = "smolbench-record.json"
 RECORD_LIMIT = 16 * 1024
 PREFIX_LIMIT = 1000**2  # a record is looked for in a file's first MB, read and decompressed (it is first)
 RECORD_KIND = "smolbench-checkpoint"
+RECORD_VERSION = 1  # the record this smolbench writes and reads; a reader of 1 can't use a 2
 BACKENDS = ("sandbox", "process", "smol")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PART_RE = re.compile(r"[a-z]{1,20}")
+HASH_RE = re.compile(r"[0-9a-f]{12}")
+PACKAGES, PACKAGE_TEXT = 64, 200  # a record's packages, at most, and characters of each (more: not listed)
 
 
 def _text(limit: int) -> Callable[[object], bool]:
@@ -632,7 +668,7 @@ def _whole(lo: int, hi: int) -> Callable[[object], bool]:
 
 RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
     "kind": lambda v: v == RECORD_KIND,
-    "version": lambda v: v == 1,
+    "version": lambda v: type(v) is int and v == RECORD_VERSION,
     "name": lambda v: isinstance(v, str) and bool(NAME_RE.fullmatch(v)),
     "backend": lambda v: v in BACKENDS,
     "node": lambda v: isinstance(v, str) and bool(NODE_RE.fullmatch(v)),
@@ -644,6 +680,11 @@ RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
     "memory": _whole(1, 1 << 20),
     "cpus": _whole(1, 1024),
     "warnings": lambda v: isinstance(v, list) and len(v) <= 20 and all(_text(2000)(w) for w in v),
+    # the machine's Smolfile packages as written, and a short hash of each part of it a restore
+    # compares (MachineSpec.parts): said by a restore on another machine, never installed
+    "packages": lambda v: isinstance(v, list) and len(v) <= PACKAGES and all(_text(PACKAGE_TEXT)(p) for p in v),
+    "parts": lambda v: isinstance(v, dict) and len(v) <= 16 and all(
+        isinstance(k, str) and PART_RE.fullmatch(k) and isinstance(h, str) and HASH_RE.fullmatch(h) for k, h in v.items()),
 }
 REQUIRED = ("kind", "version", "name", "backend")
 
@@ -667,9 +708,10 @@ def parse_record(blob: bytes, where: str) -> dict[str, Any]:
         data = json.loads(blob.decode("utf-8"), object_pairs_hook=no_dupes, parse_constant=no_constant)
         if not isinstance(data, dict):
             raise ValueError("it is not an object")
-        unknown = sorted(set(data) - set(RECORD_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0][:40]!r}")
+        _same_version(data, where)
+        # a key this version doesn't know (a later smolbench's, of the same version) is dropped
+        # here, unread: nothing but the known keys, checked, reaches any caller
+        data = {k: v for k, v in data.items() if k in RECORD_FIELDS}
         missing = [k for k in REQUIRED if k not in data]
         if missing:
             raise ValueError(f"it has no {missing[0]!r}")
@@ -679,3 +721,18 @@ def parse_record(blob: bytes, where: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise UnsafeCheckpoint(f"{where} has a record that can't be used ({exc}): refused") from None
     return data
+
+
+def _same_version(data: dict[str, Any], where: str) -> None:
+    """An UnusableCheckpoint when record ``data`` (of ``where``) is smolbench's but of another
+    version than :data:`RECORD_VERSION`: said as a version problem, with the fix."""
+    version = data.get("version")
+    if data.get("kind") != RECORD_KIND or "version" not in data or (type(version) is int and version == RECORD_VERSION):
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and version > RECORD_VERSION:
+        raise UnusableCheckpoint(f"{where} was made by a newer smolbench (record version {min(version, 10**6)}; this "
+                                 f"one reads {RECORD_VERSION}): upgrade smolbench (`pip install -U "
+                                 "jupyterlab-smolbench`), or ask for a file exported by this version")
+    shown = repr(version)[:20] if isinstance(version, (int, float, str)) else type(version).__name__
+    raise UnusableCheckpoint(f"{where} has a record of version {shown!s}, which no smolbench writes (this one "
+                             f"reads {RECORD_VERSION}): {EXPORTED}")

@@ -9,10 +9,16 @@ isolated backend to use instead.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
-from .terminal import one_line
+from .archive import RECORD_FIELDS
+from .terminal import listed, one_line
+
+if TYPE_CHECKING:
+    from ..spec import MachineSpec
 
 CLAIM = "the file says: "  # before each warning a file's record carries: its author's words, not smolbench's
 ROW_CLAIM = "its ledger row says: "  # before each warning a ledger row carries (a copied folder's is its author's)
@@ -60,26 +66,147 @@ def said_on_restore(warnings: object, imported: bool, already: Collection[str] =
     return [w for w in lines if w.removeprefix(CLAIM if imported else ROW_CLAIM) not in already]
 
 
-def baseline_notice(name: str, claimed: object, here: str, imported: bool) -> str | None:
-    """One line when checkpoint ``name`` says it was saved on another baseline than this
-    machine's ``here`` (``imported``: a file's record says so, else a ledger row); None when
-    it says nothing or the same. A restore goes on: the line says what may differ."""
-    if not isinstance(claimed, str) or not claimed or claimed == here:
+MACHINE_KEYS = ("image", "parts", "packages", "memory", "cpus")  # what a record or row says of its machine
+FIX = "restore it where its Smolfile is: `%smol down`, then `%smol up --smolfile PATH` and restore again"
+SHOWN = 8  # packages or modules named in one line; more are counted
+
+
+def machine_claims(*sources: object) -> dict[str, Any]:
+    """What a checkpoint says of the machine that saved it (:data:`MACHINE_KEYS`), from a record
+    or a ledger row's ``machine`` (a copied folder's may hold anything): only values its record
+    could carry (:data:`archive.RECORD_FIELDS`), the first source that has each."""
+    out: dict[str, Any] = {}
+    for source in sources:
+        if isinstance(source, dict):
+            for key in MACHINE_KEYS:
+                if key not in out and key in source and (source[key] is None and key == "image" or
+                                                         source[key] is not None and RECORD_FIELDS[key](source[key])):
+                    out[key] = source[key]
+    return out
+
+
+def baseline_notice(name: str, claimed: object, here: str, imported: bool, *, machine: object = None,
+                    spec: MachineSpec | None = None, failed: bool = False) -> str | None:
+    """One line when checkpoint ``name`` was saved on a machine that differs from this one in
+    what decides whether its variables behave (its image, packages, env, init, workdir,
+    volumes: MachineSpec.parts), as its record or row says (``imported``: a file's record, else
+    a ledger row); None when it says nothing, or differs only in a session's network allowance
+    or limits. ``claimed``: its baseline (``here``: this machine's), all a record from before
+    ``machine`` (what it says of its machine: image, parts, packages, memory, cpus) says.
+    ``spec``: this machine's. ``failed``: some of its variables were not restored (said before
+    this line): the line never says they are back."""
+    theirs = machine_claims(machine)
+    whose, who = ("the file says", "the file's machine") if imported else ("its ledger row says", "its machine")
+    if spec is not None and "parts" in theirs:
+        diffs = _part_diffs(theirs, spec, who)
+        if not diffs:
+            return None
+        what = f"{whose} {name} was saved on a machine unlike this one ({'; '.join(diffs)}{_limits(theirs, spec, who)})"
+    else:
+        if not isinstance(claimed, str) or not claimed or claimed == here:
+            return None
+        what = (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}"
+                f"{_differs(claimed, here, _limits(theirs, spec, who))}")
+    if failed:
+        back = "the variables not restored (named above) may need what its machine had"
+    else:
+        back = "its variables and files are back, but what its cells installed or relied on may differ"
+    return f"{what}: {back}; {FIX}"
+
+
+def _part_diffs(theirs: dict[str, Any], spec: MachineSpec, who: str) -> list[str]:
+    """What differs between the machine a checkpoint says it was saved on and ``spec``, each a phrase."""
+    out = []
+    if theirs.get("image") != spec.image:
+        out.append(f"its image {one_line(str(theirs.get('image') or 'host'), 80)}, this machine's {spec.image or 'host'}")
+    ours = spec.parts()
+    if theirs["parts"].get("packages", ours["packages"]) != ours["packages"]:
+        out.append(packages_phrase(theirs.get("packages"), spec.packages, who))
+    other = [k for k in ("env", "init", "workdir", "volumes") if theirs["parts"].get(k, ours[k]) != ours[k]]
+    if other:
+        said = " and ".join(", ".join(other).rsplit(", ", 1))
+        out.append(f"its Smolfile's {said} differ{'s' if len(other) == 1 else ''}")
+    return out
+
+
+def packages_phrase(theirs: object, ours: tuple[str, ...], who: str) -> str:
+    """Its Smolfile's packages differ, and how, when the claim lists them (``theirs``)."""
+    if not isinstance(theirs, list):
+        return "its Smolfile's packages differ"
+    lacks = lacking(theirs, ours)
+    had = listed([one_line(p, 200) for p in theirs], SHOWN) if theirs else "none"
+    now = f"this one lacks {listed([one_line(p, 200) for p in lacks], SHOWN)}" if lacks else \
+        f"this one has {listed(list(ours), SHOWN) or 'none'}"
+    return f"its Smolfile's packages differ: {who} had {had}, {now}"
+
+
+def lacking(theirs: list[str], ours: tuple[str, ...]) -> list[str]:
+    """The requirements of ``theirs`` that ``ours`` has not as they are (by project name, then as written)."""
+    have = {_project(p): p.strip() for p in ours}
+    return [p for p in theirs if have.get(_project(p)) != p.strip()]
+
+
+def _project(requirement: str) -> str:
+    """A requirement's project name, normalized (PEP 503): ``Foo_Bar>=1`` -> ``foo-bar``."""
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    return re.sub(r"[-_.]+", "-", m[1]).lower() if m else requirement.strip().lower()
+
+
+def _limits(theirs: dict[str, Any], spec: MachineSpec | None, who: str) -> str:
+    """The limits a checkpoint's machine had that this one hasn't (said, not a difference that matters)."""
+    if spec is None:
+        return ""
+    said = []
+    if isinstance(theirs.get("memory"), int) and theirs["memory"] != spec.memory:
+        said.append(f"memory {_mib(theirs['memory'])}, this one {_mib(spec.memory)}")
+    if isinstance(theirs.get("cpus"), int) and theirs["cpus"] != spec.cpus:
+        said.append(f"cpus {theirs['cpus']}, this one {spec.cpus}")
+    return f"; {who} had {', '.join(said)}" if said else ""
+
+
+def _mib(mib: int) -> str:
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z0-9_.]{1,100})'")
+
+
+def modules_notice(name: str, not_restored: list[str], machine: object, spec: MachineSpec,
+                   said: str | None) -> str | None:
+    """One line when variables of checkpoint ``name`` were not restored for want of a module
+    (``not_restored``: the restore's own warnings), naming the packages the file's machine had
+    that this one lacks and the fix; None when none was, or the baseline line (``said``)
+    names those packages already."""
+    modules = list(dict.fromkeys(m.split(".")[0] for line in not_restored for m in MISSING_MODULE.findall(line)))
+    if not modules:
         return None
-    whose = "the file says" if imported else "its ledger row says"
-    return (f"{whose} {name} was saved on baseline {one_line(claimed, 80)}, not this machine's {here}"
-            f"{_differs(claimed, here)}: its variables and files are back, but what its cells installed or relied "
-            "on may differ; restore it where its Smolfile is: `%smol down`, then `%smol up --smolfile PATH` "
-            "and restore again")
+    theirs = machine_claims(machine).get("packages")
+    lacks = lacking(theirs, spec.packages) if isinstance(theirs, list) else None
+    if lacks and said is not None and "this one lacks" in said:
+        return None
+    head = f"variables of {name} need modules this machine doesn't have ({listed(modules, SHOWN)})"
+    if lacks:
+        shown = listed([one_line(p, 200) for p in lacks], SHOWN)
+        return (f"{head}: the file's machine's Smolfile had packages {shown}, which this one lacks: add them to this "
+                "machine's Smolfile (`packages = [...]`), then `%smol down`, `%smol up` and restore again (a "
+                "`%pip install` in a cell brings the module, not the variables)")
+    if isinstance(theirs, list):
+        return (f"{head}, and the file's machine had no package in its Smolfile that this one lacks: add the ones "
+                "they come from to this machine's Smolfile (`packages = [...]`), then `%smol down`, `%smol up` and "
+                "restore again")
+    return (f"{head}: the file doesn't say which packages its machine had (an older smolbench's record): ask for "
+            "the Smolfile it was made with, then `%smol down`, `%smol up --smolfile PATH` and restore again")
 
 
-def _differs(claimed: str, here: str) -> str:
+def _differs(claimed: str, here: str, limits: str = "") -> str:
     """What a baseline (``IMAGE@HASH``, MachineSpec.baseline) says differs from this one: the
-    image when it names another, else what the hash covers ("" when it is not such a baseline)."""
+    image when it names another, else what the hash covers ("" when it is not such a baseline);
+    ``limits``: the limits its record says its machine had, when they differ."""
     theirs, at, _ = claimed.rpartition("@")
     ours = here.rpartition("@")[0]
     if not at or not theirs:
         return ""
     if theirs != ours:
-        return f" (its image {one_line(theirs, 80)}, this machine's {ours})"
-    return f" (the same image {ours}: its Smolfile's packages, env, init, network or limits differ)"
+        return f" (its image {one_line(theirs, 80)}, this machine's {ours}{limits})"
+    return (f" (the same image {ours}: its packages, env, init, network allowance or limits differ, and its record, "
+            f"an older smolbench's, doesn't say which{limits})")
