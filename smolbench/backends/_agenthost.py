@@ -115,10 +115,10 @@ class AgentHostBackend(Backend):
         """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
         return _procs.host_pids(ancestor, guest_pids, tree)
 
-    def _lost_for_memory(self, spec: MachineSpec) -> str:
+    def _lost_for_memory(self, spec: MachineSpec, saving: bool = False) -> str:
         """The line of a machine its cgroup killed for memory (a cgroup counts what a sandbox
-        keeps in memory as files too: its line names ``disk``)."""
-        return _limits.out_of_memory_line(spec, files=self.files_in_memory)
+        keeps in memory as files too: its line names ``disk``); ``saving``: during a save."""
+        return _limits.out_of_memory_line(spec, files=self.files_in_memory, saving=saving)
 
     def _makes_leaves(self) -> bool:
         """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
@@ -738,7 +738,8 @@ class AgentHostBackend(Backend):
             return await self._request(ref, msg)
         except SmolbenchError as exc:
             if limits is not None and limits.oom_kills() > ooms:
-                raise MachineLost(f"{self._lost_for_memory(ref.spec)} (machine {ref.name} was lost)") from None
+                said = self._lost_for_memory(ref.spec, saving=msg.get("op") == "save")
+                raise MachineLost(f"{said} (machine {ref.name} was lost)") from None
             if ": MemoryError:" in str(exc):  # past its rlimit: the machine lives on
                 raise SmolbenchError(_limits.out_of_memory_line(ref.spec)) from None
             raise

@@ -88,14 +88,19 @@ def thread_env(spec: MachineSpec) -> dict[str, str]:
     return {var: str(spec.cpus) for var in THREAD_VARS}
 
 
-def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = None) -> str:
+def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = None, saving: bool = False) -> str:
     """The one line a cell that ran out of memory gets. ``files``: the machine's files live in
     memory and its cgroup counted them (a sandbox's workspace, /tmp and /dev/shm), so the line
     says so and names ``disk``, whose full store fails writes with ENOSPC instead. ``said``:
     the error a backend gave the cell; that line when it is the files one (compared whole: a
-    machine's own error text never passes as ours)."""
+    machine's own error text never passes as ours). ``saving``: it ran out while it saved a
+    checkpoint (the line a save's lost machine gets: what a save holds in memory, and what helps)."""
     if not files and said is not None and said == out_of_memory_line(spec, files=True):
         files = True
+    if saving:  # its files were there already (a save streams them out: no copy): lowering disk frees nothing
+        held = f", its files included: up to disk = {format_mib(spec.files_mib)} of them" if files else ""
+        return (f"machine ran out of memory while saving (limit {format_mib(spec.memory)}{held}; a save pickles its "
+                "variables in memory): delete big variables or files before saving, or raise memory in the Smolfile")
     if not files:
         return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
     return (f"machine ran out of memory (limit {format_mib(spec.memory)}, the files it wrote included: up to disk = "
