@@ -17,7 +17,7 @@ import os
 import stat
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -369,15 +369,16 @@ class Shelf:
             return True
         return is_path(arg) and self.find(arg) is None
 
-    def refusal_before_up(self, arg: str) -> None:
+    def refusal_before_up(self, arg: str, room: Callable[[archive.Checked, str], str | None] | None = None) -> None:
         """Raise what a restore of ``arg`` refuses with no machine needed, before one comes up for it:
         a file that can't be opened, or whose name can't be a checkpoint's (not one of this folder's
-        own files); a name with no checkpoint here."""
+        own files); a name with no checkpoint here. ``room(checked, label)``: why what the file holds
+        can't fit in the machine that would come up (None: it fits), said the same way."""
         if not self.names_file(arg):
             rec = self.row(arg)
             if rec.get("backend") in AGENTHOST:
                 with self.open(rec) as f:
-                    _whole(f.path, f"checkpoint {arg!r}")
+                    _fits(_whole(f.path, f"checkpoint {arg!r}"), f"{arg}", room)
             return
         fd = _open_named(arg)
         try:
@@ -385,7 +386,7 @@ class Shelf:
                 _usable(Path(arg).name)
             record = archive.read_record(f"/proc/self/fd/{fd}", arg)  # one line if it can't be read
             if (record or {}).get("backend") != "smol":  # (smol's own checkpoints are the SDK's to check)
-                _whole(f"/proc/self/fd/{fd}", arg)
+                _fits(_whole(f"/proc/self/fd/{fd}", arg), arg, room)
         finally:
             os.close(fd)
 
@@ -547,10 +548,16 @@ def _unreadable(source: str, exc: BaseException) -> SmolbenchError:
     return SmolbenchError(f"{source} is not a readable checkpoint ({exc}); nothing was added")
 
 
-def _whole(path: str, source: str) -> None:
+def _whole(path: str, source: str) -> archive.Checked:
     """Refuse checkpoint ``path`` (``source``: as the user named it) as its restore would, before a
-    machine comes up for it: a copy cut short is said so at once, not after a boot."""
+    machine comes up for it: a copy cut short is said so at once, not after a boot. What it holds."""
     try:
-        archive.check(path, "sandbox", source)
+        return archive.check_sized(path, "sandbox", source)
     except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
         raise _unreadable(source, exc) from None
+
+
+def _fits(checked: archive.Checked, label: str, room: Callable[[archive.Checked, str], str | None] | None) -> None:
+    why = room(checked, label) if room is not None else None
+    if why is not None:
+        raise SmolbenchError(why)

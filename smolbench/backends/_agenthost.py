@@ -748,13 +748,16 @@ class AgentHostBackend(Backend):
         if isolated and self.name == "process":
             raise SmolbenchError(f"checkpoint {os.path.basename(path)} is not this kernel's own, and the {self.name} "
                                  "backend has no isolation to load its saved state in: restore it on the sandbox backend")
-        try:
-            await asyncio.to_thread(archive.check, path, self.name)  # checked here, extracted only inside the new machine
+        try:  # checked here, extracted only inside the new machine
+            checked = await asyncio.to_thread(archive.check_sized, path, self.name)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({archive.damage(exc) or exc}): delete it "
                                  "with `%smol checkpoint rm`") from None
         except archive.UnsafeCheckpoint as exc:
             raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
+        room = self._room_refusal(spec, checked, path)
+        if room is not None:  # before a machine boots for it (its headers say what it holds)
+            raise SmolbenchError(room)
         ref = await self.create(spec, name)
         stage = None
         try:
@@ -775,7 +778,7 @@ class AgentHostBackend(Backend):
             if ": OSError: [Errno 28] " in str(exc):  # its workspace is more than this machine's disk
                 raise SmolbenchError(f"checkpoint {path} doesn't fit in a new machine (No space left on device: its files "
                                      f"are more than disk = {_limits.format_mib(spec.files_mib)}): raise disk in the "
-                                     "Smolfile") from None
+                                     "Smolfile, and memory with it (a sandbox keeps its files in memory)") from None
             why = str(exc).split(": ", 1)[-1]
             raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
         except BaseException:
@@ -787,6 +790,16 @@ class AgentHostBackend(Backend):
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref
+
+
+    def _room_refusal(self, spec: MachineSpec, checked: archive.Checked, label: str) -> str | None:
+        """Why checkpoint ``label`` (``checked``: what its headers say it holds) can't fit in a new
+        machine of ``spec``, or None: only where the files are kept in memory (the sandbox's, its
+        stores sized by disk), and counted as memory where a cgroup does."""
+        if not self.files_in_memory or not self.limiter.enforce:
+            return None
+        return _limits.room_refusal(spec, checked.files, checked.namespace, label,
+                                    counted=bool(self.limiter.mechanism.bases))
 
 
 class _Exited(Exception):

@@ -108,6 +108,44 @@ def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = No
             "fails writes with ENOSPC first")
 
 
+MACHINE_MIB = 64  # what a machine's own processes take at least (its agent's Python), beside its files
+
+
+def _mib(nbytes: int) -> int:
+    return -(-nbytes // (1 << 20))
+
+
+def _up_to(mib: int, step: int = 64) -> int:
+    return -(-mib // step) * step
+
+
+def room_refusal(spec: MachineSpec, files: int, namespace: int, label: str, *, counted: bool) -> str | None:
+    """Why a checkpoint (``label``: as the user named it) can't be restored into a new sandbox
+    machine of ``spec``, said before one starts; None when it fits. A sandbox keeps its files in
+    memory, within ``disk``: ``files`` (bytes its workspace takes unpacked) more than disk fail
+    with ENOSPC. Under a cgroup (``counted``) they count as its memory too, with its variables
+    (``namespace``: bytes pickled, at least that much once loaded) and its own processes: more
+    than memory and it is killed. The fix names both sizes: disk to hold the files, memory at
+    twice disk at least (the default's ratio: half of memory is left for the machine itself)."""
+    have, ns, disk = _mib(files), _mib(namespace), spec.files_mib
+    over_disk = have > disk
+    over_memory = counted and have + ns + MACHINE_MIB > spec.memory
+    if not over_disk and not over_memory:
+        return None
+    want_disk = max(disk, _up_to(have + 16)) if over_disk else disk
+    want_memory = max(spec.memory, 2 * want_disk, _up_to(have + 2 * ns + MACHINE_MIB))
+    fix = (f'set disk = "{format_mib(want_disk)}" and memory = "{format_mib(want_memory)}"' if over_disk else
+           f'set memory = "{format_mib(want_memory)}"')
+    if over_disk:
+        why = f"its files take {have} MiB, more than disk = {format_mib(disk)}"
+    else:
+        why = (f"its files ({have} MiB) and variables ({ns} MiB) with the machine's own {MACHINE_MIB} MiB are more "
+               f"than memory = {format_mib(spec.memory)}, which counts the files a sandbox keeps in memory")
+    return (f"checkpoint {label} doesn't fit in a machine of this Smolfile ({why}): {fix} in the Smolfile, or more "
+            "(a sandbox keeps its files in memory: memory needs room for them and for the machine); nothing was "
+            "started")
+
+
 # What a new branch takes of the host at least (measured by bench/scale.py: about 5 MiB PSS for
 # its keeper and agent together), with a margin; and what the host keeps for itself.
 BRANCH_HOST_MIB = 8
