@@ -311,7 +311,13 @@ class Session:
         except BaseException:
             gone(self)
             raise
+        self._up_notes(self.workbench)
         return self
+
+    def _up_notes(self, wb: Workbench) -> None:
+        """What an up says besides its machine (``%smol up`` prints these lines itself)."""
+        if wb.disk_note and not self.magic_words:
+            self._notice_line(f"smolbench: note: {wb.disk_note}")
 
     @_in_session_words
     async def aup(self, restore: str | None = None) -> Session:
@@ -327,6 +333,7 @@ class Session:
         except BaseException:
             gone(self)
             raise
+        self._up_notes(wb)
         return self
 
     def down(self) -> int:

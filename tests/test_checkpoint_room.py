@@ -123,3 +123,14 @@ def test_a_checkpoint_too_big_for_the_smolfile_is_refused_before_a_machine_start
         assert s.run("import os; os.path.getsize('data.bin')", node=node).value == 150 << 20
         assert s.checkpoint_save("again")["name"] == "again"  # and its next save too
 
+
+def test_a_disk_that_leaves_memory_no_room_is_said_at_up(here: Path) -> None:
+    (here / "Smolfile").write_text('memory = "256M"\ndisk = "256M"\n')
+    notes: list[str] = []
+    with smolbench.Session(backend="sandbox", on_notice=notes.append) as s:
+        assert s.run("1 + 1").value == 2  # a notice, not a refusal
+    said = [n for n in notes if "disk =" in n]
+    assert said == ["smolbench: note: disk = 256M leaves memory = 256M no room: a sandbox keeps its files in memory, "
+                    "counted as its memory, so files filling the disk would kill the machine for memory before a "
+                    'write fails with ENOSPC; set disk = "128M" (half of memory, the default) or raise memory in the '
+                    "Smolfile"], notes

@@ -146,6 +146,19 @@ def room_refusal(spec: MachineSpec, files: int, namespace: int, label: str, *, c
             "started")
 
 
+def disk_note(spec: MachineSpec, *, counted: bool) -> str | None:
+    """One line at up for a Smolfile whose ``disk`` leaves its sandbox machine no memory of its own
+    (None otherwise): its files are kept in memory and, under a cgroup (``counted``), counted as
+    its memory, so files filling that disk take the machine out of memory before a write fails
+    with ENOSPC. A notice, not a refusal: the same Smolfile sizes a microVM's real disk."""
+    if not counted or not spec.disk_mib or spec.disk_mib + MACHINE_MIB <= spec.memory:
+        return None
+    return (f"disk = {format_mib(spec.disk_mib)} leaves memory = {format_mib(spec.memory)} no room: a sandbox keeps its "
+            "files in memory, counted as its memory, so files filling the disk would kill the machine for memory "
+            f'before a write fails with ENOSPC; set disk = "{format_mib(max(16, spec.memory // 2))}" (half of memory, '
+            "the default) or raise memory in the Smolfile")
+
+
 # What a new branch takes of the host at least (measured by bench/scale.py: about 5 MiB PSS for
 # its keeper and agent together), with a margin; and what the host keeps for itself.
 BRANCH_HOST_MIB = 8
