@@ -97,7 +97,7 @@ def open_pipe(run_dir: int, stage: str,
 def receive(pipe: int, where: str, *, scratch: str | os.PathLike[str], saved: threading.Event,
             stop: threading.Event | None = None) -> tuple[IO[bytes], int]:
     """The workspace archive machine ``where`` writes into the fifo whose read end is ``pipe``
-    (non-blocking; ours to close), as it comes: into a new unnamed file in ``scratch`` (the
+    (non-blocking; the caller closes it once this returned), as it comes: into a new unnamed file in ``scratch`` (the
     checkpoint's folder, never the host's /tmp), counted against the checkpoint limit and
     stopped there. Streamed, the archive is never a second copy of the machine's files in its
     own memory (a sandbox keeps its files in memory, and its cgroup counts them: the copy made
@@ -105,7 +105,7 @@ def receive(pipe: int, where: str, *, scratch: str | os.PathLike[str], saved: th
 
     The end is the machine closing its end of the fifo. ``saved``: its save request ended, so
     the archive came already (its end closed: the fifo says hang-up at once) or never will (a
-    machine that never opened the fifo, or holds it open). Closing ``pipe`` on any failure
+    machine that never opened the fifo, or holds it open). After a failure, closing ``pipe``
     makes a writer's next write fail (EPIPE): an honest machine ends its save there."""
     what = f"the checkpoint machine {where} saved"
     ws = tempfile.TemporaryFile(dir=scratch)
@@ -138,8 +138,6 @@ def receive(pipe: int, where: str, *, scratch: str | os.PathLike[str], saved: th
     except BaseException:
         ws.close()
         raise
-    finally:
-        os.close(pipe)
     ws.seek(0)
     return ws, size
 
