@@ -723,7 +723,6 @@ class AgentHostBackend(Saving, Backend):
             ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref
 
-
     def _room_refusal(self, spec: MachineSpec, checked: archive.Checked, label: str) -> str | None:
         """Why checkpoint ``label`` (``checked``: what its headers say it holds) can't fit in a new
         machine of ``spec``, or None: only where the files are kept in memory (the sandbox's, its
