@@ -32,7 +32,9 @@ from .result import VALUE, ForkResult, RunResult, Seen, run_result
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
     from .backends.base import Backend, Event
+    from .gate.archive import Checked
     from .shelf import Shelf
+    from .spec import MachineSpec
     from .workbench import Workbench
 
 T = TypeVar("T")
@@ -218,10 +220,7 @@ class Session:
     def build(self, announce: Callable[[str], None] | None = None) -> Workbench:
         """Make (not yet start) the Workbench from the options: ``%smol up`` publishes it first.
         ``announce``: where the backend probe says what it is waiting for (default: notices)."""
-        from .images import home_path
         from .ledger import DEFAULT_PATH, Ledger
-        from .smolfile import load_smolfile
-        from .spec import MachineSpec
         from .workbench import Workbench
 
         if self.is_up:
@@ -230,13 +229,7 @@ class Session:
             raise SmolbenchError(f"already up ({wb.backend.name}, active {wb.active}): `%smol down` first to start over",
                                  api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
                                  "start over")
-        given = str(home_path(self.smolfile, "--smolfile" if self.magic_words else "smolfile")) if self.smolfile else None
-        path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
-        if given and not os.path.exists(given):
-            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
-                                 api=f"no Smolfile at {self.smolfile}: check the path, or drop smolfile= to use the "
-                                 "defaults")
-        spec = load_smolfile(path) if path else MachineSpec()
+        path, spec = self._smolfile_spec()
         if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8",
                                  api=f"max_alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. "
@@ -272,6 +265,30 @@ class Session:
         self.workbench = wb
         return wb
 
+    def _smolfile_spec(self) -> tuple[str | None, MachineSpec]:
+        """The Smolfile an up reads (its path; None: the defaults) and the spec it says."""
+        from .images import home_path
+        from .smolfile import load_smolfile
+        from .spec import MachineSpec
+
+        given = str(home_path(self.smolfile, "--smolfile" if self.magic_words else "smolfile")) if self.smolfile else None
+        path = given or ("Smolfile" if os.path.exists("Smolfile") else None)
+        if given and not os.path.exists(given):
+            raise SmolbenchError(f"no Smolfile at {self.smolfile}: check the path, or drop --smolfile to use the defaults",
+                                 api=f"no Smolfile at {self.smolfile}: check the path, or drop smolfile= to use the "
+                                 "defaults")
+        return path, (load_smolfile(path) if path else MachineSpec())
+
+    def _room(self, checked: Checked, label: str) -> str | None:
+        """Why a checkpoint holding ``checked`` can't fit in the sandbox machine an up would bring
+        up for it (its Smolfile's disk and memory), or None (``_limits.room_refusal``)."""
+        from .backends import _limits
+
+        path, spec = self._smolfile_spec()
+        if not _limits.ENFORCE or cluster_table(path):
+            return None
+        return _limits.room_refusal(spec, checked.files, checked.namespace, label, counted=bool(_limits.detect().bases))
+
     @_in_session_words
     def up(self) -> Session:
         """Start the root machine (and run the Smolfile's init commands). Returns the session.
@@ -294,7 +311,13 @@ class Session:
         except BaseException:
             gone(self)
             raise
+        self._up_notes(self.workbench)
         return self
+
+    def _up_notes(self, wb: Workbench) -> None:
+        """What an up says besides its machine (``%smol up`` prints these lines itself)."""
+        if wb.disk_note and not self.magic_words:
+            self._notice_line(f"smolbench: note: {wb.disk_note}")
 
     @_in_session_words
     async def aup(self, restore: str | None = None) -> Session:
@@ -310,6 +333,7 @@ class Session:
         except BaseException:
             gone(self)
             raise
+        self._up_notes(wb)
         return self
 
     def down(self) -> int:
@@ -615,7 +639,9 @@ class Session:
         ledger = Ledger(self.ledger_path or DEFAULT_PATH)
         try:
             shelf = Shelf(ledger)
-            shelf.refusal_before_up(checkpoint)
+            # a sandbox's files are in memory, within disk: a checkpoint too big for this Smolfile's is said now
+            sandbox = asked in ("auto", "sandbox") and self.ray in (None, False)
+            shelf.refusal_before_up(checkpoint, self._room if sandbox else None)
             if asked == "auto" and self.ray in (None, False):
                 self.backend_kind = shelf.backend_for(checkpoint)
         finally:

@@ -226,7 +226,9 @@ class CheckpointsMixin(WorkbenchPart):
                                     typed)
             if why is not None:
                 raise SmolbenchError(why + ("; nothing was added" if added is not None and added.new_row else ""))
-            ref = await self._restore_file(rec, node_id, added is not None and added.new_row)
+            # a file this restore copied in goes again if it fails: its messages name the file the user gave
+            ref = await self._restore_file(rec, node_id, added is not None and added.new_row,
+                                           typed if added is not None and added.copied is not None else None)
         except BaseException:
             if added is not None:  # a file that can't make a machine is not kept as one of this folder's
                 # on a thread: it waits for the folder, which another kernel may hold a while
@@ -271,13 +273,15 @@ class CheckpointsMixin(WorkbenchPart):
         were listed after the Ctrl-C came back, and left for good by a kernel that exited first)."""
         return await _made_in_thread(lambda: self.shelf.adopt(source, self.backend.name), self.shelf.unadopt)
 
-    async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False) -> MachineRef:
+    async def _restore_file(self, rec: dict[str, Any], node_id: str, adopted: bool = False,
+                            label: str | None = None) -> MachineRef:
         """A new machine from a row's file, opened once through the gate's rule: the backend
         reads that very file (its descriptor), whatever its name is changed to meanwhile.
-        ``adopted``: the file was added by this restore, and goes again if it fails."""
+        ``adopted``: the file was added by this restore, and goes again if it fails. ``label``:
+        the file as messages name it (default: its path in this folder)."""
         name = rec["name"]
         with self.shelf.open(rec) as f:
-            shown = self.shelf.store.shown(f.name)
+            shown = label or self.shelf.store.shown(f.name)
             # smol's engine reads the file in its own process, by name (and its store beside it)
             path = self.shelf.store.absolute(f.name) if self.backend.name == "smol" else f.path
             try:

@@ -177,6 +177,8 @@ class SmolMagics(Magics):
                   "died earlier: marked lost in the ledger")
         if net_note:
             print(f"smolbench: {net_note}")
+        if wb.disk_note:
+            print(f"smolbench: note: {wb.disk_note}")
         if backend.name == "cluster":
             print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
                   f"{wb.active} on node {str(first.get('node'))[:8]}")

@@ -18,7 +18,7 @@ import shlex
 import stat
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -401,16 +401,17 @@ class Shelf:
             return True
         return is_path(arg) and self.find(arg) is None
 
-    def refusal_before_up(self, arg: str) -> None:
+    def refusal_before_up(self, arg: str, room: Callable[[archive.Checked, str], str | None] | None = None) -> None:
         """Raise what a restore of ``arg`` refuses with no machine needed, before one comes up for it:
         a file that can't be opened, or whose name can't be a checkpoint's (not one of this folder's
-        own files); a name with no checkpoint here."""
+        own files); a name with no checkpoint here. ``room(checked, label)``: why what the file holds
+        can't fit in the machine that would come up (None: it fits), said the same way."""
         if not self.names_file(arg):
             rec = self.row(arg)
             if rec.get("backend") in AGENTHOST:
                 with self.open(rec) as f:
-                    _whole(f.path, f"checkpoint {arg!r}", "; nothing was added" if rec.get("dropped") else
-                           self.came_from(rec))
+                    _fits(_whole(f.path, f"checkpoint {arg!r}", "; nothing was added" if rec.get("dropped") else
+                                 self.came_from(rec)), f"{arg}", room)
             return
         fd = _open_named(arg)
         try:
@@ -421,7 +422,7 @@ class Shelf:
             except archive.UnsafeCheckpoint as exc:
                 raise _unreadable(arg, exc) from None
             if (record or {}).get("backend") != "smol":  # (smol's own checkpoints are the SDK's to check)
-                _whole(f"/proc/self/fd/{fd}", arg)
+                _fits(_whole(f"/proc/self/fd/{fd}", arg), arg, room)
         finally:
             os.close(fd)
 
@@ -618,11 +619,17 @@ def _unreadable(source: str, exc: BaseException, after: str = "; nothing was add
     return archive.UnusableCheckpoint(f"{archive.unusable(source, exc)}{after}")
 
 
-def _whole(path: str, source: str, after: str = "; nothing was added") -> None:
+def _whole(path: str, source: str, after: str = "; nothing was added") -> archive.Checked:
     """Refuse checkpoint ``path`` (``source``: as the user named it) as its restore would, before a
     machine comes up for it: a copy cut short is said so at once, not after a boot. ``after``:
-    what the line ends with (a row's file: where it came from, :meth:`Shelf.came_from`)."""
+    what the line ends with (a row's file: where it came from, :meth:`Shelf.came_from`). What it holds."""
     try:
-        archive.check(path, "sandbox", source)
+        return archive.check_sized(path, "sandbox", source)
     except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
         raise _unreadable(source, exc, after) from None
+
+
+def _fits(checked: archive.Checked, label: str, room: Callable[[archive.Checked, str], str | None] | None) -> None:
+    why = room(checked, label) if room is not None else None
+    if why is not None:
+        raise SmolbenchError(why)

@@ -24,7 +24,7 @@ from . import _args, gate
 from . import retries as retry
 from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
-from .backends._limits import out_of_memory_line
+from .backends._limits import disk_note, out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
 from .errors import LIVE, NOT_UP, InfraError, MachineLost, SmolbenchError, remote_error
@@ -97,6 +97,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self.on_notice: Callable[[str], None] = lambda line: None  # the magics print these lines
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
+        self.disk_note: str | None = None  # the Smolfile's disk leaves a sandbox machine no memory (said at up)
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = gate.log_folder(Path(ledger.path))  # smolbench's own folder, never the user's outputs/
         self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session,  # what logs there may take
@@ -186,6 +187,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
         self.versions = _versions(self.guest_info.get("python"))
+        limiter = getattr(self.backend, "limiter", None) if getattr(self.backend, "files_in_memory", False) else None
+        if limiter is not None:
+            self.disk_note = disk_note(self.spec, counted=bool(limiter.mechanism.bases))
         await self._remember_state(ref)
         self.lost = self.ledger.mark_lost(self.session)
         self.shelf.store.sweep_parts()  # checkpoints a killed kernel was writing here

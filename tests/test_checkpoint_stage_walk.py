@@ -28,7 +28,7 @@ while type(frame.f_locals.get("self")).__name__ != "Agent":
     frame = frame.f_back
 agent = frame.f_locals["self"]
 def save(path):
-    os.makedirs(path)
+    os.makedirs(path, exist_ok=True)  # the host made it, with the fifo its workspace archive goes into
     open(path + "/namespace.pkl", "wb").write(b"the branch's own save")
     open(path + "/workspace.tar", "wb").write(empty.getvalue())
     open(path + "/ready", "w").close()

@@ -32,7 +32,7 @@ def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _fails_once_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore of a name not here fails once its machine came up (it is refused before any
     machine now: test_checkpoint_name_suggestions.py), as a restore that fails in the machine does."""
-    monkeypatch.setattr(Shelf, "refusal_before_up", lambda self, arg: None)
+    monkeypatch.setattr(Shelf, "refusal_before_up", lambda self, arg, room=None: None)
 
 
 def _down_that_fails_after(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -26,17 +26,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _stop_with_grace, _stoppable_thread, _to_the_end
+from .._aio import _stop_with_grace, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
-from ..gate import archive, ckptpaths, ckptwrite
+from ..gate import archive, ckptwrite
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
 from ._channel import Channel
+from ._saving import Saving
 from ._wire import RequestIds, exec_message, interrupt_message
-from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
+from .base import Backend, CellRequest, CellResult, MachineRef, OnEvent
 
 T = TypeVar("T")
 
@@ -46,7 +47,7 @@ CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate make
 LOG_LIMIT = 8 << 20  # bytes of a machine's own output (its fds 1 and 2) kept in its agent.log
 
 
-class AgentHostBackend(Backend):
+class AgentHostBackend(Saving, Backend):
     """A guest agent per machine, on this host; branches by ``os.fork()`` inside it."""
 
     files_in_memory = False  # a machine's files (workspace, /tmp) live in memory its cgroup counts
@@ -115,23 +116,22 @@ class AgentHostBackend(Backend):
         """guest pid -> host pid of the processes below ``ancestor`` (branches just forked)."""
         return _procs.host_pids(ancestor, guest_pids, tree)
 
-    def _lost_for_memory(self, spec: MachineSpec) -> str:
+    def _lost_for_memory(self, spec: MachineSpec, saving: bool = False) -> str:
         """The line of a machine its cgroup killed for memory (a cgroup counts what a sandbox
-        keeps in memory as files too: its line names ``disk``)."""
-        return _limits.out_of_memory_line(spec, files=self.files_in_memory)
+        keeps in memory as files too: its line names ``disk``); ``saving``: during a save."""
+        return _limits.out_of_memory_line(spec, files=self.files_in_memory, saving=saving)
 
     def _makes_leaves(self) -> bool:
         """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
         return False
 
-    def _hand_over(self, path: str, machine: MachineRef,
-                   as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
+    def _hand_over(self, path: str, machine: MachineRef) -> str:
         """Copy a checked checkpoint's files into a new stage folder of ``machine``'s run folder,
         found by :meth:`_below` (the machine can swap its folders for links); the stage's name."""
         stage = f"restore-{secrets.token_hex(6)}"
         with self._stage_folder(machine, stage, lambda why: f"machine {machine.name}'s run folder can't be reached "
                                 f"without following a link ({why}): the checkpoint was not copied in") as (fd, name):
-            ckptwrite.hand_over(path, fd, name, as_owner)
+            ckptwrite.hand_over(path, fd, name, self._as_owner())
         return stage
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
@@ -619,41 +619,6 @@ class AgentHostBackend(Backend):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def checkpoint(self, machine: MachineRef, path: str) -> CheckpointInfo:
-        stage = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-        part = os.path.join(os.path.dirname(path), ckptpaths.part_name(os.path.basename(path)))
-        held, rid = -1, self._ids.new()
-        try:  # the stage goes on every path, even when the machine fails to save
-            saving = asyncio.ensure_future(self._request_explained(
-                machine, {"op": "save", "id": rid, "path": f"{machine.info['guest_run']}/{stage}"}))
-            try:
-                done = await asyncio.shield(saving)
-            except asyncio.CancelledError:  # the machine stops its save too, and is free before we go on
-                await _to_the_end(self._stop_request(machine, saving, rid))
-                raise
-            held = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            ckptpaths.hold_part(held)  # a sweep by another kernel leaves it while it is written
-            # The machine made every path in the stage: the gate reads them without following links
-            # (in a thread: a big stage must not stall the kernel).
-            # (stopped, a Ctrl-C: the thread stops and ends before its files go)
-            await _stoppable_thread(self._pack, machine, stage, held, scratch=os.path.dirname(part))
-            os.replace(part, path)
-        finally:
-            await _to_the_end(asyncio.to_thread(self._remove_below, machine, stage))
-            with contextlib.suppress(OSError):
-                os.unlink(part)
-            if held >= 0:
-                os.close(held)
-        warn = [f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}"] if done.get("skipped") else []
-        return CheckpointInfo(path, self.name, os.path.getsize(path), warn)
-
-    def _pack(self, machine: MachineRef, stage: str, out: int, *, scratch: str, stop: threading.Event) -> None:
-        """``ckptwrite.pack`` of ``stage`` in ``machine``'s run folder, found by :meth:`_below`
-        (its path passes folders the machine can swap for links)."""
-        with self._stage_folder(machine, stage, lambda why: f"the checkpoint machine {machine.name} saved is not in "
-                                f"its run folder ({why}): a folder on its way was moved or made a link") as (fd, name):
-            ckptwrite.pack(fd, name, out, machine.name, scratch=scratch, stop=stop)
-
     @contextlib.contextmanager
     def _stage_folder(self, machine: MachineRef, stage: str,
                       refused: Callable[[str], str]) -> Iterator[tuple[int, str]]:
@@ -705,7 +670,8 @@ class AgentHostBackend(Backend):
             return await self._request(ref, msg)
         except SmolbenchError as exc:
             if limits is not None and limits.oom_kills() > ooms:
-                raise MachineLost(f"{self._lost_for_memory(ref.spec)} (machine {ref.name} was lost)") from None
+                said = self._lost_for_memory(ref.spec, saving=msg.get("op") == "save")
+                raise MachineLost(f"{said} (machine {ref.name} was lost)") from None
             if ": MemoryError:" in str(exc):  # past its rlimit: the machine lives on
                 raise SmolbenchError(_limits.out_of_memory_line(ref.spec)) from None
             raise
@@ -714,13 +680,16 @@ class AgentHostBackend(Backend):
         if isolated and self.name == "process":
             raise SmolbenchError(f"checkpoint {os.path.basename(path)} is not this kernel's own, and the {self.name} "
                                  "backend has no isolation to load its saved state in: restore it on the sandbox backend")
-        try:
-            await asyncio.to_thread(archive.check, path, self.name)  # checked here, extracted only inside the new machine
+        try:  # checked here, extracted only inside the new machine
+            checked = await asyncio.to_thread(archive.check_sized, path, self.name)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise SmolbenchError(f"checkpoint {path} is corrupt or truncated ({archive.damage(exc) or exc}): delete it "
                                  "with `%smol checkpoint rm`") from None
         except archive.UnsafeCheckpoint as exc:
             raise archive.UnsafeCheckpoint(f"{exc}: refused; delete it with `%smol checkpoint rm`") from None
+        room = self._room_refusal(spec, checked, path)
+        if room is not None:  # before a machine boots for it (its headers say what it holds)
+            raise SmolbenchError(room)
         ref = await self.create(spec, name)
         stage = None
         try:
@@ -741,7 +710,7 @@ class AgentHostBackend(Backend):
             if ": OSError: [Errno 28] " in str(exc):  # its workspace is more than this machine's disk
                 raise SmolbenchError(f"checkpoint {path} doesn't fit in a new machine (No space left on device: its files "
                                      f"are more than disk = {_limits.format_mib(spec.files_mib)}): raise disk in the "
-                                     "Smolfile") from None
+                                     "Smolfile, and memory with it (a sandbox keeps its files in memory)") from None
             why = str(exc).split(": ", 1)[-1]
             raise SmolbenchError(f"checkpoint {path} is corrupt: its saved state can't be loaded ({why}): delete it with `%smol checkpoint rm`") from None
         except BaseException:
@@ -753,6 +722,15 @@ class AgentHostBackend(Backend):
         if done.get("skipped"):
             ref.info["restore_warnings"] = [f"not restored: {gate.terminal.listed(done['skipped'])}"]
         return ref
+
+    def _room_refusal(self, spec: MachineSpec, checked: archive.Checked, label: str) -> str | None:
+        """Why checkpoint ``label`` (``checked``: what its headers say it holds) can't fit in a new
+        machine of ``spec``, or None: only where the files are kept in memory (the sandbox's, its
+        stores sized by disk), and counted as memory where a cgroup does."""
+        if not self.files_in_memory or not self.limiter.enforce:
+            return None
+        return _limits.room_refusal(spec, checked.files, checked.namespace, label,
+                                    counted=bool(self.limiter.mechanism.bases))
 
 
 class _Exited(Exception):

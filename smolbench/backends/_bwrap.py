@@ -158,7 +158,8 @@ def disk_mib(spec: MachineSpec) -> int:
 
 
 def run_folder_mib(spec: MachineSpec) -> int:
-    """The run folder's size: a save stage (namespace <= memory, workspace <= disk) and sockets."""
+    """The run folder's size: a save stage (namespace <= memory; the workspace streams out through
+    a fifo), a restore's (namespace, workspace <= disk) and sockets."""
     return spec.memory + disk_mib(spec) + 16
 
 

@@ -88,19 +88,75 @@ def thread_env(spec: MachineSpec) -> dict[str, str]:
     return {var: str(spec.cpus) for var in THREAD_VARS}
 
 
-def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = None) -> str:
+def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = None, saving: bool = False) -> str:
     """The one line a cell that ran out of memory gets. ``files``: the machine's files live in
     memory and its cgroup counted them (a sandbox's workspace, /tmp and /dev/shm), so the line
     says so and names ``disk``, whose full store fails writes with ENOSPC instead. ``said``:
     the error a backend gave the cell; that line when it is the files one (compared whole: a
-    machine's own error text never passes as ours)."""
+    machine's own error text never passes as ours). ``saving``: it ran out while it saved a
+    checkpoint (the line a save's lost machine gets: what a save holds in memory, and what helps)."""
     if not files and said is not None and said == out_of_memory_line(spec, files=True):
         files = True
+    if saving:  # its files were there already (a save streams them out: no copy): lowering disk frees nothing
+        held = f", its files included: up to disk = {format_mib(spec.files_mib)} of them" if files else ""
+        return (f"machine ran out of memory while saving (limit {format_mib(spec.memory)}{held}; a save pickles its "
+                "variables in memory): delete big variables or files before saving, or raise memory in the Smolfile")
     if not files:
         return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
     return (f"machine ran out of memory (limit {format_mib(spec.memory)}, the files it wrote included: up to disk = "
             f"{format_mib(spec.files_mib)} of them): raise memory in the Smolfile, or lower disk so that a full disk "
             "fails writes with ENOSPC first")
+
+
+MACHINE_MIB = 64  # what a machine's own processes take at least (its agent's Python), beside its files
+
+
+def _mib(nbytes: int) -> int:
+    return -(-nbytes // (1 << 20))
+
+
+def _up_to(mib: int, step: int = 64) -> int:
+    return -(-mib // step) * step
+
+
+def room_refusal(spec: MachineSpec, files: int, namespace: int, label: str, *, counted: bool) -> str | None:
+    """Why a checkpoint (``label``: as the user named it) can't be restored into a new sandbox
+    machine of ``spec``, said before one starts; None when it fits. A sandbox keeps its files in
+    memory, within ``disk``: ``files`` (bytes its workspace takes unpacked) more than disk fail
+    with ENOSPC. Under a cgroup (``counted``) they count as its memory too, with its variables
+    (``namespace``: bytes pickled, at least that much once loaded) and its own processes: more
+    than memory and it is killed. The fix names both sizes: disk to hold the files, memory at
+    twice disk at least (the default's ratio: half of memory is left for the machine itself)."""
+    have, ns, disk = _mib(files), _mib(namespace), spec.files_mib
+    over_disk = have > disk
+    over_memory = counted and have + ns + MACHINE_MIB > spec.memory
+    if not over_disk and not over_memory:
+        return None
+    want_disk = max(disk, _up_to(have + 16)) if over_disk else disk
+    want_memory = max(spec.memory, 2 * want_disk, _up_to(have + 2 * ns + MACHINE_MIB))
+    fix = (f'set disk = "{format_mib(want_disk)}" and memory = "{format_mib(want_memory)}"' if over_disk else
+           f'set memory = "{format_mib(want_memory)}"')
+    if over_disk:
+        why = f"its files take {have} MiB, more than disk = {format_mib(disk)}"
+    else:
+        why = (f"its files ({have} MiB) and variables ({ns} MiB) with the machine's own {MACHINE_MIB} MiB are more "
+               f"than memory = {format_mib(spec.memory)}, which counts the files a sandbox keeps in memory")
+    return (f"checkpoint {label} doesn't fit in a machine of this Smolfile ({why}): {fix} in the Smolfile, or more "
+            "(a sandbox keeps its files in memory: memory needs room for them and for the machine); nothing was "
+            "started")
+
+
+def disk_note(spec: MachineSpec, *, counted: bool) -> str | None:
+    """One line at up for a Smolfile whose ``disk`` leaves its sandbox machine no memory of its own
+    (None otherwise): its files are kept in memory and, under a cgroup (``counted``), counted as
+    its memory, so files filling that disk take the machine out of memory before a write fails
+    with ENOSPC. A notice, not a refusal: the same Smolfile sizes a microVM's real disk."""
+    if not counted or not spec.disk_mib or spec.disk_mib + MACHINE_MIB <= spec.memory:
+        return None
+    return (f"disk = {format_mib(spec.disk_mib)} leaves memory = {format_mib(spec.memory)} no room: a sandbox keeps its "
+            "files in memory, counted as its memory, so files filling the disk would kill the machine for memory "
+            f'before a write fails with ENOSPC; set disk = "{format_mib(max(16, spec.memory // 2))}" (half of memory, '
+            "the default) or raise memory in the Smolfile")
 
 
 # What a new branch takes of the host at least (measured by bench/scale.py: about 5 MiB PSS for

@@ -414,14 +414,14 @@ class SandboxBackend(AgentHostBackend):
         finally:
             os.close(fd)
 
-    def _hand_over(self, path: str, machine: MachineRef,
-                   as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> str:
-        # The machine's folder is a tmpfs of its user namespace, where host root has no uid: the
-        # checkpoint is opened as root and streamed straight in as the machine's uid (fsuid),
-        # never unpacked anywhere else (issue 25: not in the host's /tmp).
+    def _as_owner(self) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        # The machine's folder is a tmpfs of its user namespace, where host root has no uid: what
+        # the host makes there (a restore's files streamed straight in, never unpacked anywhere
+        # else, issue 25: not in the host's /tmp; a save's stage and fifo) is made as the
+        # machine's uid (fsuid).
         if self._contained and os.geteuid() == 0:
-            as_owner = lambda: _fs_ids(*sandbox_ids())  # noqa: E731
-        return super()._hand_over(path, machine, as_owner)
+            return lambda: _fs_ids(*sandbox_ids())
+        return super()._as_owner()
 
     def _log_tail(self, ref: MachineRef) -> str:  # type: ignore[override]
         last = super()._log_tail(ref)

@@ -24,12 +24,13 @@ import tarfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, NamedTuple
 
 from ..errors import SmolbenchError
 from .limits import LIMITS, human
 
 FILES = ("namespace.pkl", "workspace.tar")
+PAGE = 4096  # what a tmpfs keeps of a file, at least (its size is counted in these)
 LINK_HOPS = 40  # like the kernel's limit on symlinks followed in one lookup
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -404,10 +405,11 @@ def _shown(name: str) -> str:
     return name if name.isprintable() and len(name) <= 200 else repr(name[:200])
 
 
-def check_members(tar: tarfile.TarFile, where: str) -> None:
-    """Refuse a workspace archive whose members could land or point outside it."""
+def check_members(tar: tarfile.TarFile, where: str) -> int:
+    """Refuse a workspace archive whose members could land or point outside it. Returns the
+    bytes its files take unpacked (each file's size in whole pages, as a tmpfs keeps them)."""
     members: list[tarfile.TarInfo] = []
-    names = 0
+    names = footprint = 0
     while (m := tar.next()) is not None:
         members.append(m)
         if len(members) > MEMBER_LIMIT:
@@ -417,6 +419,8 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
             raise UnsafeCheckpoint(f"{where} has a name or link longer than {PATH_LIMIT:,} bytes, which no file "
                                    f"system makes ({_shown(m.name[:60])}...)")
         names += size
+        if m.isfile():
+            footprint += -(-m.size // PAGE) * PAGE
         if names > NAMES_LIMIT:  # tarfile keeps every name: 500,000 of 4 KB were 2 GB here
             raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
     links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()}, where)
@@ -436,6 +440,7 @@ def check_members(tar: tarfile.TarFile, where: str) -> None:
         # a path that goes through one of the archive's links must stay inside too
         if _resolve(name.parts, links, walk) is None:
             raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(m.name)})")
+    return footprint
 
 
 def check_workspace(blob: bytes, where: str) -> None:
@@ -447,11 +452,24 @@ def check_workspace(blob: bytes, where: str) -> None:
         raise UnsafeCheckpoint(f"{where} is not a readable archive ({exc})") from None
 
 
+class Checked(NamedTuple):
+    """What :func:`check_sized` found in a checkpoint file it let through."""
+
+    record: dict[str, Any] | None  # its record (checked), or None
+    files: int  # bytes its workspace's files take unpacked (in pages): what a machine's disk must hold
+    namespace: int  # bytes of its pickled variables
+
+
 def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict[str, Any] | None:
     """Refuse a checkpoint file that is not exactly two plain files with a safe workspace (and,
     first, at most one record of its own), or that claims more than the checkpoint limit
     (refused before any of it is unpacked). Returns its record (checked), or None.
     ``label``: the file's name in messages (default: ``path``'s)."""
+    return check_sized(path, backend, label).record
+
+
+def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -> Checked:
+    """:func:`check`, and what the file would take in a machine (from its headers, as read)."""
     label = label or Path(path).name
     record = None
     with open_tar(path, what=f"checkpoint {label}") as tar:
@@ -480,7 +498,7 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
             blob = tar.extractfile("workspace.tar")
             assert blob is not None
             with open_tar(fileobj=blob, mode="r:") as inner:
-                check_members(inner, f"checkpoint {label}")
+                files = check_members(inner, f"checkpoint {label}")
         except (SmolbenchError, tarfile.TarError) as exc:
             said = None if isinstance(exc, Damaged) else _damage_found(tar)
             if said is not None:  # a changed byte can make a header wrong: gzip's checksum says it was that
@@ -489,7 +507,7 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
         said = _damage_found(tar, quiet=False)
         if said is not None:
             raise Damaged(said)
-    return record
+    return Checked(record, files, sizes.get("namespace.pkl", 0))
 
 
 def _damage_found(tar: tarfile.TarFile, quiet: bool = True) -> str | None:

@@ -1,5 +1,6 @@
-"""Writing checkpoint files: a machine's saved files packed into one, and a checked file
-streamed into a new machine's folder or written again as one self-contained file.
+"""Writing checkpoint files: a machine's saved files packed into one (its workspace archive
+streamed out of the machine as it is written), and a checked file streamed into a new
+machine's folder or written again as one self-contained file.
 
 Reading and checking them is ``archive.py``'s; what is written here passes through its
 checks (``check_members``, the checkpoint limit) on the way.
@@ -11,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import select
 import stat
 import tarfile
 import tempfile
@@ -74,42 +76,90 @@ def _has_holes(fd: int, size: int) -> bool:
         os.lseek(fd, 0, os.SEEK_SET)
 
 
+def open_pipe(run_dir: int, stage: str,
+              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> int:
+    """Make the new folder ``stage`` in the folder descriptor ``run_dir`` (the backend found it
+    without following the machine's links) with a fifo ``workspace.tar`` in it, where the
+    machine's save writes its workspace archive for :func:`receive`; its read end (non-blocking),
+    opened now, before the machine is asked to save: what the machine puts at that name later
+    is never opened. ``as_owner``: the file access identity they are made with."""
+    with as_owner():
+        os.mkdir(stage, 0o700, dir_fd=run_dir)
+        with _dirfd(stage, parent=run_dir) as folder:
+            os.mkfifo("workspace.tar", 0o600, dir_fd=folder)
+            fd = os.open("workspace.tar", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):  # swapped between the two calls
+        os.close(fd)
+        raise UnsafeCheckpoint(f"the machine changed its save's stage ({stage}) as it was made")
+    return fd
 
 
-def _copy_exact(src: IO[bytes], dst: IO[bytes], size: int, what: str) -> None:
-    left = size
-    while left:
-        block = src.read(min(left, 1 << 20))
-        if not block:
-            raise UnsafeCheckpoint(f"{what} changed while it was being read")
-        dst.write(block)
-        left -= len(block)
+def receive(pipe: int, where: str, *, scratch: str | os.PathLike[str], saved: threading.Event,
+            stop: threading.Event | None = None) -> tuple[IO[bytes], int]:
+    """The workspace archive machine ``where`` writes into the fifo whose read end is ``pipe``
+    (non-blocking; the caller closes it once this returned), as it comes: into a new unnamed file in ``scratch`` (the
+    checkpoint's folder, never the host's /tmp), counted against the checkpoint limit and
+    stopped there. Streamed, the archive is never a second copy of the machine's files in its
+    own memory (a sandbox keeps its files in memory, and its cgroup counts them: the copy made
+    a full workspace's save kill its machine). Returns (the file, at its start; its size).
 
-
-
-
-def pack(run_dir: int, stage: str, out: int, where: str, *,
-         scratch: str | os.PathLike[str], stop: threading.Event | None = None) -> None:
-    """Write checkpoint file descriptor ``out`` from the files machine ``where`` saved in the
-    folder ``stage`` of the folder descriptor ``run_dir`` (the backend found it without
-    following the machine's links: a path to it passes folders the machine can swap).
-
-    Each file is read by its real size, at most the checkpoint limit, and never held in
-    memory: the workspace archive is checked in a copy in ``scratch`` (the checkpoint's
-    folder, never the host's /tmp) so the machine can't change it after the check, the
-    namespace goes straight in. Written through ``out``, not a path: a save stopped meanwhile
-    removes its part file, and a name opened after that would make it again. ``stop`` set
-    (the save was stopped): :class:`PackStopped` at the next MB."""
+    The end is the machine closing its end of the fifo. ``saved``: its save request ended, so
+    the archive came already (its end closed: the fifo says hang-up at once) or never will (a
+    machine that never opened the fifo, or holds it open). After a failure, closing ``pipe``
+    makes a writer's next write fail (EPIPE): an honest machine ends its save there."""
     what = f"the checkpoint machine {where} saved"
+    ws = tempfile.TemporaryFile(dir=scratch)
+    size, counted = 0, "size" not in TEST_WEAKEN
+    try:
+        poll = select.poll()
+        poll.register(pipe, select.POLLIN)  # hang-up is reported too: only once a writer came and went
+        while True:
+            if stop is not None and stop.is_set():
+                raise PackStopped("the save was stopped")
+            late = saved.is_set()  # looked at before the poll: a closed end is seen by then
+            events = poll.poll(0 if late else 100)
+            if not events:
+                if late:
+                    raise UnsafeCheckpoint(f"{what} has no workspace archive (the machine never wrote it, or kept "
+                                           "its end open)")
+                continue
+            try:
+                block = os.read(pipe, 1 << 20)
+            except BlockingIOError:  # a writer came back meanwhile
+                continue
+            if not block:
+                break  # every writer closed its end: all of it came
+            size += len(block)
+            if size > LIMITS.checkpoint and counted:
+                raise UnsafeCheckpoint(f"{what} sends a workspace of more than the checkpoint limit of "
+                                       f"{human(LIMITS.checkpoint)} (stopped there): keep less in the machine, or "
+                                       "raise it with `%smol config checkpoint-limit 4G`")
+            ws.write(block)
+    except BaseException:
+        ws.close()
+        raise
+    ws.seek(0)
+    return ws, size
+
+
+def pack(run_dir: int, stage: str, out: int, where: str, workspace: tuple[IO[bytes], int], *,
+         stop: threading.Event | None = None) -> None:
+    """Write checkpoint file descriptor ``out`` from what machine ``where`` saved: the namespace
+    in the folder ``stage`` of the folder descriptor ``run_dir`` (the backend found it without
+    following the machine's links: a path to it passes folders the machine can swap), and its
+    ``workspace`` archive as :func:`receive` took it (a host file the machine can't change).
+
+    The namespace is read by its real size, never held in memory, and goes straight in; the
+    two together at most the checkpoint limit; the workspace's members are checked first.
+    Written through ``out``, not a path: a save stopped meanwhile removes its part file, and a
+    name opened after that would make it again. ``stop`` set (the save was stopped):
+    :class:`PackStopped` at the next MB."""
+    what = f"the checkpoint machine {where} saved"
+    ws, size = workspace
     with _dirfd(stage, parent=run_dir) as folder, contextlib.ExitStack() as stack:
-        opened: dict[str, tuple[IO[bytes], int]] = {}
-        for name in FILES:
-            fd, size = _open_plain(name, folder, what)
-            opened[name] = (cast(IO[bytes], _Stoppable(stack.enter_context(os.fdopen(fd, "rb")), stop)), size)
-        _within_limit({name: size for name, (_, size) in opened.items()}, what)
-        ws = stack.enter_context(tempfile.TemporaryFile(dir=scratch))
-        src, size = opened["workspace.tar"]
-        _copy_exact(src, ws, size, what)
+        fd, nsize = _open_plain("namespace.pkl", folder, what)
+        src = cast(IO[bytes], _Stoppable(stack.enter_context(os.fdopen(fd, "rb")), stop))
+        _within_limit({"namespace.pkl": nsize, "workspace.tar": size}, what)
         ws.seek(0)
         try:
             with open_tar(fileobj=ws, mode="r:") as inner:
@@ -119,7 +169,6 @@ def pack(run_dir: int, stage: str, out: int, where: str, *,
         ws.seek(0)
         sink = stack.enter_context(os.fdopen(os.dup(out), "wb"))
         with tarfile.open(fileobj=sink, mode="w:gz") as tar:
-            src, nsize = opened["namespace.pkl"]
             info = tarfile.TarInfo("namespace.pkl")
             info.size = nsize
             try:

@@ -4,6 +4,7 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 """
 
 import os
+import stat
 import types
 
 
@@ -28,16 +29,19 @@ class SaveLoad:
                 state[key] = _dumps(val)
             except Exception as exc:
                 skipped.append("%s (%s)" % (key, type(exc).__name__))
+        saved = sorted(state) + sorted(modules)
         os.makedirs(path, exist_ok=True)
         data = {"vars": state, "modules": modules, "seed": self.seed, "name": self.name}
-        blob = pickle.dumps(data, protocol=4)
-        with open(os.path.join(path, "namespace.pkl"), "wb") as fh:
-            fh.write(blob)
-        with tarfile.open(os.path.join(path, "workspace.tar"), "w") as tar:
+        with _sink(os.path.join(path, "namespace.pkl")) as fh:
+            pickle.dump(data, fh, protocol=4)  # (not dumps(): no second copy of it in memory)
+        del data, state
+        # Streamed ("w|": a fifo can't seek): into the host's fifo where it made one, so the
+        # archive is never a second copy of the workspace's files in this machine's memory.
+        with _sink(os.path.join(path, "workspace.tar")) as fh, tarfile.open(fileobj=fh, mode="w|") as tar:
             if self.workdir and os.path.isdir(self.workdir):
                 for entry in sorted(os.listdir(self.workdir)):
                     tar.add(os.path.join(self.workdir, entry), arcname=entry)
-        return {"t": "done", "status": "ok", "skipped": skipped, "saved": sorted(state) + sorted(modules)}
+        return {"t": "done", "status": "ok", "skipped": skipped, "saved": saved}
 
     def load(self, path):
         """Bring back what :meth:`save` wrote: workspace files, then variables."""
@@ -83,3 +87,17 @@ class SaveLoad:
         # A `reward` the checkpoint's cells set is not this machine's: it is reported, as on a
         # fresh machine, once a cell here sets one (see Cells._reward_and_metrics).
         self.inherited_reward = (self.ns["reward"],) if "reward" in self.ns else None
+
+
+def _sink(path):
+    """A file to write ``path`` into: the fifo the host made there, whose other end it reads as
+    this writes (opened without waiting: no reader is an error, ENXIO), else a new file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return open(path, "wb")
+    if not stat.S_ISFIFO(st.st_mode):
+        return open(path, "wb")
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "wb")
