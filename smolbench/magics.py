@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import queue
-import secrets
 import sys
 import time
 import types
@@ -14,7 +11,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.display import clear_output, display, update_display
+from IPython.display import display
 
 from . import _loop, gate
 from ._didyoumean import cell_word_error, line_word_error
@@ -33,9 +30,19 @@ from ._magicargs import (
     parse_seeds,
     strip_comment,
 )
+from ._magicout import (
+    _BG_NOTES,
+    _NOTES_SHOWN,
+    _drain,
+    _Dropped,
+    _flush_grouped,
+    _notice,
+    _Progress,
+    _show_event,
+)
+from ._magicout import _PENDING as _PENDING  # where tests and bench/ reach the queue
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
-from .backends import _netproxy
 from .backends.base import Event
 from .errors import SmolbenchError, reworded, shown_by_ipython
 from .gate import SafeBundle
@@ -43,7 +50,6 @@ from .result import ForkResult
 
 PUMP_INTERVAL = 0.05
 NO_ARGUMENTS = ("status", "down", "tree", "plot")  # extra words there were silently dropped
-PROGRESS_INTERVAL = 0.25
 
 
 @magics_class
@@ -626,188 +632,8 @@ def _session_of(args: Any) -> Session:
     return session
 
 
-def _notice(line: str) -> None:
-    """A Workbench's one-line news, shown in the running cell (output, not an error); a background
-    fork's go to its handle instead (``.wait()`` says them, its table keeps them), not under
-    whatever cell runs next, where they read as that cell's doing."""
-    notes = _BG_NOTES.get()
-    if notes is not None:
-        notes.append(line)
-    else:
-        _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n")))
-
-
 def interrupted(message: str) -> KeyboardInterrupt:
     """A KeyboardInterrupt that IPython shows as one line (our frames help nobody)."""
     cls = type("KeyboardInterrupt", (KeyboardInterrupt,), {"_render_traceback_": lambda self: [f"KeyboardInterrupt: {self}"]})
     return cls(message)
 
-
-# Events produced on the loop thread, shown on the kernel's main thread (so output lands
-# in the cell that is running, whatever thread produced it).
-_PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
-# the notes of the background fork whose task (and the tasks it made) is running, else None
-_BG_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("smolbench_bg_notes", default=None)
-
-
-DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again
-
-
-def _drain(timeout: float) -> None:
-    """Show queued events on this thread: runs of text to one stream are written (and
-    flushed, one IOPub message) together; a slice of time at most, then back to the caller."""
-    try:
-        item = _PENDING.get(timeout=timeout) if timeout else _PENDING.get_nowait()
-    except queue.Empty:
-        return
-    deadline = time.monotonic() + DRAIN_SLICE
-    run: list[str] = []
-    target: Any = None
-
-    def write() -> None:
-        if run:
-            target.write("".join(run))
-            target.flush()
-            run.clear()
-
-    while True:
-        kind, branch, ev = item
-        if kind == "stream":
-            stream = sys.stderr if ev.name == "stderr" else sys.stdout
-            if stream is not target:
-                write()
-                target = stream
-            if branch:
-                run.append(gate.terminal.prefixed(branch, ev.text))
-            else:
-                run.append(ev.text)
-        elif kind == "display" and isinstance(ev.data, SafeBundle) and (ev.data or (ev.display_id and not branch)):
-            write()  # ("wake" items only end the wait)
-            if branch:
-                print(f"[{branch}] display:")
-                display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
-            elif ev.display_id is None:
-                display(dict(ev.data), raw=True)
-            elif ev.update:
-                update_display(dict(ev.data), display_id=_DISPLAY_IDS.host(ev.display_id), raw=True)
-            else:
-                display(dict(ev.data), raw=True, display_id=_DISPLAY_IDS.host(ev.display_id))
-        elif kind == "clear" and not branch:
-            write()
-            clear_output(wait=ev.wait)
-            for note in _NOTES_SHOWN:  # the host's notes about this cell's output outlive the machine's clear
-                sys.stderr.write(note)
-            sys.stderr.flush()
-        if kind == "stream" and ev.note and not branch:
-            _NOTES_SHOWN.append(ev.text)
-        if time.monotonic() > deadline:
-            break
-        try:
-            item = _PENDING.get_nowait()
-        except queue.Empty:
-            break
-    write()
-
-
-class _Dropped:
-    """Output still queued when Ctrl-C came: dropped (not shown) and counted."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.displays = 0
-
-    def discard(self) -> None:
-        while True:
-            try:
-                kind, _, ev = _PENDING.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "stream":
-                self.bytes += len(ev.text.encode("utf-8", "replace"))
-            elif kind == "display":
-                self.displays += 1
-
-    def say(self) -> None:
-        parts = [f"{gate.human(self.bytes)} of output"] if self.bytes else []
-        parts += [f"{self.displays:,} displays"] if self.displays else []
-        if parts:
-            print(f"smolbench: {' and '.join(parts)} after Ctrl-C not shown", file=sys.stderr)
-
-
-def _show_event(ev: Event) -> None:
-    _PENDING.put((ev.kind if ev.kind in ("stream", "clear") else "display", "", ev))
-
-
-class _DisplayIds:
-    """The kernel's display id for each id a machine gave a display (``machine/id``): fresh
-    random ones, so a machine's update can only redraw what a machine showed, never the
-    host's own displays (a tree view, a progress line). The newest :data:`MAX` are kept."""
-
-    MAX = 4096
-
-    def __init__(self) -> None:
-        self._ids: dict[str, str] = {}
-
-    def host(self, machine_id: str) -> str:
-        got = self._ids.pop(machine_id, None) or f"smolbench-machine-{secrets.token_hex(12)}"
-        self._ids[machine_id] = got  # (newest last)
-        while len(self._ids) > self.MAX:
-            del self._ids[next(iter(self._ids))]
-        return got
-
-
-_DISPLAY_IDS = _DisplayIds()
-# The gate's notes shown in the running cell: a machine's clear_output must not hide them, so
-# they are shown again after it (emptied when a cell starts).
-_NOTES_SHOWN: list[str] = []
-
-
-# the sandbox's egress proxy: its one-line failures show in the running cell
-_netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line + "\n"))]
-
-
-def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:
-    """A fork's output after it ends, each line after its branch's name (a line a branch
-    writes can't pass for another's): by branch, or all of stdout and then all of stderr."""
-    if mode == "branch":
-        for branch in sorted(buffers, key=_branch_key):
-            for name, text in buffers[branch]:
-                (sys.stderr if name == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
-        return
-    for want in ("stdout", "stderr"):
-        for branch in sorted(buffers, key=_branch_key):
-            text = "".join(t for n, t in buffers[branch] if n == want)
-            if text:
-                (sys.stderr if want == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
-
-
-def _branch_key(branch: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in branch.replace("-", ".").split(".")]
-
-
-class _Progress:
-    """A one-line progress display, updated in place while branches run."""
-
-    def __init__(self, result: ForkResult) -> None:
-        self.result = result
-        self.handle: Any = None
-        self.last = 0.0
-        self.text = ""
-
-    def tick(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < PROGRESS_INTERVAL:
-            return
-        self.last = now
-        done, total = self.result.progress
-        counts = self.result.counts()
-        running = counts.get("running", 0)
-        bits = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()) if k not in ("running", "starting"))
-        text = f"{self.result.kind}: {done}/{total} done" + (f", {running} running" if running else "") + (f" ({bits})" if bits else "")
-        if text == self.text:
-            return
-        self.text = text
-        if self.handle is None:
-            self.handle = display({"text/plain": text}, raw=True, display_id=True)
-        else:
-            self.handle.update({"text/plain": text}, raw=True)
