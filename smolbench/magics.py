@@ -234,10 +234,15 @@ class SmolMagics(Magics):
         self._close_views()
 
     def shutdown(self) -> None:
-        """Delete every machine (extension unload; the kernel's exit: the session's own hook)."""
+        """Delete every machine and close the ledgers (extension unload; the kernel's exit: the
+        session's own hook, and the ledger's)."""
         if self.session is not None and self.session.is_up:
             with contextlib.suppress(Exception):
                 self.session.down()
+        for ledger in (getattr(self.workbench, "ledger", None), getattr(getattr(self, "_own_shelf", None), "ledger", None)):
+            if ledger is not None:
+                ledger.fold_wal()
+                ledger.close()
 
     def _close_views(self) -> None:
         """Detach the Workbench's widgets; they keep showing its last state."""

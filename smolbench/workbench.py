@@ -254,6 +254,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             await self.backend.close()
         self.active = None
         self.closed = True
+        self.ledger.fold_wal()  # ledger.db alone is then the whole ledger (a copy of it, a download)
         return len(before | gone)
 
     async def _stop_fanouts(self) -> None:
