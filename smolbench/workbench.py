@@ -180,8 +180,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         try:
             if restore is None:  # a checkpoint's machine ran its init commands before it was saved
                 await self._init(ref)
-            res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
-            self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
+            self.guest_info = {"python": await self._guest_python(ref)}
         except BaseException:
             await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
@@ -197,6 +196,17 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self._record(node)
         self._watcher = asyncio.ensure_future(self.watch_checkpoints())
         return node
+
+    async def _guest_python(self, ref: MachineRef) -> str:
+        """The machine's Python version, as its agent says it (``ping``), never from a cell in the
+        user's namespace: that left ``_`` ('3.11.7') and ``_s`` (sys) in every fresh machine."""
+        info = getattr(self.backend, "info", None)
+        if info is not None:
+            return str((await info(ref)).get("python") or "")
+        # a backend that can't ask the agent (a cluster's): printed, so nothing is left behind
+        res = await self.backend.exec_cell(ref, CellRequest("print(__import__('sys').version.split()[0])",
+                                                            cell_name="<probe>"), lambda e: None)
+        return res.stdout.strip()
 
     async def _init(self, ref: MachineRef) -> None:
         """The Smolfile's init commands, all within ``init_timeout`` seconds."""
