@@ -100,6 +100,12 @@ def _drain(timeout: float) -> None:
     write()
 
 
+def show_pending() -> None:
+    """Show what is queued now (the notices of a call a line magic made on this thread), in this cell."""
+    while not _PENDING.empty():
+        _drain(timeout=0)
+
+
 class _Dropped:
     """Output still queued when Ctrl-C came: dropped (not shown) and counted."""
 

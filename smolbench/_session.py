@@ -178,6 +178,7 @@ class Session:
         self.magic_words = False  # the magics' Session: its notices name `%smol` commands, as the cells do
         self.workbench: Workbench | None = None
         self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
+        self._forks: dict[str, str] = {}  # run id -> what to call that fork ("the fork of 8 under root at In [5]")
         self.fallback = ""  # why ``backend="auto"`` chose what it chose, when it fell back
         self.spec_path: str | None = None
 
@@ -423,6 +424,10 @@ class Session:
             result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
         result.magic_words = self.magic_words
+        if kind == "fork":
+            cell = (cell_name or "").strip("<>")
+            self._forks[result.run_id] = (f"the fork of {len(result)} under {result.parent}"
+                                          + (f" at {cell}" if cell.startswith("In [") else f" (run {result.run_id.rsplit('run', 1)[-1]})"))
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
                 return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,
@@ -484,14 +489,13 @@ class Session:
 
     @_in_session_words
     def use(self, node: str) -> str:
-        """Make a live node (e.g. ``root.7``, or ``best``: the last fork's best) the active machine."""
+        """Make a live node the active machine: e.g. ``root.7``, or ``best``: the last fork's best
+        branch, or when that is gone (or it has none) the best live rewarded branch of this
+        session's forks, and a notice says which fork that came from."""
         if node == "best":
-            best = self.last_result.best if self.last_result is not None else None
-            if best is None:
-                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
-                                     "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
-                                     "code)` first, or name a live node (`Session.status()['live_machines']`)")
-            node = best["branch"]
+            node, note = best_alive(self._wb(), self.last_result, self._forks)
+            if note:
+                self._notice_line(f"smolbench: {note}")
         return self._wb().use(node).id
 
     @_in_session_words
@@ -708,6 +712,40 @@ class Session:
     async def areplay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
         """:meth:`replay` from an asyncio loop."""
         return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
+
+
+def best_alive(wb: Workbench, last: ForkResult | None, forks: Mapping[str, str]) -> tuple[str, str]:
+    """What ``use("best")`` makes active, and the line to say when it is not the last fork's
+    winner: the best live rewarded branch of this session's forks (``forks``: what each is
+    called). None: a one-line SmolbenchError saying why."""
+    from .tree import best_key
+
+    mine = last if last is not None and last.run_id in forks and last.run_id.startswith(wb.session + "/") else None
+    best = mine.best if mine is not None else None
+    if best is not None and best["branch"] in wb.machines:
+        return best["branch"], ""
+    rewarded = [n for n in wb.tree if n.run_id in forks and n.reward is not None and n.status == "ok"]
+    alive = [n for n in rewarded if n.id in wb.machines]
+    if not rewarded and mine is None:
+        raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
+                             "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
+                             "code)` first, or name a live node (`Session.status()['live_machines']`)")
+    if mine is None:
+        why = "the last run was not a fork"
+    elif best is not None:
+        why = f"the last fork's best, {best['branch']}, was deleted"
+    else:
+        failed = ", ".join(f"{v} {k}" for k, v in sorted(mine.counts().items()) if k != "ok")
+        why = f"{forks[mine.run_id]} has no rewarded branch" + (f" ({failed})" if failed else "")
+    if not alive:
+        gone = "; no other fork's rewarded branch is alive" if [n for n in rewarded if n.run_id != getattr(mine, "run_id", None)] else ""
+        raise SmolbenchError(f"no live rewarded branch to use: {why}{gone}: `%smol replay NODE` rebuilds one, or name a "
+                             "live node (`%smol tree`)",
+                             api=f"no live rewarded branch to use: {why}{gone}: `Session.replay(node)` rebuilds one, "
+                             "or name a live node (`Session.status()['live_machines']`)")
+    pick = min(alive, key=lambda n: best_key(n.id, n.reward))
+    return pick.id, (f"{why}: using the best live rewarded branch, {pick.id} (reward {pick.reward:.6g}), from "
+                     f"{forks[str(pick.run_id)]}")
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Workbench | None) -> None:

@@ -39,6 +39,7 @@ from ._magicout import (
     _notice,
     _Progress,
     _show_event,
+    show_pending,
 )
 from ._magicout import _PENDING as _PENDING  # where tests and bench/ reach the queue
 from ._session import Session, pickled
@@ -270,6 +271,7 @@ class SmolMagics(Magics):
         self._wb()
         assert self.session is not None
         node = self.workbench.tree[self.session.use(args.node)]  # `best`: the kept winner of the last fork
+        show_pending()  # (or, that gone, which fork's best it took)
         print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward if node.reward is None else format(node.reward, '.6g')})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:

@@ -25,3 +25,21 @@ def test_a_fresh_machine_has_no_underscore_of_the_up(tmp_path: Path) -> None:
         names = ok(nb.run("%%smol\nprint(sorted(k for k in globals() if not k.startswith('__')))"))
         assert stream_text(names) == "['display', 'smolbench_guest']\n"
         ok(nb.run("%smol down"))
+
+
+def test_use_best_after_a_failed_fork_takes_an_earlier_fork_s_best_and_says_which(tmp_path: Path) -> None:
+    with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        ok(nb.run("%%smol fork 4 --seed-base 1 --quiet\nreward = SEED * 10"))
+        assert "CompositeError" in error_text(nb.run("%%smol fork 3\nraise ValueError('no')"))
+        use = ok(nb.run("%smol use best"))
+        said = stream_text(use)
+        assert said.startswith("smolbench: the fork of 3 under root at In [4] has no rewarded branch (3 error): using the "
+                               "best live rewarded branch, root.3 (reward 40), from the fork of 4 under root at In [3]\n"), said
+        assert said.endswith("smolbench: active machine is now root.3 (seed 4, reward 40)\n"), said
+        ok(nb.run("%smol delete root.3"))
+        gone = nb.run("%smol use best")
+        assert "no live rewarded branch to use: the fork of 3 under root at In [4] has no rewarded branch (3 error); no " \
+               "other fork's rewarded branch is alive: `%smol replay NODE` rebuilds one" in error_text(gone), error_text(gone)
+        ok(nb.run("%smol down"))

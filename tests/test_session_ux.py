@@ -43,3 +43,29 @@ def test_a_backend_that_can_t_ask_its_agent_still_leaves_the_namespace_alone(her
         names = s.run("sorted(k for k in globals() if not k.startswith('__'))").value
         assert names == ["_", "display", "smolbench_guest"], names
         assert s.status()["guest_python"].startswith("3."), s.status()
+
+
+def test_use_best_after_a_fork_whose_branches_all_failed_takes_the_best_live_branch(here: Path) -> None:
+    """`use("best")` looked at the last fork only: after one whose branches all failed it said
+    "no fork with a rewarded branch yet", though an earlier fork's best was alive."""
+    notes: list[str] = []
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append) as s:
+        s.fork(4, "reward = SEED * 10", seed_base=1)  # root.3 (40) kept
+        with pytest.raises(CompositeError):
+            s.fork(3, "raise ValueError('no')")
+        assert s.use("best") == "root.3" == s.active
+        assert notes[-1] == ("smolbench: the fork of 3 under root (run 2) has no rewarded branch (3 error): using the best "
+                             "live rewarded branch, root.3 (reward 40), from the fork of 4 under root (run 1)")
+        s.fork(2, "reward = SEED", keep="none")  # its best is deleted with the rest
+        assert s.use("best") == "root.3"
+        assert notes[-1].startswith("smolbench: the last fork's best, root.3.1, was deleted: using the best live "
+                                    "rewarded branch, root.3 (reward 40)"), notes[-1]
+        f = s.fork(2, "reward = SEED + 100")
+        told = len(notes)
+        assert s.use("best") == f.best["branch"] == "root.3.3" and len(notes) == told  # the last fork's: said nothing
+        s.delete("root.3")
+        with pytest.raises(SmolbenchError) as got:
+            s.use("best")
+        assert str(got.value) == ("no live rewarded branch to use: the last fork's best, root.3.3, was deleted; no other "
+                                  "fork's rewarded branch is alive: `Session.replay(node)` rebuilds one, or name a live "
+                                  "node (`Session.status()['live_machines']`)")
