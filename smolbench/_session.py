@@ -424,6 +424,10 @@ class Session:
             result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
         result.magic_words = self.magic_words
+        if kind == "episodes":
+            result.fresh_hint = (f"episodes start fresh from {'the Smolfile' if self.spec_path else 'the default spec'}'s "
+                                 f"baseline, not from the active machine {wb.active}: "
+                                 f"{'`%%smol fork N`' if self.magic_words else '`Session.fork(n, code)`'} branches it")
         if kind == "fork":
             cell = (cell_name or "").strip("<>")
             self._forks[result.run_id] = (f"the fork of {len(result)} under {result.parent}"

@@ -43,3 +43,19 @@ def test_use_best_after_a_failed_fork_takes_an_earlier_fork_s_best_and_says_whic
         assert "no live rewarded branch to use: the fork of 3 under root at In [4] has no rewarded branch (3 error); no " \
                "other fork's rewarded branch is alive: `%smol replay NODE` rebuilds one" in error_text(gone), error_text(gone)
         ok(nb.run("%smol down"))
+
+
+def test_episodes_after_a_restore_that_all_miss_a_name_say_where_they_start(tmp_path: Path) -> None:
+    (tmp_path / "Smolfile").write_text('workdir = "/lab"\n')
+    with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        ok(nb.run("%%smol\ncart = 7"))
+        ok(nb.run("%smol checkpoint save lesson1"))
+        ok(nb.run("%smol down"))
+        ok(nb.run("%smol checkpoint restore lesson1"))
+        failed = error_text(nb.run("%%smol episodes 4\nreward = cart + SEED"))
+        assert "4 of 4 episodes failed (4 error); first: [ep1.0] error: NameError: name 'cart' is not defined; episodes " \
+               "start fresh from the Smolfile's baseline, not from the active machine r1-lesson1: `%%smol fork N` " \
+               "branches it" in failed, failed
+        ok(nb.run("%smol down"))

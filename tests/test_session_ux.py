@@ -69,3 +69,18 @@ def test_use_best_after_a_fork_whose_branches_all_failed_takes_the_best_live_bra
         assert str(got.value) == ("no live rewarded branch to use: the last fork's best, root.3.3, was deleted; no other "
                                   "fork's rewarded branch is alive: `Session.replay(node)` rebuilds one, or name a live "
                                   "node (`Session.status()['live_machines']`)")
+
+
+def test_episodes_that_all_miss_a_name_say_they_start_from_the_baseline(here: Path) -> None:
+    """Episodes that used a variable of the active machine failed with a bare NameError."""
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        s.run("cart = 7")
+        with pytest.raises(CompositeError) as got:
+            s.episodes(2, "reward = cart")
+        assert str(got.value) == ("2 of 2 episodes failed (2 error); first: [ep1.0] error: NameError: name 'cart' is not "
+                                  "defined; episodes start fresh from the default spec's baseline, not from the active "
+                                  "machine root: `Session.fork(n, code)` branches it")
+        with pytest.raises(CompositeError) as got:  # not all of them a NameError: nothing more said
+            s.episodes(2, "if SEED: reward = cart\nelse: raise ValueError('no')")
+        assert str(got.value).endswith("error: ValueError: no"), got.value
+        assert s.fork(2, "reward = cart + SEED", keep="none").best["reward"] == 8
