@@ -284,14 +284,15 @@ class Session:
             self.on_notice(self.fallback)
         return self.boot()
 
-    def boot(self, restore: str | None = None) -> Session:
+    def boot(self, restore: str | None = None, *, waiting: Callable[[], None] | None = None) -> Session:
         """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between):
-        its root, or the machine of checkpoint ``restore`` as the only one."""
+        its root, or the machine of checkpoint ``restore`` as the only one. ``waiting``: called
+        every 0.2 s on this thread meanwhile (``%smol up`` shows the notices it queued)."""
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
         try:
-            _block(self.workbench.up(restore))
+            _block(self.workbench.up(restore), waiting=waiting)
         except BaseException:
             gone(self)
             raise

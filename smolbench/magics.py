@@ -160,9 +160,11 @@ class SmolMagics(Magics):
         self._publish(wb)
         t0 = time.perf_counter()
         try:
-            session.boot(restore)
+            session.boot(restore, waiting=show_pending)  # e.g. "installing 3 packages …" while it does
         except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
             raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
+        finally:
+            show_pending()
         self.session = session
         path, net_note = session.spec_path, wb.net_note
         backend: Any = wb.backend

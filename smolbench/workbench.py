@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from . import _args, gate
+from . import _args, gate, packages
 from . import retries as retry
 from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
@@ -168,6 +168,13 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over",
                                  api=f"already up ({self.backend.name}, active {self.active}): `Session.down()` first "
                                  "to start over")
+        installing = packages.ON_INSTALL.set(lambda line: self.on_notice(line))  # a first install says so
+        try:
+            return await self._up(restore)
+        finally:
+            packages.ON_INSTALL.reset(installing)
+
+    async def _up(self, restore: str | None) -> Node:
         if restore is not None:  # nothing made if it fails: the caller's down() closes the backend
             node = await self.checkpoint_restore(restore)
             ref = self.machines[node.id]

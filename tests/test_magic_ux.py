@@ -59,3 +59,50 @@ def test_episodes_after_a_restore_that_all_miss_a_name_say_where_they_start(tmp_
                "start fresh from the Smolfile's baseline, not from the active machine r1-lesson1: `%%smol fork N` " \
                "branches it" in failed, failed
         ok(nb.run("%smol down"))
+
+
+FAKE_PIP = """import os, sys, time
+marker, target = sys.argv[1:]
+for _ in range(600):  # the test lets it end once the notice showed (or 60 s passed)
+    if os.path.exists(marker):
+        break
+    time.sleep(0.1)
+os.makedirs(target)
+"""
+
+
+def test_up_says_it_installs_the_smolfile_s_packages_while_pip_runs(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    (tmp_path / "Smolfile").write_text('packages = ["tomli-w==1.2.0"]\n')
+    (tmp_path / "fakepip.py").write_text(FAKE_PIP)
+    marker = tmp_path / "pip-may-end"
+    with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run(f"import os, sys, smolbench.packages as p\nos.environ['SMOLBENCH_CACHE'] = {str(tmp_path / 'cache')!r}\n"
+                  f"p.pip_command = lambda r, g, t: [sys.executable, {str(tmp_path / 'fakepip.py')!r}, "
+                  f"{str(marker)!r}, str(t)]"))
+        ups: list[object] = []
+        running = threading.Thread(target=lambda: ups.append(nb.run("%smol up --backend sandbox")))
+        running.start()
+        said_while_installing = False
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline and not said_while_installing:
+                cell = nb.nb.cells[-1]
+                said_while_installing = "%smol up" in cell.source and "installing 1 package from the Smolfile" in "".join(
+                    o.get("text", "") for o in list(cell.outputs) if o.output_type == "stream")
+                time.sleep(0.1)
+        finally:
+            marker.touch()
+            running.join(120)
+        up = ok(ups[0])  # type: ignore[arg-type]
+        lines = stream_text(up).splitlines()
+        assert said_while_installing, lines
+        assert lines[0] == "smolbench: installing 1 package from the Smolfile (first time only; cached after) …", lines
+        assert lines[1].startswith("smolbench: up on sandbox") and lines[2].startswith("smolbench: packages: installed in")
+        ok(nb.run("%smol down"))
+        again = ok(nb.run("%smol up --backend sandbox"))
+        assert "installing" not in stream_text(again) and "smolbench: packages: cached" in stream_text(again)
+        ok(nb.run("%smol down"))

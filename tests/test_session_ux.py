@@ -84,3 +84,27 @@ def test_episodes_that_all_miss_a_name_say_they_start_from_the_baseline(here: Pa
             s.episodes(2, "if SEED: reward = cart\nelse: raise ValueError('no')")
         assert str(got.value).endswith("error: ValueError: no"), got.value
         assert s.fork(2, "reward = cart + SEED", keep="none").best["reward"] == 8
+
+
+def _quick_pip(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """pip stood in for by a program that makes the target folder (no index, no network)."""
+    import sys
+
+    from smolbench import packages
+
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(cache))
+    monkeypatch.setattr(packages, "pip_command", lambda requirements, guest, target: [
+        sys.executable, "-c", f"import os; os.makedirs({str(target)!r})"])
+
+
+def test_up_says_so_before_it_installs_the_smolfile_s_packages(here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` said nothing while pip installed the Smolfile's packages (11 s for scipy and pandas)."""
+    _quick_pip(monkeypatch, here / "cache")
+    (here / "Smolfile").write_text('packages = ["tomli-w==1.2.0", "six"]\n')
+    notes: list[str] = []
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append):
+        pass
+    assert notes == ["smolbench: installing 2 packages from the Smolfile (first time only; cached after) …"], notes
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append):
+        pass
+    assert len(notes) == 1  # cached: nothing to say
