@@ -107,19 +107,25 @@ def show_pending() -> None:
 
 
 class _Dropped:
-    """Output still queued when Ctrl-C came: dropped (not shown) and counted."""
+    """Output still queued when Ctrl-C came: dropped (not shown) and counted; the host's own notes
+    on it (where output past the limit went, a few at most) are kept, and said after the count."""
+
+    NOTES = 20
 
     def __init__(self) -> None:
         self.bytes = 0
         self.displays = 0
+        self.notes: list[tuple[str, str]] = []  # (branch, text) of the notes kept
 
     def discard(self) -> None:
         while True:
             try:
-                kind, _, ev = _PENDING.get_nowait()
+                kind, branch, ev = _PENDING.get_nowait()
             except queue.Empty:
                 return
-            if kind == "stream":
+            if kind == "stream" and ev.note and len(self.notes) < self.NOTES:
+                self.notes.append((branch, ev.text))
+            elif kind == "stream":
                 self.bytes += len(ev.text.encode("utf-8", "replace"))
             elif kind == "display":
                 self.displays += 1
@@ -129,6 +135,9 @@ class _Dropped:
         parts += [f"{self.displays:,} displays"] if self.displays else []
         if parts:
             print(f"smolbench: {' and '.join(parts)} after Ctrl-C not shown", file=sys.stderr)
+        for branch, text in self.notes:  # e.g. "… 36 MB more output not shown (saved to …)"
+            sys.stderr.write(gate.terminal.prefixed(branch, text) if branch else text)
+        sys.stderr.flush()
 
 
 def _show_event(ev: Event) -> None:

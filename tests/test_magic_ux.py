@@ -106,3 +106,48 @@ def test_up_says_it_installs_the_smolfile_s_packages_while_pip_runs(tmp_path: Pa
         again = ok(nb.run("%smol up --backend sandbox"))
         assert "installing" not in stream_text(again) and "smolbench: packages: cached" in stream_text(again)
         ok(nb.run("%smol down"))
+
+
+FLOODING = "%%smol\ni = 0\nwhile True:\n    i += 1\n    print('step', i, 'x' * 200)"
+
+
+def test_a_flooding_cell_names_its_log_at_once_and_again_after_ctrl_c(tmp_path: Path) -> None:
+    """Output stopped silently at the limit while the cell ran, and a Ctrl-C said only
+    "84 bytes of output after Ctrl-C not shown": the log holding the rest was never named."""
+    import re
+    import threading
+    import time
+
+    with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        ok(nb.run("%smol config output-limit 200K"))
+        cells = len(nb.nb.cells)
+        seen_while_running: list[str] = []
+
+        def interrupt_once_it_says_where() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not seen_while_running:
+                if len(nb.nb.cells) > cells:
+                    said = stream_text(nb.nb.cells[cells], "stderr")
+                    if "output past" in said:
+                        seen_while_running.append(said)
+                time.sleep(0.05)
+            time.sleep(0.5)  # the flood runs on into its log
+            nb.interrupt()
+
+        t = threading.Thread(target=interrupt_once_it_says_where)
+        t.start()
+        cell = nb.run(FLOODING)
+        t.join()
+        assert seen_while_running, stream_text(cell, "stderr")
+        said = re.fullmatch(r"smolbench: output past 200 KB goes to (\S+\.log); `%smol config output-limit SIZE` raises "
+                            r"it\n", seen_while_running[0])
+        assert said, seen_while_running
+        log = tmp_path / said[1]  # (relative to the notebook's folder, or absolute)
+        assert log.read_text().startswith("step "), log
+        err = stream_text(cell, "stderr")
+        assert re.search(rf"^… \d+(\.\d)? MB more output not shown \(saved to {re.escape(said[1])}\)$", err,
+                         re.MULTILINE), err
+        assert error_text(cell).startswith("KeyboardInterrupt"), error_text(cell)
+        ok(nb.run("%smol down"))
