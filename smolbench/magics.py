@@ -146,9 +146,10 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"machines are still up ({shown}): `%smol use {pick}`, or `%smol down` first")
         self._boot(_session_of(args))
 
-    def _boot(self, session: Session, restore: str | None = None) -> None:
+    def _boot(self, session: Session, restore: str | None = None, ran: str = "%smol up") -> None:
         """Start ``session``'s machine as `%smol up` does (published first; ``restore``: its one
-        machine is that checkpoint's, as `Session.boot` takes it), make it this kernel's, say so.
+        machine is that checkpoint's, as `Session.boot` takes it), make it this kernel's, say so
+        (``ran``: what the user ran, named if it is interrupted).
         The session it replaces, which has no machine left (its root was lost, or every machine
         deleted), goes first: what is left of it (its backend's cgroups, proxy, run folders)."""
         old = self.session
@@ -162,7 +163,7 @@ class SmolMagics(Magics):
         try:
             session.boot(restore, waiting=show_pending)  # e.g. "installing 3 packages …" while it does
         except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
-            raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
+            raise interrupted(f"`{ran}` was interrupted: its machine was deleted and nothing is left behind") from None
         finally:
             show_pending()
         self.session = session
@@ -199,7 +200,7 @@ class SmolMagics(Magics):
 
         def up(what: str) -> None:  # inside the Session's take-down: a Ctrl-C as its lines show takes it down too
             print(f"smolbench: nothing is up: bringing up a {session.backend_kind} machine for this checkpoint")
-            self._boot(session, restore=what)
+            self._boot(session, restore=what, ran=f"%smol checkpoint restore {name}")
 
         def told(line: str, gone: bool) -> None:
             if gone:

@@ -151,3 +151,41 @@ def test_a_flooding_cell_names_its_log_at_once_and_again_after_ctrl_c(tmp_path: 
                          re.MULTILINE), err
         assert error_text(cell).startswith("KeyboardInterrupt"), error_text(cell)
         ok(nb.run("%smol down"))
+
+
+def test_a_restore_with_nothing_up_interrupted_names_the_restore(tmp_path: Path) -> None:
+    """It said "`%smol up` was interrupted", which the user never ran."""
+    import threading
+    import time
+
+    copying, go = tmp_path / "copying", tmp_path / "go"
+    with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
+        ok(nb.run("%load_ext smolbench"))
+        ok(nb.run("%smol up --backend sandbox"))
+        ok(nb.run("%%smol\nkept = 'warm'"))
+        ok(nb.run("%smol checkpoint save lesson1"))
+        ok(nb.run("%smol down"))
+        ok(nb.run("import os, time\nfrom smolbench.backends.sandbox import SandboxBackend\n"
+                  "_hand_over = SandboxBackend._hand_over\n"
+                  "def held_hand_over(self, path, folder):\n"
+                  f"    open({str(copying)!r}, 'w').close()\n"
+                  "    deadline = time.monotonic() + 60\n"
+                  f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+                  "        time.sleep(0.01)\n"
+                  "    return _hand_over(self, path, folder)\n"
+                  "SandboxBackend._hand_over = held_hand_over"))
+
+        def interrupt_while_it_copies() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not copying.exists():
+                time.sleep(0.01)
+            nb.interrupt()
+            go.touch()
+
+        t = threading.Thread(target=interrupt_while_it_copies)
+        t.start()
+        restore = nb.run("%smol checkpoint restore lesson1")
+        t.join()
+        assert error_text(restore) == ("KeyboardInterrupt: `%smol checkpoint restore lesson1` was interrupted: its machine "
+                                       "was deleted and nothing is left behind"), error_text(restore)
+        assert "no machine is up" in stream_text(ok(nb.run("%smol status")))
