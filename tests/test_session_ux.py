@@ -108,3 +108,15 @@ def test_up_says_so_before_it_installs_the_smolfile_s_packages(here: Path, monke
     with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append):
         pass
     assert len(notes) == 1  # cached: nothing to say
+
+
+def test_a_missing_checkpoint_file_is_relative_to_the_working_directory_in_a_script(here: Path) -> None:
+    """A script was told "(it is relative to this notebook's folder)"."""
+    s = smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None)
+    try:
+        with pytest.raises(SmolbenchError) as got:
+            s.checkpoint_restore("../class/x.smolcheckpoint")
+    finally:
+        s.down()
+    assert str(got.value) == (f"no file ../class/x.smolcheckpoint: check the path (it is relative to the working "
+                              f"directory, {here})")
