@@ -516,8 +516,6 @@ class SmolMagics(Magics):
             self.last_result = result
         if result.unrewarded:  # said on every path, also with --quiet
             print(f"smolbench: warning: {result.unrewarded}", file=sys.stderr)
-        if result.same_reward and not args.quiet:  # --quiet's summary line says it
-            print(f"smolbench: warning: {result.same_reward}", file=sys.stderr)
         err = None if args.allow_errors else result.composite_error()
         if err is not None:
             display(result)  # the table, then the error (a cell that raises has no Out[n])
