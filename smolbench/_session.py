@@ -721,15 +721,18 @@ class Session:
 
 def best_alive(wb: Workbench, last: ForkResult | None, forks: Mapping[str, str]) -> tuple[str, str]:
     """What ``use("best")`` makes active, and the line to say when it is not the last fork's
-    winner: the best live rewarded branch of this session's forks (``forks``: what each is
-    called). None: a one-line SmolbenchError saying why."""
+    winner: the best live rewarded branch of this session's forks (``forks``: what the ones run
+    through the Session are called). None: a one-line SmolbenchError saying why."""
     from .tree import best_key
 
-    mine = last if last is not None and last.run_id in forks and last.run_id.startswith(wb.session + "/") else None
+    def called(run_id: str, parent: str | None) -> str:  # (a fork from the tree view's button has no entry)
+        return forks.get(run_id) or f"the fork {run_id.rsplit('/', 1)[-1]} under {parent}"
+
+    mine = last if last is not None and last.kind == "fork" and last.run_id.startswith(wb.session + "/") else None
     best = mine.best if mine is not None else None
     if best is not None and best["branch"] in wb.machines:
         return best["branch"], ""
-    rewarded = [n for n in wb.tree if n.run_id in forks and n.reward is not None and n.status == "ok"]
+    rewarded = [n for n in wb.tree if n.run_id and n.parent is not None and n.reward is not None and n.status == "ok"]
     alive = [n for n in rewarded if n.id in wb.machines]
     if not rewarded and mine is None:
         raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
@@ -741,16 +744,17 @@ def best_alive(wb: Workbench, last: ForkResult | None, forks: Mapping[str, str])
         why = f"the last fork's best, {best['branch']}, was deleted"
     else:
         failed = ", ".join(f"{v} {k}" for k, v in sorted(mine.counts().items()) if k != "ok")
-        why = f"{forks[mine.run_id]} has no rewarded branch" + (f" ({failed})" if failed else "")
+        why = f"{called(mine.run_id, mine.parent)} has no rewarded branch" + (f" ({failed})" if failed else "")
     if not alive:
-        gone = "; no other fork's rewarded branch is alive" if [n for n in rewarded if n.run_id != getattr(mine, "run_id", None)] else ""
+        others = [n for n in rewarded if mine is None or n.run_id != mine.run_id]
+        gone = "; no other fork's rewarded branch is alive" if others else ""
         raise SmolbenchError(f"no live rewarded branch to use: {why}{gone}: `%smol replay NODE` rebuilds one, or name a "
                              "live node (`%smol tree`)",
                              api=f"no live rewarded branch to use: {why}{gone}: `Session.replay(node)` rebuilds one, "
                              "or name a live node (`Session.status()['live_machines']`)")
     pick = min(alive, key=lambda n: best_key(n.id, n.reward))
     return pick.id, (f"{why}: using the best live rewarded branch, {pick.id} (reward {pick.reward:.6g}), from "
-                     f"{forks[str(pick.run_id)]}")
+                     f"{called(str(pick.run_id), pick.parent)}")
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Workbench | None) -> None:

@@ -120,3 +120,18 @@ def test_a_missing_checkpoint_file_is_relative_to_the_working_directory_in_a_scr
         s.down()
     assert str(got.value) == (f"no file ../class/x.smolcheckpoint: check the path (it is relative to the working "
                               f"directory, {here})")
+
+
+def test_use_best_also_takes_a_branch_of_a_fork_made_from_the_tree_view(here: Path) -> None:
+    from smolbench._blocking import _block
+
+    notes: list[str] = []
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=notes.append) as s:
+        wb = s.workbench
+        assert wb is not None
+        made = wb.new_fork(2, None, 5, parent="root")  # what the view's Fork button does
+        _block(wb.fork(made, "reward = SEED", lambda branch, event: None))
+        with pytest.raises(CompositeError):
+            s.fork(2, "raise ValueError('no')")
+        assert s.use("best") == "root.1"
+        assert notes[-1].endswith("using the best live rewarded branch, root.1 (reward 6), from the fork run1 under root")
