@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from . import _lifetime, _loop
@@ -15,9 +15,11 @@ from .result import ForkResult
 T = TypeVar("T")
 
 
-def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
+def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True,
+           waiting: Callable[[], None] | None = None) -> T:
     """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
-    cancels it and waits for its cleanup (deleting machines) before it goes on."""
+    cancels it and waits for its cleanup (deleting machines) before it goes on. ``waiting``:
+    called on this thread every 0.2 s meanwhile (the magics show the notices it queued)."""
     if _on_our_loop():
         coro.close()
         raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
@@ -28,7 +30,8 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     try:
         job.start()
         while not job.wait_finished(0.2):
-            pass
+            if waiting is not None:
+                waiting()
         wait_out_sigterm()
     except BaseException:
         job.stop(120)

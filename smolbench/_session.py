@@ -180,6 +180,7 @@ class Session:
         self.magic_words = False  # the magics' Session: its notices name `%smol` commands, as the cells do
         self.workbench: Workbench | None = None
         self.last_result: ForkResult | None = None  # the last fork: ``use("best")`` picks its best branch
+        self._forks: dict[str, str] = {}  # run id -> what to call that fork ("the fork of 8 under root at In [5]")
         self.fallback = ""  # why ``backend="auto"`` chose what it chose, when it fell back
         self.spec_path: str | None = None
 
@@ -300,14 +301,15 @@ class Session:
             self.on_notice(self.fallback)
         return self.boot()
 
-    def boot(self, restore: str | None = None) -> Session:
+    def boot(self, restore: str | None = None, *, waiting: Callable[[], None] | None = None) -> Session:
         """Start the machine of a :meth:`build`-made Workbench (``%smol up`` publishes it in between):
-        its root, or the machine of checkpoint ``restore`` as the only one."""
+        its root, or the machine of checkpoint ``restore`` as the only one. ``waiting``: called
+        every 0.2 s on this thread meanwhile (``%smol up`` shows the notices it queued)."""
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
         try:
-            _block(self.workbench.up(restore))
+            _block(self.workbench.up(restore), waiting=waiting)
         except BaseException:
             gone(self)
             raise
@@ -447,6 +449,14 @@ class Session:
             result = wb.new_episodes(n, seeds_, seed_base, timeout=timeout, concurrency=concurrency, reseed=reseed)
         self.last_result = result
         result.magic_words = self.magic_words
+        if kind == "episodes":
+            result.fresh_hint = (f"episodes start fresh from {'the Smolfile' if self.spec_path else 'the default spec'}'s "
+                                 f"baseline, not from the active machine {wb.active}: "
+                                 f"{'`%%smol fork N`' if self.magic_words else '`Session.fork(n, code)`'} branches it")
+        if kind == "fork":
+            cell = (cell_name or "").strip("<>")
+            self._forks[result.run_id] = (f"the fork of {len(result)} under {result.parent}"
+                                          + (f" at {cell}" if cell.startswith("In [") else f" (run {result.run_id.rsplit('run', 1)[-1]})"))
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
                 return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,
@@ -508,14 +518,13 @@ class Session:
 
     @_in_session_words
     def use(self, node: str) -> str:
-        """Make a live node (e.g. ``root.7``, or ``best``: the last fork's best) the active machine."""
+        """Make a live node the active machine: e.g. ``root.7``, or ``best``: the last fork's best
+        branch, or when that is gone (or it has none) the best live rewarded branch of this
+        session's forks, and a notice says which fork that came from."""
         if node == "best":
-            best = self.last_result.best if self.last_result is not None else None
-            if best is None:
-                raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
-                                     "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
-                                     "code)` first, or name a live node (`Session.status()['live_machines']`)")
-            node = best["branch"]
+            node, note = best_alive(self._wb(), self.last_result, self._forks)
+            if note:
+                self._notice_line(f"smolbench: {note}")
         return self._wb().use(node).id
 
     @_in_session_words
@@ -735,6 +744,44 @@ class Session:
     async def areplay(self, node: str, *, on_output: BranchOutput | None = None) -> dict[str, Any]:
         """:meth:`replay` from an asyncio loop."""
         return await _bridge(self._wb().replay(_args.text(node, "node", "replay('root.3')") or "", _output(on_output)))
+
+
+def best_alive(wb: Workbench, last: ForkResult | None, forks: Mapping[str, str]) -> tuple[str, str]:
+    """What ``use("best")`` makes active, and the line to say when it is not the last fork's
+    winner: the best live rewarded branch of this session's forks (``forks``: what the ones run
+    through the Session are called). None: a one-line SmolbenchError saying why."""
+    from .tree import best_key
+
+    def called(run_id: str, parent: str | None) -> str:  # (a fork from the tree view's button has no entry)
+        return forks.get(run_id) or f"the fork {run_id.rsplit('/', 1)[-1]} under {parent}"
+
+    mine = last if last is not None and last.kind == "fork" and last.run_id.startswith(wb.session + "/") else None
+    best = mine.best if mine is not None else None
+    if best is not None and best["branch"] in wb.machines:
+        return best["branch"], ""
+    rewarded = [n for n in wb.tree if n.run_id and n.parent is not None and n.reward is not None and n.status == "ok"]
+    alive = [n for n in rewarded if n.id in wb.machines]
+    if not rewarded and mine is None:
+        raise SmolbenchError("no fork with a rewarded branch yet: run `%%smol fork N` first, or name a node "
+                             "(`%smol tree`)", api="no fork with a rewarded branch yet: call `Session.fork(n, "
+                             "code)` first, or name a live node (`Session.status()['live_machines']`)")
+    if mine is None:
+        why = "the last run was not a fork"
+    elif best is not None:
+        why = f"the last fork's best, {best['branch']}, was deleted"
+    else:
+        failed = ", ".join(f"{v} {k}" for k, v in sorted(mine.counts().items()) if k != "ok")
+        why = f"{called(mine.run_id, mine.parent)} has no rewarded branch" + (f" ({failed})" if failed else "")
+    if not alive:
+        others = [n for n in rewarded if mine is None or n.run_id != mine.run_id]
+        gone = "; no other fork's rewarded branch is alive" if others else ""
+        raise SmolbenchError(f"no live rewarded branch to use: {why}{gone}: `%smol replay NODE` rebuilds one, or name a "
+                             "live node (`%smol tree`)",
+                             api=f"no live rewarded branch to use: {why}{gone}: `Session.replay(node)` rebuilds one, "
+                             "or name a live node (`Session.status()['live_machines']`)")
+    pick = min(alive, key=lambda n: best_key(n.id, n.reward))
+    return pick.id, (f"{why}: using the best live rewarded branch, {pick.id} (reward {pick.reward:.6g}), from "
+                     f"{called(str(pick.run_id), pick.parent)}")
 
 
 def _taken_back(took: int | Exception, told: Callable[[str, bool], None], wb: Workbench | None) -> None:

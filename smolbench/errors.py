@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -79,6 +80,8 @@ _PHRASES = (  # options the gate and the backends name (before the commands: the
     (re.compile(r"--pull ([A-Za-z_]\w*)"), r"pull=['\1']"),
     (re.compile(r"`--backend (\w+)`"), r"`Session(backend='\1')`"),  # no bubblewrap: the sandbox's fix
     (re.compile(r"with --ledger PATH"), r"with `Session(ledger=PATH)`"),  # a ledger locked or not one
+    # a script has no notebook: a relative path is the working directory's
+    (re.compile(r"relative to this notebook's folder"), lambda m: f"relative to the working directory, {os.getcwd()}"),
 )
 
 
@@ -92,7 +95,7 @@ def _call(match: re.Match[str]) -> str:
 
 def session_phrases(text: str) -> str:
     """``text`` with the magic commands (:data:`_COMMANDS`) and phrases it names in the Session's words."""
-    if "-" not in text and "%" not in text:
+    if "-" not in text and "%" not in text and "notebook's" not in text:
         return text
     for pattern, said in _PHRASES:
         text = pattern.sub(said, text)

@@ -18,6 +18,7 @@ import stat
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,6 +102,7 @@ JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings", "machine
 
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
+CHECKPOINT_WAIT = 2.0  # seconds folding the WAL into the file waits for another process's readers
 LENGTH_LIMIT = 16 * 1024 * 1024  # bytes of one string or blob SQLite makes or reads in a ledger
 OWN_INDEXES = {" ".join(line.split()).replace(" IF NOT EXISTS", "").rstrip(";")
                for line in SCHEMA.splitlines() if line.startswith("CREATE INDEX")}
@@ -221,6 +223,7 @@ class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
 
     _still: tuple[Any, ...] | None = None  # a read-only open's file as it was (immutable: see read_only)
+    _writes = False  # opened to write (not read_only): its WAL is folded into the file by fold_wal()
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH) -> None:
         self.path = Path(path)
@@ -229,6 +232,7 @@ class Ledger:
         _refuse_links(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        self._writes = True
         try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT,
                                        isolation_level=None)
@@ -258,6 +262,7 @@ class Ledger:
         except BaseException:
             self._db.close()
             raise
+        _closed_at_exit(self)
 
     @classmethod
     def read_only(cls, path: str | os.PathLike[str] = DEFAULT_PATH) -> Ledger | None:
@@ -378,6 +383,27 @@ class Ledger:
         """Close the database connection."""
         with self._lock:
             self._db.close()
+        _OPEN.discard(self)
+
+    def fold_wal(self, wait: float = CHECKPOINT_WAIT) -> bool:
+        """Fold the WAL into the ledger file and empty it (``PRAGMA wal_checkpoint(TRUNCATE)``),
+        so that ``ledger.db`` alone holds everything written so far: a copy, a download or a
+        ``git add`` of that one file is the whole ledger. (SQLite does this itself when the last
+        connection closes; a kernel that exits without closing, or beside another process's
+        open ledger, left it all in ``ledger.db-wal``.) Waits ``wait`` seconds at most for
+        another process's readers; True when all of it went in. Read-only: nothing to do."""
+        if not self._writes:
+            return True
+        with self._lock:
+            try:
+                self._db.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+                try:
+                    busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                finally:
+                    self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
+            except sqlite3.Error:  # closed, or another process's lock held past the wait: next time
+                return False
+            return not busy
 
     # -- writing -----------------------------------------------------------------
 
@@ -628,6 +654,39 @@ class Ledger:
     def sessions(self) -> pd.DataFrame:
         """Every recorded session as a DataFrame."""
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
+
+
+_OPEN: weakref.WeakSet[Ledger] = weakref.WeakSet()  # this process's ledgers opened to write
+_at_exit_lock = threading.Lock()
+_at_exit_registered = False
+
+
+def _closed_at_exit(ledger: Ledger) -> None:
+    """``ledger`` is checkpointed and closed when the interpreter exits (:func:`close_all`)."""
+    global _at_exit_registered
+    _OPEN.add(ledger)
+    with _at_exit_lock:
+        if not _at_exit_registered:
+            import atexit
+
+            atexit.register(close_all)  # after smolbench's own exit hook (_lifetime), which writes the last rows
+            _at_exit_registered = True
+
+
+def close_all(wait: float = 5.0) -> None:
+    """Checkpoint and close every ledger this process opened to write (the kernel's or the
+    interpreter's exit, the extension's unload): ``ledger.db`` is then the whole ledger, and its
+    ``-wal`` and ``-shm`` go with the last connection. One held by a stuck thread is left as it is."""
+    for ledger in list(_OPEN):
+        if not ledger._lock.acquire(timeout=wait):
+            continue
+        try:
+            ledger.fold_wal()
+            ledger.close()
+        except Exception:  # noqa: S110 - at exit: nothing to tell, and the next ledger still closes
+            pass
+        finally:
+            ledger._lock.release()
 
 
 def _process_start(pid: int) -> str | None:

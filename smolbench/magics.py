@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
-import queue
-import secrets
 import sys
 import time
 import types
@@ -15,7 +12,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.display import clear_output, display, update_display
+from IPython.display import display
 
 from . import _loop, gate
 from ._didyoumean import cell_word_error, line_word_error
@@ -34,9 +31,20 @@ from ._magicargs import (
     parse_seeds,
     strip_comment,
 )
+from ._magicout import (
+    _BG_NOTES,
+    _NOTES_SHOWN,
+    _drain,
+    _Dropped,
+    _flush_grouped,
+    _notice,
+    _Progress,
+    _show_event,
+    show_pending,
+)
+from ._magicout import _PENDING as _PENDING  # where tests and bench/ reach the queue
 from ._session import Session, pickled
 from ._session import choose_backend as choose_backend  # where bench/ and tests import it from
-from .backends import _netproxy
 from .backends.base import Event
 from .errors import SmolbenchError, reworded, shown_by_ipython
 from .gate import SafeBundle
@@ -44,7 +52,6 @@ from .result import ForkResult
 
 PUMP_INTERVAL = 0.05
 NO_ARGUMENTS = ("status", "down", "tree", "plot")  # extra words there were silently dropped
-PROGRESS_INTERVAL = 0.25
 
 
 @magics_class
@@ -140,9 +147,10 @@ class SmolMagics(Magics):
             raise SmolbenchError(f"machines are still up ({shown}): `%smol use {pick}`, or `%smol down` first")
         self._boot(_session_of(args))
 
-    def _boot(self, session: Session, restore: str | None = None) -> None:
+    def _boot(self, session: Session, restore: str | None = None, ran: str = "%smol up") -> None:
         """Start ``session``'s machine as `%smol up` does (published first; ``restore``: its one
-        machine is that checkpoint's, as `Session.boot` takes it), make it this kernel's, say so.
+        machine is that checkpoint's, as `Session.boot` takes it), make it this kernel's, say so
+        (``ran``: what the user ran, named if it is interrupted).
         The session it replaces, which has no machine left (its root was lost, or every machine
         deleted), goes first: what is left of it (its backend's cgroups, proxy, run folders)."""
         old = self.session
@@ -154,9 +162,11 @@ class SmolMagics(Magics):
         self._publish(wb)
         t0 = time.perf_counter()
         try:
-            session.boot(restore)
+            session.boot(restore, waiting=show_pending)  # e.g. "installing 3 packages …" while it does
         except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
-            raise interrupted("`%smol up` was interrupted: its machine was deleted and nothing is left behind") from None
+            raise interrupted(f"`{ran}` was interrupted: its machine was deleted and nothing is left behind") from None
+        finally:
+            show_pending()
         self.session = session
         path, net_note = session.spec_path, wb.net_note
         backend: Any = wb.backend
@@ -193,7 +203,7 @@ class SmolMagics(Magics):
 
         def up(what: str) -> None:  # inside the Session's take-down: a Ctrl-C as its lines show takes it down too
             print(f"smolbench: nothing is up: bringing up a {session.backend_kind} machine for this checkpoint")
-            self._boot(session, restore=what)
+            self._boot(session, restore=what, ran=f"%smol checkpoint restore {name}")
 
         def told(line: str, gone: bool) -> None:
             if gone:
@@ -231,10 +241,15 @@ class SmolMagics(Magics):
         self._close_views()
 
     def shutdown(self) -> None:
-        """Delete every machine (extension unload; the kernel's exit: the session's own hook)."""
+        """Delete every machine and close the ledgers (extension unload; the kernel's exit: the
+        session's own hook, and the ledger's)."""
         if self.session is not None and self.session.is_up:
             with contextlib.suppress(Exception):
                 self.session.down()
+        for ledger in (getattr(self.workbench, "ledger", None), getattr(getattr(self, "_own_shelf", None), "ledger", None)):
+            if ledger is not None:
+                ledger.fold_wal()
+                ledger.close()
 
     def _close_views(self) -> None:
         """Detach the Workbench's widgets; they keep showing its last state."""
@@ -262,6 +277,7 @@ class SmolMagics(Magics):
         self._wb()
         assert self.session is not None
         node = self.workbench.tree[self.session.use(args.node)]  # `best`: the kept winner of the last fork
+        show_pending()  # (or, that gone, which fork's best it took)
         print(f"smolbench: active machine is now {node.id}" + (f" (seed {node.seed}, reward {node.reward if node.reward is None else format(node.reward, '.6g')})" if node.seed is not None else ""))
 
     def _do_delete(self, rest: str) -> None:
@@ -507,8 +523,6 @@ class SmolMagics(Magics):
             self.last_result = result
         if result.unrewarded:  # said on every path, also with --quiet
             print(f"smolbench: warning: {result.unrewarded}", file=sys.stderr)
-        if result.same_reward and not args.quiet:  # --quiet's summary line says it
-            print(f"smolbench: warning: {result.same_reward}", file=sys.stderr)
         err = None if args.allow_errors else result.composite_error()
         if err is not None:
             display(result)  # the table, then the error (a cell that raises has no Out[n])
@@ -633,188 +647,8 @@ def _session_of(args: Any) -> Session:
     return session
 
 
-def _notice(line: str) -> None:
-    """A Workbench's one-line news, shown in the running cell (output, not an error); a background
-    fork's go to its handle instead (``.wait()`` says them, its table keeps them), not under
-    whatever cell runs next, where they read as that cell's doing."""
-    notes = _BG_NOTES.get()
-    if notes is not None:
-        notes.append(line)
-    else:
-        _PENDING.put(("stream", "", Event("stream", "stdout", line + "\n")))
-
-
 def interrupted(message: str) -> KeyboardInterrupt:
     """A KeyboardInterrupt that IPython shows as one line (our frames help nobody)."""
     cls = type("KeyboardInterrupt", (KeyboardInterrupt,), {"_render_traceback_": lambda self: [f"KeyboardInterrupt: {self}"]})
     return cls(message)
 
-
-# Events produced on the loop thread, shown on the kernel's main thread (so output lands
-# in the cell that is running, whatever thread produced it).
-_PENDING: queue.Queue[tuple[str, str, Event]] = queue.Queue()
-# the notes of the background fork whose task (and the tasks it made) is running, else None
-_BG_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("smolbench_bg_notes", default=None)
-
-
-DRAIN_SLICE = 0.1  # seconds the main thread writes output before it looks at the job again
-
-
-def _drain(timeout: float) -> None:
-    """Show queued events on this thread: runs of text to one stream are written (and
-    flushed, one IOPub message) together; a slice of time at most, then back to the caller."""
-    try:
-        item = _PENDING.get(timeout=timeout) if timeout else _PENDING.get_nowait()
-    except queue.Empty:
-        return
-    deadline = time.monotonic() + DRAIN_SLICE
-    run: list[str] = []
-    target: Any = None
-
-    def write() -> None:
-        if run:
-            target.write("".join(run))
-            target.flush()
-            run.clear()
-
-    while True:
-        kind, branch, ev = item
-        if kind == "stream":
-            stream = sys.stderr if ev.name == "stderr" else sys.stdout
-            if stream is not target:
-                write()
-                target = stream
-            if branch:
-                run.append(gate.terminal.prefixed(branch, ev.text))
-            else:
-                run.append(ev.text)
-        elif kind == "display" and isinstance(ev.data, SafeBundle) and (ev.data or (ev.display_id and not branch)):
-            write()  # ("wake" items only end the wait)
-            if branch:
-                print(f"[{branch}] display:")
-                display(dict(ev.data), raw=True)  # a SafeBundle: checked and sanitised by the gate
-            elif ev.display_id is None:
-                display(dict(ev.data), raw=True)
-            elif ev.update:
-                update_display(dict(ev.data), display_id=_DISPLAY_IDS.host(ev.display_id), raw=True)
-            else:
-                display(dict(ev.data), raw=True, display_id=_DISPLAY_IDS.host(ev.display_id))
-        elif kind == "clear" and not branch:
-            write()
-            clear_output(wait=ev.wait)
-            for note in _NOTES_SHOWN:  # the host's notes about this cell's output outlive the machine's clear
-                sys.stderr.write(note)
-            sys.stderr.flush()
-        if kind == "stream" and ev.note and not branch:
-            _NOTES_SHOWN.append(ev.text)
-        if time.monotonic() > deadline:
-            break
-        try:
-            item = _PENDING.get_nowait()
-        except queue.Empty:
-            break
-    write()
-
-
-class _Dropped:
-    """Output still queued when Ctrl-C came: dropped (not shown) and counted."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.displays = 0
-
-    def discard(self) -> None:
-        while True:
-            try:
-                kind, _, ev = _PENDING.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "stream":
-                self.bytes += len(ev.text.encode("utf-8", "replace"))
-            elif kind == "display":
-                self.displays += 1
-
-    def say(self) -> None:
-        parts = [f"{gate.human(self.bytes)} of output"] if self.bytes else []
-        parts += [f"{self.displays:,} displays"] if self.displays else []
-        if parts:
-            print(f"smolbench: {' and '.join(parts)} after Ctrl-C not shown", file=sys.stderr)
-
-
-def _show_event(ev: Event) -> None:
-    _PENDING.put((ev.kind if ev.kind in ("stream", "clear") else "display", "", ev))
-
-
-class _DisplayIds:
-    """The kernel's display id for each id a machine gave a display (``machine/id``): fresh
-    random ones, so a machine's update can only redraw what a machine showed, never the
-    host's own displays (a tree view, a progress line). The newest :data:`MAX` are kept."""
-
-    MAX = 4096
-
-    def __init__(self) -> None:
-        self._ids: dict[str, str] = {}
-
-    def host(self, machine_id: str) -> str:
-        got = self._ids.pop(machine_id, None) or f"smolbench-machine-{secrets.token_hex(12)}"
-        self._ids[machine_id] = got  # (newest last)
-        while len(self._ids) > self.MAX:
-            del self._ids[next(iter(self._ids))]
-        return got
-
-
-_DISPLAY_IDS = _DisplayIds()
-# The gate's notes shown in the running cell: a machine's clear_output must not hide them, so
-# they are shown again after it (emptied when a cell starts).
-_NOTES_SHOWN: list[str] = []
-
-
-# the sandbox's egress proxy: its one-line failures show in the running cell
-_netproxy.NOTICES[:] = [lambda line: _show_event(Event("stream", "stderr", line + "\n"))]
-
-
-def _flush_grouped(buffers: dict[str, list[tuple[str, str]]], mode: str) -> None:
-    """A fork's output after it ends, each line after its branch's name (a line a branch
-    writes can't pass for another's): by branch, or all of stdout and then all of stderr."""
-    if mode == "branch":
-        for branch in sorted(buffers, key=_branch_key):
-            for name, text in buffers[branch]:
-                (sys.stderr if name == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
-        return
-    for want in ("stdout", "stderr"):
-        for branch in sorted(buffers, key=_branch_key):
-            text = "".join(t for n, t in buffers[branch] if n == want)
-            if text:
-                (sys.stderr if want == "stderr" else sys.stdout).write(gate.terminal.prefixed(branch, text))
-
-
-def _branch_key(branch: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in branch.replace("-", ".").split(".")]
-
-
-class _Progress:
-    """A one-line progress display, updated in place while branches run."""
-
-    def __init__(self, result: ForkResult) -> None:
-        self.result = result
-        self.handle: Any = None
-        self.last = 0.0
-        self.text = ""
-
-    def tick(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < PROGRESS_INTERVAL:
-            return
-        self.last = now
-        done, total = self.result.progress
-        counts = self.result.counts()
-        running = counts.get("running", 0)
-        bits = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()) if k not in ("running", "starting"))
-        text = f"{self.result.kind}: {done}/{total} done" + (f", {running} running" if running else "") + (f" ({bits})" if bits else "")
-        if text == self.text:
-            return
-        self.text = text
-        if self.handle is None:
-            self.handle = display({"text/plain": text}, raw=True, display_id=True)
-        else:
-            self.handle.update({"text/plain": text}, raw=True)

@@ -13,6 +13,7 @@ file per key).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import hashlib
 import json
@@ -28,6 +29,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -45,6 +47,10 @@ PIP_TIMEOUT = 1800.0  # seconds one install may take
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
 _GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
 _MAX_LIBC_READ = 16 << 20
+# Where "installing N packages ..." goes before pip runs (the Workbench's notices, set for its up):
+# a first install takes seconds to minutes, and the up said nothing meanwhile.
+ON_INSTALL: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("smolbench_on_install",
+                                                                                         default=None)
 
 
 def requirement_problem(text: str) -> str | None:
@@ -190,6 +196,10 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     entry = root / digest
     if (entry / META).is_file():
         return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+    tell = ON_INSTALL.get()
+    if tell is not None:
+        tell(f"smolbench: installing {len(requirements)} package{'s' if len(requirements) != 1 else ''} from the "
+             "Smolfile (first time only; cached after) …")
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{digest}.lock", "a+") as lock:
         _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse

@@ -70,6 +70,7 @@ class ForkResult:
         self.kept: list[str] = []
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
         self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
+        self.fresh_hint = ""  # episodes: that they start from the baseline, not the active machine (said on NameErrors)
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         self.magic_words = True  # its lines name the magics' options; a Session's fork: its arguments
         self.started = time.time()
@@ -227,8 +228,11 @@ class ForkResult:
         counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()) if k in ("error", "timeout", "cancelled"))
         first = failed[0]
         unit = "episodes" if self.kind == "episodes" else "branches"
+        # every episode missing a name: most likely one the active machine has, which they never saw
+        missing = len(failed) == len(self) and all(str(r["error"] or "").startswith("NameError") for r in failed)
+        hint = f"; {self.fresh_hint}" if self.fresh_hint and missing else ""
         return CompositeError(f"{len(failed)} of {len(self)} {unit} failed ({counts}); first: "
-                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}", errors, unit)
+                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}{hint}", errors, unit)
 
     def raise_for_errors(self) -> None:
         """Raise a CompositeError if any branch failed."""

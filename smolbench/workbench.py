@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from . import _args, gate
+from . import _args, gate, packages
 from . import retries as retry
 from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
@@ -169,6 +169,13 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             raise SmolbenchError(f"already up ({self.backend.name}, active {self.active}): `%smol down` first to start over",
                                  api=f"already up ({self.backend.name}, active {self.active}): `Session.down()` first "
                                  "to start over")
+        installing = packages.ON_INSTALL.set(lambda line: self.on_notice(line))  # a first install says so
+        try:
+            return await self._up(restore)
+        finally:
+            packages.ON_INSTALL.reset(installing)
+
+    async def _up(self, restore: str | None) -> Node:
         if restore is not None:  # nothing made if it fails: the caller's down() closes the backend
             node = await self.checkpoint_restore(restore)
             ref = self.machines[node.id]
@@ -181,8 +188,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         try:
             if restore is None:  # a checkpoint's machine ran its init commands before it was saved
                 await self._init(ref)
-            res = await self.backend.exec_cell(ref, CellRequest("import sys as _s; _s.version.split()[0]", cell_name="<probe>"), lambda e: None)
-            self.guest_info = {"python": (res.result or {}).get("text/plain", "").strip("'")}
+            self.guest_info = {"python": await self._guest_python(ref)}
         except BaseException:
             await _to_the_end(self.down())  # a second Ctrl-C must not leave the machine half deleted
             raise
@@ -201,6 +207,17 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         self._record(node)
         self._watcher = asyncio.ensure_future(self.watch_checkpoints())
         return node
+
+    async def _guest_python(self, ref: MachineRef) -> str:
+        """The machine's Python version, as its agent says it (``ping``), never from a cell in the
+        user's namespace: that left ``_`` ('3.11.7') and ``_s`` (sys) in every fresh machine."""
+        info = getattr(self.backend, "info", None)
+        if info is not None:
+            return str((await info(ref)).get("python") or "")
+        # a backend that can't ask the agent (a cluster's): printed, so nothing is left behind
+        res = await self.backend.exec_cell(ref, CellRequest("print(__import__('sys').version.split()[0])",
+                                                            cell_name="<probe>"), lambda e: None)
+        return res.stdout.strip()
 
     async def _init(self, ref: MachineRef) -> None:
         """The Smolfile's init commands, all within ``init_timeout`` seconds."""
@@ -258,6 +275,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             await self.backend.close()
         self.active = None
         self.closed = True
+        self.ledger.fold_wal()  # ledger.db alone is then the whole ledger (a copy of it, a download)
         return len(before | gone)
 
     async def _stop_fanouts(self) -> None:

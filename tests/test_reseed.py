@@ -76,7 +76,7 @@ def test_a_fork_after_a_generator_is_made_gives_distinct_draws(tmp_path: Path) -
 
         # --no-reseed: the old behaviour, every branch a copy of one stream, and one line says so
         same = nb.run(f"%%smol fork 4 --no-reseed --out same\n{DRAW}")
-        said = stream_text(same, "stderr")
+        said = stream_text(same) + stream_text(same, "stderr") + str(result_text(same))  # once: in its table's summary
         assert not error_text(same), error_text(same)
         assert len(set(json.loads(result_text(nb.run("json.dumps(list(same.rewards.values()))")).strip("'")))) == 1
         lines = [ln for ln in said.splitlines() if "branches reported the same reward" in ln]

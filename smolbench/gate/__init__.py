@@ -213,6 +213,9 @@ class _Cell:
         text = self.budget.take(fields["name"], fields.get("text", ""))
         if text:
             self.emit(Event("stream", fields["name"], terminal.closed(text)))
+        past = self.budget.past_note()  # at once, not only when the cell ends (a Ctrl-C, a flood that runs on)
+        if past:
+            self.emit(Event("stream", "stderr", past, note=True))
 
     def display(self, msg: dict[str, Any], size: int) -> None:
         known = dict(each({"t": _kind, "data": lambda v, k: v,

@@ -187,6 +187,7 @@ class OutputBudget:
         # finish() and a checker thread still at a cancelled cell's last message (gate.OFF_LOOP)
         self._log_lock = threading.Lock()
         self._finished = False
+        self._said_past = False  # past_note() said it
 
     def take(self, name: str, text: str) -> str:
         """The part of ``text`` (written to stream ``name``) that should be shown."""
@@ -207,6 +208,20 @@ class OutputBudget:
         self._keep(name, head)
         self._spill(name, text[len(head):])
         return head
+
+    def past_note(self) -> str | None:
+        """Once, when output first went past the limit: one line, at once, saying where the rest
+        goes (the cell's closing line says how much went there)."""
+        if self._said_past or not self.hidden:
+            return None
+        self._said_past = True
+        past = f"smolbench: output past {human(self.limit)}"
+        raise_it = "`%smol config output-limit SIZE` raises it"
+        if self.log_path is None:
+            return f"{past} is not shown; {raise_it}\n"
+        if self.not_saved is not None and not self.logged:
+            return f"{past} is not shown (not saved: {self.not_saved}); {raise_it}\n"
+        return f"{past} goes to {_where(self.log_path)}; {raise_it}\n"
 
     def text(self, name: str) -> str:
         """What stream ``name`` showed (with ``keep``: its last ``keep`` characters, from a
