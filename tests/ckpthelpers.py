@@ -7,6 +7,8 @@ import io
 import json
 import pickle
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +52,32 @@ def record(**over: Any) -> bytes:
     """A checkpoint's record as smolbench writes one, changed by ``over``."""
     base = {"kind": "smolbench-checkpoint", "version": 1, "name": "gift", "backend": "sandbox"}
     return json.dumps({**base, **over}).encode()
+
+
+def interrupt_once_started(nb: Any, started: Path, go: Path) -> threading.Thread:
+    """A thread that presses Ctrl-C in ``nb``'s kernel once ``started`` exists (a held step
+    reached its hold), then lets that step go on (``go``): start it, run the cell, join it."""
+    def press() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not started.exists():
+            time.sleep(0.01)
+        nb.interrupt()
+        go.touch()
+
+    return threading.Thread(target=press)
+
+
+def held_hand_over(started: Path, go: Path, handed: Path | None = None) -> str:
+    """Kernel code that holds a restore's hand-over into its new machine: ``started`` is made
+    when it is reached, it goes on once ``go`` exists (60 s at most), ``handed`` made after it."""
+    after = f"    finally:\n        open({str(handed)!r}, 'w').close()\n" if handed is not None else ""
+    return ("import os, time\nfrom smolbench.backends.sandbox import SandboxBackend\n"
+            "_hand_over = SandboxBackend._hand_over\n"
+            "def held_hand_over(self, path, folder):\n"
+            f"    open({str(started)!r}, 'w').close()\n"
+            "    deadline = time.monotonic() + 60\n"
+            f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+            "        time.sleep(0.01)\n"
+            + ("    try:\n        return _hand_over(self, path, folder)\n" + after if after else
+               "    return _hand_over(self, path, folder)\n")
+            + "SandboxBackend._hand_over = held_hand_over")

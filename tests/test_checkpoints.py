@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from ckpthelpers import held_hand_over, interrupt_once_started
 from nbhelpers import NotebookSession, error_output, plain_texts, stream_text
 
 from smolbench.ledger import Ledger
@@ -190,27 +191,9 @@ def test_ctrl_c_during_a_checkpoint_save_saves_nothing_and_keeps_the_machine(tmp
         # and a restore stopped halfway makes no machine, and leaves root the active one: stopped
         # while it hands the checkpoint over into its new machine (held there until the Ctrl-C is sent)
         copying, go, handed = tmp_path / "copying", tmp_path / "go", tmp_path / "handed"
-        nb.run("import os, time\nfrom smolbench.backends.sandbox import SandboxBackend\n"
-               "_hand_over = SandboxBackend._hand_over\n"
-               "def held_hand_over(self, path, folder):\n"
-               f"    open({str(copying)!r}, 'w').close()\n"
-               "    deadline = time.monotonic() + 60\n"
-               f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
-               "        time.sleep(0.01)\n"
-               "    try:\n"
-               "        return _hand_over(self, path, folder)\n"
-               "    finally:\n"
-               f"        open({str(handed)!r}, 'w').close()\n"
-               "SandboxBackend._hand_over = held_hand_over")
+        nb.run(held_hand_over(copying, go, handed))
 
-        def interrupt_while_it_copies() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not copying.exists():
-                time.sleep(0.01)
-            nb.interrupt()
-            go.touch()
-
-        t = threading.Thread(target=interrupt_while_it_copies)
+        t = interrupt_once_started(nb, copying, go)
         t.start()
         restore = nb.run("%smol checkpoint restore big")
         assert handed.exists(), "the Ctrl-C came back while the restore went on"

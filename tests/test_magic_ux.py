@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ckpthelpers import held_hand_over, interrupt_once_started
 from nbhelpers import NotebookSession, error_text, ok, stream_text
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -155,8 +156,6 @@ def test_a_flooding_cell_names_its_log_at_once_and_again_after_ctrl_c(tmp_path: 
 
 def test_a_restore_with_nothing_up_interrupted_names_the_restore(tmp_path: Path) -> None:
     """It said "`%smol up` was interrupted", which the user never ran."""
-    import threading
-    import time
 
     copying, go = tmp_path / "copying", tmp_path / "go"
     with NotebookSession(tmp_path, timeout=300, allow_errors=True) as nb:
@@ -165,24 +164,9 @@ def test_a_restore_with_nothing_up_interrupted_names_the_restore(tmp_path: Path)
         ok(nb.run("%%smol\nkept = 'warm'"))
         ok(nb.run("%smol checkpoint save lesson1"))
         ok(nb.run("%smol down"))
-        ok(nb.run("import os, time\nfrom smolbench.backends.sandbox import SandboxBackend\n"
-                  "_hand_over = SandboxBackend._hand_over\n"
-                  "def held_hand_over(self, path, folder):\n"
-                  f"    open({str(copying)!r}, 'w').close()\n"
-                  "    deadline = time.monotonic() + 60\n"
-                  f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
-                  "        time.sleep(0.01)\n"
-                  "    return _hand_over(self, path, folder)\n"
-                  "SandboxBackend._hand_over = held_hand_over"))
+        ok(nb.run(held_hand_over(copying, go)))
 
-        def interrupt_while_it_copies() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not copying.exists():
-                time.sleep(0.01)
-            nb.interrupt()
-            go.touch()
-
-        t = threading.Thread(target=interrupt_while_it_copies)
+        t = interrupt_once_started(nb, copying, go)
         t.start()
         restore = nb.run("%smol checkpoint restore lesson1")
         t.join()
