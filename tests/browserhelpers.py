@@ -111,7 +111,7 @@ def jupyter_server(
     # worktree's or a rebuilt extension would be tested on the installed one): JUPYTER_PATH
     # comes first, and JupyterLab loads the first extension of a name it finds.
     ours = root / ".jupyter-tree"
-    shutil.copytree(BUILT, ours / "labextensions" / "smolbench")
+    shutil.copytree(BUILT, ours / "labextensions" / "smolbench", dirs_exist_ok=True)  # (a second server in one test)
     port, token, tag = free_port(), secrets.token_hex(16), uuid.uuid4().hex
     env = {
         **os.environ,
