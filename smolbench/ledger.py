@@ -149,7 +149,10 @@ def code_hash(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
-def linked_part(path: Path, beside: tuple[str, ...] = ("-wal", "-shm", "-journal")) -> Path | None:
+SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a ledger
+
+
+def linked_part(path: Path, beside: tuple[str, ...] = SIDE_FILES) -> Path | None:
     """The part of a ledger that is a symbolic link (its folder, itself or SQLite's files beside
     it), or None: a ledger is used only as what it says it is, by the kernel and the server.
     With ``beside=()``, the same for any path and its folder (the cells' output logs' folder)."""
@@ -157,9 +160,6 @@ def linked_part(path: Path, beside: tuple[str, ...] = ("-wal", "-shm", "-journal
         if p.is_symlink():
             return p
     return None
-
-
-SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a ledger
 
 
 def odd_part(path: Path) -> tuple[Path, str] | None:

@@ -31,19 +31,11 @@ from tornado import web
 from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
-from ..ledger import UnsafeLedger, guard, odd_part
+from ..ledger import UnsafeLedger, guard
 from ..shelf import describe, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
-PLAIN = "a ledger is read only as a plain file in a plain folder (as a kernel does)"
-
-
-def odd_ledger(db: Path) -> str | None:
-    """Why the ledger ``db`` is not read (:func:`smolbench.ledger.odd_part`): "has a fifo at
-    ledger.db-journal: ..."; None if it may be."""
-    odd = odd_part(db)
-    return None if odd is None else f"has {odd[1]} at {odd[0].name}: {PLAIN}"
 LEDGER_SCAN_TTL = 5.0  # seconds a scan of the root for ledgers is reused
 
 
@@ -84,7 +76,7 @@ class _Base(APIHandler):
     def ledger(self) -> tuple[Path, str]:
         where = self.folder()
         db = where / LEDGER
-        odd = odd_ledger(db)
+        odd = ledgerview.odd_ledger(db)
         if odd is not None:
             raise _fail(403, f"{relative(self.root, where) or '.'}/{LEDGER} {odd}")
         return db, relative(self.root, where) or ""
@@ -187,7 +179,7 @@ class CheckpointsHandler(_Base):
         out, problems = [], []
         for d in dirs:
             rel = relative(self.root, d) or ""
-            odd = odd_ledger(d / LEDGER)
+            odd = ledgerview.odd_ledger(d / LEDGER)
             if odd is not None:
                 problems.append(f"{rel or '.'}: the ledger {odd}")
                 continue
@@ -243,7 +235,7 @@ def _delete_checkpoint(db: Path, name: str, root: str) -> str:
     steer a delete); a file dropped into the checkpoint folder, with no row, goes too."""
     store = checkpoint_store(db.parent.parent)
     conn = None
-    odd = odd_ledger(db)
+    odd = ledgerview.odd_ledger(db)
     if odd is not None:
         raise _fail(403, f"this folder's ledger {odd}")
     try:

@@ -33,14 +33,22 @@ class LedgerUnreadable(Exception):
     the message continues "<the ledger> ..." (callers name it, relative to the root)."""
 
 
+def odd_ledger(db: Path) -> str | None:
+    """Why the ledger ``db`` is not read (:func:`smolbench.ledger.odd_part`): "has a fifo at
+    ledger.db-journal: ..."; None if it may be."""
+    odd = odd_part(db)
+    return None if odd is None else (f"has {odd[1]} at {odd[0].name}: a ledger is read only as a plain file in a "
+                                     "plain folder (as a kernel does)")
+
+
 @contextlib.contextmanager
 def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
     """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why):
     its schema checked (:func:`smolbench.ledger.guard`: a view's query would run on each read),
     and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few)."""
-    odd = odd_part(db)  # before SQLite opens anything by path (a fifo -journal hung the server's threads)
+    odd = odd_ledger(db)  # before SQLite opens anything by path (a fifo -journal hung the server's threads)
     if odd is not None:
-        raise LedgerUnreadable(f"has {odd[1]} at {odd[0].name}: a ledger is read only as a plain file in a plain folder")
+        raise LedgerUnreadable(odd)
     uri = "file:" + urllib.parse.quote(str(db)) + "?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
