@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from ..ledger import linked_part
+from .archive import NODE_RE
 from .limits import LIMITS, human
 
 SESSION_LOGS = 1000**3  # bytes all output logs in one folder may take together (see LogPool)
@@ -48,10 +49,9 @@ ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and
 # A session's id as Workbench makes it (when it started, then 6 random hex digits). A ledger's
 # ids are its author's strings (a copied folder's ledger.db): only ids of this form name logs.
 SESSION_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}", re.ASCII)
-# A node's name as the tree makes them (``root.7.2``, ``r1-warm``, ``fresh1``; archive.NODE_RE)
-NODE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-# The whole name of an output log (:func:`log_name`): nothing else is ever counted or removed
-LOG_NAME = re.compile(rf"{NODE}(?:\.cell[0-9]{{1,9}})?-(?P<session>{SESSION_ID.pattern})\.log", re.ASCII)
+# The whole name of an output log (:func:`log_name`), its node's name as the tree makes them
+# (``root.7.2``, ``r1-warm``, ``fresh1``: archive.NODE_RE): nothing else is ever counted or removed
+LOG_NAME = re.compile(rf"{NODE_RE.pattern}(?:\.cell[0-9]{{1,9}})?-(?P<session>{SESSION_ID.pattern})\.log", re.ASCII)
 
 
 def log_name(node_id: str, tag: str, session: str) -> str:
