@@ -67,7 +67,12 @@ class MachineSpec:
         machine's memory, so a default disk as big as memory let a full disk kill the machine
         for memory; half leaves the machine room to live, and a full disk fails with ENOSPC.
         Not in ``baseline()``: the Smolfile is the same, only the default's meaning moved."""
-        return self.disk_mib or max(self.memory // 2, 16)
+        return self.disk_mib or self.default_files_mib
+
+    @property
+    def default_files_mib(self) -> int:
+        """:attr:`files_mib` when the Smolfile sets no ``disk``: half of ``memory`` (16 MiB at least)."""
+        return max(self.memory // 2, 16)
 
     @property
     def policy(self) -> NetPolicy:

@@ -155,7 +155,7 @@ def disk_note(spec: MachineSpec, *, counted: bool) -> str | None:
         return None
     return (f"disk = {format_mib(spec.disk_mib)} leaves memory = {format_mib(spec.memory)} no room: a sandbox keeps its "
             "files in memory, counted as its memory, so files filling the disk would kill the machine for memory "
-            f'before a write fails with ENOSPC; set disk = "{format_mib(max(16, spec.memory // 2))}" (half of memory, '
+            f'before a write fails with ENOSPC; set disk = "{format_mib(spec.default_files_mib)}" (half of memory, '
             "the default) or raise memory in the Smolfile")
 
 
