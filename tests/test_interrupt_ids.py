@@ -98,8 +98,11 @@ def test_an_interrupt_still_stops_the_cell_it_names(tmp_path: Path) -> None:
     assert (stopped.error or {}).get("ename") == "KeyboardInterrupt"
     assert stopped.stdout == "cell started\n"
     assert after.status == "ok" and after.result == {"text/plain": "42"}
-    frames = (stopped.error or {}).get("traceback") or []  # it ends at the cell's line, not in the agent
-    assert frames and frames[-1].startswith('  File "<cell>", line 4') and "serving.py" not in "".join(frames)
+    # it ends at the cell's line, not in the agent: the wait (line 4), or its print (line 2) when the
+    # interrupt came while the agent still sent that line's output (seen in CI under load)
+    frames = (stopped.error or {}).get("traceback") or []
+    assert frames and frames[-1].startswith(('  File "<cell>", line 4', '  File "<cell>", line 2')), frames
+    assert "serving.py" not in "".join(frames)
 
 
 def test_an_interrupt_that_lands_in_a_print_ends_the_traceback_at_the_cell_s_line(tmp_path: Path,
