@@ -41,7 +41,6 @@ BUDGETS = {"05_scale_out.ipynb": 360.0, "07_training.ipynb": 300.0}
 CELL_TIMEOUT_S = 120
 UPS = {"05_scale_out.ipynb": "%smol up --ray {cluster.address}",  # joins the cluster it starts, not another run's (no Smolfile left behind)
        "06_teaching.ipynb": "%smol up --backend sandbox"}  # a checkpoint travels as one file on the sandbox
-LEAVES_NOTHING = {"05_scale_out.ipynb", "06_teaching.ipynb"}  # no file in its folder afterwards but the ledger (.smolbench/)
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
@@ -306,8 +305,9 @@ def test_notebook_runs_end_to_end(name: str, tmp_path: Path) -> None:
         else:
             assert err is None, f"{name}: unexpected error in {c.source[:60]!r}: {err.ename}: {err.evalue}"
     CHECKS[name](nb)
-    if name in LEAVES_NOTHING:  # a Smolfile left here made every later `%smol up` in the folder join a cluster
-        left = sorted(p.name for p in tmp_path.iterdir() if p.name not in (name, ".smolbench"))
-        assert left == [], f"{name} left files in its folder: {left}"
+    # Every notebook cleans up after itself: nothing in its folder afterwards but the ledger
+    # (.smolbench/). A Smolfile left here made every later `%smol up` in the folder join a cluster.
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in (name, ".smolbench"))
+    assert left == [], f"{name} left files in its folder: {left}"
     budget = BUDGETS.get(name, TIME_BUDGET_S)
     assert took < budget, f"{name} took {took:.0f} s (budget {budget:.0f} s)"
