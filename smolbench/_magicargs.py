@@ -10,7 +10,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import gate
+from . import _args, gate
 from ._didyoumean import closest
 from .errors import SmolbenchError
 
@@ -109,7 +109,8 @@ def usage_error(parser: Any, command: str, message: str) -> str:
         name, got, choices = said[1], said[2], re.findall(r"'([^']*)'", said[3])
         close = closest(got, choices)
         if name.startswith("-"):
-            fix = f"did you mean `{name} {close}`?" if close else f"e.g. `{command} {name} {choices[0]}`"
+            example = f"{command} 16" if command.startswith("%%smol ") else command  # fork and episodes need N
+            fix = f"did you mean `{name} {close}`?" if close else f"e.g. `{example} {name} {choices[0]}`"
             return f"{name} {got!r} is not one of {', '.join(choices)}: {fix}"
         fix = f"did you mean `{command} {close}`? " if close else ""
         return f"unknown {command} word {got!r}: {fix}one of {', '.join(choices)} (see %smol?)"
@@ -245,7 +246,7 @@ def _cell_args(line: str) -> None:
 @argument("--timeout", type=_timeout, default=None, help="per-branch time limit in seconds")
 @argument("--concurrency", type=int, default=None,
           help="how many branches run at once (default 4 per core; 2 per core where each is a boot; a cluster: every slot)")
-@argument("--keep", default="best", help="which branches stay alive: best, all or none")
+@argument("--keep", default="best", choices=_args.KEEP_POLICIES, help="which branches stay alive: best, all or none")
 @argument("--out", default=None, help="store the ForkResult in this notebook variable")
 @argument("--bg", action="store_true", help="return at once; the handle has .wait() (Ctrl-C stops the wait, not the "
           "fork), .done(), .progress, .cancel()")

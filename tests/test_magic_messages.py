@@ -82,6 +82,11 @@ WORDS = [  # what was typed, what the user now reads (argparse's own words, befo
                               "--concurrency, --keep, --out, --bg, --group-outputs, --push, --allow-errors, --quiet, "
                               "--retries, --no-reseed (see %smol?)"),
     ("%%smol fork", "%%smol fork needs the number of branches: e.g. `%%smol fork 16`"),
+    # a --keep no policy has is the parser's to refuse, as --timeout -1 is (was a SmolbenchError after it)
+    ("%%smol fork 2 --keep some", "--keep 'some' is not one of best, all, none: e.g. `%%smol fork 16 --keep best`"),
+    ("%%smol fork 2 --keep bset", "--keep 'bset' is not one of best, all, none: did you mean `--keep best`?"),
+    ("%%smol fork 2 --timeout -1", "%%smol fork: --timeout must be a positive number of seconds, got '-1': "
+                                   "e.g. --timeout 30 (see %smol?)"),
     ("%%smol --pul x", "--pul could be any of --pull, --pull-trusted: spell the option out (see %smol?)"),
     ("%smol up --retries -1", "--retries must be at least 0, got -1: e.g. --retries 1"),  # was Session(retries=1)
     ("%smol trust maybe", "'maybe' is not a trust setting: `%smol trust on` or `%smol trust off` (trusted mode is off)"),
