@@ -69,7 +69,9 @@ def test_a_shared_namespace_s_names_reach_no_terminal_and_stay_short(open_tmp: P
 
 
 @pytest.mark.parametrize(("backend", "made", "why"), [
-    ("sandbox", "smol", "was made by the smol backend, but this machine uses sandbox: `Session(backend='smol').up()`"),
+    # smol's checkpoints never travel as a file: a record saying so was written by hand (it
+    # advised bringing up a microVM for it, and with nothing up said it was bringing one up)
+    ("sandbox", "smol", "says the smol backend made it, but smol's checkpoints never travel as a file"),
     ("process", "sandbox", "was not saved in this kernel: its saved state is code"),
 ])
 def test_a_refused_file_leaves_nothing_here(open_tmp: Path, backend: str, made: str, why: str) -> None:
@@ -267,3 +269,22 @@ def test_a_re_export_says_where_it_came_from_first_and_claims_no_time_the_file_d
     assert inside["warnings"][0] == (f"re-exported: added to its folder from a checkpoint file (sha256 "
                                      f"{hashlib.sha256(full.read_bytes()).hexdigest()}) that said what this record says")
     assert len(inside["warnings"]) == 20 and "created" not in inside and "baseline" not in inside
+
+
+def test_a_file_claiming_smol_is_one_line_before_anything_comes_up(open_tmp: Path) -> None:
+    """Explorer: with nothing up, a file whose record said the smol backend made it printed
+    "bringing up a smol machine for this checkpoint", then "... is not a smol checkpoint":
+    two lines that contradict each other, and a microVM started for a file no smol made."""
+    gift = open_tmp / "gift.smolcheckpoint"
+    forged(gift, record(name="gift", backend="smol"))
+    with NotebookSession(open_tmp, allow_errors=True) as s:
+        ok(s.run("%load_ext smolbench"))
+        cell = s.run(f"%smol checkpoint restore {gift}")
+        said = stream_text(cell)
+        assert "bringing up" not in said, said
+        error = [o for o in cell.outputs if o.output_type == "error"]
+        assert len(error) == 1 and error[0].evalue == (
+            f"checkpoint {gift} says the smol backend made it, but smol's checkpoints never travel as a file (this "
+            "one was written or changed by hand): ask for one made with `%smol checkpoint export NAME PATH`; "
+            "nothing was added"), cell.outputs
+        assert "no machine is up" in stream_text(s.run("%smol status"))

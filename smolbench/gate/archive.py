@@ -668,7 +668,9 @@ RECORD_LIMIT = 16 * 1024
 PREFIX_LIMIT = 1000**2  # a record is looked for in a file's first MB, read and decompressed (it is first)
 RECORD_KIND = "smolbench-checkpoint"
 RECORD_VERSION = 1  # the record this smolbench writes and reads; a reader of 1 can't use a 2
-BACKENDS = ("sandbox", "process", "smol")
+# Backends whose checkpoints travel as a file: smol's never do (`checkpoint export` refuses them),
+# so a record claiming smol was written by hand and would send a restore to bring up a microVM.
+BACKENDS = ("sandbox", "process")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 PART_RE = re.compile(r"[a-z]{1,20}")
@@ -727,6 +729,9 @@ def parse_record(blob: bytes, where: str) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise ValueError("it is not an object")
         _same_version(data, where)
+        if data.get("backend") == "smol":
+            raise UnusableCheckpoint(f"{where} says the smol backend made it, but smol's checkpoints never travel as a "
+                                     f"file (this one was written or changed by hand): {EXPORTED}")
         # a key this version doesn't know (a later smolbench's, of the same version) is dropped
         # here, unread: nothing but the known keys, checked, reaches any caller
         data = {k: v for k, v in data.items() if k in RECORD_FIELDS}
