@@ -97,3 +97,78 @@ def test_only_plain_files_of_one_name_pass(tmp_path: Path) -> None:
     os.unlink(tmp_path / "second-name")
     (db.parent / "ledger.db-shm").mkdir()
     assert odd_part(db) == (db.parent / "ledger.db-shm", "a folder")
+
+
+def hot_journal(db: Path, names: str) -> None:
+    """A rollback journal beside ``db`` as SQLite writes one for a transaction of several
+    databases: a header, no pages, then the super-journal's name, its length, its checksum
+    and the journal's magic (what SQLite reads back from the file's last 16 bytes)."""
+    magic = bytes.fromhex("d9d505f920a163d7")
+    page = 4096
+    header = (magic + (0).to_bytes(4, "big") + (1).to_bytes(4, "big") + (1).to_bytes(4, "big")
+              + (512).to_bytes(4, "big") + page.to_bytes(4, "big")).ljust(512, b"\0")
+    name = names.encode()
+    lock_page = 0x40000000 // page + 1  # SQLite's PAGER_SJ_PGNO: the record that holds the name
+    tail = (lock_page.to_bytes(4, "big") + name + len(name).to_bytes(4, "big") + (sum(name) & 0xFFFFFFFF).to_bytes(4, "big")
+            + magic)
+    db.with_name(db.name + "-journal").write_bytes(header + tail)
+
+
+@pytest.mark.parametrize("opener", ["kernel", "server-delete"])
+def test_a_copied_ledger_s_journal_can_t_have_sqlite_delete_the_user_s_files(tmp_path: Path, opener: str,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fourth audit: a copied folder's ``ledger.db-journal`` naming a super-journal had SQLite
+    delete that file (``../thesis.tex``: relative to the kernel's folder, or absolute) as the
+    kernel's `%smol up`, or the sidebar's delete of one of that folder's checkpoints, opened
+    the ledger to write and rolled the journal back."""
+    from smolbench import ledger as ledger_module
+    from smolbench.server.handlers import _delete_checkpoint
+
+    thesis = tmp_path / "thesis.tex"
+    shared = tmp_path / "shared"
+    db = shared / ".smolbench" / "ledger.db"
+    _ledger(shared).close()
+
+    def open_it() -> None:
+        if opener == "kernel":
+            Ledger(db).close()
+        else:
+            _delete_checkpoint(db, "x", str(tmp_path))
+
+    def attack() -> BaseException | None:
+        thesis.write_text("four years of work")
+        hot_journal(db, str(thesis))
+        try:
+            open_it()
+        except Exception as exc:  # noqa: BLE001 (what the user is told)
+            return exc
+        return None
+
+    monkeypatch.chdir(shared)
+    refused = attack()
+    assert thesis.read_text() == "four years of work"
+    if opener == "kernel":
+        assert isinstance(refused, SmolbenchError) and str(refused) == (
+            f"ledger {db} has a rollback journal naming a file for SQLite to delete (a super-journal) at "
+            "ledger.db-journal: smolbench's ledger never keeps one (it uses WAL), so it was put there: move "
+            "ledger.db-journal aside")
+    else:
+        assert "a rollback journal naming a file for SQLite to delete" in str(refused), refused
+    assert odd_part(db) == (db.with_name("ledger.db-journal"), ledger_module.SUPER_JOURNAL)
+
+    # the attack is real: with the check weakened, the same open deletes the user's file
+    monkeypatch.setattr(ledger_module, "_names_a_super_journal", lambda journal, size: False)
+    attack()
+    assert not thesis.exists()
+
+
+def test_a_journal_naming_no_super_journal_still_opens(tmp_path: Path) -> None:
+    """Only a journal that names a file is refused: an empty one, or one of a crash before
+    the ledger was in WAL mode (pages only, no name), is SQLite's to roll back as usual."""
+    db = tmp_path / ".smolbench" / "ledger.db"
+    _ledger(tmp_path).close()
+    journal = db.with_name("ledger.db-journal")
+    for content in (b"", bytes.fromhex("d9d505f920a163d7").ljust(512, b"\0")):
+        journal.write_bytes(content)
+        assert odd_part(db) is None
+        Ledger(db).close()

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..ledger import UnsafeLedger, guard, odd_part
+from ..ledger import SUPER_JOURNAL, UnsafeLedger, guard, odd_part
 from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
@@ -37,8 +37,11 @@ def odd_ledger(db: Path) -> str | None:
     """Why the ledger ``db`` is not read (:func:`smolbench.ledger.odd_part`): "has a fifo at
     ledger.db-journal: ..."; None if it may be."""
     odd = odd_part(db)
-    return None if odd is None else (f"has {odd[1]} at {odd[0].name}: a ledger is read only as a plain file in a "
-                                     "plain folder (as a kernel does)")
+    if odd is None:
+        return None
+    if odd[1] == SUPER_JOURNAL:
+        return f"has {odd[1]} at {odd[0].name}: smolbench's ledger never keeps one, so it was put there"
+    return f"has {odd[1]} at {odd[0].name}: a ledger is read only as a plain file in a plain folder (as a kernel does)"
 
 
 @contextlib.contextmanager
