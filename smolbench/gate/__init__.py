@@ -226,7 +226,7 @@ class _Cell:
         update = bool(known.get("update"))
         if update and ident is None:
             raise Bad("an update of a display without its id")
-        if not (self.budget.take_update(size) if update else self.budget.take_display(size)):
+        if not (self.budget.take_update(size, ident) if ident is not None and update else self.budget.take_display(size, ident)):
             return  # counted, not shown (and not worth cleaning)
         data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown)
         self.note_dropped(dropped)
