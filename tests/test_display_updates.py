@@ -5,7 +5,9 @@ Before: IPython's ``display`` in a machine dropped ``display_id`` (each update a
 ``display(..., display_id=True)`` returned None, so ``h.update`` raised), and
 ``clear_output`` printed terminal escapes: a training loop's live plot became hundreds of
 plots, cut at 200 displays. The attacks beside them: a machine's id naming one of the
-host's displays (to redraw the host's own output), and a clear hiding the gate's notes.
+host's displays (to redraw the host's own output), a clear hiding the gate's notes, updates
+leaving more on screen than the cell's output limit, and a later session's ``root`` (or
+restore) redrawing what an earlier session's machine of that name showed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from smolbench.gate.output import REDRAWS, OutputBudget
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
-def _gate(*messages: dict[str, Any], limit: int = 100_000, where: str = "root") -> tuple[Any, list[Event]]:
+def _gate(*messages: dict[str, Any], limit: int = 100_000, where: str = "root",
+          scope: str = "t0") -> tuple[Any, list[Event]]:
     events: list[Event] = []
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -36,7 +39,7 @@ def _gate(*messages: dict[str, Any], limit: int = 100_000, where: str = "root") 
             yield json.dumps(m).encode() + b"\n"
 
     request = CellRequest("x", output=OutputBudget(None, limit=limit))
-    res = asyncio.run(gate.read_cell(chunks(), request, events.append, where))
+    res = asyncio.run(gate.read_cell(chunks(), request, events.append, where, scope=scope))
     return res, events
 
 
@@ -46,9 +49,9 @@ DONE = {"t": "done", "status": "ok"}
 def test_the_gate_keeps_a_machine_s_display_ids_its_own_and_checks_them() -> None:
     _, events = _gate({"t": "display", "data": {"text/plain": "a"}, "id": "plot"},
                       {"t": "display", "data": {"text/plain": "b"}, "id": "plot", "update": True},
-                      {"t": "clear", "wait": True}, DONE, where="root.3")
+                      {"t": "clear", "wait": True}, DONE, where="root.3", scope="t1")
     shown = [(e.kind, e.display_id, e.update, e.wait) for e in events]
-    assert shown == [("display", "root.3/plot", False, False), ("display", "root.3/plot", True, False),
+    assert shown == [("display", "root.3/t1/plot", False, False), ("display", "root.3/t1/plot", True, False),
                      ("clear", None, False, True)]
     for bad, why in (({"t": "display", "data": {}, "id": 7}, "display id"),
                      ({"t": "display", "data": {}, "id": "x" * 300}, "display id"),
@@ -220,3 +223,34 @@ def test_a_notebook_holds_no_more_of_a_cell_s_updates_than_its_output_limit(tmp_
     assert len(json.dumps(slots.outputs)) < 1024**2 and "not shown" in notices(slots), slots.outputs
     assert "not shown" in notices(redraw), redraw.outputs
     assert json.dumps(many.outputs).count("z" * 1000) == 300, many.outputs  # (one 'zzz…' of 300 KB)
+
+
+@needs_bwrap
+def test_a_machine_redraws_only_its_own_displays_whatever_its_name(tmp_path: Path) -> None:
+    pytest.importorskip("nbclient")
+    rewrite = "%%smol\nfrom IPython.display import display, update_display\nupdate_display('rewritten', display_id='{}')"
+    nb = run_notebook([
+        "%load_ext smolbench",
+        "%smol up --backend sandbox",
+        "%%smol\nfrom IPython.display import display\nh = display('final accuracy: 0.71', display_id='status')",
+        "%smol checkpoint save warm",
+        "%smol checkpoint restore warm",
+        "%%smol\nfrom IPython.display import display\nh = display('restored, session 1', display_id='rstatus')",
+        "%smol down",
+        # a new session: its first machine is named root again, its restore r1-warm again
+        "%smol up --backend sandbox",
+        rewrite.format("status") + "\nh = display('root, session 2', display_id='own')",
+        "%%smol fork 2 --keep all\nreward = SEED",
+        "%smol use best",  # a live branch of root: another machine, with root's handles in it
+        rewrite.format("own"),
+        "%smol use root",
+        "%%smol\nupdate_display('root, session 2, redrawn', display_id='own')",  # its own, from a later cell
+        "%smol checkpoint restore warm",
+        rewrite.format("rstatus"),
+        "%smol down",
+    ], tmp_path, timeout=300)
+    assert "as r1-warm" in stream_text(nb.cells[4]) and "as r1-warm" in stream_text(nb.cells[14])
+    outputs = json.dumps([c.outputs for c in nb.cells])
+    assert "rewritten" not in outputs
+    assert plain_texts(nb.cells[2]) == ["'final accuracy: 0.71'"] and plain_texts(nb.cells[5]) == ["'restored, session 1'"]
+    assert plain_texts(nb.cells[8]) == ["'root, session 2, redrawn'"], nb.cells[8].outputs
