@@ -82,7 +82,7 @@ def _drain(timeout: float) -> None:
             elif ev.update:
                 update_display(dict(ev.data), display_id=_DISPLAY_IDS.host(ev.display_id), raw=True)
             else:
-                display(dict(ev.data), raw=True, display_id=_DISPLAY_IDS.host(ev.display_id))
+                display(dict(ev.data), raw=True, display_id=_DISPLAY_IDS.host(ev.display_id, new=True))
         elif kind == "clear" and not branch:
             write()
             clear_output(wait=ev.wait)
@@ -147,15 +147,19 @@ def _show_event(ev: Event) -> None:
 class _DisplayIds:
     """The kernel's display id for each id a machine gave a display (``machine/id``): fresh
     random ones, so a machine's update can only redraw what a machine showed, never the
-    host's own displays (a tree view, a progress line). The newest :data:`MAX` are kept."""
+    host's own displays (a tree view, a progress line). An update redraws the newest display
+    with its id (``new``: a display made now, the id's from now on), never every one a machine
+    made with it: the gate counts one display's bytes per id. The newest :data:`MAX` are kept."""
 
     MAX = 4096
 
     def __init__(self) -> None:
         self._ids: dict[str, str] = {}
 
-    def host(self, machine_id: str) -> str:
-        got = self._ids.pop(machine_id, None) or f"smolbench-machine-{secrets.token_hex(12)}"
+    def host(self, machine_id: str, new: bool = False) -> str:
+        got = self._ids.pop(machine_id, None)
+        if new or got is None:
+            got = f"smolbench-machine-{secrets.token_hex(12)}"
         self._ids[machine_id] = got  # (newest last)
         while len(self._ids) > self.MAX:
             del self._ids[next(iter(self._ids))]

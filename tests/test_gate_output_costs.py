@@ -35,7 +35,7 @@ def run(*messages: dict[str, Any], limit: int = 100_000) -> tuple[Any, list[Even
             yield json.dumps(m).encode() + b"\n"
 
     request = CellRequest("x", output=OutputBudget(None, limit=limit))
-    res = asyncio.run(gate.read_cell(chunks(), request, events.append, "root.1"))
+    res = asyncio.run(gate.read_cell(chunks(), request, events.append, "root.1", scope="t"))
     return res, events
 
 
@@ -117,7 +117,7 @@ def test_a_big_message_is_checked_off_the_loop_and_its_events_come_out_on_the_lo
             seen.append((ev.kind, ev.text if ev.kind == "stream" else str(ev.data)[:200], threading.get_ident()))
 
         request = CellRequest("x", output=OutputBudget(None, limit=10_000_000))
-        res = await gate.read_cell(chunks(), request, on_event, "root.1")
+        res = await gate.read_cell(chunks(), request, on_event, "root.1", scope="t")
         return threading.get_ident(), res
 
     loop_thread, res = asyncio.run(main())
@@ -265,7 +265,7 @@ def test_a_cell_cancelled_while_a_checker_thread_reads_its_output_leaves_no_log_
             yield json.dumps({"t": "stream", "name": "stdout", "text": text}).encode() + b"\n"
             await asyncio.sleep(60)
 
-        task = asyncio.ensure_future(gate.read_cell(chunks(), CellRequest("x", output=budget), None, "root"))
+        task = asyncio.ensure_future(gate.read_cell(chunks(), CellRequest("x", output=budget), None, "root", scope="t"))
         deadline = time.monotonic() + 60
         while not _in_a_thread(OutputBudget._cut_lines.__code__):  # a checker thread cuts the big one now
             assert time.monotonic() < deadline, "no checker thread took the big message"

@@ -590,7 +590,7 @@ def test_mutated_replies_never_escape_the_gate_as_anything_but_one_line() -> Non
             for i in range(0, len(data), 97):
                 yield data[i:i + 97]
 
-        await read_cell(chunks(), CellRequest("x", pull=["v"]), lambda ev: None, "root.3")
+        await read_cell(chunks(), CellRequest("x", pull=["v"]), lambda ev: None, "root.3", scope="t")
 
     outcomes = {"ok": 0, "refused": 0}
     for _ in range(600):

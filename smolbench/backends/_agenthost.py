@@ -461,7 +461,7 @@ class AgentHostBackend(Saving, Backend):
         try:
             msg = exec_message(request, self._ids.cell(machine.name))
             async with contextlib.aclosing(self._stream(machine, msg)) as chunks:
-                res = await gate.read_cell(chunks, request, on_event, machine.name)
+                res = await gate.read_cell(chunks, request, on_event, machine.name, scope=machine.token)
         except SmolbenchError:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
                 raise MachineLost(f"{self._lost_for_memory(machine.spec)} (machine {machine.name} was lost)") from None

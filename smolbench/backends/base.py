@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class MachineRef:
     parent: str | None = None
     created: float = field(default_factory=time.time)
     info: dict[str, Any] = field(default_factory=dict)  # backend-specific details
+    # this machine's alone for the kernel's life, as its name is not (every session's first is
+    # root): the display ids its cells give are scoped by it (gate.read_cell)
+    token: str = field(default_factory=lambda: secrets.token_hex(8), repr=False, compare=False)
 
 
 @dataclass

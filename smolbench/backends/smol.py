@@ -564,7 +564,7 @@ class SmolBackend(Backend):
         """Run one cell through client.py, streaming its output as it arrives."""
         msg = exec_message(request, self._ids.cell(machine.name))
         async with contextlib.aclosing(self._relay(machine, msg)) as chunks:
-            return await gate.read_cell(chunks, request, on_event, machine.name)
+            return await gate.read_cell(chunks, request, on_event, machine.name, scope=machine.token)
 
     async def interrupt(self, machine: MachineRef) -> None:
         """Raise KeyboardInterrupt in the last cell sent to the machine if it still runs: never

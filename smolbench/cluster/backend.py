@@ -324,7 +324,7 @@ class ClusterBackend(Backend):
         node = self._node_of(machine)
         item = self._batcher(node, "exec").submit(machine.name, exec_message(request, self._ids.cell(machine.name)))
         async with contextlib.aclosing(item.chunks()) as chunks:
-            return await gate.read_cell(chunks, request, on_event, machine.name)
+            return await gate.read_cell(chunks, request, on_event, machine.name, scope=machine.token)
 
     async def interrupt(self, machine: MachineRef) -> None:
         """Stop the last cell sent to ``machine`` if it still runs when its node's agent hears

@@ -142,10 +142,11 @@ def _kind(value: Any, key: str) -> str:
 class _Cell:
     """One exec request's replies: streams and displays go out as events, ``done`` is checked."""
 
-    def __init__(self, request: CellRequest, on_event: OnEvent | None, where: str) -> None:
+    def __init__(self, request: CellRequest, on_event: OnEvent | None, where: str, scope: str) -> None:
         self.request = request
         self.on_event = on_event
         self.where = where
+        self.scope = scope
         self.budget = request.output if request.output is not None else OutputBudget(None)
         self.noted: set[str] = set()
         self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered by the gate
@@ -221,12 +222,13 @@ class _Cell:
         known = dict(each({"t": _kind, "data": lambda v, k: v,
                            "id": lambda v, k: string(v, "a display id", DISPLAY_ID),
                            "update": lambda v, k: boolean(v, "a display's update flag")}, msg, "a display message"))
-        # a machine's ids are its own: one machine never names what another one showed
-        ident = f"{self.where}/{known['id']}" if known.get("id") else None
+        # a machine's ids are its own: one machine never names what another one showed, nor one
+        # of the same name in an earlier session (its MachineRef's token, not only its name)
+        ident = f"{self.where}/{self.scope}/{known['id']}" if known.get("id") else None
         update = bool(known.get("update"))
         if update and ident is None:
             raise Bad("an update of a display without its id")
-        if not (self.budget.take_update(size) if update else self.budget.take_display(size)):
+        if not (self.budget.take_update(size, ident) if ident is not None and update else self.budget.take_display(size, ident)):
             return  # counted, not shown (and not worth cleaning)
         data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown)
         self.note_dropped(dropped)
@@ -284,9 +286,11 @@ class _Cell:
 
 
 async def read_cell(chunks: AsyncIterator[bytes], request: CellRequest, on_event: OnEvent | None,
-                    where: str) -> CellResult:
-    """Read one exec request's raw reply stream: events out, the checked result back."""
-    cell = _Cell(request, on_event, where)
+                    where: str, *, scope: str) -> CellResult:
+    """Read one exec request's raw reply stream: events out, the checked result back.
+    ``where``: the machine's name; ``scope``: its :attr:`MachineRef.token`, which its display
+    ids are made under (a later session's ``root`` is another machine)."""
+    cell = _Cell(request, on_event, where, scope)
     try:
         async for msg, size in _messages(chunks):
             kind = msg.get("t")

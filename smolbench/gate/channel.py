@@ -125,7 +125,7 @@ class Answers:
                 return exc
         if kind == "done":
             try:
-                ended: BaseException = Ended(_Cell(self.request, None, self.where).done(msg))
+                ended: BaseException = Ended(_Cell(self.request, None, self.where, "").done(msg))  # (shows no display)
             except MachineBusy as exc:  # the cell never ran (its last one still ending): that, in one line
                 ended = exc
             return self._break(ended)

@@ -167,8 +167,12 @@ class OutputBudget:
         self.shown_displays = 0
         self.hidden_displays = 0
         self._display_bytes = 0  # of ``shown``, the displays' (a clear gives them back)
+        # of ``shown``, what each display id shows now: of this cell's displays (its newest with
+        # that id), and of earlier cells' ones this cell redrew (not this cell's to clear)
+        self._ids: dict[str, int] = {}
+        self._earlier: dict[str, int] = {}
         self.redrawn = 0  # bytes of every display and update shown, cleared or not (bounded: REDRAWS)
-        self._redraws_full = False
+        self._hidden_why = ""  # why the first display not shown was not: "displays", "redraws" or "output"
         self.hidden = 0  # bytes not shown (past the limit)
         self.hidden_in: dict[str, int] = {}  # of those, per stream
         self.logged = 0  # bytes written to the log
@@ -261,43 +265,66 @@ class OutputBudget:
         """The log's absolute path when it holds some of the cell's output, else None."""
         return str(self.log_path.absolute()) if self.log_path is not None and self.logged else None
 
-    def take_display(self, size: int) -> bool:
+    def take_display(self, size: int, ident: str | None = None) -> bool:
         """Whether a display of ``size`` bytes (its reply line) still fits: it counts against
-        the same bytes as text, and against the cell's number of displays."""
-        if self.shown_displays >= self.displays or self.shown + size > self.limit or not self._redraws(size):
-            self.hidden_displays += 1
-            return False
+        the same bytes as text, and against the cell's number of displays. ``ident``: its
+        display id (a later update of it replaces these bytes)."""
+        if self.shown_displays >= self.displays:
+            return self._refused("displays")
+        if self.shown + size > self.limit:
+            return self._refused("output")
+        if not self._redraws(size):
+            return self._refused("redraws")
         self.shown += size
         self._display_bytes += size
         self.shown_displays += 1
         self.redrawn += size
+        if ident is not None:  # the id's newest display: the one an update redraws (an older one stays as it is)
+            self._ids[ident] = size
+            self._earlier.pop(ident, None)
         return True
 
-    def take_update(self, size: int) -> bool:
-        """Whether an update of a display shown (``display_id``) still fits: it replaces what is
-        shown, so only the bytes redrawn in all count (:data:`REDRAWS`)."""
+    def take_update(self, size: int, ident: str) -> bool:
+        """Whether an update of the display with id ``ident`` to ``size`` bytes still fits: it
+        replaces what that display showed, and what is then shown counts against the limit as a
+        display does. One shown in an earlier cell (its size unknown here) counts in full in this
+        cell, as a new display would, and a clear here leaves it counted. Every byte redrawn
+        counts too (:data:`REDRAWS`)."""
+        here = ident in self._ids
+        old = self._ids[ident] if here else self._earlier.get(ident, 0)
+        if self.shown - old + size > self.limit:
+            return self._refused("output")
         if not self._redraws(size):
-            self.hidden_displays += 1
-            return False
+            return self._refused("redraws")
+        self.shown += size - old
         self.redrawn += size
+        if here:
+            self._ids[ident] = size
+            self._display_bytes += size - old
+        else:
+            self._earlier[ident] = size
         return True
+
+    def _refused(self, why: str) -> bool:
+        self.hidden_displays += 1
+        self._hidden_why = self._hidden_why or why
+        return False
 
     def _redraws(self, size: int) -> bool:
-        if self.redrawn + size <= REDRAWS * self.limit:
-            return True
-        self._redraws_full = True
-        return False
+        return self.redrawn + size <= REDRAWS * self.limit
 
     def cleared(self) -> None:
         """The cell's output was cleared (``clear_output``): its displays' room is free again.
-        Text keeps its count (what was printed is logged past the limit as before), and what
-        was redrawn in all stays bounded, so a loop that clears and draws ends somewhere."""
+        Text keeps its count (what was printed is logged past the limit as before), what this
+        cell redrew of earlier cells' displays is still shown, and what was redrawn in all stays
+        bounded, so a loop that clears and draws ends somewhere."""
         self.shown -= self._display_bytes
         self._display_bytes = 0
         self.shown_displays = 0
+        self._ids.clear()
 
     def give_back(self, size: int) -> None:
-        """A display that took its room but was not shown after all (nothing in it passed)."""
+        """A display (without an id) that took its room but was not shown after all (nothing in it passed)."""
         self.shown -= size
         self._display_bytes -= size
         self.shown_displays -= 1
@@ -371,9 +398,9 @@ class OutputBudget:
                 self._log = None
         note = ""
         if self.hidden_displays:
-            why = (f"past {self.displays:,} displays in one cell" if self.shown_displays >= self.displays
+            why = (f"past {self.displays:,} displays in one cell" if self._hidden_why == "displays"
                    else f"past {human(REDRAWS * self.limit)} of displays drawn and redrawn in one cell"
-                   if self._redraws_full else f"past {human(self.limit)} of output")
+                   if self._hidden_why == "redraws" else f"past {human(self.limit)} of output")
             note = (f"… {self.hidden_displays:,} more displays not shown ({why}; `%smol config displays N` "
                     "or `%smol config output-limit SIZE` raises the limit)\n")
         text = self._text_note()
