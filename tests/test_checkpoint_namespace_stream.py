@@ -20,6 +20,7 @@ from ckpthelpers import forged, workspace
 import smolbench
 from smolbench.backends import _limits
 from smolbench.errors import SmolbenchError
+from smolbench.gate import archive
 from smolbench.gate.limits import LIMITS, configure
 from smolbench.guest import nsstream
 
@@ -81,6 +82,19 @@ def test_variables_over_the_checkpoint_limit_are_refused_and_nothing_is_left(her
         assert not folder.exists() or [p.name for p in folder.iterdir()] == []  # no part file, no checkpoint
         assert s.run("len(blob)").value == 30 << 20  # the machine goes on, its variable kept
         assert s.checkpoint_save("within")["name"] == "within"  # and saves within the limit
+        # its restore under a lower limit: refused by its headers; with that check off, the
+        # variables are counted as they are sent into the machine, and stopped there
+        try:
+            configure("checkpoint-limit", "20M")
+            archive.TEST_WEAKEN.add("size")
+            with pytest.raises(SmolbenchError) as refused:
+                s.checkpoint_restore("within")
+        finally:
+            LIMITS.checkpoint = old
+            archive.TEST_WEAKEN.discard("size")
+        assert "unpacks to more than the checkpoint limit of 20 MB: stopped there" in str(refused.value), refused.value
+        assert s.workbench is not None and list(s.workbench.machines) == ["root"]  # its new machine went
+        assert s.run("len(blob)").value == 30 << 20
 
 
 @needs_sandbox
