@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _stop_with_grace, _to_the_end
+from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
 from ..guest import protocol as P
@@ -684,8 +684,9 @@ class AgentHostBackend(Saving, Backend):
         stage = None
         try:
             try:
-                # stopped (a Ctrl-C): the copy ends before the machine and its folder go
-                stage, pipe, left = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref))
+                # stopped (a Ctrl-C): the copy ends, and its fifo's end is closed, before the machine goes
+                stage, pipe, left = await _made_in_thread(lambda: self._hand_over(path, ref),
+                                                          lambda made: os.close(made[1]))
             except OSError as exc:  # the new machine's run folder is sized by its memory and disk
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None
