@@ -1,10 +1,10 @@
 """A machine's save stage can't blow up the host (issue 17), through a real kernel.
 
 The machine writes its checkpoint files itself, so a cell can make them anything: here a
-cell wraps its own agent's ``save`` to leave sparse or oversized files in the stage. The
-host reads a stage by its real size, within ``%smol config checkpoint-limit``, never into
-memory or the host's /tmp, and refuses a checkpoint file claiming more before unpacking
-it. Each refusal also runs with the check switched off (``archive.TEST_WEAKEN`` in the
+cell replaces its own agent's ``save`` to send more than the limit. The host reads both
+files from fifos it made, as they come, within ``%smol config checkpoint-limit``, never
+into memory or the host's /tmp, and refuses a checkpoint file claiming more before
+unpacking it. Each refusal also runs with the check switched off (``archive.TEST_WEAKEN`` in the
 kernel), where the same probe gets through. Also: a file named ``...`` restores, and a
 machine killed for memory (during a save, or a cell) says so and leaves the tree.
 """
@@ -23,24 +23,8 @@ from smolbench.backends import _limits
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
-# In the machine: after the agent's own save, grow one of its files in place (a hole) or pad it.
-SPOIL = r'''
-import os, smolbench_guest
-_agent = smolbench_guest._agent
-_real_save = type(_agent).save
-def spoil(target, size, sparse=True):
-    def save(path):
-        done = _real_save(_agent, path)
-        with open(os.path.join(path, target), "r+b") as fh:
-            if sparse:
-                fh.truncate(size)  # a hole: no memory, any claimed size
-            else:
-                fh.seek(0, 2)
-                fh.write(b"\0" * (size - fh.tell()))
-        return done
-    _agent.save = save
-'''
-
+# In the machine: its own agent, whose save a cell replaces.
+AGENT = "import os, smolbench_guest\n_agent = smolbench_guest._agent"
 
 
 @pytest.fixture
@@ -49,28 +33,12 @@ def nb(open_tmp: Path) -> Iterator[NotebookSession]:
     with NotebookSession(open_tmp, timeout=300, allow_errors=True) as s:
         ok(s.run("%load_ext smolbench"))
         ok(s.run("%smol up --backend sandbox"))
-        ok(s.run("%%smol\n" + SPOIL))
+        ok(s.run("%%smol\n" + AGENT))
         yield s
 
 
 def _big_files(folder: Path, over: int) -> list[str]:
     return [str(p) for p in folder.rglob("*") if p.is_file() and p.stat().st_size > over]
-
-
-@pytest.mark.parametrize("target", ["namespace.pkl"])  # (the workspace archive is streamed: see below)
-def test_a_sparse_file_in_the_save_stage_is_refused_in_one_line(nb: NotebookSession, open_tmp: Path, target: str) -> None:
-    ok(nb.run(f"%%smol\nspoil({target!r}, 2 << 30)"))
-    line = one_line(nb.run("%smol checkpoint save sparse"))
-    assert f"{target} is a sparse file (2.1 GB claimed, with holes)" in line and "nothing was saved" in line, line
-    assert _big_files(open_tmp, 1 << 20) == []
-    assert result_text(ok(nb.run("%%smol\n1 + 1"))) == "2"  # the machine and the kernel carry on
-    # Switched off, the same stage is read in full: the host takes every claimed byte.
-    ok(nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('sparse')"))
-    ok(nb.run(f"%%smol\nspoil({target!r}, 200 << 20)"))
-    assert "saved checkpoint sparse" in stream_text(ok(nb.run("%smol checkpoint save sparse")))
-    import tarfile
-    with tarfile.open(next(open_tmp.rglob("sparse.smolcheckpoint"))) as tar:
-        assert tar.getmember(target).size == 200 << 20
 
 
 def test_a_stage_over_the_checkpoint_limit_is_refused_and_so_is_such_a_checkpoint(nb: NotebookSession, open_tmp: Path) -> None:
@@ -80,9 +48,6 @@ def test_a_stage_over_the_checkpoint_limit_is_refused_and_so_is_such_a_checkpoin
     line = one_line(nb.run("%smol checkpoint save big2"))  # its workspace streams in: stopped at the limit
     assert "sends a workspace of more than the checkpoint limit of 20 MB (stopped there)" in line, line
     assert "checkpoint-limit 4G" in line and "nothing was saved" in line, line
-    # real bytes padded past the limit by the machine itself: refused the same way
-    ok(nb.run("%%smol\nimport os\nos.remove('data.bin')\nspoil('namespace.pkl', 40 << 20, sparse=False)"))
-    assert "over the checkpoint limit of 20 MB" in one_line(nb.run("%smol checkpoint save big3"))
     # a checkpoint file that claims more than the limit is refused before it is unpacked
     line = one_line(nb.run("%smol checkpoint restore big"))
     assert "over the checkpoint limit of 20 MB" in line and "refused" in line, line
@@ -94,27 +59,32 @@ def test_a_stage_over_the_checkpoint_limit_is_refused_and_so_is_such_a_checkpoin
     assert "restored big" in stream_text(ok(nb.run("%smol checkpoint restore big")))
 
 
-# In the machine: its save writes the host's fifo for its workspace archive without end.
+# In the machine: its save writes one of the host's fifos (TARGET) without end.
 ENDLESS = r'''
 def endless(path):
     os.makedirs(path, exist_ok=True)
-    open(os.path.join(path, "namespace.pkl"), "wb").close()
-    with open(os.path.join(path, "workspace.tar"), "wb") as fh:
-        for _ in range(200):  # 200 MB at most, the test's own bound
-            fh.write(b"\0" * (1 << 20))
+    for name in ("namespace.pkl", "workspace.tar"):
+        with open(os.path.join(path, name), "wb") as fh:
+            if name != TARGET and name == "workspace.tar":
+                __import__("tarfile").open(fileobj=fh, mode="w|").close()  # an empty one
+            for _ in range(200 if name == TARGET else 0):  # 200 MB at most, the test's own bound
+                fh.write(b"\0" * (1 << 20))
     return {"t": "done", "status": "ok", "skipped": [], "saved": []}
 _agent.save = endless
 '''
 
 
-def test_a_workspace_archive_streamed_without_end_is_stopped_at_the_limit(nb: NotebookSession, open_tmp: Path) -> None:
-    """The workspace archive comes through a fifo the host reads as the machine writes it (no
-    copy in the machine's memory): what the machine sends is counted as it comes, and stopped
-    at the checkpoint limit; the machine's save is stopped too and the machine goes on."""
+@pytest.mark.parametrize(("target", "sent"), [("workspace.tar", "a workspace"), ("namespace.pkl", "variables")])
+def test_a_file_streamed_without_end_is_stopped_at_the_limit(nb: NotebookSession, open_tmp: Path, target: str,
+                                                             sent: str) -> None:
+    """The pickled variables and the workspace archive come through fifos the host reads as
+    the machine writes them (no copy in the machine's memory): what the machine sends is
+    counted as it comes, and stopped at the checkpoint limit; the machine's save is stopped
+    too and the machine goes on."""
     ok(nb.run("%smol config checkpoint-limit 20M"))
-    ok(nb.run("%%smol\n" + ENDLESS))
+    ok(nb.run(f"%%smol\nTARGET = {target!r}\n" + ENDLESS))
     line = one_line(nb.run("%smol checkpoint save endless"))
-    assert "sends a workspace of more than the checkpoint limit of 20 MB (stopped there)" in line, line
+    assert f"sends {sent} of more than the checkpoint limit of 20 MB (stopped there)" in line, line
     assert "nothing was saved" in line, line
     assert _big_files(open_tmp, 1 << 20) == []
     assert result_text(ok(nb.run("%%smol\n1 + 1"))) == "2"  # not busy, not lost
@@ -123,7 +93,7 @@ def test_a_workspace_archive_streamed_without_end_is_stopped_at_the_limit(nb: No
     assert "saved checkpoint endless" in stream_text(ok(nb.run("%smol checkpoint save endless")))
     import tarfile
     with tarfile.open(next(open_tmp.rglob("endless.smolcheckpoint"))) as tar:
-        assert tar.getmember("workspace.tar").size == 200 << 20
+        assert tar.getmember(target).size == 200 << 20
 
 
 def test_a_file_named_three_dots_restores(nb: NotebookSession) -> None:

@@ -293,7 +293,8 @@ def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path:
             msg = one_line_error(nb.run("%smol checkpoint save bad"))
             assert f"has a link that points outside it (evil -> {target})" in msg and "nothing was saved" in msg
             nb.run("%%smol\nos.unlink('evil')")
-        # the machine swaps its saved files for links while the host packs them: refused, not read through
+        # the machine swaps its saved files for links once written: the host read them from fifos it
+        # opened before the save (never a name in the stage), so no link is ever read through
         nb.run("%%smol\n_save = _ag.save\n"
                "def _swap(path):\n"
                "    done = _save(path)\n"
@@ -301,8 +302,12 @@ def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path:
                f"    os.symlink({str(secret)!r}, os.path.join(path, 'namespace.pkl'))\n"
                "    return done\n"
                "_ag.save = _swap")
-        msg = one_line_error(nb.run("%smol checkpoint save swapped"))
-        assert "namespace.pkl is not a plain file" in msg
+        assert error_output(nb.run("%smol checkpoint save swapped")) is None
+        import tarfile
+
+        with tarfile.open(tmp_path / ".smolbench" / "checkpoints" / "swapped.smolcheckpoint", "r:gz") as tar:
+            held = tar.extractfile("namespace.pkl")
+            assert held is not None and b"host only" not in held.read()
         nb.run("%%smol\n_ag.save = _save")
 
         # a tampered checkpoint file (links added after the save) is refused at restore
@@ -311,17 +316,6 @@ def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path:
         msg = one_line_error(nb.run("%smol checkpoint restore clean"))
         assert "has a link that points outside it (root -> /)" in msg and "refused" in msg
         assert plain_texts(nb.run("%smol tree"))[-1].count("r1-") == 0  # no machine was made
-
-        # Weakened: if the host opened the machine's files the ordinary way (following links),
-        # the swapped link would carry the host's file into the checkpoint.
-        nb.run("from smolbench.gate import archive\narchive.TEST_WEAKEN.add('follow')")
-        nb.run("%%smol\n_ag.save = _swap")
-        assert error_output(nb.run("%smol checkpoint save leaked")) is None
-        import tarfile
-
-        with tarfile.open(tmp_path / ".smolbench" / "checkpoints" / "leaked.smolcheckpoint", "r:gz") as tar:
-            assert tar.extractfile("namespace.pkl").read() == b"host only"  # type: ignore[union-attr]
-        nb.run("archive.TEST_WEAKEN.clear()")
         nb.run("%smol down")
 
 

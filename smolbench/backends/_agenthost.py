@@ -15,7 +15,6 @@ import builtins
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import tarfile
@@ -26,9 +25,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import gate
-from .._aio import _stop_with_grace, _to_the_end
+from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
-from ..gate import archive, ckptwrite
+from ..gate import archive
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
@@ -124,15 +123,6 @@ class AgentHostBackend(Saving, Backend):
     def _makes_leaves(self) -> bool:
         """Whether a fork's ``leaf`` branches are made cheaper here (see ``guest/leaves.py``)."""
         return False
-
-    def _hand_over(self, path: str, machine: MachineRef) -> str:
-        """Copy a checked checkpoint's files into a new stage folder of ``machine``'s run folder,
-        found by :meth:`_below` (the machine can swap its folders for links); the stage's name."""
-        stage = f"restore-{secrets.token_hex(6)}"
-        with self._stage_folder(machine, stage, lambda why: f"machine {machine.name}'s run folder can't be reached "
-                                f"without following a link ({why}): the checkpoint was not copied in") as (fd, name):
-            ckptwrite.hand_over(path, fd, name, self._as_owner())
-        return stage
 
     def _host_env(self, spec: MachineSpec, name: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -694,12 +684,13 @@ class AgentHostBackend(Saving, Backend):
         stage = None
         try:
             try:
-                # stopped (a Ctrl-C): the copy ends before the machine and its folder go
-                stage = await _to_the_end(asyncio.to_thread(self._hand_over, path, ref))
+                # stopped (a Ctrl-C): the copy ends, and its fifo's end is closed, before the machine goes
+                stage, pipe, left = await _made_in_thread(lambda: self._hand_over(path, ref),
+                                                          lambda made: os.close(made[1]))
             except OSError as exc:  # the new machine's run folder is sized by its memory and disk
                 raise _NoRoom(f"checkpoint {path} doesn't fit in a new machine ({exc.strerror}): raise memory or "
                               "disk in the Smolfile") from None
-            done = await self._request_explained(ref, {"op": "load", "path": f"{ref.info['guest_run']}/{stage}"})
+            done = await self._load(ref, path, stage, pipe, left)  # (it closes pipe)
         except archive.UnsafeCheckpoint:  # stopped while streaming in (over the limit): said as it is
             await self.delete(ref)
             raise

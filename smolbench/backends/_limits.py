@@ -99,8 +99,8 @@ def out_of_memory_line(spec: MachineSpec, files: bool = False, said: object = No
         files = True
     if saving:  # its files were there already (a save streams them out: no copy): lowering disk frees nothing
         held = f", its files included: up to disk = {format_mib(spec.files_mib)} of them" if files else ""
-        return (f"machine ran out of memory while saving (limit {format_mib(spec.memory)}{held}; a save pickles its "
-                "variables in memory): delete big variables or files before saving, or raise memory in the Smolfile")
+        return (f"machine ran out of memory while saving (limit {format_mib(spec.memory)}{held}; pickling a variable "
+                "can take a copy of it in memory): delete big variables or files before saving, or raise memory in the Smolfile")
     if not files:
         return f"machine ran out of memory (limit {format_mib(spec.memory)}): raise memory in the Smolfile"
     return (f"machine ran out of memory (limit {format_mib(spec.memory)}, the files it wrote included: up to disk = "

@@ -26,7 +26,6 @@ from typing import IO, Any, cast
 from .archive import (
     FILES,
     OPEN_DIR,
-    OPEN_FILE,
     RECORD,
     TEST_WEAKEN,
     UnsafeCheckpoint,
@@ -56,136 +55,120 @@ def _dirfd(path: str | os.PathLike[str], name: str | None = None, parent: int | 
         os.close(fd)
 
 
-def _open_plain(name: str, dir_fd: int, what: str) -> tuple[int, int]:
-    """(fd, size) of a regular file ``name`` in ``dir_fd``, not through a link, and with no
-    holes: a machine's sparse file would cost the host its whole claimed size in zeros."""
-    flags = OPEN_FILE & ~os.O_NOFOLLOW if "follow" in TEST_WEAKEN else OPEN_FILE
-    try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file ({exc.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise UnsafeCheckpoint(f"{what}: {name} is not a plain file")
-    if "sparse" not in TEST_WEAKEN and st.st_size and _has_holes(fd, st.st_size):
-        os.close(fd)
-        raise UnsafeCheckpoint(f"{what}: {name} is a sparse file ({human(st.st_size)} claimed, with holes); "
-                               "a machine's save never makes one")
-    return fd, st.st_size
-
-
-def _has_holes(fd: int, size: int) -> bool:
-    try:
-        return os.lseek(fd, 0, os.SEEK_HOLE) < size
-    except OSError:  # no SEEK_HOLE here: a file system without holes
-        return False
-    finally:
-        os.lseek(fd, 0, os.SEEK_SET)
-
-
-def open_pipe(run_dir: int, stage: str,
-              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> int:
+def open_pipes(run_dir: int, stage: str,
+               as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> dict[str, int]:
     """Make the new folder ``stage`` in the folder descriptor ``run_dir`` (the backend found it
-    without following the machine's links) with a fifo ``workspace.tar`` in it, where the
-    machine's save writes its workspace archive for :func:`receive`; its read end (non-blocking),
-    opened now, before the machine is asked to save: what the machine puts at that name later
-    is never opened. ``as_owner``: the file access identity they are made with."""
-    with as_owner():
-        os.mkdir(stage, 0o700, dir_fd=run_dir)
-        with _dirfd(stage, parent=run_dir) as folder:
-            os.mkfifo("workspace.tar", 0o600, dir_fd=folder)
-            fd = os.open("workspace.tar", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):  # swapped between the two calls
-        os.close(fd)
-        raise UnsafeCheckpoint(f"the machine changed its save's stage ({stage}) as it was made")
-    return fd
+    without following the machine's links) with a fifo for each of the checkpoint's two files
+    (:data:`FILES`) in it, where the machine's save writes them for :func:`receive`; their read
+    ends (non-blocking), opened now, before the machine is asked to save: what the machine puts
+    at those names later is never opened. ``as_owner``: the file access identity they are made
+    with. The caller closes what this returns."""
+    pipes: dict[str, int] = {}
+    try:
+        with as_owner():
+            os.mkdir(stage, 0o700, dir_fd=run_dir)
+            with _dirfd(stage, parent=run_dir) as folder:
+                for name in FILES:
+                    os.mkfifo(name, 0o600, dir_fd=folder)
+                    pipes[name] = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+                    if not stat.S_ISFIFO(os.fstat(pipes[name]).st_mode):  # swapped between the two calls
+                        raise UnsafeCheckpoint(f"the machine changed its save's stage ({stage}) as it was made")
+    except BaseException:
+        for fd in pipes.values():
+            os.close(fd)
+        raise
+    return pipes
 
 
-def receive(pipe: int, where: str, *, scratch: str | os.PathLike[str], saved: threading.Event,
-            stop: threading.Event | None = None) -> tuple[IO[bytes], int]:
-    """The workspace archive machine ``where`` writes into the fifo whose read end is ``pipe``
-    (non-blocking; the caller closes it once this returned), as it comes: into a new unnamed file in ``scratch`` (the
-    checkpoint's folder, never the host's /tmp), counted against the checkpoint limit and
-    stopped there. Streamed, the archive is never a second copy of the machine's files in its
-    own memory (a sandbox keeps its files in memory, and its cgroup counts them: the copy made
-    a full workspace's save kill its machine). Returns (the file, at its start; its size).
+# What each of a save's files is called in its refusals: what it sends; what it never wrote.
+_SENT = {"namespace.pkl": "variables", "workspace.tar": "a workspace"}
+_NONE = {"namespace.pkl": "pickled variables", "workspace.tar": "workspace archive"}
 
-    The end is the machine closing its end of the fifo. ``saved``: its save request ended, so
-    the archive came already (its end closed: the fifo says hang-up at once) or never will (a
-    machine that never opened the fifo, or holds it open). After a failure, closing ``pipe``
+
+def receive(pipes: dict[str, int], where: str, *, scratch: str | os.PathLike[str], saved: threading.Event,
+            stop: threading.Event | None = None) -> dict[str, tuple[IO[bytes], int]]:
+    """The files machine ``where`` writes into the fifos whose read ends are ``pipes`` (name: fd,
+    non-blocking; the caller closes them once this returned), as they come: each into a new
+    unnamed file in ``scratch`` (the checkpoint's folder, never the host's /tmp), together
+    counted against the checkpoint limit and stopped there. Streamed, neither its pickled
+    variables nor its workspace archive is ever a second copy in the machine's own memory (a
+    sandbox keeps its files in memory, and its cgroup counts them: the copy made a full
+    workspace's save kill its machine). Returns name: (the file, at its start; its size).
+
+    Each one's end is the machine closing its end of its fifo. ``saved``: its save request
+    ended, so they came already (their ends closed: a fifo says hang-up at once) or never will
+    (a machine that never opened one, or holds it open). After a failure, closing ``pipes``
     makes a writer's next write fail (EPIPE): an honest machine ends its save there."""
     what = f"the checkpoint machine {where} saved"
-    ws = tempfile.TemporaryFile(dir=scratch)
-    size, counted = 0, "size" not in TEST_WEAKEN
+    got: dict[str, tuple[IO[bytes], int]] = {name: (tempfile.TemporaryFile(dir=scratch), 0) for name in pipes}
+    counted = "size" not in TEST_WEAKEN
     try:
         poll = select.poll()
-        poll.register(pipe, select.POLLIN)  # hang-up is reported too: only once a writer came and went
-        while True:
+        open_ = {}
+        for name, fd in pipes.items():  # hang-up is reported too: only once a writer came and went
+            poll.register(fd, select.POLLIN)
+            open_[fd] = name
+        while open_:
             if stop is not None and stop.is_set():
                 raise PackStopped("the save was stopped")
             late = saved.is_set()  # looked at before the poll: a closed end is seen by then
             events = poll.poll(0 if late else 100)
             if not events:
                 if late:
-                    raise UnsafeCheckpoint(f"{what} has no workspace archive (the machine never wrote it, or kept "
-                                           "its end open)")
+                    missing = " or ".join(_NONE[n] for n in open_.values())
+                    raise UnsafeCheckpoint(f"{what} has no {missing} (the machine never wrote it, or kept its end open)")
                 continue
-            try:
-                block = os.read(pipe, 1 << 20)
-            except BlockingIOError:  # a writer came back meanwhile
-                continue
-            if not block:
-                break  # every writer closed its end: all of it came
-            size += len(block)
-            if size > LIMITS.checkpoint and counted:
-                raise UnsafeCheckpoint(f"{what} sends a workspace of more than the checkpoint limit of "
-                                       f"{human(LIMITS.checkpoint)} (stopped there): keep less in the machine, or "
-                                       "raise it with `%smol config checkpoint-limit 4G`")
-            ws.write(block)
+            for fd, _ in events:
+                name = open_[fd]
+                try:
+                    block = os.read(fd, 1 << 20)
+                except BlockingIOError:  # a writer came back meanwhile
+                    continue
+                if not block:  # every writer closed its end: all of it came
+                    poll.unregister(fd)
+                    del open_[fd]
+                    continue
+                fh, size = got[name]
+                got[name] = fh, size + len(block)
+                if sum(n for _, n in got.values()) > LIMITS.checkpoint and counted:  # (a few bytes of the other: unsaid)
+                    sent = " and ".join(_SENT[n] for n, (_, k) in got.items() if k >= 1 << 20 or n == name)
+                    raise UnsafeCheckpoint(f"{what} sends {sent} of more than the checkpoint limit of "
+                                           f"{human(LIMITS.checkpoint)} (stopped there): keep less in the machine, or "
+                                           "raise it with `%smol config checkpoint-limit 4G`")
+                fh.write(block)
     except BaseException:
-        ws.close()
+        for fh, _ in got.values():
+            fh.close()
         raise
-    ws.seek(0)
-    return ws, size
+    for fh, _ in got.values():
+        fh.seek(0)
+    return got
 
 
-def pack(run_dir: int, stage: str, out: int, where: str, workspace: tuple[IO[bytes], int], *,
-         stop: threading.Event | None = None) -> None:
-    """Write checkpoint file descriptor ``out`` from what machine ``where`` saved: the namespace
-    in the folder ``stage`` of the folder descriptor ``run_dir`` (the backend found it without
-    following the machine's links: a path to it passes folders the machine can swap), and its
-    ``workspace`` archive as :func:`receive` took it (a host file the machine can't change).
+def pack(out: int, where: str, parts: dict[str, tuple[IO[bytes], int]], *, stop: threading.Event | None = None) -> None:
+    """Write checkpoint file descriptor ``out`` from what machine ``where`` saved: its two files
+    as :func:`receive` took them (host files the machine can't change; name: (file, size)).
 
-    The namespace is read by its real size, never held in memory, and goes straight in; the
-    two together at most the checkpoint limit; the workspace's members are checked first.
+    The two together at most the checkpoint limit; the workspace's members are checked first.
     Written through ``out``, not a path: a save stopped meanwhile removes its part file, and a
     name opened after that would make it again. ``stop`` set (the save was stopped):
     :class:`PackStopped` at the next MB."""
     what = f"the checkpoint machine {where} saved"
-    ws, size = workspace
-    with _dirfd(stage, parent=run_dir) as folder, contextlib.ExitStack() as stack:
-        fd, nsize = _open_plain("namespace.pkl", folder, what)
-        src = cast(IO[bytes], _Stoppable(stack.enter_context(os.fdopen(fd, "rb")), stop))
-        _within_limit({"namespace.pkl": nsize, "workspace.tar": size}, what)
-        ws.seek(0)
-        try:
-            with open_tar(fileobj=ws, mode="r:") as inner:
-                check_members(inner, f"machine {where}'s workspace")
-        except tarfile.TarError as exc:
-            raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
-        ws.seek(0)
-        sink = stack.enter_context(os.fdopen(os.dup(out), "wb"))
-        with tarfile.open(fileobj=sink, mode="w:gz", compresslevel=LEVEL) as tar:
-            info = tarfile.TarInfo("namespace.pkl")
-            info.size = nsize
-            try:
-                tar.addfile(info, src)
-            except OSError as exc:  # tarfile: "unexpected end of data"
-                raise UnsafeCheckpoint(f"{what} changed while it was being read ({exc})") from None
-            info = tarfile.TarInfo("workspace.tar")
+    _within_limit({name: size for name, (_, size) in parts.items()}, what)
+    ws = parts["workspace.tar"][0]
+    ws.seek(0)
+    try:
+        with open_tar(fileobj=ws, mode="r:") as inner:
+            check_members(inner, f"machine {where}'s workspace")
+    except tarfile.TarError as exc:
+        raise UnsafeCheckpoint(f"{what} has a broken workspace archive ({exc})") from None
+    with os.fdopen(os.dup(out), "wb") as sink, tarfile.open(fileobj=sink, mode="w:gz", compresslevel=LEVEL) as tar:
+        for name in FILES:
+            src, size = parts[name]
+            src.seek(0)
+            info = tarfile.TarInfo(name)
             info.size = size
-            tar.addfile(info, cast(IO[bytes], _Stoppable(ws, stop)))
+            tar.addfile(info, cast(IO[bytes], _Stoppable(src, stop)))
 
 
 class PackStopped(Exception):
@@ -241,13 +224,17 @@ def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]
 
 
 def hand_over(path: str, run_dir: int, stage: str,
-              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
-    """Stream a checked checkpoint's two files into the new folder ``stage`` of the folder
-    descriptor ``run_dir`` (the backend found it without following the machine's links).
+              as_owner: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> tuple[int, int]:
+    """Stream a checked checkpoint's workspace archive into the new folder ``stage`` of the folder
+    descriptor ``run_dir`` (the backend found it without following the machine's links), and
+    make a fifo there for its namespace, which :func:`send` writes as the machine's load reads
+    it (a file of it too was a second copy of the variables in a sandbox's memory). Returns
+    (the fifo's end, opened read-write so that writes wait for no reader; non-blocking: the
+    caller closes it), the bytes of the checkpoint limit left for the namespace).
 
     Nothing is unpacked anywhere else (never the host's /tmp): the bytes go from the
     checkpoint straight into the machine's own folder, counted against the checkpoint limit
-    as they are decompressed. The folder is made here (never an existing path) and the files
+    as they are decompressed. The folder is made here (never an existing path) and its files
     are created with ``O_EXCL | O_NOFOLLOW``, so nothing the machine placed there is written
     through. ``as_owner``: the file access identity the folder and files are made with (the
     checkpoint itself is opened before, as the caller).
@@ -256,11 +243,63 @@ def hand_over(path: str, run_dir: int, stage: str,
     with open_tar(path, what=budget.what) as tar, as_owner():
         os.mkdir(stage, 0o700, dir_fd=run_dir)
         with _dirfd(stage, parent=run_dir) as folder:
-            for m, src in _members(tar):
-                fd = os.open(m.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=folder)
-                with os.fdopen(fd, "wb") as dst:
-                    budget.copy(src, dst, m.size)
+            os.mkfifo("namespace.pkl", 0o600, dir_fd=folder)
+            pipe = os.open("namespace.pkl", os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+            try:
+                for m, src in _members(tar):
+                    if m.name == "workspace.tar":
+                        fd = os.open(m.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                     dir_fd=folder)
+                        with os.fdopen(fd, "wb") as dst:
+                            budget.copy(src, dst, m.size)
+            except BaseException:
+                os.close(pipe)
+                raise
+    return pipe, budget.left
+
+
+def send(path: str, pipe: int, left: int, *, loaded: threading.Event, stop: threading.Event | None = None) -> None:
+    """Write checked checkpoint ``path``'s namespace into the fifo :func:`hand_over` made (``pipe``,
+    its end), as the machine's load reads it, counted against ``left`` bytes. Ends once all of
+    it is written, or once ``loaded`` is set (the load ended) and the fifo has no room: a
+    machine that reads no more gets no more. ``stop`` set: :class:`PackStopped`."""
+    budget = _Budget(f"checkpoint {Path(path).name}")
+    budget.left = left
+    with open_tar(path, what=budget.what) as tar:
+        for m, src in _members(tar):
+            if m.name == "namespace.pkl":
+                with contextlib.suppress(_Unread):
+                    budget.copy(src, cast(IO[bytes], _Fifo(pipe, loaded, stop)), m.size)
+                return
+
+
+class _Unread(Exception):
+    """The machine's load ended with bytes of its namespace unread."""
+
+
+class _Fifo:
+    """The write end of a fifo, non-blocking: each write waits for room, as :func:`send` says."""
+
+    def __init__(self, fd: int, loaded: threading.Event, stop: threading.Event | None) -> None:
+        self.fd, self.loaded, self.stop = fd, loaded, stop
+        self.poll = select.poll()
+        self.poll.register(fd, select.POLLOUT)
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            if self.stop is not None and self.stop.is_set():
+                raise PackStopped("the restore was stopped")
+            late = self.loaded.is_set()  # looked at before the poll, as receive's
+            if not self.poll.poll(0 if late else 100):
+                if late:
+                    raise _Unread
+                continue
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                continue
+        return len(data)
 
 
 def write_portable(path: str, out: int, record: dict[str, Any], label: str) -> None:

@@ -13,42 +13,39 @@ class SaveLoad:
 
     def save(self, path):
         """Save the namespace (what pickles) and the workspace files into directory ``path``."""
-        import pickle  # here, not at start-up: most machines never save
-        import tarfile
+        import tarfile  # here, not at start-up: most machines never save
 
-        from .pulldata import _dumps
+        from . import nsstream
 
-        state, modules, skipped = {}, {}, []
+        modules, values = {}, []
         for key, val in list(self.ns.items()):
             if key.startswith("__") or key in ("display", "_"):
                 continue
             if isinstance(val, types.ModuleType):
                 modules[key] = val.__name__
-                continue
-            try:
-                state[key] = _dumps(val)
-            except Exception as exc:
-                skipped.append("%s (%s)" % (key, type(exc).__name__))
-        saved = sorted(state) + sorted(modules)
+            else:
+                values.append((key, val))
+        values.sort(key=lambda kv: kv[0])
         os.makedirs(path, exist_ok=True)
-        data = {"vars": state, "modules": modules, "seed": self.seed, "name": self.name}
+        head = {"modules": modules, "seed": self.seed, "name": self.name}
+        # Each variable is pickled straight into the host's fifo where it made one (a file
+        # elsewhere): the pickle is never a whole second copy of the variables in memory.
         with _sink(os.path.join(path, "namespace.pkl")) as fh:
-            pickle.dump(data, fh, protocol=4)  # (not dumps(): no second copy of it in memory)
-        del data, state
+            saved, skipped = nsstream.dump(fh, head, values)
+        del values
         # Streamed ("w|": a fifo can't seek): into the host's fifo where it made one, so the
         # archive is never a second copy of the workspace's files in this machine's memory.
         with _sink(os.path.join(path, "workspace.tar")) as fh, tarfile.open(fileobj=fh, mode="w|") as tar:
             if self.workdir and os.path.isdir(self.workdir):
                 for entry in sorted(os.listdir(self.workdir)):
                     tar.add(os.path.join(self.workdir, entry), arcname=entry)
-        return {"t": "done", "status": "ok", "skipped": skipped, "saved": saved}
+        return {"t": "done", "status": "ok", "skipped": skipped, "saved": saved + sorted(modules)}
 
     def load(self, path):
         """Bring back what :meth:`save` wrote: workspace files, then variables."""
-        import pickle
         import tarfile
 
-        from .pulldata import _loads
+        from . import nsstream
 
         ws = os.path.join(path, "workspace.tar")
         if self.workdir and os.path.exists(ws):
@@ -60,23 +57,26 @@ class SaveLoad:
                     tar.extractall(self.workdir, filter="data")
                 else:
                     tar.extractall(self.workdir)
+        failed, names = [], []
+        # A fifo the host writes as this reads (a file elsewhere): one variable at a time.
         with open(os.path.join(path, "namespace.pkl"), "rb") as fh:
-            data = pickle.loads(fh.read())
-        failed = []
-        for key, modname in data.get("modules", {}).items():
-            try:
-                self.ns[key] = __import__(modname, fromlist=["_"])
-            except Exception as exc:
-                failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
-        for key, val in data["vars"].items():
-            try:
-                self.ns[key] = _loads(val)
-            except Exception as exc:
-                failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
+            data, variables = nsstream.load(fh)
+            for key, modname in data.get("modules", {}).items():
+                try:
+                    self.ns[key] = __import__(modname, fromlist=["_"])
+                except Exception as exc:
+                    failed.append("%s (%s: %s)" % (key, type(exc).__name__, exc))
+            for key, val, err in variables:
+                names.append(key)
+                if err is not None:
+                    failed.append("%s (%s: %s)" % (key, type(err).__name__, err))
+                else:
+                    self.ns[key] = val
+                del val
         if data.get("seed") is not None:
             self.apply_seed(data["seed"])
         self._reward_restored()
-        return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(data["vars"]) + sorted(data.get("modules", {}))}
+        return {"t": "done", "status": "ok", "skipped": failed, "saved": sorted(names) + sorted(data.get("modules", {}))}
 
     def restored_as_saved(self):
         """This agent woke up in a whole-machine checkpoint (a microVM's snapshot, its memory as
