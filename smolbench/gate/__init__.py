@@ -19,7 +19,7 @@ from typing import Any
 
 from ..backends.base import CellRequest, CellResult, Event, OnEvent
 from ..errors import MachineBusy, MachineLost, SmolbenchError
-from . import display, pull, terminal
+from . import display, images, pull, terminal
 from .display import SafeBundle
 from .frames import (
     Bad,
@@ -182,6 +182,10 @@ class _Cell:
             if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
                                 "not shown either\n", note=True))
+                continue
+            if isinstance(item, images.Refused):  # e.g. a tiny PNG whose header says 60,000 x 60,000
+                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown "
+                                "(a browser tab decodes an image whole); `%smol trust on` shows machine output raw\n", note=True))
                 continue
             if isinstance(item, display.TooMuchMarkup):  # a type that is shown, but not this big
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown: "
