@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from smolbench.gate import display
+from smolbench.gate import display, figures
 
 BIG = 60_000
 
@@ -156,3 +156,11 @@ def test_css_can_not_carry_a_data_image_at_all() -> None:
         html = display.clean_html(f'<p style="color: red; {style}">x</p>')
         assert "data:" not in html and "color: red" in html, html
 
+
+
+def test_a_plotly_image_source_that_is_a_bomb_is_dropped() -> None:
+    good = f"data:image/png;base64,{b64(real('PNG'))}"
+    fig = {"data": [{"type": "image", "source": f"data:image/png;base64,{b64(png_bomb())}"}],
+           "layout": {"images": [{"source": f"data:image/webp;base64,{b64(webp_bomb())}"}, {"source": good}]}}
+    out = figures.figure(fig)
+    assert "source" not in out["data"][0] and out["layout"]["images"] == [{}, {"source": good}]
