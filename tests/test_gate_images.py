@@ -164,3 +164,42 @@ def test_a_plotly_image_source_that_is_a_bomb_is_dropped() -> None:
            "layout": {"images": [{"source": f"data:image/webp;base64,{b64(webp_bomb())}"}, {"source": good}]}}
     out = figures.figure(fig)
     assert "source" not in out["data"][0] and out["layout"]["images"] == [{}, {"source": good}]
+
+
+def test_a_cells_images_share_one_allowance_so_many_big_ones_cant_add_up() -> None:
+    """The attack: 1-pixel <img> tags each naming a 49-megapixel image, all in view at once,
+    so the tab decodes each (200 MB) whatever size it is drawn at."""
+    url = f"data:image/png;base64,{b64(png_bomb(7_000, 7_000))}"
+    out, dropped = _shown({"text/html": f'<img src="{url}" style="width: 1px">' * 6})
+    assert out["text/html"].count("src=") == 5  # 245 MP; the sixth would pass 250
+    assert dropped == ["an image in its HTML (7,000 x 7,000 pixels: the cell's images pass 250 megapixels in all)"]
+
+
+def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
+    """What the gate shows of a cell's ``messages``: its displays' bundles and its notes."""
+    import asyncio
+    import json
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.gate import read_cell
+
+    events: list[Any] = []
+
+    async def frames():  # type: ignore[no-untyped-def]
+        for m in [*messages, {"t": "done", "status": "ok"}]:
+            yield json.dumps(m).encode() + b"\n"
+
+    asyncio.run(read_cell(frames(), CellRequest("x"), events.append, "root"))
+    return ([dict(e.data) for e in events if e.kind == "display"],
+            [e.text for e in events if e.kind == "stream" and e.note])
+
+
+def test_the_cells_allowance_is_freed_by_a_clear_and_not_spent_by_updates() -> None:
+    big = {"image/png": b64(png_bomb(7_000, 7_000))}
+    live = [{"t": "display", "data": big, "id": "plot", "update": True}] * 20  # a live plot redrawn 20 times
+    shown, notes = _cell([*[{"t": "display", "data": big}] * 6, {"t": "clear", "wait": True},
+                          {"t": "display", "data": big, "id": "plot"}, *live])
+    assert [list(d) for d in shown] == [["image/png"]] * (5 + 1 + 20)  # not the sixth before the clear
+    assert notes == ["smolbench: root sent image/png output (7,000 x 7,000 pixels: the cell's images pass 250 "
+                     "megapixels in all), which was not shown (a browser tab decodes an image whole); "
+                     "`%smol trust on` shows machine output raw\n"]

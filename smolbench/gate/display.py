@@ -96,16 +96,17 @@ def _bounded(markup: str, what: str) -> str:
     return markup
 
 
-# Images refused by the attribute filter (nh3 calls it on this thread), for the cell's notes.
-_REFUSED = threading.local()
+# The bundle being cleaned: its cell's image allowance, and the images refused by the
+# attribute filter (nh3 calls it on this thread) for the cell's notes.
+_IMAGES = threading.local()
 
 
 def _image_src(value: str) -> str | None:
     """A ``data:`` image URL re-written from the bytes checked, or None (noted) when refused."""
     try:
-        return images.data_url(value, "an image in its HTML")
+        return images.data_url(value, "an image in its HTML", getattr(_IMAGES, "pixels", None))
     except images.Refused as exc:
-        refused = getattr(_REFUSED, "images", None)
+        refused = getattr(_IMAGES, "refused", None)
         if refused is not None:
             refused.append(exc)
         return None
@@ -190,7 +191,7 @@ def inert(html: str) -> str:
     return f'<div class="{INERT_CLASSES}">{html}</div>'
 
 
-def _image(mime: str, value: Any) -> str:
+def _image(mime: str, value: Any, pixels: images.Allowance) -> str:
     text = string(value, f"the {mime} output", TEXT_LIMIT)
     try:
         raw = base64.b64decode(text.replace("\n", ""), validate=True)
@@ -198,7 +199,7 @@ def _image(mime: str, value: Any) -> str:
         raise Bad(f"the {mime} output is not base64") from None
     if not raw.startswith(IMAGES[mime]):
         raise Bad(f"the {mime} output is not a {mime.split('/')[1].upper()} image")
-    images.check(raw, f"{mime} output")
+    images.check(raw, f"{mime} output", pixels)
     return text
 
 
@@ -220,15 +221,16 @@ def _shallow(value: Any, mime: str) -> Any:
 Dropped = str | TooMuchMarkup | images.Refused
 
 
-def bundle(data: Any, trusted: bool,
-           markdown: MarkdownAllowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
+def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
+           pixels: images.Allowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
     """Check a MIME bundle and make it safe; returns (bundle, what was dropped).
-    ``markdown``: what the cell may still have rendered (None: one bundle's worth)."""
+    ``markdown``, ``pixels``: what the cell may still have rendered, and its images still
+    declare (None: one bundle's worth)."""
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
     dropped: list[Dropped] = []
     refused: list[images.Refused] = []
-    _REFUSED.images = refused
+    _IMAGES.refused, _IMAGES.pixels = refused, pixels or images.Allowance()
     try:
         for mime, value in data.items():
             if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
@@ -244,7 +246,7 @@ def bundle(data: Any, trusted: bool,
                 del out["text/html"]
                 dropped.append(exc)
     finally:
-        _REFUSED.images = None
+        _IMAGES.refused = _IMAGES.pixels = None
     dropped.extend(refused)
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
@@ -259,7 +261,7 @@ def _one(out: dict[str, Any], dropped: list[Dropped], mime: str, value: Any, tru
     elif mime not in ALLOWED:
         dropped.append(mime)
     elif mime in IMAGES:
-        out[mime] = _image(mime, value)
+        out[mime] = _image(mime, value, _IMAGES.pixels)
     elif mime == "text/plain":
         out[mime] = string(value, "the text/plain output", TEXT_LIMIT)
     elif mime == "application/json":

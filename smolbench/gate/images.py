@@ -4,7 +4,8 @@ A browser decodes an image into width x height x 4 bytes whatever its file size:
 PNG whose header says 60,000 x 60,000 asks the tab for 14 GB, and a notebook that saved the
 output freezes the tab again each time it is opened. So each image's declared size is read
 from its header and refused past ``MAX_PIXELS`` or ``MAX_SIDE``, and so is one whose header
-can't be read.
+can't be read. A cell's images also share ``CELL_PIXELS``: each of a thousand 1-pixel
+``<img>`` tags may name a 50-megapixel image, and the tab decodes every one in view.
 
 Only the header fields are read, here in Python, rather than handing attacker bytes to a big
 C image library on the host (Pillow's decoders have had memory-safety CVEs; nothing here
@@ -30,6 +31,9 @@ import urllib.parse
 MAX_PIXELS = 50_000_000
 # A side past 2^15 is past what browsers' graphics surfaces take in one piece; no plot needs it.
 MAX_SIDE = 32_768
+# What one cell's images may declare in all (1 GB decoded; clear_output frees it again):
+# 200 displays of everyday plots (640 x 480) are 61 MP.
+CELL_PIXELS = 250_000_000
 LIMIT = f"the limit of {MAX_PIXELS // 1_000_000} megapixels and {MAX_SIDE:,} pixels a side"
 MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8", "webp": b"RIFF"}
 DATA_URL = re.compile(r"data:([^,]*),(.*)", re.IGNORECASE | re.DOTALL)
@@ -41,6 +45,19 @@ NO_LENGTH = frozenset({0x01, *range(0xD0, 0xD8)})
 
 class Refused(ValueError):
     """An image not shown; the message names it, its size if known, and why."""
+
+
+class Allowance:
+    """Pixels one cell's images may still declare."""
+
+    def __init__(self, left: int = CELL_PIXELS) -> None:
+        self.left = left
+
+    def take(self, pixels: int) -> bool:
+        if pixels > self.left:
+            return False
+        self.left -= pixels
+        return True
 
 
 class Unreadable(ValueError):
@@ -139,9 +156,9 @@ def sniff(raw: bytes) -> str | None:
     return next((fmt for fmt, magic in MAGIC.items() if raw.startswith(magic)), None)
 
 
-def check(raw: bytes, what: str) -> None:
+def check(raw: bytes, what: str, pixels: Allowance | None = None) -> None:
     """Refused unless ``raw`` (an image of a format ``sniff`` knows) declares a size a tab can
-    decode; ``what`` names it in the message."""
+    decode, and (with ``pixels``) one the cell's allowance still has; ``what`` names it."""
     fmt = sniff(raw)
     if fmt is None:
         raise Refused(f"{what} (not a PNG, JPEG, GIF or WebP image)")
@@ -153,6 +170,9 @@ def check(raw: bytes, what: str) -> None:
         raise Refused(f"{what} (its size can't be read: it declares {width:,} x {height:,} pixels)")
     if width * height > MAX_PIXELS or width > MAX_SIDE or height > MAX_SIDE:
         raise Refused(f"{what} ({width:,} x {height:,} pixels, over {LIMIT})")
+    if pixels is not None and not pixels.take(width * height):
+        raise Refused(f"{what} ({width:,} x {height:,} pixels: the cell's images pass "
+                      f"{CELL_PIXELS // 1_000_000} megapixels in all)")
 
 
 def _forgiving_base64(text: bytes) -> bytes | None:
@@ -168,7 +188,7 @@ def _forgiving_base64(text: bytes) -> bytes | None:
         return None
 
 
-def data_url(url: str, what: str = "an image in a data: URL") -> str:
+def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance | None = None) -> str:
     """``url``, a ``data:`` image URL, as base64 of the bytes checked (Refused when they are
     not an image of a size a tab can decode, or can't be read)."""
     m = DATA_URL.fullmatch(url.strip())
@@ -178,5 +198,5 @@ def data_url(url: str, what: str = "an image in a data: URL") -> str:
     raw = _forgiving_base64(body) if m.group(1).strip().lower().endswith(";base64") else body
     if raw is None:
         raise Refused(f"{what} (its base64 is malformed)")
-    check(raw, what)
+    check(raw, what, pixels)
     return f"data:image/{sniff(raw)};base64,{base64.b64encode(raw).decode()}"
