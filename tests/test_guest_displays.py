@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,22 @@ def test_ipython_display_and_its_objects_reach_the_notebook(sandbox: smolbench.S
     r = s.run("display(Javascript('alert(1)'))")
     assert r.error is None and [dict(d) for d in r.displays] == [{"text/plain": "<IPython.core.display.Javascript object>"}]
     assert len(r.notes) == 1 and "application/javascript" in r.notes[0] and "not shown" in r.notes[0], r.notes
+
+
+def test_an_image_bomb_from_a_cell_is_dropped_with_a_note_and_a_real_plot_still_shows(sandbox: smolbench.Session) -> None:
+    """The attack (tests/test_gate_images.py): a PNG of ~70 bytes whose header says 60,000 x
+    60,000 would make the user's tab allocate 14 GB to decode it, each time the notebook opens."""
+    pytest.importorskip("matplotlib")
+    r = sandbox.run(
+        "import struct, zlib\nfrom IPython.display import display, Image\nimport matplotlib.pyplot as plt\n"
+        "def chunk(k, b): return struct.pack('>I', len(b)) + k + b + struct.pack('>I', zlib.crc32(k + b))\n"
+        "bomb = (b'\\x89PNG\\r\\n\\x1a\\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', 60000, 60000, 8, 2, 0, 0, 0))\n"
+        "        + chunk(b'IDAT', zlib.compress(b'\\0')) + chunk(b'IEND', b''))\n"
+        "display(Image(data=bomb, format='png'))\n"
+        "plt.plot([1, 2])\nplt.show()")
+    assert r.error is None, r
+    [plot] = [_png(d) for d in r.displays if "image/png" in d]  # the plot, not the bomb
+    width, height = struct.unpack(">II", plot[16:24])
+    assert 100 < width < 2000 and 100 < height < 2000, (width, height)  # a figure, cropped to its drawing
+    [note] = r.notes
+    assert "image/png output (60,000 x 60,000 pixels, over the limit of 50 megapixels" in note and "not shown" in note

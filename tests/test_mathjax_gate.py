@@ -23,7 +23,8 @@ from smolbench.widgets.static import checkpoints_html, static_output, tree_html
 
 W = "http://127.0.0.1:1"
 MATH = rf'$\mmlToken{{mglyph}}[src="{W}/mglyph"]{{}}$ and $\style{{cursor:url({W}/cursor),auto}}{{x}}$'
-IMAGE = "data:image/png;base64,iVBORw0KGgo="
+# a 1 x 1 PNG (an image whose size can't be read is dropped: tests/test_gate_images.py)
+IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 
 class _TextOutsideIgnore(html.parser.HTMLParser):

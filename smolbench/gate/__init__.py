@@ -19,7 +19,7 @@ from typing import Any
 
 from ..backends.base import CellRequest, CellResult, Event, OnEvent
 from ..errors import MachineBusy, MachineLost, SmolbenchError
-from . import display, pull, terminal
+from . import display, images, pull, terminal
 from .display import SafeBundle
 from .frames import (
     Bad,
@@ -150,6 +150,7 @@ class _Cell:
         self.budget = request.output if request.output is not None else OutputBudget(None)
         self.noted: set[str] = set()
         self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered by the gate
+        self.pixels = images.Allowance()  # what the images the cell shows may declare in all
         self._loop_thread = threading.get_ident()
         self._held: list[Event] = []  # events made on a checker thread: emitted from the loop
 
@@ -183,6 +184,10 @@ class _Cell:
             if len(self.noted) > NOTES:  # the notes are the host's, outside the cell's budget: a few
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent output of more types, which were "
                                 "not shown either\n", note=True))
+                continue
+            if isinstance(item, images.Refused):  # e.g. a tiny PNG whose header says 60,000 x 60,000
+                self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown "
+                                "(a browser tab decodes an image whole); `%smol trust on` shows machine output raw\n", note=True))
                 continue
             if isinstance(item, display.TooMuchMarkup):  # a type that is shown, but not this big
                 self.emit(Event("stream", "stderr", f"smolbench: {self.where} sent {what}, which was not shown: "
@@ -230,7 +235,9 @@ class _Cell:
             raise Bad("an update of a display without its id")
         if not (self.budget.take_update(size, ident) if ident is not None and update else self.budget.take_display(size, ident)):
             return  # counted, not shown (and not worth cleaning)
-        data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown)
+        # (an update replaces what its display showed: a live plot redraws without end)
+        pixels = None if update else self.pixels
+        data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown, pixels)
         self.note_dropped(dropped)
         if data or ident is not None:  # (an empty display with an id: a place to update later, as IPython makes)
             self.emit(Event("display", data=SafeBundle(data), display_id=ident, update=update))
@@ -240,6 +247,7 @@ class _Cell:
     def clear(self, msg: dict[str, Any], size: int = 0) -> None:
         known = dict(each({"t": _kind, "wait": lambda v, k: boolean(v, "a clear's wait flag")}, msg, "a clear message"))
         self.budget.cleared()
+        self.pixels = images.Allowance()  # the images shown are gone from the page
         self.emit(Event("clear", wait=bool(known.get("wait"))))
 
     def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:
@@ -259,7 +267,7 @@ class _Cell:
             raise MachineBusy(f"machine {self.where} is busy running another cell: wait for it, or interrupt it with Ctrl-C")
         result = None
         if f.get("result") is not None and self._result_fits(f["result"]):
-            data, dropped = display.bundle(f["result"], self.request.trust_display, self.markdown)
+            data, dropped = display.bundle(f["result"], self.request.trust_display, self.markdown, self.pixels)
             self.note_dropped(dropped)
             result = SafeBundle(data) if data else None
         values, pull_error = {}, None

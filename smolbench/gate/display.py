@@ -10,8 +10,9 @@ links, or resources from elsewhere; ``style`` attributes are parsed and re-seria
 by the CSS pipeline (``css.py``); ids are prefixed and page classes dropped, so nothing
 styles or stands in for the page around the output. Markdown is rendered to HTML here (cmark-gfm, in C: linear
 time, so made-up markdown costs the loop little) and cleaned like HTML, at most
-``MARKDOWN_LIMIT`` characters of it per cell. Plotly figures lose their URL-bearing fields (``figures.py``). Vega and
-Vega-Lite specs are refused: their renderer loads data from any URL the spec names.
+``MARKDOWN_LIMIT`` characters of it per cell. Images, as bundles or ``data:`` URLs in markup,
+are refused past a size a browser tab can decode (``images.py``). Plotly figures lose their
+URL-bearing fields (``figures.py``). Vega and Vega-Lite specs are refused: their renderer loads data from any URL the spec names.
 ``%smol trust on`` shows bundles raw.
 """
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import threading
 from typing import Any
 
 import nh3
 
-from . import figures
+from . import figures, images
 from .css import CSS_IMAGE, clean_style
 from .frames import Bad, mapping, shown, string
 
@@ -94,6 +96,22 @@ def _bounded(markup: str, what: str) -> str:
     return markup
 
 
+# The bundle being cleaned: its cell's image allowance, and the images refused by the
+# attribute filter (nh3 calls it on this thread) for the cell's notes.
+_IMAGES = threading.local()
+
+
+def _image_src(value: str) -> str | None:
+    """A ``data:`` image URL re-written from the bytes checked, or None (noted) when refused."""
+    try:
+        return images.data_url(value, "an image in its HTML", getattr(_IMAGES, "pixels", None))
+    except images.Refused as exc:
+        refused = getattr(_IMAGES, "refused", None)
+        if refused is not None:
+            refused.append(exc)
+        return None
+
+
 class SafeBundle(dict[str, Any]):
     """A MIME bundle that passed the gate: the only kind the magics display."""
 
@@ -110,7 +128,11 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
     if attr == "class":
         return _classes(v)
     if attr == "src" or (tag == "img" and attr == "href"):
-        return value if SAFE_IMG_SRC.fullmatch(v) else None
+        m = SAFE_IMG_SRC.fullmatch(v)
+        if m is None:
+            return None
+        # (an SVG is drawn at the size its <img> is laid out at, not decoded whole)
+        return value if m.group(1).lower() == "svg+xml" else _image_src(v)
     if attr in ("href", "xlink:href"):
         if v.startswith("#"):
             return "#" + ID_PREFIX + v[1:] if v[1:] else v  # to the (prefixed) id it names
@@ -169,7 +191,7 @@ def inert(html: str) -> str:
     return f'<div class="{INERT_CLASSES}">{html}</div>'
 
 
-def _image(mime: str, value: Any) -> str:
+def _image(mime: str, value: Any, pixels: images.Allowance) -> str:
     text = string(value, f"the {mime} output", TEXT_LIMIT)
     try:
         raw = base64.b64decode(text.replace("\n", ""), validate=True)
@@ -177,6 +199,7 @@ def _image(mime: str, value: Any) -> str:
         raise Bad(f"the {mime} output is not base64") from None
     if not raw.startswith(IMAGES[mime]):
         raise Bad(f"the {mime} output is not a {mime.split('/')[1].upper()} image")
+    images.check(raw, f"{mime} output", pixels)
     return text
 
 
@@ -194,29 +217,37 @@ def _shallow(value: Any, mime: str) -> Any:
     return value
 
 
-Dropped = str | TooMuchMarkup  # a MIME type not shown at all, or a value of one too big to clean
+# a MIME type not shown at all, a value of one too big to clean, or an image too big to decode
+Dropped = str | TooMuchMarkup | images.Refused
 
 
-def bundle(data: Any, trusted: bool,
-           markdown: MarkdownAllowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
+def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
+           pixels: images.Allowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
     """Check a MIME bundle and make it safe; returns (bundle, what was dropped).
-    ``markdown``: what the cell may still have rendered (None: one bundle's worth)."""
+    ``markdown``, ``pixels``: what the cell may still have rendered, and its images still
+    declare (None: one bundle's worth)."""
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
     dropped: list[Dropped] = []
-    for mime, value in data.items():
-        if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
-            raise Bad(f"a display bundle has a bad MIME type {shown(mime)}")
-        try:
-            _one(out, dropped, mime, value, trusted, markdown)
-        except TooMuchMarkup as exc:
-            dropped.append(exc)
-    if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:
-        try:
-            out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
-        except TooMuchMarkup as exc:
-            del out["text/html"]
-            dropped.append(exc)
+    refused: list[images.Refused] = []
+    _IMAGES.refused, _IMAGES.pixels = refused, pixels or images.Allowance()
+    try:
+        for mime, value in data.items():
+            if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
+                raise Bad(f"a display bundle has a bad MIME type {shown(mime)}")
+            try:
+                _one(out, dropped, mime, value, trusted, markdown)
+            except (TooMuchMarkup, images.Refused) as exc:
+                dropped.append(exc)
+        if "text/html" in out and "text/markdown" in data and "text/html" in data and not trusted:
+            try:
+                out["text/html"] = clean_html(string(data["text/html"], "the text/html output", TEXT_LIMIT))
+            except TooMuchMarkup as exc:
+                del out["text/html"]
+                dropped.append(exc)
+    finally:
+        _IMAGES.refused = _IMAGES.pixels = None
+    dropped.extend(refused)
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
     return out, dropped
@@ -230,7 +261,7 @@ def _one(out: dict[str, Any], dropped: list[Dropped], mime: str, value: Any, tru
     elif mime not in ALLOWED:
         dropped.append(mime)
     elif mime in IMAGES:
-        out[mime] = _image(mime, value)
+        out[mime] = _image(mime, value, _IMAGES.pixels)
     elif mime == "text/plain":
         out[mime] = string(value, "the text/plain output", TEXT_LIMIT)
     elif mime == "application/json":

@@ -3,9 +3,9 @@
 plotly.js loads a URL wherever a figure names one: ``layout.images[].source`` and image
 traces' ``source``, a ``geojson`` given as a URL, map styles and layer sources (also in
 ``layout.template`` and animation ``frames``). Its ``config`` can point it at other servers
-(``topojsonURL``, ``plotlyServerURL``). So: image sources must be inline ``data:`` images,
-geojson inline objects, map styles (of every map panel: ``map``, ``map2``, ``mapbox3``, ...)
-one of plotly's names, and ``config`` keeps only display switches (and turns MathJax
+(``topojsonURL``, ``plotlyServerURL``). So: image sources must be inline ``data:`` images
+of a size the tab can decode (``images.py``), geojson inline objects, map styles (of every
+map panel: ``map``, ``map2``, ``mapbox3``, ...) one of plotly's names, and ``config`` keeps only display switches (and turns MathJax
 typesetting of text off). A key may also be an attribute path (``"images[0].source"``), which
 plotly.js expands in frames and in menus' arguments: its names are checked as nested keys.
 
@@ -25,6 +25,7 @@ import html
 import re
 from typing import Any
 
+from . import images
 from .css import CSS_IMAGE
 from .frames import Bad
 
@@ -134,10 +135,20 @@ def _names(k: str, parent: str) -> tuple[str, str]:
     return (names[-1] if names else k), (names[-2] if len(names) > 1 else parent)
 
 
+def _decodable(url: str) -> bool:
+    try:
+        images.data_url(url)
+    except images.Refused:
+        return False
+    return True
+
+
 def _kept(k: str, v: Any, parent: str) -> bool:
     """Whether the field ``k`` (in ``parent``) with value ``v`` names nothing to fetch."""
     if k == "source" and not (isinstance(v, str) and DATA_IMAGE.fullmatch(v)) and not isinstance(v, dict):
         return False  # an image or map-layer source by URL (or a list of tile URLs)
+    if k == "source" and isinstance(v, str) and not _decodable(v):
+        return False  # an image too big for the tab to decode (an image trace draws it into a canvas)
     if k == "geojson" and not isinstance(v, dict):
         return False  # by URL
     if k == "style" and MAP_PANEL.fullmatch(parent) and not (isinstance(v, str) and NAMED_STYLE.fullmatch(v)):
