@@ -189,7 +189,7 @@ def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
         for m in [*messages, {"t": "done", "status": "ok"}]:
             yield json.dumps(m).encode() + b"\n"
 
-    asyncio.run(read_cell(frames(), CellRequest("x"), events.append, "root"))
+    asyncio.run(read_cell(frames(), CellRequest("x"), events.append, "root", scope="t"))
     return ([dict(e.data) for e in events if e.kind == "display"],
             [e.text for e in events if e.kind == "stream" and e.note])
 
