@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import CompositeError, RemoteError, remote_error, session_phrases
-from .gate import SafeBundle, terminal
+from .gate import SafeBundle, images, terminal
 from .gate.display import INERT_CLASSES
 from .tree import TERMINAL, best_key
 
@@ -72,6 +72,8 @@ class ForkResult:
         self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
         self.fresh_hint = ""  # episodes: that they start from the baseline, not the active machine (said on NameErrors)
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
+        # the pixels its branches' images may declare in all: they show in one output area
+        self.pixels = images.Allowance()
         self.magic_words = True  # its lines name the magics' options; a Session's fork: its arguments
         self.started = time.time()
         self.ended: float | None = None

@@ -673,7 +673,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
         node.cells += 1
         req = CellRequest(_at_line(code, first_line), push=dict(push or {}),
                           cell_name=cell_name or f"<cell-{node.cells}>", seed=seed, reseed=result.reseed,
-                          trust_display=self.trusted, output=self._budget(node.id, keep=gate.ROW_KEEP))
+                          trust_display=self.trusted, output=self._budget(node.id, keep=gate.ROW_KEEP),
+                          pixels=result.pixels)
         try:
             res = await asyncio.wait_for(self.backend.exec_cell(ref, req, lambda ev: on_event(node.id, ev)), timeout)
         except asyncio.TimeoutError:

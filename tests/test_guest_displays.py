@@ -99,3 +99,30 @@ def test_an_image_bomb_from_a_cell_is_dropped_with_a_note_and_a_real_plot_still_
     assert 100 < width < 2000 and 100 < height < 2000, (width, height)  # a figure, cropped to its drawing
     [note] = r.notes
     assert "image/png output (60,000 x 60,000 pixels, over the limit of 50 megapixels" in note and "not shown" in note
+
+
+def test_a_fork_s_branches_share_one_allowance_of_pixels(sandbox: smolbench.Session) -> None:
+    """A fork's branches show their images in one output area: each branch had the cell's
+    whole allowance (250 megapixels), so a fork of 16 could have the tab decode 16 GB. Each of
+    4 branches here shows three images of 49 megapixels (each under the per-image limit):
+    only five of the twelve fit the one allowance; each branch that lost one says so."""
+    shown: list[str] = []
+    notes: list[str] = []
+
+    def seen(branch: str, ev: Any) -> None:
+        if ev.kind == "display" and "image/png" in ev.data:
+            shown.append(branch)
+        elif ev.kind == "stream" and ev.note and "not shown" in ev.text:
+            notes.append(ev.text)
+
+    sandbox.fork(4, (
+        "import struct, zlib\nfrom IPython.display import display, Image\n"
+        "def chunk(k, b): return struct.pack('>I', len(b)) + k + b + struct.pack('>I', zlib.crc32(k + b))\n"
+        "big = (b'\\x89PNG\\r\\n\\x1a\\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', 7000, 7000, 8, 2, 0, 0, 0))\n"
+        "       + chunk(b'IDAT', zlib.compress(b'\\0')) + chunk(b'IEND', b''))\n"
+        "for _ in range(3):\n    display(Image(data=big, format='png'))\nreward = 1"), keep="none", on_output=seen)
+    assert len(shown) == 5, shown
+    # a branch says so once, on its first image dropped: every branch that lost one
+    lost = {b for b in ("root.0", "root.1", "root.2", "root.3") if shown.count(b) < 3}
+    assert len(notes) == len(lost) and all("the cell's images pass 250 megapixels in all" in n for n in notes), notes
+    assert {n.split()[1] for n in notes} == lost, (notes, shown)

@@ -71,6 +71,7 @@ class CellRequest:
     trust_pull: bool = False  # --pull-trusted / %smol trust on: pulled pickles may be loaded
     trust_display: bool = False  # %smol trust on: display bundles are shown raw
     output: Any = None  # the cell's gate.OutputBudget (None: the default limits, no log)
+    pixels: Any = None  # a fork's gate images.Allowance its branches share (None: the cell's own)
 
 
 @dataclass

@@ -150,7 +150,8 @@ class _Cell:
         self.budget = request.output if request.output is not None else OutputBudget(None)
         self.noted: set[str] = set()
         self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered by the gate
-        self.pixels = images.Allowance()  # what the images the cell shows may declare in all
+        # what the images the cell shows may declare in all (a fork's: what all its branches may)
+        self.pixels = request.pixels if request.pixels is not None else images.Allowance()
         self._loop_thread = threading.get_ident()
         self._held: list[Event] = []  # events made on a checker thread: emitted from the loop
 
@@ -247,7 +248,8 @@ class _Cell:
     def clear(self, msg: dict[str, Any], size: int = 0) -> None:
         known = dict(each({"t": _kind, "wait": lambda v, k: boolean(v, "a clear's wait flag")}, msg, "a clear message"))
         self.budget.cleared()
-        self.pixels = images.Allowance()  # the images shown are gone from the page
+        if self.request.pixels is None:  # (a branch's clear is ignored: its images stay shown)
+            self.pixels = images.Allowance()  # the images shown are gone from the page
         self.emit(Event("clear", wait=bool(known.get("wait"))))
 
     def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:

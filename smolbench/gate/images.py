@@ -24,6 +24,7 @@ import base64
 import binascii
 import re
 import struct
+import threading
 import urllib.parse
 
 # 50 megapixels is 200 MB decoded (RGBA): a tab survives it, and matplotlib's largest
@@ -48,16 +49,20 @@ class Refused(ValueError):
 
 
 class Allowance:
-    """Pixels one cell's images may still declare."""
+    """Pixels one cell's images may still declare: a cell's own, or one a fork's branches share
+    (they show in one output area: 16 branches each at the cell's allowance were 16 GB decoded).
+    Taken from the gate's checker threads, so under a lock."""
 
     def __init__(self, left: int = CELL_PIXELS) -> None:
         self.left = left
+        self._lock = threading.Lock()
 
     def take(self, pixels: int) -> bool:
-        if pixels > self.left:
-            return False
-        self.left -= pixels
-        return True
+        with self._lock:
+            if pixels > self.left:
+                return False
+            self.left -= pixels
+            return True
 
 
 class Unreadable(ValueError):
