@@ -1,4 +1,5 @@
-"""The Workbench: one per kernel. The active machine, the fork tree, fan-out (checkpoints: checkpoints.py; status: status.py).
+"""The Workbench: one per kernel. The active machine, the fork tree, fan-out (checkpoints: checkpoints.py; status: status.py;
+which kept machines stay: keeping.py).
 
 All of its async methods run on smolbench's own loop thread (``_loop``); the
 magics block on them. Widgets observe it through :meth:`Workbench.observe` and
@@ -28,6 +29,7 @@ from .backends._limits import disk_note, out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
 from .errors import LIVE, NOT_UP, InfraError, MachineLost, SmolbenchError, remote_error
+from .keeping import KeepingMixin
 from .ledger import Ledger, code_hash
 from .losses import LossesMixin
 from .provenance import versions as _versions
@@ -61,7 +63,7 @@ def _stopped_by_down(method: FanOut) -> FanOut:
     return tracked
 
 
-class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
+class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, KeepingMixin):
     """A kernel's machines and their fork tree, recorded in a ledger."""
 
     def __init__(self, backend: Backend, spec: MachineSpec, ledger: Ledger, *, checkpoint_dir: str | None = None,
@@ -729,49 +731,6 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin):
             node.alive = False
             if record:
                 self._record(node)
-
-    def _touch(self, node_id: str) -> None:
-        self._used[node_id] = time.monotonic()
-
-    def kept_alive(self) -> list[str]:
-        """Live kept machines (fork winners), the ones ``max_alive`` caps."""
-        return [n for n in self.machines if n in self.tree and self.tree[n].kept]
-
-    async def enforce_max_alive(self) -> list[str]:
-        """Delete least recently used idle kept machines beyond ``max_alive``; never the active
-        one, a busy one, or one with live children. Their ledger rows (and so replay) stay."""
-        gone: list[str] = []
-        while len(self.kept_alive()) > self.max_alive:
-            parents = {self.tree[n].parent for n in self.machines if n in self.tree}
-            idle = [n for n in self.kept_alive() if n != self.active and n not in self._busy and n not in parents]
-            if not idle:
-                break
-            victim = min(idle, key=lambda n: self._used.get(n, 0.0))
-            await self._drop(victim)
-            self.tree[victim].kept = False
-            self._record(self.tree[victim])
-            gone.append(victim)
-            self.on_notice(f"smolbench: deleted idle kept machine {victim} (least recently used; more than "
-                           f"max_alive = {self.max_alive} kept alive); its ledger row stays, `%smol replay {victim}` rebuilds it")
-        return gone
-
-    async def _apply_keep(self, result: ForkResult, nodes: list[Node], keep: str) -> None:
-        best = result.best
-        for node in nodes:
-            if not node.alive:
-                continue
-            wanted = keep == "all" or (keep == "best" and best is not None and best["branch"] == node.id)
-            if wanted and node.status == "ok":
-                node.kept = True
-                self._touch(node.id)
-                node.status = "ok"
-                result.kept.append(node.id)
-                self._record(node)
-        drop = [n.id for n in nodes if n.alive and n.id not in result.kept]
-        try:  # in parallel: one round trip each
-            await asyncio.gather(*(self._drop(node_id, record=False) for node_id in drop))
-        finally:  # after a Ctrl-C too: those that went
-            self._record_all([self.tree[n] for n in drop if not self.tree[n].alive])
 
 
 KEPT_HELD = "; the machine is up and its variables still hold what they did: `del` the big ones to free it"

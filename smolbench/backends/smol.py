@@ -56,6 +56,17 @@ from ..spec import MachineSpec
 from ._wire import RequestIds, exec_message, interrupt_message
 from .base import Backend, CellRequest, CellResult, CheckpointInfo, MachineRef, OnEvent
 from .smol_errors import ERROR_HINTS, HOST_BACKED, detail, explain, translate
+from .smol_guest import (
+    CLIENT,
+    GUEST_HOME,
+    GUEST_LIB,
+    GUEST_PACKAGES,
+    GUEST_RUN,
+    LAUNCHER,
+    PREPARE,
+    RELAY_FILE,
+    _cloudpickle_files,
+)
 from .smol_image import DEFAULT_IMAGE, boot_timeout, image_python, is_local, smol_image
 from .smol_state import PARTS as STATE_PARTS
 from .smol_state import STATE_ONLY, is_state, read_state, write_pointer, write_state
@@ -65,78 +76,18 @@ __all__ = ["DEFAULT_IMAGE", "ERROR_HINTS", "SmolBackend", "explain", "translate"
 _PS = ParamSpec("_PS")
 T = TypeVar("T")
 
-GUEST_HOME = "/opt/smolbench"
-GUEST_LIB = f"{GUEST_HOME}/lib"
-GUEST_PACKAGES = "/opt/smolbench-packages"  # the Smolfile's packages: a read-only mount of the host's cache
-GUEST_RUN = "/run/smolbench"
-CLIENT = f"{GUEST_HOME}/client.py"
 READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
 CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
 STATE_TIMEOUT = 600.0  # seconds for the agent to save or load a namespace and workspace
-# Relays a request written to a file ($2): opened as stdin and removed before the
-# relay starts, so nothing is left behind even when the relay is killed.
-RELAY_FILE = 'exec 0<"$2" && rm -f "$2" && exec python3 "$0" "$1"'
 CLOUD_POINTER = "smolbench-smol-cloud-checkpoint"
 NOT_FOUND = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
 _MAX_NAME = 63  # DNS label: cloud machine names must be DNS-safe
-
-# Starts the agent detached: output to a log (nobody reads the exec's pipes), its
-# own session, and no parent-death signal (the launcher that execs it may exit
-# first, which would kill it). The agent module is dropped from sys.modules so a
-# user's own ``agent.py`` in the workdir still imports. If the agent dies, a
-# ``.failed`` marker beside the log says so at once.
-LAUNCHER = """\
-import os, sys
-home, log = sys.argv[1], sys.argv[2]
-fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-os.dup2(fd, 1)
-os.dup2(fd, 2)
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-try:
-    os.setsid()
-except OSError:
-    pass
-sys.path.insert(0, home)
-import agent
-sys.path.remove(home)
-del sys.modules["agent"]
-sys.argv = [agent.__file__] + sys.argv[3:] + ["--no-pdeathsig"]
-try:
-    agent.main(sys.argv[1:])
-except BaseException:
-    import traceback
-    traceback.print_exc()
-    open(os.path.splitext(log)[0] + ".failed", "w").close()
-    raise
-"""
-
-# Checks python3 and makes the directories the agent needs, in one exec.
-PREPARE = (
-    "import os, sys\n"
-    "for d in sys.argv[1:]:\n"
-    "    os.makedirs(d, exist_ok=True)\n"
-    "print('%d.%d' % sys.version_info[:2])\n"
-)
 
 # -- helpers ---------------------------------------------------------------------------
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "m"
-
-
-def _cloudpickle_files() -> list[tuple[str, bytes]]:
-    """(relative path, bytes) of every .py file of the installed cloudpickle package."""
-    try:
-        import cloudpickle
-    except ImportError:
-        return []
-    root = Path(cloudpickle.__file__).resolve().parent
-    return [
-        (path.relative_to(root).as_posix(), path.read_bytes())
-        for path in sorted(root.rglob("*.py"))
-        if "__pycache__" not in path.parts
-    ]
 
 
 def _allow_hosts(hosts: Iterable[str]) -> list[str]:
