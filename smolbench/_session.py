@@ -673,7 +673,7 @@ class Session:
         return node
 
     def status(self) -> dict[str, Any]:
-        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down). ``lost``: the
+        """What ``%smol status`` shows, as a dict (``{"up": False, "lost": None}`` when down). ``lost``: the
         last machine that died under a run (exited, crashed, ran out of memory, or was killed
         for ignoring its timeout), or that this call found dead while idle (killed from
         outside), and why (None when none was); when that was the root, nothing is up until
