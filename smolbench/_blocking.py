@@ -18,7 +18,8 @@ T = TypeVar("T")
 def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True,
            waiting: Callable[[], None] | None = None) -> T:
     """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
-    cancels it and waits for its cleanup (deleting machines) before it goes on. ``waiting``:
+    cancels it and waits for its cleanup (deleting machines) before it goes on; one that is not
+    ``stoppable`` (a down) is let finish instead, through more Ctrl-Cs, before it goes on. ``waiting``:
     called on this thread every 0.2 s meanwhile (the magics show the notices it queued)."""
     if _on_our_loop():
         coro.close()
@@ -34,7 +35,10 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
                 waiting()
         wait_out_sigterm()
     except BaseException:
-        job.stop(120)
+        if stoppable:
+            job.stop(120)
+        else:  # a down: a Ctrl-C (or another) doesn't cut the deletion short; it is raised after it
+            job.finish(120)
         raise
     return _result(job)
 

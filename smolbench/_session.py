@@ -192,7 +192,12 @@ class Session:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.down()
+        try:
+            self.down()  # a Ctrl-C meanwhile lets the deletion finish (_block), then is raised
+        except KeyboardInterrupt:
+            if exc[0] is None or not issubclass(exc[0], KeyboardInterrupt):
+                raise
+            # Ctrl-C again while a Ctrl-C ends the block: the first one goes on, one traceback
 
     async def __aenter__(self) -> Session:
         if not self.is_up:
