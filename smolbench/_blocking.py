@@ -45,7 +45,8 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
     """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
-    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
+    loop); a cancel of the caller's task cancels it and waits for its cleanup (one that is not
+    ``stoppable``, a down, it lets finish)."""
     if _on_our_loop():
         return await coro
     while _lifetime.stopping():
@@ -60,7 +61,8 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
             await asyncio.sleep(0.05)
     except asyncio.CancelledError:
         if not job.done():
-            job.cancel()
+            if stoppable:  # a down is never cut short: it finishes, then the cancel goes on
+                job.cancel()
             while not job.done():
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)

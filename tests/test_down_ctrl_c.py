@@ -6,8 +6,10 @@ session (its down had already let it go): the run folder stayed, and root stayed
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_session import Script
@@ -65,3 +67,30 @@ def test_a_ctrl_c_during_down_lets_the_deletion_finish(tmp_path: Path, body: str
         assert set(nodes["id"]) >= {"root", "root.0"}, nodes["id"].tolist()
     finally:
         script.clean()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_cancel_during_adown_lets_the_deletion_finish(here: Path) -> None:
+    """The async twin: a cancel of the task awaiting ``adown()`` (Ctrl-C under ``asyncio.run``,
+    a trainer's task cancelled) cancelled the deletion itself, and left the machines running."""
+    from smolbench import _loop
+
+    async def main() -> Any:
+        s = smolbench.Session(backend="sandbox", ledger="ledger.db")
+        await s.aup()
+        await s.afork(2, "reward = SEED", keep="all")
+        down = asyncio.ensure_future(s.adown())
+        await asyncio.sleep(0)  # it runs: its deletion started on smolbench's loop
+        down.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await down
+        return s.workbench
+
+    wb = asyncio.run(main())
+    try:
+        assert wb.closed and not wb.machines, sorted(wb.machines)  # the deletion finished before the cancel went on
+        nodes = smolbench.Ledger("ledger.db").nodes()
+        assert len(nodes) == 3 and not nodes["alive"].any(), nodes[["id", "status", "alive"]].to_string()
+    finally:
+        if not wb.closed:
+            _loop.run(wb.down(), stoppable=False)

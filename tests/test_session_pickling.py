@@ -42,6 +42,9 @@ def test_a_finished_fork_result_travels_and_a_session_refuses_in_one_line(here: 
             copy.cancel()
         _one_line(str(said.value))
         assert f.wait() is f and f.done()  # the original stays a live handle
+        import cloudpickle  # what Ray sends a task's return value with
+
+        assert cloudpickle.loads(cloudpickle.dumps(f)).rows == f.rows
 
         with pytest.raises(TypeError, match=r"^a Session can't be pickled: .*make a Session inside the task") as said:
             pickle.dumps(s)
@@ -60,6 +63,7 @@ def test_a_composite_error_carries_the_results(here: Path) -> None:
         again = pickle.loads(pickle.dumps(failed.value))  # the error travels too, with its results
         assert str(again) == str(failed.value) and again.result.rewards == result.rewards
         assert [e.ename for e in again.errors] == ["ZeroDivisionError"] * 2
+        assert isinstance(again.errors[0], ZeroDivisionError)  # still caught by the built-in's name
 
         with pytest.raises(CompositeError) as failed:
             s.episodes(3, "reward = SEED\nif SEED == 1: 1 / 0")
