@@ -18,7 +18,8 @@ T = TypeVar("T")
 def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True,
            waiting: Callable[[], None] | None = None) -> T:
     """Run ``coro`` on smolbench's loop and wait. Ctrl-C (or an exception in this thread)
-    cancels it and waits for its cleanup (deleting machines) before it goes on. ``waiting``:
+    cancels it and waits for its cleanup (deleting machines) before it goes on; one that is not
+    ``stoppable`` (a down) is let finish instead, through more Ctrl-Cs, before it goes on. ``waiting``:
     called on this thread every 0.2 s meanwhile (the magics show the notices it queued)."""
     if _on_our_loop():
         coro.close()
@@ -34,14 +35,18 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
                 waiting()
         wait_out_sigterm()
     except BaseException:
-        job.stop(120)
+        if stoppable:
+            job.stop(120)
+        else:  # a down: a Ctrl-C (or another) doesn't cut the deletion short; it is raised after it
+            job.finish(120)
         raise
     return _result(job)
 
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
     """Await ``coro`` from the caller's loop while it runs on smolbench's (never a nested
-    loop); a cancel of the caller's task cancels it and waits for its cleanup."""
+    loop); a cancel of the caller's task cancels it and waits for its cleanup (one that is not
+    ``stoppable``, a down, it lets finish)."""
     if _on_our_loop():
         return await coro
     while _lifetime.stopping():
@@ -56,7 +61,8 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
             await asyncio.sleep(0.05)
     except asyncio.CancelledError:
         if not job.done():
-            job.cancel()
+            if stoppable:  # a down is never cut short: it finishes, then the cancel goes on
+                job.cancel()
             while not job.done():
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)

@@ -99,6 +99,8 @@ class Job:
 
     def _begin(self, coro: Coroutine[Any, Any, Any]) -> None:
         with self._lock:
+            if self._begun:  # submitted again by finish() (a Ctrl-C inside start): it runs once
+                return
             if self._dropped:  # stopped before it got here: it never runs
                 coro.close()
                 return
@@ -161,6 +163,25 @@ class Job:
             return
         self.cancel()
         self.wait_finished(wait)
+
+    def finish(self, wait: float) -> None:
+        """Let it run to its end (a down's deletions: never cut short), waiting up to ``wait``
+        s through any Ctrl-C meanwhile; one that landed inside :meth:`start`, before the work
+        was submitted, submits it now. Past ``wait`` it goes on alone."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                coro = self._coro
+                if coro is not None:  # never submitted
+                    self._started = True
+                    _jobs.add(self)
+                    get_loop().call_soon_threadsafe(self._begin, coro)
+                    self._coro = None
+                left = deadline - time.monotonic()
+                if self.done() or left <= 0 or self.wait_finished(min(0.2, left)):
+                    return
+            except KeyboardInterrupt:
+                continue
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until the coroutine's cleanup finished; False on timeout."""

@@ -185,7 +185,12 @@ class Session(RestoringMixin):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.down()
+        try:
+            self.down()  # a Ctrl-C meanwhile lets the deletion finish (_block), then is raised
+        except KeyboardInterrupt:
+            if exc[0] is None or not issubclass(exc[0], KeyboardInterrupt):
+                raise
+            # Ctrl-C again while a Ctrl-C ends the block: the first one goes on, one traceback
 
     async def __aenter__(self) -> Session:
         if not self.is_up:
@@ -200,6 +205,10 @@ class Session(RestoringMixin):
         if wb is None or not wb.machines:
             return "<smolbench.Session: down>"
         return f"<smolbench.Session {wb.session}: {wb.backend.name}, active {wb.active}, {len(wb.machines)} live>"
+
+    def __getstate__(self) -> Any:  # Ray sends a task's arguments and results pickled
+        raise TypeError("a Session can't be pickled: its machines live in this process; make a Session inside the "
+                        "task (`with smolbench.Session() as s:` there) and send back its results (a ForkResult travels)")
 
     @property
     def is_up(self) -> bool:
@@ -471,7 +480,7 @@ class Session(RestoringMixin):
         ``retries``: branch again a machine that failed to boot or died (never a code error);
         ``reseed=False``: leave the random streams made before the fork as they are (all branches alike);
         ``on_output(branch, event)``: each branch's output as it comes (``event.text``).
-        Raises a CompositeError when any branch failed, unless ``allow_errors``."""
+        Raises a CompositeError when any branch failed, unless ``allow_errors`` (its ``.result``: this ForkResult)."""
         result, coro = self.fan_out("fork", n, code, seeds=seeds, seed_base=seed_base, keep=keep, timeout=timeout,
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
@@ -492,7 +501,7 @@ class Session(RestoringMixin):
                  push: Mapping[str, Any] | None = None, allow_errors: bool = False,
                  on_output: BranchOutput | None = None, reseed: bool = True) -> ForkResult:
         """Run ``code`` once per seed, each in a fresh machine from the baseline, deleted after
-        (``seeds`` or ``seed_base`` as :meth:`fork` takes them)."""
+        (``seeds`` or ``seed_base`` as :meth:`fork` takes them; a CompositeError as there, its ``.result`` this ForkResult)."""
         result, coro = self.fan_out("episodes", n, code, seeds=seeds, seed_base=seed_base, timeout=timeout,
                                     concurrency=concurrency, retries=retries, push=_pushed(push), reseed=reseed)
         return _checked(_block(coro(_output(on_output)), result), allow_errors)
@@ -590,15 +599,15 @@ class Session(RestoringMixin):
         self.on_notice(line if self.magic_words else session_phrases(line))
 
     def status(self) -> dict[str, Any]:
-        """What ``%smol status`` shows, as a dict (``{"up": False}`` when down). ``lost``: the
+        """What ``%smol status`` shows, as a dict (``{"up": False, "lost": None}`` when down). ``lost``: the
         last machine that died under a run (exited, crashed, ran out of memory, or was killed
         for ignoring its timeout), or that this call found dead while idle (killed from
-        outside), and why; when that was the root, nothing is up until :meth:`up` starts a
-        fresh one."""
+        outside), and why (None when none was); when that was the root, nothing is up until
+        :meth:`up` starts a fresh one."""
         wb = self.workbench
         if wb is not None and not wb.closed and wb.machines:
             _block(wb.notice_gone())  # a machine killed while idle is lost, not shown alive
-        lost = {"lost": wb.last_loss} if wb is not None and not wb.closed and wb.last_loss else {}
+        lost = {"lost": wb.last_loss if wb is not None and not wb.closed and wb.last_loss else None}
         if wb is None or not wb.machines:
             return {"up": False, **lost}
         _block(wb.refresh_network())

@@ -259,18 +259,25 @@ class CompositeError(Exception):
     """Several branches failed; shows the first few remote tracebacks.
 
     Like ipyparallel's ``CompositeError``: one failing branch never hides the
-    others, and the full list is in ``.errors`` (and in the ForkResult). Identical
-    errors (the same exception, message and traceback but for the branch's own name)
-    are shown once, naming their branches: "the same error in 4 episodes: ...".
+    others, and the full list is in ``.errors``. ``.result`` is the fork's (or the
+    episodes') ForkResult, every branch's row: the rewards of those that finished ok too
+    (``e.result.rewards``, ``e.result.best``). Identical errors (the same exception,
+    message and traceback but for the branch's own name) are shown once, naming their
+    branches: "the same error in 4 episodes: ...".
     """
 
     shown = 4  # distinct errors shown
     named = 8  # branches named for one of them
 
-    def __init__(self, message: str, errors: Sequence[RemoteError | Any], unit: str = "branches") -> None:
+    def __init__(self, message: str, errors: Sequence[RemoteError | Any], unit: str = "branches",
+                 result: Any = None) -> None:
         super().__init__(message)
         self.errors = list(errors)
         self.unit = unit
+        self.result = result  # the ForkResult it came from (None: made by hand)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # its own arguments (a Ray task's error travels pickled)
+        return type(self), (str(self), self.errors, self.unit, self.result)
 
     def groups(self) -> list[list[RemoteError | Any]]:
         """The errors, identical ones together, in the order they first appear."""

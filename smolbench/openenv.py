@@ -283,13 +283,15 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             return m.host.run(_within(coro, limit, cut), limit + 2 * GRACE)
         except (_OutOfTime, concurrent.futures.TimeoutError):
             why = f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout)"
+            how = "timeout"  # as a gym env's timeout= records it
         except _ClientGone:
             why = f"the {what} was cut: its client disconnected"
+            how = "cancelled"  # stopped from outside, as a fork's Ctrl-C'd branch: no error of the env's
         finally:
             self._cut = None
         machine = self._machine()  # the one the request was cut in
         with contextlib.suppress(Exception):
-            m.host.run(m.abandon(0, why), 2 * GRACE)
+            m.host.run(m.abandon(0, why, how), 2 * GRACE)
         gone = f"machine {machine} is deleted" if machine else "its machine is deleted"
         raise SmolbenchError(f"{why}: {gone}; reset() starts a new episode")
 

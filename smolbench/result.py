@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CompositeError, RemoteError, remote_error, session_phrases
+from .errors import CompositeError, RemoteError, SmolbenchError, remote_error, session_phrases
 from .gate import SafeBundle, images, terminal
 from .gate.display import INERT_CLASSES
 from .tree import TERMINAL, best_key
@@ -84,6 +84,7 @@ class ForkResult:
         self.name: str | None = None  # the variable the magics put it in (--out), named by a wait's Ctrl-C
         self._future: Future[Any] | None = None
         self._cancel: Any = None
+        self._copy = False  # unpickled (a Ray task's return value): no live handle
 
     # -- live handle ---------------------------------------------------------------
 
@@ -127,8 +128,32 @@ class ForkResult:
 
     def cancel(self) -> None:
         """Cancel every running branch (their machines are deleted)."""
+        if self._copy:
+            raise SmolbenchError(f"this ForkResult is a copy (it was pickled, e.g. returned from a Ray task): its {self.kind} "
+                                 "had ended, so there is nothing to cancel; call .cancel() on the handle where it ran")
         if self._cancel is not None and not self.done():
             self._cancel()
+
+    # -- pickling (a Ray task returns one) ------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Its rows and what it says, without the live parts (the run's future and cancel,
+        the branches' pixel allowance): only a finished one travels."""
+        if not self.done():
+            done, total = self.progress
+            raise TypeError(f"a {self.kind} still running can't be pickled ({done} of {total} done): "
+                            "call .wait() first, then send its result")
+        state = dict(self.__dict__)
+        for live in ("_future", "_cancel", "pixels"):
+            state.pop(live, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._future = None  # done() is True, wait() returns it
+        self._cancel = None
+        self._copy = True
+        self.pixels = images.Allowance(0)  # its branches showed what they showed where it ran
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -220,7 +245,7 @@ class ForkResult:
         return text
 
     def composite_error(self) -> CompositeError | None:
-        """An aggregated error for every failed branch, or None if all are ok."""
+        """An aggregated error for every failed branch (this result as its ``.result``), or None if all are ok."""
         failed = self.failed
         if not failed:
             return None
@@ -234,7 +259,7 @@ class ForkResult:
         missing = len(failed) == len(self) and all(str(r["error"] or "").startswith("NameError") for r in failed)
         hint = f"; {self.fresh_hint}" if self.fresh_hint and missing else ""
         return CompositeError(f"{len(failed)} of {len(self)} {unit} failed ({counts}); first: "
-                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}{hint}", errors, unit)
+                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}{hint}", errors, unit, self)
 
     def raise_for_errors(self) -> None:
         """Raise a CompositeError if any branch failed."""

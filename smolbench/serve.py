@@ -45,6 +45,13 @@ def env_for(args: argparse.Namespace) -> tuple[str | None, str | Callable[..., A
         except SmolbenchError as exc:
             raise SmolbenchError(f"--gym {exc}") from None
     m = TARGET.fullmatch(args.target or "")
+    file, colon, name = (args.target or "").rpartition(":")
+    if m is None and colon and file.endswith(".py"):  # a file, and after ':' something that is no plain name
+        head = re.match(r"[A-Za-z_][A-Za-z0-9_]*", name)
+        like = f"{file}:{head[0] if head else 'make_env'}"
+        raise SmolbenchError(f"{args.target}: the part after ':' must be a plain name, a zero-argument callable defined "
+                             f"at the top level of {file} that makes the env (e.g. {like}; wrap anything else in a "
+                             "function there)")
     if m is None:
         raise SmolbenchError("say what to serve: FILE.py:NAME (a file run in the machine, NAME its zero-argument "
                              "env factory) or --gym ID (e.g. --gym CartPole-v1)")

@@ -163,6 +163,18 @@ def test_serve_s_bad_start_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("smolbench serve: ") and said in lines[0], got.stderr
 
 
+def test_serve_s_target_after_the_colon_must_be_a_plain_name(tmp_path: Path) -> None:
+    """``corridor.py:Corridor.reset`` got the generic "say what to serve" line."""
+    (tmp_path / "corridor.py").write_text("class Corridor:\n    def reset(self): ...\n")
+    got = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "corridor.py:Corridor.reset", "--port", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert got.returncode == 2, got
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip()]
+    assert lines == ["smolbench serve: corridor.py:Corridor.reset: the part after ':' must be a plain name, a "
+                     "zero-argument callable defined at the top level of corridor.py that makes the env (e.g. "
+                     "corridor.py:Corridor; wrap anything else in a function there)"], got.stderr
+
+
 def refusal(cell: Any) -> str:
     """The one line a magic refused with: an error, or IPython's UsageError line on stderr."""
     if any(o.output_type == "error" for o in cell.outputs):

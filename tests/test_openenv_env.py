@@ -392,3 +392,49 @@ def test_in_place_a_cut_step_gets_a_new_machine_for_the_next_episode(in_place: M
         assert env.step(GymAction(action="info = {'ok': 2}")).info == {"ok": 2}
     finally:
         env.close()
+
+
+def _ended_row(parent: Machines, machine: str) -> dict[str, Any]:
+    """The ledger row of the episode that ran in ``machine``, once it ended."""
+    for _ in range(200):
+        row = parent.wb.ledger.node(parent.wb.session, machine)
+        if row is not None and row["status"] not in ("running", "starting", "idle"):
+            return row
+        time.sleep(0.05)
+    raise AssertionError(f"the episode in {machine} was never recorded as ended: {row}")
+
+
+def test_a_cut_request_is_recorded_as_what_cut_it_not_as_an_error(parent: Machines) -> None:
+    """A step past --request-timeout is a ``timeout`` episode (as a gym env's timeout= records
+    one), a step whose client went away a ``cancelled`` one (stopped from outside, as a fork's
+    Ctrl-C'd branch): the env raised nothing. Both were ``error``."""
+    import asyncio
+
+    from smolbench._asgi import CLIENT_GONE
+
+    env = session(parent, timeout=3)
+    try:
+        env.reset(seed=1)
+        machine = real_name(env)
+        with pytest.raises(SmolbenchError, match="took longer than 3 s"):
+            env.step(HANG)
+        row = _ended_row(parent, machine)
+        assert row["status"] == "timeout" and "took longer than 3 s" in row["error"], row
+
+        env.reset(seed=2)
+        machine = real_name(env)
+
+        async def client_goes_mid_step() -> None:
+            gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            CLIENT_GONE.set(gone)  # what the server's handler sets: done once the client is gone
+            step = asyncio.ensure_future(env.step_async(HANG))
+            while env._cut is None or env._cut._future is None:  # the step runs in its machine
+                await asyncio.sleep(0.02)
+            gone.set_result(None)
+            with pytest.raises(SmolbenchError, match="its client disconnected"):
+                await step
+        asyncio.run(client_goes_mid_step())
+        row = _ended_row(parent, machine)
+        assert row["status"] == "cancelled" and "client disconnected" in row["error"], row
+    finally:
+        env.close()

@@ -626,7 +626,7 @@ def test_a_session_with_nothing_up_restores_as_the_magic_does_and_takes_back_a_f
     assert s.workbench is None
     with pytest.raises(SmolbenchError, match="is cut short or damaged"):
         s.checkpoint_restore(damaged)  # refused once a machine was up for it: taken down
-    assert not s.is_up and s.status() == {"up": False}
+    assert not s.is_up and s.status() == {"up": False, "lost": None}
     assert s.backend_kind == "auto"  # the next up() chooses as asked, not as that file's record said
     try:
         node = s.checkpoint_restore(whole)

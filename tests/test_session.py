@@ -451,7 +451,7 @@ def test_fork_errors_are_a_composite_error_and_use_moves_the_active_machine(here
             s.fork(0, "pass")
         e = s.episodes(2, "reward = SEED + 1")
         assert sorted(e.rewards.values()) == [1.0, 2.0]
-    assert s.status() == {"up": False} and s.down() == 0
+    assert s.status() == {"up": False, "lost": None} and s.down() == 0
     with pytest.raises(SmolbenchError, match="no machine is up"):
         s.run("1")
 

@@ -333,7 +333,7 @@ def test_a_root_that_dies_leaves_the_live_set_and_up_starts_a_new_one(here: Path
         s.down()  # what was left (its backend, the episodes' zygote) goes too: it used to stay to the end
         assert wait_for_no_processes(tag) == []
         s.up()  # a new root: the session goes on
-        assert s.run("x = 2\nx").value == 2 and s.status()["up"] is True and "lost" not in s.status()
+        assert s.run("x = 2\nx").value == 2 and s.status()["up"] is True and s.status()["lost"] is None
     assert wait_for_no_processes(tag) == []
 
 

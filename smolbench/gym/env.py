@@ -31,6 +31,10 @@ class MachineEnv(gymnasium.Env[Any, Any]):
         self.spec = envspec.env_spec(machines.described, remake)
         self.render_mode = None
 
+    def __getstate__(self) -> Any:  # Ray sends a task's arguments and results pickled
+        raise TypeError("a smolbench gym env can't be pickled: its machines live in this process; send its id (or "
+                        "env.spec) and call smolbench.gym.make inside the task, then close() it there")
+
     @property
     def machine(self) -> str | None:
         """The machine the current episode runs in."""

@@ -47,6 +47,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._autoreset = np.zeros((self.num_envs,), dtype=np.bool_)
 
+    def __getstate__(self) -> Any:  # Ray sends a task's arguments and results pickled
+        raise TypeError("a smolbench gym env can't be pickled: its machines live in this process; send its id (or "
+                        "env.spec) and call smolbench.gym.make_vec inside the task, then close() it there")
+
     @property
     def machines(self) -> list[str | None]:
         """The machine each sub-env's current episode runs in."""
