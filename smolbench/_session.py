@@ -344,21 +344,25 @@ class Session(RestoringMixin):
         """Delete every machine this session made (idempotent). Returns how many. A fork or
         episodes still running (another thread's, a task's) is cancelled first, its branches
         recorded as cancelled."""
-        gone(self)
         wb = self.workbench
         if wb is None or wb.closed:  # also after its root was lost: its backend (and zygotes) still go
+            gone(self)
             return 0
-        return _block(wb.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
+        n = _block(wb.down(), stoppable=False)  # a SIGTERM meanwhile lets it finish
+        gone(self)  # only now: a Ctrl-C before the deletion began leaves it to the exit hook
+        return n
 
     close = down
 
     async def adown(self) -> int:
         """:meth:`down` from an asyncio loop."""
-        gone(self)
         wb = self.workbench
         if wb is None or wb.closed:
+            gone(self)
             return 0
-        return await _bridge(wb.down(), stoppable=False)
+        n = await _bridge(wb.down(), stoppable=False)
+        gone(self)
+        return n
 
     aclose = adown
 

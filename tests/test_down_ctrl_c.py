@@ -94,3 +94,38 @@ def test_a_cancel_during_adown_lets_the_deletion_finish(here: Path) -> None:
     finally:
         if not wb.closed:
             _loop.run(wb.down(), stoppable=False)
+
+
+EARLY = """\
+import smolbench
+from smolbench import _session
+
+s = smolbench.Session(backend="sandbox", ledger="ledger.db")
+s.up()
+s.run("x = 1")
+block = _session._block
+
+def ctrl_c_before_the_wait(coro, **kwargs):  # a Ctrl-C in the bytecodes before down's wait
+    coro.close()
+    raise KeyboardInterrupt
+
+_session._block = ctrl_c_before_the_wait
+try:
+    s.down()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+_session._block = block
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_ctrl_c_before_down_begins_leaves_the_machines_to_the_exit_hook(tmp_path: Path) -> None:
+    """Down let the session go before its deletion began: a Ctrl-C landing there left machines
+    the exit hook no longer knew of. It lets it go once they are deleted."""
+    script = Script(tmp_path, EARLY)
+    try:
+        code, out, err = script.finish()
+        assert "interrupted" in out and code == 0, (out, err)
+        assert script.leftovers() == ([], [], []), err
+    finally:
+        script.clean()
