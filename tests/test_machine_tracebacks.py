@@ -169,6 +169,26 @@ def test_an_envs_error_keeps_the_envs_traceback(bench: Workbench) -> None:
         envs.close()
 
 
+BROKEN = HELPER + '''
+def broken():
+    return helper(3)
+'''
+
+
+@needs_bwrap
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_env_that_cannot_be_built_keeps_the_factorys_traceback(bench: Workbench) -> None:
+    define(bench, BROKEN)
+    with pytest.raises(KeyError) as caught:
+        sgym.make("broken", session=bench)
+    err = caught.value
+    assert str(err).startswith("the env could not be built in machine ") and str(err).endswith("'missing thing 3'")
+    assert "\n" not in str(err)
+    frames = "".join(err.traceback)
+    assert "in broken\n    return helper(3)\n" in frames and "in helper" in frames and "gymserve" not in frames
+    assert "return helper(3)" in _printed(err)
+
+
 # The machine rewrites what its agent sends for the env's error: a traceback of 2 MB whose lines
 # clear the screen, set the terminal's title, reverse the text and leave a colour on.
 CRAFTED = '''
