@@ -154,7 +154,37 @@ class NoAnswerInTime(SmolbenchError):
         return cls(f"machine {machine} sent no answer within {timeout:g} s")
 
 
-class RemoteError(Exception):
+class MachineNotes:
+    """An exception that carries a machine's traceback in its ``__notes__``, so Python's own
+    printer (a script's uncaught error, pytest, ``traceback.print_exc()``, logging) shows it
+    after the host's frames: plain text (:func:`~smolbench.gate.terminal.printable`: no
+    colour, nothing a terminal acts on). IPython shows ``_render_traceback_`` instead, and no
+    notes. Made when first read (a fork's every failed branch has one, rarely printed); a note
+    the program adds (``add_note``) goes after it."""
+
+    def _machine_note(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def __notes__(self) -> list[str]:
+        notes = self.__dict__.get("_notes")
+        if notes is None:
+            from .gate.terminal import printable
+
+            note = self._machine_note()
+            notes = self.__dict__["_notes"] = [printable(note)] if note else []
+        return notes
+
+    @__notes__.setter
+    def __notes__(self, notes: list[str]) -> None:
+        self.__dict__["_notes"] = notes
+
+    @__notes__.deleter
+    def __notes__(self) -> None:
+        self.__dict__["_notes"] = []
+
+
+class RemoteError(MachineNotes, Exception):
     """An exception raised by user code inside a machine.
 
     Rendered in the notebook like a local exception, with the remote
@@ -213,6 +243,9 @@ class RemoteError(Exception):
     def _render_traceback_(self) -> list[str]:
         return self.render()
 
+    def _machine_note(self) -> str:
+        return "\n".join(self.render()) if self.traceback else ""  # (no frames: the message says it all)
+
 
 # A cell that didn't compile: its one frame without a function, its line and (maybe) a caret
 _UNPARSED = re.compile(r'  File "(?P<file>[^"\n]*)", line (?P<line>\d+)\n(?P<source>[^\n]*)\n(?: *\^+ *\n)?')
@@ -255,7 +288,7 @@ def remote_error(ename: str, evalue: str, traceback: Sequence[str], node: str = 
     return cls(ename, evalue, traceback, node)
 
 
-class CompositeError(Exception):
+class CompositeError(MachineNotes, Exception):
     """Several branches failed; shows the first few remote tracebacks.
 
     Like ipyparallel's ``CompositeError``: one failing branch never hides the
@@ -304,6 +337,9 @@ class CompositeError(Exception):
         if rest:
             lines.append(f"... {len(rest)} more ({self._names(rest)})")
         return lines
+
+    def _machine_note(self) -> str:
+        return "\n".join(self._render_traceback_()[1:]).rstrip("\n")  # (the first: its message, printed above)
 
 
 _NODE = re.compile(r"^\[([^\]]*)\] ")

@@ -438,3 +438,19 @@ def test_a_cut_request_is_recorded_as_what_cut_it_not_as_an_error(parent: Machin
         assert row["status"] == "cancelled" and "client disconnected" in row["error"], row
     finally:
         env.close()
+
+
+def test_an_envs_own_error_reaches_a_client_as_one_line_without_its_traceback(parent: Machines) -> None:
+    """The env's traceback stays on the server (the host's GymError keeps it): a client gets
+    the line naming the env (its machine by the client's own name) and the error."""
+    env = session(parent)
+    try:
+        env.reset(seed=1)
+        with pytest.raises(SmolbenchError) as crashed:
+            env.step(GymAction(action="def helper():\n    raise KeyError('missing thing')\nhelper()"))
+        said = str(crashed.value)
+        assert said.startswith("the env (machine ") and said.endswith("KeyError: 'missing thing'"), said
+        assert "\n" not in said and "helper" not in said
+        assert env.reset(seed=2).machine is not None  # the session goes on
+    finally:
+        env.close()

@@ -35,6 +35,19 @@ def plain(text: str) -> str:
     return _CONTROLS.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
+_STYLE = re.compile(r"\x1b\[[0-9;]*m")  # a colour (SGR): the host's own, or one a machine wrote
+
+
+def printable(text: str) -> str:
+    """``text`` (a machine's traceback, in a note Python prints on a terminal) with its line
+    ends and tabs, without colours, and anything else a terminal would act on (escapes,
+    controls, C1 codes, bidi overrides) shown escaped, as ``\\x1b``."""
+    lines = _STYLE.sub("", text).replace("\r\n", "\n").split("\n")
+    return "\n".join(line if line.replace("\t", " ").isprintable() else
+                     "".join(ch if ch.isprintable() or ch == "\t" else ch.encode("unicode_escape").decode("ascii")
+                             for ch in line) for line in lines)
+
+
 def one_line(text: str, limit: int = NAME_TEXT) -> str:
     """A machine's short text (a variable's name in a warning) for inside one host line:
     whatever a terminal or a text box would act on (escapes, controls, line ends, bidi

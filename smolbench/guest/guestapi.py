@@ -20,6 +20,25 @@ LEAN_HEAD = b'{"t":"answer","step":{"o":"'
 LEAN_TAIL = b'","r":%s,"f":0,"i":{"format":"data","data":{"$":"dict","v":[]}}}}\n'
 
 
+FRAMES = 100  # the last frames of an answered error's traceback sent (a RecursionError has 1,000)
+
+
+def _frames(error):
+    """``error``'s traceback as a cell's error sends it (``traceback.format_list``'s lines),
+    without the serving loop's own frames: the leading ones of the file whose code caught it
+    (a gym env's ``Server.serve``), so it starts where the code it called raised (the env's
+    ``step``). None of those: an error of the serving code itself, sent without frames."""
+    tb = error.__traceback__
+    own = tb.tb_frame.f_code.co_filename if tb is not None else None
+    while tb is not None and tb.tb_frame.f_code.co_filename == own:
+        tb = tb.tb_next
+    if tb is None:
+        return []
+    import traceback  # here, not at start-up: an error's path only
+
+    return traceback.format_list(traceback.extract_tb(tb, limit=-FRAMES))
+
+
 class GuestAPI(types.ModuleType):
     """The ``smolbench_guest`` module that cells can import inside the machine."""
 
@@ -128,7 +147,7 @@ class GuestAPI(types.ModuleType):
         def answer(value=None, error=None):
             if error is not None:
                 agent.send({"t": "answer", "error": {"ename": type(error).__name__, "evalue": str(error)[:2000],
-                                                     "traceback": []}})
+                                                     "traceback": _frames(error)}})
             else:
                 agent.send({"t": "answer", "value": pulldata._pull(value, False)})  # the encoding cells' pulls use
 

@@ -12,7 +12,15 @@ from typing import Any, TypeVar
 
 from ..backends._channel import Channel
 from ..backends.base import CellResult, MachineRef
-from ..errors import InfraError, MachineBusy, NoAnswerInTime, SmolbenchError
+from ..errors import (
+    AS_BUILTIN,
+    InfraError,
+    MachineBusy,
+    MachineNotes,
+    NoAnswerInTime,
+    SmolbenchError,
+    remote_error,
+)
 from ..gate.channel import AnswerError, Ended, one_line_error
 from ..guest import protocol as P
 from ..tree import Node
@@ -26,6 +34,91 @@ class GymError(SmolbenchError):
     """A sub-env's request failed (a bad action, a crashed step, a refused reply): one line."""
 
     machine_error: dict[str, Any] | None = None  # a failed cell's error as the machine sent it (compared, not shown)
+
+
+class EnvError(MachineNotes, GymError):
+    """The env's own code raised in its machine: its one line names the sub-env, and it keeps
+    what the machine sent of it, checked by the gate as a cell's error is: ``.ename``,
+    ``.evalue``, ``.traceback`` (the env's frames: bounded, each line kept to itself), shown
+    after the host's frames (a note; IPython: ``_render_traceback_``).
+
+    Made by :func:`env_error`: like a :class:`smolbench.RemoteError`, also an instance of the
+    built-in of the machine's exception's name (``except KeyError`` around ``env.step()``
+    catches an env's ``KeyError`` as it would a local env's), and ``.remote`` is that
+    exception as ``Session.run`` gives it."""
+
+    ename = "Error"
+    evalue = ""
+    traceback: list[str] = []  # noqa: RUF012 (never changed: an instance has its own)
+
+    def __new__(cls, message: str = "", *args: Any, **kwargs: Any) -> EnvError:
+        made: Any = cls  # the __new__ of the built-in whose layout the class has (as RemoteError's)
+        while made.__module__ != "builtins":
+            made = made.__base__
+        return made.__new__(cls, message)
+
+    def __init__(self, message: str, *args: Any, api: str | None = None) -> None:
+        BaseException.__init__(self, message)  # not the built-in's: UnicodeDecodeError's wants 5 arguments
+        self.api = api
+        self.magic_words = message
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # the line as it is (KeyError's would repr() it)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _env_error, (str(self), {"ename": self.ename, "evalue": self.evalue, "traceback": self.traceback})
+
+    @property
+    def remote(self) -> Any:
+        """The env's exception as the machine reported it (a :class:`smolbench.RemoteError`)."""
+        return remote_error(self.ename, self.evalue, self.traceback)
+
+    def _lines(self) -> list[str]:
+        return self.remote.render()[:-1] if self.traceback else []  # (its last: the machine's line, in ours)
+
+    def _render_traceback_(self) -> list[str]:
+        return [*self._lines(), f"\x1b[0;31mGymError\x1b[0m: {self}"]
+
+    def _machine_note(self) -> str:
+        return "\n".join(self._lines())
+
+
+# Built-ins an env's error is not also an instance of (besides RemoteError's): IPython shows a
+# SyntaxError with its own printer, never ``_render_traceback_``.
+_NOT_TWINS = frozenset(name for name, cls in AS_BUILTIN.items() if issubclass(cls, SyntaxError))
+_TWINS: dict[str, type[EnvError]] = {}
+
+
+def env_error(message: str, error: dict[str, Any]) -> EnvError:
+    """The GymError for an env's own error (``error``: as the gate checked it) with its one
+    line ``message``; its class is also the built-in of the error's name when there is one."""
+    ename = str(error.get("ename", "Error"))
+    base = AS_BUILTIN.get(ename) if ename not in _NOT_TWINS else None
+    cls = EnvError
+    if base is not None:
+        cls = _TWINS.get(ename) or _TWINS.setdefault(ename, type("GymError", (EnvError, base), {"__module__": __name__}))
+    err = cls(message)
+    err.ename, err.evalue = ename, str(error.get("evalue", ""))
+    err.traceback = env_frames(error.get("traceback") or [])
+    return err
+
+
+def _env_error(message: str, error: dict[str, Any]) -> EnvError:
+    return env_error(message, error)
+
+
+# A one-request cell's own frame and the env server's (its source runs as "<smolbench gymserve>"):
+# the host's requests, not the env's code
+_SERVING = re.compile(r'  File "<(?:gym-\d+(?:@[^>"]*)?|smolbench gymserve)>", ')
+
+
+def env_frames(traceback: list[str]) -> list[str]:
+    """An env's error's frames (a cell's or an answer's, gated), from the first of its own:
+    without the leading ones of the request's cell and the env server."""
+    for i, chunk in enumerate(traceback):
+        if not _SERVING.match(chunk):
+            return list(traceback[i:])
+    return []
 
 
 class BadArgument(GymError, ValueError):
@@ -198,8 +291,10 @@ def unchecked(where: str, what: str, exc: Exception) -> GymError:
 def failed(exc: BaseException, where: str) -> BaseException:
     """What a request that failed stands for: the env's error in one line, the machine's loss
     (refused by the gate, or gone) as :class:`Unanswered`, anything else as it is."""
-    if isinstance(exc, (AnswerError, Ended)):  # the env failed (not the machine): one line
-        return GymError(f"{where}: {exc}")
+    if isinstance(exc, AnswerError):  # the env failed (not the machine): one line, and its traceback
+        return env_error(f"{where}: {exc}", exc.error)
+    if isinstance(exc, Ended):
+        return env_error(f"{where}: {exc}", exc.result.error) if exc.result.error else GymError(f"{where}: {exc}")
     if isinstance(exc, (NoAnswerInTime, OutOfTime)):
         return exc if isinstance(exc, OutOfTime) else OutOfTime(f"{where}: {exc}")
     if isinstance(exc, InfraError) or not isinstance(exc, SmolbenchError):
@@ -235,7 +330,7 @@ async def when_free(start: Callable[[], Awaitable[T]]) -> T:
 def cell_out(res: CellResult, where: str) -> Any:
     """A one-request cell's pulled result, or its failure as one line naming the sub-env."""
     if res.status != "ok":
-        err = GymError(f"{where}: {one_line_error(res.error or {})}")
+        err = env_error(f"{where}: {one_line_error(res.error or {})}", res.error or {})
         err.machine_error = res.error
         raise err
     if res.pull_error:

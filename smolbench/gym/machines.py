@@ -327,7 +327,7 @@ class Machines(WarmParent):
             for k, i in enumerate(which):
                 out, ep = outs[k], self.eps[i]
                 if isinstance(out, Later):
-                    got = GymError(f"{self._where(ep)}: {out.out}") if isinstance(out.out, AnswerError) else out.out
+                    got = self._asked(ep, out.out) if isinstance(out.out, AnswerError) else out.out
                     outs[k] = self._stepped_here(ep, got, out.fit)
                 elif isinstance(out, Reset):
                     self.records.begin(ep, None)

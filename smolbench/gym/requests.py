@@ -22,7 +22,7 @@ from ..gate.channel import AnswerError
 from ..guest import protocol as P
 from . import episode as E
 from . import spaces
-from .episode import OUT, Episode, GymError, OutOfTime, Unanswered, _where
+from .episode import OUT, Episode, OutOfTime, Unanswered, _where
 
 if TYPE_CHECKING:
     from ..workbench import Workbench
@@ -121,7 +121,7 @@ class Requests:
         try:
             return await chan.ask(msg)
         except AnswerError as exc:
-            raise GymError(f"{where}: {exc}") from None
+            raise E.env_error(f"{where}: {exc}", exc.error) from None
         except BaseException as exc:
             E.hang_up(ep)
             raise E.failed(exc, where) from None
@@ -155,7 +155,7 @@ class Requests:
         """What a failed answer on ``ep``'s channel stands for (as :meth:`_ask` says it)."""
         where = _where(ep.index, self.n, ep)
         if isinstance(exc, AnswerError):
-            return GymError(f"{where}: {exc}")
+            return E.env_error(f"{where}: {exc}", exc.error)
         E.hang_up(ep)
         return E.failed(exc, where)
 

@@ -18,9 +18,10 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from .. import _loop
+from ..errors import reworded
 from . import envspec, spaces
 from .env import NO_RENDER, NoRender, _options, check_seed, checked_action
-from .episode import GymError, Later, Reset, Step, _where
+from .episode import EnvError, GymError, Later, Reset, Step, _where
 from .machines import Machines
 
 
@@ -194,7 +195,9 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
             for i in which:  # a failed sub-env starts over at the next reset
                 self._autoreset[i] = self._autoreset[i] or not self._m.eps[i].running
             first = errors[0]
-            if isinstance(first, GymError):
+            if isinstance(first, EnvError):  # a new one (its results are this step's), as it is
+                first = reworded(first, str(first))
+            elif isinstance(first, GymError):
                 first = GymError(str(first))
             first.results = results  # type: ignore[attr-defined]
             raise first.with_traceback(None) from None

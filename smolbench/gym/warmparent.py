@@ -22,14 +22,14 @@ from .. import retries as retry
 from .._aio import _to_the_end
 from ..backends._channel import Channel
 from ..backends.base import MachineRef
-from ..errors import SmolbenchError
+from ..errors import SmolbenchError, reworded
 from ..ledger import code_hash
 from ..tree import GYM_RUN, Node
 from . import envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
-from .episode import BadArgument, Episode, GymError, OutOfTime
+from .episode import BadArgument, EnvError, Episode, GymError, OutOfTime
 from .practice import practise
 from .record import Records, quietly
 from .requests import Requests
@@ -176,7 +176,8 @@ class WarmParent(Requests):
             why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
             if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
                 why = f"{why}: {sending.MISSING_HINT}"
-            raise GymError(f"the env could not be built in machine {name}: {why}") from None
+            said = f"the env could not be built in machine {name}: {why}"
+            raise (reworded(exc, said) if isinstance(exc, EnvError) else GymError(said)) from None
         node.cells += setup.cells
         self._describe(described, name)
         wb._record(node)
