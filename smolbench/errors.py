@@ -212,7 +212,15 @@ class RemoteError(MachineNotes, Exception):
         self.node = node
 
     def __str__(self) -> str:
-        return self.evalue  # the machine's words (KeyError's own __str__ would repr() them again)
+        # the machine's words (KeyError's own __str__ would repr() them again), as plain text:
+        # Python's printer, print(e) and logging write them to a terminal, where an escape
+        # would set the title, write the clipboard (OSC 52) or clear the screen. The notebook
+        # shows render(), its colours kept (ansi_up acts on nothing else).
+        if self.evalue.isprintable() and "\x1b" not in self.evalue:
+            return self.evalue
+        from .gate.terminal import printable
+
+        return printable(self.evalue)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return remote_error, (self.ename, self.evalue, self.traceback, self.node)

@@ -255,3 +255,29 @@ def test_a_one_request_cells_error_keeps_only_the_envs_frames() -> None:
         episode.cell_out(res, "sub-env 1 (machine root.0.1)")
     assert str(caught.value) == "sub-env 1 (machine root.0.1): ValueError: no"
     assert caught.value.traceback == ['  File "/env/mine.py", line 9, in step\n    raise ValueError("no")\n']  # type: ignore[attr-defined]
+
+
+def test_a_machine_s_message_reaches_a_terminal_as_plain_text() -> None:
+    """A machine's exception message, as ``str(err)`` (Python's printer, ``print(err)``,
+    logging): its escapes set a terminal's title, wrote its clipboard (OSC 52) and cleared its
+    screen, and a bidi override reordered the line. Shown escaped; the notebook's render keeps
+    the message's colours (JupyterLab acts on nothing else)."""
+    evil = "loss diverged\x1b]0;pwned\x07\x1b]52;c;cHduZWQ=\x07\x1b[2J\u202e\x1b[31mred"
+    err = remote_error("ValueError", evil, [], "root")
+    said = str(err)
+    assert said.isprintable() and "\\x1b]52;c;" in said and "\\u202e" in said, said
+    assert said.startswith("loss diverged") and said.endswith("red")
+    assert "\x1b[31mred" in "".join(err.render())  # the notebook keeps the colour
+    assert str(remote_error("ValueError", "plain words\nsecond line", [], "root")) == "plain words\nsecond line"
+    printed = "".join(traceback.format_exception(err))  # what a script's uncaught error prints
+    assert "\x1b" not in printed and "\u202e" not in printed, printed
+
+
+def test_an_env_s_error_message_reaches_a_terminal_as_plain_text() -> None:
+    """The same for a gym env's error (a trainer logs it): its one line was the env's words raw."""
+    from smolbench.gym.episode import env_error
+
+    err = env_error("the env (machine root.0.1): ValueError: X\x1b]0;pwned\x07Y\u202eZ\x1b[0m",
+                    {"ename": "ValueError", "evalue": "X\x1b]0;pwned\x07Y\u202eZ", "traceback": []})
+    assert str(err) == "the env (machine root.0.1): ValueError: X\\x1b]0;pwned\\x07Y\\u202eZ", str(err)
+    assert isinstance(err, ValueError)

@@ -18,7 +18,7 @@ from nbhelpers import TAG_VAR, NotebookSession, ok, one_line, stream_text, wait_
 
 import smolbench
 from smolbench import gate
-from smolbench.errors import RemoteError, SmolbenchError, remote_error
+from smolbench.errors import MachineNotes, RemoteError, SmolbenchError, remote_error
 from smolbench.gate.limits import human
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
@@ -255,7 +255,7 @@ def test_a_machine_naming_a_host_control_flow_exception_gets_a_plain_remote_erro
             with pytest.raises(RemoteError) as got:
                 s.run(f"raise type({name!r}, (Exception,), {{}})('forged')", check=True)
             assert got.value.ename == name and type(got.value).__name__ == name
-            assert type(got.value).__mro__[1:] == (RemoteError, Exception, BaseException, object), name
+            assert type(got.value).__mro__[1:] == (RemoteError, MachineNotes, Exception, BaseException, object), name
         for code in ("import sys; sys.exit(3)", "raise KeyboardInterrupt", "raise GeneratorExit"):
             r = s.run(code)
             assert isinstance(r.error, RemoteError) and isinstance(r.error, Exception), code

@@ -21,6 +21,7 @@ from ..errors import (
     SmolbenchError,
     remote_error,
 )
+from ..gate import terminal
 from ..gate.channel import AnswerError, Ended, one_line_error
 from ..guest import protocol as P
 from ..tree import Node
@@ -97,7 +98,7 @@ def env_error(message: str, error: dict[str, Any]) -> EnvError:
     cls = EnvError
     if base is not None:
         cls = _TWINS.get(ename) or _TWINS.setdefault(ename, type("GymError", (EnvError, base), {"__module__": __name__}))
-    err = cls(message)
+    err = cls(terminal.printable(message))  # the env's words, for a trainer's terminal and logs: no escapes
     err.ename, err.evalue = ename, str(error.get("evalue", ""))
     err.traceback = env_frames(error.get("traceback") or [])
     return err
