@@ -310,11 +310,44 @@ class NetPolicy:
             return False
         if literal(rule.name) is not None:
             return literal(rule.name) == addr and not is_host_only(addr, own)  # host-only: singles only (above)
-        return not is_host_only(addr, own)  # a listed name that resolves to this host: DNS rebinding
+        if is_host_only(addr, own):
+            return False  # a listed name that resolves to this host: DNS rebinding
+        if any(addr in n for n in internet if n.version == addr.version):
+            return True
+        # a name listed without a port reaches the internet only, as `on` does: pypi.org rebound (or
+        # split-horizon) into a private range would reach the LAN, Docker's gateway or a cluster's
+        # peers on any port. A private service is listed with its port (internal.corp:8443).
+        return rule.port is not None or not private(addr)
+
+    def private_refusal(self, name: str, port: int, addr: IPAddress,
+                        own: frozenset[IPAddress] = frozenset()) -> str | None:
+        """Why ``name:port`` (listed without a port) was refused at ``addr``, a private address
+        (not this host's); None when that is not why."""
+        rule = self.listed_host(name, port)
+        if self.mode != "allow" or rule is None or rule.port is not None or literal(rule.name) is not None \
+                or is_host_only(addr, own) or not private(addr):
+            return None
+        return (f"{name} resolved to {addr}, a private address, and a name listed without a port reaches the "
+                f"internet only: list it with its port ({name}:{port}) to reach it there")
 
     def may_resolve(self, name: str, port: int) -> bool:
         """Names are looked up only when the answer could be admitted (no DNS side channel)."""
         return self.mode == "on" or self.listed_host(name, port) is not None
+
+
+# Ranges that address a LAN, a container bridge (Docker's 172.17.0.1) or a cluster's peers: where a
+# name listed without a port never leads. (Not the documentation and benchmarking ranges INTERNAL
+# also holds: some networks answer public names there through their own egress, as this CI's does.)
+PRIVATE = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16",
+    "fc00::/7", "fe80::/10"))
+
+
+def private(addr: IPAddress) -> bool:
+    """In :data:`PRIVATE` (a test's far stand-ins on loopback are far)."""
+    if any(addr in n for n in stand_in_far() if n.version == addr.version):
+        return False
+    return any(addr in n for n in PRIVATE if n.version == addr.version)
 
 
 def canonical(addr: IPAddress) -> IPAddress:

@@ -527,3 +527,34 @@ def test_a_reply_that_came_after_its_request_timed_out_is_not_the_next_one_s(
             await client.close()
 
     assert asyncio.run(main()) == {"op": "stats"}
+
+
+def test_a_listed_name_that_resolves_into_a_lan_is_refused_saying_where_and_the_fix() -> None:
+    """Fourth audit: `--allow pypi.org` admitted pypi.org at any address not this host's, on any
+    port, so a rebound (or split-horizon) answer reached the LAN, Docker's gateway (172.17.0.1)
+    and a Ray cluster's peers. A name listed without a port now reaches the internet only; the
+    403 says where it resolved and how to list a private service. A lookup that fails says so,
+    not that the policy refused it."""
+    answers = {"pypi.test": "172.17.0.1"}
+
+    def lookup(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], port))]
+
+    async def main() -> tuple[bytes, bytes]:
+        proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
+        port = await _machine(proxy, "m", NetPolicy.from_lists(False, ["pypi.test", "gone.test"], []))
+        _, w1, rebound = await _tunnel(port, "pypi.test:6379")
+        _, w2, missing = await _tunnel(port, "gone.test:443")
+        for w in (w1, w2):
+            w.close()
+        await proxy.detach("m")
+        return rebound, missing
+
+    rebound, missing = asyncio.run(main())
+    assert rebound.startswith(b"HTTP/1.1 403 smolbench: pypi.test:6379 is not allowed: pypi.test resolved to 172.17.0.1, "
+                              b"a private address, and a name listed without a port reaches the internet only: list it "
+                              b"with its port (pypi.test:6379) to reach it there\r\n"), rebound
+    assert missing.startswith(b"HTTP/1.1 403 smolbench: gone.test:443 was not reached: the name gone.test could not be "
+                              b"looked up (Name or service not known)\r\n"), missing

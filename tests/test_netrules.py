@@ -47,7 +47,17 @@ def test_an_allow_list_admits_what_it_lists_and_a_name_never_resolves_to_the_hos
     p = NetPolicy.from_lists(False, ["pypi.org", "internal.corp:8443", "127.0.0.2:9000"], ["10.0.0.0/8:5432"])
     assert p.mode == "allow"
     assert p.admits("pypi.org", 443, A("151.101.0.223"), OWN)
-    assert p.admits("internal.corp", 8443, A("192.168.3.4"), OWN)  # a private address of a listed name: fine
+    assert p.admits("internal.corp", 8443, A("192.168.3.4"), OWN)  # a private service, listed with its port: fine
+    # a name listed without a port reaches the internet only (fourth audit: pypi.org rebound, or
+    # split-horizon, reached the LAN, Docker's gateway and a cluster's peers on any port)
+    for private in ("192.168.1.1", "10.0.0.5", "172.17.0.1", "100.64.0.1", "fd00::1"):
+        assert not p.admits("pypi.org", 443, A(private), OWN), private
+        assert not p.admits("pypi.org", 6379, A(private), OWN), private
+    assert p.private_refusal("pypi.org", 443, A("10.0.0.5")) == (
+        "pypi.org resolved to 10.0.0.5, a private address, and a name listed without a port reaches the internet "
+        "only: list it with its port (pypi.org:443) to reach it there")
+    assert p.private_refusal("pypi.org", 443, A("127.0.0.1")) is None  # (refused as this host's, said as before)
+    assert p.private_refusal("internal.corp", 8443, A("192.168.3.4")) is None
     assert not p.admits("internal.corp", 22, A("192.168.3.4"), OWN)  # wrong port
     assert not p.admits("pypi.org", 443, A("127.0.0.1"), OWN)  # DNS rebinding to this host
     assert not p.admits("pypi.org", 443, A("172.17.0.5"), OWN)  # ... or to its own address

@@ -232,6 +232,7 @@ class Node:
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
+    why: str = ""  # why the last decision refused a listed name (said by its refusal)
     failed: int = 0  # connections the proxy itself failed (its own error, or over a cap)
     last_failed: str = ""
     said: set[str] = field(default_factory=set)  # the failure lines shown for it (SAID_PER_NODE at most)
@@ -376,7 +377,8 @@ class Proxy:
         elif node.policy.may_resolve(host, port) or self.open_all:
             try:
                 infos = await self.budget.resolve(node.tree, host, port)
-            except socket.gaierror:
+            except socket.gaierror as exc:
+                node.why = f"was not reached: the name {host} could not be looked up ({exc.strerror or exc})"
                 return None
             candidates = [unmapped(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos]
         else:
@@ -385,12 +387,16 @@ class Proxy:
         for addr in candidates:
             if self.open_all or node.policy.admits(host, port, addr, own, self.internet):
                 return addr
+        said = next((w for a in candidates if (w := node.policy.private_refusal(host, port, a, own))), "")
+        node.why = f"is not allowed: {said}" if said else ""
         return None
 
     def refuse(self, node: Node, target: str) -> bytes:
         node.refused += 1
         node.last_refused = target
         why = f"smolbench: {target} is not allowed by this machine's network policy ({node.policy.describe()})"
+        if node.why:  # a listed name refused for where it resolved, or not found: said, with the fix
+            why, node.why = f"smolbench: {target} {node.why}", ""
         return (f"HTTP/1.1 403 {why}\r\nContent-Type: text/plain\r\nContent-Length: {len(why) + 1}\r\n"
                 f"Connection: close\r\n\r\n{why}\n").encode("ascii", "replace")
 
