@@ -92,6 +92,11 @@ class Plain(gym.Env):
 
 def plain():
     return Plain()
+
+def plain_ran_a_tool():
+    """Its constructor ran a program, which ended (its pipes closed)."""
+    subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True)
+    return Plain()
 '''
 REFUSED = ("that every episode's machine would share (one episode could see or change another's): make it in the "
            "env's reset() so each episode has its own")
@@ -152,7 +157,7 @@ def test_a_shared_map_made_before_the_env_is_refused_too(tmp_path_factory: Any) 
 
 
 def test_plain_envs_still_build(bench: Workbench) -> None:
-    for factory in (CARTPOLE, "plain"):
+    for factory in (CARTPOLE, "plain", "plain_ran_a_tool"):
         env = sgym.make(factory, session=bench)
         try:
             env.reset(seed=0)

@@ -308,7 +308,7 @@ def _shared_fds():
 
 
 def _children():
-    """This process's child processes' pids (every thread's)."""
+    """This process's child processes' pids (every thread's), those still running."""
     out = set()
     try:
         tasks = os.listdir("/proc/self/task")
@@ -320,7 +320,16 @@ def _children():
                 out.update(int(p) for p in f.read().split())
         except (OSError, ValueError):
             continue
-    return out
+    return {pid for pid in out if not _ended(pid)}
+
+
+def _ended(pid):
+    """Whether process ``pid`` has exited (a zombie, waiting to be reaped: it holds nothing)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def shared_now():
