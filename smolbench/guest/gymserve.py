@@ -17,6 +17,7 @@ little-endian bytes with dtype and shape, ``{"$": "dict"|"tuple", "v": ...}``).
 
 import base64
 import ctypes  # a spare's madvise: imported in the warm parent, not in every branch
+import fcntl
 import hashlib
 import json
 import math
@@ -260,6 +261,156 @@ def checked_once(env):
             return
 
 
+# What a fork shares instead of copying (each branch of the warm parent would reach the same one):
+# a writable shared memory map, a descriptor of a pipe, socket, anon inode (eventfd, epoll...),
+# memfd or /dev/shm file, and a helper process. Regular files on the workspace and /tmp are
+# reopened per branch (guest/openfiles.py); a device's map (a GPU's) is the device's own.
+_SHARED_FDS = ("pipe:", "socket:", "anon_inode:")
+_SHARED_FILES = ("/memfd:", "/dev/shm/")
+
+
+def _shared_maps():
+    """This process's writable shared memory maps, ``{(start, end, name): bytes}`` (a device's
+    under /dev/ but /dev/zero's and /dev/shm's left out)."""
+    out = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            perms, name = fields[1], fields[5].strip() if len(fields) > 5 else ""
+            if perms[1] != "w" or perms[3] != "s":
+                continue
+            if name.startswith("/dev/") and not name.startswith(("/dev/zero", "/dev/shm/")):
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out[(lo, hi, name)] = hi - lo
+    return out
+
+
+def _shared_fds():
+    """This process's descriptors a fork shares: ``{(fd, target)}`` (a memfd's or /dev/shm
+    file's only when open for writing)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink("/proc/self/fd/" + fd)
+        except OSError:  # (the listing's own, closed)
+            continue
+        if target.startswith(_SHARED_FILES):
+            try:
+                if fcntl.fcntl(int(fd), fcntl.F_GETFL) & 3 == os.O_RDONLY:  # (O_ACCMODE)
+                    continue
+            except OSError:
+                continue
+        elif not target.startswith(_SHARED_FDS):
+            continue
+        out.add((int(fd), target))
+    return out
+
+
+def _children():
+    """This process's child processes' pids (every thread's), those still running."""
+    out = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open("/proc/self/task/%s/children" % task) as f:
+                out.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return {pid for pid in out if not _ended(pid)}
+
+
+def _ended(pid):
+    """Whether process ``pid`` has exited (a zombie, waiting to be reaped: it holds nothing)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def shared_now():
+    """What this process holds that its forks would share: :func:`shared_left`'s ``before``."""
+    return {"maps": _shared_maps(), "fds": _shared_fds(), "children": _children()}
+
+
+def _command(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            words = f.read().split(b"\0")
+    except OSError:
+        return "gone"
+    line = " ".join(w.decode("utf-8", "replace") for w in words if w)
+    line = "".join(c if c.isprintable() else "?" for c in line)
+    return line[:60] + ("..." if len(line) > 60 else "") or "?"
+
+
+def _holder(target, pids):
+    """The first of ``pids`` that holds the pipe or socket ``target`` too, or None."""
+    for pid in sorted(pids):
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) == target:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _size(n):
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return "%d %s" % (n, unit) if unit == "bytes" or n == int(n) else "%.1f %s" % (n, unit)
+        n /= 1024.0
+    return "%d bytes" % n
+
+
+def shared_left(before):
+    """The one line refusing an env whose construction (since ``before``, :func:`shared_now`)
+    left something every branch of this warm parent would share, or None. A writable shared
+    map is refused even when it was there before (made by earlier code in the machine: a
+    plain warm parent has none; smolbench's own are read-only); a descriptor or a child from
+    before is not (the agent's own connections are descriptors too; a fork copies no child)."""
+    found, old = [], []
+    for (lo, hi, name), size in sorted(_shared_maps().items()):
+        what = "a shared memory map of %s" % _size(size)
+        if name.startswith(_SHARED_FILES):
+            what += " (%s)" % name.split(" (deleted)")[0][:60]
+        elif name and not name.startswith("/dev/zero"):
+            what = "a writable shared map of %s of %s" % (_size(size), name[:60])
+        (old if (lo, hi, name) in before["maps"] else found).append(what)
+    kids = _children() - before["children"]
+    held = set()
+    for _, target in sorted(_shared_fds() - before["fds"]):
+        if target.startswith("anon_inode:"):
+            kind = "an anon inode (%s)" % target.split(":", 1)[1].strip("[]")[:40]
+        elif target.startswith(_SHARED_FILES):
+            kind = "a writable %s" % target.split(" (deleted)")[0][:60]
+        else:
+            kind = "a " + target.split(":", 1)[0]
+        pid = _holder(target, kids) if target.startswith(("pipe:", "socket:")) else None
+        if pid is not None:
+            held.add(pid)
+            kind += " to process %d (%s)" % (pid, _command(pid))
+        found.append(kind)
+    for pid in sorted(kids - held):
+        found.append("a helper process %d (%s)" % (pid, _command(pid)))
+    if not found and not old:
+        return None
+    items = found or old
+    what = items[0] + (" and %d more" % (len(found) + len(old) - 1) if len(found) + len(old) > 1 else "")
+    said = "the env's construction left %s" if found else "the machine holds %s (made before the env was built)"
+    return (said % what + " that every episode's machine would share (one episode could see or change another's): "
+            "make it in the env's reset() so each episode has its own")
+
+
 class Server:
     """One env in this machine; its methods answer the host's requests with data."""
 
@@ -273,10 +424,14 @@ class Server:
 
     def build(self):
         """Make the env (in the warm parent, once) and describe its spaces."""
+        before = shared_now()
         env = self.factory()
         if not hasattr(env, "step") or not hasattr(env, "reset"):
             raise TypeError("the env factory returned a %s, not a gymnasium.Env" % type(env).__name__)
         self.env = env
+        shared = shared_left(before)
+        if shared is not None:  # before any fork: the host refuses the env in this line
+            return {"shared": shared}
         try:  # the generators the env keeps itself, found here once (a walk in every branch costs its page copies)
             from _smolbench_guest.reseed import streams_of
 

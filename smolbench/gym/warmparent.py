@@ -23,6 +23,7 @@ from .._aio import _to_the_end
 from ..backends._channel import Channel
 from ..backends.base import MachineRef
 from ..errors import SmolbenchError, reworded
+from ..gate import terminal
 from ..ledger import code_hash
 from ..tree import GYM_RUN, Node
 from . import envnames, envspec, sending, spaces
@@ -179,6 +180,9 @@ class WarmParent(Requests):
             said = f"the env could not be built in machine {name}: {why}"
             raise (reworded(exc, said) if isinstance(exc, EnvError) else GymError(said)) from None
         node.cells += setup.cells
+        if isinstance(described, dict) and isinstance(described.get("shared"), str):  # (gymserve's shared_left)
+            said = (terminal.printable(described["shared"]).splitlines() or ["?"])[0][:400]
+            raise GymError(f"the env could not be built in machine {name}: {said}")
         self._describe(described, name)
         wb._record(node)
         await self.start_sibling()
