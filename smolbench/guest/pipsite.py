@@ -14,7 +14,9 @@ and ``!pip ...`` lines run that pip, with its output in the cell; like IPython's
 they are statements (no ``Out`` value) and a failed pip does not raise. In a machine whose
 network policy is off (``SMOLBENCH_NET_POLICY``, which the host sets) pip doesn't retry
 (``PIP_RETRIES=0``: no lookup can succeed), and a failed ``%pip`` that asked an index ends
-with one line saying why and how to allow it.
+with one line saying why and how to allow it. A failed ``%pip`` that filled the machine's disk
+(``[Errno 28]``) ends with one line naming the Smolfile's ``disk`` and ``packages`` (which are
+installed on the host and mounted read-only, not on the machine's disk).
 """
 
 import importlib
@@ -31,9 +33,15 @@ _COMMANDS = frozenset(("install", "download", "uninstall", "freeze", "inspect", 
 _ASK_INDEX = frozenset(("install", "download", "search", "index", "wheel", "lock"))
 
 
-def setup(packages, workdir):
+_DISK_MIB = None  # the machine's disk (the Smolfile's `disk`), where the agent was told it
+
+
+def setup(packages, workdir, disk_mib=None):
     """Put the Smolfile's packages (``packages``, a read-only folder, or None) and the
-    machine's own pip target on sys.path, PYTHONPATH and PATH."""
+    machine's own pip target on sys.path, PYTHONPATH and PATH (``disk_mib``: the machine's
+    disk, if known, for the note on a full one)."""
+    global _DISK_MIB
+    _DISK_MIB = disk_mib
     target = os.path.join(workdir or os.getcwd(), TARGET)
     try:
         os.makedirs(os.path.join(target, SHIMS), exist_ok=True)
@@ -74,6 +82,15 @@ def offline_note(args, policy=None):
             "needs no network)\n")
 
 
+def disk_note(disk_mib=None):
+    """The one line a pip that filled the machine's disk (``[Errno 28]``) ends with."""
+    size = ("the Smolfile's `disk`, %d MiB here" % disk_mib if disk_mib else
+            "on sandbox and smol its size is the Smolfile's `disk`")
+    return ("smolbench: pip filled this machine's disk (%s): raise `disk` in the Smolfile, or list the package in "
+            "the Smolfile's `packages` (installed on the host and mounted read-only: not on the machine's disk)\n"
+            % size)
+
+
 def _site_index():
     """Where entries ahead of the interpreter's site-packages go (the end if it has none)."""
     for index, entry in enumerate(sys.path):
@@ -112,15 +129,19 @@ def run(args, out=None, err=None):
     out = out or sys.stdout
     proc = subprocess.Popen([sys.executable, "-m", "pip"] + list(args), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    full = False
     try:
         for line in iter(proc.stdout.readline, b""):
-            out.write(line.decode("utf-8", "replace"))
+            text = line.decode("utf-8", "replace")
+            full = full or "[Errno 28]" in text or "No space left on device" in text
+            out.write(text)
     finally:
         proc.stdout.close()
         code = proc.wait()
     importlib.invalidate_caches()
     if code != 0:
-        (err or sys.stderr).write("pip exited with status %d\n" % code + offline_note(args))
+        note = disk_note(_DISK_MIB) if full else offline_note(args)
+        (err or sys.stderr).write("pip exited with status %d\n" % code + note)
     return code
 
 
