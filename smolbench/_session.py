@@ -459,6 +459,10 @@ class Session(RestoringMixin):
             result.fresh_hint = (f"episodes start fresh from {'the Smolfile' if self.spec_path else 'the default spec'}'s "
                                  f"baseline, not from the active machine {wb.active}: "
                                  f"{'`%%smol fork N`' if self.magic_words else '`Session.fork(n, code)`'} branches it")
+            result.fresh_module_hint = (
+                f"episodes start fresh from {'the Smolfile' if self.spec_path else 'the default spec'}'s baseline, "
+                f"without what `%pip` installed in the active machine {wb.active}: list the package in "
+                f"{'the' if self.spec_path else 'a'} Smolfile's `packages` (installed at up, which every episode has)")
         if kind == "fork":
             cell = (cell_name or "").strip("<>")
             self._forks[result.run_id] = (f"the fork of {len(result)} under {result.parent}"

@@ -236,8 +236,7 @@ class RemoteError(MachineNotes, Exception):
             source = unparsed["source"].strip()
             evalue = self.evalue.removesuffix(f" ({unparsed['file']}, line {unparsed['line']})")
             if source[:1] == "!" and not re.match(r"!pip\b", source):
-                evalue = ("shell escapes other than !pip don't run in a machine cell: use "
-                          f"`import subprocess; subprocess.run({source[1:].strip()!r}, shell=True)` instead")
+                evalue = _shell_escape_advice(source[1:].strip())
             elif source[:1] == "%" and not re.match(r"%pip\b", source):
                 evalue = "IPython magics other than %pip don't run in a machine cell: run it in a local cell"
             return [*(f"{head}{line}" if i == 0 else line for i, line in enumerate(unparsed[0].rstrip("\n").split("\n"))),
@@ -253,6 +252,25 @@ class RemoteError(MachineNotes, Exception):
 
     def _machine_note(self) -> str:
         return "\n".join(self.render()) if self.traceback else ""  # (no frames: the message says it all)
+
+
+# `!{sys.executable} -m pip ARGS` (or python3 / $sys.executable): the machine's %pip is that pip
+_PYTHON_PIP = re.compile(r"(?:\{sys\.executable\}|\$sys\.executable|\S*python[0-9.]*)\s+-m\s+pip\b(?P<args>.*)")
+
+
+def _shell_escape_advice(command: str) -> str:
+    """What a machine cell's ``!COMMAND`` line (not ``!pip``) should be instead, in one line."""
+    pip = _PYTHON_PIP.fullmatch(command)
+    if pip:
+        return ("shell escapes other than !pip don't run in a machine cell: write "
+                f"`%pip{pip['args'].rstrip()}` (it runs pip of the machine's own Python)")
+    if "{" in command or "$" in command:  # IPython's {expr} / $name: an f-string fills them in
+        filled = re.sub(r"(?<!\$)\$([A-Za-z_][\w.]*)", r"{\1}", command).replace("$$", "$")
+        code = f"f{filled!r}"
+    else:
+        code = repr(command)
+    return ("shell escapes other than !pip don't run in a machine cell: use "
+            f"`import subprocess; subprocess.run({code}, shell=True)` instead")
 
 
 # A cell that didn't compile: its one frame without a function, its line and (maybe) a caret

@@ -301,14 +301,53 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
                              "smolbench installs wheels only: pick versions whose dependencies are wheels, or pip "
                              "install it inside a machine")
     if proc.returncode != 0:
-        errors = [ln for ln in tail if ln.startswith("ERROR")] or list(tail) or ["no output"]
-        why = errors[-1][:300]
-        # pip says the same of a name or version the index lacks and of one with no wheel for this Python
-        hint = (f"; there is no such package or version, or none with a wheel for this Python (cp{guest.major}"
-                f"{guest.minor}; wheels only: no setup.py runs on the host): check the name and version on pypi.org")
-        if "Could not find a version" not in why and "No matching distribution" not in why:
-            hint = "; fix the Smolfile's packages (or the host's network to the package index)"
-        raise SmolbenchError(f"pip could not install the Smolfile's packages: {why}{hint}")
+        raise SmolbenchError(pip_failure(list(tail), requirements, guest))
+
+
+# pip's lines when it could not reach the index: retries of a connection (a proxy, DNS, a refused or
+# timed-out connect). Its last ERROR then reads "No matching distribution", as of a name the index lacks.
+_NETWORK = re.compile(r"Retrying \(Retry\(.*(?:ProxyError|ConnectionError|NewConnectionError|ConnectTimeout"
+                      r"|ReadTimeout|Max retries|Failed to establish|Name or service not known|name resolution)")
+_CONFLICT = re.compile(r"ERROR: Cannot install .* because these package versions have conflicting dependencies")
+_NOT_FOUND = re.compile(r"No matching distribution found for (?P<req>\S+)(?: \(from (?P<by>[^)]*)\))?")
+
+
+def pip_failure(tail: list[str], requirements: tuple[str, ...], guest: GuestPython) -> str:
+    """The one line saying why pip (its last lines ``tail``) could not install ``requirements``, and the fix."""
+    errors = [ln for ln in tail if ln.startswith("ERROR")] or list(tail) or ["no output"]
+    head = "pip could not install the Smolfile's packages: "
+    if any("[Errno 28]" in ln or "No space left on device" in ln for ln in tail):
+        return (f"{head}[Errno 28] No space left on device: the host's disk is full; free space where smolbench "
+                f"keeps packages ({packages_root()}; $SMOLBENCH_CACHE moves it) and in pip's temporary folder "
+                f"({tempfile.gettempdir()}; $TMPDIR moves it)")
+    conflict = next((ln for ln in errors if _CONFLICT.search(ln)), None)
+    if conflict is not None:  # not "ResolutionImpossible: for help visit ...", pip's last line
+        return f"{head}{conflict[:300]}: keep one pin per package, or loosen one so both can hold"
+    why = errors[-1][:300]
+    if any(_NETWORK.search(ln) for ln in tail):
+        return (f"{head}{why}; the host could not reach the package index (pip's connections failed: "
+                "check the host's network and its proxy settings, HTTPS_PROXY), so this says nothing about the name")
+    found = _NOT_FOUND.search(why)
+    if found is None and "Could not find a version" not in why:
+        return f"{head}{why}; fix the Smolfile's packages (or the host's network to the package index)"
+    wheels = (f"for this Python (cp{guest.major}{guest.minor}, {guest.machine} Linux); smolbench installs wheels "
+              "only, as building from source would run the package's own setup code on the host")
+    wanted = {_name(r) for r in requirements}
+    if found is not None and (found["by"] or _name(found["req"]) not in wanted):
+        by = f", which {found['by']} needs," if found["by"] else " (a dependency)"
+        return (f"{head}{why}; {found['req']}{by} has no wheel {wheels}: pick versions whose dependencies have "
+                "wheels, or `%pip install` it inside a machine (pip there may build it from source)")
+    # pip says the same of a name or version the index lacks and of one with no wheel for this Python
+    return (f"{head}{why}; there is no such package or version, or none with a wheel for this Python (cp{guest.major}"
+            f"{guest.minor}; wheels only: no setup.py runs on the host): check the name and version on pypi.org")
+
+
+def _name(requirement: str) -> str:
+    """The canonical project name of a requirement string ('' if it has none)."""
+    try:
+        return re.sub(r"[-_.]+", "-", Requirement(requirement).name).lower()
+    except InvalidRequirement:
+        return re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;@(]", requirement, maxsplit=1)[0]).lower()
 
 
 def _readable(tree: Path) -> None:

@@ -71,6 +71,7 @@ class ForkResult:
         self.keep: str | None = None  # the keep policy of a fork ("best", "all", "none")
         self.fresh: str | None = None  # episodes: "zygote" or "boot (why)" (smolbench/zygote.py)
         self.fresh_hint = ""  # episodes: that they start from the baseline, not the active machine (said on NameErrors)
+        self.fresh_module_hint = ""  # and so without the active machine's %pip installs (said on ImportErrors)
         self.reseed = True  # branches reseed the random streams they inherited (--no-reseed: False)
         # the pixels its branches' images may declare in all: they show in one output area
         self.pixels = images.Allowance()
@@ -258,6 +259,10 @@ class ForkResult:
         # every episode missing a name: most likely one the active machine has, which they never saw
         missing = len(failed) == len(self) and all(str(r["error"] or "").startswith("NameError") for r in failed)
         hint = f"; {self.fresh_hint}" if self.fresh_hint and missing else ""
+        # ... or a module: most likely one `%pip` installed there (episodes see the Smolfile's packages only)
+        if self.fresh_module_hint and len(failed) == len(self) and all(
+                str(r["error"] or "").startswith(("ModuleNotFoundError", "ImportError")) for r in failed):
+            hint = f"; {self.fresh_module_hint}"
         return CompositeError(f"{len(failed)} of {len(self)} {unit} failed ({counts}); first: "
                               f"[{first['branch']}] {first['status']}: {first['error'] or ''}{hint}", errors, unit, self)
 

@@ -65,6 +65,46 @@ def test_a_shell_escape_says_what_to_use_instead(shell: Any, capsys: pytest.Capt
     assert "hi" in said
 
 
+
+def test_a_pip_line_fills_in_variables_as_ipython_does_and_refuses_shell_syntax_in_one_line(
+        shell: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a user: `!pip install {pkg}` said "Invalid requirement: '{pkg}'", `> /dev/null` went to
+    pip as a requirement ("Invalid requirement: '>'"), and `| grep` printed the whole list."""
+    said = shown(shell, capsys, "%%smol\nimport types\nwhat = types.SimpleNamespace(name='pip')\nflag = '--version'\n"
+                                "!pip {flag}\n%pip show $what.name\n")
+    assert said.startswith("pip ") and "Name: pip" in said and "{" not in said, said
+    said = shown(shell, capsys, "%%smol\nprint('ran')\n!pip install -q humanize==4.9.0 > /dev/null && echo done\n")
+    assert said.strip().splitlines()[-1] == (
+        "SyntaxError: `!pip` lines run pip, not a shell: drop `> /dev/null && echo done`, or run it with "
+        "`subprocess.run(..., shell=True)`"), said
+    assert "ran" not in said  # refused before the cell ran, as a syntax error is
+    said = shown(shell, capsys, "%%smol\n!pip list | grep -i numpy\n")
+    assert said.strip().splitlines()[-1] == (
+        "SyntaxError: `!pip` lines run pip, not a shell: drop `| grep -i numpy`, or run it with "
+        "`subprocess.run(..., shell=True)`"), said
+    said = shown(shell, capsys, "%%smol\n%pip install numpy >= 2\n")
+    assert said.strip().splitlines()[-1] == ('SyntaxError: `%pip` lines run pip, not a shell: put the requirement '
+                                             'in quotes, `%pip install "numpy>=2"`'), said
+    said = shown(shell, capsys, "%%smol\n!pip install {not_defined_here}\nprint('after')\n")
+    assert sorted(said.splitlines()) == [  # (stdout and stderr, each as the cell wrote it)
+        "after", "smolbench: this pip line did not run: `{not_defined_here}` could not be filled in (NameError: "
+                 "name 'not_defined_here' is not defined): define it before this line, or write "
+                 "`{{not_defined_here}}` for the literal text"], said
+
+
+def test_python_m_pip_as_a_shell_escape_is_told_to_use_pct_pip_and_braces_become_an_f_string(
+        shell: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice was `subprocess.run('{sys.executable} -m pip --version', shell=True)`: literal braces."""
+    said = shown(shell, capsys, "%%smol\n!{sys.executable} -m pip install -q tabulate\n")
+    assert said.strip().splitlines()[-1] == (
+        "SyntaxError: shell escapes other than !pip don't run in a machine cell: write `%pip install -q tabulate` "
+        "(it runs pip of the machine's own Python)"), said
+    said = shown(shell, capsys, "%%smol\n!ls {folder} $HOME\n")
+    assert said.strip().splitlines()[-1] == (
+        "SyntaxError: shell escapes other than !pip don't run in a machine cell: use "
+        "`import subprocess; subprocess.run(f'ls {folder} {HOME}', shell=True)` instead"), said
+
+
 WORDS = [  # what was typed, what the user now reads (argparse's own words, before: no fix)
     ("%smol delete", "%smol delete needs a node: e.g. `%smol delete root.3` (`%smol tree` lists them)"),
     ("%smol use", "%smol use needs a node: e.g. `%smol use root.3` (`%smol tree` lists them)"),

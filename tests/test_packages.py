@@ -439,3 +439,60 @@ def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting
             release.cancel()  # not needed once the install stopped (the lock goes with the file)
             release.join()
     assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
+
+
+def _file_index(root: Path, wheels: dict[str, Path]) -> str:
+    """A PEP 503 index in ``root`` serving ``wheels`` (project name: file); its URL."""
+    for name, wheel in wheels.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, root / name / wheel.name)
+        (root / name / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>')
+    return f"file://{root}"
+
+
+def test_the_hint_names_a_dependency_without_a_wheel_and_a_conflict_of_pins_not_a_wrong_name(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gymnasium[box2d] needs box2d-py, an sdist only: the error said to check the name on pypi.org.
+    numpy==2.4.6 with numpy<2: the error was pip's last line, "ResolutionImpossible: for help visit ..."."""
+    src = tmp_path / "evil-0.1"
+    src.mkdir()
+    (src / "setup.py").write_text("from setuptools import setup\nsetup(name='evil', version='0.1')\n")
+    sdist = tmp_path / "evil-0.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname="evil-0.1")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("PIP_INDEX_URL", _file_index(tmp_path / "index", {"carrier": _carrier(wheels, "evil==0.1"),
+                                                                         "evil": sdist}))
+    guest = packages.host_python()
+    with pytest.raises(SmolbenchError) as err:
+        packages.ensure(("carrier==1.0",), guest)
+    said = str(err.value)
+    assert "\n" not in said and "check the name" not in said, said
+    assert f"evil==0.1, which carrier needs, has no wheel for this Python (cp{guest.major}{guest.minor}" in said, said
+    assert "smolbench installs wheels only, as building from source would run the package's own setup code" in said
+    with pytest.raises(SmolbenchError) as err:
+        packages.ensure(("carrier==1.0", "carrier<1"), guest)
+    said = str(err.value)
+    assert said == ("pip could not install the Smolfile's packages: ERROR: Cannot install carrier<1 and carrier==1.0 "
+                    "because these package versions have conflicting dependencies.: keep one pin per package, or "
+                    "loosen one so both can hold"), said
+
+
+def test_an_index_the_host_cannot_reach_is_said_to_be_the_network_not_the_name(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy that refuses (nothing leaves the host): the error said there was no such package."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("PIP_INDEX_URL", "https://pypi.org/simple")
+    monkeypatch.setenv("PIP_RETRIES", "1")  # one "Retrying ... NewConnectionError" line, not five
+    with pytest.raises(SmolbenchError) as err:
+        packages.ensure(("cowsay==6.1",), packages.host_python())
+    said = str(err.value)
+    assert "\n" not in said and "no such package" not in said and "check the name" not in said, said
+    assert "the host could not reach the package index" in said and "HTTPS_PROXY" in said, said
+
+
+def test_a_full_disk_on_the_host_says_where_to_free_space() -> None:
+    tail = ["ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"]
+    said = packages.pip_failure(tail, ("scipy",), packages.host_python())
+    assert "the host's disk is full" in said and str(packages.packages_root()) in said and "\n" not in said, said

@@ -51,8 +51,8 @@ def test_the_offline_note_only_where_the_policy_is_off_and_pip_asked_an_index(po
 
 
 @contextmanager
-def _session(folder: Path, up: str) -> Iterator[NotebookSession]:
-    (folder / "Smolfile").write_text("")
+def _session(folder: Path, up: str, smolfile: str = "") -> Iterator[NotebookSession]:
+    (folder / "Smolfile").write_text(smolfile)
     with NotebookSession(folder, timeout=300, allow_errors=True) as nb:
         ok(nb.run("%load_ext smolbench"))
         ok(nb.run(f"%smol up --backend sandbox {up}"))
@@ -83,3 +83,31 @@ def test_pip_with_the_index_allowed_never_says_the_network_is_off(open_tmp: Path
     said = stream_text(cell) + stream_text(cell, "stderr")
     assert "pip exited with status 1" in said and "no network" not in said and "smolbench:" not in said, said
     assert result_text(cell) is None, error_text(cell)
+
+
+# A wheel of 96 MiB of zeros (a few hundred KiB zipped), made in the machine: pip unpacks it on the machine's disk
+BIG_WHEEL = """import zipfile
+files = {"big/__init__.py": "", "big/zeros.bin": bytes(96 << 20),
+         "big-1.0.dist-info/METADATA": "Metadata-Version: 2.1\\nName: big\\nVersion: 1.0\\n",
+         "big-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\\nGenerator: hand\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n"}
+files["big-1.0.dist-info/RECORD"] = "".join(name + ",,\\n" for name in files) + "big-1.0.dist-info/RECORD,,\\n"
+with zipfile.ZipFile("big-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
+    for name, data in files.items():
+        z.writestr(name, data)
+del files, z"""
+
+
+@needs_bwrap
+@needs_pip
+def test_pip_that_fills_the_machine_s_disk_names_disk_and_packages(open_tmp: Path) -> None:
+    """`disk = "64M"` and `%pip install scipy`: pip's `[Errno 28] No space left on device`, and nothing else."""
+    with _session(open_tmp, "", 'memory = "768M"\ndisk = "64M"\n') as nb:
+        ok(nb.run("%%smol\n" + BIG_WHEEL))
+        cell = ok(nb.run("%%smol\n%pip install -q --no-index ./big-1.0-py3-none-any.whl"))
+    said = stream_text(cell) + stream_text(cell, "stderr")
+    assert "No space left on device" in said and "pip exited with status 1" in said, said
+    assert said.rstrip().endswith(
+        "smolbench: pip filled this machine's disk (the Smolfile's `disk`, 64 MiB here): raise `disk` in the "
+        "Smolfile, or list the package in the Smolfile's `packages` (installed on the host and mounted read-only: "
+        "not on the machine's disk)"), said
+    assert NOTE not in said  # not the network's fault

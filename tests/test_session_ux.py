@@ -86,6 +86,18 @@ def test_episodes_that_all_miss_a_name_say_they_start_from_the_baseline(here: Pa
         assert s.fork(2, "reward = cart + SEED", keep="none").best["reward"] == 8
 
 
+def test_episodes_that_all_miss_a_module_say_pct_pip_installs_stay_in_the_active_machine(here: Path) -> None:
+    """`%pip install` in the active machine, then episodes importing it: a bare ModuleNotFoundError."""
+    with smolbench.Session(backend="process", ledger="ledger.db", on_notice=lambda line: None) as s:
+        with pytest.raises(CompositeError) as got:
+            s.episodes(2, "import no_such_module_pip_put_in_root")
+        assert str(got.value) == (
+            "2 of 2 episodes failed (2 error); first: [ep1.0] error: ModuleNotFoundError: No module named "
+            "'no_such_module_pip_put_in_root'; episodes start fresh from the default spec's baseline, without what "
+            "`%pip` installed in the active machine root: list the package in a Smolfile's `packages` (installed at "
+            "up, which every episode has)")
+
+
 def _quick_pip(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     """pip stood in for by a program that makes the target folder (no index, no network)."""
     import sys

@@ -138,7 +138,7 @@ def main(argv=None):
             contain.KEEP_CAPS = (1 << 12) | (1 << 13)
         machine = contain.start_root(args.workdir, args.disk_mib, args.net, args.keep, weak=weak, nproc=args.pids,
                                      grants_fd=args.grants_fd)
-    _module("pipsite").setup(args.packages, args.workdir)  # after containment: its folder is in the machine's workspace
+    _module("pipsite").setup(args.packages, args.workdir, args.disk_mib)  # after containment: its folder is in the machine's workspace
     _module("netnote").watch_connects()
     agent = _module("serving").Agent(args.socket, args.name, args.workdir)
     agent.mount_ns = not args.no_mount_ns

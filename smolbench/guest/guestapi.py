@@ -68,6 +68,24 @@ class GuestAPI(types.ModuleType):
         """A cell's ``%pip ARGS`` line: pip's output in the cell, no value, no raise (IPython's)."""
         self.pip(*args)
 
+    def _pip_text(self, text):
+        """A cell's ``%pip`` line with ``{expr}`` / ``$name`` in it: filled in from the cell's
+        variables (its caller's frame, as IPython's var_expand), then run as ``_pip_line``."""
+        import shlex
+
+        from . import pipsite
+
+        frame = sys._getframe(1)
+        ns = dict(frame.f_globals)
+        ns.update(frame.f_locals)
+        del frame
+        try:
+            args = shlex.split(pipsite.expand(text, ns), comments=True)
+        except ValueError as err:
+            sys.stderr.write("smolbench: this pip line did not run: %s\n" % err)
+            return
+        self.pip(*args)
+
     @property
     def node(self):
         """This machine's node id in the fork tree (e.g. ``root.3``)."""

@@ -14,7 +14,9 @@ and ``!pip ...`` lines run that pip, with its output in the cell; like IPython's
 they are statements (no ``Out`` value) and a failed pip does not raise. In a machine whose
 network policy is off (``SMOLBENCH_NET_POLICY``, which the host sets) pip doesn't retry
 (``PIP_RETRIES=0``: no lookup can succeed), and a failed ``%pip`` that asked an index ends
-with one line saying why and how to allow it.
+with one line saying why and how to allow it. A failed ``%pip`` that filled the machine's disk
+(``[Errno 28]``) ends with one line naming the Smolfile's ``disk`` and ``packages`` (which are
+installed on the host and mounted read-only, not on the machine's disk).
 """
 
 import importlib
@@ -31,9 +33,15 @@ _COMMANDS = frozenset(("install", "download", "uninstall", "freeze", "inspect", 
 _ASK_INDEX = frozenset(("install", "download", "search", "index", "wheel", "lock"))
 
 
-def setup(packages, workdir):
+_DISK_MIB = None  # the machine's disk (the Smolfile's `disk`), where the agent was told it
+
+
+def setup(packages, workdir, disk_mib=None):
     """Put the Smolfile's packages (``packages``, a read-only folder, or None) and the
-    machine's own pip target on sys.path, PYTHONPATH and PATH."""
+    machine's own pip target on sys.path, PYTHONPATH and PATH (``disk_mib``: the machine's
+    disk, if known, for the note on a full one)."""
+    global _DISK_MIB
+    _DISK_MIB = disk_mib
     target = os.path.join(workdir or os.getcwd(), TARGET)
     try:
         os.makedirs(os.path.join(target, SHIMS), exist_ok=True)
@@ -74,6 +82,15 @@ def offline_note(args, policy=None):
             "needs no network)\n")
 
 
+def disk_note(disk_mib=None):
+    """The one line a pip that filled the machine's disk (``[Errno 28]``) ends with."""
+    size = ("the Smolfile's `disk`, %d MiB here" % disk_mib if disk_mib else
+            "on sandbox and smol its size is the Smolfile's `disk`")
+    return ("smolbench: pip filled this machine's disk (%s): raise `disk` in the Smolfile, or list the package in "
+            "the Smolfile's `packages` (installed on the host and mounted read-only: not on the machine's disk)\n"
+            % size)
+
+
 def _site_index():
     """Where entries ahead of the interpreter's site-packages go (the end if it has none)."""
     for index, entry in enumerate(sys.path):
@@ -112,21 +129,29 @@ def run(args, out=None, err=None):
     out = out or sys.stdout
     proc = subprocess.Popen([sys.executable, "-m", "pip"] + list(args), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    full = False
     try:
         for line in iter(proc.stdout.readline, b""):
-            out.write(line.decode("utf-8", "replace"))
+            text = line.decode("utf-8", "replace")
+            full = full or "[Errno 28]" in text or "No space left on device" in text
+            out.write(text)
     finally:
         proc.stdout.close()
         code = proc.wait()
     importlib.invalidate_caches()
     if code != 0:
-        (err or sys.stderr).write("pip exited with status %d\n" % code + offline_note(args))
+        note = disk_note(_DISK_MIB) if full else offline_note(args)
+        (err or sys.stderr).write("pip exited with status %d\n" % code + note)
     return code
 
 
-def transform(code):
+def transform(code, filename="<cell>"):
     """A cell's ``%pip ...`` / ``!pip ...`` lines as calls of ``smolbench_guest._pip_line``
-    (same line numbers), which gives no value: as IPython's, a last ``%pip`` line is no ``Out``."""
+    (same line numbers), which gives no value: as IPython's, a last ``%pip`` line is no ``Out``.
+    A line with ``{expr}`` or ``$name`` in it is filled in when it runs, from the cell's
+    variables, as IPython does (``smolbench_guest._pip_text``). pip runs with no shell, so a
+    shell operator outside quotes (``|``, ``>``, ``&&``, ``;`` ...) is a SyntaxError naming it
+    (IPython would hand the line to sh); a ``<``/``>`` inside a word (``numpy<2``) is pip's."""
     if "pip" not in code:
         return code
     lines = code.split("\n")
@@ -136,9 +161,111 @@ def transform(code):
             indent, rest = match.group(1), match.group(3) or ""
             import shlex
 
+            at = shell_operator(rest)
+            if at >= 0:
+                column = match.start(3) + at
+                raise SyntaxError(_refusal(line[len(indent)] + match.group(2), rest, at),
+                                  (filename, number + 1, column + 1, line))
             try:
                 args = shlex.split(rest, comments=True)
             except ValueError:
                 continue  # left as it is: the cell's syntax error says where
-            lines[number] = "%ssmolbench_guest._pip_line(*%r)" % (indent, args)
+            if any("{" in a or "$" in a for a in args):
+                lines[number] = "%ssmolbench_guest._pip_text(%r)" % (indent, rest)
+            else:
+                lines[number] = "%ssmolbench_guest._pip_line(*%r)" % (indent, args)
     return "\n".join(lines)
+
+
+def shell_operator(text):
+    """Where a shell operator (``|``, ``&``, ``;``, a backtick, ``$(``, or a ``<``/``>`` that
+    starts a word, with its fd: ``2>``) starts in ``text`` outside quotes, as sh reads it; -1
+    if none (a ``#`` outside quotes ends the line: shlex's comment)."""
+    quote = None
+    word = 0  # where the current word starts
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == quote:
+                quote = None
+            elif c == "\\" and quote == '"':
+                i += 1
+        elif c in "'\"":
+            quote = c
+        elif c == "\\":
+            i += 1
+        elif c == "#":
+            return -1
+        elif c in " \t":
+            word = i + 1
+        elif c in "|&;`" or (c == "$" and text[i + 1:i + 2] == "("):
+            return word if c == "&" and text[word:i].rstrip("<>").isdigit() else i
+        elif c in "<>" and (i == word or text[word:i].isdigit()):
+            return word
+        i += 1
+    return -1
+
+
+def _refusal(magic, rest, at):
+    """The one line refusing ``magic rest`` (shell syntax at ``at``): what to drop, or the quotes it needs."""
+    tail = rest[at:].strip()
+    head = "`%s` lines run pip, not a shell: " % magic
+    spec = re.match(r"([<>]=?|[=!~]=)\s*([0-9][^\s]*)", tail)
+    before = rest[:at].split()
+    if spec and before and not before[-1].startswith("-") and before[-1] not in _COMMANDS:
+        return head + 'put the requirement in quotes, `%s install "%s%s%s"`' % (magic, before[-1], spec.group(1),
+                                                                                 spec.group(2))
+    return head + "drop `%s`, or run it with `subprocess.run(..., shell=True)`" % tail
+
+
+# IPython's ``$name`` (not inside single quotes; ``$$`` is a literal ``$``): DollarFormatter's pattern
+_DOLLAR = re.compile(r"(.*?)\$(\$?[\w.]+)(?=([^']*'[^']*')*[^']*$)")
+
+
+def expand(text, ns):
+    """``text`` with ``{expr}`` and ``$name`` filled in from ``ns``, as IPython's ``var_expand``
+    does for ``!`` and ``%`` lines (``{{``/``}}`` and ``$$`` are literal; a ``$NAME`` that is no
+    variable but an environment variable is the environment's, as sh would fill it in).
+    Returns the text, or raises ValueError with one line naming the field and the fix."""
+    import string
+
+    out = []
+    try:
+        chunks = list(string.Formatter().parse(text))
+    except ValueError as err:
+        raise ValueError("its braces don't pair (%s): write `{{` and `}}` for literal braces" % err) from None
+    for literal, field, spec, conversion in chunks:
+        done = 0
+        for found in _DOLLAR.finditer(literal):
+            out.append(found.group(1))
+            name = found.group(2)
+            if name.startswith("$"):
+                out.append(name)
+            else:
+                out.append(_value(name, ns, "$" + name))
+            done = found.end(2)
+        out.append(literal[done:])
+        if field is not None:
+            source = field + (":" + spec if spec else "")  # IPython's: `{a[1:2]}` is a slice, not a spec
+            shown = "{%s%s}" % (source, "!" + conversion if conversion else "")
+            value = _value(source, ns, shown, raw=True)
+            if conversion == "r":
+                value = repr(value)
+            elif conversion == "a":
+                value = ascii(value)
+            out.append(str(value))
+    return "".join(out)
+
+
+def _value(source, ns, shown, raw=False):
+    try:
+        value = eval(source, dict(ns))
+    except Exception as err:  # noqa: BLE001 - any error of the user's expression is reported
+        if isinstance(err, NameError) and shown.startswith("$") and source in os.environ:
+            return os.environ[source]  # IPython would leave it to sh, which fills in the environment's
+        raise ValueError("`%s` could not be filled in (%s: %s): define it before this line, or write `%s` "
+                         "for the literal text" % (shown, type(err).__name__, err,
+                                                   "$" + shown if shown.startswith("$") else
+                                                   "{" + shown + "}")) from None
+    return value if raw else str(value)
