@@ -174,11 +174,14 @@ class WarmParent(Requests):
                            f"{BUILD_TIMEOUT:g} s (smolbench.gym.warmparent.BUILD_TIMEOUT, with timeout= set): its "
                            "machine is deleted") from None
         except GymError as exc:
-            why = await self._misnamed(setup, exc) or str(exc).split(": ", 1)[-1]
+            misnamed = await self._misnamed(setup, exc)
+            why = misnamed or str(exc).split(": ", 1)[-1]
             if (exc.machine_error or {}).get("ename") == "ModuleNotFoundError":
                 why = f"{why}: {sending.MISSING_HINT}"
             said = f"the env could not be built in machine {name}: {why}"
-            raise (reworded(exc, said) if isinstance(exc, EnvError) else GymError(said)) from None
+            if misnamed is not None or not isinstance(exc, EnvError):  # (a name's fix: gymnasium's frames are noise)
+                raise GymError(said) from None
+            raise reworded(exc, said) from None
         node.cells += setup.cells
         if isinstance(described, dict) and isinstance(described.get("shared"), str):  # (gymserve's shared_left)
             said = (terminal.printable(described["shared"]).splitlines() or ["?"])[0][:400]
