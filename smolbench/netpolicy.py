@@ -300,9 +300,9 @@ class NetPolicy:
         if self.mode == "off":
             return False
         if self.mode == "on":
-            if any(addr in n for n in internet if n.version == addr.version):
+            if within(addr, internet):
                 return True
-            return not is_host_only(addr, own) and not any(addr in n for n in INTERNAL if n.version == addr.version)
+            return not is_host_only(addr, own) and not within(addr, INTERNAL)
         if self.listed_address(addr, port, own):
             return True
         rule = self.listed_host(name, port)
@@ -312,7 +312,7 @@ class NetPolicy:
             return literal(rule.name) == addr and not is_host_only(addr, own)  # host-only: singles only (above)
         if is_host_only(addr, own):
             return False  # a listed name that resolves to this host: DNS rebinding
-        if any(addr in n for n in internet if n.version == addr.version):
+        if within(addr, internet):
             return True
         # a name listed without a port reaches the internet only, as `on` does: pypi.org rebound (or
         # split-horizon) into a private range would reach the LAN, Docker's gateway or a cluster's
@@ -343,11 +343,16 @@ PRIVATE = tuple(ipaddress.ip_network(n) for n in (
     "fc00::/7", "fe80::/10"))
 
 
+def within(addr: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
+    """Is ``addr`` in one of ``networks`` (of its own IP version)?"""
+    return any(addr in n for n in networks if n.version == addr.version)
+
+
 def private(addr: IPAddress) -> bool:
     """In :data:`PRIVATE` (a test's far stand-ins on loopback are far)."""
-    if any(addr in n for n in stand_in_far() if n.version == addr.version):
+    if within(addr, stand_in_far()):
         return False
-    return any(addr in n for n in PRIVATE if n.version == addr.version)
+    return within(addr, PRIVATE)
 
 
 def canonical(addr: IPAddress) -> IPAddress:
@@ -381,9 +386,9 @@ def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bo
     inner = nat64_embedded(addr)
     if inner is not None and is_host_only(inner, own):
         return True
-    if any(addr in n for n in stand_in_far() if n.version == addr.version):
+    if within(addr, stand_in_far()):
         return False
-    return any(addr in n for n in HOST_ONLY if n.version == addr.version)
+    return within(addr, HOST_ONLY)
 
 
 def canonical_set(addrs: frozenset[IPAddress]) -> frozenset[IPAddress]:

@@ -215,9 +215,9 @@ def test_cloud_metadata_and_nat64_spellings_of_this_host_are_never_reached_throu
     node = _netproxy.Node("root", named, proxy.budget.tree("root"))
     for addr in METADATA:
         proxy.resolve_map = {"meta.test": addr}
-        assert asyncio.run(proxy.decide(node, "meta.test", 80)) is None, addr
+        assert asyncio.run(proxy.decide(node, "meta.test", 80))[0] is None, addr
     proxy.resolve_map = {"meta.test": "64:ff9b::808:808"}
-    assert asyncio.run(proxy.decide(node, "meta.test", 80)) == A("64:ff9b::808:808")
+    assert asyncio.run(proxy.decide(node, "meta.test", 80))[0] == A("64:ff9b::808:808")
     # plain TCP to the IPv4 ones is refused at once in the machine; the smol SDK's CIDRs leave them out
     refused = " ".join(_netredirect.refusals(wide, OWN))
     assert "100.100.100.200" in refused and "192.0.0.192" in refused

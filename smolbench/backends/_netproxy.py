@@ -232,7 +232,6 @@ class Node:
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
-    why: str = ""  # why the last decision refused a listed name (said by its refusal)
     failed: int = 0  # connections the proxy itself failed (its own error, or over a cap)
     last_failed: str = ""
     said: set[str] = field(default_factory=set)  # the failure lines shown for it (SAID_PER_NODE at most)
@@ -368,7 +367,9 @@ class Proxy:
 
     # -- one connection ---------------------------------------------------------------------
 
-    async def decide(self, node: Node, host: str, port: int) -> IPAddress | None:
+    async def decide(self, node: Node, host: str, port: int) -> tuple[IPAddress | None, str]:
+        """The address ``host:port`` may be reached at, or None and, when there is more to say
+        than the policy's refusal, why (a listed name resolved into a LAN, a failed lookup)."""
         lit = literal(host)
         if lit is not None:
             candidates = [lit]
@@ -378,25 +379,23 @@ class Proxy:
             try:
                 infos = await self.budget.resolve(node.tree, host, port)
             except socket.gaierror as exc:
-                node.why = f"was not reached: the name {host} could not be looked up ({exc.strerror or exc})"
-                return None
+                return None, f"was not reached: the name {host} could not be looked up ({exc.strerror or exc})"
             candidates = [unmapped(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos]
         else:
             candidates = []
         own = self.own()
         for addr in candidates:
             if self.open_all or node.policy.admits(host, port, addr, own, self.internet):
-                return addr
+                return addr, ""
         said = next((w for a in candidates if (w := node.policy.private_refusal(host, port, a, own))), "")
-        node.why = f"is not allowed: {said}" if said else ""
-        return None
+        return None, f"is not allowed: {said}" if said else ""
 
-    def refuse(self, node: Node, target: str) -> bytes:
+    def refuse(self, node: Node, target: str, why: str = "") -> bytes:
         node.refused += 1
         node.last_refused = target
-        why = f"smolbench: {target} is not allowed by this machine's network policy ({node.policy.describe()})"
-        if node.why:  # a listed name refused for where it resolved, or not found: said, with the fix
-            why, node.why = f"smolbench: {target} {node.why}", ""
+        # ``why``: a listed name refused for where it resolved, or not found (said, with the fix)
+        why = f"smolbench: {target} {why}" if why else (
+            f"smolbench: {target} is not allowed by this machine's network policy ({node.policy.describe()})")
         return (f"HTTP/1.1 403 {why}\r\nContent-Type: text/plain\r\nContent-Length: {len(why) + 1}\r\n"
                 f"Connection: close\r\n\r\n{why}\n").encode("ascii", "replace")
 
@@ -429,12 +428,12 @@ class Proxy:
                 conn.in_head = False
             conn.target = req.target
             try:
-                addr = await self.decide(node, req.host, req.port)
+                addr, why = await self.decide(node, req.host, req.port)
             except OSError as exc:  # our own lookup's failure (slow, or our threads): not the policy's
                 writer.write(_bad_gateway(self.fail(node, req.target, str(exc))))
                 return
             if addr is None:
-                writer.write(self.refuse(node, req.target))
+                writer.write(self.refuse(node, req.target, why))
                 return
             up = await self._connect(conn, addr, req.port, writer)
             if up is None:
