@@ -310,6 +310,8 @@ _NETWORK = re.compile(r"Retrying \(Retry\(.*(?:ProxyError|ConnectionError|NewCon
                       r"|ReadTimeout|Max retries|Failed to establish|Name or service not known|name resolution)")
 _CONFLICT = re.compile(r"ERROR: Cannot install .* because these package versions have conflicting dependencies")
 _NOT_FOUND = re.compile(r"No matching distribution found for (?P<req>\S+)(?: \(from (?P<by>[^)]*)\))?")
+# pip before 23.1 names who needs it on the line before only
+_NO_VERSION = re.compile(r"satisfies the requirement (?P<req>\S+) \(from (?P<by>(?!versions:)[^)]*)\)")
 
 
 def pip_failure(tail: list[str], requirements: tuple[str, ...], guest: GuestPython) -> str:
@@ -333,8 +335,10 @@ def pip_failure(tail: list[str], requirements: tuple[str, ...], guest: GuestPyth
     wheels = (f"for this Python (cp{guest.major}{guest.minor}, {guest.machine} Linux); smolbench installs wheels "
               "only, as building from source would run the package's own setup code on the host")
     wanted = {_name(r) for r in requirements}
-    if found is not None and (found["by"] or _name(found["req"]) not in wanted):
-        by = f", which {found['by']} needs," if found["by"] else " (a dependency)"
+    needer = found and (found["by"] or next((m["by"] for m in map(_NO_VERSION.search, errors)
+                                             if m and m["req"] == found["req"]), None))
+    if found is not None and (needer or _name(found["req"]) not in wanted):
+        by = f", which {needer} needs," if needer else " (a dependency)"
         return (f"{head}{why}; {found['req']}{by} has no wheel {wheels}: pick versions whose dependencies have "
                 "wheels, or `%pip install` it inside a machine (pip there may build it from source)")
     # pip says the same of a name or version the index lacks and of one with no wheel for this Python

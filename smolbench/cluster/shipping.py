@@ -215,16 +215,24 @@ async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *
     node = cb.nodes[placement.least_loaded(free)]
     digest, size = await asyncio.to_thread(artifact.hash_file, path)
     await send(cb, node, path, digest, size)
-    restored = False
+
+    async def forget() -> None:
+        with contextlib.suppress(SmolbenchError):
+            await cb._call(node, node.agent.forget.remote(digest))
+
     try:
         ref = await _restore_on(cb, node, digest, name, spec)
-        restored = True
+    except BaseException:
+        await _to_the_end(forget())
+        raise
+    if fmt == "smol":  # a restored microVM may still read its checkpoint: the agent drops it with the machine
         return ref
-    finally:
-        # a restored microVM may still read its checkpoint: the agent drops that one with the machine
-        if fmt != "smol" or not restored:
-            with contextlib.suppress(SmolbenchError):
-                await cb._call(node, node.agent.forget.remote(digest))
+    try:
+        await _to_the_end(forget())
+    except asyncio.CancelledError:  # cancelled after the machine came up: its caller never gets it
+        await _to_the_end(cb.delete(ref))
+        raise
+    return ref
 
 
 async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int) -> int:
