@@ -2,16 +2,18 @@
 
 The host runs ``pip install --target`` into a content-addressed cache outside every machine
 (``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
-platform) and the backends mount the result read-only into every machine of that baseline,
+platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result read-only into every machine of that baseline,
 so machines need no network for them. pip only ever sees the requirement strings of the
 user's own Smolfile, never anything a machine made; and it installs wheels only
 (``--only-binary=:all:``), so no package's ``setup.py`` runs on the host. Installs are atomic
 (a temporary folder renamed into place) and safe to run from several kernels at once (a lock
-file per key).
+file per key). An entry is used only when it and the cache folder are the user's own and nobody
+else can write them (:func:`trusted`): another user of a shared cache could plant or alter one.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import fcntl
@@ -151,10 +153,82 @@ def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestP
     return GuestPython(major, minor, os.uname().machine, glibc, native=False)
 
 
-def key(requirements: tuple[str, ...], guest: GuestPython) -> str:
-    """The cache key: the requirement list (as written, in order), the guest's Python and platform."""
-    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native}, sort_keys=True)
+def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...]) -> str:
+    """The cache key: the requirement list (as written, in order), the guest's Python and platform,
+    and ``sources``, where pip looks for them (:func:`pip_sources`)."""
+    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native,
+                       "sources": list(sources)}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:24]
+
+
+# pip's options that decide which distributions an install resolves to (not how it connects: cert,
+# proxy, timeout, retries). The same requirements from another index are other packages: a private
+# mirror's patched build is not PyPI's.
+_SOURCE_OPTIONS = frozenset({
+    "index-url", "extra-index-url", "find-links", "no-index", "constraint", "pre", "only-binary", "no-binary",
+    "prefer-binary", "no-deps", "ignore-requires-python", "use-feature", "use-deprecated", "platform",
+    "python-version", "implementation", "abi"})
+_SOURCE_SECTIONS = frozenset({"global", "install", ":env:"})  # what `pip install` reads
+_CONFIG_LINE = re.compile(r"(?P<section>[^.=\s]*)\.(?P<name>[a-z0-9_-]+)=(?P<value>'.*'|\".*\")")
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")  # user:token@ in a URL
+
+
+def redact(text: str) -> str:
+    """``text`` without the ``user:password@`` of any URL in it (an index URL may carry a token)."""
+    return _USERINFO.sub("", text)
+
+
+def _pip_env() -> dict[str, str]:
+    """The environment of the host's pip: the kernel's own, without what would install elsewhere."""
+    env = dict(os.environ)
+    env.pop("PIP_TARGET", None)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def pip_sources() -> tuple[str, ...]:
+    """Where the host's pip would find packages: the options of :data:`_SOURCE_OPTIONS` that its
+    configuration sets, every pip.conf (PIP_CONFIG_FILE, site, user, venv) and PIP_* variable alike,
+    as ``section.name=value`` (sorted), each URL without its ``user:password@``; and a constraint
+    file's content (its hash). Asked of pip itself (``pip config list``, the pip that installs):
+    only pip knows every file it reads in every version, and one call costs ~0.2 s beside an up."""
+    cmd = [sys.executable, "-I", "-m", "pip", "config", "list"]
+    try:
+        done = subprocess.run(cmd, env=_pip_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace", timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SmolbenchError(f"can't read pip's configuration ({' '.join(cmd[1:])}: {exc}): the host's pip decides "
+                             f"where the Smolfile's packages come from; check that {sys.executable} has pip") from None
+    if done.returncode != 0:
+        last = (plain(done.stderr).strip().splitlines() or ["no output"])[-1]
+        raise SmolbenchError(f"can't read pip's configuration (pip config list: {redact(last)[:300]}): fix the "
+                             "pip.conf or PIP_* variable it names; it decides where the Smolfile's packages come from")
+    found: set[str] = set()
+    for line in done.stdout.splitlines():
+        match = _CONFIG_LINE.fullmatch(line.strip())
+        if not match or match["section"] not in _SOURCE_SECTIONS or match["name"] not in _SOURCE_OPTIONS:
+            continue
+        value = redact(str(ast.literal_eval(match["value"])))
+        found.add(f"{match['section']}.{match['name']}={value}")
+        if match["name"] == "constraint":  # its lines decide versions as the requirements do
+            for item in value.split():
+                with contextlib.suppress(OSError):
+                    digest = hashlib.sha256(Path(item.removeprefix("file://")).read_bytes()).hexdigest()[:16]
+                    found.add(f"constraint-file={item} sha256:{digest}")
+    return tuple(sorted(found))
+
+
+def shown_sources(sources: tuple[str, ...]) -> list[str]:
+    """``sources`` as packages.json keeps them: an http(s) URL as scheme://host only (a path may carry a token)."""
+    def shown(item: str) -> str:
+        parts = urllib.parse.urlsplit(item)
+        return f"{parts.scheme}://{parts.hostname or ''}" if parts.scheme in ("http", "https") else item
+
+    said = []
+    for line in sources:
+        name, _, value = line.partition("=")
+        said.append(f"{name}={' '.join(shown(v) for v in value.split())}")
+    return said
 
 
 @dataclass(frozen=True)
@@ -192,7 +266,8 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
     (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so)."""
     root = packages_root()
-    digest = key(requirements, guest)
+    sources = pip_sources()
+    digest = key(requirements, guest, sources)
     entry = root / digest
     if (entry / META).is_file():
         return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
@@ -212,7 +287,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             _readable(tmp)
             took = time.monotonic() - started
             meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
-                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
             (tmp / META).write_text(json.dumps(meta) + "\n")
             if entry.exists():  # a half-made entry of an older version: replaced whole
                 shutil.rmtree(entry)
@@ -267,9 +342,7 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
         problem = requirement_problem(text)
         if problem:
             raise SmolbenchError(f"Smolfile packages entry {text!r} {problem}")
-    env = dict(os.environ)
-    env.pop("PIP_TARGET", None)
-    env.pop("PYTHONPATH", None)
+    env = _pip_env()
     tail: deque[str] = deque(maxlen=40)
     deadline = time.monotonic() + PIP_TIMEOUT
     # its own process group: killed, pip's own children (a package's build) go with it

@@ -77,8 +77,9 @@ def test_an_install_is_made_once_then_reused_even_by_kernels_asking_at_once(cach
     again = packages.ensure((PKG,), guest)
     assert again.cached and again.lib == lib and again.line((PKG,)).startswith("packages: cached (1 requirement")
     # the key covers the list and the guest's Python: another of either is another entry
-    assert packages.key((PKG, "six"), guest) != packages.key((PKG,), guest)
-    assert packages.key((PKG,), packages.version_python("3.12")) != packages.key((PKG,), guest)
+    here = packages.pip_sources()
+    assert packages.key((PKG, "six"), guest, here) != packages.key((PKG,), guest, here)
+    assert packages.key((PKG,), packages.version_python("3.12"), here) != packages.key((PKG,), guest, here)
 
 
 def test_pip_on_the_host_installs_wheels_only_so_no_setup_py_runs(cache: Path, tmp_path: Path) -> None:
@@ -416,7 +417,7 @@ def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting
     root = packages.packages_root()
     root.mkdir(parents=True)
     released = threading.Event()
-    with open(root / f".{packages.key((PKG,), guest)}.lock", "a+") as held:
+    with open(root / f".{packages.key((PKG,), guest, packages.pip_sources())}.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # the other kernel, installing
         # released 10 s on: a stop that waited for it can't be told from one that didn't by a loaded host's delays
         release = threading.Timer(10.0, lambda: (released.set(), fcntl.flock(held, fcntl.LOCK_UN)))
@@ -496,3 +497,74 @@ def test_a_full_disk_on_the_host_says_where_to_free_space() -> None:
     tail = ["ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"]
     said = packages.pip_failure(tail, ("scipy",), packages.host_python())
     assert "the host's disk is full" in said and str(packages.packages_root()) in said and "\n" not in said, said
+
+
+def _wheel(folder: Path, name: str, text: str) -> Path:
+    """A wheel of a one-module package ``name`` 1.0 whose module is ``text``."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    files = {f"{name}/__init__.py": text,
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{name}-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, t in files.items():
+            z.writestr(n, t)
+    return wheel
+
+
+def test_the_same_requirements_from_another_index_are_another_install(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private mirror's patched build, then back to the public index: the key left out where pip
+    looked, so the second install was the mirror's, reused. A pip.conf is a source as a variable is."""
+    name = "smolbench-probe-pkg"
+    mirror = _file_index(tmp_path / "mirror", {name: _wheel(tmp_path / "a", "smolbench_probe_pkg", "WHO = 'mirror'\n")})
+    public = _file_index(tmp_path / "public", {name: _wheel(tmp_path / "b", "smolbench_probe_pkg", "WHO = 'public'\n")})
+    guest, reqs = packages.host_python(), (f"{name}==1.0",)
+
+    def who(installed: packages.Installed) -> str:
+        return (installed.lib / "smolbench_probe_pkg" / "__init__.py").read_text().strip()
+
+    monkeypatch.setenv("PIP_INDEX_URL", mirror)
+    first = packages.ensure(reqs, guest)
+    assert who(first) == "WHO = 'mirror'" and not first.cached
+    assert packages.ensure(reqs, guest).cached  # the same sources: reused
+    monkeypatch.setenv("PIP_INDEX_URL", public)
+    second = packages.ensure(reqs, guest)
+    assert who(second) == "WHO = 'public'" and not second.cached, who(second)
+    monkeypatch.delenv("PIP_INDEX_URL")
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nindex-url = {mirror}\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    third = packages.ensure(reqs, guest)
+    assert who(third) == "WHO = 'mirror'", who(third)
+    conf.write_text(f"[install]\nindex-url = {public}\n")
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'public'"
+
+
+def test_a_token_in_an_index_url_is_in_no_key_file_name_or_line(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key covers the index, not its credentials: another token is the same index, and the
+    token is in no file name, packages.json or line of the install."""
+    guest = packages.host_python()
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://alice:s3cret-token@mirror.invalid/simple")
+    alice = packages.pip_sources()
+    assert not any("s3cret" in s for s in alice) and ":env:.extra-index-url=https://mirror.invalid/simple" in alice
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://bob:other@mirror.invalid/simple")
+    assert packages.pip_sources() == alice
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://mirror.example/simple")
+    assert packages.key((PKG,), guest, packages.pip_sources()) != packages.key((PKG,), guest, alice)
+    assert packages.shown_sources((":env:.index-url=https://mirror.example/path-token/simple",)) == [
+        ":env:.index-url=https://mirror.example"]
+    # an install from a file index, the token-carrying index beside it (unreachable: pip goes on without it)
+    name = "smolbench-probe-pkg"
+    monkeypatch.setenv("PIP_INDEX_URL", _file_index(tmp_path / "i", {name: _wheel(tmp_path / "w", "smolbench_probe_pkg", "")}))
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://alice:s3cret-token@127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    log: list[str] = []
+    done = packages.ensure((f"{name}==1.0",), guest, log)
+    files = [str(p) for p in (cache / "packages").rglob("*")]
+    meta = (done.lib.parent / packages.META).read_text()
+    assert "https://127.0.0.1" in meta and not any("s3cret" in t for t in [*files, meta, done.line((name,)), *log])
