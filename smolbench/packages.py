@@ -24,6 +24,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -270,16 +271,19 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     digest = key(requirements, guest, sources)
     entry = root / digest
     if (entry / META).is_file():
-        return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+        return _cached(root, entry)
     tell = ON_INSTALL.get()
     if tell is not None:
         tell(f"smolbench: installing {len(requirements)} package{'s' if len(requirements) != 1 else ''} from the "
              "Smolfile (first time only; cached after) …")
-    root.mkdir(parents=True, exist_ok=True)
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o755)  # the sandbox uid reads it; and not group-writable under a umask of 002
+    trusted_folder(root)  # another user able to write in it could swap the install while pip runs
     with open(root / f".{digest}.lock", "a+") as lock:
         _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
         if (entry / META).is_file():
-            return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+            return _cached(root, entry)
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
         try:
@@ -296,6 +300,67 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Installed(entry / LIB, False, took, _count(entry / LIB))
+
+
+def _cached(root: Path, entry: Path) -> Installed:
+    trusted_folder(root)
+    trusted(entry)
+    return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+
+
+def _untrusted(path: Path, st: os.stat_result) -> str | None:
+    """Why another user could have planted or altered ``path`` (its lstat ``st``), or None: as ssh
+    does its files, it must be the user's own (or root's) and writable by nobody else."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"it belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+    if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
+        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def trusted_folder(root: Path) -> None:
+    """Refuse the packages folder ``root`` (in one line, with the fix) if another user could write in it."""
+    why = _untrusted(root, os.stat(root))  # followed: $SMOLBENCH_CACHE may be a link the user made
+    if why is None:
+        return
+    fix = (f"chmod go-w {root}" if os.stat(root).st_uid == os.getuid()
+           else "set $SMOLBENCH_CACHE to a folder of your own")
+    raise SmolbenchError(f"refusing the packages cache {root}: {why}, so another user could plant or alter the "
+                         f"packages it mounts into machines; {fix}")
+
+
+def trusted(entry: Path) -> None:
+    """Refuse the cache entry ``entry`` (in one line, with the fix) if another user could have planted or
+    altered it: its folders and files, walked without following links, must all be the user's own (or
+    root's) and writable by nobody else. pip made them so (:func:`_readable`); a shared cache's other user
+    can't, nor can anyone change them after. Checked before every mount (~7 ms a thousand files)."""
+    def bad(path: Path) -> tuple[Path, str] | None:
+        try:
+            why = _untrusted(path, os.lstat(path))
+        except OSError as exc:
+            why = f"it can't be read ({exc.strerror})"
+        return (path, why) if why else None
+
+    found = bad(entry) or bad(entry / META) or bad(entry / LIB)
+    if found is None and not stat.S_ISDIR(os.lstat(entry).st_mode):
+        found = (entry, "it is not a folder")
+    stack = [str(entry / LIB)] if found is None and os.path.isdir(entry / LIB) else []
+    while stack and found is None:
+        with os.scandir(stack.pop()) as items:
+            for item in items:
+                why = _untrusted(Path(item.path), item.stat(follow_symlinks=False))
+                if why:
+                    found = (Path(item.path), why)
+                    break
+                if item.is_dir(follow_symlinks=False):
+                    stack.append(item.path)
+    if found is not None:
+        path, why = found
+        where = "" if path == entry else f" ({path})"
+        raise SmolbenchError(f"refusing the packages cache entry {entry}{where}: {why}, so another user could have "
+                             f"planted or altered it; remove it (rm -rf {entry}: the next up installs it anew), "
+                             "or set $SMOLBENCH_CACHE to a folder of your own")
 
 
 # pip's --only-binary=:all: does not hold for a URL a wheel's own metadata names (Requires-Dist:

@@ -568,3 +568,42 @@ def test_a_token_in_an_index_url_is_in_no_key_file_name_or_line(
     files = [str(p) for p in (cache / "packages").rglob("*")]
     meta = (done.lib.parent / packages.META).read_text()
     assert "https://127.0.0.1" in meta and not any("s3cret" in t for t in [*files, meta, done.line((name,)), *log])
+
+
+def test_a_cache_entry_another_user_could_have_planted_or_altered_is_refused(cache: Path) -> None:
+    """A shared $SMOLBENCH_CACHE: an entry counted as installed once its packages.json was there,
+    whoever made it, and was mounted into machines. Now, as ssh treats its files: the user's own
+    (or root's) and writable by nobody else, or refused in one line with the fix."""
+    guest = packages.host_python()
+    made = packages.ensure((PKG,), guest)
+    assert packages.ensure((PKG,), guest).cached  # a normal entry: accepted
+    entry, root = made.lib.parent, cache / "packages"
+
+    def refused() -> str:
+        with pytest.raises(SmolbenchError) as err:
+            packages.ensure((PKG,), guest)
+        assert "\n" not in str(err.value), str(err.value)
+        return str(err.value)
+
+    module = made.lib / "tomli_w" / "__init__.py"
+    module.chmod(0o666)  # altered, or alterable: a file deep in it that others can write
+    said = refused()
+    assert said.startswith(f"refusing the packages cache entry {entry} ({module}): it is writable by group and others "
+                           "(mode 0666), so another user could have planted or altered it; remove it (rm -rf "), said
+    module.chmod(0o644)
+    entry.chmod(0o775)
+    assert "it is writable by group (mode 0775)" in refused()
+    entry.chmod(0o755)
+    root.chmod(0o777)  # a cache folder others write in: they can plant any entry
+    assert refused() == (f"refusing the packages cache {root}: it is writable by group and others (mode 0777), so "
+                         f"another user could plant or alter the packages it mounts into machines; chmod go-w {root}")
+    root.chmod(0o755)
+    assert packages.ensure((PKG,), guest).cached
+    if os.getuid() == 0:  # planted: an entry of another user (only root can make one here)
+        os.chown(entry, 65534, 65534)
+        assert f"refusing the packages cache entry {entry}: it belongs to uid 65534, not you (uid 0)" in refused()
+        os.chown(entry, 0, 0)
+        os.chown(root, 65534, 65534)
+        assert refused().endswith("set $SMOLBENCH_CACHE to a folder of your own")
+        os.chown(root, 0, 0)
+    assert packages.ensure((PKG,), guest).cached
