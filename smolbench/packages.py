@@ -305,7 +305,92 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
 def _cached(root: Path, entry: Path) -> Installed:
     trusted_folder(root)
     trusted(entry)
+    with contextlib.suppress(OSError):  # its last use, for `smolbench packages prune`
+        os.utime(entry / META)
     return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A cache entry as ``smolbench packages list`` shows it."""
+
+    path: Path
+    size: int  # bytes
+    used: float  # when an up last used it (packages.json's mtime)
+    meta: dict[str, object]  # its packages.json ({} when refused: a planted file's text is not shown)
+    refused: str | None  # why an up would refuse it (:func:`trusted`), or None
+
+
+def entries() -> list[Entry]:
+    """The cache's complete entries, least recently used first."""
+    root = packages_root()
+    if not root.is_dir():
+        return []
+    trusted_folder(root)
+    found = []
+    for name in os.listdir(root):
+        path = root / name
+        if name.startswith(".") or not (path / META).is_file():
+            continue  # a lock, an install under way or left by a killed one (prune takes those)
+        refused: str | None = None
+        try:
+            trusted(path)
+            meta = json.loads((path / META).read_text())
+        except (SmolbenchError, OSError, ValueError) as exc:
+            refused, meta = str(exc), {}
+        found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},
+                           refused))
+    return sorted(found, key=lambda e: e.used)
+
+
+def prune(days: float, dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove the entries no up used in ``days`` days, and folders a killed install left; the
+    removed (or, ``dry_run``, removable) folders and their sizes. An entry whose install or prune
+    runs elsewhere (its key's lock held) is left. A machine still up on a removed entry loses
+    its packages: hence days, not everything."""
+    root = packages_root()
+    if not root.is_dir():
+        return []
+    trusted_folder(root)
+    cutoff = time.time() - days * 86400
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = root / name
+        if name.startswith("."):
+            if ".tmp-" not in name and ".prune-" not in name:
+                continue  # a lock file: kept (a kernel may hold it)
+            digest = name[1:].split(".", 1)[0]
+        else:
+            digest = name
+            with contextlib.suppress(OSError):
+                if os.stat(path / META).st_mtime >= cutoff:
+                    continue
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue  # not a folder of the user's to remove
+        with open(root / f".{digest}.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # installing (a temporary folder in use) or another prune
+            if not path.exists():
+                continue
+            size = _size(path)
+            if not dry_run:
+                gone = path if ".prune-" in name else root / f".{digest}.prune-{os.getpid()}"
+                os.rename(path, gone)  # out of ensure's sight at once, then removed
+                shutil.rmtree(gone)
+            removed.append((path, size))
+    return removed
+
+
+def _size(tree: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
 
 
 def _untrusted(path: Path, st: os.stat_result) -> str | None:

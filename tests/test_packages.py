@@ -607,3 +607,43 @@ def test_a_cache_entry_another_user_could_have_planted_or_altered_is_refused(cac
         assert refused().endswith("set $SMOLBENCH_CACHE to a folder of your own")
         os.chown(root, 0, 0)
     assert packages.ensure((PKG,), guest).cached
+
+
+def test_the_cache_is_listed_and_pruned_of_what_no_up_used_lately(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import fcntl
+    import time
+
+    from smolbench import cli
+
+    guest = packages.host_python()
+    made = packages.ensure((PKG,), guest)
+    entry, root = made.lib.parent, cache / "packages"
+    fresh = root / ("f" * 24)
+    shutil.copytree(entry, fresh, symlinks=True)
+    past = time.time() - 40 * 86400
+    os.utime(entry / packages.META, (past, past))
+    assert packages.ensure((PKG,), guest).cached  # an up uses it: its last use is now
+    assert packages.prune(30, dry_run=True) == []
+    os.utime(entry / packages.META, (past, past))
+    killed = root / f".{entry.name}.tmp-x1"  # what a killed install left
+    (killed / "lib").mkdir(parents=True)
+    busy = root / f".{'b' * 24}.tmp-x2"  # an install under way: its lock is held
+    busy.mkdir()
+    assert cli.main(["packages", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{entry.name}\t") and f"\t{guest.tag}\t{PKG}" in out[0], out
+    assert out[1].startswith(f"{fresh.name}\t") and out[2].startswith("2 entries, ") and out[2].endswith(str(root))
+    with open(root / f".{'b' * 24}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cli.main(["packages", "prune", "--dry-run"]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == [f"would remove {killed} (0 MB)",
+                                                            f"would remove {entry} (0 MB)"]
+        assert entry.is_dir() and killed.is_dir()
+        assert cli.main(["packages", "prune"]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == [f"removed {killed} (0 MB)", f"removed {entry} (0 MB)"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == sorted([fresh.name, busy.name])
+    assert not packages.ensure((PKG,), guest).cached  # installed anew when next needed
+    (fresh / "lib").chmod(0o777)  # a refused entry is listed as such, its packages.json unread
+    assert cli.main(["packages", "list"]) == 0
+    assert f"{fresh.name}\t0 MB\tused " in (out := capsys.readouterr().out) and "\tREFUSED: refusing the packages" in out
