@@ -2,9 +2,10 @@
 
 The host runs ``pip install --target`` into a content-addressed cache outside every machine
 (``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
-platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result read-only into every machine of that baseline,
-so machines need no network for them. pip only ever sees the requirement strings of the
-user's own Smolfile, never anything a machine made; and it installs wheels only
+platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result
+read-only into every machine of that baseline, so machines need no network for them. pip only
+ever sees the requirement strings of the user's own Smolfile, never anything a machine made; and
+it installs wheels only
 (``--only-binary=:all:``), so no package's ``setup.py`` runs on the host. Installs are atomic
 (a temporary folder renamed into place) and safe to run from several kernels at once (a lock
 file per key). An entry is used only when it and the cache folder are the user's own and nobody
@@ -192,20 +193,17 @@ def pip_sources() -> tuple[str, ...]:
     configuration sets, every pip.conf (PIP_CONFIG_FILE, site, user, venv) and PIP_* variable alike,
     as ``section.name=value`` (sorted), each URL without its ``user:password@``; and a constraint
     file's content (its hash). Asked of pip itself (``pip config list``, the pip that installs):
-    only pip knows every file it reads in every version, and one call costs ~0.2 s beside an up."""
-    cmd = [sys.executable, "-I", "-m", "pip", "config", "list"]
-    try:
-        done = subprocess.run(cmd, env=_pip_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              errors="replace", timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SmolbenchError(f"can't read pip's configuration ({' '.join(cmd[1:])}: {exc}): the host's pip decides "
-                             f"where the Smolfile's packages come from; check that {sys.executable} has pip") from None
-    if done.returncode != 0:
-        last = (plain(done.stderr).strip().splitlines() or ["no output"])[-1]
-        raise SmolbenchError(f"can't read pip's configuration (pip config list: {redact(last)[:300]}): fix the "
-                             "pip.conf or PIP_* variable it names; it decides where the Smolfile's packages come from")
+    only pip knows every file it reads in every version. That costs ~0.2 s, so the answer is kept
+    while the variables and the files pip said it reads (``pip config debug``) are unchanged: the
+    machines of one up ask once."""
+    global _SOURCES_MEMO
+    memo = _SOURCES_MEMO
+    if memo is not None and _fingerprint(memo[0]) == memo[1]:
+        return memo[2]
+    files = [m["path"] for m in map(_FILE_LINE.fullmatch, _pip_config("debug").splitlines()) if m]
+    seen = _fingerprint(files)  # before the values are read: a change meanwhile is read again next time
     found: set[str] = set()
-    for line in done.stdout.splitlines():
+    for line in _pip_config("list").splitlines():
         match = _CONFIG_LINE.fullmatch(line.strip())
         if not match or match["section"] not in _SOURCE_SECTIONS or match["name"] not in _SOURCE_OPTIONS:
             continue
@@ -213,10 +211,49 @@ def pip_sources() -> tuple[str, ...]:
         found.add(f"{match['section']}.{match['name']}={value}")
         if match["name"] == "constraint":  # its lines decide versions as the requirements do
             for item in value.split():
+                path = item.removeprefix("file://")
+                seen += _fingerprint([path])[2:]
                 with contextlib.suppress(OSError):
-                    digest = hashlib.sha256(Path(item.removeprefix("file://")).read_bytes()).hexdigest()[:16]
+                    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
                     found.add(f"constraint-file={item} sha256:{digest}")
-    return tuple(sorted(found))
+                files.append(path)
+    sources = tuple(sorted(found))
+    _SOURCES_MEMO = (files, seen, sources)
+    return sources
+
+
+_FILE_LINE = re.compile(r"\s+(?P<path>/.*), exists: (?:True|False)")  # a file `pip config debug` reads
+_MEMO_ENV = ("HOME", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS", "VIRTUAL_ENV")  # they move pip's files
+_SOURCES_MEMO: tuple[list[str], tuple[object, ...], tuple[str, ...]] | None = None
+
+
+def _fingerprint(files: list[str]) -> tuple[object, ...]:
+    """What :func:`pip_sources` depends on, cheaply: the interpreter, pip's variables, its files' stats."""
+    env = tuple(sorted((k, v) for k, v in _pip_env().items() if k.startswith("PIP_") or k in _MEMO_ENV))
+    stats: list[object] = []
+    for path in files:
+        try:
+            st = os.stat(path)
+            stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stats.append((path, None))
+    return (sys.executable, env, *stats)
+
+
+def _pip_config(action: str) -> str:
+    """``pip config ACTION``'s output, from the pip that installs, in its environment."""
+    cmd = [sys.executable, "-I", "-m", "pip", "config", action]
+    try:
+        done = subprocess.run(cmd, env=_pip_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace", timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SmolbenchError(f"can't read pip's configuration (pip config {action}: {exc}): the host's pip decides "
+                             f"where the Smolfile's packages come from; check that {sys.executable} has pip") from None
+    if done.returncode != 0:
+        last = (plain(done.stderr).strip().splitlines() or ["no output"])[-1]
+        raise SmolbenchError(f"can't read pip's configuration (pip config {action}: {redact(last)[:300]}): fix the "
+                             "pip.conf or PIP_* variable it names; it decides where the Smolfile's packages come from")
+    return done.stdout
 
 
 def shown_sources(sources: tuple[str, ...]) -> list[str]:

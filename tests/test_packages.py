@@ -544,6 +544,24 @@ def test_the_same_requirements_from_another_index_are_another_install(
     assert who(packages.ensure(reqs, guest)) == "WHO = 'public'"
 
 
+def test_pips_configuration_is_read_again_only_when_a_variable_or_a_file_of_it_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pip config list`` takes ~0.2 s, and every machine of an up asks."""
+    calls: list[str] = []
+    real = packages._pip_config
+    monkeypatch.setattr(packages, "_pip_config", lambda action: calls.append(action) or real(action))
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://one.example/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    first = packages.pip_sources()
+    assert "global.index-url=https://one.example/simple" in first and calls == ["debug", "list"]
+    assert packages.pip_sources() == first and len(calls) == 2  # nothing changed: not asked again
+    conf.write_text("[global]\nindex-url = https://second.example/simple\n")
+    assert "global.index-url=https://second.example/simple" in packages.pip_sources() and len(calls) == 4
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert ":env:.no-index=1" in packages.pip_sources() and len(calls) == 6
+
+
 def test_a_token_in_an_index_url_is_in_no_key_file_name_or_line(
         cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The key covers the index, not its credentials: another token is the same index, and the
