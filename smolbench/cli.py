@@ -1,4 +1,4 @@
-"""The ``smolbench`` command: ``demo``, ``doctor``, ``image build``, ``cluster local`` and ``serve``."""
+"""The ``smolbench`` command: ``demo``, ``doctor``, ``image build``, ``packages``, ``cluster local`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -293,6 +293,47 @@ def image_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def packages_list(args: argparse.Namespace) -> int:
+    """List the cache of Smolfile packages, least recently used first."""
+    from . import packages
+    from .errors import SmolbenchError
+
+    try:
+        found = packages.entries()
+    except SmolbenchError as exc:
+        print(f"smolbench: {exc}", file=sys.stderr)
+        return 1
+    for e in found:
+        used = time.strftime("%Y-%m-%d", time.localtime(e.used))
+        if e.refused:
+            print(f"{e.path.name}\t{e.size / 1e6:.0f} MB\tused {used}\tREFUSED: {e.refused}")
+            continue
+        reqs, sources = e.meta.get("requirements"), e.meta.get("sources")
+        said = " ".join(map(str, reqs)) if isinstance(reqs, list) else "?"
+        where = f"\tfrom {', '.join(map(str, sources))}" if isinstance(sources, list) and sources else ""
+        print(f"{e.path.name}\t{e.size / 1e6:.0f} MB\tused {used}\t{e.meta.get('python', '?')}\t{said}{where}")
+    print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {sum(e.size for e in found) / 1e6:.0f} MB in "
+          f"{packages.packages_root()}")
+    return 0
+
+
+def packages_prune(args: argparse.Namespace) -> int:
+    """Remove cached Smolfile packages no up used in --days days."""
+    from . import packages
+    from .errors import SmolbenchError
+
+    try:
+        removed = packages.prune(args.days, dry_run=args.dry_run)
+    except SmolbenchError as exc:
+        print(f"smolbench: {exc}", file=sys.stderr)
+        return 1
+    for path, size in removed:
+        print(f"{'would remove' if args.dry_run else 'removed'} {path} ({size / 1e6:.0f} MB)")
+    print(f"{len(removed)} folder{'s' if len(removed) != 1 else ''}, {sum(s for _, s in removed) / 1e6:.0f} MB"
+          f"{' would be' if args.dry_run else ''} freed in {packages.packages_root()}")
+    return 0
+
+
 def cluster_local(args: argparse.Namespace) -> int:
     """A throwaway multi-node Ray cluster on this machine, until Ctrl-C (or SIGTERM)."""
     import signal
@@ -346,6 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=image_build)
     ls = isub.add_parser("list", help="list cached images")
     ls.set_defaults(fn=image_list)
+    pk = sub.add_parser("packages", help="the cache of Smolfile packages pip installed on this host")
+    psub = pk.add_subparsers(dest="action", required=True)
+    psub.add_parser("list", help="list cached package installs, least recently used first").set_defaults(fn=packages_list)
+    pr = psub.add_parser("prune", help="remove cached package installs no up used lately (reinstalled when next needed)")
+    pr.add_argument("--days", type=float, default=30.0,
+                    help="remove those unused for this many days (default 30; 0: all, even one a running machine uses)")
+    pr.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    pr.set_defaults(fn=packages_prune)
     cl = sub.add_parser("cluster", help="Ray clusters for %%smol up --ray")
     csub = cl.add_subparsers(dest="action", required=True)
     loc = csub.add_parser("local", help="a throwaway multi-node Ray cluster on this machine (until Ctrl-C)")

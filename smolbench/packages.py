@@ -2,16 +2,19 @@
 
 The host runs ``pip install --target`` into a content-addressed cache outside every machine
 (``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
-platform) and the backends mount the result read-only into every machine of that baseline,
-so machines need no network for them. pip only ever sees the requirement strings of the
-user's own Smolfile, never anything a machine made; and it installs wheels only
+platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result
+read-only into every machine of that baseline, so machines need no network for them. pip only
+ever sees the requirement strings of the user's own Smolfile, never anything a machine made; and
+it installs wheels only
 (``--only-binary=:all:``), so no package's ``setup.py`` runs on the host. Installs are atomic
 (a temporary folder renamed into place) and safe to run from several kernels at once (a lock
-file per key).
+file per key). An entry is used only when it and the cache folder are the user's own and nobody
+else can write them (:func:`trusted`): another user of a shared cache could plant or alter one.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import fcntl
@@ -22,6 +25,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -151,10 +155,118 @@ def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestP
     return GuestPython(major, minor, os.uname().machine, glibc, native=False)
 
 
-def key(requirements: tuple[str, ...], guest: GuestPython) -> str:
-    """The cache key: the requirement list (as written, in order), the guest's Python and platform."""
-    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native}, sort_keys=True)
+def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...]) -> str:
+    """The cache key: the requirement list (as written, in order), the guest's Python and platform,
+    and ``sources``, where pip looks for them (:func:`pip_sources`)."""
+    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native,
+                       "sources": list(sources)}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:24]
+
+
+# pip's options that decide which distributions an install resolves to (not how it connects: cert,
+# proxy, timeout, retries). The same requirements from another index are other packages: a private
+# mirror's patched build is not PyPI's.
+_SOURCE_OPTIONS = frozenset({
+    "index-url", "extra-index-url", "find-links", "no-index", "constraint", "pre", "only-binary", "no-binary",
+    "prefer-binary", "no-deps", "ignore-requires-python", "use-feature", "use-deprecated", "platform",
+    "python-version", "implementation", "abi"})
+_SOURCE_SECTIONS = frozenset({"global", "install", ":env:"})  # what `pip install` reads
+_CONFIG_LINE = re.compile(r"(?P<section>[^.=\s]*)\.(?P<name>[a-z0-9_-]+)=(?P<value>'.*'|\".*\")")
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")  # user:token@ in a URL
+
+
+def redact(text: str) -> str:
+    """``text`` without the ``user:password@`` of any URL in it (an index URL may carry a token)."""
+    return _USERINFO.sub("", text)
+
+
+def _pip_env() -> dict[str, str]:
+    """The environment of the host's pip: the kernel's own, without what would install elsewhere."""
+    env = dict(os.environ)
+    env.pop("PIP_TARGET", None)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def pip_sources() -> tuple[str, ...]:
+    """Where the host's pip would find packages: the options of :data:`_SOURCE_OPTIONS` that its
+    configuration sets, every pip.conf (PIP_CONFIG_FILE, site, user, venv) and PIP_* variable alike,
+    as ``section.name=value`` (sorted), each URL without its ``user:password@``; and a constraint
+    file's content (its hash). Asked of pip itself (``pip config list``, the pip that installs):
+    only pip knows every file it reads in every version. That costs ~0.2 s, so the answer is kept
+    while the variables and the files pip said it reads (``pip config debug``) are unchanged: the
+    machines of one up ask once."""
+    global _SOURCES_MEMO
+    memo = _SOURCES_MEMO
+    if memo is not None and _fingerprint(memo[0]) == memo[1]:
+        return memo[2]
+    files = [m["path"] for m in map(_FILE_LINE.fullmatch, _pip_config("debug").splitlines()) if m]
+    seen = _fingerprint(files)  # before the values are read: a change meanwhile is read again next time
+    found: set[str] = set()
+    for line in _pip_config("list").splitlines():
+        match = _CONFIG_LINE.fullmatch(line.strip())
+        if not match or match["section"] not in _SOURCE_SECTIONS or match["name"] not in _SOURCE_OPTIONS:
+            continue
+        value = redact(str(ast.literal_eval(match["value"])))
+        found.add(f"{match['section']}.{match['name']}={value}")
+        if match["name"] == "constraint":  # its lines decide versions as the requirements do
+            for item in value.split():
+                path = item.removeprefix("file://")
+                seen += _fingerprint([path])[2:]
+                with contextlib.suppress(OSError):
+                    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+                    found.add(f"constraint-file={item} sha256:{digest}")
+                files.append(path)
+    sources = tuple(sorted(found))
+    _SOURCES_MEMO = (files, seen, sources)
+    return sources
+
+
+_FILE_LINE = re.compile(r"\s+(?P<path>/.*), exists: (?:True|False)")  # a file `pip config debug` reads
+_MEMO_ENV = ("HOME", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS", "VIRTUAL_ENV")  # they move pip's files
+_SOURCES_MEMO: tuple[list[str], tuple[object, ...], tuple[str, ...]] | None = None
+
+
+def _fingerprint(files: list[str]) -> tuple[object, ...]:
+    """What :func:`pip_sources` depends on, cheaply: the interpreter, pip's variables, its files' stats."""
+    env = tuple(sorted((k, v) for k, v in _pip_env().items() if k.startswith("PIP_") or k in _MEMO_ENV))
+    stats: list[object] = []
+    for path in files:
+        try:
+            st = os.stat(path)
+            stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stats.append((path, None))
+    return (sys.executable, env, *stats)
+
+
+def _pip_config(action: str) -> str:
+    """``pip config ACTION``'s output, from the pip that installs, in its environment."""
+    cmd = [sys.executable, "-I", "-m", "pip", "config", action]
+    try:
+        done = subprocess.run(cmd, env=_pip_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace", timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SmolbenchError(f"can't read pip's configuration (pip config {action}: {exc}): the host's pip decides "
+                             f"where the Smolfile's packages come from; check that {sys.executable} has pip") from None
+    if done.returncode != 0:
+        last = (plain(done.stderr).strip().splitlines() or ["no output"])[-1]
+        raise SmolbenchError(f"can't read pip's configuration (pip config {action}: {redact(last)[:300]}): fix the "
+                             "pip.conf or PIP_* variable it names; it decides where the Smolfile's packages come from")
+    return done.stdout
+
+
+def shown_sources(sources: tuple[str, ...]) -> list[str]:
+    """``sources`` as packages.json keeps them: an http(s) URL as scheme://host only (a path may carry a token)."""
+    def shown(item: str) -> str:
+        parts = urllib.parse.urlsplit(item)
+        return f"{parts.scheme}://{parts.hostname or ''}" if parts.scheme in ("http", "https") else item
+
+    said = []
+    for line in sources:
+        name, _, value = line.partition("=")
+        said.append(f"{name}={' '.join(shown(v) for v in value.split())}")
+    return said
 
 
 @dataclass(frozen=True)
@@ -192,19 +304,23 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
     (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so)."""
     root = packages_root()
-    digest = key(requirements, guest)
+    sources = pip_sources()
+    digest = key(requirements, guest, sources)
     entry = root / digest
     if (entry / META).is_file():
-        return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+        return _cached(root, entry)
     tell = ON_INSTALL.get()
     if tell is not None:
         tell(f"smolbench: installing {len(requirements)} package{'s' if len(requirements) != 1 else ''} from the "
              "Smolfile (first time only; cached after) …")
-    root.mkdir(parents=True, exist_ok=True)
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o755)  # the sandbox uid reads it; and not group-writable under a umask of 002
+    trusted_folder(root)  # another user able to write in it could swap the install while pip runs
     with open(root / f".{digest}.lock", "a+") as lock:
         _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
         if (entry / META).is_file():
-            return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+            return _cached(root, entry)
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
         try:
@@ -212,7 +328,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             _readable(tmp)
             took = time.monotonic() - started
             meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
-                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
             (tmp / META).write_text(json.dumps(meta) + "\n")
             if entry.exists():  # a half-made entry of an older version: replaced whole
                 shutil.rmtree(entry)
@@ -221,6 +337,152 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Installed(entry / LIB, False, took, _count(entry / LIB))
+
+
+def _cached(root: Path, entry: Path) -> Installed:
+    trusted_folder(root)
+    trusted(entry)
+    with contextlib.suppress(OSError):  # its last use, for `smolbench packages prune`
+        os.utime(entry / META)
+    return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A cache entry as ``smolbench packages list`` shows it."""
+
+    path: Path
+    size: int  # bytes
+    used: float  # when an up last used it (packages.json's mtime)
+    meta: dict[str, object]  # its packages.json ({} when refused: a planted file's text is not shown)
+    refused: str | None  # why an up would refuse it (:func:`trusted`), or None
+
+
+def entries() -> list[Entry]:
+    """The cache's complete entries, least recently used first."""
+    root = packages_root()
+    if not root.is_dir():
+        return []
+    trusted_folder(root)
+    found = []
+    for name in os.listdir(root):
+        path = root / name
+        if name.startswith(".") or not (path / META).is_file():
+            continue  # a lock, an install under way or left by a killed one (prune takes those)
+        refused: str | None = None
+        try:
+            trusted(path)
+            meta = json.loads((path / META).read_text())
+        except (SmolbenchError, OSError, ValueError) as exc:
+            refused, meta = str(exc), {}
+        found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},
+                           refused))
+    return sorted(found, key=lambda e: e.used)
+
+
+def prune(days: float, dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove the entries no up used in ``days`` days, and folders a killed install left; the
+    removed (or, ``dry_run``, removable) folders and their sizes. An entry whose install or prune
+    runs elsewhere (its key's lock held) is left. A machine still up on a removed entry loses
+    its packages: hence days, not everything."""
+    root = packages_root()
+    if not root.is_dir():
+        return []
+    trusted_folder(root)
+    cutoff = time.time() - days * 86400
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = root / name
+        if name.startswith("."):
+            if ".tmp-" not in name and ".prune-" not in name:
+                continue  # a lock file: kept (a kernel may hold it)
+            digest = name[1:].split(".", 1)[0]
+        else:
+            digest = name
+            with contextlib.suppress(OSError):
+                if os.stat(path / META).st_mtime >= cutoff:
+                    continue
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue  # not a folder of the user's to remove
+        with open(root / f".{digest}.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # installing (a temporary folder in use) or another prune
+            if not path.exists():
+                continue
+            size = _size(path)
+            if not dry_run:
+                gone = path if ".prune-" in name else root / f".{digest}.prune-{os.getpid()}"
+                os.rename(path, gone)  # out of ensure's sight at once, then removed
+                shutil.rmtree(gone)
+            removed.append((path, size))
+    return removed
+
+
+def _size(tree: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _untrusted(path: Path, st: os.stat_result) -> str | None:
+    """Why another user could have planted or altered ``path`` (its lstat ``st``), or None: as ssh
+    does its files, it must be the user's own (or root's) and writable by nobody else."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"it belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+    if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
+        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def trusted_folder(root: Path) -> None:
+    """Refuse the packages folder ``root`` (in one line, with the fix) if another user could write in it."""
+    why = _untrusted(root, os.stat(root))  # followed: $SMOLBENCH_CACHE may be a link the user made
+    if why is None:
+        return
+    fix = (f"chmod go-w {root}" if os.stat(root).st_uid == os.getuid()
+           else "set $SMOLBENCH_CACHE to a folder of your own")
+    raise SmolbenchError(f"refusing the packages cache {root}: {why}, so another user could plant or alter the "
+                         f"packages it mounts into machines; {fix}")
+
+
+def trusted(entry: Path) -> None:
+    """Refuse the cache entry ``entry`` (in one line, with the fix) if another user could have planted or
+    altered it: its folders and files, walked without following links, must all be the user's own (or
+    root's) and writable by nobody else. pip made them so (:func:`_readable`); a shared cache's other user
+    can't, nor can anyone change them after. Checked before every mount (~7 ms a thousand files)."""
+    def bad(path: Path) -> tuple[Path, str] | None:
+        try:
+            why = _untrusted(path, os.lstat(path))
+        except OSError as exc:
+            why = f"it can't be read ({exc.strerror})"
+        return (path, why) if why else None
+
+    found = bad(entry) or bad(entry / META) or bad(entry / LIB)
+    if found is None and not stat.S_ISDIR(os.lstat(entry).st_mode):
+        found = (entry, "it is not a folder")
+    stack = [str(entry / LIB)] if found is None and os.path.isdir(entry / LIB) else []
+    while stack and found is None:
+        with os.scandir(stack.pop()) as items:
+            for item in items:
+                why = _untrusted(Path(item.path), item.stat(follow_symlinks=False))
+                if why:
+                    found = (Path(item.path), why)
+                    break
+                if item.is_dir(follow_symlinks=False):
+                    stack.append(item.path)
+    if found is not None:
+        path, why = found
+        where = "" if path == entry else f" ({path})"
+        raise SmolbenchError(f"refusing the packages cache entry {entry}{where}: {why}, so another user could have "
+                             f"planted or altered it; remove it (rm -rf {entry}: the next up installs it anew), "
+                             "or set $SMOLBENCH_CACHE to a folder of your own")
 
 
 # pip's --only-binary=:all: does not hold for a URL a wheel's own metadata names (Requires-Dist:
@@ -267,9 +529,7 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
         problem = requirement_problem(text)
         if problem:
             raise SmolbenchError(f"Smolfile packages entry {text!r} {problem}")
-    env = dict(os.environ)
-    env.pop("PIP_TARGET", None)
-    env.pop("PYTHONPATH", None)
+    env = _pip_env()
     tail: deque[str] = deque(maxlen=40)
     deadline = time.monotonic() + PIP_TIMEOUT
     # its own process group: killed, pip's own children (a package's build) go with it

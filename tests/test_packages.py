@@ -77,8 +77,9 @@ def test_an_install_is_made_once_then_reused_even_by_kernels_asking_at_once(cach
     again = packages.ensure((PKG,), guest)
     assert again.cached and again.lib == lib and again.line((PKG,)).startswith("packages: cached (1 requirement")
     # the key covers the list and the guest's Python: another of either is another entry
-    assert packages.key((PKG, "six"), guest) != packages.key((PKG,), guest)
-    assert packages.key((PKG,), packages.version_python("3.12")) != packages.key((PKG,), guest)
+    here = packages.pip_sources()
+    assert packages.key((PKG, "six"), guest, here) != packages.key((PKG,), guest, here)
+    assert packages.key((PKG,), packages.version_python("3.12"), here) != packages.key((PKG,), guest, here)
 
 
 def test_pip_on_the_host_installs_wheels_only_so_no_setup_py_runs(cache: Path, tmp_path: Path) -> None:
@@ -416,7 +417,7 @@ def test_an_up_stopped_while_another_kernel_installs_the_same_list_stops_waiting
     root = packages.packages_root()
     root.mkdir(parents=True)
     released = threading.Event()
-    with open(root / f".{packages.key((PKG,), guest)}.lock", "a+") as held:
+    with open(root / f".{packages.key((PKG,), guest, packages.pip_sources())}.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # the other kernel, installing
         # released 10 s on: a stop that waited for it can't be told from one that didn't by a loaded host's delays
         release = threading.Timer(10.0, lambda: (released.set(), fcntl.flock(held, fcntl.LOCK_UN)))
@@ -496,3 +497,171 @@ def test_a_full_disk_on_the_host_says_where_to_free_space() -> None:
     tail = ["ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"]
     said = packages.pip_failure(tail, ("scipy",), packages.host_python())
     assert "the host's disk is full" in said and str(packages.packages_root()) in said and "\n" not in said, said
+
+
+def _wheel(folder: Path, name: str, text: str) -> Path:
+    """A wheel of a one-module package ``name`` 1.0 whose module is ``text``."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    files = {f"{name}/__init__.py": text,
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{name}-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, t in files.items():
+            z.writestr(n, t)
+    return wheel
+
+
+def test_the_same_requirements_from_another_index_are_another_install(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private mirror's patched build, then back to the public index: the key left out where pip
+    looked, so the second install was the mirror's, reused. A pip.conf is a source as a variable is."""
+    name = "smolbench-probe-pkg"
+    mirror = _file_index(tmp_path / "mirror", {name: _wheel(tmp_path / "a", "smolbench_probe_pkg", "WHO = 'mirror'\n")})
+    public = _file_index(tmp_path / "public", {name: _wheel(tmp_path / "b", "smolbench_probe_pkg", "WHO = 'public'\n")})
+    guest, reqs = packages.host_python(), (f"{name}==1.0",)
+
+    def who(installed: packages.Installed) -> str:
+        return (installed.lib / "smolbench_probe_pkg" / "__init__.py").read_text().strip()
+
+    monkeypatch.setenv("PIP_INDEX_URL", mirror)
+    first = packages.ensure(reqs, guest)
+    assert who(first) == "WHO = 'mirror'" and not first.cached
+    assert packages.ensure(reqs, guest).cached  # the same sources: reused
+    monkeypatch.setenv("PIP_INDEX_URL", public)
+    second = packages.ensure(reqs, guest)
+    assert who(second) == "WHO = 'public'" and not second.cached, who(second)
+    monkeypatch.delenv("PIP_INDEX_URL")
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nindex-url = {mirror}\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    third = packages.ensure(reqs, guest)
+    assert who(third) == "WHO = 'mirror'", who(third)
+    conf.write_text(f"[install]\nindex-url = {public}\n")
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'public'"
+
+
+def test_pips_configuration_is_read_again_only_when_a_variable_or_a_file_of_it_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pip config list`` takes ~0.2 s, and every machine of an up asks."""
+    calls: list[str] = []
+    real = packages._pip_config
+    monkeypatch.setattr(packages, "_pip_config", lambda action: calls.append(action) or real(action))
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://one.example/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    first = packages.pip_sources()
+    assert "global.index-url=https://one.example/simple" in first and calls == ["debug", "list"]
+    assert packages.pip_sources() == first and len(calls) == 2  # nothing changed: not asked again
+    conf.write_text("[global]\nindex-url = https://second.example/simple\n")
+    assert "global.index-url=https://second.example/simple" in packages.pip_sources() and len(calls) == 4
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert ":env:.no-index=1" in packages.pip_sources() and len(calls) == 6
+
+
+def test_a_token_in_an_index_url_is_in_no_key_file_name_or_line(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key covers the index, not its credentials: another token is the same index, and the
+    token is in no file name, packages.json or line of the install."""
+    guest = packages.host_python()
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://alice:s3cret-token@mirror.invalid/simple")
+    alice = packages.pip_sources()
+    assert not any("s3cret" in s for s in alice) and ":env:.extra-index-url=https://mirror.invalid/simple" in alice
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://bob:other@mirror.invalid/simple")
+    assert packages.pip_sources() == alice
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://mirror.example/simple")
+    assert packages.key((PKG,), guest, packages.pip_sources()) != packages.key((PKG,), guest, alice)
+    assert packages.shown_sources((":env:.index-url=https://mirror.example/path-token/simple",)) == [
+        ":env:.index-url=https://mirror.example"]
+    # an install from a file index, the token-carrying index beside it (unreachable: pip goes on without it)
+    name = "smolbench-probe-pkg"
+    monkeypatch.setenv("PIP_INDEX_URL", _file_index(tmp_path / "i", {name: _wheel(tmp_path / "w", "smolbench_probe_pkg", "")}))
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://alice:s3cret-token@127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    log: list[str] = []
+    done = packages.ensure((f"{name}==1.0",), guest, log)
+    files = [str(p) for p in (cache / "packages").rglob("*")]
+    meta = (done.lib.parent / packages.META).read_text()
+    assert "https://127.0.0.1" in meta and not any("s3cret" in t for t in [*files, meta, done.line((name,)), *log])
+
+
+def test_a_cache_entry_another_user_could_have_planted_or_altered_is_refused(cache: Path) -> None:
+    """A shared $SMOLBENCH_CACHE: an entry counted as installed once its packages.json was there,
+    whoever made it, and was mounted into machines. Now, as ssh treats its files: the user's own
+    (or root's) and writable by nobody else, or refused in one line with the fix."""
+    guest = packages.host_python()
+    made = packages.ensure((PKG,), guest)
+    assert packages.ensure((PKG,), guest).cached  # a normal entry: accepted
+    entry, root = made.lib.parent, cache / "packages"
+
+    def refused() -> str:
+        with pytest.raises(SmolbenchError) as err:
+            packages.ensure((PKG,), guest)
+        assert "\n" not in str(err.value), str(err.value)
+        return str(err.value)
+
+    module = made.lib / "tomli_w" / "__init__.py"
+    module.chmod(0o666)  # altered, or alterable: a file deep in it that others can write
+    said = refused()
+    assert said.startswith(f"refusing the packages cache entry {entry} ({module}): it is writable by group and others "
+                           "(mode 0666), so another user could have planted or altered it; remove it (rm -rf "), said
+    module.chmod(0o644)
+    entry.chmod(0o775)
+    assert "it is writable by group (mode 0775)" in refused()
+    entry.chmod(0o755)
+    root.chmod(0o777)  # a cache folder others write in: they can plant any entry
+    assert refused() == (f"refusing the packages cache {root}: it is writable by group and others (mode 0777), so "
+                         f"another user could plant or alter the packages it mounts into machines; chmod go-w {root}")
+    root.chmod(0o755)
+    assert packages.ensure((PKG,), guest).cached
+    if os.getuid() == 0:  # planted: an entry of another user (only root can make one here)
+        os.chown(entry, 65534, 65534)
+        assert f"refusing the packages cache entry {entry}: it belongs to uid 65534, not you (uid 0)" in refused()
+        os.chown(entry, 0, 0)
+        os.chown(root, 65534, 65534)
+        assert refused().endswith("set $SMOLBENCH_CACHE to a folder of your own")
+        os.chown(root, 0, 0)
+    assert packages.ensure((PKG,), guest).cached
+
+
+def test_the_cache_is_listed_and_pruned_of_what_no_up_used_lately(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import fcntl
+    import time
+
+    from smolbench import cli
+
+    guest = packages.host_python()
+    made = packages.ensure((PKG,), guest)
+    entry, root = made.lib.parent, cache / "packages"
+    fresh = root / ("f" * 24)
+    shutil.copytree(entry, fresh, symlinks=True)
+    past = time.time() - 40 * 86400
+    os.utime(entry / packages.META, (past, past))
+    assert packages.ensure((PKG,), guest).cached  # an up uses it: its last use is now
+    assert packages.prune(30, dry_run=True) == []
+    os.utime(entry / packages.META, (past, past))
+    killed = root / f".{entry.name}.tmp-x1"  # what a killed install left
+    (killed / "lib").mkdir(parents=True)
+    busy = root / f".{'b' * 24}.tmp-x2"  # an install under way: its lock is held
+    busy.mkdir()
+    assert cli.main(["packages", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{entry.name}\t") and f"\t{guest.tag}\t{PKG}" in out[0], out
+    assert out[1].startswith(f"{fresh.name}\t") and out[2].startswith("2 entries, ") and out[2].endswith(str(root))
+    with open(root / f".{'b' * 24}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cli.main(["packages", "prune", "--dry-run"]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == [f"would remove {killed} (0 MB)",
+                                                            f"would remove {entry} (0 MB)"]
+        assert entry.is_dir() and killed.is_dir()
+        assert cli.main(["packages", "prune"]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == [f"removed {killed} (0 MB)", f"removed {entry} (0 MB)"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == sorted([fresh.name, busy.name])
+    assert not packages.ensure((PKG,), guest).cached  # installed anew when next needed
+    (fresh / "lib").chmod(0o777)  # a refused entry is listed as such, its packages.json unread
+    assert cli.main(["packages", "list"]) == 0
+    assert f"{fresh.name}\t0 MB\tused " in (out := capsys.readouterr().out) and "\tREFUSED: refusing the packages" in out
