@@ -15,6 +15,7 @@ import base64
 import concurrent.futures
 import contextlib
 import datetime
+import json
 import math
 import re
 import sys
@@ -35,6 +36,7 @@ from openenv.core.env_server.types import (
     State,
 )
 from pydantic import Field
+from starlette.websockets import WebSocket
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
 from .errors import SmolbenchError
@@ -53,6 +55,7 @@ AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolben
                "each WebSocket session counts, and each HTTP /reset while it runs): close a session you hold, "
                "or retry once one has ended (idle ones are closed after --idle-timeout), "
                "or restart the server with a higher --max-sessions")
+NO_MCP = "Unknown message type: mcp (this env has no MCP tools; send reset, step, state or close)"
 # OpenEnv's HTTP /reset and /step are stateless: each request gets a session (an env from the
 # app's factory) of its own, closed after it, so an HTTP step never follows a reset.
 STATELESS_STEP = ("no episode to step: OpenEnv's HTTP POST /step is stateless (each request is a session of its own, "
@@ -464,6 +467,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
     _reset_route(app, sessions)
+    _no_mcp_messages(app)
     app.state.smolbench_sessions = live
     app.state.smolbench_pool = pool
 
@@ -512,3 +516,35 @@ def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
     app.router.routes.remove(route)
     app.post("/reset", response_model=ResetResponse)(reset)
 
+
+def _no_mcp_messages(app: Any) -> None:
+    """OpenEnv's WebSocket ``/ws``, its ``"mcp"`` messages refused as an unknown type's are
+    (code UNKNOWN_TYPE; the session goes on): the env has no MCP tools, and OpenEnv's MCP
+    methods there open and close sessions by id. OpenEnv reads a message only once it
+    answered the one before, so the refusal goes out in its turn."""
+    from fastapi.routing import APIWebSocketRoute
+    from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
+
+    (route,) = [r for r in app.router.routes if isinstance(r, APIWebSocketRoute) and r.path == "/ws"]
+    openenv_ws = route.endpoint
+    refusal = WSErrorResponse(data={"message": NO_MCP, "code": WSErrorCode.UNKNOWN_TYPE}).model_dump_json()
+
+    async def ws(websocket: WebSocket) -> None:
+        receive_text = websocket.receive_text
+
+        async def without_mcp() -> str:
+            while True:
+                text = await receive_text()
+                try:  # parsed as OpenEnv parses it: "\u006dcp" is "mcp" too
+                    message = json.loads(text)
+                except ValueError:
+                    return text
+                if not (isinstance(message, dict) and message.get("type") == "mcp"):
+                    return text
+                await websocket.send_text(refusal)
+
+        websocket.receive_text = without_mcp  # type: ignore[method-assign]
+        await openenv_ws(websocket)
+
+    app.router.routes.remove(route)
+    app.websocket("/ws")(ws)

@@ -532,3 +532,30 @@ def test_a_running_http_reset_holds_a_slot_a_websocket_session_would_take(parent
     finally:
         app.state.smolbench_pool.shutdown()
 
+
+def test_a_websocket_mcp_message_is_refused_as_an_unknown_type(parent: Machines) -> None:
+    """The env has no MCP tools and OpenEnv's HTTP /mcp routes are gone, but its WebSocket
+    still took an "mcp" message (its openenv/session/create and /close, tools/list): it now
+    gets the refusal an unknown type gets, and makes no session or machine."""
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import app_for
+
+    app = app_for(parent, max_sessions=1)
+    live = app.state.smolbench_sessions
+    try:
+        with TestClient(app) as client, client.websocket_connect("/ws") as ws:
+            unknown = _ws_ask(ws, "nope")
+            assert unknown["type"] == "error" and unknown["data"]["code"] == "UNKNOWN_TYPE", unknown
+            for method, params in (("openenv/session/create", {}), ("tools/list", {}),
+                                   ("openenv/session/close", {"session_id": "x"})):
+                rpc = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                got = _ws_ask(ws, "mcp", rpc)  # on the old code: {"type": "mcp", ...}
+                assert got["type"] == "error" and got["data"]["code"] == "UNKNOWN_TYPE", got
+                assert got["data"]["message"].startswith("Unknown message type: mcp"), got
+            ws.send_text('{"type": "\\u006dcp", "data": {}}')  # the same type, spelt otherwise
+            assert json.loads(ws.receive_text())["data"]["code"] == "UNKNOWN_TYPE"
+            assert len(live) == 1 and not [ep.ref for m in live for ep in m.eps if ep.ref is not None]
+            assert _ws_ask(ws, "reset", {"seed": 1})["type"] == "observation"  # the session goes on
+    finally:
+        app.state.smolbench_pool.shutdown()
