@@ -15,6 +15,7 @@ import base64
 import concurrent.futures
 import contextlib
 import datetime
+import json
 import math
 import re
 import sys
@@ -24,6 +25,8 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+from openenv.core.env_server.exceptions import SessionCapacityError
+from openenv.core.env_server.http_server import HTTPEnvServer
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import (
     Action,
@@ -33,6 +36,7 @@ from openenv.core.env_server.types import (
     State,
 )
 from pydantic import Field
+from starlette.websockets import WebSocket
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
 from .errors import SmolbenchError
@@ -46,6 +50,12 @@ REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --reque
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
+# a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
+AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
+               "each WebSocket session counts, and each HTTP /reset while it runs): close a session you hold, "
+               "or retry once one has ended (idle ones are closed after --idle-timeout), "
+               "or restart the server with a higher --max-sessions")
+NO_MCP = "Unknown message type: mcp (this env has no MCP tools; send reset, step, state or close)"
 # OpenEnv's HTTP /reset and /step are stateless: each request gets a session (an env from the
 # app's factory) of its own, closed after it, so an HTTP step never follows a reset.
 STATELESS_STEP = ("no episode to step: OpenEnv's HTTP POST /step is stateless (each request is a session of its own, "
@@ -400,13 +410,40 @@ async def _within(coro: Coroutine[Any, Any, T], limit: float, cut: _Cut | None =
     raise _ClientGone if stop in done else _OutOfTime
 
 
+class AtCapacity(SessionCapacityError):
+    """A session refused at ``--max-sessions``: one line naming the cap and what to do."""
+
+    def __init__(self, active: int, cap: int) -> None:
+        super().__init__(active, cap, AT_CAPACITY.format(active=active, cap=cap))
+
+
+class _Sessions(HTTPEnvServer):
+    """OpenEnv's server, its WebSocket sessions refused at the cap in smolbench's words."""
+
+    async def _create_session(self) -> tuple[str, Environment]:
+        try:
+            return await super()._create_session()
+        except SessionCapacityError as exc:
+            raise AtCapacity(exc.active_sessions, exc.max_sessions) from None
+
+
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
             idle: float = IDLE_TIMEOUT) -> Any:
     """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session,
     each reset or step cut after ``timeout`` s, a session closed after ``idle`` s without a
     request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet,
-    ``app.state.smolbench_pool`` the HTTP requests' threads (to shut down with the server)."""
-    from openenv.core.env_server.http_server import create_fastapi_app
+    ``app.state.smolbench_pool`` the HTTP requests' threads (to shut down with the server).
+
+    ``max_sessions`` caps the sessions open at once, of both kinds: a WebSocket session from
+    its connection to its close (OpenEnv's own count), and a stateless HTTP ``POST /reset``
+    from its start until it answered (OpenEnv closes that one-request session, its machine
+    with it, as the request ends). A session being closed no longer counts, so one client's
+    back-to-back resets, over HTTP or in its WebSocket session (each episode replacing the
+    last in the session's one slot), are never refused. Past the cap a WebSocket session
+    gets OpenEnv's CAPACITY_REACHED error and an HTTP reset a 503, both with one line
+    naming the cap. HTTP ``/step``, ``/state`` and ``/metadata`` make no machine and are
+    not counted (a stateless step is refused: :data:`STATELESS_STEP`)."""
+    from fastapi import FastAPI
     from openenv.core.env_server.types import ConcurrencyConfig
 
     for name, value in (("request timeout", timeout), ("idle timeout", idle)):
@@ -422,13 +459,15 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
         return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
-    app = create_fastapi_app(factory, GymAction, GymObservation, concurrency_config=config)
-    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots);
-    # the API docs pages load scripts from a CDN into a page whose URL holds the server's token
-    gone = {"/mcp", "/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"}
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
-    _seed_as_sent(app)
-    app.openapi_url = app.docs_url = app.redoc_url = app.swagger_ui_oauth2_redirect_url = None
+    # as OpenEnv's create_fastapi_app, minus the API docs pages: they load scripts from a CDN
+    # into a page whose URL holds the server's token
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, swagger_ui_oauth2_redirect_url=None)
+    sessions = _Sessions(factory, GymAction, GymObservation, concurrency_config=config)
+    sessions.register_routes(app)
+    # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
+    _reset_route(app, sessions)
+    _no_mcp_messages(app)
     app.state.smolbench_sessions = live
     app.state.smolbench_pool = pool
 
@@ -437,21 +476,75 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
 
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
+    async def full(request: Any, exc: Exception) -> Any:  # what OpenEnv's WebSocket error says, as HTTP says it
+        from fastapi.responses import JSONResponse
+
+        assert isinstance(exc, SessionCapacityError)
+        return JSONResponse({"detail": str(exc), "code": "CAPACITY_REACHED", "active_sessions": exc.active_sessions,
+                             "max_sessions": exc.max_sessions}, status_code=503)
+
     app.add_exception_handler(SmolbenchError, one_line)
+    app.add_exception_handler(SessionCapacityError, full)
     return app
 
 
-def _seed_as_sent(app: Any) -> None:
-    """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`."""
+def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
+    """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`, the request counted
+    as an open session of ``sessions`` while it runs (see :func:`app_for`)."""
     from fastapi import Body
     from fastapi.routing import APIRoute
     from openenv.core.env_server.types import ResetResponse
 
     (route,) = [r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/reset" and "POST" in (r.methods or ())]
     openenv_reset = route.endpoint
+    # OpenEnv's own count, on its server loop: a placeholder there (as its WebSocket session
+    # has while it is made) is checked and put in with no await between, as OpenEnv does, so
+    # neither kind of session can slip past the other's check
+    held: dict[str, Environment | None] = sessions._sessions
+    cap = sessions.max_concurrent_envs
 
     async def reset(request: SeedAsSent = Body(default_factory=SeedAsSent)) -> Any:  # noqa: B008 (FastAPI reads it)
-        return await openenv_reset(request)
+        if len(held) >= cap:
+            raise AtCapacity(len(held), cap)
+        slot = f"http-reset-{uuid.uuid4()}"
+        held[slot] = None
+        try:
+            return await openenv_reset(request)
+        finally:  # answered, cut or failed: its one-request session is closing (no longer counted)
+            held.pop(slot, None)
 
     app.router.routes.remove(route)
     app.post("/reset", response_model=ResetResponse)(reset)
+
+
+def _no_mcp_messages(app: Any) -> None:
+    """OpenEnv's WebSocket ``/ws``, its ``"mcp"`` messages refused as an unknown type's are
+    (code UNKNOWN_TYPE; the session goes on): the env has no MCP tools, and OpenEnv's MCP
+    methods there open and close sessions by id. OpenEnv reads a message only once it
+    answered the one before, so the refusal goes out in its turn."""
+    from fastapi.routing import APIWebSocketRoute
+    from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
+
+    (route,) = [r for r in app.router.routes if isinstance(r, APIWebSocketRoute) and r.path == "/ws"]
+    openenv_ws = route.endpoint
+    refusal = WSErrorResponse(data={"message": NO_MCP, "code": WSErrorCode.UNKNOWN_TYPE}).model_dump_json()
+
+    async def ws(websocket: WebSocket) -> None:
+        receive_text = websocket.receive_text
+
+        async def without_mcp() -> str:
+            while True:
+                text = await receive_text()
+                try:  # parsed as OpenEnv parses it: "\u006dcp" is "mcp" too
+                    message = json.loads(text)
+                except ValueError:
+                    return text
+                if not (isinstance(message, dict) and message.get("type") == "mcp"):
+                    return text
+                await websocket.send_text(refusal)
+
+        websocket.receive_text = without_mcp  # type: ignore[method-assign]
+        await openenv_ws(websocket)
+
+    app.router.routes.remove(route)
+    app.websocket("/ws")(ws)

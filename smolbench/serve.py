@@ -320,7 +320,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve over TLS (https://, wss://) with this certificate chain; its key in it or --keyfile")
     p.add_argument("--keyfile", default=None, metavar="PEM", help="the private key of --certfile")
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
-    p.add_argument("--max-sessions", type=int, default=16, help="client sessions at once, each its own machine (default 16)")
+    p.add_argument("--max-sessions", type=int, default=16,
+                   help="client sessions open at once, each its own machine: WebSocket sessions, and HTTP resets "
+                        "while they run (default 16)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",

@@ -454,3 +454,108 @@ def test_an_envs_own_error_reaches_a_client_as_one_line_without_its_traceback(pa
         assert env.reset(seed=2).machine is not None  # the session goes on
     finally:
         env.close()
+
+
+def _ws_ask(ws: Any, type_: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    ws.send_text(json.dumps({"type": type_, "data": data or {}}))
+    return dict(json.loads(ws.receive_text()))
+
+
+def _until(what: Any, why: str, wait: float = 60) -> Any:
+    deadline = time.monotonic() + wait
+    while not (got := what()):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+    return got
+
+
+def _capped(parent: Machines) -> Any:
+    from smolbench.openenv import app_for
+
+    return app_for(parent, max_sessions=2, timeout=8)
+
+
+FULL = "at capacity: 2/2 sessions open (smolbench serve --max-sessions 2"
+
+
+def test_an_http_reset_is_refused_while_websocket_sessions_fill_max_sessions(parent: Machines) -> None:
+    """OpenEnv capped WebSocket sessions only: a stateless HTTP /reset (a session of one
+    request, a machine made for it) was not counted, so clients held more machines at once
+    than --max-sessions. An episode being closed is not counted: one client's back-to-back
+    resets go on."""
+    from fastapi.testclient import TestClient
+
+    app = _capped(parent)
+    try:
+        with TestClient(app) as client, client.websocket_connect("/ws") as one:
+            assert _ws_ask(one, "reset", {"seed": 1})["type"] == "observation"
+            with client.websocket_connect("/ws") as two:
+                assert _ws_ask(two, "reset", {"seed": 1})["type"] == "observation"
+                r = client.post("/reset", json={"seed": 1})
+                assert r.status_code == 503, r.text  # on the old code: 200, a third machine
+                said = r.json()["detail"]
+                assert FULL in said and "--max-sessions" in said.split(":", 2)[2] and "\n" not in said, said
+                assert r.json()["max_sessions"] == 2 and r.json()["code"] == "CAPACITY_REACHED"
+            _until(lambda: client.post("/reset", json={"seed": 1}).status_code == 200, "the slot was never freed")
+            for seed in range(4):  # back to back: the one before still closing as each comes
+                r = client.post("/reset", json={"seed": seed})
+                assert r.status_code == 200 and r.json()["observation"]["machine"], r.text
+    finally:
+        app.state.smolbench_pool.shutdown()
+
+
+def test_a_running_http_reset_holds_a_slot_a_websocket_session_would_take(parent: Machines) -> None:
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    app = _capped(parent)
+    live = app.state.smolbench_sessions
+    try:
+        with TestClient(app) as client, client.websocket_connect("/ws") as one:
+            assert _ws_ask(one, "reset", {"seed": 1})["type"] == "observation"
+            answers: list[Any] = []
+            hung = threading.Thread(target=lambda: answers.append(client.post("/reset", json={"options": {"hang": True}})))
+            hung.start()
+            try:
+                _until(lambda: len(live) == 2, "the hanging HTTP reset did not start")
+                with client.websocket_connect("/ws") as two:
+                    got = _ws_ask(two, "reset", {"seed": 1})
+                    assert got["type"] == "error", got  # on the old code: an observation, a third machine
+                    assert got["data"]["code"] == "CAPACITY_REACHED" and FULL in got["data"]["message"], got
+                    assert "\n" not in got["data"]["message"]
+            finally:
+                hung.join(60)
+            assert answers and answers[0].status_code == 400 and "took longer than 8 s" in answers[0].json()["detail"]
+            with client.websocket_connect("/ws") as two:  # its slot is free again
+                assert _ws_ask(two, "reset", {"seed": 1})["type"] == "observation"
+    finally:
+        app.state.smolbench_pool.shutdown()
+
+
+def test_a_websocket_mcp_message_is_refused_as_an_unknown_type(parent: Machines) -> None:
+    """The env has no MCP tools and OpenEnv's HTTP /mcp routes are gone, but its WebSocket
+    still took an "mcp" message (its openenv/session/create and /close, tools/list): it now
+    gets the refusal an unknown type gets, and makes no session or machine."""
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import app_for
+
+    app = app_for(parent, max_sessions=1)
+    live = app.state.smolbench_sessions
+    try:
+        with TestClient(app) as client, client.websocket_connect("/ws") as ws:
+            unknown = _ws_ask(ws, "nope")
+            assert unknown["type"] == "error" and unknown["data"]["code"] == "UNKNOWN_TYPE", unknown
+            for method, params in (("openenv/session/create", {}), ("tools/list", {}),
+                                   ("openenv/session/close", {"session_id": "x"})):
+                rpc = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                got = _ws_ask(ws, "mcp", rpc)  # on the old code: {"type": "mcp", ...}
+                assert got["type"] == "error" and got["data"]["code"] == "UNKNOWN_TYPE", got
+                assert got["data"]["message"].startswith("Unknown message type: mcp"), got
+            ws.send_text('{"type": "\\u006dcp", "data": {}}')  # the same type, spelt otherwise
+            assert json.loads(ws.receive_text())["data"]["code"] == "UNKNOWN_TYPE"
+            assert len(live) == 1 and not [ep.ref for m in live for ep in m.eps if ep.ref is not None]
+            assert _ws_ask(ws, "reset", {"seed": 1})["type"] == "observation"  # the session goes on
+    finally:
+        app.state.smolbench_pool.shutdown()
