@@ -7,8 +7,9 @@
   each optionally with a port.
 
 **This host is never reachable through a range.** Host-only addresses (``HOST_ONLY``:
-``0.0.0.0/8``, ``127.0.0.0/8``, ``::``, ``::1``, link-local, also spelled IPv4-mapped or
-IPv4-compatible, and every address of this host's interfaces) are cut out of every listed
+``0.0.0.0/8``, ``127.0.0.0/8``, ``::``, ``::1``, link-local, also spelled as IPv6
+(``embedded_ipv4``: IPv4-mapped or -compatible, NAT64, 6to4), the local-use NAT64 prefix
+``64:ff9b:1::/48``, and every address of this host's interfaces) are cut out of every listed
 range; only an address listed singly with its port (``127.0.0.2/32:8080``) reaches one, on
 that port. A listed name resolving to a host-only address is refused unless that address
 is listed so. The egress proxy (``admits``) and the sandbox's nftables chain
@@ -45,11 +46,17 @@ INTERNAL = tuple(ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
     "203.0.113.0/24", "224.0.0.0/3",
-    "::/96", "::ffff:0:0/96", "64:ff9b::/96", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
-    "ff00::/8", "168.63.129.16/32"))
+    "::/96", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/32", "2001:db8::/32",
+    "fc00::/7", "fe80::/10", "ff00::/8", "168.63.129.16/32"))
+# `on`'s IPv6 is global unicast only (as the smol backend's CIDRs are): nothing outside it is
+# routed on the internet, so an address there goes wherever this host's own routes send it.
+GLOBAL6 = ipaddress.IPv6Network("2000::/3")
 # This host, whatever a range says (plus its interfaces' addresses): reached only by an address
 # listed singly with its port. IPv4-mapped/-compatible spellings are decided as IPv4 (canonical);
-# a NAT64 address (64:ff9b::/96) is this host's when the IPv4 address it embeds is. With them,
+# a NAT64 (64:ff9b::/96) or 6to4 (2002::/16) address is this host's when the IPv4 address it
+# embeds is (``embedded_ipv4``), and all of the local-use NAT64 prefix 64:ff9b:1::/48 is (RFC
+# 8215: where in it the IPv4 address sits depends on the prefix length its operator picked,
+# RFC 6052, and some reading of nearly every address in it is 0.0.0.0/8 or private). With them,
 # the cloud metadata services that answer this host only (its credentials): link-local
 # 169.254.169.254 (most clouds), AWS's IPv6 fd00:ec2::254, Alibaba's 100.100.100.200,
 # Oracle's 192.0.0.192, Azure's WireServer 168.63.129.16 (a public address only the host's VM
@@ -57,8 +64,10 @@ INTERNAL = tuple(ipaddress.ip_network(n) for n in (
 CLOUD_HOST_ONLY = ("100.100.100.200/32", "192.0.0.192/32", "168.63.129.16/32", "fd00:ec2::254/128",
                    "fd20:ce::254/128")
 HOST_ONLY = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                     "::/128", "::1/128", "fe80::/10", *CLOUD_HOST_ONLY))
+                                                     "::/128", "::1/128", "fe80::/10", "64:ff9b:1::/48",
+                                                     *CLOUD_HOST_ONLY))
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the low 32 bits are an IPv4 address
+SIX_TO_FOUR = ipaddress.IPv6Network("2002::/16")  # 6to4: bits 16-47 are the IPv4 address of its relay
 
 _LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _CIDR_PORT_RE = re.compile(r"\[(?P<v6>[^\]]+)\](?::(?P<port6>[^:]*))?|(?P<v4>[^:]+)(?::(?P<port4>[^:]*))?")
@@ -302,7 +311,7 @@ class NetPolicy:
         if self.mode == "on":
             if within(addr, internet):
                 return True
-            return not is_host_only(addr, own) and not within(addr, INTERNAL)
+            return not is_host_only(addr, own) and not internal(addr)
         if self.listed_address(addr, port, own):
             return True
         rule = self.listed_host(name, port)
@@ -327,7 +336,9 @@ class NetPolicy:
         if self.mode != "allow" or rule is None or rule.port is not None or literal(rule.name) is not None \
                 or is_host_only(addr, own) or not private(addr):
             return None
-        return (f"{name} resolved to {addr}, a private address, and a name listed without a port reaches the "
+        spelled = ", ".join(map(str, embedded_ipv4(addr)))
+        where = f"{addr} (IPv6 for {spelled})" if spelled else f"{addr}"
+        return (f"{name} resolved to {where}, a private address, and a name listed without a port reaches the "
                 f"internet only: list it with its port ({name}:{port}) to reach it there")
 
     def may_resolve(self, name: str, port: int) -> bool:
@@ -349,10 +360,19 @@ def within(addr: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
 
 
 def private(addr: IPAddress) -> bool:
-    """In :data:`PRIVATE` (a test's far stand-ins on loopback are far)."""
+    """In :data:`PRIVATE`, or an IPv6 spelling of an address that is (``embedded_ipv4``; a
+    test's far stand-ins on loopback are far)."""
     if within(addr, stand_in_far()):
         return False
-    return within(addr, PRIVATE)
+    return within(addr, PRIVATE) or any(private(inner) for inner in embedded_ipv4(addr))
+
+
+def internal(addr: IPAddress) -> bool:
+    """What `on` never reaches: in :data:`INTERNAL`, IPv6 outside global unicast, or an IPv6
+    spelling of an internal IPv4 address (``2002:a00:1::``, 6to4 of 10.0.0.1)."""
+    if within(addr, INTERNAL) or (addr.version == 6 and addr not in GLOBAL6):
+        return True
+    return any(within(inner, INTERNAL) for inner in embedded_ipv4(addr))
 
 
 def canonical(addr: IPAddress) -> IPAddress:
@@ -369,11 +389,31 @@ def canonical(addr: IPAddress) -> IPAddress:
 unmapped = canonical
 
 
-def nat64_embedded(addr: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address a NAT64 address (``64:ff9b::a.b.c.d``) reaches through its gateway."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr in NAT64:
-        return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
-    return None
+def embedded_ipv4(addr: IPAddress) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 address an IPv6 address reaches, or is, in the IPv4 network: IPv4-mapped
+    (``::ffff:a.b.c.d``) and -compatible (``::a.b.c.d``), NAT64's well-known prefix
+    (``64:ff9b::a.b.c.d``: its gateway connects there) and 6to4 (``2002:AABB:CCDD::/48``: the
+    relay that address is tunnelled to). Decisions about an IPv6 address are also decided on
+    these. Not here: the local-use NAT64 prefix 64:ff9b:1::/48, decided whole (INTERNAL,
+    HOST_ONLY: the IPv4 address's place in it is its operator's choice), and Teredo
+    (2001::/32, INTERNAL whole: its server address is no destination, its client's is reached
+    by UDP through a Teredo relay, never as a TCP connection there)."""
+    if not isinstance(addr, ipaddress.IPv6Address):
+        return ()
+    value = int(addr)
+    if addr.ipv4_mapped is not None or addr in NAT64 or (value >> 32 == 0 and value > 1):
+        return (ipaddress.IPv4Address(value & 0xFFFFFFFF),)
+    if addr in SIX_TO_FOUR:
+        return (ipaddress.IPv4Address((value >> 80) & 0xFFFFFFFF),)
+    return ()
+
+
+def ipv6_spellings(net: ipaddress.IPv4Network) -> list[ipaddress.IPv6Network]:
+    """The IPv6 networks whose addresses ``embedded_ipv4`` reads as in ``net`` (NAT64 and 6to4;
+    the mapped and compatible spellings are cut by their whole ``/96``, see ``sdk_cidrs``)."""
+    v4, plen = int(net.network_address), net.prefixlen
+    return [ipaddress.IPv6Network((int(NAT64.network_address) | v4, 96 + plen)),
+            ipaddress.IPv6Network((int(SIX_TO_FOUR.network_address) | v4 << 80, 16 + plen))]
 
 
 def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bool:
@@ -383,8 +423,7 @@ def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bo
         return True
     if "net-hostonly" in TEST_WEAKEN:
         return False  # the old rule: only the interfaces' addresses
-    inner = nat64_embedded(addr)
-    if inner is not None and is_host_only(inner, own):
+    if any(is_host_only(inner, own) for inner in embedded_ipv4(addr)):
         return True
     if within(addr, stand_in_far()):
         return False
@@ -401,9 +440,9 @@ def host_only_networks(own: frozenset[IPAddress], version: int = 4) -> list[IPNe
     nets: list[IPNetwork] = [ipaddress.ip_network(a) for a in canonical_set(own) if a.version == version]
     if "net-hostonly" not in TEST_WEAKEN:
         nets += _minus([n for n in HOST_ONLY if n.version == version], [n for n in stand_in_far() if n.version == version])
-        if version == 6:  # the NAT64 spellings of the IPv4 ones
-            nets += [ipaddress.IPv6Network((int(NAT64.network_address) | int(n.network_address), 96 + n.prefixlen))
-                     for n in host_only_networks(own, 4)]
+        if version == 6:  # the NAT64 and 6to4 spellings of the IPv4 ones
+            nets += [s for n in host_only_networks(own, 4) if isinstance(n, ipaddress.IPv4Network)
+                     for s in ipv6_spellings(n)]
     return nets
 
 
@@ -513,6 +552,10 @@ def internet_cidrs(own: frozenset[IPAddress] = frozenset()) -> list[str]:
     for version, whole in ((4, "0.0.0.0/0"), (6, "2000::/3")):
         minus = [n for n in INTERNAL if n.version == version]
         minus += [ipaddress.ip_network(a) for a in own if a.version == version]
+        if version == 6:  # the 6to4 (and NAT64) spellings of the IPv4 ones, as `internal` reads them
+            minus += [s for n in INTERNAL if isinstance(n, ipaddress.IPv4Network) for s in ipv6_spellings(n)]
+            minus += [s for a in own if isinstance(a, ipaddress.IPv4Address)
+                      for s in ipv6_spellings(ipaddress.IPv4Network(a))]
         nets = _minus([ipaddress.ip_network(whole)], minus)
         out += [str(n) for n in ipaddress.collapse_addresses(nets)]  # type: ignore[type-var]
     return out

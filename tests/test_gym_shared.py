@@ -93,6 +93,65 @@ class Plain(gym.Env):
 def plain():
     return Plain()
 
+class ReadOnlyShared(Leaky):
+    """Looks read-only at build: a map of a memfd opened for writing mapped PROT_READ (its fd
+    closed, as a C library's would be), or a memfd or unlinked file's descriptor kept
+    O_RDONLY. Each step makes it writable again (mprotect, or /proc/self/fd/N reopened)."""
+    def __init__(self, how):
+        import ctypes, os, tempfile
+        self.how, self.shm, self.helper = how, None, None
+        libc = self.libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if how == "file":
+            with tempfile.TemporaryFile(dir="/tmp") as t:
+                fd = os.dup(t.fileno())
+        else:
+            fd = os.memfd_create("state")
+        os.ftruncate(fd, 4096)
+        if how == "map":
+            self.addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            os.close(fd)
+        else:
+            self.ro = os.open("/proc/self/fd/%d" % fd, os.O_RDONLY)
+            os.close(fd)
+    def seen(self):
+        import ctypes, os
+        if self.how == "map":
+            return {"shm": ctypes.string_at(self.addr, 8).rstrip(b"\\0").decode()}
+        return {"shm": os.pread(self.ro, 8, 0).rstrip(b"\\0").decode()}
+    def step(self, action):
+        import ctypes, os
+        a = str(int(action)).encode().ljust(8, b"\\0")
+        if int(action) and self.how == "map":
+            assert self.libc.mprotect(self.addr, 4096, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+            ctypes.memmove(self.addr, a, 8)
+        elif int(action):
+            fd = os.open("/proc/self/fd/%d" % self.ro, os.O_RDWR)
+            os.pwrite(fd, a, 0)
+            os.close(fd)
+        return 0, 0.0, True, False, self.seen()
+
+def ro_memfd_map():
+    return ReadOnlyShared("map")
+
+def ro_memfd_fd():
+    return ReadOnlyShared("fd")
+
+def ro_unlinked_fd():
+    return ReadOnlyShared("file")
+
+def plain_reads_a_file_map():
+    """A shared map of a file opened read-only (np.memmap(mode="r")): nothing can write it."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(dir=".", delete=False) as f:
+        f.write(b"data" * 1024)
+    env = Plain()
+    with open(f.name, "rb") as ro:
+        env.data = mmap.mmap(ro.fileno(), 4096, access=mmap.ACCESS_READ)
+    return env
+
 def plain_ran_a_tool():
     """Its constructor ran a program, which ended (its pipes closed)."""
     subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True)
@@ -156,8 +215,46 @@ def test_a_shared_map_made_before_the_env_is_refused_too(tmp_path_factory: Any) 
     _one_line(err.value, "the machine holds a shared memory map of 8 KiB (made before the env was built)")
 
 
+@pytest.mark.parametrize(("factory", "what"), [("ro_memfd_map", "a shared memory map of 4 KiB (/memfd:state)"),
+                                              ("ro_memfd_fd", "a descriptor of /memfd:state"),
+                                              ("ro_unlinked_fd", "a descriptor of the unlinked file /tmp/")])
+def test_a_shared_map_or_descriptor_that_is_read_only_at_build_is_refused(bench: Workbench, factory: str,
+                                                                          what: str) -> None:
+    """Fifth audit: the check looked at permissions now. A shared map of a memfd opened for
+    writing, mapped read-only (``r--s``), passed, and every episode mprotect()ed it writable; a
+    memfd (or an unlinked file) kept open read-only passed, and /proc/self/fd/N reopened it
+    for writing in every episode."""
+    with pytest.raises(sgym.GymError) as err:
+        sgym.make(factory, session=bench)
+    said = str(err.value)
+    assert said.startswith("the env could not be built in machine ") and "\n" not in said, said
+    assert f": the env's construction left {what}" in said and said.endswith(REFUSED), said
+
+
+def test_the_attack_unchecked_a_read_only_map_is_made_writable_in_each_episode(
+        bench: Workbench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What that check stops is real: without it, episode 1 reads what episode 0 wrote."""
+    _unchecked(monkeypatch)
+    for factory in ("ro_memfd_map", "ro_memfd_fd", "ro_unlinked_fd"):
+        env = sgym.make(factory, session=bench, reset="fresh")
+        try:
+            _practised(env)
+            env.reset()
+            env.step(7)
+            _, info = env.reset()
+            assert info == {"shm": "7"}, factory
+        finally:
+            env.close()
+
+
+def test_the_check_knows_the_mount_guard_page() -> None:
+    from smolbench.guest import gymserve, mountguard
+
+    assert gymserve._GUARD_PAGE == mountguard.ADDR
+
+
 def test_plain_envs_still_build(bench: Workbench) -> None:
-    for factory in (CARTPOLE, "plain", "plain_ran_a_tool"):
+    for factory in (CARTPOLE, "plain", "plain_ran_a_tool", "plain_reads_a_file_map"):
         env = sgym.make(factory, session=bench)
         try:
             env.reset(seed=0)

@@ -227,6 +227,54 @@ def test_cloud_metadata_and_nat64_spellings_of_this_host_are_never_reached_throu
     assert any(A("64:ff9b::808:808") in n for n in kept if n.version == 6)
 
 
+# IPv6 spellings of private and host-only IPv4 addresses: NAT64 (64:ff9b::/96), the local-use
+# NAT64 prefix (64:ff9b:1::/48, RFC 8215) and 6to4 (2002::/16)
+SPELLED = {"64:ff9b::a00:1": "10.0.0.1", "64:ff9b::c0a8:101": "192.168.1.1", "64:ff9b:1::a00:1": "10.0.0.1",
+           "64:ff9b:1::7f00:1": "127.0.0.1", "64:ff9b:1::a9fe:a9fe": "169.254.169.254",
+           "64:ff9b:1:0:7f:0:1::": "127.0.0.1 (its /64 form)", "2002:a00:1::": "10.0.0.1",
+           "2002:7f00:1::": "127.0.0.1", "2002:ac11:5::1": "172.17.0.5 (own)"}
+
+
+def test_ipv6_spellings_of_private_and_host_only_addresses_are_decided_as_them() -> None:
+    """Fifth audit: a name listed without a port reached 10.0.0.1 resolved as 64:ff9b::a00:1
+    (NAT64) on any port, and `on` admitted the local-use NAT64 prefix and 6to4 spellings of
+    127.0.0.1 and 169.254.169.254. An IPv6 address is decided by the IPv4 address it embeds
+    (``embedded_ipv4``), all of 64:ff9b:1::/48 is this host's, and `on`'s IPv6 is global
+    unicast only, as the smol backend's CIDRs are."""
+    import asyncio
+
+    from smolbench.backends import _netproxy
+    from smolbench.netpolicy import sdk_cidrs
+
+    allow, on = NetPolicy.from_lists(False, ["pypi.test"], []), NetPolicy("on")
+    for addr, what in SPELLED.items():
+        assert not allow.admits("pypi.test", 443, A(addr), OWN), (addr, what)
+        assert not on.admits("x.test", 443, A(addr), OWN), (addr, what)
+    assert not on.admits("x.test", 443, A("4000::1"), OWN)  # not global unicast: only this host's routes lead there
+    # the proxy refuses them, saying which address the IPv6 one spells
+    proxy = _netproxy.Proxy()
+    proxy._own = (float("inf"), OWN)
+    node = _netproxy.Node("m", allow, proxy.budget.tree("m"))
+    proxy.resolve_map = {"pypi.test": "64:ff9b::a00:1"}
+    assert asyncio.run(proxy.decide(node, "pypi.test", 22)) == (None, (
+        "is not allowed: pypi.test resolved to 64:ff9b::a00:1 (IPv6 for 10.0.0.1), a private address, and a name "
+        "listed without a port reaches the internet only: list it with its port (pypi.test:22) to reach it there"))
+    # spellings of the internet stay it (also this CI's answers in 203.0.113.0/24, a documentation range)
+    for addr in ("64:ff9b::808:808", "2002:808:808::1", "64:ff9b::cb00:7101", "2a00:1450::1"):
+        assert allow.admits("pypi.test", 443, A(addr), OWN), addr
+    assert on.admits("x.test", 443, A("2002:808:808::1"), OWN) and on.admits("x.test", 443, A("2a00:1450::1"), OWN)
+    assert NetPolicy.from_lists(False, ["pypi.test:8443"], []).admits("pypi.test", 8443, A("64:ff9b::a00:1"), OWN)
+    # the smol backend's CIDRs agree: `on` and a listed ::/0 leave them out, keep the internet's
+    on_nets = [ipaddress.ip_network(c) for c in internet_cidrs(OWN)]
+    wide = [ipaddress.ip_network(c) for c in sdk_cidrs(NetPolicy.from_words(None, "::/0").cidrs, OWN)]
+    for addr in SPELLED:
+        assert not any(A(addr) in n for n in on_nets if n.version == 6), addr
+        if not addr.startswith(("2002:a00", "64:ff9b::")):  # (10.0.0.1 is no host-only address)
+            assert not any(A(addr) in n for n in wide), addr
+    assert any(A("2002:808:808::1") in n for n in on_nets if n.version == 6)
+    assert any(A("2002:808:808::1") in n for n in wide)
+
+
 def test_numeric_host_names_are_the_addresses_they_spell() -> None:
     """2130706433, 0x7f.1 and 017700000001 are 127.0.0.1 to a resolver (inet_aton, the URL
     standard): the proxy reads them so, and so refuses them as this host."""

@@ -17,12 +17,12 @@ little-endian bytes with dtype and shape, ``{"$": "dict"|"tuple", "v": ...}``).
 
 import base64
 import ctypes  # a spare's madvise: imported in the warm parent, not in every branch
-import fcntl
 import hashlib
 import json
 import math
 import os
 import random
+import stat
 import sys
 
 MAX_INFO_DEPTH = 20
@@ -262,46 +262,75 @@ def checked_once(env):
 
 
 # What a fork shares instead of copying (each branch of the warm parent would reach the same one):
-# a writable shared memory map, a descriptor of a pipe, socket, anon inode (eventfd, epoll...),
-# memfd or /dev/shm file, and a helper process. Regular files on the workspace and /tmp are
-# reopened per branch (guest/openfiles.py); a device's map (a GPU's) is the device's own.
+# a shared memory map (any but a device's, or a file's that can never be written through it),
+# a descriptor of a pipe, socket, anon inode (eventfd, epoll...), memfd, /dev/shm file or
+# unlinked file, and a helper process. Regular files on the workspace and /tmp are reopened per
+# branch (guest/openfiles.py); a device's map (a GPU's) is the device's own.
 _SHARED_FDS = ("pipe:", "socket:", "anon_inode:")
 _SHARED_FILES = ("/memfd:", "/dev/shm/")
+# The mount guard's page (mountguard.ADDR): a write-sealed memfd every process of a machine has
+# mapped read-only there, which nothing can write (and seccomp lets nothing else be mapped at)
+_GUARD_PAGE = 0x300000000000
+
+
+def _never_written(lo, name):
+    """Whether a read-only shared map (of ``name``, at ``lo``) is of a file named by its path
+    that no mprotect can make writable: the file's open mode gave it no ``mw`` (VM_MAYWRITE)
+    flag, and a branch's own path to it is its own overlay's. Not a memfd, /dev/shm, SysV or
+    unlinked file, whose pages a branch reaches through its descriptor or /proc/self/fd/N."""
+    if lo == _GUARD_PAGE and name.startswith("/memfd:smolbench-mounts"):
+        pass  # (its "mw" is checked too)
+    elif not name.startswith("/") or name.startswith(_SHARED_FILES) or name.endswith(" (deleted)"):
+        return False
+    heads = ("%x-" % lo, "%08x-" % lo)
+    try:
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                if not line[:1].isupper():  # a map's first line
+                    inside = line.startswith(heads)
+                elif inside and line.startswith("VmFlags:"):
+                    return "mw" not in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
 def _shared_maps():
-    """This process's writable shared memory maps, ``{(start, end, name): bytes}`` (a device's
-    under /dev/ but /dev/zero's and /dev/shm's left out)."""
+    """This process's shared memory maps a branch could write, ``{(start, end, name): (bytes,
+    perms)}``: writable now or not (a read-only map of a memfd opened for writing is made
+    writable by mprotect). Left out: a device's under /dev/ (but /dev/zero's and /dev/shm's)
+    and a file's that can never be written through it (``_never_written``)."""
     out = {}
     with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(None, 5)
-            perms, name = fields[1], fields[5].strip() if len(fields) > 5 else ""
-            if perms[1] != "w" or perms[3] != "s":
-                continue
-            if name.startswith("/dev/") and not name.startswith(("/dev/zero", "/dev/shm/")):
-                continue
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            out[(lo, hi, name)] = hi - lo
+        lines = maps.readlines()
+    for line in lines:
+        fields = line.split(None, 5)
+        perms, name = fields[1], fields[5].strip() if len(fields) > 5 else ""
+        if perms[3] != "s":
+            continue
+        if name.startswith("/dev/") and not name.startswith(("/dev/zero", "/dev/shm/")):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if perms[1] != "w" and _never_written(lo, name):
+            continue
+        out[(lo, hi, name)] = (hi - lo, perms)
     return out
 
 
 def _shared_fds():
-    """This process's descriptors a fork shares: ``{(fd, target)}`` (a memfd's or /dev/shm
-    file's only when open for writing)."""
+    """This process's descriptors a fork shares: ``{(fd, target)}`` (a memfd's, a /dev/shm
+    file's and an unlinked file's in any open mode: ``/proc/self/fd/N`` reopens it writable)."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink("/proc/self/fd/" + fd)
-        except OSError:  # (the listing's own, closed)
-            continue
-        if target.startswith(_SHARED_FILES):
-            try:
-                if fcntl.fcntl(int(fd), fcntl.F_GETFL) & 3 == os.O_RDONLY:  # (O_ACCMODE)
+            if target.startswith("/") and target.endswith(" (deleted)") and not target.startswith(_SHARED_FILES):
+                if not stat.S_ISREG(os.fstat(int(fd)).st_mode):
                     continue
-            except OSError:
+            elif not target.startswith(_SHARED_FDS + _SHARED_FILES):
                 continue
-        elif not target.startswith(_SHARED_FDS):
+        except OSError:  # (the listing's own, closed)
             continue
         out.add((int(fd), target))
     return out
@@ -374,17 +403,18 @@ def _size(n):
 
 def shared_left(before):
     """The one line refusing an env whose construction (since ``before``, :func:`shared_now`)
-    left something every branch of this warm parent would share, or None. A writable shared
-    map is refused even when it was there before (made by earlier code in the machine: a
-    plain warm parent has none; smolbench's own are read-only); a descriptor or a child from
+    left something every branch of this warm parent would share, or None. A shared map a
+    branch could write is refused even when it was there before (made by earlier code in the
+    machine: a plain warm parent has none; smolbench's own is never writable); a descriptor or a child from
     before is not (the agent's own connections are descriptors too; a fork copies no child)."""
     found, old = [], []
-    for (lo, hi, name), size in sorted(_shared_maps().items()):
+    for (lo, hi, name), (size, perms) in sorted(_shared_maps().items()):
         what = "a shared memory map of %s" % _size(size)
         if name.startswith(_SHARED_FILES):
             what += " (%s)" % name.split(" (deleted)")[0][:60]
         elif name and not name.startswith("/dev/zero"):
-            what = "a writable shared map of %s of %s" % (_size(size), name[:60])
+            what = "a%s shared map of %s of %s" % (" writable" if perms[1] == "w" else "", _size(size), name[:60])
+            what += "" if perms[1] == "w" else " that a branch can write"
         (old if (lo, hi, name) in before["maps"] else found).append(what)
     kids = _children() - before["children"]
     held = set()
@@ -392,7 +422,9 @@ def shared_left(before):
         if target.startswith("anon_inode:"):
             kind = "an anon inode (%s)" % target.split(":", 1)[1].strip("[]")[:40]
         elif target.startswith(_SHARED_FILES):
-            kind = "a writable %s" % target.split(" (deleted)")[0][:60]
+            kind = "a descriptor of %s" % target.split(" (deleted)")[0][:60]
+        elif target.startswith("/"):
+            kind = "a descriptor of the unlinked file %s" % target.split(" (deleted)")[0][:60]
         else:
             kind = "a " + target.split(":", 1)[0]
         pid = _holder(target, kids) if target.startswith(("pipe:", "socket:")) else None
