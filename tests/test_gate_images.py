@@ -203,3 +203,31 @@ def test_the_cells_allowance_is_freed_by_a_clear_and_not_spent_by_updates() -> N
     assert notes == ["smolbench: root sent image/png output (7,000 x 7,000 pixels: the cell's images pass 250 "
                      "megapixels in all), which was not shown (a browser tab decodes an image whole); "
                      "`%smol trust on` shows machine output raw\n"]
+
+
+def _svg_srcs(html: str) -> list[bytes]:
+    import re
+
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/svg\+xml;base64,([^"]*)"', html)]
+
+
+def test_an_svg_data_url_in_html_or_markdown_is_cleaned_so_it_cant_embed_a_raster_bomb() -> None:
+    """The attack: an <img> whose src is a data:image/svg+xml URL passed unchecked, but an SVG
+    drawn as an image still decodes the data: rasters its <image> names, at their full size."""
+    bomb = f"data:image/png;base64,{b64(png_bomb())}"
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="100" height="100"><rect width="5" height="5" fill="red"/>'
+           f'<image width="100" height="100" href="{bomb}" xlink:href="{bomb}"/></svg>')
+    for url in (f"data:image/svg+xml;base64,{b64(svg.encode())}", f"data:image/svg+xml,{urllib.parse.quote(svg, safe='')}",
+                f"data:image/svg+xml;charset=utf-8;base64,{urllib.parse.quote(b64(svg.encode()))}"):
+        for data in ({"text/html": f'<img src="{url}">'}, {"text/markdown": f"![x]({url})"}):
+            out, dropped = _shown(data)
+            (shown_svg,) = _svg_srcs(out["text/html"])
+            assert b"<image" not in shown_svg and b"data:" not in shown_svg and dropped == [], (url, shown_svg)
+            assert shown_svg == display.clean_svg(svg).encode() and b'<rect width="5"' in shown_svg
+
+
+def test_an_svg_data_url_whose_bytes_are_a_raster_image_is_refused() -> None:
+    for raw in (png_bomb(), real("PNG"), jpeg_bomb(), gif((BIG, BIG), (0, 0, 1, 1)), webp_bomb()):
+        out, dropped = _shown({"text/html": f'<img src="data:image/svg+xml;base64,{b64(raw)}" alt="x">'})
+        assert "src=" not in out["text/html"] and len(dropped) == 1, dropped
+        assert str(dropped[0]).startswith("an SVG image in its HTML (its bytes are a "), dropped

@@ -106,10 +106,35 @@ def _image_src(value: str) -> str | None:
     try:
         return images.data_url(value, "an image in its HTML", getattr(_IMAGES, "pixels", None))
     except images.Refused as exc:
-        refused = getattr(_IMAGES, "refused", None)
-        if refused is not None:
-            refused.append(exc)
+        _refused(exc)
         return None
+
+
+def _svg_src(value: str) -> str | None:
+    """A ``data:image/svg+xml`` URL re-written as base64 of its SVG cleaned as an
+    ``image/svg+xml`` bundle is (no ``<image>``: an SVG drawn as an ``<img>`` still decodes
+    the ``data:`` rasters it embeds, at their full size), or None (noted) when refused."""
+    what = "an SVG image in its HTML"
+    try:
+        raw = images.data_bytes(value, what)
+        fmt = images.sniff(raw)
+        if fmt is not None:  # not SVG; shown as SVG or not, it is nothing to show
+            raise images.Refused(f"{what} (its bytes are a {fmt.upper()} image, not SVG)")
+        try:
+            svg = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise images.Refused(f"{what} (not UTF-8 text)") from None
+        cleaned = clean_svg(svg, what)
+    except (images.Refused, TooMuchMarkup) as exc:
+        _refused(exc)
+        return None
+    return f"data:image/svg+xml;base64,{base64.b64encode(cleaned.encode()).decode()}"
+
+
+def _refused(exc: images.Refused | TooMuchMarkup) -> None:
+    refused = getattr(_IMAGES, "refused", None)
+    if refused is not None:
+        refused.append(exc)
 
 
 class SafeBundle(dict[str, Any]):
@@ -131,8 +156,8 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
         m = SAFE_IMG_SRC.fullmatch(v)
         if m is None:
             return None
-        # (an SVG is drawn at the size its <img> is laid out at, not decoded whole)
-        return value if m.group(1).lower() == "svg+xml" else _image_src(v)
+        # (an SVG is drawn at the size its <img> is laid out at, not decoded whole; what it holds is cleaned)
+        return _svg_src(v) if m.group(1).lower() == "svg+xml" else _image_src(v)
     if attr in ("href", "xlink:href"):
         if v.startswith("#"):
             return "#" + ID_PREFIX + v[1:] if v[1:] else v  # to the (prefixed) id it names
@@ -154,10 +179,11 @@ def clean_html(html: str, what: str = "text/html") -> str:
                      link_rel="noopener noreferrer nofollow", strip_comments=True, id_prefix=ID_PREFIX)
 
 
-def clean_svg(svg: str) -> str:
-    """SVG shapes and text only: no script, handlers, links, images, style blocks or animation."""
+def clean_svg(svg: str, what: str = "image/svg+xml") -> str:
+    """SVG shapes and text only: no script, handlers, links, images, style blocks or animation
+    (TooMuchMarkup past :data:`MARKUP_ELEMENTS`, naming ``what`` the SVG came as)."""
     attrs = {t: set(SVG_ATTRS) for t in SVG_TAGS}
-    return nh3.clean(_bounded(svg, "image/svg+xml"), tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
+    return nh3.clean(_bounded(svg, what), tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
                      attribute_filter=_attribute_filter, url_schemes=set(), strip_comments=True)
 
 
@@ -229,7 +255,7 @@ def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
     dropped: list[Dropped] = []
-    refused: list[images.Refused] = []
+    refused: list[images.Refused | TooMuchMarkup] = []
     _IMAGES.refused, _IMAGES.pixels = refused, pixels or images.Allowance()
     try:
         for mime, value in data.items():

@@ -193,9 +193,8 @@ def _forgiving_base64(text: bytes) -> bytes | None:
         return None
 
 
-def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance | None = None) -> str:
-    """``url``, a ``data:`` image URL, as base64 of the bytes checked (Refused when they are
-    not an image of a size a tab can decode, or can't be read)."""
+def data_bytes(url: str, what: str) -> bytes:
+    """The bytes of ``url``, a ``data:`` URL, as a browser reads them (Refused when it can't)."""
     m = DATA_URL.fullmatch(url.strip())
     if m is None:
         raise Refused(f"{what} (not a data: URL)")
@@ -203,5 +202,12 @@ def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance 
     raw = _forgiving_base64(body) if m.group(1).strip().lower().endswith(";base64") else body
     if raw is None:
         raise Refused(f"{what} (its base64 is malformed)")
+    return raw
+
+
+def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance | None = None) -> str:
+    """``url``, a ``data:`` image URL, as base64 of the bytes checked (Refused when they are
+    not an image of a size a tab can decode, or can't be read)."""
+    raw = data_bytes(url, what)
     check(raw, what, pixels)
     return f"data:image/{sniff(raw)};base64,{base64.b64encode(raw).decode()}"
