@@ -231,3 +231,17 @@ def test_an_svg_data_url_whose_bytes_are_a_raster_image_is_refused() -> None:
         out, dropped = _shown({"text/html": f'<img src="data:image/svg+xml;base64,{b64(raw)}" alt="x">'})
         assert "src=" not in out["text/html"] and len(dropped) == 1, dropped
         assert str(dropped[0]).startswith("an SVG image in its HTML (its bytes are a "), dropped
+
+
+def test_a_plotly_figures_images_take_from_the_cells_allowance() -> None:
+    """The attack: a figure's layout.images were checked one by one, never against the cell's
+    allowance, so one figure carried 200 images of 49 megapixels (39 GB decoded)."""
+    url = f"data:image/png;base64,{b64(png_bomb(7_000, 7_000))}"
+    fig = {"data": [{"type": "image", "source": url}],
+           "layout": {"images": [{"source": url, "x": 0, "y": 0, "sizex": 1, "sizey": 1} for _ in range(200)]}}
+    out, dropped = display.bundle({"text/html": f'<img src="{url}">', "application/vnd.plotly.v1+json": fig},
+                                  trusted=False)
+    shown = out["application/vnd.plotly.v1+json"]
+    kept = ["source" in shown["data"][0], *("source" in im for im in shown["layout"]["images"])]
+    assert kept.count(True) + out["text/html"].count("src=") == 5, kept  # 245 MP in all, the figure's and the HTML's
+    assert kept[:4] == [True] * 4 and kept[4:] == [False] * 197 and "src=" in out["text/html"]

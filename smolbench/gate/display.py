@@ -293,7 +293,7 @@ def _one(out: dict[str, Any], dropped: list[Dropped], mime: str, value: Any, tru
     elif mime == "application/json":
         out[mime] = _shallow(value, mime)  # a JSON tree: text only (decoded fresh, bounded by the frame)
     elif mime == PLOTLY:
-        out[mime] = figures.figure(value)
+        out[mime] = figures.figure(value, _IMAGES.pixels)
     elif mime == "text/html":
         out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
     elif mime == "text/markdown":
