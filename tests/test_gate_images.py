@@ -194,7 +194,7 @@ def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
             [e.text for e in events if e.kind == "stream" and e.note])
 
 
-def test_the_cells_allowance_is_freed_by_a_clear_and_not_spent_by_updates() -> None:
+def test_the_cells_allowance_is_freed_by_a_clear_and_a_live_plots_updates_replace_its_image() -> None:
     big = {"image/png": b64(png_bomb(7_000, 7_000))}
     live = [{"t": "display", "data": big, "id": "plot", "update": True}] * 20  # a live plot redrawn 20 times
     shown, notes = _cell([*[{"t": "display", "data": big}] * 6, {"t": "clear", "wait": True},
@@ -245,3 +245,22 @@ def test_a_plotly_figures_images_take_from_the_cells_allowance() -> None:
     kept = ["source" in shown["data"][0], *("source" in im for im in shown["layout"]["images"])]
     assert kept.count(True) + out["text/html"].count("src=") == 5, kept  # 245 MP in all, the figure's and the HTML's
     assert kept[:4] == [True] * 4 and kept[4:] == [False] * 197 and "src=" in out["text/html"]
+
+
+def test_display_updates_take_from_the_cells_allowance_and_give_back_what_they_replace() -> None:
+    """The attack: each update was checked against an allowance of its own, so a cell made 200
+    empty displays with ids and updated each to a 49-megapixel image: 9.8 GP (39 GB) at once."""
+    big = {"image/png": b64(png_bomb(7_000, 7_000))}
+    empty = [{"t": "display", "data": {"text/plain": "."}, "id": f"d{i}"} for i in range(200)]
+    bombs = [{"t": "display", "data": big, "id": f"d{i}", "update": True} for i in range(200)]
+    shown, notes = _cell([*empty, *bombs])
+    assert sum("image/png" in d for d in shown) == 5 and len(notes) == 1  # 245 MP; the rest are past 250
+    # an update gives back what its display showed: five images off the page, five more fit
+    again = [*[{"t": "display", "data": {"text/plain": "."}, "id": f"d{i}", "update": True} for i in range(5)],
+             *[{"t": "display", "data": big, "id": f"d{i}", "update": True} for i in range(5, 11)]]
+    shown, notes = _cell([*empty, *bombs, *again])
+    assert sum("image/png" in d for d in shown) == 10 and "image/png" not in shown[-1]
+    # an update of an earlier cell's display, redrawn again here, gives back its own drawing only
+    redraws = [{"t": "display", "data": big, "id": "old", "update": True}] * 20
+    shown, notes = _cell([*redraws, *[{"t": "display", "data": big}] * 5])
+    assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1

@@ -217,7 +217,7 @@ def inert(html: str) -> str:
     return f'<div class="{INERT_CLASSES}">{html}</div>'
 
 
-def _image(mime: str, value: Any, pixels: images.Allowance) -> str:
+def _image(mime: str, value: Any, pixels: images.Pixels) -> str:
     text = string(value, f"the {mime} output", TEXT_LIMIT)
     try:
         raw = base64.b64decode(text.replace("\n", ""), validate=True)
@@ -248,7 +248,7 @@ Dropped = str | TooMuchMarkup | images.Refused
 
 
 def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
-           pixels: images.Allowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
+           pixels: images.Pixels | None = None) -> tuple[dict[str, Any], list[Dropped]]:
     """Check a MIME bundle and make it safe; returns (bundle, what was dropped).
     ``markdown``, ``pixels``: what the cell may still have rendered, and its images still
     declare (None: one bundle's worth)."""

@@ -100,7 +100,7 @@ def _text(value: str) -> str:
     return _markup(value) if "<" in value else value
 
 
-def _clean(node: Any, key: str, depth: int, pixels: images.Allowance | None) -> Any:
+def _clean(node: Any, key: str, depth: int, pixels: images.Pixels | None) -> Any:
     if depth > MAX_DEPTH:
         raise Bad("a plotly figure nested too deeply")
     if isinstance(node, str):
@@ -136,7 +136,7 @@ def _names(k: str, parent: str) -> tuple[str, str]:
     return (names[-1] if names else k), (names[-2] if len(names) > 1 else parent)
 
 
-def _decodable(url: str, pixels: images.Allowance | None) -> bool:
+def _decodable(url: str, pixels: images.Pixels | None) -> bool:
     try:
         images.data_url(url, pixels=pixels)
     except images.Refused:
@@ -144,7 +144,7 @@ def _decodable(url: str, pixels: images.Allowance | None) -> bool:
     return True
 
 
-def _kept(k: str, v: Any, parent: str, pixels: images.Allowance | None) -> bool:
+def _kept(k: str, v: Any, parent: str, pixels: images.Pixels | None) -> bool:
     """Whether the field ``k`` (in ``parent``) with value ``v`` names nothing to fetch (an image
     source, nothing too big to decode: with ``pixels``, its size is taken from them)."""
     if k == "source" and not (isinstance(v, str) and DATA_IMAGE.fullmatch(v)) and not isinstance(v, dict):
@@ -158,7 +158,7 @@ def _kept(k: str, v: Any, parent: str, pixels: images.Allowance | None) -> bool:
     return True
 
 
-def figure(value: Any, pixels: images.Allowance | None = None) -> Any:
+def figure(value: Any, pixels: images.Pixels | None = None) -> Any:
     """A plotly figure bundle value with every URL-bearing field dropped; its images' sizes are
     taken from ``pixels`` (the cell's images' allowance; None: only each image's own bound)."""
     if not isinstance(value, dict):
