@@ -264,3 +264,6 @@ def test_display_updates_take_from_the_cells_allowance_and_give_back_what_they_r
     redraws = [{"t": "display", "data": big, "id": "old", "update": True}] * 20
     shown, notes = _cell([*redraws, *[{"t": "display", "data": big}] * 5])
     assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
+    # and a clear here leaves it on the page, counted
+    shown, notes = _cell([*redraws, {"t": "clear", "wait": False}, *[{"t": "display", "data": big}] * 5])
+    assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
