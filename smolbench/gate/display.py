@@ -96,8 +96,8 @@ def _bounded(markup: str, what: str) -> str:
     return markup
 
 
-# The bundle being cleaned: its cell's image allowance, and the images refused by the
-# attribute filter (nh3 calls it on this thread) for the cell's notes.
+# The bundle being cleaned: its cell's image allowance, the images refused by the attribute
+# filter (nh3 calls it on this thread) for the cell's notes, and the elements its SVG images may still have.
 _IMAGES = threading.local()
 
 
@@ -124,6 +124,13 @@ def _svg_src(value: str) -> str | None:
             svg = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise images.Refused(f"{what} (not UTF-8 text)") from None
+        # a bundle's SVG images share one value's elements: each is cleaned by nh3 as a value
+        # is (1,500 of 8,192 nested <ol> fit a frame, 0.3 s each)
+        n, left = len(_START_TAG.findall(svg)), getattr(_IMAGES, "svg_elements", None)
+        left = MARKUP_ELEMENTS if left is None else left  # (outside a bundle: each its own)
+        if n > left:
+            raise TooMuchMarkup(f"{what} ({n:,} elements, past the {MARKUP_ELEMENTS:,} of a bundle's SVG images in all)")
+        _IMAGES.svg_elements = left - n
         cleaned = clean_svg(svg, what)
     except (images.Refused, TooMuchMarkup) as exc:
         _refused(exc)
@@ -256,7 +263,7 @@ def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
     out: dict[str, Any] = {}
     dropped: list[Dropped] = []
     refused: list[images.Refused | TooMuchMarkup] = []
-    _IMAGES.refused, _IMAGES.pixels = refused, pixels or images.Allowance()
+    _IMAGES.refused, _IMAGES.pixels, _IMAGES.svg_elements = refused, pixels or images.Allowance(), MARKUP_ELEMENTS
     try:
         for mime, value in data.items():
             if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
@@ -272,7 +279,7 @@ def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
                 del out["text/html"]
                 dropped.append(exc)
     finally:
-        _IMAGES.refused = _IMAGES.pixels = None
+        _IMAGES.refused = _IMAGES.pixels = _IMAGES.svg_elements = None
     dropped.extend(refused)
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
