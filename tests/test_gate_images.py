@@ -175,8 +175,9 @@ def test_a_cells_images_share_one_allowance_so_many_big_ones_cant_add_up() -> No
     assert dropped == ["an image in its HTML (7,000 x 7,000 pixels: the cell's images pass 250 megapixels in all)"]
 
 
-def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
-    """What the gate shows of a cell's ``messages``: its displays' bundles and its notes."""
+def _cell(messages: list[dict[str, Any]], pixels: Any = None) -> tuple[list[Any], list[str]]:
+    """What the gate shows of a cell's ``messages``: its displays' bundles and its notes
+    (``pixels``: a fork's allowance, shared by its branches)."""
     import asyncio
     import json
 
@@ -189,7 +190,7 @@ def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
         for m in [*messages, {"t": "done", "status": "ok"}]:
             yield json.dumps(m).encode() + b"\n"
 
-    asyncio.run(read_cell(frames(), CellRequest("x"), events.append, "root", scope="t"))
+    asyncio.run(read_cell(frames(), CellRequest("x", pixels=pixels), events.append, "root", scope="t"))
     return ([dict(e.data) for e in events if e.kind == "display"],
             [e.text for e in events if e.kind == "stream" and e.note])
 
@@ -264,6 +265,11 @@ def test_display_updates_take_from_the_cells_allowance_and_give_back_what_they_r
     redraws = [{"t": "display", "data": big, "id": "old", "update": True}] * 20
     shown, notes = _cell([*redraws, *[{"t": "display", "data": big}] * 5])
     assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
+    # a branch's update shows as a new display (the one it names stays): it gives nothing back
+    from smolbench.gate import images
+
+    shown, notes = _cell(redraws, pixels=images.Allowance())
+    assert sum("image/png" in d for d in shown) == 5 and len(notes) == 1
     # and a clear here leaves it on the page, counted
     shown, notes = _cell([*redraws, {"t": "clear", "wait": False}, *[{"t": "display", "data": big}] * 5])
     assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
