@@ -175,8 +175,9 @@ def test_a_cells_images_share_one_allowance_so_many_big_ones_cant_add_up() -> No
     assert dropped == ["an image in its HTML (7,000 x 7,000 pixels: the cell's images pass 250 megapixels in all)"]
 
 
-def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
-    """What the gate shows of a cell's ``messages``: its displays' bundles and its notes."""
+def _cell(messages: list[dict[str, Any]], pixels: Any = None) -> tuple[list[Any], list[str]]:
+    """What the gate shows of a cell's ``messages``: its displays' bundles and its notes
+    (``pixels``: a fork's allowance, shared by its branches)."""
     import asyncio
     import json
 
@@ -189,12 +190,12 @@ def _cell(messages: list[dict[str, Any]]) -> tuple[list[Any], list[str]]:
         for m in [*messages, {"t": "done", "status": "ok"}]:
             yield json.dumps(m).encode() + b"\n"
 
-    asyncio.run(read_cell(frames(), CellRequest("x"), events.append, "root", scope="t"))
+    asyncio.run(read_cell(frames(), CellRequest("x", pixels=pixels), events.append, "root", scope="t"))
     return ([dict(e.data) for e in events if e.kind == "display"],
             [e.text for e in events if e.kind == "stream" and e.note])
 
 
-def test_the_cells_allowance_is_freed_by_a_clear_and_not_spent_by_updates() -> None:
+def test_the_cells_allowance_is_freed_by_a_clear_and_a_live_plots_updates_replace_its_image() -> None:
     big = {"image/png": b64(png_bomb(7_000, 7_000))}
     live = [{"t": "display", "data": big, "id": "plot", "update": True}] * 20  # a live plot redrawn 20 times
     shown, notes = _cell([*[{"t": "display", "data": big}] * 6, {"t": "clear", "wait": True},
@@ -203,3 +204,83 @@ def test_the_cells_allowance_is_freed_by_a_clear_and_not_spent_by_updates() -> N
     assert notes == ["smolbench: root sent image/png output (7,000 x 7,000 pixels: the cell's images pass 250 "
                      "megapixels in all), which was not shown (a browser tab decodes an image whole); "
                      "`%smol trust on` shows machine output raw\n"]
+
+
+def _svg_srcs(html: str) -> list[bytes]:
+    import re
+
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/svg\+xml;base64,([^"]*)"', html)]
+
+
+def test_an_svg_data_url_in_html_or_markdown_is_cleaned_so_it_cant_embed_a_raster_bomb() -> None:
+    """The attack: an <img> whose src is a data:image/svg+xml URL passed unchecked, but an SVG
+    drawn as an image still decodes the data: rasters its <image> names, at their full size."""
+    bomb = f"data:image/png;base64,{b64(png_bomb())}"
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="100" height="100"><rect width="5" height="5" fill="red"/>'
+           f'<image width="100" height="100" href="{bomb}" xlink:href="{bomb}"/></svg>')
+    for url in (f"data:image/svg+xml;base64,{b64(svg.encode())}", f"data:image/svg+xml,{urllib.parse.quote(svg, safe='')}",
+                f"data:image/svg+xml;charset=utf-8;base64,{urllib.parse.quote(b64(svg.encode()))}"):
+        for data in ({"text/html": f'<img src="{url}">'}, {"text/markdown": f"![x]({url})"}):
+            out, dropped = _shown(data)
+            (shown_svg,) = _svg_srcs(out["text/html"])
+            assert b"<image" not in shown_svg and b"data:" not in shown_svg and dropped == [], (url, shown_svg)
+            assert shown_svg == display.clean_svg(svg).encode() and b'<rect width="5"' in shown_svg
+
+
+def test_an_svg_data_url_whose_bytes_are_a_raster_image_is_refused() -> None:
+    for raw in (png_bomb(), real("PNG"), jpeg_bomb(), gif((BIG, BIG), (0, 0, 1, 1)), webp_bomb()):
+        out, dropped = _shown({"text/html": f'<img src="data:image/svg+xml;base64,{b64(raw)}" alt="x">'})
+        assert "src=" not in out["text/html"] and len(dropped) == 1, dropped
+        assert str(dropped[0]).startswith("an SVG image in its HTML (its bytes are a "), dropped
+
+
+def test_a_plotly_figures_images_take_from_the_cells_allowance() -> None:
+    """The attack: a figure's layout.images were checked one by one, never against the cell's
+    allowance, so one figure carried 200 images of 49 megapixels (39 GB decoded)."""
+    url = f"data:image/png;base64,{b64(png_bomb(7_000, 7_000))}"
+    fig = {"data": [{"type": "image", "source": url}],
+           "layout": {"images": [{"source": url, "x": 0, "y": 0, "sizex": 1, "sizey": 1} for _ in range(200)]}}
+    out, dropped = display.bundle({"text/html": f'<img src="{url}">', "application/vnd.plotly.v1+json": fig},
+                                  trusted=False)
+    shown = out["application/vnd.plotly.v1+json"]
+    kept = ["source" in shown["data"][0], *("source" in im for im in shown["layout"]["images"])]
+    assert kept.count(True) + out["text/html"].count("src=") == 5, kept  # 245 MP in all, the figure's and the HTML's
+    assert kept[:4] == [True] * 4 and kept[4:] == [False] * 197 and "src=" in out["text/html"]
+
+
+def test_display_updates_take_from_the_cells_allowance_and_give_back_what_they_replace() -> None:
+    """The attack: each update was checked against an allowance of its own, so a cell made 200
+    empty displays with ids and updated each to a 49-megapixel image: 9.8 GP (39 GB) at once."""
+    big = {"image/png": b64(png_bomb(7_000, 7_000))}
+    empty = [{"t": "display", "data": {"text/plain": "."}, "id": f"d{i}"} for i in range(200)]
+    bombs = [{"t": "display", "data": big, "id": f"d{i}", "update": True} for i in range(200)]
+    shown, notes = _cell([*empty, *bombs])
+    assert sum("image/png" in d for d in shown) == 5 and len(notes) == 1  # 245 MP; the rest are past 250
+    # an update gives back what its display showed: five images off the page, five more fit
+    again = [*[{"t": "display", "data": {"text/plain": "."}, "id": f"d{i}", "update": True} for i in range(5)],
+             *[{"t": "display", "data": big, "id": f"d{i}", "update": True} for i in range(5, 11)]]
+    shown, notes = _cell([*empty, *bombs, *again])
+    assert sum("image/png" in d for d in shown) == 10 and "image/png" not in shown[-1]
+    # an update of an earlier cell's display, redrawn again here, gives back its own drawing only
+    redraws = [{"t": "display", "data": big, "id": "old", "update": True}] * 20
+    shown, notes = _cell([*redraws, *[{"t": "display", "data": big}] * 5])
+    assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
+    # a branch's update shows as a new display (the one it names stays): it gives nothing back
+    from smolbench.gate import images
+
+    shown, notes = _cell(redraws, pixels=images.Allowance())
+    assert sum("image/png" in d for d in shown) == 5 and len(notes) == 1
+    # and a clear here leaves it on the page, counted
+    shown, notes = _cell([*redraws, {"t": "clear", "wait": False}, *[{"t": "display", "data": big}] * 5])
+    assert sum("image/png" in d for d in shown) == 20 + 4 and len(notes) == 1
+
+
+def test_a_bundles_svg_images_share_one_values_elements() -> None:
+    """Each SVG data: URL in HTML is cleaned by nh3, whose time grows with tags x depth: a
+    frame held ~1,500 SVGs of 8,192 nested <ol> (0.3 s each)."""
+    def url(n: int) -> str:
+        return f"data:image/svg+xml;base64,{b64(('<svg>' + '<ol>' * n + '</svg>').encode())}"
+    out, dropped = _shown({"text/html": f'<img src="{url(5_000)}">' * 3 + f'<img src="{url(3_000)}">'})
+    assert out["text/html"].count("src=") == 2 and len(dropped) == 2  # 5,000 + 3,000 of 8,192
+    assert str(dropped[0]) == ("an SVG image in its HTML (5,001 elements, past the 8,192 of a bundle's SVG images "
+                               "in all)")

@@ -152,6 +152,10 @@ class _Cell:
         self.markdown = display.MarkdownAllowance()  # all of the cell's markdown, rendered by the gate
         # what the images the cell shows may declare in all (a fork's: what all its branches may)
         self.pixels = request.pixels if request.pixels is not None else images.Allowance()
+        # of those, what each display id's images take now: of this cell's displays (its newest
+        # with that id), and of earlier cells' ones this cell redrew (as OutputBudget's bytes)
+        self._pixels_of: dict[str, int] = {}
+        self._earlier_pixels: dict[str, int] = {}
         self._loop_thread = threading.get_ident()
         self._held: list[Event] = []  # events made on a checker thread: emitted from the loop
 
@@ -236,9 +240,19 @@ class _Cell:
             raise Bad("an update of a display without its id")
         if not (self.budget.take_update(size, ident) if ident is not None and update else self.budget.take_display(size, ident)):
             return  # counted, not shown (and not worth cleaning)
-        # (an update replaces what its display showed: a live plot redraws without end)
-        pixels = None if update else self.pixels
-        data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown, pixels)
+        taken = images.Tally(self.pixels)
+        if update and ident is not None and self.request.pixels is None:  # (a branch's shows as a new display)
+            # an update replaces what its display showed (a live plot redraws without end): that
+            # goes back to the cell's allowance, and what it shows is taken from it
+            here = ident in self._pixels_of
+            self.pixels.give_back(self._pixels_of.get(ident, 0) if here else self._earlier_pixels.get(ident, 0))
+            data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown, taken)
+            (self._pixels_of if here else self._earlier_pixels)[ident] = taken.taken
+        else:
+            data, dropped = display.bundle(known.get("data"), self.request.trust_display, self.markdown, taken)
+            if ident is not None:  # the id's newest display: the one an update redraws
+                self._pixels_of[ident] = taken.taken
+                self._earlier_pixels.pop(ident, None)
         self.note_dropped(dropped)
         if data or ident is not None:  # (an empty display with an id: a place to update later, as IPython makes)
             self.emit(Event("display", data=SafeBundle(data), display_id=ident, update=update))
@@ -249,7 +263,9 @@ class _Cell:
         known = dict(each({"t": _kind, "wait": lambda v, k: boolean(v, "a clear's wait flag")}, msg, "a clear message"))
         self.budget.cleared()
         if self.request.pixels is None:  # (a branch's clear is ignored: its images stay shown)
-            self.pixels = images.Allowance()  # the images shown are gone from the page
+            # the cell's images shown are gone from the page; earlier cells' ones it redrew stay
+            self.pixels = images.Allowance(max(0, images.CELL_PIXELS - sum(self._earlier_pixels.values())))
+            self._pixels_of.clear()
         self.emit(Event("clear", wait=bool(known.get("wait"))))
 
     def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:

@@ -96,8 +96,8 @@ def _bounded(markup: str, what: str) -> str:
     return markup
 
 
-# The bundle being cleaned: its cell's image allowance, and the images refused by the
-# attribute filter (nh3 calls it on this thread) for the cell's notes.
+# The bundle being cleaned: its cell's image allowance, the images refused by the attribute
+# filter (nh3 calls it on this thread) for the cell's notes, and the elements its SVG images may still have.
 _IMAGES = threading.local()
 
 
@@ -106,10 +106,42 @@ def _image_src(value: str) -> str | None:
     try:
         return images.data_url(value, "an image in its HTML", getattr(_IMAGES, "pixels", None))
     except images.Refused as exc:
-        refused = getattr(_IMAGES, "refused", None)
-        if refused is not None:
-            refused.append(exc)
+        _refused(exc)
         return None
+
+
+def _svg_src(value: str) -> str | None:
+    """A ``data:image/svg+xml`` URL re-written as base64 of its SVG cleaned as an
+    ``image/svg+xml`` bundle is (no ``<image>``: an SVG drawn as an ``<img>`` still decodes
+    the ``data:`` rasters it embeds, at their full size), or None (noted) when refused."""
+    what = "an SVG image in its HTML"
+    try:
+        raw = images.data_bytes(value, what)
+        fmt = images.sniff(raw)
+        if fmt is not None:  # not SVG; shown as SVG or not, it is nothing to show
+            raise images.Refused(f"{what} (its bytes are a {fmt.upper()} image, not SVG)")
+        try:
+            svg = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise images.Refused(f"{what} (not UTF-8 text)") from None
+        # a bundle's SVG images share one value's elements: each is cleaned by nh3 as a value
+        # is (1,500 of 8,192 nested <ol> fit a frame, 0.3 s each)
+        n, left = len(_START_TAG.findall(svg)), getattr(_IMAGES, "svg_elements", None)
+        left = MARKUP_ELEMENTS if left is None else left  # (outside a bundle: each its own)
+        if n > left:
+            raise TooMuchMarkup(f"{what} ({n:,} elements, past the {MARKUP_ELEMENTS:,} of a bundle's SVG images in all)")
+        _IMAGES.svg_elements = left - n
+        cleaned = clean_svg(svg, what)
+    except (images.Refused, TooMuchMarkup) as exc:
+        _refused(exc)
+        return None
+    return f"data:image/svg+xml;base64,{base64.b64encode(cleaned.encode()).decode()}"
+
+
+def _refused(exc: images.Refused | TooMuchMarkup) -> None:
+    refused = getattr(_IMAGES, "refused", None)
+    if refused is not None:
+        refused.append(exc)
 
 
 class SafeBundle(dict[str, Any]):
@@ -131,8 +163,8 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
         m = SAFE_IMG_SRC.fullmatch(v)
         if m is None:
             return None
-        # (an SVG is drawn at the size its <img> is laid out at, not decoded whole)
-        return value if m.group(1).lower() == "svg+xml" else _image_src(v)
+        # (an SVG is drawn at the size its <img> is laid out at, not decoded whole; what it holds is cleaned)
+        return _svg_src(v) if m.group(1).lower() == "svg+xml" else _image_src(v)
     if attr in ("href", "xlink:href"):
         if v.startswith("#"):
             return "#" + ID_PREFIX + v[1:] if v[1:] else v  # to the (prefixed) id it names
@@ -154,10 +186,11 @@ def clean_html(html: str, what: str = "text/html") -> str:
                      link_rel="noopener noreferrer nofollow", strip_comments=True, id_prefix=ID_PREFIX)
 
 
-def clean_svg(svg: str) -> str:
-    """SVG shapes and text only: no script, handlers, links, images, style blocks or animation."""
+def clean_svg(svg: str, what: str = "image/svg+xml") -> str:
+    """SVG shapes and text only: no script, handlers, links, images, style blocks or animation
+    (TooMuchMarkup past :data:`MARKUP_ELEMENTS`, naming ``what`` the SVG came as)."""
     attrs = {t: set(SVG_ATTRS) for t in SVG_TAGS}
-    return nh3.clean(_bounded(svg, "image/svg+xml"), tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
+    return nh3.clean(_bounded(svg, what), tags=SVG_TAGS, clean_content_tags={"script", "style"}, attributes=attrs,
                      attribute_filter=_attribute_filter, url_schemes=set(), strip_comments=True)
 
 
@@ -191,7 +224,7 @@ def inert(html: str) -> str:
     return f'<div class="{INERT_CLASSES}">{html}</div>'
 
 
-def _image(mime: str, value: Any, pixels: images.Allowance) -> str:
+def _image(mime: str, value: Any, pixels: images.Pixels) -> str:
     text = string(value, f"the {mime} output", TEXT_LIMIT)
     try:
         raw = base64.b64decode(text.replace("\n", ""), validate=True)
@@ -222,15 +255,15 @@ Dropped = str | TooMuchMarkup | images.Refused
 
 
 def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
-           pixels: images.Allowance | None = None) -> tuple[dict[str, Any], list[Dropped]]:
+           pixels: images.Pixels | None = None) -> tuple[dict[str, Any], list[Dropped]]:
     """Check a MIME bundle and make it safe; returns (bundle, what was dropped).
     ``markdown``, ``pixels``: what the cell may still have rendered, and its images still
     declare (None: one bundle's worth)."""
     data = mapping(data, "a display bundle", 64)
     out: dict[str, Any] = {}
     dropped: list[Dropped] = []
-    refused: list[images.Refused] = []
-    _IMAGES.refused, _IMAGES.pixels = refused, pixels or images.Allowance()
+    refused: list[images.Refused | TooMuchMarkup] = []
+    _IMAGES.refused, _IMAGES.pixels, _IMAGES.svg_elements = refused, pixels or images.Allowance(), MARKUP_ELEMENTS
     try:
         for mime, value in data.items():
             if not isinstance(mime, str) or not MIME_RE.fullmatch(mime):
@@ -246,7 +279,7 @@ def bundle(data: Any, trusted: bool, markdown: MarkdownAllowance | None = None,
                 del out["text/html"]
                 dropped.append(exc)
     finally:
-        _IMAGES.refused = _IMAGES.pixels = None
+        _IMAGES.refused = _IMAGES.pixels = _IMAGES.svg_elements = None
     dropped.extend(refused)
     if "text/html" in out and not trusted:
         out["text/html"] = inert(out["text/html"])
@@ -267,7 +300,7 @@ def _one(out: dict[str, Any], dropped: list[Dropped], mime: str, value: Any, tru
     elif mime == "application/json":
         out[mime] = _shallow(value, mime)  # a JSON tree: text only (decoded fresh, bounded by the frame)
     elif mime == PLOTLY:
-        out[mime] = figures.figure(value)
+        out[mime] = figures.figure(value, _IMAGES.pixels)
     elif mime == "text/html":
         out[mime] = clean_html(string(value, "the text/html output", TEXT_LIMIT))
     elif mime == "text/markdown":

@@ -100,7 +100,7 @@ def _text(value: str) -> str:
     return _markup(value) if "<" in value else value
 
 
-def _clean(node: Any, key: str, depth: int) -> Any:
+def _clean(node: Any, key: str, depth: int, pixels: images.Pixels | None) -> Any:
     if depth > MAX_DEPTH:
         raise Bad("a plotly figure nested too deeply")
     if isinstance(node, str):
@@ -110,18 +110,19 @@ def _clean(node: Any, key: str, depth: int) -> Any:
             # a menu's or slider's relayout/restyle also takes (path, value) as two items:
             # ["images[0].source", url], ["map", {"style": url}], ["geojson", url, [0]]
             last, parent = _names(node[0], key)
-            if not _kept(last, node[1], parent):
+            if not _kept(last, node[1], parent, pixels):
                 return []
-            return [_text(node[0]), _clean(node[1], last, depth + 1), *[_clean(v, key, depth + 1) for v in node[2:]]]
-        return [_clean(v, key, depth + 1) for v in node]
+            return [_text(node[0]), _clean(node[1], last, depth + 1, pixels),
+                    *[_clean(v, key, depth + 1, pixels) for v in node[2:]]]
+        return [_clean(v, key, depth + 1, pixels) for v in node]
     if not isinstance(node, dict):
         return node
     out = {}
     for k, v in node.items():
         last, parent = _names(k, key) if isinstance(k, str) else (k, key)
-        if not _kept(last, v, parent):
+        if not _kept(last, v, parent, pixels):
             continue
-        out[k] = _clean(v, last, depth + 1)
+        out[k] = _clean(v, last, depth + 1, pixels)
     return out
 
 
@@ -135,20 +136,21 @@ def _names(k: str, parent: str) -> tuple[str, str]:
     return (names[-1] if names else k), (names[-2] if len(names) > 1 else parent)
 
 
-def _decodable(url: str) -> bool:
+def _decodable(url: str, pixels: images.Pixels | None) -> bool:
     try:
-        images.data_url(url)
+        images.data_url(url, pixels=pixels)
     except images.Refused:
         return False
     return True
 
 
-def _kept(k: str, v: Any, parent: str) -> bool:
-    """Whether the field ``k`` (in ``parent``) with value ``v`` names nothing to fetch."""
+def _kept(k: str, v: Any, parent: str, pixels: images.Pixels | None) -> bool:
+    """Whether the field ``k`` (in ``parent``) with value ``v`` names nothing to fetch (an image
+    source, nothing too big to decode: with ``pixels``, its size is taken from them)."""
     if k == "source" and not (isinstance(v, str) and DATA_IMAGE.fullmatch(v)) and not isinstance(v, dict):
         return False  # an image or map-layer source by URL (or a list of tile URLs)
-    if k == "source" and isinstance(v, str) and not _decodable(v):
-        return False  # an image too big for the tab to decode (an image trace draws it into a canvas)
+    if k == "source" and isinstance(v, str) and not _decodable(v, pixels):
+        return False  # an image too big for the tab to decode (an image trace draws it into a canvas), or past the cell's
     if k == "geojson" and not isinstance(v, dict):
         return False  # by URL
     if k == "style" and MAP_PANEL.fullmatch(parent) and not (isinstance(v, str) and NAMED_STYLE.fullmatch(v)):
@@ -156,14 +158,15 @@ def _kept(k: str, v: Any, parent: str) -> bool:
     return True
 
 
-def figure(value: Any) -> Any:
-    """A plotly figure bundle value with every URL-bearing field dropped."""
+def figure(value: Any, pixels: images.Pixels | None = None) -> Any:
+    """A plotly figure bundle value with every URL-bearing field dropped; its images' sizes are
+    taken from ``pixels`` (the cell's images' allowance; None: only each image's own bound)."""
     if not isinstance(value, dict):
         raise Bad("the application/vnd.plotly.v1+json output should be an object")
-    out = {k: _clean(v, k, 1) for k, v in value.items() if k in ("data", "layout", "frames")}
+    out = {k: _clean(v, k, 1, pixels) for k, v in value.items() if k in ("data", "layout", "frames")}
     config = value.get("config")
     if isinstance(config, dict):
-        out["config"] = {k: _clean(v, k, 1) for k, v in config.items() if k in CONFIG}
+        out["config"] = {k: _clean(v, k, 1, pixels) for k, v in config.items() if k in CONFIG}
     # MathJax, where the page has it, would draw $...$ text with its own links and macros
     out["config"] = {**out.get("config", {}), "typesetMath": False}
     return out

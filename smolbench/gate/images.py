@@ -26,6 +26,7 @@ import re
 import struct
 import threading
 import urllib.parse
+from typing import Protocol
 
 # 50 megapixels is 200 MB decoded (RGBA): a tab survives it, and matplotlib's largest
 # everyday output (a 24 x 18 inch figure at dpi 300: 7,200 x 5,400, 39 MP) fits.
@@ -63,6 +64,32 @@ class Allowance:
                 return False
             self.left -= pixels
             return True
+
+    def give_back(self, pixels: int) -> None:
+        """Images that were taken from it are off the page again (a display an update redrew)."""
+        with self._lock:
+            self.left += pixels
+
+
+class Pixels(Protocol):
+    """What a bundle's images take their sizes from: an :class:`Allowance`, or a :class:`Tally` of one."""
+
+    def take(self, pixels: int) -> bool: ...
+
+
+class Tally:
+    """What one display's images took of ``of`` (its cell's allowance), counted: an update of
+    the display gives that back, as its images are then off the page."""
+
+    def __init__(self, of: Pixels) -> None:
+        self.of = of
+        self.taken = 0
+
+    def take(self, pixels: int) -> bool:
+        if not self.of.take(pixels):
+            return False
+        self.taken += pixels
+        return True
 
 
 class Unreadable(ValueError):
@@ -161,7 +188,7 @@ def sniff(raw: bytes) -> str | None:
     return next((fmt for fmt, magic in MAGIC.items() if raw.startswith(magic)), None)
 
 
-def check(raw: bytes, what: str, pixels: Allowance | None = None) -> None:
+def check(raw: bytes, what: str, pixels: Pixels | None = None) -> None:
     """Refused unless ``raw`` (an image of a format ``sniff`` knows) declares a size a tab can
     decode, and (with ``pixels``) one the cell's allowance still has; ``what`` names it."""
     fmt = sniff(raw)
@@ -193,9 +220,8 @@ def _forgiving_base64(text: bytes) -> bytes | None:
         return None
 
 
-def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance | None = None) -> str:
-    """``url``, a ``data:`` image URL, as base64 of the bytes checked (Refused when they are
-    not an image of a size a tab can decode, or can't be read)."""
+def data_bytes(url: str, what: str) -> bytes:
+    """The bytes of ``url``, a ``data:`` URL, as a browser reads them (Refused when it can't)."""
     m = DATA_URL.fullmatch(url.strip())
     if m is None:
         raise Refused(f"{what} (not a data: URL)")
@@ -203,5 +229,12 @@ def data_url(url: str, what: str = "an image in a data: URL", pixels: Allowance 
     raw = _forgiving_base64(body) if m.group(1).strip().lower().endswith(";base64") else body
     if raw is None:
         raise Refused(f"{what} (its base64 is malformed)")
+    return raw
+
+
+def data_url(url: str, what: str = "an image in a data: URL", pixels: Pixels | None = None) -> str:
+    """``url``, a ``data:`` image URL, as base64 of the bytes checked (Refused when they are
+    not an image of a size a tab can decode, or can't be read)."""
+    raw = data_bytes(url, what)
     check(raw, what, pixels)
     return f"data:image/{sniff(raw)};base64,{base64.b64encode(raw).decode()}"
