@@ -27,9 +27,9 @@ from nbhelpers import tagged_processes, wait_for_no_processes  # noqa: E402
 SUITE_VAR = "SMOLBENCH_SUITE_TAG"
 
 
-# The second tier: what drives a real browser, a Ray cluster, whole notebooks or hundreds of
-# branches. `.ci/run` runs the first tier (`-m "not tier2"`), then this one; a bare `pytest`
-# runs both.
+# The second tier: what drives a real browser, a Ray cluster, a served env over the network,
+# whole notebooks or hundreds of branches. `.ci/run` runs the first tier (`-m "not tier2"`),
+# then this one; a bare `pytest` runs both.
 SECOND_TIER = frozenset(
     {
         "test_browser.py",
@@ -38,11 +38,14 @@ SECOND_TIER = frozenset(
         "test_browser_terminal.py",
         "test_browser_xss.py",
         "test_cluster.py",
+        "test_cluster_interrupt.py",
         "test_cluster_smol.py",
         "test_cluster_ui.py",
+        "test_cluster_units.py",
         "test_fresh_machine.py",
         "test_labextension_browser.py",
         "test_notebooks.py",
+        "test_openenv_server.py",
         "test_readme_tour.py",
         "test_replay_button_browser.py",
         "test_saved_notebook.py",
