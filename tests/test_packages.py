@@ -136,17 +136,7 @@ def test_a_package_the_index_lacks_is_one_plain_line_that_says_check_the_name(
 
 def _carrier(folder: Path, needs: str) -> Path:
     """A wheel of a harmless package whose metadata requires ``needs``."""
-    import zipfile
-
-    wheel = folder / "carrier-1.0-py3-none-any.whl"
-    files = {"carrier/__init__.py": "",
-             "carrier-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: carrier\nVersion: 1.0\nRequires-Dist: {needs}\n",
-             "carrier-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    files["carrier-1.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files) + "carrier-1.0.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-    return wheel
+    return _wheel(folder, "carrier", "", requires=needs)
 
 
 def test_a_wheel_that_names_a_source_archive_by_url_gets_nothing_built_on_the_host(
@@ -499,14 +489,15 @@ def test_a_full_disk_on_the_host_says_where_to_free_space() -> None:
     assert "the host's disk is full" in said and str(packages.packages_root()) in said and "\n" not in said, said
 
 
-def _wheel(folder: Path, name: str, text: str) -> Path:
-    """A wheel of a one-module package ``name`` 1.0 whose module is ``text``."""
+def _wheel(folder: Path, name: str, text: str, requires: str = "") -> Path:
+    """A wheel of a one-module package ``name`` 1.0 whose module is ``text`` (requiring ``requires``)."""
     import zipfile
 
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    needs = f"Requires-Dist: {requires}\n" if requires else ""
     files = {f"{name}/__init__.py": text,
-             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n{needs}",
              f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     files[f"{name}-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
     with zipfile.ZipFile(wheel, "w") as z:
