@@ -360,11 +360,15 @@ def within(addr: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
 
 
 def private(addr: IPAddress) -> bool:
-    """In :data:`PRIVATE`, or an IPv6 spelling of an address that is (``embedded_ipv4``; a
-    test's far stand-ins on loopback are far)."""
+    """In :data:`PRIVATE`, an IPv6 spelling of an address that is (``embedded_ipv4``), or an
+    IPv6 address outside global unicast, which only this host's own routes lead to (a test's
+    far stand-ins on loopback are far)."""
     if within(addr, stand_in_far()):
         return False
-    return within(addr, PRIVATE) or any(private(inner) for inner in embedded_ipv4(addr))
+    inner = embedded_ipv4(addr)
+    if addr.version == 6 and not inner and addr not in GLOBAL6:
+        return True
+    return within(addr, PRIVATE) or any(private(a) for a in inner)
 
 
 def internal(addr: IPAddress) -> bool:

@@ -250,7 +250,8 @@ def test_ipv6_spellings_of_private_and_host_only_addresses_are_decided_as_them()
     for addr, what in SPELLED.items():
         assert not allow.admits("pypi.test", 443, A(addr), OWN), (addr, what)
         assert not on.admits("x.test", 443, A(addr), OWN), (addr, what)
-    assert not on.admits("x.test", 443, A("4000::1"), OWN)  # not global unicast: only this host's routes lead there
+    # not global unicast: only this host's routes lead there, for `on` and for a name without a port
+    assert not on.admits("x.test", 443, A("4000::1"), OWN) and not allow.admits("pypi.test", 443, A("4000::1"), OWN)
     # the proxy refuses them, saying which address the IPv6 one spells
     proxy = _netproxy.Proxy()
     proxy._own = (float("inf"), OWN)
