@@ -120,8 +120,11 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         # (``transport="tcp"``: Jupyter's default, ports on 127.0.0.1, for tests that attack them)
         ip = os.path.join(self._ipc_dir, "k") if transport == "ipc" else "127.0.0.1"
         config = Config({"KernelManager": {"transport": transport, "ip": ip}})
+        # iopub_timeout: a flood's last outputs, still queued when the reply came, took nbclient's
+        # default 4 s to arrive on a loaded host, which then dropped them (the cell's error with them)
         self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3", config=config,
-                                     allow_errors=allow_errors, resources={"metadata": {"path": str(self.cwd)}})
+                                     allow_errors=allow_errors, iopub_timeout=30,
+                                     resources={"metadata": {"path": str(self.cwd)}})
         self._setup: Any = None
 
     def __enter__(self) -> NotebookSession:

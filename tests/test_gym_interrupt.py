@@ -175,7 +175,8 @@ def test_a_step_after_a_ctrl_c_step_says_it_was_cut_short(bench: Workbench) -> N
             sender.join()
         with pytest.raises(sgym.GymError) as err:
             envs.step(np.array([0, 0, 0, 0], dtype=np.int64))
-        assert re.fullmatch(r"sub-env 2 \(machine root\.[\d.]+\): its last step was cut short \(interrupted\): "
+        # sub-env 2, or one stepped quickly whose answer a loaded host hadn't read by the Ctrl-C
+        assert re.fullmatch(r"sub-env \d \(machine root\.[\d.]+\): its last step was cut short \(interrupted\): "
                             r"reset\(\) starts a new episode", str(err.value)), str(err.value)
         envs.reset(seed=1)
         envs.step(np.array([0, 0, 0, 0], dtype=np.int64))  # and it goes on after a reset
