@@ -72,6 +72,8 @@ def check_limits(args: argparse.Namespace) -> None:
                              f"({args.request_timeout:g} s): a session would be closed while a step still runs")
     if args.max_message < 1024:
         raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
+    if args.max_reply < 1024:
+        raise SmolbenchError(f"--max-reply should be at least 1024 bytes, got {args.max_reply}")
     if args.max_sessions < 1:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
     if not 0 <= args.port <= 65535:
@@ -278,7 +280,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
                        else "the URL's token goes over plain HTTP: give --certfile and --keyfile, or put a proxy with TLS in front")
                 print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
                       file=sys.stderr, flush=True)
-            app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
+            app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout, args.max_reply)
             served: Any = BodyLimit(ClientWatch(app), args.max_message)
             if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
@@ -366,6 +368,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
                    help="bytes an HTTP request body or a WebSocket message may take (default 1 MiB)")
+    p.add_argument("--max-reply", type=int, default=16 << 20, metavar="BYTES",
+                   help="bytes of JSON one reset's or step's observation and info may take, counted from the arrays' "
+                        "sizes and dtypes; past it the episode ends with one line (default 16 MiB; the server holds "
+                        "about 4 times a reply while it sends it)")
     p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)
