@@ -297,23 +297,28 @@ def packages_list(args: argparse.Namespace) -> int:
     """List the cache of Smolfile packages, least recently used first."""
     from . import packages
     from .errors import SmolbenchError
+    from .gate.terminal import printable
 
     try:
         found = packages.entries()
     except SmolbenchError as exc:
         print(f"smolbench: {exc}", file=sys.stderr)
         return 1
+    def shown(value: object) -> str:  # a planted or older packages.json, a folder's name: no escapes, one field
+        return printable(str(value)).replace("\t", "\\t").replace("\n", "\\n")
+
     for e in found:
         used = time.strftime("%Y-%m-%d", time.localtime(e.used))
         if e.refused:
-            print(f"{e.path.name}\t{e.size / 1e6:.0f} MB\tused {used}\tREFUSED: {e.refused}")
+            print(f"{shown(e.path.name)}\t{e.size / 1e6:.0f} MB\tused {used}\tREFUSED: {shown(e.refused)}")
             continue
         reqs, sources = e.meta.get("requirements"), e.meta.get("sources")
-        said = " ".join(map(str, reqs)) if isinstance(reqs, list) else "?"
-        where = f"\tfrom {', '.join(map(str, sources))}" if isinstance(sources, list) and sources else ""
-        print(f"{e.path.name}\t{e.size / 1e6:.0f} MB\tused {used}\t{e.meta.get('python', '?')}\t{said}{where}")
+        said = " ".join(map(shown, reqs)) if isinstance(reqs, list) else "?"
+        where = f"\tfrom {', '.join(map(shown, sources))}" if isinstance(sources, list) and sources else ""
+        print(f"{shown(e.path.name)}\t{e.size / 1e6:.0f} MB\tused {used}\t{shown(e.meta.get('python', '?'))}\t"
+              f"{said}{where}")
     print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {sum(e.size for e in found) / 1e6:.0f} MB in "
-          f"{packages.packages_root()}")
+          f"{shown(packages.packages_root())}")
     return 0
 
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from openenv.core.env_server.exceptions import SessionCapacityError
@@ -49,6 +49,11 @@ T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
+# bytes of JSON one reset's or step's observation and info may take (--max-reply), counted before
+# any is made: a reply is held about 4x over while OpenEnv makes and sends it (tolist's objects,
+# model_dump's copy, the text, its bytes), so 16 MiB is ~64 MiB a session at most
+MAX_REPLY = 16 << 20
+NUMBER_TEXT = 25  # a float's JSON at most, and its comma: -1.7976931348623157e+308 (float32's too: tolist makes doubles)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
 AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
@@ -108,6 +113,58 @@ def to_json(value: Any) -> Any:
     return value
 
 
+def json_size(value: Any) -> int:
+    """The most bytes ``value`` (an observation or info the gate checked) can take as JSON
+    once :func:`to_json` made it, from its arrays' shapes and dtypes (no array is converted:
+    a 2 MiB int8 observation took 40 MiB to answer). Its walk is bounded by the gate's: an
+    observation has at most 4096 leaves in its space, an info about 256 KiB."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind == "O":  # no gate makes one; counted by its items if it comes
+                stack.extend(v.ravel().tolist())
+                v = np.empty(v.shape, "u1")
+            lists = sum(math.prod(v.shape[:d]) for d in range(v.ndim))  # "[", "]", "," each nested list
+            total += 3 * lists + v.size * _item_text(v.dtype)
+        elif isinstance(v, dict):
+            total += 2
+            for k, sub in v.items():
+                total += 6 * len(str(k)) + 4
+                stack.append(sub)
+        elif isinstance(v, (list, tuple)):
+            total += 3
+            stack.extend(v)
+        elif isinstance(v, str):
+            total += 6 * len(v) + 3  # a control character is "\u0001" in JSON
+        elif isinstance(v, (bytes, bytearray, memoryview)):
+            total += 4 * (len(v) + 2) // 3 + 16  # {"base64": "..."}
+        elif isinstance(v, (complex, np.complexfloating)):
+            total += 2 * NUMBER_TEXT + 3
+        elif isinstance(v, int) and not isinstance(v, bool):
+            total += max(NUMBER_TEXT, v.bit_length() * 3 // 10 + 3)  # its digits (str() of a huge one raises)
+        else:  # None, a bool, a float, a numpy scalar, a date or time as its text
+            total += 2 * NUMBER_TEXT
+    return total
+
+
+def _item_text(dtype: np.dtype[Any]) -> int:
+    """The most JSON characters (and the comma) one item of an array of ``dtype`` takes."""
+    if dtype.kind == "b":
+        return 6  # false,
+    if dtype.kind in "iu":
+        return len(str(np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max)) + 1
+    if dtype.kind == "c":
+        return 2 * NUMBER_TEXT + 3
+    if dtype.kind == "U":
+        return 6 * (dtype.itemsize // 4) + 3
+    if dtype.kind in "SV":  # bytes: {"base64": "..."}
+        return 4 * (dtype.itemsize + 2) // 3 + 16
+    if dtype.kind in "Mm":  # a date or time as its text, or a whole number
+        return 48
+    return NUMBER_TEXT  # floats
+
+
 def from_json(space: Any, value: Any) -> Any:
     """A client's JSON action as the env takes it, as ``smolbench.gym`` takes one
     (``spaces.to_action``: a Box's bounds unchecked, as Gymnasium's), else a one-line error."""
@@ -143,10 +200,11 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
     def __init__(self, machines: Machines, timeout: float = REQUEST_TIMEOUT,
                  on_close: Callable[[Machines], None] | None = None, *, served: bool = False,
-                 pool: concurrent.futures.Executor | None = None) -> None:
+                 pool: concurrent.futures.Executor | None = None, max_reply: int = MAX_REPLY) -> None:
         super().__init__()
         self._m = machines
         self._timeout = timeout
+        self._max_reply = max_reply
         self._on_close = on_close
         self._started = False  # its machines are made at its first reset (/metadata, /state need none)
         self._state = State(episode_id=None, step_count=0)
@@ -229,6 +287,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             self._started = True
             self._run(self._m.start_sibling(), "session's start", self._timeout)
         obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
+        self._bounded("reset", obs, info)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
         return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
@@ -244,6 +303,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             raise SmolbenchError("no episode to step: this session has not been reset; reset() first")
         act = from_json(self._m.action_space, action.action)
         st = self._run(self._m.step(0, act), "step", limit)
+        self._bounded("step", st.obs, st.info)
         self._state.step_count += 1
         info = st.info
         if "smolbench_lost" in info:  # smolbench's own words, naming the machine
@@ -299,11 +359,25 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             how = "cancelled"  # stopped from outside, as a fork's Ctrl-C'd branch: no error of the env's
         finally:
             self._cut = None
+        self._abandon(why, how)
+
+    def _abandon(self, why: str, how: str) -> NoReturn:
+        """End the episode ``how``, delete its machine, and tell the client in one line."""
         machine = self._machine()  # the one the request was cut in
         with contextlib.suppress(Exception):
-            m.host.run(m.abandon(0, why, how), 2 * GRACE)
+            self._m.host.run(self._m.abandon(0, why, how), 2 * GRACE)
         gone = f"machine {machine} is deleted" if machine else "its machine is deleted"
         raise SmolbenchError(f"{why}: {gone}; reset() starts a new episode")
+
+    def _bounded(self, what: str, obs: Any, info: Any) -> None:
+        """Refuse, before any of it is converted, a reply past ``--max-reply`` bytes of JSON
+        (the env's episode ends: its client never sees where it got to)."""
+        size = json_size((obs, info))
+        if size > self._max_reply:
+            self._abandon(f"the {what}'s observation and info could take {size:,} bytes as JSON, over smolbench "
+                          f"serve --max-reply ({self._max_reply:,}): serve it with a higher --max-reply (each reply "
+                          "takes about 4 times that in memory as it is sent), or make the env's observations smaller",
+                          "error")
 
     @property
     def state(self) -> State:
@@ -428,10 +502,10 @@ class _Sessions(HTTPEnvServer):
 
 
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
-            idle: float = IDLE_TIMEOUT) -> Any:
+            idle: float = IDLE_TIMEOUT, max_reply: int = MAX_REPLY) -> Any:
     """OpenEnv's FastAPI app serving ``parent``'s env: one branch of it per client session,
     each reset or step cut after ``timeout`` s, a session closed after ``idle`` s without a
-    request. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet,
+    request, a reply refused past ``max_reply`` bytes of JSON. ``app.state.smolbench_sessions`` holds the sessions' machines not closed yet,
     ``app.state.smolbench_pool`` the HTTP requests' threads (to shut down with the server).
 
     ``max_sessions`` caps the sessions open at once, of both kinds: a WebSocket session from
@@ -456,7 +530,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool)
+        return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool, max_reply=max_reply)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     # as OpenEnv's create_fastapi_app, minus the API docs pages: they load scripts from a CDN

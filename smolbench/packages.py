@@ -63,6 +63,8 @@ def requirement_problem(text: str) -> str | None:
         return "is empty; remove it"
     if text.lstrip().startswith("-"):
         return "is a pip option, not a requirement; write a name like \"gymnasium==1.0.0\""
+    if not text.isprintable():  # escapes a terminal would act on where it is shown (packages list, notices)
+        return "holds a control or other non-printable character; write it in plain printable text"
     try:
         req = Requirement(text)
     except InvalidRequirement as exc:

@@ -19,6 +19,7 @@ import re
 import secrets
 import socket
 import ssl
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +72,8 @@ def check_limits(args: argparse.Namespace) -> None:
                              f"({args.request_timeout:g} s): a session would be closed while a step still runs")
     if args.max_message < 1024:
         raise SmolbenchError(f"--max-message should be at least 1024 bytes, got {args.max_message}")
+    if args.max_reply < 1024:
+        raise SmolbenchError(f"--max-reply should be at least 1024 bytes, got {args.max_reply}")
     if args.max_sessions < 1:
         raise SmolbenchError(f"--max-sessions should be at least 1, got {args.max_sessions}")
     if not 0 <= args.port <= 65535:
@@ -90,11 +93,18 @@ def origin(value: str) -> str:
 
 TOKEN_ENV = "SMOLBENCH_SERVE_TOKEN"
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
+MAX_TOKEN_FILE = 4096  # bytes read of --token-file
+IN_ARGV = ("--token TOKEN puts the token in this process's command line, which every local user can read "
+           f"(ps, /proc/PID/cmdline): give it as ${TOKEN_ENV} or --token-file PATH instead")
 
 
-def token_for(value: str | None) -> str | None:
-    """The URL token clients must use (``--token``, else $SMOLBENCH_SERVE_TOKEN, else a new
-    random one); None with ``--token none``."""
+def token_for(value: str | None, file: str | None = None) -> str | None:
+    """The URL token clients must use (``--token``, else ``--token-file``, else
+    $SMOLBENCH_SERVE_TOKEN, else a new random one); None with ``--token none``."""
+    if file is not None:
+        if value is not None:
+            raise SmolbenchError("give either --token or --token-file, not both")
+        value = token_file(file)
     value = value if value is not None else (os.environ.get(TOKEN_ENV) or "auto")
     if value == "none":
         return None
@@ -104,6 +114,30 @@ def token_for(value: str | None) -> str | None:
         raise SmolbenchError(f"the token should be 16 to 128 letters, digits, '-' or '_' (it goes in the URL), "
                              f"or auto, or none; got {len(value)} characters")
     return value
+
+
+def token_file(path: str) -> str:
+    """``--token-file``'s token: a regular file of the user's own that no one else can read
+    (as ssh takes a private key), its one line; else a one-line error naming the fix."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SmolbenchError(f"can't read --token-file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise SmolbenchError(f"--token-file {path} is not a regular file: give a file holding the token")
+        if st.st_uid != os.getuid():
+            raise SmolbenchError(f"--token-file {path} belongs to uid {st.st_uid}, not you (uid {os.getuid()}): "
+                                 "give a file of your own")
+        if st.st_mode & 0o077:
+            raise SmolbenchError(f"--token-file {path} can be read or written by others (mode {st.st_mode & 0o777:04o}): "
+                                 f"chmod 600 {path}")
+        raw = fh.read(MAX_TOKEN_FILE + 1)
+    text = raw.decode("utf-8", "replace").strip() if len(raw) <= MAX_TOKEN_FILE else ""
+    if text in ("auto", "none") or "\n" in text:
+        raise SmolbenchError(f"--token-file {path} should hold one token: 16 to 128 letters, digits, '-' or '_'")
+    return text
 
 
 def tls_files(args: argparse.Namespace) -> tuple[str, str | None] | None:
@@ -182,7 +216,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_limits(args)
         code, env = env_for(args)
-        token = token_for(args.token)
+        token = token_for(args.token, args.token_file)
+        if args.token not in (None, "auto", "none"):  # still taken, as before: said once
+            print(f"smolbench serve: warning: {IN_ARGV}", file=sys.stderr, flush=True)
+        os.environ.pop(TOKEN_ENV, None)  # read: no machine (the process backend's) inherits it
         tls = tls_files(args)
         socks = listening(args.host, args.port)  # before any machine: a port in use is one line, nothing made
     except SmolbenchError as exc:
@@ -237,13 +274,13 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
                   f"{wb.backend.name} · each client session in its own branch of {parent.parent.name}", flush=True)
             if token:
                 print(f"smolbench: give clients the whole URL as their base_url (e.g. GenericEnvClient(base_url=\"{url}\")); "
-                      f"any other path is refused (${TOKEN_ENV} keeps one token across restarts)", flush=True)
+                      f"any other path is refused (${TOKEN_ENV} or --token-file keeps one token across restarts)", flush=True)
             if not loopback(args.host) and not (tls and token):
                 why = ("--token none turned the URL's token off: anyone who can connect runs episodes here" if not token
                        else "the URL's token goes over plain HTTP: give --certfile and --keyfile, or put a proxy with TLS in front")
                 print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
                       file=sys.stderr, flush=True)
-            app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
+            app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout, args.max_reply)
             served: Any = BodyLimit(ClientWatch(app), args.max_message)
             if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
@@ -310,9 +347,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where the machines run (default auto: a microVM where one boots, else a sandbox)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, named in the URL it prints)")
-    p.add_argument("--token", default=None, metavar="auto|none|TOKEN",
+    p.add_argument("--token", default=None, metavar="auto|none",
                    help=f"the path clients' URLs start with (default: ${TOKEN_ENV}, else a new random one; "
-                        "none: any path, so any client that can connect is served; web pages still are not, see --allow-origin)")
+                        "none: any path, so any client that can connect is served; web pages still are not, see --allow-origin). "
+                        f"To keep one token across restarts set ${TOKEN_ENV} or give --token-file: a token here is in "
+                        "the command line other local users can read")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="read the token from PATH: a file of your own no one else can read (chmod 600)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN", type=origin,
                    help="serve requests a web page at ORIGIN (e.g. https://app.example:8443) makes; "
                         "any other page's are refused (default: none). Repeatable")
@@ -327,6 +368,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
                    help="bytes an HTTP request body or a WebSocket message may take (default 1 MiB)")
+    p.add_argument("--max-reply", type=int, default=16 << 20, metavar="BYTES",
+                   help="bytes of JSON one reset's or step's observation and info may take, counted from the arrays' "
+                        "sizes and dtypes; past it the episode ends with one line (default 16 MiB; the server holds "
+                        "about 4 times a reply while it sends it)")
     p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)

@@ -82,6 +82,29 @@ def test_whatever_an_info_holds_reaches_the_client_as_json(value: Any, sent: Any
     assert answer.status_code == 200 and answer.json()["info"] == {"x": sent}, answer.text
 
 
+@pytest.mark.parametrize("value", [
+    "np.full((3, 1, 1, 1, 1, 1, 1, 1), -128, np.int8)", "np.array([np.iinfo(np.int64).min])", "np.zeros(0, np.int8)",
+    "np.array([np.iinfo(np.uint64).max])", "np.array([-1.7976931348623157e308, 1e-310, 0.1])", "np.float32([0.1, 3e38])",
+    "np.array([np.nan, -np.inf])", "np.zeros((2, 0))", "np.array([True, False])", "np.array([1j * 1e308])",
+    "np.array(['\\x01\\U0001f600\\\\'])", "np.array([b'\\xff\\x00'])", "np.zeros(1, 'V2')",
+    "np.array(['2020-01-02T03:04:05.123456789'], 'M8[ns]')", "{'a\\x01': [None, 2**200, 1.5, True, 'é\\x00', b'x']}",
+    "(np.int64(-2**63), np.float16(65504), np.bool_(True), np.str_('x'), (np.zeros((2, 2), np.uint16),))",
+])
+def test_a_reply_s_size_is_counted_as_at_least_its_json_before_any_is_made(value: str) -> None:
+    """``--max-reply`` is checked from arrays' shapes and dtypes, before tolist(): never less
+    than the JSON OpenEnv then sends (its own serialisation, as its WebSocket handler's)."""
+    import numpy as np
+    from openenv.core.env_server.serialization import serialize_observation
+    from openenv.core.env_server.types import WSObservationResponse
+
+    from smolbench.openenv import GymObservation, json_size, to_json
+
+    obs = eval(value, {"np": np})
+    sent = WSObservationResponse(data=serialize_observation(GymObservation(observation=to_json(obs)))).model_dump_json()
+    empty = WSObservationResponse(data=serialize_observation(GymObservation(observation=None))).model_dump_json()
+    assert len(sent.encode()) - len(empty) <= json_size((obs, {})), sent[:200]
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: Any) -> Iterator[Workbench]:
     yield from up_bench(tmp_path_factory)
@@ -559,3 +582,63 @@ def test_a_websocket_mcp_message_is_refused_as_an_unknown_type(parent: Machines)
             assert _ws_ask(ws, "reset", {"seed": 1})["type"] == "observation"  # the session goes on
     finally:
         app.state.smolbench_pool.shutdown()
+
+
+BIG_ENV = """
+import numpy as np, gymnasium as gym
+
+class Big(gym.Env):
+    # a hostile env's honest-looking observation: 4 MiB of int8, in its space, within the gate's limits
+    def __init__(self):
+        self.observation_space, self.action_space = gym.spaces.MultiBinary(1 << 22), gym.spaces.Discrete(2)
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.ones(1 << 22, np.int8), {}
+    def step(self, action):
+        return np.ones(1 << 22, np.int8), 0.0, False, False, {}
+
+def big_env():
+    return Big()
+"""
+
+
+def test_a_reply_past_max_reply_is_refused_before_the_server_holds_20_times_it(bench: Workbench) -> None:
+    """The audit: a 2 MiB int8 observation held 40 MiB of the server's memory to answer one
+    step (tolist's objects, model_dump's copy, the JSON text, its bytes), and a space may hold
+    ~112 Mi items: GBs per step per session. Now one past --max-reply (16 MiB of JSON by
+    default; this one is ~20 MiB) is refused in one line, its machine deleted, the rest of
+    the server's memory untouched."""
+    import tracemalloc
+
+    from openenv.core.env_server.serialization import serialize_observation
+    from openenv.core.env_server.types import WSObservationResponse
+
+    define(bench, BIG_ENV)
+    host = Host(bench)
+    big = Machines(host, "big_env", 1, "fresh", None)
+    host.run(big.start())
+    env = session(big)
+    try:
+        tracemalloc.start()
+        try:
+            try:  # the reset, and what OpenEnv's WebSocket handler makes of its answer
+                said: Any = WSObservationResponse(data=serialize_observation(env.reset(seed=1))).model_dump_json().encode()
+            except SmolbenchError as exc:
+                said = str(exc)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        # ~27 MiB: the gate bringing the 4 MiB observation (the gym layer's); the old code went on to ~72 MiB
+        assert peak < 40 << 20 and isinstance(said, str), f"{peak:,} bytes at peak, {len(said):,} bytes sent"
+        assert "the reset's observation and info could take 20,971," in said and "over smolbench serve --max-reply " \
+            "(16,777,216): serve it with a higher --max-reply" in said and "\n" not in said, said
+        assert re.search(r"machine \S+ is deleted; reset\(\) starts a new episode$", said), said
+        assert mine(big, env) == []
+        wide = session(big, max_reply=32 << 20)  # an operator who raised it: served
+        try:
+            assert len(wide.reset(seed=1).observation) == 1 << 22
+        finally:
+            wide.close()
+    finally:
+        env.close()
+        host.run(big.close())

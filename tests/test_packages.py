@@ -656,3 +656,29 @@ def test_the_cache_is_listed_and_pruned_of_what_no_up_used_lately(
     (fresh / "lib").chmod(0o777)  # a refused entry is listed as such, its packages.json unread
     assert cli.main(["packages", "list"]) == 0
     assert f"{fresh.name}\t0 MB\tused " in (out := capsys.readouterr().out) and "\tREFUSED: refusing the packages" in out
+
+
+def test_a_requirement_with_terminal_escapes_is_refused_and_never_listed_raw(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Smolfile requirement with escapes in its URL passed the check; after the install
+    ``smolbench packages list`` printed it raw (retitling the window, erasing lines). Now the
+    Smolfile says so in one line, and the list shows a planted or older entry's escaped."""
+    import json
+
+    from smolbench import cli
+
+    req = "evil @ https://attacker.example/\x1b]0;pwned\x07\x1b[2K\x1b[1A/evil-1.0-py3-none-any.whl"
+    with pytest.raises(SmolfileError) as err:
+        parse_smolfile(f"packages = [{json.dumps(req)}]\n")
+    assert "holds a control or other non-printable character" in str(err.value) and "\x1b" not in str(err.value)
+    entry = cache / "packages" / ("a" * 24)
+    (entry / "lib").mkdir(parents=True)
+    for path in (cache, cache / "packages", entry, entry / "lib"):
+        path.chmod(0o755)
+    (entry / packages.META).write_text(json.dumps({"requirements": [req], "python": "cp311\x1b[2J",
+                                                   "sources": ["https://x/\x1b]0;t\x07\nfake line"]}) + "\n")
+    assert cli.main(["packages", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and len(out.splitlines()) == 2, out
+    assert "evil @ https://attacker.example/\\x1b]0;pwned\\x07\\x1b[2K\\x1b[1A/evil-1.0" in out
+    assert "\\nfake line" in out and "cp311\\x1b[2J" in out

@@ -158,3 +158,41 @@ def test_sigterm_with_no_client_stops_at_once_while_the_practice_episode_waits_o
     assert "stopped; every machine it made is deleted" in server.out, server.out
     assert took < 10, f"the stop took {took:.1f} s"
     assert not [p for p in machines if _procs.running(*p)], "machines left after the stop"
+
+
+def test_the_token_is_kept_out_of_the_command_line_other_users_read(open_tmp: Path) -> None:
+    """The audit: ``--token TOKEN`` (what the help offered to keep one token) put the secret in
+    /proc/PID/cmdline, which every local user reads: the very users a loopback server's token
+    keeps out. ``--token-file`` (or $SMOLBENCH_SERVE_TOKEN) keeps it out; a token on the command
+    line still works, with one warning line."""
+    import httpx
+
+    token = "t0ken-" + "x" * 26
+    (open_tmp / "token").write_text(token + "\n")
+    (open_tmp / "token").chmod(0o600)
+    with serve(open_tmp, "envs.py:code_env", "--port", "0", "--token-file", str(open_tmp / "token")) as server:
+        assert server.url.endswith(f"/{token}"), server.out
+        cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+        assert token.encode() not in cmdline and b"--token-file" in cmdline
+        assert httpx.post(f"{server.url}/reset", json={"seed": 1}, timeout=WAIT).status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0, server.out
+    assert "warning" not in server.out, server.out
+
+    def refused(*options: str) -> str:  # --keyfile without --certfile: refused after the token, before any machine
+        done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "--gym", "CartPole-v1", *options,
+                               "--keyfile", "k.pem"], cwd=open_tmp, capture_output=True, text=True, timeout=WAIT * 5,
+                              env=server_env())
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        return done.stderr
+
+    said = refused("--token", token)
+    assert said.splitlines() == ["smolbench serve: warning: --token TOKEN puts the token in this process's command line, "
+                                 "which every local user can read (ps, /proc/PID/cmdline): give it as "
+                                 "$SMOLBENCH_SERVE_TOKEN or --token-file PATH instead",
+                                 "smolbench serve: --keyfile needs --certfile: give the certificate (PEM) it goes with"]
+    assert "warning" not in refused("--token", "none") + refused("--token-file", "token")
+    (open_tmp / "token").chmod(0o640)  # others may read it: refused, as ssh refuses such a key
+    assert refused("--token-file", "token").splitlines() == [
+        "smolbench serve: --token-file token can be read or written by others (mode 0640): chmod 600 token"]
+    assert "give either --token or --token-file" in refused("--token", token, "--token-file", "token")
