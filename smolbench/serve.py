@@ -244,7 +244,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
                 print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
                       file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout)
-            served: Any = BodyLimit(ClientWatch(app), args.max_message)
+            served: Any = BodyLimit(ClientWatch(app, args.max_message), args.max_message)
             if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
             served = Origins(served, set(args.allow_origin), loopback(args.host))  # outermost: before anything

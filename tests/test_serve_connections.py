@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+from websockets.sync.client import connect  # noqa: E402
 
 from smolbench._uvicorn import peer  # noqa: E402
 
@@ -252,3 +254,35 @@ def test_peers_are_counted_by_address_and_ipv6_hosts_by_their_64() -> None:
     for local in (("127.0.0.1", 5), ("127.9.0.1", 5), ("::1", 5, 0, 0), ("::ffff:127.0.0.1", 5, 0, 0)):
         assert peer(T(local)) is None
     assert peer(T(None)) is None and peer(T("/run/sock")) is None
+
+
+@pytest.mark.parametrize("then", ["leaves", "waits", "sends big ones"])
+def test_a_step_is_cut_when_its_client_sent_more_during_it_and_left_or_too_much(tmp_path: Path, then: str) -> None:
+    """Audit: a client that sent more than 4 messages during a step and then left was never
+    seen to leave: ClientWatch's reader waited for room in its queue, reading nothing more,
+    so the step ran its whole request timeout holding a machine. Now it reads on: a client
+    gone is seen at once, and one with more in flight than it may queue (256 messages, or
+    --max-message bytes in all) is closed (1008) and its step cut."""
+    with serving(tmp_path) as server:
+        ws = connect(f"ws://127.0.0.1:{server.port}/{TOKEN}/ws", max_size=None)
+        ws.send('{"type": "step", "data": {"action": 0}}')
+        time.sleep(0.5)  # the step runs
+        if then == "leaves":
+            for _ in range(6):
+                ws.send('{"type": "state"}')
+            time.sleep(0.2)
+            ws.socket.close()
+        else:
+            for _ in range(300 if then == "waits" else 3):
+                ws.send('{"type": "state"}' if then == "waits" else "x" * 600_000)
+            with pytest.raises(ConnectionClosed) as closing:
+                ws.recv(WAIT)
+            assert closing.value.rcvd is not None and closing.value.rcvd.code == 1008
+            assert closing.value.rcvd.reason == "too many messages in flight"
+        t = time.monotonic()
+        while "step " not in server.out:
+            assert time.monotonic() - t < 30, server.out
+            time.sleep(0.1)
+        assert "step cut after" in server.out, server.out
+        assert float(server.out.split("step cut after ")[1].split()[0]) < 5, server.out
+        ws.close()
