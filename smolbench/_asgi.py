@@ -145,13 +145,19 @@ class ClientWatch:
     """ASGI middleware: a WebSocket connection's messages are read as they come, so its
     handler learns the client is gone (:data:`CLIENT_GONE`) while a step still runs. OpenEnv's
     handler reads the next message only once a step returned: a client gone mid-step held its
-    session, and its slot, until the request timeout. An HTTP request's connection is
-    watched once its body is read (uvicorn then says ``http.disconnect`` when it closes)."""
+    session, and its slot, until the request timeout. Read ahead: at most :attr:`QUEUED`
+    messages and ``limit`` bytes (``--max-message``) in all; one more, and the connection is
+    closed (1008, :attr:`TOO_MANY`) and its step cut. Waiting for room instead would stop
+    reading the connection (uvicorn reads the next frame only once one is taken), and so
+    noticing its client leave. OpenEnv's client sends one message and waits for its answer.
+    An HTTP request's connection is watched once its body is read (uvicorn then says
+    ``http.disconnect`` when it closes)."""
 
-    QUEUED = 4  # messages read ahead at most (then, as before, the connection's own buffers)
+    QUEUED = 256  # messages read ahead at most
+    TOO_MANY = "too many messages in flight"
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, limit: int = 1 << 20) -> None:
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -163,10 +169,12 @@ class ClientWatch:
         def went() -> None:
             _settle(gone)
 
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.QUEUED)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         last: dict[str, Any] = {}
+        held = 0  # bytes of the messages in the queue
 
         async def pump() -> None:
+            nonlocal held
             while True:
                 try:
                     msg = await receive()
@@ -174,14 +182,24 @@ class ClientWatch:
                     msg = {"type": "websocket.disconnect", "code": 1006}
                 if msg["type"] == "websocket.disconnect":
                     went()
-                await queue.put(msg)
+                elif queue.qsize() >= self.QUEUED or held + _size(msg) > self.limit:
+                    went()  # the client is cut: nobody is there for the answers to what it sent
+                    with contextlib.suppress(Exception):
+                        await send({"type": "websocket.close", "code": 1008, "reason": self.TOO_MANY})
+                    while not queue.empty():
+                        queue.get_nowait()
+                    held, msg = 0, {"type": "websocket.disconnect", "code": 1008, "reason": self.TOO_MANY}
+                held += _size(msg)
+                queue.put_nowait(msg)
                 if msg["type"] == "websocket.disconnect":
                     return
 
         async def received() -> dict[str, Any]:
+            nonlocal held
             if last:  # the handler asks again after the disconnect: it stays disconnected
                 return last
             msg = await queue.get()
+            held -= _size(msg)
             if msg["type"] == "websocket.disconnect":
                 last.update(msg)
             return msg
@@ -233,6 +251,11 @@ class ClientWatch:
                 watch.cancel()
                 with contextlib.suppress(BaseException):
                     await watch
+
+
+def _size(msg: dict[str, Any]) -> int:
+    """A WebSocket message's payload, in characters or bytes."""
+    return len(msg.get("text") or "") + len(msg.get("bytes") or b"")
 
 
 def _settle(gone: asyncio.Future[None]) -> None:

@@ -242,7 +242,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
 
     from . import Session
     from ._asgi import BodyLimit, ClientWatch, Origins, SecretPath
-    from ._uvicorn import backlog, connection_cap, protocols, too_few_files
+    from ._uvicorn import backlog, connection_cap, peer_cap, protocols, too_few_files
     from .gym._host import Host
     from .gym.machines import Machines
     from .openenv import app_for
@@ -281,11 +281,12 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
                 print(f"smolbench serve: warning: --host {args.host} is reachable from other hosts and {why}",
                       file=sys.stderr, flush=True)
             app = app_for(parent, args.max_sessions, args.request_timeout, args.idle_timeout, args.max_reply)
-            served: Any = BodyLimit(ClientWatch(app), args.max_message)
+            served: Any = BodyLimit(ClientWatch(app, args.max_message), args.max_message)
             if token:  # a request without it is refused before its body is read
                 served = SecretPath(served, token)
             served = Origins(served, set(args.allow_origin), loopback(args.host))  # outermost: before anything
-            http, ws = protocols(connection_cap(args.max_sessions), args.request_timeout)
+            cap = connection_cap(args.max_sessions)
+            http, ws = protocols(cap, args.request_timeout, peer_cap(cap, args.max_sessions))
             # a stop cancels what still runs after STOP_WAIT s (a step waits at most --request-timeout)
             server = _uvicorn_server()(uvicorn.Config(served, host=args.host, port=args.port, http=http, ws=ws, backlog=backlog(),
                                                       log_level="warning", timeout_graceful_shutdown=STOP_WAIT, loop="asyncio",
@@ -307,13 +308,14 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
 def _uvicorn_server() -> type:
     import uvicorn
 
-    from . import _uvicorn
-
     class Server(uvicorn.Server):
         """uvicorn's server, minus raising Ctrl-C / SIGTERM again once it stopped: we go on to
-        delete the machines and end the session ourselves. Over TLS a client must finish its
-        handshake within the header deadline (asyncio's own is 60 s: a flood of connections
-        that never send a hello held their files that long, uncounted by the cap)."""
+        delete the machines and end the session ourselves. Its listening sockets take
+        connections through :class:`_uvicorn`'s gate: each is counted against the caps as it
+        is accepted, and over TLS its handshake (at most ``FIRST_BYTE_TIMEOUT`` s) comes after.
+        asyncio's own ``create_server(ssl=...)`` hands a connection to its protocol only once
+        its handshake is done: a flood of connections that never sent a hello held their
+        files uncounted, and ran the server out of them."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
@@ -322,13 +324,14 @@ def _uvicorn_server() -> type:
         async def startup(self, sockets: list[Any] | None = None) -> None:
             loop = asyncio.get_running_loop()  # asyncio's own (Config(loop="asyncio")): its method may be shadowed
             create_server = loop.create_server
+            accepting = getattr(self.config.http_protocol_class, "accepting", None)  # _uvicorn.protocols()'s
 
-            def with_deadline(*args: Any, **kwargs: Any) -> Any:
-                if kwargs.get("ssl") is not None:
-                    kwargs["ssl_handshake_timeout"] = _uvicorn.HEADER_TIMEOUT
-                return create_server(*args, **kwargs)
+            def gated(make: Any, *args: Any, **kwargs: Any) -> Any:
+                if accepting is not None:
+                    make = accepting(make, kwargs.pop("ssl", None))
+                return create_server(make, *args, **kwargs)
 
-            loop.create_server = with_deadline  # type: ignore[method-assign]
+            loop.create_server = gated  # type: ignore[method-assign,assignment]
             try:
                 await super().startup(sockets)
             finally:

@@ -50,6 +50,7 @@ SECOND_TIER = frozenset(
         "test_replay_button_browser.py",
         "test_saved_notebook.py",
         "test_scale.py",
+        "test_serve_connections.py",
         "test_sidebar_class_browser.py",
         "test_sidebar_truth_browser.py",
         "test_teaching_browser.py",

@@ -538,12 +538,13 @@ def test_with_a_certificate_the_url_s_token_never_crosses_the_wire_in_clear(open
 
 
 # The server's open-file limit, lowered (its cap, with 3 sessions: (256 - 64 - 3 x 4) / 2 = 90), and a
-# short header deadline (long enough that a loaded host accepts a flood well within it).
+# short header deadline (long enough that a loaded host accepts a flood well within it), the
+# first-byte one as long (tests/test_serve_connections.py has that one's own test).
 HEADER_TIMEOUT = 15.0
 FEW_FILES = f"""
 import resource, smolbench._uvicorn as u
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-u.HEADER_TIMEOUT = {HEADER_TIMEOUT}
+u.HEADER_TIMEOUT = u.FIRST_BYTE_TIMEOUT = {HEADER_TIMEOUT}
 """
 
 
@@ -607,15 +608,16 @@ def test_a_flood_of_idle_connections_is_closed_and_capped_and_honest_clients_go_
     assert out.count("refusing new ones") <= 2, out
 
 
-def test_over_tls_connections_that_never_finish_a_handshake_are_closed_by_the_header_deadline(open_tmp: Path) -> None:
+def test_over_tls_connections_that_never_finish_a_handshake_are_closed_by_the_first_byte_deadline(open_tmp: Path) -> None:
     """Sixth audit, left open then: over TLS, asyncio keeps a connection that sends no hello
     (or half of one) for 60 s, before any of uvicorn's code (or the connection cap) sees it.
-    Now its handshake has the header deadline (5 s here)."""
+    Now its handshake has the first-byte deadline (5 s here; their count, and the open
+    files, are tests/test_serve_connections.py's)."""
     import httpx
 
     certificate(open_tmp)
     with serving(open_tmp, "--certfile", "cert.pem", "--keyfile", "key.pem", "--max-sessions", "2",
-                 before="import smolbench._uvicorn as u\nu.HEADER_TIMEOUT = 5.0\n") as server:
+                 before="import smolbench._uvicorn as u\nu.FIRST_BYTE_TIMEOUT = 5.0\n") as server:
         addr = ("127.0.0.1", server.port)
         silent = [socket.create_connection(addr) for _ in range(3)]
         silent[0].sendall(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, never finished
