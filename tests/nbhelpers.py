@@ -121,9 +121,11 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         ip = os.path.join(self._ipc_dir, "k") if transport == "ipc" else "127.0.0.1"
         config = Config({"KernelManager": {"transport": transport, "ip": ip}})
         # iopub_timeout: a flood's last outputs, still queued when the reply came, took nbclient's
-        # default 4 s to arrive on a loaded host, which then dropped them (the cell's error with them)
+        # default 4 s (and once, for 1 s of a display flood at a million displays, over 30 s) to arrive
+        # on a loaded host, which then dropped them, the cell's error with them. Waiting as long as a
+        # cell may run costs nothing when outputs come on time: the wait ends at the kernel's idle.
         self.client = NotebookClient(self.nb, timeout=int(timeout), kernel_name="python3", config=config,
-                                     allow_errors=allow_errors, iopub_timeout=30,
+                                     allow_errors=allow_errors, iopub_timeout=int(timeout),
                                      resources={"metadata": {"path": str(self.cwd)}})
         self._setup: Any = None
 
