@@ -289,9 +289,12 @@ def shown_by_ipython(err: RemoteError) -> RemoteError:
 # Built-in exceptions a machine's error is never made an instance of, though they are Exceptions:
 # a StopIteration out of ``run()`` would silently end the caller's loop in a generator or
 # ``__next__``; exception groups are taken apart by ``except*`` and need their sub-exceptions.
+# TimeoutError is the host's own word for "no answer in time" (asyncio's and concurrent.futures'
+# since Python 3.11): an env that raised one passed for a request that timed out, and serve
+# deleted its machine and told the client its request took too long.
 # Names outside ``Exception`` (SystemExit, KeyboardInterrupt, GeneratorExit, BaseException,
 # BaseExceptionGroup) are never built-ins here either: a machine must not stop the host.
-NOT_AS_BUILTIN = frozenset({"Exception", "StopIteration", "StopAsyncIteration", "ExceptionGroup"})
+NOT_AS_BUILTIN = frozenset({"Exception", "StopIteration", "StopAsyncIteration", "ExceptionGroup", "TimeoutError"})
 AS_BUILTIN: dict[str, type[Exception]] = {
     name: cls for name, cls in vars(builtins).items()
     if not name.startswith("_") and isinstance(cls, type) and issubclass(cls, Exception)

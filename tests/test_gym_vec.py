@@ -298,3 +298,49 @@ def test_an_env_dropped_without_close_deletes_its_machines(bench: Workbench) -> 
         while len(bench.backend.list()) > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert {m.name for m in bench.backend.list()} == {bench.active}
+
+
+
+FAKE_FINALS = '''
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces as S
+
+class FakeFinals(gym.Env):
+    """Every step ends the episode; each reset but the first claims, in its info, the final
+    observation (NaN, the wrong shape) and info; action 1's step sends one of smolbench's notes."""
+    observation_space = S.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = S.Discrete(2)
+    resets = 0
+    def reset(self, *, seed=None, options=None):
+        FakeFinals.resets += 1
+        fake = {"final_obs": np.full((7, 7), np.nan), "final_info": {"episode": {"r": 1e9}}}
+        return np.zeros(2, np.float32), fake if FakeFinals.resets > 1 else {}
+    def step(self, action):
+        info = {"smolbench_lost": "sub-env 1 died mid-step"} if action == 1 else {}
+        return np.zeros(2, np.float32), 0.0, True, False, info
+
+def fake_finals():
+    return FakeFinals()
+'''
+
+
+def test_an_env_cannot_pass_its_info_for_the_final_observation_or_smolbench_s_notes(bench: Workbench) -> None:
+    """Attack: under SAME_STEP an autoreset's info merged after the host's checked final_obs and
+    final_info, so a trainer bootstrapping from ``final_obs`` got a NaN (7, 7) array its space
+    refuses; an info could also carry a fake ``smolbench_lost``. Both are one line naming the key."""
+    define(bench, FAKE_FINALS)
+    envs = sgym.make_vec("fake_finals", 2, session=bench, reset="in-place", autoreset_mode=AutoresetMode.SAME_STEP)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(SmolbenchError, match="sent an info with the key 'final_obs', which is the vector env's own"):
+            envs.step(np.zeros(2, np.int64))  # each ends, and is reset in the same step
+    finally:
+        envs.close()
+    env = sgym.make("fake_finals", session=bench, reset="in-place")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(SmolbenchError, match="the key 'smolbench_lost', which is smolbench's own"):
+            env.step(1)
+    finally:
+        env.close()

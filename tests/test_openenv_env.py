@@ -479,6 +479,23 @@ def test_an_envs_own_error_reaches_a_client_as_one_line_without_its_traceback(pa
         env.close()
 
 
+def test_an_envs_own_timeout_error_is_its_error_not_a_cut_request(parent: Machines) -> None:
+    """Attack: an env raising TimeoutError passed for a request that ran out of time (the host's own
+    word for that): its machine was deleted and the client told its step took over 120 s."""
+    env = session(parent)
+    try:
+        env.reset(seed=1)
+        machine = real_name(env)
+        with pytest.raises(SmolbenchError) as crashed:
+            env.step(GymAction(action="raise TimeoutError('the env says so')"))
+        said = str(crashed.value)
+        assert said.endswith("TimeoutError: the env says so") and "took longer" not in said, said
+        assert real_name(env) == machine  # the episode goes on in its machine: nothing was cut
+        assert not isinstance(crashed.value, TimeoutError)
+    finally:
+        env.close()
+
+
 def _ws_ask(ws: Any, type_: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
     ws.send_text(json.dumps({"type": type_, "data": data or {}}))
     return dict(json.loads(ws.receive_text()))

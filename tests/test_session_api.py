@@ -246,7 +246,8 @@ def test_a_machines_exception_is_caught_by_its_builtin_class(here: Path) -> None
 
 
 FORGED = ["KeyboardInterrupt", "SystemExit", "GeneratorExit", "BaseException", "StopIteration", "StopAsyncIteration",
-          "BaseExceptionGroup", "ExceptionGroup", "CancelledError", "Exception", "__class__", "object", "type", "print"]
+          "BaseExceptionGroup", "ExceptionGroup", "CancelledError", "Exception", "TimeoutError", "__class__", "object",
+          "type", "print"]
 
 
 def test_a_machine_naming_a_host_control_flow_exception_gets_a_plain_remote_error(here: Path) -> None:

@@ -17,6 +17,11 @@ from .episode import GymError
 MAX_INFO = 256 * 1024  # bytes an info may take (about its JSON)
 MAX_DEPTH = 20
 KINDS = "None, bools, numbers, text, lists, dicts with text keys and arrays"
+# Keys whose values a trainer takes as the host's word: a vector env's checked final observation
+# and info (SAME_STEP), and smolbench's own notes (``smolbench_lost``, ``smolbench_error``). An env
+# that sent them passed a NaN array for a final observation its space refused, or a fake note.
+VECTOR_KEYS = frozenset({"final_obs", "final_info"})
+OWN_PREFIX = "smolbench_"
 
 
 class _Bad(Exception):
@@ -33,6 +38,11 @@ def checked_info(value: Any, where: str) -> dict[str, Any]:
         raise GymError(f"{where} sent an info {exc}: infos hold {KINDS}") from None
     if size > MAX_INFO:
         raise GymError(f"{where} sent an info of about {size:,} bytes: at most {MAX_INFO:,}")
+    for key in value:
+        name = key[1:] if key.startswith("_") else key  # (and the masks Gymnasium batches beside them)
+        if name in VECTOR_KEYS or name.startswith(OWN_PREFIX):
+            whose = "smolbench's own" if name.startswith(OWN_PREFIX) else "the vector env's own (SAME_STEP autoreset)"
+            raise GymError(f"{where} sent an info with the key {key!r}, which is {whose}: rename it in the env")
     return value
 
 

@@ -146,9 +146,9 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
         if finals:  # SAME_STEP: the ended sub-envs are reset now, their final obs and info kept
             again = self._run([self._m.reset(i, None, None) for i in finals], list(finals))
             for i, (obs, info) in zip(list(finals), again):
-                infos.append((i, {"final_obs": finals[i][0], "final_info": finals[i][1]}))
                 self._env_obs[i] = obs
-                infos.append((i, info))
+                infos.append((i, info))  # the host's final_obs and final_info after it: the host's win
+                infos.append((i, {"final_obs": finals[i][0], "final_info": finals[i][1]}))
         self._autoreset = np.logical_or(self._terminations, self._truncations)
         self._obs = concatenate(self.single_observation_space, self._env_obs, self._obs)
         return (deepcopy(self._obs), np.copy(self._rewards), np.copy(self._terminations), np.copy(self._truncations),
