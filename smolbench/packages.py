@@ -2,7 +2,7 @@
 
 The host runs ``pip install --target`` into a content-addressed cache outside every machine
 (``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
-platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result
+platform, where pip finds packages (:func:`pip_sources`) and pip's own version) and the backends mount the result
 read-only into every machine of that baseline, so machines need no network for them. pip only
 ever sees the requirement strings of the user's own Smolfile, never anything a machine made; and
 it installs wheels only
@@ -157,12 +157,49 @@ def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestP
     return GuestPython(major, minor, os.uname().machine, glibc, native=False)
 
 
-def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...]) -> str:
+def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...], pip: str | None = None) -> str:
     """The cache key: the requirement list (as written, in order), the guest's Python and platform,
-    and ``sources``, where pip looks for them (:func:`pip_sources`)."""
+    ``sources``, where pip looks for them (:func:`pip_sources`), and the version of the pip that
+    installs (``pip``; :func:`pip_version` when None): another pip may resolve the list otherwise."""
     data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native,
-                       "sources": list(sources)}, sort_keys=True)
+                       "sources": list(sources), "pip": pip_version() if pip is None else pip}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:24]
+
+
+_PIP_VERSION = "import pip; print(pip.__version__); print(pip.__file__)"
+_PIP_MEMO: tuple[str, tuple[object, ...], str] | None = None  # pip's __init__.py, its stamp, its version
+
+
+def pip_version() -> str:
+    """The version of the pip that installs (``python -I -m pip``'s), asked of it once and kept
+    while the interpreter and pip's files (its ``__init__.py`` and the folder it is installed in,
+    which an upgrade rewrites) are unchanged: a stat or two per call."""
+    global _PIP_MEMO
+    memo = _PIP_MEMO
+    if memo is not None and _pip_stamp(memo[0]) == memo[1]:
+        return memo[2]
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _PIP_VERSION], env=_pip_env(), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, errors="replace", timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SmolbenchError(f"can't ask the host's pip its version ({exc}): check that {sys.executable} has pip") from None
+    lines = done.stdout.split("\n")
+    if done.returncode != 0 or len(lines) < 2:
+        raise SmolbenchError(f"the host's Python ({sys.executable}) has no pip to install the Smolfile's packages "
+                             f"with: `{sys.executable} -m ensurepip`, or remove 'packages' from the Smolfile")
+    _PIP_MEMO = (lines[1], _pip_stamp(lines[1]), lines[0].strip())
+    return lines[0].strip()
+
+
+def _pip_stamp(init: str) -> tuple[object, ...]:
+    stats: list[object] = [sys.executable]
+    for path in (init, os.path.dirname(os.path.dirname(init))):
+        try:
+            st = os.stat(path)
+            stats.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stats.append(None)
+    return tuple(stats)
 
 
 # pip's options that decide which distributions an install resolves to (not how it connects: cert,
@@ -306,8 +343,8 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
     (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so)."""
     root = packages_root()
-    sources = pip_sources()
-    digest = key(requirements, guest, sources)
+    sources, pip = pip_sources(), pip_version()
+    digest = key(requirements, guest, sources, pip)
     entry = root / digest
     if (entry / META).is_file():
         return _cached(root, entry)
@@ -329,7 +366,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             _pip(requirements, guest, tmp / LIB, log, stop)
             _readable(tmp)
             took = time.monotonic() - started
-            meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
+            meta = {"requirements": list(requirements), "python": guest.tag, "pip": pip, "seconds": round(took, 2),
                     "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
             (tmp / META).write_text(json.dumps(meta) + "\n")
             if entry.exists():  # a half-made entry of an older version: replaced whole
