@@ -148,3 +148,36 @@ def test_prune_keeps_an_entry_a_running_machine_holds_and_says_so(
     assert packages.prune(0) == ([], [held.lib.parent])
     held.close()
     assert [p for p, _ in packages.prune(0)[0]] == [held.lib.parent]
+
+
+def test_a_smolfile_edited_while_up_is_said_once_at_the_next_cell_or_fork(tmp_path: Path) -> None:
+    """A Smolfile edited after `%smol up` (a package added) went unnoticed: the machines kept the
+    old spec, silently. Now the next cell or fork says so once, in one line, with how to apply it;
+    an edit that leaves the spec as it was (a comment) says nothing."""
+    from smolbench import Session
+
+    smolfile = tmp_path / "Smolfile"
+    smolfile.write_text("memory = 512\n")
+    said: list[str] = []
+    with Session(smolfile, backend="process", ledger=tmp_path / "ledger.db", on_notice=said.append) as s:
+        s.run("1")
+        smolfile.write_text("memory = 512\n# only a comment\n")
+        s.run("1")
+        assert [ln for ln in said if "Smolfile" in ln] == []
+        smolfile.write_text(f'memory = 512\npackages = ["{PKG}"]\n')
+        s.run("1")
+        s.fork(2, "reward = 1.0")
+        smolfile.write_text("memory = 1024\n")
+        s.run("1")
+        news = [ln for ln in said if "Smolfile" in ln]
+        assert news == [f"smolbench: the Smolfile {smolfile} changed since `Session.up()` (packages); machines keep "
+                        "the spec they were made with: `Session.down()` then `Session.up()` to apply it"], said
+        s.down()
+        s.up()  # the up reads it anew: nothing to say
+        s.run("1")
+        smolfile.write_text("memory = [\n")
+        s.fork(2, "reward = 1.0")  # a fork says it too, and an edit that doesn't parse is said as such
+        news = [ln for ln in said if "Smolfile" in ln]
+        assert len(news) == 2 and news[1].startswith(f"smolbench: the Smolfile {smolfile} changed since `Session.up()` "
+                                                     "and doesn't parse now ("), news
+        assert news[1].endswith("fix it, then `Session.down()` then `Session.up()` to apply it"), news
