@@ -233,6 +233,7 @@ class Session(RestoringMixin):
                                  api=f"already up ({wb.backend.name}, active {wb.active}): `Session.down()` first to "
                                  "start over")
         path, spec = self._smolfile_spec()
+        file_spec = spec  # what the file says, before this session's overrides: what an edit is compared with
         if self.max_alive is not None and not 1 <= self.max_alive <= 1024:
             raise SmolbenchError(f"--max-alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. --max-alive 8",
                                  api=f"max_alive must be from 1 to 1024 kept machines, got {self.max_alive}: e.g. "
@@ -264,6 +265,10 @@ class Session(RestoringMixin):
         wb = Workbench(backend, spec, Ledger(self.ledger_path or DEFAULT_PATH), retries=self.retries)
         wb.net_note = net_note
         wb.on_notice = self._notice_line
+        if path:
+            from .smolfile import SmolfileWatch
+
+            wb.smolfile_watch = SmolfileWatch(path, file_spec)
         self.spec_path = path
         self.workbench = wb
         return wb
@@ -411,6 +416,7 @@ class Session(RestoringMixin):
         """The coroutine behind :meth:`run` (on smolbench's loop), for the magics: live output
         through ``on_event``; ``value``: also bring the last expression back as data."""
         wb = self._wb()
+        self._smolfile_news(wb)
         node = node or wb.active or ""
         names = list(pull or [])
         for name in names:
@@ -438,6 +444,7 @@ class Session(RestoringMixin):
         """Lay out a fork (``kind="fork"``) or episodes; returns the live ForkResult and the
         coroutine that runs it given an output callback (the magics show views in between)."""
         wb = self._wb()
+        self._smolfile_news(wb)
         code = _args.code(code)
         seeds_ = _args.seeds(seeds)
         if seeds_ is not None and seed_base is not None:  # one would be silently ignored
@@ -601,6 +608,12 @@ class Session(RestoringMixin):
                 _taken_back(took, self._notice, self.workbench)
             raise
         return self._restored(node, wb)
+
+    def _smolfile_news(self, wb: Workbench) -> None:
+        """Say, once, that the Smolfile changed since the up (a stat per call): the machines keep the old one."""
+        line = wb.smolfile_watch.news() if wb.smolfile_watch is not None else None
+        if line is not None:
+            self._notice_line(line)
 
     def _notice_line(self, line: str) -> None:
         """A Workbench's one-line news, its commands in the words of whoever made this Session."""

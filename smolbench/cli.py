@@ -328,10 +328,12 @@ def packages_prune(args: argparse.Namespace) -> int:
     from .errors import SmolbenchError
 
     try:
-        removed = packages.prune(args.days, dry_run=args.dry_run)
+        removed, in_use = packages.prune(args.days, dry_run=args.dry_run)
     except SmolbenchError as exc:
         print(f"smolbench: {exc}", file=sys.stderr)
         return 1
+    for path in in_use:
+        print(f"kept {path}: a running machine uses it (`%smol down` it, then prune again)")
     for path, size in removed:
         print(f"{'would remove' if args.dry_run else 'removed'} {path} ({size / 1e6:.0f} MB)")
     print(f"{len(removed)} folder{'s' if len(removed) != 1 else ''}, {sum(s for _, s in removed) / 1e6:.0f} MB"

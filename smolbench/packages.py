@@ -2,7 +2,7 @@
 
 The host runs ``pip install --target`` into a content-addressed cache outside every machine
 (``cache_dir()/packages/KEY``, KEY covering the requirement list, the guest's Python and its
-platform, and where pip finds packages: :func:`pip_sources`) and the backends mount the result
+platform, where pip finds packages (:func:`pip_sources`) and pip's own version) and the backends mount the result
 read-only into every machine of that baseline, so machines need no network for them. pip only
 ever sees the requirement strings of the user's own Smolfile, never anything a machine made; and
 it installs wheels only
@@ -34,19 +34,18 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from packaging.requirements import InvalidRequirement, Requirement
 
 from ._aio import _stoppable_thread
+from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root
 from .errors import SmolbenchError
 from .gate.terminal import plain
 from .images import cache_dir
 
-LIB = "lib"  # the installed tree inside a cache entry: what machines see
-META = "packages.json"
 PIP_TIMEOUT = 1800.0  # seconds one install may take
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
 _GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
@@ -157,12 +156,49 @@ def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestP
     return GuestPython(major, minor, os.uname().machine, glibc, native=False)
 
 
-def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...]) -> str:
+def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...], pip: str | None = None) -> str:
     """The cache key: the requirement list (as written, in order), the guest's Python and platform,
-    and ``sources``, where pip looks for them (:func:`pip_sources`)."""
+    ``sources``, where pip looks for them (:func:`pip_sources`), and the version of the pip that
+    installs (``pip``; :func:`pip_version` when None): another pip may resolve the list otherwise."""
     data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native,
-                       "sources": list(sources)}, sort_keys=True)
+                       "sources": list(sources), "pip": pip_version() if pip is None else pip}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:24]
+
+
+_PIP_VERSION = "import pip; print(pip.__version__); print(pip.__file__)"
+_PIP_MEMO: tuple[str, tuple[object, ...], str] | None = None  # pip's __init__.py, its stamp, its version
+
+
+def pip_version() -> str:
+    """The version of the pip that installs (``python -I -m pip``'s), asked of it once and kept
+    while the interpreter and pip's files (its ``__init__.py`` and the folder it is installed in,
+    which an upgrade rewrites) are unchanged: a stat or two per call."""
+    global _PIP_MEMO
+    memo = _PIP_MEMO
+    if memo is not None and _pip_stamp(memo[0]) == memo[1]:
+        return memo[2]
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _PIP_VERSION], env=_pip_env(), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, errors="replace", timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SmolbenchError(f"can't ask the host's pip its version ({exc}): check that {sys.executable} has pip") from None
+    lines = done.stdout.split("\n")
+    if done.returncode != 0 or len(lines) < 2:
+        raise SmolbenchError(f"the host's Python ({sys.executable}) has no pip to install the Smolfile's packages "
+                             f"with: `{sys.executable} -m ensurepip`, or remove 'packages' from the Smolfile")
+    _PIP_MEMO = (lines[1], _pip_stamp(lines[1]), lines[0].strip())
+    return lines[0].strip()
+
+
+def _pip_stamp(init: str) -> tuple[object, ...]:
+    stats: list[object] = [sys.executable]
+    for path in (init, os.path.dirname(os.path.dirname(init))):
+        try:
+            st = os.stat(path)
+            stats.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stats.append(None)
+    return tuple(stats)
 
 
 # pip's options that decide which distributions an install resolves to (not how it connects: cert,
@@ -279,6 +315,17 @@ class Installed:
     cached: bool
     seconds: float  # this call's install time (0 when cached)
     count: int  # distributions in it
+    held: Held | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def mount(self) -> str:
+        """What a backend binding from this process mounts: the checked folder itself (:class:`Held`)."""
+        return self.held.path if self.held is not None else str(self.lib)
+
+    def close(self) -> None:
+        """The machine using it is gone: prune may take the entry again."""
+        if self.held is not None:
+            self.held.close()
 
     def line(self, requirements: tuple[str, ...]) -> str:
         """What ``up`` says about it (one line)."""
@@ -304,49 +351,62 @@ async def install(requirements: tuple[str, ...], guest: GuestPython) -> Installe
 def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | None = None,
            stop: threading.Event | None = None) -> Installed:
     """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
-    (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so)."""
+    (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so). It comes
+    held (:class:`Held`): checked through file descriptors, and kept from prune until closed."""
     root = packages_root()
-    sources = pip_sources()
-    digest = key(requirements, guest, sources)
-    entry = root / digest
-    if (entry / META).is_file():
-        return _cached(root, entry)
+    sources, pip = pip_sources(), pip_version()
+    digest = key(requirements, guest, sources, pip)
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o755)  # the sandbox uid reads it; and not group-writable under a umask of 002
+    root_fd = open_root(root)  # another user able to write in it could swap the install while pip runs
+    lock = -1
+    try:
+        lock = os.open(f".{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=root_fd)
+        took: float | None = None
+        while True:
+            _lock(lock, stop, fcntl.LOCK_SH)  # shared with other machines; an install or a prune waits
+            found = _open_entry(root_fd, root / digest)
+            if found is not None:
+                entry_fd, lib_fd = found
+                with contextlib.suppress(OSError):  # its last use, for `smolbench packages prune`
+                    os.utime(META, dir_fd=entry_fd, follow_symlinks=False)
+                os.close(entry_fd)
+                held, lock = Held(lib_fd, lock), -1
+                return Installed(root / digest / LIB, took is None, took or 0.0, _count(Path(held.path)), held)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
+            if not _complete(root_fd, digest):
+                took = _install(requirements, guest, root, root_fd, digest, sources, pip, log, stop)
+    finally:
+        if lock >= 0:
+            os.close(lock)
+        os.close(root_fd)
+
+
+def _install(requirements: tuple[str, ...], guest: GuestPython, root: Path, root_fd: int, digest: str,
+             sources: tuple[str, ...], pip: str, log: list[str] | None, stop: threading.Event | None) -> float:
+    """pip installs into a temporary folder, renamed into place whole (the key's lock held); its seconds."""
     tell = ON_INSTALL.get()
     if tell is not None:
         tell(f"smolbench: installing {len(requirements)} package{'s' if len(requirements) != 1 else ''} from the "
              "Smolfile (first time only; cached after) …")
-    if not root.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, 0o755)  # the sandbox uid reads it; and not group-writable under a umask of 002
-    trusted_folder(root)  # another user able to write in it could swap the install while pip runs
-    with open(root / f".{digest}.lock", "a+") as lock:
-        _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
-        if (entry / META).is_file():
-            return _cached(root, entry)
-        started = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
-        try:
-            _pip(requirements, guest, tmp / LIB, log, stop)
-            _readable(tmp)
-            took = time.monotonic() - started
-            meta = {"requirements": list(requirements), "python": guest.tag, "seconds": round(took, 2),
-                    "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
-            (tmp / META).write_text(json.dumps(meta) + "\n")
-            if entry.exists():  # a half-made entry of an older version: replaced whole
-                shutil.rmtree(entry)
-            os.rename(tmp, entry)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return Installed(entry / LIB, False, took, _count(entry / LIB))
-
-
-def _cached(root: Path, entry: Path) -> Installed:
-    trusted_folder(root)
-    trusted(entry)
-    with contextlib.suppress(OSError):  # its last use, for `smolbench packages prune`
-        os.utime(entry / META)
-    return Installed(entry / LIB, True, 0.0, _count(entry / LIB))
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
+    try:
+        _pip(requirements, guest, tmp / LIB, log, stop)
+        _readable(tmp)
+        took = time.monotonic() - started
+        meta = {"requirements": list(requirements), "python": guest.tag, "pip": pip, "seconds": round(took, 2),
+                "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
+        (tmp / META).write_text(json.dumps(meta) + "\n")
+        if (root / digest).exists():  # a half-made entry of an older version: replaced whole
+            shutil.rmtree(root / digest)
+        os.rename(tmp.name, digest, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return took
 
 
 @dataclass(frozen=True)
@@ -365,34 +425,36 @@ def entries() -> list[Entry]:
     root = packages_root()
     if not root.is_dir():
         return []
-    trusted_folder(root)
-    found = []
-    for name in os.listdir(root):
-        path = root / name
-        if name.startswith(".") or not (path / META).is_file():
-            continue  # a lock, an install under way or left by a killed one (prune takes those)
-        refused: str | None = None
-        try:
-            trusted(path)
-            meta = json.loads((path / META).read_text())
-        except (SmolbenchError, OSError, ValueError) as exc:
-            refused, meta = str(exc), {}
-        found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},
-                           refused))
+    root_fd = open_root(root)
+    try:
+        found = []
+        for name in os.listdir(root):
+            path = root / name
+            if name.startswith(".") or not _complete(root_fd, name):
+                continue  # a lock, an install under way or left by a killed one (prune takes those)
+            refused: str | None = None
+            try:
+                _close_fds(_open_entry(root_fd, path) or ())
+                meta = json.loads((path / META).read_text())
+            except (SmolbenchError, OSError, ValueError) as exc:
+                refused, meta = str(exc), {}
+            found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},
+                               refused))
+    finally:
+        os.close(root_fd)
     return sorted(found, key=lambda e: e.used)
 
 
-def prune(days: float, dry_run: bool = False) -> list[tuple[Path, int]]:
-    """Remove the entries no up used in ``days`` days, and folders a killed install left; the
-    removed (or, ``dry_run``, removable) folders and their sizes. An entry whose install or prune
-    runs elsewhere (its key's lock held) is left. A machine still up on a removed entry loses
-    its packages: hence days, not everything."""
+def prune(days: float, dry_run: bool = False) -> tuple[list[tuple[Path, int]], list[Path]]:
+    """Remove the entries no up used in ``days`` days, and folders a killed install left: the
+    removed (or, ``dry_run``, removable) folders and their sizes, and the entries kept because a
+    running machine holds them (:class:`Held`). One whose install or prune runs elsewhere is left."""
     root = packages_root()
     if not root.is_dir():
-        return []
-    trusted_folder(root)
+        return [], []
+    os.close(open_root(root))
     cutoff = time.time() - days * 86400
-    removed = []
+    removed, in_use = [], []
     for name in sorted(os.listdir(root)):
         path = root / name
         if name.startswith("."):
@@ -411,7 +473,9 @@ def prune(days: float, dry_run: bool = False) -> list[tuple[Path, int]]:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                continue  # installing (a temporary folder in use) or another prune
+                if not name.startswith(".") and _only_shared(lock):
+                    in_use.append(path)  # else installing (a temporary folder in use) or another prune
+                continue
             if not path.exists():
                 continue
             size = _size(path)
@@ -420,7 +484,17 @@ def prune(days: float, dry_run: bool = False) -> list[tuple[Path, int]]:
                 os.rename(path, gone)  # out of ensure's sight at once, then removed
                 shutil.rmtree(gone)
             removed.append((path, size))
-    return removed
+    return removed, in_use
+
+
+def _only_shared(lock: IO[str]) -> bool:
+    """Whether the key's lock is held shared only: machines running on its entry."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    return True
 
 
 def _size(tree: Path) -> int:
@@ -430,61 +504,6 @@ def _size(tree: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
-
-
-def _untrusted(path: Path, st: os.stat_result) -> str | None:
-    """Why another user could have planted or altered ``path`` (its lstat ``st``), or None: as ssh
-    does its files, it must be the user's own (or root's) and writable by nobody else."""
-    if st.st_uid not in (os.getuid(), 0):
-        return f"it belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
-    if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing
-        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
-        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def trusted_folder(root: Path) -> None:
-    """Refuse the packages folder ``root`` (in one line, with the fix) if another user could write in it."""
-    why = _untrusted(root, os.stat(root))  # followed: $SMOLBENCH_CACHE may be a link the user made
-    if why is None:
-        return
-    fix = (f"chmod go-w {root}" if os.stat(root).st_uid == os.getuid()
-           else "set $SMOLBENCH_CACHE to a folder of your own")
-    raise SmolbenchError(f"refusing the packages cache {root}: {why}, so another user could plant or alter the "
-                         f"packages it mounts into machines; {fix}")
-
-
-def trusted(entry: Path) -> None:
-    """Refuse the cache entry ``entry`` (in one line, with the fix) if another user could have planted or
-    altered it: its folders and files, walked without following links, must all be the user's own (or
-    root's) and writable by nobody else. pip made them so (:func:`_readable`); a shared cache's other user
-    can't, nor can anyone change them after. Checked before every mount (~7 ms a thousand files)."""
-    def bad(path: Path) -> tuple[Path, str] | None:
-        try:
-            why = _untrusted(path, os.lstat(path))
-        except OSError as exc:
-            why = f"it can't be read ({exc.strerror})"
-        return (path, why) if why else None
-
-    found = bad(entry) or bad(entry / META) or bad(entry / LIB)
-    if found is None and not stat.S_ISDIR(os.lstat(entry).st_mode):
-        found = (entry, "it is not a folder")
-    stack = [str(entry / LIB)] if found is None and os.path.isdir(entry / LIB) else []
-    while stack and found is None:
-        with os.scandir(stack.pop()) as items:
-            for item in items:
-                why = _untrusted(Path(item.path), item.stat(follow_symlinks=False))
-                if why:
-                    found = (Path(item.path), why)
-                    break
-                if item.is_dir(follow_symlinks=False):
-                    stack.append(item.path)
-    if found is not None:
-        path, why = found
-        where = "" if path == entry else f" ({path})"
-        raise SmolbenchError(f"refusing the packages cache entry {entry}{where}: {why}, so another user could have "
-                             f"planted or altered it; remove it (rm -rf {entry}: the next up installs it anew), "
-                             "or set $SMOLBENCH_CACHE to a folder of your own")
 
 
 # pip's --only-binary=:all: does not hold for a URL a wheel's own metadata names (Requires-Dist:
@@ -503,14 +522,14 @@ runpy.run_module("pip", run_name="__main__", alter_sys=True)
 """
 
 
-def _lock(lock: IO[str], stop: threading.Event | None) -> None:
-    """Take the key's lock, waiting for the kernel that holds it; ``stop`` set meanwhile: stop waiting."""
+def _lock(lock: int, stop: threading.Event | None, how: int = fcntl.LOCK_EX) -> None:
+    """Take the key's lock (``how``), waiting for the kernel that holds it; ``stop`` set meanwhile: stop waiting."""
     if stop is None:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, how)
         return
     while True:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, how | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             if stop.wait(0.1):

@@ -34,7 +34,9 @@ naming the file, the line, the key, the problem and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import hashlib
 import os
 import posixpath
 import re
@@ -706,3 +708,63 @@ def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
     except OSError as exc:
         raise SmolfileError(f"{name}: cannot read the Smolfile ({exc.strerror})") from None
     return parse_smolfile(text, source=name, base_dir=str(file.resolve().parent))
+
+
+# MachineSpec fields as the Smolfile names them
+_KEYS = {"net": "network", "allow_hosts": "network", "allow_cidrs": "network", "disk_mib": "disk",
+         "episodes_fresh": "episodes"}
+
+
+class SmolfileWatch:
+    """Notices, once, that the Smolfile an up read now says something else: its machines keep the
+    spec they were made with, and the next cell or fork says how to apply the new one. A stat per
+    call; the file is read, hashed and parsed again only when its stat changed, and a change that
+    leaves the spec as it was (a comment, spacing) says nothing."""
+
+    def __init__(self, path: str | os.PathLike[str], spec: MachineSpec) -> None:
+        self.path, self.spec, self.said = Path(path).expanduser(), spec, False
+        self._stamp: tuple[int, ...] | None = None
+        self._digest: str | None = None
+        self._pending = self._look()  # changed since it was parsed for the up: said at the first cell
+
+    def news(self) -> str | None:
+        """The one line to say now (``%smol`` words), or None: unchanged, or said already."""
+        if self.said:
+            return None
+        line, self._pending = self._pending or self._look(), None
+        self.said = line is not None
+        return line
+
+    def _look(self) -> str | None:
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[int, ...] | None = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp and self._digest is not None:
+            return None
+        self._stamp = stamp
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            data = None
+        digest = hashlib.sha256(data).hexdigest() if data is not None else ""
+        if digest == self._digest:
+            return None
+        self._digest = digest
+        name, apply = shown(self.path), "`%smol down` then `%smol up` to apply it"
+        if data is None:
+            return f"smolbench: the Smolfile {name} is gone since `%smol up`; machines keep the spec they were made with"
+        try:
+            now = parse_smolfile(data.decode("utf-8"), source=self.spec.source or name,
+                                 base_dir=str(self.path.resolve().parent))
+        except (SmolfileError, UnicodeDecodeError) as exc:
+            why = str(exc).splitlines()[0][:200] if str(exc) else "not UTF-8"
+            return (f"smolbench: the Smolfile {name} changed since `%smol up` and doesn't parse now ({why}); machines "
+                    f"keep the spec they were made with: fix it, then {apply}")
+        keys = list(dict.fromkeys(_KEYS.get(f.name, f.name) for f in dataclasses.fields(now)
+                                  if getattr(now, f.name) != getattr(self.spec, f.name)))
+        if not keys:
+            return None
+        return (f"smolbench: the Smolfile {name} changed since `%smol up` ({', '.join(keys)}); machines keep the spec "
+                f"they were made with: {apply}")

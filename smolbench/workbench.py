@@ -36,6 +36,7 @@ from .provenance import versions as _versions
 from .provenance import where as _where
 from .result import ForkResult
 from .shelf import Shelf
+from .smolfile import SmolfileWatch
 from .spec import MachineSpec
 from .status import StatusMixin
 from .tree import TERMINAL, Node, Tree
@@ -100,6 +101,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         self.trusted = False  # %smol trust on: pulls unpickled and displays raw (recorded in the ledger)
         self.net_note: str | None = None  # `%smol up --net/--allow` overrode the Smolfile's network policy
         self.disk_note: str | None = None  # the Smolfile's disk leaves a sandbox machine no memory (said at up)
+        self.smolfile_watch: SmolfileWatch | None = None  # the Session's: the Smolfile edited since up (said once)
         self.net_stats: dict[str, dict[str, Any]] = {}  # per machine: connections let out / refused
         self.outputs_dir = gate.log_folder(Path(ledger.path))  # smolbench's own folder, never the user's outputs/
         self.log_pool = gate.LogPool(folder=self.outputs_dir, mine=self.session,  # what logs there may take

@@ -12,6 +12,7 @@ pypi.org, whose files are on files.pythonhosted.org).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -627,13 +628,14 @@ def test_the_cache_is_listed_and_pruned_of_what_no_up_used_lately(
 
     guest = packages.host_python()
     made = packages.ensure((PKG,), guest)
+    made.close()  # no machine runs on it: prune may take it
     entry, root = made.lib.parent, cache / "packages"
     fresh = root / ("f" * 24)
     shutil.copytree(entry, fresh, symlinks=True)
     past = time.time() - 40 * 86400
     os.utime(entry / packages.META, (past, past))
     assert packages.ensure((PKG,), guest).cached  # an up uses it: its last use is now
-    assert packages.prune(30, dry_run=True) == []
+    assert packages.prune(30, dry_run=True) == ([], [])
     os.utime(entry / packages.META, (past, past))
     killed = root / f".{entry.name}.tmp-x1"  # what a killed install left
     (killed / "lib").mkdir(parents=True)
@@ -682,3 +684,40 @@ def test_a_requirement_with_terminal_escapes_is_refused_and_never_listed_raw(
     assert "\x1b" not in out and "\x07" not in out and len(out.splitlines()) == 2, out
     assert "evil @ https://attacker.example/\\x1b]0;pwned\\x07\\x1b[2K\\x1b[1A/evil-1.0" in out
     assert "\\nfake line" in out and "cp311\\x1b[2J" in out
+
+
+def test_the_key_covers_the_installing_pips_version_asked_once_while_its_files_are_unchanged(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another pip may resolve the same list to other versions: an upgrade of the host's pip
+    reused what the old one installed. pip's version is asked of it once, then kept while its files are."""
+    import importlib.metadata
+
+    calls: list[list[str]] = []
+    real = subprocess.run
+    monkeypatch.setattr(packages, "_PIP_MEMO", None)
+
+    def run(cmd: list[str], *args: object, **kwargs: object) -> object:
+        if packages._PIP_VERSION in cmd:
+            calls.append(cmd)
+        return real(cmd, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", run)
+    said = packages.pip_version()
+    assert said == importlib.metadata.version("pip") and len(calls) == 1
+    assert packages.pip_version() == said and len(calls) == 1  # unchanged: a stat, not a pip run
+    guest, here = packages.host_python(), packages.pip_sources()
+    assert packages.key((PKG,), guest, here) == packages.key((PKG,), guest, here, said)
+    assert packages.key((PKG,), guest, here, "23.0") != packages.key((PKG,), guest, here, said)
+    name = "smolbench-probe-pkg"
+    monkeypatch.setenv("PIP_INDEX_URL", _file_index(tmp_path / "i", {name: _wheel(tmp_path / "w", "smolbench_probe_pkg", "")}))
+    first = packages.ensure((f"{name}==1.0",), guest)
+    assert json.loads((first.lib.parent / packages.META).read_text())["pip"] == said
+    fake = tmp_path / "pip" / "__init__.py"  # a pip whose files this test can change
+    fake.parent.mkdir()
+    fake.write_text("")
+    monkeypatch.setattr(packages, "_PIP_MEMO", (str(fake), packages._pip_stamp(str(fake)), "1.0-older"))
+    assert packages.pip_version() == "1.0-older" and len(calls) == 1  # as if another pip had installed it
+    again = packages.ensure((f"{name}==1.0",), guest)
+    assert not again.cached and again.lib != first.lib  # another pip: installed anew, not reused
+    fake.write_text("__version__ = 'upgraded'\n")  # its files changed: asked again
+    assert packages.pip_version() == said

@@ -57,6 +57,7 @@ class AgentHostBackend(Saving, Backend):
         self._procs: dict[str, _spawn.Spawned] = {}
         self._logs: dict[str, asyncio.Future[None]] = {}  # a root's agent.log writer (it ends with the machine)
         self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
+        self._held: dict[str, Installed] = {}  # a root's packages entry, held (prune skips it) till it is deleted
         self._limiter: _limits.Limiter | None = None
         self._ending: list[tuple[MachineRef, asyncio.Future[bool]]] = []  # branch deletes of this moment, batched
         self._going: dict[str, str] = {}  # branch -> its folder, while it is deleted: the name stays taken till it is gone
@@ -98,6 +99,11 @@ class AgentHostBackend(Saving, Backend):
             return None
         guest = self._guest_python(spec)
         return await install_packages(spec.packages, guest)
+
+    def _packages_path(self, installed: Installed) -> Path:
+        """Where the machine's command finds the packages: the entry's path (a process of its own
+        resolves it again); a backend binding it from this process binds ``installed.mount``."""
+        return installed.lib
 
     def _layout(self, run_dir: Path, name: str) -> tuple[Path, Path, Path]:
         """(the machine's own host folder, its socket, its ready file) in a new run folder."""
@@ -149,12 +155,13 @@ class AgentHostBackend(Saving, Backend):
         try:
             installed = await self._packages(spec)
             if installed is not None:
+                self._held[name] = installed
                 ref.info["packages"] = installed.line(spec.packages)
             def prepare() -> tuple[_limits.MachineLimits, builtins.list[str], str, str]:
                 limits = self.limiter.machine(name, spec)  # cgroupfs is slow to write to
                 args = limits.agent_args(self._nproc(spec), spec.pids if self.nproc_per_machine else None)
                 return (limits, *self._command(spec, name, run_dir, workspace, args,
-                                               installed.lib if installed is not None else None))
+                                               self._packages_path(installed) if installed is not None else None))
 
             # Off the loop thread, like the spawn: N boots at once don't queue on it.
             prepared = asyncio.ensure_future(asyncio.to_thread(prepare))
@@ -274,6 +281,9 @@ class AgentHostBackend(Saving, Backend):
                 await proc.wait()
             await self._log_written(ref)
             self._booted.pop(ref.name, None)
+            held = self._held.pop(ref.name, None)
+            if held is not None:
+                held.close()
             log = self._logs.pop(ref.name, None)
             if log is not None:
                 log.cancel()

@@ -36,7 +36,7 @@ from .._aio import _to_the_end
 from ..errors import BackendUnavailable, SmolbenchError
 from ..guest import leaves
 from ..guest.uidshares import BRANCH_NAMESPACES
-from ..packages import GuestPython, host_python, rootfs_python
+from ..packages import GuestPython, Installed, host_python, rootfs_python
 from ..spec import MachineSpec
 from . import _limits, _procs, _stage
 from ._agenthost import BOOT_TIMEOUT, AgentHostBackend, _Exited
@@ -343,6 +343,9 @@ class SandboxBackend(AgentHostBackend):
 
         rootfs = resolve_rootfs(spec.image)
         return host_python() if rootfs is None else rootfs_python(rootfs)
+
+    def _packages_path(self, installed: Installed) -> Path:
+        return Path(installed.mount)  # bwrap binds the folder that was checked, not what its path names now
 
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
                  agent_args: builtins.list[str], packages: Path | None = None) -> tuple[builtins.list[str], str, str]:

@@ -135,6 +135,7 @@ class SmolBackend(Backend):
         self._probe_lock: asyncio.Lock | None = None
         self._machines: dict[str, MachineRef] = {}
         self._handles: dict[str, Machine] = {}
+        self._held: list[Installed] = []  # the packages entries of this backend's VMs: held (prune skips them) till close
         self._serial = itertools.count(1)
         self._ids = RequestIds()  # what an interrupt names: the cell it is meant for
         self.extra_labels: dict[str, str] = {}  # a cluster node agent's folder (its leftovers are found by it)
@@ -270,6 +271,8 @@ class SmolBackend(Backend):
         """Boot a microVM from ``spec``, copy the agent in and start it."""
         self._check_new([name])
         installed = await self._packages(spec)
+        if installed is not None:  # smol's VMM opens the folder by its path: the path that was checked
+            self._held.append(installed)
         config = self.machine_config(spec, name, installed.lib if installed is not None else None)
         await self._ensure_available()
         conn = self.conn
@@ -408,6 +411,10 @@ class SmolBackend(Backend):
         for level in sorted(levels, reverse=True):
             results = await asyncio.gather(*(self.delete(r) for r in levels[level]), return_exceptions=True)
             errors += [r for r in results if isinstance(r, BaseException)]
+        if not errors:  # a VM left (a failed delete) may still read its packages
+            for installed in self._held:
+                installed.close()
+            self._held.clear()
         if errors:
             raise errors[0]
 
