@@ -42,11 +42,13 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ._aio import _stoppable_thread
 from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root
+from ._pkgwheels import private_copies, wheel_hashes
 from .errors import SmolbenchError
 from .gate.terminal import plain
 from .images import cache_dir
 
 PIP_TIMEOUT = 1800.0  # seconds one install may take
+WHEELS = ".wheels"  # in an install's temporary folder: the private copies of the wheels it names here
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
 _GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
 _MAX_LIBC_READ = 16 << 20
@@ -156,12 +158,17 @@ def version_python(version: str, glibc: tuple[int, int] | None = None) -> GuestP
     return GuestPython(major, minor, os.uname().machine, glibc, native=False)
 
 
-def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...], pip: str | None = None) -> str:
+def key(requirements: tuple[str, ...], guest: GuestPython, sources: tuple[str, ...], pip: str | None = None,
+        wheels: dict[str, str] | None = None) -> str:
     """The cache key: the requirement list (as written, in order), the guest's Python and platform,
-    ``sources``, where pip looks for them (:func:`pip_sources`), and the version of the pip that
-    installs (``pip``; :func:`pip_version` when None): another pip may resolve the list otherwise."""
-    data = json.dumps({"requirements": list(requirements), "python": guest.tag, "native": guest.native,
-                       "sources": list(sources), "pip": pip_version() if pip is None else pip}, sort_keys=True)
+    ``sources``, where pip looks for them (:func:`pip_sources`), the version of the pip that
+    installs (``pip``; :func:`pip_version` when None): another pip may resolve the list otherwise,
+    and the content of the wheels it names on this host (``wheels``: :func:`wheel_hashes`'s)."""
+    fields = {"requirements": list(requirements), "python": guest.tag, "native": guest.native,
+              "sources": list(sources), "pip": pip_version() if pip is None else pip}
+    if wheels:  # (only then: the keys of lists without them stay as they were)
+        fields["wheels"] = sorted(wheels.items())
+    data = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:24]
 
 
@@ -354,8 +361,8 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so). It comes
     held (:class:`Held`): checked through file descriptors, and kept from prune until closed."""
     root = packages_root()
-    sources, pip = pip_sources(), pip_version()
-    digest = key(requirements, guest, sources, pip)
+    sources, pip, wheels = pip_sources(), pip_version(), wheel_hashes(requirements)
+    digest = key(requirements, guest, sources, pip, wheels)
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o755)  # the sandbox uid reads it; and not group-writable under a umask of 002
@@ -377,7 +384,7 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
             fcntl.flock(lock, fcntl.LOCK_UN)
             _lock(lock, stop)  # another kernel installing the same list: wait for it, then reuse
             if not _complete(root_fd, digest):
-                took = _install(requirements, guest, root, root_fd, digest, sources, pip, log, stop)
+                took = _install(requirements, guest, root, root_fd, digest, sources, pip, wheels, log, stop)
     finally:
         if lock >= 0:
             os.close(lock)
@@ -385,7 +392,8 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
 
 
 def _install(requirements: tuple[str, ...], guest: GuestPython, root: Path, root_fd: int, digest: str,
-             sources: tuple[str, ...], pip: str, log: list[str] | None, stop: threading.Event | None) -> float:
+             sources: tuple[str, ...], pip: str, wheels: dict[str, str], log: list[str] | None,
+             stop: threading.Event | None) -> float:
     """pip installs into a temporary folder, renamed into place whole (the key's lock held); its seconds."""
     tell = ON_INSTALL.get()
     if tell is not None:
@@ -394,7 +402,8 @@ def _install(requirements: tuple[str, ...], guest: GuestPython, root: Path, root
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
     try:
-        _pip(requirements, guest, tmp / LIB, log, stop)
+        _pip(private_copies(requirements, wheels, tmp / WHEELS), guest, tmp / LIB, log, stop)
+        shutil.rmtree(tmp / WHEELS, ignore_errors=True)
         _readable(tmp)
         took = time.monotonic() - started
         meta = {"requirements": list(requirements), "python": guest.tag, "pip": pip, "seconds": round(took, 2),

@@ -721,3 +721,46 @@ def test_the_key_covers_the_installing_pips_version_asked_once_while_its_files_a
     assert not again.cached and again.lib != first.lib  # another pip: installed anew, not reused
     fake.write_text("__version__ = 'upgraded'\n")  # its files changed: asked again
     assert packages.pip_version() == said
+
+
+def test_a_wheel_named_by_path_is_keyed_by_its_content_and_installed_from_a_copy(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside audit: ``pkg @ file:///…/x.whl`` was keyed by its text, so a rebuilt wheel was never
+    installed; and a wheel in a folder a machine can write (a volume) could be swapped between the
+    key and pip's read, the swapped one then mounted into every machine of that list."""
+    from smolbench import _pkgwheels
+
+    folder = tmp_path / "volume"
+    wheel = _wheel(folder, "smolbench_local_pkg", "WHO = 'first'\n")
+    reqs, guest = (f"smolbench-local-pkg @ file://{wheel}",), packages.host_python()
+
+    def who(installed: packages.Installed) -> str:
+        assert installed.held is not None
+        installed.held.close()  # (held, prune would keep it: nothing here prunes)
+        return (installed.lib / "smolbench_local_pkg" / "__init__.py").read_text().strip()
+
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'first'"
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'first'"  # the same bytes: the same entry
+    wheel.unlink()
+    _wheel(folder, "smolbench_local_pkg", "WHO = 'rebuilt'\n")
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'rebuilt'"  # new bytes: installed again
+
+    # swapped between the key's hash and pip's read: refused, nothing kept
+    real = _pkgwheels.private_copies
+
+    def swap_first(requirements: tuple[str, ...], hashes: dict[str, str], where: Path) -> tuple[str, ...]:
+        wheel.unlink()
+        _wheel(folder, "smolbench_local_pkg", "WHO = 'swapped'\n")
+        return real(requirements, hashes, where)
+
+    wheel.unlink()
+    _wheel(folder, "smolbench_local_pkg", "WHO = 'third'\n")
+    monkeypatch.setattr(packages, "private_copies", swap_first)
+    with pytest.raises(SmolbenchError, match="changed while it was being installed: up again once it is written"):
+        packages.ensure(reqs, guest)
+    assert not any(p.name.startswith(".") and ".tmp-" in p.name for p in packages.packages_root().iterdir())
+    monkeypatch.setattr(packages, "private_copies", real)
+    assert who(packages.ensure(reqs, guest)) == "WHO = 'swapped'"  # as it is now, hashed anew
+
+    with pytest.raises(SmolbenchError, match="can't read .*: check the path"):
+        packages.ensure((f"smolbench-local-pkg @ file://{tmp_path}/gone-1.0-py3-none-any.whl",), guest)
