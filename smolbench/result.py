@@ -252,7 +252,8 @@ class ForkResult:
             return None
         errors: list[Any] = []
         for r in failed:
-            errors.append(self.remote_errors.get(r["branch"]) or f"[{r['branch']}] {r['status']}: {r['error'] or ''}")
+            errors.append(self.remote_errors.get(r["branch"])
+                          or f"[{r['branch']}] {r['status']}: {terminal.printable(str(r['error'] or ''))}")
         counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()) if k in ("error", "timeout", "cancelled"))
         first = failed[0]
         unit = "episodes" if self.kind == "episodes" else "branches"
@@ -263,8 +264,9 @@ class ForkResult:
         if self.fresh_module_hint and len(failed) == len(self) and all(
                 str(r["error"] or "").startswith(("ModuleNotFoundError", "ImportError")) for r in failed):
             hint = f"; {self.fresh_module_hint}"
+        said = terminal.printable(str(first["error"] or ""))  # the machine's words: a script prints them raw
         return CompositeError(f"{len(failed)} of {len(self)} {unit} failed ({counts}); first: "
-                              f"[{first['branch']}] {first['status']}: {first['error'] or ''}{hint}", errors, unit, self)
+                              f"[{first['branch']}] {first['status']}: {said}{hint}", errors, unit, self)
 
     def raise_for_errors(self) -> None:
         """Raise a CompositeError if any branch failed."""

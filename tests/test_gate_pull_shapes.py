@@ -46,20 +46,42 @@ def test_a_time_zone_naming_a_path_is_refused_before_pandas_opens_it(monkeypatch
             opened.append(args[0])
 
     sys.addaudithook(hook)  # stays for the process: it records only while watching
-    name = "datetime64[ns, dateutil//etc/hostname]"
+    # (outside audit: the check matched only names that start "datetime64[")
+    names = ["datetime64[ns, dateutil//etc/hostname]", "M8[ns, dateutil//etc/hostname]",
+             "interval[datetime64[ns, dateutil//etc/hostname]]"]
     watching[0] = True
     try:
-        with pytest.raises(Bad, match="with a time zone that is not a tz database name"):
-            pull._dtype(name)
+        for name in names:
+            with pytest.raises(Bad, match="with a time zone that is not a tz database name"):
+                pull._dtype(name)
         assert opened == []
-        for ok in ("datetime64[ns, UTC]", "datetime64[ns, Europe/Paris]", "datetime64[ns, UTC+05:00]"):
+        for ok in ("datetime64[ns, UTC]", "datetime64[ns, Europe/Paris]", "datetime64[ns, UTC+05:00]", "M8[ns, UTC]",
+                   "interval[datetime64[ns, UTC], right]"):
             pull._dtype(ok)
-        monkeypatch.setattr(pull, "TZ_IN_DTYPE", pull.re.compile("(?!)"))  # weakened: no time zone check
-        with pytest.raises(Bad):
-            pull._dtype(name)
-        assert opened, "pandas opened nothing: not a contrast"
+        monkeypatch.setattr(pull, "_zones_named", lambda name: True)  # weakened: no time zone check
+        for name in names:
+            opened.clear()
+            with pytest.raises(Bad):
+                pull._dtype(name)
+            assert opened, f"pandas opened nothing for {name}: not a contrast"
     finally:
         watching[0] = False
+
+
+@pytest.mark.parametrize("name", ["Sparse[10000000f8]", "Sparse[V10000000]", "interval[1000000f8]", "interval[V1000000]"])
+def test_a_pandas_dtype_wrapping_a_huge_numpy_one_is_refused(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside audit: 180 bytes naming a Sparse column of 10,000,000-float items made the host
+    allocate 80 MB per value sent (three values: 240 MB)."""
+    pytest.importorskip("pandas")
+    enc = {"$": "series", "index": {"$": "range", "start": 0, "stop": 3, "step": 1},
+           "values": {"dtype": name, "values": [0, 0, 0]}}
+    with pytest.raises(Bad, match="pandas holds no such column"):
+        pull.data_value(enc, 0, pull.Budget())
+    for ok in ("Sparse[float64, nan]", "interval[int64, right]", "Int64", "boolean", "category"):
+        pull._dtype(ok)
+    if name.startswith("Sparse"):  # weakened: the numpy check alone, as before
+        monkeypatch.setattr(pull, "_small_items", lambda dtype: True)
+        assert pull.data_value(enc, 0, pull.Budget()).nbytes > 3 * 1_000_000  # from 3 zeros sent
 
 
 def test_a_category_column_made_to_share_one_hash_is_refused() -> None:

@@ -377,3 +377,15 @@ def test_a_session_s_checkpoint_says_what_it_could_not_save(here: Path) -> None:
         info = s.checkpoint_save("g")
     assert info["warnings"] and "gen" in info["warnings"][0]
     assert [line for line in told if "warning" in line] == [f"smolbench: warning: {info['warnings'][0]}"]
+
+
+def test_a_composite_error_s_message_carries_no_terminal_escapes_of_the_machine(here: Path) -> None:
+    """Outside audit: a branch's ValueError("\\x1b]52;c;…\\x07") reached a script's terminal raw in
+    the CompositeError's message (a clipboard write: paste-jacking into a shell)."""
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        with pytest.raises(smolbench.CompositeError) as got:
+            s.fork(1, 'raise ValueError("\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\x1b]0;PWNED\\x07 \\x9b2J")')
+    said = str(got.value)
+    assert "ValueError" in said and "\\x1b]52;c;ZWNobyBwd25lZA==" in said, said  # shown, escaped
+    assert not any(ch in said for ch in "\x1b\x07\x9b"), repr(said)
+    assert not any(ch in str(e) for e in got.value.errors for ch in "\x1b\x07\x9b" if not isinstance(e, RemoteError))

@@ -37,6 +37,8 @@ def test_weakened_the_line_reaches_the_name_and_the_next_lines() -> None:
 
 def test_a_text_box_gets_the_text_without_escapes_or_controls() -> None:
     assert terminal.plain("\x1b[31mred\x1b[0m\b\x07 50%\r100%\r\n") == "red 50%\n100%\n"
+    # C1 controls (\x9b: an 8-bit CSI) and bidi overrides and isolates go too (outside audit)
+    assert terminal.plain("a\x9b2Jb\x85c\u202edcba\u2066x\u2069 é ✓") == "a2Jbcdcbax é ✓"
 
 
 def test_an_error_s_lines_keep_their_styles_and_backspaces_to_themselves() -> None:

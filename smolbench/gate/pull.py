@@ -29,7 +29,7 @@ DTYPE_RE = re.compile(r"[A-Za-z0-9_\[\], :/+\-]{1,64}")
 FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 COLUMNS = 4096  # pandas columns (and indexes) one reply may rebuild
 COLLISIONS = 16  # pulled items that may share one hash (64 per hash in 15,000 groups held the GIL 1.4 s)
-TZ_IN_DTYPE = re.compile(r"datetime64\[\w+,\s*(.*)\]")
+TZ_IN_DTYPE = re.compile(r"(?:datetime64|M8)\[\s*\w+\s*,\s*([^\]]*)\]")  # anywhere: interval[M8[ns, X]] too
 FIXED_OFFSET = re.compile(r"(UTC)?[+-]\d\d:?\d\d")
 
 
@@ -146,23 +146,41 @@ def _dtype(text: Any) -> Any:
     """A pandas dtype by name. Numpy dtypes whose items could be far larger than what was
     sent (fixed-width text and bytes, void, sub-arrays like ``10000000f8``) are refused:
     pandas never holds them as such (its text is object or string dtype)."""
-    import numpy as np
     import pandas as pd
 
     name = string(text, "a pandas dtype", 64)
     if not DTYPE_RE.fullmatch(name):
         raise Bad(f"a pandas dtype {shown(name)} is not a dtype name")
-    tz = TZ_IN_DTYPE.fullmatch(name)
-    if tz and not (tz[1] in _time_zones() or FIXED_OFFSET.fullmatch(tz[1])):
-        # pandas reads "dateutil/<path>" as a file the host would open: a path the machine named
+    if not _zones_named(name):
         raise Bad(f"a pandas dtype {shown(name)} with a time zone that is not a tz database name")
     try:
         dtype = pd.api.types.pandas_dtype(name)
     except Exception:
         raise Bad(f"a pandas dtype {shown(name)} is not one pandas knows") from None
-    if isinstance(dtype, np.dtype) and (dtype.kind in "SUV" or dtype.subdtype is not None or dtype.itemsize > 32):
+    if not _small_items(dtype):
         raise Bad(f"a pandas column of dtype {shown(name)} (pandas holds no such column)")
     return dtype
+
+
+def _zones_named(name: str) -> bool:
+    """Whether every time zone in a dtype's name is a tz database name or a fixed offset: pandas
+    reads "dateutil/<path>" as a file the host would open, a path the machine named (in any
+    spelling of a time zone pandas takes: "M8[ns, …]", inside "interval[…]")."""
+    zones = [m[1].strip() for m in TZ_IN_DTYPE.finditer(name)]
+    return "dateutil" not in name and all(z in _time_zones() or FIXED_OFFSET.fullmatch(z) for z in zones)
+
+
+def _small_items(dtype: Any) -> bool:
+    """Whether each item of ``dtype`` is at most 32 bytes, also inside the dtypes pandas wraps
+    around a numpy one (``Sparse[10000000f8]``, ``interval[V1000000]`` held 80 MB per value)."""
+    import numpy as np
+
+    if isinstance(dtype, np.dtype):
+        return not (dtype.kind in "SUV" or dtype.subdtype is not None or dtype.itemsize > 32)
+    if type(dtype).__name__ == "ArrowDtype":  # fixed-size binaries and lists of any width: not taken
+        return False
+    inner = [getattr(dtype, attr, None) for attr in ("subtype", "numpy_dtype")]
+    return all(_small_items(d) for d in inner if isinstance(d, np.dtype) and d != np.dtype(object))
 
 
 @functools.cache

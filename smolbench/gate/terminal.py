@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 
 RESET = "\x1b[0m"
-# ANSI escapes (CSI with its parameters, or ESC and one character) and the C0 controls a
-# text box shows as garbage; a line end and a tab stay.
-_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b.?|[\x00-\x08\x0b-\x1f\x7f]")
+# ANSI escapes (CSI with its parameters, or ESC and one character), the C0 controls a text box
+# shows as garbage, the C1 ones (\x9b starts a CSI on terminals that take 8-bit codes) and
+# bidi overrides and isolates (text shown reordered); a line end and a tab stay.
+_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b.?|[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 TEST_WEAKEN: set[str] = set()  # "terminal": tests show a branch's line reaching past itself without this
 NAME_TEXT = 256  # characters of one name a machine sends (a variable a restore skipped) kept in a host line
