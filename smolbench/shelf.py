@@ -74,6 +74,8 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
         rec.update(file=store.shown(fname) if fname else None, exists=why is None, refused=why, dropped=False)
         if why == MISSING:
             rec["refused"] = None  # missing is not refused: the row is removed as usual
+        if row.get("damaged") and rec["refused"] is None:  # a copied ledger's: said, never a crash
+            rec["refused"] = f"damaged: {row['damaged']}; `%smol checkpoint rm` forgets it"
         out.append(rec)
     for fname in store.names():
         if fname in named:
