@@ -105,7 +105,9 @@ CHECKPOINT_JSON: dict[str, tuple[Callable[[Any], bool], Any]] = {
     "warnings": (lambda v: isinstance(v, list) and len(v) <= 20 and all(isinstance(w, str) for w in v), []),
     "machine": (lambda v: v is None or isinstance(v, dict), None),
 }
-JSON_LIMIT = 64 * 1024  # characters of one of them, at most (json.loads of 12 MB cost ~300 MB)
+# characters of one of them, at most: json.loads of 12 MB cost ~300 MB; an honest one is under
+# 250 kB (20 imported warnings of 2,000 characters, each \uXXXX-escaped at worst)
+JSON_LIMIT = 1 << 20
 
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger

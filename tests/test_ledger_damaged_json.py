@@ -75,5 +75,5 @@ def test_a_big_json_column_is_not_decoded(tmp_path: Path) -> None:
     finally:
         led.close()
     assert rec is not None and rec["warnings"] == [] and rec["damaged"] == \
-        "its ledger row's warnings is 3,000,004 characters, over 65,536"
+        "its ledger row's warnings is 3,000,004 characters, over 1,048,576"
     assert peak < 20 << 20, f"{peak:,} bytes"
