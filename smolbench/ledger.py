@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +99,15 @@ CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.read
 WITH_MACHINE = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine FROM")
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings", "machine"}
+# A checkpoint row's JSON columns, which a copied ledger may hold anything in: what smolbench
+# writes there, and what a row that holds something else reads as (said in its "damaged").
+CHECKPOINT_JSON: dict[str, tuple[Callable[[Any], bool], Any]] = {
+    "warnings": (lambda v: isinstance(v, list) and len(v) <= 20 and all(isinstance(w, str) for w in v), []),
+    "machine": (lambda v: v is None or isinstance(v, dict), None),
+}
+# characters of one of them, at most: json.loads of 12 MB cost ~300 MB; an honest one is under
+# 250 kB (20 imported warnings of 2,000 characters, each \uXXXX-escaped at worst)
+JSON_LIMIT = 1 << 20
 
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
@@ -610,12 +619,11 @@ class Ledger:
         out = []
         for row in rows:
             rec = dict(zip(names, row))
-            for key in JSON_COLUMNS & rec.keys():
+            for key in sorted(JSON_COLUMNS & rec.keys()):
                 if isinstance(rec[key], str):
-                    try:
-                        rec[key] = json.loads(rec[key])
-                    except ValueError:
-                        pass
+                    rec[key], wrong = _decoded(key, rec[key])
+                    if wrong is not None and "damaged" not in rec:
+                        rec["damaged"] = f"its ledger row's {key} {wrong}"
             out.append(rec)
         return out
 
@@ -686,6 +694,22 @@ class Ledger:
     def sessions(self) -> pd.DataFrame:
         """Every recorded session as a DataFrame."""
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
+
+
+def _decoded(key: str, text: str) -> tuple[Any, str | None]:
+    """Column ``key``'s JSON ``text`` decoded, and None; or, for a checkpoint row's column holding
+    what smolbench never writes there (:data:`CHECKPOINT_JSON`), its stand-in and what is wrong.
+    Text that isn't JSON in another column stays as it is."""
+    shape = CHECKPOINT_JSON.get(key)
+    if shape is not None and len(text) > JSON_LIMIT:
+        return shape[1], f"is {len(text):,} characters, over {JSON_LIMIT:,}"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # "[" * 200000: too deep for json's recursion
+        return (text, None) if shape is None else (shape[1], "is not JSON")
+    if shape is not None and not shape[0](value):
+        return shape[1], "is not what smolbench writes there"
+    return value, None
 
 
 _OPEN: weakref.WeakSet[Ledger] = weakref.WeakSet()  # this process's ledgers opened to write

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -30,6 +31,7 @@ SOON = 0.05  # a machine came or went: write now, unless the last write was this
 FORMAT = 1
 DIRNAME = "smolbench"
 MAX_RECORD_BYTES = 4 << 20
+ENVIRON_LIMIT = 4 << 20  # bytes of a process's environment read, at most (Linux caps it near 2 MB)
 KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -40,10 +42,10 @@ def proc_start(pid: int) -> int | None:
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
+            data = fh.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
+    fields = data[data.rfind(b")") + 2:].split()
     if not fields or fields[0] == b"Z":
         return None
     return int(fields[19])
@@ -223,30 +225,56 @@ def publish(workbench: Any) -> Publisher | None:
 def _set_aside(path: Path) -> None:
     """Keep an earlier record under this name (a restarted kernel keeps its id) when its
     process is dead but machines of it may live: renamed, the server still shows them."""
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
+    old = _read_json(path)
     pid = old.get("pid") if isinstance(old, dict) else None
     if isinstance(pid, int) and pid != os.getpid() and not alive(pid, old.get("pid_start")):
         with contextlib.suppress(OSError):
             os.replace(path, path.with_name(f"{path.stem}~{pid}.json"))
 
 
+def _read_json(path: Path) -> Any:
+    """A record file's JSON, or None: read only from a plain file (never through a link, never
+    blocking on a fifo) of at most MAX_RECORD_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+                return None
+            data = fh.read(MAX_RECORD_BYTES + 1)
+        return json.loads(data) if len(data) <= MAX_RECORD_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def started_machine(pid: int, start: Any, names: set[str]) -> bool:
+    """Whether process ``pid`` (started at ``start``) is one smolbench started for one of the
+    machines ``names``: a session of its own, and ``SMOLBENCH_MACHINE=NAME`` in the environment
+    it was started with (the sandbox's bwrap and the process backend's keeper both get it, and
+    never change it). A record's pid and start time alone named any process of the user's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = set(fh.read(ENVIRON_LIMIT).split(b"\0"))
+        own_session = os.getsid(pid) == pid
+    except OSError:
+        return False
+    marked = any(f"SMOLBENCH_MACHINE={n}".encode() in env for n in names)
+    return marked and own_session and alive(pid, start)  # (still that process once read)
+
+
 def read_records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """Every well-formed record in ``folder`` (malformed or oversized files are skipped)."""
+    """Every well-formed record in ``folder`` (malformed, oversized or other than plain files
+    are skipped)."""
     out: list[tuple[Path, dict[str, Any]]] = []
     try:
         entries = sorted(folder.glob("kernel-*.json"))
     except OSError:
         return out
     for path in entries:
-        try:
-            if path.stat().st_size > MAX_RECORD_BYTES:
-                continue
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        data = _read_json(path)
         if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("machines"), list):
             out.append((path, data))
     return out

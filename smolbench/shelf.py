@@ -57,12 +57,17 @@ def is_path(arg: str) -> bool:
     return arg.lower().endswith(SUFFIX) or "/" in arg
 
 
-def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> list[dict[str, Any]]:
+DROPPED_READ = 20  # dropped files one listing reads the record of (the sidebar lists them on every poll)
+
+
+def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
+             only: str | None = None) -> list[dict[str, Any]]:
     """Rows of a ledger's checkpoints, and the files in ``store`` that no row names (dropped
-    in), each with ``file`` (its path relative to the notebook folder, or None), ``exists``
-    (the rule lets it be read), ``refused`` (why not, one line; ``paths=False``: without
-    naming the refused path) and ``dropped``."""
-    out, named = [], set()
+    in; ``only``: that file name alone), each with ``file`` (its path relative to the notebook
+    folder, or None), ``exists`` (the rule lets it be read), ``refused`` (why not, one line;
+    ``paths=False``: without naming the refused path) and ``dropped``. Past :data:`DROPPED_READ`
+    dropped files, one's record is not read: its ``unread`` says so."""
+    out, named, read = [], set(), 0
     for row in rows:
         rec = dict(row)
         try:
@@ -74,9 +79,11 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
         rec.update(file=store.shown(fname) if fname else None, exists=why is None, refused=why, dropped=False)
         if why == MISSING:
             rec["refused"] = None  # missing is not refused: the row is removed as usual
+        if row.get("damaged") and rec["refused"] is None:  # a copied ledger's: said, never a crash
+            rec["refused"] = f"damaged: {row['damaged']}; `%smol checkpoint rm` forgets it"
         out.append(rec)
     for fname in store.names():
-        if fname in named:
+        if fname in named or only not in (None, fname):
             continue
         name = fname[: -len(SUFFIX)]
         rec = {"name": name, "session_id": None, "node_id": None, "path": store.relative(fname), "backend": None,
@@ -86,7 +93,10 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True) -> li
             with store.open(fname) as f:
                 st = os.fstat(f.fd)
                 rec.update(size=f.size, created=st.st_mtime, exists=True, refused=None)
-                record = _record(f)
+                read += 1
+                if read > DROPPED_READ:
+                    rec["unread"] = f"not read: a listing reads {DROPPED_READ} dropped files at most"
+                record = None if read > DROPPED_READ else _record(f)
         except PathRefused as exc:
             rec.update(exists=False, refused=str(exc) if paths else exc.reason)
             record = None
@@ -181,7 +191,7 @@ class Shelf:
         if rec is not None:
             return rec
         if valid_name(name) and f"{name}{SUFFIX}" in self.store.names():
-            return next((r for r in describe([], self.store) if r["name"] == name), None)
+            return next(iter(describe([], self.store, only=f"{name}{SUFFIX}")), None)
         return None
 
     def known(self) -> str:
@@ -460,7 +470,8 @@ class Shelf:
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
         for r in rows:  # a file that is there is not read whole here (a restore checks it): no "ok"
             state = "" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
-            said = " · ".join(x for x in ("dropped in, not in the ledger yet" if r["dropped"] else "", state) if x)
+            said = " · ".join(x for x in ("dropped in, not in the ledger yet" if r["dropped"] else "", state,
+                                          r.get("unread") or "") if x)
             out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}" + (f"  {said}" if said else ""))
         return out + misnamed
 

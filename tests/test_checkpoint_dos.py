@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from smolbench.errors import SmolbenchError
-from smolbench.gate import archive, ckptwrite
+from smolbench.gate import archive, ckptwrite, gzipread
 from smolbench.gate.limits import LIMITS
 from smolbench.ledger import Ledger
 from smolbench.shelf import Shelf
@@ -358,7 +358,7 @@ def test_a_python_whose_gzip_skips_our_header_check_is_refused_not_trusted(tmp_p
     path = tmp_path / "honest.smolcheckpoint"
     path.write_bytes(gzip.compress(_checkpoint_tar()))
     archive.check(str(path))  # read as it is, here
-    monkeypatch.setattr(archive._CheckedGzipReader, "_read_gzip_header", gzip._GzipReader._read_gzip_header)
+    monkeypatch.setattr(gzipread.CheckedGzipReader, "_read_gzip_header", gzip._GzipReader._read_gzip_header)
     with pytest.raises(archive.UnsafeCheckpoint, match="this Python's gzip module reads files in a way smolbench "
                                                        "can't check"):
         archive.check(str(path))

@@ -262,8 +262,9 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             assert not [pid for pid in machine_pids if registry.proc_start(pid)]
 
             # an orphan: a machine whose host process outlived its dead kernel (as a microVM
-            # run by its own engine can). A real process stands in for it.
-            orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+            # run by its own engine can). A real process stands in for it, marked as a machine is.
+            orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                                      env={**os.environ, "SMOLBENCH_MACHINE": "root"})
             try:
                 dead = subprocess.Popen([sys.executable, "-c", "pass"])
                 dead_start = registry.proc_start(dead.pid)

@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, Literal, NamedTuple
 
 from ..errors import SmolbenchError
+from .gzipread import GZIP_START, PREFIX_LIMIT, CheckedGzip, Enough, UnsafeCheckpoint, gzip_prefix
 from .limits import LIMITS, human
 
 FILES = ("namespace.pkl", "workspace.tar")
@@ -48,10 +49,6 @@ WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (a
 LINK_PARTS_LIMIT = 1_000_000  # name parts of all links together, each a node of the link tree (~180 bytes)
 META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
               tarfile.SOLARIS_XHDTYPE)
-
-
-class UnsafeCheckpoint(SmolbenchError):
-    """A checkpoint (or a machine's saved files) the host refuses to use."""
 
 
 class UnusableCheckpoint(UnsafeCheckpoint):
@@ -233,49 +230,13 @@ class _CheckedTar(tarfile.TarFile):
             return super().next()
 
 
-class _CheckedGzipReader(gzip._GzipReader):
-    """gzip's reader, but each member's header is measured first (:func:`_gzip_header_end`) and
-    skipped in one step: gzip reads a name or comment field a byte at a time, to the file's end."""
-
-    def __init__(self, fp: IO[bytes], what: str) -> None:
-        super().__init__(fp)
-        self._what = what
-        self.used = False  # gzip called us: a Python whose gzip no longer does is refused, not trusted
-
-    def _read_gzip_header(self) -> bool:
-        self.used = True
-        fp: Any = self._fp  # type: ignore[attr-defined]
-        head, end = b"", None
-        while end is None and len(head) < PREFIX_LIMIT and GZIP_START.startswith(head[:3]):
-            more = fp.read(min(max(len(head), 1024), PREFIX_LIMIT - len(head)))
-            if not more:
-                break
-            head += more
-            end = _gzip_header_end(head, self._what)
-        fp.prepend(head)  # exactly what was read: gzip's buffer gives it again
-        if end is None:  # not a gzip header, or one the file's end cuts short: gzip says which
-            return bool(super()._read_gzip_header())  # type: ignore[misc]
-        fp.read(end)
-        self._last_mtime = int.from_bytes(head[4:8], "little")
-        return True
-
-
-class _CheckedGzip(gzip.GzipFile):
-    """A gzip file from elsewhere, its headers read by :class:`_CheckedGzipReader`."""
-
-    def __init__(self, path: str | None, fileobj: IO[bytes] | None, what: str) -> None:
-        super().__init__(path, "rb", fileobj=fileobj)
-        self.checked = _CheckedGzipReader(self.fileobj, what)  # type: ignore[arg-type]
-        self._buffer = io.BufferedReader(self.checked)
-
-
 def open_tar(path: str | None = None, mode: Literal["r:gz", "r:"] = "r:gz",
              fileobj: IO[bytes] | None = None, what: str | None = None) -> tarfile.TarFile:
     """An archive from elsewhere (a machine, another person), read with :class:`CheckedInfo`
-    (and gzip's headers with :class:`_CheckedGzip`); ``what``: it in messages."""
+    (and gzip's headers with :class:`CheckedGzip`); ``what``: it in messages."""
     if mode != "r:gz":
         return _CheckedTar.open(path, mode, fileobj=fileobj)
-    gz = _CheckedGzip(path, fileobj, what or f"checkpoint {Path(path or '').name}")
+    gz = CheckedGzip(path, fileobj, what or f"checkpoint {Path(path or '').name}")
     try:
         tar = _CheckedTar.open(path, "r:", fileobj=gz)
     except OSError as exc:  # as tarfile's own gzip opening says it
@@ -472,7 +433,8 @@ def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -
     """:func:`check`, and what the file would take in a machine (from its headers, as read)."""
     label = label or Path(path).name
     record = None
-    with open_tar(path, what=f"checkpoint {label}") as tar:
+    with open(path, "rb") as fh, open_tar(fileobj=_not_over_limit(fh, label),
+                                          what=f"checkpoint {label}") as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
         try:
@@ -510,6 +472,16 @@ def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -
     return Checked(record, files, sizes.get("namespace.pkl", 0))
 
 
+def _not_over_limit(fh: IO[bytes], label: str) -> IO[bytes]:
+    """``fh``, unless its file is over the checkpoint limit (then an UnsafeCheckpoint naming ``label``):
+    none of it is read, whoever named it (a copied ledger's row too)."""
+    size = os.fstat(fh.fileno()).st_size
+    if size > LIMITS.checkpoint and "size" not in TEST_WEAKEN:
+        raise UnsafeCheckpoint(f"{label} is {human(size)}, over the checkpoint limit of {human(LIMITS.checkpoint)}: "
+                               "not read (raise it with `%smol config checkpoint-limit 4G` if you trust it)")
+    return fh
+
+
 def _damage_found(tar: tarfile.TarFile, quiet: bool = True) -> str | None:
     """What :func:`_crc_checked` finds wrong with the data, in :func:`damage`'s words (None:
     nothing); any other error it meets is raised (``quiet``: ignored, for the caller's own)."""
@@ -529,13 +501,15 @@ DRAIN_LIMIT = 1024 * 1024  # bytes read past what the check needed, to reach gzi
 def _crc_checked(tar: tarfile.TarFile) -> None:
     """Read a checked archive's gzip data to its end, so that gzip compares its checksum: tarfile
     stops at the archive's end marker, before it, so a byte changed on the way (a failing stick)
-    restored as different variables or files. Past :data:`DRAIN_LIMIT` it stops unchecked: the
-    checksum finds accidents, and a made file can carry a right one anyway."""
+    restored as different variables or files. Past :data:`DRAIN_LIMIT` bytes, decompressed or
+    compressed (what decompresses to nothing costs reading too), it stops unchecked: the checksum
+    finds accidents, and a made file can carry a right one anyway."""
     gz = tar.fileobj
-    if not isinstance(gz, gzip.GzipFile):
+    if not isinstance(gz, CheckedGzip):
         return
     left = DRAIN_LIMIT
-    with _zlib_as_tar_error():
+    gz.raw.stop = gz.raw.count + DRAIN_LIMIT
+    with _zlib_as_tar_error(), contextlib.suppress(Enough):
         while left > 0:
             got = len(gz.read(min(left, 64 * 1024)))
             if not got:
@@ -554,23 +528,19 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str) -> d
 
 def read_record(path: str, label: str | None = None) -> dict[str, Any] | None:
     """The record inside a checkpoint file (checked), or None when it has none; only its first
-    member is read, from the file's first PREFIX_LIMIT bytes (see :func:`_gzip_prefix`), and a
+    member is read, from the file's first PREFIX_LIMIT bytes (see :func:`gzip_prefix`), and a
     file over the checkpoint limit not at all. Whatever is wrong with the file is an
     UnsafeCheckpoint of one line naming it: a listing reads every file dropped into a folder
     (the sidebar's, every 5 s), and one can't break it for the rest or cost it more."""
     label = label or Path(path).name
     try:
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size > LIMITS.checkpoint:
-                raise UnsafeCheckpoint(f"{label} is {human(size)}, over the checkpoint limit of "
-                                       f"{human(LIMITS.checkpoint)}: not read (raise it with "
-                                       "`%smol config checkpoint-limit 4G` if you trust it)")
+            size = os.fstat(_not_over_limit(fh, label).fileno()).st_size
             data = fh.read(PREFIX_LIMIT)
             wrong = first_bytes(data[:len(GZIP_START)], label)
             if wrong is not None:
                 raise wrong
-            head, whole = _gzip_prefix(data, size <= PREFIX_LIMIT, label)
+            head, whole = gzip_prefix(data, size <= PREFIX_LIMIT, label)
         try:
             with open_tar(fileobj=io.BytesIO(head), mode="r:") as tar:
                 m = tar.next()
@@ -614,58 +584,10 @@ def first_bytes(head: bytes, label: str) -> UnusableCheckpoint | None:
     return None
 
 
-def _gzip_prefix(data: bytes, whole: bool, what: str) -> tuple[bytes, bool]:
-    """What a gzip file's first bytes ``data`` (all of it: ``whole``) decompress to, at most
-    PREFIX_LIMIT bytes, and whether that is all the file holds. zlib reads gzip's own headers
-    (Python's gzip read a name field one byte at a time: 21 MB of one took 1.2 s of CPU), after
-    the restore's rule for them (:func:`_gzip_header_end`; ``what``: the file in its message)."""
-    out = bytearray()
-    first = True
-    while data and len(out) < PREFIX_LIMIT:
-        _gzip_header_end(data, what)
-        unzip = zlib.decompressobj(wbits=31)  # a gzip member, header and trailer checked
-        try:
-            out += unzip.decompress(data, PREFIX_LIMIT - len(out))
-        except zlib.error as exc:
-            if first:
-                raise tarfile.ReadError(f"zlib error: {exc}") from None
-            return bytes(out), False  # after the first member: what came before is read as it was
-        if not unzip.eof:
-            return bytes(out), whole and not unzip.unconsumed_tail
-        data, first = unzip.unused_data.lstrip(b"\0"), False  # gzip allows NULs between members
-    return bytes(out), whole and not data
-
-
-GZIP_START = b"\x1f\x8b\x08"  # gzip's magic and its one method, deflate
-
-
-def _gzip_header_end(data: bytes, what: str) -> int | None:
-    """Where the gzip member header ``data`` starts with ends, or None (not a gzip header, or
-    not ended within ``data``): a listing's and a restore's one rule, that its name and comment
-    fields end within PREFIX_LIMIT bytes (else an UnsafeCheckpoint naming ``what``)."""
-    if len(data) < 12 or not data.startswith(GZIP_START):
-        return None
-    flags, end = data[3], 10
-    if flags & gzip.FEXTRA:
-        end += 2 + int.from_bytes(data[10:12], "little")
-    for field in (gzip.FNAME, gzip.FCOMMENT):  # each ends with a NUL
-        if flags & field:
-            nul = data.find(b"\0", end)
-            end = nul + 1 if nul >= 0 else len(data) + 1
-    end += 2 if flags & gzip.FHCRC else 0
-    if end <= len(data):
-        return end
-    if len(data) >= PREFIX_LIMIT:
-        raise UnsafeCheckpoint(f"{what} has a gzip header whose name or comment field doesn't end within its "
-                               f"first {human(PREFIX_LIMIT)}, which no gzip writer makes")
-    return None
-
-
 # -- the record a portable checkpoint carries ------------------------------------------------
 
 RECORD = "smolbench-record.json"
 RECORD_LIMIT = 16 * 1024
-PREFIX_LIMIT = 1000**2  # a record is looked for in a file's first MB, read and decompressed (it is first)
 RECORD_KIND = "smolbench-checkpoint"
 RECORD_VERSION = 1  # the record this smolbench writes and reads; a reader of 1 can't use a 2
 # Backends whose checkpoints travel as a file: smol's never do (`checkpoint export` refuses them),

@@ -32,7 +32,7 @@ from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
 from ..ledger import UnsafeLedger, guard
-from ..shelf import describe, misnamed_lines
+from ..shelf import DROPPED_READ, describe, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
@@ -190,7 +190,12 @@ class CheckpointsHandler(_Base):
                 continue
             store = checkpoint_store(d)
             problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
-            for r in await self.run(describe, rows, store, False):
+            described = await self.run(describe, rows, store, False)
+            unread = sum(1 for r in described if r.get("unread"))
+            if unread:
+                problems.append(f"{rel or '.'}: {unread} dropped checkpoint file{'s' if unread > 1 else ''} not read "
+                                f"(a listing reads {DROPPED_READ} at most)")
+            for r in described:
                 r["dir"] = r["folder"] = rel  # the folder whose ledger lists it ('' for the root)
                 # the file the rule lets it use, as an API path; never a path outside the root
                 r["path"] = f"{rel}/{r['file']}" if rel and r["file"] else (r["file"] or Path(str(r.get("path") or "")).name)

@@ -4,7 +4,8 @@ A live kernel is asked to delete its own machine (the server runs ``%smol delete
 in it, silently, through the kernel manager), so its Workbench, tree and ledger stay
 true. A machine whose kernel is dead has no Workbench left to ask: the server kills the
 host process the kernel published for it (after checking, by start time, that the pid
-still names that process).
+still names that process, and that smolbench started it for that machine:
+``registry.started_machine``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
                 "memory_used_mib": used, "memory_measure": how,
                 "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
                 "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
-                "killable": orphaned and not unverified, **_node(m),
+                "killable": orphaned and not unverified and registry.started_machine(
+                    m["pid"], m.get("pid_start"), _sharing(rec, m["pid"])), **_node(m),
             })
         recorded_nb = rec.get("notebook") if isinstance(rec.get("notebook"), str) else None
         if orphaned and not machines:
@@ -176,6 +178,11 @@ async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str, command:
             "message": f"asked kernel {kernel_id[:8]} to {verb} {node_id}: {said or 'done'}"}
 
 
+def _sharing(rec: dict[str, Any], pid: Any) -> set[str]:
+    """The ids of a record's machines held by host process ``pid`` (a root and its branches)."""
+    return {m["id"] for m in rec["machines"] if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("pid") == pid}
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -204,6 +211,10 @@ async def kill_orphan(path: Path, rec: dict[str, Any], machine: dict[str, Any]) 
                 "message": f"{machine['id']}'s backend published no host process, so it can't be killed from here"}
     if pid in (os.getpid(), 1) or not registry.alive(pid, start):
         gone = True
+    elif not registry.started_machine(pid, start, _sharing(rec, pid)):
+        return {"action": "none", "ok": False,
+                "message": f"{machine['id']}'s host process {pid} is not a machine smolbench started (its record "
+                           "names another process): left alone"}
     else:
         gone = False
         inside = _descendants(pid)

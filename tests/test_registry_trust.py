@@ -1,0 +1,95 @@
+"""Audit (hardening): registry files were trusted for kills. ``kill_orphan`` SIGKILLed whatever
+pid and start time a record named (its process group and descendants too) without checking that
+smolbench started it, and ``read_records`` followed links and read fifos. A record names a
+machine's process now only when that process carries the machine's marker, and records are read
+from plain files only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smolbench import registry
+from smolbench.server import machines
+
+
+def _dead_pid() -> tuple[int, int | None]:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = registry.proc_start(proc.pid)
+    proc.wait()
+    return proc.pid, start
+
+
+def _orphan_record(pid: int) -> dict[str, Any]:
+    kpid, kstart = _dead_pid()
+    return {"format": 1, "kernel_id": "deadbeef", "pid": kpid, "pid_start": kstart, "backend": "sandbox",
+            "updated": time.time(), "machines": [{"id": "root", "backend": "sandbox", "pid": pid,
+                                                  "pid_start": registry.proc_start(pid)}]}
+
+
+@pytest.mark.parametrize("env", [{}, {"SMOLBENCH_MACHINE": "other"}], ids=["unmarked", "another-machine"])
+def test_a_record_naming_a_process_smolbench_did_not_start_for_it_kills_nothing(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    victim = subprocess.Popen(["sleep", "300"], start_new_session=True, env={**os.environ, **env})  # the user's
+    try:
+        rec = _orphan_record(victim.pid)
+        path = tmp_path / "kernel-deadbeef.json"
+        registry.write_atomic(path, rec)
+        snap = machines.snapshot(tmp_path, set(), {})
+        assert [m["killable"] for g in snap["kernels"] for m in g["machines"]] == [False]
+        said = asyncio.run(machines.kill_orphan(path, rec, rec["machines"][0]))
+        assert not said["ok"] and said["message"] == (f"root's host process {victim.pid} is not a machine smolbench "
+                                                      "started (its record names another process): left alone")
+        assert victim.poll() is None and path.exists()
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_machine_smolbench_started_is_still_killed(tmp_path: Path) -> None:
+    machine = subprocess.Popen(["sleep", "300"], start_new_session=True, env={**os.environ, "SMOLBENCH_MACHINE": "root"})
+    try:
+        rec = _orphan_record(machine.pid)
+        path = tmp_path / "kernel-deadbeef.json"
+        registry.write_atomic(path, rec)
+        assert [m["killable"] for g in machines.snapshot(tmp_path, set(), {})["kernels"] for m in g["machines"]] == [True]
+        said = asyncio.run(machines.kill_orphan(path, rec, rec["machines"][0]))
+        assert said["ok"] and said["action"] == "killed", said
+        assert machine.wait(10) < 0 and not path.exists()
+    finally:
+        machine.kill()
+        machine.wait()
+
+
+def test_records_are_read_from_plain_files_only(tmp_path: Path) -> None:
+    rec = {"format": 1, "kernel_id": "k", "machines": []}
+    registry.write_atomic(tmp_path / "kernel-plain.json", rec)
+    (tmp_path / "elsewhere").mkdir()
+    registry.write_atomic(tmp_path / "elsewhere" / "rec.json", rec)
+    (tmp_path / "kernel-link.json").symlink_to(tmp_path / "elsewhere" / "rec.json")
+    fifo = tmp_path / "kernel-fifo.json"
+    os.mkfifo(fifo)
+
+    def writer() -> None:  # a reader that opens the fifo (blocking) gets a record from it
+        with contextlib.suppress(OSError), open(fifo, "w") as fh:
+            fh.write('{"format": 1, "kernel_id": "fifo", "machines": []}')
+
+    feeding = threading.Thread(target=writer, daemon=True)
+    feeding.start()
+    try:
+        found = [p.name for p, _ in registry.read_records(tmp_path)]
+    finally:
+        while feeding.is_alive():  # a writer still waiting for a reader: let it go (its write fails)
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            feeding.join(0.01)
+    assert found == ["kernel-plain.json"]
