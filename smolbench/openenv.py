@@ -125,8 +125,7 @@ def json_size(value: Any) -> int:
             if v.dtype.kind == "O":  # no gate makes one; counted by its items if it comes
                 stack.extend(v.ravel().tolist())
                 v = np.empty(v.shape, "u1")
-            lists = sum(math.prod(v.shape[:d]) for d in range(v.ndim))  # "[", "]", "," each nested list
-            total += 3 * lists + v.size * _item_text(v.dtype)
+            total += _array_text(v.shape, v.dtype)
         elif isinstance(v, dict):
             total += 2
             for k, sub in v.items():
@@ -146,6 +145,55 @@ def json_size(value: Any) -> int:
         else:  # None, a bool, a float, a numpy scalar, a date or time as its text
             total += 2 * NUMBER_TEXT
     return total
+
+
+def _array_text(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    lists = sum(math.prod(shape[:d]) for d in range(len(shape)))  # "[", "]", "," each nested list
+    return 3 * lists + math.prod(shape) * _item_text(dtype)
+
+
+def space_json_size(space: Any) -> tuple[int, int]:
+    """The fewest and the most bytes :func:`json_size` counts for a reply whose observation
+    is in ``space`` and whose info is empty. They differ only by a Text's length (and a
+    Discrete's int or numpy int): an array's count is its shape's and dtype's, whatever it
+    holds. Every space the gate takes is bounded (a Text by ``spaces.MAX_TEXT``)."""
+    from gymnasium import spaces as S
+
+    def walk(sp: Any) -> tuple[int, int]:
+        if isinstance(sp, (S.Dict, S.Tuple)):
+            named = sp.spaces.items() if isinstance(sp, S.Dict) else ((None, sub) for sub in sp.spaces)
+            low = high = 2 if isinstance(sp, S.Dict) else 3
+            for key, sub in named:
+                lo, hi = walk(sub)
+                keyed = 6 * len(str(key)) + 4 if key is not None else 0
+                low, high = low + lo + keyed, high + hi + keyed
+            return low, high
+        if isinstance(sp, S.Text):
+            return 6 * sp.min_length + 3, 6 * sp.max_length + 3
+        if isinstance(sp, S.Discrete):
+            return NUMBER_TEXT, 2 * NUMBER_TEXT  # a Python int; a numpy one
+        size = _array_text(tuple(sp.shape), np.dtype(sp.dtype))  # Box, MultiBinary, MultiDiscrete
+        return size, size
+
+    low, high = walk(space)
+    return 3 + low + 2, 3 + high + 2  # (obs, {})
+
+
+def reply_room(space: Any, max_reply: int) -> str | None:
+    """Refuse, in one line, an observation space no reply of which fits ``max_reply``
+    (every reset would fail); a warning when only some do (a long Text), else None."""
+    from .gym.spaces import one_line
+
+    low, high = space_json_size(space)
+    if low > max_reply:
+        raise SmolbenchError(f"the env's observations take at least {low:,} bytes as JSON (its observation space "
+                             f"{one_line(space)[:120]}), over smolbench serve --max-reply ({max_reply:,}): every reset "
+                             f"would be refused; serve it with --max-reply {high} or more (the server holds about "
+                             "4 times a reply while it sends it), or make its observations smaller")
+    if high > max_reply:
+        return (f"the env's observations may take up to {high:,} bytes as JSON, over --max-reply ({max_reply:,}): "
+                f"an episode whose reply is larger ends with one line; --max-reply {high} serves them all")
+    return None
 
 
 def _item_text(dtype: np.dtype[Any]) -> int:
@@ -284,6 +332,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         options = _options(kwargs.get("options"))
         self._open()
         if not self._started:
+            reply_room(self._m.observation_space, self._max_reply)  # else every reset fails, a machine made for it
             self._started = True
             self._run(self._m.start_sibling(), "session's start", self._timeout)
         obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
@@ -523,6 +572,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     for name, value in (("request timeout", timeout), ("idle timeout", idle)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
+    reply_room(parent.observation_space, max_reply)
     live: set[Machines] = set()
     # HTTP requests' resets and steps: as many at once as sessions (the rest wait their turn)
     pool = concurrent.futures.ThreadPoolExecutor(max_sessions, thread_name_prefix="smolbench-http")

@@ -245,7 +245,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
     from ._uvicorn import backlog, connection_cap, peer_cap, protocols, too_few_files
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import app_for
+    from .openenv import app_for, reply_room
 
     if (few := too_few_files(args.max_sessions)) is not None:
         print(f"smolbench serve: {few}", file=sys.stderr)
@@ -268,6 +268,9 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
         try:
             host.run(parent.start())
             assert parent.parent is not None
+            # its spaces are known now: a space no reply of which fits is one line, before serving
+            if (some := reply_room(parent.observation_space, args.max_reply)) is not None:
+                print(f"smolbench serve: warning: {some}", file=sys.stderr, flush=True)
             port = socks[0].getsockname()[1]  # --port 0: the one it got
             url = f"{'https' if tls else 'http'}://{url_host(args.host)}:{port}" + (f"/{token}" if token else "")
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
