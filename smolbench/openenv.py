@@ -14,6 +14,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import contextvars
 import datetime
 import json
 import math
@@ -57,7 +58,8 @@ NUMBER_TEXT = 25  # a float's JSON at most, and its comma: -1.7976931348623157e+
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
 AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
-               "each WebSocket session counts, and each HTTP /reset while it runs): close a session you hold, "
+               "each WebSocket session counts, and each HTTP /reset while it runs, each until its machine is "
+               "deleted): close a session you hold, "
                "or retry once one has ended (idle ones are closed after --idle-timeout), "
                "or restart the server with a higher --max-sessions")
 NO_MCP = "Unknown message type: mcp (this env has no MCP tools; send reset, step, state or close)"
@@ -540,14 +542,69 @@ class AtCapacity(SessionCapacityError):
         super().__init__(active, cap, AT_CAPACITY.format(active=active, cap=cap))
 
 
+# an HTTP /reset's slot, handed to the session OpenEnv's handler makes for it (see _reset_route)
+_HANDOFF: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("_HANDOFF", default=None)
+
+
+class _Slots:
+    """``--max-sessions`` over OpenEnv's own count (``held``, on the server's loop), where a
+    closed session's slot stays, as ``closing-...``, until its machine is deleted."""
+
+    def __init__(self, held: dict[str, Environment | None], cap: int, hurry: Callable[[], None]) -> None:
+        self.held, self.cap, self.hurry = held, cap, hurry
+        self.closing: set[str] = set()
+
+    def hold(self) -> str:
+        """A slot for a session whose machine is on its way out (on the server's loop)."""
+        key = f"closing-{uuid.uuid4()}"
+        self.held[key] = None
+        self.closing.add(key)
+        return key
+
+    def free(self, key: str) -> None:
+        self.held.pop(key, None)
+        self.closing.discard(key)
+
+    async def room(self) -> None:
+        """Wait, at most :data:`GRACE` s, while the cap is reached only because machines are
+        still being deleted: one client's close and its next session (an HTTP reset after
+        another) wait for the deletion instead of being refused. Past that, or with the cap
+        reached by open sessions, the caller's check refuses at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GRACE
+        hurried = False
+        while len(self.held) >= self.cap and self.closing and loop.time() < deadline:
+            if not hurried:  # their batch of deletions starts now, not within spares.FLUSH_AFTER
+                hurried = True
+                self.hurry()
+            await asyncio.sleep(0.02)
+
+
 class _Sessions(HTTPEnvServer):
-    """OpenEnv's server, its WebSocket sessions refused at the cap in smolbench's words."""
+    """OpenEnv's server, its WebSocket sessions refused at the cap in smolbench's words, and
+    counted (see :class:`_Slots`) until their machines are deleted."""
+
+    slots: _Slots
 
     async def _create_session(self) -> tuple[str, Environment]:
+        await self.slots.room()
         try:
             return await super()._create_session()
         except SessionCapacityError as exc:
             raise AtCapacity(exc.active_sessions, exc.max_sessions) from None
+
+    async def _destroy_session(self, session_id: str) -> None:  # OpenEnv's, its slot held through the close
+        async with self._session_lock:
+            env = self._sessions.pop(session_id, None)
+            executor = self._session_executors.pop(session_id, None)
+            stack = self._session_stacks.pop(session_id, None)
+            self._session_info.pop(session_id, None)
+            key = self.slots.hold() if env is not None else None
+        try:
+            await self._cleanup_session_resources(env, executor, stack)  # its close, in its thread, waits
+        finally:
+            if key is not None:
+                self.slots.free(key)
 
 
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
@@ -580,13 +637,22 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool, max_reply=max_reply)
+        handed = _HANDOFF.get()
+        release = handed.pop() if handed else None  # an HTTP reset's slot: freed once its machine is gone
+
+        def closed(m: Machines) -> None:
+            live.discard(m)
+            if release is not None:
+                release()
+
+        return MachineEnvironment(m, timeout, on_close=closed, served=True, pool=pool, max_reply=max_reply)
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     # as OpenEnv's create_fastapi_app, minus the API docs pages: they load scripts from a CDN
     # into a page whose URL holds the server's token
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, swagger_ui_oauth2_redirect_url=None)
     sessions = _Sessions(factory, GymAction, GymObservation, concurrency_config=config)
+    sessions.slots = _Slots(sessions._sessions, max_sessions, lambda: _hurry(parent))
     sessions.register_routes(app)
     # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
@@ -612,7 +678,16 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     return app
 
 
-def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
+def _hurry(parent: Machines) -> None:
+    """Start the warm parent's batch of deletions now (from the server's loop)."""
+    async def flush() -> None:
+        parent.pool.flush()
+
+    with contextlib.suppress(Exception):
+        parent.host.submit(flush())
+
+
+def _reset_route(app: Any, sessions: _Sessions) -> None:
     """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`, the request counted
     as an open session of ``sessions`` while it runs (see :func:`app_for`)."""
     from fastapi import Body
@@ -626,16 +701,29 @@ def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
     # neither kind of session can slip past the other's check
     held: dict[str, Environment | None] = sessions._sessions
     cap = sessions.max_concurrent_envs
+    slots = sessions.slots
 
     async def reset(request: SeedAsSent = Body(default_factory=SeedAsSent)) -> Any:  # noqa: B008 (FastAPI reads it)
+        await slots.room()
         if len(held) >= cap:
             raise AtCapacity(len(held), cap)
         slot = f"http-reset-{uuid.uuid4()}"
         held[slot] = None
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            loop.call_soon_threadsafe(slots.free, slot)
+
+        handed = [release]
+        token = _HANDOFF.set(handed)
         try:
             return await openenv_reset(request)
-        finally:  # answered, cut or failed: its one-request session is closing (no longer counted)
-            held.pop(slot, None)
+        finally:  # answered, cut or failed: its one-request session is closing, its slot held until it is
+            _HANDOFF.reset(token)
+            if handed:  # no session made (refused before OpenEnv's handler): nothing to wait for
+                slots.free(slot)
+            else:
+                slots.closing.add(slot)
 
     app.router.routes.remove(route)
     app.post("/reset", response_model=ResetResponse)(reset)

@@ -240,6 +240,18 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
     assert ended[-1] is other._m and ref.name not in parent.wb.machines
 
 
+def test_a_served_session_s_close_ends_once_its_machine_is_deleted(parent: Machines) -> None:
+    """The close OpenEnv's HTTP handlers start (``let_go``: the machine joins the warm
+    parent's batched deletions) ended at the hand-off, so the session's --max-sessions slot
+    was freed with its machine still running; now it ends once the machine is gone."""
+    env = session(parent)
+    env.reset(seed=1)
+    (ref,) = mine(parent, env)
+    parent.host.run(env._m.close(let_go=True), 30)
+    assert not alive(ref)  # on the old code: still running, deleted with a later batch
+    assert ref.name not in parent.wb.machines
+
+
 @pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])
 def test_a_bad_seed_is_one_line_and_close_deletes_the_machines(parent: Machines, seed: Any) -> None:
     env = session(parent)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,8 +28,9 @@ from gymnasium import spaces as S
 from smolbench import SmolbenchError
 
 pytest.importorskip("openenv.core.env_server.interfaces")
+from websockets.sync.client import connect  # noqa: E402
 
-from smolbench.openenv import MAX_REPLY, MachineEnvironment, app_for, json_size, space_json_size  # noqa: E402
+from smolbench.openenv import MAX_REPLY, MachineEnvironment, app_for, json_size  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -62,10 +68,12 @@ class FakeParent:
         self.eps = [SimpleNamespace(ref=None)]
         self.closed = False
         self.root = root or self
+        self.pool = SimpleNamespace(flush=lambda: None)
         if root is None:
             self.alive = self.most = 0  # machines alive now, and at most
-            self.deleting = threading.Event()
+            self.deleting = threading.Event()  # clear: deletions hang
             self.deleting.set()
+            self.delete_s = 0.0  # s a deletion takes
             self.lock = threading.Lock()
 
     def sibling(self) -> FakeParent:
@@ -86,6 +94,7 @@ class FakeParent:
             return
         self.closed = True
         if getattr(self, "made", False):
+            await asyncio.sleep(self.root.delete_s)
             while not self.root.deleting.is_set():
                 await asyncio.sleep(0.01)
             with self.root.lock:
@@ -107,8 +116,42 @@ def fake(fakes: list[FakeParent], space: Any, obs: Any = None) -> FakeParent:
 
 
 def ws_ask(ws: Any, type_: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
-    ws.send_text(json.dumps({"type": type_, "data": data or {}}))
-    return dict(json.loads(ws.receive_text()))
+    ws.send(json.dumps({"type": type_, "data": data or {}}))
+    return dict(json.loads(ws.recv()))
+
+
+@contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` under uvicorn on loopback, in a thread (TestClient cancels a WebSocket's
+    handler as its client leaves: a session's close never ran as it runs under a server)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop="asyncio", ws="auto"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        app.state.smolbench_pool.shutdown()
+
+
+def post_reset(where: str, seed: int) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://{where}/reset", json.dumps({"seed": seed}).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 # -- --max-reply, from the observation space ---------------------------------------------
@@ -122,6 +165,8 @@ SPACES = [S.Box(-1, 1, (3, 4), np.float32), S.Box(0, 255, (2, 2, 2), np.uint8), 
 def test_a_space_s_reply_sizes_bound_what_each_reply_is_counted_at(space: Any) -> None:
     """The start's check and each reply's count agree: every observation in the space is
     counted within the space's bounds, and an array's at exactly them."""
+    from smolbench.openenv import space_json_size
+
     low, high = space_json_size(space)
     for seed in range(5):
         space.seed(seed)
@@ -138,10 +183,12 @@ def test_a_space_no_reply_of_which_fits_max_reply_is_refused_once_before_serving
     a session made anyway (the library's MachineEnvironment) refuses its first reset before
     any machine is made."""
     big = fake(fakes, S.MultiBinary(1 << 22))  # 4 Mi int8s: ~20 MiB of JSON, counted as "-128,"
-    low, high = space_json_size(big.observation_space)
-    assert low == high > MAX_REPLY
     with pytest.raises(SmolbenchError) as got:
         app_for(big, max_sessions=1)  # on the old code: an app whose every reset is refused
+    from smolbench.openenv import space_json_size
+
+    low, high = space_json_size(big.observation_space)
+    assert low == high > MAX_REPLY
     said = str(got.value)
     assert f"take at least {low:,} bytes as JSON" in said and f"--max-reply ({MAX_REPLY:,})" in said, said
     assert f"--max-reply {high} or more" in said and "\n" not in said, said
@@ -154,7 +201,7 @@ def test_a_space_no_reply_of_which_fits_max_reply_is_refused_once_before_serving
 
 
 def test_a_space_only_some_replies_of_which_fit_is_served_with_a_warning(fakes: list[FakeParent]) -> None:
-    from smolbench.openenv import reply_room
+    from smolbench.openenv import reply_room, space_json_size
 
     space = S.Dict({"log": S.Text(1 << 20, min_length=0), "img": S.Box(0, 255, (64, 64), np.uint8)})
     low, high = space_json_size(space)
@@ -162,3 +209,64 @@ def test_a_space_only_some_replies_of_which_fit_is_served_with_a_warning(fakes: 
     said = reply_room(space, 65536)
     assert said is not None and f"up to {high:,} bytes" in said and f"--max-reply {high} serves" in said
     assert reply_room(space, high) is None
+
+
+# -- --max-sessions, until a session's machine is deleted ---------------------------------
+
+def test_a_closed_session_s_slot_is_held_until_its_machine_is_deleted(fakes: list[FakeParent]) -> None:
+    """A session's slot was freed as its close began: a client that opened and closed
+    sessions quickly had more machines alive (being deleted) than --max-sessions. Now the
+    next session waits for that deletion (up to a grace period) instead of being refused."""
+    parent = fake(fakes, S.Discrete(3), 1)
+    with served(app_for(parent, max_sessions=1, timeout=8)) as where:
+        parent.deleting.clear()  # the machine's deletion takes its time
+        with connect(f"ws://{where}/ws") as one:
+            assert ws_ask(one, "reset", {"seed": 1})["type"] == "observation"
+        got: list[dict[str, Any]] = []
+
+        def second() -> None:
+            with connect(f"ws://{where}/ws") as two:
+                got.append(ws_ask(two, "reset", {"seed": 1}))
+
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        time.sleep(1.5)
+        assert not got and parent.alive == 1, got  # on the old code: served, a second machine alive
+        parent.deleting.set()
+        waiting.join(30)
+        assert got and got[0]["type"] == "observation", got
+    assert parent.most == 1
+
+
+def test_back_to_back_http_resets_wait_for_the_last_one_s_deletion_and_are_all_served(fakes: list[FakeParent]) -> None:
+    parent = fake(fakes, S.Discrete(3), 1)
+    parent.delete_s = 0.3
+    with served(app_for(parent, max_sessions=1, timeout=8)) as where:
+        for seed in range(4):
+            status, said = post_reset(where, seed)
+            assert status == 200, said
+        with connect(f"ws://{where}/ws") as ws:  # and a WebSocket session right after
+            assert ws_ask(ws, "reset", {"seed": 1})["type"] == "observation"
+    assert parent.most == 1  # on the old code: 2, each reset's machine made as the last one's was deleted
+
+
+def test_a_deletion_that_never_ends_is_waited_for_a_grace_period_then_refused(
+        fakes: list[FakeParent], monkeypatch: pytest.MonkeyPatch) -> None:
+    import smolbench.openenv as O
+
+    monkeypatch.setattr(O, "GRACE", 1.0)
+    parent = fake(fakes, S.Discrete(3), 1)
+    try:
+        with served(app_for(parent, max_sessions=1, timeout=8)) as where:
+            parent.deleting.clear()
+            assert post_reset(where, 1)[0] == 200
+            status, said = post_reset(where, 1)
+            assert status == 503 and "1/1 sessions open" in said["detail"], said
+            assert "until its machine is deleted" in said["detail"]
+            parent.deleting.set()
+            deadline = time.monotonic() + 30
+            while post_reset(where, 1)[0] != 200:
+                assert time.monotonic() < deadline
+        assert parent.most == 1
+    finally:
+        parent.deleting.set()
