@@ -11,11 +11,9 @@ Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
 import contextvars
-import datetime
 import json
 import math
 import re
@@ -40,21 +38,30 @@ from pydantic import Field
 from starlette.websockets import WebSocket
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
+from ._replies import (
+    forget,
+    json_size,
+    reply_room,
+    space_json_size,
+    spliced,
+    to_json,
+    to_json_served,
+)
 from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for", "json_size", "reply_room",
+           "space_json_size", "to_json"]
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 # bytes of JSON one reset's or step's observation and info may take (--max-reply), counted before
-# any is made: a reply is held about 4x over while OpenEnv makes and sends it (tolist's objects,
-# model_dump's copy, the text, its bytes), so 16 MiB is ~64 MiB a session at most
+# any is made: a reply is held about 2x over while it is sent (its arrays' JSON text, then the
+# reply's text with it; the bytes sent once that is dropped), so 16 MiB is ~32 MiB a session at most
 MAX_REPLY = 16 << 20
-NUMBER_TEXT = 25  # a float's JSON at most, and its comma: -1.7976931348623157e+308 (float32's too: tolist makes doubles)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
 AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
@@ -92,127 +99,6 @@ class SeedAsSent(ResetRequest):
     ``true`` as 1 and ``"1"`` as 1; :func:`check_seed` refuses them in one line, as over the WebSocket."""
 
     seed: Any = Field(default=None, description="the env's seed: a whole number from 0 to 2**63-1, or null")
-
-
-def to_json(value: Any) -> Any:
-    """A checked observation or info as JSON: arrays as nested lists, bytes as
-    ``{"base64": ...}``, a complex number as ``[real, imag]``, a date or time as its text
-    (a machine's bytes that are not UTF-8 failed the whole response: HTTP 500)."""
-    if isinstance(value, np.ndarray):
-        return to_json(value.tolist()) if value.dtype.kind not in "biuf" else value.tolist()
-    if isinstance(value, np.generic):
-        return to_json(value.item())
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, complex):
-        return [value.real, value.imag]
-    if isinstance(value, (datetime.date, datetime.timedelta)):
-        return str(value)
-    return value
-
-
-def json_size(value: Any) -> int:
-    """The most bytes ``value`` (an observation or info the gate checked) can take as JSON
-    once :func:`to_json` made it, from its arrays' shapes and dtypes (no array is converted:
-    a 2 MiB int8 observation took 40 MiB to answer). Its walk is bounded by the gate's: an
-    observation has at most 4096 leaves in its space, an info about 256 KiB."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, np.ndarray):
-            if v.dtype.kind == "O":  # no gate makes one; counted by its items if it comes
-                stack.extend(v.ravel().tolist())
-                v = np.empty(v.shape, "u1")
-            total += _array_text(v.shape, v.dtype)
-        elif isinstance(v, dict):
-            total += 2
-            for k, sub in v.items():
-                total += 6 * len(str(k)) + 4
-                stack.append(sub)
-        elif isinstance(v, (list, tuple)):
-            total += 3
-            stack.extend(v)
-        elif isinstance(v, str):
-            total += 6 * len(v) + 3  # a control character is "\u0001" in JSON
-        elif isinstance(v, (bytes, bytearray, memoryview)):
-            total += 4 * (len(v) + 2) // 3 + 16  # {"base64": "..."}
-        elif isinstance(v, (complex, np.complexfloating)):
-            total += 2 * NUMBER_TEXT + 3
-        elif isinstance(v, int) and not isinstance(v, bool):
-            total += max(NUMBER_TEXT, v.bit_length() * 3 // 10 + 3)  # its digits (str() of a huge one raises)
-        else:  # None, a bool, a float, a numpy scalar, a date or time as its text
-            total += 2 * NUMBER_TEXT
-    return total
-
-
-def _array_text(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
-    lists = sum(math.prod(shape[:d]) for d in range(len(shape)))  # "[", "]", "," each nested list
-    return 3 * lists + math.prod(shape) * _item_text(dtype)
-
-
-def space_json_size(space: Any) -> tuple[int, int]:
-    """The fewest and the most bytes :func:`json_size` counts for a reply whose observation
-    is in ``space`` and whose info is empty. They differ only by a Text's length (and a
-    Discrete's int or numpy int): an array's count is its shape's and dtype's, whatever it
-    holds. Every space the gate takes is bounded (a Text by ``spaces.MAX_TEXT``)."""
-    from gymnasium import spaces as S
-
-    def walk(sp: Any) -> tuple[int, int]:
-        if isinstance(sp, (S.Dict, S.Tuple)):
-            named = sp.spaces.items() if isinstance(sp, S.Dict) else ((None, sub) for sub in sp.spaces)
-            low = high = 2 if isinstance(sp, S.Dict) else 3
-            for key, sub in named:
-                lo, hi = walk(sub)
-                keyed = 6 * len(str(key)) + 4 if key is not None else 0
-                low, high = low + lo + keyed, high + hi + keyed
-            return low, high
-        if isinstance(sp, S.Text):
-            return 6 * sp.min_length + 3, 6 * sp.max_length + 3
-        if isinstance(sp, S.Discrete):
-            return NUMBER_TEXT, 2 * NUMBER_TEXT  # a Python int; a numpy one
-        size = _array_text(tuple(sp.shape), np.dtype(sp.dtype))  # Box, MultiBinary, MultiDiscrete
-        return size, size
-
-    low, high = walk(space)
-    return 3 + low + 2, 3 + high + 2  # (obs, {})
-
-
-def reply_room(space: Any, max_reply: int) -> str | None:
-    """Refuse, in one line, an observation space no reply of which fits ``max_reply``
-    (every reset would fail); a warning when only some do (a long Text), else None."""
-    from .gym.spaces import one_line
-
-    low, high = space_json_size(space)
-    if low > max_reply:
-        raise SmolbenchError(f"the env's observations take at least {low:,} bytes as JSON (its observation space "
-                             f"{one_line(space)[:120]}), over smolbench serve --max-reply ({max_reply:,}): every reset "
-                             f"would be refused; serve it with --max-reply {high} or more (the server holds about "
-                             "4 times a reply while it sends it), or make its observations smaller")
-    if high > max_reply:
-        return (f"the env's observations may take up to {high:,} bytes as JSON, over --max-reply ({max_reply:,}): "
-                f"an episode whose reply is larger ends with one line; --max-reply {high} serves them all")
-    return None
-
-
-def _item_text(dtype: np.dtype[Any]) -> int:
-    """The most JSON characters (and the comma) one item of an array of ``dtype`` takes."""
-    if dtype.kind == "b":
-        return 6  # false,
-    if dtype.kind in "iu":
-        return len(str(np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max)) + 1
-    if dtype.kind == "c":
-        return 2 * NUMBER_TEXT + 3
-    if dtype.kind == "U":
-        return 6 * (dtype.itemsize // 4) + 3
-    if dtype.kind in "SV":  # bytes: {"base64": "..."}
-        return 4 * (dtype.itemsize + 2) // 3 + 16
-    if dtype.kind in "Mm":  # a date or time as its text, or a whole number
-        return 48
-    return NUMBER_TEXT  # floats
 
 
 def from_json(space: Any, value: Any) -> Any:
@@ -266,6 +152,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         # A machine's own name counts every session's branches of the warm parent: a client
         # sees its session's name for it instead (the ledger's episode rows keep both).
         self._label, self._count = uuid.uuid4().hex[:8], 0
+        self._marks: list[str] = []  # the last reply's arrays written as JSON text (see _replies.spliced)
+        self._answered_here = True  # False: an HTTP reset's session, its reply sent after its close
         self._names: dict[str, str] = {}
         self._named = re.compile(re.escape(machines.parent.name) + r"\.\d+") if machines.parent else None
         machines.records.client_name = self._client_name
@@ -340,7 +228,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
         self._bounded("reset", obs, info)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
-        return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
+        return GymObservation(observation=self._json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
 
     def _step(self, action: GymAction, timeout_s: float | None) -> GymObservation:
@@ -359,9 +247,15 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         info = st.info
         if "smolbench_lost" in info:  # smolbench's own words, naming the machine
             info = {**info, "smolbench_lost": self._scrubbed(str(info["smolbench_lost"]))}
-        return GymObservation(observation=to_json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
+        return GymObservation(observation=self._json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
                               terminated=st.terminated, truncated=st.truncated, info=to_json(info),
                               machine=self._machine())
+
+    def _json(self, obs: Any) -> Any:
+        """An observation as JSON; served, its big arrays as JSON text already (no list of
+        Python objects) and marks in their place, put back as the reply is sent."""
+        forget(self._marks)  # the last reply's, never sent (its client gone)
+        return to_json_served(obs, self._marks) if self._served else to_json(obs)
 
     @contextlib.contextmanager
     def _told(self) -> Iterator[None]:
@@ -427,7 +321,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         if size > self._max_reply:
             self._abandon(f"the {what}'s observation and info could take {size:,} bytes as JSON, over smolbench "
                           f"serve --max-reply ({self._max_reply:,}): serve it with a higher --max-reply (each reply "
-                          "takes about 4 times that in memory as it is sent), or make the env's observations smaller",
+                          "takes about 2 times that in memory as it is sent), or make the env's observations smaller",
                           "error")
 
     @property
@@ -469,6 +363,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._closed()
 
     def _closed(self) -> None:
+        if self._answered_here:  # a WebSocket session's replies are all sent
+            forget(self._marks)
         if self._worker is not None:
             self._worker.shutdown(wait=False)
         if self._on_close is not None:
@@ -543,7 +439,15 @@ class AtCapacity(SessionCapacityError):
 
 
 # an HTTP /reset's slot, handed to the session OpenEnv's handler makes for it (see _reset_route)
-_HANDOFF: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("_HANDOFF", default=None)
+_HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("_HANDOFF", default=None)
+
+
+class _Handoff:
+    """An HTTP /reset's slot and the session OpenEnv's handler made for it."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release  # frees the slot (from any thread)
+        self.env: MachineEnvironment | None = None
 
 
 class _Slots:
@@ -638,14 +542,19 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
         m = parent.sibling()
         live.add(m)
         handed = _HANDOFF.get()
-        release = handed.pop() if handed else None  # an HTTP reset's slot: freed once its machine is gone
+        if handed is not None and handed.env is not None:
+            handed = None  # (OpenEnv's handler makes one session a request)
 
         def closed(m: Machines) -> None:
             live.discard(m)
-            if release is not None:
-                release()
+            if handed is not None:  # an HTTP reset's slot: freed once its machine is gone
+                handed.release()
 
-        return MachineEnvironment(m, timeout, on_close=closed, served=True, pool=pool, max_reply=max_reply)
+        env = MachineEnvironment(m, timeout, on_close=closed, served=True, pool=pool, max_reply=max_reply)
+        if handed is not None:
+            handed.env = env
+            env._answered_here = False  # its reply is sent once the session is closed (see _reset_route)
+        return env
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     # as OpenEnv's create_fastapi_app, minus the API docs pages: they load scripts from a CDN
@@ -690,7 +599,7 @@ def _hurry(parent: Machines) -> None:
 def _reset_route(app: Any, sessions: _Sessions) -> None:
     """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`, the request counted
     as an open session of ``sessions`` while it runs (see :func:`app_for`)."""
-    from fastapi import Body
+    from fastapi import Body, Response
     from fastapi.routing import APIRoute
     from openenv.core.env_server.types import ResetResponse
 
@@ -714,16 +623,18 @@ def _reset_route(app: Any, sessions: _Sessions) -> None:
         def release() -> None:
             loop.call_soon_threadsafe(slots.free, slot)
 
-        handed = [release]
+        handed = _Handoff(release)
         token = _HANDOFF.set(handed)
         try:
-            return await openenv_reset(request)
+            answer = await openenv_reset(request)
+            return Response(spliced(answer.model_dump_json()), media_type="application/json")
         finally:  # answered, cut or failed: its one-request session is closing, its slot held until it is
             _HANDOFF.reset(token)
-            if handed:  # no session made (refused before OpenEnv's handler): nothing to wait for
+            if handed.env is None:  # no session made (refused before OpenEnv's handler): nothing to wait for
                 slots.free(slot)
             else:
                 slots.closing.add(slot)
+                forget(handed.env._marks)  # an answer never made (it failed) leaves none behind
 
     app.router.routes.remove(route)
     app.post("/reset", response_model=ResetResponse)(reset)
@@ -755,7 +666,13 @@ def _no_mcp_messages(app: Any) -> None:
                     return text
                 await websocket.send_text(refusal)
 
+        send_text = websocket.send_text
+
+        async def with_arrays(text: str) -> None:  # a reply's arrays as JSON text (see _replies.spliced)
+            await send_text(spliced(text))
+
         websocket.receive_text = without_mcp  # type: ignore[method-assign]
+        websocket.send_text = with_arrays  # type: ignore[method-assign,assignment]
         await openenv_ws(websocket)
 
     app.router.routes.remove(route)
