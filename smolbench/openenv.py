@@ -59,8 +59,8 @@ REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --reque
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 # bytes of JSON one reset's or step's observation and info may take (--max-reply), counted before
-# any is made: a reply is held about 2x over while it is sent (its arrays' JSON text, then the
-# reply's text with it; the bytes sent once that is dropped), so 16 MiB is ~32 MiB a session at most
+# any is made: a reply is held about 3x over while it is sent (its arrays' JSON text, then the
+# reply's text; then that text, its bytes and the WebSocket's frame), so 16 MiB is ~50 MiB a session
 MAX_REPLY = 16 << 20
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
@@ -321,7 +321,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         if size > self._max_reply:
             self._abandon(f"the {what}'s observation and info could take {size:,} bytes as JSON, over smolbench "
                           f"serve --max-reply ({self._max_reply:,}): serve it with a higher --max-reply (each reply "
-                          "takes about 2 times that in memory as it is sent), or make the env's observations smaller",
+                          "takes about 3 times that in memory as it is sent), or make the env's observations smaller",
                           "error")
 
     @property
@@ -521,9 +521,10 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     ``max_sessions`` caps the sessions open at once, of both kinds: a WebSocket session from
     its connection to its close (OpenEnv's own count), and a stateless HTTP ``POST /reset``
     from its start until it answered (OpenEnv closes that one-request session, its machine
-    with it, as the request ends). A session being closed no longer counts, so one client's
-    back-to-back resets, over HTTP or in its WebSocket session (each episode replacing the
-    last in the session's one slot), are never refused. Past the cap a WebSocket session
+    with it, as the request ends), each until its machine is deleted. A new session that
+    finds the cap reached only by those deletions waits for one (:class:`_Slots`), so one
+    client's back-to-back resets, over HTTP or in its WebSocket session (each episode
+    replacing the last in the session's one slot), are not refused. Past the cap a WebSocket session
     gets OpenEnv's CAPACITY_REACHED error and an HTTP reset a 503, both with one line
     naming the cap. HTTP ``/step``, ``/state`` and ``/metadata`` make no machine and are
     not counted (a stateless step is refused: :data:`STATELESS_STEP`)."""

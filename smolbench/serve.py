@@ -369,7 +369,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
     p.add_argument("--max-sessions", type=int, default=16,
                    help="client sessions open at once, each its own machine: WebSocket sessions, and HTTP resets "
-                        "while they run (default 16)")
+                        "while they run, each until its machine is deleted (default 16)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
@@ -377,7 +377,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-reply", type=int, default=16 << 20, metavar="BYTES",
                    help="bytes of JSON one reset's or step's observation and info may take, counted from the arrays' "
                         "sizes and dtypes; past it the episode ends with one line (default 16 MiB; the server holds "
-                        "about 4 times a reply while it sends it)")
+                        "about 3 times a reply while it sends it)")
     p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)
