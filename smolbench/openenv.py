@@ -634,7 +634,8 @@ def _reset_route(app: Any, sessions: _Sessions) -> None:
             if handed.env is None:  # no session made (refused before OpenEnv's handler): nothing to wait for
                 slots.free(slot)
             else:
-                slots.closing.add(slot)
+                if slot in held:  # (not freed already: its close ended first)
+                    slots.closing.add(slot)
                 forget(handed.env._marks)  # an answer never made (it failed) leaves none behind
 
     app.router.routes.remove(route)

@@ -344,3 +344,17 @@ def test_arrays_written_as_json_text_reach_clients_as_they_were(fakes: list[Fake
                 assert got["data"]["observation"]["observation"] == want
         status, said = post_reset(where, 1)
         assert status == 200 and said["observation"]["observation"] == want, str(said)[:300]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(3 * 100_000, dtype=np.int16).reshape(3, 100_000),  # rows bigger than a chunk
+    lambda: np.zeros((0, 5), np.float32), lambda: np.array(7, np.uint64) * (2**63 // 7),
+    lambda: (np.arange(200 * 300 * 3) % 256).astype(np.uint8).reshape(200, 300, 3),
+    lambda: np.array([True, False] * 50_000), lambda: np.array([np.inf, -np.inf, np.nan, 1e-5, -0.0] * 20_000),
+], ids=["wide-rows", "empty", "scalar", "image", "bools", "odd-floats"])
+def test_an_array_written_as_json_text_reads_back_as_tolist_gives_it(make: Any) -> None:
+    from smolbench._replies import array_json
+
+    a = make()
+    want = json.loads(json.dumps(a.tolist()).replace("-Infinity", "null").replace("Infinity", "null").replace("NaN", "null"))
+    assert json.loads("".join(array_json(a))) == want
