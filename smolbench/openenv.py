@@ -622,7 +622,8 @@ def _reset_route(app: Any, sessions: _Sessions) -> None:
         loop = asyncio.get_running_loop()
 
         def release() -> None:
-            loop.call_soon_threadsafe(slots.free, slot)
+            with contextlib.suppress(RuntimeError):  # the server stopped: no slots to free
+                loop.call_soon_threadsafe(slots.free, slot)
 
         handed = _Handoff(release)
         token = _HANDOFF.set(handed)
