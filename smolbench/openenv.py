@@ -11,10 +11,9 @@ Needs ``pip install 'jupyterlab-smolbench[openenv]'``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
-import datetime
+import contextvars
 import json
 import math
 import re
@@ -39,25 +38,35 @@ from pydantic import Field
 from starlette.websockets import WebSocket
 
 from ._asgi import CLIENT_GONE, ONE_REQUEST
+from ._replies import (
+    forget,
+    json_size,
+    reply_room,
+    space_json_size,
+    spliced,
+    to_json,
+    to_json_served,
+)
 from .errors import SmolbenchError
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
-__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for"]
+__all__ = ["GymAction", "GymObservation", "MachineEnvironment", "app_for", "json_size", "reply_room",
+           "space_json_size", "to_json"]
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = 120.0  # s one reset or step may take (smolbench serve --request-timeout)
 IDLE_TIMEOUT = 600.0  # s a session may go without a request before it is closed (--idle-timeout)
 MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (--max-message)
 # bytes of JSON one reset's or step's observation and info may take (--max-reply), counted before
-# any is made: a reply is held about 4x over while OpenEnv makes and sends it (tolist's objects,
-# model_dump's copy, the text, its bytes), so 16 MiB is ~64 MiB a session at most
+# any is made: a reply is held about 3x over while it is sent (its arrays' JSON text, then the
+# reply's text; then that text, its bytes and the WebSocket's frame), so 16 MiB is ~50 MiB a session
 MAX_REPLY = 16 << 20
-NUMBER_TEXT = 25  # a float's JSON at most, and its comma: -1.7976931348623157e+308 (float32's too: tolist makes doubles)
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
 AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
-               "each WebSocket session counts, and each HTTP /reset while it runs): close a session you hold, "
+               "each WebSocket session counts, and each HTTP /reset while it runs, each until its machine is "
+               "deleted): close a session you hold, "
                "or retry once one has ended (idle ones are closed after --idle-timeout), "
                "or restart the server with a higher --max-sessions")
 NO_MCP = "Unknown message type: mcp (this env has no MCP tools; send reset, step, state or close)"
@@ -90,79 +99,6 @@ class SeedAsSent(ResetRequest):
     ``true`` as 1 and ``"1"`` as 1; :func:`check_seed` refuses them in one line, as over the WebSocket."""
 
     seed: Any = Field(default=None, description="the env's seed: a whole number from 0 to 2**63-1, or null")
-
-
-def to_json(value: Any) -> Any:
-    """A checked observation or info as JSON: arrays as nested lists, bytes as
-    ``{"base64": ...}``, a complex number as ``[real, imag]``, a date or time as its text
-    (a machine's bytes that are not UTF-8 failed the whole response: HTTP 500)."""
-    if isinstance(value, np.ndarray):
-        return to_json(value.tolist()) if value.dtype.kind not in "biuf" else value.tolist()
-    if isinstance(value, np.generic):
-        return to_json(value.item())
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, complex):
-        return [value.real, value.imag]
-    if isinstance(value, (datetime.date, datetime.timedelta)):
-        return str(value)
-    return value
-
-
-def json_size(value: Any) -> int:
-    """The most bytes ``value`` (an observation or info the gate checked) can take as JSON
-    once :func:`to_json` made it, from its arrays' shapes and dtypes (no array is converted:
-    a 2 MiB int8 observation took 40 MiB to answer). Its walk is bounded by the gate's: an
-    observation has at most 4096 leaves in its space, an info about 256 KiB."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, np.ndarray):
-            if v.dtype.kind == "O":  # no gate makes one; counted by its items if it comes
-                stack.extend(v.ravel().tolist())
-                v = np.empty(v.shape, "u1")
-            lists = sum(math.prod(v.shape[:d]) for d in range(v.ndim))  # "[", "]", "," each nested list
-            total += 3 * lists + v.size * _item_text(v.dtype)
-        elif isinstance(v, dict):
-            total += 2
-            for k, sub in v.items():
-                total += 6 * len(str(k)) + 4
-                stack.append(sub)
-        elif isinstance(v, (list, tuple)):
-            total += 3
-            stack.extend(v)
-        elif isinstance(v, str):
-            total += 6 * len(v) + 3  # a control character is "\u0001" in JSON
-        elif isinstance(v, (bytes, bytearray, memoryview)):
-            total += 4 * (len(v) + 2) // 3 + 16  # {"base64": "..."}
-        elif isinstance(v, (complex, np.complexfloating)):
-            total += 2 * NUMBER_TEXT + 3
-        elif isinstance(v, int) and not isinstance(v, bool):
-            total += max(NUMBER_TEXT, v.bit_length() * 3 // 10 + 3)  # its digits (str() of a huge one raises)
-        else:  # None, a bool, a float, a numpy scalar, a date or time as its text
-            total += 2 * NUMBER_TEXT
-    return total
-
-
-def _item_text(dtype: np.dtype[Any]) -> int:
-    """The most JSON characters (and the comma) one item of an array of ``dtype`` takes."""
-    if dtype.kind == "b":
-        return 6  # false,
-    if dtype.kind in "iu":
-        return len(str(np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max)) + 1
-    if dtype.kind == "c":
-        return 2 * NUMBER_TEXT + 3
-    if dtype.kind == "U":
-        return 6 * (dtype.itemsize // 4) + 3
-    if dtype.kind in "SV":  # bytes: {"base64": "..."}
-        return 4 * (dtype.itemsize + 2) // 3 + 16
-    if dtype.kind in "Mm":  # a date or time as its text, or a whole number
-        return 48
-    return NUMBER_TEXT  # floats
 
 
 def from_json(space: Any, value: Any) -> Any:
@@ -216,6 +152,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         # A machine's own name counts every session's branches of the warm parent: a client
         # sees its session's name for it instead (the ledger's episode rows keep both).
         self._label, self._count = uuid.uuid4().hex[:8], 0
+        self._marks: list[str] = []  # the last reply's arrays written as JSON text (see _replies.spliced)
+        self._answered_here = True  # False: an HTTP reset's session, its reply sent after its close
         self._names: dict[str, str] = {}
         self._named = re.compile(re.escape(machines.parent.name) + r"\.\d+") if machines.parent else None
         machines.records.client_name = self._client_name
@@ -284,12 +222,13 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         options = _options(kwargs.get("options"))
         self._open()
         if not self._started:
+            reply_room(self._m.observation_space, self._max_reply)  # else every reset fails, a machine made for it
             self._started = True
             self._run(self._m.start_sibling(), "session's start", self._timeout)
         obs, info = self._run(self._m.reset(0, seed, options), "reset", self._timeout)
         self._bounded("reset", obs, info)
         self._state = State(episode_id=episode_id or uuid.uuid4().hex[:12], step_count=0)
-        return GymObservation(observation=to_json(obs), info=to_json(info), done=False, reward=None,
+        return GymObservation(observation=self._json(obs), info=to_json(info), done=False, reward=None,
                               machine=self._machine())
 
     def _step(self, action: GymAction, timeout_s: float | None) -> GymObservation:
@@ -308,9 +247,15 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         info = st.info
         if "smolbench_lost" in info:  # smolbench's own words, naming the machine
             info = {**info, "smolbench_lost": self._scrubbed(str(info["smolbench_lost"]))}
-        return GymObservation(observation=to_json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
+        return GymObservation(observation=self._json(st.obs), reward=st.reward, done=st.terminated or st.truncated,
                               terminated=st.terminated, truncated=st.truncated, info=to_json(info),
                               machine=self._machine())
+
+    def _json(self, obs: Any) -> Any:
+        """An observation as JSON; served, its big arrays as JSON text already (no list of
+        Python objects) and marks in their place, put back as the reply is sent."""
+        forget(self._marks)  # the last reply's, never sent (its client gone)
+        return to_json_served(obs, self._marks) if self._served else to_json(obs)
 
     @contextlib.contextmanager
     def _told(self) -> Iterator[None]:
@@ -376,7 +321,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         if size > self._max_reply:
             self._abandon(f"the {what}'s observation and info could take {size:,} bytes as JSON, over smolbench "
                           f"serve --max-reply ({self._max_reply:,}): serve it with a higher --max-reply (each reply "
-                          "takes about 4 times that in memory as it is sent), or make the env's observations smaller",
+                          "takes about 3 times that in memory as it is sent), or make the env's observations smaller",
                           "error")
 
     @property
@@ -418,6 +363,8 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         self._closed()
 
     def _closed(self) -> None:
+        if self._answered_here:  # a WebSocket session's replies are all sent
+            forget(self._marks)
         if self._worker is not None:
             self._worker.shutdown(wait=False)
         if self._on_close is not None:
@@ -491,14 +438,77 @@ class AtCapacity(SessionCapacityError):
         super().__init__(active, cap, AT_CAPACITY.format(active=active, cap=cap))
 
 
+# an HTTP /reset's slot, handed to the session OpenEnv's handler makes for it (see _reset_route)
+_HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("_HANDOFF", default=None)
+
+
+class _Handoff:
+    """An HTTP /reset's slot and the session OpenEnv's handler made for it."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release  # frees the slot (from any thread)
+        self.env: MachineEnvironment | None = None
+
+
+class _Slots:
+    """``--max-sessions`` over OpenEnv's own count (``held``, on the server's loop), where a
+    closed session's slot stays, as ``closing-...``, until its machine is deleted."""
+
+    def __init__(self, held: dict[str, Environment | None], cap: int, hurry: Callable[[], None]) -> None:
+        self.held, self.cap, self.hurry = held, cap, hurry
+        self.closing: set[str] = set()
+
+    def hold(self) -> str:
+        """A slot for a session whose machine is on its way out (on the server's loop)."""
+        key = f"closing-{uuid.uuid4()}"
+        self.held[key] = None
+        self.closing.add(key)
+        return key
+
+    def free(self, key: str) -> None:
+        self.held.pop(key, None)
+        self.closing.discard(key)
+
+    async def room(self) -> None:
+        """Wait, at most :data:`GRACE` s, while the cap is reached only because machines are
+        still being deleted: one client's close and its next session (an HTTP reset after
+        another) wait for the deletion instead of being refused. Past that, or with the cap
+        reached by open sessions, the caller's check refuses at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GRACE
+        hurried = False
+        while len(self.held) >= self.cap and self.closing and loop.time() < deadline:
+            if not hurried:  # their batch of deletions starts now, not within spares.FLUSH_AFTER
+                hurried = True
+                self.hurry()
+            await asyncio.sleep(0.02)
+
+
 class _Sessions(HTTPEnvServer):
-    """OpenEnv's server, its WebSocket sessions refused at the cap in smolbench's words."""
+    """OpenEnv's server, its WebSocket sessions refused at the cap in smolbench's words, and
+    counted (see :class:`_Slots`) until their machines are deleted."""
+
+    slots: _Slots
 
     async def _create_session(self) -> tuple[str, Environment]:
+        await self.slots.room()
         try:
             return await super()._create_session()
         except SessionCapacityError as exc:
             raise AtCapacity(exc.active_sessions, exc.max_sessions) from None
+
+    async def _destroy_session(self, session_id: str) -> None:  # OpenEnv's, its slot held through the close
+        async with self._session_lock:
+            env = self._sessions.pop(session_id, None)
+            executor = self._session_executors.pop(session_id, None)
+            stack = self._session_stacks.pop(session_id, None)
+            self._session_info.pop(session_id, None)
+            key = self.slots.hold() if env is not None else None
+        try:
+            await self._cleanup_session_resources(env, executor, stack)  # its close, in its thread, waits
+        finally:
+            if key is not None:
+                self.slots.free(key)
 
 
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,
@@ -511,9 +521,10 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     ``max_sessions`` caps the sessions open at once, of both kinds: a WebSocket session from
     its connection to its close (OpenEnv's own count), and a stateless HTTP ``POST /reset``
     from its start until it answered (OpenEnv closes that one-request session, its machine
-    with it, as the request ends). A session being closed no longer counts, so one client's
-    back-to-back resets, over HTTP or in its WebSocket session (each episode replacing the
-    last in the session's one slot), are never refused. Past the cap a WebSocket session
+    with it, as the request ends), each until its machine is deleted. A new session that
+    finds the cap reached only by those deletions waits for one (:class:`_Slots`), so one
+    client's back-to-back resets, over HTTP or in its WebSocket session (each episode
+    replacing the last in the session's one slot), are not refused. Past the cap a WebSocket session
     gets OpenEnv's CAPACITY_REACHED error and an HTTP reset a 503, both with one line
     naming the cap. HTTP ``/step``, ``/state`` and ``/metadata`` make no machine and are
     not counted (a stateless step is refused: :data:`STATELESS_STEP`)."""
@@ -523,6 +534,7 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     for name, value in (("request timeout", timeout), ("idle timeout", idle)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise SmolbenchError(f"the {name} should be a number of seconds above 0, got {value!r}")
+    reply_room(parent.observation_space, max_reply)
     live: set[Machines] = set()
     # HTTP requests' resets and steps: as many at once as sessions (the rest wait their turn)
     pool = concurrent.futures.ThreadPoolExecutor(max_sessions, thread_name_prefix="smolbench-http")
@@ -530,13 +542,27 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     def factory() -> MachineEnvironment:  # OpenEnv calls it for every request without a session too
         m = parent.sibling()
         live.add(m)
-        return MachineEnvironment(m, timeout, on_close=live.discard, served=True, pool=pool, max_reply=max_reply)
+        handed = _HANDOFF.get()
+        if handed is not None and handed.env is not None:
+            handed = None  # (OpenEnv's handler makes one session a request)
+
+        def closed(m: Machines) -> None:
+            live.discard(m)
+            if handed is not None:  # an HTTP reset's slot: freed once its machine is gone
+                handed.release()
+
+        env = MachineEnvironment(m, timeout, on_close=closed, served=True, pool=pool, max_reply=max_reply)
+        if handed is not None:
+            handed.env = env
+            env._answered_here = False  # its reply is sent once the session is closed (see _reset_route)
+        return env
 
     config = ConcurrencyConfig(max_concurrent_envs=max_sessions, session_timeout=idle)
     # as OpenEnv's create_fastapi_app, minus the API docs pages: they load scripts from a CDN
     # into a page whose URL holds the server's token
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, swagger_ui_oauth2_redirect_url=None)
     sessions = _Sessions(factory, GymAction, GymObservation, concurrency_config=config)
+    sessions.slots = _Slots(sessions._sessions, max_sessions, lambda: _hurry(parent))
     sessions.register_routes(app)
     # the env has no MCP tools: OpenEnv's /mcp routes only let any client open sessions (slots)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/mcp"]
@@ -562,10 +588,19 @@ def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_T
     return app
 
 
-def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
+def _hurry(parent: Machines) -> None:
+    """Start the warm parent's batch of deletions now (from the server's loop)."""
+    async def flush() -> None:
+        parent.pool.flush()
+
+    with contextlib.suppress(Exception):
+        parent.host.submit(flush())
+
+
+def _reset_route(app: Any, sessions: _Sessions) -> None:
     """OpenEnv's ``POST /reset``, its body read as :class:`SeedAsSent`, the request counted
     as an open session of ``sessions`` while it runs (see :func:`app_for`)."""
-    from fastapi import Body
+    from fastapi import Body, Response
     from fastapi.routing import APIRoute
     from openenv.core.env_server.types import ResetResponse
 
@@ -576,16 +611,33 @@ def _reset_route(app: Any, sessions: HTTPEnvServer) -> None:
     # neither kind of session can slip past the other's check
     held: dict[str, Environment | None] = sessions._sessions
     cap = sessions.max_concurrent_envs
+    slots = sessions.slots
 
     async def reset(request: SeedAsSent = Body(default_factory=SeedAsSent)) -> Any:  # noqa: B008 (FastAPI reads it)
+        await slots.room()
         if len(held) >= cap:
             raise AtCapacity(len(held), cap)
         slot = f"http-reset-{uuid.uuid4()}"
         held[slot] = None
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            with contextlib.suppress(RuntimeError):  # the server stopped: no slots to free
+                loop.call_soon_threadsafe(slots.free, slot)
+
+        handed = _Handoff(release)
+        token = _HANDOFF.set(handed)
         try:
-            return await openenv_reset(request)
-        finally:  # answered, cut or failed: its one-request session is closing (no longer counted)
-            held.pop(slot, None)
+            answer = await openenv_reset(request)
+            return Response(spliced(answer.model_dump_json()), media_type="application/json")
+        finally:  # answered, cut or failed: its one-request session is closing, its slot held until it is
+            _HANDOFF.reset(token)
+            if handed.env is None:  # no session made (refused before OpenEnv's handler): nothing to wait for
+                slots.free(slot)
+            else:
+                if slot in held:  # (not freed already: its close ended first)
+                    slots.closing.add(slot)
+                forget(handed.env._marks)  # an answer never made (it failed) leaves none behind
 
     app.router.routes.remove(route)
     app.post("/reset", response_model=ResetResponse)(reset)
@@ -617,7 +669,13 @@ def _no_mcp_messages(app: Any) -> None:
                     return text
                 await websocket.send_text(refusal)
 
+        send_text = websocket.send_text
+
+        async def with_arrays(text: str) -> None:  # a reply's arrays as JSON text (see _replies.spliced)
+            await send_text(spliced(text))
+
         websocket.receive_text = without_mcp  # type: ignore[method-assign]
+        websocket.send_text = with_arrays  # type: ignore[method-assign,assignment]
         await openenv_ws(websocket)
 
     app.router.routes.remove(route)

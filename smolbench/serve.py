@@ -245,7 +245,7 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
     from ._uvicorn import backlog, connection_cap, peer_cap, protocols, too_few_files
     from .gym._host import Host
     from .gym.machines import Machines
-    from .openenv import app_for
+    from .openenv import app_for, reply_room
 
     if (few := too_few_files(args.max_sessions)) is not None:
         print(f"smolbench serve: {few}", file=sys.stderr)
@@ -268,6 +268,9 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
         try:
             host.run(parent.start())
             assert parent.parent is not None
+            # its spaces are known now: a space no reply of which fits is one line, before serving
+            if (some := reply_room(parent.observation_space, args.max_reply)) is not None:
+                print(f"smolbench serve: warning: {some}", file=sys.stderr, flush=True)
             port = socks[0].getsockname()[1]  # --port 0: the one it got
             url = f"{'https' if tls else 'http'}://{url_host(args.host)}:{port}" + (f"/{token}" if token else "")
             print(f"smolbench: serving {args.gym or args.target} over OpenEnv (openenv-core) on {url} · "
@@ -366,7 +369,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reset", default="fresh", choices=["fresh", "in-place"], help="each episode in a fresh branch (default)")
     p.add_argument("--max-sessions", type=int, default=16,
                    help="client sessions open at once, each its own machine: WebSocket sessions, and HTTP resets "
-                        "while they run (default 16)")
+                        "while they run, each until its machine is deleted (default 16)")
     p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one reset or step may take; then its machine is deleted and the client told (default 120)")
     p.add_argument("--max-message", type=int, default=1 << 20, metavar="BYTES",
@@ -374,7 +377,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-reply", type=int, default=16 << 20, metavar="BYTES",
                    help="bytes of JSON one reset's or step's observation and info may take, counted from the arrays' "
                         "sizes and dtypes; past it the episode ends with one line (default 16 MiB; the server holds "
-                        "about 4 times a reply while it sends it)")
+                        "about 3 times a reply while it sends it)")
     p.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a client session may go without a request before it is closed (default 600)")
     p.set_defaults(fn=serve)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from gymhelpers import CODE_ENV, define, needs_bwrap, up_bench
 
@@ -237,6 +238,18 @@ def test_a_close_on_the_server_s_loop_does_not_hold_it_and_a_later_close_waits_f
 
     asyncio.run(a_cell())
     assert ended[-1] is other._m and ref.name not in parent.wb.machines
+
+
+def test_a_served_session_s_close_ends_once_its_machine_is_deleted(parent: Machines) -> None:
+    """The close OpenEnv's HTTP handlers start (``let_go``: the machine joins the warm
+    parent's batched deletions) ended at the hand-off, so the session's --max-sessions slot
+    was freed with its machine still running; now it ends once the machine is gone."""
+    env = session(parent)
+    env.reset(seed=1)
+    (ref,) = mine(parent, env)
+    parent.host.run(env._m.close(let_go=True), 30)
+    assert not alive(ref)  # on the old code: still running, deleted with a later batch
+    assert ref.name not in parent.wb.machines
 
 
 @pytest.mark.parametrize("seed", [{"x": 1}, 10**30, -1, "x" * 100_000, True, 1.5])
@@ -605,36 +618,43 @@ BIG_ENV = """
 import numpy as np, gymnasium as gym
 
 class Big(gym.Env):
-    # a hostile env's honest-looking observation: 4 MiB of int8, in its space, within the gate's limits
+    # a hostile env's honest-looking observation: 2 MiB of int8 and 1 Mi characters of text, in its space
     def __init__(self):
-        self.observation_space, self.action_space = gym.spaces.MultiBinary(1 << 22), gym.spaces.Discrete(2)
+        self.observation_space = gym.spaces.Dict({"log": gym.spaces.Text(1 << 20, charset="ab"),
+                                                  "bits": gym.spaces.MultiBinary(1 << 21)})
+        self.action_space = gym.spaces.Discrete(2)
     def reset(self, seed=None, options=None):
         super().reset(seed=seed)
-        return np.ones(1 << 22, np.int8), {}
+        return {"log": "a" * (1 << 20), "bits": np.ones(1 << 21, np.int8)}, {}
     def step(self, action):
-        return np.ones(1 << 22, np.int8), 0.0, False, False, {}
+        return self.reset()[0], 0.0, False, False, {}
 
 def big_env():
     return Big()
 """
+LIMIT = 12 << 20  # its space's smallest reply fits (~10 MiB), this one does not
 
 
 def test_a_reply_past_max_reply_is_refused_before_the_server_holds_20_times_it(bench: Workbench) -> None:
     """The audit: a 2 MiB int8 observation held 40 MiB of the server's memory to answer one
     step (tolist's objects, model_dump's copy, the JSON text, its bytes), and a space may hold
-    ~112 Mi items: GBs per step per session. Now one past --max-reply (16 MiB of JSON by
-    default; this one is ~20 MiB) is refused in one line, its machine deleted, the rest of
-    the server's memory untouched."""
+    ~112 Mi items: GBs per step per session. Now one past --max-reply (12 MiB here; this one
+    counts ~16 MiB) is refused in one line, its machine deleted, the rest of the server's
+    memory untouched. (A space none of whose replies fit is refused before any machine:
+    test_openenv_reply.py.)"""
     import tracemalloc
 
     from openenv.core.env_server.serialization import serialize_observation
     from openenv.core.env_server.types import WSObservationResponse
 
+    from smolbench.openenv import json_size
+
     define(bench, BIG_ENV)
     host = Host(bench)
     big = Machines(host, "big_env", 1, "fresh", None)
     host.run(big.start())
-    env = session(big)
+    env = session(big, max_reply=LIMIT)
+    counted = json_size(({"log": "a" * (1 << 20), "bits": np.ones(1 << 21, np.int8)}, {}))
     try:
         tracemalloc.start()
         try:
@@ -645,15 +665,15 @@ def test_a_reply_past_max_reply_is_refused_before_the_server_holds_20_times_it(b
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        # ~27 MiB: the gate bringing the 4 MiB observation (the gym layer's); the old code went on to ~72 MiB
+        # the gate bringing the observation (the gym layer's); converting it all took ~3x that more
         assert peak < 40 << 20 and isinstance(said, str), f"{peak:,} bytes at peak, {len(said):,} bytes sent"
-        assert "the reset's observation and info could take 20,971," in said and "over smolbench serve --max-reply " \
-            "(16,777,216): serve it with a higher --max-reply" in said and "\n" not in said, said
+        assert f"the reset's observation and info could take {counted:,} bytes" in said and "over smolbench serve " \
+            f"--max-reply ({LIMIT:,}): serve it with a higher --max-reply" in said and "\n" not in said, said
         assert re.search(r"machine \S+ is deleted; reset\(\) starts a new episode$", said), said
         assert mine(big, env) == []
         wide = session(big, max_reply=32 << 20)  # an operator who raised it: served
         try:
-            assert len(wide.reset(seed=1).observation) == 1 << 22
+            assert len(wide.reset(seed=1).observation["bits"]) == 1 << 21
         finally:
             wide.close()
     finally:

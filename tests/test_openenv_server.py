@@ -350,6 +350,33 @@ def test_more_sessions_than_the_warm_parent_has_room_for_is_one_line(open_tmp: P
     assert re.fullmatch(r"smolbench serve: --max-sessions 200 needs \d+ live branches .*: use at most \d+", line), line
 
 
+WIDE_ENV = """
+import numpy as np, gymnasium as gym
+
+class Wide(gym.Env):
+    def __init__(self):
+        self.observation_space, self.action_space = gym.spaces.MultiBinary(1 << 22), gym.spaces.Discrete(2)
+
+def wide_env():
+    return Wide()
+"""
+
+
+def test_an_observation_space_no_reply_of_which_fits_max_reply_is_one_line_at_the_start(open_tmp: Path) -> None:
+    """It was served, and every reset of every session failed (~20 MiB of JSON counted
+    against 16 MiB), a machine made for each; now the server stops as it learns the spaces."""
+    (open_tmp / "envs.py").write_text(WIDE_ENV)
+    done = subprocess.run([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:wide_env", "--backend", "sandbox",
+                           "--port", str(free_port())], cwd=open_tmp, capture_output=True, text=True, timeout=WAIT * 5,
+                          env=server_env())
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("smolbench serve:")]
+    assert re.fullmatch(r"smolbench serve: the env's observations take at least 20,\d{3},\d{3} bytes as JSON .* over "
+                        r"smolbench serve --max-reply \(16,777,216\): every reset would be refused; serve it with "
+                        r"--max-reply 2\d{7} or more .*", line), line
+    assert "over OpenEnv" not in done.stdout, done.stdout
+
+
 def test_more_sessions_than_the_open_file_limit_holds_is_one_line_before_any_machine(open_tmp: Path) -> None:
     """Sixth audit, left open then: the connection cap was half the open-file limit whatever
     the sessions' machines held, so at a low limit their files could run out first (and

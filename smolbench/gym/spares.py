@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._aio import _to_the_end
@@ -44,6 +44,7 @@ class Spares:
         self._retiring: set[asyncio.Future[None]] = set()  # last episodes' machines on their way to deletion
         self._awake: set[str] = set()  # spares woken ahead of their episodes (see wake)
         self._finished: list[MachineRef] = []  # finished episodes' machines, to be deleted together
+        self._gone: dict[str, asyncio.Future[None]] = {}  # closing siblings' machines, done once deleted
         self._flush_at: asyncio.TimerHandle | None = None
         self.deletions = self.count  # deletions under way at once, at most (WarmParent sets it from the room)
 
@@ -149,6 +150,16 @@ class Spares:
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
+    async def let_go(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
+        """A closing sibling's last machines: deleted with the next batch (see :meth:`delete_later`);
+        returns once they are gone, so a served session's slot is held until then."""
+        self.leaving(old)
+        loop = asyncio.get_running_loop()
+        gone = [self._gone.setdefault(ref.name, loop.create_future()) for ref, _ in old]
+        for ref, chan in old:
+            await self.delete_later(ref, chan)
+        await asyncio.gather(*gone)
+
     def leaving(self, old: list[tuple[MachineRef, Channel | None]]) -> None:
         """The last machines of a reset: their names leave the env's machines now (on any thread)."""
         for ref, _ in old:
@@ -184,12 +195,16 @@ class Spares:
             self._flush_at = None
         batch, self._finished = self._finished, []
         for ref in batch:
-            self._started(self.m._delete(ref))
+            task = self._started(self.m._delete(ref))
+            gone = self._gone.pop(ref.name, None)
+            if gone is not None:
+                task.add_done_callback(_resolve(gone))
 
-    def _started(self, deletion: Coroutine[Any, Any, None]) -> None:
+    def _started(self, deletion: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(deletion)
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
+        return task
 
     async def settle(self) -> None:
         """The env is closed: wait for what is under way to end (each deletes its machine).
@@ -220,6 +235,13 @@ class Spares:
         self.flush()
         if self._deleting:
             await asyncio.gather(*self._deleting, return_exceptions=True)
+
+
+def _resolve(future: asyncio.Future[None]) -> Callable[[Any], None]:
+    def done(_: Any) -> None:
+        if not future.done():
+            future.set_result(None)
+    return done
 
 
 def spare_count(n: int, room: int = NO_ROOM_LIMIT) -> int:

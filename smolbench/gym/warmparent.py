@@ -342,7 +342,8 @@ class WarmParent(Requests):
     async def close(self, let_go: bool = False) -> None:
         """End every episode and delete every machine of this env (the warm parent too).
         ``let_go``: a sibling's machines go to the shared pool's batched deletions (which the
-        warm parent's close waits for) instead of being waited on here."""
+        warm parent's close waits for) instead of being deleted one by one; it still returns
+        once they are gone."""
         if self.closed:
             if self._close_done is not None:  # a close already running: this one ends with it
                 await asyncio.shield(self._close_done)
@@ -371,7 +372,7 @@ class WarmParent(Requests):
                 quietly(self.records.end, ep, "closed")
             if let_go and ep.ref is not None and not own_pool and not self.pool.m.closed:
                 old, ep.ref, ep.chan = [(ep.ref, ep.chan)], None, None
-                self.pool.retire(old)
+                await self.pool.let_go(old)
             elif ep.ref is not None:
                 await _to_the_end(self._delete(ep.ref))
                 ep.ref = None
