@@ -345,3 +345,79 @@ def test_a_portable_checkpoint_crosses_as_bytes_and_restores_as_a_branch_source(
     while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
         time.sleep(1)
     assert local_machines() == [] and smol_vmm_processes() == []
+
+
+def test_smolfile_packages_import_and_stay_read_only_to_the_guest_s_root(tmp_path: Path) -> None:
+    """A Smolfile's packages in a real microVM: installed on the host (a wheel named by path:
+    no index needed), imported in the machine, and read-only there even to the guest's root,
+    who may remount: the read-only must be the host's (virtiofs), or a machine writes into the
+    cache every later machine of that list imports (outside audit: unverified until this)."""
+    import asyncio
+    import zipfile
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.smol import SmolBackend
+    from smolbench.backends.smol_guest import GUEST_PACKAGES
+    from smolbench.smolfile import parse_smolfile
+
+    name = "smolbench_lane_pkg"
+    wheel = tmp_path / f"{name}-1.0-py3-none-any.whl"
+    files = {f"{name}/__init__.py": "WHO = 'the host'\n",
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{name}-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, t in files.items():
+            z.writestr(n, t)
+    spec = parse_smolfile(f'image = "{IMAGE}"\nmemory = 512\npackages = ["smolbench-lane-pkg @ file://{wheel}"]\n')
+    attack = (
+        "import os, subprocess, smolbench_lane_pkg as m\n"
+        f"r = subprocess.run(['mount', '-o', 'remount,rw', {GUEST_PACKAGES!r}], capture_output=True, text=True)\n"
+        "print('uid', os.getuid(), 'remount rc', r.returncode)\n"
+        "try:\n"
+        "    os.chmod(m.__file__, 0o644)  # (the cache's files are 0444: the owner, root here, may chmod)\n"
+        "    with open(m.__file__, 'a') as f:\n"
+        "        f.write('WHO = \"the machine\"\\n')\n"
+        "    print('wrote')\n"
+        "except OSError as exc:\n"
+        "    print('refused', exc.errno)\n"
+        "print(m.WHO)\n")
+
+    async def go(weakened: bool = False) -> tuple[str, str]:
+        backend = SmolBackend(probe=False, session="pkgs")
+        if weakened:  # the packages mounted writable, as a guest-side read-only would be to its root
+            made = backend.machine_config
+
+            def writable(*args: Any, **kwargs: Any) -> Any:
+                config = made(*args, **kwargs)
+                for m in config.mounts or []:
+                    if m.target == GUEST_PACKAGES:
+                        m.read_only = False
+                return config
+
+            backend.machine_config = writable  # type: ignore[method-assign]
+        try:
+            ref = await backend.create(spec, "root")
+            res = await backend.exec_cell(ref, CellRequest(attack), lambda ev: None)
+            assert res.status == "ok", res.error
+            return res.stdout, str(ref.info.get("packages", ""))
+        finally:
+            await backend.close()
+
+    out, line = asyncio.run(go())
+    print(f"\npackages in a microVM: {line}: {out.strip()!r}")
+    assert out.startswith("uid 0 "), out  # the guest's root, who may remount
+    assert "refused 30" in out and "wrote" not in out and out.strip().endswith("the host"), out  # EROFS
+    from smolbench import packages
+
+    installed = [p for p in packages.packages_root().glob(f"*/lib/{name}/__init__.py")]
+    assert installed and all(p.read_text() == "WHO = 'the host'\n" for p in installed)
+    # a contrast: the mount writable, the refusal is no longer the mount's (EROFS) but the files'
+    # owner's on the host (virtiofsd doesn't let the guest's root chmod the host's files): two layers
+    out, _ = asyncio.run(go(weakened=True))
+    assert "refused" in out and "refused 30" not in out, out
+    assert all(p.read_text() == "WHO = 'the host'\n" for p in installed)
+    deadline = time.monotonic() + 60
+    while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert local_machines() == [] and smol_vmm_processes() == []
