@@ -607,7 +607,10 @@ class Ledger:
                 raise
             return [], []  # half a write read immutable ("malformed"): read again below
 
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False) -> list[dict[str, Any]]:
+        """The rows ``sql`` reads, JSON columns decoded (``checkpoints``: a checkpoint query's,
+        whose JSON columns are checked, :data:`CHECKPOINT_JSON`: another table's ``machine`` is
+        a machine's name, not JSON)."""
         with self._lock:
             names, rows = self._read(sql, params)
             for tries in (2, 1):  # a writer came while an immutable open read: open and read again
@@ -621,7 +624,7 @@ class Ledger:
             rec = dict(zip(names, row))
             for key in sorted(JSON_COLUMNS & rec.keys()):
                 if isinstance(rec[key], str):
-                    rec[key], wrong = _decoded(key, rec[key])
+                    rec[key], wrong = _decoded(key, rec[key], checkpoints)
                     if wrong is not None and "damaged" not in rec:
                         rec["damaged"] = f"its ledger row's {key} {wrong}"
             out.append(rec)
@@ -665,11 +668,11 @@ class Ledger:
 
     def _checkpoints(self, tail: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         try:
-            return self._rows(f"{WITH_MACHINE} {tail}", params)
+            return self._rows(f"{WITH_MACHINE} {tail}", params, checkpoints=True)
         except sqlite3.OperationalError as exc:  # an older ledger, read-only: no machine column to add
             if "no such column" not in str(exc):
                 raise
-            return self._rows(f"{CHECKPOINTS} {tail}", params)
+            return self._rows(f"{CHECKPOINTS} {tail}", params, checkpoints=True)
 
     def run_rows(self) -> list[dict[str, Any]]:
         """Runs (forks, episodes, replays), newest first."""
@@ -696,11 +699,11 @@ class Ledger:
         return _frame(self._rows("SELECT * FROM sessions ORDER BY started"))
 
 
-def _decoded(key: str, text: str) -> tuple[Any, str | None]:
+def _decoded(key: str, text: str, checkpoint: bool = False) -> tuple[Any, str | None]:
     """Column ``key``'s JSON ``text`` decoded, and None; or, for a checkpoint row's column holding
     what smolbench never writes there (:data:`CHECKPOINT_JSON`), its stand-in and what is wrong.
     Text that isn't JSON in another column stays as it is."""
-    shape = CHECKPOINT_JSON.get(key)
+    shape = CHECKPOINT_JSON.get(key) if checkpoint else None
     if shape is not None and len(text) > JSON_LIMIT:
         return shape[1], f"is {len(text):,} characters, over {JSON_LIMIT:,}"
     try:
