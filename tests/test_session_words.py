@@ -241,7 +241,7 @@ def test_every_message_that_names_a_magic_command_has_session_words() -> None:
 
 # Raised only under a command line's own options (`smolbench serve --port`, `smolbench image build
 # --suite`, `smolbench cluster local --nodes`), never by a Session method: their words are right.
-COMMAND_LINE_ONLY = {"cli.py", "serve.py", "cluster/local.py", "images.py:build_debian_rootfs"}
+COMMAND_LINE_ONLY = {"cli.py", "serve.py", "_replies.py", "cluster/local.py", "images.py:build_debian_rootfs"}
 # A shell command quoted for the user to type (`apt-get install x`, `ray start --head`): its
 # options are that program's. A quoted `--backend process` is a magic's and is not skipped.
 _QUOTED_COMMAND = re.compile(r"`[^`%-][^`]*`")
