@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import socket
@@ -68,6 +69,7 @@ def connect(address: str | None, source: str | None = None) -> str:
         ray.shutdown()
         _joined = None
     _answers(addr, source)
+    auth_from_env()
     try:
         # log_to_driver off: Ray's forwarding folds repeated lines; output comes back through the gate
         ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
@@ -76,6 +78,21 @@ def connect(address: str | None, source: str | None = None) -> str:
         _refused(addr, source, " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__)
     _joined = _joined_now(ray)
     return _joined[0]
+
+
+def auth_from_env(env: dict[str, str | None] | None = None) -> None:
+    """Set (None: unset) Ray's auth variables in ``env``, and make this process's Ray read them
+    all again: Ray reads ``RAY_AUTH_MODE`` once, so one set later (``%env``, or a
+    ``smolbench cluster local`` in this process) would not be used by the next ``ray.init``."""
+    for key, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    with contextlib.suppress(ImportError, AttributeError):  # an older Ray: it reads them when it starts
+        raylet: Any = importlib.import_module("ray._raylet")
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def joined_by(user: Any) -> None:
