@@ -30,12 +30,11 @@ from ..errors import SmolbenchError
 from ..gate import limits as gate_limits
 from ..spec import MachineSpec
 from . import artifact
-from .batch import DATA, END, FAIL, failure, frame, kind_of
+from .batch import DATA, END, FAIL, Credit, failure, frame, kind_of
 
 KINDS = ("sandbox", "process", "smol")
 BATCH_OPS = ("exec", "create", "delete")
 MESSAGE = 1024 * 1024  # frames ready together go back as one message of about this much at most
-FRAMES_AHEAD = 64  # a batch's DATA frames read from its machines and not yet sent (see run_batch)
 
 
 def node_kind(resources: dict[str, float]) -> str:
@@ -137,6 +136,7 @@ class NodeAgent:
         self.calls: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._credits: dict[str, Credit] = {}
         self._booting: dict[str, asyncio.Future[None]] = {}  # machine -> the batch request booting it
         self._forking: dict[str, asyncio.Lock] = {}
 
@@ -182,10 +182,10 @@ class NodeAgent:
             raise SmolbenchError(f"unknown batch request {op!r}: one of {', '.join(BATCH_OPS)}")
         self._count(op, len(items))
         out: asyncio.Queue[bytes] = asyncio.Queue()
-        # DATA frames read ahead of what was sent: a machine's stream is read no faster than the
-        # kernel takes it (with the driver's backpressure on this generator), never into an
-        # unbounded queue here (its end frames are not counted, so they never wait)
-        ahead = asyncio.Semaphore(FRAMES_AHEAD)
+        # per request, bytes sent and not yet taken by its caller (``grant``): a machine's stream
+        # is read no faster than its own caller takes it, never into an unbounded queue here or
+        # on the driver, whatever its siblings do (end frames are not counted: they never wait)
+        credit = self._credits[batch_id] = Credit(len(items))
 
         async def one(i: int, name: str, arg: Any) -> None:
             end = frame(i, END)
@@ -194,8 +194,9 @@ class NodeAgent:
                     stream = self._transport()
                     async with contextlib.aclosing(stream(self._ref(name), arg)) as chunks:
                         async for chunk in chunks:
-                            await ahead.acquire()
-                            out.put_nowait(frame(i, DATA, bytes(chunk)))
+                            for piece in credit.pieces(bytes(chunk)):
+                                await credit.spend(i, len(piece))
+                                out.put_nowait(frame(i, DATA, piece))
                 elif op == "create":
                     await self._create(arg, name)
                 else:
@@ -217,13 +218,11 @@ class NodeAgent:
                 ready = [await out.get()]
                 while not out.empty() and sum(map(len, ready)) < MESSAGE:
                     ready.append(out.get_nowait())
-                ends = sum(1 for f in ready if kind_of(f) != DATA)
-                left -= ends
-                for _ in range(len(ready) - ends):
-                    ahead.release()
+                left -= sum(1 for f in ready if kind_of(f) != DATA)
                 yield b"".join(ready)
         finally:
             self._batches.pop(batch_id, None)
+            self._credits.pop(batch_id, None)
             for i, (name, _) in enumerate(items):
                 if self._booting.get(name) is tasks[i]:
                     del self._booting[name]
@@ -237,6 +236,12 @@ class NodeAgent:
         for i in indices:
             if i in tasks:
                 tasks[i].cancel()
+
+    async def grant(self, batch_id: str, index: int, n: int) -> None:
+        """The caller of a running batch's request took ``n`` more of its bytes: it may send on."""
+        credit = self._credits.get(batch_id)
+        if credit is not None:
+            credit.grant(index, n)
 
     def _transport(self) -> Any:
         """The backend's raw request transport: agent-host backends' socket, smol's relay through client.py."""

@@ -289,13 +289,16 @@ class ClusterBackend(Backend):
             def cancel(batch_id: str, indices: builtins.list[int]) -> None:
                 node.agent.cancel_requests.remote(batch_id, indices)
 
+            def grant(batch_id: str, index: int, n: int) -> None:
+                node.agent.grant.remote(batch_id, index, n)
+
             async def call(ref: Any) -> Any:
                 return await self._call(node, ref)
 
             def count(n: int) -> None:
                 self.bytes_in += n
 
-            self._batchers[key] = Batcher(start, call, cancel, count, batching=self.batching)
+            self._batchers[key] = Batcher(start, call, cancel, count, batching=self.batching, grant=grant)
         return self._batchers[key]
 
     # -- the Backend protocol -------------------------------------------------------------
