@@ -48,13 +48,28 @@ def node_kind(resources: dict[str, float]) -> str:
 FAKE_SMOL = "SMOLBENCH_TEST_FAKE_SMOL"  # tests only: the folder of tests/fakesmol.py, used in place of smol's engine
 
 
+NO_BWRAP = ("node {node} ({host}) runs no machines: it has no bubblewrap, so they would be plain processes with "
+            "NO isolation; install bubblewrap there (`apt-get install bubblewrap`), or declare the process backend "
+            "on purpose (`ray start ... --resources '{{\"smolbench_backend_process\": 1}}'`)")
+
+
+def refusal(kind: str, node: str) -> str:
+    """Why a node runs no machines ('' when it does): an ``auto`` node without bubblewrap would
+    run untrusted cells as the Ray worker's user, unlike a local ``auto``, which warns loudly."""
+    from ..backends.sandbox import bwrap_path
+
+    if kind == "auto" and not bwrap_path():
+        return NO_BWRAP.format(node=node[:8], host=socket.gethostname())
+    return ""
+
+
 def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[Backend, Any]:
     """The node's backend, and (tests only) the fake smol engine behind it."""
     from ..backends.process import ProcessBackend
-    from ..backends.sandbox import SandboxBackend, bwrap_path
+    from ..backends.sandbox import SandboxBackend
 
-    if kind == "auto":
-        kind = "sandbox" if bwrap_path() else "process"
+    if kind == "auto":  # with bubblewrap (see refusal); a refused node's backend never starts a machine
+        kind = "sandbox" if not refusal(kind, "") else "process"
     if kind == "sandbox":
         return SandboxBackend(runtime_dir=str(data_dir)), None
     if kind == "process":
@@ -120,6 +135,7 @@ class NodeAgent:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         # this agent's own folder (artifacts, smol captures), swept like a run folder once it is gone
         self.own = _rundir.make(str(self.data_dir), prefix="smolbench-agent-")
+        self.refused = refusal(kind, self.node_id)
         self.backend, self._fake = _make_backend(kind, self.data_dir, session, self.own)
         # leftovers of sessions whose agent died (kernel killed, node restarted): their microVMs (found
         # by their agent's folder, so before those go), then their run folders
@@ -149,6 +165,10 @@ class NodeAgent:
             self._starts = asyncio.Semaphore(self.max_starts)
         return self._starts
 
+    def _allowed(self) -> None:
+        if self.refused:
+            raise SmolbenchError(self.refused)
+
     def _ref(self, name: str) -> MachineRef:
         ref = self.refs.get(name)
         if ref is None:
@@ -170,7 +190,7 @@ class NodeAgent:
 
     async def describe(self) -> dict[str, Any]:
         """What ``%smol status`` shows about this node."""
-        return {"limits": gate_limits.snapshot(), "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
+        return {"refused": self.refused, "limits": gate_limits.snapshot(), "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
                 "isolation": self.backend.isolation, "data_dir": str(self.data_dir), "live": sorted(self.refs),
                 "swept": list(self.swept), "swept_machines": list(self.swept_machines), "calls": dict(self.calls),
                 "requests": dict(self.requests)}
@@ -254,6 +274,7 @@ class NodeAgent:
 
     async def _create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
         """Boot one machine (at most ``max_starts`` boot at once on this node)."""
+        self._allowed()
         async with self._gate():
             ref = await self.backend.create(spec, name)
         self.refs[name] = ref
@@ -399,6 +420,7 @@ class NodeAgent:
         path = str(self.store.path(digest))
         if not self.store.has(digest):
             raise SmolbenchError(f"node {self.node_id[:8]} has no artifact {digest[:12]}…: fetch it first")
+        self._allowed()
         async with self._gate():
             ref = await self.backend.restore(path, name, spec)
         self.refs[name] = ref
