@@ -153,6 +153,8 @@ class NodeAgent:
         self.requests: Counter[str] = Counter()
         self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
         self._credits: dict[str, Credit] = {}
+        self._incoming: dict[str, asyncio.Queue[bytes | None]] = {}  # transfers from the driver (receive)
+        self._closed: set[str] = set()
         self._booting: dict[str, asyncio.Future[None]] = {}  # machine -> the batch request booting it
         self._forking: dict[str, asyncio.Lock] = {}
 
@@ -401,19 +403,34 @@ class NodeAgent:
     async def fetch(self, source: Any, digest: str, size: int, where: str) -> int:
         """Fetch an artifact from another node's agent once; the bytes received (0: had it)."""
         async def stream() -> AsyncIterator[object]:
-            async for ref in source.chunks.remote(digest):
+            async for ref in artifact.chunks_from(source, digest):
                 yield await ref
 
         return await self.store.receive(digest, size, stream(), where)
 
-    async def receive(self, digest: str, size: int, blocks: list[Any]) -> int:
-        """An artifact the driver put in the object store (a checkpoint to restore here), one
-        object per chunk; kept if its size and hash are right."""
-        async def stream() -> AsyncIterator[object]:
-            for ref in blocks:
-                yield await ref
+    async def receive(self, transfer: str, digest: str, size: int) -> int:
+        """An artifact the driver sends (a checkpoint to restore here), a chunk per ``give`` call,
+        each call waiting while AHEAD chunks wait here; kept if its size and hash are right."""
+        queue = self._incoming.setdefault(transfer, asyncio.Queue(artifact.AHEAD))
 
-        return await self.store.receive(digest, size, stream(), "the driver")
+        async def stream() -> AsyncIterator[object]:
+            while (block := await queue.get()) is not None:
+                yield block
+
+        try:
+            return await self.store.receive(digest, size, stream(), "the driver")
+        finally:
+            self._closed.add(transfer)
+            self._incoming.pop(transfer, None)
+            while not queue.empty():  # a give waiting for room ends
+                queue.get_nowait()
+
+    async def give(self, transfer: str, block: bytes | None) -> bool:
+        """One chunk of what ``receive`` takes (None: the end); False once it takes no more."""
+        if transfer in self._closed:
+            return False
+        await self._incoming.setdefault(transfer, asyncio.Queue(artifact.AHEAD)).put(block)
+        return transfer not in self._closed
 
     async def restore(self, digest: str, name: str, spec: MachineSpec) -> dict[str, Any]:
         """A machine from an artifact in the store (checked by this node's backend's restore)."""
