@@ -143,6 +143,9 @@ class SmolBackend(Backend):
         self._serial = itertools.count(1)
         self._ids = RequestIds()  # what an interrupt names: the cell it is meant for
         self.extra_labels: dict[str, str] = {}  # a cluster node agent's folder (its leftovers are found by it)
+        # told a restored VM's smol name before it is made: `restore_checkpoint` takes no labels, so a
+        # cluster node agent records it to find it once it is gone (see cluster.agent.sweep_smol)
+        self.unlabelled: Callable[[str], None] | None = None
 
     @property
     def isolation(self) -> str:
@@ -739,6 +742,8 @@ class SmolBackend(Backend):
             def restore() -> Machine:
                 return Machine.restore_checkpoint(checkpoint_id, smol_name, conn=conn)
 
+        if self.unlabelled is not None:
+            self.unlabelled(smol_name)
         handle = await self._make(restore, _delete_quietly)
         ref = MachineRef(name, self.name, spec)
         self._register(ref, handle)

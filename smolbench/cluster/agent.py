@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from typing import Any
 from ..backends import _rundir
 from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
+from ..gate import archive as gate_archive
 from ..gate import limits as gate_limits
 from ..spec import MachineSpec
 from . import artifact
@@ -87,15 +89,37 @@ def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[B
         smolmod.READY_TIMEOUT = 15.0
     backend = smolmod.SmolBackend(target="local", probe=fake is None, session=f"{session}-{uuid.uuid4().hex[:4]}")
     backend.extra_labels = {AGENT_LABEL: str(own)}
+    backend.unlabelled = lambda name: _record(own, name)
     return backend, fake
 
 
 AGENT_LABEL = "smolbench-agent"  # on a smol node's machines: the folder of the agent that owns them
+RESTORED = "restored-vms"  # in an agent's folder: smol names of the VMs it restored (they carry no labels)
+SMOL_NAME = re.compile(r"smolbench-[a-z0-9][a-z0-9.-]{0,62}")
 
 
-def sweep_smol() -> list[str]:
-    """Delete smol machines whose node agent is gone (its folder's owner died), found by label;
-    branches before their parents. Returns their names."""
+def _record(own: Path, name: str) -> None:
+    fd = os.open(own / RESTORED, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(name + "\n")
+
+
+def _restored_by_dead_agents(data_dir: Path | None) -> list[str]:
+    """The VMs agents whose owner is gone restored in ``data_dir`` (found by name, not label)."""
+    names: list[str] = []
+    with contextlib.suppress(OSError):
+        for folder in (data_dir.iterdir() if data_dir is not None else []):
+            if (folder.name.startswith("smolbench-agent-") and not folder.is_symlink() and folder.is_dir()
+                    and folder.lstat().st_uid == os.getuid() and _rundir.owner_alive(folder) is False):
+                text = gate_archive.read_small(folder / RESTORED, 1024 * 1024) or ""
+                names += [n for n in text.split() if SMOL_NAME.fullmatch(n)]
+    return names
+
+
+def sweep_smol(data_dir: Path | None = None) -> list[str]:
+    """Delete smol machines whose node agent is gone (its folder's owner died), found by label,
+    and those it restored (recorded in its folder in ``data_dir``); branches before their
+    parents. Returns their names."""
     from ..backends import smol as smolmod
 
     conn = smolmod.ConnectOptions(target="local")
@@ -107,6 +131,10 @@ def sweep_smol() -> list[str]:
     # checkpoint may carry that node's label): only a recorded owner that is gone counts
     left = [m.name for m in found
             if AGENT_LABEL in (m.labels or {}) and _rundir.owner_alive(Path(m.labels[AGENT_LABEL])) is False]
+    restored = set(_restored_by_dead_agents(data_dir))
+    if restored:
+        with contextlib.suppress(Exception):
+            left += [m.name for m in smolmod.Machine.list(conn) if m.name in restored and m.name not in left]
     gone: list[str] = []
     for _ in range(8):  # smol refuses to delete a machine whose branches still exist: they go first
         for name in list(left):
@@ -139,7 +167,7 @@ class NodeAgent:
         self.backend, self._fake = _make_backend(kind, self.data_dir, session, self.own)
         # leftovers of sessions whose agent died (kernel killed, node restarted): their microVMs (found
         # by their agent's folder, so before those go), then their run folders
-        self.swept_machines = sweep_smol() if self.backend.name == "smol" else []
+        self.swept_machines = sweep_smol(self.data_dir) if self.backend.name == "smol" else []
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
         self.store = artifact.Store(self.own)
         self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
