@@ -33,6 +33,10 @@ from .address import auth_from_env
 OBJECT_STORE = 100 * 1024 * 1024  # per node: this is a demo on one host, not a data pipeline
 LOOPBACK = "127.0.0.1"
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+# Ray on Linux swaps a loopback address for the host's routable IP, where this cluster doesn't
+# listen; with this off (as on macOS) it keeps loopback: set for this process while the cluster
+# lives and for what it starts (nodes, kernels), so a plain `ray.init(address=...)` joins it
+SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 BACKENDS = ("auto", "sandbox", "process", "smol")
 T = TypeVar("T")
 
@@ -160,6 +164,7 @@ class LocalCluster:
         self.token_path = self.dir / "auth_token"
         self._old_auth: dict[str, str | None] | None = {k: os.environ.get(k) for k in AUTH_ENV}
         _write_token(self.token_path)
+        self._old_single: tuple[str | None, bool] | None = _single_host(("0", False))
         auth_from_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path), "RAY_AUTH_TOKEN": None})
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
@@ -258,6 +263,9 @@ class LocalCluster:
         if self._old_auth is not None:
             auth_from_env(self._old_auth)
             self._old_auth = None
+        if self._old_single is not None:
+            _single_host(self._old_single)
+            self._old_single = None
         shutil.rmtree(self.dir, ignore_errors=True)
         _STOPPED.append(self.dir)
         _sweep_stopped()
@@ -287,6 +295,21 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _single_host(to: tuple[str | None, bool]) -> tuple[str | None, bool] | None:
+    """Set SINGLE_HOST_ENV (None: unset) and Ray's flag in this process; what they were."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:
+        return None
+    was = (os.environ.get(SINGLE_HOST_ENV), bool(ray_constants.ENABLE_RAY_CLUSTER))
+    if to[0] is None:
+        os.environ.pop(SINGLE_HOST_ENV, None)
+    else:
+        os.environ[SINGLE_HOST_ENV] = to[0]
+    ray_constants.ENABLE_RAY_CLUSTER = to[1]
+    return was
 
 
 def _write_token(path: Path) -> None:
