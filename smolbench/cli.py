@@ -358,9 +358,11 @@ def cluster_local(args: argparse.Namespace) -> int:
         print(f"smolbench: {exc}", file=sys.stderr)
         return 1
     try:
-        print(f"smolbench: a local Ray cluster with {args.nodes} node(s), {args.slots} machine slots each\n"
-              f"RAY_ADDRESS={cluster.address}\n"
-              f"in a notebook on this machine:  %smol up --ray {cluster.address}\n"
+        print(f"smolbench: a local Ray cluster with {args.nodes} node(s), {args.slots} machine slots each, "
+              "on 127.0.0.1 and only for who holds its token\n"
+              f"RAY_ADDRESS={cluster.address}\nRAY_AUTH_MODE=token\nRAY_AUTH_TOKEN_PATH={cluster.token_path}\n"
+              f"in a notebook on this machine:  %env RAY_AUTH_MODE=token  then  %env RAY_AUTH_TOKEN_PATH="
+              f"{cluster.token_path}  then  %smol up --ray {cluster.address}\n"
               "Ctrl-C stops it and removes everything it made", flush=True)
         stop.wait()
     finally:

@@ -192,6 +192,8 @@ class SmolMagics(Magics):
         if backend.name == "cluster":
             print(f"cluster: {len(backend.describe())} nodes, {backend.slots()} machine slots at {backend.address}; "
                   f"{wb.active} on node {str(first.get('node'))[:8]}")
+            for line in getattr(backend, "refused", []):
+                print(f"smolbench: WARNING: {line}", file=sys.stderr)
         if backend.name != "smol":
             print(f"isolation: {backend.isolation}")
 

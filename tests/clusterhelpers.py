@@ -43,3 +43,34 @@ def ledger_nodes(cwd: Path) -> pd.DataFrame:
         return led.nodes().set_index("id")
     finally:
         led.close()
+
+
+def agent_batches(streams: dict[str, Any]) -> tuple[Any, Any]:
+    """A real NodeAgent's ``run_batch`` and ``grant`` on a fake transport, as a Batcher's
+    ``start`` and ``grant``: ``streams[name]()`` is the async iterator of that machine's reply
+    chunks. Ray's part (a generator's messages as object refs) is stood in by done futures."""
+    import asyncio
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from smolbench.backends.base import MachineRef
+    from smolbench.cluster.agent import NodeAgent
+
+    agent = NodeAgent.__new__(NodeAgent)
+    agent.calls, agent.requests = Counter(), Counter()
+    agent._batches, agent._credits, agent._booting = {}, {}, {}
+    agent.refs = {name: MachineRef(name, "fake", None) for name in streams}  # type: ignore[arg-type]
+    agent.backend = SimpleNamespace(_stream=lambda ref, arg: streams[ref.name]())  # type: ignore[assignment]
+
+    def start(batch_id: str, items: list[tuple[str, Any]]) -> Any:
+        async def refs() -> Any:
+            async for message in agent.run_batch(batch_id, "exec", items):
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(message)
+                yield done
+        return refs()
+
+    def grant(batch_id: str, index: int, n: int) -> None:
+        asyncio.ensure_future(agent.grant(batch_id, index, n))
+
+    return start, grant

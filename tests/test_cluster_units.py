@@ -335,23 +335,32 @@ def test_a_machine_printing_faster_than_the_gate_reads_waits_for_it(monkeypatch:
 
 def test_callers_that_read_one_request_after_another_never_wait_on_each_other() -> None:
     """The bound must not stall a caller waiting for its own bytes behind another's unread ones:
-    request b's 12 MB come first, but its caller reads only once a's caller is done."""
+    request b's 12 MB come first, but its caller reads only once a's caller is done (the real
+    agent's run_batch: b's machine waits for credit, a's bytes still come)."""
     import asyncio
 
-    from smolbench.cluster.batch import DATA, END, Batcher, frame
+    from clusterhelpers import agent_batches
 
-    def start(batch_id: str, items: list[tuple[str, object]]) -> object:
-        return _replies([frame(1, DATA, b"b" * (1 << 20))] * 12 + [frame(1, END)]
-                        + [frame(0, DATA, b"a" * (1 << 20))] * 3 + [frame(0, END)])
+    from smolbench.cluster.batch import Batcher
+
+    async def a() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield b"a" * (1 << 20)
+
+    async def b() -> AsyncIterator[bytes]:
+        for _ in range(12):
+            yield b"b" * (1 << 20)
+
+    start, grant = agent_batches({"a": a, "b": b})
 
     async def call(aw: Any) -> Any:
         return await aw
 
     async def main() -> list[int]:
-        batcher = Batcher(start, call, lambda b, i: None)
-        a, b = batcher.submit("a", None), batcher.submit("b", None)
+        batcher = Batcher(start, call, lambda b, i: None, grant=grant)
+        first, second = batcher.submit("b", None), batcher.submit("a", None)
         got = []
-        for item in (a, b):
+        for item in (second, first):
             got.append(sum([len(c) async for c in item.chunks()]))
         return got
 

@@ -78,6 +78,10 @@ T = TypeVar("T")
 
 READY_TIMEOUT = 60.0  # seconds for the agent to start once the VM is up
 CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
+# a relay's SDK events read ahead of the gate (the reading thread waits beyond), and the end
+# of its stderr kept for an error line: a machine's output is never held whole here
+RELAY_EVENTS = 16
+STDERR_TAIL = 64 * 1024
 STATE_TIMEOUT = 600.0  # seconds for the agent to save or load a namespace and workspace
 CLOUD_POINTER = "smolbench-smol-cloud-checkpoint"
 NOT_FOUND = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
@@ -139,6 +143,9 @@ class SmolBackend(Backend):
         self._serial = itertools.count(1)
         self._ids = RequestIds()  # what an interrupt names: the cell it is meant for
         self.extra_labels: dict[str, str] = {}  # a cluster node agent's folder (its leftovers are found by it)
+        # told a restored VM's smol name before it is made: `restore_checkpoint` takes no labels, so a
+        # cluster node agent records it to find it once it is gone (see cluster.agent.sweep_smol)
+        self.unlabelled: Callable[[str], None] | None = None
 
     @property
     def isolation(self) -> str:
@@ -431,23 +438,35 @@ class SmolBackend(Backend):
         argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, ref.info["socket"], request], ExecOptions()
         stream = await self._sdk(handle.exec_stream, argv, opts)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(RELAY_EVENTS)
+        closed = threading.Event()
 
-        def put(item: tuple[str, Any]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+        def put(item: tuple[str, Any]) -> bool:
+            """Hand ``item`` over, waiting while the queue is full; False once nobody listens."""
+            while not closed.is_set():
+                try:
+                    done = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
+                except RuntimeError:  # the loop is gone
+                    return False
+                while not closed.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        done.result(timeout=1.0)
+                        return True
+                done.cancel()
+            return False
 
         def pump() -> None:
             try:
                 for event in stream:
-                    put(("event", event))
+                    if not put(("event", event)):
+                        return
             except BaseException as exc:
                 put(("raise", exc))
             finally:
                 put(("end", None))
 
         threading.Thread(target=pump, name=f"smolbench-relay-{ref.name}", daemon=True).start()
-        stderr: list[str] = []
+        stderr = ""
         exit_code: int | None = None
         try:
             while True:
@@ -463,7 +482,7 @@ class SmolBackend(Backend):
                     data = item.get("data", "")
                     yield data.encode() if isinstance(data, str) else bytes(data)
                 elif event_kind == "stderr":
-                    stderr.append(str(item.get("data", "")))
+                    stderr = (stderr + str(item.get("data", "")))[-STDERR_TAIL:]
                 elif event_kind == "exit":
                     exit_code = item.get("exit_code")
                 elif event_kind == "error":
@@ -473,14 +492,17 @@ class SmolBackend(Backend):
                         "`%smol status`, or `%smol down` and `%smol up`",
                     )
             if exit_code:  # it ended without a final reply, else we would not be here
-                tail = "".join(stderr).strip().splitlines()
+                tail = stderr.strip().splitlines()
                 raise await self._lost(
                     handle,
                     f"{where}: the agent relay exited with code {exit_code}"
                     f" ({detail(tail[-1]) if tail else 'no error output'}): `%smol status`, or `%smol down` and `%smol up`",
                 )
         finally:
+            closed.set()  # the thread stops handing events over
             stream.kill()
+            while not queue.empty():  # a put waiting for room ends
+                queue.get_nowait()
 
     async def _lost(self, handle: Machine, message: str) -> SmolbenchError:
         """The error for a relay that ended without an answer: InfraError (retryable) when the
@@ -720,6 +742,8 @@ class SmolBackend(Backend):
             def restore() -> Machine:
                 return Machine.restore_checkpoint(checkpoint_id, smol_name, conn=conn)
 
+        if self.unlabelled is not None:
+            self.unlabelled(smol_name)
         handle = await self._make(restore, _delete_quietly)
         ref = MachineRef(name, self.name, spec)
         self._register(ref, handle)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import ipaddress
 import logging
 import os
 import socket
 import weakref
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from ..errors import SmolbenchError
@@ -68,14 +71,60 @@ def connect(address: str | None, source: str | None = None) -> str:
         ray.shutdown()
         _joined = None
     _answers(addr, source)
+    auth_from_env()
     try:
         # log_to_driver off: Ray's forwarding folds repeated lines; output comes back through the gate
-        ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
-                 configure_logging=False)
+        with _loopback(addr):
+            ray.init(address=addr, namespace="smolbench", log_to_driver=False, logging_level=logging.WARNING,
+                     configure_logging=False)
     except ConnectionError as exc:
         _refused(addr, source, " ".join(str(exc).split()).rstrip(" .;:") or type(exc).__name__)
     _joined = _joined_now(ray)
     return _joined[0]
+
+
+@contextlib.contextmanager
+def _loopback(addr: str) -> Iterator[None]:
+    """Let ``ray.init`` join a cluster that listens on loopback only (``smolbench cluster local``).
+
+    On Linux Ray swaps a loopback address for this host's routable IP, where such a cluster
+    doesn't listen; it keeps loopback where it takes a host for a single-host one (macOS,
+    Windows: ``ENABLE_RAY_CLUSTER`` off), so that is what it is told while it joins one."""
+    from ray._private import ray_constants, services
+
+    raw = addr
+    if addr == "auto":
+        with contextlib.suppress(Exception):
+            raw = services.get_ray_address_from_environment(addr, None) or ""
+    host = raw.rsplit(":", 1)[0].strip("[]")
+    try:
+        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    if not loop:
+        yield
+        return
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
+
+
+def auth_from_env(env: dict[str, str | None] | None = None) -> None:
+    """Set (None: unset) Ray's auth variables in ``env``, and make this process's Ray read them
+    all again: Ray reads ``RAY_AUTH_MODE`` once, so one set later (``%env``, or a
+    ``smolbench cluster local`` in this process) would not be used by the next ``ray.init``."""
+    for key, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    with contextlib.suppress(ImportError, AttributeError):  # an older Ray: it reads them when it starts
+        raylet: Any = importlib.import_module("ray._raylet")
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def joined_by(user: Any) -> None:

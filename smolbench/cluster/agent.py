@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -27,15 +28,15 @@ from typing import Any
 from ..backends import _rundir
 from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
+from ..gate import archive as gate_archive
 from ..gate import limits as gate_limits
 from ..spec import MachineSpec
 from . import artifact
-from .batch import DATA, END, FAIL, failure, frame, kind_of
+from .batch import DATA, END, FAIL, Credit, failure, frame, kind_of
 
 KINDS = ("sandbox", "process", "smol")
 BATCH_OPS = ("exec", "create", "delete")
 MESSAGE = 1024 * 1024  # frames ready together go back as one message of about this much at most
-FRAMES_AHEAD = 64  # a batch's DATA frames read from its machines and not yet sent (see run_batch)
 
 
 def node_kind(resources: dict[str, float]) -> str:
@@ -49,13 +50,28 @@ def node_kind(resources: dict[str, float]) -> str:
 FAKE_SMOL = "SMOLBENCH_TEST_FAKE_SMOL"  # tests only: the folder of tests/fakesmol.py, used in place of smol's engine
 
 
+NO_BWRAP = ("node {node} ({host}) runs no machines: it has no bubblewrap, so they would be plain processes with "
+            "NO isolation; install bubblewrap there (`apt-get install bubblewrap`), or declare the process backend "
+            "on purpose (`ray start ... --resources '{{\"smolbench_backend_process\": 1}}'`)")
+
+
+def refusal(kind: str, node: str) -> str:
+    """Why a node runs no machines ('' when it does): an ``auto`` node without bubblewrap would
+    run untrusted cells as the Ray worker's user, unlike a local ``auto``, which warns loudly."""
+    from ..backends.sandbox import bwrap_path
+
+    if kind == "auto" and not bwrap_path():
+        return NO_BWRAP.format(node=node[:8], host=socket.gethostname())
+    return ""
+
+
 def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[Backend, Any]:
     """The node's backend, and (tests only) the fake smol engine behind it."""
     from ..backends.process import ProcessBackend
-    from ..backends.sandbox import SandboxBackend, bwrap_path
+    from ..backends.sandbox import SandboxBackend
 
-    if kind == "auto":
-        kind = "sandbox" if bwrap_path() else "process"
+    if kind == "auto":  # with bubblewrap (see refusal); a refused node's backend never starts a machine
+        kind = "sandbox" if not refusal(kind, "") else "process"
     if kind == "sandbox":
         return SandboxBackend(runtime_dir=str(data_dir)), None
     if kind == "process":
@@ -73,15 +89,37 @@ def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[B
         smolmod.READY_TIMEOUT = 15.0
     backend = smolmod.SmolBackend(target="local", probe=fake is None, session=f"{session}-{uuid.uuid4().hex[:4]}")
     backend.extra_labels = {AGENT_LABEL: str(own)}
+    backend.unlabelled = lambda name: _record(own, name)
     return backend, fake
 
 
 AGENT_LABEL = "smolbench-agent"  # on a smol node's machines: the folder of the agent that owns them
+RESTORED = "restored-vms"  # in an agent's folder: smol names of the VMs it restored (they carry no labels)
+SMOL_NAME = re.compile(r"smolbench-[a-z0-9][a-z0-9.-]{0,62}")
 
 
-def sweep_smol() -> list[str]:
-    """Delete smol machines whose node agent is gone (its folder's owner died), found by label;
-    branches before their parents. Returns their names."""
+def _record(own: Path, name: str) -> None:
+    fd = os.open(own / RESTORED, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(name + "\n")
+
+
+def _restored_by_dead_agents(data_dir: Path | None) -> list[str]:
+    """The VMs agents whose owner is gone restored in ``data_dir`` (found by name, not label)."""
+    names: list[str] = []
+    with contextlib.suppress(OSError):
+        for folder in (data_dir.iterdir() if data_dir is not None else []):
+            if (folder.name.startswith("smolbench-agent-") and not folder.is_symlink() and folder.is_dir()
+                    and folder.lstat().st_uid == os.getuid() and _rundir.owner_alive(folder) is False):
+                text = gate_archive.read_small(folder / RESTORED, 1024 * 1024) or ""
+                names += [n for n in text.split() if SMOL_NAME.fullmatch(n)]
+    return names
+
+
+def sweep_smol(data_dir: Path | None = None) -> list[str]:
+    """Delete smol machines whose node agent is gone (its folder's owner died), found by label,
+    and those it restored (recorded in its folder in ``data_dir``); branches before their
+    parents. Returns their names."""
     from ..backends import smol as smolmod
 
     conn = smolmod.ConnectOptions(target="local")
@@ -93,6 +131,10 @@ def sweep_smol() -> list[str]:
     # checkpoint may carry that node's label): only a recorded owner that is gone counts
     left = [m.name for m in found
             if AGENT_LABEL in (m.labels or {}) and _rundir.owner_alive(Path(m.labels[AGENT_LABEL])) is False]
+    restored = set(_restored_by_dead_agents(data_dir))
+    if restored:
+        with contextlib.suppress(Exception):
+            left += [m.name for m in smolmod.Machine.list(conn) if m.name in restored and m.name not in left]
     gone: list[str] = []
     for _ in range(8):  # smol refuses to delete a machine whose branches still exist: they go first
         for name in list(left):
@@ -121,10 +163,11 @@ class NodeAgent:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         # this agent's own folder (artifacts, smol captures), swept like a run folder once it is gone
         self.own = _rundir.make(str(self.data_dir), prefix="smolbench-agent-")
+        self.refused = refusal(kind, self.node_id)
         self.backend, self._fake = _make_backend(kind, self.data_dir, session, self.own)
         # leftovers of sessions whose agent died (kernel killed, node restarted): their microVMs (found
         # by their agent's folder, so before those go), then their run folders
-        self.swept_machines = sweep_smol() if self.backend.name == "smol" else []
+        self.swept_machines = sweep_smol(self.data_dir) if self.backend.name == "smol" else []
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
         self.store = artifact.Store(self.own)
         self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
@@ -137,6 +180,9 @@ class NodeAgent:
         self.calls: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self._batches: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._credits: dict[str, Credit] = {}
+        self._incoming: dict[str, asyncio.Queue[bytes | None]] = {}  # transfers from the driver (receive)
+        self._closed: set[str] = set()
         self._booting: dict[str, asyncio.Future[None]] = {}  # machine -> the batch request booting it
         self._forking: dict[str, asyncio.Lock] = {}
 
@@ -148,6 +194,10 @@ class NodeAgent:
         if self._starts is None:  # made on the actor's own event loop
             self._starts = asyncio.Semaphore(self.max_starts)
         return self._starts
+
+    def _allowed(self) -> None:
+        if self.refused:
+            raise SmolbenchError(self.refused)
 
     def _ref(self, name: str) -> MachineRef:
         ref = self.refs.get(name)
@@ -170,7 +220,7 @@ class NodeAgent:
 
     async def describe(self) -> dict[str, Any]:
         """What ``%smol status`` shows about this node."""
-        return {"limits": gate_limits.snapshot(), "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
+        return {"refused": self.refused, "limits": gate_limits.snapshot(), "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "backend": self.backend.name,
                 "isolation": self.backend.isolation, "data_dir": str(self.data_dir), "live": sorted(self.refs),
                 "swept": list(self.swept), "swept_machines": list(self.swept_machines), "calls": dict(self.calls),
                 "requests": dict(self.requests)}
@@ -182,10 +232,10 @@ class NodeAgent:
             raise SmolbenchError(f"unknown batch request {op!r}: one of {', '.join(BATCH_OPS)}")
         self._count(op, len(items))
         out: asyncio.Queue[bytes] = asyncio.Queue()
-        # DATA frames read ahead of what was sent: a machine's stream is read no faster than the
-        # kernel takes it (with the driver's backpressure on this generator), never into an
-        # unbounded queue here (its end frames are not counted, so they never wait)
-        ahead = asyncio.Semaphore(FRAMES_AHEAD)
+        # per request, bytes sent and not yet taken by its caller (``grant``): a machine's stream
+        # is read no faster than its own caller takes it, never into an unbounded queue here or
+        # on the driver, whatever its siblings do (end frames are not counted: they never wait)
+        credit = self._credits[batch_id] = Credit(len(items))
 
         async def one(i: int, name: str, arg: Any) -> None:
             end = frame(i, END)
@@ -194,8 +244,9 @@ class NodeAgent:
                     stream = self._transport()
                     async with contextlib.aclosing(stream(self._ref(name), arg)) as chunks:
                         async for chunk in chunks:
-                            await ahead.acquire()
-                            out.put_nowait(frame(i, DATA, bytes(chunk)))
+                            for piece in credit.pieces(bytes(chunk)):
+                                await credit.spend(i, len(piece))
+                                out.put_nowait(frame(i, DATA, piece))
                 elif op == "create":
                     await self._create(arg, name)
                 else:
@@ -217,13 +268,11 @@ class NodeAgent:
                 ready = [await out.get()]
                 while not out.empty() and sum(map(len, ready)) < MESSAGE:
                     ready.append(out.get_nowait())
-                ends = sum(1 for f in ready if kind_of(f) != DATA)
-                left -= ends
-                for _ in range(len(ready) - ends):
-                    ahead.release()
+                left -= sum(1 for f in ready if kind_of(f) != DATA)
                 yield b"".join(ready)
         finally:
             self._batches.pop(batch_id, None)
+            self._credits.pop(batch_id, None)
             for i, (name, _) in enumerate(items):
                 if self._booting.get(name) is tasks[i]:
                     del self._booting[name]
@@ -238,6 +287,12 @@ class NodeAgent:
             if i in tasks:
                 tasks[i].cancel()
 
+    async def grant(self, batch_id: str, index: int, n: int) -> None:
+        """The caller of a running batch's request took ``n`` more of its bytes: it may send on."""
+        credit = self._credits.get(batch_id)
+        if credit is not None:
+            credit.grant(index, n)
+
     def _transport(self) -> Any:
         """The backend's raw request transport: agent-host backends' socket, smol's relay through client.py."""
         return getattr(self.backend, "_stream", None) or getattr(self.backend, "_relay")  # noqa: B009
@@ -249,6 +304,7 @@ class NodeAgent:
 
     async def _create(self, spec: MachineSpec, name: str) -> dict[str, Any]:
         """Boot one machine (at most ``max_starts`` boot at once on this node)."""
+        self._allowed()
         async with self._gate():
             ref = await self.backend.create(spec, name)
         self.refs[name] = ref
@@ -375,25 +431,41 @@ class NodeAgent:
     async def fetch(self, source: Any, digest: str, size: int, where: str) -> int:
         """Fetch an artifact from another node's agent once; the bytes received (0: had it)."""
         async def stream() -> AsyncIterator[object]:
-            async for ref in source.chunks.remote(digest):
+            async for ref in artifact.chunks_from(source, digest):
                 yield await ref
 
         return await self.store.receive(digest, size, stream(), where)
 
-    async def receive(self, digest: str, size: int, blocks: list[Any]) -> int:
-        """An artifact the driver put in the object store (a checkpoint to restore here), one
-        object per chunk; kept if its size and hash are right."""
-        async def stream() -> AsyncIterator[object]:
-            for ref in blocks:
-                yield await ref
+    async def receive(self, transfer: str, digest: str, size: int) -> int:
+        """An artifact the driver sends (a checkpoint to restore here), a chunk per ``give`` call,
+        each call waiting while AHEAD chunks wait here; kept if its size and hash are right."""
+        queue = self._incoming.setdefault(transfer, asyncio.Queue(artifact.AHEAD))
 
-        return await self.store.receive(digest, size, stream(), "the driver")
+        async def stream() -> AsyncIterator[object]:
+            while (block := await queue.get()) is not None:
+                yield block
+
+        try:
+            return await self.store.receive(digest, size, stream(), "the driver")
+        finally:
+            self._closed.add(transfer)
+            self._incoming.pop(transfer, None)
+            while not queue.empty():  # a give waiting for room ends
+                queue.get_nowait()
+
+    async def give(self, transfer: str, block: bytes | None) -> bool:
+        """One chunk of what ``receive`` takes (None: the end); False once it takes no more."""
+        if transfer in self._closed:
+            return False
+        await self._incoming.setdefault(transfer, asyncio.Queue(artifact.AHEAD)).put(block)
+        return transfer not in self._closed
 
     async def restore(self, digest: str, name: str, spec: MachineSpec) -> dict[str, Any]:
         """A machine from an artifact in the store (checked by this node's backend's restore)."""
         path = str(self.store.path(digest))
         if not self.store.has(digest):
             raise SmolbenchError(f"node {self.node_id[:8]} has no artifact {digest[:12]}…: fetch it first")
+        self._allowed()
         async with self._gate():
             ref = await self.backend.restore(path, name, spec)
         self.refs[name] = ref

@@ -19,11 +19,13 @@ import stat
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 from ..gate import archive
 from ..gate.limits import LIMITS, human
 
 CHUNK = 4 * 1024 * 1024  # bytes per Ray message: well under a small object store
+AHEAD = 2  # chunks of an artifact on their way, in the object store, ahead of what the receiver took
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -97,6 +99,12 @@ class Store:
         if self.has(check_digest(digest)):
             return 0
         return await receive_file(self.path(digest), digest, size, chunks, where)
+
+
+def chunks_from(agent: Any, digest: str) -> Any:
+    """An agent's ``chunks`` generator of an artifact, at most AHEAD chunks ahead of its reader
+    (without Ray's backpressure a 2 GB artifact could all run ahead into the object store)."""
+    return agent.chunks.options(_generator_backpressure_num_objects=AHEAD).remote(digest)
 
 
 async def receive_file(dest: str | os.PathLike[str], digest: str, size: int, chunks: AsyncIterator[object],

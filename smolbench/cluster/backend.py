@@ -88,6 +88,7 @@ class ClusterBackend(Backend):
         self.recipe_for: Callable[[str], Recipe] | None = None  # set by the Workbench: a node's recorded path
         self.on_replica: Callable[[str, str, Replica], None] = lambda parent, node, rep: None
         self.notes: list[str] = []
+        self.refused: list[str] = []  # nodes that run no machines, why (an `auto` node without bubblewrap)
         self.bytes_in = 0
         self._looked = 0.0
         self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
@@ -110,6 +111,9 @@ class ClusterBackend(Backend):
                                  f"`ray start --address ... --resources '{{\"{SLOTS}\": 8}}'` (or `smolbench cluster local`)")
         for d in ray.get([n.agent.describe.remote() for n in new], timeout=300):
             self._described(d)
+        if not self._alive():
+            raise SmolbenchError(self.refused[0] if self.refused else f"no node of the Ray cluster at {self.address} "
+                                 "runs machines")
 
     def _new_agents(self) -> builtins.list[Node]:
         """An agent on every live node with slots that has none yet (pinned there: hard node affinity)."""
@@ -153,6 +157,12 @@ class ClusterBackend(Backend):
     def _described(self, d: dict[str, Any]) -> None:
         node = self.nodes[d["node"]]
         node.backend, node.host = d["backend"], d["host"]
+        if d.get("refused"):  # never given a machine (`%smol status` lists it as LOST)
+            node.backend = "refused"
+            if not node.lost:
+                node.lost = True
+                self.refused.append(str(d["refused"]))
+                self.notes.append(str(d["refused"]))
         node.calls, node.requests = dict(d.get("calls", {})), dict(d.get("requests", {}))
         if d["swept"]:
             self.notes.append(f"node {_short(node.id)} deleted {len(d['swept'])} leftover run folder(s) of dead sessions")
@@ -289,13 +299,16 @@ class ClusterBackend(Backend):
             def cancel(batch_id: str, indices: builtins.list[int]) -> None:
                 node.agent.cancel_requests.remote(batch_id, indices)
 
+            def grant(batch_id: str, index: int, n: int) -> None:
+                node.agent.grant.remote(batch_id, index, n)
+
             async def call(ref: Any) -> Any:
                 return await self._call(node, ref)
 
             def count(n: int) -> None:
                 self.bytes_in += n
 
-            self._batchers[key] = Batcher(start, call, cancel, count, batching=self.batching)
+            self._batchers[key] = Batcher(start, call, cancel, count, batching=self.batching, grant=grant)
         return self._batchers[key]
 
     # -- the Backend protocol -------------------------------------------------------------

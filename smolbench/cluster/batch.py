@@ -8,6 +8,11 @@ frames, each tagged with the request's index in the batch: raw reply bytes, as t
 its own. A frame's payload is a machine's raw bytes: only the gate decodes those.
 
 Frame: index (4 bytes), kind (1 byte), payload length (4 bytes), payload.
+
+Flow control is per request: the agent sends a request no more than its :func:`share` of
+bytes its caller has not taken yet (:class:`Credit`); the driver gives credit back as the
+caller takes them (``grant``). A request flooding output while a sibling waits for its own
+then holds at most its share here, and the stream still moves for the sibling.
 """
 
 from __future__ import annotations
@@ -33,12 +38,43 @@ GRACE = 2.0  # seconds a request whose caller left may take to end by itself bef
 # reads no more from its node until they do, so a machine printing fast waits for the gate, as a
 # local machine's socket makes it wait (an unbounded queue held 239 MB for a slow kernel).
 QUEUED_BYTES = 8 * 1024 * 1024
+MIN_SHARE = 256 * 1024  # one request's share however many share a batch
 # Messages a node agent's batch may send ahead of what was read here (Ray's generator backpressure).
 MESSAGES_AHEAD = 8
 
 
 def frame(index: int, kind: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(index, kind, len(payload)) + payload
+
+
+def share(n: int) -> int:
+    """Reply bytes one of ``n`` requests in a batch may have sent and not yet taken by its caller."""
+    return max(QUEUED_BYTES // max(n, 1), MIN_SHARE)
+
+
+class Credit:
+    """The agent's side of per-request flow control: bytes each request sent and its caller has
+    not taken yet (``grant`` gives them back); a request at its share waits for credit."""
+
+    def __init__(self, n: int) -> None:
+        self.limit = share(n)
+        self.owed = [0] * n
+        self._room = [asyncio.Event() for _ in range(n)]
+
+    def pieces(self, data: bytes) -> list[bytes]:
+        """``data`` in pieces of at most a share (a request's bytes out stay under two shares)."""
+        return [data[at:at + self.limit] for at in range(0, len(data), self.limit)] or [data]
+
+    async def spend(self, i: int, n: int) -> None:
+        while self.owed[i] >= self.limit:
+            self._room[i].clear()
+            await self._room[i].wait()
+        self.owed[i] += n
+
+    def grant(self, i: int, n: int) -> None:
+        if 0 <= i < len(self.owed):
+            self.owed[i] = max(0, self.owed[i] - n)
+            self._room[i].set()
 
 
 def kind_of(message: bytes) -> int:
@@ -89,6 +125,8 @@ class Item:
     left: bool = False  # its caller is gone
     cancelled: bool = False
     waiting: bool = False  # its caller waits on its empty queue
+    queued: int = 0  # DATA bytes on its queue
+    taken: int = 0  # bytes its caller took that the node was not told of yet (credit to give back)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The request's raw reply bytes, as they come; leaving before its end (Ctrl-C, a timeout,
@@ -98,7 +136,7 @@ class Item:
                 kind, payload = await self._next()
                 if kind == DATA:
                     if self.batch is not None:
-                        self.batch.took(len(payload))
+                        self.batch.took(len(payload), self)
                     yield payload
                     continue
                 self.finished = True
@@ -131,24 +169,45 @@ class Batch:
     """Requests sent to one node in one call."""
 
     def __init__(self, items: list[Item], start: Callable[[str, list[tuple[str, Any]]], Any],
-                 call: Callable[[Any], Any], cancel: Callable[[str, list[int]], None], on_bytes: Callable[[int], None]) -> None:
+                 call: Callable[[Any], Any], cancel: Callable[[str, list[int]], None], on_bytes: Callable[[int], None],
+                 grant: Callable[[str, int, int], None] | None = None) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.items = items
+        self.share = share(len(items))
         for i, item in enumerate(items):
             item.batch, item.index = self, i
         self._call = call
         self._cancel = cancel
         self._on_bytes = on_bytes
+        self._grant = grant
         self._gen = start(self.id, [(it.name, it.arg) for it in items])
         self.queued = 0  # DATA bytes handed to items and not taken yet
         self.room = asyncio.Event()
         self._pump = asyncio.ensure_future(self.pump())
 
-    def took(self, n: int) -> None:
-        """``n`` bytes were taken by an item's caller (or let go with it)."""
+    def took(self, n: int, item: Item) -> None:
+        """``n`` of ``item``'s bytes were taken by its caller (or let go with it)."""
         self.queued -= n
-        if self.queued <= QUEUED_BYTES // 2:
+        item.queued -= n
+        if self.queued <= QUEUED_BYTES // 2 or item.queued <= self.share:
             self.room.set()
+        self._give(item, n)
+
+    def _give(self, item: Item, n: int) -> None:
+        """Credit back to the node for ``item``, half a share at a time (one small call each)."""
+        item.taken += n
+        if self._grant is not None and item.taken >= self.share // 2 and not item.finished:
+            with contextlib.suppress(Exception):
+                self._grant(self.id, item.index, item.taken)
+            item.taken = 0
+
+    def _full(self) -> bool:
+        """Read no more for now: past the batch's bound, unless a caller waits for bytes still on
+        their way (callers that read one request after another); or an item is past two shares,
+        which an agent that keeps to its credit never sends."""
+        if any(it.queued > 2 * self.share for it in self.items):
+            return True
+        return self.queued > QUEUED_BYTES and not any(it.waiting and it.queue.empty() for it in self.items)
 
     async def pump(self) -> None:
         """Hand each frame to its request; a lost node (or agent) fails every request still open."""
@@ -168,13 +227,13 @@ class Batch:
                     if kind != DATA:
                         item.finished = True
                     elif item.left:
-                        continue  # its caller is gone: nobody takes it
+                        self._give(item, len(payload))  # its caller is gone: nobody takes it
+                        continue
                     else:
                         self.queued += len(payload)
+                        item.queued += len(payload)
                     item.queue.put_nowait((FAIL, error_of(payload)) if kind == FAIL else (kind, payload))
-                # the gate reads slower than the node sends: wait for it, unless a caller waits
-                # for bytes still on their way (callers that read one request after another)
-                while self.queued > QUEUED_BYTES and not any(it.waiting and it.queue.empty() for it in self.items):
+                while self._full():  # the gate reads slower than the node sends: wait for it
                     self.room.clear()
                     await self.room.wait()
             why: SmolbenchError = SmolbenchError("a node agent ended a batch before every request did")
@@ -197,7 +256,7 @@ class Batch:
         while not item.queue.empty():  # what it left unread no longer holds the others back
             kind, payload = item.queue.get_nowait()
             if kind == DATA:
-                self.took(len(payload))
+                self.took(len(payload), item)
         if self._idle():
             self._pump.cancel()  # first: a cancelled call read on would look like a lost node
             with contextlib.suppress(Exception):
@@ -221,8 +280,9 @@ class Batcher:
 
     def __init__(self, start: Callable[[str, list[tuple[str, Any]]], Any], call: Callable[[Any], Any],
                  cancel: Callable[[str, list[int]], None], on_bytes: Callable[[int], None] = lambda n: None,
-                 batching: bool = True) -> None:
+                 batching: bool = True, grant: Callable[[str, int, int], None] | None = None) -> None:
         self._start, self._callf, self._cancel, self._on_bytes = start, call, cancel, on_bytes
+        self._grant = grant  # credit back to the node (the agent's ``grant``): see Credit
         self.batching = batching  # off: one call per request (what bench/ compares against)
         self._pending: list[Item] = []
         self._flusher: asyncio.Future[None] | None = None
@@ -255,7 +315,7 @@ class Batcher:
         if items:
             self.calls += 1
             try:
-                Batch(items, self._start, self._callf, self._cancel, self._on_bytes)
+                Batch(items, self._start, self._callf, self._cancel, self._on_bytes, self._grant)
             except Exception as exc:  # the call could not even be made: every request fails
                 err = exc if isinstance(exc, SmolbenchError) else SmolbenchError(f"{type(exc).__name__}: {exc}")
                 for it in items:

@@ -4,6 +4,11 @@ A head with no CPUs (it schedules no work) plus ``nodes`` worker nodes, each wit
 data folder (``SMOLBENCH_NODE_DIR``), ``slots`` machine slots and a small object store.
 Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or leaving the
 ``with`` block) stops every Ray process it started and removes the folder.
+
+Ray's own ``Cluster`` starts with no authentication on the host's routable address: anyone on
+the network could run tasks as this user. Here every node listens on 127.0.0.1 only and asks
+for a token (``RAY_AUTH_MODE=token``) kept in the cluster's folder (mode 0600); this process,
+its nodes and kernels it starts use it through ``RAY_AUTH_TOKEN_PATH``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -22,8 +28,15 @@ from typing import Any, TypeVar
 
 from ..errors import SmolbenchError
 from . import SLOTS
+from .address import auth_from_env
 
 OBJECT_STORE = 100 * 1024 * 1024  # per node: this is a demo on one host, not a data pipeline
+LOOPBACK = "127.0.0.1"
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+# Ray on Linux swaps a loopback address for the host's routable IP, where this cluster doesn't
+# listen; with this off (as on macOS) it keeps loopback: set for this process while the cluster
+# lives and for what it starts (nodes, kernels), so a plain `ray.init(address=...)` joins it
+SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 BACKENDS = ("auto", "sandbox", "process", "smol")
 T = TypeVar("T")
 
@@ -148,6 +161,11 @@ class LocalCluster:
         self._old_tmp = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = str(self.dir)  # Ray's `auto` address file goes here, not to a shared /tmp/ray
         (self.dir / "ray").mkdir()
+        self.token_path = self.dir / "auth_token"
+        self._old_auth: dict[str, str | None] | None = {k: os.environ.get(k) for k in AUTH_ENV}
+        _write_token(self.token_path)
+        self._old_single: tuple[str | None, bool] | None = _single_host(("0", False))
+        auth_from_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path), "RAY_AUTH_TOKEN": None})
         self.node_dirs: list[Path] = []
         self.nodes: list[Any] = []
         self._asked: dict[str, tuple[int, int, str]] = {}  # node id: (slots, cpus, backend), to replace it
@@ -156,7 +174,7 @@ class LocalCluster:
         atexit.register(self.stop)  # a kernel that exits (or is shut down) mid-notebook still cleans up
         try:
             self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 0, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
+                "num_cpus": 0, "node_ip_address": LOOPBACK, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
                 "include_dashboard": False, "resources": {}, "_system_config": HEALTH_CHECK}), self._kill_strays)
             for i in range(nodes):
                 self.add_node(slots=slots, cpus=cpus, backend=backends[i % len(backends)])
@@ -178,7 +196,8 @@ class LocalCluster:
         resources: dict[str, float] = {SLOTS: float(slots)}
         if backend != "auto":
             resources[f"smolbench_backend_{backend}"] = 1.0
-        node = _again(lambda: self._cluster.add_node(num_cpus=cpus, resources=resources, object_store_memory=OBJECT_STORE,
+        node = _again(lambda: self._cluster.add_node(num_cpus=cpus, node_ip_address=LOOPBACK, resources=resources,
+                                                     object_store_memory=OBJECT_STORE,
                                                      env_vars={**self.env, "SMOLBENCH_NODE_DIR": str(folder)}))
         self.node_dirs.append(folder)
         self.nodes.append(node)
@@ -241,6 +260,12 @@ class LocalCluster:
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = self._old_tmp
+        if self._old_auth is not None:
+            auth_from_env(self._old_auth)
+            self._old_auth = None
+        if self._old_single is not None:
+            _single_host(self._old_single)
+            self._old_single = None
         shutil.rmtree(self.dir, ignore_errors=True)
         _STOPPED.append(self.dir)
         _sweep_stopped()
@@ -270,6 +295,28 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _single_host(to: tuple[str | None, bool]) -> tuple[str | None, bool] | None:
+    """Set SINGLE_HOST_ENV (None: unset) and Ray's flag in this process; what they were."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:
+        return None
+    was = (os.environ.get(SINGLE_HOST_ENV), bool(ray_constants.ENABLE_RAY_CLUSTER))
+    if to[0] is None:
+        os.environ.pop(SINGLE_HOST_ENV, None)
+    else:
+        os.environ[SINGLE_HOST_ENV] = to[0]
+    ray_constants.ENABLE_RAY_CLUSTER = to[1]
+    return was
+
+
+def _write_token(path: Path) -> None:
+    """A new random token, readable by this user only (the folder is 0700 too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
 
 
 # Ray remembers a stopped cluster's session in the process that started it, and the next

@@ -118,7 +118,7 @@ async def save(cb: ClusterBackend, machine: MachineRef, path: str) -> Checkpoint
     where = f"node {_short(node.id)}"
     part = path + ".part"
     try:
-        async with contextlib.aclosing(_pull(cb, node, node.agent.chunks.remote(art["digest"]))) as chunks:
+        async with contextlib.aclosing(_pull(cb, node, artifact.chunks_from(node.agent, art["digest"]))) as chunks:
             got = await artifact.receive_file(part, art["digest"], art["size"], chunks, where)
         fmt = await asyncio.to_thread(check, part, f"the checkpoint of {machine.name} sent from {where}")
         if fmt != art["format"]:
@@ -236,12 +236,28 @@ async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *
 
 
 async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int) -> int:
-    """Put a file's bytes in the object store, chunk by chunk; the node keeps them if size and hash match."""
-    import ray
+    """A file's bytes to ``node``, a chunk per call, each sent once the node has room for it (never
+    the whole file in the object store at once); the node keeps them if size and hash match."""
+    transfer = uuid.uuid4().hex
+    receiving = node.agent.receive.remote(transfer, digest, size)
 
-    refs = [ray.put(block) for block in artifact.read_chunks(path)]
-    receiving = node.agent.receive.remote(digest, size, refs)
-    async with undone_if_left(node, lambda: _drop_received(cb, node, receiving, digest)):
+    async def end() -> None:  # the node's receive ends (refused if it is short): none waits for a sender gone
+        with contextlib.suppress(Exception):
+            await cb._call(node, node.agent.give.remote(transfer, None))
+
+    async def undo() -> None:
+        await end()
+        await _drop_received(cb, node, receiving, digest)
+
+    async with undone_if_left(node, undo):
+        try:
+            for block in artifact.read_chunks(path):
+                if not await cb._call(node, node.agent.give.remote(transfer, block)):
+                    break  # it takes no more (it had the file, or refused it): its answer says
+        except Exception:
+            await end()
+            raise
+        await end()
         return int(await cb._call(node, receiving))
 
 
