@@ -4,6 +4,7 @@ cluster's machines among the host's processes."""
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,16 @@ def agent_batches(streams: dict[str, Any]) -> tuple[Any, Any]:
         asyncio.ensure_future(agent.grant(batch_id, index, n))
 
     return start, grant
+
+
+def resolved_stream(messages: Iterable[bytes]) -> Any:
+    """A node agent's stream stood in: each message as a Ray reference already resolved."""
+    import asyncio
+
+    async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
+        for msg in messages:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(msg)
+            yield fut
+
+    return gen()

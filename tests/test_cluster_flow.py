@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from clusterhelpers import agent_batches
+from clusterhelpers import agent_batches, resolved_stream
 
 from smolbench.cluster import batch as batch_module
 from smolbench.cluster.batch import DATA, END, Batcher, frame
@@ -23,16 +23,6 @@ MB = 1 << 20
 
 async def call(aw: Any) -> Any:
     return await aw
-
-
-def _replies(messages: Any) -> Any:
-    async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
-        for msg in messages:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(msg)
-            yield fut
-
-    return gen()
 
 
 async def _flood_with_a_silent_sibling(batcher: Batcher) -> tuple[int, int, bytes]:
@@ -60,7 +50,7 @@ def test_a_flooding_branch_holds_its_share_even_while_a_sibling_waits(monkeypatc
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(cancel=lambda *a, **k: None))
 
     def start(batch_id: str, items: list[tuple[str, object]]) -> object:
-        return _replies([frame(0, DATA, b"x" * MB)] * 200 + [frame(0, END), frame(1, DATA, b"hi"), frame(1, END)])
+        return resolved_stream([frame(0, DATA, b"x" * MB)] * 200 + [frame(0, END), frame(1, DATA, b"hi"), frame(1, END)])
 
     peak, read, quiet = asyncio.run(_flood_with_a_silent_sibling(Batcher(start, call, lambda b, i: None)))
     assert read == 200 * MB and quiet == b"hi"

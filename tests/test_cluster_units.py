@@ -8,12 +8,12 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from clusterhelpers import machine_processes
+from clusterhelpers import machine_processes, resolved_stream
 
 from smolbench.cluster import address, artifact, placement, shipping
 from smolbench.errors import SmolbenchError
@@ -170,20 +170,7 @@ def test_batch_frames_round_trip_and_a_bad_frame_is_refused() -> None:
         frames(msg[:5], 2)
 
 
-def _replies(messages: Iterable[bytes]) -> Any:
-    """A node agent's stream stood in: each message as a Ray reference already resolved."""
-    import asyncio
-
-    async def gen() -> AsyncIterator[asyncio.Future[bytes]]:
-        for msg in messages:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(msg)
-            yield fut
-
-    return gen()
-
-
-def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -> None:
+def test_requests_made_together_go_as_one_call_and_each_gets_its_ownresolved_stream() -> None:
     """The driver's side of batch.py, with the agent's stream stood in by a generator of the
     same frames (the real agent over Ray: tests/test_cluster.py)."""
     import asyncio
@@ -194,7 +181,7 @@ def test_requests_made_together_go_as_one_call_and_each_gets_its_own_replies() -
 
     def start(batch_id: str, items: list[tuple[str, object]]) -> object:
         calls.append([name for name, _ in items])
-        return _replies(frame(i, DATA, f"{name} says hi\n".encode())
+        return resolved_stream(frame(i, DATA, f"{name} says hi\n".encode())
                         + (frame(i, FAIL, failure(SmolbenchError(f"{name} broke"))) if name == "b" else frame(i, END))
                         for i, (name, _) in enumerate(items))
 
@@ -293,7 +280,7 @@ def _endless(produced: list[int], order: list[int], size: int = 1 << 20) -> Any:
 
     def start(batch_id: str, items: list[tuple[str, object]]) -> object:
         # then 100 more for the last: "forever", within what a test may hold (the weakened run holds it all)
-        return _replies(made(i, frame(i, DATA, b"x" * size) + (frame(i, END) if i != order[-1] else b""))
+        return resolved_stream(made(i, frame(i, DATA, b"x" * size) + (frame(i, END) if i != order[-1] else b""))
                         for i in [*order, *[order[-1]] * 100])
 
     return start

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
+from test_packages import PKG, cache, needs_bwrap  # noqa: F401 - the fixture
 
 from smolbench import packages
 from smolbench.backends.base import CellRequest
 from smolbench.errors import SmolbenchError
 from smolbench.spec import MachineSpec
-
-PKG = "tomli-w==1.2.0"
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "cache"
-    monkeypatch.setenv("SMOLBENCH_CACHE", str(path))
-    return path
 
 
 def _plant(entry: Path) -> None:
@@ -40,7 +30,7 @@ def _plant(entry: Path) -> None:
 
 @needs_bwrap
 def test_a_sandbox_mounts_the_entry_that_was_checked_though_it_was_swapped_before_the_mount(
-        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The entry was checked by its path, then bound by its path: a swap in between (a folder renamed
     away and another put in its place) was what the machine imported. Now bwrap binds the folder checked."""
     from smolbench.backends import sandbox
@@ -114,7 +104,7 @@ def test_a_folder_above_the_cache_others_can_write_in_is_refused_unless_sticky(
 
 
 def test_prune_keeps_an_entry_a_running_machine_holds_and_says_so(
-        cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
     """`smolbench packages prune --days 0` removed the entry of a machine still up: its next import
     failed. A machine now holds a shared lock on its entry while it runs; prune skips it, and says so."""
     from smolbench import cli
