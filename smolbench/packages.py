@@ -198,14 +198,19 @@ def pip_version() -> str:
 
 
 def _pip_stamp(init: str) -> tuple[object, ...]:
-    stats: list[object] = [sys.executable]
-    for path in (init, os.path.dirname(os.path.dirname(init))):
+    return (sys.executable, *_stats([init, os.path.dirname(os.path.dirname(init))]))
+
+
+def _stats(paths: list[str]) -> list[tuple[object, ...]]:
+    """Each path with what changes when its file is rewritten (None: not there), to compare later."""
+    stats: list[tuple[object, ...]] = []
+    for path in paths:
         try:
             st = os.stat(path)
-            stats.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         except OSError:
-            stats.append(None)
-    return tuple(stats)
+            stats.append((path, None))
+    return stats
 
 
 # pip's options that decide which distributions an install resolves to (not how it connects: cert,
@@ -275,14 +280,7 @@ _SOURCES_MEMO: tuple[list[str], tuple[object, ...], tuple[str, ...]] | None = No
 def _fingerprint(files: list[str]) -> tuple[object, ...]:
     """What :func:`pip_sources` depends on, cheaply: the interpreter, pip's variables, its files' stats."""
     env = tuple(sorted((k, v) for k, v in _pip_env().items() if k.startswith("PIP_") or k in _MEMO_ENV))
-    stats: list[object] = []
-    for path in files:
-        try:
-            st = os.stat(path)
-            stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        except OSError:
-            stats.append((path, None))
-    return (sys.executable, env, *stats)
+    return (sys.executable, env, *_stats(files))
 
 
 def _pip_config(action: str) -> str:
