@@ -353,7 +353,8 @@ def test_smolfile_packages_import_and_stay_read_only_to_the_guest_s_root(tmp_pat
     who may remount: the read-only must be the host's (virtiofs), or a machine writes into the
     cache every later machine of that list imports (outside audit: unverified until this)."""
     import asyncio
-    import zipfile
+
+    from test_packages import _wheel
 
     from smolbench.backends.base import CellRequest
     from smolbench.backends.smol import SmolBackend
@@ -361,14 +362,7 @@ def test_smolfile_packages_import_and_stay_read_only_to_the_guest_s_root(tmp_pat
     from smolbench.smolfile import parse_smolfile
 
     name = "smolbench_lane_pkg"
-    wheel = tmp_path / f"{name}-1.0-py3-none-any.whl"
-    files = {f"{name}/__init__.py": "WHO = 'the host'\n",
-             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
-             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    files[f"{name}-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as z:
-        for n, t in files.items():
-            z.writestr(n, t)
+    wheel = _wheel(tmp_path, name, "WHO = 'the host'\n")
     spec = parse_smolfile(f'image = "{IMAGE}"\nmemory = 512\npackages = ["smolbench-lane-pkg @ file://{wheel}"]\n')
     attack = (
         "import os, subprocess, smolbench_lane_pkg as m\n"
