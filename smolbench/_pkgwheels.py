@@ -8,7 +8,6 @@ and the install, and the swapped one mounted into every machine of that list.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import urllib.parse
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from ._filehash import sha256_fd
 from .errors import SmolbenchError
 
 _CHUNK = 1 << 20
@@ -36,13 +36,6 @@ def wheel_path(requirement: str) -> str | None:
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _sha256(fd: int) -> str:
-    digest = hashlib.sha256()
-    while chunk := os.read(fd, _CHUNK):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _open_wheel(requirement: str, path: str) -> int:
@@ -69,7 +62,7 @@ def wheel_hashes(requirements: tuple[str, ...]) -> dict[str, str]:
             stamp = _stamp(os.fstat(fd))
             memo = _MEMO.get(path)
             if memo is None or memo[0] != stamp:
-                memo = _MEMO[path] = (stamp, _sha256(fd))
+                memo = _MEMO[path] = (stamp, sha256_fd(fd)[0])
             hashes[text] = memo[1]
         finally:
             os.close(fd)
@@ -95,7 +88,7 @@ def private_copies(requirements: tuple[str, ...], hashes: dict[str, str], folder
         finally:
             os.close(fd)
         with open(copy, "rb") as mine:
-            if _sha256(mine.fileno()) != hashes.get(text):
+            if sha256_fd(mine.fileno())[0] != hashes.get(text):
                 raise SmolbenchError(f"Smolfile packages entry {text!r}: {path} changed while it was being installed: "
                                      "up again once it is written")
         req = Requirement(text)

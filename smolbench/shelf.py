@@ -12,7 +12,6 @@ file with the checkpoint's record inside.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shlex
 import stat
@@ -22,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ._filehash import sha256_fd
 from .errors import SmolbenchError
 from .gate import archive, ckptwrite, restoring, terminal
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
@@ -163,15 +163,6 @@ def _record(f: Opened) -> dict[str, Any] | None:
     return archive.read_record(f.path, f.name)
 
 
-def _sha256(fd: int) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(os.dup(fd), "rb") as fh:
-        fh.seek(0)
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class Shelf:
     """A folder's checkpoints (its ledger and its ``.smolbench/checkpoints/``), with no machine needed."""
 
@@ -284,7 +275,7 @@ class Shelf:
         try:
             with self.store.open(fname) as f:
                 record, size, identity = self._check(f, source), f.size, _identity(f.fd)
-                digest = _sha256(f.fd)  # of the bytes checked here, which a restore reads
+                digest = sha256_fd(f.fd)[0]  # of the bytes checked here, which a restore reads
         except BaseException:
             if created:
                 self.discard(fname)  # a copy that failed its checks goes again
@@ -344,7 +335,7 @@ class Shelf:
         and this one is whole); the name, whether a file was made, and what was wrong with the
         one it replaced (None: it replaced none)."""
         stem = _usable(base)
-        digest = _sha256(src_fd)
+        digest = sha256_fd(src_fd)[0]
         taken = set(self.store.names()) | {str(r["name"]) + SUFFIX for r in self.ledger.checkpoint_rows()}
         for k in range(1, 100):
             name = stem if k == 1 else f"{stem[:60]}-{k}"
@@ -352,7 +343,7 @@ class Shelf:
             wrong = None
             if fname in taken:
                 with contextlib.suppress(PathRefused, Missing), self.store.open(fname) as f:
-                    if _sha256(f.fd) == digest:
+                    if sha256_fd(f.fd)[0] == digest:
                         return fname, False, None  # the same bytes are here already
                 wrong = self._unusable_copy(name, fname) if k == 1 else None
                 if wrong is None:
@@ -508,7 +499,7 @@ class Shelf:
                 same = spec.machine() if spec is not None and extra["baseline"] == spec.baseline() else None
                 extra.update(restoring.machine_claims(rec.get("machine"), same))
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
-            came = [f"re-exported: added to its folder from a checkpoint file (sha256 {_sha256(f.fd)}) that said "
+            came = [f"re-exported: added to its folder from a checkpoint file (sha256 {sha256_fd(f.fd)[0]}) that said "
                     "what this record says"] if imported else []
             created = inside.get("created") if imported else rec.get("created")
             record.update(kind=archive.RECORD_KIND, version=1, name=name,

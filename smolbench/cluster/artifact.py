@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from .._filehash import sha256_fd
 from ..gate import archive
 from ..gate.limits import LIMITS, human
 
@@ -48,14 +49,12 @@ def within_limit(size: int, what: str) -> None:
 def hash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     """(sha256, size) of a plain file, read without following a link."""
     fd = archive.open_file(path)
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise Refused(f"{path} is not a plain file")
-        h, size = hashlib.sha256(), 0
-        while block := fh.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def read_chunks(path: str | os.PathLike[str]) -> Iterator[bytes]:
