@@ -11,6 +11,7 @@ process's RSS, never times. Each bound is shown again with the cap lifted, where
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ipaddress
 import os
@@ -241,8 +242,10 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
     """A machine asks for 40 names whose lookup hangs (a fake resolver here: no DNS). Another
     machine's lookup still runs at once. With one shared pool and no per-tree bound (as the
     old proxy used the loop's default executor), it waits behind them."""
+    shared = concurrent.futures.ThreadPoolExecutor(32)
     if not fair:
         monkeypatch.setattr(_netbudget, "TREE_LOOKUPS", 10_000)
+        monkeypatch.setattr(_netbudget.Budget, "_executor", lambda self, tree: shared)
     release = threading.Event()
     asked: list[str] = []
 
@@ -260,7 +263,7 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
         stuck = [asyncio.ensure_future(_tunnel(slow_port, f"slow{i}.test:{sink}")) for i in range(40)]
         fast = None
         try:
-            while len(asked) < min(40, _netbudget.TREE_LOOKUPS, _netbudget.LOOKUP_THREADS):
+            while len(asked) < min(40, _netbudget.TREE_LOOKUPS, 32):
                 await asyncio.sleep(0.05)
             fast = asyncio.ensure_future(_tunnel(fast_port, f"fast.test:{sink}"))
             if fair:
@@ -280,6 +283,145 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
             await proxy.detach(n)
 
     asyncio.run(main())
+    shared.shutdown()
+
+
+@pytest.mark.parametrize("own_threads", [True, False])
+def test_many_trees_of_slow_names_never_stall_another_trees_lookup(own_threads: bool, sink: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seventh audit: 8 machine trees (students' root machines) each ask for their 4 names whose
+    lookups hang. A ninth machine's lookup still runs at once: each tree has its own lookup
+    threads. With one pool of 32 shared by all trees (the old proxy), the 32 hanging lookups
+    filled it and the ninth waited (15 s with real DNS)."""
+    if not own_threads:  # the old design: every tree's lookups on one shared pool of 32 threads
+        shared = concurrent.futures.ThreadPoolExecutor(32)
+        monkeypatch.setattr(_netbudget.Budget, "_executor", lambda self, tree: shared)
+    release = threading.Event()
+    asked: list[str] = []
+
+    def lookup(host: str, port: int, *rest: Any) -> list[Any]:
+        asked.append(host)
+        if host.startswith("slow"):
+            release.wait(120)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (FAR, port))]
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
+        n = _netbudget.TREE_LOOKUPS
+        ports = [await _machine(proxy, f"student{t}", NetPolicy.from_lists(False, [f"slow{t}-{i}.test" for i in range(n)], []))
+                 for t in range(8)]
+        fast_port = await _machine(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
+        stuck = [asyncio.ensure_future(_tunnel(port, f"slow{t}-{i}.test:{sink}"))
+                 for t, port in enumerate(ports) for i in range(n)]
+        fast = None
+        try:
+            while len(asked) < 8 * n:
+                await asyncio.sleep(0.05)
+            fast = asyncio.ensure_future(_tunnel(fast_port, f"fast.test:{sink}"))
+            done, _ = await asyncio.wait([fast], timeout=10)
+            if own_threads:
+                assert done and fast.result()[2].startswith(b"HTTP/1.1 200") and not release.is_set()
+            else:
+                assert not done and "fast.test" not in asked  # queued behind the 32 hanging lookups
+        finally:
+            release.set()
+        for t in [*stuck, *([fast] if fast else [])]:
+            _, w, _ = await t
+            w.close()
+        trees = proxy.budget.trees
+        executors = [trees[f"student{t}"].executor for t in range(8)] if own_threads else []
+        for name in [f"student{t}" for t in range(8)] + ["other"]:
+            await proxy.detach(name)
+        assert proxy.budget.trees == {}  # a tree's threads end with its last machine
+        assert all(e is not None and e._shutdown for e in executors)
+
+    asyncio.run(main())
+    if not own_threads:
+        shared.shutdown()
+
+
+@pytest.mark.parametrize("off_the_loop", [True, False])
+def test_a_slow_count_in_a_machines_namespaces_never_stops_the_proxy(off_the_loop: bool, sink: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seventh audit: a branch that kept its capabilities filled its refuse chain with 500,000
+    rules, so `%smol status`'s count of them (nft, in the machine's namespaces) took ~30 s,
+    and the proxy read it on its one loop: every machine's egress stopped meanwhile. Here the
+    count hangs; another machine's connection goes through while it does. Read on the loop
+    (the old proxy), the connection is not answered until the count ends."""
+    entered, release = threading.Event(), threading.Event()
+    answer: list[bytes] = []
+
+    def slow_count(pid: int) -> int:
+        entered.set()
+        release.wait(60)
+        return 3
+
+    monkeypatch.setattr(_netproxy, "_refused_in", slow_count)
+    if not off_the_loop:  # the old proxy: the count read on the loop thread
+        async def on_the_loop(func: Any, *args: Any) -> Any:
+            return func(*args)
+        monkeypatch.setattr(_netproxy.asyncio, "to_thread", on_the_loop)
+
+    def client(port: int) -> None:  # another machine's connection, while the count runs
+        entered.wait(10)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(f"CONNECT {FAR}:{sink} HTTP/1.1\r\n\r\n".encode())
+            c.settimeout(3)
+            with contextlib.suppress(OSError):
+                answer.append(c.recv(100))
+        release.set()
+
+    async def main() -> int:
+        proxy = _netproxy.Proxy(budget=_netbudget.Budget())
+        await _machine(proxy, "branch", NetPolicy.from_lists(False, [], []))
+        proxy.nodes["branch"].pid = os.getpid()  # (the count is faked above: no namespace is entered)
+        port = await _machine(proxy, "other", NetPolicy.from_lists(False, [], [f"{FAR}/32:{sink}"]))
+        thread = threading.Thread(target=client, args=(port,))
+        thread.start()
+        stats = asyncio.ensure_future(proxy.handle({"op": "stats"}))
+        while thread.is_alive():
+            await asyncio.sleep(0.05)
+        refused = int((await stats)["nodes"]["branch"]["refused"])
+        for name in ("branch", "other"):
+            await proxy.detach(name)
+        return refused
+
+    assert asyncio.run(main()) == 3
+    went = bool(answer) and answer[0].startswith(b"HTTP/1.1 200")
+    assert went == off_the_loop, answer
+
+
+NS_WITH_RULES = """
+nft 'add table ip smolbench'
+nft 'add chain ip smolbench refuse { type filter hook output priority 0 ; }'
+nft 'add rule ip smolbench refuse ip daddr 10.9.9.9 counter packets 7 bytes 420 reject'
+echo ready
+exec sleep 60
+"""
+
+
+@pytest.mark.parametrize("memory", ["bounded", "tiny"])
+def test_the_count_in_a_machines_namespaces_runs_nft_within_its_limits(memory: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count is read by nft in the machine's own user and network namespaces (here made by
+    `unshare -rn`, a refuse chain that counted 7): within its memory limit it reads 7; with the
+    limit made tiny it reads nothing (0), so the limit does reach nft: a machine's 500,000
+    rules can't make it take a gigabyte outside every cgroup."""
+    from smolbench.backends import _netns, _netredirect
+
+    if _netredirect.found("nft") is None:
+        pytest.skip("nft is not installed (apt-get install nftables)")
+    proc = subprocess.Popen(["unshare", "-rn", "sh", "-c", NS_WITH_RULES], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            pytest.skip("no user and network namespace of our own here (unshare -rn)")
+        if memory == "tiny":
+            monkeypatch.setattr(_netredirect, "TOOL_MEMORY", 1 << 20)
+        assert _netns._refused_in(proc.pid) == (7 if memory == "bounded" else 0)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- nothing is imported after the privilege drop ------------------------------------------------

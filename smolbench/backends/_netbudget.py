@@ -11,8 +11,9 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
   their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
   ``KERNEL_CONNECTIONS`` connections;
-* name lookups run on the proxy's own threads, each tree's bounded, so names that resolve
-  slowly stall only their own tree's lookups, never another machine's.
+* name lookups run on the proxy's own threads, ``TREE_LOOKUPS`` of each tree's own (made at
+  its first lookup, ended with its last machine): names that resolve slowly stall only their
+  own tree's lookups, never another machine's, however many trees do it at once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
 TREE_LOOKUPS = 4
 RESOLVE_TIMEOUT = 15.0
-LOOKUP_THREADS = 32
 # both directions, each: the reader (2x its limit, plus one receive of at most the socket's
 # buffer) and the writer (its high water plus one chunk)
 PER_CONNECTION = 2 * (2 * BUFFER + 2 * SOCK_BUFFER + 2 * BUFFER)
@@ -66,35 +66,46 @@ class Tree:
     heads: int = 0
     head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
+    # its own lookup threads: a shared pool let 8 trees' hanging lookups (4 each) stall every other tree's
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def buffered(self) -> int:
         return sum(c.buffered() for c in self.conns)
 
 
 class Budget:
-    """The kernel's proxy: its trees, their caps, and the lookup threads they share fairly."""
+    """The kernel's proxy: its trees, their caps, and each tree's lookup threads."""
 
     def __init__(self, lookup: Lookup = socket.getaddrinfo, *, lazy: bool = False) -> None:
         self.trees: dict[str, Tree] = {}
         self.lookup = lookup
-        # made before the proxy drops privileges: its module can't be imported after (issue 26);
-        # ``lazy`` (tests only, SMOLBENCH_TEST_WEAKEN=net-lazy-imports) makes it at the first lookup
-        self._executor = None if lazy else self._make()
+        # the threads' module is loaded before the proxy drops privileges: it can't be imported
+        # after (issue 26); ``lazy`` (tests only, SMOLBENCH_TEST_WEAKEN=net-lazy-imports) loads it
+        # at the first lookup, as the proxy once did
+        self._threads: type[concurrent.futures.ThreadPoolExecutor] | None = (
+            None if lazy else concurrent.futures.ThreadPoolExecutor)
 
-    @staticmethod
-    def _make() -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="smolbench-resolve")
-
-    @property
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = self._make()
-        return self._executor
+    def _executor(self, tree: Tree) -> concurrent.futures.ThreadPoolExecutor:
+        if tree.executor is None:
+            threads = self._threads or concurrent.futures.ThreadPoolExecutor
+            tree.executor = threads(TREE_LOOKUPS, thread_name_prefix=f"smolbench-resolve-{tree.name}"[:48])
+        return tree.executor
 
     def tree(self, name: str) -> Tree:
         if name not in self.trees:
             self.trees[name] = Tree(name)
         return self.trees[name]
+
+    def end(self, name: str) -> None:
+        """Forget tree ``name`` (its last machine is gone): its idle lookup threads end; one still
+        in a lookup ends when that returns."""
+        tree = self.trees.pop(name, None)
+        if tree is not None and tree.executor is not None:
+            tree.executor.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        for name in list(self.trees):
+            self.end(name)
 
     def connections(self) -> int:
         return sum(len(t.conns) for t in self.trees.values())
@@ -115,7 +126,11 @@ class Budget:
         except asyncio.TimeoutError:
             raise OSError(f"{TREE_LOOKUPS} name lookups of this machine tree are still running") from None
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.executor, self.lookup, host, port, 0, socket.SOCK_STREAM)
+        try:
+            fut = loop.run_in_executor(self._executor(tree), self.lookup, host, port, 0, socket.SOCK_STREAM)
+        except BaseException:
+            tree.lookups.release()
+            raise
         fut.add_done_callback(lambda _: tree.lookups.release())
         try:
             return list(await asyncio.wait_for(asyncio.shield(fut), RESOLVE_TIMEOUT))

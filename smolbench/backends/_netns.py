@@ -14,6 +14,7 @@ from . import _netredirect
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+HELPER_WAIT = 40.0  # seconds: its tools' own limits (_netredirect: 5 s of CPU, 15 s each) and then some
 
 
 def _setns(fd: int, kind: int) -> None:
@@ -78,22 +79,32 @@ def _refused_in(pid: int) -> int:
         os._exit(0)
     theirs.close()
     try:
-        ours.settimeout(30)
+        ours.settimeout(HELPER_WAIT)
         data = ours.recv(32)
     except OSError:
         data = b""
     finally:
         ours.close()
-        os.waitpid(child, 0)
+        _end(child)
     return int(data) if data.isdigit() else 0
+
+
+def _end(child: int) -> None:
+    """Reap a namespace helper; one that hasn't answered in time is killed first."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, 9)  # (it answered and is exiting, or it is late: either way it goes now)
+    os.waitpid(child, 0)
 
 
 def _collect(child: int, ours: socket.socket) -> list[socket.socket]:
     try:
+        ours.settimeout(HELPER_WAIT)
         msg, fds, _, _ = socket.recv_fds(ours, 1024, 64)
+    except OSError as exc:
+        raise OSError(f"the namespace helper did not answer in {HELPER_WAIT:.0f} s ({exc})") from None
     finally:
         ours.close()
-        os.waitpid(child, 0)
+        _end(child)
     if msg != b"ok":
         for fd in fds:
             os.close(fd)

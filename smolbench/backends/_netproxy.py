@@ -277,7 +277,7 @@ class Proxy:
         errors = {}
         for name, helper in started:
             try:
-                socks = _collect(*helper)
+                socks = await asyncio.to_thread(_collect, *helper)
             except OSError as exc:
                 errors[name] = str(exc)
                 continue
@@ -364,6 +364,8 @@ class Proxy:
             task.cancel()
         if node.tasks:
             await asyncio.wait(list(node.tasks), timeout=LINGER)
+        if not any(n.tree is node.tree for n in self.nodes.values()):
+            self.budget.end(node.tree.name)
 
     # -- one connection ---------------------------------------------------------------------
 
@@ -516,9 +518,12 @@ class Proxy:
             return {"ok": True}
         if op == "stats":
             nodes = {n: node.stats() for n, node in self.nodes.items()}
-            for n, node in self.nodes.items():
-                if node.pid:  # plus the ones the machine's own rules refused at once
-                    nodes[n]["refused"] += _refused_in(node.pid)
+            # plus the ones the machine's own rules refused at once, read in its namespaces: off
+            # this loop, as a branch that kept its capabilities can make that read slow (its rules)
+            counted = [(n, node.pid) for n, node in self.nodes.items() if node.pid]
+            counts = await asyncio.gather(*(asyncio.to_thread(_refused_in, pid) for _, pid in counted))
+            for (n, _), count in zip(counted, counts):
+                nodes[n]["refused"] += count
             return {"ok": True, "nodes": nodes, "kernel": self.budget.counts()}
         return {"error": f"unknown op {op!r}"}
 

@@ -20,6 +20,7 @@ import ctypes
 import ipaddress
 import os
 import re
+import resource
 import shutil
 import socket
 import struct
@@ -34,6 +35,17 @@ TABLE = "smolbench"
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 REJECT = "icmp type admin-prohibited"  # connect() fails at once (a tcp reset to a local SYN can go unseen)
 SBIN = "/usr/sbin:/sbin:/usr/bin:/bin"
+# ``nft`` and ``ip`` run in a machine's namespaces, whose rules a branch that kept its
+# capabilities may have filled (500,000 rules: nft took 1 GB and half a minute to list them),
+# charged to no machine: each gets this much memory, CPU and time
+TOOL_MEMORY = 256 << 20
+TOOL_CPU = 5
+TOOL_TIMEOUT = 15
+
+
+def _bounded() -> None:  # runs in the tool's child, before its exec
+    resource.setrlimit(resource.RLIMIT_AS, (TOOL_MEMORY, TOOL_MEMORY))
+    resource.setrlimit(resource.RLIMIT_CPU, (TOOL_CPU, TOOL_CPU))
 
 
 def networks(policy: NetPolicy) -> list[IPNetwork] | None:
@@ -148,11 +160,12 @@ def install(nets: list[IPNetwork] | None, internet: tuple[IPNetwork, ...], refus
     _keep_net_admin()
     env = {"PATH": SBIN, "LANG": "C"}
     for argv in routes(nets):
-        r = subprocess.run([ip, *argv], capture_output=True, text=True, env=env, timeout=30)
+        r = subprocess.run([ip, *argv], capture_output=True, text=True, env=env, timeout=TOOL_TIMEOUT,
+                           preexec_fn=_bounded)
         if r.returncode != 0:
             raise OSError(f"ip {' '.join(argv)}: {r.stderr.strip()[:200]}")
     r = subprocess.run([nft, "-f", "-"], input=ruleset(nets, internet, refuse), capture_output=True, text=True, env=env,
-                       timeout=30)
+                       timeout=TOOL_TIMEOUT, preexec_fn=_bounded)
     if r.returncode != 0:
         raise OSError(f"nft: {r.stderr.strip()[:300]}")
 
@@ -162,7 +175,7 @@ def refused_count() -> int:
     nft = _tool("nft")
     _keep_net_admin()
     r = subprocess.run([nft, "list", "chain", "ip", TABLE, "refuse"], capture_output=True, text=True,
-                       env={"PATH": SBIN, "LANG": "C"}, timeout=30)
+                       env={"PATH": SBIN, "LANG": "C"}, timeout=TOOL_TIMEOUT, preexec_fn=_bounded)
     return sum(int(n) for n in re.findall(r"counter packets (\d+)", r.stdout)) if r.returncode == 0 else 0
 
 
