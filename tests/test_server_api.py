@@ -23,6 +23,7 @@ from tornado.httpclient import HTTPClientError
 
 from smolbench import registry
 from smolbench.ledger import Ledger
+from smolbench.server import ledgerview
 
 API = ("smolbench", "api")
 
@@ -287,6 +288,36 @@ def test_a_checkpoint_file_the_sidebar_cannot_list_is_a_problem_naming_the_fix(c
 
 
 # -- auth --------------------------------------------------------------------------------
+
+
+def test_a_copied_folders_huge_ledger_is_listed_within_bounds(call: Any, jp_root_dir: Path) -> None:
+    """Seventh audit: a copied folder's ledger with 50,000 checkpoint rows made every sidebar
+    poll (each 5 s) read them all, open a file per row and send 43 MB of JSON to every tab.
+    A listing now holds at most MAX_LIMIT rows over all ledgers, each text cut short and each
+    number checked, and says how many it left out."""
+    led = _ledger(jp_root_dir / "copied")
+    led.close()
+    db = jp_root_dir / "copied" / ".smolbench" / "ledger.db"
+    conn = sqlite3.connect(str(db))
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(checkpoints)")]
+    rows = [{"name": f"c{i}", "session_id": "s1", "node_id": "root", "path": f"c{i}.smolcheckpoint",
+             "backend": "sandbox", "created": float(i), "size": 1, "cells": 1} for i in range(ledgerview.MAX_LIMIT + 99)]
+    rows.append({"name": "n" * 1_000_000, "session_id": "s1", "node_id": "root", "path": "p" * 1_000_000,
+                 "backend": "sandbox", "created": "yesterday", "size": "big", "cells": 1})
+    for r in rows:
+        names = [c for c in r if c in cols]
+        conn.execute(f"INSERT INTO checkpoints ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                     [r[c] for c in names])
+    conn.commit()
+    conn.close()
+    code, body = call("checkpoints")
+    assert code == 200, body
+    listed = body["checkpoints"]
+    assert len(listed) == ledgerview.MAX_LIMIT
+    assert len(json.dumps(body)) < 2_000_000
+    assert all(len(str(c["name"])) <= ledgerview.TEXT_CHARS for c in listed)
+    assert any("100 more checkpoints not listed" in p for p in body["problems"]), body["problems"]
+    assert listed[0]["name"] == f"c{ledgerview.MAX_LIMIT + 98}"  # the newest first
 
 
 ENDPOINTS = [("GET", "machines"), ("DELETE", "machines/k1/root"), ("GET", "checkpoints"),

@@ -176,18 +176,25 @@ class CheckpointsHandler(_Base):
             dirs = [where] if (where / LEDGER).is_file() or (where / LEDGER.parent / "checkpoints").is_dir() else []
         else:
             dirs = await self.run(self._ledgers)
-        out, problems = [], []
+        out: list[dict[str, Any]] = []
+        problems: list[str] = []
         for d in dirs:
             rel = relative(self.root, d) or ""
             odd = ledgerview.odd_ledger(d / LEDGER)
             if odd is not None:
                 problems.append(f"{rel or '.'}: the ledger {odd}")
                 continue
+            room = ledgerview.MAX_LIMIT - len(out)  # one listing's rows, over all ledgers: a copied folder's 50,000 too
             try:
-                rows = await self.run(ledgerview.checkpoints, d / LEDGER) if (d / LEDGER).is_file() else []
+                rows, total = await self.run(ledgerview.checkpoints, d / LEDGER, room) if (d / LEDGER).is_file() \
+                    else ([], 0)
             except ledgerview.LedgerUnreadable as exc:
                 problems.append(f"{rel or '.'}: the ledger {exc}")
                 continue
+            if total > len(rows):
+                problems.append(f"{rel or '.'}: {total - len(rows)} more checkpoint{'s' if total - len(rows) > 1 else ''} "
+                                f"not listed (a listing shows {ledgerview.MAX_LIMIT} at most): `%smol checkpoint list` "
+                                "in a notebook of that folder lists them all")
             store = checkpoint_store(d)
             problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
             described = await self.run(describe, rows, store, False)

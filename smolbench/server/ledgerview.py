@@ -250,10 +250,22 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
     return {"total": total, "offset": offset, "limit": limit, "run": head, "session": session, "nodes": out}
 
 
-def checkpoints(db: Path) -> list[dict[str, Any]]:
-    """The checkpoints a ledger records, newest first."""
+def checkpoints(db: Path, limit: int = MAX_LIMIT) -> tuple[list[dict[str, Any]], int]:
+    """The newest ``limit`` checkpoints a ledger records (at most MAX_LIMIT, each text cut to
+    TEXT_CHARS, numbers finite or None: a copied ledger's rows are anyone's), and how many it
+    records in all."""
+    limit = max(0, min(limit, MAX_LIMIT))
     with open_ro(db) as conn:
-        rows = conn.execute("SELECT name, session_id, node_id, path, backend, created, size, cells "
-                            "FROM checkpoints ORDER BY created DESC").fetchall()
+        total = int(conn.execute("SELECT count(*) FROM checkpoints").fetchone()[0])
+        rows = conn.execute(
+            "SELECT " + ", ".join(f"substr({c}, 1, {TEXT_CHARS})" for c in ("name", "session_id", "node_id", "path",
+                                                                          "backend")) +
+            ", created, size, cells FROM checkpoints ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
     keys = ("name", "session_id", "node_id", "path", "backend", "created", "size", "cells")
-    return [dict(zip(keys, r)) for r in rows]
+    out = []
+    for r in rows:
+        rec = dict(zip(keys, r))
+        for k in ("created", "size", "cells"):  # (an int stays one: a size is shown as written)
+            rec[k] = rec[k] if isinstance(rec[k], int) and not isinstance(rec[k], bool) else _finite(rec[k])
+        out.append(rec)
+    return out, total
