@@ -381,8 +381,11 @@ def internal(addr: IPAddress) -> bool:
 
 def canonical(addr: IPAddress) -> IPAddress:
     """``::ffff:127.0.0.1`` (IPv4-mapped) and ``::127.0.0.1`` (IPv4-compatible) are 127.0.0.1:
-    decided, and connected to, as IPv4. ``::`` and ``::1`` stay themselves."""
+    decided, and connected to, as IPv4. ``::`` and ``::1`` stay themselves. A zone (``%eth0``)
+    is dropped: an address is decided by its number, never missed in a set for its zone."""
     if isinstance(addr, ipaddress.IPv6Address):
+        if addr.scope_id is not None:
+            addr = ipaddress.IPv6Address(int(addr))
         if addr.ipv4_mapped is not None:
             return addr.ipv4_mapped
         if int(addr) >> 32 == 0 and int(addr) > 1:

@@ -11,6 +11,7 @@ import ipaddress
 
 import pytest
 
+from smolbench import netpolicy
 from smolbench.gate import netreq
 from smolbench.netpolicy import NetPolicy, PolicyError, internet_cidrs, parse_cidr, parse_host
 
@@ -274,6 +275,15 @@ def test_ipv6_spellings_of_private_and_host_only_addresses_are_decided_as_them()
             assert not any(A(addr) in n for n in wide), addr
     assert any(A("2002:808:808::1") in n for n in on_nets if n.version == 6)
     assert any(A("2002:808:808::1") in n for n in wide)
+
+
+def test_an_address_with_a_zone_is_decided_as_the_address() -> None:
+    """Hardening (seventh audit): no parser here makes one, but were one to reach the rules,
+    ``2001:db8::5%eth0`` is this host's 2001:db8::5 and ``::ffff:127.0.0.1%1`` is 127.0.0.1."""
+    own = frozenset({A("2001:db8::5")})
+    assert netpolicy.is_host_only(A("2001:db8::5%eth0"), own)
+    assert netpolicy.canonical(A("::ffff:127.0.0.1%1")) == A("127.0.0.1")
+    assert not NetPolicy("on").admits("x.org", 443, A("2001:db8::5%eth0"), own)
 
 
 def test_numeric_host_names_are_the_addresses_they_spell() -> None:
