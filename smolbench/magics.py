@@ -605,10 +605,14 @@ class SmolMagics(Magics):
 
 
 def ledger_table(df: Any) -> Any:
-    """Ledger rows for people: local times, whole-number seeds, alive as yes/no."""
+    """Ledger rows for people: local times, whole-number seeds, alive as yes/no, and its texts
+    (ids, statuses: a copied folder's ledger is its author's) as one escaped line each."""
     import pandas as pd
 
     out = df.copy()
+    for col in out.columns:
+        if pd.api.types.is_object_dtype(out[col]) or pd.api.types.is_string_dtype(out[col]):
+            out[col] = [gate.terminal.one_line(v, 200) if isinstance(v, str) else v for v in out[col]]
     for col in ("started", "ended"):
         if col in out:
             out[col] = [time_text(v) for v in out[col]]

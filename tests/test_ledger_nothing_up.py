@@ -224,3 +224,21 @@ def test_a_copied_folder_s_sparse_wal_costs_the_view_nothing(tmp_path: Path) -> 
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert (tmp_path / "ledger.db-wal").stat().st_blocks == 0  # left as it came
+
+
+def test_a_copied_ledger_s_texts_are_shown_escaped_in_the_ledger_table() -> None:
+    """Seventh audit: `%smol ledger` showed a copied ledger's ids and statuses raw, so an OSC 52
+    escape in a node id wrote the clipboard of the terminal a script printed the table on.
+    Every text of the table is one escaped line now; numbers stay numbers."""
+    import pandas as pd
+
+    from smolbench.magics import ledger_table
+
+    evil = "root\x1b]52;c;ZXZpbA==\x07\u202e.0"
+    df = pd.DataFrame([{"session_id": "s\x1b[2J", "id": evil, "parent_id": None, "seed": 3, "status": "ok\r\nlost",
+                        "reward": 1.5, "started": 1.0, "ended": 2.0, "alive": 0}])
+    shown = ledger_table(df)
+    text = shown.to_string()
+    assert "\x1b" not in text and "\u202e" not in text and "\r" not in text, repr(text)
+    assert shown["id"][0] == "root\\x1b]52;c;ZXZpbA==\\x07\\u202e.0" and shown["status"][0] == "ok\\r\\nlost"
+    assert shown["reward"][0] == 1.5 and shown["seed"][0] == 3 and shown["alive"][0] == "no"
