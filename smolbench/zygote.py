@@ -8,7 +8,8 @@ namespace and seed), deleted afterwards, so no episode ever sees another's state
 
 That is only the same as a fresh boot when the init commands give the same result every time.
 So before the first use, a second machine boots and runs them too, and a branch of each hashes
-what init left behind (the workspace's files and the namespace's variables, addresses left out):
+what init left behind (the files of the workspace, /tmp and the home folder, and the namespace's
+variables, addresses left out; a check that fails counts as a difference):
 if the two differ, this baseline's episodes boot fresh machines, and the notebook says why. The
 Smolfile's ``[episodes] fresh = "boot"`` always boots. Which was used goes to the ledger.
 
@@ -37,22 +38,32 @@ FINGERPRINT = r"""
 def _smolbench_fingerprint():
     import hashlib, os, re, sys
     h = hashlib.sha256()
-    top = os.getcwd()
-    for folder, dirs, files in os.walk(top):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(folder, name)
-            try:
-                st = os.lstat(path)
-                h.update(path.encode("utf-8", "surrogateescape") + b"\0%d\0" % st.st_size)
-                if os.path.isfile(path) and not os.path.islink(path) and st.st_size <= 1 << 20:
-                    with open(path, "rb") as fh:
-                        h.update(fh.read())
-            except OSError:
-                pass
+    tops = [os.getcwd(), "/tmp"] + [os.path.expanduser("~")]  # where init can write (a home may be either)
+    seen = set()
+    for top in tops:
+        top = os.path.realpath(top)
+        if top == "/" or top in seen or any(top.startswith(s + "/") for s in seen):
+            continue
+        seen.add(top)
+        for folder, dirs, files in os.walk(top):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                try:
+                    st = os.lstat(path)
+                    h.update(path.encode("utf-8", "surrogateescape") + b"\0%d\0" % st.st_size)
+                    if os.path.isfile(path) and not os.path.islink(path):
+                        with open(path, "rb") as fh:  # all of it; of a big file its first and last 16 MiB
+                            h.update(fh.read(16 << 20))
+                            if st.st_size > 32 << 20:
+                                fh.seek(-(16 << 20), 2)
+                            h.update(fh.read(16 << 20))
+                except OSError:
+                    pass
     ns = sys.modules["__main__"].__dict__
     for key in sorted(ns):
-        if key.startswith("_") or key in ("display", "smolbench_guest", "SEED"):
+        if (key.startswith("__") and key.endswith("__")) or key.startswith("_smolbench") \
+                or key in ("display", "smolbench_guest", "SEED"):
             continue
         try:
             text = repr(ns[key])[:100000]
@@ -120,6 +131,11 @@ class Zygotes:
             raise
         finally:
             await self._delete(twin)
+        if None in prints:  # not checked is not the same: boot
+            await self._delete(zygote)
+            return Verdict(None, "boot (the check that the Smolfile's init commands leave the same files and variables "
+                                 "in two boots failed, so each episode boots its own machine; [episodes] fresh = "
+                                 '"boot" in the Smolfile says so without the check)', surprise=True)
         if prints[0] != prints[1]:
             await self._delete(zygote)
             return Verdict(None, "boot (the Smolfile's init commands left different files or variables in two boots, "

@@ -139,10 +139,13 @@ def test_zygote_episodes_are_made_a_wave_ahead_and_run_at_most_concurrency_at_on
     assert cell is not None
 
 
-def test_nondeterministic_init_is_detected_and_the_episodes_boot(open_tmp: Path) -> None:
-    nb = session(open_tmp, 'init = ["python3 -c \\"import uuid; open(\'/workspace/id\', \'w\').write(uuid.uuid4().hex)\\""]\n')
+@pytest.mark.parametrize("where", ["/workspace/id", "/tmp/id"])
+def test_nondeterministic_init_is_detected_and_the_episodes_boot(open_tmp: Path, where: str) -> None:
+    """Init writes a random id; two boots differ, so episodes boot. In /tmp too (seventh audit:
+    only the workspace was compared, so every episode got the zygote's one random target)."""
+    nb = session(open_tmp, f'init = ["python3 -c \\"import uuid; open(\'{where}\', \'w\').write(uuid.uuid4().hex)\\""]\n')
     try:
-        cell = ok(nb.run("%%smol episodes 3 --out eps\nreward = len(open('/workspace/id').read())"))
+        cell = ok(nb.run(f"%%smol episodes 3 --out eps\nreward = len(open('{where}').read())"))
         text = stream_text(cell) + stream_text(cell, "stderr")  # the notebook's notices: one line of output
         assert "different files or variables in two boots" in text and 'fresh = "boot"' in text, text
         assert fresh_of(nb.cwd)[0].startswith("boot (the Smolfile's init commands left different")
