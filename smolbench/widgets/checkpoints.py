@@ -15,7 +15,7 @@ import traitlets as t
 from .._format import size_text, time_text
 from ..checkpoints import SESSIONS_HERE
 from ..gate import restoring
-from ..shelf import IMPORTED, Shelf
+from ..shelf import IMPORTED, Shelf, foreign
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -31,8 +31,10 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     if not backend:
         why = DOWN.split(" (")[0]
     elif refused := restoring.refusal(str(row.get("name")), row.get("backend"), backend,
-                                      row.get("session_id") in SESSIONS_HERE):
+                                      row.get("session_id") in SESSIONS_HERE and not row.get("foreign")):
         why = refused  # as the restore would say it (never the process backend for someone else's)
+    elif row.get("foreign") and "smol" in (row.get("backend"), backend):  # not signed as this user's
+        why = foreign(row.get("name"), "smol")
     elif row.get("refused"):
         why = str(row["refused"])
     elif not exists:
