@@ -269,3 +269,26 @@ def test_a_listing_never_makes_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
     finally:
         led.close()
     assert os.listdir(state) == []
+
+
+def test_the_panel_says_which_rows_are_foreign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint panel (what `%smol checkpoint list` shows with a machine up) says a row is
+    not this user's, and its Restore of a foreign smol row is blocked with the restore's line."""
+    from smolbench.widgets.checkpoints import checkpoint_record
+
+    _state(monkeypatch, tmp_path / "state")
+    _smol_row(tmp_path, "mine")
+    _vm_file(tmp_path, "theirs")
+    led = Ledger(tmp_path / LEDGER)
+    try:
+        led.add_checkpoint("theirs", "x", "root", "checkpoints/theirs.smolcheckpoint", "smol", 1, 0, [])
+        led.add_checkpoint("old", "x", "root", "checkpoints/theirs.smolcheckpoint", "sandbox", 1, 0, [])
+        rows = {r["name"]: checkpoint_record(r, "smol") for r in Shelf(led).rows()}
+        on_sandbox = {r["name"]: checkpoint_record(r, "sandbox") for r in Shelf(led).rows()}
+    finally:
+        led.close()
+    assert rows["mine"]["blocked"] == {} and rows["mine"]["warnings"] == []
+    assert rows["theirs"]["blocked"]["restore"].startswith("checkpoint 'theirs' is not signed as your own save")
+    said = on_sandbox["old"]["warnings"]
+    assert said[0].startswith("foreign: not signed as your own save") and on_sandbox["old"]["blocked"] == {}, said
+    assert said[0].endswith("`%smol checkpoint trust old` if you saved it")

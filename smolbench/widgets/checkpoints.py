@@ -42,6 +42,9 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     created = row.get("created")
     warnings = [str(w) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
     theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
+    shown = clean(restoring.claimed(warnings) if theirs else warnings)
+    if row.get("foreign") and not why:  # said first: a row not signed as this user's (shelf.describe)
+        shown = [f"foreign: {row['foreign']}; `%smol checkpoint trust {row.get('name')}` if you saved it", *shown]
     return {
         "name": row.get("name"),
         "node": f"{row['node_id']} (the file says)" if theirs and row.get("node_id") else row.get("node_id"),
@@ -51,7 +54,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
         "size_text": size_text(row.get("size")),
         "backend": row.get("backend"),
         "exists": exists,
-        "warnings": clean(restoring.claimed(warnings) if theirs else warnings),
+        "warnings": shown,
         "blocked": {"restore": why} if why else {},
     }
 
