@@ -32,6 +32,8 @@ Line magics::
   %smol replay NODE             rebuild a branch's path and compare its reward (not a gym episode's)
   %smol checkpoint save [NAME] [--node NODE] [--force] | restore NAME|PATH | list | rm NAME
                     | export NAME PATH [--force]   (restore PATH works in any folder, with nothing up)
+                    | trust NAME   (sign a checkpoint not signed as your own save: a copied folder's,
+                                    or one from before rows were signed; only one you saved yourself)
   %smol trust on|off            on: pulls may unpickle objects and machine output is shown raw
                                 (code in the machine can then run code here and in your browser)
   %smol config [KEY VALUE]      limits on what a machine sends: max-frame, in-flight,
@@ -273,7 +275,7 @@ def _ledger_args(line: str) -> None:
 
 
 @magic_arguments()
-@argument("action", choices=["save", "restore", "list", "rm", "export"])
+@argument("action", choices=["save", "restore", "list", "rm", "export", "trust"])
 @argument("name", nargs="?", default=None, help="a checkpoint here, or (restore) the path of a .smolcheckpoint file")
 @argument("path", nargs="?", default=None, help="export: the file to write (NAME.smolcheckpoint)")
 @argument("--node", default=None, help="save this node instead of the active one")

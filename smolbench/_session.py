@@ -659,6 +659,19 @@ class Session(RestoringMixin):
             return shelf.remove(name)
 
     @_in_session_words
+    def checkpoint_trust(self, name: str) -> str:
+        """Sign checkpoint ``name`` of this folder as your own save (also with nothing up), as
+        ``%smol checkpoint trust`` does: a row not signed as yours (a copied folder's, another
+        user's, or one saved before smolbench signed rows) is refused on smol and restored
+        elsewhere as a file from someone else. Its file is checked as one from elsewhere first
+        (a smol microVM's can't be: trust only one you saved). What happened."""
+        name = _args.text(name, "name", "checkpoint_trust('lesson')") or ""
+        if self.is_up:
+            return self._wb().checkpoint_trust(name)
+        with self._shelf() as shelf:
+            return shelf.trust(name, "")
+
+    @_in_session_words
     def checkpoint_export(self, name: str, path: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
         """Write checkpoint ``name`` to ``path`` (``….smolcheckpoint``) as one file, its record
         inside, that :meth:`checkpoint_restore` takes in any folder; returns its size, and

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import signing
 from ._aio import _made_in_thread, _to_the_end
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
@@ -159,6 +160,7 @@ class CheckpointsMixin(WorkbenchPart):
             raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it",
                                  api=f"a checkpoint named {name!r} exists: pick another name or pass force=True "
                                  "to replace it")
+        signing.key()  # made now, or its file's problem said, before anything is saved
         store = self.shelf.store
         try:
             store.ensure()
@@ -192,8 +194,10 @@ class CheckpointsMixin(WorkbenchPart):
         node = self.tree[node_id]
         if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
-        self.shelf.add(name, self.session, node_id, fname, info.backend, info.size, node.cells, info.warnings,
-                       baseline=self.baseline, machine=self.spec.machine())
+        # signed over its file's SHA-256: hashed on a thread (a microVM's file is GBs)
+        await _to_the_end(asyncio.to_thread(self.shelf.add, name, self.session, node_id, fname, info.backend, info.size,
+                                            node.cells, info.warnings, baseline=self.baseline,
+                                            machine=self.spec.machine()))
         node.checkpoint = name
         self._record(node)
         return {"name": name, "node": node_id, "path": info.path, "size": info.size, "warnings": info.warnings}
@@ -222,8 +226,8 @@ class CheckpointsMixin(WorkbenchPart):
         node_id = f"{base}-{name}"
         try:
             # a ledger row says who saved it, but a copied folder's ledger (a file's record) says what its author wrote
-            why = restoring.refusal(name, rec.get("backend"), self.backend.name, rec.get("session_id") in SESSIONS_HERE,
-                                    typed)
+            own = rec.get("session_id") in SESSIONS_HERE and self.shelf.signed(rec)
+            why = restoring.refusal(name, rec.get("backend"), self.backend.name, own, typed)
             if why is not None:
                 raise SmolbenchError(why + ("; nothing was added" if added is not None and added.new_row else ""))
             # a file this restore copied in goes again if it fails: its messages name the file the user gave
@@ -263,7 +267,7 @@ class CheckpointsMixin(WorkbenchPart):
         if said is not None or needs is not None or kept:
             ref.info["restore_warnings"] = [*have, *([said] if said else []), *([needs] if needs else []), *kept]
         if imported or said is not None:
-            came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") else ""
+            came = f" (sha256 {rec['sha256']}, added from {rec.get('source')})" if rec.get("sha256") and imported else ""
             self.ledger.add_trust(self.session, "restore", f"{node_id}: checkpoint {rec['name']}"
                                   f"{' from a file' if imported else ''}{came}" + (f"; {said}" if said else ""))
 
@@ -278,14 +282,17 @@ class CheckpointsMixin(WorkbenchPart):
         """A new machine from a row's file, opened once through the gate's rule: the backend
         reads that very file (its descriptor), whatever its name is changed to meanwhile.
         ``adopted``: the file was added by this restore, and goes again if it fails. ``label``:
-        the file as messages name it (default: its path in this folder)."""
+        the file as messages name it (default: its path in this folder). A row not signed as this
+        user's own save is refused for smol and checked as a file from elsewhere otherwise; one
+        signed, whose file is not the one saved, is refused (Shelf.vouch)."""
         name = rec["name"]
         with self.shelf.open(rec) as f:
+            own = await _to_the_end(asyncio.to_thread(self.shelf.vouch, rec, f, self.backend.name))
             shown = label or self.shelf.store.shown(f.name)
             # smol's engine reads the file in its own process, by name (and its store beside it)
             path = self.shelf.store.absolute(f.name) if self.backend.name == "smol" else f.path
             try:
-                isolated = rec.get("session_id") not in SESSIONS_HERE
+                isolated = not own or rec.get("session_id") not in SESSIONS_HERE
                 return await self.backend.restore(path, node_id, self.spec, isolated=isolated)
             except SmolbenchError as exc:
                 # messages name the descriptor's path (or its last part): name the file instead
@@ -295,6 +302,10 @@ class CheckpointsMixin(WorkbenchPart):
                 if not adopted and " is corrupt or truncated (" in text and rec.get("session_id") == IMPORTED:
                     text += self.shelf.came_from(rec)  # a copy damaged here: its source puts a whole one back
                 raise reworded(exc, text) from None
+
+    def checkpoint_trust(self, name: str) -> str:
+        """Sign checkpoint ``name`` as this user's own (Shelf.trust); what happened."""
+        return self.shelf.trust(name, self.session)
 
     def checkpoint_remove(self, name: str) -> str:
         """Delete a checkpoint's file (when the gate's rule allows) and its ledger entry; what happened."""

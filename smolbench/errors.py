@@ -67,6 +67,7 @@ _COMMANDS = (  # `%smol WORDS` (ARG: the word in its place) and the Session's ca
     (r"checkpoint rm", "Session.checkpoint_rm(name)"),
     (r"checkpoint rm (\S+)", "Session.checkpoint_rm('{0}')"),
     (r"checkpoint list", "Session.checkpoints()"),
+    (r"checkpoint trust (\S+)", "Session.checkpoint_trust('{0}')"),
     (r"checkpoint export ([A-Z]+) ([A-Z]+)", "Session.checkpoint_export(name, path)"),
     (r"checkpoint export (\S+) (\S+)", "Session.checkpoint_export('{0}', '{1}')"),
     (r"config ([a-z-]+) ([A-Z]+)", "smolbench.gate.limits.configure('{0}', {1})"),  # a placeholder: SIZE, N

@@ -87,7 +87,7 @@ NODE_COLUMNS = (
 # Columns added after the first release: (table, column, type), added to older ledgers on open.
 ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
                  ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"), ("checkpoint_more", "machine", "TEXT"))
+                 ("runs", "cell", "INTEGER"), ("checkpoint_more", "machine", "TEXT"), ("checkpoint_more", "mac", "TEXT"))
 # A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
 # path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
 MORE_COLUMNS = ("baseline", "source", "sha256")
@@ -97,6 +97,8 @@ CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.read
 # ... and what it says of the machine that saved it (a JSON object, MachineSpec.machine; a file's:
 # what its record claims), in a column a ledger opened read-only may not have yet
 WITH_MACHINE = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine FROM")
+# ... and its signature (smolbench.signing: this user's kernel wrote it), a newer column still
+WITH_MAC = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine, m.mac FROM")
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings", "machine"}
 # A checkpoint row's JSON columns, which a copied ledger may hold anything in: what smolbench
@@ -528,16 +530,29 @@ class Ledger:
     def add_checkpoint(self, name: str, session_id: str, node_id: str, path: str, backend: str,
                        size: int, cells: int, warnings: list[str], *, baseline: str | None = None,
                        source: str | None = None, sha256: str | None = None,
-                       machine: dict[str, Any] | None = None) -> None:
-        """Record a saved checkpoint (``source``, ``sha256``: a file added from elsewhere;
-        ``machine``: what it says of the machine that saved it, MachineSpec.machine)."""
+                       machine: dict[str, Any] | None = None, mac: str | None = None) -> None:
+        """Record a saved checkpoint (``sha256``: its file's; ``source``: a file added from
+        elsewhere's path; ``machine``: what it says of the machine that saved it,
+        MachineSpec.machine; ``mac``: the row's signature, smolbench.signing)."""
         with self.batch():
             self._write("INSERT OR REPLACE INTO checkpoints (name, session_id, node_id, path, backend, created, size, "
                         "cells, warnings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (name, session_id, node_id, path, backend, time.time(), size, cells, json.dumps(warnings)))
             self._write("INSERT OR REPLACE INTO checkpoint_more (name, session_id, path, size, baseline, source, sha256, "
-                        "machine) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (name, session_id, path, size, baseline, source,
-                                                                     sha256, None if machine is None else json.dumps(machine)))
+                        "machine, mac) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (name, session_id, path, size, baseline, source, sha256,
+                         None if machine is None else json.dumps(machine), mac))
+
+    def sign_checkpoint(self, name: str, sha256: str, mac: str) -> None:
+        """Give checkpoint ``name``'s row its file's ``sha256`` and a signature (``%smol checkpoint
+        trust``); what else its checkpoint_more row says stays, when it is that row's."""
+        with self.batch():
+            self._write("DELETE FROM checkpoint_more WHERE name = ? AND NOT EXISTS (SELECT 1 FROM checkpoints c "
+                        "WHERE c.name = checkpoint_more.name AND c.session_id IS checkpoint_more.session_id "
+                        "AND c.path IS checkpoint_more.path AND c.size IS checkpoint_more.size)", (name,))
+            self._write("INSERT INTO checkpoint_more (name, session_id, path, size, sha256, mac) SELECT name, session_id, "
+                        "path, size, ?, ? FROM checkpoints WHERE name = ? ON CONFLICT (name) DO UPDATE SET "
+                        "sha256 = excluded.sha256, mac = excluded.mac", (sha256, mac, name))
 
     def add_trust(self, session_id: str, scope: str, detail: str) -> None:
         """Record a trusted-mode opt-in (``%smol trust on``, ``--pull-trusted``) or its end."""
@@ -667,12 +682,13 @@ class Ledger:
         return rows[0] if rows else None
 
     def _checkpoints(self, tail: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        try:
-            return self._rows(f"{WITH_MACHINE} {tail}", params, checkpoints=True)
-        except sqlite3.OperationalError as exc:  # an older ledger, read-only: no machine column to add
-            if "no such column" not in str(exc):
-                raise
-            return self._rows(f"{CHECKPOINTS} {tail}", params, checkpoints=True)
+        for query in (WITH_MAC, WITH_MACHINE):
+            try:
+                return self._rows(f"{query} {tail}", params, checkpoints=True)
+            except sqlite3.OperationalError as exc:  # an older ledger, read-only: no mac or machine column to add
+                if "no such column" not in str(exc):
+                    raise
+        return self._rows(f"{CHECKPOINTS} {tail}", params, checkpoints=True)
 
     def run_rows(self) -> list[dict[str, Any]]:
         """Runs (forks, episodes, replays), newest first."""

@@ -350,10 +350,14 @@ class SmolMagics(Magics):
                 raise UsageError("name the checkpoint to restore: %smol checkpoint restore NAME (or PATH.smolcheckpoint)")
             self._restore(args.name)
             return None
-        if args.action in ("rm", "export") and not args.name:
+        if args.action in ("rm", "export", "trust") and not args.name:
             raise UsageError(f"name the checkpoint: %smol checkpoint {args.action} NAME" + (" PATH" if args.action == "export" else ""))
         if args.action == "rm":
             print(f"smolbench: {self._shelf().remove(args.name) if self.workbench is None else self.workbench.checkpoint_remove(args.name)}")
+            return None
+        if args.action == "trust":
+            wb = self.workbench
+            print(f"smolbench: {self._shelf().trust(args.name, '') if wb is None else wb.checkpoint_trust(args.name)}")
             return None
         if args.action == "export":
             if not args.path:

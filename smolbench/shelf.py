@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from . import signing
 from ._filehash import sha256_fd
 from .errors import SmolbenchError
 from .gate import archive, ckptwrite, restoring, terminal
@@ -31,6 +32,23 @@ from .spec import MachineSpec
 
 AGENTHOST = ("sandbox", "process")  # backends whose checkpoints are the gate's two-file archives
 IMPORTED = "imported"  # the session of a row added from a file (no node of this kernel's tree)
+# what a listing says of a row not signed by this user (smolbench.signing)
+FOREIGN = "not signed as your own save (a copied folder's, another user's, or from before rows were signed)"
+
+
+def foreign(name: object, backend: object) -> str:
+    """Why a restore refuses checkpoint ``name``, whose row is not signed as this user's, when it
+    would have smol's engine read its file on this host (``backend``: the row's or the one up)."""
+    return (f"checkpoint {name!r} is {FOREIGN}: its {backend} file would be read by smol's engine on this host, so "
+            f"it is refused; if you saved it yourself, `%smol checkpoint trust {name}` signs it")
+
+
+def _key_or_why() -> tuple[bytes | None, str | None]:
+    """This user's key if there is one (none is made to list), or why it can't be used."""
+    try:
+        return signing.key(create=False), None
+    except SmolbenchError as exc:
+        return None, str(exc)
 
 
 class Adopted(NamedTuple):
@@ -68,8 +86,10 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
     ``paths=False``: without naming the refused path) and ``dropped``. Past :data:`DROPPED_READ`
     dropped files, one's record is not read: its ``unread`` says so."""
     out, named, read = [], set(), 0
+    secret, why_key = _key_or_why() if rows else (None, None)
     for row in rows:
         rec = dict(row)
+        rec["foreign"] = None if signing.signed(row, secret) else (why_key or FOREIGN)
         try:
             fname: str | None = store.file_name(row.get("path"))
             named.add(fname)
@@ -88,7 +108,7 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
         name = fname[: -len(SUFFIX)]
         rec = {"name": name, "session_id": None, "node_id": None, "path": store.relative(fname), "backend": None,
                "created": None, "size": None, "cells": None, "warnings": [], "file": store.shown(fname),
-               "dropped": True}
+               "dropped": True, "foreign": None}  # (a dropped file is added, and checked, as one from elsewhere)
         try:
             with store.open(fname) as f:
                 st = os.fstat(f.fd)
@@ -240,10 +260,63 @@ class Shelf:
 
     def add(self, name: str, session: str, node: str, fname: str, backend: str, size: int, cells: int,
             warnings: list[str], **known: Any) -> None:
-        """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder
-        (``known``: its baseline and machine; for a file from elsewhere its source and sha256)."""
-        self.ledger.add_checkpoint(name, session, node, self.store.relative(fname), backend, size, cells, warnings,
-                                   **known)
+        """Record a checkpoint whose file ``fname`` is in this folder's checkpoint folder, signed
+        as this user's (smolbench.signing: over its name, session, node, backend, path and the
+        SHA-256 of its file, hashed here unless ``known`` gives it); ``known``: its baseline and
+        machine, for a file from elsewhere its source and sha256."""
+        path = self.store.relative(fname)
+        if known.get("sha256") is None:
+            with self.store.open(fname) as f:
+                known["sha256"] = sha256_fd(f.fd)[0]
+        row = {"name": name, "session_id": session, "node_id": node, "backend": backend, "path": path}
+        mac = signing.mac(row, known["sha256"], signing.key() or b"")
+        self.ledger.add_checkpoint(name, session, node, path, backend, size, cells, warnings, mac=mac, **known)
+
+    def signed(self, rec: dict[str, Any]) -> bool:
+        """Whether ``rec`` is signed as this user's own save (a bad key file: its one line, raised)."""
+        return not rec.get("dropped") and signing.signed(rec, signing.key(create=False))
+
+    def vouch(self, rec: dict[str, Any], f: Opened, backend: str) -> bool:
+        """Before a restore of ``rec``'s file ``f`` on ``backend``: True when it is this user's own
+        save and still the file saved (else refused: it was replaced since). A row not signed as
+        theirs is refused for smol (whose engine reads the file on this host), and otherwise
+        checked as a file from elsewhere is (False)."""
+        name = rec.get("name")
+        if self.signed(rec):
+            if sha256_fd(f.fd)[0] != rec.get("sha256"):
+                raise SmolbenchError(f"checkpoint {name!r}'s file {self.store.shown(f.name)} is not the file saved as it "
+                                     "(its SHA-256 is not the one its signed row holds): it was replaced since, so it "
+                                     f"is refused; `%smol checkpoint rm {name}` forgets it")
+            return True
+        if rec.get("backend") == "smol" or backend == "smol":
+            raise SmolbenchError(foreign(name, "smol"))
+        # the checks of a file from elsewhere (a record claiming smol refused)
+        self._check(f, self.store.shown(f.name), f" (checked as a file from elsewhere: its row is {FOREIGN})")
+        return False
+
+    def trust(self, name: str, session: str) -> str:
+        """Sign checkpoint ``name``'s row as this user's own (``%smol checkpoint trust``), its file
+        first checked as one from elsewhere is (smol's, which no check reads, on the user's word),
+        and recorded in the ledger's trust table (``session``: the one that did); what happened."""
+        rec = self.row(name, "trust")
+        if rec.get("dropped"):
+            raise SmolbenchError(f"{name} is a file in {self.store.shown(f'{name}{SUFFIX}')}, not yet a checkpoint of this "
+                                 f"folder: `%smol checkpoint restore {name}` adds it (and checks it)")
+        with self.open(rec) as f:
+            digest = sha256_fd(f.fd)[0]
+            if self.signed(rec) and digest == rec.get("sha256"):
+                return f"checkpoint {name} is signed as your own already"
+            smol = rec.get("backend") == "smol"
+            if not smol:
+                self._check(f, self.store.shown(f.name), "; it was not signed")
+        row = {k: rec.get(k) for k in ("name", "session_id", "node_id", "backend", "path")}
+        self.ledger.sign_checkpoint(name, digest, signing.mac(row, digest, signing.key() or b""))
+        made = terminal.one_line(str(rec.get("backend")), 40)
+        self.ledger.add_trust(session, "checkpoint", f"signed checkpoint {name} ({made}, sha256 {digest}) as this "
+                                                     "user's own")
+        said = (": smol's engine reads its file on this host when it is restored, so trust only a checkpoint you "
+                "saved yourself") if smol else " (its file was checked as one from elsewhere)"
+        return f"signed checkpoint {name} as your own{said}"
 
     def adopt(self, source: str, backend: str | None) -> Adopted:
         """Add the checkpoint file ``source`` (a path the user named, anywhere) to this folder:
@@ -383,9 +456,9 @@ class Shelf:
         except PathRefused:
             return False
 
-    def _check(self, f: Opened, source: str) -> dict[str, Any] | None:
+    def _check(self, f: Opened, source: str, after: str = "; nothing was added") -> dict[str, Any] | None:
         """The record of a checkpoint file from someone else (None: it has none), checked as a
-        machine's bytes would be; one line when it is unsafe or not a checkpoint at all."""
+        machine's bytes would be; one line when it is unsafe or not a checkpoint at all (ending in ``after``)."""
         try:
             with open(f.path, "rb") as fh:
                 wrong = archive.first_bytes(fh.read(len(archive.GZIP_START)), source)
@@ -393,7 +466,7 @@ class Shelf:
                 raise wrong
             return archive.check(f.path, "smolbench", source)
         except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
-            raise _unreadable(source, exc) from None
+            raise _unreadable(source, exc, after) from None
 
     def names_file(self, arg: str) -> bool:
         """Whether ``arg`` names a file (:func:`is_path`) rather than a checkpoint here: one saved
@@ -409,6 +482,8 @@ class Shelf:
         can't fit in the machine that would come up (None: it fits), said the same way."""
         if not self.names_file(arg):
             rec = self.row(arg)
+            if rec.get("backend") == "smol" and not self.signed(rec):  # before a microVM comes up for it
+                raise SmolbenchError(foreign(arg, "smol"))
             if rec.get("backend") in AGENTHOST:
                 with self.open(rec) as f:
                     _fits(_whole(f.path, f"checkpoint {arg!r}", "; nothing was added" if rec.get("dropped") else
@@ -461,7 +536,10 @@ class Shelf:
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
         for r in rows:  # a file that is there is not read whole here (a restore checks it): no "ok"
             state = "" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
-            said = " · ".join(x for x in ("dropped in, not in the ledger yet" if r["dropped"] else "", state,
+            theirs = "" if not r.get("foreign") else (r["foreign"] if r["foreign"] != FOREIGN else
+                                                      f"foreign: {FOREIGN}; `%smol checkpoint trust {r['name']}` if "
+                                                      "you saved it")
+            said = " · ".join(x for x in ("dropped in, not in the ledger yet" if r["dropped"] else "", state, theirs,
                                           r.get("unread") or "") if x)
             out.append(f"  {r['name']}  {r.get('backend') or '?'}  {r.get('file') or '-'}" + (f"  {said}" if said else ""))
         return out + misnamed

@@ -69,9 +69,21 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
             item.add_marker(pytest.mark.tier2)
 
 
+STATE_VAR = "SMOLBENCH_STATE"  # this user's smolbench state (the checkpoint key, smolbench.signing)
+_STATE: list[str] = []
+
+
 def pytest_configure(config: Any) -> None:
-    """Tag this run's environment before any test starts a process."""
+    """Tag this run's environment before any test starts a process; give it (and the kernels it
+    starts) a state folder of its own, never the user's: its checkpoint key is this run's."""
     os.environ[SUITE_VAR] = uuid.uuid4().hex
+    _STATE.append(tempfile.mkdtemp(prefix="smolbench-state-"))
+    os.environ[STATE_VAR] = _STATE[-1]
+
+
+def pytest_unconfigure(config: Any) -> None:
+    for folder in _STATE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

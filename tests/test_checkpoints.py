@@ -138,12 +138,16 @@ def test_bad_checkpoint_input_gets_one_clear_line_each(tmp_path: Path) -> None:
                 info = tarfile.TarInfo(name)
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
+        replaced = one_line_error(s.run("%smol checkpoint restore good"))  # not the file its signed row names
+        assert "is not the file saved as it" in replaced and "`%smol checkpoint rm good` forgets it" in replaced
+        s.run("%smol checkpoint trust good")  # checked as a file from elsewhere (its pickle is not read), signed
         corrupt = one_line_error(s.run("%smol checkpoint restore good"))
         assert "is corrupt" in corrupt and "can't be loaded" in corrupt
 
         good.write_bytes(data[: len(data) // 2])  # truncated
-        truncated = one_line_error(s.run("%smol checkpoint restore good"))
-        assert "corrupt or truncated" in truncated and "%smol checkpoint rm" in truncated
+        assert "is not the file saved as it" in one_line_error(s.run("%smol checkpoint restore good"))
+        truncated = one_line_error(s.run("%smol checkpoint trust good"), "UnusableCheckpoint")
+        assert "good.smolcheckpoint is cut short" in truncated and "it was not signed" in truncated, truncated
 
         good.unlink()
         gone = one_line_error(s.run("%smol checkpoint restore good"))

@@ -112,7 +112,7 @@ WORDS = [  # what was typed, what the user now reads (argparse's own words, befo
     ("%smol checkpoint", "%smol checkpoint needs an action (save, restore, list, rm or export): "
                          "e.g. `%smol checkpoint list`"),
     ("%smol checkpoint lst", "unknown %smol checkpoint word 'lst': did you mean `%smol checkpoint list`? "
-                             "one of save, restore, list, rm, export (see %smol?)"),
+                             "one of save, restore, list, rm, export, trust (see %smol?)"),
     ("%smol ledger -n x", "-n takes a whole number, got 'x': e.g. `%smol ledger -n 20`"),
     ("%smol up --smolfile", "--smolfile needs a value: e.g. `%smol up --smolfile path/Smolfile`"),
     ("%smol up --backend smoll", "--backend 'smoll' is not one of auto, smol, sandbox, process: "

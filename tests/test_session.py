@@ -637,10 +637,13 @@ def test_a_copied_ledger_row_claiming_the_process_backend_never_runs_its_state_o
         with contextlib.suppress(SmolbenchError):
             s.checkpoint_restore("evil")
     assert not (here / "ran-on-the-host").exists()
-    # weakened (the row's session taken at its word): the command runs on the host
+    # weakened (the row's session taken at its word, and its row as signed): the command runs on the host
     from smolbench import checkpoints
+    from smolbench.shelf import Shelf
 
     monkeypatch.setattr(checkpoints, "SESSIONS_HERE", {"someone-else"})
+    monkeypatch.setattr(Shelf, "signed", lambda self, rec: True)
+    monkeypatch.setattr(Shelf, "vouch", lambda self, rec, f, backend: True)
     with smolbench.Session(backend="process", ledger=ledger) as p:
         with contextlib.suppress(SmolbenchError):
             p.checkpoint_restore("evil")

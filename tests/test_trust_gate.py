@@ -313,8 +313,10 @@ def test_checkpoints_with_links_outside_are_refused_and_never_followed(tmp_path:
         # a tampered checkpoint file (links added after the save) is refused at restore
         ckpt = tmp_path / ".smolbench" / "checkpoints" / "clean.smolcheckpoint"
         _add_links(ckpt, [("root", "/"), ("shadow", "/etc/shadow"), ("up", ".."), ("secret", str(secret))])
-        msg = one_line_error(nb.run("%smol checkpoint restore clean"))
-        assert "has a link that points outside it (root -> /)" in msg and "refused" in msg
+        msg = one_line_error(nb.run("%smol checkpoint restore clean"))  # not the file its signed row names
+        assert "is not the file saved as it" in msg and "refused" in msg
+        msg = one_line_error(nb.run("%smol checkpoint trust clean"))  # checked as a file from elsewhere
+        assert "has a link that points outside it (root -> /)" in msg and "it was not signed" in msg
         assert plain_texts(nb.run("%smol tree"))[-1].count("r1-") == 0  # no machine was made
         nb.run("%smol down")
 

@@ -15,7 +15,7 @@ import traitlets as t
 from .._format import size_text, time_text
 from ..checkpoints import SESSIONS_HERE
 from ..gate import restoring
-from ..shelf import IMPORTED, Shelf
+from ..shelf import IMPORTED, Shelf, foreign
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -31,8 +31,10 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     if not backend:
         why = DOWN.split(" (")[0]
     elif refused := restoring.refusal(str(row.get("name")), row.get("backend"), backend,
-                                      row.get("session_id") in SESSIONS_HERE):
+                                      row.get("session_id") in SESSIONS_HERE and not row.get("foreign")):
         why = refused  # as the restore would say it (never the process backend for someone else's)
+    elif row.get("foreign") and "smol" in (row.get("backend"), backend):  # not signed as this user's
+        why = foreign(row.get("name"), "smol")
     elif row.get("refused"):
         why = str(row["refused"])
     elif not exists:
@@ -40,6 +42,9 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     created = row.get("created")
     warnings = [str(w) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
     theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
+    shown = clean(restoring.claimed(warnings) if theirs else warnings)
+    if row.get("foreign") and not why:  # said first: a row not signed as this user's (shelf.describe)
+        shown = [f"foreign: {row['foreign']}; `%smol checkpoint trust {row.get('name')}` if you saved it", *shown]
     return {
         "name": row.get("name"),
         "node": f"{row['node_id']} (the file says)" if theirs and row.get("node_id") else row.get("node_id"),
@@ -49,7 +54,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
         "size_text": size_text(row.get("size")),
         "backend": row.get("backend"),
         "exists": exists,
-        "warnings": clean(restoring.claimed(warnings) if theirs else warnings),
+        "warnings": shown,
         "blocked": {"restore": why} if why else {},
     }
 
