@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -88,10 +89,33 @@ def _meta_path(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.json"
 
 
+def _read_meta(dest: Path) -> object:
+    """The record of image ``dest`` (its ``NAME.json``), read without following a link; raises OSError, ValueError."""
+    fd = os.open(_meta_path(dest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        return json.loads(fh.read(65536))
+
+
+def _write_meta(dest: Path, meta: dict[str, str]) -> None:
+    """The record of image ``dest``, written to a new file (O_EXCL|O_NOFOLLOW) renamed into place: a link
+    planted at its name (or at the temporary one) is replaced, never written through (a build runs as root)."""
+    path = _meta_path(dest)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(meta) + "\n")
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _built_suite(dest: Path) -> str | None:
     """The suite an image in the cache was built from, as its record says (None: unknown)."""
     try:
-        meta = json.loads(_meta_path(dest).read_text())
+        meta = _read_meta(dest)
     except (OSError, ValueError):
         return None
     got = meta.get("suite") if isinstance(meta, dict) else None
@@ -151,7 +175,11 @@ def build_debian_rootfs(
     _sweep_builds(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-{os.getpid()}-", dir=dest.parent))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700: the rootfs's "/" must be readable
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # mkdtemp makes it 0700: the rootfs's "/" must be readable (by descriptor: never through a link)
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
         cmd = [debootstrap, "--variant=minbase", f"--include={','.join(IMAGE_PACKAGES)}", suite, str(tmp)]
         if mirror:
             cmd.append(mirror)
@@ -201,7 +229,7 @@ def build_debian_rootfs(
         _remove_build(tmp)
         raise
     meta = {"name": name, "suite": suite, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    _meta_path(dest).write_text(json.dumps(meta) + "\n")
+    _write_meta(dest, meta)
     log(f"image {name!r} built at {dest}")
     return dest
 
@@ -245,17 +273,36 @@ def _mounts_under(path: Path) -> list[str]:
 def _remove_build(tmp: Path) -> None:
     """A build folder, gone. What debootstrap mounted in it (``proc``, ``sys``, binds of the
     host's ``/dev``) is detached first: removing the tree must never reach into them. If a
-    mount can't be detached the folder stays (it names itself ``.NAME.build-PID-...``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    stuck = [p for p in _mounts_under(tmp) if libc.umount2(p.encode(), 2) != 0]  # 2: MNT_DETACH
-    if not stuck:
-        shutil.rmtree(tmp, ignore_errors=True)
+    mount can't be detached the folder stays (it names itself ``.NAME.build-PID-...``).
+    Only a real folder where its name says (held by an O_PATH descriptor, no link followed):
+    anything else in its place (a planted link to a folder with mounts) is left alone."""
+    try:
+        fd = os.open(tmp, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return  # gone, or not a folder: nothing of ours
+    try:
+        held = f"/proc/self/fd/{fd}"
+        real = os.readlink(held)
+        if real != os.path.join(os.path.realpath(tmp.parent), tmp.name):
+            return  # a folder above it was swapped meanwhile
+        libc = ctypes.CDLL(None, use_errno=True)
+        # through the held folder, and the mount point itself never followed (10: MNT_DETACH|UMOUNT_NOFOLLOW)
+        stuck = [p for p in _mounts_under(Path(real))
+                 if libc.umount2((held + p[len(real):]).encode(), 2 if p == real else 10) != 0]
+        if not stuck:
+            shutil.rmtree(tmp, ignore_errors=True)  # it refuses a link in the folder's place
+    finally:
+        os.close(fd)
 
 
 def _sweep_builds(dest: Path) -> None:
     """Build folders of ``dest`` left by a build that was killed (its process is gone, or it
-    predates the pid in the name): removed, their mounts detached first."""
+    predates the pid in the name): removed, their mounts detached first. Anything of that name
+    that is not a real folder (a planted link) is skipped."""
     for old in dest.parent.glob(f".{dest.name}.build-*"):
+        with contextlib.suppress(OSError):
+            if not stat.S_ISDIR(os.lstat(old).st_mode):
+                continue
         pid = old.name[len(f".{dest.name}.build-"):].split("-", 1)[0]
         if pid.isdigit() and pid != str(os.getpid()) and os.path.exists(f"/proc/{pid}"):
             continue  # another build of this image is running
@@ -321,7 +368,7 @@ def list_images() -> list[tuple[str, Path, int]]:
             continue
         name = path.name
         try:
-            meta = json.loads(_meta_path(path).read_text())
+            meta = _read_meta(path)
             if isinstance(meta, dict) and isinstance(meta.get("name"), str):
                 name = meta["name"]
         except (OSError, ValueError):

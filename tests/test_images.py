@@ -338,3 +338,46 @@ def test_the_suite_comes_from_a_debian_name(
                                              r"--suite, or name the image debian:bookworm$"):
         build_debian_rootfs("debian:sid", suite="bookworm", log=lines.append)
     assert not (cache / "images" / "debian-sid").exists()
+
+
+# -- a root build follows no planted link -------------------------------------------------------------
+
+
+def test_a_root_build_writes_its_record_never_through_a_planted_link(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: ``debian-bookworm.json -> /etc/shadow`` made the build (as root) overwrite the file
+    with JSON. The record is written anew and renamed over the link; the file is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_text("root:secret\n")
+    (cache / "images").mkdir(parents=True)
+    (cache / "images" / "debian-bookworm.json").symlink_to(victim)
+    _fake_bin(tmp_path, monkeypatch, 'mkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n')
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    build_debian_rootfs(log=lambda _line: None)
+    assert victim.read_text() == "root:secret\n"
+    record = cache / "images" / "debian-bookworm.json"
+    assert not record.is_symlink() and json.loads(record.read_text())["suite"] == "bookworm"
+    assert sorted(p.name for p in (cache / "images").iterdir()) == ["debian-bookworm", "debian-bookworm.json"]
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount (the mount under the link's target is the point)")
+def test_a_build_never_sweeps_or_unmounts_through_a_linked_build_folder(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_mounts_left: None
+) -> None:
+    """Attack: ``.debian-bookworm.build-x -> /`` made the next root build detach every mount under
+    its target (all of the host's). A tmpfs under a folder of the test's stands for them."""
+    target = tmp_path / "target"
+    (target / "mnt").mkdir(parents=True)
+    subprocess.run(["/usr/bin/mount", "-t", "tmpfs", "none", str(target / "mnt")], check=True)
+    (target / "mnt" / "kept").write_text("a mounted file")
+    (target / "file").write_text("a file")
+    (cache / "images").mkdir(parents=True)
+    link = cache / "images" / ".debian-bookworm.build-x"
+    link.symlink_to(target)
+    _fake_bin(tmp_path, monkeypatch, 'mkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n')
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    build_debian_rootfs(log=lambda _line: None)
+    assert _mounted_under(target) == [str(target / "mnt")]
+    assert (target / "mnt" / "kept").read_text() == "a mounted file" and (target / "file").read_text() == "a file"
+    assert link.is_symlink()  # left as it is: not ours to remove
