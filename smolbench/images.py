@@ -19,9 +19,10 @@ import subprocess
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root
 from smolbench.errors import SmolbenchError
 
 DEFAULT_IMAGE = "debian:bookworm"
@@ -309,14 +310,52 @@ def _sweep_builds(dest: Path) -> None:
         _remove_build(old)
 
 
-def resolve_rootfs(image: str | None) -> Path | None:
-    """The root filesystem directory for ``image`` on the sandbox backend.
+def open_image(name: str) -> Held | None:
+    """The built image ``name``'s folder, held (:class:`~smolbench._pkgtrust.Held`: an O_PATH descriptor,
+    its ``path`` the checked folder itself), or None when it is not built. Checked as the packages cache
+    is (:mod:`smolbench._pkgtrust`): the cache and every folder above it, ``images`` and the image
+    folder are the user's own (or root's) and writable by nobody else, and ``images`` and the image are
+    reached without following a link. Another user able to write there could plant a link to the host's
+    ``/`` or a trojaned python3; refused in one line, with the fix."""
+    dest = image_dir(name)
+    if not os.path.lexists(dest):
+        return None
+    cache_fd = open_root(dest.parent.parent, what="image cache")
+    try:
+        where = dest.parent
+        try:
+            images_fd = open_dir(cache_fd, dest.parent.name, above=True)
+            if images_fd is None:
+                return None
+            try:
+                where = dest
+                fd = open_dir(images_fd, dest.name)
+            finally:
+                os.close(images_fd)
+        except Untrusted as exc:
+            if where == dest:
+                raise SmolbenchError(f"refusing the image {name!r} ({dest}): {exc}, so another user could have "
+                                     f"planted or altered it; remove it (rm -rf {dest}) and run `smolbench image "
+                                     f"build {name}`, or set $SMOLBENCH_CACHE to a folder of your own") from None
+            raise SmolbenchError(f"refusing the image cache {where}: {exc}, so another user could plant or swap its "
+                                 f"images; remove it (rm -rf {where}) and build them again, or set $SMOLBENCH_CACHE "
+                                 "to a folder of your own") from None
+    finally:
+        os.close(cache_fd)
+    return None if fd is None else Held(fd)
 
-    ``None`` means the host's own root (returns ``None``); a path is a rootfs
-    directory used as it is; a name must have been built into the cache.
+
+@contextlib.contextmanager
+def held_rootfs(image: str | None) -> Iterator[Path | None]:
+    """The root filesystem directory for ``image`` on the sandbox backend, for the ``with`` block.
+
+    ``None`` means the host's own root (yields ``None``); a path is a rootfs directory used as it
+    is; a name must have been built into the cache, and is the checked folder itself
+    (``/proc/self/fd/N``, :func:`open_image`) until the block ends: bind it, or read it, there.
     """
     if image is None:
-        return None
+        yield None
+        return
     if is_path_image(image):
         path = home_path(image, "the image").resolve()
         if not path.is_dir():
@@ -328,16 +367,31 @@ def resolve_rootfs(image: str | None) -> Path | None:
                 f"rootfs directory {str(path)!r} has no usr/bin/python3: "
                 "install python3 in it or use a built image like 'debian:bookworm'"
             )
-        return path
-    path = image_dir(image)
-    if has_python(path):
-        return path
+        yield path
+        return
+    held = open_image(image)
+    try:
+        if held is not None and has_python(held.path):
+            yield Path(held.path)
+            return
+    finally:
+        if held is not None:
+            held.close()
     if image.startswith("debian:"):
         raise SmolbenchError(f"image {image!r} is not built: run `smolbench image build {image}`")
     raise SmolbenchError(
         f"image {image!r} is not built: the sandbox backend only builds Debian images "
         f"(run `smolbench image build {DEFAULT_IMAGE}`); OCI images need the smol backend"
     )
+
+
+def resolve_rootfs(image: str | None) -> Path | None:
+    """The root filesystem directory for ``image`` on the sandbox backend, by its name (for messages
+    and checks: a machine binds :func:`held_rootfs`'s). ``None`` means the host's own root."""
+    with held_rootfs(image) as path:
+        if path is None or image is None or is_path_image(image):
+            return path
+        return image_dir(image)
 
 
 def _tree_size(root: Path) -> int:
