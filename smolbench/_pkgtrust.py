@@ -24,9 +24,10 @@ class Held:
     O_PATH fd: bound through ``/proc/self/fd``, it is what gets mounted, whatever its path names by
     then) and a shared lock on the entry's key, which ``smolbench packages prune`` leaves alone."""
 
-    def __init__(self, lib_fd: int, lock_fd: int) -> None:
-        self.lib_fd = lib_fd
-        self._close = weakref.finalize(self, _close_fds, (lib_fd, lock_fd))  # dropped unclosed: closed then
+    def __init__(self, lib_fd: int, lock_fd: int = -1) -> None:
+        self.lib_fd = lib_fd  # (an image folder is held this way too, with no lock: images.held_rootfs)
+        fds = (lib_fd, lock_fd) if lock_fd >= 0 else (lib_fd,)
+        self._close = weakref.finalize(self, _close_fds, fds)  # dropped unclosed: closed then
 
     @property
     def path(self) -> str:
@@ -61,8 +62,8 @@ def _untrusted(st: os.stat_result, above: bool = False) -> str | None:
 _DIR = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def open_root(root: Path) -> int:
-    """The packages folder ``root`` as an O_PATH fd, or refused in one line with the fix if another
+def open_root(root: Path, what: str = "packages cache") -> int:
+    """The packages folder ``root`` (or the image cache's, ``what``) as an O_PATH fd, or refused in one line with the fix if another
     user could write in it or in a folder above it (up to the user's home, or / outside it): they
     could rename it and put their own in its place. Reached from / a folder at a time without following
     links (a link the user made, like $SMOLBENCH_CACHE's, is resolved first): what is checked is what is used."""
@@ -78,13 +79,13 @@ def open_root(root: Path) -> int:
             if last or not inside or here == home or here.startswith(home.rstrip("/") + "/"):
                 why = _untrusted(st, above=not last)
                 if why is not None:
-                    _refuse_root(root, "" if last else here, why, st)
+                    _refuse_root(root, "" if last else here, why, st, what)
             if last:
                 return fd
             try:
                 nxt = os.open(part, _DIR, dir_fd=fd)
             except OSError as exc:
-                raise SmolbenchError(f"can't open the packages cache {root} ({os.path.join(here, part)}: "
+                raise SmolbenchError(f"can't open the {what} {root} ({os.path.join(here, part)}: "
                                      f"{exc.strerror}; did a folder become a link?): check it, or set $SMOLBENCH_CACHE "
                                      "to a folder of your own") from None
             os.close(fd)
@@ -95,15 +96,42 @@ def open_root(root: Path) -> int:
     raise AssertionError("unreachable")
 
 
-def _refuse_root(root: Path, above: str, why: str, st: os.stat_result) -> None:
+_HOLDS = {"packages cache": "packages", "image cache": "root filesystems"}
+
+
+def _refuse_root(root: Path, above: str, why: str, st: os.stat_result, what: str = "packages cache") -> None:
     folder = above or str(root)
     fix = (f"chmod go-w {folder}" if st.st_uid == os.getuid() else "set $SMOLBENCH_CACHE to a folder of your own")
     if above:
-        raise SmolbenchError(f"refusing the packages cache {root}: the folder {above} above it: {why}, so another user "
+        raise SmolbenchError(f"refusing the {what} {root}: the folder {above} above it: {why}, so another user "
                              f"could rename the cache and put their own in its place; {fix} (or chmod +t {above}), or "
                              "set $SMOLBENCH_CACHE to a folder of your own")
-    raise SmolbenchError(f"refusing the packages cache {root}: {why}, so another user could plant or alter the "
-                         f"packages it mounts into machines; {fix}")
+    raise SmolbenchError(f"refusing the {what} {root}: {why}, so another user could plant or alter the "
+                         f"{_HOLDS.get(what, 'files')} it mounts into machines; {fix}")
+
+
+class Untrusted(Exception):
+    """A folder another user could have planted or altered; its one argument says why, in words."""
+
+
+def open_dir(dir_fd: int, name: str, above: bool = False) -> int | None:
+    """The folder ``name`` in the folder ``dir_fd`` as an O_PATH fd, reached without following a link,
+    or None when there is none. Raises :class:`Untrusted` if it is a link or not a folder, or another
+    user could write in it (:func:`_untrusted`; ``above``: a folder above what is used, sticky will do)."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ENOTDIR (O_PATH|O_NOFOLLOW opens a link itself), ELOOP: a link or a file in its place
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise Untrusted("it is not a folder (a link)") from None
+        raise Untrusted(f"it is not a folder ({exc.strerror})") from None
+    why = _untrusted(os.fstat(fd), above)
+    if why is not None:
+        os.close(fd)
+        raise Untrusted(why)
+    return fd
 
 
 def _complete(root_fd: int, name: str) -> bool:

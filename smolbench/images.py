@@ -14,13 +14,15 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root
 from smolbench.errors import SmolbenchError
 
 DEFAULT_IMAGE = "debian:bookworm"
@@ -88,10 +90,33 @@ def _meta_path(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.json"
 
 
+def _read_meta(dest: Path) -> object:
+    """The record of image ``dest`` (its ``NAME.json``), read without following a link; raises OSError, ValueError."""
+    fd = os.open(_meta_path(dest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        return json.loads(fh.read(65536))
+
+
+def _write_meta(dest: Path, meta: dict[str, str]) -> None:
+    """The record of image ``dest``, written to a new file (O_EXCL|O_NOFOLLOW) renamed into place: a link
+    planted at its name (or at the temporary one) is replaced, never written through (a build runs as root)."""
+    path = _meta_path(dest)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(meta) + "\n")
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _built_suite(dest: Path) -> str | None:
     """The suite an image in the cache was built from, as its record says (None: unknown)."""
     try:
-        meta = json.loads(_meta_path(dest).read_text())
+        meta = _read_meta(dest)
     except (OSError, ValueError):
         return None
     got = meta.get("suite") if isinstance(meta, dict) else None
@@ -151,7 +176,11 @@ def build_debian_rootfs(
     _sweep_builds(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.build-{os.getpid()}-", dir=dest.parent))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700: the rootfs's "/" must be readable
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # mkdtemp makes it 0700: the rootfs's "/" must be readable (by descriptor: never through a link)
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
         cmd = [debootstrap, "--variant=minbase", f"--include={','.join(IMAGE_PACKAGES)}", suite, str(tmp)]
         if mirror:
             cmd.append(mirror)
@@ -201,7 +230,7 @@ def build_debian_rootfs(
         _remove_build(tmp)
         raise
     meta = {"name": name, "suite": suite, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    _meta_path(dest).write_text(json.dumps(meta) + "\n")
+    _write_meta(dest, meta)
     log(f"image {name!r} built at {dest}")
     return dest
 
@@ -245,31 +274,88 @@ def _mounts_under(path: Path) -> list[str]:
 def _remove_build(tmp: Path) -> None:
     """A build folder, gone. What debootstrap mounted in it (``proc``, ``sys``, binds of the
     host's ``/dev``) is detached first: removing the tree must never reach into them. If a
-    mount can't be detached the folder stays (it names itself ``.NAME.build-PID-...``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    stuck = [p for p in _mounts_under(tmp) if libc.umount2(p.encode(), 2) != 0]  # 2: MNT_DETACH
-    if not stuck:
-        shutil.rmtree(tmp, ignore_errors=True)
+    mount can't be detached the folder stays (it names itself ``.NAME.build-PID-...``).
+    Only a real folder where its name says (held by an O_PATH descriptor, no link followed):
+    anything else in its place (a planted link to a folder with mounts) is left alone."""
+    try:
+        fd = os.open(tmp, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return  # gone, or not a folder: nothing of ours
+    try:
+        held = f"/proc/self/fd/{fd}"
+        real = os.readlink(held)
+        if real != os.path.join(os.path.realpath(tmp.parent), tmp.name):
+            return  # a folder above it was swapped meanwhile
+        libc = ctypes.CDLL(None, use_errno=True)
+        # through the held folder, and the mount point itself never followed (10: MNT_DETACH|UMOUNT_NOFOLLOW)
+        stuck = [p for p in _mounts_under(Path(real))
+                 if libc.umount2((held + p[len(real):]).encode(), 2 if p == real else 10) != 0]
+        if not stuck:
+            shutil.rmtree(tmp, ignore_errors=True)  # it refuses a link in the folder's place
+    finally:
+        os.close(fd)
 
 
 def _sweep_builds(dest: Path) -> None:
     """Build folders of ``dest`` left by a build that was killed (its process is gone, or it
-    predates the pid in the name): removed, their mounts detached first."""
+    predates the pid in the name): removed, their mounts detached first. Anything of that name
+    that is not a real folder (a planted link) is skipped."""
     for old in dest.parent.glob(f".{dest.name}.build-*"):
+        with contextlib.suppress(OSError):
+            if not stat.S_ISDIR(os.lstat(old).st_mode):
+                continue
         pid = old.name[len(f".{dest.name}.build-"):].split("-", 1)[0]
         if pid.isdigit() and pid != str(os.getpid()) and os.path.exists(f"/proc/{pid}"):
             continue  # another build of this image is running
         _remove_build(old)
 
 
-def resolve_rootfs(image: str | None) -> Path | None:
-    """The root filesystem directory for ``image`` on the sandbox backend.
+def open_image(name: str) -> Held | None:
+    """The built image ``name``'s folder, held (:class:`~smolbench._pkgtrust.Held`: an O_PATH descriptor,
+    its ``path`` the checked folder itself), or None when it is not built. Checked as the packages cache
+    is (:mod:`smolbench._pkgtrust`): the cache and every folder above it, ``images`` and the image
+    folder are the user's own (or root's) and writable by nobody else, and ``images`` and the image are
+    reached without following a link. Another user able to write there could plant a link to the host's
+    ``/`` or a trojaned python3; refused in one line, with the fix."""
+    dest = image_dir(name)
+    if not os.path.lexists(dest):
+        return None
+    cache_fd = open_root(dest.parent.parent, what="image cache")
+    try:
+        where = dest.parent
+        try:
+            images_fd = open_dir(cache_fd, dest.parent.name, above=True)
+            if images_fd is None:
+                return None
+            try:
+                where = dest
+                fd = open_dir(images_fd, dest.name)
+            finally:
+                os.close(images_fd)
+        except Untrusted as exc:
+            if where == dest:
+                raise SmolbenchError(f"refusing the image {name!r} ({dest}): {exc}, so another user could have "
+                                     f"planted or altered it; remove it (rm -rf {dest}) and run `smolbench image "
+                                     f"build {name}`, or set $SMOLBENCH_CACHE to a folder of your own") from None
+            raise SmolbenchError(f"refusing the image cache {where}: {exc}, so another user could plant or swap its "
+                                 f"images; remove it (rm -rf {where}) and build them again, or set $SMOLBENCH_CACHE "
+                                 "to a folder of your own") from None
+    finally:
+        os.close(cache_fd)
+    return None if fd is None else Held(fd)
 
-    ``None`` means the host's own root (returns ``None``); a path is a rootfs
-    directory used as it is; a name must have been built into the cache.
+
+@contextlib.contextmanager
+def held_rootfs(image: str | None) -> Iterator[Path | None]:
+    """The root filesystem directory for ``image`` on the sandbox backend, for the ``with`` block.
+
+    ``None`` means the host's own root (yields ``None``); a path is a rootfs directory used as it
+    is; a name must have been built into the cache, and is the checked folder itself
+    (``/proc/self/fd/N``, :func:`open_image`) until the block ends: bind it, or read it, there.
     """
     if image is None:
-        return None
+        yield None
+        return
     if is_path_image(image):
         path = home_path(image, "the image").resolve()
         if not path.is_dir():
@@ -281,16 +367,31 @@ def resolve_rootfs(image: str | None) -> Path | None:
                 f"rootfs directory {str(path)!r} has no usr/bin/python3: "
                 "install python3 in it or use a built image like 'debian:bookworm'"
             )
-        return path
-    path = image_dir(image)
-    if has_python(path):
-        return path
+        yield path
+        return
+    held = open_image(image)
+    try:
+        if held is not None and has_python(held.path):
+            yield Path(held.path)
+            return
+    finally:
+        if held is not None:
+            held.close()
     if image.startswith("debian:"):
         raise SmolbenchError(f"image {image!r} is not built: run `smolbench image build {image}`")
     raise SmolbenchError(
         f"image {image!r} is not built: the sandbox backend only builds Debian images "
         f"(run `smolbench image build {DEFAULT_IMAGE}`); OCI images need the smol backend"
     )
+
+
+def resolve_rootfs(image: str | None) -> Path | None:
+    """The root filesystem directory for ``image`` on the sandbox backend, by its name (for messages
+    and checks: a machine binds :func:`held_rootfs`'s). ``None`` means the host's own root."""
+    with held_rootfs(image) as path:
+        if path is None or image is None or is_path_image(image):
+            return path
+        return image_dir(image)
 
 
 def _tree_size(root: Path) -> int:
@@ -321,7 +422,7 @@ def list_images() -> list[tuple[str, Path, int]]:
             continue
         name = path.name
         try:
-            meta = json.loads(_meta_path(path).read_text())
+            meta = _read_meta(path)
             if isinstance(meta, dict) and isinstance(meta.get("name"), str):
                 name = meta["name"]
         except (OSError, ValueError):

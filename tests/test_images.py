@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -338,3 +338,135 @@ def test_the_suite_comes_from_a_debian_name(
                                              r"--suite, or name the image debian:bookworm$"):
         build_debian_rootfs("debian:sid", suite="bookworm", log=lines.append)
     assert not (cache / "images" / "debian-sid").exists()
+
+
+# -- the image cache is trusted only as the packages cache is (smolbench/_pkgtrust.py) --------------
+
+
+def _refused(call: Callable[[], object]) -> str:
+    with pytest.raises(SmolbenchError) as err:
+        call()
+    assert "\n" not in str(err.value), str(err.value)
+    return str(err.value)
+
+
+def _smol_image(image: str) -> str:
+    from smolbench.backends.smol_image import smol_image
+
+    return smol_image(image)
+
+
+def test_a_linked_image_is_refused_on_both_backends_never_the_hosts_root(cache: Path, tmp_path: Path) -> None:
+    """Attack: whoever can write the cache plants ``images/debian-bookworm -> /``; the sandbox bound
+    every host root entry (/etc, /home) in place of the filtered view, smol booted the host's /.
+    A fake host root stands for / here."""
+    host = _fake_rootfs(tmp_path / "host-root")
+    (cache / "images").mkdir(parents=True)
+    (cache / "images" / "debian-bookworm").symlink_to(host)
+    for call in (lambda: resolve_rootfs("debian:bookworm"), lambda: _smol_image("debian:bookworm")):
+        said = _refused(call)
+        assert said.startswith(f"refusing the image 'debian:bookworm' ({cache}/images/debian-bookworm): it is not "
+                               "a folder (a link), so another user could have planted or altered it; remove it "), said
+    (cache / "images" / "debian-bookworm").unlink()
+    (cache / "images").rmdir()
+    (cache / "images").symlink_to(tmp_path / "elsewhere")  # the images folder itself, linked
+    _fake_rootfs(tmp_path / "elsewhere" / "debian-bookworm")
+    for call in (lambda: resolve_rootfs("debian:bookworm"), lambda: _smol_image("debian:bookworm")):
+        assert _refused(call).startswith(f"refusing the image cache {cache}/images: it is not a folder (a link)")
+
+
+def test_a_built_image_is_bound_by_the_descriptor_that_was_checked(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the sandbox binds is the checked folder (``/proc/self/fd/N``), each entry by descriptor,
+    not a path a swap could redirect after the check; smol gets the checked folder's real path."""
+    from smolbench.backends import _bwrap, _stage
+    from smolbench.spec import MachineSpec
+
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    (root / "etc").mkdir()
+    (root / "bin").symlink_to("usr/bin")
+    monkeypatch.setattr(_stage, "readable", lambda *_a: True)  # the sandbox uid's reach is not the point
+    with images.held_rootfs("debian:bookworm") as rootfs:
+        assert rootfs is not None and str(rootfs).startswith("/proc/self/fd/")
+        p = _bwrap.plan(MachineSpec(), "m", "bwrap", rootfs)
+        try:
+            assert str(root) not in " ".join(p.argv)
+            binds = {p.argv[i + 2]: p.paths[f"/proc/self/fd/{p.argv[i + 1]}"]
+                     for i, arg in enumerate(p.argv) if arg == "--ro-bind-fd"}
+            assert binds["/usr"] == f"{rootfs}/usr" and binds["/etc"] == f"{rootfs}/etc"
+            assert "/bin" not in binds and ["--symlink", "usr/bin", "/bin"] == p.argv[p.argv.index("/bin") - 2:][:3]
+        finally:
+            p.close()
+    assert _smol_image("debian:bookworm") == str(root)
+
+
+def test_an_image_others_can_write_or_under_a_folder_of_another_user_is_refused(cache: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared cache's other user can write a group-writable image (a trojaned python3), or swap
+    what a folder of theirs above the cache holds."""
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    root.chmod(0o775)
+    for call in (lambda: resolve_rootfs("debian:bookworm"), lambda: _smol_image("debian:bookworm")):
+        assert "): it is writable by group (mode 0775), so another user could have planted or altered it; " in _refused(call)
+    root.chmod(0o755)
+    (cache / "images").chmod(0o777)
+    assert _refused(lambda: resolve_rootfs("debian:bookworm")).startswith(
+        f"refusing the image cache {cache}/images: it is writable by group and others (mode 0777 and not sticky)")
+    (cache / "images").chmod(0o755)
+    assert resolve_rootfs("debian:bookworm") == root
+    if os.getuid() != 0:
+        pytest.skip("a folder of another user above the cache: only root can make one here")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.rename(cache, shared / "cache")
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(shared / "cache"))
+    os.chown(shared, 65534, 65534)
+    try:
+        said = _refused(lambda: resolve_rootfs("debian:bookworm"))
+        assert said.startswith(f"refusing the image cache {shared}/cache: the folder {shared} above it: it belongs to "
+                               "uid 65534, not you (uid 0) or root"), said
+        assert "the folder" in _refused(lambda: _smol_image("debian:bookworm"))
+    finally:
+        os.chown(shared, 0, 0)
+
+
+# -- a root build follows no planted link -------------------------------------------------------------
+
+
+def test_a_root_build_writes_its_record_never_through_a_planted_link(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: ``debian-bookworm.json -> /etc/shadow`` made the build (as root) overwrite the file
+    with JSON. The record is written anew and renamed over the link; the file is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_text("root:secret\n")
+    (cache / "images").mkdir(parents=True)
+    (cache / "images" / "debian-bookworm.json").symlink_to(victim)
+    _fake_bin(tmp_path, monkeypatch, 'mkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n')
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    build_debian_rootfs(log=lambda _line: None)
+    assert victim.read_text() == "root:secret\n"
+    record = cache / "images" / "debian-bookworm.json"
+    assert not record.is_symlink() and json.loads(record.read_text())["suite"] == "bookworm"
+    assert sorted(p.name for p in (cache / "images").iterdir()) == ["debian-bookworm", "debian-bookworm.json"]
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount (the mount under the link's target is the point)")
+def test_a_build_never_sweeps_or_unmounts_through_a_linked_build_folder(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_mounts_left: None
+) -> None:
+    """Attack: ``.debian-bookworm.build-x -> /`` made the next root build detach every mount under
+    its target (all of the host's). A tmpfs under a folder of the test's stands for them."""
+    target = tmp_path / "target"
+    (target / "mnt").mkdir(parents=True)
+    subprocess.run(["/usr/bin/mount", "-t", "tmpfs", "none", str(target / "mnt")], check=True)
+    (target / "mnt" / "kept").write_text("a mounted file")
+    (target / "file").write_text("a file")
+    (cache / "images").mkdir(parents=True)
+    link = cache / "images" / ".debian-bookworm.build-x"
+    link.symlink_to(target)
+    _fake_bin(tmp_path, monkeypatch, 'mkdir -p "$4/usr/bin" && touch "$4/usr/bin/python3"\n')
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    build_debian_rootfs(log=lambda _line: None)
+    assert _mounted_under(target) == [str(target / "mnt")]
+    assert (target / "mnt" / "kept").read_text() == "a mounted file" and (target / "file").read_text() == "a file"
+    assert link.is_symlink()  # left as it is: not ours to remove

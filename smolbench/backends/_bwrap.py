@@ -209,7 +209,7 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
         p.source(rootfs)
         for entry in sorted(os.listdir(rootfs)):
             if entry not in SPECIAL_DIRS:
-                p.argv += _bind_entry(rootfs, entry)
+                _bind_image_entry(p, rootfs, entry)
     # The machine's run folder (its socket) is a tmpfs of its own: the host reaches it through
     # /proc/PID/root, so no host folder is writable from inside.
     p.argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
@@ -272,6 +272,20 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
             p.argv.append("--net")
         if weak:
             p.argv.append("--weaken=" + ",".join(sorted(weak)))
+
+
+def _bind_image_entry(p: Plan, rootfs: Path, entry: str) -> None:
+    """An entry of a rootfs image, bound by descriptor: a built image's ``rootfs`` is the checked folder
+    itself (``/proc/self/fd/N``, images.held_rootfs), which bwrap could not resolve by that path. Its
+    reach for the sandbox uid is the image folder's (``source``, staged): an entry of its own may be 0700."""
+    src = rootfs / entry
+    if src.is_symlink():
+        p.argv += ["--symlink", os.readlink(src), f"/{entry}"]
+    elif src.is_dir():
+        fd = os.open(src, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+        p.fds.append(fd)
+        p.paths[f"/proc/self/fd/{fd}"] = str(src)
+        p.argv += ["--ro-bind-fd", str(fd), f"/{entry}"]
 
 
 def _bind_entry(root: Path, entry: str) -> list[str]:

@@ -339,20 +339,20 @@ class SandboxBackend(AgentHostBackend):
                         host_dir=f"/proc/{pid}/root{os.path.dirname(guest_socket)}", socket=f"/proc/{pid}/root{guest_socket}")
 
     def _guest_python(self, spec: MachineSpec) -> GuestPython:
-        from ..images import resolve_rootfs
+        from ..images import held_rootfs
 
-        rootfs = resolve_rootfs(spec.image)
-        return host_python() if rootfs is None else rootfs_python(rootfs)
+        with held_rootfs(spec.image) as rootfs:
+            return host_python() if rootfs is None else rootfs_python(rootfs)
 
     def _packages_path(self, installed: Installed) -> Path:
         return Path(installed.mount)  # bwrap binds the folder that was checked, not what its path names now
 
     def _command(self, spec: MachineSpec, name: str, run_dir: Path, workspace: Path,
                  agent_args: builtins.list[str], packages: Path | None = None) -> tuple[builtins.list[str], str, str]:
-        from ..images import resolve_rootfs
+        from ..images import held_rootfs
 
-        p = plan(spec, name, self._bwrap, resolve_rootfs(spec.image), agent_args, sized=self.limiter.enforce,
-                 packages=packages)
+        with held_rootfs(spec.image) as rootfs:  # a built image: the checked folder, bound by descriptor
+            p = plan(spec, name, self._bwrap, rootfs, agent_args, sized=self.limiter.enforce, packages=packages)
         self._fds[name], self._fd_paths[name] = p.fds, p.paths
         if p.grants is not None:
             old = self._grants.pop(name, None)

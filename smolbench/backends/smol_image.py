@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 from ..errors import SmolbenchError
-from ..images import has_python, image_dir, is_path_image, is_valid_image_name
+from ..images import has_python, is_path_image, is_valid_image_name, open_image
 from ..packages import GuestPython, rootfs_python, version_python
 
 DEFAULT_IMAGE = "python:3.12-slim"
@@ -43,8 +43,16 @@ def smol_image(image: str | None) -> str:
         return DEFAULT_IMAGE
     if is_path_image(image):
         return _local(Path(image).expanduser().resolve())
-    if is_valid_image_name(image) and has_python(image_dir(image)):
-        return str(image_dir(image))  # built by `smolbench image build`
+    if is_valid_image_name(image):
+        held = open_image(image)  # built by `smolbench image build`: checked, no link followed
+        if held is not None:
+            try:
+                if has_python(held.path):
+                    # smol takes a path: the checked folder's own (a folder no other user can write
+                    # in, nor in any above it, so none can swap it after this)
+                    return os.readlink(held.path)
+            finally:
+                held.close()
     return image
 
 
