@@ -415,3 +415,48 @@ def test_smolfile_packages_import_and_stay_read_only_to_the_guest_s_root(tmp_pat
     while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
         time.sleep(1)
     assert local_machines() == [] and smol_vmm_processes() == []
+
+
+def test_a_local_rootfs_image_is_not_written_by_a_machine_s_root() -> None:
+    """A local image (a rootfs folder on the host, as the lane's /srv/pyimg) is every later
+    machine's root: the guest's root writing a new file into it must write the machine's own
+    copy, never the host's folder, and a second machine must not see it (seventh audit:
+    unverified until this)."""
+    import asyncio
+    import secrets
+
+    from smolbench.backends.base import CellRequest
+    from smolbench.backends.smol import SmolBackend
+    from smolbench.smolfile import parse_smolfile
+
+    if not IMAGE.startswith("/"):
+        pytest.skip("the image is not a local rootfs folder here")
+    probe = f"/usr/lib/smolbench-lane-probe-{secrets.token_hex(4)}"
+    spec = parse_smolfile(f'image = "{IMAGE}"\nmemory = 512\n')
+    write = (f"import os\ntry:\n    open({probe!r}, 'w').write('the machine')\nexcept OSError as exc:\n"
+             f"    print('refused', exc.errno)\nprint('uid', os.getuid(), 'wrote', os.path.exists({probe!r}))\n")
+    look = f"import os\nprint('sees', os.path.exists({probe!r}))\n"
+
+    async def go() -> tuple[str, str]:
+        backend = SmolBackend(probe=False, session="rootfs")
+        try:
+            first = await backend.create(spec, "first")
+            wrote = await backend.exec_cell(first, CellRequest(write), lambda ev: None)
+            assert wrote.status == "ok", wrote.error
+            await backend.delete(first)
+            second = await backend.create(spec, "second")
+            seen = await backend.exec_cell(second, CellRequest(look), lambda ev: None)
+            assert seen.status == "ok", seen.error
+            return wrote.stdout, seen.stdout
+        finally:
+            await backend.close()
+
+    wrote, seen = asyncio.run(go())
+    print(f"\nlocal rootfs image in a microVM: {wrote.strip()!r}, then {seen.strip()!r}")
+    assert "uid 0 " in wrote, wrote  # the guest's root (whether its root folder took the write or not)
+    assert not os.path.exists(IMAGE + probe), "a machine wrote into the host's image folder"
+    assert seen.strip() == "sees False", seen  # and the next machine starts from the image, not from it
+    deadline = time.monotonic() + 60
+    while (local_machines() or smol_vmm_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert local_machines() == [] and smol_vmm_processes() == []
