@@ -1,0 +1,58 @@
+"""Audit (smol backend): what the host reads of a machine, where it writes its captures, and what
+a restore lets out. Each attack is beside the test that stops it; each test failed before the fix.
+
+1. The host read a machine's output with no cap: control requests (ping, seed, interrupt, save)
+   went through ``exec``, which buffers all stdout, and a save's parts and a log's tail were read
+   whole with ``read_file``. A cell that rewrote the guest relay to print without end piled it up
+   in the kernel on the next ``%smol status``.
+2. ``store`` and ``captures`` in a copied checkpoint folder were followed when links: the VM's RAM
+   and disks were written, and pruned, where the folder's author chose.
+3. A restore ignored the Smolfile's network rules (the cloud opened egress for any allow-list).
+4. A copied cloud pointer's id named a host file, which the SDK uploads.
+5. A rewritten relay's stderr reached the terminal unescaped in an error line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakesmol import FakeHost, backend, fake_host, run
+
+from smolbench.backends import smol as smolmod
+from smolbench.backends.base import CellRequest
+from smolbench.errors import SmolbenchError
+from smolbench.spec import MachineSpec
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
+    yield from fake_host(monkeypatch)
+
+
+def rewrite_client(host: FakeHost, code: str) -> None:
+    """What a cell does in its machine: overwrite the relay every host request runs."""
+    Path(host.vms[0].path(smolmod.CLIENT)).write_text(code)
+
+
+# -- 5. machine text in an error line ------------------------------------------------------------
+
+
+def test_a_relays_stderr_is_escaped_in_its_error_line(host: FakeHost) -> None:
+    # Attack: a rewritten relay writes a terminal title escape to stderr and exits 1.
+    b = backend()
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            rewrite_client(host, "import sys\nsys.stderr.write('\\x1b]0;owned\\x07\\x1b[2Jfake ok')\nsys.exit(1)\n")
+            with pytest.raises(SmolbenchError) as err:
+                await b.exec_cell(ref, CellRequest(code="1"), lambda e: None)
+            return str(err.value)
+        finally:
+            await b.close()
+
+    message = run(main())
+    assert "fake ok" in message and "\x1b" not in message and "\x07" not in message
+    assert "\\x1b]0;owned" in message
