@@ -14,6 +14,7 @@ a restore lets out. Each attack is beside the test that stops it; each test fail
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,36 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
 def rewrite_client(host: FakeHost, code: str) -> None:
     """What a cell does in its machine: overwrite the relay every host request runs."""
     Path(host.vms[0].path(smolmod.CLIENT)).write_text(code)
+
+
+# -- 2. a checkpoint folder's links ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("linked", ["store", "captures"])
+def test_a_linked_store_or_captures_folder_is_refused(host: FakeHost, tmp_path: Path, linked: str) -> None:
+    # Attack: a copied folder's .smolbench/checkpoints/store (or captures) is a link to a
+    # folder its author chose: the VM's RAM and disks went there, and prune ran there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "theirs").write_text("kept")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / linked).symlink_to(elsewhere)
+    b = backend()
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            with pytest.raises(SmolbenchError) as err:
+                await b.checkpoint(ref, str(folder / "root.smolcheckpoint"))
+            return str(err.value)
+        finally:
+            await b.close()
+
+    assert "is a link or not a folder" in run(main())
+    assert sorted(os.listdir(elsewhere)) == ["theirs"]
+    host.vms[0].machine.checkpoint.assert_not_called()
+    host.cls.prune_checkpoint_store.assert_not_called()
 
 
 # -- 5. machine text in an error line ------------------------------------------------------------

@@ -646,16 +646,15 @@ class SmolBackend(Backend):
         # backend hands back is the one plain file it exports from that folder: the only kind
         # a checkpoint folder holds (gate/ckptpaths.py), and the kind any smol host restores.
         folder = os.path.dirname(path)
-        store, captures = os.path.join(folder, "store"), os.path.join(folder, "captures")
-        os.makedirs(store, exist_ok=True)
-        os.makedirs(captures, exist_ok=True)
+        store, captures = _own_folder(folder, "store"), _own_folder(folder, "captures")
         token = secrets.token_hex(6)
         capture = os.path.join(captures, f"{token}.smolcheckpoint")
         part = f"{path}.{token}.part"
         try:
             # Stopped (a Ctrl-C), an SDK call goes on in its thread: its files go once it wrote them.
             try:
-                await _to_the_end(asyncio.to_thread(handle.checkpoint, capture, store=store))
+                await _to_the_end(asyncio.to_thread(_checked_then, (store, captures), handle.checkpoint,
+                                                    capture, store=store))
             except SmolError as exc:
                 if HOST_BACKED not in str(exc).lower():
                     raise translate(exc) from exc
@@ -778,6 +777,29 @@ class SmolBackend(Backend):
         return list(self._machines.values())
 
 
+def _own_folder(parent: str, name: str) -> str:
+    """``parent/name``, made if missing, and a folder of its own: never a link (a copied folder's
+    ``store`` or ``captures`` linked elsewhere had a VM's RAM and disks written, and pruned, there)."""
+    path = os.path.join(parent, name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    _checked_then((path,), lambda: None)
+    return path
+
+
+def _checked_then(folders: Iterable[str], fn: Callable[_PS, T], *args: _PS.args, **kwargs: _PS.kwargs) -> T:
+    """``fn(...)`` once each of ``folders`` is a folder reached without following its last link."""
+    for folder in folders:
+        try:
+            os.close(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except OSError:
+            raise SmolbenchError(
+                f"{folder} is a link or not a folder: smolbench keeps a machine's captures only in a "
+                "folder of its own; remove it and save again"
+            ) from None
+    return fn(*args, **kwargs)
+
+
 def _remove_capture(capture: str, part: str, store: str) -> None:
     """A capture folder once exported (its chunks pruned from the store), and a half export."""
     import shutil
@@ -790,4 +812,4 @@ def _remove_capture(capture: str, part: str, store: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(part)
     with contextlib.suppress(Exception):
-        Machine.prune_checkpoint_store(store)
+        _checked_then((store,), Machine.prune_checkpoint_store, store)
