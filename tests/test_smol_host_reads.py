@@ -14,6 +14,7 @@ a restore lets out. Each attack is beside the test that stops it; each test fail
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from fakesmol import FakeHost, backend, fake_host, run
 
 from smolbench.backends import smol as smolmod
 from smolbench.backends.base import CellRequest
+from smolbench.backends.smol import CLOUD_POINTER, SmolBackend
 from smolbench.errors import SmolbenchError
 from smolbench.spec import MachineSpec
 
@@ -65,6 +67,54 @@ def test_a_linked_store_or_captures_folder_is_refused(host: FakeHost, tmp_path: 
     assert sorted(os.listdir(elsewhere)) == ["theirs"]
     host.vms[0].machine.checkpoint.assert_not_called()
     host.cls.prune_checkpoint_store.assert_not_called()
+
+
+# -- 3. a restore's network ----------------------------------------------------------------------
+
+
+def pointer(tmp_path: Path, checkpoint_id: object) -> str:
+    path = tmp_path / "c.smolcheckpoint"
+    path.write_text(json.dumps({"kind": CLOUD_POINTER, "id": checkpoint_id, "machine": "m", "size": 1}))
+    return str(path)
+
+
+@pytest.mark.parametrize("target", ["cloud", "local"])
+def test_an_allow_listed_machine_is_not_restored_with_other_network(
+    host: FakeHost, tmp_path: Path, target: str
+) -> None:
+    # Attack: a Smolfile allowing only pypi.org restored with open egress (cloud: network=True;
+    # local: the capture's network, whatever it was).
+    path = pointer(tmp_path, "ckpt-1") if target == "cloud" else str(tmp_path / "l.smolcheckpoint")
+    if target == "local":
+        Path(path).write_bytes(b"not gzip")
+    b = SmolBackend(target=target, probe=False, session="t")
+    spec = MachineSpec(allow_hosts=("pypi.org",))
+    with pytest.raises(SmolbenchError, match="can't apply to a restored microVM") as err:
+        run(b.restore(path, "back", spec))
+    assert "\n" not in str(err.value)
+    host.cls.restore_checkpoint.assert_not_called()
+    if target == "cloud":  # the internet-only rule is an allow-list too: open egress is more
+        with pytest.raises(SmolbenchError, match="can't apply"):
+            run(b.restore(path, "back", MachineSpec(net=True)))
+        host.cls.restore_checkpoint.assert_not_called()
+
+
+# -- 4. a cloud pointer's id ---------------------------------------------------------------------
+
+
+def test_a_cloud_pointer_naming_a_host_file_is_refused(
+    host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Attack: a copied pointer's id is "~/.ssh/id_rsa" (made absolute) or a bare name a file in the
+    # kernel's folder answers to: the SDK uploads that file to the cloud.
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    monkeypatch.chdir(tmp_path)
+    b = SmolBackend(target="cloud", probe=False, session="t")
+    for bad in (str(secret), "id_rsa", "../x", "", 7, "a" * 129):
+        with pytest.raises(SmolbenchError, match="does not name a smol cloud checkpoint"):
+            run(b.restore(pointer(tmp_path, bad), "back", MachineSpec()))
+    host.cls.restore_checkpoint.assert_not_called()
 
 
 # -- 5. machine text in an error line ------------------------------------------------------------

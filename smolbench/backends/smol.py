@@ -718,7 +718,27 @@ class SmolBackend(Backend):
                 f"{path} is not a smol cloud checkpoint: restore it with --target local",
                 api=f"{path} is not a smol cloud checkpoint: restore it from a Session(target='local')",
             )
-        return str(pointer["id"])
+        checkpoint_id = pointer.get("id")
+        # The SDK uploads an id that names a file on this host (a copied pointer's "~/.ssh/id_rsa"):
+        # only an id's own characters, and never one a file in the kernel's folder answers to.
+        if not isinstance(checkpoint_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", checkpoint_id) or os.path.lexists(checkpoint_id):
+            raise SmolbenchError(
+                f"{os.path.basename(path)} does not name a smol cloud checkpoint (an id is 1-128 letters, digits, "
+                "'-' or '_', and never a file here): restore only pointers smolbench wrote"
+            )
+        return checkpoint_id
+
+    def _restore_network(self, spec: MachineSpec) -> None:
+        """Refuse a restore whose network the SDK can't scope as ``create`` does: its restore takes
+        no allow-list (locally it keeps the capture's; on the cloud it is open or blocked, and open
+        reaches the private ranges ``create`` leaves out). A machine without network restores blocked."""
+        mode = spec.policy.mode
+        if mode == "allow" or (mode == "on" and self.target == "cloud"):
+            scoped = "allows only some hosts" if mode == "allow" else "allows the internet but not private networks"
+            raise SmolbenchError(
+                f"this Smolfile {scoped}, which smol can't apply to a restored microVM: restore with "
+                "net = false (and no allow) in the Smolfile, then `%smol up` a machine with the network you need"
+            )
 
     async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
         """A new live VM from a checkpoint, its agent renamed to ``name``."""
@@ -729,13 +749,13 @@ class SmolBackend(Backend):
         await self._ensure_available()
         smol_name = self.machine_name(name)
         conn = self.conn
+        self._restore_network(spec)
         if self.target == "cloud":
-            network = spec.network_enabled
 
             def restore() -> Machine:
-                return Machine.restore_checkpoint(
-                    checkpoint_id, smol_name, conn=conn, network=network
-                )
+                if os.path.lexists(checkpoint_id):  # checked again at the SDK's own check: it uploads a file
+                    raise SmolbenchError(f"a file named {checkpoint_id!r} is in this folder: restore from elsewhere")
+                return Machine.restore_checkpoint(checkpoint_id, smol_name, conn=conn, network=False)
         else:
 
             def restore() -> Machine:
