@@ -26,6 +26,7 @@ from smolbench.backends import smol as smolmod
 from smolbench.backends.base import CellRequest
 from smolbench.backends.smol import CLOUD_POINTER, SmolBackend
 from smolbench.errors import SmolbenchError
+from smolbench.gate.limits import LIMITS
 from smolbench.spec import MachineSpec
 
 
@@ -37,6 +38,79 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
 def rewrite_client(host: FakeHost, code: str) -> None:
     """What a cell does in its machine: overwrite the relay every host request runs."""
     Path(host.vms[0].path(smolmod.CLIENT)).write_text(code)
+
+
+# -- 1. output read with a cap -------------------------------------------------------------------
+
+
+def test_a_rewritten_relay_flooding_a_control_request_is_stopped_at_the_cap(
+    host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Attack: the relay prints 64 MB (standing in for "forever") to `%smol status`'s ping.
+    monkeypatch.setattr(LIMITS, "max_frame", 64 * 1024)
+    done = tmp_path / "flood-finished"
+    b = backend()
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            rewrite_client(host, "import sys\nfor _ in range(4096): sys.stdout.write('x' * 16384)\n"
+                                 f"open({str(done)!r}, 'w').close()\n")
+            with pytest.raises(SmolbenchError) as err:
+                await b.info(ref)
+            return str(err.value)
+        finally:
+            await b.close()
+
+    message = run(main())
+    assert "passed 66 KB" in message and "\n" not in message
+    assert not done.exists(), "the flooding relay was killed at the cap, not read to its end"
+    calls = [c.args[0] for c in host.vms[0].machine.exec.call_args_list]
+    assert not [a for a in calls if smolmod.CLIENT in a], "no control request goes through buffering exec"
+
+
+def test_a_save_reads_the_machines_parts_as_a_stream_stopped_at_the_checkpoint_limit(
+    host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Attack: a workspace far over the checkpoint limit (a machine smol can't capture whole
+    # saves its state): read whole with read_file before the limit was checked.
+    (img := tmp_path / "img" / "usr" / "bin").mkdir(parents=True)
+    (img / "python3").write_text("")
+    monkeypatch.setattr(LIMITS, "checkpoint", 200_000)
+    b = backend()
+    path = str(tmp_path / "ckpt" / "a.smolcheckpoint")
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(image=str(tmp_path / "img")), "root")
+        try:
+            await b.exec_cell(ref, CellRequest(code="open('big.bin', 'wb').write(b'z' * 2_000_000)"), lambda e: None)
+            with pytest.raises(SmolbenchError) as err:
+                await b.checkpoint(ref, path)
+            return str(err.value)
+        finally:
+            await b.close()
+
+    message = run(main())
+    assert "checkpoint limit" in message
+    host.vms[0].machine.read_file.assert_not_called()
+    assert not os.path.exists(path)
+
+
+def test_an_agent_logs_tail_is_read_from_its_end_only(host: FakeHost) -> None:
+    # Attack: a machine's agent log of 5 MB, read whole for one error line.
+    b = backend()
+
+    async def main() -> str:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            log = f"{smolmod.GUEST_RUN}/big.log"  # not the live agent's own log, which it appends to
+            Path(host.vms[0].path(log)).write_text("noise\n" * 800_000 + "the last line\n")
+            return await b._log_tail(b._handle(ref), log)
+        finally:
+            await b.close()
+
+    assert run(main()) == "the last line"
+    host.vms[0].machine.read_file.assert_not_called()
 
 
 # -- 2. a checkpoint folder's links ------------------------------------------------------------
