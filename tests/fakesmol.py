@@ -385,6 +385,8 @@ class FakeVM:
         self.host.before_write(self, path)
         self._alive()
         host = Path(self.path(path))
+        if os.path.basename(path).startswith("request-") and path.startswith(smolmod.GUEST_RUN + "/"):
+            data = self.guest_request(data.encode() if isinstance(data, str) else data)  # a relay's request file
         if not host.parent.is_dir():  # like a guest without the directory
             raise SmolError("SMOLVM_ERROR", f"write {path}: no such directory")
         host.write_bytes(data.encode() if isinstance(data, str) else data)

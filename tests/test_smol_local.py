@@ -247,21 +247,21 @@ def test_a_branch_that_never_answers_its_seed_is_an_infra_error(
     """smol kills a control exec at its timeout and returns no output: that is a machine
     that didn't answer (retryable), not a cell that died."""
     from fakesmol import FakeVM
-    from smol import ExecOptions, ExecResult
+    from smol import ExecOptions, ExecStream
 
     from smolbench.backends import smol as smolmod
     from smolbench.errors import InfraError
 
-    real_exec = FakeVM.exec
+    real_stream = FakeVM.exec_stream
 
-    def silent_seed(self: FakeVM, command: list[str], opts: ExecOptions | None = None) -> ExecResult:
-        stdin = opts.stdin if opts is not None else None
-        text = stdin.decode() if isinstance(stdin, bytes) else (stdin or "")
-        if command[1:2] == [smolmod.CLIENT] and '"seed"' in text:
-            return ExecResult(exit_code=137, stdout="", stderr="")
-        return real_exec(self, command, opts)
+    def silent_seed(self: FakeVM, command: list[str], opts: ExecOptions | None = None) -> ExecStream:
+        request = Path(self.path(command[-1]))  # a control request reaches the relay as a file
+        if command[3:4] == [smolmod.CLIENT] and '"seed"' in request.read_text():
+            request.unlink()
+            return ExecStream(iter([{"kind": "exit", "exit_code": 137}]), lambda: None)
+        return real_stream(self, command, opts)
 
-    monkeypatch.setattr(FakeVM, "exec", silent_seed)
+    monkeypatch.setattr(FakeVM, "exec_stream", silent_seed)
     b = backend()
 
     async def main() -> None:

@@ -21,6 +21,7 @@ lets a stream's chunks be forwarded to the loop as they arrive.
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
 import itertools
 import json
@@ -47,6 +48,8 @@ from .. import gate
 from .._aio import _made_in_thread, _to_the_end
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate import archive
+from ..gate.gzipread import UnsafeCheckpoint
+from ..gate.limits import LIMITS, human
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
@@ -64,7 +67,9 @@ from .smol_guest import (
     GUEST_RUN,
     LAUNCHER,
     PREPARE,
+    READ_B64,
     RELAY_FILE,
+    TAIL,
     _cloudpickle_files,
 )
 from .smol_image import DEFAULT_IMAGE, boot_timeout, image_python, is_local, smol_image
@@ -82,6 +87,11 @@ CONTROL_TIMEOUT = 30.0  # seconds for a ping / seed / interrupt round trip
 # of its stderr kept for an error line: a machine's output is never held whole here
 RELAY_EVENTS = 16
 STDERR_TAIL = 64 * 1024
+# what the host holds of a short command's stdout (ls, true, rm, a log's tail): a cell can rewrite
+# any program in its machine to print without end, and exec would buffer all of it here
+CONTROL_OUTPUT = 1024 * 1024
+LOG_TAIL = 4096  # bytes of an agent's log read for an error line
+B64_LINE = 65536  # characters of one of READ_B64's lines (48 KiB of a file)
 STATE_TIMEOUT = 600.0  # seconds for the agent to save or load a namespace and workspace
 CLOUD_POINTER = "smolbench-smol-cloud-checkpoint"
 NOT_FOUND = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
@@ -104,8 +114,15 @@ def _allow_hosts(hosts: Iterable[str]) -> list[str]:
     return out
 
 
-async def _chunks_of(data: str | bytes) -> AsyncIterator[bytes]:
-    yield data.encode() if isinstance(data, str) else data
+async def _capped(chunks: AsyncIterator[bytes], cap: int, what: str) -> AsyncIterator[bytes]:
+    """``chunks`` as they come, stopped with one line once more than ``cap`` bytes came."""
+    seen = 0
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > cap:
+            raise SmolbenchError(f"{what} passed {human(cap)}: stopped there (a cell may have rewritten its "
+                                 "relay); `%smol down` and `%smol up`")
+        yield chunk
 
 
 def _delete_quietly(handle: Machine) -> None:
@@ -316,9 +333,7 @@ class SmolBackend(Backend):
         files = [(f"{GUEST_HOME}/{f}", (GUEST_DIR / f).read_bytes()) for f in AGENT_FILES]
         files += [(f"{GUEST_LIB}/cloudpickle/{rel}", data) for rel, data in _cloudpickle_files()]
         dirs = sorted({GUEST_RUN, GUEST_HOME} | {os.path.dirname(path) for path, _ in files})
-        res = await self._sdk(
-            handle.exec, ["python3", "-c", PREPARE, *dirs], ExecOptions(timeout=CONTROL_TIMEOUT)
-        )
+        res = await self._run(handle, ["python3", "-c", PREPARE, *dirs], f"machine {ref.name!r}")
         if res.exit_code != 0:
             raise SmolbenchError(
                 f"image {spec.image or DEFAULT_IMAGE!r} has no working python3 ({detail(res.stderr or res.stdout, 80)}): "
@@ -352,9 +367,7 @@ class SmolBackend(Backend):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_TIMEOUT
         while True:
-            listing = await self._sdk(
-                handle.exec, ["ls", "-1", GUEST_RUN], ExecOptions(timeout=CONTROL_TIMEOUT)
-            )
+            listing = await self._run(handle, ["ls", "-1", GUEST_RUN], f"machine {ref.name!r}")
             present = set(listing.stdout.split())
             if f"{slug}.ready" in present:
                 return
@@ -371,11 +384,59 @@ class SmolBackend(Backend):
             await asyncio.sleep(0.1)
 
     async def _log_tail(self, handle: Machine, log: str) -> str:
+        """The last line of an agent's log, from its last :data:`LOG_TAIL` bytes only."""
         try:
-            text = (await asyncio.to_thread(handle.read_file, log)).decode(errors="replace").strip()
+            res = await self._run(handle, ["python3", "-c", TAIL, log, str(LOG_TAIL)], "the agent log",
+                                  cap=4 * LOG_TAIL)
         except Exception:
             return "no agent log"
+        if res.exit_code != 0:
+            return "no agent log"
+        text = res.stdout.strip()
         return detail(text.splitlines()[-1], 120) if text else "empty agent log"
+
+    async def _run(self, handle: Machine, argv: list[str], where: str, *, timeout: float = CONTROL_TIMEOUT,
+                   cap: int = CONTROL_OUTPUT, take: Callable[[str], None] | None = None) -> ExecResult:
+        """A command's result, its stdout read through ``exec_stream`` as it comes: at most ``cap``
+        characters held (or each piece handed to ``take``, which may raise to stop), the command
+        killed past that or past ``timeout``. A cell can rewrite any program in its machine (its
+        relay, ``ls``, ``true``) to print without end: ``exec`` would buffer all of it here."""
+        stream = await self._sdk(handle.exec_stream, argv, ExecOptions(timeout=timeout))
+
+        def drain() -> ExecResult:
+            out: list[str] = []
+            held, err, code = 0, "", None
+            for event in stream:
+                kind = event.get("kind")
+                if kind == "stdout":
+                    data = event.get("data", "")
+                    text = data if isinstance(data, str) else bytes(data).decode(errors="replace")
+                    if take is not None:
+                        take(text)
+                        continue
+                    held += len(text)
+                    if held > cap:
+                        raise SmolbenchError(
+                            f"{where} printed more than {human(cap)} for a short command ({argv[0]}): stopped "
+                            "there; a cell may have rewritten its programs: `%smol down` and `%smol up`"
+                        )
+                    out.append(text)
+                elif kind == "stderr":
+                    err = (err + str(event.get("data", "")))[-STDERR_TAIL:]
+                elif kind == "exit":
+                    code = event.get("exit_code")
+                elif kind == "error":
+                    raise SmolError("SMOLVM_ERROR", str(event.get("message", ""))[:STDERR_TAIL])
+            return ExecResult(exit_code=-1 if code is None else int(code), stdout="".join(out), stderr=err)
+
+        try:
+            async with asyncio.timeout(timeout + 5.0):  # the host's own bound: the guest's is its word
+                return await self._sdk(drain)
+        except TimeoutError:
+            raise InfraError(f"{where} did not finish {argv[0]} within {timeout:g} s: the machine is "
+                             "overloaded or gone; `%smol status`") from None
+        finally:
+            stream.kill()  # ends the thread's iteration too
 
     async def delete(self, machine: MachineRef) -> None:
         """Delete the VM (its branches are VMs of their own and stay); gone already is fine."""
@@ -427,15 +488,18 @@ class SmolBackend(Backend):
 
     # -- talking to agents ---------------------------------------------------------------
 
-    async def _relay(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        """Send one request through client.py; yield the agent's raw reply bytes as they arrive."""
+    async def _relay(
+        self, ref: MachineRef, msg: dict[str, Any], timeout: float | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """Send one request through client.py; yield the agent's raw reply bytes as they arrive.
+        With ``timeout``, a control request's: one that ended unanswered is an InfraError."""
         handle = self._handle(ref)
         where = f"machine {ref.name!r}"
         # Always as a file: smol's local exec_stream drops ExecOptions.stdin (the relay
         # would read EOF and wait forever), while write_file and exec deliver bytes.
         request = f"{GUEST_RUN}/request-{secrets.token_hex(6)}.json"
         await self._sdk(handle.write_file, request, P.encode(msg), 0o600)
-        argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, ref.info["socket"], request], ExecOptions()
+        argv, opts = ["sh", "-c", RELAY_FILE, CLIENT, ref.info["socket"], request], ExecOptions(timeout=timeout)
         stream = await self._sdk(handle.exec_stream, argv, opts)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(RELAY_EVENTS)
@@ -491,6 +555,11 @@ class SmolBackend(Backend):
                         f"{where}: running the agent relay failed ({detail(str(item.get('message', '')))}): "
                         "`%smol status`, or `%smol down` and `%smol up`",
                     )
+            if exit_code and timeout is not None:  # a control request, unanswered: retryable, as before
+                raise InfraError(
+                    f"{where} gave no answer to its {msg.get('op')} request within {timeout:g} s "
+                    f"(relay exit {exit_code}): the machine is overloaded or gone; `%smol status`"
+                )
             if exit_code:  # it ended without a final reply, else we would not be here
                 tail = stderr.strip().splitlines()
                 raise await self._lost(
@@ -508,30 +577,30 @@ class SmolBackend(Backend):
         """The error for a relay that ended without an answer: InfraError (retryable) when the
         VM itself is gone, a plain error when it still runs (the cell took its agent down)."""
         try:
-            res = await asyncio.to_thread(handle.exec, ["true"], ExecOptions(timeout=CONTROL_TIMEOUT))
-        except SmolError:
+            res = await self._run(handle, ["true"], "the machine", cap=0)
+        except InfraError:
             return InfraError(message)
+        except SmolbenchError as exc:  # printed where `true` prints nothing: it runs, rewritten
+            return SmolbenchError(message) if "printed more" in str(exc) else InfraError(message)
         return SmolbenchError(message) if res.exit_code == 0 else InfraError(message)
 
     async def _request(
         self, ref: MachineRef, msg: dict[str, Any], timeout: float = CONTROL_TIMEOUT
     ) -> dict[str, Any]:
         """One control request (ping, seed, interrupt) and its final reply; errors raise."""
-        handle = self._handle(ref)
         where = f"machine {ref.name!r}"
-        res: ExecResult = await self._sdk(
-            handle.exec,
-            ["python3", CLIENT, ref.info["socket"]],
-            ExecOptions(stdin=P.encode(msg), timeout=timeout),
-        )
+        op = msg.get("op")
+        # Through the relay's stream, as a cell: counted as it comes and stopped at the limit of one
+        # reply line (exec held all a rewritten relay printed); the host's own clock bounds it.
         try:
-            done = await gate.read_control(_chunks_of(res.stdout), ref.name)
-        except SmolbenchError:
-            if res.exit_code == 0:
-                raise
+            async with asyncio.timeout(timeout):
+                async with contextlib.aclosing(self._relay(ref, msg, timeout)) as chunks:
+                    done = await gate.read_control(_capped(chunks, LIMITS.max_frame, f"{where}'s reply to {op}"),
+                                                   ref.name)
+        except TimeoutError:
             raise InfraError(
-                f"{where} gave no answer to its {msg.get('op')} request within {timeout:g} s "
-                f"(relay exit {res.exit_code}): the machine is overloaded or gone; `%smol status`"
+                f"{where} gave no answer to its {op} request within {timeout:g} s: "
+                "the machine is overloaded or gone; `%smol status`"
             ) from None
         if done.get("status") != "ok":
             err = done.get("error") or {}
@@ -646,16 +715,15 @@ class SmolBackend(Backend):
         # backend hands back is the one plain file it exports from that folder: the only kind
         # a checkpoint folder holds (gate/ckptpaths.py), and the kind any smol host restores.
         folder = os.path.dirname(path)
-        store, captures = os.path.join(folder, "store"), os.path.join(folder, "captures")
-        os.makedirs(store, exist_ok=True)
-        os.makedirs(captures, exist_ok=True)
+        store, captures = _own_folder(folder, "store"), _own_folder(folder, "captures")
         token = secrets.token_hex(6)
         capture = os.path.join(captures, f"{token}.smolcheckpoint")
         part = f"{path}.{token}.part"
         try:
             # Stopped (a Ctrl-C), an SDK call goes on in its thread: its files go once it wrote them.
             try:
-                await _to_the_end(asyncio.to_thread(handle.checkpoint, capture, store=store))
+                await _to_the_end(asyncio.to_thread(_checked_then, (store, captures), handle.checkpoint,
+                                                    capture, store=store))
             except SmolError as exc:
                 if HOST_BACKED not in str(exc).lower():
                     raise translate(exc) from exc
@@ -672,16 +740,54 @@ class SmolBackend(Backend):
         stage = f"{GUEST_RUN}/state-{secrets.token_hex(6)}"
         try:
             done = await self._request(machine, {"op": "save", "path": stage}, timeout=STATE_TIMEOUT)
-            parts = {n: await self._sdk(handle.read_file, f"{stage}/{n}") for n in STATE_PARTS}
+            left = [LIMITS.checkpoint]  # both parts together, counted as they come
+            parts = {n: await self._read_part(handle, f"{stage}/{n}", machine.name, left) for n in STATE_PARTS}
             archive.check_workspace(parts["workspace.tar"], f"machine {machine.name}'s workspace")
         finally:
             with contextlib.suppress(Exception):
-                await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+                await self._run(handle, ["rm", "-rf", stage], f"machine {machine.name!r}")
         size = await _to_the_end(asyncio.to_thread(write_state, path, machine.name, parts))  # stopped: not after the save's undo
         warnings = [STATE_ONLY]
         if done.get("skipped"):
             warnings.append(f"not saved (can't be pickled): {gate.terminal.listed(done['skipped'])}")
         return CheckpointInfo(path, self.name, size, warnings)
+
+    async def _read_part(self, handle: Machine, path: str, machine: str, left: list[int]) -> bytes:
+        """A saved file of the machine's, streamed as base64 lines and counted as it comes:
+        stopped at the checkpoint limit (``left``, shared by the parts), never read whole first."""
+        got, pending, held = bytearray(), [], [0]  # pending: the pieces (held: characters) of a line not ended
+        name = os.path.basename(path)
+        odd = f"machine {machine}'s saved {name} came in a form smolbench doesn't write: stopped"
+
+        def take(text: str) -> None:
+            while text:
+                cut = text.find("\n")
+                if cut < 0:
+                    pending.append(text)
+                    held[0] += len(text)
+                    if held[0] > B64_LINE:
+                        raise SmolbenchError(odd)
+                    return
+                line, text = "".join(pending) + text[:cut], text[cut + 1:]
+                pending.clear()
+                held[0] = 0
+                try:
+                    block = binascii.a2b_base64(line, strict_mode=True)
+                except binascii.Error:
+                    raise SmolbenchError(odd) from None
+                left[0] -= len(block)
+                if left[0] < 0:
+                    raise UnsafeCheckpoint(f"machine {machine} sends a checkpoint of more than the checkpoint limit "
+                                           f"of {human(LIMITS.checkpoint)} (stopped there): keep less in the machine, "
+                                           "or raise it with `%smol config checkpoint-limit 4G`")
+                got.extend(block)
+
+        res = await self._run(handle, ["python3", "-c", READ_B64, path], f"machine {machine!r}",
+                              timeout=STATE_TIMEOUT, take=take)
+        if res.exit_code != 0 or pending:
+            raise SmolbenchError(f"machine {machine!r}: reading its saved {name} failed "
+                                 f"({detail(res.stderr, 80) or f'exit {res.exit_code}'}): `%smol status`")
+        return bytes(got)
 
     async def _restore_state(self, path: str, name: str, spec: MachineSpec) -> MachineRef:
         """A fresh machine from ``spec`` with a state checkpoint's workspace and namespace."""
@@ -691,11 +797,11 @@ class SmolBackend(Backend):
         handle = self._handle(ref)
         stage = f"{GUEST_RUN}/restore-{secrets.token_hex(6)}"
         try:
-            await self._sdk(handle.exec, ["mkdir", "-p", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+            await self._run(handle, ["mkdir", "-p", stage], f"machine {name!r}")
             for part, data in parts.items():
                 await self._sdk(handle.write_file, f"{stage}/{part}", data, 0o600)
             done = await self._request(ref, {"op": "load", "path": stage}, timeout=STATE_TIMEOUT)
-            await self._sdk(handle.exec, ["rm", "-rf", stage], ExecOptions(timeout=CONTROL_TIMEOUT))
+            await self._run(handle, ["rm", "-rf", stage], f"machine {name!r}")
         except BaseException:
             await self._delete_after_failure(ref)
             raise
@@ -719,7 +825,27 @@ class SmolBackend(Backend):
                 f"{path} is not a smol cloud checkpoint: restore it with --target local",
                 api=f"{path} is not a smol cloud checkpoint: restore it from a Session(target='local')",
             )
-        return str(pointer["id"])
+        checkpoint_id = pointer.get("id")
+        # The SDK uploads an id that names a file on this host (a copied pointer's "~/.ssh/id_rsa"):
+        # only an id's own characters, and never one a file in the kernel's folder answers to.
+        if not isinstance(checkpoint_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", checkpoint_id) or os.path.lexists(checkpoint_id):
+            raise SmolbenchError(
+                f"{os.path.basename(path)} does not name a smol cloud checkpoint (an id is 1-128 letters, digits, "
+                "'-' or '_', and never a file here): restore only pointers smolbench wrote"
+            )
+        return checkpoint_id
+
+    def _restore_network(self, spec: MachineSpec) -> None:
+        """Refuse a restore whose network the SDK can't scope as ``create`` does: its restore takes
+        no allow-list (locally it keeps the capture's; on the cloud it is open or blocked, and open
+        reaches the private ranges ``create`` leaves out). A machine without network restores blocked."""
+        mode = spec.policy.mode
+        if mode == "allow" or (mode == "on" and self.target == "cloud"):
+            scoped = "allows only some hosts" if mode == "allow" else "allows the internet but not private networks"
+            raise SmolbenchError(
+                f"this Smolfile {scoped}, which smol can't apply to a restored microVM: restore with "
+                "net = false (and no allow) in the Smolfile, then `%smol up` a machine with the network you need"
+            )
 
     async def restore(self, path: str, name: str, spec: MachineSpec, *, isolated: bool = False) -> MachineRef:
         """A new live VM from a checkpoint, its agent renamed to ``name``."""
@@ -730,13 +856,13 @@ class SmolBackend(Backend):
         await self._ensure_available()
         smol_name = self.machine_name(name)
         conn = self.conn
+        self._restore_network(spec)
         if self.target == "cloud":
-            network = spec.network_enabled
 
             def restore() -> Machine:
-                return Machine.restore_checkpoint(
-                    checkpoint_id, smol_name, conn=conn, network=network
-                )
+                if os.path.lexists(checkpoint_id):  # checked again at the SDK's own check: it uploads a file
+                    raise SmolbenchError(f"a file named {checkpoint_id!r} is in this folder: restore from elsewhere")
+                return Machine.restore_checkpoint(checkpoint_id, smol_name, conn=conn, network=False)
         else:
 
             def restore() -> Machine:
@@ -761,9 +887,7 @@ class SmolBackend(Backend):
 
     async def _find_agent(self, ref: MachineRef, handle: Machine) -> None:
         """Point ``ref`` at the agent socket inside a restored machine (one agent per VM)."""
-        res = await self._sdk(
-            handle.exec, ["ls", "-1", GUEST_RUN], ExecOptions(timeout=CONTROL_TIMEOUT)
-        )
+        res = await self._run(handle, ["ls", "-1", GUEST_RUN], f"machine {ref.name!r}")
         socks = sorted(n for n in res.stdout.split() if n.endswith(".sock"))
         if res.exit_code != 0 or not socks:
             raise SmolbenchError(
@@ -778,6 +902,29 @@ class SmolBackend(Backend):
         return list(self._machines.values())
 
 
+def _own_folder(parent: str, name: str) -> str:
+    """``parent/name``, made if missing, and a folder of its own: never a link (a copied folder's
+    ``store`` or ``captures`` linked elsewhere had a VM's RAM and disks written, and pruned, there)."""
+    path = os.path.join(parent, name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    _checked_then((path,), lambda: None)
+    return path
+
+
+def _checked_then(folders: Iterable[str], fn: Callable[_PS, T], *args: _PS.args, **kwargs: _PS.kwargs) -> T:
+    """``fn(...)`` once each of ``folders`` is a folder reached without following its last link."""
+    for folder in folders:
+        try:
+            os.close(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except OSError:
+            raise SmolbenchError(
+                f"{folder} is a link or not a folder: smolbench keeps a machine's captures only in a "
+                "folder of its own; remove it and save again"
+            ) from None
+    return fn(*args, **kwargs)
+
+
 def _remove_capture(capture: str, part: str, store: str) -> None:
     """A capture folder once exported (its chunks pruned from the store), and a half export."""
     import shutil
@@ -790,4 +937,4 @@ def _remove_capture(capture: str, part: str, store: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(part)
     with contextlib.suppress(Exception):
-        Machine.prune_checkpoint_store(store)
+        _checked_then((store,), Machine.prune_checkpoint_store, store)

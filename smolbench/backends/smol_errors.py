@@ -10,6 +10,7 @@ import re
 from smol import wrap_native_error
 
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
+from ..gate.terminal import one_line
 
 ERROR_HINTS: dict[str, str] = {
     "KVM_UNAVAILABLE": "no usable KVM here: use --backend sandbox or --target cloud",
@@ -104,8 +105,10 @@ def _kind(code: str, message: str, fallback: str | None = None) -> tuple[str, bo
 
 
 def detail(message: str, limit: int = 160) -> str:
+    """What smol or a machine said, for inside one host line: whitespace collapsed, and
+    escapes and other controls shown escaped (a rewritten relay's stderr is the machine's)."""
     text = " ".join(message.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return one_line(text, limit)
 
 
 def explain(code: str, message: str, fallback: str | None = None) -> str:

@@ -46,6 +46,22 @@ except BaseException:
 """
 
 # Checks python3 and makes the directories the agent needs, in one exec.
+# Prints a guest file ($1) as base64 lines of 48 KiB each (the exec stream carries text), for
+# the host to read as it comes and stop at its limit: never read whole in one reply.
+READ_B64 = (
+    "import base64, sys\n"
+    "with open(sys.argv[1], 'rb') as f:\n"
+    "    for b in iter(lambda: f.read(49152), b''):\n"
+    "        sys.stdout.write(base64.b64encode(b).decode() + '\\n')\n"
+)
+# Prints the last $2 bytes of a guest file ($1), as text.
+TAIL = (
+    "import os, sys\n"
+    "with open(sys.argv[1], 'rb') as f:\n"
+    "    f.seek(max(0, os.fstat(f.fileno()).st_size - int(sys.argv[2])))\n"
+    "    sys.stdout.write(f.read(int(sys.argv[2])).decode('utf-8', 'replace'))\n"
+)
+
 PREPARE = (
     "import os, sys\n"
     "for d in sys.argv[1:]:\n"
