@@ -429,10 +429,9 @@ class SmolBackend(Backend):
                     raise SmolError("SMOLVM_ERROR", str(event.get("message", ""))[:STDERR_TAIL])
             return ExecResult(exit_code=-1 if code is None else int(code), stdout="".join(out), stderr=err)
 
-        try:
-            async with asyncio.timeout(timeout + 5.0):  # the host's own bound: the guest's is its word
-                return await self._sdk(drain)
-        except TimeoutError:
+        try:  # the host's own bound: the guest's is its word
+            return await asyncio.wait_for(self._sdk(drain), timeout + 5.0)
+        except asyncio.TimeoutError:
             raise InfraError(f"{where} did not finish {argv[0]} within {timeout:g} s: the machine is "
                              "overloaded or gone; `%smol status`") from None
         finally:
@@ -592,12 +591,13 @@ class SmolBackend(Backend):
         op = msg.get("op")
         # Through the relay's stream, as a cell: counted as it comes and stopped at the limit of one
         # reply line (exec held all a rewritten relay printed); the host's own clock bounds it.
+        async def answer() -> dict[str, Any]:
+            async with contextlib.aclosing(self._relay(ref, msg, timeout)) as chunks:
+                return await gate.read_control(_capped(chunks, LIMITS.max_frame, f"{where}'s reply to {op}"), ref.name)
+
         try:
-            async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(self._relay(ref, msg, timeout)) as chunks:
-                    done = await gate.read_control(_capped(chunks, LIMITS.max_frame, f"{where}'s reply to {op}"),
-                                                   ref.name)
-        except TimeoutError:
+            done = await asyncio.wait_for(answer(), timeout)
+        except asyncio.TimeoutError:
             raise InfraError(
                 f"{where} gave no answer to its {op} request within {timeout:g} s: "
                 "the machine is overloaded or gone; `%smol status`"
