@@ -237,6 +237,21 @@ def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -
     asyncio.run(main())
 
 
+def _hanging_resolver() -> tuple[Any, list[str], threading.Event]:
+    """A fake getaddrinfo whose lookups of ``slow*`` names hang until released (no DNS), the
+    names it was asked, and the release."""
+    release = threading.Event()
+    asked: list[str] = []
+
+    def lookup(host: str, port: int, *rest: Any) -> list[Any]:
+        asked.append(host)
+        if host.startswith("slow"):
+            release.wait(120)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (FAR, port))]
+
+    return lookup, asked, release
+
+
 @pytest.mark.parametrize("fair", [True, False])
 def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A machine asks for 40 names whose lookup hangs (a fake resolver here: no DNS). Another
@@ -246,14 +261,7 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
     if not fair:
         monkeypatch.setattr(_netbudget, "TREE_LOOKUPS", 10_000)
         monkeypatch.setattr(_netbudget.Budget, "_executor", lambda self, tree: shared)
-    release = threading.Event()
-    asked: list[str] = []
-
-    def lookup(host: str, port: int, *rest: Any) -> list[Any]:
-        asked.append(host)
-        if host.startswith("slow"):
-            release.wait(120)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (FAR, port))]
+    lookup, asked, release = _hanging_resolver()
 
     async def main() -> None:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
@@ -296,14 +304,7 @@ def test_many_trees_of_slow_names_never_stall_another_trees_lookup(own_threads: 
     if not own_threads:  # the old design: every tree's lookups on one shared pool of 32 threads
         shared = concurrent.futures.ThreadPoolExecutor(32)
         monkeypatch.setattr(_netbudget.Budget, "_executor", lambda self, tree: shared)
-    release = threading.Event()
-    asked: list[str] = []
-
-    def lookup(host: str, port: int, *rest: Any) -> list[Any]:
-        asked.append(host)
-        if host.startswith("slow"):
-            release.wait(120)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (FAR, port))]
+    lookup, asked, release = _hanging_resolver()
 
     async def main() -> None:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
