@@ -111,6 +111,69 @@ def test_v1_for_real_a_process_joins_and_is_killed_and_the_group_goes() -> None:
             proc.kill()
 
 
+def test_v2_an_emptied_cgroup_is_reused_renamed_never_shared_and_goes_at_close(
+        fake_v2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool (Limiter._reuse): a released machine's emptied cgroup goes to the next one,
+    renamed; a live machine's never; one with other limits is set to them; close removes all."""
+    real_rmdir = Path.rmdir
+
+    def rmdir(self: Path) -> None:  # cgroupfs removes a group's files with it
+        for f in self.iterdir():
+            if f.is_file():
+                f.unlink()
+        real_rmdir(self)
+
+    monkeypatch.setattr(Path, "rmdir", rmdir)
+    limiter = _limits.Limiter()
+    a = limiter.machine("run1.0", MachineSpec(memory=512, pids=40))
+    (old,) = a.dirs
+    assert limiter.release_all(["run1.0"]) == [True]
+    assert a.dirs == [] and old.exists()  # kept, empty, and no longer the released machine's
+    b = limiter.machine("run2.0", MachineSpec(memory=512, pids=40))
+    (d,) = b.dirs
+    assert d.name == "run2.0" and d.parent == old.parent and not old.exists()  # the same cgroup, renamed
+    c = limiter.machine("run2.1", MachineSpec(memory=256, pids=40))  # b is live: c gets its own
+    assert c.dirs[0] != d and (c.dirs[0] / "memory.max").read_text() == str(256 << 20)
+    limiter.release_all(["run2.0"])
+    e = limiter.machine("run3.0", MachineSpec(memory=256, pids=30))  # other limits: written
+    assert e.dirs[0].name == "run3.0" and (e.dirs[0] / "memory.max").read_text() == str(256 << 20)
+    assert (e.dirs[0] / "pids.max").read_text() == "30"
+    (e.dirs[0] / "pids.current").write_text("1")
+    e.fork_headroom(16)  # a machine released while it held a fork's headroom is not kept
+    limiter.release_all(["run3.0"])
+    assert limiter._pool == {}
+    limiter.close()
+    assert [p for p in fake_v2.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
+def test_v1_for_real_a_reused_cgroup_holds_none_of_its_last_machines_processes() -> None:
+    limiter = _limits.Limiter()
+    spec = MachineSpec(memory=128, pids=20)
+    m = limiter.machine("run1.0", spec)
+    proc = subprocess.Popen(m.wrap(["sh", "-c", "sleep 60 & sleep 60 & wait"]))
+    try:
+        deadline = time.monotonic() + 60
+        while len(m.pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(m.pids()) == 3
+        dirs = list(m.dirs)
+        assert limiter.release_all(["run1.0"]) == [True]  # killed there, all of them
+        assert proc.wait(10) == -9
+        n = limiter.machine("run2.0", spec)
+        assert [d.parent for d in n.dirs] == [d.parent for d in dirs] and not any(d.exists() for d in dirs)
+        assert all(d.name == "run2.0" for d in n.dirs) and n.pids() == set()
+        other = limiter.machine("run2.1", spec)  # n is live: never handed out again
+        assert not set(other.dirs) & set(n.dirs)
+        groups = {d.parent for d in n.dirs}
+        limiter.release_all(["run2.0", "run2.1"])
+        limiter.close()
+        assert not any(g.exists() for g in groups)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _prime_for(limiter: _limits.Limiter, seconds: float) -> float:
     """Run keep_moves_cheap for about ``seconds``; how long it took to return after its stop."""
     forked = threading.Event()
