@@ -4,6 +4,7 @@ v1 controllers, so v2 can't run for real here), and v1 for real where it is writ
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -213,3 +214,63 @@ def test_v1_for_real_priming_leaves_this_process_where_it_was() -> None:
     before = Path("/proc/self/cgroup").read_text()
     _prime_for(_limits.Limiter(), 0.05)
     assert Path("/proc/self/cgroup").read_text() == before
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1" or shutil.which("bwrap") is None,
+                    reason="needs a writable cgroup v1 hierarchy and bubblewrap")
+def test_v1_for_real_forks_reuse_cgroups_one_per_live_branch_and_down_leaves_none(tmp_path: Path) -> None:
+    """Two `fork 4 --keep none` and a kept `fork 3` on the sandbox backend: the second fork's
+    branches get the first's emptied cgroups; each live branch's cgroups hold only its own
+    processes, no two live branches share one; after down no group of this kernel is left."""
+    from smolbench import Ledger
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.workbench import Workbench
+
+    seen: dict[str, list[set[str]]] = {}
+
+    async def run() -> list[Path]:
+        be = SandboxBackend()
+        wb = Workbench(be, MachineSpec(), Ledger(tmp_path / "ledger.db"))
+        await wb.up()
+        real = be.exec_cell
+
+        async def exec_cell(ref, request, on_event):  # type: ignore[no-untyped-def]
+            limits = be.limiter.get(ref.name)
+            assert limits is not None and limits.dirs
+            seen.setdefault(ref.name, []).append({str(d) for d in limits.dirs})
+            live = [be.limiter.get(n) for n in be._machines if n != ref.name]
+            assert not {str(d) for m in live if m is not None for d in m.dirs} & seen[ref.name][-1]
+            assert limits.pids() <= set(_procs_below(ref.info["host_pid"]))  # its own processes, nothing else
+            return await real(ref, request, on_event)
+
+        be.exec_cell = exec_cell  # type: ignore[method-assign]
+        try:
+            first = await wb.fork(wb.new_fork(4, keep="none"), "pass", lambda *a: None, keep="none")
+            pooled = {m.dirs[0].stat().st_ino for m in be.limiter._pool.values()}
+            assert len(pooled) == 4, pooled
+            second = await wb.fork(wb.new_fork(4, keep="none"), "pass", lambda *a: None, keep="none")
+            assert sorted(be.limiter._pool) == [f"root.{i}" for i in range(4, 8)]  # renamed, handed out, back
+            assert {m.dirs[0].stat().st_ino for m in be.limiter._pool.values()} == pooled  # the same cgroups
+            kept = await wb.fork(wb.new_fork(3, keep="all"), "pass", lambda *a: None, keep="all")
+            assert [r["status"] for res in (first, second, kept) for r in res.rows.values()] == ["ok"] * 11
+            groups = list(be.limiter._groups.values())
+        finally:
+            await wb.down()
+            await be.close()
+            wb.ledger.close()
+        return groups
+
+    import asyncio
+
+    groups = asyncio.run(run())
+    assert len(seen) == 11 and groups
+    assert not any(g.exists() for g in groups)
+    mine = f"{_limits.GROUP_PREFIX}{os.getpid()}-"
+    for base in _limits.detect().bases.values():
+        assert not [p for p in base.iterdir() if p.name.startswith(mine)]
+
+
+def _procs_below(pid: int) -> list[int]:
+    from smolbench.backends import _procs
+
+    return [pid, *(p for p, _ in _procs.descendants(pid))]
