@@ -361,8 +361,8 @@ def section(d: dict[str, Any]) -> str:
         'freeing of a memory cgroup after it), ~5 ledger rows per branch (~30 us each), buffered opens of '
         '/proc and cgroupfs files (~6 syscalls each), a thread job per deleted branch for its run folder, and '
         '~170 futex calls per branch (the GIL passed between the loop and the thread jobs). Since then a '
-        "deleted branch's emptied cgroups go to the next branch, renamed (Limiter._reuse; one set per live "
-        'machine, never shared, removed at down), its run folder is cleared in the same thread job as its '
+        "deleted branch's emptied cgroups (its fork's batched deletes) go to the next branch, renamed "
+        '(Limiter._reuse; one set per live machine, never shared, removed at down), its run folder is cleared in the same thread job as its '
         'cgroups, those files are read and written with os.read/os.write, and upsert_node makes its statement '
         'once per set of columns. Interleaved A/B (old 6fac255 against new, 10 rounds of 5 forks of 16 and 64 '
         'each, alternating, CPU of the whole tree from a cpuacct cgroup around it) on a host another session '

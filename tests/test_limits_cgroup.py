@@ -128,21 +128,23 @@ def test_v2_an_emptied_cgroup_is_reused_renamed_never_shared_and_goes_at_close(
     limiter = _limits.Limiter()
     a = limiter.machine("run1.0", MachineSpec(memory=512, pids=40))
     (old,) = a.dirs
-    assert limiter.release_all(["run1.0"]) == [True]
+    assert limiter.release_all(["run1.0"], keep=True) == [True]
     assert a.dirs == [] and old.exists()  # kept, empty, and no longer the released machine's
     b = limiter.machine("run2.0", MachineSpec(memory=512, pids=40))
     (d,) = b.dirs
     assert d.name == "run2.0" and d.parent == old.parent and not old.exists()  # the same cgroup, renamed
     c = limiter.machine("run2.1", MachineSpec(memory=256, pids=40))  # b is live: c gets its own
     assert c.dirs[0] != d and (c.dirs[0] / "memory.max").read_text() == str(256 << 20)
-    limiter.release_all(["run2.0"])
+    limiter.release_all(["run2.0"], keep=True)
     e = limiter.machine("run3.0", MachineSpec(memory=256, pids=30))  # other limits: written
     assert e.dirs[0].name == "run3.0" and (e.dirs[0] / "memory.max").read_text() == str(256 << 20)
     assert (e.dirs[0] / "pids.max").read_text() == "30"
     (e.dirs[0] / "pids.current").write_text("1")
     e.fork_headroom(16)  # a machine released while it held a fork's headroom is not kept
-    limiter.release_all(["run3.0"])
+    limiter.release_all(["run3.0"], keep=True)
     assert limiter._pool == {}
+    limiter.release_all(["run2.1"])  # a single release (a root's, or one delete's) removes them
+    assert limiter._pool == {} and not c.dirs
     limiter.close()
     assert [p for p in fake_v2.iterdir() if p.is_dir()] == []
 
@@ -159,7 +161,7 @@ def test_v1_for_real_a_reused_cgroup_holds_none_of_its_last_machines_processes()
             time.sleep(0.05)
         assert len(m.pids()) == 3
         dirs = list(m.dirs)
-        assert limiter.release_all(["run1.0"]) == [True]  # killed there, all of them
+        assert limiter.release_all(["run1.0"], keep=True) == [True]  # killed there, all of them
         assert proc.wait(10) == -9
         n = limiter.machine("run2.0", spec)
         assert [d.parent for d in n.dirs] == [d.parent for d in dirs] and not any(d.exists() for d in dirs)
@@ -167,7 +169,7 @@ def test_v1_for_real_a_reused_cgroup_holds_none_of_its_last_machines_processes()
         other = limiter.machine("run2.1", spec)  # n is live: never handed out again
         assert not set(other.dirs) & set(n.dirs)
         groups = {d.parent for d in n.dirs}
-        limiter.release_all(["run2.0", "run2.1"])
+        limiter.release_all(["run2.0", "run2.1"], keep=True)
         limiter.close()
         assert not any(g.exists() for g in groups)
     finally:

@@ -349,7 +349,7 @@ class AgentHostBackend(Saving, Backend):
                   if ref.info.get("contained") else None, ref.info["socket"]) for ref, _ in batch]
 
         def end() -> builtins.list[str]:
-            emptied = self.limiter.release_all([ref.name for ref, _ in batch])
+            emptied = self.limiter.release_all([ref.name for ref, _ in batch], keep=True)  # for the next branches
             out = []
             for (ref, _), ok, where in zip(batch, emptied, clear):
                 if not ok or _procs.running(ref.info["host_pid"], ref.info.get("host_started", "")):

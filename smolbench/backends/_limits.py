@@ -603,9 +603,10 @@ class Limiter:
         """Kill everything left in a machine's cgroups and remove them."""
         self.release_all([name])
 
-    def release_all(self, names: list[str]) -> list[bool]:
+    def release_all(self, names: list[str], keep: bool = False) -> list[bool]:
         """:meth:`release` of many machines at once; whether each one's cgroups emptied (True
-        where it had none)."""
+        where it had none). ``keep``: those that emptied go to the pool for the next machines
+        (a fork's branch deletes), not removed."""
         found = [(i, m) for i, name in enumerate(names) if (m := self._machines.pop(name, None)) is not None]
         emptied = kill_all([m for _, m in found])
         out = [True] * len(names)
@@ -617,7 +618,7 @@ class Limiter:
             out[i] = ok
             # an emptied set, with the limits it was made with, is kept; as a new object (the
             # old one, that callers may still hold, has no cgroups from now on)
-            if ok and m.dirs and not m.widened and len(kept) < room:
+            if keep and ok and m.dirs and not m.widened and len(kept) < room:
                 kept.append(MachineLimits(m.spec, m.dirs, m.version, m.enforce))
                 m.dirs = []
             else:
