@@ -354,7 +354,26 @@ def section(d: dict[str, Any]) -> str:
         "from /proc/PID/schedstat), a leaf of a fork of 16 has used 3.4-3.7 ms at its trivial cell's end "
         "(~705 minor faults); adding 48 mounts to the machine (74 now, 90 in a branch) left the CPU per "
         "branch as it was (6.9-7.4 ms at 16 and 64 both ways); more makers in parallel would not help at "
-        "the default Smolfile, as the maker runs in the warm parent's cgroup (cpus = 1).", END,
+        "the default Smolfile, as the maker runs in the warm parent's cgroup (cpus = 1). "
+        "2026-12-06 (issue 27, the kernel process's share): a fork of 16 profiled in the kernel process "
+        '(cProfile on thread CPU time, the loop thread and every thread job; strace -c) spent its host CPU on '
+        "a mkdir, five limit writes and an rmdir of three cgroups per branch (~0.25 ms, and the kernel's "
+        'freeing of a memory cgroup after it), ~5 ledger rows per branch (~30 us each), buffered opens of '
+        '/proc and cgroupfs files (~6 syscalls each), a thread job per deleted branch for its run folder, and '
+        '~170 futex calls per branch (the GIL passed between the loop and the thread jobs). Since then a '
+        "deleted branch's emptied cgroups (its fork's batched deletes) go to the next branch, renamed "
+        '(Limiter._reuse; one set per live machine, never shared, removed at down), its run folder is cleared in the same thread job as its '
+        'cgroups, those files are read and written with os.read/os.write, and upsert_node makes its statement '
+        'once per set of columns. Interleaved A/B (old 6fac255 against new, 10 rounds of 5 forks of 16 and 64 '
+        'each, alternating, CPU of the whole tree from a cpuacct cgroup around it) on a host another session '
+        'loaded to a load average of 12-24: the kernel process 2.67 -> 1.78 ms per branch at 16 and 2.41 -> '
+        '1.53 at 64 (context switches 7.5 -> 5.0 and 5.6 -> 3.1 per branch), all CPU 11.97 -> 10.95 ms per '
+        'branch at 16 and 11.65 -> 10.73 at 64; the wall time, against kernel-sized os.fork measured in the '
+        "same rounds, 4.57x -> 4.74x at 16 and 4.53x -> 3.96x at 64, within that load's noise (fork 64 ranged "
+        '377-654 ms on either code). Not tried for lack of time: releasing each branch as soon as it is in '
+        'its cgroup needs the maker to report each clone as it is made and a hold pipe per branch (the '
+        'branches now wait on one pipe, where any byte would release any of them), so that the other core '
+        'runs branches while the maker clones.', END,
     ])
 
 

@@ -276,6 +276,7 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._writes = True
+        self._node_sql: dict[tuple[str, ...], tuple[str, tuple[int, ...]]] = {}  # upsert_node's, by its columns
         try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT,
                                        isolation_level=None)
@@ -492,20 +493,29 @@ class Ledger:
 
     def upsert_node(self, session_id: str, node_id: str, **fields: Any) -> None:
         """Insert a node or update the given columns of it (committed at once)."""
-        unknown = set(fields) - set(NODE_COLUMNS) - {"seen"}
-        if unknown:
-            raise KeyError(f"unknown node columns: {sorted(unknown)}")
         if "output" in fields and isinstance(fields["output"], str):
             fields["output"] = fields["output"][-OUTPUT_LIMIT:]
         fields["seen"] = time.time()  # when a dead kernel's unfinished rows were last seen alive
-        cols = ["session_id", "id", *fields]
-        vals = [session_id, node_id, *(self._enc(k, v) for k, v in fields.items())]
-        updates = ", ".join(f"{k} = excluded.{k}" for k in fields) or "id = id"
-        self._write(
-            f"INSERT INTO nodes ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
-            f"ON CONFLICT (session_id, id) DO UPDATE SET {updates}",
-            vals,
-        )
+        # A fork writes ~5 rows per branch, always with the same columns: the statement, and
+        # which of its values are JSON, are made once per set of columns (what _enc does, inline).
+        keys = tuple(fields)
+        made = self._node_sql.get(keys)
+        if made is None:
+            unknown = set(fields) - set(NODE_COLUMNS) - {"seen"}
+            if unknown:
+                raise KeyError(f"unknown node columns: {sorted(unknown)}")
+            cols = ["session_id", "id", *keys]
+            updates = ", ".join(f"{k} = excluded.{k}" for k in keys)
+            made = (f"INSERT INTO nodes ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+                    f"ON CONFLICT (session_id, id) DO UPDATE SET {updates}",
+                    tuple(i for i, k in enumerate(keys) if k in JSON_COLUMNS))
+            self._node_sql[keys] = made
+        sql, json_at = made
+        vals = list(fields.values())
+        for i in json_at:
+            if vals[i] is not None and not isinstance(vals[i], str):
+                vals[i] = json.dumps(vals[i], default=repr)
+        self._write(sql, [session_id, node_id, *(int(v) if v.__class__ is bool else v for v in vals)])
 
     def add_cell(self, session_id: str, node_id: str, seq: int, code: str, seed: int | None,
                  pushed: list[str], status: str) -> None:

@@ -331,3 +331,21 @@ def test_nodes_keep_every_seed_a_fork_may_have(tmp_path: Path) -> None:
                                                                                                  2**63 - 1]
     finally:
         ledger.close()
+
+
+def test_upsert_node_refuses_unknown_columns_every_time_and_encodes_as_before(tmp_path: Path) -> None:
+    """upsert_node makes its statement once per set of columns: an unknown column is refused
+    each time (never cached), JSON columns and bools are written as they were."""
+    from smolbench.ledger import Ledger
+
+    led = Ledger(tmp_path / "l.db")
+    try:
+        for _ in range(2):
+            with pytest.raises(KeyError, match="nope"):
+                led.upsert_node("s", "root", status="ok", nope=1)
+        for alive in (True, False):
+            led.upsert_node("s", "root", status="ok", alive=alive, metrics={"a": 1}, versions=None, output="x" * 10)
+            row = led._db.execute("SELECT alive, typeof(alive), metrics, versions, output FROM nodes").fetchone()
+            assert row == (int(alive), "integer", '{"a": 1}', None, "x" * 10)
+    finally:
+        led.close()

@@ -4,6 +4,7 @@ v1 controllers, so v2 can't run for real here), and v1 for real where it is writ
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -111,6 +112,71 @@ def test_v1_for_real_a_process_joins_and_is_killed_and_the_group_goes() -> None:
             proc.kill()
 
 
+def test_v2_an_emptied_cgroup_is_reused_renamed_never_shared_and_goes_at_close(
+        fake_v2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool (Limiter._reuse): a released machine's emptied cgroup goes to the next one,
+    renamed; a live machine's never; one with other limits is set to them; close removes all."""
+    real_rmdir = Path.rmdir
+
+    def rmdir(self: Path) -> None:  # cgroupfs removes a group's files with it
+        for f in self.iterdir():
+            if f.is_file():
+                f.unlink()
+        real_rmdir(self)
+
+    monkeypatch.setattr(Path, "rmdir", rmdir)
+    limiter = _limits.Limiter()
+    a = limiter.machine("run1.0", MachineSpec(memory=512, pids=40))
+    (old,) = a.dirs
+    assert limiter.release_all(["run1.0"], keep=True) == [True]
+    assert a.dirs == [] and old.exists()  # kept, empty, and no longer the released machine's
+    b = limiter.machine("run2.0", MachineSpec(memory=512, pids=40))
+    (d,) = b.dirs
+    assert d.name == "run2.0" and d.parent == old.parent and not old.exists()  # the same cgroup, renamed
+    c = limiter.machine("run2.1", MachineSpec(memory=256, pids=40))  # b is live: c gets its own
+    assert c.dirs[0] != d and (c.dirs[0] / "memory.max").read_text() == str(256 << 20)
+    limiter.release_all(["run2.0"], keep=True)
+    e = limiter.machine("run3.0", MachineSpec(memory=256, pids=30))  # other limits: written
+    assert e.dirs[0].name == "run3.0" and (e.dirs[0] / "memory.max").read_text() == str(256 << 20)
+    assert (e.dirs[0] / "pids.max").read_text() == "30"
+    (e.dirs[0] / "pids.current").write_text("1")
+    e.fork_headroom(16)  # a machine released while it held a fork's headroom is not kept
+    limiter.release_all(["run3.0"], keep=True)
+    assert limiter._pool == {}
+    limiter.release_all(["run2.1"])  # a single release (a root's, or one delete's) removes them
+    assert limiter._pool == {} and not c.dirs
+    limiter.close()
+    assert [p for p in fake_v2.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
+def test_v1_for_real_a_reused_cgroup_holds_none_of_its_last_machines_processes() -> None:
+    limiter = _limits.Limiter()
+    spec = MachineSpec(memory=128, pids=20)
+    m = limiter.machine("run1.0", spec)
+    proc = subprocess.Popen(m.wrap(["sh", "-c", "sleep 60 & sleep 60 & wait"]))
+    try:
+        deadline = time.monotonic() + 60
+        while len(m.pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(m.pids()) == 3
+        dirs = list(m.dirs)
+        assert limiter.release_all(["run1.0"], keep=True) == [True]  # killed there, all of them
+        assert proc.wait(10) == -9
+        n = limiter.machine("run2.0", spec)
+        assert [d.parent for d in n.dirs] == [d.parent for d in dirs] and not any(d.exists() for d in dirs)
+        assert all(d.name == "run2.0" for d in n.dirs) and n.pids() == set()
+        other = limiter.machine("run2.1", spec)  # n is live: never handed out again
+        assert not set(other.dirs) & set(n.dirs)
+        groups = {d.parent for d in n.dirs}
+        limiter.release_all(["run2.0", "run2.1"], keep=True)
+        limiter.close()
+        assert not any(g.exists() for g in groups)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _prime_for(limiter: _limits.Limiter, seconds: float) -> float:
     """Run keep_moves_cheap for about ``seconds``; how long it took to return after its stop."""
     forked = threading.Event()
@@ -150,3 +216,63 @@ def test_v1_for_real_priming_leaves_this_process_where_it_was() -> None:
     before = Path("/proc/self/cgroup").read_text()
     _prime_for(_limits.Limiter(), 0.05)
     assert Path("/proc/self/cgroup").read_text() == before
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1" or shutil.which("bwrap") is None,
+                    reason="needs a writable cgroup v1 hierarchy and bubblewrap")
+def test_v1_for_real_forks_reuse_cgroups_one_per_live_branch_and_down_leaves_none(tmp_path: Path) -> None:
+    """Two `fork 4 --keep none` and a kept `fork 3` on the sandbox backend: the second fork's
+    branches get the first's emptied cgroups; each live branch's cgroups hold only its own
+    processes, no two live branches share one; after down no group of this kernel is left."""
+    from smolbench import Ledger
+    from smolbench.backends.sandbox import SandboxBackend
+    from smolbench.workbench import Workbench
+
+    seen: dict[str, list[set[str]]] = {}
+
+    async def run() -> list[Path]:
+        be = SandboxBackend()
+        wb = Workbench(be, MachineSpec(), Ledger(tmp_path / "ledger.db"))
+        await wb.up()
+        real = be.exec_cell
+
+        async def exec_cell(ref, request, on_event):  # type: ignore[no-untyped-def]
+            limits = be.limiter.get(ref.name)
+            assert limits is not None and limits.dirs
+            seen.setdefault(ref.name, []).append({str(d) for d in limits.dirs})
+            live = [be.limiter.get(n) for n in be._machines if n != ref.name]
+            assert not {str(d) for m in live if m is not None for d in m.dirs} & seen[ref.name][-1]
+            assert limits.pids() <= set(_procs_below(ref.info["host_pid"]))  # its own processes, nothing else
+            return await real(ref, request, on_event)
+
+        be.exec_cell = exec_cell  # type: ignore[method-assign]
+        try:
+            first = await wb.fork(wb.new_fork(4, keep="none"), "pass", lambda *a: None, keep="none")
+            pooled = {m.dirs[0].stat().st_ino for m in be.limiter._pool.values()}
+            assert len(pooled) == 4, pooled
+            second = await wb.fork(wb.new_fork(4, keep="none"), "pass", lambda *a: None, keep="none")
+            assert sorted(be.limiter._pool) == [f"root.{i}" for i in range(4, 8)]  # renamed, handed out, back
+            assert {m.dirs[0].stat().st_ino for m in be.limiter._pool.values()} == pooled  # the same cgroups
+            kept = await wb.fork(wb.new_fork(3, keep="all"), "pass", lambda *a: None, keep="all")
+            assert [r["status"] for res in (first, second, kept) for r in res.rows.values()] == ["ok"] * 11
+            groups = list(be.limiter._groups.values())
+        finally:
+            await wb.down()
+            await be.close()
+            wb.ledger.close()
+        return groups
+
+    import asyncio
+
+    groups = asyncio.run(run())
+    assert len(seen) == 11 and groups
+    assert not any(g.exists() for g in groups)
+    mine = f"{_limits.GROUP_PREFIX}{os.getpid()}-"
+    for base in _limits.detect().bases.values():
+        assert not [p for p in base.iterdir() if p.name.startswith(mine)]
+
+
+def _procs_below(pid: int) -> list[int]:
+    from smolbench.backends import _procs
+
+    return [pid, *(p for p, _ in _procs.descendants(pid))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,17 +121,18 @@ def test_a_folder_being_removed_is_not_given_to_a_new_branch(tmp_path: Path) -> 
         try:
             [old] = await be.branch(root, ["ep1.3"], [None])
             assert Path(old.info["host_dir"]).name == "3"
-            removing, go = asyncio.Event(), asyncio.Event()
-            gone = be._branch_gone
+            removing, go = threading.Event(), threading.Event()
+            clear = be._clear_branch
 
-            async def held(ref: Any) -> None:  # its processes are gone; its folder not yet
+            def held(*args: Any) -> None:  # its processes are gone; its folder not yet (a thread job)
                 removing.set()
-                await go.wait()
-                await gone(ref)
+                go.wait(60)
+                clear(*args)
 
-            be._branch_gone = held  # type: ignore[method-assign]
+            be._clear_branch = held  # type: ignore[method-assign]
             deleting = asyncio.ensure_future(be.delete(old))
-            await asyncio.wait_for(removing.wait(), 60)
+            assert await asyncio.to_thread(removing.wait, 60)
+            be._clear_branch = clear  # type: ignore[method-assign]
             [new] = await be.branch(root, ["ep2.3"], [None])
             go.set()
             await deleting

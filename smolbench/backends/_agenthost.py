@@ -59,7 +59,7 @@ class AgentHostBackend(Saving, Backend):
         self._booted: dict[str, asyncio.Event] = {}  # set when a root's agent said it is ready (its log)
         self._held: dict[str, Installed] = {}  # a root's packages entry, held (prune skips it) till it is deleted
         self._limiter: _limits.Limiter | None = None
-        self._ending: list[tuple[MachineRef, asyncio.Future[bool]]] = []  # branch deletes of this moment, batched
+        self._ending: list[tuple[MachineRef, asyncio.Future[str]]] = []  # branch deletes of this moment, batched
         self._going: dict[str, str] = {}  # branch -> its folder, while it is deleted: the name stays taken till it is gone
         self.swept: list[Path] = []  # stale run folders removed at the first create
         self.notes: list[str] = []  # things `%smol status` should say once (a fork flattened layers)
@@ -291,7 +291,10 @@ class AgentHostBackend(Saving, Backend):
             return
         self._going[ref.name] = ref.info["host_dir"]
         try:
-            if not await self._end_in_cgroups(ref):  # else killed there, checked gone, its cgroups removed
+            ended = await self._end_in_cgroups(ref)  # killed there, checked gone, its cgroups released
+            if ended == "cleared":  # and its folder gone, in the same thread job
+                return
+            if not ended:
                 procs = await asyncio.to_thread(self._kill_branch_tree, ref)
                 # The parent forked the branch: the pid is one of the parent's own pid namespace.
                 parent = self._machines.get(ref.parent)
@@ -322,34 +325,47 @@ class AgentHostBackend(Saving, Backend):
         elif parent is not None:
             self._remove_below(parent, folder)
 
-    async def _end_in_cgroups(self, ref: MachineRef) -> bool:
+    async def _end_in_cgroups(self, ref: MachineRef) -> str:
         """Kill a branch through its own cgroups (everything it started is there, from its first
-        instruction on), then remove them; batched with every branch deleted at this moment (a
-        fork's ``--keep none``): one thread job, one wait for them all. True once its cgroups
-        emptied and its own process is gone; False where it has no cgroups (rlimits) or that
-        could not be checked: the caller then kills it the other way (its parent, its tree)."""
+        instruction on), then release them; batched with every branch deleted at this moment (a
+        fork's ``--keep none``): one thread job, one wait for them all. "cleared" once its cgroups
+        emptied, its own process is gone and so is what it had in its parent's run folder
+        (:meth:`_branch_gone`, in the same job); "ended" if that last step failed; "" where it
+        has no cgroups (rlimits) or that could not be checked: the caller then kills it the
+        other way (its parent, its tree)."""
         limits = self.limiter.get(ref.name)
         if limits is None or not limits.dirs or "host_pid" not in ref.info:
-            return False
+            return ""
         loop = asyncio.get_running_loop()
         if not self._ending:
             loop.call_soon(lambda: asyncio.ensure_future(self._end_batch()))
-        done: asyncio.Future[bool] = loop.create_future()
+        done: asyncio.Future[str] = loop.create_future()
         self._ending.append((ref, done))
         return await done
 
     async def _end_batch(self) -> None:
         batch, self._ending = self._ending, []
+        clear = [(self._machines.get(ref.parent or ""), os.path.basename(ref.info["host_dir"])
+                  if ref.info.get("contained") else None, ref.info["socket"]) for ref, _ in batch]
 
-        def end() -> builtins.list[bool]:
-            emptied = self.limiter.release_all([ref.name for ref, _ in batch])
-            return [ok and not _procs.running(ref.info["host_pid"], ref.info.get("host_started", ""))
-                    for (ref, _), ok in zip(batch, emptied)]
+        def end() -> builtins.list[str]:
+            emptied = self.limiter.release_all([ref.name for ref, _ in batch], keep=True)  # for the next branches
+            out = []
+            for (ref, _), ok, where in zip(batch, emptied, clear):
+                if not ok or _procs.running(ref.info["host_pid"], ref.info.get("host_started", "")):
+                    out.append("")
+                    continue
+                try:
+                    self._clear_branch(*where)
+                    out.append("cleared")
+                except Exception:  # noqa: BLE001 - the delete tries again, on its own
+                    out.append("ended")
+            return out
 
         try:
             gone = await asyncio.to_thread(end)
         except BaseException:
-            gone = [False] * len(batch)  # each delete then goes the other way
+            gone = [""] * len(batch)  # each delete then goes the other way
         for (_, done), ok in zip(batch, gone):
             if not done.done():
                 done.set_result(ok)

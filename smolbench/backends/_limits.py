@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..errors import SmolbenchError
 from ..spec import MachineSpec
+from . import _procs
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP_PREFIX = "smolbench-"
@@ -53,6 +54,10 @@ CFS_PERIOD = 100_000  # µs
 KILL_TIMEOUT = 10.0
 MOVE_PRIME_EVERY = 0.003  # s between the no-op moves that keep a fork's moves cheap (well within a grace period)
 MOVE_PRIME_MOST = 60.0  # s they go on at most (a fork request answers long before)
+# Emptied cgroups kept for the next machines (Limiter.machine), at most this many sets: a
+# cgroup's mkdir, limits and rmdir cost ~0.25 ms of this process's CPU per branch (cgroup v1,
+# three controllers), and the kernel's work of freeing a memory cgroup after it.
+POOL_MOST = 512
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
 # Under rlimits, how many full branches (each at its pids) a sandbox root machine's process
@@ -295,6 +300,7 @@ class MachineLimits:
     dirs: list[Path]
     version: int  # 2, 1, or 0 for rlimits only
     enforce: bool = True
+    widened: bool = False  # fork_headroom raised its pids.max (not back yet)
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` prefixed so the process joins this machine's cgroups before it runs."""
@@ -321,7 +327,7 @@ class MachineLimits:
         for d in self.dirs:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, OSError):
-                    (d / "cgroup.procs").write_text(str(pid))
+                    _procs.write(d / "cgroup.procs", str(pid).encode())
 
     def fork_headroom(self, extra: int) -> None:
         """Let the machine briefly hold ``extra`` more tasks (0: back to its limit): branches it
@@ -331,24 +337,28 @@ class MachineLimits:
                 with contextlib.suppress(OSError, ValueError):
                     if extra and int((d / "pids.current").read_text()) >= self.spec.pids:
                         continue  # a machine at its limit can't fork: no headroom for it
+                    self.widened = True  # until written back (a failed write back: never reused)
                     (d / "pids.max").write_text(str(self.spec.pids + extra))
+                    self.widened = bool(extra)
 
-    def pids(self) -> set[int]:
-        """Every process in this machine's cgroups."""
+    def pids(self, first: bool = False) -> set[int]:
+        """Every process in this machine's cgroups (``first``: in its first one only)."""
         found: set[int] = set()
-        for d in self.dirs:
+        for d in self.dirs[:1] if first else self.dirs:
             with contextlib.suppress(OSError):
-                found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+                found.update(int(p) for p in _procs.read(d / "cgroup.procs").split())
         return found
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed here for running out of memory."""
+        # v2's one file, v1's in its memory cgroup (the first): twice per cell, never a miss
+        names = {2: ("memory.events",), 1: ("memory.oom_control",)}.get(self.version, ("memory.events", "memory.oom_control"))
         for d in self.dirs:
-            for name in ("memory.events", "memory.oom_control"):
+            for name in names:
                 with contextlib.suppress(OSError):
-                    for line in (d / name).read_text().splitlines():
-                        key, _, value = line.partition(" ")
-                        if key == "oom_kill":
+                    for line in _procs.read(d / name).splitlines():
+                        key, _, value = line.partition(b" ")
+                        if key == b"oom_kill":
                             return int(value)
         return 0
 
@@ -376,7 +386,9 @@ def kill_all(machines: list[MachineLimits]) -> list[bool]:
     deadline = time.monotonic() + KILL_TIMEOUT
     todo = list(range(len(machines)))
     while todo:
-        left = [(i, pids) for i in todo if (pids := machines[i].pids())]
+        # every process of a machine is in each of its cgroups (adopt, wrap): while its first one
+        # has any, that one alone is read; all of them once it looks empty (one a move missed)
+        left = [(i, pids) for i in todo if (pids := machines[i].pids(first=True) or machines[i].pids())]
         todo = [i for i, _ in left]
         if not todo or time.monotonic() > deadline:
             break
@@ -390,6 +402,11 @@ def remove_all(machines: list[MachineLimits]) -> list[bool]:
     """Kill what is left in many machines' cgroups and remove their directories, all in one
     wait (an rmdir refused for a moment after the last process exits is retried for all)."""
     emptied = kill_all(machines)
+    _remove_dirs(machines)
+    return emptied
+
+
+def _remove_dirs(machines: list[MachineLimits]) -> None:
     dirs = [d for m in machines for d in m.dirs]
     for m in machines:
         m.dirs = []
@@ -408,7 +425,6 @@ def remove_all(machines: list[MachineLimits]) -> list[bool]:
             time.sleep(0.01)
         else:
             break
-    return emptied
 
 
 def _rmdir(d: Path) -> None:
@@ -438,6 +454,11 @@ class Limiter:
         self.mechanism = detect() if self.enforce else Mechanism("none")
         self._machines: dict[str, MachineLimits] = {}
         self._groups: dict[str, Path] = {}
+        # Emptied cgroups of machines that went (each checked empty then, nothing can join an
+        # empty cgroup but by our own write), for the next machines: renamed, reconfigured if
+        # their limits differ; removed at close. A set is in here or one live machine's, never both.
+        self._pool: dict[str, MachineLimits] = {}  # by their cgroups' name
+        self._pool_lock = threading.Lock()
         if self.mechanism.bases:
             sweep_stale_groups(self.mechanism)
 
@@ -514,8 +535,12 @@ class Limiter:
     def machine(self, name: str, spec: MachineSpec) -> MachineLimits:
         """Create the cgroups of a new machine (or branch) named ``name``."""
         self.release(name)
-        dirs: list[Path] = []
         safe = name.replace("/", "_")
+        reused = self._reuse(safe, spec)
+        if reused is not None:
+            self._machines[name] = reused
+            return reused
+        dirs: list[Path] = []
         try:
             for controller in self.mechanism.bases:
                 d = self._group(controller) / safe
@@ -529,6 +554,28 @@ class Limiter:
         limits = MachineLimits(spec, dirs, self.version, self.enforce)
         self._machines[name] = limits
         return limits
+
+    def _reuse(self, safe: str, spec: MachineSpec) -> MachineLimits | None:
+        """An emptied set of cgroups from the pool, renamed ``safe`` and set to ``spec``'s
+        limits; None if the pool is empty or it could not be (that set is removed)."""
+        with self._pool_lock:
+            if not self._pool:
+                return None
+            # one named so already goes first (a branch made again under its name): no two alike
+            old = self._pool.pop(safe, None) or self._pool.popitem()[1]
+        dirs: list[Path] = []
+        try:
+            for d in old.dirs:
+                new = d.with_name(safe)
+                os.rename(d, new)  # within its parent: cheap, where mkdir and rmdir are not
+                dirs.append(new)
+            if old.spec != spec:
+                for controller, d in zip(self.mechanism.bases, dirs):
+                    self._configure(controller, d, spec)
+        except OSError:  # e.g. a lower memory limit than what it still holds: made afresh
+            MachineLimits(spec, dirs + old.dirs[len(dirs):], old.version).remove()
+            return None
+        return MachineLimits(spec, dirs, self.version, self.enforce)
 
     def _configure(self, controller: str, d: Path, spec: MachineSpec) -> None:
         mem = spec.memory * 1024 * 1024
@@ -556,20 +603,39 @@ class Limiter:
         """Kill everything left in a machine's cgroups and remove them."""
         self.release_all([name])
 
-    def release_all(self, names: list[str]) -> list[bool]:
+    def release_all(self, names: list[str], keep: bool = False) -> list[bool]:
         """:meth:`release` of many machines at once; whether each one's cgroups emptied (True
-        where it had none)."""
+        where it had none). ``keep``: those that emptied go to the pool for the next machines
+        (a fork's branch deletes), not removed."""
         found = [(i, m) for i, name in enumerate(names) if (m := self._machines.pop(name, None)) is not None]
-        emptied = remove_all([m for _, m in found])
+        emptied = kill_all([m for _, m in found])
         out = [True] * len(names)
-        for (i, _), ok in zip(found, emptied):
+        kept: list[MachineLimits] = []
+        gone: list[MachineLimits] = []
+        with self._pool_lock:
+            room = POOL_MOST - len(self._pool)
+        for (i, m), ok in zip(found, emptied):
             out[i] = ok
+            # an emptied set, with the limits it was made with, is kept; as a new object (the
+            # old one, that callers may still hold, has no cgroups from now on)
+            if keep and ok and m.dirs and not m.widened and len(kept) < room:
+                kept.append(MachineLimits(m.spec, m.dirs, m.version, m.enforce))
+                m.dirs = []
+            else:
+                gone.append(m)
+        _remove_dirs(gone)
+        if kept:
+            with self._pool_lock:
+                self._pool.update((m.dirs[0].name, m) for m in kept)
         return out
 
     def close(self) -> None:
         """Release every machine and remove the group directories."""
         for name in list(self._machines):
             self.release(name)
+        with self._pool_lock:
+            pool, self._pool = list(self._pool.values()), {}
+        remove_all(pool)
         for group in self._groups.values():
             _rmdir(group)
         self._groups.clear()

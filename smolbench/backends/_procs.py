@@ -13,11 +13,35 @@ import signal
 import time
 
 
+def read(path: str | os.PathLike[str]) -> bytes:
+    """The whole of a small /proc or cgroupfs file: open, read, close (no buffered file object:
+    a fork's host work reads several per branch; raises OSError as ``open`` does)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 65536)
+        if len(data) == 65536:  # more (a long list of pids)
+            parts = [data]
+            while chunk := os.read(fd, 65536):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def write(path: str | os.PathLike[str], data: bytes) -> None:
+    """One write of ``data`` to a /proc or cgroupfs file (raises OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state first), or None if gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
+        data = read(f"/proc/{pid}/stat")
     except OSError:
         return None
     return data[data.rfind(b")") + 2:].decode().split()
@@ -52,8 +76,7 @@ def kids(pid: int) -> list[int]:
         return out
     for tid in tids:
         with contextlib.suppress(OSError, ValueError):
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                out += [int(k) for k in fh.read().split()]
+            out += [int(k) for k in read(f"/proc/{pid}/task/{tid}/children").split()]
     return out
 
 
@@ -85,10 +108,9 @@ def running(pid: int, started: str) -> bool:
 def ns_pids(pid: int) -> list[int]:
     """The process's pid in each pid namespace, outermost first (the NSpid line)."""
     with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return [int(p) for p in line.split()[1:]]
+        for line in read(f"/proc/{pid}/status").splitlines():
+            if line.startswith(b"NSpid:"):
+                return [int(p) for p in line.split()[1:]]
     return []
 
 
