@@ -276,3 +276,17 @@ def _procs_below(pid: int) -> list[int]:
     from smolbench.backends import _procs
 
     return [pid, *(p for p, _ in _procs.descendants(pid))]
+
+
+def test_a_set_whose_pids_still_count_a_process_is_never_pooled(tmp_path: Path) -> None:
+    """Seventh audit: a killed process its parent never collects (a zombie: a parent rewritten
+    not to) is gone from cgroup.procs but still counts in pids.current; pooled, that count
+    went to the next branch, of any tree, which then couldn't fork. Such a set is removed."""
+    pids, memory = tmp_path / "pids", tmp_path / "memory"
+    pids.mkdir()
+    memory.mkdir()
+    counted = _limits.MachineLimits(MachineSpec(), [memory, pids], 1, True)
+    (pids / "pids.current").write_text("1\n")
+    assert not _limits._no_pids(counted, time.monotonic() + 0.05)
+    (pids / "pids.current").write_text("0\n")
+    assert _limits._no_pids(counted, time.monotonic())

@@ -58,6 +58,7 @@ MOVE_PRIME_MOST = 60.0  # s they go on at most (a fork request answers long befo
 # cgroup's mkdir, limits and rmdir cost ~0.25 ms of this process's CPU per branch (cgroup v1,
 # three controllers), and the kernel's work of freeing a memory cgroup after it.
 POOL_MOST = 512
+ZOMBIE_WAIT = 0.2  # seconds a pooled set's killed processes get to be collected (then it is removed)
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
 # Under rlimits, how many full branches (each at its pids) a sandbox root machine's process
@@ -614,11 +615,12 @@ class Limiter:
         gone: list[MachineLimits] = []
         with self._pool_lock:
             room = POOL_MOST - len(self._pool)
+        deadline = time.monotonic() + ZOMBIE_WAIT  # (a background batch's: no one waits on it)
         for (i, m), ok in zip(found, emptied):
             out[i] = ok
             # an emptied set, with the limits it was made with, is kept; as a new object (the
             # old one, that callers may still hold, has no cgroups from now on)
-            if keep and ok and m.dirs and not m.widened and len(kept) < room:
+            if keep and ok and m.dirs and not m.widened and len(kept) < room and _no_pids(m, deadline):
                 kept.append(MachineLimits(m.spec, m.dirs, m.version, m.enforce))
                 m.dirs = []
             else:
@@ -639,6 +641,25 @@ class Limiter:
         for group in self._groups.values():
             _rmdir(group)
         self._groups.clear()
+
+
+def _no_pids(m: MachineLimits, deadline: float) -> bool:
+    """Nothing counts in ``m``'s pids any more, by ``deadline``. An emptied cgroup.procs isn't
+    that: a killed process its parent hasn't collected yet (a zombie) still counts in
+    pids.current, and a parent rewritten never to collect would pass its count on to the next
+    branch (seventh audit). Such a set is removed (rmdir works), never pooled."""
+    for d in m.dirs:
+        while True:
+            try:
+                count = _procs.read(d / "pids.current").strip()
+            except OSError:
+                break  # not the pids controller's folder
+            if count == b"0":
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+    return True
 
 
 def _start_time(pid: int) -> str:
