@@ -11,9 +11,12 @@ budget per answer; the cell's own ``done`` (it ended) is checked as a cell's is.
 
 from __future__ import annotations
 
+import base64
 import binascii
+import functools
 import logging
 import re
+import sys
 from typing import Any
 
 from ..backends.base import CellRequest, CellResult
@@ -154,6 +157,9 @@ class Answers:
             raise Bad(f"an answer that can't be used ({type(exc).__name__})") from None
 
 
+# a lean step's observation: binascii's strict mode where there is one (3.11), else base64's check
+_strict_b64 = functools.partial(binascii.a2b_base64, strict_mode=True) if sys.version_info >= (3, 11) else \
+    functools.partial(base64.b64decode, validate=True)
 _NONE = object()  # a frame that is not an answer (output, dropped)
 ANSWER = {"t": lambda v, k: v, "value": lambda v, k: v, "step": lambda v, k: v, "error": _error}
 STEP = frozenset({"o", "ov", "r", "f", "i", "g"})
@@ -193,7 +199,7 @@ def _lean_step(frame: bytes) -> dict[str, Any] | None:
     if m is None or frame.endswith(b"===", head, cut):  # (3.11's strict mode takes "AAAA===", the pattern not)
         return None
     try:
-        raw = binascii.a2b_base64(memoryview(frame)[head:cut], strict_mode=True)  # what pull.npy does with it
+        raw = _strict_b64(memoryview(frame)[head:cut])  # what pull.npy does with it
     except (binascii.Error, ValueError):
         return None
     obs = pull._plain_npy(raw)
