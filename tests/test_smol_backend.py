@@ -644,11 +644,13 @@ def test_checkpoint_and_restore_use_the_sdk(host: FakeHost, tmp_path: Path) -> N
     assert (info.path, info.backend, info.size) == (path, "smol", os.path.getsize(path))
     assert os.path.isfile(path) and not os.path.islink(path)
     (capture,), kwargs = host.vms[0].machine.checkpoint.call_args
-    assert kwargs == {"store": str(tmp_path / "ckpt" / "store")}
+    # the save's own store, made for it beside its capture, and gone with it
+    assert list(kwargs) == ["store"] and os.path.dirname(kwargs["store"]) == str(tmp_path / "ckpt" / "captures")
+    assert os.path.basename(kwargs["store"]).startswith("store-")
     assert os.path.dirname(capture) == str(tmp_path / "ckpt" / "captures")
     host.cls.export_checkpoint.assert_called_once()
     assert not os.path.exists(capture) and os.listdir(tmp_path / "ckpt" / "captures") == []
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["captures", "root.smolcheckpoint", "store"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["captures", "root.smolcheckpoint"]
     host.cls.restore_checkpoint.assert_called_once()
     args, kwargs = host.cls.restore_checkpoint.call_args
     assert args[0] == path and args[1].startswith("smolbench-t-back-")

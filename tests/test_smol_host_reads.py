@@ -116,16 +116,15 @@ def test_an_agent_logs_tail_is_read_from_its_end_only(host: FakeHost) -> None:
 # -- 2. a checkpoint folder's links ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("linked", ["store", "captures"])
-def test_a_linked_store_or_captures_folder_is_refused(host: FakeHost, tmp_path: Path, linked: str) -> None:
-    # Attack: a copied folder's .smolbench/checkpoints/store (or captures) is a link to a
-    # folder its author chose: the VM's RAM and disks went there, and prune ran there.
+def test_a_linked_captures_folder_is_refused(host: FakeHost, tmp_path: Path) -> None:
+    # Attack: a copied folder's .smolbench/checkpoints/captures is a link to a folder its
+    # author chose: the VM's RAM and disks went there.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "theirs").write_text("kept")
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / linked).symlink_to(elsewhere)
+    (folder / "captures").symlink_to(elsewhere)
     b = backend()
 
     async def main() -> str:
@@ -140,6 +139,39 @@ def test_a_linked_store_or_captures_folder_is_refused(host: FakeHost, tmp_path: 
     assert "is a link or not a folder" in run(main())
     assert sorted(os.listdir(elsewhere)) == ["theirs"]
     host.vms[0].machine.checkpoint.assert_not_called()
+    host.cls.prune_checkpoint_store.assert_not_called()
+
+
+@pytest.mark.parametrize("kind", ["link", "folder"])
+def test_a_copied_folders_store_is_never_a_saves_store(host: FakeHost, tmp_path: Path, kind: str) -> None:
+    # Attack: a copied folder's .smolbench/checkpoints/store, a link to a folder its author
+    # chose (the VM's RAM and disks went there, and prune ran there) or a real folder of
+    # objects they planted (smol's capture reuses what a store holds; the export is then
+    # signed as this user's own). Each save makes a store of its own and removes it.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "theirs").write_text("kept")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    if kind == "link":
+        (folder / "store").symlink_to(elsewhere)
+    else:
+        (folder / "store").mkdir()
+        (folder / "store" / "planted").write_text("theirs")
+    b = backend()
+
+    async def main() -> None:
+        ref = await b.create(MachineSpec(), "root")
+        try:
+            await b.checkpoint(ref, str(folder / "root.smolcheckpoint"))
+        finally:
+            await b.close()
+
+    run(main())
+    (_capture,), kwargs = host.vms[0].machine.checkpoint.call_args
+    assert os.path.realpath(kwargs["store"]) not in (str(elsewhere), str(folder / "store"))
+    assert os.path.dirname(kwargs["store"]) == str(folder / "captures") and not os.path.exists(kwargs["store"])
+    assert sorted(os.listdir(elsewhere)) == ["theirs"]
     host.cls.prune_checkpoint_store.assert_not_called()
 
 

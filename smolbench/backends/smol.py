@@ -21,6 +21,7 @@ lets a stream's chunks be forwarded to the loop as they arrive.
 from __future__ import annotations
 
 import asyncio
+import base64
 import binascii
 import contextlib
 import itertools
@@ -28,6 +29,8 @@ import json
 import os
 import re
 import secrets
+import shutil
+import tempfile
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -715,7 +718,10 @@ class SmolBackend(Backend):
         # backend hands back is the one plain file it exports from that folder: the only kind
         # a checkpoint folder holds (gate/ckptpaths.py), and the kind any smol host restores.
         folder = os.path.dirname(path)
-        store, captures = _own_folder(folder, "store"), _own_folder(folder, "captures")
+        # a store made for this save alone: one already in the folder (a copied folder's) may hold
+        # objects its author planted, which smol's capture would take as already stored (seventh audit)
+        captures = _own_folder(folder, "captures")
+        store = tempfile.mkdtemp(prefix="store-", dir=captures)
         token = secrets.token_hex(6)
         capture = os.path.join(captures, f"{token}.smolcheckpoint")
         part = f"{path}.{token}.part"
@@ -772,7 +778,7 @@ class SmolBackend(Backend):
                 pending.clear()
                 held[0] = 0
                 try:
-                    block = binascii.a2b_base64(line, strict_mode=True)
+                    block = base64.b64decode(line, validate=True)  # (binascii's strict_mode is 3.11's)
                 except binascii.Error:
                     raise SmolbenchError(odd) from None
                 left[0] -= len(block)
@@ -926,9 +932,7 @@ def _checked_then(folders: Iterable[str], fn: Callable[_PS, T], *args: _PS.args,
 
 
 def _remove_capture(capture: str, part: str, store: str) -> None:
-    """A capture folder once exported (its chunks pruned from the store), and a half export."""
-    import shutil
-
+    """A capture folder once exported, its store, and a half export."""
     if os.path.isdir(capture) and not os.path.islink(capture):
         shutil.rmtree(capture, ignore_errors=True)
     else:
@@ -936,5 +940,5 @@ def _remove_capture(capture: str, part: str, store: str) -> None:
             os.unlink(capture)
     with contextlib.suppress(OSError):
         os.unlink(part)
-    with contextlib.suppress(Exception):
-        _checked_then((store,), Machine.prune_checkpoint_store, store)
+    if os.path.isdir(store) and not os.path.islink(store):  # this save's own (mkdtemp's): it goes whole
+        shutil.rmtree(store, ignore_errors=True)
