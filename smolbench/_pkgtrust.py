@@ -44,7 +44,7 @@ def _close_fds(fds: tuple[int, ...]) -> None:
             os.close(fd)
 
 
-def _untrusted(st: os.stat_result, above: bool = False) -> str | None:
+def untrusted(st: os.stat_result, above: bool = False) -> str | None:
     """Why another user could have planted or altered a file or folder (its lstat ``st``), or None:
     as ssh does its files, it must be the user's own (or root's) and writable by nobody else.
     ``above``: a folder above the cache, where others may write if it is sticky (like /tmp): they
@@ -77,7 +77,7 @@ def open_root(root: Path, what: str = "packages cache") -> int:
             st = os.fstat(fd)
             last = not part
             if last or not inside or here == home or here.startswith(home.rstrip("/") + "/"):
-                why = _untrusted(st, above=not last)
+                why = untrusted(st, above=not last)
                 if why is not None:
                     _refuse_root(root, "" if last else here, why, st, what)
             if last:
@@ -101,13 +101,15 @@ _HOLDS = {"packages cache": "packages", "image cache": "root filesystems"}
 
 def _refuse_root(root: Path, above: str, why: str, st: os.stat_result, what: str = "packages cache") -> None:
     folder = above or str(root)
-    fix = (f"chmod go-w {folder}" if st.st_uid == os.getuid() else "set $SMOLBENCH_CACHE to a folder of your own")
+    cache = what in _HOLDS
+    elsewhere = "set $SMOLBENCH_CACHE to a folder of your own" if cache else "use a folder of your own"
+    fix = f"chmod go-w {folder}" if st.st_uid == os.getuid() else elsewhere
     if above:
         raise SmolbenchError(f"refusing the {what} {root}: the folder {above} above it: {why}, so another user "
-                             f"could rename the cache and put their own in its place; {fix} (or chmod +t {above}), or "
-                             "set $SMOLBENCH_CACHE to a folder of your own")
-    raise SmolbenchError(f"refusing the {what} {root}: {why}, so another user could plant or alter the "
-                         f"{_HOLDS.get(what, 'files')} it mounts into machines; {fix}")
+                             f"could rename it and put their own in its place; {fix} (or chmod +t {above}), or "
+                             f"{elsewhere}")
+    held = f"the {_HOLDS[what]} it mounts into machines" if cache else "what is in it"
+    raise SmolbenchError(f"refusing the {what} {root}: {why}, so another user could plant or alter {held}; {fix}")
 
 
 class Untrusted(Exception):
@@ -117,7 +119,7 @@ class Untrusted(Exception):
 def open_dir(dir_fd: int, name: str, above: bool = False) -> int | None:
     """The folder ``name`` in the folder ``dir_fd`` as an O_PATH fd, reached without following a link,
     or None when there is none. Raises :class:`Untrusted` if it is a link or not a folder, or another
-    user could write in it (:func:`_untrusted`; ``above``: a folder above what is used, sticky will do)."""
+    user could write in it (:func:`untrusted`; ``above``: a folder above what is used, sticky will do)."""
     try:
         fd = os.open(name, _DIR, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -127,7 +129,7 @@ def open_dir(dir_fd: int, name: str, above: bool = False) -> int | None:
             if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                 raise Untrusted("it is not a folder (a link)") from None
         raise Untrusted(f"it is not a folder ({exc.strerror})") from None
-    why = _untrusted(os.fstat(fd), above)
+    why = untrusted(os.fstat(fd), above)
     if why is not None:
         os.close(fd)
         raise Untrusted(why)
@@ -156,7 +158,7 @@ def _open_entry(root_fd: int, entry: Path) -> tuple[int, int] | None:
         _refuse(entry, entry, f"it is not a folder ({exc.strerror})")
     fds = [fd]
     try:
-        found = _untrusted(os.fstat(fd))
+        found = untrusted(os.fstat(fd))
         if found is not None:
             _refuse(entry, entry, found)
         try:
@@ -164,14 +166,14 @@ def _open_entry(root_fd: int, entry: Path) -> tuple[int, int] | None:
         except FileNotFoundError:
             _close_fds(tuple(fds))
             return None  # half made: an install replaces it
-        why = _untrusted(meta)
+        why = untrusted(meta)
         if why is not None:
             _refuse(entry, entry / META, why)
         try:
             fds.append(os.open(LIB, _DIR, dir_fd=fd))
         except OSError as exc:
             _refuse(entry, entry / LIB, f"it can't be read ({exc.strerror})")
-        bad = _untrusted(os.fstat(fds[1])) or _walk(fds[1], entry / LIB)
+        bad = untrusted(os.fstat(fds[1])) or _walk(fds[1], entry / LIB)
         if bad is not None:
             _refuse(entry, entry / LIB if isinstance(bad, str) else bad[0], bad if isinstance(bad, str) else bad[1])
         return fds[0], fds[1]
@@ -188,7 +190,7 @@ def _walk(lib_fd: int, lib: Path) -> tuple[Path, str] | None:
     try:
         for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=lib_fd, onerror=fail):
             for name in dirnames + filenames:
-                why = _untrusted(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+                why = untrusted(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
                 if why:
                     return Path(os.path.normpath(lib / dirpath / name)), why
     except OSError as exc:

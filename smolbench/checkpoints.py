@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import signing
 from ._aio import _made_in_thread, _to_the_end
+from ._pkgtrust import open_root, untrusted
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import LIVE, NOT_UP, MachineLost, SmolbenchError, reworded
@@ -160,7 +161,7 @@ class CheckpointsMixin(WorkbenchPart):
             raise SmolbenchError(f"a checkpoint named {name!r} exists: pick another name or add --force to replace it",
                                  api=f"a checkpoint named {name!r} exists: pick another name or pass force=True "
                                  "to replace it")
-        signing.key()  # made now, or its file's problem said, before anything is saved
+        unsigned = signing.key_or_why()  # made now, or its file's problem said, before anything is saved
         store = self.shelf.store
         try:
             store.ensure()
@@ -194,6 +195,8 @@ class CheckpointsMixin(WorkbenchPart):
         node = self.tree[node_id]
         if store.usable(fname) is not None and info.backend in AGENTHOST:  # a backend's reply is checked too
             raise SmolbenchError(f"saving checkpoint {name!r} of {node_id} failed ({store.usable(fname)}): nothing was saved")
+        if unsigned is not None:
+            info.warnings.append(unsigned)
         # signed over its file's SHA-256: hashed on a thread (a microVM's file is GBs)
         await _to_the_end(asyncio.to_thread(self.shelf.add, name, self.session, node_id, fname, info.backend, info.size,
                                             node.cells, info.warnings, baseline=self.baseline,
@@ -289,8 +292,16 @@ class CheckpointsMixin(WorkbenchPart):
         with self.shelf.open(rec) as f:
             own = await _to_the_end(asyncio.to_thread(self.shelf.vouch, rec, f, self.backend.name))
             shown = label or self.shelf.store.shown(f.name)
-            # smol's engine reads the file in its own process, by name (and its store beside it)
+            # smol's engine reads the file in its own process, by name: after the check above, so the
+            # file and its folder must be such that no other user can change or replace it meanwhile
             path = self.shelf.store.absolute(f.name) if self.backend.name == "smol" else f.path
+            if self.backend.name == "smol":  # the folder and every one above it, then the file
+                os.close(open_root(Path(os.path.dirname(path)), what="checkpoint folder"))
+                why = untrusted(os.fstat(f.fd))
+                if why is not None:
+                    raise SmolbenchError(f"refusing checkpoint {name} for smol: {f.name}: {why}, so another user could "
+                                         f"alter it after smolbench checked it (smol's engine reads it by name); "
+                                         f"chmod go-w {path}, or save it again")
             try:
                 isolated = not own or rec.get("session_id") not in SESSIONS_HERE
                 return await self.backend.restore(path, node_id, self.spec, isolated=isolated)

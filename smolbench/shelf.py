@@ -269,7 +269,8 @@ class Shelf:
             with self.store.open(fname) as f:
                 known["sha256"] = sha256_fd(f.fd)[0]
         row = {"name": name, "session_id": session, "node_id": node, "backend": backend, "path": path}
-        mac = signing.mac(row, known["sha256"], signing.key() or b"")
+        secret = signing.key_if_any()  # none: no key can be made here (key_or_why): unsigned
+        mac = signing.mac(row, known["sha256"], secret) if secret is not None else None
         self.ledger.add_checkpoint(name, session, node, path, backend, size, cells, warnings, mac=mac, **known)
 
     def signed(self, rec: dict[str, Any]) -> bool:

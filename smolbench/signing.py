@@ -56,10 +56,31 @@ def key(create: bool = True) -> bytes | None:
     path = key_path()
     try:
         return _read(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none there (its folder may not be one: none can be)
         if not create:
             return None
     return _make(path)
+
+
+def key_or_why() -> str | None:
+    """Before a save: None when this user's key is there (made now if need be); the save's
+    warning when no key can be made (no writable home or state folder: a container's): the
+    save is then recorded unsigned, so it restores as a file from elsewhere does. A key file
+    that is there but can't be trusted is its one line, raised."""
+    try:
+        key()
+    except (OSError, SmolbenchError) as exc:
+        if os.path.lexists(key_path()):
+            raise
+        why = exc if isinstance(exc, SmolbenchError) else f"{exc.strerror or exc}"
+        return (f"saved unsigned: no checkpoint key could be made ({why}), so this checkpoint restores as a file "
+                "from elsewhere (checked as one; on smol: `%smol checkpoint trust` once a key can be made)")
+    return None
+
+
+def key_if_any() -> bytes | None:
+    """This user's key, made now if need be; None when none can be made (:func:`key_or_why`)."""
+    return key() if key_or_why() is None else None
 
 
 def _refuse(path: Path, why: str, fix: str) -> SmolbenchError:
@@ -69,7 +90,7 @@ def _refuse(path: Path, why: str, fix: str) -> SmolbenchError:
 def _read(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise
     except OSError as exc:
         if os.path.islink(path):

@@ -292,3 +292,40 @@ def test_the_panel_says_which_rows_are_foreign(tmp_path: Path, monkeypatch: pyte
     said = on_sandbox["old"]["warnings"]
     assert said[0].startswith("foreign: not signed as your own save") and on_sandbox["old"]["blocked"] == {}, said
     assert said[0].endswith("`%smol checkpoint trust old` if you saved it")
+
+
+@pytest.mark.parametrize("writable", ["file", "folder", "above"])
+def test_an_own_smol_checkpoint_others_could_change_is_refused_before_smols_engine(
+        host: FakeHost, tmp_path: Path, writable: str) -> None:
+    """Seventh audit: smol's engine opens a checkpoint by name, after smolbench hashed and
+    checked it through its descriptor. Where another user can write the file, its folder or a
+    folder above (a shared project folder), they swap or edit it in between: the crafted
+    snapshot the signature was to keep out reaches the engine. Such a restore is refused first."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    _smol_row(folder)
+    assert "the engine was handed the file" in _restore_on_smol(folder)  # as it is: the engine gets it
+    target = {"file": folder / CK / "vm.smolcheckpoint", "folder": folder / CK, "above": folder}[writable]
+    target.chmod(target.stat().st_mode | 0o022)
+    said = _restore_on_smol(folder)
+    assert host.cls.restore_checkpoint.call_count == 1, said  # never reached the engine again
+    assert "it is writable by group and others" in said and "chmod go-w" in said, said
+
+
+def test_a_save_where_no_key_can_be_made_is_kept_unsigned_and_restores_as_a_file_from_elsewhere(
+        here: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seventh audit: with no writable home or state folder (HOME=/nonexistent, a read-only
+    home: some containers), a save that worked before the key failed. It is saved unsigned now,
+    says so, and restores as a file from elsewhere (checked as one); a bad key file that is
+    there is still refused."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("SMOLBENCH_STATE", str(blocker / "state"))  # can't be made
+    ledger = str(here / LEDGER)
+    with smolbench.Session(backend="sandbox", ledger=ledger, on_notice=lambda line: None) as s:
+        s.run("kept = 41")
+        saved = s.checkpoint_save("warm")
+        assert any(w.startswith("saved unsigned: no checkpoint key could be made") for w in saved["warnings"]), saved
+        assert [r["foreign"] is not None for r in s.checkpoints()] == [True]
+        node = s.checkpoint_restore("warm")
+        assert s.run("print(kept + 1)", node=node).stdout.strip() == "42"

@@ -81,7 +81,7 @@ def test_a_folder_above_the_cache_others_can_write_in_is_refused_unless_sticky(
         return str(err.value)
 
     assert refused() == (f"refusing the packages cache {root}: the folder {shared} above it: it is writable by group "
-                         "and others (mode 0777 and not sticky), so another user could rename the cache and put their "
+                         "and others (mode 0777 and not sticky), so another user could rename it and put their "
                          f"own in its place; chmod go-w {shared} (or chmod +t {shared}), or set $SMOLBENCH_CACHE to a "
                          "folder of your own")
     with pytest.raises(SmolbenchError, match="above it: it is writable by group and others"):
