@@ -521,7 +521,8 @@ class Proxy:
             # plus the ones the machine's own rules refused at once, read in its namespaces: off
             # this loop, as a branch that kept its capabilities can make that read slow (its rules)
             counted = [(n, node.pid) for n, node in self.nodes.items() if node.pid]
-            counts = await asyncio.gather(*(asyncio.to_thread(_refused_in, pid) for _, pid in counted))
+            # one after another, on one thread: each forks a helper, and forks from many threads at once ask for trouble
+            counts = await asyncio.to_thread(lambda: [_refused_in(pid) for _, pid in counted])
             for (n, _), count in zip(counted, counts):
                 nodes[n]["refused"] += count
             return {"ok": True, "nodes": nodes, "kernel": self.budget.counts()}
