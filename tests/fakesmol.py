@@ -64,6 +64,7 @@ from smol import (
 )
 
 from smolbench.backends import smol as smolmod
+from smolbench.backends import smol_checkpoints
 from smolbench.guest import protocol as P
 
 CHUNK = 23  # bytes per stdout chunk of the fake exec_stream: splits reply lines mid-line
@@ -482,6 +483,7 @@ def fake_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHost]:
     base = Path(tempfile.mkdtemp(prefix="sbsm"))
     fake = FakeHost(base)
     monkeypatch.setattr(smolmod, "Machine", fake.cls)
+    monkeypatch.setattr(smol_checkpoints, "Machine", fake.cls)  # its checkpoints' part looks it up there
     monkeypatch.setattr(smolmod, "READY_TIMEOUT", 15.0)
     try:
         yield fake

@@ -77,6 +77,7 @@ def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[B
     if kind == "process":
         return ProcessBackend(runtime_dir=str(data_dir)), None
     from ..backends import smol as smolmod
+    from ..backends import smol_checkpoints
 
     fake = None
     if os.environ.get(FAKE_SMOL):  # a Ray worker can't be monkeypatched by the test that started it
@@ -85,7 +86,7 @@ def _make_backend(kind: str, data_dir: Path, session: str, own: Path) -> tuple[B
 
         (own / "f").mkdir()
         fake = fakesmol.FakeHost(own / "f")
-        smolmod.Machine = fake.cls  # type: ignore[misc]
+        smolmod.Machine = smol_checkpoints.Machine = fake.cls  # type: ignore[misc]
         smolmod.READY_TIMEOUT = 15.0
     backend = smolmod.SmolBackend(target="local", probe=fake is None, session=f"{session}-{uuid.uuid4().hex[:4]}")
     backend.extra_labels = {AGENT_LABEL: str(own)}
