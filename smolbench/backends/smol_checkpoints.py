@@ -247,11 +247,13 @@ class SmolCheckpoints(SmolParts):
         return checkpoint_id
 
     def _restore_network(self, spec: MachineSpec) -> None:
-        """Refuse a restore whose network the SDK can't scope as ``create`` does: its restore takes
-        no allow-list (locally it keeps the capture's; on the cloud it is open or blocked, and open
-        reaches the private ranges ``create`` leaves out). A machine without network restores blocked."""
+        """Refuse a cloud restore whose network the SDK can't scope as ``create`` does: its restore
+        takes no allow-list there (open or blocked, and open reaches the private ranges ``create``
+        leaves out); a machine without network restores blocked. Locally a restored VM keeps the
+        rules its capture was made with (a save of this user's, signed: that Smolfile's, applied by
+        ``create``; a file from elsewhere is refused unless trusted)."""
         mode = spec.policy.mode
-        if mode == "allow" or (mode == "on" and self.target == "cloud"):
+        if self.target == "cloud" and mode in ("allow", "on"):
             scoped = "allows only some hosts" if mode == "allow" else "allows the internet but not private networks"
             raise SmolbenchError(
                 f"this Smolfile {scoped}, which smol can't apply to a restored microVM: restore with "
