@@ -365,7 +365,7 @@ def section(d: dict[str, Any]) -> str:
         '(Limiter._reuse; one set per live machine, never shared, removed at down), its run folder is cleared in the same thread job as its '
         'cgroups, those files are read and written with os.read/os.write, and upsert_node makes its statement '
         'once per set of columns. Interleaved A/B (old 6fac255 against new, 10 rounds of 5 forks of 16 and 64 '
-        'each, alternating, CPU of the whole tree from a cpuacct cgroup around it) on a host another session '
+        "each, alternating, CPU of the whole tree from a cpuacct cgroup around it) on a host this session's own VM lane and tests "
         'loaded to a load average of 12-24: the kernel process 2.67 -> 1.78 ms per branch at 16 and 2.41 -> '
         '1.53 at 64 (context switches 7.5 -> 5.0 and 5.6 -> 3.1 per branch), all CPU 11.97 -> 10.95 ms per '
         'branch at 16 and 11.65 -> 10.73 at 64; the wall time, against kernel-sized os.fork measured in the '
