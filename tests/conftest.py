@@ -28,6 +28,7 @@ SUITE_VAR = "SMOLBENCH_SUITE_TAG"
 
 
 # The second tier: what drives a real browser, a Ray cluster, a served env over the network,
+# builds and installs the extension's wheel,
 # whole notebooks or hundreds of branches. `.ci/run` runs the first tier (`-m "not tier2"`),
 # then this one; a bare `pytest` runs both.
 SECOND_TIER = frozenset(
@@ -45,6 +46,7 @@ SECOND_TIER = frozenset(
         "test_cluster_ui.py",
         "test_cluster_units.py",
         "test_fresh_machine.py",
+        "test_labextension.py",
         "test_labextension_browser.py",
         "test_notebooks.py",
         "test_openenv_reply.py",
