@@ -30,7 +30,7 @@ SUITE_VAR = "SMOLBENCH_SUITE_TAG"
 # The second tier: what drives a real browser, a Ray cluster, a served env over the network,
 # builds and installs the extension's wheel,
 # whole notebooks or hundreds of branches. `.ci/run` runs the first tier (`-m "not tier2"`),
-# then this one; a bare `pytest` runs both.
+# then this one; a bare `pytest` runs both. A slow test elsewhere carries the mark itself.
 SECOND_TIER = frozenset(
     {
         "test_browser.py",

@@ -146,6 +146,7 @@ def test_an_image_suite_is_a_suite_name_before_debootstrap_sees_it() -> None:
 
 
 @needs_bwrap
+@pytest.mark.tier2  # second tier: a served env (tests/conftest.py SECOND_TIER)
 def test_serve_s_bad_start_is_one_line_and_exit_2(tmp_path: Path) -> None:
     pytest.importorskip("openenv")
     for args, said in ((["--gym", "CartPole-v1", "--port", "99999"], "--port should be from 1 to 65535 (or 0: any free one)"),

@@ -583,6 +583,7 @@ FIFTY = ("ip = get_ipython()\nfor i in range(50):\n"
 
 
 @needs_bwrap
+@pytest.mark.tier2  # second tier: hundreds of branches (tests/conftest.py SECOND_TIER)
 @pytest.mark.parametrize("weakened", [False, True], ids=["default-cap", "no-cap"])
 def test_fifty_forks_stay_under_max_alive(tmp_path: Path, tmpdir_env: Path, weakened: bool) -> None:
     with machine(tmp_path, "sandbox", up_args="--max-alive 1024" if weakened else "") as nb:

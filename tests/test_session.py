@@ -353,6 +353,7 @@ ray.shutdown()
 
 
 @pytest.mark.timeout(1500)  # starting Ray: minutes on a busy 2-core host
+@pytest.mark.tier2  # second tier: a Ray cluster (tests/conftest.py SECOND_TIER)
 def test_a_session_inside_a_ray_task_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tasks that end normally, raise, are cancelled, and are killed (swept by the next task's Session)."""
     pytest.importorskip("ray")
