@@ -269,7 +269,8 @@ def test_a_checkpoint_of_a_cluster_machine_is_saved_through_its_node_and_restore
         led.close()
     err = error_output(nb.run("%smol checkpoint restore evil"))
     assert err is not None and "\n" not in err.evalue, err
-    assert "has a link that points outside it (shadow -> /etc/shadow)" in err.evalue and "refused" in err.evalue
+    assert "has a link that points outside it (shadow -> /etc/shadow)" in err.evalue and err.ename == "UnsafeCheckpoint"
+    assert "checked as a file from elsewhere: its row is not signed as your own save" in err.evalue  # (its row: ours, unsigned)
     assert "r2-evil" not in ledger_nodes(nb.cwd).index
 
 
