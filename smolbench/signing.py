@@ -67,20 +67,23 @@ def key_or_why() -> str | None:
     warning when no key can be made (no writable home or state folder: a container's): the
     save is then recorded unsigned, so it restores as a file from elsewhere does. A key file
     that is there but can't be trusted is its one line, raised."""
-    try:
-        key()
-    except (OSError, SmolbenchError) as exc:
-        if os.path.lexists(key_path()):
-            raise
-        why = exc if isinstance(exc, SmolbenchError) else f"{exc.strerror or exc}"
-        return (f"saved unsigned: no checkpoint key could be made ({why}), so this checkpoint restores as a file "
-                "from elsewhere (checked as one; on smol: `%smol checkpoint trust` once a key can be made)")
-    return None
+    return _key_or_why()[1]
 
 
 def key_if_any() -> bytes | None:
     """This user's key, made now if need be; None when none can be made (:func:`key_or_why`)."""
-    return key() if key_or_why() is None else None
+    return _key_or_why()[0]
+
+
+def _key_or_why() -> tuple[bytes | None, str | None]:
+    try:
+        return key(), None
+    except (OSError, SmolbenchError) as exc:
+        if os.path.lexists(key_path()):
+            raise
+        why = exc if isinstance(exc, SmolbenchError) else f"{exc.strerror or exc}"
+        return None, (f"saved unsigned: no checkpoint key could be made ({why}), so this checkpoint restores as a "
+                      "file from elsewhere (checked as one; on smol: `%smol checkpoint trust` once a key can be made)")
 
 
 def _refuse(path: Path, why: str, fix: str) -> SmolbenchError:
