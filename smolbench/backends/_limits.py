@@ -615,7 +615,9 @@ class Limiter:
         gone: list[MachineLimits] = []
         with self._pool_lock:
             room = POOL_MOST - len(self._pool)
-        deadline = time.monotonic() + ZOMBIE_WAIT  # (a background batch's: no one waits on it)
+        # the fork's deletes wait for this batch: a parent that collects its children takes ~ms, only
+        # one that never does costs the whole wait (its sets are then removed, not pooled)
+        deadline = time.monotonic() + ZOMBIE_WAIT
         for (i, m), ok in zip(found, emptied):
             out[i] = ok
             # an emptied set, with the limits it was made with, is kept; as a new object (the
