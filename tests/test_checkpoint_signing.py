@@ -329,3 +329,24 @@ def test_a_save_where_no_key_can_be_made_is_kept_unsigned_and_restores_as_a_file
         assert [r["foreign"] is not None for r in s.checkpoints()] == [True]
         node = s.checkpoint_restore("warm")
         assert s.run("print(kept + 1)", node=node).stdout.strip() == "42"
+
+
+def test_a_script_trusts_a_foreign_row_through_the_session(here: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public API as a plain script uses it: a row saved unsigned (no key could be made then)
+    is foreign; `Session.checkpoint_trust` checks its file as one from elsewhere and signs it, and
+    it is then this user's own."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("SMOLBENCH_STATE", str(blocker / "state"))
+    ledger = str(here / LEDGER)
+    with smolbench.Session(backend="sandbox", ledger=ledger, on_notice=lambda line: None) as s:
+        s.run("kept = 41")
+        s.checkpoint_save("warm")
+        assert [r["foreign"] is not None for r in s.checkpoints()] == [True]
+        _state(monkeypatch, tmp_path / "state")  # a key can be made now
+        said = s.checkpoint_trust("warm")
+        assert said.startswith("signed checkpoint warm as your own"), said
+        assert [r["foreign"] for r in s.checkpoints()] == [None]
+        node = s.checkpoint_restore("warm")
+        assert s.run("print(kept + 1)", node=node).stdout.strip() == "42"
