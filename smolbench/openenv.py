@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
-import json
 import math
 import re
 import sys
@@ -48,6 +47,7 @@ from ._replies import (
     to_json_served,
 )
 from .errors import SmolbenchError
+from .gate import frames
 from .gym.env import _options, check_seed
 from .gym.machines import Machines
 
@@ -662,7 +662,7 @@ def _no_mcp_messages(app: Any) -> None:
             while True:
                 text = await receive_text()
                 try:  # parsed as OpenEnv parses it: "\u006dcp" is "mcp" too
-                    message = json.loads(text)
+                    message = frames.loads(text)
                 except ValueError:
                     return text
                 if not (isinstance(message, dict) and message.get("type") == "mcp"):

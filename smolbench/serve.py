@@ -251,6 +251,12 @@ def _serve(args: argparse.Namespace, code: str | None, env: str | Callable[..., 
         print(f"smolbench serve: {few}", file=sys.stderr)
         return 2
     with Session(args.smolfile, backend=args.backend) as session:
+        if args.backend == "auto" and session.workbench is not None and session.workbench.backend.name == "process":
+            # clients' code would run as this user's plain processes: never chosen for them silently
+            print("smolbench serve: no microVM and no bubblewrap here, so clients' machines would be plain "
+                  "processes with no isolation: `apt-get install bubblewrap` (or `--backend process` to serve "
+                  "without isolation anyway)", file=sys.stderr)
+            return 2
         if code is not None:
             session.run(code, check=True)
         wb = session.workbench
@@ -350,7 +356,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gym", default=None, metavar="ID", help="serve gymnasium.make(ID) instead (e.g. CartPole-v1)")
     p.add_argument("--smolfile", default=None, help="the Smolfile of the warm machine (default: ./Smolfile if there)")
     p.add_argument("--backend", default="auto", choices=["auto", "smol", "sandbox", "process"],
-                   help="where the machines run (default auto: a microVM where one boots, else a sandbox)")
+                   help="where the machines run (default auto: a microVM where one boots, else a sandbox; never plain processes unless asked)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, named in the URL it prints)")
     p.add_argument("--token", default=None, metavar="auto|none",

@@ -196,3 +196,33 @@ def test_the_token_is_kept_out_of_the_command_line_other_users_read(open_tmp: Pa
     assert refused("--token-file", "token").splitlines() == [
         "smolbench serve: --token-file token can be read or written by others (mode 0640): chmod 600 token"]
     assert "give either --token or --token-file" in refused("--token", token, "--token-file", "token")
+
+
+def test_auto_never_serves_clients_from_plain_processes(open_tmp: Path) -> None:
+    """With no microVM and no bubblewrap, ``auto`` fell back to the process backend with a
+    warning, and served every client from plain processes of this user: the served file's code
+    (and each client's actions) ran on the host, its branches able to see each other. Now
+    ``auto`` refuses before any of it runs; ``--backend process`` still serves when asked."""
+    ran = open_tmp / "ran-on-the-host"
+    (open_tmp / "envs.py").write_text(f"open({str(ran)!r}, 'w').close()\n" + CODE_ENV)
+    no_bwrap = open_tmp / "bin"  # this Python, and no bwrap
+    no_bwrap.mkdir()
+    (no_bwrap / "python").symlink_to(sys.executable)
+    env = {**server_env(), "PATH": str(no_bwrap), "SMOLBENCH_SMOL_PROBE": "skip"}
+    proc = subprocess.Popen([sys.executable, "-m", "smolbench.cli", "serve", "envs.py:code_env", "--port", "0"],
+                            cwd=open_tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        said = []
+        for line in proc.stdout:  # (the old code served: stop at its URL)
+            said.append(line)
+            if "http://" in line:
+                break
+        served = "".join(said)
+        assert "http://" not in served and proc.wait(timeout=WAIT) == 2, served
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "smolbench serve: no microVM and no bubblewrap here, so clients' machines would be plain processes" \
+        in served and "--backend process" in served, served
+    assert not ran.exists()

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from ..errors import SmolbenchError
-from ..gate import archive
+from ..gate import archive, frames
 from ..gate.archive import UnsafeCheckpoint
 from ..gate.limits import LIMITS, human
 
@@ -97,7 +97,7 @@ def read_state(path: str) -> dict[str, bytes]:
             f"checkpoint {path} is corrupt or truncated ({exc}): delete it with `%smol checkpoint rm`"
         ) from None
     try:
-        kind = json.loads(out.get(MARKER, b"{}").decode("utf-8")).get("kind")  # strict UTF-8, as written
+        kind = frames.loads(out.get(MARKER, b"{}")).get("kind")  # strict UTF-8, as written
     except (ValueError, AttributeError):
         kind = None
     if kind != KIND or any(part not in out for part in PARTS):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InfraError, MachineBusy, MachineLost, SmolbenchError
+from ..gate.frames import loads as json_loads
 
 HEAD = struct.Struct(">IBI")
 DATA, END, FAIL = 0, 1, 2
@@ -106,7 +107,7 @@ def frames(data: bytes, size: int) -> list[tuple[int, int, bytes]]:
 
 def error_of(payload: bytes) -> SmolbenchError:
     try:
-        got = json.loads(payload.decode("utf-8"))  # strict: never UTF-16/32 guessed from bytes
+        got = json_loads(payload)  # strict: never UTF-16/32 guessed from bytes
         return ERRORS.get(str(got["type"]), SmolbenchError)(str(got["error"]))
     except (ValueError, KeyError, TypeError):
         return SmolbenchError("a node agent sent an unreadable error")

@@ -41,6 +41,16 @@ def _no_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=lambda name: _no_constant(name))
 
 
+def loads(text: str | bytes) -> Any:
+    """JSON from outside (a machine, a client, a copied folder's ledger or file): bytes as strict
+    UTF-8, and nesting too deep for json's recursion a ValueError like any other bad JSON. Callers
+    that caught ValueError alone let ``"[" * 2000``'s RecursionError through."""
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def values_in(frame: bytes) -> int:
     """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded).
 

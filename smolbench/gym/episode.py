@@ -21,7 +21,7 @@ from ..errors import (
     SmolbenchError,
     remote_error,
 )
-from ..gate import terminal
+from ..gate import frames, terminal
 from ..gate.channel import AnswerError, Ended, one_line_error
 from ..guest import protocol as P
 from ..tree import Node
@@ -195,7 +195,7 @@ def plain_rng(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not isinstance(value.get("state"), str) or len(value["state"]) > 4096:
         return None
     try:
-        state = _bit_generator(json.loads(value["state"]))
+        state = _bit_generator(frames.loads(value["state"]))
     except ValueError:
         return None
     if state is None:
@@ -223,9 +223,9 @@ def plain_own(value: Any) -> list[str | None] | None:
         state: Any = None
         if isinstance(one, str) and len(one) <= OWN_STATE:
             try:
-                got = json.loads(one)
+                got = frames.loads(one)
                 state = _twister(got) if isinstance(got, dict) and "kind" in got else _bit_generator(got)
-            except (ValueError, TypeError, KeyError, RecursionError):
+            except (ValueError, TypeError, KeyError):
                 state = None
         out.append(json.dumps(state) if state is not None else None)
     return out

@@ -8,7 +8,6 @@ reported): the API returns them as JSON data and the frontend shows them as text
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sqlite3
 import time
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..gate import frames
 from ..ledger import SUPER_JOURNAL, UnsafeLedger, guard, odd_part
 from ..tree import id_key, node_replay_refused, replay_refused
 
@@ -240,7 +240,7 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
         rec["reward"] = _finite(rec["reward"])
         rec["alive"], rec["kept"] = bool(rec["alive"]), bool(rec["kept"])
         try:
-            metrics = json.loads(rec["metrics"]) if isinstance(rec["metrics"], str) else None
+            metrics = frames.loads(rec["metrics"]) if isinstance(rec["metrics"], str) else None
         except ValueError:
             metrics = None
         rec["replay_refused"] = node_replay_refused(metrics if isinstance(metrics, dict) else None, rec["run_id"])

@@ -18,7 +18,7 @@ import json
 import random
 from typing import Any
 
-from ..gate import figures
+from ..gate import figures, frames
 
 STATUS_COLORS = {
     "ok": "#1a7f37",
@@ -79,7 +79,7 @@ def _metrics_text(metrics: Any) -> str:
         return ""
     if isinstance(metrics, str):
         try:
-            metrics = json.loads(metrics)
+            metrics = frames.loads(metrics)
         except ValueError:
             return _short(metrics)
     if not isinstance(metrics, dict):
