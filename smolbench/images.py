@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root
+from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root, read_plain
 from smolbench.errors import SmolbenchError
 
 DEFAULT_IMAGE = "debian:bookworm"
@@ -91,10 +91,9 @@ def _meta_path(dest: Path) -> Path:
 
 
 def _read_meta(dest: Path) -> object:
-    """The record of image ``dest`` (its ``NAME.json``), read without following a link; raises OSError, ValueError."""
-    fd = os.open(_meta_path(dest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
-        return json.loads(fh.read(65536))
+    """The record of image ``dest`` (its ``NAME.json``), read without following a link or waiting (a fifo
+    there hung the kernel), a plain file only; raises OSError, ValueError."""
+    return json.loads(read_plain(_meta_path(dest), 65536))
 
 
 def _write_meta(dest: Path, meta: dict[str, str]) -> None:

@@ -470,3 +470,25 @@ def test_a_build_never_sweeps_or_unmounts_through_a_linked_build_folder(
     assert _mounted_under(target) == [str(target / "mnt")]
     assert (target / "mnt" / "kept").read_text() == "a mounted file" and (target / "file").read_text() == "a file"
     assert link.is_symlink()  # left as it is: not ours to remove
+
+
+def test_a_fifo_planted_at_an_images_record_never_hangs_the_kernel(cache: Path) -> None:
+    """Attack: whoever can write in the image cache (a shared $SMOLBENCH_CACHE, a copied one) makes
+    an image's record ``NAME.json`` a fifo: reading it (O_NOFOLLOW, but blocking) waited forever
+    for a writer, in `smolbench image list`, a build and its suite check. Now it is opened without
+    waiting and only a plain file is read: the image is listed by its folder's name."""
+    import threading
+
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    fifo = cache / "images" / "debian-bookworm.json"
+    os.mkfifo(fifo)
+    got: list[object] = []
+    worker = threading.Thread(target=lambda: got.extend([list_images(), images._built_suite(root)]), daemon=True)
+    worker.start()
+    worker.join(5)
+    if worker.is_alive():  # let the stuck open go (a writer comes and goes) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("reading an image's record waited on a fifo planted there")
+    [(name, path, _size)], suite = got
+    assert (name, path, suite) == ("debian-bookworm", root, None)
