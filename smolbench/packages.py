@@ -475,7 +475,15 @@ def prune(days: float, dry_run: bool = False) -> tuple[list[tuple[Path, int]], l
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue  # not a folder of the user's to remove
-        with open(root / f".{digest}.lock", "a+") as lock:
+        try:  # the key's lock, never through a link planted at its name (nor a fifo's open waited on)
+            lock_fd = os.open(root / f".{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+                              os.O_CLOEXEC, 0o644)
+        except OSError:
+            continue
+        if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+            os.close(lock_fd)
+            continue
+        with os.fdopen(lock_fd, "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
