@@ -106,9 +106,9 @@ def open_root(root: Path, what: str = "packages cache") -> int:
             try:
                 nxt = os.open(part, _DIR, dir_fd=fd)
             except OSError as exc:
+                elsewhere = "set $SMOLBENCH_CACHE to a folder of your own" if what in _HOLDS else "use a folder of your own"
                 raise SmolbenchError(f"can't open the {what} {root} ({os.path.join(here, part)}: "
-                                     f"{exc.strerror}; did a folder become a link?): check it, or set $SMOLBENCH_CACHE "
-                                     "to a folder of your own") from None
+                                     f"{exc.strerror}; did a folder become a link?): check it, or {elsewhere}") from None
             os.close(fd)
             fd, here = nxt, os.path.join(here, part)
     except BaseException:
