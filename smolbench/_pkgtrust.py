@@ -7,6 +7,7 @@ for a link or another folder meanwhile is never what a machine gets."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import weakref
@@ -62,6 +63,26 @@ def untrusted(st: os.stat_result, above: bool = False) -> str | None:
 _DIR = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 
 
+def read_plain(path: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:
+    """At most ``limit`` bytes of the plain file ``path`` (in ``dir_fd``), opened without following a
+    link and without waiting (a fifo or device planted at its name would hang the kernel's open or
+    read): OSError when it is anything but a plain file, or can't be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file", os.fspath(path))
+        chunks, left = [], limit
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 16))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def open_root(root: Path, what: str = "packages cache") -> int:
     """The packages folder ``root`` (or the image cache's, ``what``) as an O_PATH fd, or refused in one line with the fix if another
     user could write in it or in a folder above it (up to the user's home, or / outside it): they
@@ -85,9 +106,9 @@ def open_root(root: Path, what: str = "packages cache") -> int:
             try:
                 nxt = os.open(part, _DIR, dir_fd=fd)
             except OSError as exc:
+                elsewhere = "set $SMOLBENCH_CACHE to a folder of your own" if what in _HOLDS else "use a folder of your own"
                 raise SmolbenchError(f"can't open the {what} {root} ({os.path.join(here, part)}: "
-                                     f"{exc.strerror}; did a folder become a link?): check it, or set $SMOLBENCH_CACHE "
-                                     "to a folder of your own") from None
+                                     f"{exc.strerror}; did a folder become a link?): check it, or {elsewhere}") from None
             os.close(fd)
             fd, here = nxt, os.path.join(here, part)
     except BaseException:

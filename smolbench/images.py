@@ -22,10 +22,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root
+from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root, read_plain
 from smolbench.errors import SmolbenchError
 
 DEFAULT_IMAGE = "debian:bookworm"
+PATH_IMAGE = "image folder"  # what _pkgtrust's lines call a rootfs folder an image names by path
 IMAGE_PACKAGES = ("python3", "python3-pip")  # pip: `pip install` in a machine works on an image too
 
 _PATH_PREFIXES = ("/", "./", "../", "~")
@@ -91,10 +92,9 @@ def _meta_path(dest: Path) -> Path:
 
 
 def _read_meta(dest: Path) -> object:
-    """The record of image ``dest`` (its ``NAME.json``), read without following a link; raises OSError, ValueError."""
-    fd = os.open(_meta_path(dest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
-        return json.loads(fh.read(65536))
+    """The record of image ``dest`` (its ``NAME.json``), read without following a link or waiting (a fifo
+    there hung the kernel), a plain file only; raises OSError, ValueError."""
+    return json.loads(read_plain(_meta_path(dest), 65536))
 
 
 def _write_meta(dest: Path, meta: dict[str, str]) -> None:
@@ -367,7 +367,12 @@ def held_rootfs(image: str | None) -> Iterator[Path | None]:
                 f"rootfs directory {str(path)!r} has no usr/bin/python3: "
                 "install python3 in it or use a built image like 'debian:bookworm'"
             )
-        yield path
+        # trusted as the cache is, and bound by the descriptor checked (a swap after this binds nothing else)
+        rootfs = Held(open_root(path, what=PATH_IMAGE))
+        try:
+            yield Path(rootfs.path)
+        finally:
+            rootfs.close()
         return
     held = open_image(image)
     try:
@@ -389,9 +394,9 @@ def resolve_rootfs(image: str | None) -> Path | None:
     """The root filesystem directory for ``image`` on the sandbox backend, by its name (for messages
     and checks: a machine binds :func:`held_rootfs`'s). ``None`` means the host's own root."""
     with held_rootfs(image) as path:
-        if path is None or image is None or is_path_image(image):
+        if path is None or image is None:
             return path
-        return image_dir(image)
+        return home_path(image, "the image").resolve() if is_path_image(image) else image_dir(image)
 
 
 def _tree_size(root: Path) -> int:

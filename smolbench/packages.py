@@ -41,7 +41,7 @@ from typing import IO
 from packaging.requirements import InvalidRequirement, Requirement
 
 from ._aio import _stoppable_thread
-from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root
+from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root, read_plain
 from ._pkgwheels import private_copies, wheel_hashes
 from .errors import SmolbenchError
 from .gate.terminal import plain
@@ -144,8 +144,7 @@ def _rootfs_glibc(root: Path) -> tuple[int, int] | None:
             real = Path(os.path.realpath(path))
             if not str(real).startswith(str(root.resolve()) + "/") or not real.is_file():
                 continue  # a link that leaves the image says nothing about it
-            with open(real, "rb") as fh:
-                data = fh.read(_MAX_LIBC_READ)
+            data = read_plain(real, _MAX_LIBC_READ)  # a rootfs's: never a fifo planted after is_file
             minors = [int(m) for m in _GLIBC_RE.findall(data)]
             if minors:
                 return (2, max(minors))
@@ -442,7 +441,7 @@ def entries() -> list[Entry]:
             refused: str | None = None
             try:
                 _close_fds(_open_entry(root_fd, path) or ())
-                meta = json.loads((path / META).read_text())
+                meta = json.loads(read_plain(f"{name}/{META}", 1 << 20, dir_fd=root_fd))  # never a planted fifo
             except (SmolbenchError, OSError, ValueError) as exc:
                 refused, meta = str(exc), {}
             found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},
@@ -476,7 +475,15 @@ def prune(days: float, dry_run: bool = False) -> tuple[list[tuple[Path, int]], l
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue  # not a folder of the user's to remove
-        with open(root / f".{digest}.lock", "a+") as lock:
+        try:  # the key's lock, never through a link planted at its name (nor a fifo's open waited on)
+            lock_fd = os.open(root / f".{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+                              os.O_CLOEXEC, 0o644)
+        except OSError:
+            continue
+        if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+            os.close(lock_fd)
+            continue
+        with os.fdopen(lock_fd, "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

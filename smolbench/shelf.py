@@ -562,6 +562,9 @@ class Shelf:
                                  api=f"{dest} exists: pick another path or pass force=True to replace it")
         node = self.ledger.node(str(rec.get("session_id")), str(rec.get("node_id"))) if rec.get("node_id") else None
         imported = rec.get("session_id") == IMPORTED
+        # a row not signed as this user's (a copied folder's, a dropped file's) is exported as someone
+        # else's: only what its file said, its row's words as its row's, never as this user's own save
+        theirs = not imported and not self.signed(rec)
         with self.open(rec) as f:
             try:
                 inside = archive.check(f.path, "sandbox", f.name) or {}
@@ -573,19 +576,26 @@ class Shelf:
             # another file); this folder's own save with its baseline (from before that
             # column: its node's), and what its row says of its machine (a save from before
             # that: the machine up now, if it is the same).
-            extra: dict[str, Any] = {} if imported else {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
-            if not imported:
+            extra: dict[str, Any] = {} if imported or theirs else \
+                {"baseline": rec.get("baseline") or (node or {}).get("baseline")}
+            if not imported and not theirs:
                 same = spec.machine() if spec is not None and extra["baseline"] == spec.baseline() else None
                 extra.update(restoring.machine_claims(rec.get("machine"), same))
             record = {k: v for k, v in {**inside, **extra}.items() if k in archive.RECORD_FIELDS and v is not None}
             came = [f"re-exported: added to its folder from a checkpoint file (sha256 {sha256_fd(f.fd)[0]}) that said "
                     "what this record says"] if imported else []
-            created = inside.get("created") if imported else rec.get("created")
+            warnings = [str(w) for w in rec.get("warnings") or []] if isinstance(rec.get("warnings"), list) else []
+            if theirs:
+                came = [f"re-exported from a checkpoint row not signed as the exporter's own save (a copied folder's, "
+                        f"another user's, or from before rows were signed; its file's sha256 {sha256_fd(f.fd)[0]}): "
+                        "this record says only what that row and file said"]
+                warnings = [restoring.ROW_CLAIM + terminal.one_line(w, restoring.CLAIM_TEXT) for w in warnings]
+            created = inside.get("created") if imported or theirs else rec.get("created")
             record.update(kind=archive.RECORD_KIND, version=1, name=name,
                           backend=rec.get("backend") or inside.get("backend") or "sandbox",
                           cells=int(rec.get("cells") or 0), size=f.size,
-                          warnings=[str(w)[:2000] for w in [*came, *(rec.get("warnings") or [])]][:20])
-            if created is not None or not imported:  # a file that claimed no time claims none here either
+                          warnings=[str(w)[:2000] for w in [*came, *warnings]][:20])
+            if created is not None or not (imported or theirs):  # a file that claimed no time claims none here either
                 record["created"] = float(created or time.time())
             if rec.get("node_id"):
                 record["node"] = rec["node_id"]
@@ -604,8 +614,13 @@ class Shelf:
                 raise
             finally:
                 os.close(fd)
-        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record,
-                "note": _needs(record, imported)}
+        note = _needs(record, imported or theirs)
+        if theirs:
+            note = "; ".join(x for x in (
+                f"checkpoint {name} is not signed as your own save, so it was exported as someone else's (its record "
+                f"says only what its file said); if you saved it yourself, `%smol checkpoint trust {name}`, then "
+                "export it again", note) if x)
+        return {"name": name, "path": str(target), "size": target.stat().st_size, "record": record, "note": note}
 
 
 def _needs(record: dict[str, Any], imported: bool) -> str | None:

@@ -170,3 +170,34 @@ def signed(row: dict[str, Any], secret: bytes | None) -> bool:
     if secret is None or not isinstance(got, str) or not isinstance(digest, str):
         return False
     return hmac.compare_digest(mac(row, digest, secret), got)
+
+
+def _overlap(real: str, folder: str) -> bool:
+    """Whether real path ``real`` is ``folder``, is inside it, or holds it."""
+    return real == folder or real.startswith(folder.rstrip("/") + "/") or folder.startswith(real.rstrip("/") + "/")
+
+
+def volume_refusal(host: str, readonly: bool, ledger_dir: str | os.PathLike[str] | None = None,
+                   checkpoint_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """Why a machine may not have host folder ``host`` as a volume, in one line (problem, then fix)
+    that starts "its host folder …" (the caller says which volume);
+    None when it may. Every path is taken as its real path (links resolved), as volumes are. The
+    key's folder (:func:`state_dir`) is never one, nor in or above one: a machine reading the key
+    signs rows as this user. The ledger's folder and the checkpoint folder (``ledger_dir``,
+    ``checkpoint_dir``) are never writable ones: a machine there changes a signed checkpoint file
+    after its restore hashed it, or the ledger under the kernel."""
+    real = os.path.realpath(host)
+    key_dir = os.path.realpath(state_dir())
+    if _overlap(real, key_dir):
+        return (f"its host folder {host} is, holds or is inside the folder of your checkpoint key ({key_dir}): a "
+                "machine could read the key and sign checkpoints as yours; mount a folder that neither holds nor is "
+                "in it (or set $SMOLBENCH_STATE to a folder outside what you mount)")
+    if readonly:
+        return None
+    for what, folder in (("ledger's folder", ledger_dir), ("checkpoint folder", checkpoint_dir)):
+        if folder is not None and _overlap(real, os.path.realpath(folder)):
+            return (f"its host folder {host} is writable and is, holds or is inside this folder's {what} "
+                    f"({os.path.realpath(folder)}): a machine could change a checkpoint file after a restore checked "
+                    "it, or the ledger; make the volume readonly = true, or mount a folder that neither holds nor is "
+                    "in it")
+    return None

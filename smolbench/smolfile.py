@@ -46,6 +46,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, NoReturn
 
+from smolbench import signing
 from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolbenchError, SmolfileError
 from smolbench.images import has_python, home_path, is_path_image, is_valid_image_name
@@ -625,6 +626,9 @@ class _Parser:
                     *at,
                     "readonly",
                 )
+            exposed = signing.volume_refusal(str(host_path), True)  # the ledger's folder: the Workbench's to check
+            if exposed is not None:
+                self.fail_at(f"volume {number} is refused: {exposed}", *at, "host")
             volumes.append(Volume(host=str(host_path), guest=guest, readonly=readonly))
         return tuple(volumes)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from . import _args, gate, packages
+from . import _args, gate, packages, signing
 from . import retries as retry
 from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
@@ -71,6 +71,11 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
                  retries: int = 1) -> None:
         if retries < 0:
             raise SmolbenchError(f"--retries must be 0 or more, got {retries}", api=f"retries must be 0 or more, got {retries}")
+        ckpt_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        for vol in spec.volumes:  # a machine never reaches the key, nor writes where signed rows' files are
+            exposed = signing.volume_refusal(vol.host, vol.readonly, Path(ledger.path).parent, ckpt_dir)
+            if exposed is not None:
+                raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
         self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error
         self.backend = backend
         self.spec = spec
@@ -82,7 +87,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         self.machines: dict[str, MachineRef] = {}
         self._active: str | None = None
         self.started = time.time()
-        self.checkpoint_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        self.checkpoint_dir = ckpt_dir
         self.shelf = Shelf(ledger, self.checkpoint_dir)  # every checkpoint file goes through its rule
         self.restore_notes: list[str] = []
         self.guest_info: dict[str, Any] = {}

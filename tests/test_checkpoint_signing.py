@@ -350,3 +350,46 @@ def test_a_script_trusts_a_foreign_row_through_the_session(here: Path, tmp_path:
         assert [r["foreign"] for r in s.checkpoints()] == [None]
         node = s.checkpoint_restore("warm")
         assert s.run("print(kept + 1)", node=node).stdout.strip() == "42"
+
+
+def test_an_export_of_a_foreign_row_stays_foreign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack: a copied folder's ledger holds a sandbox row (unsigned: foreign) whose baseline and
+    machine are its author's choice, with a warning of theirs. `%smol checkpoint export` wrote it as
+    this user's own save: the row's baseline, its machine (or, for a baseline equal to this one's,
+    the machine up now), its warnings as the exporter's, and nothing saying where it came from; the
+    file then travels as the exporter's. Now a foreign row's export carries only what its file said,
+    says so first, and keeps the row's words as its row's; trusted, it exports as the user's own."""
+    from ckpthelpers import forged
+
+    from smolbench.gate import archive
+
+    _state(monkeypatch, tmp_path / "state")
+    spec = MachineSpec()
+    folder = tmp_path / "copied"
+    (folder / CK).mkdir(parents=True)
+    forged(folder / CK / "theirs.smolcheckpoint", None)  # a machine's archive: no record of its own
+    led = Ledger(folder / LEDGER)
+    try:
+        led.add_checkpoint("theirs", "20260101-000000-abcdef", "root", "checkpoints/theirs.smolcheckpoint", "sandbox",
+                           (folder / CK / "theirs.smolcheckpoint").stat().st_size, 3, ["verified by the course staff"],
+                           baseline=spec.baseline(), machine={"image": "their/image:1"})
+        shelf = Shelf(led)
+        assert [r["foreign"] is not None for r in shelf.rows()] == [True]
+        out = shelf.export("theirs", str(tmp_path / "out.smolcheckpoint"), spec)
+        inside = archive.read_record(out["path"]) or {}
+        digest = hashlib.sha256((folder / CK / "theirs.smolcheckpoint").read_bytes()).hexdigest()
+        assert "baseline" not in inside and "image" not in inside and "parts" not in inside, inside
+        assert "created" not in inside, inside  # the row's time was its author's word too
+        assert inside["warnings"] == [
+            f"re-exported from a checkpoint row not signed as the exporter's own save (a copied folder's, another "
+            f"user's, or from before rows were signed; its file's sha256 {digest}): this record says only what that "
+            "row and file said", "its ledger row says: verified by the course staff"], inside["warnings"]
+        assert out["note"] == ("checkpoint theirs is not signed as your own save, so it was exported as someone "
+                               "else's (its record says only what its file said); if you saved it yourself, "
+                               "`%smol checkpoint trust theirs`, then export it again"), out["note"]
+        # the fix, on this user's word: signed, it exports as their own
+        assert shelf.trust("theirs", "s").startswith("signed checkpoint theirs as your own")
+        own = archive.read_record(shelf.export("theirs", str(tmp_path / "own.smolcheckpoint"), spec)["path"]) or {}
+        assert own["baseline"] == spec.baseline() and own["warnings"] == ["verified by the course staff"], own
+    finally:
+        led.close()

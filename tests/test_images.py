@@ -470,3 +470,61 @@ def test_a_build_never_sweeps_or_unmounts_through_a_linked_build_folder(
     assert _mounted_under(target) == [str(target / "mnt")]
     assert (target / "mnt" / "kept").read_text() == "a mounted file" and (target / "file").read_text() == "a file"
     assert link.is_symlink()  # left as it is: not ours to remove
+
+
+def test_a_fifo_planted_at_an_images_record_never_hangs_the_kernel(cache: Path) -> None:
+    """Attack: whoever can write in the image cache (a shared $SMOLBENCH_CACHE, a copied one) makes
+    an image's record ``NAME.json`` a fifo: reading it (O_NOFOLLOW, but blocking) waited forever
+    for a writer, in `smolbench image list`, a build and its suite check. Now it is opened without
+    waiting and only a plain file is read: the image is listed by its folder's name."""
+    import threading
+
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    fifo = cache / "images" / "debian-bookworm.json"
+    os.mkfifo(fifo)
+    got: list[object] = []
+    worker = threading.Thread(target=lambda: got.extend([list_images(), images._built_suite(root)]), daemon=True)
+    worker.start()
+    worker.join(5)
+    if worker.is_alive():  # let the stuck open go (a writer comes and goes) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("reading an image's record waited on a fifo planted there")
+    [(name, path, _size)], suite = got
+    assert (name, path, suite) == ("debian-bookworm", root, None)
+
+
+def test_an_image_given_by_path_is_trusted_as_the_cache_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack: a Smolfile's ``image = "/srv/rootfs"`` (or ``./rootfs``) that another user can write
+    in, or under a folder they can write in, lets them plant a trojaned python3 or swap the folder
+    for their own (or a link to the host's /) between the check and the bind; the cache's images
+    were refused for that, an image given by path was used as it was, by its path. Now it is
+    checked as the cache is (the user's own or root's, writable by no one else, the folders above
+    too unless sticky; reached without following links) and bound by the descriptor checked."""
+    from smolbench.backends import _bwrap, _stage
+    from smolbench.spec import MachineSpec
+
+    root = _fake_rootfs(tmp_path / "shared" / "rootfs")
+    (root / "etc").mkdir()
+    root.chmod(0o777)
+    for call in (lambda: resolve_rootfs(str(root)), lambda: _smol_image(str(root))):
+        said = _refused(call)
+        assert said == (f"refusing the image folder {root}: it is writable by group and others (mode 0777), so "
+                        f"another user could plant or alter what is in it; chmod go-w {root}"), said
+    root.chmod(0o755)
+    (tmp_path / "shared").chmod(0o777)
+    for call in (lambda: resolve_rootfs(str(root)), lambda: _smol_image(str(root))):
+        assert _refused(call).startswith(f"refusing the image folder {root}: the folder {tmp_path / 'shared'} above "
+                                         "it: it is writable by group and others (mode 0777 and not sticky)")
+    (tmp_path / "shared").chmod(0o755)
+    assert resolve_rootfs(str(root)) == root and _smol_image(str(root)) == str(root)  # the control
+    monkeypatch.setattr(_stage, "readable", lambda *_a: True)  # the sandbox uid's reach is not the point
+    with images.held_rootfs(str(root)) as rootfs:  # what is bound is the folder checked, by descriptor
+        assert rootfs is not None and str(rootfs).startswith("/proc/self/fd/")
+        p = _bwrap.plan(MachineSpec(image=str(root)), "m", "bwrap", rootfs)
+        try:
+            binds = {p.argv[i + 2]: p.paths[f"/proc/self/fd/{p.argv[i + 1]}"]
+                     for i, arg in enumerate(p.argv) if arg == "--ro-bind-fd"}
+            assert binds["/usr"] == f"{rootfs}/usr" and binds["/etc"] == f"{rootfs}/etc"
+        finally:
+            p.close()

@@ -171,3 +171,17 @@ def test_a_smolfile_edited_while_up_is_said_once_at_the_next_cell_or_fork(tmp_pa
         assert len(news) == 2 and news[1].startswith(f"smolbench: the Smolfile {smolfile} changed since `Session.up()` "
                                                      "and doesn't parse now ("), news
         assert news[1].endswith("fix it, then `Session.down()` then `Session.up()` to apply it"), news
+
+
+def test_prune_never_opens_a_lock_through_a_link_planted_at_its_name(cache: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Attack: a link planted at a key's lock name in the cache (``.KEY.lock`` -> any path) had
+    prune open it to append, creating the file it names (prune may run as root). The lock is opened
+    without following a link and only a plain file is used; the folder beside it is left."""
+    root = cache / "packages"
+    (root / ".abc.tmp-1").mkdir(parents=True)  # what a killed install left: prune takes it under its lock
+    target = tmp_path / "made-by-prune"
+    (root / ".abc.lock").symlink_to(target)
+    os.mkfifo(root / ".def.lock")
+    (root / ".def.tmp-1").mkdir()
+    assert packages.prune(0) == ([], [])
+    assert not target.exists() and (root / ".abc.tmp-1").is_dir() and (root / ".def.tmp-1").is_dir()

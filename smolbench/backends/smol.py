@@ -42,7 +42,7 @@ from smol import (
     SmolError,
 )
 
-from .. import gate
+from .. import gate, signing
 from .._aio import _made_in_thread
 from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate.limits import LIMITS, human
@@ -238,6 +238,10 @@ class SmolBackend(SmolCheckpoints, Backend):
                                      allow_cidrs=internet_cidrs(own_addresses() if self.target == "local" else frozenset()))
         else:  # explicit False: the cloud opens egress when network is left unset
             resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory, network=False)
+        for vol in spec.volumes:  # smol's engine mounts by path: its real path now, as near the mount as we get
+            exposed = signing.volume_refusal(vol.host, vol.readonly)
+            if exposed is not None:
+                raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
         mounts = [
             MountSpec(source=v.host, target=v.guest, read_only=v.readonly) for v in spec.volumes
         ]

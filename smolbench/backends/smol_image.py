@@ -13,8 +13,9 @@ import re
 import tarfile
 from pathlib import Path
 
+from .._pkgtrust import open_root, untrusted
 from ..errors import SmolbenchError
-from ..images import has_python, is_path_image, is_valid_image_name, open_image
+from ..images import PATH_IMAGE, has_python, is_path_image, is_valid_image_name, open_image
 from ..packages import GuestPython, rootfs_python, version_python
 
 DEFAULT_IMAGE = "python:3.12-slim"
@@ -62,14 +63,23 @@ def is_local(image: str) -> bool:
 
 
 def _local(path: Path) -> str:
+    """A rootfs folder or ``docker save`` archive given by path, trusted as the image cache is: smol
+    reads it by path, so it and the folders above it must be such that no other user can change or
+    swap it after this check (_pkgtrust.open_root; the archive itself the user's own or root's)."""
     if path.is_dir():
         if not has_python(path):
             raise SmolbenchError(
                 f"rootfs directory {str(path)!r} has no usr/bin/python3: install python3 in it, "
                 f"or use an image with python3 like {DEFAULT_IMAGE!r}"
             )
+        os.close(open_root(path, what=PATH_IMAGE))
         return str(path)
     if path.is_file():
+        os.close(open_root(path.parent, what=f"folder of the image {path.name}"))
+        why = untrusted(os.lstat(path))
+        if why is not None:
+            raise SmolbenchError(f"refusing the image {path}: {why}, so another user could alter it; "
+                                 f"chmod go-w {path}, or use a file of your own")
         if not tarfile.is_tarfile(path):
             raise SmolbenchError(
                 f"image {str(path)!r} is neither a rootfs directory nor a `docker save` archive: "

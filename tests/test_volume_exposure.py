@@ -1,0 +1,122 @@
+"""A Smolfile volume never gives a machine the checkpoint key's folder, nor a writable view of
+where signed rows' files live (smolbench.signing.volume_refusal). Each test's attack is written
+beside it; each failed before volumes were checked (c266793)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from fakesmol import backend
+
+import smolbench
+from smolbench.backends import _bwrap
+from smolbench.errors import SmolbenchError, SmolfileError
+from smolbench.ledger import Ledger
+from smolbench.smolfile import parse_smolfile
+from smolbench.spec import MachineSpec, Volume
+from smolbench.workbench import Workbench
+
+HAVE_BWRAP = shutil.which("bwrap") is not None
+KEY = "the folder of your checkpoint key"
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This user's state folder (their key's), in a folder of its own."""
+    folder = tmp_path / "home" / ".local" / "state" / "smolbench"
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / "inside").mkdir()
+    monkeypatch.setenv("SMOLBENCH_STATE", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("which", ["is", "holds", "inside", "link"])
+def test_a_volume_of_the_key_folder_is_refused(state: Path, tmp_path: Path, which: str) -> None:
+    """Attack: a Smolfile (a copied project's, or the user's own `host = "~"`) mounts the key's
+    folder, one above it or one in it (or a link to it): the machine reads checkpoint.key (or
+    writes one of its choosing) and signs rows as this user, so a copied folder's smol row
+    reaches smol's engine. Refused in one line, on the folder's real path."""
+    (tmp_path / "proj").mkdir()
+    host = {"is": str(state), "holds": str(tmp_path / "home"), "inside": str(state / "inside"),
+            "link": "key-link"}[which]
+    if which == "link":
+        (tmp_path / "proj" / "key-link").symlink_to(state)
+    text = f'[[volumes]]\nhost = "{host}"\nguest = "/data"\n'
+    with pytest.raises(SmolfileError) as got:
+        parse_smolfile(text, base_dir=str(tmp_path / "proj"))
+    said = str(got.value)
+    assert said.startswith("Smolfile line 2: volume 1 is refused: its host folder ") and KEY in said, said
+    assert said.endswith("mount a folder that neither holds nor is in it (or set $SMOLBENCH_STATE to a folder "
+                         "outside what you mount)"), said
+    assert "\n" not in said
+    parse_smolfile('[[volumes]]\nhost = "."\nguest = "/data"\n', base_dir=str(tmp_path / "proj"))  # the control
+
+
+def test_a_writable_volume_over_the_ledger_folder_is_refused(state: Path, tmp_path: Path) -> None:
+    """Attack: a writable volume holding the project's .smolbench/ (`host = "."`, readonly =
+    false) lets a cell rewrite a signed checkpoint file in place after a restore hashed it (smol's
+    engine reads it by name after the check), or the ledger under the kernel. Refused before
+    anything comes up; read-only, and a folder beside it, are fine."""
+    proj = tmp_path / "proj"
+    (proj / ".smolbench").mkdir(parents=True)
+    (proj / "data").mkdir()
+    for host, readonly, refused in ((proj, False, True), (proj / ".smolbench", False, True), (proj, True, False),
+                                    (proj / "data", False, False)):
+        spec = MachineSpec(volumes=(Volume(host=str(host), guest="/work", readonly=readonly),))
+        led = Ledger(proj / ".smolbench" / "ledger.db")
+        try:
+            if not refused:
+                Workbench(backend(), spec, led)
+                continue
+            with pytest.raises(SmolbenchError) as got:
+                Workbench(backend(), spec, led)
+            said = str(got.value)
+            assert said.startswith(f"refusing the volume at /work: its host folder {host} is writable and is, holds "
+                                   "or is inside this folder's ledger's folder"), said
+            assert said.endswith("make the volume readonly = true, or mount a folder that neither holds nor is in it")
+        finally:
+            led.close()
+
+
+def test_a_volume_made_a_link_to_the_key_folder_after_parsing_is_refused_when_bound(state: Path, tmp_path: Path) -> None:
+    """Attack: the Smolfile's volume was a plain folder when parsed, and a machine with a writable
+    volume above it (or anyone) made it a link to the key's folder since: the next machine (a
+    branch, a restart) bound what the link reached. The sandbox checks what it binds."""
+    (tmp_path / "data").mkdir()
+    spec = parse_smolfile('[[volumes]]\nhost = "data"\nguest = "/data"\n', base_dir=str(tmp_path))
+    (tmp_path / "data").rmdir()
+    (tmp_path / "data").symlink_to(state)
+    with pytest.raises(SmolbenchError, match=f"^refusing the volume at /data: its host folder {tmp_path / 'data'} is, "
+                                             f"holds or is inside {KEY} \\({state}\\)"):
+        _bwrap.plan(spec, "m", "bwrap", None)
+
+
+def test_a_smol_machine_is_never_given_the_key_folder(state: Path, tmp_path: Path) -> None:
+    """Attack: smol's engine (a host process of this user) mounts a volume by path for the microVM:
+    a spec whose volume is the key's folder (not parsed from a Smolfile, or a link made since)
+    handed the machine the key. Refused where the mounts are made."""
+    spec = MachineSpec(volumes=(Volume(host=str(state), guest="/stolen", readonly=True),))
+    with pytest.raises(SmolbenchError, match=f"^refusing the volume at /stolen: its host folder {state} is, holds "
+                                             f"or is inside {KEY}"):
+        backend().machine_config(spec, "m")
+
+
+@pytest.mark.skipif(not HAVE_BWRAP or os.geteuid() == 0,
+                    reason="bubblewrap is not installed, or this is root (its sandbox runs as another uid)")
+def test_a_machine_never_reads_the_key(state: Path, tmp_path: Path) -> None:
+    """The attack end to end, where a sandbox runs as the user's own uid (a non-root kernel): a
+    cell read the key through a volume of its folder. Refused before a machine comes up."""
+    from smolbench import signing
+
+    secret = signing.key()
+    assert secret is not None
+    smolfile = tmp_path / "Smolfile"
+    smolfile.write_text(f'[[volumes]]\nhost = "{state}"\nguest = "/stolen"\n')
+    with pytest.raises(SmolbenchError, match=KEY):
+        with smolbench.Session(smolfile=str(smolfile), backend="sandbox", ledger=str(tmp_path / "l" / "ledger.db"),
+                               on_notice=lambda line: None) as s:
+            out = s.run("print(open('/stolen/checkpoint.key', 'rb').read().hex())").stdout.strip()
+            assert out != secret.hex(), "the machine read the checkpoint key"
