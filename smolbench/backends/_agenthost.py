@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tarfile
 import threading
@@ -529,20 +530,27 @@ class AgentHostBackend(Saving, Backend):
                     for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow), and
         # the moves into them are kept cheap meanwhile (Limiter.keep_moves_cheap)
-        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        # A leaf fork releases each branch once it is in its cgroup, while the maker makes the next
+        # (_talk_leaf_fork): the other cores run branches meanwhile.
+        each = _LeafFork(names) if leaf else None
+        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names, each))
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
             held.fork_headroom(8 * len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
         fork_id = self._ids.new()
-        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "id": fork_id, "children": children, "hold": True,
-                                                                **({"leaf": True} if leaf else {})}))
+        request = {"op": "fork", "id": fork_id, "children": children, "hold": True,
+                   **({"leaf": True, "each": True} if leaf else {})}
+        forking = asyncio.ensure_future(self._request(machine, request) if each is None else
+                                        self._fork_leaves(machine, request, each))
         try:
             try:
                 try:
                     done = await asyncio.shield(forking)
                 except asyncio.CancelledError:  # its answer first (a grace period at most): what it made is
+                    if each is not None:
+                        each.abort()  # no more releases: the branches still held exit
                     await _to_the_end(self._stop_request(machine, forking, fork_id))  # held, not made after the undo
                     raise
             except SmolbenchError as exc:
@@ -567,6 +575,9 @@ class AgentHostBackend(Saving, Backend):
             async def undo() -> None:
                 if held is not None:
                     held.fork_headroom(0)
+                if each is not None:  # the maker and the branches it released already
+                    each.abort()
+                    await asyncio.to_thread(_wait_gone, each.released())
                 with contextlib.suppress(SmolbenchError, OSError):  # held children exit
                     await self._request(machine, {"op": "release", "go": False})
                 await asyncio.to_thread(cleared)
@@ -592,10 +603,17 @@ class AgentHostBackend(Saving, Backend):
             self._machines[ref.name] = ref
             refs.append(ref)
         try:
-            # The branches wait, each a bare fork: into their own cgroups, then let them start.
-            # (stopped: the moves end before the branches go)
-            await _to_the_end(asyncio.to_thread(self._limit_branches, machine, refs, limits, maker))
-            await self._request(machine, {"op": "release", "go": True})
+            if each is not None and done.get("each"):  # each one moved and released already
+                for ref in refs:
+                    if ref.name in each.found:
+                        ref.info["host_pid"], ref.info["host_started"] = each.found[ref.name]
+                for name in set(limits) - {r.name for r in refs}:  # asked for, never made
+                    await asyncio.to_thread(self.limiter.release, name)
+            else:
+                # The branches wait, each a bare fork: into their own cgroups, then let them start.
+                # (stopped: the moves end before the branches go)
+                await _to_the_end(asyncio.to_thread(self._limit_branches, machine, refs, limits, maker))
+                await self._request(machine, {"op": "release", "go": True})
         except BaseException:  # the caller never gets them: they go now, not at down
             await _to_the_end(asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True))
             raise
@@ -605,10 +623,106 @@ class AgentHostBackend(Saving, Backend):
             await primed  # ended with the fork's answer
         return refs
 
-    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:
-        if not self.limiter.mechanism.bases:
-            return {}
-        return {name: self.limiter.machine(name, spec) for name in names}
+    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str],
+                      each: _LeafFork | None = None) -> dict[str, _limits.MachineLimits]:
+        made: dict[str, _limits.MachineLimits] = {}
+        try:
+            for name in names if self.limiter.mechanism.bases else ():
+                made[name] = self.limiter.machine(name, spec)
+                if each is not None:  # the next branch's, in the order the maker makes them
+                    with each.cond:
+                        each.limits[name] = made[name]
+                        each.cond.notify_all()
+        finally:
+            if each is not None:
+                with each.cond:
+                    each.cgroups_done = True
+                    each.cond.notify_all()
+        return made
+
+    async def _fork_leaves(self, machine: MachineRef, msg: dict[str, Any], each: _LeafFork) -> dict[str, Any]:
+        """``_request`` of a leaf fork whose branches are released one by one (``_talk_leaf_fork``)."""
+        if machine.name not in self._machines:
+            return await self._request(machine, msg)  # (says it was deleted)
+        ancestor = machine.info.get("host_pid") or self._machines[machine.info["root"]].info.get("pid")
+        try:
+            raw = await asyncio.to_thread(self._talk_leaf_fork, machine, msg, each, ancestor or 0)
+        except OSError as exc:
+            head = f"machine {machine.name!r} is not answering ({exc.strerror or exc}): it may have died;"
+            raise SmolbenchError(f"{head} `%smol down` and `%smol up`",
+                                 api=f"{head} `Session.down()` and `Session.up()`") from None
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            if raw:
+                yield raw
+
+        done = await gate.read_control(chunks(), machine.name)
+        if done.get("status") != "ok":
+            err = done.get("error") or {}
+            raise SmolbenchError(f"machine {machine.name!r}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
+        return done
+
+    def _talk_leaf_fork(self, machine: MachineRef, msg: dict[str, Any], each: _LeafFork, ancestor: int) -> bytes:
+        """In a thread: send the fork request; as the maker names each branch it made (held, on a
+        pipe of its own), move that one into its cgroup and tell the maker to release it ("g
+        INDEX"), until the agent's answer, whose raw line is returned for the gate. Only lines
+        of the two small kinds are read here: anything else goes to the gate as the answer."""
+        with self._socket(machine) as path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            each.sock = sock
+            try:
+                if each.aborted:
+                    raise OSError("the fork was called off")
+                sock.connect(path)
+            except BaseException:
+                sock.close()
+                raise
+        try:
+            sock.sendall(P.encode(msg))
+            buf, at, pids, seen, released = b"", None, dict[int, int](), set[int](), set[int]()
+            while True:
+                while b"\n" not in buf:
+                    if len(buf) > gate.LIMITS.max_frame:
+                        return buf  # the gate refuses it
+                    got = sock.recv(65536)
+                    if not got:
+                        return buf
+                    buf += got
+                line, rest = buf.split(b"\n", 1)
+                told = _small_message(line)
+                if told is None:
+                    return buf  # the answer (or what the gate refuses)
+                buf = rest
+                if told[0] == "maker":
+                    if at is None and ancestor:
+                        at = _procs.leaf_maker(ancestor, told[2])
+                        if at is not None:
+                            each.maker = (at[0], _procs.start_time(at[0]))
+                    continue
+                i, guest = told[1], told[2]
+                if at is None or i >= len(each.names) or i in released:
+                    continue  # never released: it exits when we hang up
+                if guest not in pids:
+                    _procs.new_leaves(at[0], at[1], pids, seen)
+                pid = pids.get(guest)
+                if pid is None:
+                    continue
+                name = each.names[i]
+                limits = each.wait_cgroup(name)
+                started = _procs.start_time(pid)
+                self._limit_leaf(machine, name, pid, limits)
+                each.found[name] = (pid, started)
+                released.add(i)
+                with contextlib.suppress(OSError):  # a maker gone already: its branches went with it
+                    sock.sendall(b"g %d\n" % i)
+        finally:
+            each.sock = None
+            sock.close()
+
+    def _limit_leaf(self, parent: MachineRef, name: str, pid: int, limits: _limits.MachineLimits | None) -> None:
+        """One leaf branch into its own cgroup, before the maker releases it."""
+        if limits is not None:
+            limits.adopt([pid])
 
     def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
                         limits: dict[str, _limits.MachineLimits], maker: int | None = None) -> None:
@@ -748,6 +862,58 @@ class AgentHostBackend(Saving, Backend):
             return None
         return _limits.room_refusal(spec, checked.files, checked.namespace, label,
                                     counted=bool(self.limiter.mechanism.bases))
+
+
+class _LeafFork:
+    """A leaf fork whose branches are released one by one: the cgroups made so far (by the
+    thread that makes them, in the maker's order) and what the thread that talks to the maker
+    found and released."""
+
+    def __init__(self, names: builtins.list[str]) -> None:
+        self.names = names
+        self.limits: dict[str, _limits.MachineLimits] = {}
+        self.cond = threading.Condition()
+        self.cgroups_done = self.aborted = False
+        self.found: dict[str, tuple[int, str]] = {}  # name -> (host pid, start time): moved, released
+        self.maker: tuple[int, str] | None = None
+        self.sock: socket.socket | None = None
+
+    def wait_cgroup(self, name: str) -> _limits.MachineLimits | None:
+        with self.cond:
+            while name not in self.limits and not self.cgroups_done and not self.aborted:
+                self.cond.wait(0.05)
+            return self.limits.get(name)
+
+    def abort(self) -> None:
+        """No more releases: hang up on the maker (its held branches exit)."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def released(self) -> builtins.list[tuple[int, str]]:
+        """The maker (its branches die with it) and the branches it released."""
+        return [*([self.maker] if self.maker else []), *self.found.values()]
+
+
+def _small_message(line: bytes) -> tuple[str, int, int] | None:
+    """A leaf maker's line ("maker": its pid; "made": a branch's index and pid) as (kind, index,
+    pid); None for anything else (the agent's answer, for the gate)."""
+    if len(line) > 200 or not line.startswith(b'{"t":"ma'):
+        return None
+    try:
+        msg = P.decode(line)
+    except ValueError:
+        return None
+    if type(msg) is not dict or msg.get("t") not in ("maker", "made"):
+        return None
+    i, pid = msg.get("i", 0), msg.get("pid")
+    if type(i) is not int or type(pid) is not int or not (0 <= i < 1 << 20) or not (0 < pid < 1 << 31):
+        return None
+    return msg["t"], i, pid
 
 
 class _Exited(Exception):
