@@ -537,6 +537,8 @@ class AgentHostBackend(Saving, Backend):
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
             held.fork_headroom(8 * len(names))
+            if each is not None:  # the maker first, beside the branches it released (MachineLimits.fork_weight)
+                held.fork_weight(len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
         fork_id = self._ids.new()
@@ -575,6 +577,7 @@ class AgentHostBackend(Saving, Backend):
             async def undo() -> None:
                 if held is not None:
                     held.fork_headroom(0)
+                    held.fork_weight(0)
                 if each is not None:  # the maker and the branches it released already
                     each.abort()
                     await asyncio.to_thread(_wait_gone, each.released())
@@ -620,6 +623,7 @@ class AgentHostBackend(Saving, Backend):
         finally:
             if held is not None:
                 held.fork_headroom(0)
+                held.fork_weight(0)
             await primed  # ended with the fork's answer
         return refs
 
