@@ -692,33 +692,42 @@ class AgentHostBackend(Saving, Backend):
                     if not got:
                         return buf
                     buf += got
-                line, rest = buf.split(b"\n", 1)
-                told = _small_message(line)
-                if told is None:
-                    return buf  # the answer (or what the gate refuses)
-                buf = rest
-                if told[0] == "maker":
-                    if at is None and ancestor:
-                        at = _procs.leaf_maker(ancestor, told[2])
-                        if at is not None:
-                            each.maker = (at[0], _procs.start_time(at[0]))
-                    continue
-                i, guest = told[1], told[2]
-                if at is None or i >= len(each.names) or i in released:
-                    continue  # never released: it exits when we hang up
-                if guest not in pids:
-                    _procs.new_leaves(at[0], at[1], pids, seen)
-                pid = pids.get(guest)
-                if pid is None:
-                    continue
-                name = each.names[i]
-                limits = each.wait_cgroup(name)
-                started = _procs.start_time(pid)
-                self._limit_leaf(machine, name, pid, limits)
-                each.found[name] = (pid, started)
-                released.add(i)
-                with contextlib.suppress(OSError):  # a maker gone already: its branches went with it
-                    sock.sendall(b"g %d\n" % i)
+                # every whole line that came: the branches named are moved, then released at once
+                made: builtins.list[tuple[int, int]] = []
+                answer = None
+                while b"\n" in buf:
+                    line, rest = buf.split(b"\n", 1)
+                    told = _small_message(line)
+                    if told is None:
+                        answer = buf  # the answer (or what the gate refuses)
+                        break
+                    buf = rest
+                    if told[0] == "maker":
+                        if at is None and ancestor:
+                            at = _procs.leaf_maker(ancestor, told[2])
+                            if at is not None:
+                                each.maker = (at[0], _procs.start_time(at[0]))
+                    elif at is not None and told[1] < len(each.names) and told[1] not in released:
+                        made.append((told[1], told[2]))  # (else never released: it exits when we hang up)
+                go = b""
+                for i, guest in made:
+                    if guest not in pids:
+                        _procs.new_leaves(at[0], at[1], pids, seen)  # type: ignore[index]
+                    pid = pids.get(guest)
+                    if pid is None:
+                        continue
+                    name = each.names[i]
+                    limits = each.wait_cgroup(name)
+                    started = _procs.start_time(pid)
+                    self._limit_leaf(machine, name, pid, limits)
+                    each.found[name] = (pid, started)
+                    released.add(i)
+                    go += b"g %d\n" % i
+                if go:
+                    with contextlib.suppress(OSError):  # a maker gone already: its branches went with it
+                        sock.sendall(go)
+                if answer is not None:
+                    return answer
         finally:
             each.sock = None
             sock.close()

@@ -30,6 +30,7 @@ import os
 import platform
 import resource
 import select
+import socket
 import sys
 import threading
 
@@ -205,12 +206,9 @@ def _release_each(conn, pending, heard, wait):
     """Release the held branches the host named on ``conn`` ("g INDEX" lines: it moved that
     one into its own cgroup), reading what has come (``wait``: at least one read); False once
     the host hung up."""
-    fd = conn.fileno()
-    try:
-        if not select.select([fd], [], [], None if wait else 0)[0]:
-            return True
-        got = os.read(fd, 4096)
-    except (BlockingIOError, InterruptedError):
+    try:  # one call when nothing came (the maker asks after every clone)
+        got = conn.recv(4096, 0 if wait else socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError, socket.timeout):
         return True
     except OSError:
         return False
