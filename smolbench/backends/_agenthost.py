@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -531,9 +532,13 @@ class AgentHostBackend(Saving, Backend):
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow), and
         # the moves into them are kept cheap meanwhile (Limiter.keep_moves_cheap)
         # A leaf fork releases each branch once it is in its cgroup, while the maker makes the next
-        # (_talk_leaf_fork): the other cores run branches meanwhile.
-        each = _LeafFork(names) if leaf else None
-        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names, each))
+        # (_talk_leaf_fork, which makes their cgroups too): the other cores run branches meanwhile.
+        each = None
+        if leaf:
+            make = (lambda name: self.limiter.machine(name, machine.spec)) if self.limiter.mechanism.bases else None
+            each = _LeafFork(names, make)
+        else:
+            cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
             held.fork_headroom(8 * len(names))
@@ -546,6 +551,8 @@ class AgentHostBackend(Saving, Backend):
                    **({"leaf": True, "each": True} if leaf else {})}
         forking = asyncio.ensure_future(self._request(machine, request) if each is None else
                                         self._fork_leaves(machine, request, each))
+        if each is not None:
+            cgroups = asyncio.ensure_future(_leaf_cgroups(forking, each))
         try:
             try:
                 try:
@@ -627,22 +634,10 @@ class AgentHostBackend(Saving, Backend):
             await primed  # ended with the fork's answer
         return refs
 
-    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str],
-                      each: _LeafFork | None = None) -> dict[str, _limits.MachineLimits]:
-        made: dict[str, _limits.MachineLimits] = {}
-        try:
-            for name in names if self.limiter.mechanism.bases else ():
-                made[name] = self.limiter.machine(name, spec)
-                if each is not None:  # the next branch's, in the order the maker makes them
-                    with each.cond:
-                        each.limits[name] = made[name]
-                        each.cond.notify_all()
-        finally:
-            if each is not None:
-                with each.cond:
-                    each.cgroups_done = True
-                    each.cond.notify_all()
-        return made
+    def _make_cgroups(self, spec: MachineSpec, names: builtins.list[str]) -> dict[str, _limits.MachineLimits]:
+        if not self.limiter.mechanism.bases:
+            return {}
+        return {name: self.limiter.machine(name, spec) for name in names}
 
     async def _fork_leaves(self, machine: MachineRef, msg: dict[str, Any], each: _LeafFork) -> dict[str, Any]:
         """``_request`` of a leaf fork whose branches are released one by one (``_talk_leaf_fork``)."""
@@ -688,6 +683,9 @@ class AgentHostBackend(Saving, Backend):
                 while b"\n" not in buf:
                     if len(buf) > gate.LIMITS.max_frame:
                         return buf  # the gate refuses it
+                    if each.more() and not select.select([sock], [], [], 0)[0]:
+                        each.cgroup(each.made)  # the next one's, made while the maker makes the next branch
+                        continue
                     got = sock.recv(65536)
                     if not got:
                         return buf
@@ -717,7 +715,7 @@ class AgentHostBackend(Saving, Backend):
                     if pid is None:
                         continue
                     name = each.names[i]
-                    limits = each.wait_cgroup(name)
+                    limits = each.cgroup(i)
                     started = _procs.start_time(pid)
                     self._limit_leaf(machine, name, pid, limits)
                     each.found[name] = (pid, started)
@@ -882,26 +880,32 @@ class _LeafFork:
     thread that makes them, in the maker's order) and what the thread that talks to the maker
     found and released."""
 
-    def __init__(self, names: builtins.list[str]) -> None:
+    def __init__(self, names: builtins.list[str], make: Callable[[str], _limits.MachineLimits] | None) -> None:
         self.names = names
+        self.make = make  # a branch's cgroups (None: none here)
+        self.made = 0  # names[:made] have theirs
         self.limits: dict[str, _limits.MachineLimits] = {}
-        self.cond = threading.Condition()
-        self.cgroups_done = self.aborted = False
+        self.aborted = False
         self.found: dict[str, tuple[int, str]] = {}  # name -> (host pid, start time): moved, released
         self.maker: tuple[int, str] | None = None
         self.sock: socket.socket | None = None
 
-    def wait_cgroup(self, name: str) -> _limits.MachineLimits | None:
-        with self.cond:
-            while name not in self.limits and not self.cgroups_done and not self.aborted:
-                self.cond.wait(0.05)
-            return self.limits.get(name)
+    def more(self) -> bool:
+        """Whether cgroups are still to be made."""
+        return self.make is not None and self.made < len(self.names) and not self.aborted
+
+    def cgroup(self, i: int) -> _limits.MachineLimits | None:
+        """Branch ``i``'s cgroups, made (with those before it, in the maker's order) if not yet:
+        in the one thread that moves them (no other thread to take turns with for the GIL)."""
+        while self.make is not None and self.made <= min(i, len(self.names) - 1) and not self.aborted:
+            name = self.names[self.made]
+            self.limits[name] = self.make(name)
+            self.made += 1
+        return self.limits.get(self.names[i]) if i < len(self.names) else None
 
     def abort(self) -> None:
-        """No more releases: hang up on the maker (its held branches exit)."""
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
+        """No more releases, nor cgroups: hang up on the maker (its held branches exit)."""
+        self.aborted = True
         sock = self.sock
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -910,6 +914,15 @@ class _LeafFork:
     def released(self) -> builtins.list[tuple[int, str]]:
         """The maker (its branches die with it) and the branches it released."""
         return [*([self.maker] if self.maker else []), *self.found.values()]
+
+
+async def _leaf_cgroups(forking: asyncio.Future[Any], each: _LeafFork) -> dict[str, _limits.MachineLimits]:
+    """A leaf fork's cgroups, once the thread that makes them as it moves the branches ended (the
+    rest of them too: normally none; once it was called off, what it made, for the undo)."""
+    await asyncio.wait([forking])
+    if each.more():
+        await asyncio.to_thread(each.cgroup, len(each.names) - 1)
+    return each.limits
 
 
 def _small_message(line: bytes) -> tuple[str, int, int] | None:
