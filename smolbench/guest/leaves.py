@@ -21,6 +21,12 @@ handler already, so a branch starts from a consistent post-fork state; the clone
 thread id libc keeps (``CLONE_CHILD_SETTID``, as libc's fork does) where it can be found.
 The branch's store is a grant the host makes to its own pid namespace, after the clone and
 before it is released, so no other process of the tree can spend it.
+
+Each branch waits on a pipe of its own (``each``): the maker names each clone on the fork's
+connection as it makes it, the host moves that one into its cgroups and grants its store, and
+answers "g INDEX"; the maker, between clones, writes that branch's pipe alone. So the other
+cores run branches while the maker still clones. A branch closes the release ends of the
+branches before it (the maker's, inherited) before it waits: no branch can release another.
 """
 
 import ctypes
