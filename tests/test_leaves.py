@@ -8,12 +8,10 @@ forked. The grants of their stores are in ``test_mount_guard.py``. Speed is in `
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from nbhelpers import NotebookSession, agent_processes, error_output, error_text, stream_text
@@ -142,42 +140,3 @@ def test_a_branch_imports_nothing_its_parent_had_not(tmp_path: Path) -> None:
         parent = s.run("import sys\nlen(sys.modules)").value
         mods = [row["m.mods"] for row in f.to_pandas().to_dict("records")]
         assert mods and all(n <= parent for n in mods), (mods, parent)
-
-
-@pytest.mark.parametrize("weaken", ["", "leaf-early-release"])
-def test_each_leaf_is_released_only_once_it_is_in_its_own_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 weaken: str) -> None:
-    """Each leaf is released on its own, as soon as the host moved it into its cgroups (the
-    maker makes the next meanwhile), never before: at its move it has run nothing of its own.
-    Seen from the host: a released leaf makes its own IPC namespace first thing, so at its move
-    (after a pause a leaf released too early would use) it still has its parent's, and the move
-    put it in its own cgroup. ``leaf-early-release`` (tests only): the maker releases each one
-    as it is made, and that is caught."""
-    from smolbench.backends.sandbox import SandboxBackend
-
-    monkeypatch.setenv("SMOLBENCH_TEST_WEAKEN", weaken)
-    held: dict[str, bool] = {}
-    moved: dict[str, bool] = {}
-    real = SandboxBackend._limit_leaf
-
-    def checked(self: SandboxBackend, parent: Any, name: str, pid: int, limits: Any) -> None:
-        time.sleep(0.3)
-        try:
-            held[name] = os.readlink(f"/proc/{pid}/ns/ipc") == os.readlink(f"/proc/{parent.info['host_pid']}/ns/ipc")
-        except OSError:  # gone already: it ran (and, released before its store was granted, failed)
-            held[name] = False
-        real(self, parent, name, pid, limits)
-        moved[name] = limits is None or not held[name] or pid in limits.pids(first=True)
-
-    monkeypatch.setattr(SandboxBackend, "_limit_leaf", checked)
-    with Session(backend="sandbox", ledger=str(tmp_path / "ledger.db")) as s:
-        f = s.fork(3, "reward = SEED", keep="none", allow_errors=True)
-        statuses = sorted(str(row.get("status")) for row in f.rows.values())
-    # each one moved by itself, as it was made, still held (weakened: a released one ran, and
-    # failed, as its store was granted only at its move; or was gone before it)
-    all_held = [held.get(name) for name in ("root.0", "root.1", "root.2")] == [True] * 3
-    if weaken:
-        assert not all_held, held
-    else:
-        assert all_held and all(moved.values()), (held, moved)
-        assert statuses == ["ok"] * 3, statuses

@@ -15,9 +15,7 @@ import builtins
 import contextlib
 import os
 import re
-import select
 import shutil
-import socket
 import subprocess
 import tarfile
 import threading
@@ -531,35 +529,20 @@ class AgentHostBackend(Saving, Backend):
                     for n, s, d in zip(names, seeds, dirs)]
         # the branches' cgroups are made while the agent forks (mkdir on cgroupfs is slow), and
         # the moves into them are kept cheap meanwhile (Limiter.keep_moves_cheap)
-        # A leaf fork releases each branch once it is in its cgroup, while the maker makes the next
-        # (_talk_leaf_fork, which makes their cgroups too): the other cores run branches meanwhile.
-        each = None
-        if leaf:
-            make = (lambda name: self.limiter.machine(name, machine.spec)) if self.limiter.mechanism.bases else None
-            each = _LeafFork(names, make)
-        else:
-            cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
+        cgroups = asyncio.ensure_future(asyncio.to_thread(self._make_cgroups, machine.spec, names))
         held = self.limiter.get(machine.name)
         if held is not None:  # a branch (keeper, agent, threads) counts here until it is moved
             held.fork_headroom(8 * len(names))
-            if each is not None:  # the maker first, beside the branches it released (MachineLimits.fork_weight)
-                held.fork_weight(len(names))
         forked = threading.Event()
         primed = asyncio.ensure_future(asyncio.to_thread(self.limiter.keep_moves_cheap, forked))
         fork_id = self._ids.new()
-        request = {"op": "fork", "id": fork_id, "children": children, "hold": True,
-                   **({"leaf": True, "each": True} if leaf else {})}
-        forking = asyncio.ensure_future(self._request(machine, request) if each is None else
-                                        self._fork_leaves(machine, request, each))
-        if each is not None:
-            cgroups = asyncio.ensure_future(_leaf_cgroups(forking, each))
+        forking = asyncio.ensure_future(self._request(machine, {"op": "fork", "id": fork_id, "children": children, "hold": True,
+                                                                **({"leaf": True} if leaf else {})}))
         try:
             try:
                 try:
                     done = await asyncio.shield(forking)
                 except asyncio.CancelledError:  # its answer first (a grace period at most): what it made is
-                    if each is not None:
-                        each.abort()  # no more releases: the branches still held exit
                     await _to_the_end(self._stop_request(machine, forking, fork_id))  # held, not made after the undo
                     raise
             except SmolbenchError as exc:
@@ -584,10 +567,6 @@ class AgentHostBackend(Saving, Backend):
             async def undo() -> None:
                 if held is not None:
                     held.fork_headroom(0)
-                    held.fork_weight(0)
-                if each is not None:  # the maker and the branches it released already
-                    each.abort()
-                    await asyncio.to_thread(_wait_gone, each.released())
                 with contextlib.suppress(SmolbenchError, OSError):  # held children exit
                     await self._request(machine, {"op": "release", "go": False})
                 await asyncio.to_thread(cleared)
@@ -613,24 +592,16 @@ class AgentHostBackend(Saving, Backend):
             self._machines[ref.name] = ref
             refs.append(ref)
         try:
-            if each is not None and done.get("each"):  # each one moved and released already
-                for ref in refs:
-                    if ref.name in each.found:
-                        ref.info["host_pid"], ref.info["host_started"] = each.found[ref.name]
-                for name in set(limits) - {r.name for r in refs}:  # asked for, never made
-                    await asyncio.to_thread(self.limiter.release, name)
-            else:
-                # The branches wait, each a bare fork: into their own cgroups, then let them start.
-                # (stopped: the moves end before the branches go)
-                await _to_the_end(asyncio.to_thread(self._limit_branches, machine, refs, limits, maker))
-                await self._request(machine, {"op": "release", "go": True})
+            # The branches wait, each a bare fork: into their own cgroups, then let them start.
+            # (stopped: the moves end before the branches go)
+            await _to_the_end(asyncio.to_thread(self._limit_branches, machine, refs, limits, maker))
+            await self._request(machine, {"op": "release", "go": True})
         except BaseException:  # the caller never gets them: they go now, not at down
             await _to_the_end(asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True))
             raise
         finally:
             if held is not None:
                 held.fork_headroom(0)
-                held.fork_weight(0)
             await primed  # ended with the fork's answer
         return refs
 
@@ -638,102 +609,6 @@ class AgentHostBackend(Saving, Backend):
         if not self.limiter.mechanism.bases:
             return {}
         return {name: self.limiter.machine(name, spec) for name in names}
-
-    async def _fork_leaves(self, machine: MachineRef, msg: dict[str, Any], each: _LeafFork) -> dict[str, Any]:
-        """``_request`` of a leaf fork whose branches are released one by one (``_talk_leaf_fork``)."""
-        if machine.name not in self._machines:
-            return await self._request(machine, msg)  # (says it was deleted)
-        ancestor = machine.info.get("host_pid") or self._machines[machine.info["root"]].info.get("pid")
-        try:
-            raw = await asyncio.to_thread(self._talk_leaf_fork, machine, msg, each, ancestor or 0)
-        except OSError as exc:
-            head = f"machine {machine.name!r} is not answering ({exc.strerror or exc}): it may have died;"
-            raise SmolbenchError(f"{head} `%smol down` and `%smol up`",
-                                 api=f"{head} `Session.down()` and `Session.up()`") from None
-
-        async def chunks() -> AsyncGenerator[bytes, None]:
-            if raw:
-                yield raw
-
-        done = await gate.read_control(chunks(), machine.name)
-        if done.get("status") != "ok":
-            err = done.get("error") or {}
-            raise SmolbenchError(f"machine {machine.name!r}: {err.get('ename', 'error')}: {err.get('evalue', '')}")
-        return done
-
-    def _talk_leaf_fork(self, machine: MachineRef, msg: dict[str, Any], each: _LeafFork, ancestor: int) -> bytes:
-        """In a thread: send the fork request; as the maker names each branch it made (held, on a
-        pipe of its own), move that one into its cgroup and tell the maker to release it ("g
-        INDEX"), until the agent's answer, whose raw line is returned for the gate. Only lines
-        of the two small kinds are read here: anything else goes to the gate as the answer."""
-        with self._socket(machine) as path:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            each.sock = sock
-            try:
-                if each.aborted:
-                    raise OSError("the fork was called off")
-                sock.connect(path)
-            except BaseException:
-                sock.close()
-                raise
-        try:
-            sock.sendall(P.encode(msg))
-            buf, at, pids, seen, released = b"", None, dict[int, int](), set[int](), set[int]()
-            while True:
-                while b"\n" not in buf:
-                    if len(buf) > gate.LIMITS.max_frame:
-                        return buf  # the gate refuses it
-                    if each.more() and not select.select([sock], [], [], 0)[0]:
-                        each.cgroup(each.made)  # the next one's, made while the maker makes the next branch
-                        continue
-                    got = sock.recv(65536)
-                    if not got:
-                        return buf
-                    buf += got
-                # every whole line that came: the branches named are moved, then released at once
-                made: builtins.list[tuple[int, int]] = []
-                answer = None
-                while b"\n" in buf:
-                    line, rest = buf.split(b"\n", 1)
-                    told = _small_message(line)
-                    if told is None:
-                        answer = buf  # the answer (or what the gate refuses)
-                        break
-                    buf = rest
-                    if told[0] == "maker":
-                        if at is None and ancestor:
-                            at = _procs.leaf_maker(ancestor, told[2])
-                            if at is not None:
-                                each.maker = (at[0], _procs.start_time(at[0]))
-                    elif at is not None and told[1] < len(each.names) and told[1] not in released:
-                        made.append((told[1], told[2]))  # (else never released: it exits when we hang up)
-                go = b""
-                for i, guest in made:
-                    if guest not in pids:
-                        _procs.new_leaves(at[0], at[1], pids, seen)  # type: ignore[index]
-                    pid = pids.get(guest)
-                    if pid is None:
-                        continue
-                    name = each.names[i]
-                    limits = each.cgroup(i)
-                    started = _procs.start_time(pid)
-                    self._limit_leaf(machine, name, pid, limits)
-                    each.found[name] = (pid, started)
-                    released.add(i)
-                    go += b"g %d\n" % i
-                if go:
-                    with contextlib.suppress(OSError):  # a maker gone already: its branches went with it
-                        sock.sendall(go)
-                if answer is not None:
-                    return answer
-        finally:
-            each.sock = None
-            sock.close()
-
-    def _limit_leaf(self, parent: MachineRef, name: str, pid: int, limits: _limits.MachineLimits | None) -> None:
-        """One leaf branch into its own cgroup, before the maker releases it."""
-        if limits is not None:
-            limits.adopt([pid])
 
     def _limit_branches(self, parent: MachineRef, refs: builtins.list[MachineRef],
                         limits: dict[str, _limits.MachineLimits], maker: int | None = None) -> None:
@@ -873,73 +748,6 @@ class AgentHostBackend(Saving, Backend):
             return None
         return _limits.room_refusal(spec, checked.files, checked.namespace, label,
                                     counted=bool(self.limiter.mechanism.bases))
-
-
-class _LeafFork:
-    """A leaf fork whose branches are released one by one: the cgroups made so far (by the
-    thread that makes them, in the maker's order) and what the thread that talks to the maker
-    found and released."""
-
-    def __init__(self, names: builtins.list[str], make: Callable[[str], _limits.MachineLimits] | None) -> None:
-        self.names = names
-        self.make = make  # a branch's cgroups (None: none here)
-        self.made = 0  # names[:made] have theirs
-        self.limits: dict[str, _limits.MachineLimits] = {}
-        self.aborted = False
-        self.found: dict[str, tuple[int, str]] = {}  # name -> (host pid, start time): moved, released
-        self.maker: tuple[int, str] | None = None
-        self.sock: socket.socket | None = None
-
-    def more(self) -> bool:
-        """Whether cgroups are still to be made."""
-        return self.make is not None and self.made < len(self.names) and not self.aborted
-
-    def cgroup(self, i: int) -> _limits.MachineLimits | None:
-        """Branch ``i``'s cgroups, made (with those before it, in the maker's order) if not yet:
-        in the one thread that moves them (no other thread to take turns with for the GIL)."""
-        while self.make is not None and self.made <= min(i, len(self.names) - 1) and not self.aborted:
-            name = self.names[self.made]
-            self.limits[name] = self.make(name)
-            self.made += 1
-        return self.limits.get(self.names[i]) if i < len(self.names) else None
-
-    def abort(self) -> None:
-        """No more releases, nor cgroups: hang up on the maker (its held branches exit)."""
-        self.aborted = True
-        sock = self.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def released(self) -> builtins.list[tuple[int, str]]:
-        """The maker (its branches die with it) and the branches it released."""
-        return [*([self.maker] if self.maker else []), *self.found.values()]
-
-
-async def _leaf_cgroups(forking: asyncio.Future[Any], each: _LeafFork) -> dict[str, _limits.MachineLimits]:
-    """A leaf fork's cgroups, once the thread that makes them as it moves the branches ended (the
-    rest of them too: normally none; once it was called off, what it made, for the undo)."""
-    await asyncio.wait([forking])
-    if each.more():
-        await asyncio.to_thread(each.cgroup, len(each.names) - 1)
-    return each.limits
-
-
-def _small_message(line: bytes) -> tuple[str, int, int] | None:
-    """A leaf maker's line ("maker": its pid; "made": a branch's index and pid) as (kind, index,
-    pid); None for anything else (the agent's answer, for the gate)."""
-    if len(line) > 200 or not line.startswith(b'{"t":"ma'):
-        return None
-    try:
-        msg = P.decode(line)
-    except ValueError:
-        return None
-    if type(msg) is not dict or msg.get("t") not in ("maker", "made"):
-        return None
-    i, pid = msg.get("i", 0), msg.get("pid")
-    if type(i) is not int or type(pid) is not int or not (0 <= i < 1 << 20) or not (0 < pid < 1 << 31):
-        return None
-    return msg["t"], i, pid
 
 
 class _Exited(Exception):

@@ -302,7 +302,6 @@ class MachineLimits:
     version: int  # 2, 1, or 0 for rlimits only
     enforce: bool = True
     widened: bool = False  # fork_headroom raised its pids.max (not back yet)
-    weighted: bool = False  # fork_weight raised its CPU weight (not back yet)
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` prefixed so the process joins this machine's cgroups before it runs."""
@@ -342,20 +341,6 @@ class MachineLimits:
                     self.widened = True  # until written back (a failed write back: never reused)
                     (d / "pids.max").write_text(str(self.spec.pids + extra))
                     self.widened = bool(extra)
-
-    def fork_weight(self, branches: int) -> None:
-        """While the machine makes ``branches`` leaf branches, each released as soon as it is in
-        its own cgroup (0: back to the default weight): its cgroup's CPU weight, times
-        ``branches + 1``. The maker runs here, and each branch it released already is a cgroup
-        of this one's weight beside it: the scheduler shared the cores out among them, and the
-        maker, one among many, cloned at a tenth of its pace. Its CPU stays capped by its quota."""
-        for d in self.dirs:
-            for knob, one, most in (("cpu.shares", 1024, 262144), ("cpu.weight", 100, 10000)):
-                if (d / knob).exists():
-                    with contextlib.suppress(OSError):
-                        self.weighted = True  # until written back (a failed write back: never reused)
-                        (d / knob).write_text(str(min(most, one * (branches + 1))))
-                        self.weighted = bool(branches)
 
     def pids(self, first: bool = False) -> set[int]:
         """Every process in this machine's cgroups (``first``: in its first one only)."""
@@ -637,7 +622,7 @@ class Limiter:
             out[i] = ok
             # an emptied set, with the limits it was made with, is kept; as a new object (the
             # old one, that callers may still hold, has no cgroups from now on)
-            if keep and ok and m.dirs and not m.widened and not m.weighted and len(kept) < room and _no_pids(m, deadline):
+            if keep and ok and m.dirs and not m.widened and len(kept) < room and _no_pids(m, deadline):
                 kept.append(MachineLimits(m.spec, m.dirs, m.version, m.enforce))
                 m.dirs = []
             else:

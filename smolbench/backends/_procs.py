@@ -140,34 +140,18 @@ def leaf_pids(ancestor: int, maker: int, guest_pids: list[int]) -> dict[int, int
     agent's namespace calls ``maker``; each branch is pid 1 of its own namespace, and the
     agent's namespace calls it by the guest pid (the one but last of its NSpid line)."""
     wanted, found = set(guest_pids), dict[int, int]()
-    at = leaf_maker(ancestor, maker)
-    if at is not None:
-        new_leaves(*at, found, set())
-    return {guest: pid for guest, pid in found.items() if guest in wanted}
-
-
-def leaf_maker(ancestor: int, maker: int) -> tuple[int, int] | None:
-    """(host pid, NSpid level) of the leaf maker that the forking agent's namespace calls
-    ``maker`` (see :func:`leaf_pids`); None if it is not there."""
     for agent in [ancestor, *kids(ancestor)]:
         level = len(ns_pids(agent))
         for kid in kids(agent):
             nspids = ns_pids(kid)
-            if len(nspids) == level and nspids[-1] == maker:
-                return kid, level
-    return None
-
-
-def new_leaves(maker: int, level: int, found: dict[int, int], seen: set[int]) -> None:
-    """Add the leaf branches of ``maker`` (its host pid) not in ``seen`` yet to ``found``
-    (guest pid -> host pid), reading only the new ones' NSpid lines."""
-    for leaf in kids(maker):
-        if leaf in seen:
-            continue
-        seen.add(leaf)
-        mine = ns_pids(leaf)
-        if len(mine) == level + 1 and mine[-1] == 1:
-            found.setdefault(mine[-2], leaf)
+            if len(nspids) != level or nspids[-1] != maker:
+                continue
+            for leaf in kids(kid):
+                mine = ns_pids(leaf)
+                if len(mine) == level + 1 and mine[-1] == 1 and mine[-2] in wanted:
+                    found.setdefault(mine[-2], leaf)
+            return found
+    return found
 
 
 def with_env(var: str, value: str) -> list[tuple[int, str]]:

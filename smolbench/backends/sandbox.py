@@ -270,12 +270,6 @@ class SandboxBackend(AgentHostBackend):
         if maker is not None:
             self._grant_leaves(parent, refs)
 
-    def _limit_leaf(self, parent: MachineRef, name: str, pid: int, limits: _limits.MachineLimits | None) -> None:
-        super()._limit_leaf(parent, name, pid, limits)
-        fd = self._grants.get(parent.info.get("root", parent.name))
-        if fd is not None:  # its store, to its own pid namespace (as _grant_leaves), before its release
-            _write_grant(fd, 1, pid, "pid")
-
     def _grant_leaves(self, parent: MachineRef, refs: builtins.list[MachineRef]) -> None:
         """One store for each leaf branch, to its own pid namespace (it exists from the clone
         on, and the branch waits, held, until this is written): no other process can spend it."""

@@ -389,7 +389,6 @@ CONTROL: dict[str, Callable[[Any, str], Any]] = {
     "flattened": lambda v, k: string_list(v, "the flattened list", 8, 4096),  # sandbox fork: layers copied
     "leaf": lambda v, k: boolean(v, "leaf"),  # sandbox fork: leaf branches, made by one maker
     "maker": lambda v, k: integer(v, "the maker's pid", 1, 2**31),
-    "each": lambda v, k: boolean(v, "each"),  # sandbox leaf fork: each branch released on its own
 }
 
 

@@ -62,16 +62,13 @@ class Branching:
         # "hold": each child waits right after its fork, before it touches anything, until the
         # host moved it into its own cgroup and sends "release" (so none is charged to us, and
         # the ones already forked don't compete with this loop for the cores).
+        hold = os.pipe() if req.get("hold") else None
         leaf = bool(req.get("leaf")) and frozen is not None and leaves.available()
-        # "each" (leaves only): each branch is held on its own and released by its maker as soon
-        # as the host moved it (the host's word on this request's connection, leaves.py)
-        each = leaf and bool(req.get("hold")) and bool(req.get("each")) and self._conn is not None
-        hold = os.pipe() if req.get("hold") and not each else None
         if leaf:  # one process per branch, all made by one fork of ours (leaves.py)
             _flush_streams()
             try:
                 made = leaves.make(self, req, frozen, hold,
-                                   lambda child, listener: self._become_child(child, listener, frozen), each)
+                                   lambda child, listener: self._become_child(child, listener, frozen))
             except BaseException:
                 if hold is not None:
                     os.close(hold[0])
@@ -95,8 +92,6 @@ class Branching:
         done = {"t": "done", "status": "ok", "children": made}
         if leaf:
             done["leaf"], done["maker"] = True, maker
-            if each:
-                done["each"] = True
         if frozen is not None and frozen["flattened"]:
             done["flattened"] = frozen["flattened"]
         return done

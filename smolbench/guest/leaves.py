@@ -21,12 +21,6 @@ handler already, so a branch starts from a consistent post-fork state; the clone
 thread id libc keeps (``CLONE_CHILD_SETTID``, as libc's fork does) where it can be found.
 The branch's store is a grant the host makes to its own pid namespace, after the clone and
 before it is released, so no other process of the tree can spend it.
-
-Each branch waits on a pipe of its own (``each``): the maker names each clone on the fork's
-connection as it makes it, the host moves that one into its cgroups and grants its store, and
-answers "g INDEX"; the maker, between clones, writes that branch's pipe alone. So the other
-cores run branches while the maker still clones. A branch closes the release ends of the
-branches before it (the maker's, inherited) before it waits: no branch can release another.
 """
 
 import ctypes
@@ -36,7 +30,6 @@ import os
 import platform
 import resource
 import select
-import socket
 import sys
 import threading
 
@@ -99,12 +92,10 @@ def _clone(flags, tid_address, waits):
         select.select([], [], [], wait)
 
 
-def make(agent, req, frozen, hold, become, each=False):
+def make(agent, req, frozen, hold, become):
     """In the agent: fork the maker, which clones one branch per requested child; returns the
     ``made`` list (name, pid) for the fork's answer, or, in a branch, "child" after
-    ``become(child, listener)`` set it up. ``hold``: the pipe the branches wait on. ``each``
-    (no ``hold``): each branch waits on a pipe of its own, which only the maker writes, when
-    the host says so on the fork's connection (``_release_each``)."""
+    ``become(child, listener)`` set it up. ``hold``: the pipe the branches wait on."""
     from . import contain
 
     note_tid()
@@ -113,7 +104,7 @@ def make(agent, req, frozen, hold, become, each=False):
     if maker == 0:
         try:
             os.close(report[0])
-            got = _make(agent, req, frozen, hold, report[1], become, agent._conn if each else None)
+            got = _make(agent, req, frozen, hold, report[1], become)
         except BaseException as exc:  # the maker's own failure: the agent answers it
             _tell(report[1], {"error": "%s: %s" % (type(exc).__name__, exc)})
             os._exit(70)
@@ -131,11 +122,8 @@ def make(agent, req, frozen, hold, become, each=False):
     return [{"name": c["name"], "pid": pid} for c, pid in zip(req["children"], told["pids"])], maker
 
 
-def _make(agent, req, frozen, hold, report, become, conn=None):
+def _make(agent, req, frozen, hold, report, become):
     from . import contain
-
-    if conn is not None:  # the host finds us (our pid in the agent's namespace) before the first branch
-        conn.sendall(_line({"t": "maker", "pid": os.getpid()}))
 
     contain.set_pdeathsig()
     m = agent.machine
@@ -150,11 +138,10 @@ def _make(agent, req, frozen, hold, report, become, conn=None):
         resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
     flags = contain.namespace_flags(m.net) & ~contain.LEAF_LATER  # the rest the branch makes itself
     tid = _tid_address() if "leaf-tid" not in m.weak else None
-    pids, pending, heard = [], {}, bytearray()  # pending: index -> the release end of a held branch
-    for i, child in enumerate(req["children"]):
+    pids = []
+    for child in req["children"]:
         os.makedirs(os.path.dirname(child["socket"]), 0o700, exist_ok=True)
         listener = agent._listen(child["socket"])
-        mine = os.pipe() if conn is not None else None
         pid = _clone(flags, tid, contain.UNSHARE_WAITS)
         if pid == 0:
             try:
@@ -162,11 +149,7 @@ def _make(agent, req, frozen, hold, report, become, conn=None):
                 if nproc:  # our own pids, soft and hard, before anything runs here
                     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
                 os.close(report)
-                if mine is not None:
-                    for fd in pending.values():  # the branches before us: their release is never ours
-                        os.close(fd)
-                    wait_release(*mine)
-                elif hold is not None:
+                if hold is not None:
                     wait_release(*hold)
                 frozen["cloned"] = cloned
                 become(child, listener)
@@ -176,23 +159,9 @@ def _make(agent, req, frozen, hold, report, become, conn=None):
             return "child"
         listener.close()
         pids.append(pid)
-        if mine is not None:
-            os.close(mine[0])
-            pending[i] = mine[1]
-            if "leaf-early-release" in m.weak:  # tests only: released before the host moved it
-                w = pending.pop(i)
-                os.write(w, b"g")
-                os.close(w)
-            conn.sendall(_line({"t": "made", "i": i, "pid": pid}))
-            _release_each(conn, pending, heard, wait=False)  # those the host moved meanwhile start now
     _tell(report, {"pids": pids})
     for fd in (hold or ()):
         os.close(fd)
-    if conn is not None:
-        while pending and _release_each(conn, pending, heard, wait=True):
-            pass
-        for fd in pending.values():  # the host hung up before their word: they exit
-            os.close(fd)
     # The agent's descriptors the branches closed on their own: the request's connection (its
     # answer is the agent's), its listener, its keeper's end.
     for sock in (agent._conn, agent.listener, m.chan):
@@ -202,37 +171,6 @@ def _make(agent, req, frozen, hold, report, become, conn=None):
         except OSError:
             pass
     return None
-
-
-def _line(msg):
-    return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
-
-
-def _release_each(conn, pending, heard, wait):
-    """Release the held branches the host named on ``conn`` ("g INDEX" lines: it moved that
-    one into its own cgroup), reading what has come (``wait``: at least one read); False once
-    the host hung up."""
-    try:  # one call when nothing came (the maker asks after every clone)
-        got = conn.recv(4096, 0 if wait else socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError, socket.timeout):
-        return True
-    except OSError:
-        return False
-    if not got:
-        return False
-    heard += got
-    *lines, rest = bytes(heard).split(b"\n")
-    heard[:] = rest
-    for line in lines:
-        word = line.split()
-        if len(word) == 2 and word[0] == b"g" and word[1].isdigit():
-            w = pending.pop(int(word[1]), None)
-            if w is not None:
-                try:
-                    os.write(w, b"g")
-                finally:
-                    os.close(w)
-    return True
 
 
 def _tell(fd, msg):

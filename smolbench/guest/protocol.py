@@ -8,9 +8,6 @@ Requests (host -> agent), one per connection::
     {"op": "exec", "id": 17, "code": "...", "cell": "<cell-3>", "push": {name: b64}, "pull": [names]}
     {"op": "fork", "children": [{"name": "root.0", "seed": 7, "socket": "/run/..."}], "hold": true}
     {"op": "release", "go": true}        # held children of the last fork: start (or exit)
-        # a fork with "leaf" and "each": its maker sends {"t": "maker", "pid": N}, then
-        # {"t": "made", "i": I, "pid": N} per branch as made, and the host answers "g I\n"
-        # on the same connection once branch I is in its cgroups (leaves.py); then "done"
     {"op": "warm"}                       # before a microVM branch: import and freeze what branches share
     {"op": "seed", "seed": 7}            # apply a seed (used after a microVM branch)
     {"op": "ping"} | {"op": "kill", "pid": 123} | {"op": "shutdown"}
