@@ -373,7 +373,27 @@ def section(d: dict[str, Any]) -> str:
         '377-654 ms on either code). Not tried for lack of time: releasing each branch as soon as it is in '
         'its cgroup needs the maker to report each clone as it is made and a hold pipe per branch (the '
         'branches now wait on one pipe, where any byte would release any of them), so that the other core '
-        'runs branches while the maker clones.', END,
+        'runs branches while the maker clones.'
+        ' 2026-12-06, later: tried (b5c6286..428c200), measured, not kept (reverted in 3b63c11). Each leaf was '
+        "released as soon as it was in its cgroup: the maker named each clone on the fork's connection, the "
+        'host moved it and granted its store and answered "g INDEX", and the maker wrote that branch\'s own '
+        "hold pipe (a branch closed the others' before it waited; a test saw each leaf still held at its "
+        "move, and caught a maker weakened to release early). It needed two more things: the parent's CPU "
+        "weight raised while the maker clones (each released branch is a cgroup as heavy as the parent's: "
+        "without it the maker made one branch per 20-30 ms instead of per ~1 ms), and the branches' cgroups "
+        'made by the thread that moves them (two busy Python threads took turns for the GIL at every syscall). '
+        'Interleaved A/B against c266793 (3 series of 8 rounds, '
+        "each of 5 forks of 16 and 5 of 64 per side, the side first alternating; CPU of each side's whole "
+        'tree from a cpuacct cgroup around it; kernel-sized os.fork measured in every round; medians, not '
+        'bests). On a quiet host (kernel-sized os.fork of 16: 30 ms): fork 16 132 -> 129 ms (4.35x -> 4.24x; '
+        'new/old per round 0.88-1.15, median 0.96), fork 64 478 -> 465 ms (4.09x -> 3.98x; 0.89-1.04, median '
+        "0.98), and CPU per branch 12.58 -> 13.31 ms at 16 and 12.18 -> 12.71 at 64 (the kernel process's "
+        "share 2.21 -> 2.39 and 1.88 -> 2.13). With other sessions' work on the host (its os.fork of 16: "
+        '35-87 ms): new/old per round median 0.84-0.97, ranging 0.53-2.2, and +0.6-1.4 ms of CPU per branch. '
+        'A fork of 16 already keeps both cores busy most of the time: what the overlap won in the first ~20 '
+        'ms it paid back in CPU, 0.2-0.3 ms per branch in the kernel process (a message and a reply per branch) '
+        "and the rest in the guest (not pinned down; likely the maker's clones and the released branches' "
+        'set-ups contending in the kernel).', END,
     ])
 
 
