@@ -63,14 +63,53 @@ def untrusted(st: os.stat_result, above: bool = False) -> str | None:
 _DIR = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def read_plain(path: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:
-    """At most ``limit`` bytes of the plain file ``path`` (in ``dir_fd``), opened without following a
-    link and without waiting (a fifo or device planted at its name would hang the kernel's open or
-    read): OSError when it is anything but a plain file, or can't be read."""
+def open_plain(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+    """The plain file ``path`` (in ``dir_fd``) opened to read, without following a link at its name
+    and without waiting (a fifo or device planted there would hang the open or the read): OSError
+    when it is anything else."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a plain file", os.fspath(path))
+    return fd
+
+
+class LinkOnTheWay(OSError):
+    """A path's folder or file is a link (its one argument: the link's path)."""
+
+
+def open_plain_below(path: str | os.PathLike[str]) -> int:
+    """:func:`open_plain` of absolute ``path``, reached from / a folder at a time following no link:
+    :class:`LinkOnTheWay` names one on its way. A link in a folder a machine writes (a volume) would
+    lead a root host to a file the machine chose, and one swapped in after a check fails the open."""
+    parts = [p for p in os.path.abspath(path).split("/") if p]
+    if not parts:
+        raise OSError(errno.EISDIR, "not a plain file", os.fspath(path))
+    fd, here = os.open("/", _DIR), "/"
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a plain file", os.fspath(path))
+        for i, part in enumerate(parts):
+            try:
+                nxt = open_plain(part, dir_fd=fd) if i == len(parts) - 1 else os.open(part, _DIR, dir_fd=fd)
+            except OSError as exc:
+                try:
+                    link = stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode)
+                except OSError:
+                    link = False
+                raise LinkOnTheWay(os.path.join(here, part)) if link else exc from None
+            if i == len(parts) - 1:
+                return nxt
+            os.close(fd)
+            fd, here = nxt, os.path.join(here, part)
+        raise AssertionError("unreachable")
+    finally:
+        os.close(fd)
+
+
+def read_plain(path: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:
+    """At most ``limit`` bytes of the plain file ``path`` (in ``dir_fd``): :func:`open_plain`'s,
+    OSError when it is anything but a plain file, or can't be read."""
+    fd = open_plain(path, dir_fd)
+    try:
         chunks, left = [], limit
         while left > 0:
             block = os.read(fd, min(left, 1 << 16))

@@ -8,6 +8,7 @@ and the install, and the swapped one mounted into every machine of that list.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import urllib.parse
@@ -16,6 +17,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 
 from ._filehash import sha256_fd
+from ._pkgtrust import LinkOnTheWay, open_plain_below
 from .errors import SmolbenchError
 
 _CHUNK = 1 << 20
@@ -39,15 +41,20 @@ def _stamp(st: os.stat_result) -> tuple[int, ...]:
 
 
 def _open_wheel(requirement: str, path: str) -> int:
+    """The wheel at ``path`` opened once, hashed and copied from that descriptor: never through a link
+    made after its real path was taken, nor a fifo (its folder may be a volume a machine writes)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return open_plain_below(path)
+    except LinkOnTheWay as link:
+        raise SmolbenchError(f"Smolfile packages entry {requirement!r}: {link.args[0]} on its way is a link (a link "
+                             f"in a folder a machine writes would choose the file): name the wheel by its real path, "
+                             f"{os.path.realpath(path)}") from None
     except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EISDIR):
+            raise SmolbenchError(f"Smolfile packages entry {requirement!r}: {path} is not a plain file: point it "
+                                 "at a .whl file") from None
         raise SmolbenchError(f"Smolfile packages entry {requirement!r}: can't read {path} ({exc.strerror}): "
                              "check the path") from None
-    if not os.path.isfile(f"/proc/self/fd/{fd}"):
-        os.close(fd)
-        raise SmolbenchError(f"Smolfile packages entry {requirement!r}: {path} is not a file: point it at a .whl file")
-    return fd
 
 
 def wheel_hashes(requirements: tuple[str, ...]) -> dict[str, str]:

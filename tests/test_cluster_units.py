@@ -744,3 +744,55 @@ def test_a_kernels_own_ray_init_is_used_as_it_is_and_never_shut_down(process_nod
         assert ray.is_initialized() and ray.get_runtime_context().get_job_id() == job
     finally:
         ray.shutdown()
+
+
+def _node_agent(monkeypatch: pytest.MonkeyPatch, tmp: Path) -> Any:
+    """A node agent (process backend) of node "abcdef0123456789" whose temporary folder is ``tmp``."""
+    import sys
+    import tempfile
+    import types
+
+    from smolbench.cluster.agent import NodeAgent
+
+    ray = types.ModuleType("ray")
+    ray.get_runtime_context = lambda: types.SimpleNamespace(get_node_id=lambda: "abcdef0123456789")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.delenv("SMOLBENCH_NODE_DIR", raising=False)
+    return NodeAgent("s1", kind="process")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants a folder as another user")
+def test_a_node_agent_never_uses_a_node_folder_another_user_planted(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The agent's default folder, /tmp/smolbench-node-<node>, was used whoever had made it: a local
+    user who made it first (mode 0777) held its artifacts and captures, and could swap the agent's
+    own folder in it for theirs (a restore then read their file). Now it is one per user, and one
+    another user made, or any user can write in, is refused in one line."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o1777)
+    tmp.chmod(0o1777)
+    for name in ("smolbench-node-abcdef012345", f"smolbench-node-{os.getuid()}-abcdef012345"):
+        planted = tmp / name  # (the old name, and the new one)
+        planted.mkdir(mode=0o777)
+        planted.chmod(0o777)
+        os.chown(planted, 65534, 65534)
+    with pytest.raises(SmolbenchError, match=r"^refusing the node folder .*smolbench-node-0-abcdef012345: it belongs "
+                                             r"to uid 65534, .*, or set \$SMOLBENCH_NODE_DIR to a folder of your own$"):
+        _node_agent(monkeypatch, tmp)
+
+
+def test_a_node_folder_others_can_write_in_is_refused_and_a_new_one_is_private(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    made = tmp / f"smolbench-node-{os.getuid()}-abcdef012345"
+    agent = _node_agent(monkeypatch, tmp)
+    try:
+        assert agent.data_dir == made and (made.stat().st_mode & 0o777, made.stat().st_uid) == (0o700, os.getuid())
+    finally:
+        asyncio.run(agent.close())
+    made.chmod(0o777)
+    with pytest.raises(SmolbenchError, match=r"writable by group and others .*chmod go-w"):
+        _node_agent(monkeypatch, tmp)

@@ -764,3 +764,41 @@ def test_a_wheel_named_by_path_is_keyed_by_its_content_and_installed_from_a_copy
 
     with pytest.raises(SmolbenchError, match="can't read .*: check the path"):
         packages.ensure((f"smolbench-local-pkg @ file://{tmp_path}/gone-1.0-py3-none-any.whl",), guest)
+
+
+def test_a_wheel_path_never_waits_on_a_fifo_nor_follows_a_link_a_machine_made(
+        cache: Path, tmp_path: Path) -> None:
+    """Outside audit: a Smolfile's wheel in a volume a machine writes was opened by path. A fifo
+    the machine put at its name hung `%smol up` (and its Ctrl-C: the thread was waited on); a
+    link there made the host, root in containers, install and mount a file the machine chose."""
+    folder = tmp_path / "volume"
+    folder.mkdir()
+    guest = packages.host_python()
+    fifo = folder / "pkg-1.0-py3-none-any.whl"
+    os.mkfifo(fifo)
+    done: list[BaseException | None] = []
+
+    def up() -> None:
+        try:
+            packages.ensure((f"pkg @ file://{fifo}",), guest)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            done.append(exc)
+        else:
+            done.append(None)
+
+    t = threading.Thread(target=up, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # (the old code: let it go, then fail)
+        os.close(os.open(fifo, os.O_WRONLY))
+        t.join(30)
+        pytest.fail("a fifo at a wheel's path hung the packages install")
+    assert isinstance(done[0], SmolbenchError) and "is not a plain file: point it at a .whl file" in str(done[0])
+
+    chosen = _wheel(tmp_path / "not-in-the-volume", "smolbench_local_pkg", "WHO = 'the machine chose'\n")
+    (folder / chosen.name).symlink_to(chosen)
+    with pytest.raises(SmolbenchError, match=r"on its way is a link .*: name the wheel by its real path, "):
+        packages.ensure((f"smolbench-local-pkg @ file://{folder / chosen.name}",), guest)
+    (folder / "sub").symlink_to(chosen.parent)  # a folder on the way, too
+    with pytest.raises(SmolbenchError, match=r"/sub on its way is a link"):
+        packages.ensure((f"smolbench-local-pkg @ file://{folder / 'sub' / chosen.name}",), guest)

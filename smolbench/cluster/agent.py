@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from .._pkgtrust import open_root
 from ..backends import _rundir
 from ..backends.base import Backend, MachineRef
 from ..errors import SmolbenchError
@@ -148,6 +149,22 @@ def sweep_smol(data_dir: Path | None = None) -> list[str]:
     return gone
 
 
+def node_dir(node_id: str) -> Path:
+    """This node's data folder (``$SMOLBENCH_NODE_DIR``, else one per user and node in the temporary
+    folder), made if missing and used only if it is this user's (or root's), writable by no one else,
+    reached without a link through folders no other user can swap it in (sticky /tmp will do): a
+    folder another local user planted there first would have held its artifacts and captures."""
+    chosen = os.environ.get("SMOLBENCH_NODE_DIR")
+    base = Path(chosen or Path(tempfile.gettempdir()) / f"smolbench-node-{os.getuid()}-{node_id[:12]}")
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.close(open_root(base, what="node folder"))
+    except SmolbenchError as exc:
+        how = " ($SMOLBENCH_NODE_DIR names it)" if chosen else ", or set $SMOLBENCH_NODE_DIR to a folder of your own"
+        raise SmolbenchError(f"{exc}{how}") from None
+    return base
+
+
 class NodeAgent:
     """Machines on one Ray node (wrapped with ``ray.remote`` by the driver)."""
 
@@ -159,9 +176,7 @@ class NodeAgent:
             gate_limits.apply(limits)
         self.session = session
         self.node_id = ray.get_runtime_context().get_node_id()
-        base = os.environ.get("SMOLBENCH_NODE_DIR") or str(Path(tempfile.gettempdir()) / f"smolbench-node-{self.node_id[:12]}")
-        self.data_dir = Path(base)
-        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.data_dir = node_dir(self.node_id)
         # this agent's own folder (artifacts, smol captures), swept like a run folder once it is gone
         self.own = _rundir.make(str(self.data_dir), prefix="smolbench-agent-")
         self.refused = refusal(kind, self.node_id)
