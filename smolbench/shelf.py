@@ -564,7 +564,7 @@ class Shelf:
         imported = rec.get("session_id") == IMPORTED
         # a row not signed as this user's (a copied folder's, a dropped file's) is exported as someone
         # else's: only what its file said, its row's words as its row's, never as this user's own save
-        theirs = not imported and not self.signed(rec)
+        theirs = not self.signed(rec)  # (an unsigned row that says it was imported too: what it says is its own word)
         with self.open(rec) as f:
             try:
                 inside = archive.check(f.path, "sandbox", f.name) or {}

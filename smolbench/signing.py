@@ -38,11 +38,23 @@ def state_dir() -> Path:
     ``$XDG_STATE_HOME/smolbench`` (an absolute one, as the XDG spec says), else ``~/.local/state/smolbench``."""
     env = os.environ.get("SMOLBENCH_STATE")
     if env:
-        return Path(env).expanduser()
+        chosen = Path(env).expanduser()
+        if not chosen.is_absolute():  # it would move with the kernel's working folder
+            raise SmolbenchError(f"$SMOLBENCH_STATE is {env!r}, a relative path, so the folder of your checkpoint key "
+                                 "would move with the working folder: set it to an absolute path")
+        return chosen
     xdg = os.environ.get("XDG_STATE_HOME")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "smolbench"
-    return Path.home() / ".local" / "state" / "smolbench"
+    try:
+        return Path.home() / ".local" / "state" / "smolbench"
+    except RuntimeError:  # no $HOME and no passwd entry (a container's uid)
+        raise NoHome("there is no home folder here ($HOME unset, no passwd entry) to keep your checkpoint key in: "
+                     "set $SMOLBENCH_STATE to a folder of your own") from None
+
+
+class NoHome(SmolbenchError):
+    """No folder to keep the key in: no $SMOLBENCH_STATE, no $XDG_STATE_HOME and no home."""
 
 
 def key_path() -> Path:
@@ -79,7 +91,7 @@ def _key_or_why() -> tuple[bytes | None, str | None]:
     try:
         return key(), None
     except (OSError, SmolbenchError) as exc:
-        if os.path.lexists(key_path()):
+        if not isinstance(exc, NoHome) and os.path.lexists(key_path()):
             raise
         why = exc if isinstance(exc, SmolbenchError) else f"{exc.strerror or exc}"
         return None, (f"saved unsigned: no checkpoint key could be made ({why}), so this checkpoint restores as a "
@@ -174,30 +186,53 @@ def signed(row: dict[str, Any], secret: bytes | None) -> bool:
 
 def _overlap(real: str, folder: str) -> bool:
     """Whether real path ``real`` is ``folder``, is inside it, or holds it."""
-    return real == folder or real.startswith(folder.rstrip("/") + "/") or folder.startswith(real.rstrip("/") + "/")
+    return real == folder or real.startswith(folder.rstrip("/") + "/") or _holds(real, folder)
 
 
-def volume_refusal(host: str, readonly: bool, ledger_dir: str | os.PathLike[str] | None = None,
-                   checkpoint_dir: str | os.PathLike[str] | None = None) -> str | None:
+def _holds(real: str, folder: str) -> bool:
+    """Whether real path ``real`` is ``folder`` or holds it."""
+    return real == folder or folder.startswith(real.rstrip("/") + "/")
+
+
+def key_overlap(host: str | os.PathLike[str]) -> str | None:
+    """The real path of the key's folder when host folder ``host`` (as its real path) is, holds or
+    is inside it, else None."""
+    try:
+        key_dir = os.path.realpath(state_dir())
+    except NoHome:  # no key can be kept here, so none can be exposed
+        return None
+    return key_dir if _overlap(os.path.realpath(host), key_dir) else None
+
+
+_GUARDED: set[str] = set()  # real paths: this process's ledgers' folders and checkpoint folders
+
+
+def guard(*folders: str | os.PathLike[str]) -> None:
+    """From now on, no machine of this process gets a writable volume that is or holds one of
+    ``folders`` (a Workbench's ledger's folder and checkpoint folder), checked again at every bind:
+    a volume's path can become a link to one after the Workbench checked it."""
+    _GUARDED.update(os.path.realpath(f) for f in folders)
+
+
+def volume_refusal(host: str, readonly: bool) -> str | None:
     """Why a machine may not have host folder ``host`` as a volume, in one line (problem, then fix)
-    that starts "its host folder …" (the caller says which volume);
-    None when it may. Every path is taken as its real path (links resolved), as volumes are. The
-    key's folder (:func:`state_dir`) is never one, nor in or above one: a machine reading the key
-    signs rows as this user. The ledger's folder and the checkpoint folder (``ledger_dir``,
-    ``checkpoint_dir``) are never writable ones: a machine there changes a signed checkpoint file
-    after its restore hashed it, or the ledger under the kernel."""
-    real = os.path.realpath(host)
-    key_dir = os.path.realpath(state_dir())
-    if _overlap(real, key_dir):
+    that starts "its host folder …" (the caller says which volume); None when it may. Every path is
+    taken as its real path (links resolved), as volumes are. The key's folder (:func:`state_dir`) is
+    never one, nor in or above one: a machine reading the key signs rows as this user. A folder
+    :func:`guard` named is never a writable one, nor in a writable one: a machine there rewrites
+    the ledger, or a signed checkpoint file after its restore hashed it."""
+    key_dir = key_overlap(host)
+    if key_dir is not None:
         return (f"its host folder {host} is, holds or is inside the folder of your checkpoint key ({key_dir}): a "
                 "machine could read the key and sign checkpoints as yours; mount a folder that neither holds nor is "
                 "in it (or set $SMOLBENCH_STATE to a folder outside what you mount)")
     if readonly:
         return None
-    for what, folder in (("ledger's folder", ledger_dir), ("checkpoint folder", checkpoint_dir)):
-        if folder is not None and _overlap(real, os.path.realpath(folder)):
-            return (f"its host folder {host} is writable and is, holds or is inside this folder's {what} "
-                    f"({os.path.realpath(folder)}): a machine could change a checkpoint file after a restore checked "
-                    "it, or the ledger; make the volume readonly = true, or mount a folder that neither holds nor is "
-                    "in it")
+    real = os.path.realpath(host)
+    for folder in sorted(_GUARDED):
+        if _holds(real, folder):
+            return (f"its host folder {host} is writable and is or holds {folder}, where this kernel keeps its "
+                    "ledger or checkpoints: a machine could rewrite the ledger, or a checkpoint file after a restore "
+                    "checked it; make the volume readonly = true, mount a folder that doesn't hold it, or keep the "
+                    "ledger elsewhere (`--ledger PATH`)")
     return None

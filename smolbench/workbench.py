@@ -72,8 +72,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         if retries < 0:
             raise SmolbenchError(f"--retries must be 0 or more, got {retries}", api=f"retries must be 0 or more, got {retries}")
         ckpt_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
+        signing.guard(Path(ledger.path).parent, ckpt_dir)  # (checked again at each machine's bind)
         for vol in spec.volumes:  # a machine never reaches the key, nor writes where signed rows' files are
-            exposed = signing.volume_refusal(vol.host, vol.readonly, Path(ledger.path).parent, ckpt_dir)
+            exposed = signing.volume_refusal(vol.host, vol.readonly)
             if exposed is not None:
                 raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
         self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error

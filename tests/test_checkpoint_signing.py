@@ -24,7 +24,7 @@ import smolbench
 from smolbench import checkpoints
 from smolbench.errors import SmolbenchError
 from smolbench.ledger import Ledger
-from smolbench.shelf import Shelf
+from smolbench.shelf import IMPORTED, Shelf
 from smolbench.spec import MachineSpec
 from smolbench.workbench import Workbench
 
@@ -387,6 +387,14 @@ def test_an_export_of_a_foreign_row_stays_foreign(tmp_path: Path, monkeypatch: p
         assert out["note"] == ("checkpoint theirs is not signed as your own save, so it was exported as someone "
                                "else's (its record says only what its file said); if you saved it yourself, "
                                "`%smol checkpoint trust theirs`, then export it again"), out["note"]
+        # a copied row that says it was imported (an own import's row is signed): foreign all the same
+        forged(folder / CK / "posing.smolcheckpoint", None)
+        led.add_checkpoint("posing", IMPORTED, "root", "checkpoints/posing.smolcheckpoint", "sandbox",
+                           (folder / CK / "posing.smolcheckpoint").stat().st_size, 3, ["verified by the course staff"])
+        posing = shelf.export("posing", str(tmp_path / "posing.smolcheckpoint"), spec)
+        said = (archive.read_record(posing["path"]) or {})["warnings"]
+        assert said[0].startswith("re-exported from a checkpoint row not signed as the exporter's own save"), said
+        assert said[1:] == ["its ledger row says: verified by the course staff"] and "trust posing" in posing["note"]
         # the fix, on this user's word: signed, it exports as their own
         assert shelf.trust("theirs", "s").startswith("signed checkpoint theirs as your own")
         own = archive.read_record(shelf.export("theirs", str(tmp_path / "own.smolcheckpoint"), spec)["path"]) or {}

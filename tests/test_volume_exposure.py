@@ -59,14 +59,19 @@ def test_a_writable_volume_over_the_ledger_folder_is_refused(state: Path, tmp_pa
     """Attack: a writable volume holding the project's .smolbench/ (`host = "."`, readonly =
     false) lets a cell rewrite a signed checkpoint file in place after a restore hashed it (smol's
     engine reads it by name after the check), or the ledger under the kernel. Refused before
-    anything comes up; read-only, and a folder beside it, are fine."""
+    anything comes up; read-only, a folder beside it, and one beside a ledger kept in the
+    project's own folder (`ledger="ledger.db"`: it was refused as "inside" its folder) are fine."""
     proj = tmp_path / "proj"
     (proj / ".smolbench").mkdir(parents=True)
     (proj / "data").mkdir()
-    for host, readonly, refused in ((proj, False, True), (proj / ".smolbench", False, True), (proj, True, False),
-                                    (proj / "data", False, False)):
+    for host, readonly, ledger, refused in ((proj, False, ".smolbench/ledger.db", True),
+                                            (proj / ".smolbench", False, ".smolbench/ledger.db", True),
+                                            (proj, True, ".smolbench/ledger.db", False),
+                                            (proj / "data", False, ".smolbench/ledger.db", False),
+                                            (proj / "data", False, "ledger.db", False),
+                                            (proj, False, "ledger.db", True)):
         spec = MachineSpec(volumes=(Volume(host=str(host), guest="/work", readonly=readonly),))
-        led = Ledger(proj / ".smolbench" / "ledger.db")
+        led = Ledger(proj / ledger)
         try:
             if not refused:
                 Workbench(backend(), spec, led)
@@ -74,11 +79,73 @@ def test_a_writable_volume_over_the_ledger_folder_is_refused(state: Path, tmp_pa
             with pytest.raises(SmolbenchError) as got:
                 Workbench(backend(), spec, led)
             said = str(got.value)
-            assert said.startswith(f"refusing the volume at /work: its host folder {host} is writable and is, holds "
-                                   "or is inside this folder's ledger's folder"), said
-            assert said.endswith("make the volume readonly = true, or mount a folder that neither holds nor is in it")
+            assert said.startswith(f"refusing the volume at /work: its host folder {host} is writable and is or holds "
+                                   f"{(proj / ledger).parent}"), said
+            assert said.endswith("make the volume readonly = true, mount a folder that doesn't hold it, or keep the "
+                                 "ledger elsewhere (`--ledger PATH`)")
         finally:
             led.close()
+
+
+def test_a_writable_volume_made_a_link_to_the_ledger_folder_is_refused_when_bound(state: Path, open_tmp: Path) -> None:
+    """Attack (outside review): volumes `scratch` and `scratch/out`, both writable, pass the
+    Workbench's check; a cell in the first machine replaces /scratch/out with a link to
+    ../.smolbench, and the next machine (a branch, a restart) got the ledger's folder writable at
+    /out. The sandbox and smol check every writable volume against this kernel's ledger and
+    checkpoint folders where they bind it."""
+    proj = open_tmp / "proj"
+    (proj / "scratch" / "out").mkdir(parents=True)
+    for folder in (proj, proj / "scratch", proj / "scratch" / "out"):  # (a root kernel's sandbox uid writes there)
+        folder.chmod(0o777)
+    spec = parse_smolfile('volumes = [{ host = "scratch", guest = "/scratch", readonly = false },'
+                          ' { host = "scratch/out", guest = "/out", readonly = false }]\n', base_dir=str(proj))
+    led = Ledger(proj / ".smolbench" / "ledger.db")
+    (proj / ".smolbench").chmod(0o777)  # as a non-root kernel's is to its sandboxes (they run as its uid)
+    try:
+        Workbench(backend(), spec, led)
+        _bwrap.plan(spec, "m1", "bwrap", None).close()  # the first machine: fine
+        (proj / "scratch" / "out").rmdir()
+        (proj / "scratch" / "out").symlink_to("../.smolbench")  # what its cell did
+        refusal = f"^refusing the volume at /out: its host folder .* is writable and is or holds {proj / '.smolbench'}"
+        with pytest.raises(SmolbenchError, match=refusal):
+            _bwrap.plan(spec, "m2", "bwrap", None)
+        with pytest.raises(SmolbenchError, match=refusal):
+            backend().machine_config(spec, "m2")
+    finally:
+        led.close()
+
+
+def test_a_python_installation_holding_the_key_folder_is_never_bound(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside review: a Python installed with --prefix=$HOME/.local is bound read-only into every
+    sandbox, and that folder holds ~/.local/state/smolbench: as the user's own uid (a non-root
+    kernel) a cell read the key there. Refused in one line naming $SMOLBENCH_STATE."""
+    prefix = state.parent.parent  # ~/.local
+    monkeypatch.setattr(_bwrap, "python_prefixes", lambda: [str(prefix)])
+    with pytest.raises(SmolbenchError, match=f"^this Python's installation {prefix}, which sandboxes bind read-only, "
+                                             f"holds {KEY} .*; set \\$SMOLBENCH_STATE to a folder outside {prefix}$"):
+        _bwrap.plan(MachineSpec(), "m", "bwrap", None)
+
+
+def test_no_home_and_a_relative_state_folder_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Outside review: with no $HOME and no passwd entry (a container's uid), every volume failed
+    with a raw RuntimeError; a relative $SMOLBENCH_STATE moved the key's folder with the kernel's
+    working folder."""
+    from smolbench import signing
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("SMOLBENCH_STATE")
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    (tmp_path / "data").mkdir()
+    parse_smolfile('[[volumes]]\nhost = "data"\nguest = "/data"\n', base_dir=str(tmp_path))  # no key, none exposed
+    key, why = signing._key_or_why()
+    assert key is None and why is not None and "set $SMOLBENCH_STATE to a folder of your own" in why
+    monkeypatch.setenv("SMOLBENCH_STATE", "state")
+    with pytest.raises(SmolbenchError, match=r"^\$SMOLBENCH_STATE is 'state', a relative path, .*: set it to an "
+                                             r"absolute path$"):
+        signing.state_dir()
 
 
 def test_a_volume_made_a_link_to_the_key_folder_after_parsing_is_refused_when_bound(state: Path, tmp_path: Path) -> None:

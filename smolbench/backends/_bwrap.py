@@ -238,6 +238,11 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
         # The notebook's own Python may live in a hidden place (a home, /root, /tmp):
         # bind just its installation, read-only, at the same path.
         for prefix in python_prefixes():
+            key_dir = signing.key_overlap(prefix)
+            if key_dir is not None:  # (as the user's own uid, a machine could read it there)
+                raise SmolbenchError(f"this Python's installation {prefix}, which sandboxes bind read-only, holds the "
+                                     f"folder of your checkpoint key ({key_dir}): a machine could read the key and "
+                                     f"sign checkpoints as yours; set $SMOLBENCH_STATE to a folder outside {prefix}")
             p.bind_fd(prefix, prefix)
             if prefix == "/tmp" or prefix.startswith("/tmp/"):
                 keep.append(prefix)

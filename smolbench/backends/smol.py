@@ -238,13 +238,13 @@ class SmolBackend(SmolCheckpoints, Backend):
                                      allow_cidrs=internet_cidrs(own_addresses() if self.target == "local" else frozenset()))
         else:  # explicit False: the cloud opens egress when network is left unset
             resources = ResourceSpec(cpus=spec.cpus, memory_mb=spec.memory, network=False)
-        for vol in spec.volumes:  # smol's engine mounts by path: its real path now, as near the mount as we get
-            exposed = signing.volume_refusal(vol.host, vol.readonly)
+        mounts = []
+        for vol in spec.volumes:  # smol's engine mounts by path: the real path checked now, as near the mount as we get
+            real = os.path.realpath(vol.host)
+            exposed = signing.volume_refusal(real, vol.readonly)
             if exposed is not None:
                 raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
-        mounts = [
-            MountSpec(source=v.host, target=v.guest, read_only=v.readonly) for v in spec.volumes
-        ]
+            mounts.append(MountSpec(source=real, target=vol.guest, read_only=vol.readonly))
         if packages is not None:
             mounts.append(MountSpec(source=str(packages), target=GUEST_PACKAGES, read_only=True))
         return MachineConfig(
