@@ -528,3 +528,18 @@ def test_an_image_given_by_path_is_trusted_as_the_cache_is(tmp_path: Path, monke
             assert binds["/usr"] == f"{rootfs}/usr" and binds["/etc"] == f"{rootfs}/etc"
         finally:
             p.close()
+
+
+def test_a_deeply_nested_image_record_is_a_bad_record_not_a_crash(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit: an image's record ``NAME.json`` of ``"[" * 2000`` (a shared or copied cache) raised
+    RecursionError, which `smolbench image list` and a build's suite check (catching ValueError) let
+    through. Now it is bad JSON like any other: the image is listed by its folder's name."""
+    from smolbench import cli
+
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    (cache / "images" / "debian-bookworm.json").write_text("[" * 2000)
+    assert images._built_suite(root) is None
+    assert [name for name, _path, _size in list_images()] == ["debian-bookworm"]
+    assert cli.main(["image", "list"]) == 0
+    assert "debian-bookworm" in capsys.readouterr().out
