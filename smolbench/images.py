@@ -24,6 +24,7 @@ from pathlib import Path
 
 from smolbench._pkgtrust import Held, Untrusted, open_dir, open_root, read_plain
 from smolbench.errors import SmolbenchError
+from smolbench.gate.frames import loads
 
 DEFAULT_IMAGE = "debian:bookworm"
 PATH_IMAGE = "image folder"  # what _pkgtrust's lines call a rootfs folder an image names by path
@@ -93,8 +94,9 @@ def _meta_path(dest: Path) -> Path:
 
 def _read_meta(dest: Path) -> object:
     """The record of image ``dest`` (its ``NAME.json``), read without following a link or waiting (a fifo
-    there hung the kernel), a plain file only; raises OSError, ValueError."""
-    return json.loads(read_plain(_meta_path(dest), 65536))
+    there hung the kernel), a plain file only; raises OSError, ValueError (too deep nesting too: "[" * 2000
+    was a RecursionError that broke `smolbench image list`)."""
+    return loads(read_plain(_meta_path(dest), 65536))
 
 
 def _write_meta(dest: Path, meta: dict[str, str]) -> None:

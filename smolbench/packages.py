@@ -44,6 +44,7 @@ from ._aio import _stoppable_thread
 from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root, read_plain
 from ._pkgwheels import private_copies, wheel_hashes
 from .errors import SmolbenchError
+from .gate.frames import loads
 from .gate.terminal import plain
 from .images import cache_dir
 
@@ -441,7 +442,7 @@ def entries() -> list[Entry]:
             refused: str | None = None
             try:
                 _close_fds(_open_entry(root_fd, path) or ())
-                meta = json.loads(read_plain(f"{name}/{META}", 1 << 20, dir_fd=root_fd))  # never a planted fifo
+                meta = loads(read_plain(f"{name}/{META}", 1 << 20, dir_fd=root_fd))  # no fifo, no RecursionError
             except (SmolbenchError, OSError, ValueError) as exc:
                 refused, meta = str(exc), {}
             found.append(Entry(path, _size(path), os.stat(path / META).st_mtime, meta if isinstance(meta, dict) else {},

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import hashlib
 import os
 import posixpath
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from smolbench import signing
+from smolbench._pkgtrust import read_plain
 from smolbench.backends._host import host_cpus, host_memory_mib
 from smolbench.errors import SmolbenchError, SmolfileError
 from smolbench.images import has_python, home_path, is_path_image, is_valid_image_name
@@ -691,10 +693,52 @@ def shown(path: str | os.PathLike[str]) -> str:
     return text if os.sep in text or text.startswith("~") else f".{os.sep}{text}"
 
 
+SMOLFILE_LIMIT = 1 << 20  # bytes: a Smolfile is a few hundred; a larger file is not one (a link to /dev/zero grew forever)
+
+
+def _read_bytes(file: Path) -> bytes:
+    """The Smolfile ``file``'s bytes: a link the user made to it is resolved first, then the real file is
+    read as a plain file only (never waiting: a fifo there hung ``Session()`` and ``%smol up``) and at
+    most :data:`SMOLFILE_LIMIT` bytes of it. OSError: EINVAL when it is not a plain file, EFBIG when larger."""
+    data = read_plain(os.path.realpath(file), SMOLFILE_LIMIT + 1)
+    if len(data) > SMOLFILE_LIMIT:
+        raise OSError(errno.EFBIG, "larger than 1 MiB")
+    return data
+
+
+def _unreadable(exc: OSError) -> tuple[str, str]:
+    """Why a Smolfile can't be read (``exc``), and the fix, for one line."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such Smolfile", "create it or fix the path"
+    if exc.errno == errno.EINVAL:
+        return "not a plain file (a fifo, a device or a folder)", "point at a Smolfile that is a regular file"
+    if exc.errno == errno.EFBIG:
+        return f"larger than {SMOLFILE_LIMIT >> 20} MiB, too big to be a Smolfile", "point at the right file, or trim it"
+    return f"cannot read the Smolfile ({exc.strerror})", "check its permissions"
+
+
+def _text(data: bytes, name: str) -> str:
+    """A Smolfile's bytes as text, newlines as ``read_text`` gives them; one line if not UTF-8."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SmolfileError(f"{name}: not UTF-8 text; save the Smolfile as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _read_smolfile(file: Path, name: str) -> str:
+    try:
+        data = _read_bytes(file)
+    except OSError as exc:
+        why, fix = _unreadable(exc)
+        raise SmolfileError(f"{name}: {why}; {fix}") from None
+    return _text(data, name)
+
+
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The Smolfile's ``[cluster]`` table, checked ({} when it has none)."""
     file = Path(path).expanduser()
-    parser = _Parser(file.read_text(encoding="utf-8"), shown(path), str(file.resolve().parent))
+    parser = _Parser(_read_smolfile(file, shown(path)), shown(path), str(file.resolve().parent))
     data = parser.load()
     return parser.cluster(data["cluster"]) if "cluster" in data else {}
 
@@ -703,14 +747,7 @@ def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
     """Read and parse the Smolfile at ``path`` (relative paths start at its directory)."""
     file = Path(path).expanduser()
     name = shown(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SmolfileError(f"{name}: no such Smolfile; create it or fix the path") from None
-    except UnicodeDecodeError:
-        raise SmolfileError(f"{name}: not UTF-8 text; save the Smolfile as UTF-8") from None
-    except OSError as exc:
-        raise SmolfileError(f"{name}: cannot read the Smolfile ({exc.strerror})") from None
+    text = _read_smolfile(file, name)
     return parse_smolfile(text, source=name, base_dir=str(file.resolve().parent))
 
 
@@ -748,22 +785,27 @@ class SmolfileWatch:
         if stamp == self._stamp and self._digest is not None:
             return None
         self._stamp = stamp
+        error: OSError | None = None
         try:
-            data = self.path.read_bytes()
-        except OSError:
-            data = None
+            data: bytes | None = _read_bytes(self.path)
+        except OSError as exc:
+            data, error = None, exc
         digest = hashlib.sha256(data).hexdigest() if data is not None else ""
         if digest == self._digest:
             return None
         self._digest = digest
         name, apply = shown(self.path), "`%smol down` then `%smol up` to apply it"
         if data is None:
+            if error is not None and not isinstance(error, FileNotFoundError):
+                why, fix = _unreadable(error)
+                return (f"smolbench: the Smolfile {name} can't be read now ({why}); machines keep the spec they "
+                        f"were made with: {fix}, then {apply}")
             return f"smolbench: the Smolfile {name} is gone since `%smol up`; machines keep the spec they were made with"
         try:
-            now = parse_smolfile(data.decode("utf-8"), source=self.spec.source or name,
+            now = parse_smolfile(_text(data, name), source=self.spec.source or name,
                                  base_dir=str(self.path.resolve().parent))
-        except (SmolfileError, UnicodeDecodeError) as exc:
-            why = str(exc).splitlines()[0][:200] if str(exc) else "not UTF-8"
+        except SmolfileError as exc:
+            why = str(exc).splitlines()[0][:200]
             return (f"smolbench: the Smolfile {name} changed since `%smol up` and doesn't parse now ({why}); machines "
                     f"keep the spec they were made with: fix it, then {apply}")
         keys = list(dict.fromkeys(_KEYS.get(f.name, f.name) for f in dataclasses.fields(now)

@@ -528,3 +528,49 @@ def test_an_image_given_by_path_is_trusted_as_the_cache_is(tmp_path: Path, monke
             assert binds["/usr"] == f"{rootfs}/usr" and binds["/etc"] == f"{rootfs}/etc"
         finally:
             p.close()
+
+
+def test_a_deeply_nested_image_record_is_a_bad_record_not_a_crash(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit: an image's record ``NAME.json`` of ``"[" * 2000`` (a shared or copied cache) raised
+    RecursionError, which `smolbench image list` and a build's suite check (catching ValueError) let
+    through. Now it is bad JSON like any other: the image is listed by its folder's name."""
+    from smolbench import cli
+
+    root = _fake_rootfs(cache / "images" / "debian-bookworm")
+    (cache / "images" / "debian-bookworm.json").write_text("[" * 2000)
+    assert images._built_suite(root) is None
+    assert [name for name, _path, _size in list_images()] == ["debian-bookworm"]
+    assert cli.main(["image", "list"]) == 0
+    assert "debian-bookworm" in capsys.readouterr().out
+
+
+def test_an_archive_image_given_through_a_link_is_checked_where_it_really_is(tmp_path: Path) -> None:
+    """Audit: ``_local`` checked an archive image given through a link by the link's own folder and
+    lstat (a link's mode means nothing) while smol used the file it names: another user's 0666 archive,
+    or one in a folder others can write in, passed. Now the path is resolved first and the real file
+    and its folder are checked, and the real path is what smol gets (``smol_image`` resolved it before
+    calling ``_local``; ``_local`` now does so itself)."""
+    import tarfile
+
+    from smolbench.backends.smol_image import _local
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    archive = shared / "img.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(_fake_rootfs(tmp_path / "rootfs"), arcname=".")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    link = mine / "img.tar"
+    link.symlink_to(archive)
+    archive.chmod(0o666)  # as another user's world-writable file would be
+    for call in (lambda: _local(link), lambda: _smol_image(str(link))):
+        assert _refused(call) == (f"refusing the image {archive}: it is writable by group and others (mode 0666), "
+                                  f"so another user could alter it; chmod go-w {archive}, or use a file of your own")
+    archive.chmod(0o644)
+    shared.chmod(0o777)  # a folder others can write in: they could swap the archive
+    for call in (lambda: _local(link), lambda: _smol_image(str(link))):
+        assert _refused(call).startswith(f"refusing the folder of the image img.tar {shared}: it is writable by ")
+    shared.chmod(0o755)
+    assert _local(link) == _smol_image(str(link)) == str(archive)  # the control: the real file is used

@@ -802,3 +802,20 @@ def test_a_wheel_path_never_waits_on_a_fifo_nor_follows_a_link_a_machine_made(
     (folder / "sub").symlink_to(chosen.parent)  # a folder on the way, too
     with pytest.raises(SmolbenchError, match=r"/sub on its way is a link"):
         packages.ensure((f"smolbench-local-pkg @ file://{folder / 'sub' / chosen.name}",), guest)
+
+
+def test_a_deeply_nested_entry_record_is_refused_not_a_crash(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit: an entry's packages.json of ``"[" * 2000`` (a shared or copied cache) raised RecursionError,
+    which `smolbench packages list` (catching ValueError) let through. Now it is bad JSON: the entry is
+    listed as refused."""
+    from smolbench import cli
+
+    entry = cache / "packages" / ("b" * 24)
+    (entry / "lib").mkdir(parents=True)
+    for path in (cache, cache / "packages", entry, entry / "lib"):
+        path.chmod(0o755)
+    (entry / packages.META).write_text("[" * 2000)
+    [found] = packages.entries()
+    assert found.meta == {} and found.refused == "JSON nested too deeply"
+    assert cli.main(["packages", "list"]) == 0
+    assert ("b" * 24) in capsys.readouterr().out

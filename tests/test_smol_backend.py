@@ -796,3 +796,37 @@ def test_status_shows_the_network_policy_and_what_smol_cannot_enforce(tmp_path: 
                                       "ports are not enforced by smol (it scopes by host and CIDR)")
     wb = Workbench(backend(), MachineSpec(net=True), Ledger(tmp_path / "ledger2.db"))
     assert wb.status()["network"] == "on (the internet; not this host or private networks)"
+
+
+def test_a_fifo_or_deep_json_at_the_probe_cache_is_no_verdict(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Audit: probe.json was read by path, blocking: a fifo there (a shared or copied cache) hung every
+    ``--backend auto`` start; ``"[" * 2000`` there was a RecursionError, not a bad cache. Now it is read
+    as a plain file only, bounded, and either is no verdict (a probe runs and rewrites it)."""
+    import threading
+
+    monkeypatch.setenv("SMOLBENCH_CACHE", str(tmp_path))
+    cache = tmp_path / "probe.json"
+    os.mkfifo(cache)
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(probemod._read_cache())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            got.append(exc)
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(5)
+    if worker.is_alive():  # (the old code: let the stuck open go, then fail)
+        os.close(os.open(cache, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("reading the probe cache waited on a fifo planted there")
+    assert got == [{}]
+    cache.unlink()
+    cache.write_text("[" * 2000)
+    assert probemod._read_cache() == {}
+    cache.write_text(" " * (probemod.CACHE_LIMIT + 1) + "{}")
+    assert probemod._read_cache() == {}
+    cache.write_text('{"k": {"ok": true}}')
+    assert probemod._read_cache() == {"k": {"ok": True}}

@@ -525,3 +525,72 @@ def test_cluster_table_says_where_machines_run_and_refuses_ray_client(tmp_path: 
     typo.write_text('[cluster]\nadress = "auto"\n')
     with pytest.raises(SmolfileError, match="unknown key 'adress' in \\[cluster\\]"):
         load_smolfile(typo)
+
+
+def _hangs(call: object, fifo: Path) -> list[object]:
+    """What ``call()`` returned or raised, run in a thread; a fail if it waited on ``fifo`` (the old
+    code: the stuck open is let go by a writer coming and going first, so the suite never hangs)."""
+    import threading
+
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            got.append(call())  # type: ignore[operator]
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            got.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(5)
+    if worker.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+        pytest.fail("reading the Smolfile waited on a fifo")
+    return got
+
+
+def test_a_smolfile_is_read_as_a_plain_file_of_bounded_size(base: Path) -> None:
+    """Audit: the Smolfile was read by path, blocking and whole: a fifo there hung ``Session()`` and
+    ``%smol up``, and one that is a link to /dev/zero grew memory without bound. Now the path is
+    resolved (a link the user made to a Smolfile keeps working) and the real file read as a plain
+    file only, at most 1 MiB of it, or refused in one line."""
+    import subprocess
+    import sys
+
+    from smolbench.smolfile import SmolfileWatch, load_cluster
+
+    fifo = base / "Smolfile"
+    os.mkfifo(fifo)
+    plain = "not a plain file (a fifo, a device or a folder); point at a Smolfile that is a regular file"
+    for call in (lambda: load_smolfile(fifo), lambda: load_cluster(fifo)):
+        [err] = _hangs(call, fifo)
+        assert isinstance(err, SmolfileError) and str(err) == f"{fifo}: {plain}", err
+
+    fifo.unlink()
+    fifo.write_text("cpus = 2\n")
+    watch = SmolfileWatch(fifo, load_smolfile(fifo))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    [line] = _hangs(watch.news, fifo)
+    assert isinstance(line, str) and "can't be read now (not a plain file" in line, line
+
+    big = base / "big"
+    big.write_text("cpus = 2\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(SmolfileError, match=r"big: larger than 1 MiB, too big to be a Smolfile; point at the right "):
+        load_smolfile(big)
+
+    mine = base / "mine" / "Smolfile"  # the user's own link to a Smolfile elsewhere: followed
+    mine.parent.mkdir()
+    mine.symlink_to(base / "real.toml")
+    (base / "real.toml").write_text('image = "./rootfs"\ncpus = 3\n')
+    spec = load_smolfile(mine)
+    assert spec.cpus == 3 and spec.image == str(base / "rootfs")  # relative to the real file's folder
+
+    zero = base / "zero"  # in a child with 1 GiB of address space: the old read grew until it ran out
+    zero.symlink_to("/dev/zero")
+    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from smolbench.errors import SmolfileError\nfrom smolbench.smolfile import load_smolfile\n"
+            "try:\n    load_smolfile(sys.argv[1])\nexcept SmolfileError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(zero)], capture_output=True, text=True, timeout=60)
+    assert done.stdout == f"{zero}: {plain}\n", (done.stdout, done.stderr[-500:])

@@ -30,8 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._pkgtrust import read_plain
+from ..gate.frames import loads
+
 KVM = "/dev/kvm"
 CACHE_FILE = "probe.json"
+CACHE_LIMIT = 1 << 20  # bytes of probe.json read: a verdict is ~200 bytes a key; a larger file is dropped
 CACHE_TTL = 7 * 24 * 3600.0  # seconds a verdict is trusted even when the key still matches
 SKIP_ENV = "SMOLBENCH_SMOL_PROBE"  # "skip": answer no without booting; "force": boot even on kvm-pvm
 TIMEOUT_ENV = "SMOLBENCH_SMOL_PROBE_TIMEOUT"
@@ -125,8 +129,12 @@ def cache_key() -> str:
 
 
 def _read_cache() -> dict[str, Any]:
+    """The cached verdicts, or {}: probe.json read as a plain file only, bounded, without following a
+    link or waiting (a fifo there hung every ``--backend auto`` start), its JSON no deeper than json's
+    recursion (``"[" * 2000`` was a RecursionError, not a bad cache)."""
     try:
-        data = json.loads(cache_path().read_text())
+        raw = read_plain(cache_path(), CACHE_LIMIT + 1)
+        data = loads(raw) if len(raw) <= CACHE_LIMIT else {}
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -43,7 +43,7 @@ def smol_image(image: str | None) -> str:
     if not image:
         return DEFAULT_IMAGE
     if is_path_image(image):
-        return _local(Path(image).expanduser().resolve())
+        return _local(Path(image).expanduser())
     if is_valid_image_name(image):
         held = open_image(image)  # built by `smolbench image build`: checked, no link followed
         if held is not None:
@@ -65,7 +65,10 @@ def is_local(image: str) -> bool:
 def _local(path: Path) -> str:
     """A rootfs folder or ``docker save`` archive given by path, trusted as the image cache is: smol
     reads it by path, so it and the folders above it must be such that no other user can change or
-    swap it after this check (_pkgtrust.open_root; the archive itself the user's own or root's)."""
+    swap it after this check (_pkgtrust.open_root; the archive itself the user's own or root's). A link on
+    the way is resolved first, and what it names is checked and used (its own folder and lstat say
+    nothing of another user's file it points at)."""
+    path = Path(os.path.realpath(path))
     if path.is_dir():
         if not has_python(path):
             raise SmolbenchError(
