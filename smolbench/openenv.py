@@ -504,11 +504,13 @@ class _Sessions(HTTPEnvServer):
             stack = self._session_stacks.pop(session_id, None)
             self._session_info.pop(session_id, None)
             key = self.slots.hold() if env is not None else None
-        try:
-            await self._cleanup_session_resources(env, executor, stack)  # its close, in its thread, waits
-        finally:
-            if key is not None:
-                self.slots.free(key)
+        # its close, in its thread, waits for the machine's deletion; a task of its own, so a
+        # cancelled handler (its client cut, the server stopping) neither skips the close (the
+        # machine ran on, unlisted, until the server stopped) nor frees the slot before it ended
+        closing = asyncio.ensure_future(self._cleanup_session_resources(env, executor, stack))
+        if key is not None:
+            closing.add_done_callback(lambda _: self.slots.free(key))
+        await asyncio.shield(closing)
 
 
 def app_for(parent: Machines, max_sessions: int = 16, timeout: float = REQUEST_TIMEOUT,

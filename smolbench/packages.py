@@ -42,7 +42,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ._aio import _stoppable_thread
 from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root, read_plain
-from ._pkgwheels import private_copies, wheel_hashes
+from ._pkgwheels import private_copies, wheel_hashes, wheel_path
 from .errors import SmolbenchError
 from .gate.frames import loads
 from .gate.terminal import plain
@@ -52,6 +52,7 @@ PIP_TIMEOUT = 1800.0  # seconds one install may take
 WHEELS = ".wheels"  # in an install's temporary folder: the private copies of the wheels it names here
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
 _GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
+_PINNED = re.compile(r"(?:^|&)sha256=[0-9a-f]{64}(?:&|$)")  # a URL's fragment pinning its file, as pip reads it
 _MAX_LIBC_READ = 16 << 20
 # Where "installing N packages ..." goes before pip runs (the Workbench's notices, set for its up):
 # a first install takes seconds to minutes, and the up said nothing meanwhile.
@@ -76,6 +77,12 @@ def requirement_problem(text: str) -> str | None:
         # pip builds a URL's source (runs its setup.py) even with --only-binary=:all:
         return ("points at a source archive or folder, which pip would build on the host by running its code; "
                 "point it at a .whl file, or name a package of the index")
+    if req.url and wheel_path(text) is None and not _PINNED.search(urllib.parse.urlsplit(req.url).fragment):
+        # the cache key holds the requirement's text: unpinned, a wheel changed at its URL (or
+        # another server answering for it) was never installed, or went in under the old key
+        return ("names a wheel by URL without its hash, so what the URL serves could change under one cache entry; "
+                "pin it as pip does: add #sha256=HASH to the URL (HASH: `sha256sum` of the wheel), "
+                "or name a package of the index")
     return None
 
 
@@ -358,6 +365,9 @@ def ensure(requirements: tuple[str, ...], guest: GuestPython, log: list[str] | N
     """The installed tree for ``requirements`` on ``guest``: from the cache, else pip installs it now
     (``stop`` set meanwhile: pip is killed, nothing is kept, and SmolbenchError says so). It comes
     held (:class:`Held`): checked through file descriptors, and kept from prune until closed."""
+    for text in requirements:  # a list the parser did not check (an unpinned URL: no key covers its content)
+        if (problem := requirement_problem(text)) is not None:
+            raise SmolbenchError(f"Smolfile packages entry {text!r} {problem}")
     root = packages_root()
     sources, pip, wheels = pip_sources(), pip_version(), wheel_hashes(requirements)
     digest = key(requirements, guest, sources, pip, wheels)

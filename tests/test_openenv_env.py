@@ -679,3 +679,59 @@ def test_a_reply_past_max_reply_is_refused_before_the_server_holds_20_times_it(b
     finally:
         env.close()
         host.run(big.close())
+
+
+
+def test_sessions_closed_faster_than_their_machines_are_deleted_hold_their_slots_until_then(
+        parent: Machines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients that connect, reset and leave faster than their machines are deleted: each
+    session's slot is held until its machine is gone, so the machines alive at once stay
+    within --max-sessions plus the warm parent's spares. On the old code a WebSocket session
+    whose handler was cancelled as its client left freed its slot without closing its env
+    (its machine ran on, unlisted, until the server stopped): 19 to 26 alive here, bound 18."""
+    import asyncio
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from smolbench.openenv import app_for
+
+    real_delete = parent.wb.backend.delete
+
+    async def slow_delete(ref: MachineRef) -> None:  # a deletion that takes its time (a loaded host)
+        await asyncio.sleep(1.5)
+        await real_delete(ref)
+
+    monkeypatch.setattr(parent.wb.backend, "delete", slow_delete)
+    assert parent.parent is not None
+    prefix = parent.parent.name + "."
+    seen: dict[str, MachineRef] = {}
+    most = [0]
+    stop = threading.Event()
+
+    def watch() -> None:  # every branch of the warm parent ever listed, counted while its process runs
+        while not stop.is_set():
+            for name, ref in list(parent.wb.machines.items()):
+                if name.startswith(prefix):
+                    seen[name] = ref
+            most[0] = max(most[0], sum(alive(r) for r in list(seen.values())))
+            time.sleep(0.02)
+
+    cap = 2
+    app = app_for(parent, max_sessions=cap, timeout=8)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with TestClient(app) as client:
+            for seed in range(10):
+                with client.websocket_connect("/ws") as ws:
+                    assert _ws_ask(ws, "reset", {"seed": seed})["type"] == "observation"
+                r = client.post("/reset", json={"seed": seed})
+                assert r.status_code in (200, 503), r.text
+            time.sleep(2)  # the last deletions end
+            assert most[0] <= parent.pool.count + cap, (most[0], parent.pool.count + cap)
+            _until(lambda: not app.state.smolbench_sessions, "the sessions' machines were never deleted", 20)
+    finally:
+        stop.set()
+        watcher.join()
+        app.state.smolbench_pool.shutdown()

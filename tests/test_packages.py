@@ -819,3 +819,65 @@ def test_a_deeply_nested_entry_record_is_refused_not_a_crash(cache: Path, capsys
     assert found.meta == {} and found.refused == "JSON nested too deeply"
     assert cli.main(["packages", "list"]) == 0
     assert ("b" * 24) in capsys.readouterr().out
+
+
+def test_a_wheel_named_by_url_must_be_pinned_by_its_hash_and_pip_checks_the_pin(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pkg @ https://…/x.whl`` was keyed by its text: a wheel changed at that URL (or another
+    server answering for it) was never installed, the old build served under the same key. Now
+    a URL must carry pip's ``#sha256=`` pin (the key holds it, so it holds the content) and pip
+    refuses a file that is not the pinned one; a wheel on this host is still hashed by us."""
+    import hashlib
+    import http.server
+
+    for url in ("https://example.org/w/pkg-1.0-py3-none-any.whl", "http://10.0.0.1/pkg-1.0-py3-none-any.whl",
+                "https://example.org/pkg-1.0-py3-none-any.whl#md5=0123", "file://otherhost/pkg-1.0-py3-none-any.whl"):
+        with pytest.raises(SmolfileError) as err:  # on the old code: taken, keyed by the URL alone
+            parse_smolfile(f'packages = ["pkg @ {url}"]\n')
+        said = str(err.value)
+        assert "without its hash" in said and "#sha256=" in said and "\n" not in said, said
+        with pytest.raises(SmolbenchError, match="without its hash"):  # nor a list the parser never saw
+            packages.ensure((f"pkg @ {url}",), packages.host_python())
+    assert packages.requirement_problem(f"pkg @ https://example.org/pkg-1.0-py3-none-any.whl#sha256={'a' * 64}") is None
+    assert packages.requirement_problem(f"pkg @ file://{tmp_path}/pkg-1.0-py3-none-any.whl") is None
+
+    served = tmp_path / "served"
+    wheel = _wheel(served, "smolbench_url_pkg", "WHO = 'first'\n")
+    first = hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, directory=str(served), **kw)  # type: ignore[arg-type]
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    url = f"http://127.0.0.1:{server.server_address[1]}/{wheel.name}"
+    guest = packages.host_python()
+
+    def who(sha: str) -> str:
+        installed = packages.ensure((f"smolbench-url-pkg @ {url}#sha256={sha}",), guest)
+        assert installed.held is not None
+        installed.held.close()
+        return (installed.lib / "smolbench_url_pkg" / "__init__.py").read_text().strip()
+
+    try:
+        assert who(first) == "WHO = 'first'"
+        wheel.unlink()
+        _wheel(served, "smolbench_url_pkg", "WHO = 'rebuilt'\n")  # the file at the URL changes
+        rebuilt = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        assert who(first) == "WHO = 'first'"  # pinned to the first: its entry, the content it names
+        assert who(rebuilt) == "WHO = 'rebuilt'"  # the new pin: another key, installed anew
+        monkeypatch.setenv("SMOLBENCH_CACHE", str(tmp_path / "other-cache"))
+        with pytest.raises(SmolbenchError):  # pinned to the first, the URL serves another file: pip refuses
+            who(first)
+        assert not [p for p in packages.packages_root().iterdir() if not p.name.startswith(".")]
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
