@@ -260,15 +260,22 @@ def test_a_re_export_says_where_it_came_from_first_and_claims_no_time_the_file_d
         shelf = Shelf(led)
         shelf.adopt(str(full), "sandbox")
         row = led.checkpoint("full") or {}
+        out = shelf.export("full", str(tmp_path / "out.smolcheckpoint"))
         led.add_checkpoint("full", "imported", "", row["path"], "sandbox", full.stat().st_size, 0, row["warnings"],
                            sha256="0" * 64, baseline="b" * 64)  # rows an older install left beside another file
-        out = shelf.export("full", str(tmp_path / "out.smolcheckpoint"))
+        older = shelf.export("full", str(tmp_path / "older.smolcheckpoint"))
     finally:
         led.close()
+    digest = hashlib.sha256(full.read_bytes()).hexdigest()
     inside = archive.read_record(out["path"]) or {}
-    assert inside["warnings"][0] == (f"re-exported: added to its folder from a checkpoint file (sha256 "
-                                     f"{hashlib.sha256(full.read_bytes()).hexdigest()}) that said what this record says")
+    assert inside["warnings"][0] == (f"re-exported: added to its folder from a checkpoint file (sha256 {digest}) "
+                                     "that said what this record says")
     assert len(inside["warnings"]) == 20 and "created" not in inside and "baseline" not in inside
+    # an older install's row is not signed: exported as someone else's, its file named first all the same
+    said = archive.read_record(older["path"]) or {}
+    assert said["warnings"][0].startswith("re-exported from a checkpoint row not signed as the exporter's own save")
+    assert f"its file's sha256 {digest}" in said["warnings"][0]
+    assert len(said["warnings"]) == 20 and "created" not in said and "baseline" not in said
 
 
 def test_a_file_claiming_smol_is_one_line_before_anything_comes_up(open_tmp: Path) -> None:
