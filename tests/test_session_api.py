@@ -7,6 +7,7 @@ The magics say the same things in their own words (checked here too, in a real k
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -389,3 +390,38 @@ def test_a_composite_error_s_message_carries_no_terminal_escapes_of_the_machine(
     assert "ValueError" in said and "\\x1b]52;c;ZWNobyBwd25lZA==" in said, said  # shown, escaped
     assert not any(ch in said for ch in "\x1b\x07\x9b"), repr(said)
     assert not any(ch in str(e) for e in got.value.errors for ch in "\x1b\x07\x9b" if not isinstance(e, RemoteError))
+
+
+def test_an_agent_that_drops_a_request_as_it_is_sent_says_how_to_go_on(here: Path) -> None:
+    """A machine that died between the host's connect and its request (the test above hit it now
+    and then): the request's write raised a bare ConnectionResetError out of ``Session.run``.
+    Here a socket that accepts and closes at once stands in for that agent, deterministically."""
+    import socket
+    import threading
+
+    with smolbench.Session(backend="process", ledger="ledger.db") as s:
+        wb = s.workbench
+        assert wb is not None
+        ref = wb.machines[wb.active]
+        path = str(here / "dropping.sock")
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(path)
+        server.listen()
+
+        def drop() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = server.accept()
+                    conn.close()
+
+        threading.Thread(target=drop, daemon=True).start()
+        real, ref.info["socket"] = ref.info["socket"], path
+        try:
+            with pytest.raises(SmolbenchError) as got:
+                s.run("x = 1  # " + "a long request " * 200_000)  # (more than the socket takes at once)
+        finally:
+            ref.info["socket"] = real
+            server.close()
+        assert re.fullmatch(rf"machine '{ref.name}' is not answering \(.*\): it may have died; `Session\.down\(\)` "
+                            r"and `Session\.up\(\)`", str(got.value)), str(got.value)
+        assert s.run("1 + 1").value == 2  # the machine itself is fine

@@ -46,6 +46,12 @@ CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate make
 LOG_LIMIT = 8 << 20  # bytes of a machine's own output (its fds 1 and 2) kept in its agent.log
 
 
+def _not_answering(ref: MachineRef, exc: OSError) -> SmolbenchError:
+    """``ref``'s agent could not be reached, or dropped a request it was sent, in one line."""
+    head = f"machine {ref.name!r} is not answering ({exc.strerror or type(exc).__name__}): it may have died;"
+    return SmolbenchError(f"{head} `%smol down` and `%smol up`", api=f"{head} `Session.down()` and `Session.up()`")
+
+
 class AgentHostBackend(Saving, Backend):
     """A guest agent per machine, on this host; branches by ``os.fork()`` inside it."""
 
@@ -433,16 +439,17 @@ class AgentHostBackend(Saving, Backend):
             with self._socket(ref) as path:
                 return await how(path)
         except OSError as exc:
-            head = f"machine {ref.name!r} is not answering ({exc.strerror}): it may have died;"
-            raise SmolbenchError(f"{head} `%smol down` and `%smol up`",
-                                 api=f"{head} `Session.down()` and `Session.up()`") from None
+            raise _not_answering(ref, exc) from None
 
     async def _stream(self, ref: MachineRef, msg: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Send one request; yield the agent's raw reply bytes (only the gate decodes them)."""
         reader, writer = await self._open(ref)
         try:
-            writer.write(P.encode(msg))
-            await writer.drain()
+            try:
+                writer.write(P.encode(msg))
+                await writer.drain()
+            except ConnectionError as exc:  # it died between the connect and the request
+                raise _not_answering(ref, exc) from None
             while True:
                 try:
                     chunk = await reader.read(CHUNK)
