@@ -236,3 +236,11 @@ def volume_refusal(host: str, readonly: bool) -> str | None:
                     "checked it; make the volume readonly = true, mount a folder that doesn't hold it, or keep the "
                     "ledger elsewhere (`--ledger PATH`)")
     return None
+
+
+def check_volume(host: str, readonly: bool, guest: str) -> None:
+    """Refuse the volume at ``guest`` whose host folder is reached at ``host`` in one line, where
+    :func:`volume_refusal` says why (the Workbench's check, and each backend's where it binds)."""
+    exposed = volume_refusal(host, readonly)
+    if exposed is not None:
+        raise SmolbenchError(f"refusing the volume at {guest}: {exposed}")

@@ -74,9 +74,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         ckpt_dir = Path(os.path.abspath(checkpoint_dir or Path(ledger.path).parent / "checkpoints"))
         signing.guard(Path(ledger.path).parent, ckpt_dir)  # (checked again at each machine's bind)
         for vol in spec.volumes:  # a machine never reaches the key, nor writes where signed rows' files are
-            exposed = signing.volume_refusal(vol.host, vol.readonly)
-            if exposed is not None:
-                raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
+            signing.check_volume(vol.host, vol.readonly, vol.guest)
         self.retries = retries  # boots again after an infrastructure failure (InfraError), never a cell's error
         self.backend = backend
         self.spec = spec

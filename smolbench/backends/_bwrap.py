@@ -21,7 +21,7 @@ from pathlib import Path
 from .. import signing
 from ..errors import SmolbenchError
 from ..guest import AGENT_FILES, GUEST_DIR
-from ..spec import MachineSpec, Volume
+from ..spec import MachineSpec
 from . import _stage
 from ._limits import thread_env
 from ._netproxy import proxy_env
@@ -178,14 +178,6 @@ def plan(spec: MachineSpec, name: str, bwrap: str, rootfs: Path | None,
     return p
 
 
-def _volume_allowed(host: str, vol: Volume) -> None:
-    """Refuse volume ``vol`` when its host folder, as reached at ``host``, exposes the checkpoint
-    key's folder (or, writable, what the shelf trusts): smolbench.signing.volume_refusal."""
-    exposed = signing.volume_refusal(host, vol.readonly)
-    if exposed is not None:
-        raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
-
-
 def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args: list[str], sized: bool,
           packages: Path | None) -> None:
     uid, gid = sandbox_ids()
@@ -247,9 +239,9 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
             if prefix == "/tmp" or prefix.startswith("/tmp/"):
                 keep.append(prefix)
     for vol in spec.volumes:
-        _volume_allowed(vol.host, vol)  # its real path now (a part of it may have been made a link since parsing)
+        signing.check_volume(vol.host, vol.readonly, vol.guest)  # its real path now (a part of it may have been made a link since parsing)
         p.bind_fd(vol.host, vol.guest, readonly=vol.readonly)
-        _volume_allowed(os.readlink(f"/proc/self/fd/{p.fds[-1]}"), vol)  # and what was opened to be bound
+        signing.check_volume(os.readlink(f"/proc/self/fd/{p.fds[-1]}"), vol.readonly, vol.guest)  # and what was opened to be bound
     # The warm heap in transparent huge pages: a fork copies ~100 PMD entries per 200 MiB
     # instead of ~51,200 PTEs, and a branch forks twice (keeper, then agent). glibc reads the
     # THP mode from sysfs, so that folder (settings only) is bound read-only.

@@ -241,9 +241,7 @@ class SmolBackend(SmolCheckpoints, Backend):
         mounts = []
         for vol in spec.volumes:  # smol's engine mounts by path: the real path checked now, as near the mount as we get
             real = os.path.realpath(vol.host)
-            exposed = signing.volume_refusal(real, vol.readonly)
-            if exposed is not None:
-                raise SmolbenchError(f"refusing the volume at {vol.guest}: {exposed}")
+            signing.check_volume(real, vol.readonly, vol.guest)
             mounts.append(MountSpec(source=real, target=vol.guest, read_only=vol.readonly))
         if packages is not None:
             mounts.append(MountSpec(source=str(packages), target=GUEST_PACKAGES, read_only=True))
