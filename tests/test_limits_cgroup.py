@@ -290,3 +290,29 @@ def test_a_set_whose_pids_still_count_a_process_is_never_pooled(tmp_path: Path) 
     assert not _limits._no_pids(counted, time.monotonic() + 0.05)
     (pids / "pids.current").write_text("0\n")
     assert _limits._no_pids(counted, time.monotonic())
+
+
+@pytest.mark.skipif(_limits.detect().name != "cgroup v1", reason="needs a writable cgroup v1 hierarchy (root on this kind of host)")
+def test_v1_for_real_a_set_still_charged_with_its_last_machines_memory_is_never_reused(tmp_path: Path) -> None:
+    """Third audit: a deleted branch's files that outlived it (here: a file it wrote, still
+    there) stay charged to its memory cgroup; pooled, that charge counted against the next
+    branch's limit, which then ran out of memory. Such a set is removed, not handed out."""
+    limiter = _limits.Limiter()
+    spec = MachineSpec(memory=128, pids=20)
+    m = limiter.machine("run1.0", spec)
+    subprocess.run(m.wrap(["sh", "-c", f"head -c {32 << 20} /dev/zero > {tmp_path / 'kept'}"]), check=True)
+    assert _charged(m) >= 32 << 20
+    dirs = list(m.dirs)
+    assert limiter.release_all(["run1.0"], keep=True) == [True]  # emptied: pooled
+    n = limiter.machine("run2.0", spec)
+    try:
+        assert _charged(n) < 8 << 20
+        assert not any(d.exists() for d in dirs)  # the charged set went
+    finally:
+        limiter.release_all(["run2.0"])
+        limiter.close()
+
+
+def _charged(m: _limits.MachineLimits) -> int:
+    (usage,) = [d / "memory.usage_in_bytes" for d in m.dirs if (d / "memory.usage_in_bytes").exists()]
+    return int(usage.read_text())

@@ -276,3 +276,83 @@ def test_a_fork_stopped_midway_leaves_no_branch_folders(tmp_path: Path) -> None:
             await be.close()
 
     _loop.run(main())
+
+
+PLANT = (  # a branch's files 40 folders down (the host's walk went 32), and its socket's name made such a folder
+    "import os\n"
+    "deep = '/run/smolbench/deep' + '/d' * 40\n"
+    "os.makedirs(deep)\n"
+    "open(deep + '/secret', 'w').write('left by %d' % SEED)\n"
+    "os.makedirs('/run/smolbench/s.tmp' + '/d' * 40)\n"
+    "os.unlink('/run/smolbench/s')\n"
+    "os.rename('/run/smolbench/s.tmp', '/run/smolbench/s')\n"
+    "reward = SEED\n"
+)
+LOOK = (
+    "import os\n"
+    "seen = [os.path.join(d, f) for d, _, files in os.walk('/run/smolbench') for f in files]\n"
+    "reward = len([p for p in seen if p.endswith('secret')])\n"
+)
+
+
+@pytest.mark.parametrize("way", ["fork", "episodes"])
+def test_what_a_deleted_branch_left_however_deep_never_reaches_the_next(s: smolbench.Session, way: str) -> None:
+    """Third audit: a deleted branch's folder was removed 32 folders deep, the rest stayed, and
+    the next branch given the same folder name saw it (an episode saw an earlier one's files);
+    a socket name made a deep folder broke every later episode of the zygote."""
+    before = ls(s)
+    make = (lambda code: s.fork(2, code, keep="none")) if way == "fork" else (lambda code: s.episodes(2, code))
+    planted = make(PLANT)
+    assert [b["status"] for b in planted] == ["ok", "ok"], [b["error"] for b in planted]
+    for _ in range(2):
+        looked = make(LOOK)
+        assert [(b["status"], b["reward"]) for b in looked] == [("ok", 0), ("ok", 0)], [b["error"] for b in looked]
+    if way == "fork":
+        assert ls(s) == before  # all of it went, not only the top 32 folders
+
+
+def test_a_tree_of_any_depth_is_removed_following_no_link(tmp_path: Path) -> None:
+    import os
+
+    from smolbench.backends import _rundir
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("the host's")
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.mkdir("x", dir_fd=top)
+        cur = os.open("x", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+        for _ in range(1000):  # deeper than any path the host could name (PATH_MAX)
+            os.symlink(str(outside), "link", dir_fd=cur)
+            os.mkfifo("fifo", dir_fd=cur)
+            os.mkdir("d", dir_fd=cur)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+            os.close(cur)
+            cur = nxt
+        os.close(cur)
+        _rundir.remove_tree(top, "x")
+    finally:
+        os.close(top)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside"]
+    assert (outside / "keep").read_text() == "the host's"
+
+
+def test_a_dead_owners_run_folder_is_swept_however_deep_with_a_fifo_in_it(tmp_path: Path) -> None:
+    """The next ``%smol up`` removes run folders of kernels that were killed: what their machines
+    wrote there (a fifo, a deep tree) neither holds the sweep up nor stays."""
+    import os
+
+    from smolbench.backends import _rundir
+
+    dead = tmp_path / "smolbench-dead"
+    (dead / "d").mkdir(parents=True)
+    (dead / _rundir.OWNER).write_text("1 0\n")  # pid 1 never started at tick 0: gone
+    os.mkfifo(dead / "fifo")
+    deep = dead / "d"
+    for _ in range(60):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    os.mkfifo(deep / "fifo")
+    assert _rundir.sweep(str(tmp_path)) == [dead]
+    assert list(tmp_path.iterdir()) == []

@@ -531,6 +531,9 @@ class AgentHostBackend(Saving, Backend):
         nested = bool(machine.info.get("contained"))
         taken = {Path(m.info["host_dir"]).name for m in self._machines.values() if m.parent == machine.name}
         taken |= {Path(d).name for d in self._going.values() if Path(d).parent == host_dir}  # not gone yet
+        if nested:  # and never one still there: what a deleted branch left must not be the next one's
+            with contextlib.suppress(OSError):
+                taken |= set(os.listdir(host_dir))
         dirs = _run_folders(names, taken)
         children = [{"name": n, "seed": s, "dir": d, "socket": f"{guest_run}/{d}/s" if nested else f"{guest_run}/{n}.sock"}
                     for n, s, d in zip(names, seeds, dirs)]

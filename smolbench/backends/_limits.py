@@ -58,6 +58,7 @@ MOVE_PRIME_MOST = 60.0  # s they go on at most (a fork request answers long befo
 # cgroup's mkdir, limits and rmdir cost ~0.25 ms of this process's CPU per branch (cgroup v1,
 # three controllers), and the kernel's work of freeing a memory cgroup after it.
 POOL_MOST = 512
+POOL_CHARGE_MOST = 4 << 20  # bytes a pooled set may still be charged with (kernel objects, shared pages' cache)
 ZOMBIE_WAIT = 0.2  # seconds a pooled set's killed processes get to be collected (then it is removed)
 # What gives a machine and each branch their own count of memory, files in memory and processes.
 DELEGATE_HINT = "run the kernel as root, or give it a delegated cgroup subtree of its own (memory and pids)"
@@ -559,11 +560,15 @@ class Limiter:
     def _reuse(self, safe: str, spec: MachineSpec) -> MachineLimits | None:
         """An emptied set of cgroups from the pool, renamed ``safe`` and set to ``spec``'s
         limits; None if the pool is empty or it could not be (that set is removed)."""
-        with self._pool_lock:
-            if not self._pool:
-                return None
-            # one named so already goes first (a branch made again under its name): no two alike
-            old = self._pool.pop(safe, None) or self._pool.popitem()[1]
+        while True:
+            with self._pool_lock:
+                if not self._pool:
+                    return None
+                # one named so already goes first (a branch made again under its name): no two alike
+                old = self._pool.pop(safe, None) or self._pool.popitem()[1]
+            if self._charged(old) <= POOL_CHARGE_MOST:
+                break
+            old.remove()  # still charged with memory its last branch left (files it kept): never passed on
         dirs: list[Path] = []
         try:
             for d in old.dirs:
@@ -577,6 +582,19 @@ class Limiter:
             MachineLimits(spec, dirs + old.dirs[len(dirs):], old.version).remove()
             return None
         return MachineLimits(spec, dirs, self.version, self.enforce)
+
+    def _charged(self, m: MachineLimits) -> int:
+        """The memory ``m``'s set is still charged with, in bytes (0 without a memory controller).
+        A deleted branch's files that outlived it (its run folder's, until they are removed) stay
+        charged to its cgroup: pooled, they counted against the next branch's limit (third audit)."""
+        for controller, d in zip(self.mechanism.bases, m.dirs):
+            name = {"": "memory.current", "memory": "memory.usage_in_bytes"}.get(controller)
+            if name is not None:
+                try:
+                    return int(_procs.read(d / name))
+                except (OSError, ValueError):
+                    return POOL_CHARGE_MOST + 1
+        return 0
 
     def _configure(self, controller: str, d: Path, spec: MachineSpec) -> None:
         mem = spec.memory * 1024 * 1024

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..gate.archive import read_small
@@ -50,37 +50,113 @@ def sweep(base: str | None = None) -> list[Path]:
             if path.lstat().st_uid != os.getuid():  # never another user's
                 continue
             if owner_alive(path) is False:
-                shutil.rmtree(path, ignore_errors=True)
+                with _folder(root) as fd:  # no link followed, no fifo opened, however deep
+                    remove_tree(fd, path.name)
                 if not path.exists():
                     removed.append(path)
     return removed
 
 
-TREE_DEPTH = 32  # folders below the one removed at most (deeper: left for the machine's delete)
+@contextlib.contextmanager
+def _folder(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
-def remove_tree(parent: int, name: str, depth: int = 0) -> None:
+OPEN_MOST = 32  # folders of the walk held open at once (one above them is reopened as "..")
+DEPTH_MOST = 100_000  # folders below the one removed, at most (deeper: left for the machine's delete)
+
+
+def remove_tree(parent: int, name: str) -> None:
     """Remove the folder ``name`` of the folder ``parent`` (a descriptor) with what is in it,
     relative to descriptors only: a link is removed, never followed, and nothing but a folder
     is ever opened (``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``: a fifo put in a folder's place
-    can't hold the delete up, as it held ``shutil.rmtree``'s first open). What a machine
-    changes meanwhile is left."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
-    except OSError:
+    can't hold the delete up, as it held ``shutil.rmtree``'s first open). However deep, to
+    DEPTH_MOST: the walk stopped 32 folders down, the rest stayed, and the next branch given
+    the same folder saw it (third audit). At most OPEN_MOST folders are held open; one above
+    them is reopened as ``..`` only if it is the very folder the walk came down through (its
+    device and inode), else the walk stops. What a live machine changes meanwhile may be left."""
+    top = _open_folder(parent, name)
+    if top is None:
         return
+    levels = [_level(top, name)]
     try:
-        found: list[tuple[str, bool]] = []
-        if depth < TREE_DEPTH:
-            with contextlib.suppress(OSError), os.scandir(fd) as entries:
-                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        for entry, folder in found:
-            if folder:
-                remove_tree(fd, entry, depth + 1)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry, dir_fd=fd)
+        _walk(levels)
     finally:
-        os.close(fd)
+        for level in levels:
+            if level.fd is not None:
+                os.close(level.fd)
     with contextlib.suppress(OSError):
         os.rmdir(name, dir_fd=parent)
+
+
+def _open_folder(parent: int, name: str) -> int | None:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return None
+
+
+class _Level:
+    """A folder on the walk's way down: its descriptor (None once closed), which folder it is,
+    its name in the one above, and its folders not walked yet (all else in it is removed at once)."""
+
+    __slots__ = ("fd", "ident", "name", "todo")
+
+    def __init__(self, fd: int, name: str) -> None:
+        st = os.fstat(fd)
+        self.fd: int | None = fd
+        self.ident = (st.st_dev, st.st_ino)
+        self.name = name
+        self.todo: list[str] = []
+
+
+def _level(fd: int, name: str) -> _Level:
+    level = _Level(fd, name)
+    with contextlib.suppress(OSError), os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                level.todo.append(entry.name)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=fd)
+    return level
+
+
+def _walk(levels: list[_Level]) -> None:
+    """Depth first: into the next folder not walked, else remove this one and go up."""
+    while True:
+        here = levels[-1]
+        assert here.fd is not None
+        if here.todo and len(levels) <= DEPTH_MOST:
+            sub = here.todo.pop()
+            fd = _open_folder(here.fd, sub)
+            if fd is not None:
+                levels.append(_level(fd, sub))
+                if len(levels) > OPEN_MOST + 1:  # the top one stays open
+                    far = levels[-OPEN_MOST - 1]
+                    if far.fd is not None:
+                        os.close(far.fd)
+                        far.fd = None
+            continue
+        if len(levels) == 1:
+            return
+        levels.pop()
+        up = levels[-1]
+        if up.fd is None:
+            try:
+                fd = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=here.fd)
+            except OSError:
+                fd = -1
+            if fd < 0 or (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != up.ident:  # moved meanwhile: stop
+                if fd >= 0:
+                    os.close(fd)
+                os.close(here.fd)
+                return
+            up.fd = fd
+        os.close(here.fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(here.name, dir_fd=up.fd)

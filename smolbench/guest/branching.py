@@ -186,7 +186,23 @@ class Branching:
         else:
             self.isolation = _private_files(self.workdir, child["name"], mount_ns=self.mount_ns)
         self.apply_seed(child.get("seed"), child["name"])
+        _own_std_fds()
         self._start_acceptor(reaper=not getattr(self.machine, "leaf", False))
+
+
+def _own_std_fds():
+    """A branch's fds 0, 1 and 2 on an open file of its own (``/dev/null``), before any cell
+    runs. They were the root machine's, shared by the whole tree, and an open file's flags are
+    the same for everyone who holds it: a branch setting O_NONBLOCK on fd 1 was seen by its
+    siblings, a channel between branches (third audit). What a branch's processes write
+    there went only to the root's log, which no one is shown for a branch."""
+    _flush_streams()
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 def warm_for_branches():
     """Before this machine is forked (here, or as a microVM by the host): what its branches
