@@ -71,6 +71,7 @@ HTML_ATTRS["*"] = {"class", "style", "title", "id", "lang", "dir", "align", "val
 HTML_ATTRS.setdefault("table", set()).update({"border", "cellpadding", "cellspacing"})
 HTML_ATTRS.setdefault("font", set()).update({"color", "size", "face"})
 SAFE_IMG_SRC = re.compile(r"data:image/(png|jpeg|gif|webp|svg\+xml)[;,][^\s]*", re.IGNORECASE)
+URL_SPACE = "".join(map(chr, range(0x21)))  # what the URL standard strips from a URL's ends (C0 and space)
 SAFE_HREF = re.compile(r"(https?://|mailto:)\S+|#[\w.\-]*", re.IGNORECASE)
 LOCAL_REF = re.compile(r"url\(\s*#[\w.\-]+\s*\)")
 TEXT_ATTRS = frozenset({"title", "alt", "summary", "abbr"})  # shown as text, never parsed as CSS
@@ -160,15 +161,20 @@ def _attribute_filter(tag: str, attr: str, value: str) -> str | None:
     if attr == "class":
         return _classes(v)
     if attr == "src" or (tag == "img" and attr == "href"):
-        m = SAFE_IMG_SRC.fullmatch(v)
+        u = value.strip(URL_SPACE)
+        m = SAFE_IMG_SRC.fullmatch(u)
         if m is None:
             return None
         # (an SVG is drawn at the size its <img> is laid out at, not decoded whole; what it holds is cleaned)
-        return _svg_src(v) if m.group(1).lower() == "svg+xml" else _image_src(v)
+        return _svg_src(u) if m.group(1).lower() == "svg+xml" else _image_src(u)
     if attr in ("href", "xlink:href"):
-        if v.startswith("#"):
-            return "#" + ID_PREFIX + v[1:] if v[1:] else v  # to the (prefixed) id it names
-        return value if SAFE_HREF.fullmatch(v) else None  # absolute links only: no page-relative URL
+        # Only what a URL parser strips from its ends, and the URL checked is the one kept: str.strip()
+        # also took U+00A0 or U+3000, which a browser keeps, and "\u00a0https://x/../../api/contents/f"
+        # passed as absolute and was a page-relative link into the Jupyter server (third audit).
+        u = value.strip(URL_SPACE)
+        if u.startswith("#"):
+            return "#" + ID_PREFIX + u[1:] if u[1:] else u  # to the (prefixed) id it names
+        return u if SAFE_HREF.fullmatch(u) else None  # absolute links only: no page-relative URL
     if attr in ("action", "formaction", "cite", "longdesc", "background", "poster", "srcset", "ping"):
         return None
     if "\\" in v and attr not in TEXT_ATTRS:
