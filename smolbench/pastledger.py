@@ -58,18 +58,31 @@ def past_tree(ledger: Ledger) -> tuple[dict[str, Any] | None, Tree]:
         if row.get("session_id") == last:
             node = _node(row)
             nodes.setdefault(node.id, node)
+    kids: dict[str, list[Node]] = {}
     for node in nodes.values():
         if node.parent not in nodes:
             node.parent = None
-    pending = list(nodes.values())
-    while pending:  # parents first; a node whose parent the ledger lacks (or a loop of them) shows as a root
-        ready = [n for n in pending if n.parent is None or n.parent in tree]
-        if not ready:
-            pending[0].parent = None
-            continue
-        for node in ready:
-            tree.add(node)
-        pending = [n for n in pending if n.id not in tree]
+        else:
+            kids.setdefault(node.parent, []).append(node)
+    order = {node_id: i for i, node_id in enumerate(nodes)}
+    # Parents first, in one pass (a copied folder's ledger is its author's: a chain of its rows,
+    # root read last, took a rescan of every node left per node added): level by level from the
+    # roots, each level in ledger order. A node whose parent the ledger lacks shows as a root;
+    # so does, when only nodes under a loop of parents are left, the first of them in ledger
+    # order, and the rest follow from it.
+    level = [node for node in nodes.values() if node.parent is None]
+    left = iter(nodes.values())
+    while True:
+        while level:
+            for node in level:
+                tree.add(node)
+            level = sorted((kid for node in level for kid in kids.get(node.id, ()) if kid.id not in tree),
+                           key=lambda kid: order[kid.id])
+        cut = next((node for node in left if node.id not in tree), None)
+        if cut is None:
+            break
+        cut.parent = None
+        level = [cut]
     return (sessions[0] if sessions else {"id": last}), tree
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 TERMINAL = ("ok", "error", "timeout", "cancelled", "lost")  # lost: its machine was killed or its kernel died
 STATUSES = ("starting", "running", "idle", *TERMINAL)
+RENDER_INDENT = 64  # levels of a tree's text drawn indented (Tree.render); deeper ones start "… "
 
 
 @dataclass
@@ -111,11 +112,24 @@ class Tree:
         return out[::-1]
 
     def subtree(self, node_id: str) -> list[Node]:
-        """``node_id`` and all its descendants, parents before children."""
-        out = [self.nodes[node_id]]
-        for child in self.children(node_id):
-            out.extend(self.subtree(child.id))
+        """``node_id`` and all its descendants, parents before children (depth first, each
+        node's children in creation order)."""
+        kids = self._kids()
+        out = []
+        stack = [self.nodes[node_id]]  # not a call per level: a ledger's chain can be 20,000 deep
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(reversed(kids.get(node.id, ())))
         return out
+
+    def _kids(self) -> dict[str, list[Node]]:
+        """Every node's direct children (:meth:`children`), in creation order, in one pass."""
+        kids: dict[str, list[Node]] = {}
+        for node in self.nodes.values():
+            if node.parent is not None:
+                kids.setdefault(node.parent, []).append(node)
+        return kids
 
     def best_path(self) -> list[str]:
         """Ids on the path to the node with the highest reward (empty if none)."""
@@ -126,11 +140,17 @@ class Tree:
         return [n.id for n in self.path(best.id)]
 
     def render(self, active: str | None = None) -> str:
-        """The tree as indented text (what ``%smol tree`` prints)."""
+        """The tree as indented text (what ``%smol tree`` prints). Below RENDER_INDENT levels
+        the indent stops growing and a line starts ``… `` (a ledger's chain of 20,000 nodes
+        drawn in full was 600 MB of indent)."""
         lines: list[str] = []
         best = set(self.best_path())
-
-        def walk(node: Node, prefix: str, last: bool, top: bool) -> None:
+        kids = self._kids()
+        held = 3 * RENDER_INDENT  # characters of indent drawn
+        # depth first, each node's children in creation order; a stack, not a call per level
+        stack = [(root, "", True, True) for root in reversed([n for n in self.nodes.values() if n.parent is None])]
+        while stack:
+            node, prefix, last, top = stack.pop()
             bits = [node.id]
             if node.seed is not None:
                 bits.append(f"seed={node.seed}")
@@ -147,13 +167,13 @@ class Tree:
             here = " <- active" if node.id == active else ""
             branch = "" if top else ("└─ " if last else "├─ ")
             lines.append(f"{prefix}{branch}{'  '.join(bits)}{mark}{here}")
-            kids = self.children(node.id)
-            for i, kid in enumerate(kids):
-                ext = "" if top else ("   " if last else "│  ")
-                walk(kid, prefix + ext, i == len(kids) - 1, False)
-
-        for root in [n for n in self.nodes.values() if n.parent is None]:
-            walk(root, "", True, True)
+            children = kids.get(node.id, [])
+            ext = "" if top else ("   " if last else "│  ")
+            under = prefix + ext
+            if len(under) > held:
+                under = under[:held] + "… "
+            for i in range(len(children) - 1, -1, -1):
+                stack.append((children[i], under, i == len(children) - 1, False))
         return "\n".join(lines)
 
 
