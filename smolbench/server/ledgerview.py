@@ -22,6 +22,8 @@ from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
 CODE_CHARS = 400
+ID_CHARS = 200  # an id, a kind, a status, a seed written as text
+METRICS_CHARS = 64 * 1024  # a node's metrics JSON read at most (longer: shown as none)
 TEXT_CHARS = 2000
 MAX_LIMIT = 500
 MAX_NOTEBOOKS = 1000  # notebooks a folder's runs are counted for
@@ -83,6 +85,24 @@ def _text(value: Any, limit: int = TEXT_CHARS) -> str | None:
         return None
     text = value if isinstance(value, str) else str(value)
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _cut(col: str, chars: int = ID_CHARS) -> str:
+    """SQL for column ``col`` with its text (or blob) cut to ``chars`` where it is read: a copied
+    ledger's ids and statuses may be 16 MB each (third audit: a 67 MB ledger made a 400 MB page)."""
+    return f"CASE WHEN typeof({col}) IN ('text', 'blob') THEN substr({col}, 1, {chars}) ELSE {col} END"
+
+
+def _plain(value: Any, chars: int = ID_CHARS) -> Any:
+    """A column's value as JSON can carry it: text cut, a finite number, or None (a blob, from a
+    copied ledger, failed the whole page's encoding)."""
+    if isinstance(value, str):
+        return _text(value, chars)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value
+    return _finite(value)
 
 
 def _page(limit: int, offset: int) -> tuple[int, int]:
@@ -169,16 +189,19 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
         else:
             cond = "0"
         total = conn.execute(f"SELECT count(*) FROM runs WHERE {cond}", args).fetchone()[0]
+        nb_col, cell_col = where_cols.split(", ")
         rows = conn.execute(
-            f"SELECT id, session_id, kind, parent_id, substr(code, 1, ?), n, started, ended, status, {where_cols} "
-            f"FROM runs WHERE {cond} ORDER BY started DESC LIMIT ? OFFSET ?", (CODE_CHARS, *args, limit, offset)).fetchall()
+            f"SELECT {_cut('id')}, {_cut('session_id')}, {_cut('kind')}, {_cut('parent_id')}, "
+            f"{_cut('code', CODE_CHARS)}, n, started, ended, {_cut('status')}, {_cut(nb_col, 1000)}, {cell_col} "
+            f"FROM runs WHERE {cond} ORDER BY started DESC LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()
         out = []
-        for rid, sid, kind, parent, code, n, started, ended, status, nb, cell in rows:
+        for row in rows:
+            rid, sid, kind, parent, code, n, started, ended, status, nb, cell = (_plain(v, 1000) for v in row)
             refused = replay_refused(kind)
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
                 "n": n, "started": started, "ended": ended, "status": status,
-                "notebook": _text(nb, 1000), "cell": cell if isinstance(cell, int) else None,
+                "notebook": nb, "cell": cell if isinstance(cell, int) else None,
                 "replayable": refused is None, "replay_refused": refused,
                 **_summary(conn, str(db), rid, ended),
             })
@@ -199,16 +222,19 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
     with open_ro(db) as conn:
         head: dict[str, Any] | None = None
         host = "host_node" in {row[1] for row in conn.execute("PRAGMA table_info(nodes)")}  # older ledgers lack it
-        cols = (f"id, parent_id, run_id, seed, status, reward, started, ended, alive, kept, "
-                f"substr(error, 1, {TEXT_CHARS}), substr(output, -{TEXT_CHARS}), metrics, "
-                f"{'substr(host_node, 1, 128)' if host else 'NULL'}")
+        cols = (f"{_cut('id')}, {_cut('parent_id')}, {_cut('run_id')}, {_cut('seed')}, {_cut('status')}, reward, "
+                f"started, ended, alive, kept, {_cut('error', TEXT_CHARS)}, "
+                f"CASE WHEN typeof(output) IN ('text', 'blob') THEN substr(output, -{TEXT_CHARS}) ELSE output END, "
+                f"CASE WHEN length(metrics) <= {METRICS_CHARS} THEN metrics END, "
+                f"{_cut('host_node', 128) if host else 'NULL'}")
         rows: list[Any] = []
         if run is not None:
-            row = conn.execute("SELECT session_id, parent_id, kind, substr(code, 1, ?), n, started, ended, status "
-                               "FROM runs WHERE id = ?", (CODE_CHARS, run)).fetchone()
+            row = conn.execute(f"SELECT session_id, parent_id, {_cut('kind')}, {_cut('code', CODE_CHARS)}, n, started, "
+                               f"ended, {_cut('status')} FROM runs WHERE id = ?", (run,)).fetchone()
             if row is None:
                 raise KeyError(f"no run {run!r} in this ledger")
-            session, parent = row[0], row[1]
+            session, parent = row[0], row[1]  # (matched as they are)
+            row = tuple(_plain(v, CODE_CHARS) for v in row)
             head = dict(zip(("session_id", "parent_id", "kind", "code", "n", "started", "ended", "status"), row))
             head["id"] = run
             # the run, and every run forked (at any depth) from one of its branches
@@ -236,7 +262,7 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
             raise KeyError("name a run (?run=ID) or a session (?session=ID)")
     out = []
     for r in rows:
-        rec = dict(zip(NODE_KEYS, r))
+        rec = {k: v if k == "metrics" else _plain(v, TEXT_CHARS) for k, v in zip(NODE_KEYS, r)}
         rec["reward"] = _finite(rec["reward"])
         rec["alive"], rec["kept"] = bool(rec["alive"]), bool(rec["kept"])
         try:

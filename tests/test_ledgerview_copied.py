@@ -1,0 +1,57 @@
+"""The sidebar's reads of a ledger someone else made (a copied folder): every value it sends
+is bounded text, a finite number or null (third audit: ids, kinds and statuses were sent
+whole, up to 16 MB each, and one BLOB id made the whole runs page fail to encode)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from smolbench import ledger
+from smolbench.server import ledgerview
+
+BIG = 1 << 20  # characters of each crafted value
+
+
+def _copied(tmp_path: Path) -> Path:
+    db = tmp_path / "ledger.db"
+    c = sqlite3.connect(db)
+    c.executescript(ledger.SCHEMA)
+    c.execute("INSERT INTO runs(id, session_id, kind, status, started, code) VALUES ('good', 's', 'fork', 'ok', 3, 'x')")
+    c.execute("INSERT INTO runs(id, session_id, kind, status, started, code) VALUES (x'00ff', 's', 'fork', 'ok', 1, 'x')")
+    c.execute("INSERT INTO runs(id, session_id, kind, parent_id, status, started, code) VALUES (?, 's', ?, ?, ?, 2, 'x')",
+              ("r" * BIG, "k" * BIG, "p" * BIG, "s" * BIG))
+    c.execute("INSERT INTO nodes(id, session_id, run_id, seed, status, reward, started, metrics) "
+              "VALUES (?, 's', 'good', ?, ?, 1.0, 1, ?)", ("n" * BIG, "7" * BIG, "o" * BIG, json.dumps({"m": "v" * BIG})))
+    c.execute("INSERT INTO nodes(id, session_id, run_id, seed, status, reward, started) "
+              "VALUES (x'00ff', 's', 'good', x'01', x'02', 2.0, 2)")
+    c.execute("INSERT INTO nodes(id, session_id, run_id, seed, status, reward, started, metrics) "
+              "VALUES ('root.0', 's', 'good', 0, 'ok', 3.0, 3, '{\"loss\": 0.5}')")
+    c.commit()
+    c.close()
+    return db
+
+
+def _values(page: object) -> list[object]:
+    if isinstance(page, dict):
+        return [v for x in page.values() for v in _values(x)]
+    if isinstance(page, list):
+        return [v for x in page for v in _values(x)]
+    return [page]
+
+
+def test_a_copied_ledgers_runs_page_is_bounded_and_encodes(tmp_path: Path) -> None:
+    page = ledgerview.runs(_copied(tmp_path), 50, 0)
+    text = json.dumps(page)  # a BLOB id made this raise: the good runs weren't shown either
+    assert len(text) < 20_000, len(text)
+    assert "good" in [r["id"] for r in page["runs"]]
+
+
+def test_a_copied_ledgers_nodes_page_is_bounded_and_encodes(tmp_path: Path) -> None:
+    page = ledgerview.nodes(_copied(tmp_path), run="good")
+    text = json.dumps(page)
+    assert len(text) < 40_000, len(text)
+    assert all(not isinstance(v, bytes) for v in _values(page))
+    honest = [n for n in page["nodes"] if n["id"] == "root.0"]
+    assert honest and honest[0]["seed"] == 0 and honest[0]["metrics"] == {"loss": 0.5}
