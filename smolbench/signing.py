@@ -238,6 +238,18 @@ def volume_refusal(host: str, readonly: bool) -> str | None:
     return None
 
 
+def check_image(folder: str | os.PathLike[str]) -> None:
+    """Refuse a rootfs image folder (a Smolfile's ``image = "PATH"``, someone else's perhaps) that
+    is, holds or is inside the key's folder, in one line: the machine boots on it and reads all of
+    it (third audit: ``image = "/"`` gave a smol VM the host's whole root, the key with it, where the
+    same folder as a read-only volume was refused)."""
+    key_dir = key_overlap(folder)
+    if key_dir is not None:
+        raise SmolbenchError(f"refusing the image folder {os.fspath(folder)}: it is, holds or is inside the folder of "
+                             f"your checkpoint key ({key_dir}), and a machine reads all of its image; use a rootfs "
+                             "folder of its own (`smolbench image build`), or set $SMOLBENCH_STATE to a folder outside it")
+
+
 def check_volume(host: str, readonly: bool, guest: str) -> None:
     """Refuse the volume at ``guest`` whose host folder is reached at ``host`` in one line, where
     :func:`volume_refusal` says why (the Workbench's check, and each backend's where it binds)."""

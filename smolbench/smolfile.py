@@ -367,6 +367,10 @@ class _Parser:
                     'install python3 in it, or use an image name like "debian:bookworm"',
                     "image",
                 )
+            try:
+                signing.check_image(path)
+            except SmolbenchError as exc:
+                self.fail_at(f"'image': {exc}", "image")
             return str(path)
         if not is_valid_image_name(value):
             self.fail_at(

@@ -187,3 +187,43 @@ def test_a_machine_never_reads_the_key(state: Path, tmp_path: Path) -> None:
                                on_notice=lambda line: None) as s:
             out = s.run("print(open('/stolen/checkpoint.key', 'rb').read().hex())").stdout.strip()
             assert out != secret.hex(), "the machine read the checkpoint key"
+
+
+def _rootfs(folder: Path) -> Path:
+    (folder / "usr" / "bin").mkdir(parents=True, exist_ok=True)
+    (folder / "usr" / "bin" / "python3").write_text("")
+    return folder
+
+
+@pytest.mark.parametrize("which", ["/", "holds", "link"])
+def test_an_image_folder_holding_the_key_folder_is_refused(state: Path, tmp_path: Path, which: str) -> None:
+    """Third audit: a Smolfile's ``image = "/"`` (someone else's Smolfile) gave a smol VM the
+    host's whole root as its disk, the key with it, where the same folder as a read-only volume
+    was refused. Refused in one line at parse, and where smol is handed the path."""
+    from smolbench.backends import smol_image
+
+    (tmp_path / "proj").mkdir()
+    home = _rootfs(tmp_path / "home")
+    image = {"/": "/", "holds": str(home), "link": "./root-link"}[which]
+    if which == "link":
+        (tmp_path / "proj" / "root-link").symlink_to(home)
+    if which == "/" and not (Path("/usr/bin/python3")).exists():
+        pytest.skip("this host's / has no usr/bin/python3 (the image check that comes first)")
+    with pytest.raises(SmolfileError) as got:
+        parse_smolfile(f'image = "{image}"\n', base_dir=str(tmp_path / "proj"))
+    said = str(got.value)
+    assert said.startswith("Smolfile line 1: 'image': refusing the image folder ") and KEY in said, said
+    assert "\n" not in said
+    with pytest.raises(SmolbenchError, match="refusing the image folder"):
+        smol_image.smol_image(str(home))
+    other = _rootfs(tmp_path / "elsewhere")
+    assert parse_smolfile(f'image = "{other}"\n', base_dir=str(tmp_path / "proj")).image == str(other)  # the control
+
+
+def test_the_sandbox_never_binds_an_image_folder_holding_the_key_folder(state: Path, tmp_path: Path) -> None:
+    """The same at the sandbox's bind (its real path then: the Smolfile's folder may have become
+    a link to one above the key since it was parsed)."""
+    home = _rootfs(tmp_path / "home")
+    with pytest.raises(SmolbenchError, match="refusing the image folder"):
+        _bwrap.plan(MachineSpec(), "m", "bwrap", home).close()
+    _bwrap.plan(MachineSpec(), "m", "bwrap", _rootfs(tmp_path / "elsewhere")).close()

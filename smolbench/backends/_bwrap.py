@@ -208,6 +208,7 @@ def _fill(p: Plan, spec: MachineSpec, name: str, rootfs: Path | None, agent_args
     else:
         python = "/usr/bin/python3"
         p.source(rootfs)
+        signing.check_image(os.path.realpath(rootfs))  # every entry of it is bound: never one holding the key
         for entry in sorted(os.listdir(rootfs)):
             if entry not in SPECIAL_DIRS:
                 _bind_image_entry(p, rootfs, entry)

@@ -13,6 +13,7 @@ import re
 import tarfile
 from pathlib import Path
 
+from .. import signing
 from .._pkgtrust import open_root, untrusted
 from ..errors import SmolbenchError
 from ..images import PATH_IMAGE, has_python, is_path_image, is_valid_image_name, open_image
@@ -76,6 +77,7 @@ def _local(path: Path) -> str:
                 f"or use an image with python3 like {DEFAULT_IMAGE!r}"
             )
         os.close(open_root(path, what=PATH_IMAGE))
+        signing.check_image(path)  # the real path smol reads (a link may name another folder by now)
         return str(path)
     if path.is_file():
         os.close(open_root(path.parent, what=f"folder of the image {path.name}"))
