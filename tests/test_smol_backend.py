@@ -117,6 +117,12 @@ def test_create_boots_a_branchable_machine_and_uploads_the_agent(host: FakeHost)
         (MachineSpec(net=True, allow_cidrs=("10.0.0.0/8",)), None, None, ["10.0.0.0/8"]),  # no address of this host in it
         (MachineSpec(allow_cidrs=("127.0.0.2/32:8080", "127.0.0.2/32:8081")), None, None, ["127.0.0.2/32"]),
         (MachineSpec(allow_cidrs=("127.0.0.0/8",)), False, None, None),  # a range less this host: nothing left, no network
+        # Third audit: a host listed as an address went to smol as a name, whole: this host's
+        # loopback in any spelling is cut as from a range; an address with its port stays (the rule)
+        (MachineSpec(allow_hosts=("127.0.0.1",)), False, None, None),
+        (MachineSpec(allow_hosts=("2130706433", "0x7f.1", "pypi.org")), None, ["pypi.org"], None),
+        (MachineSpec(allow_hosts=("127.0.0.2:8080",)), None, None, ["127.0.0.2/32"]),
+        (MachineSpec(allow_hosts=("8.8.8.8",)), None, None, ["8.8.8.8/32"]),
     ],
 )
 def test_network_follows_the_spec(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import os
 import re
@@ -48,7 +49,15 @@ from ..errors import BackendUnavailable, InfraError, SmolbenchError
 from ..gate.limits import LIMITS, human
 from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
-from ..netpolicy import internet_cidrs, own_addresses, sdk_cidrs
+from ..netpolicy import (
+    CidrRule,
+    IPAddress,
+    NetPolicy,
+    internet_cidrs,
+    literal,
+    own_addresses,
+    sdk_cidrs,
+)
 from ..packages import Installed
 from ..packages import install as install_packages
 from ..spec import MachineSpec
@@ -96,14 +105,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "m"
 
 
-def _allow_hosts(hosts: Iterable[str]) -> list[str]:
-    """Smolfile hosts as smol wants them: names only (smol scopes by name, not port)."""
-    out: list[str] = []
-    for host in hosts:
-        name = re.sub(r":\d+$", "", host.strip())
-        if name and name not in out:
-            out.append(name)
-    return out
+def _sdk_allow(policy: NetPolicy, own: frozenset[IPAddress]) -> tuple[list[str], list[str]]:
+    """An allow-list as smol takes it: ``allow_hosts`` names (smol scopes by name, not port), and
+    ``allow_cidrs`` ranges less this host (``sdk_cidrs``). A host listed as an address (any
+    spelling) goes with the ranges, under the one rule: as a name it went to smol whole, and
+    ``allow_hosts = ["127.0.0.1"]`` opened this host to the VM (third audit)."""
+    names: list[str] = []
+    cidrs = list(policy.cidrs)
+    for rule in policy.hosts:
+        addr = literal(rule.name)
+        if addr is None:
+            if rule.name not in names:
+                names.append(rule.name)
+        else:
+            cidrs.append(CidrRule(ipaddress.ip_network(addr), rule.port))
+    return names, sdk_cidrs(cidrs, own)
 
 
 async def _capped(chunks: AsyncIterator[bytes], cap: int, what: str) -> AsyncIterator[bytes]:
@@ -223,9 +239,8 @@ class SmolBackend(SmolCheckpoints, Backend):
                 "remove them, or use Session(target='local')",
             )
         policy = spec.policy
-        allowed_hosts = _allow_hosts(spec.allow_hosts) if policy.mode == "allow" else []
-        allowed_cidrs = (sdk_cidrs(policy.cidrs, own_addresses() if self.target == "local" else frozenset())
-                         if policy.mode == "allow" else [])
+        allowed_hosts, allowed_cidrs = (_sdk_allow(policy, own_addresses() if self.target == "local" else frozenset())
+                                        if policy.mode == "allow" else ([], []))
         if allowed_hosts or allowed_cidrs:  # allow-lists enable networking, scoped to them
             resources = ResourceSpec(
                 cpus=spec.cpus,
