@@ -7,7 +7,9 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   autotuning up to megabytes). A side that doesn't read stops the proxy reading the other
   (backpressure), so a machine that sends to a far end that never reads fills nothing more;
 * per tree (a root machine and all its branches, counted together: a fork multiplies
-  nothing) at most ``TREE_CONNECTIONS`` connections, ``TREE_HEADS`` request heads being read
+  nothing) at most ``TREE_CONNECTIONS`` connections, and each machine of it at most
+  ``MACHINE_CONNECTIONS`` (half the tree's: one branch that holds all it may still leaves
+  its parent and siblings half the tree's), ``TREE_HEADS`` request heads being read
   (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
   their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
   ``KERNEL_CONNECTIONS`` connections;
@@ -28,6 +30,7 @@ from typing import Any
 BUFFER = 16 * 1024  # per connection and direction: the reader's limit (it pauses at 2x) and the writer's high water
 SOCK_BUFFER = 16 * 1024  # SO_RCVBUF / SO_SNDBUF of the proxy's sockets (the kernel doubles it)
 TREE_CONNECTIONS = 64
+MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or a branch): never the whole tree's
 KERNEL_CONNECTIONS = 256
 TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
@@ -110,8 +113,10 @@ class Budget:
     def connections(self) -> int:
         return sum(len(t.conns) for t in self.trees.values())
 
-    def full(self, tree: Tree) -> str | None:
-        """Why one more connection of ``tree`` can't be taken (None: it can)."""
+    def full(self, tree: Tree, node: Any = None) -> str | None:
+        """Why one more connection of ``tree`` (from machine ``node``) can't be taken (None: it can)."""
+        if node is not None and sum(1 for c in tree.conns if c.node is node) >= MACHINE_CONNECTIONS:
+            return f"this machine has {MACHINE_CONNECTIONS} connections open (the most one machine of its tree may)"
         if len(tree.conns) >= TREE_CONNECTIONS:
             return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
         if self.connections() >= KERNEL_CONNECTIONS:

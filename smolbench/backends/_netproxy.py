@@ -59,6 +59,7 @@ from ._netns import _bind_in, _collect, _refused_in
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
+IDLE_TIMEOUT = 600.0  # seconds a relayed connection may carry no byte either way before it is closed
 CONNECT_TIMEOUT = 30.0
 SAID_PER_NODE = 20  # distinct failure lines shown for one machine
 REPLY_WAIT = 60.0  # seconds the kernel waits for the proxy's reply to one request
@@ -320,8 +321,8 @@ class Proxy:
             node.servers.append(await asyncio.start_server(handler, sock=sock, limit=_netbudget.BUFFER))
 
     def _spawn(self, node: Node, handler: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        full = self.budget.full(node.tree)
-        if full is not None:  # over the tree's or the kernel's cap: dropped at once, counted
+        full = self.budget.full(node.tree, node)
+        if full is not None:  # over the machine's, the tree's or the kernel's cap: dropped at once, counted
             self.fail(node, "a new connection", full)
             writer.transport.abort()
             return
@@ -534,14 +535,17 @@ def _bad_gateway(line: str) -> bytes:
             f"Connection: close\r\n\r\n{line}\n").encode("ascii", "replace")
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, seen: list[float] | None = None) -> None:
     """One direction, with backpressure: nothing more is read from ``src`` while ``dst``'s
-    buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls."""
+    buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls.
+    ``seen[0]``: when a byte last moved (either way, shared by both directions)."""
     try:
         while True:
             data = await src.read(_netbudget.BUFFER)
             if not data:
                 break
+            if seen is not None:
+                seen[0] = time.monotonic()
             dst.write(data)
             await dst.drain()
         if dst.can_write_eof():
@@ -552,11 +556,21 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
     """Both ways until the far end is done; then the machine's side gets a few seconds to
-    finish (an idle client that never closes must not hold a connection slot forever)."""
-    to_far = asyncio.ensure_future(_pipe(r1, w2))
-    to_machine = asyncio.ensure_future(_pipe(r2, w1))
+    finish (an idle client that never closes must not hold a connection slot forever). A
+    connection that moves no byte either way for IDLE_TIMEOUT seconds is closed: tunnels held
+    open and silent kept their tree's connections forever (eighth audit)."""
+    seen = [time.monotonic()]
+    to_far = asyncio.ensure_future(_pipe(r1, w2, seen))
+    to_machine = asyncio.ensure_future(_pipe(r2, w1, seen))
     try:
-        await to_machine
+        while not to_machine.done():
+            left = seen[0] + IDLE_TIMEOUT - time.monotonic()
+            if left <= 0:  # idle both ways: let both sides go at once
+                w1.transport.abort()
+                w2.transport.abort()
+                return
+            await asyncio.wait([to_machine], timeout=left)
+        to_machine.result()  # a failure of ours is raised here, as before
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(to_far), LINGER)
     finally:
