@@ -134,3 +134,47 @@ def test_an_idle_tunnel_is_closed_and_gives_its_connection_back(sink: int, monke
             await proxy.detach("root.0")
 
     asyncio.run(main())
+
+
+def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
+        sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit's t3: 8 threads of a branch sent refused CONNECTs as fast as they could, each
+    accepted, parsed and answered 403 on the proxy's one loop. Now a tree's bucket (here 10 at
+    once, refilled at a rate no test outlasts) lets the proxy take 10; the other 40 wait
+    unaccepted, never parsed. Another tree's machine still connects at once."""
+    monkeypatch.setattr(_netbudget, "TREE_BURST", 10, raising=False)
+    monkeypatch.setattr(_netbudget, "TREE_RATE", 1e-6, raising=False)
+
+    async def ask(port: int) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            w.write(b"CONNECT 10.1.2.3:443 HTTP/1.1\r\n\r\n")
+            return await r.read()
+        finally:
+            w.transport.abort()
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        flooder = await _machine(proxy, "root.0", "root")
+        other = await _machine(proxy, "other", "other")
+        asks = [asyncio.ensure_future(ask(flooder)) for _ in range(50)]
+        try:
+            pending: set[asyncio.Future[bytes]] = set(asks)
+            while len(asks) - len(pending) < 10:  # the allowance, answered
+                _, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(pending, timeout=3)  # a moment for more (the old proxy answered all 50)
+            answered = [t.result() for t in asks if t.done()]
+            assert len(answered) == 10 and all(a.startswith(b"HTTP/1.1 403") for a in answered), len(answered)
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root.0"]["refused"] == stats["root.0"]["accepted"] == 10, stats["root.0"]
+            _, w, answer = await _tunnel(other, f"{FAR}:{sink}")  # another tree: its own allowance
+            assert _ok(answer), answer
+            w.transport.abort()
+        finally:
+            for t in asks:
+                t.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+            for n in ("root.0", "other"):
+                await proxy.detach(n)
+
+    asyncio.run(main())

@@ -13,6 +13,11 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
   their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
   ``KERNEL_CONNECTIONS`` connections;
+* per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
+  ``TREE_BURST`` (a token bucket, ``Bucket``): past it a connection waits unaccepted in its
+  machine's listen backlog, so a flood of requests costs the proxy (which no machine's cgroup
+  counts) nothing more than the allowance (eighth audit: refused CONNECTs by the thousand, each
+  accepted, parsed and answered on the proxy's one loop);
 * name lookups run on the proxy's own threads, ``TREE_LOOKUPS`` of each tree's own (made at
   its first lookup, ended with its last machine): names that resolve slowly stall only their
   own tree's lookups, never another machine's, however many trees do it at once.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +40,8 @@ MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or 
 KERNEL_CONNECTIONS = 256
 TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
+TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
+TREE_BURST = 128  # and at once, after a quiet while (the bucket's size)
 TREE_LOOKUPS = 4
 RESOLVE_TIMEOUT = 15.0
 # both directions, each: the reader (2x its limit, plus one receive of at most the socket's
@@ -61,6 +69,25 @@ class Conn:
 
 
 @dataclass(eq=False)
+class Bucket:
+    """A tree's allowance of new connections: TREE_BURST at once, refilled at TREE_RATE a second
+    (both read when used: tests lower them)."""
+
+    tokens: float = field(default_factory=lambda: float(TREE_BURST))
+    at: float = field(default_factory=time.monotonic)
+
+    def wait(self) -> float:
+        """Seconds until a connection may be accepted (0: now)."""
+        now = time.monotonic()
+        self.tokens = min(float(TREE_BURST), self.tokens + (now - self.at) * TREE_RATE)
+        self.at = now
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / TREE_RATE
+
+    def take(self) -> None:
+        self.tokens -= 1  # a listener that was waiting too may take one more: never more than one each
+
+
+@dataclass(eq=False)
 class Tree:
     """A root machine and its branches: what they hold in the proxy together."""
 
@@ -69,6 +96,7 @@ class Tree:
     heads: int = 0
     head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
+    bucket: Bucket = field(default_factory=Bucket)
     # its own lookup threads: a shared pool let 8 trees' hanging lookups (4 each) stall every other tree's
     executor: concurrent.futures.ThreadPoolExecutor | None = None
 

@@ -228,8 +228,9 @@ class Node:
     policy: NetPolicy
     tree: _netbudget.Tree
     pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
-    servers: list[asyncio.AbstractServer] = field(default_factory=list)
+    listeners: list[tuple[asyncio.Task[None], socket.socket]] = field(default_factory=list)  # accept loops
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    accepted: int = 0  # connections taken from its listeners (each within its tree's bucket)
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
@@ -239,7 +240,7 @@ class Node:
 
     def stats(self) -> dict[str, Any]:
         mine = [c for c in self.tree.conns if c.node is self]
-        return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused,
+        return {"accepted": self.accepted, "allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused,
                 "failed": self.failed, "last_failed": self.last_failed, "tree": self.tree.name,
                 "open": len(mine), "buffered": sum(c.buffered() for c in mine),
                 "heads": sum(1 for c in mine if c.in_head)}
@@ -306,19 +307,48 @@ class Proxy:
         self.nodes[name] = node
         for sock in socks:  # accepted sockets inherit the listener's small, fixed buffers
             _netbudget.bounded(sock)
-        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied, r, w),
-                                                       sock=socks[0], limit=_netbudget.BUFFER))
+        self._listen(node, socks[0], lambda r, w: self._spawn(node, self.proxied, r, w))
         for sock, (host, port) in zip(socks[1:], addrs[1:]):
             if (host, port) == addrs[1] and port == _netredirect.RELAY_PORT:
-                node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.redirected, r, w),
-                                                               sock=sock, limit=_netbudget.BUFFER))
+                self._listen(node, sock, lambda r, w: self._spawn(node, self.redirected, r, w))
                 continue
             target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
                 self._spawn(node, lambda c, n, r2, w2: self.forwarded(c, n, t, p, r2, w2), r, w)
 
-            node.servers.append(await asyncio.start_server(handler, sock=sock, limit=_netbudget.BUFFER))
+            self._listen(node, sock, handler)
+
+    def _listen(self, node: Node, sock: socket.socket,
+                take: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]) -> None:
+        node.listeners.append((asyncio.ensure_future(self._accept(node, sock, take)), sock))
+
+    async def _accept(self, node: Node, sock: socket.socket,
+                      take: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]) -> None:
+        """One listener's accept loop. A connection is accepted only when the machine's tree has
+        a token (``_netbudget.Bucket``): past the tree's rate it waits in the listen backlog, in
+        the machine's namespace, unaccepted and unread (a flood of refused requests was each
+        accepted, parsed and answered on this one loop, which no machine's cgroup counts)."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        bucket = node.tree.bucket
+        while True:
+            while (wait := bucket.wait()) > 0:
+                await asyncio.sleep(wait)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors, or a connection gone before its accept
+                self.fail(node, "a new connection", f"accept: {exc.strerror or exc}")
+                await asyncio.sleep(0.1)
+                continue
+            bucket.take()
+            node.accepted += 1
+            try:
+                reader, writer = await asyncio.open_connection(sock=conn, limit=_netbudget.BUFFER)
+            except OSError:
+                conn.close()
+                continue
+            take(reader, writer)
 
     def _spawn(self, node: Node, handler: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         full = self.budget.full(node.tree, node)
@@ -359,8 +389,11 @@ class Proxy:
         node = self.nodes.pop(name, None)
         if node is None:
             return
-        for server in node.servers:
-            server.close()
+        for task, _ in node.listeners:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
+        for _, sock in node.listeners:
+            sock.close()
         for task in list(node.tasks):
             task.cancel()
         if node.tasks:
