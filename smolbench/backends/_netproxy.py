@@ -47,6 +47,7 @@ from ..gate import netreq
 from ..netpolicy import (
     IPAddress,
     NetPolicy,
+    Own,
     literal,
     own_addresses,
     stand_in_internet,
@@ -257,9 +258,9 @@ class Proxy:
         self.internet = stand_in_internet()
         self.resolve_map = stand_in_resolve()
         self.budget = budget or _netbudget.Budget()
-        self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
+        self._own: tuple[float, Own] = (0.0, frozenset())
 
-    def own(self) -> frozenset[IPAddress]:
+    def own(self) -> Own:
         if time.monotonic() - self._own[0] > 2.0:
             self._own = (time.monotonic(), own_addresses() | self.host_only)
         return self._own[1]

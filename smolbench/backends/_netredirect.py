@@ -26,7 +26,7 @@ import socket
 import struct
 import subprocess
 
-from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, host_only_networks, literal
+from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, Own, host_only_networks, literal
 
 RELAY_PORT = 3129
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -60,7 +60,7 @@ def networks(policy: NetPolicy) -> list[IPNetwork] | None:
     return nets + [ipaddress.ip_network(a) for a in addrs if a is not None and a.version == 4]
 
 
-def refusals(policy: NetPolicy, own: frozenset[IPAddress] = frozenset(),
+def refusals(policy: NetPolicy, own: Own = frozenset(),
              internet: tuple[IPNetwork, ...] = ()) -> list[str]:
     """Rules refusing at once the redirected TCP the host side would refuse by address and port
     alone (``NetPolicy.admits`` for a literal address), from the same rule: for ``on``, private
