@@ -68,3 +68,20 @@ def test_every_local_route_is_this_host(tmp_path: Path) -> None:
     assert got == {"host_only": [True, True, True], "on_admits": [False, False, False],
                    "range_admits": [False, False, False], "nft_refuses": True, "networks": True,
                    "elsewhere": False}, got
+
+
+@pytest.mark.parametrize("tool", ["ip", "nft"])
+def test_the_sandbox_s_network_tools_are_never_taken_from_path(tool: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eighth audit: ``nft`` and ``ip`` (run with CAP_NET_ADMIN in a machine's namespaces) were
+    looked up on the kernel's PATH before the system folders. A folder first on PATH holding a
+    fake one is now never used: only /usr/sbin, /sbin, /usr/bin and /bin are searched."""
+    from smolbench.backends import _netredirect
+
+    fake = tmp_path / tool
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    where = _netredirect.found(tool)
+    assert where != str(fake)
+    assert where is None or os.path.dirname(where) in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"), where

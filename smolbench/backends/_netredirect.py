@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
-import os
 import re
 import resource
 import shutil
@@ -125,8 +124,10 @@ TOOLS = {"nft": "nftables", "ip": "iproute2"}  # what the rule and the routes ar
 
 
 def found(name: str, search: str | None = None) -> str | None:
-    """Where tool ``name`` is: on ``search`` (default: PATH, then the sbin folders), else None."""
-    return shutil.which(name, path=os.environ.get("PATH", "") + ":" + SBIN if search is None else search)
+    """Where tool ``name`` is: on ``search`` (default: the system folders ``SBIN`` only, never
+    PATH: a folder of the kernel's PATH, such as a user's or a virtualenv's, could hold an ``ip``
+    or ``nft`` that would then run with CAP_NET_ADMIN in a machine's namespaces), else None."""
+    return shutil.which(name, path=SBIN if search is None else search)
 
 
 def _tool(name: str) -> str:
