@@ -5,8 +5,9 @@
   machine has at most ``MACHINE_CONNECTIONS`` (half the tree's) and a tunnel that moves no
   byte either way for ``IDLE_TIMEOUT`` seconds is closed.
 * A flood of refused requests cost the proxy CPU that no machine's cgroup counts. Now a tree's
-  new connections are accepted at most ``TREE_RATE`` a second (a burst of ``TREE_BURST``):
-  past that they wait in the machine's listen backlog, unaccepted and unread.
+  new connections are accepted at most ``TREE_RATE`` a second (a burst of ``TREE_BURST``),
+  one machine's at most half that: past it they wait in the machine's listen backlog,
+  unaccepted and unread.
 
 The proxy's host side runs here on real sockets, as in ``test_net_proxy_bounds.py``: a
 machine's listener is one on this host's loopback, the far end a listener on ``127.0.0.17``
@@ -139,10 +140,11 @@ def test_an_idle_tunnel_is_closed_and_gives_its_connection_back(sink: int, monke
 def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
         sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit's t3: 8 threads of a branch sent refused CONNECTs as fast as they could, each
-    accepted, parsed and answered 403 on the proxy's one loop. Now a tree's bucket (here 10 at
-    once, refilled at a rate no test outlasts) lets the proxy take 10; the other 40 wait
-    unaccepted, never parsed. Another tree's machine still connects at once."""
-    monkeypatch.setattr(_netbudget, "TREE_BURST", 10, raising=False)
+    accepted, parsed and answered 403 on the proxy's one loop. Now a tree's bucket (here 20 at
+    once, refilled at a rate no test outlasts), half of it the machine's own, lets the proxy
+    take 10; the other 40 wait unaccepted, never parsed. Its sibling still connects (the other
+    half), and so does another tree's machine."""
+    monkeypatch.setattr(_netbudget, "TREE_BURST", 20, raising=False)
     monkeypatch.setattr(_netbudget, "TREE_RATE", 1e-6, raising=False)
 
     async def ask(port: int) -> bytes:
@@ -156,6 +158,7 @@ def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
     async def main() -> None:
         proxy = _netproxy.Proxy()
         flooder = await _machine(proxy, "root.0", "root")
+        sibling = await _machine(proxy, "root.1", "root")
         other = await _machine(proxy, "other", "other")
         asks = [asyncio.ensure_future(ask(flooder)) for _ in range(50)]
         try:
@@ -167,14 +170,15 @@ def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
             assert len(answered) == 10 and all(a.startswith(b"HTTP/1.1 403") for a in answered), len(answered)
             stats = (await proxy.handle({"op": "stats"}))["nodes"]
             assert stats["root.0"]["refused"] == stats["root.0"]["accepted"] == 10, stats["root.0"]
-            _, w, answer = await _tunnel(other, f"{FAR}:{sink}")  # another tree: its own allowance
-            assert _ok(answer), answer
-            w.transport.abort()
+            for port in (sibling, other):  # its sibling: the tree's other half; another tree: its own
+                _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+                assert _ok(answer), answer
+                w.transport.abort()
         finally:
             for t in asks:
                 t.cancel()
             await asyncio.gather(*asks, return_exceptions=True)
-            for n in ("root.0", "other"):
+            for n in ("root.0", "root.1", "other"):
                 await proxy.detach(n)
 
     asyncio.run(main())

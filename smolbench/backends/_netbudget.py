@@ -14,7 +14,8 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
   ``KERNEL_CONNECTIONS`` connections;
 * per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
-  ``TREE_BURST`` (a token bucket, ``Bucket``): past it a connection waits unaccepted in its
+  ``TREE_BURST`` (a token bucket, ``Bucket``), and per machine half that (so one machine's
+  flood never takes its siblings' allowance): past it a connection waits unaccepted in its
   machine's listen backlog, so a flood of requests costs the proxy (which no machine's cgroup
   counts) nothing more than the allowance (eighth audit: refused CONNECTs by the thousand, each
   accepted, parsed and answered on the proxy's one loop);
@@ -70,18 +71,22 @@ class Conn:
 
 @dataclass(eq=False)
 class Bucket:
-    """A tree's allowance of new connections: TREE_BURST at once, refilled at TREE_RATE a second
-    (both read when used: tests lower them)."""
+    """An allowance of new connections: TREE_BURST at once, refilled at TREE_RATE a second, for
+    a tree; a ``share`` of that (half, for one machine of it). Both read when used: tests lower them."""
 
-    tokens: float = field(default_factory=lambda: float(TREE_BURST))
+    share: int = 1
+    tokens: float = 0.0
     at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = TREE_BURST / self.share  # full, at first
 
     def wait(self) -> float:
         """Seconds until a connection may be accepted (0: now)."""
-        now = time.monotonic()
-        self.tokens = min(float(TREE_BURST), self.tokens + (now - self.at) * TREE_RATE)
+        now, size, rate = time.monotonic(), TREE_BURST / self.share, TREE_RATE / self.share
+        self.tokens = min(size, self.tokens + (now - self.at) * rate)
         self.at = now
-        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / TREE_RATE
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / rate
 
     def take(self) -> None:
         self.tokens -= 1  # a listener that was waiting too may take one more: never more than one each

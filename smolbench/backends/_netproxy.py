@@ -231,7 +231,8 @@ class Node:
     pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
     listeners: list[tuple[asyncio.Task[None], socket.socket]] = field(default_factory=list)  # accept loops
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    accepted: int = 0  # connections taken from its listeners (each within its tree's bucket)
+    accepted: int = 0  # connections taken from its listeners (each within its own and its tree's bucket)
+    bucket: _netbudget.Bucket = field(default_factory=lambda: _netbudget.Bucket(share=2))
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
@@ -329,12 +330,14 @@ class Proxy:
         """One listener's accept loop. A connection is accepted only when the machine's tree has
         a token (``_netbudget.Bucket``): past the tree's rate it waits in the listen backlog, in
         the machine's namespace, unaccepted and unread (a flood of refused requests was each
-        accepted, parsed and answered on this one loop, which no machine's cgroup counts)."""
+        accepted, parsed and answered on this one loop, which no machine's cgroup counts). The
+        machine has a bucket of its own, half its tree's: one machine's flood never takes all
+        of its siblings' allowance."""
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
-        bucket = node.tree.bucket
+        buckets = (node.bucket, node.tree.bucket)
         while True:
-            while (wait := bucket.wait()) > 0:
+            while (wait := max(b.wait() for b in buckets)) > 0:
                 await asyncio.sleep(wait)
             try:
                 conn, _ = await loop.sock_accept(sock)
@@ -342,7 +345,8 @@ class Proxy:
                 self.fail(node, "a new connection", f"accept: {exc.strerror or exc}")
                 await asyncio.sleep(0.1)
                 continue
-            bucket.take()
+            for b in buckets:
+                b.take()
             node.accepted += 1
             try:
                 reader, writer = await asyncio.open_connection(sock=conn, limit=_netbudget.BUFFER)
