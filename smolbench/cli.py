@@ -150,7 +150,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 def net_tools(search: str | None = None) -> list[str]:
     """The doctor's lines on ``nft`` and ``ip``, looked for as the sandbox looks (``search``:
-    instead of PATH and the sbin folders): its network policy lets raw TCP out with them."""
+    instead of the system folders): its network policy lets raw TCP out with them."""
     from .backends._netredirect import TOOLS, found
 
     lines = [f"{name}: {found(name, search) or 'missing'}" for name in TOOLS]

@@ -33,6 +33,9 @@ from typing import Any
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+# this host: its addresses, and the networks of its `local` routes of any prefix (AnyIP: a
+# `local 203.0.113.0/24` route makes the host answer on every address of it), see own_addresses
+Own = frozenset[IPAddress | IPNetwork]
 
 TEST_INTERNET_VAR = "SMOLBENCH_TEST_INTERNET"
 TEST_RESOLVE_VAR = "SMOLBENCH_TEST_RESOLVE"
@@ -294,7 +297,7 @@ class NetPolicy:
         out |= {(a, h.port) for h in self.hosts if (a := literal(h.name)) is not None and h.port is not None}
         return frozenset(out)
 
-    def listed_address(self, addr: IPAddress, port: int, own: frozenset[IPAddress] = frozenset()) -> bool:
+    def listed_address(self, addr: IPAddress, port: int, own: Own = frozenset()) -> bool:
         """Does a rule list ``addr:port``? A host-only address only by being listed singly."""
         addr = canonical(addr)
         if is_host_only(addr, own):
@@ -302,7 +305,7 @@ class NetPolicy:
         return any(addr.version == r.network.version and addr in r.network and r.port in (None, port)
                    for r in self.cidrs)
 
-    def admits(self, name: str, port: int, addr: IPAddress, own: frozenset[IPAddress],
+    def admits(self, name: str, port: int, addr: IPAddress, own: Own,
                internet: tuple[IPNetwork, ...] = ()) -> bool:
         """May a connection asked for as ``name:port``, resolved to ``addr``, go there?"""
         addr = canonical(addr)
@@ -329,7 +332,7 @@ class NetPolicy:
         return rule.port is not None or not private(addr)
 
     def private_refusal(self, name: str, port: int, addr: IPAddress,
-                        own: frozenset[IPAddress] = frozenset()) -> str | None:
+                        own: Own = frozenset()) -> str | None:
         """Why ``name:port`` (listed without a port) was refused at ``addr``, a private address
         (not this host's); None when that is not why."""
         rule = self.listed_host(name, port)
@@ -423,8 +426,9 @@ def ipv6_spellings(net: ipaddress.IPv4Network) -> list[ipaddress.IPv6Network]:
             ipaddress.IPv6Network((int(SIX_TO_FOUR.network_address) | v4 << 80, 16 + plen))]
 
 
-def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bool:
-    """Is ``addr`` this host (``HOST_ONLY`` or one of its own addresses), whatever a range says?"""
+def is_host_only(addr: IPAddress, own: Own = frozenset()) -> bool:
+    """Is ``addr`` this host (``HOST_ONLY``, one of its own addresses or in one of its ``local``
+    routes' networks), whatever a range says?"""
     addr = canonical(addr)
     if addr in own or addr in canonical_set(own):
         return True
@@ -434,19 +438,30 @@ def is_host_only(addr: IPAddress, own: frozenset[IPAddress] = frozenset()) -> bo
         return True
     if within(addr, stand_in_far()):
         return False
-    return within(addr, HOST_ONLY)
+    return within(addr, HOST_ONLY) or within(addr, own_networks(own))
 
 
-def canonical_set(addrs: frozenset[IPAddress]) -> frozenset[IPAddress]:
-    return frozenset(canonical(a) for a in addrs)
+def _network(item: IPAddress | IPNetwork) -> IPNetwork | None:
+    return item if isinstance(item, (ipaddress.IPv4Network, ipaddress.IPv6Network)) else None
 
 
-def host_only_networks(own: frozenset[IPAddress], version: int = 4) -> list[IPNetwork]:
+def own_networks(own: Own) -> tuple[IPNetwork, ...]:
+    """The networks (local routes wider than one address) in ``own``."""
+    return tuple(n for a in own if (n := _network(a)) is not None)
+
+
+def canonical_set(addrs: Own) -> Own:
+    return frozenset(a if _network(a) is not None else canonical(a) for a in addrs)  # type: ignore[arg-type]
+
+
+def host_only_networks(own: Own, version: int = 4) -> list[IPNetwork]:
     """The host-only networks of one IP version (``is_host_only`` as networks, for nftables),
     the test-only far stand-ins cut out."""
-    nets: list[IPNetwork] = [ipaddress.ip_network(a) for a in canonical_set(own) if a.version == version]
+    nets: list[IPNetwork] = [ipaddress.ip_network(a) for a in canonical_set(own)
+                             if a.version == version and _network(a) is None]
     if "net-hostonly" not in TEST_WEAKEN:
-        nets += _minus([n for n in HOST_ONLY if n.version == version], [n for n in stand_in_far() if n.version == version])
+        wide = [n for n in HOST_ONLY if n.version == version] + [n for n in own_networks(own) if n.version == version]
+        nets += _minus(wide, [n for n in stand_in_far() if n.version == version])
         if version == 6:  # the NAT64 and 6to4 spellings of the IPv4 ones
             nets += [s for n in host_only_networks(own, 4) if isinstance(n, ipaddress.IPv4Network)
                      for s in ipv6_spellings(n)]
@@ -509,18 +524,39 @@ def stand_in_resolve() -> dict[str, str]:
     return {k.strip().lower(): v.strip() for k, v in pairs}
 
 
-def own_addresses() -> frozenset[IPAddress]:
-    """This host's own addresses (its interfaces'), from /proc: what `on` never reaches."""
-    found: set[IPAddress] = set()
+RTF_LOCAL = 0x80000000  # /proc/net/ipv6_route's flags: a route to this host
+RTF_ANYCAST = 0x00100000  # and to one of its anycast addresses (a router's subnet-router anycast)
+
+
+def own_addresses() -> Own:
+    """This host, from /proc: what `on` never reaches. Its interfaces' addresses and every
+    ``local`` route of any prefix, IPv4 (the ``LOCAL`` entries of ``/proc/net/fib_trie``) and
+    IPv6 (``RTF_LOCAL`` and ``RTF_ANYCAST`` routes of ``/proc/net/ipv6_route``, every table):
+    a route ``local 203.0.113.0/24 dev lo`` (AnyIP) makes the host answer on all 256 addresses.
+    A route of one address is that address; a wider one is its network."""
+    found: set[IPAddress | IPNetwork] = set()
+
+    def add(addr: str, prefix: int) -> None:
+        net = ipaddress.ip_network(f"{addr}/{prefix}", strict=False)
+        found.add(net.network_address if net.num_addresses == 1 else net)
+
     try:
         with open("/proc/net/fib_trie") as fh:
             last = None
             for line in fh:
                 words = line.split()
-                if len(words) >= 2 and words[0] in ("|--", "+--"):
+                if len(words) >= 2 and words[0] == "|--":
                     last = words[1]
-                elif "/32 host LOCAL" in line and last:
-                    found.add(ipaddress.ip_address(last))
+                elif last and len(words) >= 3 and words[0].startswith("/") and words[2] == "LOCAL":
+                    add(last, int(words[0][1:]))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/net/ipv6_route") as fh:
+            for line in fh:
+                words = line.split()
+                if len(words) >= 9 and int(words[8], 16) & (RTF_LOCAL | RTF_ANYCAST):
+                    add(":".join(words[0][i:i + 4] for i in range(0, 32, 4)), int(words[1], 16))
     except (OSError, ValueError):
         pass
     try:
@@ -533,7 +569,7 @@ def own_addresses() -> frozenset[IPAddress]:
     return frozenset(found)
 
 
-def sdk_cidrs(rules: Iterable[CidrRule], own: frozenset[IPAddress] = frozenset()) -> list[str]:
+def sdk_cidrs(rules: Iterable[CidrRule], own: Own = frozenset()) -> list[str]:
     """An allow-list as CIDRs for the smol SDK (which scopes by CIDR, without ports): each range
     less this host (``host_only_networks``, IPv4-mapped and -compatible spellings included), so a
     microVM's ``0.0.0.0/0`` or ``127.0.0.0/8`` reaches the host no more than a sandbox's does.
@@ -552,7 +588,7 @@ def sdk_cidrs(rules: Iterable[CidrRule], own: frozenset[IPAddress] = frozenset()
     return list(dict.fromkeys(out))
 
 
-def internet_cidrs(own: frozenset[IPAddress] = frozenset()) -> list[str]:
+def internet_cidrs(own: Own = frozenset()) -> list[str]:
     """`on` as CIDRs (for the smol SDK, which scopes by CIDR): the IPv4 space minus INTERNAL
     and this host's addresses, plus global IPv6 unicast minus what INTERNAL holds of it."""
     out: list[str] = []
@@ -561,8 +597,8 @@ def internet_cidrs(own: frozenset[IPAddress] = frozenset()) -> list[str]:
         minus += [ipaddress.ip_network(a) for a in own if a.version == version]
         if version == 6:  # the 6to4 (and NAT64) spellings of the IPv4 ones, as `internal` reads them
             minus += [s for n in INTERNAL if isinstance(n, ipaddress.IPv4Network) for s in ipv6_spellings(n)]
-            minus += [s for a in own if isinstance(a, ipaddress.IPv4Address)
-                      for s in ipv6_spellings(ipaddress.IPv4Network(a))]
+            minus += [s for a in own if a.version == 4
+                      for s in ipv6_spellings(ipaddress.IPv4Network(ipaddress.ip_network(a)))]
         nets = _minus([ipaddress.ip_network(whole)], minus)
         out += [str(n) for n in ipaddress.collapse_addresses(nets)]  # type: ignore[type-var]
     return out

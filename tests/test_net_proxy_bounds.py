@@ -132,11 +132,13 @@ async def _settle(proxy: _netproxy.Proxy) -> dict[str, Any]:
 def test_tunnels_to_a_far_end_that_never_reads_hold_bounded_memory(
         capped: bool, sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit's 256 tunnels to a listed host that never reads: +278 MiB of proxy RSS and
-    ~2 GiB of host memory. Now at most TREE_CONNECTIONS tunnels open per tree, each holding at
-    most PER_CONNECTION bytes in the proxy (backpressure stops reading the machine), kernel
-    socket buffers fixed; with the caps lifted (the old proxy) the same flood holds more."""
-    bound = _netbudget.TREE_CONNECTIONS * _netbudget.PER_CONNECTION
+    ~2 GiB of host memory. Now at most MACHINE_CONNECTIONS tunnels open per machine (and
+    TREE_CONNECTIONS per tree), each holding at most PER_CONNECTION bytes in the proxy
+    (backpressure stops reading the machine), kernel socket buffers fixed; with the caps
+    lifted (the old proxy) the same flood holds more."""
+    bound = _netbudget.MACHINE_CONNECTIONS * _netbudget.PER_CONNECTION
     if not capped:
+        monkeypatch.setattr(_netbudget, "MACHINE_CONNECTIONS", 10_000)
         monkeypatch.setattr(_netbudget, "TREE_CONNECTIONS", 10_000)
         monkeypatch.setattr(_netbudget, "KERNEL_CONNECTIONS", 10_000)
 
@@ -161,7 +163,7 @@ def test_tunnels_to_a_far_end_that_never_reads_hold_bounded_memory(
 
     counts, opened, grown = asyncio.run(main())
     if capped:
-        assert opened == counts["connections"] == _netbudget.TREE_CONNECTIONS
+        assert opened == counts["connections"] == _netbudget.MACHINE_CONNECTIONS
         assert 0 < counts["buffered"] <= bound, counts
         print(f"capped: {opened} tunnels, {counts['buffered']} bytes buffered (bound {bound}), RSS +{grown}")
         assert grown < bound + (64 << 20), grown
@@ -199,7 +201,7 @@ def test_a_fork_multiplies_nothing_beyond_its_trees_cap(sink: int, monkeypatch: 
 def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit held 256 unfinished 256 KiB heads (+71 MiB, 30 s each). Now a tree has at
     most TREE_HEADS heads being read, each at most the reader's limit; the others wait
-    unread (their bytes in fixed socket buffers) and past the tree's cap are dropped at once."""
+    unread (their bytes in fixed socket buffers) and past the machine's cap are dropped at once."""
     # no head times out while a loaded host accepts them all (it would free slots and count failures)
     monkeypatch.setattr(_netbudget, "HEAD_TIMEOUT", 600.0)
 
@@ -207,7 +209,7 @@ def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -
         proxy = _netproxy.Proxy()
         port = await _machine(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
         conns = []
-        for _ in range(_netbudget.TREE_CONNECTIONS + 16):
+        for _ in range(_netbudget.MACHINE_CONNECTIONS + 16):
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(b"CONNECT " + b"a" * 60 + b".test:443 HTTP/1.1\r\nX: " + b"y" * 8000)  # no end
             conns.append((r, w))
@@ -219,7 +221,7 @@ def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -
             await asyncio.sleep(0)
         counts = proxy.budget.counts()
         assert counts["heads"] == _netbudget.TREE_HEADS, counts
-        assert counts["connections"] == _netbudget.TREE_CONNECTIONS, counts
+        assert counts["connections"] == _netbudget.MACHINE_CONNECTIONS, counts
         assert counts["buffered"] <= _netbudget.TREE_HEADS * 2 * _netbudget.BUFFER, counts
         stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
         assert stats["failed"] == 16 and "connections open" in stats["last_failed"], stats

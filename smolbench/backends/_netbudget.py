@@ -7,10 +7,18 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   autotuning up to megabytes). A side that doesn't read stops the proxy reading the other
   (backpressure), so a machine that sends to a far end that never reads fills nothing more;
 * per tree (a root machine and all its branches, counted together: a fork multiplies
-  nothing) at most ``TREE_CONNECTIONS`` connections, ``TREE_HEADS`` request heads being read
+  nothing) at most ``TREE_CONNECTIONS`` connections, and each machine of it at most
+  ``MACHINE_CONNECTIONS`` (half the tree's: one branch that holds all it may still leaves
+  its parent and siblings half the tree's), ``TREE_HEADS`` request heads being read
   (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
   their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
   ``KERNEL_CONNECTIONS`` connections;
+* per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
+  ``TREE_BURST`` (a token bucket, ``Bucket``), and per machine half that (so one machine's
+  flood never takes its siblings' allowance): past it a connection waits unaccepted in its
+  machine's listen backlog, so a flood of requests costs the proxy (which no machine's cgroup
+  counts) nothing more than the allowance (eighth audit: refused CONNECTs by the thousand, each
+  accepted, parsed and answered on the proxy's one loop);
 * name lookups run on the proxy's own threads, ``TREE_LOOKUPS`` of each tree's own (made at
   its first lookup, ended with its last machine): names that resolve slowly stall only their
   own tree's lookups, never another machine's, however many trees do it at once.
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +37,12 @@ from typing import Any
 BUFFER = 16 * 1024  # per connection and direction: the reader's limit (it pauses at 2x) and the writer's high water
 SOCK_BUFFER = 16 * 1024  # SO_RCVBUF / SO_SNDBUF of the proxy's sockets (the kernel doubles it)
 TREE_CONNECTIONS = 64
+MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or a branch): never the whole tree's
 KERNEL_CONNECTIONS = 256
 TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
+TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
+TREE_BURST = 128  # and at once, after a quiet while (the bucket's size)
 TREE_LOOKUPS = 4
 RESOLVE_TIMEOUT = 15.0
 # both directions, each: the reader (2x its limit, plus one receive of at most the socket's
@@ -58,6 +70,29 @@ class Conn:
 
 
 @dataclass(eq=False)
+class Bucket:
+    """An allowance of new connections: TREE_BURST at once, refilled at TREE_RATE a second, for
+    a tree; a ``share`` of that (half, for one machine of it). Both read when used: tests lower them."""
+
+    share: int = 1
+    tokens: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = TREE_BURST / self.share  # full, at first
+
+    def wait(self) -> float:
+        """Seconds until a connection may be accepted (0: now)."""
+        now, size, rate = time.monotonic(), TREE_BURST / self.share, TREE_RATE / self.share
+        self.tokens = min(size, self.tokens + (now - self.at) * rate)
+        self.at = now
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / rate
+
+    def take(self) -> None:
+        self.tokens -= 1  # a listener that was waiting too may take one more: never more than one each
+
+
+@dataclass(eq=False)
 class Tree:
     """A root machine and its branches: what they hold in the proxy together."""
 
@@ -66,6 +101,7 @@ class Tree:
     heads: int = 0
     head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
+    bucket: Bucket = field(default_factory=Bucket)
     # its own lookup threads: a shared pool let 8 trees' hanging lookups (4 each) stall every other tree's
     executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -110,8 +146,10 @@ class Budget:
     def connections(self) -> int:
         return sum(len(t.conns) for t in self.trees.values())
 
-    def full(self, tree: Tree) -> str | None:
-        """Why one more connection of ``tree`` can't be taken (None: it can)."""
+    def full(self, tree: Tree, node: Any = None) -> str | None:
+        """Why one more connection of ``tree`` (from machine ``node``) can't be taken (None: it can)."""
+        if node is not None and sum(1 for c in tree.conns if c.node is node) >= MACHINE_CONNECTIONS:
+            return f"this machine has {MACHINE_CONNECTIONS} connections open (the most one machine of its tree may)"
         if len(tree.conns) >= TREE_CONNECTIONS:
             return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
         if self.connections() >= KERNEL_CONNECTIONS:

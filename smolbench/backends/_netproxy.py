@@ -47,6 +47,7 @@ from ..gate import netreq
 from ..netpolicy import (
     IPAddress,
     NetPolicy,
+    Own,
     literal,
     own_addresses,
     stand_in_internet,
@@ -59,6 +60,7 @@ from ._netns import _bind_in, _collect, _refused_in
 PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 LINGER = 5.0  # seconds a machine's side may keep sending after the far end closed
+IDLE_TIMEOUT = 600.0  # seconds a relayed connection may carry no byte either way before it is closed
 CONNECT_TIMEOUT = 30.0
 SAID_PER_NODE = 20  # distinct failure lines shown for one machine
 REPLY_WAIT = 60.0  # seconds the kernel waits for the proxy's reply to one request
@@ -227,8 +229,10 @@ class Node:
     policy: NetPolicy
     tree: _netbudget.Tree
     pid: int = 0  # the machine's host pid, whose namespaces hold its refuse chain (0: none)
-    servers: list[asyncio.AbstractServer] = field(default_factory=list)
+    listeners: list[tuple[asyncio.Task[None], socket.socket]] = field(default_factory=list)  # accept loops
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    accepted: int = 0  # connections taken from its listeners (each within its own and its tree's bucket)
+    bucket: _netbudget.Bucket = field(default_factory=lambda: _netbudget.Bucket(share=2))
     allowed: int = 0
     refused: int = 0
     last_refused: str = ""
@@ -238,7 +242,7 @@ class Node:
 
     def stats(self) -> dict[str, Any]:
         mine = [c for c in self.tree.conns if c.node is self]
-        return {"allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused,
+        return {"accepted": self.accepted, "allowed": self.allowed, "refused": self.refused, "last_refused": self.last_refused,
                 "failed": self.failed, "last_failed": self.last_failed, "tree": self.tree.name,
                 "open": len(mine), "buffered": sum(c.buffered() for c in mine),
                 "heads": sum(1 for c in mine if c.in_head)}
@@ -255,9 +259,9 @@ class Proxy:
         self.internet = stand_in_internet()
         self.resolve_map = stand_in_resolve()
         self.budget = budget or _netbudget.Budget()
-        self._own: tuple[float, frozenset[IPAddress]] = (0.0, frozenset())
+        self._own: tuple[float, Own] = (0.0, frozenset())
 
-    def own(self) -> frozenset[IPAddress]:
+    def own(self) -> Own:
         if time.monotonic() - self._own[0] > 2.0:
             self._own = (time.monotonic(), own_addresses() | self.host_only)
         return self._own[1]
@@ -305,23 +309,55 @@ class Proxy:
         self.nodes[name] = node
         for sock in socks:  # accepted sockets inherit the listener's small, fixed buffers
             _netbudget.bounded(sock)
-        node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.proxied, r, w),
-                                                       sock=socks[0], limit=_netbudget.BUFFER))
+        self._listen(node, socks[0], lambda r, w: self._spawn(node, self.proxied, r, w))
         for sock, (host, port) in zip(socks[1:], addrs[1:]):
             if (host, port) == addrs[1] and port == _netredirect.RELAY_PORT:
-                node.servers.append(await asyncio.start_server(lambda r, w: self._spawn(node, self.redirected, r, w),
-                                                               sock=sock, limit=_netbudget.BUFFER))
+                self._listen(node, sock, lambda r, w: self._spawn(node, self.redirected, r, w))
                 continue
             target = ipaddress.ip_address(host)
 
             def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, t: IPAddress = target, p: int = port) -> None:
                 self._spawn(node, lambda c, n, r2, w2: self.forwarded(c, n, t, p, r2, w2), r, w)
 
-            node.servers.append(await asyncio.start_server(handler, sock=sock, limit=_netbudget.BUFFER))
+            self._listen(node, sock, handler)
+
+    def _listen(self, node: Node, sock: socket.socket,
+                take: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]) -> None:
+        node.listeners.append((asyncio.ensure_future(self._accept(node, sock, take)), sock))
+
+    async def _accept(self, node: Node, sock: socket.socket,
+                      take: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]) -> None:
+        """One listener's accept loop. A connection is accepted only when the machine's tree has
+        a token (``_netbudget.Bucket``): past the tree's rate it waits in the listen backlog, in
+        the machine's namespace, unaccepted and unread (a flood of refused requests was each
+        accepted, parsed and answered on this one loop, which no machine's cgroup counts). The
+        machine has a bucket of its own, half its tree's: one machine's flood never takes all
+        of its siblings' allowance."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        buckets = (node.bucket, node.tree.bucket)
+        while True:
+            while (wait := max(b.wait() for b in buckets)) > 0:
+                await asyncio.sleep(wait)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors, or a connection gone before its accept
+                self.fail(node, "a new connection", f"accept: {exc.strerror or exc}")
+                await asyncio.sleep(0.1)
+                continue
+            for b in buckets:
+                b.take()
+            node.accepted += 1
+            try:
+                reader, writer = await asyncio.open_connection(sock=conn, limit=_netbudget.BUFFER)
+            except OSError:
+                conn.close()
+                continue
+            take(reader, writer)
 
     def _spawn(self, node: Node, handler: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        full = self.budget.full(node.tree)
-        if full is not None:  # over the tree's or the kernel's cap: dropped at once, counted
+        full = self.budget.full(node.tree, node)
+        if full is not None:  # over the machine's, the tree's or the kernel's cap: dropped at once, counted
             self.fail(node, "a new connection", full)
             writer.transport.abort()
             return
@@ -358,8 +394,11 @@ class Proxy:
         node = self.nodes.pop(name, None)
         if node is None:
             return
-        for server in node.servers:
-            server.close()
+        for task, _ in node.listeners:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
+        for _, sock in node.listeners:
+            sock.close()
         for task in list(node.tasks):
             task.cancel()
         if node.tasks:
@@ -534,14 +573,17 @@ def _bad_gateway(line: str) -> bytes:
             f"Connection: close\r\n\r\n{line}\n").encode("ascii", "replace")
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, seen: list[float] | None = None) -> None:
     """One direction, with backpressure: nothing more is read from ``src`` while ``dst``'s
-    buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls."""
+    buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls.
+    ``seen[0]``: when a byte last moved (either way, shared by both directions)."""
     try:
         while True:
             data = await src.read(_netbudget.BUFFER)
             if not data:
                 break
+            if seen is not None:
+                seen[0] = time.monotonic()
             dst.write(data)
             await dst.drain()
         if dst.can_write_eof():
@@ -552,11 +594,21 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
     """Both ways until the far end is done; then the machine's side gets a few seconds to
-    finish (an idle client that never closes must not hold a connection slot forever)."""
-    to_far = asyncio.ensure_future(_pipe(r1, w2))
-    to_machine = asyncio.ensure_future(_pipe(r2, w1))
+    finish (an idle client that never closes must not hold a connection slot forever). A
+    connection that moves no byte either way for IDLE_TIMEOUT seconds is closed: tunnels held
+    open and silent kept their tree's connections forever (eighth audit)."""
+    seen = [time.monotonic()]
+    to_far = asyncio.ensure_future(_pipe(r1, w2, seen))
+    to_machine = asyncio.ensure_future(_pipe(r2, w1, seen))
     try:
-        await to_machine
+        while not to_machine.done():
+            left = seen[0] + IDLE_TIMEOUT - time.monotonic()
+            if left <= 0:  # idle both ways: let both sides go at once
+                w1.transport.abort()
+                w2.transport.abort()
+                return
+            await asyncio.wait([to_machine], timeout=left)
+        to_machine.result()  # a failure of ours is raised here, as before
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(to_far), LINGER)
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
-import os
 import re
 import resource
 import shutil
@@ -26,7 +25,7 @@ import socket
 import struct
 import subprocess
 
-from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, host_only_networks, literal
+from ..netpolicy import INTERNAL, IPAddress, IPNetwork, NetPolicy, Own, host_only_networks, literal
 
 RELAY_PORT = 3129
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -60,7 +59,7 @@ def networks(policy: NetPolicy) -> list[IPNetwork] | None:
     return nets + [ipaddress.ip_network(a) for a in addrs if a is not None and a.version == 4]
 
 
-def refusals(policy: NetPolicy, own: frozenset[IPAddress] = frozenset(),
+def refusals(policy: NetPolicy, own: Own = frozenset(),
              internet: tuple[IPNetwork, ...] = ()) -> list[str]:
     """Rules refusing at once the redirected TCP the host side would refuse by address and port
     alone (``NetPolicy.admits`` for a literal address), from the same rule: for ``on``, private
@@ -125,8 +124,10 @@ TOOLS = {"nft": "nftables", "ip": "iproute2"}  # what the rule and the routes ar
 
 
 def found(name: str, search: str | None = None) -> str | None:
-    """Where tool ``name`` is: on ``search`` (default: PATH, then the sbin folders), else None."""
-    return shutil.which(name, path=os.environ.get("PATH", "") + ":" + SBIN if search is None else search)
+    """Where tool ``name`` is: on ``search`` (default: the system folders ``SBIN`` only, never
+    PATH: a folder of the kernel's PATH, such as a user's or a virtualenv's, could hold an ``ip``
+    or ``nft`` that would then run with CAP_NET_ADMIN in a machine's namespaces), else None."""
+    return shutil.which(name, path=SBIN if search is None else search)
 
 
 def _tool(name: str) -> str:

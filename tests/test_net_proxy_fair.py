@@ -1,0 +1,184 @@
+"""Eighth audit: one machine must not take its tree's (or the kernel's) egress from the others.
+
+* A branch that held 80 tunnels took all 64 of its tree's connections, for as long as it
+  liked (a relayed tunnel never timed out): its parent and sibling had no network. Now each
+  machine has at most ``MACHINE_CONNECTIONS`` (half the tree's) and a tunnel that moves no
+  byte either way for ``IDLE_TIMEOUT`` seconds is closed.
+* A flood of refused requests cost the proxy CPU that no machine's cgroup counts. Now a tree's
+  new connections are accepted at most ``TREE_RATE`` a second (a burst of ``TREE_BURST``),
+  one machine's at most half that: past it they wait in the machine's listen backlog,
+  unaccepted and unread.
+
+The proxy's host side runs here on real sockets, as in ``test_net_proxy_bounds.py``: a
+machine's listener is one on this host's loopback, the far end a listener on ``127.0.0.17``
+(``SMOLBENCH_TEST_FAR`` makes it a far network's stand-in). Counts are asserted, never times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from smolbench.backends import _netbudget, _netproxy
+from smolbench.netpolicy import NetPolicy
+
+FAR = "127.0.0.17"
+POLICY = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
+
+
+@pytest.fixture(autouse=True)
+def far_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOLBENCH_TEST_FAR", "127.0.0.16/28")
+
+
+@pytest.fixture
+def sink() -> Iterator[int]:
+    """A far end that accepts, holds every connection open and never says anything."""
+    srv = socket.socket()
+    srv.bind((FAR, 0))
+    srv.listen(1024)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join()
+    for s in held:
+        s.close()
+    srv.close()
+
+
+async def _machine(proxy: _netproxy.Proxy, name: str, tree: str) -> int:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    await proxy.serve(name, POLICY, [listener], [("127.0.0.1", port)], tree)
+    return int(port)
+
+
+async def _tunnel(port: int, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+    try:
+        answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        answer = b""
+    return r, w, answer
+
+
+def _ok(answer: bytes) -> bool:
+    return answer.startswith(b"HTTP/1.1 200")
+
+
+def test_a_branch_holding_more_than_its_share_leaves_its_parent_and_sibling_connections(sink: int) -> None:
+    """The audit's t2: root.0 asks for 80 tunnels and holds them. Its parent and its sibling
+    still each get tunnels; root.0 got at most half the tree's connections."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
+        hog = [await _tunnel(ports["root.0"], f"{FAR}:{sink}") for _ in range(80)]
+        held = sum(1 for *_, a in hog if _ok(a))
+        theirs = [await _tunnel(ports[n], f"{FAR}:{sink}") for n in ("root", "root.1") for _ in range(4)]
+        try:
+            assert held < _netbudget.TREE_CONNECTIONS, held
+            assert all(_ok(a) for *_, a in theirs), [a for *_, a in theirs]
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root"]["open"] == stats["root.1"]["open"] == 4, stats
+            assert stats["root.0"]["failed"] == 80 - held
+            assert "the most one machine of its tree may" in stats["root.0"]["last_failed"], stats["root.0"]
+        finally:
+            for _, w, _ in hog + theirs:
+                w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_an_idle_tunnel_is_closed_and_gives_its_connection_back(sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tunnel to a far end that says nothing, from a machine that says nothing, was held
+    forever. With IDLE_TIMEOUT lowered, it is closed (the machine reads its end) and the
+    tree's count goes back to zero; a tunnel that keeps moving bytes is not."""
+    monkeypatch.setattr(_netproxy, "IDLE_TIMEOUT", 0.5, raising=False)
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        port = await _machine(proxy, "root.0", "root")
+        r, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        assert _ok(answer)
+        try:
+            tail = await asyncio.wait_for(r.read(), 60)  # the end of the stream: closed by the proxy
+            assert tail == b""
+            for _ in range(200):  # the connection's task ends right after
+                if not proxy.budget.counts()["connections"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert proxy.budget.counts()["connections"] == 0
+        finally:
+            w.transport.abort()
+            await proxy.detach("root.0")
+
+    asyncio.run(main())
+
+
+def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
+        sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit's t3: 8 threads of a branch sent refused CONNECTs as fast as they could, each
+    accepted, parsed and answered 403 on the proxy's one loop. Now a tree's bucket (here 20 at
+    once, refilled at a rate no test outlasts), half of it the machine's own, lets the proxy
+    take 10; the other 40 wait unaccepted, never parsed. Its sibling still connects (the other
+    half), and so does another tree's machine."""
+    monkeypatch.setattr(_netbudget, "TREE_BURST", 20, raising=False)
+    monkeypatch.setattr(_netbudget, "TREE_RATE", 1e-6, raising=False)
+
+    async def ask(port: int) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            w.write(b"CONNECT 10.1.2.3:443 HTTP/1.1\r\n\r\n")
+            return await r.read()
+        finally:
+            w.transport.abort()
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        flooder = await _machine(proxy, "root.0", "root")
+        sibling = await _machine(proxy, "root.1", "root")
+        other = await _machine(proxy, "other", "other")
+        asks = [asyncio.ensure_future(ask(flooder)) for _ in range(50)]
+        try:
+            pending: set[asyncio.Future[bytes]] = set(asks)
+            while len(asks) - len(pending) < 10:  # the allowance, answered
+                _, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(pending, timeout=3)  # a moment for more (the old proxy answered all 50)
+            answered = [t.result() for t in asks if t.done()]
+            assert len(answered) == 10 and all(a.startswith(b"HTTP/1.1 403") for a in answered), len(answered)
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root.0"]["refused"] == stats["root.0"]["accepted"] == 10, stats["root.0"]
+            for port in (sibling, other):  # its sibling: the tree's other half; another tree: its own
+                _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+                assert _ok(answer), answer
+                w.transport.abort()
+        finally:
+            for t in asks:
+                t.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+            for n in ("root.0", "root.1", "other"):
+                await proxy.detach(n)
+
+    asyncio.run(main())
