@@ -51,8 +51,8 @@ from ..guest import AGENT_FILES, GUEST_DIR
 from ..guest import protocol as P
 from ..netpolicy import (
     CidrRule,
-    IPAddress,
     NetPolicy,
+    Own,
     internet_cidrs,
     literal,
     own_addresses,
@@ -105,7 +105,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "m"
 
 
-def _sdk_allow(policy: NetPolicy, own: frozenset[IPAddress]) -> tuple[list[str], list[str]]:
+def _sdk_allow(policy: NetPolicy, own: Own) -> tuple[list[str], list[str]]:
     """An allow-list as smol takes it: ``allow_hosts`` names (smol scopes by name, not port), and
     ``allow_cidrs`` ranges less this host (``sdk_cidrs``). A host listed as an address (any
     spelling) goes with the ranges, under the one rule: as a name it went to smol whole, and
