@@ -315,12 +315,17 @@ class Session(RestoringMixin):
         if self.workbench is None:
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
+        wb = self.workbench
+        fresh = wb.active is None  # (else up() refuses and touches nothing)
         try:
-            _block(self.workbench.up(restore), waiting=waiting)
+            _block(wb.up(restore), waiting=waiting)
+            self._up_notes(wb)
         except BaseException:
+            if fresh:  # what a stopped up made (its machine, proxy, cgroups) goes with it
+                with contextlib.suppress(Exception):
+                    _block(wb.down(), stoppable=False)
             gone(self)
             raise
-        self._up_notes(self.workbench)
         return self
 
     def _up_notes(self, wb: Workbench) -> None:
@@ -337,9 +342,13 @@ class Session(RestoringMixin):
         if self.fallback:
             self.on_notice(self.fallback)
         live(self)
+        fresh = wb.active is None
         try:
             await _bridge(wb.up(restore))
         except BaseException:
+            if fresh:  # as boot(): nothing a stopped up made stays
+                with contextlib.suppress(Exception):
+                    await _bridge(wb.down(), stoppable=False)
             gone(self)
             raise
         self._up_notes(wb)

@@ -163,11 +163,11 @@ class SmolMagics(Magics):
         t0 = time.perf_counter()
         try:
             session.boot(restore, waiting=show_pending)  # e.g. "installing 3 packages …" while it does
-        except KeyboardInterrupt:  # up() deleted its machine (and run folder) before it ended
+            self.session = session  # at once: a Ctrl-C from here on leaves it to `%smol down`
+        except KeyboardInterrupt:  # boot() deleted what its up made (machine, run folder, proxy) before it ended
             raise interrupted(f"`{ran}` was interrupted: its machine was deleted and nothing is left behind") from None
         finally:
             show_pending()
-        self.session = session
         path, net_note = session.spec_path, wb.net_note
         backend: Any = wb.backend
         with contextlib.suppress(Exception):  # open checkpoint panels follow the new machine

@@ -754,3 +754,44 @@ with s:
     assert code == 0, err
     assert "reloaded" in out and "still up: 42" in out, out + err
     assert script.leftovers() == ([], [], [])
+
+
+# A Ctrl-C that lands while the root machine is made (inside the backend's create: its proxy
+# and cgroups made, its process started) or once it is up (its state remembered, just before
+# up() returns). Delivered as a real SIGINT to the script's main thread, as a terminal's is.
+CTRL_C_DURING_UP = """\
+import asyncio, os, signal, smolbench
+from smolbench.backends.sandbox import SandboxBackend
+from smolbench.workbench import Workbench
+WHERE = {where!r}
+
+def ctrl_c_here(cls, name):
+    orig = getattr(cls, name)
+    async def patched(self, *args, **kwargs):
+        out = await orig(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(30)
+        return out
+    setattr(cls, name, patched)
+
+ctrl_c_here(*{{"create": (SandboxBackend, "create"), "up": (Workbench, "_remember_state")}}[WHERE])
+s = smolbench.Session(backend="sandbox", ledger="ledger.db", net="on")
+try:
+    s.up()
+except KeyboardInterrupt:
+    print("interrupted", s.is_up, flush=True)
+"""
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+@pytest.mark.parametrize("where", ["create", "up"])
+def test_a_ctrl_c_during_up_leaves_nothing_behind(tmp_path: Path, where: str) -> None:
+    """Third audit: a Ctrl-C while the machine was made, or just after, ended up() with its
+    machine, egress proxy and cgroups left running (and `%smol up` said nothing was left)."""
+    script = Script(tmp_path, CTRL_C_DURING_UP.format(where=where))
+    code, out, err = script.finish()
+    try:
+        assert code == 0 and "interrupted False" in out, err
+        assert script.leftovers() == ([], [], [])
+    finally:
+        script.clean()
