@@ -98,6 +98,7 @@ def _at_exit() -> None:
     branches are recorded as cancelled, not as machines that died; then every machine goes."""
     if _hooks_pid and os.getpid() != _hooks_pid:
         return
+    _wait_for_program_threads()
     before: Any = None
     if (_LIVE or _loop.running()) and threading.current_thread() is threading.main_thread():
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C again here left machines running
@@ -111,6 +112,22 @@ def _at_exit() -> None:
         if before is not None:  # Python then joins the program's own threads: Ctrl-C may stop that
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signal.SIGINT, before)
+
+
+def _wait_for_program_threads() -> None:
+    """Let the program's own threads end first, as Python would have: its exit hooks run before
+    it joins them, and a fork in a non-daemon thread was cancelled as "stopped by SIGTERM" when
+    the main thread returned (third audit). Not a thread pool's workers (their pool's own exit
+    hook ends them, after this one), nor daemon threads; a Ctrl-C stops the wait."""
+    from concurrent.futures import thread as pool
+
+    me = threading.current_thread()
+    try:
+        for t in threading.enumerate():
+            if t is not me and not t.daemon and getattr(t, "_target", None) is not pool._worker:
+                t.join()
+    except BaseException:  # noqa: BLE001 - a Ctrl-C here: their calls stop now, and the machines go
+        pass
 
 
 def _install_hooks() -> None:

@@ -795,3 +795,22 @@ def test_a_ctrl_c_during_up_leaves_nothing_behind(tmp_path: Path, where: str) ->
         assert script.leftovers() == ([], [], [])
     finally:
         script.clean()
+
+
+def test_a_fork_in_a_non_daemon_thread_finishes_when_the_main_thread_returns_first(tmp_path: Path) -> None:
+    """Third audit: Python runs its exit hooks before it joins the program's own threads, and
+    ours cancelled a fork running in one ("stopped by SIGTERM"). It now waits for them first."""
+    backend = "sandbox" if HAVE_BWRAP else "process"
+    script = Script(tmp_path, HEAD.format(backend=backend) + """\
+import threading
+s.up()
+def work():
+    r = s.fork(2, "import time; time.sleep(2); reward = SEED", keep="none")
+    print("forked", sorted(b["status"] for b in r), flush=True)
+threading.Thread(target=work).start()
+print("main returns", flush=True)
+""")
+    code, out, err = script.finish()
+    assert code == 0 and "forked ['ok', 'ok']" in out, (out, err)
+    assert "SIGTERM" not in err, err
+    assert script.leftovers() == ([], [], [])
