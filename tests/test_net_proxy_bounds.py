@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nethelpers import held_sink, proxy_listener, tunnel
 
 from smolbench.backends import _netbudget, _netproxy
 from smolbench.netpolicy import NetPolicy
@@ -55,48 +56,7 @@ def descriptors() -> Iterator[None]:
 @pytest.fixture
 def sink() -> Iterator[int]:
     """A far end that accepts and never reads."""
-    srv = socket.socket()
-    srv.bind((FAR, 0))
-    srv.listen(1024)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join()
-    for s in held:
-        s.close()
-    srv.close()
-
-
-async def _machine(proxy: _netproxy.Proxy, name: str, policy: NetPolicy, tree: str | None = None) -> int:
-    """A machine's proxy listener (on this host), in ``tree``: its port."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    port = listener.getsockname()[1]
-    await proxy.serve(name, policy, [listener], [("127.0.0.1", port)], tree)
-    return int(port)
-
-
-async def _tunnel(port: int, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
-    try:
-        answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        answer = b""
-    return r, w, answer
+    yield from held_sink(FAR)
 
 
 def _flood(w: asyncio.StreamWriter) -> int:
@@ -144,9 +104,9 @@ def test_tunnels_to_a_far_end_that_never_reads_hold_bounded_memory(
 
     async def main() -> tuple[dict[str, Any], int, int]:
         proxy = _netproxy.Proxy()
-        port = await _machine(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
+        port = await proxy_listener(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
         before = _rss()
-        tunnels = [await _tunnel(port, f"{FAR}:{sink}") for _ in range(256)]
+        tunnels = [await tunnel(port, f"{FAR}:{sink}") for _ in range(256)]
         opened = sum(1 for _, _, a in tunnels if a.startswith(b"HTTP/1.1 200"))
         for _ in range(3):  # again once the proxy has moved what it would
             for _, w, a in tunnels:
@@ -180,11 +140,11 @@ def test_a_fork_multiplies_nothing_beyond_its_trees_cap(sink: int, monkeypatch: 
     async def main() -> None:
         proxy = _netproxy.Proxy()
         policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
-        ports = [await _machine(proxy, n, policy, "root") for n in ("root", "root.0", "root.1", "root.0.0")]
-        other = await _machine(proxy, "other", policy, "other")
-        tunnels = [await _tunnel(p, f"{FAR}:{sink}") for p in ports for _ in range(10)]
+        ports = [await proxy_listener(proxy, n, policy, "root") for n in ("root", "root.0", "root.1", "root.0.0")]
+        other = await proxy_listener(proxy, "other", policy, "other")
+        tunnels = [await tunnel(p, f"{FAR}:{sink}") for p in ports for _ in range(10)]
         assert sum(1 for *_, a in tunnels if a.startswith(b"HTTP/1.1 200")) == 20
-        theirs = [await _tunnel(other, f"{FAR}:{sink}") for _ in range(5)]
+        theirs = [await tunnel(other, f"{FAR}:{sink}") for _ in range(5)]
         assert all(a.startswith(b"HTTP/1.1 200") for *_, a in theirs)
         stats = (await proxy.handle({"op": "stats"}))["nodes"]
         assert sum(stats[n]["open"] for n in ("root", "root.0", "root.1", "root.0.0")) == 20
@@ -207,7 +167,7 @@ def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -
 
     async def main() -> None:
         proxy = _netproxy.Proxy()
-        port = await _machine(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
+        port = await proxy_listener(proxy, "m", NetPolicy.from_lists(False, [], ["127.0.0.16/28"]))
         conns = []
         for _ in range(_netbudget.MACHINE_CONNECTIONS + 16):
             r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -268,14 +228,14 @@ def test_slow_names_stall_only_their_own_trees_lookups(fair: bool, sink: int, mo
     async def main() -> None:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
         slow = NetPolicy.from_lists(False, [f"slow{i}.test" for i in range(40)], [])
-        slow_port = await _machine(proxy, "greedy", slow)
-        fast_port = await _machine(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
-        stuck = [asyncio.ensure_future(_tunnel(slow_port, f"slow{i}.test:{sink}")) for i in range(40)]
+        slow_port = await proxy_listener(proxy, "greedy", slow)
+        fast_port = await proxy_listener(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
+        stuck = [asyncio.ensure_future(tunnel(slow_port, f"slow{i}.test:{sink}")) for i in range(40)]
         fast = None
         try:
             while len(asked) < min(40, _netbudget.TREE_LOOKUPS, 32):
                 await asyncio.sleep(0.05)
-            fast = asyncio.ensure_future(_tunnel(fast_port, f"fast.test:{sink}"))
+            fast = asyncio.ensure_future(tunnel(fast_port, f"fast.test:{sink}"))
             if fair:
                 _, w, answer = await fast  # while the greedy machine's lookups are all still hanging
                 assert answer.startswith(b"HTTP/1.1 200") and not release.is_set()
@@ -311,16 +271,16 @@ def test_many_trees_of_slow_names_never_stall_another_trees_lookup(own_threads: 
     async def main() -> None:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
         n = _netbudget.TREE_LOOKUPS
-        ports = [await _machine(proxy, f"student{t}", NetPolicy.from_lists(False, [f"slow{t}-{i}.test" for i in range(n)], []))
+        ports = [await proxy_listener(proxy, f"student{t}", NetPolicy.from_lists(False, [f"slow{t}-{i}.test" for i in range(n)], []))
                  for t in range(8)]
-        fast_port = await _machine(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
-        stuck = [asyncio.ensure_future(_tunnel(port, f"slow{t}-{i}.test:{sink}"))
+        fast_port = await proxy_listener(proxy, "other", NetPolicy.from_lists(False, ["fast.test"], []))
+        stuck = [asyncio.ensure_future(tunnel(port, f"slow{t}-{i}.test:{sink}"))
                  for t, port in enumerate(ports) for i in range(n)]
         fast = None
         try:
             while len(asked) < 8 * n:
                 await asyncio.sleep(0.05)
-            fast = asyncio.ensure_future(_tunnel(fast_port, f"fast.test:{sink}"))
+            fast = asyncio.ensure_future(tunnel(fast_port, f"fast.test:{sink}"))
             done, _ = await asyncio.wait([fast], timeout=10 if own_threads else 3)
             if own_threads:
                 assert done and fast.result()[2].startswith(b"HTTP/1.1 200") and not release.is_set()
@@ -376,9 +336,9 @@ def test_a_slow_count_in_a_machines_namespaces_never_stops_the_proxy(off_the_loo
 
     async def main() -> int:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget())
-        await _machine(proxy, "branch", NetPolicy.from_lists(False, [], []))
+        await proxy_listener(proxy, "branch", NetPolicy.from_lists(False, [], []))
         proxy.nodes["branch"].pid = os.getpid()  # (the count is faked above: no namespace is entered)
-        port = await _machine(proxy, "other", NetPolicy.from_lists(False, [], [f"{FAR}/32:{sink}"]))
+        port = await proxy_listener(proxy, "other", NetPolicy.from_lists(False, [], [f"{FAR}/32:{sink}"]))
         thread = threading.Thread(target=client, args=(port,))
         thread.start()
         stats = asyncio.ensure_future(proxy.handle({"op": "stats"}))
@@ -508,8 +468,8 @@ def test_a_ray_clusters_nodes_are_this_host_for_every_machine(sink: int) -> None
         policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
         for cluster, expect in ((frozenset({ipaddress.ip_address(FAR)}), b"HTTP/1.1 403"), (frozenset(), b"HTTP/1.1 200")):
             proxy = _netproxy.Proxy(host_only=cluster)
-            port = await _machine(proxy, "m", policy)
-            _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+            port = await proxy_listener(proxy, "m", policy)
+            _, w, answer = await tunnel(port, f"{FAR}:{sink}")
             assert answer.startswith(expect), (cluster, answer)
             w.close()
             await proxy.detach("m")
@@ -525,8 +485,8 @@ def test_a_ray_node_that_joins_later_is_this_host_too(sink: int, monkeypatch: py
     async def main() -> None:
         policy = NetPolicy.from_lists(False, [], ["127.0.0.16/28"])
         proxy = _netproxy.Proxy()
-        port = await _machine(proxy, "m", policy)
-        _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        port = await proxy_listener(proxy, "m", policy)
+        _, w, answer = await tunnel(port, f"{FAR}:{sink}")
         assert answer.startswith(b"HTTP/1.1 200")  # not a node yet: in the range
         w.close()
         sent: list[dict[str, Any]] = []
@@ -544,7 +504,7 @@ def test_a_ray_node_that_joins_later_is_this_host_too(sink: int, monkeypatch: py
         monkeypatch.setattr(_netproxy, "_cluster_addresses", lambda: [FAR])  # the node joined
         await client.attach([("m2", 0)], policy)
         assert sent[0] == {"op": "host_only", "add": [FAR]}
-        _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        _, w, answer = await tunnel(port, f"{FAR}:{sink}")
         assert answer.startswith(b"HTTP/1.1 403"), answer  # every machine's, the old one's too
         w.close()
         await client.attach([("m3", 0)], policy)
@@ -689,9 +649,9 @@ def test_a_listed_name_that_resolves_into_a_lan_is_refused_saying_where_and_the_
 
     async def main() -> tuple[bytes, bytes]:
         proxy = _netproxy.Proxy(budget=_netbudget.Budget(lookup))
-        port = await _machine(proxy, "m", NetPolicy.from_lists(False, ["pypi.test", "gone.test"], []))
-        _, w1, rebound = await _tunnel(port, "pypi.test:6379")
-        _, w2, missing = await _tunnel(port, "gone.test:443")
+        port = await proxy_listener(proxy, "m", NetPolicy.from_lists(False, ["pypi.test", "gone.test"], []))
+        _, w1, rebound = await tunnel(port, "pypi.test:6379")
+        _, w2, missing = await tunnel(port, "gone.test:443")
         for w in (w1, w2):
             w.close()
         await proxy.detach("m")

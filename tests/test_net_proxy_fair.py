@@ -17,11 +17,10 @@ machine's listener is one on this host's loopback, the far end a listener on ``1
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
+from nethelpers import held_sink, proxy_listener, tunnel
 
 from smolbench.backends import _netbudget, _netproxy
 from smolbench.netpolicy import NetPolicy
@@ -38,47 +37,11 @@ def far_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def sink() -> Iterator[int]:
     """A far end that accepts, holds every connection open and never says anything."""
-    srv = socket.socket()
-    srv.bind((FAR, 0))
-    srv.listen(1024)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join()
-    for s in held:
-        s.close()
-    srv.close()
+    yield from held_sink(FAR)
 
 
 async def _machine(proxy: _netproxy.Proxy, name: str, tree: str) -> int:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    port = listener.getsockname()[1]
-    await proxy.serve(name, POLICY, [listener], [("127.0.0.1", port)], tree)
-    return int(port)
-
-
-async def _tunnel(port: int, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
-    try:
-        answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        answer = b""
-    return r, w, answer
+    return await proxy_listener(proxy, name, POLICY, tree)
 
 
 def _ok(answer: bytes) -> bool:
@@ -92,9 +55,9 @@ def test_a_branch_holding_more_than_its_share_leaves_its_parent_and_sibling_conn
     async def main() -> None:
         proxy = _netproxy.Proxy()
         ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
-        hog = [await _tunnel(ports["root.0"], f"{FAR}:{sink}") for _ in range(80)]
+        hog = [await tunnel(ports["root.0"], f"{FAR}:{sink}") for _ in range(80)]
         held = sum(1 for *_, a in hog if _ok(a))
-        theirs = [await _tunnel(ports[n], f"{FAR}:{sink}") for n in ("root", "root.1") for _ in range(4)]
+        theirs = [await tunnel(ports[n], f"{FAR}:{sink}") for n in ("root", "root.1") for _ in range(4)]
         try:
             assert held < _netbudget.TREE_CONNECTIONS, held
             assert all(_ok(a) for *_, a in theirs), [a for *_, a in theirs]
@@ -120,7 +83,7 @@ def test_an_idle_tunnel_is_closed_and_gives_its_connection_back(sink: int, monke
     async def main() -> None:
         proxy = _netproxy.Proxy()
         port = await _machine(proxy, "root.0", "root")
-        r, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+        r, w, answer = await tunnel(port, f"{FAR}:{sink}")
         assert _ok(answer)
         try:
             tail = await asyncio.wait_for(r.read(), 60)  # the end of the stream: closed by the proxy
@@ -171,7 +134,7 @@ def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
             stats = (await proxy.handle({"op": "stats"}))["nodes"]
             assert stats["root.0"]["refused"] == stats["root.0"]["accepted"] == 10, stats["root.0"]
             for port in (sibling, other):  # its sibling: the tree's other half; another tree: its own
-                _, w, answer = await _tunnel(port, f"{FAR}:{sink}")
+                _, w, answer = await tunnel(port, f"{FAR}:{sink}")
                 assert _ok(answer), answer
                 w.transport.abort()
         finally:
