@@ -24,7 +24,7 @@ import pytest
 
 from smolbench import gate
 from smolbench.backends.base import CellRequest, Event
-from smolbench.gate.output import OutputBudget
+from smolbench.gate.output import CLEARS, OutputBudget
 
 
 def run(*messages: dict[str, Any], limit: int = 100_000) -> tuple[Any, list[Event]]:
@@ -326,3 +326,29 @@ def test_a_branch_s_budget_holds_a_tail_of_its_output_and_logs_all_of_it_in_orde
     capped = OutputBudget(tmp_path / "root.1.log", limit=2000, keep=1000, log_limit=3000)
     capped.take("stdout", "y" * 5000 + "\n")
     assert capped.finish() == f"… 3.0 KB more output not shown (the first 3.0 KB of all of it saved to {os.path.relpath(tmp_path / 'root.1.log')})\n"
+
+
+DONE = {"t": "done", "status": "ok"}
+
+
+def _clears(events: list[Event]) -> int:
+    return sum(e.kind == "clear" for e in events)
+
+
+def test_clears_that_would_clear_nothing_are_not_passed_on() -> None:
+    """Third audit: every ``{"t":"clear"}`` a machine sent was passed on, uncounted, and each
+    made the magics clear the cell and redraw their notes: 2 MB of them held a cell for minutes
+    and grew the kernel by hundreds of MB. A clear with nothing shown since the last one clears
+    nothing, and is dropped (a waiting one is still followed by an immediate one)."""
+    _, events = run(*[{"t": "clear"}] * 20_000, DONE)
+    assert _clears(events) == 1
+    _, events = run(*[{"t": "clear", "wait": True}] * 1000, {"t": "clear"}, {"t": "clear"}, DONE)
+    assert [e.wait for e in events if e.kind == "clear"] == [True, False]
+
+
+def test_a_live_plot_clears_before_each_frame_and_a_loop_of_them_ends() -> None:
+    frame = {"t": "display", "data": {"text/plain": "frame"}}
+    _, events = run(*[m for _ in range(50) for m in ({"t": "clear", "wait": True}, frame)], DONE)
+    assert _clears(events) == 50  # an honest live plot: every clear passed on
+    _, events = run(*[m for _ in range(CLEARS + 500) for m in ({"t": "clear"}, frame)], DONE, limit=10**9)
+    assert _clears(events) == CLEARS  # a loop of clears ends somewhere

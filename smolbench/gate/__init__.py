@@ -158,8 +158,13 @@ class _Cell:
         self._earlier_pixels: dict[str, int] = {}
         self._loop_thread = threading.get_ident()
         self._held: list[Event] = []  # events made on a checker thread: emitted from the loop
+        # what the last clear passed on left: None (none yet), "empty" or "wait" (cleared at the
+        # next output); set back to None by anything shown after it
+        self._cleared: str | None = None
 
     def emit(self, ev: Event) -> None:
+        if ev.kind != "clear":
+            self._cleared = None
         if self.on_event is None:
             return
         if threading.get_ident() != self._loop_thread:
@@ -261,12 +266,20 @@ class _Cell:
 
     def clear(self, msg: dict[str, Any], size: int = 0) -> None:
         known = dict(each({"t": _kind, "wait": lambda v, k: boolean(v, "a clear's wait flag")}, msg, "a clear message"))
+        wait = bool(known.get("wait"))
+        if self._cleared == "empty" or (self._cleared == "wait" and wait):
+            # nothing shown since the last clear: this one would clear nothing (third audit: 2 MB of
+            # clears, each passed on, held a cell for minutes and grew the kernel without bound)
+            return
+        if not self.budget.take_clear():
+            return
+        self._cleared = "wait" if wait else "empty"
         self.budget.cleared()
         if self.request.pixels is None:  # (a branch's clear is ignored: its images stay shown)
             # the cell's images shown are gone from the page; earlier cells' ones it redrew stay
             self.pixels = images.Allowance(max(0, images.CELL_PIXELS - sum(self._earlier_pixels.values())))
             self._pixels_of.clear()
-        self.emit(Event("clear", wait=bool(known.get("wait"))))
+        self.emit(Event("clear", wait=wait))
 
     def done(self, msg: dict[str, Any], size: int = 0) -> CellResult:
         checks: dict[str, Callable[[Any, str], Any]] = {

@@ -44,6 +44,7 @@ SESSION_LOGS = 1000**3  # bytes all output logs in one folder may take together 
 # output limit in all (100 MB at the default 5 MB): each display is cleaned by the gate and
 # sent to the browser, so a loop that redraws for ever must end somewhere too.
 REDRAWS = 20
+CLEARS = 10_000  # clears passed on per cell, at most (each makes the page clear and the magics redraw their notes)
 ROW_KEEP = 64 * 1024  # characters of each stream a fork's or episodes' row (and its tree node) keeps
 
 # A session's id as Workbench makes it (when it started, then 6 random hex digits). A ledger's
@@ -172,6 +173,7 @@ class OutputBudget:
         self._ids: dict[str, int] = {}
         self._earlier: dict[str, int] = {}
         self.redrawn = 0  # bytes of every display and update shown, cleared or not (bounded: REDRAWS)
+        self.clears = 0  # clears the cell sent that would clear something (bounded: CLEARS)
         self._hidden_why = ""  # why the first display not shown was not: "displays", "redraws" or "output"
         self.hidden = 0  # bytes not shown (past the limit)
         self.hidden_in: dict[str, int] = {}  # of those, per stream
@@ -312,6 +314,13 @@ class OutputBudget:
 
     def _redraws(self, size: int) -> bool:
         return self.redrawn + size <= REDRAWS * self.limit
+
+    def take_clear(self) -> bool:
+        """Whether a clear may still be passed on: at most :data:`CLEARS` a cell, so a loop of
+        clears ends somewhere too (third audit); past them a live plot's frames pile up, and the
+        displays a cell shows bound them."""
+        self.clears += 1
+        return self.clears <= CLEARS
 
     def cleared(self) -> None:
         """The cell's output was cleared (``clear_output``): its displays' room is free again.
