@@ -393,7 +393,15 @@ def section(d: dict[str, Any]) -> str:
         'A fork of 16 already keeps both cores busy most of the time: what the overlap won in the first ~20 '
         'ms it paid back in CPU, 0.2-0.3 ms per branch in the kernel process (a message and a reply per branch) '
         "and the rest in the guest (not pinned down; likely the maker's clones and the released branches' "
-        'set-ups contending in the kernel).', END,
+        'set-ups contending in the kernel).'
+        ' 2026-12-06 22:44 (the rows above): this bench again, on the code with the third audit\'s fixes (a '
+        "deleted branch's folder removed however deep, each branch's fds 0-2 its own, cgroup sets still charged "
+        'not reused): fork 16 3.94x, fork 64 4.49x, episodes 16 / fork 16 1.64x, and 1,000 episodes at 47/s against '
+        '125/s at 00:56. The code before those fixes (dcedd1d) and after, run alternately 2 times each in one '
+        'session (episodes 200, then fork 64, of a trivial cell), measured the same: episodes 200 in 4.1-5.2 s '
+        'against 4.1-5.3 s, fork 64 in 0.51-0.60 against 0.48-0.56 s. The host had 686 memory cgroups then, all '
+        "but its root dying (removed, still holding page cache: the day's test runs'), which makes every memory "
+        "cgroup made and removed slower; the cause of the slower evening is not pinned down.", END,
     ])
 
 
