@@ -3,15 +3,18 @@
 ``%%smol episodes N`` wants N fresh machines of the Smolfile's baseline. Booting each costs a
 machine's start and its init commands; a branch of a machine that booted the same baseline and
 ran the same init commands, and nothing else, is the same machine at a fork's cost. The zygote
-runs no cell but the init commands; each episode is a branch of it (its own files, processes,
+runs no cell but the init commands (and a look at what they left); each episode is a branch of it (its own files, processes,
 namespace and seed), deleted afterwards, so no episode ever sees another's state.
 
 That is only the same as a fresh boot when the init commands give the same result every time.
 So before the first use, a second machine boots and runs them too, and a branch of each hashes
 what init left behind (the files of the workspace, /tmp and the home folder, and the namespace's
 variables, addresses left out; a check that fails counts as a difference):
-if the two differ, this baseline's episodes boot fresh machines, and the notebook says why. The
-Smolfile's ``[episodes] fresh = "boot"`` always boots. Which was used goes to the ledger.
+if the two differ, this baseline's episodes boot fresh machines, and the notebook says why. A
+branch has an empty /dev/shm and none of its parent's processes: when init left files there or a
+process running (one look at the zygote itself, which leaves no name behind), episodes boot too,
+saying why. The Smolfile's ``[episodes] fresh = "boot"`` always boots. Which was used goes to the
+ledger.
 
 A zygote that died (its process gone) is noticed when it is next used, or when a fork of it
 fails: it is deleted and the episode's fork fails with an InfraError, so the episode's retry
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 
 from ._aio import _to_the_end
@@ -84,6 +88,35 @@ _smolbench_fingerprint()
 """
 
 
+# Runs in the zygote itself after init (and leaves no name): what a branch would not have, a
+# process init left running (a branch has none of its parent's) or files in /dev/shm (a branch's
+# is empty). The agent is the pid namespace's only process otherwise.
+LEFT_RUNNING = r"""
+def _smolbench_left():
+    import json, os
+    procs = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open('/proc/%s/stat' % pid) as fh:
+                state = fh.read().rsplit(')', 1)[1].split()[0]
+            with open('/proc/%s/comm' % pid) as fh:
+                comm = fh.read().strip()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if state not in 'ZXx':
+            procs.append(comm)
+    try:
+        shm = sorted(os.listdir('/dev/shm'))
+    except OSError:
+        shm = []
+    return json.dumps({'procs': sorted(procs), 'shm': shm})
+print(_smolbench_left())
+del _smolbench_left
+"""
+
+
 @dataclasses.dataclass
 class Verdict:
     """How this baseline's episodes start: from ``zygote`` (a machine), or fresh boots (why)."""
@@ -137,6 +170,15 @@ class Zygotes:
         if not spec.init:
             return Verdict(zygote, "zygote")
         try:
+            left = await self._left_behind(zygote)
+        except BaseException:
+            await self._delete(zygote)
+            raise
+        if left:
+            await self._delete(zygote)
+            return Verdict(None, f"boot (the Smolfile's init commands left {left}, which a branch of a zygote would not "
+                                 "have, so each episode boots its own machine)", surprise=True)
+        try:
             twin = await self._boot(spec, retries)
         except BaseException:
             await self._delete(zygote)
@@ -175,6 +217,24 @@ class Zygotes:
             return ref
 
         return await (once(1) if self._again is None else self._again(name, retries, once))
+
+    async def _left_behind(self, zygote: MachineRef) -> str | None:
+        """What init left that a branch would not have: "a process running (sleep)", "files in
+        /dev/shm (r)", both, or None. A look that fails says so (not checked is not the same)."""
+        res = await self.backend.exec_cell(zygote, CellRequest(LEFT_RUNNING, cell_name="<init left>"), lambda e: None)
+        try:
+            seen = json.loads(res.stdout.strip().splitlines()[-1]) if res.status == "ok" else None
+        except (ValueError, IndexError):
+            seen = None
+        if not isinstance(seen, dict):
+            return "something the check of what they left running could not see (it failed)"
+        said = []
+        if seen.get("procs"):
+            procs = sorted(set(seen["procs"]))
+            said.append(f"{'a process' if len(seen['procs']) == 1 else 'processes'} running ({', '.join(procs[:5])})")
+        if seen.get("shm"):
+            said.append(f"files in /dev/shm ({', '.join(seen['shm'][:5])})")
+        return " and ".join(said) or None
 
     async def _fingerprint(self, ref: MachineRef) -> str | None:
         probe = (await self.branch(ref, "fp", None))

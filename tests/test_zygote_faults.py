@@ -11,6 +11,7 @@ init that left a file in /dev/shm or a process running gave booted episodes what
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -141,3 +142,38 @@ def test_a_zygote_that_fails_to_boot_is_retried_and_the_run_recorded(open_tmp: P
     failed = nodes[nodes.run_id == runs[0]["id"]]  # the newest
     assert list(failed.status) == ["error", "error"]
     assert all("boot failed" in e for e in failed.error)
+
+
+SEEN = r"""
+import os, json, smolbench_guest
+procs = []
+for pid in os.listdir('/proc'):
+    try:
+        procs.append(open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\0')[:2])
+    except OSError:
+        pass
+smolbench_guest.report(seen=json.dumps({'shm': sorted(os.listdir('/dev/shm')),
+                                         'sleeping': [b'sleep', b'1000'] in procs}))
+"""
+
+
+@pytest.mark.parametrize("init, said, seen", [
+    ("echo hello > /dev/shm/r", "files in /dev/shm (r)", {"shm": ["r"], "sleeping": False}),
+    ("nohup sleep 1000 >/dev/null 2>&1 &", "a process running (sleep)", {"shm": [], "sleeping": True}),
+])
+def test_init_that_leaves_what_a_branch_lacks_boots_each_episode(open_tmp: Path, init: str, said: str,
+                                                                 seen: dict[str, Any]) -> None:
+    wb = workbench(open_tmp, MachineSpec(init=(init,)))
+    notes: list[str] = []
+    wb.on_notice = notes.append
+
+    async def main() -> ForkResult:
+        return await episodes(wb, 2, SEEN)
+
+    result = run(wb, main)
+    assert [r["status"] for r in result.rows.values()] == ["ok", "ok"], statuses(result)
+    assert [json.loads(r["metrics"]["seen"]) for r in result.rows.values()] == [seen, seen]
+    assert result.fresh.startswith("boot") and said in result.fresh
+    assert len(notes) == 1 and said in notes[0] and "boot" in notes[0]
+    (row,) = wb.ledger.run_rows()
+    assert row["options"]["fresh"] == result.fresh
