@@ -487,6 +487,11 @@ class Ledger:
         vals = [run_id, session_id, time.time(), *(self._enc(k, v) for k, v in fields.items())]
         self._write(f"INSERT OR REPLACE INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
 
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        """Change columns of a recorded run (its options, once known)."""
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._write(f"UPDATE runs SET {sets} WHERE id = ?", [*(self._enc(k, v) for k, v in fields.items()), run_id])
+
     def end_run(self, run_id: str, status: str) -> None:
         """Mark a run finished."""
         self._write("UPDATE runs SET ended = ?, status = ? WHERE id = ?", (time.time(), status, run_id))

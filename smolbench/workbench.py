@@ -114,7 +114,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         self.moved = ""  # the last delete's line about the active machine moving
         self.last_loss: str | None = None  # the last machine lost under a request, and why (status says it)
         self.closed = False  # down() ran: its backend is closed
-        self.zygotes = Zygotes(backend, self._init)  # episodes branch a pristine machine of the baseline
+        self.zygotes = Zygotes(backend, self._init,  # episodes branch a pristine machine of the baseline
+                               lambda name, retries, once: retry.again(self, [name], "boot", retries, once))
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
             from .cluster.replica import recipe
 
@@ -566,15 +567,26 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         seeds = [result.rows[n]["seed"] for n in names]
         # Each episode a branch of this baseline's pristine zygote, or (its init commands differ
         # from boot to boot, the Smolfile says so, or the backend can't fork live) a boot of its own.
-        verdict = await self.zygotes.verdict(self.spec, self.baseline)
+        # The run is recorded first: a zygote that fails to boot (after its retries) is the run's error.
+        options = {"seeds": seeds, "timeout": timeout}
+        self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
+                              code_hash=code_hash(code), n=len(names), **_where(cell_name), options=options)
+        nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
+        self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        try:
+            verdict = await self.zygotes.verdict(self.spec, self.baseline, retries)
+        except BaseException as exc:
+            stopped = isinstance(exc, asyncio.CancelledError)
+            for node in nodes:
+                self._finish(result, node, "cancelled" if stopped else "error",
+                             error="cancelled" if stopped else f"the episodes' zygote failed: {exc}", alive=False)
+            self.ledger.end_run(result.run_id, "cancelled" if stopped else "done")
+            result.ended = time.time()
+            raise
         zygote, result.fresh = verdict.zygote, verdict.fresh
         if verdict.note:
             self.on_notice(verdict.note)
-        self.ledger.start_run(result.run_id, self.session, kind="episodes", parent_id=None, code=code,
-                              code_hash=code_hash(code), n=len(names), **_where(cell_name),
-                              options={"seeds": seeds, "timeout": timeout, "fresh": verdict.fresh})
-        nodes = [self.tree.add(Node(name, None, seed, run_id=result.run_id)) for name, seed in zip(names, seeds)]
-        self._record_all(nodes, code=code, code_hash=code_hash(code), pushed=sorted(push or {}))
+        self.ledger.update_run(result.run_id, options={**options, "fresh": verdict.fresh})
         at_once = concurrency or self.default_concurrency(len(nodes), boots=zygote is None)
         # Cells run ``at_once``; a zygote's branches (cheap, forked together) are made a wave
         # ahead, so the next ones are waiting when a cell ends: at most 2 x at_once alive.
@@ -588,13 +600,16 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
 
             async def once(attempt: int) -> None:  # boot, init, run; ``made`` holds the machine
                 result.rows[node.id]["attempts"] = attempt
-                if zygote is not None:
-                    made.append(await self.zygotes.branch(zygote, node.id, node.seed))
+                source = zygote
+                if source is not None and attempt > 1:  # the zygote may have died: then this makes a new one
+                    source = (await self.zygotes.verdict(self.spec, self.baseline, retries)).zygote
+                if source is not None:
+                    made.append(await self.zygotes.branch(source, node.id, node.seed))
                 else:
                     made.append(await self.backend.create(episode_spec, node.id))
                 self.machines[node.id] = made[-1]
                 self._placed(made[-1])
-                if zygote is None:
+                if source is None:
                     await self._init(made[-1])
                 async with run_sem:
                     await self._run_branch(result, node, made[-1], code, on_event, timeout, push, seed=node.seed,

@@ -229,6 +229,9 @@ class SandboxBackend(AgentHostBackend):
                     os.close(fd)
                 break
             except OSError as exc:
+                dead = self.gone([machine])  # not starting: gone (its keeper never answers again)
+                if dead:
+                    raise SmolbenchError(f"machine {machine.name!r} can't fork: {dead[machine.name]}") from None
                 if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED) or time.monotonic() > deadline:
                     raise SmolbenchError(f"machine {machine.name!r} can't fork: its keeper is not answering "
                                          f"({exc.strerror}); `%smol delete` it and fork another") from None
