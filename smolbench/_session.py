@@ -316,7 +316,9 @@ class Session(RestoringMixin):
             raise SmolbenchError("nothing to start: call `Session.up()` (or use the session in a `with` block)")
         live(self)  # first: a SIGTERM during up() stops it and deletes what it made
         wb = self.workbench
-        fresh = wb.active is None  # (else up() refuses and touches nothing)
+        # (up() of a live one refuses and touches nothing; a restore's caller takes down what it
+        # brought up itself, and says how that went)
+        fresh = wb.active is None and restore is None
         try:
             _block(wb.up(restore), waiting=waiting)
             self._up_notes(wb)
@@ -342,7 +344,7 @@ class Session(RestoringMixin):
         if self.fallback:
             self.on_notice(self.fallback)
         live(self)
-        fresh = wb.active is None
+        fresh = wb.active is None and restore is None  # (as boot())
         try:
             await _bridge(wb.up(restore))
         except BaseException:
