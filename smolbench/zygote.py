@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 from collections.abc import Awaitable, Callable
 
 from ._aio import _to_the_end
 from .backends.base import Backend, CellRequest, MachineRef
 from .errors import InfraError
+from .gate.frames import loads as json_loads
+from .gate.frames import shown
 from .spec import MachineSpec
 
 # (name, retries, once): ``once(attempt)`` again after an InfraError while attempts are left
@@ -131,6 +132,11 @@ class Verdict:
         return f"smolbench: episodes {self.fresh}" if self.surprise else None
 
 
+def _plain_names(names: list[str]) -> list[str]:
+    """The first 5 of a machine's names, each as it is if short plain text, else quoted safe."""
+    return [n if n.isprintable() and len(n) <= 60 else shown(n) for n in names[:5]]
+
+
 class Zygotes:
     """One kernel's zygotes, a machine per baseline (they are none of the tree's nodes)."""
 
@@ -222,18 +228,19 @@ class Zygotes:
         """What init left that a branch would not have: "a process running (sleep)", "files in
         /dev/shm (r)", both, or None. A look that fails says so (not checked is not the same)."""
         res = await self.backend.exec_cell(zygote, CellRequest(LEFT_RUNNING, cell_name="<init left>"), lambda e: None)
-        try:
-            seen = json.loads(res.stdout.strip().splitlines()[-1]) if res.status == "ok" else None
+        try:  # the machine's answer: read as any machine's JSON, its names shown as plain text
+            seen = json_loads(res.stdout.strip().splitlines()[-1]) if res.status == "ok" else None
         except (ValueError, IndexError):
             seen = None
-        if not isinstance(seen, dict):
+        procs, shm = (seen.get("procs"), seen.get("shm")) if isinstance(seen, dict) else (None, None)
+        if not isinstance(procs, list) or not isinstance(shm, list):
             return "something the check of what they left running could not see (it failed)"
         said = []
-        if seen.get("procs"):
-            procs = sorted(set(seen["procs"]))
-            said.append(f"{'a process' if len(seen['procs']) == 1 else 'processes'} running ({', '.join(procs[:5])})")
-        if seen.get("shm"):
-            said.append(f"files in /dev/shm ({', '.join(seen['shm'][:5])})")
+        if procs:
+            names = ", ".join(_plain_names(sorted(set(map(str, procs)))))
+            said.append(f"{'a process' if len(procs) == 1 else 'processes'} running ({names})")
+        if shm:
+            said.append(f"files in /dev/shm ({', '.join(_plain_names([str(n) for n in shm]))})")
         return " and ".join(said) or None
 
     async def _fingerprint(self, ref: MachineRef) -> str | None:
