@@ -147,12 +147,10 @@ def _walk(levels: list[_Level]) -> None:
         levels.pop()
         up = levels[-1]
         if up.fd is None:
-            try:
-                fd = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=here.fd)
-            except OSError:
-                fd = -1
-            if fd < 0 or (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != up.ident:  # moved meanwhile: stop
-                if fd >= 0:
+            fd = _open_folder(here.fd, "..")
+            st = os.fstat(fd) if fd is not None else None
+            if st is None or (st.st_dev, st.st_ino) != up.ident:  # moved meanwhile: stop
+                if fd is not None:
                     os.close(fd)
                 os.close(here.fd)
                 return

@@ -98,9 +98,7 @@ def _plain(value: Any, chars: int = ID_CHARS) -> Any:
     copied ledger, failed the whole page's encoding)."""
     if isinstance(value, str):
         return _text(value, chars)
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
+    if value is None or isinstance(value, int):  # (a bool too)
         return value
     return _finite(value)
 
