@@ -266,7 +266,7 @@ class Session(RestoringMixin):
         wb.net_note = net_note
         wb.on_notice = self._notice_line
         if path:
-            from .smolfile import SmolfileWatch
+            from ._smolfilewatch import SmolfileWatch
 
             wb.smolfile_watch = SmolfileWatch(path, file_spec)
         self.spec_path = path

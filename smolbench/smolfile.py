@@ -34,10 +34,8 @@ naming the file, the line, the key, the problem and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import errno
-import hashlib
 import os
 import posixpath
 import re
@@ -700,7 +698,7 @@ def shown(path: str | os.PathLike[str]) -> str:
 SMOLFILE_LIMIT = 1 << 20  # bytes: a Smolfile is a few hundred; a larger file is not one (a link to /dev/zero grew forever)
 
 
-def _read_bytes(file: Path) -> bytes:
+def read_bytes(file: Path) -> bytes:
     """The Smolfile ``file``'s bytes: a link the user made to it is resolved first, then the real file is
     read as a plain file only (never waiting: a fifo there hung ``Session()`` and ``%smol up``) and at
     most :data:`SMOLFILE_LIMIT` bytes of it. OSError: EINVAL when it is not a plain file, EFBIG when larger."""
@@ -710,7 +708,7 @@ def _read_bytes(file: Path) -> bytes:
     return data
 
 
-def _unreadable(exc: OSError) -> tuple[str, str]:
+def unreadable(exc: OSError) -> tuple[str, str]:
     """Why a Smolfile can't be read (``exc``), and the fix, for one line."""
     if isinstance(exc, FileNotFoundError):
         return "no such Smolfile", "create it or fix the path"
@@ -721,7 +719,7 @@ def _unreadable(exc: OSError) -> tuple[str, str]:
     return f"cannot read the Smolfile ({exc.strerror})", "check its permissions"
 
 
-def _text(data: bytes, name: str) -> str:
+def smolfile_text(data: bytes, name: str) -> str:
     """A Smolfile's bytes as text, newlines as ``read_text`` gives them; one line if not UTF-8."""
     try:
         text = data.decode("utf-8")
@@ -732,11 +730,11 @@ def _text(data: bytes, name: str) -> str:
 
 def _read_smolfile(file: Path, name: str) -> str:
     try:
-        data = _read_bytes(file)
+        data = read_bytes(file)
     except OSError as exc:
-        why, fix = _unreadable(exc)
+        why, fix = unreadable(exc)
         raise SmolfileError(f"{name}: {why}; {fix}") from None
-    return _text(data, name)
+    return smolfile_text(data, name)
 
 
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -753,68 +751,3 @@ def load_smolfile(path: str | os.PathLike[str]) -> MachineSpec:
     name = shown(path)
     text = _read_smolfile(file, name)
     return parse_smolfile(text, source=name, base_dir=str(file.resolve().parent))
-
-
-# MachineSpec fields as the Smolfile names them
-_KEYS = {"net": "network", "allow_hosts": "network", "allow_cidrs": "network", "disk_mib": "disk",
-         "episodes_fresh": "episodes"}
-
-
-class SmolfileWatch:
-    """Notices, once, that the Smolfile an up read now says something else: its machines keep the
-    spec they were made with, and the next cell or fork says how to apply the new one. A stat per
-    call; the file is read, hashed and parsed again only when its stat changed, and a change that
-    leaves the spec as it was (a comment, spacing) says nothing."""
-
-    def __init__(self, path: str | os.PathLike[str], spec: MachineSpec) -> None:
-        self.path, self.spec, self.said = Path(path).expanduser(), spec, False
-        self._stamp: tuple[int, ...] | None = None
-        self._digest: str | None = None
-        self._pending = self._look()  # changed since it was parsed for the up: said at the first cell
-
-    def news(self) -> str | None:
-        """The one line to say now (``%smol`` words), or None: unchanged, or said already."""
-        if self.said:
-            return None
-        line, self._pending = self._pending or self._look(), None
-        self.said = line is not None
-        return line
-
-    def _look(self) -> str | None:
-        try:
-            st = os.stat(self.path)
-            stamp: tuple[int, ...] | None = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        except OSError:
-            stamp = None
-        if stamp == self._stamp and self._digest is not None:
-            return None
-        self._stamp = stamp
-        error: OSError | None = None
-        try:
-            data: bytes | None = _read_bytes(self.path)
-        except OSError as exc:
-            data, error = None, exc
-        digest = hashlib.sha256(data).hexdigest() if data is not None else ""
-        if digest == self._digest:
-            return None
-        self._digest = digest
-        name, apply = shown(self.path), "`%smol down` then `%smol up` to apply it"
-        if data is None:
-            if error is not None and not isinstance(error, FileNotFoundError):
-                why, fix = _unreadable(error)
-                return (f"smolbench: the Smolfile {name} can't be read now ({why}); machines keep the spec they "
-                        f"were made with: {fix}, then {apply}")
-            return f"smolbench: the Smolfile {name} is gone since `%smol up`; machines keep the spec they were made with"
-        try:
-            now = parse_smolfile(_text(data, name), source=self.spec.source or name,
-                                 base_dir=str(self.path.resolve().parent))
-        except SmolfileError as exc:
-            why = str(exc).splitlines()[0][:200]
-            return (f"smolbench: the Smolfile {name} changed since `%smol up` and doesn't parse now ({why}); machines "
-                    f"keep the spec they were made with: fix it, then {apply}")
-        keys = list(dict.fromkeys(_KEYS.get(f.name, f.name) for f in dataclasses.fields(now)
-                                  if getattr(now, f.name) != getattr(self.spec, f.name)))
-        if not keys:
-            return None
-        return (f"smolbench: the Smolfile {name} changed since `%smol up` ({', '.join(keys)}); machines keep the spec "
-                f"they were made with: {apply}")

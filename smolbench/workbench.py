@@ -25,6 +25,7 @@ from . import _args, gate, packages, signing
 from . import retries as retry
 from ._aio import _gather_cancelling, _stop_with_grace, _to_the_end
 from ._recorder import Observer, RecorderMixin
+from ._smolfilewatch import SmolfileWatch
 from .backends._limits import disk_note, out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
@@ -36,7 +37,6 @@ from .provenance import versions as _versions
 from .provenance import where as _where
 from .result import ForkResult
 from .shelf import Shelf
-from .smolfile import SmolfileWatch
 from .spec import MachineSpec
 from .status import StatusMixin
 from .tree import TERMINAL, Node, Tree

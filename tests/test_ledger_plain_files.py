@@ -21,7 +21,8 @@ import pytest
 from test_server_api import _ledger
 
 from smolbench import SmolbenchError
-from smolbench.ledger import Ledger, odd_part
+from smolbench._ledgerfiles import odd_part
+from smolbench.ledger import Ledger
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root (as `tar x` as root does)")
 
@@ -121,7 +122,7 @@ def test_a_copied_ledger_s_journal_can_t_have_sqlite_delete_the_user_s_files(tmp
     delete that file (``../thesis.tex``: relative to the kernel's folder, or absolute) as the
     kernel's `%smol up`, or the sidebar's delete of one of that folder's checkpoints, opened
     the ledger to write and rolled the journal back."""
-    from smolbench import ledger as ledger_module
+    from smolbench import _ledgerfiles as ledger_module
     from smolbench.server.handlers import _delete_checkpoint
 
     thesis = tmp_path / "thesis.tex"

@@ -558,7 +558,8 @@ def test_a_smolfile_is_read_as_a_plain_file_of_bounded_size(base: Path) -> None:
     import subprocess
     import sys
 
-    from smolbench.smolfile import SmolfileWatch, load_cluster
+    from smolbench._smolfilewatch import SmolfileWatch
+    from smolbench.smolfile import load_cluster
 
     fifo = base / "Smolfile"
     os.mkfifo(fifo)

@@ -14,7 +14,6 @@ import asyncio
 import builtins
 import contextlib
 import os
-import re
 import shutil
 import subprocess
 import tarfile
@@ -33,6 +32,7 @@ from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
 from ..spec import MachineSpec
 from . import _limits, _procs, _rundir, _spawn
+from ._agentlog import keep_log
 from ._channel import Channel
 from ._saving import Saving
 from ._wire import RequestIds, exec_message, interrupt_message
@@ -43,7 +43,6 @@ T = TypeVar("T")
 BOOT_TIMEOUT = 30.0
 KILL_TIMEOUT = 10.0  # seconds a root agent gets to confirm a branch is gone
 CHUNK = 256 * 1024  # bytes read from an agent's socket at a time (the gate makes frames)
-LOG_LIMIT = 8 << 20  # bytes of a machine's own output (its fds 1 and 2) kept in its agent.log
 
 
 def _not_answering(ref: MachineRef, exc: OSError) -> SmolbenchError:
@@ -186,7 +185,7 @@ class AgentHostBackend(Saving, Backend):
                 # reach the machine; we deliver interrupts ourselves. This runs on the workbench's
                 # loop thread, which lives as long as the kernel (--die-with-parent / pdeathsig);
                 # started from a worker thread of it (_spawn: N boots don't queue on the loop).
-                # Its output comes through a pipe, kept up to LOG_LIMIT (a file of the host's
+                # Its output comes through a pipe, kept up to _agentlog.LOG_LIMIT (a file of the host's
                 # would take whatever a cell writes to fd 1).
                 # A pipe of our own, not asyncio's: its wait() would wait for every writer to close it.
                 read, write = (None, open(run_dir / "agent.log", "wb")) if whole_log else os.pipe()
@@ -213,7 +212,7 @@ class AgentHostBackend(Saving, Backend):
                 self._spawned(name)
             if read is not None:
                 booted = self._booted[name] = asyncio.Event()
-                self._logs[name] = asyncio.ensure_future(_keep_log(read, run_dir / "agent.log", booted))
+                self._logs[name] = asyncio.ensure_future(keep_log(read, run_dir / "agent.log", booted))
             self._procs[name] = proc
             ref.info["pid"] = proc.pid
             await self._wait_ready(ref, proc, ready)
@@ -794,33 +793,3 @@ def _wait_gone(procs: list[tuple[int, str]]) -> None:
             return
         _procs.kill_all(alive)
         time.sleep(0.01)
-
-
-READY_LINE = re.compile(rb"(?:^|\n)smolbench agent \S+ ready \(pid \d+\)\n")  # guest/agent.py main()
-
-
-async def _keep_log(fd: int, path: Path, booted: asyncio.Event | None = None) -> None:
-    """Write a machine's output (pipe ``fd``, ours to close) to ``path`` up to LOG_LIMIT, then
-    read on and drop the rest (the machine must never block on a full pipe), with one line
-    saying so. ``booted`` is set once the agent's ready line came (before any cell ran, only
-    the agent writes here)."""
-    out = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(out), os.fdopen(fd, "rb", buffering=0))
-    written, cut, head = 0, False, b""
-    try:
-        with open(path, "wb", buffering=0) as log:
-            while data := await out.read(CHUNK):
-                if booted is not None and not booted.is_set():
-                    head = (head + data)[-4096:]
-                    if READY_LINE.search(head):
-                        booted.set()
-                part = data[: max(0, LOG_LIMIT - written)]
-                if part:
-                    log.write(part)
-                    written += len(part)
-                if len(part) < len(data) and not cut:
-                    cut = True
-                    log.write(b"\n[smolbench: this log stops at %d MiB; the machine wrote more, dropped]\n" % (LOG_LIMIT >> 20))
-    finally:
-        transport.close()

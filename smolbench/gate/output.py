@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from ..ledger import linked_part
+from .._ledgerfiles import linked_part
 from .archive import NODE_RE
 from .limits import LIMITS, human
 

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._ledgerfiles import SUPER_JOURNAL, odd_part
 from ..gate import frames
-from ..ledger import SUPER_JOURNAL, UnsafeLedger, guard, odd_part
+from ..ledger import UnsafeLedger, guard
 from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
@@ -36,7 +37,7 @@ class LedgerUnreadable(Exception):
 
 
 def odd_ledger(db: Path) -> str | None:
-    """Why the ledger ``db`` is not read (:func:`smolbench.ledger.odd_part`): "has a fifo at
+    """Why the ledger ``db`` is not read (:func:`smolbench._ledgerfiles.odd_part`): "has a fifo at
     ledger.db-journal: ..."; None if it may be."""
     odd = odd_part(db)
     if odd is None:
