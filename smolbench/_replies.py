@@ -16,6 +16,8 @@ import numpy as np
 
 from .errors import SmolbenchError
 
+CHUNK = 1 << 16  # items of an array made into Python objects (tolist) at once, to be written as JSON
+SPILL = 4096  # items from which a served reply's array is written straight to JSON text
 NUMBER_TEXT = 25  # a float's JSON at most, and its comma: -1.7976931348623157e+308 (float32's too: tolist makes doubles)
 
 
@@ -42,7 +44,8 @@ def to_json(value: Any) -> Any:
 
 def json_size(value: Any) -> int:
     """The most bytes ``value`` (an observation or info the gate checked) can take as JSON
-    once :func:`to_json` made it, from its arrays' shapes and dtypes (no array is converted:
+    once :func:`to_json` made it, or as the Python objects made on the way where those take
+    more (:func:`_array_text`), from its arrays' shapes and dtypes (no array is converted:
     a 2 MiB int8 observation took 40 MiB to answer). Its walk is bounded by the gate's: an
     observation has at most 4096 leaves in its space, an info about 256 KiB."""
     total, stack = 0, [value]
@@ -74,9 +77,28 @@ def json_size(value: Any) -> int:
     return total
 
 
+LIST_OBJECT = 72  # bytes of the Python list (and its reference) tolist makes for each nested list
+
+
+def _item_objects(dtype: np.dtype[Any]) -> int:
+    """Bytes of the Python objects to_json makes of one item (measured): an int, a float, a
+    pair of floats, a date's text, a str; a dict, its text and the bytes for a bytes item."""
+    kind, size = dtype.kind, dtype.itemsize
+    fixed = {"b": 8, "i": 36, "u": 36, "f": 32, "c": 170, "M": 128, "m": 128}
+    return fixed.get(kind) or (200 + 2 * size if kind in "SV" else 80 + size)
+
+
 def _array_text(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    """What an array of ``shape`` and ``dtype`` costs a reply: its JSON text, or the Python
+    objects made of it at once where those take more. A numeric array of ``SPILL`` items or
+    more is written as text a chunk at a time; any other is made into Python objects whole
+    (``tolist``): a list per nested list and an object or three per item (a 128-byte array
+    of shape (5,000,000, 0) took 700 MB; 250 KB of ``S1`` items 50 MB)."""
     lists = sum(math.prod(shape[:d]) for d in range(len(shape)))  # "[", "]", "," each nested list
-    return 3 * lists + math.prod(shape) * _item_text(dtype)
+    items = math.prod(shape)
+    if dtype.kind in "biuf" and items >= SPILL:
+        return 3 * lists + items * _item_text(dtype)
+    return LIST_OBJECT * lists + items * max(_item_text(dtype), _item_objects(dtype))
 
 
 def space_json_size(space: Any) -> tuple[int, int]:
@@ -140,8 +162,6 @@ def _item_text(dtype: np.dtype[Any]) -> int:
     return NUMBER_TEXT  # floats
 
 
-CHUNK = 1 << 16  # items of an array made into Python objects (tolist) at once, to be written as JSON
-SPILL = 4096  # items from which a served reply's array is written straight to JSON text
 MARK = re.compile(r'"smolbench-json:([0-9a-f]{32})"')
 _TEXTS: dict[str, list[str]] = {}  # served replies' arrays as JSON text, by the mark standing in for each
 _TEXTS_LOCK = threading.Lock()

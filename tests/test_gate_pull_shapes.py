@@ -113,3 +113,32 @@ def test_a_reply_rebuilds_at_most_so_many_pandas_columns() -> None:
     with pytest.raises(Bad, match="more than 4,096 pandas columns in one reply"):
         pull.data_value(frame(5_000), 0, pull.Budget())
     assert pull.data_value(frame(100), 0, pull.Budget()).shape == (0, 100)
+
+
+def _npy_b64(arr: Any) -> str:
+    import base64
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("shape", [(5_000_000, 0), (1, 2_000_000, 0), (3000, 3000, 0)])
+def test_an_array_whose_shape_is_millions_of_lists_for_no_data_is_refused(shape: tuple[int, ...],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fourth round's last audit: 128 bytes of .npy of shape (5,000,000, 0) passed (no items,
+    so none outnumbered the bytes sent), and ``tolist`` in ``smolbench serve`` made 5 million
+    lists of it: 700 MB and 5-15 s of the server's CPU per step, other sessions waiting."""
+    np = pytest.importorskip("numpy")
+    sent = _npy_b64(np.zeros(shape, np.uint8))
+    assert len(sent) < 200
+    with pytest.raises(Bad, match=r"nested lists for 0 items \(its shape describes far more than its data\)"):
+        pull.npy(sent)
+    # honest shapes pass: an image's channel, trailing ones, empty arrays
+    for ok in [(256, 256, 1), (64, 64, 1, 1, 1), (0,), (3, 0, 2), (100, 0), (1000, 1)]:
+        assert pull.npy(_npy_b64(np.zeros(ok, np.float32))).shape == ok
+    monkeypatch.setattr(pull, "SHAPE_SLACK", 10**12)  # weakened: the shape unchecked
+    assert pull.npy(sent).shape == shape

@@ -306,6 +306,33 @@ def sent_peak(fakes: list[FakeParent], obs: Any, space: Any) -> tuple[int, int]:
     return peak, int(size)
 
 
+@pytest.mark.parametrize("arr", [
+    np.zeros((200_000, 0), np.uint8), np.zeros((2000, 1), np.uint8), np.zeros(100_000, "S1"), np.zeros(50_000, "S7"),
+    np.zeros(100_000, np.complex64), np.zeros(100_000, "M8[s]"), np.zeros(100_000, "U1"), np.zeros(4000, np.float64),
+], ids=lambda a: f"{a.dtype.str}{a.shape}")
+def test_what_a_reply_is_counted_at_covers_the_python_objects_made_of_it(arr: Any) -> None:
+    """--max-reply bounds what a reply costs the server, not only its JSON: an info of 250 KB
+    of ``S1`` items became 250,000 ``{"base64": ...}`` dicts (+50 MB) counted as 5 MB, and an
+    array of shape (N, 0) N lists counted at 3 bytes each (last audit of round 4). What
+    :func:`json_size` counts is at least what making the reply's JSON holds at its peak."""
+    import tracemalloc
+
+    from smolbench._replies import to_json_served
+
+    marks: list[str] = []
+    tracemalloc.start()
+    try:
+        made = to_json_served({"x": arr}, marks)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del made
+    from smolbench._replies import forget
+
+    forget(marks)
+    assert peak <= json_size({"x": arr}), f"{peak:,} bytes made, counted at {json_size({'x': arr}):,}"
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
 def test_a_big_reply_is_sent_holding_about_3_times_its_json_not_5_to_12(fakes: list[FakeParent], dtype: str) -> None:
     """A reply's arrays were made into lists of Python objects (tolist), copied (model_dump),

@@ -27,6 +27,7 @@ from .limits import LIMITS, human
 MAX_DEPTH = 100
 DTYPE_RE = re.compile(r"[A-Za-z0-9_\[\], :/+\-]{1,64}")
 FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+SHAPE_LISTS, SHAPE_SLACK = 4, 1024  # nested lists an array may describe: 4 per item, and 1,024 more
 COLUMNS = 4096  # pandas columns (and indexes) one reply may rebuild
 COLLISIONS = 16  # pulled items that may share one hash (64 per hash in 15,000 groups held the GIL 1.4 s)
 TZ_IN_DTYPE = re.compile(r"(?:datetime64|M8)\[\s*\w+\s*,\s*([^\]]*)\]")  # anywhere: interval[M8[ns, X]] too
@@ -97,6 +98,8 @@ def _plain_npy(raw: bytes) -> Any:
             return None
         shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
         known = (dtype, shape, math.prod(shape))
+        if _lists(shape) > SHAPE_LISTS * known[2] + SHAPE_SLACK:
+            return None  # np.load's path refuses it (_shape_ok), in one line
         if len(_HEADERS) < 64:  # a step's observation has the same header every time
             _HEADERS[header] = known
     dtype, shape, count = known
@@ -120,8 +123,25 @@ def npy(value: Any) -> Any:
         raise Bad(f"an array that is not plain .npy data ({shown(str(exc))})") from None
     if arr.size > len(raw):  # only items of 0 bytes can outnumber the bytes sent
         raise Bad(f"an array of {arr.size:,} items of {arr.dtype.itemsize} bytes sent in {len(raw):,} bytes")
+    _shape_ok(arr.shape, arr.size)
     _text_ok(arr)
     return arr
+
+
+def _shape_ok(shape: tuple[int, ...], size: int) -> None:
+    """Refuse a shape that describes far more nested lists than the array has items: what
+    ``tolist`` (JSON, a served reply) makes of it is a Python list for each. An array of
+    shape (5,000,000, 0) is 128 bytes of .npy and was 5 million lists, 700 MB, in a server.
+    Trailing dimensions of 1 (an image's channel) stay well within the bound."""
+    lists = _lists(shape)
+    if lists > SHAPE_LISTS * size + SHAPE_SLACK:
+        raise Bad(f"an array of shape {shown(shape)}: {lists:,} nested lists for {size:,} items "
+                  "(its shape describes far more than its data); send it without its empty or repeated dimensions")
+
+
+def _lists(shape: tuple[int, ...]) -> int:
+    """The nested lists an array of ``shape`` is as a list of lists (``tolist``)."""
+    return sum(math.prod(shape[:d]) for d in range(len(shape)))
 
 
 def _text_ok(arr: Any) -> None:
