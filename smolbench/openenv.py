@@ -63,6 +63,9 @@ MAX_MESSAGE = 1 << 20  # bytes of an HTTP request body or a WebSocket message (-
 # reply's text; then that text, its bytes and the WebSocket's frame), so 16 MiB is ~50 MiB a session
 MAX_REPLY = 16 << 20
 GRACE = 30.0  # s a cut request's clean-up, or a session's close, may take on top
+# Set once this process's server is stopping (Ctrl-C, SIGTERM): a request cut then was cut by
+# the stop, not by its client, and its episode's row and its client's line say so.
+STOPPING = threading.Event()
 # a session refused at the cap (both kinds: see app_for), as the WebSocket's error and HTTP's 503 say it
 AT_CAPACITY = ("the server is at capacity: {active}/{cap} sessions open (smolbench serve --max-sessions {cap}; "
                "each WebSocket session counts, and each HTTP /reset while it runs, each until its machine is "
@@ -193,7 +196,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             if running is not None and running.cancel():  # still queued: it never holds a thread
-                raise SmolbenchError(f"the {what} was cut: its client disconnected")
+                raise SmolbenchError(f"the {what} was cut: {_cut_by()}")
             self._client_gone = True  # before reading _cut: _run sets _cut before reading this
             cut = self._cut
             if cut is not None:
@@ -300,7 +303,7 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
             why = f"the {what} took longer than {limit:g} s (smolbench serve --request-timeout)"
             how = "timeout"  # as a gym env's timeout= records it
         except _ClientGone:
-            why = f"the {what} was cut: its client disconnected"
+            why = f"the {what} was cut: {_cut_by()}"
             how = "cancelled"  # stopped from outside, as a fork's Ctrl-C'd branch: no error of the env's
         finally:
             self._cut = None
@@ -377,6 +380,10 @@ class MachineEnvironment(Environment[GymAction, GymObservation, State]):
 
 class _OutOfTime(Exception):
     """A served request ran out of time."""
+
+
+def _cut_by() -> str:
+    return "the server is stopping" if STOPPING.is_set() else "its client disconnected"
 
 
 class _ClientGone(Exception):

@@ -327,6 +327,9 @@ def _uvicorn_server() -> type:
         files uncounted, and ran the server out of them."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            from .openenv import STOPPING
+
+            STOPPING.set()
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 

@@ -240,6 +240,12 @@ def test_hung_steps_from_vanished_clients_free_their_slots_and_sigterm_still_sto
     assert code == 0, server.out
     assert "stopped; every machine it made is deleted" in server.out
     assert not [p for p in machines if _procs.running(*p)]
+    # the step cut by the stop is recorded as that, not as its client's leaving (last audit of round 4)
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(open_tmp / ".smolbench" / "ledger.db")) as db:
+        errors = [e for (e,) in db.execute("SELECT error FROM nodes WHERE status = 'cancelled'")]
+    assert any("was cut: the server is stopping" in (e or "") for e in errors), errors
 
 
 def test_sessions_left_idle_are_closed_and_their_machines_deleted(open_tmp: Path) -> None:
