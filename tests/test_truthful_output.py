@@ -5,12 +5,14 @@ seeds; a replay that matched never says it "may differ"; trailing comments on ma
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+import pytest
 from nbhelpers import NotebookSession, error_text, result_text, stream_text
 
-from smolbench.widgets.svgplot import CHAR_W, bars_and_scatter
+from smolbench.widgets.svgplot import CHAR_W, bars_and_scatter, depth_scatter
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
@@ -82,3 +84,17 @@ def test_the_reward_plot_keeps_axis_titles_clear_of_tick_labels() -> None:
     xtitle_y = float(re.search(r'y="([\d.]+)" text-anchor="middle">branch</text>', svg).group(1))  # type: ignore[union-attr]
     label_y = float(re.findall(r'translate\([\d.]+,([\d.]+)\) rotate\(45\)', svg)[0])
     assert xtitle_y > label_y + len("root.7.19.12") * 5.3 * 0.7
+
+
+@pytest.mark.parametrize("rewards", [[0.0, 5e-324], [-1.7e308, 1.7e308], [1.7e308, 1.79e308], [-1.79e308, 0.0]])
+def test_the_static_plots_draw_extreme_rewards_at_real_coordinates(rewards: list[float]) -> None:
+    """Rewards a machine reports may be any finite float: 0 and 5e-324 raised in the y ticks
+    (log10 of 0: the notebook's static copy of the plots was dropped), and -1.7e308 with
+    1.7e308 overflowed every difference, so every mark was drawn at NaN (last audit of round 4)."""
+    svg = bars_and_scatter([(f"b{i}", r, "#000", i == 0) for i, r in enumerate(rewards)],
+                           [(float(i), r, "#000") for i, r in enumerate(rewards)], (0.0, rewards[0]), "t")
+    svg += depth_scatter([(float(i), r, "#000", True) for i, r in enumerate(rewards)],
+                         [(0.0, rewards[0], 1.0, rewards[1])], [(0.0, rewards[0]), (1.0, rewards[1])], "t")
+    coords = re.findall(r'\b(?:x|y|x1|x2|y1|y2|cx|cy|width|height)="([^"]*)"', svg)
+    assert coords and all(math.isfinite(float(c)) for c in coords), [c for c in coords if not math.isfinite(float(c))][:5]
+    assert svg.count("<circle") == 2 * len(rewards) + 1

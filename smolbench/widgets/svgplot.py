@@ -24,16 +24,21 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
         return [0.0]
     if hi <= lo:
         hi = lo + 1.0
-    raw = (hi - lo) / n
-    step = 10 ** math.floor(math.log10(raw))
+    half = hi * 0.5 - lo * 0.5  # finite for any finite ends (hi - lo overflows past 1.8e308)
+    if half < 1e-300:  # ends a subnormal apart (0 and 5e-324): no step between them
+        return [lo, hi]
+    raw = half / n * 2
+    step = 10.0 ** math.floor(math.log10(raw))
     for m in (1, 2, 5, 10):
         if raw <= m * step:
             step *= m
             break
     start = math.floor(lo / step) * step
+    if not math.isfinite(start):  # a step of 1e308 below -1.7e308
+        start = lo
     out: list[float] = []
     v = start
-    while v <= hi + step * 0.5 and len(out) < 12:
+    while math.isfinite(v) and v <= hi + step * 0.5 and len(out) < 12:
         out.append(round(v, 10))
         v += step
     return out
@@ -59,7 +64,7 @@ class Panel:
         the x title goes under them."""
         yt = _ticks(ylo, yhi)
         self.ylo, self.yhi = min(ylo, yt[0]), max(yhi, yt[-1])
-        pad = (xhi - xlo) * 0.05 or 0.5
+        pad = (xhi * 0.5 - xlo * 0.5) * 0.1 or 0.5
         self.xlo, self.xhi = xlo - pad, xhi + pad
         p = self.parts
         p.append(f'<text x="{self.x + self.w / 2:.1f}" y="{self.y - 8:.1f}" text-anchor="middle" '
@@ -83,10 +88,16 @@ class Panel:
                  f'text-anchor="middle">{_e(ylabel)}</text>')
 
     def px(self, v: float) -> float:
-        return self.x + (v - self.xlo) / ((self.xhi - self.xlo) or 1) * self.w
+        return self.x + _share(v, self.xlo, self.xhi) * self.w
 
     def py(self, v: float) -> float:
-        return self.y + self.h - (v - self.ylo) / ((self.yhi - self.ylo) or 1) * self.h
+        return self.y + self.h - _share(v, self.ylo, self.yhi) * self.h
+
+
+def _share(v: float, lo: float, hi: float) -> float:
+    """Where ``v`` is between ``lo`` and ``hi`` (0 to 1), in halves so that no difference of
+    two finite floats overflows (rewards of -1.7e308 and 1.7e308 made every mark NaN)."""
+    return (v * 0.5 - lo * 0.5) / ((hi * 0.5 - lo * 0.5) or 1)
 
 
 def _svg(parts: list[str], title: str) -> str:
