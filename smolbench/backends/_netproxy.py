@@ -223,7 +223,7 @@ async def _say(stream: asyncio.StreamReader) -> None:
 # -- the proxy process ------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # a key of the fair share's counts: by identity
 class Node:
     name: str
     policy: NetPolicy
@@ -307,6 +307,7 @@ class Proxy:
                     tree: str | None = None) -> None:
         node = Node(name, policy, self.budget.tree(tree or name))
         self.nodes[name] = node
+        node.tree.members.add(node)
         for sock in socks:  # accepted sockets inherit the listener's small, fixed buffers
             _netbudget.bounded(sock)
         self._listen(node, socks[0], lambda r, w: self._spawn(node, self.proxied, r, w))
@@ -394,6 +395,7 @@ class Proxy:
         node = self.nodes.pop(name, None)
         if node is None:
             return
+        node.tree.members.discard(node)
         for task, _ in node.listeners:
             task.cancel()
         await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
