@@ -181,3 +181,32 @@ def test_branches_holding_all_they_can_leave_their_parent_its_floor(sink: int, h
 
     asyncio.run(main())
 
+
+def test_trees_holding_all_they_can_leave_another_tree_its_floor(sink: int) -> None:
+    """A gap the eighth audit left: four trees of three machines, each machine holding all it could, filled the
+    kernel's 256 connections, and a fifth tree (another user's root) had no network. Now the
+    kernel's connections are shared among the trees that want some: the fifth still gets
+    TREE_FLOOR, and no tree more than its part."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        trees = [f"t{i}" for i in range(4)]
+        ports = {(t, m): await _machine(proxy, f"{t}.{m}" if m else t, t) for t in trees for m in range(3)}
+        late = await _machine(proxy, "late", "late")
+        held = [await _hold_all(port, sink, 40) for port in ports.values()]
+        theirs = await _hold_all(late, sink, _netbudget.TREE_FLOOR)
+        try:
+            counts = {t.name: len(t.conns) for t in proxy.budget.trees.values()}
+            assert all(_ok(a) for *_, a in theirs), (counts, [a for *_, a in theirs])
+            assert sum(counts.values()) <= _netbudget.KERNEL_CONNECTIONS, counts
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            last = [s["last_failed"] for n, s in stats.items() if n.startswith("t3")]
+            assert any("kept for its other machine trees" in f or "the most one tree may" in f for f in last), last
+        finally:
+            for tunnels in [*held, theirs]:
+                for _, w, _ in tunnels:
+                    w.transport.abort()
+            for n in list(proxy.nodes):
+                await proxy.detach(n)
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   ``TREE_HEADS`` request heads being read (each at most ``BUFFER`` bytes and
   ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers) and
   ``TREE_LOOKUPS`` name lookups in flight; per kernel at most ``KERNEL_CONNECTIONS``
-  connections;
+  connections, shared the same way among its trees (each guaranteed ``TREE_FLOOR``);
 * per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
   ``TREE_BURST`` (a token bucket, ``Bucket``), and per machine half that (so one machine's
   flood never takes its siblings' allowance): past it a connection waits unaccepted in its
@@ -43,6 +43,7 @@ TREE_CONNECTIONS = 64
 MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or a branch), alone: never the whole tree's
 MACHINE_FLOOR = 4  # what each live machine of a tree may always open (while its tree has 4 per machine)
 KERNEL_CONNECTIONS = 256
+TREE_FLOOR = 16  # what each live tree may always open (while the kernel has 16 per tree)
 TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
 TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
@@ -153,9 +154,16 @@ class Budget:
 
     def full(self, tree: Tree, node: Any = None) -> str | None:
         """Why one more connection of ``tree`` (from machine ``node``) can't be taken (None: it
-        can): the machine's share of its tree's (``_netfair``)."""
-        if self.connections() >= KERNEL_CONNECTIONS:
+        can): the tree's share of the kernel's, then the machine's of its tree's (``_netfair``)."""
+        trees = {name: len(t.conns) for name, t in self.trees.items()}
+        why = _netfair.refusal(trees, list(self.trees), tree.name, KERNEL_CONNECTIONS, TREE_FLOOR, KERNEL_CONNECTIONS)
+        if why == _netfair.FULL:
             return f"this kernel's machines have {KERNEL_CONNECTIONS} connections open (the most they may)"
+        if why == _netfair.SHARE:
+            return (f"this machine tree has {len(tree.conns)} connections open (the most one tree may while "
+                    f"{sum(1 for n in trees.values() if n)} trees hold the kernel's {KERNEL_CONNECTIONS})")
+        if why == _netfair.KEPT:
+            return f"the rest of this kernel's {KERNEL_CONNECTIONS} connections are kept for its other machine trees"
         machines: dict[Any, int] = {}
         for c in tree.conns:
             machines[c.node] = machines.get(c.node, 0) + 1

@@ -1,7 +1,8 @@
 """A fair share of a capped count among the members that want it (the egress proxy's connections).
 
-The proxy applies it to a tree's connections among its machines. A fixed share per member
-(half the tree's) let two branches fill their tree and starve their parent and siblings (a gap
+The proxy applies it twice: a tree's connections among its machines, and the kernel's among
+its trees. A fixed share (half a tree's per machine, a whole tree's per tree) let two branches
+fill their tree and starve their parent and siblings, and four trees fill the kernel's (gaps
 the eighth audit left). So:
 
 * every live member is guaranteed ``min(floor, cap // live)``: what it holds below that is
