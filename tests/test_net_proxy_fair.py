@@ -145,3 +145,68 @@ def test_a_flood_of_refused_requests_is_handled_only_up_to_its_trees_allowance(
                 await proxy.detach(n)
 
     asyncio.run(main())
+
+
+async def _hold_all(port: int, sink: int, most: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]]:
+    """As many tunnels as the proxy gives, of ``most`` asked for (the refused ones too)."""
+    return [await tunnel(port, f"{FAR}:{sink}") for _ in range(most)]
+
+
+@pytest.mark.parametrize("hogs", [2, 3])
+def test_branches_holding_all_they_can_leave_their_parent_its_floor(sink: int, hogs: int) -> None:
+    """A gap the eighth audit left: each machine could hold half its tree's connections, so two branches that
+    held all they could filled the tree and their parent had no network. Now ``hogs`` branches
+    each ask for 80 tunnels and hold them; the parent still gets MACHINE_FLOOR, and so did
+    every branch (the tree's 64 shared among those that want some)."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        names = ["root"] + [f"root.{i}" for i in range(hogs)]
+        ports = {n: await _machine(proxy, n, "root") for n in names}
+        held = {n: await _hold_all(ports[n], sink, 80) for n in names[1:]}
+        theirs = await _hold_all(ports["root"], sink, _netbudget.MACHINE_FLOOR)
+        try:
+            got = {n: sum(1 for *_, a in held[n] if _ok(a)) for n in held}
+            assert all(_ok(a) for *_, a in theirs), (got, [a for *_, a in theirs])
+            assert all(n >= _netbudget.MACHINE_FLOOR for n in got.values()), got
+            assert sum(got.values()) + len(theirs) <= _netbudget.TREE_CONNECTIONS, got
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root"]["open"] == _netbudget.MACHINE_FLOOR, stats["root"]
+        finally:
+            for tunnels in [*held.values(), theirs]:
+                for _, w, _ in tunnels:
+                    w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_trees_holding_all_they_can_leave_another_tree_its_floor(sink: int) -> None:
+    """A gap the eighth audit left: four trees of three machines, each machine holding all it could, filled the
+    kernel's 256 connections, and a fifth tree (another user's root) had no network. Now the
+    kernel's connections are shared among the trees that want some: the fifth still gets
+    TREE_FLOOR, and no tree more than its part."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        trees = [f"t{i}" for i in range(4)]
+        ports = {(t, m): await _machine(proxy, f"{t}.{m}" if m else t, t) for t in trees for m in range(3)}
+        late = await _machine(proxy, "late", "late")
+        held = [await _hold_all(port, sink, 40) for port in ports.values()]
+        theirs = await _hold_all(late, sink, _netbudget.TREE_FLOOR)
+        try:
+            counts = {t.name: len(t.conns) for t in proxy.budget.trees.values()}
+            assert all(_ok(a) for *_, a in theirs), (counts, [a for *_, a in theirs])
+            assert sum(counts.values()) <= _netbudget.KERNEL_CONNECTIONS, counts
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            last = [s["last_failed"] for n, s in stats.items() if n.startswith("t3")]
+            assert any("kept for its other machine trees" in f or "the most one tree may" in f for f in last), last
+        finally:
+            for tunnels in [*held, theirs]:
+                for _, w, _ in tunnels:
+                    w.transport.abort()
+            for n in list(proxy.nodes):
+                await proxy.detach(n)
+
+    asyncio.run(main())

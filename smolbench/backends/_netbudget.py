@@ -7,12 +7,13 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   autotuning up to megabytes). A side that doesn't read stops the proxy reading the other
   (backpressure), so a machine that sends to a far end that never reads fills nothing more;
 * per tree (a root machine and all its branches, counted together: a fork multiplies
-  nothing) at most ``TREE_CONNECTIONS`` connections, and each machine of it at most
-  ``MACHINE_CONNECTIONS`` (half the tree's: one branch that holds all it may still leaves
-  its parent and siblings half the tree's), ``TREE_HEADS`` request heads being read
-  (each at most ``BUFFER`` bytes and ``HEAD_TIMEOUT`` seconds; the others wait unread, in
-  their fixed socket buffers) and ``TREE_LOOKUPS`` name lookups in flight; per kernel at most
-  ``KERNEL_CONNECTIONS`` connections;
+  nothing) at most ``TREE_CONNECTIONS`` connections, shared fairly among its machines
+  (``_netfair``: each live machine is guaranteed ``MACHINE_FLOOR``, and one above that holds
+  at most its part among those holding some, never more than ``MACHINE_CONNECTIONS``),
+  ``TREE_HEADS`` request heads being read (each at most ``BUFFER`` bytes and
+  ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers) and
+  ``TREE_LOOKUPS`` name lookups in flight; per kernel at most ``KERNEL_CONNECTIONS``
+  connections, shared the same way among its trees (each guaranteed ``TREE_FLOOR``);
 * per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
   ``TREE_BURST`` (a token bucket, ``Bucket``), and per machine half that (so one machine's
   flood never takes its siblings' allowance): past it a connection waits unaccepted in its
@@ -34,11 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _netfair
+
 BUFFER = 16 * 1024  # per connection and direction: the reader's limit (it pauses at 2x) and the writer's high water
 SOCK_BUFFER = 16 * 1024  # SO_RCVBUF / SO_SNDBUF of the proxy's sockets (the kernel doubles it)
 TREE_CONNECTIONS = 64
-MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or a branch): never the whole tree's
+MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or a branch), alone: never the whole tree's
+MACHINE_FLOOR = 4  # what each live machine of a tree may always open (while its tree has 4 per machine)
 KERNEL_CONNECTIONS = 256
+TREE_FLOOR = 16  # what each live tree may always open (while the kernel has 16 per tree)
 TREE_HEADS = 16
 HEAD_TIMEOUT = 10.0
 TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
@@ -102,6 +107,7 @@ class Tree:
     head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
     bucket: Bucket = field(default_factory=Bucket)
+    members: set[Any] = field(default_factory=set)  # its live machines: each guaranteed MACHINE_FLOOR
     # its own lookup threads: a shared pool let 8 trees' hanging lookups (4 each) stall every other tree's
     executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -147,13 +153,29 @@ class Budget:
         return sum(len(t.conns) for t in self.trees.values())
 
     def full(self, tree: Tree, node: Any = None) -> str | None:
-        """Why one more connection of ``tree`` (from machine ``node``) can't be taken (None: it can)."""
-        if node is not None and sum(1 for c in tree.conns if c.node is node) >= MACHINE_CONNECTIONS:
-            return f"this machine has {MACHINE_CONNECTIONS} connections open (the most one machine of its tree may)"
-        if len(tree.conns) >= TREE_CONNECTIONS:
-            return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
-        if self.connections() >= KERNEL_CONNECTIONS:
+        """Why one more connection of ``tree`` (from machine ``node``) can't be taken (None: it
+        can): the tree's share of the kernel's, then the machine's of its tree's (``_netfair``)."""
+        trees = {name: len(t.conns) for name, t in self.trees.items()}
+        why = _netfair.refusal(trees, list(self.trees), tree.name, KERNEL_CONNECTIONS, TREE_FLOOR, KERNEL_CONNECTIONS)
+        if why == _netfair.FULL:
             return f"this kernel's machines have {KERNEL_CONNECTIONS} connections open (the most they may)"
+        if why == _netfair.SHARE:
+            return (f"this machine tree has {len(tree.conns)} connections open (the most one tree may while "
+                    f"{sum(1 for n in trees.values() if n)} trees hold the kernel's {KERNEL_CONNECTIONS})")
+        if why == _netfair.KEPT:
+            return f"the rest of this kernel's {KERNEL_CONNECTIONS} connections are kept for its other machine trees"
+        machines: dict[Any, int] = {}
+        for c in tree.conns:
+            machines[c.node] = machines.get(c.node, 0) + 1
+        why = _netfair.refusal(machines, tree.members or [node], node, TREE_CONNECTIONS, MACHINE_FLOOR,
+                               MACHINE_CONNECTIONS)
+        if why == _netfair.FULL:
+            return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
+        if why == _netfair.SHARE:
+            return (f"this machine has {machines.get(node, 0)} connections open (the most one machine of its tree may "
+                    f"while {sum(1 for n in machines.values() if n)} of its machines hold some)")
+        if why == _netfair.KEPT:
+            return "the rest of this machine tree's connections are kept for its other machines"
         return None
 
     async def resolve(self, tree: Tree, host: str, port: int) -> list[Any]:

@@ -54,7 +54,7 @@ from ..netpolicy import (
     stand_in_resolve,
     unmapped,
 )
-from . import _netbudget, _netredirect
+from . import _netbudget, _netcgroup, _netredirect
 from ._netns import _bind_in, _collect, _refused_in
 
 PROXY_PORT = 3128
@@ -90,8 +90,10 @@ def command() -> list[str]:
 class ProxyClient:
     """The kernel's side: starts the proxy process and asks it to attach or detach machines."""
 
-    def __init__(self, uid: int | None, gid: int | None, open_all: bool = False) -> None:
+    def __init__(self, uid: int | None, gid: int | None, open_all: bool = False, capped: bool = True) -> None:
         self.uid, self.gid, self.open_all = uid, gid, open_all
+        # its own CPU-capped cgroup, where cgroups can be made: no machine's counts its work
+        self.group = _netcgroup.ProxyGroup() if capped else None
         self.proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._said: asyncio.Future[None] | None = None
@@ -108,6 +110,9 @@ class ProxyClient:
         self._cluster = set(cluster)
         if cluster:
             argv += ["--host-only", ",".join(cluster)]
+        if self.group is not None:
+            await asyncio.to_thread(self.group.make)  # cgroupfs is slow to write to
+            argv = self.group.wrap(argv)
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd="/",
                                                     limit=1 << 20)
@@ -121,8 +126,13 @@ class ProxyClient:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await _to_the_end(proc.wait())
+            await _to_the_end(self._ungroup())
             raise
         return proc
+
+    async def _ungroup(self) -> None:
+        if self.group is not None:
+            await asyncio.to_thread(self.group.close)
 
     async def start(self) -> None:
         """Start the proxy process unless it runs (the sandbox does this while a machine boots)."""
@@ -189,6 +199,7 @@ class ProxyClient:
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
+        await self._ungroup()  # with whatever it left there (a helper still running)
 
 
 def _cluster_addresses() -> list[str]:
@@ -223,7 +234,7 @@ async def _say(stream: asyncio.StreamReader) -> None:
 # -- the proxy process ------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # a key of the fair share's counts: by identity
 class Node:
     name: str
     policy: NetPolicy
@@ -307,6 +318,7 @@ class Proxy:
                     tree: str | None = None) -> None:
         node = Node(name, policy, self.budget.tree(tree or name))
         self.nodes[name] = node
+        node.tree.members.add(node)
         for sock in socks:  # accepted sockets inherit the listener's small, fixed buffers
             _netbudget.bounded(sock)
         self._listen(node, socks[0], lambda r, w: self._spawn(node, self.proxied, r, w))
@@ -394,6 +406,7 @@ class Proxy:
         node = self.nodes.pop(name, None)
         if node is None:
             return
+        node.tree.members.discard(node)
         for task, _ in node.listeners:
             task.cancel()
         await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
