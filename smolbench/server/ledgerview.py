@@ -90,6 +90,17 @@ def _plain(value: Any, chars: int = ID_CHARS) -> Any:
     return _finite(value)
 
 
+def _id(value: Any) -> str | None:
+    """An id as text, never None for a value that is there: the run tree splits a node's id and
+    keys a run's view by its id (a copied ledger's blob id came back null, a number as a number);
+    a blob is written as SQL writes one, ``x'00ff'``."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = f"x'{value.hex()}'"
+    return _text(value if isinstance(value, str) else str(value), ID_CHARS)
+
+
 def _page(limit: int, offset: int) -> tuple[int, int]:
     return max(1, min(int(limit), MAX_LIMIT)), max(0, int(offset))
 
@@ -182,6 +193,9 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
         out = []
         for row in rows:
             rid, sid, kind, parent, code, n, started, ended, status, nb, cell = (_plain(v, 1000) for v in row)
+            if row[0] is None:  # (a run with no id: nothing can ask for its tree)
+                continue
+            rid = str(_id(row[0]))
             refused = replay_refused(kind)
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
@@ -248,6 +262,10 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
     out = []
     for r in rows:
         rec = {k: v if k == "metrics" else _plain(v, TEXT_CHARS) for k, v in zip(NODE_KEYS, r)}
+        if r[0] is None:  # a node with no id (a copied ledger's): nothing to draw it by
+            continue
+        rec.update(id=_id(r[0]), parent_id=_id(r[1]), run_id=_id(r[2]))
+        rec["status"] = _shown.status(rec["status"])  # tree.ts makes it a class name: smolbench's own or "unknown"
         rec["reward"] = _finite(rec["reward"])
         rec["alive"], rec["kept"] = bool(rec["alive"]), bool(rec["kept"])
         try:
