@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._ledgerfiles import refuse_links
+from ._shown import TEXT_CHARS, sql_cut
 from .errors import SmolbenchError
 
 if TYPE_CHECKING:
@@ -99,6 +100,14 @@ CHECKPOINTS = (f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.read
 WITH_MACHINE = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine FROM")
 # ... and its signature (smolbench.signing: this user's kernel wrote it), a newer column still
 WITH_MAC = CHECKPOINTS.replace("m.readded FROM", "m.readded, m.machine, m.mac FROM")
+# The same rows as a view shows them: each text column cut where it is read (smolbench._shown;
+# a copied ledger's 2 MB node ids were the checkpoint panel's 20 MB). JSON columns stay whole
+# (decoded within 1 MiB and checked, CHECKPOINT_JSON), and so does the MAC.
+_WHOLE = f"SELECT c.*, {', '.join(f'm.{c}' for c in MORE_COLUMNS)}, m.readded"
+_CUT = ("SELECT " + ", ".join(f"{sql_cut(f'c.{c}', TEXT_CHARS)} AS {c}" for c in ("name", "session_id", "node_id",
+                                                                                 "path", "backend")) +
+        ", c.created, c.size, c.cells, c.warnings, " +
+        ", ".join(f"{sql_cut(f'm.{c}', TEXT_CHARS)} AS {c}" for c in MORE_COLUMNS) + ", m.readded")
 UNFINISHED = ("starting", "running", "idle")
 JSON_COLUMNS = {"pushed", "versions", "metrics", "options", "warnings", "machine"}
 # A checkpoint row's JSON columns, which a copied ledger may hold anything in: what smolbench
@@ -585,23 +594,40 @@ class Ledger:
             return self._rows("SELECT * FROM attempts ORDER BY ts")
         return self._rows("SELECT * FROM attempts WHERE session_id = ? ORDER BY ts", (session_id,))
 
-    def checkpoint_rows(self) -> list[dict[str, Any]]:
-        """Saved checkpoints, newest first."""
-        return self._checkpoints("ORDER BY c.created DESC")
+    def checkpoint_rows(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Saved checkpoints, newest first (``limit``: the newest ``limit``, their text cut as a
+        view shows it, :data:`smolbench._shown.TEXT_CHARS`)."""
+        if limit is None:
+            return self._checkpoints("ORDER BY c.created DESC")
+        return self._checkpoints("ORDER BY c.created DESC LIMIT ?", (max(0, limit),), cut=True)
+
+    def checkpoint_count(self) -> int:
+        """How many checkpoint rows the ledger holds."""
+        rows = self._rows("SELECT count(*) AS n FROM checkpoints")
+        return int(rows[0]["n"]) if rows else 0
+
+    def checkpoint_paths(self, skip: int) -> list[Any]:
+        """The path of each checkpoint row after the newest ``skip`` (cut as a view's are):
+        the files a listing of the newest names, though it does not show their rows."""
+        rows = self._rows(f"SELECT {sql_cut('path', TEXT_CHARS)} AS path FROM checkpoints ORDER BY created DESC "
+                          "LIMIT -1 OFFSET ?", (max(0, skip),))
+        return [r["path"] for r in rows]
 
     def checkpoint(self, name: str) -> dict[str, Any] | None:
         """One checkpoint record."""
         rows = self._checkpoints("WHERE c.name = ?", (name,))
         return rows[0] if rows else None
 
-    def _checkpoints(self, tail: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    def _checkpoints(self, tail: str, params: tuple[Any, ...] = (), cut: bool = False) -> list[dict[str, Any]]:
         for query in (WITH_MAC, WITH_MACHINE):
             try:
-                return self._rows(f"{query} {tail}", params, checkpoints=True)
+                return self._rows(f"{query.replace(_WHOLE, _CUT, 1) if cut else query} {tail}", params,
+                                  checkpoints=True)
             except sqlite3.OperationalError as exc:  # an older ledger, read-only: no mac or machine column to add
                 if "no such column" not in str(exc):
                     raise
-        return self._rows(f"{CHECKPOINTS} {tail}", params, checkpoints=True)
+        return self._rows(f"{CHECKPOINTS.replace(_WHOLE, _CUT, 1) if cut else CHECKPOINTS} {tail}", params,
+                          checkpoints=True)
 
     def run_rows(self) -> list[dict[str, Any]]:
         """Runs (forks, episodes, replays), newest first."""

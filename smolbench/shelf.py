@@ -17,12 +17,13 @@ import shlex
 import stat
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import signing
 from ._filehash import sha256_fd
+from ._shown import MAX_ROWS
 from .errors import SmolbenchError
 from .gate import archive, ckptwrite, restoring, terminal
 from .gate.ckptpaths import SUFFIX, Missing, Opened, PathRefused, Store, suggested_name, valid_name
@@ -79,13 +80,18 @@ DROPPED_READ = 20  # dropped files one listing reads the record of (the sidebar 
 
 
 def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
-             only: str | None = None) -> list[dict[str, Any]]:
+             only: str | None = None, unlisted: Iterable[Any] = ()) -> list[dict[str, Any]]:
     """Rows of a ledger's checkpoints, and the files in ``store`` that no row names (dropped
     in; ``only``: that file name alone), each with ``file`` (its path relative to the notebook
     folder, or None), ``exists`` (the rule lets it be read), ``refused`` (why not, one line;
     ``paths=False``: without naming the refused path) and ``dropped``. Past :data:`DROPPED_READ`
-    dropped files, one's record is not read: its ``unread`` says so."""
-    out, named, read = [], set(), 0
+    dropped files, one's record is not read: its ``unread`` says so. ``unlisted``: the paths of
+    the ledger's rows left out of ``rows`` (their files are not dropped ones)."""
+    out, read = [], 0
+    named: set[str | None] = set()
+    for path in unlisted:
+        with contextlib.suppress(PathRefused):
+            named.add(store.file_name(path))
     secret, why_key = _key_or_why() if rows else (None, None)
     for row in rows:
         rec = dict(row)
@@ -134,6 +140,12 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
                        warnings=record.get("warnings", []))
         out.append(rec)
     return out
+
+
+def more_line(total: int) -> str:
+    """What a listing of the newest :data:`MAX_ROWS` of ``total`` rows says of the rest."""
+    return (f"{total - MAX_ROWS:,} more checkpoints not listed (a listing shows the newest {MAX_ROWS}): "
+            "`smolbench.Ledger('.smolbench/ledger.db').checkpoints()` has them all")
 
 
 MISNAMED_SHOWN = 20  # files a listing names as misnamed; more are counted in one line
@@ -195,6 +207,14 @@ class Shelf:
     def rows(self) -> list[dict[str, Any]]:
         """Every checkpoint here, newest first (rows, then dropped files), see :func:`describe`."""
         return describe(self.ledger.checkpoint_rows(), self.store)
+
+    def listing(self, limit: int = MAX_ROWS) -> tuple[list[dict[str, Any]], int]:
+        """What a view lists (the panel, ``%smol checkpoint list``): the newest ``limit`` rows,
+        their text cut (as the sidebar's, :mod:`smolbench._shown`), then dropped files, see
+        :func:`describe`; and how many rows the ledger holds in all."""
+        rows, total = self.ledger.checkpoint_rows(limit), self.ledger.checkpoint_count()
+        unlisted = self.ledger.checkpoint_paths(limit) if total > len(rows) else []
+        return describe(rows, self.store, unlisted=unlisted), total
 
     def find(self, name: str) -> dict[str, Any] | None:
         """The row named ``name``, or the dropped file ``NAME.smolcheckpoint`` as a row (None: neither)."""
@@ -531,10 +551,12 @@ class Shelf:
 
     def lines(self) -> list[str]:
         """The checkpoints here as text (``%smol checkpoint list`` while nothing is up)."""
-        rows, misnamed = self.rows(), [f"smolbench: {line}" for line in misnamed_lines(self.store)]
+        (rows, total), misnamed = self.listing(), [f"smolbench: {line}" for line in misnamed_lines(self.store)]
         if not rows:
             return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet", *misnamed]
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
+        if total > MAX_ROWS:
+            out.append(f"smolbench: {more_line(total)}")
         for r in rows:  # a file that is there is not read whole here (a restore checks it): no "ok"
             state = "" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
             theirs = "" if not r.get("foreign") else (r["foreign"] if r["foreign"] != FOREIGN else

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from smolbench import ledger
 from smolbench.server import ledgerview
+from smolbench.tree import STATUSES
 
 BIG = 1 << 20  # characters of each crafted value
 
@@ -55,3 +56,25 @@ def test_a_copied_ledgers_nodes_page_is_bounded_and_encodes(tmp_path: Path) -> N
     assert all(not isinstance(v, bytes) for v in _values(page))
     honest = [n for n in page["nodes"] if n["id"] == "root.0"]
     assert honest and honest[0]["seed"] == 0 and honest[0]["metrics"] == {"loss": 0.5}
+
+
+def test_a_copied_ledgers_statuses_and_ids_reach_the_run_tree_as_its_own_words(tmp_path: Path) -> None:
+    """tree.ts builds ``sb-st-${status}`` into a row's class names and splits each node's id:
+    a status is one of smolbench's or "unknown", and every id is text (fifth audit: a status
+    ``'ok jp-mod-hidden sb-best'`` reached the browser whole; a blob id came back null)."""
+    db = _copied(tmp_path)
+    c = sqlite3.connect(db)
+    c.execute("INSERT INTO nodes(id, session_id, run_id, parent_id, status, started) "
+              "VALUES ('root.1', 's', 'good', 'root.0', 'ok jp-mod-hidden sb-best', 4)")
+    c.execute("INSERT INTO nodes(id, session_id, run_id, parent_id, status, started) VALUES (5, 's', 'good', 6, 'ok', 5)")
+    c.commit()
+    c.close()
+    page = ledgerview.nodes(db, run="good")
+    by_id = {n["id"]: n for n in page["nodes"]}
+    assert all(isinstance(n["id"], str) for n in page["nodes"]), [n["id"] for n in page["nodes"]]
+    assert by_id["root.1"]["status"] == "unknown"
+    assert by_id["x'00ff'"]["status"] == "unknown"  # (a blob status)
+    assert by_id["5"]["parent_id"] == "6" and by_id["5"]["status"] == "ok"
+    assert {n["status"] for n in page["nodes"]} <= {*STATUSES, "unknown"}
+    runs = ledgerview.runs(db, 50, 0)["runs"]
+    assert all(isinstance(r["id"], str) for r in runs), [r["id"] for r in runs]

@@ -193,8 +193,9 @@ class CheckpointsHandler(_Base):
                 continue
             if total > len(rows):
                 problems.append(f"{rel or '.'}: {total - len(rows)} more checkpoint{'s' if total - len(rows) > 1 else ''} "
-                                f"not listed (a listing shows {ledgerview.MAX_LIMIT} at most): `%smol checkpoint list` "
-                                "in a notebook of that folder lists them all")
+                                f"not listed (a listing shows {ledgerview.MAX_LIMIT} at most, as the notebook's panel does): "
+                                f"`smolbench.Ledger('{rel + '/' if rel else ''}.smolbench/ledger.db').checkpoints()` "
+                                "lists them all")
             store = checkpoint_store(d)
             problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
             described = await self.run(describe, rows, store, False)

@@ -8,7 +8,6 @@ reported): the API returns them as JSON data and the frontend shows them as text
 from __future__ import annotations
 
 import contextlib
-import math
 import sqlite3
 import time
 import urllib.parse
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import _shown
 from .._ledgerfiles import SUPER_JOURNAL, odd_part
 from ..gate import frames
 from ..ledger import UnsafeLedger, guard
@@ -23,10 +23,10 @@ from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
 CODE_CHARS = 400
-ID_CHARS = 200  # an id, a kind, a status, a seed written as text
+ID_CHARS = _shown.ID_CHARS
 METRICS_CHARS = 64 * 1024  # a node's metrics JSON read at most (longer: shown as none)
-TEXT_CHARS = 2000
-MAX_LIMIT = 500
+TEXT_CHARS = _shown.TEXT_CHARS
+MAX_LIMIT = _shown.MAX_ROWS
 MAX_NOTEBOOKS = 1000  # notebooks a folder's runs are counted for
 READ_SECONDS = 10.0  # one request's reads of one ledger, at most (a 100,000-node ledger: ~50 ms)
 
@@ -75,23 +75,9 @@ def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def _finite(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _text(value: Any, limit: int = TEXT_CHARS) -> str | None:
-    if value is None:
-        return None
-    text = value if isinstance(value, str) else str(value)
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _cut(col: str, chars: int = ID_CHARS) -> str:
-    """SQL for column ``col`` with its text (or blob) cut to ``chars`` where it is read: a copied
-    ledger's ids and statuses may be 16 MB each (third audit: a 67 MB ledger made a 400 MB page)."""
-    return f"CASE WHEN typeof({col}) IN ('text', 'blob') THEN substr({col}, 1, {chars}) ELSE {col} END"
+_finite = _shown.finite
+_text = _shown.text
+_cut = _shown.sql_cut
 
 
 def _plain(value: Any, chars: int = ID_CHARS) -> Any:
@@ -102,6 +88,17 @@ def _plain(value: Any, chars: int = ID_CHARS) -> Any:
     if value is None or isinstance(value, int):  # (a bool too)
         return value
     return _finite(value)
+
+
+def _id(value: Any) -> str | None:
+    """An id as text, never None for a value that is there: the run tree splits a node's id and
+    keys a run's view by its id (a copied ledger's blob id came back null, a number as a number);
+    a blob is written as SQL writes one, ``x'00ff'``."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = f"x'{value.hex()}'"
+    return _text(value if isinstance(value, str) else str(value), ID_CHARS)
 
 
 def _page(limit: int, offset: int) -> tuple[int, int]:
@@ -196,6 +193,9 @@ def runs(db: Path, limit: int = 20, offset: int = 0, notebook: list[str] | None 
         out = []
         for row in rows:
             rid, sid, kind, parent, code, n, started, ended, status, nb, cell = (_plain(v, 1000) for v in row)
+            if row[0] is None:  # (a run with no id: nothing can ask for its tree)
+                continue
+            rid = str(_id(row[0]))
             refused = replay_refused(kind)
             out.append({
                 "id": rid, "session_id": sid, "kind": kind, "parent_id": parent, "code": code,
@@ -262,6 +262,10 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
     out = []
     for r in rows:
         rec = {k: v if k == "metrics" else _plain(v, TEXT_CHARS) for k, v in zip(NODE_KEYS, r)}
+        if r[0] is None:  # a node with no id (a copied ledger's): nothing to draw it by
+            continue
+        rec.update(id=_id(r[0]), parent_id=_id(r[1]), run_id=_id(r[2]))
+        rec["status"] = _shown.status(rec["status"])  # tree.ts makes it a class name: smolbench's own or "unknown"
         rec["reward"] = _finite(rec["reward"])
         rec["alive"], rec["kept"] = bool(rec["alive"]), bool(rec["kept"])
         try:
@@ -269,8 +273,7 @@ def nodes(db: Path, run: str | None = None, session: str | None = None, limit: i
         except ValueError:
             metrics = None
         rec["replay_refused"] = node_replay_refused(metrics if isinstance(metrics, dict) else None, rec["run_id"])
-        rec["metrics"] = {str(k)[:60]: _finite(v) if not isinstance(v, str) else _text(v, 200)
-                          for k, v in list(metrics.items())[:20]} if isinstance(metrics, dict) else {}
+        rec["metrics"] = _shown.metrics(metrics)
         out.append(rec)
     return {"total": total, "offset": offset, "limit": limit, "run": head, "session": session, "nodes": out}
 

@@ -76,7 +76,9 @@ function render({ model, el }) {
   function draw() {
     const rows = model.get("checkpoints") || [];
     const backend = model.get("backend") || "";
-    sub.textContent = `${rows.length} saved · ${backend ? `this machine: ${backend}` : "no machine up (`%smol up`)"}`;
+    const more = model.get("more") || "";
+    sub.textContent = `${rows.length} saved · ${backend ? `this machine: ${backend}` : "no machine up (`%smol up`)"}` +
+      (more ? ` · ${more}` : "");
     if (picked && !rows.some((r) => r.name === picked)) picked = null;
     tbody.replaceChildren();
     if (!rows.length) {
@@ -166,7 +168,7 @@ function render({ model, el }) {
   };
   const handlers = [
     ["change:checkpoints", draw], ["change:live_nodes", draw], ["change:active", draw],
-    ["change:backend", draw], ["change:message", onMessage], ["msg:custom", onCustom],
+    ["change:backend", draw], ["change:more", draw], ["change:message", onMessage], ["msg:custom", onCustom],
   ];
   for (const [ev, fn] of handlers) model.on(ev, fn);
   const unwatch = watchKernel(model, () => {

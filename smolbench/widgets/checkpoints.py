@@ -12,10 +12,11 @@ from typing import Any
 
 import traitlets as t
 
+from .. import _shown
 from .._format import size_text, time_text
 from ..checkpoints import SESSIONS_HERE
 from ..gate import restoring
-from ..shelf import IMPORTED, Shelf, foreign
+from ..shelf import IMPORTED, Shelf, foreign, more_line
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -40,7 +41,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     elif not exists:
         why = f"its file {row.get('file') or row.get('path')} is missing: delete it"
     created = row.get("created")
-    warnings = [str(w) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
+    warnings = [str(_shown.text(w)) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
     theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
     shown = clean(restoring.claimed(warnings) if theirs else warnings)
     if row.get("foreign") and not why:  # said first: a row not signed as this user's (shelf.describe)
@@ -74,26 +75,61 @@ class CheckpointPanel(WorkbenchView):
         sync=True
     )
     backend = t.Unicode("", help="this Workbench's backend ('' while nothing is up)").tag(sync=True)
+    more = t.Unicode("", help="how many checkpoints are not listed ('' when all are)").tag(sync=True)
 
     def __init__(self, workbench: Any, *, shell: Any = None) -> None:
         self.ledger = workbench.ledger
+        # The listing, read again only when checkpoints may have changed (a cell's busy and idle
+        # changes read a copied folder's 10,000 rows on smolbench's loop: 0.2 s cells took 2-3 s).
+        self._stale = True
+        self._listed: tuple[Any, list[dict[str, Any]], str] | None = None  # (backend, records, more)
+        self._seen: tuple[Any, ...] | None = None  # what the panel showed of the tree (see concerns)
         super().__init__(workbench, shell=shell)
 
     def snapshot(self) -> dict[str, Any]:
         wb = self.workbench
         backend = wb.backend.name if wb is not None and wb.machines else ""
-        shelf = wb.shelf if wb is not None else Shelf(self.ledger)
-        rows = [checkpoint_record(r, backend) for r in shelf.rows()]
+        if self._stale or self._listed is None or self._listed[0] != backend:
+            self._stale = False  # before the read: a change made during it marks it stale again
+            shelf = wb.shelf if wb is not None else Shelf(self.ledger)
+            rows, total = shelf.listing()
+            more = more_line(total) if total > _shown.MAX_ROWS else ""
+            self._listed = (backend, [checkpoint_record(r, backend) for r in rows], more)
         live = [n.id for n in list(wb.tree.nodes.values()) if n.id in wb.machines] if wb else []
+        self._seen = self._tree_state()
         return {
-            "checkpoints": rows,
+            "checkpoints": self._listed[1],
+            "more": self._listed[2],
             "live_nodes": live,
             "active": wb.active if wb is not None else None,
             "backend": backend,
         }
 
+    def _tree_state(self) -> tuple[Any, ...]:
+        """What the panel shows that a node's change can alter: the live nodes, the active one,
+        each node's checkpoint badge (a save or a restore made elsewhere sets it)."""
+        wb = self.workbench
+        if wb is None:
+            return ()
+        nodes = list(wb.tree.nodes.values())
+        return (wb.active, tuple(sorted(wb.machines)), tuple((n.id, n.checkpoint) for n in nodes))
+
+    def concerns(self, nodes: list[Any]) -> bool:
+        """A change with no nodes is the checkpoint watcher's (the ledger's rows or the folder
+        changed): list them again. A node's change concerns the panel only when it changed
+        what the panel shows of the tree; a badge that moved lists the checkpoints again."""
+        if not nodes:
+            self._stale = True
+            return True
+        now = self._tree_state()
+        if now == self._seen:
+            return False
+        if self._seen is None or len(now) < 3 or now[2] != self._seen[2]:
+            self._stale = True
+        return True
+
     def static_html(self) -> str:
-        return checkpoints_html(list(self.checkpoints), self.backend or "none up")
+        return checkpoints_html(list(self.checkpoints), self.backend or "none up", self.more)
 
     def __repr__(self) -> str:
         """What a viewer without widget support shows."""
@@ -111,6 +147,7 @@ class CheckpointPanel(WorkbenchView):
         if self.workbench is not None:
             self.workbench.unobserve(self._on_change)
         self.workbench = None
+        self._stale = True
         self.flush(resend=True)
 
     def follow(self, workbench: Any) -> None:
@@ -120,10 +157,23 @@ class CheckpointPanel(WorkbenchView):
         self.pause()
         self.workbench = workbench
         self.ledger = workbench.ledger
+        self._stale = True
         workbench.observe(self._on_change)
         self.flush(resend=True)
 
     # -- clicks ------------------------------------------------------------------------------
+
+    def run_async(self, request: str, coro: Any, done: Any, level: Any = None) -> Any:
+        """As for every view; the listing is read again after the action (it saved, restored or
+        deleted a checkpoint)."""
+
+        async def then_list() -> Any:
+            try:
+                return await coro
+            finally:
+                self._stale = True
+
+        return super().run_async(request, then_list(), done, level)
 
     def handle_action(self, action: str, content: dict[str, Any], request: str) -> None:
         wb = self.workbench

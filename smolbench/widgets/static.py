@@ -155,8 +155,8 @@ def tree_html(
     return "".join(out)
 
 
-def checkpoints_html(rows: list[dict[str, Any]], backend: str) -> str:
-    """The checkpoint panel as an HTML table."""
+def checkpoints_html(rows: list[dict[str, Any]], backend: str, more: str = "") -> str:
+    """The checkpoint panel as an HTML table (``more``: what it says of rows not listed)."""
     head = "".join(
         f'<th style="{CELL}">{h}</th>' for h in ("name", "node", "created", "size", "backend", "")
     )
@@ -175,7 +175,8 @@ def checkpoints_html(rows: list[dict[str, Any]], backend: str) -> str:
         body.append(f'<tr><td colspan="6" style="{CELL}">no checkpoints yet</td></tr>')
     return (
         f'<div class="smolbench-static smolbench-checkpoints {INERT_CLASSES}">'
-        f"<p><b>smolbench checkpoints</b> · {len(rows)} saved · this machine: {_e(backend)}</p>"
+        f"<p><b>smolbench checkpoints</b> · {len(rows)} saved · this machine: {_e(backend)}"
+        f"{' · ' + _e(more) if more else ''}</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
 

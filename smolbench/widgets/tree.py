@@ -14,6 +14,7 @@ from typing import Any
 
 import traitlets as t
 
+from .. import _shown
 from ..gate import terminal
 from ..tree import Node, best_key
 from ._base import WorkbenchView, clean, view_module
@@ -28,20 +29,21 @@ LOG_CHARS = 32 * 1024  # the Fork ×N log keeps its last 32 kB
 
 
 def node_record(node: Any) -> dict[str, Any]:
-    """A tree node as the plain data the widget shows."""
+    """A tree node as the plain data the widget shows: its metrics cut as the sidebar's are
+    (:func:`smolbench._shown.metrics`; every node is in each update the view sends)."""
     wall = node.wall
     return {
         "id": node.id,
         "parent": node.parent,
         "seed": node.seed,
-        "status": node.status,
+        "status": _shown.status(node.status),  # a CSS class name in tree.js and the static copy
         "reward": clean(node.reward),
         "wall": None if wall is None else round(wall, 3),
         "alive": bool(node.alive),
         "kept": bool(node.kept),
         "checkpoint": node.checkpoint,
         "depth": node.depth,
-        "metrics": clean(node.metrics or {}),
+        "metrics": _shown.metrics(node.metrics),
         "error": (node.error or "")[:ERROR_CHARS] or None,
         # the Ray node of a cluster machine (None elsewhere): id, backend kind, host, and where it was lost
         "where": getattr(node, "where", None),
