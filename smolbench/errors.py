@@ -140,6 +140,12 @@ class MachineLost(SmolbenchError):
     memory): its state is gone."""
 
 
+class MachineDied(MachineLost):
+    """The machine's process ended under a cell, and not for memory (killed from outside, or
+    the cell's ``os._exit``: the host can't tell which): fork and episodes retry it as an
+    InfraError; a cell's exception comes back as a result and never is one."""
+
+
 class MachineBusy(SmolbenchError):
     """The machine is already running a cell."""
 

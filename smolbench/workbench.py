@@ -29,7 +29,7 @@ from ._smolfilewatch import SmolfileWatch
 from .backends._limits import disk_note, out_of_memory_line
 from .backends.base import Backend, CellRequest, CellResult, Event, MachineRef
 from .checkpoints import SESSIONS_HERE, BranchEvent, CheckpointsMixin
-from .errors import LIVE, NOT_UP, InfraError, MachineLost, SmolbenchError, remote_error
+from .errors import LIVE, NOT_UP, InfraError, MachineDied, MachineLost, SmolbenchError, remote_error
 from .keeping import KeepingMixin
 from .ledger import Ledger, code_hash
 from .losses import LossesMixin
@@ -705,6 +705,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
             return
         except InfraError:
             raise  # the machine failed, not the cell: the caller may retry it
+        except MachineDied as exc:  # so did this one (not for memory): the fork's or episode's retry makes another
+            raise InfraError(str(exc)) from None
         except SmolbenchError as exc:
             self._finish(result, node, "error", error=str(exc))
             return

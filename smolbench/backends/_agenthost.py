@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from .. import gate
 from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
-from ..errors import BackendUnavailable, MachineLost, SmolbenchError
+from ..errors import BackendUnavailable, MachineDied, MachineLost, SmolbenchError
 from ..gate import archive
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
@@ -484,9 +484,12 @@ class AgentHostBackend(Saving, Backend):
             msg = exec_message(request, self._ids.cell(machine.name))
             async with contextlib.aclosing(self._stream(machine, msg)) as chunks:
                 res = await gate.read_cell(chunks, request, on_event, machine.name, scope=machine.token)
-        except SmolbenchError:
+        except SmolbenchError as exc:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
                 raise MachineLost(f"{self._lost_for_memory(machine.spec)} (machine {machine.name} was lost)") from None
+            pid, started = machine.info.get("host_pid"), machine.info.get("host_started")
+            if isinstance(exc, MachineLost) and pid and started and await _procs.ended(pid, started):
+                raise MachineDied(str(exc)) from None
             raise
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
             res.error = {"ename": "MemoryError", "evalue": self._lost_for_memory(machine.spec), "traceback": []}

@@ -7,6 +7,7 @@ the fallback where the kernel has no such lists).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -103,6 +104,17 @@ def running(pid: int, started: str) -> bool:
     """True while that process (not a later one with the same pid) exists and is not a zombie."""
     fields = stat(pid)
     return fields is not None and fields[19] == started and fields[0] not in ("Z", "X")
+
+
+async def ended(pid: int, started: str, within: float = 5.0) -> bool:
+    """True once that process is gone (or a zombie), looked at for up to ``within`` s: a process
+    closes its files before it exits, and a pid namespace's first waits for the rest to go."""
+    deadline = time.monotonic() + within
+    while running(pid, started):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def ns_pids(pid: int) -> list[int]:

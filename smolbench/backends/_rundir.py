@@ -3,14 +3,22 @@
 A folder holds a machine's socket, log and workspace. It is removed when its
 machine is deleted; a kernel killed with ``kill -9`` can't do that, so each
 folder records its owner (pid and start time) in ``owner``, and the next
-``%smol up`` removes folders whose owner is no longer running. A live owner's
-folder is never touched, nor another user's, nor one without a readable ``owner`` record.
+``%smol up`` removes folders whose owner is no longer running. A folder is made
+under a name that says its owner (``smolbench-making.PID.START.xxxx``), its
+``owner`` written, then renamed into place: a kernel killed at any point between
+leaves nothing its next sweep can't attribute. A live owner's folder is never
+touched, nor another user's, nor one without an owner record (made by a version
+before this one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import secrets
+import string
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,18 +28,54 @@ from ._procs import start_time
 
 PREFIX = "smolbench-"
 OWNER = "owner"
+MAKING = PREFIX + "making."  # + PID.START. + random: a folder being made, its owner in its name
+_NAME = string.ascii_lowercase + string.digits
 
 
 def make(base: str | None = None, prefix: str = PREFIX) -> Path:
     """A new private run folder under ``base`` (default: $TMPDIR), owned by this process."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-    os.chmod(path, 0o700)
-    (path / OWNER).write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
-    return path
+    root = base or tempfile.gettempdir()
+    me = f"{os.getpid()} {start_time(os.getpid())}"
+    making = Path(tempfile.mkdtemp(prefix=MAKING + me.replace(" ", ".") + ".", dir=root))
+    try:
+        os.chmod(making, 0o700)
+        (making / OWNER).write_text(me + "\n")
+        while True:
+            path = Path(root) / (prefix + "".join(secrets.choice(_NAME) for _ in range(8)))
+            try:
+                _rename_new(making, path)
+                return path
+            except FileExistsError:
+                continue
+    except BaseException:
+        with _folder(Path(root)) as fd:
+            remove_tree(fd, making.name)
+        raise
+
+
+def _rename_new(old: Path, new: Path) -> None:
+    """Rename ``old`` to ``new``, which must not exist: a rename onto an empty folder (another
+    kernel's, made an instant ago) would take its place. ``renameat2(RENAME_NOREPLACE)``, else
+    a look first where the kernel or the C library has none."""
+    func = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if func is not None:
+        at_cwd, noreplace = -100, 1
+        if func(at_cwd, os.fsencode(old), at_cwd, os.fsencode(new), noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), str(new))
+    if os.path.lexists(new):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(new))
+    os.rename(old, new)
 
 
 def owner_alive(path: Path) -> bool | None:
-    """True/False for a folder's owner; None when the folder has no owner record."""
+    """True/False for a folder's owner; None when the folder has no owner record. A folder
+    being made is its name's (the machine never saw it, and its owner file may not be there yet)."""
+    if path.name.startswith(MAKING):
+        pid, started = (path.name[len(MAKING):].split(".") + ["", ""])[:2]
+        return start_time(int(pid)) == started if pid.isdigit() and started.isdigit() else None
     try:  # the machine can write in its run folder: read_small follows no link, opens no fifo
         pid, started = (read_small(path / OWNER, 256) or "").split()
         return start_time(int(pid)) == started

@@ -26,12 +26,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InfraError, MachineBusy, MachineLost, SmolbenchError
+from ..errors import InfraError, MachineBusy, MachineDied, MachineLost, SmolbenchError
 from ..gate.frames import loads as json_loads
 
 HEAD = struct.Struct(">IBI")
 DATA, END, FAIL = 0, 1, 2
-ERRORS: dict[str, type[SmolbenchError]] = {c.__name__: c for c in (SmolbenchError, InfraError, MachineLost, MachineBusy)}
+ERRORS: dict[str, type[SmolbenchError]] = {c.__name__: c for c in (SmolbenchError, InfraError, MachineLost, MachineDied, MachineBusy)}
 SETTLE = 3  # loop turns with no new request before a batch goes (the fan-out's tasks all reach here by then)
 MAX_TURNS = 50  # ... but a steady trickle of requests still goes out
 GRACE = 2.0  # seconds a request whose caller left may take to end by itself before it is cancelled on the node
