@@ -601,6 +601,17 @@ class Ledger:
             return self._checkpoints("ORDER BY c.created DESC")
         return self._checkpoints("ORDER BY c.created DESC LIMIT ?", (max(0, limit),), cut=True)
 
+    def checkpoint_rows_of(self, session_id: str) -> list[dict[str, Any]]:
+        """This session's saved checkpoints, newest first (a copied ledger's rows not read)."""
+        return self._checkpoints("WHERE c.session_id = ? ORDER BY c.created DESC", (session_id,))
+
+    def checkpoint_stamp(self) -> tuple[Any, ...]:
+        """What changes when a checkpoint row is added or deleted, read without reading any
+        row's text (typeof reads a value's type from the record's header)."""
+        rows = self._rows("SELECT count(*) AS n, total(CASE WHEN typeof(created) = 'real' THEN created END) AS t "
+                          "FROM checkpoints")
+        return (rows[0]["n"], rows[0]["t"]) if rows else ()
+
     def checkpoint_count(self) -> int:
         """How many checkpoint rows the ledger holds."""
         rows = self._rows("SELECT count(*) AS n FROM checkpoints")

@@ -121,3 +121,27 @@ def test_the_panel_reads_the_ledger_again_only_when_checkpoints_change(
     _loop.run(wb.checkpoint_save("fresh", "root"), timeout=120)  # a checkpoint saved: listed again
     until(lambda: bool(panel.checkpoints) and panel.checkpoints[0]["name"] == "fresh", "the new checkpoint listed")
     assert reads and set(reads) == {"listing"}
+
+
+def test_keeping_badges_true_reads_no_copied_checkpoint_row_whole(wb: Workbench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The badge watcher looked at every checkpoint row's name once a second, and each sync
+    read every row, on smolbench's loop: a copied ledger's rows of 2 MB each, every second.
+    Now a change is noticed from the rows' count and times, and a sync reads this session's
+    rows only. Its badges still follow a save and a delete."""
+    _copied_rows(Path(wb.ledger.path), [_row(i, "n" * 2_000_000) for i in range(10)])
+    read: list[int] = []
+    real = Ledger._rows
+
+    def counting(self: Ledger, *a: Any, **k: Any) -> Any:
+        rows = real(self, *a, **k)
+        read.append(sum(len(str(v)) for r in rows for v in r.values()))
+        return rows
+
+    monkeypatch.setattr(Ledger, "_rows", counting)
+    wb.sync_checkpoints()
+    assert sum(read) < 100_000, sum(read)  # the 10 rows held 20 MB
+    before = wb.ledger.checkpoint_stamp()
+    _loop.run(wb.checkpoint_save("mine", "root"), timeout=120)
+    assert wb.ledger.checkpoint_stamp() != before
+    until(lambda: wb.tree["root"].checkpoint == "mine", "the badge of the checkpoint saved")
+    assert sum(read) < 1_000_000, sum(read)  # a watcher's tick or two, and a save's sync
