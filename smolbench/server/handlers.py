@@ -198,7 +198,8 @@ class CheckpointsHandler(_Base):
                                 "lists them all")
             store = checkpoint_store(d)
             problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
-            described = await self.run(describe, rows, store, False)
+            unlisted = await self.run(ledgerview.unlisted_paths, d / LEDGER, len(rows)) if total > len(rows) else []
+            described = await self.run(describe, rows, store, False, None, unlisted)
             unread = sum(1 for r in described if r.get("unread"))
             if unread:
                 problems.append(f"{rel or '.'}: {unread} dropped checkpoint file{'s' if unread > 1 else ''} not read "

@@ -290,10 +290,18 @@ def checkpoints(db: Path, limit: int = MAX_LIMIT) -> tuple[list[dict[str, Any]],
                                                                           "backend")) +
             ", created, size, cells FROM checkpoints ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
     keys = ("name", "session_id", "node_id", "path", "backend", "created", "size", "cells")
-    out = []
+    out: list[dict[str, Any]] = []
     for r in rows:
         rec = dict(zip(keys, r))
         for k in ("created", "size", "cells"):  # (an int stays one: a size is shown as written)
             rec[k] = rec[k] if isinstance(rec[k], int) and not isinstance(rec[k], bool) else _finite(rec[k])
         out.append(rec)
     return out, total
+
+
+def unlisted_paths(db: Path, skip: int) -> list[Any]:
+    """The path of each checkpoint row after the newest ``skip`` (cut as the listed ones are):
+    the files of rows a listing leaves out, which are not files dropped into the folder."""
+    with open_ro(db) as conn:
+        return [r[0] for r in conn.execute(f"SELECT substr(path, 1, {TEXT_CHARS}) FROM checkpoints ORDER BY created "
+                                           "DESC LIMIT -1 OFFSET ?", (max(0, skip),))]
