@@ -6,7 +6,7 @@ driver, whose gate decodes it. Checkpoints and smol parents' portable checkpoint
 artifacts (artifact.py): kept by content address, fetched by another node or the driver
 as data, and kept there only when their size and hash are right. Control replies (fork,
 seed) are checked by the same gate here, on trusted host code, and only plain names cross back. At start it sweeps run
-folders of dead owners from its data folder (``SMOLBENCH_NODE_DIR``); its machines die
+folders of dead owners from its data folder (``SMOLBENCH_NODE_DIR``), and again when it closes; its machines die
 with it (``--die-with-parent``), and Ray ends it when the driver (the kernel) dies.
 """
 
@@ -400,6 +400,12 @@ class NodeAgent:
             if self._fake is not None:
                 self._fake.cleanup()
             _rmtree(self.own)
+            # and what agents that died meanwhile left (their machines went with them): a node's
+            # later agent may be a long way off
+            with contextlib.suppress(Exception):
+                if self.backend.name == "smol":
+                    sweep_smol(self.data_dir)
+                _rundir.sweep(str(self.data_dir))
         return n
 
     # -- artifacts: checkpoints that cross the cluster as data ---------------------------
