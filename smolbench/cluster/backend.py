@@ -386,11 +386,7 @@ class ClusterBackend(Backend):
                 rep.stale = True
             if rep.stale and not rep.children:
                 self.replicas.pop(key, None)
-                await self.delete(rep.ref)
-                where = self.nodes.get(key[1])
-                if rep.digest and where is not None and not where.lost:
-                    with contextlib.suppress(SmolbenchError):
-                        await self._call(where, where.agent.forget.remote(rep.digest))
+                await self.delete(rep.ref)  # its node drops the checkpoint it was restored from with it
 
     def list(self) -> builtins.list[MachineRef]:
         return [m for m in self._machines.values() if not m.info.get("replica")]
@@ -533,10 +529,7 @@ class ClusterBackend(Backend):
             have.stale = True
             if not have.children:
                 self.replicas.pop((parent.name, node.id), None)
-                await self.delete(have.ref)
-                if have.digest and not node.lost:  # a restored microVM may still read its checkpoint
-                    with contextlib.suppress(SmolbenchError):
-                        await self._call(node, node.agent.forget.remote(have.digest))
+                await self.delete(have.ref)  # and, on its node, the checkpoint it was restored from
         if shipping.by_checkpoint(self._node_of(parent), node):
             made = await shipping.smol_replica(self, parent, node, recipe.key, await self._parent_fingerprint(parent))
             rep = Replica(key=recipe.key, how="checkpoint", **made)
