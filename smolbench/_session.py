@@ -434,15 +434,17 @@ class Session(RestoringMixin):
             if not name.isidentifier():
                 raise SmolbenchError(f"{name!r} is not a variable name: give names like data or env")
         sent = dict(push or {})
+        own: tuple[str, ...] = ()
         if value and VALUE not in sent and VALUE not in names:
             sent[VALUE] = pickled({VALUE: None})[VALUE]  # a run without an expression has no value
             names.append(VALUE)
+            own = (VALUE,)  # not the user's push: the cell stays replayable on another node
         else:
             value = False
         seen = Seen()  # with no view (run()): its displays and notes go in the result
         res = await wb.run_cell(code, on_event or seen, push=sent, pull=names,
                                 timeout=timeout, cell_name=cell_name, first_line=first_line, pull_trusted=pull_trusted,
-                                node_id=node or None)
+                                node_id=node or None, own=own)
         return run_result(node, res, value, [n for n in names if not (value and n == VALUE)],
                           seen if on_event is None else None)
 

@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -378,11 +378,12 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
     async def run_cell(self, code: str, on_event: Callable[[Event], None], *, push: dict[str, bytes] | None = None,
                        pull: list[str] | None = None, timeout: float | None = None,
                        cell_name: str | None = None, first_line: int = 1, pull_trusted: bool = False,
-                       node_id: str | None = None) -> CellResult:
+                       node_id: str | None = None, own: Collection[str] = ()) -> CellResult:
         """Run a cell in the active machine, or in the live ``node_id`` (its state persists).
 
         ``cell_name`` is what tracebacks call the cell (the magic passes ``<In [n]>``);
-        ``first_line`` is the editor line the code starts on (2 below a ``%%smol`` line).
+        ``first_line`` is the editor line the code starts on (2 below a ``%%smol`` line);
+        ``own``: names in ``push`` that smolbench set itself (the value slot), not recorded as pushed.
         A cell that ignores the interrupt (Ctrl-C or ``timeout``) for ``LIMITS.grace``
         seconds has its machine killed, and the error says so.
         """
@@ -412,7 +413,9 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
                     raise SmolbenchError(f"the cell ran longer than --timeout {timeout:g} s and was interrupted",
                                          api=f"the code ran longer than timeout={timeout:g} s and was interrupted") from None
                 raise
-            self.ledger.add_cell(self.session, ref.name, node.cells, code, None, sorted(req.push), res.status)
+            # a recorded push is a value the ledger lacks (a replay can't make it): smolbench's own aren't
+            pushed = sorted(n for n in req.push if n not in own)
+            self.ledger.add_cell(self.session, ref.name, node.cells, code, None, pushed, res.status)
             if _out_of_memory(res):  # the machine lives on, and so does what its variables hold
                 raise SmolbenchError(out_of_memory_line(ref.spec, said=(res.error or {}).get("evalue")) + KEPT_HELD)
             await self._remember_state(ref)

@@ -44,6 +44,7 @@ SECOND_TIER = frozenset(
         "test_cluster.py",
         "test_cluster_auth.py",
         "test_cluster_interrupt.py",
+        "test_cluster_leftovers.py",
         "test_cluster_no_bwrap.py",
         "test_cluster_smol.py",
         "test_cluster_ui.py",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +36,7 @@ class Remote:
 def _agent(tmp_path: Path) -> Any:
     agent = NodeAgent.__new__(NodeAgent)
     agent.store = artifact.Store(tmp_path / "store")
-    agent._incoming, agent._closed = {}, set()
+    agent._incoming, agent._closed, agent.uses = {}, set(), Counter()
     return agent
 
 

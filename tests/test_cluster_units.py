@@ -369,8 +369,9 @@ def test_a_deleted_machine_s_artifacts_leave_its_node(tmp_path: Path) -> None:
     for name in ("export-a", "source-b", "shared"):
         digests[name] = format(hash(name) & (2**256 - 1), "064x")
         store.path(digests[name]).write_bytes(b"x")
-    agent = SimpleNamespace(store=store, exports={("a", "s1"): {"digest": digests["export-a"]}},
+    agent = SimpleNamespace(store=store, exports={("a", "s1"): {"digest": digests["export-a"]}}, uses={},
                             sources={"b": digests["source-b"], "c": digests["shared"], "d": digests["shared"]})
+    agent._release = lambda digest: NodeAgent._release(agent, digest)  # type: ignore[arg-type]
     NodeAgent._drop_files(agent, ["a", "b", "c"])  # type: ignore[arg-type]
     assert not store.has(digests["export-a"]) and not store.has(digests["source-b"])
     assert store.has(digests["shared"]) and agent.sources == {"d": digests["shared"]}  # d still needs it

@@ -20,7 +20,7 @@ import os
 import secrets
 import string
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..gate.archive import read_small
@@ -83,17 +83,20 @@ def owner_alive(path: Path) -> bool | None:
         return None
 
 
-def sweep(base: str | None = None) -> list[Path]:
-    """Remove run folders of owners that are gone; returns what was removed."""
+def sweep(base: str | None = None, prefix: str = PREFIX, before: Callable[[Path], None] | None = None) -> list[Path]:
+    """Remove run folders (named ``prefix``...) of owners that are gone; returns what was removed.
+    ``before(path)`` runs first for each (a Ray cluster's: its processes still dying)."""
     removed = []
     root = Path(base or tempfile.gettempdir())
     with contextlib.suppress(OSError):
         for path in root.iterdir():
-            if not path.name.startswith(PREFIX) or path.is_symlink() or not path.is_dir():
+            if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
                 continue
             if path.lstat().st_uid != os.getuid():  # never another user's
                 continue
             if owner_alive(path) is False:
+                if before is not None:
+                    before(path)
                 with _folder(root) as fd:  # no link followed, no fifo opened, however deep
                     remove_tree(fd, path.name)
                 if not path.exists():

@@ -6,7 +6,7 @@ driver, whose gate decodes it. Checkpoints and smol parents' portable checkpoint
 artifacts (artifact.py): kept by content address, fetched by another node or the driver
 as data, and kept there only when their size and hash are right. Control replies (fork,
 seed) are checked by the same gate here, on trusted host code, and only plain names cross back. At start it sweeps run
-folders of dead owners from its data folder (``SMOLBENCH_NODE_DIR``); its machines die
+folders of dead owners from its data folder (``SMOLBENCH_NODE_DIR``), and again when it closes; its machines die
 with it (``--die-with-parent``), and Ray ends it when the driver (the kernel) dies.
 """
 
@@ -187,7 +187,10 @@ class NodeAgent:
         self.swept = [str(p) for p in _rundir.sweep(str(self.data_dir))]
         self.store = artifact.Store(self.own)
         self.exports: dict[tuple[str, str], dict[str, Any]] = {}  # (machine, parent state) -> its artifact
-        self.sources: dict[str, str] = {}  # machine -> the artifact it was restored from
+        self.sources: dict[str, str] = {}  # machine -> the artifact it was restored from (a microVM reads it)
+        # the driver's uses of each artifact (a save, receive or fetch each gives one, ``forget`` ends
+        # it): two uses of the same bytes share one content address, so none drops it under another
+        self.uses: Counter[str] = Counter()
         self._save_lock: asyncio.Lock | None = None
         self.refs: dict[str, MachineRef] = {}
         self.max_starts = max_starts
@@ -384,10 +387,16 @@ class NodeAgent:
         """The artifacts only deleted machines needed: their exports and what they were restored
         from (each up to the checkpoint limit, on this node's disk until the session ended)."""
         gone = set(names)
-        for key in [k for k in self.exports if k[0] in gone]:
-            self.store.drop(self.exports.pop(key)["digest"])
-        dropped = {self.sources.pop(n) for n in names if n in self.sources}
-        for digest in dropped - set(self.sources.values()) - {v["digest"] for v in self.exports.values()}:
+        dropped = {self.exports.pop(k)["digest"] for k in [k for k in self.exports if k[0] in gone]}
+        dropped |= {self.sources.pop(n) for n in names if n in self.sources}
+        for digest in dropped:
+            self._release(digest)
+
+    def _release(self, digest: str) -> None:
+        """Drop an artifact once nothing needs it: no machine restored from it, no export, no
+        driver's use (the same bytes saved, received or fetched twice are one file here)."""
+        held = set(self.sources.values()) | {v["digest"] for v in self.exports.values()}
+        if digest not in held and not self.uses.get(digest):
             self.store.drop(digest)
 
     async def close(self) -> int:
@@ -400,15 +409,27 @@ class NodeAgent:
             if self._fake is not None:
                 self._fake.cleanup()
             _rmtree(self.own)
+            # and what agents that died meanwhile left (their machines went with them): a node's
+            # later agent may be a long way off
+            with contextlib.suppress(Exception):
+                if self.backend.name == "smol":
+                    sweep_smol(self.data_dir)
+                _rundir.sweep(str(self.data_dir))
         return n
 
     # -- artifacts: checkpoints that cross the cluster as data ---------------------------
 
     async def save(self, name: str) -> dict[str, Any]:
-        """Checkpoint a machine here into the store: its content address, size, format and warnings.
+        """Checkpoint a machine here into the store: its content address, size, format and warnings
+        (one use of it, until the driver's ``forget``).
 
         A smol checkpoint is one portable file already (the backend exports smol's capture),
         which any smol node restores."""
+        art = await self._save(name)
+        self.uses[art["digest"]] += 1
+        return art
+
+    async def _save(self, name: str) -> dict[str, Any]:
         ref = self._ref(name)
         captures = self.own / "captures"
         captures.mkdir(mode=0o700, exist_ok=True)
@@ -433,8 +454,8 @@ class NodeAgent:
         key = (name, state)
         if key not in self.exports or not self.store.has(self.exports[key]["digest"]):
             for old in [k for k in self.exports if k[0] == name]:
-                self.store.drop(self.exports.pop(old)["digest"])
-            self.exports[key] = await self.save(name)
+                self._release(self.exports.pop(old)["digest"])
+            self.exports[key] = await self._save(name)
         return self.exports[key]
 
     async def chunks(self, digest: str) -> AsyncIterator[bytes]:
@@ -445,12 +466,15 @@ class NodeAgent:
             yield block
 
     async def fetch(self, source: Any, digest: str, size: int, where: str) -> int:
-        """Fetch an artifact from another node's agent once; the bytes received (0: had it)."""
+        """Fetch an artifact from another node's agent once; the bytes received (0: had it). One use
+        of it either way, until the driver's ``forget``."""
         async def stream() -> AsyncIterator[object]:
             async for ref in artifact.chunks_from(source, digest):
                 yield await ref
 
-        return await self.store.receive(digest, size, stream(), where)
+        got = await self.store.receive(digest, size, stream(), where)
+        self.uses[digest] += 1
+        return got
 
     async def receive(self, transfer: str, digest: str, size: int) -> int:
         """An artifact the driver sends (a checkpoint to restore here), a chunk per ``give`` call,
@@ -462,7 +486,9 @@ class NodeAgent:
                 yield block
 
         try:
-            return await self.store.receive(digest, size, stream(), "the driver")
+            got = await self.store.receive(digest, size, stream(), "the driver")
+            self.uses[digest] += 1  # until the driver's forget
+            return got
         finally:
             self._closed.add(transfer)
             self._incoming.pop(transfer, None)
@@ -485,15 +511,16 @@ class NodeAgent:
         async with self._gate():
             ref = await self.backend.restore(path, name, spec)
         self.refs[name] = ref
-        self.sources[name] = digest  # dropped with the machine (a microVM may read it while it lives)
+        if _format(self.backend.name, path) == "smol":  # a microVM may read it while it lives: dropped with it
+            self.sources[name] = digest
         return {"node": self.node_id, "backend": self.backend.name,
                 "warnings": list(ref.info.get("restore_warnings") or [])}
 
     async def forget(self, digest: str) -> None:
-        """Drop an artifact this node no longer needs."""
-        self.store.drop(digest)
-        for key in [k for k, v in self.exports.items() if v["digest"] == digest]:
-            self.exports.pop(key, None)
+        """The driver's use of an artifact (a save, receive or fetch) ended: dropped if nothing else needs it."""
+        if self.uses.get(digest):
+            self.uses[digest] -= 1
+        self._release(digest)
 
 
 def _format(backend: str, path: str) -> str:

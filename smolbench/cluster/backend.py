@@ -94,6 +94,7 @@ class ClusterBackend(Backend):
         self._limits: dict[str, tuple[MachineSpec, str]] = {}  # node -> (spec, its limits line)
         self._pushing: asyncio.Future[Any] | None = None  # the gate limits on their way to agents
         self._batchers: dict[tuple[str, str], Batcher] = {}
+        self._agents_started: dict[str, int] = {}  # node -> agents started there after its first was lost
         self._ids = RequestIds()  # the cells' ids, numbered here: an interrupt names the one it is meant for
         self.batching = batching  # off: one agent call per machine request (bench/ measures the difference)
 
@@ -115,8 +116,11 @@ class ClusterBackend(Backend):
             raise SmolbenchError(self.refused[0] if self.refused else f"no node of the Ray cluster at {self.address} "
                                  "runs machines")
 
-    def _new_agents(self) -> builtins.list[Node]:
-        """An agent on every live node with slots that has none yet (pinned there: hard node affinity)."""
+    def _new_agents(self, lost_only: bool = False) -> builtins.list[Node]:
+        """An agent on every live node with slots that has none yet (pinned there: hard node affinity),
+        and a new one on a node whose agent was lost while Ray still counts the node alive (its agent
+        died, not its raylet): it sweeps what the dead one left, and runs machines there again.
+        ``lost_only``: only those."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -125,10 +129,24 @@ class ClusterBackend(Backend):
         new = []
         for n in address.nodes():
             nid = n["NodeID"]
-            if nid in self.nodes:
+            old = self.nodes.get(nid)
+            # not a node refused, nor one whose agent never started (it would fail again)
+            again = old is not None and old.lost and old.backend not in ("refused", "starting")
+            if (old is None and lost_only) or (old is not None and not again):
                 continue
+            name = f"smolbench-{self.session}-{_short(nid)}"
+            if old is not None:
+                with contextlib.suppress(Exception):  # it may live on unheard (a lost call): it goes, and its machines
+                    ray.kill(old.agent)
+                for key in [k for k in self._batchers if k[0] == nid]:  # they call the old agent
+                    self._batchers.pop(key)
+                self._limits.pop(nid, None)
+                self._agents_started[nid] = self._agents_started.get(nid, 0) + 1
+                name += f"-{self._agents_started[nid]}"  # the old name may not be free yet
+                self.notes.append(f"node {_short(nid)} is still up: a new agent there deletes what the lost one "
+                                  "left and runs machines again")
             handle = actor.options(
-                num_cpus=0, max_restarts=0, name=f"smolbench-{self.session}-{_short(nid)}",
+                num_cpus=0, max_restarts=0, name=name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts, limits := gate.limits.snapshot())
             self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting", limits=limits)
@@ -368,11 +386,7 @@ class ClusterBackend(Backend):
                 rep.stale = True
             if rep.stale and not rep.children:
                 self.replicas.pop(key, None)
-                await self.delete(rep.ref)
-                where = self.nodes.get(key[1])
-                if rep.digest and where is not None and not where.lost:
-                    with contextlib.suppress(SmolbenchError):
-                        await self._call(where, where.agent.forget.remote(rep.digest))
+                await self.delete(rep.ref)  # its node drops the checkpoint it was restored from with it
 
     def list(self) -> builtins.list[MachineRef]:
         return [m for m in self._machines.values() if not m.info.get("replica")]
@@ -388,6 +402,11 @@ class ClusterBackend(Backend):
             with contextlib.suppress(Exception):
                 await self.delete(ref)
         self.replicas.clear()
+        # a node whose agent died (kill -9, an OOM) but which lives gets one more agent, which
+        # deletes the run folders the dead one left (at its start, and at its close below)
+        with contextlib.suppress(Exception):
+            revived = await asyncio.to_thread(self._new_agents, True)
+            await asyncio.wait_for(asyncio.gather(*(self._describe(n, joined=True) for n in revived)), 120)
         for node in self.nodes.values():  # the agents go too: a later `%smol up --ray` starts its own
             if not node.lost:
                 with contextlib.suppress(Exception):  # its own folder (artifacts) goes with it
@@ -510,10 +529,7 @@ class ClusterBackend(Backend):
             have.stale = True
             if not have.children:
                 self.replicas.pop((parent.name, node.id), None)
-                await self.delete(have.ref)
-                if have.digest and not node.lost:  # a restored microVM may still read its checkpoint
-                    with contextlib.suppress(SmolbenchError):
-                        await self._call(node, node.agent.forget.remote(have.digest))
+                await self.delete(have.ref)  # and, on its node, the checkpoint it was restored from
         if shipping.by_checkpoint(self._node_of(parent), node):
             made = await shipping.smol_replica(self, parent, node, recipe.key, await self._parent_fingerprint(parent))
             rep = Replica(key=recipe.key, how="checkpoint", **made)
@@ -564,9 +580,15 @@ class ClusterBackend(Backend):
         node = self.nodes.get(machine.info.get("node", ""))
         if node is None:
             return None
+        if machine.name not in self._machines:  # lost with its node's agent (the node may have a new one)
+            return node.id
         if not node.lost:
             await self._describe(node)  # a lost node is marked lost
         return node.id if node.lost else None
+
+    def has(self, name: str) -> bool:
+        """Whether machine ``name`` is still one of ours (not lost with its node or its agent)."""
+        return name in self._machines
 
     async def remember_state(self, machine: MachineRef) -> str:
         """Take (once per state) the fingerprint a rebuild of ``machine`` is checked against."""

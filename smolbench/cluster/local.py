@@ -5,6 +5,9 @@ data folder (``SMOLBENCH_NODE_DIR``), ``slots`` machine slots and a small object
 Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or leaving the
 ``with`` block) stops every Ray process it started and removes the folder.
 
+A cluster's folder records its owner (pid and start time, as a run folder does): when the
+process that made it was killed, the next LocalCluster made in the same folder (/tmp) removes it.
+
 Ray's own ``Cluster`` starts with no authentication on the host's routable address: anyone on
 the network could run tasks as this user. Here every node listens on 127.0.0.1 only and asks
 for a token (``RAY_AUTH_MODE=token``) kept in the cluster's folder (mode 0600); this process,
@@ -26,10 +29,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..backends import _rundir
 from ..errors import SmolbenchError
 from . import SLOTS
 from .address import auth_from_env
 
+PREFIX = "sbray-"  # the cluster's folder: its owner file lets the next LocalCluster sweep it once its process is gone
 OBJECT_STORE = 100 * 1024 * 1024  # per node: this is a demo on one host, not a data pipeline
 LOOPBACK = "127.0.0.1"
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
@@ -157,7 +162,9 @@ class LocalCluster:
         except ImportError:
             raise SmolbenchError("Ray is not installed: `pip install 'jupyterlab-smolbench[ray]'`") from None
         # short: Ray's Unix socket paths live below it and must stay under 108 characters
-        self.dir = Path(tempfile.mkdtemp(prefix="sbray-", dir=base or ("/tmp" if os.path.isdir("/tmp") else None)))
+        base = base or ("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir())
+        self.swept = sweep_killed(base)
+        self.dir = _rundir.make(base, prefix=PREFIX)  # its owner recorded (pid and start time) for that sweep
         self._old_tmp = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = str(self.dir)  # Ray's `auto` address file goes here, not to a shared /tmp/ray
         (self.dir / "ray").mkdir()
@@ -272,29 +279,43 @@ class LocalCluster:
         atexit.unregister(self.stop)
 
     def _kill_strays(self) -> None:
-        """Ray processes of this cluster that outlived it (a node that timed out while starting),
-        and wait until they are gone: a worker still dying may write its session folder again.
-        Workers rename themselves (``ray::IDLE``): theirs is found in their environment."""
-        mark = str(self.dir).encode()
-        killed = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes()
-                if mark in cmdline or (cmdline.startswith(b"ray::") and mark in (entry / "environ").read_bytes()):
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    killed.append(entry)
-        deadline = time.monotonic() + 10
-        while killed and time.monotonic() < deadline:
-            killed = [e for e in killed if _alive(e)]
-            time.sleep(0.02)
+        """Ray processes of this cluster that outlived it (a node that timed out while starting)."""
+        _kill_marked(self.dir)
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def sweep_killed(base: str) -> list[Path]:
+    """Remove the folders in ``base`` of local clusters whose process is gone (kill -9: no stop,
+    no atexit), their Ray processes still dying first; a live owner's, another user's, or one
+    without an owner record (made before owners were recorded) is never touched."""
+    return _rundir.sweep(base, prefix=PREFIX, before=_kill_marked)
+
+
+def _kill_marked(folder: Path) -> None:
+    """Kill Ray processes of the cluster in ``folder`` and wait until they are gone: a worker still
+    dying may write its session folder again. Workers rename themselves (``ray::IDLE``): theirs is
+    found in their environment (readable only for this user's processes)."""
+    mark = str(folder).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat().st_uid != os.getuid():  # never another user's
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            if mark in cmdline or (cmdline.startswith(b"ray::") and mark in (entry / "environ").read_bytes()):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(entry)
+    deadline = time.monotonic() + 10
+    while killed and time.monotonic() < deadline:
+        killed = [e for e in killed if _alive(e)]
+        time.sleep(0.02)
 
 
 def _single_host(to: tuple[str | None, bool]) -> tuple[str | None, bool] | None:

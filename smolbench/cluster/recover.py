@@ -48,8 +48,9 @@ def _drop_others(wb: Any, keep: str, lost: str) -> list[str]:
     """Every other machine on the lost node: gone (deleted in the tree; results and rewards stay).
     The active machine stays listed (its own next use rebuilds it), and so do running
     branches (their fork runs them again under ``--retries``)."""
+    # not those made since on that node, when it lives on with a new agent
     gone = sorted(n for n, r in wb.machines.items() if n not in (keep, wb.active) and r.info.get("node") == lost
-                  and not (n in wb.tree and wb.tree[n].status in ("starting", "running")))
+                  and not wb.backend.has(n) and not (n in wb.tree and wb.tree[n].status in ("starting", "running")))
     for name in gone:
         wb.machines.pop(name, None)
         if name in wb.tree:

@@ -69,7 +69,7 @@ def recipe(wb: Any, node_id: str) -> Recipe:
         cells = wb.ledger.cells(wb.session, step.id)
         upto = path[i + 1].forked_at if i + 1 < len(path) else step.cells
         for c in cells[:upto]:
-            if c.get("pushed") and c["pushed"] != "[]":
+            if c.get("pushed"):  # the ledger's list of names the user pushed
                 out.pushed.append(step.id)
             out.steps.append(("cell", c["code"], c["seed"] if step.parent is None else None))
     return out

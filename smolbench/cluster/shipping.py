@@ -78,10 +78,9 @@ async def smol_replica(cb: ClusterBackend, parent: MachineRef, node: Node, key: 
         except BaseException:
             await cb.delete(ref)
             raise
-    except BaseException:  # the copy it fetched goes too (a machine whose state never matches made one a try)
+    finally:  # the fetch's use ends: the replica holds the copy while it lives (one that failed made one a try)
         with contextlib.suppress(Exception):
-            await cb._call(node, node.agent.forget.remote(art["digest"]))
-        raise
+            await _to_the_end(cb._call(node, node.agent.forget.remote(art["digest"])))
     return {"ref": ref, "fingerprint": got, "bytes_shipped": int(shipped), "seconds": time.perf_counter() - t0,
             "digest": art["digest"]}
 
@@ -225,9 +224,7 @@ async def restore(cb: ClusterBackend, path: str, name: str, spec: MachineSpec, *
     except BaseException:
         await _to_the_end(forget())
         raise
-    if fmt == "smol":  # a restored microVM may still read its checkpoint: the agent drops it with the machine
-        return ref
-    try:
+    try:  # this use ends; a restored microVM may still read its checkpoint: the node drops it with the machine
         await _to_the_end(forget())
     except asyncio.CancelledError:  # cancelled after the machine came up: its caller never gets it
         await _to_the_end(cb.delete(ref))
@@ -262,6 +259,7 @@ async def send(cb: ClusterBackend, node: Node, path: str, digest: str, size: int
 
 
 async def _drop_received(cb: ClusterBackend, node: Node, receiving: Any, digest: str) -> None:
-    """Drop the artifact a receive (or fetch) call kept, once it ended (none if the node had it already)."""
-    if int(await cb._call(node, receiving)):
-        await cb._call(node, node.agent.forget.remote(digest))
+    """End the use a receive (or fetch) call gave, once it ended: its node drops the artifact if
+    nothing else there needs it (it may have had it already)."""
+    await cb._call(node, receiving)
+    await cb._call(node, node.agent.forget.remote(digest))
