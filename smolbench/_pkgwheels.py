@@ -49,6 +49,9 @@ def _open_wheel(requirement: str, path: str) -> int:
         raise SmolbenchError(f"Smolfile packages entry {requirement!r}: {link.args[0]} on its way is a link (a link "
                              f"in a folder a machine writes would choose the file): name the wheel by its real path, "
                              f"{os.path.realpath(path)}") from None
+    except ValueError:  # a NUL in the path (the parser refuses it: this is a list it did not check)
+        raise SmolbenchError(f"Smolfile packages entry {requirement!r}: its path holds a NUL character: write the "
+                             "wheel's path without it") from None
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EISDIR):
             raise SmolbenchError(f"Smolfile packages entry {requirement!r}: {path} is not a plain file: point it "

@@ -40,6 +40,7 @@ from typing import IO
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from . import _pipbounds
 from ._aio import _stoppable_thread
 from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root, read_plain
 from ._pkgwheels import private_copies, wheel_hashes, wheel_path
@@ -50,6 +51,7 @@ from .images import cache_dir
 
 PIP_TIMEOUT = 1800.0  # seconds one install may take
 WHEELS = ".wheels"  # in an install's temporary folder: the private copies of the wheels it names here
+PIP_TMP = ".tmp"  # there too: pip's own temporary files ($TMPDIR), measured with the install
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
 _GLIBC_RE = re.compile(rb"GLIBC_2\.(\d+)")
 _PINNED = re.compile(r"(?:^|&)sha256=[0-9a-f]{64}(?:&|$)")  # a URL's fragment pinning its file, as pip reads it
@@ -73,6 +75,9 @@ def requirement_problem(text: str) -> str | None:
     except InvalidRequirement as exc:
         first = str(exc).splitlines()[0] if str(exc) else "invalid"
         return f"is not a requirement ({first}); write a name with an optional version, like \"gymnasium==1.0.0\""
+    if req.url and not urllib.parse.unquote(req.url).isprintable():  # %00: a path no file can have (open raises)
+        return ("holds an escaped control character in its URL (like %00 or %0a), which no wheel's path or name has; "
+                "write the wheel's URL without it")
     if req.url and not urllib.parse.urlsplit(req.url).path.endswith(".whl"):
         # pip builds a URL's source (runs its setup.py) even with --only-binary=:all:
         return ("points at a source archive or folder, which pip would build on the host by running its code; "
@@ -410,7 +415,11 @@ def _install(requirements: tuple[str, ...], guest: GuestPython, root: Path, root
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.tmp-", dir=root))
     try:
-        _pip(private_copies(requirements, wheels, tmp / WHEELS), guest, tmp / LIB, log, stop)
+        copies = private_copies(requirements, wheels, tmp / WHEELS)
+        _pipbounds.check_wheels([(text, path) for text, copy in zip(requirements, copies)
+                                 if (path := wheel_path(copy)) is not None and wheel_path(text) is not None],
+                                _pipbounds.disk_limit())
+        _pip(copies, guest, tmp / LIB, log, stop)
         shutil.rmtree(tmp / WHEELS, ignore_errors=True)
         _readable(tmp)
         took = time.monotonic() - started
@@ -537,7 +546,11 @@ def _size(tree: Path) -> int:
 # an audit hook (PEP 578) that refuses to start one: a build fails, in one line, before it runs.
 NO_PROGRAMS = "smolbench: pip on the host starts no program"
 PIP_GUARD = f"""
-import runpy, sys
+import os, resource, runpy, sys
+caps = os.environ.pop("{_pipbounds.CAPS_ENV}", "").split()
+if caps:  # its memory and the size of any file it writes (_pipbounds), before pip is imported
+    resource.setrlimit(resource.RLIMIT_AS, (int(caps[0]), int(caps[0])))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(caps[1]), int(caps[1])))
 def refuse(event, args):
     if event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty"):
         raise PermissionError("{NO_PROGRAMS} (it was about to run " + repr(args)[:300] + ")")
@@ -563,51 +576,89 @@ def _lock(lock: int, stop: threading.Event | None, how: int = fcntl.LOCK_EX) -> 
 
 def pip_command(requirements: tuple[str, ...], guest: GuestPython, target: Path) -> list[str]:
     """The host's pip call: wheels only, into ``target``, never asking anything, starting no
-    program (:data:`PIP_GUARD`), and isolated (``-I``: nothing imported from the folder it runs in)."""
+    program (:data:`PIP_GUARD`), isolated (``-I``: nothing imported from the folder it runs in),
+    compiling nothing (:func:`_compile` does, bounded)."""
     return [sys.executable, "-I", "-c", PIP_GUARD, "install", "--target", str(target), "--only-binary=:all:",
-            "--no-input", "--disable-pip-version-check", "--no-warn-script-location", "--quiet",
+            "--no-input", "--disable-pip-version-check", "--no-warn-script-location", "--quiet", "--no-compile",
             *guest.pip_target_args(), "--", *requirements]
 
 
 def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: list[str] | None,
          stop: threading.Event | None = None) -> None:
+    """pip installs ``requirements`` into ``target``, then their bytecode is made (:func:`_compile`):
+    both within :data:`PIP_TIMEOUT` and the memory and disk caps of :mod:`._pipbounds`."""
     for text in requirements:  # the parser checked them; this is the last line before pip
         problem = requirement_problem(text)
         if problem:
             raise SmolbenchError(f"Smolfile packages entry {text!r} {problem}")
-    env = _pip_env()
-    tail: deque[str] = deque(maxlen=40)
+    folder = target.parent
+    (folder / PIP_TMP).mkdir(mode=0o700, exist_ok=True)
+    # pip unpacks into a temporary folder before it moves the files into --target: that one is
+    # inside the install's folder too, so its size is measured (and a kill leaves nothing elsewhere)
+    env = {**_pip_env(), **_pipbounds.caps_env(), "TMPDIR": str(folder / PIP_TMP)}
+    watch = _pipbounds.DiskWatch(folder, (WHEELS,), _pipbounds.disk_limit())
     deadline = time.monotonic() + PIP_TIMEOUT
-    # its own process group: killed, pip's own children (a package's build) go with it
-    with subprocess.Popen(pip_command(requirements, guest, target), stdin=subprocess.DEVNULL, cwd=target.parent,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
-                          start_new_session=True) as proc:
-        while True:  # until pip ends, is stopped (its install was) or is late: then it is killed
+    code, output = _run(pip_command(requirements, guest, target), folder, env, stop, deadline, watch)
+    # pip's own lines, without the colours it adds in a kernel (FORCE_COLOR): the error is one plain line
+    tail = deque((ln.strip() for ln in plain(output).splitlines() if ln.strip()), maxlen=40)
+    if log is not None:
+        log.extend(tail)
+    if code != 0 and any("[Errno 27]" in ln or "File too large" in ln for ln in tail):  # RLIMIT_FSIZE
+        raise _pipbounds.over_disk(watch.check(final=True) or "one of its files grew past that", watch.limit)
+    if code != 0 and any(NO_PROGRAMS in ln for ln in tail):
+        raise SmolbenchError("pip could not install the Smolfile's packages: a package asked pip to build a source "
+                             "archive (a dependency it names by URL), which would run that archive's code on the host; "
+                             "smolbench installs wheels only: pick versions whose dependencies are wheels, or pip "
+                             "install it inside a machine")
+    if code != 0:
+        raise SmolbenchError(pip_failure(list(tail), requirements, guest))
+    shutil.rmtree(folder / PIP_TMP, ignore_errors=True)
+    if (guest.major, guest.minor) == sys.version_info[:2]:  # a .pyc of another version is never read
+        _compile(target, env, stop, deadline, watch)
+    over = watch.check(final=True)  # what landed, whatever the wheels' directories said
+    if over is not None:
+        raise _pipbounds.over_disk(over, watch.limit)
+
+
+def _compile(lib: Path, env: dict[str, str], stop: threading.Event | None, deadline: float,
+             watch: _pipbounds.DiskWatch) -> None:
+    """The bytecode pip would have made, made by a child under the same caps (machines import
+    from a read-only mount, where no ``.pyc`` can be written later); one line naming a module
+    that needs more memory than the cap to compile."""
+    code, output = _run([sys.executable, "-I", "-c", _pipbounds.COMPILE, str(lib)], lib.parent, env, stop, deadline,
+                        watch)
+    if code == 3 and _pipbounds.COMPILE_MEMORY in output:
+        raise SmolbenchError(_pipbounds.compile_refusal(output, _pipbounds.memory_cap(), lib))
+    if code != 0:
+        last = (plain(output).strip().splitlines() or [f"exit status {code}"])[-1][:300]
+        raise SmolbenchError(f"compiling the Smolfile's packages to bytecode on the host failed ({last}); nothing was "
+                             "kept: remove the package it names from the Smolfile")
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], stop: threading.Event | None, deadline: float,
+         watch: _pipbounds.DiskWatch) -> tuple[int, str]:
+    """``cmd``'s exit status and output; killed (its process group: its own children go with it)
+    when ``stop`` is set, ``deadline`` passes or ``watch`` finds the install over its disk limit."""
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, errors="replace", env=env, start_new_session=True) as proc:
+        while True:
             try:
-                out, err = proc.communicate(timeout=0.1 if stop is not None else max(0.0, deadline - time.monotonic()))
-                break
+                out, err = proc.communicate(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                return proc.returncode, out + err
             except subprocess.TimeoutExpired:
                 stopped = stop is not None and stop.is_set()
-                if not stopped and time.monotonic() < deadline:
+                over = None if stopped else watch.check()
+                if not stopped and over is None and time.monotonic() < deadline:
                     continue
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
                 if stopped:
                     raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
+                if over is not None:
+                    raise _pipbounds.over_disk(over, watch.limit) from None
                 raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
                                      "check the host's network to the package index, or shorten the list") from None
-    # pip's own lines, without the colours it adds in a kernel (FORCE_COLOR): the error is one plain line
-    tail.extend(ln.strip() for ln in plain(out + err).splitlines() if ln.strip())
-    if log is not None:
-        log.extend(tail)
-    if proc.returncode != 0 and any(NO_PROGRAMS in ln for ln in tail):
-        raise SmolbenchError("pip could not install the Smolfile's packages: a package asked pip to build a source "
-                             "archive (a dependency it names by URL), which would run that archive's code on the host; "
-                             "smolbench installs wheels only: pick versions whose dependencies are wheels, or pip "
-                             "install it inside a machine")
-    if proc.returncode != 0:
-        raise SmolbenchError(pip_failure(list(tail), requirements, guest))
 
 
 # pip's lines when it could not reach the index: retries of a connection (a proxy, DNS, a refused or
@@ -626,8 +677,7 @@ def pip_failure(tail: list[str], requirements: tuple[str, ...], guest: GuestPyth
     head = "pip could not install the Smolfile's packages: "
     if any("[Errno 28]" in ln or "No space left on device" in ln for ln in tail):
         return (f"{head}[Errno 28] No space left on device: the host's disk is full; free space where smolbench "
-                f"keeps packages ({packages_root()}; $SMOLBENCH_CACHE moves it) and in pip's temporary folder "
-                f"({tempfile.gettempdir()}; $TMPDIR moves it)")
+                f"keeps packages ({packages_root()}; $SMOLBENCH_CACHE moves it), where pip's temporary files are too")
     conflict = next((ln for ln in errors if _CONFLICT.search(ln)), None)
     if conflict is not None:  # not "ResolutionImpossible: for help visit ...", pip's last line
         return f"{head}{conflict[:300]}: keep one pin per package, or loosen one so both can hold"

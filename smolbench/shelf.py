@@ -621,6 +621,7 @@ class Shelf:
                 record["created"] = float(created or time.time())
             if rec.get("node_id"):
                 record["node"] = rec["node_id"]
+            record = restoring.shared_record(record)  # nothing of this disk's paths or user goes to students
             part = target.with_name(f".{target.name}.{os.getpid()}.part")
             try:
                 fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

@@ -86,7 +86,7 @@ class MachineSpec:
         ``--allow`` or ``memory`` changes what a machine may do, not what its namespace needs."""
         data: dict[str, object] = {"packages": list(self.packages), "env": sorted(self.env), "init": list(self.init),
                                    "workdir": self.workdir, "volumes": sorted(v.guest for v in self.volumes)}
-        return {k: hashlib.sha256(json.dumps(data[k]).encode()).hexdigest()[:12] for k in RESTORE_PARTS}
+        return {k: part_hash(data[k]) for k in RESTORE_PARTS}
 
     def machine(self) -> dict[str, object]:
         """What a checkpoint's record says of the machine that saved it (its ``image``,
@@ -103,3 +103,8 @@ class MachineSpec:
             del data["packages"]
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.image or 'host'}@{digest}"
+
+
+def part_hash(value: object) -> str:
+    """The short hash of one of :meth:`MachineSpec.parts` (JSON of ``value``)."""
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:12]

@@ -9,8 +9,11 @@ isolated backend to use instead.
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 import shlex
+import urllib.parse
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +88,72 @@ def machine_claims(*sources: object) -> dict[str, Any]:
     return out
 
 
+# -- what an export says of its machine: nothing of the exporter's disk ----------------------------
+_URL_REQUIREMENT = re.compile(r"(?P<head>[^@]*@\s*)(?P<url>\S+)(?P<tail>.*)", re.DOTALL)  # name @ URL ; marker
+_PATH_PREFIXES = ("/", "./", "../", "~")  # images.is_path_image's
+_HOST_PATH = re.compile(r"(?<![\w.~-])/(?:[^\s'\"()<>,;:/]+/)+([^\s'\"()<>,;:/]*)")  # /a/b/c: two parts or more
+
+
+def shared_requirement(text: str) -> str:
+    """A Smolfile requirement as an export says it: a wheel on the exporter's disk (``file:``) by
+    its file name only, any other URL without its ``user:password@`` and query (either may carry
+    a token). What a restore compares ours with too (:func:`lacking`, :func:`_part_diffs`)."""
+    m = _URL_REQUIREMENT.fullmatch(text)
+    if m is None:
+        return text
+    parts = urllib.parse.urlsplit(m["url"])
+    if parts.scheme == "file":
+        shown = posixpath.basename(urllib.parse.unquote(parts.path))
+    else:
+        shown = urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", parts.fragment))
+    return f"{m['head']}{shown}{m['tail']}"
+
+
+def shared_image(image: str | None) -> str | None:
+    """An image as an export says it: a rootfs folder or archive by its file name only."""
+    if image is None or not (image in (".", "..") or image.startswith(_PATH_PREFIXES)):
+        return image
+    return posixpath.basename(posixpath.normpath(image)) or "/"
+
+
+def shared_text(text: str) -> str:
+    """A warning as an export says it: the home folder as ``~``, any other path of the host by
+    its last part (``…/name``)."""
+    home = os.path.expanduser("~")
+    if home not in ("", "/", "~"):
+        for form in {os.path.realpath(home), home.rstrip("/")}:
+            text = re.sub(re.escape(form) + r"(?![\w.-])", "~", text)
+    return _HOST_PATH.sub(lambda m: "\u2026/" + m[1], text)
+
+
+def shared_record(record: dict[str, Any]) -> dict[str, Any]:
+    """An exported record without what names the exporter's disk or user: its packages and image
+    (:func:`shared_requirement`, :func:`shared_image`), the packages' part hashed over those, its
+    warnings through :func:`shared_text`; and no ``baseline`` beside ``parts`` (a hash over the
+    host's paths, its image's path first, that a restore compares only when there are no parts:
+    another machine's baseline never matched it). A record without parts (an older save, a file
+    re-exported) keeps its baseline as its only claim, its image by file name."""
+    from ..spec import part_hash
+
+    out = dict(record)
+    if "parts" in out:
+        out.pop("baseline", None)
+    elif isinstance(out.get("baseline"), str) and "@" in out["baseline"]:
+        image, _, digest = out["baseline"].rpartition("@")
+        out["baseline"] = f"{shared_image(image)}@{digest}"
+    if "image" in out:
+        out["image"] = shared_image(out["image"])
+    if isinstance(out.get("packages"), list):
+        out["packages"] = [shared_requirement(p) for p in out["packages"]]
+    if isinstance(out.get("parts"), dict) and "packages" in out["parts"]:
+        out["parts"] = {k: v for k, v in out["parts"].items() if k != "packages"}
+        if isinstance(out.get("packages"), list):  # else it says nothing of them: never a hash of paths
+            out["parts"]["packages"] = part_hash(out["packages"])
+    if isinstance(out.get("warnings"), list):
+        out["warnings"] = [shared_text(str(w)) for w in out["warnings"]]
+    return out
+
+
 def baseline_notice(name: str, claimed: object, here: str, imported: bool, *, machine: object = None,
                     spec: MachineSpec | None = None, failed: bool = False) -> str | None:
     """One line when checkpoint ``name`` was saved on a machine that differs from this one in
@@ -116,11 +185,14 @@ def baseline_notice(name: str, claimed: object, here: str, imported: bool, *, ma
 
 def _part_diffs(theirs: dict[str, Any], spec: MachineSpec, who: str) -> list[str]:
     """What differs between the machine a checkpoint says it was saved on and ``spec``, each a phrase."""
+    from ..spec import part_hash
+
     out = []
-    if theirs.get("image") != spec.image:
+    if theirs.get("image") not in (spec.image, shared_image(spec.image)):  # an export's: by its file name
         out.append(f"its image {one_line(str(theirs.get('image') or 'host'), 80)}, this machine's {spec.image or 'host'}")
     ours = spec.parts()
-    if theirs["parts"].get("packages", ours["packages"]) != ours["packages"]:
+    shared = part_hash([shared_requirement(p) for p in spec.packages])  # an export's hash (shared_record)
+    if theirs["parts"].get("packages", ours["packages"]) not in (ours["packages"], shared):
         out.append(packages_phrase(theirs.get("packages"), spec.packages, who))
     other = [k for k in ("env", "init", "workdir", "volumes") if theirs["parts"].get(k, ours[k]) != ours[k]]
     if other:
@@ -142,8 +214,10 @@ def packages_phrase(theirs: object, ours: tuple[str, ...], who: str) -> str:
 
 def lacking(theirs: list[str], ours: tuple[str, ...]) -> list[str]:
     """The requirements of ``theirs`` that ``ours`` has not as they are (by project name, then as written)."""
-    have = {_project(p): p.strip() for p in ours}
-    return [p for p in theirs if have.get(_project(p)) != p.strip()]
+    have: dict[str, set[str]] = {}
+    for p in ours:  # as written, and as an export says it (a wheel by its file name)
+        have.setdefault(_project(p), set()).update((p.strip(), shared_requirement(p.strip())))
+    return [p for p in theirs if p.strip() not in have.get(_project(p), ())]
 
 
 def _project(requirement: str) -> str:
