@@ -21,6 +21,7 @@ import re
 import stat
 import sys
 import tarfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -476,12 +477,54 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     return check_sized(path, backend, label).record
 
 
+# What check_sized let through, by the file it read (_identity): one restore checks the same
+# file at each step (before a machine comes up, adding it, the backend's restore), and a check
+# is seconds of tarfile for a big workspace.
+_PASSED: dict[tuple[int, ...], Checked] = {}
+_PASSED_LOCK = threading.Lock()
+PASSED_KEPT = 16
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file's bytes as the kernel tells them apart: any write changes its change time, which no
+    one can set back, and the limits it was checked under (a lowered limit checks again)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, LIMITS.checkpoint,
+            hash(frozenset(TEST_WEAKEN)))
+
+
+def passed_along(src: int, before: os.stat_result, copy: int) -> None:
+    """Copy descriptor ``copy`` holds the bytes of ``src`` (stat ``before`` the copy was read):
+    when ``src`` passed the check as it was, and is still, so does the copy (checked once)."""
+    with _PASSED_LOCK:
+        checked = _PASSED.get(_identity(before))
+        if checked is not None and _identity(os.fstat(src)) == _identity(before):
+            _keep(_identity(os.fstat(copy)), checked)
+
+
+def _keep(key: tuple[int, ...], checked: Checked) -> None:
+    _PASSED[key] = checked
+    while len(_PASSED) > PASSED_KEPT:
+        del _PASSED[next(iter(_PASSED))]
+
+
 def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -> Checked:
-    """:func:`check`, and what the file would take in a machine (from its headers, as read)."""
+    """:func:`check`, and what the file would take in a machine (from its headers, as read).
+    A file that passed is not read again while it is the same file, unchanged."""
     label = label or Path(path).name
+    with open(path, "rb") as fh:
+        key = _identity(os.fstat(fh.fileno()))  # before reading: a write meanwhile changes it
+        with _PASSED_LOCK:
+            checked = _PASSED.get(key)
+        if checked is None:
+            checked = _check_sized(fh, backend, label)
+            with _PASSED_LOCK:
+                _keep(key, checked)
+    return checked
+
+
+def _check_sized(fh: IO[bytes], backend: str, label: str) -> Checked:
     record = None
-    with open(path, "rb") as fh, open_tar(fileobj=_not_over_limit(fh, label),
-                                          what=f"checkpoint {label}") as tar:
+    with open_tar(fileobj=_not_over_limit(fh, label), what=f"checkpoint {label}") as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
         try:
