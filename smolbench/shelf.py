@@ -443,8 +443,10 @@ class Shelf:
                 if wrong is None:
                     continue
             with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
+                before = os.fstat(src_fd)
                 src.seek(0)
                 _copy_bounded(src, out, base)
+                archive.passed_along(src_fd, before, out)  # checked before a machine came up: not again
                 if wrong is not None:  # whole, or the one here stays as it was
                     _whole(f"/proc/self/fd/{out}", base)
             return fname, True, wrong

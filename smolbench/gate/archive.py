@@ -21,9 +21,10 @@ import re
 import stat
 import sys
 import tarfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
 from ..errors import SmolbenchError
@@ -40,12 +41,17 @@ TEST_WEAKEN: set[str] = set()
 # a long name's or pax header's own bytes, at most (tarfile reads them whole): a name and a link
 # target of PATH_LIMIT each, and a few short records (an honest 4,096-byte name needs < 5 KiB)
 HEADER_LIMIT = 12 * 1024
-MEMBER_LIMIT = 500_000  # members of a workspace archive (tarfile keeps one object each)
+# Limits of a workspace archive, each with room over an honest one: a venv of 55,600 entries has
+# 4 links, 4.3 MB of names and ~8 parts a name (a Python install: 59,700, 14 links); each member
+# costs tarfile ~70 us of headers here, and the machine's unpacking more.
+MEMBER_LIMIT = 200_000  # members (tarfile parses each; the machine makes each)
 META_RUN = 8  # such headers in a row, at most (a pax, a long name and a long link make 3)
 PAX_RECORDS_LIMIT = 4_000_000  # pax records in one archive (an honest one: a few a member)
 PATH_LIMIT = 4096  # bytes of a member's name or link target, at most (PATH_MAX: no file system makes longer)
-NAMES_LIMIT = 128 * 1000**2  # bytes of all members' names (or links) together
-WALK_LIMIT = 20_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
+NAME_MAX = 255  # bytes of one part of a name (no file system makes longer: the machine can't make it)
+NAMES_LIMIT = 32 * 1000**2  # bytes of all members' names (or links) together (the check keeps them)
+WALK_LIMIT = 5_000_000  # name parts the check walks in all, following links (an honest workspace: ~10 a file)
+LINK_LIMIT = 25_000  # symlinks and hard links (node_modules/.bin: hundreds; a pnpm tree: thousands)
 LINK_PARTS_LIMIT = 1_000_000  # name parts of all links together, each a node of the link tree (~180 bytes)
 META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
               tarfile.SOLARIS_XHDTYPE)
@@ -335,12 +341,19 @@ class _Walk:
                                    "to follow: refused")
 
 
-def _resolve(path: tuple[str, ...], tree: dict[str, Any], walk: _Walk, hops: int = 0) -> list[str] | None:
-    """``path``'s components after following the archive's own links; None if it leaves the archive."""
+def _resolve(path: list[str], tree: dict[str, Any], walk: _Walk, hops: int = 0) -> list[str] | None:
+    """``path``'s components after following the archive's own links; None if it leaves the archive.
+    Parts are looked at one by one only while a link may lie ahead: below every link's folder,
+    with no ``..`` left to climb back, the rest is taken as it is (each name's parts one by
+    one, in Python, were most of a 50,000-link archive's 17 s)."""
     parts: list[str] = []
     nodes: list[dict[str, Any] | None] = []  # the link tree's node for each prefix (None: no link below)
     walk.take(len(path))
+    up = len(path) - path[::-1].index("..") if ".." in path else 0  # past the last "..": nothing climbs back
     for i, part in enumerate(path):
+        above = nodes[-1] if nodes else tree
+        if above is None and i >= up:
+            return parts + [p for p in path[i:] if p not in ("", ".")]
         if part in ("", "."):
             continue
         if part == "..":
@@ -349,7 +362,6 @@ def _resolve(path: tuple[str, ...], tree: dict[str, Any], walk: _Walk, hops: int
             parts.pop()
             nodes.pop()
             continue
-        above = nodes[-1] if nodes else tree
         node = above.get(part) if above is not None else None
         parts.append(part)
         nodes.append(node)
@@ -357,7 +369,7 @@ def _resolve(path: tuple[str, ...], tree: dict[str, Any], walk: _Walk, hops: int
         if target is not None:
             if hops >= LINK_HOPS or target.startswith("/"):
                 return None
-            return _resolve((*parts[:-1], *target.split("/"), *path[i + 1:]), tree, walk, hops + 1)
+            return _resolve([*parts[:-1], *target.split("/"), *path[i + 1:]], tree, walk, hops + 1)
     return parts
 
 
@@ -366,41 +378,77 @@ def _shown(name: str) -> str:
     return name if name.isprintable() and len(name) <= 200 else repr(name[:200])
 
 
+def _header_checked(m: tarfile.TarInfo, where: str) -> list[str]:
+    """What one member's header alone says is wrong (one line), else its name's parts."""
+    name, link = m.name, m.linkname
+    if max(len(name), len(link)) > PATH_LIMIT // 4 or not (name + link).isascii():  # (bytes: only when they may be over)
+        if max(len(name.encode("utf-8", "surrogateescape")), len(link.encode("utf-8", "surrogateescape"))) > PATH_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has a name or link longer than {PATH_LIMIT:,} bytes, which no file "
+                                   f"system makes ({_shown(name[:60])}...)")
+    parts = name.split("/")
+    if name.startswith("/") or ".." in parts:
+        raise UnsafeCheckpoint(f"{where} has a file outside its workspace ({_shown(name)})")
+    if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+        raise UnsafeCheckpoint(f"{where} has a device or fifo ({_shown(name)})")
+    if len(name) > NAME_MAX and any(len(p.encode("utf-8", "surrogateescape")) > NAME_MAX for p in parts):
+        # the machine can't make it, and tarfile then looked each such link up among every member
+        raise UnsafeCheckpoint(f"{where} has a name with a part longer than {NAME_MAX} bytes, which no file "
+                               f"system makes ({_shown(name[:60])}...)")
+    if (m.issym() or m.islnk()) and link.startswith("/"):
+        kind = "hard link" if m.islnk() else "link"
+        raise UnsafeCheckpoint(f"{where} has a {kind} that points outside it ({_shown(name)} -> {_shown(link)})")
+    return parts
+
+
 def check_members(tar: tarfile.TarFile, where: str) -> int:
     """Refuse a workspace archive whose members could land or point outside it. Returns the
-    bytes its files take unpacked (each file's size in whole pages, as a tmpfs keeps them)."""
-    members: list[tarfile.TarInfo] = []
-    names = footprint = 0
+    bytes its files take unpacked (each file's size in whole pages, as a tmpfs keeps them).
+
+    One pass over the headers checks each alone and charges every budget as it comes (a crafted
+    archive is refused where it goes over, not after all of it is read), keeping only names;
+    then links are followed for the members that a link may lead through."""
+    kept: list[tuple[str, list[str], tarfile.TarInfo | None]] = []  # (name, its parts, the member if a link)
+    links: dict[str, str] = {}
+    names = footprint = count = linked = walked = 0
     while (m := tar.next()) is not None:
-        members.append(m)
-        if len(members) > MEMBER_LIMIT:
+        tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every header it reads: this check keeps names only
+        count += 1
+        if count > MEMBER_LIMIT:
             raise UnsafeCheckpoint(f"{where} has more than {MEMBER_LIMIT:,} files: refused")
-        size = max(len(m.name.encode("utf-8", "surrogateescape")), len(m.linkname.encode("utf-8", "surrogateescape")))
-        if size > PATH_LIMIT:
-            raise UnsafeCheckpoint(f"{where} has a name or link longer than {PATH_LIMIT:,} bytes, which no file "
-                                   f"system makes ({_shown(m.name[:60])}...)")
-        names += size
+        parts = _header_checked(m, where)
+        names += max(len(m.name), len(m.linkname))
+        if names > NAMES_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
+        # the walk below takes at least each name's and link's parts: said now, not after reading all
+        walked += len(parts) + (m.linkname.count("/") + 1 if m.issym() or m.islnk() else 0)
+        if walked > WALK_LIMIT:
+            _Walk(where).take(walked)
         if m.isfile():
             footprint += -(-m.size // PAGE) * PAGE
-        if names > NAMES_LIMIT:  # tarfile keeps every name: 500,000 of 4 KB were 2 GB here
-            raise UnsafeCheckpoint(f"{where} has names of more than {human(NAMES_LIMIT)} in all: refused")
-    links = _link_tree({m.name.strip("/"): m.linkname for m in members if m.issym()}, where)
-    walk = _Walk(where)
-    for m in members:
-        name = PurePosixPath(m.name)
-        if m.name.startswith("/") or ".." in name.parts:
-            raise UnsafeCheckpoint(f"{where} has a file outside its workspace ({_shown(m.name)})")
-        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-            raise UnsafeCheckpoint(f"{where} has a device or fifo ({_shown(m.name)})")
         if m.issym() or m.islnk():
-            target = PurePosixPath(m.linkname) if m.islnk() else name.parent / m.linkname
-            if m.linkname.startswith("/") or _resolve(target.parts, links, walk) is None:
-                kind = "hard link" if m.islnk() else "link"
-                raise UnsafeCheckpoint(f"{where} has a {kind} that points outside it "
-                                       f"({_shown(m.name)} -> {_shown(m.linkname)})")
+            linked += 1
+            if linked > LINK_LIMIT:
+                raise UnsafeCheckpoint(f"{where} has more than {LINK_LIMIT:,} links: refused")
+            if m.issym():
+                links[m.name.strip("/")] = m.linkname
+        kept.append((m.name, parts, m if m.issym() or m.islnk() else None))
+    if not links and not linked:
+        return footprint  # no link to follow: every name stays where it says
+    tree = _link_tree(links, where)
+    walk = _Walk(where)
+    for name, parts, link in kept:
+        if link is not None:
+            hard = link.islnk()
+            target = link.linkname.split("/") if hard else [*parts[:-1], *link.linkname.split("/")]
+            if _resolve(target, tree, walk) is None:
+                raise UnsafeCheckpoint(f"{where} has a {'hard link' if hard else 'link'} that points outside it "
+                                       f"({_shown(name)} -> {_shown(link.linkname)})")
+            if not hard:  # the link is made where its folder is, which its target's walk went through
+                continue
+            parts = parts[:-1]  # (made, never followed: only its folder is reached)
         # a path that goes through one of the archive's links must stay inside too
-        if _resolve(name.parts, links, walk) is None:
-            raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(m.name)})")
+        if tree and _resolve(parts, tree, walk) is None:
+            raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(name)})")
     return footprint
 
 
@@ -429,12 +477,54 @@ def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict
     return check_sized(path, backend, label).record
 
 
+# What check_sized let through, by the file it read (_identity): one restore checks the same
+# file at each step (before a machine comes up, adding it, the backend's restore), and a check
+# is seconds of tarfile for a big workspace.
+_PASSED: dict[tuple[int, ...], Checked] = {}
+_PASSED_LOCK = threading.Lock()
+PASSED_KEPT = 16
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file's bytes as the kernel tells them apart: any write changes its change time, which no
+    one can set back, and the limits it was checked under (a lowered limit checks again)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, LIMITS.checkpoint,
+            hash(frozenset(TEST_WEAKEN)))
+
+
+def passed_along(src: int, before: os.stat_result, copy: int) -> None:
+    """Copy descriptor ``copy`` holds the bytes of ``src`` (stat ``before`` the copy was read):
+    when ``src`` passed the check as it was, and is still, so does the copy (checked once)."""
+    with _PASSED_LOCK:
+        checked = _PASSED.get(_identity(before))
+        if checked is not None and _identity(os.fstat(src)) == _identity(before):
+            _keep(_identity(os.fstat(copy)), checked)
+
+
+def _keep(key: tuple[int, ...], checked: Checked) -> None:
+    _PASSED[key] = checked
+    while len(_PASSED) > PASSED_KEPT:
+        del _PASSED[next(iter(_PASSED))]
+
+
 def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -> Checked:
-    """:func:`check`, and what the file would take in a machine (from its headers, as read)."""
+    """:func:`check`, and what the file would take in a machine (from its headers, as read).
+    A file that passed is not read again while it is the same file, unchanged."""
     label = label or Path(path).name
+    with open(path, "rb") as fh:
+        key = _identity(os.fstat(fh.fileno()))  # before reading: a write meanwhile changes it
+        with _PASSED_LOCK:
+            checked = _PASSED.get(key)
+        if checked is None:
+            checked = _check_sized(fh, backend, label)
+            with _PASSED_LOCK:
+                _keep(key, checked)
+    return checked
+
+
+def _check_sized(fh: IO[bytes], backend: str, label: str) -> Checked:
     record = None
-    with open(path, "rb") as fh, open_tar(fileobj=_not_over_limit(fh, label),
-                                          what=f"checkpoint {label}") as tar:
+    with open_tar(fileobj=_not_over_limit(fh, label), what=f"checkpoint {label}") as tar:
         members: list[tarfile.TarInfo] = []
         sizes: dict[str, int] = {}
         try:
