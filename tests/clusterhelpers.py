@@ -3,9 +3,11 @@ cluster's machines among the host's processes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
@@ -88,3 +90,14 @@ def resolved_stream(messages: Iterable[bytes]) -> Any:
             yield fut
 
     return gen()
+
+
+class Remote:
+    """A node agent's handle stood in: ``h.method.remote(...)`` runs the real method as a task."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._agent, name)
+        return SimpleNamespace(remote=lambda *a: asyncio.ensure_future(method(*a)))

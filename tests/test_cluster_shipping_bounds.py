@@ -15,22 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from clusterhelpers import Remote
 
 from smolbench.cluster import artifact, shipping
 from smolbench.cluster.agent import NodeAgent
 
 KB = 1024
-
-
-class Remote:
-    """A node agent's handle stood in: ``h.method.remote(...)`` runs the real method as a task."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._agent, name)
-        return SimpleNamespace(remote=lambda *a: asyncio.ensure_future(method(*a)))
 
 
 def _agent(tmp_path: Path) -> Any:

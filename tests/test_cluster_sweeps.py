@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from clusterhelpers import Remote
 
 from smolbench.backends._procs import start_time
 from smolbench.cluster import local
@@ -48,17 +49,6 @@ def test_a_killed_local_clusters_folder_goes_with_its_ray_processes_never_a_live
         for p in (live_owner, stray):
             p.kill()
             p.wait()
-
-
-class Remote:
-    """A node agent's handle stood in: ``h.method.remote(...)`` runs the real method as a task."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._agent, name)
-        return SimpleNamespace(remote=lambda *a: asyncio.ensure_future(method(*a)))
 
 
 async def _awaited(aw: Any) -> Any:

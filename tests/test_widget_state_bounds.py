@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 from test_widgets import until
+from widgethelpers import workbench_up
 
 from smolbench import _loop, _shown
-from smolbench.backends.sandbox import SandboxBackend
 from smolbench.ledger import Ledger
 from smolbench.shelf import Shelf
-from smolbench.spec import MachineSpec
-from smolbench.widgets import checkpoint_panel, close_views, tree_widget
+from smolbench.widgets import checkpoint_panel, tree_widget
 from smolbench.workbench import Workbench
 
 # each branch reports what the gate lets through: 1,000 metrics, names and text values of 200
@@ -33,14 +32,8 @@ reward = SEED
 
 @pytest.fixture
 def wb(tmp_path: Path) -> Iterator[Workbench]:
-    bench = Workbench(SandboxBackend(), MachineSpec(), Ledger(tmp_path / ".smolbench" / "ledger.db"))
-    _loop.run(bench.up())
-    try:
+    with workbench_up(tmp_path / ".smolbench" / "ledger.db") as bench:
         yield bench
-    finally:
-        close_views(bench)
-        _loop.run(bench.down(), timeout=60)
-        bench.ledger.close()
 
 
 def spy(view: Any) -> list[int]:

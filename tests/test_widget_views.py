@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from test_widgets import FORK_CODE, by_id, click, until
+from widgethelpers import workbench_up
 
 from smolbench import _loop
 from smolbench.backends.sandbox import SandboxBackend
-from smolbench.ledger import Ledger
 from smolbench.magics import ledger_table
 from smolbench.result import STATUS_COLORS, STATUS_COLORS_DARK
 from smolbench.spec import MachineSpec
@@ -31,14 +31,8 @@ WIDGETS = Path(__file__).parent.parent / "smolbench" / "widgets"
 
 @pytest.fixture
 def wb(tmp_path: Path) -> Iterator[Workbench]:
-    bench = Workbench(SandboxBackend(), MachineSpec(), Ledger(tmp_path / "ledger.db"))
-    _loop.run(bench.up())
-    try:
+    with workbench_up(tmp_path / "ledger.db") as bench:
         yield bench
-    finally:
-        close_views(bench)
-        _loop.run(bench.down(), timeout=60)
-        bench.ledger.close()
 
 
 def nodes_of(*specs: tuple[str, str | None, int | None, str | None]) -> dict[str, Node]:

@@ -16,12 +16,10 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 from ledgerhelpers import readable_now
+from widgethelpers import workbench_up
 
 from smolbench import _loop
-from smolbench.backends.sandbox import SandboxBackend
-from smolbench.ledger import Ledger
 from smolbench.result import ForkResult
-from smolbench.spec import MachineSpec
 from smolbench.widgets import (
     CheckpointPanel,
     TreeWidget,
@@ -44,14 +42,8 @@ NESTED_CODE = "reward = 1000 + SEED"
 
 @pytest.fixture
 def wb(tmp_path: Path) -> Iterator[Workbench]:
-    bench = Workbench(SandboxBackend(), MachineSpec(), Ledger(tmp_path / "ledger.db"))
-    _loop.run(bench.up())
-    try:
+    with workbench_up(tmp_path / "ledger.db") as bench:
         yield bench
-    finally:
-        close_views(bench)
-        _loop.run(bench.down(), timeout=60)
-        bench.ledger.close()
 
 
 def fork(wb: Workbench, n: int, code: str, seed_base: int = 0) -> ForkResult:

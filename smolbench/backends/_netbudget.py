@@ -157,25 +157,24 @@ class Budget:
         can): the tree's share of the kernel's, then the machine's of its tree's (``_netfair``)."""
         trees = {name: len(t.conns) for name, t in self.trees.items()}
         why = _netfair.refusal(trees, list(self.trees), tree.name, KERNEL_CONNECTIONS, TREE_FLOOR, KERNEL_CONNECTIONS)
-        if why == _netfair.FULL:
-            return f"this kernel's machines have {KERNEL_CONNECTIONS} connections open (the most they may)"
-        if why == _netfair.SHARE:
-            return (f"this machine tree has {len(tree.conns)} connections open (the most one tree may while "
-                    f"{sum(1 for n in trees.values() if n)} trees hold the kernel's {KERNEL_CONNECTIONS})")
-        if why == _netfair.KEPT:
-            return f"the rest of this kernel's {KERNEL_CONNECTIONS} connections are kept for its other machine trees"
+        if why is not None:
+            return {_netfair.FULL: f"this kernel's machines have {KERNEL_CONNECTIONS} connections open (the most they may)",
+                    _netfair.SHARE: f"this machine tree has {len(tree.conns)} connections open (the most one tree may "
+                                    f"while {sum(1 for n in trees.values() if n)} trees hold the kernel's "
+                                    f"{KERNEL_CONNECTIONS})",
+                    _netfair.KEPT: f"the rest of this kernel's {KERNEL_CONNECTIONS} connections are kept for its other "
+                                   "machine trees"}[why]
         machines: dict[Any, int] = {}
         for c in tree.conns:
             machines[c.node] = machines.get(c.node, 0) + 1
         why = _netfair.refusal(machines, tree.members or [node], node, TREE_CONNECTIONS, MACHINE_FLOOR,
                                MACHINE_CONNECTIONS)
-        if why == _netfair.FULL:
-            return f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)"
-        if why == _netfair.SHARE:
-            return (f"this machine has {machines.get(node, 0)} connections open (the most one machine of its tree may "
-                    f"while {sum(1 for n in machines.values() if n)} of its machines hold some)")
-        if why == _netfair.KEPT:
-            return "the rest of this machine tree's connections are kept for its other machines"
+        if why is not None:
+            return {_netfair.FULL: f"this machine tree has {TREE_CONNECTIONS} connections open (the most it may)",
+                    _netfair.SHARE: f"this machine has {machines.get(node, 0)} connections open (the most one machine "
+                                    f"of its tree may while {sum(1 for n in machines.values() if n)} of its machines "
+                                    "hold some)",
+                    _netfair.KEPT: "the rest of this machine tree's connections are kept for its other machines"}[why]
         return None
 
     async def resolve(self, tree: Tree, host: str, port: int) -> list[Any]:
