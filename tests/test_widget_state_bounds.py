@@ -54,8 +54,8 @@ def test_a_fork_reporting_the_most_metrics_sends_a_bounded_tree_state(wb: Workbe
     sizes = spy(view)
     result = wb.new_fork(4, None, 0)
     _loop.run(wb.fork(result, LOUD, lambda b, e: None), timeout=300)
-    until(lambda: len(view.nodes) == 5 and all(n["status"] == "ok" for n in view.nodes if n["id"] != "root"),
-          "the fork's final state")
+    until(lambda: len(view.nodes) == 5 and all(n["status"] == "ok" for n in view.nodes if n["id"] != "root")
+          and bool(sizes), "the fork's final state, sent")
     branch = next(n for n in view.nodes if n["id"] == "root.0")
     # cut where the record is made, as the sidebar cuts them: the first 20, names and values short
     assert len(branch["metrics"]) == _shown.METRICS_SHOWN

@@ -145,13 +145,18 @@ def test_a_zygote_that_fails_to_boot_is_retried_and_the_run_recorded(open_tmp: P
 
 
 SEEN = r"""
-import os, json, smolbench_guest
-procs = []
-for pid in os.listdir('/proc'):
-    try:
-        procs.append(open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\0')[:2])
-    except OSError:
-        pass
+import os, json, time, smolbench_guest
+deadline = time.monotonic() + 20
+while True:  # init's `nohup sleep &` may still be a shell or nohup, not yet sleep, on a busy host
+    procs = []
+    for pid in os.listdir('/proc'):
+        try:
+            procs.append(open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\0')[:2])
+        except OSError:
+            pass
+    if time.monotonic() > deadline or not any(p[0].rsplit(b'/', 1)[-1] in (b'sh', b'nohup') for p in procs if p):
+        break
+    time.sleep(0.05)
 smolbench_guest.report(seen=json.dumps({'shm': sorted(os.listdir('/dev/shm')),
                                          'sleeping': [b'sleep', b'1000'] in procs}))
 """
