@@ -141,9 +141,10 @@ class MachineLost(SmolbenchError):
 
 
 class MachineDied(MachineLost):
-    """The machine's process ended under a cell, and not for memory (killed from outside, or
-    the cell's ``os._exit``: the host can't tell which): fork and episodes retry it as an
-    InfraError; a cell's exception comes back as a result and never is one."""
+    """The machine's process ended under a cell, and not for memory nor by its own hand (killed
+    from outside, or how it ended is unknown): fork and episodes retry it as an InfraError. A
+    cell that ends its machine (``os._exit``) is a MachineLost, and a cell's exception comes
+    back as a result: neither is retried."""
 
 
 class MachineBusy(SmolbenchError):

@@ -4,8 +4,13 @@
 Reproduced (audit): an episode's branch of the zygote, or a fork's branch, SIGKILLed from the
 host mid-cell ended "error: machine ep1.0 died mid-cell" at its first attempt whatever the
 retries: the gate's MachineLost was taken for the cell's own failure (the smol backend said
-InfraError for a VM gone mid-relay, and was retried). A cell can't kill its own machine with
-SIGKILL (its agent is its pid namespace's init), so the host does it, as the OOM killer would.
+InfraError for a VM gone mid-relay, and was retried). A cell can't SIGKILL its own machine
+(its agent is its pid namespace's init), so the host does it, as the OOM killer would.
+
+A cell can end its machine itself, though (``os._exit`` runs in the agent): that is the cell's
+error, never retried. Reproduced (audit): ``os._exit(0)`` in episodes with ``retries=3`` took 4
+attempts each, every one in the ``attempts`` table. The host now reads the agent's wait status
+from a pidfd (``backends/_agentend.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from smolbench.backends import _agentend
 from smolbench.backends.sandbox import SandboxBackend
 from smolbench.ledger import Ledger
 from smolbench.result import ForkResult
@@ -123,3 +129,40 @@ def test_a_cells_own_exception_is_never_retried(open_tmp: Path) -> None:
     assert [(r["status"], r["attempts"]) for r in result.rows.values()] == [("ok", 1), ("error", 1)]
     assert "ValueError: mine" in result.rows["ep1.1"]["error"]
     assert attempts(wb) == []
+
+
+def test_a_cell_that_ends_its_own_machine_is_its_error_not_retried(open_tmp: Path) -> None:
+    wb = workbench(open_tmp)
+    ends = "import os\nprint('here')\nif SEED % 2 == 0:\n    os._exit(0)\nreward = 1"
+    by_thread = "import os, threading\nif SEED == 1:\n    threading.Thread(target=os._exit, args=(3,)).start()\n    threading.Event().wait()"
+
+    async def main() -> tuple[ForkResult, ForkResult]:
+        await wb.up()
+        try:
+            episodes = wb.new_episodes(3, seed_base=0)
+            await wb.episodes(episodes, ends, lambda b, e: None, retries=3)
+            fork = wb.new_fork(2, seed_base=0, keep="all")  # branches with keepers; episodes' are leaves (a maker reaps them)
+            await wb.fork(fork, by_thread, lambda b, e: None, keep="all", retries=3)
+            return episodes, fork
+        finally:
+            await wb.down()
+
+    episodes, fork = asyncio.run(asyncio.wait_for(main(), 240))
+    rows = {name: (r["status"], r["attempts"]) for name, r in episodes.rows.items()}
+    assert rows == {"ep1.0": ("error", 1), "ep1.1": ("ok", 1), "ep1.2": ("error", 1)}, rows
+    for name in ("ep1.0", "ep1.2"):
+        assert episodes.rows[name]["error"] == (f"machine {name} died mid-cell: the cell ended it (its agent exited "
+                                                "with status 0, as os._exit(0) does); its state is gone")
+    assert [(r["status"], r["attempts"]) for r in fork.rows.values()] == [("ok", 1), ("error", 1)]
+    assert "exited with status 3" in fork.rows["root.1"]["error"]
+    assert attempts(wb) == []
+    assert wb.backend.list() == []
+
+
+def test_how_an_agent_ended_says_whose_doing_it_was() -> None:
+    """A wait status: an exit or a fault is the machine's own; SIGKILL, or none known, is from outside."""
+    assert _agentend.own_end(0) == "its agent exited with status 0, as os._exit(0) does"
+    assert _agentend.own_end(3 << 8) == "its agent exited with status 3, as os._exit(3) does"
+    assert _agentend.own_end(signal.SIGSEGV) == "its agent died of SIGSEGV"
+    assert _agentend.own_end(signal.SIGKILL) is None
+    assert _agentend.own_end(None) is None

@@ -322,9 +322,10 @@ def test_a_root_that_dies_leaves_the_live_set_and_up_starts_a_new_one(here: Path
         s.fork(2, "reward = SEED", keep="all")
         with pytest.raises(SmolbenchError) as got:
             s.run("import os; os._exit(3)")
-        assert str(got.value) == ("machine root died mid-cell: its process exited before finishing (os._exit, a crash, "
-                                  "out of memory, or the machine was deleted); its state is gone: `Session.up()` starts "
-                                  "a fresh machine (or `Session.checkpoint_restore(name)`)")
+        how = ("the cell ended it (its agent exited with status 3, as os._exit(3) does)" if backend == "sandbox" else
+               "its process exited before finishing (os._exit, a crash, out of memory, or the machine was deleted)")
+        assert str(got.value) == (f"machine root died mid-cell: {how}; its state is gone: `Session.up()` starts "
+                                  "a fresh machine (or `Session.checkpoint_restore(name)`)")  # the sandbox knows who
         assert not s.is_up and s.active is None
         st = s.status()
         assert st["up"] is False and st["lost"].startswith("root: machine root died mid-cell"), st

@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 
 from .. import gate
 from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
-from ..errors import BackendUnavailable, MachineDied, MachineLost, SmolbenchError
+from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
 from ..spec import MachineSpec
-from . import _limits, _procs, _rundir, _spawn
+from . import _agentend, _limits, _procs, _rundir, _spawn
 from ._agentlog import keep_log
 from ._channel import Channel
 from ._saving import Saving
@@ -480,6 +480,7 @@ class AgentHostBackend(Saving, Backend):
     async def exec_cell(self, machine: MachineRef, request: CellRequest, on_event: OnEvent) -> CellResult:
         limits = self.limiter.get(machine.name)
         ooms = limits.oom_kills() if limits is not None else 0
+        watch = _agentend.Watch(machine.info)  # while the agent runs: if it dies, the kernel says how
         try:
             msg = exec_message(request, self._ids.cell(machine.name))
             async with contextlib.aclosing(self._stream(machine, msg)) as chunks:
@@ -487,10 +488,9 @@ class AgentHostBackend(Saving, Backend):
         except SmolbenchError as exc:
             if limits is not None and limits.oom_kills() > ooms:  # the kernel killed the machine for memory
                 raise MachineLost(f"{self._lost_for_memory(machine.spec)} (machine {machine.name} was lost)") from None
-            pid, started = machine.info.get("host_pid"), machine.info.get("host_started")
-            if isinstance(exc, MachineLost) and pid and started and await _procs.ended(pid, started):
-                raise MachineDied(str(exc)) from None
-            raise
+            raise await watch.verdict(exc, machine.name) from None  # its own end is the cell's; else MachineDied
+        finally:
+            watch.close()
         if res.status != "ok" and limits is not None and limits.oom_kills() > ooms:
             res.error = {"ename": "MemoryError", "evalue": self._lost_for_memory(machine.spec), "traceback": []}
         return res
