@@ -5,7 +5,11 @@ machine it says with their own sensibly: the same wheel by its file name is the 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +73,17 @@ def test_an_export_names_no_path_of_the_teachers_disk_in_any_field(tmp_path: Pat
     other = MachineSpec(image="/srv/other", packages=student.packages)
     said = restoring.baseline_notice("lesson", None, other.baseline(), True, machine=record, spec=other) or ""
     assert "its image rootfs, this machine's /srv/other" in said, said
+
+
+def test_the_workspaces_pip_shims_name_no_path_of_the_host(tmp_path: Path) -> None:
+    """The attack (audit): an exported workspace's ``.packages/.bin/pip`` said ``exec
+    /home/teacher/.venv/bin/python -m pip``. The shims now find the interpreter when they run."""
+    from smolbench.guest import pipsite
+
+    pipsite._shims(str(tmp_path))
+    for name in ("pip", "pip3"):
+        body = (tmp_path / name).read_text()
+        assert sys.executable not in body and sys.prefix not in body, body
+    env = {"PATH": os.environ.get("PATH", ""), getattr(pipsite, "PYTHON_ENV", "X"): sys.executable}
+    done = subprocess.run([str(tmp_path / "pip"), "--version"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("pip "), done.stderr
