@@ -53,7 +53,7 @@ def test_an_export_names_no_path_of_the_teachers_disk_in_any_field(tmp_path: Pat
         assert str(home) not in said and "teacher" not in said and "s3cret" not in said, (key, said)
     assert record["packages"] == ["demo @ demo-1.0-py3-none-any.whl", "tok @ https://pkgs.example:8443/t-1.0-py3-none-"
                                   "any.whl#sha256=" + "a" * 64, "numpy<3"], record["packages"]
-    assert record["image"] == "rootfs" and "baseline" not in record, record
+    assert record["image"] == "\u2026/rootfs" and "baseline" not in record, record
     assert record["warnings"] == ["saved unsigned: no checkpoint key could be made ([Errno 13] Permission denied: "
                                   "'~/.local/state/smolbench'), see ~/course/notes.txt and \u2026/x.txt"], record["warnings"]
     assert record["parts"]["env"] == spec.parts()["env"] and record["parts"]["packages"] != spec.parts()["packages"]
@@ -72,7 +72,28 @@ def test_an_export_names_no_path_of_the_teachers_disk_in_any_field(tmp_path: Pat
     # and one with another rootfs is told that
     other = MachineSpec(image="/srv/other", packages=student.packages)
     said = restoring.baseline_notice("lesson", None, other.baseline(), True, machine=record, spec=other) or ""
-    assert "its image rootfs, this machine's /srv/other" in said, said
+    assert "its image \u2026/rootfs, this machine's /srv/other" in said, said
+
+
+def test_a_students_other_wheel_of_the_same_name_or_a_named_image_is_not_the_same(tmp_path: Path) -> None:
+    """The attack (audit): a student's wheel of the teacher's file name but other content, and a
+    registry image named ``rootfs`` against the teacher's rootfs folder, were both reported the
+    same machine. An export now says a local wheel with its content's hash, and a path image marked."""
+    teacher, student = tmp_path / "teacher" / "demo-1.0-py3-none-any.whl", tmp_path / "student" / "demo-1.0-py3-none-any.whl"
+    for wheel, text in ((teacher, b"the teacher's"), (student, b"someone else's")):
+        wheel.parent.mkdir()
+        wheel.write_bytes(text)
+    theirs = MachineSpec(image="/srv/course/rootfs", packages=(f"demo @ {teacher.as_uri()}",))
+    record = restoring.shared_record({**theirs.machine(), "parts": theirs.parts()})
+    assert record["packages"] == ["demo @ demo-1.0-py3-none-any.whl#sha256=" + hashlib.sha256(b"the teacher's").hexdigest()]
+    other = MachineSpec(image="/home/s/rootfs", packages=(f"demo @ {student.as_uri()}",))
+    said = restoring.baseline_notice("lesson", None, other.baseline(), True, machine=record, spec=other) or ""
+    assert "this one lacks demo @ demo-1.0-py3-none-any.whl#sha256=" in said, said
+    student.write_bytes(b"the teacher's")  # the same wheel in the student's own folder: the same
+    assert restoring.baseline_notice("lesson", None, other.baseline(), True, machine=record, spec=other) is None
+    named = MachineSpec(image="rootfs", packages=other.packages)
+    said = restoring.baseline_notice("lesson", None, named.baseline(), True, machine=record, spec=named) or ""
+    assert "its image \u2026/rootfs, this machine's rootfs" in said, said
 
 
 def test_the_workspaces_pip_shims_name_no_path_of_the_host(tmp_path: Path) -> None:
