@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import select
 import shutil
 import signal
 import stat
@@ -50,6 +51,7 @@ from .gate.terminal import plain
 from .images import cache_dir
 
 PIP_TIMEOUT = 1800.0  # seconds one install may take
+OUTPUT_TAIL = 64 << 10  # bytes of a host child's output kept (its last): pip's error lines fit
 WHEELS = ".wheels"  # in an install's temporary folder: the private copies of the wheels it names here
 PIP_TMP = ".tmp"  # there too: pip's own temporary files ($TMPDIR), measured with the install
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
@@ -625,8 +627,8 @@ def _compile(lib: Path, env: dict[str, str], stop: threading.Event | None, deadl
     """The bytecode pip would have made, made by a child under the same caps (machines import
     from a read-only mount, where no ``.pyc`` can be written later); one line naming a module
     that needs more memory than the cap to compile."""
-    code, output = _run([sys.executable, "-I", "-c", _pipbounds.COMPILE, str(lib)], lib.parent, env, stop, deadline,
-                        watch)
+    code, output = _run([sys.executable, "-I", "-W", "ignore", "-c", _pipbounds.COMPILE, str(lib)], lib.parent, env,
+                        stop, deadline, watch)
     if code == 3 and _pipbounds.COMPILE_MEMORY in output:
         raise SmolbenchError(_pipbounds.compile_refusal(output, _pipbounds.memory_cap(), lib))
     if code != 0:
@@ -637,28 +639,41 @@ def _compile(lib: Path, env: dict[str, str], stop: threading.Event | None, deadl
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], stop: threading.Event | None, deadline: float,
          watch: _pipbounds.DiskWatch) -> tuple[int, str]:
-    """``cmd``'s exit status and output; killed (its process group: its own children go with it)
-    when ``stop`` is set, ``deadline`` passes or ``watch`` finds the install over its disk limit."""
-    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, errors="replace", env=env, start_new_session=True) as proc:
+    """``cmd``'s exit status and the last :data:`OUTPUT_TAIL` bytes of its output (stdout and
+    stderr together: a package's files can make a child print without end, and the whole was
+    kept here, 490 MiB of the host's for a 749-byte wheel); killed (its process group: its own
+    children go with it) when ``stop`` is set, ``deadline`` passes or ``watch`` finds the install
+    over its disk limit."""
+    tail = bytearray()
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=env, start_new_session=True) as proc:
+        assert proc.stdout is not None
+        fd, reading = proc.stdout.fileno(), True
         while True:
-            try:
-                out, err = proc.communicate(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
-                return proc.returncode, out + err
-            except subprocess.TimeoutExpired:
-                stopped = stop is not None and stop.is_set()
-                over = None if stopped else watch.check()
-                if not stopped and over is None and time.monotonic() < deadline:
-                    continue
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                if stopped:
-                    raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
-                if over is not None:
-                    raise _pipbounds.over_disk(over, watch.limit) from None
-                raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
-                                     "check the host's network to the package index, or shorten the list") from None
+            wait = max(0.0, min(0.1, deadline - time.monotonic()))
+            if reading and select.select([fd], [], [], wait)[0]:
+                chunk = os.read(fd, 1 << 16)
+                reading = bool(chunk)
+                tail += chunk
+                del tail[:-OUTPUT_TAIL]  # a fixed window: never more than this of any child's output
+            elif not reading:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(wait)
+            if not reading and proc.poll() is not None:
+                return proc.returncode, tail.decode(errors="replace").replace("\r\n", "\n")
+            stopped = stop is not None and stop.is_set()
+            over = None if stopped else watch.check()
+            if not stopped and over is None and time.monotonic() < deadline:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if stopped:
+                raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
+            if over is not None:
+                raise _pipbounds.over_disk(over, watch.limit) from None
+            raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
+                                 "check the host's network to the package index, or shorten the list") from None
 
 
 # pip's lines when it could not reach the index: retries of a connection (a proxy, DNS, a refused or
