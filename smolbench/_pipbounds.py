@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import SmolbenchError
 from .gate.limits import GB, human, parse_size
+from .gate.terminal import one_line
 
 MEMORY_ENV = "SMOLBENCH_PIP_MEMORY"  # address space of the host's pip, and of its bytecode compile
 DISK_ENV = "SMOLBENCH_PACKAGES_LIMIT"  # what one package list's install may take on the host's disk
@@ -85,41 +88,91 @@ def check_wheels(pairs: list[tuple[str, str]], limit: int) -> None:
                             limit)
 
 
-def tree_size(root: Path, skip: tuple[str, ...] = ()) -> tuple[int, str]:
-    """Bytes of the files under ``root`` (its top-level ``skip`` names left out), and the largest
-    file's last two path parts (what a refusal names)."""
-    total, big, name = 0, -1, ""
-    for dirpath, dirs, files in os.walk(root):
-        if dirpath == str(root):
-            dirs[:] = [d for d in dirs if d not in skip]
-        for f in files:
-            with contextlib.suppress(OSError):
-                size = os.lstat(os.path.join(dirpath, f)).st_size
-                total += size
-                if size > big:
-                    big, name = size, f"{os.path.basename(dirpath)}/{f}"
-    return total, name
+ENTRY_COST = 1024  # bytes charged per file, folder or link besides its blocks: its inode and directory entry
+ENTRIES_MOST = 1_000_000  # files and folders one install may make (torch with its CUDA wheels: ~40,000)
+DEPTH_MOST = 200  # folders deep below the install's folder (pip's temporary paths are ~20)
+WAIT_MOST = 2.0  # seconds between two measures while pip runs, however long the last one took
+NAME_TEXT = 200  # characters of a wheel's file name a refusal shows (escaped: the name is the wheel's)
+
+
+class Measure(NamedTuple):
+    """What a tree takes: bytes (blocks, and :data:`ENTRY_COST` each entry), entries, its largest
+    file's last two path parts, and why the walk stopped early (too many entries, too deep) or ''."""
+
+    size: int
+    entries: int
+    largest: str
+    stopped: str
+
+
+def tree_size(root: Path, skip: tuple[str, ...] = ()) -> Measure:
+    """What the tree under ``root`` takes on disk (its top-level ``skip`` names left out): each
+    entry's blocks (``st_blocks``, not ``st_size``: folders and sparse tails take disk too) and
+    :data:`ENTRY_COST`; walked without recursion and stopped past :data:`ENTRIES_MOST` entries or
+    :data:`DEPTH_MOST` folders deep (a wheel's 1,800 levels crashed the recursive walk)."""
+    total, entries, big, name = 0, 0, -1, ""
+    todo: list[tuple[str, int]] = [(str(root), 0)]
+    while todo:
+        folder, depth = todo.pop()
+        try:
+            listing = os.scandir(folder)
+        except OSError:
+            continue
+        with listing:
+            for entry in listing:
+                if depth == 0 and entry.name in skip:
+                    continue
+                entries += 1
+                if entries > ENTRIES_MOST:
+                    return Measure(total, entries, name, f"more than {ENTRIES_MOST:,} files and folders")
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512 + ENTRY_COST
+                if stat.S_ISDIR(st.st_mode):
+                    if depth + 1 > DEPTH_MOST:
+                        return Measure(total, entries, name, f"folders more than {DEPTH_MOST} deep")
+                    todo.append((entry.path, depth + 1))
+                elif st.st_size > big:
+                    big, name = st.st_size, f"{os.path.basename(folder)}/{entry.name}"
+    return Measure(total, entries, name, "")
 
 
 class DiskWatch:
-    """Measures an install's folder while pip runs, at most ~10% of one core's time on it."""
+    """Measures an install's folder while pip runs: at most ~10% of one core's time on it, and
+    at least every :data:`WAIT_MOST` seconds (a walk's cost is bounded by :data:`ENTRIES_MOST`)."""
 
     def __init__(self, root: Path, skip: tuple[str, ...], limit: int) -> None:
-        self.root, self.skip, self.limit, self.due = root, skip, limit, 0.0
+        self.root, self.skip, self.limit, self.due, self.shape = root, skip, limit, 0.0, False
 
     def check(self, final: bool = False) -> str | None:
-        """None while within the limit; else what a refusal names (its largest file)."""
+        """None while within the limit; else what a refusal names (its largest file, escaped)."""
         now = time.monotonic()
         if not final and now < self.due:
             return None
-        size, name = tree_size(self.root, self.skip)
-        self.due = time.monotonic() + max(1.0, 10 * (time.monotonic() - now))
-        return f"{human(size)} so far, its largest file {name}" if size > self.limit else None
+        got = tree_size(self.root, self.skip)
+        took = time.monotonic() - now
+        self.due = now + took + min(WAIT_MOST, max(1.0, 10 * took))
+        largest = one_line(got.largest, NAME_TEXT)
+        self.shape = bool(got.stopped)
+        if got.stopped:
+            return got.stopped
+        return f"{human(got.size)} so far, its largest file {largest}" if got.size > self.limit else None
+
+    def refusal(self, what: str) -> SmolbenchError:
+        """The one line refusing the install :meth:`check` found over (``what``: its answer)."""
+        if not self.shape:
+            return over_disk(what, self.limit)
+        return SmolbenchError(f"the Smolfile's packages would make {what} on the host, more than one package list "
+                              f"may (a wheel made to use up the disk's inodes, or to break what walks it); nothing "
+                              f"was kept: remove that package from the Smolfile")
 
 
 # The bytecode pip would have made (``compileall``'s, for this interpreter), made by a child
-# under the caps, starting no program; a module whose compile runs out of memory is printed and
-# ends it (exit 3); one that is not valid Python is skipped, as pip skips it.
+# under the caps, starting no program, its warnings off (``-W ignore``: a module of 4,000 ``x is 1``
+# printed megabytes of SyntaxWarning); a module whose compile runs out of memory is printed (its
+# name escaped, one line) and ends it (exit 3); one that is not valid Python is skipped, as pip skips it.
 COMPILE = f"""
 import os, py_compile, resource, sys
 mem, size = (int(x) for x in os.environ.pop("{CAPS_ENV}").split())
@@ -140,10 +193,10 @@ for dirpath, dirs, files in os.walk(root):
             py_compile.compile(path, doraise=True)
         except py_compile.PyCompileError as exc:
             if isinstance(exc.exc_value, MemoryError):
-                print("{COMPILE_MEMORY}", os.path.relpath(path, root), flush=True)
+                print("{COMPILE_MEMORY}", os.path.relpath(path, root).encode("unicode_escape").decode(), flush=True)
                 sys.exit(3)
         except MemoryError:
-            print("{COMPILE_MEMORY}", os.path.relpath(path, root), flush=True)
+            print("{COMPILE_MEMORY}", os.path.relpath(path, root).encode("unicode_escape").decode(), flush=True)
             sys.exit(3)
         except (OSError, ValueError, RecursionError, SyntaxError):
             pass
@@ -162,8 +215,12 @@ def _owner(lib: Path, rel: str) -> str:
 
 def compile_refusal(out: str, cap: int, lib: Path) -> str:
     """The one line refusing a package whose module costs more than ``cap`` to compile (``out``: the child's)."""
-    rel = next((ln.split(COMPILE_MEMORY, 1)[1].strip() for ln in out.splitlines() if COMPILE_MEMORY in ln), "?")
-    package = _owner(lib, rel)
+    said = next((ln.split(COMPILE_MEMORY, 1)[1].strip() for ln in out.splitlines() if COMPILE_MEMORY in ln), "?")
+    try:  # the child escaped it (one line); RECORD has it as it is
+        package = one_line(_owner(lib, said.encode("ascii").decode("unicode_escape")), NAME_TEXT)
+    except UnicodeError:
+        package = "?"
+    rel = one_line(said, NAME_TEXT)  # the wheel's own file name: no escape, no line end reaches the host's line
     return (f"the Smolfile's package {package!r} was refused: compiling its module {rel} to bytecode needs more than "
             f"{human(cap)} of the host's memory (a module made to exhaust it, or a huge generated one); nothing was "
             f"kept: remove it from the Smolfile, or {raise_fix(MEMORY_ENV, cap)}")

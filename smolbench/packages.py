@@ -23,7 +23,7 @@ import json
 import os
 import platform
 import re
-import shutil
+import select
 import signal
 import stat
 import subprocess
@@ -44,12 +44,14 @@ from . import _pipbounds
 from ._aio import _stoppable_thread
 from ._pkgtrust import LIB, META, Held, _close_fds, _complete, _open_entry, open_root, read_plain
 from ._pkgwheels import private_copies, wheel_hashes, wheel_path
+from .backends._rundir import remove_tree
 from .errors import SmolbenchError
 from .gate.frames import loads
-from .gate.terminal import plain
+from .gate.terminal import one_line, plain
 from .images import cache_dir
 
 PIP_TIMEOUT = 1800.0  # seconds one install may take
+OUTPUT_TAIL = 64 << 10  # bytes of a host child's output kept (its last): pip's error lines fit
 WHEELS = ".wheels"  # in an install's temporary folder: the private copies of the wheels it names here
 PIP_TMP = ".tmp"  # there too: pip's own temporary files ($TMPDIR), measured with the install
 _PY_DIR_RE = re.compile(r"python(3)\.(\d+)")
@@ -420,17 +422,17 @@ def _install(requirements: tuple[str, ...], guest: GuestPython, root: Path, root
                                  if (path := wheel_path(copy)) is not None and wheel_path(text) is not None],
                                 _pipbounds.disk_limit())
         _pip(copies, guest, tmp / LIB, log, stop)
-        shutil.rmtree(tmp / WHEELS, ignore_errors=True)
+        _remove(tmp / WHEELS)
         _readable(tmp)
         took = time.monotonic() - started
         meta = {"requirements": list(requirements), "python": guest.tag, "pip": pip, "seconds": round(took, 2),
                 "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sources": shown_sources(sources)}
         (tmp / META).write_text(json.dumps(meta) + "\n")
         if (root / digest).exists():  # a half-made entry of an older version: replaced whole
-            shutil.rmtree(root / digest)
+            remove_tree(root_fd, digest)
         os.rename(tmp.name, digest, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(root_fd, tmp.name)  # however deep a wheel made it (shutil.rmtree's recursion failed)
         raise
     return took
 
@@ -516,7 +518,7 @@ def prune(days: float, dry_run: bool = False) -> tuple[list[tuple[Path, int]], l
             if not dry_run:
                 gone = path if ".prune-" in name else root / f".{digest}.prune-{os.getpid()}"
                 os.rename(path, gone)  # out of ensure's sight at once, then removed
-                shutil.rmtree(gone)
+                _remove(gone)
             removed.append((path, size))
     return removed, in_use
 
@@ -532,12 +534,18 @@ def _only_shared(lock: IO[str]) -> bool:
 
 
 def _size(tree: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(tree):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
+    """What ``tree`` takes on disk (:func:`_pipbounds.tree_size`: no recursion, however deep a leftover is)."""
+    return _pipbounds.tree_size(tree).size
+
+
+def _remove(tree: Path) -> None:
+    """Remove ``tree`` (an install's own folder) without recursion or following a link: :func:`remove_tree`."""
+    with contextlib.suppress(OSError):
+        parent = os.open(tree.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            remove_tree(parent, tree.name)
+        finally:
+            os.close(parent)
 
 
 # pip's --only-binary=:all: does not hold for a URL a wheel's own metadata names (Requires-Dist:
@@ -604,7 +612,7 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
     if log is not None:
         log.extend(tail)
     if code != 0 and any("[Errno 27]" in ln or "File too large" in ln for ln in tail):  # RLIMIT_FSIZE
-        raise _pipbounds.over_disk(watch.check(final=True) or "one of its files grew past that", watch.limit)
+        raise watch.refusal(watch.check(final=True) or "one of its files grew past that")
     if code != 0 and any(NO_PROGRAMS in ln for ln in tail):
         raise SmolbenchError("pip could not install the Smolfile's packages: a package asked pip to build a source "
                              "archive (a dependency it names by URL), which would run that archive's code on the host; "
@@ -612,12 +620,15 @@ def _pip(requirements: tuple[str, ...], guest: GuestPython, target: Path, log: l
                              "install it inside a machine")
     if code != 0:
         raise SmolbenchError(pip_failure(list(tail), requirements, guest))
-    shutil.rmtree(folder / PIP_TMP, ignore_errors=True)
-    if (guest.major, guest.minor) == sys.version_info[:2]:  # a .pyc of another version is never read
+    _remove(folder / PIP_TMP)
+    # what landed, whatever the wheels' directories said: before the compile walks it too (its walk
+    # of a tree too deep to measure failed less clearly), and after
+    over = watch.check(final=True)
+    if over is None and (guest.major, guest.minor) == sys.version_info[:2]:  # a .pyc of another version is never read
         _compile(target, env, stop, deadline, watch)
-    over = watch.check(final=True)  # what landed, whatever the wheels' directories said
+        over = watch.check(final=True)
     if over is not None:
-        raise _pipbounds.over_disk(over, watch.limit)
+        raise watch.refusal(over)
 
 
 def _compile(lib: Path, env: dict[str, str], stop: threading.Event | None, deadline: float,
@@ -625,40 +636,53 @@ def _compile(lib: Path, env: dict[str, str], stop: threading.Event | None, deadl
     """The bytecode pip would have made, made by a child under the same caps (machines import
     from a read-only mount, where no ``.pyc`` can be written later); one line naming a module
     that needs more memory than the cap to compile."""
-    code, output = _run([sys.executable, "-I", "-c", _pipbounds.COMPILE, str(lib)], lib.parent, env, stop, deadline,
-                        watch)
+    code, output = _run([sys.executable, "-I", "-W", "ignore", "-c", _pipbounds.COMPILE, str(lib)], lib.parent, env,
+                        stop, deadline, watch)
     if code == 3 and _pipbounds.COMPILE_MEMORY in output:
         raise SmolbenchError(_pipbounds.compile_refusal(output, _pipbounds.memory_cap(), lib))
     if code != 0:
-        last = (plain(output).strip().splitlines() or [f"exit status {code}"])[-1][:300]
+        last = one_line((plain(output).strip().splitlines() or [f"exit status {code}"])[-1], 300)
         raise SmolbenchError(f"compiling the Smolfile's packages to bytecode on the host failed ({last}); nothing was "
                              "kept: remove the package it names from the Smolfile")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], stop: threading.Event | None, deadline: float,
          watch: _pipbounds.DiskWatch) -> tuple[int, str]:
-    """``cmd``'s exit status and output; killed (its process group: its own children go with it)
-    when ``stop`` is set, ``deadline`` passes or ``watch`` finds the install over its disk limit."""
-    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, errors="replace", env=env, start_new_session=True) as proc:
+    """``cmd``'s exit status and the last :data:`OUTPUT_TAIL` bytes of its output (stdout and
+    stderr together: a package's files can make a child print without end, and the whole was
+    kept here, 490 MiB of the host's for a 749-byte wheel); killed (its process group: its own
+    children go with it) when ``stop`` is set, ``deadline`` passes or ``watch`` finds the install
+    over its disk limit."""
+    tail = bytearray()
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=env, start_new_session=True) as proc:
+        assert proc.stdout is not None
+        fd, reading = proc.stdout.fileno(), True
         while True:
-            try:
-                out, err = proc.communicate(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
-                return proc.returncode, out + err
-            except subprocess.TimeoutExpired:
-                stopped = stop is not None and stop.is_set()
-                over = None if stopped else watch.check()
-                if not stopped and over is None and time.monotonic() < deadline:
-                    continue
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                if stopped:
-                    raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
-                if over is not None:
-                    raise _pipbounds.over_disk(over, watch.limit) from None
-                raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
-                                     "check the host's network to the package index, or shorten the list") from None
+            wait = max(0.0, min(0.1, deadline - time.monotonic()))
+            if reading and select.select([fd], [], [], wait)[0]:
+                chunk = os.read(fd, 1 << 16)
+                reading = bool(chunk)
+                tail += chunk
+                del tail[:-OUTPUT_TAIL]  # a fixed window: never more than this of any child's output
+            elif not reading:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(wait)
+            if not reading and proc.poll() is not None:
+                return proc.returncode, tail.decode(errors="replace").replace("\r\n", "\n")
+            stopped = stop is not None and stop.is_set()
+            over = None if stopped else watch.check()
+            if not stopped and over is None and time.monotonic() < deadline:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if stopped:
+                raise SmolbenchError("the install of the Smolfile's packages was stopped") from None
+            if over is not None:
+                raise watch.refusal(over) from None
+            raise SmolbenchError(f"pip did not install the Smolfile's packages within {PIP_TIMEOUT:.0f} s: "
+                                 "check the host's network to the package index, or shorten the list") from None
 
 
 # pip's lines when it could not reach the index: retries of a connection (a proxy, DNS, a refused or

@@ -96,24 +96,45 @@ _HOST_PATH = re.compile(r"(?<![\w.~-])/(?:[^\s'\"()<>,;:/]+/)+([^\s'\"()<>,;:/]*
 
 def shared_requirement(text: str) -> str:
     """A Smolfile requirement as an export says it: a wheel on the exporter's disk (``file:``) by
-    its file name only, any other URL without its ``user:password@`` and query (either may carry
-    a token). What a restore compares ours with too (:func:`lacking`, :func:`_part_diffs`)."""
+    its file name and the SHA-256 of its content (``name @ file.whl#sha256=HASH``: another wheel of
+    the same name is not the same; audit), any other URL without its ``user:password@`` and query
+    (either may carry a token). What a restore compares ours with too (:func:`lacking`,
+    :func:`_part_diffs`): a student's own wheel by its own content."""
     m = _URL_REQUIREMENT.fullmatch(text)
     if m is None:
         return text
     parts = urllib.parse.urlsplit(m["url"])
     if parts.scheme == "file":
-        shown = posixpath.basename(urllib.parse.unquote(parts.path))
+        digest = _wheel_hash(text) or next(iter(_SHA256.findall(parts.fragment)), None)
+        shown = posixpath.basename(urllib.parse.unquote(parts.path)) + (f"#sha256={digest}" if digest else "")
     else:
         shown = urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", parts.fragment))
     return f"{m['head']}{shown}{m['tail']}"
 
 
+_SHA256 = re.compile(r"(?:^|&)sha256=([0-9a-f]{64})(?=&|$)")  # a URL fragment's pin, as pip reads it
+
+
+def _wheel_hash(text: str) -> str | None:
+    """The SHA-256 of the local wheel ``text`` names (None: not readable here; its pin, if any, stands)."""
+    from .._pkgwheels import wheel_hashes
+    from ..errors import SmolbenchError
+
+    try:
+        return wheel_hashes((text,)).get(text)
+    except (SmolbenchError, OSError, ValueError):
+        return None
+
+
+PATH_IMAGE = "\u2026/"  # before a path image's file name in an export: never the same as a named image
+
+
 def shared_image(image: str | None) -> str | None:
-    """An image as an export says it: a rootfs folder or archive by its file name only."""
+    """An image as an export says it: a rootfs folder or archive by its file name only, marked a
+    path (``…/rootfs``: a registry image named ``rootfs`` is another image)."""
     if image is None or not (image in (".", "..") or image.startswith(_PATH_PREFIXES)):
         return image
-    return posixpath.basename(posixpath.normpath(image)) or "/"
+    return PATH_IMAGE + (posixpath.basename(posixpath.normpath(image)) or "/")
 
 
 def shared_text(text: str) -> str:

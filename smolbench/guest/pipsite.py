@@ -25,6 +25,7 @@ import re
 import sys
 
 TARGET = ".packages"  # in the workdir: what pip in the machine installs into
+PYTHON_ENV = "SMOLBENCH_PIP_PYTHON"  # the machine's interpreter, for the shims
 SHIMS = ".bin"  # in the target: `pip` and `pip3` as `python -m pip` (not pip's own bin/, which it would skip)
 _LINE = re.compile(r"^([ \t]*)[%!](pip3?)(?:[ \t]+(.*))?$")
 # pip's commands; those that ask a package index (unless --no-index)
@@ -55,6 +56,7 @@ def setup(packages, workdir, disk_mib=None):
     env["PYTHONPATH"] = os.pathsep.join(entries + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PATH"] = os.pathsep.join([os.path.join(target, SHIMS), os.path.join(target, "bin"), env.get("PATH", "")])
     env["PIP_TARGET"] = target
+    env[PYTHON_ENV] = sys.executable  # what the shims run (not written in them: see _shims)
     env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # only ever into PIP_TARGET, the machine's own folder
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     if _network_off():
@@ -102,7 +104,9 @@ def _site_index():
 def _shims(folder):
     for name in ("pip", "pip3"):
         path = os.path.join(folder, name)
-        body = "#!/bin/sh\nexec %s -m pip \"$@\"\n" % _quote(sys.executable)
+        # the interpreter is found when the shim runs, never written into it: the workspace is
+        # saved and exported, and this path is the host's (the teacher's home) under some backends
+        body = "#!/bin/sh\nexec \"${%s:-python3}\" -m pip \"$@\"\n" % PYTHON_ENV
         try:
             with open(path) as fh:
                 if fh.read() == body:
