@@ -210,3 +210,59 @@ def test_trees_holding_all_they_can_leave_another_tree_its_floor(sink: int) -> N
                 await proxy.detach(n)
 
     asyncio.run(main())
+
+
+def test_more_live_machines_than_the_trees_connections_still_leave_one_for_the_parent(sink: int) -> None:
+    """Ninth audit: with more than 64 live machines in a tree (a fork may have 1,024 branches)
+    each was guaranteed 64 // live = 0, so three branches holding all they could took the
+    tree's 64 and their parent (and every idle sibling) had none. Now, 80 branches live, three
+    of them ask for 40 tunnels each: they hold one each (the most each may while the others
+    lack theirs), and the parent and two idle siblings still get one."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        names = ["root"] + [f"root.{i}" for i in range(80)]
+        ports = {n: await _machine(proxy, n, "root") for n in names}
+        held = {n: await _hold_all(ports[n], sink, 40) for n in ("root.0", "root.1", "root.2")}
+        theirs = [await tunnel(ports[n], f"{FAR}:{sink}") for n in ("root", "root.5", "root.6")]
+        try:
+            got = {n: sum(1 for *_, a in held[n] if _ok(a)) for n in held}
+            assert all(_ok(a) for *_, a in theirs), (got, [a for *_, a in theirs])
+            assert got == {n: 1 for n in held}, got
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert "kept for its other machines" in stats["root.0"]["last_failed"], stats["root.0"]
+        finally:
+            for tunnels in [*held.values(), theirs]:
+                for _, w, _ in tunnels:
+                    w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_more_live_trees_than_the_kernels_connections_still_leave_one_for_another_tree(sink: int) -> None:
+    """The same one level up: with more than 256 live trees each was guaranteed 0 of the
+    kernel's 256, so ten trees holding all they could filled them. Now, 260 trees live, ten
+    ask for 40 tunnels each and hold one each; a late tree still gets one."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {f"t{i}": await _machine(proxy, f"t{i}", f"t{i}") for i in range(260)}
+        held = [await _hold_all(ports[f"t{i}"], sink, 40) for i in range(10)]
+        _, w, answer = await tunnel(ports["t200"], f"{FAR}:{sink}")
+        try:
+            counts = {t.name: len(t.conns) for t in proxy.budget.trees.values() if t.conns}
+            assert _ok(answer), (counts, answer)
+            assert counts == {**{f"t{i}": 1 for i in range(10)}, "t200": 1}, counts
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert "kept for its other machine trees" in stats["t0"]["last_failed"], stats["t0"]
+        finally:
+            w.transport.abort()
+            for tunnels in held:
+                for _, w2, _ in tunnels:
+                    w2.transport.abort()
+            for n in list(proxy.nodes):
+                await proxy.detach(n)
+
+    asyncio.run(main())
