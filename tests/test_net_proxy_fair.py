@@ -266,3 +266,43 @@ def test_more_live_trees_than_the_kernels_connections_still_leave_one_for_anothe
                 await proxy.detach(n)
 
     asyncio.run(main())
+
+
+def test_branches_silent_connections_never_hold_their_parents_request_heads(
+        sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ninth audit: a tree's 16 header-reading slots were one first-come queue, so a branch
+    keeping 16 connections open and silent made every request of its parent wait until one
+    timed out (HEAD_TIMEOUT, 10 s). Now heads are shared per machine as connections are: two
+    branches each keep 16 silent connections (no head ever times out here), and the parent's
+    tunnel is answered while they still hold every one of them, reading no more heads than
+    their parts."""
+    monkeypatch.setattr(_netbudget, "HEAD_TIMEOUT", 600.0)  # the old queue: the parent waited this
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
+        silent = [await asyncio.open_connection("127.0.0.1", ports[n]) for n in ("root.0", "root.1") for _ in range(16)]
+        tree = proxy.budget.trees["root"]
+        for _ in range(1200):  # every silent one accepted, and its task at its first wait
+            if len(tree.conns) == len(silent):
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        try:
+            # well above the fixed proxy's (at once) and well below the old queue's 600 s
+            _, w, answer = await asyncio.wait_for(tunnel(ports["root"], f"{FAR}:{sink}"), 60)
+            w.transport.abort()
+            assert _ok(answer), answer
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root.0"]["open"] == stats["root.1"]["open"] == 16, stats
+            heads = stats["root.0"]["heads"] + stats["root.1"]["heads"]
+            assert heads <= _netbudget.TREE_HEADS - _netbudget.HEAD_FLOOR, stats
+            assert stats["root.0"]["failed"] == stats["root.1"]["failed"] == 0, stats
+        finally:
+            for _, w in silent:
+                w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())

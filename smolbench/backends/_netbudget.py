@@ -11,7 +11,9 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   (``_netfair``: each live machine is guaranteed ``MACHINE_FLOOR``, and one above that holds
   at most its part among those holding some, never more than ``MACHINE_CONNECTIONS``),
   ``TREE_HEADS`` request heads being read (each at most ``BUFFER`` bytes and
-  ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers) and
+  ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers), shared
+  among its machines the same way (each guaranteed ``HEAD_FLOOR``, alone ``MACHINE_HEADS``:
+  one machine's silent connections never hold another's heads unread), and
   ``TREE_LOOKUPS`` name lookups in flight; per kernel at most ``KERNEL_CONNECTIONS``
   connections, shared the same way among its trees (each guaranteed ``TREE_FLOOR``);
 * per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
@@ -45,6 +47,8 @@ MACHINE_FLOOR = 4  # what each live machine of a tree may always open (while its
 KERNEL_CONNECTIONS = 256
 TREE_FLOOR = 16  # what each live tree may always open (while the kernel has 16 per tree)
 TREE_HEADS = 16
+MACHINE_HEADS = TREE_HEADS // 2  # one machine, alone (first come let one branch's 16 silent connections hold them all)
+HEAD_FLOOR = 2  # what each live machine of a tree may always be reading
 HEAD_TIMEOUT = 10.0
 TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
 TREE_BURST = 128  # and at once, after a quiet while (the bucket's size)
@@ -104,7 +108,8 @@ class Tree:
     name: str
     conns: set[Conn] = field(default_factory=set)
     heads: int = 0
-    head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
+    heads_of: dict[Any, int] = field(default_factory=dict)  # heads being read, by machine
+    head_waiters: list[asyncio.Future[None]] = field(default_factory=list)  # woken when one is done
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
     bucket: Bucket = field(default_factory=Bucket)
     members: set[Any] = field(default_factory=set)  # its live machines: each guaranteed MACHINE_FLOOR
@@ -113,6 +118,44 @@ class Tree:
 
     def buffered(self) -> int:
         return sum(c.buffered() for c in self.conns)
+
+    def head_refusal(self, node: Any) -> str | None:
+        """Why ``node`` may not start reading one more request head now (``_netfair``), or None."""
+        return _netfair.refusal(self.heads_of, self.members or [node], node, TREE_HEADS, HEAD_FLOOR, MACHINE_HEADS)
+
+    async def take_head(self, node: Any) -> str | None:
+        """Wait, at most HEAD_TIMEOUT seconds, until ``node`` may read one more head, and take
+        it (None); or why it still may not. Every waiter is woken when a head is done and
+        checks again: a machine's own waiters never stand before another's turn."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HEAD_TIMEOUT
+        while (why := self.head_refusal(node)) is not None:
+            if (left := deadline - loop.time()) <= 0:
+                return why
+            fut: asyncio.Future[None] = loop.create_future()
+            self.head_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return why
+        self.heads_of[node] = self.heads_of.get(node, 0) + 1
+        self.heads += 1
+        return None
+
+    def give_head(self, node: Any) -> None:
+        """A head taken by ``node`` is done (read, failed, or its connection gone)."""
+        self.heads -= 1
+        self.heads_of[node] -= 1
+        if not self.heads_of[node]:
+            del self.heads_of[node]
+        self.wake_heads()
+
+    def wake_heads(self) -> None:
+        """Every machine waiting to read a head checks again (one was done, or a machine left)."""
+        waiters, self.head_waiters = self.head_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 
 class Budget:

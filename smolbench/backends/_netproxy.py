@@ -54,7 +54,7 @@ from ..netpolicy import (
     stand_in_resolve,
     unmapped,
 )
-from . import _netbudget, _netcgroup, _netredirect
+from . import _netbudget, _netcgroup, _netfair, _netredirect
 from ._netns import _bind_in, _collect, _refused_in
 
 PROXY_PORT = 3128
@@ -407,6 +407,7 @@ class Proxy:
         if node is None:
             return
         node.tree.members.discard(node)
+        node.tree.wake_heads()  # what it was guaranteed is the others' now
         for task, _ in node.listeners:
             task.cancel()
         await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
@@ -457,15 +458,13 @@ class Proxy:
                       writer: asyncio.StreamWriter) -> None:
         tree = node.tree
         try:
-            # unfinished heads: bounded in count (the others wait, unread), size and time
-            try:
-                await asyncio.wait_for(tree.head_slots.acquire(), _netbudget.HEAD_TIMEOUT)
-            except asyncio.TimeoutError:
-                self.fail(node, "a new request", f"this machine tree has had {_netbudget.TREE_HEADS} request heads "
-                                                 f"unfinished for {_netbudget.HEAD_TIMEOUT:.0f} s")
+            # unfinished heads: bounded in count (the others wait, unread), size and time, and
+            # shared among the tree's machines: one's silent connections never hold another's
+            why = await tree.take_head(node)
+            if why is not None:
+                self.fail(node, "a new request", f"{_HEADS_FULL[why]} for {_netbudget.HEAD_TIMEOUT:.0f} s")
                 writer.transport.abort()
                 return
-            tree.heads += 1
             conn.in_head = True
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _netbudget.HEAD_TIMEOUT)
@@ -477,8 +476,7 @@ class Proxy:
                 writer.write(f"HTTP/1.1 400 {line}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
                 return
             finally:
-                tree.heads -= 1
-                tree.head_slots.release()
+                tree.give_head(node)
                 conn.in_head = False
             conn.target = req.target
             try:
@@ -579,6 +577,12 @@ class Proxy:
                 nodes[n]["refused"] += count
             return {"ok": True, "nodes": nodes, "kernel": self.budget.counts()}
         return {"error": f"unknown op {op!r}"}
+
+
+_HEADS_FULL = {  # why a machine's request head waited unread, by _netfair's reason
+    _netfair.FULL: f"this machine tree has had {_netbudget.TREE_HEADS} request heads unfinished",
+    _netfair.SHARE: "this machine has had its part of its tree's request heads unfinished",
+    _netfair.KEPT: "the rest of this machine tree's request heads have been kept for its other machines"}
 
 
 def _bad_gateway(line: str) -> bytes:
