@@ -17,6 +17,8 @@ machine's listener is one on this host's loopback, the far end a listener on ``1
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -302,6 +304,85 @@ def test_branches_silent_connections_never_hold_their_parents_request_heads(
         finally:
             for _, w in silent:
                 w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+# Pushes through tunnels from another process (the proxy's loop is then what's short): ``hog``
+# tunnels through the first port, one through the second, each to a sink of its own on FAR
+# that counts what it receives; when the one tunnel's sink has ``want`` bytes, says both counts.
+_PUSH = """
+import json, os, socket, sys, threading
+first, second, hog, want = map(int, sys.argv[1:5])
+got = {"hog": 0, "one": 0}
+lock, stop, ready = threading.Lock(), threading.Event(), threading.Barrier(hog + 1)
+
+def sink(who):
+    srv = socket.socket()
+    srv.bind(("127.0.0.17", 0))
+    srv.listen(64)
+    def drain(c):
+        while True:
+            b = c.recv(1 << 20)
+            if not b:
+                return
+            with lock:
+                got[who] += len(b)
+                if who == "one" and got[who] >= want and not stop.is_set():
+                    stop.set()
+                    print(json.dumps(got), flush=True)
+                    os._exit(0)
+    def accept():
+        while True:
+            threading.Thread(target=drain, args=(srv.accept()[0],), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    return srv.getsockname()[1]
+
+def push(port, target):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
+    head = b""
+    while not head.endswith(b"\\r\\n\\r\\n"):
+        head += s.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    ready.wait()
+    buf = b"x" * 65536
+    while True:
+        s.sendall(buf)
+
+targets = {"hog": f"127.0.0.17:{sink('hog')}", "one": f"127.0.0.17:{sink('one')}"}
+pushers = [threading.Thread(target=push, args=(first, targets["hog"]), daemon=True) for _ in range(hog)]
+pushers.append(threading.Thread(target=push, args=(second, targets["one"]), daemon=True))
+for t in pushers:
+    t.start()
+threading.Event().wait()
+"""
+
+
+def test_a_sibling_pushing_through_many_tunnels_takes_no_more_relaying_than_one_tunnel() -> None:
+    """Ninth audit: the proxy relayed fairly per connection, so a sibling pushing through 16
+    tunnels cut a one-tunnel branch from 56 to 5.5 MB/s. Now chunks move in turns per tree and
+    machine: both push as fast as they can (from another process, so the proxy's loop is what's
+    short), and by the time the one tunnel has moved 32 MB, the 16 have moved at most 4 times
+    that (per connection they moved ~16 times; counted in bytes, never timed)."""
+    want = 32 << 20
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _PUSH, str(ports["root.0"]), str(ports["root.1"]), "16", str(want),
+            stdout=asyncio.subprocess.PIPE)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 300)
+            got = json.loads(out)
+            assert got["one"] >= want and got["hog"] <= 4 * got["one"], got
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
             for n in ports:
                 await proxy.detach(n)
 
