@@ -159,9 +159,10 @@ def test_a_fork_multiplies_nothing_beyond_its_trees_cap(sink: int, monkeypatch: 
 
 
 def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The audit held 256 unfinished 256 KiB heads (+71 MiB, 30 s each). Now a tree has at
-    most TREE_HEADS heads being read, each at most the reader's limit; the others wait
-    unread (their bytes in fixed socket buffers) and past the machine's cap are dropped at once."""
+    """The audit held 256 unfinished 256 KiB heads (+71 MiB, 30 s each). Now a machine alone
+    has at most MACHINE_HEADS heads being read (its tree TREE_HEADS), each at most the reader's
+    limit; the others wait unread (their bytes in fixed socket buffers) and past the machine's
+    cap are dropped at once."""
     # no head times out while a loaded host accepts them all (it would free slots and count failures)
     monkeypatch.setattr(_netbudget, "HEAD_TIMEOUT", 600.0)
 
@@ -180,12 +181,12 @@ def test_unfinished_request_heads_are_bounded(monkeypatch: pytest.MonkeyPatch) -
         for _ in range(20):  # and each accepted one's task has run to its first wait (a head read, or a slot)
             await asyncio.sleep(0)
         counts = proxy.budget.counts()
-        assert counts["heads"] == _netbudget.TREE_HEADS, counts
+        assert counts["heads"] == _netbudget.MACHINE_HEADS, counts
         assert counts["connections"] == _netbudget.MACHINE_CONNECTIONS, counts
-        assert counts["buffered"] <= _netbudget.TREE_HEADS * 2 * _netbudget.BUFFER, counts
+        assert counts["buffered"] <= _netbudget.MACHINE_HEADS * 2 * _netbudget.BUFFER, counts
         stats = (await proxy.handle({"op": "stats"}))["nodes"]["m"]
         assert stats["failed"] == 16 and "connections open" in stats["last_failed"], stats
-        assert stats["heads"] == _netbudget.TREE_HEADS
+        assert stats["heads"] == _netbudget.MACHINE_HEADS
         reading = [(r, w) for r, w in conns if w.transport.get_extra_info("socket") is not None]
         big_r, big_w = reading[0]
         with contextlib.suppress(ConnectionError):  # past the reader's limit: dropped, not held

@@ -17,6 +17,8 @@ machine's listener is one on this host's loopback, the far end a listener on ``1
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -207,6 +209,181 @@ def test_trees_holding_all_they_can_leave_another_tree_its_floor(sink: int) -> N
                 for _, w, _ in tunnels:
                     w.transport.abort()
             for n in list(proxy.nodes):
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_more_live_machines_than_the_trees_connections_still_leave_one_for_the_parent(sink: int) -> None:
+    """Ninth audit: with more than 64 live machines in a tree (a fork may have 1,024 branches)
+    each was guaranteed 64 // live = 0, so three branches holding all they could took the
+    tree's 64 and their parent (and every idle sibling) had none. Now, 80 branches live, three
+    of them ask for 40 tunnels each: they hold one each (the most each may while the others
+    lack theirs), and the parent and two idle siblings still get one."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        names = ["root"] + [f"root.{i}" for i in range(80)]
+        ports = {n: await _machine(proxy, n, "root") for n in names}
+        held = {n: await _hold_all(ports[n], sink, 40) for n in ("root.0", "root.1", "root.2")}
+        theirs = [await tunnel(ports[n], f"{FAR}:{sink}") for n in ("root", "root.5", "root.6")]
+        try:
+            got = {n: sum(1 for *_, a in held[n] if _ok(a)) for n in held}
+            assert all(_ok(a) for *_, a in theirs), (got, [a for *_, a in theirs])
+            assert got == {n: 1 for n in held}, got
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert "kept for its other machines" in stats["root.0"]["last_failed"], stats["root.0"]
+        finally:
+            for tunnels in [*held.values(), theirs]:
+                for _, w, _ in tunnels:
+                    w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_more_live_trees_than_the_kernels_connections_still_leave_one_for_another_tree(sink: int) -> None:
+    """The same one level up: with more than 256 live trees each was guaranteed 0 of the
+    kernel's 256, so ten trees holding all they could filled them. Now, 260 trees live, ten
+    ask for 40 tunnels each and hold one each; a late tree still gets one."""
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {f"t{i}": await _machine(proxy, f"t{i}", f"t{i}") for i in range(260)}
+        held = [await _hold_all(ports[f"t{i}"], sink, 40) for i in range(10)]
+        _, w, answer = await tunnel(ports["t200"], f"{FAR}:{sink}")
+        try:
+            counts = {t.name: len(t.conns) for t in proxy.budget.trees.values() if t.conns}
+            assert _ok(answer), (counts, answer)
+            assert counts == {**{f"t{i}": 1 for i in range(10)}, "t200": 1}, counts
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert "kept for its other machine trees" in stats["t0"]["last_failed"], stats["t0"]
+        finally:
+            w.transport.abort()
+            for tunnels in held:
+                for _, w2, _ in tunnels:
+                    w2.transport.abort()
+            for n in list(proxy.nodes):
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+def test_branches_silent_connections_never_hold_their_parents_request_heads(
+        sink: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ninth audit: a tree's 16 header-reading slots were one first-come queue, so a branch
+    keeping 16 connections open and silent made every request of its parent wait until one
+    timed out (HEAD_TIMEOUT, 10 s). Now heads are shared per machine as connections are: two
+    branches each keep 16 silent connections (no head ever times out here), and the parent's
+    tunnel is answered while they still hold every one of them, reading no more heads than
+    their parts."""
+    monkeypatch.setattr(_netbudget, "HEAD_TIMEOUT", 600.0)  # the old queue: the parent waited this
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
+        silent = [await asyncio.open_connection("127.0.0.1", ports[n]) for n in ("root.0", "root.1") for _ in range(16)]
+        tree = proxy.budget.trees["root"]
+        for _ in range(1200):  # every silent one accepted, and its task at its first wait
+            if len(tree.conns) == len(silent):
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        try:
+            # well above the fixed proxy's (at once) and well below the old queue's 600 s
+            _, w, answer = await asyncio.wait_for(tunnel(ports["root"], f"{FAR}:{sink}"), 60)
+            w.transport.abort()
+            assert _ok(answer), answer
+            stats = (await proxy.handle({"op": "stats"}))["nodes"]
+            assert stats["root.0"]["open"] == stats["root.1"]["open"] == 16, stats
+            heads = stats["root.0"]["heads"] + stats["root.1"]["heads"]
+            assert heads <= _netbudget.TREE_HEADS - _netbudget.HEAD_FLOOR, stats
+            assert stats["root.0"]["failed"] == stats["root.1"]["failed"] == 0, stats
+        finally:
+            for _, w in silent:
+                w.transport.abort()
+            for n in ports:
+                await proxy.detach(n)
+
+    asyncio.run(main())
+
+
+# Pushes through tunnels from another process (the proxy's loop is then what's short): ``hog``
+# tunnels through the first port, one through the second, each to a sink of its own on FAR
+# that counts what it receives; when the one tunnel's sink has ``want`` bytes, says both counts.
+_PUSH = """
+import json, os, socket, sys, threading
+first, second, hog, want = map(int, sys.argv[1:5])
+got = {"hog": 0, "one": 0}
+lock, stop, ready = threading.Lock(), threading.Event(), threading.Barrier(hog + 1)
+
+def sink(who):
+    srv = socket.socket()
+    srv.bind(("127.0.0.17", 0))
+    srv.listen(64)
+    def drain(c):
+        while True:
+            b = c.recv(1 << 20)
+            if not b:
+                return
+            with lock:
+                got[who] += len(b)
+                if who == "one" and got[who] >= want and not stop.is_set():
+                    stop.set()
+                    print(json.dumps(got), flush=True)
+                    os._exit(0)
+    def accept():
+        while True:
+            threading.Thread(target=drain, args=(srv.accept()[0],), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    return srv.getsockname()[1]
+
+def push(port, target):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
+    head = b""
+    while not head.endswith(b"\\r\\n\\r\\n"):
+        head += s.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    ready.wait()
+    buf = b"x" * 65536
+    while True:
+        s.sendall(buf)
+
+targets = {"hog": f"127.0.0.17:{sink('hog')}", "one": f"127.0.0.17:{sink('one')}"}
+pushers = [threading.Thread(target=push, args=(first, targets["hog"]), daemon=True) for _ in range(hog)]
+pushers.append(threading.Thread(target=push, args=(second, targets["one"]), daemon=True))
+for t in pushers:
+    t.start()
+threading.Event().wait()
+"""
+
+
+def test_a_sibling_pushing_through_many_tunnels_takes_no_more_relaying_than_one_tunnel() -> None:
+    """Ninth audit: the proxy relayed fairly per connection, so a sibling pushing through 16
+    tunnels cut a one-tunnel branch from 56 to 5.5 MB/s. Now chunks move in turns per tree and
+    machine: both push as fast as they can (from another process, so the proxy's loop is what's
+    short), and by the time the one tunnel has moved 32 MB, the 16 have moved at most 4 times
+    that (per connection they moved ~16 times; counted in bytes, never timed)."""
+    want = 32 << 20
+
+    async def main() -> None:
+        proxy = _netproxy.Proxy()
+        ports = {n: await _machine(proxy, n, "root") for n in ("root", "root.0", "root.1")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _PUSH, str(ports["root.0"]), str(ports["root.1"]), "16", str(want),
+            stdout=asyncio.subprocess.PIPE)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 300)
+            got = json.loads(out)
+            assert got["one"] >= want and got["hog"] <= 4 * got["one"], got
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            for n in ports:
                 await proxy.detach(n)
 
     asyncio.run(main())

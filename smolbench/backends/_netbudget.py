@@ -11,7 +11,9 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   (``_netfair``: each live machine is guaranteed ``MACHINE_FLOOR``, and one above that holds
   at most its part among those holding some, never more than ``MACHINE_CONNECTIONS``),
   ``TREE_HEADS`` request heads being read (each at most ``BUFFER`` bytes and
-  ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers) and
+  ``HEAD_TIMEOUT`` seconds; the others wait unread, in their fixed socket buffers), shared
+  among its machines the same way (each guaranteed ``HEAD_FLOOR``, alone ``MACHINE_HEADS``:
+  one machine's silent connections never hold another's heads unread), and
   ``TREE_LOOKUPS`` name lookups in flight; per kernel at most ``KERNEL_CONNECTIONS``
   connections, shared the same way among its trees (each guaranteed ``TREE_FLOOR``);
 * per tree, new connections are accepted at most ``TREE_RATE`` a second, after a burst of
@@ -20,6 +22,11 @@ The proxy runs outside every machine's cgroup, so its memory is bounded here, by
   machine's listen backlog, so a flood of requests costs the proxy (which no machine's cgroup
   counts) nothing more than the allowance (eighth audit: refused CONNECTs by the thousand, each
   accepted, parsed and answered on the proxy's one loop);
+* relaying takes turns: a connection moves what it holds (at most ``TURN`` bytes) only on its
+  machine's turn, the trees waiting to move some taking turns, then the machines of each (``Turns``): what
+  the proxy relays (its one loop, CPU capped) is shared per tree and machine, not per
+  connection (ninth audit: a sibling pushing through 16 tunnels cut a one-tunnel branch from
+  56 to 5.5 MB/s);
 * name lookups run on the proxy's own threads, ``TREE_LOOKUPS`` of each tree's own (made at
   its first lookup, ended with its last machine): names that resolve slowly stall only their
   own tree's lookups, never another machine's, however many trees do it at once.
@@ -31,6 +38,7 @@ import asyncio
 import concurrent.futures
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +52,10 @@ MACHINE_CONNECTIONS = TREE_CONNECTIONS // 2  # one machine of a tree (a root or 
 MACHINE_FLOOR = 4  # what each live machine of a tree may always open (while its tree has 4 per machine)
 KERNEL_CONNECTIONS = 256
 TREE_FLOOR = 16  # what each live tree may always open (while the kernel has 16 per tree)
+TURN = 4 * BUFFER  # the most one connection relays on its machine's turn (what it holds now, at once)
 TREE_HEADS = 16
+MACHINE_HEADS = TREE_HEADS // 2  # one machine, alone (first come let one branch's 16 silent connections hold them all)
+HEAD_FLOOR = 2  # what each live machine of a tree may always be reading
 HEAD_TIMEOUT = 10.0
 TREE_RATE = 64.0  # new connections a second, per tree (the bucket's refill)
 TREE_BURST = 128  # and at once, after a quiet while (the bucket's size)
@@ -104,7 +115,8 @@ class Tree:
     name: str
     conns: set[Conn] = field(default_factory=set)
     heads: int = 0
-    head_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_HEADS))
+    heads_of: dict[Any, int] = field(default_factory=dict)  # heads being read, by machine
+    head_waiters: list[asyncio.Future[None]] = field(default_factory=list)  # woken when one is done
     lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TREE_LOOKUPS))
     bucket: Bucket = field(default_factory=Bucket)
     members: set[Any] = field(default_factory=set)  # its live machines: each guaranteed MACHINE_FLOOR
@@ -114,12 +126,117 @@ class Tree:
     def buffered(self) -> int:
         return sum(c.buffered() for c in self.conns)
 
+    def head_refusal(self, node: Any) -> str | None:
+        """Why ``node`` may not start reading one more request head now (``_netfair``), or None."""
+        return _netfair.refusal(self.heads_of, self.members or [node], node, TREE_HEADS, HEAD_FLOOR, MACHINE_HEADS)
+
+    async def take_head(self, node: Any) -> str | None:
+        """Wait, at most HEAD_TIMEOUT seconds, until ``node`` may read one more head, and take
+        it (None); or why it still may not. Every waiter is woken when a head is done and
+        checks again: a machine's own waiters never stand before another's turn."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HEAD_TIMEOUT
+        while (why := self.head_refusal(node)) is not None:
+            if (left := deadline - loop.time()) <= 0:
+                return why
+            fut: asyncio.Future[None] = loop.create_future()
+            self.head_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return why
+        self.heads_of[node] = self.heads_of.get(node, 0) + 1
+        self.heads += 1
+        return None
+
+    def give_head(self, node: Any) -> None:
+        """A head taken by ``node`` is done (read, failed, or its connection gone)."""
+        self.heads -= 1
+        self.heads_of[node] -= 1
+        if not self.heads_of[node]:
+            del self.heads_of[node]
+        self.wake_heads()
+
+    def wake_heads(self) -> None:
+        """Every machine waiting to read a head checks again (one was done, or a machine left)."""
+        waiters, self.head_waiters = self.head_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+
+class Turns:
+    """Whose connection relays next: each round (a pass of the proxy's loop while one waits),
+    every tree with credit and a connection waiting moves one, of its machines' with credit in
+    turn, each machine's first come. A tree or machine earns ``BUFFER`` bytes a round, never
+    banking more, and pays what it moved (so bytes are shared, not turns: a waiting connection's
+    reader is full); one in debt waits rounds out even when no one else waits at that moment
+    (a one-tunnel machine waits a few passes for its next bytes, and was outrun 4 to 1)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, dict[Any, deque[asyncio.Future[None]]]] = {}  # by tree, then machine
+        self.trees: dict[str, tuple[int, int]] = {}  # credit in bytes, at round
+        self.machines: dict[Any, tuple[int, int]] = {}
+        self.rounds = 0
+        self.round: asyncio.Handle | None = None
+
+    async def turn(self, tree: str, node: Any) -> None:
+        """Wait for ``node``'s turn (in ``tree``) to relay; say what it moved with ``moved``."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self.waiting.setdefault(tree, {}).setdefault(node, deque()).append(fut)
+        if self.round is None:  # one round per loop pass: the connections it let go run first
+            self.round = loop.call_soon(self._round)
+        await fut
+
+    def moved(self, tree: str, node: Any, n: int) -> None:
+        self.trees[tree] = (self._credit(self.trees, tree) - n, self.rounds)
+        self.machines[node] = (self._credit(self.machines, node) - n, self.rounds)
+
+    def forget(self, tree: str | None = None, node: Any = None) -> None:
+        """A tree or machine gone: its credit (or debt) with it."""
+        self.trees.pop(tree or "", None)
+        self.machines.pop(node, None)
+
+    def _credit(self, credit: dict[Any, tuple[int, int]], key: Any) -> int:
+        n, at = credit.get(key, (BUFFER, 0))
+        return min(BUFFER, n + (self.rounds - at) * BUFFER)
+
+    def _round(self) -> None:
+        self.rounds += 1
+        self.round = None
+        for tree in list(self.waiting):
+            machines = self.waiting[tree]
+            if self._credit(self.trees, tree) > 0:
+                self._grant(machines)
+            if not machines:
+                del self.waiting[tree]
+        if self.waiting:
+            self.round = asyncio.get_running_loop().call_soon(self._round)
+
+    def _grant(self, machines: dict[Any, deque[asyncio.Future[None]]]) -> None:
+        """Let the next of ``machines`` with credit move one connection (each goes last after)."""
+        for _ in range(len(machines)):
+            node = next(iter(machines))
+            queue = machines.pop(node)
+            while queue and queue[0].done():  # cancelled (its connection went): no turn
+                queue.popleft()
+            if not queue:
+                continue
+            machines[node] = queue
+            if self._credit(self.machines, node) > 0:
+                queue.popleft().set_result(None)
+                if not queue:
+                    del machines[node]
+                return
+
 
 class Budget:
     """The kernel's proxy: its trees, their caps, and each tree's lookup threads."""
 
     def __init__(self, lookup: Lookup = socket.getaddrinfo, *, lazy: bool = False) -> None:
         self.trees: dict[str, Tree] = {}
+        self.turns = Turns()
         self.lookup = lookup
         # the threads' module is loaded before the proxy drops privileges: it can't be imported
         # after (issue 26); ``lazy`` (tests only, SMOLBENCH_TEST_WEAKEN=net-lazy-imports) loads it
@@ -142,6 +259,7 @@ class Budget:
         """Forget tree ``name`` (its last machine is gone): its idle lookup threads end; one still
         in a lookup ends when that returns."""
         tree = self.trees.pop(name, None)
+        self.turns.forget(tree=name)
         if tree is not None and tree.executor is not None:
             tree.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -5,11 +5,15 @@ its trees. A fixed share (half a tree's per machine, a whole tree's per tree) le
 fill their tree and starve their parent and siblings, and four trees fill the kernel's (gaps
 the eighth audit left). So:
 
-* every live member is guaranteed ``min(floor, cap // live)``: what it holds below that is
-  its own, and the others may take a new one only while the count, plus what every other
-  live member still lacks of its guarantee, stays within the cap. No set of members can
-  starve another of its guarantee; one that arrives when all is held gets it from the next
-  released, before anyone above their guarantee may take one again;
+* every live member is guaranteed ``min(floor, cap // live)``, and at least one: what it
+  holds below that is its own, and the others may take a new one only while the count, plus
+  what every other live member still lacks of its guarantee, stays within the cap. No set of
+  members can starve another of its guarantee; one that arrives when all is held gets it
+  from the next released, before anyone above their guarantee may take one again. With more
+  live members than the cap (a fork may have 1,024 branches; a tree 64 connections) not all
+  can hold one: each then holds at most one, first come, so a member holding none gets one
+  while fewer than ``cap`` others hold one (the guarantee was 0, and three branches took all
+  64: their parent had none, ninth audit);
 * above its guarantee a member may hold at most ``cap // (holders + 1)``, ``holders`` being
   the members holding some now, itself counted (and ``most``): room is always left for one
   more, and the share shrinks as more want some, so the ones that came first can't keep
@@ -26,8 +30,9 @@ K = TypeVar("K", bound=Hashable)
 
 
 def guaranteed(cap: int, floor: int, live: int) -> int:
-    """What each of ``live`` members may always hold of ``cap``."""
-    return min(floor, cap // max(1, live))
+    """What each of ``live`` members may always hold of ``cap`` (one at least: past ``cap``
+    live members, what each may hold at all while the others lack theirs)."""
+    return max(1, min(floor, cap // max(1, live)))
 
 
 def share(held: Mapping[K, int], me: K, cap: int, floor: int, live: int, most: int) -> int:

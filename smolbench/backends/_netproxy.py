@@ -37,7 +37,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from ..netpolicy import (
     stand_in_resolve,
     unmapped,
 )
-from . import _netbudget, _netcgroup, _netredirect
+from . import _netbudget, _netcgroup, _netfair, _netredirect
 from ._netns import _bind_in, _collect, _refused_in
 
 PROXY_PORT = 3128
@@ -407,6 +407,8 @@ class Proxy:
         if node is None:
             return
         node.tree.members.discard(node)
+        node.tree.wake_heads()  # what it was guaranteed is the others' now
+        self.budget.turns.forget(node=node)
         for task, _ in node.listeners:
             task.cancel()
         await asyncio.gather(*(t for t, _ in node.listeners), return_exceptions=True)
@@ -457,15 +459,13 @@ class Proxy:
                       writer: asyncio.StreamWriter) -> None:
         tree = node.tree
         try:
-            # unfinished heads: bounded in count (the others wait, unread), size and time
-            try:
-                await asyncio.wait_for(tree.head_slots.acquire(), _netbudget.HEAD_TIMEOUT)
-            except asyncio.TimeoutError:
-                self.fail(node, "a new request", f"this machine tree has had {_netbudget.TREE_HEADS} request heads "
-                                                 f"unfinished for {_netbudget.HEAD_TIMEOUT:.0f} s")
+            # unfinished heads: bounded in count (the others wait, unread), size and time, and
+            # shared among the tree's machines: one's silent connections never hold another's
+            why = await tree.take_head(node)
+            if why is not None:
+                self.fail(node, "a new request", f"{_HEADS_FULL[why]} for {_netbudget.HEAD_TIMEOUT:.0f} s")
                 writer.transport.abort()
                 return
-            tree.heads += 1
             conn.in_head = True
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _netbudget.HEAD_TIMEOUT)
@@ -477,8 +477,7 @@ class Proxy:
                 writer.write(f"HTTP/1.1 400 {line}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode("ascii", "replace"))
                 return
             finally:
-                tree.heads -= 1
-                tree.head_slots.release()
+                tree.give_head(node)
                 conn.in_head = False
             conn.target = req.target
             try:
@@ -497,7 +496,7 @@ class Proxy:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
                 up[1].write(req.forward)
-            await _relay(reader, writer, *up)
+            await _relay(reader, writer, *up, turn=self._turn(node))
         except Exception as exc:  # noqa: BLE001 - the proxy's own failure: one line, the machine sees a 502
             line = self.fail(node, conn.target or "a request", f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):
@@ -527,11 +526,16 @@ class Proxy:
             up = await self._connect(conn, addr, port, None)
             if up is not None:
                 node.allowed += 1
-                await _relay(reader, writer, *up)
+                await _relay(reader, writer, *up, turn=self._turn(node))
         except Exception as exc:  # noqa: BLE001 - the proxy's own failure: one line
             self.fail(node, conn.target, f"{type(exc).__name__}: {exc}")
         finally:
             await _close(writer)
+
+    def _turn(self, node: Node) -> Turn:
+        """``node``'s turns to relay (``_netbudget.Turns``): wait for one, then say what moved."""
+        turns, tree = self.budget.turns, node.tree.name
+        return lambda: turns.turn(tree, node), lambda n: turns.moved(tree, node, n)
 
     async def _connect(self, conn: _netbudget.Conn, addr: IPAddress, port: int,
                        writer: asyncio.StreamWriter | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
@@ -581,23 +585,43 @@ class Proxy:
         return {"error": f"unknown op {op!r}"}
 
 
+_HEADS_FULL = {  # why a machine's request head waited unread, by _netfair's reason
+    _netfair.FULL: f"this machine tree has had {_netbudget.TREE_HEADS} request heads unfinished",
+    _netfair.SHARE: "this machine has had its part of its tree's request heads unfinished",
+    _netfair.KEPT: "the rest of this machine tree's request heads have been kept for its other machines"}
+
+
 def _bad_gateway(line: str) -> bytes:
     return (f"HTTP/1.1 502 {line}\r\nContent-Type: text/plain\r\nContent-Length: {len(line) + 1}\r\n"
             f"Connection: close\r\n\r\n{line}\n").encode("ascii", "replace")
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, seen: list[float] | None = None) -> None:
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, seen: list[float] | None = None,
+                turn: Turn | None = None) -> None:
     """One direction, with backpressure: nothing more is read from ``src`` while ``dst``'s
     buffer is over its high water (the far side doesn't read), so ``src``'s sender stalls.
-    ``seen[0]``: when a byte last moved (either way, shared by both directions)."""
+    ``seen[0]``: when a byte last moved (either way, shared by both directions); ``turn``:
+    waited for before each move (its machine's turn): a move is what ``src`` holds now, up to
+    ``_netbudget.TURN`` bytes, while ``dst`` is under its high water, all without yielding (a
+    turn a chunk cost a lone tunnel's relaying ~1/4 more CPU; a turn spent later is unfair)."""
     try:
         while True:
             data = await src.read(_netbudget.BUFFER)
             if not data:
                 break
+            if turn is not None:
+                await turn[0]()
             if seen is not None:
                 seen[0] = time.monotonic()
             dst.write(data)
+            moved = len(data)
+            while (moved < _netbudget.TURN and _held(src)
+                   and dst.transport.get_write_buffer_size() <= _netbudget.BUFFER):
+                data = await src.read(_netbudget.BUFFER)  # at once: it holds some
+                dst.write(data)
+                moved += len(data)
+            if turn is not None:
+                turn[1](moved)
             await dst.drain()
         if dst.can_write_eof():
             dst.write_eof()
@@ -605,14 +629,24 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, seen: list
         dst.transport.abort()
 
 
-async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
+# a machine's turns to relay: wait for one; say how many bytes moved on it
+Turn = tuple[Callable[[], Awaitable[None]], Callable[[int], None]]
+
+
+def _held(reader: asyncio.StreamReader) -> bool:
+    """Whether ``reader`` holds bytes not read yet (its buffer has no public size)."""
+    return bool(getattr(reader, "_buffer", b""))
+
+
+async def _relay(r1: asyncio.StreamReader, w1: asyncio.StreamWriter, r2: asyncio.StreamReader, w2: asyncio.StreamWriter,
+                 turn: Turn | None = None) -> None:
     """Both ways until the far end is done; then the machine's side gets a few seconds to
     finish (an idle client that never closes must not hold a connection slot forever). A
     connection that moves no byte either way for IDLE_TIMEOUT seconds is closed: tunnels held
-    open and silent kept their tree's connections forever (eighth audit)."""
+    open and silent kept their tree's connections forever (eighth audit). ``turn``: see ``_pipe``."""
     seen = [time.monotonic()]
-    to_far = asyncio.ensure_future(_pipe(r1, w2, seen))
-    to_machine = asyncio.ensure_future(_pipe(r2, w1, seen))
+    to_far = asyncio.ensure_future(_pipe(r1, w2, seen, turn))
+    to_machine = asyncio.ensure_future(_pipe(r2, w1, seen, turn))
     try:
         while not to_machine.done():
             left = seen[0] + IDLE_TIMEOUT - time.monotonic()
