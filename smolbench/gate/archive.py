@@ -21,13 +21,13 @@ import re
 import stat
 import sys
 import tarfile
-import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Literal, NamedTuple
+from typing import IO, Any, Literal, NamedTuple, cast
 
 from ..errors import SmolbenchError
+from . import passes
 from .gzipread import GZIP_START, PREFIX_LIMIT, CheckedGzip, Enough, UnsafeCheckpoint, gzip_prefix
 from .limits import LIMITS, human
 
@@ -469,56 +469,28 @@ class Checked(NamedTuple):
     namespace: int  # bytes of its pickled variables
 
 
-def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict[str, Any] | None:
+def check(path: str, backend: str = "sandbox", label: str | None = None,
+          sha256: str | None = None) -> dict[str, Any] | None:
     """Refuse a checkpoint file that is not exactly two plain files with a safe workspace (and,
     first, at most one record of its own), or that claims more than the checkpoint limit
     (refused before any of it is unpacked). Returns its record (checked), or None.
-    ``label``: the file's name in messages (default: ``path``'s)."""
-    return check_sized(path, backend, label).record
+    ``label``: the file's name in messages (default: ``path``'s); ``sha256``: see :func:`check_sized`."""
+    return check_sized(path, backend, label, sha256).record
 
 
-# What check_sized let through, by the file it read (_identity): one restore checks the same
-# file at each step (before a machine comes up, adding it, the backend's restore), and a check
-# is seconds of tarfile for a big workspace.
-_PASSED: dict[tuple[int, ...], Checked] = {}
-_PASSED_LOCK = threading.Lock()
-PASSED_KEPT = 16
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """A file's bytes as the kernel tells them apart: any write changes its change time, which no
-    one can set back, and the limits it was checked under (a lowered limit checks again)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, LIMITS.checkpoint,
-            hash(frozenset(TEST_WEAKEN)))
-
-
-def passed_along(src: int, before: os.stat_result, copy: int) -> None:
-    """Copy descriptor ``copy`` holds the bytes of ``src`` (stat ``before`` the copy was read):
-    when ``src`` passed the check as it was, and is still, so does the copy (checked once)."""
-    with _PASSED_LOCK:
-        checked = _PASSED.get(_identity(before))
-        if checked is not None and _identity(os.fstat(src)) == _identity(before):
-            _keep(_identity(os.fstat(copy)), checked)
-
-
-def _keep(key: tuple[int, ...], checked: Checked) -> None:
-    _PASSED[key] = checked
-    while len(_PASSED) > PASSED_KEPT:
-        del _PASSED[next(iter(_PASSED))]
-
-
-def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -> Checked:
+def check_sized(path: str, backend: str = "sandbox", label: str | None = None, sha256: str | None = None) -> Checked:
     """:func:`check`, and what the file would take in a machine (from its headers, as read).
-    A file that passed is not read again while it is the same file, unchanged."""
+    A file is not checked again while it has the same bytes (gate/passes.py): its pass is found
+    by ``sha256``, the caller's hash of the file it then uses (or one passes.known gives)."""
     label = label or Path(path).name
+    limits = (LIMITS.checkpoint, hash(frozenset(TEST_WEAKEN)))  # a lowered limit checks again
     with open(path, "rb") as fh:
-        key = _identity(os.fstat(fh.fileno()))  # before reading: a write meanwhile changes it
-        with _PASSED_LOCK:
-            checked = _PASSED.get(key)
+        digest = sha256 or passes.known_for(os.fstat(fh.fileno()))
+        checked = passes.recall(digest, limits) if digest is not None else None
         if checked is None:
-            checked = _check_sized(fh, backend, label)
-            with _PASSED_LOCK:
-                _keep(key, checked)
+            read = passes.Hashing(fh)  # kept under the hash of the very bytes checked
+            checked = _check_sized(cast(IO[bytes], read), backend, label)
+            passes.remember(read.digest(), limits, checked)
     return checked
 
 
