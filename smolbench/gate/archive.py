@@ -28,7 +28,15 @@ from typing import IO, Any, Literal, NamedTuple, cast
 
 from ..errors import SmolbenchError
 from . import passes
-from .gzipread import GZIP_START, PREFIX_LIMIT, CheckedGzip, Enough, UnsafeCheckpoint, gzip_prefix
+from .gzipread import (
+    GZIP_START,
+    PREFIX_LIMIT,
+    CheckedGzip,
+    Enough,
+    UnsafeCheckpoint,
+    compressed,
+    gzip_prefix,
+)
 from .limits import LIMITS, human
 
 FILES = ("namespace.pkl", "workspace.tar")
@@ -400,6 +408,16 @@ def _header_checked(m: tarfile.TarInfo, where: str) -> list[str]:
     return parts
 
 
+def plain_tar(head: bytes, where: str) -> None:
+    """Refuse a workspace archive whose first bytes ``head`` are a compression's magic: the host
+    reads it as the plain tar it must be, and a reader that tries gzip first (tarfile.open's
+    default) read the same bytes as a gzip of another archive, every check skipped (eighth audit)."""
+    kind = compressed(head)
+    if kind is not None and "magic" not in TEST_WEAKEN:
+        raise UnsafeCheckpoint(f"{where} has a workspace archive that starts as {kind} data, which smolbench never "
+                               "writes (a plain tar to one reader and another archive to the next): refused")
+
+
 def check_members(tar: tarfile.TarFile, where: str) -> int:
     """Refuse a workspace archive whose members could land or point outside it. Returns the
     bytes its files take unpacked (each file's size in whole pages, as a tmpfs keeps them).
@@ -454,6 +472,7 @@ def check_members(tar: tarfile.TarFile, where: str) -> int:
 
 def check_workspace(blob: bytes, where: str) -> None:
     """Refuse a workspace archive (bytes a machine sent) with links or paths leading outside it."""
+    plain_tar(blob[:16], where)
     try:
         with open_tar(fileobj=io.BytesIO(blob), mode="r:") as tar:
             check_members(tar, where)
@@ -521,6 +540,7 @@ def _check_sized(fh: IO[bytes], backend: str, label: str) -> Checked:
                 raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
             blob = tar.extractfile("workspace.tar")
             assert blob is not None
+            plain_tar(cast(Any, blob).peek(16)[:16], f"checkpoint {label}")  # (its buffer: not read twice)
             with open_tar(fileobj=blob, mode="r:") as inner:
                 files = check_members(inner, f"checkpoint {label}")
         except (SmolbenchError, tarfile.TarError) as exc:

@@ -49,7 +49,9 @@ class SaveLoad:
 
         ws = os.path.join(path, "workspace.tar")
         if self.workdir and os.path.exists(ws):
-            with tarfile.open(ws) as tar:
+            # exactly the plain tar the host checked: tarfile.open's default tries gzip, bz2 and xz
+            # first, and the same bytes can be a harmless tar and a gzip of another archive
+            with tarfile.open(ws, "r:") as tar:
                 for member in tar.getmembers():
                     if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
