@@ -316,23 +316,16 @@ def read_small(path: str | os.PathLike[str], limit: int = 64 * 1024) -> str | No
 _TARGET = "\0"  # the key of a link's target in the tree of link names (no name part holds a NUL)
 
 
-def _link_tree(links: dict[str, str], where: str) -> dict[str, Any]:
-    """The archive's symlinks as a tree of name parts, so a lookup costs one step a part
-    (joining the parts for each prefix cost a deep name's length squared, per link hop).
-    Their parts are counted before any node is made: 3,000 links of 2,000 parts each under
-    their own folder (68 kB of gzip) were 6,000,000 nodes, 1.2 GB."""
-    parts = sum(name.count("/") + 1 for name in links)
-    if parts > LINK_PARTS_LIMIT:
+def _link_parts(links: dict[str, str], where: str) -> None:
+    """Refuse links whose names have more than LINK_PARTS_LIMIT parts in all, before any node of
+    their tree is made: 3,000 links of 2,000 parts each under their own folder (68 kB of gzip)
+    were 6,000,000 nodes, 1.2 GB. (Each part is a node of the tree a lookup walks, one step a part.)"""
+    if sum(name.count("/") + 1 for name in links) > LINK_PARTS_LIMIT:
         raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
                                "refused")
-    tree: dict[str, Any] = {}
-    for name, target in links.items():
-        node = tree
-        for part in name.split("/"):
-            if part not in ("", "."):
-                node = node.setdefault(part, {})
-        node[_TARGET] = target
-    return tree
+
+
+Kept = tuple[str, list[str], "tarfile.TarInfo | None"]  # a member: its name, its name's parts, itself if a link
 
 
 class _Walk:
@@ -425,8 +418,9 @@ def check_members(tar: tarfile.TarFile, where: str) -> int:
     One pass over the headers checks each alone and charges every budget as it comes (a crafted
     archive is refused where it goes over, not after all of it is read), keeping only names;
     then links are followed for the members that a link may lead through."""
-    kept: list[tuple[str, list[str], tarfile.TarInfo | None]] = []  # (name, its parts, the member if a link)
+    kept: list[Kept] = []
     links: dict[str, str] = {}
+    files: set[str] = set()  # names a file (or a hard link to one) was last at
     names = footprint = count = linked = walked = 0
     while (m := tar.next()) is not None:
         tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every header it reads: this check keeps names only
@@ -450,24 +444,61 @@ def check_members(tar: tarfile.TarFile, where: str) -> int:
             if m.issym():
                 links[m.name.strip("/")] = m.linkname
         kept.append((m.name, parts, m if m.issym() or m.islnk() else None))
+        # a hard link only to a file before it: tarfile copies a symlink there to the new name, its
+        # text unchanged (`sub/s -> ../y` hard-linked as `h` was `h -> ../y`, outside; eighth audit)
+        clean = "/".join(p for p in parts if p not in ("", "."))
+        if m.islnk() and (m.linkname not in files or any(p in ("", ".", "..") for p in m.linkname.split("/"))):
+            raise UnsafeCheckpoint(f"{where} has a hard link to something not a file before it ({_shown(m.name)} -> "
+                                   f"{_shown(m.linkname)}): refused")
+        (files.add if m.isfile() or m.islnk() else files.discard)(clean)
     if not links and not linked:
         return footprint  # no link to follow: every name stays where it says
-    tree = _link_tree(links, where)
+    _link_parts(links, where)
+    tree: dict[str, Any] = {}
     walk = _Walk(where)
+    folders = iter(_place_links(kept, tree, walk, where))
     for name, parts, link in kept:
-        if link is not None:
-            hard = link.islnk()
-            target = link.linkname.split("/") if hard else [*parts[:-1], *link.linkname.split("/")]
-            if _resolve(target, tree, walk) is None:
-                raise UnsafeCheckpoint(f"{where} has a {'hard link' if hard else 'link'} that points outside it "
+        if link is not None and link.issym():  # made where its folder leads, never followed
+            if _resolve([*next(folders), *link.linkname.split("/")], tree, walk) is None:
+                raise UnsafeCheckpoint(f"{where} has a link that points outside it ({_shown(name)} -> "
+                                       f"{_shown(link.linkname)})")
+            continue
+        if link is not None:  # its target's path as written: through no link, to no link (then it is a file)
+            target = link.linkname.split("/")
+            if _resolve(target, tree, walk) != target:
+                raise UnsafeCheckpoint(f"{where} has a hard link that points outside it or through a link "
                                        f"({_shown(name)} -> {_shown(link.linkname)})")
-            if not hard:  # the link is made where its folder is, which its target's walk went through
-                continue
-            parts = parts[:-1]  # (made, never followed: only its folder is reached)
         # a path that goes through one of the archive's links must stay inside too
         if tree and _resolve(parts, tree, walk) is None:
             raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(name)})")
     return footprint
+
+
+def _place_links(kept: list[Kept], tree: dict[str, Any], walk: _Walk, where: str) -> list[list[str]]:
+    """Put each symlink in ``tree`` where it lands, in the archive's order: in its folder as
+    reached through the links made before it. A link made through another lands where that one
+    leads, not at its name (``a -> .``, ``a/b -> .``, ``b/x -> ..`` make ``x -> ..``; eighth
+    audit: keyed by name, ``x/ESCAPED`` was let through). Each one's folder, in order."""
+    folders: list[list[str]] = []
+    nodes = 0
+    for name, parts, link in kept:
+        if link is None or not link.issym():
+            continue
+        clean = [p for p in parts if p not in ("", ".")]
+        # (no link made yet at its first part: nothing to follow, and no call)
+        folder = _resolve(clean[:-1], tree, walk) if len(clean) > 1 and clean[0] in tree else clean[:-1]
+        if folder is None:
+            raise UnsafeCheckpoint(f"{where} has a link reached through a link outside it ({_shown(name)})")
+        folders.append(folder)
+        nodes += len(folder) + 1
+        if nodes > LINK_PARTS_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
+                                   "refused")
+        node = tree
+        for part in [*folder, *clean[-1:]]:
+            node = node.setdefault(part, {})
+        node[_TARGET] = link.linkname
+    return folders
 
 
 def check_workspace(blob: bytes, where: str) -> None:
