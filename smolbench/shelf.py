@@ -12,6 +12,7 @@ file with the checkpoint's record inside.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shlex
 import stat
@@ -446,9 +447,9 @@ class Shelf:
                     continue
             with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
                 src.seek(0)
-                _copy_bounded(src, out, base)
+                copied = _copy_bounded(src, out, base)
                 if wrong is not None:  # whole, or the one here stays as it was
-                    _whole(f"/proc/self/fd/{out}", base, sha256=sha256_fd(out)[0])
+                    _whole(f"/proc/self/fd/{out}", base, sha256=copied)
             return fname, True, wrong
         raise SmolbenchError(f"checkpoints named {stem}, {stem}-2 … {stem}-99 all exist here: remove some first")
 
@@ -713,12 +714,14 @@ def _open_named(source: str) -> int:
     return fd
 
 
-def _copy_bounded(src: Any, out: int, what: str) -> None:
-    left = LIMITS.checkpoint
+def _copy_bounded(src: Any, out: int, what: str) -> str:
+    """Copy ``src`` to descriptor ``out`` (at most the checkpoint limit); the SHA-256 of what was written."""
+    left, digest = LIMITS.checkpoint, hashlib.sha256()
     while True:
         block = src.read(1 << 20)
         if not block:
-            return
+            return digest.hexdigest()
+        digest.update(block)
         left -= len(block)
         if left < 0:
             raise SmolbenchError(f"{what} grew past the checkpoint limit of {human(LIMITS.checkpoint)} while it was copied")
