@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import signing
 from ._aio import _made_in_thread, _to_the_end
+from ._filehash import sha256_fd
 from ._pkgtrust import open_root, untrusted
 from ._wbparts import WorkbenchPart
 from .backends.base import CellRequest, CellResult, Event, MachineRef
 from .errors import LIVE, NOT_UP, MachineLost, SmolbenchError, reworded
-from .gate import restoring, terminal
+from .gate import passes, restoring, terminal
 from .gate.ckptpaths import SUFFIX, suggested_name, valid_name
 from .shelf import AGENTHOST, IMPORTED, Adopted, Shelf
 from .tree import GYM_EPISODE, Node, gym_episode
@@ -290,7 +291,10 @@ class CheckpointsMixin(WorkbenchPart):
         signed, whose file is not the one saved, is refused (Shelf.vouch)."""
         name = rec["name"]
         with self.shelf.open(rec) as f:
-            own = await _to_the_end(asyncio.to_thread(self.shelf.vouch, rec, f, self.backend.name))
+            # hashed once: vouch compares it with a signed row's, or finds a check's pass by it, and so
+            # does the backend's own check below (passes.known), never by the file's stat (coarse times)
+            digest = await _to_the_end(asyncio.to_thread(lambda: sha256_fd(f.fd)[0]))
+            own = await _to_the_end(asyncio.to_thread(self.shelf.vouch, rec, f, self.backend.name, digest))
             shown = label or self.shelf.store.shown(f.name)
             # smol's engine reads the file in its own process, by name: after the check above, so the
             # file and its folder must be such that no other user can change or replace it meanwhile
@@ -304,7 +308,8 @@ class CheckpointsMixin(WorkbenchPart):
                                          f"chmod go-w {path}, or save it again")
             try:
                 isolated = not own or rec.get("session_id") not in SESSIONS_HERE
-                return await self.backend.restore(path, node_id, self.spec, isolated=isolated)
+                with passes.known(f.fd, digest):
+                    return await self.backend.restore(path, node_id, self.spec, isolated=isolated)
             except SmolbenchError as exc:
                 # messages name the descriptor's path (or its last part): name the file instead
                 text = str(exc).replace(path, shown).replace(f"checkpoint {f.fd}", f"checkpoint {f.name}")

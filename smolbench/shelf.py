@@ -12,6 +12,7 @@ file with the checkpoint's record inside.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shlex
 import stat
@@ -297,14 +298,15 @@ class Shelf:
         """Whether ``rec`` is signed as this user's own save (a bad key file: its one line, raised)."""
         return not rec.get("dropped") and signing.signed(rec, signing.key(create=False))
 
-    def vouch(self, rec: dict[str, Any], f: Opened, backend: str) -> bool:
+    def vouch(self, rec: dict[str, Any], f: Opened, backend: str, digest: str | None = None) -> bool:
         """Before a restore of ``rec``'s file ``f`` on ``backend``: True when it is this user's own
         save and still the file saved (else refused: it was replaced since). A row not signed as
         theirs is refused for smol (whose engine reads the file on this host), and otherwise
-        checked as a file from elsewhere is (False)."""
+        checked as a file from elsewhere is (False). ``digest``: ``f``'s SHA-256, if hashed."""
         name = rec.get("name")
+        digest = digest or sha256_fd(f.fd)[0]
         if self.signed(rec):
-            if sha256_fd(f.fd)[0] != rec.get("sha256"):
+            if digest != rec.get("sha256"):
                 raise SmolbenchError(f"checkpoint {name!r}'s file {self.store.shown(f.name)} is not the file saved as it "
                                      "(its SHA-256 is not the one its signed row holds): it was replaced since, so it "
                                      f"is refused; `%smol checkpoint rm {name}` forgets it")
@@ -312,7 +314,7 @@ class Shelf:
         if rec.get("backend") == "smol" or backend == "smol":
             raise SmolbenchError(foreign(name, "smol"))
         # the checks of a file from elsewhere (a record claiming smol refused)
-        self._check(f, self.store.shown(f.name), f" (checked as a file from elsewhere: its row is {FOREIGN})")
+        self._check(f, self.store.shown(f.name), f" (checked as a file from elsewhere: its row is {FOREIGN})", digest)
         return False
 
     def trust(self, name: str, session: str) -> str:
@@ -329,7 +331,7 @@ class Shelf:
                 return f"checkpoint {name} is signed as your own already"
             smol = rec.get("backend") == "smol"
             if not smol:
-                self._check(f, self.store.shown(f.name), "; it was not signed")
+                self._check(f, self.store.shown(f.name), "; it was not signed", digest)
         row = {k: rec.get(k) for k in ("name", "session_id", "node_id", "backend", "path")}
         self.ledger.sign_checkpoint(name, digest, signing.mac(row, digest, signing.key() or b""))
         made = terminal.one_line(str(rec.get("backend")), 40)
@@ -368,8 +370,9 @@ class Shelf:
                                  f"or `%smol checkpoint rm {name}` first")
         try:
             with self.store.open(fname) as f:
-                record, size, identity = self._check(f, source), f.size, _identity(f.fd)
-                digest = sha256_fd(f.fd)[0]  # of the bytes checked here, which a restore reads
+                # its hash first: the check looks its pass up by it (the bytes checked before a machine came up)
+                digest = sha256_fd(f.fd)[0]
+                record, size, identity = self._check(f, source, sha256=digest), f.size, _identity(f.fd)
         except BaseException:
             if created:
                 self.discard(fname)  # a copy that failed its checks goes again
@@ -443,12 +446,10 @@ class Shelf:
                 if wrong is None:
                     continue
             with self.store.create(fname) as out, os.fdopen(os.dup(src_fd), "rb") as src:
-                before = os.fstat(src_fd)
                 src.seek(0)
-                _copy_bounded(src, out, base)
-                archive.passed_along(src_fd, before, out)  # checked before a machine came up: not again
+                copied = _copy_bounded(src, out, base)
                 if wrong is not None:  # whole, or the one here stays as it was
-                    _whole(f"/proc/self/fd/{out}", base)
+                    _whole(f"/proc/self/fd/{out}", base, sha256=copied)
             return fname, True, wrong
         raise SmolbenchError(f"checkpoints named {stem}, {stem}-2 … {stem}-99 all exist here: remove some first")
 
@@ -479,15 +480,17 @@ class Shelf:
         except PathRefused:
             return False
 
-    def _check(self, f: Opened, source: str, after: str = "; nothing was added") -> dict[str, Any] | None:
+    def _check(self, f: Opened, source: str, after: str = "; nothing was added",
+               sha256: str | None = None) -> dict[str, Any] | None:
         """The record of a checkpoint file from someone else (None: it has none), checked as a
-        machine's bytes would be; one line when it is unsafe or not a checkpoint at all (ending in ``after``)."""
+        machine's bytes would be; one line when it is unsafe or not a checkpoint at all (ending in
+        ``after``). ``sha256``: ``f``'s, when known (a pass of the same bytes is not checked again)."""
         try:
             with open(f.path, "rb") as fh:
                 wrong = archive.first_bytes(fh.read(len(archive.GZIP_START)), source)
             if wrong is not None:
                 raise wrong
-            return archive.check(f.path, "smolbench", source)
+            return archive.check(f.path, "smolbench", source, sha256)
         except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
             raise _unreadable(source, exc, after) from None
 
@@ -711,12 +714,14 @@ def _open_named(source: str) -> int:
     return fd
 
 
-def _copy_bounded(src: Any, out: int, what: str) -> None:
-    left = LIMITS.checkpoint
+def _copy_bounded(src: Any, out: int, what: str) -> str:
+    """Copy ``src`` to descriptor ``out`` (at most the checkpoint limit); the SHA-256 of what was written."""
+    left, digest = LIMITS.checkpoint, hashlib.sha256()
     while True:
         block = src.read(1 << 20)
         if not block:
-            return
+            return digest.hexdigest()
+        digest.update(block)
         left -= len(block)
         if left < 0:
             raise SmolbenchError(f"{what} grew past the checkpoint limit of {human(LIMITS.checkpoint)} while it was copied")
@@ -740,12 +745,13 @@ def _unreadable(source: str, exc: BaseException, after: str = "; nothing was add
     return archive.UnusableCheckpoint(f"{archive.unusable(source, exc)}{after}")
 
 
-def _whole(path: str, source: str, after: str = "; nothing was added") -> archive.Checked:
+def _whole(path: str, source: str, after: str = "; nothing was added", sha256: str | None = None) -> archive.Checked:
     """Refuse checkpoint ``path`` (``source``: as the user named it) as its restore would, before a
     machine comes up for it: a copy cut short is said so at once, not after a boot. ``after``:
-    what the line ends with (a row's file: where it came from, :meth:`Shelf.came_from`). What it holds."""
+    what the line ends with (a row's file: where it came from, :meth:`Shelf.came_from`); ``sha256``: its
+    hash, when known (:func:`archive.check_sized`). What it holds."""
     try:
-        return archive.check_sized(path, "sandbox", source)
+        return archive.check_sized(path, "sandbox", source, sha256)
     except (archive.UnsafeCheckpoint, tarfile.TarError, EOFError, OSError) as exc:
         raise _unreadable(source, exc, after) from None
 

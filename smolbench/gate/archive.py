@@ -21,14 +21,22 @@ import re
 import stat
 import sys
 import tarfile
-import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Literal, NamedTuple
+from typing import IO, Any, Literal, NamedTuple, cast
 
 from ..errors import SmolbenchError
-from .gzipread import GZIP_START, PREFIX_LIMIT, CheckedGzip, Enough, UnsafeCheckpoint, gzip_prefix
+from . import passes
+from .gzipread import (
+    GZIP_START,
+    PREFIX_LIMIT,
+    CheckedGzip,
+    Enough,
+    UnsafeCheckpoint,
+    compressed,
+    gzip_prefix,
+)
 from .limits import LIMITS, human
 
 FILES = ("namespace.pkl", "workspace.tar")
@@ -308,23 +316,16 @@ def read_small(path: str | os.PathLike[str], limit: int = 64 * 1024) -> str | No
 _TARGET = "\0"  # the key of a link's target in the tree of link names (no name part holds a NUL)
 
 
-def _link_tree(links: dict[str, str], where: str) -> dict[str, Any]:
-    """The archive's symlinks as a tree of name parts, so a lookup costs one step a part
-    (joining the parts for each prefix cost a deep name's length squared, per link hop).
-    Their parts are counted before any node is made: 3,000 links of 2,000 parts each under
-    their own folder (68 kB of gzip) were 6,000,000 nodes, 1.2 GB."""
-    parts = sum(name.count("/") + 1 for name in links)
-    if parts > LINK_PARTS_LIMIT:
+def _link_parts(links: dict[str, str], where: str) -> None:
+    """Refuse links whose names have more than LINK_PARTS_LIMIT parts in all, before any node of
+    their tree is made: 3,000 links of 2,000 parts each under their own folder (68 kB of gzip)
+    were 6,000,000 nodes, 1.2 GB. (Each part is a node of the tree a lookup walks, one step a part.)"""
+    if sum(name.count("/") + 1 for name in links) > LINK_PARTS_LIMIT:
         raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
                                "refused")
-    tree: dict[str, Any] = {}
-    for name, target in links.items():
-        node = tree
-        for part in name.split("/"):
-            if part not in ("", "."):
-                node = node.setdefault(part, {})
-        node[_TARGET] = target
-    return tree
+
+
+Kept = tuple[str, list[str], "tarfile.TarInfo | None"]  # a member: its name, its name's parts, itself if a link
 
 
 class _Walk:
@@ -400,6 +401,16 @@ def _header_checked(m: tarfile.TarInfo, where: str) -> list[str]:
     return parts
 
 
+def plain_tar(head: bytes, where: str) -> None:
+    """Refuse a workspace archive whose first bytes ``head`` are a compression's magic: the host
+    reads it as the plain tar it must be, and a reader that tries gzip first (tarfile.open's
+    default) read the same bytes as a gzip of another archive, every check skipped (eighth audit)."""
+    kind = compressed(head)
+    if kind is not None and "magic" not in TEST_WEAKEN:
+        raise UnsafeCheckpoint(f"{where} has a workspace archive that starts as {kind} data, which smolbench never "
+                               "writes (a plain tar to one reader and another archive to the next): refused")
+
+
 def check_members(tar: tarfile.TarFile, where: str) -> int:
     """Refuse a workspace archive whose members could land or point outside it. Returns the
     bytes its files take unpacked (each file's size in whole pages, as a tmpfs keeps them).
@@ -407,8 +418,9 @@ def check_members(tar: tarfile.TarFile, where: str) -> int:
     One pass over the headers checks each alone and charges every budget as it comes (a crafted
     archive is refused where it goes over, not after all of it is read), keeping only names;
     then links are followed for the members that a link may lead through."""
-    kept: list[tuple[str, list[str], tarfile.TarInfo | None]] = []  # (name, its parts, the member if a link)
+    kept: list[Kept] = []
     links: dict[str, str] = {}
+    files: set[str] = set()  # names a file (or a hard link to one) was last at
     names = footprint = count = linked = walked = 0
     while (m := tar.next()) is not None:
         tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every header it reads: this check keeps names only
@@ -432,28 +444,66 @@ def check_members(tar: tarfile.TarFile, where: str) -> int:
             if m.issym():
                 links[m.name.strip("/")] = m.linkname
         kept.append((m.name, parts, m if m.issym() or m.islnk() else None))
+        # a hard link only to a file before it: tarfile copies a symlink there to the new name, its
+        # text unchanged (`sub/s -> ../y` hard-linked as `h` was `h -> ../y`, outside; eighth audit)
+        clean = "/".join(p for p in parts if p not in ("", "."))
+        if m.islnk() and (m.linkname not in files or any(p in ("", ".", "..") for p in m.linkname.split("/"))):
+            raise UnsafeCheckpoint(f"{where} has a hard link to something not a file before it ({_shown(m.name)} -> "
+                                   f"{_shown(m.linkname)}): refused")
+        (files.add if m.isfile() or m.islnk() else files.discard)(clean)
     if not links and not linked:
         return footprint  # no link to follow: every name stays where it says
-    tree = _link_tree(links, where)
+    _link_parts(links, where)
+    tree: dict[str, Any] = {}
     walk = _Walk(where)
+    folders = iter(_place_links(kept, tree, walk, where))
     for name, parts, link in kept:
-        if link is not None:
-            hard = link.islnk()
-            target = link.linkname.split("/") if hard else [*parts[:-1], *link.linkname.split("/")]
-            if _resolve(target, tree, walk) is None:
-                raise UnsafeCheckpoint(f"{where} has a {'hard link' if hard else 'link'} that points outside it "
+        if link is not None and link.issym():  # made where its folder leads, never followed
+            if _resolve([*next(folders), *link.linkname.split("/")], tree, walk) is None:
+                raise UnsafeCheckpoint(f"{where} has a link that points outside it ({_shown(name)} -> "
+                                       f"{_shown(link.linkname)})")
+            continue
+        if link is not None:  # its target's path as written: through no link, to no link (then it is a file)
+            target = link.linkname.split("/")
+            if _resolve(target, tree, walk) != target:
+                raise UnsafeCheckpoint(f"{where} has a hard link that points outside it or through a link "
                                        f"({_shown(name)} -> {_shown(link.linkname)})")
-            if not hard:  # the link is made where its folder is, which its target's walk went through
-                continue
-            parts = parts[:-1]  # (made, never followed: only its folder is reached)
         # a path that goes through one of the archive's links must stay inside too
         if tree and _resolve(parts, tree, walk) is None:
             raise UnsafeCheckpoint(f"{where} has a file reached through a link outside it ({_shown(name)})")
     return footprint
 
 
+def _place_links(kept: list[Kept], tree: dict[str, Any], walk: _Walk, where: str) -> list[list[str]]:
+    """Put each symlink in ``tree`` where it lands, in the archive's order: in its folder as
+    reached through the links made before it. A link made through another lands where that one
+    leads, not at its name (``a -> .``, ``a/b -> .``, ``b/x -> ..`` make ``x -> ..``; eighth
+    audit: keyed by name, ``x/ESCAPED`` was let through). Each one's folder, in order."""
+    folders: list[list[str]] = []
+    nodes = 0
+    for name, parts, link in kept:
+        if link is None or not link.issym():
+            continue
+        clean = [p for p in parts if p not in ("", ".")]
+        # (no link made yet at its first part: nothing to follow, and no call)
+        folder = _resolve(clean[:-1], tree, walk) if len(clean) > 1 and clean[0] in tree else clean[:-1]
+        if folder is None:
+            raise UnsafeCheckpoint(f"{where} has a link reached through a link outside it ({_shown(name)})")
+        folders.append(folder)
+        nodes += len(folder) + 1
+        if nodes > LINK_PARTS_LIMIT:
+            raise UnsafeCheckpoint(f"{where} has links whose names have more than {LINK_PARTS_LIMIT:,} parts in all: "
+                                   "refused")
+        node = tree
+        for part in [*folder, *clean[-1:]]:
+            node = node.setdefault(part, {})
+        node[_TARGET] = link.linkname
+    return folders
+
+
 def check_workspace(blob: bytes, where: str) -> None:
     """Refuse a workspace archive (bytes a machine sent) with links or paths leading outside it."""
+    plain_tar(blob[:16], where)
     try:
         with open_tar(fileobj=io.BytesIO(blob), mode="r:") as tar:
             check_members(tar, where)
@@ -469,56 +519,28 @@ class Checked(NamedTuple):
     namespace: int  # bytes of its pickled variables
 
 
-def check(path: str, backend: str = "sandbox", label: str | None = None) -> dict[str, Any] | None:
+def check(path: str, backend: str = "sandbox", label: str | None = None,
+          sha256: str | None = None) -> dict[str, Any] | None:
     """Refuse a checkpoint file that is not exactly two plain files with a safe workspace (and,
     first, at most one record of its own), or that claims more than the checkpoint limit
     (refused before any of it is unpacked). Returns its record (checked), or None.
-    ``label``: the file's name in messages (default: ``path``'s)."""
-    return check_sized(path, backend, label).record
+    ``label``: the file's name in messages (default: ``path``'s); ``sha256``: see :func:`check_sized`."""
+    return check_sized(path, backend, label, sha256).record
 
 
-# What check_sized let through, by the file it read (_identity): one restore checks the same
-# file at each step (before a machine comes up, adding it, the backend's restore), and a check
-# is seconds of tarfile for a big workspace.
-_PASSED: dict[tuple[int, ...], Checked] = {}
-_PASSED_LOCK = threading.Lock()
-PASSED_KEPT = 16
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """A file's bytes as the kernel tells them apart: any write changes its change time, which no
-    one can set back, and the limits it was checked under (a lowered limit checks again)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, LIMITS.checkpoint,
-            hash(frozenset(TEST_WEAKEN)))
-
-
-def passed_along(src: int, before: os.stat_result, copy: int) -> None:
-    """Copy descriptor ``copy`` holds the bytes of ``src`` (stat ``before`` the copy was read):
-    when ``src`` passed the check as it was, and is still, so does the copy (checked once)."""
-    with _PASSED_LOCK:
-        checked = _PASSED.get(_identity(before))
-        if checked is not None and _identity(os.fstat(src)) == _identity(before):
-            _keep(_identity(os.fstat(copy)), checked)
-
-
-def _keep(key: tuple[int, ...], checked: Checked) -> None:
-    _PASSED[key] = checked
-    while len(_PASSED) > PASSED_KEPT:
-        del _PASSED[next(iter(_PASSED))]
-
-
-def check_sized(path: str, backend: str = "sandbox", label: str | None = None) -> Checked:
+def check_sized(path: str, backend: str = "sandbox", label: str | None = None, sha256: str | None = None) -> Checked:
     """:func:`check`, and what the file would take in a machine (from its headers, as read).
-    A file that passed is not read again while it is the same file, unchanged."""
+    A file is not checked again while it has the same bytes (gate/passes.py): its pass is found
+    by ``sha256``, the caller's hash of the file it then uses (or one passes.known gives)."""
     label = label or Path(path).name
+    limits = (LIMITS.checkpoint, hash(frozenset(TEST_WEAKEN)))  # a lowered limit checks again
     with open(path, "rb") as fh:
-        key = _identity(os.fstat(fh.fileno()))  # before reading: a write meanwhile changes it
-        with _PASSED_LOCK:
-            checked = _PASSED.get(key)
+        digest = sha256 or passes.known_for(os.fstat(fh.fileno()))
+        checked = passes.recall(digest, limits) if digest is not None else None
         if checked is None:
-            checked = _check_sized(fh, backend, label)
-            with _PASSED_LOCK:
-                _keep(key, checked)
+            read = passes.Hashing(fh)  # kept under the hash of the very bytes checked
+            checked = _check_sized(cast(IO[bytes], read), backend, label)
+            passes.remember(read.digest(), limits, checked)
     return checked
 
 
@@ -549,6 +571,7 @@ def _check_sized(fh: IO[bytes], backend: str, label: str) -> Checked:
                 raise SmolbenchError(f"checkpoint {label} is not a {backend} checkpoint (has {names[:5]})")
             blob = tar.extractfile("workspace.tar")
             assert blob is not None
+            plain_tar(cast(Any, blob).peek(16)[:16], f"checkpoint {label}")  # (its buffer: not read twice)
             with open_tar(fileobj=blob, mode="r:") as inner:
                 files = check_members(inner, f"checkpoint {label}")
         except (SmolbenchError, tarfile.TarError) as exc:

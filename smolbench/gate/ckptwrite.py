@@ -34,6 +34,7 @@ from .archive import (
     open_file,
     open_tar,
     parse_record,
+    plain_tar,
 )
 from .limits import LIMITS, human
 
@@ -156,6 +157,8 @@ def pack(out: int, where: str, parts: dict[str, tuple[IO[bytes], int]], *, stop:
     what = f"the checkpoint machine {where} saved"
     _within_limit({name: size for name, (_, size) in parts.items()}, what)
     ws = parts["workspace.tar"][0]
+    ws.seek(0)
+    plain_tar(ws.read(16), f"the checkpoint machine {where} saved")
     ws.seek(0)
     try:
         with open_tar(fileobj=ws, mode="r:") as inner:

@@ -25,6 +25,17 @@ GZIP_MEMBERS = 4  # gzip members in a checkpoint file (smolbench writes one, or 
 PAD_LIMIT = 64 * 1024  # zero bytes after a gzip member (smolbench writes none; a tape or `dd conv=sync` pads a block)
 
 
+# What a compressed stream starts with: a workspace archive is a plain tar, and bytes starting so could
+# read as one thing plain and as another decompressed (tarfile.open's default tries each of these first)
+COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip"), (re.compile(rb"BZh[1-9]1AY&SY"), "bzip2"),
+              (re.compile(rb"\xfd7zXZ\x00"), "xz"), (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd"))
+
+
+def compressed(head: bytes) -> str | None:
+    """The compression whose magic ``head`` (a stream's first 10 bytes or more) starts with, else None."""
+    return next((name for magic, name in COMPRESSED if magic.match(head)), None)
+
+
 class UnsafeCheckpoint(SmolbenchError):
     """A checkpoint (or a machine's saved files) the host refuses to use."""
 

@@ -49,10 +49,18 @@ class SaveLoad:
 
         ws = os.path.join(path, "workspace.tar")
         if self.workdir and os.path.exists(ws):
-            with tarfile.open(ws) as tar:
+            # exactly the plain tar the host checked: tarfile.open's default tries gzip, bz2 and xz
+            # first, and the same bytes can be a harmless tar and a gzip of another archive
+            with tarfile.open(ws, "r:") as tar:
+                files = {}  # name -> a regular file (or a hard link to one) was last there
                 for member in tar.getmembers():
                     if member.name.startswith("/") or ".." in member.name.split("/"):  # "..." is a name
                         raise ValueError("unsafe path in checkpoint: %s" % member.name)
+                    # tarfile makes a hard link to a symlink a copy of it, its text unchanged: it
+                    # points elsewhere from its own folder (sub/s -> ../y as h: outside)
+                    if member.islnk() and not files.get(os.path.normpath(member.linkname)):
+                        raise ValueError("hard link to something not a file before it in checkpoint: %s" % member.name)
+                    files[os.path.normpath(member.name)] = member.isfile() or member.islnk()
                 _links_by_name(tar)
                 if hasattr(tarfile, "data_filter"):  # Python 3.8.17+/3.12: links can't leave the workspace
                     tar.extractall(self.workdir, filter="data")
@@ -109,7 +117,7 @@ def _links_by_name(tar):
     (a folder already at its name, a name too long) is made as a copy of its target, which
     tarfile looked for among every member, for each such link: 5,000 links took 76 s here,
     50,000 were stopped after 6 minutes (a checkpoint made that way). The same member is found:
-    for a symlink, the last of its target's name; for a hard link, the last before it."""
+    for a symlink, the last of its target's name; for a hard link, the last before it; only a file (else a KeyError: tarfile skips the link)."""
     import bisect
 
     named = {}
@@ -126,7 +134,9 @@ def _links_by_name(tar):
         offsets, members = named.get(os.path.normpath(name), ((), ()))
         # (tarinfo may be the data filter's copy of the member: the same offset)
         at = len(offsets) if tarinfo.issym() else bisect.bisect_left(offsets, tarinfo.offset)
-        if not at:
+        # only a file is copied for a link tarfile can't make: a symlink copied keeps its text,
+        # which leads elsewhere from the copy's folder
+        if not at or not (members[at - 1].isfile() or members[at - 1].islnk()):
             raise KeyError("linkname %r not found" % name)
         return members[at - 1]
 
