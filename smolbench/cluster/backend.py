@@ -64,6 +64,7 @@ class Node:
     calls: dict[str, int] = field(default_factory=dict)  # the agent's calls by kind (as of the last status)
     requests: dict[str, int] = field(default_factory=dict)  # ... and the machine requests they carried
     limits: dict[str, float] | None = None  # the kernel's gate limits this agent was last given
+    reviving: bool = False  # a new agent on a node whose agent was lost: lost until it answers
 
 
 def _short(node_id: str) -> str:
@@ -149,7 +150,11 @@ class ClusterBackend(Backend):
                 num_cpus=0, max_restarts=0, name=name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(self.session, node_kind(n.get("Resources", {})), self.max_starts, limits := gate.limits.snapshot())
-            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting", limits=limits)
+            # a node lost a moment ago may still count as alive (Ray notices a dead node after
+            # seconds): it stays listed, and LOST, until its new agent answers
+            self.nodes[nid] = Node(nid, handle, int(n["Resources"][SLOTS]), backend="starting", limits=limits,
+                                   host=old.host if old is not None else "", lost=old is not None,
+                                   reviving=old is not None)
             new.append(self.nodes[nid])
         return new
 
@@ -175,6 +180,8 @@ class ClusterBackend(Backend):
     def _described(self, d: dict[str, Any]) -> None:
         node = self.nodes[d["node"]]
         node.backend, node.host = d["backend"], d["host"]
+        if node.reviving:  # its new agent answered: the node runs machines again
+            node.reviving = node.lost = False
         if d.get("refused"):  # never given a machine (`%smol status` lists it as LOST)
             node.backend = "refused"
             if not node.lost:
