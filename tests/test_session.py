@@ -644,7 +644,7 @@ def test_a_copied_ledger_row_claiming_the_process_backend_never_runs_its_state_o
 
     monkeypatch.setattr(checkpoints, "SESSIONS_HERE", {"someone-else"})
     monkeypatch.setattr(Shelf, "signed", lambda self, rec: True)
-    monkeypatch.setattr(Shelf, "vouch", lambda self, rec, f, backend: True)
+    monkeypatch.setattr(Shelf, "vouch", lambda self, rec, f, backend, *digest: True)
     with smolbench.Session(backend="process", ledger=ledger) as p:
         with contextlib.suppress(SmolbenchError):
             p.checkpoint_restore("evil")
