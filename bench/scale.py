@@ -394,7 +394,7 @@ def section(d: dict[str, Any]) -> str:
         'ms it paid back in CPU, 0.2-0.3 ms per branch in the kernel process (a message and a reply per branch) '
         "and the rest in the guest (not pinned down; likely the maker's clones and the released branches' "
         'set-ups contending in the kernel).'
-        ' 2026-12-06 22:44 (the rows above): this bench again, on the code with the third audit\'s fixes (a '
+        ' 2026-12-06 22:44: this bench again, on the code with the third audit\'s fixes (a '
         "deleted branch's folder removed however deep, each branch's fds 0-2 its own, cgroup sets still charged "
         'not reused): fork 16 3.94x, fork 64 4.49x, episodes 16 / fork 16 1.64x, and 1,000 episodes at 47/s against '
         '125/s at 00:56. The code before those fixes (dcedd1d) and after, run alternately 2 times each in one '
@@ -402,7 +402,7 @@ def section(d: dict[str, Any]) -> str:
         'against 4.1-5.3 s, fork 64 in 0.51-0.60 against 0.48-0.56 s. The host had 686 memory cgroups then, all '
         "but its root dying (removed, still holding the page cache of the day's test files); a probe with about "
         '960 and about 650 of them measured the same (and a Session leaves none: its branches\' files go with '
-        "them), so that is not why; the cause of the slower evening is not pinned down.", END,
+        "them), so that is not why; the cause of the slower evening is not pinned down. 2026-12-07 04:15 (the rows above), after this session's audit fixes: fork 16 5.46x, fork 64 5.20x, episodes 16 / fork 16 1.50x; against the namespace floor measured beside them the same as before (4.4x at 16, 4.6x at 64): the kernel-sized os.fork ran faster (24 against 30 ms for 16). Episodes 64 on the code before the session (be9972f) and after, alternately, 3 runs each twice: 564-1,382 against 568-1,406 ms, the same.", END,
     ])
 
 
