@@ -81,3 +81,32 @@ def held_hand_over(started: Path, go: Path, handed: Path | None = None) -> str:
             + ("    try:\n        return _hand_over(self, path, folder)\n" + after if after else
                "    return _hand_over(self, path, folder)\n")
             + "SandboxBackend._hand_over = held_hand_over")
+
+
+def counted_checks(monkeypatch: Any) -> list[str]:
+    """Every workspace check from now on (``archive.check_members``), by the file it names."""
+    from smolbench.gate import archive
+
+    checks: list[str] = []
+    real = archive.check_members
+
+    def counted(tar: Any, where: str) -> int:
+        checks.append(where)
+        return real(tar, where)
+
+    monkeypatch.setattr(archive, "check_members", counted)
+    return checks
+
+
+def staged_for_the_guest(tmp_path: Path, blob: bytes) -> tuple[Path, Path]:
+    """A stage folder holding workspace ``blob`` and an empty namespace, as a machine's
+    restore finds it, and the empty workdir to unpack into (``SaveLoad.load``, in process)."""
+    from smolbench.guest import nsstream
+
+    stage, work = tmp_path / "stage", tmp_path / "work"
+    stage.mkdir()
+    work.mkdir()
+    (stage / "workspace.tar").write_bytes(blob)
+    with open(stage / "namespace.pkl", "wb") as fh:
+        nsstream.dump(fh, {"modules": {}, "seed": None, "name": "r1"}, [])
+    return stage, work

@@ -76,3 +76,13 @@ async def tunnel(port: int, target: str) -> tuple[asyncio.StreamReader, asyncio.
     except (asyncio.IncompleteReadError, ConnectionError):
         answer = b""
     return r, w, answer
+
+
+async def let_go(proxy: Any, ports: Any, *tunnel_lists: Any) -> None:
+    """Abort every tunnel of ``tunnel_lists`` (each a list of (reader, writer, answer)) and detach
+    the machines ``ports`` from ``proxy``: a test's end, whatever it found."""
+    for tunnels in tunnel_lists:
+        for _, w, _ in tunnels:
+            w.transport.abort()
+    for n in ports:
+        await proxy.detach(n)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from nethelpers import held_sink, proxy_listener, tunnel
+from nethelpers import held_sink, let_go, proxy_listener, tunnel
 
 from smolbench.backends import _netbudget, _netproxy
 from smolbench.netpolicy import NetPolicy
@@ -175,11 +175,7 @@ def test_branches_holding_all_they_can_leave_their_parent_its_floor(sink: int, h
             stats = (await proxy.handle({"op": "stats"}))["nodes"]
             assert stats["root"]["open"] == _netbudget.MACHINE_FLOOR, stats["root"]
         finally:
-            for tunnels in [*held.values(), theirs]:
-                for _, w, _ in tunnels:
-                    w.transport.abort()
-            for n in ports:
-                await proxy.detach(n)
+            await let_go(proxy, ports, *held.values(), theirs)
 
     asyncio.run(main())
 
@@ -234,11 +230,7 @@ def test_more_live_machines_than_the_trees_connections_still_leave_one_for_the_p
             stats = (await proxy.handle({"op": "stats"}))["nodes"]
             assert "kept for its other machines" in stats["root.0"]["last_failed"], stats["root.0"]
         finally:
-            for tunnels in [*held.values(), theirs]:
-                for _, w, _ in tunnels:
-                    w.transport.abort()
-            for n in ports:
-                await proxy.detach(n)
+            await let_go(proxy, ports, *held.values(), theirs)
 
     asyncio.run(main())
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ckpthelpers import CK
+from ckpthelpers import CK, counted_checks
 
 import smolbench
 from smolbench.gate import archive
@@ -31,14 +30,7 @@ def test_an_honest_many_file_workspace_is_checked_once_as_it_is_restored(open_tm
         s.checkpoint_save("lesson")
     gift = open_tmp / "gift.smolcheckpoint"
     shutil.copy(teacher / CK / "lesson.smolcheckpoint", gift)
-    checks: list[str] = []
-    real = archive.check_members
-
-    def counted(tar: Any, where: str) -> int:
-        checks.append(where)
-        return real(tar, where)
-
-    monkeypatch.setattr(archive, "check_members", counted)
+    checks = counted_checks(monkeypatch)
     with smolbench.Session(backend="sandbox", ledger=student / ".smolbench" / "ledger.db") as s:
         s.checkpoint_restore(str(gift))
         assert len(checks) == 1 and checks[0].endswith("gift.smolcheckpoint"), checks  # its copy: found by its hash

@@ -15,10 +15,9 @@ import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ckpthelpers import CK, NAMESPACE
+from ckpthelpers import CK, NAMESPACE, counted_checks
 
 import smolbench
 from smolbench.gate import archive
@@ -132,14 +131,7 @@ def test_a_restore_with_nothing_up_checks_its_file_once_on_disk(disk_tmp: Path, 
         s.checkpoint_save("lesson")
     gift = disk_tmp / "gift.smolcheckpoint"
     shutil.copy(teacher / CK / "lesson.smolcheckpoint", gift)
-    checks: list[str] = []
-    real = archive.check_members
-
-    def counted(tar: Any, where: str) -> int:
-        checks.append(where)
-        return real(tar, where)
-
-    monkeypatch.setattr(archive, "check_members", counted)
+    checks = counted_checks(monkeypatch)
     s = smolbench.Session(backend="sandbox", ledger=disk_tmp / "s" / ".smolbench" / "ledger.db")
     try:
         s.checkpoint_restore(str(gift))  # nothing up: checked before the machine comes up, then added and restored

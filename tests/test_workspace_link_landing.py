@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ckpthelpers import staged_for_the_guest
 
 from smolbench.gate import archive
 
@@ -52,15 +53,9 @@ ALIAS = _tar(_sym("a", "."), _sym("a/b", "."), _sym("b/x", ".."), tarfile.TarInf
 def _load(tmp_path: Path, blob: bytes, monkeypatch: pytest.MonkeyPatch, data_filter: bool) -> Path:
     """The machine's own unpacker (guest/saveload.py) on ``blob``, with or without tarfile's data
     filter (a Python before 3.8.17 has none); its folder's parent (what may have escaped to)."""
-    from smolbench.guest import nsstream
     from smolbench.guest.saveload import SaveLoad
 
-    stage, work = tmp_path / "stage", tmp_path / "work"
-    stage.mkdir()
-    work.mkdir()
-    (stage / "workspace.tar").write_bytes(blob)
-    with open(stage / "namespace.pkl", "wb") as fh:
-        nsstream.dump(fh, {"modules": {}, "seed": None, "name": "r1"}, [])
+    stage, work = staged_for_the_guest(tmp_path, blob)
     if not data_filter:
         monkeypatch.delattr(tarfile, "data_filter", raising=False)
     machine = SimpleNamespace(workdir=str(work), ns={}, _reward_restored=lambda: None)

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ckpthelpers import NAMESPACE, forged, record
+from ckpthelpers import NAMESPACE, forged, record, staged_for_the_guest
 
 from smolbench.gate import archive, gzipread
 
@@ -91,15 +91,9 @@ def test_the_host_refuses_a_workspace_that_starts_as_compressed_data(tmp_path: P
 
 def _load(tmp_path: Path, blob: bytes) -> Path:
     """The machine's own unpacker (guest/saveload.py) on a workspace archive ``blob``; its folder."""
-    from smolbench.guest import nsstream
     from smolbench.guest.saveload import SaveLoad
 
-    stage, work = tmp_path / "stage", tmp_path / "work"
-    stage.mkdir()
-    work.mkdir()
-    (stage / "workspace.tar").write_bytes(blob)
-    with open(stage / "namespace.pkl", "wb") as fh:
-        nsstream.dump(fh, {"modules": {}, "seed": None, "name": "r1"}, [])
+    stage, work = staged_for_the_guest(tmp_path, blob)
     machine = SimpleNamespace(workdir=str(work), ns={}, _reward_restored=lambda: None)
     SaveLoad.load(machine, str(stage))  # type: ignore[arg-type]
     return work
