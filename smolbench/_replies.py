@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SmolbenchError
+from .gate.pull import nested_lists
 
 CHUNK = 1 << 16  # items of an array made into Python objects (tolist) at once, to be written as JSON
 SPILL = 4096  # items from which a served reply's array is written straight to JSON text
@@ -94,7 +95,7 @@ def _array_text(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
     more is written as text a chunk at a time; any other is made into Python objects whole
     (``tolist``): a list per nested list and an object or three per item (a 128-byte array
     of shape (5,000,000, 0) took 700 MB; 250 KB of ``S1`` items 50 MB)."""
-    lists = sum(math.prod(shape[:d]) for d in range(len(shape)))  # "[", "]", "," each nested list
+    lists = nested_lists(shape)  # "[", "]", "," each nested list
     items = math.prod(shape)
     if dtype.kind in "biuf" and items >= SPILL:
         return 3 * lists + items * _item_text(dtype)

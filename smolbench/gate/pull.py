@@ -98,7 +98,7 @@ def _plain_npy(raw: bytes) -> Any:
             return None
         shape = tuple(int(x) for x in m[2].split(b",") if x.strip())
         known = (dtype, shape, math.prod(shape))
-        if _lists(shape) > SHAPE_LISTS * known[2] + SHAPE_SLACK:
+        if nested_lists(shape) > SHAPE_LISTS * known[2] + SHAPE_SLACK:
             return None  # np.load's path refuses it (_shape_ok), in one line
         if len(_HEADERS) < 64:  # a step's observation has the same header every time
             _HEADERS[header] = known
@@ -133,13 +133,13 @@ def _shape_ok(shape: tuple[int, ...], size: int) -> None:
     ``tolist`` (JSON, a served reply) makes of it is a Python list for each. An array of
     shape (5,000,000, 0) is 128 bytes of .npy and was 5 million lists, 700 MB, in a server.
     Trailing dimensions of 1 (an image's channel) stay well within the bound."""
-    lists = _lists(shape)
+    lists = nested_lists(shape)
     if lists > SHAPE_LISTS * size + SHAPE_SLACK:
         raise Bad(f"an array of shape {shown(shape)}: {lists:,} nested lists for {size:,} items "
                   "(its shape describes far more than its data); send it without its empty or repeated dimensions")
 
 
-def _lists(shape: tuple[int, ...]) -> int:
+def nested_lists(shape: tuple[int, ...]) -> int:
     """The nested lists an array of ``shape`` is as a list of lists (``tolist``)."""
     return sum(math.prod(shape[:d]) for d in range(len(shape)))
 
