@@ -4,6 +4,7 @@ and threads that a cancel stops or undoes before it goes on (a thread itself can
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -103,3 +104,52 @@ async def _stop_with_grace(interrupt: Callable[[], Awaitable[object]], task: asy
     except BaseException:
         pass
     return stopped
+
+
+class Waves:
+    """An admission of waiting tasks in waves: at most ``cap`` inside at once, and once full,
+    none let in until ``wave`` places are free again; then all that fit go in together.
+
+    For episodes from a zygote: tasks let in together ask for their branches in the same loop
+    turn, so the zygote forks them in one request (leaf branches, made together), where a
+    plain semaphore lets one in per episode that ends, and each is forked alone."""
+
+    def __init__(self, cap: int, wave: int) -> None:
+        self.cap = max(1, cap)
+        self.wave = max(1, min(wave, self.cap))
+        self._inside = 0
+        self._open = True
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def __aenter__(self) -> None:
+        if self._open and not self._queue and self._inside < self.cap:
+            self._take()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # let in and cancelled at once: its place goes back
+                self._leave()
+            elif fut in self._queue:
+                self._queue.remove(fut)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._leave()
+
+    def _take(self) -> None:
+        self._inside += 1
+        if self._inside >= self.cap:
+            self._open = False
+
+    def _leave(self) -> None:
+        self._inside -= 1
+        if self._inside <= self.cap - self.wave:
+            self._open = True
+        while self._open and self._queue and self._inside < self.cap:
+            fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                self._take()

@@ -267,6 +267,7 @@ class Zygotes:
 
     async def _fork_waiting(self, zygote: MachineRef) -> None:
         async with self._branching(zygote):
+            await asyncio.sleep(0)  # the episodes let in with this one ask in this turn: one fork for all
             batch = [b for b in self._waiting.get(zygote.name, []) if not b[2].done()]
             self._waiting[zygote.name] = []
             if batch:

@@ -118,7 +118,7 @@ def test_zygote_episodes_never_see_another_episodes_files_processes_or_variables
 
 def test_zygote_episodes_are_made_a_wave_ahead_and_run_at_most_concurrency_at_once(nb: NotebookSession) -> None:
     """Episodes from the zygote are forked a wave ahead of their cells (a fork is cheap, and
-    16 episodes then cost what a fork of 16 does, bench/scale.py): at most 2 x --concurrency
+    16 episodes then cost what a fork of 16 does, bench/scale.py): at most 3 x --concurrency
     machines alive, and --concurrency cells running, at any moment."""
     cell = ok(nb.run("%%smol episodes 12 --concurrency 2 --bg --out bgeps\n"
                      "import time\nstarted = time.time()\ntime.sleep(0.4)\n"
@@ -135,7 +135,7 @@ def test_zygote_episodes_are_made_a_wave_ahead_and_run_at_most_concurrency_at_on
     spans = [(float(r["m.started"]), float(r["m.ended"])) for r in rows]
     at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
     assert at_once <= 2, spans
-    assert 3 <= most <= 4, most  # made ahead while 2 ran: 4 at most
+    assert 3 <= most <= 6, most  # made ahead while 2 ran: 6 at most
     assert cell is not None
 
 
