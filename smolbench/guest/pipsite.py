@@ -101,12 +101,74 @@ def _site_index():
     return len(sys.path)
 
 
-def _shims(folder):
-    for name in ("pip", "pip3"):
+# pip writes a script's interpreter into its first line (``#!/path/python``, or distlib's
+# ``/bin/sh`` form for a long path or one with spaces); under some backends that path is the
+# host's (the teacher's home), and the workspace, scripts and all, is saved and exported. So
+# after pip each script that names this interpreter finds it when it runs, as the shims do.
+# ``run`` runs this source, and the shims run its copy beside them (one source for both).
+PORTABLE_SOURCE = r"""
+import os, sys
+
+def portable_scripts(folder, executable):
+    exe = os.fsencode(executable)
+    head = b"#!/bin/sh\n" + b"'" * 3 + b"exec' \"${%s:-python3}\"%%s \"$0\" \"$@\"\n' " + b"'" * 3 + b"\n"
+    tail = b' "$0" "$@"'
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
         path = os.path.join(folder, name)
-        # the interpreter is found when the shim runs, never written into it: the workspace is
-        # saved and exported, and this path is the host's (the teacher's home) under some backends
-        body = "#!/bin/sh\nexec \"${%s:-python3}\" -m pip \"$@\"\n" % PYTHON_ENV
+        try:
+            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 1 << 20:
+                continue
+            with open(path, "rb") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        lines = text.split(b"\n", 3)
+        found = None
+        for quoted in (exe, b'"' + exe + b'"'):
+            shebang = b"#!" + quoted
+            long_form = b"'" * 3 + b"exec' " + quoted
+            if lines[0] == shebang or lines[0].startswith(shebang + b" "):
+                found = (lines[0][len(shebang):], text.split(b"\n", 1)[1] if len(lines) > 1 else b"")
+            elif (len(lines) > 3 and lines[0] == b"#!/bin/sh" and lines[1].startswith(long_form)
+                  and lines[1].endswith(tail) and lines[2] == b"' " + b"'" * 3):
+                found = (lines[1][len(long_form):-len(tail)], lines[3])
+            if found is not None:
+                break
+        if found is None:
+            continue
+        new = path + ".portable"
+        try:
+            with open(new, "wb") as fh:
+                fh.write(head %% found[0] + found[1])
+            os.chmod(new, os.stat(path).st_mode & 0o7777)
+            os.replace(new, path)
+        except OSError:
+            try:
+                os.unlink(new)
+            except OSError:
+                pass
+""" % PYTHON_ENV
+PORTABLE_FILE = "portable_scripts.py"  # beside the shims, not executable: no command on PATH
+_portable: dict = {}
+exec(PORTABLE_SOURCE, _portable)
+portable_scripts = _portable["portable_scripts"]
+
+
+def _shims(folder):
+    fixer = PORTABLE_SOURCE + "\nportable_scripts(os.path.join(sys.argv[1], 'bin'), sys.executable)\n"
+    files = {PORTABLE_FILE: (fixer, 0o644)}
+    # the interpreter is found when the shim runs, never written into it: the workspace is
+    # saved and exported, and this path is the host's (the teacher's home) under some backends
+    for name in ("pip", "pip3"):
+        files[name] = ("#!/bin/sh\npy=\"${%s:-python3}\"\n\"$py\" -m pip \"$@\"\nstatus=$?\n"
+                       "\"$py\" \"$(dirname \"$0\")/%s\" \"$(dirname \"$(dirname \"$0\")\")\" 2>/dev/null\n"
+                       "exit $status\n" % (PYTHON_ENV, PORTABLE_FILE), 0o755)
+    for name, (body, mode) in files.items():
+        path = os.path.join(folder, name)
         try:
             with open(path) as fh:
                 if fh.read() == body:
@@ -115,7 +177,7 @@ def _shims(folder):
             pass
         with open(path, "w") as fh:
             fh.write(body)
-        os.chmod(path, 0o755)
+        os.chmod(path, mode)
 
 
 def _quote(text):
@@ -143,6 +205,7 @@ def run(args, out=None, err=None):
         proc.stdout.close()
         code = proc.wait()
     importlib.invalidate_caches()
+    portable_scripts(os.path.join(os.environ.get("PIP_TARGET") or TARGET, "bin"), sys.executable)
     if code != 0:
         note = disk_note(_DISK_MIB) if full else offline_note(args)
         (err or sys.stderr).write("pip exited with status %d\n" % code + note)
