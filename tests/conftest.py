@@ -54,6 +54,7 @@ SECOND_TIER = frozenset(
         "test_gym_timeout.py",
         "test_labextension.py",
         "test_labextension_browser.py",
+        "test_sidebar_spark_browser.py",
         "test_net_doctor.py",
         "test_notebooks.py",
         "test_openenv.py",

@@ -102,6 +102,18 @@ export function stamp(ts: number | null | undefined): string {
 
 const SVG = 'http://www.w3.org/2000/svg';
 
+/**
+ * Where `v` lies between `lo` and `hi` (0 to 1). In halves where `hi - lo` overflows:
+ * rewards of -1.7e308 and 1.7e308 made every point NaN and the line vanished.
+ */
+export function share(v: number, lo: number, hi: number): number {
+  const span = hi - lo;
+  if (!(span > 0)) {
+    return 0;
+  }
+  return Number.isFinite(span) ? (v - lo) / span : (v / 2 - lo / 2) / (hi / 2 - lo / 2);
+}
+
 /** A tiny reward sparkline (the run's rewards, sorted). */
 export function sparkline(values: number[], width = 60, height = 16): SVGSVGElement {
   const svg = document.createElementNS(SVG, 'svg');
@@ -112,11 +124,10 @@ export function sparkline(values: number[], width = 60, height = 16): SVGSVGElem
   if (values.length) {
     const lo = Math.min(...values);
     const hi = Math.max(...values);
-    const span = hi - lo || 1;
     const step = values.length > 1 ? (width - 2) / (values.length - 1) : 0;
     const pts = values.map((v, i) => {
       const x = 1 + i * step;
-      const y = height - 2 - ((v - lo) / span) * (height - 4);
+      const y = height - 2 - share(v, lo, hi) * (height - 4);
       return `${x.toFixed(1)},${y.toFixed(1)}`;
     });
     const line = document.createElementNS(SVG, 'polyline');
