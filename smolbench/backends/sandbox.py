@@ -189,28 +189,36 @@ class SandboxBackend(AgentHostBackend):
             self._grant(machine, len(names))
         refs = await super().branch(machine, names, seeds, leaf=leaf)
         if self._net_proxied(machine.spec):
-            # a branch has its own network namespace too (made by its keeper): listeners go there
-            async def ready(ref: MachineRef) -> tuple[str, int] | None:
-                pid = ref.info.get("host_pid")
-                try:
-                    if pid is None:
-                        raise OSError("its host process is not known")
-                    await _own_netns(pid, machine.info["host_pid"])
-                except OSError as exc:
-                    self._no_net(ref, str(exc))
-                    return None
-                return ref.name, pid
-
-            waiting = await asyncio.gather(*(ready(ref) for ref in refs))
             try:
-                failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy,
-                                                 machine.info.get("root", machine.name))  # the root's caps, shared
-            except (OSError, asyncio.TimeoutError) as exc:
-                failed = {ref.name: str(exc) for ref in refs}
-            for ref in refs:
-                if ref.name in failed:
-                    self._no_net(ref, failed[ref.name])
+                await self._branches_online(machine, refs)
+            except BaseException:  # released and running, but the caller never gets them: they go now
+                await _to_the_end(asyncio.gather(*(self.delete(ref) for ref in refs), return_exceptions=True))
+                raise
         return refs
+
+    async def _branches_online(self, machine: MachineRef, refs: builtins.list[MachineRef]) -> None:
+        """The proxy's listeners in each new branch's own network namespace (its keeper, or the
+        leaf itself, makes it once released); a branch that can't have them has no network."""
+        async def ready(ref: MachineRef) -> tuple[str, int] | None:
+            pid = ref.info.get("host_pid")
+            try:
+                if pid is None:
+                    raise OSError("its host process is not known")
+                await _own_netns(pid, machine.info["host_pid"])
+            except OSError as exc:
+                self._no_net(ref, str(exc))
+                return None
+            return ref.name, pid
+
+        waiting = await asyncio.gather(*(ready(ref) for ref in refs))
+        try:
+            failed = await self.proxy.attach([m for m in waiting if m is not None], machine.spec.policy,
+                                             machine.info.get("root", machine.name))  # the root's caps, shared
+        except (OSError, asyncio.TimeoutError) as exc:
+            failed = {ref.name: str(exc) for ref in refs}
+        for ref in refs:
+            if ref.name in failed:
+                self._no_net(ref, failed[ref.name])
 
     async def _order_freeze(self, machine: MachineRef) -> None:
         """Have ``machine``'s keeper freeze its layers for the fork that follows. Only the host
