@@ -156,10 +156,7 @@ class Branching:
                 answer()
 
     def _become_child(self, child, listener, frozen=None):
-        try:
-            self._conn.close()  # the parent answers the fork request
-        except OSError:
-            pass
+        self.close_inherited()  # the parent answers the fork request, and every other one it has
         self._conn = None
         self.listener.close()
         self.listener = listener

@@ -162,9 +162,10 @@ def _make(agent, req, frozen, hold, report, become):
     _tell(report, {"pids": pids})
     for fd in (hold or ()):
         os.close(fd)
-    # The agent's descriptors the branches closed on their own: the request's connection (its
-    # answer is the agent's), its listener, its keeper's end.
-    for sock in (agent._conn, agent.listener, m.chan):
+    # The agent's descriptors the branches closed on their own: the host's connections (their
+    # answers are the agent's), its listener, its keeper's end.
+    agent.close_inherited()
+    for sock in (agent.listener, m.chan):
         try:
             if sock is not None:
                 sock.close()

@@ -59,6 +59,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self.reported = {}
         self.inherited_reward = None  # (the value,) of a `reward` a restore or a fork brought, until a cell sets one
         self._conn = None  # connection of the running request
+        self._conns = set()  # every host connection open here (served, queued, running): closed in a fork's children
         self._held, self._held_lock = None, threading.Lock()  # a held fork's release end (branching.py)
         self._send_lock = threading.Lock()
         self._busy = threading.Lock()
@@ -118,6 +119,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             if listener is not self.listener:  # we are a fork child holding the parent's socket
                 conn.close()
                 return
+            self._conns.add(conn)
             try:
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
             except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
@@ -164,7 +166,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             f = conn.makefile("rb")
             line = f.readline()
             if not line:
-                conn.close()
+                self._close(conn)
                 return
             req = P.decode(line)
         except Exception as exc:
@@ -208,14 +210,36 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         else:
             self._reply(conn, {"t": "done", "status": "error", "error": _plain_error("BadRequest", "unknown op %r" % op)})
 
-    @staticmethod
-    def _reply(conn, msg):
+    def _reply(self, conn, msg):
         try:
             conn.sendall(P.encode(msg))
         except OSError:
             pass
         finally:
+            self._close(conn)
+
+    def _close(self, conn):
+        self._conns.discard(conn)
+        try:
             conn.close()
+        except OSError:
+            pass
+
+    def close_inherited(self):
+        """In a child of a fork of this agent (a branch, a leaf, their maker): close every host
+        connection the agent had open, a handler thread's or a queued request's. Only the agent
+        answers them; a child that kept them could read the host's requests to it and answer
+        them as it (an audit: a leaf's forged answer reached the host's request to its parent).
+        No lock: the child has one thread, and a lock held in the parent at the fork stays held.
+        Closed by descriptor: ``close()`` leaves it open while a handler's ``makefile`` holds it."""
+        for conn in list(self._conns):
+            try:
+                fd = conn.detach()
+                if fd >= 0:
+                    os.close(fd)
+            except OSError:
+                pass
+        self._conns = set()
 
     def info(self):
         """What the host shows in ``%smol status``."""
@@ -291,10 +315,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             if done is not None:
                 self.send(done)
             if self._conn is not None:
-                try:
-                    self._conn.close()
-                except OSError:
-                    pass
+                self._close(self._conn)
             self._conn = None
 
     def send(self, msg):
