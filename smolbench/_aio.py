@@ -12,15 +12,18 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-async def _gather_cancelling(coros: list[Any]) -> None:
-    """Run coroutines together; if we are cancelled, cancel them all and wait for their cleanup."""
+async def _gather_cancelling(coros: list[Any], on_cancel: Callable[[], object] | None = None) -> None:
+    """Run coroutines together; if we are cancelled, cancel them all and wait for their cleanup,
+    then call ``on_cancel`` (a task cancelled before its first step never ran its own handler)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         await asyncio.gather(*tasks)
-    except BaseException:
+    except BaseException as exc:
         for t in tasks:
             t.cancel()
         await _to_the_end(asyncio.gather(*tasks, return_exceptions=True))
+        if on_cancel is not None and isinstance(exc, asyncio.CancelledError):
+            on_cancel()
         raise
 
 

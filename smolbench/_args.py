@@ -126,6 +126,12 @@ def fanout(n: Any, seeds: list[int] | None, seed_base: Any, timeout: float | Non
     if n < 1:
         raise SmolbenchError(f"the number of branches must be at least 1, got {n}: e.g. `%%smol {kind} 16`",
                              api=f"the number of branches must be at least 1, got {n}: e.g. `Session.{kind}(16, code)`")
+    if n > limits.MAX_BRANCHES and kind == "episodes":
+        cap = limits.MAX_BRANCHES
+        nxt = seed_base + cap if type(seed_base) is int else cap
+        raise SmolbenchError(f"{n} episodes is above the cap of {cap} in one run: run {cap}, then the next with "
+                             f"`--seed-base {nxt}`", api=f"{n} episodes is above the cap of {cap} in one run: run "
+                             f"{cap}, then the next with seed_base={nxt}")
     if n > limits.MAX_BRANCHES:
         raise SmolbenchError(f"{n} branches is above the cap of {limits.MAX_BRANCHES}: fork fewer, or fork in stages with `%smol use`",
                              api=f"{n} branches is above the cap of {limits.MAX_BRANCHES}: fork fewer, or fork in stages "

@@ -51,7 +51,18 @@ def _output(on_output: Any) -> BranchOutput:
     from .errors import session_notes
 
     given = _args.callback(on_output, "on_output", "(branch, event)")
-    return session_notes(given) if given else _quiet
+    if not given:
+        return _quiet
+
+    def told(branch: str, event: Any) -> None:  # its own error, not the machine's (read as a malformed reply)
+        try:
+            given(branch, event)
+        except Exception as exc:
+            said = (str(exc).splitlines() or [""])[0][:200]
+            raise SmolbenchError(f"on_output raised {type(exc).__name__}: {said} (the callback's error; fix it "
+                                 "or pass none)") from exc
+
+    return session_notes(told)
 
 
 def pickled(values: Mapping[str, Any]) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._wbparts import WorkbenchPart
-from .tree import Node
+from .tree import TERMINAL, Node
 
 if TYPE_CHECKING:
     from .result import ForkResult
@@ -28,6 +28,8 @@ class KeepingMixin(WorkbenchPart):
         def active(self) -> str | None: ...
         async def _drop(self, node_id: str, record: bool = True) -> None: ...
         def _record(self, node: Node, **extra: Any) -> None: ...
+        def _finish(self, result: ForkResult, node: Node, status: str, *, error: str | None = None,
+                    alive: bool | None = None) -> None: ...
         def _record_all(self, nodes: list[Node], **extra: Any) -> None: ...
 
     def _touch(self, node_id: str) -> None:
@@ -72,3 +74,11 @@ class KeepingMixin(WorkbenchPart):
             await asyncio.gather(*(self._drop(node_id, record=False) for node_id in drop))
         finally:  # after a Ctrl-C too: those that went
             self._record_all([self.tree[n] for n in drop if not self.tree[n].alive])
+
+    def _cancel_unstarted(self, result: ForkResult, nodes: list[Node], alive: bool | None = None) -> None:
+        """Record as cancelled the nodes a cancel reached before their task first ran, so never
+        ran their own handler (an audit: they stayed "starting" in a run recorded done, and the
+        next session on the ledger marked them lost, "its kernel stopped")."""
+        for node in nodes:
+            if node.status not in TERMINAL:
+                self._finish(result, node, "cancelled", error="cancelled", alive=alive)

@@ -54,6 +54,9 @@ def _stopped_by_down(method: FanOut) -> FanOut:
     recorded as cancelled: deleted under it, they read as machines that died mid-cell."""
     @functools.wraps(method)
     async def tracked(self: Workbench, *args: Any, **kwargs: Any) -> ForkResult:
+        if self.closing:  # asked for from another thread while down() deletes (audit: its zygote outlived down)
+            raise SmolbenchError("this session is going down (`%smol down`): nothing more runs in it; `%smol up` "
+                                 "starts another")
         task = asyncio.current_task()
         self._fanouts.add(task)  # type: ignore[arg-type]  # always one: it runs on our loop
         try:
@@ -114,6 +117,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         self.moved = ""  # the last delete's line about the active machine moving
         self.last_loss: str | None = None  # the last machine lost under a request, and why (status says it)
         self.closed = False  # down() ran: its backend is closed
+        self.closing = False  # down() started: no fan-out starts any more
         self.zygotes = Zygotes(backend, self._init,  # episodes branch a pristine machine of the baseline
                                lambda name, retries, once: retry.again(self, [name], "boot", retries, once))
         if hasattr(backend, "recipe_for"):  # the cluster backend replays a parent's recorded path on other nodes
@@ -252,6 +256,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
 
     async def down(self) -> int:
         """Delete every machine this workbench created. Returns how many."""
+        self.closing = True
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
@@ -645,7 +650,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
                     self._record(node)
 
         try:
-            await _gather_cancelling([one(n) for n in nodes])
+            await _gather_cancelling([one(n) for n in nodes], lambda: self._cancel_unstarted(result, nodes, alive=False))
         finally:
             self.ledger.end_run(result.run_id, "cancelled" if any(n.status == "cancelled" for n in nodes) else "done")
             result.ended = time.time()
@@ -690,7 +695,8 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
             if node.status != "ok":  # a failed branch's machine is of no further use
                 await _to_the_end(self._drop(node.id))
 
-        await _gather_cancelling([one(r) for r in refs])
+        await _gather_cancelling([one(r) for r in refs],
+                                 lambda: self._cancel_unstarted(result, [self.tree[r.name] for r in refs]))
 
     async def _run_branch(self, result: ForkResult, node: Node, ref: MachineRef, code: str, on_event: BranchEvent,
                           timeout: float | None, push: dict[str, bytes] | None, seed: int | None = None,

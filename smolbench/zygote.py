@@ -149,6 +149,7 @@ class Zygotes:
         self._branch_locks: dict[str, asyncio.Lock] = {}  # one fork of a zygote at a time (its agent's rule)
         self._waiting: dict[str, list[tuple[str, int | None, asyncio.Future[MachineRef]]]] = {}
         self._count = 0
+        self._closed = False  # close() started: no zygote is made any more
 
     async def verdict(self, spec: MachineSpec, baseline: str, retries: int = 0) -> Verdict:
         """The zygote of this baseline, made (and checked) at first use, and again when it died;
@@ -158,6 +159,8 @@ class Zygotes:
         if self.backend.name not in LIVE_FORK_BACKENDS:
             return Verdict(None, f"boot (the {self.backend.name} backend's branches cost a boot)")
         async with self._lock:
+            if self._closed:
+                raise InfraError("the session is going down: no zygote is made for these episodes")
             known = self._made.get(baseline)
             if known is not None and (known.zygote is None or self._alive(known.zygote)):
                 return known
@@ -313,8 +316,10 @@ class Zygotes:
             await self.backend.delete(ref)
 
     async def close(self) -> None:
-        """Delete every zygote (``%smol down``)."""
-        for verdict in self._made.values():
+        """Delete every zygote (``%smol down``); none is made after (one being made is awaited)."""
+        self._closed = True
+        async with self._lock:
+            made, self._made = list(self._made.values()), {}
+        for verdict in made:
             if verdict.zygote is not None:
                 await self._delete(verdict.zygote)
-        self._made.clear()

@@ -168,6 +168,8 @@ def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -
             (lambda: s.episodes(0, "pass"), "the number of branches must be at least 1, got 0: e.g. `Session.episodes(16, code)`"),
             (lambda: s.fork(5000, "pass"),
              "5000 branches is above the cap of 1024: fork fewer, or fork in stages with `Session.use(node)`"),
+            (lambda: s.episodes(2000, "pass", seed_base=7),  # not a fork's advice (an audit)
+             "2000 episodes is above the cap of 1024 in one run: run 1024, then the next with seed_base=1031"),
             (lambda: s.fork(3, "pass", seeds=[1]),
              "seeds gives 1 seeds for 3 branches: give at least 3 (e.g. seeds=range(3))"),
             (lambda: s.fork(2, "pass", keep="some"), "keep must be one of best, all, none, got 'some'"),
@@ -184,6 +186,13 @@ def test_session_errors_name_the_sessions_arguments_not_the_magics(here: Path) -
                 call()
             assert str(got.value) == want
         assert s.run("1").value == 1  # nothing was claimed by the refused calls
+
+        def broken(branch: str, event: object) -> None:
+            raise ValueError("my own bug\nsecond line")
+
+        res = s.fork(2, "print('hi')\nreward = 1", keep="none", on_output=broken, allow_errors=True)
+        errors = [row["error"] for row in res.rows.values()]  # the callback's error, not the machine's (an audit)
+        assert errors == ["on_output raised ValueError: my own bug (the callback's error; fix it or pass none)"] * 2, errors
         before = gate.limits.snapshot()
         gate.limits.configure("grace", "1")
         try:  # a run that ignores the interrupt: its root is replaced, and the line says so in the Session's words

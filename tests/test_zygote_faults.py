@@ -164,9 +164,11 @@ smolbench_guest.report(seen=json.dumps({'shm': sorted(os.listdir('/dev/shm')),
 
 @pytest.mark.parametrize("init, said, seen", [
     ("echo hello > /dev/shm/r", "files in /dev/shm (r)", {"shm": ["r"], "sleeping": False}),
-    ("nohup sleep 1000 >/dev/null 2>&1 &", "a process running (sleep)", {"shm": [], "sleeping": True}),
+    # seen as "nohup" if the check comes before nohup's exec of sleep (a busy host)
+    ("nohup sleep 1000 >/dev/null 2>&1 &", ("a process running (sleep)", "a process running (nohup)"),
+     {"shm": [], "sleeping": True}),
 ])
-def test_init_that_leaves_what_a_branch_lacks_boots_each_episode(open_tmp: Path, init: str, said: str,
+def test_init_that_leaves_what_a_branch_lacks_boots_each_episode(open_tmp: Path, init: str, said: str | tuple[str, ...],
                                                                  seen: dict[str, Any]) -> None:
     wb = workbench(open_tmp, MachineSpec(init=(init,)))
     notes: list[str] = []
@@ -178,7 +180,8 @@ def test_init_that_leaves_what_a_branch_lacks_boots_each_episode(open_tmp: Path,
     result = run(wb, main)
     assert [r["status"] for r in result.rows.values()] == ["ok", "ok"], statuses(result)
     assert [json.loads(r["metrics"]["seen"]) for r in result.rows.values()] == [seen, seen]
-    assert result.fresh.startswith("boot") and said in result.fresh
-    assert len(notes) == 1 and said in notes[0] and "boot" in notes[0]
+    told = [said] if isinstance(said, str) else list(said)
+    assert result.fresh.startswith("boot") and any(t in result.fresh for t in told), result.fresh
+    assert len(notes) == 1 and any(t in notes[0] for t in told) and "boot" in notes[0]
     (row,) = wb.ledger.run_rows()
     assert row["options"]["fresh"] == result.fresh
