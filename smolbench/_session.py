@@ -30,6 +30,7 @@ from ._lifetime import gone, live
 from ._restoring import RestoringMixin, _restorable, _taken_back
 from .errors import NOT_UP, SmolbenchError, session_phrases
 from .result import VALUE, ForkResult, RunResult, Seen, run_result
+from .tree import KEPT_ENDED
 
 if TYPE_CHECKING:  # `import smolbench` stays light: backends and the gate load with the first session
     from .backends.base import Backend, Event
@@ -498,6 +499,8 @@ class Session(RestoringMixin):
             cell = (cell_name or "").strip("<>")
             self._forks[result.run_id] = (f"the fork of {len(result)} under {result.parent}"
                                           + (f" at {cell}" if cell.startswith("In [") else f" (run {result.run_id.rsplit('run', 1)[-1]})"))
+            if len(self._forks) > KEPT_ENDED:  # the newest forks' names (older ones are named by run id)
+                del self._forks[next(iter(self._forks))]
         def coro(on_event: BranchOutput) -> Coroutine[Any, Any, ForkResult]:
             if kind == "fork":
                 return wb.fork(result, code, on_event, timeout=timeout, concurrency=concurrency, keep=keep,

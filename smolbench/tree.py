@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 TERMINAL = ("ok", "error", "timeout", "cancelled", "lost")  # lost: its machine was killed or its kernel died
 STATUSES = ("starting", "running", "idle", *TERMINAL)
 RENDER_INDENT = 64  # levels of a tree's text drawn indented (Tree.render); deeper ones start "… "
+# Ended episodes kept in memory, the newest: a training loop of `Session.episodes` ends millions
+# (~0.8 KiB a node). Older ones leave the tree (`%smol tree`, the plots), not the ledger.
+KEPT_ENDED = 10_000
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Tree:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self._issued: dict[str, int] = {}  # per node: the next child number, never given out before
+        self._ended: collections.deque[str] = collections.deque()  # episodes' ended nodes, oldest first
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self.nodes
@@ -78,6 +83,13 @@ class Tree:
             if k.isascii() and k.isdigit():
                 self._issued[node.parent] = max(self._issued.get(node.parent, 0), int(k) + 1)
         return node
+
+    def let_go_ended(self, node_ids: Iterable[str], keep: int | None = None) -> None:
+        """Episodes' nodes that ended: kept until ``keep`` (:data:`KEPT_ENDED`) newer ones did."""
+        self._ended.extend(node_ids)
+        keep = KEPT_ENDED if keep is None else keep
+        while len(self._ended) > keep:
+            self.forget(self._ended.popleft())
 
     def forget(self, node_id: str) -> bool:
         """Let an ended leaf go from memory (its ledger row stays): a long training run's

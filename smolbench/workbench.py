@@ -654,6 +654,7 @@ class Workbench(RecorderMixin, CheckpointsMixin, StatusMixin, LossesMixin, Keepi
         finally:
             self.ledger.end_run(result.run_id, "cancelled" if any(n.status == "cancelled" for n in nodes) else "done")
             result.ended = time.time()
+            self.tree.let_go_ended(n.id for n in nodes)  # a training loop's episodes: the newest stay in memory
         return result
 
     async def _fan_out(self, result: ForkResult, refs: list[MachineRef], code: str, on_event: BranchEvent, *,

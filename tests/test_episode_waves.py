@@ -119,3 +119,21 @@ def test_episodes_from_the_zygote_are_forked_a_wave_per_request(open_tmp: Path) 
     assert sum(sizes) == 30 and sizes[0] == 9, sizes  # 3 x concurrency at first
     assert all(s >= 6 for s in sizes[:-1]), sizes  # then a wave of 2 x concurrency per fork
     assert [m.name for m in wb.backend.list()] == []
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_a_loop_of_episodes_keeps_the_newest_in_memory_and_every_one_in_the_ledger(
+        open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop of `Session.episodes` grew the kernel's tree by a node per episode,
+    without bound (an audit: 5,000 episodes, 5,000 nodes); now the newest ended ones stay."""
+    import smolbench
+    from smolbench import tree
+
+    monkeypatch.setattr(tree, "KEPT_ENDED", 10)
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / "ledger.db") as s:
+        results = [s.episodes(4, "reward = SEED", seed_base=4 * i) for i in range(5)]
+        in_memory = [n.id for n in s._wb().tree if n.run_id is not None]
+        assert len(in_memory) == 10 and set(in_memory) == {*results[-1].rows, *results[-2].rows, *list(results[-3].rows)[2:]}
+        assert [r.rows[k]["reward"] for r in results for k in r.rows] == [float(i) for i in range(20)]
+        rows = [n for n in s.ledger().node_rows() if n["run_id"] is not None]
+    assert len(rows) == 20 and {r["status"] for r in rows} == {"ok"}, rows

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import _loop
-from ..tree import Node
+from ..tree import KEPT_ENDED, Node
 
 if TYPE_CHECKING:
     from .episode import Episode
@@ -34,7 +34,7 @@ GATHER = 0.01  # s: how long after a step its episodes' records may wait, to go 
 # Ended episodes an env (with its OpenEnv siblings) keeps in the kernel's tree, the newest:
 # each takes ~0.8 KiB there, and a long training run ends millions. Older ones leave the tree
 # (`%smol tree`, the plots) and stay in the ledger (the sidebar, `Ledger`), ~0.5 KiB a row.
-KEPT_IN_MEMORY = 10_000
+KEPT_IN_MEMORY = KEPT_ENDED
 ENDS = {"terminated": "ok", "truncated": "ok", "reset": "ok", "closed": "ok"}  # how an episode ended -> its status
 
 
