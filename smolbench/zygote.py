@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 from ._aio import _to_the_end
+from .backends._limits import fork_room
 from .backends.base import Backend, CellRequest, MachineRef
 from .errors import InfraError
 from .gate.frames import loads as json_loads
@@ -271,8 +272,12 @@ class Zygotes:
     async def _fork_waiting(self, zygote: MachineRef) -> None:
         async with self._branching(zygote):
             await asyncio.sleep(0)  # the episodes let in with this one ask in this turn: one fork for all
-            batch = [b for b in self._waiting.get(zygote.name, []) if not b[2].done()]
-            self._waiting[zygote.name] = []
+            waiting = [b for b in self._waiting.get(zygote.name, []) if not b[2].done()]
+            # No more than the host holds (an audit: a refused wave failed every episode in it); the
+            # rest are the next fork's: their own calls wait for this lock (ours is the oldest asking).
+            room = fork_room()
+            take = len(waiting) if room is None else min(len(waiting), max(1, room))
+            batch, self._waiting[zygote.name] = waiting[:take], waiting[take:]
             if batch:
                 try:
                     if self.backend.gone([zygote]):  # a fork of it would wait for an answer in vain

@@ -137,3 +137,36 @@ def test_a_loop_of_episodes_keeps_the_newest_in_memory_and_every_one_in_the_ledg
         assert [r.rows[k]["reward"] for r in results for k in r.rows] == [float(i) for i in range(20)]
         rows = [n for n in s.ledger().node_rows() if n["run_id"] is not None]
     assert len(rows) == 20 and {r["status"] for r in rows} == {"ok"}, rows
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_a_wave_bigger_than_the_host_holds_is_forked_in_parts(open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack (audit): on a host with room for 20 branches, 30 episodes at concurrency 10
+    asked for a wave of 30 in one fork, refused up front ("fork of 30 refused"), and every
+    episode of it failed, naming a fork the user never asked for."""
+    from smolbench.backends import _limits
+
+    monkeypatch.setattr(_limits, "host_available_mib", lambda: _limits.HOST_RESERVE_MIB + _limits.BRANCH_HOST_MIB * 20)
+    wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(open_tmp / "ledger.db"))
+    sizes: list[int] = []
+    real = wb.backend.branch
+
+    async def counting(machine: MachineRef, names: list[str], seeds: list[int | None], **kw: Any) -> Any:
+        if machine.name.startswith("zygote"):
+            sizes.append(len(names))
+        return await real(machine, names, seeds, **kw)
+
+    wb.backend.branch = counting  # type: ignore[method-assign]
+
+    async def main() -> dict[str, Any]:
+        await wb.up()
+        try:
+            result = wb.new_episodes(30, concurrency=10)
+            await wb.episodes(result, "reward = SEED", lambda b, e: None, concurrency=10)
+            return result.rows
+        finally:
+            await wb.down()
+
+    rows = asyncio.run(asyncio.wait_for(main(), 240))
+    assert [(r["status"], r["reward"]) for r in rows.values()] == [("ok", float(i)) for i in range(30)], rows
+    assert max(sizes) <= 20 and sum(sizes) == 30, sizes

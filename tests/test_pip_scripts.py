@@ -78,6 +78,26 @@ def test_portable_scripts_rewrites_both_of_pips_forms_and_nothing_else(tmp_path:
         assert done.stdout == "ran ['a b']\n", done.stderr
 
 
+def test_a_scripts_coding_line_stays_where_python_reads_it_and_no_link_is_followed(tmp_path: Path) -> None:
+    """The second audit: a latin-1 script's coding line moved to line 5, where Python no longer
+    reads it (it printed café, then failed to start); the new file was opened through a link a
+    cell planted at its name, writing where the link pointed."""
+    exe = sys.executable
+    (tmp_path / "latin").write_bytes(f"#!{exe}\n# -*- coding: latin-1 -*-\nprint('caf\xe9')\n".encode("latin-1"))
+    (tmp_path / "linked").write_text(f"#!{exe}\nprint('linked')\n")
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    (tmp_path / "linked.portable").symlink_to(victim)
+    for name in ("latin", "linked"):
+        (tmp_path / name).chmod(0o755)
+    pipsite.portable_scripts(str(tmp_path), exe)
+    env = {"PATH": os.environ.get("PATH", ""), pipsite.PYTHON_ENV: exe, "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run([str(tmp_path / "latin")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "caf\u00e9\n" and exe not in (tmp_path / "latin").read_bytes().decode("latin-1"), done.stderr
+    assert victim.read_text() == "untouched\n" and (tmp_path / "linked.portable").is_symlink()
+    assert not (tmp_path / "linked").is_symlink()
+
+
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 def test_scripts_pip_writes_in_a_machine_name_no_host_path_and_run(open_tmp: Path) -> None:
     wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(open_tmp / "ledger.db"))

@@ -181,6 +181,12 @@ def host_available_mib() -> int | None:
     return None
 
 
+def fork_room() -> int | None:
+    """How many branches this host's available memory holds now (None: not known)."""
+    free = host_available_mib()
+    return None if free is None else max(0, (free - HOST_RESERVE_MIB) // BRANCH_HOST_MIB)
+
+
 def check_fork_fits(n: int) -> None:
     """Refuse up front, in one line, a fork of ``n`` branches this host can't hold."""
     free = host_available_mib()

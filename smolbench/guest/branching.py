@@ -156,7 +156,7 @@ class Branching:
                 answer()
 
     def _become_child(self, child, listener, frozen=None):
-        self.close_inherited()  # the parent answers the fork request, and every other one it has
+        self.close_inherited(listener)  # the parent answers the fork request, and every other one it has
         self._conn = None
         self.listener.close()
         self.listener = listener

@@ -140,11 +140,19 @@ def portable_scripts(folder, executable):
                 break
         if found is None:
             continue
+        top = head %% found[0]
+        first = found[1].split(b"\n", 1)[0]
+        if first.lstrip().startswith(b"#") and (b"coding:" in first or b"coding=" in first):
+            top = top.replace(b"\n", b"\n" + first + b"\n", 1)  # Python reads it on line 1 or 2 only
         new = path + ".portable"
+        try:  # never through a link planted at the new name
+            fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            continue
         try:
-            with open(new, "wb") as fh:
-                fh.write(head %% found[0] + found[1])
-            os.chmod(new, os.stat(path).st_mode & 0o7777)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(top + found[1])
+                os.fchmod(fh.fileno(), os.stat(path).st_mode & 0o7777)
             os.replace(new, path)
         except OSError:
             try:

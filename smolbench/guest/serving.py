@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -59,7 +60,6 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         self.reported = {}
         self.inherited_reward = None  # (the value,) of a `reward` a restore or a fork brought, until a cell sets one
         self._conn = None  # connection of the running request
-        self._conns = set()  # every host connection open here (served, queued, running): closed in a fork's children
         self._held, self._held_lock = None, threading.Lock()  # a held fork's release end (branching.py)
         self._send_lock = threading.Lock()
         self._busy = threading.Lock()
@@ -119,7 +119,6 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
             if listener is not self.listener:  # we are a fork child holding the parent's socket
                 conn.close()
                 return
-            self._conns.add(conn)
             try:
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
             except RuntimeError:  # no thread left (the machine is at its pids limit): serve it here
@@ -165,6 +164,7 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         try:
             f = conn.makefile("rb")
             line = f.readline()
+            f.close()  # the socket's own close then closes its descriptor (one request line a connection)
             if not line:
                 self._close(conn)
                 return
@@ -218,28 +218,48 @@ class Agent(Cells, Seeds, Branching, SaveLoad):
         finally:
             self._close(conn)
 
-    def _close(self, conn):
-        self._conns.discard(conn)
+    @staticmethod
+    def _close(conn):
         try:
             conn.close()
         except OSError:
             pass
 
-    def close_inherited(self):
+    def close_inherited(self, new_listener=None):
         """In a child of a fork of this agent (a branch, a leaf, their maker): close every host
-        connection the agent had open, a handler thread's or a queued request's. Only the agent
-        answers them; a child that kept them could read the host's requests to it and answer
-        them as it (an audit: a leaf's forged answer reached the host's request to its parent).
-        No lock: the child has one thread, and a lock held in the parent at the fork stays held.
-        Closed by descriptor: ``close()`` leaves it open while a handler's ``makefile`` holds it."""
-        for conn in list(self._conns):
+        connection the agent had open, served, queued or just accepted. Only the agent answers
+        them; a child that kept one could read the host's requests to it and answer them as it
+        (audits: a leaf's forged answer reached the host's request to its parent). Found by
+        descriptor, each socket whose own address is the agent's listener's: a list the agent
+        keeps misses one accepted a moment before the fork, and one whose object was closed
+        while a handler's ``makefile`` still held its descriptor. ``new_listener``: the child's
+        own, kept: its path can be the same string in another mount namespace (a branch's
+        branch binds its own run folder's ``N/s``, as its parent did in the root's)."""
+        try:
+            ours = self.listener.getsockname()
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            return
+        keep = {self.listener.fileno(), new_listener.fileno() if new_listener is not None else -1}
+        for name in names:
+            fd = int(name)
+            if fd in keep or fd <= 2:
+                continue
             try:
-                fd = conn.detach()
-                if fd >= 0:
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    continue
+                probe = socket.socket(fileno=fd)
+                try:
+                    here = probe.getsockname()
+                finally:
+                    probe.detach()
+            except (OSError, ValueError):
+                continue
+            if here == ours:
+                try:
                     os.close(fd)
-            except OSError:
-                pass
-        self._conns = set()
+                except OSError:
+                    pass
 
     def info(self):
         """What the host shows in ``%smol status``."""
