@@ -402,7 +402,22 @@ def section(d: dict[str, Any]) -> str:
         'against 4.1-5.3 s, fork 64 in 0.51-0.60 against 0.48-0.56 s. The host had 686 memory cgroups then, all '
         "but its root dying (removed, still holding the page cache of the day's test files); a probe with about "
         '960 and about 650 of them measured the same (and a Session leaves none: its branches\' files go with '
-        "them), so that is not why; the cause of the slower evening is not pinned down. 2026-12-07 04:15 (the rows above), after this session's audit fixes: fork 16 5.46x, fork 64 5.20x, episodes 16 / fork 16 1.50x; against the namespace floor measured beside them the same as before (4.4x at 16, 4.6x at 64): the kernel-sized os.fork ran faster (24 against 30 ms for 16). Episodes 64 on the code before the session (be9972f) and after, alternately, 3 runs each twice: 564-1,382 against 568-1,406 ms, the same.", END,
+        "them), so that is not why; the cause of the slower evening is not pinned down. 2026-12-07 04:15 (the rows above), after this session's audit fixes: fork 16 5.46x, fork 64 5.20x, episodes 16 / fork 16 1.50x; against the namespace floor measured beside them the same as before (4.4x at 16, 4.6x at 64): the kernel-sized os.fork ran faster (24 against 30 ms for 16). Episodes 64 on the code before the session (be9972f) and after, alternately, 3 runs each twice: 564-1,382 against 568-1,406 ms, the same. "
+        "2026-12-07, the next session: episodes at a fork's cost again. Counting the zygote's fork requests showed episodes asking for "
+        "their branches one at a time: at 200 episodes 126 of 138 requests made one branch (and one branch alone is made the slow, "
+        "two-process way), which is why episodes ran at 35-47/s since 2026-12-06 while a fork made ~120 branches/s; a semaphore let one "
+        "episode in per episode that ended. Episodes are now let in by waves (`_aio.Waves`: at most 3 x --concurrency alive, let in "
+        "2 x at a time) and the zygote forks each wave in one request, no bigger than the host's memory holds. Interleaved, the code "
+        "before (b3ab09d) and after, 3 runs each: episodes 16 201-202 -> 124-162 ms, 64 767-1,363 -> 420-660 ms, 200 4,449-5,474 -> "
+        "1,324-1,928 ms. Where a fork's CPU goes now (perf on all CPUs over 30 forks of 16, each sample given to its process by the "
+        "fork events): the leaves 60% of the busy CPU (71% of theirs in the kernel: page faults 30%, exit 15.5%, unshare 7%, mount "
+        "5%; their own Python 29%), the kernel process 16% (two thirds Python), the maker 11% (its clones' page-table copies 52% of "
+        "that), kworkers and the rest 10%, the root agent 2%: no one part is big enough to close the fork goals. CPU per branch was "
+        "12-13 ms that morning, the same on 2c11d4d measured alternately (the host's speed, not the code). The rows above are the "
+        "first of three runs of this bench within four minutes at the session's end (07:19, load 0.4 before it; the next two started "
+        "at load 18.8 and 2.9, left by the run before): fork 16 104-141 ms = 3.3-5.3x its kernel-sized os.fork (4.3-4.5x the "
+        "namespace floor), fork 64 353-481 ms = 2.9-4.1x (2.7-4.0x the floor), episodes 16 / fork 16 0.79-1.39x, 106-130 "
+        "episodes/s at 64 and 110-128 at 1,000, 4.84-4.85 MiB PSS per branch: one run's ratio is not a verdict.", END,
     ])
 
 
