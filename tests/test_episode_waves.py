@@ -92,9 +92,10 @@ def test_a_cancelled_waiter_leaves_no_place_taken_and_no_place_lost() -> None:
     assert order[:2] == [0, 1] and sorted(order[2:]) == [3, 4, 5], order
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
-def test_episodes_from_the_zygote_are_forked_a_wave_per_request(open_tmp: Path) -> None:
-    wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(open_tmp / "ledger.db"))
+def _zygote_forks(folder: Path, n: int, concurrency: int, code: str) -> tuple[dict[str, Any], list[int], list[str]]:
+    """Run ``n`` episodes through a Workbench; their rows, the size of each fork of the zygote
+    (its fingerprint's left out), and the machines left after down."""
+    wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(folder / "ledger.db"))
     sizes: list[int] = []
     real = wb.backend.branch
 
@@ -108,17 +109,23 @@ def test_episodes_from_the_zygote_are_forked_a_wave_per_request(open_tmp: Path) 
     async def main() -> dict[str, Any]:
         await wb.up()
         try:
-            result = wb.new_episodes(30, concurrency=3)
-            await wb.episodes(result, "import time\ntime.sleep(0.05)\nreward = SEED", lambda b, e: None, concurrency=3)
+            result = wb.new_episodes(n, concurrency=concurrency)
+            await wb.episodes(result, code, lambda b, e: None, concurrency=concurrency)
             return result.rows
         finally:
             await wb.down()
 
     rows = asyncio.run(asyncio.wait_for(main(), 240))
+    return rows, sizes, [m.name for m in wb.backend.list()]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_episodes_from_the_zygote_are_forked_a_wave_per_request(open_tmp: Path) -> None:
+    rows, sizes, left = _zygote_forks(open_tmp, 30, 3, "import time\ntime.sleep(0.05)\nreward = SEED")
     assert [(r["status"], r["reward"]) for r in rows.values()] == [("ok", float(i)) for i in range(30)], rows
     assert sum(sizes) == 30 and sizes[0] == 9, sizes  # 3 x concurrency at first
     assert all(s >= 6 for s in sizes[:-1]), sizes  # then a wave of 2 x concurrency per fork
-    assert [m.name for m in wb.backend.list()] == []
+    assert left == []
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -147,26 +154,6 @@ def test_a_wave_bigger_than_the_host_holds_is_forked_in_parts(open_tmp: Path, mo
     from smolbench.backends import _limits
 
     monkeypatch.setattr(_limits, "host_available_mib", lambda: _limits.HOST_RESERVE_MIB + _limits.BRANCH_HOST_MIB * 20)
-    wb = Workbench(SandboxBackend(), MachineSpec(), Ledger(open_tmp / "ledger.db"))
-    sizes: list[int] = []
-    real = wb.backend.branch
-
-    async def counting(machine: MachineRef, names: list[str], seeds: list[int | None], **kw: Any) -> Any:
-        if machine.name.startswith("zygote"):
-            sizes.append(len(names))
-        return await real(machine, names, seeds, **kw)
-
-    wb.backend.branch = counting  # type: ignore[method-assign]
-
-    async def main() -> dict[str, Any]:
-        await wb.up()
-        try:
-            result = wb.new_episodes(30, concurrency=10)
-            await wb.episodes(result, "reward = SEED", lambda b, e: None, concurrency=10)
-            return result.rows
-        finally:
-            await wb.down()
-
-    rows = asyncio.run(asyncio.wait_for(main(), 240))
+    rows, sizes, left = _zygote_forks(open_tmp, 30, 10, "reward = SEED")
     assert [(r["status"], r["reward"]) for r in rows.values()] == [("ok", float(i)) for i in range(30)], rows
-    assert max(sizes) <= 20 and sum(sizes) == 30, sizes
+    assert max(sizes) <= 20 and sum(sizes) == 30 and left == [], sizes
