@@ -181,10 +181,14 @@ def host_available_mib() -> int | None:
     return None
 
 
+def _room(free_mib: int) -> int:
+    return max(0, (free_mib - HOST_RESERVE_MIB) // BRANCH_HOST_MIB)
+
+
 def fork_room() -> int | None:
     """How many branches this host's available memory holds now (None: not known)."""
     free = host_available_mib()
-    return None if free is None else max(0, (free - HOST_RESERVE_MIB) // BRANCH_HOST_MIB)
+    return None if free is None else _room(free)
 
 
 def check_fork_fits(n: int) -> None:
@@ -192,7 +196,7 @@ def check_fork_fits(n: int) -> None:
     free = host_available_mib()
     if free is None:
         return
-    fits = max(0, (free - HOST_RESERVE_MIB) // BRANCH_HOST_MIB)
+    fits = _room(free)
     if n > fits:
         raise SmolbenchError(f"fork of {n} refused: this host has {free} MiB of memory available, room for about "
                              f"{fits} branches ({BRANCH_HOST_MIB} MiB each, {HOST_RESERVE_MIB} MiB kept): fork at most {fits}")
