@@ -4,18 +4,15 @@ A 201-byte workspace archive with a negative size (base-256) sent tarfile back o
 header forever, memory growing (CVE-2025-8194; this Python has it), and a few MB of gzip
 holding one long-name or pax header made GBs of host memory, read whole before any limit ran,
 also in the Jupyter server listing the sidebar's checkpoints. Each attack runs against the
-checked reader and, where it can be shown safely, against the weakened one (in a subprocess
-with a deadline, or counting the memory it took).
+checked reader and, where it can be shown safely, against the weakened one (counting the
+members it read or the memory it took).
 """
 
 from __future__ import annotations
 
 import gzip
 import io
-import subprocess
-import sys
 import tarfile
-import textwrap
 import time
 import tracemalloc
 from pathlib import Path
@@ -61,17 +58,14 @@ def test_a_negative_size_is_refused_at_once() -> None:
     assert time.monotonic() - t < 5
 
 
-def test_weakened_the_negative_size_loops_forever(tmp_path: Path) -> None:
-    blob = tmp_path / "neg.tar"
-    blob.write_bytes(negative_size_tar())
-    code = textwrap.dedent(f"""
-        from smolbench.gate import archive
-        archive.TEST_WEAKEN.add("tarheaders")
-        archive.check_workspace(open({str(blob)!r}, "rb").read(), "weak")
-        print("returned")
-    """)
-    with pytest.raises(subprocess.TimeoutExpired):  # still appending the same header when stopped
-        subprocess.run([sys.executable, "-c", code], timeout=4, capture_output=True)
+def test_weakened_the_negative_size_reads_the_same_header_over_and_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Weakened, tarfile steps back onto the same header each time: a three-member archive reads
+    # as thousands of members until the member count (a second line) stops it. Counted, not
+    # timed: a deadline here raced that count on a fast host.
+    monkeypatch.setattr(archive, "TEST_WEAKEN", {"tarheaders"})
+    monkeypatch.setattr(archive, "MEMBER_LIMIT", 10_000)
+    with pytest.raises(archive.UnsafeCheckpoint, match="more than 10,000 files"):
+        archive.check_workspace(negative_size_tar(), "weak")
 
 
 @pytest.mark.parametrize("kind", [tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE])
