@@ -40,7 +40,7 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
         else:  # a down: a Ctrl-C (or another) doesn't cut the deletion short; it is raised after it
             job.finish(120)
         raise
-    return _result(job)
+    return _result(job, result)
 
 
 async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, stoppable: bool = True) -> T:
@@ -67,13 +67,19 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(done)
         raise
-    return _result(job)
+    return _result(job, result)
 
 
-def _result(job: _loop.Job) -> Any:
+def _result(job: _loop.Job, result: ForkResult | None = None) -> Any:
     """``job``'s result, its error said in the Session's words."""
     if job.stopped and job.future.cancelled():
         raise SmolbenchError("stopped by SIGTERM: this program's machines were deleted")
+    if job.future.cancelled():  # from another thread: the session's down(), or the fork's own handle
+        what = f"this {result.kind}" if result is not None else "this call"
+        how = ("its handle's cancel()" if result is not None and result.cancelled_by_handle
+               else "the session going down (down() from elsewhere)")
+        ended = f": {result.summary(reasons=False)}" if result is not None else ""
+        raise SmolbenchError(f"{what} was stopped by {how} before it ended; its machines were deleted{ended}")
     try:
         return job.result()
     except SmolbenchError as exc:

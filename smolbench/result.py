@@ -85,6 +85,7 @@ class ForkResult:
         self.name: str | None = None  # the variable the magics put it in (--out), named by a wait's Ctrl-C
         self._future: Future[Any] | None = None
         self._cancel: Any = None
+        self.cancelled_by_handle = False  # its cancel() was called (a blocking call stopped says by what)
         self._copy = False  # unpickled (a Ray task's return value): no live handle
 
     # -- live handle ---------------------------------------------------------------
@@ -133,6 +134,7 @@ class ForkResult:
             raise SmolbenchError(f"this ForkResult is a copy (it was pickled, e.g. returned from a Ray task): its {self.kind} "
                                  "had ended, so there is nothing to cancel; call .cancel() on the handle where it ran")
         if self._cancel is not None and not self.done():
+            self.cancelled_by_handle = True
             self._cancel()
 
     # -- pickling (a Ray task returns one) ------------------------------------------------

@@ -68,7 +68,7 @@ def test_down_beside_episodes_in_another_thread_leaves_no_machine(open_tmp: Path
                 said.append(str(exc))
                 if "no machine is up" in str(exc):
                     return
-            except BaseException as exc:  # noqa: BLE001 - a cancel by down, told as it is
+            except BaseException as exc:  # noqa: BLE001 - anything else is a failure below
                 said.append(type(exc).__name__)
 
     thread = threading.Thread(target=worker)
@@ -81,8 +81,32 @@ def test_down_beside_episodes_in_another_thread_leaves_no_machine(open_tmp: Path
         thread.join(60)
     assert not thread.is_alive()
     assert [m.name for m in s.workbench.backend.list()] == [], said
-    # the thread was told: refused while down ran, cancelled by it, or no machine up after it
-    assert said and all(any(w in x for w in ("going down", "CancelledError", "no machine is up")) for x in said), said
+    # the thread was told in words: refused while down ran, stopped by it, or no machine up after it
+    assert said and all(any(w in x for w in ("going down", "no machine is up")) for x in said), said
+
+
+@needs_bwrap
+def test_a_blocking_fork_that_another_threads_down_stops_says_so(open_tmp: Path) -> None:
+    s = smolbench.Session(backend="sandbox", ledger=open_tmp / "ledger.db").up()
+    said: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            s.fork(4, "import time\ntime.sleep(60)\nreward = SEED", keep="none")
+        except BaseException as exc:  # noqa: BLE001 - what reached the caller, whatever it is
+            said.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while sum(n.status == "running" for n in s.workbench.tree) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s.down()
+    thread.join(60)
+    assert not thread.is_alive() and len(said) == 1
+    # was a bare concurrent.futures.CancelledError, with no words
+    assert isinstance(said[0], SmolbenchError), repr(said[0])
+    assert "stopped by the session going down" in str(said[0]) and "4 cancelled" in str(said[0]), said[0]
 
 
 @needs_bwrap
