@@ -11,15 +11,18 @@ the same), whether pip ran from a ``%pip`` line or as the ``pip`` command.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
+import smolbench
 from smolbench.backends.base import CellRequest
 from smolbench.backends.sandbox import SandboxBackend
 from smolbench.guest import pipsite
@@ -116,3 +119,23 @@ def test_scripts_pip_writes_in_a_machine_name_no_host_path_and_run(open_tmp: Pat
         head = "\n".join(out[name]["head"])
         assert sys.executable not in head and sys.prefix not in head and "python" in head, head
         assert out[name]["ran"] == f"{name} ran", out[name]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_scripts_a_cells_own_python_m_pip_wrote_name_no_host_path_in_a_saved_checkpoint(open_tmp: Path) -> None:
+    # neither %pip nor the pip shim: the interpreter's own pip, which smolbench never sees run
+    cell = INSTALL.split("out = {}")[0] + (
+        'subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", wheel("gamma")], check=True)\n')
+    with smolbench.Session(backend="sandbox", ledger=open_tmp / "ledger.db") as s:
+        s.run(cell)
+        saved = Path(s.checkpoint_save("g")["path"])
+        ran = s.run("import subprocess; print(subprocess.run(['gamma-tool'], capture_output=True, text=True).stdout)")
+    with tarfile.open(saved) as outer:
+        inner = outer.extractfile("workspace.tar")
+        assert inner is not None
+        with tarfile.open(fileobj=io.BytesIO(inner.read())) as ws:
+            script = ws.extractfile(".packages/bin/gamma-tool")
+            assert script is not None
+            head = script.read().decode().split("\n")[:3]
+    assert "python" in "\n".join(head) and not any(sys.prefix in line for line in head), head
+    assert ran.stdout.strip() == "gamma ran"  # and it still runs, in the machine that saved it

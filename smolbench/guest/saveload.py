@@ -5,6 +5,7 @@ Stdlib only, Python 3.8+: runs inside the machine (see ``agent.py``).
 
 import os
 import stat
+import sys
 import types
 
 
@@ -33,6 +34,10 @@ class SaveLoad:
         with _sink(os.path.join(path, "namespace.pkl")) as fh:
             saved, skipped = nsstream.dump(fh, head, values)
         del values
+        if self.workdir:  # scripts a cell's own `python -m pip` wrote name this interpreter: the workspace goes out
+            from . import pipsite
+
+            pipsite.portable_scripts(os.path.join(self.workdir, pipsite.TARGET, "bin"), sys.executable)
         # Streamed ("w|": a fifo can't seek): into the host's fifo where it made one, so the
         # archive is never a second copy of the workspace's files in this machine's memory.
         with _sink(os.path.join(path, "workspace.tar")) as fh, tarfile.open(fileobj=fh, mode="w|") as tar:
