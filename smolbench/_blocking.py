@@ -24,8 +24,12 @@ def _block(coro: Coroutine[Any, Any, T], result: ForkResult | None = None, *, st
     if _on_our_loop():
         coro.close()
         raise SmolbenchError("a blocking Session method was called on smolbench's own loop: await its a-twin (e.g. arun)")
-    wait_out_sigterm()
-    job = _loop.Job(coro, stoppable=stoppable)
+    try:
+        wait_out_sigterm()
+        job = _loop.Job(coro, stoppable=stoppable)
+    except BaseException:  # a Ctrl-C before it was handed over: it never runs, and is closed as such
+        coro.close()
+        raise
     if result is not None:
         result._attach(job.future, job.cancel)
     try:
@@ -49,8 +53,12 @@ async def _bridge(coro: Coroutine[Any, Any, T], result: ForkResult | None = None
     ``stoppable``, a down, it lets finish)."""
     if _on_our_loop():
         return await coro
-    while _lifetime.stopping():
-        await asyncio.sleep(0.05)
+    try:
+        while _lifetime.stopping():
+            await asyncio.sleep(0.05)
+    except BaseException:  # cancelled before it was handed over: it never runs
+        coro.close()
+        raise
     job = _loop.Job(coro, stoppable=stoppable).start()
     if result is not None:
         result._attach(job.future, job.cancel)

@@ -133,3 +133,30 @@ def test_fan_outs_cancelled_as_they_start_record_every_branch_cancelled(open_tmp
         wrong = list(c.execute("SELECT r.id, r.status FROM runs r WHERE r.status = 'done' AND EXISTS "
                                "(SELECT 1 FROM nodes n WHERE n.run_id = r.id AND n.status = 'cancelled')"))
     assert unfinished == [] and wrong == [], (unfinished[:5], wrong[:5])
+
+
+@needs_bwrap
+def test_a_ctrl_c_before_down_is_handed_over_leaves_no_coroutine_unawaited(open_tmp: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import warnings
+
+    from smolbench import _blocking
+
+    s = smolbench.Session(backend="sandbox", ledger=open_tmp / "ledger.db").up()
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(_blocking, "wait_out_sigterm", interrupted)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(KeyboardInterrupt):
+                s.down()
+            gc.collect()
+        assert not [w for w in seen if "never awaited" in str(w.message)], [str(w.message) for w in seen]
+    finally:
+        monkeypatch.undo()
+        assert s.down() >= 1  # the down that did not begin is still to do, and does it
+    assert [m.name for m in s.workbench.backend.list()] == []
