@@ -8,6 +8,7 @@ cluster in the same folder is started in a subprocess and killed with kill -9.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import pytest
 from clusterhelpers import machine_processes
 
 import smolbench
+from smolbench.backends._procs import running, with_env
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jupyterlab-smolbench[ray]'")
 pytestmark = [
@@ -43,13 +45,25 @@ def base() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+_MARKED: list[tuple[int, str, bytes]] = []  # the killed cluster's processes when it was killed: pid, start, argv[0]
+
+
 @pytest.fixture(scope="module")
 def killed(base: Path) -> Path:
     """The folder of a local cluster whose process was killed with kill -9 once it was up."""
+    from smolbench.cluster.local import MARK_ENV
+
     proc = subprocess.Popen([sys.executable, "-c", STARTED, str(base)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.stdout is not None
     folder = Path(proc.stdout.readline().strip())
+    deadline = time.monotonic() + 120  # its raylet's agents rename themselves (ray::...) once they have started
+    while not any(name.startswith(b"ray::") for *_, name in _MARKED) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        _MARKED.clear()
+        for pid, started in with_env(MARK_ENV, os.path.realpath(folder)):
+            with contextlib.suppress(OSError):
+                _MARKED.append((pid, started, Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert folder.is_dir() and (folder / "auth_token").exists()  # nothing of it cleaned up itself
@@ -76,6 +90,11 @@ def session(cluster: Any, here: Path) -> Iterator[smolbench.Session]:
 
 def test_a_killed_local_clusters_folder_is_swept_by_the_next_one(cluster: Any, killed: Path) -> None:
     assert killed in cluster.swept and not killed.exists()
+    # its Ray processes were all marked as its own (head, raylet, renamed workers) and are gone
+    names = {name for _, _, name in _MARKED}
+    assert any(n.startswith(b"ray::") for n in names), names
+    assert {n.rsplit(b"/", 1)[-1] for n in names} >= {b"gcs_server", b"raylet"}, names
+    assert [name for pid, started, name in _MARKED if running(pid, started)] == []
     assert cluster.dir.exists() and cluster.dir.parent == killed.parent  # its own, in the same folder
 
 

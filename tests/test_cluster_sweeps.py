@@ -5,8 +5,10 @@ machine or call still needs them (one content address, many uses)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,8 +37,9 @@ def test_a_killed_local_clusters_folder_goes_with_its_ray_processes_never_a_live
     dead = _owned_by(tmp_path / "sbray-dead0001", dead_owner.pid)
     dead_owner.wait()  # gone: its pid and start time no longer match a process
     live_owner = subprocess.Popen(["sleep", "600"])
-    # a Ray process of the killed cluster, still dying: its folder is on its command line
-    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"{dead}/ray/raylet"])
+    # a Ray process of the killed cluster, still dying: marked as its own, as a LocalCluster marks them
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"{dead}/ray/raylet"],
+                             env={**os.environ, local.MARK_ENV: local._mark_of(dead)})
     try:
         live = _owned_by(tmp_path / "sbray-live0001", live_owner.pid)
         older = tmp_path / "sbray-older001"  # made before owners were recorded: whose, nobody knows
@@ -47,6 +50,58 @@ def test_a_killed_local_clusters_folder_goes_with_its_ray_processes_never_a_live
         assert stray.wait(timeout=10) == -9  # killed before its folder went
     finally:
         for p in (live_owner, stray):
+            p.kill()
+            p.wait()
+
+
+# what a LocalCluster marks its Ray processes with (local.MARK_ENV), written out: the test below
+# reads the same against a smolbench from before the mark (its strays would live if they differed)
+MARK_ENV = "SMOLBENCH_RAY_CLUSTER"
+
+
+def _as(procs: list[subprocess.Popen[bytes]], argv0: str, *, mark: str | None = None,
+        then: tuple[str, ...] = ("sleep", "600")) -> subprocess.Popen[bytes]:
+    """A process (added to ``procs``) whose command line starts with ``argv0`` (``exec -a``),
+    marked as the cluster in ``mark``'s, as a LocalCluster's Ray processes are, when given."""
+    env = {k: v for k, v in os.environ.items() if k != MARK_ENV}
+    if mark is not None:
+        env[MARK_ENV] = mark
+    procs.append(subprocess.Popen(["bash", "-c", 'exec -a "$0" "$@"', argv0, *then], env=env))
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{procs[-1].pid}/cmdline").read_bytes().startswith(argv0.encode() + b"\0"):
+        assert time.monotonic() < deadline, "bash did not exec"
+        time.sleep(0.01)
+    return procs[-1]
+
+
+def test_a_crafted_cluster_folder_kills_no_process_but_the_dead_clusters_own(tmp_path: Path) -> None:
+    """The audit: an ``sbray-q`` folder whose owner is gone made the sweep SIGKILL every process of
+    this user whose command line held its path as a plain substring (a live cluster's raylet in
+    ``sbray-qlivecl1``, a ``tail -f`` of a file in the folder), and every ``ray::`` worker whose
+    environment did. Only a process marked as exactly that cluster's (MARK_ENV) dies now."""
+    base = Path(os.path.realpath(tmp_path))
+    dead = base / "sbray-q"
+    dead.mkdir(mode=0o700)
+    (dead / "log").write_text("a dead cluster's log\n")
+    (dead / "owner").write_text("999999 12345\n")  # a pid and start time that are no process
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        live = _owned_by(base / "sbray-qlivecl1", _as(procs, "sleep").pid)  # a live cluster: its name starts with sbray-q
+        spared = [
+            _as(procs, f"raylet --temp-dir={live}/ray", mark=str(live)),  # the live cluster's raylet and worker
+            _as(procs, "ray::IDLE", mark=str(live)),
+            _as(procs, "tail", then=("tail", "-f", str(dead / "log"))),  # names a file in the dead folder
+            _as(procs, f"vi --file={dead}/log"),
+            _as(procs, str(dead)),  # its first argument is the dead folder itself
+            _as(procs, "ray::IDLE", mark=f"{dead}/ray"),  # marked as another folder than the dead one
+        ]
+        strays = [_as(procs, f"raylet --temp-dir={dead}/ray", mark=str(dead)), _as(procs, "ray::IDLE", mark=str(dead))]
+        assert local.sweep_killed(str(base)) == [dead]
+        assert not dead.exists() and live.exists()
+        assert [p.poll() for p in spared] == [None] * len(spared), "the sweep killed a process not its own"
+        assert [p.wait(timeout=10) for p in strays] == [-9, -9]  # the dead cluster's own still die
+    finally:
+        for p in procs:
             p.kill()
             p.wait()
 

@@ -8,6 +8,10 @@ Everything lives in one private temporary folder; :meth:`LocalCluster.stop` (or 
 A cluster's folder records its owner (pid and start time, as a run folder does): when the
 process that made it was killed, the next LocalCluster made in the same folder (/tmp) removes it.
 
+Every Ray process a cluster starts carries ``SMOLBENCH_RAY_CLUSTER=<its folder>`` in its
+environment (its workers and their children inherit it from the raylet): that, compared
+exactly, is what marks a process as this cluster's when its strays are killed.
+
 Ray's own ``Cluster`` starts with no authentication on the host's routable address: anyone on
 the network could run tasks as this user. Here every node listens on 127.0.0.1 only and asks
 for a token (``RAY_AUTH_MODE=token``) kept in the cluster's folder (mode 0600); this process,
@@ -43,6 +47,9 @@ AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
 # lives and for what it starts (nodes, kernels), so a plain `ray.init(address=...)` joins it
 SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 BACKENDS = ("auto", "sandbox", "process", "smol")
+# set (to the cluster's folder) for every Ray process the cluster starts, and so inherited by
+# the workers their raylets start: the only thing that makes a process one of that cluster's
+MARK_ENV = "SMOLBENCH_RAY_CLUSTER"
 T = TypeVar("T")
 
 
@@ -123,11 +130,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3) -> T:
-    """Start a node, again if it still timed out (see :func:`_patient`)."""
+def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tries: int = 3, *,
+           mark: str | None = None) -> T:
+    """Start a node, again if it still timed out (see :func:`_patient`); with ``mark``, what it
+    starts is marked as that cluster's (``MARK_ENV=mark``)."""
     for attempt in range(tries):
         try:
-            with _patient():
+            with _patient(), _marked(mark):
                 return start()
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == tries - 1:
@@ -135,6 +144,26 @@ def _again(start: Callable[[], T], cleanup: Callable[[], None] | None = None, tr
             if cleanup is not None:
                 cleanup()
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _marked(mark: str | None) -> Iterator[None]:
+    """``MARK_ENV=mark`` in this process's environment while a node starts: Ray starts the head's
+    processes (GCS, monitors) and each raylet with this process's environment, and a raylet's
+    workers (``ray::IDLE``, node agents, a process node's kernels) inherit the raylet's. Only
+    for the start: a kernel or tool this process starts later is not the cluster's."""
+    if mark is None:
+        yield
+        return
+    was = os.environ.get(MARK_ENV)
+    os.environ[MARK_ENV] = mark
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(MARK_ENV, None)
+        else:
+            os.environ[MARK_ENV] = was
 
 
 # The head's GCS declares a node dead after `health_check_failure_threshold` failed checks in a
@@ -165,6 +194,7 @@ class LocalCluster:
         base = base or ("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir())
         self.swept = sweep_killed(base)
         self.dir = _rundir.make(base, prefix=PREFIX)  # its owner recorded (pid and start time) for that sweep
+        self.mark = _mark_of(self.dir)
         self._old_tmp = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = str(self.dir)  # Ray's `auto` address file goes here, not to a shared /tmp/ray
         (self.dir / "ray").mkdir()
@@ -182,7 +212,7 @@ class LocalCluster:
         try:
             self._cluster = _again(lambda: Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "node_ip_address": LOOPBACK, "temp_dir": str(self.dir / "ray"), "object_store_memory": OBJECT_STORE,
-                "include_dashboard": False, "resources": {}, "_system_config": HEALTH_CHECK}), self._kill_strays)
+                "include_dashboard": False, "resources": {}, "_system_config": HEALTH_CHECK}), self._kill_strays, mark=self.mark)
             for i in range(nodes):
                 self.add_node(slots=slots, cpus=cpus, backend=backends[i % len(backends)])
             self.replace_lost()
@@ -205,7 +235,7 @@ class LocalCluster:
             resources[f"smolbench_backend_{backend}"] = 1.0
         node = _again(lambda: self._cluster.add_node(num_cpus=cpus, node_ip_address=LOOPBACK, resources=resources,
                                                      object_store_memory=OBJECT_STORE,
-                                                     env_vars={**self.env, "SMOLBENCH_NODE_DIR": str(folder)}))
+                                                     env_vars={**self.env, "SMOLBENCH_NODE_DIR": str(folder)}), mark=self.mark)
         self.node_dirs.append(folder)
         self.nodes.append(node)
         self._asked[node.node_id] = (slots, cpus, backend)
@@ -280,7 +310,7 @@ class LocalCluster:
 
     def _kill_strays(self) -> None:
         """Ray processes of this cluster that outlived it (a node that timed out while starting)."""
-        _kill_marked(self.dir)
+        _kill_marked(self.mark)
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -293,14 +323,25 @@ def sweep_killed(base: str) -> list[Path]:
     """Remove the folders in ``base`` of local clusters whose process is gone (kill -9: no stop,
     no atexit), their Ray processes still dying first; a live owner's, another user's, or one
     without an owner record (made before owners were recorded) is never touched."""
-    return _rundir.sweep(base, prefix=PREFIX, before=_kill_marked)
+    return _rundir.sweep(base, prefix=PREFIX, before=lambda folder: _kill_marked(_mark_of(folder)))
 
 
-def _kill_marked(folder: Path) -> None:
-    """Kill Ray processes of the cluster in ``folder`` and wait until they are gone: a worker still
-    dying may write its session folder again. Workers rename themselves (``ray::IDLE``): theirs is
-    found in their environment (readable only for this user's processes)."""
-    mark = str(folder).encode()
+def _mark_of(folder: Path) -> str:
+    """The value of MARK_ENV for the cluster in ``folder``: its absolute path, links in its base
+    resolved (a cluster made under a relative or linked base is found by a sweep of the real
+    one), never in its own name (a swept folder swapped for a link to another cluster's would
+    name that one)."""
+    return os.path.join(os.path.realpath(folder.parent), folder.name)
+
+
+def _kill_marked(mark: str) -> None:
+    """Kill this user's processes marked as the cluster's (``MARK_ENV=mark`` in their environment,
+    compared exactly) and wait until they are gone: a worker still dying may write its session
+    folder again. Nothing else is: not a process of another cluster whose folder's name starts
+    with this one's (``sbray-q`` and ``sbray-qlivecl1``), nor one that merely names a file in the
+    folder on its command line (``tail -f``, an editor); matching the folder's path as a plain
+    substring of command lines and environments killed both (an audit)."""
+    needle = f"{MARK_ENV}={mark}".encode()
     killed = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -308,8 +349,7 @@ def _kill_marked(folder: Path) -> None:
         with contextlib.suppress(OSError):
             if entry.stat().st_uid != os.getuid():  # never another user's
                 continue
-            cmdline = (entry / "cmdline").read_bytes()
-            if mark in cmdline or (cmdline.startswith(b"ray::") and mark in (entry / "environ").read_bytes()):
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed.append(entry)
     deadline = time.monotonic() + 10
