@@ -31,6 +31,7 @@ SOON = 0.05  # a machine came or went: write now, unless the last write was this
 FORMAT = 1
 DIRNAME = "smolbench"
 MAX_RECORD_BYTES = 4 << 20
+KERNEL_VAR = "SMOLBENCH_KERNEL"  # in a machine's host process: "<kernel pid>.<its start time>" (kernel_mark)
 ENVIRON_LIMIT = 4 << 20  # bytes of a process's environment read, at most (Linux caps it near 2 MB)
 KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -49,6 +50,12 @@ def proc_start(pid: int) -> int | None:
     if not fields or fields[0] == b"Z":
         return None
     return int(fields[19])
+
+
+def kernel_mark() -> str:
+    """This process's mark for the machines it starts (``KERNEL_VAR``): its pid and start time,
+    which a record of it publishes too (``started_machine`` compares them)."""
+    return f"{os.getpid()}.{proc_start(os.getpid())}"
 
 
 def alive(pid: Any, start: Any) -> bool:
@@ -250,19 +257,27 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def started_machine(pid: int, start: Any, names: set[str]) -> bool:
+def started_machine(pid: int, start: Any, names: set[str], kernel_pid: Any, kernel_start: Any) -> bool:
     """Whether process ``pid`` (started at ``start``) is one smolbench started for one of the
-    machines ``names``: a session of its own, and ``SMOLBENCH_MACHINE=NAME`` in the environment
-    it was started with (the sandbox's bwrap and the process backend's keeper both get it, and
-    never change it). A record's pid and start time alone named any process of the user's."""
+    machines ``names`` of the kernel ``kernel_pid`` (started at ``kernel_start``), now dead: a
+    session of its own, and ``SMOLBENCH_MACHINE=NAME`` and ``SMOLBENCH_KERNEL=PID.START`` in the
+    environment it was started with (the sandbox's bwrap and the process backend's keeper get
+    both, and never change them). A record's pid and start time alone named any process of the
+    user's; its machine name alone (every kernel's first machine is ``root``) named another,
+    live, kernel's machine."""
+    numbers = all(isinstance(n, int) and not isinstance(n, bool) for n in (kernel_pid, kernel_start))
+    if not numbers or alive(kernel_pid, kernel_start) or not alive(pid, start):
+        return False  # (a live kernel's pid as text is not alive(), and would spell its mark)
     try:
+        if os.getsid(pid) != pid:
+            return False
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = set(fh.read(ENVIRON_LIMIT).split(b"\0"))
-        own_session = os.getsid(pid) == pid
     except OSError:
         return False
     marked = any(f"SMOLBENCH_MACHINE={n}".encode() in env for n in names)
-    return marked and own_session and alive(pid, start)  # (still that process once read)
+    own = f"{KERNEL_VAR}={kernel_pid}.{kernel_start}".encode() in env
+    return marked and own and alive(pid, start)  # (still that process once read)
 
 
 def read_records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:

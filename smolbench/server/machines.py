@@ -4,8 +4,8 @@ A live kernel is asked to delete its own machine (the server runs ``%smol delete
 in it, silently, through the kernel manager), so its Workbench, tree and ledger stay
 true. A machine whose kernel is dead has no Workbench left to ask: the server kills the
 host process the kernel published for it (after checking, by start time, that the pid
-still names that process, and that smolbench started it for that machine:
-``registry.started_machine``).
+still names that process, and that smolbench started it for that machine of that kernel,
+now dead: ``registry.started_machine``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
                 "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
                 "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
                 "killable": orphaned and not unverified and registry.started_machine(
-                    m["pid"], m.get("pid_start"), _sharing(rec, m["pid"])), **_node(m),
+                    m["pid"], m.get("pid_start"), _sharing(rec, m["pid"]), rec.get("pid"), rec.get("pid_start")),
+                **_node(m),
             })
         recorded_nb = rec.get("notebook") if isinstance(rec.get("notebook"), str) else None
         if orphaned and not machines:
@@ -211,7 +212,7 @@ async def kill_orphan(path: Path, rec: dict[str, Any], machine: dict[str, Any]) 
                 "message": f"{machine['id']}'s backend published no host process, so it can't be killed from here"}
     if pid in (os.getpid(), 1) or not registry.alive(pid, start):
         gone = True
-    elif not registry.started_machine(pid, start, _sharing(rec, pid)):
+    elif not registry.started_machine(pid, start, _sharing(rec, pid), rec.get("pid"), rec.get("pid_start")):
         return {"action": "none", "ok": False,
                 "message": f"{machine['id']}'s host process {pid} is not a machine smolbench started (its record "
                            "names another process): left alone"}
