@@ -248,7 +248,7 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             page.screenshot(path=str(ARTIFACTS / "labext_lab_dark.png"))
 
             # kill -9 notebook b's kernel: its machines die with it (pdeathsig) and leave the list
-            recs = registry.read_records(lab["runtime"] / registry.DIRNAME)
+            recs = list(registry.read_records(lab["runtime"] / registry.DIRNAME))
             assert len(recs) == 1, recs
             kernel_pid = recs[0][1]["pid"]
             machine_pids = {m["pid"] for m in recs[0][1]["machines"]}

@@ -534,7 +534,8 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         busy.stop_channels()
 
         _execute(km, jp_asyncio_loop, "%smol down")
-        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": [], "dead": []}
+        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": [], "dead": [],
+                                     "skipped": []}
     finally:
         jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
 
