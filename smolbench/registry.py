@@ -10,7 +10,10 @@ a file. The record holds the kernel's pid and start time so readers can tell a d
 a reused pid) from a live one.
 
 Only the kernel writes here; the server (``smolbench.server``) reads and may remove a
-record whose kernel and machines are all gone.
+record whose kernel and machines are all gone. Anyone who can write the folder can craft a
+record, so reading one is bounded (its size, its machines, the files read per listing) and a
+machine it names is killable only when that process carries its kernel's own mark
+(``started_machine``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,22 @@ WRITE_EVERY = 0.2  # seconds between rewrites for status changes (a 64-branch fo
 SOON = 0.05  # a machine came or went: write now, unless the last write was this recent
 FORMAT = 1
 DIRNAME = "smolbench"
-MAX_RECORD_BYTES = 4 << 20
+# What a crafted record may cost a listing. A kernel holds its kept machines (max_alive: at most
+# 1024) and the branches of its forks (gate.limits.MAX_BRANCHES = 1024 each, a fork per machine at once):
+# 4096 is four such forks alive together, more than a host holds. A machine's entry is ~350-450
+# bytes (a cluster's node ids included), so 512 each is 2 MiB; parsing 2 MiB of the smallest
+# containers (`[{},...]`) costs ~33x that, so a record with more `{`/`[` than a real one has is
+# refused before it is parsed (the rest, strings and numbers, costs at most ~12x: ~25 MiB, once:
+# records are read one at a time). A server has tens of kernels: 256 record files are read per
+# listing (the first by name), at most 8 MiB of them (4 full records), out of the first 4096
+# names in the folder. Whatever is over a cap is not read and said in ``skipped``.
+MAX_MACHINES = 4096  # 4 x MAX_BRANCHES (not imported: the server imports this module alone)
+MAX_RECORD_BYTES = MAX_MACHINES * 512
+MAX_CONTAINERS = MAX_MACHINES + 64  # `{` and `[` bytes in a record: itself, its list, one per machine (+ text)
+MAX_RECORDS = 256
+MAX_LISTING_BYTES = 4 * MAX_RECORD_BYTES
+MAX_NAMES = 16 * MAX_RECORDS
+KERNEL_VAR = "SMOLBENCH_KERNEL"  # in a machine's host process: "<kernel pid>.<its start time>" (kernel_mark)
 ENVIRON_LIMIT = 4 << 20  # bytes of a process's environment read, at most (Linux caps it near 2 MB)
 KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -49,6 +68,12 @@ def proc_start(pid: int) -> int | None:
     if not fields or fields[0] == b"Z":
         return None
     return int(fields[19])
+
+
+def kernel_mark() -> str:
+    """This process's mark for the machines it starts (``KERNEL_VAR``): its pid and start time,
+    which a record of it publishes too (``started_machine`` compares them)."""
+    return f"{os.getpid()}.{proc_start(os.getpid())}"
 
 
 def alive(pid: Any, start: Any) -> bool:
@@ -233,8 +258,14 @@ def _set_aside(path: Path) -> None:
 
 
 def _read_json(path: Path) -> Any:
-    """A record file's JSON, or None: read only from a plain file (never through a link, never
-    blocking on a fifo) of at most MAX_RECORD_BYTES."""
+    """A record file's JSON, or None (see ``_read_bytes`` and ``_parse``)."""
+    data = _read_bytes(path, [])
+    return None if data is None else _parse(path.name, data, [])
+
+
+def _read_bytes(path: Path, refused: list[str]) -> bytes | None:
+    """A record file's bytes, or None: read only from a plain file (never through a link, never
+    blocking on a fifo) of at most MAX_RECORD_BYTES (a larger one is said in ``refused``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -242,39 +273,91 @@ def _read_json(path: Path) -> Any:
     try:
         with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+            if not stat.S_ISREG(st.st_mode):
                 return None
-            data = fh.read(MAX_RECORD_BYTES + 1)
-        return json.loads(data) if len(data) <= MAX_RECORD_BYTES else None
-    except (OSError, ValueError, RecursionError):
+            data = fh.read(MAX_RECORD_BYTES + 1) if st.st_size <= MAX_RECORD_BYTES else None
+    except OSError:
+        return None
+    if data is None or len(data) > MAX_RECORD_BYTES:
+        refused.append(f"{path.name}: over {MAX_RECORD_BYTES >> 20} MiB, not read")
+        return None
+    return data
+
+
+def _parse(name: str, data: bytes, refused: list[str]) -> Any:
+    """A record's JSON, or None: malformed, or holding more objects and lists (MAX_CONTAINERS)
+    than a record of MAX_MACHINES has (said in ``refused``: parsed, `[{},{},...]` costs ~33x its size)."""
+    if data.count(b"{") + data.count(b"[") > MAX_CONTAINERS:
+        refused.append(f"{name}: more than the {MAX_MACHINES} machines a kernel has, not read")
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
         return None
 
 
-def started_machine(pid: int, start: Any, names: set[str]) -> bool:
+def started_machine(pid: int, start: Any, names: set[str], kernel_pid: Any, kernel_start: Any) -> bool:
     """Whether process ``pid`` (started at ``start``) is one smolbench started for one of the
-    machines ``names``: a session of its own, and ``SMOLBENCH_MACHINE=NAME`` in the environment
-    it was started with (the sandbox's bwrap and the process backend's keeper both get it, and
-    never change it). A record's pid and start time alone named any process of the user's."""
+    machines ``names`` of the kernel ``kernel_pid`` (started at ``kernel_start``), now dead: a
+    session of its own, and ``SMOLBENCH_MACHINE=NAME`` and ``SMOLBENCH_KERNEL=PID.START`` in the
+    environment it was started with (the sandbox's bwrap and the process backend's keeper get
+    both, and never change them). A record's pid and start time alone named any process of the
+    user's; its machine name alone (every kernel's first machine is ``root``) named another,
+    live, kernel's machine."""
+    numbers = all(isinstance(n, int) and not isinstance(n, bool) for n in (kernel_pid, kernel_start))
+    if not numbers or alive(kernel_pid, kernel_start) or not alive(pid, start):
+        return False  # (a live kernel's pid as text is not alive(), and would spell its mark)
     try:
+        if os.getsid(pid) != pid:
+            return False
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = set(fh.read(ENVIRON_LIMIT).split(b"\0"))
-        own_session = os.getsid(pid) == pid
     except OSError:
         return False
     marked = any(f"SMOLBENCH_MACHINE={n}".encode() in env for n in names)
-    return marked and own_session and alive(pid, start)  # (still that process once read)
+    own = f"{KERNEL_VAR}={kernel_pid}.{kernel_start}".encode() in env
+    return marked and own and alive(pid, start)  # (still that process once read)
 
 
-def read_records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """Every well-formed record in ``folder`` (malformed, oversized or other than plain files
-    are skipped)."""
-    out: list[tuple[Path, dict[str, Any]]] = []
+def _names(folder: Path, skipped: list[str]) -> list[str]:
+    """The names of the first MAX_RECORDS record files in ``folder`` (by name), of its first MAX_NAMES entries."""
+    names: list[str] = []
     try:
-        entries = sorted(folder.glob("kernel-*.json"))
+        with os.scandir(folder) as entries:
+            for i, entry in enumerate(entries):
+                if i == MAX_NAMES:
+                    skipped.append(f"the folder holds more than {MAX_NAMES} entries: the rest were not looked at")
+                    break
+                if entry.name.startswith("kernel-") and entry.name.endswith(".json"):
+                    names.append(entry.name)
     except OSError:
-        return out
-    for path in entries:
-        data = _read_json(path)
+        return []
+    names.sort()
+    if len(names) > MAX_RECORDS:
+        skipped.append(f"{len(names) - MAX_RECORDS} record files past the first {MAX_RECORDS} (by name) were not read")
+    return names[:MAX_RECORDS]
+
+
+def read_records(folder: Path, skipped: list[str] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every well-formed record in ``folder``, one at a time (a caller that drops each before
+    the next holds one record at most; malformed ones and other than plain files are skipped).
+    Within the caps (MAX_RECORDS files, MAX_LISTING_BYTES in all, MAX_MACHINES each): what is
+    over one is not read, and said in ``skipped``."""
+    skipped = [] if skipped is None else skipped
+    spent = 0
+    for name in _names(folder, skipped):
+        raw = _read_bytes(folder / name, skipped)
+        if raw is None:
+            continue
+        spent += len(raw)
+        if spent > MAX_LISTING_BYTES:
+            skipped.append(f"{name} and the records after it: past the {MAX_LISTING_BYTES >> 20} MiB a listing reads")
+            return
+        data = _parse(name, raw, skipped)
+        del raw
         if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("machines"), list):
-            out.append((path, data))
-    return out
+            if len(data["machines"]) > MAX_MACHINES:
+                skipped.append(f"{name}: more than the {MAX_MACHINES} machines a kernel has, not read")
+            else:
+                yield folder / name, data
+        del data  # (not held while the next one is parsed)

@@ -248,7 +248,7 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
             page.screenshot(path=str(ARTIFACTS / "labext_lab_dark.png"))
 
             # kill -9 notebook b's kernel: its machines die with it (pdeathsig) and leave the list
-            recs = registry.read_records(lab["runtime"] / registry.DIRNAME)
+            recs = list(registry.read_records(lab["runtime"] / registry.DIRNAME))
             assert len(recs) == 1, recs
             kernel_pid = recs[0][1]["pid"]
             machine_pids = {m["pid"] for m in recs[0][1]["machines"]}
@@ -263,12 +263,12 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
 
             # an orphan: a machine whose host process outlived its dead kernel (as a microVM
             # run by its own engine can). A real process stands in for it, marked as a machine is.
-            orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
-                                      env={**os.environ, "SMOLBENCH_MACHINE": "root"})
+            dead = subprocess.Popen([sys.executable, "-c", "pass"])  # its kernel
+            dead_start = registry.proc_start(dead.pid)
+            dead.wait()
+            orphan = subprocess.Popen(["sleep", "300"], start_new_session=True, env={
+                **os.environ, "SMOLBENCH_MACHINE": "root", "SMOLBENCH_KERNEL": f"{dead.pid}.{dead_start}"})
             try:
-                dead = subprocess.Popen([sys.executable, "-c", "pass"])
-                dead_start = registry.proc_start(dead.pid)
-                dead.wait()
                 registry.write_atomic(lab["runtime"] / registry.DIRNAME / "kernel-0rphan.json", {
                     "format": 1, "kernel_id": "0rphan", "pid": dead.pid, "pid_start": dead_start,
                     "cwd": str(lab["root"]), "backend": "process", "session": "s", "active": "root",

@@ -379,11 +379,11 @@ def _dead_pid() -> tuple[int, int | None]:
 
 def test_orphans_of_a_dead_kernel_are_shown_and_killed(call: Any, jp_serverapp: Any, tmp_path: Path) -> None:
     folder = Path(jp_serverapp.kernel_manager.connection_dir) / registry.DIRNAME
-    machine = subprocess.Popen(["sleep", "300"], start_new_session=True,  # stands in for a sandbox
-                               env={**os.environ, "SMOLBENCH_MACHINE": "root"})
+    kpid, kstart = _dead_pid()
+    machine = subprocess.Popen(["sleep", "300"], start_new_session=True,  # stands in for a sandbox of that kernel
+                               env={**os.environ, "SMOLBENCH_MACHINE": "root", "SMOLBENCH_KERNEL": f"{kpid}.{kstart}"})
     child = subprocess.Popen(["sleep", "301"], start_new_session=False)
     try:
-        kpid, kstart = _dead_pid()
         mstart = registry.proc_start(machine.pid)
         rec = {"format": 1, "kernel_id": "deadbeef-0000", "pid": kpid, "pid_start": kstart, "cwd": "/x",
                "backend": "process", "session": "s9", "active": "root", "updated": time.time(),
@@ -534,7 +534,8 @@ def test_live_machines_of_a_real_kernel_and_delete_through_it(call: Any, jp_serv
         busy.stop_channels()
 
         _execute(km, jp_asyncio_loop, "%smol down")
-        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": [], "dead": []}
+        assert call("machines")[1] == {"kernels": [], "machines": 0, "orphaned": 0, "backends": [], "dead": [],
+                                     "skipped": []}
     finally:
         jp_asyncio_loop.run_until_complete(mkm.shutdown_kernel(kid))
 

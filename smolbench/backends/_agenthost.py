@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .. import gate
+from .. import gate, registry
 from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
@@ -140,6 +140,7 @@ class AgentHostBackend(Saving, Backend):
         env.update(_limits.thread_env(spec))
         env.update(spec.env_dict)
         env["SMOLBENCH_MACHINE"] = name
+        env[registry.KERNEL_VAR] = registry.kernel_mark()  # whose it is: the server kills only a dead kernel's
         env.pop("PYTHONPATH", None)
         return env
 

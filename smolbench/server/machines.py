@@ -4,8 +4,8 @@ A live kernel is asked to delete its own machine (the server runs ``%smol delete
 in it, silently, through the kernel manager), so its Workbench, tree and ledger stay
 true. A machine whose kernel is dead has no Workbench left to ask: the server kills the
 host process the kernel published for it (after checking, by start time, that the pid
-still names that process, and that smolbench started it for that machine:
-``registry.started_machine``).
+still names that process, and that smolbench started it for that machine of that kernel,
+now dead: ``registry.started_machine``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _whole(value: Any) -> int | None:
+    """An int of a record (a pid, a start time), else None: a key of the look-ups kept per listing."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _node(m: dict[str, Any]) -> dict[str, Any]:
     """A cluster machine's node (id, host, backend kind, lost) as the record says; None off a cluster."""
     def text(key: str, limit: int) -> str | None:
@@ -55,62 +60,86 @@ def snapshot(folder: Path, known: set[str], notebooks: dict[str, str],
     ``known`` is the kernel ids the server runs, ``notebooks`` maps kernel id to the path
     of the notebook its session belongs to. Records of dead kernels whose machines are
     all gone are removed, and remembered in ``dead`` (the server's own dict, kept between
-    calls) for DEAD_KEEP_S, so the sidebar can say that kernel died.
+    calls) for DEAD_KEEP_S, so the sidebar can say that kernel died. Records are read one
+    at a time, within ``registry``'s caps; what was not read is said in ``skipped``.
     """
     dead = {} if dead is None else dead
     now = time.time()
     groups: list[dict[str, Any]] = []
-    for path, rec in registry.read_records(folder):
-        kid = str(rec.get("kernel_id", ""))[:128]
-        kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
-        if kernel_alive and kid not in known:
-            continue  # another server's kernel (or a kernel outside Jupyter): not ours to show
-        orphaned = not kernel_alive
-        machines = []
-        for m in rec["machines"]:
-            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
-                continue
-            # A machine with no host process of its own (a microVM run by smol's engine) can't be
-            # checked from here: listed as "unverified" for a day after its kernel died, not killable.
-            unverified = orphaned and not isinstance(m.get("pid"), int)
-            if unverified and now - (_num(rec.get("updated")) or 0) > UNVERIFIED_KEEP_S:
-                continue
-            if orphaned and not unverified and not registry.alive(m.get("pid"), m.get("pid_start")):
-                continue
-            created = _num(m.get("created"))
-            used, how = registry.memory_mib(m.get("agent_pid"), m.get("agent_start"))
-            machines.append({
-                "id": m["id"][:128], "parent": m.get("parent") if isinstance(m.get("parent"), str) else None,
-                "backend": str(m.get("backend", ""))[:32], "uptime_s": round(now - created, 1) if created else None,
-                "memory_mib": _num(m.get("memory_mib")), "cpus": _num(m.get("cpus")),
-                "memory_used_mib": used, "memory_measure": how,
-                "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
-                "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
-                "killable": orphaned and not unverified and registry.started_machine(
-                    m["pid"], m.get("pid_start"), _sharing(rec, m["pid"])), **_node(m),
-            })
-        recorded_nb = rec.get("notebook") if isinstance(rec.get("notebook"), str) else None
-        if orphaned and not machines:
-            with contextlib.suppress(OSError):
-                path.unlink()  # its kernel and every machine are gone: nothing left to show
-                dead[path.name] = {"kernel_id": kid, "notebook": recorded_nb, "cwd": str(rec.get("cwd", ""))[:1000],
-                                    "machines": len(rec["machines"]), "at": now}
-            continue
-        active = rec.get("active") if isinstance(rec.get("active"), str) else None
-        groups.append({
-            "kernel_id": kid, "record": path.name, "notebook": notebooks.get(kid) if kernel_alive else recorded_nb,
-            "active": active if any(m["id"] == active for m in machines) else None,
-            "cwd": str(rec.get("cwd", ""))[:1000], "backend": str(rec.get("backend", ""))[:32],
-            "session": str(rec.get("session", ""))[:64], "kernel_alive": kernel_alive,
-            "orphaned": orphaned, "updated": _num(rec.get("updated")), "machines": machines,
-        })
+    skipped: list[str] = []
+    measured: dict[tuple[Any, Any], tuple[float | None, str]] = {}  # a crafted record names one process 4096 times
+    for path, rec in registry.read_records(folder, skipped):
+        group = _group(path, rec, known, notebooks, dead, now, measured)
+        del rec  # (not held while the next one is parsed)
+        if group is not None:
+            groups.append(group)
     groups.sort(key=lambda g: (g["orphaned"], g["notebook"] or g["cwd"], g["kernel_id"]))
     live = [m for g in groups if not g["orphaned"] for m in g["machines"]]
     backends = sorted({g["backend"] for g in groups if not g["orphaned"] and g["machines"]})
     for name in [n for n, d in dead.items() if now - d["at"] > DEAD_KEEP_S]:
         del dead[name]
+    for name in sorted(dead, key=lambda n: dead[n]["at"])[:max(0, len(dead) - registry.MAX_RECORDS)]:
+        del dead[name]  # (kept between listings: crafted records swept at every listing add up)
     return {"kernels": groups, "machines": len(live), "orphaned": sum(len(g["machines"]) for g in groups if g["orphaned"]),
-            "backends": backends, "dead": sorted(dead.values(), key=lambda d: d["at"])}
+            "backends": backends, "dead": sorted(dead.values(), key=lambda d: d["at"]), "skipped": skipped}
+
+
+def _group(path: Path, rec: dict[str, Any], known: set[str], notebooks: dict[str, str],
+           dead: dict[str, dict[str, Any]], now: float,
+           measured: dict[tuple[Any, Any], tuple[float | None, str]]) -> dict[str, Any] | None:
+    """One record's kernel and machines for the listing (None: not shown)."""
+    kid = str(rec.get("kernel_id", ""))[:128]
+    kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
+    if kernel_alive and kid not in known:
+        return None  # another server's kernel (or a kernel outside Jupyter): not ours to show
+    orphaned = not kernel_alive
+    sharing = _by_pid(rec)
+    killable: dict[tuple[Any, Any], bool] = {}  # one look at each host process, not one per machine it holds
+    machines = []
+    for m in rec["machines"]:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            continue
+        # A machine with no host process of its own (a microVM run by smol's engine) can't be
+        # checked from here: listed as "unverified" for a day after its kernel died, not killable.
+        unverified = orphaned and not isinstance(m.get("pid"), int)
+        if unverified and now - (_num(rec.get("updated")) or 0) > UNVERIFIED_KEEP_S:
+            continue
+        if orphaned and not unverified and not registry.alive(m.get("pid"), m.get("pid_start")):
+            continue
+        host = (_whole(m.get("pid")), _whole(m.get("pid_start")))
+        if orphaned and not unverified and host not in killable:
+            killable[host] = registry.started_machine(m["pid"], host[1], sharing.get(m["pid"], set()),
+                                                      rec.get("pid"), rec.get("pid_start"))
+        agent = (_whole(m.get("agent_pid")), _whole(m.get("agent_start")))
+        if agent not in measured:
+            measured[agent] = registry.memory_mib(*agent)
+        used, how = measured[agent]
+        created = _num(m.get("created"))
+        machines.append({
+            "id": m["id"][:128], "parent": m.get("parent") if isinstance(m.get("parent"), str) else None,
+            "backend": str(m.get("backend", ""))[:32], "uptime_s": round(now - created, 1) if created else None,
+            "memory_mib": _num(m.get("memory_mib")), "cpus": _num(m.get("cpus")),
+            "memory_used_mib": used, "memory_measure": how,
+            "status": str(m.get("status") or "")[:16], "reward": _num(m.get("reward")),
+            "active": m["id"] == rec.get("active"), "orphaned": orphaned, "unverified": unverified,
+            "killable": orphaned and not unverified and killable[host], **_node(m),
+        })
+    notebook = rec.get("notebook")
+    recorded_nb = notebook[:1000] if isinstance(notebook, str) else None
+    if orphaned and not machines:
+        with contextlib.suppress(OSError):
+            path.unlink()  # its kernel and every machine are gone: nothing left to show
+            dead[path.name] = {"kernel_id": kid, "notebook": recorded_nb, "cwd": str(rec.get("cwd", ""))[:1000],
+                               "machines": len(rec["machines"]), "at": now}
+        return None
+    active = rec.get("active") if isinstance(rec.get("active"), str) else None
+    return {
+        "kernel_id": kid, "record": path.name, "notebook": notebooks.get(kid) if kernel_alive else recorded_nb,
+        "active": active if any(m["id"] == active for m in machines) else None,
+        "cwd": str(rec.get("cwd", ""))[:1000], "backend": str(rec.get("backend", ""))[:32],
+        "session": str(rec.get("session", ""))[:64], "kernel_alive": kernel_alive,
+        "orphaned": orphaned, "updated": _num(rec.get("updated")), "machines": machines,
+    }
 
 
 def find(folder: Path, kernel_id: str, node_id: str,
@@ -119,19 +148,21 @@ def find(folder: Path, kernel_id: str, node_id: str,
     of a dead one (a restarted kernel keeps its id) when ``orphaned``; None: live first."""
     if not NODE_ID.fullmatch(node_id):
         raise NotFound(f"{node_id!r} is not a machine id (like root or root.7.2)")
-    hits = []
+    hit = None  # the first of a dead kernel's records, kept (one record: never all of them) until a live one
     for path, rec in registry.read_records(folder):
         if rec.get("kernel_id") != kernel_id:
             continue
-        if orphaned is not None and orphaned == registry.alive(rec.get("pid"), rec.get("pid_start")):
+        kernel_alive = registry.alive(rec.get("pid"), rec.get("pid_start"))
+        if orphaned is not None and orphaned == kernel_alive:
             continue
-        for m in rec["machines"]:
-            if isinstance(m, dict) and m.get("id") == node_id:
-                hits.append((path, rec, m))
-    if not hits:
+        machine = next((m for m in rec["machines"] if isinstance(m, dict) and m.get("id") == node_id), None)
+        if machine is not None and kernel_alive:
+            return path, rec, machine
+        if machine is not None and hit is None:
+            hit = (path, rec, machine)
+    if hit is None:
         raise NotFound(f"kernel {kernel_id} has no machine {node_id!r} (it may be gone already: refresh)")
-    hits.sort(key=lambda h: not registry.alive(h[1].get("pid"), h[1].get("pid_start")))
-    return hits[0]
+    return hit
 
 
 def ledger_owner(folder: Path, known: set[str], ledger: Path) -> str | None:
@@ -178,9 +209,14 @@ async def ask_kernel(kernel_manager: Any, kernel_id: str, node_id: str, command:
             "message": f"asked kernel {kernel_id[:8]} to {verb} {node_id}: {said or 'done'}"}
 
 
-def _sharing(rec: dict[str, Any], pid: Any) -> set[str]:
-    """The ids of a record's machines held by host process ``pid`` (a root and its branches)."""
-    return {m["id"] for m in rec["machines"] if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("pid") == pid}
+def _by_pid(rec: dict[str, Any]) -> dict[int, set[str]]:
+    """The ids of a record's machines by the host process holding them (a root and its
+    branches share one): built once per record (once per machine was quadratic)."""
+    out: dict[int, set[str]] = {}
+    for m in rec["machines"]:
+        if isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("pid"), int):
+            out.setdefault(m["pid"], set()).add(m["id"])
+    return out
 
 
 def _descendants(pid: int) -> list[int]:
@@ -211,7 +247,7 @@ async def kill_orphan(path: Path, rec: dict[str, Any], machine: dict[str, Any]) 
                 "message": f"{machine['id']}'s backend published no host process, so it can't be killed from here"}
     if pid in (os.getpid(), 1) or not registry.alive(pid, start):
         gone = True
-    elif not registry.started_machine(pid, start, _sharing(rec, pid)):
+    elif not registry.started_machine(pid, start, _by_pid(rec).get(pid, set()), rec.get("pid"), rec.get("pid_start")):
         return {"action": "none", "ok": False,
                 "message": f"{machine['id']}'s host process {pid} is not a machine smolbench started (its record "
                            "names another process): left alone"}
