@@ -291,6 +291,18 @@ def test_sidebar_machines_checkpoints_runs_and_orphans(lab: dict[str, Any]) -> N
                 orphan.kill()
                 orphan.wait()
 
+            # a registry file over the cap (anyone who can write the folder can make one): not
+            # read, and said in one line above the machines, not a blank or a hung list
+            huge = lab["runtime"] / registry.DIRNAME / "kernel-huge.json"
+            huge.write_bytes(b" " * (registry.MAX_RECORD_BYTES + 1))
+            try:
+                expect(panel.locator(".sb-machines .sb-problem")).to_have_text(
+                    f"machine registry: kernel-huge.json: over {registry.MAX_RECORD_BYTES >> 20} MiB, not read",
+                    timeout=15_000)
+            finally:
+                huge.unlink()
+            expect(panel.locator(".sb-machines .sb-problem")).to_have_count(0, timeout=15_000)
+
             # a corrupt ledger: one line in the panel, nothing blank
             _open(page, lab, "broken/c.ipynb")
             panel = page.locator("#smolbench-panel")

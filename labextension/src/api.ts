@@ -54,6 +54,8 @@ export interface IMachines {
   orphaned: number;
   backends: string[];
   dead?: IDeadKernel[];
+  /** Registry files over a cap, not read (each one line, the server's words). */
+  skipped?: string[];
 }
 
 export interface ICheckpoint {

@@ -11,6 +11,7 @@ import { IKernelGroup, IMachine, IMachines } from './api';
 import { basename, button, duration, el, memory } from './format';
 
 const TAIL = 10; // characters of a name that always stay visible (its distinguishing end)
+const SKIPPED_SHOWN = 3; // registry files not read, said one line each (the rest counted)
 
 export type DeleteMachine = (group: IKernelGroup, m: IMachine, orphan: boolean) => void;
 
@@ -141,6 +142,13 @@ export function groupSummary(group: IKernelGroup): string {
 export function renderMachines(body: HTMLElement, snap: IMachines, onDelete: DeleteMachine, view?: IGroupView): void {
   const t0 = performance.now();
   body.replaceChildren();
+  const skipped = snap.skipped ?? [];
+  for (const line of skipped.slice(0, SKIPPED_SHOWN)) {
+    body.appendChild(el('div', 'sb-problem', `machine registry: ${line}`));
+  }
+  if (skipped.length > SKIPPED_SHOWN) {
+    body.appendChild(el('div', 'sb-problem', `machine registry: ${skipped.length - SKIPPED_SHOWN} more not read`));
+  }
   if (!snap.kernels.length) {
     body.appendChild(el('div', 'sb-empty', 'No machines: `%smol up` in a notebook starts one.'));
     return;
