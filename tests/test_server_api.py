@@ -325,6 +325,120 @@ def test_a_copied_folders_huge_ledger_is_listed_within_bounds(call: Any, jp_root
     assert listed[0]["name"] == f"c{ledgerview.MAX_LIMIT + 98}"  # the newest first
 
 
+
+def _counted_scandir(monkeypatch: pytest.MonkeyPatch, keep: Any) -> tuple[list[Any], list[str]]:
+    """os.scandir, counted: the folders it was called on, and the entries it yielded that ``keep`` takes."""
+    calls: list[Any] = []
+    entries: list[str] = []
+    real = os.scandir
+
+    class Counted:
+        def __init__(self, it: Any) -> None:
+            self.it = it
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Any:
+            return self
+
+        def __next__(self) -> Any:
+            e = next(self.it)
+            if keep(e.name):
+                entries.append(e.name)
+            return e
+
+        def close(self) -> None:
+            self.it.close()
+
+    def scandir(*args: Any) -> Counted:
+        calls.append(args[0] if args else ".")
+        return Counted(real(*args))
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    return calls, entries
+
+
+def test_files_dropped_into_a_checkpoint_folder_are_listed_within_the_listings_room(
+        call: Any, jp_root_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit (dropped files): 100,000 empty files dropped into a copied folder's checkpoint
+    folder were each listed, on every poll: 37.8 MB of JSON, 7.6-11.6 s, +300 MB, its sort and
+    encoding on the server's loop (every request waited up to 1.78 s). A listing takes dropped
+    files up to its room, looks at a bounded number of the folder's entries, says in one line
+    what it left out, and does all of it off the server's loop."""
+    import threading
+
+    from tornado import escape
+
+    from smolbench.gate.ckptpaths import Store
+    from smolbench.server import handlers
+
+    cdir = jp_root_dir / "copied" / ".smolbench" / "checkpoints"
+    cdir.mkdir(parents=True)
+    for i in range(3000):
+        os.close(os.open(cdir / f"c{i}.smolcheckpoint", os.O_CREAT | os.O_WRONLY, 0o644))
+    monkeypatch.setattr(handlers, "DROPPED_SCAN", 100, raising=False)  # entries looked at past the room
+    _, looked = _counted_scandir(monkeypatch, lambda name: name.startswith("c") and name.endswith(".smolcheckpoint"))
+    opened: list[Any] = []
+    real_open = Store.open
+    monkeypatch.setattr(Store, "open", lambda self, named: (opened.append(named), real_open(self, named))[1])
+    on_loop: list[bool] = []  # for each listing encoded: whether on the server's loop (this thread)
+    real_encode = escape.json_encode
+
+    def encode(value: Any) -> str:
+        if isinstance(value, dict) and "checkpoints" in value:
+            on_loop.append(threading.current_thread() is threading.main_thread())
+        return real_encode(value)
+
+    monkeypatch.setattr(escape, "json_encode", encode)
+    room = ledgerview.MAX_LIMIT
+    for params in ({"path": "copied"}, None):
+        looked.clear(), opened.clear(), on_loop.clear()
+        code, body = call("checkpoints", params=params)
+        assert code == 200, body
+        assert len(body["checkpoints"]) == room and all(c["dropped"] for c in body["checkpoints"])
+        assert len(opened) == room  # each listed file opened once, no other
+        # its scan for dropped files and for misnamed ones, each one entry past to tell the folder has more
+        assert len(looked) <= 2 * (room + 100 + 1), len(looked)
+        assert body["problems"] == [
+            f"copied: {room - 20} dropped checkpoint files not read (a listing reads 20 at most)",
+            "copied: at least 100 more checkpoint files dropped into .smolbench/checkpoints/ are not listed (a listing "
+            f"shows {room} checkpoints at most and looks at {room + 100} entries of a checkpoint folder): "
+            "`%smol checkpoint restore NAME` there still finds one by name"], body["problems"]
+        assert on_loop == [False]
+
+
+def test_the_walk_for_ledgers_stops_at_its_bounds_and_says_so(call: Any, jp_root_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit (max_dirs): find_ledgers' max_dirs only stopped it descending: a copied folder's
+    60,000 folders were all walked (60,002 folders, 2.2 s) by the sidebar's listing. The walk
+    stops once it has looked into max_dirs folders or at MAX_ENTRIES entries (one huge folder's
+    files too), and the listing says it stopped short."""
+    from smolbench.server import paths
+
+    for i in range(300):
+        (jp_root_dir / "copied" / f"d{i:03}").mkdir(parents=True)
+    (jp_root_dir / "copied" / "d299" / ".smolbench" / "checkpoints").mkdir(parents=True)
+    flat = jp_root_dir / "flat"
+    flat.mkdir()
+    for i in range(3000):
+        os.close(os.open(flat / f"f{i}.txt", os.O_CREAT | os.O_WRONLY, 0o644))
+    calls, entries = _counted_scandir(monkeypatch, lambda name: True)
+    result = paths.find_ledgers(jp_root_dir / "copied", max_dirs=50)
+    assert len(calls) <= 50, len(calls)
+    found, cut = result
+    assert found == [] and cut is not None and "(50 folders" in cut, cut
+    monkeypatch.setattr(paths, "MAX_ENTRIES", 1000, raising=False)
+    calls.clear(), entries.clear()
+    assert paths.find_ledgers(flat)[1] is not None
+    assert len(entries) <= 1000 + 1, len(entries)  # one past, to tell there are more
+    assert paths.find_ledgers(jp_root_dir / "copied" / "d000") == ([], None)  # within its bounds: not cut
+    code, body = call("checkpoints")
+    assert code == 200 and any("more than a listing looks through for ledgers" in p for p in body["problems"]), body
+
 ENDPOINTS = [("GET", "machines"), ("DELETE", "machines/k1/root"), ("GET", "checkpoints"),
              ("DELETE", "checkpoints/warm"), ("GET", "ledger/runs"), ("GET", "ledger/sessions"),
              ("GET", "ledger/nodes")]

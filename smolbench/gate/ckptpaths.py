@@ -30,7 +30,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -293,19 +293,50 @@ class Store:
             return []
         return sorted(found)
 
+    def some_names(self, want: int, skip: Container[str | None], limit: int) -> tuple[list[str], int, bool]:
+        """Up to ``want`` of :meth:`names` that ``skip`` doesn't hold, from the folder's first
+        ``limit`` entries at most (the folder's own order; sorted); how many more of them those
+        entries held; and whether the folder has entries past them, not looked at (a copied
+        folder's 100,000 files are not all read, nor kept)."""
+        found: list[str] = []
+        more = 0
+        try:
+            with self._dir() as dfd, os.scandir(dfd) as entries:
+                for seen, e in enumerate(entries):
+                    if seen >= limit:
+                        return sorted(found), more, True
+                    if e.name in skip or not (e.name.endswith(SUFFIX) and valid_name(e.name[: -len(SUFFIX)])) \
+                            or not e.is_file(follow_symlinks=False):
+                        continue
+                    if len(found) < want:
+                        found.append(e.name)
+                    else:
+                        more += 1
+        except (Missing, PathRefused, OSError):
+            return [], 0, False
+        return sorted(found), more, False
+
     def misnamed(self) -> list[str]:
         """Plain files here that look like checkpoints but that :meth:`names` skips (a browser's
         ``NAME (1).smolcheckpoint``, a changed case), sorted."""
+        return self.some_misnamed(None)[0]
+
+    def some_misnamed(self, limit: int | None) -> tuple[list[str], bool]:
+        """:meth:`misnamed` from the folder's first ``limit`` entries at most (None: all), and
+        whether the folder has entries past them, not looked at."""
+        found: list[str] = []
         try:
-            with self._dir() as dfd:
-                with os.scandir(dfd) as entries:
-                    found = [e.name for e in entries
-                             if e.name.lower().endswith(SUFFIX)
-                             and not (e.name.endswith(SUFFIX) and valid_name(e.name[: -len(SUFFIX)]))
-                             and e.is_file(follow_symlinks=False)]
+            with self._dir() as dfd, os.scandir(dfd) as entries:
+                for seen, e in enumerate(entries):
+                    if limit is not None and seen >= limit:
+                        return sorted(found), True
+                    if e.name.lower().endswith(SUFFIX) and not (e.name.endswith(SUFFIX) and
+                                                                valid_name(e.name[: -len(SUFFIX)])) \
+                            and e.is_file(follow_symlinks=False):
+                        found.append(e.name)
         except (Missing, PathRefused, OSError):
-            return []
-        return sorted(found)
+            return [], False
+        return sorted(found), False
 
     @contextlib.contextmanager
     def create(self, fname: str) -> Iterator[int]:

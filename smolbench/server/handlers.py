@@ -26,13 +26,13 @@ from typing import Any
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
-from tornado import web
+from tornado import escape, web
 
 from .. import registry
 from ..gate.ckptpaths import SUFFIX
 from ..gate.ckptpaths import PathRefused as FileRefused
 from ..ledger import UnsafeLedger, guard
-from ..shelf import DROPPED_READ, describe, misnamed_lines
+from ..shelf import DROPPED_READ, DROPPED_SCAN, listed, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
@@ -171,55 +171,68 @@ class CheckpointsHandler(_Base):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        problems: list[str] = []
         if self.get_query_argument("path", None) is not None:
             where = self.folder()
-            dirs = [where] if (where / LEDGER).is_file() or (where / LEDGER.parent / "checkpoints").is_dir() else []
+            dirs = await self.run(lambda: [where] if (where / LEDGER).is_file()
+                                  or (where / LEDGER.parent / "checkpoints").is_dir() else [])
         else:
-            dirs = await self.run(self._ledgers)
-        out: list[dict[str, Any]] = []
-        problems: list[str] = []
-        for d in dirs:
-            rel = relative(self.root, d) or ""
-            odd = ledgerview.odd_ledger(d / LEDGER)
-            if odd is not None:
-                problems.append(f"{rel or '.'}: the ledger {odd}")
-                continue
-            room = ledgerview.MAX_LIMIT - len(out)  # one listing's rows, over all ledgers: a copied folder's 50,000 too
-            try:
-                rows, total = await self.run(ledgerview.checkpoints, d / LEDGER, room) if (d / LEDGER).is_file() \
-                    else ([], 0)
-            except ledgerview.LedgerUnreadable as exc:
-                problems.append(f"{rel or '.'}: the ledger {exc}")
-                continue
-            if total > len(rows):
-                problems.append(f"{rel or '.'}: {total - len(rows)} more checkpoint{'s' if total - len(rows) > 1 else ''} "
-                                f"not listed (a listing shows {ledgerview.MAX_LIMIT} at most, as the notebook's panel does): "
-                                f"`smolbench.Ledger('{rel + '/' if rel else ''}.smolbench/ledger.db').checkpoints()` "
-                                "lists them all")
-            store = checkpoint_store(d)
-            problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
-            unlisted = await self.run(ledgerview.unlisted_paths, d / LEDGER, len(rows)) if total > len(rows) else []
-            described = await self.run(describe, rows, store, False, None, unlisted)
-            unread = sum(1 for r in described if r.get("unread"))
-            if unread:
-                problems.append(f"{rel or '.'}: {unread} dropped checkpoint file{'s' if unread > 1 else ''} not read "
-                                f"(a listing reads {DROPPED_READ} at most)")
-            for r in described:
-                r["dir"] = r["folder"] = rel  # the folder whose ledger lists it ('' for the root)
-                # the file the rule lets it use, as an API path; never a path outside the root
-                r["path"] = f"{rel}/{r['file']}" if rel and r["file"] else (r["file"] or Path(str(r.get("path") or "")).name)
-                r.pop("file", None)
-                out.append(r)
-        out.sort(key=lambda r: -(r.get("created") or 0))
-        self.finish({"checkpoints": out, "problems": problems})
+            dirs, cut = await self.run(self._ledgers)
+            problems += [cut] if cut else []
+        # the whole listing, its sort and its JSON too, off the server's loop: a copied folder is someone else's
+        self.finish(await self.run(_listing, self.root, dirs, problems))
 
-    def _ledgers(self) -> list[Path]:
+    def _ledgers(self) -> tuple[list[Path], str | None]:
         cache = self.settings.setdefault("smolbench_ledger_scan", {})
         if cache.get("at", 0) > time.monotonic() - LEDGER_SCAN_TTL:
-            return list(cache["dirs"])
-        dirs = find_ledgers(self.root)
-        cache.update(at=time.monotonic(), dirs=dirs)
-        return dirs
+            return list(cache["dirs"]), cache["cut"]
+        dirs, cut = find_ledgers(self.root)
+        cache.update(at=time.monotonic(), dirs=dirs, cut=cut)
+        return list(dirs), cut
+
+
+def _listing(root: str, dirs: list[Path], problems: list[str]) -> str:
+    """The checkpoints of the ledgers in ``dirs``, and the files dropped into their checkpoint
+    folders, as the JSON the sidebar reads: at most MAX_LIMIT of them over all ledgers, each
+    folder looked at within bounds, and a line in ``problems`` for each thing left out."""
+    out: list[dict[str, Any]] = []
+    for d in dirs:
+        rel = relative(root, d) or ""
+        odd = ledgerview.odd_ledger(d / LEDGER)
+        if odd is not None:
+            problems.append(f"{rel or '.'}: the ledger {odd}")
+            continue
+        room = ledgerview.MAX_LIMIT - len(out)  # one listing's rows, over all ledgers: a copied folder's 50,000 too
+        try:
+            rows, total = ledgerview.checkpoints(d / LEDGER, room) if (d / LEDGER).is_file() else ([], 0)
+        except ledgerview.LedgerUnreadable as exc:
+            problems.append(f"{rel or '.'}: the ledger {exc}")
+            continue
+        if total > len(rows):
+            problems.append(f"{rel or '.'}: {total - len(rows)} more checkpoint{'s' if total - len(rows) > 1 else ''} "
+                            f"not listed (a listing shows {ledgerview.MAX_LIMIT} at most, as the notebook's panel does): "
+                            f"`smolbench.Ledger('{rel + '/' if rel else ''}.smolbench/ledger.db').checkpoints()` "
+                            "lists them all")
+        store = checkpoint_store(d)
+        # the folder's entries looked at: the ledger's rows' files, the room left, and a few more
+        limit = room - len(rows) + total + DROPPED_SCAN
+        problems += [f"{rel or '.'}: {line}" for line in misnamed_lines(store, limit=limit)]
+        unlisted = ledgerview.unlisted_paths(d / LEDGER, len(rows)) if total > len(rows) else []
+        described, left = listed(rows, store, room - len(rows), limit, unlisted)
+        unread = sum(1 for r in described if r.get("unread"))
+        if unread:
+            problems.append(f"{rel or '.'}: {unread} dropped checkpoint file{'s' if unread > 1 else ''} not read "
+                            f"(a listing reads {DROPPED_READ} at most)")
+        if left:
+            problems.append(f"{rel or '.'}: {left}")
+        for r in described:
+            r["dir"] = r["folder"] = rel  # the folder whose ledger lists it ('' for the root)
+            # the file the rule lets it use, as an API path; never a path outside the root
+            r["path"] = f"{rel}/{r['file']}" if rel and r["file"] else (r["file"] or Path(str(r.get("path") or "")).name)
+            r.pop("file", None)
+            out.append(r)
+    out.sort(key=lambda r: -(r.get("created") or 0))
+    return escape.json_encode({"checkpoints": out, "problems": problems})
 
 
 class CheckpointHandler(_Base):

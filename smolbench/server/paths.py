@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -43,18 +44,39 @@ def relative(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str 
     return "" if rel == Path(".") else rel.as_posix()
 
 
-def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int = 4000) -> list[Path]:
-    """Folders under ``root`` that hold a ``.smolbench/ledger.db`` or checkpoint folder (bounded walk: hidden and
-    dependency folders are skipped, so a big home directory stays cheap)."""
+MAX_ENTRIES = 100_000  # entries of folders one walk for ledgers looks at (files too: one huge folder is bounded)
+
+
+def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int = 4000,
+                 max_entries: int | None = None) -> tuple[list[Path], str | None]:
+    """Folders under ``root`` that hold a ``.smolbench/ledger.db`` or checkpoint folder, and a
+    line saying where the walk stopped short (None: it didn't). The walk is bounded: hidden and
+    dependency folders are skipped, it goes ``max_depth`` folders deep, looks into ``max_dirs``
+    folders and at ``max_entries`` (None: :data:`MAX_ENTRIES`) of their entries at most (a
+    copied folder's 60,000 folders were all walked), so a big home directory stays cheap."""
     base = Path(root).resolve()
+    max_entries = MAX_ENTRIES if max_entries is None else max_entries
     found: list[Path] = []
-    seen = 0
-    for dirpath, dirnames, _ in os.walk(base):
+    seen = entries = 0
+    todo = [(base, 0)]  # depth first, each folder's subfolders in name order (as os.walk's, sorted)
+    while todo or entries > max_entries:
+        if seen >= max_dirs or entries >= max_entries:
+            return found, (f"the root holds more than a listing looks through for ledgers ({max_dirs:,} folders, "
+                           f"{max_entries:,} entries in them): ledgers past them are not listed; `%smol checkpoint "
+                           "list` in a notebook lists its own folder's")
+        here, depth = todo.pop()
         seen += 1
-        here = Path(dirpath)
         if (here / LEDGER).is_file() or (here / LEDGER.parent / "checkpoints").is_dir():  # files dropped in too
             found.append(here)
-        depth = len(here.relative_to(base).parts)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS) \
-            if depth < max_depth and seen < max_dirs else []
-    return found
+        if depth >= max_depth:
+            continue
+        subs: list[str] = []
+        with contextlib.suppress(OSError), os.scandir(here) as it:
+            for e in it:
+                entries += 1
+                if entries > max_entries:
+                    break
+                if not e.name.startswith(".") and e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
+                    subs.append(e.name)
+        todo += [(here / d, depth + 1) for d in sorted(subs, reverse=True)]
+    return found, None
