@@ -93,11 +93,11 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
 
 
 def listed(rows: list[dict[str, Any]], store: Store, room: int, limit: int,
-           unlisted: Iterable[Any] = ()) -> tuple[list[dict[str, Any]], str | None]:
-    """:func:`describe` (``paths=False``) for a bounded listing, the sidebar's: at most ``room``
+           unlisted: Iterable[Any] = (), paths: bool = False) -> tuple[list[dict[str, Any]], str | None]:
+    """:func:`describe` for a bounded listing (the sidebar's, a view's): at most ``room``
     dropped files, found among the folder's first ``limit`` entries; and a line saying what it
     left out, or None (a copied folder's 100,000 dropped files were 37.8 MB on every poll)."""
-    return _described(rows, store, False, None, unlisted, max(0, room), limit)
+    return _described(rows, store, paths, None, unlisted, max(0, room), limit)
 
 
 def _described(rows: list[dict[str, Any]], store: Store, paths: bool, only: str | None, unlisted: Iterable[Any],
@@ -244,13 +244,14 @@ class Shelf:
         """Every checkpoint here, newest first (rows, then dropped files), see :func:`describe`."""
         return describe(self.ledger.checkpoint_rows(), self.store)
 
-    def listing(self, limit: int = MAX_ROWS) -> tuple[list[dict[str, Any]], int]:
+    def listing(self, limit: int = MAX_ROWS) -> tuple[list[dict[str, Any]], int, str | None]:
         """What a view lists (the panel, ``%smol checkpoint list``): the newest ``limit`` rows,
-        their text cut (as the sidebar's, :mod:`smolbench._shown`), then dropped files, see
-        :func:`describe`; and how many rows the ledger holds in all."""
+        their text cut (as the sidebar's, :mod:`smolbench._shown`), then dropped files within
+        ``limit`` in all (see :func:`listed`); how many rows the ledger holds; what it left out of the dropped."""
         rows, total = self.ledger.checkpoint_rows(limit), self.ledger.checkpoint_count()
         unlisted = self.ledger.checkpoint_paths(limit) if total > len(rows) else []
-        return describe(rows, self.store, unlisted=unlisted), total
+        described, left = listed(rows, self.store, limit - len(rows), limit + total + DROPPED_SCAN, unlisted, paths=True)
+        return described, total, left
 
     def find(self, name: str) -> dict[str, Any] | None:
         """The row named ``name``, or the dropped file ``NAME.smolcheckpoint`` as a row (None: neither)."""
@@ -262,7 +263,10 @@ class Shelf:
         return None
 
     def known(self) -> str:
-        return ", ".join(sorted({str(r["name"]) for r in self.rows()})) or "none"
+        """The names a one-line refusal offers: the first 20 of a listing (a copied folder's many, cut)."""
+        rows, total, left = self.listing()
+        names = sorted({str(r["name"]) for r in rows})
+        return ", ".join(names[:20]) + (", …" if len(names) > 20 or total > MAX_ROWS or left else "") or "none"
 
     def missing_line(self, name: str, verb: str = "restore") -> str:
         """No checkpoint ``name`` here, and what to do instead (``verb``: what was asked)."""
@@ -591,12 +595,11 @@ class Shelf:
 
     def lines(self) -> list[str]:
         """The checkpoints here as text (``%smol checkpoint list`` while nothing is up)."""
-        (rows, total), misnamed = self.listing(), [f"smolbench: {line}" for line in misnamed_lines(self.store)]
+        (rows, total, left), misnamed = self.listing(), [f"smolbench: {line}" for line in misnamed_lines(self.store)]
         if not rows:
             return [f"smolbench: no checkpoints in {self.store.shown('x' + SUFFIX).rsplit('/', 1)[0]}/ yet", *misnamed]
         out = [f"smolbench: {len(rows)} checkpoint{'s' if len(rows) != 1 else ''} here"]
-        if total > MAX_ROWS:
-            out.append(f"smolbench: {more_line(total)}")
+        out += [f"smolbench: {line}" for line in (more_line(total) if total > MAX_ROWS else None, left) if line]
         for r in rows:  # a file that is there is not read whole here (a restore checks it): no "ok"
             state = "" if r["exists"] and not r["refused"] else (r["refused"] or "missing")
             theirs = "" if not r.get("foreign") else (r["foreign"] if r["foreign"] != FOREIGN else

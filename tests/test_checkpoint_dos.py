@@ -419,3 +419,28 @@ def test_a_header_changed_on_its_way_is_said_to_be_damage_when_gzip_s_checksum_f
         path.write_bytes(gzip.compress(changed))  # made so, with its own checksum: refused for what it is
         with pytest.raises(archive.UnsafeCheckpoint):
             archive.check(str(path))
+
+
+def test_a_notebooks_views_of_a_folder_of_dropped_files_are_bounded(tmp_path: Path) -> None:
+    """The sidebar's listing was bounded (audit: 100,000 dropped files); the kernel's own views
+    (`%smol checkpoint list`, the panel, a refusal naming the checkpoints here) still listed
+    every dropped file, each refusal line naming them all. They list the newest rows and
+    dropped files within one room, and say what they left out in one line."""
+    from smolbench import shelf as shelf_module
+
+    ck = tmp_path / ".smolbench" / "checkpoints"
+    ck.mkdir(parents=True)
+    for i in range(3000):
+        os.close(os.open(ck / f"d{i}.smolcheckpoint", os.O_CREAT | os.O_WRONLY, 0o644))
+    led = Ledger(tmp_path / ".smolbench" / "ledger.db")
+    try:
+        shelf = Shelf(led)
+        rows, total, left = shelf.listing()
+        assert len(rows) == shelf_module.MAX_ROWS and all(r["dropped"] for r in rows) and total == 0
+        assert left is not None and "more checkpoint files dropped into" in left and "not listed" in left, left
+        lines = shelf.lines()
+        assert len(lines) == shelf_module.MAX_ROWS + 2 and left in lines[1], lines[:2]
+        refusal = shelf.missing_line("nope")
+        assert len(refusal) < 1000 and ", …" in refusal, refusal[:300]
+    finally:
+        led.close()

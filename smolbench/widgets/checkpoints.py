@@ -92,8 +92,8 @@ class CheckpointPanel(WorkbenchView):
         if self._stale or self._listed is None or self._listed[0] != backend:
             self._stale = False  # before the read: a change made during it marks it stale again
             shelf = wb.shelf if wb is not None else Shelf(self.ledger)
-            rows, total = shelf.listing()
-            more = more_line(total) if total > _shown.MAX_ROWS else ""
+            rows, total, left = shelf.listing()
+            more = " ".join(line for line in (more_line(total) if total > _shown.MAX_ROWS else "", left or "") if line)
             self._listed = (backend, [checkpoint_record(r, backend) for r in rows], more)
         live = [n.id for n in list(wb.tree.nodes.values()) if n.id in wb.machines] if wb else []
         self._seen = self._tree_state()
