@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import socket
 import sqlite3
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._ledgerfiles import refuse_links
+from ._ledgerschema import ADDED_COLUMNS, SCHEMA, UnsafeLedger, guard
 from ._shown import TEXT_CHARS, sql_cut
 from .errors import SmolbenchError
 
@@ -32,63 +32,11 @@ if TYPE_CHECKING:
 DEFAULT_PATH = ".smolbench/ledger.db"
 OUTPUT_LIMIT = 16 * 1024  # characters of a node's output kept in the ledger
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, started REAL, backend TEXT, isolation TEXT, baseline TEXT,
-    host TEXT, cwd TEXT, versions TEXT
-);
-CREATE TABLE IF NOT EXISTS runs (
-    id TEXT PRIMARY KEY, session_id TEXT, kind TEXT, parent_id TEXT, code TEXT, code_hash TEXT,
-    n INTEGER, options TEXT, started REAL, ended REAL, status TEXT
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    session_id TEXT, id TEXT, run_id TEXT, parent_id TEXT, machine TEXT, backend TEXT,
-    baseline TEXT, seed INTEGER, code TEXT, code_hash TEXT, pushed TEXT, versions TEXT,
-    started REAL, ended REAL, status TEXT, reward REAL, metrics TEXT, output TEXT, error TEXT,
-    alive INTEGER, kept INTEGER, forked_at INTEGER,
-    PRIMARY KEY (session_id, id)
-);
-CREATE TABLE IF NOT EXISTS cells (
-    session_id TEXT, node_id TEXT, seq INTEGER, code TEXT, code_hash TEXT, seed INTEGER,
-    pushed TEXT, status TEXT, ts REAL,
-    PRIMARY KEY (session_id, node_id, seq)
-);
-CREATE TABLE IF NOT EXISTS trust (
-    session_id TEXT, ts REAL, scope TEXT, detail TEXT
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    session_id TEXT, node_id TEXT, attempt INTEGER, stage TEXT, outcome TEXT, error TEXT, ts REAL,
-    PRIMARY KEY (session_id, node_id, attempt)
-);
-CREATE TABLE IF NOT EXISTS replicas (
-    session_id TEXT, parent_id TEXT, host_node TEXT, cells INTEGER, fingerprint TEXT,
-    bytes_shipped INTEGER, seconds REAL, ts REAL
-);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
-    created REAL, size INTEGER, cells INTEGER, warnings TEXT
-);
--- what a checkpoint row says besides (older releases write its nine columns by position): its
--- baseline and machine, a file's source and SHA-256, and when the same file was last added
--- again; for the row of the same name, session, path and size
-CREATE TABLE IF NOT EXISTS checkpoint_more (
-    name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT,
-    readded REAL, machine TEXT
-);
--- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
-CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
-CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward, id);
-"""
-
 NODE_COLUMNS = (
     "run_id", "parent_id", "machine", "backend", "baseline", "seed", "code", "code_hash",
     "pushed", "versions", "started", "ended", "status", "reward", "metrics", "output", "error",
     "alive", "kept", "forked_at", "host_node",
 )
-# Columns added after the first release: (table, column, type), added to older ledgers on open.
-ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
-                 ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"), ("checkpoint_more", "machine", "TEXT"), ("checkpoint_more", "mac", "TEXT"))
 # A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
 # path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
 MORE_COLUMNS = ("baseline", "source", "sha256")
@@ -123,45 +71,6 @@ JSON_LIMIT = 1 << 20
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
 CHECKPOINT_WAIT = 2.0  # seconds folding the WAL into the file waits for another process's readers
-LENGTH_LIMIT = 16 * 1024 * 1024  # bytes of one string or blob SQLite makes or reads in a ledger
-OWN_INDEXES = {" ".join(line.split()).replace(" IF NOT EXISTS", "").rstrip(";")
-               for line in SCHEMA.splitlines() if line.startswith("CREATE INDEX")}
-# Expressions a table may run on a write: CHECK, DEFAULT (...), generated columns (AS (...)).
-TABLE_CODE = re.compile(r"\b(check|default|as)\s*\(|\bvirtual\b", re.IGNORECASE)
-
-
-class UnsafeLedger(SmolbenchError):
-    """A ledger whose schema holds SQL of its own: it would run on this process's reads or writes."""
-
-    def __init__(self, where: str | os.PathLike[str], what: str) -> None:
-        super().__init__(f"ledger {where} {what}")
-        self.what = what
-
-
-def guard(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
-    """Refuse a ledger whose schema runs SQL of its own, before anything is read or written.
-
-    A ledger in a copied folder is its author's file. SQLite runs a trigger on the writes
-    that fire it and a view's query on every read of it: a trigger rewrote the code this
-    kernel recorded for a cell (which ``%smol replay`` then ran), and a view of an endless
-    recursive query hung the Jupyter server. Only the tables (without expressions of
-    their own) and indexes smolbench makes are accepted; what the schema may still call is
-    limited to innocuous functions, and every string to :data:`LENGTH_LIMIT`."""
-    conn.execute("PRAGMA trusted_schema=OFF")
-    if hasattr(conn, "setlimit"):  # Python 3.11
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LENGTH_LIMIT)
-    for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master"):
-        text = " ".join(str(sql or "").split())
-        if kind in ("trigger", "view") or (kind == "table" and TABLE_CODE.search(text)) or \
-                (kind == "index" and sql is not None and text not in OWN_INDEXES):
-            raise UnsafeLedger(where, f"holds SQL of its own ({kind} {str(name)[:60]!r}), which would run here: "
-                                      "smolbench doesn't use it (move it aside, and a new ledger is started)")
-    # A checkpoint's claims are joined to it by name: a table of them without that key (made
-    # ahead in a copied ledger) kept a planted row beside the one this kernel writes.
-    more = conn.execute("PRAGMA table_info(checkpoint_more)").fetchall()
-    if more and [r[1] for r in more if r[5]] != ["name"]:
-        raise UnsafeLedger(where, "has a checkpoint_more table keyed otherwise than smolbench makes it (by name): "
-                                  "move it aside, and a new ledger is started")
 
 
 def code_hash(code: str) -> str:

@@ -191,7 +191,7 @@ def test_an_old_ledger_without_notebook_columns_is_read_and_migrated(call: Any, 
     conn = sqlite3.connect(db)
     conn.executescript("CREATE TABLE runs (id TEXT PRIMARY KEY, session_id TEXT, kind TEXT, parent_id TEXT, code TEXT, "
                        "code_hash TEXT, n INTEGER, options TEXT, started REAL, ended REAL, status TEXT);"
-                       "CREATE TABLE nodes (session_id TEXT, id TEXT, run_id TEXT, reward REAL);"
+                       "CREATE TABLE nodes (session_id TEXT, id TEXT, run_id TEXT, reward REAL, PRIMARY KEY (session_id, id));"
                        "INSERT INTO runs (id, kind, code, n, started) VALUES ('r1', 'fork', 'reward = SEED', 2, 1.0);")
     conn.close()
     code, body = call("ledger", "runs", params={"notebook": "a.ipynb"})
