@@ -454,3 +454,19 @@ def test_every_release_s_ledger_passes_the_check_and_is_read(tmp_path: Path) -> 
             assert ledgerview.runs(path)["runs"] == [], release
             with contextlib.closing(Ledger(path)) as led:
                 assert (led.checkpoint("c") or {}).get("cells") == 2, release
+
+def test_the_server_s_delete_is_cut_off_in_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidebar's delete read and wrote a ledger with no time limit; it is cut off as its reads
+    are. Shown with the schema check weakened, a view's long query standing in for what it refuses."""
+    from tornado import web
+
+    from smolbench.server import handlers
+
+    long = ENDLESS.replace("FROM r) SELECT 'x'", "FROM r WHERE i < 1000000) SELECT 'c' || i")
+    path = made(tmp_path, "DROP TABLE checkpoints", f"CREATE VIEW checkpoints AS {long}")
+    monkeypatch.setattr(ledgerview, "guard", lambda conn, where: None)
+    monkeypatch.setattr(handlers, "guard", lambda conn, where: None, raising=False)  # (where it was)
+    monkeypatch.setattr(ledgerview, "READ_SECONDS", 1e-9)  # past at SQLite's first look at the time
+    with pytest.raises(web.HTTPError) as refused:
+        handlers._delete_checkpoint(path, "c", str(tmp_path))
+    assert refused.value.status_code == 422 and "took more than" in str(refused.value), refused.value

@@ -48,18 +48,21 @@ def odd_ledger(db: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
+def open_ro(db: Path, write: bool = False) -> Iterator[sqlite3.Connection]:
     """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why):
     its schema checked (:func:`smolbench.ledger.guard`: a view's query would run on each read),
-    and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few)."""
+    and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few).
+    ``write``: opened to write (the sidebar's delete), checked and cut off the same way."""
     odd = odd_ledger(db)  # before SQLite opens anything by path (a fifo -journal hung the server's threads)
     if odd is not None:
         raise LedgerUnreadable(odd)
-    uri = "file:" + urllib.parse.quote(str(db)) + "?mode=ro"
+    uri = "file:" + urllib.parse.quote(str(db)) + ("?mode=rw" if write else "?mode=ro")
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
+        conn = sqlite3.connect(uri, uri=True, timeout=10 if write else 5, check_same_thread=False)
     except sqlite3.Error as exc:
         raise LedgerUnreadable(f"can't be opened ({exc})") from None
+    # (every 10,000 steps of SQLite's machine: a step's work is bounded only because the guard
+    # admits no expression of the ledger's own; one ltrim of a million characters is one step)
     deadline = time.monotonic() + READ_SECONDS
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
