@@ -444,27 +444,37 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------
 
-    def _read(self, sql: str, params: Iterable[Any]) -> tuple[list[str], list[Any]]:
+    def _read(self, sql: str, params: Iterable[Any],
+              pick: Callable[[Any], Any] | None = None) -> tuple[list[str], list[Any]]:
         try:
             cur = self._db.execute(sql, tuple(params))
-            return [d[0] for d in cur.description], cur.fetchall()
+            names = [d[0] for d in cur.description]
+            if pick is None:
+                return names, cur.fetchall()
+            picked: dict[Any, None] = {}
+            for row in cur:  # one at a time: a copied ledger's rows may be millions
+                if (value := pick(row[0])) is not None:
+                    picked[value] = None
+            return names, [(value,) for value in picked]
         except sqlite3.DatabaseError:
             if not self._changed():
                 raise
             return [], []  # half a write read immutable ("malformed"): read again below
 
-    def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False) -> list[dict[str, Any]]:
+    def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False,
+              pick: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
         """The rows ``sql`` reads, JSON columns decoded (``checkpoints``: a checkpoint query's,
         whose JSON columns are checked, :data:`CHECKPOINT_JSON`: another table's ``machine`` is
-        a machine's name, not JSON)."""
+        a machine's name, not JSON; ``pick``: only what it gives, not None, for each row's first
+        column, each once)."""
         with self._lock:
-            names, rows = self._read(sql, params)
+            names, rows = self._read(sql, params, pick)
             for tries in (2, 1):  # a writer came while an immutable open read: open and read again
                 if not self._changed():
                     break
                 self.close()
                 self._open_to_read(tries)  # the last time mode=ro: SQLite's own locks, no more checks
-                names, rows = self._read(sql, params)
+                names, rows = self._read(sql, params, pick)
         out = []
         for row in rows:
             rec = dict(zip(names, row))
@@ -526,11 +536,12 @@ class Ledger:
         rows = self._rows("SELECT count(*) AS n FROM checkpoints")
         return int(rows[0]["n"]) if rows else 0
 
-    def checkpoint_paths(self, skip: int) -> list[Any]:
-        """The path of each checkpoint row after the newest ``skip`` (cut as a view's are):
-        the files a listing of the newest names, though it does not show their rows."""
+    def checkpoint_paths(self, skip: int, file_of: Callable[[Any], str | None]) -> list[Any]:
+        """The files that checkpoint rows after the newest ``skip`` name, each once (``file_of``:
+        the file a row's path, cut as a view's are, stands for in the checkpoint folder, if there;
+        :func:`smolbench.shelf.files_there`): the files of a listing's rows it does not show."""
         rows = self._rows(f"SELECT {sql_cut('path', TEXT_CHARS)} AS path FROM checkpoints ORDER BY created DESC "
-                          "LIMIT -1 OFFSET ?", (max(0, skip),))
+                          "LIMIT -1 OFFSET ?", (max(0, skip),), pick=file_of)
         return [r["path"] for r in rows]
 
     def checkpoint(self, name: str) -> dict[str, Any] | None:

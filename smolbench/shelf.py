@@ -80,6 +80,23 @@ def is_path(arg: str) -> bool:
 DROPPED_READ = 20  # dropped files one listing reads the record of (the sidebar lists them on every poll)
 
 
+def files_there(store: Store) -> Callable[[Any], str | None]:
+    """What a ledger row's path stands for in ``store``'s folder (``NAME.smolcheckpoint``) when
+    that file is there, else None: the rows a listing leaves out are read through it, so what
+    is kept of them is at most one name per file there (a copied ledger's rows are anyone's)."""
+    there = set(store.names())
+
+    def file_of(path: Any) -> str | None:
+        if not isinstance(path, str) or path.rpartition("/")[2] not in there:
+            return None
+        try:
+            name = store.file_name(path)
+        except PathRefused:
+            return None
+        return name if name in there else None
+    return file_of
+
+
 def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
              only: str | None = None, unlisted: Iterable[Any] = ()) -> list[dict[str, Any]]:
     """Rows of a ledger's checkpoints, and the files in ``store`` that no row names (dropped
@@ -87,7 +104,8 @@ def describe(rows: list[dict[str, Any]], store: Store, paths: bool = True,
     folder, or None), ``exists`` (the rule lets it be read), ``refused`` (why not, one line;
     ``paths=False``: without naming the refused path) and ``dropped``. Past :data:`DROPPED_READ`
     dropped files, one's record is not read: its ``unread`` says so. ``unlisted``: the paths of
-    the ledger's rows left out of ``rows`` (their files are not dropped ones)."""
+    the ledger's rows left out of ``rows``, or their files' names (:func:`files_there`: their
+    files are not dropped ones)."""
     out, read = [], 0
     named: set[str | None] = set()
     for path in unlisted:
@@ -214,7 +232,7 @@ class Shelf:
         their text cut (as the sidebar's, :mod:`smolbench._shown`), then dropped files, see
         :func:`describe`; and how many rows the ledger holds in all."""
         rows, total = self.ledger.checkpoint_rows(limit), self.ledger.checkpoint_count()
-        unlisted = self.ledger.checkpoint_paths(limit) if total > len(rows) else []
+        unlisted = self.ledger.checkpoint_paths(limit, files_there(self.store)) if total > len(rows) else []
         return describe(rows, self.store, unlisted=unlisted), total
 
     def find(self, name: str) -> dict[str, Any] | None:

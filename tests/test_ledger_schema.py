@@ -388,6 +388,8 @@ def test_a_generated_checkpoint_path_never_runs_in_the_server_nor_the_kernel(tmp
                 "INSERT INTO checkpoints (name, created) VALUES ('c', 1)")
     with pytest.raises(ledgerview.LedgerUnreadable, match=r"holds SQL of its own \(table 'checkpoints'\)"):
         ledgerview.checkpoints(path)
+    with pytest.raises(ledgerview.LedgerUnreadable, match=r"holds SQL of its own \(table 'checkpoints'\)"):
+        ledgerview.unlisted_paths(path, 0, lambda p: None)
     with pytest.raises(web.HTTPError) as refused:
         _delete_checkpoint(path, "c", str(tmp_path))
     assert refused.value.status_code == 422 and "holds SQL of its own (table 'checkpoints')" in str(refused.value)
@@ -454,6 +456,7 @@ def test_every_release_s_ledger_passes_the_check_and_is_read(tmp_path: Path) -> 
             assert ledgerview.runs(path)["runs"] == [], release
             with contextlib.closing(Ledger(path)) as led:
                 assert (led.checkpoint("c") or {}).get("cells") == 2, release
+
 
 def test_the_server_s_delete_is_cut_off_in_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sidebar's delete read and wrote a ledger with no time limit; it is cut off as its reads

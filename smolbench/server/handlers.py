@@ -30,7 +30,7 @@ from tornado import web
 from .. import registry
 from ..gate.ckptpaths import SUFFIX, Store
 from ..gate.ckptpaths import PathRefused as FileRefused
-from ..shelf import DROPPED_READ, describe, misnamed_lines
+from ..shelf import DROPPED_READ, describe, files_there, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
@@ -196,7 +196,8 @@ class CheckpointsHandler(_Base):
                                 "lists them all")
             store = checkpoint_store(d)
             problems += [f"{rel or '.'}: {line}" for line in await self.run(misnamed_lines, store)]
-            unlisted = await self.run(ledgerview.unlisted_paths, d / LEDGER, len(rows)) if total > len(rows) else []
+            unlisted = await self.run(ledgerview.unlisted_paths, d / LEDGER, len(rows), await self.run(files_there, store)) \
+                if total > len(rows) else []
             described = await self.run(describe, rows, store, False, None, unlisted)
             unread = sum(1 for r in described if r.get("unread"))
             if unread:
