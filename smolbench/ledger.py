@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import socket
 import sqlite3
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._ledgerfiles import refuse_links
+from ._ledgerschema import ADDED_COLUMNS, SCHEMA, UnsafeLedger, guard
 from ._shown import TEXT_CHARS, sql_cut
 from .errors import SmolbenchError
 
@@ -32,63 +32,11 @@ if TYPE_CHECKING:
 DEFAULT_PATH = ".smolbench/ledger.db"
 OUTPUT_LIMIT = 16 * 1024  # characters of a node's output kept in the ledger
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, started REAL, backend TEXT, isolation TEXT, baseline TEXT,
-    host TEXT, cwd TEXT, versions TEXT
-);
-CREATE TABLE IF NOT EXISTS runs (
-    id TEXT PRIMARY KEY, session_id TEXT, kind TEXT, parent_id TEXT, code TEXT, code_hash TEXT,
-    n INTEGER, options TEXT, started REAL, ended REAL, status TEXT
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    session_id TEXT, id TEXT, run_id TEXT, parent_id TEXT, machine TEXT, backend TEXT,
-    baseline TEXT, seed INTEGER, code TEXT, code_hash TEXT, pushed TEXT, versions TEXT,
-    started REAL, ended REAL, status TEXT, reward REAL, metrics TEXT, output TEXT, error TEXT,
-    alive INTEGER, kept INTEGER, forked_at INTEGER,
-    PRIMARY KEY (session_id, id)
-);
-CREATE TABLE IF NOT EXISTS cells (
-    session_id TEXT, node_id TEXT, seq INTEGER, code TEXT, code_hash TEXT, seed INTEGER,
-    pushed TEXT, status TEXT, ts REAL,
-    PRIMARY KEY (session_id, node_id, seq)
-);
-CREATE TABLE IF NOT EXISTS trust (
-    session_id TEXT, ts REAL, scope TEXT, detail TEXT
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    session_id TEXT, node_id TEXT, attempt INTEGER, stage TEXT, outcome TEXT, error TEXT, ts REAL,
-    PRIMARY KEY (session_id, node_id, attempt)
-);
-CREATE TABLE IF NOT EXISTS replicas (
-    session_id TEXT, parent_id TEXT, host_node TEXT, cells INTEGER, fingerprint TEXT,
-    bytes_shipped INTEGER, seconds REAL, ts REAL
-);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    name TEXT PRIMARY KEY, session_id TEXT, node_id TEXT, path TEXT, backend TEXT,
-    created REAL, size INTEGER, cells INTEGER, warnings TEXT
-);
--- what a checkpoint row says besides (older releases write its nine columns by position): its
--- baseline and machine, a file's source and SHA-256, and when the same file was last added
--- again; for the row of the same name, session, path and size
-CREATE TABLE IF NOT EXISTS checkpoint_more (
-    name TEXT PRIMARY KEY, session_id TEXT, path TEXT, size INTEGER, baseline TEXT, source TEXT, sha256 TEXT,
-    readded REAL, machine TEXT
-);
--- for the JupyterLab panel (smolbench.server): newest runs, and a run's rewards, sorted
-CREATE INDEX IF NOT EXISTS runs_by_started ON runs (started);
-CREATE INDEX IF NOT EXISTS nodes_by_run ON nodes (run_id, reward, id);
-"""
-
 NODE_COLUMNS = (
     "run_id", "parent_id", "machine", "backend", "baseline", "seed", "code", "code_hash",
     "pushed", "versions", "started", "ended", "status", "reward", "metrics", "output", "error",
     "alive", "kept", "forked_at", "host_node",
 )
-# Columns added after the first release: (table, column, type), added to older ledgers on open.
-ADDED_COLUMNS = (("nodes", "seen", "REAL"), ("nodes", "host_node", "TEXT"), ("sessions", "pid", "INTEGER"),
-                 ("sessions", "pid_start", "TEXT"), ("sessions", "network", "TEXT"), ("runs", "notebook", "TEXT"),
-                 ("runs", "cell", "INTEGER"), ("checkpoint_more", "machine", "TEXT"), ("checkpoint_more", "mac", "TEXT"))
 # A checkpoint's baseline (a file's: what its record claims), and for a file from elsewhere the
 # path it was added from and its SHA-256 as added: in checkpoint_more, joined to its row.
 MORE_COLUMNS = ("baseline", "source", "sha256")
@@ -123,45 +71,6 @@ JSON_LIMIT = 1 << 20
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
 CHECKPOINT_WAIT = 2.0  # seconds folding the WAL into the file waits for another process's readers
-LENGTH_LIMIT = 16 * 1024 * 1024  # bytes of one string or blob SQLite makes or reads in a ledger
-OWN_INDEXES = {" ".join(line.split()).replace(" IF NOT EXISTS", "").rstrip(";")
-               for line in SCHEMA.splitlines() if line.startswith("CREATE INDEX")}
-# Expressions a table may run on a write: CHECK, DEFAULT (...), generated columns (AS (...)).
-TABLE_CODE = re.compile(r"\b(check|default|as)\s*\(|\bvirtual\b", re.IGNORECASE)
-
-
-class UnsafeLedger(SmolbenchError):
-    """A ledger whose schema holds SQL of its own: it would run on this process's reads or writes."""
-
-    def __init__(self, where: str | os.PathLike[str], what: str) -> None:
-        super().__init__(f"ledger {where} {what}")
-        self.what = what
-
-
-def guard(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
-    """Refuse a ledger whose schema runs SQL of its own, before anything is read or written.
-
-    A ledger in a copied folder is its author's file. SQLite runs a trigger on the writes
-    that fire it and a view's query on every read of it: a trigger rewrote the code this
-    kernel recorded for a cell (which ``%smol replay`` then ran), and a view of an endless
-    recursive query hung the Jupyter server. Only the tables (without expressions of
-    their own) and indexes smolbench makes are accepted; what the schema may still call is
-    limited to innocuous functions, and every string to :data:`LENGTH_LIMIT`."""
-    conn.execute("PRAGMA trusted_schema=OFF")
-    if hasattr(conn, "setlimit"):  # Python 3.11
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LENGTH_LIMIT)
-    for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master"):
-        text = " ".join(str(sql or "").split())
-        if kind in ("trigger", "view") or (kind == "table" and TABLE_CODE.search(text)) or \
-                (kind == "index" and sql is not None and text not in OWN_INDEXES):
-            raise UnsafeLedger(where, f"holds SQL of its own ({kind} {str(name)[:60]!r}), which would run here: "
-                                      "smolbench doesn't use it (move it aside, and a new ledger is started)")
-    # A checkpoint's claims are joined to it by name: a table of them without that key (made
-    # ahead in a copied ledger) kept a planted row beside the one this kernel writes.
-    more = conn.execute("PRAGMA table_info(checkpoint_more)").fetchall()
-    if more and [r[1] for r in more if r[5]] != ["name"]:
-        raise UnsafeLedger(where, "has a checkpoint_more table keyed otherwise than smolbench makes it (by name): "
-                                  "move it aside, and a new ledger is started")
 
 
 def code_hash(code: str) -> str:
@@ -535,27 +444,37 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------
 
-    def _read(self, sql: str, params: Iterable[Any]) -> tuple[list[str], list[Any]]:
+    def _read(self, sql: str, params: Iterable[Any],
+              pick: Callable[[Any], Any] | None = None) -> tuple[list[str], list[Any]]:
         try:
             cur = self._db.execute(sql, tuple(params))
-            return [d[0] for d in cur.description], cur.fetchall()
+            names = [d[0] for d in cur.description]
+            if pick is None:
+                return names, cur.fetchall()
+            picked: dict[Any, None] = {}
+            for row in cur:  # one at a time: a copied ledger's rows may be millions
+                if (value := pick(row[0])) is not None:
+                    picked[value] = None
+            return names, [(value,) for value in picked]
         except sqlite3.DatabaseError:
             if not self._changed():
                 raise
             return [], []  # half a write read immutable ("malformed"): read again below
 
-    def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False) -> list[dict[str, Any]]:
+    def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False,
+              pick: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
         """The rows ``sql`` reads, JSON columns decoded (``checkpoints``: a checkpoint query's,
         whose JSON columns are checked, :data:`CHECKPOINT_JSON`: another table's ``machine`` is
-        a machine's name, not JSON)."""
+        a machine's name, not JSON; ``pick``: only what it gives, not None, for each row's first
+        column, each once)."""
         with self._lock:
-            names, rows = self._read(sql, params)
+            names, rows = self._read(sql, params, pick)
             for tries in (2, 1):  # a writer came while an immutable open read: open and read again
                 if not self._changed():
                     break
                 self.close()
                 self._open_to_read(tries)  # the last time mode=ro: SQLite's own locks, no more checks
-                names, rows = self._read(sql, params)
+                names, rows = self._read(sql, params, pick)
         out = []
         for row in rows:
             rec = dict(zip(names, row))
@@ -617,11 +536,12 @@ class Ledger:
         rows = self._rows("SELECT count(*) AS n FROM checkpoints")
         return int(rows[0]["n"]) if rows else 0
 
-    def checkpoint_paths(self, skip: int) -> list[Any]:
-        """The path of each checkpoint row after the newest ``skip`` (cut as a view's are):
-        the files a listing of the newest names, though it does not show their rows."""
+    def checkpoint_paths(self, skip: int, file_of: Callable[[Any], str | None]) -> list[Any]:
+        """The files that checkpoint rows after the newest ``skip`` name, each once (``file_of``:
+        the file a row's path, cut as a view's are, stands for in the checkpoint folder, if there;
+        :func:`smolbench._shelflist.files_there`): the files of a listing's rows it does not show."""
         rows = self._rows(f"SELECT {sql_cut('path', TEXT_CHARS)} AS path FROM checkpoints ORDER BY created DESC "
-                          "LIMIT -1 OFFSET ?", (max(0, skip),))
+                          "LIMIT -1 OFFSET ?", (max(0, skip),), pick=file_of)
         return [r["path"] for r in rows]
 
     def checkpoint(self, name: str) -> dict[str, Any] | None:

@@ -371,7 +371,7 @@ class SmolMagics(Magics):
             for line in self._shelf().lines():
                 print(line)
             return None
-        from .shelf import misnamed_lines
+        from ._shelflist import misnamed_lines
 
         for line in misnamed_lines(self.workbench.shelf.store):  # files the panel can't list, and why
             print(f"smolbench: {line}")

@@ -8,12 +8,14 @@ number of dropped files.
 from __future__ import annotations
 
 import gzip
+import tracemalloc
 import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ckpthelpers import CK, forged, record
+from ledgerhelpers import rows_left_out
 
 from smolbench.gate import archive
 from smolbench.ledger import Ledger
@@ -66,3 +68,25 @@ def test_a_listing_reads_a_bounded_number_of_dropped_files_and_says_so(tmp_path:
         assert reads == ["c29.smolcheckpoint"]
     finally:
         led.close()
+
+
+def test_the_rows_a_listing_leaves_out_are_read_in_bounded_memory(tmp_path: Path) -> None:
+    """Eighth audit: the files of the rows a listing leaves out (not files dropped in) were found
+    by reading every such row's path at once (the sidebar's: an 8.9 MB ledger cost 497 MB); the
+    rows are read one at a time now, and what is kept is a name per file in the folder."""
+    db = rows_left_out(tmp_path)
+    led = Ledger.read_only(db)
+    assert led is not None
+    try:
+        tracemalloc.start()
+        try:
+            rows, total, left = Shelf(led).listing()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        led.close()
+    assert total == 2500 + 5 + 500
+    # the listing's room is the newest rows': the one dropped file is counted, c0..c4 are rows' files
+    assert not [r for r in rows if r.get("dropped")] and left is not None and left.startswith("1 more checkpoint file "), left
+    assert peak < 2_000_000, peak  # the 2,500 paths left out: 5 MB

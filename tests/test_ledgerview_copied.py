@@ -4,6 +4,7 @@ whole, up to 16 MB each, and one BLOB id made the whole runs page fail to encode
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from pathlib import Path
@@ -78,3 +79,29 @@ def test_a_copied_ledgers_statuses_and_ids_reach_the_run_tree_as_its_own_words(t
     assert {n["status"] for n in page["nodes"]} <= {*STATUSES, "unknown"}
     runs = ledgerview.runs(db, 50, 0)["runs"]
     assert all(isinstance(r["id"], str) for r in runs), [r["id"] for r in runs]
+
+
+def test_a_run_s_sparkline_is_picked_in_sqlite(tmp_path: Path) -> None:
+    """Eighth audit: a run's summary read every reward of it into Python to show 24 of them (a
+    copied ledger's run of 6M branches cost 508 MB per runs page); SQLite picks the 24 now."""
+    import random
+    import tracemalloc
+
+    db = tmp_path / "ledger.db"
+    rnd = random.Random(7)
+    rewards = [rnd.uniform(-9, 9) for _ in range(60_000)]
+    with contextlib.closing(sqlite3.connect(db)) as c, c:
+        c.executescript(ledger.SCHEMA)
+        c.execute("INSERT INTO runs(id, session_id, kind, status, started) VALUES ('big', 's', 'fork', 'ok', 1)")
+        c.executemany("INSERT INTO nodes(session_id, id, run_id, status, reward) VALUES ('s', ?, 'big', 'ok', ?)",
+                      ((f"root.{i}", r) for i, r in enumerate(rewards)))
+    tracemalloc.start()
+    try:
+        run = ledgerview.runs(db, 50, 0)["runs"][0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    ranked = sorted(rewards)
+    assert run["rewarded"] == len(rewards) and run["best_reward"] == ranked[-1]
+    assert run["spark"] == [ranked[k] for k in ledgerview.spark_ranks(len(rewards))]
+    assert peak < 1_000_000, peak  # every reward in Python: ~5 MB

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,9 @@ from jupyter_server.utils import url_path_join
 from tornado import escape, web
 
 from .. import registry
-from ..gate.ckptpaths import SUFFIX
+from .._shelflist import DROPPED_READ, DROPPED_SCAN, files_there, listed, misnamed_lines
+from ..gate.ckptpaths import SUFFIX, Store
 from ..gate.ckptpaths import PathRefused as FileRefused
-from ..ledger import UnsafeLedger, guard
-from ..shelf import DROPPED_READ, DROPPED_SCAN, listed, misnamed_lines
 from . import ledgerview, machines
 from .paths import LEDGER, PathRefused, checkpoint_store, find_ledgers, folder, relative
 
@@ -217,7 +215,7 @@ def _listing(root: str, dirs: list[Path], problems: list[str]) -> str:
         # the folder's entries looked at: the ledger's rows' files, the room left, and a few more
         limit = room - len(rows) + total + DROPPED_SCAN
         problems += [f"{rel or '.'}: {line}" for line in misnamed_lines(store, limit=limit)]
-        unlisted = ledgerview.unlisted_paths(d / LEDGER, len(rows)) if total > len(rows) else []
+        unlisted = ledgerview.unlisted_paths(d / LEDGER, len(rows), files_there(store)) if total > len(rows) else []
         described, left = listed(rows, store, room - len(rows), limit, unlisted)
         unread = sum(1 for r in described if r.get("unread"))
         if unread:
@@ -259,42 +257,38 @@ class CheckpointHandler(_Base):
 def _delete_checkpoint(db: Path, name: str, root: str) -> str:
     """Remove one checkpoint: its ledger row, and its file only as the gate's rule allows (a
     ledger is data a kernel wrote, or someone else's in a copied folder: its path must not
-    steer a delete); a file dropped into the checkpoint folder, with no row, goes too."""
+    steer a delete); a file dropped into the checkpoint folder, with no row, goes too. The
+    ledger is checked and cut off in time as the sidebar's reads are (:func:`ledgerview.open_ro`)."""
     store = checkpoint_store(db.parent.parent)
-    conn = None
     odd = ledgerview.odd_ledger(db)
     if odd is not None:
         raise _fail(403, f"this folder's ledger {odd}")
+    if not db.is_file():
+        return f"deleted checkpoint {name}{_remove_file(store, name, None)}"
     try:
-        if db.is_file():
-            conn = sqlite3.connect(str(db), timeout=10)
-            guard(conn, db.name)  # its triggers would run on the delete below
-    except (UnsafeLedger, sqlite3.Error) as exc:
-        if conn is not None:
-            conn.close()
-        why = f"this folder's {exc}" if isinstance(exc, UnsafeLedger) else f"can't open this folder's ledger ({exc})"
-        raise _fail(422, why) from None
-    try:
-        row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone() if conn else None
-        named = row[0] if row is not None else f"{name}{SUFFIX}"
-        if row is None and named not in store.names():
-            raise _fail(404, f"no checkpoint named {name!r} here: refresh the list")
-        try:
-            removed = " and its file" if store.remove(named) else ""
-        except FileRefused as exc:
-            removed = f"; its row named a path that {exc.reason.split(':')[0]}, so that path was left alone"
-        if conn is not None:
+        with ledgerview.open_ro(db, write=True) as conn:  # (its triggers would run on the delete below)
+            row = conn.execute("SELECT path FROM checkpoints WHERE name = ?", (name,)).fetchone()
+            removed = _remove_file(store, name, row)
             with conn:
                 conn.execute("DELETE FROM checkpoints WHERE name = ?", (name,))
                 if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoint_more'"
                                 ).fetchone():  # a ledger no kernel of this version opened yet has none
                     conn.execute("DELETE FROM checkpoint_more WHERE name = ?", (name,))
-    except sqlite3.DatabaseError as exc:
-        raise _fail(422, f"this folder's ledger is not a readable smolbench ledger ({exc})") from None
-    finally:
-        if conn is not None:
-            conn.close()
+    except ledgerview.LedgerUnreadable as exc:
+        raise _fail(422, f"this folder's ledger {exc}") from None
     return f"deleted checkpoint {name}{removed}"
+
+
+def _remove_file(store: Store, name: str, row: Any) -> str:
+    """Remove the file of checkpoint ``name`` (its ledger ``row``'s path, else its own name) as
+    the rule allows; what to say of it."""
+    named = row[0] if row is not None else f"{name}{SUFFIX}"
+    if row is None and named not in store.names():
+        raise _fail(404, f"no checkpoint named {name!r} here: refresh the list")
+    try:
+        return " and its file" if store.remove(named) else ""
+    except FileRefused as exc:
+        return f"; its row named a path that {exc.reason.split(':')[0]}, so that path was left alone"
 
 
 class LedgerHandler(_Base):

@@ -11,7 +11,7 @@ import contextlib
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +48,21 @@ def odd_ledger(db: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def open_ro(db: Path) -> Iterator[sqlite3.Connection]:
+def open_ro(db: Path, write: bool = False) -> Iterator[sqlite3.Connection]:
     """A read-only connection to ``db`` (raises LedgerUnreadable with one line saying why):
     its schema checked (:func:`smolbench.ledger.guard`: a view's query would run on each read),
-    and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few)."""
+    and each use of it cut off after :data:`READ_SECONDS` (the server's threads are few).
+    ``write``: opened to write (the sidebar's delete), checked and cut off the same way."""
     odd = odd_ledger(db)  # before SQLite opens anything by path (a fifo -journal hung the server's threads)
     if odd is not None:
         raise LedgerUnreadable(odd)
-    uri = "file:" + urllib.parse.quote(str(db)) + "?mode=ro"
+    uri = "file:" + urllib.parse.quote(str(db)) + ("?mode=rw" if write else "?mode=ro")
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
+        conn = sqlite3.connect(uri, uri=True, timeout=10 if write else 5, check_same_thread=False)
     except sqlite3.Error as exc:
         raise LedgerUnreadable(f"can't be opened ({exc})") from None
+    # (every 10,000 steps of SQLite's machine: a step's work is bounded only because the guard
+    # admits no expression of the ledger's own; one ltrim of a million characters is one step)
     deadline = time.monotonic() + READ_SECONDS
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
@@ -128,18 +131,21 @@ def _summary(conn: sqlite3.Connection, db: str, run_id: str, ended: Any) -> dict
     key = (db, run_id, ended) if isinstance(ended, (int, float)) else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    # sorted straight off the (run_id, reward, id) index; only SPARK_POINTS values touch Python
-    # (measured faster than SPARK_POINTS single-row OFFSET reads, which each re-walk the index)
-    values = conn.execute(f"SELECT reward FROM nodes WHERE run_id = ? AND {FINITE} ORDER BY reward",
-                          (run_id,)).fetchall()
-    count = len(values)
+    # counted, then the sparkline's ranks picked, straight off the (run_id, reward, id) index:
+    # only SPARK_POINTS values leave SQLite (all of a copied ledger's 6M-branch run, read into
+    # Python to pick 24 of them, cost 508 MB per runs page)
+    count = conn.execute(f"SELECT count(*) FROM nodes WHERE run_id = ? AND {FINITE}", (run_id,)).fetchone()[0]
+    ranks = spark_ranks(count)
+    picked = [r[0] for r in conn.execute(
+        f"SELECT reward FROM (SELECT reward, row_number() OVER (ORDER BY reward) - 1 AS k FROM nodes "
+        f"WHERE run_id = ? AND {FINITE}) WHERE k IN ({', '.join('?' * len(ranks))}) ORDER BY k",
+        (run_id, *ranks))] if ranks else []
     # the top reward's branches; a tie goes to the first in natural order (tree.best_key)
     tied = [r[0] for r in conn.execute(
         f"SELECT id FROM nodes WHERE run_id = ? AND status = 'ok' AND reward = "
         f"(SELECT max(reward) FROM nodes WHERE run_id = ? AND status = 'ok' AND {FINITE})",
         (run_id, run_id)).fetchall()] if count else []
     best = (min(tied, key=lambda i: id_key(str(i))),) if tied else None
-    picked = [values[k][0] for k in spark_ranks(count)]
     spark = [v for r in picked if (v := _finite(r)) is not None]
     out = {"best_reward": spark[-1] if spark else None, "best_node": best[0] if best else None,
            "rewarded": count, "spark": spark}
@@ -299,9 +305,22 @@ def checkpoints(db: Path, limit: int = MAX_LIMIT) -> tuple[list[dict[str, Any]],
     return out, total
 
 
-def unlisted_paths(db: Path, skip: int) -> list[Any]:
-    """The path of each checkpoint row after the newest ``skip`` (cut as the listed ones are):
-    the files of rows a listing leaves out, which are not files dropped into the folder."""
+def unlisted_paths(db: Path, skip: int, file_of: Callable[[Any], str | None]) -> list[str]:
+    """The files that checkpoint rows after the newest ``skip`` name (``file_of``: the file in
+    the checkpoint folder a row's path stands for, if it is there; see
+    :func:`smolbench._shelflist.files_there`): the files of rows a listing leaves out, which are not
+    files dropped into the folder. Each file once: a copied ledger's 8.9 MB of rows, all read
+    at once, cost 497 MB; these are as many as the folder's files at most."""
     with open_ro(db) as conn:
-        return [r[0] for r in conn.execute(f"SELECT substr(path, 1, {TEXT_CHARS}) FROM checkpoints ORDER BY created "
-                                           "DESC LIMIT -1 OFFSET ?", (max(0, skip),))]
+        return unlisted_files(conn.execute(f"SELECT substr(path, 1, {TEXT_CHARS}) FROM checkpoints ORDER BY created "
+                                           "DESC LIMIT -1 OFFSET ?", (max(0, skip),)), file_of)
+
+
+def unlisted_files(rows: Iterable[Sequence[Any]], file_of: Callable[[Any], str | None]) -> list[str]:
+    """Each file ``file_of`` gives for the first column of ``rows`` (read one at a time), once."""
+    files: dict[str, None] = {}
+    for row in rows:
+        name = file_of(row[0])
+        if name is not None:
+            files[name] = None
+    return list(files)

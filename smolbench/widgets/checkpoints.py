@@ -14,9 +14,10 @@ import traitlets as t
 
 from .. import _shown
 from .._format import size_text, time_text
+from .._shelflist import foreign, more_line
 from ..checkpoints import SESSIONS_HERE
 from ..gate import restoring
-from ..shelf import IMPORTED, Shelf, foreign, more_line
+from ..shelf import IMPORTED, Shelf
 from ._base import WorkbenchView, clean, view_module
 from .static import checkpoints_html
 
@@ -27,7 +28,7 @@ DOWN = "no machine is up: `%smol up` first (deleting a checkpoint works without 
 
 def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     """A ledger checkpoint row as the plain data the panel shows, with why it can't be restored."""
-    exists = bool(row.get("exists"))  # the gate's rule lets its file be read (smolbench.shelf.describe)
+    exists = bool(row.get("exists"))  # the gate's rule lets its file be read (smolbench._shelflist.describe)
     why = ""
     if not backend:
         why = DOWN.split(" (")[0]
@@ -44,7 +45,7 @@ def checkpoint_record(row: dict[str, Any], backend: str) -> dict[str, Any]:
     warnings = [str(_shown.text(w)) for w in row["warnings"]] if isinstance(row.get("warnings"), list) else []
     theirs = row.get("dropped") or row.get("session_id") == IMPORTED  # a file's own words (its record's)
     shown = clean(restoring.claimed(warnings) if theirs else warnings)
-    if row.get("foreign") and not why:  # said first: a row not signed as this user's (shelf.describe)
+    if row.get("foreign") and not why:  # said first: a row not signed as this user's (_shelflist.describe)
         shown = [f"foreign: {row['foreign']}; `%smol checkpoint trust {row.get('name')}` if you saved it", *shown]
     return {
         "name": row.get("name"),
