@@ -6,7 +6,8 @@ must not make the host build hundreds of MB (one budget over all of an env's spa
 batched copies included); an info with a non-text key, a set, or a Discrete observation
 of 2**100 is refused in one line naming its sub-env, never a raw exception; and one
 sub-env's bad answer never makes the host lose another sub-env's answer in the same
-vector step (the one that ended there is autoreset next, not stepped past its end).
+vector step (the one that ended there is autoreset next, not stepped past its end). A
+vector step's infos merged are budgeted too.
 """
 
 from __future__ import annotations
@@ -454,3 +455,118 @@ def test_a_carried_mersenne_twister_is_its_words_only() -> None:
                      {**plain, "state": [3, words, "text"]}, {**plain, "kind": "Mine"}, {"kind": "Random"}):
         assert plain_own({"own": [json.dumps(smuggled)]}) == [None], smuggled
     assert plain_own({"own": ["x" * 20_000]}) == [None]
+
+
+# -- 4. a vector step's infos merged within a budget ---------------------------------------
+
+class _Vec:
+    """What MachineVectorEnv._infos needs: num_envs, gymnasium's own _add_info, the sub-envs."""
+
+    def __init__(self, n: int) -> None:
+        from gymnasium.vector import VectorEnv
+
+        from smolbench.gym.episode import Episode
+        from smolbench.gym.vector import MachineVectorEnv
+
+        self.num_envs, self._m = n, SimpleNamespace(eps=[Episode(i) for i in range(n)])
+        self._add_info = VectorEnv._add_info.__get__(self)
+        self.infos = MachineVectorEnv._infos.__get__(self)
+
+
+def test_infos_whose_keys_differ_per_sub_env_are_refused_before_they_are_merged() -> None:
+    """The audit: gymnasium's _add_info makes two arrays of num_envs for every key any sub-env
+    sent, so 32 sub-envs each sending ~11,000 keys of their own (each info within MAX_INFO)
+    merged into 620 MB and 2 s a step, growing as num_envs**2. Now the distinct keys (nested
+    ones counted) are budgeted before anything is merged: one line naming the sub-env that
+    brought the most and the fix, with the host's allocations a fraction of the merge's."""
+    from smolbench.gym.info import checked_info
+
+    n = 16
+    each = [(i, {f"{i:x}.{j:x}": 0 for j in range(11_000)}) for i in range(n)]
+    each[5][1].update({f"n{j}": {"a": 1.5} for j in range(600)})  # nested: sub-env 5 brought the most
+    assert all(checked_info(info, "sub-env") is info for _, info in each)  # each info alone is fine
+    tracemalloc.start()
+    try:
+        with pytest.raises(GymError) as refused:
+            _Vec(n).infos(each)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    line = one_line(refused.value, "different keys (nested keys counted), too many to batch for 16 sub-envs")
+    assert "most came from sub-env 5: 12,200, sub-env 0: 11,000" in line and "and 13 more sub-envs" in line, line
+    assert "send the same few keys from every sub-env" in line and "MAX_MERGED" in line, line
+    assert peak < 8 << 20, f"the host allocated {peak >> 20} MiB"  # merged: ~75 MiB
+
+
+def test_real_infos_merge_as_gymnasium_merges_them_at_256_sub_envs() -> None:
+    """Within the budget nothing changes: Atari's and RecordEpisodeStatistics' infos, 40 metrics
+    and SAME_STEP's final infos, and 20 keys that name their own sub-env, at 256 sub-envs."""
+    from gymnasium.vector import VectorEnv
+
+    n = 256
+    each: list[tuple[int, dict[str, Any]]] = []
+    for i in range(n):
+        info: dict[str, Any] = {"lives": 3, "episode_frame_number": i, "episode": {"r": 1.0, "l": 7, "t": 0.5},
+                                **{f"metric/{k}": float(k) for k in range(40)}, **{f"env{i}/x{k}": k for k in range(20)}}
+        each.append((i, info))
+        if i % 3 == 0:
+            each.append((i, {"final_obs": np.zeros(4), "final_info": dict(info)}))
+    got = _Vec(n).infos(each)
+
+    class Plain(VectorEnv):  # type: ignore[type-arg]
+        num_envs = n
+
+    want: dict[str, Any] = {}
+    for i, info in each:
+        want = Plain()._add_info(want, info, i)
+    assert len(got) == 2 * (3 + 40 + 20 * n + 2)
+    finals = got.pop("final_obs"), want.pop("final_obs")
+    assert [x is None for x in finals[0]] == [x is None for x in finals[1]] == [i % 3 != 0 for i in range(n)]
+    np.testing.assert_equal(got, want)
+
+
+KEY_FLOOD = '''
+import gymnasium, numpy as np
+from gymnasium import spaces
+
+class KeyFlood(gymnasium.Env):
+    """Obs [t, me]; at step 2 each sub-env's info is 11,000 keys of its own (sub-env 3's 11,500),
+    each info within MAX_INFO, and the last sub-env ends."""
+    observation_space = spaces.Box(-10.0, 10.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.me = 0, seed if seed is not None else self.me
+        return np.array([0, self.me], np.float32), {"episode": {"r": 0.0}}
+
+    def step(self, action):
+        self.t += 1
+        info = {"lives": 3}
+        if self.t == 2:
+            info = {"%x.%x" % (self.me, j): 0 for j in range(11_000 + 500 * (self.me == 3))}
+        return np.array([self.t, self.me], np.float32), 1.0, (self.me, self.t) == (7, 2), False, info
+'''
+
+
+def test_a_vector_step_whose_infos_would_merge_past_the_budget_is_one_line_and_the_env_goes_on(
+        bench: Workbench) -> None:
+    """End to end, 8 sub-envs each sending 11,000 keys of its own (88,500 in all) at step 2,
+    where sub-env 7 ends: the step is one line naming the problem, sub-env 3 (the most keys) and
+    the fix; every sub-env's state was taken, so the next step autoresets sub-env 7 and steps
+    the others on (as for any info that does not batch)."""
+    define(bench, KEY_FLOOD)
+    envs = sgym.make_vec("KeyFlood", 8, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0)
+        assert envs.step(np.zeros(8, np.int64))[4]["lives"].tolist() == [3] * 8
+        with pytest.raises(SmolbenchError) as refused:
+            envs.step(np.zeros(8, np.int64))
+        line = one_line(refused.value, "different keys (nested keys counted), too many to batch for 8 sub-envs")
+        assert "most came from sub-env 3 (machine root." in line and ": 11,500, sub-env 0 (machine root." in line, line
+        assert "and 5 more sub-envs: send the same few keys from every sub-env" in line, line
+        obs, rewards, terminated, _, infos = envs.step(np.zeros(8, np.int64))
+        assert obs[:, 0].tolist() == [3] * 7 + [0] and rewards.tolist() == [1.0] * 7 + [0.0], (obs, rewards)
+        assert infos["_lives"].tolist() == [True] * 7 + [False] and infos["_episode"].tolist() == [False] * 7 + [True]
+    finally:
+        envs.close()
