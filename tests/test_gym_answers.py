@@ -6,12 +6,13 @@ must not make the host build hundreds of MB (one budget over all of an env's spa
 batched copies included); an info with a non-text key, a set, or a Discrete observation
 of 2**100 is refused in one line naming its sub-env, never a raw exception; and one
 sub-env's bad answer never makes the host lose another sub-env's answer in the same
-vector step (the one that ended there is autoreset next, not stepped past its end). A
-vector step's infos merged are budgeted too.
+vector step (the one that ended there is autoreset next, not stepped past its end). What
+one sample() of the action space costs, and a vector step's infos merged, are budgeted too.
 """
 
 from __future__ import annotations
 
+import string
 import tracemalloc
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -193,10 +194,10 @@ def test_a_small_description_of_huge_spaces_is_refused_before_the_host_builds_th
     assert set(bench.machines) == before
 
 
-def _describe(observation: Any, num_envs: int, vector: bool = True) -> Any:
+def _describe(observation: Any, num_envs: int, vector: bool = True, action: Any = None) -> Any:
     m = SimpleNamespace(n=num_envs, vector=vector)
     Machines._describe(m, {"observation_space": observation,  # type: ignore[arg-type]
-                           "action_space": {"type": "Discrete", "n": 2, "start": 0}}, "root.1")
+                           "action_space": action or {"type": "Discrete", "n": 2, "start": 0}}, "root.1")
     return m
 
 
@@ -233,6 +234,81 @@ def test_real_sized_spaces_fit_the_budget_at_256_sub_envs() -> None:
     for shape, dtype, top in (((210, 160, 3), "uint8", 255), ((4, 84, 84), "float32", 1)):
         box = {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
         assert _describe(box, 256).observation_space.shape == shape
+
+
+def _box(shape: Any, dtype: str, top: float) -> dict[str, Any]:
+    return {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
+
+
+def _text(longest: int, shortest: int = 0, charset: str = "".join(chr(c) for c in range(32, 127))) -> dict[str, Any]:
+    return {"type": "Text", "charset": charset, "min_length": shortest, "max_length": longest}
+
+
+@pytest.mark.parametrize("case", ["4,080 Text(2**20)", "Box of 2**24 bytes", "make_vec(4) of 5.5 M Box items"])
+def test_an_action_space_whose_sample_costs_more_than_the_budget_is_refused_when_rebuilt(case: str) -> None:
+    """The audit: ``action_space.sample()`` (the README's own call) was not in the spaces' budget.
+    16 Dicts of 255 Text(2**20, min_length=2**20) were accepted (a Text's max_length was never
+    counted) and a sample would take ~27 s; a Box of 2**24 bytes under make() took 1 GB and 4.9 s a
+    sample; make_vec(4) of a Box of 5.5 M items (within the build budget) 1.3 GB. Each is now
+    refused as it is rebuilt, in one line naming the budget, and never sampled."""
+    from gymnasium import spaces as S
+
+    texts = {"type": "Dict", "spaces": [[f"t{i}", _text(1 << 20, 1 << 20, "ab")] for i in range(255)]}
+    action, n = {"4,080 Text(2**20)": ({"type": "Tuple", "spaces": [texts] * 16}, 0),
+                 "Box of 2**24 bytes": (_box((1 << 24,), "uint8", 255), 0),
+                 "make_vec(4) of 5.5 M Box items": (_box((5_500_000,), "uint8", 255), 4)}[case]
+    sampled: list[Any] = []
+    real = S.Space.sample
+    with pytest.MonkeyPatch.context() as mp:  # (none is: a sample of any space would be noted)
+        for kind in (S.Box, S.Text, S.Dict, S.Tuple):
+            mp.setattr(kind, "sample", lambda self, *a, **k: sampled.append(self) or real(self, *a, **k))
+        with pytest.raises(GymError) as refused:
+            _describe({"type": "Discrete", "n": 2, "start": 0}, n, vector=bool(n), action=action)
+    line = one_line(refused.value, "an action space one sample() of which")
+    assert "MAX_SAMPLE_BYTES" in line and "max_length" in line and not sampled, line
+    assert ("batched for num_envs=4" in line) == bool(n), line
+
+
+def test_what_a_sample_is_counted_at_is_at_least_what_it_takes() -> None:
+    """:func:`spaces.sample_bytes` prices a sample (batched as make_vec's action space) at no
+    less than what it allocates here (tracemalloc), so the budget bounds the real cost."""
+    from gymnasium import spaces as S
+    from gymnasium.vector.utils import batch_space
+
+    from smolbench.gym.spaces import sample_bytes
+
+    for space, n in ((S.Box(0, 255, (1 << 16,), np.uint8), 4), (S.Box(-1.0, 1.0, (1 << 16,), np.float64), 0),
+                     (S.Text(4096, min_length=4096, charset=string.printable), 8), (S.Text(1, charset="ab"), 0),
+                     (S.Text(16, charset="".join(chr(c) for c in range(0x100, 0x10000))), 0), (S.MultiBinary(1 << 16), 4),
+                     (S.MultiBinary(1 << 16), 0), (S.MultiDiscrete(np.full(1 << 16, 7)), 2),
+                     (S.Dict({"a": S.Discrete(5), "b": S.Box(0, 9, (4096,), np.int64)}), 16)):
+        sampling = batch_space(space, n) if n else space
+        sampling.seed(0)
+        sampling.sample()
+        tracemalloc.start()
+        try:
+            sampling.sample()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= sample_bytes(space, n), (space, n, peak, sample_bytes(space, n))
+
+
+def test_real_action_spaces_are_within_the_sample_budget_at_256_sub_envs() -> None:
+    """What RL users step with: Atari frames (210x160x3) and 84x84x4 frame stacks with Discrete
+    actions, MuJoCo's float actions, an LLM env's Text(8192) actions and prompts, a Dict of
+    MultiDiscrete and text; all at make_vec's most sub-envs, and a Text of MAX_TEXT under make()."""
+    from smolbench.gym.spaces import MAX_TEXT
+
+    discrete = {"type": "Discrete", "n": 18, "start": 0}
+    for obs, action in ((_box((210, 160, 3), "uint8", 255), discrete), (_box((84, 84, 4), "uint8", 255), discrete),
+                        (_box((376,), "float64", 1e9), _box((17,), "float32", 0.4)),
+                        (_text(32_000), _text(8192)),
+                        (_box((8,), "float32", 1), {"type": "Dict", "spaces": [
+                            ["move", {"type": "MultiDiscrete", "nvec": np.array([3, 4]), "start": np.zeros(2, np.int64),
+                                      "dtype": "int64"}], ["say", _text(2048)]]})):
+        assert _describe(obs, 256, action=action).action_space is not None
+    assert _describe(_box((1,), "float32", 1), 1, vector=False, action=_text(MAX_TEXT)).action_space.max_length == MAX_TEXT
 
 
 # -- 2, 3. malformed answers: one line naming the sub-env ---------------------------------
