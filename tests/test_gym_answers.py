@@ -6,11 +6,13 @@ must not make the host build hundreds of MB (one budget over all of an env's spa
 batched copies included); an info with a non-text key, a set, or a Discrete observation
 of 2**100 is refused in one line naming its sub-env, never a raw exception; and one
 sub-env's bad answer never makes the host lose another sub-env's answer in the same
-vector step (the one that ended there is autoreset next, not stepped past its end).
+vector step (the one that ended there is autoreset next, not stepped past its end). What
+one sample() of the action space costs, and a vector step's infos merged, are budgeted too.
 """
 
 from __future__ import annotations
 
+import string
 import tracemalloc
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -192,10 +194,10 @@ def test_a_small_description_of_huge_spaces_is_refused_before_the_host_builds_th
     assert set(bench.machines) == before
 
 
-def _describe(observation: Any, num_envs: int, vector: bool = True) -> Any:
+def _describe(observation: Any, num_envs: int, vector: bool = True, action: Any = None) -> Any:
     m = SimpleNamespace(n=num_envs, vector=vector)
     Machines._describe(m, {"observation_space": observation,  # type: ignore[arg-type]
-                           "action_space": {"type": "Discrete", "n": 2, "start": 0}}, "root.1")
+                           "action_space": action or {"type": "Discrete", "n": 2, "start": 0}}, "root.1")
     return m
 
 
@@ -232,6 +234,81 @@ def test_real_sized_spaces_fit_the_budget_at_256_sub_envs() -> None:
     for shape, dtype, top in (((210, 160, 3), "uint8", 255), ((4, 84, 84), "float32", 1)):
         box = {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
         assert _describe(box, 256).observation_space.shape == shape
+
+
+def _box(shape: Any, dtype: str, top: float) -> dict[str, Any]:
+    return {"type": "Box", "low": np.zeros(shape, dtype), "high": np.full(shape, top, dtype), "dtype": dtype}
+
+
+def _text(longest: int, shortest: int = 0, charset: str = "".join(chr(c) for c in range(32, 127))) -> dict[str, Any]:
+    return {"type": "Text", "charset": charset, "min_length": shortest, "max_length": longest}
+
+
+@pytest.mark.parametrize("case", ["4,080 Text(2**20)", "Box of 2**24 bytes", "make_vec(4) of 5.5 M Box items"])
+def test_an_action_space_whose_sample_costs_more_than_the_budget_is_refused_when_rebuilt(case: str) -> None:
+    """The audit: ``action_space.sample()`` (the README's own call) was not in the spaces' budget.
+    16 Dicts of 255 Text(2**20, min_length=2**20) were accepted (a Text's max_length was never
+    counted) and a sample would take ~27 s; a Box of 2**24 bytes under make() took 1 GB and 4.9 s a
+    sample; make_vec(4) of a Box of 5.5 M items (within the build budget) 1.3 GB. Each is now
+    refused as it is rebuilt, in one line naming the budget, and never sampled."""
+    from gymnasium import spaces as S
+
+    texts = {"type": "Dict", "spaces": [[f"t{i}", _text(1 << 20, 1 << 20, "ab")] for i in range(255)]}
+    action, n = {"4,080 Text(2**20)": ({"type": "Tuple", "spaces": [texts] * 16}, 0),
+                 "Box of 2**24 bytes": (_box((1 << 24,), "uint8", 255), 0),
+                 "make_vec(4) of 5.5 M Box items": (_box((5_500_000,), "uint8", 255), 4)}[case]
+    sampled: list[Any] = []
+    real = S.Space.sample
+    with pytest.MonkeyPatch.context() as mp:  # (none is: a sample of any space would be noted)
+        for kind in (S.Box, S.Text, S.Dict, S.Tuple):
+            mp.setattr(kind, "sample", lambda self, *a, **k: sampled.append(self) or real(self, *a, **k))
+        with pytest.raises(GymError) as refused:
+            _describe({"type": "Discrete", "n": 2, "start": 0}, n, vector=bool(n), action=action)
+    line = one_line(refused.value, "an action space one sample() of which")
+    assert "MAX_SAMPLE_BYTES" in line and "max_length" in line and not sampled, line
+    assert ("batched for num_envs=4" in line) == bool(n), line
+
+
+def test_what_a_sample_is_counted_at_is_at_least_what_it_takes() -> None:
+    """:func:`spaces.sample_bytes` prices a sample (batched as make_vec's action space) at no
+    less than what it allocates here (tracemalloc), so the budget bounds the real cost."""
+    from gymnasium import spaces as S
+    from gymnasium.vector.utils import batch_space
+
+    from smolbench.gym.spaces import sample_bytes
+
+    for space, n in ((S.Box(0, 255, (1 << 16,), np.uint8), 4), (S.Box(-1.0, 1.0, (1 << 16,), np.float64), 0),
+                     (S.Text(4096, min_length=4096, charset=string.printable), 8), (S.Text(1, charset="ab"), 0),
+                     (S.Text(16, charset="".join(chr(c) for c in range(0x100, 0x10000))), 0), (S.MultiBinary(1 << 16), 4),
+                     (S.MultiBinary(1 << 16), 0), (S.MultiDiscrete(np.full(1 << 16, 7)), 2),
+                     (S.Dict({"a": S.Discrete(5), "b": S.Box(0, 9, (4096,), np.int64)}), 16)):
+        sampling = batch_space(space, n) if n else space
+        sampling.seed(0)
+        sampling.sample()
+        tracemalloc.start()
+        try:
+            sampling.sample()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= sample_bytes(space, n), (space, n, peak, sample_bytes(space, n))
+
+
+def test_real_action_spaces_are_within_the_sample_budget_at_256_sub_envs() -> None:
+    """What RL users step with: Atari frames (210x160x3) and 84x84x4 frame stacks with Discrete
+    actions, MuJoCo's float actions, an LLM env's Text(8192) actions and prompts, a Dict of
+    MultiDiscrete and text; all at make_vec's most sub-envs, and a Text of MAX_TEXT under make()."""
+    from smolbench.gym.spaces import MAX_TEXT
+
+    discrete = {"type": "Discrete", "n": 18, "start": 0}
+    for obs, action in ((_box((210, 160, 3), "uint8", 255), discrete), (_box((84, 84, 4), "uint8", 255), discrete),
+                        (_box((376,), "float64", 1e9), _box((17,), "float32", 0.4)),
+                        (_text(32_000), _text(8192)),
+                        (_box((8,), "float32", 1), {"type": "Dict", "spaces": [
+                            ["move", {"type": "MultiDiscrete", "nvec": np.array([3, 4]), "start": np.zeros(2, np.int64),
+                                      "dtype": "int64"}], ["say", _text(2048)]]})):
+        assert _describe(obs, 256, action=action).action_space is not None
+    assert _describe(_box((1,), "float32", 1), 1, vector=False, action=_text(MAX_TEXT)).action_space.max_length == MAX_TEXT
 
 
 # -- 2, 3. malformed answers: one line naming the sub-env ---------------------------------
@@ -454,3 +531,118 @@ def test_a_carried_mersenne_twister_is_its_words_only() -> None:
                      {**plain, "state": [3, words, "text"]}, {**plain, "kind": "Mine"}, {"kind": "Random"}):
         assert plain_own({"own": [json.dumps(smuggled)]}) == [None], smuggled
     assert plain_own({"own": ["x" * 20_000]}) == [None]
+
+
+# -- 4. a vector step's infos merged within a budget ---------------------------------------
+
+class _Vec:
+    """What MachineVectorEnv._infos needs: num_envs, gymnasium's own _add_info, the sub-envs."""
+
+    def __init__(self, n: int) -> None:
+        from gymnasium.vector import VectorEnv
+
+        from smolbench.gym.episode import Episode
+        from smolbench.gym.vector import MachineVectorEnv
+
+        self.num_envs, self._m = n, SimpleNamespace(eps=[Episode(i) for i in range(n)])
+        self._add_info = VectorEnv._add_info.__get__(self)
+        self.infos = MachineVectorEnv._infos.__get__(self)
+
+
+def test_infos_whose_keys_differ_per_sub_env_are_refused_before_they_are_merged() -> None:
+    """The audit: gymnasium's _add_info makes two arrays of num_envs for every key any sub-env
+    sent, so 32 sub-envs each sending ~11,000 keys of their own (each info within MAX_INFO)
+    merged into 620 MB and 2 s a step, growing as num_envs**2. Now the distinct keys (nested
+    ones counted) are budgeted before anything is merged: one line naming the sub-env that
+    brought the most and the fix, with the host's allocations a fraction of the merge's."""
+    from smolbench.gym.info import checked_info
+
+    n = 16
+    each = [(i, {f"{i:x}.{j:x}": 0 for j in range(11_000)}) for i in range(n)]
+    each[5][1].update({f"n{j}": {"a": 1.5} for j in range(600)})  # nested: sub-env 5 brought the most
+    assert all(checked_info(info, "sub-env") is info for _, info in each)  # each info alone is fine
+    tracemalloc.start()
+    try:
+        with pytest.raises(GymError) as refused:
+            _Vec(n).infos(each)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    line = one_line(refused.value, "different keys (nested keys counted), too many to batch for 16 sub-envs")
+    assert "most came from sub-env 5: 12,200, sub-env 0: 11,000" in line and "and 13 more sub-envs" in line, line
+    assert "send the same few keys from every sub-env" in line and "MAX_MERGED" in line, line
+    assert peak < 8 << 20, f"the host allocated {peak >> 20} MiB"  # merged: ~75 MiB
+
+
+def test_real_infos_merge_as_gymnasium_merges_them_at_256_sub_envs() -> None:
+    """Within the budget nothing changes: Atari's and RecordEpisodeStatistics' infos, 40 metrics
+    and SAME_STEP's final infos, and 20 keys that name their own sub-env, at 256 sub-envs."""
+    from gymnasium.vector import VectorEnv
+
+    n = 256
+    each: list[tuple[int, dict[str, Any]]] = []
+    for i in range(n):
+        info: dict[str, Any] = {"lives": 3, "episode_frame_number": i, "episode": {"r": 1.0, "l": 7, "t": 0.5},
+                                **{f"metric/{k}": float(k) for k in range(40)}, **{f"env{i}/x{k}": k for k in range(20)}}
+        each.append((i, info))
+        if i % 3 == 0:
+            each.append((i, {"final_obs": np.zeros(4), "final_info": dict(info)}))
+    got = _Vec(n).infos(each)
+
+    class Plain(VectorEnv):  # type: ignore[type-arg]
+        num_envs = n
+
+    want: dict[str, Any] = {}
+    for i, info in each:
+        want = Plain()._add_info(want, info, i)
+    assert len(got) == 2 * (3 + 40 + 20 * n + 2)
+    finals = got.pop("final_obs"), want.pop("final_obs")
+    assert [x is None for x in finals[0]] == [x is None for x in finals[1]] == [i % 3 != 0 for i in range(n)]
+    np.testing.assert_equal(got, want)
+
+
+KEY_FLOOD = '''
+import gymnasium, numpy as np
+from gymnasium import spaces
+
+class KeyFlood(gymnasium.Env):
+    """Obs [t, me]; at step 2 each sub-env's info is 11,000 keys of its own (sub-env 3's 11,500),
+    each info within MAX_INFO, and the last sub-env ends."""
+    observation_space = spaces.Box(-10.0, 10.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.me = 0, seed if seed is not None else self.me
+        return np.array([0, self.me], np.float32), {"episode": {"r": 0.0}}
+
+    def step(self, action):
+        self.t += 1
+        info = {"lives": 3}
+        if self.t == 2:
+            info = {"%x.%x" % (self.me, j): 0 for j in range(11_000 + 500 * (self.me == 3))}
+        return np.array([self.t, self.me], np.float32), 1.0, (self.me, self.t) == (7, 2), False, info
+'''
+
+
+def test_a_vector_step_whose_infos_would_merge_past_the_budget_is_one_line_and_the_env_goes_on(
+        bench: Workbench) -> None:
+    """End to end, 8 sub-envs each sending 11,000 keys of its own (88,500 in all) at step 2,
+    where sub-env 7 ends: the step is one line naming the problem, sub-env 3 (the most keys) and
+    the fix; every sub-env's state was taken, so the next step autoresets sub-env 7 and steps
+    the others on (as for any info that does not batch)."""
+    define(bench, KEY_FLOOD)
+    envs = sgym.make_vec("KeyFlood", 8, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0)
+        assert envs.step(np.zeros(8, np.int64))[4]["lives"].tolist() == [3] * 8
+        with pytest.raises(SmolbenchError) as refused:
+            envs.step(np.zeros(8, np.int64))
+        line = one_line(refused.value, "different keys (nested keys counted), too many to batch for 8 sub-envs")
+        assert "most came from sub-env 3 (machine root." in line and ": 11,500, sub-env 0 (machine root." in line, line
+        assert "and 5 more sub-envs: send the same few keys from every sub-env" in line, line
+        obs, rewards, terminated, _, infos = envs.step(np.zeros(8, np.int64))
+        assert obs[:, 0].tolist() == [3] * 7 + [0] and rewards.tolist() == [1.0] * 7 + [0.0], (obs, rewards)
+        assert infos["_lives"].tolist() == [True] * 7 + [False] and infos["_episode"].tolist() == [False] * 7 + [True]
+    finally:
+        envs.close()

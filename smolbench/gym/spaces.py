@@ -32,9 +32,21 @@ MAX_LEAVES = 4096  # spaces that are not a Dict or Tuple, in both spaces togethe
 NODE_BYTES, NODE_BYTES_BATCHED, NODE_BYTES_PER_ENV = 1024, 2048, 64  # a space object; its batched form, + per sub-env
 CHAR_BYTES, CHAR_BYTES_PER_ENV = 192, 64  # a Text's charset (set, list, index: ~180 B/char), its deep copy
 TEXT_BYTES_PER_ENV = 4  # per character of a Text's min_length: make_vec's buffer holds a string that long a sub-env
-# What one sample() of a space allocates here, per item (tracemalloc, gymnasium 1.4: a Text ~95-120 B a
-# character, a Box 20-61 B an item): a machine describes the action space the host samples from.
-SAMPLE_BYTES = {"Text": 128, "Box": 64, "MultiDiscrete": 32, "MultiBinary": 8}
+# What one sample() of a space allocates here, per item (tracemalloc, gymnasium 1.4: a Text 111-114 B a
+# character, a Box 20-69 B an item by its dtype and bounds, a MultiDiscrete 16 B, a MultiBinary 1 B;
+# batched, both a Box): a machine describes the action space the host samples from
+# (env.action_space.sample(), the README's own call).
+SAMPLE_BYTES = {"Text": 120, "Box": 72, "MultiDiscrete": 32, "MultiBinary": 8}
+CHARSET_SAMPLE_BYTES = 32  # and per character of a Text's charset, each sample (its mask, ~20 B)
+# One budget for what one sample() of the action space (make_vec's: batched, num_envs of each) costs
+# here, counted as those bytes: it bounds the sample's memory (a Text's are taken a leaf at a time, so
+# less) and its time (~0.2 s of one core per 128 MiB counted: a Text's 1.1 Mi characters, a Box's 1.9 Mi
+# items). Apart from MAX_SPACE_BYTES, which a space holds as long as its env lives: a sample's is
+# given back. Without it a Box of 2**24 bytes took 1 GB and 4.9 s a sample, and 4,080 Text(2**20)
+# ~27 s. 256 MiB takes an LLM env's Text(8192) actions at make_vec's most sub-envs (256), a Text of
+# MAX_TEXT under make(), and 3.7 Mi Box items; real action spaces are far smaller (Discrete, a few
+# floats, MultiDiscrete). The observation space is not sampled here, so not counted.
+MAX_SAMPLE_BYTES = 256 << 20
 TEST_WEAKEN: set[str] = set()  # "obs-check": tests show their attacks get through without the check
 DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool"}
@@ -195,17 +207,38 @@ def _cost(tree: Any, n: int, depth: int) -> tuple[int, int]:
     return node, 1
 
 
-def sample_bytes(space: S.Space[Any]) -> int:
-    """About what one ``space.sample()`` allocates here, at most (see :data:`SAMPLE_BYTES`):
-    a Box of 2**24 bytes, within the budget, took ~1 GB and 0.75 s a sample."""
+def sample_bytes(space: S.Space[Any], num_envs: int = 0) -> int:
+    """About what one ``space.sample()`` allocates here, at most (see :data:`SAMPLE_BYTES`);
+    with ``num_envs``, one sample of its batched form (make_vec's ``action_space``: gymnasium's
+    ``batch_space`` makes a Text ``num_envs`` Texts, a MultiBinary or MultiDiscrete a Box, a
+    Discrete a MultiDiscrete): a Box of 2**24 bytes took ~1 GB and 0.75 s a sample."""
     if isinstance(space, S.Dict):
-        return sum(sample_bytes(sub) for sub in space.spaces.values())
+        return sum(sample_bytes(sub, num_envs) for sub in space.spaces.values())
     if isinstance(space, S.Tuple):
-        return sum(sample_bytes(sub) for sub in space.spaces)
+        return sum(sample_bytes(sub, num_envs) for sub in space.spaces)
+    k = max(num_envs, 1)
     if isinstance(space, S.Text):
-        return NODE_BYTES + space.max_length * SAMPLE_BYTES["Text"]
+        return k * (2 * NODE_BYTES + space.max_length * SAMPLE_BYTES["Text"]
+                    + len(space.character_set) * CHARSET_SAMPLE_BYTES)
     items = math.prod(space.shape) if space.shape else 1
-    return NODE_BYTES + items * SAMPLE_BYTES.get(type(space).__name__, 0)
+    kind = type(space).__name__
+    if num_envs:
+        kind = {"MultiBinary": "Box", "MultiDiscrete": "Box", "Discrete": "MultiDiscrete"}.get(kind, kind)
+    return NODE_BYTES + k * items * SAMPLE_BYTES.get(kind, 0)
+
+
+def sampled_within_budget(action_space: S.Space[Any], num_envs: int = 0) -> None:
+    """Refuse an action space (with ``num_envs``: batched, as make_vec's) one ``sample()`` of
+    which would cost more than :data:`MAX_SAMPLE_BYTES` here (:func:`sample_bytes`): the space
+    is the machine's word, and sampling it is what a trainer does first. Run on the rebuilt
+    space (its build within :func:`within_budget`), before make_vec batches it."""
+    cost = sample_bytes(action_space, num_envs)
+    if cost > MAX_SAMPLE_BYTES:
+        vec = f", batched for num_envs={num_envs}," if num_envs else ""
+        raise Refused(f"an action space one sample() of which{vec} would take about {cost / (1 << 20):,.0f} MiB here "
+                      f"(a Text's max_length and charset count, every Box item): the budget is {MAX_SAMPLE_BYTES >> 20} MiB "
+                      "(smolbench.gym.spaces.MAX_SAMPLE_BYTES); describe a shorter Text max_length or smaller action "
+                      "arrays, use fewer sub-envs, or (an env you trust) raise that limit")
 
 
 def check(space: S.Space[Any], value: Any, what: str = "the observation") -> Any:

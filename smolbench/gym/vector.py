@@ -22,6 +22,7 @@ from ..errors import reworded
 from . import envspec, spaces
 from .env import NO_RENDER, NoRender, _options, check_seed, checked_action
 from .episode import EnvError, GymError, Later, Reset, Step, _where
+from .info import check_merge
 from .machines import Machines
 
 
@@ -170,7 +171,10 @@ class MachineVectorEnv(VectorEnv[Any, Any, Any]):
     def _infos(self, each: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         """The sub-envs' infos batched as Gymnasium batches them; one whose values can't go
         with the others' (a key that was a number there and text here, an int past int64) is
-        its sub-env's one-line error, raised once every sub-env's state is in."""
+        its sub-env's one-line error, raised once every sub-env's state is in; so are infos
+        whose merged form would be past :data:`info.MAX_MERGED` (keys that differ per sub-env
+        grow it as num_envs**2), before any is merged."""
+        check_merge(each, self.num_envs, lambda i: _where(i, self.num_envs, self._m.eps[i]))
         infos: dict[str, Any] = {}
         for i, info in each:
             try:

@@ -242,8 +242,10 @@ class WarmParent(Requests):
         try:
             spaces.within_budget([described.get("observation_space"), described.get("action_space")],
                                  self.n if self.vector else 0)
-            self.observation_space = spaces.space_from_data(described.get("observation_space"))
-            self.action_space = spaces.space_from_data(described.get("action_space"))
+            observations = spaces.space_from_data(described.get("observation_space"))
+            actions = spaces.space_from_data(described.get("action_space"))
+            spaces.sampled_within_budget(actions, self.n if self.vector else 0)  # what sample() costs
+            self.observation_space, self.action_space = observations, actions
         except spaces.Refused as exc:
             raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
         self.described = envspec.described(described)
