@@ -61,8 +61,10 @@ class Hostile(gymnasium.Env):
                 np.save(buf, np.array([Boom(MARKER)], dtype=object), allow_pickle=True)
                 return base64.b64encode(buf.getvalue()).decode()
             data._npy = npy
-        elif self.how == "huge":
+        elif self.how == "huge":  # past what any answer of this env takes: refused as it arrives
             obs = np.zeros(2_000_000, np.float32)
+        elif self.how == "long":  # within it: refused by the space
+            obs = np.zeros(1000, np.float32)
         elif self.how == "float64":
             obs = np.zeros(4, np.float64)
         elif self.how == "dict":
@@ -92,6 +94,8 @@ def lean(how):
         return {**ok, "i": {"format": "pickle", "data": base64.b64encode(pickle.dumps(Boom(MARKER))).decode()}}
     if how == "lean-huge-obs":
         return {**ok, "o": _npy_of(np.zeros(2_000_000, np.float32))}
+    if how == "lean-long-obs":
+        return {**ok, "o": _npy_of(np.zeros(1000, np.float32))}
     if how == "lean-extra":
         return {**ok, "x": 1}
     if how == "lean-flags":
@@ -114,8 +118,8 @@ def forged(description):
         return Hostile("none")
     return factory
 
-for _how in ("pickle", "object-npy", "huge", "float64", "dict", "outside", "nan", "bool-reward", "lean-object-obs",
-             "lean-pickle-info", "lean-huge-obs", "lean-extra", "lean-flags", "lean-both", "lean-nan", "lean-not-text",
+for _how in ("pickle", "object-npy", "huge", "long", "float64", "dict", "outside", "nan", "bool-reward", "lean-object-obs",
+             "lean-pickle-info", "lean-huge-obs", "lean-long-obs", "lean-extra", "lean-flags", "lean-both", "lean-nan", "lean-not-text",
              "lean-bigint", "lean-padding", "lean-short"):
     globals()["hostile_" + _how.replace("-", "_")] = (lambda h: lambda: Hostile(h))(_how)
 box_bounds_differ = forged({"type": "Box", "low": np.zeros(3), "high": np.ones(4), "dtype": "float32"})
@@ -142,7 +146,8 @@ def marker(bench: Workbench, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("how, says", [
     ("pickle", "came back as a pickle, but pulls are data-only"),
     ("object_npy", "not plain .npy data"),
-    ("huge", "has shape (2000000,) and dtype float32; its space wants (4,) and float32"),
+    ("huge", "sent a malformed reply: an answer of more than 5.2 MB: this env's answers take at most that"),
+    ("long", "has shape (1000,) and dtype float32; its space wants (4,) and float32"),
     ("float64", "has shape (4,) and dtype float64; its space wants (4,) and float32"),
     ("dict", "should be an array of shape (4,), got dict"),
     ("outside", "is outside its space"),
@@ -151,7 +156,8 @@ def marker(bench: Workbench, tmp_path: Path) -> Path:
     # the lean form of a step's answer (smolbench/gate/channel.py), forged by the machine
     ("lean_object_obs", "not plain .npy data"),
     ("lean_pickle_info", "came back as a pickle, but pulls are data-only"),
-    ("lean_huge_obs", "has shape (2000000,) and dtype float32; its space wants (4,) and float32"),
+    ("lean_huge_obs", "sent a malformed reply: an answer of more than 5.2 MB: this env's answers take at most that"),
+    ("lean_long_obs", "has shape (1000,) and dtype float32; its space wants (4,) and float32"),
     ("lean_extra", "unknown field 'x' in a step answer"),
     ("lean_flags", "a step's flags is out of range"),
     ("lean_both", "a step answer whose observation is not one array or one value"),
@@ -194,12 +200,12 @@ def test_impossible_spaces_are_refused_in_one_line(bench: Workbench, marker: Pat
 
 
 def test_the_weakened_contrast_lets_a_wrong_observation_through(bench: Workbench, marker: Path) -> None:
-    """Without the check against the rebuilt space, the float64 and huge attacks reach the caller."""
+    """Without the check against the rebuilt space, the float64 and long attacks reach the caller."""
     from smolbench.gym import spaces
 
     spaces.TEST_WEAKEN.add("obs-check")
     try:
-        for how, shape in (("float64", (4,)), ("huge", (2_000_000,))):
+        for how, shape in (("float64", (4,)), ("long", (1000,))):
             env = sgym.make(f"hostile_{how}", session=bench)
             try:
                 env.reset(seed=0)
@@ -211,7 +217,7 @@ def test_the_weakened_contrast_lets_a_wrong_observation_through(bench: Workbench
         spaces.TEST_WEAKEN.discard("obs-check")
 
 
-@pytest.mark.parametrize("how, says", [("outside", "is outside its space"), ("lean_huge_obs", "has shape (2000000,)")])
+@pytest.mark.parametrize("how, says", [("outside", "is outside its space"), ("lean_long_obs", "has shape (1000,)")])
 def test_a_vector_step_checks_every_observation_though_all_at_once(bench: Workbench, marker: Path, how: str,
                                                                    says: str) -> None:
     """make_vec checks its sub-envs' observations against the Box in one batch: a wrong one is

@@ -27,6 +27,7 @@ from .. import gate, registry
 from .._aio import _made_in_thread, _stop_with_grace, _to_the_end
 from ..errors import BackendUnavailable, MachineLost, SmolbenchError
 from ..gate import archive
+from ..gate.frames import Bound
 from ..guest import protocol as P
 from ..packages import GuestPython, Installed, host_python
 from ..packages import install as install_packages
@@ -496,8 +497,9 @@ class AgentHostBackend(Saving, Backend):
             res.error = {"ename": "MemoryError", "evalue": self._lost_for_memory(machine.spec), "traceback": []}
         return res
 
-    async def open_channel(self, machine: MachineRef, request: CellRequest) -> Channel:
-        """Start a cell that serves a loop of requests on its own connection (see ``_channel``)."""
+    async def open_channel(self, machine: MachineRef, request: CellRequest, bound: Bound | None = None) -> Channel:
+        """Start a cell that serves a loop of requests on its own connection (see ``_channel``);
+        ``bound``: what one of its answers may take, past which it is refused as it arrives."""
         limits = self.limiter.get(machine.name)
         ooms = limits.oom_kills() if limits is not None else 0
 
@@ -506,7 +508,7 @@ class AgentHostBackend(Saving, Backend):
 
         loop = asyncio.get_running_loop()
         _, chan = await self._connect(machine, lambda path: loop.create_unix_connection(
-            lambda: Channel(machine.name, request, lost), path))
+            lambda: Channel(machine.name, request, lost, bound), path))
         chan.send(exec_message(request, self._ids.cell(machine.name)))
         return chan
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import MachineLost, NoAnswerInTime, SmolbenchError
 from ..gate.channel import Answers
+from ..gate.frames import Bound
 from ..guest import protocol as P
 from .base import CellRequest
 
@@ -29,9 +30,10 @@ from .base import CellRequest
 class Channel(asyncio.Protocol):
     """One serving cell's connection: :meth:`send` a request, :meth:`answer` reads its answer."""
 
-    def __init__(self, where: str, request: CellRequest, lost: Callable[[], str | None]) -> None:
+    def __init__(self, where: str, request: CellRequest, lost: Callable[[], str | None],
+                 bound: Bound | None = None) -> None:
         self.where = where
-        self._answers = Answers(request, where)
+        self._answers = Answers(request, where, bound)  # bound: what one answer may take (a gym env's)
         self._lost = lost  # why the machine was lost (out of memory), if it was
         self._ready: deque[Any] = deque()  # answers (or the exceptions standing for them) not taken yet
         self._wake: Callable[[], None] | None = None

@@ -22,7 +22,19 @@ from typing import Any
 from ..backends.base import CellRequest, CellResult
 from ..errors import MachineBusy, SmolbenchError
 from . import _Cell, _error, died, malformed, pull
-from .frames import Bad, Splitter, decode, each, integer, known, mapping, shown, values_in
+from .frames import (
+    OUTPUT_HEADS,
+    Bad,
+    Bound,
+    Splitter,
+    decode,
+    each,
+    integer,
+    known,
+    mapping,
+    shown,
+    values_in,
+)
 from .limits import LIMITS, human
 
 log = logging.getLogger(__name__)
@@ -56,11 +68,13 @@ class Answers:
     :meth:`feed` takes the raw bytes; each answer comes out as its value, or as the
     exception that stands for it: :class:`AnswerError` (the request failed; the channel
     goes on), :class:`Ended`, a malformed-reply line or the machine-died line (the channel
-    answers no more: :attr:`broken` is set).
+    answers no more: :attr:`broken` is set). With a ``bound`` (a gym env's, from its spaces)
+    an answer over it is refused as its bytes arrive, none of it decoded (see :class:`Bound`).
     """
 
-    def __init__(self, request: CellRequest, where: str) -> None:
-        self._split = Splitter()
+    def __init__(self, request: CellRequest, where: str, bound: Bound | None = None) -> None:
+        self._split = Splitter(bound)
+        self.bound = bound
         self.request = request
         self.where = where
         self._dropped = 0
@@ -118,9 +132,12 @@ class Answers:
         if lean is not None:
             self._dropped = 0
             return lean
-        msg = decode(frame)
+        output = self.bound is not None and frame.startswith(OUTPUT_HEADS)  # (the gate's own limits)
+        msg = decode(frame, None if output else self.bound)
         kind = msg.get("t")
         if kind == "answer":
+            if output:  # '{"t":"done","t":"answer",...}': JSON takes the last; never the guest's spelling
+                raise Bad("an answer spelt as output or a cell's end (its first field says so)")
             self._dropped = 0
             try:
                 return self._answer(msg)

@@ -9,6 +9,7 @@ import re
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SmolbenchError
@@ -26,6 +27,11 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 # linear. Required to close, ``"\"\"\"…`` failed from each quote after scanning to the end, and
 # 80 KB of it held the kernel (every thread: re keeps the GIL) for 52 s (third audit).
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)')
+# A frame's first strings (at most 4,096) and the text between them, from a position outside any
+# string: JSON_STRING's own matches, so the frame is stripped of its strings a part at a time. At
+# once, re.sub took ~180 bytes a string (bytes.join's buffer for each piece): 5 MB of empty strings
+# (a frame within the default 64 MB limit) held 300 MB, measured, while they were counted.
+JSON_TOKENS = re.compile(rb'(?:[^"]+|' + JSON_STRING.pattern + rb'){1,4096}')
 
 
 class MalformedReply(SmolbenchError):
@@ -54,18 +60,23 @@ def loads(text: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def values_in(frame: bytes) -> int:
-    """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded).
+def values_in(frame: bytes, limit: int | None = None) -> int:
+    """How many JSON values ``frame`` holds (each costs the kernel tens of bytes once decoded):
+    exactly where that matters, past ``limit`` (default: ``LIMITS.max_items``).
 
     Every value but the outermost follows a ``[``/``{`` or a comma, so there are 1 + commas +
     non-empty containers of them; text inside strings is skipped when that matters.
     """
     rough = frame.count(b",") + frame.count(b"[") + frame.count(b"{") + 1
-    if rough <= LIMITS.max_items:
+    if rough <= (LIMITS.max_items if limit is None else limit):
         return rough  # an upper bound, already within the limit
-    bare = JSON_STRING.sub(b'""', frame)
-    containers = bare.count(b"[") + bare.count(b"{") - bare.count(b"[]") - bare.count(b"{}")
-    return 1 + bare.count(b",") + containers
+    count, at, view = 1, 0, memoryview(frame)
+    while at < len(frame):  # a part at a time (see JSON_TOKENS): "[]" is never cut, strings never
+        end = JSON_TOKENS.match(frame, at).end()  # type: ignore[union-attr]  # (a byte at least: always)
+        bare = JSON_STRING.sub(b'""', view[at:end])
+        count += bare.count(b",") + bare.count(b"[") + bare.count(b"{") - bare.count(b"[]") - bare.count(b"{}")
+        at = end
+    return count
 
 
 def _valid_text(msg: Any) -> None:
@@ -92,11 +103,14 @@ def _not_utf8(frame: bytes, at: int) -> str:
     return f"bytes that are not UTF-8 at byte {at:,}: {frame[at:at + 4]!r}"
 
 
-def decode(frame: bytes) -> dict[str, Any]:
+def decode(frame: bytes, bound: Bound | None = None) -> dict[str, Any]:
     """One frame as a JSON object (no NaN/Infinity, bounded nesting and value count, valid
-    text only), or Bad."""
-    count = values_in(frame)
-    if count > LIMITS.max_items:
+    text only), or Bad. ``bound``: a kept channel's own, tighter count (see :class:`Bound`)."""
+    most = LIMITS.max_items if bound is None else min(LIMITS.max_items, bound.items)
+    count = values_in(frame, most)
+    if count > most:
+        if bound is not None and most < LIMITS.max_items:
+            raise Bad(f"an answer of {count:,} JSON values, above {most:,}: {bound.what}")
         raise Bad(f"a reply of {count:,} JSON values, above the limit of {LIMITS.max_items:,} "
                   "(`%smol config max-items N` raises it)")
     try:
@@ -118,6 +132,25 @@ def decode(frame: bytes) -> dict[str, Any]:
     return msg
 
 
+@dataclass(frozen=True)
+class Bound:
+    """What one answer on a kept channel may take, worked out from what its answers carry (a
+    gym env's: from its spaces, ``smolbench/gym/answers.py``), under the gate's own limits:
+    ``size`` bytes and ``items`` JSON values a frame; ``what`` says why, in a refusal's line
+    ("this env's answers take at most that (...)"). It holds for every frame but the machine's output
+    and its serving cell's end (:data:`OUTPUT_HEADS`), which keep the gate's limits: a frame
+    over it is refused as its bytes arrive, before any of it is decoded."""
+
+    size: int
+    items: int
+    what: str
+
+
+# How a frame the guest writes for output or a cell's end begins (protocol.encode keeps "t" first):
+# these keep the gate's own limits on a bounded channel; anything else is held to its Bound.
+OUTPUT_HEADS = (b'{"t":"stream"', b'{"t":"display"', b'{"t":"clear"', b'{"t":"done"')
+
+
 class _InFlight:
     """Bytes of unfinished frames held for every machine at once, and the splitters holding
     them. Kept channels are fed on callers' threads as well as the loop's, so both change
@@ -137,8 +170,9 @@ def _over(total: int, mine: int) -> Bad:
 
 
 class Splitter:
-    """Raw chunks -> newline-terminated frames of at most ``LIMITS.max_frame`` bytes, fed one
-    chunk at a time (no event loop needed: a kept channel feeds it from its protocol).
+    """Raw chunks -> newline-terminated frames of at most ``LIMITS.max_frame`` bytes (and,
+    given a :class:`Bound`, its ``size`` for any frame but output), fed one chunk at a time
+    (no event loop needed: a kept channel feeds it from its protocol).
 
     A frame that grows past the limit is refused as soon as it does (the host never holds
     more than one limit's worth); :meth:`end` refuses bytes after the last newline (a
@@ -148,9 +182,11 @@ class Splitter:
     answer refused in its place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bound: Bound | None = None) -> None:
         self._buf = bytearray()
         self._error: Bad | None = None  # raised after the frames before it were taken
+        self.bound = bound
+        self._most = bound.size if bound is not None else 1 << 62  # bytes of a frame, but output
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The frames ``chunk`` finishes (blank lines skipped), or Bad (once the frames before
@@ -172,19 +208,20 @@ class Splitter:
         nothing is held (a kept channel's answer, read at once): what :meth:`feed` would
         return for it, without its bookkeeping; None otherwise (nothing taken)."""
         if self._buf or self._error is not None or chunk.find(b"\n") != len(chunk) - 1 \
-                or len(chunk) - 1 > LIMITS.max_frame:
+                or len(chunk) - 1 > LIMITS.max_frame or len(chunk) - 1 > self._most:
             return None
         return chunk[:-1]
 
     def _feed(self, chunk: bytes, frames: list[bytes]) -> None:
         limit, buf = LIMITS.max_frame, self._buf
+        most = min(limit, self._most)
         start = 0
         while True:
             nl = chunk.find(b"\n", start)
             if nl < 0:
                 break
-            if len(buf) + nl - start > limit:
-                raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+            if len(buf) + nl - start > most:
+                self._too_long(len(buf) + nl - start, chunk, start)
             if buf:
                 held = len(buf)  # what was counted: this chunk's part of the frame never was
                 buf += chunk[start:nl]
@@ -196,12 +233,24 @@ class Splitter:
             start = nl + 1
             if frame.strip():
                 frames.append(frame)
-        if len(buf) + len(chunk) - start > limit:
-            raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+        if len(buf) + len(chunk) - start > most:
+            self._too_long(len(buf) + len(chunk) - start, chunk, start)
         if start < len(chunk):
             self._make_room(len(chunk) - start)
             buf += chunk[start:]
             _InFlight.holders.add(self)
+
+    def _too_long(self, size: int, chunk: bytes, start: int) -> None:
+        """Bad for a frame of ``size`` bytes (so far) that begins at ``chunk[start:]``, or at the
+        bytes held, unless it is output or a cell's end within the gate's own limit."""
+        limit, bound = LIMITS.max_frame, self.bound
+        if size > limit:
+            raise Bad(f"a frame longer than {human(limit)} (`%smol config max-frame SIZE` raises the limit)")
+        if bound is None:
+            return
+        head = (bytes(self._buf[:16]) + chunk[:16])[:16] if self._buf else chunk[start:start + 16]
+        if not head.startswith(OUTPUT_HEADS):
+            raise Bad(f"an answer of more than {human(bound.size)}: {bound.what} (refused as it arrived)")
 
     def _make_room(self, more: int) -> None:
         """Count ``more`` bytes this splitter is about to hold; past the limit, the largest

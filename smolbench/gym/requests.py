@@ -19,6 +19,7 @@ from gymnasium import spaces as S
 from ..backends.base import CellRequest
 from ..errors import InfraError, NoAnswerInTime, SmolbenchError
 from ..gate.channel import AnswerError
+from ..gate.frames import Bound
 from ..guest import protocol as P
 from . import episode as E
 from . import spaces
@@ -56,6 +57,7 @@ class Requests:
     n: int  # the sub-envs: an error names one only where there are several
     action_space: Any
     timeout: float | None  # s a machine may take to answer one reset or step (None: as long as it takes)
+    bound: Bound | None = None  # what one answer may take on the wire (answers.wire_bound, from the spaces)
 
     async def _call(self, ep: Episode, code: str, *, push: dict[str, bytes] | None = None,
                     seed: int | None = None, bounded: bool = True, left: float | None = None) -> Any:
@@ -97,7 +99,7 @@ class Requests:
 
         async def start() -> Any:
             E.hang_up(ep)
-            ep.chan = chan = await self.wb.backend.open_channel(ref, req)  # type: ignore[attr-defined]
+            ep.chan = chan = await self.wb.backend.open_channel(ref, req, bound=self.bound)  # type: ignore[attr-defined]
             # a reset's answer is bounded by the env's timeout; a spare's warming (no reset) is not
             chan.timeout = self._limit(left) if reset is not None else None
             got = await chan.answer()

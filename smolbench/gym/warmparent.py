@@ -26,7 +26,7 @@ from ..errors import SmolbenchError, reworded
 from ..gate import terminal
 from ..ledger import code_hash
 from ..tree import GYM_RUN, Node
-from . import envnames, envspec, sending, spaces
+from . import answers, envnames, envspec, sending, spaces
 from . import episode as E
 from ._host import Host
 from .envnames import NAME_RE
@@ -209,6 +209,7 @@ class WarmParent(Requests):
                            reseed=self.reseed)
         other.parent, other.run_id, other.described = self.parent, self.run_id, self.described
         other.observation_space, other.action_space = self.observation_space, self.action_space
+        other.bound = self.bound
         other.own_streams = self.own_streams
         other._branching, other.owns_parent = self._branching, False
         other.records.kept = self.records.kept  # the episodes kept in memory: counted for all
@@ -248,6 +249,7 @@ class WarmParent(Requests):
             self.observation_space, self.action_space = observations, actions
         except spaces.Refused as exc:
             raise GymError(f"machine {where} described its env's spaces wrongly: {exc}") from None
+        self.bound = answers.wire_bound(self.observation_space)  # every channel's answers are held to it
         self.described = envspec.described(described)
         own = described.get("own_streams")
         self.own_streams = own if type(own) is int and 0 <= own <= 10**6 else 0
