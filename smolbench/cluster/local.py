@@ -25,7 +25,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..backends import _rundir
+from ..backends import _procs, _rundir
 from ..errors import SmolbenchError
 from . import SLOTS
 from .address import auth_from_env
@@ -341,21 +340,21 @@ def _kill_marked(mark: str) -> None:
     with this one's (``sbray-q`` and ``sbray-qlivecl1``), nor one that merely names a file in the
     folder on its command line (``tail -f``, an editor); matching the folder's path as a plain
     substring of command lines and environments killed both (an audit)."""
-    needle = f"{MARK_ENV}={mark}".encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if entry.stat().st_uid != os.getuid():  # never another user's
-                continue
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(entry)
+    killed = [(pid, started) for pid, started in _procs.with_env(MARK_ENV, mark)
+              if pid != os.getpid() and _owned(pid)]
+    _procs.kill_all(killed)
     deadline = time.monotonic() + 10
     while killed and time.monotonic() < deadline:
-        killed = [e for e in killed if _alive(e)]
+        killed = [p for p in killed if _procs.running(*p)]
         time.sleep(0.02)
+
+
+def _owned(pid: int) -> bool:
+    """Whether process ``pid`` is this user's (never another user's, though root reads its environment)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def _single_host(to: tuple[str | None, bool]) -> tuple[str | None, bool] | None:
@@ -389,11 +388,3 @@ def _sweep_stopped() -> None:
     for folder in _STOPPED:
         if folder.exists():
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(proc: Path) -> bool:
-    """Is ``/proc/PID`` still a process that has not been reaped (zombies count as gone)?"""
-    try:
-        return (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
