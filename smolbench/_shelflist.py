@@ -40,11 +40,12 @@ DROPPED_READ = 20  # dropped files one listing reads the record of (the sidebar 
 DROPPED_SCAN = 1_000  # entries of a checkpoint folder a bounded listing looks at past its room and the ledger's rows
 
 
-def files_there(store: Store) -> Callable[[Any], str | None]:
+def files_there(store: Store, limit: int) -> Callable[[Any], str | None]:
     """What a ledger row's path stands for in ``store``'s folder (``NAME.smolcheckpoint``) when
-    that file is there, else None: the rows a listing leaves out are read through it, so what
-    is kept of them is at most one name per file there (a copied ledger's rows are anyone's)."""
-    there = set(store.names())
+    that file is among the folder's first ``limit`` entries (those a bounded listing looks at),
+    else None: the rows a listing leaves out are read through it, so what is kept of them is at
+    most one name per file there (a copied ledger's rows are anyone's)."""
+    there = set(store.some_names(limit, (), limit)[0])
 
     def file_of(path: Any) -> str | None:
         if not isinstance(path, str) or path.rpartition("/")[2] not in there:

@@ -87,8 +87,9 @@ class Shelf:
         their text cut (as the sidebar's, :mod:`smolbench._shown`), then dropped files within
         ``limit`` in all (see :func:`listed`); how many rows the ledger holds; what it left out of the dropped."""
         rows, total = self.ledger.checkpoint_rows(limit), self.ledger.checkpoint_count()
-        unlisted = self.ledger.checkpoint_paths(limit, files_there(self.store)) if total > len(rows) else []
-        described, left = listed(rows, self.store, limit - len(rows), limit + total + DROPPED_SCAN, unlisted, paths=True)
+        looked = limit + total + DROPPED_SCAN  # the folder's entries looked at
+        unlisted = self.ledger.checkpoint_paths(limit, files_there(self.store, looked)) if total > len(rows) else []
+        described, left = listed(rows, self.store, limit - len(rows), looked, unlisted, paths=True)
         return described, total, left
 
     def find(self, name: str) -> dict[str, Any] | None:

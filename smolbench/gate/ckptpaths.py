@@ -29,6 +29,7 @@ import fcntl
 import os
 import re
 import stat
+import sys
 import time
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -283,15 +284,7 @@ class Store:
 
     def names(self) -> list[str]:
         """The checkpoint files in the folder (plain files named NAME.smolcheckpoint), sorted."""
-        try:
-            with self._dir() as dfd:
-                with os.scandir(dfd) as entries:
-                    found = [e.name for e in entries
-                             if e.name.endswith(SUFFIX) and valid_name(e.name[: -len(SUFFIX)])
-                             and e.is_file(follow_symlinks=False)]
-        except (Missing, PathRefused, OSError):
-            return []
-        return sorted(found)
+        return self.some_names(sys.maxsize, (), sys.maxsize)[0]
 
     def some_names(self, want: int, skip: Container[str | None], limit: int) -> tuple[list[str], int, bool]:
         """Up to ``want`` of :meth:`names` that ``skip`` doesn't hold, from the folder's first

@@ -215,7 +215,7 @@ def _listing(root: str, dirs: list[Path], problems: list[str]) -> str:
         # the folder's entries looked at: the ledger's rows' files, the room left, and a few more
         limit = room - len(rows) + total + DROPPED_SCAN
         problems += [f"{rel or '.'}: {line}" for line in misnamed_lines(store, limit=limit)]
-        unlisted = ledgerview.unlisted_paths(d / LEDGER, len(rows), files_there(store)) if total > len(rows) else []
+        unlisted = ledgerview.unlisted_paths(d / LEDGER, len(rows), files_there(store, limit)) if total > len(rows) else []
         described, left = listed(rows, store, room - len(rows), limit, unlisted)
         unread = sum(1 for r in described if r.get("unread"))
         if unread:
