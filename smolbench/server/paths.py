@@ -59,11 +59,12 @@ def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int
     found: list[Path] = []
     seen = entries = 0
     todo = [(base, 0)]  # depth first, each folder's subfolders in name order (as os.walk's, sorted)
-    while todo or entries > max_entries:
+    cut = (f"the root holds more than a listing looks through for ledgers ({max_dirs:,} folders, "
+           f"{max_entries:,} entries in them): ledgers past them are not listed; `%smol checkpoint "
+           "list` in a notebook lists its own folder's")
+    while todo:
         if seen >= max_dirs or entries >= max_entries:
-            return found, (f"the root holds more than a listing looks through for ledgers ({max_dirs:,} folders, "
-                           f"{max_entries:,} entries in them): ledgers past them are not listed; `%smol checkpoint "
-                           "list` in a notebook lists its own folder's")
+            return found, cut
         here, depth = todo.pop()
         seen += 1
         if (here / LEDGER).is_file() or (here / LEDGER.parent / "checkpoints").is_dir():  # files dropped in too
@@ -79,4 +80,4 @@ def find_ledgers(root: str | os.PathLike[str], max_depth: int = 4, max_dirs: int
                 if not e.name.startswith(".") and e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
                     subs.append(e.name)
         todo += [(here / d, depth + 1) for d in sorted(subs, reverse=True)]
-    return found, None
+    return found, (cut if entries > max_entries else None)
