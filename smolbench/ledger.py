@@ -77,6 +77,14 @@ def code_hash(code: str) -> str:
     """A short content hash of a cell's code."""
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
+def picked_once(rows: Iterable[Sequence[Any]], pick: Callable[[Any], Any]) -> list[Any]:
+    """Each value ``pick`` gives (not None) for the first column of ``rows``, once, the rows read
+    one at a time (a copied ledger's rows may be millions; what is kept is what ``pick`` names)."""
+    picked: dict[Any, None] = {}
+    for row in rows:
+        if (value := pick(row[0])) is not None:
+            picked[value] = None
+    return list(picked)
 
 class Ledger:
     """The durable record of a notebook's exploration (safe to use from any thread)."""
@@ -451,11 +459,7 @@ class Ledger:
             names = [d[0] for d in cur.description]
             if pick is None:
                 return names, cur.fetchall()
-            picked: dict[Any, None] = {}
-            for row in cur:  # one at a time: a copied ledger's rows may be millions
-                if (value := pick(row[0])) is not None:
-                    picked[value] = None
-            return names, [(value,) for value in picked]
+            return names, [(value,) for value in picked_once(cur, pick)]
         except sqlite3.DatabaseError:
             if not self._changed():
                 raise

@@ -11,14 +11,14 @@ import contextlib
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .. import _shown
 from .._ledgerfiles import SUPER_JOURNAL, odd_part
 from ..gate import frames
-from ..ledger import UnsafeLedger, guard
+from ..ledger import UnsafeLedger, guard, picked_once
 from ..tree import id_key, node_replay_refused, replay_refused
 
 SPARK_POINTS = 24
@@ -312,15 +312,6 @@ def unlisted_paths(db: Path, skip: int, file_of: Callable[[Any], str | None]) ->
     files dropped into the folder. Each file once: a copied ledger's 8.9 MB of rows, all read
     at once, cost 497 MB; these are as many as the folder's files at most."""
     with open_ro(db) as conn:
-        return unlisted_files(conn.execute(f"SELECT substr(path, 1, {TEXT_CHARS}) FROM checkpoints ORDER BY created "
-                                           "DESC LIMIT -1 OFFSET ?", (max(0, skip),)), file_of)
+        return picked_once(conn.execute(f"SELECT substr(path, 1, {TEXT_CHARS}) FROM checkpoints ORDER BY created "
+                                        "DESC LIMIT -1 OFFSET ?", (max(0, skip),)), file_of)
 
-
-def unlisted_files(rows: Iterable[Sequence[Any]], file_of: Callable[[Any], str | None]) -> list[str]:
-    """Each file ``file_of`` gives for the first column of ``rows`` (read one at a time), once."""
-    files: dict[str, None] = {}
-    for row in rows:
-        name = file_of(row[0])
-        if name is not None:
-            files[name] = None
-    return list(files)
