@@ -30,6 +30,9 @@ from types import TracebackType
 from typing import Any
 
 import nbformat
+import zmq
+import zmq.asyncio
+from jupyter_client.asynchronous import AsyncKernelClient
 from nbclient import NotebookClient
 from nbformat import NotebookNode
 from traitlets.config import Config
@@ -102,6 +105,24 @@ def wait_for_no_processes(tag: str, timeout: float = SETTLE_TIMEOUT, var: str = 
         time.sleep(0.05)
 
 
+class _UnboundedClient(AsyncKernelClient):
+    """nbclient's client, whose sockets take in all the kernel sends.
+
+    The kernel publishes IOPub without waiting for anyone (a ZeroMQ PUB socket): when a
+    subscriber's queue is full (1,000 messages by default each side) it drops what comes
+    next, the cell's error and its idle among them. A test's client parses each message
+    in Python; on a loaded host it fell behind a million-display flood and lost its tail
+    (CI, 2026-12-07), which no cell output of ours can prevent. Here the socket's own
+    thread queues everything, so a test sees what the kernel sent, not how fast it read
+    it. (In a browser, Jupyter's server rate limit thins such a flood before it renders.)
+    """
+
+    def _context_default(self) -> zmq.asyncio.Context:
+        context = super()._context_default()
+        context.setsockopt(zmq.RCVHWM, 0)  # 0: no limit
+        return context
+
+
 class NotebookSession(AbstractContextManager["NotebookSession"]):
     """A real ipykernel started in ``cwd``; ``run()`` executes one cell at a time.
 
@@ -119,7 +140,7 @@ class NotebookSession(AbstractContextManager["NotebookSession"]):
         self._ipc_dir = tempfile.mkdtemp(prefix="nbk-")
         # (``transport="tcp"``: Jupyter's default, ports on 127.0.0.1, for tests that attack them)
         ip = os.path.join(self._ipc_dir, "k") if transport == "ipc" else "127.0.0.1"
-        config = Config({"KernelManager": {"transport": transport, "ip": ip}})
+        config = Config({"KernelManager": {"transport": transport, "ip": ip, "client_factory": _UnboundedClient}})
         # iopub_timeout: a flood's last outputs, still queued when the reply came, took nbclient's
         # default 4 s (and once, for 1 s of a display flood at a million displays, over 30 s) to arrive
         # on a loaded host, which then dropped them, the cell's error with them. Waiting as long as a
