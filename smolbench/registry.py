@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .backends import _procs
+
 WRITE_EVERY = 0.2  # seconds between rewrites for status changes (a 64-branch fork: a handful, not 200)
 SOON = 0.05  # a machine came or went: write now, unless the last write was this recent
 FORMAT = 1
@@ -50,7 +52,6 @@ MAX_RECORDS = 256
 MAX_LISTING_BYTES = 4 * MAX_RECORD_BYTES
 MAX_NAMES = 16 * MAX_RECORDS
 KERNEL_VAR = "SMOLBENCH_KERNEL"  # in a machine's host process: "<kernel pid>.<its start time>" (kernel_mark)
-ENVIRON_LIMIT = 4 << 20  # bytes of a process's environment read, at most (Linux caps it near 2 MB)
 KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -310,13 +311,12 @@ def started_machine(pid: int, start: Any, names: set[str], kernel_pid: Any, kern
     try:
         if os.getsid(pid) != pid:
             return False
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = set(fh.read(ENVIRON_LIMIT).split(b"\0"))
     except OSError:
         return False
-    marked = any(f"SMOLBENCH_MACHINE={n}".encode() in env for n in names)
-    own = f"{KERNEL_VAR}={kernel_pid}.{kernel_start}".encode() in env
-    return marked and own and alive(pid, start)  # (still that process once read)
+    own = f"{KERNEL_VAR}={kernel_pid}.{kernel_start}".encode()
+    env = _procs.environ_holds(pid, [own, *(f"SMOLBENCH_MACHINE={n}".encode() for n in names)])
+    marked = env is not None and own in env and any(e != own for e in env)  # and one of the machines' names
+    return marked and alive(pid, start)  # (still that process once read)
 
 
 def _names(folder: Path, skipped: list[str]) -> list[str]:
