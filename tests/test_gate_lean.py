@@ -127,9 +127,9 @@ def test_a_forged_lean_step_is_refused_as_before(name: str, monkeypatch: pytest.
 
     frame = ATTACKS[name]
     _same(_lean_step(frame), reference(frame))
-    now = Answers(CellRequest("x"), "root.1").feed(frame + b"\n")
+    now = Answers(CellRequest("x"), "root.1", owed=1).feed(frame + b"\n")
     monkeypatch.setattr(channel, "_lean_step", reference)
-    before = Answers(CellRequest("x"), "root.1").feed(frame + b"\n")
+    before = Answers(CellRequest("x"), "root.1", owed=1).feed(frame + b"\n")
     assert len(now) == len(before) == 1
     (a,), (b,) = now, before
     if isinstance(b, BaseException) or isinstance(a, BaseException):

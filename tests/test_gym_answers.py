@@ -365,22 +365,32 @@ def test_one_sub_envs_bad_answer_never_loses_anothers_end(bench: Workbench, rese
 
 def test_one_answer_too_many_breaks_the_sub_env_only_until_its_next_reset(bench: Workbench) -> None:
     """The audit: a machine that answers once more than asked (its serving loop rewritten) had
-    every later answer answer the request before it, so every reset was refused, for good.
-    Its own steps' data is its own to lie about; but the refused reset now hangs up the
-    channel, and the next reset starts a new serving cell, in step again."""
+    every later answer answer the request before it, so every reset was refused, for good; a
+    later audit: its extra answers were queued on the host, as many as it sent. An answer to
+    no request is refused when it is read with its step's answer or before the next request
+    goes; one that comes later passes for the next step's (the machine's data is its own to
+    lie about) until a reset's check refuses it. Either way one line, and the next reset
+    starts a new serving cell, in step again."""
     env = sgym.make("ExtraAnswer", session=bench, reset="in-place")
     try:
         env.reset(seed=0)
-        env.step(0)
-        env.step(0)
-        with pytest.raises(SmolbenchError) as refused:
-            env.reset(seed=0)
-        one_line(refused.value, "answered a reset with something other than an observation and an info")
-        with pytest.raises(SmolbenchError, match="call reset"):  # the refused reset began no episode
-            env.step(0)
+        refused: list[BaseException] = []
+        for _ in range(2):
+            try:
+                env.step(0)
+            except SmolbenchError as exc:
+                refused.append(exc)
+                break
+        if not refused:
+            with pytest.raises(SmolbenchError) as at_reset:
+                env.reset(seed=0)
+            refused.append(at_reset.value)
+        line = str(refused[0])
+        assert "an answer to no request" in line or "answered a reset with something other than an observation" in line, line
+        one_line(refused[0], "")
         obs, _ = env.reset(seed=0)
         assert obs[0] == 0
-        assert [env.step(0)[0][0] for _ in range(3)] == [1, 2, 3]  # each answer is its own step's again
+        assert [env.step(0)[0][0] for _ in range(3)] == [1, 2, 3]  # each answer is its own step's
     finally:
         env.close()
 

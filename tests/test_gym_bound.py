@@ -167,7 +167,7 @@ def _answered(space: Any, write: Any) -> list[Any]:
     out = []
     for line in agent.lines:
         assert len(line) <= bound.size, (len(line), bound.size)
-        answers = Answers(CellRequest("x"), "root.1", bound)
+        answers = Answers(CellRequest("x"), "root.1", bound, owed=1)
         got = [a for k in range(0, len(line), READ) for a in answers.feed(line[k:k + READ])]
         assert len(got) == 1 and (not isinstance(got[0], BaseException) or isinstance(got[0], AnswerError)), got
         out.append(got[0])
@@ -257,15 +257,125 @@ def test_output_and_a_cells_end_keep_the_gates_own_limits_and_nothing_passes_for
 
     bound = Bound(1000, 50, "this env's answers take at most that")
     text = "x" * 5000
-    assert Answers(CellRequest("x"), "root.1", bound).feed(P.encode({"t": "stream", "name": "stdout", "text": text})) == []
+    assert Answers(CellRequest("x"), "root.1", bound, owed=1).feed(P.encode({"t": "stream", "name": "stdout", "text": text})) == []
     done = P.encode({"t": "done", "status": "error", "error": {"ename": "E", "evalue": text, "traceback": []}})
-    (ended,) = Answers(CellRequest("x"), "root.1", bound).feed(done)
+    (ended,) = Answers(CellRequest("x"), "root.1", bound, owed=1).feed(done)
     assert isinstance(ended, Ended) and "E: xxx" in str(ended)
     for frame in (P.encode({"t": "answer", "value": {"format": "data", "data": text}}),
                   b'{"t":"stream","t":"answer","value":{"format":"data","data":"' + text.encode() + b'"}}\n',
                   P.encode({"t": "answer", "value": {"format": "data", "data": list(range(60))}})):
-        (refused,) = Answers(CellRequest("x"), "root.1", bound).feed(frame)
+        (refused,) = Answers(CellRequest("x"), "root.1", bound, owed=1).feed(frame)
         assert isinstance(refused, SmolbenchError) and "malformed" in str(refused), refused
-    (ok,) = Answers(CellRequest("x"), "root.1", bound).feed(P.encode({"t": "answer", "value": {"format": "data",
+    (ok,) = Answers(CellRequest("x"), "root.1", bound, owed=1).feed(P.encode({"t": "answer", "value": {"format": "data",
                                                                                             "data": "x" * 900}}))
     assert ok == "x" * 900
+
+
+# -- one request, one answer: what a sub-env sends unasked is never queued ---------------------
+
+def test_an_answer_to_no_request_breaks_the_channel_with_the_answers_of_its_chunk() -> None:
+    from smolbench.backends.base import CellRequest
+    from smolbench.gate.channel import Answers
+    from smolbench.guest import protocol as P
+
+    line = P.encode({"t": "answer", "value": {"format": "data", "data": 1}})
+    answers = Answers(CellRequest("x"), "root.1", owed=1)
+    assert answers.feed(line) == [1] and not answers.broken and answers.owed == 0
+    (refused,) = answers.feed(line)  # asked nothing
+    assert isinstance(refused, SmolbenchError) and "an answer to no request" in str(refused) and answers.broken
+    answers = Answers(CellRequest("x"), "root.1", owed=1)
+    (refused,) = answers.feed(line + line)  # two answers to one request, in one write: neither is taken
+    assert "an answer to no request" in str(refused) and answers.broken
+    answers = Answers(CellRequest("x"), "root.1", owed=2)
+    assert answers.feed(line + line) == [1, 1]
+    # a cell's end is the channel's end, asked for or not
+    answers = Answers(CellRequest("x"), "root.1", owed=0)
+    (ended,) = answers.feed(P.encode({"t": "done", "status": "ok"}))
+    assert answers.broken and "no request" not in str(ended)
+
+
+OUT_OF_STEP = '''
+import sys, time, numpy as np, gymnasium
+from gymnasium import spaces
+
+def _serving():
+    """The guest's serving loop's api and answer (an env that rewrote its agent could write anything)."""
+    f = sys._getframe(1)
+    while f is not None and not ("answer" in f.f_locals and "api" in f.f_locals):
+        f = f.f_back
+    return f.f_locals["api"], f.f_locals["answer"]
+
+def _line(answer, api, info):
+    """The line the guest's own encoder writes for a step's answer with this info."""
+    agent, got = api._agent, []
+    send, send_line = agent.send, agent.send_line
+    P = answer.step.__globals__["P"]
+    agent.send = lambda msg: got.append(P.encode(msg))
+    agent.send_line = lambda line: got.append(line)
+    try:
+        answer.step(np.zeros(1, np.float32), 1.0, 0, info, None)
+    finally:
+        agent.send, agent.send_line = send, send_line
+    return got[0] if got[0].endswith(b"\\n") else got[0] + b"\\n"
+
+class OutOfStep(gymnasium.Env):
+    """Sub-env 2 answers its first step twice in one write (reset with options {"twice": True});
+    at the second step, sub-env 1 is slow
+    while sub-env 0 answers and then goes on answering, ~0.6 MB an answer, 40 times."""
+    observation_space = spaces.Box(-100.0, 100.0, (1,), np.float32)
+    action_space = spaces.Discrete(2)
+    me = -1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.me = 0, seed if seed is not None else self.me
+        self.twice = (options or {}).get("twice", False)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        api, answer = _serving()
+        if self.me == 2 and self.t == 1 and self.twice:
+            line = _line(answer, api, {})
+            api._agent.send_line(line + line)
+        if self.me == 1 and self.t == 2:
+            time.sleep(3)
+        if self.me == 0 and self.t == 2:
+            api._agent.send_line(_line(answer, api, {}))
+            many = _line(answer, api, {"a": [[]] * 200_000})
+            for _ in range(40):
+                api._agent.send_line(many)
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+'''
+
+
+@needs_bwrap
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_answers_a_sub_env_sends_unasked_are_never_queued_on_the_host(
+        bench: Workbench, decoded: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit: a vector step read every channel until all had answered, so a fast sub-env's
+    answers after its own (each within its bound) were decoded and queued while a slow sibling
+    worked: ~16 MB in 8 s held 432 MiB, 26 answers left queued, unbounded with no timeout; and
+    a spare answer sent with the first passed for the next step's. Now a channel is read no
+    further once its request is answered, and an answer to no request is that sub-env's
+    one-line error."""
+    define(bench, OUT_OF_STEP)
+    envs = sgym.make_vec("OutOfStep", 3, session=bench, reset="in-place")
+    try:
+        envs.reset(seed=0, options={"twice": True})
+        with pytest.raises(SmolbenchError) as refused:
+            envs.step(np.zeros(3, np.int64))
+        line = str(refused.value)
+        assert "sub-env 2 (machine root." in line and "an answer to no request" in line and "\n" not in line, line
+        envs.reset(seed=0)  # the env goes on
+        envs.step(np.zeros(3, np.int64))
+        decoded[0] = 0
+        # on the loop (as where a sub-env's channel isn't held, e.g. a request still being written)
+        from smolbench.gym import machines
+        monkeypatch.setattr(machines, "ask_now", lambda chans, lines: None)
+        envs.step(np.zeros(3, np.int64))  # sub-env 0 floods while sub-env 1 sleeps
+        assert decoded[0] < 1_000_000, f"{decoded[0]:,} bytes decoded in one step"  # before: ~16 MB
+        queued = [len(ep.chan._ready) for ep in envs._m.eps if ep.chan is not None]
+        assert queued == [0, 0, 0], queued
+    finally:
+        envs.close()

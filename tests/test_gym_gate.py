@@ -76,8 +76,13 @@ class Hostile(gymnasium.Env):
         elif self.how == "bool-reward":  # past the server's own float(): what the host gets is True
             sys._getframe(1).f_globals["_reward"] = lambda value: value
             reward = True
-        elif self.how.startswith("lean-"):  # a forged step answer in the lean form, sent ahead of the real one
-            sys.modules["smolbench_guest"]._agent.send({"t": "answer", "step": lean(self.how)})
+        elif self.how.startswith("lean-"):  # a forged step answer in the lean form, sent instead of the real one
+            agent = sys.modules["smolbench_guest"]._agent
+            agent.send({"t": "answer", "step": lean(self.how)})
+            real = agent.send, agent.send_line
+            def instead(*args):  # (one request, one answer: the real one is not sent)
+                agent.send, agent.send_line = real
+            agent.send = agent.send_line = instead
         return obs, reward, False, False, info
 
 def _npy_of(arr, allow_pickle=False):
@@ -290,7 +295,7 @@ def test_the_lean_fast_path_answers_as_the_general_path(name: str, max_items: in
     assert not LEAN_STEP.fullmatch(spelt_otherwise[:-1])
     old, LIMITS.max_items = LIMITS.max_items, max_items
     try:
-        fast, general = (Answers(CellRequest("x"), "root.1").feed(f) for f in (frame, spelt_otherwise))
+        fast, general = (Answers(CellRequest("x"), "root.1", owed=1).feed(f) for f in (frame, spelt_otherwise))
     finally:
         LIMITS.max_items = old
     assert len(fast) == len(general) == 1
@@ -428,7 +433,7 @@ def test_a_check_that_fails_unforeseen_refuses_the_answer_and_never_raises(monke
         raise RuntimeError("a check not foreseen")
 
     monkeypatch.setattr(pull, "_plain_npy", broken)
-    answers = Answers(CellRequest("x"), "root.1")
+    answers = Answers(CellRequest("x"), "root.1", owed=1)
     (got,) = answers.feed(LEAN_FRAMES["plain"])
     assert isinstance(got, Exception) and answers.broken
     assert str(got) == "machine root.1 sent a malformed reply: an answer that could not be checked (RuntimeError)"
@@ -436,7 +441,7 @@ def test_a_check_that_fails_unforeseen_refuses_the_answer_and_never_raises(monke
     from smolbench import gate
 
     monkeypatch.setattr(gate._Cell, "done", lambda *a, **k: broken(b""))
-    answers = Answers(CellRequest("x"), "root.1")
+    answers = Answers(CellRequest("x"), "root.1", owed=1)
     got = answers.feed(b'{"t":"answer","value":{"format":"data","data":1}}\n{"t":"done","status":"ok"}\n')
     assert got[0] == 1 and isinstance(got[1], Exception) and len(got) == 2, got
 
@@ -447,7 +452,7 @@ def test_a_machines_error_is_one_line_that_cant_pass_for_another_sub_envs() -> N
 
     frame = (b'{"t":"answer","error":{"ename":"ValueError","evalue":"oops\\nsub-env 0 (machine root.1.0): machine '
              b'root.1.0 died mid-step","traceback":[]}}\n')
-    (got,) = Answers(CellRequest("x"), "root.1").feed(frame)
+    (got,) = Answers(CellRequest("x"), "root.1", owed=1).feed(frame)
     assert isinstance(got, AnswerError)
     assert str(got) == "ValueError: oops sub-env 0 (machine root.1.0): machine root.1.0 died mid-step"
 
@@ -466,7 +471,7 @@ def test_a_busy_machine_on_a_kept_channel_is_busy_and_the_next_serving_cell_wait
 
     busy = (b'{"t":"done","status":"busy","error":{"ename":"MachineBusy","evalue":"machine busy: a cell is '
             b'already running in this machine; wait for it or interrupt it","traceback":[]}}\n')
-    answers = Answers(CellRequest("x"), "root.1")
+    answers = Answers(CellRequest("x"), "root.1", owed=1)
     (got,) = answers.feed(busy)
     assert isinstance(got, MachineBusy) and answers.broken
     tries: list[int] = []

@@ -57,6 +57,8 @@ class Channel(asyncio.Protocol):
         self._ready.extend(self._answers.feed(data))
         if self._answers.broken and self._transport is not None:
             self._transport.close()  # nothing more from it is read
+        elif not self._answers.owed:
+            self._hold()  # all answered: nothing is read until the next request
         self._woken()
 
     def eof_received(self) -> bool:
@@ -103,6 +105,11 @@ class Channel(asyncio.Protocol):
 
     def send_raw(self, line: bytes) -> None:
         """Write one request already encoded as a JSON line."""
+        self.notify(line)
+        self._answers.asked()
+
+    def notify(self, line: bytes) -> None:
+        """Write one line the machine reads and does not answer (see ``gym.spares``)."""
         if self.closed or self._transport is None:
             raise SmolbenchError(f"machine {self.where}: its channel is closed")
         self._transport.write(line)
@@ -163,20 +170,23 @@ class Channel(asyncio.Protocol):
             return False
         return True
 
-    def _read(self) -> None:
+    def _read(self) -> bool:
+        """One read of what is there now, parsed; False if there was none (or it was cut)."""
         try:
             data = os.read(self._fd, READ)
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:
             self._cut(self._dropped(exc))
-            return
+            return False
         if not data:
             self._cut(self._answers.end())
-            return
+            return False
         self._ready.extend(self._answers.feed(data))
         if self._answers.broken:
             self._cut(None)
+            return False
+        return True
 
     def _cut(self, why: BaseException | None) -> None:
         """No more answers (``why`` stands for the one awaited); the loop closes the transport."""
@@ -187,8 +197,23 @@ class Channel(asyncio.Protocol):
         if self._loop is not None and self._transport is not None:
             self._loop.call_soon_threadsafe(self._transport.close)
 
+    def _drain(self) -> None:
+        """Read what the machine sent since its last answer, before the next request goes (held:
+        no one else reads it): its prints are dropped, and an answer, to no request, cuts the
+        channel. An answer sent ahead would otherwise pass for the next request's."""
+        while not self.closed and not self._ready and self._read():
+            pass
+
+    def _ready_to_ask(self) -> bool:
+        """Drained (if held), and still able to take a request: else its answer is waiting."""
+        if self._held:
+            self._drain()
+        return not self._ready
+
     async def ask(self, msg: dict[str, Any]) -> Any:
         """:meth:`send` then :meth:`answer`."""
+        if not self._ready_to_ask():
+            return self._take()
         self.send(msg)
         return await self.answer()
 
@@ -208,6 +233,9 @@ async def ask_all(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any]
     out: list[Any] = [None] * len(chans)
     waiting: list[int] = []
     for i, (chan, line) in enumerate(zip(chans, lines)):
+        if not chan._ready_to_ask():  # it sent an answer unasked (or died meanwhile): that, as its answer
+            waiting.append(i)
+            continue
         try:
             chan.send_raw(line)
         except SmolbenchError as exc:
@@ -294,9 +322,19 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
     limit = _timeout(chans)
     deadline = None if limit is None else time.monotonic() + limit
     try:
-        for i, (chan, line) in enumerate(zip(chans, lines)):
+        for i, chan in enumerate(chans):
             left[chan._fd] = i
             poll.register(chan._fd, _IN)
+        for fd, _ in poll.poll(0):  # sent since its last answer (one poll for all): read first
+            chan = chans[left[fd]]
+            chan._drain()
+            if chan._ready:  # an answer to no request (or its end): that is its answer, nothing sent
+                poll.unregister(fd)
+                del left[fd]
+        for chan, line in zip(chans, lines):
+            if chan._fd not in left:
+                continue
+            chan._answers.asked()
             if not chan._write(line, unsent):
                 poll.modify(chan._fd, _IN | _OUT)
         while left:

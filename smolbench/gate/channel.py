@@ -70,21 +70,42 @@ class Answers:
     goes on), :class:`Ended`, a malformed-reply line or the machine-died line (the channel
     answers no more: :attr:`broken` is set). With a ``bound`` (a gym env's, from its spaces)
     an answer over it is refused as its bytes arrive, none of it decoded (see :class:`Bound`).
+    One request, one answer: the connection's owner says when it asks (:meth:`asked`), and an
+    answer to no request breaks the channel (an env that answered ahead, or again and again
+    while a sibling's step was slow, had every extra answer decoded and queued, unbounded).
     """
 
-    def __init__(self, request: CellRequest, where: str, bound: Bound | None = None) -> None:
+    def __init__(self, request: CellRequest, where: str, bound: Bound | None = None, owed: int = 0) -> None:
         self._split = Splitter(bound)
         self.bound = bound
         self.request = request
         self.where = where
         self._dropped = 0
         self.broken = False
+        self.owed = owed  # requests sent (the cell's own first) not answered yet
+
+    def asked(self) -> None:
+        """A request went out: one answer more is owed."""
+        self.owed += 1
 
     def feed(self, chunk: bytes) -> list[Any]:
-        """The answers ``chunk`` completes (values, or exceptions as above); never raises: a
-        check that fails in a way not foreseen refuses the machine's bytes from there on like
-        any other (one sub-env's answer must never cut the others', see ``ask_now``), and is
-        logged with its traceback (a bug of ours must not pass for the machine's fault unseen)."""
+        """The answers ``chunk`` completes (values, or exceptions as above), each to a request
+        asked (:meth:`asked`); never raises: a check that fails in a way not foreseen refuses
+        the machine's bytes from there on like any other (one sub-env's answer must never cut
+        the others', see ``ask_now``), and is logged with its traceback (a bug of ours must not
+        pass for the machine's fault unseen)."""
+        out = self._feed(chunk)
+        for k, answer in enumerate(out):
+            if self.broken and k == len(out) - 1 and isinstance(answer, BaseException):
+                self.owed = 0  # the channel's end (a cell that ended, a refused frame): owed or not
+            elif self.owed:
+                self.owed -= 1
+            else:  # this chunk's answers with it: the machine is out of step
+                return [self._break(malformed(self.where, "an answer to no request (one request is "
+                                                          "answered once, and only once asked)"))]
+        return out
+
+    def _feed(self, chunk: bytes) -> list[Any]:
         if self.broken:
             return []
         out: list[Any] = []

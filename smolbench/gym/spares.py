@@ -134,7 +134,7 @@ class Spares:
                 self._awake.add(ref.name)
                 if chan is not None and not chan.closed:
                     with contextlib.suppress(SmolbenchError):
-                        chan.send_raw(WAKE_LINE)
+                        chan.notify(WAKE_LINE)
                 return
 
     def gone(self, ref: MachineRef) -> None:
