@@ -200,6 +200,19 @@ def guard(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
             _own_columns(conn, where, str(name), own)
 
 
+def sound(conn: sqlite3.Connection, where: str | os.PathLike[str]) -> None:
+    """Refuse a ledger whose pages SQLite's own check finds wrong (``PRAGMA quick_check``, linear
+    in the file: ~0.3 s for 170 MB). A b-tree whose pages all name one page below is read by a
+    scan as if it held that page's rows 510**depth times (an audit's 282 KB ledger: days for a
+    count, a GiB of rows in 10 s); the check visits each page once and finds it out of order
+    or referenced twice."""
+    said = conn.execute("PRAGMA quick_check(1)").fetchone()
+    if not said or said[0] != "ok":
+        what = " ".join(str(said[0] if said else "nothing").split())[:160]
+        raise UnsafeLedger(where, f"is damaged (SQLite's own check says: {what}): move it aside, and a new "
+                                  "ledger is started")
+
+
 def _plain_columns(conn: sqlite3.Connection, table: str) -> bool:
     """Whether every column of ``table``, as SQLite reads it, is a plain stored one: not
     generated (hidden), without a default, not NOT NULL."""

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._ledgerfiles import refuse_links
-from ._ledgerschema import ADDED_COLUMNS, SCHEMA, UnsafeLedger, guard
+from ._ledgerschema import ADDED_COLUMNS, SCHEMA, UnsafeLedger, guard, sound
 from ._shown import TEXT_CHARS, sql_cut
+from ._sqlwatch import cut_off
 from .errors import SmolbenchError
 
 if TYPE_CHECKING:
@@ -71,6 +72,20 @@ JSON_LIMIT = 1 << 20
 
 BUSY_TIMEOUT = 30.0  # seconds a write waits for another kernel's transaction on the same ledger
 CHECKPOINT_WAIT = 2.0  # seconds folding the WAL into the file waits for another process's readers
+# seconds of SQLite's work an open, a read or a sweep of a ledger may take (a lock's wait for
+# another kernel within it): what is one step of SQLite's machine (a copied ledger's b-tree
+# that names one page again and again, a schema made to parse for hours) is cut off there
+WORK_SECONDS = BUSY_TIMEOUT + 30.0
+
+
+class SlowLedger(SmolbenchError):
+    """A ledger whose open or read took SQLite more than :data:`WORK_SECONDS` (cut off)."""
+
+    def __init__(self, path: str | os.PathLike[str], doing: str) -> None:
+        said = (f"ledger {path} took more than {WORK_SECONDS:g} s to {doing}, and SQLite's work on it was cut off: "
+                "it may be damaged, or made to be slow (a copied folder's); move it aside (a new one is started)")
+        super().__init__(f"{said} or name another with --ledger PATH", api=f"{said} or name another with "
+                         "`Session(ledger=PATH)`")
 
 
 def code_hash(code: str) -> str:
@@ -107,15 +122,17 @@ class Ledger:
         except sqlite3.Error as exc:
             raise SmolbenchError(f"can't open the ledger {path} ({exc}): check the path and its permissions") from None
         try:
-            guard(self._db, self.path)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA)
-            for table, column, kind in ADDED_COLUMNS:
-                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-            self._move_checkpoint_columns()
+            with self._in_time("open"):
+                guard(self._db, self.path)
+                sound(self._db, self.path)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.executescript(SCHEMA)
+                for table, column, kind in ADDED_COLUMNS:
+                    have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                    if column not in have:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                self._move_checkpoint_columns()
         except sqlite3.DatabaseError as exc:
             self._db.close()
             if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
@@ -173,8 +190,10 @@ class Ledger:
                 raise SmolbenchError(f"can't open the ledger {self.path} to read ({exc}): check the path and its "
                                      "permissions") from None
             try:
-                guard(self._db, self.path)
-                self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
+                with self._in_time("open"):
+                    guard(self._db, self.path)
+                    sound(self._db, self.path)
+                    self._db.execute("SELECT session_id, id FROM nodes LIMIT 1").fetchall()
             except (UnsafeLedger, sqlite3.DatabaseError) as exc:
                 if self._changed():
                     self.close()
@@ -190,6 +209,17 @@ class Ledger:
                 return
             self.close()
         raise AssertionError("unreachable: the last try opens mode=ro")
+
+    @contextlib.contextmanager
+    def _in_time(self, doing: str) -> Iterator[None]:
+        """SQLite's work on the ledger in the block, cut off after :data:`WORK_SECONDS` (SlowLedger)."""
+        with cut_off(self._db, WORK_SECONDS) as cut:
+            try:
+                yield
+            except sqlite3.OperationalError as exc:
+                if cut.stopped(exc):
+                    raise SlowLedger(self.path, doing) from None
+                raise
 
     def _side(self, end: str) -> Path:
         return self.path.with_name(self.path.name + end)
@@ -410,7 +440,7 @@ class Ledger:
         dead = self.dead_sessions(current)
         count = 0
         marks = ", ".join("?" * len(UNFINISHED))
-        with self._lock:
+        with self._lock, self._in_time("mark the rows of dead kernels lost"):
             for sid in dead:
                 rows = self._db.execute(
                     f"SELECT id, seen, started FROM nodes WHERE session_id = ? AND status IN ({marks})", (sid, *UNFINISHED)
@@ -454,16 +484,17 @@ class Ledger:
 
     def _read(self, sql: str, params: Iterable[Any],
               pick: Callable[[Any], Any] | None = None) -> tuple[list[str], list[Any]]:
-        try:
-            cur = self._db.execute(sql, tuple(params))
-            names = [d[0] for d in cur.description]
-            if pick is None:
-                return names, cur.fetchall()
-            return names, [(value,) for value in picked_once(cur, pick)]
-        except sqlite3.DatabaseError:
-            if not self._changed():
-                raise
-            return [], []  # half a write read immutable ("malformed"): read again below
+        with self._in_time("read"):
+            try:
+                cur = self._db.execute(sql, tuple(params))
+                names = [d[0] for d in cur.description]
+                if pick is None:
+                    return names, cur.fetchall()
+                return names, [(value,) for value in picked_once(cur, pick)]
+            except sqlite3.DatabaseError:
+                if not self._changed():
+                    raise
+                return [], []  # half a write read immutable ("malformed"): read again below
 
     def _rows(self, sql: str, params: Iterable[Any] = (), checkpoints: bool = False,
               pick: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _shown
 from .._ledgerfiles import SUPER_JOURNAL, odd_part
+from .._sqlwatch import cut_off
 from ..gate import frames
 from ..ledger import UnsafeLedger, guard, picked_once
 from ..tree import id_key, node_replay_refused, replay_refused
@@ -63,11 +64,14 @@ def open_ro(db: Path, write: bool = False) -> Iterator[sqlite3.Connection]:
         raise LedgerUnreadable(f"can't be opened ({exc})") from None
     # (every 10,000 steps of SQLite's machine: a step's work is bounded only because the guard
     # admits no expression of the ledger's own; one ltrim of a million characters is one step)
+    # and interrupted at the deadline: what is one step of it (a count walking a b-tree whose
+    # pages all name one page below; the schema's parse, a view of 150,000 CTEs) no handler sees
     deadline = time.monotonic() + READ_SECONDS
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
-        guard(conn, db)
-        yield conn
+        with cut_off(conn, READ_SECONDS):
+            guard(conn, db)
+            yield conn
     except UnsafeLedger as exc:
         raise LedgerUnreadable(exc.what) from None
     except sqlite3.DatabaseError as exc:
