@@ -36,6 +36,8 @@ class Cut:
         return self.fired and isinstance(exc, sqlite3.OperationalError) and "interrupt" in str(exc)
 
 
+AGAIN = 0.05  # s between interrupts of a use past its deadline
+
 _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _due: list[tuple[float, int, Cut]] = []
@@ -59,6 +61,9 @@ def _watch() -> None:
             cut.fired = True  # under the lock: a use that has ended (done) is never interrupted
             with contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile
                 cut.conn.interrupt()
+            # and again until the use ends: an interrupt while no statement runs is forgotten
+            # when the next one starts, which would then run unbounded
+            heapq.heappush(_due, (time.monotonic() + AGAIN, next(_order), cut))
 
 
 @contextlib.contextmanager

@@ -177,3 +177,19 @@ def test_a_sound_ledger_opens_and_a_cut_that_ended_interrupts_nothing_after_it(t
         assert led.session_ids() == ["s"]  # the connection goes on
     finally:
         led.close()
+
+
+def test_a_statement_begun_after_the_deadline_is_stopped_too(tmp_path: Path) -> None:
+    """SQLite forgets an interrupt that lands while no statement runs (the next one clears it):
+    a read begun after its use's deadline ran unbounded. The watcher interrupts again until the
+    use ends (the server's delete read and wrote after its deadline had passed)."""
+    from smolbench import _sqlwatch
+
+    conn = sqlite3.connect(tmp_path / "x.db")
+    try:
+        with pytest.raises(sqlite3.OperationalError) as stopped, _sqlwatch.cut_off(conn, 0.05) as cut:
+            time.sleep(0.3)  # past the deadline, with nothing running
+            conn.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")
+        assert cut.stopped(stopped.value)
+    finally:
+        conn.close()
