@@ -326,9 +326,7 @@ def ask_now(chans: Sequence[Channel], lines: Sequence[bytes]) -> list[Any] | Non
             left[chan._fd] = i
             poll.register(chan._fd, _IN)
         for fd, _ in poll.poll(0):  # sent since its last answer (one poll for all): read first
-            chan = chans[left[fd]]
-            chan._drain()
-            if chan._ready:  # an answer to no request (or its end): that is its answer, nothing sent
+            if not chans[left[fd]]._ready_to_ask():  # an answer to no request (or its end): its answer, nothing sent
                 poll.unregister(fd)
                 del left[fd]
         for chan, line in zip(chans, lines):
